@@ -1,0 +1,253 @@
+"""The provider agent behind ``gpumesh share``.
+
+Owns the listening QUIC endpoint, the identity proof of each new connection,
+the access check of every request, and request dispatch. Request handlers
+are small functions of (agent, peer, stream, message).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from gpumesh import __version__
+from gpumesh.agent.ratelimit import ConnectionLimiter
+from gpumesh.errors import (
+    AccessDeniedError,
+    AgentError,
+    GPUMeshError,
+    NotPairedError,
+    ProtocolError,
+)
+from gpumesh.protocol.messages import (
+    Message,
+    Ping,
+    Pong,
+    StatusReply,
+    StatusRequest,
+    ThroughputReply,
+    ThroughputRequest,
+)
+from gpumesh.store.db import Peer
+from gpumesh.store.home import AgentInfo, Home
+from gpumesh.transport.quic import QuicEndpoint, QuicLink
+from gpumesh.transport.session import accept_session
+from gpumesh.transport.stream import Stream
+from gpumesh.transport.udp import Address
+
+__all__ = ["Agent", "RequestContext"]
+
+logger = logging.getLogger(__name__)
+
+REVOCATION_POLL = 0.25
+"""How often open links are re-checked against the allowlist (seconds)."""
+REQUEST_TIMEOUT = 30.0
+
+
+@dataclass
+class RequestContext:
+    agent: Agent
+    peer: Peer
+    link: QuicLink
+    stream: Stream
+
+
+Handler = Callable[[RequestContext, Message], Awaitable[None]]
+
+
+class Agent:
+    """Serves allowed peers until stopped."""
+
+    def __init__(
+        self,
+        home: Home,
+        *,
+        host: str | None = None,
+        port: int | None = None,
+        limiter: ConnectionLimiter | None = None,
+    ) -> None:
+        self.home = home
+        self.identity = home.identity
+        self.store = home.store
+        self.name = home.config.node_name
+        self.host = host if host is not None else home.config.listen_host
+        self.port = port if port is not None else home.config.listen_port
+        self.limiter = limiter or ConnectionLimiter()
+        self.started = time.time()
+        self.endpoint: QuicEndpoint | None = None
+        self._links: dict[QuicLink, bytes] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._stopped = asyncio.Event()
+        self.handlers: dict[type, Handler] = {
+            Ping: _handle_ping,
+            StatusRequest: _handle_status,
+            ThroughputRequest: _handle_throughput,
+        }
+
+    @property
+    def address(self) -> Address:
+        assert self.endpoint is not None
+        return self.endpoint.local_address
+
+    async def start(self) -> Address:
+        """Bind the share port and start serving; returns the bound address."""
+        try:
+            self.endpoint = QuicEndpoint.listen(
+                self.identity, self.host, self.port, on_link=self._on_link, accept=self._accept
+            )
+        except OSError as exc:
+            raise AgentError(
+                f"cannot listen on UDP {self.host}:{self.port}: {exc.strerror or exc}; is "
+                "another `gpumesh share` running? pick another port with "
+                "`gpumesh config set listen_port PORT`"
+            ) from exc
+        host, port = self.address
+        self.home.write_agent_info(AgentInfo(os.getpid(), host, port, self.started))
+        self._spawn(self._watch_revocations())
+        logger.info("sharing on udp %s:%d as %s", host, port, self.name)
+        return self.address
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()
+
+    def stop(self) -> None:
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        for task in list(self._tasks):
+            task.cancel()
+        if self.endpoint is not None:
+            self.endpoint.close()
+        self.home.clear_agent_info(os.getpid())
+
+    async def serve_forever(self) -> None:
+        await self.start()
+        try:
+            await self.wait_stopped()
+        finally:
+            self.stop()
+
+    # --- connections ------------------------------------------------------------------
+
+    def _spawn(self, coro: Awaitable[None]) -> None:
+        task: asyncio.Task[None] = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _accept(self, address: Address) -> bool:
+        if self.limiter.allow(address[0]):
+            return True
+        logger.warning("rate limit: refusing a new connection from %s", address[0])
+        return False
+
+    def _on_link(self, link: QuicLink) -> None:
+        self.limiter.pending += 1
+        self._spawn(self._authenticate(link))
+
+    def authorize(self, public_key: bytes) -> None:
+        """Raise unless ``public_key`` belongs to a paired, allowed peer."""
+        peer = self.store.peer_by_key(public_key)
+        if peer is None:
+            raise NotPairedError(
+                f"{self.name} has not paired with you: send its owner your code "
+                "(`gpumesh pair-code`) and ask them to run `gpumesh pair '<code>'`"
+            )
+        if not peer.allowed:
+            raise AccessDeniedError(f"{self.name} has denied you access")
+
+    async def _authenticate(self, link: QuicLink) -> None:
+        try:
+            auth = await accept_session(link, self.identity, self.name, self.authorize)
+        except GPUMeshError as exc:
+            logger.info("refused connection from %s: %s", link.address[0], exc)
+            return
+        finally:
+            self.limiter.pending -= 1
+        key = auth.client_key
+        assert key is not None
+        peer = self.store.peer_by_key(key)
+        assert peer is not None
+        self._links[link] = key
+        self.store.touch_peer(peer.node_id)
+        logger.info("[%s] connected from %s:%d", peer.name, *link.address)
+        link.on_stream = lambda stream: self._spawn(self._serve_stream(link, key, stream))
+        closed = await link.wait_closed()
+        self._links.pop(link, None)
+        logger.info("[%s] disconnected: %s", peer.name, closed)
+
+    async def _watch_revocations(self) -> None:
+        # The allowlist lives in SQLite and `gpumesh deny` is another process:
+        # poll it, so a revocation reaches open links within REVOCATION_POLL.
+        while True:
+            await asyncio.sleep(REVOCATION_POLL)
+            if not self._links:
+                continue
+            allowed = self.store.allowed_keys(list(set(self._links.values())))
+            for link, key in list(self._links.items()):
+                if key not in allowed:
+                    logger.info("access revoked: closing link from %s:%d", *link.address)
+                    self._links.pop(link, None)
+                    link.close(AccessDeniedError(f"{self.name} has revoked your access"))
+
+    async def _serve_stream(self, link: QuicLink, key: bytes, stream: Stream) -> None:
+        try:
+            try:
+                self.authorize(key)  # every request, not only the first
+            except AccessDeniedError as exc:
+                stream.refuse(exc)
+                link.close(exc)
+                return
+            peer = self.store.peer_by_key(key)
+            assert peer is not None
+            async with asyncio.timeout(REQUEST_TIMEOUT):
+                message = await stream.read_message()
+            handler = self.handlers.get(type(message))
+            if handler is None:
+                raise ProtocolError(f"{type(message).__name__} is not a request this node serves")
+            await handler(RequestContext(self, peer, link, stream), message)
+        except TimeoutError:
+            stream.refuse(ProtocolError("no request arrived in time"))
+        except GPUMeshError as exc:
+            logger.info("request refused: %s", exc)
+            with contextlib.suppress(GPUMeshError):
+                stream.refuse(exc)
+        except Exception:
+            logger.exception("request failed")
+            with contextlib.suppress(GPUMeshError):
+                stream.refuse(AgentError("the provider hit an internal error; see its debug log"))
+        finally:
+            link.forget_stream(stream.stream_id)
+
+
+async def _handle_ping(ctx: RequestContext, message: Message) -> None:
+    assert isinstance(message, Ping)
+    ctx.stream.send_message(Pong(sent=message.sent, time=time.time()), end=True)
+
+
+async def _handle_status(ctx: RequestContext, message: Message) -> None:
+    agent = ctx.agent
+    reply = StatusReply(
+        name=agent.name,
+        node_id=str(agent.identity.node_id),
+        version=__version__,
+        sharing=True,
+        uptime=time.time() - agent.started,
+    )
+    ctx.stream.send_message(reply, end=True)
+
+
+async def _handle_throughput(ctx: RequestContext, message: Message) -> None:
+    assert isinstance(message, ThroughputRequest)
+    started = time.perf_counter()
+    received = 0
+    while chunk := await ctx.stream.read_data():
+        received += len(chunk)
+        if received > message.size:
+            raise ProtocolError("peer sent more bytes than it announced")
+    seconds = time.perf_counter() - started
+    ctx.stream.send_message(ThroughputReply(received=received, seconds=seconds), end=True)

@@ -1,0 +1,153 @@
+"""What every command shares: the node, async running, output and errors."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import logging.handlers
+import os
+import sys
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any, NoReturn, TypeVar
+
+import click
+
+from gpumesh.errors import GPUMeshError
+from gpumesh.settings import ENV_LOG, env
+
+__all__ = [
+    "emit_json",
+    "fail",
+    "get_node",
+    "print_error",
+    "run_async",
+    "run_cli",
+    "setup_logging",
+]
+
+T = TypeVar("T")
+_log_file: Path | None = None
+
+
+def get_node(ctx: click.Context | None = None) -> Any:
+    """The :class:`gpumesh.client.node.Node` for ``--home`` / ``$GPUMESH_HOME``."""
+    from gpumesh.client.node import Node
+
+    ctx = ctx or click.get_current_context()
+    root = ctx.find_root()
+    node = Node(root.obj)
+    setup_logging(node.home.logs_dir if node.home.initialized else None)
+    ctx.call_on_close(node.close)
+    return node
+
+
+def run_async(coro: Coroutine[Any, Any, T]) -> T:
+    return asyncio.run(coro)
+
+
+def emit_json(data: Any) -> None:
+    click.echo(json.dumps(data, indent=2, default=str))
+
+
+def print_error(message: str) -> None:
+    prefix = click.style("error:", fg="red", bold=True) if sys.stderr.isatty() else "error:"
+    click.echo(f"{prefix} {message}", err=True)
+
+
+def fail(message: str, code: int = 1) -> NoReturn:
+    print_error(message)
+    raise SystemExit(code)
+
+
+def setup_logging(logs_dir: Path | None, *, console_level: str | None = None) -> None:
+    """Console handler at GPUMESH_LOG (default warning); debug log file per node."""
+    global _log_file
+    root = logging.getLogger("gpumesh")
+    if getattr(root, "_gpumesh_configured", False):
+        return
+    root._gpumesh_configured = True  # type: ignore[attr-defined]
+    root.setLevel(logging.DEBUG)
+    spec = env(ENV_LOG) or console_level or "warning"
+    default_level, per_logger = _parse_log_filter(spec)
+    console = logging.StreamHandler(sys.stderr)
+    console.setLevel(logging.DEBUG)
+    console.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+    console.addFilter(_LevelFilter(default_level, per_logger))
+    root.addHandler(console)
+    if logs_dir is not None:
+        try:
+            logs_dir.mkdir(parents=True, exist_ok=True)
+            _log_file = logs_dir / "gpumesh.log"
+            handler = logging.handlers.RotatingFileHandler(
+                _log_file, maxBytes=2_000_000, backupCount=3
+            )
+            handler.setLevel(logging.DEBUG)
+            handler.setFormatter(
+                logging.Formatter(f"%(asctime)s {os.getpid()} %(levelname)s %(name)s: %(message)s")
+            )
+            root.addHandler(handler)
+        except OSError:
+            _log_file = None
+
+
+class _LevelFilter(logging.Filter):
+    def __init__(self, default: int, per_logger: dict[str, int]) -> None:
+        super().__init__()
+        self.default = default
+        self.per_logger = per_logger
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        level = self.default
+        for name, value in self.per_logger.items():
+            if record.name == name or record.name.startswith(name + "."):
+                level = value
+        return record.levelno >= level
+
+
+def _parse_log_filter(spec: str) -> tuple[int, dict[str, int]]:
+    default = logging.WARNING
+    per_logger: dict[str, int] = {}
+    for part in spec.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        name, _, level_text = part.rpartition("=")
+        level = logging.getLevelName(level_text.upper())
+        if not isinstance(level, int):
+            continue
+        if name:
+            per_logger[name] = level
+        else:
+            default = level
+    return default, per_logger
+
+
+def run_cli(command: click.Command, argv: list[str] | None) -> int:
+    try:
+        command.main(args=argv, prog_name="gpumesh", standalone_mode=False)
+    except GPUMeshError as exc:
+        logging.getLogger("gpumesh.cli").debug("command failed", exc_info=True)
+        print_error(exc.message)
+        return exc.exit_code
+    except click.exceptions.Abort:
+        click.echo("Aborted.", err=True)
+        return 130
+    except click.ClickException as exc:
+        exc.show()
+        return exc.exit_code
+    except KeyboardInterrupt:
+        click.echo("Interrupted.", err=True)
+        return 130
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except Exception:
+        # The traceback goes to the debug log only (the console shows warnings and up).
+        logging.getLogger("gpumesh.cli").debug("unexpected failure", exc_info=True)
+        where = f" (details in {_log_file})" if _log_file else ""
+        print_error(f"unexpected internal failure{where}; please report it")
+        if env(ENV_LOG):
+            raise
+        return 70
+    return 0

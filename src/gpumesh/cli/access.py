@@ -1,0 +1,27 @@
+"""``gpumesh allow`` and ``gpumesh deny``"""
+
+from __future__ import annotations
+
+import click
+
+from gpumesh.cli._common import get_node
+
+
+@click.command(epilog="\b\nExamples:\n  gpumesh allow bob-laptop\n  gpumesh allow k3x9")
+@click.argument("peer")
+def allow(peer: str) -> None:
+    """Let a paired PEER (name or id prefix) use this node again."""
+    record = get_node().allow(peer)
+    click.echo(f"{record.name} ({record.node_id.short}) is allowed.")
+
+
+@click.command(epilog="\b\nExamples:\n  gpumesh deny bob-laptop")
+@click.argument("peer")
+def deny(peer: str) -> None:
+    """Revoke PEER's access (name or id prefix) at once.
+
+    Its next request is refused and any connection it has open to a running
+    `gpumesh share` is closed within a second.
+    """
+    record = get_node().deny(peer)
+    click.echo(f"{record.name} ({record.node_id.short}) is denied; open connections are being closed.")

@@ -1,0 +1,76 @@
+"""``gpumesh config path|show|get|set|unset``"""
+
+from __future__ import annotations
+
+import click
+
+from gpumesh.cli._common import emit_json, get_node
+
+
+@click.group(
+    epilog="""\b
+Examples:
+  gpumesh config show
+  gpumesh config get listen_port
+  gpumesh config set listen_port 47001
+  gpumesh config set max_vram 16GB
+"""
+)
+def config() -> None:
+    """Show or change this node's settings (config.toml in its home)."""
+
+
+@config.command()
+def path() -> None:
+    """Print the config file's path."""
+    click.echo(get_node().home.config_path)
+
+
+@config.command()
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable output.")
+def show(as_json: bool) -> None:
+    """Show every setting, its value and where it comes from."""
+    from gpumesh.store.config import KEYS
+
+    cfg = get_node().home.config
+    rows = [(name, cfg.get(name), cfg.source(name), key.help) for name, key in KEYS.items()]
+    if as_json:
+        emit_json({name: value for name, value, _src, _help in rows})
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(box=None, pad_edge=False)
+    for column in ("KEY", "VALUE", "FROM", "MEANING"):
+        table.add_column(column)
+    for name, value, source, help_text in rows:
+        table.add_row(name, str(value), source, help_text)
+    Console().print(table)
+
+
+@config.command()
+@click.argument("key")
+def get(key: str) -> None:
+    """Print one setting's effective value."""
+    click.echo(get_node().home.config.get(key))
+
+
+@config.command(name="set")
+@click.argument("key")
+@click.argument("value")
+def set_(key: str, value: str) -> None:
+    """Set KEY to VALUE (validated; unknown keys are refused)."""
+    cfg = get_node().home.config
+    stored = cfg.set(key, value)
+    cfg.save()
+    click.echo(f"{key} = {stored}")
+
+
+@config.command()
+@click.argument("key")
+def unset(key: str) -> None:
+    """Return KEY to its default."""
+    cfg = get_node().home.config
+    cfg.unset(key)
+    cfg.save()
+    click.echo(f"{key} = {cfg.get(key)} (default)")

@@ -1,0 +1,55 @@
+"""``gpumesh connect``"""
+
+from __future__ import annotations
+
+import click
+
+from gpumesh.cli._common import emit_json, get_node, run_async
+
+
+@click.command(
+    epilog="""\b
+Examples:
+  gpumesh connect alice-pc
+  gpumesh connect k3x9 --json
+  gpumesh connect alice-pc --speed 256MB     # also measure upload throughput
+"""
+)
+@click.argument("peer", envvar="GPUMESH_PEER")
+@click.option("--timeout", type=float, help="Seconds to wait for an answer (config connect_timeout).")
+@click.option("--speed", metavar="SIZE", help="Also push SIZE bytes (e.g. 256MB) and report MB/s.")
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable output.")
+def connect(peer: str, timeout: float | None, speed: str | None, as_json: bool) -> None:
+    """Dial PEER, prove identities both ways, and report path and round-trip time.
+
+    PEER is a name or an id prefix; $GPUMESH_PEER is the default.
+    """
+    from gpumesh.units import parse_size
+
+    node = get_node()
+    size = parse_size(speed) if speed else 0
+    result = run_async(node.connect(peer, timeout=timeout))
+    throughput = run_async(node.throughput(peer, size)) if size else None
+    if as_json:
+        data = {
+            "peer": result.peer.name,
+            "node_id": result.peer.node_id,
+            "reachable": True,
+            "path": result.path,
+            "address": result.address,
+            "rtt_ms": round(result.rtt_ms, 3),
+            "connect_ms": round(result.connect_ms, 3),
+            "remote_version": result.remote.version,
+            "sharing": result.remote.sharing,
+        }
+        if throughput:
+            data["upload_mb_per_s"] = round(throughput.mb_per_s, 1)
+        emit_json(data)
+        return
+    click.echo(
+        f"{click.style(result.peer.name, bold=True)} is reachable: path "
+        f"{click.style(result.path, fg='green')} via {result.address}, "
+        f"rtt {result.rtt_ms:.2f} ms (connect {result.connect_ms:.0f} ms)"
+    )
+    if throughput:
+        click.echo(f"upload {throughput.mb_per_s:.0f} MB/s ({throughput.bytes} bytes)")

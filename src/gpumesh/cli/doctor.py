@@ -1,0 +1,32 @@
+"""``gpumesh doctor``"""
+
+from __future__ import annotations
+
+import click
+
+from gpumesh.cli._common import emit_json, get_node
+
+_MARK = {"ok": ("✓", "green"), "warn": ("!", "yellow"), "fail": ("✗", "red")}
+
+
+@click.command(epilog="\b\nExamples:\n  gpumesh doctor\n  gpumesh doctor --json")
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable output.")
+def doctor(as_json: bool) -> None:
+    """Check everything this node needs, and say how to fix each failure.
+
+    Exits non-zero when any check fails.
+    """
+    from gpumesh.client.doctor import run_checks
+
+    node = get_node()
+    checks = run_checks(node.home)
+    if as_json:
+        emit_json([c.__dict__ for c in checks])
+    else:
+        for check in checks:
+            mark, color = _MARK[check.status]
+            click.echo(f"{click.style(mark, fg=color, bold=True)} {check.name:<10} {check.detail}")
+            if check.fix:
+                click.echo(f"  {'':<10} fix: {check.fix}")
+    if any(c.status == "fail" for c in checks):
+        raise SystemExit(1)

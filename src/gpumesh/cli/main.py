@@ -1,0 +1,85 @@
+"""The ``gpumesh`` entry point: a lazily loaded command group.
+
+Each command lives in its own module and is imported only when run, so
+``gpumesh --help`` does not pay for QUIC, cryptography or Docker imports.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import click
+
+from gpumesh import __version__
+
+__all__ = ["cli", "main"]
+
+# name -> (module, attribute, short help shown in `gpumesh --help`)
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "init": ("gpumesh.cli.init", "init", "Create this node's identity and config."),
+    "status": ("gpumesh.cli.status", "status", "Show this node: identity, sharing, peers."),
+    "doctor": ("gpumesh.cli.doctor", "doctor", "Check what this node needs and how to fix it."),
+    "config": ("gpumesh.cli.config", "config", "Show or change settings."),
+    "pair-code": ("gpumesh.cli.pair_code", "pair_code", "Print this node's pairing code."),
+    "pair": ("gpumesh.cli.pair", "pair", "Pair with a peer using its code."),
+    "peers": ("gpumesh.cli.peers", "peers", "List paired peers."),
+    "allow": ("gpumesh.cli.access", "allow", "Let a paired peer use this node again."),
+    "deny": ("gpumesh.cli.access", "deny", "Revoke a peer's access at once."),
+    "connect": ("gpumesh.cli.connect", "connect", "Dial a peer and report path and RTT."),
+    "share": ("gpumesh.cli.share", "share", "Share this machine with paired peers."),
+    "completion": ("gpumesh.cli.completion", "completion", "Print a shell completion script."),
+}
+
+EPILOG = """\b
+Examples:
+  gpumesh init --name alice-pc
+  gpumesh share                       # on the machine with the GPU
+  gpumesh pair 'gpm1_...'             # paste the other node's code
+  gpumesh connect alice-pc
+\b
+Every node's state lives in $GPUMESH_HOME (default ~/.gpumesh).
+"""
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(COMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        entry = COMMANDS.get(cmd_name)
+        if entry is None:
+            return None
+        module = importlib.import_module(entry[0])
+        command: click.Command = getattr(module, entry[1])
+        return command
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = [(name, entry[2]) for name, entry in COMMANDS.items()]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+
+@click.group(
+    cls=LazyGroup,
+    epilog=EPILOG,
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+)
+@click.option(
+    "--home",
+    envvar="GPUMESH_HOME",
+    show_envvar=True,
+    type=click.Path(file_okay=False),
+    help="Node state folder (default ~/.gpumesh).",
+)
+@click.version_option(__version__, "-V", "--version", prog_name="gpumesh")
+@click.pass_context
+def cli(ctx: click.Context, home: str | None) -> None:
+    """GPUMesh: run Docker jobs on your friends' idle GPUs, peer to peer."""
+    ctx.obj = home
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; every GPUMesh error becomes one line and an exit code."""
+    from gpumesh.cli._common import run_cli
+
+    return run_cli(cli, argv)

@@ -1,0 +1,33 @@
+"""``gpumesh pair-code``"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from gpumesh.cli._common import get_node
+
+
+@click.command(
+    name="pair-code",
+    epilog="""\b
+Examples:
+  gpumesh pair-code                    # send the output to your peer
+  gpumesh pair "$(ssh bob gpumesh pair-code)"
+""",
+)
+def pair_code() -> None:
+    """Print a signed pairing code for this node (valid for one hour).
+
+    The code carries this node's name, public key and addresses. The peer
+    pastes it into `gpumesh pair`; you paste theirs into yours.
+    """
+    node = get_node()
+    code = node.pairing_code()
+    click.echo(code)
+    if sys.stdout.isatty():
+        click.echo(
+            "Give this code to your peer; it expires in 1 hour. They run: gpumesh pair '<code>'",
+            err=True,
+        )

@@ -1,0 +1,50 @@
+"""``gpumesh peers``"""
+
+from __future__ import annotations
+
+import time
+
+import click
+
+from gpumesh.cli._common import emit_json, get_node
+from gpumesh.units import format_duration
+
+
+@click.command(epilog="\b\nExamples:\n  gpumesh peers\n  gpumesh peers --json")
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable output.")
+def peers(as_json: bool) -> None:
+    """List paired peers: access, last seen, addresses."""
+    node = get_node()
+    rows = node.peers()
+    if as_json:
+        emit_json(
+            [
+                {
+                    "name": p.name,
+                    "node_id": p.node_id,
+                    "allowed": p.allowed,
+                    "last_seen": p.last_seen,
+                    "last_address": p.last_address or None,
+                    "addresses": p.addresses,
+                    "relay": p.relay or None,
+                    "paired_at": p.paired_at,
+                }
+                for p in rows
+            ]
+        )
+        return
+    if not rows:
+        click.echo("No peers yet. Pair with `gpumesh pair '<code>'` (see `gpumesh pair-code`).")
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    now = time.time()
+    table = Table(box=None, pad_edge=False)
+    for column in ("NAME", "ID", "ACCESS", "LAST SEEN", "ADDRESSES"):
+        table.add_column(column)
+    for p in rows:
+        access = "[green]allowed[/green]" if p.allowed else "[red]denied[/red]"
+        seen = f"{format_duration(now - p.last_seen)} ago" if p.last_seen else "never"
+        table.add_row(p.name, p.node_id.short, access, seen, ", ".join(p.dial_addresses()))
+    Console().print(table)

@@ -1,0 +1,85 @@
+"""``gpumesh share`` and ``gpumesh share stop``"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import click
+
+from gpumesh.cli._common import fail, get_node, setup_logging
+
+
+@click.group(
+    invoke_without_command=True,
+    epilog="""\b
+Examples:
+  gpumesh share                        # foreground; Ctrl-C stops it
+  gpumesh share --port 47001
+  gpumesh share stop                   # stop the one running for this home
+""",
+)
+@click.option("--host", help="Address to listen on (config listen_host, default 0.0.0.0).")
+@click.option("--port", type=int, help="UDP port to listen on (config listen_port, default 47000).")
+@click.pass_context
+def share(ctx: click.Context, host: str | None, port: int | None) -> None:
+    """Share this machine with paired, allowed peers (runs in the foreground).
+
+    Prints this node's pairing code, then serves requests from peers on the
+    allowlist only; everyone else gets a typed refusal.
+    """
+    if ctx.invoked_subcommand is not None:
+        return
+    node = get_node()
+    node.home.require_initialized()
+    running = node.home.read_agent_info()
+    if running is not None:
+        fail(
+            f"`gpumesh share` is already running for {node.home.path} (pid {running.pid}, "
+            f"udp {running.host}:{running.port}); stop it with `gpumesh share stop`",
+            code=1,
+        )
+    setup_logging(node.home.logs_dir, console_level="info")
+    asyncio.run(_serve(node, host, port))
+
+
+async def _serve(node: object, host: str | None, port: int | None) -> None:
+    from gpumesh.agent.server import Agent
+    from gpumesh.client.node import Node
+
+    assert isinstance(node, Node)
+    agent = Agent(node.home, host=host, port=port)
+    bound_host, bound_port = await agent.start()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, agent.stop)
+    info = node.info()
+    click.echo(f"Sharing {click.style(info.name, bold=True)} ({info.node_id.short}) on udp {bound_host}:{bound_port}")
+    click.echo("Only paired, allowed peers are served. Pairing code for a new peer (valid 1 hour):")
+    click.echo(node.pairing_code())
+    click.echo("Press Ctrl-C or run `gpumesh share stop` to stop.", err=True)
+    try:
+        await agent.wait_stopped()
+    finally:
+        agent.stop()
+    click.echo("Stopped sharing.", err=True)
+
+
+@share.command()
+@click.option("--timeout", type=float, default=10.0, show_default=True, help="Seconds to wait.")
+def stop(timeout: float) -> None:
+    """Stop the `gpumesh share` running for this home."""
+    node = get_node()
+    running = node.home.read_agent_info()
+    if running is None:
+        fail(f"no `gpumesh share` is running for {node.home.path}", code=1)
+    os.kill(running.pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if node.home.read_agent_info() is None:
+            click.echo(f"Stopped `gpumesh share` (pid {running.pid}).")
+            return
+        time.sleep(0.05)
+    fail(f"`gpumesh share` (pid {running.pid}) did not stop within {timeout:.0f}s", code=1)

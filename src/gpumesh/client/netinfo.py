@@ -1,0 +1,55 @@
+"""Which addresses this machine can be reached at, for pairing-code hints."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import socket
+import struct
+import sys
+
+__all__ = ["local_addresses"]
+
+_SIOCGIFADDR = 0x8915
+_SKIP_PREFIXES = ("docker", "veth", "br-", "virbr", "cni", "flannel")
+
+
+def _interface_ipv4s() -> list[str]:
+    if sys.platform != "linux":
+        return []
+    found: list[str] = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for _index, name in socket.if_nameindex():
+            if name.startswith(_SKIP_PREFIXES):
+                continue
+            with contextlib.suppress(OSError):
+                packed = struct.pack("256s", name[:15].encode())
+                result = fcntl.ioctl(sock.fileno(), _SIOCGIFADDR, packed)
+                found.append(socket.inet_ntoa(result[20:24]))
+    return found
+
+
+def _primary_ipv4() -> str | None:
+    # Connecting a UDP socket sends nothing; it only asks the kernel for a route.
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            sock.connect(("192.0.2.1", 9))
+        except OSError:
+            return None
+        address: str = sock.getsockname()[0]
+        return address
+
+
+def local_addresses(listen_host: str, port: int) -> list[str]:
+    """``host:port`` hints, best first: the primary address, others, loopback last."""
+    if listen_host not in ("0.0.0.0", "::"):
+        return [f"[{listen_host}]:{port}" if ":" in listen_host else f"{listen_host}:{port}"]
+    hosts: list[str] = []
+    primary = _primary_ipv4()
+    if primary:
+        hosts.append(primary)
+    for address in _interface_ipv4s():
+        if address not in hosts and not address.startswith("127."):
+            hosts.append(address)
+    hosts.append("127.0.0.1")
+    return [f"{host}:{port}" for host in hosts]

@@ -1,0 +1,270 @@
+"""One node's operations: init, pairing, the allowlist, and talking to peers.
+
+:class:`Node` is the Python API and what the CLI and the dashboard call.
+Remote operations are coroutines; local ones are plain methods.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import statistics
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpumesh.errors import (
+    ConfigError,
+    PeerError,
+    PeerKeyChangedError,
+    UnreachableError,
+)
+from gpumesh.identity.codes import make_code, verify_code
+from gpumesh.identity.keys import Identity, NodeId, check_node_name
+from gpumesh.protocol.messages import (
+    Ping,
+    Pong,
+    StatusReply,
+    StatusRequest,
+    ThroughputReply,
+    ThroughputRequest,
+)
+from gpumesh.settings import ENV_NODE_NAME, env
+from gpumesh.store.db import Peer
+from gpumesh.store.home import AgentInfo, Home
+from gpumesh.transport.session import Session, open_session, parse_address
+
+__all__ = ["ConnectResult", "Node", "NodeInfo", "NodeStatus", "ThroughputResult"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    name: str
+    node_id: NodeId
+    home: Path
+
+
+@dataclass(frozen=True)
+class NodeStatus:
+    name: str
+    node_id: NodeId
+    home: Path
+    agent: AgentInfo | None
+    """The running `gpumesh share`, or None."""
+    listen: str
+    peers: int
+    allowed: int
+
+
+@dataclass(frozen=True)
+class ConnectResult:
+    peer: Peer
+    address: str
+    """The ``host:port`` that answered."""
+    path: str
+    """``direct`` (later: ``relay``)."""
+    rtt_ms: float
+    """Median of several authenticated pings, in milliseconds."""
+    connect_ms: float
+    """Dial + TLS + identity proof, in milliseconds."""
+    remote: StatusReply
+
+
+@dataclass(frozen=True)
+class ThroughputResult:
+    peer: Peer
+    bytes: int
+    seconds: float
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.bytes / self.seconds / 1e6 if self.seconds else 0.0
+
+
+class Node:
+    """A GPUMesh node: its home folder and everything it can do."""
+
+    def __init__(self, home: str | Path | Home | None = None) -> None:
+        self.home = home if isinstance(home, Home) else Home(home)
+
+    def close(self) -> None:
+        self.home.close()
+
+    # --- identity -------------------------------------------------------------------
+
+    def init(self, name: str | None = None, *, force: bool = False) -> NodeInfo:
+        """Create this node's identity and config; refuse to replace one unless forced."""
+        name = name or env(ENV_NODE_NAME) or _default_name()
+        check_node_name(name)
+        if self.home.initialized and not force:
+            info = self.info()
+            raise ConfigError(
+                f"{self.home.path} already holds node {info.name} ({info.node_id.short}); "
+                "re-running init never replaces an identity: use --force to make a new one "
+                "(peers will have to pair again)"
+            )
+        self.home.path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.home.logs_dir.mkdir(exist_ok=True)
+        Identity.generate().save(self.home.key_path)
+        self.home.__dict__.pop("identity", None)
+        config = self.home.reload_config()
+        config.set("node_name", name)
+        config.save()
+        _ = self.home.store  # create the database now, not on first use
+        return self.info()
+
+    def info(self) -> NodeInfo:
+        identity = self.home.identity
+        return NodeInfo(self.home.config.node_name, identity.node_id, self.home.path)
+
+    def status(self) -> NodeStatus:
+        info = self.info()
+        config = self.home.config
+        peers = self.home.store.peers()
+        agent = self.home.read_agent_info()
+        listen = f"{agent.host}:{agent.port}" if agent else f"{config.listen_host}:{config.listen_port}"
+        return NodeStatus(
+            name=info.name,
+            node_id=info.node_id,
+            home=info.home,
+            agent=agent,
+            listen=listen,
+            peers=len(peers),
+            allowed=sum(p.allowed for p in peers),
+        )
+
+    # --- pairing and the allowlist ------------------------------------------------------
+
+    def pairing_code(self, *, clock: Callable[[], float] = time.time) -> str:
+        """A signed code for a peer to paste into `gpumesh pair`, valid one hour."""
+        from gpumesh.client.netinfo import local_addresses
+
+        config = self.home.config
+        agent = self.home.read_agent_info()
+        port = agent.port if agent else config.listen_port
+        return make_code(
+            self.home.identity,
+            config.node_name,
+            local_addresses(config.listen_host, port),
+            config.relay,
+            clock=clock,
+        )
+
+    def pair(self, code: str, *, rekey: bool = False, clock: Callable[[], float] = time.time) -> Peer:
+        """Verify a peer's code, store the peer and allow it."""
+        offer = verify_code(code, clock=clock)
+        store = self.home.store
+        if offer.public_key == self.home.identity.public_key:
+            raise PeerError(
+                "that is this node's own pairing code: paste it into `gpumesh pair` on the "
+                "other machine, and paste the other machine's code here"
+            )
+        same_name = store.peer_by_name(offer.name)
+        if same_name is not None and same_name.public_key != offer.public_key:
+            if not rekey:
+                raise PeerKeyChangedError(
+                    f"{offer.name} is already paired with a different key "
+                    f"({same_name.node_id.short}, now {offer.node_id.short}); if that machine "
+                    "was reinstalled, confirm with `gpumesh pair --rekey '<code>'`"
+                )
+            store.delete_peer(same_name.node_id)
+        return store.save_peer(offer.public_key, offer.name, offer.addresses, offer.relay)
+
+    def peers(self) -> list[Peer]:
+        return self.home.store.peers()
+
+    def peer(self, query: str) -> Peer:
+        return self.home.store.find_peer(query)
+
+    def allow(self, query: str) -> Peer:
+        peer = self.peer(query)
+        self.home.store.set_allowed(peer.node_id, True)
+        return self.home.store.peer_by_id(peer.node_id)
+
+    def deny(self, query: str) -> Peer:
+        """Revoke a peer's access at once, including its open connections."""
+        peer = self.peer(query)
+        self.home.store.set_allowed(peer.node_id, False)
+        return self.home.store.peer_by_id(peer.node_id)
+
+    # --- talking to peers -----------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def session(self, query: str, *, timeout: float | None = None) -> AsyncIterator[Session]:
+        """An authenticated session with a paired peer, closed on exit."""
+        peer = self.peer(query)
+        addresses = []
+        for text in peer.dial_addresses():
+            with contextlib.suppress(ValueError):
+                addresses.append(parse_address(text))
+        session = await open_session(
+            self.home.identity,
+            self.home.config.node_name,
+            addresses,
+            peer.public_key,
+            timeout=timeout or self.home.config.connect_timeout,
+            peer_label=peer.name,
+        )
+        host, port = session.address
+        self.home.store.touch_peer(peer.node_id, address=f"{host}:{port}")
+        try:
+            yield session
+        finally:
+            session.close()
+
+    async def connect(self, query: str, *, pings: int = 5, timeout: float | None = None) -> ConnectResult:
+        """Dial a peer, prove identities both ways, and measure the round trip."""
+        peer = self.peer(query)
+        started = time.perf_counter()
+        async with self.session(query, timeout=timeout) as session:
+            connect_ms = (time.perf_counter() - started) * 1000
+            remote = await session.request(StatusRequest())
+            if not isinstance(remote, StatusReply):
+                raise UnreachableError(f"{peer.name} answered status with {type(remote).__name__}")
+            rtts = []
+            for _ in range(max(1, pings)):
+                sent = time.perf_counter()
+                reply = await session.request(Ping(sent=sent))
+                if isinstance(reply, Pong):
+                    rtts.append((time.perf_counter() - sent) * 1000)
+            host, port = session.address
+        return ConnectResult(
+            peer=self.peer(peer.node_id),
+            address=f"{host}:{port}",
+            path="direct",
+            rtt_ms=statistics.median(rtts),
+            connect_ms=connect_ms,
+            remote=remote,
+        )
+
+    async def throughput(self, query: str, size: int) -> ThroughputResult:
+        """Push ``size`` bytes to a peer over one authenticated stream and time it."""
+        peer = self.peer(query)
+        chunk = bytes(1024 * 1024)
+        async with self.session(query) as session:
+            stream = session.open_stream()
+            started = time.perf_counter()
+            stream.send_message(ThroughputRequest(size=size))
+            remaining = size
+            while remaining:
+                part = chunk[: min(remaining, len(chunk))]
+                await stream.send_data(part)
+                remaining -= len(part)
+            stream.end_data()
+            stream.finish()
+            reply = await stream.expect(ThroughputReply)
+            seconds = time.perf_counter() - started
+        if reply.received != size:
+            raise UnreachableError(f"{peer.name} received {reply.received} of {size} bytes")
+        return ThroughputResult(peer=peer, bytes=size, seconds=seconds)
+
+
+def _default_name() -> str:
+    import socket
+
+    host = socket.gethostname().split(".")[0] or "gpumesh-node"
+    cleaned = "".join(c if c.isalnum() or c in "._-" else "-" for c in host)[:63]
+    return cleaned if cleaned[:1].isalnum() else f"node-{cleaned}"[:63]

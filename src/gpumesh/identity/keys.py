@@ -1,0 +1,163 @@
+"""The node's Ed25519 identity and the ids derived from public keys.
+
+A node id is 24 base32 characters of a hash of the public key followed by two
+checksum characters, so a fully typed id with a typo is caught. Users may
+address a peer by any unambiguous prefix of it.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import (
+    Ed25519PrivateKey,
+    Ed25519PublicKey,
+)
+
+from gpumesh.errors import IdentityError
+
+__all__ = [
+    "ID_LENGTH",
+    "Identity",
+    "NodeId",
+    "check_node_name",
+    "node_id_for",
+    "verify_signature",
+]
+
+PUBLIC_KEY_SIZE = 32
+SIGNATURE_SIZE = 64
+_HASH_CHARS = 24
+ID_LENGTH = _HASH_CHARS + 2
+_ALPHABET = "abcdefghijklmnopqrstuvwxyz234567"
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+
+
+def _b32(data: bytes) -> str:
+    return base64.b32encode(data).decode("ascii").rstrip("=").lower()
+
+
+def _checksum(body: str) -> str:
+    digest = hashlib.sha256(b"gpumesh-id-check" + body.encode("ascii")).digest()
+    value = int.from_bytes(digest[:2], "big") >> 6  # 10 bits -> two base32 chars
+    return _ALPHABET[value >> 5] + _ALPHABET[value & 31]
+
+
+class NodeId(str):
+    """A node id: 26 lowercase base32 characters, the last two a checksum."""
+
+    __slots__ = ()
+
+    @property
+    def short(self) -> str:
+        """The first 12 characters, enough to tell peers apart in tables."""
+        return self[:12]
+
+    @staticmethod
+    def is_well_formed(text: str) -> bool:
+        """Whether ``text`` is a full id whose checksum matches."""
+        return (
+            len(text) == ID_LENGTH
+            and all(c in _ALPHABET for c in text)
+            and _checksum(text[:_HASH_CHARS]) == text[_HASH_CHARS:]
+        )
+
+
+def node_id_for(public_key: bytes) -> NodeId:
+    """The node id of a raw 32-byte Ed25519 public key."""
+    if len(public_key) != PUBLIC_KEY_SIZE:
+        raise IdentityError(f"an Ed25519 public key has 32 bytes, got {len(public_key)}")
+    body = _b32(hashlib.sha256(b"gpumesh-node-id" + public_key).digest()[:15])
+    return NodeId(body + _checksum(body))
+
+
+def check_node_name(name: str) -> str:
+    """Return ``name`` if it is a valid node name, else raise."""
+    if not _NAME_RE.match(name):
+        raise IdentityError(
+            f"invalid node name {name!r}: use 1-63 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
+    return name
+
+
+def verify_signature(public_key: bytes, signature: bytes, message: bytes) -> bool:
+    """Whether ``signature`` is ``public_key``'s Ed25519 signature of ``message``."""
+    if len(public_key) != PUBLIC_KEY_SIZE or len(signature) != SIGNATURE_SIZE:
+        return False
+    try:
+        Ed25519PublicKey.from_public_bytes(public_key).verify(signature, message)
+    except (InvalidSignature, ValueError):
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class Identity:
+    """This node's signing key and what derives from it."""
+
+    private_key: Ed25519PrivateKey
+
+    @classmethod
+    def generate(cls) -> Identity:
+        return cls(Ed25519PrivateKey.generate())
+
+    @property
+    def public_key(self) -> bytes:
+        """Raw 32-byte public key."""
+        return self.private_key.public_key().public_bytes(
+            serialization.Encoding.Raw, serialization.PublicFormat.Raw
+        )
+
+    @property
+    def node_id(self) -> NodeId:
+        return node_id_for(self.public_key)
+
+    def sign(self, message: bytes) -> bytes:
+        return self.private_key.sign(message)
+
+    def private_pem(self) -> bytes:
+        return self.private_key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+
+    def save(self, path: Path) -> None:
+        """Write the key with mode 0600 from the first byte (never world-readable)."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, self.private_pem())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: Path) -> Identity:
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            raise IdentityError(
+                f"no identity key at {path}: run `gpumesh init` first"
+            ) from None
+        try:
+            key = serialization.load_pem_private_key(data, password=None)
+        except ValueError as exc:
+            raise IdentityError(
+                f"the identity key at {path} is unreadable ({exc}); "
+                "restore it from a backup or run `gpumesh init --force`"
+            ) from exc
+        if not isinstance(key, Ed25519PrivateKey):
+            raise IdentityError(f"the key at {path} is not an Ed25519 key")
+        return cls(key)

@@ -1,0 +1,188 @@
+"""Every message GPUMesh sends between nodes, with its limits.
+
+One stream carries one request. On a stream, bytes are frames (see
+:mod:`gpumesh.protocol.framing`); a ``MESSAGE`` frame holds one msgpack-encoded
+message from the union below. Messages from peers are decoded leniently
+(unknown fields are ignored, so a newer peer can add fields) but every field
+has a size bound, and frames have a hard size limit.
+
+Protocol versions: ``PROTOCOL_VERSION`` is exchanged in ``Hello``; a node
+refuses a peer whose major version it does not speak.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+from gpumesh.errors import FrameTooLargeError, ProtocolError
+
+__all__ = [
+    "ALPN",
+    "MAX_DATA_FRAME",
+    "MAX_MESSAGE_FRAME",
+    "PROTOCOL_VERSION",
+    "Challenge",
+    "Hello",
+    "Message",
+    "Ping",
+    "Pong",
+    "Proof",
+    "Refusal",
+    "StatusReply",
+    "StatusRequest",
+    "ThroughputReply",
+    "ThroughputRequest",
+    "Welcome",
+    "decode_message",
+    "encode_message",
+]
+
+ALPN = "gpumesh/1"
+PROTOCOL_VERSION = 1
+
+MAX_MESSAGE_FRAME = 64 * 1024
+"""Largest encoded message frame; control messages are small."""
+MAX_DATA_FRAME = 1024 * 1024
+"""Largest raw data frame in a bulk section."""
+MAX_THROUGHPUT_TEST = 4 * 1024**3
+"""Most bytes one throughput test may push at a provider."""
+
+Name = Annotated[str, msgspec.Meta(max_length=64)]
+Text = Annotated[str, msgspec.Meta(max_length=2048)]
+Code = Annotated[str, msgspec.Meta(max_length=64)]
+Key = Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]
+Nonce = Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]
+Signature = Annotated[bytes, msgspec.Meta(min_length=64, max_length=64)]
+Count = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class _Msg(msgspec.Struct, tag_field="t", frozen=True):
+    pass
+
+
+# --- authentication (first stream of every connection) -------------------------
+
+
+class Hello(_Msg, tag="hello"):
+    """Dialer -> provider: who I claim to be."""
+
+    version: int
+    """The dialer's protocol version."""
+    public_key: Key
+    """The dialer's raw Ed25519 public key."""
+    name: Name
+    """The dialer's node name (informational; the key is what counts)."""
+
+
+class Challenge(_Msg, tag="challenge"):
+    """Provider -> dialer: sign this to prove you hold that key."""
+
+    nonce: Nonce
+    """32 fresh random bytes chosen by the provider for this connection."""
+    version: int
+    """The provider's protocol version."""
+
+
+class Proof(_Msg, tag="proof"):
+    """Dialer -> provider: signature over the challenge and both keys."""
+
+    signature: Signature
+
+
+class Welcome(_Msg, tag="welcome"):
+    """Provider -> dialer: identity proven and access granted."""
+
+    name: Name
+    """The provider's node name."""
+
+
+class Refusal(_Msg, tag="refusal"):
+    """Either way: the request is refused; ``code`` is a stable error code."""
+
+    code: Code
+    message: Text
+
+
+# --- requests (one stream each, after authentication) ---------------------------
+
+
+class Ping(_Msg, tag="ping"):
+    """Round-trip probe."""
+
+    sent: float
+    """The dialer's clock when sent (echoed back)."""
+
+
+class Pong(_Msg, tag="pong"):
+    sent: float
+    """Echo of ``Ping.sent``."""
+    time: float
+    """The provider's wall clock, to spot clock skew."""
+
+
+class StatusRequest(_Msg, tag="status"):
+    """Ask a provider what it is and whether it takes work."""
+
+
+class StatusReply(_Msg, tag="status_reply"):
+    name: Name
+    node_id: Name
+    version: Name
+    """GPUMesh version of the provider."""
+    sharing: bool
+    """Whether the provider is accepting work."""
+    uptime: float
+    """Seconds since the provider agent started."""
+
+
+class ThroughputRequest(_Msg, tag="throughput"):
+    """Dialer sends ``size`` bytes of data frames after this; provider discards them."""
+
+    size: Annotated[int, msgspec.Meta(ge=0, le=MAX_THROUGHPUT_TEST)]
+
+
+class ThroughputReply(_Msg, tag="throughput_reply"):
+    received: Count
+    seconds: float
+
+
+Message = (
+    Hello
+    | Challenge
+    | Proof
+    | Welcome
+    | Refusal
+    | Ping
+    | Pong
+    | StatusRequest
+    | StatusReply
+    | ThroughputRequest
+    | ThroughputReply
+)
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder: msgspec.msgpack.Decoder[Message] = msgspec.msgpack.Decoder(Message)
+
+
+def encode_message(message: Message) -> bytes:
+    data = _encoder.encode(message)
+    if len(data) > MAX_MESSAGE_FRAME:
+        raise FrameTooLargeError(
+            f"message of {len(data)} bytes exceeds the {MAX_MESSAGE_FRAME}-byte limit"
+        )
+    return data
+
+
+def decode_message(data: bytes | memoryview) -> Message:
+    if len(data) > MAX_MESSAGE_FRAME:
+        raise FrameTooLargeError(
+            f"message of {len(data)} bytes exceeds the {MAX_MESSAGE_FRAME}-byte limit"
+        )
+    try:
+        return _decoder.decode(data)
+    except msgspec.ValidationError as exc:
+        raise ProtocolError(f"peer sent an invalid message: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"peer sent an undecodable message: {exc}") from None

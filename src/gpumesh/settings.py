@@ -1,0 +1,61 @@
+"""Every environment variable GPUMesh reads, in one place.
+
+==========================  =================================================
+``GPUMESH_HOME``            the node's state folder (default ``~/.gpumesh``)
+``GPUMESH_NODE_NAME``       default name for ``gpumesh init``
+``GPUMESH_PEER``            default ``--peer`` for commands that take one
+``GPUMESH_IMAGE``           default job image (over the config's ``image``)
+``GPUMESH_RELAY``           relay ``host:port`` (over the config's ``relay``)
+``GPUMESH_REGION``          region for public listings (over ``region``)
+``GPUMESH_API_TOKEN``       bearer token for the control API
+``GPUMESH_API_ADDR``        control API bind address (default 127.0.0.1:8080)
+``GPUMESH_LOG``             log level or filter, e.g. ``debug`` or
+                            ``gpumesh.transport=debug,info``
+==========================  =================================================
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+__all__ = [
+    "API_ADDR_DEFAULT",
+    "ENV_API_ADDR",
+    "ENV_API_TOKEN",
+    "ENV_HOME",
+    "ENV_IMAGE",
+    "ENV_LOG",
+    "ENV_NODE_NAME",
+    "ENV_PEER",
+    "ENV_REGION",
+    "ENV_RELAY",
+    "env",
+    "home_dir",
+]
+
+ENV_HOME = "GPUMESH_HOME"
+ENV_NODE_NAME = "GPUMESH_NODE_NAME"
+ENV_PEER = "GPUMESH_PEER"
+ENV_IMAGE = "GPUMESH_IMAGE"
+ENV_RELAY = "GPUMESH_RELAY"
+ENV_REGION = "GPUMESH_REGION"
+ENV_API_TOKEN = "GPUMESH_API_TOKEN"
+ENV_API_ADDR = "GPUMESH_API_ADDR"
+ENV_LOG = "GPUMESH_LOG"
+
+API_ADDR_DEFAULT = "127.0.0.1:8080"
+
+
+def env(name: str) -> str | None:
+    """An environment variable, with empty treated as unset."""
+    value = os.environ.get(name, "").strip()
+    return value or None
+
+
+def home_dir(explicit: str | Path | None = None) -> Path:
+    """The node's home: an explicit path, else ``$GPUMESH_HOME``, else ``~/.gpumesh``."""
+    if explicit is not None:
+        return Path(explicit).expanduser()
+    value = env(ENV_HOME)
+    return Path(value).expanduser() if value else Path.home() / ".gpumesh"

@@ -1,0 +1,243 @@
+"""The node's settings in ``config.toml``: typed keys, validated on write.
+
+Every key is declared in :data:`KEYS` with its type, default, help and the
+environment variable that overrides it, if any. ``gpumesh config set`` refuses
+unknown keys and bad values with a message naming the valid ones.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import tomllib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gpumesh import settings
+from gpumesh.errors import ConfigError, IdentityError
+from gpumesh.identity.keys import check_node_name
+from gpumesh.units import format_size, parse_size
+
+__all__ = ["DEFAULT_IMAGE", "DEFAULT_PORT", "KEYS", "Config", "ConfigKey"]
+
+DEFAULT_PORT = 47000
+DEFAULT_IMAGE = "nvidia/cuda:12.8.0-runtime-ubuntu22.04"
+
+Value = str | int | float
+
+
+def _name(text: str) -> str:
+    try:
+        return check_node_name(text)
+    except IdentityError as exc:
+        raise ConfigError(exc.message) from None
+
+
+def _host(text: str) -> str:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        raise ConfigError(f"invalid listen_host {text!r}: use an IP address such as 0.0.0.0") from None
+    return text
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 1 <= port <= 65535:
+        raise ConfigError(f"invalid port {text!r}: use a number from 1 to 65535")
+    return port
+
+
+def _host_port(text: str) -> str:
+    if not text:
+        return ""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host:
+        raise ConfigError(f"invalid address {text!r}: use host:port, e.g. relay.example.org:4799")
+    _port(port)
+    return text
+
+
+def _url(text: str) -> str:
+    if text and not text.startswith(("http://", "https://")):
+        raise ConfigError(f"invalid URL {text!r}: it must start with http:// or https://")
+    return text
+
+
+def _text(text: str) -> str:
+    if len(text) > 255:
+        raise ConfigError("value too long (255 characters at most)")
+    return text
+
+
+def _size_or_empty(text: str) -> str:
+    if not text or text.lower() in ("none", "unlimited"):
+        return ""
+    return format_size(parse_size(text)) if parse_size(text) else ""
+
+
+def _size(text: str) -> str:
+    value = parse_size(text)
+    if value <= 0:
+        raise ConfigError(f"invalid size {text!r}: it must be more than zero")
+    return text.strip()
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1
+    if value <= 0:
+        raise ConfigError(f"invalid number {text!r}: use a positive number such as 5 or 2.5")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ConfigError(f"invalid number {text!r}: use 0 (no limit) or a positive number")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ConfigError(f"invalid number {text!r}: use 0 (no limit) or a positive whole number")
+    return value
+
+
+def _choice(*choices: str) -> Callable[[str], str]:
+    def check(text: str) -> str:
+        if text not in choices:
+            raise ConfigError(f"invalid value {text!r}: use one of {', '.join(choices)}")
+        return text
+
+    return check
+
+
+@dataclass(frozen=True)
+class ConfigKey:
+    name: str
+    parse: Callable[[str], Value]
+    default: Value
+    help: str
+    env: str | None = None
+
+
+KEYS: dict[str, ConfigKey] = {
+    key.name: key
+    for key in [
+        ConfigKey("node_name", _name, "", "this node's name, shown to peers"),
+        ConfigKey("listen_host", _host, "0.0.0.0", "address `gpumesh share` listens on"),
+        ConfigKey("listen_port", _port, DEFAULT_PORT, "UDP port `gpumesh share` listens on"),
+        ConfigKey("relay", _host_port, "", "relay host:port for peers behind NAT", settings.ENV_RELAY),
+        ConfigKey("rendezvous_url", _url, "", "public registry URL for `share --public`"),
+        ConfigKey("region", _text, "", "region shown in public listings", settings.ENV_REGION),
+        ConfigKey("image", _text, DEFAULT_IMAGE, "default job image", settings.ENV_IMAGE),
+        ConfigKey("max_vram", _size_or_empty, "", "most GPU memory peers may ask for (empty: no cap)"),
+        ConfigKey("connect_timeout", _positive_float, 5.0, "seconds to wait for a peer to answer"),
+        ConfigKey("job_memory", _size, "16GB", "memory limit of each job container"),
+        ConfigKey("job_pids_limit", _non_negative_int, 1024, "process limit of each job container"),
+        ConfigKey("job_cpus", _non_negative_float, 0.0, "CPU limit of each job container (0: none)"),
+        ConfigKey("job_network", _choice("bridge", "none"), "bridge", "job network: bridge or none"),
+        ConfigKey("upload_limit", _size, "10GB", "largest job workdir a peer may upload"),
+    ]
+}
+
+
+def lookup_key(name: str) -> ConfigKey:
+    try:
+        return KEYS[name]
+    except KeyError:
+        raise ConfigError(f"unknown config key {name!r}; valid keys: {', '.join(KEYS)}") from None
+
+
+class Config:
+    """Values from ``config.toml`` over defaults, under environment overrides."""
+
+    def __init__(self, path: Path, values: dict[str, Value]) -> None:
+        self.path = path
+        self._values = values
+
+    @classmethod
+    def load(cls, path: Path) -> Config:
+        try:
+            raw = tomllib.loads(path.read_text())
+        except FileNotFoundError:
+            raw = {}
+        except (tomllib.TOMLDecodeError, OSError) as exc:
+            raise ConfigError(f"cannot read {path}: {exc}; fix or delete the file") from None
+        values: dict[str, Value] = {}
+        for name, value in raw.items():
+            if name not in KEYS or not isinstance(value, (str, int, float)):
+                continue  # tolerate keys written by a newer GPUMesh
+            try:
+                values[name] = KEYS[name].parse(str(value))
+            except ConfigError as exc:
+                raise ConfigError(f"{path}: {name}: {exc.message}") from None
+        return cls(path, values)
+
+    def get(self, name: str) -> Any:
+        """The effective value: environment, then file, then default."""
+        key = lookup_key(name)
+        if key.env and (env_value := settings.env(key.env)):
+            return key.parse(env_value)
+        return self._values.get(name, key.default)
+
+    def source(self, name: str) -> str:
+        key = lookup_key(name)
+        if key.env and settings.env(key.env):
+            return f"env {key.env}"
+        return "file" if name in self._values else "default"
+
+    def set(self, name: str, text: str) -> Value:
+        """Validate and set a value (in memory; call :meth:`save`)."""
+        key = lookup_key(name)
+        value = key.parse(text)
+        self._values[name] = value
+        return value
+
+    def unset(self, name: str) -> None:
+        lookup_key(name)
+        self._values.pop(name, None)
+
+    def save(self) -> None:
+        import tomli_w
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(tomli_w.dumps(dict(sorted(self._values.items()))))
+        os.replace(tmp, self.path)
+
+    # Typed accessors for the keys the code reads most.
+    @property
+    def node_name(self) -> str:
+        return str(self.get("node_name"))
+
+    @property
+    def listen_host(self) -> str:
+        return str(self.get("listen_host"))
+
+    @property
+    def listen_port(self) -> int:
+        return int(self.get("listen_port"))
+
+    @property
+    def relay(self) -> str:
+        return str(self.get("relay"))
+
+    @property
+    def connect_timeout(self) -> float:
+        return float(self.get("connect_timeout"))

@@ -1,0 +1,137 @@
+"""The node's home folder and the files in it.
+
+::
+
+    $GPUMESH_HOME/
+      identity.key     Ed25519 private key, PEM, mode 0600
+      config.toml      settings (see gpumesh.store.config)
+      gpumesh.db       SQLite (WAL): peers, allowlist, later jobs and groups
+      agent.json       present while `gpumesh share` runs: pid and port
+      logs/            debug logs of CLI commands and the agent
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+from gpumesh.errors import NotInitializedError
+from gpumesh.identity.keys import Identity
+from gpumesh.settings import home_dir
+from gpumesh.store.config import Config
+from gpumesh.store.db import Store
+
+__all__ = ["AgentInfo", "Home"]
+
+
+@dataclass(frozen=True)
+class AgentInfo:
+    """What a running provider agent publishes about itself in ``agent.json``."""
+
+    pid: int
+    host: str
+    port: int
+    started: float
+
+    @property
+    def alive(self) -> bool:
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+
+class Home:
+    """Paths and lazily opened state of one node."""
+
+    def __init__(self, path: str | Path | None = None) -> None:
+        self.path = home_dir(path)
+
+    def __repr__(self) -> str:
+        return f"Home({str(self.path)!r})"
+
+    @property
+    def key_path(self) -> Path:
+        return self.path / "identity.key"
+
+    @property
+    def config_path(self) -> Path:
+        return self.path / "config.toml"
+
+    @property
+    def db_path(self) -> Path:
+        return self.path / "gpumesh.db"
+
+    @property
+    def agent_path(self) -> Path:
+        return self.path / "agent.json"
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.path / "logs"
+
+    @property
+    def initialized(self) -> bool:
+        return self.key_path.exists()
+
+    def require_initialized(self) -> None:
+        if not self.initialized:
+            raise NotInitializedError(
+                f"no GPUMesh node in {self.path}: run `gpumesh init --name NAME` first "
+                "(or set GPUMESH_HOME to your node's folder)"
+            )
+
+    @cached_property
+    def identity(self) -> Identity:
+        self.require_initialized()
+        return Identity.load(self.key_path)
+
+    @cached_property
+    def config(self) -> Config:
+        return Config.load(self.config_path)
+
+    @cached_property
+    def store(self) -> Store:
+        self.require_initialized()
+        return Store(self.db_path)
+
+    def reload_config(self) -> Config:
+        self.__dict__.pop("config", None)
+        return self.config
+
+    # --- agent.json: only the agent writes it ------------------------------------
+
+    def write_agent_info(self, info: AgentInfo) -> None:
+        tmp = self.agent_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(info.__dict__))
+        os.replace(tmp, self.agent_path)
+
+    def read_agent_info(self) -> AgentInfo | None:
+        """The running agent, or None (a stale file from a crash counts as none)."""
+        try:
+            data = json.loads(self.agent_path.read_text())
+            info = AgentInfo(
+                pid=int(data["pid"]),
+                host=str(data["host"]),
+                port=int(data["port"]),
+                started=float(data["started"]),
+            )
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        return info if info.alive else None
+
+    def clear_agent_info(self, pid: int) -> None:
+        current = self.read_agent_info()
+        if current is None or current.pid == pid:
+            self.agent_path.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        store = self.__dict__.pop("store", None)
+        if store is not None:
+            store.close()

@@ -1,0 +1,521 @@
+"""QUIC over asyncio: our own adapter around qh3's sans-I/O ``QuicConnection``.
+
+Why not qh3's ``serve()``/``connect()``: they feed one datagram at a time and
+send after each, which means one ACK per datagram and a slow loop. Here one
+socket wake-up drains every queued datagram (with GRO, many per syscall),
+feeds them to the connection, and collects outgoing datagrams once, which
+sets a sane ACK rate and lets GSO send them in few syscalls.
+
+What this module owns: sockets, timers, connection-id demultiplexing, and
+byte streams with backpressure. It knows nothing of GPUMesh messages beyond
+the frame layer (:mod:`gpumesh.transport.stream`).
+
+Pitfalls it handles (all learned the hard way):
+
+* ``HandshakeCompleted`` is the only "connected" signal;
+* ``get_send_buffer_size`` is the only send backpressure signal, and it is
+  only meaningful right after ``datagrams_to_send``;
+* an application close carries ``code: message`` in the reason phrase so a
+  refusal survives the trip (see :func:`close_reason`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import ssl
+from collections.abc import Callable
+from typing import Any
+
+from qh3 import QuicConfiguration, QuicConnection
+from qh3.quic import events as qe
+from qh3.tls import SignatureAlgorithm, load_pem_private_key, load_pem_x509_certificates
+
+from gpumesh.errors import (
+    ConnectionLostError,
+    GPUMeshError,
+    KeyMismatchError,
+    UnreachableError,
+    error_from_code,
+)
+from gpumesh.identity.keys import Identity
+from gpumesh.identity.tlscert import public_key_from_spki, self_signed_certificate_pem
+from gpumesh.protocol.messages import ALPN
+from gpumesh.transport.stream import Stream
+from gpumesh.transport.udp import Address, UdpSocket, open_udp_socket
+
+__all__ = [
+    "APP_ERROR",
+    "QuicEndpoint",
+    "QuicLink",
+    "close_reason",
+    "client_configuration",
+    "server_configuration",
+]
+
+logger = logging.getLogger(__name__)
+
+CID_LENGTH = 8
+APP_ERROR = 0x100
+"""Application close code: the reason phrase is ``code: message``."""
+MAX_DATAGRAM = 1452
+IDLE_TIMEOUT = 60.0
+_STREAM_WINDOW = 16 * 1024 * 1024
+_CONNECTION_WINDOW = 64 * 1024 * 1024
+SEND_HIGH_WATER = 2 * 1024 * 1024
+"""Queued-but-unsent bytes on one stream above which writers wait."""
+
+
+def _base_configuration(is_client: bool) -> QuicConfiguration:
+    config = QuicConfiguration(
+        is_client=is_client,
+        alpn_protocols=[ALPN],
+        connection_id_length=CID_LENGTH,
+        idle_timeout=IDLE_TIMEOUT,
+        max_datagram_size=MAX_DATAGRAM,
+        max_stream_data=_STREAM_WINDOW,
+        max_data=_CONNECTION_WINDOW,
+    )
+    return config
+
+
+def server_configuration(identity: Identity) -> QuicConfiguration:
+    config = _base_configuration(is_client=False)
+    config.certificate = load_pem_x509_certificates(self_signed_certificate_pem(identity))[0]
+    config.private_key = load_pem_private_key(identity.private_pem())
+    return config
+
+
+def client_configuration() -> QuicConfiguration:
+    config = _base_configuration(is_client=True)
+    # No CA: the certificate is self-signed and the caller pins its key instead.
+    config.verify_mode = ssl.CERT_NONE
+    config.server_name = "gpumesh"
+    # qh3 leaves EdDSA out of its default list; our nodes only have Ed25519 keys.
+    config.signature_algorithms = [SignatureAlgorithm.ED25519]
+    return config
+
+
+def close_reason(error: GPUMeshError) -> str:
+    return f"{error.code}: {error.message}"[:1000]
+
+
+def _error_from_close(event: qe.ConnectionTerminated) -> GPUMeshError:
+    if event.error_code == APP_ERROR and ": " in event.reason_phrase:
+        code, message = event.reason_phrase.split(": ", 1)
+        return error_from_code(code, message)
+    if event.reason_phrase:
+        return ConnectionLostError(f"connection closed by peer: {event.reason_phrase}")
+    if event.error_code == 0:
+        return ConnectionLostError("connection closed")
+    return ConnectionLostError(f"connection lost (QUIC error {event.error_code:#x})")
+
+
+def _destination_cid(data: bytes) -> bytes | None:
+    """The destination connection id of a QUIC packet (RFC 8999 invariants)."""
+    if not data:
+        return None
+    if data[0] & 0x80:
+        if len(data) < 6:
+            return None
+        length = data[5]
+        return data[6 : 6 + length] if len(data) >= 6 + length else None
+    return data[1 : 1 + CID_LENGTH] if len(data) > CID_LENGTH else None
+
+
+class QuicLink:
+    """One QUIC connection to one peer, carrying many streams."""
+
+    def __init__(
+        self,
+        endpoint: QuicEndpoint,
+        quic: QuicConnection,
+        address: Address,
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        self._endpoint = endpoint
+        self.quic = quic
+        self.address = address
+        self._streams: dict[int, Stream] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: float | None = None
+        self._transmit_scheduled = False
+        self._writable = asyncio.Event()
+        self.connected: asyncio.Future[None] = loop.create_future()
+        self.closed: asyncio.Future[GPUMeshError] = loop.create_future()
+        self.on_stream: Callable[[Stream], None] | None = None
+        self.cids: set[bytes] = {quic.host_cid}
+        self.info: dict[str, Any] = {}
+        """Free-form annotations for the owner (e.g. the authenticated peer)."""
+
+    # --- public -------------------------------------------------------------------
+
+    @property
+    def is_closed(self) -> bool:
+        return self.closed.done()
+
+    def peer_public_key(self) -> bytes:
+        """The raw Ed25519 key in the peer's certificate (dialer side only)."""
+        cert = self.quic.get_peercert()
+        if cert is None:
+            raise KeyMismatchError("the peer presented no certificate")
+        return public_key_from_spki(cert.public_key())
+
+    def open_stream(self) -> Stream:
+        if self.is_closed:
+            raise self.closed.result()
+        stream_id = self.quic.get_next_available_stream_id()
+        stream = Stream(self, stream_id)
+        self._streams[stream_id] = stream
+        return stream
+
+    def close(self, error: GPUMeshError | None = None) -> None:
+        """Close the connection, telling the peer why."""
+        if self.is_closed:
+            return
+        if error is None:
+            self.quic.close(error_code=0, reason_phrase="")
+        else:
+            self.quic.close(error_code=APP_ERROR, reason_phrase=close_reason(error))
+        self._finish(error or ConnectionLostError("connection closed"))
+        self.transmit_now()
+
+    async def wait_closed(self) -> GPUMeshError:
+        return await asyncio.shield(self.closed)
+
+    # --- used by Stream -----------------------------------------------------------
+
+    def send(self, stream_id: int, data: bytes | memoryview, end_stream: bool = False) -> None:
+        if self.is_closed:
+            raise self.closed.result()
+        self.quic.send_stream_data(stream_id, data, end_stream)
+        self.transmit()
+
+    def reset_stream(self, stream_id: int, code: int = 0) -> None:
+        if not self.is_closed:
+            try:
+                self.quic.reset_stream(stream_id, code)
+            except Exception:  # the stream may already be finished on both sides
+                logger.debug("reset of stream %d failed", stream_id, exc_info=True)
+            self.transmit()
+        self._streams.pop(stream_id, None)
+
+    def send_buffer_size(self, stream_id: int) -> int:
+        return int(self.quic.get_send_buffer_size(stream_id))
+
+    async def wait_writable(self, stream_id: int) -> None:
+        """Wait until the stream's unsent bytes fall under the high-water mark."""
+        while self.send_buffer_size(stream_id) > SEND_HIGH_WATER:
+            if self.is_closed:
+                raise self.closed.result()
+            self._writable.clear()
+            await self._writable.wait()
+
+    def forget_stream(self, stream_id: int) -> None:
+        self._streams.pop(stream_id, None)
+
+    # --- driven by the endpoint ---------------------------------------------------
+
+    def transmit(self) -> None:
+        """Send soon: coalesces every write made in this loop iteration."""
+        if not self._transmit_scheduled:
+            self._transmit_scheduled = True
+            self._loop.call_soon(self.transmit_now)
+
+    def transmit_now(self) -> None:
+        self._transmit_scheduled = False
+        now = self._loop.time()
+        datagrams = self.quic.datagrams_to_send(now)
+        if datagrams:
+            self._endpoint.send(datagrams)
+        self._writable.set()
+        self._schedule_timer()
+
+    def receive(self, data: bytes, segment_size: int, address: Address, now: float) -> None:
+        if len(data) > segment_size:
+            self.quic.receive_gro_buffer(data, segment_size, address, now)
+        else:
+            self.quic.receive_datagram(data, address, now)
+
+    def process_events(self) -> None:
+        while (event := self.quic.next_event()) is not None:
+            if isinstance(event, qe.StreamDataReceived):
+                stream = self._streams.get(event.stream_id)
+                if stream is None:
+                    if event.stream_id % 4 == (0 if self.quic.configuration.is_client else 1):
+                        continue  # data for a stream we already closed and forgot
+                    stream = Stream(self, event.stream_id)
+                    self._streams[event.stream_id] = stream
+                    if self.on_stream is None:
+                        self.reset_stream(event.stream_id)
+                        continue
+                    self.on_stream(stream)
+                stream.feed(event.data, event.end_stream)
+            elif isinstance(event, qe.StreamReset):
+                stream = self._streams.pop(event.stream_id, None)
+                if stream is not None:
+                    stream.fail(ConnectionLostError("the peer abandoned the request"))
+            elif isinstance(event, qe.StopSendingReceived):
+                stream = self._streams.get(event.stream_id)
+                if stream is not None:
+                    stream.stop_sending()
+            elif isinstance(event, qe.HandshakeCompleted):
+                if not self.connected.done():
+                    self.connected.set_result(None)
+            elif isinstance(event, qe.ConnectionIdIssued):
+                self.cids.add(event.connection_id)
+                self._endpoint.register_cid(event.connection_id, self)
+            elif isinstance(event, qe.ConnectionIdRetired):
+                self.cids.discard(event.connection_id)
+                self._endpoint.unregister_cid(event.connection_id)
+            elif isinstance(event, qe.ConnectionTerminated):
+                self._finish(_error_from_close(event))
+
+    def _finish(self, error: GPUMeshError) -> None:
+        if not self.closed.done():
+            self.closed.set_result(error)
+        if not self.connected.done():
+            self.connected.set_exception(error)
+            self.connected.exception()  # mark retrieved: nobody may be waiting
+        for stream in list(self._streams.values()):
+            stream.fail(error)
+        self._streams.clear()
+        self._writable.set()
+        self._endpoint.link_closed(self)
+
+    def _schedule_timer(self) -> None:
+        at = self.quic.get_timer()
+        if at == self._timer_at:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._timer_at = at
+        if at is not None:
+            self._timer = self._loop.call_at(at, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._timer_at = None
+        self.quic.handle_timer(self._loop.time())
+        self.process_events()
+        self.transmit_now()
+
+    def cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
+class QuicEndpoint:
+    """One UDP socket and the QUIC connections that run over it.
+
+    A server endpoint accepts new connections (``accept`` decides whether a
+    new source may start one: rate limiting lives with the caller). A dialer
+    endpoint has exactly one link on an ephemeral, connected socket.
+    """
+
+    def __init__(
+        self,
+        udp: UdpSocket,
+        *,
+        server_config: QuicConfiguration | None = None,
+        on_link: Callable[[QuicLink], None] | None = None,
+        accept: Callable[[Address], bool] | None = None,
+    ) -> None:
+        self._loop = asyncio.get_running_loop()
+        self.udp = udp
+        self._server_config = server_config
+        self._on_link = on_link
+        self._accept = accept
+        self._by_cid: dict[bytes, QuicLink] = {}
+        self.links: set[QuicLink] = set()
+        self._closed = False
+        self._dialer_link: QuicLink | None = None
+        self._loop.add_reader(udp.sock.fileno(), self._on_readable)
+        self._writer_registered = False
+
+    @classmethod
+    def listen(
+        cls,
+        identity: Identity,
+        host: str,
+        port: int,
+        *,
+        on_link: Callable[[QuicLink], None],
+        accept: Callable[[Address], bool] | None = None,
+    ) -> QuicEndpoint:
+        udp = UdpSocket(open_udp_socket(host, port))
+        return cls(udp, server_config=server_configuration(identity), on_link=on_link, accept=accept)
+
+    @classmethod
+    async def dial(
+        cls,
+        address: Address,
+        *,
+        expected_key: bytes,
+        timeout: float,
+        local_host: str | None = None,
+    ) -> QuicLink:
+        """Connect to ``address`` from an ephemeral port and pin ``expected_key``."""
+        host = local_host or ("::" if ":" in address[0] else "0.0.0.0")
+        try:
+            udp = UdpSocket(open_udp_socket(host, 0))
+        except OSError as exc:
+            raise UnreachableError(f"cannot open a UDP socket: {exc}") from exc
+        where = f"{address[0]}:{address[1]}"
+        try:
+            udp.connect(address)
+        except OSError as exc:
+            udp.close()
+            raise UnreachableError(f"cannot reach {where}: {exc.strerror or exc}") from exc
+        endpoint = cls(udp)
+        quic = QuicConnection(configuration=client_configuration())
+        link = QuicLink(endpoint, quic, address)
+        endpoint._dialer_link = link
+        endpoint._add_link(link)
+        try:
+            quic.connect(address, endpoint._loop.time())
+            link.transmit_now()
+            try:
+                await asyncio.wait_for(asyncio.shield(link.connected), timeout)
+            except TimeoutError:
+                raise UnreachableError(
+                    f"no answer from {where} within {timeout:.0f}s: is `gpumesh share` running "
+                    "there and is its UDP port reachable?"
+                ) from None
+            if link.peer_public_key() != expected_key:
+                error = KeyMismatchError(
+                    f"the node at {where} presented a different key than the one you paired "
+                    "with: it may be another machine or an impostor; re-pair if it was reinstalled"
+                )
+                link.close(error)
+                raise error
+        except BaseException:
+            endpoint.close()
+            raise
+        return link
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        for link in list(self.links):
+            link.close()
+            link.cancel_timer()
+        self._closed = True
+        self._loop.remove_reader(self.udp.sock.fileno())
+        if self._writer_registered:
+            self._loop.remove_writer(self.udp.sock.fileno())
+        self.udp.close()
+
+    @property
+    def local_address(self) -> Address:
+        return self.udp.local_address
+
+    # --- link bookkeeping -----------------------------------------------------------
+
+    def _add_link(self, link: QuicLink) -> None:
+        self.links.add(link)
+        for cid in link.cids:
+            self._by_cid[cid] = link
+
+    def register_cid(self, cid: bytes, link: QuicLink) -> None:
+        self._by_cid[cid] = link
+
+    def unregister_cid(self, cid: bytes) -> None:
+        self._by_cid.pop(cid, None)
+
+    def link_closed(self, link: QuicLink) -> None:
+        # Keep routing for a moment so the close can be retransmitted, then forget.
+        self._loop.call_later(3.0, self._forget, link)
+
+    def _forget(self, link: QuicLink) -> None:
+        link.cancel_timer()
+        self.links.discard(link)
+        for cid in link.cids:
+            if self._by_cid.get(cid) is link:
+                del self._by_cid[cid]
+        if self._dialer_link is link:
+            self.close()
+
+    # --- I/O ------------------------------------------------------------------------
+
+    def send(self, datagrams: list[tuple[bytes, Any]]) -> None:
+        if self._closed:
+            return
+        self.udp.send_batch(datagrams)
+        if self.udp.blocked and not self._writer_registered:
+            self._writer_registered = True
+            self._loop.add_writer(self.udp.sock.fileno(), self._on_writable)
+
+    def _on_writable(self) -> None:
+        if self.udp.flush():
+            self._writer_registered = False
+            self._loop.remove_writer(self.udp.sock.fileno())
+
+    def _on_readable(self) -> None:
+        try:
+            batch = self.udp.receive_batch()
+        except ConnectionRefusedError:
+            # Only dialers have connected sockets: ICMP says nothing listens there.
+            link = self._dialer_link
+            if link is not None and not link.connected.done():
+                host, port = link.address
+                link._finish(
+                    UnreachableError(
+                        f"nothing is listening on {host}:{port} (connection refused): "
+                        "is `gpumesh share` running there?"
+                    )
+                )
+            return
+        except OSError as exc:
+            logger.debug("udp receive failed: %s", exc)
+            return
+        if not batch:
+            return
+        now = self._loop.time()
+        touched: dict[QuicLink, None] = {}
+        for item in batch:
+            link = self._route(item.data, item.address)
+            if link is None:
+                continue
+            try:
+                link.receive(item.data, item.segment_size, item.address, now)
+            except Exception:  # a malformed packet must not take the endpoint down
+                logger.debug("dropping packet from %s", item.address, exc_info=True)
+                continue
+            touched[link] = None
+        for link in touched:
+            link.process_events()
+            link.transmit_now()
+
+    def _route(self, data: bytes, address: Address) -> QuicLink | None:
+        if self._dialer_link is not None:
+            return self._dialer_link
+        cid = _destination_cid(data)
+        if cid is None:
+            return None
+        link = self._by_cid.get(cid)
+        if link is not None or self._server_config is None or self._closed:
+            return link
+        # Only a long-header Initial of full size may open a connection.
+        if not data[0] & 0x80 or (data[0] & 0x30) != 0 or len(data) < 1200:
+            return None
+        if self._accept is not None and not self._accept(address):
+            return None
+        quic = QuicConnection(
+            configuration=self._server_config,
+            original_destination_connection_id=cid,
+        )
+        link = QuicLink(self, quic, address)
+        link.cids.add(cid)
+        self._add_link(link)
+        if self._on_link is not None:
+            self._on_link(link)
+        return link
+
+
+def random_nonce() -> bytes:
+    return os.urandom(32)

@@ -1,0 +1,240 @@
+"""Authenticated sessions: a QUIC link whose dialer has proven its key.
+
+Dialer side: :func:`open_session` dials (several addresses, staggered, first
+answer wins), pins the provider's key, and runs the identity proof. Provider
+side: :func:`accept_session` runs the proof on the first stream and decides
+access through a callback. Every later stream on the link is one request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Callable, Sequence
+
+from gpumesh.errors import (
+    AccessDeniedError,
+    ConnectionLostError,
+    GPUMeshError,
+    KeyMismatchError,
+    ProtocolError,
+    UnreachableError,
+)
+from gpumesh.identity.keys import Identity
+from gpumesh.protocol.handshake import ClientAuth, ServerAuth
+from gpumesh.protocol.messages import Hello, Message, Proof
+from gpumesh.transport.quic import QuicEndpoint, QuicLink
+from gpumesh.transport.stream import Stream
+from gpumesh.transport.udp import Address
+
+__all__ = ["AUTH_TIMEOUT", "Session", "accept_session", "open_session", "parse_address"]
+
+logger = logging.getLogger(__name__)
+
+AUTH_TIMEOUT = 5.0
+"""Seconds a new connection has to prove its identity before it is dropped."""
+_DIAL_STAGGER = 0.25
+
+
+def parse_address(text: str, default_port: int | None = None) -> Address:
+    """``host:port`` or ``[v6]:port`` into a tuple."""
+    text = text.strip()
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        port_text = rest.lstrip(":")
+    elif text.count(":") == 1:
+        host, _, port_text = text.partition(":")
+    else:
+        host, port_text = text, ""
+    if not port_text:
+        if default_port is None:
+            raise ValueError(f"address {text!r} has no port")
+        return (host, default_port)
+    port = int(port_text)
+    if not 0 < port < 65536:
+        raise ValueError(f"port {port} is out of range")
+    return (host, port)
+
+
+class Session:
+    """The dialer's view of an authenticated link: one request per stream."""
+
+    def __init__(self, link: QuicLink, peer_name: str) -> None:
+        self.link = link
+        self.peer_name = peer_name
+
+    @property
+    def address(self) -> Address:
+        return self.link.address
+
+    def open_stream(self) -> Stream:
+        return self.link.open_stream()
+
+    async def request(self, message: Message, timeout: float = 30.0) -> Message:
+        """Send one message on a new stream and return the single reply."""
+        stream = self.open_stream()
+        stream.send_message(message, end=True)
+        try:
+            async with asyncio.timeout(timeout):
+                reply = await stream.read_message()
+        except TimeoutError:
+            raise ConnectionLostError(
+                f"{self.peer_name} did not answer within {timeout:.0f}s"
+            ) from None
+        finally:
+            self.link.forget_stream(stream.stream_id)
+        return reply
+
+    def close(self) -> None:
+        self.link.close()
+
+
+async def _dial_one(
+    identity: Identity, name: str, address: Address, server_key: bytes, timeout: float
+) -> Session:
+    link = await QuicEndpoint.dial(address, expected_key=server_key, timeout=timeout)
+    try:
+        auth = ClientAuth(identity, name, server_key)
+        stream = link.open_stream()
+        stream.send_message(auth.start())
+        deadline = asyncio.get_running_loop().time() + AUTH_TIMEOUT
+        while not auth.done:
+            remaining = deadline - asyncio.get_running_loop().time()
+            try:
+                message = await asyncio.wait_for(stream.read_message(), max(remaining, 0.01))
+            except TimeoutError:
+                raise UnreachableError(
+                    f"{address[0]}:{address[1]} accepted the connection but did not finish "
+                    "authentication"
+                ) from None
+            reply = auth.receive(message)
+            if reply is not None:
+                stream.send_message(reply, end=True)
+        link.forget_stream(stream.stream_id)
+    except GPUMeshError as exc:
+        link.close(exc if isinstance(exc, ProtocolError) else None)
+        raise
+    return Session(link, auth.server_name or "")
+
+
+def _rank(error: GPUMeshError) -> int:
+    # Which failure to report when every address failed: the most telling one.
+    if isinstance(error, (AccessDeniedError, KeyMismatchError, ProtocolError)):
+        return 0
+    if isinstance(error, UnreachableError) and "refused" in error.message:
+        return 2
+    return 1
+
+
+async def open_session(
+    identity: Identity,
+    name: str,
+    addresses: Sequence[Address],
+    server_key: bytes,
+    *,
+    timeout: float = 5.0,
+    peer_label: str = "the peer",
+) -> Session:
+    """Dial ``addresses`` (staggered, first success wins) and authenticate.
+
+    A refusal (denied, not paired) or a key mismatch ends the attempt at once:
+    other addresses reach the same node and would only repeat it.
+    """
+    if not addresses:
+        raise UnreachableError(f"no known address for {peer_label}: pair again with a fresh code")
+    tasks: list[asyncio.Task[Session]] = []
+    errors: list[GPUMeshError] = []
+    pending: set[asyncio.Task[Session]] = set()
+    winner: Session | None = None
+    try:
+        for index, address in enumerate(addresses):
+            task = asyncio.create_task(_dial_one(identity, name, address, server_key, timeout))
+            tasks.append(task)
+            pending.add(task)
+            is_last = index == len(addresses) - 1
+            while pending:
+                done, pending = await asyncio.wait(
+                    pending,
+                    timeout=None if is_last else _DIAL_STAGGER,
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+                for finished in done:
+                    exc = finished.exception()
+                    if exc is None:
+                        winner = finished.result()
+                        return winner
+                    if not isinstance(exc, GPUMeshError):
+                        raise exc
+                    if _rank(exc) == 0:
+                        raise exc
+                    errors.append(exc)
+                if not done or not is_last:
+                    break
+    finally:
+        for task in tasks:
+            if not task.done():
+                task.cancel()
+            elif not task.cancelled() and task.exception() is None and task.result() is not winner:
+                task.result().close()
+    errors.sort(key=_rank)
+    best = errors[0] if errors else UnreachableError(f"cannot reach {peer_label}")
+    if len(addresses) > 1 and isinstance(best, UnreachableError):
+        tried = ", ".join(f"{h}:{p}" for h, p in addresses)
+        raise UnreachableError(f"cannot reach {peer_label} at {tried}: {best.message}")
+    raise best
+
+
+async def accept_session(
+    link: QuicLink,
+    identity: Identity,
+    name: str,
+    authorize: Callable[[bytes], None],
+) -> ServerAuth:
+    """Run the identity proof on ``link``'s first stream.
+
+    Returns the finished :class:`ServerAuth` (``client_key`` is proven). On
+    any failure the dialer gets a typed refusal, the link is closed, and the
+    error is raised.
+    """
+    first: asyncio.Future[Stream] = asyncio.get_running_loop().create_future()
+
+    def on_stream(stream: Stream) -> None:
+        if not first.done():
+            first.set_result(stream)
+        else:  # no request before the proof
+            stream.abort()
+
+    link.on_stream = on_stream
+    auth = ServerAuth(identity, name, os.urandom(32), authorize)
+    try:
+        async with asyncio.timeout(AUTH_TIMEOUT):
+            stream = await first
+            while not auth.done:
+                try:
+                    message = await stream.read_message()
+                except GPUMeshError as exc:
+                    stream.refuse(exc)
+                    raise
+                if not isinstance(message, (Hello, Proof)):
+                    raise ProtocolError("expected the identity proof before any request")
+                reply = auth.receive(message)
+                stream.send_message(reply, end=auth.done or auth.failed)
+                if auth.failed:
+                    assert auth.error is not None
+                    raise auth.error
+    except TimeoutError:
+        error = AccessDeniedError("identity proof not completed in time")
+        link.close(error)
+        raise error from None
+    except GPUMeshError as exc:
+        # Give the refusal a moment to leave before the close overtakes it.
+        link.transmit_now()
+        await asyncio.sleep(0.05)
+        link.close(exc)
+        raise
+    finally:
+        with contextlib.suppress(Exception):
+            link.on_stream = None
+    return auth

@@ -1,0 +1,202 @@
+"""A non-blocking UDP socket that moves datagrams in batches.
+
+Python has no ``recvmmsg``/``sendmmsg``, so per-datagram syscalls dominate a
+naive QUIC loop. On Linux we use generic segmentation offload instead: one
+``sendmsg`` with ``UDP_SEGMENT`` hands the kernel up to 64 equal-size
+datagrams, and ``UDP_GRO`` lets one ``recvmsg`` return many coalesced ones.
+Where the kernel lacks either, the same interface falls back to one syscall
+per datagram.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import socket
+import struct
+import sys
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+__all__ = ["Address", "Received", "UdpSocket", "open_udp_socket"]
+
+logger = logging.getLogger(__name__)
+
+Address = tuple[str, int]
+
+# Linux values; the socket module does not export them on every Python.
+_SOL_UDP = 17
+_UDP_SEGMENT = 103
+_UDP_GRO = 104
+_GSO_MAX_SEGMENTS = 64
+_GSO_MAX_BYTES = 65000
+_RECV_BUFFER = 65535
+_SOCKET_BUFFER = 4 * 1024 * 1024
+_CMSG_SPACE = socket.CMSG_SPACE(4) if hasattr(socket, "CMSG_SPACE") else 0
+
+
+@dataclass(frozen=True, slots=True)
+class Received:
+    """One ``recvmsg`` result: ``data`` holds datagrams of ``segment_size`` bytes
+    each (the last may be shorter); without GRO, ``segment_size == len(data)``."""
+
+    data: bytes
+    segment_size: int
+    address: Address
+
+
+def open_udp_socket(host: str, port: int) -> socket.socket:
+    """Bind a UDP socket for QUIC, with buffers big enough to avoid drops."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_DGRAM)
+    try:
+        sock.setblocking(False)
+        for opt in (socket.SO_RCVBUF, socket.SO_SNDBUF):
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, opt, _SOCKET_BUFFER)
+            except OSError:
+                pass
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+class UdpSocket:
+    """Batched datagram I/O over one bound, non-blocking UDP socket."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.gso = False
+        self.gro = False
+        if sys.platform == "linux":
+            try:
+                sock.getsockopt(_SOL_UDP, _UDP_SEGMENT)
+                self.gso = True
+            except OSError:
+                pass
+            try:
+                sock.setsockopt(_SOL_UDP, _UDP_GRO, 1)
+                self.gro = True
+            except OSError:
+                pass
+        self._pending: deque[tuple[bytes, int, Address | None]] = deque()
+        self.peer: Address | None = None
+        logger.debug("udp socket %s gso=%s gro=%s", sock.getsockname(), self.gso, self.gro)
+
+    @property
+    def local_address(self) -> Address:
+        name = self.sock.getsockname()
+        return (name[0], name[1])
+
+    def connect(self, address: Address) -> None:
+        """Fix the peer, so an ICMP 'port unreachable' surfaces as an error."""
+        self.sock.connect(address)
+        self.peer = address
+
+    # --- receive ----------------------------------------------------------------
+
+    def receive_batch(self, limit: int = 512) -> list[Received]:
+        """Read what is queued now (at most ``limit`` syscalls); never blocks.
+
+        Raises ``ConnectionRefusedError`` on a connected socket whose peer
+        answered with ICMP port unreachable.
+        """
+        batch: list[Received] = []
+        sock = self.sock
+        for _ in range(limit):
+            try:
+                if self.gro:
+                    data, ancdata, _flags, addr = sock.recvmsg(_RECV_BUFFER, _CMSG_SPACE)
+                    segment = len(data)
+                    for level, kind, value in ancdata:
+                        if level == _SOL_UDP and kind == _UDP_GRO:
+                            segment = struct.unpack("=i", value[:4])[0]
+                else:
+                    data, addr = sock.recvfrom(_RECV_BUFFER)
+                    segment = len(data)
+            except (BlockingIOError, InterruptedError):
+                break
+            if data:
+                batch.append(Received(data, segment or len(data), (addr[0], addr[1])))
+        return batch
+
+    # --- send -------------------------------------------------------------------
+
+    @property
+    def blocked(self) -> bool:
+        """Whether earlier datagrams still wait for the socket to drain."""
+        return bool(self._pending)
+
+    def send_batch(self, datagrams: Iterable[tuple[bytes, Address]]) -> None:
+        """Queue datagrams and send as many as the socket takes now.
+
+        Runs of equal-size datagrams to one address go out as one GSO send.
+        """
+        pending = self._pending
+        if self.gso:
+            run: list[bytes] = []
+            run_addr: Address | None = None
+            run_size = 0
+            for data, addr in datagrams:
+                if (
+                    run
+                    and addr == run_addr
+                    and len(data) <= run_size
+                    and len(run) < _GSO_MAX_SEGMENTS
+                    and (len(run) + 1) * run_size <= _GSO_MAX_BYTES
+                ):
+                    run.append(data)
+                    if len(data) < run_size:  # a shorter datagram must end a GSO run
+                        pending.append((b"".join(run), run_size, run_addr))
+                        run = []
+                    continue
+                if run:
+                    pending.append((b"".join(run), run_size, run_addr))
+                run, run_addr, run_size = [data], addr, len(data)
+            if run:
+                pending.append((b"".join(run), run_size, run_addr))
+        else:
+            for data, addr in datagrams:
+                pending.append((data, len(data), addr))
+        self.flush()
+
+    def flush(self) -> bool:
+        """Send queued datagrams; return True when the queue is empty."""
+        pending = self._pending
+        sock = self.sock
+        connected = self.peer is not None
+        while pending:
+            data, segment, addr = pending[0]
+            try:
+                if len(data) > segment:
+                    cmsg = [(_SOL_UDP, _UDP_SEGMENT, struct.pack("=H", segment))]
+                    if connected:
+                        sock.sendmsg([data], cmsg)
+                    else:
+                        sock.sendmsg([data], cmsg, 0, addr)
+                elif connected:
+                    sock.send(data)
+                else:
+                    assert addr is not None
+                    sock.sendto(data, addr)
+            except (BlockingIOError, InterruptedError):
+                return False
+            except OSError as exc:
+                if exc.errno == errno.EIO and len(data) > segment:
+                    # The device refused segmentation offload: send one by one from now on.
+                    self.gso = False
+                    pending.popleft()
+                    for offset in reversed(range(0, len(data), segment)):
+                        pending.appendleft((data[offset : offset + segment], segment, addr))
+                    continue
+                # Unreachable peers and similar: drop the datagram like the network would.
+                logger.debug("udp send to %s failed: %s", addr, exc)
+            pending.popleft()
+        return True
+
+    def close(self) -> None:
+        self._pending.clear()
+        self.sock.close()

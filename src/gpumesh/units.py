@@ -1,0 +1,69 @@
+"""Human units: sizes like ``8GB`` / ``16GiB`` and durations, both ways.
+
+Decimal suffixes (KB, MB, GB, TB) are powers of 1000 and binary ones (KiB,
+MiB, GiB, TiB) powers of 1024, as Docker and most users read them. A bare
+number is bytes.
+"""
+
+from __future__ import annotations
+
+import re
+
+from gpumesh.errors import ConfigError
+
+__all__ = ["format_duration", "format_size", "parse_size"]
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str) -> int:
+    """Parse ``8GB``, ``16GiB``, ``512m`` or ``1024`` into bytes."""
+    match = _SIZE_RE.match(text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ConfigError(
+            f"invalid size {text!r}: use a number with a unit such as 512MB, 8GB or 16GiB"
+        )
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def format_size(num_bytes: float) -> str:
+    """Format bytes the way users write them: ``8GB``, ``1.5MB``, ``900B``."""
+    value = float(num_bytes)
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(value) < 1000 or unit == "TB":
+            if unit == "B":
+                return f"{int(value)}B"
+            text = f"{value:.1f}".rstrip("0").rstrip(".")
+            return f"{text}{unit}"
+        value /= 1000
+    raise AssertionError("unreachable")
+
+
+def format_duration(seconds: float) -> str:
+    """Format an age or duration: ``850ms``, ``12s``, ``4m``, ``3h``, ``2d``."""
+    if seconds < 1:
+        return f"{seconds * 1000:.0f}ms"
+    if seconds < 60:
+        return f"{seconds:.0f}s"
+    if seconds < 3600:
+        return f"{seconds / 60:.0f}m"
+    if seconds < 86400:
+        return f"{seconds / 3600:.0f}h"
+    return f"{seconds / 86400:.0f}d"
