@@ -28,7 +28,10 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-_log_file: Path | None = None
+
+
+class _LogState:
+    file: Path | None = None
 
 
 def get_node(ctx: click.Context | None = None) -> Any:
@@ -63,7 +66,6 @@ def fail(message: str, code: int = 1) -> NoReturn:
 
 def setup_logging(logs_dir: Path | None, *, console_level: str | None = None) -> None:
     """Console handler at GPUMESH_LOG (default warning); debug log file per node."""
-    global _log_file
     root = logging.getLogger("gpumesh")
     if getattr(root, "_gpumesh_configured", False):
         return
@@ -73,15 +75,17 @@ def setup_logging(logs_dir: Path | None, *, console_level: str | None = None) ->
     default_level, per_logger = _parse_log_filter(spec)
     console = logging.StreamHandler(sys.stderr)
     console.setLevel(logging.DEBUG)
-    console.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+    console.setFormatter(
+        logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
+    )
     console.addFilter(_LevelFilter(default_level, per_logger))
     root.addHandler(console)
     if logs_dir is not None:
         try:
             logs_dir.mkdir(parents=True, exist_ok=True)
-            _log_file = logs_dir / "gpumesh.log"
+            _LogState.file = logs_dir / "gpumesh.log"
             handler = logging.handlers.RotatingFileHandler(
-                _log_file, maxBytes=2_000_000, backupCount=3
+                _LogState.file, maxBytes=2_000_000, backupCount=3
             )
             handler.setLevel(logging.DEBUG)
             handler.setFormatter(
@@ -89,7 +93,7 @@ def setup_logging(logs_dir: Path | None, *, console_level: str | None = None) ->
             )
             root.addHandler(handler)
         except OSError:
-            _log_file = None
+            _LogState.file = None
 
 
 class _LevelFilter(logging.Filter):
@@ -109,8 +113,8 @@ class _LevelFilter(logging.Filter):
 def _parse_log_filter(spec: str) -> tuple[int, dict[str, int]]:
     default = logging.WARNING
     per_logger: dict[str, int] = {}
-    for part in spec.split(","):
-        part = part.strip()
+    for raw in spec.split(","):
+        part = raw.strip()
         if not part:
             continue
         name, _, level_text = part.rpartition("=")
@@ -145,7 +149,7 @@ def run_cli(command: click.Command, argv: list[str] | None) -> int:
     except Exception:
         # The traceback goes to the debug log only (the console shows warnings and up).
         logging.getLogger("gpumesh.cli").debug("unexpected failure", exc_info=True)
-        where = f" (details in {_log_file})" if _log_file else ""
+        where = f" (details in {_LogState.file})" if _LogState.file else ""
         print_error(f"unexpected internal failure{where}; please report it")
         if env(ENV_LOG):
             raise

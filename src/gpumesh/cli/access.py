@@ -24,4 +24,6 @@ def deny(peer: str) -> None:
     `gpumesh share` is closed within a second.
     """
     record = get_node().deny(peer)
-    click.echo(f"{record.name} ({record.node_id.short}) is denied; open connections are being closed.")
+    click.echo(
+        f"{record.name} ({record.node_id.short}) is denied; open connections are being closed."
+    )

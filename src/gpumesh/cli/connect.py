@@ -16,7 +16,9 @@ Examples:
 """
 )
 @click.argument("peer", envvar="GPUMESH_PEER")
-@click.option("--timeout", type=float, help="Seconds to wait for an answer (config connect_timeout).")
+@click.option(
+    "--timeout", type=float, help="Seconds to wait for an answer (config connect_timeout)."
+)
 @click.option("--speed", metavar="SIZE", help="Also push SIZE bytes (e.g. 256MB) and report MB/s.")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable output.")
 def connect(peer: str, timeout: float | None, speed: str | None, as_json: bool) -> None:

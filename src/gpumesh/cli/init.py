@@ -14,7 +14,9 @@ Examples:
   GPUMESH_HOME=/tmp/b gpumesh init --name bob-laptop
 """
 )
-@click.option("--name", envvar="GPUMESH_NODE_NAME", show_envvar=True, help="Node name (default: hostname).")
+@click.option(
+    "--name", envvar="GPUMESH_NODE_NAME", show_envvar=True, help="Node name (default: hostname)."
+)
 @click.option("--force", is_flag=True, help="Replace an existing identity (peers must pair again).")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable output.")
 def init(name: str | None, force: bool, as_json: bool) -> None:

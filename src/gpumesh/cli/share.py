@@ -56,7 +56,8 @@ async def _serve(node: object, host: str | None, port: int | None) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, agent.stop)
     info = node.info()
-    click.echo(f"Sharing {click.style(info.name, bold=True)} ({info.node_id.short}) on udp {bound_host}:{bound_port}")
+    where = f"udp {bound_host}:{bound_port}"
+    click.echo(f"Sharing {click.style(info.name, bold=True)} ({info.node_id.short}) on {where}")
     click.echo("Only paired, allowed peers are served. Pairing code for a new peer (valid 1 hour):")
     click.echo(node.pairing_code())
     click.echo("Press Ctrl-C or run `gpumesh share stop` to stop.", err=True)

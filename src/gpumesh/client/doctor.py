@@ -37,7 +37,9 @@ def run_checks(home: Home) -> list[Check]:
 
 def _identity(home: Home) -> Check:
     if not home.initialized:
-        return Check("identity", FAIL, f"no identity in {home.path}", "run `gpumesh init --name NAME`")
+        return Check(
+            "identity", FAIL, f"no identity in {home.path}", "run `gpumesh init --name NAME`"
+        )
     mode = stat.S_IMODE(os.stat(home.key_path).st_mode)
     if mode & 0o077:
         return Check(
@@ -68,7 +70,9 @@ def _database(home: Home) -> Check:
         store = home.store
         peers = store.peers()
     except Exception as exc:
-        return Check("database", FAIL, f"{home.db_path}: {exc}", "move the file away and pair again")
+        return Check(
+            "database", FAIL, f"{home.db_path}: {exc}", "move the file away and pair again"
+        )
     return Check("database", OK, f"schema v{store.schema_version}, {len(peers)} peer(s)")
 
 
@@ -100,7 +104,9 @@ def _udp_port(home: Home) -> Check:
     agent = home.read_agent_info() if home.initialized else None
     config = home.config
     if agent is not None:
-        return Check("udp port", OK, f"{agent.host}:{agent.port} served by `gpumesh share` (pid {agent.pid})")
+        return Check(
+            "udp port", OK, f"{agent.host}:{agent.port} served by `gpumesh share` (pid {agent.pid})"
+        )
     host, port = config.listen_host, config.listen_port
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_DGRAM) as sock:

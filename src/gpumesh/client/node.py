@@ -125,7 +125,9 @@ class Node:
         config = self.home.config
         peers = self.home.store.peers()
         agent = self.home.read_agent_info()
-        listen = f"{agent.host}:{agent.port}" if agent else f"{config.listen_host}:{config.listen_port}"
+        listen = (
+            f"{agent.host}:{agent.port}" if agent else f"{config.listen_host}:{config.listen_port}"
+        )
         return NodeStatus(
             name=info.name,
             node_id=info.node_id,
@@ -153,7 +155,9 @@ class Node:
             clock=clock,
         )
 
-    def pair(self, code: str, *, rekey: bool = False, clock: Callable[[], float] = time.time) -> Peer:
+    def pair(
+        self, code: str, *, rekey: bool = False, clock: Callable[[], float] = time.time
+    ) -> Peer:
         """Verify a peer's code, store the peer and allow it."""
         offer = verify_code(code, clock=clock)
         store = self.home.store
@@ -215,7 +219,9 @@ class Node:
         finally:
             session.close()
 
-    async def connect(self, query: str, *, pings: int = 5, timeout: float | None = None) -> ConnectResult:
+    async def connect(
+        self, query: str, *, pings: int = 5, timeout: float | None = None
+    ) -> ConnectResult:
         """Dial a peer, prove identities both ways, and measure the round trip."""
         peer = self.peer(query)
         started = time.perf_counter()

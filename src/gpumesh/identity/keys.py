@@ -148,9 +148,7 @@ class Identity:
         try:
             data = path.read_bytes()
         except FileNotFoundError:
-            raise IdentityError(
-                f"no identity key at {path}: run `gpumesh init` first"
-            ) from None
+            raise IdentityError(f"no identity key at {path}: run `gpumesh init` first") from None
         try:
             key = serialization.load_pem_private_key(data, password=None)
         except ValueError as exc:

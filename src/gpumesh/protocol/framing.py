@@ -51,8 +51,7 @@ class Frame:
 def encode_frame(kind: FrameKind, body: bytes | memoryview) -> bytes:
     if len(body) > _LIMITS[kind]:
         raise FrameTooLargeError(
-            f"{kind.name.lower()} frame of {len(body)} bytes exceeds the "
-            f"{_LIMITS[kind]}-byte limit"
+            f"{kind.name.lower()} frame of {len(body)} bytes exceeds the {_LIMITS[kind]}-byte limit"
         )
     return _HEADER.pack(kind, len(body)) + bytes(body)
 

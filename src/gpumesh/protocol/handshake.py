@@ -69,7 +69,9 @@ class ClientAuth:
     def start(self) -> Hello:
         assert self._state is _State.START
         self._state = _State.WAIT_CHALLENGE
-        return Hello(version=PROTOCOL_VERSION, public_key=self._identity.public_key, name=self._name)
+        return Hello(
+            version=PROTOCOL_VERSION, public_key=self._identity.public_key, name=self._name
+        )
 
     def receive(self, message: Message) -> Message | None:
         """Return the message to send next, if any; raise on refusal."""

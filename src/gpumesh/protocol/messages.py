@@ -65,7 +65,7 @@ class _Msg(msgspec.Struct, tag_field="t", frozen=True):
 # --- authentication (first stream of every connection) -------------------------
 
 
-class Hello(_Msg, tag="hello"):
+class Hello(_Msg, tag="hello", frozen=True):
     """Dialer -> provider: who I claim to be."""
 
     version: int
@@ -76,7 +76,7 @@ class Hello(_Msg, tag="hello"):
     """The dialer's node name (informational; the key is what counts)."""
 
 
-class Challenge(_Msg, tag="challenge"):
+class Challenge(_Msg, tag="challenge", frozen=True):
     """Provider -> dialer: sign this to prove you hold that key."""
 
     nonce: Nonce
@@ -85,20 +85,20 @@ class Challenge(_Msg, tag="challenge"):
     """The provider's protocol version."""
 
 
-class Proof(_Msg, tag="proof"):
+class Proof(_Msg, tag="proof", frozen=True):
     """Dialer -> provider: signature over the challenge and both keys."""
 
     signature: Signature
 
 
-class Welcome(_Msg, tag="welcome"):
+class Welcome(_Msg, tag="welcome", frozen=True):
     """Provider -> dialer: identity proven and access granted."""
 
     name: Name
     """The provider's node name."""
 
 
-class Refusal(_Msg, tag="refusal"):
+class Refusal(_Msg, tag="refusal", frozen=True):
     """Either way: the request is refused; ``code`` is a stable error code."""
 
     code: Code
@@ -108,25 +108,25 @@ class Refusal(_Msg, tag="refusal"):
 # --- requests (one stream each, after authentication) ---------------------------
 
 
-class Ping(_Msg, tag="ping"):
+class Ping(_Msg, tag="ping", frozen=True):
     """Round-trip probe."""
 
     sent: float
     """The dialer's clock when sent (echoed back)."""
 
 
-class Pong(_Msg, tag="pong"):
+class Pong(_Msg, tag="pong", frozen=True):
     sent: float
     """Echo of ``Ping.sent``."""
     time: float
     """The provider's wall clock, to spot clock skew."""
 
 
-class StatusRequest(_Msg, tag="status"):
+class StatusRequest(_Msg, tag="status", frozen=True):
     """Ask a provider what it is and whether it takes work."""
 
 
-class StatusReply(_Msg, tag="status_reply"):
+class StatusReply(_Msg, tag="status_reply", frozen=True):
     name: Name
     node_id: Name
     version: Name
@@ -137,13 +137,13 @@ class StatusReply(_Msg, tag="status_reply"):
     """Seconds since the provider agent started."""
 
 
-class ThroughputRequest(_Msg, tag="throughput"):
+class ThroughputRequest(_Msg, tag="throughput", frozen=True):
     """Dialer sends ``size`` bytes of data frames after this; provider discards them."""
 
     size: Annotated[int, msgspec.Meta(ge=0, le=MAX_THROUGHPUT_TEST)]
 
 
-class ThroughputReply(_Msg, tag="throughput_reply"):
+class ThroughputReply(_Msg, tag="throughput_reply", frozen=True):
     received: Count
     seconds: float
 

@@ -39,7 +39,9 @@ def _host(text: str) -> str:
     try:
         ipaddress.ip_address(text)
     except ValueError:
-        raise ConfigError(f"invalid listen_host {text!r}: use an IP address such as 0.0.0.0") from None
+        raise ConfigError(
+            f"invalid listen_host {text!r}: use an IP address such as 0.0.0.0"
+        ) from None
     return text
 
 
@@ -142,16 +144,24 @@ KEYS: dict[str, ConfigKey] = {
         ConfigKey("node_name", _name, "", "this node's name, shown to peers"),
         ConfigKey("listen_host", _host, "0.0.0.0", "address `gpumesh share` listens on"),
         ConfigKey("listen_port", _port, DEFAULT_PORT, "UDP port `gpumesh share` listens on"),
-        ConfigKey("relay", _host_port, "", "relay host:port for peers behind NAT", settings.ENV_RELAY),
+        ConfigKey(
+            "relay", _host_port, "", "relay host:port for peers behind NAT", settings.ENV_RELAY
+        ),
         ConfigKey("rendezvous_url", _url, "", "public registry URL for `share --public`"),
         ConfigKey("region", _text, "", "region shown in public listings", settings.ENV_REGION),
         ConfigKey("image", _text, DEFAULT_IMAGE, "default job image", settings.ENV_IMAGE),
-        ConfigKey("max_vram", _size_or_empty, "", "most GPU memory peers may ask for (empty: no cap)"),
+        ConfigKey(
+            "max_vram", _size_or_empty, "", "most GPU memory peers may ask for (empty: no cap)"
+        ),
         ConfigKey("connect_timeout", _positive_float, 5.0, "seconds to wait for a peer to answer"),
         ConfigKey("job_memory", _size, "16GB", "memory limit of each job container"),
         ConfigKey("job_pids_limit", _non_negative_int, 1024, "process limit of each job container"),
-        ConfigKey("job_cpus", _non_negative_float, 0.0, "CPU limit of each job container (0: none)"),
-        ConfigKey("job_network", _choice("bridge", "none"), "bridge", "job network: bridge or none"),
+        ConfigKey(
+            "job_cpus", _non_negative_float, 0.0, "CPU limit of each job container (0: none)"
+        ),
+        ConfigKey(
+            "job_network", _choice("bridge", "none"), "bridge", "job network: bridge or none"
+        ),
         ConfigKey("upload_limit", _size, "10GB", "largest job workdir a peer may upload"),
     ]
 }

@@ -85,7 +85,9 @@ class Store:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(path, timeout=10.0, isolation_level=None, check_same_thread=False)
+        self._db = sqlite3.connect(
+            path, timeout=10.0, isolation_level=None, check_same_thread=False
+        )
         self._db.row_factory = sqlite3.Row
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
@@ -215,7 +217,9 @@ class Store:
         )
         return {bytes(r["public_key"]) for r in rows}
 
-    def touch_peer(self, node_id: str, *, address: str | None = None, now: float | None = None) -> None:
+    def touch_peer(
+        self, node_id: str, *, address: str | None = None, now: float | None = None
+    ) -> None:
         """Record an authenticated exchange (and the address that worked)."""
         if address:
             self._execute(

@@ -49,8 +49,8 @@ __all__ = [
     "APP_ERROR",
     "QuicEndpoint",
     "QuicLink",
-    "close_reason",
     "client_configuration",
+    "close_reason",
     "server_configuration",
 ]
 
@@ -348,7 +348,9 @@ class QuicEndpoint:
         accept: Callable[[Address], bool] | None = None,
     ) -> QuicEndpoint:
         udp = UdpSocket(open_udp_socket(host, port))
-        return cls(udp, server_config=server_configuration(identity), on_link=on_link, accept=accept)
+        return cls(
+            udp, server_config=server_configuration(identity), on_link=on_link, accept=accept
+        )
 
     @classmethod
     async def dial(

@@ -134,13 +134,17 @@ class Stream:
         if frame.body:
             credit = self._receive_window.on_consumed(len(frame.body))
             if credit is not None and not self._finished:
-                self.link.send(self.stream_id, encode_frame(FrameKind.CREDIT, struct.pack("!Q", credit)))
+                self.link.send(
+                    self.stream_id, encode_frame(FrameKind.CREDIT, struct.pack("!Q", credit))
+                )
         return frame.body
 
     # --- writing ----------------------------------------------------------------------
 
     def send_message(self, message: Message, *, end: bool = False) -> None:
-        self.link.send(self.stream_id, encode_frame(FrameKind.MESSAGE, encode_message(message)), end)
+        self.link.send(
+            self.stream_id, encode_frame(FrameKind.MESSAGE, encode_message(message)), end
+        )
         if end:
             self._finished = True
 

@@ -10,6 +10,7 @@ per datagram.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import socket
@@ -53,10 +54,8 @@ def open_udp_socket(host: str, port: int) -> socket.socket:
     try:
         sock.setblocking(False)
         for opt in (socket.SO_RCVBUF, socket.SO_SNDBUF):
-            try:
+            with contextlib.suppress(OSError):
                 sock.setsockopt(socket.SOL_SOCKET, opt, _SOCKET_BUFFER)
-            except OSError:
-                pass
         sock.bind((host, port))
     except OSError:
         sock.close()
