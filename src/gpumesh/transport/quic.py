@@ -179,8 +179,8 @@ class QuicLink:
             self.quic.close(error_code=0, reason_phrase="")
         else:
             self.quic.close(error_code=APP_ERROR, reason_phrase=close_reason(error))
+        self.transmit_now()  # before _finish: a dialer's socket closes with its link
         self._finish(error or ConnectionLostError("connection closed"))
-        self.transmit_now()
 
     async def wait_closed(self) -> GPUMeshError:
         return await asyncio.shield(self.closed)
@@ -334,7 +334,8 @@ class QuicEndpoint:
         self.links: set[QuicLink] = set()
         self._closed = False
         self._dialer_link: QuicLink | None = None
-        self._loop.add_reader(udp.sock.fileno(), self._on_readable)
+        self._fileno = udp.sock.fileno()
+        self._loop.add_reader(self._fileno, self._on_readable)
         self._writer_registered = False
 
     @classmethod
@@ -404,12 +405,14 @@ class QuicEndpoint:
         if self._closed:
             return
         for link in list(self.links):
-            link.close()
+            link.close()  # may re-enter close() through a dialer link's _forget
             link.cancel_timer()
+        if self._closed:
+            return
         self._closed = True
-        self._loop.remove_reader(self.udp.sock.fileno())
+        self._loop.remove_reader(self._fileno)
         if self._writer_registered:
-            self._loop.remove_writer(self.udp.sock.fileno())
+            self._loop.remove_writer(self._fileno)
         self.udp.close()
 
     @property
@@ -430,6 +433,10 @@ class QuicEndpoint:
         self._by_cid.pop(cid, None)
 
     def link_closed(self, link: QuicLink) -> None:
+        if link is self._dialer_link:
+            # A dialer's socket serves this one link; its close is already sent.
+            self._forget(link)
+            return
         # Keep routing for a moment so the close can be retransmitted, then forget.
         self._loop.call_later(3.0, self._forget, link)
 
@@ -450,12 +457,12 @@ class QuicEndpoint:
         self.udp.send_batch(datagrams)
         if self.udp.blocked and not self._writer_registered:
             self._writer_registered = True
-            self._loop.add_writer(self.udp.sock.fileno(), self._on_writable)
+            self._loop.add_writer(self._fileno, self._on_writable)
 
     def _on_writable(self) -> None:
         if self.udp.flush():
             self._writer_registered = False
-            self._loop.remove_writer(self.udp.sock.fileno())
+            self._loop.remove_writer(self._fileno)
 
     def _on_readable(self) -> None:
         try:

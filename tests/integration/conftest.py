@@ -1,0 +1,84 @@
+"""Fixtures for integration tests: real nodes with separate homes on 127.0.0.1.
+
+Everything here is real: QUIC over UDP loopback sockets, SQLite files, the
+CLI as a subprocess. Agents run in the test's event loop unless a test needs
+a separate process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from gpumesh.agent.server import Agent
+from gpumesh.client.node import Node
+
+T = TypeVar("T")
+
+
+def arun(coro: Coroutine[Any, Any, T]) -> T:
+    """Run one async scenario with a timeout so a hang fails instead of stalling CI."""
+
+    async def bounded() -> T:
+        async with asyncio.timeout(60):
+            return await coro
+
+    return asyncio.run(bounded())
+
+
+@pytest.fixture
+def make_node(tmp_path: Path) -> Iterator[Callable[[str], Node]]:
+    """Create initialized nodes that listen on 127.0.0.1 only."""
+    nodes: list[Node] = []
+
+    def factory(name: str) -> Node:
+        node = Node(tmp_path / name)
+        node.init(name)
+        node.home.config.set("listen_host", "127.0.0.1")
+        node.home.config.set("connect_timeout", "3")
+        node.home.config.save()
+        nodes.append(node)
+        return node
+
+    yield factory
+    for node in nodes:
+        node.close()
+
+
+@contextlib.asynccontextmanager
+async def sharing(node: Node) -> AsyncIterator[Agent]:
+    """Run ``node``'s provider agent on an ephemeral loopback port."""
+    agent = Agent(node.home, host="127.0.0.1", port=0)
+    await agent.start()
+    try:
+        yield agent
+    finally:
+        agent.stop()
+
+
+def pair_both(a: Node, b: Node) -> None:
+    """Mutual pairing (call after the agents that should be reachable started)."""
+    b.pair(a.pairing_code())
+    a.pair(b.pairing_code())
+
+
+def gpumesh(home: Path, *args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    """Run the real CLI in a subprocess for ``home``."""
+    env = dict(os.environ, GPUMESH_HOME=str(home))
+    env.pop("GPUMESH_LOG", None)
+    return subprocess.run(
+        [sys.executable, "-m", "gpumesh", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )

@@ -1,0 +1,243 @@
+"""Two and three real nodes on 127.0.0.1: pairing, the authenticated link, refusals.
+
+Real QUIC over loopback UDP, real SQLite homes; no mocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import pytest
+
+from gpumesh.client.node import Node
+from gpumesh.errors import (
+    AccessDeniedError,
+    ConnectionLostError,
+    KeyMismatchError,
+    NotPairedError,
+    UnreachableError,
+)
+from gpumesh.protocol.messages import Ping, Pong, StatusReply, StatusRequest
+from tests.integration.conftest import arun, pair_both, sharing
+
+
+def test_mutual_pairing_connects_and_reports_path_and_rtt(make_node) -> None:
+    alice, bob = make_node("alice-pc"), make_node("bob-laptop")
+
+    async def scenario() -> None:
+        async with sharing(alice) as agent:
+            pair_both(alice, bob)
+            result = await bob.connect("alice-pc")
+            assert result.path == "direct"
+            assert result.address == f"127.0.0.1:{agent.address[1]}"
+            assert result.remote.name == "alice-pc"
+            assert result.remote.node_id == alice.info().node_id
+            assert 0 < result.rtt_ms < 1000
+
+    arun(scenario())
+    # Both sides recorded the exchange: the dialer the address that worked.
+    seen_by_bob = bob.peer("alice-pc")
+    assert seen_by_bob.last_seen is not None
+    assert seen_by_bob.last_address.startswith("127.0.0.1:")
+    assert alice.peer("bob-laptop").last_seen is not None
+
+
+def test_peer_addressed_by_id_prefix(make_node) -> None:
+    alice, bob = make_node("alice"), make_node("bob")
+
+    async def scenario() -> None:
+        async with sharing(alice):
+            pair_both(alice, bob)
+            prefix = alice.info().node_id[:6]
+            result = await bob.connect(prefix)
+            assert result.peer.name == "alice"
+
+    arun(scenario())
+
+
+def test_one_way_pairing_is_refused_as_not_paired(make_node) -> None:
+    alice, bob = make_node("alice"), make_node("bob")
+
+    async def scenario() -> None:
+        async with sharing(alice):
+            bob.pair(alice.pairing_code())  # alice never pairs bob
+            with pytest.raises(NotPairedError, match="alice has not paired with you"):
+                await bob.connect("alice")
+
+    arun(scenario())
+
+
+def test_denied_peer_is_refused_and_allow_restores(make_node) -> None:
+    alice, bob = make_node("alice"), make_node("bob")
+
+    async def scenario() -> None:
+        async with sharing(alice):
+            pair_both(alice, bob)
+            alice.deny("bob")
+            with pytest.raises(AccessDeniedError, match="alice has denied you access"):
+                await bob.connect("alice")
+            alice.allow("bob")
+            assert (await bob.connect("alice")).remote.name == "alice"
+
+    arun(scenario())
+
+
+def test_deny_closes_an_open_connection_within_one_second(make_node, tmp_path) -> None:
+    alice, bob, carol = make_node("alice"), make_node("bob"), make_node("carol")
+    # `gpumesh deny` runs in another process: use a separate store connection.
+    alice_cli = Node(tmp_path / "alice")
+
+    async def scenario() -> None:
+        async with sharing(alice):
+            pair_both(alice, bob)
+            pair_both(alice, carol)
+            async with bob.session("alice") as bob_session, carol.session("alice") as carol_s:
+                assert isinstance(await bob_session.request(Ping(sent=1.0)), Pong)
+                denied_at = time.monotonic()
+                alice_cli.deny("bob")
+                error = await asyncio.wait_for(bob_session.link.wait_closed(), 1.0)
+                assert time.monotonic() - denied_at < 1.0
+                assert isinstance(error, AccessDeniedError)
+                assert "revoked" in error.message
+                with pytest.raises(AccessDeniedError):
+                    await bob_session.request(Ping(sent=2.0))
+                # Another peer's open connection is untouched.
+                assert isinstance(await carol_s.request(StatusRequest()), StatusReply)
+
+    try:
+        arun(scenario())
+    finally:
+        alice_cli.close()
+
+
+def test_every_request_is_checked_not_only_the_first(make_node, tmp_path) -> None:
+    """Even if the revocation watcher has not run yet, the next request is refused."""
+    alice, bob = make_node("alice"), make_node("bob")
+    alice_cli = Node(tmp_path / "alice")
+
+    async def scenario() -> None:
+        async with sharing(alice) as agent:
+            pair_both(alice, bob)
+            async with bob.session("alice") as session:
+                agent._links.clear()  # blind the watcher: only the per-request check remains
+                alice_cli.deny("bob")
+                with pytest.raises(AccessDeniedError):
+                    await session.request(Ping(sent=1.0))
+
+    try:
+        arun(scenario())
+    finally:
+        alice_cli.close()
+
+
+def test_nothing_listening_fails_fast_with_a_clear_message(make_node) -> None:
+    alice, bob = make_node("alice"), make_node("bob")
+
+    async def scenario() -> None:
+        async with sharing(alice):
+            pair_both(alice, bob)
+        # alice stopped sharing: the port is closed now.
+        started = time.monotonic()
+        with pytest.raises(UnreachableError, match="nothing is listening"):
+            await bob.connect("alice")
+        assert time.monotonic() - started < 3
+
+    arun(scenario())
+
+
+def test_silent_address_times_out_in_seconds_not_a_hang(make_node) -> None:
+    alice, bob = make_node("alice"), make_node("bob")
+    # A bound UDP socket that never answers: like a firewall that drops packets.
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as blackhole:
+        blackhole.bind(("127.0.0.1", 0))
+        port = blackhole.getsockname()[1]
+
+        async def scenario() -> None:
+            async with sharing(alice):
+                pair_both(alice, bob)
+            bob.home.store._execute(
+                "UPDATE peers SET addresses = ?, last_address = ''",
+                (f'["127.0.0.1:{port}"]',),
+            )
+            started = time.monotonic()
+            with pytest.raises(
+                UnreachableError, match=r"no answer from 127\.0\.0\.1:\d+ within 1s"
+            ):
+                await bob.connect("alice", timeout=1.0)
+            assert time.monotonic() - started < 2.5
+
+        arun(scenario())
+
+
+def test_server_with_another_key_is_refused_as_key_mismatch(make_node, tmp_path) -> None:
+    alice, bob = make_node("alice"), make_node("bob")
+
+    async def scenario() -> None:
+        async with sharing(alice) as agent:
+            pair_both(alice, bob)
+            port = agent.address[1]
+        # Someone else now answers on alice's address with a different key.
+        impostor = Node(tmp_path / "impostor")
+        impostor.init("alice")
+        impostor.pair(bob.pairing_code())
+        from gpumesh.agent.server import Agent
+
+        fake = Agent(impostor.home, host="127.0.0.1", port=port)
+        await fake.start()
+        try:
+            with pytest.raises(KeyMismatchError, match="different key than the one you paired"):
+                await bob.connect("alice")
+        finally:
+            fake.stop()
+            impostor.close()
+
+    arun(scenario())
+
+
+def test_three_nodes_each_pair_has_its_own_access(make_node) -> None:
+    alice, bob, carol = make_node("alice"), make_node("bob"), make_node("carol")
+
+    async def scenario() -> None:
+        async with sharing(alice), sharing(bob):
+            pair_both(alice, bob)
+            pair_both(alice, carol)
+            carol.pair(bob.pairing_code())  # carol -> bob one way only
+            assert (await bob.connect("alice")).remote.name == "alice"
+            assert (await carol.connect("alice")).remote.name == "alice"
+            assert (await alice.connect("bob")).remote.name == "bob"
+            with pytest.raises(NotPairedError):
+                await carol.connect("bob")
+            alice.deny("carol")
+            with pytest.raises(AccessDeniedError):
+                await carol.connect("alice")
+            assert (await bob.connect("alice")).remote.name == "alice"
+
+    arun(scenario())
+
+
+def test_bulk_stream_delivers_every_byte(make_node) -> None:
+    alice, bob = make_node("alice"), make_node("bob")
+
+    async def scenario() -> None:
+        async with sharing(alice):
+            pair_both(alice, bob)
+            result = await bob.throughput("alice", 48 * 1024 * 1024 + 12345)
+            assert result.bytes == 48 * 1024 * 1024 + 12345
+
+    arun(scenario())
+
+
+def test_closing_the_agent_ends_open_sessions(make_node) -> None:
+    alice, bob = make_node("alice"), make_node("bob")
+
+    async def scenario() -> None:
+        async with sharing(alice) as agent:
+            pair_both(alice, bob)
+            async with bob.session("alice") as session:
+                agent.stop()
+                error = await asyncio.wait_for(session.link.wait_closed(), 2.0)
+                assert isinstance(error, ConnectionLostError)
+
+    arun(scenario())
