@@ -122,7 +122,7 @@ def decode_code(code: str) -> tuple[PairingOffer, bytes, bytes]:
         raise PairingCodeError("that pairing code is too long to be genuine")
     payload = text[len(CODE_PREFIX) :]
     try:
-        raw = base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4))
+        raw = base64.b64decode(payload + "=" * (-len(payload) % 4), altchars=b"-_", validate=True)
     except (binascii.Error, ValueError):
         raise PairingCodeError(
             "that pairing code contains characters that do not belong in a code; "

@@ -1,0 +1,290 @@
+"""The real ``gpumesh`` CLI in subprocesses: the user flow, messages and exit codes.
+
+Every failure a user can cause must end in one line on stderr, a non-zero
+exit code, and no traceback.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from gpumesh.identity.codes import CODE_PREFIX, make_code
+from gpumesh.identity.keys import Identity
+from tests.integration.conftest import gpumesh
+
+
+def _free_udp_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _init(home: Path, name: str, port: int | None = None) -> None:
+    assert gpumesh(home, "init", "--name", name).returncode == 0
+    assert gpumesh(home, "config", "set", "listen_host", "127.0.0.1").returncode == 0
+    if port is not None:
+        assert gpumesh(home, "config", "set", "listen_port", str(port)).returncode == 0
+
+
+def _one_line_error(result: subprocess.CompletedProcess[str], code: int, text: str) -> None:
+    assert result.returncode == code, (result.returncode, result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ")
+    assert text in lines[0]
+    assert "Traceback" not in result.stderr
+
+
+def _start_share(home: Path) -> subprocess.Popen[str]:
+    env = dict(os.environ, GPUMESH_HOME=str(home))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gpumesh", "share"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 15
+    while not (home / "agent.json").exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"share did not start: {proc.communicate()}")
+        time.sleep(0.05)
+    return proc
+
+
+@pytest.fixture
+def alice_sharing(tmp_path: Path):
+    home = tmp_path / "a"
+    _init(home, "alice-pc", _free_udp_port())
+    proc = _start_share(home)
+    yield home, proc
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+    for pipe in (proc.stdout, proc.stderr):
+        if pipe is not None:
+            pipe.close()
+
+
+def test_user_flow_pair_connect_deny_and_stop(alice_sharing, tmp_path: Path) -> None:
+    alice, share = alice_sharing
+    bob = tmp_path / "b"
+    _init(bob, "bob-laptop")
+
+    alice_code = gpumesh(alice, "pair-code").stdout.strip()
+    assert alice_code.startswith(CODE_PREFIX)
+    paired = gpumesh(bob, "pair", alice_code)
+    assert paired.returncode == 0, paired.stderr
+    assert "Paired with alice-pc" in paired.stdout
+    bob_code = gpumesh(bob, "pair-code").stdout.strip()
+    assert gpumesh(alice, "pair", bob_code).returncode == 0
+
+    peers = json.loads(gpumesh(bob, "peers", "--json").stdout)
+    assert [p["name"] for p in peers] == ["alice-pc"]
+    assert peers[0]["allowed"] is True
+    assert peers[0]["last_seen"] is None
+
+    connected = gpumesh(bob, "connect", "alice-pc", "--json")
+    assert connected.returncode == 0, connected.stderr
+    report = json.loads(connected.stdout)
+    assert report["reachable"] is True
+    assert report["path"] == "direct"
+    assert report["rtt_ms"] > 0
+    assert json.loads(gpumesh(bob, "peers", "--json").stdout)[0]["last_seen"] is not None
+
+    human = gpumesh(bob, "connect", "alice-pc")
+    assert "alice-pc is reachable: path direct" in human.stdout
+    assert "rtt" in human.stdout
+
+    status = json.loads(gpumesh(alice, "status", "--json").stdout)
+    assert status["sharing"] is True
+    assert status["peers"] == 1
+
+    assert gpumesh(alice, "deny", "bob-laptop").returncode == 0
+    _one_line_error(gpumesh(bob, "connect", "alice-pc"), 3, "alice-pc has denied you access")
+    assert gpumesh(alice, "allow", "bob-laptop").returncode == 0
+    assert gpumesh(bob, "connect", "alice-pc").returncode == 0
+
+    stopped = gpumesh(alice, "share", "stop")
+    assert stopped.returncode == 0, stopped.stderr
+    assert share.wait(timeout=10) == 0
+    assert not (alice / "agent.json").exists()
+    assert json.loads(gpumesh(alice, "status", "--json").stdout)["sharing"] is False
+    _one_line_error(gpumesh(bob, "connect", "alice-pc"), 4, "nothing is listening")
+
+
+def test_share_stops_cleanly_on_ctrl_c(alice_sharing) -> None:
+    alice, share = alice_sharing
+    share.send_signal(signal.SIGINT)
+    assert share.wait(timeout=10) == 0
+    out, err = share.communicate()
+    assert "Sharing alice-pc" in out
+    assert CODE_PREFIX in out  # the banner prints a pairing code
+    assert "Traceback" not in err
+    assert not (alice / "agent.json").exists()
+
+
+def test_second_share_on_same_home_is_refused(alice_sharing) -> None:
+    alice, _share = alice_sharing
+    _one_line_error(gpumesh(alice, "share"), 1, "already running")
+
+
+def test_share_on_a_taken_port_says_so(tmp_path: Path) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        home = tmp_path / "a"
+        _init(home, "alice", taken.getsockname()[1])
+        _one_line_error(gpumesh(home, "share"), 1, "cannot listen on UDP")
+
+
+def _tamper(code: str, field: str, value: object) -> str:
+    """Change one field of a code's offer, keep the signature, recompute the CRC."""
+    raw = base64.urlsafe_b64decode(code[len(CODE_PREFIX) :] + "==")
+    signed = msgspec.msgpack.decode(raw[2:-4])
+    offer = msgspec.msgpack.decode(signed["offer"])
+    offer[field] = value
+    signed["offer"] = msgspec.msgpack.encode(offer)
+    body = msgspec.msgpack.encode(signed)
+    data = struct.pack("!H", len(body)) + body
+    data += struct.pack("!I", zlib.crc32(data))
+    return CODE_PREFIX + base64.urlsafe_b64encode(data).decode().rstrip("=")
+
+
+@pytest.fixture
+def bob_home(tmp_path: Path) -> Path:
+    home = tmp_path / "b"
+    _init(home, "bob")
+    return home
+
+
+@pytest.fixture
+def alice_code(tmp_path: Path) -> str:
+    home = tmp_path / "a"
+    _init(home, "alice")
+    return gpumesh(home, "pair-code").stdout.strip()
+
+
+@pytest.mark.parametrize(
+    ("mangle", "message"),
+    [
+        (lambda c: "hello there", "not a GPUMesh pairing code"),
+        (lambda c: c[:60], "truncated"),
+        (lambda c: c[:40] + ("A" if c[40] != "A" else "B") + c[41:], "bad checksum"),
+        (lambda c: c[:30] + "!!" + c[32:], "characters that do not belong"),
+        (lambda c: _tamper(c, "name", "mallory"), "signature does not verify"),
+        (lambda c: _tamper(c, "addresses", ["203.0.113.9:47000"]), "signature does not verify"),
+        (lambda c: _tamper(c, "public_key", Identity.generate().public_key), "does not verify"),
+    ],
+    ids=["garbage", "truncated", "checksum", "characters", "name", "address", "key"],
+)
+def test_bad_codes_are_refused_before_anything_is_stored(
+    bob_home: Path, alice_code: str, mangle, message: str
+) -> None:
+    _one_line_error(gpumesh(bob_home, "pair", mangle(alice_code)), 2, message)
+    assert json.loads(gpumesh(bob_home, "peers", "--json").stdout) == []
+
+
+def test_expired_code_is_refused(bob_home: Path) -> None:
+    stale = make_code(Identity.generate(), "alice", ["127.0.0.1:47000"], clock=lambda: 1_000_000)
+    _one_line_error(gpumesh(bob_home, "pair", stale), 2, "expired")
+
+
+def test_own_code_is_refused(bob_home: Path) -> None:
+    own = gpumesh(bob_home, "pair-code").stdout.strip()
+    _one_line_error(gpumesh(bob_home, "pair", own), 2, "this node's own pairing code")
+
+
+def test_new_key_for_a_paired_name_needs_rekey(bob_home: Path, tmp_path: Path) -> None:
+    first = make_code(Identity.generate(), "alice", ["127.0.0.1:47000"])
+    assert gpumesh(bob_home, "pair", first).returncode == 0
+    reinstalled = make_code(Identity.generate(), "alice", ["127.0.0.1:47000"])
+    _one_line_error(gpumesh(bob_home, "pair", reinstalled), 2, "--rekey")
+    rekeyed = gpumesh(bob_home, "pair", "--rekey", reinstalled)
+    assert rekeyed.returncode == 0, rekeyed.stderr
+    peers = json.loads(gpumesh(bob_home, "peers", "--json").stdout)
+    assert len(peers) == 1
+
+
+def test_unknown_and_ambiguous_peers(bob_home: Path) -> None:
+    _one_line_error(gpumesh(bob_home, "connect", "nobody"), 2, "no paired peer named 'nobody'")
+    # Find two keys whose ids share 4 characters (a birthday search, ~1k keys).
+    seen: dict[str, Identity] = {}
+    while True:
+        identity = Identity.generate()
+        prefix = identity.node_id[:4]
+        if prefix in seen:
+            break
+        seen[prefix] = identity
+    for index, ident in enumerate((seen[prefix], identity)):
+        code = make_code(ident, f"twin{index}", ["127.0.0.1:47000"])
+        assert gpumesh(bob_home, "pair", code).returncode == 0
+    _one_line_error(gpumesh(bob_home, "deny", prefix), 2, "matches 2 peers")
+    assert gpumesh(bob_home, "deny", identity.node_id[:12]).returncode == 0
+
+
+def test_init_never_silently_replaces_an_identity(bob_home: Path) -> None:
+    before = (bob_home / "identity.key").read_bytes()
+    _one_line_error(gpumesh(bob_home, "init", "--name", "bob"), 2, "use --force")
+    assert (bob_home / "identity.key").read_bytes() == before
+    forced = gpumesh(bob_home, "init", "--name", "bob", "--force")
+    assert forced.returncode == 0
+    assert "warning" in forced.stderr
+    assert (bob_home / "identity.key").read_bytes() != before
+    assert (bob_home / "identity.key").stat().st_mode & 0o777 == 0o600
+
+
+def test_commands_before_init_say_how_to_start(tmp_path: Path) -> None:
+    _one_line_error(gpumesh(tmp_path / "none", "peers"), 2, "run `gpumesh init")
+
+
+def test_config_refuses_unknown_keys_and_bad_values(bob_home: Path) -> None:
+    _one_line_error(gpumesh(bob_home, "config", "set", "colour", "blue"), 2, "valid keys:")
+    _one_line_error(gpumesh(bob_home, "config", "set", "listen_port", "70000"), 2, "1 to 65535")
+    _one_line_error(gpumesh(bob_home, "config", "set", "max_vram", "lots"), 2, "invalid size")
+    assert gpumesh(bob_home, "config", "set", "listen_port", "47001").returncode == 0
+    assert gpumesh(bob_home, "config", "get", "listen_port").stdout.strip() == "47001"
+    assert "listen_port = 47001" in (bob_home / "config.toml").read_text()
+    env_wins = subprocess.run(
+        [sys.executable, "-m", "gpumesh", "config", "get", "relay"],
+        env=dict(os.environ, GPUMESH_HOME=str(bob_home), GPUMESH_RELAY="relay.example:4799"),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert env_wins.stdout.strip() == "relay.example:4799"
+
+
+def test_help_has_examples_everywhere() -> None:
+    for command in ("", "init", "pair", "pair-code", "peers", "connect", "share", "config"):
+        args = [command, "--help"] if command else ["--help"]
+        result = gpumesh(Path("/nonexistent"), *args)
+        assert result.returncode == 0, result.stderr
+        assert "Examples:" in result.stdout, command
+
+
+def test_doctor_reports_each_check(bob_home: Path) -> None:
+    result = gpumesh(bob_home, "doctor", "--json")
+    checks = {c["name"]: c for c in json.loads(result.stdout)}
+    assert set(checks) >= {"identity", "config", "database", "docker", "udp port", "clock"}
+    assert checks["identity"]["status"] == "ok"
+    (bob_home / "identity.key").chmod(0o644)
+    result = gpumesh(bob_home, "doctor", "--json")
+    checks = {c["name"]: c for c in json.loads(result.stdout)}
+    assert result.returncode == 1
+    assert checks["identity"]["status"] == "fail"
+    assert "chmod 600" in checks["identity"]["fix"]
