@@ -179,11 +179,13 @@ def test_silent_connection_is_dropped_after_the_auth_timeout(make_node, monkeypa
     alice = make_node("alice")
 
     async def scenario() -> None:
-        async with sharing(alice) as agent:
-            async with raw_link(agent.address, alice.home.identity.public_key) as link:
-                error = await asyncio.wait_for(link.wait_closed(), 3)
-                assert isinstance(error, AccessDeniedError)
-                assert "not completed in time" in error.message
+        async with (
+            sharing(alice) as agent,
+            raw_link(agent.address, alice.home.identity.public_key) as link,
+        ):
+            error = await asyncio.wait_for(link.wait_closed(), 3)
+            assert isinstance(error, AccessDeniedError)
+            assert "not completed in time" in error.message
 
     arun(scenario())
 

@@ -333,6 +333,7 @@ class QuicEndpoint:
         self._by_cid: dict[bytes, QuicLink] = {}
         self.links: set[QuicLink] = set()
         self._closed = False
+        self._socket_closed = False
         self._dialer_link: QuicLink | None = None
         self._fileno = udp.sock.fileno()
         self._loop.add_reader(self._fileno, self._on_readable)
@@ -404,16 +405,15 @@ class QuicEndpoint:
     def close(self) -> None:
         if self._closed:
             return
-        for link in list(self.links):
-            link.close()  # may re-enter close() through a dialer link's _forget
-            link.cancel_timer()
-        if self._closed:
-            return
         self._closed = True
+        for link in list(self.links):
+            link.close()  # still sends: the socket closes below
+            link.cancel_timer()
         self._loop.remove_reader(self._fileno)
         if self._writer_registered:
             self._loop.remove_writer(self._fileno)
         self.udp.close()
+        self._socket_closed = True
 
     @property
     def local_address(self) -> Address:
@@ -452,7 +452,7 @@ class QuicEndpoint:
     # --- I/O ------------------------------------------------------------------------
 
     def send(self, datagrams: list[tuple[bytes, Any]]) -> None:
-        if self._closed:
+        if self._socket_closed:
             return
         self.udp.send_batch(datagrams)
         if self.udp.blocked and not self._writer_registered:
