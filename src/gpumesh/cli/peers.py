@@ -45,6 +45,11 @@ def peers(as_json: bool) -> None:
         table.add_column(column)
     for p in rows:
         access = "[green]allowed[/green]" if p.allowed else "[red]denied[/red]"
-        seen = f"{format_duration(now - p.last_seen)} ago" if p.last_seen else "never"
+        if p.last_seen is None:
+            seen = "never"
+        elif now - p.last_seen < 2:
+            seen = "just now"
+        else:
+            seen = f"{format_duration(now - p.last_seen)} ago"
         table.add_row(p.name, p.node_id.short, access, seen, ", ".join(p.dial_addresses()))
     Console().print(table)

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Install GPUMesh into .venv and show its main flow end to end on this one machine:
+# two nodes with separate homes pair mutually, one shares, the other connects.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+fi
+.venv/bin/pip install -q --disable-pip-version-check .
+GPUMESH=.venv/bin/gpumesh
+
+work=$(mktemp -d "${TMPDIR:-/tmp}/gpumesh-demo.XXXXXX")
+A="$work/alice" B="$work/bob"
+share_pid=
+cleanup() {
+  if [ -n "$share_pid" ] && kill -0 "$share_pid" 2>/dev/null; then
+    GPUMESH_HOME=$A $GPUMESH share stop >/dev/null 2>&1 || kill "$share_pid" 2>/dev/null || true
+  fi
+  rm -rf "$work"
+}
+trap cleanup EXIT
+
+# A free UDP port, so the demo never collides with a real `gpumesh share` on 47000.
+port=$(.venv/bin/python -c 'import socket; s=socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+
+step() { printf '\n\033[1m$ %s\033[0m\n' "$*"; }
+
+step "GPUMESH_HOME=alice gpumesh init --name alice-pc"
+GPUMESH_HOME=$A $GPUMESH init --name alice-pc
+step "GPUMESH_HOME=bob gpumesh init --name bob-laptop"
+GPUMESH_HOME=$B $GPUMESH init --name bob-laptop
+GPUMESH_HOME=$A $GPUMESH config set listen_port "$port" >/dev/null
+
+step "GPUMESH_HOME=alice gpumesh share &"
+GPUMESH_HOME=$A $GPUMESH share >"$work/share.log" 2>&1 &
+share_pid=$!
+for _ in $(seq 100); do [ -f "$A/agent.json" ] && break; sleep 0.1; done
+[ -f "$A/agent.json" ] || { cat "$work/share.log"; exit 1; }
+sed -n 1,2p "$work/share.log"
+
+step "GPUMESH_HOME=bob gpumesh pair \"\$(GPUMESH_HOME=alice gpumesh pair-code)\""
+GPUMESH_HOME=$B $GPUMESH pair "$(GPUMESH_HOME=$A $GPUMESH pair-code)"
+step "GPUMESH_HOME=alice gpumesh pair \"\$(GPUMESH_HOME=bob gpumesh pair-code)\""
+GPUMESH_HOME=$A $GPUMESH pair "$(GPUMESH_HOME=$B $GPUMESH pair-code)"
+
+step "GPUMESH_HOME=bob gpumesh connect alice-pc"
+GPUMESH_HOME=$B $GPUMESH connect alice-pc
+step "GPUMESH_HOME=bob gpumesh peers"
+GPUMESH_HOME=$B $GPUMESH peers
+
+step "GPUMESH_HOME=alice gpumesh deny bob-laptop   # default-deny from now on"
+GPUMESH_HOME=$A $GPUMESH deny bob-laptop
+step "GPUMESH_HOME=bob gpumesh connect alice-pc"
+GPUMESH_HOME=$B $GPUMESH connect alice-pc || echo "(exit code $?: refused, as it should be)"
+
+step "GPUMESH_HOME=alice gpumesh share stop"
+GPUMESH_HOME=$A $GPUMESH share stop
+share_pid=
