@@ -288,3 +288,25 @@ def test_doctor_reports_each_check(bob_home: Path) -> None:
     assert result.returncode == 1
     assert checks["identity"]["status"] == "fail"
     assert "chmod 600" in checks["identity"]["fix"]
+
+
+@pytest.mark.usefixtures("docker_daemon")
+def test_doctor_sees_the_docker_daemon_and_its_version(bob_home: Path) -> None:
+    checks = {c["name"]: c for c in json.loads(gpumesh(bob_home, "doctor", "--json").stdout)}
+    assert checks["docker"]["status"] == "ok", checks["docker"]
+    assert checks["docker"]["detail"].startswith("Docker ")
+    assert "API 1." in checks["docker"]["detail"]
+
+
+def test_doctor_without_docker_says_how_to_fix(bob_home: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "gpumesh", "doctor", "--json"],
+        env=dict(os.environ, GPUMESH_HOME=str(bob_home), DOCKER_HOST="unix:///nonexistent.sock"),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    checks = {c["name"]: c for c in json.loads(result.stdout)}
+    assert result.returncode == 1
+    assert checks["docker"]["status"] == "fail"
+    assert "start it" in checks["docker"]["fix"]

@@ -241,3 +241,27 @@ def test_closing_the_agent_ends_open_sessions(make_node) -> None:
                 assert isinstance(error, ConnectionLostError)
 
     arun(scenario())
+
+
+def test_connection_floods_from_one_source_are_rate_limited(make_node) -> None:
+    from gpumesh.agent.ratelimit import ConnectionLimiter
+    from gpumesh.agent.server import Agent
+
+    alice, bob = make_node("alice"), make_node("bob")
+
+    async def scenario() -> None:
+        agent = Agent(
+            alice.home, host="127.0.0.1", port=0, limiter=ConnectionLimiter(rate=0.01, burst=2)
+        )
+        await agent.start()
+        try:
+            pair_both(alice, bob)
+            for _ in range(2):
+                assert (await bob.connect("alice", pings=1)).remote.name == "alice"
+            # The third new connection from 127.0.0.1 gets no answer at all.
+            with pytest.raises(UnreachableError, match="no answer"):
+                await bob.connect("alice", timeout=1.0)
+        finally:
+            agent.stop()
+
+    arun(scenario())
