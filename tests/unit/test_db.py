@@ -1,0 +1,239 @@
+"""store/db: schema migrations, peers by name and id prefix, allowlist, WAL sharing."""
+
+from __future__ import annotations
+
+import hashlib
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from gpumesh.errors import AmbiguousPeerError, ConfigError, UnknownPeerError
+from gpumesh.identity.keys import node_id_for
+from gpumesh.store.db import SCHEMA_VERSION, Store
+
+
+def key(n: int) -> bytes:
+    return hashlib.sha256(b"peer-key-%d" % n).digest()
+
+
+def two_keys_sharing_an_id_prefix(length: int = 4) -> tuple[bytes, bytes]:
+    seen: dict[str, bytes] = {}
+    for n in range(100_000):
+        prefix = node_id_for(key(n))[:length]
+        if prefix in seen:
+            return seen[prefix], key(n)
+        seen[prefix] = key(n)
+    raise AssertionError("no collision found")
+
+
+# --- schema -------------------------------------------------------------------
+
+
+def test_new_database_is_at_the_current_schema(store: Store) -> None:
+    assert SCHEMA_VERSION >= 1
+    assert store.schema_version == SCHEMA_VERSION
+
+
+def test_reopening_keeps_data_and_does_not_migrate_again(tmp_path: Path) -> None:
+    path = tmp_path / "gpumesh.db"
+    first = Store(path)
+    first.save_peer(key(1), "alice", [], "")
+    first.close()
+    # Re-running the 0 -> 1 migration would fail: its CREATE TABLE has no IF NOT EXISTS.
+    second = Store(path)
+    try:
+        assert second.schema_version == SCHEMA_VERSION
+        assert [p.name for p in second.peers()] == ["alice"]
+    finally:
+        second.close()
+
+
+def test_a_database_from_a_newer_gpumesh_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "gpumesh.db"
+    raw = sqlite3.connect(path)
+    raw.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    raw.close()
+    with pytest.raises(ConfigError, match="newer GPUMesh"):
+        Store(path)
+
+
+def test_wal_mode_is_on(store: Store) -> None:
+    raw = sqlite3.connect(store.path)
+    try:
+        assert raw.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    finally:
+        raw.close()
+
+
+def test_two_stores_on_one_file_see_each_others_writes(tmp_path: Path) -> None:
+    path = tmp_path / "gpumesh.db"
+    agent, cli = Store(path), Store(path)
+    try:
+        peer = cli.save_peer(key(1), "alice", ["192.0.2.1:47000"], "")
+        assert agent.find_peer("alice").node_id == peer.node_id
+        agent.set_allowed(peer.node_id, False)
+        assert not cli.find_peer("alice").allowed
+        agent.delete_peer(peer.node_id)
+        assert cli.peers() == []
+    finally:
+        agent.close()
+        cli.close()
+
+
+# --- peers --------------------------------------------------------------------
+
+
+def test_save_peer_stores_everything(store: Store) -> None:
+    peer = store.save_peer(key(1), "alice", ["192.0.2.1:47000", "10.0.0.2:47000"], "r:1", now=50.0)
+    assert peer.node_id == node_id_for(key(1))
+    assert peer.name == "alice"
+    assert peer.public_key == key(1)
+    assert peer.addresses == ["192.0.2.1:47000", "10.0.0.2:47000"]
+    assert peer.relay == "r:1"
+    assert peer.allowed
+    assert peer.paired_at == 50.0
+    assert peer.last_seen is None
+    assert peer.last_address == ""
+    assert store.peer_by_key(key(1)) == peer
+    assert store.peer_by_id(peer.node_id) == peer
+
+
+def test_saving_again_refreshes_and_re_allows(store: Store) -> None:
+    first = store.save_peer(key(1), "alice", ["a:1"], "", now=50.0)
+    store.set_allowed(first.node_id, False)
+    again = store.save_peer(key(1), "alice2", ["b:2"], "r:3", now=99.0)
+    assert again.name == "alice2"
+    assert again.addresses == ["b:2"]
+    assert again.relay == "r:3"
+    assert again.allowed
+    assert again.paired_at == 50.0
+    assert len(store.peers()) == 1
+
+
+def test_find_peer_by_exact_name(store: Store) -> None:
+    store.save_peer(key(1), "alice", [], "")
+    bob = store.save_peer(key(2), "bob", [], "")
+    assert store.find_peer("bob") == bob
+    assert store.find_peer("  bob\n") == bob
+
+
+@pytest.mark.parametrize("length", [4, 5, 12, 26])
+def test_find_peer_by_id_prefix(store: Store, length: int) -> None:
+    alice = store.save_peer(key(1), "alice", [], "")
+    store.save_peer(key(2), "bob", [], "")
+    assert store.find_peer(alice.node_id[:length]) == alice
+    assert store.find_peer(alice.node_id[:length].upper()) == alice
+
+
+def test_an_id_prefix_shorter_than_4_is_not_used(store: Store) -> None:
+    alice = store.save_peer(key(1), "alice", [], "")
+    with pytest.raises(UnknownPeerError):
+        store.find_peer(alice.node_id[:3])
+
+
+def test_unknown_peer_message_says_what_to_do(store: Store) -> None:
+    store.save_peer(key(1), "alice", [], "")
+    with pytest.raises(UnknownPeerError) as info:
+        store.find_peer("carol")
+    message = str(info.value)
+    assert "'carol'" in message
+    assert "gpumesh peers" in message
+    assert "gpumesh pair" in message
+
+
+def test_ambiguous_id_prefix_lists_the_candidates(store: Store) -> None:
+    first, second = two_keys_sharing_an_id_prefix()
+    a = store.save_peer(first, "alice", [], "")
+    b = store.save_peer(second, "bob", [], "")
+    prefix = a.node_id[:4]
+    assert b.node_id[:4] == prefix
+    with pytest.raises(AmbiguousPeerError) as info:
+        store.find_peer(prefix)
+    message = str(info.value)
+    assert "matches 2 peers" in message
+    assert "alice" in message
+    assert "bob" in message
+    # A longer prefix that tells them apart works.
+    common = next(i for i in range(26) if a.node_id[i] != b.node_id[i])
+    assert store.find_peer(a.node_id[: common + 1]) == a
+
+
+def test_two_peers_with_one_name_are_ambiguous_by_name(store: Store) -> None:
+    a = store.save_peer(key(1), "gpu", [], "")
+    b = store.save_peer(key(2), "gpu", [], "")
+    with pytest.raises(AmbiguousPeerError, match="2 peers are named 'gpu'") as info:
+        store.find_peer("gpu")
+    assert a.node_id[:12] in str(info.value)
+    assert b.node_id[:12] in str(info.value)
+    assert store.peer_by_name("gpu") is None
+    assert store.find_peer(a.node_id) == a
+
+
+def test_a_name_wins_over_an_id_prefix(store: Store) -> None:
+    alice = store.save_peer(key(1), "alice", [], "")
+    named_like_id = store.save_peer(key(2), alice.node_id[:6], [], "")
+    assert store.find_peer(alice.node_id[:6]) == named_like_id
+
+
+def test_peer_by_id_unknown(store: Store) -> None:
+    with pytest.raises(UnknownPeerError):
+        store.peer_by_id(node_id_for(key(9)))
+    assert store.peer_by_key(key(9)) is None
+
+
+def test_peers_are_listed_by_name(store: Store) -> None:
+    for n, name in enumerate(["carol", "alice", "bob"]):
+        store.save_peer(key(n), name, [], "")
+    assert [p.name for p in store.peers()] == ["alice", "bob", "carol"]
+
+
+# --- allowlist ----------------------------------------------------------------
+
+
+def test_allowed_keys_follows_set_allowed(store: Store) -> None:
+    a = store.save_peer(key(1), "alice", [], "")
+    store.save_peer(key(2), "bob", [], "")
+    assert store.allowed_keys([key(1), key(2), key(3)]) == {key(1), key(2)}
+    store.set_allowed(a.node_id, False)
+    assert store.allowed_keys([key(1), key(2)]) == {key(2)}
+    assert store.find_peer("alice").allowed is False
+    store.set_allowed(a.node_id, True)
+    assert store.allowed_keys([key(1)]) == {key(1)}
+
+
+def test_allowed_keys_of_nothing(store: Store) -> None:
+    store.save_peer(key(1), "alice", [], "")
+    assert store.allowed_keys([]) == set()
+
+
+# --- last seen ----------------------------------------------------------------
+
+
+def test_touch_peer_records_time_and_address(store: Store) -> None:
+    peer = store.save_peer(key(1), "alice", ["a:1", "b:2", "c:3"], "")
+    store.touch_peer(peer.node_id, address="b:2", now=123.0)
+    touched = store.peer_by_id(peer.node_id)
+    assert touched.last_seen == 123.0
+    assert touched.last_address == "b:2"
+    assert touched.dial_addresses() == ["b:2", "a:1", "c:3"]
+
+
+def test_touch_without_address_keeps_the_last_address(store: Store) -> None:
+    peer = store.save_peer(key(1), "alice", ["a:1"], "")
+    store.touch_peer(peer.node_id, address="a:1", now=1.0)
+    store.touch_peer(peer.node_id, now=2.0)
+    touched = store.peer_by_id(peer.node_id)
+    assert touched.last_seen == 2.0
+    assert touched.last_address == "a:1"
+
+
+def test_dial_addresses_without_a_last_address_keeps_the_order(store: Store) -> None:
+    peer = store.save_peer(key(1), "alice", ["a:1", "b:2"], "")
+    assert peer.dial_addresses() == ["a:1", "b:2"]
+
+
+def test_dial_addresses_includes_a_last_address_not_in_the_code(store: Store) -> None:
+    peer = store.save_peer(key(1), "alice", ["a:1"], "")
+    store.touch_peer(peer.node_id, address="nat:9", now=1.0)
+    assert store.peer_by_id(peer.node_id).dial_addresses() == ["nat:9", "a:1"]

@@ -1,0 +1,320 @@
+"""protocol/handshake: ClientAuth against ServerAuth, every message through encode/decode.
+
+No sockets: a small driver passes each message over the wire format the way
+the transport does, so these tests also cover that the handshake messages
+survive their own size limits.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import pytest
+
+from gpumesh.errors import (
+    AccessDeniedError,
+    GPUMeshError,
+    NotPairedError,
+    ProtocolError,
+)
+from gpumesh.identity.keys import Identity
+from gpumesh.protocol.handshake import ClientAuth, ServerAuth, auth_transcript
+from gpumesh.protocol.messages import (
+    PROTOCOL_VERSION,
+    Challenge,
+    Hello,
+    Message,
+    Ping,
+    Proof,
+    Refusal,
+    Welcome,
+    decode_message,
+    encode_message,
+)
+
+
+def wire(message: Message) -> Message:
+    return decode_message(encode_message(message))
+
+
+def allow_all(_key: bytes) -> None:
+    return None
+
+
+def make_server(
+    identity: Identity,
+    authorize: Callable[[bytes], None] = allow_all,
+    nonce: bytes | None = None,
+) -> ServerAuth:
+    return ServerAuth(identity, "provider", nonce or os.urandom(32), authorize)
+
+
+def run_handshake(client: ClientAuth, server: ServerAuth) -> None:
+    """Drive both sides to the end; the client raises if refused."""
+    to_server: Message | None = client.start()
+    while to_server is not None:
+        reply = wire(server.receive(wire(to_server)))
+        to_server = client.receive(reply)
+
+
+def expect_refusal(reply: Message, code: str) -> Refusal:
+    assert isinstance(reply, Refusal)
+    assert reply.code == code
+    return reply
+
+
+# --- success ------------------------------------------------------------------
+
+
+def test_handshake_succeeds_and_proves_the_client_key(
+    identity: Identity, other_identity: Identity
+) -> None:
+    seen: list[bytes] = []
+    server = make_server(other_identity, seen.append)
+    client = ClientAuth(identity, "dialer", other_identity.public_key)
+    run_handshake(client, server)
+    assert client.done
+    assert client.server_name == "provider"
+    assert server.done
+    assert not server.failed
+    assert server.client_key == identity.public_key
+    assert server.client_name == "dialer"
+    assert seen == [identity.public_key]
+
+
+def test_messages_in_order(identity: Identity, other_identity: Identity) -> None:
+    nonce = os.urandom(32)
+    server = make_server(other_identity, nonce=nonce)
+    client = ClientAuth(identity, "dialer", other_identity.public_key)
+    hello = client.start()
+    assert hello == Hello(version=PROTOCOL_VERSION, public_key=identity.public_key, name="dialer")
+    challenge = server.receive(wire(hello))
+    assert challenge == Challenge(nonce=nonce, version=PROTOCOL_VERSION)
+    proof = client.receive(wire(challenge))
+    assert isinstance(proof, Proof)
+    assert not server.done
+    welcome = server.receive(wire(proof))
+    assert welcome == Welcome(name="provider")
+    assert client.receive(wire(welcome)) is None
+    assert client.done
+
+
+def test_authorize_is_not_called_before_the_proof(
+    identity: Identity, other_identity: Identity
+) -> None:
+    calls: list[bytes] = []
+    server = make_server(other_identity, calls.append)
+    client = ClientAuth(identity, "dialer", other_identity.public_key)
+    server.receive(wire(client.start()))
+    assert calls == []
+
+
+# --- authorization refused ----------------------------------------------------
+
+
+@pytest.mark.parametrize("error_class", [AccessDeniedError, NotPairedError])
+def test_authorize_refusal_reaches_the_client_as_the_same_class(
+    identity: Identity, other_identity: Identity, error_class: type[AccessDeniedError]
+) -> None:
+    def authorize(_key: bytes) -> None:
+        raise error_class("provider says no: ask its owner")
+
+    server = make_server(other_identity, authorize)
+    client = ClientAuth(identity, "dialer", other_identity.public_key)
+    with pytest.raises(error_class, match="provider says no") as info:
+        run_handshake(client, server)
+    assert type(info.value) is error_class
+    assert server.failed
+    assert isinstance(server.error, error_class)
+    assert not client.done
+
+
+def test_refusal_message_carries_code_and_text(
+    identity: Identity, other_identity: Identity
+) -> None:
+    def authorize(_key: bytes) -> None:
+        raise NotPairedError("not paired with you")
+
+    server = make_server(other_identity, authorize)
+    client = ClientAuth(identity, "dialer", other_identity.public_key)
+    proof = client.receive(wire(server.receive(wire(client.start()))))
+    assert proof is not None
+    refusal = expect_refusal(wire(server.receive(wire(proof))), "not_paired")
+    assert refusal.message == "not paired with you"
+
+
+# --- forged proofs ------------------------------------------------------------
+
+
+def _hello_and_challenge(server: ServerAuth, claimed: Identity) -> Challenge:
+    challenge = wire(
+        server.receive(
+            wire(Hello(version=PROTOCOL_VERSION, public_key=claimed.public_key, name="x"))
+        )
+    )
+    assert isinstance(challenge, Challenge)
+    return challenge
+
+
+def test_proof_signed_by_another_key_is_denied(
+    identity: Identity, other_identity: Identity
+) -> None:
+    server_identity = Identity.generate()
+    authorized: list[bytes] = []
+    server = make_server(server_identity, authorized.append)
+    challenge = _hello_and_challenge(server, claimed=identity)
+    transcript = auth_transcript(challenge.nonce, server_identity.public_key, identity.public_key)
+    forged = Proof(signature=other_identity.sign(transcript))
+    reply = expect_refusal(wire(server.receive(wire(forged))), "denied")
+    assert "identity proof failed" in reply.message
+    assert server.failed
+    assert authorized == []
+
+
+def test_proof_for_another_server_key_is_denied(
+    identity: Identity, other_identity: Identity
+) -> None:
+    server_identity = Identity.generate()
+    server = make_server(server_identity)
+    challenge = _hello_and_challenge(server, claimed=identity)
+    transcript = auth_transcript(challenge.nonce, other_identity.public_key, identity.public_key)
+    reply = server.receive(wire(Proof(signature=identity.sign(transcript))))
+    expect_refusal(reply, "denied")
+    assert not server.done
+
+
+def test_proof_replayed_from_another_nonce_is_denied(
+    identity: Identity, other_identity: Identity
+) -> None:
+    # A genuine proof from an earlier connection...
+    first = make_server(other_identity, nonce=b"\x01" * 32)
+    client = ClientAuth(identity, "dialer", other_identity.public_key)
+    old_proof = client.receive(wire(first.receive(wire(client.start()))))
+    assert isinstance(old_proof, Proof)
+    assert first.receive(wire(old_proof)) == Welcome(name="provider")
+    # ...is worthless on a new one with a fresh nonce.
+    second = make_server(other_identity, nonce=b"\x02" * 32)
+    _hello_and_challenge(second, claimed=identity)
+    expect_refusal(second.receive(wire(old_proof)), "denied")
+    assert second.failed
+
+
+def test_client_pinned_to_another_server_key_is_denied(
+    identity: Identity, other_identity: Identity
+) -> None:
+    # The client signs for the key it pinned; if the server has another key the proof fails.
+    server = make_server(Identity.generate())
+    client = ClientAuth(identity, "dialer", other_identity.public_key)
+    with pytest.raises(AccessDeniedError, match="identity proof failed"):
+        run_handshake(client, server)
+
+
+# --- out of order -------------------------------------------------------------
+
+
+def test_proof_before_hello_is_a_protocol_refusal(identity: Identity) -> None:
+    server = make_server(identity)
+    reply = server.receive(wire(Proof(signature=b"\x00" * 64)))
+    refusal = expect_refusal(reply, "protocol")
+    assert "unexpected Proof" in refusal.message
+    assert server.failed
+    assert isinstance(server.error, ProtocolError)
+
+
+@pytest.mark.parametrize(
+    "message",
+    [Ping(sent=1.0), Welcome(name="x"), Challenge(nonce=b"\x00" * 32, version=PROTOCOL_VERSION)],
+    ids=lambda m: type(m).__name__,
+)
+def test_any_other_first_message_is_a_protocol_refusal(
+    identity: Identity, message: Message
+) -> None:
+    expect_refusal(make_server(identity).receive(wire(message)), "protocol")
+
+
+def test_a_request_after_the_handshake_is_not_taken_by_the_auth(
+    identity: Identity, other_identity: Identity
+) -> None:
+    server = make_server(other_identity)
+    run_handshake(ClientAuth(identity, "dialer", other_identity.public_key), server)
+    expect_refusal(server.receive(wire(Ping(sent=1.0))), "protocol")
+
+
+def test_a_second_hello_is_a_protocol_refusal(identity: Identity) -> None:
+    server = make_server(identity)
+    hello = Hello(version=PROTOCOL_VERSION, public_key=identity.public_key, name="x")
+    assert isinstance(server.receive(wire(hello)), Challenge)
+    expect_refusal(server.receive(wire(hello)), "protocol")
+
+
+def test_nothing_is_accepted_after_a_refusal(identity: Identity) -> None:
+    server = make_server(identity)
+    server.receive(wire(Proof(signature=b"\x00" * 64)))
+    hello = Hello(version=PROTOCOL_VERSION, public_key=identity.public_key, name="x")
+    expect_refusal(server.receive(wire(hello)), "protocol")
+    assert not server.done
+
+
+def test_client_refuses_welcome_before_challenge(
+    identity: Identity, other_identity: Identity
+) -> None:
+    client = ClientAuth(identity, "dialer", other_identity.public_key)
+    client.start()
+    with pytest.raises(ProtocolError, match="unexpected Welcome"):
+        client.receive(wire(Welcome(name="impostor")))
+    assert not client.done
+    assert client.server_name is None
+
+
+def test_client_refuses_a_second_challenge(identity: Identity, other_identity: Identity) -> None:
+    client = ClientAuth(identity, "dialer", other_identity.public_key)
+    client.start()
+    challenge = Challenge(nonce=b"\x03" * 32, version=PROTOCOL_VERSION)
+    client.receive(wire(challenge))
+    with pytest.raises(ProtocolError, match="unexpected Challenge"):
+        client.receive(wire(challenge))
+
+
+# --- versions -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("version", [0, PROTOCOL_VERSION + 1])
+def test_server_refuses_a_client_of_another_version(identity: Identity, version: int) -> None:
+    server = make_server(identity)
+    hello = Hello(version=version, public_key=identity.public_key, name="old")
+    refusal = expect_refusal(wire(server.receive(wire(hello))), "protocol")
+    assert f"you {version}" in refusal.message
+    assert "upgrade GPUMesh" in refusal.message
+    assert server.failed
+
+
+@pytest.mark.parametrize("version", [0, PROTOCOL_VERSION + 1])
+def test_client_refuses_a_server_of_another_version(
+    identity: Identity, other_identity: Identity, version: int
+) -> None:
+    client = ClientAuth(identity, "dialer", other_identity.public_key)
+    client.start()
+    with pytest.raises(ProtocolError, match="upgrade GPUMesh") as info:
+        client.receive(wire(Challenge(nonce=b"\x00" * 32, version=version)))
+    assert f"version {version}" in str(info.value)
+    assert not client.done
+
+
+def test_client_raises_a_version_refusal_as_protocol_error(identity: Identity) -> None:
+    server = make_server(identity)
+    hello = Hello(version=PROTOCOL_VERSION + 1, public_key=identity.public_key, name="new")
+    client = ClientAuth(identity, "new", identity.public_key)
+    client.start()
+    with pytest.raises(ProtocolError, match="upgrade"):
+        client.receive(wire(server.receive(wire(hello))))
+
+
+@pytest.mark.parametrize("code", ["denied", "not_paired", "protocol", "something_new"])
+def test_client_rebuilds_any_refusal(identity: Identity, code: str) -> None:
+    client = ClientAuth(identity, "dialer", identity.public_key)
+    client.start()
+    with pytest.raises(GPUMeshError, match="go away") as info:
+        client.receive(wire(Refusal(code=code, message="go away")))
+    expected = {"something_new": "error"}.get(code, code)
+    assert info.value.code == expected
