@@ -6,12 +6,23 @@ side with the tool a user would otherwise use, never a single timing.
 
 from __future__ import annotations
 
+import signal
 import socket
 import statistics
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
-__all__ = ["Summary", "free_port", "print_rows", "summarize"]
+__all__ = [
+    "Summary",
+    "exit_cleanly_on_sigterm",
+    "free_port",
+    "interrupted",
+    "print_rows",
+    "source_note",
+    "summarize",
+]
 
 
 @dataclass(frozen=True)
@@ -61,3 +72,36 @@ def print_rows(header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
         print("  " + "  ".join(cells).rstrip())
         if index == 0:
             print("  " + "  ".join("-" * width for width in widths))
+
+
+def source_note() -> str | None:
+    """A warning when the gpumesh being measured is not this checkout's ``src/``.
+
+    A non-editable ``pip install .`` leaves a copy in the environment that
+    later edits do not reach; figures would then describe that copy.
+    """
+    import gpumesh
+
+    measured = Path(gpumesh.__file__).resolve().parent
+    checkout = Path(__file__).resolve().parent.parent / "src" / "gpumesh"
+    if not checkout.is_dir() or measured == checkout.resolve():
+        return None
+    return (
+        f"note: measuring the gpumesh installed at {measured}, not this checkout's src/; "
+        "`pip install -e .` makes the figures follow your edits"
+    )
+
+
+def interrupted() -> int:
+    """What a script's ``main`` returns after Ctrl-C, once everything is cleaned up."""
+    print("interrupted", file=sys.stderr)
+    return 130
+
+
+def exit_cleanly_on_sigterm() -> None:
+    """Turn SIGTERM into SystemExit, so ``finally`` blocks still stop what we started."""
+
+    def handler(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)

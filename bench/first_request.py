@@ -44,7 +44,14 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 from cryptography.x509.oid import NameOID
 
-from _benchlib import Summary, print_rows, summarize
+from _benchlib import (
+    Summary,
+    exit_cleanly_on_sigterm,
+    interrupted,
+    print_rows,
+    source_note,
+    summarize,
+)
 from gpumesh.agent.ratelimit import ConnectionLimiter
 from gpumesh.agent.server import Agent
 from gpumesh.client.node import Node
@@ -289,8 +296,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="gpumesh-bench-") as tmp:
-        samples, cold = asyncio.run(measure(args, Path(tmp)))
+    exit_cleanly_on_sigterm()
+    if note := source_note():
+        print(note)
+    try:
+        with tempfile.TemporaryDirectory(prefix="gpumesh-bench-") as tmp:
+            samples, cold = asyncio.run(measure(args, Path(tmp)))
+    except KeyboardInterrupt:
+        return interrupted()
     report(args, samples, cold)
     return 0
 
