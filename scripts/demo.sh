@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# Install GPUMesh into .venv and show its main flow end to end on this one machine:
-# two nodes with separate homes pair mutually, one shares, the other connects.
+# Install GPUMesh (editable, into the .venv that scripts/test.sh also uses) and show its
+# main flow end to end on this one machine: two nodes with separate homes pair, share, connect.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
-.venv/bin/pip install -q --disable-pip-version-check .
+.venv/bin/pip install -q --disable-pip-version-check -e .
 GPUMESH=.venv/bin/gpumesh
 
 work=$(mktemp -d "${TMPDIR:-/tmp}/gpumesh-demo.XXXXXX")

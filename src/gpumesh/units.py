@@ -8,6 +8,7 @@ number is bytes.
 from __future__ import annotations
 
 import re
+from decimal import Decimal
 
 from gpumesh.errors import ConfigError
 
@@ -40,19 +41,20 @@ def parse_size(text: str) -> int:
         raise ConfigError(
             f"invalid size {text!r}: use a number with a unit such as 512MB, 8GB or 16GiB"
         )
-    return int(float(match.group(1)) * _UNITS[unit])
+    return int(Decimal(match.group(1)) * _UNITS[unit])
 
 
 def format_size(num_bytes: float) -> str:
     """Format bytes the way users write them: ``8GB``, ``1.5MB``, ``900B``."""
+    if abs(num_bytes) < 1000:
+        return f"{int(num_bytes)}B"
     value = float(num_bytes)
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(value) < 1000 or unit == "TB":
-            if unit == "B":
-                return f"{int(value)}B"
+    for unit in ("KB", "MB", "GB", "TB"):
+        value /= 1000
+        # Round first, so 999,999 bytes reads 1MB rather than 1000KB.
+        if abs(round(value, 1)) < 1000 or unit == "TB":
             text = f"{value:.1f}".rstrip("0").rstrip(".")
             return f"{text}{unit}"
-        value /= 1000
     raise AssertionError("unreachable")
 
 

@@ -188,13 +188,6 @@ def test_a_code_cut_in_its_payload_is_reported_as_cut(cut: int) -> None:
     assert "truncated" in _message(info) or "cut" in _message(info)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG: a code cut to 4n+1 payload characters fails base64 padding and is "
-        "reported as 'contains characters that do not belong' instead of truncated"
-    ),
-)
 def test_a_code_cut_after_4n_plus_1_characters_says_truncated() -> None:
     payload_chars = (len(_CODE) - len(CODE_PREFIX)) // 2
     payload_chars -= payload_chars % 4

@@ -148,13 +148,6 @@ def test_good_values_are_parsed(config: Config, key: str, value: str, expected: 
     assert config.get(key) == expected
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG: max_vram is normalised through format_size, which rounds to one "
-        "decimal in decimal units: 16GiB is stored as 17.2GB, 1234MB as 1.2GB"
-    ),
-)
 @pytest.mark.parametrize("value", ["16GiB", "1234MB"])
 def test_max_vram_keeps_the_size_that_was_set(config: Config, value: str) -> None:
     assert parse_size(str(config.set("max_vram", value))) == parse_size(value)

@@ -119,13 +119,6 @@ def test_every_one_character_typo_of_a_known_id_is_caught() -> None:
     assert not any(NodeId.is_well_formed(t) for t in _substitutions(node_id))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG: the 10-bit checksum is a truncated hash, so ~1/1024 single-character "
-        "typos still pass is_well_formed (about half of all ids have at least one)"
-    ),
-)
 def test_no_one_character_typo_of_any_id_is_well_formed() -> None:
     missed = [
         typo
@@ -161,10 +154,6 @@ def test_check_node_name_refuses(name: str) -> None:
     assert "1-63 letters" in str(info.value)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: _NAME_RE ends in '$', which also matches before a trailing newline",
-)
 @pytest.mark.parametrize("name", ["alice\n", "x" * 63 + "\n"])
 def test_check_node_name_refuses_a_trailing_newline(name: str) -> None:
     with pytest.raises(IdentityError):
@@ -230,10 +219,6 @@ def test_load_of_a_non_ed25519_key_is_refused(tmp_path: Path) -> None:
         Identity.load(path)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: Identity.load lets TypeError escape for a password-protected PEM key",
-)
 def test_load_of_an_encrypted_key_raises_identity_error(identity: Identity, tmp_path: Path) -> None:
     path = tmp_path / "identity.key"
     path.write_bytes(

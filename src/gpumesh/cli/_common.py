@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import logging.handlers
@@ -47,6 +46,8 @@ def get_node(ctx: click.Context | None = None) -> Any:
 
 
 def run_async(coro: Coroutine[Any, Any, T]) -> T:
+    import asyncio  # not at the top: `gpumesh --help` should not pay for it
+
     return asyncio.run(coro)
 
 

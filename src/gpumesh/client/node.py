@@ -13,6 +13,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gpumesh.errors import (
     ConfigError,
@@ -33,7 +34,9 @@ from gpumesh.protocol.messages import (
 from gpumesh.settings import ENV_NODE_NAME, env
 from gpumesh.store.db import Peer
 from gpumesh.store.home import AgentInfo, Home
-from gpumesh.transport.session import Session, open_session, parse_address
+
+if TYPE_CHECKING:
+    from gpumesh.transport.session import Session
 
 __all__ = ["ConnectResult", "Node", "NodeInfo", "NodeStatus", "ThroughputResult"]
 
@@ -146,11 +149,12 @@ class Node:
 
         config = self.home.config
         agent = self.home.read_agent_info()
-        port = agent.port if agent else config.listen_port
+        # A running agent knows where it really listens (`share --host/--port`).
+        host, port = (agent.host, agent.port) if agent else (config.listen_host, config.listen_port)
         return make_code(
             self.home.identity,
             config.node_name,
-            local_addresses(config.listen_host, port),
+            local_addresses(host, port),
             config.relay,
             clock=clock,
         )
@@ -199,6 +203,9 @@ class Node:
     @contextlib.asynccontextmanager
     async def session(self, query: str, *, timeout: float | None = None) -> AsyncIterator[Session]:
         """An authenticated session with a paired peer, closed on exit."""
+        # Imported here: local commands (status, peers) need no QUIC or TLS.
+        from gpumesh.transport.session import open_session, parse_address
+
         peer = self.peer(query)
         addresses = []
         for text in peer.dial_addresses():

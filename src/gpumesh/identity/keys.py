@@ -37,7 +37,7 @@ SIGNATURE_SIZE = 64
 _HASH_CHARS = 24
 ID_LENGTH = _HASH_CHARS + 2
 _ALPHABET = "abcdefghijklmnopqrstuvwxyz234567"
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
 
 
 def _b32(data: bytes) -> str:
@@ -45,9 +45,11 @@ def _b32(data: bytes) -> str:
 
 
 def _checksum(body: str) -> str:
-    digest = hashlib.sha256(b"gpumesh-id-check" + body.encode("ascii")).digest()
-    value = int.from_bytes(digest[:2], "big") >> 6  # 10 bits -> two base32 chars
-    return _ALPHABET[value >> 5] + _ALPHABET[value & 31]
+    # Position-weighted sum modulo the prime 1021 (fits two base32 characters):
+    # any single wrong character or swap of neighbours changes it, so a typed
+    # id with one typo never passes as well-formed.
+    total = sum((index + 1) * _ALPHABET.index(char) for index, char in enumerate(body)) % 1021
+    return _ALPHABET[total >> 5] + _ALPHABET[total & 31]
 
 
 class NodeId(str):
@@ -80,7 +82,7 @@ def node_id_for(public_key: bytes) -> NodeId:
 
 def check_node_name(name: str) -> str:
     """Return ``name`` if it is a valid node name, else raise."""
-    if not _NAME_RE.match(name):
+    if not _NAME_RE.fullmatch(name):
         raise IdentityError(
             f"invalid node name {name!r}: use 1-63 letters, digits, '.', '_' or '-', "
             "starting with a letter or digit"
@@ -149,9 +151,13 @@ class Identity:
             data = path.read_bytes()
         except FileNotFoundError:
             raise IdentityError(f"no identity key at {path}: run `gpumesh init` first") from None
+        except OSError as exc:
+            raise IdentityError(
+                f"cannot read the identity key at {path}: {exc.strerror or exc}"
+            ) from None
         try:
             key = serialization.load_pem_private_key(data, password=None)
-        except ValueError as exc:
+        except (ValueError, TypeError) as exc:  # TypeError: the key is password-protected
             raise IdentityError(
                 f"the identity key at {path} is unreadable ({exc}); "
                 "restore it from a backup or run `gpumesh init --force`"

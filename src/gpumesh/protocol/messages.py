@@ -186,3 +186,5 @@ def decode_message(data: bytes | memoryview) -> Message:
         raise ProtocolError(f"peer sent an invalid message: {exc}") from None
     except msgspec.DecodeError as exc:
         raise ProtocolError(f"peer sent an undecodable message: {exc}") from None
+    except RecursionError:
+        raise ProtocolError("peer sent a message nested too deeply") from None

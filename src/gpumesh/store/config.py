@@ -18,7 +18,7 @@ from typing import Any
 from gpumesh import settings
 from gpumesh.errors import ConfigError, IdentityError
 from gpumesh.identity.keys import check_node_name
-from gpumesh.units import format_size, parse_size
+from gpumesh.units import parse_size
 
 __all__ = ["DEFAULT_IMAGE", "DEFAULT_PORT", "KEYS", "Config", "ConfigKey"]
 
@@ -78,9 +78,9 @@ def _text(text: str) -> str:
 
 
 def _size_or_empty(text: str) -> str:
-    if not text or text.lower() in ("none", "unlimited"):
+    if not text or text.lower() in ("none", "unlimited") or parse_size(text) == 0:
         return ""
-    return format_size(parse_size(text)) if parse_size(text) else ""
+    return text.strip()
 
 
 def _size(text: str) -> str:
