@@ -27,6 +27,8 @@ exit codes; nothing here prints.
     ├── ProtocolError                 protocol
     │   └── FrameTooLargeError        frame_too_large
     ├── RuntimeUnavailableError       runtime
+    │   └── ImageMissingError         image_missing
+    ├── LimitError                    limit
     ├── NotFoundError                 not_found
     └── AgentError                    agent
 """
@@ -45,7 +47,9 @@ __all__ = [
     "FrameTooLargeError",
     "GPUMeshError",
     "IdentityError",
+    "ImageMissingError",
     "KeyMismatchError",
+    "LimitError",
     "NotFoundError",
     "NotInitializedError",
     "NotPairedError",
@@ -152,6 +156,17 @@ class FrameTooLargeError(ProtocolError):
 class RuntimeUnavailableError(GPUMeshError):
     code = "runtime"
     exit_code = 6
+
+
+class ImageMissingError(RuntimeUnavailableError):
+    code = "image_missing"
+
+
+class LimitError(GPUMeshError):
+    """A request over a provider's limit (VRAM, upload size, quota)."""
+
+    code = "limit"
+    exit_code = 2
 
 
 class NotFoundError(GPUMeshError):

@@ -1,0 +1,133 @@
+"""The runtime interface the agent's job service talks to.
+
+Every method is blocking (the Docker SDK is); the agent calls them from worker
+threads. Implementations raise only :mod:`gpumesh.errors` exceptions:
+``RuntimeUnavailableError`` when the engine is down, ``ImageMissingError``
+when an image is neither present nor pullable, ``NotFoundError`` for an
+unknown container.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+__all__ = ["ContainerSpec", "ContainerState", "JobRuntime", "LogCursor", "LogLine"]
+
+LABEL_PREFIX = "io.gpumesh"
+LABEL_JOB = f"{LABEL_PREFIX}.job"
+"""Label holding the job id."""
+LABEL_PEER = f"{LABEL_PREFIX}.peer"
+"""Label holding the submitting peer's node id."""
+LABEL_NODE = f"{LABEL_PREFIX}.node"
+"""Label holding the provider's node id: two nodes on one engine never touch
+each other's containers."""
+LABEL_ATTEMPT = f"{LABEL_PREFIX}.attempt"
+WORKDIR_MOUNT = "/workspace"
+
+Stream = Literal["stdout", "stderr"]
+
+
+@dataclass(frozen=True)
+class ContainerSpec:
+    """Everything needed to create one locked-down job container."""
+
+    image: str
+    command: list[str]
+    """argv; empty means the image's default command."""
+    env: dict[str, str]
+    labels: dict[str, str]
+    """Must include LABEL_JOB, LABEL_PEER, LABEL_NODE and LABEL_ATTEMPT."""
+    name: str
+    """Container name, e.g. ``gpumesh-<job>-<attempt>``."""
+    memory: int
+    """Memory limit in bytes (also the swap limit: no swap beyond it)."""
+    pids_limit: int
+    """Process limit; 0 means Docker's default (unlimited)."""
+    cpus: float = 0.0
+    """CPU limit (NanoCpus); 0 means no limit."""
+    network: Literal["bridge", "none"] = "bridge"
+    """``bridge``: outbound through Docker's default bridge; ``none``: no network."""
+    workdir: str | None = None
+    """Host folder bind-mounted read-write at /workspace and made the working
+    directory; the only host path a job ever sees."""
+    gpu_ids: list[str] = field(default_factory=list)
+    """GPU indexes or UUIDs given to the container through a device request;
+    empty: no GPU (and NVIDIA_VISIBLE_DEVICES=void so the image cannot widen it)."""
+
+
+@dataclass(frozen=True)
+class ContainerState:
+    container_id: str
+    labels: dict[str, str]
+    status: str
+    """Docker's status: created, running, exited, dead, ..."""
+    exit_code: int | None
+    """Set once the container has exited."""
+    oom_killed: bool = False
+    error: str = ""
+    """Docker's State.Error (e.g. why start failed)."""
+
+
+@dataclass(frozen=True)
+class LogCursor:
+    """Where a log stream was read up to, to resume without loss or repeats.
+
+    Docker stamps each log entry with a fixed-width RFC 3339 nanosecond time;
+    ``count`` entries with exactly ``timestamp`` were already consumed.
+    """
+
+    timestamp: str = ""
+    count: int = 0
+
+
+@dataclass(frozen=True)
+class LogLine:
+    stream: Stream
+    data: bytes
+    """The entry's bytes, newline included when the program wrote one."""
+    cursor: LogCursor
+    """The cursor to resume from after this entry."""
+
+
+class JobRuntime(Protocol):
+    """Runs job containers. Implemented by ``DockerRuntime``."""
+
+    def version(self) -> str:
+        """Engine version and API version, e.g. ``Docker 20.10.24 (API 1.41)``."""
+
+    def gpu_runtime_available(self) -> bool:
+        """Whether the engine has the NVIDIA container runtime."""
+
+    def ensure_image(self, image: str) -> None:
+        """Make sure ``image`` is present, pulling it if needed; ImageMissingError if not possible."""
+
+    def create(self, spec: ContainerSpec) -> str:
+        """Create (not start) the container; return its id."""
+
+    def start(self, container_id: str) -> None:
+        """Start it. A missing executable is not an error here: the container
+        exits with 127 (126 when not executable), as ``docker run`` reports."""
+
+    def wait(self, container_id: str) -> ContainerState:
+        """Block until the container exits; return its final state."""
+
+    def inspect(self, container_id: str) -> ContainerState: ...
+
+    def logs(
+        self, container_id: str, stream: Stream, cursor: LogCursor, follow: bool
+    ) -> Iterator[LogLine]:
+        """Entries of one stream after ``cursor``; with ``follow`` until the container exits."""
+
+    def stop(self, container_id: str, timeout: float = 10.0) -> None:
+        """SIGTERM, then SIGKILL after ``timeout``; no error if already stopped."""
+
+    def remove(self, container_id: str) -> None:
+        """Remove the container (force); no error if already gone."""
+
+    def list_jobs(self, node_id: str) -> list[ContainerState]:
+        """Every container labelled with LABEL_NODE == node_id, running or not."""
+
+    def host_config(self, container_id: str) -> dict[str, object]:
+        """The container's inspected HostConfig (for checks and tests)."""
