@@ -1,0 +1,623 @@
+"""The Docker implementation of :class:`~gpumesh.runtime.base.JobRuntime`.
+
+Owns everything GPUMesh says to a Docker engine: the locked-down shape of a
+job container, image checks and pulls, start-failure exit codes, log reading
+with resumable cursors, and the translation of every Docker, requests and
+socket failure into a :mod:`gpumesh.errors` exception with a one-line message
+that says what to do.
+
+It talks to the engine only through the Engine API (the ``docker`` SDK),
+never through the docker CLI, and must never give a job the host's network,
+privileges, capabilities or any host path other than its own workdir.
+
+Thread safety: one ``DockerRuntime`` is shared by every job's worker threads.
+The SDK client is a requests session over a pool of connections; each request
+(including a long ``wait`` or a followed log stream) takes its own connection,
+and this class keeps no per-call state on the client, so concurrent calls do
+not interfere. The only shared mutable state here is the lazily created
+client, guarded by a lock.
+"""
+
+from __future__ import annotations
+
+import calendar
+import contextlib
+import logging
+import math
+import os
+import re
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import docker
+import docker.errors
+import docker.types
+import requests.exceptions
+import urllib3.exceptions
+
+from gpumesh.errors import (
+    AgentError,
+    ConfigError,
+    GPUMeshError,
+    ImageMissingError,
+    NotFoundError,
+    RuntimeUnavailableError,
+)
+from gpumesh.runtime.base import (
+    LABEL_ATTEMPT,
+    LABEL_JOB,
+    LABEL_NODE,
+    LABEL_PEER,
+    WORKDIR_MOUNT,
+    ContainerSpec,
+    ContainerState,
+    LogCursor,
+    LogLine,
+    Stream,
+)
+
+__all__ = ["DockerRuntime"]
+
+logger = logging.getLogger(__name__)
+
+_DEFAULT_ENDPOINT = "unix:///var/run/docker.sock"
+_START_HINT = "start it with `sudo systemctl start docker`"
+
+# Every job holds up to three long requests at once (wait plus two followed
+# log streams); a bigger pool keeps those connections reusable instead of
+# being opened and discarded beyond the SDK's default of 10.
+_MAX_POOL_SIZE = 64
+
+# The "local" log driver stores entries as bytes (json-file turns invalid
+# UTF-8 into U+FFFD), works whatever the daemon's default driver is, and is
+# bounded: 5 files of 20 MB per container, rotated files compressed.
+_LOG_CONFIG = {"max-size": "20m", "max-file": "5"}
+
+# Docker cuts output without a newline into entries of this size that share
+# one timestamp; the "local" driver then drops the newline that ended the
+# series (json-file keeps it).
+_LOG_PIECE = 16 * 1024
+
+_REQUIRED_LABELS = (LABEL_JOB, LABEL_PEER, LABEL_NODE, LABEL_ATTEMPT)
+_ALIVE = frozenset({"running", "paused", "restarting"})
+
+# Docker's log timestamps: RFC 3339 in UTC with a fixed 9-digit fraction.
+_TIMESTAMP = re.compile(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d{1,9}))?Z")
+
+# Failures of the connection to the engine, as opposed to answers from it.
+_CONNECTION_ERRORS = (
+    docker.errors.DockerException,
+    requests.exceptions.RequestException,
+    urllib3.exceptions.HTTPError,
+    OSError,
+)
+
+
+class _PullFailed(Exception):
+    """An error message inside Docker's pull progress stream."""
+
+
+class DockerRuntime:
+    """Runs job containers on the local Docker engine.
+
+    ``client`` is used as given (and never closed here); without one, a client
+    is made from the environment (``DOCKER_HOST`` and friends) on first use, so
+    an agent without Docker still starts. ``pull_timeout`` bounds
+    :meth:`ensure_image`'s pull. ``init`` runs Docker's init (tini) as PID 1 so
+    zombies are reaped and SIGTERM reaches the job; turn it off only for an
+    engine without ``docker-init``.
+    """
+
+    def __init__(
+        self,
+        client: docker.DockerClient | None = None,
+        *,
+        pull_timeout: float = 600,
+        init: bool = True,
+    ) -> None:
+        self._client = client
+        self._owns_client = client is None
+        self._pull_timeout = pull_timeout
+        self._init = init
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        """Close the client this runtime made itself (an injected one is the caller's)."""
+        if not self._owns_client:
+            return
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()
+
+    # --- engine -------------------------------------------------------------------------
+
+    def version(self) -> str:
+        with self._engine("report its version") as api:
+            info = api.version()
+        return f"Docker {info.get('Version', '?')} (API {info.get('ApiVersion', '?')})"
+
+    def gpu_runtime_available(self) -> bool:
+        with self._engine("describe itself") as api:
+            info = api.info()
+        return "nvidia" in (info.get("Runtimes") or {})
+
+    # --- images -------------------------------------------------------------------------
+
+    def ensure_image(self, image: str) -> None:
+        with self._engine(f"look up image {image!r}") as api:
+            try:
+                api.inspect_image(image)
+                return
+            except docker.errors.ImageNotFound:
+                pass
+            except docker.errors.APIError as exc:
+                # e.g. an invalid reference: no pull can fix that either
+                raise ImageMissingError(_missing_image(image, _explanation(exc))) from exc
+        self._pull(image)
+        with self._engine(f"look up image {image!r}") as api:
+            try:
+                api.inspect_image(image)
+            except docker.errors.APIError as exc:
+                reason = "the pull finished but the image is still not there"
+                raise ImageMissingError(_missing_image(image, reason)) from exc
+
+    def _pull(self, image: str) -> None:
+        api = self._api()
+        failures: list[Exception] = []
+        finished = threading.Event()
+
+        def pull() -> None:
+            try:
+                for message in api.pull(image, stream=True, decode=True):
+                    if isinstance(message, dict) and message.get("error"):
+                        raise _PullFailed(str(message["error"]))
+            except Exception as exc:  # handed over to the waiting thread
+                failures.append(exc)
+            finally:
+                finished.set()
+
+        # The SDK has no deadline for a whole pull (its timeout is per read),
+        # so the pull runs in its own thread and this one waits at most
+        # pull_timeout. Docker finishes an abandoned pull in the background;
+        # a later ensure_image then finds the image.
+        logger.info("pulling image %s", image)
+        threading.Thread(target=pull, name=f"docker pull {image}", daemon=True).start()
+        if not finished.wait(self._pull_timeout):
+            reason = f"the pull did not finish within {self._pull_timeout:g} s"
+            raise ImageMissingError(_missing_image(image, reason))
+        if failures:
+            failure = failures[0]
+            if isinstance(failure, _PullFailed):
+                reason = _one_line(str(failure))
+            elif isinstance(failure, docker.errors.APIError):
+                reason = _explanation(failure)
+            else:
+                raise _connection_error(failure, _endpoint(api)) from failure
+            raise ImageMissingError(_missing_image(image, reason)) from failure
+
+    # --- containers ---------------------------------------------------------------------
+
+    def create(self, spec: ContainerSpec) -> str:
+        _check_spec(spec)
+        env = dict(spec.env)
+        # Set last so neither the job's env nor the image's ENV can widen GPU
+        # access: "void" hides every GPU from the NVIDIA runtime.
+        env["NVIDIA_VISIBLE_DEVICES"] = ",".join(spec.gpu_ids) if spec.gpu_ids else "void"
+        device_requests = None
+        if spec.gpu_ids:
+            device_requests = [
+                docker.types.DeviceRequest(
+                    driver="nvidia", device_ids=list(spec.gpu_ids), capabilities=[["gpu"]]
+                )
+            ]
+        binds = None
+        if spec.workdir is not None:
+            binds = {spec.workdir: {"bind": WORKDIR_MOUNT, "mode": "rw"}}
+        with self._engine(f"create container {spec.name!r}") as api:
+            host_config = api.create_host_config(
+                privileged=False,
+                cap_drop=["ALL"],
+                security_opt=["no-new-privileges"],
+                pids_limit=spec.pids_limit or None,
+                mem_limit=spec.memory,
+                memswap_limit=spec.memory,
+                nano_cpus=round(spec.cpus * 1e9) if spec.cpus > 0 else None,
+                network_mode=spec.network,
+                binds=binds,
+                init=self._init,
+                device_requests=device_requests,
+                log_config=docker.types.LogConfig(type="local", config=dict(_LOG_CONFIG)),
+            )
+            try:
+                created = api.create_container(
+                    image=spec.image,
+                    command=list(spec.command) or None,
+                    environment=[f"{key}={value}" for key, value in env.items()],
+                    labels=dict(spec.labels),
+                    name=spec.name,
+                    working_dir=WORKDIR_MOUNT if spec.workdir is not None else None,
+                    host_config=host_config,
+                    detach=True,
+                    stdin_open=False,
+                    tty=False,
+                )
+            except docker.errors.ImageNotFound as exc:
+                raise ImageMissingError(
+                    f"image {spec.image!r} is not on this machine; on the provider run "
+                    f"`docker pull {spec.image}` or `docker load -i FILE`"
+                ) from exc
+            except docker.errors.APIError as exc:
+                if exc.status_code == 409:
+                    raise AgentError(
+                        f"a container named {spec.name!r} already exists: remove it with "
+                        f"`docker rm -f {spec.name}` if no job uses it"
+                    ) from exc
+                raise
+        container_id = str(created["Id"])
+        for warning in created.get("Warnings") or []:
+            logger.warning("[job %s] Docker: %s", spec.labels.get(LABEL_JOB, "?"), warning)
+        logger.debug("[job %s] created container %s", spec.labels.get(LABEL_JOB, "?"), container_id)
+        return container_id
+
+    def start(self, container_id: str) -> None:
+        with self._engine("start container", container_id) as api:
+            try:
+                api.start(container_id)
+            except docker.errors.NotFound:
+                raise
+            except docker.errors.APIError as exc:
+                message = _explanation(exc)
+                # Like `docker run`, a missing or non-executable command is the
+                # job failing with 127/126, not the runtime. Docker keeps the
+                # message in State.Error (across agent restarts too), so
+                # inspect() and wait() report it from there.
+                with contextlib.suppress(GPUMeshError):
+                    if self.inspect(container_id).status == "exited":
+                        logger.info("container %s did not start: %s", container_id[:12], message)
+                        return
+                if "could not select device driver" in message:
+                    raise RuntimeUnavailableError(
+                        "this machine's Docker cannot give GPUs to containers (no NVIDIA "
+                        "container runtime): install nvidia-container-toolkit and restart Docker"
+                    ) from exc
+                raise AgentError(
+                    f"Docker could not start container {container_id[:12]}: {message}"
+                ) from exc
+
+    def wait(self, container_id: str) -> ContainerState:
+        with self._engine("wait for container", container_id) as api:
+            # No HTTP timeout: a job may run for days.
+            api.wait(container_id, timeout=None)
+        return self.inspect(container_id)
+
+    def inspect(self, container_id: str) -> ContainerState:
+        with self._engine("inspect container", container_id) as api:
+            attrs = api.inspect_container(container_id)
+        return _state(attrs)
+
+    def stop(self, container_id: str, timeout: float = 10.0) -> None:
+        with (
+            contextlib.suppress(NotFoundError),
+            self._engine("stop container", container_id) as api,
+        ):
+            # Docker takes whole seconds; round up so the job gets at least `timeout`.
+            api.stop(container_id, timeout=max(0, math.ceil(timeout)))
+
+    def remove(self, container_id: str) -> None:
+        with (
+            contextlib.suppress(NotFoundError),
+            self._engine("remove container", container_id) as api,
+        ):
+            try:
+                # v=True: also the anonymous volumes an image's VOLUME lines made.
+                api.remove_container(container_id, force=True, v=True)
+            except docker.errors.APIError as exc:
+                if exc.status_code == 409 and "already in progress" in _explanation(exc):
+                    return
+                raise
+
+    def list_jobs(self, node_id: str) -> list[ContainerState]:
+        with self._engine("list containers") as api:
+            found = api.containers(all=True, filters={"label": f"{LABEL_NODE}={node_id}"})
+        states = []
+        for summary in found:
+            # A container removed between the listing and here is simply gone.
+            with contextlib.suppress(NotFoundError):
+                states.append(self.inspect(str(summary["Id"])))
+        return states
+
+    def host_config(self, container_id: str) -> dict[str, object]:
+        with self._engine("inspect container", container_id) as api:
+            attrs = api.inspect_container(container_id)
+        return dict(attrs.get("HostConfig") or {})
+
+    # --- logs ---------------------------------------------------------------------------
+
+    def logs(
+        self, container_id: str, stream: Stream, cursor: LogCursor, follow: bool
+    ) -> Iterator[LogLine]:
+        if stream not in ("stdout", "stderr"):
+            raise ConfigError(f"unknown log stream {stream!r}: use 'stdout' or 'stderr'")
+        if cursor.timestamp and _timestamp_key(cursor.timestamp) is None:
+            raise ConfigError(
+                f"log cursor {cursor.timestamp!r} is not a Docker log timestamp: "
+                "resume from an empty cursor to read from the start"
+            )
+        # Fail now (unknown container, engine down), not at the first next().
+        self.inspect(container_id)
+        return self._log_lines(container_id, stream, cursor, follow)
+
+    def _log_lines(
+        self, container_id: str, stream: Stream, cursor: LogCursor, follow: bool
+    ) -> Iterator[LogLine]:
+        while True:
+            got_any = False
+            for line in self._read_logs(container_id, stream, cursor, follow):
+                got_any = True
+                cursor = line.cursor
+                yield line
+            if not follow:
+                return
+            # The followed stream ended: the container stopped, or the
+            # connection dropped (the SDK reports both as a plain end). Docker
+            # may also end it before sending a last entry without a newline,
+            # so read once more from the cursor; follow again if still alive.
+            try:
+                follow = self.inspect(container_id).status in _ALIVE
+            except NotFoundError:
+                return
+            if follow and not got_any:
+                time.sleep(0.2)  # an engine that keeps ending the stream: don't spin
+
+    def _read_logs(
+        self, container_id: str, stream: Stream, cursor: LogCursor, follow: bool
+    ) -> Iterator[LogLine]:
+        after = _timestamp_key(cursor.timestamp) if cursor.timestamp else None
+        reader = _EntryReader(stream, after, cursor.count)
+        with self._engine("read the logs of container", container_id) as api:
+            frames = api.logs(
+                container_id,
+                stdout=stream == "stdout",
+                stderr=stream == "stderr",
+                timestamps=True,
+                follow=follow,
+                stream=True,
+                since=_since(after) if after is not None else None,
+            )
+            try:
+                # One frame is one log entry, delivered as soon as Docker has it.
+                for frame in frames:
+                    line = reader.entry(frame)
+                    if line is not None:
+                        yield line
+            finally:
+                _close_stream(frames)
+
+    # --- plumbing -----------------------------------------------------------------------
+
+    def _docker(self) -> Any:
+        with self._lock:
+            if self._client is None:
+                try:
+                    self._client = docker.from_env(max_pool_size=_MAX_POOL_SIZE)
+                except _CONNECTION_ERRORS as exc:
+                    where = os.environ.get("DOCKER_HOST") or _DEFAULT_ENDPOINT
+                    raise _connection_error(exc, where) from exc
+            return self._client
+
+    def _api(self) -> Any:
+        return self._docker().api
+
+    @contextlib.contextmanager
+    def _engine(self, action: str, container_id: str = "") -> Iterator[Any]:
+        """Yield the low-level API client; turn what goes wrong into GPUMesh errors."""
+        api = self._api()
+        try:
+            yield api
+        except GPUMeshError:
+            raise
+        except docker.errors.NotFound as exc:
+            if container_id:
+                raise NotFoundError(
+                    f"no container {container_id[:12]} on this machine's Docker: "
+                    "it was removed, or never created here"
+                ) from exc
+            raise AgentError(f"Docker could not {action}: {_explanation(exc)}") from exc
+        except docker.errors.APIError as exc:
+            raise AgentError(f"Docker could not {action}: {_explanation(exc)}") from exc
+        except _CONNECTION_ERRORS as exc:
+            raise _connection_error(exc, _endpoint(api)) from exc
+
+
+class _EntryReader:
+    """Turns Docker log frames of one stream into LogLines after a cursor."""
+
+    def __init__(self, stream: Stream, after: tuple[str, int] | None, skip: int) -> None:
+        self._stream = stream
+        self._after = after
+        self._skip = skip
+        self._key: tuple[str, int] | None = None
+        self._count = 0
+        self._in_piece_series = False
+
+    def entry(self, frame: bytes) -> LogLine | None:
+        stamp, sep, data = frame.partition(b" ")
+        timestamp = stamp.decode("ascii", "replace")
+        key = _timestamp_key(timestamp)
+        if not sep or key is None:
+            raise AgentError(
+                "Docker sent a log entry without a timestamp: check the engine's log driver"
+            )
+        same = key == self._key
+        self._count = self._count + 1 if same else 1
+        self._key = key
+        ends_line = data.endswith(b"\n")
+        if (
+            same
+            and self._in_piece_series
+            and not ends_line
+            and len(data) < _LOG_PIECE
+            and data  # keep empty entries empty
+        ):
+            # The last piece of a long line, whose newline the "local" driver
+            # dropped. (A program that ends with over 16 KiB unterminated
+            # output looks the same, and gains a newline.)
+            data += b"\n"
+        self._in_piece_series = len(data) == _LOG_PIECE and not ends_line
+        if self._after is not None and (
+            key < self._after or (key == self._after and self._count <= self._skip)
+        ):
+            return None
+        return LogLine(self._stream, data, LogCursor(timestamp, self._count))
+
+
+# --- helpers ------------------------------------------------------------------------------
+
+
+def _check_spec(spec: ContainerSpec) -> None:
+    if spec.network not in ("bridge", "none"):
+        raise ConfigError(f"network {spec.network!r} is not allowed for jobs: use bridge or none")
+    if spec.memory <= 0:
+        raise ConfigError(f"job memory limit must be a positive number of bytes, not {spec.memory}")
+    if spec.pids_limit < 0:
+        raise ConfigError(f"job process limit must be 0 (default) or more, not {spec.pids_limit}")
+    if spec.cpus < 0:
+        raise ConfigError(f"job CPU limit must be 0 (none) or more, not {spec.cpus:g}")
+    missing = [label for label in _REQUIRED_LABELS if label not in spec.labels]
+    if missing:
+        raise ConfigError(f"container {spec.name!r} lacks the labels {', '.join(missing)}")
+    for key in spec.env:
+        if not key or "=" in key or "\0" in key:
+            raise ConfigError(f"environment variable name {key!r} is not valid")
+    if spec.workdir is not None:
+        workdir = spec.workdir
+        if not os.path.isabs(workdir) or not os.path.isdir(workdir):
+            raise ConfigError(
+                f"job workdir {workdir!r} is not an existing absolute directory on this machine"
+            )
+        if ":" in workdir or "," in workdir:
+            # Docker's bind syntax splits on these.
+            raise ConfigError(f"job workdir {workdir!r} must not contain ':' or ','")
+
+
+def _state(attrs: dict[str, Any]) -> ContainerState:
+    state = attrs.get("State") or {}
+    status = str(state.get("Status") or "")
+    error = str(state.get("Error") or "")
+    exit_code = int(state.get("ExitCode", 0)) if status in ("exited", "dead") else None
+    if status == "created" and error:
+        # A start that failed for a missing or non-executable command leaves
+        # the container "created"; present it the way `docker run` would.
+        # Docker sets ExitCode 127/126 for those (128 for any other start
+        # failure); an engine that sets none is judged by the message.
+        docker_code = int(state.get("ExitCode") or 0)
+        if docker_code:
+            code = docker_code if docker_code in (126, 127) else None
+        else:
+            code = _start_failure_code(error)
+        if code is not None:
+            status, exit_code = "exited", code
+    labels = (attrs.get("Config") or {}).get("Labels") or {}
+    return ContainerState(
+        container_id=str(attrs.get("Id", "")),
+        labels={str(key): str(value) for key, value in labels.items()},
+        status=status,
+        exit_code=exit_code,
+        oom_killed=bool(state.get("OOMKilled")),
+        error=error,
+    )
+
+
+def _start_failure_code(message: str) -> int | None:
+    """The exit code `docker run` reports for an OCI start error, if it is one."""
+    lowered = message.lower()
+    # Same order as the daemon: "permission denied" wins over "not found".
+    if "permission denied" in lowered:
+        return 126
+    if "executable file not found" in lowered or "no such file or directory" in lowered:
+        return 127
+    return None
+
+
+def _timestamp_key(timestamp: str) -> tuple[str, int] | None:
+    """A sortable key for a Docker log timestamp; None if it is not one."""
+    match = _TIMESTAMP.fullmatch(timestamp)
+    if match is None:
+        return None
+    return match.group(1), int((match.group(2) or "").ljust(9, "0"))
+
+
+def _since(key: tuple[str, int]) -> float | None:
+    """Docker's ``since`` (entries at or after it) for a cursor, never past it."""
+    seconds = calendar.timegm(time.strptime(key[0], "%Y-%m-%dT%H:%M:%S"))
+    # Floor to whole milliseconds: such a float prints back as exactly those
+    # three decimals, so rounding can never move the bound past the cursor.
+    millis = seconds * 1000 + key[1] // 1_000_000
+    return millis / 1000 if millis > 0 else None
+
+
+def _close_stream(frames: Any) -> None:
+    # The SDK's close() pokes at urllib3 internals that are gone once the
+    # response was read to the end; nothing is left to close then.
+    with contextlib.suppress(AttributeError, OSError, docker.errors.DockerException):
+        frames.close()
+
+
+def _explanation(exc: docker.errors.APIError) -> str:
+    return _one_line(str(exc.explanation or exc))
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+def _missing_image(image: str, reason: str) -> str:
+    return (
+        f"image {image!r} is not on this machine and cannot be pulled ({reason}); "
+        f"on the provider run `docker pull {image}` or `docker load -i FILE`"
+    )
+
+
+def _endpoint(api: Any) -> str:
+    adapter = getattr(api, "_custom_adapter", None)
+    socket_path = getattr(adapter, "socket_path", None)
+    if isinstance(socket_path, str):
+        return f"unix://{socket_path}"
+    return str(getattr(api, "base_url", "") or "the Docker socket")
+
+
+def _root_reason(exc: BaseException) -> str:
+    """The innermost OS error's text (e.g. "Connection refused"), else the message."""
+    pending: list[BaseException] = [exc]
+    seen: set[int] = set()
+    while pending:
+        current = pending.pop(0)
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.strerror:
+            return current.strerror
+        pending.extend(arg for arg in current.args if isinstance(arg, BaseException))
+        pending.extend(e for e in (current.__cause__, current.__context__) if e is not None)
+    return _one_line(str(exc), 200)
+
+
+def _connection_error(exc: BaseException, where: str) -> RuntimeUnavailableError:
+    if isinstance(exc, requests.exceptions.Timeout):
+        return RuntimeUnavailableError(
+            f"Docker did not answer in time ({where}): check it with `docker info`, "
+            "restart it with `sudo systemctl restart docker`"
+        )
+    reason = _root_reason(exc)
+    if "permission denied" in reason.lower():
+        return RuntimeUnavailableError(
+            f"Docker is running but this user may not use it ({where}: permission denied): "
+            "add the user to the docker group (`sudo usermod -aG docker $USER`) and log in again"
+        )
+    return RuntimeUnavailableError(
+        f"Docker is not reachable on this machine ({where}: {reason}): {_START_HINT}"
+    )

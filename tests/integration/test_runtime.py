@@ -1,0 +1,552 @@
+"""DockerRuntime against the real Docker engine.
+
+Every test labels its containers with its own ``io.gpumesh.node`` value; the
+``jobs`` fixture removes every container with that label afterwards and fails
+if one survives. The image comes from ``GPUMESH_TEST_DOCKER_IMAGE`` (a
+busybox with sh, printf, head, tr, sleep, env, id and friends); nothing is
+pulled, so the tests run offline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import os
+import threading
+import time
+import uuid
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import docker
+import docker.errors
+import pytest
+
+from gpumesh.errors import ConfigError, ImageMissingError, NotFoundError, RuntimeUnavailableError
+from gpumesh.runtime.base import (
+    LABEL_ATTEMPT,
+    LABEL_JOB,
+    LABEL_NODE,
+    LABEL_PEER,
+    ContainerSpec,
+    ContainerState,
+    LogCursor,
+    LogLine,
+    Stream,
+)
+from gpumesh.runtime.docker import DockerRuntime, _EntryReader, _timestamp_key
+
+IMAGE = os.environ.get("GPUMESH_TEST_DOCKER_IMAGE", "gpumesh-test/busybox:1")
+MiB = 1024 * 1024
+
+
+class Jobs:
+    """Containers of one test: one node label, one runtime, helpers to run them."""
+
+    def __init__(self, runtime: DockerRuntime, client: Any, node_id: str) -> None:
+        self.runtime = runtime
+        self.client = client
+        self.node_id = node_id
+
+    def spec(self, command: list[str], **fields: Any) -> ContainerSpec:
+        job = uuid.uuid4().hex[:10]
+        values: dict[str, Any] = {
+            "image": IMAGE,
+            "command": command,
+            "env": {},
+            "labels": {
+                LABEL_JOB: job,
+                LABEL_PEER: "peer-under-test",
+                LABEL_NODE: self.node_id,
+                LABEL_ATTEMPT: "1",
+            },
+            "name": f"gpumesh-test-{job}",
+            "memory": 64 * MiB,
+            "pids_limit": 64,
+            "network": "none",
+        }
+        values.update(fields)
+        return ContainerSpec(**values)
+
+    def create(self, command: list[str], **fields: Any) -> str:
+        return self.runtime.create(self.spec(command, **fields))
+
+    def started(self, command: list[str], **fields: Any) -> str:
+        container_id = self.create(command, **fields)
+        self.runtime.start(container_id)
+        return container_id
+
+    def run(self, command: list[str], **fields: Any) -> tuple[str, ContainerState]:
+        container_id = self.started(command, **fields)
+        return container_id, self.runtime.wait(container_id)
+
+    def lines(
+        self, container_id: str, stream: Stream, cursor: LogCursor | None = None
+    ) -> list[LogLine]:
+        return list(self.runtime.logs(container_id, stream, cursor or LogCursor(), False))
+
+    def output(self, container_id: str, stream: Stream) -> bytes:
+        return b"".join(line.data for line in self.lines(container_id, stream))
+
+    def config_env(self, container_id: str) -> list[str]:
+        return list(self.client.api.inspect_container(container_id)["Config"]["Env"])
+
+    def leftovers(self, node_id: str | None = None) -> list[dict[str, Any]]:
+        label = f"{LABEL_NODE}={node_id or self.node_id}"
+        return list(self.client.api.containers(all=True, filters={"label": label}))
+
+
+def _remove_labelled(client: Any, node_id: str) -> list[str]:
+    """Remove this test's containers; return the names of any that would not go."""
+    label = f"{LABEL_NODE}={node_id}"
+    for summary in client.api.containers(all=True, filters={"label": label}):
+        with contextlib.suppress(docker.errors.NotFound):
+            client.api.remove_container(summary["Id"], force=True, v=True)
+    return [str(c["Names"]) for c in client.api.containers(all=True, filters={"label": label})]
+
+
+@pytest.fixture
+def docker_client(docker_daemon: None) -> Iterator[Any]:
+    client = docker.from_env()
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def jobs(docker_client: Any) -> Iterator[Jobs]:
+    node_id = f"test-{uuid.uuid4().hex[:12]}"
+    runtime = DockerRuntime()
+    try:
+        yield Jobs(runtime, docker_client, node_id)
+    finally:
+        runtime.close()
+        left = _remove_labelled(docker_client, node_id)
+        assert not left, f"containers of {node_id} survived the test: {left}"
+
+
+@pytest.fixture
+def workdir(tmp_path: Path) -> Path:
+    folder = tmp_path / "work"
+    folder.mkdir()
+    # Root in the container has no CAP_DAC_OVERRIDE: it can write only where
+    # the mode allows, and the tests may run as any user.
+    folder.chmod(0o777)
+    return folder
+
+
+# --- engine and images ------------------------------------------------------------------
+
+
+def test_version_and_gpu_runtime(jobs: Jobs) -> None:
+    version = jobs.runtime.version()
+    assert version.startswith("Docker ") and "(API 1." in version
+    assert isinstance(jobs.runtime.gpu_runtime_available(), bool)
+
+
+def test_ensure_image_present_is_quiet(jobs: Jobs) -> None:
+    jobs.runtime.ensure_image(IMAGE)
+
+
+def test_ensure_image_that_cannot_be_pulled(jobs: Jobs) -> None:
+    image = f"gpumesh-test/no-such-image-{uuid.uuid4().hex[:8]}:1"
+    runtime = DockerRuntime(jobs.client, pull_timeout=60)
+    with pytest.raises(ImageMissingError) as caught:
+        runtime.ensure_image(image)
+    message = str(caught.value)
+    assert message.startswith(f"image {image!r} is not on this machine and cannot be pulled (")
+    assert f"run `docker pull {image}` or `docker load -i FILE`" in message
+    assert "\n" not in message
+
+
+def test_create_with_a_missing_image(jobs: Jobs) -> None:
+    image = f"gpumesh-test/no-such-image-{uuid.uuid4().hex[:8]}:1"
+    with pytest.raises(ImageMissingError, match="docker pull"):
+        jobs.create(["true"], image=image)
+    assert jobs.leftovers() == []
+
+
+def _quiet_gc() -> None:
+    # The SDK leaves the socket of a failed connect for the garbage collector.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+        gc.collect()
+
+
+def test_unreachable_engine_from_a_given_client() -> None:
+    # A fixed API version: otherwise the client itself asks the engine at once.
+    client = docker.DockerClient(base_url="unix:///nonexistent.sock", version="1.41")
+    try:
+        runtime = DockerRuntime(client)
+        with pytest.raises(RuntimeUnavailableError) as caught:
+            runtime.version()
+        message = str(caught.value)
+        assert message.startswith("Docker is not reachable on this machine (")
+        assert "unix:///nonexistent.sock" in message
+        assert message.endswith("start it with `sudo systemctl start docker`")
+        assert "\n" not in message
+        with pytest.raises(RuntimeUnavailableError):
+            runtime.list_jobs("anything")
+    finally:
+        client.close()
+        _quiet_gc()
+
+
+def test_unreachable_engine_from_docker_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DOCKER_HOST", "unix:///nonexistent.sock")
+    runtime = DockerRuntime()
+    try:
+        with pytest.raises(RuntimeUnavailableError, match=r"nonexistent\.sock.*systemctl start"):
+            runtime.ensure_image(IMAGE)
+    finally:
+        runtime.close()
+        _quiet_gc()
+
+
+# --- what runs, and how -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("code", [0, 3])
+def test_exit_code(jobs: Jobs, code: int) -> None:
+    container_id, state = jobs.run(["sh", "-c", f"exit {code}"])
+    assert state.status == "exited"
+    assert state.exit_code == code
+    assert not state.oom_killed
+    assert state.container_id == container_id
+    assert state.labels[LABEL_NODE] == jobs.node_id
+
+
+def test_stdout_and_stderr_kept_apart_and_binary_safe(jobs: Jobs) -> None:
+    script = r"printf 'out\000\377\376\n'; printf 'err \201\n' >&2; printf 'tail'"
+    container_id, state = jobs.run(["sh", "-c", script])
+    assert state.exit_code == 0
+    assert jobs.output(container_id, "stdout") == b"out\x00\xff\xfe\ntail"
+    assert jobs.output(container_id, "stderr") == b"err \x81\n"
+
+
+def test_env_is_visible(jobs: Jobs) -> None:
+    env = {"GREETING": "hello world", "EQUATION": "a=b=c"}
+    container_id, _ = jobs.run(["sh", "-c", 'echo "$GREETING|$EQUATION"'], env=env)
+    assert jobs.output(container_id, "stdout") == b"hello world|a=b=c\n"
+
+
+def test_workdir_is_mounted_and_is_the_cwd(jobs: Jobs, workdir: Path) -> None:
+    (workdir / "input.txt").write_text("from the host\n")
+    script = "pwd; cat input.txt; echo from the job > result.txt"
+    container_id, state = jobs.run(["sh", "-c", script], workdir=str(workdir))
+    assert state.exit_code == 0, jobs.output(container_id, "stderr")
+    assert jobs.output(container_id, "stdout") == b"/workspace\nfrom the host\n"
+    assert (workdir / "result.txt").read_text() == "from the job\n"
+
+
+@pytest.mark.parametrize(
+    "bad",
+    ["relative/path", "/nonexistent/gpumesh-workdir", "FILE"],
+    ids=["relative", "missing", "file"],
+)
+def test_create_refuses_a_bad_workdir(jobs: Jobs, tmp_path: Path, bad: str) -> None:
+    if bad == "FILE":
+        file = tmp_path / "not-a-dir"
+        file.write_text("")
+        bad = str(file)
+    with pytest.raises(ConfigError, match="not an existing absolute directory"):
+        jobs.create(["true"], workdir=bad)
+    assert jobs.leftovers() == []
+
+
+def test_create_refuses_missing_labels_and_host_network(jobs: Jobs) -> None:
+    spec = jobs.spec(["true"])
+    with pytest.raises(ConfigError, match=LABEL_ATTEMPT):
+        jobs.runtime.create(dataclasses.replace(spec, labels={LABEL_NODE: jobs.node_id}))
+    with pytest.raises(ConfigError, match="bridge or none"):
+        jobs.create(["true"], network="host")
+    assert jobs.leftovers() == []
+
+
+def test_lockdown_is_visible_in_host_config(jobs: Jobs, workdir: Path) -> None:
+    container_id = jobs.create(["true"], workdir=str(workdir), cpus=0.5, pids_limit=32)
+    host = jobs.runtime.host_config(container_id)
+    assert host["Privileged"] is False
+    assert host["CapDrop"] == ["ALL"]
+    assert not host.get("CapAdd")
+    assert host["SecurityOpt"] == ["no-new-privileges"]
+    assert host["PidsLimit"] == 32
+    assert host["Memory"] == 64 * MiB
+    assert host["MemorySwap"] == 64 * MiB
+    assert host["NanoCpus"] == 500_000_000
+    assert host["NetworkMode"] == "none"
+    assert host["Binds"] == [f"{workdir}:/workspace:rw"]
+    assert not host.get("Mounts")
+    assert not host.get("Devices")
+    assert not host.get("DeviceRequests")
+    assert host["Init"] is True
+    assert host["LogConfig"]["Type"] == "local"
+    assert jobs.client.api.inspect_container(container_id)["Config"]["WorkingDir"] == "/workspace"
+
+    default = jobs.create(["true"])
+    assert jobs.runtime.host_config(default)["NetworkMode"] == "none"
+    bridged = jobs.create(["true"], network="bridge")
+    assert jobs.runtime.host_config(bridged)["NetworkMode"] == "bridge"
+
+
+def test_lockdown_is_felt_inside(jobs: Jobs) -> None:
+    script = "grep -E '^(CapEff|NoNewPrivs)' /proc/self/status; ls /sys/class/net; cat /proc/1/comm"
+    container_id, state = jobs.run(["sh", "-c", script])
+    assert state.exit_code == 0
+    out = jobs.output(container_id, "stdout").decode().splitlines()
+    assert out == ["CapEff:\t0000000000000000", "NoNewPrivs:\t1", "lo", "docker-init"]
+
+
+def test_gpu_ids_become_a_device_request(jobs: Jobs) -> None:
+    # Create only: this engine may have no NVIDIA runtime to start it with.
+    gpus = ["0", "GPU-6f1c2f7e-0000-0000-0000-000000000000"]
+    container_id = jobs.create(["true"], gpu_ids=gpus, env={"NVIDIA_VISIBLE_DEVICES": "all"})
+    requests = jobs.runtime.host_config(container_id)["DeviceRequests"]
+    assert isinstance(requests, list) and len(requests) == 1
+    assert requests[0]["Driver"] == "nvidia"
+    assert requests[0]["DeviceIDs"] == gpus
+    assert requests[0]["Capabilities"] == [["gpu"]]
+    env = jobs.config_env(container_id)
+    assert f"NVIDIA_VISIBLE_DEVICES={','.join(gpus)}" in env
+    assert "NVIDIA_VISIBLE_DEVICES=all" not in env
+
+
+def test_no_gpus_means_visible_devices_void(jobs: Jobs) -> None:
+    # An image that asks for every GPU, as CUDA base images do.
+    base = jobs.client.api.create_container(IMAGE, ["true"])
+    image = f"gpumesh-test/wants-all-gpus:{uuid.uuid4().hex[:8]}"
+    repository, tag = image.split(":")
+    jobs.client.api.commit(
+        base["Id"], repository=repository, tag=tag, changes=["ENV NVIDIA_VISIBLE_DEVICES=all"]
+    )
+    jobs.client.api.remove_container(base["Id"], force=True)
+    try:
+        container_id, state = jobs.run(["env"], image=image)
+        assert state.exit_code == 0
+        env = jobs.output(container_id, "stdout").decode().splitlines()
+        assert "NVIDIA_VISIBLE_DEVICES=void" in env
+        assert not [line for line in env if line.startswith("NVIDIA_VISIBLE_DEVICES=all")]
+        assert not jobs.runtime.host_config(container_id).get("DeviceRequests")
+
+        container_id, _ = jobs.run(["env"], env={"NVIDIA_VISIBLE_DEVICES": "all"})
+        assert "NVIDIA_VISIBLE_DEVICES=void" in jobs.output(container_id, "stdout").decode()
+        assert "NVIDIA_VISIBLE_DEVICES=void" in jobs.config_env(container_id)
+    finally:
+        assert _remove_labelled(jobs.client, jobs.node_id) == []
+        jobs.client.api.remove_image(image)
+
+
+# --- start failures, limits, stop -------------------------------------------------------
+
+
+@pytest.mark.parametrize("init", [True, False], ids=["init", "no-init"])
+def test_missing_command_exits_127(jobs: Jobs, init: bool) -> None:
+    runtime = DockerRuntime(jobs.client, init=init)
+    container_id = runtime.create(jobs.spec(["nosuchcmd"]))
+    runtime.start(container_id)  # like `docker run`: no error here
+    state = runtime.wait(container_id)
+    assert state.status == "exited"
+    assert state.exit_code == 127
+    if init:
+        assert b"nosuchcmd" in jobs.output(container_id, "stderr")
+    else:
+        assert "executable file not found" in state.error
+        assert runtime.inspect(container_id).exit_code == 127
+
+
+@pytest.mark.parametrize("init", [True, False], ids=["init", "no-init"])
+def test_non_executable_command_exits_126(jobs: Jobs, workdir: Path, init: bool) -> None:
+    script = workdir / "job.sh"
+    script.write_text("#!/bin/sh\necho never\n")
+    script.chmod(0o644)
+    runtime = DockerRuntime(jobs.client, init=init)
+    container_id = runtime.create(jobs.spec(["/workspace/job.sh"], workdir=str(workdir)))
+    runtime.start(container_id)
+    state = runtime.wait(container_id)
+    assert (state.status, state.exit_code) == ("exited", 126)
+    if not init:
+        assert "permission denied" in state.error
+
+
+def test_memory_limit_kills_with_137_and_oom_flag(jobs: Jobs) -> None:
+    # tail keeps a newline-free input in memory until it is killed.
+    _, state = jobs.run(["sh", "-c", "head -c 300m /dev/zero | tail"], memory=32 * MiB)
+    assert state.exit_code == 137
+    assert state.oom_killed
+
+
+def test_stop_is_prompt_and_idempotent(jobs: Jobs) -> None:
+    container_id = jobs.started(["sleep", "100"])
+    assert jobs.runtime.inspect(container_id).status == "running"
+    began = time.monotonic()
+    jobs.runtime.stop(container_id, timeout=10)
+    assert time.monotonic() - began < 5  # init passed SIGTERM on: no 10 s wait for SIGKILL
+    state = jobs.runtime.wait(container_id)
+    assert state.status == "exited"
+    assert state.exit_code == 143  # 128 + SIGTERM
+    jobs.runtime.stop(container_id)
+    jobs.runtime.remove(container_id)
+    jobs.runtime.remove(container_id)
+    jobs.runtime.stop(container_id)
+    with pytest.raises(NotFoundError):
+        jobs.runtime.inspect(container_id)
+
+
+def test_unknown_container_is_not_found(jobs: Jobs) -> None:
+    unknown = "gpumesh-test-" + uuid.uuid4().hex
+    for call in (
+        jobs.runtime.inspect,
+        jobs.runtime.wait,
+        jobs.runtime.start,
+        jobs.runtime.host_config,
+    ):
+        with pytest.raises(NotFoundError, match="no container"):
+            call(unknown)
+    with pytest.raises(NotFoundError):
+        jobs.runtime.logs(unknown, "stdout", LogCursor(), True)
+
+
+def test_list_jobs_filters_by_node(jobs: Jobs) -> None:
+    other = Jobs(jobs.runtime, jobs.client, f"{jobs.node_id}-other")
+    try:
+        mine = {jobs.create(["true"]), jobs.started(["true"])}
+        theirs = other.create(["true"])
+        listed = jobs.runtime.list_jobs(jobs.node_id)
+        assert {state.container_id for state in listed} == mine
+        assert all(state.labels[LABEL_NODE] == jobs.node_id for state in listed)
+        assert [state.container_id for state in jobs.runtime.list_jobs(other.node_id)] == [theirs]
+        assert jobs.runtime.list_jobs(f"{jobs.node_id}-nobody") == []
+    finally:
+        assert _remove_labelled(jobs.client, other.node_id) == []
+
+
+# --- logs -------------------------------------------------------------------------------
+
+
+def _count_to(n: int, stream: str = "") -> str:
+    redirect = " >&2" if stream == "stderr" else ""
+    return f"i=1; while [ $i -le {n} ]; do echo line$i{redirect}; i=$((i+1)); done"
+
+
+def test_log_resume_after_exit_returns_exactly_the_rest(jobs: Jobs) -> None:
+    script = f"{_count_to(300)}; {_count_to(50, 'stderr')}"
+    container_id, _ = jobs.run(["sh", "-c", script])
+    lines = jobs.lines(container_id, "stdout")
+    assert [line.data for line in lines] == [f"line{i}\n".encode() for i in range(1, 301)]
+    for cut in (0, 1, 150, 298):
+        rest = jobs.lines(container_id, "stdout", lines[cut].cursor)
+        assert [line.data for line in rest] == [line.data for line in lines[cut + 1 :]]
+        assert [line.cursor for line in rest] == [line.cursor for line in lines[cut + 1 :]]
+    assert jobs.lines(container_id, "stdout", lines[-1].cursor) == []
+    # Following an exited container from a cursor ends by itself too.
+    followed = list(jobs.runtime.logs(container_id, "stdout", lines[296].cursor, True))
+    assert [line.data for line in followed] == [b"line298\n", b"line299\n", b"line300\n"]
+    errors = jobs.lines(container_id, "stderr")
+    assert [line.data for line in errors] == [f"line{i}\n".encode() for i in range(1, 51)]
+    assert {line.stream for line in errors} == {"stderr"}
+
+
+def test_log_entries_of_one_instant_resume_by_count(jobs: Jobs) -> None:
+    # Docker cuts a line longer than 16 KiB into pieces that share one timestamp.
+    script = "head -c 40000 /dev/zero | tr '\\0' x; echo; echo after"
+    container_id, _ = jobs.run(["sh", "-c", script])
+    lines = jobs.lines(container_id, "stdout")
+    assert b"".join(line.data for line in lines) == b"x" * 40000 + b"\n" + b"after\n"
+    pieces = [line for line in lines if line.data.startswith(b"x")]
+    assert len(pieces) >= 2
+    assert len({line.cursor.timestamp for line in pieces}) == 1
+    assert [line.cursor.count for line in pieces] == list(range(1, len(pieces) + 1))
+    for cut in range(len(lines)):
+        rest = jobs.lines(container_id, "stdout", lines[cut].cursor)
+        assert rest == lines[cut + 1 :]
+
+
+def test_log_cursor_counts_entries_of_one_timestamp() -> None:
+    # Entries sharing a timestamp down to the nanosecond are rare on a real
+    # engine, so the counting is also checked on frames made up here.
+    stamps = ["2026-01-02T03:04:05.000000001Z"] * 2 + ["2026-01-02T03:04:05.100000000Z"] * 4
+    stamps += ["2026-01-02T03:04:06.000000000Z"]
+    frames = [f"{stamp} e{i}\n".encode() for i, stamp in enumerate(stamps)]
+
+    def read(cursor: LogCursor) -> list[LogLine]:
+        after = _timestamp_key(cursor.timestamp) if cursor.timestamp else None
+        reader = _EntryReader("stdout", after, cursor.count)
+        return [line for frame in frames if (line := reader.entry(frame)) is not None]
+
+    everything = read(LogCursor())
+    assert [line.data for line in everything] == [f"e{i}\n".encode() for i in range(7)]
+    assert [line.cursor.count for line in everything] == [1, 2, 1, 2, 3, 4, 1]
+    for cut, line in enumerate(everything):
+        assert read(line.cursor) == everything[cut + 1 :]
+
+
+def test_follow_delivers_a_line_while_the_job_runs(jobs: Jobs) -> None:
+    container_id = jobs.started(["sh", "-c", "echo first; sleep 2; echo second"])
+    seen: list[tuple[bytes, str]] = []
+    for line in jobs.runtime.logs(container_id, "stdout", LogCursor(), True):
+        seen.append((line.data, jobs.runtime.inspect(container_id).status))
+    assert seen[0] == (b"first\n", "running")
+    assert [data for data, _ in seen] == [b"first\n", b"second\n"]
+    assert jobs.runtime.inspect(container_id).status == "exited"
+
+
+def test_follow_delivers_a_long_unfinished_line_in_pieces(jobs: Jobs) -> None:
+    # Docker holds a line back until its newline, 16 KiB, or the end; the
+    # runtime passes each piece on as soon as Docker has it.
+    script = "head -c 20000 /dev/zero | tr '\\0' y; sleep 2; echo"
+    container_id = jobs.started(["sh", "-c", script])
+    lines = iter(jobs.runtime.logs(container_id, "stdout", LogCursor(), True))
+    first = next(lines)
+    assert first.data == b"y" * 16384
+    assert jobs.runtime.inspect(container_id).status == "running"
+    rest = b"".join(line.data for line in lines)
+    assert first.data + rest == b"y" * 20000 + b"\n"
+
+
+def test_follow_keeps_the_last_output_without_newline(jobs: Jobs) -> None:
+    # Docker's follow stream sometimes ends before such a last entry.
+    containers = [jobs.started(["sh", "-c", "echo one; sleep 0.3; printf last"]) for _ in range(6)]
+    for container_id in containers:
+        followed = list(jobs.runtime.logs(container_id, "stdout", LogCursor(), True))
+        assert [line.data for line in followed] == [b"one\n", b"last"]
+
+
+def test_jobs_from_many_threads_at_once(jobs: Jobs) -> None:
+    results: dict[int, tuple[int | None, bytes, bytes]] = {}
+    failures: list[BaseException] = []
+
+    def job(n: int) -> None:
+        try:
+            script = f"{_count_to(20)}; echo err{n} >&2; sleep 0.5; exit {n}"
+            container_id = jobs.started(["sh", "-c", script])
+            out: list[bytes] = []
+            err: list[bytes] = []
+            readers = [
+                threading.Thread(target=_collect, args=(jobs, container_id, "stdout", out)),
+                threading.Thread(target=_collect, args=(jobs, container_id, "stderr", err)),
+            ]
+            for reader in readers:
+                reader.start()
+            state = jobs.runtime.wait(container_id)
+            for reader in readers:
+                reader.join(30)
+            results[n] = (state.exit_code, b"".join(out), b"".join(err))
+        except BaseException as exc:
+            failures.append(exc)
+
+    threads = [threading.Thread(target=job, args=(n,)) for n in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not failures, failures
+    expected_out = b"".join(f"line{i}\n".encode() for i in range(1, 21))
+    assert results == {n: (n, expected_out, f"err{n}\n".encode()) for n in range(8)}
+
+
+def _collect(jobs: Jobs, container_id: str, stream: Stream, into: list[bytes]) -> None:
+    into.extend(line.data for line in jobs.runtime.logs(container_id, stream, LogCursor(), True))
