@@ -1,0 +1,612 @@
+"""Packing a job's working folder for upload, and unpacking it safely on the provider.
+
+This module owns the upload format and both of its ends:
+
+* :func:`scan` decides what is sent: every file, folder and symlink under the
+  folder, minus what ``.gpumeshignore`` (gitignore syntax) and the built-in
+  defaults leave out, with the reason for each entry left out.
+* :func:`write_tar` streams that plan as an uncompressed POSIX (pax) tar with
+  constant memory, and :func:`tar_size` tells its exact size beforehand, so the
+  provider can refuse an upload over its limit before a byte is sent.
+* :func:`unpack_tar` is the provider's side: it treats the archive as hostile
+  (it came from another machine) and either extracts all of it inside the
+  destination or leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import secrets
+import shutil
+import stat
+import tarfile
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, Literal
+
+import pathspec
+
+from gpumesh.errors import AgentError, ConfigError, GPUMeshError, LimitError, ProtocolError
+from gpumesh.units import format_size
+
+__all__ = [
+    "DEFAULT_IGNORES",
+    "IGNORE_FILE",
+    "PackEntry",
+    "PackPlan",
+    "Skipped",
+    "scan",
+    "tar_size",
+    "unpack_tar",
+    "write_tar",
+]
+
+IGNORE_FILE = ".gpumeshignore"
+DEFAULT_IGNORES = (
+    ".git/",
+    ".venv/",
+    "venv/",
+    "__pycache__/",
+    "node_modules/",
+    ".gpumesh/",
+    "*.pyc",
+)
+"""Applied before the user's ``.gpumeshignore``, which can re-include with ``!pattern``."""
+
+_BLOCK = tarfile.BLOCKSIZE
+_END_OF_ARCHIVE = b"\0" * (2 * _BLOCK)
+_CHUNK = 1 << 20
+"""Bytes read from a file, and handed to ``out.write``, at a time."""
+_MAX_META_SIZE = 1 << 20
+"""Largest pax or GNU long-name header accepted when unpacking: tarfile reads
+those whole into memory, so a hostile archive could otherwise claim gigabytes."""
+_META_TYPES = frozenset(
+    {
+        tarfile.XHDTYPE,
+        tarfile.XGLTYPE,
+        tarfile.SOLARIS_XHDTYPE,
+        tarfile.GNUTYPE_LONGNAME,
+        tarfile.GNUTYPE_LONGLINK,
+    }
+)
+_SPECIAL_KINDS = {
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFIFO: "a named pipe",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+}
+
+EntryKind = Literal["file", "dir", "symlink"]
+
+
+@dataclass(frozen=True)
+class PackEntry:
+    """One thing put in the archive."""
+
+    path: str
+    """Relative to the packed folder, ``/``-separated, no trailing slash."""
+    kind: EntryKind
+    size: int
+    """Bytes of content; 0 for folders and symlinks."""
+    mode: int
+    """Permission bits (``0o755``); set-id and sticky bits are never packed."""
+    mtime: int
+    """Modification time, whole seconds since the epoch."""
+    target: str = ""
+    """A symlink's target, always relative and inside the folder."""
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """One thing left out, and why (for ``--dry-run``)."""
+
+    path: str
+    """Relative to the packed folder; folders end with ``/``."""
+    reason: str
+    """The rule that left it out, e.g. ``.gpumeshignore:3 'data/'``."""
+
+
+@dataclass(frozen=True)
+class PackPlan:
+    """What :func:`write_tar` will send, decided by :func:`scan`."""
+
+    root: Path
+    """The packed folder, symlinks resolved."""
+    files: tuple[PackEntry, ...]
+    """Every entry packed (files, folders and symlinks), each folder before its contents."""
+    skipped: tuple[Skipped, ...]
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of file content (the tar adds headers: see :func:`tar_size`)."""
+        return sum(entry.size for entry in self.files)
+
+
+# --- ignore rules --------------------------------------------------------------------------------
+
+
+class _IgnoreRules:
+    """The defaults followed by the user's ``.gpumeshignore``, last match wins."""
+
+    def __init__(self, user_lines: list[str]) -> None:
+        patterns = []
+        self._why: list[str] = []
+        sources = [("default rule", line) for line in DEFAULT_IGNORES]
+        sources += [
+            (f"{IGNORE_FILE}:{number}", line) for number, line in enumerate(user_lines, start=1)
+        ]
+        for where, line in sources:
+            if not line.strip() or line.startswith("#"):
+                continue
+            try:
+                compiled = pathspec.GitIgnoreSpec.from_lines([line]).patterns
+            except ValueError:
+                compiled = []
+            # pathspec gives no pattern (or include None) for lines git could
+            # never match, such as an unclosed "[": say so rather than ignore them.
+            if len(compiled) != 1 or compiled[0].include is None:
+                raise ConfigError(
+                    f"{where}: invalid pattern {line!r}; "
+                    "fix or remove it (the syntax is .gitignore's)"
+                )
+            patterns.append(compiled[0])
+            self._why.append(f"{where} {line.strip()!r}")
+        # Built from the patterns one by one, so a match's index is its rule.
+        self._spec = pathspec.GitIgnoreSpec(patterns)
+
+    @classmethod
+    def load(cls, root: Path) -> _IgnoreRules:
+        path = root / IGNORE_FILE
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return cls([])
+        except UnicodeDecodeError:
+            raise ConfigError(f"{IGNORE_FILE} is not UTF-8 text; save it as UTF-8") from None
+        except OSError as exc:
+            raise ConfigError(f"cannot read {path}: {exc.strerror}") from None
+        return cls(text.splitlines())
+
+    def why_ignored(self, relative: str) -> str | None:
+        """The rule that leaves ``relative`` out (folders end with ``/``), or None."""
+        result = self._spec.check_file(relative)
+        if result.include and result.index is not None:
+            return self._why[result.index]
+        return None
+
+
+# --- scanning ------------------------------------------------------------------------------------
+
+
+def _inside(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # undecodable bytes in a name, kept by os as surrogates
+        return False
+    return True
+
+
+def _link_target(root: str, relative: str, full: str) -> str | None:
+    """How to store the symlink at ``relative``: a relative target inside the
+    folder, or None when it leads outside (it would not exist on the provider,
+    or would point at the provider's own files)."""
+    target = os.readlink(full)
+    real = os.path.realpath(full)
+    if not _inside(real, root):
+        return None
+    parent = os.path.dirname(relative)
+    if not os.path.isabs(target):
+        lexical = os.path.normpath(os.path.join(parent, target))
+        if lexical != ".." and not lexical.startswith("../"):
+            return target
+    # Absolute, or climbing out and back in: rewrite it relative to its folder.
+    return os.path.relpath(real, os.path.join(root, parent))
+
+
+def scan(root: Path, exclude_paths: Iterable[Path] = ()) -> PackPlan:
+    """Decide what of ``root`` to pack; ``exclude_paths`` are never packed
+    (GPUMesh's home folder, which holds the private key, when it is inside)."""
+    if not root.exists():
+        raise ConfigError(f"{root} does not exist: give an existing folder to upload")
+    if not root.is_dir():
+        raise ConfigError(f"{root} is not a folder: give the folder to upload")
+    real_root = os.path.realpath(root)
+    excluded = {os.path.realpath(path) for path in exclude_paths}
+    for path in excluded:
+        if _inside(real_root, path):
+            raise ConfigError(
+                f"refusing to upload {root}: it is inside {path}, GPUMesh's own folder, "
+                "which holds your private key; upload your project folder instead"
+            )
+    rules = _IgnoreRules.load(Path(real_root))
+    files: list[PackEntry] = []
+    skipped: list[Skipped] = []
+    pending = [""]
+    while pending:
+        folder = pending.pop()
+        subfolders: list[str] = []
+        for name, st in _list(real_root, folder):
+            relative = f"{folder}/{name}" if folder else name
+            full = os.path.join(real_root, relative)
+            is_dir = stat.S_ISDIR(st.st_mode)
+            shown = relative + "/" if is_dir else relative
+            reason = None
+            if not _utf8(relative):
+                reason = "its name is not valid UTF-8; rename it"
+            elif full in excluded:  # no symlink above it: full is already its real path
+                reason = "GPUMesh's own folder, never uploaded"
+            else:
+                reason = rules.why_ignored(shown)
+            if reason is not None:
+                skipped.append(Skipped(shown, reason))
+                continue
+            mode = stat.S_IMODE(st.st_mode) & 0o777
+            mtime = max(0, int(st.st_mtime))
+            if is_dir:
+                files.append(PackEntry(relative, "dir", 0, mode, mtime))
+                subfolders.append(relative)
+            elif stat.S_ISREG(st.st_mode):
+                files.append(PackEntry(relative, "file", st.st_size, mode, mtime))
+            elif stat.S_ISLNK(st.st_mode):
+                target = _link_target(real_root, relative, full)
+                if target is None:
+                    skipped.append(
+                        Skipped(shown, f"symlink to {os.readlink(full)}, outside the folder")
+                    )
+                elif not _utf8(target):
+                    skipped.append(Skipped(shown, "its target is not valid UTF-8"))
+                else:
+                    files.append(PackEntry(relative, "symlink", 0, 0o777, mtime, target))
+            else:
+                kind = _SPECIAL_KINDS.get(stat.S_IFMT(st.st_mode), "not a regular file")
+                skipped.append(Skipped(shown, f"{kind}; only files, folders and symlinks go"))
+        pending.extend(subfolders)
+    # Comparing split paths puts each folder right before its contents, the
+    # order tar tools expect, and keeps the archive the same from run to run.
+    files.sort(key=lambda entry: entry.path.split("/"))
+    skipped.sort(key=lambda entry: entry.path.rstrip("/").split("/"))
+    return PackPlan(Path(real_root), tuple(files), tuple(skipped))
+
+
+def _list(root: str, folder: str) -> list[tuple[str, os.stat_result]]:
+    """A folder's entries in name order, each with its lstat."""
+    path = os.path.join(root, folder) if folder else root
+    try:
+        with os.scandir(path) as scanner:
+            found = []
+            for item in scanner:
+                try:
+                    found.append((item.name, item.stat(follow_symlinks=False)))
+                except FileNotFoundError:  # removed since the listing: nothing to send
+                    continue
+    except PermissionError:
+        shown = folder + "/" if folder else str(root)
+        raise ConfigError(
+            f"cannot read folder {shown}: permission denied; "
+            f"fix its permissions or add it to {IGNORE_FILE}"
+        ) from None
+    return sorted(found, key=lambda pair: pair[0])
+
+
+# --- writing -------------------------------------------------------------------------------------
+
+
+def _header(entry: PackEntry) -> bytes:
+    info = tarfile.TarInfo(entry.path)
+    info.mode = entry.mode
+    info.mtime = entry.mtime
+    # Owner names and ids stay out: they mean nothing on the provider.
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    if entry.kind == "file":
+        info.type = tarfile.REGTYPE
+        info.size = entry.size
+    elif entry.kind == "dir":
+        info.type = tarfile.DIRTYPE
+    else:
+        info.type = tarfile.SYMTYPE
+        info.linkname = entry.target
+    return info.tobuf(tarfile.PAX_FORMAT, "utf-8", "strict")
+
+
+def _padding(size: int) -> int:
+    return -size % _BLOCK
+
+
+def tar_size(plan: PackPlan) -> int:
+    """The exact number of bytes :func:`write_tar` will write for ``plan``."""
+    total = len(_END_OF_ARCHIVE)
+    for entry in plan.files:
+        total += len(_header(entry)) + entry.size + _padding(entry.size)
+    return total
+
+
+class _Output:
+    """Gathers small pieces (headers, small files) into ``_CHUNK``-sized writes."""
+
+    def __init__(self, out: BinaryIO, progress: Callable[[int], None] | None) -> None:
+        self._out = out
+        self._progress = progress
+        self._buffer = bytearray()
+        self.written = 0
+
+    def write(self, data: bytes) -> None:
+        self._buffer += data
+        if len(self._buffer) >= _CHUNK:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._buffer:
+            return
+        data = bytes(self._buffer)
+        self._buffer.clear()
+        self._out.write(data)
+        self.written += len(data)
+        if self._progress is not None:
+            self._progress(len(data))
+
+
+def _changed(entry: PackEntry) -> ConfigError:
+    return ConfigError(
+        f"{entry.path} changed while it was being packed; run again once nothing writes "
+        f"to it, or add it to {IGNORE_FILE}"
+    )
+
+
+def _write_file(root: Path, entry: PackEntry, output: _Output) -> None:
+    # O_NOFOLLOW: a file swapped for a symlink since the scan must not send
+    # whatever the link points at.
+    try:
+        fd = os.open(root / entry.path, os.O_RDONLY | os.O_NOFOLLOW)
+    except PermissionError:
+        raise ConfigError(
+            f"cannot read {entry.path}: permission denied; fix its permissions "
+            f"or add it to {IGNORE_FILE}"
+        ) from None
+    except OSError:  # gone, or now a symlink (ELOOP)
+        raise _changed(entry) from None
+    with os.fdopen(fd, "rb", buffering=0) as source:
+        st = os.fstat(fd)
+        # The size went into the header (and into tar_size) already.
+        if not stat.S_ISREG(st.st_mode) or st.st_size != entry.size:
+            raise _changed(entry)
+        remaining = entry.size
+        while remaining:
+            chunk = source.read(min(_CHUNK, remaining))
+            if not chunk:
+                raise _changed(entry)
+            output.write(chunk)
+            remaining -= len(chunk)
+    output.write(b"\0" * _padding(entry.size))
+
+
+def write_tar(plan: PackPlan, out: BinaryIO, progress: Callable[[int], None] | None = None) -> int:
+    """Stream ``plan`` into ``out`` as an uncompressed pax tar; returns the bytes written.
+
+    Memory stays bounded whatever the size: files are read ``_CHUNK`` bytes at a
+    time, and small pieces are gathered into writes of about that size.
+    ``progress`` is called after each write with the bytes just written.
+    """
+    output = _Output(out, progress)
+    for entry in plan.files:
+        output.write(_header(entry))
+        if entry.kind == "file":
+            _write_file(plan.root, entry, output)
+    output.write(_END_OF_ARCHIVE)
+    output.flush()
+    return output.written
+
+
+# --- unpacking -----------------------------------------------------------------------------------
+
+
+class _LimitedReader:
+    """Counts what tarfile reads from the upload and stops at the limit."""
+
+    def __init__(self, raw: BinaryIO, limit: int) -> None:
+        self._raw = raw
+        self._limit = limit
+        self.count = 0
+
+    def read(self, size: int = -1, /) -> bytes:
+        data = self._raw.read(size)
+        self.count += len(data)
+        if self.count > self._limit:
+            raise _over_limit(self._limit)
+        return data
+
+    def tell(self) -> int:
+        return self.count
+
+    def write(self, data: bytes, /) -> int:
+        raise OSError("the upload is read-only")
+
+    def seek(self, pos: int, /) -> int:
+        raise OSError("the upload is read as a stream")
+
+    def close(self) -> None:
+        return None
+
+
+def _over_limit(limit: int) -> LimitError:
+    return LimitError(
+        f"the upload is larger than this provider's limit of {format_size(limit)}; "
+        f"leave big files out with {IGNORE_FILE}, or ask the provider for a higher limit"
+    )
+
+
+class _GuardedTarInfo(tarfile.TarInfo):
+    """Refuses oversized pax and long-name headers before tarfile reads them."""
+
+    def _proc_member(self, tarfile_: tarfile.TarFile) -> tarfile.TarInfo:
+        if self.type in _META_TYPES and self.size > _MAX_META_SIZE:
+            raise ProtocolError(
+                f"refused the upload: a {format_size(self.size)} tar header; "
+                "it was not made by gpumesh"
+            )
+        # tarfile's own dispatch on the header type (a private, long-stable method).
+        result: tarfile.TarInfo = super()._proc_member(tarfile_)  # type: ignore[misc]
+        return result
+
+
+class _Checker:
+    """GPUMesh's own checks on each member, before tarfile's ``data`` filter.
+
+    Stricter than the filter: no ``..`` anywhere, no entry twice, nothing
+    written through a symlink, hard links only to files already extracted, and
+    the sum of file sizes within the limit before any content is written.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.content = 0
+        self.kinds: dict[str, str] = {}
+        self.symlinks: list[str] = []
+
+    def refuse(self, member: tarfile.TarInfo, why: str) -> ProtocolError:
+        return ProtocolError(f"refused the upload: entry {member.name!r} {why}")
+
+    def __call__(self, member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo | None:
+        name = member.name
+        if name.startswith("/") or os.path.isabs(name):
+            raise self.refuse(member, "has an absolute path")
+        raw_parts = name.split("/")
+        if ".." in raw_parts:
+            raise self.refuse(member, "climbs out with '..'")
+        parts = [part for part in raw_parts if part not in ("", ".")]
+        if not parts:
+            return None  # the archive's own "./": dest already is that folder
+        path = "/".join(parts)
+        for depth in range(1, len(parts)):
+            parent = "/".join(parts[:depth])
+            kind = self.kinds.setdefault(parent, "dir")
+            if kind != "dir":
+                raise self.refuse(member, f"is inside {parent!r}, which is a {kind}")
+        kind = self._kind(member)
+        previous = self.kinds.get(path)
+        if previous is not None and not (previous == kind == "dir"):
+            raise self.refuse(member, "appears twice")
+        self.kinds[path] = kind
+        if kind == "file":
+            self.content += member.size
+            if self.content > self.limit:
+                raise _over_limit(self.limit)
+        elif kind == "symlink":
+            self._check_symlink(member, parts)
+            self.symlinks.append(path)
+        elif kind == "hard link":
+            target = "/".join(p for p in member.linkname.split("/") if p not in ("", "."))
+            if (
+                member.linkname.startswith("/")
+                or ".." in member.linkname.split("/")
+                or self.kinds.get(target) != "file"
+            ):
+                raise self.refuse(member, "is a hard link to something not extracted before it")
+        try:
+            return tarfile.data_filter(member, dest)
+        except tarfile.FilterError as exc:
+            raise self.refuse(member, f"is unsafe: {exc}") from None
+
+    def _kind(self, member: tarfile.TarInfo) -> str:
+        if member.isreg():
+            if member.issparse():
+                raise self.refuse(member, "is a sparse file; gpumesh never sends those")
+            return "file"
+        if member.isdir():
+            return "dir"
+        if member.issym():
+            return "symlink"
+        if member.islnk():
+            return "hard link"
+        if member.ischr() or member.isblk():
+            raise self.refuse(member, "is a device")
+        if member.isfifo():
+            raise self.refuse(member, "is a named pipe")
+        raise self.refuse(member, f"has an unsupported type {member.type!r}")
+
+    def _check_symlink(self, member: tarfile.TarInfo, parts: list[str]) -> None:
+        target = member.linkname
+        if not target or target.startswith("/") or os.path.isabs(target):
+            raise self.refuse(member, f"is a symlink to {target!r}, outside the folder")
+        depth = len(parts) - 1
+        for part in target.split("/"):
+            if part == "..":
+                depth -= 1
+                if depth < 0:
+                    raise self.refuse(member, f"is a symlink to {target!r}, outside the folder")
+            elif part not in ("", "."):
+                depth += 1
+
+
+def _remove(path: Path) -> None:
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def unpack_tar(src: BinaryIO | Path, dest: Path, limit: int) -> int:
+    """Extract an uploaded tar into ``dest`` (absent or empty); returns bytes of content.
+
+    Reads ``src`` once, as a stream. Refuses (``ProtocolError``) absolute names,
+    ``..``, links leading outside ``dest``, devices and pipes, and anything that
+    is not a tar; refuses (``LimitError``) more than ``limit`` bytes read from
+    ``src`` or of file content. Extraction happens in a sibling temporary
+    folder renamed to ``dest`` at the end: on any failure nothing is left.
+    File modes are kept (the exec bit included), less set-id bits and
+    group/other write, as tarfile's ``data`` filter does.
+    """
+    if dest.is_symlink() or (dest.exists() and (not dest.is_dir() or any(dest.iterdir()))):
+        raise FileExistsError(f"{dest} is not an empty folder")
+    if isinstance(src, Path):
+        with src.open("rb") as opened:
+            return unpack_tar(opened, dest, limit)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    temp = dest.parent / f".{dest.name}.unpacking-{secrets.token_hex(6)}"
+    temp.mkdir()  # mode 0o777 less the umask, like the folders tarfile makes
+    try:
+        checker = _Checker(limit)
+        reader = _LimitedReader(src, limit)
+        try:
+            # "r|": one pass over a stream, and never decompressed (no zip bombs).
+            with tarfile.open(fileobj=reader, mode="r|", tarinfo=_GuardedTarInfo) as archive:
+                archive.extractall(temp, filter=checker)
+        except (tarfile.TarError, EOFError) as exc:
+            raise ProtocolError(
+                f"refused the upload: not a complete tar archive ({_one_line(exc)})"
+            ) from None
+        except OSError as exc:
+            raise _write_failed(exc) from None
+        _check_links(temp, checker.symlinks)
+        temp.rename(dest)  # replaces dest when it is an empty folder
+    except BaseException:
+        with contextlib.suppress(OSError):
+            _remove(temp)
+        raise
+    return checker.content
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def _write_failed(exc: OSError) -> GPUMeshError:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return LimitError("the provider's disk is full: it has no room for this upload")
+    return AgentError(f"the provider could not write the upload: {exc.strerror or exc}")
+
+
+def _check_links(root: Path, symlinks: list[str]) -> None:
+    # Each link was checked when it was made, but a later link can change
+    # where an earlier one leads (a -> b/.., then b -> .): check them all again.
+    real_root = os.path.realpath(root)
+    for link in symlinks:
+        if not _inside(os.path.realpath(root / link), real_root):
+            raise ProtocolError(f"refused the upload: symlink {link!r} leads outside the folder")
