@@ -16,6 +16,12 @@ from gpumesh.protocol.messages import (
     PROTOCOL_VERSION,
     Challenge,
     Hello,
+    JobAccepted,
+    JobCancel,
+    JobLogs,
+    JobOutput,
+    JobStatus,
+    JobSubmit,
     Message,
     Ping,
     Pong,
@@ -33,6 +39,8 @@ from gpumesh.protocol.messages import (
 names = st.text(max_size=64)
 finite = st.floats(allow_nan=False)
 keys = st.binary(min_size=32, max_size=32)
+job_ids = st.from_regex(r"[a-z0-9]{8,32}", fullmatch=True)
+env_keys = st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,20}", fullmatch=True)
 
 MESSAGES: st.SearchStrategy[Message] = st.one_of(
     st.builds(Hello, version=st.integers(0, 2**31), public_key=keys, name=names),
@@ -53,6 +61,42 @@ MESSAGES: st.SearchStrategy[Message] = st.one_of(
     ),
     st.builds(ThroughputRequest, size=st.integers(0, 4 * 1024**3)),
     st.builds(ThroughputReply, received=st.integers(0, 2**63 - 1), seconds=finite),
+    st.builds(
+        JobSubmit,
+        job_id=job_ids,
+        image=st.text(min_size=1, max_size=255),
+        command=st.lists(st.text(max_size=100), max_size=10),
+        env=st.dictionaries(env_keys, st.text(max_size=100), max_size=5),
+        workdir_bytes=st.integers(0, 2**40),
+        gpu_memory=st.integers(0, 2**40),
+        retries=st.integers(0, 20),
+        timeout=st.floats(min_value=0, allow_nan=False),
+        attach=st.booleans(),
+    ),
+    st.builds(
+        JobAccepted,
+        job_id=job_ids,
+        gpus=st.lists(st.text(max_size=8), max_size=4),
+        provider=names,
+    ),
+    st.builds(
+        JobOutput,
+        seq=st.integers(0, 2**40),
+        attempt=st.integers(0, 21),
+        stream=st.sampled_from(["stdout", "stderr"]),
+        data=st.binary(max_size=1024),
+    ),
+    st.builds(
+        JobStatus,
+        job_id=job_ids,
+        seq=st.integers(0, 2**40),
+        state=st.sampled_from(["queued", "running", "failed"]),
+        attempt=st.integers(0, 21),
+        exit_code=st.none() | st.integers(-(2**31), 2**31),
+        message=st.text(max_size=200),
+    ),
+    st.builds(JobLogs, job_id=job_ids, after_seq=st.integers(0, 2**40), follow=st.booleans()),
+    st.builds(JobCancel, job_id=job_ids),
 )
 
 KEY = b"k" * 32
@@ -72,6 +116,7 @@ def test_every_message_round_trips(message: Message) -> None:
 def test_every_message_type_is_covered_by_the_round_trip() -> None:
     covered = {Hello, Challenge, Proof, Welcome, Refusal, Ping, Pong}
     covered |= {StatusRequest, StatusReply, ThroughputRequest, ThroughputReply}
+    covered |= {JobSubmit, JobAccepted, JobOutput, JobStatus, JobLogs, JobCancel}
     assert set(get_args(Message)) == covered
 
 

@@ -24,8 +24,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpumesh.client import pack
-from gpumesh.client.pack import (
+from gpumesh.errors import AgentError, ConfigError, LimitError, ProtocolError
+from gpumesh.files import pack
+from gpumesh.files.pack import (
     DEFAULT_IGNORES,
     PackPlan,
     Skipped,
@@ -34,7 +35,6 @@ from gpumesh.client.pack import (
     unpack_tar,
     write_tar,
 )
-from gpumesh.errors import AgentError, ConfigError, LimitError, ProtocolError
 from gpumesh.units import format_size
 
 BIG = 1 << 40

@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from gpumesh import __version__
+from gpumesh.agent.jobs import JobService
 from gpumesh.agent.ratelimit import ConnectionLimiter
 from gpumesh.errors import (
     AccessDeniedError,
@@ -24,7 +25,11 @@ from gpumesh.errors import (
     NotPairedError,
     ProtocolError,
 )
+from gpumesh.gpu.inventory import GpuInventory
 from gpumesh.protocol.messages import (
+    JobCancel,
+    JobLogs,
+    JobSubmit,
     Message,
     Ping,
     Pong,
@@ -33,6 +38,7 @@ from gpumesh.protocol.messages import (
     ThroughputReply,
     ThroughputRequest,
 )
+from gpumesh.runtime.base import JobRuntime
 from gpumesh.store.db import Peer
 from gpumesh.store.home import AgentInfo, Home
 from gpumesh.transport.quic import QuicEndpoint, QuicLink
@@ -70,6 +76,9 @@ class Agent:
         host: str | None = None,
         port: int | None = None,
         limiter: ConnectionLimiter | None = None,
+        runtime: JobRuntime | None = None,
+        inventory: GpuInventory | None = None,
+        max_vram: int | None = None,
     ) -> None:
         self.home = home
         self.identity = home.identity
@@ -83,11 +92,19 @@ class Agent:
         self._links: dict[QuicLink, bytes] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopped = asyncio.Event()
+        self.jobs = JobService(self, runtime=runtime, inventory=inventory, max_vram=max_vram)
         self.handlers: dict[type, Handler] = {
             Ping: _handle_ping,
             StatusRequest: _handle_status,
             ThroughputRequest: _handle_throughput,
+            JobSubmit: _handle_job_submit,
+            JobLogs: _handle_job_logs,
+            JobCancel: _handle_job_cancel,
         }
+
+    @property
+    def node_id(self) -> str:
+        return str(self.identity.node_id)
 
     @property
     def address(self) -> Address:
@@ -109,6 +126,7 @@ class Agent:
         host, port = self.address
         self.home.write_agent_info(AgentInfo(os.getpid(), host, port, self.started))
         self._spawn(self._watch_revocations())
+        self._spawn(self.jobs.recover())
         logger.info("sharing on udp %s:%d as %s", host, port, self.name)
         return self.address
 
@@ -119,6 +137,7 @@ class Agent:
         if self._stopped.is_set():
             return
         self._stopped.set()
+        self.jobs.stop()
         for task in list(self._tasks):
             task.cancel()
         if self.endpoint is not None:
@@ -251,3 +270,18 @@ async def _handle_throughput(ctx: RequestContext, message: Message) -> None:
             raise ProtocolError("peer sent more bytes than it announced")
     seconds = time.perf_counter() - started
     ctx.stream.send_message(ThroughputReply(received=received, seconds=seconds), end=True)
+
+
+async def _handle_job_submit(ctx: RequestContext, message: Message) -> None:
+    assert isinstance(message, JobSubmit)
+    await ctx.agent.jobs.handle_submit(ctx, message)
+
+
+async def _handle_job_logs(ctx: RequestContext, message: Message) -> None:
+    assert isinstance(message, JobLogs)
+    await ctx.agent.jobs.handle_logs(ctx, message)
+
+
+async def _handle_job_cancel(ctx: RequestContext, message: Message) -> None:
+    assert isinstance(message, JobCancel)
+    await ctx.agent.jobs.handle_cancel(ctx, message)

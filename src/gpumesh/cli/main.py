@@ -27,6 +27,10 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "deny": ("gpumesh.cli.access", "deny", "Revoke a peer's access at once."),
     "connect": ("gpumesh.cli.connect", "connect", "Dial a peer and report path and RTT."),
     "share": ("gpumesh.cli.share", "share", "Share this machine with paired peers."),
+    "run": ("gpumesh.cli.run", "run", "Run a command in a container on a peer."),
+    "jobs": ("gpumesh.cli.jobs", "jobs", "List jobs submitted and hosted."),
+    "logs": ("gpumesh.cli.logs", "logs", "Print or follow a job's output."),
+    "cancel": ("gpumesh.cli.cancel", "cancel", "Cancel a job you submitted."),
     "completion": ("gpumesh.cli.completion", "completion", "Print a shell completion script."),
 }
 
@@ -36,6 +40,7 @@ Examples:
   gpumesh share                       # on the machine with the GPU
   gpumesh pair 'gpm1_...'             # paste the other node's code
   gpumesh connect alice-pc
+  gpumesh run --peer alice-pc -- nvidia-smi
 \b
 Every node's state lives in $GPUMESH_HOME (default ~/.gpumesh).
 """

@@ -23,8 +23,9 @@ Examples:
 )
 @click.option("--host", help="Address to listen on (config listen_host, default 0.0.0.0).")
 @click.option("--port", type=int, help="UDP port to listen on (config listen_port, default 47000).")
+@click.option("--max-vram", metavar="SIZE", help="Most GPU memory one job may ask for, e.g. 16GB.")
 @click.pass_context
-def share(ctx: click.Context, host: str | None, port: int | None) -> None:
+def share(ctx: click.Context, host: str | None, port: int | None, max_vram: str | None) -> None:
     """Share this machine with paired, allowed peers (runs in the foreground).
 
     Prints this node's pairing code, then serves requests from peers on the
@@ -41,16 +42,20 @@ def share(ctx: click.Context, host: str | None, port: int | None) -> None:
             f"udp {running.host}:{running.port}); stop it with `gpumesh share stop`",
             code=1,
         )
+    from gpumesh.units import parse_size
+
+    cap = parse_size(max_vram) if max_vram else None
     setup_logging(node.home.logs_dir, console_level="info")
-    asyncio.run(_serve(node, host, port))
+    asyncio.run(_serve(node, host, port, cap))
 
 
-async def _serve(node: object, host: str | None, port: int | None) -> None:
+async def _serve(node: object, host: str | None, port: int | None, max_vram: int | None) -> None:
     from gpumesh.agent.server import Agent
     from gpumesh.client.node import Node
+    from gpumesh.units import format_size
 
     assert isinstance(node, Node)
-    agent = Agent(node.home, host=host, port=port)
+    agent = Agent(node.home, host=host, port=port, max_vram=max_vram)
     bound_host, bound_port = await agent.start()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -58,6 +63,26 @@ async def _serve(node: object, host: str | None, port: int | None) -> None:
     info = node.info()
     where = f"udp {bound_host}:{bound_port}"
     click.echo(f"Sharing {click.style(info.name, bold=True)} ({info.node_id.short}) on {where}")
+    inventory = agent.jobs.inventory
+    gpus = inventory.gpus()
+    if inventory.source == "simulated":
+        click.echo(
+            click.style(
+                "WARNING: SIMULATED GPUs (test mode, not real hardware)", fg="red", bold=True
+            )
+        )
+    if gpus:
+        for gpu in gpus:
+            click.echo(
+                f"  GPU {gpu.index}: {gpu.name}, {format_size(gpu.memory_total)} "
+                f"({format_size(gpu.memory_free)} free)"
+            )
+        if agent.jobs.max_vram:
+            click.echo(
+                f"  jobs may ask for at most {format_size(agent.jobs.max_vram)} of GPU memory"
+            )
+    else:
+        click.echo("  no NVIDIA GPU here: peers can run CPU-only jobs (without --gpu-memory)")
     click.echo("Only paired, allowed peers are served. Pairing code for a new peer (valid 1 hour):")
     click.echo(node.pairing_code())
     click.echo("Press Ctrl-C or run `gpumesh share stop` to stop.", err=True)

@@ -25,6 +25,12 @@ __all__ = [
     "PROTOCOL_VERSION",
     "Challenge",
     "Hello",
+    "JobAccepted",
+    "JobCancel",
+    "JobLogs",
+    "JobOutput",
+    "JobStatus",
+    "JobSubmit",
     "Message",
     "Ping",
     "Pong",
@@ -148,6 +154,81 @@ class ThroughputReply(_Msg, tag="throughput_reply", frozen=True):
     seconds: float
 
 
+# --- jobs -------------------------------------------------------------------------
+
+JobId = Annotated[str, msgspec.Meta(pattern=r"^[a-z0-9]{8,32}$")]
+Arg = Annotated[str, msgspec.Meta(max_length=8192)]
+EnvKey = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")]
+EnvValue = Annotated[str, msgspec.Meta(max_length=32768)]
+JOB_STATES = (
+    "queued",
+    "uploading",
+    "starting",
+    "running",
+    "retrying",
+    "succeeded",
+    "failed",
+    "cancelled",
+)
+MAX_OUTPUT_CHUNK = 32 * 1024
+"""Largest piece of job output in one JobOutput message."""
+
+
+class JobSubmit(_Msg, tag="job_submit", frozen=True):
+    """Run a job. A DATA section with the workdir tar follows when ``workdir_bytes``."""
+
+    job_id: JobId
+    """Chosen by the consumer, so a resubmission after a dropped link is recognised."""
+    image: Annotated[str, msgspec.Meta(min_length=1, max_length=255)]
+    command: Annotated[list[Arg], msgspec.Meta(max_length=1024)]
+    env: Annotated[dict[EnvKey, EnvValue], msgspec.Meta(max_length=256)]
+    workdir_bytes: Count
+    """Exact size of the workdir tar that follows; 0: no workdir."""
+    gpu_memory: Count
+    """GPU memory the job needs, in bytes; 0: any GPU if there is one, else none."""
+    retries: Annotated[int, msgspec.Meta(ge=0, le=20)]
+    timeout: Annotated[float, msgspec.Meta(ge=0)]
+    """Seconds per attempt; 0: no limit."""
+    attach: bool
+    """Stream the job's events on this stream after acceptance."""
+
+
+class JobAccepted(_Msg, tag="job_accepted", frozen=True):
+    job_id: JobId
+    gpus: Annotated[list[Name], msgspec.Meta(max_length=64)]
+    """GPUs assigned to the job (indexes); empty: CPU only."""
+    provider: Name
+
+
+class JobOutput(_Msg, tag="job_output", frozen=True):
+    seq: Count
+    attempt: Count
+    stream: Annotated[str, msgspec.Meta(pattern="^(stdout|stderr)$")]
+    data: Annotated[bytes, msgspec.Meta(max_length=MAX_OUTPUT_CHUNK)]
+
+
+class JobStatus(_Msg, tag="job_status", frozen=True):
+    job_id: JobId
+    seq: Count
+    """Position in the job's event log (0 when not from the log)."""
+    state: Annotated[str, msgspec.Meta(max_length=16)]
+    attempt: Count
+    exit_code: int | None
+    message: Text
+
+
+class JobLogs(_Msg, tag="job_logs", frozen=True):
+    """Stream a job's events after ``after_seq``; with ``follow`` until it ends."""
+
+    job_id: JobId
+    after_seq: Count
+    follow: bool
+
+
+class JobCancel(_Msg, tag="job_cancel", frozen=True):
+    job_id: JobId
+
+
 Message = (
     Hello
     | Challenge
@@ -160,6 +241,12 @@ Message = (
     | StatusReply
     | ThroughputRequest
     | ThroughputReply
+    | JobSubmit
+    | JobAccepted
+    | JobOutput
+    | JobStatus
+    | JobLogs
+    | JobCancel
 )
 
 _encoder = msgspec.msgpack.Encoder()

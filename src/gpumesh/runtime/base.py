@@ -101,7 +101,9 @@ class JobRuntime(Protocol):
         """Whether the engine has the NVIDIA container runtime."""
 
     def ensure_image(self, image: str) -> None:
-        """Make sure ``image`` is present, pulling it if needed; ImageMissingError if not possible."""
+        """Make sure ``image`` is present, pulling it if needed.
+
+        Raises ImageMissingError when it is neither present nor pullable."""
 
     def create(self, spec: ContainerSpec) -> str:
         """Create (not start) the container; return its id."""
@@ -128,6 +130,9 @@ class JobRuntime(Protocol):
 
     def list_jobs(self, node_id: str) -> list[ContainerState]:
         """Every container labelled with LABEL_NODE == node_id, running or not."""
+
+    def close(self) -> None:
+        """Release connections to the engine; containers are not touched."""
 
     def host_config(self, container_id: str) -> dict[str, object]:
         """The container's inspected HostConfig (for checks and tests)."""

@@ -15,10 +15,37 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpumesh.errors import AmbiguousPeerError, ConfigError, UnknownPeerError
+from gpumesh.errors import AmbiguousPeerError, ConfigError, NotFoundError, UnknownPeerError
 from gpumesh.identity.keys import NodeId, node_id_for
 
-__all__ = ["SCHEMA_VERSION", "Peer", "Store"]
+__all__ = ["SCHEMA_VERSION", "JobEvent", "JobRecord", "Peer", "Store"]
+
+_JOB_COLUMNS = [
+    "role",
+    "job_id",
+    "peer_id",
+    "peer_name",
+    "image",
+    "command",
+    "env",
+    "gpu_memory",
+    "gpus",
+    "retries",
+    "timeout",
+    "workdir",
+    "state",
+    "attempt",
+    "exit_code",
+    "message",
+    "cancel_requested",
+    "container_id",
+    "log_cursor",
+    "last_seq",
+    "created_at",
+    "started_at",
+    "finished_at",
+]
+_JSON_COLUMNS = {"command", "env", "gpus", "log_cursor"}
 
 MIGRATIONS: list[str] = [
     # 0 -> 1: peers and the allowlist
@@ -35,6 +62,45 @@ MIGRATIONS: list[str] = [
         last_address TEXT NOT NULL DEFAULT ''
     );
     CREATE INDEX peers_name ON peers(name);
+    """,
+    # 1 -> 2: jobs (hosted here or submitted from here) and their event logs
+    """
+    CREATE TABLE jobs (
+        role         TEXT NOT NULL CHECK (role IN ('hosted', 'submitted')),
+        job_id       TEXT NOT NULL,
+        peer_id      TEXT NOT NULL,
+        peer_name    TEXT NOT NULL,
+        image        TEXT NOT NULL,
+        command      TEXT NOT NULL DEFAULT '[]',
+        env          TEXT NOT NULL DEFAULT '{}',
+        gpu_memory   INTEGER NOT NULL DEFAULT 0,
+        gpus         TEXT NOT NULL DEFAULT '[]',
+        retries      INTEGER NOT NULL DEFAULT 0,
+        timeout      REAL NOT NULL DEFAULT 0,
+        workdir      TEXT NOT NULL DEFAULT '',
+        state        TEXT NOT NULL,
+        attempt      INTEGER NOT NULL DEFAULT 0,
+        exit_code    INTEGER,
+        message      TEXT NOT NULL DEFAULT '',
+        cancel_requested INTEGER NOT NULL DEFAULT 0,
+        container_id TEXT NOT NULL DEFAULT '',
+        log_cursor   TEXT NOT NULL DEFAULT '{}',
+        last_seq     INTEGER NOT NULL DEFAULT 0,
+        created_at   REAL NOT NULL,
+        started_at   REAL,
+        finished_at  REAL,
+        PRIMARY KEY (role, job_id)
+    );
+    CREATE INDEX jobs_created ON jobs(created_at);
+    CREATE TABLE job_events (
+        job_id   TEXT NOT NULL,
+        seq      INTEGER NOT NULL,
+        ts       REAL NOT NULL,
+        attempt  INTEGER NOT NULL,
+        kind     TEXT NOT NULL CHECK (kind IN ('stdout', 'stderr', 'state')),
+        data     BLOB NOT NULL,
+        PRIMARY KEY (job_id, seq)
+    );
     """,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -77,6 +143,65 @@ class Peer:
         ordered = [self.last_address] if self.last_address else []
         ordered += [a for a in self.addresses if a != self.last_address]
         return ordered
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """A job as this node knows it: ``hosted`` (ran here) or ``submitted`` (sent to a peer)."""
+
+    role: str
+    job_id: str
+    peer_id: str
+    """The submitter (hosted) or the provider (submitted)."""
+    peer_name: str
+    image: str
+    command: list[str]
+    env: dict[str, str]
+    gpu_memory: int
+    gpus: list[str]
+    retries: int
+    timeout: float
+    workdir: str
+    """Hosted: the unpacked workdir on this machine; submitted: the local folder sent."""
+    state: str
+    attempt: int
+    exit_code: int | None
+    message: str
+    cancel_requested: bool
+    container_id: str
+    log_cursor: dict[str, list[object]]
+    """Hosted: per stream, where the engine's log was read up to."""
+    last_seq: int
+    """Hosted: last event written; submitted: last event received."""
+    created_at: float
+    started_at: float | None
+    finished_at: float | None
+
+    @classmethod
+    def from_row(cls, row: sqlite3.Row) -> JobRecord:
+        values = {name: row[name] for name in _JOB_COLUMNS}
+        for name in _JSON_COLUMNS:
+            values[name] = json.loads(values[name])
+        values["cancel_requested"] = bool(values["cancel_requested"])
+        return cls(**values)
+
+    @property
+    def duration(self) -> float | None:
+        if self.started_at is None:
+            return None
+        end = self.finished_at if self.finished_at is not None else time.time()
+        return max(0.0, end - self.started_at)
+
+
+@dataclass(frozen=True)
+class JobEvent:
+    job_id: str
+    seq: int
+    ts: float
+    attempt: int
+    kind: str
+    """``stdout``, ``stderr`` or ``state`` (data: JSON of state, exit_code, message)."""
+    data: bytes
 
 
 class Store:
@@ -230,3 +355,137 @@ class Store:
             self._execute(
                 "UPDATE peers SET last_seen = ? WHERE node_id = ?", (now or time.time(), node_id)
             )
+
+    # --- jobs ---------------------------------------------------------------------
+
+    def add_job(self, job: JobRecord) -> None:
+        values = [getattr(job, name) for name in _JOB_COLUMNS]
+        values = [
+            json.dumps(v) if name in _JSON_COLUMNS else v
+            for name, v in zip(_JOB_COLUMNS, values, strict=True)
+        ]
+        marks = ",".join("?" * len(_JOB_COLUMNS))
+        self._execute(
+            f"INSERT INTO jobs ({','.join(_JOB_COLUMNS)}) VALUES ({marks})", tuple(values)
+        )
+
+    def update_job(self, role: str, job_id: str, **fields: object) -> None:
+        if not fields:
+            return
+        unknown = set(fields) - set(_JOB_COLUMNS)
+        if unknown:
+            raise ValueError(f"unknown job fields: {sorted(unknown)}")
+        sets = ", ".join(f"{name} = ?" for name in fields)
+        values = [json.dumps(v) if k in _JSON_COLUMNS else v for k, v in fields.items()]
+        self._execute(
+            f"UPDATE jobs SET {sets} WHERE role = ? AND job_id = ?", (*values, role, job_id)
+        )
+
+    def delete_job(self, role: str, job_id: str) -> None:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.execute("DELETE FROM jobs WHERE role = ? AND job_id = ?", (role, job_id))
+                if role == "hosted":
+                    self._db.execute("DELETE FROM job_events WHERE job_id = ?", (job_id,))
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
+    def job(self, role: str, job_id: str) -> JobRecord | None:
+        rows = self._query("SELECT * FROM jobs WHERE role = ? AND job_id = ?", (role, job_id))
+        return JobRecord.from_row(rows[0]) if rows else None
+
+    def find_job(self, query: str, role: str | None = None) -> JobRecord:
+        """A job by id or unambiguous id prefix (4+ characters), newest first."""
+        query = query.strip().lower()
+        if len(query) < 4:
+            raise NotFoundError(f"job id {query!r} is too short: type at least 4 characters")
+        sql = "SELECT * FROM jobs WHERE substr(job_id, 1, ?) = ?"
+        args: tuple[object, ...] = (len(query), query)
+        if role is not None:
+            sql += " AND role = ?"
+            args += (role,)
+        rows = self._query(sql + " ORDER BY created_at DESC", args)
+        if not rows:
+            raise NotFoundError(f"no job {query!r} here: see `gpumesh jobs`")
+        ids = {r["job_id"] for r in rows}
+        if len(ids) > 1:
+            raise NotFoundError(
+                f"job id prefix {query!r} matches {len(ids)} jobs: type more of the id"
+            )
+        return JobRecord.from_row(rows[0])
+
+    def jobs(self, limit: int = 20, role: str | None = None) -> list[JobRecord]:
+        if role is None:
+            rows = self._query("SELECT * FROM jobs ORDER BY created_at DESC LIMIT ?", (limit,))
+        else:
+            rows = self._query(
+                "SELECT * FROM jobs WHERE role = ? ORDER BY created_at DESC LIMIT ?",
+                (role, limit),
+            )
+        return [JobRecord.from_row(r) for r in rows]
+
+    def unfinished_hosted_jobs(self) -> list[JobRecord]:
+        rows = self._query(
+            "SELECT * FROM jobs WHERE role = 'hosted' AND state NOT IN "
+            "('succeeded', 'failed', 'cancelled') ORDER BY created_at"
+        )
+        return [JobRecord.from_row(r) for r in rows]
+
+    def append_job_event(
+        self,
+        job_id: str,
+        attempt: int,
+        kind: str,
+        data: bytes,
+        *,
+        log_cursor: dict[str, list[object]] | None = None,
+        now: float | None = None,
+    ) -> int:
+        """Append one event to a hosted job's log; returns its sequence number.
+
+        The engine-log cursor moves in the same transaction, so after a crash
+        the log is resumed exactly where the stored events end.
+        """
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                seq = (
+                    self._db.execute(
+                        "SELECT last_seq FROM jobs WHERE role = 'hosted' AND job_id = ?", (job_id,)
+                    ).fetchone()[0]
+                    + 1
+                )
+                self._db.execute(
+                    "INSERT INTO job_events (job_id, seq, ts, attempt, kind, data) "
+                    "VALUES (?, ?, ?, ?, ?, ?)",
+                    (job_id, seq, now or time.time(), attempt, kind, data),
+                )
+                if log_cursor is None:
+                    self._db.execute(
+                        "UPDATE jobs SET last_seq = ? WHERE role = 'hosted' AND job_id = ?",
+                        (seq, job_id),
+                    )
+                else:
+                    self._db.execute(
+                        "UPDATE jobs SET last_seq = ?, log_cursor = ? "
+                        "WHERE role = 'hosted' AND job_id = ?",
+                        (seq, json.dumps(log_cursor), job_id),
+                    )
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        return int(seq)
+
+    def job_events(self, job_id: str, after_seq: int = 0, limit: int = 1000) -> list[JobEvent]:
+        rows = self._query(
+            "SELECT * FROM job_events WHERE job_id = ? AND seq > ? ORDER BY seq LIMIT ?",
+            (job_id, after_seq, limit),
+        )
+        return [
+            JobEvent(r["job_id"], r["seq"], r["ts"], r["attempt"], r["kind"], bytes(r["data"]))
+            for r in rows
+        ]

@@ -173,6 +173,10 @@ class Stream:
             if self.link.send_buffer_size(self.stream_id) > 0:
                 await self.link.wait_writable(self.stream_id)
 
+    async def drain(self) -> None:
+        """Wait while too much of what we sent is still queued in QUIC."""
+        await self.link.wait_writable(self.stream_id)
+
     def end_data(self) -> None:
         """Mark the end of a bulk section."""
         self.link.send(self.stream_id, encode_header(FrameKind.DATA, 0))

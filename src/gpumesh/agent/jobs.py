@@ -1,0 +1,724 @@
+"""The provider's job service: accept, run, supervise, recover and stream jobs.
+
+Owns the hosted jobs of this node: their records and event logs in the store,
+their containers (through :class:`~gpumesh.runtime.base.JobRuntime`), their
+GPU assignment, and the requests ``JobSubmit``, ``JobLogs`` and ``JobCancel``.
+
+Durability: every output line is appended to the job's event log together
+with the engine-log cursor, in one transaction. Containers outlive the agent;
+on start, :meth:`JobService.recover` re-attaches to running containers by
+label and resumes their logs from the stored cursor, so a restart loses no
+line and never runs a second copy of a job.
+
+Blocking engine calls run in daemon threads (a long ``wait`` must never keep
+the process alive after ``share stop``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from gpumesh.agent.jobstate import FINAL_STATES, Decision, JobMachine, JobState
+from gpumesh.errors import (
+    AccessDeniedError,
+    GPUMeshError,
+    LimitError,
+    NotFoundError,
+    ProtocolError,
+)
+from gpumesh.gpu.inventory import GpuInfo, GpuInventory
+from gpumesh.protocol.messages import (
+    MAX_OUTPUT_CHUNK,
+    JobAccepted,
+    JobCancel,
+    JobLogs,
+    JobOutput,
+    JobStatus,
+    JobSubmit,
+)
+from gpumesh.runtime.base import (
+    LABEL_ATTEMPT,
+    LABEL_JOB,
+    LABEL_NODE,
+    LABEL_PEER,
+    ContainerSpec,
+    ContainerState,
+    JobRuntime,
+    LogCursor,
+    LogLine,
+)
+from gpumesh.store.db import JobRecord
+from gpumesh.units import format_size, parse_size
+
+if TYPE_CHECKING:
+    from gpumesh.agent.server import Agent, RequestContext
+    from gpumesh.transport.stream import Stream
+
+__all__ = ["HOSTED", "JobService"]
+
+logger = logging.getLogger(__name__)
+
+HOSTED = "hosted"
+T = TypeVar("T")
+_LOG_DRAIN_TIMEOUT = 15.0
+"""After a container exits, how long its log readers may take to finish."""
+
+
+def _in_thread(function: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+    """Run a blocking call in a daemon thread; never blocks interpreter exit."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: T | None, error: BaseException | None) -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)  # type: ignore[arg-type]
+
+    def target() -> None:
+        try:
+            result = function(*args)
+        except BaseException as exc:
+            report: tuple[T | None, BaseException | None] = (None, exc)
+        else:
+            report = (result, None)
+        # The loop may be gone (the agent stopped while this call blocked): then
+        # nobody waits for the answer, and the container is re-attached next start.
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(settle, *report)
+
+    threading.Thread(target=target, name="gpumesh-job", daemon=True).start()
+    return future
+
+
+def _open_to_container(job_dir: Path, work: Path) -> None:
+    """Let the job's container user write its workdir.
+
+    Containers run without CAP_DAC_OVERRIDE, so root inside cannot write files
+    owned by the agent's user. The workdir is made writable for all, and its
+    parent folder private to the agent's user, so no one else on the host can
+    reach it.
+    """
+    job_dir.chmod(0o700)
+    for folder, dirs, files in os.walk(work):
+        os.chmod(folder, 0o777)
+        for name in files:
+            path = os.path.join(folder, name)
+            if not os.path.islink(path):
+                os.chmod(path, os.stat(path).st_mode | 0o666)
+        for name in dirs:
+            path = os.path.join(folder, name)
+            if os.path.islink(path):
+                dirs.remove(name)
+
+
+def _state_data(state: str, exit_code: int | None, message: str) -> bytes:
+    return json.dumps({"state": state, "exit_code": exit_code, "message": message}).encode()
+
+
+class _Run:
+    """In-memory side of one supervised job."""
+
+    def __init__(self, record: JobRecord) -> None:
+        self.job_id = record.job_id
+        self.machine = JobMachine(
+            record.retries,
+            state=JobState(record.state),
+            attempt=record.attempt,
+            cancel_requested=record.cancel_requested,
+        )
+        self.container_id = record.container_id
+        self.cursor: dict[str, list[object]] = dict(record.log_cursor)
+        self.task: asyncio.Task[None] | None = None
+        self.wake = asyncio.Event()
+        """Set to cut a retry backoff short (cancel)."""
+        self.timed_out = False
+
+
+class JobService:
+    """Hosted jobs of one agent."""
+
+    def __init__(
+        self,
+        agent: Agent,
+        *,
+        runtime: JobRuntime | None = None,
+        inventory: GpuInventory | None = None,
+        max_vram: int | None = None,
+    ) -> None:
+        self.agent = agent
+        self.store = agent.store
+        self._runtime = runtime
+        self._owns_runtime = runtime is None
+        self._inventory = inventory
+        config = agent.home.config
+        configured_cap = str(config.get("max_vram") or "")
+        self.max_vram = (
+            max_vram
+            if max_vram is not None
+            else (parse_size(configured_cap) if configured_cap else 0)
+        )
+        self.jobs_dir = agent.home.path / "jobs"
+        self._runs: dict[str, _Run] = {}
+        self._changed = asyncio.Condition()
+
+    # --- collaborators (created lazily: an agent without Docker still serves pings) ---
+
+    @property
+    def runtime(self) -> JobRuntime:
+        if self._runtime is None:
+            from gpumesh.runtime.docker import DockerRuntime
+
+            self._runtime = DockerRuntime()
+        return self._runtime
+
+    @property
+    def inventory(self) -> GpuInventory:
+        if self._inventory is None:
+            from gpumesh.gpu.inventory import detect_inventory
+
+            self._inventory = detect_inventory()
+        return self._inventory
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    async def recover(self) -> None:
+        """Re-attach to this node's job containers after a (re)start; clean orphans."""
+        unfinished = self.store.unfinished_hosted_jobs()
+        try:
+            containers = await _in_thread(self.runtime.list_jobs, self.agent.node_id)
+        except GPUMeshError as exc:
+            if unfinished:
+                logger.warning("cannot recover %d job(s) yet: %s", len(unfinished), exc)
+            return
+        by_job = {c.labels.get(LABEL_JOB, ""): c for c in containers}
+        known = {job.job_id for job in unfinished}
+        for orphan in containers:
+            if orphan.labels.get(LABEL_JOB, "") not in known:
+                logger.info("removing orphaned container %s", orphan.container_id[:12])
+                await _in_thread(self.runtime.remove, orphan.container_id)
+        for job in unfinished:
+            run = _Run(job)
+            self._runs[job.job_id] = run
+            container: ContainerState | None = by_job.get(job.job_id)
+            if container is not None and container.labels.get(LABEL_ATTEMPT) != str(job.attempt):
+                container = None
+            logger.info("[job %s] recovering (%s, attempt %d)", job.job_id, job.state, job.attempt)
+            run.task = asyncio.create_task(self._recover_one(run, job, container))
+
+    async def _recover_one(
+        self, run: _Run, job: JobRecord, container: ContainerState | None
+    ) -> None:
+        state = run.machine.state
+        if state is JobState.UPLOADING:
+            await self._finish(
+                run,
+                run.machine.infra_failed("the provider restarted during the upload"),
+                no_retry=True,
+            )
+            return
+        if state in (JobState.STARTING, JobState.RUNNING):
+            if container is None:
+                decision = run.machine.infra_failed(
+                    "its container disappeared while the provider was down"
+                )
+                await self._after_attempt(run, job, decision)
+                return
+            run.container_id = container.container_id
+            await self._supervise(run, job, resume=container)
+            return
+        # queued or retrying: nothing ran yet for the next attempt.
+        await self._supervise(run, job)
+
+    def stop(self) -> None:
+        """Stop supervising; containers keep running and are re-attached on next start."""
+        for run in self._runs.values():
+            if run.task is not None:
+                run.task.cancel()
+        if self._owns_runtime and self._runtime is not None:
+            self._runtime.close()
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    # --- requests ----------------------------------------------------------------------------
+
+    async def handle_submit(self, ctx: RequestContext, message: JobSubmit) -> None:
+        peer = ctx.peer
+        existing = self.store.job(HOSTED, message.job_id)
+        if existing is not None:
+            if existing.peer_id != peer.node_id:
+                raise AccessDeniedError(f"job id {message.job_id} is taken; submit again")
+            if existing.state != JobState.UPLOADING:
+                # A resubmission after a dropped link: never a second copy.
+                ctx.stream.send_message(
+                    JobAccepted(
+                        job_id=existing.job_id, gpus=existing.gpus, provider=self.agent.name
+                    )
+                )
+                if message.attach:
+                    await self._stream_events(ctx.stream, existing.job_id, 0, follow=True)
+                else:
+                    ctx.stream.finish()
+                return
+            await self._discard(existing.job_id)
+        self._check_env(message)
+        limit = parse_size(str(self.agent.home.config.get("upload_limit")))
+        if message.workdir_bytes > limit:
+            raise LimitError(
+                f"the workdir is {format_size(message.workdir_bytes)}; {self.agent.name} accepts "
+                f"at most {format_size(limit)} (its upload_limit): trim it with .gpumeshignore"
+            )
+        gpus = await _in_thread(self._assign_gpus, message.gpu_memory)
+        await self._check_runtime(message.image)
+        now = time.time()
+        record = JobRecord(
+            role=HOSTED,
+            job_id=message.job_id,
+            peer_id=peer.node_id,
+            peer_name=peer.name,
+            image=message.image,
+            command=list(message.command),
+            env=dict(message.env),
+            gpu_memory=message.gpu_memory,
+            gpus=gpus,
+            retries=message.retries,
+            timeout=message.timeout,
+            workdir="",
+            state=JobState.QUEUED,
+            attempt=0,
+            exit_code=None,
+            message="",
+            cancel_requested=False,
+            container_id="",
+            log_cursor={},
+            last_seq=0,
+            created_at=now,
+            started_at=None,
+            finished_at=None,
+        )
+        self.store.add_job(record)
+        run = _Run(record)
+        self._runs[record.job_id] = run
+        logger.info("[job %s] accepted from %s: %s", record.job_id, peer.name, record.image)
+        ctx.stream.send_message(
+            JobAccepted(job_id=record.job_id, gpus=gpus, provider=self.agent.name)
+        )
+        if message.workdir_bytes:
+            await self._receive_workdir(ctx.stream, run, message.workdir_bytes, limit)
+            record = self._record(record.job_id)
+        run.task = asyncio.create_task(self._supervise(run, record))
+        if message.attach:
+            await self._stream_events(ctx.stream, record.job_id, 0, follow=True)
+        else:
+            ctx.stream.finish()
+
+    async def handle_logs(self, ctx: RequestContext, message: JobLogs) -> None:
+        job = self._owned(ctx, message.job_id)
+        await self._stream_events(ctx.stream, job.job_id, message.after_seq, message.follow)
+
+    async def handle_cancel(self, ctx: RequestContext, message: JobCancel) -> None:
+        job = self._owned(ctx, message.job_id)
+        run = self._runs.get(job.job_id)
+        if job.state not in FINAL_STATES and run is not None:
+            self.store.update_job(HOSTED, job.job_id, cancel_requested=1)
+            decision = run.machine.cancel()
+            run.wake.set()
+            if decision is not None:  # nothing running: ends now
+                if run.task is not None:
+                    run.task.cancel()
+                await self._finish(run, decision)
+            elif run.container_id:
+                logger.info("[job %s] cancel requested: stopping its container", job.job_id)
+                await _in_thread(self.runtime.stop, run.container_id, 5.0)
+            if run.task is not None:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await asyncio.wait_for(asyncio.shield(run.task), 20)
+        job = self._record(job.job_id)
+        ctx.stream.send_message(
+            JobStatus(
+                job_id=job.job_id,
+                seq=job.last_seq,
+                state=job.state,
+                attempt=job.attempt,
+                exit_code=job.exit_code,
+                message=job.message,
+            ),
+            end=True,
+        )
+
+    # --- checks -----------------------------------------------------------------------------
+
+    def _owned(self, ctx: RequestContext, job_id: str) -> JobRecord:
+        job = self.store.job(HOSTED, job_id)
+        if job is None:
+            raise NotFoundError(f"{self.agent.name} has no job {job_id}")
+        if job.peer_id != ctx.peer.node_id:
+            raise AccessDeniedError(
+                f"job {job_id} on {self.agent.name} was submitted by another peer"
+            )
+        return job
+
+    def _record(self, job_id: str) -> JobRecord:
+        job = self.store.job(HOSTED, job_id)
+        assert job is not None
+        return job
+
+    @staticmethod
+    def _check_env(message: JobSubmit) -> None:
+        for key in message.env:
+            if key.upper().startswith("NVIDIA_"):
+                raise LimitError(f"{key} may not be set by a job: the provider decides GPU access")
+
+    def _assign_gpus(self, gpu_memory: int) -> list[str]:
+        """The GPU(s) for a job, or a refusal that gives the numbers."""
+        name = self.agent.name
+        if self.max_vram and gpu_memory > self.max_vram:
+            raise LimitError(
+                f"the job asks for {format_size(gpu_memory)} of GPU memory; {name} shares at "
+                f"most {format_size(self.max_vram)} (--max-vram)"
+            )
+        gpus = self.inventory.gpus()
+        if not gpus:
+            if gpu_memory:
+                raise LimitError(
+                    f"{name} has no NVIDIA GPU; run without --gpu-memory for a CPU-only job"
+                )
+            return []
+        reserved: dict[str, int] = {}
+        for job in self.store.unfinished_hosted_jobs():
+            for index in job.gpus:
+                reserved[index] = reserved.get(index, 0) + job.gpu_memory
+
+        def free(gpu: GpuInfo) -> int:
+            available = gpu.memory_free - reserved.get(str(gpu.index), 0)
+            if self.max_vram:
+                available = min(available, self.max_vram - reserved.get(str(gpu.index), 0))
+            return max(0, available)
+
+        best = max(gpus, key=free)
+        if free(best) < gpu_memory:
+            raise LimitError(
+                f"the job asks for {format_size(gpu_memory)} of GPU memory; the most free on "
+                f"{name} is {format_size(free(best))} (GPU {best.index} {best.name}, "
+                f"{format_size(best.memory_used)} used of {format_size(best.memory_total)})"
+            )
+        return [str(best.index)]
+
+    async def _check_runtime(self, image: str) -> None:
+        name = self.agent.name
+        try:
+            await _in_thread(self.runtime.ensure_image, image)
+        except GPUMeshError as exc:
+            message = exc.message.replace("this machine", name)
+            raise type(exc)(
+                f"{name}: {message}" if not message.startswith(name) else message
+            ) from None
+
+    # --- upload -------------------------------------------------------------------------------
+
+    async def _receive_workdir(self, stream: Stream, run: _Run, size: int, limit: int) -> None:
+        from gpumesh.files.pack import unpack_tar
+
+        run.machine.uploading()
+        self.store.update_job(HOSTED, run.job_id, state=JobState.UPLOADING)
+        job_dir = self.jobs_dir / run.job_id
+        job_dir.mkdir(parents=True, exist_ok=True)
+        tar_path = job_dir / "upload.tar"
+        received = 0
+        with tar_path.open("wb") as out:
+            while chunk := await stream.read_data():
+                received += len(chunk)
+                if received > size:
+                    raise ProtocolError("the workdir upload is larger than announced")
+                out.write(chunk)
+        if received != size:
+            raise ProtocolError(f"the workdir upload ended after {received} of {size} bytes")
+        work = job_dir / "work"
+        await _in_thread(unpack_tar, tar_path, work, limit)
+        tar_path.unlink()
+        await _in_thread(_open_to_container, job_dir, work)
+        self.store.update_job(HOSTED, run.job_id, workdir=str(work))
+
+    async def _discard(self, job_id: str) -> None:
+        self._runs.pop(job_id, None)
+        shutil.rmtree(self.jobs_dir / job_id, ignore_errors=True)
+        self.store.delete_job(HOSTED, job_id)
+
+    # --- supervision ---------------------------------------------------------------------------
+
+    async def _supervise(
+        self, run: _Run, job: JobRecord, resume: ContainerState | None = None
+    ) -> None:
+        try:
+            while not run.machine.final:
+                if resume is None:
+                    decision = await self._start_attempt(run, job)
+                else:
+                    decision = await self._follow(run, job, resume)
+                    resume = None
+                if decision is None:
+                    continue
+                await self._after_attempt(run, job, decision)
+                if run.machine.state is JobState.RETRYING:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(run.wake.wait(), decision.delay)
+                    if run.machine.cancel_requested:
+                        await self._finish(run, run.machine.infra_failed("cancelled"))
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("[job %s] supervisor failed", run.job_id)
+            await self._finish(run, run.machine.infra_failed("the provider hit an internal error"))
+
+    async def _start_attempt(self, run: _Run, job: JobRecord) -> Decision | None:
+        attempt = run.machine.start_attempt()
+        run.cursor = {}
+        run.timed_out = False
+        self.store.update_job(
+            HOSTED, run.job_id, state=JobState.STARTING, attempt=attempt, log_cursor={}
+        )
+        await self._event(run, JobState.STARTING, None, f"attempt {attempt} starting")
+        job = self._record(run.job_id)
+        try:
+            spec = self.container_spec(job, attempt)
+            run.container_id = await _in_thread(self.runtime.create, spec)
+            self.store.update_job(HOSTED, run.job_id, container_id=run.container_id)
+            await _in_thread(self.runtime.start, run.container_id)
+        except GPUMeshError as exc:
+            await self._remove_container(run)
+            return run.machine.infra_failed(exc.message)
+        state = await _in_thread(self.runtime.inspect, run.container_id)
+        return await self._follow(run, job, state)
+
+    async def _follow(self, run: _Run, job: JobRecord, container: ContainerState) -> Decision:
+        """Stream a started container's logs into the event log until it exits."""
+        if run.machine.state is JobState.STARTING:
+            if container.status == "created":
+                await _in_thread(self.runtime.start, container.container_id)
+            run.machine.running()
+            fields: dict[str, object] = {"state": JobState.RUNNING}
+            if job.started_at is None:
+                fields["started_at"] = time.time()
+            self.store.update_job(HOSTED, run.job_id, **fields)
+            await self._event(run, JobState.RUNNING, None, f"attempt {run.machine.attempt} running")
+        queue: asyncio.Queue[LogLine | None] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        readers = [
+            _in_thread(self._read_logs, loop, queue, container.container_id, stream, run.cursor)
+            for stream in ("stdout", "stderr")
+        ]
+        writer = asyncio.create_task(self._write_logs(run, queue, expected_ends=len(readers)))
+        waiter = _in_thread(self.runtime.wait, container.container_id)
+        try:
+            if run.machine.cancel_requested:  # cancelled while the container was being made
+                await _in_thread(self.runtime.stop, container.container_id, 5.0)
+            if job.timeout:
+                # Per attempt, from when we (re)attached: a restart gives it the full time again.
+                done, _ = await asyncio.wait({waiter}, timeout=job.timeout)
+                if not done:
+                    run.timed_out = True
+                    await _in_thread(self.runtime.stop, container.container_id, 5.0)
+            final = await waiter
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    asyncio.gather(*readers, return_exceptions=True), _LOG_DRAIN_TIMEOUT
+                )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(writer), _LOG_DRAIN_TIMEOUT)
+        except GPUMeshError as exc:
+            await self._remove_container(run)
+            return run.machine.infra_failed(exc.message)
+        finally:
+            # Stopping the agent cancels us: the writer must stop too, or it would
+            # keep writing beside the next agent's (the cursor in the store is the truth).
+            writer.cancel()
+        await self._remove_container(run)
+        if run.timed_out and not run.machine.cancel_requested:
+            return run.machine.infra_failed(f"timed out after {job.timeout:.0f}s")
+        if final.error and final.exit_code in (126, 127):
+            await self._event(run, None, final.exit_code, final.error, kind_state=False)
+        exit_code = final.exit_code if final.exit_code is not None else 125
+        decision = run.machine.exited(exit_code)
+        if final.oom_killed and decision.state is not JobState.CANCELLED:
+            decision = Decision(
+                decision.state, decision.delay, decision.message + " (out of memory)"
+            )
+        self.store.update_job(HOSTED, run.job_id, exit_code=exit_code)
+        return decision
+
+    def _read_logs(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        queue: asyncio.Queue[LogLine | None],
+        container_id: str,
+        stream: str,
+        cursors: dict[str, list[object]],
+    ) -> None:
+        saved = cursors.get(stream) or ["", 0]
+        cursor = LogCursor(str(saved[0]), int(str(saved[1])))
+        lines: Iterator[LogLine] = self.runtime.logs(
+            container_id,
+            "stdout" if stream == "stdout" else "stderr",
+            cursor,
+            True,
+        )
+        try:
+            for line in lines:
+                loop.call_soon_threadsafe(queue.put_nowait, line)
+        finally:
+            # The agent may have stopped meanwhile; the cursor in the store is the truth.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(queue.put_nowait, None)
+
+    async def _write_logs(
+        self, run: _Run, queue: asyncio.Queue[LogLine | None], expected_ends: int
+    ) -> None:
+        ends = 0
+        while ends < expected_ends:
+            line = await queue.get()
+            if line is None:
+                ends += 1
+                continue
+            run.cursor[line.stream] = [line.cursor.timestamp, line.cursor.count]
+            data = line.data
+            for offset in range(0, max(1, len(data)), MAX_OUTPUT_CHUNK):
+                last = offset + MAX_OUTPUT_CHUNK >= len(data)
+                self.store.append_job_event(
+                    run.job_id,
+                    run.machine.attempt,
+                    line.stream,
+                    data[offset : offset + MAX_OUTPUT_CHUNK],
+                    # Move the cursor only with the entry's last piece.
+                    log_cursor=dict(run.cursor) if last else None,
+                )
+            await self._notify()
+
+    async def _remove_container(self, run: _Run) -> None:
+        if run.container_id:
+            with contextlib.suppress(GPUMeshError):
+                await _in_thread(self.runtime.remove, run.container_id)
+            run.container_id = ""
+            self.store.update_job(HOSTED, run.job_id, container_id="")
+
+    async def _after_attempt(self, run: _Run, job: JobRecord, decision: Decision) -> None:
+        if decision.state is JobState.RETRYING:
+            self.store.update_job(
+                HOSTED, run.job_id, state=JobState.RETRYING, message=decision.message
+            )
+            await self._event(run, JobState.RETRYING, None, decision.message)
+            logger.info("[job %s] %s", run.job_id, decision.message)
+            return
+        await self._finish(run, decision)
+
+    async def _finish(self, run: _Run, decision: Decision, *, no_retry: bool = False) -> None:
+        if no_retry and decision.state is JobState.RETRYING:
+            decision = Decision(JobState.FAILED, 0.0, decision.message)
+            run.machine.state = JobState.FAILED
+        job = self._record(run.job_id)
+        exit_code = job.exit_code
+        if decision.state is JobState.CANCELLED:
+            exit_code = exit_code if exit_code is not None else 130
+        elif decision.state is JobState.FAILED and exit_code in (None, 0):
+            exit_code = 125  # never ran to completion: like docker run's own failures
+        if job.state in FINAL_STATES:
+            return
+        self.store.update_job(
+            HOSTED,
+            run.job_id,
+            state=decision.state,
+            exit_code=exit_code,
+            message=decision.message,
+            finished_at=time.time(),
+        )
+        await self._event(run, decision.state, exit_code, decision.message)
+        logger.info("[job %s] %s: %s", run.job_id, decision.state, decision.message)
+
+    async def _event(
+        self,
+        run: _Run,
+        state: str | None,
+        exit_code: int | None,
+        message: str,
+        *,
+        kind_state: bool = True,
+    ) -> None:
+        if kind_state:
+            data = _state_data(str(state), exit_code, message)
+            self.store.append_job_event(run.job_id, run.machine.attempt, "state", data)
+        else:  # a diagnostic for the user, on the job's stderr
+            text = f"gpumesh: {message.strip()}\n".encode()
+            self.store.append_job_event(run.job_id, run.machine.attempt, "stderr", text)
+        await self._notify()
+
+    def container_spec(self, job: JobRecord, attempt: int) -> ContainerSpec:
+        """The locked-down container for one attempt of ``job``."""
+        config = self.agent.home.config
+        network = str(config.get("job_network"))
+        return ContainerSpec(
+            image=job.image,
+            command=list(job.command),
+            env=dict(job.env),
+            labels={
+                LABEL_JOB: job.job_id,
+                LABEL_PEER: job.peer_id,
+                LABEL_NODE: self.agent.node_id,
+                LABEL_ATTEMPT: str(attempt),
+            },
+            name=f"gpumesh-{job.job_id}-{attempt}",
+            memory=parse_size(str(config.get("job_memory"))),
+            pids_limit=int(config.get("job_pids_limit")),
+            cpus=float(config.get("job_cpus")),
+            network="none" if network == "none" else "bridge",
+            workdir=job.workdir or None,
+            gpu_ids=list(job.gpus),
+        )
+
+    # --- streaming to consumers ------------------------------------------------------------------
+
+    async def _stream_events(self, stream: Stream, job_id: str, after: int, follow: bool) -> None:
+        while True:
+            events = self.store.job_events(job_id, after, 500)
+            for event in events:
+                after = event.seq
+                if event.kind == "state":
+                    info = json.loads(event.data)
+                    stream.send_message(
+                        JobStatus(
+                            job_id=job_id,
+                            seq=event.seq,
+                            state=info["state"],
+                            attempt=event.attempt,
+                            exit_code=info["exit_code"],
+                            message=info["message"],
+                        )
+                    )
+                else:
+                    stream.send_message(
+                        JobOutput(
+                            seq=event.seq, attempt=event.attempt, stream=event.kind, data=event.data
+                        )
+                    )
+            if events:
+                await stream.drain()
+                continue
+            job = self._record(job_id)
+            if not follow or (job.state in FINAL_STATES and after >= job.last_seq):
+                break
+            async with self._changed:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), 1.0)
+        stream.finish()

@@ -1,0 +1,137 @@
+"""The life of a hosted job, without I/O: states, attempts, retries, cancel.
+
+::
+
+    queued -> uploading -> starting -> running -> succeeded
+                              ^           |  \\-> failed      (no retries left)
+                              |           v
+                              +------ retrying              (non-zero exit or infra failure)
+    any non-final state --cancel--> cancelled               (never retried)
+
+The job service feeds outcomes in and acts on the decisions that come out;
+time never enters here (backoff delays are returned, not slept).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+__all__ = ["FINAL_STATES", "Decision", "JobMachine", "JobState", "backoff"]
+
+
+class JobState(enum.StrEnum):
+    QUEUED = "queued"
+    UPLOADING = "uploading"
+    STARTING = "starting"
+    RUNNING = "running"
+    RETRYING = "retrying"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+FINAL_STATES = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
+
+
+def backoff(attempt: int) -> float:
+    """Seconds to wait after failed attempt ``attempt`` (1, 2, 4, ... capped at 30)."""
+    return float(min(30, 2 ** max(0, attempt - 1)))
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What to do after an attempt ended."""
+
+    state: JobState
+    """RETRYING (then start another attempt after ``delay``) or a final state."""
+    delay: float = 0.0
+    message: str = ""
+
+
+class JobMachine:
+    """One job's state; ``attempt`` counts from 1 once the first attempt starts."""
+
+    def __init__(
+        self,
+        retries: int,
+        *,
+        state: JobState = JobState.QUEUED,
+        attempt: int = 0,
+        cancel_requested: bool = False,
+    ) -> None:
+        self.retries = retries
+        self.state = state
+        self.attempt = attempt
+        self.cancel_requested = cancel_requested
+
+    @property
+    def final(self) -> bool:
+        return self.state in FINAL_STATES
+
+    @property
+    def attempts_left(self) -> int:
+        return self.retries + 1 - self.attempt
+
+    def uploading(self) -> None:
+        self._expect(JobState.QUEUED)
+        self.state = JobState.UPLOADING
+
+    def start_attempt(self) -> int:
+        """Begin the next attempt; returns its number."""
+        self._expect(JobState.QUEUED, JobState.UPLOADING, JobState.RETRYING)
+        self.attempt += 1
+        self.state = JobState.STARTING
+        return self.attempt
+
+    def running(self) -> None:
+        self._expect(JobState.STARTING)
+        self.state = JobState.RUNNING
+
+    def exited(self, exit_code: int) -> Decision:
+        """The attempt's container exited with ``exit_code``."""
+        self._expect(JobState.STARTING, JobState.RUNNING)
+        if self.cancel_requested:
+            return self._finish(JobState.CANCELLED, "cancelled")
+        if exit_code == 0:
+            return self._finish(JobState.SUCCEEDED, "exited 0")
+        return self._failed(f"exited {exit_code}")
+
+    def infra_failed(self, message: str) -> Decision:
+        """The attempt could not run (engine error, lost container, timeout...)."""
+        if self.final:
+            return Decision(self.state)
+        if self.cancel_requested:
+            return self._finish(JobState.CANCELLED, "cancelled")
+        return self._failed(message)
+
+    def cancel(self) -> Decision | None:
+        """Ask to cancel. Returns the final decision when nothing is running
+        (the job ends now); None when a running container must be stopped first."""
+        if self.final:
+            return None
+        self.cancel_requested = True
+        if self.state in (JobState.STARTING, JobState.RUNNING):
+            return None
+        return self._finish(JobState.CANCELLED, "cancelled")
+
+    def _failed(self, message: str) -> Decision:
+        if self.attempts_left > 0:
+            self.state = JobState.RETRYING
+            delay = backoff(self.attempt)
+            return Decision(
+                JobState.RETRYING,
+                delay,
+                f"attempt {self.attempt} {message}; retrying in {delay:.0f}s "
+                f"({self.attempts_left} left)",
+            )
+        return self._finish(JobState.FAILED, message)
+
+    def _finish(self, state: JobState, message: str) -> Decision:
+        self.state = state
+        return Decision(state, 0.0, message)
+
+    def _expect(self, *states: JobState) -> None:
+        if self.state not in states:
+            allowed = ", ".join(s.value for s in states)
+            raise ValueError(f"job is {self.state.value}, expected one of: {allowed}")

@@ -1,0 +1,99 @@
+"""Printing a job's live events: output to stdout/stderr, attempts and states to stderr."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from gpumesh.client.jobs import JobCallbacks
+from gpumesh.errors import GPUMeshError
+from gpumesh.protocol.messages import JobAccepted, JobStatus
+
+__all__ = ["JobPrinter"]
+
+
+class JobPrinter:
+    """Callbacks that write a job's output like `docker run` does, plus short notes."""
+
+    def __init__(self, *, quiet: bool = False, numbered: bool = False) -> None:
+        self.quiet = quiet
+        self.numbered = numbered
+        """Mark every attempt's start and the end (for `logs`, which replays history)."""
+        self.attempt = 0
+        self._progress: object | None = None
+
+    def note(self, text: str) -> None:
+        if not self.quiet:
+            click.echo(click.style(f"gpumesh: {text}", dim=True), err=True)
+
+    def stdout(self, data: bytes) -> None:
+        sys.stdout.buffer.write(data)
+        sys.stdout.buffer.flush()
+
+    def stderr(self, data: bytes) -> None:
+        sys.stderr.buffer.write(data)
+        sys.stderr.buffer.flush()
+
+    def status(self, status: JobStatus) -> None:
+        final = status.state in ("succeeded", "failed", "cancelled")
+        if self.numbered and status.state == "starting":
+            self.note(f"--- attempt {status.attempt} ---")
+        elif self.numbered and final:
+            code = "" if status.exit_code is None else f", exit {status.exit_code}"
+            detail = f": {status.message}" if status.state != "succeeded" and status.message else ""
+            self.note(f"--- {status.state}{code}{detail} ---")
+        elif status.state == "starting" and status.attempt > 1:
+            self.note(f"attempt {status.attempt} starting")
+        elif status.state == "retrying":
+            self.note(status.message)
+        elif status.state == "cancelled":
+            self.note(f"job {status.job_id} cancelled")
+        elif status.state == "failed" and not status.message.startswith("exited"):
+            self.note(f"job failed: {status.message}")  # it never exited on its own
+        self.attempt = status.attempt
+
+    def accepted(self, accepted: JobAccepted) -> None:
+        if sys.stderr.isatty():
+            where = f"GPU {', '.join(accepted.gpus)}" if accepted.gpus else "no GPU"
+            self.note(f"job {accepted.job_id} on {accepted.provider} ({where})")
+
+    def upload(self, sent: int, total: int) -> None:
+        if self.quiet or not sys.stderr.isatty():
+            return
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TransferSpeedColumn,
+        )
+
+        if self._progress is None:
+            progress = Progress(
+                "[dim]gpumesh: uploading workdir",
+                BarColumn(),
+                DownloadColumn(binary_units=False),
+                TransferSpeedColumn(),
+                transient=True,
+                console=None,
+            )
+            progress.start()
+            self._task = progress.add_task("upload", total=total)
+            self._progress = progress
+        assert isinstance(self._progress, Progress)
+        self._progress.update(self._task, completed=sent)
+        if sent >= total:
+            self._progress.stop()
+
+    def reconnecting(self, error: GPUMeshError) -> None:
+        self.note(f"link lost ({error.message}); reconnecting")
+
+    def callbacks(self) -> JobCallbacks:
+        return JobCallbacks(
+            stdout=self.stdout,
+            stderr=self.stderr,
+            status=self.status,
+            accepted=self.accepted,
+            upload=self.upload,
+            reconnecting=self.reconnecting,
+        )

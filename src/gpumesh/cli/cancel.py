@@ -1,0 +1,35 @@
+"""``gpumesh cancel``"""
+
+from __future__ import annotations
+
+import click
+
+from gpumesh.cli._common import get_node, run_async
+
+
+@click.command(
+    epilog="""\b
+Examples:
+  gpumesh cancel --peer alice-pc 3f9a2c1b7d0e
+  gpumesh cancel 3f9a                  # the peer is known for jobs you submitted
+"""
+)
+@click.option("--peer", envvar="GPUMESH_PEER", show_envvar=True, help="The job's provider.")
+@click.argument("job_id")
+def cancel(peer: str | None, job_id: str) -> None:
+    """Cancel a job you submitted: its container is stopped; it is never retried."""
+    from gpumesh.client.jobs import SUBMITTED, cancel_job
+    from gpumesh.errors import NotFoundError
+
+    node = get_node()
+    if peer is None:
+        try:
+            job = node.home.store.find_job(job_id, role=SUBMITTED)
+        except NotFoundError:
+            raise NotFoundError(
+                f"no job {job_id!r} submitted from here: give its provider with --peer"
+            ) from None
+        peer, job_id = job.peer_id, job.job_id
+    result = run_async(cancel_job(node, peer, job_id))
+    code = "" if result.exit_code is None else f" (exit {result.exit_code})"
+    click.echo(f"Job {result.job_id} on {result.peer}: {result.state}{code}")

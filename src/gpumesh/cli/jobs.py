@@ -1,0 +1,78 @@
+"""``gpumesh jobs``"""
+
+from __future__ import annotations
+
+import time
+
+import click
+
+from gpumesh.cli._common import emit_json, get_node
+from gpumesh.units import format_duration, format_size
+
+
+@click.command(epilog="\b\nExamples:\n  gpumesh jobs\n  gpumesh jobs --limit 100 --json")
+@click.option("--limit", type=int, default=20, show_default=True, help="How many, newest first.")
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable output.")
+def jobs(limit: int, as_json: bool) -> None:
+    """List jobs this node submitted (to a peer) and hosted (for a peer)."""
+    node = get_node()
+    records = node.home.store.jobs(limit=limit)
+    if as_json:
+        emit_json(
+            [
+                {
+                    "job_id": j.job_id,
+                    "role": j.role,
+                    "peer": j.peer_name,
+                    "state": j.state,
+                    "exit_code": j.exit_code,
+                    "attempt": j.attempt,
+                    "retries": j.retries,
+                    "image": j.image,
+                    "command": j.command,
+                    "gpus": j.gpus,
+                    "gpu_memory": j.gpu_memory,
+                    "created_at": j.created_at,
+                    "started_at": j.started_at,
+                    "finished_at": j.finished_at,
+                    "duration": j.duration,
+                    "message": j.message,
+                }
+                for j in records
+            ]
+        )
+        return
+    if not records:
+        click.echo("No jobs yet. Start one with `gpumesh run --peer NAME -- COMMAND`.")
+        return
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    colors = {"succeeded": "green", "failed": "red", "cancelled": "yellow", "running": "cyan"}
+    now = time.time()
+    table = Table(box=None, pad_edge=False)
+    for column in ("ID", "PEER", "STATE", "EXIT", "ATTEMPT", "GPU"):
+        table.add_column(column, no_wrap=True)
+    table.add_column("COMMAND", no_wrap=True, overflow="ellipsis", max_width=40)
+    for column in ("CREATED", "TIME"):
+        table.add_column(column, no_wrap=True)
+    for j in records:
+        peer = f"→ {j.peer_name}" if j.role == "submitted" else f"← {j.peer_name}"
+        color = colors.get(j.state, "white")
+        command = " ".join(j.command) or f"({j.image})"
+        gpu = ",".join(j.gpus) or "-"
+        if j.gpu_memory:
+            gpu += f" {format_size(j.gpu_memory)}"
+        table.add_row(
+            j.job_id,
+            escape(peer),
+            f"[{color}]{j.state}[/{color}]",
+            "-" if j.exit_code is None else str(j.exit_code),
+            f"{j.attempt}/{j.retries + 1}",
+            gpu,
+            escape(command[:40]),
+            f"{format_duration(now - j.created_at)} ago",
+            format_duration(j.duration) if j.duration is not None else "-",
+        )
+    Console().print(table)

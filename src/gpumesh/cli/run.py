@@ -1,0 +1,115 @@
+"""``gpumesh run``"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from gpumesh.cli._common import get_node, run_async
+
+
+@click.command(
+    context_settings={"allow_interspersed_args": False},
+    epilog="""\b
+Examples:
+  gpumesh run --peer alice-pc nvidia-smi
+  gpumesh run --peer alice-pc --image pytorch/pytorch -- python -c 'import torch'
+  gpumesh run --peer alice-pc --workdir ./train --env WANDB_MODE=offline -- python train.py
+  gpumesh run -f job.yaml                    # flags override the file's fields
+  gpumesh run --peer alice-pc --detach -- ./long.sh && gpumesh logs -f
+\b
+Exit status: the job's own exit code (125 when it could not run, 130 when cancelled).
+""",
+)
+@click.option("--peer", envvar="GPUMESH_PEER", show_envvar=True, help="Provider to run on.")
+@click.option("--image", help="Container image (default: config `image` / $GPUMESH_IMAGE).")
+@click.option("--gpu-memory", metavar="SIZE", help="GPU memory the job needs, e.g. 8GB.")
+@click.option("--workdir", type=click.Path(), help="Local folder to upload as the working dir.")
+@click.option("-f", "--file", "job_file", type=click.Path(), help="job.yaml with the same fields.")
+@click.option("--retries", type=int, help="Re-run a failed attempt up to N times (backoff).")
+@click.option("--timeout", metavar="DURATION", help="Stop an attempt after e.g. 30m or 2h.")
+@click.option("-e", "--env", "env_items", multiple=True, metavar="KEY=VAL", help="Set a variable.")
+@click.option("-d", "--detach", is_flag=True, help="Start the job, print its id, and return.")
+@click.option("-q", "--quiet", is_flag=True, help="Print only the job's own output.")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
+def run(
+    peer: str | None,
+    image: str | None,
+    gpu_memory: str | None,
+    workdir: str | None,
+    job_file: str | None,
+    retries: int | None,
+    timeout: str | None,
+    env_items: tuple[str, ...],
+    detach: bool,
+    quiet: bool,
+    command: tuple[str, ...],
+) -> None:
+    """Run COMMAND in a container on a peer, streaming its output live.
+
+    stdout and stderr stay apart, and gpumesh exits with the job's exit code,
+    so it composes in scripts like `docker run`. Ctrl-C asks whether to cancel
+    the remote job or leave it running.
+    """
+    from gpumesh.cli._jobview import JobPrinter
+    from gpumesh.client.jobs import new_job_id, run_job
+    from gpumesh.client.jobspec import build_spec
+
+    node = get_node()
+    spec = build_spec(
+        Path(job_file) if job_file else None,
+        image=image,
+        command=list(command) if command else None,
+        env_items=list(env_items),
+        workdir=Path(workdir) if workdir else None,
+        gpu_memory=gpu_memory,
+        retries=retries,
+        timeout=timeout,
+        peer=peer,
+        group=None,
+    )
+    if spec.group is not None:
+        raise click.UsageError("run --group is not available in this version; use --peer")
+    printer = JobPrinter(quiet=quiet)
+    job_id = new_job_id()
+    try:
+        result = run_async(
+            run_job(node, spec, detach=detach, callbacks=printer.callbacks(), job_id=job_id)
+        )
+    except KeyboardInterrupt:
+        _interrupted(node, job_id)
+        raise SystemExit(130) from None
+    if detach:
+        click.echo(result.job_id)
+        return
+    raise SystemExit(result.exit_code if result.exit_code is not None else 125)
+
+
+def _interrupted(node: object, job_id: str) -> None:
+    """Ctrl-C: cancel the remote job, or leave it running when the user says so."""
+    from gpumesh.cli._common import print_error
+    from gpumesh.client.jobs import SUBMITTED, cancel_job
+    from gpumesh.client.node import Node
+    from gpumesh.errors import GPUMeshError
+
+    assert isinstance(node, Node)
+    job = node.home.store.job(SUBMITTED, job_id)
+    if job is None:
+        click.echo("Interrupted before the job started.", err=True)
+        return
+    cancel = True
+    if sys.stdin.isatty():
+        cancel = click.confirm(
+            f"\nCancel job {job_id} on {job.peer_name}? (no: it keeps running)", default=True
+        )
+    if not cancel:
+        click.echo(f"Detached. Follow it with: gpumesh logs -f {job_id}", err=True)
+        return
+    try:
+        result = run_async(cancel_job(node, job.peer_id, job_id))
+    except GPUMeshError as exc:
+        print_error(f"could not cancel {job_id}: {exc.message}")
+        return
+    click.echo(f"Job {job_id} {result.state}.", err=True)

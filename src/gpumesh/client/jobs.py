@@ -1,0 +1,365 @@
+"""Jobs from the consumer's side: run, follow logs, cancel, list.
+
+The consumer keeps a reference to every job it submits (role ``submitted``
+in its store) and updates it from the events it receives. Output is handed to
+callbacks; the CLI prints it, the dashboard will push it to a browser. A
+dropped link while following is redialled and resumed after the last event
+seen, so no line is lost or repeated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from gpumesh.errors import (
+    ConnectionLostError,
+    GPUMeshError,
+    NotFoundError,
+    ProtocolError,
+    UnreachableError,
+    error_from_code,
+)
+from gpumesh.protocol.messages import (
+    JobAccepted,
+    JobCancel,
+    JobLogs,
+    JobOutput,
+    JobStatus,
+    JobSubmit,
+    Refusal,
+    decode_message,
+)
+from gpumesh.store.db import JobRecord
+
+if TYPE_CHECKING:
+    from gpumesh.client.jobspec import JobSpec
+    from gpumesh.client.node import Node
+    from gpumesh.transport.stream import Stream
+
+__all__ = [
+    "FINAL",
+    "SUBMITTED",
+    "JobCallbacks",
+    "JobResult",
+    "cancel_job",
+    "follow_job",
+    "new_job_id",
+    "run_job",
+]
+
+logger = logging.getLogger(__name__)
+
+SUBMITTED = "submitted"
+FINAL = frozenset({"succeeded", "failed", "cancelled"})
+_RECONNECT_FOR = 60.0
+"""How long a follower keeps redialling a provider that dropped."""
+
+
+def new_job_id() -> str:
+    return secrets.token_hex(6)
+
+
+def _ignore(*_args: object) -> None:
+    return None
+
+
+@dataclass
+class JobCallbacks:
+    """Where a followed job's events go."""
+
+    stdout: Callable[[bytes], None] = _ignore
+    stderr: Callable[[bytes], None] = _ignore
+    status: Callable[[JobStatus], None] = _ignore
+    accepted: Callable[[JobAccepted], None] = _ignore
+    upload: Callable[[int, int], None] = _ignore
+    """(bytes sent, total) while the workdir uploads."""
+    reconnecting: Callable[[GPUMeshError], None] = _ignore
+
+
+@dataclass
+class JobResult:
+    job_id: str
+    peer: str
+    state: str
+    exit_code: int | None
+    attempt: int
+    message: str
+    gpus: list[str] = field(default_factory=list)
+
+    @property
+    def final(self) -> bool:
+        return self.state in FINAL
+
+
+async def run_job(
+    node: Node,
+    spec: JobSpec,
+    *,
+    detach: bool = False,
+    callbacks: JobCallbacks | None = None,
+    job_id: str | None = None,
+) -> JobResult:
+    """Submit ``spec`` to its peer; unless ``detach``, follow it to the end."""
+    from gpumesh.files.pack import scan, tar_size, write_tar
+
+    callbacks = callbacks or JobCallbacks()
+    if spec.peer is None:
+        raise NotFoundError("no peer given: use --peer NAME (or set GPUMESH_PEER)")
+    peer = node.peer(spec.peer)
+    image = spec.image or str(node.home.config.get("image"))
+    plan = None
+    workdir_bytes = 0
+    if spec.workdir is not None:
+        plan = scan(spec.workdir, exclude_paths=[node.home.path])
+        workdir_bytes = tar_size(plan)
+    job_id = job_id or new_job_id()
+    submit = JobSubmit(
+        job_id=job_id,
+        image=image,
+        command=list(spec.command),
+        env=dict(spec.env),
+        workdir_bytes=workdir_bytes,
+        gpu_memory=spec.gpu_memory,
+        retries=spec.retries,
+        timeout=spec.timeout,
+        attach=not detach,
+    )
+    store = node.home.store
+    result = JobResult(job_id, peer.name, "queued", None, 0, "")
+    async with node.session(peer.node_id) as session:
+        stream = session.open_stream()
+        stream.send_message(submit)
+        accepted = await stream.expect(JobAccepted)
+        result.gpus = list(accepted.gpus)
+        store.add_job(
+            JobRecord(
+                role=SUBMITTED,
+                job_id=job_id,
+                peer_id=peer.node_id,
+                peer_name=peer.name,
+                image=image,
+                command=list(spec.command),
+                env=dict(spec.env),
+                gpu_memory=spec.gpu_memory,
+                gpus=list(accepted.gpus),
+                retries=spec.retries,
+                timeout=spec.timeout,
+                workdir=str(spec.workdir or ""),
+                state="queued",
+                attempt=0,
+                exit_code=None,
+                message="",
+                cancel_requested=False,
+                container_id="",
+                log_cursor={},
+                last_seq=0,
+                created_at=time.time(),
+                started_at=None,
+                finished_at=None,
+            )
+        )
+        callbacks.accepted(accepted)
+        if plan is not None:
+            await _upload(stream, plan, workdir_bytes, write_tar, callbacks.upload)
+        if detach:
+            stream.finish()
+            return result
+        try:
+            await _consume(stream, node, result, callbacks)
+        except (ConnectionLostError, UnreachableError) as exc:
+            if result.final:
+                return result
+            callbacks.reconnecting(exc)
+        else:
+            return result
+    return await follow_job(node, job_id, callbacks=callbacks)
+
+
+async def _upload(
+    stream: Stream,
+    plan: object,
+    total: int,
+    write_tar: Callable[..., int],
+    progress: Callable[[int, int], None],
+) -> None:
+    """Stream the workdir tar with constant memory: a writer thread feeds a pipe of chunks."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=8)
+
+    class _QueueWriter:
+        def write(self, data: bytes) -> int:
+            asyncio.run_coroutine_threadsafe(queue.put(bytes(data)), loop).result()
+            return len(data)
+
+        def flush(self) -> None:
+            return None
+
+    def produce() -> None:
+        try:
+            write_tar(plan, _QueueWriter())
+        finally:
+            asyncio.run_coroutine_threadsafe(queue.put(None), loop).result()
+
+    producer = loop.run_in_executor(None, produce)
+    sent = 0
+    try:
+        while (chunk := await queue.get()) is not None:
+            await stream.send_data(chunk)
+            sent += len(chunk)
+            progress(sent, total)
+    finally:
+        await producer
+    stream.end_data()
+    if sent != total:
+        raise ProtocolError(f"the workdir changed while it was sent ({sent} of {total} bytes)")
+
+
+async def _consume(stream: Stream, node: Node, result: JobResult, callbacks: JobCallbacks) -> int:
+    """Handle events until the provider ends the stream; returns the last seq seen."""
+    store = node.home.store
+    last_seq = 0
+    while True:
+        frame = await stream.read_frame()
+        if frame is None:
+            break
+        message = decode_message(frame.body)
+        if isinstance(message, Refusal):
+            raise error_from_code(message.code, message.message)
+        if isinstance(message, JobOutput):
+            last_seq = max(last_seq, message.seq)
+            (callbacks.stdout if message.stream == "stdout" else callbacks.stderr)(message.data)
+        elif isinstance(message, JobStatus):
+            last_seq = max(last_seq, message.seq)
+            result.state = message.state
+            result.attempt = message.attempt
+            result.exit_code = message.exit_code
+            result.message = message.message
+            _record_status(node, result.job_id, message)
+            callbacks.status(message)
+        else:
+            raise ProtocolError(f"unexpected {type(message).__name__} in a job's event stream")
+        store.update_job(SUBMITTED, result.job_id, last_seq=last_seq)
+    return last_seq
+
+
+def _record_status(node: Node, job_id: str, status: JobStatus) -> None:
+    fields: dict[str, object] = {
+        "state": status.state,
+        "attempt": status.attempt,
+        "message": status.message,
+    }
+    if status.exit_code is not None:
+        fields["exit_code"] = status.exit_code
+    job = node.home.store.job(SUBMITTED, job_id)
+    if job is not None:
+        if status.state == "running" and job.started_at is None:
+            fields["started_at"] = time.time()
+        if status.state in FINAL:
+            fields["finished_at"] = time.time()
+    node.home.store.update_job(SUBMITTED, job_id, **fields)
+
+
+async def follow_job(
+    node: Node,
+    job_id: str,
+    *,
+    follow: bool = True,
+    after_seq: int = 0,
+    callbacks: JobCallbacks | None = None,
+) -> JobResult:
+    """Stream a submitted job's events from its provider, redialling on drops."""
+    callbacks = callbacks or JobCallbacks()
+    job = node.home.store.find_job(job_id, role=SUBMITTED)
+    result = JobResult(
+        job.job_id, job.peer_name, job.state, job.exit_code, job.attempt, job.message
+    )
+    seen = after_seq
+    deadline = time.monotonic() + _RECONNECT_FOR
+    while True:
+        try:
+            async with node.session(job.peer_id) as session:
+                stream = session.open_stream()
+                request = JobLogs(job_id=job.job_id, after_seq=seen, follow=follow)
+                stream.send_message(request, end=True)
+                await _consume(stream, node, result, callbacks)
+                return result
+        except (ConnectionLostError, UnreachableError) as exc:
+            stored = node.home.store.job(SUBMITTED, job.job_id)
+            seen = max(seen, stored.last_seq) if stored is not None else seen
+            if result.final or time.monotonic() > deadline:
+                raise
+            callbacks.reconnecting(exc)
+            await asyncio.sleep(1.0)
+
+
+async def cancel_job(node: Node, peer_query: str, job_id: str) -> JobResult:
+    """Ask the provider to cancel a job this node submitted."""
+    peer = node.peer(peer_query)
+    with contextlib.suppress(NotFoundError):
+        job_id = node.home.store.find_job(job_id, role=SUBMITTED).job_id
+    async with node.session(peer.node_id) as session:
+        reply = await session.request(JobCancel(job_id=job_id), timeout=60)
+    if not isinstance(reply, JobStatus):
+        raise ProtocolError(f"{peer.name} answered a cancel with {type(reply).__name__}")
+    result = JobResult(
+        reply.job_id, peer.name, reply.state, reply.exit_code, reply.attempt, reply.message
+    )
+    if node.home.store.job(SUBMITTED, reply.job_id) is not None:
+        _record_status(node, reply.job_id, reply)
+    return result
+
+
+async def follow_hosted(
+    node: Node,
+    job_id: str,
+    *,
+    follow: bool = True,
+    callbacks: JobCallbacks | None = None,
+    poll: float = 0.2,
+) -> JobResult:
+    """Read the event log of a job this node hosts, straight from its own store."""
+    import json
+
+    callbacks = callbacks or JobCallbacks()
+    store = node.home.store
+    job = store.find_job(job_id, role="hosted")
+    seen = 0
+    while True:
+        events = store.job_events(job.job_id, seen, 1000)
+        for event in events:
+            seen = event.seq
+            if event.kind == "state":
+                info = json.loads(event.data)
+                callbacks.status(
+                    JobStatus(
+                        job_id=job.job_id,
+                        seq=event.seq,
+                        state=info["state"],
+                        attempt=event.attempt,
+                        exit_code=info["exit_code"],
+                        message=info["message"],
+                    )
+                )
+            else:
+                (callbacks.stdout if event.kind == "stdout" else callbacks.stderr)(event.data)
+        current = store.job("hosted", job.job_id)
+        assert current is not None
+        if not events and (not follow or (current.state in FINAL and seen >= current.last_seq)):
+            return JobResult(
+                current.job_id,
+                current.peer_name,
+                current.state,
+                current.exit_code,
+                current.attempt,
+                current.message,
+                list(current.gpus),
+            )
+        if not events:
+            await asyncio.sleep(poll)

@@ -1,0 +1,209 @@
+"""Where GPU facts come from, behind one small interface.
+
+Order: NVML (``nvidia-ml-py``), then parsing ``nvidia-smi``'s CSV output, then
+"no NVIDIA GPU". A simulated inventory stands in for hardware in tests; it is
+only ever used when ``GPUMESH_TEST_SIMULATED_GPUS`` is set, and every surface
+that shows GPUs says so loudly (``source == "simulated"``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from typing import Protocol
+
+from gpumesh.errors import ConfigError
+from gpumesh.units import parse_size
+
+__all__ = [
+    "ENV_SIMULATED",
+    "GpuInfo",
+    "GpuInventory",
+    "NoGpus",
+    "NvidiaSmiInventory",
+    "NvmlInventory",
+    "SimulatedInventory",
+    "detect_inventory",
+    "parse_nvidia_smi_csv",
+]
+
+logger = logging.getLogger(__name__)
+
+ENV_SIMULATED = "GPUMESH_TEST_SIMULATED_GPUS"
+"""Test-only: ``NAME:MEMORY[:USED],...`` e.g. ``RTX-4090:24GB,A100:80GB:10GB``."""
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    index: int
+    uuid: str
+    name: str
+    memory_total: int
+    """Bytes."""
+    memory_used: int
+    """Bytes in use by anything on the machine."""
+    utilization: int | None = None
+    """Percent, when known."""
+    temperature: int | None = None
+    """Degrees Celsius, when known."""
+
+    @property
+    def memory_free(self) -> int:
+        return max(0, self.memory_total - self.memory_used)
+
+
+class GpuInventory(Protocol):
+    source: str
+    """``nvml``, ``nvidia-smi``, ``simulated`` or ``none``."""
+
+    def gpus(self) -> list[GpuInfo]: ...
+
+
+class NoGpus:
+    source = "none"
+
+    def gpus(self) -> list[GpuInfo]:
+        return []
+
+
+class NvmlInventory:
+    source = "nvml"
+
+    def __init__(self) -> None:
+        import pynvml
+
+        pynvml.nvmlInit()  # raises when no driver: the caller falls back
+        self._nvml = pynvml
+
+    def gpus(self) -> list[GpuInfo]:
+        nvml = self._nvml
+        found = []
+        for index in range(nvml.nvmlDeviceGetCount()):
+            handle = nvml.nvmlDeviceGetHandleByIndex(index)
+            memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+            try:
+                utilization: int | None = int(nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+            except nvml.NVMLError:
+                utilization = None
+            try:
+                temperature: int | None = int(
+                    nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU)
+                )
+            except nvml.NVMLError:
+                temperature = None
+            name = nvml.nvmlDeviceGetName(handle)
+            uuid = nvml.nvmlDeviceGetUUID(handle)
+            found.append(
+                GpuInfo(
+                    index=index,
+                    uuid=uuid.decode() if isinstance(uuid, bytes) else str(uuid),
+                    name=name.decode() if isinstance(name, bytes) else str(name),
+                    memory_total=int(memory.total),
+                    memory_used=int(memory.used),
+                    utilization=utilization,
+                    temperature=temperature,
+                )
+            )
+        return found
+
+
+_SMI_FIELDS = "index,uuid,name,memory.total,memory.used,utilization.gpu,temperature.gpu"
+
+
+def _int_or_none(text: str) -> int | None:
+    text = text.strip()
+    try:
+        return int(float(text))
+    except ValueError:
+        return None  # "[N/A]", "[Not Supported]"
+
+
+def parse_nvidia_smi_csv(text: str) -> list[GpuInfo]:
+    """Parse ``nvidia-smi --query-gpu=<_SMI_FIELDS> --format=csv,noheader,nounits``."""
+    found = []
+    for line in text.strip().splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) < 7:
+            continue
+        total = _int_or_none(parts[3]) or 0
+        used = _int_or_none(parts[4]) or 0
+        found.append(
+            GpuInfo(
+                index=int(parts[0]),
+                uuid=parts[1],
+                name=parts[2],
+                memory_total=total * 1024 * 1024,  # nvidia-smi reports MiB
+                memory_used=used * 1024 * 1024,
+                utilization=_int_or_none(parts[5]),
+                temperature=_int_or_none(parts[6]),
+            )
+        )
+    return found
+
+
+class NvidiaSmiInventory:
+    source = "nvidia-smi"
+
+    def __init__(self, binary: str) -> None:
+        self._binary = binary
+
+    def gpus(self) -> list[GpuInfo]:
+        result = subprocess.run(
+            [self._binary, f"--query-gpu={_SMI_FIELDS}", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+        if result.returncode != 0:
+            logger.debug("nvidia-smi failed: %s", result.stderr.strip())
+            return []
+        return parse_nvidia_smi_csv(result.stdout)
+
+
+class SimulatedInventory:
+    """Declared GPUs for tests on machines without any. Never real."""
+
+    source = "simulated"
+
+    def __init__(self, declaration: str) -> None:
+        self._gpus = []
+        for index, item in enumerate(p for p in declaration.split(",") if p.strip()):
+            parts = item.strip().split(":")
+            if len(parts) not in (2, 3):
+                raise ConfigError(
+                    f"{ENV_SIMULATED}: {item!r} must be NAME:MEMORY or NAME:MEMORY:USED"
+                )
+            used = parse_size(parts[2]) if len(parts) == 3 else 0
+            self._gpus.append(
+                GpuInfo(
+                    index=index,
+                    uuid=f"GPU-simulated-{index}",
+                    name=parts[0],
+                    memory_total=parse_size(parts[1]),
+                    memory_used=used,
+                    utilization=0,
+                    temperature=None,
+                )
+            )
+
+    def gpus(self) -> list[GpuInfo]:
+        return list(self._gpus)
+
+
+def detect_inventory() -> GpuInventory:
+    """The best available source: simulated (tests only), NVML, nvidia-smi, none."""
+    declared = os.environ.get(ENV_SIMULATED, "").strip()
+    if declared:
+        return SimulatedInventory(declared)
+    try:
+        return NvmlInventory()
+    except Exception as exc:  # pynvml raises its own NVMLError_* types, or ImportError
+        logger.debug("NVML unavailable: %s", exc)
+    binary = shutil.which("nvidia-smi")
+    if binary is not None:
+        return NvidiaSmiInventory(binary)
+    return NoGpus()
