@@ -423,10 +423,9 @@ class JobService:
         try:
             await _in_thread(self.runtime.ensure_image, image)
         except GPUMeshError as exc:
+            # The runtime speaks of "this machine"; the consumer needs to know which one.
             message = exc.message.replace("this machine", name)
-            raise type(exc)(
-                f"{name}: {message}" if not message.startswith(name) else message
-            ) from None
+            raise type(exc)(message if name in message else f"{name}: {message}") from None
 
     # --- upload -------------------------------------------------------------------------------
 

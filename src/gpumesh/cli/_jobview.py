@@ -41,7 +41,8 @@ class JobPrinter:
             self.note(f"--- attempt {status.attempt} ---")
         elif self.numbered and final:
             code = "" if status.exit_code is None else f", exit {status.exit_code}"
-            detail = f": {status.message}" if status.state != "succeeded" and status.message else ""
+            plain_exit = status.message.startswith("exited") or status.state == "succeeded"
+            detail = "" if plain_exit or not status.message else f": {status.message}"
             self.note(f"--- {status.state}{code}{detail} ---")
         elif status.state == "starting" and status.attempt > 1:
             self.note(f"attempt {status.attempt} starting")

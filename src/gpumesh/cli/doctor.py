@@ -25,8 +25,8 @@ def doctor(as_json: bool) -> None:
     else:
         for check in checks:
             mark, color = _MARK[check.status]
-            click.echo(f"{click.style(mark, fg=color, bold=True)} {check.name:<10} {check.detail}")
+            click.echo(f"{click.style(mark, fg=color, bold=True)} {check.name:<14} {check.detail}")
             if check.fix:
-                click.echo(f"  {'':<10} fix: {check.fix}")
+                click.echo(f"  {'':<14} fix: {check.fix}")
     if any(c.status == "fail" for c in checks):
         raise SystemExit(1)

@@ -44,5 +44,7 @@ def logs(job_id: str | None, follow: bool) -> None:
         result = run_async(
             follow_hosted(node, job.job_id, follow=follow, callbacks=printer.callbacks())
         )
-    if result.final and result.exit_code is not None:
-        raise SystemExit(result.exit_code)
+    if result.final:
+        from gpumesh.cli.run import exit_status
+
+        raise SystemExit(exit_status(result))

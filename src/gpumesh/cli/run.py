@@ -84,7 +84,17 @@ def run(
     if detach:
         click.echo(result.job_id)
         return
-    raise SystemExit(result.exit_code if result.exit_code is not None else 125)
+    raise SystemExit(exit_status(result))
+
+
+def exit_status(result: object) -> int:
+    """The CLI's exit status for a finished job, as `docker run` would give it."""
+    from gpumesh.client.jobs import JobResult
+
+    assert isinstance(result, JobResult)
+    if result.state == "cancelled":
+        return 130
+    return result.exit_code if result.exit_code is not None else 125
 
 
 def _interrupted(node: object, job_id: str) -> None:

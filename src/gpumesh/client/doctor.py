@@ -7,9 +7,13 @@ import os
 import socket
 import stat
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from gpumesh.errors import GPUMeshError
 from gpumesh.store.home import Home
+
+if TYPE_CHECKING:
+    from gpumesh.runtime.docker import DockerRuntime
 
 __all__ = ["Check", "run_checks"]
 
@@ -31,7 +35,7 @@ def run_checks(home: Home) -> list[Check]:
     checks = [_identity(home)]
     if home.initialized:
         checks += [_config(home), _database(home)]
-    checks += [_docker(), _udp_port(home), _clock()]
+    checks += [*_docker(home), _gpus(), _udp_port(home), _clock()]
     return checks
 
 
@@ -76,28 +80,83 @@ def _database(home: Home) -> Check:
     return Check("database", OK, f"schema v{store.schema_version}, {len(peers)} peer(s)")
 
 
-def _docker() -> Check:
+def _docker(home: Home) -> list[Check]:
+    from gpumesh.runtime.docker import DockerRuntime
+
+    runtime = DockerRuntime()
     try:
-        import docker
-        from docker.errors import DockerException
-    except ImportError:
-        return Check("docker", FAIL, "the docker Python package is missing", "pip install docker")
-    try:
-        client = docker.from_env(timeout=3)
-        version = client.version()
-        client.close()
-    except DockerException as exc:
-        reason = str(exc).split("(")[0].strip() or type(exc).__name__
+        try:
+            version = runtime.version()
+        except GPUMeshError as exc:
+            return [Check("docker", FAIL, exc.message.split(": start it")[0], _DOCKER_FIX)]
+        checks = [Check("docker", OK, version)]
+        checks.append(_gpu_runtime(runtime))
+        checks.append(_default_image(home, runtime))
+        return checks
+    finally:
+        runtime.close()
+
+
+_DOCKER_FIX = (
+    "install Docker and start it (`sudo systemctl start docker`), or add your user to the "
+    "docker group"
+)
+
+
+def _gpu_runtime(runtime: DockerRuntime) -> Check:
+    from gpumesh.gpu.inventory import detect_inventory
+
+    inventory = detect_inventory()
+    gpus = inventory.gpus()
+    has_runtime = runtime.gpu_runtime_available()
+    if has_runtime:
+        return Check("nvidia runtime", OK, "NVIDIA container runtime registered with Docker")
+    if gpus and inventory.source != "simulated":
         return Check(
-            "docker",
+            "nvidia runtime",
             FAIL,
-            f"Docker daemon not reachable ({reason[:120]})",
-            "install Docker and start it (`sudo systemctl start docker`), or add your user to "
-            "the docker group",
+            f"{len(gpus)} GPU(s) here but Docker has no NVIDIA runtime: jobs cannot use them",
+            "install the NVIDIA Container Toolkit and run `sudo nvidia-ctk runtime configure "
+            "--runtime=docker`, then restart Docker",
         )
+    return Check("nvidia runtime", WARN, "not installed (only CPU jobs can run here)")
+
+
+def _default_image(home: Home, runtime: DockerRuntime) -> Check:
+    image = str(home.config.get("image")) if home.initialized else ""
+    if not image:
+        return Check("image", WARN, "no default image configured", "gpumesh config set image IMG")
+    try:
+        present = runtime.image_present(image)
+    except GPUMeshError as exc:
+        return Check("image", FAIL, exc.message)
+    if present:
+        return Check("image", OK, f"default image {image} is present")
     return Check(
-        "docker", OK, f"Docker {version.get('Version', '?')} (API {version.get('ApiVersion', '?')})"
+        "image",
+        WARN,
+        f"default image {image} is not on this machine; the first job will try to pull it",
+        f"`docker pull {image}` now, or `gpumesh config set image IMG` to one you have",
     )
+
+
+def _gpus() -> Check:
+    from gpumesh.gpu.inventory import detect_inventory
+
+    inventory = detect_inventory()
+    gpus = inventory.gpus()
+    if inventory.source == "simulated":
+        names = ", ".join(g.name for g in gpus)
+        return Check("gpu", WARN, f"SIMULATED GPUs (test mode, not real): {names}")
+    if not gpus:
+        return Check(
+            "gpu",
+            WARN,
+            "no NVIDIA GPU found (NVML and nvidia-smi unavailable)",
+            "install the NVIDIA driver to share a GPU; CPU-only jobs still run",
+        )
+    names = ", ".join(f"{g.index}: {g.name}" for g in gpus)
+    return Check("gpu", OK, f"{len(gpus)} GPU(s) via {inventory.source}: {names}")
 
 
 def _udp_port(home: Home) -> Check:

@@ -100,6 +100,9 @@ class JobRuntime(Protocol):
     def gpu_runtime_available(self) -> bool:
         """Whether the engine has the NVIDIA container runtime."""
 
+    def image_present(self, image: str) -> bool:
+        """Whether ``image`` is already on this machine (no pull)."""
+
     def ensure_image(self, image: str) -> None:
         """Make sure ``image`` is present, pulling it if needed.
 

@@ -146,6 +146,14 @@ class DockerRuntime:
 
     # --- images -------------------------------------------------------------------------
 
+    def image_present(self, image: str) -> bool:
+        with self._engine(f"look up image {image!r}") as api:
+            try:
+                api.inspect_image(image)
+            except docker.errors.APIError:
+                return False
+        return True
+
     def ensure_image(self, image: str) -> None:
         with self._engine(f"look up image {image!r}") as api:
             try:

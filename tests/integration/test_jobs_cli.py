@@ -1,0 +1,192 @@
+"""`gpumesh run`, `jobs`, `logs` and `cancel` as a user types them, against a real
+`gpumesh share` process and the real Docker engine."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import docker
+import pytest
+
+from gpumesh.runtime.base import LABEL_NODE
+from tests.integration.conftest import gpumesh
+from tests.integration.test_cli import _free_udp_port, _init, _one_line_error, _start_share
+
+pytestmark = pytest.mark.usefixtures("docker_daemon")
+
+IMAGE = os.environ.get("GPUMESH_TEST_DOCKER_IMAGE", "gpumesh-test/busybox:1")
+
+
+@pytest.fixture
+def pair(tmp_path: Path):
+    """alice shares (as a real process), bob is paired with her both ways."""
+    alice, bob = tmp_path / "a", tmp_path / "b"
+    _init(alice, "alice-pc", _free_udp_port())
+    _init(bob, "bob-laptop")
+    for home in (alice, bob):  # the submitter's default image is the one used
+        assert gpumesh(home, "config", "set", "image", IMAGE).returncode == 0
+    share = _start_share(alice)
+    assert gpumesh(bob, "pair", gpumesh(alice, "pair-code").stdout.strip()).returncode == 0
+    assert gpumesh(alice, "pair", gpumesh(bob, "pair-code").stdout.strip()).returncode == 0
+    yield alice, bob
+    if share.poll() is None:
+        share.send_signal(signal.SIGINT)
+        share.wait(timeout=15)
+    for pipe in (share.stdout, share.stderr):
+        if pipe is not None:
+            pipe.close()
+    node_id = json.loads(gpumesh(alice, "status", "--json").stdout)["node_id"]
+    client = docker.from_env()
+    for container in client.containers.list(all=True, filters={"label": f"{LABEL_NODE}={node_id}"}):
+        container.remove(force=True)
+    client.close()
+
+
+def test_run_streams_apart_and_exits_with_the_jobs_code(pair) -> None:
+    alice, bob = pair
+    result = gpumesh(
+        bob,
+        "run",
+        "--peer",
+        "alice-pc",
+        "--image",
+        IMAGE,
+        "sh",
+        "-c",
+        "echo out; echo err >&2; exit 4",
+    )
+    assert result.returncode == 4
+    assert result.stdout == "out\n"
+    assert result.stderr == "err\n"  # nothing of gpumesh's own for a plain exit
+
+    jobs = json.loads(gpumesh(bob, "jobs", "--json").stdout)
+    assert [(j["role"], j["peer"], j["state"], j["exit_code"]) for j in jobs] == [
+        ("submitted", "alice-pc", "failed", 4)
+    ]
+    hosted = json.loads(gpumesh(alice, "jobs", "--json").stdout)
+    assert [(j["role"], j["peer"], j["exit_code"]) for j in hosted] == [("hosted", "bob-laptop", 4)]
+
+    logs = gpumesh(bob, "logs")  # no id: the most recent job
+    assert logs.returncode == 4
+    assert logs.stdout == "out\n"
+    assert "err\n" in logs.stderr
+    assert "--- attempt 1 ---" in logs.stderr
+    assert "--- failed, exit 4 ---" in logs.stderr
+    local = gpumesh(alice, "logs", jobs[0]["job_id"][:6])  # the provider reads its own copy
+    assert local.stdout == "out\n"
+
+
+def test_job_file_with_flags_over_it(pair, tmp_path: Path) -> None:
+    _alice, bob = pair
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "hello.txt").write_text("from the workdir\n")
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        f"image: {IMAGE}\n"
+        "command: sh -c 'cat hello.txt; echo $WHO $MOOD'\n"
+        "env:\n  WHO: file\n  MOOD: calm\n"
+        "workdir: work\n"
+        "peer: alice-pc\n"
+    )
+    result = gpumesh(bob, "run", "-f", str(job), "--env", "WHO=flag")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "from the workdir\nflag calm\n"
+
+
+def test_detach_then_follow_then_cancel(pair) -> None:
+    _alice, bob = pair
+    started = gpumesh(
+        bob, "run", "--peer", "alice-pc", "--detach", "--", "sh", "-c", "echo up; sleep 300"
+    )
+    assert started.returncode == 0, started.stderr
+    job_id = started.stdout.strip()
+    assert len(job_id) == 12
+    deadline = time.monotonic() + 20
+    while "up" not in gpumesh(bob, "logs", job_id).stdout:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    follower = subprocess.Popen(
+        [sys.executable, "-m", "gpumesh", "logs", "-f", job_id],
+        env=dict(os.environ, GPUMESH_HOME=str(bob)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    cancelled = gpumesh(bob, "cancel", job_id)  # the peer is known for our own jobs
+    assert cancelled.returncode == 0, cancelled.stderr
+    assert f"Job {job_id} on alice-pc: cancelled" in cancelled.stdout
+    out, err = follower.communicate(timeout=30)
+    assert follower.returncode == 130
+    assert out == "up\n"
+    assert "--- cancelled" in err
+    assert json.loads(gpumesh(bob, "jobs", "--json").stdout)[0]["state"] == "cancelled"
+    _one_line_error(gpumesh(bob, "cancel", "--peer", "alice-pc", "ffffffffffff"), 2, "has no job")
+
+
+def test_ctrl_c_without_a_terminal_cancels_the_remote_job(pair) -> None:
+    alice, bob = pair
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gpumesh",
+            "run",
+            "--peer",
+            "alice-pc",
+            "--",
+            "sh",
+            "-c",
+            "echo go; sleep 300",
+        ],
+        env=dict(os.environ, GPUMESH_HOME=str(bob)),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    assert proc.stdout.readline() == "go\n"
+    proc.send_signal(signal.SIGINT)
+    _out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130
+    assert "cancelled" in err
+    assert "Traceback" not in err
+    hosted = json.loads(gpumesh(alice, "jobs", "--json").stdout)
+    assert hosted[0]["state"] == "cancelled"
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "message"),
+    [
+        (["--gpu-memory", "lots", "true"], 2, "invalid size"),
+        (["--env", "NOEQUALS", "true"], 2, "NOEQUALS"),
+        (["--workdir", "/nonexistent/dir", "true"], 2, "does not exist"),
+        (["--image", "no/such:image", "true"], 6, "not on alice-pc"),
+        (["--gpu-memory", "8GB", "true"], 2, "alice-pc has no NVIDIA GPU"),
+    ],
+    ids=["memory-units", "env-syntax", "workdir", "image", "no-gpu"],
+)
+def test_bad_run_input_is_one_line_and_starts_nothing(pair, args, code, message) -> None:
+    alice, bob = pair
+    _one_line_error(gpumesh(bob, "run", "--peer", "alice-pc", *args), code, message)
+    assert json.loads(gpumesh(alice, "jobs", "--json").stdout) == []
+
+
+def test_invalid_job_file_names_field_and_line(pair, tmp_path: Path) -> None:
+    _alice, bob = pair
+    job = tmp_path / "job.yaml"
+    job.write_text(f"image: {IMAGE}\ncommand: true\nretries: many\n")
+    _one_line_error(gpumesh(bob, "run", "-f", str(job)), 2, "job.yaml:3: retries")
+
+
+def test_denied_peer_cannot_run(pair) -> None:
+    alice, bob = pair
+    assert gpumesh(alice, "deny", "bob-laptop").returncode == 0
+    _one_line_error(gpumesh(bob, "run", "--peer", "alice-pc", "true"), 3, "denied you access")
