@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Install GPUMesh (editable, into the .venv that scripts/test.sh also uses) and show its
-# main flow end to end on this one machine: two nodes with separate homes pair, share, connect.
+# main flow end to end on this one machine: two nodes with separate homes pair mutually,
+# one shares, the other runs a real Docker job on it and sees its output.
+# Docker: started if needed (as root it is installed when missing); when no registry is
+# reachable, a small busybox image is built offline and used as the job image.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -9,6 +12,8 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/pip install -q --disable-pip-version-check -e .
 GPUMESH=.venv/bin/gpumesh
+scripts/ensure-docker.sh
+IMAGE=${GPUMESH_TEST_DOCKER_IMAGE:-gpumesh-test/busybox:1}
 
 work=$(mktemp -d "${TMPDIR:-/tmp}/gpumesh-demo.XXXXXX")
 A="$work/alice" B="$work/bob"
@@ -31,6 +36,7 @@ GPUMESH_HOME=$A $GPUMESH init --name alice-pc
 step "GPUMESH_HOME=bob gpumesh init --name bob-laptop"
 GPUMESH_HOME=$B $GPUMESH init --name bob-laptop
 GPUMESH_HOME=$A $GPUMESH config set listen_port "$port" >/dev/null
+for home in "$A" "$B"; do GPUMESH_HOME=$home $GPUMESH config set image "$IMAGE" >/dev/null; done
 
 step "GPUMESH_HOME=alice gpumesh share &"
 GPUMESH_HOME=$A $GPUMESH share >"$work/share.log" 2>&1 &
@@ -48,6 +54,13 @@ step "GPUMESH_HOME=bob gpumesh connect alice-pc"
 GPUMESH_HOME=$B $GPUMESH connect alice-pc
 step "GPUMESH_HOME=bob gpumesh peers"
 GPUMESH_HOME=$B $GPUMESH peers
+
+step "GPUMESH_HOME=bob gpumesh run --peer alice-pc -- sh -c '...'"
+GPUMESH_HOME=$B $GPUMESH run --peer alice-pc -- sh -c \
+  'echo "hello from a locked-down container on alice-pc"; id; echo "to stderr" >&2; exit 3' \
+  || echo "(exit code $?: the job's own exit code)"
+step "GPUMESH_HOME=bob gpumesh jobs"
+GPUMESH_HOME=$B $GPUMESH jobs
 
 step "GPUMESH_HOME=alice gpumesh deny bob-laptop   # default-deny from now on"
 GPUMESH_HOME=$A $GPUMESH deny bob-laptop

@@ -703,6 +703,7 @@ class JobService:
                             attempt=event.attempt,
                             exit_code=info["exit_code"],
                             message=info["message"],
+                            time=event.ts,
                         )
                     )
                 else:

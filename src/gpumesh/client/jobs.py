@@ -258,11 +258,12 @@ def _record_status(node: Node, job_id: str, status: JobStatus) -> None:
     if status.exit_code is not None:
         fields["exit_code"] = status.exit_code
     job = node.home.store.job(SUBMITTED, job_id)
+    when = status.time or time.time()
     if job is not None:
         if status.state == "running" and job.started_at is None:
-            fields["started_at"] = time.time()
+            fields["started_at"] = when
         if status.state in FINAL:
-            fields["finished_at"] = time.time()
+            fields["finished_at"] = when
     node.home.store.update_job(SUBMITTED, job_id, **fields)
 
 
@@ -345,6 +346,7 @@ async def follow_hosted(
                         attempt=event.attempt,
                         exit_code=info["exit_code"],
                         message=info["message"],
+                        time=event.ts,
                     )
                 )
             else:

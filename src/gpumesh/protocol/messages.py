@@ -215,6 +215,8 @@ class JobStatus(_Msg, tag="job_status", frozen=True):
     attempt: Count
     exit_code: int | None
     message: Text
+    time: float = 0.0
+    """The provider's clock when the state was entered (0: unknown)."""
 
 
 class JobLogs(_Msg, tag="job_logs", frozen=True):
