@@ -434,3 +434,41 @@ def test_resubmitting_the_same_job_id_never_runs_a_second_copy(cluster) -> None:
             assert alice.home.store.jobs(role="hosted")[0].attempt == 1
 
     arun(scenario())
+
+
+def test_timeout_stops_an_attempt_and_counts_as_a_failure(cluster, engine) -> None:
+    alice, bob = cluster("alice"), cluster("bob")
+
+    async def scenario() -> None:
+        async with providing(alice):
+            pair_both(alice, bob)
+            began = time.monotonic()
+            result = await run_job(bob, spec("alice", "sleep", "60", timeout=1.0, retries=1))
+            assert (result.state, result.exit_code, result.attempt) == ("failed", 124, 2)
+            assert "timed out after 1s" in result.message
+            assert time.monotonic() - began < 30
+            assert not _containers(engine, alice)
+
+    arun(scenario())
+
+
+def test_follower_survives_a_provider_restart_without_gaps(cluster) -> None:
+    alice, bob = cluster("alice"), cluster("bob")
+    script = "for i in $(seq 1 40); do echo line $i; sleep 0.05; done"
+
+    async def scenario() -> None:
+        got = Collected()
+        async with providing(alice) as first:
+            pair_both(alice, bob)
+            port = first.address[1]
+            job = await run_job(bob, spec("alice", "sh", "-c", script), detach=True)
+            follower = asyncio.create_task(follow_job(bob, job.job_id, callbacks=got))
+            await asyncio.sleep(0.8)
+        # The link drops with the agent; the follower keeps redialling.
+        await asyncio.sleep(0.5)
+        async with providing(alice, port=port):
+            result = await asyncio.wait_for(follower, 45)
+        assert result.state == "succeeded"
+        assert bytes(got.out).decode().splitlines() == [f"line {i}" for i in range(1, 41)]
+
+    arun(scenario())

@@ -186,6 +186,20 @@ def test_invalid_job_file_names_field_and_line(pair, tmp_path: Path) -> None:
     _one_line_error(gpumesh(bob, "run", "-f", str(job)), 2, "job.yaml:3: retries")
 
 
+def test_prune_forgets_finished_jobs_and_their_logs(pair) -> None:
+    alice, bob = pair
+    assert gpumesh(bob, "run", "--peer", "alice-pc", "echo", "kept?").returncode == 0
+    hosted = json.loads(gpumesh(alice, "jobs", "--json").stdout)
+    workdirs = alice / "jobs"
+    assert "Would remove 1" in gpumesh(alice, "prune", "--older-than", "0", "--dry-run").stdout
+    assert len(json.loads(gpumesh(alice, "jobs", "--json").stdout)) == 1
+    assert "Removed 1" in gpumesh(alice, "prune", "--older-than", "0").stdout
+    assert json.loads(gpumesh(alice, "jobs", "--json").stdout) == []
+    assert not (workdirs / hosted[0]["job_id"]).exists()
+    _one_line_error(gpumesh(alice, "logs", hosted[0]["job_id"]), 2, "no job")
+    assert "Removed 0" in gpumesh(bob, "prune").stdout  # 7 days by default
+
+
 def test_denied_peer_cannot_run(pair) -> None:
     alice, bob = pair
     assert gpumesh(alice, "deny", "bob-laptop").returncode == 0

@@ -70,6 +70,8 @@ logger = logging.getLogger(__name__)
 
 HOSTED = "hosted"
 T = TypeVar("T")
+TIMEOUT_EXIT = 124
+"""Exit code of an attempt stopped by its timeout (as coreutils `timeout` reports)."""
 _LOG_DRAIN_TIMEOUT = 15.0
 """After a container exits, how long its log readers may take to finish."""
 
@@ -488,7 +490,12 @@ class JobService:
         run.cursor = {}
         run.timed_out = False
         self.store.update_job(
-            HOSTED, run.job_id, state=JobState.STARTING, attempt=attempt, log_cursor={}
+            HOSTED,
+            run.job_id,
+            state=JobState.STARTING,
+            attempt=attempt,
+            log_cursor={},
+            exit_code=None,  # each attempt reports its own
         )
         await self._event(run, JobState.STARTING, None, f"attempt {attempt} starting")
         job = self._record(run.job_id)
@@ -547,6 +554,7 @@ class JobService:
             writer.cancel()
         await self._remove_container(run)
         if run.timed_out and not run.machine.cancel_requested:
+            self.store.update_job(HOSTED, run.job_id, exit_code=TIMEOUT_EXIT)
             return run.machine.infra_failed(f"timed out after {job.timeout:.0f}s")
         if final.error and final.exit_code in (126, 127):
             await self._event(run, None, final.exit_code, final.error, kind_state=False)

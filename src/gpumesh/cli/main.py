@@ -31,6 +31,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "jobs": ("gpumesh.cli.jobs", "jobs", "List jobs submitted and hosted."),
     "logs": ("gpumesh.cli.logs", "logs", "Print or follow a job's output."),
     "cancel": ("gpumesh.cli.cancel", "cancel", "Cancel a job you submitted."),
+    "prune": ("gpumesh.cli.prune", "prune", "Remove old finished jobs and their logs."),
     "completion": ("gpumesh.cli.completion", "completion", "Print a shell completion script."),
 }
 

@@ -51,6 +51,7 @@ __all__ = [
     "cancel_job",
     "follow_job",
     "new_job_id",
+    "prune_jobs",
     "run_job",
 ]
 
@@ -365,3 +366,21 @@ async def follow_hosted(
             )
         if not events:
             await asyncio.sleep(poll)
+
+
+def prune_jobs(node: Node, older_than: float, *, dry_run: bool = False) -> list[JobRecord]:
+    """Forget finished jobs created more than ``older_than`` seconds ago.
+
+    Hosted jobs also lose their logs and workdir on this machine. Running jobs
+    are never touched.
+    """
+    import shutil
+
+    store = node.home.store
+    old = store.finished_jobs_before(time.time() - older_than)
+    if not dry_run:
+        for job in old:
+            store.delete_job(job.role, job.job_id)
+            if job.role == "hosted":
+                shutil.rmtree(node.home.path / "jobs" / job.job_id, ignore_errors=True)
+    return old

@@ -427,6 +427,14 @@ class Store:
             )
         return [JobRecord.from_row(r) for r in rows]
 
+    def finished_jobs_before(self, cutoff: float) -> list[JobRecord]:
+        rows = self._query(
+            "SELECT * FROM jobs WHERE state IN ('succeeded', 'failed', 'cancelled') "
+            "AND created_at < ? ORDER BY created_at",
+            (cutoff,),
+        )
+        return [JobRecord.from_row(r) for r in rows]
+
     def unfinished_hosted_jobs(self) -> list[JobRecord]:
         rows = self._query(
             "SELECT * FROM jobs WHERE role = 'hosted' AND state NOT IN "
