@@ -24,6 +24,18 @@ def status(as_json: bool) -> None:
                 "agent_pid": st.agent.pid if st.agent else None,
                 "peers": st.peers,
                 "allowed": st.allowed,
+                "gpu_source": st.gpu_source,
+                "gpus": [
+                    {
+                        "index": g.index,
+                        "name": g.name,
+                        "memory_total": g.memory_total,
+                        "memory_used": g.memory_used,
+                    }
+                    for g in st.gpus
+                ],
+                "jobs_hosted_running": st.running_hosted,
+                "jobs_submitted_running": st.running_submitted,
             }
         )
         return
@@ -36,4 +48,17 @@ def status(as_json: bool) -> None:
     click.echo(f"Id       {st.node_id}")
     click.echo(f"Home     {st.home}")
     click.echo(f"Sharing  {sharing}")
+    from gpumesh.units import format_size
+
+    if st.gpu_source == "simulated":
+        click.echo(click.style("GPUs     SIMULATED (test mode, not real hardware)", fg="red"))
+    if st.gpus:
+        for gpu in st.gpus:
+            used, total = format_size(gpu.memory_used), format_size(gpu.memory_total)
+            click.echo(f"GPU {gpu.index}    {gpu.name}, {used} used of {total}")
+    else:
+        click.echo("GPUs     no NVIDIA GPU (CPU-only jobs)")
+    click.echo(
+        f"Jobs     {st.running_hosted} running here, {st.running_submitted} submitted running"
+    )
     click.echo(f"Peers    {st.peers} paired, {st.allowed} allowed")

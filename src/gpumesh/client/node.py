@@ -21,6 +21,7 @@ from gpumesh.errors import (
     PeerKeyChangedError,
     UnreachableError,
 )
+from gpumesh.gpu.inventory import GpuInfo
 from gpumesh.identity.codes import make_code, verify_code
 from gpumesh.identity.keys import Identity, NodeId, check_node_name
 from gpumesh.protocol.messages import (
@@ -39,6 +40,8 @@ if TYPE_CHECKING:
     from gpumesh.transport.session import Session
 
 __all__ = ["ConnectResult", "Node", "NodeInfo", "NodeStatus", "ThroughputResult"]
+
+FINAL = ("succeeded", "failed", "cancelled")
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +63,13 @@ class NodeStatus:
     listen: str
     peers: int
     allowed: int
+    gpus: list[GpuInfo]
+    gpu_source: str
+    """``nvml``, ``nvidia-smi``, ``simulated`` (tests only) or ``none``."""
+    running_hosted: int
+    """Unfinished jobs this node runs for peers."""
+    running_submitted: int
+    """Jobs this node submitted that were not seen finishing."""
 
 
 @dataclass(frozen=True)
@@ -131,6 +141,11 @@ class Node:
         listen = (
             f"{agent.host}:{agent.port}" if agent else f"{config.listen_host}:{config.listen_port}"
         )
+        from gpumesh.gpu.inventory import detect_inventory
+
+        inventory = detect_inventory()
+        store = self.home.store
+        submitted = [j for j in store.jobs(limit=1000, role="submitted") if j.state not in FINAL]
         return NodeStatus(
             name=info.name,
             node_id=info.node_id,
@@ -139,6 +154,10 @@ class Node:
             listen=listen,
             peers=len(peers),
             allowed=sum(p.allowed for p in peers),
+            gpus=inventory.gpus(),
+            gpu_source=inventory.source,
+            running_hosted=len(store.unfinished_hosted_jobs()),
+            running_submitted=len(submitted),
         )
 
     # --- pairing and the allowlist ------------------------------------------------------
