@@ -228,14 +228,6 @@ def test_infra_failures_and_exits_share_one_attempt_budget() -> None:
     assert machine.infra_failed("image missing").state is S.FAILED
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG: infra_failed() before any attempt started (queued/uploading, attempt 0) goes "
-        "to RETRYING and reports 'attempt 0 ...; retrying in 1s (N left)': there was no "
-        "attempt 0, and the failure neither counts as an attempt nor ends the job"
-    ),
-)
 @pytest.mark.parametrize("state", [S.QUEUED, S.UPLOADING])
 def test_infra_failure_before_any_attempt_never_retries_attempt_zero(state: JobState) -> None:
     """The job service reports e.g. "the provider restarted during the upload" here."""
@@ -458,7 +450,7 @@ class JobMachineRules(RuleBasedStateMachine):
     @precondition(lambda self: self.machine.state in (S.STARTING, S.RUNNING, *FINAL_STATES))
     @rule(message=st.sampled_from(["engine error", "lost container", "timed out after 5s"]))
     def infra_failed(self, message: str) -> None:
-        # Outside an attempt (queued, uploading, retrying) see the xfail test below.
+        # Outside an attempt (queued, uploading, retrying) see the test above.
         before_state = self.machine.state
         before = self.machine.attempt
         decision = self.machine.infra_failed(message)

@@ -39,6 +39,7 @@ from gpumesh.errors import (
 from gpumesh.gpu.inventory import GpuInfo, GpuInventory
 from gpumesh.protocol.messages import (
     MAX_OUTPUT_CHUNK,
+    GpuReport,
     JobAccepted,
     JobCancel,
     JobLogs,
@@ -284,7 +285,7 @@ class JobService:
                 f"the workdir is {format_size(message.workdir_bytes)}; {self.agent.name} accepts "
                 f"at most {format_size(limit)} (its upload_limit): trim it with .gpumeshignore"
             )
-        gpus = await _in_thread(self._assign_gpus, message.gpu_memory)
+        gpus = await _in_thread(self._assign_gpus, message.gpu_memory, message.gpu)
         await self._check_runtime(message.image)
         now = time.time()
         record = JobRecord(
@@ -385,7 +386,43 @@ class JobService:
             if key.upper().startswith("NVIDIA_"):
                 raise LimitError(f"{key} may not be set by a job: the provider decides GPU access")
 
-    def _assign_gpus(self, gpu_memory: int) -> list[str]:
+    def _reservations(self) -> tuple[dict[str, int], dict[str, int]]:
+        """GPU memory reserved and job counts per GPU index, from unfinished jobs."""
+        reserved: dict[str, int] = {}
+        jobs: dict[str, int] = {}
+        for job in self.store.unfinished_hosted_jobs():
+            for index in job.gpus:
+                reserved[index] = reserved.get(index, 0) + job.gpu_memory
+                jobs[index] = jobs.get(index, 0) + 1
+        return reserved, jobs
+
+    def _available(self, gpu: GpuInfo, reserved: dict[str, int]) -> int:
+        """What a new job may still ask for on ``gpu``."""
+        taken = reserved.get(str(gpu.index), 0)
+        available = gpu.memory_free - taken
+        if self.max_vram:
+            available = min(available, self.max_vram)
+        return max(0, available)
+
+    async def gpu_report(self) -> tuple[list[GpuReport], str]:
+        """This provider's GPUs as placement sees them, and where the facts come from."""
+        gpus = await _in_thread(self.inventory.gpus)
+        reserved, jobs = self._reservations()
+        report = [
+            GpuReport(
+                index=gpu.index,
+                name=gpu.name[:64],
+                memory_total=gpu.memory_total,
+                memory_used=gpu.memory_used,
+                available=self._available(gpu, reserved),
+                utilization=gpu.utilization,
+                jobs=jobs.get(str(gpu.index), 0),
+            )
+            for gpu in gpus
+        ]
+        return report, self.inventory.source
+
+    def _assign_gpus(self, gpu_memory: int, preferred: str = "") -> list[str]:
         """The GPU(s) for a job, or a refusal that gives the numbers."""
         name = self.agent.name
         if self.max_vram and gpu_memory > self.max_vram:
@@ -400,22 +437,20 @@ class JobService:
                     f"{name} has no NVIDIA GPU; run without --gpu-memory for a CPU-only job"
                 )
             return []
-        reserved: dict[str, int] = {}
-        for job in self.store.unfinished_hosted_jobs():
-            for index in job.gpus:
-                reserved[index] = reserved.get(index, 0) + job.gpu_memory
-
-        def free(gpu: GpuInfo) -> int:
-            available = gpu.memory_free - reserved.get(str(gpu.index), 0)
-            if self.max_vram:
-                available = min(available, self.max_vram - reserved.get(str(gpu.index), 0))
-            return max(0, available)
-
-        best = max(gpus, key=free)
-        if free(best) < gpu_memory:
+        reserved, _jobs = self._reservations()
+        if preferred:
+            chosen = [g for g in gpus if str(g.index) == preferred]
+            if not chosen:
+                raise LimitError(f"{name} has no GPU {preferred}")
+            best = chosen[0]
+        else:
+            best = max(gpus, key=lambda gpu: self._available(gpu, reserved))
+        available = self._available(best, reserved)
+        if available < gpu_memory:
+            where = "on" if not preferred else f"on GPU {preferred} of"
             raise LimitError(
-                f"the job asks for {format_size(gpu_memory)} of GPU memory; the most free on "
-                f"{name} is {format_size(free(best))} (GPU {best.index} {best.name}, "
+                f"the job asks for {format_size(gpu_memory)} of GPU memory; the most free {where} "
+                f"{name} is {format_size(available)} (GPU {best.index} {best.name}, "
                 f"{format_size(best.memory_used)} used of {format_size(best.memory_total)})"
             )
         return [str(best.index)]
@@ -483,7 +518,8 @@ class JobService:
             raise
         except Exception:
             logger.exception("[job %s] supervisor failed", run.job_id)
-            await self._finish(run, run.machine.infra_failed("the provider hit an internal error"))
+            decision = run.machine.infra_failed("the provider hit an internal error")
+            await self._finish(run, decision, no_retry=True)
 
     async def _start_attempt(self, run: _Run, job: JobRecord) -> Decision | None:
         attempt = run.machine.start_attempt()

@@ -116,6 +116,8 @@ class JobMachine:
         return self._finish(JobState.CANCELLED, "cancelled")
 
     def _failed(self, message: str) -> Decision:
+        if self.attempt == 0:  # nothing ever ran: there is no attempt to retry
+            return self._finish(JobState.FAILED, message)
         if self.attempts_left > 0:
             self.state = JobState.RETRYING
             delay = backoff(self.attempt)

@@ -250,12 +250,17 @@ async def _handle_ping(ctx: RequestContext, message: Message) -> None:
 
 async def _handle_status(ctx: RequestContext, message: Message) -> None:
     agent = ctx.agent
+    gpus, source = await agent.jobs.gpu_report()
     reply = StatusReply(
         name=agent.name,
         node_id=str(agent.identity.node_id),
         version=__version__,
         sharing=True,
         uptime=time.time() - agent.started,
+        gpu_source=source,
+        gpus=gpus,
+        running_jobs=len(agent.store.unfinished_hosted_jobs()),
+        max_vram=agent.jobs.max_vram,
     )
     ctx.stream.send_message(reply, end=True)
 

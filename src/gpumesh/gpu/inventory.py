@@ -82,32 +82,37 @@ class NvmlInventory:
         nvml = self._nvml
         found = []
         for index in range(nvml.nvmlDeviceGetCount()):
-            handle = nvml.nvmlDeviceGetHandleByIndex(index)
-            memory = nvml.nvmlDeviceGetMemoryInfo(handle)
             try:
-                utilization: int | None = int(nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
-            except nvml.NVMLError:
-                utilization = None
-            try:
-                temperature: int | None = int(
-                    nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU)
-                )
-            except nvml.NVMLError:
-                temperature = None
-            name = nvml.nvmlDeviceGetName(handle)
-            uuid = nvml.nvmlDeviceGetUUID(handle)
-            found.append(
-                GpuInfo(
-                    index=index,
-                    uuid=uuid.decode() if isinstance(uuid, bytes) else str(uuid),
-                    name=name.decode() if isinstance(name, bytes) else str(name),
-                    memory_total=int(memory.total),
-                    memory_used=int(memory.used),
-                    utilization=utilization,
-                    temperature=temperature,
-                )
-            )
+                found.append(self._gpu(index))
+            except nvml.NVMLError as exc:  # e.g. a GPU that fell off the bus: skip it
+                logger.warning("GPU %d is not answering NVML: %s", index, exc)
         return found
+
+    def _gpu(self, index: int) -> GpuInfo:
+        nvml = self._nvml
+        handle = nvml.nvmlDeviceGetHandleByIndex(index)
+        memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+        try:
+            utilization: int | None = int(nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+        except nvml.NVMLError:
+            utilization = None
+        try:
+            temperature: int | None = int(
+                nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU)
+            )
+        except nvml.NVMLError:
+            temperature = None
+        name = nvml.nvmlDeviceGetName(handle)
+        uuid = nvml.nvmlDeviceGetUUID(handle)
+        return GpuInfo(
+            index=index,
+            uuid=uuid.decode() if isinstance(uuid, bytes) else str(uuid),
+            name=name.decode() if isinstance(name, bytes) else str(name),
+            memory_total=int(memory.total),
+            memory_used=int(memory.used),
+            utilization=utilization,
+            temperature=temperature,
+        )
 
 
 _SMI_FIELDS = "index,uuid,name,memory.total,memory.used,utilization.gpu,temperature.gpu"
@@ -147,17 +152,22 @@ def parse_nvidia_smi_csv(text: str) -> list[GpuInfo]:
 class NvidiaSmiInventory:
     source = "nvidia-smi"
 
-    def __init__(self, binary: str) -> None:
+    def __init__(self, binary: str, timeout: float = 10.0) -> None:
         self._binary = binary
+        self.timeout = timeout
 
     def gpus(self) -> list[GpuInfo]:
-        result = subprocess.run(
-            [self._binary, f"--query-gpu={_SMI_FIELDS}", "--format=csv,noheader,nounits"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=False,
-        )
+        try:
+            result = subprocess.run(
+                [self._binary, f"--query-gpu={_SMI_FIELDS}", "--format=csv,noheader,nounits"],
+                capture_output=True,
+                text=True,
+                timeout=self.timeout,
+                check=False,
+            )
+        except (subprocess.TimeoutExpired, OSError) as exc:  # a hung driver: no GPUs to offer
+            logger.warning("nvidia-smi did not answer: %s", exc)
+            return []
         if result.returncode != 0:
             logger.debug("nvidia-smi failed: %s", result.stderr.strip())
             return []

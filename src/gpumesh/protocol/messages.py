@@ -24,6 +24,7 @@ __all__ = [
     "MAX_MESSAGE_FRAME",
     "PROTOCOL_VERSION",
     "Challenge",
+    "GpuReport",
     "Hello",
     "JobAccepted",
     "JobCancel",
@@ -132,6 +133,23 @@ class StatusRequest(_Msg, tag="status", frozen=True):
     """Ask a provider what it is and whether it takes work."""
 
 
+class GpuReport(msgspec.Struct, frozen=True):
+    """One GPU of a provider, as placement needs it."""
+
+    index: int
+    name: Name
+    memory_total: Count
+    memory_used: Count
+    """Bytes in use by anything on the machine."""
+    available: Count
+    """Bytes a new job may still ask for: free memory minus what running jobs
+    reserved, capped by the provider's --max-vram."""
+    utilization: int | None
+    """Percent, when the provider can tell."""
+    jobs: Count
+    """GPUMesh jobs running on this GPU."""
+
+
 class StatusReply(_Msg, tag="status_reply", frozen=True):
     name: Name
     node_id: Name
@@ -141,6 +159,14 @@ class StatusReply(_Msg, tag="status_reply", frozen=True):
     """Whether the provider is accepting work."""
     uptime: float
     """Seconds since the provider agent started."""
+    gpu_source: Name = ""
+    """``nvml``, ``nvidia-smi``, ``simulated`` or ``none``."""
+    gpus: Annotated[list[GpuReport], msgspec.Meta(max_length=64)] = msgspec.field(
+        default_factory=list
+    )
+    running_jobs: Count = 0
+    max_vram: Count = 0
+    """The provider's per-job GPU memory cap in bytes; 0: none."""
 
 
 class ThroughputRequest(_Msg, tag="throughput", frozen=True):
@@ -191,6 +217,8 @@ class JobSubmit(_Msg, tag="job_submit", frozen=True):
     """Seconds per attempt; 0: no limit."""
     attach: bool
     """Stream the job's events on this stream after acceptance."""
+    gpu: Annotated[str, msgspec.Meta(max_length=16)] = ""
+    """The GPU (index) placement chose; empty: the provider picks."""
 
 
 class JobAccepted(_Msg, tag="job_accepted", frozen=True):
