@@ -1,0 +1,181 @@
+"""Placing a job on a group: probe the members, skip the unfit, pick the roomiest GPU.
+
+:func:`choose` is pure (no I/O, no clock): it takes probe results and returns
+the choice and a reason for every member. :func:`probe` asks every member for
+its status in parallel, each within a short timeout, so a dead member costs at
+most that timeout and never delays the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from gpumesh.errors import GPUMeshError, LimitError, NotPairedError, UnreachableError
+from gpumesh.protocol.messages import GpuReport, StatusReply, StatusRequest
+from gpumesh.store.db import Peer
+from gpumesh.units import format_size
+
+if TYPE_CHECKING:
+    from gpumesh.client.node import Node
+
+__all__ = [
+    "BUSY_UTILIZATION",
+    "PROBE_TIMEOUT",
+    "Candidate",
+    "Placement",
+    "Probe",
+    "choose",
+    "place",
+    "probe",
+]
+
+PROBE_TIMEOUT = 1.0
+"""Seconds a member has to answer a placement probe."""
+BUSY_UTILIZATION = 80
+"""A GPU above this utilisation (percent) counts as busy."""
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What one member said (or why it said nothing)."""
+
+    name: str
+    peer: Peer | None
+    """None when the member is not paired with this node."""
+    status: StatusReply | None = None
+    error: str = ""
+    rtt_ms: float = 0.0
+
+
+@dataclass(frozen=True)
+class Candidate:
+    name: str
+    eligible: bool
+    reason: str
+    """Why it was chosen or skipped, for people."""
+    gpu: GpuReport | None = None
+    """The GPU this member would give the job (None: CPU only, or skipped)."""
+    headroom: int = 0
+    """Bytes of GPU memory left after the job."""
+    rtt_ms: float = 0.0
+
+
+@dataclass(frozen=True)
+class Placement:
+    chosen: Candidate | None
+    candidates: list[Candidate] = field(default_factory=list)
+
+    @property
+    def peer_name(self) -> str | None:
+        return self.chosen.name if self.chosen else None
+
+
+def _evaluate(probe_result: Probe, gpu_memory: int) -> Candidate:
+    name = probe_result.name
+    if probe_result.peer is None:
+        return Candidate(name, False, "not paired with you: ask for its `gpumesh pair-code`")
+    if probe_result.status is None:
+        return Candidate(name, False, probe_result.error or "unreachable")
+    status = probe_result.status
+    if not status.sharing:
+        return Candidate(name, False, "not sharing")
+    gpus = status.gpus
+    if not gpus:
+        if gpu_memory:
+            return Candidate(name, False, "no NVIDIA GPU", rtt_ms=probe_result.rtt_ms)
+        return Candidate(name, True, "CPU only", rtt_ms=probe_result.rtt_ms)
+    idle = [g for g in gpus if g.jobs == 0 and (g.utilization or 0) <= BUSY_UTILIZATION]
+    if not idle:
+        busiest = ", ".join(
+            f"GPU {g.index} at {g.utilization if g.utilization is not None else '?'}%"
+            + (f" with {g.jobs} job(s)" if g.jobs else "")
+            for g in gpus
+        )
+        return Candidate(name, False, f"busy ({busiest})", rtt_ms=probe_result.rtt_ms)
+    best = max(idle, key=lambda g: g.available)
+    if best.available < gpu_memory:
+        return Candidate(
+            name,
+            False,
+            f"not enough GPU memory ({format_size(best.available)} free on its idlest GPU, "
+            f"{format_size(gpu_memory)} needed)",
+            rtt_ms=probe_result.rtt_ms,
+        )
+    return Candidate(
+        name,
+        True,
+        f"GPU {best.index} {best.name}, {format_size(best.available)} free",
+        gpu=best,
+        headroom=best.available - gpu_memory,
+        rtt_ms=probe_result.rtt_ms,
+    )
+
+
+def choose(probes: list[Probe], gpu_memory: int) -> Placement:
+    """Pick the idle GPU with the most headroom; GPU members before CPU-only ones."""
+    candidates = [_evaluate(p, gpu_memory) for p in probes]
+    eligible = [c for c in candidates if c.eligible]
+    if not eligible:
+        return Placement(None, candidates)
+    chosen = max(eligible, key=lambda c: (c.gpu is not None, c.headroom, -c.rtt_ms))
+    return Placement(chosen, candidates)
+
+
+async def _probe_one(node: Node, name: str, peer: Peer | None, timeout: float) -> Probe:
+    if peer is None:
+        return Probe(name, None)
+    started = time.perf_counter()
+    try:
+        async with asyncio.timeout(timeout):
+            async with node.session(peer.node_id, timeout=timeout) as session:
+                reply = await session.request(StatusRequest(), timeout=timeout)
+    except TimeoutError:
+        return Probe(name, peer, error=f"unreachable (no answer within {timeout:g}s)")
+    except NotPairedError:
+        return Probe(name, peer, error="has not paired you: send it your `gpumesh pair-code`")
+    except UnreachableError as exc:
+        return Probe(name, peer, error=f"unreachable ({exc.message.split(':')[0]})")
+    except GPUMeshError as exc:
+        return Probe(name, peer, error=exc.message)
+    if not isinstance(reply, StatusReply):
+        return Probe(name, peer, error="answered status with something else")
+    return Probe(name, peer, reply, rtt_ms=(time.perf_counter() - started) * 1000)
+
+
+async def probe(
+    node: Node, members: list[tuple[str, Peer | None]], timeout: float = PROBE_TIMEOUT
+) -> list[Probe]:
+    """Ask every member for its status at once; each has ``timeout`` seconds."""
+    return list(
+        await asyncio.gather(*(_probe_one(node, name, peer, timeout) for name, peer in members))
+    )
+
+
+async def place(
+    node: Node,
+    members: list[tuple[str, Peer | None]],
+    gpu_memory: int,
+    *,
+    wait: float = 0.0,
+    poll: float = 5.0,
+    timeout: float = PROBE_TIMEOUT,
+) -> Placement:
+    """Probe and choose; with ``wait`` > 0, keep trying that many seconds until one fits.
+
+    Raises :class:`LimitError` carrying the table of reasons when nothing fits.
+    """
+    if not members:
+        raise LimitError("the group has no other members to run on: add peers to it first")
+    deadline = time.monotonic() + wait
+    while True:
+        placement = choose(await probe(node, members, timeout), gpu_memory)
+        if placement.chosen is not None:
+            return placement
+        if time.monotonic() + poll > deadline:
+            table = "; ".join(f"{c.name}: {c.reason}" for c in placement.candidates)
+            need = f" with {format_size(gpu_memory)} of GPU memory" if gpu_memory else ""
+            raise LimitError(f"no member can take the job{need}: {table}")
+        await asyncio.sleep(poll)
