@@ -310,3 +310,50 @@ def test_doctor_without_docker_says_how_to_fix(bob_home: Path) -> None:
     assert result.returncode == 1
     assert checks["docker"]["status"] == "fail"
     assert "start it" in checks["docker"]["fix"]
+
+
+def _run_with_env(
+    home: Path, extra: dict[str, str], *args: str
+) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, GPUMESH_HOME=str(home), **extra)
+    return subprocess.run(
+        [sys.executable, "-m", "gpumesh", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+
+def test_gpu_table_and_its_simulated_warning(bob_home: Path) -> None:
+    """No NVIDIA hardware here: the simulated inventory stands in, and says so."""
+    result = _run_with_env(
+        bob_home, {"GPUMESH_TEST_SIMULATED_GPUS": "RTX-4090:24GB:3GB,A100:80GB"}, "gpu"
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("SIMULATED GPUs")
+    assert "RTX-4090" in result.stdout and "3GB / 24GB" in result.stdout
+    listing = json.loads(
+        _run_with_env(
+            bob_home, {"GPUMESH_TEST_SIMULATED_GPUS": "A100:80GB"}, "gpu", "--json"
+        ).stdout
+    )
+    assert listing["source"] == "simulated"
+    assert listing["gpus"][0]["memory_total"] == 80 * 10**9
+    status = _run_with_env(bob_home, {"GPUMESH_TEST_SIMULATED_GPUS": "A100:80GB"}, "status")
+    assert "SIMULATED" in status.stdout
+
+
+def test_gpu_without_any_gpu_says_so(bob_home: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "GPUMESH_TEST_SIMULATED_GPUS"}
+    env.update(GPUMESH_HOME=str(bob_home), PATH="/nonexistent")
+    result = subprocess.run(
+        [sys.executable, "-m", "gpumesh", "gpu"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if "nvml" in result.stderr:  # pragma: no cover - a machine with a real GPU
+        pytest.skip("this machine has an NVIDIA driver")
+    _one_line_error(result, 1, "no NVIDIA GPU found")

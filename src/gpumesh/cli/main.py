@@ -18,6 +18,7 @@ __all__ = ["cli", "main"]
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "init": ("gpumesh.cli.init", "init", "Create this node's identity and config."),
     "status": ("gpumesh.cli.status", "status", "Show this node: identity, sharing, peers."),
+    "gpu": ("gpumesh.cli.gpu", "gpu", "Show this machine's NVIDIA GPUs."),
     "doctor": ("gpumesh.cli.doctor", "doctor", "Check what this node needs and how to fix it."),
     "config": ("gpumesh.cli.config", "config", "Show or change settings."),
     "pair-code": ("gpumesh.cli.pair_code", "pair_code", "Print this node's pairing code."),

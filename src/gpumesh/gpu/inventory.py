@@ -49,6 +49,8 @@ class GpuInfo:
     """Percent, when known."""
     temperature: int | None = None
     """Degrees Celsius, when known."""
+    processes: int | None = None
+    """Compute processes using the GPU, when known (NVML)."""
 
     @property
     def memory_free(self) -> int:
@@ -102,6 +104,10 @@ class NvmlInventory:
             )
         except nvml.NVMLError:
             temperature = None
+        try:
+            processes: int | None = len(nvml.nvmlDeviceGetComputeRunningProcesses(handle))
+        except nvml.NVMLError:
+            processes = None
         name = nvml.nvmlDeviceGetName(handle)
         uuid = nvml.nvmlDeviceGetUUID(handle)
         return GpuInfo(
@@ -112,6 +118,7 @@ class NvmlInventory:
             memory_used=int(memory.used),
             utilization=utilization,
             temperature=temperature,
+            processes=processes,
         )
 
 

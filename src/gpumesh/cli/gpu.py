@@ -1,0 +1,51 @@
+"""``gpumesh gpu``"""
+
+from __future__ import annotations
+
+import click
+
+from gpumesh.cli._common import emit_json, fail
+
+
+@click.command(epilog="\b\nExamples:\n  gpumesh gpu\n  gpumesh gpu --json")
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable output.")
+def gpu(as_json: bool) -> None:
+    """Show this machine's NVIDIA GPUs: memory, utilisation, temperature, processes.
+
+    Reads NVML first, then `nvidia-smi`; says so clearly when there is no GPU.
+    """
+    from gpumesh.gpu.inventory import detect_inventory
+    from gpumesh.units import format_size
+
+    inventory = detect_inventory()
+    gpus = inventory.gpus()
+    if as_json:
+        emit_json({"source": inventory.source, "gpus": [g.__dict__ for g in gpus]})
+        return
+    if inventory.source == "simulated":
+        click.echo(
+            click.style("SIMULATED GPUs (test mode, not real hardware)", fg="red", bold=True)
+        )
+    if not gpus:
+        fail(
+            "no NVIDIA GPU found (NVML and nvidia-smi are unavailable); install the NVIDIA "
+            "driver to share a GPU",
+            code=1,
+        )
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(box=None, pad_edge=False)
+    for column in ("GPU", "NAME", "MEMORY", "UTIL", "TEMP", "PROCS"):
+        table.add_column(column, no_wrap=True)
+    for g in gpus:
+        table.add_row(
+            str(g.index),
+            g.name,
+            f"{format_size(g.memory_used)} / {format_size(g.memory_total)}",
+            "-" if g.utilization is None else f"{g.utilization}%",
+            "-" if g.temperature is None else f"{g.temperature}°C",
+            "-" if g.processes is None else str(g.processes),
+        )
+    Console().print(table)
+    click.echo(f"source: {inventory.source}", err=True)
