@@ -63,12 +63,19 @@ class GpuInventory(Protocol):
 
     def gpus(self) -> list[GpuInfo]: ...
 
+    def process_memory(self) -> dict[int, int]:
+        """GPU memory in bytes used by each host process id, on all GPUs."""
+        ...
+
 
 class NoGpus:
     source = "none"
 
     def gpus(self) -> list[GpuInfo]:
         return []
+
+    def process_memory(self) -> dict[int, int]:
+        return {}
 
 
 class NvmlInventory:
@@ -89,6 +96,20 @@ class NvmlInventory:
             except nvml.NVMLError as exc:  # e.g. a GPU that fell off the bus: skip it
                 logger.warning("GPU %d is not answering NVML: %s", index, exc)
         return found
+
+    def process_memory(self) -> dict[int, int]:
+        nvml = self._nvml
+        usage: dict[int, int] = {}
+        for index in range(nvml.nvmlDeviceGetCount()):
+            try:
+                handle = nvml.nvmlDeviceGetHandleByIndex(index)
+                processes = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+            except nvml.NVMLError:
+                continue
+            for process in processes:
+                used = getattr(process, "usedGpuMemory", None) or 0
+                usage[int(process.pid)] = usage.get(int(process.pid), 0) + int(used)
+        return usage
 
     def _gpu(self, index: int) -> GpuInfo:
         nvml = self._nvml
@@ -180,6 +201,29 @@ class NvidiaSmiInventory:
             return []
         return parse_nvidia_smi_csv(result.stdout)
 
+    def process_memory(self) -> dict[int, int]:
+        try:
+            result = subprocess.run(
+                [
+                    self._binary,
+                    "--query-compute-apps=pid,used_memory",
+                    "--format=csv,noheader,nounits",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=self.timeout,
+                check=False,
+            )
+        except (subprocess.TimeoutExpired, OSError):
+            return {}
+        usage: dict[int, int] = {}
+        for line in result.stdout.strip().splitlines() if result.returncode == 0 else []:
+            pid_text, _, used_text = line.partition(",")
+            pid, used = _int_or_none(pid_text), _int_or_none(used_text)
+            if pid is not None and used is not None:
+                usage[pid] = usage.get(pid, 0) + used * 1024 * 1024
+        return usage
+
 
 class SimulatedInventory:
     """Declared GPUs for tests on machines without any. Never real."""
@@ -209,6 +253,9 @@ class SimulatedInventory:
 
     def gpus(self) -> list[GpuInfo]:
         return list(self._gpus)
+
+    def process_memory(self) -> dict[int, int]:
+        return {}  # simulated GPUs run nothing
 
 
 def detect_inventory() -> GpuInventory:

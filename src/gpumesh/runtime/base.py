@@ -134,6 +134,9 @@ class JobRuntime(Protocol):
     def list_jobs(self, node_id: str) -> list[ContainerState]:
         """Every container labelled with LABEL_NODE == node_id, running or not."""
 
+    def pids(self, container_id: str) -> list[int]:
+        """Host process ids of the container's processes (empty when it is not running)."""
+
     def close(self) -> None:
         """Release connections to the engine; containers are not touched."""
 

@@ -342,6 +342,20 @@ class DockerRuntime:
             attrs = api.inspect_container(container_id)
         return dict(attrs.get("HostConfig") or {})
 
+    def pids(self, container_id: str) -> list[int]:
+        with self._engine("list container processes", container_id) as api:
+            try:
+                top = api.top(container_id, ps_args="-o pid")
+            except docker.errors.APIError:
+                return []  # not running (any more)
+        titles = [t.upper() for t in top.get("Titles") or []]
+        column = titles.index("PID") if "PID" in titles else 0
+        found = []
+        for row in top.get("Processes") or []:
+            with contextlib.suppress(ValueError, IndexError):
+                found.append(int(row[column]))
+        return found
+
     # --- logs ---------------------------------------------------------------------------
 
     def logs(
