@@ -1,7 +1,5 @@
 """``python -m gpumesh`` runs the CLI."""
 
-import sys
+from gpumesh.cli.main import entry
 
-from gpumesh.cli.main import main
-
-sys.exit(main())
+entry()

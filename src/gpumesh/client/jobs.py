@@ -108,8 +108,6 @@ async def run_job(
     job_id: str | None = None,
 ) -> JobResult:
     """Submit ``spec`` to its peer; unless ``detach``, follow it to the end."""
-    from gpumesh.files.pack import scan, tar_size, write_tar
-
     callbacks = callbacks or JobCallbacks()
     if spec.peer is None:
         raise NotFoundError("no peer given: use --peer NAME (or set GPUMESH_PEER)")
@@ -118,6 +116,8 @@ async def run_job(
     plan = None
     workdir_bytes = 0
     if spec.workdir is not None:
+        from gpumesh.files.pack import scan, tar_size  # only jobs with a workdir pay for it
+
         plan = scan(spec.workdir, exclude_paths=[node.home.path])
         workdir_bytes = tar_size(plan)
     job_id = job_id or new_job_id()
@@ -168,6 +168,8 @@ async def run_job(
         )
         callbacks.accepted(accepted)
         if plan is not None:
+            from gpumesh.files.pack import write_tar
+
             await _upload(stream, plan, workdir_bytes, write_tar, callbacks.upload)
         if detach:
             stream.finish()
