@@ -8,6 +8,10 @@ The CRC catches a mistyped or truncated code before anything is parsed or any
 packet is sent. The signature (Ed25519 by the key inside the offer, over a
 domain-separated encoding of the offer) catches tampering: a changed name,
 key or address no longer verifies.
+
+The framing (prefix, base64url, length, CRC) is shared with group invites
+(``identity/invites.py``) through :func:`encode_token` and :func:`decode_token`,
+so every token a user pastes is refused with the same care and wording.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ __all__ = [
     "CODE_PREFIX",
     "PairingOffer",
     "decode_code",
+    "decode_token",
+    "encode_token",
     "make_code",
     "verify_code",
 ]
@@ -44,6 +50,7 @@ __all__ = [
 CODE_PREFIX = "gpm1_"
 CODE_LIFETIME = 3600.0
 MAX_CODE_CHARS = 4096
+MAX_BODY_BYTES = 0xFFFF  # the length field is a u16
 MAX_ADDRESSES = 16
 MAX_ADDRESS_CHARS = 255
 _DOMAIN = b"gpumesh-pairing-offer-v1\x00"
@@ -102,10 +109,59 @@ def make_code(
     )
     offer_bytes = _offer_encoder.encode(offer)
     signed = _SignedOffer(offer=offer_bytes, signature=identity.sign(_DOMAIN + offer_bytes))
-    body = _offer_encoder.encode(signed)
+    return encode_token(CODE_PREFIX, _offer_encoder.encode(signed))
+
+
+def encode_token(prefix: str, body: bytes) -> str:
+    """``prefix`` + base64url(u16 body length | body | u32 CRC32), without padding."""
+    if len(body) > MAX_BODY_BYTES:
+        raise ValueError(f"a token body holds at most {MAX_BODY_BYTES} bytes, got {len(body)}")
     raw = struct.pack("!H", len(body)) + body
     raw += struct.pack("!I", zlib.crc32(raw))
-    return CODE_PREFIX + base64.urlsafe_b64encode(raw).decode("ascii").rstrip("=")
+    return prefix + base64.urlsafe_b64encode(raw).decode("ascii").rstrip("=")
+
+
+def decode_token(
+    prefix: str,
+    code: str,
+    noun: str,
+    *,
+    not_prefixed: str,
+    max_chars: int = MAX_CODE_CHARS,
+) -> bytes:
+    """The body of a token made by :func:`encode_token`, after its length and CRC checks.
+
+    ``noun`` names the token in messages ("pairing code"); ``not_prefixed`` is
+    the whole message for text that does not start with ``prefix``. Whitespace
+    anywhere is ignored: chat apps wrap long tokens.
+    """
+    text = "".join(code.split())
+    if not text.startswith(prefix):
+        raise PairingCodeError(not_prefixed)
+    if len(text) > max_chars:
+        raise PairingCodeError(f"that {noun} is too long to be genuine")
+    payload = text[len(prefix) :]
+    if not _PAYLOAD_RE.fullmatch(payload):
+        raise PairingCodeError(
+            f"that {noun} contains characters that do not belong in a code; copy it again in full"
+        )
+    truncated = f"that {noun} is truncated; copy it again in full"
+    if len(payload) % 4 == 1:  # no base64 text has this length: it was cut
+        raise PairingCodeError(truncated)
+    raw = base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4))
+    if len(raw) < 6:
+        raise PairingCodeError(truncated)
+    (body_len,) = struct.unpack("!H", raw[:2])
+    if len(raw) < 2 + body_len + 4:
+        raise PairingCodeError(truncated)
+    if len(raw) > 2 + body_len + 4:
+        raise PairingCodeError(f"that {noun} has extra characters; copy it again exactly")
+    (crc,) = struct.unpack("!I", raw[-4:])
+    if zlib.crc32(raw[:-4]) != crc:
+        raise PairingCodeError(
+            f"that {noun} has a bad checksum (mistyped or cut); copy it again exactly"
+        )
+    return raw[2:-4]
 
 
 def decode_code(code: str) -> tuple[PairingOffer, bytes, bytes]:
@@ -113,37 +169,17 @@ def decode_code(code: str) -> tuple[PairingOffer, bytes, bytes]:
 
     Does not check the signature or expiry: see :func:`verify_code`.
     """
-    text = "".join(code.split())  # tolerate line breaks from chat apps
-    if not text.startswith(CODE_PREFIX):
-        raise PairingCodeError(
+    body = decode_token(
+        CODE_PREFIX,
+        code,
+        "pairing code",
+        not_prefixed=(
             "that is not a GPUMesh pairing code (codes start with "
             f"{CODE_PREFIX!r}); copy the whole output of `gpumesh pair-code`"
-        )
-    if len(text) > MAX_CODE_CHARS:
-        raise PairingCodeError("that pairing code is too long to be genuine")
-    payload = text[len(CODE_PREFIX) :]
-    if not _PAYLOAD_RE.fullmatch(payload):
-        raise PairingCodeError(
-            "that pairing code contains characters that do not belong in a code; "
-            "copy it again in full"
-        )
-    if len(payload) % 4 == 1:  # no base64 text has this length: it was cut
-        raise PairingCodeError("that pairing code is truncated; copy it again in full")
-    raw = base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4))
-    if len(raw) < 6:
-        raise PairingCodeError("that pairing code is truncated; copy it again in full")
-    (body_len,) = struct.unpack("!H", raw[:2])
-    if len(raw) < 2 + body_len + 4:
-        raise PairingCodeError("that pairing code is truncated; copy it again in full")
-    if len(raw) > 2 + body_len + 4:
-        raise PairingCodeError("that pairing code has extra characters; copy it again exactly")
-    (crc,) = struct.unpack("!I", raw[-4:])
-    if zlib.crc32(raw[:-4]) != crc:
-        raise PairingCodeError(
-            "that pairing code has a bad checksum (mistyped or cut); copy it again exactly"
-        )
+        ),
+    )
     try:
-        signed = _signed_decoder.decode(raw[2:-4])
+        signed = _signed_decoder.decode(body)
         offer = _offer_decoder.decode(signed.offer)
     except msgspec.DecodeError as exc:
         raise PairingCodeError(f"that pairing code is malformed ({exc})") from None

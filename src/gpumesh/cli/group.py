@@ -1,0 +1,294 @@
+"""``gpumesh group``: create, list, invite, join, add and members."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from gpumesh.cli._common import emit_json, get_node
+from gpumesh.units import format_duration
+
+if TYPE_CHECKING:
+    from gpumesh.client.groups import MemberView
+    from gpumesh.store.db import Group
+
+_ACCESS_COLORS = {"self": "cyan", "allowed": "green", "denied": "red"}
+
+
+@click.group(
+    epilog="""\b
+Examples:
+  gpumesh group create research
+  gpumesh group invite research        # send the output to whoever should join
+  gpumesh group join 'gpg1_...'
+  gpumesh group members research
+\b
+A group tells its members about each other; using a member's GPU still
+needs mutual pairing (`gpumesh pair-code` / `gpumesh pair`).
+"""
+)
+def group() -> None:
+    """Create, share and join groups of nodes."""
+
+
+@group.command(
+    epilog="\b\nExamples:\n  gpumesh group create research\n  gpumesh group create lab --json"
+)
+@click.argument("name")
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable output.")
+def create(name: str, as_json: bool) -> None:
+    """Create a group NAME with this node as its first member."""
+    from gpumesh.client.groups import create_group
+
+    created = create_group(get_node(), name)
+    if as_json:
+        emit_json(_group_json(created))
+        return
+    click.echo(f"Created group {click.style(created.name, bold=True)} ({created.short_id}).")
+    click.echo(f"Invite others with `gpumesh group invite {created.name}`.")
+
+
+@group.command(
+    name="list", epilog="\b\nExamples:\n  gpumesh group list\n  gpumesh group list --json"
+)
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable output.")
+def list_groups(as_json: bool) -> None:
+    """List the groups this node created or joined."""
+    from gpumesh.client.groups import summaries
+
+    rows = summaries(get_node())
+    if as_json:
+        emit_json(
+            [
+                {
+                    **_group_json(s.group),
+                    "usable": s.usable,
+                    "others": s.others,
+                    "joined_via": s.inviter or None,
+                }
+                for s in rows
+            ]
+        )
+        return
+    if not rows:
+        click.echo(
+            "No groups yet. Create one with `gpumesh group create NAME`, or join one with "
+            "`gpumesh group join '<invite>'`."
+        )
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    now = time.time()
+    table = Table(box=None, pad_edge=False)
+    for column in ("NAME", "ID", "MEMBERS", "PAIRED", "SINCE"):
+        table.add_column(column, no_wrap=True)
+    for s in rows:
+        origin = f"joined via {s.inviter}" if s.inviter else "created here"
+        table.add_row(
+            s.group.name,
+            s.group.short_id,
+            str(s.group.member_count),
+            f"{s.usable}/{s.others}",
+            f"{format_duration(now - s.group.created_at)} ago, {origin}",
+        )
+    Console().print(table)
+
+
+@group.command(
+    epilog="""\b
+Examples:
+  gpumesh group invite research
+  gpumesh group invite research --expires 1h
+"""
+)
+@click.argument("name")
+@click.option(
+    "--expires",
+    default="24h",
+    show_default=True,
+    metavar="DURATION",
+    help="How long the invite stays valid (such as 30m, 2h, 3d; at most 7d).",
+)
+def invite(name: str, expires: str) -> None:
+    """Print a signed invite to group NAME.
+
+    The invite carries every member's name, key and addresses. Whoever
+    joins with it still pairs with each member before using them.
+    """
+    from gpumesh.client.groups import invite_code
+    from gpumesh.client.jobspec import parse_duration
+
+    lifetime = parse_duration(expires)
+    code = invite_code(get_node(), name, lifetime=lifetime)
+    click.echo(code)
+    if sys.stdout.isatty():
+        click.echo(
+            f"Give this invite to whoever should join {name}; it expires in "
+            f"{format_duration(lifetime)}. They run: gpumesh group join '<invite>'",
+            err=True,
+        )
+
+
+@group.command(
+    epilog="""\b
+Examples:
+  gpumesh group join 'gpg1_...'
+  gpumesh group join "$(ssh alice gpumesh group invite research)"
+"""
+)
+@click.argument("code")
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable output.")
+def join(code: str, as_json: bool) -> None:
+    """Join a group with a member's invite CODE and record its members."""
+    from gpumesh.client.groups import join_group
+
+    joined = join_group(get_node(), code)
+    if as_json:
+        emit_json(
+            {
+                **_group_json(joined.group),
+                "inviter": joined.inviter,
+                "already_member": joined.already_member,
+                "members": [_member_json(v) for v in joined.members],
+            }
+        )
+        return
+    verb = "Refreshed" if joined.already_member else "Joined"
+    click.echo(
+        f"{verb} group {click.style(joined.group.name, bold=True)} ({joined.group.short_id}) "
+        f"via {joined.inviter}: {joined.group.member_count} members."
+    )
+    _print_members(joined.members)
+
+
+@group.command(
+    epilog="""\b
+Examples:
+  gpumesh group add research bob-laptop
+  gpumesh group add research 3f9akq2m       # by node id prefix
+"""
+)
+@click.argument("name")
+@click.argument("peer")
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable output.")
+def add(name: str, peer: str, as_json: bool) -> None:
+    """Add the paired PEER to group NAME on this node.
+
+    PEER learns about the group from an invite: `gpumesh group invite NAME`.
+    """
+    from gpumesh.client.groups import add_member
+
+    added = add_member(get_node(), name, peer)
+    if as_json:
+        emit_json(
+            {
+                **_group_json(added.group),
+                "already_member": added.already_member,
+                "member": _member_json(added.member),
+            }
+        )
+        return
+    who = added.member.name
+    if added.already_member:
+        click.echo(f"{who} is already a member of {added.group.name}.")
+    else:
+        click.echo(f"Added {who} to {added.group.name} ({added.group.member_count} members).")
+    click.echo(f"To let {who} see the group, send them `gpumesh group invite {added.group.name}`.")
+
+
+@group.command(
+    epilog="""\b
+Examples:
+  gpumesh group members research
+  gpumesh group members research --json
+"""
+)
+@click.argument("name")
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable output.")
+def members(name: str, as_json: bool) -> None:
+    """List the members of group NAME and whether each is paired with this node."""
+    from gpumesh.client.groups import members as member_views
+
+    views = member_views(get_node(), name)
+    if as_json:
+        emit_json([_member_json(v) for v in views])
+        return
+    _print_members(views)
+
+
+# --- rendering ------------------------------------------------------------------------
+
+# One entry per table column: header and cell text (Rich markup allowed). A new
+# column (reachability, GPUs) is one more entry here and one more key in _member_json.
+_MEMBER_COLUMNS: list[tuple[str, Callable[[MemberView], str]]] = [
+    ("NAME", lambda v: _escape(v.name)),
+    ("ID", lambda v: v.member.node_id.short),
+    ("ACCESS", lambda v: _colored(v.access, v.label)),
+    ("ADDRESSES", lambda v: _escape(", ".join(_addresses(v)) or "-")),
+]
+
+
+def _print_members(views: list[MemberView]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(box=None, pad_edge=False)
+    for header, _ in _MEMBER_COLUMNS:
+        table.add_column(header, no_wrap=header != "ADDRESSES")
+    for view in views:
+        table.add_row(*(cell(view) for _, cell in _MEMBER_COLUMNS))
+    Console().print(table)
+    # Plain lines, not table cells: a narrow terminal must not cut the advice.
+    todo = [v for v in views if v.hint]
+    if todo:
+        click.echo("")
+        for view in todo:
+            click.echo(f"  {view.name}: {view.hint}")
+        if any(not v.peer for v in todo):
+            click.echo(
+                "Pairing is mutual: they also run `gpumesh pair` with your `gpumesh pair-code`."
+            )
+
+
+def _member_json(view: MemberView) -> dict[str, Any]:
+    return {
+        "name": view.name,
+        "node_id": view.member.node_id,
+        "is_self": view.is_self,
+        "access": view.access,
+        "paired": view.peer is not None,
+        "allowed": view.peer.allowed if view.peer is not None else None,
+        "addresses": _addresses(view),
+        "relay": (view.peer.relay if view.peer else view.member.relay) or None,
+        "hint": view.hint or None,
+    }
+
+
+def _group_json(group: Group) -> dict[str, Any]:
+    return {
+        "name": group.name,
+        "group_id": group.group_id,
+        "member_count": group.member_count,
+        "created_at": group.created_at,
+    }
+
+
+def _addresses(view: MemberView) -> list[str]:
+    # A paired peer's own record is fresher than what an invite said.
+    return view.peer.dial_addresses() if view.peer is not None else view.member.addresses
+
+
+def _colored(access: str, text: str) -> str:
+    color = _ACCESS_COLORS.get(access, "yellow")
+    return f"[{color}]{_escape(text)}[/{color}]"
+
+
+def _escape(text: str) -> str:
+    from rich.markup import escape
+
+    return escape(text)

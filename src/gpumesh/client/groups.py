@@ -1,0 +1,323 @@
+"""Groups: named sets of nodes, created here or joined with a member's invite.
+
+A group is bookkeeping, not access: it tells a node who its group's members
+are and where to find them, while running on a member still needs mutual
+pairing. So the members view says, for each member, whether it is this node,
+a paired peer this node allows, a paired peer it denies, or not paired yet.
+
+Everything here is local (the store and the identity); nothing dials a peer.
+Invites carry the inviter's view of the group, and joining merges it in.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from gpumesh.errors import ConfigError, NotFoundError, PeerError, UnknownPeerError
+from gpumesh.identity.invites import (
+    INVITE_LIFETIME,
+    MAX_INVITE_LIFETIME,
+    InviteMember,
+    check_group_name,
+    make_invite,
+    new_group_id,
+    verify_invite,
+)
+from gpumesh.store.db import Group, GroupMember, Peer, Store
+from gpumesh.units import format_duration
+
+if TYPE_CHECKING:
+    from gpumesh.client.node import Node
+
+__all__ = [
+    "ACCESS_ALLOWED",
+    "ACCESS_DENIED",
+    "ACCESS_KEY_DIFFERS",
+    "ACCESS_NOT_PAIRED",
+    "ACCESS_SELF",
+    "Added",
+    "GroupSummary",
+    "Joined",
+    "MemberView",
+    "add_member",
+    "create_group",
+    "find_group",
+    "groups",
+    "invite_code",
+    "join_group",
+    "member_view",
+    "members",
+    "summaries",
+]
+
+ACCESS_SELF = "self"
+ACCESS_ALLOWED = "allowed"
+ACCESS_DENIED = "denied"
+ACCESS_NOT_PAIRED = "not paired"
+ACCESS_KEY_DIFFERS = "key differs"
+"""Not paired, and a paired peer of the same name has another key (reinstalled, or not them)."""
+
+_LABELS = {
+    ACCESS_SELF: "this node",
+    ACCESS_ALLOWED: "paired, allowed",
+    ACCESS_DENIED: "paired, denied",
+    ACCESS_NOT_PAIRED: "not paired",
+    ACCESS_KEY_DIFFERS: "not paired (key differs)",
+}
+
+
+@dataclass(frozen=True)
+class MemberView:
+    """One member of a group as this node sees it.
+
+    Built by :func:`member_view` from local state only; live columns
+    (reachability, GPUs) belong in a richer view built from this one.
+    """
+
+    member: GroupMember
+    is_self: bool
+    peer: Peer | None
+    """The paired peer with this member's key, or None."""
+    access: str
+    """``self``, ``allowed``, ``denied``, ``not paired`` or ``key differs``."""
+
+    @property
+    def name(self) -> str:
+        return self.member.name
+
+    @property
+    def usable(self) -> bool:
+        """Whether this node may use the member (it must also have paired this node)."""
+        return self.access == ACCESS_ALLOWED
+
+    @property
+    def label(self) -> str:
+        """The access state in a few words, for tables."""
+        return _LABELS[self.access]
+
+    @property
+    def hint(self) -> str:
+        """What to do next about this member, or empty when nothing."""
+        if self.access == ACCESS_DENIED:
+            return f"paired, denied: `gpumesh allow {self.name}` lets them use this node again"
+        if self.access == ACCESS_NOT_PAIRED:
+            return "not paired: ask for their `gpumesh pair-code`"
+        if self.access == ACCESS_KEY_DIFFERS:
+            return (
+                f"not paired: another key is paired as {self.name!r}; check with them, then "
+                "`gpumesh pair --rekey '<their code>'`"
+            )
+        return ""
+
+
+@dataclass(frozen=True)
+class GroupSummary:
+    """A group and its members, for listings."""
+
+    group: Group
+    members: list[MemberView]
+
+    @property
+    def others(self) -> int:
+        return sum(not m.is_self for m in self.members)
+
+    @property
+    def usable(self) -> int:
+        """How many other members are paired and allowed."""
+        return sum(m.usable for m in self.members)
+
+    @property
+    def inviter(self) -> str:
+        """Name of the member whose invite this node joined with; empty if created here."""
+        for view in self.members:
+            if view.member.node_id == self.group.joined_via:
+                return view.name
+        return self.group.joined_via[:12]
+
+
+@dataclass(frozen=True)
+class Joined:
+    group: Group
+    inviter: str
+    """The name of the member who signed the invite."""
+    already_member: bool
+    """This node was in the group already; the invite refreshed its members."""
+    members: list[MemberView]
+
+
+@dataclass(frozen=True)
+class Added:
+    group: Group
+    member: MemberView
+    already_member: bool
+
+
+def create_group(node: Node, name: str, *, clock: Callable[[], float] = time.time) -> Group:
+    """A new group with this node as its only member."""
+    check_group_name(name)
+    store = node.home.store
+    existing = store.group_by_name(name)
+    if existing is not None:
+        raise ConfigError(
+            f"a group named {name!r} already exists on this node ({existing.short_id}): pick "
+            f"another name, or invite others to it with `gpumesh group invite {name}`"
+        )
+    return store.add_group(new_group_id(), name, [_self_member(node)], now=clock())
+
+
+def groups(node: Node) -> list[Group]:
+    return node.home.store.groups()
+
+
+def find_group(node: Node, query: str) -> Group:
+    """A group by name or id prefix; unknown groups raise NotFoundError."""
+    return node.home.store.find_group(query)
+
+
+def summaries(node: Node) -> list[GroupSummary]:
+    return [GroupSummary(g, _views(node, g)) for g in node.home.store.groups()]
+
+
+def members(node: Node, query: str) -> list[MemberView]:
+    """Every member of a group, by name, with this node's pairing state for each."""
+    return _views(node, find_group(node, query))
+
+
+def member_view(node: Node, member: GroupMember) -> MemberView:
+    """How this node stands with one member (matched by key, never by name)."""
+    store = node.home.store
+    if member.public_key == node.home.identity.public_key:
+        return MemberView(member, is_self=True, peer=None, access=ACCESS_SELF)
+    peer = store.peer_by_key(member.public_key)
+    if peer is not None:
+        return MemberView(member, False, peer, ACCESS_ALLOWED if peer.allowed else ACCESS_DENIED)
+    clash = any(p.name == member.name for p in store.peers())
+    return MemberView(member, False, None, ACCESS_KEY_DIFFERS if clash else ACCESS_NOT_PAIRED)
+
+
+def invite_code(
+    node: Node,
+    query: str,
+    *,
+    lifetime: float = INVITE_LIFETIME,
+    clock: Callable[[], float] = time.time,
+) -> str:
+    """A signed invite to a group, carrying every member this node knows."""
+    if not 0 < lifetime <= MAX_INVITE_LIFETIME:
+        raise ConfigError(
+            f"an invite must expire after more than 0 seconds and at most "
+            f"{format_duration(MAX_INVITE_LIFETIME)}; use a duration such as 1h or 2d"
+        )
+    group = find_group(node, query)
+    store = node.home.store
+    me = _self_member(node)
+    # Refresh our own entry: the addresses we listen on may have changed since.
+    store.save_group_members(group.group_id, [me], now=clock())
+    listed = [me]
+    for member in store.group_members(group.group_id):
+        if member.public_key == me.public_key:
+            continue
+        peer = store.peer_by_key(member.public_key)
+        # A paired peer's addresses are fresher: the one that last worked comes first.
+        addresses, relay = (
+            (peer.dial_addresses(), peer.relay)
+            if peer is not None
+            else (member.addresses, member.relay)
+        )
+        listed.append(InviteMember(member.name, member.public_key, addresses, relay))
+    return make_invite(
+        node.home.identity, group.group_id, group.name, listed, clock=clock, lifetime=lifetime
+    )
+
+
+def join_group(node: Node, code: str, *, clock: Callable[[], float] = time.time) -> Joined:
+    """Verify an invite and record its group and members here.
+
+    Joining again (a newer invite to the same group) refreshes the members.
+    """
+    invite = verify_invite(code, clock=clock)
+    store = node.home.store
+    me = _self_member(node)
+    if invite.inviter == me.public_key:
+        raise PeerError(
+            f"that is this node's own invite to {invite.group_name!r}: send it to the node "
+            "that should join, and run `gpumesh group join` there"
+        )
+    same_name = store.group_by_name(invite.group_name)
+    if same_name is not None and same_name.group_id != invite.group_id:
+        raise ConfigError(
+            f"this node already has a different group named {invite.group_name!r} "
+            f"({same_name.short_id}; the invite is for {invite.group_id[:12]}): group names "
+            "are unique on a node, so check with "
+            f"{invite.inviter_member.name} which group they meant"
+        )
+    # Our own entry comes from us, not from the inviter's possibly older view of us.
+    listed = [m for m in invite.members if m.public_key != me.public_key] + [me]
+    already = _has_group(store, invite.group_id)
+    if already:
+        store.save_group_members(invite.group_id, listed, now=clock())
+        group = store.group_by_id(invite.group_id)
+    else:
+        group = store.add_group(
+            invite.group_id,
+            invite.group_name,
+            listed,
+            joined_via=invite.inviter_member.node_id,
+            now=clock(),
+        )
+    return Joined(group, invite.inviter_member.name, already, _views(node, group))
+
+
+def add_member(
+    node: Node, query: str, peer_query: str, *, clock: Callable[[], float] = time.time
+) -> Added:
+    """Add a paired peer (by name or id prefix) to a group on this node.
+
+    Only this node's record changes: the peer learns of the group from an invite.
+    """
+    group = find_group(node, query)
+    store = node.home.store
+    try:
+        peer = store.find_peer(peer_query)
+    except UnknownPeerError:
+        raise UnknownPeerError(
+            f"no paired peer named {peer_query!r}: only paired peers can be added to a "
+            f"group; pair first (`gpumesh pair '<code>'`), or send them "
+            f"`gpumesh group invite {group.name}`"
+        ) from None
+    already = any(m.node_id == peer.node_id for m in store.group_members(group.group_id))
+    store.save_group_members(group.group_id, [peer], now=clock())
+    group = store.group_by_id(group.group_id)
+    added = next(m for m in store.group_members(group.group_id) if m.node_id == peer.node_id)
+    return Added(group, member_view(node, added), already)
+
+
+def _views(node: Node, group: Group) -> list[MemberView]:
+    return [member_view(node, m) for m in node.home.store.group_members(group.group_id)]
+
+
+def _has_group(store: Store, group_id: str) -> bool:
+    try:
+        store.group_by_id(group_id)
+    except NotFoundError:
+        return False
+    return True
+
+
+def _self_member(node: Node) -> InviteMember:
+    """This node as a group member: its name, key, and where it listens now."""
+    from gpumesh.client.netinfo import local_addresses
+
+    config = node.home.config
+    agent = node.home.read_agent_info()
+    # Same choice as pairing codes: a running agent knows where it really listens.
+    host, port = (agent.host, agent.port) if agent else (config.listen_host, config.listen_port)
+    return InviteMember(
+        config.node_name,
+        node.home.identity.public_key,
+        local_addresses(host, port),
+        config.relay,
+    )
