@@ -472,3 +472,43 @@ def test_follower_survives_a_provider_restart_without_gaps(cluster) -> None:
         assert bytes(got.out).decode().splitlines() == [f"line {i}" for i in range(1, 41)]
 
     arun(scenario())
+
+
+class _EveryProcessUsesGpuMemory(SimulatedInventory):
+    """Stand-in for NVML's per-process accounting (no NVIDIA hardware here)."""
+
+    def process_memory(self) -> dict[int, int]:
+        return {int(p): 1_500_000_000 for p in os.listdir("/proc") if p.isdigit()}
+
+
+def test_peak_gpu_memory_is_measured_and_reported_to_the_submitter(cluster) -> None:
+    alice, bob = cluster("alice"), cluster("bob")
+
+    async def scenario() -> None:
+        async with providing(alice, inventory=SimulatedInventory("")) as agent:
+            pair_both(alice, bob)
+            # A CPU job (GPU containers cannot start here), sampled as a GPU job would be.
+            job = await run_job(bob, spec("alice", "sleep", "30"), detach=True)
+            for _ in range(100):
+                record = alice.home.store.job("hosted", job.job_id)
+                if record is not None and record.state == "running" and record.container_id:
+                    break
+                await asyncio.sleep(0.1)
+            run = agent.jobs._runs[job.job_id]
+            agent.jobs._inventory = _EveryProcessUsesGpuMemory("L4:24GB")
+            sampler = asyncio.create_task(agent.jobs._sample_gpu_memory(run, record.container_id))
+            await asyncio.sleep(0.5)
+            sampler.cancel()
+            runtime = DockerRuntime()
+            try:
+                pids = runtime.pids(record.container_id)
+            finally:
+                runtime.close()
+            peak = alice.home.store.job("hosted", job.job_id).peak_gpu_memory  # type: ignore[union-attr]
+            assert peak == 1_500_000_000 * len(pids) > 0
+            await cancel_job(bob, "alice", job.job_id)
+            got = Collected()
+            await follow_job(bob, job.job_id, callbacks=got)
+            assert bob.home.store.job("submitted", job.job_id).peak_gpu_memory == peak  # type: ignore[union-attr]
+
+    arun(scenario())

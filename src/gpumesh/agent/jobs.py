@@ -74,6 +74,8 @@ T = TypeVar("T")
 TIMEOUT_EXIT = 124
 """Exit code of an attempt stopped by its timeout (as coreutils `timeout` reports)."""
 _LOG_DRAIN_TIMEOUT = 15.0
+GPU_SAMPLE_INTERVAL = 2.0
+"""Seconds between samples of a running GPU job's memory use."""
 """After a container exits, how long its log readers may take to finish."""
 
 
@@ -127,8 +129,9 @@ def _open_to_container(job_dir: Path, work: Path) -> None:
                 dirs.remove(name)
 
 
-def _state_data(state: str, exit_code: int | None, message: str) -> bytes:
-    return json.dumps({"state": state, "exit_code": exit_code, "message": message}).encode()
+def _state_data(state: str, exit_code: int | None, message: str, peak: int) -> bytes:
+    info = {"state": state, "exit_code": exit_code, "message": message, "peak_gpu_memory": peak}
+    return json.dumps(info).encode()
 
 
 class _Run:
@@ -564,6 +567,11 @@ class JobService:
             for stream in ("stdout", "stderr")
         ]
         writer = asyncio.create_task(self._write_logs(run, queue, expected_ends=len(readers)))
+        sampler = (
+            asyncio.create_task(self._sample_gpu_memory(run, container.container_id))
+            if job.gpus
+            else None
+        )
         waiter = _in_thread(self.runtime.wait, container.container_id)
         try:
             if run.machine.cancel_requested:  # cancelled while the container was being made
@@ -588,6 +596,8 @@ class JobService:
             # Stopping the agent cancels us: the writer must stop too, or it would
             # keep writing beside the next agent's (the cursor in the store is the truth).
             writer.cancel()
+            if sampler is not None:
+                sampler.cancel()
         await self._remove_container(run)
         if run.timed_out and not run.machine.cancel_requested:
             self.store.update_job(HOSTED, run.job_id, exit_code=TIMEOUT_EXIT)
@@ -602,6 +612,21 @@ class JobService:
             )
         self.store.update_job(HOSTED, run.job_id, exit_code=exit_code)
         return decision
+
+    async def _sample_gpu_memory(self, run: _Run, container_id: str) -> None:
+        """Record the job's peak GPU memory (sum over its processes) while it runs."""
+        peak = self._record(run.job_id).peak_gpu_memory
+        while True:
+            try:
+                pids = await _in_thread(self.runtime.pids, container_id)
+                usage = await _in_thread(self.inventory.process_memory)
+            except GPUMeshError:
+                pids, usage = [], {}
+            used = sum(usage.get(pid, 0) for pid in pids)
+            if used > peak:
+                peak = used
+                self.store.update_job(HOSTED, run.job_id, peak_gpu_memory=peak)
+            await asyncio.sleep(GPU_SAMPLE_INTERVAL)
 
     def _read_logs(
         self,
@@ -700,7 +725,8 @@ class JobService:
         kind_state: bool = True,
     ) -> None:
         if kind_state:
-            data = _state_data(str(state), exit_code, message)
+            peak = self._record(run.job_id).peak_gpu_memory
+            data = _state_data(str(state), exit_code, message, peak)
             self.store.append_job_event(run.job_id, run.machine.attempt, "state", data)
         else:  # a diagnostic for the user, on the job's stderr
             text = f"gpumesh: {message.strip()}\n".encode()
@@ -747,6 +773,7 @@ class JobService:
                             attempt=event.attempt,
                             exit_code=info["exit_code"],
                             message=info["message"],
+                            peak_gpu_memory=info.get("peak_gpu_memory", 0),
                             time=event.ts,
                         )
                     )

@@ -9,6 +9,7 @@ import click
 from gpumesh.client.jobs import JobCallbacks
 from gpumesh.errors import GPUMeshError
 from gpumesh.protocol.messages import JobAccepted, JobStatus
+from gpumesh.units import format_size
 
 __all__ = ["JobPrinter"]
 
@@ -43,6 +44,8 @@ class JobPrinter:
             code = "" if status.exit_code is None else f", exit {status.exit_code}"
             plain_exit = status.message.startswith("exited") or status.state == "succeeded"
             detail = "" if plain_exit or not status.message else f": {status.message}"
+            if status.peak_gpu_memory:
+                detail += f"; GPU memory peak {format_size(status.peak_gpu_memory)}"
             self.note(f"--- {status.state}{code}{detail} ---")
         elif status.state == "starting" and status.attempt > 1:
             self.note(f"attempt {status.attempt} starting")

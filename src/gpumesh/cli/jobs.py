@@ -32,6 +32,7 @@ def jobs(limit: int, as_json: bool) -> None:
                     "command": j.command,
                     "gpus": j.gpus,
                     "gpu_memory": j.gpu_memory,
+                    "peak_gpu_memory": j.peak_gpu_memory,
                     "created_at": j.created_at,
                     "started_at": j.started_at,
                     "finished_at": j.finished_at,
@@ -62,8 +63,11 @@ def jobs(limit: int, as_json: bool) -> None:
         color = colors.get(j.state, "white")
         command = " ".join(j.command) or f"({j.image})"
         gpu = ",".join(j.gpus) or "-"
-        if j.gpu_memory:
-            gpu += f" {format_size(j.gpu_memory)}"
+        if j.gpu_memory or j.peak_gpu_memory:
+            # asked / measured, so users can right-size --gpu-memory
+            asked = format_size(j.gpu_memory) if j.gpu_memory else "?"
+            peak = format_size(j.peak_gpu_memory) if j.peak_gpu_memory else "?"
+            gpu += f" {asked}/{peak}"
         table.add_row(
             j.job_id,
             escape(peer),

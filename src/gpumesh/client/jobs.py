@@ -260,6 +260,8 @@ def _record_status(node: Node, job_id: str, status: JobStatus) -> None:
     }
     if status.exit_code is not None:
         fields["exit_code"] = status.exit_code
+    if status.peak_gpu_memory:
+        fields["peak_gpu_memory"] = status.peak_gpu_memory
     job = node.home.store.job(SUBMITTED, job_id)
     when = status.time or time.time()
     if job is not None:
@@ -349,6 +351,7 @@ async def follow_hosted(
                         attempt=event.attempt,
                         exit_code=info["exit_code"],
                         message=info["message"],
+                        peak_gpu_memory=info.get("peak_gpu_memory", 0),
                         time=event.ts,
                     )
                 )

@@ -104,7 +104,7 @@ class NvmlInventory:
             try:
                 handle = nvml.nvmlDeviceGetHandleByIndex(index)
                 processes = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
-            except nvml.NVMLError:
+            except (nvml.NVMLError, AttributeError):
                 continue
             for process in processes:
                 used = getattr(process, "usedGpuMemory", None) or 0
@@ -127,7 +127,7 @@ class NvmlInventory:
             temperature = None
         try:
             processes: int | None = len(nvml.nvmlDeviceGetComputeRunningProcesses(handle))
-        except nvml.NVMLError:
+        except (nvml.NVMLError, AttributeError):  # AttributeError: an older nvidia-ml-py
             processes = None
         name = nvml.nvmlDeviceGetName(handle)
         uuid = nvml.nvmlDeviceGetUUID(handle)

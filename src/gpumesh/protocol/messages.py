@@ -245,6 +245,8 @@ class JobStatus(_Msg, tag="job_status", frozen=True):
     message: Text
     time: float = 0.0
     """The provider's clock when the state was entered (0: unknown)."""
+    peak_gpu_memory: Count = 0
+    """Most GPU memory the job used at once so far, in bytes (0: unknown or none)."""
 
 
 class JobLogs(_Msg, tag="job_logs", frozen=True):

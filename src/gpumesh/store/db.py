@@ -55,6 +55,7 @@ _JOB_COLUMNS = [
     "created_at",
     "started_at",
     "finished_at",
+    "peak_gpu_memory",
 ]
 _JSON_COLUMNS = {"command", "env", "gpus", "log_cursor"}
 
@@ -132,6 +133,10 @@ MIGRATIONS: list[str] = [
         PRIMARY KEY (group_id, node_id)
     );
     """,
+    # 3 -> 4: measured peak GPU memory of each job
+    """
+    ALTER TABLE jobs ADD COLUMN peak_gpu_memory INTEGER NOT NULL DEFAULT 0;
+    """,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -206,6 +211,8 @@ class JobRecord:
     created_at: float
     started_at: float | None
     finished_at: float | None
+    peak_gpu_memory: int = 0
+    """Most GPU memory the job's processes used at once (sampled while running)."""
 
     @classmethod
     def from_row(cls, row: sqlite3.Row) -> JobRecord:
