@@ -204,3 +204,38 @@ def test_denied_peer_cannot_run(pair) -> None:
     alice, bob = pair
     assert gpumesh(alice, "deny", "bob-laptop").returncode == 0
     _one_line_error(gpumesh(bob, "run", "--peer", "alice-pc", "true"), 3, "denied you access")
+
+
+def test_run_on_a_group_places_the_job_and_says_why(pair, tmp_path: Path) -> None:
+    alice, bob = pair
+    carol = tmp_path / "c"  # paired with bob but not sharing: unreachable
+    _init(carol, "carol", _free_udp_port())
+    assert gpumesh(bob, "pair", gpumesh(carol, "pair-code").stdout.strip()).returncode == 0
+    assert gpumesh(bob, "group", "create", "research").returncode == 0
+    for member in ("alice-pc", "carol"):
+        added = gpumesh(bob, "group", "add", "research", member)
+        assert added.returncode == 0, added.stderr
+    listed = {
+        m["name"]: m
+        for m in json.loads(gpumesh(bob, "group", "members", "research", "--json").stdout)
+    }
+    assert listed["alice-pc"]["reachable"] is True
+    assert listed["alice-pc"]["gpus"] == "none"
+    assert listed["alice-pc"]["state"] == "idle"
+    assert listed["carol"]["reachable"] is False
+    assert listed["bob-laptop"]["is_self"] is True
+    table = gpumesh(bob, "group", "members", "research")
+    assert "REACHABLE" in table.stdout and "unreachable" in table.stdout
+    result = gpumesh(bob, "run", "--group", "research", "--explain", "--", "echo", "placed")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "placed\n"
+    assert "placing on alice-pc: CPU only" in result.stderr
+    assert "carol: skipped: unreachable" in result.stderr
+    jobs = json.loads(gpumesh(bob, "jobs", "--json").stdout)
+    assert jobs[0]["peer"] == "alice-pc"
+    # Nothing fits: a clear refusal with every member's reason, nothing started.
+    refused = gpumesh(bob, "run", "--group", "research", "--gpu-memory", "8GB", "--", "true")
+    _one_line_error(refused, 2, "no member can take the job with 8GB of GPU memory")
+    assert "alice-pc: no NVIDIA GPU" in refused.stderr
+    assert len(json.loads(gpumesh(alice, "jobs", "--json").stdout)) == 1
+    _one_line_error(gpumesh(bob, "run", "--group", "nope", "true"), 2, "nope")

@@ -7,6 +7,7 @@ import sys
 import click
 
 from gpumesh.client.jobs import JobCallbacks
+from gpumesh.client.placement import Placement
 from gpumesh.errors import GPUMeshError
 from gpumesh.protocol.messages import JobAccepted, JobStatus
 from gpumesh.units import format_size
@@ -17,8 +18,11 @@ __all__ = ["JobPrinter"]
 class JobPrinter:
     """Callbacks that write a job's output like `docker run` does, plus short notes."""
 
-    def __init__(self, *, quiet: bool = False, numbered: bool = False) -> None:
+    def __init__(
+        self, *, quiet: bool = False, numbered: bool = False, explain: bool = False
+    ) -> None:
         self.quiet = quiet
+        self.explain = explain
         self.numbered = numbered
         """Mark every attempt's start and the end (for `logs`, which replays history)."""
         self.attempt = 0
@@ -89,6 +93,17 @@ class JobPrinter:
         if sent >= total:
             self._progress.stop()
 
+    def placed(self, placement: Placement) -> None:
+        chosen = placement.chosen
+        assert chosen is not None
+        self.note(f"placing on {chosen.name}: {chosen.reason}")
+        for candidate in placement.candidates:
+            if candidate is chosen:
+                continue
+            if self.explain or not candidate.eligible:
+                verdict = "also fits" if candidate.eligible else "skipped"
+                self.note(f"  {candidate.name}: {verdict}: {candidate.reason}")
+
     def reconnecting(self, error: GPUMeshError) -> None:
         self.note(f"link lost ({error.message}); reconnecting")
 
@@ -99,5 +114,6 @@ class JobPrinter:
             status=self.status,
             accepted=self.accepted,
             upload=self.upload,
+            placed=self.placed,
             reconnecting=self.reconnecting,
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -209,16 +210,65 @@ Examples:
 """
 )
 @click.argument("name")
+@click.option("--offline", is_flag=True, help="Do not probe the members (local state only).")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable output.")
-def members(name: str, as_json: bool) -> None:
-    """List the members of group NAME and whether each is paired with this node."""
+def members(name: str, offline: bool, as_json: bool) -> None:
+    """List the members of group NAME: pairing, reachability, GPUs, free memory, busy/idle.
+
+    Paired members are probed in parallel (about a second at most).
+    """
     from gpumesh.client.groups import members as member_views
 
-    views = member_views(get_node(), name)
+    node = get_node()
+    views = member_views(node, name)
+    live: dict[str, Live] = {} if offline else _probe(node, views)
     if as_json:
-        emit_json([_member_json(v) for v in views])
+        emit_json([{**_member_json(v), **_live_json(live.get(v.member.node_id))} for v in views])
         return
-    _print_members(views)
+    _print_members(views, live)
+
+
+@dataclass(frozen=True)
+class Live:
+    """What a probe found out about one member."""
+
+    reach: str
+    gpus: str
+    free: int | None
+    state: str
+
+
+def _probe(node: Any, views: list[MemberView]) -> dict[str, Live]:
+    from gpumesh.cli._common import run_async
+    from gpumesh.client.placement import evaluate, probe
+
+    targets = [v for v in views if not v.is_self and v.usable]
+    results = run_async(probe(node, [(v.name, v.peer) for v in targets]))
+    live: dict[str, Live] = {}
+    for view, result in zip(targets, results, strict=True):
+        status = result.status
+        if status is None:
+            live[view.member.node_id] = Live(result.error or "unreachable", "-", None, "-")
+            continue
+        verdict = evaluate(result, 0)
+        names = sorted({g.name for g in status.gpus})
+        gpus = ", ".join(f"{sum(g.name == n for g in status.gpus)}x {n}" for n in names) or "none"
+        free = max((g.available for g in status.gpus), default=None)
+        state = "idle" if verdict.eligible else ("busy" if "busy" in verdict.reason else "-")
+        live[view.member.node_id] = Live(f"yes ({result.rtt_ms:.0f} ms)", gpus, free, state)
+    return live
+
+
+def _live_json(live: Live | None) -> dict[str, Any]:
+    if live is None:
+        return {"reachable": None, "gpus": None, "free_gpu_memory": None, "state": None}
+    return {
+        "reachable": live.reach.startswith("yes"),
+        "reach": live.reach,
+        "gpus": live.gpus,
+        "free_gpu_memory": live.free,
+        "state": live.state,
+    }
 
 
 # --- rendering ------------------------------------------------------------------------
@@ -233,15 +283,30 @@ _MEMBER_COLUMNS: list[tuple[str, Callable[[MemberView], str]]] = [
 ]
 
 
-def _print_members(views: list[MemberView]) -> None:
+def _print_members(views: list[MemberView], live: dict[str, Live] | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from gpumesh.units import format_size
+
+    # With live columns the addresses make way (they stay in --offline and --json).
+    columns = [c for c in _MEMBER_COLUMNS if not (live and c[0] == "ADDRESSES")]
     table = Table(box=None, pad_edge=False)
-    for header, _ in _MEMBER_COLUMNS:
+    for header, _ in columns:
         table.add_column(header, no_wrap=header != "ADDRESSES")
+    if live:
+        for header in ("REACHABLE", "GPUS", "FREE", "STATE"):
+            table.add_column(header)
     for view in views:
-        table.add_row(*(cell(view) for _, cell in _MEMBER_COLUMNS))
+        cells = [cell(view) for _, cell in columns]
+        if live:
+            found = live.get(view.member.node_id)
+            if found is None:
+                cells += ["-", "-", "-", "-"]
+            else:
+                free = "-" if found.free is None else format_size(found.free)
+                cells += [_escape(found.reach), _escape(found.gpus), free, found.state]
+        table.add_row(*cells)
     Console().print(table)
     # Plain lines, not table cells: a narrow terminal must not cut the advice.
     todo = [v for v in views if v.hint]

@@ -19,11 +19,15 @@ Examples:
   gpumesh run --peer alice-pc --workdir ./train --env WANDB_MODE=offline -- python train.py
   gpumesh run -f job.yaml                    # flags override the file's fields
   gpumesh run --peer alice-pc --detach -- ./long.sh && gpumesh logs -f
+  gpumesh run --group research --gpu-memory 8GB --explain -- python train.py
 \b
 Exit status: the job's own exit code (125 when it could not run, 130 when cancelled).
 """,
 )
 @click.option("--peer", envvar="GPUMESH_PEER", show_envvar=True, help="Provider to run on.")
+@click.option("--group", help="Run on the best member of this group (idle GPU, most memory).")
+@click.option("--explain", is_flag=True, help="With --group: show every member's verdict.")
+@click.option("--wait", is_flag=True, help="With --group: wait until a member can take it.")
 @click.option("--image", help="Container image (default: config `image` / $GPUMESH_IMAGE).")
 @click.option("--gpu-memory", metavar="SIZE", help="GPU memory the job needs, e.g. 8GB.")
 @click.option("--workdir", type=click.Path(), help="Local folder to upload as the working dir.")
@@ -36,6 +40,9 @@ Exit status: the job's own exit code (125 when it could not run, 130 when cancel
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def run(
     peer: str | None,
+    group: str | None,
+    explain: bool,
+    wait: bool,
     image: str | None,
     gpu_memory: str | None,
     workdir: str | None,
@@ -68,15 +75,20 @@ def run(
         retries=retries,
         timeout=timeout,
         peer=peer,
-        group=None,
+        group=group,
     )
-    if spec.group is not None:
-        raise click.UsageError("run --group is not available in this version; use --peer")
-    printer = JobPrinter(quiet=quiet)
+    printer = JobPrinter(quiet=quiet, explain=explain)
     job_id = new_job_id()
     try:
         result = run_async(
-            run_job(node, spec, detach=detach, callbacks=printer.callbacks(), job_id=job_id)
+            run_job(
+                node,
+                spec,
+                detach=detach,
+                callbacks=printer.callbacks(),
+                job_id=job_id,
+                wait=float("inf") if wait else 0.0,
+            )
         )
     except KeyboardInterrupt:
         _interrupted(node, job_id)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import secrets
 import time
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from gpumesh.client.placement import Placement, place
 from gpumesh.errors import (
     ConnectionLostError,
     GPUMeshError,
@@ -81,6 +83,8 @@ class JobCallbacks:
     accepted: Callable[[JobAccepted], None] = _ignore
     upload: Callable[[int, int], None] = _ignore
     """(bytes sent, total) while the workdir uploads."""
+    placed: Callable[[Placement], None] = _ignore
+    """Where ``run --group`` put the job, and why not elsewhere."""
     reconnecting: Callable[[GPUMeshError], None] = _ignore
 
 
@@ -106,9 +110,20 @@ async def run_job(
     detach: bool = False,
     callbacks: JobCallbacks | None = None,
     job_id: str | None = None,
+    wait: float = 0.0,
 ) -> JobResult:
-    """Submit ``spec`` to its peer; unless ``detach``, follow it to the end."""
+    """Submit ``spec`` to its peer (or the best member of its group); unless
+    ``detach``, follow it to the end. ``wait``: seconds a group placement may
+    wait for a member to free up."""
     callbacks = callbacks or JobCallbacks()
+    preferred_gpu = ""
+    if spec.group is not None:
+        placement = await place_in_group(node, spec.group, spec.gpu_memory, wait=wait)
+        callbacks.placed(placement)
+        assert placement.chosen is not None
+        spec = dataclasses.replace(spec, peer=placement.chosen.name, group=None)
+        if placement.chosen.gpu is not None:
+            preferred_gpu = str(placement.chosen.gpu.index)
     if spec.peer is None:
         raise NotFoundError("no peer given: use --peer NAME (or set GPUMESH_PEER)")
     peer = node.peer(spec.peer)
@@ -131,6 +146,7 @@ async def run_job(
         retries=spec.retries,
         timeout=spec.timeout,
         attach=not detach,
+        gpu=preferred_gpu,
     )
     store = node.home.store
     result = JobResult(job_id, peer.name, "queued", None, 0, "")
@@ -183,6 +199,18 @@ async def run_job(
         else:
             return result
     return await follow_job(node, job_id, callbacks=callbacks)
+
+
+async def place_in_group(
+    node: Node, group: str, gpu_memory: int, *, wait: float = 0.0
+) -> Placement:
+    """Probe the group's other members and choose where a job goes."""
+    from gpumesh.client.groups import members
+
+    views = [v for v in members(node, group) if not v.is_self]
+    return await place(
+        node, [(v.name, v.peer if v.usable else None) for v in views], gpu_memory, wait=wait
+    )
 
 
 async def _upload(

@@ -28,6 +28,7 @@ __all__ = [
     "Placement",
     "Probe",
     "choose",
+    "evaluate",
     "place",
     "probe",
 ]
@@ -73,7 +74,7 @@ class Placement:
         return self.chosen.name if self.chosen else None
 
 
-def _evaluate(probe_result: Probe, gpu_memory: int) -> Candidate:
+def evaluate(probe_result: Probe, gpu_memory: int) -> Candidate:
     name = probe_result.name
     if probe_result.peer is None:
         return Candidate(name, False, "not paired with you: ask for its `gpumesh pair-code`")
@@ -116,7 +117,7 @@ def _evaluate(probe_result: Probe, gpu_memory: int) -> Candidate:
 
 def choose(probes: list[Probe], gpu_memory: int) -> Placement:
     """Pick the idle GPU with the most headroom; GPU members before CPU-only ones."""
-    candidates = [_evaluate(p, gpu_memory) for p in probes]
+    candidates = [evaluate(p, gpu_memory) for p in probes]
     eligible = [c for c in candidates if c.eligible]
     if not eligible:
         return Placement(None, candidates)
