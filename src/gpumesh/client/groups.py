@@ -309,15 +309,7 @@ def _has_group(store: Store, group_id: str) -> bool:
 
 def _self_member(node: Node) -> InviteMember:
     """This node as a group member: its name, key, and where it listens now."""
-    from gpumesh.client.netinfo import local_addresses
-
     config = node.home.config
-    agent = node.home.read_agent_info()
-    # Same choice as pairing codes: a running agent knows where it really listens.
-    host, port = (agent.host, agent.port) if agent else (config.listen_host, config.listen_port)
     return InviteMember(
-        config.node_name,
-        node.home.identity.public_key,
-        local_addresses(host, port),
-        config.relay,
+        config.node_name, node.home.identity.public_key, node.advertised_addresses(), config.relay
     )

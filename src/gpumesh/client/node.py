@@ -162,18 +162,23 @@ class Node:
 
     # --- pairing and the allowlist ------------------------------------------------------
 
-    def pairing_code(self, *, clock: Callable[[], float] = time.time) -> str:
-        """A signed code for a peer to paste into `gpumesh pair`, valid one hour."""
+    def advertised_addresses(self) -> list[str]:
+        """``host:port`` hints peers should dial, best first."""
         from gpumesh.client.netinfo import local_addresses
 
         config = self.home.config
         agent = self.home.read_agent_info()
         # A running agent knows where it really listens (`share --host/--port`).
         host, port = (agent.host, agent.port) if agent else (config.listen_host, config.listen_port)
+        return local_addresses(host, port)
+
+    def pairing_code(self, *, clock: Callable[[], float] = time.time) -> str:
+        """A signed code for a peer to paste into `gpumesh pair`, valid one hour."""
+        config = self.home.config
         return make_code(
             self.home.identity,
             config.node_name,
-            local_addresses(host, port),
+            self.advertised_addresses(),
             config.relay,
             clock=clock,
         )
