@@ -15,6 +15,18 @@ from gpumesh.protocol.messages import (
     MAX_MESSAGE_FRAME,
     PROTOCOL_VERSION,
     Challenge,
+    DirGet,
+    DirPut,
+    ExecExit,
+    ExecResize,
+    ExecStart,
+    ExecStarted,
+    FileDone,
+    FileGet,
+    FileInfo,
+    FilePut,
+    FileResume,
+    FileStat,
     Hello,
     JobAccepted,
     JobCancel,
@@ -97,6 +109,40 @@ MESSAGES: st.SearchStrategy[Message] = st.one_of(
     ),
     st.builds(JobLogs, job_id=job_ids, after_seq=st.integers(0, 2**40), follow=st.booleans()),
     st.builds(JobCancel, job_id=job_ids),
+    st.builds(FileStat, path=st.text(max_size=200)),
+    st.builds(
+        FileInfo,
+        path=st.text(max_size=200),
+        exists=st.booleans(),
+        kind=st.sampled_from(["file", "dir", ""]),
+        size=st.integers(0, 2**50),
+        mode=st.integers(0, 0o7777),
+        mtime=finite,
+    ),
+    st.builds(
+        FilePut,
+        path=st.text(max_size=200),
+        size=st.integers(0, 2**50),
+        mode=st.integers(0, 0o7777),
+        sha256=keys,
+    ),
+    st.builds(FileResume, offset=st.integers(0, 2**50)),
+    st.builds(FileGet, path=st.text(max_size=200), offset=st.integers(0, 2**50)),
+    st.builds(FileDone, size=st.integers(0, 2**50), sha256=keys),
+    st.builds(DirPut, path=st.text(max_size=200), size=st.integers(0, 2**50)),
+    st.builds(DirGet, path=st.text(max_size=200)),
+    st.builds(
+        ExecStart,
+        image=st.text(min_size=1, max_size=255),
+        command=st.lists(st.text(max_size=100), max_size=10),
+        env=st.dictionaries(env_keys, st.text(max_size=100), max_size=5),
+        tty=st.booleans(),
+        rows=st.integers(0, 10000),
+        cols=st.integers(0, 10000),
+    ),
+    st.builds(ExecStarted, provider=names),
+    st.builds(ExecResize, rows=st.integers(1, 10000), cols=st.integers(1, 10000)),
+    st.builds(ExecExit, exit_code=st.integers(-(2**31), 2**31)),
 )
 
 KEY = b"k" * 32
@@ -117,6 +163,8 @@ def test_every_message_type_is_covered_by_the_round_trip() -> None:
     covered = {Hello, Challenge, Proof, Welcome, Refusal, Ping, Pong}
     covered |= {StatusRequest, StatusReply, ThroughputRequest, ThroughputReply}
     covered |= {JobSubmit, JobAccepted, JobOutput, JobStatus, JobLogs, JobCancel}
+    covered |= {FileStat, FileInfo, FilePut, FileResume, FileGet, FileDone, DirPut, DirGet}
+    covered |= {ExecStart, ExecStarted, ExecResize, ExecExit}
     assert set(get_args(Message)) == covered
 
 

@@ -24,6 +24,18 @@ __all__ = [
     "MAX_MESSAGE_FRAME",
     "PROTOCOL_VERSION",
     "Challenge",
+    "DirGet",
+    "DirPut",
+    "ExecExit",
+    "ExecResize",
+    "ExecStart",
+    "ExecStarted",
+    "FileDone",
+    "FileGet",
+    "FileInfo",
+    "FilePut",
+    "FileResume",
+    "FileStat",
     "GpuReport",
     "Hello",
     "JobAccepted",
@@ -261,6 +273,97 @@ class JobCancel(_Msg, tag="job_cancel", frozen=True):
     job_id: JobId
 
 
+# --- files (paths are relative to the peer's sandbox on the provider) ---------------
+
+RemotePath = Annotated[str, msgspec.Meta(max_length=4096)]
+Digest = Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]
+
+
+class FileStat(_Msg, tag="file_stat", frozen=True):
+    """What is at ``path`` in my sandbox?"""
+
+    path: RemotePath
+
+
+class FileInfo(_Msg, tag="file_info", frozen=True):
+    path: RemotePath
+    exists: bool
+    kind: Annotated[str, msgspec.Meta(pattern="^(file|dir|)$")]
+    size: Count
+    """Bytes of a file; for a directory, the exact size of its tar."""
+    mode: Annotated[int, msgspec.Meta(ge=0, le=0o7777)]
+    mtime: float
+
+
+class FilePut(_Msg, tag="file_put", frozen=True):
+    """Upload a file; DATA frames from the offset in FileResume follow."""
+
+    path: RemotePath
+    size: Count
+    mode: Annotated[int, msgspec.Meta(ge=0, le=0o7777)]
+    sha256: Digest
+    """Hash of the whole file: the provider verifies before renaming into place."""
+
+
+class FileResume(_Msg, tag="file_resume", frozen=True):
+    """Provider -> consumer: send from this offset (a kept partial upload)."""
+
+    offset: Count
+
+
+class FileGet(_Msg, tag="file_get", frozen=True):
+    """Download a file from ``offset``; the provider answers FileInfo, DATA, FileDone."""
+
+    path: RemotePath
+    offset: Count
+
+
+class FileDone(_Msg, tag="file_done", frozen=True):
+    size: Count
+    sha256: Digest
+    """Hash of the whole file (or tar), for the receiver to verify."""
+
+
+class DirPut(_Msg, tag="dir_put", frozen=True):
+    """Upload a folder as a tar of exactly ``size`` bytes (DATA follows FileResume(0))."""
+
+    path: RemotePath
+    size: Count
+
+
+class DirGet(_Msg, tag="dir_get", frozen=True):
+    """Download a folder as a tar: FileInfo (kind dir, size of the tar), DATA, FileDone."""
+
+    path: RemotePath
+
+
+# --- exec: an interactive shell in a fresh container -------------------------------
+
+
+class ExecStart(_Msg, tag="exec_start", frozen=True):
+    """Start a container with a TTY; then DATA frames carry terminal bytes both ways."""
+
+    image: Annotated[str, msgspec.Meta(min_length=1, max_length=255)]
+    command: Annotated[list[Arg], msgspec.Meta(max_length=1024)]
+    env: Annotated[dict[EnvKey, EnvValue], msgspec.Meta(max_length=256)]
+    tty: bool
+    rows: Annotated[int, msgspec.Meta(ge=0, le=10000)]
+    cols: Annotated[int, msgspec.Meta(ge=0, le=10000)]
+
+
+class ExecStarted(_Msg, tag="exec_started", frozen=True):
+    provider: Name
+
+
+class ExecResize(_Msg, tag="exec_resize", frozen=True):
+    rows: Annotated[int, msgspec.Meta(ge=1, le=10000)]
+    cols: Annotated[int, msgspec.Meta(ge=1, le=10000)]
+
+
+class ExecExit(_Msg, tag="exec_exit", frozen=True):
+    exit_code: int
+
+
 Message = (
     Hello
     | Challenge
@@ -279,6 +382,18 @@ Message = (
     | JobStatus
     | JobLogs
     | JobCancel
+    | FileStat
+    | FileInfo
+    | FilePut
+    | FileResume
+    | FileGet
+    | FileDone
+    | DirPut
+    | DirGet
+    | ExecStart
+    | ExecStarted
+    | ExecResize
+    | ExecExit
 )
 
 _encoder = msgspec.msgpack.Encoder()
