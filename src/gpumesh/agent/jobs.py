@@ -43,7 +43,6 @@ from gpumesh.protocol.messages import (
     JobAccepted,
     JobCancel,
     JobLogs,
-    JobOutput,
     JobStatus,
     JobSubmit,
 )
@@ -763,26 +762,7 @@ class JobService:
             events = self.store.job_events(job_id, after, 500)
             for event in events:
                 after = event.seq
-                if event.kind == "state":
-                    info = json.loads(event.data)
-                    stream.send_message(
-                        JobStatus(
-                            job_id=job_id,
-                            seq=event.seq,
-                            state=info["state"],
-                            attempt=event.attempt,
-                            exit_code=info["exit_code"],
-                            message=info["message"],
-                            peak_gpu_memory=info.get("peak_gpu_memory", 0),
-                            time=event.ts,
-                        )
-                    )
-                else:
-                    stream.send_message(
-                        JobOutput(
-                            seq=event.seq, attempt=event.attempt, stream=event.kind, data=event.data
-                        )
-                    )
+                stream.send_message(event.to_message())
             if events:
                 await stream.drain()
                 continue

@@ -359,8 +359,6 @@ async def follow_hosted(
     poll: float = 0.2,
 ) -> JobResult:
     """Read the event log of a job this node hosts, straight from its own store."""
-    import json
-
     callbacks = callbacks or JobCallbacks()
     store = node.home.store
     job = store.find_job(job_id, role="hosted")
@@ -369,22 +367,11 @@ async def follow_hosted(
         events = store.job_events(job.job_id, seen, 1000)
         for event in events:
             seen = event.seq
-            if event.kind == "state":
-                info = json.loads(event.data)
-                callbacks.status(
-                    JobStatus(
-                        job_id=job.job_id,
-                        seq=event.seq,
-                        state=info["state"],
-                        attempt=event.attempt,
-                        exit_code=info["exit_code"],
-                        message=info["message"],
-                        peak_gpu_memory=info.get("peak_gpu_memory", 0),
-                        time=event.ts,
-                    )
-                )
+            message = event.to_message()
+            if isinstance(message, JobStatus):
+                callbacks.status(message)
             else:
-                (callbacks.stdout if event.kind == "stdout" else callbacks.stderr)(event.data)
+                (callbacks.stdout if message.stream == "stdout" else callbacks.stderr)(message.data)
         current = store.job("hosted", job.job_id)
         assert current is not None
         if not events and (not follow or (current.state in FINAL and seen >= current.last_seq)):

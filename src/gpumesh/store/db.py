@@ -19,6 +19,7 @@ from typing import Protocol
 
 from gpumesh.errors import AmbiguousPeerError, ConfigError, NotFoundError, UnknownPeerError
 from gpumesh.identity.keys import NodeId, node_id_for
+from gpumesh.protocol.messages import JobOutput, JobStatus
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -239,6 +240,22 @@ class JobEvent:
     kind: str
     """``stdout``, ``stderr`` or ``state`` (data: JSON of state, exit_code, message)."""
     data: bytes
+
+    def to_message(self) -> JobOutput | JobStatus:
+        """The wire message that carries this event to a follower."""
+        if self.kind != "state":
+            return JobOutput(seq=self.seq, attempt=self.attempt, stream=self.kind, data=self.data)
+        info = json.loads(self.data)
+        return JobStatus(
+            job_id=self.job_id,
+            seq=self.seq,
+            state=info["state"],
+            attempt=self.attempt,
+            exit_code=info["exit_code"],
+            message=info["message"],
+            peak_gpu_memory=info.get("peak_gpu_memory", 0),
+            time=self.ts,
+        )
 
 
 @dataclass(frozen=True)
