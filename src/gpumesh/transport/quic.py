@@ -147,8 +147,14 @@ class QuicLink:
         self.closed: asyncio.Future[GPUMeshError] = loop.create_future()
         self.on_stream: Callable[[Stream], None] | None = None
         self.cids: set[bytes] = {quic.host_cid}
-        self.info: dict[str, Any] = {}
-        """Free-form annotations for the owner (e.g. the authenticated peer)."""
+        # A job can stay silent for hours while its consumer waits: PINGs keep
+        # the connection from idling out (a dead peer still times out, since
+        # only packets received restart the idle timer).
+        self._keepalive_every = IDLE_TIMEOUT / 3
+        self._pings = 0
+        self._keepalive: asyncio.TimerHandle | None = loop.call_later(
+            self._keepalive_every, self._send_keepalive
+        )
 
     # --- public -------------------------------------------------------------------
 
@@ -273,7 +279,20 @@ class QuicLink:
             elif isinstance(event, qe.ConnectionTerminated):
                 self._finish(_error_from_close(event))
 
+    def _send_keepalive(self) -> None:
+        self._keepalive = None
+        if self.is_closed:
+            return
+        if self.connected.done():
+            self._pings += 1
+            self.quic.send_ping(self._pings)
+            self.transmit()
+        self._keepalive = self._loop.call_later(self._keepalive_every, self._send_keepalive)
+
     def _finish(self, error: GPUMeshError) -> None:
+        if self._keepalive is not None:
+            self._keepalive.cancel()
+            self._keepalive = None
         if not self.closed.done():
             self.closed.set_result(error)
         if not self.connected.done():
