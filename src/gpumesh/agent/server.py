@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from gpumesh import __version__
+from gpumesh.agent.exec import ExecService, handle_exec_start
 from gpumesh.agent.jobs import JobService
 from gpumesh.agent.ratelimit import ConnectionLimiter
 from gpumesh.errors import (
@@ -27,6 +28,7 @@ from gpumesh.errors import (
 )
 from gpumesh.gpu.inventory import GpuInventory
 from gpumesh.protocol.messages import (
+    ExecStart,
     JobCancel,
     JobLogs,
     JobSubmit,
@@ -93,6 +95,7 @@ class Agent:
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopped = asyncio.Event()
         self.jobs = JobService(self, runtime=runtime, inventory=inventory, max_vram=max_vram)
+        self.shells = ExecService(self)
         self.handlers: dict[type, Handler] = {
             Ping: _handle_ping,
             StatusRequest: _handle_status,
@@ -100,6 +103,7 @@ class Agent:
             JobSubmit: _handle_job_submit,
             JobLogs: _handle_job_logs,
             JobCancel: _handle_job_cancel,
+            ExecStart: handle_exec_start,
         }
 
     @property
@@ -137,6 +141,7 @@ class Agent:
         if self._stopped.is_set():
             return
         self._stopped.set()
+        self.shells.stop()  # before jobs.stop(), which closes the engine client
         self.jobs.stop()
         for task in list(self._tasks):
             task.cancel()

@@ -1,4 +1,4 @@
-"""The runtime interface the agent's job service talks to.
+"""The runtime interface the agent's job and exec services talk to.
 
 Every method is blocking (the Docker SDK is); the agent calls them from worker
 threads. Implementations raise only :mod:`gpumesh.errors` exceptions:
@@ -13,7 +13,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-__all__ = ["ContainerSpec", "ContainerState", "JobRuntime", "LogCursor", "LogLine"]
+__all__ = [
+    "ContainerSpec",
+    "ContainerState",
+    "JobRuntime",
+    "LogCursor",
+    "LogLine",
+    "Terminal",
+]
 
 LABEL_PREFIX = "io.gpumesh"
 LABEL_JOB = f"{LABEL_PREFIX}.job"
@@ -24,6 +31,10 @@ LABEL_NODE = f"{LABEL_PREFIX}.node"
 """Label holding the provider's node id: two nodes on one engine never touch
 each other's containers."""
 LABEL_ATTEMPT = f"{LABEL_PREFIX}.attempt"
+LABEL_KIND = f"{LABEL_PREFIX}.kind"
+"""Label saying what a container is for when it is not a job: ``exec`` for an
+interactive shell."""
+KIND_EXEC = "exec"
 WORKDIR_MOUNT = "/workspace"
 
 Stream = Literal["stdout", "stderr"]
@@ -91,6 +102,29 @@ class LogLine:
     """The cursor to resume from after this entry."""
 
 
+class Terminal(Protocol):
+    """The attached stdin and output of an interactive container.
+
+    Blocking, like the rest of the runtime: one thread may read while another
+    writes, and :meth:`close` from any thread ends a blocked :meth:`read`.
+    """
+
+    def read(self) -> bytes:
+        """The next output bytes (stdout and stderr together); ``b""`` once it ended."""
+
+    def write(self, data: bytes) -> None:
+        """Send all of ``data`` to the container's stdin."""
+
+    def close_input(self) -> None:
+        """End the container's stdin (the program reads EOF); output stays open.
+
+        Only for a container without a TTY: with one, the engine would end the
+        output too."""
+
+    def close(self) -> None:
+        """Detach; the container is not touched."""
+
+
 class JobRuntime(Protocol):
     """Runs job containers. Implemented by ``DockerRuntime``."""
 
@@ -142,3 +176,17 @@ class JobRuntime(Protocol):
 
     def host_config(self, container_id: str) -> dict[str, object]:
         """The container's inspected HostConfig (for checks and tests)."""
+
+    # --- interactive containers (``gpumesh exec``) ----------------------------------------
+
+    def create_interactive(self, spec: ContainerSpec, tty: bool) -> str:
+        """Create (not start) a container whose stdin stays open, with a TTY when
+        ``tty``; same lockdown as a job's. ``spec.labels`` must include
+        LABEL_PEER, LABEL_NODE and LABEL_KIND; it may not have a workdir."""
+
+    def attach(self, container_id: str, tty: bool) -> Terminal:
+        """Attach to a created container's stdin and output; attach before
+        :meth:`start` so no output is missed. ``tty`` as it was created."""
+
+    def resize(self, container_id: str, rows: int, cols: int) -> None:
+        """Set the TTY size of a running interactive container."""

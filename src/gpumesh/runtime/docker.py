@@ -1,7 +1,8 @@
 """The Docker implementation of :class:`~gpumesh.runtime.base.JobRuntime`.
 
 Owns everything GPUMesh says to a Docker engine: the locked-down shape of a
-job container, image checks and pulls, start-failure exit codes, log reading
+job container (and of an interactive one for ``gpumesh exec``, attached
+through a raw socket), image checks and pulls, start-failure exit codes, log reading
 with resumable cursors, and the translation of every Docker, requests and
 socket failure into a :mod:`gpumesh.errors` exception with a one-line message
 that says what to do.
@@ -26,6 +27,7 @@ import logging
 import math
 import os
 import re
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -48,6 +50,7 @@ from gpumesh.errors import (
 from gpumesh.runtime.base import (
     LABEL_ATTEMPT,
     LABEL_JOB,
+    LABEL_KIND,
     LABEL_NODE,
     LABEL_PEER,
     WORKDIR_MOUNT,
@@ -81,6 +84,8 @@ _LOG_CONFIG = {"max-size": "20m", "max-file": "5"}
 _LOG_PIECE = 16 * 1024
 
 _REQUIRED_LABELS = (LABEL_JOB, LABEL_PEER, LABEL_NODE, LABEL_ATTEMPT)
+_INTERACTIVE_LABELS = (LABEL_PEER, LABEL_NODE, LABEL_KIND)
+_ATTACH_READ = 64 * 1024
 _ALIVE = frozenset({"running", "paused", "restarting"})
 
 # Docker's log timestamps: RFC 3339 in UTC with a fixed 9-digit fraction.
@@ -356,6 +361,62 @@ class DockerRuntime:
                 found.append(int(row[column]))
         return found
 
+    # --- interactive containers ---------------------------------------------------------
+
+    def create_interactive(self, spec: ContainerSpec, tty: bool) -> str:
+        _check_interactive_spec(spec)
+        env = dict(spec.env)
+        env["NVIDIA_VISIBLE_DEVICES"] = "void"  # last, as for jobs: no GPU for a shell
+        with self._engine(f"create container {spec.name!r}") as api:
+            # The same lockdown as create(): keep the two in step.
+            host_config = api.create_host_config(
+                privileged=False,
+                cap_drop=["ALL"],
+                security_opt=["no-new-privileges"],
+                pids_limit=spec.pids_limit or None,
+                mem_limit=spec.memory,
+                memswap_limit=spec.memory,
+                nano_cpus=round(spec.cpus * 1e9) if spec.cpus > 0 else None,
+                network_mode=spec.network,
+                init=self._init,
+                # What is typed and shown in a shell stays off the provider's disk.
+                log_config=docker.types.LogConfig(type="none"),
+            )
+            try:
+                created = api.create_container(
+                    image=spec.image,
+                    command=list(spec.command) or None,
+                    environment=[f"{key}={value}" for key, value in env.items()],
+                    labels=dict(spec.labels),
+                    name=spec.name,
+                    host_config=host_config,
+                    # Not detached: the SDK then also sets StdinOnce, so ending our
+                    # attached stdin (close_input) closes the program's stdin.
+                    detach=False,
+                    stdin_open=True,
+                    tty=tty,
+                )
+            except docker.errors.ImageNotFound as exc:
+                raise ImageMissingError(
+                    f"image {spec.image!r} is not on this machine; on the provider run "
+                    f"`docker pull {spec.image}` or `docker load -i FILE`"
+                ) from exc
+        container_id = str(created["Id"])
+        for warning in created.get("Warnings") or []:
+            logger.warning("[exec %s] Docker: %s", spec.name, warning)
+        logger.debug("[exec %s] created container %s", spec.name, container_id)
+        return container_id
+
+    def attach(self, container_id: str, tty: bool) -> _AttachedTerminal:
+        params = {"stdin": 1, "stdout": 1, "stderr": 1, "stream": 1}
+        with self._engine("attach to container", container_id) as api:
+            sock = api.attach_socket(container_id, params=params)
+        return _AttachedTerminal(sock, tty)
+
+    def resize(self, container_id: str, rows: int, cols: int) -> None:
+        with self._engine("resize the terminal of container", container_id) as api:
+            api.resize(container_id, height=rows, width=cols)
+
     # --- logs ---------------------------------------------------------------------------
 
     def logs(
@@ -496,6 +557,77 @@ class _EntryReader:
         return LogLine(self._stream, data, LogCursor(timestamp, self._count))
 
 
+class _AttachedTerminal:
+    """A :class:`~gpumesh.runtime.base.Terminal` over the engine's hijacked attach socket.
+
+    With a TTY the socket carries the terminal's bytes as they are; without
+    one, the engine multiplexes stdout and stderr into frames (``u8 stream,
+    3 zero bytes, u32 length``), which are unwrapped here and merged.
+    """
+
+    def __init__(self, stream: Any, tty: bool) -> None:
+        # The SDK hands back a SocketIO over the real socket; the socket itself
+        # is needed for sendall and half-close.
+        self._stream = stream
+        self._sock: socket.socket = getattr(stream, "_sock", stream)
+        self._tty = tty
+        self._header = bytearray()
+        self._left = 0
+        self._closed = False
+
+    def read(self) -> bytes:
+        while True:
+            try:
+                data = self._sock.recv(_ATTACH_READ)
+            except OSError as exc:
+                if not self._closed:
+                    logger.debug("attach socket read failed: %s", exc)
+                return b""
+            if not data or self._tty:
+                return data
+            payload = self._unframe(data)
+            if payload:
+                return payload
+
+    def _unframe(self, data: bytes) -> bytes:
+        out = bytearray()
+        view = memoryview(data)
+        while view:
+            if self._left == 0:
+                need = 8 - len(self._header)
+                self._header += view[:need]
+                view = view[need:]
+                if len(self._header) == 8:
+                    self._left = int.from_bytes(self._header[4:8], "big")
+                    self._header.clear()
+                continue
+            piece = view[: self._left]
+            out += piece
+            self._left -= len(piece)
+            view = view[len(piece) :]
+        return bytes(out)
+
+    def write(self, data: bytes) -> None:
+        try:
+            self._sock.sendall(data)
+        except OSError as exc:
+            raise AgentError(f"the container's stdin is closed: {exc.strerror or exc}") from exc
+
+    def close_input(self) -> None:
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_WR)
+
+    def close(self) -> None:
+        self._closed = True
+        # shutdown wakes a recv blocked in another thread; close alone may not.
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(OSError):
+            self._stream.close()
+        with contextlib.suppress(OSError):
+            self._sock.close()
+
+
 # --- helpers ------------------------------------------------------------------------------
 
 
@@ -523,6 +655,25 @@ def _check_spec(spec: ContainerSpec) -> None:
         if ":" in workdir or "," in workdir:
             # Docker's bind syntax splits on these.
             raise ConfigError(f"job workdir {workdir!r} must not contain ':' or ','")
+
+
+def _check_interactive_spec(spec: ContainerSpec) -> None:
+    if spec.network not in ("bridge", "none"):
+        raise ConfigError(f"network {spec.network!r} is not allowed: use bridge or none")
+    if spec.memory <= 0:
+        raise ConfigError(f"memory limit must be a positive number of bytes, not {spec.memory}")
+    if spec.pids_limit < 0:
+        raise ConfigError(f"process limit must be 0 (default) or more, not {spec.pids_limit}")
+    if spec.cpus < 0:
+        raise ConfigError(f"CPU limit must be 0 (none) or more, not {spec.cpus:g}")
+    missing = [label for label in _INTERACTIVE_LABELS if label not in spec.labels]
+    if missing:
+        raise ConfigError(f"container {spec.name!r} lacks the labels {', '.join(missing)}")
+    for key in spec.env:
+        if not key or "=" in key or "\0" in key:
+            raise ConfigError(f"environment variable name {key!r} is not valid")
+    if spec.workdir is not None or spec.gpu_ids:
+        raise ConfigError("an interactive container gets no host folder and no GPU")
 
 
 def _state(attrs: dict[str, Any]) -> ContainerState:

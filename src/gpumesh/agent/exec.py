@@ -1,0 +1,302 @@
+"""The provider's shells: ``ExecStart`` opens a program in a fresh container.
+
+Owns exec sessions. Each one is a new locked-down container (the same limits
+as a job; labelled with this node, the peer and ``kind=exec``; no host folder,
+no GPU), attached before it starts so no output is missed. On the request's
+stream, DATA frames then carry the terminal's bytes both ways, ``ExecResize``
+messages from the consumer set the TTY size, and the provider ends with
+``ExecExit`` and FIN. Never a host shell: the only program run is the one in
+the container.
+
+The container lives exactly as long as its session: it is removed when the
+program exits, when the consumer's stream or link goes away (a revoked peer's
+link included), and when the agent stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import secrets
+import struct
+import threading
+from typing import TYPE_CHECKING, Any
+
+from gpumesh.agent.jobs import _in_thread
+from gpumesh.errors import (
+    ConnectionLostError,
+    GPUMeshError,
+    LimitError,
+    ProtocolError,
+    error_from_code,
+)
+from gpumesh.protocol.framing import FrameKind, encode_frame
+from gpumesh.protocol.messages import (
+    ExecExit,
+    ExecResize,
+    ExecStart,
+    ExecStarted,
+    Message,
+    Refusal,
+    decode_message,
+)
+from gpumesh.runtime.base import (
+    KIND_EXEC,
+    LABEL_KIND,
+    LABEL_NODE,
+    LABEL_PEER,
+    ContainerSpec,
+    JobRuntime,
+    Terminal,
+)
+from gpumesh.units import parse_size
+
+if TYPE_CHECKING:
+    from gpumesh.agent.server import Agent, RequestContext
+    from gpumesh.store.db import Peer
+    from gpumesh.transport.stream import Stream
+
+__all__ = ["ExecService", "handle_exec_start"]
+
+logger = logging.getLogger(__name__)
+
+_OUTPUT_QUEUE = 16
+"""Output chunks read from the container but not yet sent; bounds memory when
+the consumer reads slowly (the engine then holds the rest)."""
+_DRAIN_TIMEOUT = 5.0
+"""After the program exits, how long its last output may take to arrive."""
+_STOP_TIMEOUT = 10.0
+"""How long stopping the agent waits for open shells' containers to go."""
+
+
+class ExecService:
+    """Interactive containers of one agent."""
+
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+        self._live: set[str] = set()
+        """Containers of open sessions, removed on stop."""
+
+    @property
+    def runtime(self) -> JobRuntime:
+        return self.agent.jobs.runtime  # one engine connection pool per agent
+
+    def stop(self) -> None:
+        """Remove the containers of open sessions (blocking, bounded)."""
+        live, self._live = list(self._live), set()
+        threads = [
+            threading.Thread(target=self._remove_quietly, args=(cid,), daemon=True) for cid in live
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(_STOP_TIMEOUT / max(1, len(threads)))
+
+    def _remove_quietly(self, container_id: str) -> None:
+        try:
+            self.runtime.remove(container_id)
+        except GPUMeshError as exc:
+            logger.warning("could not remove exec container %s: %s", container_id[:12], exc)
+
+    # --- the request ----------------------------------------------------------------------
+
+    async def handle_start(self, ctx: RequestContext, message: ExecStart) -> None:
+        for key in message.env:
+            if key.upper().startswith("NVIDIA_"):
+                raise LimitError(f"{key} may not be set: the provider decides GPU access")
+        await self._check_image(message.image)
+        spec = self.container_spec(ctx.peer, message)
+        runtime = self.runtime
+        container_id = await _in_thread(runtime.create_interactive, spec, message.tty)
+        self._live.add(container_id)
+        terminal: Terminal | None = None
+        try:
+            terminal = await _in_thread(runtime.attach, container_id, message.tty)
+            await _in_thread(runtime.start, container_id)
+            if message.tty and message.rows and message.cols:
+                await self._resize(container_id, message.rows, message.cols)
+            ctx.stream.send_message(ExecStarted(provider=self.agent.name))
+            logger.info("[%s] opened a shell in %s (%s)", ctx.peer.name, spec.name, spec.image)
+            try:
+                exit_code = await self._serve(ctx, container_id, terminal, message.tty)
+            except ConnectionLostError as exc:
+                # The consumer went away: nobody to answer; the container goes below.
+                logger.info("[%s] left the shell in %s: %s", ctx.peer.name, spec.name, exc)
+                return
+            ctx.stream.send_message(ExecExit(exit_code=exit_code), end=True)
+            logger.info("[%s] shell in %s exited %d", ctx.peer.name, spec.name, exit_code)
+        finally:
+            if terminal is not None:
+                terminal.close()
+            try:
+                with contextlib.suppress(GPUMeshError):
+                    await _in_thread(runtime.remove, container_id)
+            finally:
+                self._live.discard(container_id)
+
+    def container_spec(self, peer: Peer, message: ExecStart) -> ContainerSpec:
+        """The locked-down container for one shell: a job's limits, no host path, no GPU."""
+        config = self.agent.home.config
+        network = str(config.get("job_network"))
+        return ContainerSpec(
+            image=message.image,
+            command=list(message.command),
+            env=dict(message.env),
+            labels={
+                LABEL_PEER: peer.node_id,
+                LABEL_NODE: self.agent.node_id,
+                LABEL_KIND: KIND_EXEC,
+            },
+            name=f"gpumesh-exec-{secrets.token_hex(6)}",
+            memory=parse_size(str(config.get("job_memory"))),
+            pids_limit=int(config.get("job_pids_limit")),
+            cpus=float(config.get("job_cpus")),
+            network="none" if network == "none" else "bridge",
+        )
+
+    async def _check_image(self, image: str) -> None:
+        name = self.agent.name
+        try:
+            await _in_thread(self.runtime.ensure_image, image)
+        except GPUMeshError as exc:
+            # The runtime speaks of "this machine"; the consumer needs to know which one.
+            text = exc.message.replace("this machine", name)
+            raise type(exc)(text if name in text else f"{name}: {text}") from None
+
+    async def _resize(self, container_id: str, rows: int, cols: int) -> None:
+        try:
+            await _in_thread(self.runtime.resize, container_id, rows, cols)
+        except GPUMeshError as exc:  # e.g. the program just exited: not worth failing over
+            logger.debug("resize of %s failed: %s", container_id[:12], exc)
+
+    # --- the session ------------------------------------------------------------------------
+
+    async def _serve(
+        self, ctx: RequestContext, container_id: str, terminal: Terminal, tty: bool
+    ) -> int:
+        """Pump bytes both ways until the program exits; return its exit code.
+
+        Raises ConnectionLostError when the consumer's stream or link goes away first.
+        """
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[bytes] = asyncio.Queue(maxsize=_OUTPUT_QUEUE)
+        stopping = threading.Event()
+        threading.Thread(
+            target=_read_output,
+            args=(loop, terminal, queue, stopping),
+            name="gpumesh-exec-output",
+            daemon=True,
+        ).start()
+        sender = asyncio.create_task(_send_output(ctx.stream, queue))
+        receiver = asyncio.create_task(self._receive_input(ctx.stream, container_id, terminal, tty))
+        closed = asyncio.create_task(ctx.link.wait_closed())
+        waiter = _in_thread(self.runtime.wait, container_id)
+        pending: set[asyncio.Future[Any]] = {sender, receiver, closed, waiter}
+        try:
+            while waiter in pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                if closed in done:
+                    raise ConnectionLostError("the link closed")
+                for task in done - {waiter}:
+                    task.result()  # raises when the consumer's stream failed
+            state = waiter.result()
+            # The attach stream ends with the program: let its last output through.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(sender), _DRAIN_TIMEOUT)
+            if state.error and state.exit_code in (126, 127):
+                newline = b"\r\n" if tty else b"\n"
+                await ctx.stream.send_data(f"gpumesh: {state.error}".encode() + newline)
+            if state.oom_killed:
+                logger.info("shell container %s ran out of memory", container_id[:12])
+            return state.exit_code if state.exit_code is not None else 125
+        finally:
+            stopping.set()
+            for task in (sender, receiver, closed):
+                task.cancel()
+
+    async def _receive_input(
+        self, stream: Stream, container_id: str, terminal: Terminal, tty: bool
+    ) -> None:
+        """Consumer -> container: DATA to stdin, ExecResize to the TTY."""
+        input_open = True
+        while True:
+            frame = await stream.read_frame()
+            if frame is None or (frame.kind is FrameKind.DATA and not frame.body):
+                # The consumer's input ended. Without a TTY the program reads EOF;
+                # with one, closing stdin would also end its output, so it stays open.
+                if input_open and not tty:
+                    await _in_thread(terminal.close_input)
+                input_open = False
+                if frame is None:
+                    return
+                continue
+            if frame.kind is FrameKind.MESSAGE:
+                message = decode_message(frame.body)
+                if isinstance(message, ExecResize):
+                    if tty:
+                        await self._resize(container_id, message.rows, message.cols)
+                    continue
+                _unexpected(message)
+            if input_open:
+                try:
+                    await _in_thread(terminal.write, frame.body)
+                except GPUMeshError:
+                    input_open = False  # the program closed its stdin: drop what follows
+            _credit(stream, len(frame.body))
+
+
+def _unexpected(message: Message) -> None:
+    if isinstance(message, Refusal):
+        raise error_from_code(message.code, message.message)
+    raise ProtocolError(f"{type(message).__name__} is not part of a shell session")
+
+
+def _credit(stream: Stream, count: int) -> None:
+    """Return flow-control credit for ``count`` DATA bytes taken with read_frame.
+
+    ``Stream.read_data`` credits what it returns, but a shell's DATA frames
+    interleave with messages and so are read with ``read_frame``, which does
+    not; without this the sender would stall after one window of bytes.
+    """
+    credit = stream._receive_window.on_consumed(count)
+    if credit is not None and not stream._finished and not stream.link.is_closed:
+        stream.link.send(
+            stream.stream_id, encode_frame(FrameKind.CREDIT, struct.pack("!Q", credit))
+        )
+
+
+def _read_output(
+    loop: asyncio.AbstractEventLoop,
+    terminal: Terminal,
+    queue: asyncio.Queue[bytes],
+    stopping: threading.Event,
+) -> None:
+    """Container -> queue, in a daemon thread (reads block); ``b""`` marks the end."""
+    try:
+        while not stopping.is_set():
+            data = terminal.read()
+            put = asyncio.run_coroutine_threadsafe(queue.put(data), loop)
+            while True:
+                try:
+                    put.result(timeout=0.5)
+                    break
+                except concurrent.futures.TimeoutError:
+                    if stopping.is_set():  # the session ended with the queue full
+                        put.cancel()
+                        return
+            if not data:
+                return
+    except (RuntimeError, concurrent.futures.CancelledError):
+        return  # the loop is gone (the agent stopped): nothing left to feed
+
+
+async def _send_output(stream: Stream, queue: asyncio.Queue[bytes]) -> None:
+    while data := await queue.get():
+        await stream.send_data(data)
+
+
+async def handle_exec_start(ctx: RequestContext, message: Message) -> None:
+    assert isinstance(message, ExecStart)
+    await ctx.agent.shells.handle_start(ctx, message)

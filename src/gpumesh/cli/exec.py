@@ -1,0 +1,160 @@
+"""``gpumesh exec``"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+from typing import Any
+
+import click
+
+from gpumesh.cli._common import get_node, run_async
+
+
+@click.command(
+    "exec",
+    context_settings={"allow_interspersed_args": False},
+    epilog="""\b
+Examples:
+  gpumesh exec alice-pc                              # an interactive sh
+  gpumesh exec --image python:3.12-slim alice-pc python
+  gpumesh exec -e DEBUG=1 alice-pc -- sh -l
+  echo 'nproc; exit 3' | gpumesh exec alice-pc sh    # no terminal: stdin is piped
+\b
+Each session gets a new container with the same lockdown as a job (no
+privileges, no capabilities, no host folders, no GPU) that is removed when
+the session ends. Options go before PEER; everything after it is the command.
+\b
+Exit status: the program's exit code (129 when the local terminal hung up,
+143 on SIGTERM, 130 on Ctrl-C without a terminal).
+""",
+)
+@click.option("--image", help="Container image (default: config `image` / $GPUMESH_IMAGE).")
+@click.option("-e", "--env", "env_items", multiple=True, metavar="KEY=VAL", help="Set a variable.")
+@click.argument("peer")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
+def exec(
+    peer: str, image: str | None, env_items: tuple[str, ...], command: tuple[str, ...]
+) -> None:
+    """Open a shell (or COMMAND, default sh) in a fresh container on PEER.
+
+    With a terminal, every key (Ctrl-C included) goes to the remote program
+    and its window follows yours; without one, stdin is piped through and
+    stdout and stderr arrive together. gpumesh exits with the program's code.
+    """
+    from gpumesh.client.jobspec import parse_env
+    from gpumesh.errors import ConfigError
+
+    node = get_node()
+    if command[:1] == ("--",):  # `gpumesh exec PEER -- CMD`: the separator is not the command
+        command = command[1:]
+    env = parse_env(env_items)
+    if image is not None and (not image.strip() or any(ch.isspace() for ch in image)):
+        raise ConfigError(f"--image {image!r} is not an image name, such as python:3.12-slim")
+    tty = os.isatty(0) and os.isatty(1)
+    raw = _RawMode(0) if tty else None
+    try:
+        code = run_async(_session(node, peer, list(command) or ["sh"], image, env, raw))
+    finally:
+        if raw is not None:
+            raw.restore()
+    raise SystemExit(code)
+
+
+async def _session(
+    node: object,
+    peer: str,
+    command: list[str],
+    image: str | None,
+    env: dict[str, str],
+    raw: _RawMode | None,
+) -> int:
+    from gpumesh.client.exec import ExecSession, exec_shell
+    from gpumesh.client.node import Node
+
+    assert isinstance(node, Node)
+    loop = asyncio.get_running_loop()
+    main = asyncio.current_task()
+    assert main is not None
+    received: list[int] = []
+
+    def on_signal(signum: int) -> None:
+        # Ends the session cleanly: closing the link lets the provider remove
+        # the container now instead of when the link times out.
+        received.append(signum)
+        main.cancel()
+
+    def on_started(shell: ExecSession) -> None:
+        if raw is None:
+            return
+        raw.enter()
+        loop.add_signal_handler(signal.SIGWINCH, lambda: shell.resize(*_window_size()))
+
+    handled = [signal.SIGHUP, signal.SIGTERM]
+    for signum in handled:
+        loop.add_signal_handler(signum, on_signal, signum)
+    try:
+        return await exec_shell(
+            node,
+            peer,
+            command,
+            input_fd=0,
+            output=_write_stdout,
+            image=image,
+            env=env,
+            tty=raw is not None,
+            size=_window_size() if raw is not None else None,
+            started=on_started,
+        )
+    except asyncio.CancelledError:
+        if received:
+            return 128 + received[0]
+        raise
+    finally:
+        for signum in [*handled, signal.SIGWINCH]:
+            loop.remove_signal_handler(signum)
+
+
+def _window_size() -> tuple[int, int]:
+    try:
+        size = os.get_terminal_size(0)
+    except OSError:
+        return (0, 0)
+    return (size.lines, size.columns)
+
+
+def _write_stdout(data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        try:
+            written = os.write(1, view)
+        except BlockingIOError:
+            continue
+        view = view[written:]
+
+
+class _RawMode:
+    """The local terminal in raw mode while connected: keys go through as bytes
+    (Ctrl-C too), nothing is echoed or translated locally."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self._saved: list[Any] | None = None
+
+    def enter(self) -> None:
+        import termios
+        import tty
+
+        if self._saved is None:
+            self._saved = termios.tcgetattr(self.fd)
+            tty.setraw(self.fd, termios.TCSANOW)
+
+    def restore(self) -> None:
+        import termios
+
+        if self._saved is not None:
+            saved, self._saved = self._saved, None
+            with contextlib.suppress(termios.error, OSError):  # the terminal may be gone
+                termios.tcsetattr(self.fd, termios.TCSADRAIN, saved)
