@@ -20,7 +20,6 @@ import concurrent.futures
 import contextlib
 import logging
 import secrets
-import struct
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +31,7 @@ from gpumesh.errors import (
     ProtocolError,
     error_from_code,
 )
-from gpumesh.protocol.framing import FrameKind, encode_frame
+from gpumesh.protocol.framing import FrameKind
 from gpumesh.protocol.messages import (
     ExecExit,
     ExecResize,
@@ -244,27 +243,12 @@ class ExecService:
                     await _in_thread(terminal.write, frame.body)
                 except GPUMeshError:
                     input_open = False  # the program closed its stdin: drop what follows
-            _credit(stream, len(frame.body))
 
 
 def _unexpected(message: Message) -> None:
     if isinstance(message, Refusal):
         raise error_from_code(message.code, message.message)
     raise ProtocolError(f"{type(message).__name__} is not part of a shell session")
-
-
-def _credit(stream: Stream, count: int) -> None:
-    """Return flow-control credit for ``count`` DATA bytes taken with read_frame.
-
-    ``Stream.read_data`` credits what it returns, but a shell's DATA frames
-    interleave with messages and so are read with ``read_frame``, which does
-    not; without this the sender would stall after one window of bytes.
-    """
-    credit = stream._receive_window.on_consumed(count)
-    if credit is not None and not stream._finished and not stream.link.is_closed:
-        stream.link.send(
-            stream.stream_id, encode_frame(FrameKind.CREDIT, struct.pack("!Q", credit))
-        )
 
 
 def _read_output(

@@ -16,12 +16,11 @@ import asyncio
 import contextlib
 import errno
 import os
-import struct
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from gpumesh.errors import ConnectionLostError, GPUMeshError, ProtocolError, error_from_code
-from gpumesh.protocol.framing import FrameKind, encode_frame
+from gpumesh.protocol.framing import FrameKind
 from gpumesh.protocol.messages import (
     ExecExit,
     ExecResize,
@@ -186,7 +185,6 @@ async def _receive(stream: Stream, output: Callable[[bytes], None], provider: st
         if frame.kind is FrameKind.DATA:
             if frame.body:
                 output(frame.body)
-                _credit(stream, len(frame.body))
             continue
         message = decode_message(frame.body)
         if isinstance(message, ExecExit):
@@ -194,17 +192,3 @@ async def _receive(stream: Stream, output: Callable[[bytes], None], provider: st
         if isinstance(message, Refusal):
             raise error_from_code(message.code, message.message)
         raise ProtocolError(f"{provider} sent {type(message).__name__} during a shell session")
-
-
-def _credit(stream: Stream, count: int) -> None:
-    """Return flow-control credit for ``count`` DATA bytes taken with read_frame.
-
-    ``Stream.read_data`` credits what it returns, but a shell's DATA frames
-    interleave with messages and so are read with ``read_frame``, which does
-    not; without this the sender would stall after one window of bytes.
-    """
-    credit = stream._receive_window.on_consumed(count)
-    if credit is not None and not stream._finished and not stream.link.is_closed:
-        stream.link.send(
-            stream.stream_id, encode_frame(FrameKind.CREDIT, struct.pack("!Q", credit))
-        )

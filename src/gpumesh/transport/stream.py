@@ -87,12 +87,18 @@ class Stream:
     # --- reading ----------------------------------------------------------------------
 
     async def read_frame(self) -> Frame | None:
-        """The next frame, or None when the peer finished the stream."""
+        """The next frame, or None when the peer finished the stream.
+
+        A DATA frame counts as consumed once it is handed out here: its bytes
+        go back to the sender as credit.
+        """
         while True:
             if self._frames:
                 frame = self._frames.popleft()
                 if frame.kind is FrameKind.MESSAGE:
                     self._queued_control -= len(frame.body)
+                elif frame.body:
+                    self._release(len(frame.body))
                 return frame
             if self._error is not None:
                 raise self._error
@@ -131,13 +137,14 @@ class Stream:
             if isinstance(message, Refusal):
                 raise error_from_code(message.code, message.message)
             raise ProtocolError("peer sent a message in the middle of a transfer")
-        if frame.body:
-            credit = self._receive_window.on_consumed(len(frame.body))
-            if credit is not None and not self._finished:
-                self.link.send(
-                    self.stream_id, encode_frame(FrameKind.CREDIT, struct.pack("!Q", credit))
-                )
         return frame.body
+
+    def _release(self, count: int) -> None:
+        credit = self._receive_window.on_consumed(count)
+        if credit is not None and not self._finished and not self.link.is_closed:
+            self.link.send(
+                self.stream_id, encode_frame(FrameKind.CREDIT, struct.pack("!Q", credit))
+            )
 
     # --- writing ----------------------------------------------------------------------
 
