@@ -23,7 +23,7 @@ import secrets
 import threading
 from typing import TYPE_CHECKING, Any
 
-from gpumesh.agent.jobs import _in_thread
+from gpumesh.agent.blocking import in_thread
 from gpumesh.errors import (
     ConnectionLostError,
     GPUMeshError,
@@ -108,12 +108,12 @@ class ExecService:
         await self._check_image(message.image)
         spec = self.container_spec(ctx.peer, message)
         runtime = self.runtime
-        container_id = await _in_thread(runtime.create_interactive, spec, message.tty)
+        container_id = await in_thread(runtime.create_interactive, spec, message.tty)
         self._live.add(container_id)
         terminal: Terminal | None = None
         try:
-            terminal = await _in_thread(runtime.attach, container_id, message.tty)
-            await _in_thread(runtime.start, container_id)
+            terminal = await in_thread(runtime.attach, container_id, message.tty)
+            await in_thread(runtime.start, container_id)
             if message.tty and message.rows and message.cols:
                 await self._resize(container_id, message.rows, message.cols)
             ctx.stream.send_message(ExecStarted(provider=self.agent.name))
@@ -131,7 +131,7 @@ class ExecService:
                 terminal.close()
             try:
                 with contextlib.suppress(GPUMeshError):
-                    await _in_thread(runtime.remove, container_id)
+                    await in_thread(runtime.remove, container_id)
             finally:
                 self._live.discard(container_id)
 
@@ -158,7 +158,7 @@ class ExecService:
     async def _check_image(self, image: str) -> None:
         name = self.agent.name
         try:
-            await _in_thread(self.runtime.ensure_image, image)
+            await in_thread(self.runtime.ensure_image, image)
         except GPUMeshError as exc:
             # The runtime speaks of "this machine"; the consumer needs to know which one.
             text = exc.message.replace("this machine", name)
@@ -166,7 +166,7 @@ class ExecService:
 
     async def _resize(self, container_id: str, rows: int, cols: int) -> None:
         try:
-            await _in_thread(self.runtime.resize, container_id, rows, cols)
+            await in_thread(self.runtime.resize, container_id, rows, cols)
         except GPUMeshError as exc:  # e.g. the program just exited: not worth failing over
             logger.debug("resize of %s failed: %s", container_id[:12], exc)
 
@@ -191,7 +191,7 @@ class ExecService:
         sender = asyncio.create_task(_send_output(ctx.stream, queue))
         receiver = asyncio.create_task(self._receive_input(ctx.stream, container_id, terminal, tty))
         closed = asyncio.create_task(ctx.link.wait_closed())
-        waiter = _in_thread(self.runtime.wait, container_id)
+        waiter = in_thread(self.runtime.wait, container_id)
         pending: set[asyncio.Future[Any]] = {sender, receiver, closed, waiter}
         try:
             while waiter in pending:
@@ -226,7 +226,7 @@ class ExecService:
                 # The consumer's input ended. Without a TTY the program reads EOF;
                 # with one, closing stdin would also end its output, so it stays open.
                 if input_open and not tty:
-                    await _in_thread(terminal.close_input)
+                    await in_thread(terminal.close_input)
                 input_open = False
                 if frame is None:
                     return
@@ -240,7 +240,7 @@ class ExecService:
                 _unexpected(message)
             if input_open:
                 try:
-                    await _in_thread(terminal.write, frame.body)
+                    await in_thread(terminal.write, frame.body)
                 except GPUMeshError:
                     input_open = False  # the program closed its stdin: drop what follows
 

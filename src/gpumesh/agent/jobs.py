@@ -22,12 +22,12 @@ import json
 import logging
 import os
 import shutil
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
+from gpumesh.agent.blocking import in_thread
 from gpumesh.agent.jobstate import FINAL_STATES, Decision, JobMachine, JobState
 from gpumesh.errors import (
     AccessDeniedError,
@@ -76,35 +76,6 @@ _LOG_DRAIN_TIMEOUT = 15.0
 GPU_SAMPLE_INTERVAL = 2.0
 """Seconds between samples of a running GPU job's memory use."""
 """After a container exits, how long its log readers may take to finish."""
-
-
-def _in_thread(function: Callable[..., T], *args: Any) -> asyncio.Future[T]:
-    """Run a blocking call in a daemon thread; never blocks interpreter exit."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[T] = loop.create_future()
-
-    def settle(result: T | None, error: BaseException | None) -> None:
-        if future.done():
-            return
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)  # type: ignore[arg-type]
-
-    def target() -> None:
-        try:
-            result = function(*args)
-        except BaseException as exc:
-            report: tuple[T | None, BaseException | None] = (None, exc)
-        else:
-            report = (result, None)
-        # The loop may be gone (the agent stopped while this call blocked): then
-        # nobody waits for the answer, and the container is re-attached next start.
-        with contextlib.suppress(RuntimeError):
-            loop.call_soon_threadsafe(settle, *report)
-
-    threading.Thread(target=target, name="gpumesh-job", daemon=True).start()
-    return future
 
 
 def _open_to_container(job_dir: Path, work: Path) -> None:
@@ -203,7 +174,7 @@ class JobService:
         """Re-attach to this node's job containers after a (re)start; clean orphans."""
         unfinished = self.store.unfinished_hosted_jobs()
         try:
-            containers = await _in_thread(self.runtime.list_jobs, self.agent.node_id)
+            containers = await in_thread(self.runtime.list_jobs, self.agent.node_id)
         except GPUMeshError as exc:
             if unfinished:
                 logger.warning("cannot recover %d job(s) yet: %s", len(unfinished), exc)
@@ -213,7 +184,7 @@ class JobService:
         for orphan in containers:
             if orphan.labels.get(LABEL_JOB, "") not in known:
                 logger.info("removing orphaned container %s", orphan.container_id[:12])
-                await _in_thread(self.runtime.remove, orphan.container_id)
+                await in_thread(self.runtime.remove, orphan.container_id)
         for job in unfinished:
             run = _Run(job)
             self._runs[job.job_id] = run
@@ -287,7 +258,7 @@ class JobService:
                 f"the workdir is {format_size(message.workdir_bytes)}; {self.agent.name} accepts "
                 f"at most {format_size(limit)} (its upload_limit): trim it with .gpumeshignore"
             )
-        gpus = await _in_thread(self._assign_gpus, message.gpu_memory, message.gpu)
+        gpus = await in_thread(self._assign_gpus, message.gpu_memory, message.gpu)
         await self._check_runtime(message.image)
         now = time.time()
         record = JobRecord(
@@ -348,7 +319,7 @@ class JobService:
                 await self._finish(run, decision)
             elif run.container_id:
                 logger.info("[job %s] cancel requested: stopping its container", job.job_id)
-                await _in_thread(self.runtime.stop, run.container_id, 5.0)
+                await in_thread(self.runtime.stop, run.container_id, 5.0)
             if run.task is not None:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await asyncio.wait_for(asyncio.shield(run.task), 20)
@@ -408,7 +379,7 @@ class JobService:
 
     async def gpu_report(self) -> tuple[list[GpuReport], str]:
         """This provider's GPUs as placement sees them, and where the facts come from."""
-        gpus = await _in_thread(self.inventory.gpus)
+        gpus = await in_thread(self.inventory.gpus)
         reserved, jobs = self._reservations()
         report = [
             GpuReport(
@@ -460,7 +431,7 @@ class JobService:
     async def _check_runtime(self, image: str) -> None:
         name = self.agent.name
         try:
-            await _in_thread(self.runtime.ensure_image, image)
+            await in_thread(self.runtime.ensure_image, image)
         except GPUMeshError as exc:
             # The runtime speaks of "this machine"; the consumer needs to know which one.
             message = exc.message.replace("this machine", name)
@@ -486,9 +457,9 @@ class JobService:
         if received != size:
             raise ProtocolError(f"the workdir upload ended after {received} of {size} bytes")
         work = job_dir / "work"
-        await _in_thread(unpack_tar, tar_path, work, limit)
+        await in_thread(unpack_tar, tar_path, work, limit)
         tar_path.unlink()
-        await _in_thread(_open_to_container, job_dir, work)
+        await in_thread(_open_to_container, job_dir, work)
         self.store.update_job(HOSTED, run.job_id, workdir=str(work))
 
     async def _discard(self, job_id: str) -> None:
@@ -539,20 +510,20 @@ class JobService:
         job = self._record(run.job_id)
         try:
             spec = self.container_spec(job, attempt)
-            run.container_id = await _in_thread(self.runtime.create, spec)
+            run.container_id = await in_thread(self.runtime.create, spec)
             self.store.update_job(HOSTED, run.job_id, container_id=run.container_id)
-            await _in_thread(self.runtime.start, run.container_id)
+            await in_thread(self.runtime.start, run.container_id)
         except GPUMeshError as exc:
             await self._remove_container(run)
             return run.machine.infra_failed(exc.message)
-        state = await _in_thread(self.runtime.inspect, run.container_id)
+        state = await in_thread(self.runtime.inspect, run.container_id)
         return await self._follow(run, job, state)
 
     async def _follow(self, run: _Run, job: JobRecord, container: ContainerState) -> Decision:
         """Stream a started container's logs into the event log until it exits."""
         if run.machine.state is JobState.STARTING:
             if container.status == "created":
-                await _in_thread(self.runtime.start, container.container_id)
+                await in_thread(self.runtime.start, container.container_id)
             run.machine.running()
             fields: dict[str, object] = {"state": JobState.RUNNING}
             if job.started_at is None:
@@ -562,7 +533,7 @@ class JobService:
         queue: asyncio.Queue[LogLine | None] = asyncio.Queue()
         loop = asyncio.get_running_loop()
         readers = [
-            _in_thread(self._read_logs, loop, queue, container.container_id, stream, run.cursor)
+            in_thread(self._read_logs, loop, queue, container.container_id, stream, run.cursor)
             for stream in ("stdout", "stderr")
         ]
         writer = asyncio.create_task(self._write_logs(run, queue, expected_ends=len(readers)))
@@ -571,16 +542,16 @@ class JobService:
             if job.gpus
             else None
         )
-        waiter = _in_thread(self.runtime.wait, container.container_id)
+        waiter = in_thread(self.runtime.wait, container.container_id)
         try:
             if run.machine.cancel_requested:  # cancelled while the container was being made
-                await _in_thread(self.runtime.stop, container.container_id, 5.0)
+                await in_thread(self.runtime.stop, container.container_id, 5.0)
             if job.timeout:
                 # Per attempt, from when we (re)attached: a restart gives it the full time again.
                 done, _ = await asyncio.wait({waiter}, timeout=job.timeout)
                 if not done:
                     run.timed_out = True
-                    await _in_thread(self.runtime.stop, container.container_id, 5.0)
+                    await in_thread(self.runtime.stop, container.container_id, 5.0)
             final = await waiter
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(
@@ -617,8 +588,8 @@ class JobService:
         peak = self._record(run.job_id).peak_gpu_memory
         while True:
             try:
-                pids = await _in_thread(self.runtime.pids, container_id)
-                usage = await _in_thread(self.inventory.process_memory)
+                pids = await in_thread(self.runtime.pids, container_id)
+                usage = await in_thread(self.inventory.process_memory)
             except GPUMeshError:
                 pids, usage = [], {}
             used = sum(usage.get(pid, 0) for pid in pids)
@@ -677,7 +648,7 @@ class JobService:
     async def _remove_container(self, run: _Run) -> None:
         if run.container_id:
             with contextlib.suppress(GPUMeshError):
-                await _in_thread(self.runtime.remove, run.container_id)
+                await in_thread(self.runtime.remove, run.container_id)
             run.container_id = ""
             self.store.update_job(HOSTED, run.job_id, container_id="")
 
