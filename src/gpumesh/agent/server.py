@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from gpumesh import __version__
 from gpumesh.agent.exec import ExecService, handle_exec_start
+from gpumesh.agent.files import FileService
 from gpumesh.agent.jobs import JobService
 from gpumesh.agent.ratelimit import ConnectionLimiter
 from gpumesh.errors import (
@@ -28,7 +29,12 @@ from gpumesh.errors import (
 )
 from gpumesh.gpu.inventory import GpuInventory
 from gpumesh.protocol.messages import (
+    DirGet,
+    DirPut,
     ExecStart,
+    FileGet,
+    FilePut,
+    FileStat,
     JobCancel,
     JobLogs,
     JobSubmit,
@@ -95,6 +101,7 @@ class Agent:
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopped = asyncio.Event()
         self.jobs = JobService(self, runtime=runtime, inventory=inventory, max_vram=max_vram)
+        self.files = FileService(self)
         self.shells = ExecService(self)
         self.handlers: dict[type, Handler] = {
             Ping: _handle_ping,
@@ -103,6 +110,11 @@ class Agent:
             JobSubmit: _handle_job_submit,
             JobLogs: _handle_job_logs,
             JobCancel: _handle_job_cancel,
+            FileStat: self.files.handle_stat,
+            FilePut: self.files.handle_put,
+            FileGet: self.files.handle_get,
+            DirPut: self.files.handle_dir_put,
+            DirGet: self.files.handle_dir_get,
             ExecStart: handle_exec_start,
         }
 

@@ -32,6 +32,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "jobs": ("gpumesh.cli.jobs", "jobs", "List jobs submitted and hosted."),
     "logs": ("gpumesh.cli.logs", "logs", "Print or follow a job's output."),
     "cancel": ("gpumesh.cli.cancel", "cancel", "Cancel a job you submitted."),
+    "cp": ("gpumesh.cli.cp", "cp", "Copy files to or from a peer's sandbox."),
     "exec": ("gpumesh.cli.exec", "exec", "Open a shell in a fresh container on a peer."),
     "prune": ("gpumesh.cli.prune", "prune", "Remove old finished jobs and their logs."),
     "group": ("gpumesh.cli.group", "group", "Create, share and join groups of nodes."),

@@ -163,6 +163,9 @@ KEYS: dict[str, ConfigKey] = {
             "job_network", _choice("bridge", "none"), "bridge", "job network: bridge or none"
         ),
         ConfigKey("upload_limit", _size, "10GB", "largest job workdir a peer may upload"),
+        ConfigKey(
+            "file_quota", _size, "50GB", "most bytes each peer may keep here with `gpumesh cp`"
+        ),
     ]
 }
 

@@ -1,0 +1,161 @@
+"""``gpumesh cp``"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import click
+
+from gpumesh.cli._common import emit_json, get_node, run_async
+
+
+@click.command(
+    epilog="""\b
+Examples:
+  gpumesh cp ./dataset.bin alice-pc:/dataset.bin
+  gpumesh cp ./data alice-pc:/                 # the folder lands as /data
+  gpumesh cp alice-pc:/out.bin ./out.bin
+  gpumesh cp alice-pc:/results ./             # a folder, with its files' modes
+\b
+PEER:PATH is a path in your own folder on that peer (a leading / is its root);
+other peers never see it. A copy that stops (dropped link, restarted peer)
+resumes where it stopped: gpumesh retries by itself, and running the same
+command again resumes too. Every copy is checked end to end with SHA-256.
+""",
+)
+@click.argument("source")
+@click.argument("destination")
+@click.option(
+    "-r", "--recursive", is_flag=True, help="Accepted for habit: folders always copy whole."
+)
+@click.option(
+    "--retries",
+    type=click.IntRange(0, 20),
+    default=3,
+    show_default=True,
+    help="Retries after a dropped link, each resuming where it stopped.",
+)
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar and no summary.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def cp(
+    source: str, destination: str, recursive: bool, retries: int, quiet: bool, as_json: bool
+) -> None:
+    """Copy SOURCE to DESTINATION; one of them is PEER:PATH.
+
+    PEER is a paired peer's name or id prefix. Files and folders (recursively,
+    with their permission bits) go both ways; when DESTINATION is an existing
+    folder, SOURCE is copied into it under its own name, as cp does.
+    """
+    from gpumesh.client.files import CopyCallbacks, copy
+
+    node = get_node()
+    view = _CopyView(quiet=quiet or as_json)
+    callbacks = CopyCallbacks(started=view.started, progress=view.progress, retrying=view.retrying)
+    try:
+        result = run_async(copy(node, source, destination, retries=retries, callbacks=callbacks))
+    finally:
+        view.close()
+    if as_json:
+        emit_json(
+            {
+                "direction": result.direction,
+                "kind": result.kind,
+                "peer": result.peer,
+                "local": str(result.local),
+                "remote": result.remote,
+                "size": result.size,
+                "sha256": result.sha256,
+                "seconds": round(result.seconds, 3),
+                "transferred": result.transferred,
+                "resumed_from": result.resumed_from,
+                "attempts": result.attempts,
+                "offsets": result.offsets,
+                "mb_per_s": round(result.mb_per_s, 1),
+                "skipped": result.skipped,
+            }
+        )
+    elif not quiet:
+        view.summary(result)
+
+
+class _CopyView:
+    """A Rich progress bar on stderr (only on a terminal), notes and the final summary."""
+
+    def __init__(self, *, quiet: bool) -> None:
+        self.quiet = quiet
+        self.label = ""
+        self._progress: Any = None
+        self._task: Any = None
+
+    def note(self, text: str) -> None:
+        if self.quiet:
+            return
+        line = (
+            click.style(f"gpumesh: {text}", dim=True) if sys.stderr.isatty() else f"gpumesh: {text}"
+        )
+        if self._progress is not None:
+            self._progress.console.print(line, markup=False, highlight=False)
+        else:
+            click.echo(line, err=True)
+
+    def started(self, label: str, total: int) -> None:
+        self.label = label
+        if self.quiet or not sys.stderr.isatty():
+            return
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
+
+        progress = Progress(
+            TextColumn("{task.description}", markup=False),
+            BarColumn(),
+            DownloadColumn(binary_units=False),
+            TransferSpeedColumn(),
+            TimeRemainingColumn(),
+            console=Console(stderr=True),
+            transient=True,
+        )
+        progress.start()
+        self._task = progress.add_task(label, total=max(total, 1))
+        self._progress = progress
+
+    def progress(self, done: int, total: int) -> None:
+        if self._progress is not None:
+            self._progress.update(self._task, completed=done, total=max(total, 1))
+
+    def retrying(self, error: object, attempt: int) -> None:
+        self.note(f"link lost ({error}); retrying (attempt {attempt}), resuming where it stopped")
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+    def summary(self, result: Any) -> None:
+        from gpumesh.units import format_size
+
+        what = "folder" if result.kind == "dir" else "file"
+        line = (
+            f"copied {what} {self.label}: {format_size(result.size)} in "
+            f"{_seconds(result.seconds)}, {result.mb_per_s:.0f} MB/s"
+        )
+        if result.resumed_from:
+            line += f" (resumed at {format_size(result.resumed_from)})"
+        elif result.attempts > 1:
+            line += f" ({result.attempts} attempts)"
+        self.note(line)
+        if result.skipped:
+            shown = "; ".join(result.skipped[:3])
+            more = f" and {len(result.skipped) - 3} more" if len(result.skipped) > 3 else ""
+            self.note(f"left out {len(result.skipped)} entries: {shown}{more}")
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.1f}s" if value < 60 else f"{value / 60:.1f}m"

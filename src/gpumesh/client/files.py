@@ -1,0 +1,739 @@
+"""Copying files and folders to and from a peer's sandbox (``gpumesh cp``).
+
+Owns the consumer's side of the file requests: telling ``peer:path`` from a
+local path, choosing the destination name the way ``cp`` does, streaming with
+progress callbacks, checking every copy end to end against its SHA-256, and
+resuming. An upload resumes from the partial file the provider kept (it says
+where in ``FileResume``); a download keeps a local ``NAME.gpumesh-part`` and
+asks for the rest with ``FileGet(offset)``. A dropped link (or a provider that
+stops answering) is retried a few times, each retry resuming; a later
+``gpumesh cp`` of the same file resumes too. Folders travel as one tar, never
+resumed, unpacked all or nothing.
+
+Nothing here prints; results and progress go to the caller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+import shutil
+import stat
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from gpumesh.errors import (
+    ConfigError,
+    ConnectionLostError,
+    GPUMeshError,
+    LimitError,
+    NotFoundError,
+    ProtocolError,
+    UnreachableError,
+)
+from gpumesh.protocol.messages import (
+    DirGet,
+    DirPut,
+    FileDone,
+    FileGet,
+    FileInfo,
+    FilePut,
+    FileResume,
+    FileStat,
+)
+from gpumesh.units import format_size
+
+if TYPE_CHECKING:
+    from gpumesh.client.node import Node
+    from gpumesh.store.db import Peer
+    from gpumesh.transport.session import Session
+    from gpumesh.transport.stream import Stream
+
+__all__ = [
+    "PART_SUFFIX",
+    "CopyCallbacks",
+    "CopyResult",
+    "Location",
+    "copy",
+    "download",
+    "parse_location",
+    "upload",
+]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+PART_SUFFIX = ".gpumesh-part"
+"""Added to a download's name until it is complete and verified."""
+RETRIES = 3
+"""Retries after a dropped link, each resuming where the last attempt stopped."""
+STALL_TIMEOUT = 20.0
+"""Seconds without any progress after which a link counts as dropped."""
+RESPONSE_TIMEOUT = 300.0
+"""Seconds to wait for an answer that may first need the provider to re-hash a
+partial file (resuming a large upload)."""
+_BACKOFF = (1.0, 2.0, 4.0, 8.0)
+"""Seconds before each retry: long enough for a restarted agent to come back."""
+
+
+def _ignore(*_args: object) -> None:
+    return None
+
+
+@dataclass
+class CopyCallbacks:
+    """Where a copy reports while it runs."""
+
+    started: Callable[[str, int], None] = _ignore
+    """(what is copied, e.g. ``data.bin -> alice-pc:/data.bin``; bytes in all) once known."""
+    progress: Callable[[int, int], None] = _ignore
+    """(bytes in place so far, resumed ones included; bytes in all)."""
+    retrying: Callable[[GPUMeshError, int], None] = _ignore
+    """(why the link was lost, the attempt about to start)."""
+
+
+@dataclass
+class CopyResult:
+    direction: str
+    """``upload`` or ``download``."""
+    kind: str
+    """``file`` or ``dir``."""
+    peer: str
+    local: Path
+    """The local file or folder, as written."""
+    remote: str
+    """The path in the peer's sandbox, from its root (``/data/x.bin``)."""
+    size: int
+    """Bytes of the file, or of the folder's tar."""
+    sha256: str
+    seconds: float
+    """Wall time of the whole copy: hashing, dialling, retries."""
+    transferred: int = 0
+    """Bytes that crossed the network in this call."""
+    offsets: list[int] = field(default_factory=list)
+    """Where each attempt started: a first one over 0 resumed an earlier copy."""
+    skipped: list[str] = field(default_factory=list)
+    """Entries of a folder left out, each with why."""
+
+    @property
+    def resumed_from(self) -> int:
+        """Bytes already in place when this copy began (0: it started from scratch)."""
+        return self.offsets[0] if self.offsets else 0
+
+    @property
+    def attempts(self) -> int:
+        return len(self.offsets)
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.transferred / self.seconds / 1e6 if self.seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class Location:
+    peer: str | None
+    """The peer's name or id prefix; None: a local path."""
+    path: str
+
+
+def parse_location(text: str) -> Location:
+    """``peer:path`` is remote, anything else local (scp's rule: a colon before any slash).
+
+    A local name with a colon can be written ``./name:with:colons``.
+    """
+    head, sep, tail = text.partition(":")
+    if sep and head and "/" not in head:
+        return Location(head, tail)
+    return Location(None, text)
+
+
+async def copy(
+    node: Node,
+    source: str,
+    destination: str,
+    *,
+    retries: int = RETRIES,
+    callbacks: CopyCallbacks | None = None,
+    stall_timeout: float = STALL_TIMEOUT,
+) -> CopyResult:
+    """Copy between here and a peer's sandbox; exactly one side is ``peer:path``."""
+    src, dst = parse_location(source), parse_location(destination)
+    if src.peer is not None and dst.peer is not None:
+        raise ConfigError("both sides name a peer: one side must be a local path")
+    if src.peer is None and dst.peer is None:
+        raise ConfigError("neither side names a peer: write one side as PEER:PATH")
+    options: dict[str, Any] = {
+        "retries": retries,
+        "callbacks": callbacks,
+        "stall_timeout": stall_timeout,
+    }
+    if dst.peer is not None:
+        return await upload(node, dst.peer, Path(src.path), dst.path, **options)
+    assert src.peer is not None
+    return await download(node, src.peer, src.path, Path(dst.path), **options)
+
+
+# --- uploads ---------------------------------------------------------------------------------
+
+
+async def upload(
+    node: Node,
+    peer_query: str,
+    local: Path,
+    remote: str,
+    *,
+    retries: int = RETRIES,
+    callbacks: CopyCallbacks | None = None,
+    stall_timeout: float = STALL_TIMEOUT,
+) -> CopyResult:
+    """Copy a local file or folder into the peer's sandbox at ``remote``."""
+    started = time.perf_counter()
+    callbacks = callbacks or CopyCallbacks()
+    peer = node.peer(peer_query)
+    try:
+        st = os.stat(local)
+    except FileNotFoundError:
+        raise NotFoundError(f"{local} does not exist") from None
+    except NotADirectoryError:
+        raise NotFoundError(f"{local} does not exist (a folder in its path is a file)") from None
+    except PermissionError:
+        raise ConfigError(f"cannot read {local}: permission denied") from None
+    if stat.S_ISDIR(st.st_mode):
+        copier: _Copy = _FolderUpload(node, peer, local, remote, callbacks, stall_timeout)
+    elif stat.S_ISREG(st.st_mode):
+        copier = _FileUpload(node, peer, local, remote, callbacks, stall_timeout, st)
+    else:
+        raise ConfigError(f"{local} is not a regular file (a device, pipe or socket)")
+    return await copier.run(retries, started)
+
+
+def _name_of(local: Path) -> str:
+    name = Path(os.path.abspath(local)).name
+    if not name:
+        raise ConfigError(f"{local} has no name to copy it under: give a remote file name")
+    return name
+
+
+class _Copy:
+    """One copy, attempted up to 1 + retries times."""
+
+    direction = ""
+    kind = ""
+
+    def __init__(
+        self,
+        node: Node,
+        peer: Peer,
+        local: Path,
+        remote: str,
+        callbacks: CopyCallbacks,
+        stall_timeout: float,
+    ) -> None:
+        self.node = node
+        self.peer = peer
+        self.local = local
+        self.remote = remote
+        self.callbacks = callbacks
+        self.stall_timeout = stall_timeout
+        self.result = CopyResult(
+            direction=self.direction,
+            kind=self.kind,
+            peer=peer.name,
+            local=local,
+            remote=remote,
+            size=0,
+            sha256="",
+            seconds=0.0,
+        )
+        self.done = 0
+        """Bytes in place at the far end (or here) so far."""
+
+    async def prepare(self) -> None:
+        """Local work done once, before any attempt."""
+
+    async def attempt(self, session: Session) -> None:
+        raise NotImplementedError
+
+    async def run(self, retries: int, started: float) -> CopyResult:
+        from gpumesh.agent.files import quic_closed
+
+        await self.prepare()
+        attempt = 1
+        while True:
+            try:
+                async with self.node.session(self.peer.node_id) as session:
+                    await self.attempt(session)
+                break
+            except (ConnectionLostError, UnreachableError) as exc:
+                error: GPUMeshError = exc
+            except OSError as exc:
+                logger.debug("copy failed here", exc_info=True)
+                raise _local_error(exc) from None
+            except Exception as exc:
+                if not quic_closed(exc):
+                    raise
+                error = ConnectionLostError(f"{self.peer.name} closed the connection")
+            if attempt > retries:
+                raise self.gave_up(error) from None
+            attempt += 1
+            logger.info("copy: %s; attempt %d", error, attempt)
+            self.callbacks.retrying(error, attempt)
+            await asyncio.sleep(_BACKOFF[min(attempt - 2, len(_BACKOFF) - 1)])
+        self.result.seconds = time.perf_counter() - started
+        return self.result
+
+    def gave_up(self, exc: GPUMeshError) -> GPUMeshError:
+        return type(exc)(exc.message)
+
+    # --- shared steps ---------------------------------------------------------------------
+
+    async def stat_remote(self, session: Session, path: str) -> FileInfo:
+        stream = session.open_stream()
+        try:
+            stream.send_message(FileStat(path=path), end=True)
+            return await self.within(RESPONSE_TIMEOUT, stream.expect(FileInfo))
+        finally:
+            session.link.forget_stream(stream.stream_id)
+
+    async def within(self, seconds: float, step: Awaitable[T]) -> T:
+        """``step``, or ConnectionLostError when the peer shows no sign of life for ``seconds``."""
+        try:
+            async with asyncio.timeout(seconds):
+                return await step
+        except TimeoutError:
+            raise ConnectionLostError(
+                f"{self.peer.name} stopped answering (nothing for {seconds:.0f}s)"
+            ) from None
+
+    def advance(self, count: int, total: int) -> None:
+        self.done += count
+        self.result.transferred += count
+        self.callbacks.progress(self.done, total)
+
+    def remote_label(self, path: str) -> str:
+        return f"{self.peer.name}:{_shown(path)}"
+
+
+def _shown(remote: str) -> str:
+    return "/" + "/".join(part for part in remote.split("/") if part not in ("", "."))
+
+
+def _into(remote: str, name: str) -> str:
+    return f"{remote.rstrip('/')}/{name}"
+
+
+def _is_folder_path(remote: str) -> bool:
+    """``peer:``, ``peer:/`` and ``peer:dir/`` name a folder to copy into."""
+    return _shown(remote) == "/" or remote.endswith("/")
+
+
+def _watch(stream: Stream, kind: type[T]) -> asyncio.Task[T]:
+    """Read the provider's answer while we send: a refusal mid-way stops the sending."""
+
+    def stop_sending(task: asyncio.Task[T]) -> None:
+        if task.cancelled():
+            return
+        error = task.exception()
+        if isinstance(error, GPUMeshError):
+            stream.fail(error)
+
+    task = asyncio.ensure_future(stream.expect(kind))
+    task.add_done_callback(stop_sending)
+    return task
+
+
+async def _finish_task(task: asyncio.Task[Any]) -> None:
+    if not task.done():
+        task.cancel()
+    with contextlib.suppress(BaseException):
+        await task
+
+
+class _FileUpload(_Copy):
+    direction = "upload"
+    kind = "file"
+
+    def __init__(
+        self,
+        node: Node,
+        peer: Peer,
+        local: Path,
+        remote: str,
+        callbacks: CopyCallbacks,
+        stall_timeout: float,
+        st: os.stat_result,
+    ) -> None:
+        super().__init__(node, peer, local, remote, callbacks, stall_timeout)
+        self.st = st
+        self.size = st.st_size
+        self.result.size = self.size
+        self.digest: bytes | None = None
+        self.target: str | None = None
+        self.hashing: asyncio.Future[bytes] | None = None
+
+    async def prepare(self) -> None:
+        from gpumesh.agent.blocking import in_thread
+
+        # Hashed while the first attempt dials and looks at the destination.
+        self.hashing = in_thread(_hash_path, self.local, self.st)
+        self.hashing.add_done_callback(_retrieved)
+
+    async def attempt(self, session: Session) -> None:
+        from gpumesh.agent.files import file_chunks, worker
+
+        if self.target is None:
+            target = self.remote
+            if _is_folder_path(target):
+                target = _into(target, _name_of(self.local))
+            else:
+                info = await self.stat_remote(session, target)
+                if info.exists and info.kind == "dir":
+                    target = _into(target, _name_of(self.local))
+            self.target = target
+            self.result.remote = _shown(target)
+            self.callbacks.started(f"{self.local} -> {self.remote_label(target)}", self.size)
+        if self.digest is None:
+            assert self.hashing is not None
+            self.digest = await self.hashing
+            self.result.sha256 = self.digest.hex()
+        stream = session.open_stream()
+        stream.send_message(
+            FilePut(
+                path=self.target,
+                size=self.size,
+                mode=stat.S_IMODE(self.st.st_mode),
+                sha256=self.digest,
+            )
+        )
+        resume = await self.within(RESPONSE_TIMEOUT, stream.expect(FileResume))
+        if resume.offset > self.size:
+            raise ProtocolError(f"{self.peer.name} asked to resume past the end of the file")
+        self.result.offsets.append(resume.offset)
+        self.done = resume.offset
+        self.callbacks.progress(self.done, self.size)
+        answer = _watch(stream, FileDone)
+        try:
+            fd = os.open(self.local, os.O_RDONLY)
+            async with worker(cleanup=lambda: os.close(fd)) as runner:
+                chunks = file_chunks(runner, fd, resume.offset, self.size)
+                async with contextlib.aclosing(chunks):
+                    async for chunk in chunks:
+                        await self.within(self.stall_timeout, stream.send_data(chunk))
+                        self.advance(len(chunk), self.size)
+                _check_unchanged(self.local, os.fstat(fd), self.st)
+            stream.end_data()
+            stream.finish()
+            done = await self.within(RESPONSE_TIMEOUT, answer)
+        finally:
+            await _finish_task(answer)
+            session.link.forget_stream(stream.stream_id)
+        if done.size != self.size or done.sha256 != self.digest:
+            raise ProtocolError(f"{self.peer.name} confirmed a different file than was sent")
+
+    def gave_up(self, exc: GPUMeshError) -> GPUMeshError:
+        if self.done and self.done < self.size:
+            return type(exc)(
+                f"{exc.message}; {self.peer.name} keeps what arrived (about "
+                f"{format_size(self.done)} of {format_size(self.size)}): run the same "
+                "`gpumesh cp` again to resume"
+            )
+        return type(exc)(exc.message)
+
+
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
+def _hash_path(path: Path, st: os.stat_result) -> bytes:
+    from gpumesh.agent.files import hash_file
+
+    hasher = hashlib.sha256()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        hash_file(fd, st.st_size, hasher)
+        _check_unchanged(path, os.fstat(fd), st)
+    finally:
+        os.close(fd)
+    return hasher.digest()
+
+
+def _check_unchanged(path: Path, now: os.stat_result, before: os.stat_result) -> None:
+    if now.st_size != before.st_size or now.st_mtime_ns != before.st_mtime_ns:
+        raise ConfigError(f"{path} changed while it was being copied; copy it again")
+
+
+class _FolderUpload(_Copy):
+    direction = "upload"
+    kind = "dir"
+
+    async def prepare(self) -> None:
+        from gpumesh.agent.blocking import in_thread
+        from gpumesh.files.pack import scan, tar_size
+
+        self.plan = await in_thread(scan, self.local, [self.node.home.path])
+        self.size = await in_thread(tar_size, self.plan)
+        self.result.size = self.size
+        self.result.skipped = [f"{s.path}: {s.reason}" for s in self.plan.skipped]
+        self.target: str | None = None
+
+    async def attempt(self, session: Session) -> None:
+        from gpumesh.agent.files import tar_chunks
+
+        if self.target is None:
+            target = self.remote
+            if _is_folder_path(target):
+                target = _into(target, _name_of(self.local))
+            else:
+                info = await self.stat_remote(session, target)
+                if info.exists and info.kind == "dir":
+                    target = _into(target, _name_of(self.local))
+            self.target = target
+            self.result.remote = _shown(target)
+            self.callbacks.started(f"{self.local} -> {self.remote_label(target)}", self.size)
+        stream = session.open_stream()
+        stream.send_message(DirPut(path=self.target, size=self.size))
+        await self.within(RESPONSE_TIMEOUT, stream.expect(FileResume))
+        self.result.offsets.append(0)
+        self.done = 0
+        self.callbacks.progress(0, self.size)
+        hasher = hashlib.sha256()
+        answer = _watch(stream, FileDone)
+        try:
+            async with contextlib.aclosing(tar_chunks(self.plan, hasher)) as chunks:
+                async for chunk in chunks:
+                    await self.within(self.stall_timeout, stream.send_data(chunk))
+                    self.advance(len(chunk), self.size)
+            if self.done != self.size:
+                raise ConfigError(f"{self.local} changed while it was packed; copy it again")
+            stream.end_data()
+            stream.finish()
+            done = await self.within(RESPONSE_TIMEOUT, answer)
+        finally:
+            await _finish_task(answer)
+            session.link.forget_stream(stream.stream_id)
+        self.result.sha256 = hasher.hexdigest()
+        if done.size != self.size or done.sha256 != hasher.digest():
+            raise ProtocolError(f"{self.peer.name} confirmed a different folder than was sent")
+
+
+# --- downloads -------------------------------------------------------------------------------
+
+
+async def download(
+    node: Node,
+    peer_query: str,
+    remote: str,
+    local: Path,
+    *,
+    retries: int = RETRIES,
+    callbacks: CopyCallbacks | None = None,
+    stall_timeout: float = STALL_TIMEOUT,
+) -> CopyResult:
+    """Copy a file or folder from the peer's sandbox to ``local``."""
+    started = time.perf_counter()
+    callbacks = callbacks or CopyCallbacks()
+    peer = node.peer(peer_query)
+    copier = _Download(node, peer, local, remote, callbacks, stall_timeout)
+    return await copier.run(retries, started)
+
+
+class _Download(_Copy):
+    direction = "download"
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.info: FileInfo | None = None
+        self.dest: Path | None = None
+
+    async def attempt(self, session: Session) -> None:
+        if self.info is None:
+            info = await self.stat_remote(session, self.remote)
+            where = self.remote_label(self.remote)
+            if not info.exists:
+                raise NotFoundError(f"{where} does not exist")
+            if info.kind not in ("file", "dir"):
+                raise ConfigError(f"{where} is not a regular file (a device, pipe or socket)")
+            self.dest = _local_target(self.local, self.remote, self.peer.name, info.kind)
+            self.info = info
+            self.result.kind = info.kind
+            self.result.local = self.dest
+            self.result.remote = _shown(self.remote)
+            self.callbacks.started(f"{where} -> {self.dest}", info.size)
+        assert self.dest is not None
+        if self.info.kind == "dir":
+            await self._get_folder(session, self.dest)
+        elif not await self._get_file(session, self.dest):
+            await self._get_file(session, self.dest)  # the kept part was stale: once more
+
+    async def _get_file(self, session: Session, dest: Path) -> bool:
+        """Fetch the file (resuming a kept part); False when that part proved stale."""
+        from gpumesh.agent.files import hash_file, worker
+
+        part = dest.with_name(dest.name + PART_SUFFIX)
+        assert self.info is not None
+        try:
+            offset = part.stat().st_size
+        except FileNotFoundError:
+            offset = 0
+        if offset > self.info.size:
+            offset = 0  # the remote file shrank since: the part is stale
+        stream = session.open_stream()
+        try:
+            # Not ended: our side of the stream carries the credit for the data.
+            stream.send_message(FileGet(path=self.remote, offset=offset))
+            info = await self.within(RESPONSE_TIMEOUT, stream.expect(FileInfo))
+            if info.kind != "file":
+                raise ProtocolError(f"{self.peer.name} answered a file request with {info.kind}")
+            size = info.size
+            self.result.size = size
+            self.result.offsets.append(offset)
+            self.done = offset
+            self.callbacks.progress(offset, size)
+            hasher = hashlib.sha256()
+            fd = os.open(part, os.O_RDWR | os.O_CREAT, 0o600)
+            async with worker(cleanup=lambda: os.close(fd)) as runner:
+                await runner.call(_truncate_and_hash, fd, offset, hasher, hash_file)
+                from gpumesh.agent.files import FileSink
+
+                sink = FileSink(runner, fd, hasher)
+                # The first bytes may wait for the provider to hash what we have.
+                wait = RESPONSE_TIMEOUT
+                while chunk := await self.within(wait, stream.read_data()):
+                    wait = self.stall_timeout
+                    if self.done + len(chunk) > size:
+                        raise ProtocolError(f"{self.peer.name} sent more than the file's size")
+                    await sink.write(chunk)
+                    self.advance(len(chunk), size)
+                await sink.finish()
+                done = await self.within(RESPONSE_TIMEOUT, stream.expect(FileDone))
+                if self.done != size or done.size != size or done.sha256 != hasher.digest():
+                    await runner.call(part.unlink)
+                    if offset > 0:
+                        return False
+                    raise ProtocolError(
+                        f"the copy of {self.remote_label(self.remote)} did not match its "
+                        "SHA-256 (did it change meanwhile?) and was removed; copy it again"
+                    )
+                self.result.sha256 = done.sha256.hex()
+                await runner.call(_place_download, fd, info, part, dest)
+        finally:
+            with contextlib.suppress(GPUMeshError):
+                stream.finish()
+            session.link.forget_stream(stream.stream_id)
+        return True
+
+    async def _get_folder(self, session: Session, dest: Path) -> None:
+        from gpumesh.agent.blocking import in_thread
+        from gpumesh.agent.files import unpack_from
+
+        temp = dest.with_name(dest.name + PART_SUFFIX)
+        await in_thread(_remove, temp)
+        stream = session.open_stream()
+        try:
+            stream.send_message(DirGet(path=self.remote))  # not ended: credit flows back
+            info = await self.within(RESPONSE_TIMEOUT, stream.expect(FileInfo))
+            if info.kind != "dir":
+                raise ProtocolError(f"{self.peer.name} answered a folder request with {info.kind}")
+            size = info.size
+            self.result.size = size
+            self.result.offsets.append(0)
+            self.done = 0
+            self.callbacks.progress(0, size)
+            hasher = hashlib.sha256()
+            async with unpack_from(temp, size, hasher) as feed:
+                while chunk := await self.within(self.stall_timeout, stream.read_data()):
+                    if self.done + len(chunk) > size:
+                        raise ProtocolError(f"{self.peer.name} sent more than the folder's size")
+                    await feed(chunk)
+                    self.advance(len(chunk), size)
+                await feed(None)
+            try:
+                done = await self.within(RESPONSE_TIMEOUT, stream.expect(FileDone))
+                if self.done != size or done.size != size or done.sha256 != hasher.digest():
+                    raise ProtocolError(
+                        f"the copy of {self.remote_label(self.remote)} did not match its "
+                        "SHA-256 and was removed; copy it again"
+                    )
+                await in_thread(_place_folder_download, temp, dest)
+            finally:
+                await in_thread(_remove, temp)
+            self.result.sha256 = done.sha256.hex()
+        finally:
+            with contextlib.suppress(GPUMeshError):
+                stream.finish()
+            session.link.forget_stream(stream.stream_id)
+
+    def gave_up(self, exc: GPUMeshError) -> GPUMeshError:
+        if self.info is not None and self.info.kind == "file" and 0 < self.done < self.info.size:
+            return type(exc)(
+                f"{exc.message}; {format_size(self.done)} of {format_size(self.info.size)} is "
+                f"kept in {self.dest}{PART_SUFFIX}: run the same `gpumesh cp` again to resume"
+            )
+        return type(exc)(exc.message)
+
+
+def _local_error(exc: OSError) -> GPUMeshError:
+    """An OS error met on this machine, as one line that says what to do."""
+    import errno
+
+    where = f" ({exc.filename})" if exc.filename else ""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return LimitError(f"this machine's disk is full{where}; free some space and copy again")
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return ConfigError(f"permission denied{where}")
+    return ConfigError(f"{exc.strerror or exc}{where}")
+
+
+def _local_target(local: Path, remote: str, peer_name: str, kind: str) -> Path:
+    """Where a download goes, as cp decides: into ``local`` when it is a folder."""
+    text = str(local)
+    if local.is_dir() or text.endswith(os.sep):
+        parts = [p for p in remote.split("/") if p not in ("", ".")]
+        name = parts[-1] if parts else peer_name
+        dest = local / name
+    else:
+        dest = local
+    if not dest.parent.is_dir():
+        raise NotFoundError(f"{dest.parent} is not an existing folder: create it first")
+    if kind == "file" and dest.is_dir():
+        raise ConfigError(f"{dest} is a folder: give a file name to copy to")
+    occupied = dest.is_symlink() or (dest.exists() and (not dest.is_dir() or any(dest.iterdir())))
+    if kind == "dir" and occupied:
+        raise ConfigError(f"{dest} already exists: remove it or choose another destination")
+    return dest
+
+
+def _truncate_and_hash(
+    fd: int, offset: int, hasher: Any, hash_file: Callable[[int, int, Any], None]
+) -> None:
+    os.ftruncate(fd, offset)
+    os.lseek(fd, offset, os.SEEK_SET)
+    hash_file(fd, offset, hasher)
+
+
+def _place_download(fd: int, info: FileInfo, part: Path, dest: Path) -> None:
+    os.fchmod(fd, info.mode & 0o777)
+    if info.mtime > 0:
+        os.utime(fd, (info.mtime, info.mtime))
+    os.replace(part, dest)
+
+
+def _place_folder_download(temp: Path, dest: Path) -> None:
+    if dest.is_dir() and not dest.is_symlink():
+        dest.rmdir()  # empty: checked before the transfer
+    os.rename(temp, dest)
+
+
+def _remove(path: Path) -> None:
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path, ignore_errors=True)
