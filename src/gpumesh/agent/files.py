@@ -88,8 +88,6 @@ __all__ = [
     "file_chunks",
     "hash_file",
     "info_for",
-    "quic_closed",
-    "reporting_close",
     "sandbox_parts",
     "sandbox_path",
     "shown",
@@ -172,29 +170,6 @@ def shown(remote: str) -> str:
     """A remote path as users write it: from the sandbox root, with a leading ``/``."""
     text = "/" + "/".join(part for part in remote.split("/") if part not in ("", "."))
     return text if text.isprintable() else repr(text)
-
-
-def quic_closed(exc: BaseException) -> bool:
-    """Whether QUIC refused a write because the connection already closed.
-
-    The QUIC layer knows a peer's close a moment (its draining period) before
-    the link hears of it, and raises its own error for writes meanwhile.
-    """
-    from qh3.quic.connection import QuicConnectionError
-
-    return isinstance(exc, QuicConnectionError)
-
-
-@contextlib.contextmanager
-def reporting_close(stream: Stream) -> Iterator[None]:
-    """Turn such a refused write into ``ConnectionLostError`` (the stream is dropped)."""
-    try:
-        yield
-    except Exception as exc:
-        if not quic_closed(exc):
-            raise
-        stream.abort()  # nothing more can be said on it, not even a refusal
-        raise ConnectionLostError("the connection closed") from None
 
 
 # --- blocking I/O off the event loop (used by both ends) -------------------------------------
@@ -651,8 +626,7 @@ def _refusing(handler: Handler) -> Handler:
     @functools.wraps(handler)
     async def wrapped(service: FileService, ctx: RequestContext, message: Message) -> None:
         try:
-            with reporting_close(ctx.stream):
-                await handler(service, ctx, message)
+            await handler(service, ctx, message)
         except OSError as exc:
             logger.debug("file request failed", exc_info=True)
             raise _os_error(exc) from None

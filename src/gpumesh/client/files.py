@@ -262,8 +262,6 @@ class _Copy:
         raise NotImplementedError
 
     async def run(self, retries: int, started: float) -> CopyResult:
-        from gpumesh.agent.files import quic_closed
-
         await self.prepare()
         attempt = 1
         while True:
@@ -276,10 +274,6 @@ class _Copy:
             except OSError as exc:
                 logger.debug("copy failed here", exc_info=True)
                 raise _local_error(exc) from None
-            except Exception as exc:
-                if not quic_closed(exc):
-                    raise
-                error = ConnectionLostError(f"{self.peer.name} closed the connection")
             if attempt > retries:
                 raise self.gave_up(error) from None
             attempt += 1

@@ -28,7 +28,7 @@ import ssl
 from collections.abc import Callable
 from typing import Any
 
-from qh3 import QuicConfiguration, QuicConnection
+from qh3 import QuicConfiguration, QuicConnection, QuicConnectionError
 from qh3.quic import events as qe
 from qh3.tls import SignatureAlgorithm, load_pem_private_key, load_pem_x509_certificates
 
@@ -147,6 +147,8 @@ class QuicLink:
         self.closed: asyncio.Future[GPUMeshError] = loop.create_future()
         self.on_stream: Callable[[Stream], None] | None = None
         self.cids: set[bytes] = {quic.host_cid}
+        self._last_peer_stream = -1
+        """Highest stream id the peer opened: ids only grow, so a lower unknown one is old."""
         # A job can stay silent for hours while its consumer waits: PINGs keep
         # the connection from idling out (a dead peer still times out, since
         # only packets received restart the idle timer).
@@ -196,7 +198,12 @@ class QuicLink:
     def send(self, stream_id: int, data: bytes | memoryview, end_stream: bool = False) -> None:
         if self.is_closed:
             raise self.closed.result()
-        self.quic.send_stream_data(stream_id, data, end_stream)
+        try:
+            self.quic.send_stream_data(stream_id, data, end_stream)
+        except QuicConnectionError as exc:
+            # qh3 knows of a peer's close (its draining period) a moment before
+            # we get ConnectionTerminated, and refuses writes meanwhile.
+            raise ConnectionLostError(f"the connection closed ({exc.reason_phrase})") from None
         self.transmit()
 
     def reset_stream(self, stream_id: int, code: int = 0) -> None:
@@ -252,6 +259,9 @@ class QuicLink:
                 if stream is None:
                     if event.stream_id % 4 == (0 if self.quic.configuration.is_client else 1):
                         continue  # data for a stream we already closed and forgot
+                    if event.stream_id <= self._last_peer_stream:
+                        continue  # a late frame of a request already served: not a new one
+                    self._last_peer_stream = event.stream_id
                     stream = Stream(self, event.stream_id)
                     self._streams[event.stream_id] = stream
                     if self.on_stream is None:
