@@ -23,7 +23,7 @@ import secrets
 import threading
 from typing import TYPE_CHECKING, Any
 
-from gpumesh.agent.blocking import in_thread
+from gpumesh.blocking import in_thread
 from gpumesh.errors import (
     ConnectionLostError,
     GPUMeshError,

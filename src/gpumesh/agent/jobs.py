@@ -27,8 +27,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-from gpumesh.agent.blocking import in_thread
 from gpumesh.agent.jobstate import FINAL_STATES, Decision, JobMachine, JobState
+from gpumesh.blocking import in_thread
 from gpumesh.errors import (
     AccessDeniedError,
     GPUMeshError,

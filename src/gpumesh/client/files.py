@@ -373,14 +373,14 @@ class _FileUpload(_Copy):
         self.hashing: asyncio.Future[bytes] | None = None
 
     async def prepare(self) -> None:
-        from gpumesh.agent.blocking import in_thread
+        from gpumesh.blocking import in_thread
 
         # Hashed while the first attempt dials and looks at the destination.
         self.hashing = in_thread(_hash_path, self.local, self.st)
         self.hashing.add_done_callback(_retrieved)
 
     async def attempt(self, session: Session) -> None:
-        from gpumesh.agent.files import file_chunks, worker
+        from gpumesh.files.transfer import file_chunks, worker
 
         if self.target is None:
             target = self.remote
@@ -447,7 +447,7 @@ def _retrieved(future: asyncio.Future[Any]) -> None:
 
 
 def _hash_path(path: Path, st: os.stat_result) -> bytes:
-    from gpumesh.agent.files import hash_file
+    from gpumesh.files.transfer import hash_file
 
     hasher = hashlib.sha256()
     fd = os.open(path, os.O_RDONLY)
@@ -469,7 +469,7 @@ class _FolderUpload(_Copy):
     kind = "dir"
 
     async def prepare(self) -> None:
-        from gpumesh.agent.blocking import in_thread
+        from gpumesh.blocking import in_thread
         from gpumesh.files.pack import scan, tar_size
 
         self.plan = await in_thread(scan, self.local, [self.node.home.path])
@@ -479,7 +479,7 @@ class _FolderUpload(_Copy):
         self.target: str | None = None
 
     async def attempt(self, session: Session) -> None:
-        from gpumesh.agent.files import tar_chunks
+        from gpumesh.files.transfer import tar_chunks
 
         if self.target is None:
             target = self.remote
@@ -569,7 +569,7 @@ class _Download(_Copy):
 
     async def _get_file(self, session: Session, dest: Path) -> bool:
         """Fetch the file (resuming a kept part); False when that part proved stale."""
-        from gpumesh.agent.files import hash_file, worker
+        from gpumesh.files.transfer import hash_file, worker
 
         part = dest.with_name(dest.name + PART_SUFFIX)
         assert self.info is not None
@@ -595,7 +595,7 @@ class _Download(_Copy):
             fd = os.open(part, os.O_RDWR | os.O_CREAT, 0o600)
             async with worker(cleanup=lambda: os.close(fd)) as runner:
                 await runner.call(_truncate_and_hash, fd, offset, hasher, hash_file)
-                from gpumesh.agent.files import FileSink
+                from gpumesh.files.transfer import FileSink
 
                 sink = FileSink(runner, fd, hasher)
                 # The first bytes may wait for the provider to hash what we have.
@@ -625,8 +625,8 @@ class _Download(_Copy):
         return True
 
     async def _get_folder(self, session: Session, dest: Path) -> None:
-        from gpumesh.agent.blocking import in_thread
-        from gpumesh.agent.files import unpack_from
+        from gpumesh.blocking import in_thread
+        from gpumesh.files.transfer import unpack_from
 
         temp = dest.with_name(dest.name + PART_SUFFIX)
         await in_thread(_remove, temp)
