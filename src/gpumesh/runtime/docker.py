@@ -214,7 +214,12 @@ class DockerRuntime:
     # --- containers ---------------------------------------------------------------------
 
     def create(self, spec: ContainerSpec) -> str:
-        _check_spec(spec)
+        _check_spec(spec, interactive=False)
+        return self._create(spec, interactive=False, tty=False)
+
+    def _create(self, spec: ContainerSpec, *, interactive: bool, tty: bool) -> str:
+        """The one place that shapes a container: the lockdown is the same for jobs
+        and shells; they differ only in GPUs, the workdir, logs and stdin."""
         env = dict(spec.env)
         # Set last so neither the job's env nor the image's ENV can widen GPU
         # access: "void" hides every GPU from the NVIDIA runtime.
@@ -229,6 +234,12 @@ class DockerRuntime:
         binds = None
         if spec.workdir is not None:
             binds = {spec.workdir: {"bind": WORKDIR_MOUNT, "mode": "rw"}}
+        if interactive:
+            # What is typed and shown in a shell stays off the provider's disk.
+            log_config = docker.types.LogConfig(type="none")
+        else:
+            log_config = docker.types.LogConfig(type="local", config=dict(_LOG_CONFIG))
+        kind = "exec" if interactive else "job"
         with self._engine(f"create container {spec.name!r}") as api:
             host_config = api.create_host_config(
                 privileged=False,
@@ -242,7 +253,7 @@ class DockerRuntime:
                 binds=binds,
                 init=self._init,
                 device_requests=device_requests,
-                log_config=docker.types.LogConfig(type="local", config=dict(_LOG_CONFIG)),
+                log_config=log_config,
             )
             try:
                 created = api.create_container(
@@ -253,9 +264,11 @@ class DockerRuntime:
                     name=spec.name,
                     working_dir=WORKDIR_MOUNT if spec.workdir is not None else None,
                     host_config=host_config,
-                    detach=True,
-                    stdin_open=False,
-                    tty=False,
+                    # A shell is not detached: the SDK then also sets StdinOnce, so
+                    # ending our attached stdin (close_input) closes the program's.
+                    detach=not interactive,
+                    stdin_open=interactive,
+                    tty=tty,
                 )
             except docker.errors.ImageNotFound as exc:
                 raise ImageMissingError(
@@ -266,13 +279,14 @@ class DockerRuntime:
                 if exc.status_code == 409:
                     raise AgentError(
                         f"a container named {spec.name!r} already exists: remove it with "
-                        f"`docker rm -f {spec.name}` if no job uses it"
+                        f"`docker rm -f {spec.name}` if nothing uses it"
                     ) from exc
                 raise
         container_id = str(created["Id"])
+        label = spec.labels.get(LABEL_JOB, spec.name)
         for warning in created.get("Warnings") or []:
-            logger.warning("[job %s] Docker: %s", spec.labels.get(LABEL_JOB, "?"), warning)
-        logger.debug("[job %s] created container %s", spec.labels.get(LABEL_JOB, "?"), container_id)
+            logger.warning("[%s %s] Docker: %s", kind, label, warning)
+        logger.debug("[%s %s] created container %s", kind, label, container_id)
         return container_id
 
     def start(self, container_id: str) -> None:
@@ -364,48 +378,8 @@ class DockerRuntime:
     # --- interactive containers ---------------------------------------------------------
 
     def create_interactive(self, spec: ContainerSpec, tty: bool) -> str:
-        _check_interactive_spec(spec)
-        env = dict(spec.env)
-        env["NVIDIA_VISIBLE_DEVICES"] = "void"  # last, as for jobs: no GPU for a shell
-        with self._engine(f"create container {spec.name!r}") as api:
-            # The same lockdown as create(): keep the two in step.
-            host_config = api.create_host_config(
-                privileged=False,
-                cap_drop=["ALL"],
-                security_opt=["no-new-privileges"],
-                pids_limit=spec.pids_limit or None,
-                mem_limit=spec.memory,
-                memswap_limit=spec.memory,
-                nano_cpus=round(spec.cpus * 1e9) if spec.cpus > 0 else None,
-                network_mode=spec.network,
-                init=self._init,
-                # What is typed and shown in a shell stays off the provider's disk.
-                log_config=docker.types.LogConfig(type="none"),
-            )
-            try:
-                created = api.create_container(
-                    image=spec.image,
-                    command=list(spec.command) or None,
-                    environment=[f"{key}={value}" for key, value in env.items()],
-                    labels=dict(spec.labels),
-                    name=spec.name,
-                    host_config=host_config,
-                    # Not detached: the SDK then also sets StdinOnce, so ending our
-                    # attached stdin (close_input) closes the program's stdin.
-                    detach=False,
-                    stdin_open=True,
-                    tty=tty,
-                )
-            except docker.errors.ImageNotFound as exc:
-                raise ImageMissingError(
-                    f"image {spec.image!r} is not on this machine; on the provider run "
-                    f"`docker pull {spec.image}` or `docker load -i FILE`"
-                ) from exc
-        container_id = str(created["Id"])
-        for warning in created.get("Warnings") or []:
-            logger.warning("[exec %s] Docker: %s", spec.name, warning)
-        logger.debug("[exec %s] created container %s", spec.name, container_id)
-        return container_id
+        _check_spec(spec, interactive=True)
+        return self._create(spec, interactive=True, tty=tty)
 
     def attach(self, container_id: str, tty: bool) -> _AttachedTerminal:
         params = {"stdin": 1, "stdout": 1, "stderr": 1, "stream": 1}
@@ -631,21 +605,24 @@ class _AttachedTerminal:
 # --- helpers ------------------------------------------------------------------------------
 
 
-def _check_spec(spec: ContainerSpec) -> None:
+def _check_spec(spec: ContainerSpec, *, interactive: bool) -> None:
     if spec.network not in ("bridge", "none"):
-        raise ConfigError(f"network {spec.network!r} is not allowed for jobs: use bridge or none")
+        raise ConfigError(f"network {spec.network!r} is not allowed: use bridge or none")
     if spec.memory <= 0:
-        raise ConfigError(f"job memory limit must be a positive number of bytes, not {spec.memory}")
+        raise ConfigError(f"memory limit must be a positive number of bytes, not {spec.memory}")
     if spec.pids_limit < 0:
-        raise ConfigError(f"job process limit must be 0 (default) or more, not {spec.pids_limit}")
+        raise ConfigError(f"process limit must be 0 (default) or more, not {spec.pids_limit}")
     if spec.cpus < 0:
-        raise ConfigError(f"job CPU limit must be 0 (none) or more, not {spec.cpus:g}")
-    missing = [label for label in _REQUIRED_LABELS if label not in spec.labels]
+        raise ConfigError(f"CPU limit must be 0 (none) or more, not {spec.cpus:g}")
+    required = _INTERACTIVE_LABELS if interactive else _REQUIRED_LABELS
+    missing = [label for label in required if label not in spec.labels]
     if missing:
         raise ConfigError(f"container {spec.name!r} lacks the labels {', '.join(missing)}")
     for key in spec.env:
         if not key or "=" in key or "\0" in key:
             raise ConfigError(f"environment variable name {key!r} is not valid")
+    if interactive and (spec.workdir is not None or spec.gpu_ids):
+        raise ConfigError("an interactive container gets no host folder and no GPU")
     if spec.workdir is not None:
         workdir = spec.workdir
         if not os.path.isabs(workdir) or not os.path.isdir(workdir):
@@ -655,25 +632,6 @@ def _check_spec(spec: ContainerSpec) -> None:
         if ":" in workdir or "," in workdir:
             # Docker's bind syntax splits on these.
             raise ConfigError(f"job workdir {workdir!r} must not contain ':' or ','")
-
-
-def _check_interactive_spec(spec: ContainerSpec) -> None:
-    if spec.network not in ("bridge", "none"):
-        raise ConfigError(f"network {spec.network!r} is not allowed: use bridge or none")
-    if spec.memory <= 0:
-        raise ConfigError(f"memory limit must be a positive number of bytes, not {spec.memory}")
-    if spec.pids_limit < 0:
-        raise ConfigError(f"process limit must be 0 (default) or more, not {spec.pids_limit}")
-    if spec.cpus < 0:
-        raise ConfigError(f"CPU limit must be 0 (none) or more, not {spec.cpus:g}")
-    missing = [label for label in _INTERACTIVE_LABELS if label not in spec.labels]
-    if missing:
-        raise ConfigError(f"container {spec.name!r} lacks the labels {', '.join(missing)}")
-    for key in spec.env:
-        if not key or "=" in key or "\0" in key:
-            raise ConfigError(f"environment variable name {key!r} is not valid")
-    if spec.workdir is not None or spec.gpu_ids:
-        raise ConfigError("an interactive container gets no host folder and no GPU")
 
 
 def _state(attrs: dict[str, Any]) -> ContainerState:
