@@ -14,6 +14,12 @@ from gpumesh.errors import FrameTooLargeError, ProtocolError
 from gpumesh.protocol.messages import (
     MAX_MESSAGE_FRAME,
     PROTOCOL_VERSION,
+    AppJobDir,
+    AppJobDirReply,
+    AppNeeds,
+    AppSend,
+    AppSync,
+    AppSynced,
     Challenge,
     DirGet,
     DirPut,
@@ -132,6 +138,29 @@ MESSAGES: st.SearchStrategy[Message] = st.one_of(
     st.builds(DirPut, path=st.text(max_size=200), size=st.integers(0, 2**50)),
     st.builds(DirGet, path=st.text(max_size=200)),
     st.builds(
+        AppSync,
+        name=st.text(min_size=1, max_size=255),
+        manifest_bytes=st.integers(0, 1 << 20),
+        dry_run=st.booleans(),
+    ),
+    st.builds(
+        AppNeeds,
+        need=st.integers(0, 2**40),
+        delete=st.integers(0, 2**40),
+        unchanged=st.integers(0, 2**40),
+        list_bytes=st.integers(0, 1 << 20),
+    ),
+    st.builds(AppSend, size=st.integers(0, 2**50)),
+    st.builds(
+        AppSynced,
+        received=st.integers(0, 2**50),
+        written=st.integers(0, 2**40),
+        deleted=st.integers(0, 2**40),
+        unchanged=st.integers(0, 2**40),
+    ),
+    st.builds(AppJobDir, job_id=job_ids),
+    st.builds(AppJobDirReply, path=st.text(max_size=200)),
+    st.builds(
         ExecStart,
         image=st.text(min_size=1, max_size=255),
         command=st.lists(st.text(max_size=100), max_size=10),
@@ -165,6 +194,7 @@ def test_every_message_type_is_covered_by_the_round_trip() -> None:
     covered |= {JobSubmit, JobAccepted, JobOutput, JobStatus, JobLogs, JobCancel}
     covered |= {FileStat, FileInfo, FilePut, FileResume, FileGet, FileDone, DirPut, DirGet}
     covered |= {ExecStart, ExecStarted, ExecResize, ExecExit}
+    covered |= {AppSync, AppNeeds, AppSend, AppSynced, AppJobDir, AppJobDirReply}
     assert set(get_args(Message)) == covered
 
 

@@ -258,6 +258,12 @@ class JobService:
                 f"the workdir is {format_size(message.workdir_bytes)}; {self.agent.name} accepts "
                 f"at most {format_size(limit)} (its upload_limit): trim it with .gpumeshignore"
             )
+        workdir = ""
+        if message.sandbox_dir:
+            if message.workdir_bytes:
+                raise ProtocolError("a job has an uploaded workdir or a sandbox_dir, not both")
+            folder = await in_thread(self.agent.apps.resolve_sandbox_dir, peer, message.sandbox_dir)
+            workdir = str(folder)
         gpus = await in_thread(self._assign_gpus, message.gpu_memory, message.gpu)
         await self._check_runtime(message.image)
         now = time.time()
@@ -273,7 +279,7 @@ class JobService:
             gpus=gpus,
             retries=message.retries,
             timeout=message.timeout,
-            workdir="",
+            workdir=workdir,
             state=JobState.QUEUED,
             attempt=0,
             exit_code=None,

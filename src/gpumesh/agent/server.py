@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from gpumesh import __version__
+from gpumesh.agent.apps import AppService
 from gpumesh.agent.exec import ExecService, handle_exec_start
 from gpumesh.agent.files import FileService
 from gpumesh.agent.jobs import JobService
@@ -29,6 +30,8 @@ from gpumesh.errors import (
 )
 from gpumesh.gpu.inventory import GpuInventory
 from gpumesh.protocol.messages import (
+    AppJobDir,
+    AppSync,
     DirGet,
     DirPut,
     ExecStart,
@@ -102,6 +105,7 @@ class Agent:
         self._stopped = asyncio.Event()
         self.jobs = JobService(self, runtime=runtime, inventory=inventory, max_vram=max_vram)
         self.files = FileService(self)
+        self.apps = AppService(self.files)
         self.shells = ExecService(self)
         self.handlers: dict[type, Handler] = {
             Ping: _handle_ping,
@@ -115,6 +119,8 @@ class Agent:
             FileGet: self.files.handle_get,
             DirPut: self.files.handle_dir_put,
             DirGet: self.files.handle_dir_get,
+            AppSync: self.apps.handle_sync,
+            AppJobDir: self.apps.handle_job_dir,
             ExecStart: handle_exec_start,
         }
 

@@ -33,6 +33,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "logs": ("gpumesh.cli.logs", "logs", "Print or follow a job's output."),
     "cancel": ("gpumesh.cli.cancel", "cancel", "Cancel a job you submitted."),
     "cp": ("gpumesh.cli.cp", "cp", "Copy files to or from a peer's sandbox."),
+    "app": ("gpumesh.cli.app", "app", "Sync a project folder to a peer and run jobs in it."),
     "exec": ("gpumesh.cli.exec", "exec", "Open a shell in a fresh container on a peer."),
     "prune": ("gpumesh.cli.prune", "prune", "Remove old finished jobs and their logs."),
     "group": ("gpumesh.cli.group", "group", "Create, share and join groups of nodes."),

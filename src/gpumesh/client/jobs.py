@@ -111,10 +111,12 @@ async def run_job(
     callbacks: JobCallbacks | None = None,
     job_id: str | None = None,
     wait: float = 0.0,
+    sandbox_dir: str = "",
 ) -> JobResult:
     """Submit ``spec`` to its peer (or the best member of its group); unless
     ``detach``, follow it to the end. ``wait``: seconds a group placement may
-    wait for a member to free up."""
+    wait for a member to free up. ``sandbox_dir``: a folder in the peer's
+    sandbox to run in (``gpumesh app run``) instead of an uploaded workdir."""
     callbacks = callbacks or JobCallbacks()
     preferred_gpu = ""
     if spec.group is not None:
@@ -147,6 +149,7 @@ async def run_job(
         timeout=spec.timeout,
         attach=not detach,
         gpu=preferred_gpu,
+        sandbox_dir=sandbox_dir,
     )
     store = node.home.store
     result = JobResult(job_id, peer.name, "queued", None, 0, "")

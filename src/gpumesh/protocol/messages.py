@@ -23,6 +23,12 @@ __all__ = [
     "MAX_DATA_FRAME",
     "MAX_MESSAGE_FRAME",
     "PROTOCOL_VERSION",
+    "AppJobDir",
+    "AppJobDirReply",
+    "AppNeeds",
+    "AppSend",
+    "AppSync",
+    "AppSynced",
     "Challenge",
     "DirGet",
     "DirPut",
@@ -231,6 +237,9 @@ class JobSubmit(_Msg, tag="job_submit", frozen=True):
     """Stream the job's events on this stream after acceptance."""
     gpu: Annotated[str, msgspec.Meta(max_length=16)] = ""
     """The GPU (index) placement chose; empty: the provider picks."""
+    sandbox_dir: Annotated[str, msgspec.Meta(max_length=4096)] = ""
+    """A folder in the submitter's sandbox on the provider (``/apps/NAME``) to
+    mount as the working directory instead of an uploaded one; empty: none."""
 
 
 class JobAccepted(_Msg, tag="job_accepted", frozen=True):
@@ -337,6 +346,61 @@ class DirGet(_Msg, tag="dir_get", frozen=True):
     path: RemotePath
 
 
+# --- apps: a project folder kept in sync in the sandbox's /apps/NAME ----------------
+
+MAX_APP_LIST = 64 * 1024 * 1024
+"""Largest manifest or file list of an app sync (sent as DATA, JSON)."""
+AppName = Annotated[str, msgspec.Meta(min_length=1, max_length=255)]
+
+
+class AppSync(_Msg, tag="app_sync", frozen=True):
+    """Sync ``/apps/NAME``: DATA follows with the manifest, ``manifest_bytes`` of JSON
+    (``{"files": [[path, size, mode, sha256 hex], ...]}``); the provider answers AppNeeds."""
+
+    name: AppName
+    """One folder name: no ``/``, no ``..``."""
+    manifest_bytes: Annotated[int, msgspec.Meta(ge=0, le=MAX_APP_LIST)]
+    dry_run: bool = False
+    """Only answer AppNeeds: nothing is sent or changed."""
+
+
+class AppNeeds(_Msg, tag="app_needs", frozen=True):
+    """Provider -> consumer: what it lacks; DATA of ``list_bytes`` JSON follows
+    (``{"need": [path, ...], "delete": [path, ...]}``)."""
+
+    need: Count
+    delete: Count
+    unchanged: Count
+    list_bytes: Annotated[int, msgspec.Meta(ge=0, le=MAX_APP_LIST)]
+
+
+class AppSend(_Msg, tag="app_send", frozen=True):
+    """Consumer -> provider: a tar of exactly ``size`` bytes with the needed files follows."""
+
+    size: Count
+
+
+class AppSynced(_Msg, tag="app_synced", frozen=True):
+    """Provider -> consumer: the sync is applied."""
+
+    received: Count
+    """Bytes of tar received."""
+    written: Count
+    deleted: Count
+    unchanged: Count
+
+
+class AppJobDir(_Msg, tag="app_job_dir", frozen=True):
+    """Where in my sandbox is the working folder of my job ``job_id``?"""
+
+    job_id: JobId
+
+
+class AppJobDirReply(_Msg, tag="app_job_dir_reply", frozen=True):
+    path: RemotePath
+    """The folder, from the sandbox root (``/apps/NAME``)."""
+
+
 # --- exec: an interactive shell in a fresh container -------------------------------
 
 
@@ -390,6 +454,12 @@ Message = (
     | FileDone
     | DirPut
     | DirGet
+    | AppSync
+    | AppNeeds
+    | AppSend
+    | AppSynced
+    | AppJobDir
+    | AppJobDirReply
     | ExecStart
     | ExecStarted
     | ExecResize

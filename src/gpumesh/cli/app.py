@@ -1,0 +1,182 @@
+"""``gpumesh app sync|run|pull``"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import click
+
+from gpumesh.cli._common import emit_json, fail, get_node, run_async
+
+
+@click.group(
+    epilog="""\b
+Examples:
+  gpumesh app sync --peer alice-pc --dir ./proj
+  gpumesh app sync --peer alice-pc --dir ./proj --dry-run
+  gpumesh app run --peer alice-pc --dir ./proj --out ./renders -- python render.py
+  gpumesh app pull --peer alice-pc --job JOB_ID --dir ./job-out
+\b
+An app is a project folder kept in your folder on the peer at /apps/NAME
+(NAME: the local folder's name). Each sync sends only the files that changed
+(compared by SHA-256) and deletes there the files removed here; files the
+jobs wrote there stay. .gpumeshignore and the default ignores apply.
+""",
+)
+def app() -> None:
+    """Keep a project folder on a peer and run jobs in it."""
+
+
+def _sync_summary(result: Any) -> str:
+    from gpumesh.units import format_size
+
+    return (
+        f"synced {result.remote} on {result.peer}: {len(result.sent)} sent "
+        f"({format_size(result.bytes_sent)}), {len(result.deleted)} deleted, "
+        f"{result.unchanged} unchanged"
+    )
+
+
+def _sync_json(result: Any) -> dict[str, Any]:
+    return {
+        "peer": result.peer,
+        "remote": result.remote,
+        "dry_run": result.dry_run,
+        "bytes_sent": result.bytes_sent,
+        "files_sent": len(result.sent),
+        "files_deleted": len(result.deleted),
+        "files_unchanged": result.unchanged,
+        "sent": result.sent,
+        "deleted": result.deleted,
+        "skipped": [{"path": s.path, "rule": s.reason} for s in result.skipped],
+    }
+
+
+@app.command()
+@click.option("--peer", envvar="GPUMESH_PEER", show_envvar=True, required=True, help="Provider.")
+@click.option("--dir", "folder", type=click.Path(file_okay=False), required=True)
+@click.option("--dry-run", is_flag=True, help="List what would be sent and skipped; send nothing.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def sync(peer: str, folder: str, dry_run: bool, as_json: bool) -> None:
+    """Sync the folder DIR into /apps/NAME in your folder on PEER."""
+    from gpumesh.client.apps import sync_app
+
+    node = get_node()
+    result = run_async(sync_app(node, peer, Path(folder), dry_run=dry_run))
+    if as_json:
+        emit_json(_sync_json(result))
+        return
+    if dry_run:
+        for path in result.sent:
+            click.echo(f"send    {path}")
+        for path in result.deleted:
+            click.echo(f"delete  {path}")
+        for skipped in result.skipped:
+            click.echo(f"skip    {skipped.path}  ({skipped.reason})")
+        click.echo(
+            f"dry run: {len(result.sent)} to send, {len(result.deleted)} to delete, "
+            f"{result.unchanged} unchanged; nothing sent"
+        )
+        return
+    click.echo(_sync_summary(result))
+
+
+@app.command(context_settings={"allow_interspersed_args": False})
+@click.option("--peer", envvar="GPUMESH_PEER", show_envvar=True, required=True, help="Provider.")
+@click.option("--dir", "folder", type=click.Path(file_okay=False), required=True)
+@click.option("--out", type=click.Path(), help="Pull the app's folder of this name back here.")
+@click.option("--image", help="Container image (default: config `image` / $GPUMESH_IMAGE).")
+@click.option("--gpu-memory", metavar="SIZE", help="GPU memory the job needs, e.g. 8GB.")
+@click.option("--retries", type=int, help="Re-run a failed attempt up to N times (backoff).")
+@click.option("--timeout", metavar="DURATION", help="Stop an attempt after e.g. 30m or 2h.")
+@click.option("-e", "--env", "env_items", multiple=True, metavar="KEY=VAL", help="Set a variable.")
+@click.option("-q", "--quiet", is_flag=True, help="Print only the job's own output.")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
+def run(
+    peer: str,
+    folder: str,
+    out: str | None,
+    image: str | None,
+    gpu_memory: str | None,
+    retries: int | None,
+    timeout: str | None,
+    env_items: tuple[str, ...],
+    quiet: bool,
+    command: tuple[str, ...],
+) -> None:
+    """Sync DIR, run COMMAND in it (mounted at /workspace), stream its output.
+
+    With --out LOCAL_DIR, the folder named like LOCAL_DIR inside the app
+    (--out ./renders: /apps/NAME/renders) is pulled back into LOCAL_DIR.
+    Exits with the job's exit code.
+    """
+    from gpumesh.cli._jobview import JobPrinter
+    from gpumesh.cli.run import exit_status
+    from gpumesh.client.apps import pull_folder, sync_app
+    from gpumesh.client.jobs import new_job_id, run_job
+    from gpumesh.client.jobspec import build_spec
+    from gpumesh.errors import NotFoundError
+
+    node = get_node()
+    out_name = ""
+    if out is not None:
+        out_name = Path(os.path.abspath(out)).name
+        if not out_name or out_name.startswith("."):
+            fail(f"--out {out}: give a folder name, like ./renders")
+    spec = build_spec(
+        None,
+        image=image,
+        command=list(command) if command else None,
+        env_items=list(env_items),
+        gpu_memory=gpu_memory,
+        retries=retries,
+        timeout=timeout,
+        peer=peer,
+    )
+    synced = run_async(sync_app(node, peer, Path(folder)))
+    if not quiet:
+        click.echo(_sync_summary(synced), err=True)
+    printer = JobPrinter(quiet=quiet)
+    result = run_async(
+        run_job(
+            node,
+            spec,
+            callbacks=printer.callbacks(),
+            job_id=new_job_id(),
+            sandbox_dir=synced.remote,
+        )
+    )
+    status = exit_status(result)
+    if out is not None:
+        remote = f"{synced.remote}/{out_name}"
+        try:
+            run_async(pull_folder(node, peer, remote, Path(out)))
+        except NotFoundError:
+            fail(
+                f"the job produced no folder {out_name}/ in {synced.remote} on {synced.peer}: "
+                f"nothing to pull into {out}",
+                status or 1,
+            )
+        if not quiet:
+            click.echo(f"pulled {synced.peer}:{remote} -> {out}", err=True)
+    raise SystemExit(status)
+
+
+@app.command()
+@click.option("--peer", envvar="GPUMESH_PEER", show_envvar=True, required=True, help="Provider.")
+@click.option("--job", "job_id", required=True, help="A job started with `gpumesh app run`.")
+@click.option("--dir", "folder", type=click.Path(file_okay=False), required=True)
+def pull(peer: str, job_id: str, folder: str) -> None:
+    """Copy the working folder of a past job (its app folder) into DIR."""
+    from gpumesh.client.apps import job_folder, pull_folder
+
+    node = get_node()
+
+    async def both() -> tuple[str, int]:
+        remote = await job_folder(node, peer, job_id)
+        return remote, await pull_folder(node, peer, remote, Path(folder))
+
+    remote, _size = run_async(both())
+    click.echo(f"pulled {peer}:{remote} -> {folder}")

@@ -1,0 +1,335 @@
+"""The consumer's side of `gpumesh app`: sync a project folder, pull a job's outputs.
+
+A sync sends a manifest of the folder (what ``.gpumeshignore`` and the
+defaults let through: each regular file's path, size, mode and SHA-256) and
+then only the files the provider says it lacks, as one tar. Hashes are cached
+in ``$GPUMESH_HOME/appcache/`` keyed by (path, size, mtime_ns), so an
+unchanged tree is not read again. Symlinks and empty folders are not synced.
+
+Nothing here prints; results go to the caller.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import stat
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from gpumesh.blocking import in_thread
+from gpumesh.errors import ConfigError, NotFoundError, ProtocolError
+from gpumesh.protocol.messages import (
+    AppJobDir,
+    AppJobDirReply,
+    AppNeeds,
+    AppSend,
+    AppSync,
+    AppSynced,
+    DirGet,
+    FileDone,
+    FileInfo,
+    FileResume,
+    FileStat,
+)
+
+if TYPE_CHECKING:
+    from gpumesh.client.node import Node
+    from gpumesh.files.pack import PackEntry, PackPlan, Skipped
+    from gpumesh.store.db import Peer
+    from gpumesh.transport.session import Session
+    from gpumesh.transport.stream import Stream
+
+__all__ = ["SyncResult", "app_folder", "job_folder", "pull_folder", "sync_app"]
+
+_CHUNK = 1 << 20
+
+
+@dataclass
+class SyncResult:
+    """What one sync did (or, with ``dry_run``, would do)."""
+
+    peer: str
+    remote: str
+    """The app's folder in the sandbox, ``/apps/NAME``."""
+    dry_run: bool
+    bytes_sent: int = 0
+    """Bytes of tar sent (0 on a dry run)."""
+    sent: list[str] = field(default_factory=list)
+    """Files sent (on a dry run: that would be sent)."""
+    deleted: list[str] = field(default_factory=list)
+    unchanged: int = 0
+    skipped: list[Skipped] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def app_folder(name: str) -> str:
+    """``/apps/NAME`` for a local folder's name."""
+    return f"/apps/{name}"
+
+
+def _cache_file(node: Node, root: Path) -> Path:
+    key = hashlib.sha256(str(root).encode("utf-8", "surrogateescape")).hexdigest()[:32]
+    folder = node.home.path / "appcache"
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return folder / f"{key}.json"
+
+
+def _manifest(
+    node: Node, folder: Path
+) -> tuple[PackPlan, list[tuple[str, int, int, str]], dict[str, PackEntry]]:
+    """Scan ``folder`` and hash its files (through the cache): the plan and the manifest."""
+    from gpumesh.files.pack import scan
+
+    plan = scan(folder, exclude_paths=[node.home.path])
+    cache_path = _cache_file(node, plan.root)
+    cache: dict[str, Any] = {}
+    with contextlib.suppress(OSError, ValueError):
+        loaded = json.loads(cache_path.read_text())
+        if isinstance(loaded, dict):
+            cache = loaded
+    entries: list[tuple[str, int, int, str]] = []
+    by_path: dict[str, PackEntry] = {}
+    fresh: dict[str, list[Any]] = {}
+    for entry in plan.files:
+        if entry.kind != "file":
+            continue
+        path = plan.root / entry.path
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != entry.size:
+            raise ConfigError(f"{entry.path} changed while it was scanned; sync again")
+        cached = cache.get(entry.path)
+        if (
+            isinstance(cached, list)
+            and len(cached) == 3
+            and cached[0] == st.st_size
+            and cached[1] == st.st_mtime_ns
+        ):
+            digest = str(cached[2])
+        else:
+            digest = _hash(path)
+        fresh[entry.path] = [st.st_size, st.st_mtime_ns, digest]
+        entries.append((entry.path, entry.size, entry.mode, digest))
+        by_path[entry.path] = entry
+    part = cache_path.with_suffix(".tmp")
+    part.write_text(json.dumps(fresh))
+    os.replace(part, cache_path)
+    return plan, entries, by_path
+
+
+def _hash(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+async def sync_app(
+    node: Node,
+    peer_query: str,
+    folder: Path,
+    *,
+    name: str | None = None,
+    dry_run: bool = False,
+) -> SyncResult:
+    """Sync ``folder`` into the peer's ``/apps/NAME`` (NAME: the folder's name)."""
+    from gpumesh.files.pack import PackPlan
+    from gpumesh.files.transfer import tar_chunks
+
+    started = time.perf_counter()
+    peer = node.peer(peer_query)
+    name = name if name is not None else await in_thread(_name_of, folder)
+    plan, entries, by_path = await in_thread(_manifest, node, folder)
+    result = SyncResult(peer.name, app_folder(name), dry_run, skipped=list(plan.skipped))
+    manifest = json.dumps({"files": [list(entry) for entry in entries]}).encode()
+    async with node.session(peer.node_id) as session:
+        stream = session.open_stream()
+        try:
+            stream.send_message(AppSync(name=name, manifest_bytes=len(manifest), dry_run=dry_run))
+            await _send_bytes(stream, manifest)
+            needs = await stream.expect(AppNeeds)
+            listing = json.loads(await _read_bytes(stream, needs.list_bytes))
+            need = [str(path) for path in listing["need"]]
+            if any(path not in by_path for path in need):
+                raise ProtocolError(f"{peer.name} asked for a file that was not offered")
+            result.sent = need
+            result.deleted = [str(path) for path in listing["delete"]]
+            result.unchanged = needs.unchanged
+            if dry_run:
+                stream.finish()
+                result.seconds = time.perf_counter() - started
+                return result
+            subset = PackPlan(plan.root, tuple(by_path[path] for path in need), ())
+            size = await in_thread(_tar_size, subset) if need else 0
+            stream.send_message(AppSend(size=size))
+            await stream.expect(FileResume)
+            sent = 0
+            if need:
+                async with contextlib.aclosing(tar_chunks(subset, _NoHash())) as chunks:
+                    async for chunk in chunks:
+                        await stream.send_data(chunk)
+                        sent += len(chunk)
+            if sent != size:
+                raise ConfigError(f"{folder} changed while it was packed; sync again")
+            stream.end_data()
+            stream.finish()
+            done = await stream.expect(AppSynced)
+            if done.received != size:
+                raise ProtocolError(f"{peer.name} received {done.received} of {size} bytes")
+            result.bytes_sent = size
+        finally:
+            session.link.forget_stream(stream.stream_id)
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def _name_of(folder: Path) -> str:
+    if not folder.is_dir():
+        raise NotFoundError(f"{folder} is not an existing folder")
+    name = Path(os.path.abspath(folder)).name
+    if not name:
+        raise ConfigError(f"{folder} has no name to sync it under")
+    return name
+
+
+def _tar_size(plan: PackPlan) -> int:
+    from gpumesh.files.pack import tar_size
+
+    return tar_size(plan)
+
+
+class _NoHash:
+    def update(self, data: bytes | memoryview, /) -> None:
+        return None
+
+    def digest(self) -> bytes:
+        return b""
+
+
+async def _send_bytes(stream: Stream, data: bytes) -> None:
+    for start in range(0, len(data), _CHUNK):
+        await stream.send_data(data[start : start + _CHUNK])
+    stream.end_data()
+
+
+async def _read_bytes(stream: Stream, size: int) -> bytes:
+    data = bytearray()
+    while chunk := await stream.read_data():
+        data += chunk
+        if len(data) > size:
+            raise ProtocolError("the peer sent more than it announced")
+    if len(data) != size:
+        raise ProtocolError("the peer sent less than it announced")
+    return bytes(data)
+
+
+# --- pulling ---------------------------------------------------------------------------------
+
+
+async def job_folder(node: Node, peer_query: str, job_id: str) -> str:
+    """The sandbox folder a past ``app run`` job ran in (``/apps/NAME``)."""
+    peer = node.peer(peer_query)
+    async with node.session(peer.node_id) as session:
+        stream = session.open_stream()
+        try:
+            stream.send_message(AppJobDir(job_id=job_id), end=True)
+            reply = await stream.expect(AppJobDirReply)
+        finally:
+            session.link.forget_stream(stream.stream_id)
+    return reply.path
+
+
+async def pull_folder(node: Node, peer_query: str, remote: str, dest: Path) -> int:
+    """Copy the sandbox folder ``remote`` to ``dest`` (created, or merged into); its tar bytes.
+
+    Raises ``NotFoundError`` when ``remote`` is not a folder there.
+    """
+    peer = node.peer(peer_query)
+    async with node.session(peer.node_id) as session:
+        info = await _stat(session, remote)
+        if not info.exists or info.kind != "dir":
+            raise NotFoundError(f"{peer.name}:{remote} is not a folder")
+        return await _get_folder(session, peer, remote, dest)
+
+
+async def _stat(session: Session, remote: str) -> FileInfo:
+    stream = session.open_stream()
+    try:
+        stream.send_message(FileStat(path=remote), end=True)
+        return await stream.expect(FileInfo)
+    finally:
+        session.link.forget_stream(stream.stream_id)
+
+
+async def _get_folder(session: Session, peer: Peer, remote: str, dest: Path) -> int:
+    from gpumesh.files.transfer import unpack_from
+
+    temp = dest.with_name(dest.name + ".gpumesh-part")
+    await in_thread(_prepare_dest, dest, temp)
+    stream = session.open_stream()
+    try:
+        stream.send_message(DirGet(path=remote))  # not ended: credit flows back
+        info = await stream.expect(FileInfo)
+        hasher = hashlib.sha256()
+        received = 0
+        async with unpack_from(temp, info.size, hasher) as feed:
+            while chunk := await stream.read_data():
+                received += len(chunk)
+                if received > info.size:
+                    raise ProtocolError(f"{peer.name} sent more than the folder's size")
+                await feed(chunk)
+            await feed(None)
+        try:
+            done = await stream.expect(FileDone)
+            if received != info.size or done.sha256 != hasher.digest():
+                raise ProtocolError(f"the copy of {peer.name}:{remote} did not match its SHA-256")
+            await in_thread(_place, temp, dest)
+        finally:
+            await in_thread(_remove, temp)
+    finally:
+        with contextlib.suppress(Exception):
+            stream.finish()
+        session.link.forget_stream(stream.stream_id)
+    return received
+
+
+def _prepare_dest(dest: Path, temp: Path) -> None:
+    if dest.is_symlink() or (dest.exists() and not dest.is_dir()):
+        raise ConfigError(f"{dest} is not a folder")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    _remove(temp)
+
+
+def _place(temp: Path, dest: Path) -> None:
+    if not dest.exists():
+        os.rename(temp, dest)
+        return
+    _merge(temp, dest)
+
+
+def _merge(source: Path, dest: Path) -> None:
+    for entry in os.scandir(source):
+        target = dest / entry.name
+        is_dir = entry.is_dir(follow_symlinks=False)
+        target_is_dir = target.is_dir() and not target.is_symlink()
+        if is_dir and target_is_dir:
+            _merge(Path(entry.path), target)
+            continue
+        if target_is_dir:
+            shutil.rmtree(target)
+        elif is_dir and (target.exists() or target.is_symlink()):
+            target.unlink()
+        os.replace(entry.path, target)
+
+
+def _remove(path: Path) -> None:
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path, ignore_errors=True)

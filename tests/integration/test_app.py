@@ -1,0 +1,234 @@
+"""`gpumesh app sync|run|pull` against a real `gpumesh share` process and real Docker,
+and the sandbox checks of app names and job folders in-process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import docker
+import pytest
+
+from gpumesh.client.apps import sync_app
+from gpumesh.errors import AccessDeniedError, ConfigError
+from gpumesh.protocol.messages import JobAccepted, JobSubmit
+from gpumesh.runtime.base import LABEL_NODE
+from tests.integration.conftest import arun, gpumesh, pair_both, sharing
+from tests.integration.test_cli import _free_udp_port, _init, _one_line_error, _start_share
+
+pytestmark = pytest.mark.usefixtures("docker_daemon")
+
+IMAGE = os.environ.get("GPUMESH_TEST_DOCKER_IMAGE", "gpumesh-test/busybox:1")
+
+
+@pytest.fixture
+def pair(tmp_path: Path):
+    """alice shares (as a real process), bob is paired with her both ways."""
+    alice, bob = tmp_path / "a", tmp_path / "b"
+    _init(alice, "alice-pc", _free_udp_port())
+    _init(bob, "bob-laptop")
+    for home in (alice, bob):
+        assert gpumesh(home, "config", "set", "image", IMAGE).returncode == 0
+    share = _start_share(alice)
+    assert gpumesh(bob, "pair", gpumesh(alice, "pair-code").stdout.strip()).returncode == 0
+    assert gpumesh(alice, "pair", gpumesh(bob, "pair-code").stdout.strip()).returncode == 0
+    yield alice, bob
+    if share.poll() is None:
+        share.send_signal(signal.SIGINT)
+        share.wait(timeout=15)
+    for pipe in (share.stdout, share.stderr):
+        if pipe is not None:
+            pipe.close()
+    node_id = json.loads(gpumesh(alice, "status", "--json").stdout)["node_id"]
+    client = docker.from_env()
+    for container in client.containers.list(all=True, filters={"label": f"{LABEL_NODE}={node_id}"}):
+        container.remove(force=True)
+    client.close()
+
+
+def _node_id(home: Path) -> str:
+    return str(json.loads(gpumesh(home, "status", "--json").stdout)["node_id"])
+
+
+def _app_on(alice: Path, bob: Path, name: str) -> Path:
+    return alice / "files" / _node_id(bob) / "apps" / name
+
+
+def _sync(bob: Path, project: Path, *extra: str) -> dict[str, object]:
+    result = gpumesh(
+        bob, "app", "sync", "--peer", "alice-pc", "--dir", str(project), "--json", *extra
+    )
+    assert result.returncode == 0, result.stderr
+    data: dict[str, object] = json.loads(result.stdout)
+    return data
+
+
+def _project(root: Path) -> Path:
+    project = root / "proj"
+    (project / "sub").mkdir(parents=True)
+    (project / "a.txt").write_text("alpha\n")
+    (project / "sub" / "big.bin").write_bytes(os.urandom(300_000))
+    (project / "c.txt").write_text("charlie\n")
+    return project
+
+
+def test_sync_sends_only_changes_and_propagates_deletions(pair, tmp_path: Path) -> None:
+    alice, bob = pair
+    project = _project(tmp_path)
+    first = _sync(bob, project)
+    assert first["files_sent"] == 3 and first["files_unchanged"] == 0
+    app = _app_on(alice, bob, "proj")
+    assert (app / "sub" / "big.bin").read_bytes() == (project / "sub" / "big.bin").read_bytes()
+
+    again = _sync(bob, project)
+    assert (again["files_sent"], again["bytes_sent"], again["files_unchanged"]) == (0, 0, 3)
+
+    (project / "c.txt").write_text("charlie, changed\n")
+    changed = _sync(bob, project)
+    assert changed["sent"] == ["c.txt"]
+    assert changed["files_unchanged"] == 2
+    assert 0 < int(str(changed["bytes_sent"])) < 10_000  # big.bin did not travel again
+    assert (app / "c.txt").read_text() == "charlie, changed\n"
+
+    (project / "sub" / "big.bin").unlink()
+    (project / "new.txt").write_text("new\n")
+    deleted = _sync(bob, project)
+    assert deleted["deleted"] == ["sub/big.bin"] and deleted["sent"] == ["new.txt"]
+    assert not (app / "sub" / "big.bin").exists()
+    assert (app / "new.txt").read_text() == "new\n"
+
+
+def test_dry_run_lists_skipped_files_with_their_rules_and_sends_nothing(
+    pair, tmp_path: Path
+) -> None:
+    alice, bob = pair
+    project = _project(tmp_path)
+    (project / ".gpumeshignore").write_text("# logs stay here\n*.log\n")
+    (project / "run.log").write_text("noise\n")
+    (project / "__pycache__").mkdir()
+    (project / "__pycache__" / "x.pyc").write_bytes(b"\0")
+    data = _sync(bob, project, "--dry-run")
+    assert data["bytes_sent"] == 0
+    assert sorted(data["sent"]) == [".gpumeshignore", "a.txt", "c.txt", "sub/big.bin"]  # type: ignore[arg-type]
+    skipped = {item["path"]: item["rule"] for item in data["skipped"]}  # type: ignore[attr-defined]
+    assert skipped["run.log"] == ".gpumeshignore:2 '*.log'"
+    assert skipped["__pycache__/"] == "default rule '__pycache__/'"
+    app = _app_on(alice, bob, "proj")
+    assert not app.exists()
+    text = gpumesh(bob, "app", "sync", "--peer", "alice-pc", "--dir", str(project), "--dry-run")
+    assert text.returncode == 0
+    assert "skip    run.log  (.gpumeshignore:2 '*.log')" in text.stdout
+    assert "nothing sent" in text.stdout
+
+
+def test_app_run_pulls_the_output_folder_back_and_app_pull_fetches_it_later(
+    pair, tmp_path: Path
+) -> None:
+    alice, bob = pair
+    project = _project(tmp_path)
+    out = tmp_path / "renders"
+    script = (
+        "mkdir -p renders && head -c 70000 /dev/urandom > renders/frame.bin "
+        "&& cp a.txt renders/a-copy.txt && echo rendered && exit 3"
+    )
+    result = gpumesh(
+        bob,
+        "app",
+        "run",
+        "--peer",
+        "alice-pc",
+        "--dir",
+        str(project),
+        "--out",
+        str(out),
+        "--image",
+        IMAGE,
+        "--",
+        "sh",
+        "-c",
+        script,
+        timeout=60,
+    )
+    assert result.returncode == 3, result.stderr
+    assert "rendered" in result.stdout
+    remote = _app_on(alice, bob, "proj") / "renders"
+    assert (out / "frame.bin").read_bytes() == (remote / "frame.bin").read_bytes()
+    assert len((out / "frame.bin").read_bytes()) == 70000
+    assert (out / "a-copy.txt").read_text() == "alpha\n"
+
+    jobs = json.loads(gpumesh(bob, "jobs", "--json").stdout)
+    job_id = next(job["job_id"] for job in jobs if job["role"] == "submitted")
+    later = tmp_path / "later"
+    pulled = gpumesh(bob, "app", "pull", "--peer", "alice-pc", "--job", job_id, "--dir", str(later))
+    assert pulled.returncode == 0, pulled.stderr
+    assert (later / "renders" / "frame.bin").read_bytes() == (out / "frame.bin").read_bytes()
+    assert (later / "a.txt").read_text() == "alpha\n"
+
+
+def test_app_run_out_without_the_folder_is_one_clear_error(pair, tmp_path: Path) -> None:
+    _alice, bob = pair
+    project = _project(tmp_path)
+    result = gpumesh(
+        bob,
+        "app",
+        "run",
+        "--peer",
+        "alice-pc",
+        "--dir",
+        str(project),
+        "--out",
+        str(tmp_path / "renders"),
+        "-q",
+        "--",
+        "true",
+        timeout=60,
+    )
+    _one_line_error(result, 1, "the job produced no folder renders/")
+    assert not (tmp_path / "renders").exists()
+
+
+def test_app_names_and_job_folders_stay_inside_the_sandbox(make_node, tmp_path: Path) -> None:
+    alice, bob = make_node("alice"), make_node("bob")
+    pair_both(alice, bob)
+    project = _project(tmp_path)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+
+    async def scenario() -> None:
+        async with sharing(alice) as agent:
+            host, port = agent.address
+            bob.home.store.touch_peer(bob.peer("alice").node_id, address=f"{host}:{port}")
+            for name in ("..", "../escape", "a/b", ".hidden"):
+                with pytest.raises((AccessDeniedError, ConfigError)):
+                    await sync_app(bob, "alice", project, name=name)
+            apps = alice.home.path / "files" / str(bob.info().node_id) / "apps"
+            apps.mkdir(parents=True, exist_ok=True)
+            (apps / "evil").symlink_to(outside)
+            with pytest.raises(AccessDeniedError):
+                await sync_app(bob, "alice", project, name="evil")
+            assert not any(outside.iterdir())
+            async with bob.session("alice") as session:
+                for number, where in enumerate(("/apps/evil", "/../..", "/")):
+                    stream = session.open_stream()
+                    stream.send_message(
+                        JobSubmit(
+                            job_id=f"escape{number:04d}",
+                            image=IMAGE,
+                            command=["true"],
+                            env={},
+                            workdir_bytes=0,
+                            gpu_memory=0,
+                            retries=0,
+                            timeout=0,
+                            attach=False,
+                            sandbox_dir=where,
+                        ),
+                        end=True,
+                    )
+                    with pytest.raises(AccessDeniedError):
+                        await stream.expect(JobAccepted)
+            assert not any(outside.iterdir())
+
+    arun(scenario())
