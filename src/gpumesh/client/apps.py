@@ -60,6 +60,8 @@ class SyncResult:
     dry_run: bool
     bytes_sent: int = 0
     """Bytes of tar sent (0 on a dry run)."""
+    manifest_bytes: int = 0
+    """Bytes of the manifest sent (the list of files and their hashes)."""
     sent: list[str] = field(default_factory=list)
     """Files sent (on a dry run: that would be sent)."""
     deleted: list[str] = field(default_factory=list)
@@ -148,6 +150,7 @@ async def sync_app(
     plan, entries, by_path = await in_thread(_manifest, node, folder)
     result = SyncResult(peer.name, app_folder(name), dry_run, skipped=list(plan.skipped))
     manifest = json.dumps({"files": [list(entry) for entry in entries]}).encode()
+    result.manifest_bytes = len(manifest)
     async with node.session(peer.node_id) as session:
         stream = session.open_stream()
         try:
