@@ -266,7 +266,6 @@ class JobService:
             workdir = str(folder)
         gpus = await in_thread(self._assign_gpus, message.gpu_memory, message.gpu)
         await self._check_runtime(message.image)
-        now = time.time()
         record = JobRecord(
             role=HOSTED,
             job_id=message.job_id,
@@ -280,17 +279,7 @@ class JobService:
             retries=message.retries,
             timeout=message.timeout,
             workdir=workdir,
-            state=JobState.QUEUED,
-            attempt=0,
-            exit_code=None,
-            message="",
-            cancel_requested=False,
-            container_id="",
-            log_cursor={},
-            last_seq=0,
-            created_at=now,
-            started_at=None,
-            finished_at=None,
+            created_at=time.time(),
         )
         self.store.add_job(record)
         run = _Run(record)

@@ -172,17 +172,7 @@ async def run_job(
                 retries=spec.retries,
                 timeout=spec.timeout,
                 workdir=str(spec.workdir or ""),
-                state="queued",
-                attempt=0,
-                exit_code=None,
-                message="",
-                cancel_requested=False,
-                container_id="",
-                log_cursor={},
-                last_seq=0,
                 created_at=time.time(),
-                started_at=None,
-                finished_at=None,
             )
         )
         callbacks.accepted(accepted)

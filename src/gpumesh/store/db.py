@@ -13,7 +13,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -199,19 +199,19 @@ class JobRecord:
     timeout: float
     workdir: str
     """Hosted: the unpacked workdir on this machine; submitted: the local folder sent."""
-    state: str
-    attempt: int
-    exit_code: int | None
-    message: str
-    cancel_requested: bool
-    container_id: str
-    log_cursor: dict[str, list[object]]
-    """Hosted: per stream, where the engine's log was read up to."""
-    last_seq: int
-    """Hosted: last event written; submitted: last event received."""
     created_at: float
-    started_at: float | None
-    finished_at: float | None
+    state: str = "queued"
+    attempt: int = 0
+    exit_code: int | None = None
+    message: str = ""
+    cancel_requested: bool = False
+    container_id: str = ""
+    log_cursor: dict[str, list[object]] = field(default_factory=dict)
+    """Hosted: per stream, where the engine's log was read up to."""
+    last_seq: int = 0
+    """Hosted: last event written; submitted: last event received."""
+    started_at: float | None = None
+    finished_at: float | None = None
     peak_gpu_memory: int = 0
     """Most GPU memory the job's processes used at once (sampled while running)."""
 
