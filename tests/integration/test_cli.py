@@ -270,7 +270,9 @@ def test_config_refuses_unknown_keys_and_bad_values(bob_home: Path) -> None:
 
 
 def test_help_has_examples_everywhere() -> None:
-    for command in ("", "init", "pair", "pair-code", "peers", "connect", "share", "config"):
+    from gpumesh.cli.main import COMMANDS
+
+    for command in ("", *COMMANDS):
         args = [command, "--help"] if command else ["--help"]
         result = gpumesh(Path("/nonexistent"), *args)
         assert result.returncode == 0, result.stderr

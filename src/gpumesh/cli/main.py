@@ -17,7 +17,7 @@ __all__ = ["cli", "main"]
 # name -> (module, attribute, short help shown in `gpumesh --help`)
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "init": ("gpumesh.cli.init", "init", "Create this node's identity and config."),
-    "status": ("gpumesh.cli.status", "status", "Show this node: identity, sharing, peers."),
+    "status": ("gpumesh.cli.status", "status", "Show this node: sharing, GPUs, jobs, peers."),
     "gpu": ("gpumesh.cli.gpu", "gpu", "Show this machine's NVIDIA GPUs."),
     "doctor": ("gpumesh.cli.doctor", "doctor", "Check what this node needs and how to fix it."),
     "config": ("gpumesh.cli.config", "config", "Show or change settings."),

@@ -10,7 +10,7 @@ from gpumesh.cli._common import emit_json, get_node
 @click.command(epilog="\b\nExamples:\n  gpumesh status\n  gpumesh status --json")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable output.")
 def status(as_json: bool) -> None:
-    """Show this node: identity, whether it is sharing, peers."""
+    """Show this node: identity, whether it is sharing, GPUs, running jobs, peers."""
     node = get_node()
     st = node.status()
     if as_json:
