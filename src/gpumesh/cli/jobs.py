@@ -52,12 +52,7 @@ def jobs(limit: int, as_json: bool) -> None:
 
     colors = {"succeeded": "green", "failed": "red", "cancelled": "yellow", "running": "cyan"}
     now = time.time()
-    table = Table(box=None, pad_edge=False)
-    for column in ("ID", "PEER", "STATE", "EXIT", "ATTEMPT", "GPU"):
-        table.add_column(column, no_wrap=True)
-    table.add_column("COMMAND", no_wrap=True, overflow="ellipsis", max_width=40)
-    for column in ("CREATED", "TIME"):
-        table.add_column(column, no_wrap=True)
+    rows = []
     for j in records:
         peer = f"→ {j.peer_name}" if j.role == "submitted" else f"← {j.peer_name}"
         color = colors.get(j.state, "white")
@@ -68,15 +63,40 @@ def jobs(limit: int, as_json: bool) -> None:
             asked = format_size(j.gpu_memory) if j.gpu_memory else "?"
             peak = format_size(j.peak_gpu_memory) if j.peak_gpu_memory else "?"
             gpu += f" {asked}/{peak}"
-        table.add_row(
-            j.job_id,
-            escape(peer),
-            f"[{color}]{j.state}[/{color}]",
-            "-" if j.exit_code is None else str(j.exit_code),
-            f"{j.attempt}/{j.retries + 1}",
-            gpu,
-            escape(command[:40]),
-            f"{format_duration(now - j.created_at)} ago",
-            format_duration(j.duration) if j.duration is not None else "-",
+        rows.append(
+            (
+                j.job_id,
+                peer,
+                (j.state, color),
+                "-" if j.exit_code is None else str(j.exit_code),
+                f"{j.attempt}/{j.retries + 1}",
+                gpu,
+                command[:40],
+                f"{format_duration(now - j.created_at)} ago",
+                format_duration(j.duration) if j.duration is not None else "-",
+            )
         )
-    Console().print(table)
+    headers = ("ID", "PEER", "STATE", "EXIT", "ATTEMPT", "GPU", "COMMAND", "CREATED", "TIME")
+    widths = []
+    for index, header in enumerate(headers):
+        cells = [row[index][0] if isinstance(row[index], tuple) else row[index] for row in rows]
+        widths.append(max(len(header), *(len(str(cell)) for cell in cells)))
+    console = Console()
+    # COMMAND is the one column that gives way on a narrow terminal.
+    others = sum(w for h, w in zip(headers, widths, strict=True) if h != "COMMAND")
+    command_width = max(7, min(widths[6], console.width - others - 2 * (len(headers) - 1)))
+    table = Table(box=None, pad_edge=False)
+    for header, width in zip(headers, widths, strict=True):
+        if header == "COMMAND":
+            table.add_column(header, no_wrap=True, overflow="ellipsis", width=command_width)
+        else:
+            table.add_column(header, no_wrap=True, min_width=width)
+    for row in rows:
+        state, color = row[2]
+        table.add_row(
+            row[0],
+            escape(row[1]),
+            f"[{color}]{state}[/{color}]",
+            *(escape(str(cell)) for cell in row[3:]),
+        )
+    console.print(table)
