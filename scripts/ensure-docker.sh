@@ -44,6 +44,18 @@ static_busybox() { [ -x /bin/busybox ] && ! ldd /bin/busybox >/dev/null 2>&1; }
 
 docker_up() { docker info >/dev/null 2>&1; }
 
+# Whether the pid in file $1 is a live process named $2. kill -0 alone is not
+# enough: a killed daemon can linger as a zombie, and a pid can be reused.
+pidfile_running() {
+  local pid
+  pid=$(cat "$1" 2>/dev/null) || return 1
+  [ -n "$pid" ] && [ -r "/proc/$pid/stat" ] || return 1
+  [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$2" ] || return 1
+  # Field 3 of /proc/PID/stat is the state; Z (zombie) and X (dead) do not count.
+  case "$(sed 's/^.*) //' "/proc/$pid/stat" | cut -d' ' -f1)" in Z | X) return 1 ;; esac
+}
+ours_running() { pidfile_running "$PIDFILE" dockerd; }
+
 mkdir -p "$STATE_DIR"
 
 # 1. Packages. iptables is needed even when a daemon already runs: dockerd
@@ -61,10 +73,19 @@ fi
 # 2. The daemon. Installing docker.io may have started it through systemd;
 # only start our own if nothing answers yet, and never start a second one of ours.
 if ! docker_up; then
-  if [ -f "$PIDFILE" ] && kill -0 "$(cat "$PIDFILE")" 2>/dev/null; then
+  if ours_running; then
     log "dockerd (pid $(cat "$PIDFILE")) already starting; waiting"
   else
     [ "$(id -u)" = 0 ] || die "docker daemon not reachable and not root, cannot start dockerd"
+    # A daemon killed earlier (e.g. when the previous session ended) leaves its
+    # pid file behind, and dockerd refuses to start while that pid exists, even
+    # as a zombie. Remove pid files whose process is not a running daemon.
+    for stale in /var/run/docker.pid:dockerd /var/run/docker/containerd/containerd.pid:containerd; do
+      file=${stale%%:*}
+      if [ -f "$file" ] && ! pidfile_running "$file" "${stale##*:}"; then
+        rm -f "$file"
+      fi
+    done
     log "starting dockerd (log: $LOG)"
     # setsid + nohup + </dev/null: the daemon outlives this script and a Ctrl-C
     # of the test run, and holds no pipe of the caller open (CI waits on those).
@@ -74,7 +95,7 @@ if ! docker_up; then
   fi
   for _ in $(seq 240); do   # 240 x 0.25 s = 60 s
     docker_up && break
-    kill -0 "$(cat "$PIDFILE")" 2>/dev/null || break   # daemon died: stop waiting
+    ours_running || break   # daemon died: stop waiting
     sleep 0.25
   done
   if ! docker_up; then
