@@ -350,7 +350,30 @@ async def _finish_task(task: asyncio.Task[Any]) -> None:
         await task
 
 
-class _FileUpload(_Copy):
+class _Upload(_Copy):
+    """What file and folder uploads share: where the copy lands."""
+
+    target: str | None = None
+    size = 0
+
+    async def settle_target(self, session: Session) -> str:
+        """Decide the remote path once: into a remote folder under the local name, as cp does."""
+        if self.target is not None:
+            return self.target
+        target = self.remote
+        if _is_folder_path(target):
+            target = _into(target, _name_of(self.local))
+        else:
+            info = await self.stat_remote(session, target)
+            if info.exists and info.kind == "dir":
+                target = _into(target, _name_of(self.local))
+        self.target = target
+        self.result.remote = _shown(target)
+        self.callbacks.started(f"{self.local} -> {self.remote_label(target)}", self.size)
+        return target
+
+
+class _FileUpload(_Upload):
     direction = "upload"
     kind = "file"
 
@@ -369,7 +392,6 @@ class _FileUpload(_Copy):
         self.size = st.st_size
         self.result.size = self.size
         self.digest: bytes | None = None
-        self.target: str | None = None
         self.hashing: asyncio.Future[bytes] | None = None
 
     async def prepare(self) -> None:
@@ -382,17 +404,7 @@ class _FileUpload(_Copy):
     async def attempt(self, session: Session) -> None:
         from gpumesh.files.transfer import file_chunks, worker
 
-        if self.target is None:
-            target = self.remote
-            if _is_folder_path(target):
-                target = _into(target, _name_of(self.local))
-            else:
-                info = await self.stat_remote(session, target)
-                if info.exists and info.kind == "dir":
-                    target = _into(target, _name_of(self.local))
-            self.target = target
-            self.result.remote = _shown(target)
-            self.callbacks.started(f"{self.local} -> {self.remote_label(target)}", self.size)
+        target = await self.settle_target(session)
         if self.digest is None:
             assert self.hashing is not None
             self.digest = await self.hashing
@@ -400,7 +412,7 @@ class _FileUpload(_Copy):
         stream = session.open_stream()
         stream.send_message(
             FilePut(
-                path=self.target,
+                path=target,
                 size=self.size,
                 mode=stat.S_IMODE(self.st.st_mode),
                 sha256=self.digest,
@@ -464,7 +476,7 @@ def _check_unchanged(path: Path, now: os.stat_result, before: os.stat_result) ->
         raise ConfigError(f"{path} changed while it was being copied; copy it again")
 
 
-class _FolderUpload(_Copy):
+class _FolderUpload(_Upload):
     direction = "upload"
     kind = "dir"
 
@@ -476,24 +488,13 @@ class _FolderUpload(_Copy):
         self.size = await in_thread(tar_size, self.plan)
         self.result.size = self.size
         self.result.skipped = [f"{s.path}: {s.reason}" for s in self.plan.skipped]
-        self.target: str | None = None
 
     async def attempt(self, session: Session) -> None:
         from gpumesh.files.transfer import tar_chunks
 
-        if self.target is None:
-            target = self.remote
-            if _is_folder_path(target):
-                target = _into(target, _name_of(self.local))
-            else:
-                info = await self.stat_remote(session, target)
-                if info.exists and info.kind == "dir":
-                    target = _into(target, _name_of(self.local))
-            self.target = target
-            self.result.remote = _shown(target)
-            self.callbacks.started(f"{self.local} -> {self.remote_label(target)}", self.size)
+        target = await self.settle_target(session)
         stream = session.open_stream()
-        stream.send_message(DirPut(path=self.target, size=self.size))
+        stream.send_message(DirPut(path=target, size=self.size))
         await self.within(RESPONSE_TIMEOUT, stream.expect(FileResume))
         self.result.offsets.append(0)
         self.done = 0
