@@ -82,3 +82,41 @@ def gpumesh(home: Path, *args: str, timeout: float = 30) -> subprocess.Completed
         timeout=timeout,
         check=False,
     )
+
+
+@pytest.fixture
+def pair(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+    """alice shares (as a real `gpumesh share` process), bob is paired with her both ways.
+
+    Both use the offline test image by default (the submitter's default image is
+    the one a job gets); alice's job containers are removed afterwards.
+    """
+    import json
+    import signal
+
+    import docker
+
+    from gpumesh.runtime.base import LABEL_NODE
+    from tests.integration.test_cli import _free_udp_port, _init, _start_share
+
+    image = os.environ.get("GPUMESH_TEST_DOCKER_IMAGE", "gpumesh-test/busybox:1")
+    alice, bob = tmp_path / "a", tmp_path / "b"
+    _init(alice, "alice-pc", _free_udp_port())
+    _init(bob, "bob-laptop")
+    for home in (alice, bob):
+        assert gpumesh(home, "config", "set", "image", image).returncode == 0
+    share = _start_share(alice)
+    assert gpumesh(bob, "pair", gpumesh(alice, "pair-code").stdout.strip()).returncode == 0
+    assert gpumesh(alice, "pair", gpumesh(bob, "pair-code").stdout.strip()).returncode == 0
+    yield alice, bob
+    if share.poll() is None:
+        share.send_signal(signal.SIGINT)
+        share.wait(timeout=15)
+    for pipe in (share.stdout, share.stderr):
+        if pipe is not None:
+            pipe.close()
+    node_id = json.loads(gpumesh(alice, "status", "--json").stdout)["node_id"]
+    client = docker.from_env()
+    for container in client.containers.list(all=True, filters={"label": f"{LABEL_NODE}={node_id}"}):
+        container.remove(force=True)
+    client.close()

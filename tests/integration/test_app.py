@@ -5,47 +5,19 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 from pathlib import Path
 
-import docker
 import pytest
 
 from gpumesh.client.apps import sync_app
 from gpumesh.errors import AccessDeniedError, ConfigError
 from gpumesh.protocol.messages import JobAccepted, JobSubmit
-from gpumesh.runtime.base import LABEL_NODE
 from tests.integration.conftest import arun, gpumesh, pair_both, sharing
-from tests.integration.test_cli import _free_udp_port, _init, _one_line_error, _start_share
+from tests.integration.test_cli import _one_line_error
 
 pytestmark = pytest.mark.usefixtures("docker_daemon")
 
 IMAGE = os.environ.get("GPUMESH_TEST_DOCKER_IMAGE", "gpumesh-test/busybox:1")
-
-
-@pytest.fixture
-def pair(tmp_path: Path):
-    """alice shares (as a real process), bob is paired with her both ways."""
-    alice, bob = tmp_path / "a", tmp_path / "b"
-    _init(alice, "alice-pc", _free_udp_port())
-    _init(bob, "bob-laptop")
-    for home in (alice, bob):
-        assert gpumesh(home, "config", "set", "image", IMAGE).returncode == 0
-    share = _start_share(alice)
-    assert gpumesh(bob, "pair", gpumesh(alice, "pair-code").stdout.strip()).returncode == 0
-    assert gpumesh(alice, "pair", gpumesh(bob, "pair-code").stdout.strip()).returncode == 0
-    yield alice, bob
-    if share.poll() is None:
-        share.send_signal(signal.SIGINT)
-        share.wait(timeout=15)
-    for pipe in (share.stdout, share.stderr):
-        if pipe is not None:
-            pipe.close()
-    node_id = json.loads(gpumesh(alice, "status", "--json").stdout)["node_id"]
-    client = docker.from_env()
-    for container in client.containers.list(all=True, filters={"label": f"{LABEL_NODE}={node_id}"}):
-        container.remove(force=True)
-    client.close()
 
 
 def _node_id(home: Path) -> str:
