@@ -64,6 +64,7 @@ from gpumesh.files.transfer import (
     file_chunks,
     hash_file,
     inside,
+    merge_into,
     swallow,
     tar_chunks,
     unpack_from,
@@ -654,23 +655,7 @@ def _place_folder(temp: Path, target: Path, where: str) -> None:
         return
     if not target.is_dir() or target.is_symlink():
         raise ConfigError(f"{where} is not a folder: pick another name")
-    _merge(temp, target)
-
-
-def _merge(source: Path, dest: Path) -> None:
-    """Move ``source``'s entries into ``dest``: folders merge, anything else replaces."""
-    for entry in os.scandir(source):
-        target = dest / entry.name
-        is_dir = entry.is_dir(follow_symlinks=False)
-        target_is_dir = target.is_dir() and not target.is_symlink()
-        if is_dir and target_is_dir:
-            _merge(Path(entry.path), target)
-            continue
-        if target_is_dir:
-            shutil.rmtree(target)
-        elif is_dir and (target.exists() or target.is_symlink()):
-            target.unlink()  # os.replace cannot put a folder over a file
-        os.replace(entry.path, target)
+    merge_into(temp, target)
 
 
 def _stored_bytes(sandbox: Path, partials: Path, busy: set[str]) -> int:

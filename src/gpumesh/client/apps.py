@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from gpumesh.blocking import in_thread
 from gpumesh.errors import ConfigError, NotFoundError, ProtocolError
+from gpumesh.files.transfer import merge_into
 from gpumesh.protocol.messages import (
     AppJobDir,
     AppJobDirReply,
@@ -313,22 +314,7 @@ def _place(temp: Path, dest: Path) -> None:
     if not dest.exists():
         os.rename(temp, dest)
         return
-    _merge(temp, dest)
-
-
-def _merge(source: Path, dest: Path) -> None:
-    for entry in os.scandir(source):
-        target = dest / entry.name
-        is_dir = entry.is_dir(follow_symlinks=False)
-        target_is_dir = target.is_dir() and not target.is_symlink()
-        if is_dir and target_is_dir:
-            _merge(Path(entry.path), target)
-            continue
-        if target_is_dir:
-            shutil.rmtree(target)
-        elif is_dir and (target.exists() or target.is_symlink()):
-            target.unlink()
-        os.replace(entry.path, target)
+    merge_into(temp, dest)
 
 
 def _remove(path: Path) -> None:

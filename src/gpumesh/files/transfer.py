@@ -38,6 +38,7 @@ __all__ = [
     "file_chunks",
     "hash_file",
     "inside",
+    "merge_into",
     "swallow",
     "tar_chunks",
     "unpack_from",
@@ -482,3 +483,19 @@ async def unpack_from(
                 await asyncio.wait({unpacking}, timeout=0.05)
             if not unpacking.cancelled() and unpacking.exception() is None:
                 await in_thread(shutil.rmtree, dest, True)
+
+
+def merge_into(source: Path, dest: Path) -> None:
+    """Move ``source``'s entries into ``dest``: folders merge, anything else replaces."""
+    for entry in os.scandir(source):
+        target = dest / entry.name
+        is_dir = entry.is_dir(follow_symlinks=False)
+        target_is_dir = target.is_dir() and not target.is_symlink()
+        if is_dir and target_is_dir:
+            merge_into(Path(entry.path), target)
+            continue
+        if target_is_dir:
+            shutil.rmtree(target)
+        elif is_dir and (target.exists() or target.is_symlink()):
+            target.unlink()  # os.replace cannot put a folder over a file
+        os.replace(entry.path, target)
