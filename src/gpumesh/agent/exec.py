@@ -21,6 +21,7 @@ import contextlib
 import logging
 import secrets
 import threading
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from gpumesh.blocking import in_thread
@@ -50,7 +51,6 @@ from gpumesh.runtime.base import (
     JobRuntime,
     Terminal,
 )
-from gpumesh.units import parse_size
 
 if TYPE_CHECKING:
     from gpumesh.agent.server import Agent, RequestContext
@@ -105,7 +105,7 @@ class ExecService:
         for key in message.env:
             if key.upper().startswith("NVIDIA_"):
                 raise LimitError(f"{key} may not be set: the provider decides GPU access")
-        await self._check_image(message.image)
+        await self.agent.jobs.check_image(message.image)
         spec = self.container_spec(ctx.peer, message)
         runtime = self.runtime
         container_id = await in_thread(runtime.create_interactive, spec, message.tty)
@@ -137,8 +137,6 @@ class ExecService:
 
     def container_spec(self, peer: Peer, message: ExecStart) -> ContainerSpec:
         """The locked-down container for one shell: a job's limits, no host path, no GPU."""
-        config = self.agent.home.config
-        network = str(config.get("job_network"))
         return ContainerSpec(
             image=message.image,
             command=list(message.command),
@@ -149,20 +147,8 @@ class ExecService:
                 LABEL_KIND: KIND_EXEC,
             },
             name=f"gpumesh-exec-{secrets.token_hex(6)}",
-            memory=parse_size(str(config.get("job_memory"))),
-            pids_limit=int(config.get("job_pids_limit")),
-            cpus=float(config.get("job_cpus")),
-            network="none" if network == "none" else "bridge",
+            **asdict(self.agent.jobs.limits()),
         )
-
-    async def _check_image(self, image: str) -> None:
-        name = self.agent.name
-        try:
-            await in_thread(self.runtime.ensure_image, image)
-        except GPUMeshError as exc:
-            # The runtime speaks of "this machine"; the consumer needs to know which one.
-            text = exc.message.replace("this machine", name)
-            raise type(exc)(text if name in text else f"{name}: {text}") from None
 
     async def _resize(self, container_id: str, rows: int, cols: int) -> None:
         try:

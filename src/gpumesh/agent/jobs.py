@@ -24,8 +24,9 @@ import os
 import shutil
 import time
 from collections.abc import Iterator
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 from gpumesh.agent.jobstate import FINAL_STATES, Decision, JobMachine, JobState
 from gpumesh.blocking import in_thread
@@ -102,6 +103,16 @@ def _open_to_container(job_dir: Path, work: Path) -> None:
 def _state_data(state: str, exit_code: int | None, message: str, peak: int) -> bytes:
     info = {"state": state, "exit_code": exit_code, "message": message, "peak_gpu_memory": peak}
     return json.dumps(info).encode()
+
+
+@dataclass(frozen=True)
+class ContainerLimits:
+    """What every container run for a peer (job or shell) may use on this provider."""
+
+    memory: int
+    pids_limit: int
+    cpus: float
+    network: Literal["bridge", "none"]
 
 
 class _Run:
@@ -265,7 +276,7 @@ class JobService:
             folder = await in_thread(self.agent.apps.resolve_sandbox_dir, peer, message.sandbox_dir)
             workdir = str(folder)
         gpus = await in_thread(self._assign_gpus, message.gpu_memory, message.gpu)
-        await self._check_runtime(message.image)
+        await self.check_image(message.image)
         record = JobRecord(
             role=HOSTED,
             job_id=message.job_id,
@@ -423,7 +434,8 @@ class JobService:
             )
         return [str(best.index)]
 
-    async def _check_runtime(self, image: str) -> None:
+    async def check_image(self, image: str) -> None:
+        """Refuse, naming this provider, when ``image`` is neither here nor pullable."""
         name = self.agent.name
         try:
             await in_thread(self.runtime.ensure_image, image)
@@ -698,10 +710,19 @@ class JobService:
             self.store.append_job_event(run.job_id, run.machine.attempt, "stderr", text)
         await self._notify()
 
-    def container_spec(self, job: JobRecord, attempt: int) -> ContainerSpec:
-        """The locked-down container for one attempt of ``job``."""
+    def limits(self) -> ContainerLimits:
+        """This provider's limits for every container it runs for a peer (config job_*)."""
         config = self.agent.home.config
         network = str(config.get("job_network"))
+        return ContainerLimits(
+            memory=parse_size(str(config.get("job_memory"))),
+            pids_limit=int(config.get("job_pids_limit")),
+            cpus=float(config.get("job_cpus")),
+            network="none" if network == "none" else "bridge",
+        )
+
+    def container_spec(self, job: JobRecord, attempt: int) -> ContainerSpec:
+        """The locked-down container for one attempt of ``job``."""
         return ContainerSpec(
             image=job.image,
             command=list(job.command),
@@ -713,10 +734,7 @@ class JobService:
                 LABEL_ATTEMPT: str(attempt),
             },
             name=f"gpumesh-{job.job_id}-{attempt}",
-            memory=parse_size(str(config.get("job_memory"))),
-            pids_limit=int(config.get("job_pids_limit")),
-            cpus=float(config.get("job_cpus")),
-            network="none" if network == "none" else "bridge",
+            **asdict(self.limits()),
             workdir=job.workdir or None,
             gpu_ids=list(job.gpus),
         )
