@@ -23,7 +23,8 @@ exit codes; nothing here prints.
     ├── TransportError                transport
     │   ├── UnreachableError          unreachable
     │   ├── KeyMismatchError          key_mismatch
-    │   └── ConnectionLostError       connection_lost
+    │   ├── ConnectionLostError       connection_lost
+    │   └── RelayError                relay
     ├── ProtocolError                 protocol
     │   └── FrameTooLargeError        frame_too_large
     ├── RuntimeUnavailableError       runtime
@@ -57,6 +58,7 @@ __all__ = [
     "PeerError",
     "PeerKeyChangedError",
     "ProtocolError",
+    "RelayError",
     "RuntimeUnavailableError",
     "TransportError",
     "UnknownPeerError",
@@ -142,6 +144,12 @@ class KeyMismatchError(TransportError):
 
 class ConnectionLostError(TransportError):
     code = "connection_lost"
+
+
+class RelayError(TransportError):
+    """The relay refused or ended something (its named refusal is in the message)."""
+
+    code = "relay"
 
 
 class ProtocolError(GPUMeshError):

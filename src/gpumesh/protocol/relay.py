@@ -1,0 +1,391 @@
+"""The relay wire format: what nodes and ``gpumesh-relay`` say over UDP.
+
+Relay packets share a node's UDP socket with QUIC (the relay must see the
+same NAT mapping that peers will punch through). They are told apart by the
+first byte: every QUIC v1 packet has the fixed bit ``0x40`` set, every packet
+here starts with a type byte below ``0x40``, then ``b"GM"`` and the wire
+version. Anything else is not ours and is dropped.
+
+::
+
+    node                         relay                          peer (serving)
+    Hello ---------------------->                                   (no state kept)
+          <---------------------- Challenge(nonce = HMAC(secret, addr, minute), observed)
+    Register(key, nonce, sig, token proof, serving) -->
+          <---------------------- Registered(observed, limits) | Refused(code)
+    Connect(peer key, request) -->
+                                  Incoming(session, key, observed, candidates, secret) -->
+                                 <-- Accept(session, candidates) | Decline(session)
+          <---------------------- Connected(request, session, observed, candidates, secret)
+    Data(session, QUIC datagram) <------------------------------> Data(session, ...)
+    Close(session, code) <------------------------------------->
+    KeepAlive(seq) ------------->  <- KeepAliveAck(seq, registered, observed)
+
+    node <------------------------- Probe(session, tx, mac) --------------> peer
+          (sent straight to each other's candidates: UDP hole punching)
+
+``Data`` is binary (type, magic, version, u64 session, then the QUIC
+datagram) so forwarding costs one slice; every other packet is a msgpack
+struct with bounded fields. The relay never sees inside a ``Data`` payload:
+it is an encrypted QUIC packet between the two nodes.
+
+Nothing here does I/O or reads a clock.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import struct
+from typing import Annotated
+
+import msgspec
+
+from gpumesh.errors import ProtocolError
+
+__all__ = [
+    "DATA_HEADER",
+    "DEFAULT_RELAY_PORT",
+    "MAX_PACKET",
+    "REFUSALS",
+    "Accept",
+    "Challenge",
+    "Close",
+    "Connect",
+    "Connected",
+    "Decline",
+    "Hello",
+    "Incoming",
+    "KeepAlive",
+    "KeepAliveAck",
+    "Probe",
+    "ReachProbe",
+    "ReachTest",
+    "Refused",
+    "Register",
+    "Registered",
+    "RelayMessage",
+    "challenge_nonce",
+    "decode_data",
+    "decode_packet",
+    "encode_data",
+    "encode_packet",
+    "is_data",
+    "is_relay_packet",
+    "probe_mac",
+    "register_payload",
+    "token_proof",
+]
+
+DEFAULT_RELAY_PORT = 4799
+WIRE_VERSION = 1
+MAGIC = b"GM"
+MAX_PACKET = 1500
+"""Largest packet either side accepts (a QUIC datagram plus the Data header)."""
+MAX_CANDIDATES = 8
+REGISTER_DOMAIN = b"gpumesh-relay-register-v1\0"
+PROBE_DOMAIN = b"gpumesh-punch-probe-v1\0"
+
+# Type bytes: all below 0x40, so no QUIC v1 packet can look like one.
+T_HELLO = 0x01
+T_CHALLENGE = 0x02
+T_REGISTER = 0x03
+T_REGISTERED = 0x04
+T_REFUSED = 0x05
+T_CONNECT = 0x06
+T_INCOMING = 0x07
+T_ACCEPT = 0x08
+T_DECLINE = 0x09
+T_CONNECTED = 0x0A
+T_DATA = 0x0B
+T_CLOSE = 0x0C
+T_KEEPALIVE = 0x0D
+T_KEEPALIVE_ACK = 0x0E
+T_PROBE = 0x0F
+T_REACH_TEST = 0x10
+T_REACH_PROBE = 0x11
+
+_DATA = struct.Struct("!B2sBQ")
+DATA_HEADER = _DATA.size
+"""Bytes a relayed QUIC datagram grows by (13)."""
+
+REFUSALS: dict[str, str] = {
+    "malformed": "the relay could not read the packet",
+    "version": "the relay speaks another wire version",
+    "bad-nonce": "the registration answered a stale or foreign challenge",
+    "bad-signature": "the registration signature does not match the key",
+    "not-allowed": "this node is not on the relay's allowlist (or its token is wrong)",
+    "too-many-registrations": "the relay has no room for more nodes",
+    "too-many-per-ip": "too many nodes registered from this IP address",
+    "not-registered": "this address is not registered with the relay",
+    "unknown-peer": "the peer is not registered with the relay (is `gpumesh share` running there?)",
+    "peer-declined": "the peer declined the relayed connection",
+    "too-many-sessions": "this node has too many relayed sessions open",
+    "no-session": "the relayed session does not exist (it ended, or the relay restarted)",
+    "byte-cap": "the relayed session reached the relay's byte cap",
+    "time-cap": "the relayed session reached the relay's time cap",
+    "idle": "the relayed session was idle too long",
+    "closed": "the other end closed the relayed session",
+    "shutting-down": "the relay is shutting down",
+}
+"""Every refusal code the relay may send, with its meaning for people."""
+
+Key = Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]
+Nonce = Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]
+Secret = Annotated[bytes, msgspec.Meta(min_length=16, max_length=32)]
+Signature = Annotated[bytes, msgspec.Meta(min_length=64, max_length=64)]
+Mac = Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]
+AddressText = Annotated[str, msgspec.Meta(max_length=64)]
+Candidates = Annotated[list[AddressText], msgspec.Meta(max_length=MAX_CANDIDATES)]
+RefusalCode = Annotated[str, msgspec.Meta(max_length=32)]
+Text = Annotated[str, msgspec.Meta(max_length=256)]
+U32 = Annotated[int, msgspec.Meta(ge=0, lt=2**32)]
+U64 = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+NonNegative = Annotated[float, msgspec.Meta(ge=0)]
+
+
+class _Packet(msgspec.Struct, frozen=True, array_like=True):
+    pass
+
+
+class Hello(_Packet, frozen=True):
+    """Node -> relay: please send a challenge (the relay keeps no state)."""
+
+
+class Challenge(_Packet, frozen=True):
+    """Relay -> node: sign ``nonce``; ``observed`` is the node's address as the relay sees it."""
+
+    nonce: Nonce
+    observed: AddressText
+
+
+class Register(_Packet, frozen=True):
+    """Node -> relay: prove the key; ``serving`` nodes receive incoming sessions."""
+
+    public_key: Key
+    nonce: Nonce
+    signature: Signature
+    """Ed25519 over :func:`register_payload`."""
+    token_proof: bytes
+    """:func:`token_proof` of the relay's shared token, or empty."""
+    serving: bool
+    """True for `gpumesh share`; a short-lived dialer registers with False."""
+
+
+class Registered(_Packet, frozen=True):
+    """Relay -> node: the registration is accepted."""
+
+    observed: AddressText
+    keepalive: NonNegative
+    """Seconds between the node's keep-alives (the relay drops silent nodes)."""
+    session_bytes: U64
+    """Cap on bytes relayed per session (0: none)."""
+    session_seconds: NonNegative
+    """Cap on a session's lifetime (0: none)."""
+
+
+class Refused(_Packet, frozen=True):
+    """Relay -> node: a named refusal (a key of :data:`REFUSALS`)."""
+
+    code: RefusalCode
+    message: Text
+    session: U64 = 0
+    """The session or Connect request this ends, or 0."""
+
+
+class Connect(_Packet, frozen=True):
+    """Node -> relay: I want to talk to ``peer``; here is where I might be reached."""
+
+    request: U32
+    peer: Key
+    candidates: Candidates
+
+
+class Incoming(_Packet, frozen=True):
+    """Relay -> serving node: ``peer`` wants to talk (answer Accept or Decline)."""
+
+    session: U64
+    peer: Key
+    observed: AddressText
+    candidates: Candidates
+    secret: Secret
+    """Shared by both ends of the session: keys the punching probes."""
+
+
+class Accept(_Packet, frozen=True):
+    """Serving node -> relay: start forwarding."""
+
+    session: U64
+    candidates: Candidates
+
+
+class Decline(_Packet, frozen=True):
+    """Serving node -> relay: no (an unknown or denied peer)."""
+
+    session: U64
+
+
+class Connected(_Packet, frozen=True):
+    """Relay -> requesting node: the session is open."""
+
+    request: U32
+    session: U64
+    observed: AddressText
+    """The peer's address as the relay sees it."""
+    candidates: Candidates
+    secret: Secret
+
+
+class Close(_Packet, frozen=True):
+    """Either way: the session is over (``code`` from :data:`REFUSALS`, or ``closed``)."""
+
+    session: U64
+    code: RefusalCode
+    message: Text
+
+
+class KeepAlive(_Packet, frozen=True):
+    """Node -> relay: still here (also refreshes the NAT mapping)."""
+
+    seq: U32
+
+
+class KeepAliveAck(_Packet, frozen=True):
+    """Relay -> node: ``registered`` False means register again (the relay restarted)."""
+
+    seq: U32
+    registered: bool
+    observed: AddressText
+
+
+class Probe(_Packet, frozen=True):
+    """Node -> node, straight to a candidate address: a hole-punching probe."""
+
+    session: U64
+    tx: U64
+    reply: bool
+    """False for a probe, True for the answer to probe ``tx``."""
+    mac: Mac
+    """:func:`probe_mac` with the session secret: only the two ends can make one."""
+
+
+class ReachTest(_Packet, frozen=True):
+    """Node -> relay: send me a ReachProbe from another port (can strangers reach me?)."""
+
+    seq: U32
+
+
+class ReachProbe(_Packet, frozen=True):
+    """Relay (from a second port) -> node: arrives only if unsolicited traffic gets in."""
+
+    seq: U32
+
+
+RelayMessage = (
+    Hello
+    | Challenge
+    | Register
+    | Registered
+    | Refused
+    | Connect
+    | Incoming
+    | Accept
+    | Decline
+    | Connected
+    | Close
+    | KeepAlive
+    | KeepAliveAck
+    | Probe
+    | ReachTest
+    | ReachProbe
+)
+
+_TYPES: dict[type[_Packet], int] = {
+    Hello: T_HELLO,
+    Challenge: T_CHALLENGE,
+    Register: T_REGISTER,
+    Registered: T_REGISTERED,
+    Refused: T_REFUSED,
+    Connect: T_CONNECT,
+    Incoming: T_INCOMING,
+    Accept: T_ACCEPT,
+    Decline: T_DECLINE,
+    Connected: T_CONNECTED,
+    Close: T_CLOSE,
+    KeepAlive: T_KEEPALIVE,
+    KeepAliveAck: T_KEEPALIVE_ACK,
+    Probe: T_PROBE,
+    ReachTest: T_REACH_TEST,
+    ReachProbe: T_REACH_PROBE,
+}
+_DECODERS: dict[int, msgspec.msgpack.Decoder[_Packet]] = {
+    code: msgspec.msgpack.Decoder(cls) for cls, code in _TYPES.items()
+}
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+def is_relay_packet(data: bytes | memoryview) -> bool:
+    """True when ``data`` is one of ours rather than a QUIC packet."""
+    return len(data) >= 4 and data[0] < 0x40 and data[1:3] == MAGIC
+
+
+def encode_packet(message: RelayMessage) -> bytes:
+    header = bytes((_TYPES[type(message)],)) + MAGIC + bytes((WIRE_VERSION,))
+    return header + _ENCODER.encode(message)
+
+
+def decode_packet(data: bytes | memoryview) -> RelayMessage:
+    """Decode any packet but ``Data`` (see :func:`decode_data`); raise ProtocolError if bad."""
+    if len(data) > MAX_PACKET or not is_relay_packet(data):
+        raise ProtocolError("not a relay packet")
+    if data[3] != WIRE_VERSION:
+        raise ProtocolError(f"relay wire version {data[3]} is not {WIRE_VERSION}")
+    decoder = _DECODERS.get(data[0])
+    if decoder is None:
+        raise ProtocolError(f"unknown relay packet type {data[0]:#x}")
+    try:
+        message: RelayMessage = decoder.decode(data[4:])  # type: ignore[assignment]
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"malformed relay packet: {exc}") from None
+    return message
+
+
+def is_data(data: bytes | memoryview) -> bool:
+    return len(data) >= DATA_HEADER and data[0] == T_DATA and data[1:3] == MAGIC
+
+
+def encode_data(session: int, datagram: bytes | memoryview) -> bytes:
+    return _DATA.pack(T_DATA, MAGIC, WIRE_VERSION, session) + bytes(datagram)
+
+
+def decode_data(data: bytes | memoryview) -> tuple[int, bytes]:
+    """``(session, QUIC datagram)`` of a Data packet."""
+    if len(data) > MAX_PACKET or not is_data(data):
+        raise ProtocolError("not a relay data packet")
+    _, _, version, session = _DATA.unpack_from(data)
+    if version != WIRE_VERSION:
+        raise ProtocolError(f"relay wire version {version} is not {WIRE_VERSION}")
+    return session, bytes(data[DATA_HEADER:])
+
+
+def register_payload(nonce: bytes, public_key: bytes, serving: bool) -> bytes:
+    """What a registering node signs: domain, challenge, its key and its role."""
+    return REGISTER_DOMAIN + nonce + public_key + (b"\x01" if serving else b"\x00")
+
+
+def token_proof(token: str, nonce: bytes) -> bytes:
+    """Proof of the relay's shared token without sending it: HMAC-SHA256(token, nonce)."""
+    if not token:
+        return b""
+    return hmac.new(token.encode(), nonce, hashlib.sha256).digest()
+
+
+def challenge_nonce(secret: bytes, observed: str, epoch: int) -> bytes:
+    """A stateless challenge: HMAC of the source address and a time bucket."""
+    message = observed.encode() + b"\0" + epoch.to_bytes(8, "big")
+    return hmac.new(secret, message, hashlib.sha256).digest()
+
+
+def probe_mac(secret: bytes, session: int, tx: int, reply: bool) -> bytes:
+    message = PROBE_DOMAIN + struct.pack("!QQ?", session, tx, reply)
+    return hmac.new(secret, message, hashlib.sha256).digest()[:16]
