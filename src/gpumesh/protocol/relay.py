@@ -46,6 +46,7 @@ from gpumesh.errors import ProtocolError
 __all__ = [
     "DATA_HEADER",
     "DEFAULT_RELAY_PORT",
+    "HELLO_MIN_SIZE",
     "MAX_PACKET",
     "REFUSALS",
     "Accept",
@@ -70,6 +71,7 @@ __all__ = [
     "decode_packet",
     "encode_data",
     "encode_packet",
+    "hello_packet",
     "is_data",
     "is_relay_packet",
     "probe_mac",
@@ -148,8 +150,15 @@ class _Packet(msgspec.Struct, frozen=True, array_like=True):
     pass
 
 
+HELLO_MIN_SIZE = 96
+"""A Hello is padded to this size so a spoofed one cannot amplify through the relay."""
+
+
 class Hello(_Packet, frozen=True):
     """Node -> relay: please send a challenge (the relay keeps no state)."""
+
+    padding: Annotated[bytes, msgspec.Meta(max_length=256)] = b""
+    """Zeros making the packet at least :data:`HELLO_MIN_SIZE` bytes."""
 
 
 class Challenge(_Packet, frozen=True):
@@ -332,6 +341,12 @@ def is_relay_packet(data: bytes | memoryview) -> bool:
 def encode_packet(message: RelayMessage) -> bytes:
     header = bytes((_TYPES[type(message)],)) + MAGIC + bytes((WIRE_VERSION,))
     return header + _ENCODER.encode(message)
+
+
+def hello_packet() -> bytes:
+    """A Hello padded to :data:`HELLO_MIN_SIZE` bytes."""
+    bare = len(encode_packet(Hello()))
+    return encode_packet(Hello(padding=bytes(HELLO_MIN_SIZE - bare + 2)))
 
 
 def decode_packet(data: bytes | memoryview) -> RelayMessage:

@@ -64,6 +64,8 @@ class Session:
     def __init__(self, link: QuicLink, peer_name: str) -> None:
         self.link = link
         self.peer_name = peer_name
+        self.relayed = False
+        """True while packets go through a relay (no direct TCP path to the peer)."""
 
     @property
     def address(self) -> Address:
