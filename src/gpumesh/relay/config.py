@@ -1,0 +1,304 @@
+"""The relay's settings: limits and access, from flags and a TOML file.
+
+Everything the relay decides with is resolved here, once, at startup: the
+allowlist and token files are read into :class:`RelayConfig`, so the core
+never touches a file. Access is private by default; a config that names no
+allowed node, no token and not ``open`` is refused with the one line the
+operator needs.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from gpumesh.errors import ConfigError
+
+__all__ = [
+    "PRIVATE_BY_DEFAULT",
+    "RelayConfig",
+    "check_node_ids",
+    "load_config_file",
+    "parse_duration",
+    "parse_listen",
+    "read_allow_file",
+    "read_token_file",
+]
+
+DEFAULT_RELAY_PORT = 4799
+"""Same as :data:`gpumesh.protocol.relay.DEFAULT_RELAY_PORT` (a test holds them equal);
+not imported from there so ``gpumesh-relay --help`` does not load the codec."""
+
+PRIVATE_BY_DEFAULT = (
+    "the relay is private by default: give --allow NODE_ID, --allow-file FILE or "
+    "--token-file FILE (or --open to serve anyone)"
+)
+
+
+@dataclass(frozen=True)
+class RelayConfig:
+    """What one relay process serves, to whom, and within which limits."""
+
+    host: str = "0.0.0.0"
+    """Address the UDP socket binds to."""
+    port: int = DEFAULT_RELAY_PORT
+    """UDP port; 0 picks a free one (tests)."""
+    allow: frozenset[str] = frozenset()
+    """Node ids that may register."""
+    tokens: tuple[str, ...] = ()
+    """Shared tokens; a node proving any of them may register."""
+    open: bool = False
+    """Serve any node (a public relay)."""
+    max_registrations: int = 10_000
+    """Registered addresses in all (refusal ``too-many-registrations``)."""
+    max_per_ip: int = 32
+    """Registered addresses per source IP (``too-many-per-ip``); nodes behind one NAT share one."""
+    max_sessions: int = 64
+    """Sessions per node key, as either end (``too-many-sessions``)."""
+    keepalive: float = 10.0
+    """Seconds between keep-alives the relay asks of nodes."""
+    registration_timeout: float = 45.0
+    """A registration silent this long is dropped, its sessions closed (``idle``)."""
+    connect_timeout: float = 5.0
+    """Seconds a serving node has to answer Incoming before the requester is refused."""
+    session_bytes: int = 10 * 1000**3
+    """Bytes relayed per session, both directions (``byte-cap``); 0: no cap."""
+    session_seconds: float = 86_400.0
+    """Lifetime of a session (``time-cap``); 0: no cap."""
+    session_idle: float = 120.0
+    """A session with no Data this long is closed (``idle``); 0: never."""
+    session_rate: int = 0
+    """Bytes per second per session (excess dropped); 0: unlimited."""
+    queue: int = 256
+    """Packets queued per destination while the socket would block; more are dropped."""
+    stats_file: Path | None = None
+    """JSON file rewritten (atomically) with counters, at most once a second."""
+    log_level: str = "info"
+    """Log level of the stderr log."""
+
+    @property
+    def private(self) -> bool:
+        return not self.open
+
+    def access_summary(self) -> str:
+        """``open``, or what private access rests on: ``private: 2 allowed nodes, token``."""
+        if self.open:
+            return "open: any node may register"
+        parts = []
+        if self.allow:
+            count = len(self.allow)
+            parts.append(f"{count} allowed node{'s' if count != 1 else ''}")
+        if self.tokens:
+            parts.append("token" if len(self.tokens) == 1 else f"{len(self.tokens)} tokens")
+        return "private: " + ", ".join(parts or ["nobody allowed"])
+
+    def check(self) -> RelayConfig:
+        """Return self if it can run, else raise ConfigError saying what to fix."""
+        if not self.open and not self.allow and not self.tokens:
+            raise ConfigError(PRIVATE_BY_DEFAULT)
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"invalid port {self.port}: use 0-65535")
+        for name in ("max_registrations", "max_per_ip", "max_sessions", "queue"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1")
+        for name in ("session_bytes", "session_rate"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must not be negative")
+        for name in (
+            "keepalive",
+            "registration_timeout",
+            "connect_timeout",
+            "session_seconds",
+            "session_idle",
+        ):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must not be negative")
+        if self.registration_timeout <= self.keepalive:
+            raise ConfigError(
+                f"registration_timeout ({self.registration_timeout:g}s) must be longer than "
+                f"keepalive ({self.keepalive:g}s), or every node would expire between keep-alives"
+            )
+        return self
+
+    def with_changes(self, **changes: Any) -> RelayConfig:
+        return replace(self, **changes)
+
+
+# --- parsers shared by flags and file ---------------------------------------------------------
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?")
+_SECONDS_PER = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in ``45``, ``45s``, ``2m``, ``24h`` or ``1d``."""
+    match = _DURATION.fullmatch(text.strip())
+    if match is None:
+        raise ConfigError(f"invalid duration {text!r}: use seconds or a unit, e.g. 45s, 2m, 24h")
+    return float(match.group(1)) * _SECONDS_PER[match.group(2)]
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    """``host:port``, ``[v6]:port``, ``:port`` or ``host`` (the default port)."""
+    cleaned = text.strip()
+    host, port_text = cleaned, ""
+    if cleaned.startswith("["):
+        end = cleaned.find("]")
+        if end < 0:
+            raise ConfigError(f"invalid listen address {text!r}: missing ']'")
+        host, rest = cleaned[1:end], cleaned[end + 1 :]
+        if rest and not rest.startswith(":"):
+            raise ConfigError(f"invalid listen address {text!r}: use [ADDRESS]:PORT")
+        port_text = rest[1:]
+    elif cleaned.count(":") == 1:
+        host, port_text = cleaned.split(":")
+    if not port_text:
+        port = DEFAULT_RELAY_PORT
+    elif port_text.isdigit() and int(port_text) <= 65535:
+        port = int(port_text)
+    else:
+        raise ConfigError(f"invalid listen address {text!r}: the port must be 0-65535")
+    return host or "0.0.0.0", port
+
+
+def _lines(path: Path, what: str) -> list[tuple[int, str]]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ConfigError(f"cannot read {what} {path}: {reason}") from None
+    found = []
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.split("#", 1)[0].strip()
+        if line:
+            found.append((number, line))
+    return found
+
+
+def read_allow_file(path: Path) -> frozenset[str]:
+    """Node ids, one per line; ``#`` starts a comment. A malformed id names its line."""
+    from gpumesh.identity.keys import NodeId
+
+    ids = set()
+    for number, line in _lines(path, "allow file"):
+        if not NodeId.is_well_formed(line):
+            raise ConfigError(f"{path}:{number}: {line!r} is not a node id (26 characters)")
+        ids.add(line)
+    return frozenset(ids)
+
+
+def read_token_file(path: Path) -> tuple[str, ...]:
+    """Shared tokens, one per line (several allow rotation); ``#`` starts a comment."""
+    tokens = tuple(line for _, line in _lines(path, "token file"))
+    if not tokens:
+        raise ConfigError(f"token file {path} holds no token")
+    return tokens
+
+
+def check_node_ids(ids: list[str] | tuple[str, ...], where: str) -> frozenset[str]:
+    from gpumesh.identity.keys import NodeId
+
+    for node_id in ids:
+        if not isinstance(node_id, str) or not NodeId.is_well_formed(node_id.strip()):
+            raise ConfigError(f"{where}: {node_id!r} is not a node id (26 characters)")
+    return frozenset(node_id.strip() for node_id in ids)
+
+
+# --- the TOML file ----------------------------------------------------------------------------
+
+_SIZE_KEYS = ("session_bytes", "session_rate")
+_DURATION_KEYS = (
+    "keepalive",
+    "registration_timeout",
+    "connect_timeout",
+    "session_seconds",
+    "session_idle",
+)
+_INT_KEYS = ("max_registrations", "max_per_ip", "max_sessions", "queue")
+_PATH_KEYS = ("allow_file", "token_file", "stats_file")
+FILE_KEYS = frozenset(
+    {"listen", "allow", "open", "log_level", *_SIZE_KEYS, *_DURATION_KEYS, *_INT_KEYS, *_PATH_KEYS}
+)
+
+
+def load_config_file(path: Path) -> dict[str, Any]:
+    """The settings in a TOML file, typed and checked, keyed like :class:`RelayConfig`.
+
+    Besides RelayConfig's own keys the file may hold ``listen`` ("host:port"),
+    ``allow_file`` and ``token_file`` (read here; relative paths are relative
+    to the file). Sizes and durations may be numbers or strings with units.
+    Unknown keys are an error, so a typo never silently loosens a limit.
+    """
+    import tomllib
+
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    unknown = sorted(set(raw) - FILE_KEYS)
+    if unknown:
+        raise ConfigError(
+            f"config file {path}: unknown setting {unknown[0]!r} "
+            f"(known: {', '.join(sorted(FILE_KEYS))})"
+        )
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        where = f"config file {path}: {key}"
+        if key == "listen":
+            out["host"], out["port"] = parse_listen(_text(value, where))
+        elif key == "allow":
+            if not isinstance(value, list):
+                raise ConfigError(f"{where} must be a list of node ids")
+            out["allow"] = check_node_ids(value, where)
+        elif key == "open":
+            if not isinstance(value, bool):
+                raise ConfigError(f"{where} must be true or false")
+            out["open"] = value
+        elif key == "log_level":
+            out["log_level"] = _text(value, where)
+        elif key in _SIZE_KEYS:
+            out[key] = _size(value, where)
+        elif key in _DURATION_KEYS:
+            out[key] = _duration(value, where)
+        elif key in _INT_KEYS:
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ConfigError(f"{where} must be a whole number")
+            out[key] = value
+        else:  # a path
+            target = Path(_text(value, where)).expanduser()
+            out[key] = target if target.is_absolute() else path.parent / target
+    return out
+
+
+def _text(value: object, where: str) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"{where} must be a string")
+    return value
+
+
+def _size(value: object, where: str) -> int:
+    from gpumesh.units import parse_size
+
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if isinstance(value, str):
+        try:
+            return parse_size(value)
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+    raise ConfigError(f"{where} must be a size such as 10GB, or a number of bytes")
+
+
+def _duration(value: object, where: str) -> float:
+    if isinstance(value, int | float) and not isinstance(value, bool) and value >= 0:
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return parse_duration(value)
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+    raise ConfigError(f"{where} must be seconds or a duration such as 45s or 2m")

@@ -1,0 +1,630 @@
+"""The relay's rules, without I/O: who may register, who may talk to whom, and
+what crosses.
+
+:class:`RelayCore` is driven by two calls, both given the time:
+:meth:`~RelayCore.handle` for each datagram received and :meth:`~RelayCore.tick`
+for expiry; both return the datagrams to send as ``(bytes, address)``. It
+never opens a socket or reads a clock, so every rule is tested with a fake
+clock and no network (``tests/unit/test_relay_core.py``).
+
+What it owns: the stateless challenge (no per-client state before a valid
+Register, so spoofed Hellos cost nothing and amplify nothing), registrations
+keyed by source address, sessions between a requester and a serving node,
+and the limits and caps on both. What it must never do: look inside a Data
+payload (an encrypted QUIC datagram between the two nodes), or forward one to
+anybody but the other end of that session.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpumesh.errors import ProtocolError
+from gpumesh.identity.keys import node_id_for, verify_signature
+from gpumesh.protocol.relay import (
+    HELLO_MIN_SIZE,
+    MAX_PACKET,
+    REFUSALS,
+    T_REACH_PROBE,
+    Accept,
+    Challenge,
+    Close,
+    Connect,
+    Connected,
+    Decline,
+    Hello,
+    Incoming,
+    KeepAlive,
+    KeepAliveAck,
+    ReachProbe,
+    ReachTest,
+    Refused,
+    Register,
+    Registered,
+    RelayMessage,
+    challenge_nonce,
+    decode_data,
+    decode_packet,
+    encode_packet,
+    is_data,
+    register_payload,
+    token_proof,
+)
+from gpumesh.relay.config import RelayConfig
+
+__all__ = [
+    "EPOCH_SECONDS",
+    "Address",
+    "RelayCore",
+    "Send",
+    "address_text",
+    "is_reach_probe",
+]
+
+logger = logging.getLogger(__name__)
+
+Address = tuple[str, int]
+Send = tuple[bytes, Address]
+
+EPOCH_SECONDS = 30
+"""A challenge is good for the epoch it was made in and the next one."""
+REFUSAL_INTERVAL = 1.0
+"""At most one not-registered / no-session refusal per source per this many seconds."""
+REACH_INTERVAL = 0.2
+"""At most one ReachProbe per source per this many seconds."""
+_THROTTLE_MAX = 100_000
+_SESSION_ID_MASK = 2**63 - 1
+
+
+def address_text(address: Address) -> str:
+    """``ip:port`` (``[ip]:port`` for IPv6), the way the relay reports an address."""
+    host, port = address[0], address[1]
+    if host.startswith("::ffff:") and "." in host:
+        host = host[7:]  # an IPv4 peer seen through a dual-stack socket
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def is_reach_probe(packet: bytes) -> bool:
+    """Whether ``packet`` must leave from the second port (the answer to a ReachTest)."""
+    return bool(packet) and packet[0] == T_REACH_PROBE
+
+
+@dataclass(eq=False)
+class _Registration:
+    address: Address
+    public_key: bytes
+    node_id: str
+    serving: bool
+    since: float
+    last_seen: float
+    sessions: set[int] = field(default_factory=set)
+
+
+@dataclass(eq=False)
+class _Session:
+    id: int
+    secret: bytes
+    request: int
+    requester: Address
+    requester_key: bytes
+    requester_candidates: list[str]
+    server: Address
+    server_key: bytes
+    created: float
+    state: str = "pending"
+    server_candidates: list[str] = field(default_factory=list)
+    last_data: float = 0.0
+    bytes: int = 0
+    tokens: float = 0.0
+    tokens_at: float = 0.0
+
+    def other(self, address: Address) -> Address:
+        return self.server if address == self.requester else self.requester
+
+    def ends(self) -> tuple[Address, Address]:
+        return self.requester, self.server
+
+
+class RelayCore:
+    """The relay's state machine: datagrams in, datagrams out, time injected."""
+
+    def __init__(
+        self,
+        config: RelayConfig,
+        *,
+        secret: bytes | None = None,
+        random_bytes: Callable[[int], bytes] = os.urandom,
+    ) -> None:
+        self.config = config
+        self._random = random_bytes
+        self._secret = secret if secret is not None else random_bytes(32)
+        self._tokens = tuple(token for token in config.tokens if token)
+        self._registrations: dict[Address, _Registration] = {}
+        self._by_key: dict[bytes, set[Address]] = {}
+        self._per_ip: dict[str, int] = {}
+        self._sessions: dict[int, _Session] = {}
+        self._requests: dict[tuple[Address, int], int] = {}
+        self._sessions_per_key: dict[bytes, int] = {}
+        self._refused_at: dict[Address, float] = {}
+        self._reach_at: dict[Address, float] = {}
+        self.sessions_opened = 0
+        self.bytes_relayed = 0
+        self.refusals: dict[str, int] = {}
+        self.closes: dict[str, int] = {}
+        self.version = 0
+        """Bumped on every change worth writing to the stats file."""
+
+    # --- the two entry points -----------------------------------------------------------------
+
+    def handle(self, packet: bytes, source: Address, now: float) -> list[Send]:
+        """What to send in answer to ``packet`` from ``source`` at time ``now``."""
+        if len(packet) > MAX_PACKET:
+            logger.debug("dropped %d-byte packet from %s: too large", len(packet), source)
+            return []
+        if is_data(packet):
+            return self._data(packet, source, now)
+        try:
+            message = decode_packet(packet)
+        except ProtocolError as exc:
+            logger.debug("dropped packet from %s: %s", source, exc)
+            return []
+        return self._dispatch(message, len(packet), source, now)
+
+    def tick(self, now: float) -> list[Send]:
+        """Expire silent registrations, unanswered connects and capped or idle sessions.
+
+        Cheap enough to call a few times a second; deadlines are as precise as
+        the caller's tick interval.
+        """
+        out: list[Send] = []
+        timeout = self.config.registration_timeout
+        for registration in list(self._registrations.values()):
+            if now - registration.last_seen >= timeout:
+                logger.info(
+                    "registration of %s from %s expired (silent %.0fs)",
+                    registration.node_id[:12],
+                    address_text(registration.address),
+                    now - registration.last_seen,
+                )
+                out += self._unregister(registration, "idle")
+        for session in list(self._sessions.values()):
+            if session.state == "pending":
+                if now - session.created >= self.config.connect_timeout:
+                    out += self._end_pending(session, "unknown-peer", "the peer did not answer")
+                continue
+            reason = self._cap_reached(session, now)
+            if reason is not None:
+                out += self._close_session(session, reason, now)
+        for throttle, interval in ((self._refused_at, REFUSAL_INTERVAL), (self._reach_at, 1.0)):
+            for address in [a for a, at in throttle.items() if now - at >= interval]:
+                del throttle[address]
+        return out
+
+    def shutdown(self, now: float) -> list[Send]:
+        """Close every session at both ends (the relay is stopping)."""
+        out: list[Send] = []
+        for session in list(self._sessions.values()):
+            if session.state == "pending":
+                out += self._end_pending(session, "shutting-down")
+                out.append(self._close_packet(session.id, "shutting-down", session.server))
+            else:
+                out += self._close_session(session, "shutting-down", now)
+        return out
+
+    # --- what an operator and the stats file see ----------------------------------------------
+
+    @property
+    def registration_count(self) -> int:
+        return len(self._registrations)
+
+    @property
+    def session_count(self) -> int:
+        return len(self._sessions)
+
+    def is_registered(self, address: Address) -> bool:
+        return address in self._registrations
+
+    def stats(self, now: float) -> dict[str, Any]:
+        """Counters for the stats file (never a secret, never a payload)."""
+        return {
+            "registrations": len(self._registrations),
+            "sessions": [
+                {
+                    "id": session.id,
+                    "a": node_id_for(session.requester_key),
+                    "b": node_id_for(session.server_key),
+                    "bytes": session.bytes,
+                    "age": round(now - session.created, 3),
+                    "state": session.state,
+                }
+                for session in self._sessions.values()
+            ],
+            "sessions_opened": self.sessions_opened,
+            "bytes_relayed": self.bytes_relayed,
+            "refusals": dict(self.refusals),
+            "closes": dict(self.closes),
+        }
+
+    # --- control packets ----------------------------------------------------------------------
+
+    def _dispatch(
+        self, message: RelayMessage, size: int, source: Address, now: float
+    ) -> list[Send]:
+        registration = self._registrations.get(source)
+        if registration is not None:
+            registration.last_seen = now
+        if isinstance(message, Hello):
+            if size < HELLO_MIN_SIZE:  # an unpadded Hello could amplify a spoofed source
+                logger.debug("dropped short Hello (%d bytes) from %s", size, source)
+                return []
+            text = address_text(source)
+            nonce = challenge_nonce(self._secret, text, self._epoch(now))
+            return [(encode_packet(Challenge(nonce=nonce, observed=text)), source)]
+        if isinstance(message, Register):
+            return self._register(message, source, now)
+        if isinstance(message, KeepAlive):
+            ack = KeepAliveAck(
+                seq=message.seq, registered=registration is not None, observed=address_text(source)
+            )
+            return [(encode_packet(ack), source)]
+        if isinstance(message, ReachTest):
+            last = self._reach_at.get(source)
+            if last is not None and now - last < REACH_INTERVAL:
+                return []
+            self._remember(self._reach_at, source, now)
+            return [(encode_packet(ReachProbe(seq=message.seq)), source)]
+        if isinstance(message, Connect):
+            if registration is None:
+                return self._refuse_throttled("not-registered", source, now, message.request)
+            return self._connect(message, registration, now)
+        if isinstance(message, Accept | Decline | Close):
+            return self._answer(message, source, now)
+        logger.debug("ignored %s from %s", type(message).__name__, source)
+        return []
+
+    def _register(self, message: Register, source: Address, now: float) -> list[Send]:
+        text = address_text(source)
+        epoch = self._epoch(now)
+        if not any(
+            hmac.compare_digest(message.nonce, challenge_nonce(self._secret, text, e))
+            for e in (epoch, epoch - 1)
+        ):
+            return [self._refusal("bad-nonce", source)]
+        payload = register_payload(message.nonce, message.public_key, message.serving)
+        if not verify_signature(message.public_key, message.signature, payload):
+            return [self._refusal("bad-signature", source)]
+        node_id = node_id_for(message.public_key)
+        if not self._allowed(node_id, message):
+            logger.info("refused registration of %s from %s: not allowed", node_id, text)
+            return [self._refusal("not-allowed", source)]
+        out: list[Send] = []
+        existing = self._registrations.get(source)
+        if existing is not None and existing.public_key != message.public_key:
+            # Another key behind the same address: the old node is gone.
+            out += self._unregister(existing, "closed")
+            existing = None
+        if existing is None:
+            if len(self._registrations) >= self.config.max_registrations:
+                return [self._refusal("too-many-registrations", source)]
+            if self._per_ip.get(source[0], 0) >= self.config.max_per_ip:
+                return [self._refusal("too-many-per-ip", source)]
+            registration = _Registration(
+                address=source,
+                public_key=message.public_key,
+                node_id=node_id,
+                serving=message.serving,
+                since=now,
+                last_seen=now,
+            )
+            self._registrations[source] = registration
+            self._by_key.setdefault(message.public_key, set()).add(source)
+            self._per_ip[source[0]] = self._per_ip.get(source[0], 0) + 1
+            logger.info(
+                "registered %s from %s (%s)",
+                node_id,
+                text,
+                "serving" if message.serving else "dialing",
+            )
+        else:
+            existing.serving = message.serving
+            existing.since = existing.last_seen = now
+            logger.debug("re-registered %s from %s", node_id, text)
+        self.version += 1
+        registered = Registered(
+            observed=text,
+            keepalive=self.config.keepalive,
+            session_bytes=self.config.session_bytes,
+            session_seconds=self.config.session_seconds,
+        )
+        out.append((encode_packet(registered), source))
+        return out
+
+    def _allowed(self, node_id: str, message: Register) -> bool:
+        if self.config.open or node_id in self.config.allow:
+            return True
+        proof = message.token_proof
+        return any(
+            hmac.compare_digest(proof, token_proof(token, message.nonce)) for token in self._tokens
+        )
+
+    def _connect(self, message: Connect, registration: _Registration, now: float) -> list[Send]:
+        source = registration.address
+        known = self._requests.get((source, message.request))
+        if known is not None:  # a retry: say again what we said, open nothing new
+            session = self._sessions[known]
+            if session.state == "pending":
+                return [self._incoming_packet(session)]
+            return [self._connected_packet(session)]
+        server = self._serving_address(message.peer, exclude=source)
+        if server is None:
+            return [self._refusal("unknown-peer", source, message.request)]
+        server_key = self._registrations[server].public_key
+        limit = self.config.max_sessions
+        for key in (registration.public_key, server_key):
+            if self._sessions_per_key.get(key, 0) >= limit:
+                return [self._refusal("too-many-sessions", source, message.request)]
+        session = _Session(
+            id=self._new_session_id(),
+            secret=self._random(16),
+            request=message.request,
+            requester=source,
+            requester_key=registration.public_key,
+            requester_candidates=list(message.candidates),
+            server=server,
+            server_key=server_key,
+            created=now,
+            last_data=now,
+            tokens=float(self._burst()),
+            tokens_at=now,
+        )
+        self._sessions[session.id] = session
+        self._requests[(source, message.request)] = session.id
+        for key in (registration.public_key, server_key):
+            self._sessions_per_key[key] = self._sessions_per_key.get(key, 0) + 1
+        registration.sessions.add(session.id)
+        self._registrations[server].sessions.add(session.id)
+        self.version += 1
+        logger.debug(
+            "session %x: %s asks for %s",
+            session.id,
+            registration.node_id[:12],
+            self._registrations[server].node_id[:12],
+        )
+        return [self._incoming_packet(session)]
+
+    def _answer(self, message: Accept | Decline | Close, source: Address, now: float) -> list[Send]:
+        session = self._sessions.get(message.session)
+        if session is None or source not in session.ends():
+            if isinstance(message, Close):
+                return []  # never answer a Close with a packet: two relays could ping-pong
+            if source not in self._registrations:
+                return self._refuse_throttled("not-registered", source, now, message.session)
+            return self._refuse_throttled("no-session", source, now, message.session)
+        if isinstance(message, Close):
+            if session.state == "pending":
+                if source == session.server:
+                    return self._end_pending(session, "peer-declined")
+                self._forget(session, "closed", now)
+                return [self._close_packet(session.id, "closed", session.server, message.message)]
+            return self._close_session(session, "closed", now, by=source, message=message.message)
+        if source != session.server:
+            return self._refuse_throttled("no-session", source, now, message.session)
+        if isinstance(message, Decline):
+            if session.state == "pending":
+                return self._end_pending(session, "peer-declined")
+            return []
+        if session.state != "pending":
+            return []  # a repeated Accept
+        session.state = "active"
+        session.server_candidates = list(message.candidates)
+        session.last_data = session.tokens_at = now
+        self.sessions_opened += 1
+        self.version += 1
+        logger.info(
+            "session %x opened: %s -> %s (%s -> %s)",
+            session.id,
+            node_id_for(session.requester_key)[:12],
+            node_id_for(session.server_key)[:12],
+            address_text(session.requester),
+            address_text(session.server),
+        )
+        return [self._connected_packet(session)]
+
+    # --- data ---------------------------------------------------------------------------------
+
+    def _data(self, packet: bytes, source: Address, now: float) -> list[Send]:
+        try:
+            session_id, payload = decode_data(packet)
+        except ProtocolError as exc:
+            logger.debug("dropped data packet from %s: %s", source, exc)
+            return []
+        registration = self._registrations.get(source)
+        if registration is None:
+            return self._refuse_throttled("not-registered", source, now, session_id)
+        registration.last_seen = now
+        session = self._sessions.get(session_id)
+        if session is None or source not in session.ends():
+            return self._refuse_throttled("no-session", source, now, session_id)
+        if session.state != "active":
+            return []  # the serving end raced its own Accept; QUIC will resend
+        reason = self._cap_reached(session, now)
+        size = len(payload)
+        cap = self.config.session_bytes
+        if reason is None and cap and session.bytes + size > cap:
+            reason = "byte-cap"
+        if reason is not None:
+            return self._close_session(session, reason, now)
+        if self.config.session_rate:
+            rate = self.config.session_rate
+            session.tokens = min(
+                float(self._burst()), session.tokens + (now - session.tokens_at) * rate
+            )
+            session.tokens_at = now
+            if session.tokens < size:
+                return []  # over the rate: drop; QUIC's congestion control backs off
+            session.tokens -= size
+        session.bytes += size
+        session.last_data = now
+        self.bytes_relayed += size
+        self.version += 1
+        # The packet goes on byte for byte: same session id, payload untouched.
+        return [(packet, session.other(source))]
+
+    def _burst(self) -> int:
+        return max(self.config.session_rate, 16 * MAX_PACKET)
+
+    def _cap_reached(self, session: _Session, now: float) -> str | None:
+        seconds, idle = self.config.session_seconds, self.config.session_idle
+        if seconds and now - session.created >= seconds:
+            return "time-cap"
+        if idle and now - session.last_data >= idle:
+            return "idle"
+        return None
+
+    # --- ending things ------------------------------------------------------------------------
+
+    def _close_session(
+        self,
+        session: _Session,
+        reason: str,
+        now: float,
+        *,
+        by: Address | None = None,
+        message: str = "",
+    ) -> list[Send]:
+        """Forget an active session; tell both ends (or only the other end of ``by``)."""
+        self._forget(session, reason, now)
+        text = message or REFUSALS.get(reason, reason)
+        ends = [session.other(by)] if by is not None else list(session.ends())
+        return [self._close_packet(session.id, reason, end, text) for end in ends]
+
+    def _end_pending(self, session: _Session, code: str, detail: str = "") -> list[Send]:
+        """Refuse the requester of a session that never opened, and forget it."""
+        self._forget(session, code, None)
+        return [self._refusal(code, session.requester, session.request, detail)]
+
+    def _forget(self, session: _Session, reason: str, now: float | None) -> None:
+        del self._sessions[session.id]
+        self._requests.pop((session.requester, session.request), None)
+        for key in (session.requester_key, session.server_key):
+            left = self._sessions_per_key.get(key, 0) - 1
+            if left > 0:
+                self._sessions_per_key[key] = left
+            else:
+                self._sessions_per_key.pop(key, None)
+        for end in session.ends():
+            registration = self._registrations.get(end)
+            if registration is not None:
+                registration.sessions.discard(session.id)
+        self.version += 1
+        if session.state == "active":
+            self.closes[reason] = self.closes.get(reason, 0) + 1
+            logger.info(
+                "session %x closed: %s, %d bytes relayed in %.0fs",
+                session.id,
+                reason,
+                session.bytes,
+                (now - session.created) if now is not None else 0.0,
+            )
+        else:
+            logger.debug("session %x never opened: %s", session.id, reason)
+
+    def _unregister(self, registration: _Registration, reason: str) -> list[Send]:
+        """Drop a registration; its sessions end, and only their other ends are told."""
+        out: list[Send] = []
+        address = registration.address
+        for session_id in list(registration.sessions):
+            session = self._sessions.get(session_id)
+            if session is None:
+                continue
+            if session.state == "pending":
+                if address == session.server:
+                    out += self._end_pending(session, "unknown-peer", "the peer went away")
+                else:
+                    self._forget(session, reason, registration.last_seen)
+                    out.append(self._close_packet(session.id, reason, session.server))
+            else:
+                out += self._close_session(session, reason, registration.last_seen, by=address)
+        del self._registrations[address]
+        keys = self._by_key.get(registration.public_key)
+        if keys is not None:
+            keys.discard(address)
+            if not keys:
+                del self._by_key[registration.public_key]
+        left = self._per_ip.get(address[0], 0) - 1
+        if left > 0:
+            self._per_ip[address[0]] = left
+        else:
+            self._per_ip.pop(address[0], None)
+        self.version += 1
+        return out
+
+    # --- small helpers ------------------------------------------------------------------------
+
+    @staticmethod
+    def _epoch(now: float) -> int:
+        return int(now // EPOCH_SECONDS)
+
+    def _serving_address(self, key: bytes, *, exclude: Address) -> Address | None:
+        best: _Registration | None = None
+        for address in self._by_key.get(key, ()):
+            registration = self._registrations[address]
+            if not registration.serving or address == exclude:
+                continue
+            if best is None or registration.since > best.since:
+                best = registration
+        return best.address if best is not None else None
+
+    def _new_session_id(self) -> int:
+        while True:
+            session_id = int.from_bytes(self._random(8), "big") & _SESSION_ID_MASK
+            if session_id and session_id not in self._sessions:
+                return session_id
+
+    def _incoming_packet(self, session: _Session) -> Send:
+        incoming = Incoming(
+            session=session.id,
+            peer=session.requester_key,
+            observed=address_text(session.requester),
+            candidates=session.requester_candidates,
+            secret=session.secret,
+        )
+        return encode_packet(incoming), session.server
+
+    def _connected_packet(self, session: _Session) -> Send:
+        connected = Connected(
+            request=session.request,
+            session=session.id,
+            observed=address_text(session.server),
+            candidates=session.server_candidates,
+            secret=session.secret,
+        )
+        return encode_packet(connected), session.requester
+
+    def _close_packet(self, session: int, code: str, to: Address, message: str = "") -> Send:
+        text = (message or REFUSALS.get(code, code))[:256]
+        return encode_packet(Close(session=session, code=code, message=text)), to
+
+    def _refusal(self, code: str, to: Address, session: int = 0, detail: str = "") -> Send:
+        self.refusals[code] = self.refusals.get(code, 0) + 1
+        self.version += 1
+        text = REFUSALS[code] + (f" ({detail})" if detail else "")
+        return encode_packet(Refused(code=code, message=text[:256], session=session)), to
+
+    def _refuse_throttled(self, code: str, to: Address, now: float, session: int) -> list[Send]:
+        last = self._refused_at.get(to)
+        if last is not None and now - last < REFUSAL_INTERVAL:
+            return []
+        self._remember(self._refused_at, to, now)
+        return [self._refusal(code, to, session)]
+
+    @staticmethod
+    def _remember(throttle: dict[Address, float], address: Address, now: float) -> None:
+        if len(throttle) >= _THROTTLE_MAX:  # a flood of spoofed sources: start over
+            throttle.clear()
+        throttle[address] = now
