@@ -741,3 +741,59 @@ def test_address_text() -> None:
     assert address_text(("192.0.2.1", 5)) == "192.0.2.1:5"
     assert address_text(("::ffff:192.0.2.1", 5)) == "192.0.2.1:5"
     assert address_text(("2001:db8::1", 5)) == "[2001:db8::1]:5"
+
+
+# --- the server's output queues (a fake socket: the policy, not the kernel) ---------------------
+
+
+class _BlockingSocket:
+    def __init__(self) -> None:
+        self.blocked = True
+        self.sent: list[tuple[bytes, Address]] = []
+
+    def fileno(self) -> int:
+        return 99
+
+    def sendto(self, data: bytes, address: Address) -> int:
+        if self.blocked:
+            raise BlockingIOError
+        self.sent.append((data, address))
+        return len(data)
+
+
+class _Loop:
+    def __init__(self) -> None:
+        self.writers: dict[int, Any] = {}
+
+    def add_writer(self, fd: int, callback: Any) -> None:
+        self.writers[fd] = callback
+
+    def remove_writer(self, fd: int) -> None:
+        del self.writers[fd]
+
+
+def test_queues_are_bounded_per_destination_and_drain_round_robin() -> None:
+    from gpumesh.relay.server import RelayServer
+
+    server = RelayServer(RelayConfig(open=True, queue=3))
+    sock, loop = _BlockingSocket(), _Loop()
+    server._sock, server._loop = sock, loop  # type: ignore[assignment]
+    slow, other = ("192.0.2.1", 1), ("192.0.2.2", 2)
+    for n in range(10):
+        server._send(b"slow%d" % n, slow)
+    server._send(b"other0", other)
+    server._send(b"other1", other)
+    assert server.dropped == 7  # only the slow destination lost packets
+    assert list(loop.writers) == [99]
+    sock.blocked = False
+    loop.writers[99]()
+    assert [data for data, _ in sock.sent] == [
+        b"slow0",
+        b"other0",
+        b"slow1",
+        b"other1",
+        b"slow2",
+    ]
+    assert loop.writers == {}  # nothing left: stop watching for writability
+    server._send(b"now", other)
+    assert sock.sent[-1] == (b"now", other)

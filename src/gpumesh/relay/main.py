@@ -1,14 +1,271 @@
-"""``gpumesh-relay`` entry point (reserved; not yet implemented)."""
+"""``gpumesh-relay``: run a relay in the foreground.
+
+Flags over the ``--config`` file over the defaults of
+:class:`~gpumesh.relay.config.RelayConfig`. Every error is one ``error:``
+line and a non-zero exit (2 for a bad setting, 1 when it cannot run);
+tracebacks go to the debug log only. The server and its crypto are imported
+only once the settings are known to be good, so ``--help`` stays fast.
+"""
 
 from __future__ import annotations
 
+import logging
 import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from gpumesh import __version__
+from gpumesh.errors import ConfigError
+from gpumesh.relay.config import (
+    RelayConfig,
+    check_node_ids,
+    load_config_file,
+    parse_duration,
+    parse_listen,
+    read_allow_file,
+    read_token_file,
+)
+
+__all__ = ["main", "relay"]
+
+logger = logging.getLogger("gpumesh.relay")
+
+EPILOG = """\b
+Examples:
+  gpumesh-relay --allow-file nodes.txt              # private: these node ids only
+  gpumesh-relay --token-file token.txt              # private: nodes that know the token
+  gpumesh-relay --open --listen 0.0.0.0:4799        # a public relay, anyone may register
+  gpumesh-relay --config relay.toml --stats-file /run/gpumesh-relay.json
+  gpumesh-relay --allow NODE_ID --session-bytes 50GB --session-rate 20MB
+\b
+Sizes take units (10GB, 512MiB), durations seconds or units (45s, 2m, 24h).
+Nodes use it with `gpumesh config set relay HOST:4799`. See docs/relay.md.
+"""
+
+_FILE = click.Path(dir_okay=False, path_type=Path)
 
 
-def main() -> int:
+@click.command(
+    epilog=EPILOG,
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+)
+@click.option(
+    "--listen",
+    metavar="HOST:PORT",
+    help="UDP address to serve on (default 0.0.0.0:4799; port 0 picks a free one).",
+)
+@click.option(
+    "--allow",
+    "allow",
+    metavar="NODE_ID",
+    multiple=True,
+    help="A node id that may register (repeatable; see `gpumesh status` on the node).",
+)
+@click.option(
+    "--allow-file", type=_FILE, help="Node ids that may register, one per line, # comments."
+)
+@click.option(
+    "--token-file",
+    type=_FILE,
+    help="Shared token(s), one per line: nodes proving one may register.",
+)
+@click.option(
+    "--open", "open_", is_flag=True, default=None, help="Serve any node (a public relay)."
+)
+@click.option("--config", "config_file", type=_FILE, help="TOML file with these settings as keys.")
+@click.option(
+    "--max-registrations",
+    type=int,
+    metavar="N",
+    help="Registered addresses in all (default 10000).",
+)
+@click.option(
+    "--max-per-ip", type=int, metavar="N", help="Registered addresses per source IP (default 32)."
+)
+@click.option(
+    "--max-sessions", type=int, metavar="N", help="Relayed sessions per node (default 64)."
+)
+@click.option(
+    "--keepalive", metavar="DURATION", help="Keep-alive interval asked of nodes (default 10s)."
+)
+@click.option(
+    "--registration-timeout",
+    metavar="DURATION",
+    help="Drop a registration silent this long (default 45s).",
+)
+@click.option(
+    "--connect-timeout",
+    metavar="DURATION",
+    help="Time a serving node has to accept a session (default 5s).",
+)
+@click.option(
+    "--session-bytes",
+    metavar="SIZE",
+    help="Bytes relayed per session, both ways (default 10GB; 0: no cap).",
+)
+@click.option(
+    "--session-seconds", metavar="DURATION", help="Session lifetime cap (default 24h; 0: none)."
+)
+@click.option(
+    "--session-idle",
+    metavar="DURATION",
+    help="Close a session with no data this long (default 120s).",
+)
+@click.option(
+    "--session-rate", metavar="SIZE", help="Bytes per second per session (default 0: unlimited)."
+)
+@click.option(
+    "--queue",
+    type=int,
+    metavar="N",
+    help="Packets queued per destination when sending blocks (default 256).",
+)
+@click.option(
+    "--stats-file", type=_FILE, help="JSON counters, rewritten at most once a second and at exit."
+)
+@click.option(
+    "--log-level",
+    type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False),
+    help="Log level on stderr (default info).",
+)
+@click.version_option(__version__, "-V", "--version", prog_name="gpumesh-relay")
+def relay(**options: Any) -> None:
+    """Forward encrypted QUIC packets between GPUMesh nodes that cannot reach
+    each other directly, and help them punch through NAT.
+
+    Private by default: give --allow, --allow-file or --token-file (or --open).
+    The relay sees who talks to whom and how much, never what they say.
+    """
+    config = build_config(options)
+    _setup_logging(config.log_level)
+    import asyncio
+
+    sys.exit(asyncio.run(_run(config)))
+
+
+def build_config(options: dict[str, Any]) -> RelayConfig:
+    """A checked :class:`RelayConfig` from the flags (None: not given) and ``--config``."""
+    settings: dict[str, Any] = {}
+    allow: set[str] = set()
+    allow_files: list[Path] = []
+    token_file: Path | None = None
+    if options.get("config_file") is not None:
+        from_file = load_config_file(options["config_file"])
+        allow |= from_file.pop("allow", frozenset())
+        if "allow_file" in from_file:
+            allow_files.append(from_file.pop("allow_file"))
+        token_file = from_file.pop("token_file", None)
+        settings.update(from_file)
+    if options.get("listen") is not None:
+        settings["host"], settings["port"] = parse_listen(options["listen"])
+    if options.get("allow"):
+        allow |= check_node_ids(options["allow"], "--allow")
+    if options.get("allow_file") is not None:
+        allow_files.append(options["allow_file"])
+    if options.get("token_file") is not None:
+        token_file = options["token_file"]
+    if options.get("open_"):
+        settings["open"] = True
+    for name in ("max_registrations", "max_per_ip", "max_sessions", "queue", "stats_file"):
+        if options.get(name) is not None:
+            settings[name] = options[name]
+    for name in ("session_bytes", "session_rate"):
+        if options.get(name) is not None:
+            settings[name] = _size_flag(options[name], name)
+    for name in (
+        "keepalive",
+        "registration_timeout",
+        "connect_timeout",
+        "session_seconds",
+        "session_idle",
+    ):
+        if options.get(name) is not None:
+            settings[name] = parse_duration(options[name])
+    if options.get("log_level") is not None:
+        settings["log_level"] = options["log_level"].lower()
+    for path in allow_files:
+        allow |= read_allow_file(path)
+    if allow:
+        settings["allow"] = frozenset(allow)
+    if token_file is not None:
+        settings["tokens"] = read_token_file(token_file)
+    return RelayConfig(**settings).check()
+
+
+def _size_flag(text: str, name: str) -> int:
+    from gpumesh.units import parse_size
+
+    try:
+        return parse_size(text)
+    except ConfigError as exc:
+        raise ConfigError(f"--{name.replace('_', '-')}: {exc}") from None
+
+
+async def _run(config: RelayConfig) -> int:
+    import asyncio
+    import signal
+
+    from gpumesh.relay.server import serve
+
+    try:
+        server = await serve(config)
+    except OSError as exc:
+        where = f"{config.host}:{config.port}"
+        _error(f"cannot listen on udp {where}: {exc.strerror or exc}")
+        return 1
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
     print(
-        "error: gpumesh-relay is not available in this version of GPUMesh; nodes must reach "
-        "each other directly (forward UDP 47000 to the provider)",
-        file=sys.stderr,
+        f"gpumesh-relay listening on {server.address_text} ({config.access_summary()})", flush=True
     )
-    return 2
+    try:
+        await stop.wait()
+    finally:
+        logger.info("shutting down: closing %d session(s)", server.core.session_count)
+        server.close()
+    return 0
+
+
+def _setup_logging(level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    root = logging.getLogger("gpumesh")
+    root.addHandler(handler)
+    root.setLevel(getattr(logging, level.upper(), logging.INFO))
+
+
+def _error(message: str) -> None:
+    prefix = click.style("error:", fg="red", bold=True) if sys.stderr.isatty() else "error:"
+    click.echo(f"{prefix} {message}", err=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point: the exit status (0, 1 cannot run, 2 bad settings)."""
+    try:
+        result = relay.main(args=argv, prog_name="gpumesh-relay", standalone_mode=False)
+    except ConfigError as exc:
+        _error(exc.message)
+        return 2
+    except click.UsageError as exc:
+        _error(exc.format_message())
+        return 2
+    except click.ClickException as exc:
+        _error(exc.format_message())
+        return exc.exit_code
+    except click.Abort:
+        return 130
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 0
+    except Exception as exc:  # never a traceback on the terminal
+        logger.debug("gpumesh-relay failed", exc_info=True)
+        _error(f"{type(exc).__name__}: {exc}")
+        return 1
+    return result if isinstance(result, int) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,284 @@
+"""The relay on real sockets: an asyncio adapter around :class:`RelayCore`.
+
+What it owns: the UDP socket every node talks to, a second socket used only
+to send ``ReachProbe`` from another port, the clock, the periodic tick, the
+bounded per-destination output queues and the stats file. The rules live in
+the core; nothing here decides who may send what.
+
+Why raw non-blocking sockets rather than a ``DatagramTransport``: asyncio's
+transport buffers without bound when the socket would block, so one slow or
+vanished client could grow memory and delay everyone. Here each destination
+gets at most ``config.queue`` waiting packets, and the queues drain
+round-robin.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import socket
+import tempfile
+import time
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from gpumesh.protocol.relay import MAX_PACKET
+from gpumesh.relay.config import RelayConfig
+from gpumesh.relay.core import Address, RelayCore, Send, address_text, is_reach_probe
+
+__all__ = ["RelayServer", "serve"]
+
+logger = logging.getLogger(__name__)
+
+TICK_INTERVAL = 0.25
+STATS_INTERVAL = 1.0
+_READ_BATCH = 256
+_RECV_SIZE = MAX_PACKET + 1  # one byte more, so an oversized datagram is seen as such
+_SOCKET_BUFFER = 4 * 1024 * 1024
+
+
+async def serve(config: RelayConfig, *, clock: Callable[[], float] = time.monotonic) -> RelayServer:
+    """Start a relay for ``config`` (checked) and return it running; ``close()`` stops it."""
+    server = RelayServer(config.check(), clock=clock)
+    await server.start()
+    return server
+
+
+class RelayServer:
+    """One relay process's sockets and timers around a :class:`RelayCore`."""
+
+    def __init__(self, config: RelayConfig, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.core = RelayCore(config)
+        self._clock = clock
+        self._sock: socket.socket | None = None
+        self._probe_sock: socket.socket | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._queues: dict[Address, deque[bytes]] = {}
+        self._writing = False
+        self._timer: asyncio.Task[None] | None = None
+        self._closed = asyncio.Event()
+        self._stats_written = -1
+        self._address: Address | None = None
+        self.dropped = 0
+        """Packets dropped because a destination's queue was full."""
+
+    @property
+    def address(self) -> Address:
+        """``(host, port)`` the relay listens on (the real port when 0 was asked)."""
+        if self._address is None:
+            raise RuntimeError("the relay is not started")
+        return self._address
+
+    @property
+    def address_text(self) -> str:
+        return address_text(self.address)
+
+    async def start(self) -> Address:
+        """Bind both sockets and start serving; raises OSError if the address is taken."""
+        self._loop = asyncio.get_running_loop()
+        host, port = self.config.host, self.config.port
+        self._sock = _open_socket(host, port)
+        try:
+            self._probe_sock = _open_socket(host, 0)
+        except OSError:
+            self._sock.close()
+            raise
+        bound = self._sock.getsockname()
+        self._address = (host or "0.0.0.0", bound[1])
+        self._loop.add_reader(self._sock.fileno(), self._on_readable)
+        self._timer = asyncio.create_task(self._run_timers(), name="gpumesh-relay-timers")
+        logger.debug(
+            "relay bound %s, probes from port %d", bound, self._probe_sock.getsockname()[1]
+        )
+        return self.address
+
+    def stats(self) -> dict[str, Any]:
+        """What the stats file holds, now."""
+        stats = self.core.stats(self._clock())
+        stats["listen"] = self.address_text if self._address else ""
+        return stats
+
+    def close(self) -> None:
+        """Close every session at both ends, write the stats, release the sockets."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._sock is not None and self._loop is not None:
+            self._loop.remove_reader(self._sock.fileno())
+            if self._writing:
+                self._loop.remove_writer(self._sock.fileno())
+                self._writing = False
+            goodbyes = self.core.shutdown(self._clock())
+            self._flush_queues()
+            for data, address in goodbyes:
+                with contextlib.suppress(OSError):
+                    self._sock.sendto(data, address)
+        self._write_stats(force=True)
+        for sock in (self._sock, self._probe_sock):
+            if sock is not None:
+                sock.close()
+        self._queues.clear()
+
+    async def wait_closed(self) -> None:
+        await self._closed.wait()
+
+    async def __aenter__(self) -> RelayServer:
+        if self._address is None:
+            await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # --- receiving ----------------------------------------------------------------------------
+
+    def _on_readable(self) -> None:
+        sock = self._sock
+        if sock is None:
+            return
+        for _ in range(_READ_BATCH):  # then yield, so timers and writers get their turn
+            try:
+                data, source = sock.recvfrom(_RECV_SIZE)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # e.g. an ICMP error reported on the socket
+                logger.debug("receive error: %s", exc)
+                continue
+            try:
+                out = self.core.handle(data, (source[0], source[1]), self._clock())
+            except Exception:  # a bug must cost one packet, never the relay
+                logger.exception("failed handling a packet from %s", source)
+                continue
+            self._send_all(out)
+
+    async def _run_timers(self) -> None:
+        next_stats = 0.0
+        while True:
+            await asyncio.sleep(TICK_INTERVAL)
+            now = self._clock()
+            try:
+                self._send_all(self.core.tick(now))
+            except Exception:
+                logger.exception("relay tick failed")
+            if now >= next_stats:
+                next_stats = now + STATS_INTERVAL
+                self._write_stats()
+
+    # --- sending ------------------------------------------------------------------------------
+
+    def _send_all(self, out: list[Send]) -> None:
+        for data, address in out:
+            if is_reach_probe(data):
+                self._send_probe(data, address)
+            else:
+                self._send(data, address)
+
+    def _send(self, data: bytes, address: Address) -> None:
+        queue = self._queues.get(address)
+        if queue is None:
+            sock = self._sock
+            if sock is None:
+                return
+            try:
+                sock.sendto(data, address)
+                return
+            except (BlockingIOError, InterruptedError):
+                queue = self._queues[address] = deque()
+                self._want_writable()
+            except OSError as exc:
+                logger.debug("send to %s failed: %s", address, exc)
+                return
+        if len(queue) >= self.config.queue:
+            self.dropped += 1
+            return
+        queue.append(data)
+
+    def _send_probe(self, data: bytes, address: Address) -> None:
+        if self._probe_sock is None:
+            return
+        with contextlib.suppress(OSError):  # one-shot: a lost probe reads as "not reachable"
+            self._probe_sock.sendto(data, address)
+
+    def _want_writable(self) -> None:
+        if not self._writing and self._sock is not None and self._loop is not None:
+            self._writing = True
+            self._loop.add_writer(self._sock.fileno(), self._on_writable)
+
+    def _on_writable(self) -> None:
+        self._flush_queues()
+        if not self._queues and self._writing and self._sock is not None and self._loop:
+            self._loop.remove_writer(self._sock.fileno())
+            self._writing = False
+
+    def _flush_queues(self) -> None:
+        """Send one packet per destination per round, so nobody waits behind a slow peer."""
+        sock = self._sock
+        while sock is not None and self._queues:
+            for address in list(self._queues):
+                queue = self._queues[address]
+                try:
+                    sock.sendto(queue[0], address)
+                except (BlockingIOError, InterruptedError):
+                    return
+                except OSError as exc:
+                    logger.debug("send to %s failed: %s", address, exc)
+                queue.popleft()
+                if not queue:
+                    del self._queues[address]
+
+    # --- stats --------------------------------------------------------------------------------
+
+    def _write_stats(self, *, force: bool = False) -> None:
+        path = self.config.stats_file
+        if path is None or (not force and self.core.version == self._stats_written):
+            return
+        self._stats_written = self.core.version
+        try:
+            write_atomically(path, json.dumps(self.stats(), indent=2) + "\n")
+        except OSError as exc:
+            logger.warning("cannot write the stats file %s: %s", path, exc)
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Replace ``path`` so a reader sees the old file or the new one, never half of one."""
+    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        os.replace(temp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        raise
+
+
+def _open_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_DGRAM)
+    try:
+        sock.setblocking(False)
+        if family == socket.AF_INET6:
+            with contextlib.suppress(OSError):  # "::" serves IPv4 too where the OS allows
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        for option in (socket.SO_RCVBUF, socket.SO_SNDBUF):
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, option, _SOCKET_BUFFER)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
