@@ -6,6 +6,7 @@
 ``GPUMESH_PEER``            default ``--peer`` for commands that take one
 ``GPUMESH_IMAGE``           default job image (over the config's ``image``)
 ``GPUMESH_RELAY``           relay ``host:port`` (over the config's ``relay``)
+``GPUMESH_RELAY_TOKEN``     shared token of a private relay (over ``relay_token``)
 ``GPUMESH_REGION``          region for public listings (over ``region``)
 ``GPUMESH_API_TOKEN``       bearer token for the control API
 ``GPUMESH_API_ADDR``        control API bind address (default 127.0.0.1:8080)
@@ -30,6 +31,7 @@ __all__ = [
     "ENV_PEER",
     "ENV_REGION",
     "ENV_RELAY",
+    "ENV_RELAY_TOKEN",
     "env",
     "home_dir",
 ]
@@ -39,6 +41,7 @@ ENV_NODE_NAME = "GPUMESH_NODE_NAME"
 ENV_PEER = "GPUMESH_PEER"
 ENV_IMAGE = "GPUMESH_IMAGE"
 ENV_RELAY = "GPUMESH_RELAY"
+ENV_RELAY_TOKEN = "GPUMESH_RELAY_TOKEN"
 ENV_REGION = "GPUMESH_REGION"
 ENV_API_TOKEN = "GPUMESH_API_TOKEN"
 ENV_API_ADDR = "GPUMESH_API_ADDR"

@@ -13,7 +13,7 @@ from gpumesh.units import format_duration
 @click.command(epilog="\b\nExamples:\n  gpumesh peers\n  gpumesh peers --json")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable output.")
 def peers(as_json: bool) -> None:
-    """List paired peers: access, last seen, addresses."""
+    """List paired peers: access, last seen, the path last used, addresses."""
     node = get_node()
     rows = node.peers()
     if as_json:
@@ -25,6 +25,7 @@ def peers(as_json: bool) -> None:
                     "allowed": p.allowed,
                     "last_seen": p.last_seen,
                     "last_address": p.last_address or None,
+                    "last_path": p.last_path or None,
                     "addresses": p.addresses,
                     "relay": p.relay or None,
                     "paired_at": p.paired_at,
@@ -41,7 +42,7 @@ def peers(as_json: bool) -> None:
 
     now = time.time()
     table = Table(box=None, pad_edge=False)
-    for column in ("NAME", "ID", "ACCESS", "LAST SEEN", "ADDRESSES"):
+    for column in ("NAME", "ID", "ACCESS", "LAST SEEN", "PATH", "ADDRESSES"):
         table.add_column(column)
     for p in rows:
         access = "[green]allowed[/green]" if p.allowed else "[red]denied[/red]"
@@ -51,5 +52,8 @@ def peers(as_json: bool) -> None:
             seen = "just now"
         else:
             seen = f"{format_duration(now - p.last_seen)} ago"
-        table.add_row(p.name, p.node_id.short, access, seen, ", ".join(p.dial_addresses()))
+        addresses = ", ".join(p.dial_addresses())
+        if p.relay:
+            addresses += f" (relay {p.relay})" if addresses else f"relay {p.relay}"
+        table.add_row(p.name, p.node_id.short, access, seen, p.last_path or "-", addresses)
     Console().print(table)

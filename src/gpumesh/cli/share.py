@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -49,6 +50,23 @@ def share(ctx: click.Context, host: str | None, port: int | None, max_vram: str 
     asyncio.run(_serve(node, host, port, cap))
 
 
+async def _report_relay(relay: object) -> None:
+    from gpumesh.errors import GPUMeshError
+    from gpumesh.transport.relayclient import RelayClient
+
+    assert isinstance(relay, RelayClient)
+    with contextlib.suppress(GPUMeshError):
+        await relay.wait_registered(3.0)
+    if relay.registered.is_set():
+        click.echo(f"  relay {relay.label}: registered, seen as {relay.observed}")
+        return
+    why = relay.error.message if relay.error else "no answer yet"
+    click.echo(
+        click.style(f"  relay {relay.label}: not registered ({why}); retrying", fg="yellow"),
+        err=True,
+    )
+
+
 async def _serve(node: object, host: str | None, port: int | None, max_vram: int | None) -> None:
     from gpumesh.agent.server import Agent
     from gpumesh.client.node import Node
@@ -83,6 +101,8 @@ async def _serve(node: object, host: str | None, port: int | None, max_vram: int
             )
     else:
         click.echo("  no NVIDIA GPU here: peers can run CPU-only jobs (without --gpu-memory)")
+    if agent.relay is not None:
+        await _report_relay(agent.relay)
     click.echo("Only paired, allowed peers are served. Pairing code for a new peer (valid 1 hour):")
     click.echo(node.pairing_code())
     click.echo("Press Ctrl-C or run `gpumesh share stop` to stop.", err=True)

@@ -22,6 +22,9 @@ def status(as_json: bool) -> None:
                 "sharing": st.agent is not None,
                 "listen": st.listen,
                 "agent_pid": st.agent.pid if st.agent else None,
+                "relay": st.relay or None,
+                "relay_state": st.agent.relay_state if st.agent and st.relay else None,
+                "connections": st.agent.links if st.agent else [],
                 "peers": st.peers,
                 "allowed": st.allowed,
                 "gpu_source": st.gpu_source,
@@ -48,6 +51,16 @@ def status(as_json: bool) -> None:
     click.echo(f"Id       {st.node_id}")
     click.echo(f"Home     {st.home}")
     click.echo(f"Sharing  {sharing}")
+    if st.relay:
+        if st.agent is None:
+            relay_line = f"{st.relay} (used when sharing or when a direct dial fails)"
+        elif st.agent.relay_state.startswith("registered"):
+            relay_line = click.style(f"{st.relay}, {st.agent.relay_state}", fg="green")
+        else:
+            relay_line = click.style(f"{st.relay}, {st.agent.relay_state}", fg="yellow")
+        click.echo(f"Relay    {relay_line}")
+    for link in st.agent.links if st.agent else []:
+        click.echo(f"Peer     {link['peer']} connected, path {link['path']}")
     from gpumesh.units import format_size
 
     if st.gpu_source == "simulated":

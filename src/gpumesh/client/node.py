@@ -42,6 +42,8 @@ if TYPE_CHECKING:
 __all__ = ["ConnectResult", "Node", "NodeInfo", "NodeStatus", "ThroughputResult"]
 
 FINAL = ("succeeded", "failed", "cancelled")
+PUNCH_WAIT = 3.0
+"""Seconds `connect` lets hole punching finish before it reports the path."""
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +63,8 @@ class NodeStatus:
     agent: AgentInfo | None
     """The running `gpumesh share`, or None."""
     listen: str
+    relay: str
+    """The relay this node uses (config or $GPUMESH_RELAY), or empty."""
     peers: int
     allowed: int
     gpus: list[GpuInfo]
@@ -78,7 +82,7 @@ class ConnectResult:
     address: str
     """The ``host:port`` that answered."""
     path: str
-    """``direct`` (later: ``relay``)."""
+    """``direct``, ``direct (hole-punched) ADDR`` or ``relayed via RELAY``."""
     rtt_ms: float
     """Median of several authenticated pings, in milliseconds."""
     connect_ms: float
@@ -152,6 +156,7 @@ class Node:
             home=info.home,
             agent=agent,
             listen=listen,
+            relay=agent.relay if agent and agent.relay else config.relay,
             peers=len(peers),
             allowed=sum(p.allowed for p in peers),
             gpus=inventory.gpus(),
@@ -164,7 +169,7 @@ class Node:
 
     def advertised_addresses(self) -> list[str]:
         """``host:port`` hints peers should dial, best first."""
-        from gpumesh.client.netinfo import local_addresses
+        from gpumesh.transport.netinfo import local_addresses
 
         config = self.home.config
         agent = self.home.read_agent_info()
@@ -226,29 +231,47 @@ class Node:
 
     @contextlib.asynccontextmanager
     async def session(self, query: str, *, timeout: float | None = None) -> AsyncIterator[Session]:
-        """An authenticated session with a paired peer, closed on exit."""
+        """An authenticated session with a paired peer, closed on exit.
+
+        Direct addresses are dialled first; with a relay (the peer's hint from
+        pairing, else ours) the relay is tried too, and hole punching moves a
+        relayed session to a direct path when the NATs allow it.
+        """
         # Imported here: local commands (status, peers) need no QUIC or TLS.
-        from gpumesh.transport.session import open_session, parse_address
+        from gpumesh.transport.session import RelayHint, open_session, parse_address
 
         peer = self.peer(query)
         addresses = []
         for text in peer.dial_addresses():
             with contextlib.suppress(ValueError):
                 addresses.append(parse_address(text))
+        config = self.home.config
+        relay_text = config.relay or peer.relay
+        relay = RelayHint(relay_text, config.relay_token) if relay_text else None
         session = await open_session(
             self.home.identity,
-            self.home.config.node_name,
+            config.node_name,
             addresses,
             peer.public_key,
-            timeout=timeout or self.home.config.connect_timeout,
+            timeout=timeout or config.connect_timeout,
             peer_label=peer.name,
+            relay=relay,
         )
-        host, port = session.address
-        self.home.store.touch_peer(peer.node_id, address=f"{host}:{port}")
+        logger.info("session with %s: %s", peer.name, session.path)
+        self._remember(peer, session)
         try:
             yield session
         finally:
+            if session.through_relay:
+                # What punching found is worth keeping for the next dial.
+                self._remember(peer, session)
             session.close()
+
+    def _remember(self, peer: Peer, session: Session) -> None:
+        """Record the path that worked (and a punched address to dial first next time)."""
+        address = session.dialable_address()
+        text = None if address is None else f"{address[0]}:{address[1]}"
+        self.home.store.touch_peer(peer.node_id, address=text, path=session.path)
 
     async def connect(
         self, query: str, *, pings: int = 5, timeout: float | None = None
@@ -260,6 +283,7 @@ class Node:
         started = time.perf_counter()
         async with self.session(query, timeout=timeout) as session:
             connect_ms = (time.perf_counter() - started) * 1000
+            await session.wait_for_punching(PUNCH_WAIT)
             remote = await session.request(StatusRequest())
             if not isinstance(remote, StatusReply):
                 raise UnreachableError(f"{peer.name} answered status with {type(remote).__name__}")
@@ -270,10 +294,11 @@ class Node:
                 if isinstance(reply, Pong):
                     rtts.append((time.perf_counter() - sent) * 1000)
             host, port = session.address
+            path = session.path
         return ConnectResult(
             peer=self.peer(peer.node_id),
             address=f"{host}:{port}",
-            path="direct",
+            path=path,
             rtt_ms=statistics.median(rtts),
             connect_ms=connect_ms,
             remote=remote,

@@ -138,6 +138,10 @@ MIGRATIONS: list[str] = [
     """
     ALTER TABLE jobs ADD COLUMN peak_gpu_memory INTEGER NOT NULL DEFAULT 0;
     """,
+    # 4 -> 5: the path (direct, hole-punched, relayed) the last session with a peer took
+    """
+    ALTER TABLE peers ADD COLUMN last_path TEXT NOT NULL DEFAULT '';
+    """,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -159,6 +163,8 @@ class Peer:
     """Unix time of the last authenticated exchange in either direction."""
     last_address: str
     """The ``host:port`` that last worked, tried first."""
+    last_path: str = ""
+    """How the last session went: ``direct``, ``direct (hole-punched) ...``, ``relayed via ...``."""
 
     @classmethod
     def from_row(cls, row: sqlite3.Row) -> Peer:
@@ -172,6 +178,7 @@ class Peer:
             paired_at=row["paired_at"],
             last_seen=row["last_seen"],
             last_address=row["last_address"],
+            last_path=row["last_path"],
         )
 
     def dial_addresses(self) -> list[str]:
@@ -470,9 +477,16 @@ class Store:
         return {bytes(r["public_key"]) for r in rows}
 
     def touch_peer(
-        self, node_id: str, *, address: str | None = None, now: float | None = None
+        self,
+        node_id: str,
+        *,
+        address: str | None = None,
+        path: str | None = None,
+        now: float | None = None,
     ) -> None:
-        """Record an authenticated exchange (and the address that worked)."""
+        """Record an authenticated exchange (and the address and path that worked)."""
+        if path is not None:
+            self._execute("UPDATE peers SET last_path = ? WHERE node_id = ?", (path, node_id))
         if address:
             self._execute(
                 "UPDATE peers SET last_seen = ?, last_address = ? WHERE node_id = ?",

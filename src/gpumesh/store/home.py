@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
@@ -35,6 +35,12 @@ class AgentInfo:
     host: str
     port: int
     started: float
+    relay: str = ""
+    """The relay ``host:port`` the agent registers with, or empty."""
+    relay_state: str = ""
+    """``registered as ADDR``, ``registering`` or ``refused: ...`` (empty without a relay)."""
+    links: list[dict[str, str]] = field(default_factory=list)
+    """Connected peers and their paths: ``{"peer": name, "path": "direct"}``."""
 
     @property
     def alive(self) -> bool:
@@ -121,6 +127,12 @@ class Home:
                 host=str(data["host"]),
                 port=int(data["port"]),
                 started=float(data["started"]),
+                relay=str(data.get("relay", "")),
+                relay_state=str(data.get("relay_state", "")),
+                links=[
+                    {"peer": str(link["peer"]), "path": str(link["path"])}
+                    for link in data.get("links", [])
+                ],
             )
         except (OSError, ValueError, KeyError, TypeError):
             return None

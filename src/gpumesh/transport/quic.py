@@ -26,7 +26,7 @@ import logging
 import os
 import ssl
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qh3 import QuicConfiguration, QuicConnection, QuicConnectionError
 from qh3.quic import events as qe
@@ -44,6 +44,9 @@ from gpumesh.identity.tlscert import public_key_from_spki, self_signed_certifica
 from gpumesh.protocol.messages import ALPN
 from gpumesh.transport.stream import Stream
 from gpumesh.transport.udp import Address, UdpSocket, open_udp_socket
+
+if TYPE_CHECKING:
+    from gpumesh.transport.relayclient import RelayClient, RelayedPath
 
 __all__ = [
     "APP_ERROR",
@@ -147,6 +150,8 @@ class QuicLink:
         self.closed: asyncio.Future[GPUMeshError] = loop.create_future()
         self.on_stream: Callable[[Stream], None] | None = None
         self.cids: set[bytes] = {quic.host_cid}
+        self.path: RelayedPath | None = None
+        """The relayed session under this link, or None for a plain direct link."""
         self._last_peer_stream = -1
         """Highest stream id the peer opened: ids only grow, so a lower unknown one is old."""
         # A job can stay silent for hours while its consumer waits: PINGs keep
@@ -190,8 +195,27 @@ class QuicLink:
         self.transmit_now()  # before _finish: a dialer's socket closes with its link
         self._finish(error or ConnectionLostError("connection closed"))
 
+    def abort(self, error: GPUMeshError) -> None:
+        """The path under the link is gone: end it here without telling the peer."""
+        if not self.is_closed:
+            self._finish(error)
+
     async def wait_closed(self) -> GPUMeshError:
         return await asyncio.shield(self.closed)
+
+    @property
+    def relayed(self) -> bool:
+        return self.path is not None and self.path.direct is None
+
+    def describe_path(self) -> str:
+        """``direct``, ``direct (hole-punched) ADDR`` or ``relayed via RELAY``."""
+        return "direct" if self.path is None else self.path.describe()
+
+    def remote_address(self) -> Address:
+        """Where packets go now: the real address, also for punched sessions."""
+        if self.path is None:
+            return self.address
+        return self.path.direct or self.path.client.relay_address
 
     # --- used by Stream -----------------------------------------------------------
 
@@ -364,6 +388,8 @@ class QuicEndpoint:
         self._closed = False
         self._socket_closed = False
         self._dialer_link: QuicLink | None = None
+        self.relay: RelayClient | None = None
+        """Set when this endpoint is registered with a relay (same socket)."""
         self._fileno = udp.sock.fileno()
         self._loop.add_reader(self._fileno, self._on_readable)
         self._writer_registered = False
@@ -405,30 +431,79 @@ class QuicEndpoint:
             udp.close()
             raise UnreachableError(f"cannot reach {where}: {exc.strerror or exc}") from exc
         endpoint = cls(udp)
-        quic = QuicConnection(configuration=client_configuration())
-        link = QuicLink(endpoint, quic, address)
-        endpoint._dialer_link = link
-        endpoint._add_link(link)
         try:
-            quic.connect(address, endpoint._loop.time())
-            link.transmit_now()
-            try:
-                await asyncio.wait_for(asyncio.shield(link.connected), timeout)
-            except TimeoutError:
-                raise UnreachableError(
-                    f"no answer from {where} within {timeout:.0f}s: is `gpumesh share` running "
-                    "there and is its UDP port reachable?"
-                ) from None
-            if link.peer_public_key() != expected_key:
-                error = KeyMismatchError(
-                    f"the node at {where} presented a different key than the one you paired "
-                    "with: it may be another machine or an impostor; re-pair if it was reinstalled"
-                )
-                link.close(error)
-                raise error
+            return await endpoint._dial_link(address, where, expected_key, timeout)
         except BaseException:
             endpoint.close()
             raise
+
+    @classmethod
+    async def dial_relayed(
+        cls,
+        relay: Callable[[QuicEndpoint], RelayClient],
+        peer_key: bytes,
+        *,
+        timeout: float,
+        local_host: str = "0.0.0.0",
+    ) -> QuicLink:
+        """Connect to ``peer_key`` through a relay (and punch a direct path meanwhile)."""
+        try:
+            udp = UdpSocket(open_udp_socket(local_host, 0))
+        except OSError as exc:
+            raise UnreachableError(f"cannot open a UDP socket: {exc}") from exc
+        endpoint = cls(udp)
+        try:
+            client = relay(endpoint)
+            endpoint.relay = client
+            client.start()
+            deadline = endpoint._loop.time() + timeout
+            await client.wait_registered(timeout)
+            path = await client.open_path(peer_key, max(0.5, deadline - endpoint._loop.time()))
+            link = await endpoint._dial_link(
+                path.virtual,
+                f"the peer through the relay {client.label}",
+                peer_key,
+                max(0.5, deadline - endpoint._loop.time()),
+                path=path,
+            )
+        except BaseException:
+            endpoint.close()
+            raise
+        return link
+
+    async def _dial_link(
+        self,
+        address: Address,
+        where: str,
+        expected_key: bytes,
+        timeout: float,
+        *,
+        path: RelayedPath | None = None,
+    ) -> QuicLink:
+        quic = QuicConnection(configuration=client_configuration())
+        link = QuicLink(self, quic, address)
+        if path is not None and self.relay is not None:
+            self.relay.attach(path, link)
+        self._dialer_link = link
+        self._add_link(link)
+        quic.connect(address, self._loop.time())
+        link.transmit_now()
+        try:
+            await asyncio.wait_for(asyncio.shield(link.connected), timeout)
+        except TimeoutError:
+            if link.is_closed:
+                raise link.closed.result() from None
+            raise UnreachableError(
+                f"no answer from {where} within {timeout:.0f}s: is `gpumesh share` running "
+                "there and is its UDP port reachable?"
+            ) from None
+        if link.peer_public_key() != expected_key:
+            error = KeyMismatchError(
+                f"the node at {where} presented a different key than the one you paired "
+                "with: it may be another machine or an impostor; re-pair if it was reinstalled"
+            )
+            link.close(error)
+            raise error
         return link
 
     def close(self) -> None:
@@ -438,6 +513,8 @@ class QuicEndpoint:
         for link in list(self.links):
             link.close()  # still sends: the socket closes below
             link.cancel_timer()
+        if self.relay is not None:
+            self.relay.close()
         self._loop.remove_reader(self._fileno)
         if self._writer_registered:
             self._loop.remove_writer(self._fileno)
@@ -471,6 +548,8 @@ class QuicEndpoint:
 
     def _forget(self, link: QuicLink) -> None:
         link.cancel_timer()
+        if link.path is not None and self.relay is not None:
+            self.relay.forget(link.path)
         self.links.discard(link)
         for cid in link.cids:
             if self._by_cid.get(cid) is link:
@@ -481,6 +560,17 @@ class QuicEndpoint:
     # --- I/O ------------------------------------------------------------------------
 
     def send(self, datagrams: list[tuple[bytes, Any]]) -> None:
+        relay = self.relay
+        if relay is not None and relay.paths:
+            routed = []
+            for data, address in datagrams:
+                path = relay.path_for_virtual(address)
+                routed.append(path.outgoing(data) if path is not None else (data, address))
+            datagrams = routed
+        self.send_raw(datagrams)
+
+    def send_raw(self, datagrams: list[tuple[bytes, Any]]) -> None:
+        """Send as is (relay packets, probes, already routed QUIC datagrams)."""
         if self._socket_closed:
             return
         self.udp.send_batch(datagrams)
@@ -515,19 +605,47 @@ class QuicEndpoint:
             return
         now = self._loop.time()
         touched: dict[QuicLink, None] = {}
+        relay = self.relay
         for item in batch:
-            link = self._route(item.data, item.address)
-            if link is None:
+            data, segment_size, address = item.data, item.segment_size, item.address
+            if data[0] < 0x40:  # not QUIC: the relay's, or a punching probe
+                if relay is not None:
+                    for offset in range(0, len(data), segment_size):
+                        packet = data[offset : offset + segment_size]
+                        unwrapped = relay.handle(packet, address, now)
+                        if unwrapped is not None:
+                            virtual, datagram = unwrapped
+                            self._deliver(datagram, len(datagram), virtual, now, touched)
                 continue
-            try:
-                link.receive(item.data, item.segment_size, item.address, now)
-            except Exception:  # a malformed packet must not take the endpoint down
-                logger.debug("dropping packet from %s", item.address, exc_info=True)
-                continue
-            touched[link] = None
+            if relay is not None:
+                path = relay.path_for_direct(address)
+                if path is not None:
+                    relay.note_direct_inbound(path, now)
+                    address = path.virtual
+            self._deliver(data, segment_size, address, now, touched)
         for link in touched:
             link.process_events()
             link.transmit_now()
+
+    def _deliver(
+        self,
+        data: bytes,
+        segment_size: int,
+        address: Address,
+        now: float,
+        touched: dict[QuicLink, None],
+    ) -> None:
+        link = self._route(data, address)
+        if link is None:
+            return
+        if link.path is not None and address != link.address:
+            return  # a relayed link takes packets only through its path
+        try:
+            link.receive(data, segment_size, address, now)
+        except Exception:  # a malformed packet must not take the endpoint down
+            logger.debug("dropping packet from %s", address, exc_info=True)
+            return
+        touched[link] = None
 
     def _route(self, data: bytes, address: Address) -> QuicLink | None:
         if self._dialer_link is not None:
@@ -550,6 +668,10 @@ class QuicEndpoint:
         link = QuicLink(self, quic, address)
         link.cids.add(cid)
         self._add_link(link)
+        if self.relay is not None:
+            path = self.relay.path_for_virtual(address)
+            if path is not None:
+                self.relay.attach(path, link)
         if self._on_link is not None:
             self._on_link(link)
         return link

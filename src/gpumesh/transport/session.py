@@ -12,7 +12,9 @@ import asyncio
 import contextlib
 import logging
 import os
+import socket
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from gpumesh.errors import (
     AccessDeniedError,
@@ -20,22 +22,60 @@ from gpumesh.errors import (
     GPUMeshError,
     KeyMismatchError,
     ProtocolError,
+    RelayError,
     UnreachableError,
 )
 from gpumesh.identity.keys import Identity
 from gpumesh.protocol.handshake import ClientAuth, ServerAuth
 from gpumesh.protocol.messages import Hello, Message, Proof
+from gpumesh.protocol.relay import DEFAULT_RELAY_PORT
+from gpumesh.transport.netinfo import local_addresses
 from gpumesh.transport.quic import QuicEndpoint, QuicLink
+from gpumesh.transport.relayclient import RelayClient
 from gpumesh.transport.stream import Stream
 from gpumesh.transport.udp import Address
 
-__all__ = ["AUTH_TIMEOUT", "Session", "accept_session", "open_session", "parse_address"]
+__all__ = [
+    "AUTH_TIMEOUT",
+    "RelayHint",
+    "Session",
+    "accept_session",
+    "open_session",
+    "parse_address",
+    "resolve_relay",
+]
 
 logger = logging.getLogger(__name__)
 
 AUTH_TIMEOUT = 5.0
 """Seconds a new connection has to prove its identity before it is dropped."""
 _DIAL_STAGGER = 0.25
+RELAY_DELAY = 1.0
+"""Seconds direct dials get before the relay is tried too (at once if they all fail)."""
+
+
+@dataclass(frozen=True)
+class RelayHint:
+    """Which relay to go through, and the shared token a private relay may ask for."""
+
+    address: str
+    """``host:port`` as the user wrote it (the port defaults to 4799)."""
+    token: str = ""
+
+
+async def resolve_relay(text: str) -> Address:
+    """``host[:port]`` of a relay to one IPv4 address (UDP)."""
+    try:
+        host, port = parse_address(text, DEFAULT_RELAY_PORT)
+    except ValueError as exc:
+        raise UnreachableError(f"invalid relay address {text!r}: {exc}") from None
+    loop = asyncio.get_running_loop()
+    try:
+        infos = await loop.getaddrinfo(host, port, family=socket.AF_INET, type=socket.SOCK_DGRAM)
+    except OSError as exc:
+        raise UnreachableError(f"cannot resolve the relay {text}: {exc.strerror or exc}") from None
+    found = infos[0][4]
+    return (str(found[0]), int(found[1]))
 
 
 def parse_address(text: str, default_port: int | None = None) -> Address:
@@ -64,12 +104,46 @@ class Session:
     def __init__(self, link: QuicLink, peer_name: str) -> None:
         self.link = link
         self.peer_name = peer_name
-        self.relayed = False
-        """True while packets go through a relay (no direct TCP path to the peer)."""
 
     @property
     def address(self) -> Address:
-        return self.link.address
+        """Where packets go now (the peer, its punched address, or the relay)."""
+        return self.link.remote_address()
+
+    @property
+    def relayed(self) -> bool:
+        """True while packets go through a relay (then no direct TCP path exists)."""
+        return self.link.relayed
+
+    @property
+    def through_relay(self) -> bool:
+        """True when the session was set up through a relay (punched or not)."""
+        return self.link.path is not None
+
+    def dialable_address(self) -> Address | None:
+        """An address worth dialling directly next time, if this session found one.
+
+        A plain direct session's address; for a relayed one, a punched address
+        only when it is one the peer listens on itself (its LAN address, say),
+        not its NAT's mapping, which only answered because we punched it.
+        """
+        path = self.link.path
+        if path is None:
+            return self.link.address
+        return path.direct if path.direct in path.peer_listens else None
+
+    @property
+    def path(self) -> str:
+        """``direct``, ``direct (hole-punched) ADDR`` or ``relayed via RELAY``."""
+        return self.link.describe_path()
+
+    async def wait_for_punching(self, timeout: float) -> None:
+        """Give hole punching up to ``timeout`` seconds to find a direct path."""
+        path = self.link.path
+        if path is None:
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(path.settled.wait(), timeout)
 
     def open_stream(self) -> Stream:
         return self.link.open_stream()
@@ -97,6 +171,32 @@ async def _dial_one(
     identity: Identity, name: str, address: Address, server_key: bytes, timeout: float
 ) -> Session:
     link = await QuicEndpoint.dial(address, expected_key=server_key, timeout=timeout)
+    return await _authenticate(link, identity, name, server_key, f"{address[0]}:{address[1]}")
+
+
+async def _dial_relayed(
+    identity: Identity, name: str, relay: RelayHint, server_key: bytes, timeout: float
+) -> Session:
+    relay_address = await resolve_relay(relay.address)
+
+    def make_client(endpoint: QuicEndpoint) -> RelayClient:
+        return RelayClient(
+            endpoint,
+            relay_address,
+            relay.address,
+            identity,
+            token=relay.token,
+            serving=False,
+            candidates=lambda: local_addresses("0.0.0.0", endpoint.local_address[1]),
+        )
+
+    link = await QuicEndpoint.dial_relayed(make_client, server_key, timeout=timeout)
+    return await _authenticate(link, identity, name, server_key, f"the relay {relay.address}")
+
+
+async def _authenticate(
+    link: QuicLink, identity: Identity, name: str, server_key: bytes, where: str
+) -> Session:
     try:
         auth = ClientAuth(identity, name, server_key)
         stream = link.open_stream()
@@ -108,8 +208,7 @@ async def _dial_one(
                 message = await asyncio.wait_for(stream.read_message(), max(remaining, 0.01))
             except TimeoutError:
                 raise UnreachableError(
-                    f"{address[0]}:{address[1]} accepted the connection but did not finish "
-                    "authentication"
+                    f"{where} accepted the connection but did not finish authentication"
                 ) from None
             reply = auth.receive(message)
             if reply is not None:
@@ -138,12 +237,71 @@ async def open_session(
     *,
     timeout: float = 5.0,
     peer_label: str = "the peer",
+    relay: RelayHint | None = None,
 ) -> Session:
     """Dial ``addresses`` (staggered, first success wins) and authenticate.
 
+    With a ``relay``, the relay is tried too: after :data:`RELAY_DELAY`, or
+    at once when every direct dial has failed; whichever finishes first wins.
     A refusal (denied, not paired) or a key mismatch ends the attempt at once:
-    other addresses reach the same node and would only repeat it.
+    other paths reach the same node and would only repeat it.
     """
+    direct = asyncio.create_task(
+        _open_direct(identity, name, addresses, server_key, timeout, peer_label)
+    )
+    if relay is None:
+        return await direct
+    relayed: asyncio.Task[Session] | None = None
+    winner: Session | None = None
+    try:
+        await asyncio.wait({direct}, timeout=RELAY_DELAY if addresses else 0)
+        if direct.done():
+            exc = direct.exception()
+            if exc is None:
+                winner = direct.result()
+                return winner
+            if not isinstance(exc, GPUMeshError) or _rank(exc) == 0:
+                raise exc
+        relayed = asyncio.create_task(_dial_relayed(identity, name, relay, server_key, timeout))
+        pending: set[asyncio.Task[Session]] = {relayed} if direct.done() else {direct, relayed}
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for finished in done:
+                exc = finished.exception()
+                if exc is None:
+                    winner = finished.result()
+                    return winner
+                if not isinstance(exc, GPUMeshError) or _rank(exc) == 0:
+                    raise exc
+        direct_error = direct.exception()
+        relay_error = relayed.exception()
+        assert direct_error is not None and relay_error is not None
+        if isinstance(relay_error, RelayError | KeyMismatchError):
+            raise relay_error
+        if not addresses:
+            raise relay_error
+        raise UnreachableError(
+            f"cannot reach {peer_label} directly ({direct_error}) nor through the relay "
+            f"{relay.address} ({relay_error})"
+        )
+    finally:
+        for task in (direct, relayed):
+            if task is None:
+                continue
+            if not task.done():
+                task.cancel()
+            elif not task.cancelled() and task.exception() is None and task.result() is not winner:
+                task.result().close()
+
+
+async def _open_direct(
+    identity: Identity,
+    name: str,
+    addresses: Sequence[Address],
+    server_key: bytes,
+    timeout: float,
+    peer_label: str,
+) -> Session:
     if not addresses:
         raise UnreachableError(f"no known address for {peer_label}: pair again with a fresh code")
     tasks: list[asyncio.Task[Session]] = []

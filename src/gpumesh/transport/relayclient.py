@@ -1,0 +1,528 @@
+"""A node's side of the relay: registration, relayed sessions, hole punching.
+
+The relay client shares its endpoint's UDP socket (the relay must see the
+same NAT mapping that peers punch through). The endpoint hands it every
+packet that is not QUIC; it answers the relay, feeds punching probes to the
+session's :class:`~gpumesh.protocol.punch.Puncher`, and gives relayed QUIC
+datagrams back to the endpoint under the session's *virtual address*.
+
+Virtual addresses are how QUIC stays unaware of paths: a relayed session is
+known to qh3 as ``[100::<session>]:1`` (RFC 6666's discard-only prefix: no
+real packet can come from there). The endpoint translates on the way out
+(to the punched direct address if one is live, else wrapped in a relay
+``Data`` packet) and on the way in (the punched address back to the virtual
+one), so moving from the relay to a direct path is invisible to QUIC, as
+with WireGuard under Tailscale's magicsock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from gpumesh.errors import ProtocolError, RelayError, UnreachableError
+from gpumesh.identity.keys import Identity, node_id_for
+from gpumesh.protocol import relay as wire
+from gpumesh.protocol.punch import PunchConfig, Puncher
+from gpumesh.transport.udp import Address
+
+if TYPE_CHECKING:
+    from gpumesh.transport.quic import QuicEndpoint, QuicLink
+
+__all__ = ["RelayClient", "RelayedPath", "format_address", "parse_host_port", "virtual_address"]
+
+logger = logging.getLogger(__name__)
+
+_HELLO_RETRY = 0.5
+_REREGISTER_MAX = 5.0
+_MISSED_KEEPALIVES = 3
+
+
+def virtual_address(session: int) -> Address:
+    groups = [(session >> shift) & 0xFFFF for shift in (48, 32, 16, 0)]
+    return ("100::" + ":".join(f"{g:x}" for g in groups), 1)
+
+
+def format_address(address: Address) -> str:
+    host, port = address
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def parse_host_port(text: str) -> Address | None:
+    """``ip:port`` / ``[v6]:port`` from the wire; None when it is not one."""
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        port_text = rest.removeprefix(":")
+    else:
+        host, _, port_text = text.rpartition(":")
+    if not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        return None
+    return (host, int(port_text))
+
+
+def _refusal(label: str, code: str, message: str) -> RelayError:
+    meaning = wire.REFUSALS.get(code, code)
+    detail = f" ({message})" if message and message != meaning else ""
+    return RelayError(f"relay {label} refused: {code}: {meaning}{detail}")
+
+
+class RelayedPath:
+    """One relayed session with one peer, and where its packets go now."""
+
+    def __init__(
+        self,
+        client: RelayClient,
+        session: int,
+        peer_key: bytes,
+        secret: bytes,
+        candidates: list[Address],
+        now: float,
+        *,
+        peer_listens: list[Address],
+    ) -> None:
+        self.client = client
+        self.peer_listens = peer_listens
+        """The addresses the peer says it listens on (not its NAT's mapping)."""
+        self.session = session
+        self.peer_key = peer_key
+        self.virtual = virtual_address(session)
+        self.puncher = Puncher(
+            session,
+            secret,
+            candidates,
+            now,
+            random_tx=lambda: int.from_bytes(os.urandom(8), "big") >> 1,
+            config=client.punch_config,
+        )
+        self.relay_open = True
+        self.settled = asyncio.Event()
+        """Set once punching has found a direct path or given up."""
+        self.ended: RelayError | None = None
+        self.link: QuicLink | None = None
+        self.peer_observed: Address | None = candidates[0] if candidates else None
+
+    @property
+    def direct(self) -> Address | None:
+        return self.puncher.direct
+
+    def outgoing(self, datagram: bytes) -> tuple[bytes, Address]:
+        direct = self.puncher.direct
+        if direct is not None:
+            return datagram, direct
+        return wire.encode_data(self.session, datagram), self.client.relay_address
+
+    def describe(self) -> str:
+        direct = self.puncher.direct
+        if direct is not None:
+            return f"direct (hole-punched) {format_address(direct)}"
+        return f"relayed via {self.client.label}"
+
+
+class RelayClient:
+    """This node's registration with one relay, over an endpoint's socket."""
+
+    def __init__(
+        self,
+        endpoint: QuicEndpoint,
+        relay_address: Address,
+        label: str,
+        identity: Identity,
+        *,
+        token: str = "",
+        serving: bool,
+        candidates: Callable[[], list[str]] = list,
+        authorize: Callable[[bytes], bool] | None = None,
+        punch_config: PunchConfig | None = None,
+    ) -> None:
+        self._loop = asyncio.get_running_loop()
+        self.endpoint = endpoint
+        self.relay_address = relay_address
+        self.label = label
+        self.identity = identity
+        self.token = token
+        self.serving = serving
+        self._candidates = candidates
+        self._authorize = authorize
+        self.punch_config = punch_config or PunchConfig()
+        self.registered = asyncio.Event()
+        self.observed: str | None = None
+        self.error: RelayError | None = None
+        self.session_bytes = 0
+        self.session_seconds = 0.0
+        self.paths: dict[int, RelayedPath] = {}
+        self._by_virtual: dict[Address, RelayedPath] = {}
+        self._by_direct: dict[Address, RelayedPath] = {}
+        self._requests: dict[int, asyncio.Future[RelayedPath]] = {}
+        self._next_request = 1
+        self._keepalive_every = 10.0
+        self._keepalive_seq = 0
+        self._keepalive_at = 0.0
+        self._last_heard = 0.0
+        self._next_hello = 0.0
+        self._hello_backoff = _HELLO_RETRY
+        self._pending_register: bytes | None = None
+        self._reach: asyncio.Future[None] | None = None
+        self._wake = asyncio.Event()
+        self._closed = False
+        self._task: asyncio.Task[None] | None = None
+        self.on_path_event: Callable[[RelayedPath, str], None] | None = None
+
+    # --- life cycle ------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"relay {self.label}")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for path in list(self.paths.values()):
+            if path.relay_open:
+                self._send(wire.Close(session=path.session, code="closed", message=""))
+        if self._task is not None:
+            self._task.cancel()
+        for future in self._requests.values():
+            if not future.done():
+                future.set_exception(RelayError(f"relay {self.label}: the node is closing"))
+                future.exception()
+
+    async def wait_registered(self, timeout: float) -> None:
+        """Wait for the relay to accept us; raise its refusal or a timeout error."""
+        try:
+            async with asyncio.timeout(timeout):
+                while not self.registered.is_set():
+                    if self.error is not None:
+                        raise self.error
+                    self._wake.set()
+                    waiter = asyncio.ensure_future(self.registered.wait())
+                    try:
+                        await asyncio.wait({waiter}, timeout=0.1)
+                    finally:
+                        waiter.cancel()
+        except TimeoutError:
+            raise UnreachableError(
+                f"no answer from the relay {self.label} within {timeout:.0f}s: is gpumesh-relay "
+                "running there and its UDP port reachable?"
+            ) from None
+
+    async def open_path(self, peer_key: bytes, timeout: float) -> RelayedPath:
+        """Ask the relay for a session with ``peer_key`` and start punching."""
+        request = self._next_request
+        self._next_request += 1
+        future: asyncio.Future[RelayedPath] = self._loop.create_future()
+        self._requests[request] = future
+        packet = wire.Connect(request=request, peer=peer_key, candidates=self._my_candidates())
+        try:
+            async with asyncio.timeout(timeout):
+                while True:
+                    self._send(packet)
+                    done, _ = await asyncio.wait({future}, timeout=1.0)
+                    if done:
+                        return future.result()
+        except TimeoutError:
+            raise UnreachableError(
+                f"the relay {self.label} did not connect us to the peer within {timeout:.0f}s"
+            ) from None
+        finally:
+            self._requests.pop(request, None)
+
+    async def reach_test(self, timeout: float = 1.0) -> bool:
+        """Whether a packet from a port we never sent to gets in (no NAT filtering)."""
+        self._reach = self._loop.create_future()
+        self._send(wire.ReachTest(seq=1))
+        try:
+            await asyncio.wait_for(asyncio.shield(self._reach), timeout)
+        except TimeoutError:
+            return False
+        finally:
+            self._reach = None
+        return True
+
+    # --- used by the endpoint ------------------------------------------------------
+
+    def path_for_virtual(self, address: Address) -> RelayedPath | None:
+        return self._by_virtual.get(address)
+
+    def path_for_direct(self, address: Address) -> RelayedPath | None:
+        return self._by_direct.get(address)
+
+    def attach(self, path: RelayedPath, link: QuicLink) -> None:
+        path.link = link
+        link.path = path
+
+    def forget(self, path: RelayedPath) -> None:
+        """The link over ``path`` is gone: end the relayed session."""
+        if self.paths.pop(path.session, None) is None:
+            return
+        self._by_virtual.pop(path.virtual, None)
+        if path.direct is not None and self._by_direct.get(path.direct) is path:
+            del self._by_direct[path.direct]
+        if path.relay_open and not self._closed:
+            self._send(wire.Close(session=path.session, code="closed", message=""))
+
+    def handle(self, data: bytes, source: Address, now: float) -> tuple[Address, bytes] | None:
+        """One non-QUIC packet; returns ``(virtual address, QUIC datagram)`` to deliver."""
+        from_relay = source == self.relay_address
+        if from_relay:
+            self._last_heard = now
+        if wire.is_data(data):
+            if not from_relay:
+                return None
+            try:
+                session, datagram = wire.decode_data(data)
+            except ProtocolError:
+                return None
+            path = self.paths.get(session)
+            if path is None:
+                return None
+            return path.virtual, datagram
+        try:
+            message = wire.decode_packet(data)
+        except ProtocolError as exc:
+            logger.debug("relay packet from %s dropped: %s", source, exc)
+            return None
+        if isinstance(message, wire.Probe):
+            self._on_probe(message, source, now)
+        elif isinstance(message, wire.ReachProbe):
+            if self._reach is not None and not self._reach.done():
+                self._reach.set_result(None)
+        elif from_relay:
+            self._on_relay_message(message, now)
+        return None
+
+    def note_direct_inbound(self, path: RelayedPath, now: float) -> None:
+        path.puncher.on_inbound(now)
+
+    # --- relay messages -----------------------------------------------------------------
+
+    def _on_relay_message(self, message: wire.RelayMessage, now: float) -> None:
+        if isinstance(message, wire.Challenge):
+            self._on_challenge(message)
+        elif isinstance(message, wire.Registered):
+            first = not self.registered.is_set()
+            self.registered.set()
+            self.error = None
+            self.observed = message.observed
+            self._pending_register = None
+            self._hello_backoff = _HELLO_RETRY
+            self._keepalive_every = max(1.0, message.keepalive or 10.0)
+            self.session_bytes = message.session_bytes
+            self.session_seconds = message.session_seconds
+            self._keepalive_at = now + self._keepalive_every
+            if first:
+                logger.info("registered with relay %s as %s", self.label, message.observed)
+        elif isinstance(message, wire.Refused):
+            self._on_refused(message)
+        elif isinstance(message, wire.Incoming):
+            self._on_incoming(message, now)
+        elif isinstance(message, wire.Connected):
+            self._on_connected(message, now)
+        elif isinstance(message, wire.Close):
+            self._on_close(message)
+        elif isinstance(message, wire.KeepAliveAck):
+            self.observed = message.observed or self.observed
+            if not message.registered:
+                self._lost_registration("the relay no longer knows this node (it restarted?)")
+
+    def _on_challenge(self, challenge: wire.Challenge) -> None:
+        identity = self.identity
+        signature = identity.sign(
+            wire.register_payload(challenge.nonce, identity.public_key, self.serving)
+        )
+        register = wire.Register(
+            public_key=identity.public_key,
+            nonce=challenge.nonce,
+            signature=signature,
+            token_proof=wire.token_proof(self.token, challenge.nonce),
+            serving=self.serving,
+        )
+        self._pending_register = wire.encode_packet(register)
+        self._send_raw(self._pending_register)
+
+    def _on_refused(self, refused: wire.Refused) -> None:
+        error = _refusal(self.label, refused.code, refused.message)
+        future = self._requests.get(refused.session) if refused.session else None
+        if future is not None and not future.done():
+            future.set_exception(error)
+            return
+        if refused.code in ("not-registered",):
+            self._lost_registration("the relay says this node is not registered")
+            return
+        if refused.code == "no-session":
+            path = self.paths.get(refused.session)
+            if path is not None:
+                self._end_relay(path, error)
+            return
+        if refused.code in ("bad-nonce",):
+            self._pending_register = None  # a stale challenge: start over
+            self._next_hello = 0.0
+            return
+        # A refused registration: wait for the caller to read it; retry slowly.
+        self.error = error
+        self._pending_register = None
+        self._hello_backoff = _REREGISTER_MAX
+        self._next_hello = self._loop.time() + _REREGISTER_MAX
+        logger.warning("%s", error)
+
+    def _on_incoming(self, incoming: wire.Incoming, now: float) -> None:
+        if not self.serving:
+            self._send(wire.Decline(session=incoming.session))
+            return
+        if incoming.session in self.paths:  # a repeated Incoming: answer again
+            self._send(wire.Accept(session=incoming.session, candidates=self._my_candidates()))
+            return
+        allowed = self._authorize(incoming.peer) if self._authorize is not None else False
+        if not allowed:
+            logger.info("declined a relayed connection from %s", node_id_for(incoming.peer).short)
+            self._send(wire.Decline(session=incoming.session))
+            return
+        self._add_path(incoming.session, incoming.peer, incoming.secret, incoming, now)
+        self._send(wire.Accept(session=incoming.session, candidates=self._my_candidates()))
+
+    def _on_connected(self, connected: wire.Connected, now: float) -> None:
+        future = self._requests.get(connected.request)
+        if future is None or future.done():
+            return
+        path = self.paths.get(connected.session)
+        if path is None:
+            path = self._add_path(connected.session, b"", connected.secret, connected, now)
+        future.set_result(path)
+
+    def _on_close(self, close: wire.Close) -> None:
+        path = self.paths.get(close.session)
+        if path is None:
+            return
+        self._end_relay(path, _ended(self.label, close.code, close.message))
+
+    def _end_relay(self, path: RelayedPath, error: RelayError) -> None:
+        path.relay_open = False
+        path.ended = error
+        logger.info("relayed session %x ended: %s", path.session, error.message)
+        if path.direct is None and path.link is not None:
+            path.link.abort(error)
+
+    def _add_path(
+        self,
+        session: int,
+        peer_key: bytes,
+        secret: bytes,
+        offer: wire.Incoming | wire.Connected,
+        now: float,
+    ) -> RelayedPath:
+        listens = [a for text in offer.candidates if (a := parse_host_port(text)) is not None]
+        observed = parse_host_port(offer.observed)
+        candidates = ([observed] if observed is not None else []) + listens
+        path = RelayedPath(self, session, peer_key, secret, candidates, now, peer_listens=listens)
+        self.paths[session] = path
+        self._by_virtual[path.virtual] = path
+        self._wake.set()
+        return path
+
+    # --- punching -----------------------------------------------------------------------
+
+    def _on_probe(self, probe: wire.Probe, source: Address, now: float) -> None:
+        path = self.paths.get(probe.session)
+        if path is None:
+            return
+        self._send_many(path.puncher.on_probe(probe, source, now))
+        self._after_punch(path)
+
+    def _after_punch(self, path: RelayedPath) -> None:
+        for event in path.puncher.take_events():
+            if event.kind == "direct" and event.address is not None:
+                for address, other in list(self._by_direct.items()):
+                    if other is path:
+                        del self._by_direct[address]
+                self._by_direct[event.address] = path
+                logger.info(
+                    "session %x: direct path to %s after %.0f ms",
+                    path.session,
+                    format_address(event.address),
+                    (path.puncher.direct_after or 0) * 1000,
+                )
+            elif event.kind == "lost":
+                if event.address is not None:
+                    self._by_direct.pop(event.address, None)
+                logger.info("session %x: direct path lost, back to the relay", path.session)
+                if not path.relay_open and path.link is not None:
+                    path.link.abort(path.ended or RelayError("the direct path was lost"))
+            elif event.kind == "gave_up":
+                logger.info("session %x: no direct path; staying on the relay", path.session)
+            if event.kind in ("direct", "gave_up"):
+                path.settled.set()
+            if self.on_path_event is not None:
+                self.on_path_event(path, event.kind)
+        self._wake.set()
+
+    # --- the timer loop -----------------------------------------------------------------
+
+    async def _run(self) -> None:
+        while not self._closed:
+            wake_at = self._tick(self._loop.time())
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), max(0.0, wake_at - self._loop.time()))
+
+    def _tick(self, now: float) -> float:
+        """Do what is due; return when to look again."""
+        wake_at = now + self._keepalive_every
+        if not self.registered.is_set():
+            if now >= self._next_hello:
+                self._send_raw(self._pending_register or wire.hello_packet())
+                self._next_hello = now + self._hello_backoff
+                self._hello_backoff = min(self._hello_backoff * 1.5, _REREGISTER_MAX)
+            wake_at = min(wake_at, self._next_hello)
+        else:
+            if now - self._last_heard >= self._keepalive_every * _MISSED_KEEPALIVES:
+                self._lost_registration("no answer from the relay")
+                return now
+            if now >= self._keepalive_at:
+                self._keepalive_seq = (self._keepalive_seq + 1) % 2**32
+                self._send(wire.KeepAlive(seq=self._keepalive_seq))
+                self._keepalive_at = now + self._keepalive_every
+            wake_at = min(wake_at, self._keepalive_at)
+        for path in list(self.paths.values()):
+            self._send_many(path.puncher.poll(now))
+            self._after_punch(path)
+            next_at = path.puncher.next_wakeup()
+            if next_at is not None:
+                wake_at = min(wake_at, next_at)
+        return wake_at
+
+    def _lost_registration(self, why: str) -> None:
+        if self.registered.is_set():
+            logger.info("relay %s: %s; registering again", self.label, why)
+        self.registered.clear()
+        self._pending_register = None
+        self._next_hello = 0.0
+        self._hello_backoff = _HELLO_RETRY
+        for path in list(self.paths.values()):
+            if path.relay_open:
+                lost = RelayError(f"the relay {self.label} lost the session ({why})")
+                self._end_relay(path, lost)
+        self._wake.set()
+
+    # --- sending --------------------------------------------------------------------------
+
+    def _my_candidates(self) -> list[str]:
+        return self._candidates()[: wire.MAX_CANDIDATES]
+
+    def _send(self, message: wire.RelayMessage) -> None:
+        self._send_raw(wire.encode_packet(message))
+
+    def _send_raw(self, packet: bytes) -> None:
+        self.endpoint.send_raw([(packet, self.relay_address)])
+
+    def _send_many(self, packets: list[tuple[bytes, Address]]) -> None:
+        if packets:
+            self.endpoint.send_raw(packets)
+
+
+def _ended(label: str, code: str, message: str) -> RelayError:
+    meaning = wire.REFUSALS.get(code, code)
+    detail = f" ({message})" if message and message != meaning else ""
+    return RelayError(f"the relay {label} ended the session: {code}: {meaning}{detail}")
