@@ -115,6 +115,10 @@ class RelayConfig:
         ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must not be negative")
+        if self.stats_file is not None and not self.stats_file.parent.is_dir():
+            raise ConfigError(
+                f"the stats file's folder {self.stats_file.parent} does not exist; create it first"
+            )
         if self.registration_timeout <= self.keepalive:
             raise ConfigError(
                 f"registration_timeout ({self.registration_timeout:g}s) must be longer than "
