@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     except click.ClickException as exc:
         _error(exc.format_message())
         return exc.exit_code
-    except click.Abort:
+    except (click.Abort, KeyboardInterrupt):
         return 130
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else 0
