@@ -193,13 +193,104 @@ def test_a_sparse_gib_round_trips_byte_identical(pair, tmp_path: Path) -> None:
     assert stored.stat().st_size == 1024 * MIB
     assert up.sha256 == expected
     assert up.transferred == 1024 * MIB
+    assert up.channel == "tls"  # the bytes took the data channel, not QUIC
 
     back = tmp_path / "back.bin"
     down = arun(_copy_sharing(alice, bob, "alice:big.bin", str(back)))
     stored.unlink()
     assert down.sha256 == expected
+    assert down.channel == "tls"
     assert back.stat().st_size == 1024 * MIB
     assert sha256_of(back) == expected
+
+
+# --- the data channel ------------------------------------------------------------------------
+
+
+def test_the_quic_path_serves_when_the_data_channel_is_off(pair, tmp_path: Path) -> None:
+    alice, bob = pair
+    source, back = tmp_path / "data.bin", tmp_path / "back.bin"
+    write_random(source, 5 * MIB + 3)
+
+    async def scenario() -> list[CopyResult]:
+        async with _serving(alice, bob):
+            results = [
+                await copy(bob, str(source), "alice:/a.bin", fast_path=False),
+                await copy(bob, "alice:/a.bin", str(back), fast_path=False),
+            ]
+            # The provider turns it off: the consumer falls back without a word.
+            alice.home.config.set("data_channel", "off")
+            back.unlink()
+            results += [
+                await copy(bob, str(source), "alice:/b.bin"),
+                await copy(bob, "alice:/b.bin", str(back)),
+            ]
+            return results
+
+    results = arun(scenario())
+    assert [r.channel for r in results] == ["quic"] * 4
+    assert all(r.attempts == 1 for r in results)
+    assert sha256_of(sandbox_of(alice, bob) / "b.bin") == sha256_of(source) == sha256_of(back)
+
+
+def _put_offer(session: object, path: str, size: int) -> object:
+    from gpumesh.protocol.messages import ChannelOffer, ChannelPut
+
+    async def ask() -> tuple[object, ChannelOffer]:
+        stream = session.open_stream()  # type: ignore[attr-defined]
+        stream.send_message(ChannelPut(path=path, size=size, mode=0o644, source="ab" * 16))
+        return stream, await stream.expect(ChannelOffer)
+
+    return ask()
+
+
+def test_the_data_channel_admits_only_its_ticket_once(pair, tmp_path: Path) -> None:
+    """A wrong ticket, no ticket, or a second connection: refused, nothing written."""
+    import socket as sockets
+
+    from gpumesh.blocking import in_thread
+    from gpumesh.files.channel import dial
+
+    alice, bob = pair
+    key = alice.home.identity.public_key
+    outcomes: dict[str, object] = {}
+
+    async def scenario() -> None:
+        async with _serving(alice, bob), bob.session("alice") as session:
+            host = session.address[0]
+            for case in ("wrong ticket", "no ticket", "second connection"):
+                stream, offer = await _put_offer(session, f"/{case}.bin", 1000)  # type: ignore[misc]
+                ticket = offer.ticket if case == "second connection" else bytes(32)
+                if case == "no ticket":
+                    raw = await in_thread(sockets.create_connection, (host, offer.port))
+                    raw.close()  # not even TLS: the provider stops at once
+                else:
+                    channel = await in_thread(dial, host, offer.port, key, ticket, 5.0)
+                    if case == "second connection":
+                        channel.close()  # its one connection, used up without a byte
+                        try:
+                            await in_thread(dial, host, offer.port, key, offer.ticket, 5.0)
+                        except GPUMeshError as exc:
+                            outcomes["reconnect"] = exc
+                    else:
+                        with contextlib.suppress(OSError):
+                            channel.sock.sendall(b"x" * 1000)
+                        channel.close()
+                try:
+                    outcomes[case] = await stream.read_message()
+                except GPUMeshError as exc:
+                    outcomes[case] = exc
+
+    arun(scenario())
+    assert isinstance(outcomes["wrong ticket"], AccessDeniedError)
+    assert "ticket" in str(outcomes["wrong ticket"])
+    assert isinstance(outcomes["no ticket"], GPUMeshError)
+    assert isinstance(outcomes["second connection"], GPUMeshError)
+    assert isinstance(outcomes["reconnect"], GPUMeshError)  # the listener is gone
+    sandbox = sandbox_of(alice, bob)
+    assert not sandbox.exists() or not list(sandbox.iterdir())
+    for part in partials_of(alice, bob).glob("*.part"):
+        assert part.stat().st_size == 0  # not a byte of the file was accepted
 
 
 def test_a_tree_of_small_files_round_trips_with_modes(pair, tmp_path: Path) -> None:

@@ -4,7 +4,10 @@ Owns ``$GPUMESH_HOME/files/<peer node id>/`` (each peer's sandbox: a peer
 reaches its own folder only, never another peer's or anything else of the
 provider's), the partial uploads kept for resuming in
 ``files/.partial/<peer node id>/``, and the requests ``FileStat``,
-``FilePut``, ``FileGet``, ``DirPut`` and ``DirGet``.
+``FilePut``, ``FileGet``, ``DirPut`` and ``DirGet``, and their data-channel
+variants ``ChannelPut`` and ``ChannelGet`` (file bytes over a one-shot TLS/TCP
+channel, see :mod:`gpumesh.files.channel`; same checks, same partials, same
+hash verdict).
 
 Paths: a remote path names a place inside the sandbox; a leading ``/`` is the
 sandbox root. :func:`sandbox_parts` is the pure check every request goes
@@ -56,6 +59,7 @@ from gpumesh.errors import (
     LimitError,
     NotFoundError,
     ProtocolError,
+    UnreachableError,
 )
 from gpumesh.files.transfer import (
     FileSink,
@@ -71,6 +75,9 @@ from gpumesh.files.transfer import (
     worker,
 )
 from gpumesh.protocol.messages import (
+    ChannelGet,
+    ChannelOffer,
+    ChannelPut,
     DirGet,
     DirPut,
     FileDone,
@@ -84,7 +91,10 @@ from gpumesh.protocol.messages import (
 from gpumesh.units import format_size, parse_size
 
 if TYPE_CHECKING:
+    import ssl
+
     from gpumesh.agent.server import Agent, RequestContext
+    from gpumesh.files.channel import Channel, Listener
     from gpumesh.files.pack import PackPlan
     from gpumesh.store.db import Peer
     from gpumesh.transport.stream import Stream
@@ -109,6 +119,8 @@ PARTIAL_TTL = 7 * 86400.0
 _FINISH_WAIT = 30.0
 """How long a finished download waits for the consumer to end its side."""
 _TAKEOVER_WAIT = 30.0
+_CHANNEL_STALL = 20.0
+"""Seconds without progress on a data channel after which it counts as dropped."""
 """How long a resumed upload waits for the dropped attempt it replaces to let go."""
 
 
@@ -232,6 +244,7 @@ class FileService:
         self.root = agent.home.path / "files"
         self._active: dict[str, dict[str, _Active]] = {}
         """Peer id -> name in its partials folder -> the upload writing it."""
+        self._tls: ssl.SSLContext | None = None
 
     # --- places -------------------------------------------------------------------------
 
@@ -466,6 +479,153 @@ class FileService:
         stream.send_message(FileDone(size=received, sha256=hasher.digest()), end=True)
         logger.info("[%s] received folder %s (%d bytes of tar)", peer.name, where, received)
 
+    # --- the data channel ------------------------------------------------------------------
+
+    def channel_enabled(self) -> bool:
+        return str(self.agent.home.config.get("data_channel")) == "on"
+
+    def _listener(self) -> Listener:
+        """A one-shot TLS listener on the share address, with a fresh ticket."""
+        from gpumesh.files.channel import Listener, server_context
+
+        if not self.channel_enabled():
+            raise UnreachableError(f"{self.agent.name} opens no data channels (data_channel off)")
+        if self._tls is None:
+            self._tls = server_context(self.agent.identity)
+        try:
+            return Listener(self.agent.host, self._tls, secrets.token_bytes(32))
+        except OSError as exc:
+            raise UnreachableError(f"cannot open a data channel: {exc.strerror or exc}") from None
+
+    @_refusing
+    async def handle_channel_put(self, ctx: RequestContext, message: Message) -> None:
+        """``FilePut`` with the bytes over a data channel and the hash at the end."""
+        from gpumesh.files.channel import receive_file
+
+        assert isinstance(message, ChannelPut)
+        peer, name, stream = ctx.peer, self.agent.name, ctx.stream
+        where = f"{name}:{shown(message.path)}"
+        if not self.channel_enabled():
+            raise UnreachableError(f"{name} opens no data channels (data_channel off)")
+        target, relative = await in_thread(self._locate_file, peer, message.path, where)
+        key = hashlib.sha256(
+            f"{relative}\n{message.size}\nsource:{message.source}".encode()
+        ).hexdigest()[:32]
+        partials = self.partials(peer)
+        part, meta = partials / f"{key}.part", partials / f"{key}.json"
+        expected = {"path": relative, "size": message.size, "source": message.source}
+        async with self._claim(peer, key, message.size, stream):
+            replaced = await in_thread(_guarded, _replaced_size, target, where)
+            offset = await in_thread(_kept_offset, part, meta, expected)
+            usage = await self._usage(peer, exclude=key)
+            usage.check(name, message.size - replaced)
+            if offset == 0:
+                await in_thread(_guarded, _start_partial, part, meta, expected)
+            hasher = hashlib.sha256()
+            fd = await in_thread(_guarded, os.open, part, os.O_RDWR)
+            try:
+                # Drop what lies past the offset, hash what is kept, before a byte is added.
+                await in_thread(_truncate_and_hash, fd, offset, hasher)
+                listener = self._listener()
+                stream.send_message(
+                    ChannelOffer(port=listener.port, ticket=listener.ticket, offset=offset)
+                )
+                final = asyncio.ensure_future(stream.expect(FileDone))
+                try:
+                    async with _channel_of(listener, final) as channel:
+                        remaining = message.size - offset
+                        await in_thread(receive_file, channel, fd, remaining, hasher, _ignore)
+                        done = await asyncio.wait_for(asyncio.shield(final), _FINISH_WAIT)
+                finally:
+                    if not final.done():
+                        final.cancel()
+                    final.add_done_callback(swallow)
+                if done.size != message.size or done.sha256 != hasher.digest():
+                    await in_thread(_discard, part, meta)
+                    raise ProtocolError(
+                        f"the upload to {where} does not match its SHA-256 and was discarded; "
+                        "copy it again"
+                    )
+                await in_thread(_guarded, _place_file, fd, message.mode, part, meta, target, where)
+            except ProtocolError:
+                await in_thread(_discard, part, meta)
+                raise
+            except TimeoutError:
+                raise ConnectionLostError("the consumer did not finish the upload") from None
+            finally:
+                os.close(fd)
+        stream.send_message(FileDone(size=message.size, sha256=hasher.digest()), end=True)
+        logger.info(
+            "[%s] received %s over a data channel (%d bytes, from byte %d)",
+            peer.name,
+            where,
+            message.size,
+            offset,
+        )
+
+    @_refusing
+    async def handle_channel_get(self, ctx: RequestContext, message: Message) -> None:
+        """``FileGet`` with the bytes over a data channel."""
+        from gpumesh.files.channel import send_file
+
+        assert isinstance(message, ChannelGet)
+        path = await in_thread(self.resolve, ctx.peer, message.path)
+        where = f"{self.agent.name}:{shown(message.path)}"
+        listener = self._listener()
+        try:
+            fd = await in_thread(_guarded, _open_regular, path, where)
+        except BaseException:
+            listener.stop()
+            listener.close()
+            raise
+        try:
+            st = os.fstat(fd)
+            if message.offset > st.st_size:
+                raise ProtocolError(
+                    f"asked for {where} from byte {message.offset}, past its end "
+                    f"({st.st_size} bytes)"
+                )
+            stream = ctx.stream
+            stream.send_message(
+                FileInfo(
+                    path=message.path,
+                    exists=True,
+                    kind="file",
+                    size=st.st_size,
+                    mode=stat.S_IMODE(st.st_mode),
+                    mtime=st.st_mtime,
+                )
+            )
+            stream.send_message(
+                ChannelOffer(port=listener.port, ticket=listener.ticket, offset=message.offset)
+            )
+            # The consumer ends its side only after FileDone: an earlier end is a give-up.
+            answered = asyncio.Event()
+            ended = asyncio.ensure_future(_consumer_end(stream, answered))
+            hasher = hashlib.sha256()
+            try:
+                async with _channel_of(listener, ended) as channel:
+                    await in_thread(
+                        send_file, channel, fd, message.offset, st.st_size, hasher, _ignore
+                    )
+                    answered.set()
+                    stream.send_message(FileDone(size=st.st_size, sha256=hasher.digest()), end=True)
+                    with contextlib.suppress(GPUMeshError, TimeoutError):
+                        await asyncio.wait_for(asyncio.shield(ended), _FINISH_WAIT)
+            finally:
+                if not ended.done():
+                    ended.cancel()
+                ended.add_done_callback(swallow)
+        finally:
+            listener.close()
+            os.close(fd)
+        logger.info(
+            "[%s] sent %s over a data channel (%d bytes)",
+            ctx.peer.name,
+            where,
+            st.st_size - message.offset,
+        )
+
     # --- quota and concurrent uploads ----------------------------------------------------
 
     @contextlib.asynccontextmanager
@@ -519,6 +679,47 @@ async def _until_finished(stream: Stream) -> None:
         async with asyncio.timeout(_FINISH_WAIT):
             while await stream.read_frame() is not None:
                 pass
+
+
+def _ignore(_count: int) -> None:
+    return None
+
+
+async def _consumer_end(stream: Stream, answered: asyncio.Event) -> None:
+    """Wait for the consumer to end its side; raise when it did before ``answered``."""
+    while await stream.read_frame() is not None:
+        pass
+    if not answered.is_set():
+        raise ConnectionLostError("the consumer ended the request before the file was sent")
+
+
+@contextlib.asynccontextmanager
+async def _channel_of(listener: Listener, watch: asyncio.Future[Any]) -> AsyncIterator[Channel]:
+    """The listener's one connection, torn down when the QUIC request ends early.
+
+    ``watch`` is the request's next step on QUIC; its failing (the consumer
+    gave up, a newer upload took over, the link dropped) stops the channel.
+    """
+    channel: Channel | None = None
+
+    def stop(future: asyncio.Future[Any]) -> None:
+        if future.cancelled() or future.exception() is not None:
+            listener.stop()
+            if channel is not None:
+                channel.abort()
+
+    watch.add_done_callback(stop)
+    try:
+        channel = await in_thread(listener.accept, _CHANNEL_STALL)
+        if watch.done():
+            stop(watch)
+        yield channel
+    finally:
+        watch.remove_done_callback(stop)
+        listener.stop()
+        listener.close()
+        if channel is not None:
+            channel.close()
 
 
 # --- blocking helpers of the service -------------------------------------------------------------

@@ -32,6 +32,8 @@ from gpumesh.gpu.inventory import GpuInventory
 from gpumesh.protocol.messages import (
     AppJobDir,
     AppSync,
+    ChannelGet,
+    ChannelPut,
     DirGet,
     DirPut,
     ExecStart,
@@ -119,6 +121,8 @@ class Agent:
             FileGet: self.files.handle_get,
             DirPut: self.files.handle_dir_put,
             DirGet: self.files.handle_dir_get,
+            ChannelPut: self.files.handle_channel_put,
+            ChannelGet: self.files.handle_channel_get,
             AppSync: self.apps.handle_sync,
             AppJobDir: self.apps.handle_job_dir,
             ExecStart: handle_exec_start,

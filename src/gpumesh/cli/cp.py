@@ -22,6 +22,8 @@ PEER:PATH is a path in your own folder on that peer (a leading / is its root);
 other peers never see it. A copy that stops (dropped link, restarted peer)
 resumes where it stopped: gpumesh retries by itself, and running the same
 command again resumes too. Every copy is checked end to end with SHA-256.
+File bytes take a TLS/TCP channel opened by the QUIC session when a direct
+path exists, else QUIC.
 """,
 )
 @click.argument("source")
@@ -36,10 +38,21 @@ command again resumes too. Every copy is checked end to end with SHA-256.
     show_default=True,
     help="Retries after a dropped link, each resuming where it stopped.",
 )
+@click.option(
+    "--no-fast-path",
+    is_flag=True,
+    help="Keep file bytes on QUIC: no TLS/TCP data channel (config: data_channel off).",
+)
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar and no summary.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def cp(
-    source: str, destination: str, recursive: bool, retries: int, quiet: bool, as_json: bool
+    source: str,
+    destination: str,
+    recursive: bool,
+    retries: int,
+    no_fast_path: bool,
+    quiet: bool,
+    as_json: bool,
 ) -> None:
     """Copy SOURCE to DESTINATION; one of them is PEER:PATH.
 
@@ -53,7 +66,16 @@ def cp(
     view = _CopyView(quiet=quiet or as_json)
     callbacks = CopyCallbacks(started=view.started, progress=view.progress, retrying=view.retrying)
     try:
-        result = run_async(copy(node, source, destination, retries=retries, callbacks=callbacks))
+        result = run_async(
+            copy(
+                node,
+                source,
+                destination,
+                retries=retries,
+                callbacks=callbacks,
+                fast_path=not no_fast_path,
+            )
+        )
     finally:
         view.close()
     if as_json:
@@ -73,6 +95,7 @@ def cp(
                 "offsets": result.offsets,
                 "mb_per_s": round(result.mb_per_s, 1),
                 "skipped": result.skipped,
+                "channel": result.channel,
             }
         )
     elif not quiet:

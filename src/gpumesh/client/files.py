@@ -3,8 +3,12 @@
 Owns the consumer's side of the file requests: telling ``peer:path`` from a
 local path, choosing the destination name the way ``cp`` does, streaming with
 progress callbacks, checking every copy end to end against its SHA-256, and
-resuming. An upload resumes from the partial file the provider kept (it says
-where in ``FileResume``); a download keeps a local ``NAME.gpumesh-part`` and
+resuming. File bytes go over a data channel (TLS on TCP, opened and
+authorised by the QUIC request, see :mod:`gpumesh.files.channel`) when a
+direct path exists and neither side turned it off; when one cannot be opened
+the copy falls back to QUIC at once, silently. An upload resumes from the
+partial file the provider kept (it says where in ``FileResume`` or
+``ChannelOffer``); a download keeps a local ``NAME.gpumesh-part`` and
 asks for the rest with ``FileGet(offset)``. A dropped link (or a provider that
 stops answering) is retried a few times, each retry resuming; a later
 ``gpumesh cp`` of the same file resumes too. Folders travel as one tar, never
@@ -35,9 +39,13 @@ from gpumesh.errors import (
     LimitError,
     NotFoundError,
     ProtocolError,
+    TransportError,
     UnreachableError,
 )
 from gpumesh.protocol.messages import (
+    ChannelGet,
+    ChannelOffer,
+    ChannelPut,
     DirGet,
     DirPut,
     FileDone,
@@ -51,6 +59,7 @@ from gpumesh.units import format_size
 
 if TYPE_CHECKING:
     from gpumesh.client.node import Node
+    from gpumesh.files.channel import Channel
     from gpumesh.store.db import Peer
     from gpumesh.transport.session import Session
     from gpumesh.transport.stream import Stream
@@ -121,6 +130,8 @@ class CopyResult:
     """Where each attempt started: a first one over 0 resumed an earlier copy."""
     skipped: list[str] = field(default_factory=list)
     """Entries of a folder left out, each with why."""
+    channel: str = "quic"
+    """What carried the bytes of the last attempt: ``tls`` (the data channel) or ``quic``."""
 
     @property
     def resumed_from(self) -> int:
@@ -162,8 +173,12 @@ async def copy(
     retries: int = RETRIES,
     callbacks: CopyCallbacks | None = None,
     stall_timeout: float = STALL_TIMEOUT,
+    fast_path: bool = True,
 ) -> CopyResult:
-    """Copy between here and a peer's sandbox; exactly one side is ``peer:path``."""
+    """Copy between here and a peer's sandbox; exactly one side is ``peer:path``.
+
+    ``fast_path=False`` keeps file bytes on QUIC (so does ``data_channel = off``).
+    """
     src, dst = parse_location(source), parse_location(destination)
     if src.peer is not None and dst.peer is not None:
         raise ConfigError("both sides name a peer: one side must be a local path")
@@ -173,6 +188,7 @@ async def copy(
         "retries": retries,
         "callbacks": callbacks,
         "stall_timeout": stall_timeout,
+        "fast_path": fast_path,
     }
     if dst.peer is not None:
         return await upload(node, dst.peer, Path(src.path), dst.path, **options)
@@ -192,11 +208,13 @@ async def upload(
     retries: int = RETRIES,
     callbacks: CopyCallbacks | None = None,
     stall_timeout: float = STALL_TIMEOUT,
+    fast_path: bool = True,
 ) -> CopyResult:
     """Copy a local file or folder into the peer's sandbox at ``remote``."""
     started = time.perf_counter()
     callbacks = callbacks or CopyCallbacks()
     peer = node.peer(peer_query)
+    fast_path = fast_path and _channel_allowed(node)
     try:
         st = os.stat(local)
     except FileNotFoundError:
@@ -209,9 +227,14 @@ async def upload(
         copier: _Copy = _FolderUpload(node, peer, local, remote, callbacks, stall_timeout)
     elif stat.S_ISREG(st.st_mode):
         copier = _FileUpload(node, peer, local, remote, callbacks, stall_timeout, st)
+        copier.fast = fast_path
     else:
         raise ConfigError(f"{local} is not a regular file (a device, pipe or socket)")
     return await copier.run(retries, started)
+
+
+def _channel_allowed(node: Node) -> bool:
+    return str(node.home.config.get("data_channel")) == "on"
 
 
 def _name_of(local: Path) -> str:
@@ -254,6 +277,8 @@ class _Copy:
         )
         self.done = 0
         """Bytes in place at the far end (or here) so far."""
+        self.fast = False
+        """Try the data channel (cleared for good once one could not be opened)."""
 
     async def prepare(self) -> None:
         """Local work done once, before any attempt."""
@@ -313,6 +338,53 @@ class _Copy:
 
     def remote_label(self, path: str) -> str:
         return f"{self.peer.name}:{_shown(path)}"
+
+    def use_channel(self, session: Session) -> bool:
+        # A relayed session has no direct TCP path to the peer.
+        return self.fast and not getattr(session, "relayed", False)
+
+    def no_channel(self, stream: Stream, session: Session, why: GPUMeshError) -> None:
+        """The data channel could not be opened: this copy goes on over QUIC."""
+        logger.debug("copy: no data channel to %s (%s); using QUIC", self.peer.name, why)
+        self.fast = False
+        with contextlib.suppress(GPUMeshError):
+            stream.abort()
+        session.link.forget_stream(stream.stream_id)
+
+    async def offer(self, stream: Stream) -> ChannelOffer | None:
+        """The provider's ChannelOffer; None when it opens no channel (then: QUIC)."""
+        try:
+            return await self.within(RESPONSE_TIMEOUT, stream.expect(ChannelOffer))
+        except (ProtocolError, UnreachableError):
+            # An older provider (it does not know the request), one with
+            # data_channel off, or one that could not listen.
+            return None
+
+    async def open_channel(self, session: Session, offer: ChannelOffer) -> Channel | None:
+        from gpumesh.blocking import in_thread
+        from gpumesh.files.channel import dial
+
+        try:
+            return await in_thread(
+                dial,
+                session.address[0],
+                offer.port,
+                self.peer.public_key,
+                offer.ticket,
+                self.stall_timeout,
+            )
+        except TransportError as exc:
+            logger.debug("copy: data channel to %s failed: %s", self.peer.name, exc)
+            return None
+
+    def progress_from_thread(self, total: int) -> Callable[[int], None]:
+        loop = asyncio.get_running_loop()
+
+        def report(count: int) -> None:
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self.advance, count, total)
+
+        return report
 
 
 def _shown(remote: str) -> str:
@@ -395,20 +467,82 @@ class _FileUpload(_Upload):
         self.hashing: asyncio.Future[bytes] | None = None
 
     async def prepare(self) -> None:
+        if not self.fast:
+            self.start_hashing()  # while the first attempt dials and looks at the destination
+
+    def start_hashing(self) -> None:
         from gpumesh.blocking import in_thread
 
-        # Hashed while the first attempt dials and looks at the destination.
-        self.hashing = in_thread(_hash_path, self.local, self.st)
-        self.hashing.add_done_callback(_retrieved)
+        if self.hashing is None:
+            self.hashing = in_thread(_hash_path, self.local, self.st)
+            self.hashing.add_done_callback(_retrieved)
 
     async def attempt(self, session: Session) -> None:
+        target = await self.settle_target(session)
+        if self.use_channel(session) and await self.attempt_channel(session, target):
+            return
+        await self.attempt_quic(session, target)
+
+    async def attempt_channel(self, session: Session, target: str) -> bool:
+        """Send over a data channel, hashing while sending; False: none could be opened."""
+        from gpumesh.files.channel import send_file
+
+        stream = session.open_stream()
+        stream.send_message(
+            ChannelPut(
+                path=target,
+                size=self.size,
+                mode=stat.S_IMODE(self.st.st_mode),
+                source=_source_id(self.local, self.st),
+            )
+        )
+        offer = await self.offer(stream)
+        channel = None if offer is None else await self.open_channel(session, offer)
+        if offer is None or channel is None:
+            self.no_channel(stream, session, UnreachableError("no data channel"))
+            return False
+        if offer.offset > self.size:
+            channel.close()
+            raise ProtocolError(f"{self.peer.name} asked to resume past the end of the file")
+        self.result.channel = "tls"
+        self.result.offsets.append(offer.offset)
+        self.done = offer.offset
+        self.callbacks.progress(self.done, self.size)
+        # Any answer before ours is a refusal: it stops the sending.
+        answer = _watch(stream, FileDone)
+        answer.add_done_callback(lambda _answer: channel.abort())
+        hasher = hashlib.sha256()
+        try:
+            fd = os.open(self.local, os.O_RDONLY)
+            report = self.progress_from_thread(self.size)
+            try:
+                await _pump(channel, fd, send_file, offer.offset, self.size, hasher, report)
+            except ConnectionLostError:
+                if answer.done() and not answer.cancelled() and answer.exception() is not None:
+                    await answer  # the provider's refusal says more than the broken channel
+                raise
+            _check_unchanged(self.local, os.stat(self.local), self.st)
+            self.digest = hasher.digest()
+            self.result.sha256 = self.digest.hex()
+            stream.send_message(FileDone(size=self.size, sha256=self.digest), end=True)
+            done = await self.within(RESPONSE_TIMEOUT, answer)
+        finally:
+            await _finish_task(answer)
+            channel.close()
+            session.link.forget_stream(stream.stream_id)
+        if done.size != self.size or done.sha256 != self.digest:
+            raise ProtocolError(f"{self.peer.name} confirmed a different file than was sent")
+        return True
+
+    async def attempt_quic(self, session: Session, target: str) -> None:
         from gpumesh.files.transfer import file_chunks, worker
 
-        target = await self.settle_target(session)
         if self.digest is None:
+            self.start_hashing()
             assert self.hashing is not None
             self.digest = await self.hashing
             self.result.sha256 = self.digest.hex()
+        self.result.channel = "quic"
         stream = session.open_stream()
         stream.send_message(
             FilePut(
@@ -451,6 +585,34 @@ class _FileUpload(_Upload):
                 "`gpumesh cp` again to resume"
             )
         return type(exc)(exc.message)
+
+
+async def _pump(channel: Channel, fd: int, pump: Callable[..., None], *args: Any) -> None:
+    """Run a channel pump on its own thread, which closes ``fd`` when it ends.
+
+    Leaving early (cancelled, stopped) aborts the channel, so the thread ends
+    too (closing the channel then waits for the thread to let go of it).
+    """
+    from gpumesh.blocking import in_thread
+
+    def run() -> None:
+        try:
+            pump(channel, fd, *args)
+        finally:
+            os.close(fd)
+
+    running = in_thread(run)
+    try:
+        await asyncio.shield(running)
+    except BaseException:
+        channel.abort()
+        raise
+
+
+def _source_id(path: Path, st: os.stat_result) -> str:
+    """Names a local file for resuming its upload: which file, which version of it."""
+    text = f"{os.path.abspath(path)}\n{st.st_dev}:{st.st_ino}\n{st.st_size}\n{st.st_mtime_ns}"
+    return hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()[:32]
 
 
 def _retrieved(future: asyncio.Future[Any]) -> None:
@@ -531,12 +693,14 @@ async def download(
     retries: int = RETRIES,
     callbacks: CopyCallbacks | None = None,
     stall_timeout: float = STALL_TIMEOUT,
+    fast_path: bool = True,
 ) -> CopyResult:
     """Copy a file or folder from the peer's sandbox to ``local``."""
     started = time.perf_counter()
     callbacks = callbacks or CopyCallbacks()
     peer = node.peer(peer_query)
     copier = _Download(node, peer, local, remote, callbacks, stall_timeout)
+    copier.fast = fast_path and _channel_allowed(node)
     return await copier.run(retries, started)
 
 
@@ -568,11 +732,7 @@ class _Download(_Copy):
         elif not await self._get_file(session, self.dest):
             await self._get_file(session, self.dest)  # the kept part was stale: once more
 
-    async def _get_file(self, session: Session, dest: Path) -> bool:
-        """Fetch the file (resuming a kept part); False when that part proved stale."""
-        from gpumesh.files.transfer import hash_file, worker
-
-        part = dest.with_name(dest.name + PART_SUFFIX)
+    def _part_offset(self, part: Path) -> int:
         assert self.info is not None
         try:
             offset = part.stat().st_size
@@ -580,6 +740,75 @@ class _Download(_Copy):
             offset = 0
         if offset > self.info.size:
             offset = 0  # the remote file shrank since: the part is stale
+        return offset
+
+    async def _get_file(self, session: Session, dest: Path) -> bool:
+        """Fetch the file (resuming a kept part); False when that part proved stale."""
+        if self.use_channel(session):
+            fetched = await self._get_file_channel(session, dest)
+            if fetched is not None:
+                return fetched
+        return await self._get_file_quic(session, dest)
+
+    async def _get_file_channel(self, session: Session, dest: Path) -> bool | None:
+        """``_get_file`` over a data channel; None: none could be opened."""
+        from gpumesh.blocking import in_thread
+
+        part = dest.with_name(dest.name + PART_SUFFIX)
+        offset = self._part_offset(part)
+        stream = session.open_stream()
+        # Not ended until FileDone is read: an early end tells the provider we gave up.
+        stream.send_message(ChannelGet(path=self.remote, offset=offset))
+        try:
+            info = await self.within(RESPONSE_TIMEOUT, stream.expect(FileInfo))
+        except (ProtocolError, UnreachableError) as exc:
+            self.no_channel(stream, session, exc)
+            return None
+        offer = await self.offer(stream)
+        channel = None if offer is None else await self.open_channel(session, offer)
+        if offer is None or channel is None:
+            self.no_channel(stream, session, UnreachableError("no data channel"))
+            return None
+        try:
+            if info.kind != "file":
+                raise ProtocolError(f"{self.peer.name} answered a file request with {info.kind}")
+            if offer.offset != offset or offset > info.size:
+                raise ProtocolError(f"{self.peer.name} offered the file from the wrong byte")
+            size = info.size
+            self.result.channel = "tls"
+            self.result.size = size
+            self.result.offsets.append(offset)
+            self.done = offset
+            self.callbacks.progress(offset, size)
+            hasher = hashlib.sha256()
+            fd = os.open(part, os.O_RDWR | os.O_CREAT, 0o600)
+            report = self.progress_from_thread(size)
+            await _pump(channel, fd, _resume_and_receive, offset, size - offset, hasher, report)
+            done = await self.within(RESPONSE_TIMEOUT, stream.expect(FileDone))
+            if done.size != size or done.sha256 != hasher.digest():
+                await in_thread(part.unlink)
+                if offset > 0:
+                    return False
+                raise ProtocolError(
+                    f"the copy of {self.remote_label(self.remote)} did not match its "
+                    "SHA-256 (did it change meanwhile?) and was removed; copy it again"
+                )
+            self.result.sha256 = done.sha256.hex()
+            await in_thread(_place_part, info, part, dest)
+        finally:
+            with contextlib.suppress(GPUMeshError):
+                stream.finish()
+            channel.close()
+            session.link.forget_stream(stream.stream_id)
+        return True
+
+    async def _get_file_quic(self, session: Session, dest: Path) -> bool:
+        from gpumesh.files.transfer import hash_file, worker
+
+        part = dest.with_name(dest.name + PART_SUFFIX)
+        assert self.info is not None
+        offset = self._part_offset(part)
+        self.result.channel = "quic"
         stream = session.open_stream()
         try:
             # Not ended: our side of the stream carries the credit for the data.
@@ -718,6 +947,23 @@ def _place_download(fd: int, info: FileInfo, part: Path, dest: Path) -> None:
     os.fchmod(fd, info.mode & 0o777)
     if info.mtime > 0:
         os.utime(fd, (info.mtime, info.mtime))
+    os.replace(part, dest)
+
+
+def _resume_and_receive(
+    channel: Channel, fd: int, offset: int, count: int, hasher: Any, progress: Callable[[int], None]
+) -> None:
+    from gpumesh.files.channel import receive_file
+    from gpumesh.files.transfer import hash_file
+
+    _truncate_and_hash(fd, offset, hasher, hash_file)
+    receive_file(channel, fd, count, hasher, progress)
+
+
+def _place_part(info: FileInfo, part: Path, dest: Path) -> None:
+    os.chmod(part, info.mode & 0o777)
+    if info.mtime > 0:
+        os.utime(part, (info.mtime, info.mtime))
     os.replace(part, dest)
 
 

@@ -30,6 +30,9 @@ __all__ = [
     "AppSync",
     "AppSynced",
     "Challenge",
+    "ChannelGet",
+    "ChannelOffer",
+    "ChannelPut",
     "DirGet",
     "DirPut",
     "ExecExit",
@@ -346,6 +349,45 @@ class DirGet(_Msg, tag="dir_get", frozen=True):
     path: RemotePath
 
 
+# --- the data channel: file bytes over TLS/TCP, opened by the QUIC request ---------
+
+Ticket = Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]
+SourceId = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{1,64}$")]
+
+
+class ChannelPut(_Msg, tag="channel_put", frozen=True):
+    """Upload a file over a data channel. The provider answers ChannelOffer; the bytes
+    from its offset go over the channel; the consumer then sends FileDone (size and
+    SHA-256 of the whole file, hashed while sending) and the provider, once the file
+    matches, answers FileDone."""
+
+    path: RemotePath
+    size: Count
+    mode: Annotated[int, msgspec.Meta(ge=0, le=0o7777)]
+    source: SourceId
+    """Names the local file (its identity, size and mtime, hashed) so that a
+    dropped upload resumes only from a partial of the same file."""
+
+
+class ChannelGet(_Msg, tag="channel_get", frozen=True):
+    """Download a file from ``offset`` over a data channel: the provider answers
+    FileInfo and ChannelOffer, sends the bytes over the channel, then FileDone."""
+
+    path: RemotePath
+    offset: Count
+
+
+class ChannelOffer(_Msg, tag="channel_offer", frozen=True):
+    """Provider -> consumer: connect with TLS to this port of the address the QUIC
+    session uses, within a few seconds, and send ``ticket`` first."""
+
+    port: Annotated[int, msgspec.Meta(ge=1, le=65535)]
+    ticket: Ticket
+    """32 random bytes, good for one connection of this request only."""
+    offset: Count
+    """Where the bytes on the channel start in the file (a resumed copy)."""
+
+
 # --- apps: a project folder kept in sync in the sandbox's /apps/NAME ----------------
 
 MAX_APP_LIST = 64 * 1024 * 1024
@@ -454,6 +496,9 @@ Message = (
     | FileDone
     | DirPut
     | DirGet
+    | ChannelPut
+    | ChannelGet
+    | ChannelOffer
     | AppSync
     | AppNeeds
     | AppSend

@@ -166,6 +166,13 @@ KEYS: dict[str, ConfigKey] = {
         ConfigKey(
             "file_quota", _size, "50GB", "most bytes each peer may keep here with `gpumesh cp`"
         ),
+        ConfigKey(
+            "data_channel",
+            _choice("on", "off"),
+            "on",
+            "move `gpumesh cp` bytes over a TLS/TCP channel when a direct path exists "
+            "(off: QUIC only, both as consumer and as provider)",
+        ),
     ]
 }
 

@@ -1,0 +1,459 @@
+"""The data channel: file bytes over TLS on TCP, opened by an authenticated QUIC session.
+
+One QUIC connection driven from Python tops out well under what the disk and
+TLS can do (every packet costs interpreter time). When a direct path exists,
+a copy asks over its QUIC request for a data channel: the provider opens a
+one-shot TCP listener and answers with its port and a random ticket; the
+consumer connects, runs TLS 1.3, pins the provider's Ed25519 key exactly as
+the QUIC dial does, and sends the ticket first. The provider compares the
+ticket (constant time) before it reads a byte of the file. Then only raw file
+bytes cross the channel; everything else (what is copied, where it resumes,
+the SHA-256 of the whole file, the verdict) stays on the QUIC request.
+
+This module holds the blocking halves both ends use, run on threads: the TLS
+contexts, the one-shot listener, dialling with the key pin, and pumping a file
+into or out of a socket in large pieces while another thread hashes (TLS and
+SHA-256 both release the GIL, so they run on two cores). It knows nothing of
+peers, sandboxes or asyncio; a timeout on the socket turns a stalled link into
+``ConnectionLostError``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import os
+import queue
+import socket
+import ssl
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from gpumesh.errors import (
+    AccessDeniedError,
+    ConfigError,
+    ConnectionLostError,
+    GPUMeshError,
+    KeyMismatchError,
+    UnreachableError,
+)
+
+if TYPE_CHECKING:
+    from gpumesh.files.transfer import Hasher
+    from gpumesh.identity.keys import Identity
+
+__all__ = [
+    "ACCEPT_WAIT",
+    "TICKET_BYTES",
+    "Channel",
+    "Listener",
+    "client_context",
+    "dial",
+    "receive_file",
+    "send_file",
+    "server_context",
+]
+
+TICKET_BYTES = 32
+ACCEPT_WAIT = 5.0
+"""Seconds a one-shot listener waits for its one connection, and then for its
+TLS handshake and ticket."""
+CONNECT_WAIT = 3.0
+"""Seconds the consumer gives a TCP connect and TLS handshake before it falls back."""
+PIECE = 4 << 20
+"""Bytes per read/send/write: large, so the interpreter's share per byte is small."""
+_PIECES = 4
+"""Buffers in flight per transfer (``PIECE`` each): bounded memory, whatever the size."""
+_POLL = 0.2
+
+
+def server_context(identity: Identity) -> ssl.SSLContext:
+    """TLS 1.3 with the node's self-signed Ed25519 certificate (the one QUIC presents)."""
+    from gpumesh.identity.tlscert import self_signed_certificate_pem
+
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_3
+    context.num_tickets = 0  # no resumption; and nothing unread left behind at close
+    pem = self_signed_certificate_pem(identity) + identity.private_pem()
+    # ssl loads certificates from a path only: an anonymous memory file keeps
+    # the private key off the disk; where there is none, a private temp file.
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create("gpumesh-cert", os.MFD_CLOEXEC)
+        try:
+            os.write(fd, pem)
+            context.load_cert_chain(f"/proc/self/fd/{fd}")
+        finally:
+            os.close(fd)
+    else:
+        with tempfile.NamedTemporaryFile(prefix="gpumesh-cert-") as handle:
+            handle.write(pem)
+            handle.flush()
+            context.load_cert_chain(handle.name)
+    return context
+
+
+def client_context() -> ssl.SSLContext:
+    """TLS 1.3 without a CA: the caller pins the provider's key instead."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.minimum_version = ssl.TLSVersion.TLSv1_3
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    return context
+
+
+class Channel:
+    """One TLS connection carrying one file's bytes.
+
+    :meth:`abort` and :meth:`close` may be called from any thread: a close
+    while a pump still uses the socket only aborts it, and the pump closes it
+    when it lets go.
+    """
+
+    def __init__(self, sock: ssl.SSLSocket) -> None:
+        self.sock = sock
+        self._aborted = False
+        self._lock = threading.Lock()
+        self._busy = False
+        self._closing = False
+
+    def abort(self) -> None:
+        """Unblock a thread sending or receiving (a plain close would not)."""
+        self._aborted = True
+        with contextlib.suppress(OSError):
+            socket.socket.shutdown(self.sock, socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self.abort()
+        with self._lock:
+            self._closing = True
+            if self._busy:
+                return
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+    @contextlib.contextmanager
+    def using(self) -> Iterator[ssl.SSLSocket]:
+        """The socket, for one pump at a time."""
+        with self._lock:
+            if self._closing:
+                raise ConnectionLostError("the data channel was closed")
+            self._busy = True
+        try:
+            yield self.sock
+        finally:
+            if self._release():
+                with contextlib.suppress(OSError):
+                    self.sock.close()
+
+    def _release(self) -> bool:
+        """Let go of the socket; whether it should be closed now."""
+        with self._lock:
+            self._busy = False
+            return self._closing
+
+    @property
+    def aborted(self) -> bool:
+        return self._aborted
+
+
+class Listener:
+    """A TCP listener for exactly one connection, with its ticket; closed after it."""
+
+    def __init__(self, host: str, context: ssl.SSLContext, ticket: bytes) -> None:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.bind((host, 0))
+            sock.listen(1)
+        except OSError:
+            sock.close()
+            raise
+        self._sock = sock
+        self._context = context
+        self.ticket = ticket
+        """What the one connection must present first."""
+        self._stopped = threading.Event()
+        self.port: int = sock.getsockname()[1]
+
+    def stop(self) -> None:
+        """Give up waiting (thread-safe): :meth:`accept` returns within a fraction of a second."""
+        self._stopped.set()
+
+    def close(self) -> None:
+        """Stop listening now (only from the thread that owns the listener)."""
+        self._stopped.set()
+        self._sock.close()
+
+    def accept(self, stall_timeout: float, wait: float = ACCEPT_WAIT) -> Channel:
+        """The one connection, its handshake done and its ticket checked (blocking).
+
+        Whatever happens, the listener is closed before this returns: a second
+        connection is never accepted, and a wrong ticket ends the channel.
+        """
+        try:
+            conn = self._accept_one(wait)
+        finally:
+            self._sock.close()
+        try:
+            conn.settimeout(wait)
+            tls = self._context.wrap_socket(conn, server_side=True)
+        except (OSError, ssl.SSLError) as exc:
+            conn.close()
+            raise UnreachableError(f"the data channel's TLS handshake failed: {exc}") from None
+        channel = Channel(tls)
+        try:
+            presented = _read_exactly(tls, TICKET_BYTES)
+            if not hmac.compare_digest(presented, self.ticket):
+                raise AccessDeniedError("the data channel was opened with a wrong ticket")
+            tls.settimeout(stall_timeout)
+        except BaseException as exc:
+            channel.close()
+            if isinstance(exc, OSError):
+                raise ConnectionLostError("the data channel closed before its ticket") from None
+            raise
+        return channel
+
+    def _accept_one(self, wait: float) -> socket.socket:
+        deadline = time.monotonic() + wait
+        self._sock.settimeout(_POLL)
+        while not self._stopped.is_set():
+            if time.monotonic() > deadline:
+                raise UnreachableError("nobody opened the data channel in time")
+            try:
+                conn, _address = self._sock.accept()
+            except TimeoutError:
+                continue
+            return conn
+        raise ConnectionLostError("the request ended before its data channel opened")
+
+
+def dial(host: str, port: int, expected_key: bytes, ticket: bytes, stall_timeout: float) -> Channel:
+    """Connect, run TLS, pin ``expected_key``, present ``ticket`` (blocking).
+
+    Raises ``UnreachableError`` when no channel could be opened (the caller
+    falls back to QUIC) and ``KeyMismatchError`` when another key answered.
+    """
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    from gpumesh.identity.tlscert import public_key_from_spki
+
+    try:
+        conn = socket.create_connection((host, port), timeout=CONNECT_WAIT)
+    except OSError as exc:
+        raise UnreachableError(f"cannot open a data channel to {host}:{port}: {exc}") from None
+    try:
+        tls = client_context().wrap_socket(conn)
+    except (OSError, ssl.SSLError) as exc:
+        conn.close()
+        raise UnreachableError(f"the data channel's TLS handshake failed: {exc}") from None
+    channel = Channel(tls)
+    try:
+        der = tls.getpeercert(binary_form=True)
+        if not der:
+            raise KeyMismatchError("the data channel presented no certificate")
+        try:
+            spki = x509.load_der_x509_certificate(der).public_key()
+            raw = spki.public_bytes(
+                serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+            )
+        except ValueError:
+            raise KeyMismatchError("the data channel presented an unreadable certificate") from None
+        if not hmac.compare_digest(public_key_from_spki(raw), expected_key):
+            raise KeyMismatchError(
+                f"the data channel at {host}:{port} presented a different key than the peer"
+            )
+        tls.settimeout(stall_timeout)
+        tls.sendall(ticket)
+    except BaseException as exc:
+        channel.close()
+        if isinstance(exc, OSError):
+            raise UnreachableError(f"the data channel to {host}:{port} failed: {exc}") from None
+        raise
+    return channel
+
+
+def _read_exactly(sock: ssl.SSLSocket, count: int) -> bytes:
+    data = bytearray()
+    while len(data) < count:
+        piece = sock.recv(count - len(data))
+        if not piece:
+            raise ConnectionLostError("the data channel closed early")
+        data += piece
+    return bytes(data)
+
+
+# --- pumping a file ---------------------------------------------------------------------------
+
+
+class _Relay:
+    """Full buffers from one thread to helper threads, and empty ones back.
+
+    Each helper (hashing; writing) runs its ``work`` on every full buffer, in
+    order, on its own thread; a buffer is reused once all of them are done
+    with it. A failure in a helper is raised in the main thread at its next
+    hand-off.
+    """
+
+    def __init__(
+        self, works: list[Callable[[memoryview], None]], before: Callable[[], None]
+    ) -> None:
+        self._empty: queue.SimpleQueue[bytearray | None] = queue.SimpleQueue()
+        for _ in range(_PIECES):
+            self._empty.put(bytearray(PIECE))
+        self._lock = threading.Lock()
+        self._pending: dict[int, int] = {}
+        self._error: BaseException | None = None
+        self._queues: list[queue.SimpleQueue[tuple[bytearray, int] | None]] = []
+        self._threads: list[threading.Thread] = []
+        for index, work in enumerate(works):
+            jobs: queue.SimpleQueue[tuple[bytearray, int] | None] = queue.SimpleQueue()
+            first = before if index == 0 else None
+            thread = threading.Thread(
+                target=self._run, args=(work, jobs, first), name="gpumesh-channel", daemon=True
+            )
+            self._queues.append(jobs)
+            self._threads.append(thread)
+            thread.start()
+
+    def _run(
+        self,
+        work: Callable[[memoryview], None],
+        jobs: queue.SimpleQueue[tuple[bytearray, int] | None],
+        before: Callable[[], None] | None,
+    ) -> None:
+        try:
+            if before is not None:
+                before()
+            while (item := jobs.get()) is not None:
+                buffer, length = item
+                work(memoryview(buffer)[:length])
+                with self._lock:
+                    self._pending[id(buffer)] -= 1
+                    free = self._pending[id(buffer)] == 0
+                if free:
+                    self._empty.put(buffer)
+        except BaseException as exc:
+            self._error = exc
+            self._empty.put(None)  # wake the main thread
+
+    def take(self) -> bytearray:
+        buffer = self._empty.get()
+        if buffer is None or self._error is not None:
+            assert self._error is not None
+            raise self._error
+        return buffer
+
+    def give(self, buffer: bytearray, length: int) -> None:
+        with self._lock:
+            self._pending[id(buffer)] = len(self._queues)
+        for jobs in self._queues:
+            jobs.put((buffer, length))
+
+    def _end(self) -> None:
+        for jobs in self._queues:
+            jobs.put(None)
+        for thread in self._threads:
+            thread.join()
+
+    def finish(self) -> None:
+        """Wait until every buffer given is done; raise a helper's failure."""
+        self._end()
+        if self._error is not None:
+            raise self._error
+
+    def stop(self) -> None:
+        """Let the helpers finish what they were given (bytes that arrived are kept)."""
+        self._end()
+
+
+def _lost(channel: Channel, exc: OSError) -> GPUMeshError:
+    if isinstance(exc, TimeoutError):
+        return ConnectionLostError("the data channel stalled (no progress for a while)")
+    if channel.aborted:
+        return ConnectionLostError("the data channel was closed")
+    return ConnectionLostError(f"the data channel broke: {exc.strerror or exc}")
+
+
+def send_file(
+    channel: Channel,
+    fd: int,
+    offset: int,
+    end: int,
+    hasher: Hasher,
+    progress: Callable[[int], None],
+) -> None:
+    """Send bytes ``offset..end`` of ``fd``; ``hasher`` gets ``0..end`` (blocking).
+
+    The part before ``offset`` (already at the far end) is hashed from the
+    file first, on the helper thread, while sending starts.
+    """
+    from gpumesh.files.transfer import hash_file
+
+    relay = _Relay([hasher.update], lambda: hash_file(fd, offset, hasher))
+    position = offset
+    try:
+        with channel.using() as sock:
+            while position < end:
+                buffer = relay.take()
+                wanted = min(PIECE, end - position)
+                view = memoryview(buffer)[:wanted]
+                got = os.preadv(fd, [view], position)
+                if got != wanted:
+                    raise ConfigError("the file shrank while it was being sent; copy it again")
+                try:
+                    sock.sendall(view)
+                except OSError as exc:
+                    raise _lost(channel, exc) from None
+                relay.give(buffer, got)
+                position += got
+                progress(got)
+    except BaseException:
+        relay.stop()
+        raise
+    relay.finish()
+
+
+def receive_file(
+    channel: Channel, fd: int, count: int, hasher: Hasher, progress: Callable[[int], None]
+) -> None:
+    """Receive exactly ``count`` bytes, appending them to ``fd`` and hashing them (blocking).
+
+    Never reads past ``count``: whatever else the peer sends stays unread.
+    When the channel breaks, every whole piece received is in the file.
+    """
+
+    def write(view: memoryview) -> None:
+        while view:
+            view = view[os.write(fd, view) :]
+
+    # Writing and hashing on two threads: each costs about as much as the TLS.
+    relay = _Relay([hasher.update, write], lambda: None)
+    remaining = count
+    try:
+        with channel.using() as sock:
+            while remaining:
+                buffer = relay.take()
+                view = memoryview(buffer)
+                fill = 0
+                want = min(PIECE, remaining)
+                while fill < want:
+                    try:
+                        got = sock.recv_into(view[fill:want])
+                    except OSError as exc:
+                        raise _lost(channel, exc) from None
+                    if not got:
+                        raise ConnectionLostError(
+                            "the data channel closed in the middle of the file"
+                        )
+                    fill += got
+                relay.give(buffer, fill)
+                remaining -= fill
+                progress(fill)
+    except BaseException:
+        relay.stop()
+        raise
+    relay.finish()
