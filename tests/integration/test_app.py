@@ -204,3 +204,47 @@ def test_app_names_and_job_folders_stay_inside_the_sandbox(make_node, tmp_path: 
             assert not any(outside.iterdir())
 
     arun(scenario())
+
+
+def test_a_resync_sends_a_delta_and_the_whole_list_when_the_provider_differs(
+    pair, tmp_path: Path
+) -> None:
+    alice, bob = pair
+    project = tmp_path / "big"
+    for index in range(300):
+        folder = project / f"d{index // 50}"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"f{index}.txt").write_text(f"file {index}\n")
+    app = _app_on(alice, bob, "big")
+
+    first = _sync(bob, project)
+    assert first["manifest"] == "full" and first["files_sent"] == 300
+    full_list = int(str(first["manifest_bytes"]))
+
+    (project / "d2" / "f100.txt").write_text("changed\n")
+    (project / "d0" / "f1.txt").unlink()
+    second = _sync(bob, project)
+    assert second["manifest"] == "delta"
+    assert second["sent"] == ["d2/f100.txt"] and second["deleted"] == ["d0/f1.txt"]
+    assert int(str(second["manifest_bytes"])) * 20 < full_list  # a delta, not the list
+    assert (app / "d2" / "f100.txt").read_text() == "changed\n"
+    assert not (app / "d0" / "f1.txt").exists()
+
+    # The provider holds another manifest than the consumer's base (here: none):
+    # it refuses the delta, the whole list follows, and the result is the same.
+    states = list((alice / "apps" / _node_id(bob)).glob("big.manifest"))
+    assert len(states) == 1
+    states[0].unlink()
+    (project / "d3" / "f150.txt").write_text("changed again\n")
+    third = _sync(bob, project)
+    assert third["manifest"] == "full"
+    assert int(str(third["manifest_bytes"])) > full_list * 0.9  # delta tried, then the list
+    assert third["sent"] == ["d3/f150.txt"] and third["files_unchanged"] == 298
+    assert (app / "d3" / "f150.txt").read_text() == "changed again\n"
+
+    # Nothing changed: the delta is empty, and a file a job rewrote is still noticed.
+    (app / "d4" / "f200.txt").write_text("rewritten there\n")
+    fourth = _sync(bob, project)
+    assert fourth["manifest"] == "delta" and int(str(fourth["manifest_bytes"])) < 100
+    assert fourth["sent"] == ["d4/f200.txt"]
+    assert (app / "d4" / "f200.txt").read_text() == "file 200\n"

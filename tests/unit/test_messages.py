@@ -21,6 +21,9 @@ from gpumesh.protocol.messages import (
     AppSync,
     AppSynced,
     Challenge,
+    ChannelGet,
+    ChannelOffer,
+    ChannelPut,
     DirGet,
     DirPut,
     ExecExit,
@@ -158,6 +161,20 @@ MESSAGES: st.SearchStrategy[Message] = st.one_of(
         deleted=st.integers(0, 2**40),
         unchanged=st.integers(0, 2**40),
     ),
+    st.builds(
+        ChannelPut,
+        path=st.text(max_size=200),
+        size=st.integers(0, 2**50),
+        mode=st.integers(0, 0o7777),
+        source=st.from_regex(r"\A[0-9a-f]{1,64}\Z"),
+    ),
+    st.builds(ChannelGet, path=st.text(max_size=200), offset=st.integers(0, 2**50)),
+    st.builds(
+        ChannelOffer,
+        port=st.integers(1, 65535),
+        ticket=st.binary(min_size=32, max_size=32),
+        offset=st.integers(0, 2**50),
+    ),
     st.builds(AppJobDir, job_id=job_ids),
     st.builds(AppJobDirReply, path=st.text(max_size=200)),
     st.builds(
@@ -195,6 +212,7 @@ def test_every_message_type_is_covered_by_the_round_trip() -> None:
     covered |= {FileStat, FileInfo, FilePut, FileResume, FileGet, FileDone, DirPut, DirGet}
     covered |= {ExecStart, ExecStarted, ExecResize, ExecExit}
     covered |= {AppSync, AppNeeds, AppSend, AppSynced, AppJobDir, AppJobDirReply}
+    covered |= {ChannelPut, ChannelGet, ChannelOffer}
     assert set(get_args(Message)) == covered
 
 
@@ -306,3 +324,15 @@ def test_a_message_of_exactly_the_limit_is_allowed() -> None:
     data = padded(MAX_MESSAGE_FRAME - 100 + MAX_MESSAGE_FRAME - len(first))
     assert len(data) == MAX_MESSAGE_FRAME
     assert decode_message(data) == Ping(sent=1.0)
+
+
+def test_data_channel_offers_are_bounded() -> None:
+    for fields in (
+        {"t": "channel_offer", "port": 0, "ticket": KEY, "offset": 0},
+        {"t": "channel_offer", "port": 70000, "ticket": KEY, "offset": 0},
+        {"t": "channel_offer", "port": 5, "ticket": b"short", "offset": 0},
+        {"t": "channel_put", "path": "x", "size": 1, "mode": 0, "source": "NOT-HEX"},
+        {"t": "app_sync", "name": "a", "manifest_bytes": 0, "base": "zz"},
+    ):
+        with pytest.raises(ProtocolError):
+            decode_message(_raw(fields))

@@ -13,6 +13,11 @@ sandbox) records each synced file's size, mtime and hash; a file whose size or
 mtime no longer match (a job rewrote it) is hashed again, and a missing index
 is rebuilt from the folder. Only files the consumer synced are ever deleted:
 what jobs write there (their outputs) stays until the consumer removes it.
+
+Beside the index, ``NAME.manifest`` keeps the last manifest applied and
+its digest. A re-sync may send only a delta against that digest; when the
+provider holds another manifest (or none), it answers ``AppNeeds(rebase)``
+and the consumer sends the whole manifest.
 """
 
 from __future__ import annotations
@@ -117,11 +122,31 @@ class AppService:
             raise _os_error(exc) from None
 
     async def _sync(self, ctx: RequestContext, message: AppSync) -> None:
+        from gpumesh.files.manifest import apply_delta, digest
+
         peer, stream = ctx.peer, ctx.stream
         folder = await in_thread(self._folder, peer, message.name, not message.dry_run)
         index_file = self._index_file(peer, message.name)
+        state_file = index_file.with_name(f"{message.name}.manifest")
         raw = await _read_section(stream, message.manifest_bytes, "manifest")
-        manifest = _parse_manifest(raw)
+        if message.base:
+            stored = await in_thread(_load_state, state_file)
+            manifest: Manifest | None = None
+            if stored is not None and stored[0] == message.base:
+                put, remove = _parse_delta(raw)
+                manifest = apply_delta(stored[1], put, remove)
+                if digest(manifest) != message.digest:
+                    manifest = None
+            if manifest is None:
+                stream.send_message(
+                    AppNeeds(need=0, delete=0, unchanged=0, list_bytes=0, rebase=True), end=True
+                )
+                logger.info(
+                    "[%s] app %s: delta on another base; asked for all", peer.name, message.name
+                )
+                return
+        else:
+            manifest = _parse_manifest(raw)
         index = await in_thread(_current_index, folder, index_file)
         need = sorted(p for p, entry in manifest.items() if index.get(p, (0, 0, ""))[2] != entry[2])
         delete = sorted(p for p in index if p not in manifest)
@@ -161,6 +186,7 @@ class AppService:
                 while await stream.read_data():
                     raise ProtocolError("the app files sent are larger than announced")
             await in_thread(_apply, temp, folder, index_file, manifest, index, need, delete)
+            await in_thread(_save_state, state_file, manifest)
         finally:
             await in_thread(shutil.rmtree, temp, True)
         stream.send_message(
@@ -254,6 +280,63 @@ def _parse_manifest(raw: bytes) -> Manifest:
     except (ValueError, TypeError, KeyError) as exc:
         raise ProtocolError(f"the app manifest is not valid ({exc})") from None
     return manifest
+
+
+def _check_entry(path: object, size: object, mode: object, digest: object) -> str:
+    from gpumesh.agent.files import sandbox_parts
+
+    if not (
+        isinstance(path, str)
+        and isinstance(size, int)
+        and isinstance(mode, int)
+        and isinstance(digest, str)
+        and size >= 0
+        and 0 <= mode <= 0o777
+        and len(digest) == 64
+    ):
+        raise ValueError(path)
+    bytes.fromhex(digest)
+    parts = sandbox_parts(path)
+    if not parts or "/".join(parts) != path:
+        raise ValueError(path)
+    return path
+
+
+def _parse_delta(raw: bytes) -> tuple[Manifest, list[str]]:
+    """A delta's entries (checked as a manifest's are) and the paths it removes."""
+    try:
+        data = json.loads(raw)
+        entries, removed = data["put"], data["remove"]
+        if not isinstance(entries, list) or not isinstance(removed, list):
+            raise ValueError("put")
+        if len(entries) + len(removed) > MAX_FILES:
+            raise ValueError("too many entries")
+        put: Manifest = {}
+        for path, size, mode, digest in entries:
+            put[_check_entry(path, size, mode, digest)] = (size, mode, digest)
+        if not all(isinstance(path, str) for path in removed):
+            raise ValueError("remove")
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ProtocolError(f"the app manifest delta is not valid ({exc})") from None
+    return put, [str(path) for path in removed]
+
+
+def _load_state(path: Path) -> tuple[str, Manifest] | None:
+    """The manifest applied last (our own file: written only after it was checked)."""
+    try:
+        data = json.loads(path.read_text())
+        files = {str(p): (int(e[0]), int(e[1]), str(e[2])) for p, e in data["files"].items()}
+        return str(data["digest"]), files
+    except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return None
+
+
+def _save_state(path: Path, manifest: Manifest) -> None:
+    from gpumesh.files.manifest import digest
+
+    part = path.with_name(path.name + ".tmp")
+    part.write_text(json.dumps({"digest": digest(manifest), "files": manifest}))
+    os.replace(part, path)
 
 
 def _hash(path: str) -> str:

@@ -46,6 +46,7 @@ def _sync_json(result: Any) -> dict[str, Any]:
         "dry_run": result.dry_run,
         "bytes_sent": result.bytes_sent,
         "manifest_bytes": result.manifest_bytes,
+        "manifest": result.manifest,
         "files_sent": len(result.sent),
         "files_deleted": len(result.deleted),
         "files_unchanged": result.unchanged,

@@ -97,6 +97,8 @@ class PackEntry:
     """Modification time, whole seconds since the epoch."""
     target: str = ""
     """A symlink's target, always relative and inside the folder."""
+    mtime_ns: int = 0
+    """A file's modification time in nanoseconds, as scanned (for hash caches)."""
 
 
 @dataclass(frozen=True)
@@ -253,7 +255,9 @@ def scan(root: Path, exclude_paths: Iterable[Path] = ()) -> PackPlan:
                 files.append(PackEntry(relative, "dir", 0, mode, mtime))
                 subfolders.append(relative)
             elif stat.S_ISREG(st.st_mode):
-                files.append(PackEntry(relative, "file", st.st_size, mode, mtime))
+                files.append(
+                    PackEntry(relative, "file", st.st_size, mode, mtime, mtime_ns=st.st_mtime_ns)
+                )
             elif stat.S_ISLNK(st.st_mode):
                 target = _link_target(real_root, relative, full)
                 if target is None:

@@ -393,6 +393,7 @@ class ChannelOffer(_Msg, tag="channel_offer", frozen=True):
 MAX_APP_LIST = 64 * 1024 * 1024
 """Largest manifest or file list of an app sync (sent as DATA, JSON)."""
 AppName = Annotated[str, msgspec.Meta(min_length=1, max_length=255)]
+ManifestDigest = Annotated[str, msgspec.Meta(pattern=r"^([0-9a-f]{64})?$")]
 
 
 class AppSync(_Msg, tag="app_sync", frozen=True):
@@ -404,6 +405,12 @@ class AppSync(_Msg, tag="app_sync", frozen=True):
     manifest_bytes: Annotated[int, msgspec.Meta(ge=0, le=MAX_APP_LIST)]
     dry_run: bool = False
     """Only answer AppNeeds: nothing is sent or changed."""
+    base: ManifestDigest = ""
+    """Not empty: the DATA is a delta (``{"put": [[path, size, mode, sha256 hex], ...],
+    "remove": [path, ...]}``) against the manifest with this digest, the one the
+    provider applied last time (see :mod:`gpumesh.files.manifest`)."""
+    digest: ManifestDigest = ""
+    """The digest of the whole manifest the consumer holds (with ``base``)."""
 
 
 class AppNeeds(_Msg, tag="app_needs", frozen=True):
@@ -414,6 +421,9 @@ class AppNeeds(_Msg, tag="app_needs", frozen=True):
     delete: Count
     unchanged: Count
     list_bytes: Annotated[int, msgspec.Meta(ge=0, le=MAX_APP_LIST)]
+    rebase: bool = False
+    """The delta's base is not what the provider holds: nothing follows, and the
+    consumer syncs again with the whole manifest."""
 
 
 class AppSend(_Msg, tag="app_send", frozen=True):
