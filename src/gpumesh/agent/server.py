@@ -27,6 +27,7 @@ from gpumesh.errors import (
     GPUMeshError,
     NotPairedError,
     ProtocolError,
+    UnreachableError,
 )
 from gpumesh.gpu.inventory import GpuInventory
 from gpumesh.protocol.messages import (
@@ -54,8 +55,10 @@ from gpumesh.protocol.messages import (
 from gpumesh.runtime.base import JobRuntime
 from gpumesh.store.db import Peer
 from gpumesh.store.home import AgentInfo, Home
+from gpumesh.transport.netinfo import local_addresses
 from gpumesh.transport.quic import QuicEndpoint, QuicLink
-from gpumesh.transport.session import accept_session
+from gpumesh.transport.relayclient import RelayClient
+from gpumesh.transport.session import accept_session, resolve_relay
 from gpumesh.transport.stream import Stream
 from gpumesh.transport.udp import Address
 
@@ -102,7 +105,12 @@ class Agent:
         self.limiter = limiter or ConnectionLimiter()
         self.started = time.time()
         self.endpoint: QuicEndpoint | None = None
+        self.relay: RelayClient | None = None
+        self._relay_text = home.config.relay
+        self._relay_state = ""
+        self._published: AgentInfo | None = None
         self._links: dict[QuicLink, bytes] = {}
+        self._link_names: dict[QuicLink, str] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopped = asyncio.Event()
         self.jobs = JobService(self, runtime=runtime, inventory=inventory, max_vram=max_vram)
@@ -150,11 +158,87 @@ class Agent:
                 "`gpumesh config set listen_port PORT`"
             ) from exc
         host, port = self.address
-        self.home.write_agent_info(AgentInfo(os.getpid(), host, port, self.started))
+        if self._relay_text:
+            await self._start_relay(self._relay_text)
+        self._publish()
         self._spawn(self._watch_revocations())
         self._spawn(self.jobs.recover())
         logger.info("sharing on udp %s:%d as %s", host, port, self.name)
         return self.address
+
+    # --- the relay --------------------------------------------------------------------
+
+    async def _start_relay(self, text: str) -> None:
+        """Register with the relay over the share socket, so peers behind NAT reach us."""
+        endpoint = self.endpoint
+        assert endpoint is not None
+        try:
+            address = await resolve_relay(text)
+        except UnreachableError as exc:
+            logger.warning("%s; sharing without the relay", exc)
+            self._relay_state = f"unavailable: {exc}"
+            return
+        port = self.address[1]
+        client = RelayClient(
+            endpoint,
+            address,
+            text,
+            self.identity,
+            token=self.home.config.relay_token,
+            serving=True,
+            candidates=lambda: local_addresses(self.host, port),
+            authorize=self._relay_authorize,
+        )
+        client.on_path_event = lambda _path, _kind: self._publish()
+        endpoint.relay = client
+        self.relay = client
+        client.start()
+        self._relay_state = "registering"
+        self._spawn(self._watch_relay(client))
+
+    def _relay_authorize(self, public_key: bytes) -> bool:
+        """Whether to accept a relayed session: only paired, allowed peers (default deny)."""
+        try:
+            self.authorize(public_key)
+        except AccessDeniedError:
+            return False
+        return True
+
+    async def _watch_relay(self, client: RelayClient) -> None:
+        while True:
+            if client.registered.is_set():
+                state = f"registered as {client.observed}"
+            elif client.error is not None:
+                state = f"refused: {client.error.message}"
+            else:
+                state = "registering"
+            if state != self._relay_state:
+                self._relay_state = state
+                self._publish()
+            await asyncio.sleep(0.2)
+
+    def _publish(self) -> None:
+        """Write agent.json: where we listen, the relay state, and each link's path."""
+        if self.endpoint is None or self._stopped.is_set():
+            return
+        host, port = self.address
+        links = [
+            {"peer": name, "path": link.describe_path()}
+            for link, name in self._link_names.items()
+            if not link.is_closed
+        ]
+        info = AgentInfo(
+            os.getpid(),
+            host,
+            port,
+            self.started,
+            relay=self._relay_text,
+            relay_state=self._relay_state,
+            links=links,
+        )
+        if info != self._published:
+            self._published = info
+            self.home.write_agent_info(info)
 
     async def wait_stopped(self) -> None:
         await self._stopped.wait()
@@ -210,7 +294,7 @@ class Agent:
         try:
             auth = await accept_session(link, self.identity, self.name, self.authorize)
         except GPUMeshError as exc:
-            logger.info("refused connection from %s: %s", link.address[0], exc)
+            logger.info("refused connection from %s: %s", _where(link), exc)
             return
         finally:
             self.limiter.pending -= 1
@@ -219,11 +303,15 @@ class Agent:
         peer = self.store.peer_by_key(key)
         assert peer is not None
         self._links[link] = key
+        self._link_names[link] = peer.name
         self.store.touch_peer(peer.node_id)
-        logger.info("[%s] connected from %s:%d", peer.name, *link.address)
+        logger.info("[%s] connected from %s (%s)", peer.name, _where(link), link.describe_path())
+        self._publish()
         link.on_stream = lambda stream: self._spawn(self._serve_stream(link, key, stream))
         closed = await link.wait_closed()
         self._links.pop(link, None)
+        self._link_names.pop(link, None)
+        self._publish()
         logger.info("[%s] disconnected: %s", peer.name, closed)
 
     async def _watch_revocations(self) -> None:
@@ -236,7 +324,7 @@ class Agent:
             allowed = self.store.allowed_keys(list(set(self._links.values())))
             for link, key in list(self._links.items()):
                 if key not in allowed:
-                    logger.info("access revoked: closing link from %s:%d", *link.address)
+                    logger.info("access revoked: closing link from %s", _where(link))
                     self._links.pop(link, None)
                     link.close(AccessDeniedError(f"{self.name} has revoked your access"))
 
@@ -317,3 +405,8 @@ async def _handle_job_logs(ctx: RequestContext, message: Message) -> None:
 async def _handle_job_cancel(ctx: RequestContext, message: Message) -> None:
     assert isinstance(message, JobCancel)
     await ctx.agent.jobs.handle_cancel(ctx, message)
+
+
+def _where(link: QuicLink) -> str:
+    host, port = link.remote_address()
+    return f"{host}:{port}"

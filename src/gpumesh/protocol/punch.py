@@ -88,6 +88,8 @@ class Puncher:
         self._next_send = now
         self._last_inbound = now
         self._sent: OrderedDict[int, tuple[Address, float]] = OrderedDict()
+        self.heard_from: set[Address] = set()
+        """Addresses an authentic probe came from: the peer is there (inbound proven)."""
         self.events: list[PunchEvent] = []
 
     # --- inputs ------------------------------------------------------------------
@@ -104,14 +106,15 @@ class Puncher:
         expected = probe_mac(self._secret, probe.session, probe.tx, probe.reply)
         if not hmac.compare_digest(expected, probe.mac):
             return []
+        self.heard_from.add(source)
         if not probe.reply:
-            # Answer where it came from; it may be an address we did not know
-            # (a port the peer's NAT picked), so probe it ourselves too.
+            # Answer where it came from, and probe it back at once: its probe
+            # just opened our side's mapping, so ours should get through now.
+            # It may be an address we did not know (a port the peer's NAT picked).
             out = [(self._packet(probe.tx, reply=True), source)]
-            if source not in self.candidates:
-                self.add_candidates([source])
-                if self.state != "direct":
-                    out.extend(self._probe([source], now))
+            self.add_candidates([source])
+            if self.state != "direct":
+                out.extend(self._probe([source], now))
             return out
         sent = self._sent.pop(probe.tx, None)
         if sent is None or sent[0] != source:

@@ -147,6 +147,13 @@ KEYS: dict[str, ConfigKey] = {
         ConfigKey(
             "relay", _host_port, "", "relay host:port for peers behind NAT", settings.ENV_RELAY
         ),
+        ConfigKey(
+            "relay_token",
+            _text,
+            "",
+            "shared token of a private relay (keep it secret)",
+            settings.ENV_RELAY_TOKEN,
+        ),
         ConfigKey("rendezvous_url", _url, "", "public registry URL for `share --public`"),
         ConfigKey("region", _text, "", "region shown in public listings", settings.ENV_REGION),
         ConfigKey("image", _text, DEFAULT_IMAGE, "default job image", settings.ENV_IMAGE),
@@ -257,6 +264,10 @@ class Config:
     @property
     def relay(self) -> str:
         return str(self.get("relay"))
+
+    @property
+    def relay_token(self) -> str:
+        return str(self.get("relay_token"))
 
     @property
     def connect_timeout(self) -> float:

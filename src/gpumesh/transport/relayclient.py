@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gpumesh.errors import ProtocolError, RelayError, UnreachableError
 from gpumesh.identity.keys import Identity, node_id_for
@@ -43,8 +44,8 @@ _MISSED_KEEPALIVES = 3
 
 
 def virtual_address(session: int) -> Address:
-    groups = [(session >> shift) & 0xFFFF for shift in (48, 32, 16, 0)]
-    return ("100::" + ":".join(f"{g:x}" for g in groups), 1)
+    """``[100::<session>]:1``, in canonical text (qh3 hands it back unchanged)."""
+    return (str(ipaddress.IPv6Address((0x0100 << 112) | session)), 1)
 
 
 def format_address(address: Address) -> str:
@@ -244,8 +245,9 @@ class RelayClient:
 
     # --- used by the endpoint ------------------------------------------------------
 
-    def path_for_virtual(self, address: Address) -> RelayedPath | None:
-        return self._by_virtual.get(address)
+    def path_for_virtual(self, address: tuple[Any, ...]) -> RelayedPath | None:
+        """The path behind a virtual address (qh3 gives IPv6 ones as 4-tuples)."""
+        return self._by_virtual.get((address[0], address[1]))
 
     def path_for_direct(self, address: Address) -> RelayedPath | None:
         return self._by_direct.get(address)
@@ -259,8 +261,9 @@ class RelayClient:
         if self.paths.pop(path.session, None) is None:
             return
         self._by_virtual.pop(path.virtual, None)
-        if path.direct is not None and self._by_direct.get(path.direct) is path:
-            del self._by_direct[path.direct]
+        for address, other in list(self._by_direct.items()):
+            if other is path:
+                del self._by_direct[address]
         if path.relay_open and not self._closed:
             self._send(wire.Close(session=path.session, code="closed", message=""))
 
@@ -429,14 +432,15 @@ class RelayClient:
         if path is None:
             return
         self._send_many(path.puncher.on_probe(probe, source, now))
+        if source in path.puncher.heard_from and source not in self._by_direct:
+            # QUIC packets from there are the peer's, even before our own probe
+            # is answered: take them rather than drop them.
+            self._by_direct[source] = path
         self._after_punch(path)
 
     def _after_punch(self, path: RelayedPath) -> None:
         for event in path.puncher.take_events():
             if event.kind == "direct" and event.address is not None:
-                for address, other in list(self._by_direct.items()):
-                    if other is path:
-                        del self._by_direct[address]
                 self._by_direct[event.address] = path
                 logger.info(
                     "session %x: direct path to %s after %.0f ms",

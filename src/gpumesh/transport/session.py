@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 AUTH_TIMEOUT = 5.0
 """Seconds a new connection has to prove its identity before it is dropped."""
 _DIAL_STAGGER = 0.25
-RELAY_DELAY = 1.0
+RELAY_DELAY = 0.5
 """Seconds direct dials get before the relay is tried too (at once if they all fail)."""
 
 
