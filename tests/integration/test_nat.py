@@ -261,6 +261,9 @@ def test_nats_that_drop_unsolicited_packets_are_punched_and_the_job_runs_direct(
     assert _relayed_bytes(drop_lab.relay_stats()) < payload // 4
     peers = json.loads(drop_lab.gpumesh("A", drop_lab.a, "peers", "--json").stdout)
     assert peers[0]["last_path"].startswith("direct (hole-punched)")
+    doctor = json.loads(drop_lab.gpumesh("A", drop_lab.a, "doctor", "--json").stdout)
+    nat = {c["name"]: c for c in doctor}["nat"]["detail"]
+    assert "behind NAT, seen as 203.0.113.2:" in nat and "filtered" in nat
 
 
 @pytest.mark.usefixtures("docker_daemon")

@@ -35,7 +35,10 @@ def run_checks(home: Home) -> list[Check]:
     checks = [_identity(home)]
     if home.initialized:
         checks += [_config(home), _database(home)]
-    checks += [*_docker(home), _gpus(), _udp_port(home), _clock()]
+    checks += [*_docker(home), _gpus(), _udp_port(home)]
+    if home.initialized:
+        checks += _relay(home)
+    checks.append(_clock())
     return checks
 
 
@@ -179,6 +182,90 @@ def _udp_port(home: Home) -> Check:
                 "stop the program using it or `gpumesh config set listen_port PORT`",
             )
     return Check("udp port", OK, f"UDP {host}:{port} is free for `gpumesh share`")
+
+
+RELAY_TIMEOUT = 3.0
+
+
+def _relay(home: Home) -> list[Check]:
+    """Relay configured, reachable, registration accepted; what the NAT does."""
+    import asyncio
+
+    config = home.config
+    if not config.relay:
+        return [
+            Check(
+                "relay",
+                WARN,
+                "no relay configured: peers outside this network reach this node only if its "
+                "UDP port is reachable (forwarded)",
+                "gpumesh config set relay HOST:PORT (a `gpumesh-relay` you or a friend run)",
+            )
+        ]
+    return asyncio.run(_relay_checks(home))
+
+
+async def _relay_checks(home: Home) -> list[Check]:
+    from gpumesh.transport.netinfo import local_addresses
+    from gpumesh.transport.quic import QuicEndpoint
+    from gpumesh.transport.relayclient import RelayClient, parse_host_port
+    from gpumesh.transport.session import resolve_relay
+    from gpumesh.transport.udp import UdpSocket, open_udp_socket
+
+    config = home.config
+    text = config.relay
+    try:
+        address = await resolve_relay(text)
+    except GPUMeshError as exc:
+        return [Check("relay", FAIL, exc.message, "check `gpumesh config get relay`")]
+    endpoint = QuicEndpoint(UdpSocket(open_udp_socket("0.0.0.0", 0)))
+    client = RelayClient(
+        endpoint, address, text, home.identity, token=config.relay_token, serving=False
+    )
+    endpoint.relay = client
+    client.start()
+    try:
+        try:
+            await client.wait_registered(RELAY_TIMEOUT)
+        except GPUMeshError as exc:
+            fix = (
+                f"ask the relay's operator to allow node id {home.identity.node_id}, or set "
+                "its shared token: gpumesh config set relay_token TOKEN"
+                if "not-allowed" in exc.message
+                else f"check that gpumesh-relay runs at {text} and UDP to it is not blocked"
+            )
+            return [Check("relay", FAIL, exc.message, fix)]
+        observed = client.observed or ""
+        checks = [Check("relay", OK, f"{text} accepted this node's registration")]
+        reachable = await client.reach_test(RELAY_TIMEOUT / 3)
+        local_port = endpoint.local_address[1]
+        local_hosts = {a.rpartition(":")[0] for a in local_addresses("0.0.0.0", local_port)}
+        seen = parse_host_port(observed)
+        if seen is not None and seen[0] in local_hosts:
+            nat = f"no NAT: the relay sees this node's own address {observed}"
+        elif seen is not None and seen[1] == local_port:
+            nat = f"behind NAT, seen as {observed}; the NAT keeps ports (hole punching works)"
+        else:
+            nat = (
+                f"behind NAT, seen as {observed}; the NAT changed the port (hole punching may "
+                "fail; the relay carries traffic then)"
+            )
+        if reachable:
+            checks.append(
+                Check("nat", OK, f"{nat}; unsolicited packets get in: peers can dial directly")
+            )
+        else:
+            checks.append(
+                Check(
+                    "nat",
+                    OK,
+                    f"{nat}; unsolicited packets are filtered: peers reach this node by hole "
+                    "punching or through the relay",
+                )
+            )
+        return checks
+    finally:
+        endpoint.close()
 
 
 def _clock() -> Check:
