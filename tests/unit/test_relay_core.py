@@ -797,3 +797,23 @@ def test_queues_are_bounded_per_destination_and_drain_round_robin() -> None:
     assert loop.writers == {}  # nothing left: stop watching for writability
     server._send(b"now", other)
     assert sock.sent[-1] == (b"now", other)
+
+
+def test_a_run_of_one_sessions_packets_is_forwarded_whole_and_counted() -> None:
+    relay = Relay(session_bytes=10_000)
+    server = relay.registered(relay.node())
+    requester = relay.registered(relay.node(), serving=False)
+    session, _ = relay.open_session(requester, server)
+    packet = encode_data(session, bytes(100))
+    run = packet * 3
+    core = relay.core
+    assert core.forward_run(run, len(packet), requester.address, relay.now) == server.address
+    assert core.bytes_relayed == 300
+    # not from an end of the session, mixed sessions, or over the cap: one by one instead
+    stranger = relay.registered(relay.node())
+    assert core.forward_run(run, len(packet), stranger.address, relay.now) is None
+    mixed = packet * 2 + encode_data(session + 1, bytes(100))
+    assert core.forward_run(mixed, len(packet), requester.address, relay.now) is None
+    big = encode_data(session, bytes(1400))
+    assert core.forward_run(big * 8, len(big), requester.address, relay.now) is None
+    assert core.bytes_relayed == 300

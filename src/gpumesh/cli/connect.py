@@ -41,6 +41,7 @@ def connect(peer: str, timeout: float | None, speed: str | None, as_json: bool) 
             "address": result.address,
             "rtt_ms": round(result.rtt_ms, 3),
             "connect_ms": round(result.connect_ms, 3),
+            "punch_ms": None if result.punch_ms is None else round(result.punch_ms, 1),
             "remote_version": result.remote.version,
             "sharing": result.remote.sharing,
         }
@@ -48,10 +49,13 @@ def connect(peer: str, timeout: float | None, speed: str | None, as_json: bool) 
             data["upload_mb_per_s"] = round(throughput.mb_per_s, 1)
         emit_json(data)
         return
+    where = "" if " " in result.path else f" via {result.address}"
     click.echo(
         f"{click.style(result.peer.name, bold=True)} is reachable: path "
-        f"{click.style(result.path, fg='green')} via {result.address}, "
-        f"rtt {result.rtt_ms:.2f} ms (connect {result.connect_ms:.0f} ms)"
+        f"{click.style(result.path, fg='green')}{where}, "
+        f"rtt {result.rtt_ms:.2f} ms (connect {result.connect_ms:.0f} ms"
+        + ("" if result.punch_ms is None else f", punched in {result.punch_ms:.0f} ms")
+        + ")"
     )
     if throughput:
         click.echo(f"upload {throughput.mb_per_s:.0f} MB/s ({throughput.bytes} bytes)")

@@ -85,6 +85,8 @@ class ConnectResult:
     """``direct``, ``direct (hole-punched) ADDR`` or ``relayed via RELAY``."""
     rtt_ms: float
     """Median of several authenticated pings, in milliseconds."""
+    punch_ms: float | None
+    """For a relayed session: milliseconds hole punching took to open a direct path."""
     connect_ms: float
     """Dial + TLS + identity proof, in milliseconds."""
     remote: StatusReply
@@ -295,11 +297,13 @@ class Node:
                     rtts.append((time.perf_counter() - sent) * 1000)
             host, port = session.address
             path = session.path
+            punched = session.link.path.puncher.direct_after if session.link.path else None
         return ConnectResult(
             peer=self.peer(peer.node_id),
             address=f"{host}:{port}",
             path=path,
             rtt_ms=statistics.median(rtts),
+            punch_ms=None if punched is None else punched * 1000,
             connect_ms=connect_ms,
             remote=remote,
         )

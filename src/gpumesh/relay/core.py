@@ -27,6 +27,7 @@ from typing import Any
 from gpumesh.errors import ProtocolError
 from gpumesh.identity.keys import node_id_for, verify_signature
 from gpumesh.protocol.relay import (
+    DATA_HEADER,
     HELLO_MIN_SIZE,
     MAX_PACKET,
     REFUSALS,
@@ -474,6 +475,53 @@ class RelayCore:
         self.version += 1
         # The packet goes on byte for byte: same session id, payload untouched.
         return [(packet, session.other(source))]
+
+    def forward_run(
+        self, buffer: bytes, segment: int, source: Address, now: float
+    ) -> Address | None:
+        """A run of equal-size Data packets from one source, received at once (GRO).
+
+        When every packet carries the same session header and nothing stands in
+        the way (registration, session, caps, rate), the run is accounted as a
+        whole and the caller forwards the buffer unchanged to the address
+        returned. Otherwise None: the caller hands each packet to
+        :meth:`handle`, which refuses or drops exactly as for single packets.
+        """
+        if segment <= DATA_HEADER or segment > MAX_PACKET or len(buffer) <= segment:
+            return None
+        header = buffer[:DATA_HEADER]
+        if not is_data(header):
+            return None
+        for offset in range(segment, len(buffer), segment):
+            if buffer[offset : offset + DATA_HEADER] != header:
+                return None
+        try:
+            session_id, _ = decode_data(header)
+        except ProtocolError:
+            return None
+        registration = self._registrations.get(source)
+        session = self._sessions.get(session_id)
+        if registration is None or session is None or source not in session.ends():
+            return None
+        if session.state != "active" or self._cap_reached(session, now) is not None:
+            return None
+        count = -(-len(buffer) // segment)
+        size = len(buffer) - count * DATA_HEADER
+        cap = self.config.session_bytes
+        if cap and session.bytes + size > cap:
+            return None
+        if self.config.session_rate:
+            rate = self.config.session_rate
+            tokens = min(float(self._burst()), session.tokens + (now - session.tokens_at) * rate)
+            if tokens < size:
+                return None
+            session.tokens, session.tokens_at = tokens - size, now
+        registration.last_seen = now
+        session.bytes += size
+        session.last_data = now
+        self.bytes_relayed += size
+        self.version += 1
+        return session.other(source)
 
     def _burst(self) -> int:
         return max(self.config.session_rate, 16 * MAX_PACKET)

@@ -562,11 +562,16 @@ class QuicEndpoint:
     def send(self, datagrams: list[tuple[bytes, Any]]) -> None:
         relay = self.relay
         if relay is not None and relay.paths:
-            routed = []
-            for data, address in datagrams:
-                path = relay.path_for_virtual(address)
-                routed.append(path.outgoing(data) if path is not None else (data, address))
-            datagrams = routed
+            path = relay.path_for_virtual(datagrams[0][1]) if datagrams else None
+            if path is not None and all(address == datagrams[0][1] for _, address in datagrams):
+                # The usual case: everything of one transmit goes to one relayed peer.
+                datagrams = path.outgoing([data for data, _ in datagrams])
+            else:
+                routed: list[tuple[bytes, Any]] = []
+                for data, address in datagrams:
+                    path = relay.path_for_virtual(address)
+                    routed += path.outgoing([data]) if path is not None else [(data, address)]
+                datagrams = routed
         self.send_raw(datagrams)
 
     def send_raw(self, datagrams: list[tuple[bytes, Any]]) -> None:
@@ -609,7 +614,12 @@ class QuicEndpoint:
         for item in batch:
             data, segment_size, address = item.data, item.segment_size, item.address
             if data[0] < 0x40:  # not QUIC: the relay's, or a punching probe
-                if relay is not None:
+                if relay is None:
+                    continue
+                run = relay.unwrap_run(data, segment_size, address)
+                if run is not None:
+                    self._deliver_many(run[1], run[0], now, touched)
+                else:
                     for offset in range(0, len(data), segment_size):
                         packet = data[offset : offset + segment_size]
                         unwrapped = relay.handle(packet, address, now)
@@ -644,6 +654,19 @@ class QuicEndpoint:
             link.receive(data, segment_size, address, now)
         except Exception:  # a malformed packet must not take the endpoint down
             logger.debug("dropping packet from %s", address, exc_info=True)
+            return
+        touched[link] = None
+
+    def _deliver_many(
+        self, datagrams: list[bytes], address: Address, now: float, touched: dict[QuicLink, None]
+    ) -> None:
+        link = self._route(datagrams[0], address)
+        if link is None or (link.path is not None and address != link.address):
+            return
+        try:
+            link.quic.receive_many_datagrams(datagrams, address, now)
+        except Exception:  # a malformed packet must not take the endpoint down
+            logger.debug("dropping packets from %s", address, exc_info=True)
             return
         touched[link] = None
 

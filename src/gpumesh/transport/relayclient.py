@@ -91,6 +91,7 @@ class RelayedPath:
         self.session = session
         self.peer_key = peer_key
         self.virtual = virtual_address(session)
+        self._header = wire.encode_data(session, b"")
         self.puncher = Puncher(
             session,
             secret,
@@ -110,11 +111,14 @@ class RelayedPath:
     def direct(self) -> Address | None:
         return self.puncher.direct
 
-    def outgoing(self, datagram: bytes) -> tuple[bytes, Address]:
+    def outgoing(self, datagrams: list[bytes]) -> list[tuple[bytes, Address]]:
+        """Where each QUIC datagram goes now: straight to the punched address, or wrapped
+        for the relay."""
         direct = self.puncher.direct
         if direct is not None:
-            return datagram, direct
-        return wire.encode_data(self.session, datagram), self.client.relay_address
+            return [(datagram, direct) for datagram in datagrams]
+        header, relay = self._header, self.client.relay_address
+        return [(header + datagram, relay) for datagram in datagrams]
 
     def describe(self) -> str:
         direct = self.puncher.direct
@@ -296,6 +300,33 @@ class RelayClient:
         elif from_relay:
             self._on_relay_message(message, now)
         return None
+
+    def unwrap_run(
+        self, buffer: bytes, segment: int, source: Address
+    ) -> tuple[Address, list[bytes]] | None:
+        """A run of relayed datagrams of one session read at once (GRO), unwrapped.
+
+        None when it is anything else (the caller then handles each packet).
+        """
+        if source != self.relay_address or len(buffer) <= segment or segment <= wire.DATA_HEADER:
+            return None
+        header = buffer[: wire.DATA_HEADER]
+        if not wire.is_data(header):
+            return None
+        for offset in range(segment, len(buffer), segment):
+            if buffer[offset : offset + wire.DATA_HEADER] != header:
+                return None
+        try:
+            session, _ = wire.decode_data(header)
+        except ProtocolError:
+            return None
+        path = self.paths.get(session)
+        if path is None:
+            return None
+        self._last_heard = self._loop.time()
+        start = wire.DATA_HEADER
+        datagrams = [buffer[o + start : o + segment] for o in range(0, len(buffer), segment)]
+        return path.virtual, datagrams
 
     def note_direct_inbound(self, path: RelayedPath, now: float) -> None:
         path.puncher.on_inbound(now)
