@@ -59,9 +59,11 @@ ours_running() { pidfile_running "$PIDFILE" dockerd; }
 mkdir -p "$STATE_DIR"
 
 # 1. Packages. iptables is needed even when a daemon already runs: dockerd
-# uses it for its bridge network, and the network tests use it too.
+# uses it for its bridge network, and the network tests (the NAT lab in
+# network namespaces, with iproute2's `ip`) use it too.
 missing=()
 command -v iptables >/dev/null || missing+=(iptables)
+command -v ip >/dev/null || missing+=(iproute2) # the NAT lab (scripts/natlab.sh)
 if ! docker_up; then
   command -v dockerd >/dev/null || missing+=(docker.io)
   command -v docker >/dev/null || missing+=(docker.io)
