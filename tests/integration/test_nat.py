@@ -261,6 +261,12 @@ def test_nats_that_drop_unsolicited_packets_are_punched_and_the_job_runs_direct(
     assert _relayed_bytes(drop_lab.relay_stats()) < payload // 4
     peers = json.loads(drop_lab.gpumesh("A", drop_lab.a, "peers", "--json").stdout)
     assert peers[0]["last_path"].startswith("direct (hole-punched)")
+    # A punched path is UDP only: cp keeps to QUIC instead of trying a TCP channel.
+    blob = drop_lab.tmp / "blob.bin"
+    blob.write_bytes(os.urandom(256 * 1024))
+    copied = drop_lab.gpumesh("A", drop_lab.a, "cp", "--json", str(blob), "alice-pc:/blob.bin")
+    assert copied.returncode == 0, copied.stderr
+    assert json.loads(copied.stdout)["channel"] == "quic"
     doctor = json.loads(drop_lab.gpumesh("A", drop_lab.a, "doctor", "--json").stdout)
     nat = {c["name"]: c for c in doctor}["nat"]["detail"]
     assert "behind NAT, seen as 203.0.113.2:" in nat and "filtered" in nat

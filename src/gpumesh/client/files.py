@@ -340,8 +340,9 @@ class _Copy:
         return f"{self.peer.name}:{_shown(path)}"
 
     def use_channel(self, session: Session) -> bool:
-        # A relayed session has no direct TCP path to the peer.
-        return self.fast and not getattr(session, "relayed", False)
+        # A session set up through the relay has no direct TCP path to the peer,
+        # even once hole punching moved its UDP packets onto a direct one.
+        return self.fast and not session.through_relay
 
     def no_channel(self, stream: Stream, session: Session, why: GPUMeshError) -> None:
         """The data channel could not be opened: this copy goes on over QUIC."""

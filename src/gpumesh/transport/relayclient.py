@@ -436,7 +436,9 @@ class RelayClient:
         path.relay_open = False
         path.ended = error
         logger.info("relayed session %x ended: %s", path.session, error.message)
-        if path.direct is None and path.link is not None:
+        if path.link is None:
+            self.forget(path)  # no QUIC connection came over it: nothing to keep
+        elif path.direct is None:
             path.link.abort(error)
 
     def _add_path(
