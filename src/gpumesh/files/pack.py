@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import secrets
 import shutil
 import stat
@@ -158,6 +159,7 @@ class _IgnoreRules:
             self._why.append(f"{where} {line.strip()!r}")
         # Built from the patterns one by one, so a match's index is its rule.
         self._spec = pathspec.GitIgnoreSpec(patterns)
+        self._any = _any_of(patterns)
 
     @classmethod
     def load(cls, root: Path) -> _IgnoreRules:
@@ -174,9 +176,40 @@ class _IgnoreRules:
 
     def why_ignored(self, relative: str) -> str | None:
         """The rule that leaves ``relative`` out (folders end with ``/``), or None."""
+        if self._any is not None and self._any.search(relative) is None:
+            return None  # no rule matches it at all: the common case, in one search
         result = self._spec.check_file(relative)
         if result.include and result.index is not None:
             return self._why[result.index]
+        return None
+
+
+_NAMED_GROUP = re.compile(r"\(\?P<\w+>")
+
+
+def _any_of(patterns: Iterable[pathspec.Pattern]) -> re.Pattern[str] | None:
+    """One regex that matches a path when any of ``patterns`` does, or None when
+    the patterns are not plain regexes with the same flags (then each is tried).
+
+    Which rule wins still takes pathspec's own check; this only answers "none
+    matches" for most paths with one search instead of one per rule. The paths
+    given are already normalized (relative, ``/``-separated), so searching them
+    directly is what pathspec does.
+    """
+    sources = []
+    flags: set[int] = {re.UNICODE}
+    for pattern in patterns:
+        regex = getattr(pattern, "regex", None)
+        if not isinstance(regex, re.Pattern) or not isinstance(regex.pattern, str):
+            return None
+        flags.add(regex.flags)
+        # Named groups (the folder mark) may repeat across rules; the union needs none.
+        sources.append(f"(?:{_NAMED_GROUP.sub('(?:', regex.pattern)})")
+    if len(flags) != 1:
+        return None
+    try:
+        return re.compile("|".join(sources) or "(?!)")
+    except re.error:
         return None
 
 
@@ -228,6 +261,7 @@ def scan(root: Path, exclude_paths: Iterable[Path] = ()) -> PackPlan:
                 "which holds your private key; upload your project folder instead"
             )
     rules = _IgnoreRules.load(Path(real_root))
+    prefix = os.path.join(real_root, "")
     files: list[PackEntry] = []
     skipped: list[Skipped] = []
     pending = [""]
@@ -236,7 +270,7 @@ def scan(root: Path, exclude_paths: Iterable[Path] = ()) -> PackPlan:
         subfolders: list[str] = []
         for name, st in _list(real_root, folder):
             relative = f"{folder}/{name}" if folder else name
-            full = os.path.join(real_root, relative)
+            full = prefix + relative
             is_dir = stat.S_ISDIR(st.st_mode)
             shown = relative + "/" if is_dir else relative
             reason = None
