@@ -18,10 +18,17 @@ Beside the index, ``NAME.manifest`` keeps the last manifest applied and
 its digest. A re-sync may send only a delta against that digest; when the
 provider holds another manifest (or none), it answers ``AppNeeds(rebase)``
 and the consumer sends the whole manifest.
+
+The running agent keeps both files' contents in memory after writing them
+and reads them again only when the files no longer carry the stamp (inode,
+size, mtime) they had then: after a restart, or when anything else wrote them.
+One walk of the sandbox gives the quota usage and the folder's files with
+their size and mtime, against which the index is checked.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import json
@@ -29,9 +36,11 @@ import logging
 import os
 import secrets
 import shutil
-import stat
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+import msgspec
 
 from gpumesh.blocking import in_thread
 from gpumesh.errors import AccessDeniedError, ConfigError, ProtocolError
@@ -63,6 +72,26 @@ MAX_FILES = 1_000_000
 
 Manifest = dict[str, tuple[int, int, str]]
 """Relative path -> (size, mode, sha256 hex)."""
+Index = dict[str, tuple[int, int, str]]
+"""Synced file -> (size, mtime_ns, sha256 hex) as it was written."""
+_Stamp = tuple[int, int, int]
+"""A file's (inode, size, mtime_ns): whether it is still the one we wrote."""
+
+
+@dataclass
+class _Synced:
+    """One app's state and index as this agent last wrote them."""
+
+    digest: str
+    manifest: Manifest
+    index: Index
+    stamps: tuple[_Stamp | None, _Stamp | None]
+    """Of the state file and the index file, right after writing them."""
+
+
+class _StateFile(msgspec.Struct):
+    digest: str
+    files: dict[str, tuple[int, int, str]]
 
 
 def check_app_name(name: str) -> str:
@@ -86,6 +115,9 @@ class AppService:
     def __init__(self, files: FileService) -> None:
         self.files = files
         self.index_root = files.agent.home.path / APPS
+        self._synced: dict[tuple[str, str], _Synced] = {}
+        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+        """One sync of an app at a time (they share its index)."""
 
     def _index_file(self, peer: Peer, name: str) -> Path:
         folder = self.index_root / str(peer.node_id)
@@ -122,6 +154,14 @@ class AppService:
             raise _os_error(exc) from None
 
     async def _sync(self, ctx: RequestContext, message: AppSync) -> None:
+        key = (str(ctx.peer.node_id), message.name)
+        lock = self._locks.setdefault(key, asyncio.Lock())
+        async with lock:
+            await self._sync_locked(ctx, message, key)
+
+    async def _sync_locked(
+        self, ctx: RequestContext, message: AppSync, key: tuple[str, str]
+    ) -> None:
         from gpumesh.files.manifest import apply_delta, digest
 
         peer, stream = ctx.peer, ctx.stream
@@ -129,12 +169,12 @@ class AppService:
         index_file = self._index_file(peer, message.name)
         state_file = index_file.with_name(f"{message.name}.manifest")
         raw = await _read_section(stream, message.manifest_bytes, "manifest")
+        synced = await in_thread(_load_synced, self._synced.get(key), state_file, index_file)
         if message.base:
-            stored = await in_thread(_load_state, state_file)
             manifest: Manifest | None = None
-            if stored is not None and stored[0] == message.base:
+            if synced is not None and synced.digest == message.base:
                 put, remove = _parse_delta(raw)
-                manifest = apply_delta(stored[1], put, remove)
+                manifest = apply_delta(synced.manifest, put, remove)
                 if digest(manifest) != message.digest:
                     manifest = None
             if manifest is None:
@@ -145,30 +185,47 @@ class AppService:
                     "[%s] app %s: delta on another base; asked for all", peer.name, message.name
                 )
                 return
+            manifest_digest = message.digest
         else:
             manifest = _parse_manifest(raw)
-        index = await in_thread(_current_index, folder, index_file)
+            manifest_digest = ""
+        # One walk: the files in the folder now (size, mtime) and the quota usage.
+        # The usage is taken here rather than when the files arrive: a round trip
+        # earlier, the same snapshot of the sandbox as the walk always was.
+        listing: dict[str, tuple[int, int]] = {}
+        usage = None
+        if message.dry_run:
+            from gpumesh.agent.files import _tree_bytes
+
+            await in_thread(_tree_bytes, folder, (folder, listing))
+        else:
+            usage = await self.files._usage(peer, exclude="", listing=(folder, listing))
+        recorded = synced.index if synced is not None else None
+        index = await in_thread(_current_index, folder, recorded, listing)
         need = sorted(p for p, entry in manifest.items() if index.get(p, (0, 0, ""))[2] != entry[2])
         delete = sorted(p for p in index if p not in manifest)
         unchanged = len(manifest) - len(need)
-        listing = json.dumps({"need": need, "delete": delete}).encode()
+        listing_bytes = msgspec.json.encode({"need": need, "delete": delete})
         stream.send_message(
             AppNeeds(
-                need=len(need), delete=len(delete), unchanged=unchanged, list_bytes=len(listing)
+                need=len(need),
+                delete=len(delete),
+                unchanged=unchanged,
+                list_bytes=len(listing_bytes),
             )
         )
-        for start in range(0, len(listing), 1 << 20):
-            await stream.send_data(listing[start : start + (1 << 20)])
+        for start in range(0, len(listing_bytes), 1 << 20):
+            await stream.send_data(listing_bytes[start : start + (1 << 20)])
         stream.end_data()
-        if message.dry_run:
+        if usage is None:  # a dry run
             stream.finish()
             return
         send = await stream.expect(AppSend)
-        usage = await self.files._usage(peer, exclude="")
         usage.check(self.files.agent.name, send.size)
         stream.send_message(FileResume(offset=0))
         temp = self.files.partials(peer) / f"app-{secrets.token_hex(8)}"
         received = 0
+        self._synced.pop(key, None)  # until the files say what this sync did
         try:
             if send.size:
                 async with unpack_from(temp, max(0, usage.quota - usage.used), _NoHash()) as feed:
@@ -185,8 +242,16 @@ class AppService:
             else:
                 while await stream.read_data():
                     raise ProtocolError("the app files sent are larger than announced")
-            await in_thread(_apply, temp, folder, index_file, manifest, index, need, delete)
-            await in_thread(_save_state, state_file, manifest)
+            self._synced[key] = await in_thread(
+                _apply_and_save,
+                temp,
+                folder,
+                (state_file, index_file),
+                (manifest, manifest_digest),
+                index,
+                need,
+                delete,
+            )
         finally:
             await in_thread(shutil.rmtree, temp, True)
         stream.send_message(
@@ -321,22 +386,51 @@ def _parse_delta(raw: bytes) -> tuple[Manifest, list[str]]:
     return put, [str(path) for path in removed]
 
 
-def _load_state(path: Path) -> tuple[str, Manifest] | None:
-    """The manifest applied last (our own file: written only after it was checked)."""
+def _stamp(path: Path) -> _Stamp | None:
     try:
-        data = json.loads(path.read_text())
-        files = {str(p): (int(e[0]), int(e[1]), str(e[2])) for p, e in data["files"].items()}
-        return str(data["digest"]), files
-    except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError):
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _load_synced(cached: _Synced | None, state_file: Path, index_file: Path) -> _Synced | None:
+    """The app's state and index: ``cached`` while both files are the ones written
+    with it, else as the files hold them now (None without a usable state file).
+
+    Either file may be missing or broken (then that part is rebuilt); they are
+    our own files, written only after what they hold was checked.
+    """
+    stamps = (_stamp(state_file), _stamp(index_file))
+    if cached is not None and cached.stamps == stamps and None not in stamps:
+        return cached
+    state = _load_state(state_file)
+    if state is None:
+        return None
+    index = _load_index(index_file)
+    return _Synced(state.digest, state.files, index if index is not None else {}, stamps)
+
+
+def _load_state(path: Path) -> _StateFile | None:
+    """The manifest applied last, with its digest."""
+    try:
+        return msgspec.json.decode(path.read_bytes(), type=_StateFile)
+    except (OSError, msgspec.MsgspecError):
         return None
 
 
-def _save_state(path: Path, manifest: Manifest) -> None:
-    from gpumesh.files.manifest import digest
+def _load_index(path: Path) -> Index | None:
+    try:
+        return msgspec.json.decode(path.read_bytes(), type=Index)
+    except (OSError, msgspec.MsgspecError):
+        return None
 
+
+def _write(path: Path, data: bytes) -> _Stamp | None:
     part = path.with_name(path.name + ".tmp")
-    part.write_text(json.dumps({"digest": digest(manifest), "files": manifest}))
+    part.write_bytes(data)
     os.replace(part, path)
+    return _stamp(path)
 
 
 def _hash(path: str) -> str:
@@ -347,56 +441,66 @@ def _hash(path: str) -> str:
     return digest.hexdigest()
 
 
-def _current_index(folder: Path, index_file: Path) -> dict[str, tuple[int, int, str]]:
+def _current_index(
+    folder: Path, recorded: Index | None, listing: dict[str, tuple[int, int]]
+) -> Index:
     """Synced file -> (size, mtime_ns, sha256 hex), checked against the folder now.
 
-    A file that changed since it was synced is hashed again; one that is gone
+    ``listing`` holds each regular file in the folder now, with its size and
+    mtime (symlinks and what lies behind them are not in it). A recorded
+    file that changed since it was synced is hashed again; one that is gone
     drops out. Without an index every file in the folder counts (rebuilt).
     """
-    recorded: dict[str, Any] | None = None
-    with contextlib.suppress(OSError, ValueError):
-        loaded = json.loads(index_file.read_text())
-        if isinstance(loaded, dict):
-            recorded = loaded
     if recorded is None:
-        recorded = {}
-        for base, dirs, names in os.walk(folder):
-            dirs[:] = [d for d in dirs if not os.path.islink(os.path.join(base, d))]
-            for name in names:
-                rel = os.path.relpath(os.path.join(base, name), folder).replace(os.sep, "/")
-                recorded[rel] = [-1, -1, ""]
-    current: dict[str, tuple[int, int, str]] = {}
-    for rel, entry in recorded.items():
-        try:
-            size, mtime_ns, digest = int(entry[0]), int(entry[1]), str(entry[2])
-        except (TypeError, ValueError, IndexError):
-            size, mtime_ns, digest = -1, -1, ""
-        path = os.path.join(folder, rel)
-        try:
-            st = os.lstat(path)
-        except OSError:
+        recorded = dict.fromkeys(listing, (-1, -1, ""))
+    current: Index = {}
+    for rel, (size, mtime_ns, digest) in recorded.items():
+        found = listing.get(rel)
+        if found is None:
             continue
-        if not stat.S_ISREG(st.st_mode):
-            continue
-        if st.st_size != size or st.st_mtime_ns != mtime_ns or not digest:
+        sha = digest
+        if found[0] != size or found[1] != mtime_ns or not sha:
             try:
-                digest = _hash(path)
+                sha = _hash(os.path.join(folder, rel))
             except OSError:
                 continue
-        current[rel] = (st.st_size, st.st_mtime_ns, digest)
+        current[rel] = (found[0], found[1], sha)
     return current
+
+
+def _apply_and_save(
+    temp: Path,
+    folder: Path,
+    files: tuple[Path, Path],
+    applied: tuple[Manifest, str],
+    index: Index,
+    need: list[str],
+    delete: list[str],
+) -> _Synced:
+    """:func:`_apply`, then write the state (the manifest and its digest, computed
+    when not given) and the index; what was written, for the next sync."""
+    from gpumesh.files.manifest import digest
+
+    state_file, index_file = files
+    manifest, manifest_digest = applied
+    saved = _apply(temp, folder, manifest, index, need, delete)
+    manifest_digest = manifest_digest or digest(manifest)
+    index_stamp = _write(index_file, msgspec.json.encode(saved))
+    state_stamp = _write(
+        state_file, msgspec.json.encode({"digest": manifest_digest, "files": manifest})
+    )
+    return _Synced(manifest_digest, manifest, saved, (state_stamp, index_stamp))
 
 
 def _apply(
     temp: Path,
     folder: Path,
-    index_file: Path,
     manifest: Manifest,
-    index: dict[str, tuple[int, int, str]],
+    index: Index,
     need: list[str],
     delete: list[str],
-) -> None:
-    """Check and rename the received files into place, delete the ones gone, save the index."""
+) -> Index:
+    """Check and rename the received files into place, delete the ones gone; the new index."""
     real = os.path.realpath(folder)
     for rel in need:
         source = temp / rel
@@ -427,10 +531,7 @@ def _apply(
             except OSError:
                 break
             parent = parent.parent
-    saved = {rel: list(entry) for rel, entry in index.items() if rel in manifest}
-    part = index_file.with_suffix(".tmp")
-    part.write_text(json.dumps(saved))
-    os.replace(part, index_file)
+    return {rel: entry for rel, entry in index.items() if rel in manifest}
 
 
 def _make_parents(folder: Path, real: str, target: Path) -> None:

@@ -221,6 +221,11 @@ class _Active:
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
 
+_Listing = tuple[Path, dict[str, tuple[int, int]]]
+"""A real folder in a sandbox, and the dict a walk fills with its regular files:
+relative path -> (size, mtime_ns)."""
+
+
 @dataclass(frozen=True)
 class _Usage:
     used: int
@@ -658,13 +663,18 @@ class FileService:
                 del active[key]
             claim.done.set()
 
-    async def _usage(self, peer: Peer, exclude: str) -> _Usage:
-        """Bytes the peer holds here: its sandbox, its partial uploads, uploads in flight."""
+    async def _usage(self, peer: Peer, exclude: str, listing: _Listing | None = None) -> _Usage:
+        """Bytes the peer holds here: its sandbox, its partial uploads, uploads in flight.
+
+        With ``listing`` (a real folder inside the sandbox, and a dict), the same
+        walk also fills the dict with each regular file under that folder:
+        relative path -> (size, mtime_ns).
+        """
         active = self._active.get(str(peer.node_id), {})
         busy = set(active)
         reserved = sum(claim.reserved for name, claim in active.items() if name != exclude)
         stored = await in_thread(
-            _stored_bytes, self.sandbox(peer), self.partials(peer), busy | {exclude}
+            _stored_bytes, self.sandbox(peer), self.partials(peer), busy | {exclude}, listing
         )
         return _Usage(stored + reserved, self.quota())
 
@@ -859,9 +869,20 @@ def _place_folder(temp: Path, target: Path, where: str) -> None:
     merge_into(temp, target)
 
 
-def _stored_bytes(sandbox: Path, partials: Path, busy: set[str]) -> int:
-    """Bytes in regular files under the sandbox and the idle partials (old ones removed)."""
-    total = _tree_bytes(sandbox)
+def _stored_bytes(
+    sandbox: Path,
+    partials: Path,
+    busy: set[str],
+    listing: _Listing | None = None,
+) -> int:
+    """Bytes in regular files under the sandbox and the idle partials (old ones removed).
+
+    ``listing``: see :meth:`FileService._usage`.
+    """
+    real = os.path.realpath(sandbox)
+    total = _tree_bytes(real, listing)
+    if listing is not None and not inside(str(listing[0]), real):
+        _tree_bytes(listing[0], listing)  # not reached by the walk: list it alone
     now = time.time()
     with contextlib.suppress(FileNotFoundError), os.scandir(partials) as entries:
         for entry in entries:
@@ -886,12 +907,28 @@ def _stored_bytes(sandbox: Path, partials: Path, busy: set[str]) -> int:
     return total
 
 
-def _tree_bytes(root: Path) -> int:
+def _tree_bytes(root: Path | str, listing: _Listing | None = None) -> int:
+    """Bytes in regular files under ``root``, symlinks not followed (one lstat a file)."""
     total = 0
-    for folder, _dirs, files in os.walk(root):
-        for name in files:
-            with contextlib.suppress(OSError):
-                st = os.lstat(os.path.join(folder, name))
-                if stat.S_ISREG(st.st_mode):
-                    total += st.st_size
+    listed, files = (str(listing[0]), listing[1]) if listing is not None else ("", None)
+    pending = [str(root)]
+    while pending:
+        folder = pending.pop()
+        into = files if files is not None and inside(folder, listed) else None
+        try:
+            with os.scandir(folder) as entries:
+                for entry in entries:
+                    try:
+                        if entry.is_dir(follow_symlinks=False):
+                            pending.append(entry.path)
+                        elif entry.is_file(follow_symlinks=False):
+                            st = entry.stat(follow_symlinks=False)
+                            total += st.st_size
+                            if into is not None:
+                                relative = entry.path[len(listed) + 1 :].replace(os.sep, "/")
+                                into[relative] = (st.st_size, st.st_mtime_ns)
+                    except OSError:
+                        continue
+        except OSError:
+            continue
     return total
