@@ -44,7 +44,7 @@ import msgspec
 
 from gpumesh.blocking import in_thread
 from gpumesh.errors import AccessDeniedError, ConfigError, ProtocolError
-from gpumesh.files.transfer import inside, unpack_from
+from gpumesh.files.transfer import inside, swallow, unpack_from
 from gpumesh.protocol.messages import (
     AppJobDir,
     AppJobDirReply,
@@ -57,7 +57,7 @@ from gpumesh.protocol.messages import (
 )
 
 if TYPE_CHECKING:
-    from gpumesh.agent.files import FileService
+    from gpumesh.agent.files import FileService, _Usage
     from gpumesh.agent.server import RequestContext
     from gpumesh.store.db import Peer
     from gpumesh.transport.stream import Stream
@@ -162,11 +162,44 @@ class AppService:
     async def _sync_locked(
         self, ctx: RequestContext, message: AppSync, key: tuple[str, str]
     ) -> None:
+        folder = await in_thread(self._folder, ctx.peer, message.name, not message.dry_run)
+        index_file = self._index_file(ctx.peer, message.name)
+        # One walk: the files in the folder now (size, mtime) and the quota usage,
+        # while the manifest is read and rebuilt. The usage is taken here rather
+        # than when the files arrive: a round trip earlier, the same kind of
+        # snapshot of the sandbox as the walk always was.
+        listing: dict[str, tuple[int, int]] = {}
+        walking = asyncio.ensure_future(self._walk(ctx.peer, folder, listing, message.dry_run))
+        walking.add_done_callback(swallow)
+        try:
+            await self._sync_walking(ctx, message, key, folder, index_file, walking, listing)
+        finally:
+            walking.cancel()
+
+    async def _walk(
+        self, peer: Peer, folder: Path, listing: dict[str, tuple[int, int]], dry_run: bool
+    ) -> _Usage | None:
+        """Fill ``listing`` with the folder's files; the peer's usage unless ``dry_run``."""
+        if dry_run:
+            from gpumesh.agent.files import _tree_bytes
+
+            await in_thread(_tree_bytes, folder, (folder, listing))
+            return None
+        return await self.files._usage(peer, exclude="", listing=(folder, listing))
+
+    async def _sync_walking(
+        self,
+        ctx: RequestContext,
+        message: AppSync,
+        key: tuple[str, str],
+        folder: Path,
+        index_file: Path,
+        walking: asyncio.Future[_Usage | None],
+        listing: dict[str, tuple[int, int]],
+    ) -> None:
         from gpumesh.files.manifest import apply_delta, digest
 
         peer, stream = ctx.peer, ctx.stream
-        folder = await in_thread(self._folder, peer, message.name, not message.dry_run)
-        index_file = self._index_file(peer, message.name)
         state_file = index_file.with_name(f"{message.name}.manifest")
         raw = await _read_section(stream, message.manifest_bytes, "manifest")
         synced = await in_thread(_load_synced, self._synced.get(key), state_file, index_file)
@@ -189,17 +222,7 @@ class AppService:
         else:
             manifest = _parse_manifest(raw)
             manifest_digest = ""
-        # One walk: the files in the folder now (size, mtime) and the quota usage.
-        # The usage is taken here rather than when the files arrive: a round trip
-        # earlier, the same snapshot of the sandbox as the walk always was.
-        listing: dict[str, tuple[int, int]] = {}
-        usage = None
-        if message.dry_run:
-            from gpumesh.agent.files import _tree_bytes
-
-            await in_thread(_tree_bytes, folder, (folder, listing))
-        else:
-            usage = await self.files._usage(peer, exclude="", listing=(folder, listing))
+        usage = await walking
         recorded = synced.index if synced is not None else None
         index = await in_thread(_current_index, folder, recorded, listing)
         need = sorted(p for p, entry in manifest.items() if index.get(p, (0, 0, ""))[2] != entry[2])
