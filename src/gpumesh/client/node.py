@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import statistics
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -21,7 +20,6 @@ from gpumesh.errors import (
     PeerKeyChangedError,
     UnreachableError,
 )
-from gpumesh.gpu.inventory import GpuInfo
 from gpumesh.identity.codes import make_code, verify_code
 from gpumesh.identity.keys import Identity, NodeId, check_node_name
 from gpumesh.protocol.messages import (
@@ -37,6 +35,7 @@ from gpumesh.store.db import Peer
 from gpumesh.store.home import AgentInfo, Home
 
 if TYPE_CHECKING:
+    from gpumesh.gpu.inventory import GpuInfo
     from gpumesh.transport.session import Session
 
 __all__ = ["ConnectResult", "Node", "NodeInfo", "NodeStatus", "ThroughputResult"]
@@ -279,6 +278,8 @@ class Node:
         self, query: str, *, pings: int = 5, timeout: float | None = None
     ) -> ConnectResult:
         """Dial a peer, prove identities both ways, and measure the round trip."""
+        import statistics
+
         peer = self.peer(query)
         import gpumesh.transport.session  # noqa: F401 - loading code is not connecting
 

@@ -274,7 +274,8 @@ def scan(root: Path, exclude_paths: Iterable[Path] = ()) -> PackPlan:
             is_dir = stat.S_ISDIR(st.st_mode)
             shown = relative + "/" if is_dir else relative
             reason = None
-            if not _utf8(relative):
+            # The folder's own name was checked when it was listed.
+            if not name.isascii() and not _utf8(name):
                 reason = "its name is not valid UTF-8; rename it"
             elif full in excluded:  # no symlink above it: full is already its real path
                 reason = "GPUMesh's own folder, never uploaded"
