@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from gpumesh.blocking import in_thread
 from gpumesh.errors import ConfigError, NotFoundError, ProtocolError
 from gpumesh.files.transfer import merge_into
@@ -99,8 +101,8 @@ def _manifest(
     plan = scan(folder, exclude_paths=[node.home.path])
     cache_path = _cache_file(node, plan.root)
     cache: dict[str, Any] = {}
-    with contextlib.suppress(OSError, ValueError):
-        loaded = json.loads(cache_path.read_text())
+    with contextlib.suppress(OSError, msgspec.MsgspecError):
+        loaded = msgspec.json.decode(cache_path.read_bytes())
         if isinstance(loaded, dict):
             cache = loaded
     entries: list[tuple[str, int, int, str]] = []
@@ -125,7 +127,7 @@ def _manifest(
         by_path[entry.path] = entry
     if fresh != cache:
         part = cache_path.with_suffix(".tmp")
-        part.write_text(json.dumps(fresh))
+        part.write_bytes(msgspec.json.encode(fresh))
         os.replace(part, cache_path)
     return plan, entries, by_path
 
@@ -138,18 +140,22 @@ def _state_file(node: Node, peer_id: str, name: str) -> Path:
     return folder / f"sync-{key[:32]}.json"
 
 
+class _State(msgspec.Struct):
+    digest: str
+    files: dict[str, tuple[int, int, str]]
+
+
 def _load_state(path: Path) -> tuple[str, dict[str, tuple[int, int, str]]] | None:
     try:
-        data = json.loads(path.read_text())
-        files = {str(p): (int(e[0]), int(e[1]), str(e[2])) for p, e in data["files"].items()}
-        return str(data["digest"]), files
-    except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError):
+        state = msgspec.json.decode(path.read_bytes(), type=_State)
+    except (OSError, msgspec.MsgspecError):
         return None
+    return state.digest, state.files
 
 
 def _save_state(path: Path, digest: str, files: dict[str, tuple[int, int, str]]) -> None:
     part = path.with_name(path.name + ".tmp")
-    part.write_text(json.dumps({"digest": digest, "files": files}))
+    part.write_bytes(msgspec.json.encode(_State(digest, files)))
     os.replace(part, path)
 
 
@@ -192,12 +198,13 @@ async def sync_app(
         result = SyncResult(peer.name, app_folder(name), dry_run, skipped=list(plan.skipped))
         files = {path: (size, mode, sha) for path, size, mode, sha in entries}
         current = digest(files)
-        sections: list[tuple[bytes, str]] = []
-        if state is not None:
-            put, remove = delta(state[1], files)
-            sections.append((json.dumps({"put": put, "remove": remove}).encode(), state[0]))
-        sections.append((json.dumps({"files": [list(entry) for entry in entries]}).encode(), ""))
-        for body, base in sections:
+        bases = [state[0], ""] if state is not None else [""]
+        for base in bases:
+            if base and state is not None:
+                put, remove = delta(state[1], files)
+                body = msgspec.json.encode({"put": put, "remove": remove})
+            else:  # the whole manifest, only when no delta was accepted
+                body = msgspec.json.encode({"files": entries})
             stream = session.open_stream()
             try:
                 stream.send_message(
