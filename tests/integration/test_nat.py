@@ -226,6 +226,13 @@ def capped_lab(tmp_path: Path) -> Iterator[Lab]:
     yield from _build_lab(tmp_path, "drop", "--random-fully", relay_args=("--session-bytes", "1MB"))
 
 
+@pytest.fixture
+def timed_lab(tmp_path: Path) -> Iterator[Lab]:
+    yield from _build_lab(
+        tmp_path, "drop", "--random-fully", relay_args=("--session-seconds", "2s")
+    )
+
+
 def _connect(lab: Lab) -> dict[str, object]:
     result = lab.gpumesh("A", lab.a, "connect", "alice-pc", "--json")
     assert result.returncode == 0, result.stderr
@@ -328,3 +335,13 @@ def test_the_relay_byte_cap_ends_a_relayed_session_with_its_named_refusal(capped
     assert "byte-cap" in lines[0] and "ended the session" in lines[0]
     closes = capped_lab.relay_stats()["closes"]
     assert isinstance(closes, dict) and closes.get("byte-cap", 0) >= 1
+
+
+def test_the_relay_time_cap_ends_a_relayed_session_with_its_named_refusal(timed_lab: Lab) -> None:
+    started = time.monotonic()
+    result = timed_lab.gpumesh("A", timed_lab.a, "connect", "alice-pc", "--speed", "20GB")
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "time-cap" in lines[0] and "ended the session" in lines[0]
+    assert time.monotonic() - started < 30
