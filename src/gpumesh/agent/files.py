@@ -309,22 +309,8 @@ class FileService:
         fd = await in_thread(_guarded, _open_regular, path, where)
         async with worker(cleanup=lambda: os.close(fd)) as runner:
             st = os.fstat(fd)
-            if message.offset > st.st_size:
-                raise ProtocolError(
-                    f"asked for {where} from byte {message.offset}, past its end "
-                    f"({st.st_size} bytes)"
-                )
             stream = ctx.stream
-            stream.send_message(
-                FileInfo(
-                    path=message.path,
-                    exists=True,
-                    kind="file",
-                    size=st.st_size,
-                    mode=stat.S_IMODE(st.st_mode),
-                    mtime=st.st_mtime,
-                )
-            )
+            _announce_file(stream, message.path, message.offset, st, where)
             hasher = hashlib.sha256()
             # The whole file's hash goes in FileDone: the part the peer already
             # has is hashed first, on the worker, ahead of the reads.
@@ -585,22 +571,8 @@ class FileService:
             raise
         try:
             st = os.fstat(fd)
-            if message.offset > st.st_size:
-                raise ProtocolError(
-                    f"asked for {where} from byte {message.offset}, past its end "
-                    f"({st.st_size} bytes)"
-                )
             stream = ctx.stream
-            stream.send_message(
-                FileInfo(
-                    path=message.path,
-                    exists=True,
-                    kind="file",
-                    size=st.st_size,
-                    mode=stat.S_IMODE(st.st_mode),
-                    mtime=st.st_mtime,
-                )
-            )
+            _announce_file(stream, message.path, message.offset, st, where)
             stream.send_message(
                 ChannelOffer(port=listener.port, ticket=listener.ticket, offset=message.offset)
             )
@@ -677,6 +649,24 @@ class FileService:
             _stored_bytes, self.sandbox(peer), self.partials(peer), busy | {exclude}, listing
         )
         return _Usage(stored + reserved, self.quota())
+
+
+def _announce_file(stream: Stream, path: str, offset: int, st: os.stat_result, where: str) -> None:
+    """Answer a download with the file's FileInfo, after checking the resume offset."""
+    if offset > st.st_size:
+        raise ProtocolError(
+            f"asked for {where} from byte {offset}, past its end ({st.st_size} bytes)"
+        )
+    stream.send_message(
+        FileInfo(
+            path=path,
+            exists=True,
+            kind="file",
+            size=st.st_size,
+            mode=stat.S_IMODE(st.st_mode),
+            mtime=st.st_mtime,
+        )
+    )
 
 
 async def _until_finished(stream: Stream) -> None:
