@@ -229,6 +229,20 @@ def _rank(error: GPUMeshError) -> int:
     return 1
 
 
+def _settled(task: asyncio.Task[Session]) -> Session | None:
+    """A finished dial's session, or None when another address or path may still work.
+
+    Raises what no other path or address could change: a refusal, a wrong
+    key, a protocol error, or a bug.
+    """
+    exc = task.exception()
+    if exc is None:
+        return task.result()
+    if not isinstance(exc, GPUMeshError) or _rank(exc) == 0:
+        raise exc
+    return None
+
+
 async def open_session(
     identity: Identity,
     name: str,
@@ -255,24 +269,15 @@ async def open_session(
     winner: Session | None = None
     try:
         await asyncio.wait({direct}, timeout=RELAY_DELAY if addresses else 0)
-        if direct.done():
-            exc = direct.exception()
-            if exc is None:
-                winner = direct.result()
-                return winner
-            if not isinstance(exc, GPUMeshError) or _rank(exc) == 0:
-                raise exc
+        if direct.done() and (winner := _settled(direct)) is not None:
+            return winner
         relayed = asyncio.create_task(_dial_relayed(identity, name, relay, server_key, timeout))
         pending: set[asyncio.Task[Session]] = {relayed} if direct.done() else {direct, relayed}
         while pending:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             for finished in done:
-                exc = finished.exception()
-                if exc is None:
-                    winner = finished.result()
+                if (winner := _settled(finished)) is not None:
                     return winner
-                if not isinstance(exc, GPUMeshError) or _rank(exc) == 0:
-                    raise exc
         direct_error = direct.exception()
         relay_error = relayed.exception()
         assert direct_error is not None and relay_error is not None
@@ -321,14 +326,10 @@ async def _open_direct(
                     return_when=asyncio.FIRST_COMPLETED,
                 )
                 for finished in done:
-                    exc = finished.exception()
-                    if exc is None:
-                        winner = finished.result()
+                    if (winner := _settled(finished)) is not None:
                         return winner
-                    if not isinstance(exc, GPUMeshError):
-                        raise exc
-                    if _rank(exc) == 0:
-                        raise exc
+                    exc = finished.exception()
+                    assert isinstance(exc, GPUMeshError)
                     errors.append(exc)
                 if not done or not is_last:
                     break
