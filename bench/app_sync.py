@@ -40,7 +40,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from _benchlib import exit_cleanly_on_sigterm, free_port, interrupted, print_rows, summarize
+from _benchlib import (
+    ensure_bytecode,
+    exit_cleanly_on_sigterm,
+    free_port,
+    interrupted,
+    print_rows,
+    summarize,
+)
 from bulk import gpumesh_command, loopback_sshd, make_nodes, running_agent
 
 TIMEOUT = 600.0
@@ -250,6 +257,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     exit_cleanly_on_sigterm()
+    ensure_bytecode()
     try:
         results = run(args)
     except KeyboardInterrupt:

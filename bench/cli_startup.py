@@ -25,7 +25,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from _benchlib import exit_cleanly_on_sigterm, interrupted, print_rows, source_note, summarize
+from _benchlib import (
+    ensure_bytecode,
+    exit_cleanly_on_sigterm,
+    interrupted,
+    print_rows,
+    source_note,
+    summarize,
+)
 
 HELP_GOAL_MS = 150.0
 WARMUPS = 2
@@ -135,6 +142,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     exit_cleanly_on_sigterm()
+    ensure_bytecode()
     if note := source_note():
         print(note)
     try:

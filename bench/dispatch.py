@@ -65,6 +65,7 @@ from pathlib import Path
 
 from _benchlib import (
     Summary,
+    ensure_bytecode,
     exit_cleanly_on_sigterm,
     free_port,
     interrupted,
@@ -441,6 +442,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     exit_cleanly_on_sigterm()
+    ensure_bytecode()
     if note := source_note():
         print(note)
     try:

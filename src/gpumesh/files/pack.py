@@ -26,12 +26,13 @@ import tarfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Literal
-
-import pathspec
+from typing import TYPE_CHECKING, BinaryIO, Literal
 
 from gpumesh.errors import AgentError, ConfigError, GPUMeshError, LimitError, ProtocolError
 from gpumesh.units import format_size
+
+if TYPE_CHECKING:
+    import pathspec
 
 __all__ = [
     "DEFAULT_IGNORES",
@@ -56,6 +57,14 @@ DEFAULT_IGNORES = (
     "*.pyc",
 )
 """Applied before the user's ``.gpumeshignore``, which can re-include with ``!pattern``."""
+DEFAULTS_REGEX = (
+    r"(?:^(?:.+/)?\.git(?:/))|(?:^(?:.+/)?\.venv(?:/))|(?:^(?:.+/)?venv(?:/))"
+    r"|(?:^(?:.+/)?__pycache__(?:/))|(?:^(?:.+/)?node_modules(?:/))"
+    r"|(?:^(?:.+/)?\.gpumesh(?:/))|(?:^(?:.+/)?[^/]*\.pyc(?:(?:/)|$))"
+)
+"""What pathspec makes of :data:`DEFAULT_IGNORES`, as one regex (a test keeps it
+equal). Importing pathspec costs more than a whole re-sync's scan, so a folder
+without a ``.gpumeshignore`` needs it only when one of its paths matches."""
 
 _BLOCK = tarfile.BLOCKSIZE
 _END_OF_ARCHIVE = b"\0" * (2 * _BLOCK)
@@ -135,13 +144,24 @@ class _IgnoreRules:
     """The defaults followed by the user's ``.gpumeshignore``, last match wins."""
 
     def __init__(self, user_lines: list[str]) -> None:
-        patterns = []
         self._why: list[str] = []
-        sources = [("default rule", line) for line in DEFAULT_IGNORES]
-        sources += [
+        self._sources = [("default rule", line) for line in DEFAULT_IGNORES]
+        self._sources += [
             (f"{IGNORE_FILE}:{number}", line) for number, line in enumerate(user_lines, start=1)
         ]
-        for where, line in sources:
+        self._spec: pathspec.GitIgnoreSpec | None = None
+        self._any: re.Pattern[str] | None
+        if any(line.strip() and not line.startswith("#") for line in user_lines):
+            self._compile()  # checks the user's lines now: a bad one is an error at once
+        else:
+            self._any = re.compile(DEFAULTS_REGEX)
+
+    def _compile(self) -> pathspec.GitIgnoreSpec:
+        import pathspec
+
+        patterns = []
+        self._why = []
+        for where, line in self._sources:
             if not line.strip() or line.startswith("#"):
                 continue
             try:
@@ -160,6 +180,7 @@ class _IgnoreRules:
         # Built from the patterns one by one, so a match's index is its rule.
         self._spec = pathspec.GitIgnoreSpec(patterns)
         self._any = _any_of(patterns)
+        return self._spec
 
     @classmethod
     def load(cls, root: Path) -> _IgnoreRules:
@@ -178,7 +199,8 @@ class _IgnoreRules:
         """The rule that leaves ``relative`` out (folders end with ``/``), or None."""
         if self._any is not None and self._any.search(relative) is None:
             return None  # no rule matches it at all: the common case, in one search
-        result = self._spec.check_file(relative)
+        spec = self._spec or self._compile()
+        result = spec.check_file(relative)
         if result.include and result.index is not None:
             return self._why[result.index]
         return None

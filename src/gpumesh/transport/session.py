@@ -28,10 +28,7 @@ from gpumesh.errors import (
 from gpumesh.identity.keys import Identity
 from gpumesh.protocol.handshake import ClientAuth, ServerAuth
 from gpumesh.protocol.messages import Hello, Message, Proof
-from gpumesh.protocol.relay import DEFAULT_RELAY_PORT
-from gpumesh.transport.netinfo import local_addresses
 from gpumesh.transport.quic import QuicEndpoint, QuicLink
-from gpumesh.transport.relayclient import RelayClient
 from gpumesh.transport.stream import Stream
 from gpumesh.transport.udp import Address
 
@@ -65,6 +62,8 @@ class RelayHint:
 
 async def resolve_relay(text: str) -> Address:
     """``host[:port]`` of a relay to one IPv4 address (UDP)."""
+    from gpumesh.protocol.relay import DEFAULT_RELAY_PORT
+
     try:
         host, port = parse_address(text, DEFAULT_RELAY_PORT)
     except ValueError as exc:
@@ -177,6 +176,10 @@ async def _dial_one(
 async def _dial_relayed(
     identity: Identity, name: str, relay: RelayHint, server_key: bytes, timeout: float
 ) -> Session:
+    # Imported here: most dials never need the relay, and every CLI start pays for imports.
+    from gpumesh.transport.netinfo import local_addresses
+    from gpumesh.transport.relayclient import RelayClient
+
     relay_address = await resolve_relay(relay.address)
 
     def make_client(endpoint: QuicEndpoint) -> RelayClient:
