@@ -49,6 +49,8 @@ AUTH_TIMEOUT = 5.0
 _DIAL_STAGGER = 0.25
 RELAY_DELAY = 0.5
 """Seconds direct dials get before the relay is tried too (at once if they all fail)."""
+PUNCH_SETTLE = 0.3
+"""Most seconds a relayed dial waits for a direct path whose peer already answered."""
 
 
 @dataclass(frozen=True)
@@ -194,7 +196,13 @@ async def _dial_relayed(
         )
 
     link = await QuicEndpoint.dial_relayed(make_client, server_key, timeout=timeout)
-    return await _authenticate(link, identity, name, server_key, f"the relay {relay.address}")
+    session = await _authenticate(link, identity, name, server_key, f"the relay {relay.address}")
+    path = link.path
+    if path is not None and path.direct is None and path.puncher.heard_from:
+        # The peer's probes already get through: the direct path is a round trip
+        # away, so let a bulk request start there rather than on the relay.
+        await session.wait_for_punching(PUNCH_SETTLE)
+    return session
 
 
 async def _authenticate(
