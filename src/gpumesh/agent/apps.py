@@ -341,8 +341,6 @@ async def _read_section(stream: Stream, size: int, what: str) -> bytes:
 
 
 def _parse_manifest(raw: bytes) -> Manifest:
-    from gpumesh.agent.files import sandbox_parts
-
     try:
         data = json.loads(raw)
         entries = data["files"]
@@ -350,19 +348,7 @@ def _parse_manifest(raw: bytes) -> Manifest:
             raise ValueError("files")
         manifest: Manifest = {}
         for path, size, mode, digest in entries:
-            if not (
-                isinstance(path, str)
-                and isinstance(size, int)
-                and isinstance(mode, int)
-                and isinstance(digest, str)
-                and size >= 0
-                and 0 <= mode <= 0o777
-                and len(digest) == 64
-            ):
-                raise ValueError(path)
-            bytes.fromhex(digest)
-            parts = sandbox_parts(path)
-            if not parts or "/".join(parts) != path or path in manifest:
+            if _check_entry(path, size, mode, digest) in manifest:
                 raise ValueError(path)
             manifest[path] = (size, mode, digest)
     except (ValueError, TypeError, KeyError) as exc:
@@ -371,6 +357,7 @@ def _parse_manifest(raw: bytes) -> Manifest:
 
 
 def _check_entry(path: object, size: object, mode: object, digest: object) -> str:
+    """One manifest entry's fields, checked (types, bounds, a clean sandbox path); its path."""
     from gpumesh.agent.files import sandbox_parts
 
     if not (
