@@ -57,6 +57,7 @@ from gpumesh.protocol.relay import (
     token_proof,
 )
 from gpumesh.relay.config import RelayConfig
+from gpumesh.transport.udp import format_address
 
 __all__ = [
     "EPOCH_SECONDS",
@@ -87,7 +88,7 @@ def address_text(address: Address) -> str:
     host, port = address[0], address[1]
     if host.startswith("::ffff:") and "." in host:
         host = host[7:]  # an IPv4 peer seen through a dual-stack socket
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return format_address((host, port))
 
 
 def is_reach_probe(packet: bytes) -> bool:

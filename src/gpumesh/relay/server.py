@@ -21,8 +21,6 @@ import json
 import logging
 import os
 import socket
-import struct
-import sys
 import tempfile
 import time
 from collections import deque
@@ -33,6 +31,7 @@ from typing import Any
 
 from gpumesh.relay.config import RelayConfig
 from gpumesh.relay.core import Address, RelayCore, Send, address_text, is_reach_probe
+from gpumesh.transport.udp import UdpSocket, gso_control, open_udp_socket
 
 __all__ = ["RelayServer", "serve"]
 
@@ -41,15 +40,6 @@ logger = logging.getLogger(__name__)
 TICK_INTERVAL = 0.25
 STATS_INTERVAL = 1.0
 _READ_BATCH = 256
-_RECV_SIZE = 65535  # with GRO one read returns a run of datagrams; oversized ones are refused
-_SOCKET_BUFFER = 4 * 1024 * 1024
-# Linux UDP segmentation offload (see gpumesh.transport.udp): a run of equal-size
-# Data packets from one node comes in with one read (GRO) and, when the core
-# agrees, goes out unchanged with one write (GSO) instead of one syscall each.
-_SOL_UDP = 17
-_UDP_SEGMENT = 103
-_UDP_GRO = 104
-_CMSG_SPACE = socket.CMSG_SPACE(4) if hasattr(socket, "CMSG_SPACE") else 0
 
 
 async def serve(config: RelayConfig, *, clock: Callable[[], float] = time.monotonic) -> RelayServer:
@@ -67,6 +57,10 @@ class RelayServer:
         self.core = RelayCore(config)
         self._clock = clock
         self._sock: socket.socket | None = None
+        self._udp: UdpSocket | None = None
+        """The main socket's batched reads: with GRO, a run of one node's datagrams
+        comes in with one read and, when the core agrees, goes out unchanged with
+        one write (GSO) instead of one syscall each."""
         self._probe_sock: socket.socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queues: dict[Address, deque[bytes]] = {}
@@ -75,8 +69,7 @@ class RelayServer:
         self._closed = asyncio.Event()
         self._stats_written = -1
         self._address: Address | None = None
-        self._gro = False
-        self._gso = sys.platform == "linux"
+        self._gso = False
         self.dropped = 0
         """Packets dropped because a destination's queue was full."""
 
@@ -95,20 +88,16 @@ class RelayServer:
         """Bind both sockets and start serving; raises OSError if the address is taken."""
         self._loop = asyncio.get_running_loop()
         host, port = self.config.host, self.config.port
-        self._sock = _open_socket(host, port)
+        self._sock = open_udp_socket(host, port, dual_stack=True)
         try:
-            self._probe_sock = _open_socket(host, 0)
+            self._probe_sock = open_udp_socket(host, 0, dual_stack=True)
         except OSError:
             self._sock.close()
             raise
         bound = self._sock.getsockname()
         self._address = (host or "0.0.0.0", bound[1])
-        if sys.platform == "linux":
-            try:
-                self._sock.setsockopt(_SOL_UDP, _UDP_GRO, 1)
-                self._gro = True
-            except OSError:
-                self._gro = False
+        self._udp = UdpSocket(self._sock)
+        self._gso = self._udp.gso
         self._loop.add_reader(self._sock.fileno(), self._on_readable)
         self._timer = asyncio.create_task(self._run_timers(), name="gpumesh-relay-timers")
         logger.debug(
@@ -164,26 +153,16 @@ class RelayServer:
     # --- receiving ----------------------------------------------------------------------------
 
     def _on_readable(self) -> None:
-        sock = self._sock
-        if sock is None:
+        udp = self._udp
+        if udp is None:
             return
-        for _ in range(_READ_BATCH):  # then yield, so timers and writers get their turn
-            try:
-                if self._gro:
-                    data, ancdata, _flags, source = sock.recvmsg(_RECV_SIZE, _CMSG_SPACE)
-                    segment = len(data)
-                    for level, kind, value in ancdata:
-                        if level == _SOL_UDP and kind == _UDP_GRO:
-                            segment = struct.unpack("=i", value[:4])[0] or len(data)
-                else:
-                    data, source = sock.recvfrom(_RECV_SIZE)
-                    segment = len(data)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:  # e.g. an ICMP error reported on the socket
-                logger.debug("receive error: %s", exc)
-                continue
-            address = (source[0], source[1])
+        try:
+            batch = udp.receive_batch(_READ_BATCH)  # then yield: timers and writers get a turn
+        except OSError as exc:  # e.g. an ICMP error reported on the socket
+            logger.debug("receive error: %s", exc)
+            return
+        for item in batch:
+            data, segment, address = item.data, item.segment_size, item.address
             try:
                 now = self._clock()
                 if len(data) > segment:
@@ -195,7 +174,7 @@ class RelayServer:
                     packet = data[offset : offset + segment]
                     self._send_all(self.core.handle(packet, address, now))
             except Exception:  # a bug must cost one packet, never the relay
-                logger.exception("failed handling a packet from %s", source)
+                logger.exception("failed handling a packet from %s", address)
                 continue
 
     async def _run_timers(self) -> None:
@@ -246,7 +225,7 @@ class RelayServer:
         if sock is None:
             return
         if self._gso and address not in self._queues:
-            cmsg = [(_SOL_UDP, _UDP_SEGMENT, struct.pack("=H", segment))]
+            cmsg = gso_control(segment)
             try:
                 sock.sendmsg([data], cmsg, 0, address)
                 return
@@ -317,21 +296,3 @@ def write_atomically(path: Path, text: str) -> None:
         with contextlib.suppress(OSError):
             os.unlink(temp)
         raise
-
-
-def _open_socket(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_DGRAM)
-    try:
-        sock.setblocking(False)
-        if family == socket.AF_INET6:
-            with contextlib.suppress(OSError):  # "::" serves IPv4 too where the OS allows
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-        for option in (socket.SO_RCVBUF, socket.SO_SNDBUF):
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.SOL_SOCKET, option, _SOCKET_BUFFER)
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    return sock

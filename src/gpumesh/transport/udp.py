@@ -20,7 +20,15 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["Address", "Received", "UdpSocket", "open_udp_socket"]
+__all__ = [
+    "Address",
+    "Received",
+    "UdpSocket",
+    "format_address",
+    "gso_control",
+    "open_udp_socket",
+    "parse_address",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +45,37 @@ _SOCKET_BUFFER = 4 * 1024 * 1024
 _CMSG_SPACE = socket.CMSG_SPACE(4) if hasattr(socket, "CMSG_SPACE") else 0
 
 
+def parse_address(text: str, default_port: int | None = None) -> Address:
+    """``host:port`` or ``[v6]:port`` into a tuple."""
+    text = text.strip()
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        port_text = rest.lstrip(":")
+    elif text.count(":") == 1:
+        host, _, port_text = text.partition(":")
+    else:
+        host, port_text = text, ""
+    if not port_text:
+        if default_port is None:
+            raise ValueError(f"address {text!r} has no port")
+        return (host, default_port)
+    port = int(port_text)
+    if not 0 < port < 65536:
+        raise ValueError(f"port {port} is out of range")
+    return (host, port)
+
+
+def gso_control(segment: int) -> list[tuple[int, int, bytes]]:
+    """The ``sendmsg`` ancillary data that cuts one buffer into ``segment``-byte datagrams."""
+    return [(_SOL_UDP, _UDP_SEGMENT, struct.pack("=H", segment))]
+
+
+def format_address(address: Address) -> str:
+    """``host:port``, or ``[v6]:port``."""
+    host, port = address
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 @dataclass(frozen=True, slots=True)
 class Received:
     """One ``recvmsg`` result: ``data`` holds datagrams of ``segment_size`` bytes
@@ -47,12 +86,18 @@ class Received:
     address: Address
 
 
-def open_udp_socket(host: str, port: int) -> socket.socket:
-    """Bind a UDP socket for QUIC, with buffers big enough to avoid drops."""
+def open_udp_socket(host: str, port: int, *, dual_stack: bool = False) -> socket.socket:
+    """Bind a UDP socket for QUIC, with buffers big enough to avoid drops.
+
+    ``dual_stack``: an IPv6 socket also serves IPv4 where the OS allows it.
+    """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_DGRAM)
     try:
         sock.setblocking(False)
+        if dual_stack and family == socket.AF_INET6:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
         for opt in (socket.SO_RCVBUF, socket.SO_SNDBUF):
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.SOL_SOCKET, opt, _SOCKET_BUFFER)
@@ -171,7 +216,7 @@ class UdpSocket:
             data, segment, addr = pending[0]
             try:
                 if len(data) > segment:
-                    cmsg = [(_SOL_UDP, _UDP_SEGMENT, struct.pack("=H", segment))]
+                    cmsg = gso_control(segment)
                     if connected:
                         sock.sendmsg([data], cmsg)
                     else:
