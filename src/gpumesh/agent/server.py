@@ -60,7 +60,7 @@ from gpumesh.transport.quic import QuicEndpoint, QuicLink
 from gpumesh.transport.relayclient import RelayClient
 from gpumesh.transport.session import accept_session, resolve_relay
 from gpumesh.transport.stream import Stream
-from gpumesh.transport.udp import Address
+from gpumesh.transport.udp import Address, format_address
 
 __all__ = ["Agent", "RequestContext"]
 
@@ -190,11 +190,11 @@ class Agent:
             authorize=self._relay_authorize,
         )
         client.on_path_event = lambda _path, _kind: self._publish()
+        client.on_change = self._relay_changed
         endpoint.relay = client
         self.relay = client
-        client.start()
         self._relay_state = "registering"
-        self._spawn(self._watch_relay(client))
+        client.start()
 
     def _relay_authorize(self, public_key: bytes) -> bool:
         """Whether to accept a relayed session: only paired, allowed peers (default deny)."""
@@ -204,18 +204,16 @@ class Agent:
             return False
         return True
 
-    async def _watch_relay(self, client: RelayClient) -> None:
-        while True:
-            if client.registered.is_set():
-                state = f"registered as {client.observed}"
-            elif client.error is not None:
-                state = f"refused: {client.error.message}"
-            else:
-                state = "registering"
-            if state != self._relay_state:
-                self._relay_state = state
-                self._publish()
-            await asyncio.sleep(0.2)
+    def _relay_changed(self) -> None:
+        client = self.relay
+        assert client is not None
+        if client.registered.is_set():
+            self._relay_state = f"registered as {client.observed}"
+        elif client.error is not None:
+            self._relay_state = f"refused: {client.error.message}"
+        else:
+            self._relay_state = "registering"
+        self._publish()
 
     def _publish(self) -> None:
         """Write agent.json: where we listen, the relay state, and each link's path."""
@@ -408,5 +406,4 @@ async def _handle_job_cancel(ctx: RequestContext, message: Message) -> None:
 
 
 def _where(link: QuicLink) -> str:
-    host, port = link.remote_address()
-    return f"{host}:{port}"
+    return format_address(link.remote_address())

@@ -203,10 +203,6 @@ class QuicLink:
     async def wait_closed(self) -> GPUMeshError:
         return await asyncio.shield(self.closed)
 
-    @property
-    def relayed(self) -> bool:
-        return self.path is not None and self.path.direct is None
-
     def describe_path(self) -> str:
         """``direct``, ``direct (hole-punched) ADDR`` or ``relayed via RELAY``."""
         return "direct" if self.path is None else self.path.describe()

@@ -29,12 +29,12 @@ from gpumesh.errors import ProtocolError, RelayError, UnreachableError
 from gpumesh.identity.keys import Identity, node_id_for
 from gpumesh.protocol import relay as wire
 from gpumesh.protocol.punch import PunchConfig, Puncher
-from gpumesh.transport.udp import Address
+from gpumesh.transport.udp import Address, format_address, parse_address
 
 if TYPE_CHECKING:
     from gpumesh.transport.quic import QuicEndpoint, QuicLink
 
-__all__ = ["RelayClient", "RelayedPath", "format_address", "parse_host_port", "virtual_address"]
+__all__ = ["RelayClient", "RelayedPath", "parse_host_port", "virtual_address"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,27 +48,20 @@ def virtual_address(session: int) -> Address:
     return (str(ipaddress.IPv6Address((0x0100 << 112) | session)), 1)
 
 
-def format_address(address: Address) -> str:
-    host, port = address
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
 def parse_host_port(text: str) -> Address | None:
     """``ip:port`` / ``[v6]:port`` from the wire; None when it is not one."""
-    if text.startswith("["):
-        host, _, rest = text[1:].partition("]")
-        port_text = rest.removeprefix(":")
-    else:
-        host, _, port_text = text.rpartition(":")
-    if not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+    try:
+        address = parse_address(text)
+    except ValueError:
         return None
-    return (host, int(port_text))
+    return address if address[0] else None
 
 
-def _refusal(label: str, code: str, message: str) -> RelayError:
+def _relay_error(what: str, code: str, message: str) -> RelayError:
+    """``WHAT: code: meaning (detail)`` for a refusal code from :data:`~wire.REFUSALS`."""
     meaning = wire.REFUSALS.get(code, code)
     detail = f" ({message})" if message and message != meaning else ""
-    return RelayError(f"relay {label} refused: {code}: {meaning}{detail}")
+    return RelayError(f"{what}: {code}: {meaning}{detail}")
 
 
 class RelayedPath:
@@ -105,7 +98,6 @@ class RelayedPath:
         """Set once punching has found a direct path or given up."""
         self.ended: RelayError | None = None
         self.link: QuicLink | None = None
-        self.peer_observed: Address | None = candidates[0] if candidates else None
 
     @property
     def direct(self) -> Address | None:
@@ -156,8 +148,6 @@ class RelayClient:
         self.registered = asyncio.Event()
         self.observed: str | None = None
         self.error: RelayError | None = None
-        self.session_bytes = 0
-        self.session_seconds = 0.0
         self.paths: dict[int, RelayedPath] = {}
         self._by_virtual: dict[Address, RelayedPath] = {}
         self._by_direct: dict[Address, RelayedPath] = {}
@@ -175,6 +165,8 @@ class RelayClient:
         self._closed = False
         self._task: asyncio.Task[None] | None = None
         self.on_path_event: Callable[[RelayedPath, str], None] | None = None
+        self.on_change: Callable[[], None] | None = None
+        """Called when the registration is accepted, refused or lost."""
 
     # --- life cycle ------------------------------------------------------------------
 
@@ -338,17 +330,18 @@ class RelayClient:
             self._on_challenge(message)
         elif isinstance(message, wire.Registered):
             first = not self.registered.is_set()
+            moved = message.observed != self.observed
             self.registered.set()
             self.error = None
             self.observed = message.observed
             self._pending_register = None
             self._hello_backoff = _HELLO_RETRY
             self._keepalive_every = max(1.0, message.keepalive or 10.0)
-            self.session_bytes = message.session_bytes
-            self.session_seconds = message.session_seconds
             self._keepalive_at = now + self._keepalive_every
             if first:
                 logger.info("registered with relay %s as %s", self.label, message.observed)
+            if first or moved:
+                self._changed()
         elif isinstance(message, wire.Refused):
             self._on_refused(message)
         elif isinstance(message, wire.Incoming):
@@ -358,9 +351,11 @@ class RelayClient:
         elif isinstance(message, wire.Close):
             self._on_close(message)
         elif isinstance(message, wire.KeepAliveAck):
-            self.observed = message.observed or self.observed
             if not message.registered:
                 self._lost_registration("the relay no longer knows this node (it restarted?)")
+            elif message.observed and message.observed != self.observed:
+                self.observed = message.observed  # our NAT gave us another mapping
+                self._changed()
 
     def _on_challenge(self, challenge: wire.Challenge) -> None:
         identity = self.identity
@@ -378,7 +373,7 @@ class RelayClient:
         self._send_raw(self._pending_register)
 
     def _on_refused(self, refused: wire.Refused) -> None:
-        error = _refusal(self.label, refused.code, refused.message)
+        error = _relay_error(f"relay {self.label} refused", refused.code, refused.message)
         future = self._requests.get(refused.session) if refused.session else None
         if future is not None and not future.done():
             future.set_exception(error)
@@ -401,6 +396,7 @@ class RelayClient:
         self._hello_backoff = _REREGISTER_MAX
         self._next_hello = self._loop.time() + _REREGISTER_MAX
         logger.warning("%s", error)
+        self._changed()
 
     def _on_incoming(self, incoming: wire.Incoming, now: float) -> None:
         if not self.serving:
@@ -430,7 +426,8 @@ class RelayClient:
         path = self.paths.get(close.session)
         if path is None:
             return
-        self._end_relay(path, _ended(self.label, close.code, close.message))
+        ended = f"the relay {self.label} ended the session"
+        self._end_relay(path, _relay_error(ended, close.code, close.message))
 
     def _end_relay(self, path: RelayedPath, error: RelayError) -> None:
         path.relay_open = False
@@ -531,7 +528,8 @@ class RelayClient:
         return wake_at
 
     def _lost_registration(self, why: str) -> None:
-        if self.registered.is_set():
+        was_registered = self.registered.is_set()
+        if was_registered:
             logger.info("relay %s: %s; registering again", self.label, why)
         self.registered.clear()
         self._pending_register = None
@@ -542,6 +540,12 @@ class RelayClient:
                 lost = RelayError(f"the relay {self.label} lost the session ({why})")
                 self._end_relay(path, lost)
         self._wake.set()
+        if was_registered:
+            self._changed()
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
 
     # --- sending --------------------------------------------------------------------------
 
@@ -557,9 +561,3 @@ class RelayClient:
     def _send_many(self, packets: list[tuple[bytes, Address]]) -> None:
         if packets:
             self.endpoint.send_raw(packets)
-
-
-def _ended(label: str, code: str, message: str) -> RelayError:
-    meaning = wire.REFUSALS.get(code, code)
-    detail = f" ({message})" if message and message != meaning else ""
-    return RelayError(f"the relay {label} ended the session: {code}: {meaning}{detail}")

@@ -30,7 +30,7 @@ from gpumesh.protocol.handshake import ClientAuth, ServerAuth
 from gpumesh.protocol.messages import Hello, Message, Proof
 from gpumesh.transport.quic import QuicEndpoint, QuicLink
 from gpumesh.transport.stream import Stream
-from gpumesh.transport.udp import Address
+from gpumesh.transport.udp import Address, parse_address
 
 __all__ = [
     "AUTH_TIMEOUT",
@@ -79,26 +79,6 @@ async def resolve_relay(text: str) -> Address:
     return (str(found[0]), int(found[1]))
 
 
-def parse_address(text: str, default_port: int | None = None) -> Address:
-    """``host:port`` or ``[v6]:port`` into a tuple."""
-    text = text.strip()
-    if text.startswith("["):
-        host, _, rest = text[1:].partition("]")
-        port_text = rest.lstrip(":")
-    elif text.count(":") == 1:
-        host, _, port_text = text.partition(":")
-    else:
-        host, port_text = text, ""
-    if not port_text:
-        if default_port is None:
-            raise ValueError(f"address {text!r} has no port")
-        return (host, default_port)
-    port = int(port_text)
-    if not 0 < port < 65536:
-        raise ValueError(f"port {port} is out of range")
-    return (host, port)
-
-
 class Session:
     """The dialer's view of an authenticated link: one request per stream."""
 
@@ -110,11 +90,6 @@ class Session:
     def address(self) -> Address:
         """Where packets go now (the peer, its punched address, or the relay)."""
         return self.link.remote_address()
-
-    @property
-    def relayed(self) -> bool:
-        """True while packets go through a relay (then no direct TCP path exists)."""
-        return self.link.relayed
 
     @property
     def through_relay(self) -> bool:
