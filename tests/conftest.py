@@ -5,6 +5,18 @@ from __future__ import annotations
 import os
 
 import pytest
+from hypothesis import HealthCheck, settings
+
+# No verdict may depend on speed: CI runs on a loaded 2-core machine, where a
+# property test's example can take far longer than hypothesis's 200 ms default
+# deadline. Every property test runs without a deadline and without the health
+# checks that time the data generation; timings belong in bench/.
+settings.register_profile(
+    "gpumesh",
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.load_profile("gpumesh")
 
 
 def _in_ci() -> bool:

@@ -383,8 +383,9 @@ def test_stop_is_prompt_and_idempotent(jobs: Jobs) -> None:
     container_id = jobs.started(["sleep", "100"])
     assert jobs.runtime.inspect(container_id).status == "running"
     began = time.monotonic()
-    jobs.runtime.stop(container_id, timeout=10)
-    assert time.monotonic() - began < 5  # init passed SIGTERM on: no 10 s wait for SIGKILL
+    jobs.runtime.stop(container_id, timeout=60)
+    # init passed SIGTERM on: far less than the 60 s wait for SIGKILL (generous for CI)
+    assert time.monotonic() - began < 30
     state = jobs.runtime.wait(container_id)
     assert state.status == "exited"
     assert state.exit_code == 143  # 128 + SIGTERM
