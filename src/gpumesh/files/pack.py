@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, Literal
 
 from gpumesh.errors import AgentError, ConfigError, GPUMeshError, LimitError, ProtocolError
+from gpumesh.files.sandbox import Tree, open_beneath, pause_point
 from gpumesh.units import format_size
 
 if TYPE_CHECKING:
@@ -41,6 +42,7 @@ __all__ = [
     "PackPlan",
     "Skipped",
     "scan",
+    "scan_tree",
     "tar_size",
     "unpack_tar",
     "write_tar",
@@ -70,6 +72,8 @@ _BLOCK = tarfile.BLOCKSIZE
 _END_OF_ARCHIVE = b"\0" * (2 * _BLOCK)
 _CHUNK = 1 << 20
 """Bytes read from a file, and handed to ``out.write``, at a time."""
+_MAX_IGNORE_FILE = 1 << 20
+"""Largest ``.gpumeshignore`` read (a provider reads one its peer's jobs may write)."""
 _MAX_META_SIZE = 1 << 20
 """Largest pax or GNU long-name header accepted when unpacking: tarfile reads
 those whole into memory, so a hostile archive could otherwise claim gigabytes."""
@@ -130,6 +134,10 @@ class PackPlan:
     files: tuple[PackEntry, ...]
     """Every entry packed (files, folders and symlinks), each folder before its contents."""
     skipped: tuple[Skipped, ...]
+    root_fd: int | None = None
+    """A provider's plan: the descriptor of the scanned folder (open while the
+    tree it came from is), through which files are opened again when packed;
+    ``None``: files are opened by their path under ``root``."""
 
     @property
     def total_bytes(self) -> int:
@@ -183,16 +191,21 @@ class _IgnoreRules:
         return self._spec
 
     @classmethod
-    def load(cls, root: Path) -> _IgnoreRules:
-        path = root / IGNORE_FILE
+    def load(cls, tree: Tree) -> _IgnoreRules:
         try:
-            text = path.read_text(encoding="utf-8")
-        except FileNotFoundError:
+            data = tree.read_small((IGNORE_FILE,), _MAX_IGNORE_FILE)
+        except LimitError:
+            raise ConfigError(
+                f"{IGNORE_FILE} is larger than {format_size(_MAX_IGNORE_FILE)}; shorten it"
+            ) from None
+        except OSError as exc:
+            raise ConfigError(f"cannot read {tree.path / IGNORE_FILE}: {exc.strerror}") from None
+        if data is None:
             return cls([])
+        try:
+            text = data.decode("utf-8")
         except UnicodeDecodeError:
             raise ConfigError(f"{IGNORE_FILE} is not UTF-8 text; save it as UTF-8") from None
-        except OSError as exc:
-            raise ConfigError(f"cannot read {path}: {exc.strerror}") from None
         return cls(text.splitlines())
 
     def why_ignored(self, relative: str) -> str | None:
@@ -267,9 +280,28 @@ def _link_target(root: str, relative: str, full: str) -> str | None:
     return os.path.relpath(real, os.path.join(root, parent))
 
 
+def _lexical_target(relative: str, target: str) -> str | None:
+    """A link met in a tree that is never followed: kept when its text alone
+    stays inside the folder (a relative target that never climbs above it)."""
+    if not target or os.path.isabs(target):
+        return None
+    depth = relative.count("/")
+    for part in target.split("/"):
+        if part == "..":
+            depth -= 1
+            if depth < 0:
+                return None
+        elif part not in ("", "."):
+            depth += 1
+    return target
+
+
 def scan(root: Path, exclude_paths: Iterable[Path] = ()) -> PackPlan:
     """Decide what of ``root`` to pack; ``exclude_paths`` are never packed
-    (GPUMesh's home folder, which holds the private key, when it is inside)."""
+    (GPUMesh's home folder, which holds the private key, when it is inside).
+
+    The consumer's side: ``root`` is the user's own folder, and a symlink in
+    it that leads elsewhere inside it is kept (rewritten relative)."""
     if not root.exists():
         raise ConfigError(f"{root} does not exist: give an existing folder to upload")
     if not root.is_dir():
@@ -282,78 +314,95 @@ def scan(root: Path, exclude_paths: Iterable[Path] = ()) -> PackPlan:
                 f"refusing to upload {root}: it is inside {path}, GPUMesh's own folder, "
                 "which holds your private key; upload your project folder instead"
             )
-    rules = _IgnoreRules.load(Path(real_root))
-    prefix = os.path.join(real_root, "")
+    with Tree(real_root) as tree:
+        return _scan(tree, excluded, resolve_links=True)
+
+
+def scan_tree(tree: Tree) -> PackPlan:
+    """What :func:`scan` decides, for a folder that something hostile may be
+    changing: ``tree`` is walked through descriptors, links are never followed
+    (kept only when their text stays inside), and the plan packs files through
+    the tree's descriptor (see :attr:`PackPlan.root_fd`)."""
+    return _scan(tree, set(), resolve_links=False)
+
+
+def _scan(tree: Tree, excluded: set[str], *, resolve_links: bool) -> PackPlan:
+    rules = _IgnoreRules.load(tree)
+    prefix = os.path.join(str(tree.path), "")
     files: list[PackEntry] = []
     skipped: list[Skipped] = []
-    pending = [""]
-    while pending:
-        folder = pending.pop()
-        subfolders: list[str] = []
-        for name, st in _list(real_root, folder):
-            relative = f"{folder}/{name}" if folder else name
-            full = prefix + relative
-            is_dir = stat.S_ISDIR(st.st_mode)
-            shown = relative + "/" if is_dir else relative
-            reason = None
-            # The folder's own name was checked when it was listed.
-            if not name.isascii() and not _utf8(name):
-                reason = "its name is not valid UTF-8; rename it"
-            elif full in excluded:  # no symlink above it: full is already its real path
-                reason = "GPUMesh's own folder, never uploaded"
-            else:
-                reason = rules.why_ignored(shown)
-            if reason is not None:
-                skipped.append(Skipped(shown, reason))
-                continue
-            mode = stat.S_IMODE(st.st_mode) & 0o777
-            mtime = max(0, int(st.st_mtime))
-            if is_dir:
-                files.append(PackEntry(relative, "dir", 0, mode, mtime))
-                subfolders.append(relative)
-            elif stat.S_ISREG(st.st_mode):
-                files.append(
-                    PackEntry(relative, "file", st.st_size, mode, mtime, mtime_ns=st.st_mtime_ns)
-                )
-            elif stat.S_ISLNK(st.st_mode):
-                target = _link_target(real_root, relative, full)
-                if target is None:
-                    skipped.append(
-                        Skipped(shown, f"symlink to {os.readlink(full)}, outside the folder")
-                    )
-                elif not _utf8(target):
-                    skipped.append(Skipped(shown, "its target is not valid UTF-8"))
-                else:
-                    files.append(PackEntry(relative, "symlink", 0, 0o777, mtime, target))
-            else:
-                kind = _SPECIAL_KINDS.get(stat.S_IFMT(st.st_mode), "not a regular file")
-                skipped.append(Skipped(shown, f"{kind}; only files, folders and symlinks go"))
-        pending.extend(subfolders)
-    # Comparing split paths puts each folder right before its contents, the
-    # order tar tools expect, and keeps the archive the same from run to run.
-    files.sort(key=lambda entry: entry.path.split("/"))
-    skipped.sort(key=lambda entry: entry.path.rstrip("/").split("/"))
-    return PackPlan(Path(real_root), tuple(files), tuple(skipped))
-
-
-def _list(root: str, folder: str) -> list[tuple[str, os.stat_result]]:
-    """A folder's entries in name order, each with its lstat."""
-    path = os.path.join(root, folder) if folder else root
     try:
-        with os.scandir(path) as scanner:
-            found = []
-            for item in scanner:
-                try:
-                    found.append((item.name, item.stat(follow_symlinks=False)))
-                except FileNotFoundError:  # removed since the listing: nothing to send
+        for folder in tree.walk():
+            descend: list[tuple[str, os.stat_result]] = []
+            for name, st in folder.entries:
+                relative = f"{folder.relative}/{name}" if folder.relative else name
+                entry = _plan_entry(
+                    folder.fd, relative, name, st, rules, (prefix, excluded, resolve_links)
+                )
+                if isinstance(entry, Skipped):
+                    skipped.append(entry)
                     continue
-    except PermissionError:
-        shown = folder + "/" if folder else str(root)
+                files.append(entry)
+                if entry.kind == "dir":
+                    descend.append((name, st))
+            folder.entries[:] = descend
+    except PermissionError as exc:
+        shown = f"{exc.filename}/" if exc.filename not in (None, ".") else str(tree.path)
         raise ConfigError(
             f"cannot read folder {shown}: permission denied; "
             f"fix its permissions or add it to {IGNORE_FILE}"
         ) from None
-    return sorted(found, key=lambda pair: pair[0])
+    # Comparing split paths puts each folder right before its contents, the
+    # order tar tools expect, and keeps the archive the same from run to run.
+    files.sort(key=lambda entry: entry.path.split("/"))
+    skipped.sort(key=lambda entry: entry.path.rstrip("/").split("/"))
+    root_fd = None if resolve_links else tree.fd
+    return PackPlan(tree.path, tuple(files), tuple(skipped), root_fd)
+
+
+def _plan_entry(
+    folder_fd: int,
+    relative: str,
+    name: str,
+    st: os.stat_result,
+    rules: _IgnoreRules,
+    where: tuple[str, set[str], bool],
+) -> PackEntry | Skipped:
+    """One listed entry: packed (and how), or left out (and why)."""
+    prefix, excluded, resolve_links = where
+    is_dir = stat.S_ISDIR(st.st_mode)
+    shown = relative + "/" if is_dir else relative
+    # The folder's own name was checked when it was listed.
+    if not name.isascii() and not _utf8(name):
+        return Skipped(shown, "its name is not valid UTF-8; rename it")
+    full = prefix + relative
+    if full in excluded:  # no symlink above it: full is already its real path
+        return Skipped(shown, "GPUMesh's own folder, never uploaded")
+    reason = rules.why_ignored(shown)
+    if reason is not None:
+        return Skipped(shown, reason)
+    mode = stat.S_IMODE(st.st_mode) & 0o777
+    mtime = max(0, int(st.st_mtime))
+    if is_dir:
+        return PackEntry(relative, "dir", 0, mode, mtime)
+    if stat.S_ISREG(st.st_mode):
+        return PackEntry(relative, "file", st.st_size, mode, mtime, mtime_ns=st.st_mtime_ns)
+    if stat.S_ISLNK(st.st_mode):
+        try:
+            text = os.readlink(name, dir_fd=folder_fd)
+        except OSError:  # replaced since the listing: nothing to send
+            return Skipped(shown, "changed while it was listed")
+        if resolve_links:
+            target = _link_target(prefix.rstrip(os.sep), relative, full)
+        else:
+            target = _lexical_target(relative, text)
+        if target is None:
+            return Skipped(shown, f"symlink to {text}, outside the folder")
+        if not _utf8(target):
+            return Skipped(shown, "its target is not valid UTF-8")
+        return PackEntry(relative, "symlink", 0, 0o777, mtime, target)
+    kind = _SPECIAL_KINDS.get(stat.S_IFMT(st.st_mode), "not a regular file")
+    return Skipped(shown, f"{kind}; only files, folders and symlinks go")
 
 
 # --- writing -------------------------------------------------------------------------------------
@@ -421,11 +470,19 @@ def _changed(entry: PackEntry) -> ConfigError:
     )
 
 
-def _write_file(root: Path, entry: PackEntry, output: _Output) -> None:
+def _open_entry(plan: PackPlan, entry: PackEntry) -> int:
     # O_NOFOLLOW: a file swapped for a symlink since the scan must not send
-    # whatever the link points at.
+    # whatever the link points at; through the tree, no folder on the way is
+    # followed either. O_NONBLOCK: a pipe put in its place must not block.
+    pause_point("pack", entry.path)
+    if plan.root_fd is not None:
+        return open_beneath(plan.root_fd, entry.path.split("/"), os.O_RDONLY | os.O_NONBLOCK)
+    return os.open(plan.root / entry.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+
+
+def _write_file(plan: PackPlan, entry: PackEntry, output: _Output) -> None:
     try:
-        fd = os.open(root / entry.path, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = _open_entry(plan, entry)
     except PermissionError:
         raise ConfigError(
             f"cannot read {entry.path}: permission denied; fix its permissions "
@@ -438,6 +495,7 @@ def _write_file(root: Path, entry: PackEntry, output: _Output) -> None:
         # The size went into the header (and into tar_size) already.
         if not stat.S_ISREG(st.st_mode) or st.st_size != entry.size:
             raise _changed(entry)
+        os.set_blocking(fd, True)
         remaining = entry.size
         while remaining:
             chunk = source.read(min(_CHUNK, remaining))
@@ -459,7 +517,7 @@ def write_tar(plan: PackPlan, out: BinaryIO, progress: Callable[[int], None] | N
     for entry in plan.files:
         output.write(_header(entry))
         if entry.kind == "file":
-            _write_file(plan.root, entry, output)
+            _write_file(plan, entry, output)
     output.write(_END_OF_ARCHIVE)
     output.flush()
     return output.written
