@@ -1,7 +1,7 @@
 """Remote paths of `gpumesh cp`: every one lands inside the peer's sandbox or is refused.
 
-:func:`sandbox_parts` / :func:`sandbox_path` are pure (no file system);
-:meth:`FileService.resolve` adds the symlink check on a real folder.
+:func:`sandbox_parts` / :func:`sandbox_path` are pure (no file system); on a
+real folder, the service refuses every path with a symlink on it.
 """
 
 from __future__ import annotations
@@ -131,11 +131,16 @@ def test_the_sandbox_is_private_to_the_provider(service) -> None:
     assert files.root.stat().st_mode & 0o777 == 0o700
 
 
-def test_symlinks_leading_out_are_refused(service, tmp_path: Path) -> None:
+def test_every_symlink_on_a_path_is_refused(service, tmp_path: Path) -> None:
+    # A link is refused wherever it is on the path, whether it leads out or stays
+    # inside: a peer's job can swap any folder for one at any instant, so the
+    # sandbox is only ever walked without following links.
     files, peer, sandbox = service
     outside = tmp_path / "outside"
     outside.mkdir()
+    (outside / "x").write_text("outside")
     (sandbox / "sub").mkdir()
+    (sandbox / "sub" / "x").write_text("inside")
     (sandbox / "out").symlink_to(outside)
     (sandbox / "abs-out").symlink_to("/etc/passwd")
     (sandbox / "up").symlink_to("..")
@@ -143,18 +148,27 @@ def test_symlinks_leading_out_are_refused(service, tmp_path: Path) -> None:
     (sandbox / "devnull").symlink_to("/dev/null")
     (sandbox / "in").symlink_to("sub")
     (sandbox / "abs-in").symlink_to(sandbox / "sub")
-    for remote in ["out", "out/x", "/abs-out", "up", "up/other-peer/x", "sub/upup/x", "devnull"]:
-        with pytest.raises(AccessDeniedError, match="leads outside your folder"):
-            files.resolve(peer, remote)
-    assert files.resolve(peer, "in/x") == Path(os.path.realpath(sandbox)) / "sub" / "x"
-    assert files.resolve(peer, "abs-in") == Path(os.path.realpath(sandbox)) / "sub"
-    assert files.resolve(peer, "/") == Path(os.path.realpath(sandbox))
+    linked = ["out", "out/x", "/abs-out", "up", "up/other-peer/x", "sub/upup/x", "devnull"]
+    linked += ["in", "in/x", "abs-in", "abs-in/x"]
+    never_followed = "a symlink is on that path, and links in your folder are never followed"
+    for remote in linked:
+        with pytest.raises(AccessDeniedError, match=never_followed):
+            files._stat(peer, remote)
+        with pytest.raises(AccessDeniedError, match=never_followed):
+            files.open_regular(peer, remote)
+    assert files._stat(peer, "/").kind == "dir"
+    assert files._stat(peer, "sub").kind == "dir"
+    fd = files.open_regular(peer, "sub/x")
+    assert os.read(fd, 100) == b"inside"
+    os.close(fd)
 
 
 def test_refusals_name_the_provider(service) -> None:
     files, peer, _sandbox = service
     with pytest.raises(GPUMeshError, match=r"^alice-pc refused '\.\./x'"):
-        files.resolve(peer, "../x")
+        files.parts("../x")
+    with pytest.raises(GPUMeshError, match=r"^alice-pc refused '\.\./x'"):
+        files._stat(peer, "../x")
 
 
 @pytest.mark.parametrize(

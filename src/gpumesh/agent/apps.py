@@ -19,6 +19,12 @@ its digest. A re-sync may send only a delta against that digest; when the
 provider holds another manifest (or none), it answers ``AppNeeds(rebase)``
 and the consumer sends the whole manifest.
 
+The app folder is written by the peer's jobs while a sync works in it, so
+every step there goes through :class:`gpumesh.files.sandbox.Tree`: files are
+hashed, placed, deleted and their folders made relative to descriptors,
+never through a symlink; received files are checked in the agent's own
+staging folder before they are renamed in.
+
 The running agent keeps both files' contents in memory after writing them
 and reads them again only when the files no longer carry the stamp (inode,
 size, mtime) they had then: after a restart, or when anything else wrote them.
@@ -30,12 +36,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hashlib
 import json
 import logging
 import os
 import secrets
 import shutil
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -43,8 +51,9 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from gpumesh.blocking import in_thread
-from gpumesh.errors import AccessDeniedError, ConfigError, ProtocolError
-from gpumesh.files.transfer import inside, swallow, unpack_from
+from gpumesh.errors import AccessDeniedError, ConfigError, GPUMeshError, ProtocolError
+from gpumesh.files.sandbox import Tree
+from gpumesh.files.transfer import swallow, unpack_from
 from gpumesh.protocol.messages import (
     AppJobDir,
     AppJobDirReply,
@@ -124,24 +133,28 @@ class AppService:
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         return folder / f"{name}.json"
 
-    def _folder(self, peer: Peer, name: str, create: bool) -> Path:
-        """The app's real folder in the peer's sandbox (made when ``create``), never outside it."""
+    def _folder(self, peer: Peer, name: str, create: bool) -> Tree | None:
+        """The app's folder in the peer's sandbox (made when ``create``), opened, or
+        None when there is none yet; refused when a file or a link is where it
+        should be (blocking)."""
         try:
             remote = app_path(name)
         except (AccessDeniedError, ConfigError) as exc:
             raise type(exc)(f"{self.files.agent.name} refused {exc.message}") from None
-        folder = self.files.resolve(peer, remote)
-        root = os.path.realpath(self.files.sandbox(peer))
-        if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
-            raise ConfigError(f"{remote} is not a folder on {self.files.agent.name}")
-        if create:
-            folder.mkdir(parents=True, exist_ok=True)
-        real = os.path.realpath(folder)
-        if not inside(real, root) or real == root:
-            raise AccessDeniedError(
-                f"{self.files.agent.name} refused {remote}: outside your folder"
-            )
-        return Path(real)
+        parts = (APPS, name)
+        with self.files.tree(peer) as tree:
+            try:
+                return tree.subtree(parts, create=create)
+            except FileNotFoundError:
+                return None  # a dry run of a new app
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    raise self.files.link_refused(remote) from None
+                if exc.errno == errno.ENOTDIR:
+                    raise ConfigError(
+                        f"{remote} is not a folder on {self.files.agent.name}"
+                    ) from None
+                raise
 
     async def handle_sync(self, ctx: RequestContext, message: Message) -> None:
         assert isinstance(message, AppSync)
@@ -163,36 +176,48 @@ class AppService:
         self, ctx: RequestContext, message: AppSync, key: tuple[str, str]
     ) -> None:
         folder = await in_thread(self._folder, ctx.peer, message.name, not message.dry_run)
-        index_file = self._index_file(ctx.peer, message.name)
-        # One walk: the files in the folder now (size, mtime) and the quota usage,
-        # while the manifest is read and rebuilt. The usage is taken here rather
-        # than when the files arrive: a round trip earlier, the same kind of
-        # snapshot of the sandbox as the walk always was.
-        listing: dict[str, tuple[int, int]] = {}
-        walking = asyncio.ensure_future(self._walk(ctx.peer, folder, listing, message.dry_run))
-        walking.add_done_callback(swallow)
         try:
-            await self._sync_walking(ctx, message, key, folder, index_file, walking, listing)
+            index_file = self._index_file(ctx.peer, message.name)
+            # One walk: the files in the folder now (size, mtime) and the quota usage,
+            # while the manifest is read and rebuilt. The usage is taken here rather
+            # than when the files arrive: a round trip earlier, the same kind of
+            # snapshot of the sandbox as the walk always was.
+            listing: dict[str, tuple[int, int]] = {}
+            walking = asyncio.ensure_future(
+                self._walk(ctx.peer, message.name, folder, listing, message.dry_run)
+            )
+            walking.add_done_callback(swallow)
+            try:
+                await self._sync_walking(ctx, message, key, folder, index_file, walking, listing)
+            finally:
+                walking.cancel()
+                with contextlib.suppress(asyncio.CancelledError, GPUMeshError, OSError):
+                    await walking  # it reads through the folder's descriptor
         finally:
-            walking.cancel()
+            if folder is not None:
+                folder.close()
 
     async def _walk(
-        self, peer: Peer, folder: Path, listing: dict[str, tuple[int, int]], dry_run: bool
+        self,
+        peer: Peer,
+        name: str,
+        folder: Tree | None,
+        listing: dict[str, tuple[int, int]],
+        dry_run: bool,
     ) -> _Usage | None:
         """Fill ``listing`` with the folder's files; the peer's usage unless ``dry_run``."""
         if dry_run:
-            from gpumesh.agent.files import _tree_bytes
-
-            await in_thread(_tree_bytes, folder, (folder, listing))
+            if folder is not None:
+                await in_thread(folder.tally, ((), listing))
             return None
-        return await self.files._usage(peer, exclude="", listing=(folder, listing))
+        return await self.files.usage(peer, listing=((APPS, name), listing))
 
     async def _sync_walking(
         self,
         ctx: RequestContext,
         message: AppSync,
         key: tuple[str, str],
-        folder: Path,
+        folder: Tree | None,
         index_file: Path,
         walking: asyncio.Future[_Usage | None],
         listing: dict[str, tuple[int, int]],
@@ -240,7 +265,7 @@ class AppService:
         for start in range(0, len(listing_bytes), 1 << 20):
             await stream.send_data(listing_bytes[start : start + (1 << 20)])
         stream.end_data()
-        if usage is None:  # a dry run
+        if usage is None or folder is None:  # a dry run (which never makes the folder)
             stream.finish()
             return
         send = await stream.expect(AppSend)
@@ -295,30 +320,42 @@ class AppService:
     async def handle_job_dir(self, ctx: RequestContext, message: Message) -> None:
         assert isinstance(message, AppJobDir)
         job = ctx.agent.jobs._owned(ctx, message.job_id)
-        relative = await in_thread(self._job_relative, ctx.peer, job.workdir, message.job_id)
+        relative = self._job_relative(ctx.peer, job.workdir, message.job_id)
         ctx.stream.send_message(AppJobDirReply(path="/" + relative), end=True)
 
-    def _job_relative(self, peer: Peer, workdir_text: str, job_id: str) -> str:
-        """A job's working folder from the sandbox root, when it lies in the sandbox."""
-        root = os.path.realpath(self.files.sandbox(peer))
-        workdir = os.path.realpath(workdir_text) if workdir_text else ""
-        if not workdir or not inside(workdir, root) or workdir == root:
+    def _job_relative(self, peer: Peer, workdir: str, job_id: str) -> str:
+        """A job's working folder from the sandbox root, when it lies in the sandbox.
+
+        Worked out from the path the job was given (the sandbox's path and the
+        parts it was asked for), never by resolving anything on disk.
+        """
+        root = str(self.files.sandbox(peer)) + os.sep
+        if not workdir.startswith(root) or workdir == root:
             raise ConfigError(
                 f"job {job_id} did not run in an app folder: "
                 "only jobs started with `gpumesh app run` can be pulled"
             )
-        return os.path.relpath(workdir, root).replace(os.sep, "/")
+        return workdir[len(root) :].replace(os.sep, "/")
 
-    def resolve_sandbox_dir(self, peer: Peer, remote: str) -> Path:
-        """A job's ``sandbox_dir``: an existing folder inside the peer's sandbox (blocking)."""
-        folder = self.files.resolve(peer, remote)
-        root = os.path.realpath(self.files.sandbox(peer))
-        if str(folder) == root or not inside(str(folder), root):
+    def resolve_sandbox_dir(self, peer: Peer, remote: str) -> tuple[str, ...]:
+        """A job's ``sandbox_dir``: the parts of an existing folder inside the peer's
+        sandbox, with no link on the way, handed to the job's user (blocking)."""
+        parts = self.files.parts(remote)
+        if not parts:
             raise AccessDeniedError(f"{remote!r} is not a folder inside your sandbox")
-        if not folder.is_dir():
-            raise ConfigError(f"{remote} is not a folder on {self.files.agent.name}: sync it first")
-        _open_to_container(folder)
-        return folder
+        with self.files.tree(peer) as tree:
+            try:
+                folder = tree.subtree(parts)
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    raise self.files.link_refused(remote) from None
+                raise ConfigError(
+                    f"{remote} is not a folder on {self.files.agent.name}: sync it first"
+                ) from None
+        with folder:
+            if self.files.owner is not None:
+                folder.chown_all((), self.files.owner)
+        return parts
 
 
 class _NoHash:
@@ -443,16 +480,21 @@ def _write(path: Path, data: bytes) -> _Stamp | None:
     return _stamp(path)
 
 
-def _hash(path: str) -> str:
+def _hash(fd: int) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as handle:
+    with os.fdopen(fd, "rb") as handle:
         while chunk := handle.read(1 << 20):
             digest.update(chunk)
     return digest.hexdigest()
 
 
+def _hash_in(folder: Tree, rel: str) -> str:
+    """The SHA-256 of a regular file in the folder, opened through its descriptor."""
+    return _hash(folder.open_file(rel.split("/")))
+
+
 def _current_index(
-    folder: Path, recorded: Index | None, listing: dict[str, tuple[int, int]]
+    folder: Tree | None, recorded: Index | None, listing: dict[str, tuple[int, int]]
 ) -> Index:
     """Synced file -> (size, mtime_ns, sha256 hex), checked against the folder now.
 
@@ -466,12 +508,12 @@ def _current_index(
     current: Index = {}
     for rel, (size, mtime_ns, digest) in recorded.items():
         found = listing.get(rel)
-        if found is None:
+        if found is None or folder is None:
             continue
         sha = digest
         if found[0] != size or found[1] != mtime_ns or not sha:
             try:
-                sha = _hash(os.path.join(folder, rel))
+                sha = _hash_in(folder, rel)
             except OSError:
                 continue
         current[rel] = (found[0], found[1], sha)
@@ -480,7 +522,7 @@ def _current_index(
 
 def _apply_and_save(
     temp: Path,
-    folder: Path,
+    folder: Tree,
     files: tuple[Path, Path],
     applied: tuple[Manifest, str],
     index: Index,
@@ -504,68 +546,46 @@ def _apply_and_save(
 
 def _apply(
     temp: Path,
-    folder: Path,
+    folder: Tree,
     manifest: Manifest,
     index: Index,
     need: list[str],
     delete: list[str],
 ) -> Index:
-    """Check and rename the received files into place, delete the ones gone; the new index."""
-    real = os.path.realpath(folder)
+    """Check and rename the received files into place, delete the ones gone; the new index.
+
+    ``temp`` is the agent's own staging folder (no job reaches it): the files
+    there are checked by name. Everything in ``folder`` goes through its
+    descriptor.
+    """
     for rel in need:
         source = temp / rel
         if source.is_symlink() or not source.is_file():
             raise ProtocolError(f"the app files sent lack {rel}")
-        if _hash(str(source)) != manifest[rel][2]:
+        if _hash(os.open(source, os.O_RDONLY | os.O_NOFOLLOW)) != manifest[rel][2]:
             raise ProtocolError(f"{rel} does not match its SHA-256 in the manifest")
     for rel in need:
-        target = folder / rel
-        _make_parents(folder, real, target)
-        if target.is_dir() and not target.is_symlink():
-            shutil.rmtree(target)
-        os.chmod(temp / rel, manifest[rel][1] | 0o666)  # jobs may rewrite it
-        os.replace(temp / rel, target)
-        st = os.lstat(target)
-        index[rel] = (st.st_size, st.st_mtime_ns, manifest[rel][2])
+        source = temp / rel
+        parts = rel.split("/")
+        fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            os.fchmod(fd, manifest[rel][1] | 0o600)  # jobs may rewrite it
+            folder.own(fd)
+        finally:
+            os.close(fd)
+        staged = os.open(source.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            # Whatever the job put in the way (a folder, or a file or link where a
+            # folder must be) gives way; nothing is ever followed.
+            folder.place(staged, source.name, parts, clear=True)
+        finally:
+            os.close(staged)
+        st = folder.lstat(parts)
+        if st is not None and stat.S_ISREG(st.st_mode):
+            index[rel] = (st.st_size, st.st_mtime_ns, manifest[rel][2])
     for rel in delete:
-        target = folder / rel
-        if inside(os.path.realpath(target.parent), real):
-            with contextlib.suppress(FileNotFoundError):
-                if not target.is_dir() or target.is_symlink():
-                    target.unlink()
+        parts = rel.split("/")
+        folder.unlink(parts)
         index.pop(rel, None)
-        parent = target.parent
-        while parent != folder and inside(str(parent), str(folder)):
-            try:
-                parent.rmdir()
-            except OSError:
-                break
-            parent = parent.parent
+        folder.prune_empty(parts, stop=0)
     return {rel: entry for rel, entry in index.items() if rel in manifest}
-
-
-def _make_parents(folder: Path, real: str, target: Path) -> None:
-    """Create ``target``'s folders, replacing a file or symlink in the way, never leaving."""
-    current = folder
-    for part in target.relative_to(folder).parts[:-1]:
-        current = current / part
-        if current.is_symlink() or (current.exists() and not current.is_dir()):
-            current.unlink()
-        current.mkdir(exist_ok=True)
-        if not inside(os.path.realpath(current), real):
-            raise AccessDeniedError("a folder in the app leads outside it")
-        with contextlib.suppress(OSError):
-            os.chmod(current, 0o777)
-
-
-def _open_to_container(folder: Path) -> None:
-    """Let the job's container user write the app folder (the sandbox stays private)."""
-    for base, dirs, names in os.walk(folder):
-        with contextlib.suppress(OSError):
-            os.chmod(base, 0o777)
-        for name in names:
-            path = os.path.join(base, name)
-            if not os.path.islink(path):
-                with contextlib.suppress(OSError):
-                    os.chmod(path, os.stat(path).st_mode | 0o666)
-        dirs[:] = [d for d in dirs if not os.path.islink(os.path.join(base, d))]

@@ -12,9 +12,12 @@ hash verdict).
 Paths: a remote path names a place inside the sandbox; a leading ``/`` is the
 sandbox root. :func:`sandbox_parts` is the pure check every request goes
 through (no ``..``, no NUL, control characters or backslashes, no component
-over 255 bytes); :meth:`FileService.resolve` then resolves symlinks and
-refuses any that lead out of the sandbox. Only regular files and folders are
-served: devices, pipes and sockets are refused.
+over 255 bytes). The sandbox is then only ever reached through
+:class:`gpumesh.files.sandbox.Tree`: relative to directory descriptors, one
+component at a time, never following a symlink (a path with a link anywhere
+on it is refused), so a peer's running job, which can change the folder at
+any instant, cannot turn a check into a use somewhere else. Only regular
+files and folders are served: devices, pipes, sockets and links are refused.
 
 Uploads land in a partial file outside the sandbox, are hashed while they
 arrive, and are renamed into place only when their SHA-256 matches the one
@@ -23,7 +26,8 @@ sha256) with those written beside it, when the link drops or the agent dies,
 and the next ``FilePut`` of the same file resumes after the bytes already
 there (re-hashing them from disk first, so the final check still covers the
 whole file). Every upload is checked against the peer's ``file_quota`` before
-a byte is written.
+a byte is written; so is everything else the peer keeps here, including what
+its jobs wrote into the sandbox and into their uploaded workdirs.
 
 This module also holds the blocking-I/O helpers both ends of a transfer use
 (files read and written, tars packed and unpacked, on worker threads so the
@@ -44,7 +48,7 @@ import secrets
 import shutil
 import stat
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -61,14 +65,13 @@ from gpumesh.errors import (
     ProtocolError,
     UnreachableError,
 )
+from gpumesh.files.sandbox import Tree
 from gpumesh.files.transfer import (
     FileSink,
     Hasher,
     Worker,
     file_chunks,
     hash_file,
-    inside,
-    merge_into,
     swallow,
     tar_chunks,
     unpack_from,
@@ -101,7 +104,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FileService",
-    "info_for",
     "sandbox_parts",
     "sandbox_path",
     "shown",
@@ -119,9 +121,9 @@ PARTIAL_TTL = 7 * 86400.0
 _FINISH_WAIT = 30.0
 """How long a finished download waits for the consumer to end its side."""
 _TAKEOVER_WAIT = 30.0
+"""How long a resumed upload waits for the dropped attempt it replaces to let go."""
 _CHANNEL_STALL = 20.0
 """Seconds without progress on a data channel after which it counts as dropped."""
-"""How long a resumed upload waits for the dropped attempt it replaces to let go."""
 
 
 # --- paths -----------------------------------------------------------------------------------
@@ -170,29 +172,6 @@ def shown(remote: str) -> str:
     return text if text.isprintable() else repr(text)
 
 
-def info_for(remote: str, path: Path) -> FileInfo:
-    """What is at ``path`` (blocking: a folder is scanned for its tar size)."""
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        return FileInfo(path=remote, exists=False, kind="", size=0, mode=0, mtime=0.0)
-    except NotADirectoryError:
-        return FileInfo(path=remote, exists=False, kind="", size=0, mode=0, mtime=0.0)
-    mode = stat.S_IMODE(st.st_mode)
-    if stat.S_ISDIR(st.st_mode):
-        from gpumesh.files.pack import scan, tar_size
-
-        size = tar_size(scan(path))
-        return FileInfo(
-            path=remote, exists=True, kind="dir", size=size, mode=mode, mtime=st.st_mtime
-        )
-    if stat.S_ISREG(st.st_mode):
-        return FileInfo(
-            path=remote, exists=True, kind="file", size=st.st_size, mode=mode, mtime=st.st_mtime
-        )
-    return FileInfo(path=remote, exists=True, kind="", size=0, mode=mode, mtime=st.st_mtime)
-
-
 # --- the service ----------------------------------------------------------------------------
 
 Handler = Callable[["FileService", "RequestContext", Message], Awaitable[None]]
@@ -221,9 +200,9 @@ class _Active:
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
 
-_Listing = tuple[Path, dict[str, tuple[int, int]]]
-"""A real folder in a sandbox, and the dict a walk fills with its regular files:
-relative path -> (size, mtime_ns)."""
+_Listing = tuple[Sequence[str], dict[str, tuple[int, int]]]
+"""A folder in a sandbox (its parts), and the dict a walk fills with its regular
+files: path from that folder -> (size, mtime_ns)."""
 
 
 @dataclass(frozen=True)
@@ -244,9 +223,16 @@ class _Usage:
 class FileService:
     """Each allowed peer's sandbox on this provider."""
 
-    def __init__(self, agent: Agent) -> None:
+    def __init__(
+        self, agent: Agent, *, job_dirs: Callable[[str], list[Path]] | None = None
+    ) -> None:
         self.agent = agent
         self.root = agent.home.path / "files"
+        self.owner: tuple[int, int] | None = None
+        """Who owns what a peer stores here (the uid:gid its jobs run as), when the
+        agent runs as root; None: the agent's own user."""
+        self._job_dirs = job_dirs or (lambda _peer_id: [])
+        """A peer's uploaded job workdirs (what its jobs write there counts too)."""
         self._active: dict[str, dict[str, _Active]] = {}
         """Peer id -> name in its partials folder -> the upload writing it."""
         self._tls: ssl.SSLContext | None = None
@@ -254,6 +240,7 @@ class FileService:
     # --- places -------------------------------------------------------------------------
 
     def sandbox(self, peer: Peer) -> Path:
+        """The peer's folder (made when missing); name it only to open a :meth:`tree`."""
         path = self.root / str(peer.node_id)
         if not path.is_dir():
             self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -261,33 +248,32 @@ class FileService:
             path.mkdir(mode=0o700, exist_ok=True)
         return path
 
-    def partials(self, peer: Peer) -> Path:
+    def tree(self, peer: Peer) -> Tree:
+        """The peer's sandbox, opened (blocking; close it)."""
+        return Tree(self.sandbox(peer), owner=self.owner)
+
+    def partials(self, peer: Peer, *, create: bool = True) -> Path:
+        """The agent's own folder of the peer's partial uploads (no job reaches it)."""
         path = self.root / PARTIALS / str(peer.node_id)
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if create:
+            path.mkdir(mode=0o700, parents=True, exist_ok=True)
         return path
 
-    def resolve(self, peer: Peer, remote: str) -> Path:
-        """The real path of ``remote`` in the peer's sandbox; refused when it leads out."""
+    def parts(self, remote: str) -> tuple[str, ...]:
+        """The checked components of a peer's path, refused in this provider's name."""
         try:
-            parts = sandbox_parts(remote)
+            return sandbox_parts(remote)
         except GPUMeshError as exc:
             raise type(exc)(f"{self.agent.name} refused {exc.message}") from None
-        root = self.sandbox(peer)
-        real_root = os.path.realpath(root)
-        real = os.path.realpath(root.joinpath(*parts))
-        if not inside(real, real_root):
-            raise AccessDeniedError(
-                f"{self.agent.name} refused {remote!r}: a symlink there leads outside your folder"
-            )
-        return Path(real)
 
-    def _locate_file(self, peer: Peer, remote: str, where: str) -> tuple[Path, str]:
-        """An upload's real target and its path relative to the sandbox (blocking)."""
-        target = self.resolve(peer, remote)
-        root = os.path.realpath(self.sandbox(peer))
-        if str(target) == root:
-            raise ConfigError(f"{where} is your folder itself: name a file to copy to")
-        return target, os.path.relpath(target, root)
+    def _where(self, remote: str) -> str:
+        return f"{self.agent.name}:{shown(remote)}"
+
+    def link_refused(self, remote: str) -> AccessDeniedError:
+        return AccessDeniedError(
+            f"{self.agent.name} refused {shown(remote)}: a symlink is on that path, and "
+            "links in your folder are never followed"
+        )
 
     def quota(self) -> int:
         return parse_size(str(self.agent.home.config.get("file_quota")))
@@ -297,16 +283,74 @@ class FileService:
     @_refusing
     async def handle_stat(self, ctx: RequestContext, message: Message) -> None:
         assert isinstance(message, FileStat)
-        path = await in_thread(self.resolve, ctx.peer, message.path)
-        info = await in_thread(_guarded, info_for, message.path, path)
+        info = await in_thread(self._stat, ctx.peer, message.path)
         ctx.stream.send_message(info, end=True)
+
+    def _stat(self, peer: Peer, remote: str) -> FileInfo:
+        """What is at ``remote`` (blocking: a folder is scanned for its tar size)."""
+        from gpumesh.files.pack import scan_tree, tar_size
+
+        parts = self.parts(remote)
+        with self.tree(peer) as tree:
+            st = self._lstat(tree, parts, remote)
+            if st is None:
+                return FileInfo(path=remote, exists=False, kind="", size=0, mode=0, mtime=0.0)
+            mode = stat.S_IMODE(st.st_mode)
+            if stat.S_ISDIR(st.st_mode):
+                with self._subtree(tree, parts, remote) as folder:
+                    size = tar_size(scan_tree(folder))
+                kind = "dir"
+            elif stat.S_ISREG(st.st_mode):
+                size, kind = st.st_size, "file"
+            else:
+                size, kind = 0, ""
+        return FileInfo(
+            path=remote, exists=True, kind=kind, size=size, mode=mode, mtime=st.st_mtime
+        )
+
+    def _lstat(self, tree: Tree, parts: Sequence[str], remote: str) -> os.stat_result | None:
+        """What is at ``parts``, None when nothing; a link on the way or there is refused."""
+        try:
+            st = tree.lstat(parts)
+        except OSError as exc:
+            raise self._refusal(exc, remote) from None
+        if st is not None and stat.S_ISLNK(st.st_mode):
+            raise self.link_refused(remote)
+        return st
+
+    def _subtree(self, tree: Tree, parts: Sequence[str], remote: str) -> Tree:
+        try:
+            return tree.subtree(parts)
+        except OSError as exc:
+            raise self._refusal(exc, remote) from None
+
+    def _refusal(self, exc: OSError, remote: str) -> GPUMeshError:
+        """An OS error met on a peer's path, as the refusal it sends back."""
+        where = self._where(remote)
+        if exc.errno == errno.ELOOP:
+            return self.link_refused(remote)
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+            return NotFoundError(f"{where} does not exist")
+        if exc.errno == errno.EISDIR:
+            return ConfigError(f"{where} is a folder")
+        if exc.errno == errno.EPERM:
+            return AccessDeniedError(f"{where} is not a regular file (a device, pipe or socket)")
+        return _os_error(exc)
+
+    def open_regular(self, peer: Peer, remote: str) -> int:
+        """A regular file of the peer's, opened for reading (blocking)."""
+        parts = self.parts(remote)
+        with self.tree(peer) as tree:
+            try:
+                return tree.open_file(parts)
+            except OSError as exc:
+                raise self._refusal(exc, remote) from None
 
     @_refusing
     async def handle_get(self, ctx: RequestContext, message: Message) -> None:
         assert isinstance(message, FileGet)
-        path = await in_thread(self.resolve, ctx.peer, message.path)
-        where = f"{self.agent.name}:{shown(message.path)}"
-        fd = await in_thread(_guarded, _open_regular, path, where)
+        where = self._where(message.path)
+        fd = await in_thread(self.open_regular, ctx.peer, message.path)
         async with worker(cleanup=lambda: os.close(fd)) as runner:
             st = os.fstat(fd)
             stream = ctx.stream
@@ -328,25 +372,24 @@ class FileService:
     async def handle_put(self, ctx: RequestContext, message: Message) -> None:
         assert isinstance(message, FilePut)
         peer, name = ctx.peer, self.agent.name
-        where = f"{name}:{shown(message.path)}"
-        target, relative = await in_thread(self._locate_file, peer, message.path, where)
+        where = self._where(message.path)
+        parts, relative = self._file_target(message.path)
         digest = message.sha256.hex()
         key = hashlib.sha256(f"{relative}\n{message.size}\n{digest}".encode()).hexdigest()[:32]
-        partials = self.partials(peer)
+        # Made only when a byte is kept: a refused request leaves nothing behind.
+        partials = self.partials(peer, create=False)
         part, meta = partials / f"{key}.part", partials / f"{key}.json"
         expected = {"path": relative, "size": message.size, "sha256": digest}
         async with self._claim(peer, key, message.size, ctx.stream):
-            replaced = await in_thread(_guarded, _replaced_size, target, where)
+            replaced = await in_thread(self._replaced_size, peer, parts, message.path)
             offset = await in_thread(_kept_offset, part, meta, expected)
-            usage = await self._usage(peer, exclude=key)
+            usage = await self.usage(peer, exclude=key)
             usage.check(name, message.size - replaced)
             if offset == 0:
                 await in_thread(_guarded, _start_partial, part, meta, expected)
             fd = await in_thread(_guarded, os.open, part, os.O_RDWR)
             async with worker(cleanup=lambda: os.close(fd)) as runner:
-                await self._receive_file(
-                    ctx, runner, fd, offset, message, target, part, meta, where
-                )
+                await self._receive_file(ctx, runner, fd, offset, message, parts, (part, meta))
         ctx.stream.send_message(FileDone(size=message.size, sha256=message.sha256), end=True)
         logger.info(
             "[%s] received %s (%d bytes, from byte %d)", peer.name, where, message.size, offset
@@ -359,12 +402,12 @@ class FileService:
         fd: int,
         offset: int,
         message: FilePut,
-        target: Path,
-        part: Path,
-        meta: Path,
-        where: str,
+        parts: tuple[str, ...],
+        partial: tuple[Path, Path],
     ) -> None:
         stream = ctx.stream
+        part, meta = partial
+        where = self._where(message.path)
         hasher = hashlib.sha256()
         # Drop whatever lies past the offset (a write cut short by a crash),
         # then hash the kept part, all before a new byte is appended.
@@ -397,34 +440,38 @@ class FileService:
             raise ProtocolError(
                 f"the upload to {where} does not match its SHA-256 and was discarded; copy it again"
             )
-        await runner.call(_guarded, _place_file, fd, message.mode, part, meta, target, where)
+        await runner.call(self._place_file, ctx.peer, fd, message.mode, partial, message.path)
 
     @_refusing
     async def handle_dir_get(self, ctx: RequestContext, message: Message) -> None:
         assert isinstance(message, DirGet)
-        path = await in_thread(self.resolve, ctx.peer, message.path)
-        where = f"{self.agent.name}:{shown(message.path)}"
-        plan, st = await in_thread(_guarded, _plan_folder, path, where)
         from gpumesh.files.pack import tar_size
 
-        size = tar_size(plan)
-        stream = ctx.stream
-        stream.send_message(
-            FileInfo(
-                path=message.path,
-                exists=True,
-                kind="dir",
-                size=size,
-                mode=stat.S_IMODE(st.st_mode),
-                mtime=st.st_mtime,
+        where = self._where(message.path)
+        folder, plan = await in_thread(self._plan_folder, ctx.peer, message.path)
+        try:
+            size = tar_size(plan)
+            st = await in_thread(os.fstat, folder.fd)
+            stream = ctx.stream
+            stream.send_message(
+                FileInfo(
+                    path=message.path,
+                    exists=True,
+                    kind="dir",
+                    size=size,
+                    mode=stat.S_IMODE(st.st_mode),
+                    mtime=st.st_mtime,
+                )
             )
-        )
-        hasher = hashlib.sha256()
-        sent = 0
-        async with contextlib.aclosing(tar_chunks(plan, hasher)) as chunks:
-            async for chunk in chunks:
-                sent += len(chunk)
-                await stream.send_data(chunk)
+            hasher = hashlib.sha256()
+            sent = 0
+            # Files are opened again through the folder's descriptor as they are packed.
+            async with contextlib.aclosing(tar_chunks(plan, hasher)) as chunks:
+                async for chunk in chunks:
+                    sent += len(chunk)
+                    await stream.send_data(chunk)
+        finally:
+            folder.close()
         if sent != size:
             raise AgentError(f"{where} changed while it was packed; copy it again")
         stream.end_data()
@@ -432,18 +479,36 @@ class FileService:
         await _until_finished(stream)
         logger.info("[%s] sent folder %s (%d bytes of tar)", ctx.peer.name, where, size)
 
+    def _plan_folder(self, peer: Peer, remote: str) -> tuple[Tree, PackPlan]:
+        """The folder at ``remote``, opened, and what of it to send (blocking)."""
+        from gpumesh.files.pack import scan_tree
+
+        parts = self.parts(remote)
+        with self.tree(peer) as tree:
+            st = self._lstat(tree, parts, remote)
+            if st is None:
+                raise NotFoundError(f"{self._where(remote)} does not exist")
+            if not stat.S_ISDIR(st.st_mode):
+                raise ConfigError(f"{self._where(remote)} is not a folder")
+            folder = self._subtree(tree, parts, remote)
+        try:
+            return folder, scan_tree(folder)
+        except BaseException:
+            folder.close()
+            raise
+
     @_refusing
     async def handle_dir_put(self, ctx: RequestContext, message: Message) -> None:
         assert isinstance(message, DirPut)
         peer, name = ctx.peer, self.agent.name
-        target = await in_thread(self.resolve, peer, message.path)
-        where = f"{name}:{shown(message.path)}"
-        await in_thread(_guarded, _check_folder_target, target, where)
+        parts = self.parts(message.path)
+        where = self._where(message.path)
+        await in_thread(self._check_folder_target, peer, parts, message.path)
         temp_name = f"dir-{secrets.token_hex(8)}"
         temp = self.partials(peer) / temp_name
         stream = ctx.stream
         async with self._claim(peer, temp_name, message.size, None):
-            usage = await self._usage(peer, exclude=temp_name)
+            usage = await self.usage(peer, exclude=temp_name)
             usage.check(name, message.size)
             stream.send_message(FileResume(offset=0))
             hasher = hashlib.sha256()
@@ -464,7 +529,7 @@ class FileService:
                             f"{message.size} bytes"
                         )
                     await feed(None)
-                await in_thread(_guarded, _place_folder, temp, target, where)
+                await in_thread(self._place_folder, peer, temp, parts, message.path)
             finally:
                 await in_thread(shutil.rmtree, temp, True)
         stream.send_message(FileDone(size=received, sha256=hasher.digest()), end=True)
@@ -495,20 +560,21 @@ class FileService:
 
         assert isinstance(message, ChannelPut)
         peer, name, stream = ctx.peer, self.agent.name, ctx.stream
-        where = f"{name}:{shown(message.path)}"
+        where = self._where(message.path)
         if not self.channel_enabled():
             raise UnreachableError(f"{name} opens no data channels (data_channel off)")
-        target, relative = await in_thread(self._locate_file, peer, message.path, where)
+        parts, relative = self._file_target(message.path)
         key = hashlib.sha256(
             f"{relative}\n{message.size}\nsource:{message.source}".encode()
         ).hexdigest()[:32]
-        partials = self.partials(peer)
+        # Made only when a byte is kept: a refused request leaves nothing behind.
+        partials = self.partials(peer, create=False)
         part, meta = partials / f"{key}.part", partials / f"{key}.json"
         expected = {"path": relative, "size": message.size, "source": message.source}
         async with self._claim(peer, key, message.size, stream):
-            replaced = await in_thread(_guarded, _replaced_size, target, where)
+            replaced = await in_thread(self._replaced_size, peer, parts, message.path)
             offset = await in_thread(_kept_offset, part, meta, expected)
-            usage = await self._usage(peer, exclude=key)
+            usage = await self.usage(peer, exclude=key)
             usage.check(name, message.size - replaced)
             if offset == 0:
                 await in_thread(_guarded, _start_partial, part, meta, expected)
@@ -537,7 +603,9 @@ class FileService:
                         f"the upload to {where} does not match its SHA-256 and was discarded; "
                         "copy it again"
                     )
-                await in_thread(_guarded, _place_file, fd, message.mode, part, meta, target, where)
+                await in_thread(
+                    self._place_file, peer, fd, message.mode, (part, meta), message.path
+                )
             except ProtocolError:
                 await in_thread(_discard, part, meta)
                 raise
@@ -560,11 +628,10 @@ class FileService:
         from gpumesh.files.channel import send_file
 
         assert isinstance(message, ChannelGet)
-        path = await in_thread(self.resolve, ctx.peer, message.path)
-        where = f"{self.agent.name}:{shown(message.path)}"
+        where = self._where(message.path)
         listener = self._listener()
         try:
-            fd = await in_thread(_guarded, _open_regular, path, where)
+            fd = await in_thread(self.open_regular, ctx.peer, message.path)
         except BaseException:
             listener.stop()
             listener.close()
@@ -635,20 +702,117 @@ class FileService:
                 del active[key]
             claim.done.set()
 
-    async def _usage(self, peer: Peer, exclude: str, listing: _Listing | None = None) -> _Usage:
-        """Bytes the peer holds here: its sandbox, its partial uploads, uploads in flight.
+    async def usage(self, peer: Peer, exclude: str = "", listing: _Listing | None = None) -> _Usage:
+        """Bytes the peer holds here: its sandbox, its partial uploads, its jobs'
+        uploaded workdirs, and uploads in flight (all but ``exclude``).
 
-        With ``listing`` (a real folder inside the sandbox, and a dict), the same
-        walk also fills the dict with each regular file under that folder:
-        relative path -> (size, mtime_ns).
+        With ``listing`` (a folder in the sandbox, and a dict), the same walk
+        also fills the dict with each regular file under that folder.
         """
         active = self._active.get(str(peer.node_id), {})
         busy = set(active)
         reserved = sum(claim.reserved for name, claim in active.items() if name != exclude)
-        stored = await in_thread(
-            _stored_bytes, self.sandbox(peer), self.partials(peer), busy | {exclude}, listing
-        )
+        stored = await in_thread(self._stored_bytes, peer, busy | {exclude}, listing)
         return _Usage(stored + reserved, self.quota())
+
+    def _stored_bytes(self, peer: Peer, busy: set[str], listing: _Listing | None) -> int:
+        """Bytes in the peer's regular files (walked through descriptors), idle
+        partials (old ones removed) and job workdirs (blocking)."""
+        with self.tree(peer) as tree:
+            total = tree.tally(listing)
+        total += _partial_bytes(self.partials(peer, create=False), busy)
+        for workdir in self._job_dirs(str(peer.node_id)):
+            try:
+                work = Tree(workdir)
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            with work:
+                total += work.tally()
+        return total
+
+    # --- blocking steps of the requests ---------------------------------------------------
+
+    def _file_target(self, remote: str) -> tuple[tuple[str, ...], str]:
+        """An upload's parts in the sandbox and its path from the sandbox root."""
+        parts = self.parts(remote)
+        if not parts:
+            raise ConfigError(
+                f"{self._where(remote)} is your folder itself: name a file to copy to"
+            )
+        return parts, "/".join(parts)
+
+    def _replaced_size(self, peer: Peer, parts: tuple[str, ...], remote: str) -> int:
+        """Bytes of the file an upload will replace (0: none); a folder cannot be replaced."""
+        where = self._where(remote)
+        with self.tree(peer) as tree:
+            st = self._lstat(tree, parts, remote)
+            if st is None:
+                self._check_parents(tree, parts, remote)
+                return 0
+        if stat.S_ISDIR(st.st_mode):
+            raise ConfigError(f"{where} is a folder: copy into it as {where.rstrip('/')}/NAME")
+        if not stat.S_ISREG(st.st_mode):
+            raise AccessDeniedError(f"{where} is not a regular file (a device, pipe or socket)")
+        return st.st_size
+
+    def _check_parents(self, tree: Tree, parts: tuple[str, ...], remote: str) -> None:
+        """Refuse now, not after the transfer, when a file sits where a folder must go."""
+        for end in range(len(parts) - 1, 0, -1):
+            st = self._lstat(tree, parts[:end], remote)
+            if st is None:
+                continue
+            if not stat.S_ISDIR(st.st_mode):
+                raise ConfigError(
+                    f"cannot create {self._where(remote)}: {parts[end - 1]!r} there is a file"
+                )
+            return
+
+    def _check_folder_target(self, peer: Peer, parts: tuple[str, ...], remote: str) -> None:
+        with self.tree(peer) as tree:
+            st = self._lstat(tree, parts, remote)
+            if st is None:
+                self._check_parents(tree, parts, remote)
+            elif not stat.S_ISDIR(st.st_mode):
+                raise ConfigError(
+                    f"{self._where(remote)} is a file, not a folder: pick another name"
+                )
+
+    def _place_file(
+        self, peer: Peer, fd: int, mode: int, partial: tuple[Path, Path], remote: str
+    ) -> None:
+        """Rename a finished upload into place, through the sandbox's descriptors."""
+        part, meta = partial
+        where = self._where(remote)
+        os.fchmod(fd, mode & 0o777)  # set-id and sticky bits never travel
+        if self.owner is not None:
+            os.fchown(fd, *self.owner)
+        source = os.open(part.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            with self.tree(peer) as tree:
+                tree.place(source, part.name, self.parts(remote))
+        except IsADirectoryError:
+            raise ConfigError(f"{where} became a folder during the upload") from None
+        except OSError as exc:
+            raise self._refusal(exc, remote) from None
+        finally:
+            os.close(source)
+        meta.unlink(missing_ok=True)
+
+    def _place_folder(self, peer: Peer, temp: Path, parts: tuple[str, ...], remote: str) -> None:
+        """Move an unpacked folder into place: renamed when new, merged into an existing one."""
+        if self.owner is not None:
+            with Tree(temp) as unpacked:  # still private to the agent
+                unpacked.chown_all((), self.owner)
+        source = os.open(temp.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            with self.tree(peer) as tree:
+                tree.place_tree(source, temp.name, parts)
+        except NotADirectoryError:
+            raise ConfigError(f"{self._where(remote)} is not a folder: pick another name") from None
+        except OSError as exc:
+            raise self._refusal(exc, remote) from None
+        finally:
+            os.close(source)
 
 
 def _announce_file(stream: Stream, path: str, offset: int, st: os.stat_result, where: str) -> None:
@@ -747,63 +911,6 @@ def _os_error(exc: OSError) -> GPUMeshError:
     return AgentError(f"the provider could not do that: {exc.strerror or exc}")
 
 
-def _open_regular(path: Path, where: str) -> int:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except (FileNotFoundError, NotADirectoryError):
-        raise NotFoundError(f"{where} does not exist") from None
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        if stat.S_ISDIR(st.st_mode):
-            raise ConfigError(f"{where} is a folder")
-        raise AccessDeniedError(f"{where} is not a regular file (a device, pipe or socket)")
-    os.set_blocking(fd, True)
-    return fd
-
-
-def _plan_folder(path: Path, where: str) -> tuple[PackPlan, os.stat_result]:
-    from gpumesh.files.pack import scan
-
-    try:
-        st = os.stat(path)
-    except (FileNotFoundError, NotADirectoryError):
-        raise NotFoundError(f"{where} does not exist") from None
-    if not stat.S_ISDIR(st.st_mode):
-        raise ConfigError(f"{where} is not a folder")
-    return scan(path), st
-
-
-def _replaced_size(target: Path, where: str) -> int:
-    """Bytes of the file an upload will replace (0: none); a folder cannot be replaced."""
-    try:
-        st = os.stat(target)
-    except (FileNotFoundError, NotADirectoryError):
-        _check_parents(target, where)
-        return 0
-    if stat.S_ISDIR(st.st_mode):
-        raise ConfigError(f"{where} is a folder: copy into it as {where.rstrip('/')}/NAME")
-    if not stat.S_ISREG(st.st_mode):
-        raise AccessDeniedError(f"{where} is not a regular file (a device, pipe or socket)")
-    return st.st_size
-
-
-def _check_parents(target: Path, where: str) -> None:
-    """Refuse now, not after the transfer, when a file sits where a folder must go."""
-    for parent in target.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise ConfigError(f"cannot create {where}: {parent.name!r} there is a file")
-            return
-
-
-def _check_folder_target(target: Path, where: str) -> None:
-    if target.is_symlink() or (target.exists() and not target.is_dir()):
-        raise ConfigError(f"{where} is a file, not a folder: pick another name")
-    if not target.exists():
-        _check_parents(target, where)
-
-
 def _kept_offset(part: Path, meta: Path, expected: dict[str, Any]) -> int:
     """Bytes of a kept partial upload of exactly this file, or 0 (stale ones removed)."""
     try:
@@ -839,40 +946,12 @@ def _discard(part: Path, meta: Path) -> None:
             path.unlink()
 
 
-def _place_file(fd: int, mode: int, part: Path, meta: Path, target: Path, where: str) -> None:
-    os.fchmod(fd, mode & 0o777)  # set-id and sticky bits never travel
-    target.parent.mkdir(parents=True, exist_ok=True)
-    if target.is_dir():
-        raise ConfigError(f"{where} became a folder during the upload")
-    os.replace(part, target)
-    meta.unlink(missing_ok=True)
+def _partial_bytes(partials: Path, busy: set[str]) -> int:
+    """Bytes in the idle partial uploads of one peer; old ones are removed.
 
-
-def _place_folder(temp: Path, target: Path, where: str) -> None:
-    """Move an unpacked folder into place: renamed when new, merged into an existing one."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    if not target.exists() and not target.is_symlink():
-        os.rename(temp, target)
-        return
-    if not target.is_dir() or target.is_symlink():
-        raise ConfigError(f"{where} is not a folder: pick another name")
-    merge_into(temp, target)
-
-
-def _stored_bytes(
-    sandbox: Path,
-    partials: Path,
-    busy: set[str],
-    listing: _Listing | None = None,
-) -> int:
-    """Bytes in regular files under the sandbox and the idle partials (old ones removed).
-
-    ``listing``: see :meth:`FileService._usage`.
+    The partials folder is the agent's own (no job reaches it).
     """
-    real = os.path.realpath(sandbox)
-    total = _tree_bytes(real, listing)
-    if listing is not None and not inside(str(listing[0]), real):
-        _tree_bytes(listing[0], listing)  # not reached by the walk: list it alone
+    total = 0
     now = time.time()
     with contextlib.suppress(FileNotFoundError), os.scandir(partials) as entries:
         for entry in entries:
@@ -891,44 +970,8 @@ def _stored_bytes(
                         os.unlink(entry.path)
                 continue
             if stat.S_ISDIR(st.st_mode):
-                total += _tree_bytes(Path(entry.path))
+                with Tree(entry.path) as folder:
+                    total += folder.tally()
             elif stat.S_ISREG(st.st_mode):
                 total += st.st_size
-    return total
-
-
-def _tree_bytes(root: Path | str, listing: _Listing | None = None) -> int:
-    """Bytes in regular files under ``root``, symlinks not followed (one lstat a file).
-
-    Each folder is opened once and its files are stat-ed relative to it, which
-    spares the kernel the whole path for each of thousands of files.
-    """
-    total = 0
-    listed, files = (str(listing[0]), listing[1]) if listing is not None else ("", None)
-    pending = [(str(root), 0)]
-    while pending:
-        folder, nofollow = pending.pop()
-        into = files if files is not None and inside(folder, listed) else None
-        prefix = folder[len(listed) + 1 :] + "/" if into is not None and folder != listed else ""
-        try:
-            fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | nofollow)
-        except OSError:
-            continue
-        try:
-            with os.scandir(fd) as entries:
-                for entry in entries:
-                    try:
-                        if entry.is_dir(follow_symlinks=False):
-                            pending.append((os.path.join(folder, entry.name), os.O_NOFOLLOW))
-                        elif entry.is_file(follow_symlinks=False):
-                            st = entry.stat(follow_symlinks=False)
-                            total += st.st_size
-                            if into is not None:
-                                into[prefix + entry.name] = (st.st_size, st.st_mtime_ns)
-                    except OSError:
-                        continue
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
     return total

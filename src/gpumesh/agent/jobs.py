@@ -37,6 +37,7 @@ from gpumesh.errors import (
     NotFoundError,
     ProtocolError,
 )
+from gpumesh.files.sandbox import Tree
 from gpumesh.gpu.inventory import GpuInfo, GpuInventory
 from gpumesh.protocol.messages import (
     MAX_OUTPUT_CHUNK,
@@ -74,30 +75,24 @@ T = TypeVar("T")
 TIMEOUT_EXIT = 124
 """Exit code of an attempt stopped by its timeout (as coreutils `timeout` reports)."""
 _LOG_DRAIN_TIMEOUT = 15.0
+"""After a container exits, how long its log readers may take to finish."""
 GPU_SAMPLE_INTERVAL = 2.0
 """Seconds between samples of a running GPU job's memory use."""
-"""After a container exits, how long its log readers may take to finish."""
+QUOTA_INTERVAL = 5.0
+"""Seconds between checks of what a running job's peer stores against its file_quota."""
 
 
-def _open_to_container(job_dir: Path, work: Path) -> None:
-    """Let the job's container user write its workdir.
+def _hand_over(job_dir: Path, work: Path, owner: tuple[int, int] | None) -> None:
+    """Give the job's user its workdir: owned by it, never writable by anyone else.
 
-    Containers run without CAP_DAC_OVERRIDE, so root inside cannot write files
-    owned by the agent's user. The workdir is made writable for all, and its
-    parent folder private to the agent's user, so no one else on the host can
-    reach it.
+    The job's folder (``jobs/<id>``) stays private to the agent, so no one else
+    on the host reaches the workdir; inside it, the job's user owns every file
+    and folder (walked through descriptors, links never followed).
     """
     job_dir.chmod(0o700)
-    for folder, dirs, files in os.walk(work):
-        os.chmod(folder, 0o777)
-        for name in files:
-            path = os.path.join(folder, name)
-            if not os.path.islink(path):
-                os.chmod(path, os.stat(path).st_mode | 0o666)
-        for name in dirs:
-            path = os.path.join(folder, name)
-            if os.path.islink(path):
-                dirs.remove(name)
+    if owner is not None:
+        with Tree(work) as tree:
+            tree.chown_all((), owner)
 
 
 def _state_data(state: str, exit_code: int | None, message: str, peak: int) -> bytes:
@@ -132,6 +127,8 @@ class _Run:
         self.wake = asyncio.Event()
         """Set to cut a retry backoff short (cancel)."""
         self.timed_out = False
+        self.over_quota = ""
+        """Why the job was stopped for what its peer stores (empty: it was not)."""
 
 
 class JobService:
@@ -273,8 +270,9 @@ class JobService:
         if message.sandbox_dir:
             if message.workdir_bytes:
                 raise ProtocolError("a job has an uploaded workdir or a sandbox_dir, not both")
-            folder = await in_thread(self.agent.apps.resolve_sandbox_dir, peer, message.sandbox_dir)
-            workdir = str(folder)
+            parts = await in_thread(self.agent.apps.resolve_sandbox_dir, peer, message.sandbox_dir)
+            workdir = str(self.agent.files.sandbox(peer).joinpath(*parts))
+            self._check_nesting(peer.node_id, workdir, message.sandbox_dir)
         gpus = await in_thread(self._assign_gpus, message.gpu_memory, message.gpu)
         await self.check_image(message.image)
         record = JobRecord(
@@ -358,6 +356,31 @@ class JobService:
         job = self.store.job(HOSTED, job_id)
         assert job is not None
         return job
+
+    def _check_nesting(self, peer_id: str, workdir: str, remote: str) -> None:
+        """Refuse a sandbox folder above or below one an unfinished job of the peer uses.
+
+        Docker mounts a job's folder by its path when each attempt's container
+        starts. A job that has a folder mounted can rename anything below it
+        and put a symlink to a host path there; were another job to mount a
+        folder below it, Docker would follow that link. Folders of running,
+        queued and retrying jobs are therefore never nested (the same folder
+        twice is fine: no job can rename the folder it is given).
+        """
+        for job in self.store.unfinished_hosted_jobs():
+            if job.peer_id != peer_id or not job.workdir or job.workdir == workdir:
+                continue
+            if _nested(job.workdir, workdir):
+                raise LimitError(
+                    f"{self.agent.name} refused {remote}: your job {job.job_id} ({job.state}) "
+                    "works in a folder above or below it, and jobs may not share nested "
+                    "folders; wait for it to end, or use a folder beside it"
+                )
+
+    def peer_workdirs(self, peer_id: str) -> list[Path]:
+        """The uploaded workdirs of a peer's jobs still on disk (not its sandbox folders)."""
+        root = str(self.jobs_dir) + os.sep
+        return [Path(w) for w in self.store.hosted_workdirs(peer_id) if w.startswith(root)]
 
     @staticmethod
     def _check_env(message: JobSubmit) -> None:
@@ -466,7 +489,7 @@ class JobService:
         work = job_dir / "work"
         await in_thread(unpack_tar, tar_path, work, limit)
         tar_path.unlink()
-        await in_thread(_open_to_container, job_dir, work)
+        await in_thread(_hand_over, job_dir, work, self.agent.files.owner)
         self.store.update_job(HOSTED, run.job_id, workdir=str(work))
 
     async def _discard(self, job_id: str) -> None:
@@ -549,6 +572,11 @@ class JobService:
             if job.gpus
             else None
         )
+        watcher = (
+            asyncio.create_task(self._watch_quota(run, job, container.container_id))
+            if job.workdir
+            else None
+        )
         waiter = in_thread(self.runtime.wait, container.container_id)
         try:
             if run.machine.cancel_requested:  # cancelled while the container was being made
@@ -573,9 +601,13 @@ class JobService:
             # Stopping the agent cancels us: the writer must stop too, or it would
             # keep writing beside the next agent's (the cursor in the store is the truth).
             writer.cancel()
-            if sampler is not None:
-                sampler.cancel()
+            for task in (sampler, watcher):
+                if task is not None:
+                    task.cancel()
         await self._remove_container(run)
+        if run.over_quota and not run.machine.cancel_requested:
+            await self._event(run, None, None, run.over_quota, kind_state=False)
+            return Decision(JobState.FAILED, 0.0, run.over_quota)
         if run.timed_out and not run.machine.cancel_requested:
             self.store.update_job(HOSTED, run.job_id, exit_code=TIMEOUT_EXIT)
             return run.machine.infra_failed(f"timed out after {job.timeout:.0f}s")
@@ -604,6 +636,36 @@ class JobService:
                 peak = used
                 self.store.update_job(HOSTED, run.job_id, peak_gpu_memory=peak)
             await asyncio.sleep(GPU_SAMPLE_INTERVAL)
+
+    async def _watch_quota(self, run: _Run, job: JobRecord, container_id: str) -> None:
+        """Stop the job when what its peer stores here goes over the peer's file_quota.
+
+        Its workdir (an upload, or a folder of the sandbox) is written by the job
+        itself; everything the peer keeps counts, so a job cannot fill the
+        provider's disk past the quota the owner set.
+        """
+        try:
+            peer = self.store.peer_by_id(job.peer_id)
+        except GPUMeshError:
+            return  # unpaired since: nothing of theirs to count
+        while True:
+            await asyncio.sleep(QUOTA_INTERVAL)
+            try:
+                usage = await self.agent.files.usage(peer)
+            except GPUMeshError as exc:
+                reason = f"stopped: its files could not be counted ({exc.message})"
+            else:
+                if usage.used <= usage.quota:
+                    continue
+                reason = (
+                    f"stopped: your files on {self.agent.name} grew to "
+                    f"{format_size(usage.used)}, over its file_quota of "
+                    f"{format_size(usage.quota)}; free space there or ask its owner for more"
+                )
+            run.over_quota = reason
+            logger.info("[job %s] %s", run.job_id, reason)
+            await in_thread(self.runtime.stop, container_id, 5.0)
+            return
 
     def _read_logs(
         self,
@@ -757,3 +819,10 @@ class JobService:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._changed.wait(), 1.0)
         stream.finish()
+
+
+def _nested(a: str, b: str) -> bool:
+    """Whether one of two folders lies inside the other (not the same one)."""
+    return a != b and (
+        a.startswith(b.rstrip(os.sep) + os.sep) or b.startswith(a.rstrip(os.sep) + os.sep)
+    )

@@ -114,7 +114,7 @@ class Agent:
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopped = asyncio.Event()
         self.jobs = JobService(self, runtime=runtime, inventory=inventory, max_vram=max_vram)
-        self.files = FileService(self)
+        self.files = FileService(self, job_dirs=self.jobs.peer_workdirs)
         self.apps = AppService(self.files)
         self.shells = ExecService(self)
         self.handlers: dict[type, Handler] = {

@@ -26,6 +26,7 @@ import contextlib
 import ctypes
 import errno
 import os
+import shutil
 import stat
 import sys
 import threading
@@ -354,14 +355,15 @@ class Tree:
 
     # --- single operations -------------------------------------------------------------
 
-    def open_dir(self, parts: Sequence[str], *, create: bool = False) -> int:
-        """A descriptor of the folder at ``parts``; ``create`` makes the missing ones."""
+    def open_dir(self, parts: Sequence[str], *, create: bool = False, clear: bool = False) -> int:
+        """A descriptor of the folder at ``parts``; ``create`` makes the missing ones,
+        and ``clear`` first removes a file or a link (the link itself) in the way."""
         if not create:
             return open_beneath(self.fd, parts, _DIR_FLAGS)
         current = os.dup(self.fd)
         try:
             for part in parts:
-                opened = self._child_dir(current, part)
+                opened = self._child_dir(current, part, clear)
                 os.close(current)
                 current = opened
         except BaseException:
@@ -369,11 +371,14 @@ class Tree:
             raise
         return current
 
-    def _child_dir(self, parent: int, name: str) -> int:
+    def _child_dir(self, parent: int, name: str, clear: bool) -> int:
         try:
             return open_beneath(parent, (name,), _DIR_FLAGS)
-        except FileNotFoundError:
-            pass
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR) and clear:
+                os.unlink(name, dir_fd=parent)
+            elif exc.errno != errno.ENOENT:
+                raise
         try:
             os.mkdir(name, 0o755, dir_fd=parent)
         except FileExistsError:
@@ -391,11 +396,13 @@ class Tree:
         self._own(fd)
 
     @contextlib.contextmanager
-    def parent(self, parts: Sequence[str], *, create: bool = False) -> Iterator[tuple[int, str]]:
+    def parent(
+        self, parts: Sequence[str], *, create: bool = False, clear: bool = False
+    ) -> Iterator[tuple[int, str]]:
         """``(descriptor of the folder holding parts[-1], parts[-1])`` while in the block."""
         if not parts:
             raise IsADirectoryError(errno.EISDIR, "the folder itself", str(self.path))
-        fd = self.open_dir(parts[:-1], create=create)
+        fd = self.open_dir(parts[:-1], create=create, clear=clear)
         try:
             yield fd, parts[-1]
         finally:
@@ -437,15 +444,22 @@ class Tree:
             raise LimitError(f"{'/'.join(parts)} is larger than {limit} bytes")
         return data
 
-    def place(self, source_dir: int, source: str, parts: Sequence[str]) -> None:
+    def place(
+        self, source_dir: int, source: str, parts: Sequence[str], *, clear: bool = False
+    ) -> None:
         """Rename ``source`` (in ``source_dir``, outside the tree) to ``parts``.
 
         The folders on the way are made when missing; a file or link already
         there is replaced (the link itself, never what it points to); a folder
-        there is refused (``EISDIR``).
+        there is refused (``EISDIR``). With ``clear``, a folder there is removed
+        first, and so is a file or link where a folder on the way must be.
         """
-        with self.parent(parts, create=True) as (fd, name):
+        with self.parent(parts, create=True, clear=clear) as (fd, name):
             pause_point("place", name)
+            if clear:
+                with contextlib.suppress(FileNotFoundError):
+                    if stat.S_ISDIR(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
+                        shutil.rmtree(name, dir_fd=fd)  # fd-based, never follows links
             # rename(2) replaces a file or a link itself, and refuses a folder (EISDIR).
             os.rename(source, name, src_dir_fd=source_dir, dst_dir_fd=fd)
 
@@ -607,8 +621,6 @@ def _merge(source: int, dest: int, depth: int) -> None:
                 os.close(sub_source)
             continue
         if there is not None and stat.S_ISDIR(there.st_mode):
-            import shutil
-
             shutil.rmtree(name, dir_fd=dest)  # fd-based, never follows links (3.11+)
         elif there is not None and stat.S_ISDIR(st.st_mode):
             os.unlink(name, dir_fd=dest)  # rename cannot put a folder over a file

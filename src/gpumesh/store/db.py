@@ -576,6 +576,14 @@ class Store:
         )
         return [JobRecord.from_row(r) for r in rows]
 
+    def hosted_workdirs(self, peer_id: str) -> list[str]:
+        """The folders the peer's hosted jobs worked in (their files may still be there)."""
+        rows = self._query(
+            "SELECT workdir FROM jobs WHERE role = 'hosted' AND peer_id = ? AND workdir != ''",
+            (peer_id,),
+        )
+        return [str(row["workdir"]) for row in rows]
+
     def unfinished_hosted_jobs(self) -> list[JobRecord]:
         rows = self._query(
             "SELECT * FROM jobs WHERE role = 'hosted' AND state NOT IN "
