@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -217,3 +219,15 @@ def test_keys_without_env_ignore_similar_variables(
 ) -> None:
     monkeypatch.setenv("GPUMESH_LISTEN_PORT", "1")
     assert config.listen_port == DEFAULT_PORT
+
+
+@pytest.mark.usefixtures("open_umask")
+def test_saved_file_is_private(tmp_path: Path) -> None:
+    path = tmp_path / "config.toml"
+    config = Config.load(path)
+    config.set("relay_token", "s3cret-token")
+    config.save()
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    path.chmod(0o644)
+    config.save()
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600

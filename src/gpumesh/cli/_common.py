@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import logging.handlers
@@ -15,6 +16,7 @@ import click
 
 from gpumesh.errors import GPUMeshError
 from gpumesh.settings import ENV_LOG, env
+from gpumesh.store.modes import open_private
 
 __all__ = [
     "emit_json",
@@ -83,10 +85,14 @@ def setup_logging(logs_dir: Path | None, *, console_level: str | None = None) ->
     root.addHandler(console)
     if logs_dir is not None:
         try:
-            logs_dir.mkdir(parents=True, exist_ok=True)
+            logs_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
             _LogState.file = logs_dir / "gpumesh.log"
-            handler = logging.handlers.RotatingFileHandler(
-                _LogState.file, maxBytes=2_000_000, backupCount=3
+            handler = _PrivateLogFile(
+                _LogState.file,
+                maxBytes=2_000_000,
+                backupCount=3,
+                encoding="utf-8",
+                errors="backslashreplace",
             )
             handler.setLevel(logging.DEBUG)
             handler.setFormatter(
@@ -95,6 +101,14 @@ def setup_logging(logs_dir: Path | None, *, console_level: str | None = None) ->
             root.addHandler(handler)
         except OSError:
             _LogState.file = None
+
+
+class _PrivateLogFile(logging.handlers.RotatingFileHandler):
+    """The debug log, 0600 from its first byte (and after each rotation)."""
+
+    def _open(self) -> io.TextIOWrapper:
+        fd = open_private(self.baseFilename, os.O_WRONLY | os.O_APPEND)
+        return open(fd, "a", encoding=self.encoding, errors=self.errors)
 
 
 class _LevelFilter(logging.Filter):

@@ -2,13 +2,13 @@
 
 Every key is declared in :data:`KEYS` with its type, default, help and the
 environment variable that overrides it, if any. ``gpumesh config set`` refuses
-unknown keys and bad values with a message naming the valid ones.
+unknown keys and bad values with a message naming the valid ones. The file is
+0600: it may hold a secret (the relay token).
 """
 
 from __future__ import annotations
 
 import ipaddress
-import os
 import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,6 +18,7 @@ from typing import Any
 from gpumesh import settings
 from gpumesh.errors import ConfigError, IdentityError
 from gpumesh.identity.keys import check_node_name
+from gpumesh.store.modes import write_private
 from gpumesh.units import parse_size
 
 __all__ = ["DEFAULT_IMAGE", "DEFAULT_PORT", "KEYS", "Config", "ConfigKey"]
@@ -241,12 +242,10 @@ class Config:
         self._values.pop(name, None)
 
     def save(self) -> None:
+        """Write the file, mode 0600 from its first byte."""
         import tomli_w
 
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(tomli_w.dumps(dict(sorted(self._values.items()))))
-        os.replace(tmp, self.path)
+        write_private(self.path, tomli_w.dumps(dict(sorted(self._values.items()))).encode())
 
     # Typed accessors for the keys the code reads most.
     @property
