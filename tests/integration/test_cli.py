@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import signal
 import socket
 import stat
@@ -294,6 +295,27 @@ def test_every_command_narrows_the_home_again(bob_home: Path) -> None:
     assert _mode(bob_home) == 0o700
     assert _mode(bob_home / "logs") == 0o700
     assert [_mode(path) for path in files] == [0o600] * len(files)
+
+
+def test_config_show_masks_the_relay_token_and_get_reveals_it(bob_home: Path) -> None:
+    token = "tok-9f3a71c2e5"
+    set_ = gpumesh(bob_home, "config", "set", "relay_token", token)
+    assert set_.returncode == 0, set_.stderr
+    assert set_.stdout.strip() == "relay_token = ******** (hidden)"
+    table = gpumesh(bob_home, "config", "show")
+    assert table.returncode == 0, table.stderr
+    assert token not in table.stdout + table.stderr
+    assert re.search(r"relay_token\s+\*{8}\s+file", table.stdout), table.stdout
+    shown = gpumesh(bob_home, "config", "show", "--json")
+    assert token not in shown.stdout + shown.stderr
+    values = json.loads(shown.stdout)
+    assert values["relay_token"] == "********"
+    assert values["node_name"] == "bob"
+    assert gpumesh(bob_home, "config", "get", "relay_token").stdout.strip() == token
+    unset = gpumesh(bob_home, "config", "unset", "relay_token")
+    assert unset.returncode == 0, unset.stderr
+    assert json.loads(gpumesh(bob_home, "config", "show", "--json").stdout)["relay_token"] == ""
+    assert token not in (bob_home / "logs" / "gpumesh.log").read_text()
 
 
 def test_help_has_examples_everywhere() -> None:

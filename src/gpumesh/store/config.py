@@ -2,8 +2,9 @@
 
 Every key is declared in :data:`KEYS` with its type, default, help and the
 environment variable that overrides it, if any. ``gpumesh config set`` refuses
-unknown keys and bad values with a message naming the valid ones. The file is
-0600: it may hold a secret (the relay token).
+unknown keys and bad values with a message naming the valid ones. A key marked
+``secret`` is shown masked (:meth:`Config.shown`) wherever settings are listed.
+The file is 0600: it may hold such secrets.
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ from gpumesh.identity.keys import check_node_name
 from gpumesh.store.modes import write_private
 from gpumesh.units import parse_size
 
-__all__ = ["DEFAULT_IMAGE", "DEFAULT_PORT", "KEYS", "Config", "ConfigKey"]
+__all__ = ["DEFAULT_IMAGE", "DEFAULT_PORT", "KEYS", "MASK", "Config", "ConfigKey"]
 
 DEFAULT_PORT = 47000
 DEFAULT_IMAGE = "nvidia/cuda:12.8.0-runtime-ubuntu22.04"
+MASK = "********"
+"""What listings show instead of a secret's value (the same for every value)."""
 
 Value = str | int | float
 
@@ -137,6 +140,8 @@ class ConfigKey:
     default: Value
     help: str
     env: str | None = None
+    secret: bool = False
+    """Listings mask the value; only asking for the key by name reveals it."""
 
 
 KEYS: dict[str, ConfigKey] = {
@@ -154,6 +159,7 @@ KEYS: dict[str, ConfigKey] = {
             "",
             "shared token of a private relay (keep it secret)",
             settings.ENV_RELAY_TOKEN,
+            secret=True,
         ),
         ConfigKey("rendezvous_url", _url, "", "public registry URL for `share --public`"),
         ConfigKey("region", _text, "", "region shown in public listings", settings.ENV_REGION),
@@ -223,6 +229,13 @@ class Config:
         if key.env and (env_value := settings.env(key.env)):
             return key.parse(env_value)
         return self._values.get(name, key.default)
+
+    def shown(self, name: str) -> Value:
+        """The effective value as listings show it: a secret one masked (empty when unset)."""
+        value: Value = self.get(name)
+        if lookup_key(name).secret:
+            return MASK if value else ""
+        return value
 
     def source(self, name: str) -> str:
         key = lookup_key(name)
