@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -39,3 +40,13 @@ def docker_daemon() -> None:
         client.close()
     except DockerException:
         pytest.skip("no Docker daemon reachable")
+
+
+@pytest.fixture
+def open_umask() -> Iterator[None]:
+    """The common umask 022, under which a file is world-readable unless made otherwise."""
+    previous = os.umask(0o022)
+    try:
+        yield
+    finally:
+        os.umask(previous)

@@ -9,8 +9,10 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import signal
 import socket
+import stat
 import struct
 import subprocess
 import sys
@@ -269,6 +271,53 @@ def test_config_refuses_unknown_keys_and_bad_values(bob_home: Path) -> None:
     assert env_wins.stdout.strip() == "relay.example:4799"
 
 
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+@pytest.mark.usefixtures("open_umask")
+def test_a_new_home_is_private(tmp_path: Path) -> None:
+    home = tmp_path / "new"
+    _init(home, "newbie")
+    assert _mode(home) == 0o700
+    assert _mode(home / "logs") == 0o700
+    for name in ("config.toml", "gpumesh.db", "logs/gpumesh.log"):
+        assert _mode(home / name) == 0o600, name
+
+
+def test_every_command_narrows_the_home_again(bob_home: Path) -> None:
+    files = [bob_home / name for name in ("config.toml", "gpumesh.db", "logs/gpumesh.log")]
+    for path in files:
+        path.chmod(0o644)
+    (bob_home / "logs").chmod(0o755)
+    bob_home.chmod(0o755)
+    assert gpumesh(bob_home, "peers").returncode == 0
+    assert _mode(bob_home) == 0o700
+    assert _mode(bob_home / "logs") == 0o700
+    assert [_mode(path) for path in files] == [0o600] * len(files)
+
+
+def test_config_show_masks_the_relay_token_and_get_reveals_it(bob_home: Path) -> None:
+    token = "tok-9f3a71c2e5"
+    set_ = gpumesh(bob_home, "config", "set", "relay_token", token)
+    assert set_.returncode == 0, set_.stderr
+    assert set_.stdout.strip() == "relay_token = ******** (hidden)"
+    table = gpumesh(bob_home, "config", "show")
+    assert table.returncode == 0, table.stderr
+    assert token not in table.stdout + table.stderr
+    assert re.search(r"relay_token\s+\*{8}\s+file", table.stdout), table.stdout
+    shown = gpumesh(bob_home, "config", "show", "--json")
+    assert token not in shown.stdout + shown.stderr
+    values = json.loads(shown.stdout)
+    assert values["relay_token"] == "********"
+    assert values["node_name"] == "bob"
+    assert gpumesh(bob_home, "config", "get", "relay_token").stdout.strip() == token
+    unset = gpumesh(bob_home, "config", "unset", "relay_token")
+    assert unset.returncode == 0, unset.stderr
+    assert json.loads(gpumesh(bob_home, "config", "show", "--json").stdout)["relay_token"] == ""
+    assert token not in (bob_home / "logs" / "gpumesh.log").read_text()
+
+
 def test_help_has_examples_everywhere() -> None:
     from gpumesh.cli.main import COMMANDS
 
@@ -290,6 +339,17 @@ def test_doctor_reports_each_check(bob_home: Path) -> None:
     assert result.returncode == 1
     assert checks["identity"]["status"] == "fail"
     assert "chmod 600" in checks["identity"]["fix"]
+
+
+def test_doctor_narrows_the_home_and_reports_its_modes(bob_home: Path) -> None:
+    (bob_home / "config.toml").chmod(0o644)
+    bob_home.chmod(0o755)
+    checks = {c["name"]: c for c in json.loads(gpumesh(bob_home, "doctor", "--json").stdout)}
+    assert checks["home"]["status"] == "ok", checks["home"]
+    assert "0700" in checks["home"]["detail"]
+    assert "0600" in checks["home"]["detail"]
+    assert _mode(bob_home) == 0o700
+    assert _mode(bob_home / "config.toml") == 0o600
 
 
 @pytest.mark.usefixtures("docker_daemon")

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 
 import pytest
 
 from gpumesh.errors import ConfigError
-from gpumesh.store.config import DEFAULT_IMAGE, DEFAULT_PORT, KEYS, Config
+from gpumesh.store.config import DEFAULT_IMAGE, DEFAULT_PORT, KEYS, MASK, Config
 from gpumesh.units import parse_size
 
 ENV_VARS = ("GPUMESH_RELAY", "GPUMESH_IMAGE", "GPUMESH_REGION")
@@ -217,3 +219,29 @@ def test_keys_without_env_ignore_similar_variables(
 ) -> None:
     monkeypatch.setenv("GPUMESH_LISTEN_PORT", "1")
     assert config.listen_port == DEFAULT_PORT
+
+
+def test_relay_token_is_secret_and_listings_mask_it(
+    config: Config, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("GPUMESH_RELAY_TOKEN", raising=False)
+    assert [name for name, key in KEYS.items() if key.secret] == ["relay_token"]
+    assert config.shown("relay_token") == ""
+    config.set("relay_token", "s3cret-token")
+    assert config.shown("relay_token") == MASK
+    assert config.get("relay_token") == "s3cret-token"  # asked for by name: revealed
+    monkeypatch.setenv("GPUMESH_RELAY_TOKEN", "from-env")
+    assert config.shown("relay_token") == MASK
+    assert config.shown("listen_port") == config.get("listen_port")
+
+
+@pytest.mark.usefixtures("open_umask")
+def test_saved_file_is_private(tmp_path: Path) -> None:
+    path = tmp_path / "config.toml"
+    config = Config.load(path)
+    config.set("relay_token", "s3cret-token")
+    config.save()
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    path.chmod(0o644)
+    config.save()
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600

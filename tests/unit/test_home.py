@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -75,3 +76,63 @@ def test_clear_agent_info_only_removes_its_own_or_a_stale_file(tmp_path: Path) -
     assert home.agent_path.exists()
     home.clear_agent_info(pid=os.getpid())
     assert not home.agent_path.exists()
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+@pytest.mark.usefixtures("open_umask")
+def test_state_files_are_private_from_their_first_byte(tmp_path: Path, identity: Identity) -> None:
+    identity.save(tmp_path / "identity.key")
+    home = Home(tmp_path)
+    try:
+        home.config.set("relay_token", "s3cret")
+        home.config.save()
+        home.store.save_peer(b"k" * 32, "alice", [], "")  # a write: the -wal and -shm files
+        home.write_agent_info(AgentInfo(pid=os.getpid(), host="h", port=1, started=0.0))
+        wal, shm = (tmp_path / "gpumesh.db-wal", tmp_path / "gpumesh.db-shm")
+        for path in (home.config_path, home.db_path, wal, shm, home.agent_path):
+            assert _mode(path) == 0o600, path
+    finally:
+        home.close()
+
+
+def test_secure_narrows_the_home_and_every_state_file(tmp_path: Path, identity: Identity) -> None:
+    root = tmp_path / "node"
+    identity.save(root / "identity.key")
+    files = ["config.toml", "gpumesh.db", "gpumesh.db-wal", "gpumesh.db-shm", "agent.json"]
+    files += ["logs/gpumesh.log", "logs/gpumesh.log.1"]
+    (root / "logs").mkdir()
+    for name in files:
+        (root / name).write_text("")
+        (root / name).chmod(0o644)
+    (root / "logs").chmod(0o755)
+    root.chmod(0o755)
+    Home(root).secure()
+    assert _mode(root) == 0o700
+    assert _mode(root / "logs") == 0o700
+    for name in files:
+        assert _mode(root / name) == 0o600, name
+
+
+def test_secure_only_takes_permissions_away(tmp_path: Path, identity: Identity) -> None:
+    identity.save(tmp_path / "identity.key")
+    (tmp_path / "config.toml").write_text("")
+    (tmp_path / "config.toml").chmod(0o400)
+    tmp_path.chmod(0o500)
+    try:
+        Home(tmp_path).secure()
+        assert _mode(tmp_path) == 0o500
+        assert _mode(tmp_path / "config.toml") == 0o400
+    finally:
+        tmp_path.chmod(0o700)
+
+
+def test_secure_leaves_a_folder_without_a_node_alone(tmp_path: Path) -> None:
+    tmp_path.chmod(0o755)
+    (tmp_path / "config.toml").write_text("")
+    (tmp_path / "config.toml").chmod(0o644)
+    Home(tmp_path).secure()
+    assert _mode(tmp_path) == 0o755
+    assert _mode(tmp_path / "config.toml") == 0o644

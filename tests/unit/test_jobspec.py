@@ -240,10 +240,10 @@ REFUSALS = [
         "env:\n  - A=1\n  - FOO",
         "job.yaml:4: env: 'FOO': write it as KEY=VALUE, e.g. BATCH_SIZE=32",
     ),
-    ("env:\n  - =x", "job.yaml:3: env: '=x': the variable name before = is empty"),
+    ("env:\n  - =x", "job.yaml:3: env: =...: the variable name before = is empty"),
     (
         "env:\n  - NVIDIA_DRIVER_CAPABILITIES=all",
-        "job.yaml:3: env: 'NVIDIA_DRIVER_CAPABILITIES=all': variables starting with NVIDIA_ "
+        "job.yaml:3: env: 'NVIDIA_DRIVER_CAPABILITIES'=...: variables starting with NVIDIA_ "
         "are set by the provider, which decides which GPUs the job sees; remove it",
     ),
     ("env:\n  - A=1\n  - A=2", "job.yaml:4: env: A is set twice (first on line 3); keep one"),
@@ -410,28 +410,28 @@ def test_parse_env() -> None:
     ("item", "expected"),
     [
         ("FOO", "--env 'FOO': write it as KEY=VALUE, e.g. BATCH_SIZE=32"),
-        ("=x", "--env '=x': the variable name before = is empty"),
+        ("=x", "--env =...: the variable name before = is empty"),
         (
             "MY-VAR=1",
-            "--env 'MY-VAR=1': 'MY-VAR' is not a valid variable name: use letters, digits "
+            "--env 'MY-VAR'=...: 'MY-VAR' is not a valid variable name: use letters, digits "
             "and _, not starting with a digit",
         ),
         (
             "9A=1",
-            "--env '9A=1': '9A' is not a valid variable name: use letters, digits and _, "
+            "--env '9A'=...: '9A' is not a valid variable name: use letters, digits and _, "
             "not starting with a digit",
         ),
         (
             " A=1",
-            "--env ' A=1': ' A' is not a valid variable name: use letters, digits and _, "
+            "--env ' A'=...: ' A' is not a valid variable name: use letters, digits and _, "
             "not starting with a digit",
         ),
         (
             "NVIDIA_VISIBLE_DEVICES=all",
-            "--env 'NVIDIA_VISIBLE_DEVICES=all': variables starting with NVIDIA_ are set by "
+            "--env 'NVIDIA_VISIBLE_DEVICES'=...: variables starting with NVIDIA_ are set by "
             "the provider, which decides which GPUs the job sees; remove it",
         ),
-        ("A=x\0y", "--env 'A=x\\x00y': the value contains a NUL character"),
+        ("A=x\0y", "--env 'A'=...: the value contains a NUL character"),
     ],
 )
 def test_parse_env_refusals(item: str, expected: str) -> None:

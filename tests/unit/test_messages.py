@@ -62,6 +62,7 @@ finite = st.floats(allow_nan=False)
 keys = st.binary(min_size=32, max_size=32)
 job_ids = st.from_regex(r"[a-z0-9]{8,32}", fullmatch=True)
 env_keys = st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,20}", fullmatch=True)
+env_values = st.text(st.characters(blacklist_characters="\0"), max_size=100)
 
 MESSAGES: st.SearchStrategy[Message] = st.one_of(
     st.builds(Hello, version=st.integers(0, 2**31), public_key=keys, name=names),
@@ -87,7 +88,7 @@ MESSAGES: st.SearchStrategy[Message] = st.one_of(
         job_id=job_ids,
         image=st.text(min_size=1, max_size=255),
         command=st.lists(st.text(max_size=100), max_size=10),
-        env=st.dictionaries(env_keys, st.text(max_size=100), max_size=5),
+        env=st.dictionaries(env_keys, env_values, max_size=5),
         workdir_bytes=st.integers(0, 2**40),
         gpu_memory=st.integers(0, 2**40),
         retries=st.integers(0, 20),
@@ -181,7 +182,7 @@ MESSAGES: st.SearchStrategy[Message] = st.one_of(
         ExecStart,
         image=st.text(min_size=1, max_size=255),
         command=st.lists(st.text(max_size=100), max_size=10),
-        env=st.dictionaries(env_keys, st.text(max_size=100), max_size=5),
+        env=st.dictionaries(env_keys, env_values, max_size=5),
         tty=st.booleans(),
         rows=st.integers(0, 10000),
         cols=st.integers(0, 10000),
@@ -336,3 +337,24 @@ def test_data_channel_offers_are_bounded() -> None:
     ):
         with pytest.raises(ProtocolError):
             decode_message(_raw(fields))
+
+
+def test_a_nul_in_an_environment_value_is_refused_without_quoting_it() -> None:
+    # Docker would refuse it later with an error that quotes the variable, value included.
+    secret = "sk-live-5e0c2a"
+    submit = JobSubmit(
+        job_id="abcdef12",
+        image="busybox",
+        command=["true"],
+        env={"TOKEN": f"{secret}\0rest"},
+        workdir_bytes=0,
+        gpu_memory=0,
+        gpu="",
+        retries=0,
+        timeout=0.0,
+        attach=False,
+        sandbox_dir="",
+    )
+    with pytest.raises(ProtocolError) as refused:
+        decode_message(encode_message(submit))
+    assert secret not in str(refused.value)

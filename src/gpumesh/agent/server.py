@@ -147,6 +147,7 @@ class Agent:
 
     async def start(self) -> Address:
         """Bind the share port and start serving; returns the bound address."""
+        self.home.secure()
         try:
             self.endpoint = QuicEndpoint.listen(
                 self.identity, self.host, self.port, on_link=self._on_link, accept=self._accept

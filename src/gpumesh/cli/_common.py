@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import logging.handlers
@@ -15,6 +16,7 @@ import click
 
 from gpumesh.errors import GPUMeshError
 from gpumesh.settings import ENV_LOG, env
+from gpumesh.store.modes import open_private
 
 __all__ = [
     "emit_json",
@@ -77,24 +79,70 @@ def setup_logging(logs_dir: Path | None, *, console_level: str | None = None) ->
     console = logging.StreamHandler(sys.stderr)
     console.setLevel(logging.DEBUG)
     console.setFormatter(
-        logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
+        _OneLineFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
     )
     console.addFilter(_LevelFilter(default_level, per_logger))
     root.addHandler(console)
     if logs_dir is not None:
         try:
-            logs_dir.mkdir(parents=True, exist_ok=True)
+            logs_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
             _LogState.file = logs_dir / "gpumesh.log"
-            handler = logging.handlers.RotatingFileHandler(
-                _LogState.file, maxBytes=2_000_000, backupCount=3
+            handler = _PrivateLogFile(
+                _LogState.file,
+                maxBytes=2_000_000,
+                backupCount=3,
+                encoding="utf-8",
+                errors="backslashreplace",
             )
             handler.setLevel(logging.DEBUG)
             handler.setFormatter(
-                logging.Formatter(f"%(asctime)s {os.getpid()} %(levelname)s %(name)s: %(message)s")
+                _OneLineFormatter(f"%(asctime)s {os.getpid()} %(levelname)s %(name)s: %(message)s")
             )
             root.addHandler(handler)
         except OSError:
             _LogState.file = None
+
+
+# Line breaks and terminal controls a peer could put in a name, a path or an error text.
+# U+2028 and U+2029 are not controls but end a line for many readers.
+_ESCAPES = {code: f"\\x{code:02x}" for code in [*range(0x20), 0x7F, *range(0x80, 0xA0)]}
+_ESCAPES |= {ord("\n"): "\\n", 0x2028: "\\u2028", 0x2029: "\\u2029"}
+_CONTINUATION = "    "
+
+
+def _escape_controls(text: str) -> str:
+    """``text`` on one line: a newline as ``\\n``, other controls as ``\\xNN``."""
+    return text.translate(_ESCAPES)
+
+
+class _OneLineFormatter(logging.Formatter):
+    """A record's own text on one line, so text from peers cannot forge a record.
+
+    Names, paths, commands and error texts from peers reach log lines through the
+    arguments of logger calls all over the code base; escaping here, where the
+    handlers are set up, covers every one of them. What a record carries over
+    several lines on purpose (a traceback, a stack) follows with every line
+    indented, so none of its lines can pass for a record either.
+    """
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        return _escape_controls(super().formatMessage(record))
+
+    def format(self, record: logging.LogRecord) -> str:
+        # After the escaped first line, only a traceback or a stack can follow.
+        first, _, rest = super().format(record).partition("\n")
+        if not rest:
+            return first
+        lines = rest.split("\n")
+        return "\n".join([first, *(_CONTINUATION + _escape_controls(line) for line in lines)])
+
+
+class _PrivateLogFile(logging.handlers.RotatingFileHandler):
+    """The debug log, 0600 from its first byte (and after each rotation)."""
+
+    def _open(self) -> io.TextIOWrapper:
+        fd = open_private(self.baseFilename, os.O_WRONLY | os.O_APPEND)
+        return open(fd, "a", encoding=self.encoding, errors=self.errors)
 
 
 class _LevelFilter(logging.Filter):

@@ -14,10 +14,14 @@ Examples:
   gpumesh config get listen_port
   gpumesh config set listen_port 47001
   gpumesh config set max_vram 16GB
+  gpumesh config get relay_token       # a secret: only `get` prints it
 """
 )
 def config() -> None:
-    """Show or change this node's settings (config.toml in its home)."""
+    """Show or change this node's settings (config.toml in its home).
+
+    `show` masks secret settings (relay_token); `get KEY` prints one as it is.
+    """
 
 
 @config.command()
@@ -29,11 +33,14 @@ def path() -> None:
 @config.command()
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable output.")
 def show(as_json: bool) -> None:
-    """Show every setting, its value and where it comes from."""
+    """Show every setting, its value and where it comes from.
+
+    Secret settings show as ******** when set: `gpumesh config get KEY` prints one.
+    """
     from gpumesh.store.config import KEYS
 
     cfg = get_node().home.config
-    rows = [(name, cfg.get(name), cfg.source(name), key.help) for name, key in KEYS.items()]
+    rows = [(name, cfg.shown(name), cfg.source(name), key.help) for name, key in KEYS.items()]
     if as_json:
         emit_json({name: value for name, value, _src, _help in rows})
         return
@@ -51,7 +58,7 @@ def show(as_json: bool) -> None:
 @config.command()
 @click.argument("key")
 def get(key: str) -> None:
-    """Print one setting's effective value."""
+    """Print one setting's effective value (a secret one too: you asked for it by name)."""
     click.echo(get_node().home.config.get(key))
 
 
@@ -59,11 +66,16 @@ def get(key: str) -> None:
 @click.argument("key")
 @click.argument("value")
 def set_(key: str, value: str) -> None:
-    """Set KEY to VALUE (validated; unknown keys are refused)."""
+    """Set KEY to VALUE (validated; unknown keys are refused; a secret is not echoed)."""
+    from gpumesh.store.config import KEYS, MASK
+
     cfg = get_node().home.config
     stored = cfg.set(key, value)
     cfg.save()
-    click.echo(f"{key} = {stored}")
+    if KEYS[key].secret:
+        click.echo(f"{key} = {MASK} (hidden)")
+    else:
+        click.echo(f"{key} = {stored}")
 
 
 @config.command()
@@ -73,4 +85,4 @@ def unset(key: str) -> None:
     cfg = get_node().home.config
     cfg.unset(key)
     cfg.save()
-    click.echo(f"{key} = {cfg.get(key)} (default)")
+    click.echo(f"{key} = {cfg.shown(key)} (default)")

@@ -35,6 +35,7 @@ def run_checks(home: Home) -> list[Check]:
     checks = [_identity(home)]
     if home.initialized:
         checks += [_config(home), _database(home)]
+        checks.append(_home_modes(home))
     checks += [*_docker(home), _gpus(), _udp_port(home)]
     if home.initialized:
         checks += _relay(home)
@@ -81,6 +82,28 @@ def _database(home: Home) -> Check:
             "database", FAIL, f"{home.db_path}: {exc}", "move the file away and pair again"
         )
     return Check("database", OK, f"schema v{store.schema_version}, {len(peers)} peer(s)")
+
+
+def _home_modes(home: Home) -> Check:
+    """The home 0700, its state files 0600: fixed here as at every start, then looked at."""
+    home.secure()
+    wider: list[str] = []
+    for path, allowed in home.private_paths():
+        try:
+            mode = stat.S_IMODE(os.stat(path).st_mode)
+        except FileNotFoundError:
+            continue
+        if mode & ~allowed:
+            wider.append(f"chmod {allowed:o} {path}")
+    if wider:
+        return Check(
+            "home",
+            FAIL,
+            f"{len(wider)} path(s) in {home.path} are open to other users and could not be "
+            "narrowed (owned by another user?)",
+            "; ".join(wider),
+        )
+    return Check("home", OK, f"{home.path} is 0700; config, database, logs and agent.json 0600")
 
 
 def _docker(home: Home) -> list[Check]:

@@ -168,13 +168,22 @@ def _split_env_item(item: str) -> tuple[str, str] | str:
     return problem if problem is not None else (key, value)
 
 
+def _env_item_name(item: str) -> str:
+    """How an error names a ``KEY=VALUE`` item: its key, the value left out."""
+    key, sep, _value = item.partition("=")
+    if not sep:
+        return repr(item)  # no value in it
+    return f"{key!r}=..." if key else "=..."
+
+
 def parse_env(items: Sequence[str]) -> dict[str, str]:
     """``--env KEY=VAL`` flags as a mapping; a later flag for one key wins."""
     env: dict[str, str] = {}
     for item in items:
         parsed = _split_env_item(item)
         if isinstance(parsed, str):
-            raise ConfigError(f"--env {item!r}: {parsed}")
+            # Name the variable, never its value: errors reach the debug log.
+            raise ConfigError(f"--env {_env_item_name(item)}: {parsed}")
         env[parsed[0]] = parsed[1]
     return env
 
@@ -316,7 +325,7 @@ class _FileReader:
                 self.construct(item)
                 parsed = _split_env_item(str(item.value))
                 if isinstance(parsed, str):
-                    self.fail(item, f"env: {item.value!r}: {parsed}")
+                    self.fail(item, f"env: {_env_item_name(str(item.value))}: {parsed}")
                 add(parsed[0], parsed[1], item)
             return env
         self.fail(

@@ -107,6 +107,7 @@ class Node:
 
     def __init__(self, home: str | Path | Home | None = None) -> None:
         self.home = home if isinstance(home, Home) else Home(home)
+        self.home.secure()  # every start re-asserts the home's modes, not only `init`
 
     def close(self) -> None:
         self.home.close()
@@ -125,13 +126,14 @@ class Node:
                 "(peers will have to pair again)"
             )
         self.home.path.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self.home.logs_dir.mkdir(exist_ok=True)
+        self.home.logs_dir.mkdir(exist_ok=True, mode=0o700)
         Identity.generate().save(self.home.key_path)
         self.home.__dict__.pop("identity", None)
         config = self.home.reload_config()
         config.set("node_name", name)
         config.save()
         _ = self.home.store  # create the database now, not on first use
+        self.home.secure()  # a folder that existed before keeps no wider mode
         return self.info()
 
     def info(self) -> NodeInfo:

@@ -206,7 +206,8 @@ class ThroughputReply(_Msg, tag="throughput_reply", frozen=True):
 JobId = Annotated[str, msgspec.Meta(pattern=r"^[a-z0-9]{8,32}$")]
 Arg = Annotated[str, msgspec.Meta(max_length=8192)]
 EnvKey = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")]
-EnvValue = Annotated[str, msgspec.Meta(max_length=32768)]
+# No NUL: Docker's refusal of one quotes the whole variable, value included, into logs.
+EnvValue = Annotated[str, msgspec.Meta(max_length=32768, pattern=r"^[^\x00]*$")]
 JOB_STATES = (
     "queued",
     "uploading",

@@ -2,13 +2,14 @@
 
 Every key is declared in :data:`KEYS` with its type, default, help and the
 environment variable that overrides it, if any. ``gpumesh config set`` refuses
-unknown keys and bad values with a message naming the valid ones.
+unknown keys and bad values with a message naming the valid ones. A key marked
+``secret`` is shown masked (:meth:`Config.shown`) wherever settings are listed.
+The file is 0600: it may hold such secrets.
 """
 
 from __future__ import annotations
 
 import ipaddress
-import os
 import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,12 +19,15 @@ from typing import Any
 from gpumesh import settings
 from gpumesh.errors import ConfigError, IdentityError
 from gpumesh.identity.keys import check_node_name
+from gpumesh.store.modes import write_private
 from gpumesh.units import parse_size
 
-__all__ = ["DEFAULT_IMAGE", "DEFAULT_PORT", "KEYS", "Config", "ConfigKey"]
+__all__ = ["DEFAULT_IMAGE", "DEFAULT_PORT", "KEYS", "MASK", "Config", "ConfigKey"]
 
 DEFAULT_PORT = 47000
 DEFAULT_IMAGE = "nvidia/cuda:12.8.0-runtime-ubuntu22.04"
+MASK = "********"
+"""What listings show instead of a secret's value (the same for every value)."""
 
 Value = str | int | float
 
@@ -136,6 +140,8 @@ class ConfigKey:
     default: Value
     help: str
     env: str | None = None
+    secret: bool = False
+    """Listings mask the value; only asking for the key by name reveals it."""
 
 
 KEYS: dict[str, ConfigKey] = {
@@ -153,6 +159,7 @@ KEYS: dict[str, ConfigKey] = {
             "",
             "shared token of a private relay (keep it secret)",
             settings.ENV_RELAY_TOKEN,
+            secret=True,
         ),
         ConfigKey("rendezvous_url", _url, "", "public registry URL for `share --public`"),
         ConfigKey("region", _text, "", "region shown in public listings", settings.ENV_REGION),
@@ -223,6 +230,13 @@ class Config:
             return key.parse(env_value)
         return self._values.get(name, key.default)
 
+    def shown(self, name: str) -> Value:
+        """The effective value as listings show it: a secret one masked (empty when unset)."""
+        value: Value = self.get(name)
+        if lookup_key(name).secret:
+            return MASK if value else ""
+        return value
+
     def source(self, name: str) -> str:
         key = lookup_key(name)
         if key.env and settings.env(key.env):
@@ -241,12 +255,10 @@ class Config:
         self._values.pop(name, None)
 
     def save(self) -> None:
+        """Write the file, mode 0600 from its first byte."""
         import tomli_w
 
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(tomli_w.dumps(dict(sorted(self._values.items()))))
-        os.replace(tmp, self.path)
+        write_private(self.path, tomli_w.dumps(dict(sorted(self._values.items()))).encode())
 
     # Typed accessors for the keys the code reads most.
     @property

@@ -3,12 +3,14 @@
 One file in WAL mode, safe for the agent and CLI commands at the same time
 (each process has its own connection; writers wait on a busy timeout). The
 schema has explicit versions: ``MIGRATIONS[i]`` takes version ``i`` to
-``i + 1``, run in one transaction when a connection opens.
+``i + 1``, run in one transaction when a connection opens. The file and its
+``-wal`` and ``-shm`` companions are 0600: jobs carry their environment.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import threading
 import time
@@ -20,6 +22,7 @@ from typing import Protocol
 from gpumesh.errors import AmbiguousPeerError, ConfigError, NotFoundError, UnknownPeerError
 from gpumesh.identity.keys import NodeId, node_id_for
 from gpumesh.protocol.messages import JobOutput, JobStatus
+from gpumesh.store.modes import open_private
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -344,6 +347,8 @@ class Store:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._lock = threading.Lock()
+        # SQLite gives the -wal and -shm files the database's mode: make it 0600 first.
+        os.close(open_private(path, os.O_RDWR))
         self._db = sqlite3.connect(
             path, timeout=10.0, isolation_level=None, check_same_thread=False
         )

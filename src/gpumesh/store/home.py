@@ -2,16 +2,20 @@
 
 ::
 
-    $GPUMESH_HOME/
+    $GPUMESH_HOME/     0700
       identity.key     Ed25519 private key, PEM, mode 0600
-      config.toml      settings (see gpumesh.store.config)
-      gpumesh.db       SQLite (WAL): peers, allowlist, later jobs and groups
-      agent.json       present while `gpumesh share` runs: pid and port
-      logs/            debug logs of CLI commands and the agent
+      config.toml      settings (see gpumesh.store.config), 0600
+      gpumesh.db       SQLite (WAL): peers, allowlist, jobs and groups, 0600 (and -wal, -shm)
+      agent.json       present while `gpumesh share` runs: pid and port, 0600
+      logs/            debug logs of CLI commands and the agent, 0700, files 0600
+
+Each writer creates its file with its mode; :meth:`Home.secure`, run at every
+start, narrows whatever is found wider.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -23,6 +27,7 @@ from gpumesh.identity.keys import Identity
 from gpumesh.settings import home_dir
 from gpumesh.store.config import Config
 from gpumesh.store.db import Store
+from gpumesh.store.modes import PRIVATE_DIR, PRIVATE_FILE, narrow, write_private
 
 __all__ = ["AgentInfo", "Home"]
 
@@ -86,6 +91,33 @@ class Home:
     def initialized(self) -> bool:
         return self.key_path.exists()
 
+    def private_paths(self) -> list[tuple[Path, int]]:
+        """The home, its logs folder and its state files, each with the widest mode allowed.
+
+        The identity key is not here: `gpumesh doctor` reports a key found readable by
+        others instead of quietly narrowing it, since such a key may need replacing.
+        """
+        paths = [(self.path, PRIVATE_DIR), (self.logs_dir, PRIVATE_DIR)]
+        files = [self.config_path, self.agent_path, self.db_path]
+        files += [self.db_path.with_name(self.db_path.name + s) for s in ("-wal", "-shm")]
+        with contextlib.suppress(OSError):
+            files += sorted(p for p in self.logs_dir.iterdir() if p.is_file())
+        return paths + [(path, PRIVATE_FILE) for path in files]
+
+    def secure(self) -> None:
+        """Make the home 0700 and its state files 0600, narrowing whatever is wider.
+
+        Every start runs it (each command, `gpumesh share`), so a mode widened by a
+        copy, an archive tool or by hand does not stay. A folder holding no node is
+        left as it is: a mistyped GPUMESH_HOME must not change someone's folder.
+        Paths that are not ours to change are left too (`gpumesh doctor` reports them).
+        """
+        if not self.initialized:
+            return
+        for path, mode in self.private_paths():
+            with contextlib.suppress(PermissionError):
+                narrow(path, mode)
+
     def require_initialized(self) -> None:
         if not self.initialized:
             raise NotInitializedError(
@@ -114,9 +146,7 @@ class Home:
     # --- agent.json: only the agent writes it ------------------------------------
 
     def write_agent_info(self, info: AgentInfo) -> None:
-        tmp = self.agent_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(info.__dict__))
-        os.replace(tmp, self.agent_path)
+        write_private(self.agent_path, json.dumps(info.__dict__).encode())
 
     def read_agent_info(self) -> AgentInfo | None:
         """The running agent, or None (a stale file from a crash counts as none)."""
