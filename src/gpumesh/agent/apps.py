@@ -580,7 +580,10 @@ def _apply(
             folder.place(staged, source.name, parts, clear=True)
         finally:
             os.close(staged)
-        st = folder.lstat(parts)
+        try:
+            st = folder.lstat(parts)
+        except OSError:  # a job changed the folder meanwhile: the next sync sends it again
+            st = None
         if st is not None and stat.S_ISREG(st.st_mode):
             index[rel] = (st.st_size, st.st_mtime_ns, manifest[rel][2])
     for rel in delete:
