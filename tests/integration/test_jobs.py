@@ -533,3 +533,71 @@ def test_a_silent_job_keeps_its_link_alive(cluster, monkeypatch) -> None:
             assert drops == []  # never idled out, so never had to reconnect
 
     arun(scenario())
+
+
+@pytest.mark.parametrize("where", ["uploaded workdir", "sandbox folder"])
+def test_a_job_writing_past_its_peers_file_quota_is_stopped_with_the_reason(
+    cluster, engine, monkeypatch, tmp_path: Path, where: str
+) -> None:
+    from gpumesh.agent import jobs as job_service
+
+    monkeypatch.setattr(job_service, "QUOTA_INTERVAL", 0.2)
+    alice, bob = cluster("alice"), cluster("bob")
+    alice.home.config.set("file_quota", "1MB")
+    alice.home.config.save()
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "input.txt").write_text("small\n")
+    # The job writes 3 MB where it may write, then would idle for a minute.
+    command = ("sh", "-c", "head -c 3000000 /dev/zero > grown.bin; echo wrote; sleep 60")
+
+    async def scenario() -> None:
+        async with providing(alice):
+            pair_both(alice, bob)
+            got = Collected()
+            if where == "uploaded workdir":
+                result = await run_job(bob, spec("alice", *command, workdir=work), callbacks=got)
+            else:
+                box = alice.home.path / "files" / str(bob.info().node_id) / "data"
+                box.mkdir(parents=True)
+                result = await run_job(
+                    bob, spec("alice", *command), callbacks=got, sandbox_dir="/data"
+                )
+            assert result.state == "failed"
+            assert "over its file_quota of 1MB" in result.message, result.message
+            assert b"wrote\n" in bytes(got.out)
+            assert b"gpumesh: stopped: your files on alice grew to" in bytes(got.err)
+            assert result.attempt == 1  # never retried: it would only fill the disk again
+            assert not _containers(engine, alice)
+
+    arun(scenario())
+
+
+def test_jobs_of_a_peer_never_share_nested_sandbox_folders(cluster, tmp_path: Path) -> None:
+    # A job can rename anything below its folder and put a symlink there; Docker
+    # mounts a job's folder by path when its container starts. So while one job
+    # is unfinished, no other job of the peer may use a folder below or above it.
+    alice, bob = cluster("alice"), cluster("bob")
+    box = alice.home.path / "files" / str(bob.info().node_id)
+    (box / "w" / "d").mkdir(parents=True)
+    (box / "other").mkdir()
+
+    async def scenario() -> None:
+        async with providing(alice):
+            pair_both(alice, bob)
+            for running, nested in (("/w", "/w/d"), ("/w/d", "/w")):
+                first = await run_job(
+                    bob, spec("alice", "sleep", "60"), detach=True, sandbox_dir=running
+                )
+                with pytest.raises(LimitError, match=rf"your job {first.job_id} \(\w+\) works"):
+                    await run_job(bob, spec("alice", "true"), sandbox_dir=nested)
+                # The same folder, and one beside it, are fine meanwhile.
+                same = await run_job(bob, spec("alice", "true"), sandbox_dir=running)
+                beside = await run_job(bob, spec("alice", "true"), sandbox_dir="/other")
+                assert (same.state, beside.state) == ("succeeded", "succeeded")
+                await cancel_job(bob, "alice", first.job_id)
+                # Once it ended, the nested folder is free.
+                after = await run_job(bob, spec("alice", "true"), sandbox_dir=nested)
+                assert after.state == "succeeded"
+
+    arun(scenario())
