@@ -360,6 +360,23 @@ def test_doctor_sees_the_docker_daemon_and_its_version(bob_home: Path) -> None:
     assert "API 1." in checks["docker"]["detail"]
 
 
+@pytest.mark.usefixtures("docker_daemon")
+def test_doctor_reports_job_isolation_storage_and_agent_user(bob_home: Path) -> None:
+    checks = {c["name"]: c for c in json.loads(gpumesh(bob_home, "doctor", "--json").stdout)}
+    isolation, storage = checks["job isolation"], checks["job storage"]
+    assert isolation["status"] == "ok", isolation
+    assert "inside containers" in isolation["detail"] or "userns-remap" in isolation["detail"]
+    assert storage["status"] == "ok", storage
+    assert storage["detail"].startswith("read-only root filesystem; /tmp and HOME 1GB tmpfs")
+    expected = "warn" if os.geteuid() == 0 else "ok"
+    assert checks["agent user"]["status"] == expected, checks["agent user"]
+    assert gpumesh(bob_home, "config", "set", "job_root", "on").returncode == 0
+    checks = {c["name"]: c for c in json.loads(gpumesh(bob_home, "doctor", "--json").stdout)}
+    assert checks["job isolation"]["status"] in ("warn", "fail"), checks["job isolation"]
+    assert checks["job storage"]["status"] in ("ok", "warn")
+    assert "writable root filesystem" in checks["job storage"]["detail"]
+
+
 def test_doctor_without_docker_says_how_to_fix(bob_home: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "gpumesh", "doctor", "--json"],

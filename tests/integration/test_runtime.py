@@ -4,7 +4,9 @@ Every test labels its containers with its own ``io.gpumesh.node`` value; the
 ``jobs`` fixture removes every container with that label afterwards and fails
 if one survives. The image comes from ``GPUMESH_TEST_DOCKER_IMAGE`` (a
 busybox with sh, printf, head, tr, sleep, env, id and friends); nothing is
-pulled, so the tests run offline.
+pulled, so the tests run offline. The one test that needs Python and pip uses
+``GPUMESH_TEST_PYTHON_IMAGE``, built from this machine's own interpreter by
+``scripts/build-python-image.sh`` the first time it is missing.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import contextlib
 import dataclasses
 import gc
 import os
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -25,19 +29,32 @@ import docker
 import docker.errors
 import pytest
 
-from gpumesh.errors import ConfigError, ImageMissingError, NotFoundError, RuntimeUnavailableError
+from gpumesh.errors import (
+    AgentError,
+    ConfigError,
+    ImageMissingError,
+    NotFoundError,
+    RuntimeUnavailableError,
+)
 from gpumesh.runtime.base import (
     LABEL_ATTEMPT,
     LABEL_JOB,
+    LABEL_KIND,
     LABEL_NODE,
     LABEL_PEER,
     ContainerSpec,
     ContainerState,
+    EngineIsolation,
     LogCursor,
     LogLine,
     Stream,
 )
-from gpumesh.runtime.docker import DockerRuntime, _EntryReader, _timestamp_key
+from gpumesh.runtime.docker import (
+    DockerRuntime,
+    _engine_isolation,
+    _EntryReader,
+    _timestamp_key,
+)
 
 IMAGE = os.environ.get("GPUMESH_TEST_DOCKER_IMAGE", "gpumesh-test/busybox:1")
 MiB = 1024 * 1024
@@ -285,6 +302,11 @@ def test_lockdown_is_visible_in_host_config(jobs: Jobs, workdir: Path) -> None:
     assert not host.get("DeviceRequests")
     assert host["Init"] is True
     assert host["LogConfig"]["Type"] == "local"
+    assert host["ReadonlyRootfs"] is True
+    tmpfs = f"rw,exec,nosuid,nodev,size={1024 * MiB}"
+    assert host["Tmpfs"] == {"/tmp": f"{tmpfs},mode=1777", "/home/gpumesh": f"{tmpfs},mode=1777"}
+    assert host["ShmSize"] == 64 * MiB  # the 2 GiB default, clamped to the memory limit
+    assert not host.get("StorageOpt")
     assert jobs.client.api.inspect_container(container_id)["Config"]["WorkingDir"] == "/workspace"
 
     default = jobs.create(["true"])
@@ -338,6 +360,415 @@ def test_no_gpus_means_visible_devices_void(jobs: Jobs) -> None:
     finally:
         assert _remove_labelled(jobs.client, jobs.node_id) == []
         jobs.client.api.remove_image(image)
+
+
+# --- root filesystem, users, tmpfs ------------------------------------------------------
+
+JOB_USER = "47000:47000"
+
+
+def test_job_runs_as_its_user_on_a_read_only_root(jobs: Jobs) -> None:
+    script = (
+        'id -u; id -g; echo "$HOME"; ls -ld "$HOME" /tmp | cut -c1-10; '
+        "touch /forbidden; echo root=$?; "
+        'mkdir -p "$HOME/.cache/pip" "$HOME/.local/lib" && echo x > "$HOME/.local/lib/f" '
+        "&& echo x > /tmp/f && echo writes=ok"
+    )
+    container_id, state = jobs.run(["sh", "-c", script], user=JOB_USER)
+    assert state.exit_code == 0, jobs.output(container_id, "stderr")
+    out = jobs.output(container_id, "stdout").decode().splitlines()
+    assert out == [
+        "47000", "47000", "/home/gpumesh", "drwx------", "drwxrwxrwt", "root=1", "writes=ok"
+    ]  # fmt: skip
+    assert b"touch: /forbidden: Read-only file system" in jobs.output(container_id, "stderr")
+    host = jobs.runtime.host_config(container_id)
+    assert host["ReadonlyRootfs"] is True
+    assert jobs.client.api.inspect_container(container_id)["Config"]["User"] == JOB_USER
+
+
+def test_home_owned_by_the_user_and_set_unless_the_job_sets_it(jobs: Jobs) -> None:
+    script = 'echo "$HOME"; ls -ldn /home/gpumesh'
+    container_id, _ = jobs.run(["sh", "-c", script], user="1234:5678")
+    out = jobs.output(container_id, "stdout").decode().split()
+    assert out[0] == "/home/gpumesh"
+    assert out[1] == "drwx------" and out[3:5] == ["1234", "5678"]
+    container_id, _ = jobs.run(["sh", "-c", 'echo "$HOME"'], env={"HOME": "/tmp"}, home="/job")
+    assert jobs.output(container_id, "stdout") == b"/tmp\n"
+    # Without a user (the image's own), the home is world-writable: its owner is not known.
+    container_id, _ = jobs.run(["sh", "-c", 'ls -ld "$HOME" | cut -c1-10'], home="/job")
+    assert jobs.output(container_id, "stdout") == b"drwxrwxrwt\n"
+
+
+def test_tmpfs_mounts_are_exec_nosuid_nodev(jobs: Jobs) -> None:
+    container_id, state = jobs.run(
+        ["sh", "-c", "grep -E ' (/tmp|/home/gpumesh) ' /proc/mounts"], user=JOB_USER
+    )
+    assert state.exit_code == 0
+    for line in jobs.output(container_id, "stdout").decode().splitlines():
+        options = line.split()[3].split(",")
+        assert line.split()[2] == "tmpfs"
+        assert {"rw", "nosuid", "nodev"} <= set(options)
+        assert "noexec" not in options
+        assert f"size={1024 * 1024}k" in options  # 1 GiB by default
+
+
+def test_programs_run_from_tmp_and_home(jobs: Jobs) -> None:
+    script = (
+        "cp /bin/busybox /tmp/busybox && /tmp/busybox echo from-tmp && "
+        'mkdir -p "$HOME/.cache/bin" && cp /bin/busybox "$HOME/.cache/bin/busybox" && '
+        '"$HOME/.cache/bin/busybox" echo from-home'
+    )
+    container_id, state = jobs.run(["sh", "-c", script], user=JOB_USER, tmp_size=16 * MiB)
+    assert state.exit_code == 0, jobs.output(container_id, "stderr")
+    assert jobs.output(container_id, "stdout") == b"from-tmp\nfrom-home\n"
+
+
+def test_tmp_and_home_are_bounded(jobs: Jobs) -> None:
+    script = (
+        "dd if=/dev/zero of=/tmp/fill bs=1M count=8 2>&1; echo tmp=$?; "
+        'dd if=/dev/zero of="$HOME/fill" bs=1M count=8 2>&1; echo home=$?'
+    )
+    container_id, state = jobs.run(["sh", "-c", script], user=JOB_USER, tmp_size=4 * MiB)
+    assert state.exit_code == 0
+    out = jobs.output(container_id, "stdout").decode()
+    assert out.count("No space left on device") == 2, out
+    assert "tmp=1" in out and "home=1" in out
+    assert not state.oom_killed
+
+
+def test_shm_has_the_given_size_within_memory(jobs: Jobs) -> None:
+    script = "grep ' /dev/shm ' /proc/mounts"
+    container_id, _ = jobs.run(["sh", "-c", script], shm_size=32 * MiB, memory=64 * MiB)
+    assert "size=32768k" in jobs.output(container_id, "stdout").decode()
+    assert jobs.runtime.host_config(container_id)["ShmSize"] == 32 * MiB
+    # More than the memory limit: clamped to it (tmpfs pages count against it anyway).
+    container_id, _ = jobs.run(["sh", "-c", script], shm_size=4096 * MiB, memory=64 * MiB)
+    assert "size=65536k" in jobs.output(container_id, "stdout").decode()
+
+
+def test_writable_root_only_when_allowed(jobs: Jobs) -> None:
+    storage = 512 * MiB
+    container_id, state = jobs.run(
+        ["sh", "-c", "touch /allowed && echo ok"], writable_root=True, storage_size=storage
+    )
+    assert state.exit_code == 0 and jobs.output(container_id, "stdout") == b"ok\n"
+    host = jobs.runtime.host_config(container_id)
+    assert host["ReadonlyRootfs"] is False
+    if jobs.runtime.isolation(IMAGE).storage_size:
+        assert host["StorageOpt"] == {"size": str(storage)}
+    else:
+        assert not host.get("StorageOpt")  # not supported here: created without it
+
+
+def test_storage_size_reaches_the_engine(jobs: Jobs) -> None:
+    runtime = DockerRuntime(jobs.client)
+    supported = runtime.isolation(IMAGE).storage_size
+    runtime._storage_size = True  # as if the probe had said yes
+    spec = jobs.spec(["true"], writable_root=True, storage_size=512 * MiB)
+    if supported:
+        container_id = runtime.create(spec)
+        assert runtime.host_config(container_id)["StorageOpt"] == {"size": str(512 * MiB)}
+    else:
+        # The engine refuses the option it was given (on ext4: overlay needs xfs with pquota).
+        with pytest.raises(AgentError, match="storage-opt"):
+            runtime.create(spec)
+    # Without writable_root, no size is asked for: the root is read-only anyway.
+    container_id = runtime.create(jobs.spec(["true"], storage_size=512 * MiB))
+    assert not runtime.host_config(container_id).get("StorageOpt")
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"user": "root"},
+        {"user": "1000"},
+        {"home": "relative"},
+        {"home": "/"},
+        {"home": "/tmp"},
+        {"home": "/workspace"},
+        {"home": "/proc/x"},
+        {"home": "/home/../etc"},
+        {"tmp_size": 0},
+        {"shm_size": -1},
+        {"storage_size": -1},
+    ],
+    ids=str,
+)
+def test_create_refuses_a_bad_lockdown(jobs: Jobs, fields: dict[str, Any]) -> None:
+    with pytest.raises(ConfigError):
+        jobs.create(["true"], **fields)
+    assert jobs.leftovers() == []
+
+
+# --- what an image may not bring ------------------------------------------------------------
+
+
+@pytest.fixture
+def forged_image(jobs: Jobs) -> Iterator[str]:
+    """A busybox image that forges our labels, asks for every driver capability,
+    declares a VOLUME and runs as its own user."""
+    base = jobs.client.api.create_container(IMAGE, ["true"])
+    data = b"".join(jobs.client.api.export(base["Id"]))
+    jobs.client.api.remove_container(base["Id"], force=True)
+    image = f"gpumesh-test/forged:{uuid.uuid4().hex[:8]}"
+    repository, tag = image.split(":")
+    changes = [
+        "LABEL io.gpumesh.job=forged",
+        "LABEL io.gpumesh.kind=exec",
+        "LABEL other=x",
+        "ENV NVIDIA_DRIVER_CAPABILITIES=all",
+        "ENV NVIDIA_REQUIRE_CUDA=cuda>=99",
+        "ENV HOME=/root",
+        "ENV PATH=/bin",
+        "VOLUME /data",
+        "USER 65534:65534",
+        'CMD ["/bin/sh"]',
+    ]
+    jobs.client.api.import_image_from_data(data, repository=repository, tag=tag, changes=changes)
+    try:
+        yield image
+    finally:
+        assert _remove_labelled(jobs.client, jobs.node_id) == []
+        jobs.client.api.remove_image(image)
+
+
+def _volumes(client: Any) -> set[str]:
+    return {volume["Name"] for volume in client.api.volumes().get("Volumes") or []}
+
+
+def test_image_labels_env_and_volumes_do_not_reach_a_job(jobs: Jobs, forged_image: str) -> None:
+    config = jobs.client.api.inspect_image(forged_image)["Config"]
+    assert config["Labels"]["io.gpumesh.job"] == "forged" and "/data" in config["Volumes"]
+    volumes = _volumes(jobs.client)
+    script = "id -u; env; grep ' /data ' /proc/mounts; echo x > /data/f && echo data=ok"
+    container_id = jobs.create(["sh", "-c", script], image=forged_image, user=JOB_USER)
+    attrs = jobs.client.api.inspect_container(container_id)
+    labels = attrs["Config"]["Labels"]
+    assert labels["io.gpumesh.job"] != "forged"
+    assert labels["io.gpumesh.kind"] == ""
+    assert labels["other"] == ""
+    assert not [mount for mount in attrs["Mounts"] if mount["Type"] == "volume"]
+    assert _volumes(jobs.client) == volumes  # no anonymous volume was made
+    jobs.runtime.start(container_id)
+    state = jobs.runtime.wait(container_id)
+    assert state.exit_code == 0, jobs.output(container_id, "stderr")
+    # An empty label is an overridden one: as good as absent.
+    assert "other" not in state.labels and LABEL_KIND not in state.labels
+    assert state.labels[LABEL_JOB] == labels[LABEL_JOB]
+    out = jobs.output(container_id, "stdout").decode().splitlines()
+    assert out[0] == "47000"
+    assert "NVIDIA_DRIVER_CAPABILITIES=" in out
+    assert "NVIDIA_REQUIRE_CUDA=" in out
+    assert "NVIDIA_VISIBLE_DEVICES=void" in out
+    assert "HOME=/home/gpumesh" in out
+    assert not [line for line in out if line.endswith(("=all", "cuda>=99", "=/root"))]
+    assert [line.split()[2] for line in out if " /data " in line] == ["tmpfs"]
+    assert out[-1] == "data=ok"
+    # The job's own NVIDIA_* (other than what the provider sets) stay as given.
+    container_id = jobs.create(["true"], image=forged_image, env={"NVIDIA_MIG_CONFIG": "k"})
+    assert "NVIDIA_MIG_CONFIG=k" in jobs.config_env(container_id)
+
+
+def test_image_labels_do_not_reach_a_shell(jobs: Jobs, forged_image: str) -> None:
+    spec = dataclasses.replace(
+        jobs.spec([], image=forged_image),
+        labels={LABEL_PEER: "peer-under-test", LABEL_NODE: jobs.node_id, LABEL_KIND: "exec"},
+    )
+    volumes = _volumes(jobs.client)
+    container_id = jobs.runtime.create_interactive(spec, tty=False)
+    attrs = jobs.client.api.inspect_container(container_id)
+    assert attrs["Config"]["Labels"]["io.gpumesh.job"] == ""
+    assert attrs["Config"]["Labels"]["other"] == ""
+    assert attrs["HostConfig"]["ReadonlyRootfs"] is True
+    assert "/data" in attrs["HostConfig"]["Tmpfs"]
+    assert not [mount for mount in attrs["Mounts"] if mount["Type"] == "volume"]
+    assert _volumes(jobs.client) == volumes
+    env = attrs["Config"]["Env"]
+    assert "NVIDIA_DRIVER_CAPABILITIES=" in env and "NVIDIA_REQUIRE_CUDA=" in env
+    # A job service sweeping this node's containers sees a shell, not job "forged".
+    (listed,) = jobs.runtime.list_jobs(jobs.node_id)
+    assert LABEL_JOB not in listed.labels
+    assert listed.labels[LABEL_KIND] == "exec"
+
+
+def test_gpu_containers_get_compute_and_utility_only(jobs: Jobs, forged_image: str) -> None:
+    # Create only: this engine may have no NVIDIA runtime to start it with.
+    container_id = jobs.create(["true"], image=forged_image, gpu_ids=["0"])
+    env = jobs.config_env(container_id)
+    assert "NVIDIA_DRIVER_CAPABILITIES=compute,utility" in env
+    assert "NVIDIA_VISIBLE_DEVICES=0" in env
+    assert "NVIDIA_DRIVER_CAPABILITIES=all" not in env
+
+
+def test_an_image_that_moves_under_create_is_refused(jobs: Jobs) -> None:
+    runtime = DockerRuntime(jobs.client)
+    real = jobs.client.api.inspect_image
+
+    def inspect_other(image: str) -> dict[str, Any]:
+        return {**real(image), "Id": "sha256:" + "0" * 64}  # as if the tag moved since
+
+    jobs.client.api.inspect_image = inspect_other
+    try:
+        with pytest.raises(AgentError, match="changed while container"):
+            runtime.create(jobs.spec(["true"]))
+    finally:
+        del jobs.client.api.inspect_image
+    assert jobs.leftovers() == []
+
+
+# --- pip install --user under the lockdown --------------------------------------------------
+
+PYTHON_IMAGE = os.environ.get("GPUMESH_TEST_PYTHON_IMAGE", "gpumesh-test/python:1")
+_BUILDER = Path(__file__).resolve().parents[2] / "scripts" / "build-python-image.sh"
+
+# A PEP 517 backend in the package itself: pip builds it with no index and no setuptools.
+_BACKEND = """
+import base64, hashlib, os, zipfile
+
+NAME, VERSION = "gpumesh_tiny", "1.0"
+
+
+def _line(name, data):
+    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+    return f"{name},sha256={digest},{len(data)}"
+
+
+def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
+    dist = f"{NAME}-{VERSION}.dist-info"
+    files = {
+        f"{NAME}/__init__.py": b"MESSAGE = 'tiny works'\\n",
+        f"{dist}/METADATA": f"Metadata-Version: 2.1\\nName: {NAME}\\nVersion: 1.0\\n".encode(),
+        f"{dist}/WHEEL": b"Wheel-Version: 1.0\\nRoot-Is-Purelib: true\\nTag: py3-none-any\\n",
+    }
+    record = [_line(name, data) for name, data in files.items()] + [f"{dist}/RECORD,,"]
+    files[f"{dist}/RECORD"] = ("\\n".join(record) + "\\n").encode()
+    wheel = f"{NAME}-{VERSION}-py3-none-any.whl"
+    with zipfile.ZipFile(os.path.join(wheel_directory, wheel), "w") as archive:
+        for name, data in files.items():
+            archive.writestr(name, data)
+    return wheel
+"""
+_PYPROJECT = """
+[build-system]
+requires = []
+build-backend = "backend"
+backend-path = ["."]
+"""
+
+
+@pytest.fixture
+def python_image(docker_client: Any) -> str:
+    """Python with pip, built offline from this machine's interpreter once per machine."""
+    with contextlib.suppress(docker.errors.ImageNotFound):
+        docker_client.api.inspect_image(PYTHON_IMAGE)
+        return PYTHON_IMAGE
+    built = subprocess.run(
+        ["bash", str(_BUILDER), PYTHON_IMAGE],
+        env=dict(os.environ, PYTHON=sys.executable),
+        capture_output=True,
+        text=True,
+        timeout=110,
+        check=False,
+    )
+    assert built.returncode == 0, built.stderr
+    return PYTHON_IMAGE
+
+
+def test_pip_install_user_on_a_read_only_root(jobs: Jobs, workdir: Path, python_image: str) -> None:
+    package = workdir / "pkg"
+    package.mkdir()
+    (package / "pyproject.toml").write_text(_PYPROJECT)
+    (package / "backend.py").write_text(_BACKEND)
+    script = (
+        "python3 -m pip install --user --no-index --disable-pip-version-check ./pkg "
+        "&& cd / && python3 -c 'import gpumesh_tiny as t; print(t.MESSAGE, t.__file__)'"
+    )
+    container_id, state = jobs.run(
+        ["sh", "-c", script],
+        image=python_image,
+        user=JOB_USER,
+        workdir=str(workdir),
+        memory=512 * MiB,
+        tmp_size=256 * MiB,
+    )
+    out = jobs.output(container_id, "stdout").decode()
+    assert state.exit_code == 0, (out, jobs.output(container_id, "stderr"))
+    site = "/home/gpumesh/.local/lib/python3."
+    assert out.splitlines()[-1].startswith(f"tiny works {site}"), out
+    assert jobs.runtime.host_config(container_id)["ReadonlyRootfs"] is True
+
+
+# --- the engine's isolation ---------------------------------------------------------------
+
+
+def _probes(client: Any) -> list[dict[str, Any]]:
+    return list(client.api.containers(all=True, filters={"name": "gpumesh-probe-"}))
+
+
+def test_isolation_of_this_engine(jobs: Jobs) -> None:
+    info = jobs.client.api.info()
+    options = " ".join(info.get("SecurityOptions") or [])
+    runtime = DockerRuntime(jobs.client)
+    without_image = runtime.isolation()
+    assert without_image.storage_size is False  # nothing to probe with
+    assert without_image.userns_remap == ("name=userns" in options)
+    assert without_image.rootless == ("name=rootless" in options)
+    if not without_image.userns_remap:
+        assert without_image.remapped_root is None
+    probes = 0
+    probe = runtime._probe_storage_size
+
+    def counted(image: str) -> bool | None:
+        nonlocal probes
+        probes += 1
+        return probe(image)
+
+    runtime._probe_storage_size = counted  # type: ignore[method-assign]
+    missing = f"gpumesh-test/no-such-image-{uuid.uuid4().hex[:8]}:1"
+    assert runtime.isolation(missing).storage_size is False  # cannot tell: asked again later
+    isolation = runtime.isolation(IMAGE)
+    assert runtime.isolation(IMAGE) == isolation
+    assert probes == 2  # the missing image, then once for good
+    backing = dict(info.get("DriverStatus") or []).get("Backing Filesystem")
+    if info.get("Driver") == "overlay2" and backing == "extfs":
+        assert isolation.storage_size is False
+    assert _probes(jobs.client) == []  # the probe left nothing behind
+
+
+@pytest.mark.parametrize(
+    ("info", "expected"),
+    [
+        (
+            {"SecurityOptions": ["name=seccomp,profile=default"], "DockerRootDir": "/d"},
+            EngineIsolation(False, False, None, False),
+        ),
+        (
+            {
+                "SecurityOptions": ["name=seccomp,profile=default", "name=userns"],
+                "DockerRootDir": "/var/lib/docker/100000.100000",
+            },
+            EngineIsolation(True, False, (100000, 100000), False),
+        ),
+        (
+            {"SecurityOptions": ["name=userns"], "DockerRootDir": "/srv/docker/231072.231073/"},
+            EngineIsolation(True, False, (231072, 231073), False),
+        ),
+        (
+            {"SecurityOptions": ["name=userns"], "DockerRootDir": "/srv/100000.100000/docker"},
+            EngineIsolation(True, False, None, False),
+        ),
+        (
+            {
+                "SecurityOptions": ["name=seccomp,profile=default", "name=rootless"],
+                "DockerRootDir": "/home/u/.local/share/docker",
+            },
+            EngineIsolation(False, True, None, False),
+        ),
+        ({}, EngineIsolation(False, False, None, False)),
+    ],
+)
+def test_engine_isolation_from_docker_info(info: dict[str, Any], expected: EngineIsolation) -> None:
+    assert _engine_isolation(info) == expected
 
 
 # --- start failures, limits, stop -------------------------------------------------------

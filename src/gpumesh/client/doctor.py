@@ -9,8 +9,11 @@ import stat
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from gpumesh.errors import GPUMeshError
+from gpumesh.errors import ConfigError, GPUMeshError
+from gpumesh.runtime.base import EngineIsolation
+from gpumesh.runtime.users import job_identity
 from gpumesh.store.home import Home
+from gpumesh.units import format_size, parse_size
 
 if TYPE_CHECKING:
     from gpumesh.runtime.docker import DockerRuntime
@@ -37,6 +40,9 @@ def run_checks(home: Home) -> list[Check]:
         checks += [_config(home), _database(home)]
         checks.append(_home_modes(home))
     checks += [*_docker(home), _gpus(), _udp_port(home)]
+    checks.append(_job_isolation(home))
+    checks.append(_job_storage(home))
+    checks.append(_agent_user(home))
     if home.initialized:
         checks += _relay(home)
     checks.append(_clock())
@@ -164,6 +170,206 @@ def _default_image(home: Home, runtime: DockerRuntime) -> Check:
         f"default image {image} is not on this machine; the first job will try to pull it",
         f"`docker pull {image}` now, or `gpumesh config set image IMG` to one you have",
     )
+
+
+def _isolation() -> EngineIsolation | str:
+    """The engine's isolation, or why it cannot be told."""
+    from gpumesh.runtime.docker import DockerRuntime
+
+    runtime = DockerRuntime()
+    try:
+        return runtime.isolation()
+    except GPUMeshError as exc:
+        return exc.message
+    finally:
+        runtime.close()
+
+
+def _storage_size(image: str) -> bool | None:
+    """Whether Docker can size-limit container filesystems; None when it cannot
+    be told (Docker down, or ``image`` not here to probe with)."""
+    from gpumesh.runtime.docker import DockerRuntime
+
+    runtime = DockerRuntime()
+    try:
+        if not image or not runtime.image_present(image):
+            return None
+        return runtime.isolation(image).storage_size
+    except GPUMeshError:
+        return None
+    finally:
+        runtime.close()
+
+
+def _job_isolation(home: Home) -> Check:
+    isolation = _isolation()
+    if isinstance(isolation, str):
+        return Check("job isolation", WARN, f"cannot tell: {isolation}")
+    try:
+        job_user = str(home.config.get("job_user"))
+        job_root = home.config.get("job_root") == "on"
+    except GPUMeshError as exc:
+        return Check("job isolation", FAIL, exc.message)
+    uid, gid = _agent_ids(home)
+    return _describe_isolation(isolation, job_user, job_root, uid, gid)
+
+
+def _describe_isolation(
+    isolation: EngineIsolation, job_user: str, job_root: bool, agent_uid: int, agent_gid: int
+) -> Check:
+    """Who jobs run as, inside and on the host, and how loudly to say it."""
+    name = "job isolation"
+    try:
+        inside, host = job_identity(job_user, job_root, isolation, agent_uid, agent_gid)
+    except ConfigError as exc:
+        return Check(name, FAIL, exc.message)
+    if isolation.userns_remap:
+        engine = f"Docker remaps users (userns-remap): root inside a job is uid {host[0]} here"
+    elif isolation.rootless:
+        engine = f"rootless Docker: root inside a job is uid {host[0]} (the agent's user) here"
+    else:
+        engine = ""
+    if job_root:
+        fix = "gpumesh config set job_root off"
+        if engine:
+            return Check(
+                name,
+                WARN,
+                f"job_root is on: jobs run as root with a writable root filesystem; {engine}",
+                fix,
+            )
+        return Check(
+            name,
+            WARN,
+            "job_root is on: jobs run as ROOT inside containers that share this machine's "
+            "kernel, with a writable root filesystem; a kernel or Docker flaw is then one step "
+            "from root on this machine",
+            f"{fix}, or use rootless Docker or userns-remap so root in a container is not root "
+            "here",
+        )
+    if engine:
+        user = "root inside" if inside == "0:0" else f"uid {inside.split(':')[0]} inside"
+        return Check(name, OK, f"{engine}; jobs run as {user}")
+    return Check(
+        name,
+        OK,
+        f"jobs run as uid {inside.split(':')[0]} inside containers, not root (no userns-remap "
+        "or rootless Docker: root in a container would be root here)",
+    )
+
+
+def _job_storage(home: Home) -> Check:
+    try:
+        config = home.config
+        job_root = config.get("job_root") == "on"
+        memory = parse_size(str(config.get("job_memory")))
+        tmp = parse_size(str(config.get("job_tmp")))
+        shm = parse_size(str(config.get("job_shm")))
+    except GPUMeshError as exc:
+        return Check("job storage", FAIL, exc.message)
+    storage_size = _storage_size(str(config.get("image"))) if job_root else None
+    return _describe_storage(job_root, storage_size, tmp, shm, memory)
+
+
+def _describe_storage(
+    job_root: bool, storage_size: bool | None, tmp: int, shm: int, memory: int
+) -> Check:
+    """Where a job can write, and what bounds it. ``storage_size``: whether the
+    engine can limit a container's writable layer (None: not known)."""
+    name = "job storage"
+    tmpfs = (
+        f"/tmp and HOME {format_size(tmp)} tmpfs each, /dev/shm {format_size(min(shm, memory))}, "
+        f"within job_memory {format_size(memory)}"
+    )
+    if not job_root:
+        return Check(
+            name,
+            OK,
+            f"read-only root filesystem; {tmpfs}; image VOLUMEs are tmpfs too; only the "
+            "workdir reaches the disk",
+        )
+    if storage_size:
+        return Check(
+            name,
+            OK,
+            f"writable root filesystem (job_root), which Docker can size-limit here; {tmpfs}",
+        )
+    if storage_size is None:
+        return Check(
+            name,
+            WARN,
+            "writable root filesystem (job_root); whether Docker can size-limit it is not "
+            "known without the default image to check with: a job may fill Docker's disk",
+            "gpumesh config set job_root off, or pull the default image and run doctor again",
+        )
+    return Check(
+        name,
+        WARN,
+        "writable root filesystem (job_root) that Docker cannot size-limit here: a job can "
+        "fill Docker's disk",
+        "gpumesh config set job_root off, or put Docker's data root on xfs mounted with pquota",
+    )
+
+
+def _agent_user(home: Home) -> Check:
+    agent = home.read_agent_info() if home.initialized else None
+    agent_uid = None
+    if agent is not None:
+        ids = _process_ids(agent.pid)
+        agent_uid = ids[0] if ids is not None else None
+    return _describe_agent_user(os.geteuid(), agent.pid if agent is not None else None, agent_uid)
+
+
+_AGENT_USER_FIX = "run `gpumesh share` as a user in the docker group, or use rootless Docker"
+
+
+def _describe_agent_user(own_uid: int, agent_pid: int | None, agent_uid: int | None) -> Check:
+    """Whether the agent (running, else the one this user would start) is root."""
+    name = "agent user"
+    if agent_pid is not None and agent_uid is not None:
+        who = f"`gpumesh share` (pid {agent_pid})"
+        if agent_uid == 0:
+            return Check(
+                name,
+                WARN,
+                f"{who} runs as root: whatever a peer's message could do to it, it could do "
+                "as root",
+                _AGENT_USER_FIX,
+            )
+        return Check(name, OK, f"{who} runs as uid {agent_uid}, not root")
+    if own_uid == 0:
+        return Check(
+            name, WARN, "gpumesh runs as root here; `gpumesh share` would too", _AGENT_USER_FIX
+        )
+    return Check(name, OK, f"gpumesh runs as uid {own_uid}, not root")
+
+
+def _agent_ids(home: Home) -> tuple[int, int]:
+    """The running agent's uid and gid, else this process's."""
+    agent = home.read_agent_info() if home.initialized else None
+    ids = _process_ids(agent.pid) if agent is not None else None
+    return ids if ids is not None else (os.geteuid(), os.getegid())
+
+
+def _process_ids(pid: int) -> tuple[int, int] | None:
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            return _status_ids(status.read())
+    except OSError:
+        return None
+
+
+def _status_ids(text: str) -> tuple[int, int] | None:
+    """Effective uid and gid from the text of ``/proc/PID/status``."""
+    found: dict[str, int] = {}
+    for line in text.splitlines():
+        key, _, values = line.partition(":")
+        fields = values.split()
+        if key in ("Uid", "Gid") and len(fields) >= 2 and fields[1].isdigit():
+            found[key] = int(fields[1])  # real, effective, saved, filesystem
+    if "Uid" not in found or "Gid" not in found:
+        return None
+    return found["Uid"], found["Gid"]
 
 
 def _gpus() -> Check:

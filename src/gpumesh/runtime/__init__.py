@@ -7,9 +7,19 @@ Below the agent; knows nothing about peers, the wire or the store.
 from gpumesh.runtime.base import (
     ContainerSpec,
     ContainerState,
+    EngineIsolation,
     JobRuntime,
     LogCursor,
     LogLine,
 )
+from gpumesh.runtime.users import job_identity
 
-__all__ = ["ContainerSpec", "ContainerState", "JobRuntime", "LogCursor", "LogLine"]
+__all__ = [
+    "ContainerSpec",
+    "ContainerState",
+    "EngineIsolation",
+    "JobRuntime",
+    "LogCursor",
+    "LogLine",
+    "job_identity",
+]

@@ -16,6 +16,7 @@ from typing import Literal, Protocol
 __all__ = [
     "ContainerSpec",
     "ContainerState",
+    "EngineIsolation",
     "JobRuntime",
     "LogCursor",
     "LogLine",
@@ -36,6 +37,8 @@ LABEL_KIND = f"{LABEL_PREFIX}.kind"
 interactive shell."""
 KIND_EXEC = "exec"
 WORKDIR_MOUNT = "/workspace"
+DEFAULT_HOME = "/home/gpumesh"
+GiB = 1024**3
 
 Stream = Literal["stdout", "stderr"]
 
@@ -66,6 +69,49 @@ class ContainerSpec:
     gpu_ids: list[str] = field(default_factory=list)
     """GPU indexes or UUIDs given to the container through a device request;
     empty: no GPU (and NVIDIA_VISIBLE_DEVICES=void so the image cannot widen it)."""
+    user: str | None = None
+    """``UID:GID`` (numbers) the container's processes run as; None: the image's
+    own user (often root). See :func:`gpumesh.runtime.users.job_identity`."""
+    home: str = DEFAULT_HOME
+    """A private, writable folder (a tmpfs of ``tmp_size``, mode 0700, owned by
+    ``user``; world-writable 1777 when ``user`` is None, whose uid is not known
+    here); HOME points at it unless ``env`` sets HOME."""
+    tmp_size: int = GiB
+    """Bytes of the tmpfs mounted at /tmp (mode 1777) and of the one at ``home``
+    (each), and of one at each VOLUME path of the image. Mounted ``exec`` (tools
+    load compiled code from /tmp and ~/.cache), ``nosuid``, ``nodev``. tmpfs pages
+    are charged to the container's memory cgroup, so they count against
+    ``memory``: a full /tmp leaves that much less for the job."""
+    shm_size: int = 2 * GiB
+    """Bytes of /dev/shm (clamped to ``memory``); PyTorch's data loaders pass
+    tensors through it. Also a tmpfs charged to ``memory``."""
+    writable_root: bool = False
+    """False: the root filesystem is read-only, and only /tmp, ``home``,
+    /dev/shm, the workdir and the image's VOLUME paths (all tmpfs but the
+    workdir) can be written. True only when the provider allowed it (config
+    ``job_root``); then ``storage_size`` bounds it where the engine can."""
+    storage_size: int = 0
+    """Bytes the container's writable root may grow to (Docker's ``storage_opt
+    size``); applied only with ``writable_root``, when non-zero and when the
+    engine supports it (:attr:`EngineIsolation.storage_size`)."""
+
+
+@dataclass(frozen=True)
+class EngineIsolation:
+    """What the engine itself does to keep a container's users off the host's."""
+
+    userns_remap: bool
+    """The daemon runs with ``userns-remap``: root in a container is an
+    unprivileged uid on the host."""
+    rootless: bool
+    """The daemon itself runs as an ordinary user (rootless Docker): root in a
+    container is that user on the host."""
+    remapped_root: tuple[int, int] | None
+    """Under ``userns-remap``, the host uid:gid that container root maps to;
+    None otherwise or when it cannot be told."""
+    storage_size: bool
+    """Whether the engine can bound a container's writable layer
+    (``storage_opt size``): overlay2 on xfs with pquota, btrfs, zfs, ..."""
 
 
 @dataclass(frozen=True)
@@ -176,6 +222,13 @@ class JobRuntime(Protocol):
 
     def host_config(self, container_id: str) -> dict[str, object]:
         """The container's inspected HostConfig (for checks and tests)."""
+
+    def isolation(self, image: str | None = None) -> EngineIsolation:
+        """How the engine isolates containers; asked once, then cached.
+
+        Whether container filesystems can be size-limited is probed by creating
+        (never starting) a throwaway container of ``image``, which must be
+        present; without one that answer is False and not cached."""
 
     # --- interactive containers (``gpumesh exec``) ----------------------------------------
 

@@ -9,24 +9,31 @@ that says what to do.
 
 It talks to the engine only through the Engine API (the ``docker`` SDK),
 never through the docker CLI, and must never give a job the host's network,
-privileges, capabilities or any host path other than its own workdir.
+privileges, capabilities or any host path other than its own workdir. Our
+settings win over the image's: its labels, ``NVIDIA_*`` variables and VOLUME
+lines never reach a container unless we set them, and nothing a job writes
+lands on the host's disk but its workdir.
 
 Thread safety: one ``DockerRuntime`` is shared by every job's worker threads.
 The SDK client is a requests session over a pool of connections; each request
 (including a long ``wait`` or a followed log stream) takes its own connection,
 and this class keeps no per-call state on the client, so concurrent calls do
 not interfere. The only shared mutable state here is the lazily created
-client, guarded by a lock.
+client, guarded by a lock, and the cached answer of :meth:`isolation`, guarded
+by another.
 """
 
 from __future__ import annotations
 
 import calendar
 import contextlib
+import dataclasses
 import logging
 import math
 import os
+import posixpath
 import re
+import secrets
 import socket
 import threading
 import time
@@ -56,6 +63,7 @@ from gpumesh.runtime.base import (
     WORKDIR_MOUNT,
     ContainerSpec,
     ContainerState,
+    EngineIsolation,
     LogCursor,
     LogLine,
     Stream,
@@ -87,6 +95,20 @@ _REQUIRED_LABELS = (LABEL_JOB, LABEL_PEER, LABEL_NODE, LABEL_ATTEMPT)
 _INTERACTIVE_LABELS = (LABEL_PEER, LABEL_NODE, LABEL_KIND)
 _ATTACH_READ = 64 * 1024
 _ALIVE = frozenset({"running", "paused", "restarting"})
+
+# Docker's --tmpfs defaults to noexec, which breaks whatever loads compiled
+# code from /tmp or ~/.cache (Triton, torch.compile, pip builds); nosuid and
+# nodev keep a tmpfs from becoming a way up.
+_TMPFS_OPTIONS = "rw,exec,nosuid,nodev"
+# Paths a job's tmpfs mounts must not take: the root, what Docker mounts
+# itself, and the kernel's.
+_SYSTEM_PATHS = ("/proc", "/sys", "/dev")
+# Given with GPUs: what CUDA programs need, not graphics, video or display.
+_DRIVER_CAPABILITIES = "compute,utility"
+_PROBE_SIZE = "1G"
+_USER_IDS = re.compile(r"(\d+):(\d+)")
+# Under userns-remap Docker keeps its data in <data root>/<uid>.<gid>.
+_REMAPPED_ROOT_DIR = re.compile(r"/(\d+)\.(\d+)/*$")
 
 # Docker's log timestamps: RFC 3339 in UTC with a fixed 9-digit fraction.
 _TIMESTAMP = re.compile(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d{1,9}))?Z")
@@ -127,6 +149,9 @@ class DockerRuntime:
         self._pull_timeout = pull_timeout
         self._init = init
         self._lock = threading.Lock()
+        self._isolation_lock = threading.Lock()
+        self._isolation: EngineIsolation | None = None
+        self._storage_size: bool | None = None
 
     def close(self) -> None:
         """Close the client this runtime made itself (an injected one is the caller's)."""
@@ -148,6 +173,47 @@ class DockerRuntime:
         with self._engine("describe itself") as api:
             info = api.info()
         return "nvidia" in (info.get("Runtimes") or {})
+
+    def isolation(self, image: str | None = None) -> EngineIsolation:
+        # One lock for the whole answer: a second caller waits for the first
+        # one's probe instead of making its own throwaway container.
+        with self._isolation_lock:
+            if self._isolation is None:
+                with self._engine("describe itself") as api:
+                    info = api.info()
+                self._isolation = _engine_isolation(info)
+            if self._storage_size is None and image:
+                self._storage_size = self._probe_storage_size(image)
+            return dataclasses.replace(self._isolation, storage_size=bool(self._storage_size))
+
+    def _probe_storage_size(self, image: str) -> bool | None:
+        """Whether the engine accepts ``storage_opt size``: it says so when a
+        container is created, so create one (never started) and remove it.
+        None when ``image`` is not here to tell."""
+        name = f"gpumesh-probe-{secrets.token_hex(6)}"
+        with self._engine("create a probe container") as api:
+            host_config = api.create_host_config(
+                network_mode="none", storage_opt={"size": _PROBE_SIZE}
+            )
+            try:
+                created = api.create_container(
+                    image=image,
+                    command=["true"],  # never run; only an image without CMD needs one
+                    name=name,
+                    labels={LABEL_KIND: "probe"},
+                    host_config=host_config,
+                    detach=True,
+                )
+            except docker.errors.ImageNotFound:
+                return None
+            except docker.errors.APIError as exc:
+                # On ext4: "--storage-opt is supported only for overlay over xfs
+                # with 'pquota' mount option".
+                logger.info("Docker cannot limit container filesystems: %s", _explanation(exc))
+                return False
+            # v=True: also the anonymous volumes of the image's VOLUME lines.
+            api.remove_container(created["Id"], force=True, v=True)
+        return True
 
     # --- images -------------------------------------------------------------------------
 
@@ -219,11 +285,24 @@ class DockerRuntime:
 
     def _create(self, spec: ContainerSpec, *, interactive: bool, tty: bool) -> str:
         """The one place that shapes a container: the lockdown is the same for jobs
-        and shells; they differ only in GPUs, the workdir, logs and stdin."""
-        env = dict(spec.env)
-        # Set last so neither the job's env nor the image's ENV can widen GPU
-        # access: "void" hides every GPU from the NVIDIA runtime.
-        env["NVIDIA_VISIBLE_DEVICES"] = ",".join(spec.gpu_ids) if spec.gpu_ids else "void"
+        and shells; they differ only in GPUs, the workdir, logs and stdin.
+
+        Docker merges the image's labels, ENV and VOLUME lines into the
+        container and can only override them, never drop them; so the image is
+        inspected first and each of those is overridden (labels and ``NVIDIA_*``
+        with empty values, volumes with tmpfs mounts)."""
+        with self._engine(f"look up image {spec.image!r}") as api:
+            try:
+                image = api.inspect_image(spec.image)
+            except docker.errors.ImageNotFound as exc:
+                raise ImageMissingError(_not_here(spec.image)) from exc
+        image_config = image.get("Config") or {}
+        env = _container_env(spec, image_config.get("Env"))
+        labels = _container_labels(spec, image_config.get("Labels"))
+        tmpfs = _tmpfs_mounts(spec, image_config.get("Volumes"))
+        storage_opt = None
+        if spec.writable_root and spec.storage_size > 0 and self.isolation(spec.image).storage_size:
+            storage_opt = {"size": str(spec.storage_size)}
         device_requests = None
         if spec.gpu_ids:
             device_requests = [
@@ -245,6 +324,10 @@ class DockerRuntime:
                 privileged=False,
                 cap_drop=["ALL"],
                 security_opt=["no-new-privileges"],
+                read_only=not spec.writable_root,
+                tmpfs=tmpfs,
+                shm_size=min(spec.shm_size, spec.memory),
+                storage_opt=storage_opt,
                 pids_limit=spec.pids_limit or None,
                 mem_limit=spec.memory,
                 memswap_limit=spec.memory,
@@ -260,8 +343,9 @@ class DockerRuntime:
                     image=spec.image,
                     command=list(spec.command) or None,
                     environment=[f"{key}={value}" for key, value in env.items()],
-                    labels=dict(spec.labels),
+                    labels=labels,
                     name=spec.name,
+                    user=spec.user,
                     working_dir=WORKDIR_MOUNT if spec.workdir is not None else None,
                     host_config=host_config,
                     # A shell is not detached: the SDK then also sets StdinOnce, so
@@ -271,10 +355,7 @@ class DockerRuntime:
                     tty=tty,
                 )
             except docker.errors.ImageNotFound as exc:
-                raise ImageMissingError(
-                    f"image {spec.image!r} is not on this machine; on the provider run "
-                    f"`docker pull {spec.image}` or `docker load -i FILE`"
-                ) from exc
+                raise ImageMissingError(_not_here(spec.image)) from exc
             except docker.errors.APIError as exc:
                 if exc.status_code == 409:
                     raise AgentError(
@@ -282,7 +363,16 @@ class DockerRuntime:
                         f"`docker rm -f {spec.name}` if nothing uses it"
                     ) from exc
                 raise
-        container_id = str(created["Id"])
+            container_id = str(created["Id"])
+            # What was overridden above was read from the image the name meant
+            # then; a tag moved in between (a pull, a build) would let another
+            # image's labels, env and volumes through.
+            if api.inspect_container(container_id).get("Image") != image.get("Id"):
+                api.remove_container(container_id, force=True, v=True)
+                raise AgentError(
+                    f"image {spec.image!r} changed while container {spec.name!r} was being "
+                    "created: try again"
+                )
         label = spec.labels.get(LABEL_JOB, spec.name)
         for warning in created.get("Warnings") or []:
             logger.warning("[%s %s] Docker: %s", kind, label, warning)
@@ -610,6 +700,26 @@ def _check_spec(spec: ContainerSpec, *, interactive: bool) -> None:
         raise ConfigError(f"network {spec.network!r} is not allowed: use bridge or none")
     if spec.memory <= 0:
         raise ConfigError(f"memory limit must be a positive number of bytes, not {spec.memory}")
+    for what, size in (("/tmp", spec.tmp_size), ("/dev/shm", spec.shm_size)):
+        if size <= 0:
+            raise ConfigError(f"{what} size must be a positive number of bytes, not {size}")
+    if spec.storage_size < 0:
+        raise ConfigError(f"storage size must be 0 (none) or more, not {spec.storage_size}")
+    if spec.user is not None and _USER_IDS.fullmatch(spec.user) is None:
+        raise ConfigError(f"container user {spec.user!r} is not UID:GID (two numbers)")
+    home = spec.home
+    if (
+        not home.startswith("/")
+        or posixpath.normpath(home) != home
+        or home in ("/", "/tmp", "/dev/shm", WORKDIR_MOUNT)
+        or home.startswith(tuple(f"{path}/" for path in _SYSTEM_PATHS))
+        or ":" in home
+        or "," in home
+    ):
+        raise ConfigError(
+            f"container home {home!r} must be a plain absolute path of its own "
+            "(not /, /tmp, /dev/shm, /workspace or under /proc, /sys, /dev)"
+        )
     if spec.pids_limit < 0:
         raise ConfigError(f"process limit must be 0 (default) or more, not {spec.pids_limit}")
     if spec.cpus < 0:
@@ -634,6 +744,73 @@ def _check_spec(spec: ContainerSpec, *, interactive: bool) -> None:
             raise ConfigError(f"job workdir {workdir!r} must not contain ':' or ','")
 
 
+def _container_env(spec: ContainerSpec, image_env: list[str] | None) -> dict[str, str]:
+    """The variables to set: the spec's, HOME, and over the image's ``NVIDIA_*``."""
+    env = dict(spec.env)
+    env.setdefault("HOME", spec.home)
+    for entry in image_env or []:
+        key = entry.partition("=")[0]
+        # e.g. NVIDIA_DRIVER_CAPABILITIES=all (graphics, video, display) in an
+        # image; empty is as if the image never set it.
+        if key.startswith("NVIDIA_") and key not in env:
+            env[key] = ""
+    # Set last so neither the job's env nor the image's ENV can widen GPU
+    # access: "void" hides every GPU from the NVIDIA runtime.
+    env["NVIDIA_VISIBLE_DEVICES"] = ",".join(spec.gpu_ids) if spec.gpu_ids else "void"
+    env["NVIDIA_DRIVER_CAPABILITIES"] = _DRIVER_CAPABILITIES if spec.gpu_ids else ""
+    return env
+
+
+def _container_labels(spec: ContainerSpec, image_labels: dict[str, str] | None) -> dict[str, str]:
+    """The spec's labels, and an empty value over each other label of the image
+    (which readers treat as absent: see :func:`_state`)."""
+    labels = {key: "" for key in image_labels or {}}
+    labels.update(spec.labels)
+    return labels
+
+
+def _tmpfs_mounts(spec: ContainerSpec, volumes: dict[str, Any] | None) -> dict[str, str]:
+    """Docker's ``Tmpfs``: /tmp, the home, and each VOLUME path of the image.
+
+    A tmpfs at a VOLUME path stops Docker from making an anonymous volume
+    there (on the host's disk, outside every limit); what the image has under
+    that path is hidden, as with ``--tmpfs``."""
+    options = f"{_TMPFS_OPTIONS},size={spec.tmp_size}"
+    tmpfs = {"/tmp": f"{options},mode=1777"}
+    match = _USER_IDS.fullmatch(spec.user or "")
+    if match is not None:
+        uid, gid = match.groups()
+        tmpfs[spec.home] = f"{options},uid={uid},gid={gid},mode=0700"
+    else:
+        tmpfs[spec.home] = f"{options},mode=1777"  # the image's user: its uid is not known here
+    taken = {"/", "/dev/shm", *tmpfs}
+    if spec.workdir is not None:
+        taken.add(WORKDIR_MOUNT)  # the bind mount already stands there
+    for volume in volumes or {}:
+        # Docker compares the cleaned path with the Tmpfs keys.
+        path = posixpath.normpath("/" + volume.lstrip("/"))
+        if path not in taken:
+            tmpfs[path] = f"{options},mode=1777"
+    return tmpfs
+
+
+def _engine_isolation(info: dict[str, Any]) -> EngineIsolation:
+    """What ``docker info`` says about users; ``storage_size`` is probed apart."""
+    options = [str(option) for option in info.get("SecurityOptions") or []]
+    userns = any("name=userns" in option for option in options)
+    remapped_root = None
+    if userns:
+        match = _REMAPPED_ROOT_DIR.search(str(info.get("DockerRootDir") or ""))
+        if match is not None:
+            remapped_root = (int(match.group(1)), int(match.group(2)))
+    return EngineIsolation(
+        userns_remap=userns,
+        rootless=any("name=rootless" in option for option in options),
+        remapped_root=remapped_root,
+        storage_size=False,
+    )
+
+
 def _state(attrs: dict[str, Any]) -> ContainerState:
     state = attrs.get("State") or {}
     status = str(state.get("Status") or "")
@@ -654,7 +831,8 @@ def _state(attrs: dict[str, Any]) -> ContainerState:
     labels = (attrs.get("Config") or {}).get("Labels") or {}
     return ContainerState(
         container_id=str(attrs.get("Id", "")),
-        labels={str(key): str(value) for key, value in labels.items()},
+        # An empty value is an image's label we overrode: as good as absent.
+        labels={str(key): str(value) for key, value in labels.items() if value},
         status=status,
         exit_code=exit_code,
         oom_killed=bool(state.get("OOMKilled")),
@@ -704,6 +882,13 @@ def _explanation(exc: docker.errors.APIError) -> str:
 def _one_line(text: str, limit: int = 300) -> str:
     line = " ".join(text.split())
     return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+def _not_here(image: str) -> str:
+    return (
+        f"image {image!r} is not on this machine; on the provider run "
+        f"`docker pull {image}` or `docker load -i FILE`"
+    )
 
 
 def _missing_image(image: str, reason: str) -> str:

@@ -19,6 +19,7 @@ from typing import Any
 from gpumesh import settings
 from gpumesh.errors import ConfigError, IdentityError
 from gpumesh.identity.keys import check_node_name
+from gpumesh.runtime.users import parse_job_user
 from gpumesh.store.modes import write_private
 from gpumesh.units import parse_size
 
@@ -124,6 +125,11 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _job_user(text: str) -> str:
+    parse_job_user(text)
+    return text.strip()
+
+
 def _choice(*choices: str) -> Callable[[str], str]:
     def check(text: str) -> str:
         if text not in choices:
@@ -176,6 +182,23 @@ KEYS: dict[str, ConfigKey] = {
         ConfigKey(
             "job_network", _choice("bridge", "none"), "bridge", "job network: bridge or none"
         ),
+        ConfigKey(
+            "job_user",
+            _job_user,
+            "auto",
+            "who jobs run as inside their containers: UID or UID:GID (numbers), or auto: the "
+            "agent's own uid:gid when it does not run as root, else 47000:47000; under "
+            "userns-remap or rootless Docker, root inside the remapped namespace",
+        ),
+        ConfigKey(
+            "job_root",
+            _choice("on", "off"),
+            "off",
+            "run jobs as root inside the container with a writable root filesystem; "
+            "`share` and `doctor` warn loudly",
+        ),
+        ConfigKey("job_tmp", _size, "1GB", "size of /tmp and HOME in each job container"),
+        ConfigKey("job_shm", _size, "2GB", "/dev/shm of each job container, within job_memory"),
         ConfigKey("upload_limit", _size, "10GB", "largest job workdir a peer may upload"),
         ConfigKey(
             "file_quota", _size, "50GB", "most bytes each peer may keep here with `gpumesh cp`"
