@@ -199,9 +199,13 @@ def terminals() -> Iterator[list[Terminal]]:
 def test_interactive_shell_through_a_real_terminal(nodes: Nodes, engine, terminals) -> None:
     shell = Terminal(nodes.bob, "exec", "alice-pc", rows=30, cols=100)
     terminals.append(shell)
-    shell.expect(b"# ")  # the remote prompt
+    shell.expect(b"$ ")  # the remote prompt: not root's
     shell.send("echo $((6 * 7))-answer\r")  # the echoed line does not contain the result
     shell.expect(b"42-answer")
+    # Root inside a shell is not root on the host: the shell runs as the job user.
+    expected = 47000 if os.geteuid() == 0 else os.geteuid()
+    shell.send("echo uid=$(id -u)-home=$HOME\r")
+    shell.expect(f"uid={expected}-home=/home/gpumesh".encode())
 
     # The window size at start, then after the local window changes (SIGWINCH).
     shell.send("busybox stty size\r")
@@ -290,7 +294,7 @@ def test_without_a_terminal_stdin_is_piped_through(nodes: Nodes, engine) -> None
 def test_closing_the_terminal_removes_the_container(nodes: Nodes, engine, terminals) -> None:
     shell = Terminal(nodes.bob, "exec", "alice-pc")
     terminals.append(shell)
-    shell.expect(b"# ")
+    shell.expect(b"$ ")
     assert len(_shells(engine, nodes.alice_id)) == 1
     os.close(shell.master)  # the window closes: SIGHUP
     assert shell.proc.wait(timeout=10) == 129
@@ -300,7 +304,7 @@ def test_closing_the_terminal_removes_the_container(nodes: Nodes, engine, termin
 def test_revoking_access_ends_an_open_shell(nodes: Nodes, engine, terminals) -> None:
     shell = Terminal(nodes.bob, "exec", "alice-pc")
     terminals.append(shell)
-    shell.expect(b"# ")
+    shell.expect(b"$ ")
     try:
         assert gpumesh(nodes.alice, "deny", "bob-laptop").returncode == 0
         assert shell.wait() == 3

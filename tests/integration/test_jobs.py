@@ -310,7 +310,7 @@ def test_gpu_jobs_get_their_assigned_gpu_through_device_requests(cluster, engine
             )
             runtime = DockerRuntime()
             try:
-                container_id = runtime.create(jobs.container_spec(job, 1))
+                container_id = runtime.create(jobs.container_spec(job, 1, jobs.job_user(IMAGE)))
             finally:
                 runtime.close()
             inspected = engine.api.inspect_container(container_id)

@@ -53,6 +53,7 @@ from gpumesh.runtime.base import (
 )
 
 if TYPE_CHECKING:
+    from gpumesh.agent.jobs import JobUser
     from gpumesh.agent.server import Agent, RequestContext
     from gpumesh.store.db import Peer
     from gpumesh.transport.stream import Stream
@@ -106,7 +107,8 @@ class ExecService:
             if key.upper().startswith("NVIDIA_"):
                 raise LimitError(f"{key} may not be set: the provider decides GPU access")
         await self.agent.jobs.check_image(message.image)
-        spec = self.container_spec(ctx.peer, message)
+        who = await self.agent.jobs.who_runs(message.image)
+        spec = self.container_spec(ctx.peer, message, who)
         runtime = self.runtime
         container_id = await in_thread(runtime.create_interactive, spec, message.tty)
         self._live.add(container_id)
@@ -135,8 +137,9 @@ class ExecService:
             finally:
                 self._live.discard(container_id)
 
-    def container_spec(self, peer: Peer, message: ExecStart) -> ContainerSpec:
-        """The locked-down container for one shell: a job's limits, no host path, no GPU."""
+    def container_spec(self, peer: Peer, message: ExecStart, who: JobUser) -> ContainerSpec:
+        """The locked-down container for one shell: a job's limits and user, no host
+        path, no GPU."""
         return ContainerSpec(
             image=message.image,
             command=list(message.command),
@@ -148,6 +151,9 @@ class ExecService:
             },
             name=f"gpumesh-exec-{secrets.token_hex(6)}",
             **asdict(self.agent.jobs.limits()),
+            user=who.user,
+            writable_root=who.writable_root,
+            storage_size=who.storage_size,
         )
 
     async def _resize(self, container_id: str, rows: int, cols: int) -> None:

@@ -32,6 +32,8 @@ from gpumesh.agent.jobstate import FINAL_STATES, Decision, JobMachine, JobState
 from gpumesh.blocking import in_thread
 from gpumesh.errors import (
     AccessDeniedError,
+    AgentError,
+    ConfigError,
     GPUMeshError,
     LimitError,
     NotFoundError,
@@ -59,6 +61,7 @@ from gpumesh.runtime.base import (
     LogCursor,
     LogLine,
 )
+from gpumesh.runtime.users import job_identity
 from gpumesh.store.db import JobRecord
 from gpumesh.units import format_size, parse_size
 
@@ -108,6 +111,22 @@ class ContainerLimits:
     pids_limit: int
     cpus: float
     network: Literal["bridge", "none"]
+    tmp_size: int
+    """/tmp and HOME, each (tmpfs: counted in ``memory``)."""
+    shm_size: int
+
+
+@dataclass(frozen=True)
+class JobUser:
+    """Who a peer's containers run as, and what of their file system they may write."""
+
+    user: str
+    """``UID:GID`` inside the container."""
+    owner: tuple[int, int]
+    """The host uid:gid that must own what the container may write (its workdir)."""
+    writable_root: bool
+    storage_size: int
+    """Bytes of the writable root filesystem, where the engine can bound it; 0: unbounded."""
 
 
 class _Run:
@@ -275,6 +294,7 @@ class JobService:
             self._check_nesting(peer.node_id, workdir, message.sandbox_dir)
         gpus = await in_thread(self._assign_gpus, message.gpu_memory, message.gpu)
         await self.check_image(message.image)
+        await self.who_runs(message.image)
         record = JobRecord(
             role=HOSTED,
             job_id=message.job_id,
@@ -377,6 +397,24 @@ class JobService:
                     "folders; wait for it to end, or use a folder beside it"
                 )
 
+    async def _recheck_folder(self, job: JobRecord) -> None:
+        """Before each attempt: the job's sandbox folder is still a folder there,
+        with no link on the way, and its user owns what is in it."""
+        try:
+            peer = self.store.peer_by_id(job.peer_id)
+        except GPUMeshError:
+            return
+        root = str(self.agent.files.sandbox(peer)) + os.sep
+        if not job.workdir.startswith(root):
+            return  # an uploaded workdir: the agent's own folder, handed over once
+        remote = "/" + job.workdir[len(root) :]
+        try:
+            await in_thread(self.agent.apps.resolve_sandbox_dir, peer, remote)
+        except GPUMeshError as exc:
+            raise AgentError(
+                f"its folder {remote} cannot be used any more: {exc.message}"
+            ) from None
+
     def peer_workdirs(self, peer_id: str) -> list[Path]:
         """The uploaded workdirs of a peer's jobs still on disk (not its sandbox folders)."""
         root = str(self.jobs_dir) + os.sep
@@ -456,6 +494,15 @@ class JobService:
                 f"{format_size(best.memory_used)} used of {format_size(best.memory_total)})"
             )
         return [str(best.index)]
+
+    async def who_runs(self, image: str) -> JobUser:
+        """:meth:`job_user`, its refusals in this provider's name."""
+        try:
+            return await in_thread(self.job_user, image)
+        except ConfigError as exc:
+            raise ConfigError(
+                f"{self.agent.name} cannot run jobs as configured: {exc.message}"
+            ) from None
 
     async def check_image(self, image: str) -> None:
         """Refuse, naming this provider, when ``image`` is neither here nor pullable."""
@@ -539,7 +586,9 @@ class JobService:
         await self._event(run, JobState.STARTING, None, f"attempt {attempt} starting")
         job = self._record(run.job_id)
         try:
-            spec = self.container_spec(job, attempt)
+            who = await self.who_runs(job.image)
+            await self._recheck_folder(job)
+            spec = self.container_spec(job, attempt, who)
             run.container_id = await in_thread(self.runtime.create, spec)
             self.store.update_job(HOSTED, run.job_id, container_id=run.container_id)
             await in_thread(self.runtime.start, run.container_id)
@@ -781,9 +830,32 @@ class JobService:
             pids_limit=int(config.get("job_pids_limit")),
             cpus=float(config.get("job_cpus")),
             network="none" if network == "none" else "bridge",
+            tmp_size=parse_size(str(config.get("job_tmp"))),
+            shm_size=parse_size(str(config.get("job_shm"))),
         )
 
-    def container_spec(self, job: JobRecord, attempt: int) -> ContainerSpec:
+    def job_user(self, image: str) -> JobUser:
+        """Who containers run as, from job_user / job_root and what the engine does
+        with users (blocking: asks the engine once). Also tells the file service
+        whom to give what peers store, so their jobs can write it."""
+        config = self.agent.home.config
+        isolation = self.runtime.isolation(image)
+        as_root = str(config.get("job_root")) == "on"
+        user, owner = job_identity(
+            str(config.get("job_user")), as_root, isolation, os.geteuid(), os.getegid()
+        )
+        self.agent.files.owner = owner
+        # The root filesystem stays read-only unless the engine can bound it, or
+        # the owner explicitly allowed root jobs (which doctor and share flag).
+        sized = isolation.storage_size
+        return JobUser(
+            user=user,
+            owner=owner,
+            writable_root=as_root or sized,
+            storage_size=parse_size(str(config.get("job_tmp"))) if sized else 0,
+        )
+
+    def container_spec(self, job: JobRecord, attempt: int, who: JobUser) -> ContainerSpec:
         """The locked-down container for one attempt of ``job``."""
         return ContainerSpec(
             image=job.image,
@@ -797,6 +869,9 @@ class JobService:
             },
             name=f"gpumesh-{job.job_id}-{attempt}",
             **asdict(self.limits()),
+            user=who.user,
+            writable_root=who.writable_root,
+            storage_size=who.storage_size,
             workdir=job.workdir or None,
             gpu_ids=list(job.gpus),
         )

@@ -67,6 +67,38 @@ async def _report_relay(relay: object) -> None:
     )
 
 
+async def _report_job_user(agent: object) -> None:
+    """Who peers' jobs run as here; loudly when it is root (job_root on)."""
+    from gpumesh.agent.server import Agent
+    from gpumesh.errors import ConfigError, GPUMeshError
+
+    assert isinstance(agent, Agent)
+    try:
+        who = await agent.jobs.who_runs(str(agent.home.config.get("image")))
+    except ConfigError as exc:
+        click.echo(click.style(f"WARNING: {exc.message}", fg="yellow", bold=True), err=True)
+        return
+    except GPUMeshError:
+        return  # no Docker: jobs are refused with their own clear message
+    if who.user.startswith("0:") and who.owner == (0, 0):
+        click.echo(
+            click.style(
+                "WARNING: job_root is on: peers' jobs run as ROOT in their containers, with a "
+                "writable root filesystem"
+                + ("" if who.storage_size else " of unbounded size")
+                + "; root in a container shares this machine's kernel. Turn it off with "
+                "`gpumesh config set job_root off`, or use Docker's userns-remap",
+                fg="red",
+                bold=True,
+            ),
+            err=True,
+        )
+        return
+    inside = "root in a remapped user namespace" if who.user.startswith("0:") else who.user
+    root = "writable (bounded)" if who.writable_root else "read-only"
+    click.echo(f"  jobs run as {inside} (host uid {who.owner[0]}), root filesystem {root}")
+
+
 async def _serve(node: object, host: str | None, port: int | None, max_vram: int | None) -> None:
     from gpumesh.agent.server import Agent
     from gpumesh.client.node import Node
@@ -101,6 +133,7 @@ async def _serve(node: object, host: str | None, port: int | None, max_vram: int
             )
     else:
         click.echo("  no NVIDIA GPU here: peers can run CPU-only jobs (without --gpu-memory)")
+    await _report_job_user(agent)
     if agent.relay is not None:
         await _report_relay(agent.relay)
     click.echo("Only paired, allowed peers are served. Pairing code for a new peer (valid 1 hour):")
