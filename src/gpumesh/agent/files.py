@@ -229,8 +229,9 @@ class FileService:
         self.agent = agent
         self.root = agent.home.path / "files"
         self.owner: tuple[int, int] | None = None
-        """Who owns what a peer stores here (the uid:gid its jobs run as), when the
-        agent runs as root; None: the agent's own user."""
+        """Who owns what a peer stores here: the host uid:gid its jobs run as, set
+        by the job service once it asked the engine; None until then (what is
+        placed meanwhile is handed over when a job gets its folder)."""
         self._job_dirs = job_dirs or (lambda _peer_id: [])
         """A peer's uploaded job workdirs (what its jobs write there counts too)."""
         self._active: dict[str, dict[str, _Active]] = {}

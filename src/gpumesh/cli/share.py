@@ -95,7 +95,10 @@ async def _report_job_user(agent: object) -> None:
         )
         return
     inside = "root in a remapped user namespace" if who.user.startswith("0:") else who.user
-    root = "writable (bounded)" if who.writable_root else "read-only"
+    if not who.writable_root:
+        root = "read-only"
+    else:
+        root = "writable, bounded" if who.storage_size else "writable, unbounded"
     click.echo(f"  jobs run as {inside} (host uid {who.owner[0]}), root filesystem {root}")
 
 
