@@ -50,3 +50,21 @@ def open_umask() -> Iterator[None]:
         yield
     finally:
         os.umask(previous)
+
+
+@pytest.fixture(params=["openat2", "walk"])
+def resolution(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Both ways the sandbox opens beneath a folder: openat2, and the component walk
+    that kernels before 5.6 (or a seccomp filter that refuses openat2) get."""
+    from gpumesh.files import sandbox
+
+    sandbox.use_openat2(request.param == "openat2")
+    if request.param == "openat2" and not sandbox.openat2_available():
+        sandbox.use_openat2(None)
+        if _in_ci():
+            raise AssertionError("CI's kernel must have openat2 (Linux 5.6+)")
+        pytest.skip("this kernel has no openat2")
+    try:
+        yield str(request.param)
+    finally:
+        sandbox.use_openat2(None)

@@ -70,6 +70,21 @@ def pair_both(a: Node, b: Node) -> None:
     a.pair(b.pairing_code())
 
 
+def remove_containers(node_id: str) -> None:
+    """Remove every container a node's agent made (agents keep job containers on stop)."""
+    import docker
+
+    from gpumesh.runtime.base import LABEL_NODE
+
+    client = docker.from_env()
+    try:
+        label = f"{LABEL_NODE}={node_id}"
+        for container in client.containers.list(all=True, filters={"label": label}):
+            container.remove(force=True)
+    finally:
+        client.close()
+
+
 def gpumesh(home: Path, *args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
     """Run the real CLI in a subprocess for ``home``."""
     env = dict(os.environ, GPUMESH_HOME=str(home))
@@ -94,9 +109,6 @@ def pair(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
     import json
     import signal
 
-    import docker
-
-    from gpumesh.runtime.base import LABEL_NODE
     from tests.integration.test_cli import _free_udp_port, _init, _start_share
 
     image = os.environ.get("GPUMESH_TEST_DOCKER_IMAGE", "gpumesh-test/busybox:1")
@@ -115,8 +127,4 @@ def pair(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
     for pipe in (share.stdout, share.stderr):
         if pipe is not None:
             pipe.close()
-    node_id = json.loads(gpumesh(alice, "status", "--json").stdout)["node_id"]
-    client = docker.from_env()
-    for container in client.containers.list(all=True, filters={"label": f"{LABEL_NODE}={node_id}"}):
-        container.remove(force=True)
-    client.close()
+    remove_containers(json.loads(gpumesh(alice, "status", "--json").stdout)["node_id"])

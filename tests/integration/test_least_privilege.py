@@ -32,6 +32,7 @@ import pytest
 
 import gpumesh
 from tests.integration.conftest import gpumesh as run_cli
+from tests.integration.conftest import remove_containers
 from tests.integration.test_cli import _free_udp_port, _init
 
 IMAGE = os.environ.get("GPUMESH_TEST_DOCKER_IMAGE", "gpumesh-test/busybox:1")
@@ -184,24 +185,11 @@ def _sharing(command: list[str], env: dict[str, str]) -> Iterator[subprocess.Pop
 
 
 def _remove_containers(home: str) -> None:
-    import docker
-
-    from gpumesh.runtime.base import LABEL_NODE
-
-    key = Path(home) / "identity.key"
-    if not key.exists():
-        return
     from gpumesh.identity.keys import Identity
 
-    node_id = str(Identity.load(key).node_id)
-    client = docker.from_env()
-    try:
-        for container in client.containers.list(
-            all=True, filters={"label": f"{LABEL_NODE}={node_id}"}
-        ):
-            container.remove(force=True)
-    finally:
-        client.close()
+    key = Path(home) / "identity.key"
+    if key.exists():
+        remove_containers(str(Identity.load(key).node_id))
 
 
 def test_share_runs_as_an_ordinary_user_in_the_docker_group(

@@ -32,27 +32,13 @@ from gpumesh.client.node import Node
 from gpumesh.errors import LimitError
 from gpumesh.files import sandbox
 from gpumesh.protocol.messages import JobAccepted, JobSubmit
-from gpumesh.runtime.base import LABEL_NODE
-from tests.integration.conftest import arun, pair_both, sharing
+from tests.integration.conftest import arun, pair_both, remove_containers, sharing
 
 IMAGE = os.environ.get("GPUMESH_TEST_DOCKER_IMAGE", "gpumesh-test/busybox:1")
 MIB = 1024 * 1024
 
 
 # --- fixtures ---------------------------------------------------------------------------------
-
-
-@pytest.fixture(params=["openat2", "walk"])
-def resolution(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Both ways of opening beneath a folder: openat2, and the component walk."""
-    sandbox.use_openat2(request.param == "openat2")
-    if request.param == "openat2" and not sandbox.openat2_available():
-        sandbox.use_openat2(None)
-        pytest.skip("this kernel has no openat2")  # only on Linux < 5.6; CI's kernel has it
-    try:
-        yield str(request.param)
-    finally:
-        sandbox.use_openat2(None)
 
 
 class Seam:
@@ -101,16 +87,7 @@ def nodes(make_node, tmp_path: Path) -> tuple[Node, Node, Path]:
 def containers(nodes) -> Iterator[None]:
     """Remove the job containers alice's agent leaves behind (it keeps them on stop)."""
     yield
-    import docker
-
-    alice = nodes[0]
-    client = docker.from_env()
-    try:
-        label = f"{LABEL_NODE}={alice.info().node_id}"
-        for container in client.containers.list(all=True, filters={"label": label}):
-            container.remove(force=True)
-    finally:
-        client.close()
+    remove_containers(str(nodes[0].info().node_id))
 
 
 def snapshot(folder: Path) -> dict[str, tuple[str, int, int, str]]:

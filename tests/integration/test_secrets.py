@@ -8,15 +8,13 @@ import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import docker
 import pytest
 
 from gpumesh.client.jobs import run_job
 from gpumesh.client.jobspec import JobSpec
 from gpumesh.client.node import Node
 from gpumesh.errors import GPUMeshError
-from gpumesh.runtime.base import LABEL_NODE
-from tests.integration.conftest import arun, pair_both, sharing
+from tests.integration.conftest import arun, pair_both, remove_containers, sharing
 
 IMAGE = os.environ.get("GPUMESH_TEST_DOCKER_IMAGE", "gpumesh-test/busybox:1")
 SECRET = "sk-live-7d41c09e2b"
@@ -52,13 +50,7 @@ def job_nodes(make_node: Callable[[str], Node]) -> Iterator[tuple[Node, Node]]:
         node.home.config.set("job_memory", "256MB")
         node.home.config.save()
     yield alice, bob
-    engine = docker.from_env()
-    try:
-        label = f"{LABEL_NODE}={alice.info().node_id}"
-        for container in engine.containers.list(all=True, filters={"label": label}):
-            container.remove(force=True)
-    finally:
-        engine.close()
+    remove_containers(str(alice.info().node_id))
 
 
 def _spec(env: dict[str, str]) -> JobSpec:

@@ -21,22 +21,6 @@ from gpumesh.files import sandbox
 from gpumesh.files.sandbox import MAX_DEPTH, Tree, open_beneath, openat2_available
 
 
-@pytest.fixture(params=["openat2", "walk"])
-def mode(request: pytest.FixtureRequest) -> Iterator[str]:
-    if request.param == "openat2":
-        sandbox.use_openat2(True)
-        if not openat2_available():
-            sandbox.use_openat2(None)
-            pytest.skip("this kernel has no openat2")  # Linux < 5.6: the walk is tested
-    else:
-        sandbox.use_openat2(False)
-        assert not openat2_available()
-    try:
-        yield str(request.param)
-    finally:
-        sandbox.use_openat2(None)
-
-
 @pytest.fixture
 def hook() -> Iterator[Callable[[Callable[[str, str], None]], None]]:
     def install(function: Callable[[str, str], None]) -> None:
@@ -72,7 +56,7 @@ def test_openat2_is_used_where_the_kernel_has_it() -> None:
     assert openat2_available()
 
 
-def test_links_are_refused_at_every_component(mode: str, layout: tuple[Path, Path]) -> None:
+def test_links_are_refused_at_every_component(resolution: str, layout: tuple[Path, Path]) -> None:
     root, outside = layout
     (root / "a" / "b").mkdir(parents=True)
     (root / "a" / "b" / "f").write_text("mine")
@@ -100,7 +84,7 @@ def test_links_are_refused_at_every_component(mode: str, layout: tuple[Path, Pat
         assert caught.value.errno == errno.EISDIR
 
 
-def test_a_named_pipe_never_blocks_an_open(mode: str, layout: tuple[Path, Path]) -> None:
+def test_a_named_pipe_never_blocks_an_open(resolution: str, layout: tuple[Path, Path]) -> None:
     root, _ = layout
     os.mkfifo(root / "pipe")
     with Tree(root) as tree, pytest.raises(OSError) as caught:
@@ -109,7 +93,7 @@ def test_a_named_pipe_never_blocks_an_open(mode: str, layout: tuple[Path, Path])
 
 
 def test_a_folder_swapped_mid_walk_of_the_components_is_refused(
-    mode: str, layout: tuple[Path, Path], hook
+    resolution: str, layout: tuple[Path, Path], hook
 ) -> None:
     root, outside = layout
     (root / "r").mkdir()
@@ -126,13 +110,13 @@ def test_a_folder_swapped_mid_walk_of_the_components_is_refused(
         except OSError as exc:
             assert exc.errno == errno.ELOOP
         else:  # openat2 resolves the whole path at once: it saw the folder as it was
-            assert mode == "openat2"
+            assert resolution == "openat2"
             assert os.read(fd, 100) == b"decoy"
             os.close(fd)
 
 
 def test_place_lands_in_the_folder_that_was_opened_never_through_a_link(
-    mode: str, layout: tuple[Path, Path], tmp_path: Path, hook
+    resolution: str, layout: tuple[Path, Path], tmp_path: Path, hook
 ) -> None:
     root, outside = layout
     (root / "d").mkdir()
@@ -157,7 +141,7 @@ def test_place_lands_in_the_folder_that_was_opened_never_through_a_link(
 
 
 def test_place_makes_missing_folders_and_replaces_a_link_not_its_target(
-    mode: str, layout: tuple[Path, Path], tmp_path: Path
+    resolution: str, layout: tuple[Path, Path], tmp_path: Path
 ) -> None:
     root, outside = layout
     (root / "f").symlink_to(outside / "identity.key")
@@ -177,7 +161,9 @@ def test_place_makes_missing_folders_and_replaces_a_link_not_its_target(
     assert (root / "n" / "e" / "w").read_text() == "deep"
 
 
-def test_creating_folders_through_a_link_is_refused(mode: str, layout: tuple[Path, Path]) -> None:
+def test_creating_folders_through_a_link_is_refused(
+    resolution: str, layout: tuple[Path, Path]
+) -> None:
     root, outside = layout
     (root / "d").symlink_to(outside)
     with Tree(root) as tree, pytest.raises(OSError) as caught:
@@ -187,7 +173,7 @@ def test_creating_folders_through_a_link_is_refused(mode: str, layout: tuple[Pat
 
 
 def test_a_walk_never_leaves_the_tree_even_when_folders_are_swapped(
-    mode: str, layout: tuple[Path, Path], hook
+    resolution: str, layout: tuple[Path, Path], hook
 ) -> None:
     root, outside = layout
     (root / "a").mkdir()
@@ -237,7 +223,7 @@ def test_folders_nested_past_the_limit_are_refused(layout: tuple[Path, Path]) ->
 
 
 def test_merge_moves_entries_and_never_writes_through_a_swapped_folder(
-    mode: str, layout: tuple[Path, Path], tmp_path: Path, hook
+    resolution: str, layout: tuple[Path, Path], tmp_path: Path, hook
 ) -> None:
     root, outside = layout
     (root / "dest" / "keep").mkdir(parents=True)
@@ -267,7 +253,7 @@ def test_merge_moves_entries_and_never_writes_through_a_swapped_folder(
 
 
 def test_place_tree_renames_a_new_folder_and_refuses_a_file_or_link(
-    mode: str, layout: tuple[Path, Path], tmp_path: Path
+    resolution: str, layout: tuple[Path, Path], tmp_path: Path
 ) -> None:
     root, outside = layout
     staging = tmp_path / "staging"
@@ -290,7 +276,7 @@ def test_place_tree_renames_a_new_folder_and_refuses_a_file_or_link(
 
 
 def test_unlink_removes_files_and_links_never_through_a_link(
-    mode: str, layout: tuple[Path, Path], hook
+    resolution: str, layout: tuple[Path, Path], hook
 ) -> None:
     root, outside = layout
     (outside / "old.txt").write_text("outside")
@@ -327,7 +313,7 @@ def test_prune_empty_removes_empty_folders_up_to_the_stop(layout: tuple[Path, Pa
 
 
 def test_chown_all_changes_only_what_lies_in_the_tree(
-    mode: str, layout: tuple[Path, Path], hook
+    resolution: str, layout: tuple[Path, Path], hook
 ) -> None:
     if os.geteuid() != 0:
         pytest.skip("changing owners needs root")
@@ -355,7 +341,7 @@ def test_chown_all_changes_only_what_lies_in_the_tree(
     assert outside.stat().st_uid == 0
 
 
-def test_open_beneath_never_climbs_out(mode: str, layout: tuple[Path, Path]) -> None:
+def test_open_beneath_never_climbs_out(resolution: str, layout: tuple[Path, Path]) -> None:
     root, _ = layout
     (root / "a").mkdir()
     fd = os.open(root / "a", os.O_RDONLY | os.O_DIRECTORY)

@@ -530,7 +530,7 @@ class FileService:
                             f"{message.size} bytes"
                         )
                     await feed(None)
-                await in_thread(self._place_folder, peer, temp, parts, message.path)
+                await in_thread(self._place_folder, peer, temp, message.path)
             finally:
                 await in_thread(shutil.rmtree, temp, True)
         stream.send_message(FileDone(size=received, sha256=hasher.digest()), end=True)
@@ -783,33 +783,38 @@ class FileService:
     ) -> None:
         """Rename a finished upload into place, through the sandbox's descriptors."""
         part, meta = partial
-        where = self._where(remote)
         os.fchmod(fd, mode & 0o777)  # set-id and sticky bits never travel
         if self.owner is not None:
             os.fchown(fd, *self.owner)
-        source = os.open(part.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            with self.tree(peer) as tree:
-                tree.place(source, part.name, self.parts(remote))
-        except IsADirectoryError:
-            raise ConfigError(f"{where} became a folder during the upload") from None
-        except OSError as exc:
-            raise self._refusal(exc, remote) from None
-        finally:
-            os.close(source)
+        refusal = f"{self._where(remote)} became a folder during the upload"
+        self._move_in(peer, part, remote, Tree.place, (IsADirectoryError, refusal))
         meta.unlink(missing_ok=True)
 
-    def _place_folder(self, peer: Peer, temp: Path, parts: tuple[str, ...], remote: str) -> None:
+    def _place_folder(self, peer: Peer, temp: Path, remote: str) -> None:
         """Move an unpacked folder into place: renamed when new, merged into an existing one."""
         if self.owner is not None:
             with Tree(temp) as unpacked:  # still private to the agent
                 unpacked.chown_all((), self.owner)
-        source = os.open(temp.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        refusal = f"{self._where(remote)} is not a folder: pick another name"
+        self._move_in(peer, temp, remote, Tree.place_tree, (NotADirectoryError, refusal))
+
+    def _move_in(
+        self,
+        peer: Peer,
+        staged: Path,
+        remote: str,
+        move: Callable[[Tree, int, str, tuple[str, ...]], None],
+        in_the_way: tuple[type[OSError], str],
+    ) -> None:
+        """Move ``staged`` (in the agent's own staging folder) to ``remote`` in the
+        sandbox with ``move``; ``in_the_way``: what is there that cannot be
+        replaced, and the refusal that says so."""
+        source = os.open(staged.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             with self.tree(peer) as tree:
-                tree.place_tree(source, temp.name, parts)
-        except NotADirectoryError:
-            raise ConfigError(f"{self._where(remote)} is not a folder: pick another name") from None
+                move(tree, source, staged.name, self.parts(remote))
+        except in_the_way[0]:
+            raise ConfigError(in_the_way[1]) from None
         except OSError as exc:
             raise self._refusal(exc, remote) from None
         finally:
