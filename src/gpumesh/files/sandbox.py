@@ -23,7 +23,6 @@ This module knows nothing of peers, requests or quotas.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import os
 import shutil
@@ -65,21 +64,14 @@ _RESOLVE_NO_SYMLINKS = 0x04
 _RESOLVE_BENEATH = 0x08
 
 
-class _OpenHow(ctypes.Structure):
-    _fields_ = (
-        ("flags", ctypes.c_uint64),
-        ("mode", ctypes.c_uint64),
-        ("resolve", ctypes.c_uint64),
-    )
-
-
 class _Openat2:
     """Whether to use openat2, decided once by a probe (tests can force the walk)."""
 
     lock = threading.Lock()
     enabled: bool | None = None
     """None: not probed yet."""
-    call: Callable[..., int] | None = None
+    call: Callable[[int, str, int, int], int] | None = None
+    """openat2(dir_fd, path, flags, mode) through libc's syscall(2)."""
 
 
 def openat2_available() -> bool:
@@ -101,16 +93,46 @@ def use_openat2(enabled: bool | None) -> None:
 def _probe_openat2() -> bool:
     if not sys.platform.startswith("linux"):
         return False
+    # ctypes only here: most commands never open a sandbox, and it costs ~4 ms to import.
+    import ctypes
+
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        call = libc.syscall
+        syscall = libc.syscall
     except (OSError, AttributeError):
         return False
-    call.restype = ctypes.c_long
+    syscall.restype = ctypes.c_long
+
+    class OpenHow(ctypes.Structure):
+        _fields_ = (
+            ("flags", ctypes.c_uint64),
+            ("mode", ctypes.c_uint64),
+            ("resolve", ctypes.c_uint64),
+        )
+
+    resolve = _RESOLVE_BENEATH | _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS
+
+    def call(dir_fd: int, path: str, flags: int, mode: int) -> int:
+        how = OpenHow(flags, mode, resolve)
+        encoded = os.fsencode(path)
+        while True:
+            fd = syscall(
+                ctypes.c_long(_SYS_OPENAT2),
+                ctypes.c_int(dir_fd),
+                ctypes.c_char_p(encoded),
+                ctypes.byref(how),
+                ctypes.c_size_t(ctypes.sizeof(how)),
+            )
+            if fd >= 0:
+                return int(fd)
+            code = ctypes.get_errno()
+            if code != errno.EINTR:
+                raise OSError(code, os.strerror(code), path)
+
     _Openat2.call = call
     root = os.open("/", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        fd = _openat2(root, ".", _DIR_FLAGS)
+        fd = call(root, ".", _DIR_FLAGS, 0)
     except OSError:
         return False
     finally:
@@ -122,21 +144,7 @@ def _probe_openat2() -> bool:
 def _openat2(dir_fd: int, path: str, flags: int, mode: int = 0) -> int:
     call = _Openat2.call
     assert call is not None
-    how = _OpenHow(flags, mode, _RESOLVE_BENEATH | _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS)
-    encoded = os.fsencode(path)
-    while True:
-        fd = call(
-            ctypes.c_long(_SYS_OPENAT2),
-            ctypes.c_int(dir_fd),
-            ctypes.c_char_p(encoded),
-            ctypes.byref(how),
-            ctypes.c_size_t(ctypes.sizeof(how)),
-        )
-        if fd >= 0:
-            return int(fd)
-        code = ctypes.get_errno()
-        if code != errno.EINTR:
-            raise OSError(code, os.strerror(code), path)
+    return call(dir_fd, path, flags, mode)
 
 
 # --- the seam for tests ----------------------------------------------------------------------
