@@ -762,6 +762,7 @@ class Store:
 
         Group names are unique on a node (commands take names), so a second
         group of one name is refused, as is a group id already recorded.
+        Members are saved as :meth:`save_group_members` saves them.
         """
         now = now or time.time()
         with self._lock:
@@ -795,7 +796,12 @@ class Store:
     def save_group_members(
         self, group_id: str, members: Sequence[MemberSource], *, now: float | None = None
     ) -> None:
-        """Add members to a recorded group, or refresh their name, addresses and relay."""
+        """Add members to a recorded group, or refresh their name, addresses and relay.
+
+        A member whose key is a paired peer is saved with the name, addresses
+        and relay of its pairing, whatever ``members`` says (see
+        :meth:`_upsert_members`).
+        """
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
@@ -815,6 +821,19 @@ class Store:
     def _upsert_members(self, group_id: str, members: Sequence[MemberSource], now: float) -> None:
         # Caller holds the lock and a transaction; added_at keeps the first sighting.
         for member in members:
+            name, addresses, relay = member.name, list(member.addresses), member.relay
+            paired = self._db.execute(
+                "SELECT name, addresses, relay FROM peers WHERE public_key = ?",
+                (member.public_key,),
+            ).fetchone()
+            if paired is not None:
+                # This node's own pairing is the source of truth for a peer it
+                # paired: an invite (anyone's) only fills in members it has not.
+                name, addresses, relay = (
+                    paired["name"],
+                    list(json.loads(paired["addresses"])),
+                    paired["relay"],
+                )
             self._db.execute(
                 """
                 INSERT INTO group_members
@@ -827,10 +846,10 @@ class Store:
                 (
                     group_id,
                     node_id_for(member.public_key),
-                    member.name,
+                    name,
                     member.public_key,
-                    json.dumps(list(member.addresses)),
-                    member.relay,
+                    json.dumps(addresses),
+                    relay,
                     now,
                 ),
             )
