@@ -222,6 +222,58 @@ def test_new_key_for_a_paired_name_needs_rekey(bob_home: Path, tmp_path: Path) -
     assert len(peers) == 1
 
 
+def _peer(home: Path, name: str) -> dict[str, object]:
+    peers = {p["name"]: p for p in json.loads(gpumesh(home, "peers", "--json").stdout)}
+    return dict(peers[name])
+
+
+def test_a_code_pairs_once(bob_home: Path, tmp_path: Path) -> None:
+    alice = tmp_path / "a"
+    _init(alice, "alice", 47201)
+    code = gpumesh(alice, "pair-code").stdout.strip()
+    assert gpumesh(bob_home, "pair", code).returncode == 0
+    again = gpumesh(bob_home, "pair", code)
+    _one_line_error(again, 2, "that pairing code of alice was already used on this node")
+    assert "ask alice for a fresh code (`gpumesh pair-code` on their side)" in again.stderr
+    assert _peer(bob_home, "alice")["allowed"] is True
+
+
+def test_pair_never_lifts_a_denial(bob_home: Path, tmp_path: Path) -> None:
+    alice = tmp_path / "a"
+    _init(alice, "alice", 47201)
+    code = gpumesh(alice, "pair-code").stdout.strip()
+    assert gpumesh(bob_home, "pair", code).returncode == 0
+    assert gpumesh(bob_home, "deny", "alice").returncode == 0
+    # Her earlier code, still valid: spent, refused, and she stays denied.
+    _one_line_error(gpumesh(bob_home, "pair", code), 2, "already used")
+    assert _peer(bob_home, "alice")["allowed"] is False
+    # A fresh code: her new address is taken (same key), the denial stays, and says so.
+    assert gpumesh(alice, "config", "set", "listen_port", "47299").returncode == 0
+    fresh = gpumesh(bob_home, "pair", gpumesh(alice, "pair-code").stdout.strip())
+    assert fresh.returncode == 0, fresh.stderr
+    assert "still denied" in fresh.stdout
+    assert "`gpumesh allow alice` lets them use this node again" in fresh.stdout
+    assert _peer(bob_home, "alice")["allowed"] is False
+    assert _peer(bob_home, "alice")["addresses"] == ["127.0.0.1:47299"]
+    assert gpumesh(bob_home, "allow", "alice").returncode == 0
+    assert _peer(bob_home, "alice")["allowed"] is True
+
+
+def test_a_fresh_code_of_an_allowed_peer_refreshes_its_addresses(
+    bob_home: Path, tmp_path: Path
+) -> None:
+    alice = tmp_path / "a"
+    _init(alice, "alice", 47201)
+    assert gpumesh(bob_home, "pair", gpumesh(alice, "pair-code").stdout.strip()).returncode == 0
+    assert _peer(bob_home, "alice")["addresses"] == ["127.0.0.1:47201"]
+    assert gpumesh(alice, "config", "set", "listen_port", "47299").returncode == 0
+    fresh = gpumesh(bob_home, "pair", gpumesh(alice, "pair-code").stdout.strip(), "--json")
+    assert fresh.returncode == 0, fresh.stderr
+    reply = json.loads(fresh.stdout)
+    assert (reply["addresses"], reply["allowed"]) == (["127.0.0.1:47299"], True)
+    assert _peer(bob_home, "alice")["addresses"] == ["127.0.0.1:47299"]
+
+
 def test_unknown_and_ambiguous_peers(bob_home: Path) -> None:
     _one_line_error(gpumesh(bob_home, "connect", "nobody"), 2, "no paired peer named 'nobody'")
     # Find two keys whose ids share 4 characters (a birthday search, ~1k keys).

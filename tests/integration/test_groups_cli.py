@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
+import sqlite3
 import struct
 import time
 import zlib
@@ -144,6 +145,129 @@ def test_invite_expires_flag_and_member_invites(homes: tuple[Path, Path, Path]) 
     # Joining again refreshes instead of failing.
     again = _ok(carol, "group", "join", _ok(alice, "group", "invite", "lab").strip())
     assert "Refreshed group lab" in again
+
+
+# --- who may change a known group ---------------------------------------------
+
+
+def _key(home: Path) -> bytes:
+    return Identity.load(home / "identity.key").public_key
+
+
+def _stored_members(home: Path) -> list[tuple[str, str, str, str]]:
+    """Every group member row as the node's store holds it (name, addresses, relay)."""
+    raw = sqlite3.connect(home / "gpumesh.db")
+    try:
+        rows = raw.execute(
+            "SELECT group_id, name, addresses, relay FROM group_members ORDER BY group_id, node_id"
+        )
+        return [(str(a), str(b), str(c), str(d)) for a, b, c, d in rows]
+    finally:
+        raw.close()
+
+
+def test_a_forged_invite_into_a_known_group_is_refused_and_changes_nothing(
+    homes: tuple[Path, Path, Path],
+) -> None:
+    alice, bob, carol = homes
+    _ok(alice, "group", "create", "research")
+    _ok(alice, "pair", _ok(carol, "pair-code").strip())
+    _ok(alice, "group", "add", "research", "carol")
+    _ok(bob, "group", "join", _ok(alice, "group", "invite", "research").strip())
+    _ok(bob, "pair", _ok(alice, "pair-code").strip())  # alice paired, carol not
+    (group,) = _json(bob, "group", "list")
+    members, peers, rows = (
+        _json(bob, "group", "members", "research"),
+        _json(bob, "peers"),
+        _stored_members(bob),
+    )
+
+    stranger = Identity.generate()
+    evil = ["203.0.113.66:47000"]
+    forged = make_invite(
+        stranger,
+        group["group_id"],
+        "research",
+        [
+            InviteMember("mallory", stranger.public_key, evil, ""),
+            InviteMember("alice-evil", _key(alice), evil, "203.0.113.66:4799"),
+            InviteMember("carol-evil", _key(carol), evil, "203.0.113.66:4799"),
+        ],
+    )
+    refused = gpumesh(bob, "group", "join", forged)
+    _one_line_error(
+        refused,
+        2,
+        f"that invite to group research ({group['group_id'][:12]}) is signed by mallory "
+        f"({stranger.node_id.short})",
+    )
+    assert "ask a member you know for an invite" in refused.stderr
+    assert _json(bob, "group", "members", "research") == members
+    assert _json(bob, "peers") == peers
+    assert _stored_members(bob) == rows
+    assert _json(bob, "group", "list") == [group]
+
+
+def test_a_members_invite_still_refreshes_the_group(homes: tuple[Path, Path, Path]) -> None:
+    alice, bob, carol = homes
+    _ok(alice, "group", "create", "research")
+    _ok(bob, "group", "join", _ok(alice, "group", "invite", "research").strip())
+    _ok(alice, "config", "set", "listen_port", "47199")  # alice moved; bob never paired her
+    again = _ok(bob, "group", "join", _ok(alice, "group", "invite", "research").strip())
+    assert "Refreshed group research" in again
+    assert "via alice-pc" in again
+    members = {m["name"]: m for m in _json(bob, "group", "members", "research")}
+    assert members["alice-pc"]["addresses"] == ["127.0.0.1:47199"]
+    # Carol, known to bob as a member once alice's invite lists her, may refresh it too.
+    _ok(carol, "group", "join", _ok(alice, "group", "invite", "research").strip())
+    _ok(alice, "pair", _ok(carol, "pair-code").strip())
+    _ok(alice, "group", "add", "research", "carol")
+    _ok(bob, "group", "join", _ok(alice, "group", "invite", "research").strip())
+    by_carol = _json(bob, "group", "join", _ok(carol, "group", "invite", "research").strip())
+    assert (by_carol["inviter"], by_carol["already_member"]) == ("carol", True)
+
+
+def test_invite_data_never_replaces_a_paired_peers_name_or_addresses(
+    homes: tuple[Path, Path, Path],
+) -> None:
+    alice, bob, carol = homes
+    _ok(alice, "group", "create", "research")
+    _ok(carol, "group", "join", _ok(alice, "group", "invite", "research").strip())
+    # Alice renames and moves after carol learned of her; bob pairs the new alice.
+    _ok(alice, "config", "set", "node_name", "alice-new")
+    _ok(alice, "config", "set", "listen_port", "47199")
+    _ok(bob, "pair", _ok(alice, "pair-code").strip())
+    paired = [("alice-new", '["127.0.0.1:47199"]', "")]
+
+    # Carol's invite (a real member's, with a stale view of alice) starts the group on bob.
+    _ok(bob, "group", "join", _ok(carol, "group", "invite", "research").strip())
+    assert _access(bob, "research") == {
+        "alice-new": "allowed",
+        "bob": "self",
+        "carol": "not paired",
+    }
+    assert [r[1:] for r in _stored_members(bob) if r[1].startswith("alice")] == paired
+    # A stranger's new group listing alice with its own name and addresses.
+    stranger = Identity.generate()
+    evil = ["203.0.113.66:47000"]
+    _ok(
+        bob,
+        "group",
+        "join",
+        make_invite(
+            stranger,
+            new_group_id(),
+            "lab",
+            [
+                InviteMember("mallory", stranger.public_key, evil, ""),
+                InviteMember("alice-evil", _key(alice), evil, "203.0.113.66:4799"),
+            ],
+        ),
+    )
+    assert _access(bob, "lab") == {"alice-new": "allowed", "bob": "self", "mallory": "not paired"}
+    assert [r[1:] for r in _stored_members(bob) if r[1].startswith("alice")] == paired * 2
+    (alice_peer,) = _json(bob, "peers")
+    assert (alice_peer["name"], alice_peer["addresses"]) == ("alice-new", ["127.0.0.1:47199"])
 
 
 # --- bad input ----------------------------------------------------------------

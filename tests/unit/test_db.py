@@ -1,16 +1,17 @@
-"""store/db: schema migrations, peers by name and id prefix, allowlist, WAL sharing."""
+"""store/db: schema migrations, peers by name and id prefix, allowlist, spent codes, WAL."""
 
 from __future__ import annotations
 
 import hashlib
 import sqlite3
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from gpumesh.errors import AmbiguousPeerError, ConfigError, UnknownPeerError
+from gpumesh.errors import AmbiguousPeerError, ConfigError, PairingCodeError, UnknownPeerError
 from gpumesh.identity.keys import node_id_for
-from gpumesh.store.db import SCHEMA_VERSION, Store
+from gpumesh.store.db import MIGRATIONS, SCHEMA_VERSION, Peer, Store
 
 
 def key(n: int) -> bytes:
@@ -99,16 +100,125 @@ def test_save_peer_stores_everything(store: Store) -> None:
     assert store.peer_by_id(peer.node_id) == peer
 
 
-def test_saving_again_refreshes_and_re_allows(store: Store) -> None:
+def test_saving_again_refreshes_but_keeps_a_denial(store: Store) -> None:
     first = store.save_peer(key(1), "alice", ["a:1"], "", now=50.0)
     store.set_allowed(first.node_id, False)
     again = store.save_peer(key(1), "alice2", ["b:2"], "r:3", now=99.0)
     assert again.name == "alice2"
     assert again.addresses == ["b:2"]
     assert again.relay == "r:3"
-    assert again.allowed
+    assert not again.allowed  # only `allow` lifts a denial
     assert again.paired_at == 50.0
     assert len(store.peers()) == 1
+    store.set_allowed(first.node_id, True)
+    assert store.save_peer(key(1), "alice2", [], "").allowed
+
+
+# --- pairing codes pair once --------------------------------------------------
+
+NONCE = b"n" * 16
+
+
+def _pair(store: Store, n: int, name: str, *addresses: str, **kwargs: object) -> Peer:
+    options: dict[str, Any] = {
+        "relay": "",
+        "nonce": NONCE,
+        "expires": 1000.0,
+        "now": 100.0,
+        **kwargs,
+    }
+    return store.pair_peer(key(n), name, list(addresses), **options)
+
+
+def _spent(store: Store) -> list[tuple[bytes, str, float]]:
+    raw = sqlite3.connect(store.path)  # another connection, as another process would see it
+    try:
+        rows = raw.execute("SELECT nonce, node_id, expires FROM used_codes ORDER BY nonce")
+        return [(bytes(nonce), node_id, expires) for nonce, node_id, expires in rows]
+    finally:
+        raw.close()
+
+
+def test_migration_6_adds_spent_codes_and_keeps_existing_data(tmp_path: Path) -> None:
+    path = tmp_path / "gpumesh.db"
+    raw = sqlite3.connect(path)
+    for index in range(5):  # a version-5 database, as the previous release left it
+        raw.executescript(MIGRATIONS[index])
+        raw.execute(f"PRAGMA user_version = {index + 1}")
+    raw.execute(
+        "INSERT INTO peers (node_id, name, public_key, allowed, paired_at) VALUES (?, ?, ?, 0, ?)",
+        (node_id_for(key(1)), "alice", key(1), 50.0),
+    )
+    raw.commit()
+    raw.close()
+    store = Store(path)
+    try:
+        assert store.schema_version == SCHEMA_VERSION >= 6
+        (alice,) = store.peers()
+        assert (alice.name, alice.allowed) == ("alice", False)
+        assert _spent(store) == []
+        _pair(store, 2, "bob")
+        assert _spent(store) == [(NONCE, node_id_for(key(2)), 1000.0)]
+    finally:
+        store.close()
+
+
+def test_a_pairing_code_pairs_once(store: Store) -> None:
+    peer = _pair(store, 1, "alice", "a:1")
+    assert peer.allowed
+    assert _spent(store) == [(NONCE, peer.node_id, 1000.0)]
+    store.set_allowed(peer.node_id, False)
+    with pytest.raises(PairingCodeError, match="already used on this node") as info:
+        _pair(store, 1, "alice", "b:2", now=200.0)
+    assert "ask alice for a fresh code (`gpumesh pair-code` on their side)" in str(info.value)
+    # Refused whole: neither the addresses nor the denial changed.
+    assert store.peer_by_id(peer.node_id).addresses == ["a:1"]
+    assert not store.peer_by_id(peer.node_id).allowed
+    assert len(_spent(store)) == 1
+    # Another code of the same peer pairs (and refreshes) as usual.
+    assert _pair(store, 1, "alice", "c:3", nonce=b"m" * 16).addresses == ["c:3"]
+
+
+def test_a_spent_code_is_forgotten_once_it_expires(store: Store) -> None:
+    _pair(store, 1, "alice", expires=1000.0, now=100.0)
+    _pair(store, 2, "bob", nonce=b"m" * 16, expires=1500.0, now=999.0)
+    assert [n for n, _, _ in _spent(store)] == [b"m" * 16, NONCE]  # not expired yet
+    # Written after alice's code expired: her row goes, bob's stays.
+    _pair(store, 3, "carol", nonce=b"o" * 16, expires=2000.0, now=1000.5)
+    assert [n for n, _, _ in _spent(store)] == [b"m" * 16, b"o" * 16]
+
+
+def test_a_denied_peers_fresh_code_refreshes_its_hints_and_keeps_it_denied(store: Store) -> None:
+    peer = _pair(store, 1, "alice", "a:1")
+    store.set_allowed(peer.node_id, False)
+    again = _pair(store, 1, "alice", "b:2", nonce=b"m" * 16, relay="r:1")
+    assert again.addresses == ["b:2"]
+    assert again.relay == "r:1"
+    assert not again.allowed
+    assert store.allowed_keys([key(1)]) == set()
+
+
+def test_a_new_key_replacing_a_denied_one_stays_denied(store: Store) -> None:
+    old = _pair(store, 1, "alice", "a:1")
+    store.set_allowed(old.node_id, False)
+    new = _pair(store, 2, "alice", "b:2", nonce=b"m" * 16, replaces=old.node_id)
+    assert [p.node_id for p in store.peers()] == [new.node_id]
+    assert not new.allowed
+    assert new.addresses == ["b:2"]
+
+
+def test_a_new_key_replacing_an_allowed_one_is_allowed(store: Store) -> None:
+    old = _pair(store, 1, "alice", "a:1")
+    new = _pair(store, 2, "alice", "b:2", nonce=b"m" * 16, replaces=old.node_id)
+    assert [(p.node_id, p.allowed) for p in store.peers()] == [(new.node_id, True)]
+
+
+def test_a_refused_reuse_replaces_nothing(store: Store) -> None:
+    old = _pair(store, 1, "alice", "a:1", nonce=b"m" * 16)
+    _pair(store, 2, "bob")
+    with pytest.raises(PairingCodeError, match="already used"):
+        _pair(store, 2, "alice", replaces=old.node_id)
+    assert sorted(p.name for p in store.peers()) == ["alice", "bob"]
 
 
 def test_find_peer_by_exact_name(store: Store) -> None:

@@ -25,7 +25,13 @@ from gpumesh.errors import (
     UnknownPeerError,
 )
 from gpumesh.identity.codes import make_code
-from gpumesh.identity.invites import INVITE_PREFIX, InviteMember, new_group_id, verify_invite
+from gpumesh.identity.invites import (
+    INVITE_PREFIX,
+    InviteMember,
+    make_invite,
+    new_group_id,
+    verify_invite,
+)
 from gpumesh.identity.keys import Identity, node_id_for
 from gpumesh.store.db import MIGRATIONS, SCHEMA_VERSION, Store
 
@@ -151,6 +157,23 @@ def test_a_paired_peer_can_be_saved_as_a_member(store: Store) -> None:
     assert dave.node_id == peer.node_id
     assert dave.addresses == ["192.0.2.7:47000"]
     assert dave.relay == "relay:1"
+
+
+def test_members_who_are_paired_peers_keep_their_pairing_data(store: Store) -> None:
+    peer = store.save_peer(key(7), "dave", ["192.0.2.7:47000"], "relay:1")
+    group = store.add_group(new_group_id(), "research", [m(7, "mallory", "203.0.113.66:1")])
+    store.save_group_members(group.group_id, [m(7, "evil", "203.0.113.66:2", relay="evil:1")])
+    (dave,) = store.group_members(group.group_id)
+    assert (dave.node_id, dave.name, dave.addresses, dave.relay) == (
+        peer.node_id,
+        "dave",
+        ["192.0.2.7:47000"],
+        "relay:1",
+    )
+    # Members it has not paired take what they are given.
+    store.save_group_members(group.group_id, [m(8, "erin", "192.0.2.8:1")])
+    erin = next(x for x in store.group_members(group.group_id) if x.public_key == key(8))
+    assert (erin.name, erin.addresses) == ("erin", ["192.0.2.8:1"])
 
 
 def test_saving_members_of_an_unknown_group_is_refused(store: Store) -> None:
@@ -310,6 +333,122 @@ def test_joining_again_refreshes_members(make_node: Callable[[str], Node]) -> No
     assert again.already_member
     assert _access(again.members) == {"alice": "not paired", "bob": "self", "carol": "not paired"}
     assert len(g.groups(bob)) == 1
+
+
+def _forged(group_id: str, signer: Identity, *members: InviteMember) -> str:
+    """An invite into ``group_id`` signed by a key of the forger's choosing."""
+    listed = [InviteMember("mallory", signer.public_key, ["203.0.113.66:47000"], ""), *members]
+    return make_invite(signer, group_id, "research", listed)
+
+
+def _snapshot(node: Node, group: str) -> list[tuple[str, str, list[str], str]]:
+    views = g.members(node, group)
+    return [(v.member.node_id, v.name, v.member.addresses, v.member.relay) for v in views]
+
+
+def test_an_invite_into_a_known_group_signed_by_a_stranger_is_refused(
+    make_node: Callable[[str], Node],
+) -> None:
+    alice, bob, carol = make_node("alice"), make_node("bob"), make_node("carol")
+    group = g.create_group(alice, "research")
+    alice.pair(carol.pairing_code())
+    g.add_member(alice, "research", "carol")
+    g.join_group(bob, g.invite_code(alice, "research"))
+    bob.pair(alice.pairing_code())
+    before = _snapshot(bob, "research")
+    peers_before = bob.peers()
+    stranger = Identity.generate()
+    forged = _forged(
+        group.group_id,
+        stranger,
+        # Alice (paired) and carol (not paired) with the forger's addresses and names.
+        InviteMember("alice-evil", alice.home.identity.public_key, ["203.0.113.66:1"], "evil:1"),
+        InviteMember("carol-evil", carol.home.identity.public_key, ["203.0.113.66:2"], "evil:1"),
+    )
+    with pytest.raises(PairingCodeError) as info:
+        g.join_group(bob, forged)
+    message = str(info.value)
+    assert f"that invite to group research ({group.short_id}) is signed by mallory" in message
+    assert stranger.node_id.short in message
+    assert "ask a member you know for an invite" in message
+    assert "\n" not in message
+    assert _snapshot(bob, "research") == before
+    assert bob.peers() == peers_before
+
+
+def test_a_known_members_invite_still_refreshes_the_group(
+    make_node: Callable[[str], Node],
+) -> None:
+    alice, bob, carol = make_node("alice"), make_node("bob"), make_node("carol")
+    g.create_group(alice, "research")
+    alice.pair(carol.pairing_code())
+    g.add_member(alice, "research", "carol")
+    g.join_group(bob, g.invite_code(alice, "research"))
+    # Carol (known to bob as a member, never paired) invites: her view refreshes bob's.
+    g.join_group(carol, g.invite_code(alice, "research"))
+    _move(carol, 47999)
+    dave = make_node("dave")
+    carol.pair(dave.pairing_code())
+    g.add_member(carol, "research", "dave")
+    again = g.join_group(bob, g.invite_code(carol, "research"))
+    assert again.already_member
+    assert again.inviter == "carol"
+    assert _access(again.members) == {
+        "alice": "not paired",
+        "bob": "self",
+        "carol": "not paired",
+        "dave": "not paired",
+    }
+    carol_view = next(v for v in again.members if v.name == "carol")
+    assert carol_view.member.addresses == ["127.0.0.1:47999"]
+
+
+def test_invites_never_replace_a_paired_peers_name_addresses_or_relay(
+    make_node: Callable[[str], Node],
+) -> None:
+    alice, bob, carol = make_node("alice"), make_node("bob"), make_node("carol")
+    bob.pair(alice.pairing_code())
+    alice_peer = bob.peer("alice")
+    # A new group from anyone's invite: a paired member is recorded as bob paired it.
+    stranger = Identity.generate()
+    evil_alice = InviteMember(
+        "alice-evil", alice.home.identity.public_key, ["203.0.113.66:1"], "e:1"
+    )
+    joined = g.join_group(bob, _forged(new_group_id(), stranger, evil_alice))
+    view = next(v for v in joined.members if v.member.public_key == alice_peer.public_key)
+    assert (view.name, view.member.addresses, view.member.relay) == (
+        "alice",
+        alice_peer.addresses,
+        alice_peer.relay,
+    )
+    # A known group, refreshed by a real member whose view of alice is wrong or stale.
+    g.create_group(carol, "lab")
+    carol.home.store.save_group_members(g.find_group(carol, "lab").group_id, [evil_alice])
+    g.join_group(bob, g.invite_code(carol, "lab"))
+    g.join_group(bob, g.invite_code(carol, "lab"))
+    view = next(v for v in g.members(bob, "lab") if v.member.public_key == alice_peer.public_key)
+    assert (view.name, view.member.addresses, view.member.relay) == (
+        "alice",
+        alice_peer.addresses,
+        alice_peer.relay,
+    )
+    assert bob.peer("alice") == alice_peer  # the pairing itself is never touched
+
+
+def test_the_inviter_is_named_as_this_node_paired_it(make_node: Callable[[str], Node]) -> None:
+    alice, bob = make_node("alice"), make_node("bob")
+    g.create_group(alice, "research")
+    bob.pair(alice.pairing_code())
+    alice.home.config.set("node_name", "alice-renamed")
+    alice.home.config.save()
+    joined = g.join_group(bob, g.invite_code(alice, "research"))
+    assert joined.inviter == "alice"
+    assert g.summaries(bob)[0].inviter == "alice"
+
+
+def _move(node: Node, port: int) -> None:
+    node.home.config.set("listen_port", str(port))
+    node.home.config.save()
 
 
 def test_a_member_invites_a_third_node_with_everyone_in_it(

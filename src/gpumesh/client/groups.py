@@ -6,7 +6,8 @@ pairing. So the members view says, for each member, whether it is this node,
 a paired peer this node allows, a paired peer it denies, or not paired yet.
 
 Everything here is local (the store and the identity); nothing dials a peer.
-Invites carry the inviter's view of the group, and joining merges it in.
+Invites carry the inviter's view of the group, and joining merges it in: a
+new group from anyone's invite, a known group only from a known member's.
 """
 
 from __future__ import annotations
@@ -16,7 +17,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from gpumesh.errors import ConfigError, NotFoundError, PeerError, UnknownPeerError
+from gpumesh.errors import (
+    ConfigError,
+    NotFoundError,
+    PairingCodeError,
+    PeerError,
+    UnknownPeerError,
+)
 from gpumesh.identity.invites import (
     INVITE_LIFETIME,
     MAX_INVITE_LIFETIME,
@@ -236,7 +243,12 @@ def invite_code(
 def join_group(node: Node, code: str, *, clock: Callable[[], float] = time.time) -> Joined:
     """Verify an invite and record its group and members here.
 
-    Joining again (a newer invite to the same group) refreshes the members.
+    Joining again (a newer invite to the same group) refreshes the members,
+    but only with an invite signed by a key this node already knows as a
+    member of that group: anyone can sign an invite with a known group's id,
+    so a stranger's is refused and changes nothing. Members this node paired
+    keep the name, addresses and relay of their pairing, whatever any invite
+    says (the store sees to that); invites only fill in the others.
     """
     invite = verify_invite(code, clock=clock)
     store = node.home.store
@@ -258,6 +270,14 @@ def join_group(node: Node, code: str, *, clock: Callable[[], float] = time.time)
     listed = [m for m in invite.members if m.public_key != me.public_key] + [me]
     already = _has_group(store, invite.group_id)
     if already:
+        known = store.group_by_id(invite.group_id)
+        if not any(m.public_key == invite.inviter for m in store.group_members(known.group_id)):
+            raise PairingCodeError(
+                f"that invite to group {known.name} ({known.short_id}) is signed by "
+                f"{_signer(store, invite.inviter_member)}, not a member of {known.name} this "
+                "node knows, so it was refused; ask a member you know for an invite "
+                f"(`gpumesh group members {known.name}` lists them)"
+            )
         store.save_group_members(invite.group_id, listed, now=clock())
         group = store.group_by_id(invite.group_id)
     else:
@@ -268,7 +288,10 @@ def join_group(node: Node, code: str, *, clock: Callable[[], float] = time.time)
             joined_via=invite.inviter_member.node_id,
             now=clock(),
         )
-    return Joined(group, invite.inviter_member.name, already, _views(node, group))
+    views = _views(node, group)
+    # The name this node knows the inviter by (its pairing's, if paired), not the invite's.
+    inviter = next(v.name for v in views if v.member.public_key == invite.inviter)
+    return Joined(group, inviter, already, views)
 
 
 def add_member(
@@ -297,6 +320,13 @@ def add_member(
 
 def _views(node: Node, group: Group) -> list[MemberView]:
     return [member_view(node, m) for m in node.home.store.group_members(group.group_id)]
+
+
+def _signer(store: Store, member: InviteMember) -> str:
+    """The signer of an invite in a message: its paired name if any, and its id."""
+    peer = store.peer_by_key(member.public_key)
+    name = peer.name if peer is not None else member.name
+    return f"{name} ({member.node_id.short})"
 
 
 def _has_group(store: Store, group_id: str) -> bool:

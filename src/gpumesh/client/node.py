@@ -194,7 +194,15 @@ class Node:
     def pair(
         self, code: str, *, rekey: bool = False, clock: Callable[[], float] = time.time
     ) -> Peer:
-        """Verify a peer's code, store the peer and allow it."""
+        """Verify a peer's code, store the peer and allow it, unless it is denied.
+
+        A code pairs once: this node spends its nonce until it expires, and a
+        second use raises :class:`PairingCodeError`. Pairing never lifts a
+        denial: a denied peer's fresh code refreshes its name, addresses and
+        relay (the code is signed by the same key) and the peer stays denied,
+        as does a new key that replaces a denied one (``rekey``); the returned
+        peer's ``allowed`` says which. Only :meth:`allow` re-allows.
+        """
         offer = verify_code(code, clock=clock)
         store = self.home.store
         if offer.public_key == self.home.identity.public_key:
@@ -202,6 +210,7 @@ class Node:
                 "that is this node's own pairing code: paste it into `gpumesh pair` on the "
                 "other machine, and paste the other machine's code here"
             )
+        replaces = None
         same_name = store.peer_by_name(offer.name)
         if same_name is not None and same_name.public_key != offer.public_key:
             if not rekey:
@@ -210,8 +219,17 @@ class Node:
                     f"({same_name.node_id.short}, now {offer.node_id.short}); if that machine "
                     "was reinstalled, confirm with `gpumesh pair --rekey '<code>'`"
                 )
-            store.delete_peer(same_name.node_id)
-        return store.save_peer(offer.public_key, offer.name, offer.addresses, offer.relay)
+            replaces = same_name.node_id
+        return store.pair_peer(
+            offer.public_key,
+            offer.name,
+            offer.addresses,
+            offer.relay,
+            nonce=offer.nonce,
+            expires=offer.expires,
+            replaces=replaces,
+            now=clock(),
+        )
 
     def peers(self) -> list[Peer]:
         return self.home.store.peers()

@@ -1,4 +1,4 @@
-"""SQLite state of a node: peers and the allowlist (later jobs and groups).
+"""SQLite state of a node: peers and the allowlist, spent pairing codes, jobs, groups.
 
 One file in WAL mode, safe for the agent and CLI commands at the same time
 (each process has its own connection; writers wait on a busy timeout). The
@@ -19,7 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from gpumesh.errors import AmbiguousPeerError, ConfigError, NotFoundError, UnknownPeerError
+from gpumesh.errors import (
+    AmbiguousPeerError,
+    ConfigError,
+    NotFoundError,
+    PairingCodeError,
+    UnknownPeerError,
+)
 from gpumesh.identity.keys import NodeId, node_id_for
 from gpumesh.protocol.messages import JobOutput, JobStatus
 from gpumesh.store.modes import open_private
@@ -144,6 +150,16 @@ MIGRATIONS: list[str] = [
     # 4 -> 5: the path (direct, hole-punched, relayed) the last session with a peer took
     """
     ALTER TABLE peers ADD COLUMN last_path TEXT NOT NULL DEFAULT '';
+    """,
+    # 5 -> 6: pairing codes already used here (a code pairs once), kept until they expire
+    """
+    CREATE TABLE used_codes (
+        nonce    BLOB PRIMARY KEY,
+        node_id  TEXT NOT NULL,
+        used_at  REAL NOT NULL,
+        expires  REAL NOT NULL
+    );
+    CREATE INDEX used_codes_expires ON used_codes(expires);
     """,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -404,19 +420,98 @@ class Store:
         *,
         now: float | None = None,
     ) -> Peer:
-        """Insert or refresh a paired peer (allowed); returns the stored record."""
+        """Insert a peer (allowed) or refresh a known key's name, addresses and relay.
+
+        A refresh keeps the peer's allowed flag: only `allow` lifts a denial.
+        """
         node_id = node_id_for(public_key)
-        self._execute(
+        with self._lock:
+            self._upsert_peer(public_key, name, addresses, relay, True, now or time.time())
+        return self.peer_by_id(node_id)
+
+    def pair_peer(
+        self,
+        public_key: bytes,
+        name: str,
+        addresses: list[str],
+        relay: str,
+        *,
+        nonce: bytes,
+        expires: float,
+        replaces: str | None = None,
+        now: float | None = None,
+    ) -> Peer:
+        """Store a peer from its pairing code and spend the code, in one transaction.
+
+        ``nonce`` and ``expires`` are the code's: a nonce already spent here
+        (and not yet expired) is refused, so a code pairs once. ``replaces`` is
+        the node id of a peer to drop first (the same name with the key it had
+        before a reinstall). A known key is refreshed and keeps its allowed
+        flag; a new key is allowed unless the peer it replaces was denied.
+        Spent codes past their expiry are pruned here: they could not verify.
+        """
+        now = now or time.time()
+        node_id = node_id_for(public_key)
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.execute("DELETE FROM used_codes WHERE expires < ?", (now,))
+                spent = self._db.execute(
+                    "SELECT 1 FROM used_codes WHERE nonce = ?", (nonce,)
+                ).fetchone()
+                if spent is not None:
+                    raise PairingCodeError(
+                        f"that pairing code of {name} was already used on this node, and a "
+                        f"code pairs once; ask {name} for a fresh code (`gpumesh pair-code` "
+                        "on their side)"
+                    )
+                allowed = True
+                if replaces is not None and replaces != node_id:
+                    old = self._db.execute(
+                        "SELECT allowed FROM peers WHERE node_id = ?", (replaces,)
+                    ).fetchone()
+                    # A reinstall does not lift a denial of the name it takes over.
+                    allowed = old is None or bool(old["allowed"])
+                    self._db.execute("DELETE FROM peers WHERE node_id = ?", (replaces,))
+                self._upsert_peer(public_key, name, addresses, relay, allowed, now)
+                self._db.execute(
+                    "INSERT INTO used_codes (nonce, node_id, used_at, expires) VALUES (?, ?, ?, ?)",
+                    (nonce, node_id, now, expires),
+                )
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        return self.peer_by_id(node_id)
+
+    def _upsert_peer(
+        self,
+        public_key: bytes,
+        name: str,
+        addresses: list[str],
+        relay: str,
+        allowed: bool,
+        now: float,
+    ) -> None:
+        # Caller holds the lock. ``allowed`` applies to a new row only: a known
+        # key keeps its flag, so refreshing a denied peer never re-allows it.
+        self._db.execute(
             """
             INSERT INTO peers (node_id, name, public_key, addresses, relay, allowed, paired_at)
-            VALUES (?, ?, ?, ?, ?, 1, ?)
+            VALUES (?, ?, ?, ?, ?, ?, ?)
             ON CONFLICT(node_id) DO UPDATE SET
-                name = excluded.name, addresses = excluded.addresses,
-                relay = excluded.relay, allowed = 1
+                name = excluded.name, addresses = excluded.addresses, relay = excluded.relay
             """,
-            (node_id, name, public_key, json.dumps(addresses), relay, now or time.time()),
+            (
+                node_id_for(public_key),
+                name,
+                public_key,
+                json.dumps(addresses),
+                relay,
+                int(allowed),
+                now,
+            ),
         )
-        return self.peer_by_id(node_id)
 
     def delete_peer(self, node_id: str) -> None:
         self._execute("DELETE FROM peers WHERE node_id = ?", (node_id,))
@@ -667,6 +762,7 @@ class Store:
 
         Group names are unique on a node (commands take names), so a second
         group of one name is refused, as is a group id already recorded.
+        Members are saved as :meth:`save_group_members` saves them.
         """
         now = now or time.time()
         with self._lock:
@@ -700,7 +796,12 @@ class Store:
     def save_group_members(
         self, group_id: str, members: Sequence[MemberSource], *, now: float | None = None
     ) -> None:
-        """Add members to a recorded group, or refresh their name, addresses and relay."""
+        """Add members to a recorded group, or refresh their name, addresses and relay.
+
+        A member whose key is a paired peer is saved with the name, addresses
+        and relay of its pairing, whatever ``members`` says (see
+        :meth:`_upsert_members`).
+        """
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
@@ -720,6 +821,19 @@ class Store:
     def _upsert_members(self, group_id: str, members: Sequence[MemberSource], now: float) -> None:
         # Caller holds the lock and a transaction; added_at keeps the first sighting.
         for member in members:
+            name, addresses, relay = member.name, list(member.addresses), member.relay
+            paired = self._db.execute(
+                "SELECT name, addresses, relay FROM peers WHERE public_key = ?",
+                (member.public_key,),
+            ).fetchone()
+            if paired is not None:
+                # This node's own pairing is the source of truth for a peer it
+                # paired: an invite (anyone's) only fills in members it has not.
+                name, addresses, relay = (
+                    paired["name"],
+                    list(json.loads(paired["addresses"])),
+                    paired["relay"],
+                )
             self._db.execute(
                 """
                 INSERT INTO group_members
@@ -732,10 +846,10 @@ class Store:
                 (
                     group_id,
                     node_id_for(member.public_key),
-                    member.name,
+                    name,
                     member.public_key,
-                    json.dumps(list(member.addresses)),
-                    member.relay,
+                    json.dumps(addresses),
+                    relay,
                     now,
                 ),
             )
