@@ -601,3 +601,84 @@ def test_jobs_of_a_peer_never_share_nested_sandbox_folders(cluster, tmp_path: Pa
                 assert after.state == "succeeded"
 
     arun(scenario())
+
+
+def _until_final(node: Node, job_id: str, within: float = 30.0) -> object:
+    """The hosted job's record once it ended (an event; the ceiling is generous)."""
+    deadline = time.monotonic() + within
+    while True:
+        job = node.home.store.job("hosted", job_id)
+        assert job is not None
+        if job.state in ("succeeded", "failed", "cancelled"):
+            return job
+        assert time.monotonic() < deadline, f"job {job_id} is still {job.state}"
+        time.sleep(0.05)
+
+
+def test_deny_cancels_the_peers_jobs_at_once_and_they_are_never_retried(
+    cluster, engine, monkeypatch, tmp_path: Path
+) -> None:
+    from gpumesh.agent import server
+
+    # The deny itself drives this: the fallback re-read is pushed far beyond the ceiling.
+    monkeypatch.setattr(server, "CHANGES_FALLBACK", 3600.0)
+    alice, bob, carol = cluster("alice"), cluster("bob"), cluster("carol")
+    owner = Node(alice.home.path)  # `gpumesh deny` is another process
+
+    async def scenario() -> None:
+        async with providing(alice):
+            pair_both(alice, bob)
+            pair_both(alice, carol)
+            long = spec("alice", "sleep", "60", retries=3)
+            bobs = await run_job(bob, long, detach=True)
+            carols = await run_job(carol, long, detach=True)
+            await _until_running(alice, bobs.job_id)
+            owner.deny("bob")
+            job = await asyncio.to_thread(_until_final, alice, bobs.job_id)
+            assert (job.state, job.message, job.attempt) == ("cancelled", "access revoked", 1)  # type: ignore[attr-defined]
+            # carol is untouched; bob's container is gone
+            assert alice.home.store.job("hosted", carols.job_id).state in ("starting", "running")  # type: ignore[union-attr]
+            labels = [c.labels.get("io.gpumesh.job") for c in _containers(engine, alice)]  # type: ignore[attr-defined]
+            assert bobs.job_id not in labels and carols.job_id in labels
+            # and bob can neither follow nor submit any more
+            with pytest.raises(AccessDeniedError):
+                await follow_job(bob, bobs.job_id)
+            await cancel_job(carol, "alice", carols.job_id)
+
+    arun(scenario())
+    owner.close()
+
+
+async def _until_running(node: Node, job_id: str) -> None:
+    deadline = time.monotonic() + 30
+    while (job := node.home.store.job("hosted", job_id)) is None or job.state != "running":
+        assert time.monotonic() < deadline, "the job never started"
+        await asyncio.sleep(0.05)
+
+
+def test_the_providers_owner_cancels_a_hosted_job(cluster, engine, monkeypatch) -> None:
+    from gpumesh.agent import server
+    from gpumesh.client.jobs import cancel_hosted
+
+    monkeypatch.setattr(server, "CHANGES_FALLBACK", 3600.0)
+    alice, bob = cluster("alice"), cluster("bob")
+    owner = Node(alice.home.path)
+
+    async def scenario() -> None:
+        async with providing(alice):
+            pair_both(alice, bob)
+            submitted = await run_job(bob, spec("alice", "sleep", "60", retries=2), detach=True)
+            await _until_running(alice, submitted.job_id)
+            result = await cancel_hosted(owner, submitted.job_id[:6])
+            assert (result.state, result.message) == (
+                "cancelled",
+                "cancelled by the provider's owner",
+            )
+            assert result.exit_code is not None
+            followed = await follow_job(bob, submitted.job_id)
+            assert (followed.state, followed.attempt) == ("cancelled", 1)
+            assert followed.message == "cancelled by the provider's owner"
+            assert not _containers(engine, alice)
+
+    arun(scenario())
+    owner.close()

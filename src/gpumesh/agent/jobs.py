@@ -23,12 +23,19 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, TypeVar
 
-from gpumesh.agent.jobstate import FINAL_STATES, Decision, JobMachine, JobState
+from gpumesh.agent.jobstate import (
+    FINAL_STATES,
+    OWNER_CANCELLED,
+    REVOKED,
+    Decision,
+    JobMachine,
+    JobState,
+)
 from gpumesh.blocking import in_thread
 from gpumesh.errors import (
     AccessDeniedError,
@@ -139,6 +146,8 @@ class _Run:
             state=JobState(record.state),
             attempt=record.attempt,
             cancel_requested=record.cancel_requested,
+            # A cancel's reason is kept in the message until the job ends.
+            cancel_reason=record.message if record.cancel_requested else "",
         )
         self.container_id = record.container_id
         self.cursor: dict[str, list[object]] = dict(record.log_cursor)
@@ -331,23 +340,7 @@ class JobService:
         await self._stream_events(ctx.stream, job.job_id, message.after_seq, message.follow)
 
     async def handle_cancel(self, ctx: RequestContext, message: JobCancel) -> None:
-        job = self._owned(ctx, message.job_id)
-        run = self._runs.get(job.job_id)
-        if job.state not in FINAL_STATES and run is not None:
-            self.store.update_job(HOSTED, job.job_id, cancel_requested=1)
-            decision = run.machine.cancel()
-            run.wake.set()
-            if decision is not None:  # nothing running: ends now
-                if run.task is not None:
-                    run.task.cancel()
-                await self._finish(run, decision)
-            elif run.container_id:
-                logger.info("[job %s] cancel requested: stopping its container", job.job_id)
-                await in_thread(self.runtime.stop, run.container_id, 5.0)
-            if run.task is not None:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await asyncio.wait_for(asyncio.shield(run.task), 20)
-        job = self._record(job.job_id)
+        job = await self.cancel(self._owned(ctx, message.job_id).job_id)
         ctx.stream.send_message(
             JobStatus(
                 job_id=job.job_id,
@@ -358,6 +351,50 @@ class JobService:
                 message=job.message,
             ),
             end=True,
+        )
+
+    async def cancel(self, job_id: str, reason: str = "cancelled") -> JobRecord:
+        """Stop a hosted job for good (never retried), saying why; its record after."""
+        job = self._record(job_id)
+        run = self._runs.get(job_id)
+        if job.state not in FINAL_STATES and run is not None:
+            decision = run.machine.cancel(reason)
+            self.store.update_job(
+                HOSTED, job_id, cancel_requested=1, message=run.machine.cancel_reason
+            )
+            run.wake.set()
+            if decision is not None:  # nothing running: ends now
+                if run.task is not None:
+                    run.task.cancel()
+                await self._finish(run, decision)
+            elif run.container_id:
+                logger.info("[job %s] %s: stopping its container", job_id, reason)
+                await in_thread(self.runtime.stop, run.container_id, 5.0)
+            if run.task is not None:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await asyncio.wait_for(asyncio.shield(run.task), 20)
+        return self._record(job_id)
+
+    async def revoke(self, allowed: Callable[[str], bool]) -> None:
+        """Cancel the unfinished jobs of every peer that may no longer use this node."""
+        revoked = [
+            job.job_id
+            for job in self.store.unfinished_hosted_jobs()
+            if job.job_id in self._runs and not allowed(job.peer_id)
+        ]
+        await asyncio.gather(*(self.cancel(job_id, REVOKED) for job_id in revoked))
+
+    async def owner_cancels(self) -> None:
+        """Carry out cancels this node's owner recorded (``gpumesh cancel`` of a hosted job)."""
+        asked = [
+            job
+            for job in self.store.unfinished_hosted_jobs()
+            if job.cancel_requested
+            and job.job_id in self._runs
+            and not self._runs[job.job_id].machine.cancel_requested
+        ]
+        await asyncio.gather(
+            *(self.cancel(job.job_id, job.message or OWNER_CANCELLED) for job in asked)
         )
 
     # --- checks -----------------------------------------------------------------------------

@@ -34,6 +34,12 @@ class JobState(enum.StrEnum):
 FINAL_STATES = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
 
 
+REVOKED = "access revoked"
+"""Why the jobs of a peer that was denied (or unpaired) were cancelled."""
+OWNER_CANCELLED = "cancelled by the provider's owner"
+"""Why a job the provider's owner cancelled (``gpumesh cancel`` of a hosted job) ended."""
+
+
 def backoff(attempt: int) -> float:
     """Seconds to wait after failed attempt ``attempt`` (1, 2, 4, ... capped at 30)."""
     return float(min(30, 2 ** max(0, attempt - 1)))
@@ -59,11 +65,14 @@ class JobMachine:
         state: JobState = JobState.QUEUED,
         attempt: int = 0,
         cancel_requested: bool = False,
+        cancel_reason: str = "",
     ) -> None:
         self.retries = retries
         self.state = state
         self.attempt = attempt
         self.cancel_requested = cancel_requested
+        self.cancel_reason = cancel_reason or "cancelled"
+        """Why it was cancelled: ``cancelled`` (its submitter), ``access revoked``..."""
 
     @property
     def final(self) -> bool:
@@ -92,7 +101,7 @@ class JobMachine:
         """The attempt's container exited with ``exit_code``."""
         self._expect(JobState.STARTING, JobState.RUNNING)
         if self.cancel_requested:
-            return self._finish(JobState.CANCELLED, "cancelled")
+            return self._finish(JobState.CANCELLED, self.cancel_reason)
         if exit_code == 0:
             return self._finish(JobState.SUCCEEDED, "exited 0")
         return self._failed(f"exited {exit_code}")
@@ -102,18 +111,21 @@ class JobMachine:
         if self.final:
             return Decision(self.state)
         if self.cancel_requested:
-            return self._finish(JobState.CANCELLED, "cancelled")
+            return self._finish(JobState.CANCELLED, self.cancel_reason)
         return self._failed(message)
 
-    def cancel(self) -> Decision | None:
-        """Ask to cancel. Returns the final decision when nothing is running
-        (the job ends now); None when a running container must be stopped first."""
+    def cancel(self, reason: str = "cancelled") -> Decision | None:
+        """Ask to cancel, saying why. Returns the final decision when nothing is
+        running (the job ends now); None when a running container must be stopped
+        first."""
         if self.final:
             return None
+        if not self.cancel_requested:
+            self.cancel_reason = reason
         self.cancel_requested = True
         if self.state in (JobState.STARTING, JobState.RUNNING):
             return None
-        return self._finish(JobState.CANCELLED, "cancelled")
+        return self._finish(JobState.CANCELLED, self.cancel_reason)
 
     def _failed(self, message: str) -> Decision:
         if self.attempt == 0:  # nothing ever ran: there is no attempt to retry

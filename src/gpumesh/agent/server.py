@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -66,8 +67,9 @@ __all__ = ["Agent", "RequestContext"]
 
 logger = logging.getLogger(__name__)
 
-REVOCATION_POLL = 0.25
-"""How often open links are re-checked against the allowlist (seconds)."""
+CHANGES_FALLBACK = 5.0
+"""Seconds between re-reads of the allowlist and owner cancels when no change is
+announced (`gpumesh deny` and `cancel` announce theirs: see Home.notify_agent)."""
 REQUEST_TIMEOUT = 30.0
 
 
@@ -113,6 +115,9 @@ class Agent:
         self._link_names: dict[QuicLink, str] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopped = asyncio.Event()
+        self._changed = asyncio.Event()
+        """Set when this home's state changed outside the agent (a deny, a cancel)."""
+        self._notifications: socket.socket | None = None
         self.jobs = JobService(self, runtime=runtime, inventory=inventory, max_vram=max_vram)
         self.files = FileService(self, job_dirs=self.jobs.peer_workdirs)
         self.apps = AppService(self.files)
@@ -162,7 +167,8 @@ class Agent:
         if self._relay_text:
             await self._start_relay(self._relay_text)
         self._publish()
-        self._spawn(self._watch_revocations())
+        self._listen_for_changes()
+        self._spawn(self._watch_changes())
         self._spawn(self.jobs.recover())
         logger.info("sharing on udp %s:%d as %s", host, port, self.name)
         return self.address
@@ -250,6 +256,11 @@ class Agent:
         self.jobs.stop()
         for task in list(self._tasks):
             task.cancel()
+        if self._notifications is not None:
+            with contextlib.suppress(RuntimeError):
+                asyncio.get_running_loop().remove_reader(self._notifications.fileno())
+            self.home.close_notifications(self._notifications)
+            self._notifications = None
         if self.endpoint is not None:
             self.endpoint.close()
         self.home.clear_agent_info(os.getpid())
@@ -313,19 +324,50 @@ class Agent:
         self._publish()
         logger.info("[%s] disconnected: %s", peer.name, closed)
 
-    async def _watch_revocations(self) -> None:
-        # The allowlist lives in SQLite and `gpumesh deny` is another process:
-        # poll it, so a revocation reaches open links within REVOCATION_POLL.
+    def _listen_for_changes(self) -> None:
+        """The home's notification socket: `gpumesh deny` and `cancel`, in other
+        processes, say there that they changed the store (it carries no data)."""
+        try:
+            self._notifications = self.home.listen_for_notifications()
+        except OSError as exc:
+            logger.warning("changes are noticed every %.0fs only: %s", CHANGES_FALLBACK, exc)
+            return
+        asyncio.get_running_loop().add_reader(self._notifications.fileno(), self._notified)
+
+    def _notified(self) -> None:
+        sock = self._notifications
+        if sock is None:
+            return
+        with contextlib.suppress(BlockingIOError, InterruptedError):
+            for _ in range(64):  # a burst becomes one wake-up
+                sock.recv(64)
+        self._changed.set()
+
+    async def _watch_changes(self) -> None:
+        # The allowlist and owner cancels live in SQLite, written by other
+        # processes, which announce each change; a slow re-read covers any that
+        # did not (a change made with sqlite3, an older CLI).
         while True:
-            await asyncio.sleep(REVOCATION_POLL)
-            if not self._links:
-                continue
-            allowed = self.store.allowed_keys(list(set(self._links.values())))
-            for link, key in list(self._links.items()):
-                if key not in allowed:
-                    logger.info("access revoked: closing link from %s", _where(link))
-                    self._links.pop(link, None)
-                    link.close(AccessDeniedError(f"{self.name} has revoked your access"))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), CHANGES_FALLBACK)
+            self._changed.clear()
+            try:
+                await self.revoke_denied()
+                await self.jobs.owner_cancels()
+            except Exception:
+                logger.exception("re-reading the allowlist and cancels failed")
+
+    async def revoke_denied(self) -> None:
+        """End everything of peers that are denied (or no longer paired): their open
+        links (so their shells, copies and follows), and their running jobs."""
+        allowed = self.store.allowed_keys(list(set(self._links.values())))
+        for link, key in list(self._links.items()):
+            if key not in allowed:
+                logger.info("access revoked: closing link from %s", _where(link))
+                self._links.pop(link, None)
+                link.close(AccessDeniedError(f"{self.name} has revoked your access"))
+        allowed_ids = {str(peer.node_id) for peer in self.store.peers() if peer.allowed}
+        await self.jobs.revoke(lambda peer_id: peer_id in allowed_ids)
 
     async def _serve_stream(self, link: QuicLink, key: bytes, stream: Stream) -> None:
         try:

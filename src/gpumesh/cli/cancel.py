@@ -12,13 +12,15 @@ from gpumesh.cli._common import get_node, run_async
 Examples:
   gpumesh cancel --peer alice-pc 3f9a2c1b7d0e
   gpumesh cancel 3f9a                  # the peer is known for jobs you submitted
+  gpumesh cancel 7c21                  # a job a peer runs here: this node's share stops it
 """
 )
 @click.option("--peer", envvar="GPUMESH_PEER", show_envvar=True, help="The job's provider.")
 @click.argument("job_id")
 def cancel(peer: str | None, job_id: str) -> None:
-    """Cancel a job you submitted: its container is stopped; it is never retried."""
-    from gpumesh.client.jobs import SUBMITTED, cancel_job
+    """Cancel a job: one you submitted (its provider stops it), or one a peer runs
+    here (`gpumesh share` stops it). Its container is stopped; it is never retried."""
+    from gpumesh.client.jobs import HOSTED, SUBMITTED, cancel_hosted, cancel_job
     from gpumesh.errors import NotFoundError
 
     node = get_node()
@@ -26,9 +28,16 @@ def cancel(peer: str | None, job_id: str) -> None:
         try:
             job = node.home.store.find_job(job_id, role=SUBMITTED)
         except NotFoundError:
-            raise NotFoundError(
-                f"no job {job_id!r} submitted from here: give its provider with --peer"
-            ) from None
+            try:
+                hosted = node.home.store.find_job(job_id, role=HOSTED)
+            except NotFoundError:
+                raise NotFoundError(
+                    f"no job {job_id!r} submitted from here or hosted here: see `gpumesh "
+                    "jobs`, or give the provider of a job you submitted with --peer"
+                ) from None
+            result = run_async(cancel_hosted(node, hosted.job_id))
+            click.echo(f"Job {result.job_id} of {result.peer}: {result.state} ({result.message})")
+            return
         peer, job_id = job.peer_id, job.job_id
     result = run_async(cancel_job(node, peer, job_id))
     code = "" if result.exit_code is None else f" (exit {result.exit_code})"

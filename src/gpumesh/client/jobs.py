@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from gpumesh.client.placement import Placement, place
 from gpumesh.errors import (
+    AgentError,
     ConnectionLostError,
     GPUMeshError,
     NotFoundError,
@@ -60,6 +61,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 SUBMITTED = "submitted"
+HOSTED = "hosted"
 FINAL = frozenset({"succeeded", "failed", "cancelled"})
 _RECONNECT_FOR = 60.0
 """How long a follower keeps redialling a provider that dropped."""
@@ -341,6 +343,34 @@ async def cancel_job(node: Node, peer_query: str, job_id: str) -> JobResult:
     if node.home.store.job(SUBMITTED, reply.job_id) is not None:
         _record_status(node, reply.job_id, reply)
     return result
+
+
+async def cancel_hosted(node: Node, job_id: str, *, timeout: float = 60.0) -> JobResult:
+    """Cancel a job a peer runs on this node (the owner's cancel): recorded in the
+    store, carried out by this home's running agent, which is told at once."""
+    from gpumesh.agent.jobstate import OWNER_CANCELLED
+
+    store = node.home.store
+    job = store.find_job(job_id, role=HOSTED)
+    if job.state not in FINAL:
+        store.update_job(HOSTED, job.job_id, cancel_requested=1, message=OWNER_CANCELLED)
+        if not node.home.notify_agent():
+            raise AgentError(
+                f"no `gpumesh share` runs for {node.home.path}: job {job.job_id} is stopped "
+                "when it starts (its cancel is recorded)"
+            )
+        deadline = time.monotonic() + timeout
+        while (current := store.job(HOSTED, job.job_id)) is not None and (
+            current.state not in FINAL
+        ):
+            if time.monotonic() > deadline:
+                raise AgentError(
+                    f"job {job.job_id} is still {current.state} after {timeout:.0f}s: see "
+                    "`gpumesh jobs`, and the agent's log if it stays so"
+                )
+            await asyncio.sleep(0.1)
+        job = current or job
+    return JobResult(job.job_id, job.peer_name, job.state, job.exit_code, job.attempt, job.message)
 
 
 async def follow_hosted(

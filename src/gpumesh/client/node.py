@@ -243,9 +243,11 @@ class Node:
         return self.home.store.peer_by_id(peer.node_id)
 
     def deny(self, query: str) -> Peer:
-        """Revoke a peer's access at once, including its open connections."""
+        """Revoke a peer's access at once: the running agent closes its open
+        connections (its shells, copies and follows) and cancels its jobs."""
         peer = self.peer(query)
         self.home.store.set_allowed(peer.node_id, False)
+        self.home.notify_agent()
         return self.home.store.peer_by_id(peer.node_id)
 
     # --- talking to peers -----------------------------------------------------------------

@@ -18,9 +18,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gpumesh.errors import NotInitializedError
 from gpumesh.identity.keys import Identity
@@ -28,6 +30,9 @@ from gpumesh.settings import home_dir
 from gpumesh.store.config import Config
 from gpumesh.store.db import Store
 from gpumesh.store.modes import PRIVATE_DIR, PRIVATE_FILE, narrow, write_private
+
+if TYPE_CHECKING:
+    import socket
 
 __all__ = ["AgentInfo", "Home"]
 
@@ -173,7 +178,74 @@ class Home:
         if current is None or current.pid == pid:
             self.agent_path.unlink(missing_ok=True)
 
+    # --- agent.sock: other processes tell the agent that the store changed -------
+
+    @property
+    def notify_path(self) -> Path:
+        return self.path / NOTIFY_SOCKET
+
+    def notify_agent(self) -> bool:
+        """Tell this home's running agent that the store changed (a deny, a cancel),
+        so it acts now; False when no agent listens. The datagram carries nothing:
+        the agent only re-reads the store, so whoever sends it learns nothing."""
+        import socket
+
+        try:
+            with (
+                _socket_path(self.path) as where,
+                socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock,
+            ):
+                sock.sendto(b"changed", where)
+        except OSError:  # no agent (no socket, or nobody reads it), or its buffer is full
+            return False
+        return True
+
+    def listen_for_notifications(self) -> socket.socket:
+        """The agent's side of :meth:`notify_agent`: a non-blocking datagram socket,
+        0600 in the 0700 home (a stale one from a crash is replaced)."""
+        import socket
+
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        try:
+            with _socket_path(self.path) as where:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(where)
+                sock.bind(where)
+                os.chmod(where, PRIVATE_FILE)
+            sock.setblocking(False)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    def close_notifications(self, sock: socket.socket) -> None:
+        """Close the agent's socket and remove its file (one agent per home)."""
+        sock.close()
+        with contextlib.suppress(OSError):
+            self.notify_path.unlink()
+
     def close(self) -> None:
         store = self.__dict__.pop("store", None)
         if store is not None:
             store.close()
+
+
+NOTIFY_SOCKET = "agent.sock"
+_SUN_PATH_MAX = 107
+"""A unix socket's path must fit in 108 bytes with its NUL."""
+
+
+@contextlib.contextmanager
+def _socket_path(home: Path) -> Iterator[str]:
+    """The notification socket's path, short enough for bind/connect: a home's
+    path may be longer than a unix socket's 108 bytes, so it is reached through
+    a descriptor of the home (``/proc/self/fd/N/agent.sock``) when it must be."""
+    direct = str(home / NOTIFY_SOCKET)
+    if len(os.fsencode(direct)) <= _SUN_PATH_MAX:
+        yield direct
+        return
+    fd = os.open(home, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        yield f"/proc/self/fd/{fd}/{NOTIFY_SOCKET}"
+    finally:
+        os.close(fd)
