@@ -244,13 +244,17 @@ def _put_offer(session: object, path: str, size: int) -> object:
     return ask()
 
 
-def test_the_data_channel_admits_only_its_ticket_once(pair, tmp_path: Path) -> None:
-    """A wrong ticket, no ticket, or a second connection: refused, nothing written."""
+def test_the_data_channel_admits_only_its_ticket_once(pair, tmp_path: Path, monkeypatch) -> None:
+    """A wrong ticket, no ticket, or a second connection: refused, nothing written.
+
+    A refused connection leaves the listener waiting (the peer's own may come
+    next): the request ends when its window closes without the right ticket."""
     import socket as sockets
 
     from gpumesh.blocking import in_thread
     from gpumesh.files.channel import dial
 
+    monkeypatch.setattr("gpumesh.files.channel.ACCEPT_WAIT", 1.0)
     alice, bob = pair
     key = alice.home.identity.public_key
     outcomes: dict[str, object] = {}
@@ -263,7 +267,7 @@ def test_the_data_channel_admits_only_its_ticket_once(pair, tmp_path: Path) -> N
                 ticket = offer.ticket if case == "second connection" else bytes(32)
                 if case == "no ticket":
                     raw = await in_thread(sockets.create_connection, (host, offer.port))
-                    raw.close()  # not even TLS: the provider stops at once
+                    raw.close()  # not even TLS: closed, and the window runs out
                 else:
                     channel = await in_thread(dial, host, offer.port, key, ticket, 5.0)
                     if case == "second connection":
@@ -291,6 +295,112 @@ def test_the_data_channel_admits_only_its_ticket_once(pair, tmp_path: Path) -> N
     assert not sandbox.exists() or not list(sandbox.iterdir())
     for part in partials_of(alice, bob).glob("*.part"):
         assert part.stat().st_size == 0  # not a byte of the file was accepted
+
+
+def test_strangers_cannot_break_a_copy_over_the_data_channel(
+    pair, tmp_path: Path, monkeypatch
+) -> None:
+    """Before the consumer's own connection, others reach the listener: one from
+    another address bearing the right ticket; from the peer's address, one that
+    never starts TLS, one with a wrong ticket and then bytes, and one that says
+    nothing and stays. Each is closed unread, and the copies, both ways, go
+    over the channel whole."""
+    import socket as sockets
+    import ssl
+
+    from gpumesh.files import channel as channels
+
+    alice, bob = pair
+    source, back = tmp_path / "data.bin", tmp_path / "back.bin"
+    write_random(source, 3 * MIB + 5)
+    real_dial = channels.dial
+    refused: list[str] = []
+
+    def closed_on(sock: sockets.socket) -> bool:
+        sock.settimeout(5)
+        try:
+            return sock.recv(1) == b""
+        except OSError:  # reset
+            return True
+
+    def racing_dial(host: str, port: int, key: bytes, ticket: bytes, stall: float) -> object:
+        silent = sockets.create_connection((host, port), timeout=5)
+        other = sockets.create_connection((host, port), timeout=5, source_address=("127.0.0.2", 0))
+        try:
+            with channels.client_context().wrap_socket(other) as tls:
+                tls.sendall(ticket)
+                refused.append("another address" if closed_on(tls) else "ANOTHER ADDRESS GOT IN")
+        except (OSError, ssl.SSLError):
+            refused.append("another address")
+        finally:
+            other.close()
+        plain = sockets.create_connection((host, port), timeout=5)
+        plain.sendall(b"GET / HTTP/1.0\r\n\r\n")
+        refused.append("no TLS" if closed_on(plain) else "NO TLS KEPT OPEN")
+        plain.close()
+        wrong = real_dial(host, port, key, bytes(32), 5.0)
+        with contextlib.suppress(OSError):
+            wrong.sock.sendall(b"x" * 1000)
+        refused.append("wrong ticket" if closed_on(wrong.sock) else "WRONG TICKET KEPT OPEN")
+        wrong.close()
+        channel = real_dial(host, port, key, ticket, stall)
+        refused.append("silent" if closed_on(silent) else "SILENT KEPT OPEN")
+        silent.close()
+        return channel
+
+    monkeypatch.setattr(channels, "dial", racing_dial)
+
+    async def scenario() -> tuple[CopyResult, CopyResult]:
+        async with _serving(alice, bob):
+            up = await copy(bob, str(source), "alice:/data.bin")
+            down = await copy(bob, "alice:/data.bin", str(back))
+            return up, down
+
+    up, down = arun(scenario())
+    assert refused == ["another address", "no TLS", "wrong ticket", "silent"] * 2
+    assert (up.channel, down.channel) == ("tls", "tls")
+    assert up.offsets == [0] and down.offsets == [0]  # first attempts: nothing broke
+    expected = sha256_of(source)
+    assert sha256_of(sandbox_of(alice, bob) / "data.bin") == expected == up.sha256
+    assert sha256_of(back) == expected == down.sha256
+    assert not list(partials_of(alice, bob).iterdir())
+
+
+def test_a_dual_stack_listener_knows_its_ipv4_peer() -> None:
+    """On ``::`` an IPv4 client shows as ``::ffff:a.b.c.d``: still the peer; ``::1`` is not."""
+    import socket as sockets
+
+    from gpumesh.files.channel import Listener, dial, server_context
+    from gpumesh.identity.keys import Identity
+
+    identity = Identity.generate()
+    try:
+        listener = Listener("::", server_context(identity), bytes(range(32)), peer="127.0.0.1")
+    except OSError:
+        pytest.skip("no IPv6 here")
+    stranger = sockets.create_connection(("::1", listener.port), timeout=5)
+    try:
+
+        async def scenario() -> bytes:
+            from gpumesh.blocking import in_thread
+
+            accepting = in_thread(listener.accept, 5.0, 5.0)
+            channel = await in_thread(
+                dial, "127.0.0.1", listener.port, identity.public_key, bytes(range(32)), 5.0
+            )
+            accepted = await accepting
+            channel.sock.sendall(b"hello")
+            got = accepted.sock.recv(5)
+            channel.close()
+            accepted.close()
+            return got
+
+        assert arun(scenario()) == b"hello"
+        stranger.settimeout(5)
+        assert stranger.recv(1) == b""  # ::1 is another address: closed unread
+    finally:
+        stranger.close()
+        listener.close()
 
 
 def test_a_tree_of_small_files_round_trips_with_modes(pair, tmp_path: Path) -> None:

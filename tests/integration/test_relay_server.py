@@ -27,6 +27,7 @@ from gpumesh.protocol.relay import (
     Close,
     Connect,
     Connected,
+    Hello,
     Incoming,
     KeepAlive,
     KeepAliveAck,
@@ -42,6 +43,7 @@ from gpumesh.protocol.relay import (
     encode_packet,
     hello_packet,
     is_data,
+    keepalive_packet,
     register_payload,
     token_proof,
 )
@@ -241,7 +243,15 @@ def test_a_taken_port_is_one_line_error(tmp_path: Path) -> None:
 def test_help_has_examples_and_version() -> None:
     result = _cli("--help")
     assert result.returncode == 0
-    for flag in ("--listen", "--allow-file", "--token-file", "--open", "--session-bytes"):
+    for flag in (
+        "--listen",
+        "--allow-file",
+        "--token-file",
+        "--open",
+        "--session-bytes",
+        "--max-sessions-initiated",
+        "--max-sessions-per-pair",
+    ):
         assert flag in result.stdout
     assert "Examples:" in result.stdout
     version = _cli("--version")
@@ -270,7 +280,7 @@ def test_sessions_forward_only_between_their_ends(tmp_path: Path, clients: list[
 
         stranger = Client(running.address)
         clients.append(stranger)
-        stranger.send_raw(encode_data(session, b"\x40spoofed"))
+        stranger.send_raw(encode_data(session, b"\x40spoofed" + bytes(40)))
         assert stranger.expect(Refused).code == "not-registered"
         server.nothing()
         requester.nothing()
@@ -338,6 +348,69 @@ def test_per_ip_limit_and_garbage(tmp_path: Path, clients: list[Client]) -> None
         assert junk.register().code == "too-many-per-ip"  # still alive, still counting
 
 
+def test_an_unregistered_address_never_gets_more_bytes_than_it_sent(
+    tmp_path: Path, clients: list[Client]
+) -> None:
+    with relay(tmp_path, "--open") as running:
+        server, _, session = _session(running.address, clients)
+        cases = [
+            encode_packet(KeepAlive(seq=1)),  # bare: nothing comes back
+            keepalive_packet(2),
+            encode_packet(Hello()),
+            hello_packet(),
+            encode_packet(Connect(request=3, peer=server.key, candidates=[])),
+            encode_data(session, b"\x40"),
+            encode_data(session, b"\x40" + bytes(40)),
+            encode_packet(ReachTest(seq=4)),
+            b"\x0dGM\x01",
+        ]
+        got: list[tuple[int, int]] = []
+        for packet in cases:
+            stranger = Client(running.address)  # a fresh address each: no throttle in the way
+            clients.append(stranger)
+            stranger.send_raw(packet)
+            stranger.sock.settimeout(0.3)
+            with contextlib.suppress(TimeoutError):
+                while True:
+                    answer, _ = stranger.sock.recvfrom(2048)
+                    got.append((len(packet), len(answer)))
+                    assert len(answer) <= len(packet), (packet[:8], answer)
+        assert len(got) == 5, got  # the padded and the large ones are answered
+        stranger = Client(running.address)
+        clients.append(stranger)
+        stranger.send_raw(keepalive_packet(7))
+        ack = stranger.expect(KeepAliveAck)
+        assert (ack.seq, ack.registered) == (7, False)
+
+
+def test_one_node_cannot_take_all_of_anothers_sessions(
+    tmp_path: Path, clients: list[Client]
+) -> None:
+    quotas = ("--max-sessions", "3", "--max-sessions-per-pair", "2")
+    with relay(tmp_path, "--open", *quotas, "--max-sessions-initiated", "2") as running:
+        c, a, b = (Client(running.address) for _ in range(3))
+        clients += [c, a, b]
+        assert isinstance(c.register(), Registered)
+        for dialer in (a, b):
+            assert isinstance(dialer.register(serving=False), Registered)
+
+        def open_session(dialer: Client, request: int) -> None:
+            dialer.send(Connect(request=request, peer=c.key, candidates=[]))
+            incoming = c.expect(Incoming)
+            assert incoming.peer == dialer.key
+            c.send(Accept(session=incoming.session, candidates=[]))
+            assert dialer.expect(Connected).request == request
+
+        open_session(a, 1)
+        open_session(a, 2)
+        a.send(Connect(request=3, peer=c.key, candidates=[]))
+        refused = a.expect(Refused)
+        assert (refused.code, refused.session) == ("too-many-to-peer", 3)
+        assert "too many relayed sessions open to that peer" in refused.message
+        c.nothing(0.2)
+        open_session(b, 1)  # c's last slot was not a's to take
+
+
 def test_reach_probe_comes_from_another_port(tmp_path: Path, clients: list[Client]) -> None:
     with relay(tmp_path, "--open") as running:
         client = Client(running.address)
@@ -364,7 +437,7 @@ def test_shutdown_closes_sessions_and_a_restarted_relay_asks_to_register(
     assert stats["sessions"] == [] and stats["sessions_opened"] == 1
     port = first.address[1]
     with relay(tmp_path, "--open", listen=f"127.0.0.1:{port}") as second:
-        server.send(KeepAlive(seq=2))
+        server.send_raw(keepalive_packet(2))
         ack = server.expect(KeepAliveAck)
         assert (ack.seq, ack.registered) == (2, False)
         assert isinstance(server.register(), Registered)  # and it may register again

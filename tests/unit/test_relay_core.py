@@ -43,6 +43,7 @@ from gpumesh.protocol.relay import (
     encode_packet,
     hello_packet,
     is_data,
+    keepalive_packet,
     register_payload,
     token_proof,
 )
@@ -301,15 +302,16 @@ def test_keepalive_acks_say_whether_the_address_is_registered() -> None:
     ack = only(relay.say(KeepAlive(seq=4), node.address))
     assert ack == KeepAliveAck(seq=4, registered=True, observed=address_text(node.address))
     stranger = ("192.0.2.99", 9)
-    assert only(relay.say(KeepAlive(seq=5), stranger)).registered is False
+    assert relay.say(KeepAlive(seq=5), stranger) == []  # unpadded: the answer would be larger
+    assert only(decoded(relay.send(keepalive_packet(5), stranger))).registered is False
 
 
 def test_after_a_restart_keepalives_say_register_again() -> None:
     relay = Relay()
     node = relay.registered(relay.node())
     restarted = Relay()  # a new process: new state, new secret in real life
-    assert only(restarted.say(KeepAlive(seq=1), node.address)).registered is False
-    assert only(relay.say(KeepAlive(seq=1), node.address)).registered is True
+    assert only(decoded(restarted.send(keepalive_packet(1), node.address))).registered is False
+    assert only(decoded(relay.send(keepalive_packet(1), node.address))).registered is True
 
 
 def test_silent_registrations_expire_and_anything_keeps_them() -> None:
@@ -452,17 +454,56 @@ def test_only_the_serving_end_may_accept() -> None:
 
 
 def test_per_node_session_limit() -> None:
-    relay = Relay(max_sessions=2)
-    server = relay.registered(relay.node())
+    relay = Relay(max_sessions=2, max_sessions_per_pair=1)
+    servers = [relay.registered(relay.node()) for _ in range(3)]
     requester = relay.registered(relay.node(), serving=False)
-    for request in (1, 2):
+    for request, server in enumerate(servers[:2], start=1):
         relay.open_session(requester, server, request)
-    refused = only(relay.say(Connect(request=3, peer=server.key, candidates=[]), requester.address))
+    connect = Connect(request=3, peer=servers[2].key, candidates=[])
+    refused = only(relay.say(connect, requester.address))
     assert (refused.code, refused.session) == ("too-many-sessions", 3)
-    # The limit is the serving node's too: a fresh requester cannot get in either.
+    assert refused.message == REFUSALS["too-many-sessions"] + " (2 open; the relay's limit is 2)"
+    # The limit is the serving node's too: once two others fill it, a third cannot get in.
+    for request in (1, 2):
+        relay.open_session(relay.registered(relay.node(), serving=False), servers[2], request)
     fresh = relay.registered(relay.node(), serving=False)
-    refused = only(relay.say(Connect(request=1, peer=server.key, candidates=[]), fresh.address))
-    assert refused.code == "too-many-sessions"
+    refused = only(relay.say(Connect(request=1, peer=servers[2].key, candidates=[]), fresh.address))
+    assert refused.code == "peer-too-many-sessions"
+
+
+def test_one_node_cannot_take_all_of_anothers_sessions() -> None:
+    relay = Relay(max_sessions=4, max_sessions_initiated=3, max_sessions_per_pair=2)
+    c = relay.registered(relay.node())
+    a = relay.registered(relay.node(), serving=False)
+    b = relay.registered(relay.node(), serving=False)
+    first, _ = relay.open_session(a, c, 1)
+    only(relay.say(Connect(request=2, peer=c.key, candidates=[]), a.address))  # pending counts
+    refused = only(relay.say(Connect(request=3, peer=c.key, candidates=[]), a.address))
+    assert (refused.code, refused.session) == ("too-many-to-peer", 3)
+    assert refused.message == REFUSALS["too-many-to-peer"] + " (2 open; the relay's limit is 2)"
+    # c has room left, and a cannot take it: b still gets through.
+    relay.open_session(b, c, 1)
+    # A slot a gave back is a's to use again.
+    relay.say(Close(session=first, code="closed", message=""), a.address)
+    relay.open_session(a, c, 4)
+    assert relay.core.stats(relay.now)["refusals"] == {"too-many-to-peer": 1}
+
+
+def test_a_node_may_ask_for_only_so_many_sessions_at_once() -> None:
+    relay = Relay(max_sessions=4, max_sessions_initiated=2, max_sessions_per_pair=1)
+    a = relay.registered(relay.node())
+    b = relay.registered(relay.node(), serving=False)
+    peers = [relay.registered(relay.node()) for _ in range(3)]
+    relay.open_session(a, peers[0], 1)
+    relay.open_session(a, peers[1], 2)
+    refused = only(relay.say(Connect(request=3, peer=peers[2].key, candidates=[]), a.address))
+    assert (refused.code, refused.session) == ("too-many-initiated", 3)
+    assert refused.message == REFUSALS["too-many-initiated"] + " (2 open; the relay's limit is 2)"
+    # Others still reach the peer a could not, and a itself: sessions a did not ask
+    # for are not a's quota.
+    relay.open_session(b, peers[2], 1)
+    relay.open_session(b, a, 2)
+    assert relay.core.session_count == 4
 
 
 # --- forwarding rules -------------------------------------------------------------------------
@@ -489,12 +530,15 @@ def test_an_unregistered_source_is_refused_and_nothing_is_forwarded() -> None:
     requester = relay.registered(relay.node(), serving=False)
     session, _ = relay.open_session(requester, server)
     spoofer = ("192.0.2.66", 6666)
-    [(refused, to)] = decoded(relay.data(session, b"x", spoofer))
-    assert (refused.code, to) == ("not-registered", spoofer)
+    datagram = b"\x40" + bytes(40)  # the smallest QUIC packets are about this size
+    [(refused, to)] = decoded(relay.data(session, datagram, spoofer))
+    assert (refused.code, refused.message, to) == ("not-registered", "", spoofer)
     for _ in range(10):
-        assert relay.data(session, b"x", spoofer) == []
+        assert relay.data(session, datagram, spoofer) == []
     # Same port at the requester's IP is still another address.
-    assert decoded(relay.data(session, b"x", (requester.address[0], 1)))[0][1] != server.address
+    [(_, to)] = relay.data(session, datagram, (requester.address[0], 1))
+    assert to != server.address
+    assert relay.core.stats(relay.now)["bytes_relayed"] == 0
 
 
 def test_unknown_session_is_refused() -> None:
@@ -635,6 +679,118 @@ def test_shutdown_closes_every_session_at_both_ends() -> None:
     assert all(m.code == "shutting-down" for m, _ in out)
 
 
+# --- no amplification -------------------------------------------------------------------------
+
+
+def _every_kind_of_packet(session: int, pending: int, key: bytes) -> list[bytes]:
+    """Each packet kind at its smallest and at the sizes nodes send, and garbage."""
+    far = [f"[2001:db8::{n}]:65535" for n in range(8)]
+    secret, mac = bytes(16), bytes(16)
+    messages: list[RelayMessage] = [
+        Hello(),
+        Hello(padding=bytes(256)),
+        Challenge(nonce=bytes(32), observed=""),
+        Registered(observed="", keepalive=0, session_bytes=0, session_seconds=0),
+        Refused(code="", message=""),
+        Incoming(session=0, peer=key, observed="", candidates=[], secret=secret),
+        Connected(request=0, session=0, observed="", candidates=[], secret=secret),
+        KeepAliveAck(seq=0, registered=False, observed=""),
+        wire.Probe(session=session, tx=0, reply=False, mac=mac),
+        ReachProbe(seq=0),
+        Connect(request=0, peer=key, candidates=[]),
+        Connect(request=2**32 - 1, peer=key, candidates=far),
+        Connect(request=0, peer=bytes(32), candidates=[]),  # nobody's key
+        Accept(session=0, candidates=[]),
+        Accept(session=session, candidates=[]),
+        Accept(session=pending, candidates=far),
+        Decline(session=0),
+        Decline(session=pending),
+        Close(session=session, code="", message=""),
+        Close(session=pending, code="closed", message="x" * 256),
+        KeepAlive(seq=0),
+        KeepAlive(seq=2**32 - 1),
+        ReachTest(seq=0),
+        ReachTest(seq=2**32 - 1),
+    ]
+    packets = [encode_packet(message) for message in messages]
+    packets += [hello_packet(), keepalive_packet(0), keepalive_packet(2**32 - 1)]
+    for target in (0, session, pending, 2**63 - 1):
+        for size in (0, 1, 16, 17, 40, 1200):
+            packets.append(encode_data(target, bytes(size)))
+    for kind in range(0x40):
+        for tail in (b"", b"\x90", b"\x91\x00", b"\x92\x00\xc4\x00", bytes(40)):
+            packets.append(bytes((kind,)) + b"GM\x01" + tail)
+    noise = random.Random(7)
+    packets += [b"", b"\x00", b"GM", b"\x0dGM"] + [noise.randbytes(n) for n in (1, 13, 99, 1500)]
+    return packets
+
+
+def test_no_answer_to_an_unregistered_address_is_larger_than_its_packet() -> None:
+    """Every kind of packet from an address that has not registered, each from a
+    fresh one (no throttle hides an answer): what comes back is never larger."""
+    relay = Relay()
+    server = relay.registered(relay.node())
+    requester = relay.registered(relay.node(), serving=False)
+    session, _ = relay.open_session(requester, server)
+    pending = only(relay.say(Connect(request=2, peer=server.key, candidates=[]), requester.address))
+    ports = itertools.count(1)
+
+    def answers(packet: bytes, core: RelayCore | None = None) -> list[Send]:
+        source = ("203.0.113.9", next(ports))
+        out = (core or relay.core).handle(packet, source, relay.now)
+        for reply, to in out:
+            assert to == source
+            assert len(reply) <= len(packet), (packet[:8], reply[:8])
+        return out
+
+    for packet in _every_kind_of_packet(session, pending.session, server.key):
+        answers(packet)
+    # Registrations, good and bad, on an open and a private relay.
+    private = Relay(open=False, tokens=("t",))
+    for core in (relay.core, private.core):
+        for signer in (Identity.generate(), None):
+            node = relay.node("203.0.113.9", next(ports))
+            for nonce in (relay.challenge(node.address), bytes(32)):
+                message = registration(node, nonce)
+                if signer is not None:
+                    message = Register(
+                        public_key=node.key,
+                        nonce=nonce,
+                        signature=signer.sign(register_payload(nonce, node.key, True)),
+                        token_proof=b"",
+                        serving=True,
+                    )
+                source = node.address
+                out = core.handle(encode_packet(message), source, relay.now)
+                assert len(out) == 1 and len(out[0][0]) <= len(encode_packet(message))
+    # What real nodes send is still answered, within its size.
+    assert isinstance(only(decoded(answers(hello_packet()))), Challenge)
+    ack = only(decoded(answers(keepalive_packet(3))))
+    assert (ack.seq, ack.registered) == (3, False)
+    connect = encode_packet(Connect(request=4, peer=server.key, candidates=[]))
+    refused = only(decoded(answers(connect)))
+    assert (refused.code, refused.message, refused.session) == ("not-registered", "", 4)
+    refused = only(decoded(answers(encode_data(session, b"\x40" + bytes(40)))))
+    assert (refused.code, refused.session) == ("not-registered", session)
+    assert only(decoded(answers(encode_packet(ReachTest(seq=5))))) == ReachProbe(seq=5)
+    node = relay.node()
+    out = relay.say(registration(node, relay.challenge(node.address)), node.address)
+    assert isinstance(only(out), Registered)
+    # Nothing reached the two ends of the session.
+    assert relay.core.stats(relay.now)["bytes_relayed"] == 0
+
+
+def test_a_registered_node_is_answered_even_unpadded() -> None:
+    """Older nodes send bare KeepAlives: a registered address proved it is real."""
+    relay = Relay()
+    node = relay.registered(relay.node())
+    ack = only(relay.say(KeepAlive(seq=1), node.address))
+    assert len(encode_packet(ack)) > len(encode_packet(KeepAlive(seq=1)))
+    assert len(keepalive_packet(1)) == wire.KEEPALIVE_MIN_SIZE
+    longest = KeepAliveAck(seq=2**32 - 1, registered=True, observed="x" * 64)
+    assert len(encode_packet(longest)) <= wire.KEEPALIVE_MIN_SIZE
+
+
 # --- hostile input ----------------------------------------------------------------------------
 
 
@@ -662,15 +818,15 @@ def test_malformed_packets_are_dropped() -> None:
 @given(st.binary(max_size=1600), st.integers(min_value=0, max_value=0x11))
 def test_random_packets_never_crash(payload: bytes, kind: int) -> None:
     relay = Relay()
-    node = relay.node()
+    node = relay.node()  # not registered: no answer may be larger than the packet
     packet = bytes((kind,)) + b"GM\x01" + payload if payload[:1] != b"!" else payload
     out = relay.send(packet, node.address)
     for reply, to in out:
-        assert to == node.address and len(reply) <= wire.MAX_PACKET
+        assert to == node.address and len(reply) <= min(len(packet), wire.MAX_PACKET)
 
 
 def test_session_ids_are_random_sized_and_unique() -> None:
-    relay = Relay()
+    relay = Relay(max_sessions_per_pair=20)
     relay.core = RelayCore(relay.config, secret=SECRET, random_bytes=random.randbytes)
     server = relay.registered(relay.node())
     requester = relay.registered(relay.node(), serving=False)
@@ -722,6 +878,30 @@ def test_config_file_keys_units_and_typos(tmp_path: Path) -> None:
     path.write_text("max_per_ip = '4'\n")
     with pytest.raises(ConfigError, match="whole number"):
         load_config_file(path)
+
+
+def test_session_quotas_are_settings(tmp_path: Path) -> None:
+    from gpumesh.relay.main import build_config
+
+    config = RelayConfig(open=True).check()
+    assert (config.max_sessions, config.max_sessions_initiated, config.max_sessions_per_pair) == (
+        64,
+        32,
+        8,
+    )
+    with pytest.raises(ConfigError, match=r"max_sessions_per_pair \(8\) must be below"):
+        RelayConfig(open=True, max_sessions=8).check()
+    with pytest.raises(ConfigError, match="max_sessions_initiated must be at least 1"):
+        RelayConfig(open=True, max_sessions_initiated=0).check()
+    path = tmp_path / "relay.toml"
+    path.write_text("open = true\nmax_sessions_initiated = 5\nmax_sessions_per_pair = 3\n")
+    assert load_config_file(path) == {
+        "open": True,
+        "max_sessions_initiated": 5,
+        "max_sessions_per_pair": 3,
+    }
+    built = build_config({"config_file": path, "max_sessions_per_pair": 2})
+    assert (built.max_sessions_initiated, built.max_sessions_per_pair) == (5, 2)
 
 
 def test_listen_and_duration_parsing() -> None:

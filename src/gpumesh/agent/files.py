@@ -541,8 +541,9 @@ class FileService:
     def channel_enabled(self) -> bool:
         return str(self.agent.home.config.get("data_channel")) == "on"
 
-    def _listener(self) -> Listener:
-        """A one-shot TLS listener on the share address, with a fresh ticket."""
+    def _listener(self, peer: str) -> Listener:
+        """A one-shot TLS listener on the share address, with a fresh ticket, that admits
+        only ``peer`` (the IP address the request came from)."""
         from gpumesh.files.channel import Listener, server_context
 
         if not self.channel_enabled():
@@ -550,9 +551,11 @@ class FileService:
         if self._tls is None:
             self._tls = server_context(self.agent.identity)
         try:
-            return Listener(self.agent.host, self._tls, secrets.token_bytes(32))
+            return Listener(self.agent.host, self._tls, secrets.token_bytes(32), peer=peer)
         except OSError as exc:
             raise UnreachableError(f"cannot open a data channel: {exc.strerror or exc}") from None
+        except ValueError as exc:
+            raise UnreachableError(f"cannot open a data channel: {exc}") from None
 
     @_refusing
     async def handle_channel_put(self, ctx: RequestContext, message: Message) -> None:
@@ -584,7 +587,7 @@ class FileService:
             try:
                 # Drop what lies past the offset, hash what is kept, before a byte is added.
                 await in_thread(_truncate_and_hash, fd, offset, hasher)
-                listener = self._listener()
+                listener = self._listener(ctx.link.remote_address()[0])
                 stream.send_message(
                     ChannelOffer(port=listener.port, ticket=listener.ticket, offset=offset)
                 )
@@ -630,7 +633,7 @@ class FileService:
 
         assert isinstance(message, ChannelGet)
         where = self._where(message.path)
-        listener = self._listener()
+        listener = self._listener(ctx.link.remote_address()[0])
         try:
             fd = await in_thread(self.open_regular, ctx.peer, message.path)
         except BaseException:

@@ -10,6 +10,13 @@ ticket (constant time) before it reads a byte of the file. Then only raw file
 bytes cross the channel; everything else (what is copied, where it resumes,
 the SHA-256 of the whole file, the verdict) stays on the QUIC request.
 
+The listener takes connections only from the IP address the QUIC request
+came from; any other is closed unread, and one from that address that fails
+its handshake or shows a wrong ticket is closed too. Neither ends the
+listener: another process may connect first (anyone, on a shared machine or
+on loopback), and must not be able to break the copy by doing so. It keeps
+waiting until the right ticket arrives or its window closes.
+
 This module holds the blocking halves both ends use, run on threads: the TLS
 contexts, the one-shot listener, dialling with the key pin, and pumping a file
 into or out of a socket in large pieces while another thread hashes (TLS and
@@ -22,8 +29,11 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+import ipaddress
+import logging
 import os
 import queue
+import selectors
 import socket
 import ssl
 import tempfile
@@ -57,10 +67,12 @@ __all__ = [
     "server_context",
 ]
 
+logger = logging.getLogger(__name__)
+
 TICKET_BYTES = 32
 ACCEPT_WAIT = 5.0
-"""Seconds a one-shot listener waits for its one connection, and then for its
-TLS handshake and ticket."""
+"""Seconds a one-shot listener waits for its peer's connection, TLS handshake and
+ticket, whatever else connects meanwhile."""
 CONNECT_WAIT = 3.0
 """Seconds the consumer gives a TCP connect and TLS handshake before it falls back."""
 PIECE = 4 << 20
@@ -68,6 +80,11 @@ PIECE = 4 << 20
 _PIECES = 4
 """Buffers in flight per transfer (``PIECE`` each): bounded memory, whatever the size."""
 _POLL = 0.2
+_MAX_PENDING = 8
+"""Connections from the peer's address in their handshake at once; a new one
+past this closes the oldest (the peer's own connection comes last, after any
+that raced it)."""
+_BACKLOG = 16
 
 
 def server_context(identity: Identity) -> ssl.SSLContext:
@@ -160,21 +177,29 @@ class Channel:
 
 
 class Listener:
-    """A TCP listener for exactly one connection, with its ticket; closed after it."""
+    """A TCP listener for one connection from its peer bearing its ticket; closed after it.
 
-    def __init__(self, host: str, context: ssl.SSLContext, ticket: bytes) -> None:
+    ``peer`` is the IP address the QUIC request came from: connections from
+    anywhere else are closed before a byte is read.
+    """
+
+    def __init__(self, host: str, context: ssl.SSLContext, ticket: bytes, *, peer: str) -> None:
+        peer_ip = _ip(peer)
+        if peer_ip is None:
+            raise ValueError(f"the data channel's peer {peer!r} is not an IP address")
+        self.peer = peer_ip
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         try:
             sock.bind((host, 0))
-            sock.listen(1)
+            sock.listen(_BACKLOG)
         except OSError:
             sock.close()
             raise
         self._sock = sock
         self._context = context
         self.ticket = ticket
-        """What the one connection must present first."""
+        """What the peer's connection must present first."""
         self._stopped = threading.Event()
         self.port: int = sock.getsockname()[1]
 
@@ -187,47 +212,147 @@ class Listener:
         self._stopped.set()
         self._sock.close()
 
-    def accept(self, stall_timeout: float, wait: float = ACCEPT_WAIT) -> Channel:
-        """The one connection, its handshake done and its ticket checked (blocking).
+    def accept(self, stall_timeout: float, wait: float | None = None) -> Channel:
+        """The peer's connection, its handshake done and its ticket checked (blocking).
 
-        Whatever happens, the listener is closed before this returns: a second
-        connection is never accepted, and a wrong ticket ends the channel.
+        Waits up to ``wait`` seconds (default :data:`ACCEPT_WAIT`). Connections
+        from other addresses, and those from the peer's address that fail
+        their handshake or show a wrong ticket, are closed before a byte of
+        the file moves, and the wait goes on. Whatever happens, the listener
+        is closed before this returns: nothing is accepted after the one.
         """
+        deadline = time.monotonic() + (ACCEPT_WAIT if wait is None else wait)
+        pending: list[_Candidate] = []
+        wrong_tickets = 0
         try:
-            conn = self._accept_one(wait)
+            with selectors.DefaultSelector() as selector:
+                self._sock.setblocking(False)
+                selector.register(self._sock, selectors.EVENT_READ)
+                while True:
+                    if self._stopped.is_set():
+                        raise ConnectionLostError(
+                            "the request ended before its data channel opened"
+                        )
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        if wrong_tickets:
+                            raise AccessDeniedError(
+                                "the data channel was opened with a wrong ticket, "
+                                "and not with the right one in time"
+                            )
+                        raise UnreachableError("nobody opened the data channel in time")
+                    for key, _events in selector.select(min(left, _POLL)):
+                        if key.fileobj is self._sock:
+                            self._take(selector, pending)
+                            continue
+                        candidate: _Candidate = key.data
+                        outcome = candidate.step()
+                        if outcome is None:
+                            selector.modify(candidate.sock, candidate.events, candidate)
+                            continue
+                        selector.unregister(candidate.sock)
+                        pending.remove(candidate)
+                        if outcome:
+                            return candidate.channel(stall_timeout)
+                        wrong_tickets += candidate.wrong_ticket
+                        candidate.close()
         finally:
             self._sock.close()
-        try:
-            conn.settimeout(wait)
-            tls = self._context.wrap_socket(conn, server_side=True)
-        except (OSError, ssl.SSLError) as exc:
-            conn.close()
-            raise UnreachableError(f"the data channel's TLS handshake failed: {exc}") from None
-        channel = Channel(tls)
-        try:
-            presented = _read_exactly(tls, TICKET_BYTES)
-            if not hmac.compare_digest(presented, self.ticket):
-                raise AccessDeniedError("the data channel was opened with a wrong ticket")
-            tls.settimeout(stall_timeout)
-        except BaseException as exc:
-            channel.close()
-            if isinstance(exc, OSError):
-                raise ConnectionLostError("the data channel closed before its ticket") from None
-            raise
-        return channel
+            for candidate in pending:
+                candidate.close()
 
-    def _accept_one(self, wait: float) -> socket.socket:
-        deadline = time.monotonic() + wait
-        self._sock.settimeout(_POLL)
-        while not self._stopped.is_set():
-            if time.monotonic() > deadline:
-                raise UnreachableError("nobody opened the data channel in time")
+    def _take(self, selector: selectors.BaseSelector, pending: list[_Candidate]) -> None:
+        """Accept what is queued: the peer's address gets a handshake, others a close."""
+        while True:
             try:
-                conn, _address = self._sock.accept()
-            except TimeoutError:
+                conn, address = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # e.g. reset while it was queued
+                logger.debug("data channel: accept failed: %s", exc)
+                return
+            if _ip(address[0]) != self.peer:
+                logger.debug("data channel: closed a connection from %s: not the peer", address[0])
+                conn.close()
                 continue
-            return conn
-        raise ConnectionLostError("the request ended before its data channel opened")
+            try:
+                conn.setblocking(False)
+                tls = self._context.wrap_socket(
+                    conn, server_side=True, do_handshake_on_connect=False
+                )
+            except (OSError, ssl.SSLError) as exc:
+                logger.debug("data channel: a connection from %s failed: %s", address[0], exc)
+                conn.close()
+                continue
+            if len(pending) >= _MAX_PENDING:
+                oldest = pending.pop(0)
+                selector.unregister(oldest.sock)
+                oldest.close()
+            candidate = _Candidate(tls, self.ticket)
+            pending.append(candidate)
+            selector.register(tls, candidate.events, candidate)
+
+
+class _Candidate:
+    """One connection from the peer's address, in its handshake and ticket (non-blocking)."""
+
+    def __init__(self, sock: ssl.SSLSocket, ticket: bytes) -> None:
+        self.sock = sock
+        self._ticket = ticket
+        self._handshaken = False
+        self._presented = bytearray()
+        self.events = selectors.EVENT_READ
+        """What :meth:`step` waits for next."""
+        self.wrong_ticket = False
+
+    def step(self) -> bool | None:
+        """Go as far as it can: True (the ticket matched), False (refused), None (wait)."""
+        try:
+            if not self._handshaken:
+                self.sock.do_handshake()
+                self._handshaken = True
+            # Read until the socket would block: TLS may hold bytes it has already
+            # taken from the socket, which select() would never report.
+            while len(self._presented) < TICKET_BYTES:
+                piece = self.sock.recv(TICKET_BYTES - len(self._presented))
+                if not piece:
+                    return False
+                self._presented += piece
+        except ssl.SSLWantReadError:
+            self.events = selectors.EVENT_READ
+            return None
+        except ssl.SSLWantWriteError:
+            self.events = selectors.EVENT_WRITE
+            return None
+        except (OSError, ssl.SSLError) as exc:
+            logger.debug("data channel: a connection from the peer's address failed: %s", exc)
+            return False
+        if not hmac.compare_digest(bytes(self._presented), self._ticket):
+            logger.debug("data channel: closed a connection with a wrong ticket")
+            self.wrong_ticket = True
+            return False
+        return True
+
+    def channel(self, stall_timeout: float) -> Channel:
+        self.sock.setblocking(True)
+        self.sock.settimeout(stall_timeout)
+        return Channel(self.sock)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """An address as one value however it is written: an IPv4 client of a dual-stack
+    socket (``::ffff:a.b.c.d``) is that IPv4 address; a zone (``%eth0``) is dropped."""
+    try:
+        address = ipaddress.ip_address(text.split("%", 1)[0])
+    except ValueError:
+        return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    return address
 
 
 def dial(host: str, port: int, expected_key: bytes, ticket: bytes, stall_timeout: float) -> Channel:
@@ -274,16 +399,6 @@ def dial(host: str, port: int, expected_key: bytes, ticket: bytes, stall_timeout
             raise UnreachableError(f"the data channel to {host}:{port} failed: {exc}") from None
         raise
     return channel
-
-
-def _read_exactly(sock: ssl.SSLSocket, count: int) -> bytes:
-    data = bytearray()
-    while len(data) < count:
-        piece = sock.recv(count - len(data))
-        if not piece:
-            raise ConnectionLostError("the data channel closed early")
-        data += piece
-    return bytes(data)
 
 
 # --- pumping a file ---------------------------------------------------------------------------

@@ -19,7 +19,7 @@ version. Anything else is not ours and is dropped.
           <---------------------- Connected(request, session, observed, candidates, secret)
     Data(session, QUIC datagram) <------------------------------> Data(session, ...)
     Close(session, code) <------------------------------------->
-    KeepAlive(seq) ------------->  <- KeepAliveAck(seq, registered, observed)
+    KeepAlive(seq, padding) ---->  <- KeepAliveAck(seq, registered, observed)
 
     node <------------------------- Probe(session, tx, mac) --------------> peer
           (sent straight to each other's candidates: UDP hole punching)
@@ -28,6 +28,11 @@ version. Anything else is not ours and is dropped.
 datagram) so forwarding costs one slice; every other packet is a msgpack
 struct with bounded fields. The relay never sees inside a ``Data`` payload:
 it is an encrypted QUIC packet between the two nodes.
+
+No answer to an address that has not registered is larger than the packet
+it answers (a spoofed source must not turn the relay into an amplifier):
+``Hello`` and ``KeepAlive`` are padded by the node, and a refusal to such an
+address carries its code alone.
 
 Nothing here does I/O or reads a clock.
 """
@@ -47,6 +52,7 @@ __all__ = [
     "DATA_HEADER",
     "DEFAULT_RELAY_PORT",
     "HELLO_MIN_SIZE",
+    "KEEPALIVE_MIN_SIZE",
     "MAX_PACKET",
     "REFUSALS",
     "Accept",
@@ -74,6 +80,7 @@ __all__ = [
     "hello_packet",
     "is_data",
     "is_relay_packet",
+    "keepalive_packet",
     "probe_mac",
     "register_payload",
     "token_proof",
@@ -109,7 +116,7 @@ T_REACH_PROBE = 0x11
 
 _DATA = struct.Struct("!B2sBQ")
 DATA_HEADER = _DATA.size
-"""Bytes a relayed QUIC datagram grows by (13)."""
+"""Bytes a relayed QUIC datagram grows by (12)."""
 
 REFUSALS: dict[str, str] = {
     "malformed": "the relay could not read the packet",
@@ -123,6 +130,9 @@ REFUSALS: dict[str, str] = {
     "unknown-peer": "the peer is not registered with the relay (is `gpumesh share` running there?)",
     "peer-declined": "the peer declined the relayed connection",
     "too-many-sessions": "this node has too many relayed sessions open",
+    "too-many-initiated": "this node has opened too many relayed sessions at once",
+    "too-many-to-peer": "this node has too many relayed sessions open to that peer",
+    "peer-too-many-sessions": "the peer has too many relayed sessions open; try again later",
     "no-session": "the relayed session does not exist (it ended, or the relay restarted)",
     "byte-cap": "the relayed session reached the relay's byte cap",
     "time-cap": "the relayed session reached the relay's time cap",
@@ -198,6 +208,8 @@ class Refused(_Packet, frozen=True):
 
     code: RefusalCode
     message: Text
+    """For people; empty when the relay sent the code alone (to an address that has not
+    registered, so the answer stays small): its meaning is then ``REFUSALS[code]``."""
     session: U64 = 0
     """The session or Connect request this ends, or 0."""
 
@@ -253,10 +265,17 @@ class Close(_Packet, frozen=True):
     message: Text
 
 
+KEEPALIVE_MIN_SIZE = 80
+"""A KeepAlive is padded to this size: the relay answers an unregistered address only
+when its answer is no larger (any KeepAliveAck, its address at most 64 characters, fits)."""
+
+
 class KeepAlive(_Packet, frozen=True):
     """Node -> relay: still here (also refreshes the NAT mapping)."""
 
     seq: U32
+    padding: Annotated[bytes, msgspec.Meta(max_length=256)] = b""
+    """Zeros making the packet :data:`KEEPALIVE_MIN_SIZE` bytes (see :func:`keepalive_packet`)."""
 
 
 class KeepAliveAck(_Packet, frozen=True):
@@ -347,6 +366,12 @@ def hello_packet() -> bytes:
     """A Hello padded to :data:`HELLO_MIN_SIZE` bytes."""
     bare = len(encode_packet(Hello()))
     return encode_packet(Hello(padding=bytes(HELLO_MIN_SIZE - bare + 2)))
+
+
+def keepalive_packet(seq: int) -> bytes:
+    """A KeepAlive padded to :data:`KEEPALIVE_MIN_SIZE` bytes."""
+    bare = len(encode_packet(KeepAlive(seq=seq)))  # the padding's own header included
+    return encode_packet(KeepAlive(seq=seq, padding=bytes(KEEPALIVE_MIN_SIZE - bare)))
 
 
 def decode_packet(data: bytes | memoryview) -> RelayMessage:

@@ -56,7 +56,13 @@ class RelayConfig:
     max_per_ip: int = 32
     """Registered addresses per source IP (``too-many-per-ip``); nodes behind one NAT share one."""
     max_sessions: int = 64
-    """Sessions per node key, as either end (``too-many-sessions``)."""
+    """Sessions per node key, as either end (``too-many-sessions`` for the requester,
+    ``peer-too-many-sessions`` for the peer it asks for)."""
+    max_sessions_initiated: int = 32
+    """Sessions a node key may have open that it asked for (``too-many-initiated``)."""
+    max_sessions_per_pair: int = 8
+    """Sessions one node key may have open to one other (``too-many-to-peer``); below
+    ``max_sessions``, so that no node can take all of another's."""
     keepalive: float = 10.0
     """Seconds between keep-alives the relay asks of nodes."""
     registration_timeout: float = 45.0
@@ -100,9 +106,15 @@ class RelayConfig:
             raise ConfigError(PRIVATE_BY_DEFAULT)
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"invalid port {self.port}: use 0-65535")
-        for name in ("max_registrations", "max_per_ip", "max_sessions", "queue"):
+        for name in _INT_KEYS:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1")
+        if self.max_sessions_per_pair >= self.max_sessions:
+            raise ConfigError(
+                f"max_sessions_per_pair ({self.max_sessions_per_pair}) must be below "
+                f"max_sessions ({self.max_sessions}), or one node could take all of another "
+                "node's relayed sessions"
+            )
         for name in ("session_bytes", "session_rate"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must not be negative")
@@ -220,7 +232,14 @@ _DURATION_KEYS = (
     "session_seconds",
     "session_idle",
 )
-_INT_KEYS = ("max_registrations", "max_per_ip", "max_sessions", "queue")
+_INT_KEYS = (
+    "max_registrations",
+    "max_per_ip",
+    "max_sessions",
+    "max_sessions_initiated",
+    "max_sessions_per_pair",
+    "queue",
+)
 _PATH_KEYS = ("allow_file", "token_file", "stats_file")
 FILE_KEYS = frozenset(
     {"listen", "allow", "open", "log_level", *_SIZE_KEYS, *_DURATION_KEYS, *_INT_KEYS, *_PATH_KEYS}

@@ -8,11 +8,14 @@ never opens a socket or reads a clock, so every rule is tested with a fake
 clock and no network (``tests/unit/test_relay_core.py``).
 
 What it owns: the stateless challenge (no per-client state before a valid
-Register, so spoofed Hellos cost nothing and amplify nothing), registrations
-keyed by source address, sessions between a requester and a serving node,
-and the limits and caps on both. What it must never do: look inside a Data
-payload (an encrypted QUIC datagram between the two nodes), or forward one to
-anybody but the other end of that session.
+Register, so spoofed Hellos cost nothing), registrations keyed by source
+address, sessions between a requester and a serving node, and the limits and
+caps on both. What it must never do: look inside a Data payload (an
+encrypted QUIC datagram between the two nodes), forward one to anybody but
+the other end of that session, or answer an address that has not registered
+with more bytes than it sent (that would make the relay an amplifier for
+spoofed sources: :meth:`RelayCore.handle` withholds any such answer, and each
+message is shaped so that real ones fit).
 """
 
 from __future__ import annotations
@@ -152,6 +155,8 @@ class RelayCore:
         self._sessions: dict[int, _Session] = {}
         self._requests: dict[tuple[Address, int], int] = {}
         self._sessions_per_key: dict[bytes, int] = {}
+        self._initiated: dict[bytes, int] = {}
+        self._per_pair: dict[tuple[bytes, bytes], int] = {}
         self._refused_at: dict[Address, float] = {}
         self._reach_at: dict[Address, float] = {}
         self.sessions_opened = 0
@@ -168,14 +173,29 @@ class RelayCore:
         if len(packet) > MAX_PACKET:
             logger.debug("dropped %d-byte packet from %s: too large", len(packet), source)
             return []
+        known = source in self._registrations
         if is_data(packet):
-            return self._data(packet, source, now)
-        try:
-            message = decode_packet(packet)
-        except ProtocolError as exc:
-            logger.debug("dropped packet from %s: %s", source, exc)
-            return []
-        return self._dispatch(message, len(packet), source, now)
+            out = self._data(packet, source, now)
+        else:
+            try:
+                message = decode_packet(packet)
+            except ProtocolError as exc:
+                logger.debug("dropped packet from %s: %s", source, exc)
+                return []
+            out = self._dispatch(message, len(packet), source, now)
+        if not known:
+            out = self._no_larger(out, len(packet), source)
+        return out
+
+    @staticmethod
+    def _no_larger(out: list[Send], size: int, source: Address) -> list[Send]:
+        """``out`` without any answer larger than the ``size`` bytes an unregistered
+        ``source`` sent: the last line against amplification (each message is
+        shaped so that a real one fits; this catches what slips through)."""
+        kept = [send for send in out if len(send[0]) <= size]
+        if len(kept) != len(out):
+            logger.debug("withheld an answer larger than the %d bytes %s sent", size, source)
+        return kept
 
     def tick(self, now: float) -> list[Send]:
         """Expire silent registrations, unanswered connects and capped or idle sessions.
@@ -273,7 +293,13 @@ class RelayCore:
             ack = KeepAliveAck(
                 seq=message.seq, registered=registration is not None, observed=address_text(source)
             )
-            return [(encode_packet(ack), source)]
+            packet = encode_packet(ack)
+            if registration is None and len(packet) > size:
+                # Unpadded, from an address that never proved it is real: a spoofed
+                # source would get more than was sent. (Nodes pad theirs.)
+                logger.debug("dropped unpadded KeepAlive (%d bytes) from %s", size, source)
+                return []
+            return [(packet, source)]
         if isinstance(message, ReachTest):
             last = self._reach_at.get(source)
             if last is not None and now - last < REACH_INTERVAL:
@@ -282,10 +308,10 @@ class RelayCore:
             return [(encode_packet(ReachProbe(seq=message.seq)), source)]
         if isinstance(message, Connect):
             if registration is None:
-                return self._refuse_throttled("not-registered", source, now, message.request)
+                return self._not_registered(source, now, message.request, size)
             return self._connect(message, registration, now)
         if isinstance(message, Accept | Decline | Close):
-            return self._answer(message, source, now)
+            return self._answer(message, size, source, now)
         logger.debug("ignored %s from %s", type(message).__name__, source)
         return []
 
@@ -366,10 +392,17 @@ class RelayCore:
         if server is None:
             return [self._refusal("unknown-peer", source, message.request)]
         server_key = self._registrations[server].public_key
-        limit = self.config.max_sessions
-        for key in (registration.public_key, server_key):
-            if self._sessions_per_key.get(key, 0) >= limit:
-                return [self._refusal("too-many-sessions", source, message.request)]
+        refusal = self._session_limit(registration.public_key, server_key)
+        if refusal is not None:
+            code, detail = refusal
+            logger.info(
+                "refused a session of %s to %s: %s (%s)",
+                registration.node_id[:12],
+                self._registrations[server].node_id[:12],
+                code,
+                detail,
+            )
+            return [self._refusal(code, source, message.request, detail)]
         session = _Session(
             id=self._new_session_id(),
             secret=self._random(16),
@@ -388,6 +421,11 @@ class RelayCore:
         self._requests[(source, message.request)] = session.id
         for key in (registration.public_key, server_key):
             self._sessions_per_key[key] = self._sessions_per_key.get(key, 0) + 1
+        self._initiated[registration.public_key] = (
+            self._initiated.get(registration.public_key, 0) + 1
+        )
+        pair = (registration.public_key, server_key)
+        self._per_pair[pair] = self._per_pair.get(pair, 0) + 1
         registration.sessions.add(session.id)
         self._registrations[server].sessions.add(session.id)
         self.version += 1
@@ -399,13 +437,42 @@ class RelayCore:
         )
         return [self._incoming_packet(session)]
 
-    def _answer(self, message: Accept | Decline | Close, source: Address, now: float) -> list[Send]:
+    def _session_limit(self, requester: bytes, server: bytes) -> tuple[str, str] | None:
+        """Why ``requester`` may not open one more session to ``server``: (code, detail).
+
+        The per-pair and per-initiator quotas come first, and the per-pair one is
+        below ``max_sessions`` (the config checks it): however many sessions one
+        node opens, another node's slots are never all its.
+        """
+        config = self.config
+        checks = (
+            (
+                "too-many-to-peer",
+                self._per_pair.get((requester, server), 0),
+                config.max_sessions_per_pair,
+            ),
+            (
+                "too-many-initiated",
+                self._initiated.get(requester, 0),
+                config.max_sessions_initiated,
+            ),
+            ("too-many-sessions", self._sessions_per_key.get(requester, 0), config.max_sessions),
+            ("peer-too-many-sessions", self._sessions_per_key.get(server, 0), config.max_sessions),
+        )
+        for code, count, limit in checks:
+            if count >= limit:
+                return code, f"{count} open; the relay's limit is {limit}"
+        return None
+
+    def _answer(
+        self, message: Accept | Decline | Close, size: int, source: Address, now: float
+    ) -> list[Send]:
         session = self._sessions.get(message.session)
         if session is None or source not in session.ends():
             if isinstance(message, Close):
                 return []  # never answer a Close with a packet: two relays could ping-pong
             if source not in self._registrations:
-                return self._refuse_throttled("not-registered", source, now, message.session)
+                return self._not_registered(source, now, message.session, size)
             return self._refuse_throttled("no-session", source, now, message.session)
         if isinstance(message, Close):
             if session.state == "pending":
@@ -447,7 +514,7 @@ class RelayCore:
             return []
         registration = self._registrations.get(source)
         if registration is None:
-            return self._refuse_throttled("not-registered", source, now, session_id)
+            return self._not_registered(source, now, session_id, len(packet))
         registration.last_seen = now
         session = self._sessions.get(session_id)
         if session is None or source not in session.ends():
@@ -561,11 +628,9 @@ class RelayCore:
         del self._sessions[session.id]
         self._requests.pop((session.requester, session.request), None)
         for key in (session.requester_key, session.server_key):
-            left = self._sessions_per_key.get(key, 0) - 1
-            if left > 0:
-                self._sessions_per_key[key] = left
-            else:
-                self._sessions_per_key.pop(key, None)
+            _decrement(self._sessions_per_key, key)
+        _decrement(self._initiated, session.requester_key)
+        _decrement(self._per_pair, (session.requester_key, session.server_key))
         for end in session.ends():
             registration = self._registrations.get(end)
             if registration is not None:
@@ -665,6 +730,21 @@ class RelayCore:
         text = REFUSALS[code] + (f" ({detail})" if detail else "")
         return encode_packet(Refused(code=code, message=text[:256], session=session)), to
 
+    def _not_registered(self, to: Address, now: float, session: int, size: int) -> list[Send]:
+        """``not-registered``, the code alone, and only when no larger than the ``size``
+        bytes received: the address has not proven it is real, so it may be spoofed."""
+        refused = Refused(code="not-registered", message="", session=session)
+        packet = encode_packet(refused)
+        if len(packet) > size:
+            return []
+        last = self._refused_at.get(to)
+        if last is not None and now - last < REFUSAL_INTERVAL:
+            return []
+        self._remember(self._refused_at, to, now)
+        self.refusals[refused.code] = self.refusals.get(refused.code, 0) + 1
+        self.version += 1
+        return [(packet, to)]
+
     def _refuse_throttled(self, code: str, to: Address, now: float, session: int) -> list[Send]:
         last = self._refused_at.get(to)
         if last is not None and now - last < REFUSAL_INTERVAL:
@@ -677,3 +757,11 @@ class RelayCore:
         if len(throttle) >= _THROTTLE_MAX:  # a flood of spoofed sources: start over
             throttle.clear()
         throttle[address] = now
+
+
+def _decrement(counts: dict[Any, int], key: Any) -> None:
+    left = counts.get(key, 0) - 1
+    if left > 0:
+        counts[key] = left
+    else:
+        counts.pop(key, None)

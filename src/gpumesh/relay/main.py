@@ -85,7 +85,22 @@ _FILE = click.Path(dir_okay=False, path_type=Path)
     "--max-per-ip", type=int, metavar="N", help="Registered addresses per source IP (default 32)."
 )
 @click.option(
-    "--max-sessions", type=int, metavar="N", help="Relayed sessions per node (default 64)."
+    "--max-sessions",
+    type=int,
+    metavar="N",
+    help="Relayed sessions per node, as either end (default 64).",
+)
+@click.option(
+    "--max-sessions-initiated",
+    type=int,
+    metavar="N",
+    help="Relayed sessions a node may have asked for at once (default 32).",
+)
+@click.option(
+    "--max-sessions-per-pair",
+    type=int,
+    metavar="N",
+    help="Relayed sessions from one node to one other (default 8; below --max-sessions).",
 )
 @click.option(
     "--keepalive", metavar="DURATION", help="Keep-alive interval asked of nodes (default 10s)."
@@ -168,7 +183,15 @@ def build_config(options: dict[str, Any]) -> RelayConfig:
         token_file = options["token_file"]
     if options.get("open_"):
         settings["open"] = True
-    for name in ("max_registrations", "max_per_ip", "max_sessions", "queue", "stats_file"):
+    for name in (
+        "max_registrations",
+        "max_per_ip",
+        "max_sessions",
+        "max_sessions_initiated",
+        "max_sessions_per_pair",
+        "queue",
+        "stats_file",
+    ):
         if options.get(name) is not None:
             settings[name] = options[name]
     for name in ("session_bytes", "session_rate"):

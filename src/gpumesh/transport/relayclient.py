@@ -516,7 +516,7 @@ class RelayClient:
                 return now
             if now >= self._keepalive_at:
                 self._keepalive_seq = (self._keepalive_seq + 1) % 2**32
-                self._send(wire.KeepAlive(seq=self._keepalive_seq))
+                self._send_raw(wire.keepalive_packet(self._keepalive_seq))
                 self._keepalive_at = now + self._keepalive_every
             wake_at = min(wake_at, self._keepalive_at)
         for path in list(self.paths.values()):
