@@ -212,3 +212,28 @@ def test_run_on_a_group_places_the_job_and_says_why(pair, tmp_path: Path) -> Non
     assert "alice-pc: no NVIDIA GPU" in refused.stderr
     assert len(json.loads(gpumesh(alice, "jobs", "--json").stdout)) == 1
     _one_line_error(gpumesh(bob, "run", "--group", "nope", "true"), 2, "nope")
+
+
+def test_the_providers_owner_cancels_a_hosted_job_from_the_cli(pair) -> None:
+    alice, bob = pair
+    started = gpumesh(bob, "run", "--peer", "alice-pc", "--detach", "--retries", "2", "sleep", "60")
+    assert started.returncode == 0, started.stderr
+    job_id = started.stdout.strip().split()[-1]
+    cancelled = gpumesh(alice, "cancel", job_id[:6])
+    assert cancelled.returncode == 0, cancelled.stderr
+    assert cancelled.stdout.strip() == (
+        f"Job {job_id} of bob-laptop: cancelled (cancelled by the provider's owner)"
+    )
+    hosted = json.loads(gpumesh(alice, "jobs", "--json").stdout)
+    assert [(j["role"], j["state"]) for j in hosted] == [("hosted", "cancelled")]
+
+
+def test_cancelling_a_hosted_job_without_a_running_share_is_one_line(pair) -> None:
+    alice, bob = pair
+    started = gpumesh(bob, "run", "--peer", "alice-pc", "--detach", "sleep", "60")
+    assert started.returncode == 0, started.stderr
+    job_id = started.stdout.strip().split()[-1]
+    assert gpumesh(alice, "share", "stop").returncode == 0  # its container keeps running
+    result = gpumesh(alice, "cancel", job_id)
+    _one_line_error(result, 1, "no `gpumesh share` runs for")
+    assert "its cancel is recorded" in result.stderr
