@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import gc
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -166,7 +167,10 @@ def test_version_and_gpu_runtime(jobs: Jobs) -> None:
 
 
 def test_ensure_image_present_is_quiet(jobs: Jobs) -> None:
-    jobs.runtime.ensure_image(IMAGE)
+    assert jobs.runtime.ensure_image(IMAGE) is False  # here already: nothing pulled
+    size = jobs.runtime.image_size(IMAGE)
+    assert size is not None and size > 0
+    assert jobs.runtime.image_size("gpumesh-test/no-such-image:1") is None
 
 
 def test_ensure_image_that_cannot_be_pulled(jobs: Jobs) -> None:
@@ -178,6 +182,11 @@ def test_ensure_image_that_cannot_be_pulled(jobs: Jobs) -> None:
     assert message.startswith(f"image {image!r} is not on this machine and cannot be pulled (")
     assert f"run `docker pull {image}` or `docker load -i FILE`" in message
     assert "\n" not in message
+    # No registry is reachable here: the engine's error names this machine's resolver
+    # ("lookup ... on 10.x.x.x:53"); the peer only hears what kind of failure it was.
+    assert "(the provider cannot reach the registry)" in message
+    assert not re.search(r"\d+\.\d+\.\d+\.\d+", message), message
+    assert "lookup" not in message and "dial tcp" not in message
 
 
 def test_create_with_a_missing_image(jobs: Jobs) -> None:

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, TypeVar
 
+from gpumesh.agent.images import ImageKeeper, check_allowed
 from gpumesh.agent.jobstate import (
     FINAL_STATES,
     OWNER_CANCELLED,
@@ -185,6 +186,7 @@ class JobService:
         self.jobs_dir = agent.home.path / "jobs"
         self._runs: dict[str, _Run] = {}
         self._changed = asyncio.Condition()
+        self.images = ImageKeeper(agent.store, lambda: self.runtime, provider=agent.name)
 
     # --- collaborators (created lazily: an agent without Docker still serves pings) ---
 
@@ -193,7 +195,8 @@ class JobService:
         if self._runtime is None:
             from gpumesh.runtime.docker import DockerRuntime
 
-            self._runtime = DockerRuntime()
+            pull_timeout = float(self.agent.home.config.get("pull_timeout"))
+            self._runtime = DockerRuntime(pull_timeout=pull_timeout)
         return self._runtime
 
     @property
@@ -542,14 +545,19 @@ class JobService:
             ) from None
 
     async def check_image(self, image: str) -> None:
-        """Refuse, naming this provider, when ``image`` is neither here nor pullable."""
+        """Refuse, naming this provider, an image its owner does not allow, or that is
+        neither here nor pullable; then keep the pulled images within image_disk."""
         name = self.agent.name
+        config = self.agent.home.config
+        check_allowed(image, str(config.get("allowed_images")), name)
         try:
-            await in_thread(self.runtime.ensure_image, image)
+            pulled = await in_thread(self.runtime.ensure_image, image)
         except GPUMeshError as exc:
             # The runtime speaks of "this machine"; the consumer needs to know which one.
             message = exc.message.replace("this machine", name)
             raise type(exc)(message if name in message else f"{name}: {message}") from None
+        budget = parse_size(str(config.get("image_disk")))
+        await in_thread(self.images.used, image, pulled, budget)
 
     # --- upload -------------------------------------------------------------------------------
 

@@ -183,10 +183,17 @@ class JobRuntime(Protocol):
     def image_present(self, image: str) -> bool:
         """Whether ``image`` is already on this machine (no pull)."""
 
-    def ensure_image(self, image: str) -> None:
-        """Make sure ``image`` is present, pulling it if needed.
+    def ensure_image(self, image: str) -> bool:
+        """Make sure ``image`` is present, pulling it if needed; whether it was pulled.
 
-        Raises ImageMissingError when it is neither present nor pullable."""
+        Raises ImageMissingError when it is neither present nor pullable (the
+        reason says what kind of failure, never the engine's network details)."""
+
+    def image_size(self, image: str) -> int | None:
+        """The image's size on disk in bytes; None when it is not here."""
+
+    def remove_image(self, image: str) -> bool:
+        """Remove the image unless a container uses it; whether it is gone."""
 
     def create(self, spec: ContainerSpec) -> str:
         """Create (not start) the container; return its id."""

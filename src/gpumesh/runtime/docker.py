@@ -225,11 +225,11 @@ class DockerRuntime:
                 return False
         return True
 
-    def ensure_image(self, image: str) -> None:
+    def ensure_image(self, image: str) -> bool:
         with self._engine(f"look up image {image!r}") as api:
             try:
                 api.inspect_image(image)
-                return
+                return False
             except docker.errors.ImageNotFound:
                 pass
             except docker.errors.APIError as exc:
@@ -242,6 +242,26 @@ class DockerRuntime:
             except docker.errors.APIError as exc:
                 reason = "the pull finished but the image is still not there"
                 raise ImageMissingError(_missing_image(image, reason)) from exc
+        return True
+
+    def image_size(self, image: str) -> int | None:
+        with self._engine(f"look up image {image!r}") as api:
+            try:
+                attrs = api.inspect_image(image)
+            except docker.errors.APIError:
+                return None
+        return int(attrs.get("Size") or 0)
+
+    def remove_image(self, image: str) -> bool:
+        with self._engine(f"remove image {image!r}") as api:
+            try:
+                api.remove_image(image)  # never forced: an image a container uses stays
+            except docker.errors.ImageNotFound:
+                return True
+            except docker.errors.APIError as exc:
+                logger.info("keeping image %s: %s", image, _explanation(exc))
+                return False
+        return True
 
     def _pull(self, image: str) -> None:
         api = self._api()
@@ -265,17 +285,20 @@ class DockerRuntime:
         logger.info("pulling image %s", image)
         threading.Thread(target=pull, name=f"docker pull {image}", daemon=True).start()
         if not finished.wait(self._pull_timeout):
-            reason = f"the pull did not finish within {self._pull_timeout:g} s"
+            reason = f"the pull did not finish within {self._pull_timeout:g} s (pull_timeout)"
             raise ImageMissingError(_missing_image(image, reason))
         if failures:
             failure = failures[0]
             if isinstance(failure, _PullFailed):
-                reason = _one_line(str(failure))
+                detail = _one_line(str(failure))
             elif isinstance(failure, docker.errors.APIError):
-                reason = _explanation(failure)
+                detail = _explanation(failure)
             else:
                 raise _connection_error(failure, _endpoint(api)) from failure
-            raise ImageMissingError(_missing_image(image, reason)) from failure
+            # The engine's words may name this machine's resolver, proxy or
+            # addresses: the peer hears only what kind of failure it was.
+            logger.info("pulling %s failed: %s", image, detail)
+            raise ImageMissingError(_missing_image(image, pull_failure(detail))) from failure
 
     # --- containers ---------------------------------------------------------------------
 
@@ -889,6 +912,38 @@ def _not_here(image: str) -> str:
         f"image {image!r} is not on this machine; on the provider run "
         f"`docker pull {image}` or `docker load -i FILE`"
     )
+
+
+def pull_failure(detail: str) -> str:
+    """What a peer may hear of a failed pull: its kind, never the engine's words
+    (which name resolvers, proxies and addresses of the provider's network)."""
+    text = detail.lower()
+    if any(word in text for word in ("not found", "manifest unknown", "does not exist")):
+        return "the registry has no such image or tag"
+    if any(word in text for word in ("unauthorized", "denied", "authentication required")):
+        return "the registry refused it: a private image, or it needs a login on the provider"
+    if "toomanyrequests" in text or "rate limit" in text:
+        return "the registry's pull rate limit was reached; try again later"
+    if "invalid reference" in text or "invalid reference format" in text:
+        return "that is not a valid image name"
+    if any(word in text for word in ("no space left", "disk quota")):
+        return "the provider's disk is full"
+    network = (
+        "lookup",
+        "dial tcp",
+        "no such host",
+        "timeout",
+        "connection refused",
+        "tls",
+        "i/o timeout",
+        "network",
+        "proxy",
+        "eof",
+        "certificate",
+    )
+    if any(word in text for word in network):
+        return "the provider cannot reach the registry"
+    return "the pull failed"
 
 
 def _missing_image(image: str, reason: str) -> str:

@@ -130,6 +130,16 @@ def _job_user(text: str) -> str:
     return text.strip()
 
 
+def _image_patterns(text: str) -> str:
+    patterns = text.replace(",", " ").split()
+    if not patterns:
+        raise ConfigError("allowed_images is empty: give * (any image) or glob patterns")
+    for pattern in patterns:
+        if len(pattern) > 255 or not pattern.isprintable():
+            raise ConfigError(f"invalid image pattern {pattern!r}")
+    return " ".join(patterns)
+
+
 def _choice(*choices: str) -> Callable[[str], str]:
     def check(text: str) -> str:
         if text not in choices:
@@ -200,6 +210,22 @@ KEYS: dict[str, ConfigKey] = {
         ConfigKey("job_tmp", _size, "1GB", "size of /tmp and HOME in each job container"),
         ConfigKey("job_shm", _size, "2GB", "/dev/shm of each job container, within job_memory"),
         ConfigKey("upload_limit", _size, "10GB", "largest job workdir a peer may upload"),
+        ConfigKey(
+            "allowed_images",
+            _image_patterns,
+            "*",
+            "images peers may run, as glob patterns separated by spaces or commas "
+            "(e.g. 'nvidia/cuda:* pytorch/pytorch:*'); * allows any",
+        ),
+        ConfigKey(
+            "pull_timeout", _positive_float, 300.0, "seconds a pull for a peer's job may take"
+        ),
+        ConfigKey(
+            "image_disk",
+            _size,
+            "50GB",
+            "most disk the images pulled for peers may take; the least recently used go first",
+        ),
         ConfigKey(
             "file_quota", _size, "50GB", "most bytes each peer may keep here with `gpumesh cp`"
         ),
