@@ -20,10 +20,11 @@ def allow(peer: str) -> None:
 def deny(peer: str) -> None:
     """Revoke PEER's access (name or id prefix) at once.
 
-    Its next request is refused and any connection it has open to a running
-    `gpumesh share` is closed within a second.
+    Its next request is refused; a running `gpumesh share` closes its open
+    connections (shells, copies, follows) and cancels its running jobs now.
     """
     record = get_node().deny(peer)
     click.echo(
-        f"{record.name} ({record.node_id.short}) is denied; open connections are being closed."
+        f"{record.name} ({record.node_id.short}) is denied; its open connections are closed "
+        "and its running jobs cancelled."
     )
