@@ -377,3 +377,43 @@ def test_memory_promised_to_containers_stays_within_share_memory(cluster) -> Non
         return bob if bob.home.store.job("submitted", job_id) is not None else carol
 
     arun(scenario())
+
+
+@pytest.mark.usefixtures("docker_daemon")
+def test_a_job_whose_upload_breaks_off_ends_and_frees_its_place(cluster) -> None:
+    alice, bob = cluster("alice"), cluster("bob")
+    _configure(alice, max_jobs_per_peer="1")
+
+    async def scenario() -> None:
+        async with providing(alice):
+            pair_both(alice, bob)
+            from gpumesh.protocol.messages import JobAccepted, JobSubmit
+
+            async with bob.session("alice") as session:
+                stream = session.open_stream()
+                stream.send_message(
+                    JobSubmit(
+                        job_id="0123456789ab",
+                        image=IMAGE,
+                        command=["true"],
+                        env={},
+                        workdir_bytes=10_000,
+                        gpu_memory=0,
+                        retries=3,
+                        timeout=0.0,
+                        attach=False,
+                    )
+                )
+                await stream.expect(JobAccepted)
+                await stream.send_data(b"x" * 100)
+                stream.abort()  # the upload breaks off
+                await _until_async(
+                    lambda: alice.home.store.job("hosted", "0123456789ab").state == "failed",  # type: ignore[union-attr]
+                    "the job was left uploading",
+                )
+            job = alice.home.store.job("hosted", "0123456789ab")
+            assert job is not None and job.message.startswith("the workdir upload did not complete")
+            # Its place is free again.
+            assert (await run_job(bob, spec("alice", "true"))).state == "succeeded"
+
+    arun(scenario())

@@ -335,7 +335,11 @@ class JobService:
             JobAccepted(job_id=record.job_id, gpus=gpus, provider=self.agent.name)
         )
         if message.workdir_bytes:
-            await self._receive_workdir(ctx.stream, run, message.workdir_bytes, limit)
+            try:
+                await self._receive_workdir(ctx.stream, run, message.workdir_bytes, limit)
+            except BaseException as exc:
+                await self._upload_failed(run, exc)
+                raise
             record = self._record(record.job_id)
         run.task = asyncio.create_task(self._supervise(run, record))
         if message.attach:
@@ -583,6 +587,16 @@ class JobService:
         tar_path.unlink()
         await in_thread(_hand_over, job_dir, work, self.agent.files.owner)
         self.store.update_job(HOSTED, run.job_id, workdir=str(work))
+
+    async def _upload_failed(self, run: _Run, exc: BaseException) -> None:
+        """End a job whose workdir never fully arrived (the link dropped, the agent is
+        stopping, the upload was malformed): failed, never retried. Left "uploading",
+        it would hold one of its peer's places (max_jobs_per_peer) until a restart."""
+        reason = exc.message if isinstance(exc, GPUMeshError) else type(exc).__name__
+        decision = Decision(JobState.FAILED, 0.0, f"the workdir upload did not complete: {reason}")
+        run.machine.state = JobState.FAILED
+        with contextlib.suppress(Exception):
+            await asyncio.shield(self._finish(run, decision))
 
     async def _discard(self, job_id: str) -> None:
         self._runs.pop(job_id, None)
