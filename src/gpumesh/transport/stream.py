@@ -77,7 +77,8 @@ class Stream:
         self._counted = True
         """Whether ``_held`` is part of the link's total (until the link forgets us)."""
         self._send_error: GPUMeshError | None = None
-        """Set when this stream went over its link's limit: writes raise it."""
+        """Why nothing more may be written (over its link's limit, the peer stopped
+        reading, our side reset): writes raise it."""
         self._failed = asyncio.Event()
 
     # --- receive side (called by the link) -----------------------------------------
