@@ -27,6 +27,11 @@ def config(tmp_path: Path) -> Config:
 
 
 def test_missing_file_gives_defaults(config: Config) -> None:
+    assert [config.get(key) for key in ("job_cpus", "job_memory", "share_memory")] == [
+        "auto",
+        "auto",
+        "auto",
+    ]
     assert config.listen_port == DEFAULT_PORT
     assert config.listen_host == "0.0.0.0"
     assert config.get("image") == DEFAULT_IMAGE
@@ -98,6 +103,13 @@ def test_unknown_key_lists_the_valid_keys(config: Config, operation: str) -> Non
         ("job_pids_limit", "-1"),
         ("job_pids_limit", "1.5"),
         ("job_cpus", "-0.5"),
+        ("job_cpus", "lots"),
+        ("job_memory", "automatic"),
+        ("share_memory", "lots"),
+        ("max_jobs_per_peer", "-1"),
+        ("max_shells_per_peer", "two"),
+        ("max_requests_per_link", "1.5"),
+        ("link_buffer", "1MB"),
         ("rendezvous_url", "ftp://x"),
         ("node_name", "bad name"),
         ("region", "r" * 256),
@@ -117,6 +129,8 @@ def test_bad_values_are_refused(config: Config, key: str, value: str) -> None:
         ("relay", "relay.example.org", "host:port"),
         ("job_network", "host", "bridge, none"),
         ("max_vram", "lots", "16GiB"),
+        ("job_cpus", "lots", "positive number; or auto"),
+        ("link_buffer", "8MiB", "at least 16MiB"),
     ],
 )
 def test_refusals_say_what_would_be_valid(
@@ -137,6 +151,18 @@ def test_refusals_say_what_would_be_valid(
         ("relay", "", ""),
         ("rendezvous_url", "https://registry.example.org", "https://registry.example.org"),
         ("job_cpus", "0", 0.0),
+        ("job_cpus", "1.5", 1.5),
+        ("job_cpus", "Auto", "auto"),
+        ("job_memory", "auto", "auto"),
+        ("share_memory", "auto", "auto"),
+        ("share_memory", "12GB", "12GB"),
+        ("share_memory", "none", "none"),
+        ("share_memory", "0", "none"),
+        ("max_jobs_per_peer", "0", 0),
+        ("max_shells_per_peer", "3", 3),
+        ("max_requests_per_link", "32", 32),
+        ("link_buffer", "16MiB", "16MiB"),
+        ("link_buffer", "unlimited", "none"),
         ("job_pids_limit", "0", 0),
         ("job_memory", " 8GiB ", "8GiB"),
         ("max_vram", "24GB", "24GB"),

@@ -106,6 +106,12 @@ class ExecService:
         for key in message.env:
             if key.upper().startswith("NVIDIA_"):
                 raise LimitError(f"{key} may not be set: the provider decides GPU access")
+        # Held from before the image check (no pull for a peer at its limit) until the
+        # container is gone: max_shells_per_peer, and its memory within share_memory.
+        with self.agent.jobs.admission.shell(ctx.peer.node_id):
+            await self._open(ctx, message)
+
+    async def _open(self, ctx: RequestContext, message: ExecStart) -> None:
         await self.agent.jobs.check_image(message.image)
         who = await self.agent.jobs.who_runs(message.image)
         spec = self.container_spec(ctx.peer, message, who)

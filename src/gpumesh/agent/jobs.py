@@ -37,6 +37,7 @@ from gpumesh.agent.jobstate import (
     JobMachine,
     JobState,
 )
+from gpumesh.agent.limits import Admission, Claim, Kind, ShareLimits, machine_size
 from gpumesh.blocking import in_thread
 from gpumesh.errors import (
     AccessDeniedError,
@@ -187,6 +188,9 @@ class JobService:
         self._runs: dict[str, _Run] = {}
         self._changed = asyncio.Condition()
         self.images = ImageKeeper(agent.store, lambda: self.runtime, provider=agent.name)
+        self.machine = machine_size()
+        self.admission = Admission(self.share_limits, self._claims, agent.name)
+        """Admits jobs and shells (max_jobs_per_peer, max_shells_per_peer, share_memory)."""
 
     # --- collaborators (created lazily: an agent without Docker still serves pings) ---
 
@@ -285,12 +289,13 @@ class JobService:
                     )
                 )
                 if message.attach:
-                    await self._stream_events(ctx.stream, existing.job_id, 0, follow=True)
+                    await self._follow_events(ctx.stream, existing.job_id, 0)
                 else:
                     ctx.stream.finish()
                 return
             await self._discard(existing.job_id)
         self._check_env(message)
+        self.admission.admit_job(peer.node_id)  # before any image is pulled for it
         limit = parse_size(str(self.agent.home.config.get("upload_limit")))
         if message.workdir_bytes > limit:
             raise LimitError(
@@ -322,6 +327,9 @@ class JobService:
             workdir=workdir,
             created_at=time.time(),
         )
+        # Again, with nothing awaited before the record claims it: a submit that
+        # raced this one through the checks above may have taken the last place.
+        self.admission.admit_job(peer.node_id)
         self.store.add_job(record)
         run = _Run(record)
         self._runs[record.job_id] = run
@@ -330,17 +338,21 @@ class JobService:
             JobAccepted(job_id=record.job_id, gpus=gpus, provider=self.agent.name)
         )
         if message.workdir_bytes:
-            await self._receive_workdir(ctx.stream, run, message.workdir_bytes, limit)
+            try:
+                await self._receive_workdir(ctx.stream, run, message.workdir_bytes, limit)
+            except BaseException as exc:
+                await self._upload_failed(run, exc)
+                raise
             record = self._record(record.job_id)
         run.task = asyncio.create_task(self._supervise(run, record))
         if message.attach:
-            await self._stream_events(ctx.stream, record.job_id, 0, follow=True)
+            await self._follow_events(ctx.stream, record.job_id, 0)
         else:
             ctx.stream.finish()
 
     async def handle_logs(self, ctx: RequestContext, message: JobLogs) -> None:
         job = self._owned(ctx, message.job_id)
-        await self._stream_events(ctx.stream, job.job_id, message.after_seq, message.follow)
+        await self._follow_events(ctx.stream, job.job_id, message.after_seq, message.follow)
 
     async def handle_cancel(self, ctx: RequestContext, message: JobCancel) -> None:
         job = await self.cancel(self._owned(ctx, message.job_id).job_id)
@@ -583,6 +595,16 @@ class JobService:
         tar_path.unlink()
         await in_thread(_hand_over, job_dir, work, self.agent.files.owner)
         self.store.update_job(HOSTED, run.job_id, workdir=str(work))
+
+    async def _upload_failed(self, run: _Run, exc: BaseException) -> None:
+        """End a job whose workdir never fully arrived (the link dropped, the agent is
+        stopping, the upload was malformed): failed, never retried. Left "uploading",
+        it would hold one of its peer's places (max_jobs_per_peer) until a restart."""
+        reason = exc.message if isinstance(exc, GPUMeshError) else type(exc).__name__
+        decision = Decision(JobState.FAILED, 0.0, f"the workdir upload did not complete: {reason}")
+        run.machine.state = JobState.FAILED
+        with contextlib.suppress(Exception):
+            await asyncio.shield(self._finish(run, decision))
 
     async def _discard(self, job_id: str) -> None:
         self._runs.pop(job_id, None)
@@ -866,14 +888,26 @@ class JobService:
             self.store.append_job_event(run.job_id, run.machine.attempt, "stderr", text)
         await self._notify()
 
+    def share_limits(self) -> ShareLimits:
+        """The sharing limits in force (config, ``auto`` worked out for this machine)."""
+        return ShareLimits.from_config(self.agent.home.config, self.machine)
+
+    def _claims(self, limits: ShareLimits) -> list[Claim]:
+        """Memory promised to jobs: every unfinished one will run (again)."""
+        return [
+            Claim(job.peer_id, Kind.JOB, limits.job_memory)
+            for job in self.store.unfinished_hosted_jobs()
+        ]
+
     def limits(self) -> ContainerLimits:
         """This provider's limits for every container it runs for a peer (config job_*)."""
         config = self.agent.home.config
         network = str(config.get("job_network"))
+        shared = self.share_limits()
         return ContainerLimits(
-            memory=parse_size(str(config.get("job_memory"))),
+            memory=shared.job_memory,
             pids_limit=int(config.get("job_pids_limit")),
-            cpus=float(config.get("job_cpus")),
+            cpus=shared.job_cpus,
             network="none" if network == "none" else "bridge",
             tmp_size=parse_size(str(config.get("job_tmp"))),
             shm_size=parse_size(str(config.get("job_shm"))),
@@ -922,6 +956,27 @@ class JobService:
         )
 
     # --- streaming to consumers ------------------------------------------------------------------
+
+    async def _follow_events(
+        self, stream: Stream, job_id: str, after: int, follow: bool = True
+    ) -> None:
+        """:meth:`_stream_events` until the stream fails (reset or stopped by the consumer,
+        its link closed, over its limits): a follow waiting for output would otherwise
+        hold the stream, and the link under it, until the job ends."""
+        events = asyncio.ensure_future(self._stream_events(stream, job_id, after, follow))
+        failed = asyncio.ensure_future(stream.wait_failed())
+        try:
+            await asyncio.wait({events, failed}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not failed.done():
+                failed.cancel()
+            if not events.done():
+                events.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await events
+        if events.cancelled():
+            raise failed.result()
+        events.result()
 
     async def _stream_events(self, stream: Stream, job_id: str, after: int, follow: bool) -> None:
         while True:

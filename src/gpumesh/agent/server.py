@@ -15,17 +15,20 @@ import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from gpumesh import __version__
 from gpumesh.agent.apps import AppService
 from gpumesh.agent.exec import ExecService, handle_exec_start
 from gpumesh.agent.files import FileService
 from gpumesh.agent.jobs import JobService
+from gpumesh.agent.limits import return_free_memory
 from gpumesh.agent.ratelimit import ConnectionLimiter
 from gpumesh.errors import (
     AccessDeniedError,
     AgentError,
     GPUMeshError,
+    LimitError,
     NotPairedError,
     ProtocolError,
     UnreachableError,
@@ -67,6 +70,9 @@ __all__ = ["Agent", "RequestContext"]
 
 logger = logging.getLogger(__name__)
 
+RETURN_MEMORY_AFTER = 3.5
+"""Seconds after a link closed before freed memory goes back to the system (the
+endpoint keeps a closed link 3 s to retransmit its close)."""
 CHANGES_FALLBACK = 5.0
 """Seconds between re-reads of the allowlist and owner cancels when no change is
 announced (`gpumesh deny` and `cancel` announce theirs: see Home.notify_agent)."""
@@ -113,6 +119,9 @@ class Agent:
         self._published: AgentInfo | None = None
         self._links: dict[QuicLink, bytes] = {}
         self._link_names: dict[QuicLink, str] = {}
+        self._requests: dict[QuicLink, set[asyncio.Task[Any]]] = {}
+        """The requests each link has open now (max_requests_per_link)."""
+        self._returning_memory: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopped = asyncio.Event()
         self._changed = asyncio.Event()
@@ -171,6 +180,7 @@ class Agent:
         self._spawn(self._watch_changes())
         self._spawn(self.jobs.recover())
         logger.info("sharing on udp %s:%d as %s", host, port, self.name)
+        logger.info("limits: %s", self.jobs.share_limits().describe())
         return self.address
 
     # --- the relay --------------------------------------------------------------------
@@ -252,6 +262,8 @@ class Agent:
         if self._stopped.is_set():
             return
         self._stopped.set()
+        if self._returning_memory is not None:
+            self._returning_memory.cancel()
         self.shells.stop()  # before jobs.stop(), which closes the engine client
         self.jobs.stop()
         for task in list(self._tasks):
@@ -369,6 +381,49 @@ class Agent:
         allowed_ids = {str(peer.node_id) for peer in self.store.peers() if peer.allowed}
         await self.jobs.revoke(lambda peer_id: peer_id in allowed_ids)
 
+    def buffered(self) -> int:
+        """Bytes all links hold now: unread requests and unsent replies."""
+        return sum(link.buffered().total for link in self._links)
+
+    def _open_request(self, link: QuicLink) -> None:
+        """Count a new request of ``link``, or refuse it past max_requests_per_link;
+        apply the link's buffer limit (link_buffer) as it is now."""
+        limits = self.jobs.share_limits()
+        link.buffer_limit = limits.link_buffer
+        requests = self._requests.get(link)
+        if requests is None:
+            requests = self._requests[link] = set()
+            link.closed.add_done_callback(lambda _closed: self._link_ended(link))
+        cap = limits.max_requests_per_link
+        if cap and len(requests) >= cap:
+            raise LimitError(
+                f"{self.name} refused this request: your connection has {len(requests)} "
+                f"requests open there, and its max_requests_per_link is {cap}; wait for one "
+                "to end"
+            )
+        task = asyncio.current_task()
+        assert task is not None
+        requests.add(task)
+
+    def _link_ended(self, link: QuicLink) -> None:
+        self._requests.pop(link, None)
+        # What its requests held is freed once the endpoint lets go of the link; give
+        # it back to the system then, or the agent's RSS keeps its high-water mark.
+        if self._returning_memory is None and not self._stopped.is_set():
+            self._returning_memory = asyncio.get_running_loop().call_later(
+                RETURN_MEMORY_AFTER, self._return_memory
+            )
+
+    def _return_memory(self) -> None:
+        self._returning_memory = None
+        return_free_memory()
+
+    def _close_request(self, link: QuicLink) -> None:
+        requests = self._requests.get(link)
+        task = asyncio.current_task()
+        if requests is not None and task is not None:
+            requests.discard(task)
+
     async def _serve_stream(self, link: QuicLink, key: bytes, stream: Stream) -> None:
         try:
             try:
@@ -379,6 +434,7 @@ class Agent:
                 return
             peer = self.store.peer_by_key(key)
             assert peer is not None
+            self._open_request(link)
             async with asyncio.timeout(REQUEST_TIMEOUT):
                 message = await stream.read_message()
             handler = self.handlers.get(type(message))
@@ -396,6 +452,7 @@ class Agent:
             with contextlib.suppress(GPUMeshError):
                 stream.refuse(AgentError("the provider hit an internal error; see its debug log"))
         finally:
+            self._close_request(link)
             link.forget_stream(stream.stream_id)
 
 

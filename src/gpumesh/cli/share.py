@@ -137,6 +137,7 @@ async def _serve(node: object, host: str | None, port: int | None, max_vram: int
     else:
         click.echo("  no NVIDIA GPU here: peers can run CPU-only jobs (without --gpu-memory)")
     await _report_job_user(agent)
+    click.echo(f"  limits: {agent.jobs.share_limits().describe()}")
     if agent.relay is not None:
         await _report_relay(agent.relay)
     click.echo("Only paired, allowed peers are served. Pairing code for a new peer (valid 1 hour):")

@@ -262,7 +262,9 @@ def _job_storage(home: Home) -> Check:
     try:
         config = home.config
         job_root = config.get("job_root") == "on"
-        memory = parse_size(str(config.get("job_memory")))
+        from gpumesh.agent.limits import ShareLimits, machine_size
+
+        memory = ShareLimits.from_config(config, machine_size()).job_memory
         tmp = parse_size(str(config.get("job_tmp")))
         shm = parse_size(str(config.get("job_shm")))
     except GPUMeshError as exc:

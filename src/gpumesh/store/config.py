@@ -19,16 +19,34 @@ from typing import Any
 from gpumesh import settings
 from gpumesh.errors import ConfigError, IdentityError
 from gpumesh.identity.keys import check_node_name
+from gpumesh.protocol.flow import DEFAULT_WINDOW
 from gpumesh.runtime.users import parse_job_user
 from gpumesh.store.modes import write_private
 from gpumesh.units import parse_size
 
-__all__ = ["DEFAULT_IMAGE", "DEFAULT_PORT", "KEYS", "MASK", "Config", "ConfigKey"]
+__all__ = [
+    "AUTO",
+    "DEFAULT_IMAGE",
+    "DEFAULT_PORT",
+    "KEYS",
+    "MASK",
+    "MIN_LINK_BUFFER",
+    "NO_LIMIT",
+    "Config",
+    "ConfigKey",
+]
 
 DEFAULT_PORT = 47000
 DEFAULT_IMAGE = "nvidia/cuda:12.8.0-runtime-ubuntu22.04"
 MASK = "********"
 """What listings show instead of a secret's value (the same for every value)."""
+
+AUTO = "auto"
+"""A value the agent works out from the machine's size (see gpumesh.agent.limits)."""
+NO_LIMIT = "none"
+"""A size limit that is switched off."""
+MIN_LINK_BUFFER = 2 * DEFAULT_WINDOW
+"""The smallest link_buffer: one upload's flow-control window and the others' messages."""
 
 Value = str | int | float
 
@@ -125,6 +143,37 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _auto_or(parse: Callable[[str], Value]) -> Callable[[str], Value]:
+    """``auto`` (worked out from the machine) or a value ``parse`` accepts."""
+
+    def check(text: str) -> Value:
+        if text.strip().lower() == AUTO:
+            return AUTO
+        try:
+            return parse(text)
+        except ConfigError as exc:
+            raise ConfigError(f"{exc.message}; or auto") from None
+
+    return check
+
+
+def _size_or_none(text: str) -> str:
+    """A size; ``none`` (or 0) switches the limit off."""
+    if text.strip().lower() in (NO_LIMIT, "unlimited") or parse_size(text) == 0:
+        return NO_LIMIT
+    return text.strip()
+
+
+def _link_buffer(text: str) -> str:
+    value = _size_or_none(text)
+    if value != NO_LIMIT and parse_size(value) < MIN_LINK_BUFFER:
+        raise ConfigError(
+            f"invalid link_buffer {text!r}: at least 16MiB (one upload's 8MiB flow-control "
+            "window and the replies of the connection's other requests), or none"
+        )
+    return value
+
+
 def _job_user(text: str) -> str:
     parse_job_user(text)
     return text.strip()
@@ -184,10 +233,52 @@ KEYS: dict[str, ConfigKey] = {
             "max_vram", _size_or_empty, "", "most GPU memory peers may ask for (empty: no cap)"
         ),
         ConfigKey("connect_timeout", _positive_float, 5.0, "seconds to wait for a peer to answer"),
-        ConfigKey("job_memory", _size, "16GB", "memory limit of each job container"),
+        ConfigKey(
+            "job_memory",
+            _auto_or(_size),
+            AUTO,
+            "memory limit of each job and shell container; auto: share_memory / 8, so one "
+            "peer at its job and shell limits holds at most 3/4 of it",
+        ),
         ConfigKey("job_pids_limit", _non_negative_int, 1024, "process limit of each job container"),
         ConfigKey(
-            "job_cpus", _non_negative_float, 0.0, "CPU limit of each job container (0: none)"
+            "job_cpus",
+            _auto_or(_non_negative_float),
+            AUTO,
+            "CPU limit of each job and shell container (0: none); auto: the machine's cores "
+            "minus one, at least 1",
+        ),
+        ConfigKey(
+            "share_memory",
+            _auto_or(_size_or_none),
+            AUTO,
+            "memory all running jobs and shells may be promised together (none: no cap); "
+            "auto: the machine's memory less the larger of 2GB and a quarter of it",
+        ),
+        ConfigKey(
+            "max_jobs_per_peer",
+            _non_negative_int,
+            4,
+            "unfinished jobs (queued to retrying) each peer may have here (0: no limit)",
+        ),
+        ConfigKey(
+            "max_shells_per_peer",
+            _non_negative_int,
+            2,
+            "`gpumesh exec` shells each peer may have open here (0: no limit)",
+        ),
+        ConfigKey(
+            "max_requests_per_link",
+            _non_negative_int,
+            16,
+            "requests one connection may have open at once (0: no limit)",
+        ),
+        ConfigKey(
+            "link_buffer",
+            _link_buffer,
+            "32MB",
+            "bytes the agent holds for one connection, unread requests and unsent replies "
+            "together; a stream that would go over is refused (none: no limit)",
         ),
         ConfigKey(
             "job_network", _choice("bridge", "none"), "bridge", "job network: bridge or none"

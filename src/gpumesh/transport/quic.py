@@ -26,6 +26,7 @@ import logging
 import os
 import ssl
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from qh3 import QuicConfiguration, QuicConnection, QuicConnectionError
@@ -42,7 +43,7 @@ from gpumesh.errors import (
 from gpumesh.identity.keys import Identity
 from gpumesh.identity.tlscert import public_key_from_spki, self_signed_certificate_pem
 from gpumesh.protocol.messages import ALPN
-from gpumesh.transport.stream import Stream
+from gpumesh.transport.stream import RESET_OVER_LIMIT, Stream, over_limit_error
 from gpumesh.transport.udp import Address, UdpSocket, open_udp_socket
 
 if TYPE_CHECKING:
@@ -50,6 +51,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "APP_ERROR",
+    "Buffered",
     "QuicEndpoint",
     "QuicLink",
     "client_configuration",
@@ -68,6 +70,20 @@ _STREAM_WINDOW = 16 * 1024 * 1024
 _CONNECTION_WINDOW = 64 * 1024 * 1024
 SEND_HIGH_WATER = 2 * 1024 * 1024
 """Queued-but-unsent bytes on one stream above which writers wait."""
+
+
+@dataclass(frozen=True)
+class Buffered:
+    """What a link holds in memory for its streams."""
+
+    unread: int
+    """Bytes received and not yet read by a request handler (and partial frames)."""
+    unsent: int
+    """Bytes queued to send that QUIC has not sent yet (flow control, congestion)."""
+
+    @property
+    def total(self) -> int:
+        return self.unread + self.unsent
 
 
 def _base_configuration(is_client: bool) -> QuicConfiguration:
@@ -154,6 +170,11 @@ class QuicLink:
         """The relayed session under this link, or None for a plain direct link."""
         self._last_peer_stream = -1
         """Highest stream id the peer opened: ids only grow, so a lower unknown one is old."""
+        self.buffer_limit = 0
+        """Most bytes the link may hold (:meth:`buffered`) before a stream that would add
+        to them is ended (see :mod:`gpumesh.transport.stream`); 0: no limit. The
+        provider sets it; a dialer trusts the peer it pinned."""
+        self._unread = 0
         # A job can stay silent for hours while its consumer waits: PINGs keep
         # the connection from idling out (a dead peer still times out, since
         # only packets received restart the idle timer).
@@ -233,21 +254,52 @@ class QuicLink:
             except Exception:  # the stream may already be finished on both sides
                 logger.debug("reset of stream %d failed", stream_id, exc_info=True)
             self.transmit()
-        self._streams.pop(stream_id, None)
+        self.forget_stream(stream_id)
 
-    def send_buffer_size(self, stream_id: int) -> int:
+    def send_buffer_size(self, stream_id: int | None = None) -> int:
+        """Bytes QUIC has not sent yet, of one stream or (None) of all."""
         return int(self.quic.get_send_buffer_size(stream_id))
 
     async def wait_writable(self, stream_id: int) -> None:
-        """Wait until the stream's unsent bytes fall under the high-water mark."""
-        while self.send_buffer_size(stream_id) > SEND_HIGH_WATER:
+        """Wait until the stream's unsent bytes fall under the high-water mark, and
+        with a buffer limit, the whole link's under half of it (the other half is
+        for unread bytes and for replies, which do not wait)."""
+        while self.send_buffer_size(stream_id) > SEND_HIGH_WATER or (
+            self.buffer_limit and self.send_buffer_size() > self.buffer_limit // 2
+        ):
             if self.is_closed:
                 raise self.closed.result()
             self._writable.clear()
             await self._writable.wait()
 
     def forget_stream(self, stream_id: int) -> None:
-        self._streams.pop(stream_id, None)
+        stream = self._streams.pop(stream_id, None)
+        if stream is not None:
+            stream.uncount()
+
+    def stop_receiving(self, stream_id: int, code: int = RESET_OVER_LIMIT) -> None:
+        """Ask the peer to stop sending on a stream (QUIC STOP_SENDING)."""
+        if self.is_closed:
+            return
+        try:
+            self.quic.stop_stream(stream_id, code)
+        except Exception:  # the peer may have finished sending already
+            logger.debug("stop_sending on stream %d failed", stream_id, exc_info=True)
+        self.transmit()
+
+    # --- what the link holds ---------------------------------------------------------
+
+    def note_unread(self, delta: int) -> None:
+        """A stream's unread bytes changed by ``delta`` (called by Stream)."""
+        self._unread += delta
+
+    def buffered(self) -> Buffered:
+        """Bytes the link holds now: unread by handlers, and not yet sent by QUIC."""
+        unsent = 0 if self.is_closed else self.send_buffer_size()
+        return Buffered(unread=self._unread, unsent=unsent)
+
+    def held(self) -> int:
+        return self.buffered().total
 
     # --- driven by the endpoint ---------------------------------------------------
 
@@ -290,9 +342,14 @@ class QuicLink:
                     self.on_stream(stream)
                 stream.feed(event.data, event.end_stream)
             elif isinstance(event, qe.StreamReset):
-                stream = self._streams.pop(event.stream_id, None)
+                stream = self._streams.get(event.stream_id)
                 if stream is not None:
-                    stream.fail(ConnectionLostError("the peer abandoned the request"))
+                    if event.error_code == RESET_OVER_LIMIT:
+                        stream.fail(over_limit_error())
+                    else:
+                        stream.fail(ConnectionLostError("the peer abandoned the request"))
+                    # Nobody reads our side any more: what QUIC still holds for it goes.
+                    stream.abort()
             elif isinstance(event, qe.StopSendingReceived):
                 stream = self._streams.get(event.stream_id)
                 if stream is not None:
@@ -330,6 +387,7 @@ class QuicLink:
             self.connected.exception()  # mark retrieved: nobody may be waiting
         for stream in list(self._streams.values()):
             stream.fail(error)
+            stream.uncount()
         self._streams.clear()
         self._writable.set()
         self._endpoint.link_closed(self)

@@ -4,6 +4,12 @@ A :class:`Stream` turns the byte stream of a QUIC stream into frames
 (:mod:`gpumesh.protocol.framing`) and back. Bulk data is sent only within the
 receiver's credit (:mod:`gpumesh.protocol.flow`) and while QUIC's own send
 queue for the stream is short, so neither side buffers without bound.
+
+On a link with a buffer limit (the provider's, ``link_buffer``), a stream
+that would take the link's held bytes (unread frames of all its streams, and
+what QUIC has not sent yet) over it is ended: one that received too much is
+refused with the numbers and its unread bytes dropped, one whose replies the
+peer does not take is reset with :data:`RESET_OVER_LIMIT`.
 """
 
 from __future__ import annotations
@@ -13,20 +19,37 @@ import struct
 from collections import deque
 from typing import TYPE_CHECKING, TypeVar
 
-from gpumesh.errors import ConnectionLostError, GPUMeshError, ProtocolError, error_from_code
+from gpumesh.errors import (
+    ConnectionLostError,
+    GPUMeshError,
+    LimitError,
+    ProtocolError,
+    error_from_code,
+)
 from gpumesh.protocol.flow import ReceiveWindow, SendWindow
-from gpumesh.protocol.framing import Frame, FrameDecoder, FrameKind, encode_frame, encode_header
+from gpumesh.protocol.framing import (
+    HEADER_SIZE,
+    Frame,
+    FrameDecoder,
+    FrameKind,
+    encode_frame,
+    encode_header,
+)
 from gpumesh.protocol.messages import Message, Refusal, decode_message, encode_message
+from gpumesh.units import format_size
 
 if TYPE_CHECKING:
     from gpumesh.transport.quic import QuicLink
 
-__all__ = ["DATA_CHUNK", "Stream"]
+__all__ = ["DATA_CHUNK", "RESET_OVER_LIMIT", "Stream", "over_limit_error"]
 
 DATA_CHUNK = 256 * 1024
 """Bulk bytes per DATA frame when sending."""
 _MAX_QUEUED_CONTROL = 256 * 1024
 """Most non-bulk frame bytes a peer may make us hold unread on one stream."""
+RESET_OVER_LIMIT = 0x101
+"""Application error code of a stream reset because its peer did not take its data
+while the link held more than its buffer limit; the peer raises it as a LimitError."""
 
 M = TypeVar("M")
 
@@ -47,6 +70,16 @@ class Stream:
         self._finished = False
         self._send_window = SendWindow()
         self._receive_window = ReceiveWindow()
+        self._queued = 0
+        """Body bytes of the frames in ``_frames``."""
+        self._held = 0
+        """What this stream holds for its reader: queued frames and a partial one."""
+        self._counted = True
+        """Whether ``_held`` is part of the link's total (until the link forgets us)."""
+        self._send_error: GPUMeshError | None = None
+        """Why nothing more may be written (over its link's limit, the peer stopped
+        reading, our side reset): writes raise it."""
+        self._failed = asyncio.Event()
 
     # --- receive side (called by the link) -----------------------------------------
 
@@ -67,12 +100,18 @@ class Stream:
                     if self._queued_control > _MAX_QUEUED_CONTROL:
                         raise ProtocolError("peer sent too many messages without waiting")
                 self._frames.append(frame)
+                self._queued += len(frame.body)
             if end_stream:
                 if not self._decoder.at_frame_boundary():
                     raise ProtocolError("peer ended the stream in the middle of a frame")
                 self._eof = True
         except GPUMeshError as exc:
             self._error = exc
+            self._failed.set()
+        self._count_held()
+        limit = self.link.buffer_limit
+        if limit and self._held and (held := self.link.held()) > limit:
+            self._refuse_over_limit(held, limit)
         self._readable.set()
 
     def fail(self, error: GPUMeshError) -> None:
@@ -80,9 +119,84 @@ class Stream:
             self._error = error
         self._readable.set()
         self._credit_event.set()
+        self._failed.set()
+
+    async def wait_failed(self) -> GPUMeshError:
+        """Wait until the stream failed (reset or stopped by the peer, its link closed,
+        over its limits, a malformed frame); returns why."""
+        await self._failed.wait()
+        error = self._error or self._send_error
+        assert error is not None
+        return error
+
+    # --- what the stream holds ----------------------------------------------------------
+
+    @property
+    def held(self) -> int:
+        """Bytes received and not yet read: queued frames and a partial one."""
+        return self._held
+
+    def _count_held(self) -> None:
+        held = self._queued + self._decoder.buffered
+        if self._counted:
+            self.link.note_unread(held - self._held)
+        self._held = held
+
+    def uncount(self) -> None:
+        """The link forgot this stream: what it still holds no longer counts there."""
+        if self._counted:
+            self._counted = False
+            self.link.note_unread(-self._held)
+
+    def _refuse_over_limit(self, held: int, limit: int) -> None:
+        """This stream's data took the link over its limit: drop what it holds unread,
+        refuse it with the numbers, and ask the peer to stop sending on it."""
+        error = LimitError(
+            f"the provider ended this request: your connection took it to "
+            f"{format_size(held)} of unread requests and unsent replies, over its "
+            f"link_buffer of {format_size(limit)}; read replies as they come and send no "
+            "more than is read"
+        )
+        self._frames.clear()
+        self._queued = self._queued_control = 0
+        self._decoder = FrameDecoder()
+        self._count_held()
+        self.refuse(error)
+        self.link.stop_receiving(self.stream_id)
+        self._error = self._send_error = error
+        self._failed.set()
+        self._credit_event.set()
+
+    def _room_for(self, size: int) -> None:
+        """Before queueing ``size`` bytes to send: raise when the stream went over its
+        link's limit, or would take it there now (then reset, so what it queued is freed)."""
+        if self._send_error is not None:
+            raise self._send_error
+        limit = self.link.buffer_limit
+        if not limit:
+            return
+        held = self.link.held()
+        if held + size <= limit:
+            return
+        error = over_limit_error(
+            f"{format_size(held + size)}, over its link_buffer of {format_size(limit)}"
+        )
+        self._send_error = error
+        if self._error is None:
+            self._error = error
+        self._failed.set()
+        self._credit_event.set()
+        self._readable.set()
+        self.abort(RESET_OVER_LIMIT)
+        raise error
 
     def stop_sending(self) -> None:
-        self.fail(ConnectionLostError("the peer stopped reading this request"))
+        """The peer will not read what we send (QUIC STOP_SENDING); what it sent us,
+        a refusal perhaps, can still be read."""
+        if self._send_error is None:
+            self._send_error = ConnectionLostError("the peer stopped reading this request")
+        self._credit_event.set()
+        self._failed.set()
 
     # --- reading ----------------------------------------------------------------------
 
@@ -95,6 +209,8 @@ class Stream:
         while True:
             if self._frames:
                 frame = self._frames.popleft()
+                self._queued -= len(frame.body)
+                self._count_held()
                 if frame.kind is FrameKind.MESSAGE:
                     self._queued_control -= len(frame.body)
                 elif frame.body:
@@ -141,7 +257,12 @@ class Stream:
 
     def _release(self, count: int) -> None:
         credit = self._receive_window.on_consumed(count)
-        if credit is not None and not self._finished and not self.link.is_closed:
+        if (
+            credit is not None
+            and not self._finished
+            and self._send_error is None  # our side is reset: no frame may follow
+            and not self.link.is_closed
+        ):
             self.link.send(
                 self.stream_id, encode_frame(FrameKind.CREDIT, struct.pack("!Q", credit))
             )
@@ -149,17 +270,22 @@ class Stream:
     # --- writing ----------------------------------------------------------------------
 
     def send_message(self, message: Message, *, end: bool = False) -> None:
-        self.link.send(
-            self.stream_id, encode_frame(FrameKind.MESSAGE, encode_message(message)), end
-        )
+        frame = encode_frame(FrameKind.MESSAGE, encode_message(message))
+        self._room_for(len(frame))
+        self.link.send(self.stream_id, frame, end)
         if end:
             self._finished = True
 
     def refuse(self, error: GPUMeshError) -> None:
         """Answer with a typed refusal and end our side of the stream."""
-        if self._finished or self.link.is_closed:
+        if self._finished or self._send_error is not None or self.link.is_closed:
             return
-        self.send_message(Refusal(code=error.code, message=error.message[:2048]), end=True)
+        refusal = Refusal(code=error.code, message=error.message[:2048])
+        # Past any buffer limit: a refusal is small, and it ends the stream.
+        self.link.send(
+            self.stream_id, encode_frame(FrameKind.MESSAGE, encode_message(refusal)), True
+        )
+        self._finished = True
 
     async def send_data(self, data: bytes | memoryview) -> None:
         """Send bulk bytes, waiting for the peer's credit and our send queue."""
@@ -167,12 +293,15 @@ class Stream:
         while view:
             if self._error is not None:
                 raise self._error
+            if self._send_error is not None:
+                raise self._send_error
             available = self._send_window.available()
             if available == 0:
                 self._credit_event.clear()
                 await self._credit_event.wait()
                 continue
             chunk = view[: min(DATA_CHUNK, available)]
+            self._room_for(len(chunk) + HEADER_SIZE)
             self.link.send(self.stream_id, encode_header(FrameKind.DATA, len(chunk)))
             self.link.send(self.stream_id, chunk)
             self._send_window.on_sent(len(chunk))
@@ -186,14 +315,28 @@ class Stream:
 
     def end_data(self) -> None:
         """Mark the end of a bulk section."""
+        self._room_for(HEADER_SIZE)
         self.link.send(self.stream_id, encode_header(FrameKind.DATA, 0))
 
     def finish(self) -> None:
         """End our side of the stream (QUIC FIN)."""
-        if not self._finished and not self.link.is_closed:
+        if not self._finished and self._send_error is None and not self.link.is_closed:
             self._finished = True
             self.link.send(self.stream_id, b"", end_stream=True)
 
-    def abort(self) -> None:
+    def abort(self, code: int = 0) -> None:
+        """Reset our side: what QUIC still holds of it is dropped, and nothing follows."""
         self._finished = True
-        self.link.reset_stream(self.stream_id)
+        if self._send_error is None:
+            self._send_error = self._error or ConnectionLostError("this request was abandoned")
+        self.link.reset_stream(self.stream_id, code)
+
+
+def over_limit_error(numbers: str = "") -> LimitError:
+    """What a stream reset with :data:`RESET_OVER_LIMIT` means (the provider's side
+    gives the numbers; a reset carries none)."""
+    held = f" ({numbers})" if numbers else ""
+    return LimitError(
+        "the provider ended this request: it held more of your connection's unsent "
+        f"replies than its link_buffer allows{held}; read replies as they come"
+    )
