@@ -4,11 +4,16 @@ Owns the hosted jobs of this node: their records and event logs in the store,
 their containers (through :class:`~gpumesh.runtime.base.JobRuntime`), their
 GPU assignment, and the requests ``JobSubmit``, ``JobLogs`` and ``JobCancel``.
 
-Durability: every output line is appended to the job's event log together
-with the engine-log cursor, in one transaction. Containers outlive the agent;
-on start, :meth:`JobService.recover` re-attaches to running containers by
-label and resumes their logs from the stored cursor, so a restart loses no
-line and never runs a second copy of a job.
+Durability: output read from the engine is appended to the job's event log
+together with the engine-log cursor, in one transaction. Containers outlive
+the agent; on start, :meth:`JobService.recover` re-attaches to running
+containers by label and resumes their logs from the stored cursor, so a
+restart loses no line and never runs a second copy of a job.
+
+Output never waits for consumers: the engine's log is read into the store as
+fast as the store takes it, the oldest output dropped beyond ``job_log_limit``,
+and each consumer is streamed from the store at its own pace (within its
+credit: :mod:`gpumesh.protocol.joboutput`).
 
 Blocking engine calls run in daemon threads (a long ``wait`` must never keep
 the process alive after ``share stop``).
@@ -22,7 +27,9 @@ import json
 import logging
 import os
 import shutil
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -50,12 +57,14 @@ from gpumesh.errors import (
 )
 from gpumesh.files.sandbox import Tree
 from gpumesh.gpu.inventory import GpuInfo, GpuInventory
+from gpumesh.protocol.joboutput import UNKNOWN, OutputPosition, encode_events
 from gpumesh.protocol.messages import (
     MAX_OUTPUT_CHUNK,
     GpuReport,
     JobAccepted,
     JobCancel,
     JobLogs,
+    JobOutput,
     JobStatus,
     JobSubmit,
 )
@@ -87,7 +96,22 @@ T = TypeVar("T")
 TIMEOUT_EXIT = 124
 """Exit code of an attempt stopped by its timeout (as coreutils `timeout` reports)."""
 _LOG_DRAIN_TIMEOUT = 15.0
-"""After a container exits, how long its log readers may take to finish."""
+"""After a container exits, how long its log readers may go without progress."""
+_PIPE_BYTES = 4 * 1024 * 1024
+"""Most engine-log bytes read but not yet stored. Beyond it the readers wait: only
+our reading of the engine's log waits, never the container, whose output the
+engine keeps meanwhile."""
+_LINE_OVERHEAD = 100
+"""What a line held in memory costs beside its bytes, roughly (an empty one too)."""
+_BATCH_BYTES = 256 * 1024
+"""Most output stored in one transaction."""
+_EVENTS_PER_SEND = 128
+"""Most events read from the store at once for one consumer (each at most 32 KiB)."""
+_ENGINE_LOST = (
+    b"gpumesh: output may be missing here: the job printed faster than the provider "
+    b"could read it, and Docker had already dropped the oldest of its log\n"
+)
+"""Where output is stored after entries the engine rotated out of its log unread."""
 GPU_SAMPLE_INTERVAL = 2.0
 """Seconds between samples of a running GPU job's memory use."""
 QUOTA_INTERVAL = 5.0
@@ -289,7 +313,9 @@ class JobService:
                     )
                 )
                 if message.attach:
-                    await self._follow_events(ctx.stream, existing.job_id, 0)
+                    await self._follow_events(
+                        ctx.stream, existing.job_id, 0, credited=message.credited
+                    )
                 else:
                     ctx.stream.finish()
                 return
@@ -346,13 +372,15 @@ class JobService:
             record = self._record(record.job_id)
         run.task = asyncio.create_task(self._supervise(run, record))
         if message.attach:
-            await self._follow_events(ctx.stream, record.job_id, 0)
+            await self._follow_events(ctx.stream, record.job_id, 0, credited=message.credited)
         else:
             ctx.stream.finish()
 
     async def handle_logs(self, ctx: RequestContext, message: JobLogs) -> None:
         job = self._owned(ctx, message.job_id)
-        await self._follow_events(ctx.stream, job.job_id, message.after_seq, message.follow)
+        await self._follow_events(
+            ctx.stream, job.job_id, message.after_seq, message.follow, credited=message.credited
+        )
 
     async def handle_cancel(self, ctx: RequestContext, message: JobCancel) -> None:
         job = await self.cancel(self._owned(ctx, message.job_id).job_id)
@@ -676,13 +704,12 @@ class JobService:
                 fields["started_at"] = time.time()
             self.store.update_job(HOSTED, run.job_id, **fields)
             await self._event(run, JobState.RUNNING, None, f"attempt {run.machine.attempt} running")
-        queue: asyncio.Queue[LogLine | None] = asyncio.Queue()
-        loop = asyncio.get_running_loop()
+        pipe = _LogPipe(asyncio.get_running_loop(), readers=2)
         readers = [
-            in_thread(self._read_logs, loop, queue, container.container_id, stream, run.cursor)
+            in_thread(self._read_logs, pipe, container.container_id, stream, run.cursor)
             for stream in ("stdout", "stderr")
         ]
-        writer = asyncio.create_task(self._write_logs(run, queue, expected_ends=len(readers)))
+        writer = asyncio.create_task(self._write_logs(run, pipe))
         sampler = (
             asyncio.create_task(self._sample_gpu_memory(run, container.container_id))
             if job.gpus
@@ -704,10 +731,7 @@ class JobService:
                     run.timed_out = True
                     await in_thread(self.runtime.stop, container.container_id, 5.0)
             final = await waiter
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(
-                    asyncio.gather(*readers, return_exceptions=True), _LOG_DRAIN_TIMEOUT
-                )
+            await _drain(readers, pipe)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(writer), _LOG_DRAIN_TIMEOUT)
         except GPUMeshError as exc:
@@ -717,6 +741,7 @@ class JobService:
             # Stopping the agent cancels us: the writer must stop too, or it would
             # keep writing beside the next agent's (the cursor in the store is the truth).
             writer.cancel()
+            pipe.close()
             for task in (sampler, watcher):
                 if task is not None:
                     task.cancel()
@@ -784,51 +809,51 @@ class JobService:
             return
 
     def _read_logs(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        queue: asyncio.Queue[LogLine | None],
-        container_id: str,
-        stream: str,
-        cursors: dict[str, list[object]],
+        self, pipe: _LogPipe, container_id: str, stream: str, cursors: dict[str, list[object]]
     ) -> None:
-        saved = cursors.get(stream) or ["", 0]
-        cursor = LogCursor(str(saved[0]), int(str(saved[1])))
-        lines: Iterator[LogLine] = self.runtime.logs(
-            container_id,
-            "stdout" if stream == "stdout" else "stderr",
-            cursor,
-            True,
-        )
+        """Read one stream of the engine's log from the cursor into ``pipe`` (a thread)."""
         try:
+            saved = cursors.get(stream) or ["", 0]
+            cursor = LogCursor(str(saved[0]), int(str(saved[1])))
+            lines: Iterator[LogLine] = self.runtime.logs(
+                container_id,
+                "stdout" if stream == "stdout" else "stderr",
+                cursor,
+                True,
+            )
             for line in lines:
-                loop.call_soon_threadsafe(queue.put_nowait, line)
+                if not pipe.put(line):
+                    return  # the writer stopped: the cursor in the store is the truth
         finally:
-            # The agent may have stopped meanwhile; the cursor in the store is the truth.
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(queue.put_nowait, None)
+            pipe.end()
 
-    async def _write_logs(
-        self, run: _Run, queue: asyncio.Queue[LogLine | None], expected_ends: int
-    ) -> None:
-        ends = 0
-        while ends < expected_ends:
-            line = await queue.get()
-            if line is None:
-                ends += 1
-                continue
-            run.cursor[line.stream] = [line.cursor.timestamp, line.cursor.count]
-            data = line.data
-            for offset in range(0, max(1, len(data)), MAX_OUTPUT_CHUNK):
-                last = offset + MAX_OUTPUT_CHUNK >= len(data)
-                self.store.append_job_event(
+    async def _write_logs(self, run: _Run, pipe: _LogPipe) -> None:
+        """Store what the readers read: a batch of lines per transaction, the cursor
+        with it, consecutive lines of a stream joined into pieces of up to 32 KiB."""
+        while (lines := await pipe.take()) is not None:
+            limit = self._log_limit()
+            start = 0
+            while start < len(lines):
+                end, size = start, 0
+                while end < len(lines) and size < _BATCH_BYTES:
+                    size += len(lines[end].data)
+                    end += 1
+                batch = lines[start:end]
+                start = end
+                for line in batch:
+                    run.cursor[line.stream] = [line.cursor.timestamp, line.cursor.count]
+                self.store.append_job_events(
                     run.job_id,
                     run.machine.attempt,
-                    line.stream,
-                    data[offset : offset + MAX_OUTPUT_CHUNK],
-                    # Move the cursor only with the entry's last piece.
-                    log_cursor=dict(run.cursor) if last else None,
+                    _pieces(batch),
+                    log_cursor=dict(run.cursor),
+                    log_limit=limit,
                 )
-            await self._notify()
+                await self._notify()
+
+    def _log_limit(self) -> int:
+        """Most bytes of a job's output this provider keeps (config job_log_limit)."""
+        return parse_size(str(self.agent.home.config.get("job_log_limit")))
 
     async def _remove_container(self, run: _Run) -> None:
         if run.container_id:
@@ -885,7 +910,9 @@ class JobService:
             self.store.append_job_event(run.job_id, run.machine.attempt, "state", data)
         else:  # a diagnostic for the user, on the job's stderr
             text = f"gpumesh: {message.strip()}\n".encode()
-            self.store.append_job_event(run.job_id, run.machine.attempt, "stderr", text)
+            self.store.append_job_event(
+                run.job_id, run.machine.attempt, "stderr", text, log_limit=self._log_limit()
+            )
         await self._notify()
 
     def share_limits(self) -> ShareLimits:
@@ -958,12 +985,14 @@ class JobService:
     # --- streaming to consumers ------------------------------------------------------------------
 
     async def _follow_events(
-        self, stream: Stream, job_id: str, after: int, follow: bool = True
+        self, stream: Stream, job_id: str, after: int, follow: bool = True, *, credited: bool
     ) -> None:
         """:meth:`_stream_events` until the stream fails (reset or stopped by the consumer,
         its link closed, over its limits): a follow waiting for output would otherwise
         hold the stream, and the link under it, until the job ends."""
-        events = asyncio.ensure_future(self._stream_events(stream, job_id, after, follow))
+        events = asyncio.ensure_future(
+            self._stream_events(stream, job_id, after, follow, credited=credited)
+        )
         failed = asyncio.ensure_future(stream.wait_failed())
         try:
             await asyncio.wait({events, failed}, return_when=asyncio.FIRST_COMPLETED)
@@ -978,13 +1007,29 @@ class JobService:
             raise failed.result()
         events.result()
 
-    async def _stream_events(self, stream: Stream, job_id: str, after: int, follow: bool) -> None:
+    async def _stream_events(
+        self, stream: Stream, job_id: str, after: int, follow: bool, *, credited: bool
+    ) -> None:
+        """Send a job's events after seq ``after`` from the store, and with ``follow``
+        new ones until it ends; ``credited``: inside one DATA section, at the pace of
+        the consumer's credit (an older consumer gets plain messages)."""
+        # What an older consumer was not sent is told in a line on its stderr; a
+        # credited consumer tells that itself, from the offsets.
+        position = OutputPosition(0 if after == 0 else UNKNOWN)
         while True:
-            events = self.store.job_events(job_id, after, 500)
-            for event in events:
-                after = event.seq
-                stream.send_message(event.to_message())
+            events = self.store.job_events(job_id, after, _EVENTS_PER_SEND)
             if events:
+                after = events[-1].seq
+                messages = [event.to_message() for event in events]
+                if credited:
+                    await stream.send_data(encode_events(messages))
+                    continue
+                for message in messages:
+                    if isinstance(message, JobOutput):
+                        dropped = position.on_output(message.offset, len(message.data))
+                        if dropped:
+                            stream.send_message(_dropped_line(message, dropped))
+                    stream.send_message(message)
                 await stream.drain()
                 continue
             job = self._record(job_id)
@@ -993,7 +1038,125 @@ class JobService:
             async with self._changed:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._changed.wait(), 1.0)
+        if credited:
+            stream.end_data()
         stream.finish()
+
+
+class _LogPipe:
+    """Engine-log lines from the reader threads to the writer task, bounded in bytes.
+
+    The writer takes everything queued at once, so a busy loop is woken once
+    for many lines, not once per line.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, readers: int) -> None:
+        self._loop = loop
+        self._cond = threading.Condition()
+        self._lines: deque[LogLine] = deque()
+        self._bytes = 0
+        self._open = readers
+        self._closed = False
+        self._woken = False
+        self._ready = asyncio.Event()
+        self.received = 0
+        """Lines put so far: how the drain tells progress from a stuck reader."""
+
+    def put(self, line: LogLine) -> bool:
+        """Queue a line (a reader thread), waiting while the pipe is full; False once
+        the writer stopped."""
+        with self._cond:
+            while self._bytes >= _PIPE_BYTES and not self._closed:
+                self._cond.wait()
+            if self._closed:
+                return False
+            self._lines.append(line)
+            self._bytes += len(line.data) + _LINE_OVERHEAD
+            self.received += 1
+            self._wake()
+        return True
+
+    def end(self) -> None:
+        """A reader is done (a reader thread)."""
+        with self._cond:
+            self._open -= 1
+            self._wake()
+
+    def _wake(self) -> None:
+        if not self._woken:
+            self._woken = True
+            with contextlib.suppress(RuntimeError):  # the loop is gone: the agent stopped
+                self._loop.call_soon_threadsafe(self._ready.set)
+
+    async def take(self) -> list[LogLine] | None:
+        """Every line queued so far, once there is one; None when all readers ended."""
+        while True:
+            with self._cond:
+                if self._lines:
+                    lines = list(self._lines)
+                    self._lines.clear()
+                    self._bytes = 0
+                    self._cond.notify_all()
+                    return lines
+                if self._open <= 0:
+                    return None
+                self._woken = False
+                self._ready.clear()
+            await self._ready.wait()
+
+    def close(self) -> None:
+        """The writer stopped: readers waiting on a full pipe give up."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+
+async def _drain(readers: list[asyncio.Future[None]], pipe: _LogPipe) -> None:
+    """After the container exited: wait for the readers to reach the end of its log,
+    however long that takes, as long as they make progress."""
+    pending: set[asyncio.Future[None]] = set(readers)
+    progress = -1
+    while pending and pipe.received != progress:
+        progress = pipe.received
+        _done, pending = await asyncio.wait(pending, timeout=_LOG_DRAIN_TIMEOUT)
+    for reader in readers:
+        if not reader.done():
+            reader.cancel()  # stuck: given up on (its thread ends with the engine's stream)
+        elif not reader.cancelled() and reader.exception() is not None:
+            logger.info("a log reader failed: %s", reader.exception())
+
+
+def _pieces(lines: list[LogLine]) -> list[tuple[str, bytes]]:
+    """Consecutive entries of a stream joined into pieces of at most MAX_OUTPUT_CHUNK.
+
+    A piece holds whole entries (the engine splits longer lines into 16 KiB
+    entries), so output dropped beyond job_log_limit goes a line at a time and
+    what is kept starts at a line.
+    """
+    pieces: list[tuple[str, bytearray]] = []
+    for line in lines:
+        data = line.data
+        if line.lost:
+            pieces.append(("stderr", bytearray(_ENGINE_LOST)))
+        if pieces and pieces[-1][0] == line.stream:
+            piece = pieces[-1][1]
+            if len(piece) + len(data) <= MAX_OUTPUT_CHUNK:
+                piece += data
+                continue
+        for start in range(0, max(1, len(data)), MAX_OUTPUT_CHUNK):
+            pieces.append((line.stream, bytearray(data[start : start + MAX_OUTPUT_CHUNK])))
+    return [(stream, bytes(piece)) for stream, piece in pieces]
+
+
+def _dropped_line(before: JobOutput, dropped: int) -> JobOutput:
+    """The line that tells an older consumer that output was dropped before ``before``."""
+    text = (
+        f"gpumesh: {format_size(dropped)} of output dropped here (the provider keeps the "
+        "newest job_log_limit of a job's output)\n"
+    )
+    return JobOutput(
+        seq=before.seq - 1, attempt=before.attempt, stream="stderr", data=text.encode()
+    )
 
 
 def _nested(a: str, b: str) -> bool:

@@ -107,6 +107,17 @@ class JobPrinter:
     def reconnecting(self, error: GPUMeshError) -> None:
         self.note(f"link lost ({error.message}); reconnecting")
 
+    def dropped(self, count: int) -> None:
+        # Part of the output itself (where it is missing), so shown even with --quiet.
+        click.echo(
+            click.style(
+                f"gpumesh: {format_size(count)} of output dropped here: the provider keeps "
+                "only the newest part of a job's output (its job_log_limit)",
+                fg="yellow",
+            ),
+            err=True,
+        )
+
     def callbacks(self) -> JobCallbacks:
         return JobCallbacks(
             stdout=self.stdout,
@@ -116,4 +127,5 @@ class JobPrinter:
             upload=self.upload,
             placed=self.placed,
             reconnecting=self.reconnecting,
+            dropped=self.dropped,
         )

@@ -38,6 +38,7 @@ def jobs(limit: int, as_json: bool) -> None:
                     "finished_at": j.finished_at,
                     "duration": j.duration,
                     "message": j.message,
+                    "output_dropped": j.output_dropped,
                 }
                 for j in records
             ]

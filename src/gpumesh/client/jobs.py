@@ -2,9 +2,11 @@
 
 The consumer keeps a reference to every job it submits (role ``submitted``
 in its store) and updates it from the events it receives. Output is handed to
-callbacks; the CLI prints it, the dashboard will push it to a browser. A
-dropped link while following is redialled and resumed after the last event
-seen, so no line is lost or repeated.
+callbacks; the CLI prints it, the dashboard will push it to a browser. Events
+arrive at the pace this node reads them (it asks for them credited:
+:mod:`gpumesh.protocol.joboutput`). A dropped link while following is redialled
+and resumed after the last event seen, so no line is lost or repeated; output
+the provider dropped (its ``job_log_limit``) is told where it was.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from gpumesh.errors import (
     UnreachableError,
     error_from_code,
 )
+from gpumesh.protocol.framing import FrameKind
+from gpumesh.protocol.joboutput import UNKNOWN, EventSection, OutputPosition
 from gpumesh.protocol.messages import (
     JobAccepted,
     JobCancel,
@@ -36,6 +40,7 @@ from gpumesh.protocol.messages import (
     JobOutput,
     JobStatus,
     JobSubmit,
+    Message,
     Refusal,
     decode_message,
 )
@@ -88,6 +93,9 @@ class JobCallbacks:
     placed: Callable[[Placement], None] = _ignore
     """Where ``run --group`` put the job, and why not elsewhere."""
     reconnecting: Callable[[GPUMeshError], None] = _ignore
+    dropped: Callable[[int], None] = _ignore
+    """Bytes of output the provider dropped (beyond its ``job_log_limit``, the oldest
+    first) that this reader was never sent, just before the output that comes next."""
 
 
 @dataclass
@@ -99,10 +107,22 @@ class JobResult:
     attempt: int
     message: str
     gpus: list[str] = field(default_factory=list)
+    output_dropped: int = 0
+    """Bytes of the job's oldest output its provider dropped, as far as known."""
 
     @property
     def final(self) -> bool:
         return self.state in FINAL
+
+
+@dataclass
+class _Reader:
+    """How far a consumer got in a job's events, so a resumed follow neither loses
+    nor repeats anything."""
+
+    seq: int = 0
+    """The last event received."""
+    output: OutputPosition = field(default_factory=OutputPosition)
 
 
 async def run_job(
@@ -152,6 +172,7 @@ async def run_job(
         attach=not detach,
         gpu=preferred_gpu,
         sandbox_dir=sandbox_dir,
+        credited=True,
     )
     store = node.home.store
     result = JobResult(job_id, peer.name, "queued", None, 0, "")
@@ -185,15 +206,17 @@ async def run_job(
         if detach:
             stream.finish()
             return result
+        reader = _Reader()
         try:
-            await _consume(stream, node, result, callbacks)
+            await _consume(stream, node, result, callbacks, reader)
         except (ConnectionLostError, UnreachableError) as exc:
             if result.final:
                 return result
             callbacks.reconnecting(exc)
         else:
             return result
-    return await follow_job(node, job_id, callbacks=callbacks)
+    # Go on from the last event this stream delivered: not from the start again.
+    return await _follow(node, peer.node_id, result, callbacks, reader, follow=True)
 
 
 async def place_in_group(
@@ -247,32 +270,62 @@ async def _upload(
         raise ProtocolError(f"the workdir changed while it was sent ({sent} of {total} bytes)")
 
 
-async def _consume(stream: Stream, node: Node, result: JobResult, callbacks: JobCallbacks) -> int:
-    """Handle events until the provider ends the stream; returns the last seq seen."""
+async def _consume(
+    stream: Stream, node: Node, result: JobResult, callbacks: JobCallbacks, reader: _Reader
+) -> None:
+    """Handle events until the provider ends the stream, moving ``reader`` along.
+
+    Events come inside a credited section (DATA frames: credit goes back as each
+    is read, so the provider waits for us) or, from an older provider, as plain
+    messages.
+    """
     store = node.home.store
-    last_seq = 0
+    section = EventSection()
     while True:
         frame = await stream.read_frame()
         if frame is None:
             break
-        message = decode_message(frame.body)
-        if isinstance(message, Refusal):
-            raise error_from_code(message.code, message.message)
-        if isinstance(message, JobOutput):
-            last_seq = max(last_seq, message.seq)
-            (callbacks.stdout if message.stream == "stdout" else callbacks.stderr)(message.data)
-        elif isinstance(message, JobStatus):
-            last_seq = max(last_seq, message.seq)
-            result.state = message.state
-            result.attempt = message.attempt
-            result.exit_code = message.exit_code
-            result.message = message.message
-            _record_status(node, result.job_id, message)
-            callbacks.status(message)
+        messages: list[Message]
+        if frame.kind is FrameKind.MESSAGE:
+            messages = [decode_message(frame.body)]
+        elif frame.body:
+            messages = section.feed(frame.body)
         else:
-            raise ProtocolError(f"unexpected {type(message).__name__} in a job's event stream")
-        store.update_job(SUBMITTED, result.job_id, last_seq=last_seq)
-    return last_seq
+            section.end()
+            continue
+        for message in messages:
+            _deliver(node, message, result, callbacks, reader)
+        store.update_job(
+            SUBMITTED, result.job_id, last_seq=reader.seq, output_dropped=result.output_dropped
+        )
+
+
+def _deliver(
+    node: Node, message: Message, result: JobResult, callbacks: JobCallbacks, reader: _Reader
+) -> None:
+    if isinstance(message, Refusal):
+        raise error_from_code(message.code, message.message)
+    if isinstance(message, JobOutput):
+        if message.seq <= reader.seq:
+            return  # already delivered
+        reader.seq = message.seq
+        dropped = reader.output.on_output(message.offset, len(message.data))
+        if dropped:
+            result.output_dropped = max(result.output_dropped, reader.output.known_dropped)
+            callbacks.dropped(dropped)
+        (callbacks.stdout if message.stream == "stdout" else callbacks.stderr)(message.data)
+    elif isinstance(message, JobStatus):
+        if message.seq and message.seq <= reader.seq:
+            return
+        reader.seq = max(reader.seq, message.seq)
+        result.state = message.state
+        result.attempt = message.attempt
+        result.exit_code = message.exit_code
+        result.message = message.message
+        _record_status(node, result.job_id, message)
+        callbacks.status(message)
+    else:
+        raise ProtocolError(f"unexpected {type(message).__name__} in a job's event stream")
 
 
 def _record_status(node: Node, job_id: str, status: JobStatus) -> None:
@@ -307,21 +360,44 @@ async def follow_job(
     callbacks = callbacks or JobCallbacks()
     job = node.home.store.find_job(job_id, role=SUBMITTED)
     result = JobResult(
-        job.job_id, job.peer_name, job.state, job.exit_code, job.attempt, job.message
+        job.job_id,
+        job.peer_name,
+        job.state,
+        job.exit_code,
+        job.attempt,
+        job.message,
+        output_dropped=job.output_dropped,
     )
-    seen = after_seq
+    # From the start, a gap before the first output is output dropped; from
+    # further on, where the output stood is not known here.
+    reader = _Reader(after_seq, OutputPosition(0 if after_seq == 0 else UNKNOWN))
+    return await _follow(node, job.peer_id, result, callbacks, reader, follow=follow)
+
+
+async def _follow(
+    node: Node,
+    peer_id: str,
+    result: JobResult,
+    callbacks: JobCallbacks,
+    reader: _Reader,
+    *,
+    follow: bool,
+) -> JobResult:
     deadline = time.monotonic() + _RECONNECT_FOR
     while True:
         try:
-            async with node.session(job.peer_id) as session:
+            async with node.session(peer_id) as session:
+                deadline = time.monotonic() + _RECONNECT_FOR  # from the last working link
                 stream = session.open_stream()
-                request = JobLogs(job_id=job.job_id, after_seq=seen, follow=follow)
-                stream.send_message(request, end=True)
-                await _consume(stream, node, result, callbacks)
+                # Our side stays open: it carries the credit back.
+                stream.send_message(
+                    JobLogs(
+                        job_id=result.job_id, after_seq=reader.seq, follow=follow, credited=True
+                    )
+                )
+                await _consume(stream, node, result, callbacks, reader)
                 return result
         except (ConnectionLostError, UnreachableError) as exc:
-            stored = node.home.store.job(SUBMITTED, job.job_id)
-            seen = max(seen, stored.last_seq) if stored is not None else seen
             if result.final or time.monotonic() > deadline:
                 raise
             callbacks.reconnecting(exc)
@@ -386,15 +462,19 @@ async def follow_hosted(
     store = node.home.store
     job = store.find_job(job_id, role="hosted")
     seen = 0
+    position = OutputPosition()
     while True:
-        events = store.job_events(job.job_id, seen, 1000)
+        events = store.job_events(job.job_id, seen, 100)
         for event in events:
             seen = event.seq
             message = event.to_message()
             if isinstance(message, JobStatus):
                 callbacks.status(message)
-            else:
-                (callbacks.stdout if message.stream == "stdout" else callbacks.stderr)(message.data)
+                continue
+            dropped = position.on_output(message.offset, len(message.data))
+            if dropped:
+                callbacks.dropped(dropped)
+            (callbacks.stdout if message.stream == "stdout" else callbacks.stderr)(message.data)
         current = store.job("hosted", job.job_id)
         assert current is not None
         if not events and (not follow or (current.state in FINAL and seen >= current.last_seq)):
@@ -406,6 +486,7 @@ async def follow_hosted(
                 current.attempt,
                 current.message,
                 list(current.gpus),
+                current.output_dropped,
             )
         if not events:
             await asyncio.sleep(poll)

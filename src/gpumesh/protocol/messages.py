@@ -244,6 +244,10 @@ class JobSubmit(_Msg, tag="job_submit", frozen=True):
     sandbox_dir: Annotated[str, msgspec.Meta(max_length=4096)] = ""
     """A folder in the submitter's sandbox on the provider (``/apps/NAME``) to
     mount as the working directory instead of an uploaded one; empty: none."""
+    credited: bool = False
+    """With ``attach``: send the job's events inside one DATA section, paced by the
+    consumer's credit (:mod:`gpumesh.protocol.joboutput`); false: one message each,
+    unpaced, as consumers before this field expect."""
 
 
 class JobAccepted(_Msg, tag="job_accepted", frozen=True):
@@ -258,6 +262,10 @@ class JobOutput(_Msg, tag="job_output", frozen=True):
     attempt: Count
     stream: Annotated[str, msgspec.Meta(pattern="^(stdout|stderr)$")]
     data: Annotated[bytes, msgspec.Meta(max_length=MAX_OUTPUT_CHUNK)]
+    offset: Annotated[int, msgspec.Meta(ge=-1)] = -1
+    """Where ``data`` starts in the job's output (stdout and stderr together, every
+    attempt); -1: not known. A reader whose next expected offset is lower knows that
+    the provider dropped the bytes between (its ``job_log_limit``)."""
 
 
 class JobStatus(_Msg, tag="job_status", frozen=True):
@@ -280,6 +288,9 @@ class JobLogs(_Msg, tag="job_logs", frozen=True):
     job_id: JobId
     after_seq: Count
     follow: bool
+    credited: bool = False
+    """As ``JobSubmit.credited``: events inside one DATA section, paced by credit (the
+    consumer then keeps its side of the stream open, to send CREDIT)."""
 
 
 class JobCancel(_Msg, tag="job_cancel", frozen=True):

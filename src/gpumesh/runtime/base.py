@@ -146,6 +146,10 @@ class LogLine:
     """The entry's bytes, newline included when the program wrote one."""
     cursor: LogCursor
     """The cursor to resume from after this entry."""
+    lost: bool = False
+    """The engine no longer had what came between the cursor the read started from
+    and this entry (it rotated out of the engine's log before it was read): some
+    output may be missing before it, how much is not known."""
 
 
 class Terminal(Protocol):

@@ -37,7 +37,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from typing import Any
 
 import docker
@@ -83,13 +83,20 @@ _MAX_POOL_SIZE = 64
 
 # The "local" log driver stores entries as bytes (json-file turns invalid
 # UTF-8 into U+FFFD), works whatever the daemon's default driver is, and is
-# bounded: 5 files of 20 MB per container, rotated files compressed.
-_LOG_CONFIG = {"max-size": "20m", "max-file": "5"}
+# bounded: 5 files of 20 MB per container. Rotated files stay uncompressed: a
+# reader that fell behind reads them from its cursor, and a compressed one would
+# be decompressed again for each such read.
+_LOG_CONFIG = {"max-size": "20m", "max-file": "5", "compress": "false"}
 
 # Docker cuts output without a newline into entries of this size that share
 # one timestamp; the "local" driver then drops the newline that ended the
 # series (json-file keeps it).
 _LOG_PIECE = 16 * 1024
+# While a container's log grows, it is read without follow at most this often
+# (see DockerRuntime._log_lines).
+_LOG_POLL = 0.02
+# Bytes read at once from a log response without follow.
+_LOG_BLOCK = 256 * 1024
 
 _REQUIRED_LABELS = (LABEL_JOB, LABEL_PEER, LABEL_NODE, LABEL_ATTEMPT)
 _INTERACTIVE_LABELS = (LABEL_PEER, LABEL_NODE, LABEL_KIND)
@@ -523,28 +530,58 @@ class DockerRuntime:
     def _log_lines(
         self, container_id: str, stream: Stream, cursor: LogCursor, follow: bool
     ) -> Iterator[LogLine]:
+        if not follow:
+            yield from self._read_logs(container_id, stream, cursor, False)
+            return
+        # Docker's follower moves to the new file when the log rotates and skips
+        # whatever it had not read of the old one (20.10), so a reader behind a fast
+        # job would lose lines. Entries are therefore only ever taken from reads
+        # without follow (from the cursor; they read the rotated files too, and
+        # cost the engine little when they return little), one every _LOG_POLL
+        # while the log grows. A quiet log is waited on with a followed stream and
+        # only its first entry taken, which the follower sends as soon as it is
+        # written, before it could have moved on to a newer file.
         while True:
-            got_any = False
-            for line in self._read_logs(container_id, stream, cursor, follow):
-                got_any = True
+            got = False
+            for line in self._read_logs(container_id, stream, cursor, False):
+                got = True
                 cursor = line.cursor
                 yield line
-            if not follow:
-                return
-            # The followed stream ended: the container stopped, or the
-            # connection dropped (the SDK reports both as a plain end). Docker
-            # may also end it before sending a last entry without a newline,
-            # so read once more from the cursor; follow again if still alive.
+            if got:
+                time.sleep(_LOG_POLL)  # a growing log: let it gather a batch
+                continue
             try:
-                follow = self.inspect(container_id).status in _ALIVE
+                alive = self.inspect(container_id).status in _ALIVE
             except NotFoundError:
                 return
-            if follow and not got_any:
-                time.sleep(0.2)  # an engine that keeps ending the stream: don't spin
+            if not alive:
+                # Whatever it wrote before it stopped is in the log by now.
+                yield from self._read_logs(container_id, stream, cursor, False)
+                return
+            waiting = self._read_logs(container_id, stream, cursor, True)
+            try:
+                # Ends at the next entry, or when the stream does (the container
+                # stopped, or the connection dropped: the SDK reports both alike).
+                first = next(waiting, None)
+                if first is not None and not first.lost:  # else read again, to be sure
+                    cursor = first.cursor
+                    yield first
+            finally:
+                waiting.close()
+            if first is None:
+                time.sleep(_LOG_POLL)  # an engine that keeps ending the stream: don't spin
 
     def _read_logs(
-        self, container_id: str, stream: Stream, cursor: LogCursor, follow: bool
-    ) -> Iterator[LogLine]:
+        self,
+        container_id: str,
+        stream: Stream,
+        cursor: LogCursor,
+        follow: bool,
+    ) -> Generator[LogLine, None, None]:
+        """One read of the engine's log after ``cursor``. It starts at the entry at
+        the cursor; when its first line comes without that entry before it, the
+        entry was rotated out of the engine's log (and maybe more after it) before
+        it was read: that line is marked ``lost``."""
         after = _timestamp_key(cursor.timestamp) if cursor.timestamp else None
         reader = _EntryReader(stream, after, cursor.count)
         with self._engine("read the logs of container", container_id) as api:
@@ -558,11 +595,17 @@ class DockerRuntime:
                 since=_since(after) if after is not None else None,
             )
             try:
-                # One frame is one log entry, delivered as soon as Docker has it.
-                for frame in frames:
+                # One frame is one log entry; a followed one is delivered as soon as
+                # Docker has it, and a read without follow goes by blocks.
+                response = None if follow else getattr(frames, "_response", None)
+                for frame in frames if response is None else _frames_in_blocks(response):
                     line = reader.entry(frame)
-                    if line is not None:
-                        yield line
+                    if line is None:
+                        continue
+                    if not reader.reached:
+                        reader.reached = True
+                        line = dataclasses.replace(line, lost=True)
+                    yield line
             finally:
                 _close_stream(frames)
 
@@ -612,6 +655,8 @@ class _EntryReader:
         self._key: tuple[str, int] | None = None
         self._count = 0
         self._in_piece_series = False
+        self.reached = after is None or skip == 0
+        """Whether the entry at the cursor went by (nothing to pass without one)."""
 
     def entry(self, frame: bytes) -> LogLine | None:
         stamp, sep, data = frame.partition(b" ")
@@ -640,6 +685,8 @@ class _EntryReader:
         if self._after is not None and (
             key < self._after or (key == self._after and self._count <= self._skip)
         ):
+            if key == self._after and self._count == self._skip:
+                self.reached = True
             return None
         return LogLine(self._stream, data, LogCursor(timestamp, self._count))
 
@@ -891,11 +938,33 @@ def _since(key: tuple[str, int]) -> float | None:
     return millis / 1000 if millis > 0 else None
 
 
+def _frames_in_blocks(response: Any) -> Iterator[bytes]:
+    """The frames of a multiplexed log response (``u8 stream, 3 zero bytes, u32
+    length``, then the entry), read in large blocks: the SDK reads each frame's
+    header and body apart, some tens of microseconds a frame."""
+    buffer = b""
+    while block := response.raw.read(_LOG_BLOCK):
+        buffer = buffer + block if buffer else block
+        offset, size = 0, len(buffer)
+        while size - offset >= 8:
+            end = offset + 8 + int.from_bytes(buffer[offset + 4 : offset + 8], "big")
+            if end > size:
+                break
+            if end > offset + 8:
+                yield buffer[offset + 8 : end]
+            offset = end
+        buffer = buffer[offset:]
+
+
 def _close_stream(frames: Any) -> None:
     # The SDK's close() pokes at urllib3 internals that are gone once the
     # response was read to the end; nothing is left to close then.
     with contextlib.suppress(AttributeError, OSError, docker.errors.DockerException):
         frames.close()
+    # A stream left before its end (its reader stopped): the socket closes only
+    # once the response lets go of it too.
+    with contextlib.suppress(AttributeError, OSError):
+        frames._response.close()
 
 
 def _explanation(exc: docker.errors.APIError) -> str:

@@ -113,6 +113,12 @@ def _size(text: str) -> str:
     return text.strip()
 
 
+def _log_limit(text: str) -> str:
+    if parse_size(text) < 1000**2:
+        raise ConfigError(f"invalid job_log_limit {text!r}: keep at least 1MB of a job's output")
+    return text.strip()
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -319,6 +325,13 @@ KEYS: dict[str, ConfigKey] = {
         ),
         ConfigKey(
             "file_quota", _size, "50GB", "most bytes each peer may keep here with `gpumesh cp`"
+        ),
+        ConfigKey(
+            "job_log_limit",
+            _log_limit,
+            "64MB",
+            "most output of each job kept here (the oldest is dropped beyond it, and its "
+            "readers are told)",
         ),
         ConfigKey(
             "data_channel",

@@ -66,6 +66,8 @@ _JOB_COLUMNS = [
     "started_at",
     "finished_at",
     "peak_gpu_memory",
+    "output_bytes",
+    "output_dropped",
 ]
 _JSON_COLUMNS = {"command", "env", "gpus", "log_cursor"}
 
@@ -161,7 +163,18 @@ MIGRATIONS: list[str] = [
     );
     CREATE INDEX used_codes_expires ON used_codes(expires);
     """,
-    # 6 -> 7: images this node pulled for peers' jobs (the ones image_disk may prune)
+    # 6 -> 7: where each piece of output lies in its job's output, and what was
+    # dropped to keep a job's stored output within job_log_limit
+    """
+    ALTER TABLE job_events ADD COLUMN position INTEGER NOT NULL DEFAULT -1;
+    ALTER TABLE jobs ADD COLUMN output_bytes INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE jobs ADD COLUMN output_dropped INTEGER NOT NULL DEFAULT 0;
+    UPDATE jobs SET output_bytes = (
+        SELECT COALESCE(SUM(length(data)), 0) FROM job_events e
+        WHERE e.job_id = jobs.job_id AND e.kind != 'state'
+    ) WHERE role = 'hosted';
+    """,
+    # 7 -> 8: images this node pulled for peers' jobs (the ones image_disk may prune)
     """
     CREATE TABLE pulled_images (
         image     TEXT PRIMARY KEY,
@@ -249,6 +262,14 @@ class JobRecord:
     finished_at: float | None = None
     peak_gpu_memory: int = 0
     """Most GPU memory the job's processes used at once (sampled while running)."""
+    output_bytes: int = 0
+    """Hosted: bytes of output (stdout and stderr, every attempt) written so far,
+    which is where the next piece of output starts."""
+    output_dropped: int = 0
+    """Bytes of the oldest output dropped to keep what is stored within the
+    provider's ``job_log_limit``. Hosted: exactly; submitted: as far as this node
+    has been told (the drop is always a prefix of the output, so a gap that ends at
+    offset N says that N bytes were dropped)."""
 
     @classmethod
     def from_row(cls, row: sqlite3.Row) -> JobRecord:
@@ -275,11 +296,20 @@ class JobEvent:
     kind: str
     """``stdout``, ``stderr`` or ``state`` (data: JSON of state, exit_code, message)."""
     data: bytes
+    position: int = -1
+    """Output: where ``data`` starts in the job's output (stdout and stderr together,
+    every attempt); -1 for state events and output stored before positions were kept."""
 
     def to_message(self) -> JobOutput | JobStatus:
         """The wire message that carries this event to a follower."""
         if self.kind != "state":
-            return JobOutput(seq=self.seq, attempt=self.attempt, stream=self.kind, data=self.data)
+            return JobOutput(
+                seq=self.seq,
+                attempt=self.attempt,
+                stream=self.kind,
+                data=self.data,
+                offset=self.position,
+            )
         info = json.loads(self.data)
         return JobStatus(
             job_id=self.job_id,
@@ -730,43 +760,95 @@ class Store:
         data: bytes,
         *,
         log_cursor: dict[str, list[object]] | None = None,
+        log_limit: int = 0,
         now: float | None = None,
     ) -> int:
         """Append one event to a hosted job's log; returns its sequence number.
 
-        The engine-log cursor moves in the same transaction, so after a crash
-        the log is resumed exactly where the stored events end.
+        See :meth:`append_job_events`.
         """
+        return self.append_job_events(
+            job_id, attempt, [(kind, data)], log_cursor=log_cursor, log_limit=log_limit, now=now
+        )
+
+    def append_job_events(
+        self,
+        job_id: str,
+        attempt: int,
+        events: Sequence[tuple[str, bytes]],
+        *,
+        log_cursor: dict[str, list[object]] | None = None,
+        log_limit: int = 0,
+        now: float | None = None,
+    ) -> int:
+        """Append ``(kind, data)`` events to a hosted job's log in one transaction;
+        returns the last sequence number.
+
+        The engine-log cursor moves in the same transaction, so after a crash
+        the log is resumed exactly where the stored events end. Output events
+        (``stdout``/``stderr``) get their position in the job's output. With
+        ``log_limit``, the oldest output is then deleted until what is kept is
+        at most that many bytes (state events are kept: a job has few), and
+        ``output_dropped`` counts it; a reader learns of the gap from the
+        positions, so each is told exactly what it missed.
+        """
+        when = now or time.time()
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
-                seq = (
+                row = self._db.execute(
+                    "SELECT last_seq, output_bytes, output_dropped FROM jobs "
+                    "WHERE role = 'hosted' AND job_id = ?",
+                    (job_id,),
+                ).fetchone()
+                seq, written, dropped = int(row[0]), int(row[1]), int(row[2])
+                for kind, data in events:
+                    seq += 1
+                    position = -1
+                    if kind != "state":
+                        position, written = written, written + len(data)
                     self._db.execute(
-                        "SELECT last_seq FROM jobs WHERE role = 'hosted' AND job_id = ?", (job_id,)
-                    ).fetchone()[0]
-                    + 1
-                )
-                self._db.execute(
-                    "INSERT INTO job_events (job_id, seq, ts, attempt, kind, data) "
-                    "VALUES (?, ?, ?, ?, ?, ?)",
-                    (job_id, seq, now or time.time(), attempt, kind, data),
-                )
-                if log_cursor is None:
-                    self._db.execute(
-                        "UPDATE jobs SET last_seq = ? WHERE role = 'hosted' AND job_id = ?",
-                        (seq, job_id),
+                        "INSERT INTO job_events (job_id, seq, ts, attempt, kind, data, position) "
+                        "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                        (job_id, seq, when, attempt, kind, data, position),
                     )
-                else:
+                if log_limit and written - dropped > log_limit:
+                    dropped += self._drop_oldest_output(job_id, written - dropped - log_limit)
+                self._db.execute(
+                    "UPDATE jobs SET last_seq = ?, output_bytes = ?, output_dropped = ? "
+                    "WHERE role = 'hosted' AND job_id = ?",
+                    (seq, written, dropped, job_id),
+                )
+                if log_cursor is not None:
                     self._db.execute(
-                        "UPDATE jobs SET last_seq = ?, log_cursor = ? "
-                        "WHERE role = 'hosted' AND job_id = ?",
-                        (seq, json.dumps(log_cursor), job_id),
+                        "UPDATE jobs SET log_cursor = ? WHERE role = 'hosted' AND job_id = ?",
+                        (json.dumps(log_cursor), job_id),
                     )
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
-        return int(seq)
+        return seq
+
+    def _drop_oldest_output(self, job_id: str, excess: int) -> int:
+        """Delete the oldest output events of a job, at least ``excess`` bytes of them;
+        returns how many bytes went (inside the caller's transaction)."""
+        freed, last = 0, 0
+        rows = self._db.execute(
+            "SELECT seq, length(data) FROM job_events "
+            "WHERE job_id = ? AND kind != 'state' ORDER BY seq",
+            (job_id,),
+        )
+        for seq, size in rows:
+            freed, last = freed + int(size), int(seq)
+            if freed >= excess:
+                break
+        rows.close()
+        self._db.execute(
+            "DELETE FROM job_events WHERE job_id = ? AND kind != 'state' AND seq <= ?",
+            (job_id, last),
+        )
+        return freed
 
     def job_events(self, job_id: str, after_seq: int = 0, limit: int = 1000) -> list[JobEvent]:
         rows = self._query(
@@ -774,7 +856,15 @@ class Store:
             (job_id, after_seq, limit),
         )
         return [
-            JobEvent(r["job_id"], r["seq"], r["ts"], r["attempt"], r["kind"], bytes(r["data"]))
+            JobEvent(
+                r["job_id"],
+                r["seq"],
+                r["ts"],
+                r["attempt"],
+                r["kind"],
+                bytes(r["data"]),
+                r["position"],
+            )
             for r in rows
         ]
 
