@@ -78,7 +78,7 @@ class ConnectionLimiter:
         rate: float = 5.0,
         burst: int = 20,
         max_pending: int = 128,
-        reserved: int = 32,
+        reserved: int | None = None,
         per_source_pending: int = 4,
         quiet_rate: float = 4.0,
         quiet_burst: int = 16,
@@ -91,7 +91,8 @@ class ConnectionLimiter:
         self.rate = rate
         self.burst = burst
         self.max_pending = max_pending
-        self.reserved = min(reserved, max_pending)
+        self.reserved = max_pending // 4 if reserved is None else min(reserved, max_pending)
+        """Slots strangers cannot take (default a quarter: 32 of 128)."""
         self.per_source_pending = per_source_pending
         self.quiet_rate = quiet_rate
         self.quiet_burst = quiet_burst
