@@ -253,13 +253,15 @@ def test_closing_the_agent_ends_open_sessions(make_node) -> None:
 def test_connection_floods_from_one_source_are_rate_limited(make_node) -> None:
     from gpumesh.agent.ratelimit import ConnectionLimiter
     from gpumesh.agent.server import Agent
+    from gpumesh.protocol.admission import DropReason
 
     alice, bob = make_node("alice"), make_node("bob")
 
     async def scenario() -> None:
-        agent = Agent(
-            alice.home, host="127.0.0.1", port=0, limiter=ConnectionLimiter(rate=0.01, burst=2)
-        )
+        # quiet_burst=0: every new connection validates its address with a Retry
+        # first, as they all do under a flood; then its address's budget applies.
+        limiter = ConnectionLimiter(rate=0.01, burst=2, quiet_burst=0)
+        agent = Agent(alice.home, host="127.0.0.1", port=0, limiter=limiter)
         await agent.start()
         try:
             pair_both(alice, bob)
@@ -268,6 +270,7 @@ def test_connection_floods_from_one_source_are_rate_limited(make_node) -> None:
             # The third new connection from 127.0.0.1 gets no answer at all.
             with pytest.raises(UnreachableError, match="no answer"):
                 await bob.connect("alice", timeout=1.0)
+            assert agent.refusals.totals[DropReason.OVER_RATE] >= 1
         finally:
             agent.stop()
 

@@ -23,7 +23,7 @@ from gpumesh.agent.exec import ExecService, handle_exec_start
 from gpumesh.agent.files import FileService
 from gpumesh.agent.jobs import JobService
 from gpumesh.agent.limits import return_free_memory
-from gpumesh.agent.ratelimit import ConnectionLimiter
+from gpumesh.agent.ratelimit import ConnectionLimiter, Outcome, RefusalTally, Slot
 from gpumesh.errors import (
     AccessDeniedError,
     AgentError,
@@ -34,6 +34,7 @@ from gpumesh.errors import (
     UnreachableError,
 )
 from gpumesh.gpu.inventory import GpuInventory
+from gpumesh.protocol.admission import Admission, DropReason
 from gpumesh.protocol.messages import (
     AppJobDir,
     AppSync,
@@ -77,6 +78,8 @@ CHANGES_FALLBACK = 5.0
 """Seconds between re-reads of the allowlist and owner cancels when no change is
 announced (`gpumesh deny` and `cancel` announce theirs: see Home.notify_agent)."""
 REQUEST_TIMEOUT = 30.0
+REFUSALS_EVERY = 10.0
+"""Seconds between summary lines about refused packets (never a line per packet)."""
 
 
 @dataclass
@@ -111,6 +114,7 @@ class Agent:
         self.host = host if host is not None else home.config.listen_host
         self.port = port if port is not None else home.config.listen_port
         self.limiter = limiter or ConnectionLimiter()
+        self.refusals = RefusalTally(interval=REFUSALS_EVERY)
         self.started = time.time()
         self.endpoint: QuicEndpoint | None = None
         self.relay: RelayClient | None = None
@@ -164,7 +168,12 @@ class Agent:
         self.home.secure()
         try:
             self.endpoint = QuicEndpoint.listen(
-                self.identity, self.host, self.port, on_link=self._on_link, accept=self._accept
+                self.identity,
+                self.host,
+                self.port,
+                on_link=self._on_link,
+                accept=self._accept,
+                on_drop=self._dropped,
             )
         except OSError as exc:
             raise AgentError(
@@ -178,6 +187,7 @@ class Agent:
         self._publish()
         self._listen_for_changes()
         self._spawn(self._watch_changes())
+        self._spawn(self._summarize_refusals())
         self._spawn(self.jobs.recover())
         logger.info("sharing on udp %s:%d as %s", host, port, self.name)
         logger.info("limits: %s", self.jobs.share_limits().describe())
@@ -275,6 +285,7 @@ class Agent:
             self._notifications = None
         if self.endpoint is not None:
             self.endpoint.close()
+        self._log_refusals(final=True)
         self.home.clear_agent_info(os.getpid())
 
     async def serve_forever(self) -> None:
@@ -291,15 +302,35 @@ class Agent:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _accept(self, address: Address) -> bool:
-        if self.limiter.allow(address[0]):
-            return True
-        logger.warning("rate limit: refusing a new connection from %s", address[0])
-        return False
+    def _accept(self, address: Address, validated: bool) -> Admission | DropReason:
+        verdict = self.limiter.admit(address[0], validated)
+        if verdict is Admission.RETRY:
+            self.refusals.retried()
+            self._log_refusals()
+        return verdict
+
+    def _dropped(self, address: Address, reason: DropReason, validated: bool) -> None:
+        if reason is DropReason.UNDECRYPTABLE and validated:
+            self.limiter.failed(address[0])  # junk after echoing a token: not a mistake
+        self.refusals.note(address[0], reason)
+        self._log_refusals()
+
+    def _log_refusals(self, final: bool = False) -> None:
+        summary = self.refusals.due(flush=final)
+        if summary is not None:
+            level = logging.WARNING if summary.refused else logging.INFO
+            logger.log(level, "%s", summary.text)
+
+    async def _summarize_refusals(self) -> None:
+        # Refusals are logged as they start, then summed up: this writes the sums
+        # of an interval that nothing refused after.
+        while True:
+            await asyncio.sleep(REFUSALS_EVERY)
+            self._log_refusals()
 
     def _on_link(self, link: QuicLink) -> None:
-        self.limiter.pending += 1
-        self._spawn(self._authenticate(link))
+        slot = self.limiter.opened(link.address[0], link.validated)
+        self._spawn(self._authenticate(link, slot))
 
     def authorize(self, public_key: bytes) -> None:
         """Raise unless ``public_key`` belongs to a paired, allowed peer."""
@@ -312,14 +343,22 @@ class Agent:
         if not peer.allowed:
             raise AccessDeniedError(f"{self.name} has denied you access")
 
-    async def _authenticate(self, link: QuicLink) -> None:
+    async def _authenticate(self, link: QuicLink, slot: Slot) -> None:
+        outcome = Outcome.UNATTRIBUTED
         try:
             auth = await accept_session(link, self.identity, self.name, self.authorize)
+            outcome = Outcome.PROVEN
         except GPUMeshError as exc:
-            logger.info("refused connection from %s: %s", _where(link), exc)
+            # Held against the address only when the sender is known to receive there:
+            # a forged source address must not box its real owner out.
+            if link.validated:
+                outcome = Outcome.FAILED
+            if self.refusals.failed_proof():
+                logger.info("refused connection from %s: %s", _where(link), exc)
+            self._log_refusals()
             return
         finally:
-            self.limiter.pending -= 1
+            self.limiter.closed(slot, outcome)
         key = auth.client_key
         assert key is not None
         peer = self.store.peer_by_key(key)

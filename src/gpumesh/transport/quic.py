@@ -16,7 +16,11 @@ Pitfalls it handles (all learned the hard way):
 * ``get_send_buffer_size`` is the only send backpressure signal, and it is
   only meaningful right after ``datagrams_to_send``;
 * an application close carries ``code: message`` in the reason phrase so a
-  refusal survives the trip (see :func:`close_reason`).
+  refusal survives the trip (see :func:`close_reason`);
+* a packet for no known connection makes no qh3 object unless it is a full-size
+  client Initial that the caller admits (see :meth:`QuicEndpoint._incoming`):
+  the caller may ask for a stateless Retry first, and an Initial that does not
+  decrypt leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -42,6 +46,14 @@ from gpumesh.errors import (
 )
 from gpumesh.identity.keys import Identity
 from gpumesh.identity.tlscert import public_key_from_spki, self_signed_certificate_pem
+from gpumesh.protocol.admission import (
+    Admission,
+    DropReason,
+    InitialHeader,
+    RetryTokens,
+    encode_retry,
+    parse_initial,
+)
 from gpumesh.protocol.messages import ALPN
 from gpumesh.transport.stream import RESET_OVER_LIMIT, Stream, over_limit_error
 from gpumesh.transport.udp import Address, UdpSocket, open_udp_socket
@@ -151,12 +163,17 @@ class QuicLink:
         endpoint: QuicEndpoint,
         quic: QuicConnection,
         address: Address,
+        *,
+        validated: bool = False,
     ) -> None:
         loop = asyncio.get_running_loop()
         self._loop = loop
         self._endpoint = endpoint
         self.quic = quic
         self.address = address
+        self.validated = validated
+        """Accepting side: the peer is known to receive at ``address`` (it echoed a
+        Retry token, came through a relay session, or finished the QUIC handshake)."""
         self._streams: dict[int, Stream] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
@@ -355,6 +372,7 @@ class QuicLink:
                 if stream is not None:
                     stream.stop_sending()
             elif isinstance(event, qe.HandshakeCompleted):
+                self.validated = True
                 if not self.connected.done():
                     self.connected.set_result(None)
             elif isinstance(event, qe.ConnectionIdIssued):
@@ -416,12 +434,20 @@ class QuicLink:
             self._timer = None
 
 
+Accept = Callable[[Address, bool], Admission | DropReason]
+"""Whether a new connection from an address (validated or not) may start."""
+OnDrop = Callable[[Address, DropReason, bool], None]
+"""Told of each packet dropped for a reason (the address, and whether it was validated)."""
+
+
 class QuicEndpoint:
     """One UDP socket and the QUIC connections that run over it.
 
-    A server endpoint accepts new connections (``accept`` decides whether a
-    new source may start one: rate limiting lives with the caller). A dialer
-    endpoint has exactly one link on an ephemeral, connected socket.
+    A server endpoint accepts new connections: ``accept`` decides, for each
+    full-size client Initial, whether to make the connection, to answer with a
+    stateless Retry, or to drop it (budgets live with the caller); ``on_drop``
+    hears of every packet dropped, for a summary. A dialer endpoint has
+    exactly one link on an ephemeral, connected socket.
     """
 
     def __init__(
@@ -430,13 +456,19 @@ class QuicEndpoint:
         *,
         server_config: QuicConfiguration | None = None,
         on_link: Callable[[QuicLink], None] | None = None,
-        accept: Callable[[Address], bool] | None = None,
+        accept: Accept | None = None,
+        on_drop: OnDrop | None = None,
+        retry_tokens: RetryTokens | None = None,
     ) -> None:
         self._loop = asyncio.get_running_loop()
         self.udp = udp
         self._server_config = server_config
         self._on_link = on_link
         self._accept = accept
+        self._on_drop = on_drop
+        self.retry_tokens = retry_tokens or RetryTokens(os.urandom(32))
+        """Keyed with a secret of this endpoint's own: tokens die with it."""
+        self.retries_sent = 0
         self._by_cid: dict[bytes, QuicLink] = {}
         self.links: set[QuicLink] = set()
         self._closed = False
@@ -456,11 +488,16 @@ class QuicEndpoint:
         port: int,
         *,
         on_link: Callable[[QuicLink], None],
-        accept: Callable[[Address], bool] | None = None,
+        accept: Accept | None = None,
+        on_drop: OnDrop | None = None,
     ) -> QuicEndpoint:
         udp = UdpSocket(open_udp_socket(host, port))
         return cls(
-            udp, server_config=server_configuration(identity), on_link=on_link, accept=accept
+            udp,
+            server_config=server_configuration(identity),
+            on_link=on_link,
+            accept=accept,
+            on_drop=on_drop,
         )
 
     @classmethod
@@ -669,6 +706,7 @@ class QuicEndpoint:
             data, segment_size, address = item.data, item.segment_size, item.address
             if data[0] < 0x40:  # not QUIC: the relay's, or a punching probe
                 if relay is None:
+                    self._dropped(address, DropReason.NOT_QUIC)
                     continue
                 run = relay.unwrap_run(data, segment_size, address)
                 if run is not None:
@@ -701,6 +739,15 @@ class QuicEndpoint:
     ) -> None:
         link = self._route(data, address)
         if link is None:
+            if len(data) <= segment_size:
+                self._incoming(data, address, now, touched)
+            else:
+                # A client's first flight, or a flood, sent with GSO arrives as one
+                # buffer: each datagram on its own (the first may open a connection
+                # that the next belongs to).
+                for offset in range(0, len(data), segment_size):
+                    datagram = data[offset : offset + segment_size]
+                    self._deliver(datagram, len(datagram), address, now, touched)
             return
         if link.path is not None and address != link.address:
             return  # a relayed link takes packets only through its path
@@ -715,7 +762,11 @@ class QuicEndpoint:
         self, datagrams: list[bytes], address: Address, now: float, touched: dict[QuicLink, None]
     ) -> None:
         link = self._route(datagrams[0], address)
-        if link is None or (link.path is not None and address != link.address):
+        if link is None:
+            for datagram in datagrams:
+                self._deliver(datagram, len(datagram), address, now, touched)
+            return
+        if link.path is not None and address != link.address:
             return
         try:
             link.quic.receive_many_datagrams(datagrams, address, now)
@@ -728,30 +779,79 @@ class QuicEndpoint:
         if self._dialer_link is not None:
             return self._dialer_link
         cid = _destination_cid(data)
-        if cid is None:
-            return None
-        link = self._by_cid.get(cid)
-        if link is not None or self._server_config is None or self._closed:
-            return link
-        # Only a long-header Initial of full size may open a connection.
-        if not data[0] & 0x80 or (data[0] & 0x30) != 0 or len(data) < 1200:
-            return None
-        if self._accept is not None and not self._accept(address):
-            return None
+        return None if cid is None else self._by_cid.get(cid)
+
+    # --- new connections -----------------------------------------------------------
+
+    def _incoming(
+        self, packet: bytes, address: Address, now: float, touched: dict[QuicLink, None]
+    ) -> None:
+        """A datagram for no known connection: maybe a new one, most often nothing.
+
+        Everything up to the admission is cheap and stateless; only an admitted
+        Initial makes a qh3 connection, and only one that decrypts is kept.
+        """
+        if self._server_config is None or self._closed:
+            return
+        header = parse_initial(packet)
+        if header is None:
+            self._dropped(address, DropReason.NOT_INITIAL if packet[0] & 0x80 else DropReason.STRAY)
+            return
+        # A relayed session's peer already proved its key to the relay and was
+        # authorized by us: its address (a virtual one) needs no Retry.
+        path = self.relay.path_for_virtual(address) if self.relay is not None else None
+        validated = path is not None
+        original, retry_source = header.dcid, None
+        if header.token and not validated:
+            checked = self.retry_tokens.check(address, header.token, header.dcid)
+            if isinstance(checked, DropReason):
+                self._dropped(address, checked)
+                return
+            original, retry_source, validated = checked, header.dcid, True
+        verdict = Admission.ACCEPT if self._accept is None else self._accept(address, validated)
+        if verdict is Admission.RETRY and not validated:
+            self._send_retry(header, address)
+            return
+        if verdict is not Admission.ACCEPT:
+            self._dropped(address, verdict if isinstance(verdict, DropReason) else DropReason.BUSY)
+            return
         quic = QuicConnection(
             configuration=self._server_config,
-            original_destination_connection_id=cid,
+            original_destination_connection_id=original,
+            retry_source_connection_id=retry_source,
         )
-        link = QuicLink(self, quic, address)
-        link.cids.add(cid)
+        try:
+            quic.receive_datagram(packet, address, now)
+            datagrams = quic.datagrams_to_send(now)
+        except Exception:  # a malformed packet must not take the endpoint down
+            logger.debug("dropping an Initial from %s", address, exc_info=True)
+            datagrams = []
+        if not datagrams:
+            # Random bytes shaped like an Initial: qh3 found nothing to answer.
+            self._dropped(address, DropReason.UNDECRYPTABLE, validated=validated)
+            return
+        link = QuicLink(self, quic, address, validated=validated)
+        link.cids.add(header.dcid)
         self._add_link(link)
-        if self.relay is not None:
-            path = self.relay.path_for_virtual(address)
-            if path is not None:
-                self.relay.attach(path, link)
+        if path is not None and self.relay is not None:
+            self.relay.attach(path, link)
+        self.send(datagrams)
+        touched[link] = None
         if self._on_link is not None:
             self._on_link(link)
-        return link
+
+    def _send_retry(self, header: InitialHeader, address: Address) -> None:
+        retry_scid = os.urandom(CID_LENGTH)
+        token = self.retry_tokens.mint(address, header.dcid, retry_scid)
+        packet = encode_retry(
+            header.version, header.scid, retry_scid, header.dcid, token, os.urandom(1)[0]
+        )
+        self.retries_sent += 1
+        self.send_raw([(packet, address)])
+
+    def _dropped(self, address: Address, reason: DropReason, *, validated: bool = False) -> None:
+        if self._on_drop is not None:
+            self._on_drop(address, reason, validated)
 
 
 def random_nonce() -> bytes:
