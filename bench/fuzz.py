@@ -120,9 +120,14 @@ def run_target(target: Any, quota: int, tracer: Any) -> Result:
             phases=[Phase.generate],
             suppress_health_check=list(HealthCheck),
         )
-        batch(given(target.strategy)(one))()
+        try:
+            batch(given(target.strategy)(one))()
+        except Exception as exc:  # drawing an input failed: a bug of the fuzzer itself
+            result.failures += 1
+            lines = traceback.format_exception(exc)
+            result.shown.append(f"while drawing an input:\n{''.join(lines[-12:])}")
         if result.cases == before:
-            break  # hypothesis found nothing new to generate
+            break  # nothing new to generate, or nothing can be drawn
         if result.cases >= next_progress:
             next_progress += PROGRESS_EVERY
             print(

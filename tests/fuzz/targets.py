@@ -293,7 +293,7 @@ def _frame_case(draw: st.DrawFn) -> FrameCase:
             limit = LIMITS.get(frame.kind, MAX_DATA_FRAME)
             length = draw(
                 st.sampled_from([0, limit, limit + 1, MAX_DATA_FRAME + 1, U32_MAX])
-                | st.integers(max(frame.length - 2, 0), frame.length + 2)
+                | st.integers(max(frame.length - 2, 0), min(frame.length + 2, U32_MAX))
                 | st.integers(0, U32_MAX)
             )
             frames[index] = RawFrame(frame.kind, length, frame.body)
