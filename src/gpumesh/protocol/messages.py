@@ -203,11 +203,13 @@ class ThroughputReply(_Msg, tag="throughput_reply", frozen=True):
 
 # --- jobs -------------------------------------------------------------------------
 
-JobId = Annotated[str, msgspec.Meta(pattern=r"^[a-z0-9]{8,32}$")]
+# Patterns end in \Z, not $: msgspec matches them with Python's re, where $ also
+# matches before a final newline ("abcdefgh\n" would pass as a job id).
+JobId = Annotated[str, msgspec.Meta(pattern=r"^[a-z0-9]{8,32}\Z")]
 Arg = Annotated[str, msgspec.Meta(max_length=8192)]
-EnvKey = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")]
+EnvKey = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}\Z")]
 # No NUL: Docker's refusal of one quotes the whole variable, value included, into logs.
-EnvValue = Annotated[str, msgspec.Meta(max_length=32768, pattern=r"^[^\x00]*$")]
+EnvValue = Annotated[str, msgspec.Meta(max_length=32768, pattern=r"^[^\x00]*\Z")]
 JOB_STATES = (
     "queued",
     "uploading",
@@ -260,7 +262,7 @@ class JobAccepted(_Msg, tag="job_accepted", frozen=True):
 class JobOutput(_Msg, tag="job_output", frozen=True):
     seq: Count
     attempt: Count
-    stream: Annotated[str, msgspec.Meta(pattern="^(stdout|stderr)$")]
+    stream: Annotated[str, msgspec.Meta(pattern=r"^(stdout|stderr)\Z")]
     data: Annotated[bytes, msgspec.Meta(max_length=MAX_OUTPUT_CHUNK)]
     offset: Annotated[int, msgspec.Meta(ge=-1)] = -1
     """Where ``data`` starts in the job's output (stdout and stderr together, every
@@ -312,7 +314,7 @@ class FileStat(_Msg, tag="file_stat", frozen=True):
 class FileInfo(_Msg, tag="file_info", frozen=True):
     path: RemotePath
     exists: bool
-    kind: Annotated[str, msgspec.Meta(pattern="^(file|dir|)$")]
+    kind: Annotated[str, msgspec.Meta(pattern=r"^(file|dir|)\Z")]
     size: Count
     """Bytes of a file; for a directory, the exact size of its tar."""
     mode: Annotated[int, msgspec.Meta(ge=0, le=0o7777)]
@@ -364,7 +366,7 @@ class DirGet(_Msg, tag="dir_get", frozen=True):
 # --- the data channel: file bytes over TLS/TCP, opened by the QUIC request ---------
 
 Ticket = Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]
-SourceId = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{1,64}$")]
+SourceId = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{1,64}\Z")]
 
 
 class ChannelPut(_Msg, tag="channel_put", frozen=True):
@@ -405,7 +407,7 @@ class ChannelOffer(_Msg, tag="channel_offer", frozen=True):
 MAX_APP_LIST = 64 * 1024 * 1024
 """Largest manifest or file list of an app sync (sent as DATA, JSON)."""
 AppName = Annotated[str, msgspec.Meta(min_length=1, max_length=255)]
-ManifestDigest = Annotated[str, msgspec.Meta(pattern=r"^([0-9a-f]{64})?$")]
+ManifestDigest = Annotated[str, msgspec.Meta(pattern=r"^([0-9a-f]{64})?\Z")]
 
 
 class AppSync(_Msg, tag="app_sync", frozen=True):
