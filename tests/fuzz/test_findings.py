@@ -1,8 +1,7 @@
 """What the fuzzer found, each as the smallest input that shows it.
 
-Fixed ones are regression tests. Open ones are marked ``xfail(strict=True)``:
-they pass while the bug is there and fail once it is fixed, as a reminder to
-drop the mark and the entry in ``targets.KNOWN_ISSUES``.
+Each is a regression test. A bug found and not fixed yet would be marked
+``xfail(strict=True)`` here, with an entry in ``targets.KNOWN_ISSUES``.
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ from gpumesh.identity.invites import InviteMember, make_invite, new_group_id, ve
 from gpumesh.identity.keys import Identity
 from gpumesh.protocol import relay
 from gpumesh.protocol.messages import decode_message
-from tests.fuzz.targets import KNOWN_ISSUES
 
 NOW = 1_700_000_000.0
 DIGEST = "ab" * 32
@@ -46,7 +44,7 @@ def test_a_pattern_field_with_a_trailing_newline_is_refused(fields: dict[str, ob
         decode_message(msgspec.msgpack.encode(fields))
 
 
-# --- open: a relay packet of nested arrays lets RecursionError out --------------------
+# --- fixed: a relay packet of nested arrays let RecursionError out --------------------
 
 
 def test_a_relay_hello_nested_past_the_recursion_limit_is_within_the_packet_limit() -> None:
@@ -55,7 +53,6 @@ def test_a_relay_hello_nested_past_the_recursion_limit_is_within_the_packet_limi
     assert relay.is_relay_packet(packet)
 
 
-@pytest.mark.xfail(strict=True, raises=RecursionError, reason=KNOWN_ISSUES["relay-recursion"])
 def test_a_relay_hello_nested_past_the_recursion_limit_is_a_protocol_error() -> None:
     # Found as Hello [b"", [[[...999 deep... nil]]]]: 1007 bytes, unauthenticated.
     with pytest.raises(ProtocolError):
@@ -67,21 +64,15 @@ def _nested_hello(depth: int) -> bytes:
     return header + b"\x92\xc4\x00" + b"\x91" * depth + b"\xc0"  # [b"", [[...nil...]]]
 
 
-# --- open: a token whose expiry is NaN never expires ----------------------------------
+# --- fixed: a token whose expiry was NaN never expired ----------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True, raises=pytest.fail.Exception, reason=KNOWN_ISSUES["token-nan-expiry"]
-)
 def test_a_pairing_code_that_expires_at_nan_is_refused(identity: Identity) -> None:
     code = make_code(identity, "alice", ["192.0.2.1:47000"], clock=lambda: NOW, lifetime=math.nan)
     with pytest.raises(PairingCodeError):
         verify_code(code, clock=lambda: NOW + 10 * 365 * 86400)
 
 
-@pytest.mark.xfail(
-    strict=True, raises=pytest.fail.Exception, reason=KNOWN_ISSUES["token-nan-expiry"]
-)
 def test_a_group_invite_that_expires_at_nan_is_refused(identity: Identity) -> None:
     members = [InviteMember("alice", identity.public_key, ["192.0.2.1:47000"], "")]
     invite = make_invite(

@@ -204,7 +204,9 @@ def verify_code(code: str, *, clock: Callable[[], float] = time.time) -> Pairing
             f"that pairing code expired {minutes:.0f} min ago (codes last 1 hour); "
             "ask the peer for a fresh `gpumesh pair-code`"
         )
-    if offer.expires > now + CODE_LIFETIME + _CLOCK_SKEW:
+    # Written so that NaN (which compares false both ways) is refused too: a code
+    # without a real expiry would otherwise never expire.
+    if not offer.expires <= now + CODE_LIFETIME + _CLOCK_SKEW:
         raise PairingCodeError(
             "that pairing code claims to be valid for more than an hour; check both "
             "machines' clocks, then ask for a fresh code"

@@ -236,7 +236,8 @@ def verify_invite(code: str, *, clock: Callable[[], float] = time.time) -> Group
         raise ExpiredCodeError(
             f"that group invite expired {format_duration(now - invite.expires)} ago; {again}"
         )
-    if invite.expires > now + MAX_INVITE_LIFETIME + _CLOCK_SKEW:
+    # NaN compares false both ways: refused here, or it would never expire.
+    if not invite.expires <= now + MAX_INVITE_LIFETIME + _CLOCK_SKEW:
         raise PairingCodeError(
             "that group invite claims to be valid for more than "
             f"{format_duration(MAX_INVITE_LIFETIME)}; check both machines' clocks, then {again}"

@@ -387,6 +387,8 @@ def decode_packet(data: bytes | memoryview) -> RelayMessage:
         message: RelayMessage = decoder.decode(data[4:])  # type: ignore[assignment]
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise ProtocolError(f"malformed relay packet: {exc}") from None
+    except RecursionError:  # arrays nested past what the decoder walks
+        raise ProtocolError("malformed relay packet: nested too deeply") from None
     return message
 
 
