@@ -417,3 +417,36 @@ def test_a_job_whose_upload_breaks_off_ends_and_frees_its_place(cluster) -> None
             assert (await run_job(bob, spec("alice", "true"))).state == "succeeded"
 
     arun(scenario())
+
+
+def test_a_peer_holds_at_most_max_links_per_peer_connections_and_others_still_connect(
+    make_node,
+) -> None:
+    alice, bob, carol = make_node("alice"), make_node("bob"), make_node("carol")
+    alice.home.config.set("max_links_per_peer", "2")
+    alice.home.config.save()
+
+    async def scenario() -> None:
+        async with sharing(alice) as agent:
+            pair_both(alice, bob)
+            pair_both(alice, carol)
+            async with bob.session("alice") as first, bob.session("alice") as second:
+                for held in (first, second):
+                    assert isinstance(await held.request(Ping(sent=1.0)), Pong)
+                with pytest.raises(LimitError) as caught:
+                    async with bob.session("alice") as third:
+                        await third.request(Ping(sent=2.0))
+                assert caught.value.message == (
+                    "alice allows at most 2 connections from one peer at once (its "
+                    "max_links_per_peer) and you have 2 open; close some (end `logs -f` "
+                    "followers, finished copies) and try again"
+                )
+                # another peer is not affected
+                async with carol.session("alice") as other:
+                    assert isinstance(await other.request(Ping(sent=3.0)), Pong)
+            # once bob closed his (and alice saw them go), he connects again
+            await _until_async(lambda: not agent._links, "bob's connections to be gone")
+            async with bob.session("alice") as again:
+                assert isinstance(await again.request(Ping(sent=4.0)), Pong)
+
+    arun(scenario())

@@ -83,12 +83,13 @@ def test_defaults_of_a_24gb_two_core_host(tmp_path: Path) -> None:
         share_memory=18 * GB,
         max_jobs_per_peer=4,
         max_shells_per_peer=2,
+        max_links_per_peer=8,
         max_requests_per_link=16,
         link_buffer=32 * MB,
     )
     assert limits.describe() == (
-        "containers 2.2GB memory and 1 CPU each, 18GB memory in all; per peer 4 jobs and "
-        "2 shells; per connection 16 requests and 32MB held"
+        "containers 2.2GB memory and 1 CPU each, 18GB memory in all; per peer 4 jobs, "
+        "2 shells and 8 connections; per connection 16 requests and 32MB held"
     )
 
 
@@ -101,14 +102,16 @@ def test_set_values_win_and_zero_or_none_switch_a_limit_off(tmp_path: Path) -> N
         share_memory="none",
         max_jobs_per_peer="0",
         max_shells_per_peer="0",
+        max_links_per_peer="0",
         max_requests_per_link="0",
         link_buffer="none",
     )
     limits = ShareLimits.from_config(config, machine)
-    assert limits == ShareLimits(0.0, 4 * GB, 0, 0, 0, 0, 0)
+    assert limits == ShareLimits(0.0, 4 * GB, 0, 0, 0, 0, 0, 0)
     assert limits.describe() == (
         "containers 4GB memory and no CPU limit each, no limit memory in all; per peer "
-        "no limit jobs and no limit shells; per connection no limit requests and no limit held"
+        "no limit jobs, no limit shells and no limit connections; per connection no limit "
+        "requests and no limit held"
     )
     # job_memory auto without a share_memory cap: an eighth of what the machine would share.
     config.set("job_memory", "auto")
@@ -123,6 +126,7 @@ LIMITS = ShareLimits(
     share_memory=18 * GB,
     max_jobs_per_peer=4,
     max_shells_per_peer=2,
+    max_links_per_peer=8,
     max_requests_per_link=16,
     link_buffer=32 * MB,
 )
@@ -166,7 +170,7 @@ def test_one_peer_at_its_limits_leaves_room_for_another() -> None:
 
 
 def test_without_limits_everything_is_admitted() -> None:
-    unlimited = ShareLimits(0.0, 16 * GB, 0, 0, 0, 0, 0)
+    unlimited = ShareLimits(0.0, 16 * GB, 0, 0, 0, 0, 0, 0)
     claims: list[Claim] = []
     for _ in range(50):
         _admit(Kind.JOB, "bob", claims, unlimited)

@@ -134,6 +134,8 @@ class ShareLimits:
     """Bytes of memory all running jobs and shells may be promised together."""
     max_jobs_per_peer: int
     max_shells_per_peer: int
+    max_links_per_peer: int
+    """Connections one peer may hold at once (each with the per-connection limits)."""
     max_requests_per_link: int
     link_buffer: int
     """Bytes the agent holds for one connection (unread and unsent)."""
@@ -158,6 +160,7 @@ class ShareLimits:
             share_memory=share_memory,
             max_jobs_per_peer=int(config.get("max_jobs_per_peer")),
             max_shells_per_peer=int(config.get("max_shells_per_peer")),
+            max_links_per_peer=int(config.get("max_links_per_peer")),
             max_requests_per_link=int(config.get("max_requests_per_link")),
             link_buffer=0 if buffer == NO_LIMIT else parse_size(buffer),
         )
@@ -178,8 +181,9 @@ class ShareLimits:
         return (
             f"containers {size(self.job_memory)} memory and {cpus} each, "
             f"{size(self.share_memory)} memory in all; per peer "
-            f"{count(self.max_jobs_per_peer)} jobs and {count(self.max_shells_per_peer)} "
-            f"shells; per connection {count(self.max_requests_per_link)} requests and "
+            f"{count(self.max_jobs_per_peer)} jobs, {count(self.max_shells_per_peer)} "
+            f"shells and {count(self.max_links_per_peer)} connections; per connection "
+            f"{count(self.max_requests_per_link)} requests and "
             f"{size(self.link_buffer)} held"
         )
 

@@ -363,6 +363,20 @@ class Agent:
         assert key is not None
         peer = self.store.peer_by_key(key)
         assert peer is not None
+        most = self.jobs.share_limits().max_links_per_peer
+        held = sum(1 for other in self._links.values() if other == key)
+        if most and held >= most:
+            # Each connection has its own request and buffer limits; this bounds
+            # how many of them one peer can stack up.
+            logger.info("[%s] refused a connection: %d open already", peer.name, held)
+            link.close(
+                LimitError(
+                    f"{self.name} allows at most {most} connections from one peer at once "
+                    f"(its max_links_per_peer) and you have {held} open; close some (end "
+                    "`logs -f` followers, finished copies) and try again"
+                )
+            )
+            return
         self._links[link] = key
         self._link_names[link] = peer.name
         self.store.touch_peer(peer.node_id)

@@ -274,6 +274,12 @@ KEYS: dict[str, ConfigKey] = {
             "`gpumesh exec` shells each peer may have open here (0: no limit)",
         ),
         ConfigKey(
+            "max_links_per_peer",
+            _non_negative_int,
+            8,
+            "connections each peer may hold open here at once (0: no limit)",
+        ),
+        ConfigKey(
             "max_requests_per_link",
             _non_negative_int,
             16,
