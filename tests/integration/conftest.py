@@ -70,6 +70,38 @@ def pair_both(a: Node, b: Node) -> None:
     a.pair(b.pairing_code())
 
 
+@pytest.fixture
+def engine() -> Iterator[Any]:
+    """A Docker client for tests that look at containers themselves."""
+    import docker
+
+    client = docker.from_env()
+    yield client
+    client.close()
+
+
+@contextlib.contextmanager
+def job_nodes(make_node: Callable[[str], Node], job_memory: str) -> Iterator[Callable[[str], Node]]:
+    """A factory of nodes that run the offline test image in containers of
+    ``job_memory``; every container they made is removed afterwards."""
+    image = os.environ.get("GPUMESH_TEST_DOCKER_IMAGE", "gpumesh-test/busybox:1")
+    made: list[Node] = []
+
+    def factory(name: str) -> Node:
+        node = make_node(name)
+        node.home.config.set("image", image)
+        node.home.config.set("job_memory", job_memory)
+        node.home.config.save()
+        made.append(node)
+        return node
+
+    try:
+        yield factory
+    finally:
+        for node in made:
+            remove_containers(str(node.info().node_id))
+
+
 def remove_containers(node_id: str) -> None:
     """Remove every container a node's agent made (agents keep job containers on stop)."""
     import docker

@@ -87,13 +87,6 @@ def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Nodes]:
         client.close()
 
 
-@pytest.fixture
-def engine() -> Iterator[docker.DockerClient]:
-    client = docker.from_env()
-    yield client
-    client.close()
-
-
 def _shells(engine: docker.DockerClient, node_id: str) -> list[str]:
     """Ids of the node's containers (a plain listing: nothing inspected, so no race
     with a removal in progress)."""

@@ -32,13 +32,6 @@ IMAGE = os.environ.get("GPUMESH_TEST_DOCKER_IMAGE", "gpumesh-test/busybox:1")
 
 
 @pytest.fixture
-def engine() -> Iterator[docker.DockerClient]:
-    client = docker.from_env()
-    yield client
-    client.close()
-
-
-@pytest.fixture
 def small_images(engine: docker.DockerClient) -> Iterator[list[str]]:
     """Three distinct images of different sizes (as if pulled for peers), removed after."""
     made = []

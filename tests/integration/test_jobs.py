@@ -33,7 +33,7 @@ from gpumesh.errors import (
 from gpumesh.gpu.inventory import SimulatedInventory
 from gpumesh.runtime.base import LABEL_NODE
 from gpumesh.runtime.docker import DockerRuntime
-from tests.integration.conftest import arun, pair_both
+from tests.integration.conftest import arun, job_nodes, pair_both
 
 pytestmark = pytest.mark.usefixtures("docker_daemon")
 
@@ -41,30 +41,10 @@ IMAGE = os.environ.get("GPUMESH_TEST_DOCKER_IMAGE", "gpumesh-test/busybox:1")
 
 
 @pytest.fixture
-def engine() -> Iterator[docker.DockerClient]:
-    client = docker.from_env()
-    yield client
-    client.close()
-
-
-@pytest.fixture
 def cluster(make_node, engine) -> Iterator[Callable[[str], Node]]:
-    """Nodes whose job containers are all removed (and counted) afterwards."""
-    made: list[Node] = []
-
-    def factory(name: str) -> Node:
-        node = make_node(name)
-        node.home.config.set("image", IMAGE)
-        node.home.config.set("job_memory", "256MB")
-        node.home.config.save()
-        made.append(node)
-        return node
-
-    yield factory
-    for node in made:
-        label = f"{LABEL_NODE}={node.info().node_id}"
-        for container in engine.containers.list(all=True, filters={"label": label}):
-            container.remove(force=True)
+    """Nodes whose job containers are all removed afterwards."""
+    with job_nodes(make_node, "256MB") as factory:
+        yield factory
 
 
 def _containers(engine: docker.DockerClient, node: Node) -> list[object]:

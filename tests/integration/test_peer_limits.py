@@ -18,7 +18,6 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 
-import docker
 import pytest
 
 from gpumesh.agent.server import Agent
@@ -37,11 +36,10 @@ from gpumesh.protocol.messages import (
     Refusal,
     decode_message,
 )
-from gpumesh.runtime.base import LABEL_NODE
 from gpumesh.transport.quic import Buffered, QuicLink
 from gpumesh.transport.session import Session
 from gpumesh.transport.stream import Stream
-from tests.integration.conftest import arun, pair_both, sharing
+from tests.integration.conftest import arun, job_nodes, pair_both, sharing
 from tests.integration.test_jobs import IMAGE, providing, spec
 
 BIG = 16 * 1024 * 1024
@@ -216,30 +214,10 @@ def test_a_connection_holds_at_most_link_buffer_and_lets_go_of_it(peers) -> None
 
 
 @pytest.fixture
-def engine() -> Iterator[docker.DockerClient]:
-    client = docker.from_env()
-    yield client
-    client.close()
-
-
-@pytest.fixture
 def cluster(make_node, engine) -> Iterator[Callable[[str], Node]]:
     """Nodes with small containers (64MB), all removed afterwards."""
-    made: list[Node] = []
-
-    def factory(name: str) -> Node:
-        node = make_node(name)
-        node.home.config.set("image", IMAGE)
-        node.home.config.set("job_memory", "64MB")
-        node.home.config.save()
-        made.append(node)
-        return node
-
-    yield factory
-    for node in made:
-        label = f"{LABEL_NODE}={node.info().node_id}"
-        for container in engine.containers.list(all=True, filters={"label": label}):
-            container.remove(force=True)
+    with job_nodes(make_node, "64MB") as factory:
+        yield factory
 
 
 def _configure(node: Node, **values: str) -> None:
