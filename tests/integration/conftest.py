@@ -131,9 +131,10 @@ def gpumesh(home: Path, *args: str, timeout: float = 30) -> subprocess.Completed
     )
 
 
-@pytest.fixture
-def pair(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
-    """alice shares (as a real `gpumesh share` process), bob is paired with her both ways.
+@contextlib.contextmanager
+def shared_pair(tmp_path: Path, **alice_config: str) -> Iterator[tuple[Path, Path]]:
+    """alice shares (as a real `gpumesh share` process, with ``alice_config`` set
+    first), bob is paired with her both ways.
 
     Both use the offline test image by default (the submitter's default image is
     the one a job gets); alice's job containers are removed afterwards.
@@ -149,14 +150,25 @@ def pair(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
     _init(bob, "bob-laptop")
     for home in (alice, bob):
         assert gpumesh(home, "config", "set", "image", image).returncode == 0
+    for key, value in alice_config.items():
+        assert gpumesh(alice, "config", "set", key, value).returncode == 0
     share = _start_share(alice)
-    assert gpumesh(bob, "pair", gpumesh(alice, "pair-code").stdout.strip()).returncode == 0
-    assert gpumesh(alice, "pair", gpumesh(bob, "pair-code").stdout.strip()).returncode == 0
-    yield alice, bob
-    if share.poll() is None:
-        share.send_signal(signal.SIGINT)
-        share.wait(timeout=15)
-    for pipe in (share.stdout, share.stderr):
-        if pipe is not None:
-            pipe.close()
-    remove_containers(json.loads(gpumesh(alice, "status", "--json").stdout)["node_id"])
+    try:
+        assert gpumesh(bob, "pair", gpumesh(alice, "pair-code").stdout.strip()).returncode == 0
+        assert gpumesh(alice, "pair", gpumesh(bob, "pair-code").stdout.strip()).returncode == 0
+        yield alice, bob
+    finally:
+        if share.poll() is None:
+            share.send_signal(signal.SIGINT)
+            share.wait(timeout=15)
+        for pipe in (share.stdout, share.stderr):
+            if pipe is not None:
+                pipe.close()
+        remove_containers(json.loads(gpumesh(alice, "status", "--json").stdout)["node_id"])
+
+
+@pytest.fixture
+def pair(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+    """:func:`shared_pair` with alice's defaults."""
+    with shared_pair(tmp_path) as homes:
+        yield homes

@@ -31,8 +31,8 @@ from gpumesh.protocol.joboutput import EventSection, OutputPosition
 from gpumesh.protocol.messages import JobLogs, JobOutput, JobStatus, decode_message
 from gpumesh.store.db import JobRecord
 from tests.integration import test_jobs
-from tests.integration.conftest import gpumesh, pair_both, remove_containers
-from tests.integration.test_cli import _free_udp_port, _init, _start_share
+from tests.integration.conftest import gpumesh, pair_both, shared_pair
+from tests.integration.test_cli import _free_udp_port
 from tests.integration.test_cp import _start_agent
 from tests.integration.test_jobs import providing, spec
 
@@ -40,7 +40,6 @@ pytestmark = pytest.mark.usefixtures("docker_daemon")
 
 # The same fixtures as the job tests: nodes whose job containers are removed afterwards.
 cluster = test_jobs.cluster
-engine = test_jobs.engine
 
 T = TypeVar("T")
 LINE = 1000
@@ -368,24 +367,8 @@ def test_an_attached_run_neither_loses_nor_repeats_a_line_when_its_provider_is_k
 @pytest.fixture
 def limited_pair(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
     """alice shares (a `gpumesh share` process) keeping 1MB of each job's output; bob."""
-    image = os.environ.get("GPUMESH_TEST_DOCKER_IMAGE", "gpumesh-test/busybox:1")
-    alice, bob = tmp_path / "a", tmp_path / "b"
-    _init(alice, "alice-pc", _free_udp_port())
-    _init(bob, "bob-laptop")
-    for home in (alice, bob):
-        assert gpumesh(home, "config", "set", "image", image).returncode == 0
-    assert gpumesh(alice, "config", "set", "job_log_limit", "1MB").returncode == 0
-    share = _start_share(alice)
-    assert gpumesh(bob, "pair", gpumesh(alice, "pair-code").stdout.strip()).returncode == 0
-    assert gpumesh(alice, "pair", gpumesh(bob, "pair-code").stdout.strip()).returncode == 0
-    yield alice, bob
-    if share.poll() is None:
-        share.send_signal(signal.SIGINT)
-        share.wait(timeout=15)
-    for pipe in (share.stdout, share.stderr):
-        if pipe is not None:
-            pipe.close()
-    remove_containers(json.loads(gpumesh(alice, "status", "--json").stdout)["node_id"])
+    with shared_pair(tmp_path, job_log_limit="1MB") as homes:
+        yield homes
 
 
 def test_logs_and_jobs_say_how_much_output_was_dropped(limited_pair) -> None:
