@@ -886,6 +886,10 @@ def _token_case(draw: st.DrawFn, kind: str) -> TokenCase:
     raw = _frame_token(draw, body, steps) if layer == "frame" else _framed(body)
     prefix = codes.CODE_PREFIX if kind == "code" else invites.INVITE_PREFIX
     text = prefix + base64.urlsafe_b64encode(raw).decode("ascii").rstrip("=")
+    longest = codes.MAX_CODE_CHARS if kind == "code" else invites.MAX_INVITE_CHARS
+    if len(body) > codes.MAX_BODY_BYTES or len(text) > longest:
+        # No genuine node makes this token (the u16 length cannot say it): refusing is right.
+        steps.append(f"{len(body)}-byte body, {len(text)} characters: over the limits")
     if layer == "text":
         text = _mutate_text(draw, text, prefix, steps)
     return TokenCase(kind, inner, signer, signature, text, not steps, tuple(steps))
