@@ -20,13 +20,16 @@ any instant, cannot turn a check into a use somewhere else. Only regular
 files and folders are served: devices, pipes, sockets and links are refused.
 
 Uploads land in a partial file outside the sandbox, are hashed while they
-arrive, and are renamed into place only when their SHA-256 matches the one
-announced in ``FilePut``. A partial upload is kept, keyed by (path, size,
-sha256) with those written beside it, when the link drops or the agent dies,
-and the next ``FilePut`` of the same file resumes after the bytes already
-there (re-hashing them from disk first, so the final check still covers the
-whole file). Every upload is checked against the peer's ``file_quota`` before
-a byte is written; so is everything else the peer keeps here, including what
+arrive, and are renamed into place only when their hash matches the
+consumer's (the algorithm picked per request: see
+:mod:`gpumesh.files.hashing`). A partial upload is kept, keyed by (path,
+size, source) with those written beside it, when the link drops or the agent
+dies, and the next upload of the same file, over QUIC or a data channel,
+resumes after the bytes already there (re-hashing them from disk first, so
+the final check still covers the whole file). An older consumer's
+``FilePut`` names its file by its SHA-256 instead, which is then the key.
+Every upload is checked against the peer's ``file_quota`` before a byte is
+written; so is everything else the peer keeps here, including what
 its jobs wrote into the sandbox and into their uploaded workdirs.
 
 This module also holds the blocking-I/O helpers both ends of a transfer use

@@ -22,7 +22,7 @@ PEER:PATH is a path in your own folder on that peer (a leading / is its root);
 other peers never see it. A copy that stops (dropped link, restarted peer)
 resumes where it stopped: gpumesh retries by itself, and running the same
 command again resumes too. Every copy is checked end to end with BLAKE3
-(SHA-256 with a peer of a version from before BLAKE3).
+(SHA-256 with peers running an older version).
 File bytes take a TLS/TCP channel opened by the QUIC session when a direct
 path exists, else QUIC.
 """,
