@@ -335,7 +335,7 @@ def test_an_upload_dropped_on_one_path_resumes_on_the_other(
     target = sandbox_of(alice, bob) / "data.bin"
 
     async def dropped(agent: Agent) -> None:
-        dropper = _DropLinks(agent, 16 * MIB)
+        dropper = _DropLinks(agent, 24 * MIB)
         with pytest.raises(GPUMeshError, match="run the same `gpumesh cp` again to resume"):
             await copy(
                 bob,
@@ -388,7 +388,7 @@ def test_a_download_dropped_on_one_path_resumes_on_the_other(
     part = tmp_path / f"back.bin{PART_SUFFIX}"
 
     async def dropped(agent: Agent) -> None:
-        dropper = _DropLinks(agent, 16 * MIB)
+        dropper = _DropLinks(agent, 24 * MIB)
         with pytest.raises(GPUMeshError, match=f"kept in .*{PART_SUFFIX}"):
             await copy(
                 bob,
