@@ -70,6 +70,17 @@ def sha256_of(path: Path) -> str:
     return hasher.hexdigest()
 
 
+def blake3_of(path: Path) -> str:
+    """The digest copies between two nodes of this version agree on."""
+    from blake3 import blake3
+
+    hasher = blake3()
+    with path.open("rb") as source:
+        while piece := source.read(MIB):
+            hasher.update(piece)
+    return hasher.hexdigest()
+
+
 def sandbox_of(provider: Node, consumer: Node) -> Path:
     return provider.home.path / "files" / str(consumer.info().node_id)
 
@@ -172,7 +183,7 @@ def test_small_and_empty_files_round_trip_with_their_modes(pair, tmp_path: Path)
         copied = back / original.name
         assert copied.read_bytes() == original.read_bytes()
         assert stat.S_IMODE(copied.stat().st_mode) == stat.S_IMODE(original.stat().st_mode)
-    assert results[0].sha256 == hashlib.sha256(small.read_bytes()).hexdigest()
+    assert results[0].digest == blake3_of(small)
     assert results[1].size == 0 and results[4].size == 0
     assert all(r.offsets == [0] and r.resumed_from == 0 for r in results)
     assert not list(back.glob(f"*{PART_SUFFIX}"))
@@ -191,14 +202,14 @@ def test_a_sparse_gib_round_trips_byte_identical(pair, tmp_path: Path) -> None:
     up = arun(_copy_sharing(alice, bob, str(source), "alice:/big.bin"))
     stored = sandbox_of(alice, bob) / "big.bin"
     assert stored.stat().st_size == 1024 * MIB
-    assert up.sha256 == expected
+    assert (up.hash, up.digest) == ("blake3", blake3_of(source))
     assert up.transferred == 1024 * MIB
     assert up.channel == "tls"  # the bytes took the data channel, not QUIC
 
     back = tmp_path / "back.bin"
     down = arun(_copy_sharing(alice, bob, "alice:big.bin", str(back)))
     stored.unlink()
-    assert down.sha256 == expected
+    assert (down.hash, down.digest) == ("blake3", up.digest)
     assert down.channel == "tls"
     assert back.stat().st_size == 1024 * MIB
     assert sha256_of(back) == expected
@@ -361,8 +372,9 @@ def test_strangers_cannot_break_a_copy_over_the_data_channel(
     assert (up.channel, down.channel) == ("tls", "tls")
     assert up.offsets == [0] and down.offsets == [0]  # first attempts: nothing broke
     expected = sha256_of(source)
-    assert sha256_of(sandbox_of(alice, bob) / "data.bin") == expected == up.sha256
-    assert sha256_of(back) == expected == down.sha256
+    assert sha256_of(sandbox_of(alice, bob) / "data.bin") == expected
+    assert sha256_of(back) == expected
+    assert up.digest == down.digest == blake3_of(source)
     assert not list(partials_of(alice, bob).iterdir())
 
 
@@ -495,7 +507,7 @@ def test_every_escape_is_refused_and_nothing_is_written_outside(pair, tmp_path: 
                     (FileStat(path=remote), False),
                     (FileGet(path=remote, offset=0), False),
                     (DirGet(path=remote), False),
-                    (FilePut(path=remote, size=1000, mode=0o644, sha256=digest), True),
+                    (FilePut(path=remote, size=1000, mode=0o644, digest=digest), True),
                     (DirPut(path=remote, size=1000), True),
                 ]:
                     refused[(type(message).__name__, remote)] = await _refusal(
@@ -665,7 +677,8 @@ def test_a_dropped_link_is_retried_and_resumed_both_ways(pair, tmp_path: Path) -
         assert result.transferred < 48 * MIB + 24 * MIB
     assert len(retries) == 1 and "clos" in retries[0]  # "alice closed the connection" or the like
     assert sha256_of(sandbox_of(alice, bob) / "data.bin") == sha256_of(source)
-    assert sha256_of(back) == sha256_of(source) == up.sha256 == down.sha256
+    assert sha256_of(back) == sha256_of(source)
+    assert up.digest == down.digest == blake3_of(source)
     assert not (tmp_path / f"back.bin{PART_SUFFIX}").exists()
     assert list(partials_of(alice, bob).iterdir()) == []
 
@@ -753,7 +766,8 @@ def test_a_killed_agent_resumes_uploads_and_downloads(agent_process, tmp_path: P
     report = json.loads(again.stdout)
     assert report["resumed_from"] > 0  # the provider said where to go on
     assert report["transferred"] == size - report["resumed_from"]
-    assert sha256_of(sandbox_of(alice, bob) / "big.bin") == expected == report["sha256"]
+    assert sha256_of(sandbox_of(alice, bob) / "big.bin") == expected
+    assert (report["hash"], report["digest"]) == ("blake3", blake3_of(source))
     assert list(partials.iterdir()) == []
 
     # Download: the agent dies again; the local part stays and the next cp resumes it.

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import get_args
+from typing import Annotated, get_args
 
 import msgspec
 import pytest
@@ -60,6 +60,8 @@ from gpumesh.protocol.messages import (
 names = st.text(max_size=64)
 finite = st.floats(allow_nan=False)
 keys = st.binary(min_size=32, max_size=32)
+hash_names = st.text(max_size=16)
+hash_lists = st.lists(st.text(max_size=16), max_size=8)
 job_ids = st.from_regex(r"[a-z0-9]{8,32}", fullmatch=True)
 env_keys = st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,20}", fullmatch=True)
 env_values = st.text(st.characters(blacklist_characters="\0"), max_size=100)
@@ -128,19 +130,22 @@ MESSAGES: st.SearchStrategy[Message] = st.one_of(
         size=st.integers(0, 2**50),
         mode=st.integers(0, 0o7777),
         mtime=finite,
+        hash=hash_names,
     ),
     st.builds(
         FilePut,
         path=st.text(max_size=200),
         size=st.integers(0, 2**50),
         mode=st.integers(0, 0o7777),
-        sha256=keys,
+        digest=st.none() | keys,
+        source=st.from_regex(r"\A([0-9a-f]{1,64})?\Z"),
+        hashes=hash_lists,
     ),
-    st.builds(FileResume, offset=st.integers(0, 2**50)),
-    st.builds(FileGet, path=st.text(max_size=200), offset=st.integers(0, 2**50)),
-    st.builds(FileDone, size=st.integers(0, 2**50), sha256=keys),
-    st.builds(DirPut, path=st.text(max_size=200), size=st.integers(0, 2**50)),
-    st.builds(DirGet, path=st.text(max_size=200)),
+    st.builds(FileResume, offset=st.integers(0, 2**50), hash=hash_names),
+    st.builds(FileGet, path=st.text(max_size=200), offset=st.integers(0, 2**50), hashes=hash_lists),
+    st.builds(FileDone, size=st.integers(0, 2**50), digest=keys),
+    st.builds(DirPut, path=st.text(max_size=200), size=st.integers(0, 2**50), hashes=hash_lists),
+    st.builds(DirGet, path=st.text(max_size=200), hashes=hash_lists),
     st.builds(
         AppSync,
         name=st.text(min_size=1, max_size=255),
@@ -168,13 +173,17 @@ MESSAGES: st.SearchStrategy[Message] = st.one_of(
         size=st.integers(0, 2**50),
         mode=st.integers(0, 0o7777),
         source=st.from_regex(r"\A[0-9a-f]{1,64}\Z"),
+        hashes=hash_lists,
     ),
-    st.builds(ChannelGet, path=st.text(max_size=200), offset=st.integers(0, 2**50)),
+    st.builds(
+        ChannelGet, path=st.text(max_size=200), offset=st.integers(0, 2**50), hashes=hash_lists
+    ),
     st.builds(
         ChannelOffer,
         port=st.integers(1, 65535),
         ticket=st.binary(min_size=32, max_size=32),
         offset=st.integers(0, 2**50),
+        hash=hash_names,
     ),
     st.builds(AppJobDir, job_id=job_ids),
     st.builds(AppJobDirReply, path=st.text(max_size=200)),
@@ -358,3 +367,65 @@ def test_a_nul_in_an_environment_value_is_refused_without_quoting_it() -> None:
     with pytest.raises(ProtocolError) as refused:
         decode_message(encode_message(submit))
     assert secret not in str(refused.value)
+
+
+# --- the hash negotiation: what a peer from before it sends and reads ---------
+
+
+class _OldFilePut(msgspec.Struct, tag_field="t", tag="file_put", frozen=True):
+    """FilePut as a node from before the hash negotiation decodes it."""
+
+    path: str
+    size: int
+    mode: int
+    sha256: Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]
+
+
+def test_an_older_consumers_requests_decode_as_sha256_only() -> None:
+    put = decode_message(
+        _raw({"t": "file_put", "path": "a", "size": 3, "mode": 0o644, "sha256": KEY})
+    )
+    assert put == FilePut(path="a", size=3, mode=0o644, digest=KEY)
+    assert (put.source, put.hashes) == ("", [])
+    assert decode_message(_raw({"t": "file_get", "path": "a", "offset": 0})) == FileGet(
+        path="a", offset=0, hashes=[]
+    )
+    channel = {"t": "channel_put", "path": "a", "size": 3, "mode": 0, "source": "ab"}
+    assert decode_message(_raw(channel)).hashes == []  # type: ignore[union-attr]
+
+
+def test_an_older_providers_replies_name_no_hash() -> None:
+    assert decode_message(_raw({"t": "file_resume", "offset": 5})) == FileResume(offset=5, hash="")
+    offer = {"t": "channel_offer", "port": 9, "ticket": KEY, "offset": 0}
+    assert decode_message(_raw(offer)).hash == ""  # type: ignore[union-attr]
+    info = {"t": "file_info", "path": "a", "exists": True, "kind": "file", "size": 1}
+    info |= {"mode": 0, "mtime": 0.0}
+    assert decode_message(_raw(info)).hash == ""  # type: ignore[union-attr]
+
+
+def test_digests_travel_in_the_fields_older_peers_read() -> None:
+    done = msgspec.msgpack.decode(encode_message(FileDone(size=1, digest=KEY)))
+    assert done == {"t": "file_done", "size": 1, "sha256": KEY}
+    old = msgspec.msgpack.decode(
+        encode_message(FilePut(path="a", size=1, mode=0, digest=KEY)), type=_OldFilePut
+    )
+    assert old.sha256 == KEY
+
+
+def test_an_older_provider_refuses_a_file_put_without_its_sha256() -> None:
+    """What the consumer's fallback to the SHA-256 up front relies on."""
+    data = encode_message(FilePut(path="a", size=1, mode=0, source="ab", hashes=["blake3"]))
+    with pytest.raises(msgspec.ValidationError, match="sha256"):
+        msgspec.msgpack.decode(data, type=_OldFilePut)
+
+
+def test_hash_lists_and_names_are_bounded() -> None:
+    for fields in (
+        {"t": "file_get", "path": "a", "offset": 0, "hashes": ["x"] * 9},
+        {"t": "file_get", "path": "a", "offset": 0, "hashes": ["x" * 17]},
+        {"t": "file_resume", "offset": 0, "hash": "x" * 17},
+        {"t": "file_put", "path": "a", "size": 1, "mode": 0, "sha256": b"short"},
+        {"t": "file_put", "path": "a", "size": 1, "mode": 0, "source": "NOT-HEX"},
+    ):
+        with pytest.raises(ProtocolError):
+            decode_message(_raw(fields))

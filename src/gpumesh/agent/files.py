@@ -20,13 +20,16 @@ any instant, cannot turn a check into a use somewhere else. Only regular
 files and folders are served: devices, pipes, sockets and links are refused.
 
 Uploads land in a partial file outside the sandbox, are hashed while they
-arrive, and are renamed into place only when their SHA-256 matches the one
-announced in ``FilePut``. A partial upload is kept, keyed by (path, size,
-sha256) with those written beside it, when the link drops or the agent dies,
-and the next ``FilePut`` of the same file resumes after the bytes already
-there (re-hashing them from disk first, so the final check still covers the
-whole file). Every upload is checked against the peer's ``file_quota`` before
-a byte is written; so is everything else the peer keeps here, including what
+arrive, and are renamed into place only when their hash matches the
+consumer's (the algorithm picked per request: see
+:mod:`gpumesh.files.hashing`). A partial upload is kept, keyed by (path,
+size, source) with those written beside it, when the link drops or the agent
+dies, and the next upload of the same file, over QUIC or a data channel,
+resumes after the bytes already there (re-hashing them from disk first, so
+the final check still covers the whole file). An older consumer's
+``FilePut`` names its file by its SHA-256 instead, which is then the key.
+Every upload is checked against the peer's ``file_quota`` before a byte is
+written; so is everything else the peer keeps here, including what
 its jobs wrote into the sandbox and into their uploaded workdirs.
 
 This module also holds the blocking-I/O helpers both ends of a transfer use
@@ -65,6 +68,7 @@ from gpumesh.errors import (
     ProtocolError,
     UnreachableError,
 )
+from gpumesh.files.hashing import SHA256, choose, label, new_hasher
 from gpumesh.files.sandbox import Tree
 from gpumesh.files.transfer import (
     FileSink,
@@ -355,8 +359,9 @@ class FileService:
         async with worker(cleanup=lambda: os.close(fd)) as runner:
             st = os.fstat(fd)
             stream = ctx.stream
-            _announce_file(stream, message.path, message.offset, st, where)
-            hasher = hashlib.sha256()
+            hash_name = choose(message.hashes)
+            _announce_file(stream, message.path, message.offset, st, where, hash_name)
+            hasher = new_hasher(hash_name)
             # The whole file's hash goes in FileDone: the part the peer already
             # has is hashed first, on the worker, ahead of the reads.
             runner.submit(hash_file, fd, message.offset, hasher).add_done_callback(swallow)
@@ -365,7 +370,7 @@ class FileService:
                 async for chunk in chunks:
                     await stream.send_data(chunk)
             stream.end_data()
-            stream.send_message(FileDone(size=st.st_size, sha256=hasher.digest()), end=True)
+            stream.send_message(FileDone(size=st.st_size, digest=hasher.digest()), end=True)
         await _until_finished(stream)
         logger.info("[%s] sent %s (%d bytes)", ctx.peer.name, where, st.st_size - message.offset)
 
@@ -375,12 +380,15 @@ class FileService:
         peer, name = ctx.peer, self.agent.name
         where = self._where(message.path)
         parts, relative = self._file_target(message.path)
-        digest = message.sha256.hex()
-        key = hashlib.sha256(f"{relative}\n{message.size}\n{digest}".encode()).hexdigest()[:32]
+        if message.digest is not None:  # an older consumer: its SHA-256 up front
+            key, expected = _partial_key(relative, message.size, sha256=message.digest)
+        elif message.source:
+            key, expected = _partial_key(relative, message.size, source=message.source)
+        else:
+            raise ProtocolError(f"the upload to {where} names neither its hash nor its source")
         # Made only when a byte is kept: a refused request leaves nothing behind.
         partials = self.partials(peer, create=False)
         part, meta = partials / f"{key}.part", partials / f"{key}.json"
-        expected = {"path": relative, "size": message.size, "sha256": digest}
         async with self._claim(peer, key, message.size, ctx.stream):
             replaced = await in_thread(self._replaced_size, peer, parts, message.path)
             offset = await in_thread(_kept_offset, part, meta, expected)
@@ -390,8 +398,8 @@ class FileService:
                 await in_thread(_guarded, _start_partial, part, meta, expected)
             fd = await in_thread(_guarded, os.open, part, os.O_RDWR)
             async with worker(cleanup=lambda: os.close(fd)) as runner:
-                await self._receive_file(ctx, runner, fd, offset, message, parts, (part, meta))
-        ctx.stream.send_message(FileDone(size=message.size, sha256=message.sha256), end=True)
+                digest = await self._receive_file(ctx, runner, fd, offset, message, (part, meta))
+        ctx.stream.send_message(FileDone(size=message.size, digest=digest), end=True)
         logger.info(
             "[%s] received %s (%d bytes, from byte %d)", peer.name, where, message.size, offset
         )
@@ -403,17 +411,19 @@ class FileService:
         fd: int,
         offset: int,
         message: FilePut,
-        parts: tuple[str, ...],
         partial: tuple[Path, Path],
-    ) -> None:
+    ) -> bytes:
+        """Take the bytes after ``offset`` and check the whole file; its digest."""
         stream = ctx.stream
         part, meta = partial
         where = self._where(message.path)
-        hasher = hashlib.sha256()
+        # An older consumer's FilePut carries its SHA-256; a newer one's hash follows the bytes.
+        hash_name = SHA256 if message.digest is not None else choose(message.hashes)
+        hasher = new_hasher(hash_name)
         # Drop whatever lies past the offset (a write cut short by a crash),
         # then hash the kept part, all before a new byte is appended.
         await runner.call(_truncate_and_hash, fd, offset, hasher)
-        stream.send_message(FileResume(offset=offset))
+        stream.send_message(FileResume(offset=offset, hash=hash_name))
         sink = FileSink(runner, fd, hasher)
         received = offset
         try:
@@ -423,6 +433,12 @@ class FileService:
                     raise ProtocolError(f"the upload to {where} is larger than announced")
                 await sink.write(chunk)
             await sink.finish()
+            expected = message.digest
+            if expected is None and received == message.size:
+                done = await stream.expect(FileDone)
+                if done.size != message.size:
+                    raise ProtocolError(f"the upload to {where} ended with another size")
+                expected = done.digest
         except ProtocolError:
             await in_thread(_discard, part, meta)
             raise
@@ -436,12 +452,15 @@ class FileService:
             raise ProtocolError(
                 f"the upload to {where} ended after {received} of {message.size} bytes"
             )
-        if hasher.digest() != message.sha256:
+        digest = hasher.digest()
+        if digest != expected:
             await in_thread(_discard, part, meta)
             raise ProtocolError(
-                f"the upload to {where} does not match its SHA-256 and was discarded; copy it again"
+                f"the upload to {where} does not match its {label(hash_name)} hash and was "
+                "discarded; copy it again"
             )
         await runner.call(self._place_file, ctx.peer, fd, message.mode, partial, message.path)
+        return digest
 
     @_refusing
     async def handle_dir_get(self, ctx: RequestContext, message: Message) -> None:
@@ -454,6 +473,7 @@ class FileService:
             size = tar_size(plan)
             st = await in_thread(os.fstat, folder.fd)
             stream = ctx.stream
+            hash_name = choose(message.hashes)
             stream.send_message(
                 FileInfo(
                     path=message.path,
@@ -462,9 +482,10 @@ class FileService:
                     size=size,
                     mode=stat.S_IMODE(st.st_mode),
                     mtime=st.st_mtime,
+                    hash=hash_name,
                 )
             )
-            hasher = hashlib.sha256()
+            hasher = new_hasher(hash_name)
             sent = 0
             # Files are opened again through the folder's descriptor as they are packed.
             async with contextlib.aclosing(tar_chunks(plan, hasher)) as chunks:
@@ -476,7 +497,7 @@ class FileService:
         if sent != size:
             raise AgentError(f"{where} changed while it was packed; copy it again")
         stream.end_data()
-        stream.send_message(FileDone(size=size, sha256=hasher.digest()), end=True)
+        stream.send_message(FileDone(size=size, digest=hasher.digest()), end=True)
         await _until_finished(stream)
         logger.info("[%s] sent folder %s (%d bytes of tar)", ctx.peer.name, where, size)
 
@@ -511,8 +532,9 @@ class FileService:
         async with self._claim(peer, temp_name, message.size, None):
             usage = await self.usage(peer, exclude=temp_name)
             usage.check(name, message.size)
-            stream.send_message(FileResume(offset=0))
-            hasher = hashlib.sha256()
+            hash_name = choose(message.hashes)
+            stream.send_message(FileResume(offset=0, hash=hash_name))
+            hasher = new_hasher(hash_name)
             received = 0
             limit = max(0, usage.quota - usage.used)
             try:
@@ -533,7 +555,7 @@ class FileService:
                 await in_thread(self._place_folder, peer, temp, message.path)
             finally:
                 await in_thread(shutil.rmtree, temp, True)
-        stream.send_message(FileDone(size=received, sha256=hasher.digest()), end=True)
+        stream.send_message(FileDone(size=received, digest=hasher.digest()), end=True)
         logger.info("[%s] received folder %s (%d bytes of tar)", peer.name, where, received)
 
     # --- the data channel ------------------------------------------------------------------
@@ -568,13 +590,10 @@ class FileService:
         if not self.channel_enabled():
             raise UnreachableError(f"{name} opens no data channels (data_channel off)")
         parts, relative = self._file_target(message.path)
-        key = hashlib.sha256(
-            f"{relative}\n{message.size}\nsource:{message.source}".encode()
-        ).hexdigest()[:32]
+        key, expected = _partial_key(relative, message.size, source=message.source)
         # Made only when a byte is kept: a refused request leaves nothing behind.
         partials = self.partials(peer, create=False)
         part, meta = partials / f"{key}.part", partials / f"{key}.json"
-        expected = {"path": relative, "size": message.size, "source": message.source}
         async with self._claim(peer, key, message.size, stream):
             replaced = await in_thread(self._replaced_size, peer, parts, message.path)
             offset = await in_thread(_kept_offset, part, meta, expected)
@@ -582,30 +601,37 @@ class FileService:
             usage.check(name, message.size - replaced)
             if offset == 0:
                 await in_thread(_guarded, _start_partial, part, meta, expected)
-            hasher = hashlib.sha256()
+            hash_name = choose(message.hashes)
+            hasher = new_hasher(hash_name)
             fd = await in_thread(_guarded, os.open, part, os.O_RDWR)
             try:
-                # Drop what lies past the offset, hash what is kept, before a byte is added.
-                await in_thread(_truncate_and_hash, fd, offset, hasher)
+                # Drop what lies past the offset before a byte is added; the kept
+                # part is hashed while the first new bytes arrive.
+                await in_thread(_truncate, fd, offset)
                 listener = self._listener(ctx.link.remote_address()[0])
                 stream.send_message(
-                    ChannelOffer(port=listener.port, ticket=listener.ticket, offset=offset)
+                    ChannelOffer(
+                        port=listener.port, ticket=listener.ticket, offset=offset, hash=hash_name
+                    )
                 )
                 final = asyncio.ensure_future(stream.expect(FileDone))
                 try:
                     async with _channel_of(listener, final) as channel:
                         remaining = message.size - offset
-                        await in_thread(receive_file, channel, fd, remaining, hasher, _ignore)
+                        await in_thread(
+                            receive_file, channel, fd, remaining, hasher, _ignore, offset
+                        )
                         done = await asyncio.wait_for(asyncio.shield(final), _FINISH_WAIT)
                 finally:
                     if not final.done():
                         final.cancel()
                     final.add_done_callback(swallow)
-                if done.size != message.size or done.sha256 != hasher.digest():
+                digest = hasher.digest()
+                if done.size != message.size or done.digest != digest:
                     await in_thread(_discard, part, meta)
                     raise ProtocolError(
-                        f"the upload to {where} does not match its SHA-256 and was discarded; "
-                        "copy it again"
+                        f"the upload to {where} does not match its {label(hash_name)} hash and "
+                        "was discarded; copy it again"
                     )
                 await in_thread(
                     self._place_file, peer, fd, message.mode, (part, meta), message.path
@@ -617,7 +643,7 @@ class FileService:
                 raise ConnectionLostError("the consumer did not finish the upload") from None
             finally:
                 os.close(fd)
-        stream.send_message(FileDone(size=message.size, sha256=hasher.digest()), end=True)
+        stream.send_message(FileDone(size=message.size, digest=digest), end=True)
         logger.info(
             "[%s] received %s over a data channel (%d bytes, from byte %d)",
             peer.name,
@@ -643,21 +669,22 @@ class FileService:
         try:
             st = os.fstat(fd)
             stream = ctx.stream
-            _announce_file(stream, message.path, message.offset, st, where)
+            hash_name = choose(message.hashes)
+            _announce_file(stream, message.path, message.offset, st, where, hash_name)
             stream.send_message(
                 ChannelOffer(port=listener.port, ticket=listener.ticket, offset=message.offset)
             )
             # The consumer ends its side only after FileDone: an earlier end is a give-up.
             answered = asyncio.Event()
             ended = asyncio.ensure_future(_consumer_end(stream, answered))
-            hasher = hashlib.sha256()
+            hasher = new_hasher(hash_name)
             try:
                 async with _channel_of(listener, ended) as channel:
                     await in_thread(
                         send_file, channel, fd, message.offset, st.st_size, hasher, _ignore
                     )
                     answered.set()
-                    stream.send_message(FileDone(size=st.st_size, sha256=hasher.digest()), end=True)
+                    stream.send_message(FileDone(size=st.st_size, digest=hasher.digest()), end=True)
                     with contextlib.suppress(GPUMeshError, TimeoutError):
                         await asyncio.wait_for(asyncio.shield(ended), _FINISH_WAIT)
             finally:
@@ -824,8 +851,11 @@ class FileService:
             os.close(source)
 
 
-def _announce_file(stream: Stream, path: str, offset: int, st: os.stat_result, where: str) -> None:
-    """Answer a download with the file's FileInfo, after checking the resume offset."""
+def _announce_file(
+    stream: Stream, path: str, offset: int, st: os.stat_result, where: str, hash_name: str
+) -> None:
+    """Answer a download with the file's FileInfo (naming the hash of its FileDone),
+    after checking the resume offset."""
     if offset > st.st_size:
         raise ProtocolError(
             f"asked for {where} from byte {offset}, past its end ({st.st_size} bytes)"
@@ -838,6 +868,7 @@ def _announce_file(stream: Stream, path: str, offset: int, st: os.stat_result, w
             size=st.st_size,
             mode=stat.S_IMODE(st.st_mode),
             mtime=st.st_mtime,
+            hash=hash_name,
         )
     )
 
@@ -920,6 +951,25 @@ def _os_error(exc: OSError) -> GPUMeshError:
     return AgentError(f"the provider could not do that: {exc.strerror or exc}")
 
 
+def _partial_key(
+    relative: str, size: int, *, source: str = "", sha256: bytes | None = None
+) -> tuple[str, dict[str, Any]]:
+    """The name a partial upload is kept under, and what is written beside it.
+
+    A consumer names its file by ``source`` (its identity, size and mtime), on
+    QUIC and on the data channel alike, so either path resumes what the other
+    left; an older consumer's FilePut names it by its SHA-256 instead.
+    """
+    if sha256 is not None:
+        digest = sha256.hex()
+        text = f"{relative}\n{size}\n{digest}"
+        expected: dict[str, Any] = {"path": relative, "size": size, "sha256": digest}
+    else:
+        text = f"{relative}\n{size}\nsource:{source}"
+        expected = {"path": relative, "size": size, "source": source}
+    return hashlib.sha256(text.encode()).hexdigest()[:32], expected
+
+
 def _kept_offset(part: Path, meta: Path, expected: dict[str, Any]) -> int:
     """Bytes of a kept partial upload of exactly this file, or 0 (stale ones removed)."""
     try:
@@ -943,9 +993,14 @@ def _start_partial(part: Path, meta: Path, expected: dict[str, Any]) -> None:
         pass
 
 
-def _truncate_and_hash(fd: int, offset: int, hasher: Hasher) -> None:
+def _truncate(fd: int, offset: int) -> None:
+    """Drop what lies past ``offset`` (a write cut short), and write from there on."""
     os.ftruncate(fd, offset)
     os.lseek(fd, offset, os.SEEK_SET)
+
+
+def _truncate_and_hash(fd: int, offset: int, hasher: Hasher) -> None:
+    _truncate(fd, offset)
     hash_file(fd, offset, hasher)
 
 

@@ -21,7 +21,8 @@ Examples:
 PEER:PATH is a path in your own folder on that peer (a leading / is its root);
 other peers never see it. A copy that stops (dropped link, restarted peer)
 resumes where it stopped: gpumesh retries by itself, and running the same
-command again resumes too. Every copy is checked end to end with SHA-256.
+command again resumes too. Every copy is checked end to end with BLAKE3
+(SHA-256 with peers running an older version).
 File bytes take a TLS/TCP channel opened by the QUIC session when a direct
 path exists, else QUIC.
 """,
@@ -87,7 +88,8 @@ def cp(
                 "local": str(result.local),
                 "remote": result.remote,
                 "size": result.size,
-                "sha256": result.sha256,
+                "hash": result.hash,
+                "digest": result.digest,
                 "seconds": round(result.seconds, 3),
                 "transferred": result.transferred,
                 "resumed_from": result.resumed_from,

@@ -371,15 +371,18 @@ async def _stat(session: Session, remote: str) -> FileInfo:
 
 
 async def _get_folder(session: Session, peer: Peer, remote: str, dest: Path) -> int:
+    from gpumesh.files.hashing import label, new_hasher, offered, taken
     from gpumesh.files.transfer import unpack_from
 
     temp = dest.with_name(dest.name + ".gpumesh-part")
     await in_thread(_prepare_dest, dest, temp)
     stream = session.open_stream()
     try:
-        stream.send_message(DirGet(path=remote))  # not ended: credit flows back
+        asked = offered()
+        stream.send_message(DirGet(path=remote, hashes=asked))  # not ended: credit flows back
         info = await stream.expect(FileInfo)
-        hasher = hashlib.sha256()
+        hash_name = taken(info.hash, asked)
+        hasher = new_hasher(hash_name)
         received = 0
         async with unpack_from(temp, info.size, hasher) as feed:
             while chunk := await stream.read_data():
@@ -390,8 +393,10 @@ async def _get_folder(session: Session, peer: Peer, remote: str, dest: Path) -> 
             await feed(None)
         try:
             done = await stream.expect(FileDone)
-            if received != info.size or done.sha256 != hasher.digest():
-                raise ProtocolError(f"the copy of {peer.name}:{remote} did not match its SHA-256")
+            if received != info.size or done.digest != hasher.digest():
+                raise ProtocolError(
+                    f"the copy of {peer.name}:{remote} did not match its {label(hash_name)} hash"
+                )
             await in_thread(_place, temp, dest)
         finally:
             await in_thread(_remove, temp)

@@ -2,14 +2,17 @@
 
 Owns the consumer's side of the file requests: telling ``peer:path`` from a
 local path, choosing the destination name the way ``cp`` does, streaming with
-progress callbacks, checking every copy end to end against its SHA-256, and
-resuming. File bytes go over a data channel (TLS on TCP, opened and
-authorised by the QUIC request, see :mod:`gpumesh.files.channel`) when a
-direct path exists and neither side turned it off; when one cannot be opened
-the copy falls back to QUIC at once, silently. An upload resumes from the
-partial file the provider kept (it says where in ``FileResume`` or
-``ChannelOffer``); a download keeps a local ``NAME.gpumesh-part`` and
-asks for the rest with ``FileGet(offset)``. A dropped link (or a provider that
+progress callbacks, checking every copy end to end against its hash (BLAKE3,
+or SHA-256 with a peer from before that choice: see
+:mod:`gpumesh.files.hashing`), and resuming. File bytes go over a data
+channel (TLS on TCP, opened and authorised by the QUIC request, see
+:mod:`gpumesh.files.channel`) when a direct path exists and neither side
+turned it off; when one cannot be opened the copy falls back to QUIC at once,
+silently. An upload resumes from the partial file the provider kept (it says
+where in ``FileResume`` or ``ChannelOffer``); a download keeps a local
+``NAME.gpumesh-part`` and asks for the rest with ``FileGet(offset)``. Either
+way the partial is the same whichever path carried its bytes, so a copy
+dropped on one path resumes on the other. A dropped link (or a provider that
 stops answering) is retried a few times, each retry resuming; a later
 ``gpumesh cp`` of the same file resumes too. Folders travel as one tar, never
 resumed, unpacked all or nothing.
@@ -27,7 +30,7 @@ import os
 import shutil
 import stat
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -42,6 +45,7 @@ from gpumesh.errors import (
     TransportError,
     UnreachableError,
 )
+from gpumesh.files.hashing import SHA256, label, new_hasher, offered, taken
 from gpumesh.protocol.messages import (
     ChannelGet,
     ChannelOffer,
@@ -60,6 +64,7 @@ from gpumesh.units import format_size
 if TYPE_CHECKING:
     from gpumesh.client.node import Node
     from gpumesh.files.channel import Channel
+    from gpumesh.files.transfer import Hasher
     from gpumesh.store.db import Peer
     from gpumesh.transport.session import Session
     from gpumesh.transport.stream import Stream
@@ -121,7 +126,8 @@ class CopyResult:
     """The path in the peer's sandbox, from its root (``/data/x.bin``)."""
     size: int
     """Bytes of the file, or of the folder's tar."""
-    sha256: str
+    digest: str
+    """The hash both ends agreed on for the whole file (or tar), in hex."""
     seconds: float
     """Wall time of the whole copy: hashing, dialling, retries."""
     transferred: int = 0
@@ -132,6 +138,8 @@ class CopyResult:
     """Entries of a folder left out, each with why."""
     channel: str = "quic"
     """What carried the bytes of the last attempt: ``tls`` (the data channel) or ``quic``."""
+    hash: str = SHA256
+    """Which hash ``digest`` is: ``blake3``, or ``sha256`` with an older peer."""
 
     @property
     def resumed_from(self) -> int:
@@ -272,7 +280,7 @@ class _Copy:
             local=local,
             remote=remote,
             size=0,
-            sha256="",
+            digest="",
             seconds=0.0,
         )
         self.done = 0
@@ -464,37 +472,32 @@ class _FileUpload(_Upload):
         self.st = st
         self.size = st.st_size
         self.result.size = self.size
-        self.digest: bytes | None = None
-        self.hashing: asyncio.Future[bytes] | None = None
-
-    async def prepare(self) -> None:
-        if not self.fast:
-            self.start_hashing()  # while the first attempt dials and looks at the destination
-
-    def start_hashing(self) -> None:
-        from gpumesh.blocking import in_thread
-
-        if self.hashing is None:
-            self.hashing = in_thread(_hash_path, self.local, self.st)
-            self.hashing.add_done_callback(_retrieved)
+        self.source = _source_id(local, st)
+        self.legacy: bytes | None = None
+        """The file's SHA-256, hashed before sending, once the provider turned down a
+        FilePut without it (a provider from before the hash negotiation)."""
 
     async def attempt(self, session: Session) -> None:
         target = await self.settle_target(session)
         if self.use_channel(session) and await self.attempt_channel(session, target):
             return
-        await self.attempt_quic(session, target)
+        if self.legacy is None and await self.attempt_quic(session, target):
+            return
+        await self.attempt_quic_legacy(session, target)
 
     async def attempt_channel(self, session: Session, target: str) -> bool:
         """Send over a data channel, hashing while sending; False: none could be opened."""
         from gpumesh.files.channel import send_file
 
         stream = session.open_stream()
+        asked = offered()
         stream.send_message(
             ChannelPut(
                 path=target,
                 size=self.size,
                 mode=stat.S_IMODE(self.st.st_mode),
-                source=_source_id(self.local, self.st),
+                source=self.source,
+                hashes=asked,
             )
         )
         offer = await self.offer(stream)
@@ -502,9 +505,13 @@ class _FileUpload(_Upload):
         if offer is None or channel is None:
             self.no_channel(stream, session, UnreachableError("no data channel"))
             return False
-        if offer.offset > self.size:
+        try:
+            hash_name = taken(offer.hash, asked)
+            if offer.offset > self.size:
+                raise ProtocolError(f"{self.peer.name} asked to resume past the end of the file")
+        except ProtocolError:
             channel.close()
-            raise ProtocolError(f"{self.peer.name} asked to resume past the end of the file")
+            raise
         self.result.channel = "tls"
         self.result.offsets.append(offer.offset)
         self.done = offer.offset
@@ -512,7 +519,7 @@ class _FileUpload(_Upload):
         # Any answer before ours is a refusal: it stops the sending.
         answer = _watch(stream, FileDone)
         answer.add_done_callback(lambda _answer: channel.abort())
-        hasher = hashlib.sha256()
+        hasher = new_hasher(hash_name)
         try:
             fd = os.open(self.local, os.O_RDONLY)
             report = self.progress_from_thread(self.size)
@@ -523,26 +530,72 @@ class _FileUpload(_Upload):
                     await answer  # the provider's refusal says more than the broken channel
                 raise
             _check_unchanged(self.local, os.stat(self.local), self.st)
-            self.digest = hasher.digest()
-            self.result.sha256 = self.digest.hex()
-            stream.send_message(FileDone(size=self.size, sha256=self.digest), end=True)
+            digest = hasher.digest()
+            stream.send_message(FileDone(size=self.size, digest=digest), end=True)
             done = await self.within(RESPONSE_TIMEOUT, answer)
         finally:
             await _finish_task(answer)
             channel.close()
             session.link.forget_stream(stream.stream_id)
-        if done.size != self.size or done.sha256 != self.digest:
-            raise ProtocolError(f"{self.peer.name} confirmed a different file than was sent")
+        self.confirmed(done, hash_name, digest)
         return True
 
-    async def attempt_quic(self, session: Session, target: str) -> None:
+    async def attempt_quic(self, session: Session, target: str) -> bool:
+        """Send over QUIC, hashing while sending, the hash after the bytes; False: the
+        provider predates that (and wants the SHA-256 up front)."""
+        from gpumesh.files.transfer import file_chunks, hash_file, swallow, worker
+
+        self.result.channel = "quic"
+        stream = session.open_stream()
+        asked = offered()
+        stream.send_message(
+            FilePut(
+                path=target,
+                size=self.size,
+                mode=stat.S_IMODE(self.st.st_mode),
+                source=self.source,
+                hashes=asked,
+            )
+        )
+        try:
+            resume = await self.within(RESPONSE_TIMEOUT, stream.expect(FileResume))
+        except ProtocolError as exc:
+            # Most likely a provider whose FilePut must carry the SHA-256; if it
+            # was something else, the upload with the SHA-256 meets it again.
+            logger.debug("copy: %s refused a FilePut without its SHA-256: %s", self.peer.name, exc)
+            session.link.forget_stream(stream.stream_id)
+            return False
+        hash_name = taken(resume.hash, asked)
+        self.start_at(resume.offset)
+        answer = _watch(stream, FileDone)
+        hasher = new_hasher(hash_name)
+        try:
+            fd = os.open(self.local, os.O_RDONLY)
+            async with worker(cleanup=lambda: os.close(fd)) as runner:
+                # The part the provider kept is hashed here first, ahead of the reads.
+                runner.submit(hash_file, fd, resume.offset, hasher).add_done_callback(swallow)
+                await self.send_chunks(
+                    stream, file_chunks(runner, fd, resume.offset, self.size, hasher)
+                )
+                _check_unchanged(self.local, os.fstat(fd), self.st)
+            digest = hasher.digest()
+            stream.end_data()
+            stream.send_message(FileDone(size=self.size, digest=digest), end=True)
+            done = await self.within(RESPONSE_TIMEOUT, answer)
+        finally:
+            await _finish_task(answer)
+            session.link.forget_stream(stream.stream_id)
+        self.confirmed(done, hash_name, digest)
+        return True
+
+    async def attempt_quic_legacy(self, session: Session, target: str) -> None:
+        """Send over QUIC as to a provider from before the hash negotiation: the
+        file's SHA-256 in FilePut, hashed before sending."""
+        from gpumesh.blocking import in_thread
         from gpumesh.files.transfer import file_chunks, worker
 
-        if self.digest is None:
-            self.start_hashing()
-            assert self.hashing is not None
-            self.digest = await self.hashing
-            self.result.sha256 = self.digest.hex()
+        if self.legacy is None:
+            self.legacy = await in_thread(_hash_path, self.local, self.st)
         self.result.channel = "quic"
         stream = session.open_stream()
         stream.send_message(
@@ -550,24 +603,16 @@ class _FileUpload(_Upload):
                 path=target,
                 size=self.size,
                 mode=stat.S_IMODE(self.st.st_mode),
-                sha256=self.digest,
+                digest=self.legacy,
             )
         )
         resume = await self.within(RESPONSE_TIMEOUT, stream.expect(FileResume))
-        if resume.offset > self.size:
-            raise ProtocolError(f"{self.peer.name} asked to resume past the end of the file")
-        self.result.offsets.append(resume.offset)
-        self.done = resume.offset
-        self.callbacks.progress(self.done, self.size)
+        self.start_at(resume.offset)
         answer = _watch(stream, FileDone)
         try:
             fd = os.open(self.local, os.O_RDONLY)
             async with worker(cleanup=lambda: os.close(fd)) as runner:
-                chunks = file_chunks(runner, fd, resume.offset, self.size)
-                async with contextlib.aclosing(chunks):
-                    async for chunk in chunks:
-                        await self.within(self.stall_timeout, stream.send_data(chunk))
-                        self.advance(len(chunk), self.size)
+                await self.send_chunks(stream, file_chunks(runner, fd, resume.offset, self.size))
                 _check_unchanged(self.local, os.fstat(fd), self.st)
             stream.end_data()
             stream.finish()
@@ -575,8 +620,27 @@ class _FileUpload(_Upload):
         finally:
             await _finish_task(answer)
             session.link.forget_stream(stream.stream_id)
-        if done.size != self.size or done.sha256 != self.digest:
+        self.confirmed(done, SHA256, self.legacy)
+
+    def start_at(self, offset: int) -> None:
+        if offset > self.size:
+            raise ProtocolError(f"{self.peer.name} asked to resume past the end of the file")
+        self.result.offsets.append(offset)
+        self.done = offset
+        self.callbacks.progress(self.done, self.size)
+
+    async def send_chunks(self, stream: Stream, chunks: AsyncGenerator[bytes, None]) -> None:
+        async with contextlib.aclosing(chunks):
+            async for chunk in chunks:
+                await self.within(self.stall_timeout, stream.send_data(chunk))
+                self.advance(len(chunk), self.size)
+
+    def confirmed(self, done: FileDone, hash_name: str, digest: bytes) -> None:
+        """Check the provider's FileDone against what was sent."""
+        if done.size != self.size or done.digest != digest:
             raise ProtocolError(f"{self.peer.name} confirmed a different file than was sent")
+        self.result.hash = hash_name
+        self.result.digest = digest.hex()
 
     def gave_up(self, exc: GPUMeshError) -> GPUMeshError:
         if self.done and self.done < self.size:
@@ -616,15 +680,11 @@ def _source_id(path: Path, st: os.stat_result) -> str:
     return hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()[:32]
 
 
-def _retrieved(future: asyncio.Future[Any]) -> None:
-    if not future.cancelled():
-        future.exception()
-
-
 def _hash_path(path: Path, st: os.stat_result) -> bytes:
+    """The SHA-256 of a local file, for a provider that wants it before the bytes."""
     from gpumesh.files.transfer import hash_file
 
-    hasher = hashlib.sha256()
+    hasher = new_hasher(SHA256)
     fd = os.open(path, os.O_RDONLY)
     try:
         hash_file(fd, st.st_size, hasher)
@@ -657,12 +717,14 @@ class _FolderUpload(_Upload):
 
         target = await self.settle_target(session)
         stream = session.open_stream()
-        stream.send_message(DirPut(path=target, size=self.size))
-        await self.within(RESPONSE_TIMEOUT, stream.expect(FileResume))
+        asked = offered()
+        stream.send_message(DirPut(path=target, size=self.size, hashes=asked))
+        resume = await self.within(RESPONSE_TIMEOUT, stream.expect(FileResume))
+        hash_name = taken(resume.hash, asked)
         self.result.offsets.append(0)
         self.done = 0
         self.callbacks.progress(0, self.size)
-        hasher = hashlib.sha256()
+        hasher = new_hasher(hash_name)
         answer = _watch(stream, FileDone)
         try:
             async with contextlib.aclosing(tar_chunks(self.plan, hasher)) as chunks:
@@ -677,9 +739,10 @@ class _FolderUpload(_Upload):
         finally:
             await _finish_task(answer)
             session.link.forget_stream(stream.stream_id)
-        self.result.sha256 = hasher.hexdigest()
-        if done.size != self.size or done.sha256 != hasher.digest():
+        digest = hasher.digest()
+        if done.size != self.size or done.digest != digest:
             raise ProtocolError(f"{self.peer.name} confirmed a different folder than was sent")
+        self.result.hash, self.result.digest = hash_name, digest.hex()
 
 
 # --- downloads -------------------------------------------------------------------------------
@@ -758,8 +821,9 @@ class _Download(_Copy):
         part = dest.with_name(dest.name + PART_SUFFIX)
         offset = self._part_offset(part)
         stream = session.open_stream()
+        asked = offered()
         # Not ended until FileDone is read: an early end tells the provider we gave up.
-        stream.send_message(ChannelGet(path=self.remote, offset=offset))
+        stream.send_message(ChannelGet(path=self.remote, offset=offset, hashes=asked))
         try:
             info = await self.within(RESPONSE_TIMEOUT, stream.expect(FileInfo))
         except (ProtocolError, UnreachableError) as exc:
@@ -775,26 +839,21 @@ class _Download(_Copy):
                 raise ProtocolError(f"{self.peer.name} answered a file request with {info.kind}")
             if offer.offset != offset or offset > info.size:
                 raise ProtocolError(f"{self.peer.name} offered the file from the wrong byte")
+            hash_name = taken(info.hash, asked)
             size = info.size
             self.result.channel = "tls"
             self.result.size = size
             self.result.offsets.append(offset)
             self.done = offset
             self.callbacks.progress(offset, size)
-            hasher = hashlib.sha256()
+            hasher = new_hasher(hash_name)
             fd = os.open(part, os.O_RDWR | os.O_CREAT, 0o600)
             report = self.progress_from_thread(size)
             await _pump(channel, fd, _resume_and_receive, offset, size - offset, hasher, report)
             done = await self.within(RESPONSE_TIMEOUT, stream.expect(FileDone))
-            if done.size != size or done.sha256 != hasher.digest():
-                await in_thread(part.unlink)
-                if offset > 0:
-                    return False
-                raise ProtocolError(
-                    f"the copy of {self.remote_label(self.remote)} did not match its "
-                    "SHA-256 (did it change meanwhile?) and was removed; copy it again"
-                )
-            self.result.sha256 = done.sha256.hex()
+            # The pump returned: every byte of the file is in the part.
+            if not await self.matches(done, size, size, (hash_name, hasher), part, offset):
+                return False
             await in_thread(_place_part, info, part, dest)
         finally:
             with contextlib.suppress(GPUMeshError):
@@ -804,7 +863,7 @@ class _Download(_Copy):
         return True
 
     async def _get_file_quic(self, session: Session, dest: Path) -> bool:
-        from gpumesh.files.transfer import hash_file, worker
+        from gpumesh.files.transfer import FileSink, worker
 
         part = dest.with_name(dest.name + PART_SUFFIX)
         assert self.info is not None
@@ -813,21 +872,21 @@ class _Download(_Copy):
         stream = session.open_stream()
         try:
             # Not ended: our side of the stream carries the credit for the data.
-            stream.send_message(FileGet(path=self.remote, offset=offset))
+            asked = offered()
+            stream.send_message(FileGet(path=self.remote, offset=offset, hashes=asked))
             info = await self.within(RESPONSE_TIMEOUT, stream.expect(FileInfo))
             if info.kind != "file":
                 raise ProtocolError(f"{self.peer.name} answered a file request with {info.kind}")
+            hash_name = taken(info.hash, asked)
             size = info.size
             self.result.size = size
             self.result.offsets.append(offset)
             self.done = offset
             self.callbacks.progress(offset, size)
-            hasher = hashlib.sha256()
+            hasher = new_hasher(hash_name)
             fd = os.open(part, os.O_RDWR | os.O_CREAT, 0o600)
             async with worker(cleanup=lambda: os.close(fd)) as runner:
-                await runner.call(_truncate_and_hash, fd, offset, hasher, hash_file)
-                from gpumesh.files.transfer import FileSink
-
+                await runner.call(_truncate_and_hash, fd, offset, hasher)
                 sink = FileSink(runner, fd, hasher)
                 # The first bytes may wait for the provider to hash what we have.
                 wait = RESPONSE_TIMEOUT
@@ -839,21 +898,41 @@ class _Download(_Copy):
                     self.advance(len(chunk), size)
                 await sink.finish()
                 done = await self.within(RESPONSE_TIMEOUT, stream.expect(FileDone))
-                if self.done != size or done.size != size or done.sha256 != hasher.digest():
-                    await runner.call(part.unlink)
-                    if offset > 0:
-                        return False
-                    raise ProtocolError(
-                        f"the copy of {self.remote_label(self.remote)} did not match its "
-                        "SHA-256 (did it change meanwhile?) and was removed; copy it again"
-                    )
-                self.result.sha256 = done.sha256.hex()
+                if not await self.matches(done, self.done, size, (hash_name, hasher), part, offset):
+                    return False
                 await runner.call(_place_download, fd, info, part, dest)
         finally:
             with contextlib.suppress(GPUMeshError):
                 stream.finish()
             session.link.forget_stream(stream.stream_id)
         return True
+
+    async def matches(
+        self,
+        done: FileDone,
+        received: int,
+        size: int,
+        hashed: tuple[str, Hasher],
+        part: Path,
+        offset: int,
+    ) -> bool:
+        """Whether the part (``received`` bytes) holds the file the provider hashed;
+        when not, it is removed, and False means a kept part was stale (fetch once
+        more from 0)."""
+        from gpumesh.blocking import in_thread
+
+        hash_name, hasher = hashed
+        digest = hasher.digest()
+        if received == size == done.size and done.digest == digest:
+            self.result.hash, self.result.digest = hash_name, digest.hex()
+            return True
+        await in_thread(part.unlink)
+        if offset > 0:
+            return False
+        raise ProtocolError(
+            f"the copy of {self.remote_label(self.remote)} did not match its {label(hash_name)} "
+            "hash (did it change meanwhile?) and was removed; copy it again"
+        )
 
     async def _get_folder(self, session: Session, dest: Path) -> None:
         from gpumesh.blocking import in_thread
@@ -863,16 +942,19 @@ class _Download(_Copy):
         await in_thread(_remove, temp)
         stream = session.open_stream()
         try:
-            stream.send_message(DirGet(path=self.remote))  # not ended: credit flows back
+            asked = offered()
+            # Not ended: credit flows back.
+            stream.send_message(DirGet(path=self.remote, hashes=asked))
             info = await self.within(RESPONSE_TIMEOUT, stream.expect(FileInfo))
             if info.kind != "dir":
                 raise ProtocolError(f"{self.peer.name} answered a folder request with {info.kind}")
+            hash_name = taken(info.hash, asked)
             size = info.size
             self.result.size = size
             self.result.offsets.append(0)
             self.done = 0
             self.callbacks.progress(0, size)
-            hasher = hashlib.sha256()
+            hasher = new_hasher(hash_name)
             async with unpack_from(temp, size, hasher) as feed:
                 while chunk := await self.within(self.stall_timeout, stream.read_data()):
                     if self.done + len(chunk) > size:
@@ -882,15 +964,16 @@ class _Download(_Copy):
                 await feed(None)
             try:
                 done = await self.within(RESPONSE_TIMEOUT, stream.expect(FileDone))
-                if self.done != size or done.size != size or done.sha256 != hasher.digest():
+                digest = hasher.digest()
+                if self.done != size or done.size != size or done.digest != digest:
                     raise ProtocolError(
                         f"the copy of {self.remote_label(self.remote)} did not match its "
-                        "SHA-256 and was removed; copy it again"
+                        f"{label(hash_name)} hash and was removed; copy it again"
                     )
                 await in_thread(_place_folder_download, temp, dest)
             finally:
                 await in_thread(_remove, temp)
-            self.result.sha256 = done.sha256.hex()
+            self.result.hash, self.result.digest = hash_name, digest.hex()
         finally:
             with contextlib.suppress(GPUMeshError):
                 stream.finish()
@@ -936,11 +1019,15 @@ def _local_target(local: Path, remote: str, peer_name: str, kind: str) -> Path:
     return dest
 
 
-def _truncate_and_hash(
-    fd: int, offset: int, hasher: Any, hash_file: Callable[[int, int, Any], None]
-) -> None:
+def _truncate(fd: int, offset: int) -> None:
     os.ftruncate(fd, offset)
     os.lseek(fd, offset, os.SEEK_SET)
+
+
+def _truncate_and_hash(fd: int, offset: int, hasher: Hasher) -> None:
+    from gpumesh.files.transfer import hash_file
+
+    _truncate(fd, offset)
     hash_file(fd, offset, hasher)
 
 
@@ -952,13 +1039,18 @@ def _place_download(fd: int, info: FileInfo, part: Path, dest: Path) -> None:
 
 
 def _resume_and_receive(
-    channel: Channel, fd: int, offset: int, count: int, hasher: Any, progress: Callable[[int], None]
+    channel: Channel,
+    fd: int,
+    offset: int,
+    count: int,
+    hasher: Hasher,
+    progress: Callable[[int], None],
 ) -> None:
+    """After the part kept so far (hashed while the first new bytes arrive), the rest."""
     from gpumesh.files.channel import receive_file
-    from gpumesh.files.transfer import hash_file
 
-    _truncate_and_hash(fd, offset, hasher, hash_file)
-    receive_file(channel, fd, count, hasher, progress)
+    _truncate(fd, offset)
+    receive_file(channel, fd, count, hasher, progress, offset)
 
 
 def _place_part(info: FileInfo, part: Path, dest: Path) -> None:

@@ -8,7 +8,7 @@ consumer connects, runs TLS 1.3, pins the provider's Ed25519 key exactly as
 the QUIC dial does, and sends the ticket first. The provider compares the
 ticket (constant time) before it reads a byte of the file. Then only raw file
 bytes cross the channel; everything else (what is copied, where it resumes,
-the SHA-256 of the whole file, the verdict) stays on the QUIC request.
+the hash of the whole file, the verdict) stays on the QUIC request.
 
 The listener takes connections only from the IP address the QUIC request
 came from; any other is closed unread, and one from that address that fails
@@ -20,7 +20,7 @@ waiting until the right ticket arrives or its window closes.
 This module holds the blocking halves both ends use, run on threads: the TLS
 contexts, the one-shot listener, dialling with the key pin, and pumping a file
 into or out of a socket in large pieces while another thread hashes (TLS and
-SHA-256 both release the GIL, so they run on two cores). It knows nothing of
+the hash both release the GIL, so they run on two cores). It knows nothing of
 peers, sandboxes or asyncio; a timeout on the socket turns a stalled link into
 ``ConnectionLostError``.
 """
@@ -414,7 +414,7 @@ class _Relay:
     """
 
     def __init__(
-        self, works: list[Callable[[memoryview], None]], before: Callable[[], None]
+        self, works: list[Callable[[memoryview], object]], before: Callable[[], None]
     ) -> None:
         self._empty: queue.SimpleQueue[bytearray | None] = queue.SimpleQueue()
         for _ in range(_PIECES):
@@ -436,7 +436,7 @@ class _Relay:
 
     def _run(
         self,
-        work: Callable[[memoryview], None],
+        work: Callable[[memoryview], object],
         jobs: queue.SimpleQueue[tuple[bytearray, int] | None],
         before: Callable[[], None] | None,
     ) -> None:
@@ -533,20 +533,29 @@ def send_file(
 
 
 def receive_file(
-    channel: Channel, fd: int, count: int, hasher: Hasher, progress: Callable[[int], None]
+    channel: Channel,
+    fd: int,
+    count: int,
+    hasher: Hasher,
+    progress: Callable[[int], None],
+    kept: int = 0,
 ) -> None:
     """Receive exactly ``count`` bytes, appending them to ``fd`` and hashing them (blocking).
 
-    Never reads past ``count``: whatever else the peer sends stays unread.
-    When the channel breaks, every whole piece received is in the file.
+    ``kept``: bytes already in the file before them (a resumed copy); they are
+    hashed first, read back from the file on the hashing thread, while the
+    first new pieces arrive. Never reads past ``count``: whatever else the peer
+    sends stays unread. When the channel breaks, every whole piece received is
+    in the file.
     """
+    from gpumesh.files.transfer import hash_file
 
     def write(view: memoryview) -> None:
         while view:
             view = view[os.write(fd, view) :]
 
     # Writing and hashing on two threads: each costs about as much as the TLS.
-    relay = _Relay([hasher.update, write], lambda: None)
+    relay = _Relay([hasher.update, write], lambda: hash_file(fd, kept, hasher))
     remaining = count
     try:
         with channel.using() as sock:

@@ -55,7 +55,9 @@ CHUNK = 1 << 20
 
 
 class Hasher(Protocol):
-    def update(self, data: bytes | memoryview, /) -> None: ...
+    """What checks a transfer's bytes (see :mod:`gpumesh.files.hashing` for which)."""
+
+    def update(self, data: bytes | memoryview, /) -> object: ...
 
     def digest(self) -> bytes: ...
 

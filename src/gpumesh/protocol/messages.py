@@ -303,6 +303,13 @@ class JobCancel(_Msg, tag="job_cancel", frozen=True):
 
 RemotePath = Annotated[str, msgspec.Meta(max_length=4096)]
 Digest = Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]
+"""A hash of a whole file or tar, with the algorithm its transfer chose (see
+:mod:`gpumesh.files.hashing`); sent in fields named ``sha256``, which is what
+it always is with a peer from before the choice."""
+HashName = Annotated[str, msgspec.Meta(max_length=16)]
+Hashes = Annotated[list[HashName], msgspec.Meta(max_length=8)]
+"""The hashes a requester can check, preferred first; empty (an older peer): SHA-256."""
+SourceId = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{1,64}\Z")]
 
 
 class FileStat(_Msg, tag="file_stat", frozen=True):
@@ -319,22 +326,36 @@ class FileInfo(_Msg, tag="file_info", frozen=True):
     """Bytes of a file; for a directory, the exact size of its tar."""
     mode: Annotated[int, msgspec.Meta(ge=0, le=0o7777)]
     mtime: float
+    hash: HashName = ""
+    """Answering FileGet, ChannelGet or DirGet: the hash the provider picked from the
+    request's ``hashes`` for FileDone; empty (an older provider): SHA-256."""
 
 
 class FilePut(_Msg, tag="file_put", frozen=True):
-    """Upload a file; DATA frames from the offset in FileResume follow."""
+    """Upload a file; DATA frames from the offset in FileResume follow, then (without
+    ``sha256``) the consumer's FileDone; the provider verifies the whole file's hash
+    before renaming it into place, and answers FileDone."""
 
     path: RemotePath
     size: Count
     mode: Annotated[int, msgspec.Meta(ge=0, le=0o7777)]
-    sha256: Digest
-    """Hash of the whole file: the provider verifies before renaming into place."""
+    digest: Digest | None = msgspec.field(default=None, name="sha256")
+    """SHA-256 of the whole file, known before sending: what an older consumer sends
+    (and what an older provider requires). None: the hash comes in FileDone after
+    the bytes, with the algorithm the provider picked from ``hashes``."""
+    source: Annotated[str, msgspec.Meta(pattern=r"^([0-9a-f]{1,64})?\Z")] = ""
+    """As ``ChannelPut.source``, with ``digest`` None: partials of both paths are
+    kept under the same key, so either path resumes what the other left."""
+    hashes: Hashes = msgspec.field(default_factory=list)
 
 
 class FileResume(_Msg, tag="file_resume", frozen=True):
     """Provider -> consumer: send from this offset (a kept partial upload)."""
 
     offset: Count
+    hash: HashName = ""
+    """Answering FilePut or DirPut: the hash picked from the request's ``hashes``;
+    empty (an older provider, or a FilePut with ``sha256``): SHA-256."""
 
 
 class FileGet(_Msg, tag="file_get", frozen=True):
@@ -342,12 +363,14 @@ class FileGet(_Msg, tag="file_get", frozen=True):
 
     path: RemotePath
     offset: Count
+    hashes: Hashes = msgspec.field(default_factory=list)
 
 
 class FileDone(_Msg, tag="file_done", frozen=True):
     size: Count
-    sha256: Digest
-    """Hash of the whole file (or tar), for the receiver to verify."""
+    digest: Digest = msgspec.field(name="sha256")
+    """Hash of the whole file (or tar), for the receiver to verify, with the
+    algorithm the request's first answer named."""
 
 
 class DirPut(_Msg, tag="dir_put", frozen=True):
@@ -355,24 +378,25 @@ class DirPut(_Msg, tag="dir_put", frozen=True):
 
     path: RemotePath
     size: Count
+    hashes: Hashes = msgspec.field(default_factory=list)
 
 
 class DirGet(_Msg, tag="dir_get", frozen=True):
     """Download a folder as a tar: FileInfo (kind dir, size of the tar), DATA, FileDone."""
 
     path: RemotePath
+    hashes: Hashes = msgspec.field(default_factory=list)
 
 
 # --- the data channel: file bytes over TLS/TCP, opened by the QUIC request ---------
 
 Ticket = Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]
-SourceId = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{1,64}\Z")]
 
 
 class ChannelPut(_Msg, tag="channel_put", frozen=True):
     """Upload a file over a data channel. The provider answers ChannelOffer; the bytes
     from its offset go over the channel; the consumer then sends FileDone (size and
-    SHA-256 of the whole file, hashed while sending) and the provider, once the file
+    hash of the whole file, hashed while sending) and the provider, once the file
     matches, answers FileDone."""
 
     path: RemotePath
@@ -381,6 +405,7 @@ class ChannelPut(_Msg, tag="channel_put", frozen=True):
     source: SourceId
     """Names the local file (its identity, size and mtime, hashed) so that a
     dropped upload resumes only from a partial of the same file."""
+    hashes: Hashes = msgspec.field(default_factory=list)
 
 
 class ChannelGet(_Msg, tag="channel_get", frozen=True):
@@ -389,6 +414,7 @@ class ChannelGet(_Msg, tag="channel_get", frozen=True):
 
     path: RemotePath
     offset: Count
+    hashes: Hashes = msgspec.field(default_factory=list)
 
 
 class ChannelOffer(_Msg, tag="channel_offer", frozen=True):
@@ -400,6 +426,9 @@ class ChannelOffer(_Msg, tag="channel_offer", frozen=True):
     """32 random bytes, good for one connection of this request only."""
     offset: Count
     """Where the bytes on the channel start in the file (a resumed copy)."""
+    hash: HashName = ""
+    """Answering ChannelPut: the hash picked from its ``hashes``; empty (an older
+    provider): SHA-256. (A ChannelGet's is in the FileInfo before.)"""
 
 
 # --- apps: a project folder kept in sync in the sandbox's /apps/NAME ----------------
