@@ -151,6 +151,11 @@ class Session:
     def open_stream(self) -> Stream:
         return self.link.open_stream()
 
+    @property
+    def welcomed(self) -> bool:
+        """Whether the provider's Welcome has been read (see :meth:`established`)."""
+        return self._auth.done
+
     async def established(self) -> None:
         """Wait until the provider welcomed us: both keys proven, access granted.
 
