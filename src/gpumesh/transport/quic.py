@@ -74,6 +74,7 @@ if TYPE_CHECKING:
 __all__ = [
     "APP_ERROR",
     "Buffered",
+    "PeerStreamIds",
     "QuicEndpoint",
     "QuicLink",
     "client_configuration",
@@ -196,6 +197,34 @@ def _destination_cid(data: bytes) -> bytes | None:
     return data[1 : 1 + CID_LENGTH] if len(data) > CID_LENGTH else None
 
 
+class PeerStreamIds:
+    """Which of a peer's stream ids have been seen: a frame for a stream we keep no
+    object for is a new request only the first time.
+
+    Ids only grow as a peer opens streams, but first frames may arrive out of
+    order (a lost packet): a lower id not seen yet is new (QUIC opened it with the
+    higher one), a lower id seen before is a late frame of a request already
+    served. The ids not seen yet are at most the peer's stream limit.
+    """
+
+    def __init__(self) -> None:
+        self._last: dict[int, int] = {}
+        """Highest id seen, per kind of stream (the id modulo 4)."""
+        self._unseen: set[int] = set()
+
+    def first_seen(self, stream_id: int) -> bool:
+        kind = stream_id % 4
+        last = self._last.get(kind, kind - 4)
+        if stream_id > last:
+            self._unseen.update(range(last + 4, stream_id, 4))
+            self._last[kind] = stream_id
+            return True
+        if stream_id in self._unseen:
+            self._unseen.discard(stream_id)
+            return True
+        return False
+
+
 class QuicLink:
     """One QUIC connection to one peer, carrying many streams."""
 
@@ -230,11 +259,7 @@ class QuicLink:
         self.cids: set[bytes] = {quic.host_cid}
         self.path: RelayedPath | None = None
         """The relayed session under this link, or None for a plain direct link."""
-        self._last_peer_stream: dict[int, int] = {}
-        """Highest stream id the peer opened, per kind of stream (the id modulo 4)."""
-        self._unseen_peer_streams: set[int] = set()
-        """Lower ids of those kinds whose first frame has not arrived yet (at most the
-        peer's stream limit: QUIC opens them implicitly with a higher one)."""
+        self._peer_streams = PeerStreamIds()
         self.buffer_limit = 0
         """Most bytes the link may hold (:meth:`buffered`) before a stream that would add
         to them is ended (see :mod:`gpumesh.transport.stream`); 0: no limit. The
@@ -396,7 +421,7 @@ class QuicLink:
                 if stream is None:
                     if event.stream_id % 4 == (0 if self.quic.configuration.is_client else 1):
                         continue  # data for a stream we already closed and forgot
-                    if not self._first_seen(event.stream_id):
+                    if not self._peer_streams.first_seen(event.stream_id):
                         continue  # a late frame of a request already served: not a new one
                     stream = Stream(self, event.stream_id)
                     self._streams[event.stream_id] = stream
@@ -432,19 +457,6 @@ class QuicLink:
                 self._endpoint.unregister_cid(event.connection_id)
             elif isinstance(event, qe.ConnectionTerminated):
                 self._finish(_error_from_close(event))
-
-    def _first_seen(self, stream_id: int) -> bool:
-        """Whether this is the first frame of a peer's stream we have no object for."""
-        kind = stream_id % 4
-        last = self._last_peer_stream.get(kind, kind - 4)
-        if stream_id > last:
-            self._unseen_peer_streams.update(range(last + 4, stream_id, 4))
-            self._last_peer_stream[kind] = stream_id
-            return True
-        if stream_id in self._unseen_peer_streams:
-            self._unseen_peer_streams.discard(stream_id)
-            return True
-        return False
 
     def _send_keepalive(self) -> None:
         self._keepalive = None
