@@ -58,10 +58,12 @@ AUTH_TIMEOUT = 5.0
 EARLY_REQUESTS = 8
 """Requests a dialer may send with its proof; streams past them are reset unread."""
 EARLY_BUFFER = DEFAULT_WINDOW + 16 * MAX_MESSAGE_FRAME
-"""Most bytes a link may hold before its proof checks: one request's bulk window
-and a few messages, about what the proof stream alone could hold before. A stream
-that takes the link over it is refused, so a stranger costs no more than that, for
-at most :data:`AUTH_TIMEOUT`."""
+"""Most bytes a link may hold for its reader before its proof checks: one request's
+bulk window and a few messages (the first request a node sends may be an upload
+that does not wait for an answer). A stream that takes the link over it is
+refused, so what a stranger makes the provider hold stays under it, for at most
+:data:`AUTH_TIMEOUT`; what qh3 reassembles is bounded by QUIC's windows, as for
+any connection."""
 _DIAL_STAGGER = 0.25
 RELAY_DELAY = 0.5
 """Seconds direct dials get before the relay is tried too (at once if they all fail)."""
