@@ -256,7 +256,10 @@ class Node:
     async def session(self, query: str, *, timeout: float | None = None) -> AsyncIterator[Session]:
         """An authenticated session with a paired peer, closed on exit.
 
-        Direct addresses are dialled first; with a relay (the peer's hint from
+        Requests may start at once: the identity proof leaves with the first of
+        them, and the peer's Welcome, or its refusal (raised by every request
+        then), comes back with the first reply (``session.established()`` waits
+        for it alone). Direct addresses are dialled first; with a relay (the peer's hint from
         pairing, else ours) the relay is tried too, and hole punching moves a
         relayed session to a direct path when the NATs allow it.
         """
