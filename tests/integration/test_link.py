@@ -380,3 +380,30 @@ def test_a_provider_one_version_behind_still_serves(make_node) -> None:
             old.close()
 
     arun(scenario())
+
+
+def test_a_refusal_reaches_every_request_sent_with_the_proof(make_node) -> None:
+    alice, bob = make_node("alice"), make_node("bob")
+
+    async def scenario() -> None:
+        async with sharing(alice) as agent:
+            bob.pair(alice.pairing_code())  # alice never paired back
+            session = await open_session(
+                bob.home.identity, "bob", [agent.address], alice.home.identity.public_key
+            )
+            try:
+                raw = session.open_stream()  # as a copy or a shell would: no wait for a Welcome
+                raw.send_message(Ping(sent=0.0), end=True)
+                requests = [
+                    asyncio.ensure_future(session.request(Ping(sent=float(i)))) for i in range(3)
+                ]
+                results = await asyncio.gather(*requests, return_exceptions=True)
+                assert all(isinstance(result, NotPairedError) for result in results), results
+                with pytest.raises(NotPairedError):
+                    await raw.read_message()
+                with pytest.raises(NotPairedError, match="has not paired with you"):
+                    await session.established()
+            finally:
+                session.close()
+
+    arun(scenario())

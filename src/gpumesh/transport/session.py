@@ -184,10 +184,11 @@ class Session:
             error = UnreachableError(
                 f"{self._where} accepted the connection but did not finish authentication"
             )
-            self.link.close()
+            self.link.close(error)
             raise error from None
         except GPUMeshError as exc:
-            self.link.close(exc if isinstance(exc, ProtocolError) else None)
+            # With its error, so every request open on the link raises the same.
+            self.link.close(exc)
             raise
         finally:
             self.link.forget_stream(stream.stream_id)
