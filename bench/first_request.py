@@ -17,8 +17,18 @@ shared machine hits both alike. One untimed warm-up of each comes first and is
 shown separately as the "cold" figure (imports, first-use caches).
 
 Not a like-for-like protocol count: GPUMesh also proves the dialer's identity
-(an extra signature exchange on the first stream); ``--mutual`` makes the TLS
-baseline authenticate the client with a certificate too.
+(a signature over the TLS session, sent with the first request: no round trip
+of its own); ``--mutual`` makes the TLS baseline authenticate the client with
+a certificate too.
+
+Round trips: on loopback they cost next to nothing and the figures are CPU.
+``--rtt MS`` puts both behind an in-process proxy that holds every UDP
+datagram (GPUMesh) and every TCP chunk (the baseline) MS/2 milliseconds each
+way, so what a round trip costs shows: a first GPUMesh request takes two (the
+QUIC handshake, then the proof with the request), TCP+TLS three (TCP, TLS, the
+request), of which the proxy delays two: it accepts TCP itself, so the TCP
+handshake crosses no delay and the baseline is shown one round trip short.
+Bob's pairing code then names only the proxy's address.
 
 The provider's per-IP connection rate limit (burst 20, then 5/s) would stall
 the 21st back-to-back dial from 127.0.0.1 for a QUIC retransmission timeout,
@@ -42,6 +52,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, cast
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -59,6 +70,7 @@ from _benchlib import (
 from gpumesh.agent.ratelimit import ConnectionLimiter
 from gpumesh.agent.server import Agent
 from gpumesh.client.node import Node
+from gpumesh.identity.codes import make_code
 from gpumesh.protocol.messages import Ping, Pong
 from gpumesh.store.home import Home
 
@@ -163,6 +175,90 @@ async def tls_request(port: int, context: ssl.SSLContext) -> tuple[float, float]
     return opened - started, total
 
 
+# --- a link with a delay ------------------------------------------------------------------
+
+
+class _UdpDelayUpstream(asyncio.DatagramProtocol):
+    """The proxy's socket towards the server for one client: answers go back delayed."""
+
+    def __init__(self, front: asyncio.DatagramTransport, client: Any, delay: float) -> None:
+        self.front, self.client, self.delay = front, client, delay
+
+    def datagram_received(self, data: bytes, addr: Any) -> None:
+        asyncio.get_running_loop().call_later(self.delay, self.front.sendto, data, self.client)
+
+
+class UdpDelay(asyncio.DatagramProtocol):
+    """Forward datagrams to ``server``, each held ``delay`` seconds, both ways."""
+
+    def __init__(self, server: tuple[str, int], delay: float) -> None:
+        self.server, self.delay = server, delay
+        self.front: asyncio.DatagramTransport | None = None
+        self.upstreams: dict[Any, asyncio.DatagramTransport] = {}
+        self.pending: dict[Any, list[bytes]] = {}
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.front = cast(asyncio.DatagramTransport, transport)
+
+    def datagram_received(self, data: bytes, addr: Any) -> None:
+        asyncio.get_running_loop().call_later(self.delay, self._forward, data, addr)
+
+    def _forward(self, data: bytes, client: Any) -> None:
+        upstream = self.upstreams.get(client)
+        if upstream is not None:
+            upstream.sendto(data)
+        elif client in self.pending:
+            self.pending[client].append(data)
+        else:
+            self.pending[client] = [data]
+            task = asyncio.ensure_future(self._open(client))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+
+    async def _open(self, client: Any) -> None:
+        assert self.front is not None
+        front = self.front
+        transport, _ = await asyncio.get_running_loop().create_datagram_endpoint(
+            lambda: _UdpDelayUpstream(front, client, self.delay), remote_addr=self.server
+        )
+        self.upstreams[client] = transport
+        for data in self.pending.pop(client):
+            transport.sendto(data)
+
+    def close(self) -> None:
+        for transport in self.upstreams.values():
+            transport.close()
+        if self.front is not None:
+            self.front.close()
+
+
+async def udp_delay(server: tuple[str, int], delay: float) -> tuple[UdpDelay, int]:
+    """A UdpDelay on an ephemeral loopback port; (proxy, port)."""
+    proxy = UdpDelay(server, delay)
+    transport, _ = await asyncio.get_running_loop().create_datagram_endpoint(
+        lambda: proxy, local_addr=(LOOPBACK, 0)
+    )
+    return proxy, int(transport.get_extra_info("sockname")[1])
+
+
+async def tcp_delay(server_port: int, delay: float) -> asyncio.Server:
+    """A TCP proxy to ``server_port`` that holds every chunk ``delay`` seconds each way."""
+    loop = asyncio.get_running_loop()
+
+    async def pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError):
+            while chunk := await reader.read(65536):
+                loop.call_later(delay, writer.write, chunk)
+        loop.call_later(delay, writer.close)
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(LOOPBACK, server_port)
+        await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer))
+
+    return await asyncio.start_server(serve, LOOPBACK, 0)
+
+
 # --- GPUMesh -----------------------------------------------------------------------------
 
 
@@ -185,6 +281,10 @@ def make_nodes(tmp: Path) -> tuple[Node, Node]:
     # Advertise only the address the agent below listens on.
     config = alice.home.config
     config.set("listen_host", LOOPBACK)
+    # A closed connection stays open on the provider for QUIC's draining period
+    # (three probe timeouts), so back-to-back dials would meet max_links_per_peer:
+    # a defence, not latency.
+    config.set("max_links_per_peer", "0")
     config.save()
     alice.home.reload_config()
     bob = Node(tmp / "b")
@@ -208,15 +308,25 @@ async def measure(args: argparse.Namespace, tmp: Path) -> tuple[Samples, tuple[f
     agent_home = Home(tmp / "a")
     agent = Agent(agent_home, host=LOOPBACK, port=0, limiter=limiter)
     server: asyncio.Server | None = None
+    udp_proxy: UdpDelay | None = None
+    tcp_proxy: asyncio.Server | None = None
+    delay = args.rtt / 2000
     try:
         # Started first, so alice's pairing code carries the port it really got.
         await agent.start()
-        bob.pair(alice.pairing_code())
+        if delay:
+            udp_proxy, proxy_port = await udp_delay(agent.address, delay)
+            bob.pair(make_code(alice.home.identity, "alice", [f"{LOOPBACK}:{proxy_port}"], ""))
+        else:
+            bob.pair(alice.pairing_code())
         alice.pair(bob.pairing_code())
 
         server_ctx, client_ctx = tls_contexts(tmp, args.tls_key, args.mutual)
         server = await asyncio.start_server(_serve_tls_client, LOOPBACK, 0, ssl=server_ctx)
         tls_port = server.sockets[0].getsockname()[1]
+        if delay:
+            tcp_proxy = await tcp_delay(tls_port, delay)
+            tls_port = tcp_proxy.sockets[0].getsockname()[1]
 
         cold = (
             (await gpumesh_request(bob, "alice"))[1],
@@ -236,9 +346,12 @@ async def measure(args: argparse.Namespace, tmp: Path) -> tuple[Samples, tuple[f
                     samples.tls_total.append(total)
         return samples, cold
     finally:
-        if server is not None:
-            server.close()
-            await server.wait_closed()
+        for listening in (tcp_proxy, server):
+            if listening is not None:
+                listening.close()
+                await listening.wait_closed()
+        if udp_proxy is not None:
+            udp_proxy.close()
         agent.stop()
         agent_home.close()
         alice.close()
@@ -255,7 +368,8 @@ def report(args: argparse.Namespace, samples: Samples, cold: tuple[float, float]
     tls_name = f"TCP+TLS 1.3 ({args.tls_key}{', mutual' if args.mutual else ''})"
     print(
         f"First request on a fresh connection: {args.count} of each, interleaved, "
-        "loopback, one process and event loop"
+        + ("loopback" if not args.rtt else f"loopback behind a {args.rtt:g} ms round trip")
+        + ", one process and event loop"
         + (", a Retry round trip on every GPUMesh dial" if args.retry == "always" else "")
     )
     print_rows(
@@ -298,6 +412,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="never",
         help="whether the agent asks every dial to validate its address with a QUIC Retry "
         "first, as it does under a flood (default never, as when quiet)",
+    )
+    parser.add_argument(
+        "--rtt",
+        type=float,
+        default=0.0,
+        metavar="MS",
+        help="hold every packet MS/2 milliseconds each way (an in-process proxy), so round "
+        "trips show (default 0: plain loopback)",
     )
     parser.add_argument(
         "--mutual",

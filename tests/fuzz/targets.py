@@ -45,7 +45,13 @@ from gpumesh.identity import codes, invites
 from gpumesh.identity.keys import Identity, verify_signature
 from gpumesh.protocol import relay
 from gpumesh.protocol.framing import HEADER_SIZE, Frame, FrameDecoder, FrameKind
-from gpumesh.protocol.handshake import ClientAuth, ServerAuth, auth_transcript
+from gpumesh.protocol.handshake import (
+    AuthForm,
+    ClientAuth,
+    ServerAuth,
+    challenge_transcript,
+    session_transcript,
+)
 from gpumesh.protocol.messages import (
     MAX_DATA_FRAME,
     MAX_MESSAGE_FRAME,
@@ -55,6 +61,7 @@ from gpumesh.protocol.messages import (
     Message,
     Proof,
     Refusal,
+    SessionProof,
     Welcome,
     decode_message,
     encode_message,
@@ -411,6 +418,8 @@ def _identity(seed: int) -> Identity:
 SERVER = _identity(1)
 CLIENTS = (_identity(2), _identity(3), _identity(4))
 NONCE = bytes(range(32))
+BINDING = bytes(range(32, 64))
+"""The TLS session binding of the provider's session (session form)."""
 
 
 @dataclass(frozen=True)
@@ -426,6 +435,21 @@ class ProofStep:
     signer: int | bytes
     """Index into CLIENTS, or a raw (forged) signature."""
     good_nonce: bool
+    good_server: bool
+    flip: int | None
+    """A signature bit to flip."""
+
+
+@dataclass(frozen=True)
+class SessionProofStep:
+    version: int
+    client: int | bytes
+    """The key claimed: index into CLIENTS, or raw key bytes nobody can sign for."""
+    name: str
+    signer: int | bytes
+    """Index into CLIENTS, or a raw (forged) signature."""
+    good_binding: bool
+    """Signed over this session's binding, or another session's."""
     good_server: bool
     flip: int | None
     """A signature bit to flip."""
@@ -465,10 +489,23 @@ _proof_steps = st.builds(
     good_server=st.booleans() | st.just(True),
     flip=st.none() | st.none() | st.integers(0, 511),
 )
+_session_proof_steps = st.builds(
+    SessionProofStep,
+    version=_versions,
+    client=st.integers(0, len(CLIENTS) - 1) | st.binary(min_size=32, max_size=32),
+    name=st.text(max_size=64),
+    signer=st.integers(0, len(CLIENTS) - 1) | st.binary(min_size=64, max_size=64),
+    good_binding=st.booleans() | st.just(True),
+    good_server=st.booleans() | st.just(True),
+    flip=st.none() | st.none() | st.integers(0, 511),
+)
+_forms = st.sampled_from(list(AuthForm))
 
 
 @dataclass(frozen=True)
 class ServerCase:
+    form: AuthForm
+    """The connection's form (its ALPN)."""
     denied: frozenset[int]
     """Clients the provider's authorize refuses."""
     refusal: type[AccessDeniedError]
@@ -477,10 +514,13 @@ class ServerCase:
 
 _server_cases = st.builds(
     ServerCase,
+    form=_forms,
     denied=st.frozensets(st.integers(0, len(CLIENTS) - 1)),
     refusal=st.sampled_from([AccessDeniedError, NotPairedError]),
     steps=st.lists(
-        _hello_steps | _proof_steps | _decoded_messages().map(SentStep), min_size=1, max_size=5
+        _hello_steps | _proof_steps | _session_proof_steps | _decoded_messages().map(SentStep),
+        min_size=1,
+        max_size=5,
     ).map(tuple),
 )
 
@@ -496,15 +536,41 @@ def _proof(step: ProofStep, claimed: bytes | None) -> tuple[Proof, bool]:
     signer = CLIENTS[step.signer]
     nonce = NONCE if step.good_nonce else bytes(32)
     server = SERVER.public_key if step.good_server else CLIENTS[0].public_key
-    signature = signer.sign(auth_transcript(nonce, server, claimed or signer.public_key))
-    if step.flip is not None:
-        signature = bytearray(signature)
-        signature[step.flip // 8] ^= 1 << (step.flip % 8)
-        signature = bytes(signature)
+    signature = signer.sign(challenge_transcript(nonce, server, claimed or signer.public_key))
     good = (
         claimed == signer.public_key and step.good_nonce and step.good_server and step.flip is None
     )
-    return Proof(signature=signature), good
+    return Proof(signature=_flipped(signature, step.flip)), good
+
+
+def _flipped(signature: bytes, bit: int | None) -> bytes:
+    if bit is None:
+        return signature
+    changed = bytearray(signature)
+    changed[bit // 8] ^= 1 << (bit % 8)
+    return bytes(changed)
+
+
+def _session_proof(step: SessionProofStep) -> tuple[SessionProof, bool]:
+    """The SessionProof a step sends and whether it must verify."""
+    claimed = _key(step.client)
+    if isinstance(step.signer, bytes):
+        signature, good = step.signer, False
+    else:
+        signer = CLIENTS[step.signer]
+        binding = BINDING if step.good_binding else NONCE  # another session's
+        server = SERVER.public_key if step.good_server else CLIENTS[0].public_key
+        signature = _flipped(signer.sign(session_transcript(binding, server, claimed)), step.flip)
+        good = (
+            claimed == signer.public_key
+            and step.good_binding
+            and step.good_server
+            and step.flip is None
+        )
+    message = SessionProof(
+        version=step.version, public_key=claimed, name=step.name, signature=signature
+    )
+    return message, good
 
 
 def check_server(case: ServerCase, meter: Meter) -> None:
@@ -516,24 +582,57 @@ def check_server(case: ServerCase, meter: Meter) -> None:
         if key in denied_keys:
             raise case.refusal("this node does not take work from you")
 
-    server = ServerAuth(SERVER, "provider", NONCE, authorize)
+    if case.form is AuthForm.SESSION:
+        server = ServerAuth.for_session(SERVER, "provider", BINDING, authorize)
+    else:
+        server = ServerAuth.for_challenge(SERVER, "provider", NONCE, authorize)
     state, claimed = "hello", None  # the reference model
+
+    def judge(reply: Any, signature: bytes, transcript: bytes, good: bool, sent: bool) -> str:
+        """The state after ``reply`` to a proof of ``claimed``'s key over ``transcript``."""
+        assert claimed is not None
+        verifies = verify_signature(claimed, signature, transcript)
+        assert verifies == good or sent, "the proof was misjudged"
+        if not verifies:
+            _refused(reply, "denied")
+            assert authorized == [], "authorize ran before the identity was proven"
+            return "failed"
+        if claimed in denied_keys:
+            _refused(reply, case.refusal.code)
+            assert authorized == [claimed]
+            return "failed"
+        assert reply == Welcome(name="provider")
+        assert authorized == [claimed]
+        return "done"
+
     for step in case.steps:
         good = False
         if isinstance(step, HelloStep):
             message: Any = Hello(version=step.version, public_key=_key(step.client), name=step.name)
         elif isinstance(step, ProofStep):
             message, good = _proof(step, claimed)
+        elif isinstance(step, SessionProofStep):
+            message, good = _session_proof(step)
         else:
             message = step.message
-        if isinstance(message, Hello | Proof):  # what the wire would make of it
+        if isinstance(message, Hello | Proof | SessionProof):  # what the wire would make of it
             message = decode_message(encode_message(message))
         reply, error = meter.run(
             HANDSHAKE_CEILING, "ServerAuth.receive", lambda m=message: server.receive(m)
         )
         ours(error, GPUMeshError)
         assert error is None, f"ServerAuth.receive raised {error!r} instead of answering"
-        if state == "hello" and isinstance(message, Hello):
+        sent = isinstance(step, SentStep)
+        session = case.form is AuthForm.SESSION
+        if state == "hello" and session and isinstance(message, SessionProof):
+            if message.version == PROTOCOL_VERSION:
+                claimed = message.public_key
+                transcript = session_transcript(BINDING, SERVER.public_key, claimed)
+                state = judge(reply, message.signature, transcript, good, sent)
+            else:
+                _refused(reply, "protocol")
+                state = "failed"
+        elif state == "hello" and not session and isinstance(message, Hello):
             if message.version == PROTOCOL_VERSION:
                 assert reply == Challenge(nonce=NONCE, version=PROTOCOL_VERSION)
                 state, claimed = "proof", message.public_key
@@ -542,22 +641,8 @@ def check_server(case: ServerCase, meter: Meter) -> None:
                 state = "failed"
         elif state == "proof" and isinstance(message, Proof):
             assert claimed is not None
-            verifies = verify_signature(
-                claimed, message.signature, auth_transcript(NONCE, SERVER.public_key, claimed)
-            )
-            assert verifies == good or isinstance(step, SentStep), "the proof was misjudged"
-            if not verifies:
-                _refused(reply, "denied")
-                assert authorized == [], "authorize ran before the identity was proven"
-                state = "failed"
-            elif claimed in denied_keys:
-                _refused(reply, case.refusal.code)
-                assert authorized == [claimed]
-                state = "failed"
-            else:
-                assert reply == Welcome(name="provider")
-                assert authorized == [claimed]
-                state = "done"
+            transcript = challenge_transcript(NONCE, SERVER.public_key, claimed)
+            state = judge(reply, message.signature, transcript, good, sent)
         else:
             _refused(reply, "protocol")
             state = "failed"
@@ -587,6 +672,8 @@ def _error_codes() -> list[str]:
 
 @dataclass(frozen=True)
 class ClientCase:
+    form: AuthForm
+    """The connection's form (its ALPN)."""
     pinned: int | None
     """None: the client pinned the real server key; else CLIENTS[pinned]'s (a wrong one)."""
     steps: tuple[Any, ...]
@@ -599,6 +686,7 @@ _refusal_steps = st.builds(
 )
 _client_cases = st.builds(
     ClientCase,
+    form=_forms,
     pinned=st.none() | st.integers(0, len(CLIENTS) - 1),
     steps=st.lists(
         st.builds(ChallengeStep, _versions, st.binary(min_size=32, max_size=32))
@@ -615,10 +703,21 @@ def check_client(case: ClientCase, meter: Meter) -> None:
     me = CLIENTS[0]
     pinned = SERVER.public_key if case.pinned is None else CLIENTS[case.pinned].public_key
     client = ClientAuth(me, "dialer", pinned)
-    assert client.start() == Hello(
-        version=PROTOCOL_VERSION, public_key=me.public_key, name="dialer"
-    )
-    state = "challenge"
+    first = client.start(case.form, BINDING)
+    if case.form is AuthForm.SESSION:
+        assert isinstance(first, SessionProof)
+        assert (first.version, first.public_key, first.name) == (
+            PROTOCOL_VERSION,
+            me.public_key,
+            "dialer",
+        )
+        transcript = session_transcript(BINDING, pinned, me.public_key)
+        assert verify_signature(me.public_key, first.signature, transcript)
+        state = "welcome"  # requests may go with the proof
+    else:
+        assert first == Hello(version=PROTOCOL_VERSION, public_key=me.public_key, name="dialer")
+        state = "challenge"
+    assert client.may_send_requests == (state == "welcome")
     for step in case.steps:
         if isinstance(step, ChallengeStep):
             message: Any = Challenge(nonce=step.nonce, version=step.version)
@@ -641,7 +740,7 @@ def check_client(case: ClientCase, meter: Meter) -> None:
                 state = "failed"
             else:
                 assert error is None and isinstance(reply, Proof)
-                transcript = auth_transcript(message.nonce, pinned, me.public_key)
+                transcript = challenge_transcript(message.nonce, pinned, me.public_key)
                 assert verify_signature(me.public_key, reply.signature, transcript)
                 state = "welcome"
         elif state == "welcome" and isinstance(message, Welcome):
@@ -652,6 +751,8 @@ def check_client(case: ClientCase, meter: Meter) -> None:
             assert isinstance(error, ProtocolError), f"{message!r:.200} was taken: {reply!r:.80}"
             state = "failed"
         assert client.done == (state == "done")
+        session = case.form is AuthForm.SESSION
+        assert client.may_send_requests == (state == "done" or (session and state == "welcome"))
 
 
 # --- relay packets -----------------------------------------------------------------------

@@ -267,6 +267,7 @@ def test_a_dial_goes_through_a_retry_round_trip_when_the_agent_asks(make_node) -
         try:
             bob.pair(alice.pairing_code())  # the agent's new port
             async with bob.session("alice") as session:
+                await session.established()
                 assert session.peer_name == "alice"
                 assert agent.endpoint is not None
                 assert agent.endpoint.retries_sent >= 1

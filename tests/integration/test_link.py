@@ -19,7 +19,11 @@ from gpumesh.errors import (
     NotPairedError,
     UnreachableError,
 )
-from gpumesh.protocol.messages import Ping, Pong, StatusReply, StatusRequest
+from gpumesh.protocol.handshake import AuthForm, ClientAuth
+from gpumesh.protocol.messages import ALPN, ALPN_CHALLENGE, Ping, Pong, StatusReply, StatusRequest
+from gpumesh.transport.quic import QuicEndpoint, QuicLink
+from gpumesh.transport.session import accept_session, open_session
+from gpumesh.transport.stream import Stream
 from tests.integration.conftest import arun, pair_both, sharing
 
 
@@ -273,5 +277,133 @@ def test_connection_floods_from_one_source_are_rate_limited(make_node) -> None:
             assert agent.refusals.totals[DropReason.OVER_RATE] >= 1
         finally:
             agent.stop()
+
+    arun(scenario())
+
+
+# --- the identity proof's two forms ------------------------------------------------
+
+
+def test_the_first_request_leaves_with_the_proof_and_its_reply_with_the_welcome(
+    make_node,
+) -> None:
+    alice, bob = make_node("alice"), make_node("bob")
+
+    async def scenario() -> None:
+        async with sharing(alice) as agent:
+            pair_both(alice, bob)
+            session = await open_session(
+                bob.home.identity, "bob", [agent.address], alice.home.identity.public_key
+            )
+            try:
+                # Returned without reading a Welcome: nothing was awaited after the
+                # QUIC handshake but sending the proof.
+                assert session.link.alpn == ALPN
+                assert not session.welcomed
+                assert isinstance(await session.request(Ping(sent=1.0)), Pong)
+                assert session.welcomed
+                assert session.peer_name == "alice"
+            finally:
+                session.close()
+
+    arun(scenario())
+
+
+def test_a_dialer_one_version_behind_still_connects(make_node) -> None:
+    alice, bob = make_node("alice"), make_node("bob")
+
+    async def scenario() -> None:
+        async with sharing(alice) as agent:
+            pair_both(alice, bob)
+            server_key = alice.home.identity.public_key
+            # What the previous release does: offer gpumesh/1 only, answer the challenge.
+            link = await QuicEndpoint.dial(
+                agent.address, expected_key=server_key, timeout=3, alpns=(ALPN_CHALLENGE,)
+            )
+            try:
+                assert link.alpn == ALPN_CHALLENGE
+                auth = ClientAuth(bob.home.identity, "bob", server_key)
+                stream = link.open_stream()
+                stream.send_message(auth.start(AuthForm.CHALLENGE))
+                proof = auth.receive(await stream.read_message())
+                assert proof is not None
+                stream.send_message(proof, end=True)
+                assert auth.receive(await stream.read_message()) is None
+                assert auth.done and auth.server_name == "alice"
+                request = link.open_stream()
+                request.send_message(Ping(sent=1.0), end=True)
+                assert isinstance(await request.read_message(), Pong)
+            finally:
+                link.close()
+
+    arun(scenario())
+
+
+def test_a_provider_one_version_behind_still_serves(make_node) -> None:
+    alice, bob = make_node("alice"), make_node("bob")
+    alice_id = alice.home.identity
+    proven: list[bytes] = []
+
+    async def serve(link: QuicLink) -> None:
+        # What the previous release's provider does: gpumesh/1 only, challenge first.
+        accepted = await accept_session(link, alice_id, "alice", proven.append)
+        assert accepted.early == []
+
+        async def answer(stream: Stream) -> None:
+            ping = await stream.expect(Ping)
+            stream.send_message(Pong(sent=ping.sent, time=1.0), end=True)
+
+        link.on_stream = lambda stream: tasks.add(asyncio.ensure_future(answer(stream)))
+
+    tasks: set[asyncio.Future[None]] = set()
+
+    async def scenario() -> None:
+        old = QuicEndpoint.listen(
+            alice_id,
+            "127.0.0.1",
+            0,
+            on_link=lambda link: tasks.add(asyncio.ensure_future(serve(link))),
+            alpns=(ALPN_CHALLENGE,),
+        )
+        try:
+            session = await open_session(
+                bob.home.identity, "bob", [old.local_address], alice_id.public_key
+            )
+            try:
+                assert session.link.alpn == ALPN_CHALLENGE
+                assert session.welcomed  # this form waits for it before any request
+                assert isinstance(await session.request(Ping(sent=1.0)), Pong)
+                assert proven == [bob.home.identity.public_key]
+            finally:
+                session.close()
+        finally:
+            old.close()
+
+    arun(scenario())
+
+
+def test_a_refusal_reaches_every_request_sent_with_the_proof(make_node) -> None:
+    alice, bob = make_node("alice"), make_node("bob")
+
+    async def scenario() -> None:
+        async with sharing(alice) as agent:
+            bob.pair(alice.pairing_code())  # alice never paired back
+            session = await open_session(
+                bob.home.identity, "bob", [agent.address], alice.home.identity.public_key
+            )
+            try:
+                raw = session.open_stream()  # as a copy or a shell would: no wait for a Welcome
+                raw.send_message(Ping(sent=0.0), end=True)
+                requests = [
+                    asyncio.ensure_future(session.request(Ping(sent=float(i)))) for i in range(3)
+                ]
+                results = await asyncio.gather(*requests, return_exceptions=True)
+                assert all(isinstance(result, NotPairedError) for result in results), results
+                with pytest.raises(NotPairedError):
+                    await raw.read_message()
+                with pytest.raises(NotPairedError, match="has not paired with you"):
+                    await session.established()
+            finally:
+                session.close()
 
     arun(scenario())

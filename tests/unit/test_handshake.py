@@ -2,7 +2,8 @@
 
 No sockets: a small driver passes each message over the wire format the way
 the transport does, so these tests also cover that the handshake messages
-survive their own size limits.
+survive their own size limits. Both forms: session-bound (``gpumesh/2``) and
+challenge (``gpumesh/1``, a peer one version behind).
 """
 
 from __future__ import annotations
@@ -19,7 +20,13 @@ from gpumesh.errors import (
     ProtocolError,
 )
 from gpumesh.identity.keys import Identity
-from gpumesh.protocol.handshake import ClientAuth, ServerAuth, auth_transcript
+from gpumesh.protocol.handshake import (
+    AuthForm,
+    ClientAuth,
+    ServerAuth,
+    challenge_transcript,
+    session_transcript,
+)
 from gpumesh.protocol.messages import (
     PROTOCOL_VERSION,
     Challenge,
@@ -28,6 +35,7 @@ from gpumesh.protocol.messages import (
     Ping,
     Proof,
     Refusal,
+    SessionProof,
     Welcome,
     decode_message,
     encode_message,
@@ -47,15 +55,31 @@ def make_server(
     authorize: Callable[[bytes], None] = allow_all,
     nonce: bytes | None = None,
 ) -> ServerAuth:
-    return ServerAuth(identity, "provider", nonce or os.urandom(32), authorize)
+    """A challenge-form provider (its dialer is one version behind)."""
+    return ServerAuth.for_challenge(identity, "provider", nonce or os.urandom(32), authorize)
 
 
-def run_handshake(client: ClientAuth, server: ServerAuth) -> None:
-    """Drive both sides to the end; the client raises if refused."""
-    to_server: Message | None = client.start()
+def make_session_server(
+    identity: Identity,
+    authorize: Callable[[bytes], None] = allow_all,
+    binding: bytes | None = None,
+) -> ServerAuth:
+    return ServerAuth.for_session(identity, "provider", binding or os.urandom(32), authorize)
+
+
+def run_handshake(client: ClientAuth, server: ServerAuth, binding: bytes = b"") -> int:
+    """Drive both sides to the end; the client raises if refused.
+
+    Returns the round trips the client waited for before it could send its
+    first request (each a message sent and its answer awaited).
+    """
+    to_server: Message | None = client.start(server.form, binding)
+    waits = 0
     while to_server is not None:
-        reply = wire(server.receive(wire(to_server)))
-        to_server = client.receive(reply)
+        if not client.may_send_requests:
+            waits += 1
+        to_server = client.receive(wire(server.receive(wire(to_server))))
+    return waits
 
 
 def expect_refusal(reply: Message, code: str) -> Refusal:
@@ -87,7 +111,7 @@ def test_messages_in_order(identity: Identity, other_identity: Identity) -> None
     nonce = os.urandom(32)
     server = make_server(other_identity, nonce=nonce)
     client = ClientAuth(identity, "dialer", other_identity.public_key)
-    hello = client.start()
+    hello = client.start(AuthForm.CHALLENGE)
     assert hello == Hello(version=PROTOCOL_VERSION, public_key=identity.public_key, name="dialer")
     challenge = server.receive(wire(hello))
     assert challenge == Challenge(nonce=nonce, version=PROTOCOL_VERSION)
@@ -106,7 +130,7 @@ def test_authorize_is_not_called_before_the_proof(
     calls: list[bytes] = []
     server = make_server(other_identity, calls.append)
     client = ClientAuth(identity, "dialer", other_identity.public_key)
-    server.receive(wire(client.start()))
+    server.receive(wire(client.start(AuthForm.CHALLENGE)))
     assert calls == []
 
 
@@ -138,7 +162,7 @@ def test_refusal_message_carries_code_and_text(
 
     server = make_server(other_identity, authorize)
     client = ClientAuth(identity, "dialer", other_identity.public_key)
-    proof = client.receive(wire(server.receive(wire(client.start()))))
+    proof = client.receive(wire(server.receive(wire(client.start(AuthForm.CHALLENGE)))))
     assert proof is not None
     refusal = expect_refusal(wire(server.receive(wire(proof))), "not_paired")
     assert refusal.message == "not paired with you"
@@ -164,7 +188,9 @@ def test_proof_signed_by_another_key_is_denied(
     authorized: list[bytes] = []
     server = make_server(server_identity, authorized.append)
     challenge = _hello_and_challenge(server, claimed=identity)
-    transcript = auth_transcript(challenge.nonce, server_identity.public_key, identity.public_key)
+    transcript = challenge_transcript(
+        challenge.nonce, server_identity.public_key, identity.public_key
+    )
     forged = Proof(signature=other_identity.sign(transcript))
     reply = expect_refusal(wire(server.receive(wire(forged))), "denied")
     assert "identity proof failed" in reply.message
@@ -178,7 +204,9 @@ def test_proof_for_another_server_key_is_denied(
     server_identity = Identity.generate()
     server = make_server(server_identity)
     challenge = _hello_and_challenge(server, claimed=identity)
-    transcript = auth_transcript(challenge.nonce, other_identity.public_key, identity.public_key)
+    transcript = challenge_transcript(
+        challenge.nonce, other_identity.public_key, identity.public_key
+    )
     reply = server.receive(wire(Proof(signature=identity.sign(transcript))))
     expect_refusal(reply, "denied")
     assert not server.done
@@ -190,7 +218,7 @@ def test_proof_replayed_from_another_nonce_is_denied(
     # A genuine proof from an earlier connection...
     first = make_server(other_identity, nonce=b"\x01" * 32)
     client = ClientAuth(identity, "dialer", other_identity.public_key)
-    old_proof = client.receive(wire(first.receive(wire(client.start()))))
+    old_proof = client.receive(wire(first.receive(wire(client.start(AuthForm.CHALLENGE)))))
     assert isinstance(old_proof, Proof)
     assert first.receive(wire(old_proof)) == Welcome(name="provider")
     # ...is worthless on a new one with a fresh nonce.
@@ -260,7 +288,7 @@ def test_client_refuses_welcome_before_challenge(
     identity: Identity, other_identity: Identity
 ) -> None:
     client = ClientAuth(identity, "dialer", other_identity.public_key)
-    client.start()
+    client.start(AuthForm.CHALLENGE)
     with pytest.raises(ProtocolError, match="unexpected Welcome"):
         client.receive(wire(Welcome(name="impostor")))
     assert not client.done
@@ -269,7 +297,7 @@ def test_client_refuses_welcome_before_challenge(
 
 def test_client_refuses_a_second_challenge(identity: Identity, other_identity: Identity) -> None:
     client = ClientAuth(identity, "dialer", other_identity.public_key)
-    client.start()
+    client.start(AuthForm.CHALLENGE)
     challenge = Challenge(nonce=b"\x03" * 32, version=PROTOCOL_VERSION)
     client.receive(wire(challenge))
     with pytest.raises(ProtocolError, match="unexpected Challenge"):
@@ -294,7 +322,7 @@ def test_client_refuses_a_server_of_another_version(
     identity: Identity, other_identity: Identity, version: int
 ) -> None:
     client = ClientAuth(identity, "dialer", other_identity.public_key)
-    client.start()
+    client.start(AuthForm.CHALLENGE)
     with pytest.raises(ProtocolError, match="upgrade GPUMesh") as info:
         client.receive(wire(Challenge(nonce=b"\x00" * 32, version=version)))
     assert f"version {version}" in str(info.value)
@@ -305,7 +333,7 @@ def test_client_raises_a_version_refusal_as_protocol_error(identity: Identity) -
     server = make_server(identity)
     hello = Hello(version=PROTOCOL_VERSION + 1, public_key=identity.public_key, name="new")
     client = ClientAuth(identity, "new", identity.public_key)
-    client.start()
+    client.start(AuthForm.CHALLENGE)
     with pytest.raises(ProtocolError, match="upgrade"):
         client.receive(wire(server.receive(wire(hello))))
 
@@ -313,8 +341,205 @@ def test_client_raises_a_version_refusal_as_protocol_error(identity: Identity) -
 @pytest.mark.parametrize("code", ["denied", "not_paired", "protocol", "something_new"])
 def test_client_rebuilds_any_refusal(identity: Identity, code: str) -> None:
     client = ClientAuth(identity, "dialer", identity.public_key)
-    client.start()
+    client.start(AuthForm.CHALLENGE)
     with pytest.raises(GPUMeshError, match="go away") as info:
         client.receive(wire(Refusal(code=code, message="go away")))
     expected = {"something_new": "error"}.get(code, code)
     assert info.value.code == expected
+
+
+# --- the session-bound form -----------------------------------------------------
+
+
+def test_session_proof_is_one_message_each_way_and_requests_need_not_wait(
+    identity: Identity, other_identity: Identity
+) -> None:
+    binding = os.urandom(32)
+    seen: list[bytes] = []
+    server = make_session_server(other_identity, seen.append, binding)
+    client = ClientAuth(identity, "dialer", other_identity.public_key)
+    proof = client.start(AuthForm.SESSION, binding)
+    assert isinstance(proof, SessionProof)
+    assert (proof.version, proof.public_key, proof.name) == (
+        PROTOCOL_VERSION,
+        identity.public_key,
+        "dialer",
+    )
+    # The first request may leave with the proof: no answer awaited first.
+    assert client.may_send_requests and not client.done
+    assert seen == []
+    welcome = server.receive(wire(proof))
+    assert welcome == Welcome(name="provider")
+    assert server.done and server.client_key == identity.public_key
+    assert server.client_name == "dialer"
+    assert seen == [identity.public_key]
+    assert client.receive(wire(welcome)) is None
+    assert client.done and client.server_name == "provider"
+
+
+def test_round_trips_before_the_first_request_session_zero_challenge_two(
+    identity: Identity, other_identity: Identity
+) -> None:
+    binding = os.urandom(32)
+    session = make_session_server(other_identity, binding=binding)
+    client = ClientAuth(identity, "dialer", other_identity.public_key)
+    assert run_handshake(client, session, binding) == 0
+    assert client.done and session.done
+    challenge = make_server(other_identity)
+    client = ClientAuth(identity, "dialer", other_identity.public_key)
+    assert run_handshake(client, challenge) == 2
+    assert client.done and challenge.done
+
+
+def test_session_proof_from_another_session_is_denied(
+    identity: Identity, other_identity: Identity
+) -> None:
+    # A genuine proof, made for one TLS session and accepted there...
+    first_binding, second_binding = b"\x01" * 32, b"\x02" * 32
+    first = make_session_server(other_identity, binding=first_binding)
+    client = ClientAuth(identity, "dialer", other_identity.public_key)
+    proof = client.start(AuthForm.SESSION, first_binding)
+    assert first.receive(wire(proof)) == Welcome(name="provider")
+    # ...is worthless on another session with the same provider.
+    authorized: list[bytes] = []
+    second = make_session_server(other_identity, authorized.append, second_binding)
+    refusal = expect_refusal(wire(second.receive(wire(proof))), "denied")
+    assert "identity proof failed" in refusal.message
+    assert second.failed and second.client_key == identity.public_key
+    assert authorized == []
+
+
+def test_session_proof_made_for_another_provider_is_denied(
+    identity: Identity, other_identity: Identity
+) -> None:
+    # The binding alone would match (a relay of bytes); the provider key does not.
+    binding = os.urandom(32)
+    server = make_session_server(Identity.generate(), binding=binding)
+    client = ClientAuth(identity, "dialer", other_identity.public_key)
+    with pytest.raises(AccessDeniedError, match="identity proof failed"):
+        run_handshake(client, server, binding)
+
+
+def test_session_proof_signed_by_another_key_is_denied(
+    identity: Identity, other_identity: Identity
+) -> None:
+    binding = os.urandom(32)
+    server_identity = Identity.generate()
+    authorized: list[bytes] = []
+    server = make_session_server(server_identity, authorized.append, binding)
+    transcript = session_transcript(binding, server_identity.public_key, identity.public_key)
+    forged = SessionProof(
+        version=PROTOCOL_VERSION,
+        public_key=identity.public_key,
+        name="x",
+        signature=other_identity.sign(transcript),
+    )
+    expect_refusal(wire(server.receive(wire(forged))), "denied")
+    assert authorized == []
+
+
+def test_a_challenge_signature_is_no_session_proof(
+    identity: Identity, other_identity: Identity
+) -> None:
+    # The same 32 bytes as a nonce and as a binding: the domains keep them apart.
+    secret = os.urandom(32)
+    server = make_session_server(other_identity, binding=secret)
+    signature = identity.sign(
+        challenge_transcript(secret, other_identity.public_key, identity.public_key)
+    )
+    proof = SessionProof(
+        version=PROTOCOL_VERSION, public_key=identity.public_key, name="x", signature=signature
+    )
+    expect_refusal(wire(server.receive(wire(proof))), "denied")
+
+
+@pytest.mark.parametrize("error_class", [AccessDeniedError, NotPairedError])
+def test_session_refusal_reaches_the_client_as_the_same_class(
+    identity: Identity, other_identity: Identity, error_class: type[AccessDeniedError]
+) -> None:
+    def authorize(_key: bytes) -> None:
+        raise error_class("provider says no: ask its owner")
+
+    binding = os.urandom(32)
+    server = make_session_server(other_identity, authorize, binding)
+    client = ClientAuth(identity, "dialer", other_identity.public_key)
+    with pytest.raises(error_class, match="provider says no"):
+        run_handshake(client, server, binding)
+    assert isinstance(server.error, error_class)
+    assert not client.done
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        Ping(sent=1.0),
+        Hello(version=PROTOCOL_VERSION, public_key=b"\x00" * 32, name="x"),
+        Proof(signature=b"\x00" * 64),
+    ],
+    ids=lambda m: type(m).__name__,
+)
+def test_a_session_provider_takes_only_a_session_proof(
+    identity: Identity, message: Message
+) -> None:
+    server = make_session_server(identity)
+    expect_refusal(server.receive(wire(message)), "protocol")
+    assert server.failed
+
+
+def test_a_challenge_provider_takes_no_session_proof(
+    identity: Identity, other_identity: Identity
+) -> None:
+    client = ClientAuth(identity, "dialer", other_identity.public_key)
+    proof = client.start(AuthForm.SESSION, os.urandom(32))
+    expect_refusal(make_server(other_identity).receive(wire(proof)), "protocol")
+
+
+def test_a_session_provider_takes_one_proof_only(
+    identity: Identity, other_identity: Identity
+) -> None:
+    binding = os.urandom(32)
+    server = make_session_server(other_identity, binding=binding)
+    proof = ClientAuth(identity, "dialer", other_identity.public_key).start(
+        AuthForm.SESSION, binding
+    )
+    assert server.receive(wire(proof)) == Welcome(name="provider")
+    expect_refusal(server.receive(wire(proof)), "protocol")
+
+
+@pytest.mark.parametrize("version", [0, PROTOCOL_VERSION + 1])
+def test_session_provider_refuses_a_client_of_another_version(
+    identity: Identity, version: int
+) -> None:
+    binding = os.urandom(32)
+    server = make_session_server(identity, binding=binding)
+    transcript = session_transcript(binding, identity.public_key, identity.public_key)
+    proof = SessionProof(
+        version=version,
+        public_key=identity.public_key,
+        name="x",
+        signature=identity.sign(transcript),
+    )
+    refusal = expect_refusal(wire(server.receive(wire(proof))), "protocol")
+    assert f"you {version}" in refusal.message and "upgrade GPUMesh" in refusal.message
+
+
+def test_session_client_refuses_a_challenge(identity: Identity, other_identity: Identity) -> None:
+    client = ClientAuth(identity, "dialer", other_identity.public_key)
+    client.start(AuthForm.SESSION, os.urandom(32))
+    with pytest.raises(ProtocolError, match="unexpected Challenge"):
+        client.receive(wire(Challenge(nonce=b"\x00" * 32, version=PROTOCOL_VERSION)))
+    assert not client.may_send_requests
+
+
+def test_a_binding_of_the_wrong_size_is_refused(identity: Identity) -> None:
+    client = ClientAuth(identity, "dialer", identity.public_key)
+    with pytest.raises(ProtocolError, match="32 bytes"):
+        client.start(AuthForm.SESSION, b"short")
+
+
+@pytest.mark.parametrize("alpn", [None, "", "gpumesh/3", "h3"])
+def test_an_unknown_alpn_names_no_form(alpn: str | None) -> None:
+    with pytest.raises(ProtocolError, match="upgrade GPUMesh"):
+        AuthForm.of(alpn)
+    assert AuthForm.of("gpumesh/2") is AuthForm.SESSION
+    assert AuthForm.of("gpumesh/1") is AuthForm.CHALLENGE

@@ -48,6 +48,7 @@ from gpumesh.protocol.messages import (
     Pong,
     Proof,
     Refusal,
+    SessionProof,
     StatusReply,
     StatusRequest,
     ThroughputReply,
@@ -67,6 +68,13 @@ env_keys = st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,20}", fullmatch=True)
 env_values = st.text(st.characters(blacklist_characters="\0"), max_size=100)
 
 MESSAGES: st.SearchStrategy[Message] = st.one_of(
+    st.builds(
+        SessionProof,
+        version=st.integers(0, 2**31),
+        public_key=keys,
+        name=names,
+        signature=st.binary(min_size=64, max_size=64),
+    ),
     st.builds(Hello, version=st.integers(0, 2**31), public_key=keys, name=names),
     st.builds(Challenge, nonce=keys, version=st.integers(0, 2**31)),
     st.builds(Proof, signature=st.binary(min_size=64, max_size=64)),
@@ -216,7 +224,7 @@ def test_every_message_round_trips(message: Message) -> None:
 
 
 def test_every_message_type_is_covered_by_the_round_trip() -> None:
-    covered = {Hello, Challenge, Proof, Welcome, Refusal, Ping, Pong}
+    covered = {SessionProof, Hello, Challenge, Proof, Welcome, Refusal, Ping, Pong}
     covered |= {StatusRequest, StatusReply, ThroughputRequest, ThroughputReply}
     covered |= {JobSubmit, JobAccepted, JobOutput, JobStatus, JobLogs, JobCancel}
     covered |= {FileStat, FileInfo, FilePut, FileResume, FileGet, FileDone, DirPut, DirGet}
@@ -237,6 +245,10 @@ def test_decode_accepts_a_memoryview() -> None:
 @pytest.mark.parametrize(
     "message",
     [
+        SessionProof(version=1, public_key=KEY, name="x" * 65, signature=b"s" * 64),
+        SessionProof(version=1, public_key=KEY[:31], name="x", signature=b"s" * 64),
+        SessionProof(version=1, public_key=KEY, name="x", signature=b"s" * 63),
+        SessionProof(version=1, public_key=KEY, name="x", signature=b"s" * 65),
         Hello(version=1, public_key=KEY, name="x" * 65),
         Hello(version=1, public_key=KEY[:31], name="x"),
         Hello(version=1, public_key=KEY + b"k", name="x"),

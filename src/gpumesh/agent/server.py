@@ -346,7 +346,7 @@ class Agent:
     async def _authenticate(self, link: QuicLink, slot: Slot) -> None:
         outcome = Outcome.UNATTRIBUTED
         try:
-            auth = await accept_session(link, self.identity, self.name, self.authorize)
+            accepted = await accept_session(link, self.identity, self.name, self.authorize)
             outcome = Outcome.PROVEN
         except GPUMeshError as exc:
             # Held against the address only when the sender is known to receive there:
@@ -359,11 +359,12 @@ class Agent:
             return
         finally:
             self.limiter.closed(slot, outcome)
-        key = auth.client_key
+        key = accepted.auth.client_key
         assert key is not None
         peer = self.store.peer_by_key(key)
         assert peer is not None
-        most = self.jobs.share_limits().max_links_per_peer
+        limits = self.jobs.share_limits()
+        most = limits.max_links_per_peer
         held = sum(1 for other in self._links.values() if other == key)
         if most and held >= most:
             # Each connection has its own request and buffer limits; this bounds
@@ -382,7 +383,10 @@ class Agent:
         self.store.touch_peer(peer.node_id)
         logger.info("[%s] connected from %s (%s)", peer.name, _where(link), link.describe_path())
         self._publish()
+        link.buffer_limit = limits.link_buffer  # no longer the early one
         link.on_stream = lambda stream: self._spawn(self._serve_stream(link, key, stream))
+        for stream in accepted.early:  # sent with the proof: served in the order they came
+            self._spawn(self._serve_stream(link, key, stream))
         closed = await link.wait_closed()
         self._links.pop(link, None)
         self._link_names.pop(link, None)

@@ -256,7 +256,10 @@ class Node:
     async def session(self, query: str, *, timeout: float | None = None) -> AsyncIterator[Session]:
         """An authenticated session with a paired peer, closed on exit.
 
-        Direct addresses are dialled first; with a relay (the peer's hint from
+        Requests may start at once: the identity proof leaves with the first of
+        them, and the peer's Welcome, or its refusal (raised by every request
+        then), comes back with the first reply (``session.established()`` waits
+        for it alone). Direct addresses are dialled first; with a relay (the peer's hint from
         pairing, else ours) the relay is tried too, and hole punching moves a
         relayed session to a direct path when the NATs allow it.
         """
@@ -300,6 +303,7 @@ class Node:
         self, query: str, *, pings: int = 5, timeout: float | None = None
     ) -> ConnectResult:
         """Dial a peer, prove identities both ways, and measure the round trip."""
+        import asyncio
         import statistics
 
         peer = self.peer(query)
@@ -307,9 +311,17 @@ class Node:
 
         started = time.perf_counter()
         async with self.session(query, timeout=timeout) as session:
-            connect_ms = (time.perf_counter() - started) * 1000
+            # The status request leaves with the identity proof and its reply comes
+            # right behind the provider's Welcome: no round trip of its own.
+            status = asyncio.ensure_future(session.request(StatusRequest()))
+            try:
+                await session.established()
+                connect_ms = (time.perf_counter() - started) * 1000
+                remote = await status
+            finally:
+                status.cancel()
+                status.add_done_callback(lambda done: done.cancelled() or done.exception())
             await session.wait_for_punching(PUNCH_WAIT)
-            remote = await session.request(StatusRequest())
             if not isinstance(remote, StatusReply):
                 raise UnreachableError(f"{peer.name} answered status with {type(remote).__name__}")
             rtts = []

@@ -6,8 +6,12 @@ message from the union below. Messages from peers are decoded leniently
 (unknown fields are ignored, so a newer peer can add fields) but every field
 has a size bound, and frames have a hard size limit.
 
-Protocol versions: ``PROTOCOL_VERSION`` is exchanged in ``Hello``; a node
-refuses a peer whose major version it does not speak.
+Protocol versions: ``PROTOCOL_VERSION`` names the message set and is exchanged
+in ``SessionProof`` (or ``Hello``); a node refuses a peer whose major version it
+does not speak. The connection's ALPN names how its first stream proves the
+dialer's key: :data:`ALPN` (a ``SessionProof`` bound to the TLS session, sent
+with the first request) or :data:`ALPN_CHALLENGE` (``Hello``, ``Challenge``,
+``Proof``: the previous release's, kept so a peer one version behind connects).
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from gpumesh.errors import FrameTooLargeError, ProtocolError
 
 __all__ = [
     "ALPN",
+    "ALPNS",
+    "ALPN_CHALLENGE",
     "MAX_DATA_FRAME",
     "MAX_MESSAGE_FRAME",
     "PROTOCOL_VERSION",
@@ -58,6 +64,7 @@ __all__ = [
     "Pong",
     "Proof",
     "Refusal",
+    "SessionProof",
     "StatusReply",
     "StatusRequest",
     "ThroughputReply",
@@ -67,7 +74,12 @@ __all__ = [
     "encode_message",
 ]
 
-ALPN = "gpumesh/1"
+ALPN = "gpumesh/2"
+"""Connections whose identity proof is bound to the TLS session (:class:`SessionProof`)."""
+ALPN_CHALLENGE = "gpumesh/1"
+"""Connections whose identity proof answers a provider's nonce (``Hello``/``Challenge``)."""
+ALPNS = (ALPN, ALPN_CHALLENGE)
+"""What a node offers and accepts, preferred first."""
 PROTOCOL_VERSION = 1
 
 MAX_MESSAGE_FRAME = 64 * 1024
@@ -93,8 +105,23 @@ class _Msg(msgspec.Struct, tag_field="t", frozen=True):
 # --- authentication (first stream of every connection) -------------------------
 
 
+class SessionProof(_Msg, tag="session_proof", frozen=True):
+    """Dialer -> provider, alone on the first stream of a :data:`ALPN` connection:
+    who I am, proven by a signature over this TLS session's binding (see
+    :mod:`gpumesh.protocol.handshake`). Requests may follow at once on other streams."""
+
+    version: int
+    """The dialer's protocol version."""
+    public_key: Key
+    """The dialer's raw Ed25519 public key."""
+    name: Name
+    """The dialer's node name (informational; the key is what counts)."""
+    signature: Signature
+    """Ed25519 over the session transcript: binding, provider key, dialer key."""
+
+
 class Hello(_Msg, tag="hello", frozen=True):
-    """Dialer -> provider: who I claim to be."""
+    """Dialer -> provider on a :data:`ALPN_CHALLENGE` connection: who I claim to be."""
 
     version: int
     """The dialer's protocol version."""
@@ -524,7 +551,8 @@ class ExecExit(_Msg, tag="exec_exit", frozen=True):
 
 
 Message = (
-    Hello
+    SessionProof
+    | Hello
     | Challenge
     | Proof
     | Welcome

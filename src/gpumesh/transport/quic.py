@@ -12,7 +12,10 @@ the frame layer (:mod:`gpumesh.transport.stream`).
 
 Pitfalls it handles (all learned the hard way):
 
-* ``HandshakeCompleted`` is the only "connected" signal;
+* ``HandshakeCompleted`` is the only "connected" signal, and the moment the
+  session's binding (:func:`session_binding`) is taken;
+* a peer's streams may first show up out of order (a lost packet): a lower id
+  not seen yet is a new stream, not a late frame of an old one;
 * ``get_send_buffer_size`` is the only send backpressure signal, and it is
   only meaningful right after ``datagrams_to_send``;
 * an application close carries ``code: message`` in the reason phrase so a
@@ -29,18 +32,24 @@ import asyncio
 import logging
 import os
 import ssl
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from qh3 import QuicConfiguration, QuicConnection, QuicConnectionError
 from qh3.quic import events as qe
-from qh3.tls import SignatureAlgorithm, load_pem_private_key, load_pem_x509_certificates
+from qh3.tls import (
+    SignatureAlgorithm,
+    hkdf_expand_label,
+    load_pem_private_key,
+    load_pem_x509_certificates,
+)
 
 from gpumesh.errors import (
     ConnectionLostError,
     GPUMeshError,
     KeyMismatchError,
+    ProtocolError,
     UnreachableError,
     error_from_code,
 )
@@ -54,7 +63,8 @@ from gpumesh.protocol.admission import (
     encode_retry,
     parse_initial,
 )
-from gpumesh.protocol.messages import ALPN
+from gpumesh.protocol.handshake import BINDING_SIZE
+from gpumesh.protocol.messages import ALPNS
 from gpumesh.transport.stream import RESET_OVER_LIMIT, Stream, over_limit_error
 from gpumesh.transport.udp import Address, UdpSocket, open_udp_socket
 
@@ -64,11 +74,13 @@ if TYPE_CHECKING:
 __all__ = [
     "APP_ERROR",
     "Buffered",
+    "PeerStreamIds",
     "QuicEndpoint",
     "QuicLink",
     "client_configuration",
     "close_reason",
     "server_configuration",
+    "session_binding",
 ]
 
 logger = logging.getLogger(__name__)
@@ -98,10 +110,10 @@ class Buffered:
         return self.unread + self.unsent
 
 
-def _base_configuration(is_client: bool) -> QuicConfiguration:
+def _base_configuration(is_client: bool, alpns: Sequence[str]) -> QuicConfiguration:
     config = QuicConfiguration(
         is_client=is_client,
-        alpn_protocols=[ALPN],
+        alpn_protocols=list(alpns),
         connection_id_length=CID_LENGTH,
         idle_timeout=IDLE_TIMEOUT,
         max_datagram_size=MAX_DATAGRAM,
@@ -111,21 +123,51 @@ def _base_configuration(is_client: bool) -> QuicConfiguration:
     return config
 
 
-def server_configuration(identity: Identity) -> QuicConfiguration:
-    config = _base_configuration(is_client=False)
+def server_configuration(identity: Identity, alpns: Sequence[str] = ALPNS) -> QuicConfiguration:
+    """``alpns``: the connection protocols accepted, preferred first."""
+    config = _base_configuration(is_client=False, alpns=alpns)
     config.certificate = load_pem_x509_certificates(self_signed_certificate_pem(identity))[0]
     config.private_key = load_pem_private_key(identity.private_pem())
     return config
 
 
-def client_configuration() -> QuicConfiguration:
-    config = _base_configuration(is_client=True)
+def client_configuration(alpns: Sequence[str] = ALPNS) -> QuicConfiguration:
+    """``alpns``: the connection protocols offered, preferred first."""
+    config = _base_configuration(is_client=True, alpns=alpns)
     # No CA: the certificate is self-signed and the caller pins its key instead.
     config.verify_mode = ssl.CERT_NONE
     config.server_name = "gpumesh"
     # qh3 leaves EdDSA out of its default list; our nodes only have Ed25519 keys.
     config.signature_algorithms = [SignatureAlgorithm.ED25519]
     return config
+
+
+_BINDING_LABEL = b"gpumesh auth"
+
+
+def session_binding(quic: QuicConnection) -> bytes:
+    """A secret of this TLS session that both ends hold once its handshake is done.
+
+    ``HKDF-Expand-Label(master secret, "gpumesh auth", Transcript-Hash(ClientHello
+    .. client Finished), 32)``: how TLS 1.3 derives its exporter and resumption
+    secrets (RFC 8446 sections 7.1 and 7.5), under a label of our own, because
+    qh3 offers no exporter. It depends on both ends' key shares and randoms and on
+    the certificate the server sent, so a man in the middle, who runs two sessions
+    with different keys, cannot make them share one, and a passive observer never
+    learns it. Both ends' key schedules stop at this point after the handshake
+    (qh3's server has already hashed the client Finished it expects).
+    """
+    tls = quic.tls
+    schedule = None if tls is None else tls.key_schedule
+    if schedule is None or schedule.generation != 3:  # 3: the master secret
+        raise ProtocolError("the TLS handshake did not finish: no session binding")
+    return hkdf_expand_label(
+        schedule.algorithm,
+        schedule.secret,
+        _BINDING_LABEL,
+        schedule.hash.copy().digest(),
+        BINDING_SIZE,
+    )
 
 
 def close_reason(error: GPUMeshError) -> str:
@@ -155,6 +197,34 @@ def _destination_cid(data: bytes) -> bytes | None:
     return data[1 : 1 + CID_LENGTH] if len(data) > CID_LENGTH else None
 
 
+class PeerStreamIds:
+    """Which of a peer's stream ids have been seen: a frame for a stream we keep no
+    object for is a new request only the first time.
+
+    Ids only grow as a peer opens streams, but first frames may arrive out of
+    order (a lost packet): a lower id not seen yet is new (QUIC opened it with the
+    higher one), a lower id seen before is a late frame of a request already
+    served. The ids not seen yet are at most the peer's stream limit.
+    """
+
+    def __init__(self) -> None:
+        self._last: dict[int, int] = {}
+        """Highest id seen, per kind of stream (the id modulo 4)."""
+        self._unseen: set[int] = set()
+
+    def first_seen(self, stream_id: int) -> bool:
+        kind = stream_id % 4
+        last = self._last.get(kind, kind - 4)
+        if stream_id > last:
+            self._unseen.update(range(last + 4, stream_id, 4))
+            self._last[kind] = stream_id
+            return True
+        if stream_id in self._unseen:
+            self._unseen.discard(stream_id)
+            return True
+        return False
+
+
 class QuicLink:
     """One QUIC connection to one peer, carrying many streams."""
 
@@ -182,11 +252,14 @@ class QuicLink:
         self.connected: asyncio.Future[None] = loop.create_future()
         self.closed: asyncio.Future[GPUMeshError] = loop.create_future()
         self.on_stream: Callable[[Stream], None] | None = None
+        self.alpn: str | None = None
+        """The connection protocol both ends agreed on (set when connected)."""
+        self.binding = b""
+        """This TLS session's binding (:func:`session_binding`, set when connected)."""
         self.cids: set[bytes] = {quic.host_cid}
         self.path: RelayedPath | None = None
         """The relayed session under this link, or None for a plain direct link."""
-        self._last_peer_stream = -1
-        """Highest stream id the peer opened: ids only grow, so a lower unknown one is old."""
+        self._peer_streams = PeerStreamIds()
         self.buffer_limit = 0
         """Most bytes the link may hold (:meth:`buffered`) before a stream that would add
         to them is ended (see :mod:`gpumesh.transport.stream`); 0: no limit. The
@@ -348,9 +421,8 @@ class QuicLink:
                 if stream is None:
                     if event.stream_id % 4 == (0 if self.quic.configuration.is_client else 1):
                         continue  # data for a stream we already closed and forgot
-                    if event.stream_id <= self._last_peer_stream:
+                    if not self._peer_streams.first_seen(event.stream_id):
                         continue  # a late frame of a request already served: not a new one
-                    self._last_peer_stream = event.stream_id
                     stream = Stream(self, event.stream_id)
                     self._streams[event.stream_id] = stream
                     if self.on_stream is None:
@@ -373,6 +445,8 @@ class QuicLink:
                     stream.stop_sending()
             elif isinstance(event, qe.HandshakeCompleted):
                 self.validated = True
+                self.alpn = event.alpn_protocol
+                self.binding = session_binding(self.quic)
                 if not self.connected.done():
                     self.connected.set_result(None)
             elif isinstance(event, qe.ConnectionIdIssued):
@@ -490,11 +564,12 @@ class QuicEndpoint:
         on_link: Callable[[QuicLink], None],
         accept: Accept | None = None,
         on_drop: OnDrop | None = None,
+        alpns: Sequence[str] = ALPNS,
     ) -> QuicEndpoint:
         udp = UdpSocket(open_udp_socket(host, port))
         return cls(
             udp,
-            server_config=server_configuration(identity),
+            server_config=server_configuration(identity, alpns),
             on_link=on_link,
             accept=accept,
             on_drop=on_drop,
@@ -508,8 +583,10 @@ class QuicEndpoint:
         expected_key: bytes,
         timeout: float,
         local_host: str | None = None,
+        alpns: Sequence[str] = ALPNS,
     ) -> QuicLink:
-        """Connect to ``address`` from an ephemeral port and pin ``expected_key``."""
+        """Connect to ``address`` from an ephemeral port and pin ``expected_key``;
+        ``alpns``: the connection protocols to offer, preferred first."""
         host = local_host or ("::" if ":" in address[0] else "0.0.0.0")
         try:
             udp = UdpSocket(open_udp_socket(host, 0))
@@ -523,7 +600,7 @@ class QuicEndpoint:
             raise UnreachableError(f"cannot reach {where}: {exc.strerror or exc}") from exc
         endpoint = cls(udp)
         try:
-            return await endpoint._dial_link(address, where, expected_key, timeout)
+            return await endpoint._dial_link(address, where, expected_key, timeout, alpns=alpns)
         except BaseException:
             endpoint.close()
             raise
@@ -570,8 +647,9 @@ class QuicEndpoint:
         timeout: float,
         *,
         path: RelayedPath | None = None,
+        alpns: Sequence[str] = ALPNS,
     ) -> QuicLink:
-        quic = QuicConnection(configuration=client_configuration())
+        quic = QuicConnection(configuration=client_configuration(alpns))
         link = QuicLink(self, quic, address)
         if path is not None and self.relay is not None:
             self.relay.attach(path, link)

@@ -1,9 +1,14 @@
 """Authenticated sessions: a QUIC link whose dialer has proven its key.
 
 Dialer side: :func:`open_session` dials (several addresses, staggered, first
-answer wins), pins the provider's key, and runs the identity proof. Provider
-side: :func:`accept_session` runs the proof on the first stream and decides
-access through a callback. Every later stream on the link is one request.
+answer wins), pins the provider's key, and sends the identity proof. On a
+``gpumesh/2`` link the proof is bound to the TLS session, so the session is
+returned at once and the first request leaves with the proof: the provider's
+Welcome (or refusal) comes back with its reply, one round trip after the QUIC
+handshake. With a provider one version behind (``gpumesh/1``) it waits for the
+challenge and the Welcome first. Provider side: :func:`accept_session` runs the
+proof on stream 0, holds the requests that came with it unread until the proof
+checks, and decides access through a callback. Every other stream is one request.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import logging
 import os
 import socket
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gpumesh.errors import (
     AccessDeniedError,
@@ -26,14 +31,18 @@ from gpumesh.errors import (
     UnreachableError,
 )
 from gpumesh.identity.keys import Identity
-from gpumesh.protocol.handshake import ClientAuth, ServerAuth
-from gpumesh.protocol.messages import Hello, Message, Proof
+from gpumesh.protocol.flow import DEFAULT_WINDOW
+from gpumesh.protocol.handshake import AUTH_STREAM, AuthForm, ClientAuth, ServerAuth
+from gpumesh.protocol.messages import MAX_MESSAGE_FRAME, Hello, Message, Proof, SessionProof
 from gpumesh.transport.quic import QuicEndpoint, QuicLink
 from gpumesh.transport.stream import Stream
 from gpumesh.transport.udp import Address, parse_address
 
 __all__ = [
     "AUTH_TIMEOUT",
+    "EARLY_BUFFER",
+    "EARLY_REQUESTS",
+    "Accepted",
     "RelayHint",
     "Session",
     "accept_session",
@@ -46,6 +55,15 @@ logger = logging.getLogger(__name__)
 
 AUTH_TIMEOUT = 5.0
 """Seconds a new connection has to prove its identity before it is dropped."""
+EARLY_REQUESTS = 8
+"""Requests a dialer may send with its proof; streams past them are reset unread."""
+EARLY_BUFFER = DEFAULT_WINDOW + 16 * MAX_MESSAGE_FRAME
+"""Most bytes a link may hold for its reader before its proof checks: one request's
+bulk window and a few messages (the first request a node sends may be an upload
+that does not wait for an answer). A stream that takes the link over it is
+refused, so what a stranger makes the provider hold stays under it, for at most
+:data:`AUTH_TIMEOUT`; what qh3 reassembles is bounded by QUIC's windows, as for
+any connection."""
 _DIAL_STAGGER = 0.25
 RELAY_DELAY = 0.5
 """Seconds direct dials get before the relay is tried too (at once if they all fail)."""
@@ -80,11 +98,22 @@ async def resolve_relay(text: str) -> Address:
 
 
 class Session:
-    """The dialer's view of an authenticated link: one request per stream."""
+    """The dialer's view of an authenticated link: one request per stream.
 
-    def __init__(self, link: QuicLink, peer_name: str) -> None:
+    Requests may start as soon as it exists; on a session-bound link the
+    provider's Welcome is still on its way then (:meth:`established` waits for
+    it), and a refusal closes the link with its error, which every open request
+    then raises.
+    """
+
+    def __init__(self, link: QuicLink, auth: ClientAuth, auth_stream: Stream, where: str) -> None:
         self.link = link
-        self.peer_name = peer_name
+        self.peer_name = where
+        """The provider's node name once it welcomed us; where we dialled until then."""
+        self._auth = auth
+        self._auth_stream = auth_stream
+        self._where = where
+        self._established: asyncio.Future[None] | None = None
 
     @property
     def address(self) -> Address:
@@ -124,12 +153,55 @@ class Session:
     def open_stream(self) -> Stream:
         return self.link.open_stream()
 
+    @property
+    def welcomed(self) -> bool:
+        """Whether the provider's Welcome has been read (see :meth:`established`)."""
+        return self._auth.done
+
+    async def established(self) -> None:
+        """Wait until the provider welcomed us: both keys proven, access granted.
+
+        Raises the provider's refusal (the link is closed then), or
+        :class:`UnreachableError` when no answer comes within :data:`AUTH_TIMEOUT`.
+        """
+        if self._established is None:
+            self._established = asyncio.ensure_future(self._finish_authentication())
+            # Retrieved here too: a caller may be cancelled while it goes on.
+            self._established.add_done_callback(
+                lambda done: None if done.cancelled() else done.exception()
+            )
+        await asyncio.shield(self._established)
+
+    async def _finish_authentication(self) -> None:
+        auth, stream = self._auth, self._auth_stream
+        try:
+            async with asyncio.timeout(AUTH_TIMEOUT):
+                while not auth.done:
+                    reply = auth.receive(await stream.read_message())
+                    if reply is not None:
+                        stream.send_message(reply, end=True)
+        except TimeoutError:
+            error = UnreachableError(
+                f"{self._where} accepted the connection but did not finish authentication"
+            )
+            self.link.close(error)
+            raise error from None
+        except GPUMeshError as exc:
+            # With its error, so every request open on the link raises the same.
+            self.link.close(exc)
+            raise
+        finally:
+            self.link.forget_stream(stream.stream_id)
+        self.peer_name = auth.server_name or self.peer_name
+
     async def request(self, message: Message, timeout: float = 30.0) -> Message:
-        """Send one message on a new stream and return the single reply."""
+        """Send one message on a new stream and return the single reply (which a
+        session-bound provider sends right behind its Welcome)."""
         stream = self.open_stream()
         stream.send_message(message, end=True)
         try:
             async with asyncio.timeout(timeout):
+                await self.established()
                 reply = await stream.read_message()
         except TimeoutError:
             raise ConnectionLostError(
@@ -183,27 +255,24 @@ async def _dial_relayed(
 async def _authenticate(
     link: QuicLink, identity: Identity, name: str, server_key: bytes, where: str
 ) -> Session:
+    """Send the identity proof; wait for the Welcome only where requests must."""
+    auth = ClientAuth(identity, name, server_key)
     try:
-        auth = ClientAuth(identity, name, server_key)
+        form = AuthForm.of(link.alpn)
         stream = link.open_stream()
-        stream.send_message(auth.start())
-        deadline = asyncio.get_running_loop().time() + AUTH_TIMEOUT
-        while not auth.done:
-            remaining = deadline - asyncio.get_running_loop().time()
-            try:
-                message = await asyncio.wait_for(stream.read_message(), max(remaining, 0.01))
-            except TimeoutError:
-                raise UnreachableError(
-                    f"{where} accepted the connection but did not finish authentication"
-                ) from None
-            reply = auth.receive(message)
-            if reply is not None:
-                stream.send_message(reply, end=True)
-        link.forget_stream(stream.stream_id)
+        assert stream.stream_id == AUTH_STREAM
+        stream.send_message(auth.start(form, link.binding), end=form is AuthForm.SESSION)
     except GPUMeshError as exc:
         link.close(exc if isinstance(exc, ProtocolError) else None)
         raise
-    return Session(link, auth.server_name or "")
+    session = Session(link, auth, stream, where)
+    if not auth.may_send_requests:
+        try:
+            await session.established()
+        except asyncio.CancelledError:
+            link.close()  # another address or path won the race
+            raise
+    return session
 
 
 def _rank(error: GPUMeshError) -> int:
@@ -333,30 +402,59 @@ async def _open_direct(
     raise best
 
 
+@dataclass
+class Accepted:
+    """A link whose dialer proved its key (and passed ``authorize``)."""
+
+    auth: ServerAuth
+    """The finished proof: ``client_key`` is proven."""
+    early: list[Stream] = field(default_factory=list)
+    """Requests the dialer sent with its proof, unread, in the order they came:
+    the caller serves them once it has set ``link.on_stream`` for the rest."""
+
+
 async def accept_session(
     link: QuicLink,
     identity: Identity,
     name: str,
     authorize: Callable[[bytes], None],
-) -> ServerAuth:
-    """Run the identity proof on ``link``'s first stream.
+) -> Accepted:
+    """Run the identity proof on ``link``'s stream 0, in the form its ALPN names.
 
-    Returns the finished :class:`ServerAuth` (``client_key`` is proven). On
-    any failure the dialer gets a typed refusal, the link is closed, and the
-    error is raised.
+    Requests that arrive before the proof checks are held unread (at most
+    :data:`EARLY_REQUESTS` of them, :data:`EARLY_BUFFER` bytes in all) and handed
+    back. On any failure the dialer gets a typed refusal, the link is closed
+    (with what it held), and the error is raised.
     """
     first: asyncio.Future[Stream] = asyncio.get_running_loop().create_future()
+    early: list[Stream] = []
+    form: AuthForm | None = None  # known once the TLS handshake is done
 
     def on_stream(stream: Stream) -> None:
-        if not first.done():
+        # Called as the stream's first frame arrives, which may be in the same
+        # packets as the end of the handshake (before the code below runs).
+        if stream.stream_id == AUTH_STREAM:
             first.set_result(stream)
-        else:  # no request before the proof
+        elif form is not AuthForm.CHALLENGE and len(early) < EARLY_REQUESTS:
+            early.append(stream)  # read only once the proof checks
+        else:  # a challenge-form dialer sends no request before its Welcome
             stream.abort()
 
     link.on_stream = on_stream
-    auth = ServerAuth(identity, name, os.urandom(32), authorize)
+    link.buffer_limit = EARLY_BUFFER
     try:
         async with asyncio.timeout(AUTH_TIMEOUT):
+            await asyncio.shield(link.connected)
+            form = AuthForm.of(link.alpn)
+            if form is AuthForm.SESSION:
+                auth = ServerAuth.for_session(identity, name, link.binding, authorize)
+                expected: tuple[type[Message], ...] = (SessionProof,)
+            else:
+                auth = ServerAuth.for_challenge(identity, name, os.urandom(32), authorize)
+                expected = (Hello, Proof)
+                for stream in early:
+                    stream.abort()
+                early.clear()
             stream = await first
             while not auth.done:
                 try:
@@ -364,13 +462,14 @@ async def accept_session(
                 except GPUMeshError as exc:
                     stream.refuse(exc)
                     raise
-                if not isinstance(message, (Hello, Proof)):
+                if not isinstance(message, expected):
                     raise ProtocolError("expected the identity proof before any request")
                 reply = auth.receive(message)
                 stream.send_message(reply, end=auth.done or auth.failed)
                 if auth.failed:
                     assert auth.error is not None
                     raise auth.error
+        link.forget_stream(stream.stream_id)
     except TimeoutError:
         error = AccessDeniedError("identity proof not completed in time")
         link.close(error)
@@ -384,4 +483,4 @@ async def accept_session(
     finally:
         with contextlib.suppress(Exception):
             link.on_stream = None
-    return auth
+    return Accepted(auth, early)
