@@ -23,8 +23,9 @@ and loss, and each path is timed as a whole process, ``--repeat`` runs each
 * ``gpumesh connect --json``: the whole process, and the time it reports
   itself (``connect_ms``: dial and identity proof).
 
-A path that takes longer than ``--limit`` seconds is killed and shown as
-stalled (below size/limit); its other runs in that row are skipped. Sources
+A run that takes longer than ``--limit`` seconds is killed and shown as
+timed out (below size/limit MB/s); that path's other runs in that row are
+skipped. Sources
 and both homes live on tmpfs (``/dev/shm``), so neither disk counts; every
 copy is removed after it is checked. Needs root (namespaces, a TUN device).
 The hosts' TCP uses BBR where the kernel has it: the script prints the
@@ -362,7 +363,7 @@ def measure_row(setup: Setup, row: Row) -> None:
                 mbps = chosen[name](setup, row)
             except Stalled:
                 path.stalled = True
-                print(f"  run {index + 1}: {name:<18} stalled (> {setup.args.limit:g} s)")
+                print(f"  run {index + 1}: {name:<18} timed out (> {setup.args.limit:g} s)")
                 continue
             path.mbps.append(mbps)
             print(f"  run {index + 1}: {name:<18} {mbps:8.1f} MB/s", flush=True)
@@ -490,9 +491,9 @@ def cell(path: Runs | None, limit: float, size: int) -> str:
         return "-"
     value = median(path)
     if value is None:
-        return f"stalled (< {size / limit / 1e6:.2g})" if path.stalled else "-"
+        return f"timed out (< {size / limit / 1e6:.2g})" if path.stalled else "-"
     text = f"{value:.1f}"
-    return text + " (1 stalled)" if path.stalled else text
+    return text + " (1 timed out)" if path.stalled else text
 
 
 def report(args: argparse.Namespace, rows: list[Row], setup: Setup) -> None:
@@ -500,7 +501,7 @@ def report(args: argparse.Namespace, rows: list[Row], setup: Setup) -> None:
     print(
         f"\nOver the WAN lab, {args.size / MIB:g} MiB (file; tree of {args.files} files), "
         f"up to {args.repeat} runs of each, whole processes; median MB/s = 10^6 bytes/s; "
-        f"stalled: killed after {args.limit:g} s"
+        f"timed out: killed after {args.limit:g} s"
     )
     header = ["RTT, loss each way", *names, "connect ms (own)"]
     table = []
