@@ -274,7 +274,8 @@ def filesystem_of(path: Path) -> str:
         )
     except OSError:
         return "?"
-    return result.stdout.strip() or "?"
+    lines = result.stdout.strip().splitlines()  # stacked mounts: the first is enough
+    return " ".join(lines[0].split()) if lines else "?"
 
 
 def make_tree(root: Path, files: int, size: int) -> None:
