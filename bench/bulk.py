@@ -37,7 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -85,12 +85,12 @@ def gpumesh_command() -> list[str]:
     return [sys.executable, "-c", "import sys; from gpumesh.cli.main import main; sys.exit(main())"]
 
 
-def make_nodes(tmp: Path, port: int) -> tuple[Node, Node]:
-    """alice (provider, listening on 127.0.0.1:port) and bob, paired both ways."""
+def make_nodes(tmp: Path, port: int, host: str = LOOPBACK) -> tuple[Node, Node]:
+    """alice (provider, listening on host:port) and bob, paired both ways."""
     alice = Node(tmp / "a")
     alice.init("alice")
     config = alice.home.config
-    config.set("listen_host", LOOPBACK)
+    config.set("listen_host", host)
     config.set("listen_port", str(port))
     config.save()
     alice.home.reload_config()
@@ -102,12 +102,17 @@ def make_nodes(tmp: Path, port: int) -> tuple[Node, Node]:
 
 
 @contextlib.contextmanager
-def running_agent(home: Path, log: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """``gpumesh share`` for ``home`` in its own process, until the block ends."""
+def running_agent(
+    home: Path, log: Path, wrap: Sequence[str] = ()
+) -> Iterator[subprocess.Popen[bytes]]:
+    """``gpumesh share`` for ``home`` in its own process, until the block ends.
+
+    ``wrap`` goes before the command and must exec it (e.g. ``ip netns exec NS``).
+    """
     env = dict(os.environ, GPUMESH_HOME=str(home))
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [*gpumesh_command(), "share"],
+            [*wrap, *gpumesh_command(), "share"],
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=out,
@@ -137,8 +142,14 @@ def running_agent(home: Path, log: Path) -> Iterator[subprocess.Popen[bytes]]:
 
 
 @contextlib.contextmanager
-def loopback_sshd(state: Path) -> Iterator[tuple[list[str] | None, str | None]]:
-    """(scp options, None) with a throwaway sshd running, or (None, why not)."""
+def loopback_sshd(
+    state: Path, address: str = LOOPBACK, wrap: Sequence[str] = (), port: int | None = None
+) -> Iterator[tuple[list[str] | None, str | None]]:
+    """(scp options, None) with a throwaway sshd running, or (None, why not).
+
+    ``address`` and ``wrap`` put it elsewhere, e.g. in a network namespace
+    (``wrap`` then needs ``port``: a free port here may not be free there).
+    """
     script = BENCH_DIR / "sshd.sh"
     if shutil.which("scp") is None:
         yield None, "scp is not installed"
@@ -146,7 +157,8 @@ def loopback_sshd(state: Path) -> Iterator[tuple[list[str] | None, str | None]]:
     started = False
     try:
         result = subprocess.run(
-            ["bash", str(script), "start", str(state), str(free_port())],
+            [*wrap, "bash", str(script), "start", str(state), str(port or free_port())],
+            env=dict(os.environ, SSHD_ADDRESS=address),
             capture_output=True,
             text=True,
             timeout=300,

@@ -1,42 +1,54 @@
-"""`gpumesh cp` of a 1 GiB file to a peer, next to scp of the same file, in one run.
+"""`gpumesh cp` of a file and of a tree of small files, next to scp and rsync, in one run.
 
-What is measured: the wall time of copying ``--size`` bytes (default 1 GiB)
-to a peer on this machine, as MB/s (10^6 bytes per second), the median of
-``--repeat`` runs of each tool, taken alternately (GPUMesh first on even runs,
-scp first on odd ones) so the noise of this shared machine hits both alike.
+What is measured: the wall time of whole processes copying to a peer on this
+machine, as MB/s (10^6 bytes per second), the median of ``--repeat`` runs of
+each tool, the tools taken in a rotating order so the noise of this shared
+machine hits all alike, each after one untimed warm-up. Everything is done
+twice, on two media:
 
-* GPUMesh: ``gpumesh cp FILE alice:/copy.bin`` as a new CLI process each time,
-  to a provider running as a separate ``gpumesh share`` process. The timed
-  span covers the whole process: start, hashing the file (SHA-256, sent ahead
-  in ``FilePut``), dialling and the identity proof, the transfer, the
-  provider's hash check and rename, exit. The figure ``cp`` itself reports
-  (``--json``: whole call, without interpreter start) is shown next to it.
-* scp: ``scp FILE host:PATH`` against a throwaway OpenSSH server on 127.0.0.1
-  (bench/sshd.sh, default ciphers), whole process too.
+* tmpfs (``/dev/shm``): the source, the provider's home (where its sandbox
+  is) and the ssh tools' target;
+* disk: the same under ``--dir`` (default ``bench/out/`` in this checkout; the
+  script prints its filesystem, taken from ``findmnt``, and refuses tmpfs
+  there). Writes land in the page cache as any copy's do; nobody syncs.
 
-Source and destinations live on tmpfs (``/dev/shm`` when it exists): the
-provider's home (where its sandbox is) and scp's target alike, so no disk is
-involved on either side. Each copy is checked (size; GPUMesh checks SHA-256
-itself) and removed before the next. If sshd or scp cannot be set up, the
-script says why and still reports GPUMesh's figure. Everything (agent, sshd,
-files) is removed on exit.
+Two things are copied (``--size``, default 1 GiB, and a tree of ``--files``
+files, default 10,000, making up ``--tree-size``, default 256 MiB):
+
+* file: ``gpumesh cp --json FILE alice:PATH`` as a new CLI process each time,
+  to a provider running as a separate ``gpumesh share`` process (its own
+  figure, without interpreter start, is shown too; the size and
+  ``resumed_from == 0`` are checked); ``scp`` with OpenSSH's default cipher;
+  ``scp -c aes128-gcm@openssh.com`` (the fastest cipher a user can pick);
+  ``rsync -a`` over ssh with that cipher;
+* tree: folder ``gpumesh cp``; ``scp -r -c aes128-gcm@openssh.com``;
+  ``rsync -a`` over ssh with that cipher.
+
+The ssh tools talk to a throwaway OpenSSH server on 127.0.0.1
+(``bench/sshd.sh``). Every copy is checked (bytes arrived) and removed
+before the next. If sshd, scp or rsync cannot be set up, the script says why
+and still reports GPUMesh's figures (install rsync with ``apt-get install
+rsync`` to get its rows). Everything (agent, sshd, files) is removed on exit.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import os
+import shutil
 import socket
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from _benchlib import (
+    ensure_bytecode,
     exit_cleanly_on_sigterm,
     free_port,
     interrupted,
@@ -51,159 +63,402 @@ from bulk import (
     make_nodes,
     parse_size,
     running_agent,
-    scp_once,
     write_source,
 )
 
 MIB = 1024 * 1024
 GOAL = 1.2
-"""GPUMesh's median should be at least this many times scp's."""
+"""GPUMesh's medians should be at least this many times scp's (aes128-gcm and scp -r)."""
+GOAL_RSYNC = 1.0
+"""Folder cp should be at least as fast as rsync -a."""
+CIPHER = "aes128-gcm@openssh.com"
+DISK_DEFAULT = Path(__file__).resolve().parent / "out"
+
+GPUMESH_CP = "gpumesh cp"
+SCP_DEFAULT = "scp (default cipher)"
+SCP_GCM = "scp -c aes128-gcm"
+RSYNC = "rsync -a (ssh aes128-gcm)"
+FOLDER_CP = "gpumesh cp (folder)"
+SCP_R = "scp -r -c aes128-gcm"
+FILE_TOOLS = (GPUMESH_CP, SCP_DEFAULT, SCP_GCM, RSYNC)
+TREE_TOOLS = (FOLDER_CP, SCP_R, RSYNC)
+RATIOS = (
+    ("file", GPUMESH_CP, SCP_DEFAULT, None),
+    ("file", GPUMESH_CP, SCP_GCM, GOAL),
+    ("file", GPUMESH_CP, RSYNC, None),
+    ("tree", FOLDER_CP, SCP_R, GOAL),
+    ("tree", FOLDER_CP, RSYNC, GOAL_RSYNC),
+)
 
 
 @dataclass
-class Results:
-    gpumesh_wall: list[float] = field(default_factory=list)
-    """MB/s of the whole ``gpumesh cp`` process."""
-    gpumesh_reported: list[float] = field(default_factory=list)
-    """MB/s as ``gpumesh cp --json`` reports it (whole call, no interpreter start)."""
-    scp_wall: list[float] = field(default_factory=list)
-    scp_note: str | None = None
+class Medium:
+    name: str
+    """``tmpfs`` or ``disk``."""
+    parent: Path
+    filesystem: str
+    """What findmnt says holds ``parent``."""
+    file: dict[str, list[float]] = field(default_factory=dict)
+    """MB/s per tool of the file copies (whole process)."""
+    tree: dict[str, list[float]] = field(default_factory=dict)
+    reported: list[float] = field(default_factory=list)
+    """MB/s of the file as ``gpumesh cp --json`` reports it (no interpreter start)."""
+    channel: set[str] = field(default_factory=set)
 
 
-async def cp_once(bob_home: Path, source: Path, copied: Path, size: int) -> tuple[float, float]:
-    """(wall MB/s, reported MB/s) of one ``gpumesh cp`` of ``source`` to alice."""
-    env = dict(os.environ, GPUMESH_HOME=str(bob_home))
-    env.pop("GPUMESH_LOG", None)
+@dataclass
+class Copies:
+    """One medium's set-up: what to copy, where to, and how to reach the provider."""
+
+    tmp: Path
+    source: Path
+    tree: Path
+    size: int
+    tree_size: int
+    sandbox: Path
+    env: dict[str, str]
+    ssh: list[str] | None
+    counter: int = 0
+
+    def fresh(self, stem: str) -> str:
+        self.counter += 1
+        return f"{stem}-{self.counter}"
+
+
+# --- one timed process -------------------------------------------------------------------
+
+
+def timed(command: Sequence[str], env: dict[str, str] | None = None) -> tuple[float, str]:
+    """(seconds, stdout) of one whole process."""
     started = time.perf_counter()
-    proc = await asyncio.create_subprocess_exec(
-        *gpumesh_command(),
-        "cp",
-        "--json",
-        str(source),
-        "alice:/copy.bin",
+    result = subprocess.run(
+        list(command),
         env=env,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=TRANSFER_TIMEOUT,
+        check=False,
     )
-    try:
-        out, err = await asyncio.wait_for(proc.communicate(), TRANSFER_TIMEOUT)
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-    wall = time.perf_counter() - started
-    if proc.returncode != 0:
-        raise RuntimeError(f"gpumesh cp failed (exit {proc.returncode}): {err.decode().strip()}")
+    seconds = time.perf_counter() - started
+    if result.returncode != 0:
+        what = " ".join(command[:2])
+        raise RuntimeError(f"{what} failed (exit {result.returncode}): {result.stderr.strip()}")
+    return seconds, result.stdout
+
+
+def tree_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+def arrived_file(path: Path, size: int, what: str) -> None:
+    got = path.stat().st_size
+    path.unlink()
+    if got != size:
+        raise RuntimeError(f"{what} copied {got} of {size} bytes")
+
+
+def arrived_tree(path: Path, size: int, what: str) -> None:
+    got = tree_bytes(path) if path.is_dir() else -1
+    shutil.rmtree(path, ignore_errors=True)
+    if got != size:
+        raise RuntimeError(f"{what} copied {got} of {size} bytes")
+
+
+# --- the tools ---------------------------------------------------------------------------
+
+
+def gpumesh_file(c: Copies, medium: Medium) -> float:
+    name = c.fresh("copy") + ".bin"
+    seconds, out = timed(
+        [*gpumesh_command(), "cp", "--json", str(c.source), f"alice:/{name}"], c.env
+    )
     result = json.loads(out)
-    check_copied(copied, size, result)
-    return size / wall / 1e6, float(result["mb_per_s"])
+    if result["resumed_from"] != 0:
+        raise RuntimeError(f"gpumesh cp resumed instead of copying from scratch: {result}")
+    arrived_file(c.sandbox / name, c.size, "gpumesh cp")
+    medium.reported.append(float(result["mb_per_s"]))
+    medium.channel.add(f"{result['channel']} ({result.get('congestion') or '-'})")
+    return c.size / seconds / 1e6
 
 
-def check_copied(copied: Path, size: int, result: dict[str, object]) -> None:
-    """Check that the whole file arrived, sent from scratch, then free the tmpfs space."""
-    arrived = copied.stat().st_size
-    copied.unlink()
-    if arrived != size or result["resumed_from"] != 0:
-        raise RuntimeError(f"gpumesh cp did not copy all {size} bytes from scratch: {result}")
+def gpumesh_tree(c: Copies, _medium: Medium) -> float:
+    name = c.fresh("tree")
+    seconds, _ = timed([*gpumesh_command(), "cp", "--json", str(c.tree), f"alice:/{name}"], c.env)
+    arrived_tree(c.sandbox / name, c.tree_size, "gpumesh cp (folder)")
+    return c.tree_size / seconds / 1e6
 
 
-async def transfers(
-    args: argparse.Namespace, tmp: Path, scp_options: list[str] | None, sandbox: Path
-) -> Results:
-    results = Results()
-    source, target = tmp / "source.bin", tmp / "scp-target.bin"
-    copied = sandbox / "copy.bin"
-    write_source(source, args.size)
-    # Untimed warm-up of both: first-use costs, page cache, binaries.
-    if scp_options is not None:
-        await scp_once(scp_options, source, target, args.size)
-    await cp_once(tmp / "b", source, copied, args.size)
-    for index in range(args.repeat):
-        order = ("gpumesh", "scp") if index % 2 == 0 else ("scp", "gpumesh")
-        for kind in order:
-            if kind == "gpumesh":
-                wall, reported = await cp_once(tmp / "b", source, copied, args.size)
-                results.gpumesh_wall.append(wall)
-                results.gpumesh_reported.append(reported)
-                print(f"  run {index + 1}: gpumesh cp {wall:8.1f} MB/s", flush=True)
-            elif scp_options is not None:
-                wall = await scp_once(scp_options, source, target, args.size)
-                results.scp_wall.append(wall)
-                print(f"  run {index + 1}: scp        {wall:8.1f} MB/s", flush=True)
-    return results
+def scp_file(cipher: str | None) -> Callable[[Copies, Medium], float]:
+    def run(c: Copies, _medium: Medium) -> float:
+        assert c.ssh is not None
+        target = c.tmp / "ssh-in" / (c.fresh("scp") + ".bin")
+        flags = ["-c", cipher] if cipher else []
+        seconds, _ = timed(["scp", "-q", *flags, *c.ssh, str(c.source), f"bench:{target}"])
+        arrived_file(target, c.size, "scp")
+        return c.size / seconds / 1e6
+
+    return run
 
 
-def run(args: argparse.Namespace) -> Results:
-    with contextlib.ExitStack() as stack:
-        shm_parent = "/dev/shm" if Path("/dev/shm").is_dir() else None
-        tmp = Path(
-            stack.enter_context(tempfile.TemporaryDirectory(prefix="gpumesh-cp-", dir=shm_parent))
+def scp_tree(c: Copies, _medium: Medium) -> float:
+    assert c.ssh is not None
+    target = c.tmp / "ssh-in" / c.fresh("scp-r")
+    seconds, _ = timed(["scp", "-q", "-r", "-c", CIPHER, *c.ssh, str(c.tree), f"bench:{target}"])
+    arrived_tree(target, c.tree_size, "scp -r")
+    return c.tree_size / seconds / 1e6
+
+
+def rsync(kind: str) -> Callable[[Copies, Medium], float]:
+    def run(c: Copies, _medium: Medium) -> float:
+        assert c.ssh is not None
+        shell = " ".join(["ssh", "-c", CIPHER, *c.ssh])
+        if kind == "file":
+            target = c.tmp / "ssh-in" / (c.fresh("rsync") + ".bin")
+            seconds, _ = timed(["rsync", "-a", "-e", shell, str(c.source), f"bench:{target}"])
+            arrived_file(target, c.size, "rsync -a")
+            return c.size / seconds / 1e6
+        target = c.tmp / "ssh-in" / c.fresh("rsync-tree")
+        seconds, _ = timed(["rsync", "-a", "-e", shell, f"{c.tree}/", f"bench:{target}/"])
+        arrived_tree(target, c.tree_size, "rsync -a")
+        return c.tree_size / seconds / 1e6
+
+    return run
+
+
+def tools(c: Copies, kind: str, no_rsync_why: str | None) -> dict[str, Callable[..., float]]:
+    if kind == "file":
+        chosen: dict[str, Callable[..., float]] = {GPUMESH_CP: gpumesh_file}
+        if c.ssh is not None:
+            chosen[SCP_DEFAULT] = scp_file(None)
+            chosen[SCP_GCM] = scp_file(CIPHER)
+    else:
+        chosen = {FOLDER_CP: gpumesh_tree}
+        if c.ssh is not None:
+            chosen[SCP_R] = scp_tree
+    if c.ssh is not None and no_rsync_why is None:
+        chosen[RSYNC] = rsync(kind)
+    return chosen
+
+
+def measure(c: Copies, medium: Medium, kind: str, repeat: int, no_rsync_why: str | None) -> None:
+    chosen = tools(c, kind, no_rsync_why)
+    figures = medium.file if kind == "file" else medium.tree
+    names = list(chosen)
+    for name in names:
+        chosen[name](c, medium)  # untimed warm-up: first-use costs, page cache
+        figures[name] = []
+    medium.reported.clear()
+    for index in range(repeat):
+        shift = index % len(names)
+        for name in names[shift:] + names[:shift]:
+            mbps = chosen[name](c, medium)
+            figures[name].append(mbps)
+            print(
+                f"  {medium.name} {kind} run {index + 1}: {name:<26} {mbps:8.1f} MB/s", flush=True
+            )
+
+
+# --- set-up ------------------------------------------------------------------------------
+
+
+def filesystem_of(path: Path) -> str:
+    """findmnt's FSTYPE of the mount holding ``path`` (``?`` when it cannot tell)."""
+    try:
+        result = subprocess.run(
+            ["findmnt", "-n", "-o", "FSTYPE,SOURCE", "-T", str(path)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
         )
+    except OSError:
+        return "?"
+    lines = result.stdout.strip().splitlines()  # stacked mounts: the first is enough
+    return " ".join(lines[0].split()) if lines else "?"
+
+
+def make_tree(root: Path, files: int, size: int) -> None:
+    """``files`` files of random bytes making up ``size``, 100 to a folder."""
+    each, extra = divmod(size, files)
+    pool = os.urandom(max(each + 1, 1) + 4096)
+    for index in range(files):
+        folder = root / f"d{index // 100:03d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        start = index % 4096
+        want = each + (1 if index < extra else 0)
+        (folder / f"f{index:05d}.bin").write_bytes(pool[start : start + want])
+
+
+@contextlib.contextmanager
+def copies(
+    args: argparse.Namespace, parent: Path, no_scp: bool
+) -> Iterator[tuple[Copies, str | None]]:
+    """A provider and (unless ``no_scp``) an sshd with everything under ``parent``."""
+    with contextlib.ExitStack() as stack:
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="cp-", dir=parent)))
+        source, tree = tmp / "source.bin", tmp / "tree"
+        write_source(source, args.size)
+        make_tree(tree, args.files, args.tree_size)
+        (tmp / "ssh-in").mkdir()
         alice, bob = make_nodes(tmp, free_port(kind=socket.SOCK_DGRAM))
         sandbox = tmp / "a" / "files" / str(bob.info().node_id)
+        alice.close()
         bob.close()
-        alice.close()  # the agent process owns alice's home from here on
         stack.enter_context(running_agent(tmp / "a", tmp / "agent.log"))
-        scp_options, note = (None, "skipped (--no-scp)")
-        if not args.no_scp:
-            scp_options, note = stack.enter_context(loopback_sshd(tmp / "ssh"))
+        ssh, why = None, "skipped (--no-scp)"
+        if not no_scp:
+            ssh, why = stack.enter_context(loopback_sshd(tmp / "ssh"))
+        env = dict(os.environ, GPUMESH_HOME=str(tmp / "b"))
+        env.pop("GPUMESH_LOG", None)
+        yield (
+            Copies(
+                tmp=tmp,
+                source=source,
+                tree=tree,
+                size=args.size,
+                tree_size=tree_bytes(tree),
+                sandbox=sandbox,
+                env=env,
+                ssh=ssh,
+            ),
+            why,
+        )
+
+
+def media(args: argparse.Namespace) -> list[Medium]:
+    chosen = []
+    if "tmpfs" in args.media:
+        shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+        chosen.append(Medium("tmpfs", shm, filesystem_of(shm)))
+    if "disk" in args.media:
+        args.dir.mkdir(parents=True, exist_ok=True)
+        chosen.append(Medium("disk", args.dir, filesystem_of(args.dir)))
+    return chosen
+
+
+def run(args: argparse.Namespace) -> list[Medium]:
+    done = []
+    no_rsync_why = (
+        None if shutil.which("rsync") else "rsync is not installed (apt-get install rsync)"
+    )
+    for medium in media(args):
+        print(f"{medium.name}: {medium.parent} ({medium.filesystem})", flush=True)
+        if medium.name == "disk" and medium.filesystem.split()[:1] == ["tmpfs"]:
+            print(f"  {medium.parent} is on tmpfs, not a disk: skipped (pick one with --dir)")
+            continue
         print(
-            f"Copying {args.size / MIB:g} MiB, {_runs(args.repeat)} of each, alternating...",
+            f"  writing a {args.size / MIB:g} MiB file and {args.files} files of "
+            f"{args.tree_size / MIB:g} MiB in all...",
             flush=True,
         )
-        results = asyncio.run(transfers(args, tmp, scp_options, sandbox))
-        results.scp_note = note
-        return results
+        with copies(args, medium.parent, args.no_scp) as (c, ssh_why):
+            if ssh_why:
+                print(f"  scp, rsync: {ssh_why}")
+            elif no_rsync_why:
+                print(f"  rsync: {no_rsync_why}")
+            if not args.no_file:
+                measure(c, medium, "file", args.repeat, no_rsync_why)
+            if not args.no_tree:
+                measure(c, medium, "tree", args.repeat, no_rsync_why)
+        done.append(medium)
+    return done
 
 
-def _runs(count: int) -> str:
-    return f"{count} run" if count == 1 else f"{count} runs"
+# --- the report --------------------------------------------------------------------------
 
 
-def report(args: argparse.Namespace, results: Results) -> None:
-    wall = summarize(results.gpumesh_wall)
-
-    def figures(values: list[float]) -> list[str]:
-        summary = summarize(values)
-        return [f"{summary.p50:.1f}", f"{summary.low:.1f}", f"{summary.high:.1f}"]
-
-    rows = [
-        ["gpumesh cp, whole process", *figures(results.gpumesh_wall)],
-        ["  as cp reports it (no interpreter start)", *figures(results.gpumesh_reported)],
-    ]
-    if results.scp_wall:
-        rows.append(["scp over loopback sshd, whole process", *figures(results.scp_wall)])
+def report(args: argparse.Namespace, done: list[Medium]) -> None:
+    rows = []
+    for medium in done:
+        for kind, figures in (("file", medium.file), ("tree", medium.tree)):
+            for name, values in figures.items():
+                s = summarize(values)
+                rows.append(
+                    [
+                        f"{medium.name} {kind}: {name}",
+                        f"{s.p50:.1f}",
+                        f"{s.low:.1f}",
+                        f"{s.high:.1f}",
+                    ]
+                )
+            if kind == "file" and medium.reported:
+                s = summarize(medium.reported)
+                rows.append(
+                    [
+                        f"{medium.name} file:   as gpumesh cp reports it",
+                        f"{s.p50:.1f}",
+                        f"{s.low:.1f}",
+                        f"{s.high:.1f}",
+                    ]
+                )
     print(
-        f"\nCopy of {args.size / MIB:g} MiB to a peer over loopback, {_runs(wall.n)} of each; "
+        f"\nCopies to a peer over loopback, whole processes, median of {args.repeat}; "
+        f"file {args.size / MIB:g} MiB, tree {args.files} files / {args.tree_size / MIB:g} MiB; "
         "MB/s = 10^6 bytes/s"
     )
     print_rows(["", "median MB/s", "min", "max"], rows)
-    if results.scp_wall:
-        ratio = wall.p50 / summarize(results.scp_wall).p50
-        verdict = "met" if ratio >= GOAL else "NOT met"
-        print(f"  ratio gpumesh cp / scp (medians, whole process): {ratio:.2f}x")
-        print(f"  goal: >= {GOAL}x scp: {verdict}")
-    else:
-        print(f"  scp: {results.scp_note}; no ratio")
+    print("\nRatios (medians, whole processes; > 1: GPUMesh faster)")
+    ratio_rows = []
+    for medium in done:
+        for kind, ours, theirs, goal in RATIOS:
+            figures = medium.file if kind == "file" else medium.tree
+            if ours not in figures or theirs not in figures:
+                continue
+            ratio = summarize(figures[ours]).p50 / summarize(figures[theirs]).p50
+            verdict = "" if goal is None else ("met" if ratio >= goal else "NOT met")
+            goal_text = "" if goal is None else f">= {goal:g}x"
+            ratio_rows.append(
+                [f"{medium.name} {kind}: {ours} / {theirs}", f"{ratio:.2f}x", goal_text, verdict]
+            )
+    print_rows(["", "ratio", "goal", ""], ratio_rows)
+    for medium in done:
+        if medium.channel:
+            print(f"  {medium.name}: gpumesh cp carried the file over {', '.join(medium.channel)}")
+
+
+# --- command line ------------------------------------------------------------------------
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        description="`gpumesh cp` of a file to a separate `gpumesh share` process, next to "
-        "scp over a loopback sshd, in one run.",
+        description="`gpumesh cp` of a file and of a tree to a separate `gpumesh share` "
+        "process, next to scp (default cipher and aes128-gcm), scp -r and rsync -a over a "
+        "loopback sshd, on tmpfs and on disk, in one run.",
     )
     parser.add_argument(
-        "--size", type=parse_size, default=1024 * MIB, help="bytes per copy (default 1G)"
+        "--size", type=parse_size, default=1024 * MIB, help="bytes of the file (default 1G)"
+    )
+    parser.add_argument(
+        "--files", type=int, default=10_000, help="files in the tree (default 10000)"
+    )
+    parser.add_argument(
+        "--tree-size", type=parse_size, default=256 * MIB, help="bytes of the tree (default 256M)"
     )
     parser.add_argument("--repeat", type=int, default=3, help="runs of each tool (default 3)")
-    parser.add_argument("--quick", action="store_true", help="smoke run: 32M, 1 run of each")
+    parser.add_argument(
+        "--dir",
+        type=Path,
+        default=DISK_DEFAULT,
+        help="folder on a disk for the disk runs (default bench/out/ in this checkout)",
+    )
+    parser.add_argument(
+        "--media",
+        default="tmpfs,disk",
+        help="tmpfs, disk or both, comma-separated (default tmpfs,disk)",
+    )
+    parser.add_argument("--no-file", action="store_true", help="leave the file copies out")
+    parser.add_argument("--no-tree", action="store_true", help="leave the tree copies out")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 32M, 500 files, 1 run")
     parser.add_argument("--no-scp", action="store_true", help="measure GPUMesh only")
     args = parser.parse_args(argv)
     if args.quick:
-        args.size, args.repeat = 32 * MIB, 1
-    if args.size < 1:
-        parser.error("--size must be at least 1 byte")
+        args.size, args.files, args.tree_size, args.repeat = 32 * MIB, 500, 8 * MIB, 1
+    args.media = [m.strip() for m in args.media.split(",") if m.strip()]
+    if not args.media or not set(args.media) <= {"tmpfs", "disk"}:
+        parser.error("--media takes tmpfs, disk or both")
+    if args.size < 1 or args.files < 1 or args.tree_size < args.files:
+        parser.error("--size must be at least 1 byte, --tree-size at least --files bytes")
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
     return args
@@ -214,11 +469,12 @@ def main(argv: list[str] | None = None) -> int:
     exit_cleanly_on_sigterm()
     if note := source_note():
         print(note)
+    ensure_bytecode()
     try:
-        results = run(args)
+        done = run(args)
     except KeyboardInterrupt:
         return interrupted()
-    report(args, results)
+    report(args, done)
     return 0
 
 

@@ -10,6 +10,8 @@
 #   ssh $OPTS bench true
 #   scp $OPTS file bench:/tmp/x
 # (keep DIR free of spaces if you use $OPTS unquoted like this)
+# SSHD_ADDRESS=10.77.0.1 listens (and points the client config) there
+# instead of 127.0.0.1, e.g. inside a network namespace of scripts/wanlab.sh.
 # Everything lives in DIR (host and client keys, configs, known_hosts, pidfile,
 # log); the system's ssh configuration is not touched. Logs in as the current
 # user. Needs bash, OpenSSH client, and /usr/sbin/sshd (installed via apt-get
@@ -20,6 +22,7 @@ die() { echo "sshd.sh: $*" >&2; exit 1; }
 usage() { die "usage: $0 start DIR PORT | stop DIR"; }
 
 SSHD=/usr/sbin/sshd
+ADDRESS=${SSHD_ADDRESS:-127.0.0.1}
 
 running() { [ -f "$1/sshd.pid" ] && kill -0 "$(cat "$1/sshd.pid")" 2>/dev/null; }
 
@@ -37,8 +40,8 @@ start() {
   fi
 
   # sshd would fail to bind, yet a login could then reach whoever holds the port.
-  if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
-    die "port $port on 127.0.0.1 is already in use"
+  if (exec 3<>"/dev/tcp/$ADDRESS/$port") 2>/dev/null; then
+    die "port $port on $ADDRESS is already in use"
   fi
 
   if [ ! -x "$SSHD" ]; then
@@ -62,7 +65,7 @@ start() {
 
   # Key auth only, no PAM; StrictModes off so DIR may live anywhere (e.g. /tmp).
   cat >"$dir/sshd_config" <<CONF
-ListenAddress 127.0.0.1
+ListenAddress $ADDRESS
 Port $port
 HostKey $dir/host_key
 PidFile $dir/sshd.pid
@@ -81,7 +84,7 @@ CONF
 
   cat >"$dir/ssh_config" <<CONF
 Host bench
-  HostName 127.0.0.1
+  HostName $ADDRESS
   Port $port
   User $user
   IdentityFile $dir/id
@@ -110,7 +113,7 @@ CONF
     die "sshd did not accept a login; $dir/sshd.log says: $(tail -n 5 "$dir/sshd.log")"
   fi
 
-  echo "sshd.sh: sshd on 127.0.0.1:$port (pid $(cat "$dir/sshd.pid")); use:" >&2
+  echo "sshd.sh: sshd on $ADDRESS:$port (pid $(cat "$dir/sshd.pid")); use:" >&2
   echo "  ssh -F $dir/ssh_config bench CMD  /  scp -F $dir/ssh_config FILE bench:PATH" >&2
   echo "-F $dir/ssh_config"
 }

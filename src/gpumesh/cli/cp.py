@@ -98,6 +98,7 @@ def cp(
                 "mb_per_s": round(result.mb_per_s, 1),
                 "skipped": result.skipped,
                 "channel": result.channel,
+                "congestion": result.congestion,
             }
         )
     elif not quiet:

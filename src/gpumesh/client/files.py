@@ -140,6 +140,9 @@ class CopyResult:
     """What carried the bytes of the last attempt: ``tls`` (the data channel) or ``quic``."""
     hash: str = SHA256
     """Which hash ``digest`` is: ``blake3``, or ``sha256`` with an older peer."""
+    congestion: str = ""
+    """The data channel's TCP congestion control (``bbr`` where the kernel offers it);
+    empty when no data channel was opened."""
 
     @property
     def resumed_from(self) -> int:
@@ -374,7 +377,7 @@ class _Copy:
         from gpumesh.files.channel import dial
 
         try:
-            return await in_thread(
+            channel = await in_thread(
                 dial,
                 session.address[0],
                 offer.port,
@@ -385,6 +388,8 @@ class _Copy:
         except TransportError as exc:
             logger.debug("copy: data channel to %s failed: %s", self.peer.name, exc)
             return None
+        self.result.congestion = channel.congestion
+        return channel
 
     def progress_from_thread(self, total: int) -> Callable[[int], None]:
         loop = asyncio.get_running_loop()

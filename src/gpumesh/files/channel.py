@@ -10,6 +10,12 @@ ticket (constant time) before it reads a byte of the file. Then only raw file
 bytes cross the channel; everything else (what is copied, where it resumes,
 the hash of the whole file, the verdict) stays on the QUIC request.
 
+Both ends ask the kernel for BBR on the channel's socket where it offers it:
+over a long link with random loss, a loss-based congestion control (cubic,
+reno) takes every lost packet for congestion and stalls, where BBR keeps the
+link full. Where BBR is missing (or not allowed) the socket keeps the
+system's default; either way the channel says which one it has.
+
 The listener takes connections only from the IP address the QUIC request
 came from; any other is closed unread, and one from that address that fails
 its handshake or shows a wrong ticket is closed too. Neither ends the
@@ -57,10 +63,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ACCEPT_WAIT",
+    "PREFERRED_CONGESTION",
     "TICKET_BYTES",
     "Channel",
     "Listener",
     "client_context",
+    "congestion_of",
     "dial",
     "receive_file",
     "send_file",
@@ -85,6 +93,36 @@ _MAX_PENDING = 8
 past this closes the oldest (the peer's own connection comes last, after any
 that raced it)."""
 _BACKLOG = 16
+PREFERRED_CONGESTION = "bbr"
+"""The TCP congestion control the channel asks for (model-based: random loss does
+not make it back off the way it makes cubic or reno back off)."""
+_TCP_CONGESTION: int | None = getattr(socket, "TCP_CONGESTION", None)
+"""Linux only; elsewhere the channel keeps the system's congestion control."""
+_CONGESTION_NAME_MAX = 16  # TCP_CA_NAME_MAX
+
+
+def _prefer_bbr(sock: socket.socket) -> None:
+    """Ask for :data:`PREFERRED_CONGESTION` on ``sock``; keep the default where refused.
+
+    The kernel refuses a name it has no module for (ENOENT) or one that an
+    unprivileged process may not pick (EPERM, not in
+    ``tcp_allowed_congestion_control``): both leave the default in place.
+    """
+    if _TCP_CONGESTION is None:
+        return
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.IPPROTO_TCP, _TCP_CONGESTION, PREFERRED_CONGESTION.encode())
+
+
+def congestion_of(sock: socket.socket) -> str:
+    """The TCP congestion control ``sock`` has, as the kernel names it (``""``: unknown)."""
+    if _TCP_CONGESTION is None:
+        return ""
+    try:
+        raw = sock.getsockopt(socket.IPPROTO_TCP, _TCP_CONGESTION, _CONGESTION_NAME_MAX)
+    except OSError:
+        return ""
+    return raw.split(b"\0", 1)[0].decode("ascii", "replace")
 
 
 def server_context(identity: Identity) -> ssl.SSLContext:
@@ -131,6 +169,9 @@ class Channel:
 
     def __init__(self, sock: ssl.SSLSocket) -> None:
         self.sock = sock
+        self.congestion = congestion_of(sock)
+        """The socket's TCP congestion control (``bbr`` where the kernel offers it)."""
+        logger.info("data channel: TCP congestion control %s", self.congestion or "unknown")
         self._aborted = False
         self._lock = threading.Lock()
         self._busy = False
@@ -190,6 +231,8 @@ class Listener:
         self.peer = peer_ip
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
+        # Accepted sockets take the listener's congestion control.
+        _prefer_bbr(sock)
         try:
             sock.bind((host, 0))
             sock.listen(_BACKLOG)
@@ -370,6 +413,7 @@ def dial(host: str, port: int, expected_key: bytes, ticket: bytes, stall_timeout
         conn = socket.create_connection((host, port), timeout=CONNECT_WAIT)
     except OSError as exc:
         raise UnreachableError(f"cannot open a data channel to {host}:{port}: {exc}") from None
+    _prefer_bbr(conn)  # before a byte of TLS: the handshake gets it too
     try:
         tls = client_context().wrap_socket(conn)
     except (OSError, ssl.SSLError) as exc:

@@ -1,0 +1,613 @@
+"""Every bulk path of GPUMesh over an emulated long and lossy link, next to scp, in one run.
+
+The link is the WAN lab (``scripts/wanlab.sh``): two network namespaces joined
+by a user-space link with a one-way delay and random loss each way
+(``scripts/wanemu.py``; this kernel has no ``netem``). Host A holds the
+provider (a ``gpumesh share`` process, alice) and a throwaway sshd
+(``bench/sshd.sh``); host B runs every command as a new process, bob's CLI
+and the ssh tools alike. For each row of ``--rows`` (RTT in ms / loss in %
+each way, default 20/0, 50/0.5, 100/1) the link is restarted with that delay
+and loss, and each path is timed as a whole process, ``--repeat`` runs each
+(the paths taken in a rotating order), median MB/s (10^6 bytes/s):
+
+* ``cp``: ``gpumesh cp --json FILE alice:PATH`` (the data channel; checked:
+  ``channel`` is ``tls``, the size arrived) next to ``scp -c
+  aes128-gcm@openssh.com FILE`` of the same ``--size`` file;
+* ``cp --no-fast-path``: the same over QUIC;
+* folder ``cp`` of a tree of ``--files`` files making up ``--size`` bytes,
+  next to ``scp -r`` of it;
+* ``run --workdir TREE -- true`` (needs Docker and its image; a container run
+  is part of the time), next to ``scp -r``;
+* ``app sync`` of the tree as a new app (a first sync), next to ``rsync -a``
+  over ssh of it;
+* ``gpumesh connect --json``: the whole process, and the time it reports
+  itself (``connect_ms``: dial and identity proof).
+
+A run that takes longer than ``--limit`` seconds is killed and shown as
+timed out (below size/limit MB/s); that path's other runs in that row are
+skipped. Sources
+and both homes live on tmpfs (``/dev/shm``), so neither disk counts; every
+copy is removed after it is checked. Needs root (namespaces, a TUN device).
+The hosts' TCP uses BBR where the kernel has it: the script prints the
+congestion control of the hosts and of the data channel (as ``cp --json``
+reports it). Direct paths only: relayed and hole-punched sessions are not
+measured here (``bench/relay.py``, ``scripts/natlab.sh``).
+Everything (link, namespaces, processes, files) is removed on exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from _benchlib import (
+    ensure_bytecode,
+    exit_cleanly_on_sigterm,
+    interrupted,
+    print_rows,
+    source_note,
+    summarize,
+)
+from bulk import gpumesh_command, loopback_sshd, make_nodes, parse_size, running_agent
+from dispatch import DEFAULT_IMAGE, remove_containers
+from gpumesh.runtime.base import LABEL_NODE
+
+MIB = 1024 * 1024
+ROOT = Path(__file__).resolve().parent.parent
+WANLAB = ROOT / "scripts" / "wanlab.sh"
+PREFIX = "gmwb"
+"""The bench's own lab prefix: it never touches a lab someone built by hand."""
+ADDRESS_A = "10.77.0.1"
+PORT = 4711
+SSH_PORT = 2222
+CIPHER = "aes128-gcm@openssh.com"
+DEFAULT_ROWS = "20/0,50/0.5,100/1"
+
+# The paths, in the order of the tables; each GPUMesh path names its baseline.
+CP, QUIC, FOLDER, WORKDIR, APP = "cp", "cp --no-fast-path", "folder cp", "run --workdir", "app sync"
+SCP, SCP_R, RSYNC = "scp -c aes128-gcm", "scp -r", "rsync -a"
+BASELINE = {CP: SCP, QUIC: SCP, FOLDER: SCP_R, WORKDIR: SCP_R, APP: RSYNC}
+
+
+@dataclass
+class Runs:
+    """One path's runs in one row."""
+
+    mbps: list[float] = field(default_factory=list)
+    stalled: bool = False
+    note: str = ""
+
+
+@dataclass
+class Row:
+    rtt: float
+    loss: float
+    paths: dict[str, Runs] = field(default_factory=dict)
+    connect_wall: list[float] = field(default_factory=list)
+    connect_own: list[float] = field(default_factory=list)
+    channel_congestion: set[str] = field(default_factory=set)
+
+    @property
+    def label(self) -> str:
+        return f"{self.rtt:g} ms, {self.loss:g}%"
+
+
+class Stalled(Exception):
+    """A command ran past the limit and was killed."""
+
+
+# --- the lab -----------------------------------------------------------------------------
+
+
+def lab(*args: str) -> str:
+    """Run ``wanlab.sh`` with the bench's prefix; its output (it prints what it set up)."""
+    result = subprocess.run(
+        ["bash", str(WANLAB), *args],
+        env=dict(os.environ, GPUMESH_WANLAB_PREFIX=PREFIX, PYTHON=sys.executable),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    if result.returncode != 0:
+        raise RuntimeError(f"wanlab.sh {args[0]} failed: {result.stderr.strip()}")
+    return (result.stdout + result.stderr).strip()
+
+
+def link_options(row: Row, seed: int) -> list[str]:
+    return ["--delay", f"{row.rtt / 2:g}", "--loss", f"{row.loss:g}", "--seed", str(seed)]
+
+
+def on(side: str) -> list[str]:
+    return ["ip", "netns", "exec", f"{PREFIX}{side}"]
+
+
+def lab_missing() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root (network namespaces and a TUN device)"
+    if shutil.which("ip") is None:
+        return "ip (iproute2) is not installed"
+    if not Path("/dev/net/tun").exists():
+        return "/dev/net/tun is missing"
+    return None
+
+
+@contextlib.contextmanager
+def wan_lab(first: Row, seed: int) -> Iterator[str]:
+    try:
+        yield lab("up", *link_options(first, seed))
+    finally:
+        with contextlib.suppress(RuntimeError, subprocess.SubprocessError):
+            lab("down")
+
+
+# --- one timed command -------------------------------------------------------------------
+
+
+def timed(
+    command: Sequence[str], limit: float, env: dict[str, str] | None = None
+) -> tuple[float, str]:
+    """(seconds, stdout) of a whole process run on host B; Stalled past ``limit``."""
+    started = time.perf_counter()
+    with subprocess.Popen(
+        [*on("B"), *command],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as proc:
+        try:
+            out, err = proc.communicate(timeout=limit)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise Stalled from None
+    seconds = time.perf_counter() - started
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"{' '.join(command[:3])} failed (exit {proc.returncode}): {err.strip()}"
+        )
+    return seconds, out
+
+
+def tree_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+# --- the run -----------------------------------------------------------------------------
+
+
+@dataclass
+class Setup:
+    tmp: Path
+    source: Path
+    tree: Path
+    size: int
+    tree_size: int
+    sandbox: Path
+    env: dict[str, str]
+    """bob's CLI environment."""
+    ssh: list[str] | None
+    ssh_note: str
+    docker_note: str | None
+    args: argparse.Namespace
+    counter: int = 0
+
+    def fresh(self, stem: str) -> str:
+        self.counter += 1
+        return f"{stem}-{self.counter}"
+
+
+def gm(*args: str) -> list[str]:
+    return [*gpumesh_command(), *args]
+
+
+def run_cp(setup: Setup, row: Row, *, fast: bool) -> float:
+    name = setup.fresh("file") + ".bin"
+    flags = [] if fast else ["--no-fast-path"]
+    seconds, out = timed(
+        gm("cp", "--json", *flags, str(setup.source), f"alice:/wan/{name}"),
+        setup.args.limit,
+        setup.env,
+    )
+    result = json.loads(out)
+    arrived = setup.sandbox / "wan" / name
+    size = arrived.stat().st_size
+    arrived.unlink()
+    if size != setup.size or result["resumed_from"] != 0:
+        raise RuntimeError(f"gpumesh cp did not copy all {setup.size} bytes: {result}")
+    if fast:
+        if result["channel"] != "tls":
+            raise RuntimeError("gpumesh cp did not take the data channel on a direct path")
+        row.channel_congestion.add(str(result.get("congestion") or "unknown"))
+    return setup.size / seconds / 1e6
+
+
+def run_folder(setup: Setup, _row: Row) -> float:
+    name = setup.fresh("tree")
+    seconds, _ = timed(
+        gm("cp", "--json", str(setup.tree), f"alice:/wan/{name}"),
+        setup.args.limit,
+        setup.env,
+    )
+    arrived = setup.sandbox / "wan" / name
+    check_tree(arrived, setup.tree_size, "gpumesh cp")
+    return setup.tree_size / seconds / 1e6
+
+
+def check_tree(arrived: Path, size: int, what: str) -> None:
+    got = tree_bytes(arrived) if arrived.is_dir() else -1
+    shutil.rmtree(arrived, ignore_errors=True)
+    if got != size:
+        raise RuntimeError(f"{what} delivered {got} of {size} bytes")
+
+
+def run_workdir(setup: Setup, _row: Row) -> float:
+    seconds, _ = timed(
+        gm(
+            "run",
+            "--peer",
+            "alice",
+            "--image",
+            setup.args.image,
+            "--workdir",
+            str(setup.tree),
+            "-q",
+            "--",
+            "true",
+        ),
+        setup.args.limit,
+        setup.env,
+    )
+    return setup.tree_size / seconds / 1e6
+
+
+def run_app(setup: Setup, _row: Row) -> float:
+    # A new app each time (a first sync): hard links of the tree under a fresh name.
+    app = setup.tmp / "apps" / setup.fresh("app")
+    shutil.copytree(setup.tree, app, copy_function=os.link)
+    try:
+        seconds, _ = timed(
+            gm("app", "sync", "--json", "--peer", "alice", "--dir", str(app)),
+            setup.args.limit,
+            setup.env,
+        )
+    finally:
+        shutil.rmtree(app, ignore_errors=True)
+    shutil.rmtree(setup.sandbox / "apps" / app.name, ignore_errors=True)
+    return setup.tree_size / seconds / 1e6
+
+
+def run_scp(setup: Setup, _row: Row) -> float:
+    assert setup.ssh is not None
+    target = setup.tmp / "ssh-in" / (setup.fresh("scp") + ".bin")
+    seconds, _ = timed(
+        ["scp", "-q", "-c", CIPHER, *setup.ssh, str(setup.source), f"bench:{target}"],
+        setup.args.limit,
+    )
+    size = target.stat().st_size
+    target.unlink()
+    if size != setup.size:
+        raise RuntimeError(f"scp copied {size} of {setup.size} bytes")
+    return setup.size / seconds / 1e6
+
+
+def run_scp_r(setup: Setup, _row: Row) -> float:
+    assert setup.ssh is not None
+    target = setup.tmp / "ssh-in" / setup.fresh("scp-r")
+    seconds, _ = timed(
+        ["scp", "-q", "-r", "-c", CIPHER, *setup.ssh, str(setup.tree), f"bench:{target}"],
+        setup.args.limit,
+    )
+    check_tree(target, setup.tree_size, "scp -r")
+    return setup.tree_size / seconds / 1e6
+
+
+def run_rsync(setup: Setup, _row: Row) -> float:
+    assert setup.ssh is not None
+    target = setup.tmp / "ssh-in" / setup.fresh("rsync")
+    shell = " ".join(["ssh", "-c", CIPHER, *setup.ssh])
+    seconds, _ = timed(
+        ["rsync", "-a", "-e", shell, f"{setup.tree}/", f"bench:{target}/"], setup.args.limit
+    )
+    check_tree(target, setup.tree_size, "rsync -a")
+    return setup.tree_size / seconds / 1e6
+
+
+def run_connect(setup: Setup, row: Row) -> None:
+    seconds, out = timed(gm("connect", "--json", "alice"), setup.args.limit, setup.env)
+    row.connect_wall.append(seconds * 1000)
+    row.connect_own.append(float(json.loads(out)["connect_ms"]))
+
+
+def runners(setup: Setup) -> dict[str, Callable[[Setup, Row], float]]:
+    chosen: dict[str, Callable[[Setup, Row], float]] = {
+        CP: lambda s, r: run_cp(s, r, fast=True),
+        QUIC: lambda s, r: run_cp(s, r, fast=False),
+        FOLDER: run_folder,
+    }
+    if setup.docker_note is None:
+        chosen[WORKDIR] = run_workdir
+    chosen[APP] = run_app
+    if setup.ssh is not None:
+        chosen[SCP] = run_scp
+        chosen[SCP_R] = run_scp_r
+        if shutil.which("rsync"):
+            chosen[RSYNC] = run_rsync
+    return chosen
+
+
+def measure_row(setup: Setup, row: Row) -> None:
+    chosen = runners(setup)
+    names = list(chosen)
+    for name in names:
+        row.paths[name] = Runs()
+    for index in range(setup.args.repeat):
+        shift = index % len(names)
+        for name in names[shift:] + names[:shift]:
+            path = row.paths[name]
+            if path.stalled:
+                continue
+            try:
+                mbps = chosen[name](setup, row)
+            except Stalled:
+                path.stalled = True
+                print(f"  run {index + 1}: {name:<18} timed out (> {setup.args.limit:g} s)")
+                continue
+            path.mbps.append(mbps)
+            print(f"  run {index + 1}: {name:<18} {mbps:8.1f} MB/s", flush=True)
+        run_connect(setup, row)
+
+
+def docker_missing(image: str) -> str | None:
+    if shutil.which("docker") is None:
+        return "docker is not installed"
+    try:
+        result = subprocess.run(
+            ["docker", "image", "inspect", "--format", "{{.Id}}", image],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"cannot run docker: {exc}"
+    if result.returncode != 0:
+        return (
+            f"docker cannot use image {image} (scripts/ensure-docker.sh starts dockerd "
+            "and builds the offline test image)"
+        )
+    return None
+
+
+def make_tree(root: Path, files: int, size: int) -> None:
+    each, extra = divmod(size, files)
+    chunk = os.urandom(MIB)
+    for index in range(files):
+        folder = root / f"d{index // 100:03d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        want = each + (1 if index < extra else 0)
+        with (folder / f"f{index:05d}.bin").open("wb") as out:
+            written = 0
+            while written < want:
+                piece = index.to_bytes(8, "big") + chunk[8 : min(MIB, want - written)]
+                out.write(piece[: want - written])
+                written += len(piece[: want - written])
+
+
+def write_source(path: Path, size: int) -> None:
+    chunk = os.urandom(MIB)
+    with path.open("wb") as out:
+        written = 0
+        while written < size:
+            piece = chunk[: min(MIB, size - written)]
+            out.write(piece)
+            written += len(piece)
+
+
+def run(args: argparse.Namespace, rows: list[Row]) -> None:
+    with contextlib.ExitStack() as stack:
+        shm_parent = "/dev/shm" if Path("/dev/shm").is_dir() else None
+        tmp = Path(
+            stack.enter_context(tempfile.TemporaryDirectory(prefix="gpumesh-wan-", dir=shm_parent))
+        )
+        print(f"Writing a {args.size / MIB:g} MiB file and a tree of {args.files} files...")
+        source, tree = tmp / "source.bin", tmp / "tree"
+        write_source(source, args.size)
+        make_tree(tree, args.files, args.size)
+        (tmp / "ssh-in").mkdir()
+        (tmp / "apps").mkdir()
+        alice, bob = make_nodes(tmp, PORT, ADDRESS_A)
+        alice_id = str(alice.info().node_id)
+        sandbox = tmp / "a" / "files" / str(bob.info().node_id)
+        alice.close()
+        bob.close()
+        print(lab_lines(stack.enter_context(wan_lab(rows[0], args.seed))))
+        stack.callback(remove_containers, f"{LABEL_NODE}={alice_id}")
+        stack.enter_context(running_agent(tmp / "a", tmp / "agent.log", wrap=on("A")))
+        ssh, ssh_note = None, "skipped (--no-scp)"
+        if not args.no_scp:
+            ssh, why = stack.enter_context(
+                loopback_sshd(tmp / "ssh", address=ADDRESS_A, wrap=on("A"), port=SSH_PORT)
+            )
+            ssh_note = why or ""
+        env = dict(os.environ, GPUMESH_HOME=str(tmp / "b"))
+        for name in ("GPUMESH_LOG", "GPUMESH_PEER", "GPUMESH_IMAGE"):
+            env.pop(name, None)
+        setup = Setup(
+            tmp=tmp,
+            source=source,
+            tree=tree,
+            size=args.size,
+            tree_size=tree_bytes(tree),
+            sandbox=sandbox,
+            env=env,
+            ssh=ssh,
+            ssh_note=ssh_note,
+            docker_note=None if args.no_docker else docker_missing(args.image),
+            args=args,
+        )
+        if args.no_docker:
+            setup.docker_note = "skipped (--no-docker)"
+        if setup.docker_note:
+            print(f"run --workdir: {setup.docker_note}")
+        if ssh is None:
+            print(f"scp, scp -r, rsync: {ssh_note}")
+        # Untimed warm-up on the first link: first-use costs of both tools.
+        run_connect(setup, Row(0, 0))
+        for index, row in enumerate(rows):
+            if index:
+                print(lab_lines(lab("link", *link_options(row, args.seed))))
+            print(f"RTT {row.rtt:g} ms, {row.loss:g}% loss each way:", flush=True)
+            measure_row(setup, row)
+            print(lab_lines(lab("stats")))
+        report(args, rows, setup)
+
+
+def lab_lines(text: str) -> str:
+    return "\n".join(f"  {line}" for line in text.splitlines())
+
+
+# --- the report --------------------------------------------------------------------------
+
+
+def median(path: Runs | None) -> float | None:
+    return summarize(path.mbps).p50 if path and path.mbps else None
+
+
+def cell(path: Runs | None, limit: float, size: int) -> str:
+    if path is None:
+        return "-"
+    value = median(path)
+    if value is None:
+        return f"timed out (< {size / limit / 1e6:.2g})" if path.stalled else "-"
+    text = f"{value:.1f}"
+    return text + " (1 timed out)" if path.stalled else text
+
+
+def report(args: argparse.Namespace, rows: list[Row], setup: Setup) -> None:
+    names = [n for n in (CP, QUIC, FOLDER, WORKDIR, APP, SCP, SCP_R, RSYNC) if n in rows[0].paths]
+    print(
+        f"\nOver the WAN lab, {args.size / MIB:g} MiB (file; tree of {args.files} files), "
+        f"up to {args.repeat} runs of each, whole processes; median MB/s = 10^6 bytes/s; "
+        f"timed out: killed after {args.limit:g} s"
+    )
+    header = ["RTT, loss each way", *names, "connect ms (own)"]
+    table = []
+    for row in rows:
+        cells = [cell(row.paths.get(n), args.limit, setup.size) for n in names]
+        connect = "-"
+        if row.connect_wall:
+            connect = (
+                f"{summarize(row.connect_wall).p50:.0f} ({summarize(row.connect_own).p50:.0f})"
+            )
+        table.append([row.label, *cells, connect])
+    print_rows(header, table)
+    print("\nRatios against what a user would otherwise run (medians; > 1: GPUMesh faster)")
+    ratio_names = [n for n in names if n in BASELINE and BASELINE[n] in names]
+    ratio_rows = []
+    for row in rows:
+        cells = []
+        for name in ratio_names:
+            ours, theirs = median(row.paths.get(name)), median(row.paths.get(BASELINE[name]))
+            if ours is not None and theirs:
+                cells.append(f"{ours / theirs:.2f}x")
+            elif row.paths[name].stalled and theirs:
+                bound = setup.size / args.limit / 1e6 / theirs
+                cells.append(f"< {bound:.2f}x")
+            else:
+                cells.append("-")
+        ratio_rows.append([row.label, *cells])
+    print_rows(["", *[f"{n} / {BASELINE[n]}" for n in ratio_names]], ratio_rows)
+    congestion = sorted(set().union(*(row.channel_congestion for row in rows)))
+    print(f"  data channel's TCP congestion control (cp --json): {', '.join(congestion) or '-'}")
+    if WORKDIR in names:
+        print("  run --workdir includes starting and running one container (`true`)")
+    print("  app sync: a first sync of the tree as a new app; rsync -a to a new folder")
+    print("  connect: the whole `gpumesh connect` process, and (in brackets) what it reports")
+
+
+# --- command line ------------------------------------------------------------------------
+
+
+def parse_rows(text: str) -> list[Row]:
+    rows = []
+    for item in text.split(","):
+        try:
+            rtt, loss = item.split("/")
+            row = Row(float(rtt), float(loss))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"not RTT/LOSS: {item!r} (e.g. 50/0.5: 50 ms RTT, 0.5% loss each way)"
+            ) from None
+        if row.rtt < 0 or not 0 <= row.loss < 100:
+            raise argparse.ArgumentTypeError(f"out of range: {item!r}")
+        rows.append(row)
+    return rows
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="GPUMesh's bulk paths over an emulated WAN link (scripts/wanlab.sh), "
+        "next to scp and rsync over the same link, in one run. Needs root.",
+    )
+    parser.add_argument(
+        "--rows",
+        type=parse_rows,
+        default=parse_rows(DEFAULT_ROWS),
+        help=f"RTT ms / loss %% each way, comma-separated (default {DEFAULT_ROWS})",
+    )
+    parser.add_argument(
+        "--size", type=parse_size, default=32 * MIB, help="bytes of the file and of the tree (32M)"
+    )
+    parser.add_argument("--files", type=int, default=64, help="files in the tree (default 64)")
+    parser.add_argument("--repeat", type=int, default=3, help="runs of each path (default 3)")
+    parser.add_argument(
+        "--limit", type=float, default=45.0, help="seconds before a run counts as stalled (45)"
+    )
+    parser.add_argument("--seed", type=int, default=1, help="seed of the link's losses")
+    parser.add_argument("--image", default=DEFAULT_IMAGE, help="image for run --workdir")
+    parser.add_argument("--no-docker", action="store_true", help="leave run --workdir out")
+    parser.add_argument("--no-scp", action="store_true", help="measure GPUMesh only")
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke run: 16M, 1 run of each, 20 s limit"
+    )
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.size, args.repeat, args.limit = 16 * MIB, 1, 20.0
+    if args.size < args.files or args.files < 1:
+        parser.error("--size must be at least --files bytes, --files at least 1")
+    if args.repeat < 1 or args.limit <= 0:
+        parser.error("--repeat must be at least 1 and --limit positive")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    exit_cleanly_on_sigterm()
+    if missing := lab_missing():
+        print(f"wan.py: the WAN lab cannot be built here: {missing}")
+        return 0
+    if note := source_note():
+        print(note)
+    ensure_bytecode()
+    try:
+        run(args, args.rows)
+    except KeyboardInterrupt:
+        return interrupted()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
