@@ -22,8 +22,9 @@ PEER:PATH is a path in your own folder on that peer (a leading / is its root);
 other peers never see it. A copy that stops (dropped link, restarted peer)
 resumes where it stopped: gpumesh retries by itself, and running the same
 command again resumes too. Every copy is checked end to end with SHA-256.
-File bytes take a TLS/TCP channel opened by the QUIC session when a direct
-path exists, else QUIC.
+File and folder bytes take a TLS/TCP channel opened by the QUIC session when
+a direct path exists, else QUIC (a channel that did not open is not tried
+again with that peer for 10 minutes).
 """,
 )
 @click.argument("source")
@@ -96,6 +97,7 @@ def cp(
                 "mb_per_s": round(result.mb_per_s, 1),
                 "skipped": result.skipped,
                 "channel": result.channel,
+                "no_channel": result.no_channel,
             }
         )
     elif not quiet:

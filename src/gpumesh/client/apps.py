@@ -78,6 +78,10 @@ class SyncResult:
     unchanged: int = 0
     skipped: list[Skipped] = field(default_factory=list)
     seconds: float = 0.0
+    channel: str = ""
+    """What carried the files: ``tls`` (the data channel), ``quic``, or empty (none sent)."""
+    no_channel: str = ""
+    """With ``quic``: why not the data channel (see :class:`gpumesh.client.bulk.NoChannel`)."""
 
 
 def app_folder(name: str) -> str:
@@ -219,7 +223,9 @@ async def sync_app(
                 needs = await stream.expect(AppNeeds)
                 if needs.rebase:
                     continue  # the provider holds another manifest: send it all
-                await _apply_needs(stream, peer, needs, plan, by_path, result, folder)
+                await _apply_needs(
+                    (node, session, peer), stream, needs, plan, by_path, result, folder
+                )
             finally:
                 session.link.forget_stream(stream.stream_id)
             break
@@ -250,8 +256,8 @@ def _retrieved(future: Any) -> None:
 
 
 async def _apply_needs(
+    where: tuple[Node, Session, Peer],
     stream: Stream,
-    peer: Peer,
     needs: AppNeeds,
     plan: PackPlan,
     by_path: dict[str, PackEntry],
@@ -259,9 +265,11 @@ async def _apply_needs(
     folder: Path,
 ) -> None:
     """Read what the provider lacks, and (unless a dry run) send it as one tar."""
+    from gpumesh.client.bulk import NoChannel, answer_after_offer, send_tar, why_no_channel
+    from gpumesh.client.files import STALL_TIMEOUT
     from gpumesh.files.pack import PackPlan
-    from gpumesh.files.transfer import tar_chunks
 
+    node, session, peer = where
     listing = json.loads(await _read_bytes(stream, needs.list_bytes))
     need = [str(path) for path in listing["need"]]
     if any(path not in by_path for path in need):
@@ -274,22 +282,45 @@ async def _apply_needs(
         return
     subset = PackPlan(plan.root, tuple(by_path[path] for path in need), ())
     size = await in_thread(_tar_size, subset) if need else 0
-    stream.send_message(AppSend(size=size))
-    await stream.expect(FileResume)
-    sent = 0
+    no_channel = why_no_channel(node, peer, session) if need else None
+    stream.send_message(AppSend(size=size, channel=bool(need) and no_channel is None))
+    offer, _resume = await answer_after_offer(stream, FileResume)
     if need:
-        async with contextlib.aclosing(tar_chunks(subset, _NoHash())) as chunks:
-            async for chunk in chunks:
-                await stream.send_data(chunk)
-                sent += len(chunk)
-    if sent != size:
-        raise ConfigError(f"{folder} changed while it was packed; sync again")
-    stream.end_data()
+        digest = None
+        if offer is not None:
+            digest = await send_tar(
+                node, session, peer, stream, offer, subset, size, _ignore, STALL_TIMEOUT
+            )
+        result.channel = "tls" if digest is not None else "quic"
+        if digest is None:
+            result.no_channel = no_channel or (
+                NoChannel.FAILED if offer is not None else NoChannel.NOT_OFFERED
+            )
+            await _send_tar_quic(stream, subset, size, folder)
+    else:
+        stream.end_data()
     stream.finish()
     done = await stream.expect(AppSynced)
     if done.received != size:
         raise ProtocolError(f"{peer.name} received {done.received} of {size} bytes")
     result.bytes_sent = size
+
+
+async def _send_tar_quic(stream: Stream, subset: PackPlan, size: int, folder: Path) -> None:
+    from gpumesh.files.transfer import tar_chunks
+
+    sent = 0
+    async with contextlib.aclosing(tar_chunks(subset, _NoHash())) as chunks:
+        async for chunk in chunks:
+            await stream.send_data(chunk)
+            sent += len(chunk)
+    if sent != size:
+        raise ConfigError(f"{folder} changed while it was packed; sync again")
+    stream.end_data()
+
+
+def _ignore(_count: int) -> None:
+    return None
 
 
 def _name_of(folder: Path) -> str:
