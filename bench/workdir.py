@@ -19,8 +19,9 @@ on a folder that first has to reach the provider:
 
 CHECK adds up the sizes of the folder's files inside the container, and
 every run's output is compared with the folder's size, so each job did see
-the whole folder (its content is checked by the transfer's hash). The folder (``--files`` files of random bytes, ``--size`` in all,
-default 512 MiB in 4 files) and the provider's home live on tmpfs
+the whole folder (its content is checked by the transfer's hash). The
+folder (``--files`` files of random bytes, ``--size`` in all, default
+512 MiB in 4 files) and the provider's home live on tmpfs
 (``/dev/shm`` when it exists), as in bench/cp.py. Each copy and job workdir is
 removed after its run. The commands take turns in one loop (the order rotates
 every round, after an untimed warm-up of each) so that the noise of this

@@ -7,7 +7,10 @@ provider's), the partial uploads kept for resuming in
 ``FilePut``, ``FileGet``, ``DirPut`` and ``DirGet``, and their data-channel
 variants ``ChannelPut`` and ``ChannelGet`` (file bytes over a one-shot TLS/TCP
 channel, see :mod:`gpumesh.files.channel`; same checks, same partials, same
-hash verdict).
+hash verdict). A tar (``DirPut``/``DirGet`` here, a job's workdir, an app's
+files) takes a channel when its request asks for one: :meth:`FileService.offer_channel`,
+:meth:`~FileService.receive_tar` and :meth:`~FileService.send_tar` serve the
+job and app services too.
 
 Paths: a remote path names a place inside the sandbox; a leading ``/`` is the
 sandbox root. :func:`sandbox_parts` is the pure check every request goes

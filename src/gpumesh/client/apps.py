@@ -389,7 +389,7 @@ async def pull_folder(node: Node, peer_query: str, remote: str, dest: Path) -> i
         info = await _stat(session, remote)
         if not info.exists or info.kind != "dir":
             raise NotFoundError(f"{peer.name}:{remote} is not a folder")
-        return await _get_folder(session, peer, remote, dest)
+        return await _get_folder(node, session, peer, remote, dest)
 
 
 async def _stat(session: Session, remote: str) -> FileInfo:
@@ -401,28 +401,27 @@ async def _stat(session: Session, remote: str) -> FileInfo:
         session.link.forget_stream(stream.stream_id)
 
 
-async def _get_folder(session: Session, peer: Peer, remote: str, dest: Path) -> int:
-    from gpumesh.files.transfer import unpack_from
+async def _get_folder(node: Node, session: Session, peer: Peer, remote: str, dest: Path) -> int:
+    """The folder's tar, over the data channel when one opens, unpacked and placed."""
+    from gpumesh.client.bulk import answer_after_offer, receive_tar, why_no_channel
+    from gpumesh.client.files import STALL_TIMEOUT
 
     temp = dest.with_name(dest.name + ".gpumesh-part")
     await in_thread(_prepare_dest, dest, temp)
+    wanted = why_no_channel(node, peer, session) is None
     stream = session.open_stream()
     try:
-        stream.send_message(DirGet(path=remote))  # not ended: credit flows back
-        info = await stream.expect(FileInfo)
-        hasher = hashlib.sha256()
-        received = 0
-        async with unpack_from(temp, info.size, hasher) as feed:
-            while chunk := await stream.read_data():
-                received += len(chunk)
-                if received > info.size:
-                    raise ProtocolError(f"{peer.name} sent more than the folder's size")
-                await feed(chunk)
-            await feed(None)
+        stream.send_message(DirGet(path=remote, channel=wanted))  # not ended: credit flows back
+        offer, info = await answer_after_offer(stream, FileInfo)
+        received = None
+        if offer is not None:
+            digest = await receive_tar(
+                node, session, peer, stream, offer, info.size, temp, _ignore, STALL_TIMEOUT
+            )
+            received = None if digest is None else info.size
         try:
-            done = await stream.expect(FileDone)
-            if received != info.size or done.sha256 != hasher.digest():
-                raise ProtocolError(f"the copy of {peer.name}:{remote} did not match its SHA-256")
+            if received is None:
+                received = await _get_folder_quic(stream, peer, remote, temp, info.size)
             await in_thread(_place, temp, dest)
         finally:
             await in_thread(_remove, temp)
@@ -430,6 +429,24 @@ async def _get_folder(session: Session, peer: Peer, remote: str, dest: Path) -> 
         with contextlib.suppress(Exception):
             stream.finish()
         session.link.forget_stream(stream.stream_id)
+    return received
+
+
+async def _get_folder_quic(stream: Stream, peer: Peer, remote: str, temp: Path, size: int) -> int:
+    from gpumesh.files.transfer import unpack_from
+
+    hasher = hashlib.sha256()
+    received = 0
+    async with unpack_from(temp, size, hasher) as feed:
+        while chunk := await stream.read_data():
+            received += len(chunk)
+            if received > size:
+                raise ProtocolError(f"{peer.name} sent more than the folder's size")
+            await feed(chunk)
+        await feed(None)
+    done = await stream.expect(FileDone)
+    if received != size or done.sha256 != hasher.digest():
+        raise ProtocolError(f"the copy of {peer.name}:{remote} did not match its SHA-256")
     return received
 
 

@@ -12,7 +12,8 @@ partial file the provider kept (it says where in ``FileResume`` or
 asks for the rest with ``FileGet(offset)``. A dropped link (or a provider that
 stops answering) is retried a few times, each retry resuming; a later
 ``gpumesh cp`` of the same file resumes too. Folders travel as one tar, never
-resumed, unpacked all or nothing.
+resumed, unpacked all or nothing, over the data channel too when one opens
+(:mod:`gpumesh.client.bulk`).
 
 Nothing here prints; results and progress go to the caller.
 """
@@ -696,6 +697,11 @@ class _FolderUpload(_Upload):
             else:
                 self.result.channel = "quic"
                 digest, done = await self._send_quic(stream)
+        except BaseException:
+            # The provider stops at once (its channel too) rather than when it stalls.
+            with contextlib.suppress(GPUMeshError):
+                stream.abort()
+            raise
         finally:
             session.link.forget_stream(stream.stream_id)
         self.result.sha256 = digest.hex()
