@@ -104,6 +104,7 @@ if TYPE_CHECKING:
     from gpumesh.files.channel import Channel, Listener
     from gpumesh.files.pack import PackPlan
     from gpumesh.store.db import Peer
+    from gpumesh.transport.quic import QuicLink
     from gpumesh.transport.stream import Stream
 
 __all__ = [
@@ -222,6 +223,27 @@ class _Usage:
                 f"{format_size(extra)} more: free space in your folder there, or ask its "
                 "owner to raise file_quota"
             )
+
+
+@dataclass
+class TarOffer:
+    """A data channel offered for one request's tar. The pump's buffers count in the
+    request's link (as unread bytes, against its ``link_buffer``) until it is closed."""
+
+    listener: Listener
+    link: QuicLink
+    held: int
+
+    def __post_init__(self) -> None:
+        self.link.note_unread(self.held)
+
+    def close(self) -> None:
+        """Stop listening and give back what was counted (once; from the event loop)."""
+        self.listener.stop()
+        self.listener.close()
+        if self.held:
+            self.link.note_unread(-self.held)
+            self.held = 0
 
 
 class FileService:
@@ -467,9 +489,9 @@ class FileService:
                 mode=stat.S_IMODE(st.st_mode),
                 mtime=st.st_mtime,
             )
-            listener = self.offer_channel(ctx, message.channel, info)
+            offer = self.offer_channel(ctx, message.channel, info)
             hasher = hashlib.sha256()
-            if listener is not None and await self.send_tar(ctx, listener, plan, size, hasher):
+            if offer is not None and await self.send_tar(ctx, offer, plan, size, hasher):
                 via = " over a data channel"
             else:
                 sent = 0
@@ -522,10 +544,10 @@ class FileService:
             received = 0
             limit = max(0, usage.quota - usage.used)
             via = ""
-            listener = self.offer_channel(ctx, message.channel, FileResume(offset=0))
+            offer = self.offer_channel(ctx, message.channel, FileResume(offset=0))
             try:
-                if listener is not None and await self.receive_tar(
-                    ctx, listener, message.size, temp, limit, hasher
+                if offer is not None and await self.receive_tar(
+                    ctx, offer, message.size, temp, limit, hasher
                 ):
                     received, via = message.size, " over a data channel"
                 else:
@@ -570,31 +592,46 @@ class FileService:
         except ValueError as exc:
             raise UnreachableError(f"cannot open a data channel: {exc}") from None
 
-    def offer_channel(self, ctx: RequestContext, wanted: bool, answer: Message) -> Listener | None:
+    def offer_channel(self, ctx: RequestContext, wanted: bool, answer: Message) -> TarOffer | None:
         """Send ``answer``, the request's usual first answer, after a ChannelOffer when
-        the consumer asked for a channel for its tar and this provider opens them;
-        the listener, or None: the tar goes as DATA on QUIC."""
-        listener = None
+        the consumer asked for a channel for its tar, this provider opens them, and
+        the link has room for the pump's buffers (its ``link_buffer`` counts them
+        while the offer lives); the offer, or None: the tar goes as DATA on QUIC."""
+        from gpumesh.files.channel import HELD
+
+        offer = None
         if wanted and self.channel_enabled():
-            try:
-                listener = self._listener(ctx.link.remote_address()[0])
-            except UnreachableError as exc:
-                logger.debug("[%s] no data channel for a tar: %s", ctx.peer.name, exc)
+            limit = ctx.link.buffer_limit
+            if limit and ctx.link.held() + HELD > limit:
+                logger.info(
+                    "[%s] no data channel for a tar: the connection holds too much "
+                    "(link_buffer); QUIC instead",
+                    ctx.peer.name,
+                )
+            else:
+                try:
+                    listener = self._listener(ctx.link.remote_address()[0])
+                except UnreachableError as exc:
+                    logger.debug("[%s] no data channel for a tar: %s", ctx.peer.name, exc)
+                else:
+                    offer = TarOffer(listener, ctx.link, HELD)
         try:
-            if listener is not None:
-                offer = ChannelOffer(port=listener.port, ticket=listener.ticket, offset=0)
-                ctx.stream.send_message(offer)
+            if offer is not None:
+                listener = offer.listener
+                ctx.stream.send_message(
+                    ChannelOffer(port=listener.port, ticket=listener.ticket, offset=0)
+                )
             ctx.stream.send_message(answer)
         except BaseException:
-            if listener is not None:
-                listener.close()
+            if offer is not None:
+                offer.close()
             raise
-        return listener
+        return offer
 
     async def receive_tar(
         self,
         ctx: RequestContext,
-        listener: Listener,
+        offer: TarOffer,
         size: int,
         dest: Path,
         limit: int,
@@ -608,11 +645,11 @@ class FileService:
         from gpumesh.files.channel import receive_stream
         from gpumesh.files.transfer import unpack_pieces
 
-        following = _next_message(ctx.stream, listener)
+        following = _next_message(ctx.stream, offer.listener)
         consume = functools.partial(unpack_pieces, dest=dest, limit=limit)
         try:
             try:
-                async with _channel_of(listener, following) as channel:
+                async with _channel_of(offer.listener, following) as channel:
                     await in_thread(receive_stream, channel, size, consume, hasher, _ignore)
                     done = await asyncio.wait_for(asyncio.shield(following), _FINISH_WAIT)
             except ConnectionLostError:
@@ -635,10 +672,11 @@ class FileService:
             raise
         finally:
             _let_go(following)
+            offer.close()
         return True
 
     async def send_tar(
-        self, ctx: RequestContext, listener: Listener, plan: PackPlan, size: int, hasher: Hasher
+        self, ctx: RequestContext, offer: TarOffer, plan: PackPlan, size: int, hasher: Hasher
     ) -> bool:
         """Send ``plan`` as a tar of exactly ``size`` bytes over the request's data
         channel, then FileDone on QUIC, and wait for the consumer to end its side.
@@ -647,14 +685,14 @@ class FileService:
         from gpumesh.files.pack import write_tar
 
         stream = ctx.stream
-        following = _next_message(stream, listener)
+        following = _next_message(stream, offer.listener)
 
         def produce(out: Any) -> None:
             write_tar(plan, out)
 
         try:
             try:
-                async with _channel_of(listener, following) as channel:
+                async with _channel_of(offer.listener, following) as channel:
                     await in_thread(send_stream, channel, size, produce, hasher, _ignore)
                     stream.send_message(FileDone(size=size, sha256=hasher.digest()), end=True)
                     # The consumer ends its side once it checked FileDone.
@@ -666,6 +704,7 @@ class FileService:
                 raise
         finally:
             _let_go(following)
+            offer.close()
         return True
 
     @_refusing

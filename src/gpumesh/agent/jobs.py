@@ -85,8 +85,8 @@ from gpumesh.store.db import JobRecord
 from gpumesh.units import format_size, parse_size
 
 if TYPE_CHECKING:
+    from gpumesh.agent.files import TarOffer
     from gpumesh.agent.server import Agent, RequestContext
-    from gpumesh.files.channel import Listener
     from gpumesh.transport.stream import Stream
 
 __all__ = ["HOSTED", "JobService"]
@@ -365,10 +365,10 @@ class JobService:
         # The workdir may take a data channel: offered before the acceptance.
         accepted = JobAccepted(job_id=record.job_id, gpus=gpus, provider=self.agent.name)
         wanted = message.channel and message.workdir_bytes > 0
-        listener = self.agent.files.offer_channel(ctx, wanted, accepted)
+        offer = self.agent.files.offer_channel(ctx, wanted, accepted)
         if message.workdir_bytes:
             try:
-                await self._receive_workdir(ctx, run, message.workdir_bytes, limit, listener)
+                await self._receive_workdir(ctx, run, message.workdir_bytes, limit, offer)
             except BaseException as exc:
                 await self._upload_failed(run, exc)
                 raise
@@ -605,7 +605,7 @@ class JobService:
     # --- upload -------------------------------------------------------------------------------
 
     async def _receive_workdir(
-        self, ctx: RequestContext, run: _Run, size: int, limit: int, listener: Listener | None
+        self, ctx: RequestContext, run: _Run, size: int, limit: int, offer: TarOffer | None
     ) -> None:
         """Receive and unpack the job's workdir: over the data channel when one was
         offered (unpacked as it arrives, checked against its hash before it becomes
@@ -618,14 +618,14 @@ class JobService:
             job_dir = self.jobs_dir / run.job_id
             job_dir.mkdir(parents=True, exist_ok=True)
         except BaseException:
-            if listener is not None:
-                listener.close()
+            if offer is not None:
+                offer.close()
             raise
         work = job_dir / "work"
-        if listener is not None:
+        if offer is not None:
             incoming = job_dir / "incoming"
             if await self.agent.files.receive_tar(
-                ctx, listener, size, incoming, limit, hashlib.sha256()
+                ctx, offer, size, incoming, limit, hashlib.sha256()
             ):
                 await in_thread(incoming.rename, work)
                 await in_thread(_hand_over, job_dir, work, self.agent.files.owner)

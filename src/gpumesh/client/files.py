@@ -476,7 +476,7 @@ class _FileUpload(_Upload):
         self.hashing: asyncio.Future[bytes] | None = None
 
     async def prepare(self) -> None:
-        if not self.fast:
+        if not self.fast or self.peer.channel_blocked_until > time.time():
             self.start_hashing()  # while the first attempt dials and looks at the destination
 
     def start_hashing(self) -> None:

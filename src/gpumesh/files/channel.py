@@ -62,6 +62,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ACCEPT_WAIT",
+    "HELD",
     "TICKET_BYTES",
     "Channel",
     "Listener",
@@ -88,6 +89,8 @@ PIECE = 4 << 20
 """Bytes per read/send/write: large, so the interpreter's share per byte is small."""
 _PIECES = 4
 """Buffers in flight per transfer (``PIECE`` each): bounded memory, whatever the size."""
+HELD = PIECE * _PIECES
+"""Most bytes one pump holds in its buffers, whatever the size of what it moves."""
 _POLL = 0.2
 _MAX_PENDING = 8
 """Connections from the peer's address in their handshake at once; a new one
