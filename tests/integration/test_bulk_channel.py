@@ -80,9 +80,10 @@ def test_folders_take_the_data_channel_both_ways_and_quic_when_it_is_off(
     alice, bob = pair
     source = _dataset(tmp_path / "dataset")
     expected = tree(source)
-    outs = [tmp_path / f"out{index}" for index in range(3)]
+    outs = [tmp_path / f"out{index}" for index in range(4)]
     for out in outs:
         out.mkdir()
+    (tmp_path / "nothing").mkdir()
 
     async def scenario() -> list[CopyResult]:
         async with _serving(alice, bob):
@@ -92,11 +93,17 @@ def test_folders_take_the_data_channel_both_ways_and_quic_when_it_is_off(
                 await copy(bob, str(source), "alice:/quic/", fast_path=False),
                 await copy(bob, "alice:/quic/dataset", str(outs[1]), fast_path=False),
             ]
+            empty = [
+                await copy(bob, str(tmp_path / "nothing"), "alice:/"),
+                await copy(bob, "alice:/nothing", str(outs[3])),
+            ]
+            assert [(r.channel, r.size) for r in empty] == [("tls", 1024)] * 2
             alice.home.config.set("data_channel", "off")  # the provider offers none
             results.append(await copy(bob, "alice:/dataset", str(outs[2])))
             return results
 
     up, down, up_quic, down_quic, not_offered = arun(scenario())
+    assert (outs[3] / "nothing").is_dir() and not any((outs[3] / "nothing").iterdir())
     assert (up.channel, down.channel) == ("tls", "tls")
     assert (up.no_channel, down.no_channel) == ("", "")
     assert (up_quic.channel, down_quic.channel) == ("quic", "quic")
@@ -108,7 +115,7 @@ def test_folders_take_the_data_channel_both_ways_and_quic_when_it_is_off(
     assert up.transferred == up.size
     sandbox = sandbox_of(alice, bob)
     assert tree(sandbox / "dataset") == expected == tree(sandbox / "quic" / "dataset")
-    for out in outs:
+    for out in outs[:3]:
         assert tree(out / "dataset") == expected
         assert not list(out.glob(f"*{PART_SUFFIX}"))
     assert list(partials_of(alice, bob).iterdir()) == []
