@@ -15,7 +15,8 @@ on a folder that first has to reach the provider:
   this machine; the two times are added.
 * For reference, ``gpumesh run --workdir`` with ``data_channel off`` in the
   consumer's config (the folder as DATA on the QUIC stream, as before the
-  workdir took the channel).
+  workdir took the channel), and ``gpumesh run -- true`` without a workdir
+  (what dispatching a job costs beyond the upload).
 
 CHECK adds up the sizes of the folder's files inside the container, and
 every run's output is compared with the folder's size, so each job did see
@@ -53,6 +54,7 @@ RUN = "gpumesh run --workdir"
 CP = "gpumesh cp -r"
 DOCKER = "docker run -v"
 QUIC = "gpumesh run --workdir, data_channel off"
+BARE = "gpumesh run, no workdir"
 CHECK = "find . -type f | xargs stat -c %s | awk '{n += $1} END {print n}'"
 """The job: add up the sizes of the files in the folder it was given (their
 content is checked by the transfer's hash; reading it here would time the
@@ -92,12 +94,13 @@ def _set_channel(provider: Provider, value: str) -> None:
 def measure(args: argparse.Namespace, tmp: Path) -> dict[str, list[float]]:
     folder = tmp / "data"
     make_folder(folder, args.size, args.files)
-    times: dict[str, list[float]] = {RUN: [], CP: [], DOCKER: [], QUIC: []}
+    times: dict[str, list[float]] = {RUN: [], CP: [], DOCKER: [], QUIC: [], BARE: []}
     with local_provider(tmp) as provider:
         run = provider.gpumesh(
             "run", "--peer", "alice", "--image", args.image, "--workdir", str(folder),
             "--", "sh", "-c", CHECK,
         )  # fmt: skip
+        bare = provider.gpumesh("run", "--peer", "alice", "--image", args.image, "--", "true")
         cp = provider.gpumesh("cp", "-r", str(folder), "alice:/")
         docker = [
             "docker", "run", "--rm", "-v", f"{folder}:/w:ro", "-w", "/w", args.image,
@@ -108,17 +111,17 @@ def measure(args: argparse.Namespace, tmp: Path) -> dict[str, list[float]]:
             if name == QUIC:
                 _set_channel(provider, "off")
             try:
-                command = {RUN: run, QUIC: run, CP: cp, DOCKER: docker}[name]
+                command = {RUN: run, QUIC: run, CP: cp, DOCKER: docker, BARE: bare}[name]
                 outcome = time_command(name, command, provider.env)
             finally:
                 if name == QUIC:
                     _set_channel(provider, "on")
-            if name != CP:
+            if name not in (CP, BARE):
                 _expect_size(name, outcome.stdout, args.size)
             _tidy(provider)
             return outcome.seconds
 
-        names = [RUN, CP, DOCKER] + ([] if args.no_quic else [QUIC])
+        names = [RUN, CP, DOCKER, BARE] + ([] if args.no_quic else [QUIC])
         for name in names:  # untimed warm-up of each
             one(name)
         for index in range(args.repeat):
@@ -136,7 +139,7 @@ def report(args: argparse.Namespace, times: dict[str, list[float]]) -> None:
 
     rows = [
         [name, f"{median(name):.2f}", f"{min(times[name]):.2f}", f"{max(times[name]):.2f}"]
-        for name in (RUN, CP, DOCKER, QUIC)
+        for name in (RUN, CP, DOCKER, BARE, QUIC)
         if times[name]
     ]
     baseline = [c + d for c, d in zip(times[CP], times[DOCKER], strict=True)]
