@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import os
 import random
 import shutil
@@ -412,3 +413,62 @@ def test_a_channels_buffers_count_in_its_connections_link_buffer(pair) -> None:
     assert first == ["ChannelOffer", "FileResume"]
     assert second == ["FileResume"]
     assert third == ["ChannelOffer", "FileResume"]
+
+
+def _hostile_tar() -> bytes:
+    """A tar whose entries climb out of the folder it is unpacked into."""
+    import io
+    import tarfile
+
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as archive:
+        for name in ("fine.txt", "../escaped.txt", "../../escaped-too.txt"):
+            info = tarfile.TarInfo(name)
+            data = b"payload\n"
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+def test_a_hostile_tar_over_the_data_channel_meets_the_same_unpacker(pair, tmp_path: Path) -> None:
+    """A consumer that sends a tar with escaping names over the channel is refused as
+    over QUIC, and nothing lands in the sandbox, its staging folder or above them."""
+    from gpumesh.blocking import in_thread
+    from gpumesh.errors import GPUMeshError, ProtocolError
+    from gpumesh.files.channel import dial
+    from gpumesh.protocol.messages import ChannelOffer, DirPut, FileDone, FileResume
+
+    alice, bob = pair
+    data = _hostile_tar()
+    digest = hashlib.sha256(data).digest()
+    files = alice.home.path / "files"
+
+    async def scenario() -> GPUMeshError:
+        async with _serving(alice, bob):
+            peer = bob.peer("alice")
+            async with bob.session(str(peer.node_id)) as session:
+                stream = session.open_stream()
+                stream.send_message(DirPut(path="/evil", size=len(data), channel=True))
+                offer = await stream.expect(ChannelOffer)
+                await stream.expect(FileResume)
+                host = session.address[0]
+                channel = await in_thread(
+                    dial, host, offer.port, peer.public_key, offer.ticket, 10.0
+                )
+                try:
+                    await in_thread(channel.sock.sendall, data)
+                finally:
+                    channel.close()
+                stream.send_message(FileDone(size=len(data), sha256=digest), end=True)
+                with pytest.raises(GPUMeshError) as caught:
+                    await stream.expect(FileDone)
+                return caught.value
+
+    error = arun(scenario())
+    assert isinstance(error, ProtocolError)
+    assert "'../escaped.txt' climbs out" in str(error)
+    assert not (sandbox_of(alice, bob) / "evil").exists()
+    assert list(partials_of(alice, bob).iterdir()) == []
+    leaked = [p for p in alice.home.path.rglob("escaped*")] + list(tmp_path.rglob("escaped*"))
+    assert leaked == []
+    assert files.is_dir()
