@@ -21,6 +21,7 @@ from gpumesh.protocol.messages import (
     AppSync,
     AppSynced,
     Challenge,
+    ChannelDeclined,
     ChannelGet,
     ChannelOffer,
     ChannelPut,
@@ -152,8 +153,14 @@ MESSAGES: st.SearchStrategy[Message] = st.one_of(
     st.builds(FileResume, offset=st.integers(0, 2**50), hash=hash_names),
     st.builds(FileGet, path=st.text(max_size=200), offset=st.integers(0, 2**50), hashes=hash_lists),
     st.builds(FileDone, size=st.integers(0, 2**50), digest=keys),
-    st.builds(DirPut, path=st.text(max_size=200), size=st.integers(0, 2**50), hashes=hash_lists),
-    st.builds(DirGet, path=st.text(max_size=200), hashes=hash_lists),
+    st.builds(
+        DirPut,
+        path=st.text(max_size=200),
+        size=st.integers(0, 2**50),
+        hashes=hash_lists,
+        channel=st.booleans(),
+    ),
+    st.builds(DirGet, path=st.text(max_size=200), hashes=hash_lists, channel=st.booleans()),
     st.builds(
         AppSync,
         name=st.text(min_size=1, max_size=255),
@@ -167,7 +174,8 @@ MESSAGES: st.SearchStrategy[Message] = st.one_of(
         unchanged=st.integers(0, 2**40),
         list_bytes=st.integers(0, 1 << 20),
     ),
-    st.builds(AppSend, size=st.integers(0, 2**50)),
+    st.builds(AppSend, size=st.integers(0, 2**50), channel=st.booleans()),
+    st.builds(ChannelDeclined, reason=st.text(max_size=100)),
     st.builds(
         AppSynced,
         received=st.integers(0, 2**50),
@@ -230,7 +238,7 @@ def test_every_message_type_is_covered_by_the_round_trip() -> None:
     covered |= {FileStat, FileInfo, FilePut, FileResume, FileGet, FileDone, DirPut, DirGet}
     covered |= {ExecStart, ExecStarted, ExecResize, ExecExit}
     covered |= {AppSync, AppNeeds, AppSend, AppSynced, AppJobDir, AppJobDirReply}
-    covered |= {ChannelPut, ChannelGet, ChannelOffer}
+    covered |= {ChannelPut, ChannelGet, ChannelOffer, ChannelDeclined}
     assert set(get_args(Message)) == covered
 
 

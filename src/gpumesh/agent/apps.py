@@ -270,13 +270,21 @@ class AppService:
             return
         send = await stream.expect(AppSend)
         usage.check(self.files.agent.name, send.size)
-        stream.send_message(FileResume(offset=0))
         temp = self.files.partials(peer) / f"app-{secrets.token_hex(8)}"
         received = 0
+        limit = max(0, usage.quota - usage.used)
+        wanted = send.channel and send.size > 0
+        offer = self.files.offer_channel(ctx, wanted, FileResume(offset=0))
         self._synced.pop(key, None)  # until the files say what this sync did
         try:
-            if send.size:
-                async with unpack_from(temp, max(0, usage.quota - usage.used), _NoHash()) as feed:
+            # Each file is checked against the manifest's hash when it is applied;
+            # the tar's own hash is checked only where the data channel carries it.
+            if offer is not None and await self.files.receive_tar(
+                ctx, offer, send.size, temp, limit, hashlib.sha256()
+            ):
+                received = send.size
+            elif send.size:
+                async with unpack_from(temp, limit, _NoHash()) as feed:
                     while chunk := await stream.read_data():
                         received += len(chunk)
                         if received > send.size:

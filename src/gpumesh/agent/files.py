@@ -7,7 +7,10 @@ provider's), the partial uploads kept for resuming in
 ``FilePut``, ``FileGet``, ``DirPut`` and ``DirGet``, and their data-channel
 variants ``ChannelPut`` and ``ChannelGet`` (file bytes over a one-shot TLS/TCP
 channel, see :mod:`gpumesh.files.channel`; same checks, same partials, same
-hash verdict).
+hash verdict). A tar (``DirPut``/``DirGet`` here, a job's workdir, an app's
+files) takes a channel when its request asks for one: :meth:`FileService.offer_channel`,
+:meth:`~FileService.receive_tar` and :meth:`~FileService.send_tar` serve the
+job and app services too.
 
 Paths: a remote path names a place inside the sandbox; a leading ``/`` is the
 sandbox root. :func:`sandbox_parts` is the pure check every request goes
@@ -82,6 +85,7 @@ from gpumesh.files.transfer import (
     worker,
 )
 from gpumesh.protocol.messages import (
+    ChannelDeclined,
     ChannelGet,
     ChannelOffer,
     ChannelPut,
@@ -104,6 +108,7 @@ if TYPE_CHECKING:
     from gpumesh.files.channel import Channel, Listener
     from gpumesh.files.pack import PackPlan
     from gpumesh.store.db import Peer
+    from gpumesh.transport.quic import QuicLink
     from gpumesh.transport.stream import Stream
 
 __all__ = [
@@ -222,6 +227,27 @@ class _Usage:
                 f"{format_size(extra)} more: free space in your folder there, or ask its "
                 "owner to raise file_quota"
             )
+
+
+@dataclass
+class TarOffer:
+    """A data channel offered for one request's tar. The pump's buffers count in the
+    request's link (as unread bytes, against its ``link_buffer``) until it is closed."""
+
+    listener: Listener
+    link: QuicLink
+    held: int
+
+    def __post_init__(self) -> None:
+        self.link.note_unread(self.held)
+
+    def close(self) -> None:
+        """Stop listening and give back what was counted (once; from the event loop)."""
+        self.listener.stop()
+        self.listener.close()
+        if self.held:
+            self.link.note_unread(-self.held)
+            self.held = 0
 
 
 class FileService:
@@ -469,37 +495,40 @@ class FileService:
 
         where = self._where(message.path)
         folder, plan = await in_thread(self._plan_folder, ctx.peer, message.path)
+        via = ""
         try:
             size = tar_size(plan)
             st = await in_thread(os.fstat, folder.fd)
             stream = ctx.stream
             hash_name = choose(message.hashes)
-            stream.send_message(
-                FileInfo(
-                    path=message.path,
-                    exists=True,
-                    kind="dir",
-                    size=size,
-                    mode=stat.S_IMODE(st.st_mode),
-                    mtime=st.st_mtime,
-                    hash=hash_name,
-                )
+            info = FileInfo(
+                path=message.path,
+                exists=True,
+                kind="dir",
+                size=size,
+                mode=stat.S_IMODE(st.st_mode),
+                mtime=st.st_mtime,
+                hash=hash_name,
             )
+            offer = self.offer_channel(ctx, message.channel, info)
             hasher = new_hasher(hash_name)
-            sent = 0
-            # Files are opened again through the folder's descriptor as they are packed.
-            async with contextlib.aclosing(tar_chunks(plan, hasher)) as chunks:
-                async for chunk in chunks:
-                    sent += len(chunk)
-                    await stream.send_data(chunk)
+            if offer is not None and await self.send_tar(ctx, offer, plan, size, hasher):
+                via = " over a data channel"
+            else:
+                sent = 0
+                # Files are opened again through the folder's descriptor as they are packed.
+                async with contextlib.aclosing(tar_chunks(plan, hasher)) as chunks:
+                    async for chunk in chunks:
+                        sent += len(chunk)
+                        await stream.send_data(chunk)
+                if sent != size:
+                    raise AgentError(f"{where} changed while it was packed; copy it again")
+                stream.end_data()
+                stream.send_message(FileDone(size=size, digest=hasher.digest()), end=True)
+                await _until_finished(stream)
         finally:
             folder.close()
-        if sent != size:
-            raise AgentError(f"{where} changed while it was packed; copy it again")
-        stream.end_data()
-        stream.send_message(FileDone(size=size, digest=hasher.digest()), end=True)
-        await _until_finished(stream)
-        logger.info("[%s] sent folder %s (%d bytes of tar)", ctx.peer.name, where, size)
+        logger.info("[%s] sent folder %s%s (%d bytes of tar)", ctx.peer.name, where, via, size)
 
     def _plan_folder(self, peer: Peer, remote: str) -> tuple[Tree, PackPlan]:
         """The folder at ``remote``, opened, and what of it to send (blocking)."""
@@ -533,30 +562,36 @@ class FileService:
             usage = await self.usage(peer, exclude=temp_name)
             usage.check(name, message.size)
             hash_name = choose(message.hashes)
-            stream.send_message(FileResume(offset=0, hash=hash_name))
             hasher = new_hasher(hash_name)
             received = 0
             limit = max(0, usage.quota - usage.used)
+            via = ""
+            offer = self.offer_channel(ctx, message.channel, FileResume(offset=0, hash=hash_name))
             try:
-                async with unpack_from(temp, limit, hasher) as feed:
-                    while chunk := await stream.read_data():
-                        received += len(chunk)
-                        if received > message.size:
+                if offer is not None and await self.receive_tar(
+                    ctx, offer, message.size, temp, limit, hasher
+                ):
+                    received, via = message.size, " over a data channel"
+                else:
+                    async with unpack_from(temp, limit, hasher) as feed:
+                        while chunk := await stream.read_data():
+                            received += len(chunk)
+                            if received > message.size:
+                                raise ProtocolError(
+                                    f"the folder sent to {where} is larger than announced"
+                                )
+                            await feed(chunk)
+                        if received != message.size:
                             raise ProtocolError(
-                                f"the folder sent to {where} is larger than announced"
+                                f"the folder sent to {where} ended after {received} of "
+                                f"{message.size} bytes"
                             )
-                        await feed(chunk)
-                    if received != message.size:
-                        raise ProtocolError(
-                            f"the folder sent to {where} ended after {received} of "
-                            f"{message.size} bytes"
-                        )
-                    await feed(None)
+                        await feed(None)
                 await in_thread(self._place_folder, peer, temp, message.path)
             finally:
                 await in_thread(shutil.rmtree, temp, True)
         stream.send_message(FileDone(size=received, digest=hasher.digest()), end=True)
-        logger.info("[%s] received folder %s (%d bytes of tar)", peer.name, where, received)
+        logger.info("[%s] received folder %s%s (%d bytes of tar)", peer.name, where, via, received)
 
     # --- the data channel ------------------------------------------------------------------
 
@@ -578,6 +613,121 @@ class FileService:
             raise UnreachableError(f"cannot open a data channel: {exc.strerror or exc}") from None
         except ValueError as exc:
             raise UnreachableError(f"cannot open a data channel: {exc}") from None
+
+    def offer_channel(self, ctx: RequestContext, wanted: bool, answer: Message) -> TarOffer | None:
+        """Send ``answer``, the request's usual first answer, after a ChannelOffer when
+        the consumer asked for a channel for its tar, this provider opens them, and
+        the link has room for the pump's buffers (its ``link_buffer`` counts them
+        while the offer lives); the offer, or None: the tar goes as DATA on QUIC."""
+        from gpumesh.files.channel import HELD
+
+        offer = None
+        if wanted and self.channel_enabled():
+            limit = ctx.link.buffer_limit
+            if limit and ctx.link.held() + HELD > limit:
+                logger.info(
+                    "[%s] no data channel for a tar: the connection holds too much "
+                    "(link_buffer); QUIC instead",
+                    ctx.peer.name,
+                )
+            else:
+                try:
+                    listener = self._listener(ctx.link.remote_address()[0])
+                except UnreachableError as exc:
+                    logger.debug("[%s] no data channel for a tar: %s", ctx.peer.name, exc)
+                else:
+                    offer = TarOffer(listener, ctx.link, HELD)
+        try:
+            if offer is not None:
+                listener = offer.listener
+                ctx.stream.send_message(
+                    ChannelOffer(port=listener.port, ticket=listener.ticket, offset=0)
+                )
+            ctx.stream.send_message(answer)
+        except BaseException:
+            if offer is not None:
+                offer.close()
+            raise
+        return offer
+
+    async def receive_tar(
+        self,
+        ctx: RequestContext,
+        offer: TarOffer,
+        size: int,
+        dest: Path,
+        limit: int,
+        hasher: Hasher,
+    ) -> bool:
+        """Unpack the request's tar from its data channel into ``dest`` (all or nothing,
+        the same unpacker and ``limit`` as over QUIC) and check it against the
+        FileDone the consumer sends on QUIC after it; on any failure ``dest`` is
+        removed. False: the consumer declined the channel, and the tar comes as
+        DATA on the stream."""
+        from gpumesh.files.channel import receive_stream
+        from gpumesh.files.transfer import unpack_pieces
+
+        following = _next_message(ctx.stream, offer.listener)
+        consume = functools.partial(unpack_pieces, dest=dest, limit=limit)
+        try:
+            try:
+                async with _channel_of(offer.listener, following) as channel:
+                    await in_thread(receive_stream, channel, size, consume, hasher, _ignore)
+                    done = await asyncio.wait_for(asyncio.shield(following), _FINISH_WAIT)
+            except ConnectionLostError:
+                if _declined(following):
+                    return False
+                raise
+            except TimeoutError:
+                raise ConnectionLostError("the consumer did not finish the upload") from None
+            matches = isinstance(done, FileDone) and (done.size, done.digest) == (
+                size,
+                hasher.digest(),
+            )
+            if not matches:
+                raise ProtocolError(
+                    "the tar sent over the data channel does not match its hash and was "
+                    "discarded; send it again"
+                )
+        except BaseException:
+            await in_thread(shutil.rmtree, dest, True)
+            raise
+        finally:
+            _let_go(following)
+            offer.close()
+        return True
+
+    async def send_tar(
+        self, ctx: RequestContext, offer: TarOffer, plan: PackPlan, size: int, hasher: Hasher
+    ) -> bool:
+        """Send ``plan`` as a tar of exactly ``size`` bytes over the request's data
+        channel, then FileDone on QUIC, and wait for the consumer to end its side.
+        False: the consumer declined the channel; nothing was sent."""
+        from gpumesh.files.channel import send_stream
+        from gpumesh.files.pack import write_tar
+
+        stream = ctx.stream
+        following = _next_message(stream, offer.listener)
+
+        def produce(out: Any) -> None:
+            write_tar(plan, out)
+
+        try:
+            try:
+                async with _channel_of(offer.listener, following) as channel:
+                    await in_thread(send_stream, channel, size, produce, hasher, _ignore)
+                    stream.send_message(FileDone(size=size, digest=hasher.digest()), end=True)
+                    # The consumer ends its side once it checked FileDone.
+                    with contextlib.suppress(GPUMeshError, TimeoutError):
+                        await asyncio.wait_for(asyncio.shield(following), _FINISH_WAIT)
+            except ConnectionLostError:
+                if _declined(following):
+                    return False
+                raise
+        finally:
+            _let_go(following)
+            offer.close()
+        return True
 
     @_refusing
     async def handle_channel_put(self, ctx: RequestContext, message: Message) -> None:
@@ -895,6 +1045,34 @@ async def _consumer_end(stream: Stream, answered: asyncio.Event) -> None:
         pass
     if not answered.is_set():
         raise ConnectionLostError("the consumer ended the request before the file was sent")
+
+
+def _next_message(stream: Stream, listener: Listener) -> asyncio.Future[Message]:
+    """The consumer's next message on a request whose tar was offered a channel: its
+    FileDone, or ChannelDeclined, which stops the listener at once."""
+    following = asyncio.ensure_future(stream.read_message())
+
+    def declined(future: asyncio.Future[Message]) -> None:
+        if _declined(future):
+            listener.stop()
+
+    following.add_done_callback(declined)
+    return following
+
+
+def _declined(future: asyncio.Future[Message]) -> bool:
+    return (
+        future.done()
+        and not future.cancelled()
+        and future.exception() is None
+        and isinstance(future.result(), ChannelDeclined)
+    )
+
+
+def _let_go(future: asyncio.Future[Any]) -> None:
+    if not future.done():
+        future.cancel()
+    future.add_done_callback(swallow)
 
 
 @contextlib.asynccontextmanager

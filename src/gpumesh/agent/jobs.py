@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -84,6 +85,7 @@ from gpumesh.store.db import JobRecord
 from gpumesh.units import format_size, parse_size
 
 if TYPE_CHECKING:
+    from gpumesh.agent.files import TarOffer
     from gpumesh.agent.server import Agent, RequestContext
     from gpumesh.transport.stream import Stream
 
@@ -360,12 +362,13 @@ class JobService:
         run = _Run(record)
         self._runs[record.job_id] = run
         logger.info("[job %s] accepted from %s: %s", record.job_id, peer.name, record.image)
-        ctx.stream.send_message(
-            JobAccepted(job_id=record.job_id, gpus=gpus, provider=self.agent.name)
-        )
+        # The workdir may take a data channel: offered before the acceptance.
+        accepted = JobAccepted(job_id=record.job_id, gpus=gpus, provider=self.agent.name)
+        wanted = message.channel and message.workdir_bytes > 0
+        offer = self.agent.files.offer_channel(ctx, wanted, accepted)
         if message.workdir_bytes:
             try:
-                await self._receive_workdir(ctx.stream, run, message.workdir_bytes, limit)
+                await self._receive_workdir(ctx, run, message.workdir_bytes, limit, offer)
             except BaseException as exc:
                 await self._upload_failed(run, exc)
                 raise
@@ -601,13 +604,39 @@ class JobService:
 
     # --- upload -------------------------------------------------------------------------------
 
-    async def _receive_workdir(self, stream: Stream, run: _Run, size: int, limit: int) -> None:
+    async def _receive_workdir(
+        self, ctx: RequestContext, run: _Run, size: int, limit: int, offer: TarOffer | None
+    ) -> None:
+        """Receive and unpack the job's workdir: over the data channel when one was
+        offered (unpacked as it arrives, checked against its hash before it becomes
+        the job's), else as DATA on the request's stream."""
         from gpumesh.files.pack import unpack_tar
 
-        run.machine.uploading()
-        self.store.update_job(HOSTED, run.job_id, state=JobState.UPLOADING)
-        job_dir = self.jobs_dir / run.job_id
-        job_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            run.machine.uploading()
+            self.store.update_job(HOSTED, run.job_id, state=JobState.UPLOADING)
+            job_dir = self.jobs_dir / run.job_id
+            job_dir.mkdir(parents=True, exist_ok=True)
+        except BaseException:
+            if offer is not None:
+                offer.close()
+            raise
+        work = job_dir / "work"
+        if offer is not None:
+            incoming = job_dir / "incoming"
+            if await self.agent.files.receive_tar(
+                ctx, offer, size, incoming, limit, hashlib.sha256()
+            ):
+                await in_thread(incoming.rename, work)
+                await in_thread(_hand_over, job_dir, work, self.agent.files.owner)
+                self.store.update_job(HOSTED, run.job_id, workdir=str(work))
+                logger.info(
+                    "[job %s] workdir received over a data channel (%d bytes of tar)",
+                    run.job_id,
+                    size,
+                )
+                return
+        stream = ctx.stream
         tar_path = job_dir / "upload.tar"
         received = 0
         with tar_path.open("wb") as out:
@@ -618,11 +647,11 @@ class JobService:
                 out.write(chunk)
         if received != size:
             raise ProtocolError(f"the workdir upload ended after {received} of {size} bytes")
-        work = job_dir / "work"
         await in_thread(unpack_tar, tar_path, work, limit)
         tar_path.unlink()
         await in_thread(_hand_over, job_dir, work, self.agent.files.owner)
         self.store.update_job(HOSTED, run.job_id, workdir=str(work))
+        logger.info("[job %s] workdir received (%d bytes of tar)", run.job_id, size)
 
     async def _upload_failed(self, run: _Run, exc: BaseException) -> None:
         """End a job whose workdir never fully arrived (the link dropped, the agent is

@@ -53,6 +53,8 @@ def _sync_json(result: Any) -> dict[str, Any]:
         "sent": result.sent,
         "deleted": result.deleted,
         "skipped": [{"path": s.path, "rule": s.reason} for s in result.skipped],
+        "channel": result.channel,
+        "no_channel": result.no_channel,
     }
 
 

@@ -23,8 +23,9 @@ other peers never see it. A copy that stops (dropped link, restarted peer)
 resumes where it stopped: gpumesh retries by itself, and running the same
 command again resumes too. Every copy is checked end to end with BLAKE3
 (SHA-256 with peers running an older version).
-File bytes take a TLS/TCP channel opened by the QUIC session when a direct
-path exists, else QUIC.
+File and folder bytes take a TLS/TCP channel opened by the QUIC session when
+a direct path exists, else QUIC (a channel that did not open is not tried
+again with that peer for 10 minutes).
 """,
 )
 @click.argument("source")
@@ -99,6 +100,7 @@ def cp(
                 "skipped": result.skipped,
                 "channel": result.channel,
                 "congestion": result.congestion,
+                "no_channel": result.no_channel,
             }
         )
     elif not quiet:

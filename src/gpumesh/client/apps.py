@@ -78,6 +78,10 @@ class SyncResult:
     unchanged: int = 0
     skipped: list[Skipped] = field(default_factory=list)
     seconds: float = 0.0
+    channel: str = ""
+    """What carried the files: ``tls`` (the data channel), ``quic``, or empty (none sent)."""
+    no_channel: str = ""
+    """With ``quic``: why not the data channel (see :class:`gpumesh.client.bulk.NoChannel`)."""
 
 
 def app_folder(name: str) -> str:
@@ -219,7 +223,9 @@ async def sync_app(
                 needs = await stream.expect(AppNeeds)
                 if needs.rebase:
                     continue  # the provider holds another manifest: send it all
-                await _apply_needs(stream, peer, needs, plan, by_path, result, folder)
+                await _apply_needs(
+                    (node, session, peer), stream, needs, plan, by_path, result, folder
+                )
             finally:
                 session.link.forget_stream(stream.stream_id)
             break
@@ -250,8 +256,8 @@ def _retrieved(future: Any) -> None:
 
 
 async def _apply_needs(
+    where: tuple[Node, Session, Peer],
     stream: Stream,
-    peer: Peer,
     needs: AppNeeds,
     plan: PackPlan,
     by_path: dict[str, PackEntry],
@@ -259,9 +265,12 @@ async def _apply_needs(
     folder: Path,
 ) -> None:
     """Read what the provider lacks, and (unless a dry run) send it as one tar."""
+    from gpumesh.client.bulk import NoChannel, answer_after_offer, send_tar, why_no_channel
+    from gpumesh.client.files import STALL_TIMEOUT
+    from gpumesh.files.hashing import SHA256
     from gpumesh.files.pack import PackPlan
-    from gpumesh.files.transfer import tar_chunks
 
+    node, session, peer = where
     listing = json.loads(await _read_bytes(stream, needs.list_bytes))
     need = [str(path) for path in listing["need"]]
     if any(path not in by_path for path in need):
@@ -274,22 +283,46 @@ async def _apply_needs(
         return
     subset = PackPlan(plan.root, tuple(by_path[path] for path in need), ())
     size = await in_thread(_tar_size, subset) if need else 0
-    stream.send_message(AppSend(size=size))
-    await stream.expect(FileResume)
-    sent = 0
+    no_channel = why_no_channel(node, peer, session) if need else None
+    stream.send_message(AppSend(size=size, channel=bool(need) and no_channel is None))
+    offer, _resume = await answer_after_offer(stream, FileResume)
     if need:
-        async with contextlib.aclosing(tar_chunks(subset, _NoHash())) as chunks:
-            async for chunk in chunks:
-                await stream.send_data(chunk)
-                sent += len(chunk)
-    if sent != size:
-        raise ConfigError(f"{folder} changed while it was packed; sync again")
-    stream.end_data()
+        digest = None
+        if offer is not None:
+            # AppSend names no hash: its tar is checked with SHA-256 (as over QUIC).
+            digest = await send_tar(
+                node, session, peer, stream, offer, subset, size, SHA256, _ignore, STALL_TIMEOUT
+            )
+        result.channel = "tls" if digest is not None else "quic"
+        if digest is None:
+            result.no_channel = no_channel or (
+                NoChannel.FAILED if offer is not None else NoChannel.NOT_OFFERED
+            )
+            await _send_tar_quic(stream, subset, size, folder)
+    else:
+        stream.end_data()
     stream.finish()
     done = await stream.expect(AppSynced)
     if done.received != size:
         raise ProtocolError(f"{peer.name} received {done.received} of {size} bytes")
     result.bytes_sent = size
+
+
+async def _send_tar_quic(stream: Stream, subset: PackPlan, size: int, folder: Path) -> None:
+    from gpumesh.files.transfer import tar_chunks
+
+    sent = 0
+    async with contextlib.aclosing(tar_chunks(subset, _NoHash())) as chunks:
+        async for chunk in chunks:
+            await stream.send_data(chunk)
+            sent += len(chunk)
+    if sent != size:
+        raise ConfigError(f"{folder} changed while it was packed; sync again")
+    stream.end_data()
+
+
+def _ignore(_count: int) -> None:
+    return None
 
 
 def _name_of(folder: Path) -> str:
@@ -358,7 +391,7 @@ async def pull_folder(node: Node, peer_query: str, remote: str, dest: Path) -> i
         info = await _stat(session, remote)
         if not info.exists or info.kind != "dir":
             raise NotFoundError(f"{peer.name}:{remote} is not a folder")
-        return await _get_folder(session, peer, remote, dest)
+        return await _get_folder(node, session, peer, remote, dest)
 
 
 async def _stat(session: Session, remote: str) -> FileInfo:
@@ -370,33 +403,40 @@ async def _stat(session: Session, remote: str) -> FileInfo:
         session.link.forget_stream(stream.stream_id)
 
 
-async def _get_folder(session: Session, peer: Peer, remote: str, dest: Path) -> int:
-    from gpumesh.files.hashing import label, new_hasher, offered, taken
-    from gpumesh.files.transfer import unpack_from
+async def _get_folder(node: Node, session: Session, peer: Peer, remote: str, dest: Path) -> int:
+    """The folder's tar, over the data channel when one opens, unpacked and placed."""
+    from gpumesh.client.bulk import answer_after_offer, receive_tar, why_no_channel
+    from gpumesh.client.files import STALL_TIMEOUT
+    from gpumesh.files.hashing import offered, taken
 
     temp = dest.with_name(dest.name + ".gpumesh-part")
     await in_thread(_prepare_dest, dest, temp)
+    wanted = why_no_channel(node, peer, session) is None
     stream = session.open_stream()
     try:
         asked = offered()
-        stream.send_message(DirGet(path=remote, hashes=asked))  # not ended: credit flows back
-        info = await stream.expect(FileInfo)
+        # Not ended: credit flows back.
+        stream.send_message(DirGet(path=remote, hashes=asked, channel=wanted))
+        offer, info = await answer_after_offer(stream, FileInfo)
         hash_name = taken(info.hash, asked)
-        hasher = new_hasher(hash_name)
-        received = 0
-        async with unpack_from(temp, info.size, hasher) as feed:
-            while chunk := await stream.read_data():
-                received += len(chunk)
-                if received > info.size:
-                    raise ProtocolError(f"{peer.name} sent more than the folder's size")
-                await feed(chunk)
-            await feed(None)
+        received = None
+        if offer is not None:
+            digest = await receive_tar(
+                node,
+                session,
+                peer,
+                stream,
+                offer,
+                info.size,
+                hash_name,
+                temp,
+                _ignore,
+                STALL_TIMEOUT,
+            )
+            received = None if digest is None else info.size
         try:
-            done = await stream.expect(FileDone)
-            if received != info.size or done.digest != hasher.digest():
-                raise ProtocolError(
-                    f"the copy of {peer.name}:{remote} did not match its {label(hash_name)} hash"
-                )
+            if received is None:
+                received = await _get_folder_quic(stream, peer, remote, temp, info.size, hash_name)
             await in_thread(_place, temp, dest)
         finally:
             await in_thread(_remove, temp)
@@ -404,6 +444,29 @@ async def _get_folder(session: Session, peer: Peer, remote: str, dest: Path) -> 
         with contextlib.suppress(Exception):
             stream.finish()
         session.link.forget_stream(stream.stream_id)
+    return received
+
+
+async def _get_folder_quic(
+    stream: Stream, peer: Peer, remote: str, temp: Path, size: int, hash_name: str
+) -> int:
+    from gpumesh.files.hashing import label, new_hasher
+    from gpumesh.files.transfer import unpack_from
+
+    hasher = new_hasher(hash_name)
+    received = 0
+    async with unpack_from(temp, size, hasher) as feed:
+        while chunk := await stream.read_data():
+            received += len(chunk)
+            if received > size:
+                raise ProtocolError(f"{peer.name} sent more than the folder's size")
+            await feed(chunk)
+        await feed(None)
+    done = await stream.expect(FileDone)
+    if received != size or done.digest != hasher.digest():
+        raise ProtocolError(
+            f"the copy of {peer.name}:{remote} did not match its {label(hash_name)} hash"
+        )
     return received
 
 

@@ -15,7 +15,8 @@ way the partial is the same whichever path carried its bytes, so a copy
 dropped on one path resumes on the other. A dropped link (or a provider that
 stops answering) is retried a few times, each retry resuming; a later
 ``gpumesh cp`` of the same file resumes too. Folders travel as one tar, never
-resumed, unpacked all or nothing.
+resumed, unpacked all or nothing, over the data channel too when one opens
+(:mod:`gpumesh.client.bulk`).
 
 Nothing here prints; results and progress go to the caller.
 """
@@ -42,7 +43,6 @@ from gpumesh.errors import (
     LimitError,
     NotFoundError,
     ProtocolError,
-    TransportError,
     UnreachableError,
 )
 from gpumesh.files.hashing import SHA256, label, new_hasher, offered, taken
@@ -143,6 +143,10 @@ class CopyResult:
     congestion: str = ""
     """The data channel's TCP congestion control (``bbr`` where the kernel offers it);
     empty when no data channel was opened."""
+    no_channel: str = ""
+    """With ``quic``: why not the data channel (a :class:`gpumesh.client.bulk.NoChannel`:
+    ``off``, ``relayed``, ``blocked`` (one failed to open recently, so it was not
+    tried), ``failed``, ``not offered``)."""
 
     @property
     def resumed_from(self) -> int:
@@ -225,7 +229,6 @@ async def upload(
     started = time.perf_counter()
     callbacks = callbacks or CopyCallbacks()
     peer = node.peer(peer_query)
-    fast_path = fast_path and _channel_allowed(node)
     try:
         st = os.stat(local)
     except FileNotFoundError:
@@ -238,14 +241,10 @@ async def upload(
         copier: _Copy = _FolderUpload(node, peer, local, remote, callbacks, stall_timeout)
     elif stat.S_ISREG(st.st_mode):
         copier = _FileUpload(node, peer, local, remote, callbacks, stall_timeout, st)
-        copier.fast = fast_path
     else:
         raise ConfigError(f"{local} is not a regular file (a device, pipe or socket)")
+    copier.allow_channel(fast_path)
     return await copier.run(retries, started)
-
-
-def _channel_allowed(node: Node) -> bool:
-    return str(node.home.config.get("data_channel")) == "on"
 
 
 def _name_of(local: Path) -> str:
@@ -290,6 +289,14 @@ class _Copy:
         """Bytes in place at the far end (or here) so far."""
         self.fast = False
         """Try the data channel (cleared for good once one could not be opened)."""
+
+    def allow_channel(self, fast_path: bool) -> None:
+        """Whether the data channel may be tried at all (the user's and the config's word)."""
+        from gpumesh.client.bulk import NoChannel
+
+        self.fast = fast_path and str(self.node.home.config.get("data_channel")) == "on"
+        if not self.fast:
+            self.result.no_channel = NoChannel.OFF
 
     async def prepare(self) -> None:
         """Local work done once, before any attempt."""
@@ -351,14 +358,27 @@ class _Copy:
         return f"{self.peer.name}:{_shown(path)}"
 
     def use_channel(self, session: Session) -> bool:
-        # A session set up through the relay has no direct TCP path to the peer,
-        # even once hole punching moved its UDP packets onto a direct one.
-        return self.fast and not session.through_relay
+        """Whether to ask for a data channel now (if not, ``result.no_channel`` says why)."""
+        from gpumesh.client.bulk import why_no_channel
 
-    def no_channel(self, stream: Stream, session: Session, why: GPUMeshError) -> None:
-        """The data channel could not be opened: this copy goes on over QUIC."""
+        if not self.fast:
+            return False
+        why = why_no_channel(self.node, self.peer, session)
+        if why is not None:
+            self.result.no_channel = why
+            return False
+        return True
+
+    def no_channel(
+        self, stream: Stream, session: Session, why: GPUMeshError, failed: bool = False
+    ) -> None:
+        """The data channel could not be opened (``failed``) or was not offered: this
+        copy goes on over QUIC."""
+        from gpumesh.client.bulk import NoChannel
+
         logger.debug("copy: no data channel to %s (%s); using QUIC", self.peer.name, why)
         self.fast = False
+        self.result.no_channel = NoChannel.FAILED if failed else NoChannel.NOT_OFFERED
         with contextlib.suppress(GPUMeshError):
             stream.abort()
         session.link.forget_stream(stream.stream_id)
@@ -373,22 +393,11 @@ class _Copy:
             return None
 
     async def open_channel(self, session: Session, offer: ChannelOffer) -> Channel | None:
-        from gpumesh.blocking import in_thread
-        from gpumesh.files.channel import dial
+        from gpumesh.client.bulk import open_channel
 
-        try:
-            channel = await in_thread(
-                dial,
-                session.address[0],
-                offer.port,
-                self.peer.public_key,
-                offer.ticket,
-                self.stall_timeout,
-            )
-        except TransportError as exc:
-            logger.debug("copy: data channel to %s failed: %s", self.peer.name, exc)
-            return None
-        self.result.congestion = channel.congestion
+        channel = await open_channel(self.node, session, self.peer, offer, self.stall_timeout)
+        if channel is not None:
+            self.result.congestion = channel.congestion
         return channel
 
     def progress_from_thread(self, total: int) -> Callable[[int], None]:
@@ -508,7 +517,7 @@ class _FileUpload(_Upload):
         offer = await self.offer(stream)
         channel = None if offer is None else await self.open_channel(session, offer)
         if offer is None or channel is None:
-            self.no_channel(stream, session, UnreachableError("no data channel"))
+            self.no_channel(stream, session, UnreachableError("no data channel"), offer is not None)
             return False
         try:
             hash_name = taken(offer.hash, asked)
@@ -718,17 +727,60 @@ class _FolderUpload(_Upload):
         self.result.skipped = [f"{s.path}: {s.reason}" for s in self.plan.skipped]
 
     async def attempt(self, session: Session) -> None:
-        from gpumesh.files.transfer import tar_chunks
+        from gpumesh.client.bulk import NoChannel, answer_after_offer, send_tar
 
         target = await self.settle_target(session)
+        wanted = self.use_channel(session)
         stream = session.open_stream()
         asked = offered()
-        stream.send_message(DirPut(path=target, size=self.size, hashes=asked))
-        resume = await self.within(RESPONSE_TIMEOUT, stream.expect(FileResume))
-        hash_name = taken(resume.hash, asked)
-        self.result.offsets.append(0)
-        self.done = 0
-        self.callbacks.progress(0, self.size)
+        stream.send_message(DirPut(path=target, size=self.size, hashes=asked, channel=wanted))
+        try:
+            offer, resume = await answer_after_offer(stream, FileResume)
+            hash_name = taken(resume.hash, asked)
+            self.result.offsets.append(0)
+            self.done = 0
+            self.callbacks.progress(0, self.size)
+            digest = None
+            if offer is not None:
+                self.result.channel = "tls"
+                digest = await send_tar(
+                    self.node,
+                    session,
+                    self.peer,
+                    stream,
+                    offer,
+                    self.plan,
+                    self.size,
+                    hash_name,
+                    lambda count: self.advance(count, self.size),
+                    self.stall_timeout,
+                )
+                if digest is None:
+                    self.fast = False
+                    self.result.no_channel = NoChannel.FAILED
+            elif wanted:
+                self.result.no_channel = NoChannel.NOT_OFFERED
+            if digest is not None:
+                stream.finish()
+                done = await self.within(RESPONSE_TIMEOUT, stream.expect(FileDone))
+            else:
+                self.result.channel = "quic"
+                digest, done = await self._send_quic(stream, hash_name)
+        except BaseException:
+            # The provider stops at once (its channel too) rather than when it stalls.
+            with contextlib.suppress(GPUMeshError):
+                stream.abort()
+            raise
+        finally:
+            session.link.forget_stream(stream.stream_id)
+        if done.size != self.size or done.digest != digest:
+            raise ProtocolError(f"{self.peer.name} confirmed a different folder than was sent")
+        self.result.hash, self.result.digest = hash_name, digest.hex()
+
+    async def _send_quic(self, stream: Stream, hash_name: str) -> tuple[bytes, FileDone]:
+        """The tar as DATA on the request's stream; its hash and the provider's answer."""
+        from gpumesh.files.transfer import tar_chunks
+
         hasher = new_hasher(hash_name)
         answer = _watch(stream, FileDone)
         try:
@@ -743,11 +795,7 @@ class _FolderUpload(_Upload):
             done = await self.within(RESPONSE_TIMEOUT, answer)
         finally:
             await _finish_task(answer)
-            session.link.forget_stream(stream.stream_id)
-        digest = hasher.digest()
-        if done.size != self.size or done.digest != digest:
-            raise ProtocolError(f"{self.peer.name} confirmed a different folder than was sent")
-        self.result.hash, self.result.digest = hash_name, digest.hex()
+        return hasher.digest(), done
 
 
 # --- downloads -------------------------------------------------------------------------------
@@ -769,7 +817,7 @@ async def download(
     callbacks = callbacks or CopyCallbacks()
     peer = node.peer(peer_query)
     copier = _Download(node, peer, local, remote, callbacks, stall_timeout)
-    copier.fast = fast_path and _channel_allowed(node)
+    copier.allow_channel(fast_path)
     return await copier.run(retries, started)
 
 
@@ -837,7 +885,7 @@ class _Download(_Copy):
         offer = await self.offer(stream)
         channel = None if offer is None else await self.open_channel(session, offer)
         if offer is None or channel is None:
-            self.no_channel(stream, session, UnreachableError("no data channel"))
+            self.no_channel(stream, session, UnreachableError("no data channel"), offer is not None)
             return None
         try:
             if info.kind != "file":
@@ -941,16 +989,17 @@ class _Download(_Copy):
 
     async def _get_folder(self, session: Session, dest: Path) -> None:
         from gpumesh.blocking import in_thread
-        from gpumesh.files.transfer import unpack_from
+        from gpumesh.client.bulk import NoChannel, answer_after_offer, receive_tar
 
         temp = dest.with_name(dest.name + PART_SUFFIX)
         await in_thread(_remove, temp)
+        wanted = self.use_channel(session)
         stream = session.open_stream()
         try:
             asked = offered()
-            # Not ended: credit flows back.
-            stream.send_message(DirGet(path=self.remote, hashes=asked))
-            info = await self.within(RESPONSE_TIMEOUT, stream.expect(FileInfo))
+            # Not ended: credit flows back (over QUIC), or the end says we are done.
+            stream.send_message(DirGet(path=self.remote, hashes=asked, channel=wanted))
+            offer, info = await answer_after_offer(stream, FileInfo)
             if info.kind != "dir":
                 raise ProtocolError(f"{self.peer.name} answered a folder request with {info.kind}")
             hash_name = taken(info.hash, asked)
@@ -959,22 +1008,30 @@ class _Download(_Copy):
             self.result.offsets.append(0)
             self.done = 0
             self.callbacks.progress(0, size)
-            hasher = new_hasher(hash_name)
-            async with unpack_from(temp, size, hasher) as feed:
-                while chunk := await self.within(self.stall_timeout, stream.read_data()):
-                    if self.done + len(chunk) > size:
-                        raise ProtocolError(f"{self.peer.name} sent more than the folder's size")
-                    await feed(chunk)
-                    self.advance(len(chunk), size)
-                await feed(None)
+            digest = None
+            if offer is not None:
+                self.result.channel = "tls"
+                digest = await receive_tar(
+                    self.node,
+                    session,
+                    self.peer,
+                    stream,
+                    offer,
+                    size,
+                    hash_name,
+                    temp,
+                    lambda count: self.advance(count, size),
+                    self.stall_timeout,
+                )
+                if digest is None:
+                    self.fast = False
+                    self.result.no_channel = NoChannel.FAILED
+            elif wanted:
+                self.result.no_channel = NoChannel.NOT_OFFERED
             try:
-                done = await self.within(RESPONSE_TIMEOUT, stream.expect(FileDone))
-                digest = hasher.digest()
-                if self.done != size or done.size != size or done.digest != digest:
-                    raise ProtocolError(
-                        f"the copy of {self.remote_label(self.remote)} did not match its "
-                        f"{label(hash_name)} hash and was removed; copy it again"
-                    )
+                if digest is None:
+                    self.result.channel = "quic"
+                    digest = await self._get_folder_quic(stream, temp, size, hash_name)
                 await in_thread(_place_folder_download, temp, dest)
             finally:
                 await in_thread(_remove, temp)
@@ -983,6 +1040,28 @@ class _Download(_Copy):
             with contextlib.suppress(GPUMeshError):
                 stream.finish()
             session.link.forget_stream(stream.stream_id)
+
+    async def _get_folder_quic(
+        self, stream: Stream, temp: Path, size: int, hash_name: str
+    ) -> bytes:
+        """The tar as DATA on the request's stream, unpacked into ``temp``; its hash."""
+        from gpumesh.files.transfer import unpack_from
+
+        hasher = new_hasher(hash_name)
+        async with unpack_from(temp, size, hasher) as feed:
+            while chunk := await self.within(self.stall_timeout, stream.read_data()):
+                if self.done + len(chunk) > size:
+                    raise ProtocolError(f"{self.peer.name} sent more than the folder's size")
+                await feed(chunk)
+                self.advance(len(chunk), size)
+            await feed(None)
+        done = await self.within(RESPONSE_TIMEOUT, stream.expect(FileDone))
+        if self.done != size or done.size != size or done.digest != hasher.digest():
+            raise ProtocolError(
+                f"the copy of {self.remote_label(self.remote)} did not match its "
+                f"{label(hash_name)} hash and was removed; copy it again"
+            )
+        return done.digest
 
     def gave_up(self, exc: GPUMeshError) -> GPUMeshError:
         if self.info is not None and self.info.kind == "file" and 0 < self.done < self.info.size:

@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from gpumesh.client.placement import Placement, place
 from gpumesh.errors import (
     AgentError,
@@ -47,8 +49,13 @@ from gpumesh.protocol.messages import (
 from gpumesh.store.db import JobRecord
 
 if TYPE_CHECKING:
+    from gpumesh.client.bulk import NoChannel
     from gpumesh.client.jobspec import JobSpec
     from gpumesh.client.node import Node
+    from gpumesh.files.pack import PackPlan
+    from gpumesh.protocol.messages import ChannelOffer
+    from gpumesh.store.db import Peer
+    from gpumesh.transport.session import Session
     from gpumesh.transport.stream import Stream
 
 __all__ = [
@@ -109,6 +116,10 @@ class JobResult:
     gpus: list[str] = field(default_factory=list)
     output_dropped: int = 0
     """Bytes of the job's oldest output its provider dropped, as far as known."""
+    workdir_channel: str = ""
+    """What carried the workdir: ``tls`` (the data channel), ``quic``, or empty (none)."""
+    workdir_no_channel: str = ""
+    """With ``quic``: why not the data channel (see :class:`gpumesh.client.bulk.NoChannel`)."""
 
     @property
     def final(self) -> bool:
@@ -177,9 +188,14 @@ async def run_job(
     store = node.home.store
     result = JobResult(job_id, peer.name, "queued", None, 0, "")
     async with node.session(peer.node_id) as session:
+        from gpumesh.client.bulk import answer_after_offer, why_no_channel
+
+        no_channel = why_no_channel(node, peer, session) if plan is not None else None
+        if plan is not None and no_channel is None:
+            submit = msgspec.structs.replace(submit, channel=True)
         stream = session.open_stream()
         stream.send_message(submit)
-        accepted = await stream.expect(JobAccepted)
+        offer, accepted = await answer_after_offer(stream, JobAccepted, None)
         result.gpus = list(accepted.gpus)
         store.add_job(
             JobRecord(
@@ -200,9 +216,17 @@ async def run_job(
         )
         callbacks.accepted(accepted)
         if plan is not None:
-            from gpumesh.files.pack import write_tar
-
-            await _upload(stream, plan, workdir_bytes, write_tar, callbacks.upload)
+            await _send_workdir(
+                node,
+                session,
+                peer,
+                stream,
+                (offer, no_channel),
+                plan,
+                workdir_bytes,
+                callbacks,
+                result,
+            )
         if detach:
             stream.finish()
             return result
@@ -229,6 +253,45 @@ async def place_in_group(
     return await place(
         node, [(v.name, v.peer if v.usable else None) for v in views], gpu_memory, wait=wait
     )
+
+
+async def _send_workdir(
+    node: Node,
+    session: Session,
+    peer: Peer,
+    stream: Stream,
+    channel: tuple[ChannelOffer | None, NoChannel | None],
+    plan: PackPlan,
+    size: int,
+    callbacks: JobCallbacks,
+    result: JobResult,
+) -> None:
+    """The workdir's tar: over the offered data channel, else as DATA on the stream."""
+    from gpumesh.client.bulk import NoChannel, send_tar
+    from gpumesh.client.files import STALL_TIMEOUT
+    from gpumesh.files.hashing import SHA256
+    from gpumesh.files.pack import write_tar
+
+    offer, no_channel = channel
+    sent = 0
+
+    def progress(count: int) -> None:
+        nonlocal sent
+        sent += count
+        callbacks.upload(sent, size)
+
+    if offer is not None:
+        # JobSubmit names no hash: the workdir's tar is checked with SHA-256.
+        args = (node, session, peer, stream, offer, plan, size, SHA256, progress, STALL_TIMEOUT)
+        if await send_tar(*args) is not None:
+            result.workdir_channel = "tls"
+            return
+        no_channel = NoChannel.FAILED
+    elif no_channel is None:
+        no_channel = NoChannel.NOT_OFFERED
+    result.workdir_channel = "quic"
+    result.workdir_no_channel = no_channel
+    await _upload(stream, plan, size, write_tar, callbacks.upload)
 
 
 async def _upload(

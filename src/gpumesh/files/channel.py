@@ -26,7 +26,11 @@ waiting until the right ticket arrives or its window closes.
 This module holds the blocking halves both ends use, run on threads: the TLS
 contexts, the one-shot listener, dialling with the key pin, and pumping a file
 into or out of a socket in large pieces while another thread hashes (TLS and
-the hash both release the GIL, so they run on two cores). It knows nothing of
+the hash both release the GIL, so they run on two cores). A tar (a folder, a
+job's workdir, an app's files) is pumped the same way: its size is exact and
+known before a byte is packed, so the channel carries exactly that many bytes
+with no framing of its own, written by the packer on the sending thread and
+read by the unpacker on the receiving one. It knows nothing of
 peers, sandboxes or asyncio; a timeout on the socket turns a stalled link into
 ``ConnectionLostError``.
 """
@@ -45,8 +49,8 @@ import ssl
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Generator, Iterator
+from typing import TYPE_CHECKING, TypeVar
 
 from gpumesh.errors import (
     AccessDeniedError,
@@ -54,6 +58,7 @@ from gpumesh.errors import (
     ConnectionLostError,
     GPUMeshError,
     KeyMismatchError,
+    ProtocolError,
     UnreachableError,
 )
 
@@ -63,6 +68,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ACCEPT_WAIT",
+    "HELD",
     "PREFERRED_CONGESTION",
     "TICKET_BYTES",
     "Channel",
@@ -71,11 +77,15 @@ __all__ = [
     "congestion_of",
     "dial",
     "receive_file",
+    "receive_stream",
     "send_file",
+    "send_stream",
     "server_context",
 ]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 TICKET_BYTES = 32
 ACCEPT_WAIT = 5.0
@@ -87,6 +97,8 @@ PIECE = 4 << 20
 """Bytes per read/send/write: large, so the interpreter's share per byte is small."""
 _PIECES = 4
 """Buffers in flight per transfer (``PIECE`` each): bounded memory, whatever the size."""
+HELD = PIECE * _PIECES
+"""Most bytes one pump holds in its buffers, whatever the size of what it moves."""
 _POLL = 0.2
 _MAX_PENDING = 8
 """Connections from the peer's address in their handshake at once; a new one
@@ -625,3 +637,149 @@ def receive_file(
         relay.stop()
         raise
     relay.finish()
+
+
+# --- pumping a stream of known size (a tar) ---------------------------------------------------
+
+
+class _PieceWriter:
+    """A write-only file that sends what is written in ``PIECE``-sized pieces, each
+    hashed on the relay's thread after it went out; refuses a byte past ``size``."""
+
+    def __init__(
+        self,
+        channel: Channel,
+        sock: ssl.SSLSocket,
+        relay: _Relay,
+        size: int,
+        progress: Callable[[int], None],
+    ) -> None:
+        self._channel = channel
+        self._sock = sock
+        self._relay = relay
+        self._size = size
+        self._progress = progress
+        self._buffer: bytearray | None = None
+        self._fill = 0
+        self.sent = 0
+
+    def write(self, data: bytes | bytearray | memoryview, /) -> int:
+        view = memoryview(data).cast("B")
+        if self.sent + self._fill + len(view) > self._size:
+            raise ConfigError("the folder grew while it was packed; copy it again")
+        while view:
+            if self._buffer is None:
+                self._buffer = self._relay.take()
+                self._fill = 0
+            step = min(len(view), PIECE - self._fill)
+            self._buffer[self._fill : self._fill + step] = view[:step]
+            self._fill += step
+            view = view[step:]
+            if self._fill == PIECE:
+                self._send()
+        return len(data)
+
+    def flush(self) -> None:
+        return None
+
+    def close(self) -> None:
+        """Send what is gathered (the last, partial piece)."""
+        if self._buffer is not None and self._fill:
+            self._send()
+
+    def _send(self) -> None:
+        assert self._buffer is not None
+        buffer, fill = self._buffer, self._fill
+        self._buffer, self._fill = None, 0
+        try:
+            self._sock.sendall(memoryview(buffer)[:fill])
+        except OSError as exc:
+            raise _lost(self._channel, exc) from None
+        self._relay.give(buffer, fill)
+        self.sent += fill
+        self._progress(fill)
+
+
+def send_stream(
+    channel: Channel,
+    size: int,
+    produce: Callable[[_PieceWriter], object],
+    hasher: Hasher,
+    progress: Callable[[int], None],
+) -> None:
+    """Send exactly ``size`` bytes that ``produce`` writes into the file it is given
+    (e.g. ``write_tar``), hashing them on a helper thread (blocking).
+
+    Raises ``ConfigError`` when ``produce`` writes more or fewer bytes than ``size``
+    (what it packs changed meanwhile): the far end then sees the channel close
+    before the end, and keeps nothing.
+    """
+    relay = _Relay([hasher.update], lambda: None)
+    try:
+        with channel.using() as sock:
+            writer = _PieceWriter(channel, sock, relay, size, progress)
+            produce(writer)
+            writer.close()
+            if writer.sent != size:
+                raise ConfigError("the folder shrank while it was packed; copy it again")
+    except BaseException:
+        relay.stop()
+        raise
+    relay.finish()
+
+
+def receive_stream(
+    channel: Channel,
+    count: int,
+    consume: Callable[[Iterator[memoryview]], T],
+    hasher: Hasher,
+    progress: Callable[[int], None],
+) -> T:
+    """Receive exactly ``count`` bytes and hand them to ``consume`` (blocking).
+
+    ``consume`` (e.g. an unpacker) runs on this thread and iterates over the
+    bytes in pieces; a piece is valid only until it asks for the next one.
+    Each piece is hashed on a helper thread once ``consume`` is done with it,
+    so receiving and unpacking piece k+1 overlaps hashing piece k. Never reads
+    past ``count``; ``consume`` must take every piece (a tar reader drains
+    the padding after its last entry).
+    """
+    relay = _Relay([hasher.update], lambda: None)
+
+    def pieces() -> Generator[memoryview, None, None]:
+        remaining = count
+        with channel.using() as sock:
+            while remaining:
+                buffer = relay.take()
+                view = memoryview(buffer)
+                fill = 0
+                want = min(PIECE, remaining)
+                while fill < want:
+                    try:
+                        got = sock.recv_into(view[fill:want])
+                    except OSError as exc:
+                        raise _lost(channel, exc) from None
+                    if not got:
+                        raise ConnectionLostError(
+                            "the data channel closed in the middle of the transfer"
+                        )
+                    fill += got
+                yield view[:fill]
+                relay.give(buffer, fill)
+                remaining -= fill
+                progress(fill)
+
+    try:
+        stream = pieces()
+        try:
+            result = consume(stream)
+            # Whatever the consumer left (nothing, when it read to the end) is checked here.
+            for _rest in stream:
+                raise ProtocolError("the receiver stopped before the end of the transfer")
+        finally:
+            stream.close()
+    except BaseException:
+        relay.stop()
+        raise
+    relay.finish()
+    return result

@@ -42,6 +42,7 @@ __all__ = [
     "swallow",
     "tar_chunks",
     "unpack_from",
+    "unpack_pieces",
     "worker",
 ]
 
@@ -306,7 +307,7 @@ class _FolderModes:
         self._long_name: str | None = None
         self._done = False
 
-    def feed(self, data: bytes) -> None:
+    def feed(self, data: bytes | memoryview) -> None:
         view = memoryview(data)
         while view and not self._done:
             if self._skip:
@@ -396,28 +397,30 @@ def _pax_records(data: bytes) -> Iterator[bytes]:
 
 
 class _Feed:
-    """A read-only file for ``unpack_tar`` on a thread, fed chunks from the event loop."""
+    """A read-only file for ``unpack_tar`` on a thread, over pieces from ``next_piece``
+    (None: the end). With a ``hasher``, each piece is hashed as it is read."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, hasher: Hasher) -> None:
-        self.loop = loop
-        self.chunks: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=_DEPTH)
+    def __init__(
+        self,
+        next_piece: Callable[[], bytes | memoryview | None],
+        hasher: Hasher | None = None,
+    ) -> None:
+        self._next_piece = next_piece
         self.hasher = hasher
         self.folders = _FolderModes()
-        self.aborted = False
         self._current = memoryview(b"")
         self._eof = False
 
     def read(self, size: int = -1, /) -> bytes:
         while not self._current and not self._eof:
-            chunk = asyncio.run_coroutine_threadsafe(self.chunks.get(), self.loop).result()
-            if self.aborted:
-                raise OSError(errno.ECONNABORTED, "the transfer stopped")
-            if chunk is None:
+            piece = self._next_piece()
+            if piece is None:
                 self._eof = True
             else:
-                self.hasher.update(chunk)
-                self.folders.feed(chunk)
-                self._current = memoryview(chunk)
+                if self.hasher is not None:
+                    self.hasher.update(piece)
+                self.folders.feed(piece)
+                self._current = memoryview(piece)
         if size < 0:
             size = len(self._current)
         data = bytes(self._current[:size])
@@ -428,6 +431,22 @@ class _Feed:
         """Consume what is left until the end of the section."""
         while self.read(CHUNK):
             pass
+
+
+def _unpack_feed(source: _Feed, dest: Path, limit: int) -> int:
+    from gpumesh.files.pack import unpack_tar
+
+    content = unpack_tar(cast(BinaryIO, source), dest, limit)
+    source.drain()  # a tar reader may stop before the last padding
+    source.folders.apply(dest)
+    return content
+
+
+def unpack_pieces(pieces: Iterator[memoryview], dest: Path, limit: int) -> int:
+    """Unpack a tar arriving as ``pieces`` into ``dest``, all or nothing, reading every
+    piece to the end (blocking; the pieces' producer hashes them). Returns bytes of
+    content. The same unpacker, checks and limit as :func:`unpack_from`."""
+    return _unpack_feed(_Feed(lambda: next(pieces, None)), dest, limit)
 
 
 @contextlib.asynccontextmanager
@@ -441,24 +460,23 @@ async def unpack_from(
     raised; a refusal (a bad entry, the limit) is raised by the next ``feed``.
     Leaving the block any other way aborts and removes what was unpacked.
     """
-    from gpumesh.files.pack import unpack_tar
-
     loop = asyncio.get_running_loop()
-    source = _Feed(loop, hasher)
+    chunks: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=_DEPTH)
+    aborted = False
 
-    def unpack() -> int:
-        content = unpack_tar(cast(BinaryIO, source), dest, limit)
-        source.drain()  # a tar reader may stop before the last padding
-        source.folders.apply(dest)
-        return content
+    def next_chunk() -> bytes | None:
+        chunk = asyncio.run_coroutine_threadsafe(chunks.get(), loop).result()
+        if aborted:
+            raise OSError(errno.ECONNABORTED, "the transfer stopped")
+        return chunk
 
-    unpacking = in_thread(unpack)
+    unpacking = in_thread(_unpack_feed, _Feed(next_chunk, hasher), dest, limit)
     finished = False
 
     async def feed(chunk: bytes | None) -> None:
         nonlocal finished
-        if source.chunks.full() or unpacking.done():
-            putting = asyncio.ensure_future(source.chunks.put(chunk))
+        if chunks.full() or unpacking.done():
+            putting = asyncio.ensure_future(chunks.put(chunk))
             either: set[asyncio.Future[Any]] = {putting, unpacking}
             await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
             if not putting.done():
@@ -467,7 +485,7 @@ async def unpack_from(
                 await unpacking  # it stopped early: raises why
                 raise ProtocolError("the archive ended before its announced size")
         else:
-            source.chunks.put_nowait(chunk)
+            chunks.put_nowait(chunk)
         if chunk is None:
             await unpacking
             finished = True
@@ -476,12 +494,12 @@ async def unpack_from(
         yield feed
     finally:
         if not finished:
-            source.aborted = True
+            aborted = True
             while not unpacking.done():
-                while not source.chunks.empty():
-                    source.chunks.get_nowait()
+                while not chunks.empty():
+                    chunks.get_nowait()
                 with contextlib.suppress(asyncio.QueueFull):
-                    source.chunks.put_nowait(None)
+                    chunks.put_nowait(None)
                 await asyncio.wait({unpacking}, timeout=0.05)
             if not unpacking.cancelled() and unpacking.exception() is None:
                 await in_thread(shutil.rmtree, dest, True)

@@ -36,6 +36,7 @@ __all__ = [
     "AppSync",
     "AppSynced",
     "Challenge",
+    "ChannelDeclined",
     "ChannelGet",
     "ChannelOffer",
     "ChannelPut",
@@ -277,6 +278,9 @@ class JobSubmit(_Msg, tag="job_submit", frozen=True):
     """With ``attach``: send the job's events inside one DATA section, paced by the
     consumer's credit (:mod:`gpumesh.protocol.joboutput`); false: one message each,
     unpaced, as consumers before this field expect."""
+    channel: bool = False
+    """The workdir tar may take a data channel: a ChannelOffer may come before
+    JobAccepted (see :class:`ChannelOffer`)."""
 
 
 class JobAccepted(_Msg, tag="job_accepted", frozen=True):
@@ -406,6 +410,8 @@ class DirPut(_Msg, tag="dir_put", frozen=True):
     path: RemotePath
     size: Count
     hashes: Hashes = msgspec.field(default_factory=list)
+    channel: bool = False
+    """The tar may take a data channel: a ChannelOffer may come before FileResume."""
 
 
 class DirGet(_Msg, tag="dir_get", frozen=True):
@@ -413,6 +419,8 @@ class DirGet(_Msg, tag="dir_get", frozen=True):
 
     path: RemotePath
     hashes: Hashes = msgspec.field(default_factory=list)
+    channel: bool = False
+    """The tar may take a data channel: a ChannelOffer may come before FileInfo."""
 
 
 # --- the data channel: file bytes over TLS/TCP, opened by the QUIC request ---------
@@ -446,7 +454,16 @@ class ChannelGet(_Msg, tag="channel_get", frozen=True):
 
 class ChannelOffer(_Msg, tag="channel_offer", frozen=True):
     """Provider -> consumer: connect with TLS to this port of the address the QUIC
-    session uses, within a few seconds, and send ``ticket`` first."""
+    session uses, within a few seconds, and send ``ticket`` first.
+
+    Also the answer to a tar request that asked for a channel (``DirPut``,
+    ``DirGet``, ``JobSubmit``, ``AppSend`` with ``channel``): it comes right
+    before the request's usual first answer, and the tar's exact bytes then
+    cross the channel; after them the sender sends FileDone (size and hash of
+    the tar) on the QUIC stream. A consumer that cannot connect answers
+    ChannelDeclined instead, and the tar goes as DATA on the stream, as
+    without a channel. A provider that opens none (an older one, or
+    ``data_channel off``) sends no offer."""
 
     port: Annotated[int, msgspec.Meta(ge=1, le=65535)]
     ticket: Ticket
@@ -456,6 +473,13 @@ class ChannelOffer(_Msg, tag="channel_offer", frozen=True):
     hash: HashName = ""
     """Answering ChannelPut: the hash picked from its ``hashes``; empty (an older
     provider): SHA-256. (A ChannelGet's is in the FileInfo before.)"""
+
+
+class ChannelDeclined(_Msg, tag="channel_declined", frozen=True):
+    """Consumer -> provider: the offered channel could not be opened; the tar goes as
+    DATA on this stream instead."""
+
+    reason: Annotated[str, msgspec.Meta(max_length=512)] = ""
 
 
 # --- apps: a project folder kept in sync in the sandbox's /apps/NAME ----------------
@@ -500,6 +524,8 @@ class AppSend(_Msg, tag="app_send", frozen=True):
     """Consumer -> provider: a tar of exactly ``size`` bytes with the needed files follows."""
 
     size: Count
+    channel: bool = False
+    """The tar may take a data channel: a ChannelOffer may come before FileResume."""
 
 
 class AppSynced(_Msg, tag="app_synced", frozen=True):
@@ -580,6 +606,7 @@ Message = (
     | ChannelPut
     | ChannelGet
     | ChannelOffer
+    | ChannelDeclined
     | AppSync
     | AppNeeds
     | AppSend

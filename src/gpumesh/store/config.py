@@ -343,8 +343,9 @@ KEYS: dict[str, ConfigKey] = {
             "data_channel",
             _choice("on", "off"),
             "on",
-            "move `gpumesh cp` bytes over a TLS/TCP channel when a direct path exists "
-            "(off: QUIC only, both as consumer and as provider)",
+            "move `gpumesh cp`, `run --workdir` and `app sync` bytes over a TLS/TCP "
+            "channel when a direct path exists (off: QUIC only, both as consumer and "
+            "as provider)",
         ),
     ]
 }

@@ -183,6 +183,11 @@ MIGRATIONS: list[str] = [
         last_used REAL NOT NULL
     );
     """,
+    # 8 -> 9: until when a peer's data channel is known not to open (a firewall drops
+    # its TCP port): copies go straight to QUIC until then
+    """
+    ALTER TABLE peers ADD COLUMN channel_blocked_until REAL NOT NULL DEFAULT 0;
+    """,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -206,6 +211,8 @@ class Peer:
     """The ``host:port`` that last worked, tried first."""
     last_path: str = ""
     """How the last session went: ``direct``, ``direct (hole-punched) ...``, ``relayed via ...``."""
+    channel_blocked_until: float = 0.0
+    """Unix time until which its data channel is not tried (one failed to open)."""
 
     @classmethod
     def from_row(cls, row: sqlite3.Row) -> Peer:
@@ -220,6 +227,7 @@ class Peer:
             last_seen=row["last_seen"],
             last_address=row["last_address"],
             last_path=row["last_path"],
+            channel_blocked_until=row["channel_blocked_until"],
         )
 
     def dial_addresses(self) -> list[str]:
@@ -614,6 +622,13 @@ class Store:
             tuple(keys),
         )
         return {bytes(r["public_key"]) for r in rows}
+
+    def block_channel(self, node_id: str, until: float) -> None:
+        """Remember that the peer's data channel does not open, until ``until``
+        (0: forget it)."""
+        self._execute(
+            "UPDATE peers SET channel_blocked_until = ? WHERE node_id = ?", (until, node_id)
+        )
 
     def touch_peer(
         self,

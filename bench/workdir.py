@@ -1,0 +1,210 @@
+"""``gpumesh run --workdir`` of a 512 MiB folder, next to ``cp`` of it plus a ``docker run``.
+
+What is measured: the wall time, as a user's shell sees it, of running a job
+on a folder that first has to reach the provider:
+
+* ``gpumesh run --peer alice --image IMG --workdir DIR -- sh -c CHECK``, a new
+  CLI process each time, against a provider running as a separate
+  ``gpumesh share`` process on this machine. It packs the folder, uploads it
+  (over the data channel: TLS on TCP, opened by the QUIC request), the
+  provider unpacks it as it arrives and checks its hash, then runs the job in
+  a locked-down container with the folder as its working directory, and the
+  CLI streams the output back.
+* What a user would otherwise do: ``gpumesh cp -r DIR alice:/`` (a whole
+  process too), then ``docker run --rm -v DIR:/w -w /w IMG sh -c CHECK`` on
+  this machine; the two times are added.
+* For reference, ``gpumesh run --workdir`` with ``data_channel off`` in the
+  consumer's config (the folder as DATA on the QUIC stream, as before the
+  workdir took the channel), and ``gpumesh run -- true`` without a workdir
+  (what dispatching a job costs beyond the upload).
+
+CHECK adds up the sizes of the folder's files inside the container, and
+every run's output is compared with the folder's size, so each job did see
+the whole folder (its content is checked by the transfer's hash). The
+folder (``--files`` files of random bytes, ``--size`` in all, default
+512 MiB in 4 files) and the provider's home live on tmpfs
+(``/dev/shm`` when it exists), as in bench/cp.py. Each copy and job workdir is
+removed after its run. The commands take turns in one loop (the order rotates
+every round, after an untimed warm-up of each) so that the noise of this
+shared machine hits each alike; figures are medians of ``--repeat`` runs. The
+goal reported is a median ``run --workdir`` of at most 1.2x the median of
+(``cp`` + ``docker run``); it is never turned into an exit status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from _benchlib import exit_cleanly_on_sigterm, interrupted, print_rows, source_note
+from bulk import parse_size, write_source
+from dispatch import DEFAULT_IMAGE, Provider, docker_ready, local_provider, time_command
+
+MIB = 1024 * 1024
+GOAL = 1.2
+"""``run --workdir`` should take at most this many times (``cp`` + ``docker run``)."""
+
+RUN = "gpumesh run --workdir"
+CP = "gpumesh cp -r"
+DOCKER = "docker run -v"
+QUIC = "gpumesh run --workdir, data_channel off"
+BARE = "gpumesh run, no workdir"
+CHECK = "find . -type f | xargs stat -c %s | awk '{n += $1} END {print n}'"
+"""The job: add up the sizes of the files in the folder it was given (their
+content is checked by the transfer's hash; reading it here would time the
+container's reads, not the transfer)."""
+
+
+def make_folder(root: Path, size: int, files: int) -> None:
+    root.mkdir()
+    each, rest = divmod(size, files)
+    for index in range(files):
+        write_source(root / f"part{index}.bin", each + (rest if index == 0 else 0))
+
+
+def _expect_size(name: str, stdout: bytes, size: int) -> None:
+    if stdout.strip() != str(size).encode():
+        raise SystemExit(f"{name}: the job counted {stdout.strip()!r} bytes, not {size}")
+
+
+def _tidy(provider: Provider) -> None:
+    """Free the tmpfs space a run took on the provider: copies and job workdirs."""
+    for parent, name in (("files", "data"), ("jobs", "work")):
+        folder = provider.alice_home / parent
+        if folder.is_dir():
+            for entry in folder.iterdir():
+                shutil.rmtree(entry / name, ignore_errors=True)
+
+
+def _set_channel(provider: Provider, value: str) -> None:
+    subprocess.run(
+        provider.gpumesh("config", "set", "data_channel", value),
+        env=provider.env,
+        check=True,
+        capture_output=True,
+    )
+
+
+def measure(args: argparse.Namespace, tmp: Path) -> dict[str, list[float]]:
+    folder = tmp / "data"
+    make_folder(folder, args.size, args.files)
+    times: dict[str, list[float]] = {RUN: [], CP: [], DOCKER: [], QUIC: [], BARE: []}
+    with local_provider(tmp) as provider:
+        run = provider.gpumesh(
+            "run", "--peer", "alice", "--image", args.image, "--workdir", str(folder),
+            "--", "sh", "-c", CHECK,
+        )  # fmt: skip
+        bare = provider.gpumesh("run", "--peer", "alice", "--image", args.image, "--", "true")
+        cp = provider.gpumesh("cp", "-r", str(folder), "alice:/")
+        docker = [
+            "docker", "run", "--rm", "-v", f"{folder}:/w:ro", "-w", "/w", args.image,
+            "sh", "-c", CHECK,
+        ]  # fmt: skip
+
+        def one(name: str) -> float:
+            if name == QUIC:
+                _set_channel(provider, "off")
+            try:
+                command = {RUN: run, QUIC: run, CP: cp, DOCKER: docker, BARE: bare}[name]
+                outcome = time_command(name, command, provider.env)
+            finally:
+                if name == QUIC:
+                    _set_channel(provider, "on")
+            if name not in (CP, BARE):
+                _expect_size(name, outcome.stdout, args.size)
+            _tidy(provider)
+            return outcome.seconds
+
+        names = [RUN, CP, DOCKER, BARE] + ([] if args.no_quic else [QUIC])
+        for name in names:  # untimed warm-up of each
+            one(name)
+        for index in range(args.repeat):
+            order = names[index % len(names) :] + names[: index % len(names)]
+            for name in order:
+                seconds = one(name)
+                times[name].append(seconds)
+                print(f"  run {index + 1}: {name:<40} {seconds:6.2f} s", flush=True)
+    return times
+
+
+def report(args: argparse.Namespace, times: dict[str, list[float]]) -> None:
+    def median(name: str) -> float:
+        return statistics.median(times[name])
+
+    rows = [
+        [name, f"{median(name):.2f}", f"{min(times[name]):.2f}", f"{max(times[name]):.2f}"]
+        for name in (RUN, CP, DOCKER, BARE, QUIC)
+        if times[name]
+    ]
+    baseline = [c + d for c, d in zip(times[CP], times[DOCKER], strict=True)]
+    rows.append(
+        ["cp + docker run (per round)", f"{statistics.median(baseline):.2f}",
+         f"{min(baseline):.2f}", f"{max(baseline):.2f}"]
+    )  # fmt: skip
+    print(
+        f"\n`run --workdir` of {args.size / MIB:g} MiB in {args.files} files, "
+        f"{args.repeat} runs of each, whole processes"
+    )
+    print_rows(["", "median s", "min", "max"], rows)
+    ratio = median(RUN) / statistics.median(baseline)
+    verdict = "met" if ratio <= GOAL else "NOT met"
+    print(f"  ratio run --workdir / (cp + docker run) (medians): {ratio:.2f}x")
+    print(f"  goal: <= {GOAL}x: {verdict}")
+    if times[QUIC]:
+        print(
+            f"  run --workdir over QUIC / over the data channel: {median(QUIC) / median(RUN):.2f}x"
+        )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="`gpumesh run --workdir` of a folder vs `gpumesh cp -r` of it plus a "
+        "local `docker run`, in one run.",
+    )
+    parser.add_argument(
+        "--size", type=parse_size, default=512 * MIB, help="bytes in the folder (default 512M)"
+    )
+    parser.add_argument("--files", type=int, default=4, help="files in the folder (default 4)")
+    parser.add_argument("--repeat", type=int, default=3, help="runs of each (default 3)")
+    parser.add_argument("--image", default=DEFAULT_IMAGE, help=f"(default {DEFAULT_IMAGE})")
+    parser.add_argument("--no-quic", action="store_true", help="leave out the QUIC reference")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 32M, 1 run of each")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.size, args.repeat = 32 * MIB, 1
+    if args.size < args.files or args.files < 1:
+        parser.error("--size must be at least --files bytes, and --files at least 1")
+    if args.repeat < 1:
+        parser.error("--repeat must be at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    exit_cleanly_on_sigterm()
+    if note := source_note():
+        print(note)
+    docker_ready(args.image)
+    shm_parent = "/dev/shm" if Path("/dev/shm").is_dir() else None
+    try:
+        with tempfile.TemporaryDirectory(prefix="gpumesh-workdir-", dir=shm_parent) as tmp:
+            print(
+                f"Running on a {args.size / MIB:g} MiB folder, {args.repeat} runs of each...",
+                flush=True,
+            )
+            times = measure(args, Path(tmp))
+    except KeyboardInterrupt:
+        return interrupted()
+    report(args, times)
+    return 0
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(BrokenPipeError):
+        sys.exit(main())
