@@ -85,7 +85,8 @@ def piped(home: Path, *args: str, cols: int = 80) -> list[str]:
 def test_jobs_never_cut_times_and_are_whole_when_piped(pair) -> None:
     alice, bob = pair
     words = "a-command-long-enough-that-eighty-columns-cannot-hold-it-whole"
-    ran = gpumesh(bob, "run", "--peer", "alice-pc", "--image", IMAGE, "echo", words)
+    script = f"echo {words}\ntrue"  # a newline in a cell must not break its row
+    ran = gpumesh(bob, "run", "--peer", "alice-pc", "--image", IMAGE, "sh", "-c", script)
     assert ran.returncode == 0, ran.stderr
     headers = ["ID", "PEER", "STATE", "EXIT", "ATTEMPT", "GPU", "COMMAND", "CREATED", "TIME"]
     for home in (bob, alice):  # the consumer's and the provider's own tables
@@ -98,11 +99,11 @@ def test_jobs_never_cut_times_and_are_whole_when_piped(pair) -> None:
         assert row.startswith(job["job_id"])
         assert row.endswith(f" {took}")  # a 148ms job never reads `148m`
         assert " succeeded " in row
-        assert " echo" in row and "…" in row and words not in row
+        assert " sh -c" in row and "…" in row and words not in row
 
         header, row = piped(home, "jobs")
         assert header.split() == headers
-        assert f"  echo {words}  " in row and "…" not in row
+        assert f"  sh -c echo {words}\\ntrue  " in row and "…" not in row
         assert row.endswith(f" {took}")
 
 

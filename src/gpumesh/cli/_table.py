@@ -5,7 +5,7 @@ a name, a list of addresses) are cut with an ellipsis, the most expendable
 first, and never below their header; the other columns (times, ids, states,
 values) are never cut, and a column that would be too narrow to read can move
 under its row instead. Piped output is never cut: a script or `grep` gets every
-cell whole, one row per line.
+cell whole, one row per line (a newline in a cell shows as ``\\n``).
 """
 
 from __future__ import annotations
@@ -14,12 +14,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from rich.console import Console
-from rich.padding import Padding
 from rich.text import Text
+
+from gpumesh.cli._common import _escape_controls
 
 __all__ = ["Column", "print_table"]
 
 _GAP = 2
+_INDENT = 4
 
 
 @dataclass(frozen=True)
@@ -32,12 +34,16 @@ class Column:
     below: bool = False
     """Never cut: when the row does not fit once the others have given way, the
     column leaves the table and each of its cells is printed under its row."""
+    named_below: bool = False
+    """Under its row, the cell starts with the header (``reachable: yes (3 ms)``)."""
 
 
 def print_table(columns: Sequence[Column], rows: Sequence[Sequence[str]]) -> None:
     """Print ``rows`` (cells in Rich markup, escaped by the caller) under ``columns``."""
     console = Console()
-    cells = [[Text.from_markup(cell) for cell in row] for row in rows]
+    # A newline or a terminal control in a cell (a command, a peer's text) would
+    # break the one-line rows or drive the terminal: shown escaped instead.
+    cells = [[Text.from_markup(_escape_controls(cell)) for cell in row] for row in rows]
     natural = [
         max([len(column.header), *(row[index].cell_len for row in cells)])
         for index, column in enumerate(columns)
@@ -47,15 +53,19 @@ def print_table(columns: Sequence[Column], rows: Sequence[Sequence[str]]) -> Non
     widths, fits = _fit(columns, natural, inline, limit)
     if not fits and any(column.below for column in columns):
         inline = [i for i, column in enumerate(columns) if not column.below]
-        widths, fits = _fit(columns, natural, inline, limit)
+        widths, _ = _fit(columns, natural, inline, limit)
     below = [i for i in range(len(columns)) if i not in inline]
     header = [Text(columns[i].header, style="bold") for i in inline]
     console.print(_line(header, widths), soft_wrap=True)
     for row in cells:
         console.print(_line([row[i] for i in inline], widths), soft_wrap=True)
-        for index in below:
-            if row[index].plain:
-                console.print(Padding(row[index], (0, 0, 0, 4)), style="dim")
+        for index in (i for i in below if row[i].plain):
+            text = row[index]
+            if columns[index].named_below:
+                text = Text(f"{columns[index].header.lower()}: ") + text
+            for part in text.wrap(console, max(console.width - _INDENT, 20)):
+                part.rstrip()
+                console.print(Text(" " * _INDENT) + part, style="dim", soft_wrap=True)
 
 
 def _fit(

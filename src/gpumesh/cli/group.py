@@ -309,7 +309,10 @@ def _print_members(views: list[MemberView], live: dict[str, Live] | None = None)
     headers = [_member_column(header) for header, _ in columns]
     if live:
         # An unreachable member's reason is advice: it moves under the row, never cut.
-        headers += [Column("REACHABLE", below=True), Column("GPUS", gives_way=1, least=10)]
+        headers += [
+            Column("REACHABLE", below=True, named_below=True),
+            Column("GPUS", gives_way=1, least=10),
+        ]
         headers += [Column("FREE"), Column("STATE")]
     rows = []
     for view in views:
