@@ -12,7 +12,7 @@ from decimal import Decimal
 
 from gpumesh.errors import ConfigError
 
-__all__ = ["format_duration", "format_size", "parse_size"]
+__all__ = ["format_duration", "format_rate", "format_size", "parse_size"]
 
 _UNITS = {
     "": 1,
@@ -56,6 +56,13 @@ def format_size(num_bytes: float) -> str:
             text = f"{value:.1f}".rstrip("0").rstrip(".")
             return f"{text}{unit}"
     raise AssertionError("unreachable")
+
+
+def format_rate(num_bytes: float, seconds: float) -> str:
+    """Format a transfer rate in the unit its size calls for: ``15KB/s``, ``2.4GB/s``."""
+    if seconds <= 0:
+        return "-"
+    return f"{format_size(num_bytes / seconds)}/s"
 
 
 def format_duration(seconds: float) -> str:

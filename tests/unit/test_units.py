@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gpumesh.errors import ConfigError
-from gpumesh.units import format_duration, format_size, parse_size
+from gpumesh.units import format_duration, format_rate, format_size, parse_size
 
 
 @pytest.mark.parametrize(
@@ -112,3 +112,13 @@ def test_format_size_never_prints_a_thousand_of_a_unit() -> None:
 )
 def test_format_duration(seconds: float, expected: str) -> None:
     assert format_duration(seconds) == expected
+
+
+@pytest.mark.parametrize(
+    ("num_bytes", "seconds", "expected"),
+    [(6100, 0.4, "15.2KB/s"), (300, 2, "150B/s"), (2.5e9, 1, "2.5GB/s"), (10**6, 0, "-")],
+)
+def test_format_rate_takes_the_unit_its_size_calls_for(
+    num_bytes: float, seconds: float, expected: str
+) -> None:
+    assert format_rate(num_bytes, seconds) == expected

@@ -44,15 +44,19 @@ def show(as_json: bool) -> None:
     if as_json:
         emit_json({name: value for name, value, _src, _help in rows})
         return
-    from rich.console import Console
-    from rich.table import Table
+    from rich.markup import escape
 
-    table = Table(box=None, pad_edge=False)
-    for column in ("KEY", "VALUE", "FROM", "MEANING"):
-        table.add_column(column)
-    for name, value, source, help_text in rows:
-        table.add_row(name, str(value), source, help_text)
-    Console().print(table)
+    from gpumesh.cli._table import Column, print_table
+
+    # Values are never cut; on a narrow terminal the meaning goes under its key.
+    columns = [Column("KEY"), Column("VALUE"), Column("FROM"), Column("MEANING", below=True)]
+    print_table(
+        columns,
+        [
+            [name, escape(str(value)), escape(source), escape(text)]
+            for name, value, source, text in rows
+        ],
+    )
 
 
 @config.command()

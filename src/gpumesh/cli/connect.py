@@ -58,4 +58,7 @@ def connect(peer: str, timeout: float | None, speed: str | None, as_json: bool) 
         + ")"
     )
     if throughput:
-        click.echo(f"upload {throughput.mb_per_s:.0f} MB/s ({throughput.bytes} bytes)")
+        from gpumesh.units import format_rate, format_size
+
+        rate = format_rate(throughput.bytes, throughput.seconds)
+        click.echo(f"upload {rate} ({format_size(throughput.bytes)})")

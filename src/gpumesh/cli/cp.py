@@ -167,12 +167,12 @@ class _CopyView:
             self._progress = None
 
     def summary(self, result: Any) -> None:
-        from gpumesh.units import format_size
+        from gpumesh.units import format_rate, format_size
 
         what = "folder" if result.kind == "dir" else "file"
         line = (
             f"copied {what} {self.label}: {format_size(result.size)} in "
-            f"{_seconds(result.seconds)}, {result.mb_per_s:.0f} MB/s"
+            f"{_seconds(result.seconds)}, {format_rate(result.transferred, result.seconds)}"
         )
         if result.resumed_from:
             line += f" (resumed at {format_size(result.resumed_from)})"

@@ -32,20 +32,22 @@ def gpu(as_json: bool) -> None:
             "driver to share a GPU",
             code=1,
         )
-    from rich.console import Console
-    from rich.table import Table
+    from rich.markup import escape
 
-    table = Table(box=None, pad_edge=False)
-    for column in ("GPU", "NAME", "MEMORY", "UTIL", "TEMP", "PROCS"):
-        table.add_column(column, no_wrap=True)
-    for g in gpus:
-        table.add_row(
+    from gpumesh.cli._table import Column, print_table
+
+    rows = [
+        [
             str(g.index),
-            g.name,
+            escape(g.name),
             f"{format_size(g.memory_used)} / {format_size(g.memory_total)}",
             "-" if g.utilization is None else f"{g.utilization}%",
             "-" if g.temperature is None else f"{g.temperature}°C",
             "-" if g.processes is None else str(g.processes),
-        )
-    Console().print(table)
+        ]
+        for g in gpus
+    ]
+    columns = [Column("GPU"), Column("NAME", gives_way=1, least=12), Column("MEMORY")]
+    columns += [Column("UTIL"), Column("TEMP"), Column("PROCS")]
+    print_table(columns, rows)
     click.echo(f"source: {inventory.source}", err=True)

@@ -14,6 +14,7 @@ from gpumesh.cli._common import emit_json, get_node
 from gpumesh.units import format_duration
 
 if TYPE_CHECKING:
+    from gpumesh.cli._table import Column
     from gpumesh.client.groups import MemberView
     from gpumesh.store.db import Group
 
@@ -81,23 +82,29 @@ def list_groups(as_json: bool) -> None:
             "`gpumesh group join '<invite>'`."
         )
         return
-    from rich.console import Console
-    from rich.table import Table
+    from gpumesh.cli._table import Column, print_table
 
     now = time.time()
-    table = Table(box=None, pad_edge=False)
-    for column in ("NAME", "ID", "MEMBERS", "PAIRED", "SINCE"):
-        table.add_column(column, no_wrap=True)
+    shown = []
     for s in rows:
-        origin = f"joined via {s.inviter}" if s.inviter else "created here"
-        table.add_row(
-            s.group.name,
-            s.group.short_id,
-            str(s.group.member_count),
-            f"{s.usable}/{s.others}",
-            f"{format_duration(now - s.group.created_at)} ago, {origin}",
+        origin = f"joined via {_escape(s.inviter)}" if s.inviter else "created here"
+        shown.append(
+            [
+                _escape(s.group.name),
+                s.group.short_id,
+                str(s.group.member_count),
+                f"{s.usable}/{s.others}",
+                f"{format_duration(now - s.group.created_at)} ago, {origin}",
+            ]
         )
-    Console().print(table)
+    columns = [
+        Column("NAME", gives_way=1, least=10),
+        Column("ID"),
+        Column("MEMBERS"),
+        Column("PAIRED"),
+        Column("SINCE", gives_way=2, least=12),  # the age comes first and stays
+    ]
+    print_table(columns, shown)
 
 
 @group.command(
@@ -283,20 +290,31 @@ _MEMBER_COLUMNS: list[tuple[str, Callable[[MemberView], str]]] = [
 ]
 
 
-def _print_members(views: list[MemberView], live: dict[str, Live] | None = None) -> None:
-    from rich.console import Console
-    from rich.table import Table
+def _member_column(header: str) -> Column:
+    from gpumesh.cli._table import Column
 
+    if header == "ADDRESSES":
+        return Column(header, gives_way=3, least=12)
+    if header == "NAME":
+        return Column(header, gives_way=2, least=10)
+    return Column(header)
+
+
+def _print_members(views: list[MemberView], live: dict[str, Live] | None = None) -> None:
+    from gpumesh.cli._table import Column, print_table
     from gpumesh.units import format_size
 
     # With live columns the addresses make way (they stay in --offline and --json).
     columns = [c for c in _MEMBER_COLUMNS if not (live and c[0] == "ADDRESSES")]
-    table = Table(box=None, pad_edge=False)
-    for header, _ in columns:
-        table.add_column(header, no_wrap=header != "ADDRESSES")
+    headers = [_member_column(header) for header, _ in columns]
     if live:
-        for header in ("REACHABLE", "GPUS", "FREE", "STATE"):
-            table.add_column(header)
+        # An unreachable member's reason is advice: it moves under the row, never cut.
+        headers += [
+            Column("REACHABLE", below=True, named_below=True),
+            Column("GPUS", gives_way=1, least=10),
+        ]
+        headers += [Column("FREE"), Column("STATE")]
+    rows = []
     for view in views:
         cells = [cell(view) for _, cell in columns]
         if live:
@@ -306,8 +324,8 @@ def _print_members(views: list[MemberView], live: dict[str, Live] | None = None)
             else:
                 free = "-" if found.free is None else format_size(found.free)
                 cells += [_escape(found.reach), _escape(found.gpus), free, found.state]
-        table.add_row(*cells)
-    Console().print(table)
+        rows.append(cells)
+    print_table(headers, rows)
     # Plain lines, not table cells: a narrow terminal must not cut the advice.
     todo = [v for v in views if v.hint]
     if todo:

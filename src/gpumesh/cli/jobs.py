@@ -47,9 +47,9 @@ def jobs(limit: int, as_json: bool) -> None:
     if not records:
         click.echo("No jobs yet. Start one with `gpumesh run --peer NAME -- COMMAND`.")
         return
-    from rich.console import Console
     from rich.markup import escape
-    from rich.table import Table
+
+    from gpumesh.cli._table import Column, print_table
 
     colors = {"succeeded": "green", "failed": "red", "cancelled": "yellow", "running": "cyan"}
     now = time.time()
@@ -65,39 +65,28 @@ def jobs(limit: int, as_json: bool) -> None:
             peak = format_size(j.peak_gpu_memory) if j.peak_gpu_memory else "?"
             gpu += f" {asked}/{peak}"
         rows.append(
-            (
+            [
                 j.job_id,
-                peer,
-                (j.state, color),
+                escape(peer),
+                f"[{color}]{escape(j.state)}[/{color}]",
                 "-" if j.exit_code is None else str(j.exit_code),
                 f"{j.attempt}/{j.retries + 1}",
-                gpu,
-                command[:40],
+                escape(gpu),
+                escape(command),
                 f"{format_duration(now - j.created_at)} ago",
                 format_duration(j.duration) if j.duration is not None else "-",
-            )
+            ]
         )
-    headers = ("ID", "PEER", "STATE", "EXIT", "ATTEMPT", "GPU", "COMMAND", "CREATED", "TIME")
-    widths = []
-    for index, header in enumerate(headers):
-        cells = [row[index][0] if isinstance(row[index], tuple) else row[index] for row in rows]
-        widths.append(max(len(header), *(len(str(cell)) for cell in cells)))
-    console = Console()
-    # COMMAND is the one column that gives way on a narrow terminal.
-    others = sum(w for h, w in zip(headers, widths, strict=True) if h != "COMMAND")
-    command_width = max(7, min(widths[6], console.width - others - 2 * (len(headers) - 1)))
-    table = Table(box=None, pad_edge=False)
-    for header, width in zip(headers, widths, strict=True):
-        if header == "COMMAND":
-            table.add_column(header, no_wrap=True, overflow="ellipsis", width=command_width)
-        else:
-            table.add_column(header, no_wrap=True, min_width=width)
-    for row in rows:
-        state, color = row[2]
-        table.add_row(
-            row[0],
-            escape(row[1]),
-            f"[{color}]{state}[/{color}]",
-            *(escape(str(cell)) for cell in row[3:]),
-        )
-    console.print(table)
+    # On a narrow terminal the command gives way first, then the peer's name.
+    columns = [
+        Column("ID"),
+        Column("PEER", gives_way=1),
+        Column("STATE"),
+        Column("EXIT"),
+        Column("ATTEMPT"),
+        Column("GPU"),
+        Column("COMMAND", gives_way=2),
+        Column("CREATED"),
+        Column("TIME"),
+    ]
+    print_table(columns, rows)

@@ -37,13 +37,12 @@ def peers(as_json: bool) -> None:
     if not rows:
         click.echo("No peers yet. Pair with `gpumesh pair '<code>'` (see `gpumesh pair-code`).")
         return
-    from rich.console import Console
-    from rich.table import Table
+    from rich.markup import escape
+
+    from gpumesh.cli._table import Column, print_table
 
     now = time.time()
-    table = Table(box=None, pad_edge=False)
-    for column in ("NAME", "ID", "ACCESS", "LAST SEEN", "PATH", "ADDRESSES"):
-        table.add_column(column)
+    rows_shown = []
     for p in rows:
         access = "[green]allowed[/green]" if p.allowed else "[red]denied[/red]"
         if p.last_seen is None:
@@ -55,5 +54,23 @@ def peers(as_json: bool) -> None:
         addresses = ", ".join(p.dial_addresses())
         if p.relay:
             addresses += f" (relay {p.relay})" if addresses else f"relay {p.relay}"
-        table.add_row(p.name, p.node_id.short, access, seen, p.last_path or "-", addresses)
-    Console().print(table)
+        rows_shown.append(
+            [
+                escape(p.name),
+                p.node_id.short,
+                access,
+                seen,
+                escape(p.last_path or "-"),
+                escape(addresses),
+            ]
+        )
+    # The addresses give way first on a narrow terminal (`--json` has them all).
+    columns = [
+        Column("NAME", gives_way=1, least=10),
+        Column("ID"),
+        Column("ACCESS"),
+        Column("LAST SEEN"),
+        Column("PATH"),
+        Column("ADDRESSES", gives_way=2, least=12),
+    ]
+    print_table(columns, rows_shown)
