@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import gpumesh
+from tests.integration.conftest import gpumesh, shared_pair
 from tests.integration.test_cli import _free_udp_port, _init, _one_line_error
 
 pytestmark = pytest.mark.usefixtures("docker_daemon")
@@ -237,3 +237,21 @@ def test_cancelling_a_hosted_job_without_a_running_share_is_one_line(pair) -> No
     result = gpumesh(alice, "cancel", job_id)
     _one_line_error(result, 1, "no `gpumesh share` runs for")
     assert "its cancel is recorded" in result.stderr
+
+
+def test_a_provider_whose_docker_cannot_give_gpus_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """alice-pc reports a GPU (simulated) but its Docker has no NVIDIA runtime: the
+    consumer's message names alice-pc, not "this machine" (which reads as its own)."""
+    import docker
+
+    if "nvidia" in (docker.from_env().info().get("Runtimes") or {}):  # pragma: no cover
+        pytest.skip("this machine's Docker can give GPUs to containers")
+    monkeypatch.setenv("GPUMESH_TEST_SIMULATED_GPUS", "A100:80GB")
+    with shared_pair(tmp_path) as (_alice, bob):
+        result = gpumesh(bob, "run", "--peer", "alice-pc", "--gpu-memory", "1GB", "--", "true")
+    assert result.returncode != 0, result.stderr
+    assert "alice-pc's Docker cannot give GPUs to containers" in result.stderr
+    assert "this machine" not in result.stderr
+    assert "Traceback" not in result.stderr

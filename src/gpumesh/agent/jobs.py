@@ -587,6 +587,13 @@ class JobService:
                 f"{self.agent.name} cannot run jobs as configured: {exc.message}"
             ) from None
 
+    def _in_our_name(self, exc: GPUMeshError) -> GPUMeshError:
+        """The runtime's error for the consumer: the runtime speaks of "this machine",
+        the consumer needs to know which one."""
+        name = self.agent.name
+        message = exc.message.replace("this machine", name)
+        return type(exc)(message if name in message else f"{name}: {message}")
+
     async def check_image(self, image: str) -> None:
         """Refuse, naming this provider, an image its owner does not allow, or that is
         neither here nor pullable; then keep the pulled images within image_disk."""
@@ -596,9 +603,7 @@ class JobService:
         try:
             pulled = await in_thread(self.runtime.ensure_image, image)
         except GPUMeshError as exc:
-            # The runtime speaks of "this machine"; the consumer needs to know which one.
-            message = exc.message.replace("this machine", name)
-            raise type(exc)(message if name in message else f"{name}: {message}") from None
+            raise self._in_our_name(exc) from None
         budget = parse_size(str(config.get("image_disk")))
         await in_thread(self.images.used, image, pulled, budget)
 
@@ -718,7 +723,7 @@ class JobService:
             await in_thread(self.runtime.start, run.container_id)
         except GPUMeshError as exc:
             await self._remove_container(run)
-            return run.machine.infra_failed(exc.message)
+            return run.machine.infra_failed(self._in_our_name(exc).message)
         state = await in_thread(self.runtime.inspect, run.container_id)
         return await self._follow(run, job, state)
 
