@@ -393,6 +393,41 @@ def test_doctor_reports_each_check(bob_home: Path) -> None:
     assert "chmod 600" in checks["identity"]["fix"]
 
 
+def test_config_set_relay_takes_a_host_without_port(bob_home: Path) -> None:
+    """The README says the relay's port defaults to 4799: a bare host is accepted."""
+    result = gpumesh(bob_home, "config", "set", "relay", "127.0.0.1")
+    assert result.returncode == 0, result.stderr
+    assert gpumesh(bob_home, "config", "get", "relay").stdout.strip() == "127.0.0.1"
+
+
+def test_doctor_reports_a_bad_setting_in_the_environment_and_runs_the_rest(
+    bob_home: Path,
+) -> None:
+    result = _run_with_env(
+        bob_home, {"GPUMESH_RELAY": "relay.example.org:http"}, "doctor", "--json"
+    )
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    checks = {c["name"]: c for c in json.loads(result.stdout)}
+    assert checks["config"]["status"] == "fail"
+    assert "GPUMESH_RELAY" in checks["config"]["detail"]
+    assert "GPUMESH_RELAY" in checks["config"]["fix"]
+    # The other checks ran, and only the bad setting failed.
+    assert {"identity", "database", "docker", "udp port", "clock"} <= set(checks)
+    assert [c["name"] for c in checks.values() if c["status"] == "fail"] == ["config"]
+
+
+def test_a_log_filter_that_is_not_one_is_warned_about_once(bob_home: Path) -> None:
+    result = _run_with_env(bob_home, {"GPUMESH_LOG": "bogus==="}, "peers")
+    assert result.returncode == 0, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("warning: GPUMESH_LOG='bogus==='")
+    assert "e.g. GPUMESH_LOG=info,gpumesh.transport=debug" in lines[0]
+    fine = _run_with_env(bob_home, {"GPUMESH_LOG": "error,gpumesh.transport=error"}, "peers")
+    assert (fine.returncode, fine.stderr) == (0, "")
+
+
 def test_doctor_narrows_the_home_and_reports_its_modes(bob_home: Path) -> None:
     (bob_home / "config.toml").chmod(0o644)
     bob_home.chmod(0o755)

@@ -62,6 +62,11 @@ def print_error(message: str) -> None:
     click.echo(f"{prefix} {message}", err=True)
 
 
+def _warn(message: str) -> None:
+    prefix = click.style("warning:", fg="yellow", bold=True) if sys.stderr.isatty() else "warning:"
+    click.echo(f"{prefix} {message}", err=True)
+
+
 def fail(message: str, code: int = 1) -> NoReturn:
     print_error(message)
     raise SystemExit(code)
@@ -75,7 +80,13 @@ def setup_logging(logs_dir: Path | None, *, console_level: str | None = None) ->
     root._gpumesh_configured = True  # type: ignore[attr-defined]
     root.setLevel(logging.DEBUG)
     spec = env(ENV_LOG) or console_level or "warning"
-    default_level, per_logger = _parse_log_filter(spec)
+    default_level, per_logger, ignored = _parse_log_filter(spec)
+    if ignored:
+        _warn(
+            f"{ENV_LOG}={spec!r}: ignored {', '.join(repr(part) for part in ignored)}; "
+            "a filter is a level (debug, info, warning, error) and/or LOGGER=LEVEL pairs "
+            f"separated by commas, e.g. {ENV_LOG}=info,gpumesh.transport=debug"
+        )
     console = logging.StreamHandler(sys.stderr)
     console.setLevel(logging.DEBUG)
     console.setFormatter(
@@ -159,22 +170,24 @@ class _LevelFilter(logging.Filter):
         return record.levelno >= level
 
 
-def _parse_log_filter(spec: str) -> tuple[int, dict[str, int]]:
+def _parse_log_filter(spec: str) -> tuple[int, dict[str, int], list[str]]:
+    """The default level, the levels per logger, and the parts that are neither."""
     default = logging.WARNING
     per_logger: dict[str, int] = {}
+    ignored: list[str] = []
     for raw in spec.split(","):
         part = raw.strip()
         if not part:
             continue
-        name, _, level_text = part.rpartition("=")
+        name, sep, level_text = part.rpartition("=")
         level = logging.getLevelName(level_text.upper())
-        if not isinstance(level, int):
-            continue
-        if name:
+        if not isinstance(level, int) or "=" in name or (sep and not name):
+            ignored.append(part)
+        elif name:
             per_logger[name] = level
         else:
             default = level
-    return default, per_logger
+    return default, per_logger, ignored
 
 
 def run_cli(command: click.Command, argv: list[str] | None) -> int:
