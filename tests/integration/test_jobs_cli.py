@@ -255,3 +255,11 @@ def test_a_provider_whose_docker_cannot_give_gpus_is_named(
     assert "alice-pc's Docker cannot give GPUs to containers" in result.stderr
     assert "this machine" not in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_command_missing_from_the_image_is_said_in_our_words(pair) -> None:
+    _alice, bob = pair
+    result = gpumesh(bob, "run", "--peer", "alice-pc", "--", "nvidia-smi")
+    assert result.returncode == 127
+    assert f"gpumesh: nvidia-smi: not found in image {IMAGE} (exit 127)" in result.stderr
+    assert "tini" not in result.stderr
