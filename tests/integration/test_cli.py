@@ -23,6 +23,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from gpumesh.errors import ExitCode
 from gpumesh.identity.codes import CODE_PREFIX, make_code
 from gpumesh.identity.keys import Identity
 from tests.integration.conftest import gpumesh
@@ -127,7 +128,9 @@ def test_user_flow_pair_connect_deny_and_stop(alice_sharing, tmp_path: Path) -> 
     assert share.wait(timeout=10) == 0
     assert not (alice / "agent.json").exists()
     assert json.loads(gpumesh(alice, "status", "--json").stdout)["sharing"] is False
-    _one_line_error(gpumesh(bob, "connect", "alice-pc"), 4, "nothing is listening")
+    _one_line_error(
+        gpumesh(bob, "connect", "alice-pc"), ExitCode.UNREACHABLE, "nothing is listening"
+    )
 
 
 def test_share_stops_cleanly_on_ctrl_c(alice_sharing) -> None:
@@ -143,7 +146,7 @@ def test_share_stops_cleanly_on_ctrl_c(alice_sharing) -> None:
 
 def test_second_share_on_same_home_is_refused(alice_sharing) -> None:
     alice, _share = alice_sharing
-    _one_line_error(gpumesh(alice, "share"), 1, "already running")
+    _one_line_error(gpumesh(alice, "share"), ExitCode.IN_USE, "already running")
 
 
 def test_share_on_a_taken_port_says_so(tmp_path: Path) -> None:
@@ -151,7 +154,7 @@ def test_share_on_a_taken_port_says_so(tmp_path: Path) -> None:
         taken.bind(("127.0.0.1", 0))
         home = tmp_path / "a"
         _init(home, "alice", taken.getsockname()[1])
-        _one_line_error(gpumesh(home, "share"), 1, "cannot listen on UDP")
+        _one_line_error(gpumesh(home, "share"), ExitCode.IN_USE, "cannot listen on UDP")
 
 
 def _tamper(code: str, field: str, value: object) -> str:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from gpumesh.errors import ExitCode
 from tests.integration.conftest import gpumesh, shared_pair
 from tests.integration.test_cli import _free_udp_port, _init, _one_line_error
 
@@ -141,7 +142,7 @@ def test_ctrl_c_without_a_terminal_cancels_the_remote_job(pair) -> None:
         (["--gpu-memory", "lots", "true"], 2, "invalid size"),
         (["--env", "NOEQUALS", "true"], 2, "NOEQUALS"),
         (["--workdir", "/nonexistent/dir", "true"], 2, "does not exist"),
-        (["--image", "no/such:image", "true"], 6, "not on alice-pc"),
+        (["--image", "no/such:image", "true"], ExitCode.RUNTIME, "not on alice-pc"),
         (["--gpu-memory", "8GB", "true"], 2, "alice-pc has no NVIDIA GPU"),
     ],
     ids=["memory-units", "env-syntax", "workdir", "image", "no-gpu"],

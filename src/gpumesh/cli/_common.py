@@ -14,7 +14,7 @@ from typing import Any, NoReturn, TypeVar
 
 import click
 
-from gpumesh.errors import GPUMeshError
+from gpumesh.errors import ExitCode, GPUMeshError
 from gpumesh.settings import ENV_LOG, env
 from gpumesh.store.modes import open_private
 
@@ -67,7 +67,7 @@ def _warn(message: str) -> None:
     click.echo(f"{prefix} {message}", err=True)
 
 
-def fail(message: str, code: int = 1) -> NoReturn:
+def fail(message: str, code: int = ExitCode.FAILED) -> NoReturn:
     print_error(message)
     raise SystemExit(code)
 
@@ -199,13 +199,13 @@ def run_cli(command: click.Command, argv: list[str] | None) -> int:
         return exc.exit_code
     except click.exceptions.Abort:
         click.echo("Aborted.", err=True)
-        return 130
+        return ExitCode.INTERRUPTED
     except click.ClickException as exc:
         exc.show()
         return exc.exit_code
     except KeyboardInterrupt:
         click.echo("Interrupted.", err=True)
-        return 130
+        return ExitCode.INTERRUPTED
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except Exception:
@@ -215,5 +215,5 @@ def run_cli(command: click.Command, argv: list[str] | None) -> int:
         print_error(f"unexpected internal failure{where}; please report it")
         if env(ENV_LOG):
             raise
-        return 70
-    return 0
+        return ExitCode.INTERNAL
+    return ExitCode.OK

@@ -49,6 +49,7 @@ import urllib3.exceptions
 from gpumesh.errors import (
     AgentError,
     ConfigError,
+    ExitCode,
     GPUMeshError,
     ImageMissingError,
     NotFoundError,
@@ -652,9 +653,10 @@ class DockerRuntime:
 # for ENOENT, 126 for EACCES).
 _TINI_EXEC = re.compile(rb"\[FATAL tini \(\d+\)\] exec (.*) failed: (.*?)\r?\n?")
 _TINI_REASONS = {
-    b"No such file or directory": "not found in image {image} (exit 127)",
-    b"Permission denied": "not executable in image {image} (exit 126)",
+    b"No such file or directory": f"not found in image {{image}} (exit {ExitCode.NOT_FOUND:d})",
+    b"Permission denied": f"not executable in image {{image}} (exit {ExitCode.NOT_EXECUTABLE:d})",
 }
+_START_FAILURES = (ExitCode.NOT_EXECUTABLE, ExitCode.NOT_FOUND)
 
 
 def _tini_in_our_words(
@@ -930,7 +932,7 @@ def _state(attrs: dict[str, Any]) -> ContainerState:
         # failure); an engine that sets none is judged by the message.
         docker_code = int(state.get("ExitCode") or 0)
         if docker_code:
-            code = docker_code if docker_code in (126, 127) else None
+            code = docker_code if docker_code in _START_FAILURES else None
         else:
             code = _start_failure_code(error)
         if code is not None:
@@ -954,9 +956,9 @@ def _start_failure_code(message: str) -> int | None:
     lowered = message.lower()
     # Same order as the daemon: "permission denied" wins over "not found".
     if "permission denied" in lowered:
-        return 126
+        return ExitCode.NOT_EXECUTABLE
     if "executable file not found" in lowered or "no such file or directory" in lowered:
-        return 127
+        return ExitCode.NOT_FOUND
     return None
 
 
