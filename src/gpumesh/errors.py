@@ -31,24 +31,85 @@ exit codes; nothing here prints.
     │   └── ImageMissingError         image_missing
     ├── LimitError                    limit
     ├── NotFoundError                 not_found
+    ├── InUseError                    in_use
     └── AgentError                    agent
+
+Each class also carries the ``exit_code`` the CLI ends with; :class:`ExitCode`
+is the one table of those codes (with the ones jobs end with), which
+``gpumesh --help`` and the README show.
 """
 
 from __future__ import annotations
 
+from enum import IntEnum
 from typing import ClassVar
 
+
+class ExitCode(IntEnum):
+    """What ``gpumesh`` exits with. :data:`EXIT_MEANINGS` says what each means."""
+
+    OK = 0
+    FAILED = 1
+    USAGE = 2
+    DENIED = 3
+    UNREACHABLE = 4
+    PROTOCOL = 5
+    RUNTIME = 6
+    IN_USE = 7
+    INTERNAL = 70
+    JOB_TIMED_OUT = 124
+    JOB_NOT_RUN = 125
+    NOT_EXECUTABLE = 126
+    NOT_FOUND = 127
+    INTERRUPTED = 130
+
+
+EXIT_MEANINGS: dict[ExitCode, str] = {
+    ExitCode.OK: "success",
+    ExitCode.FAILED: "failed for another reason (the error line says why)",
+    ExitCode.USAGE: (
+        "bad input: a flag, setting or code, an unknown peer or job, a provider's limit"
+    ),
+    ExitCode.DENIED: "refused: the peer has not paired you or denied you",
+    ExitCode.UNREACHABLE: "the peer or relay could not be reached, or the link dropped",
+    ExitCode.PROTOCOL: "the peer sent something malformed or speaks another protocol version",
+    ExitCode.RUNTIME: "Docker is not available, or the image is not there and cannot be pulled",
+    ExitCode.IN_USE: "already in use: `gpumesh share` runs for this home, or its UDP port is taken",
+    ExitCode.INTERNAL: "internal failure, a bug (details in the debug log)",
+    ExitCode.JOB_TIMED_OUT: "the job ran past its --timeout",
+    ExitCode.JOB_NOT_RUN: "the job could not run (its container did not start)",
+    ExitCode.NOT_EXECUTABLE: "the job's command is not executable in the image",
+    ExitCode.NOT_FOUND: "the job's command is not in the image",
+    ExitCode.INTERRUPTED: "cancelled, or interrupted with Ctrl-C",
+}
+
+JOB_CODES_NOTE = (
+    "Jobs: run, exec, logs -f and app run exit with the job's own code once it ran; "
+    "gpumesh's own failures print a line starting `error:` on stderr"
+)
+"""Said under the table: a job's own code can be any of the numbers above."""
+
+
+def exit_code_rows() -> list[tuple[int, str]]:
+    """The table of exit codes, in order: code and meaning."""
+    return [(int(code), EXIT_MEANINGS[code]) for code in ExitCode]
+
+
 __all__ = [
+    "EXIT_MEANINGS",
+    "JOB_CODES_NOTE",
     "AccessDeniedError",
     "AgentError",
     "AmbiguousPeerError",
     "ConfigError",
     "ConnectionLostError",
+    "ExitCode",
     "ExpiredCodeError",
     "FrameTooLargeError",
     "GPUMeshError",
     "IdentityError",
     "ImageMissingError",
+    "InUseError",
     "KeyMismatchError",
     "LimitError",
     "NotFoundError",
@@ -64,6 +125,7 @@ __all__ = [
     "UnknownPeerError",
     "UnreachableError",
     "error_from_code",
+    "exit_code_rows",
 ]
 
 
@@ -71,7 +133,7 @@ class GPUMeshError(Exception):
     """Root of every error GPUMesh raises on purpose."""
 
     code: ClassVar[str] = "error"
-    exit_code: ClassVar[int] = 1
+    exit_code: ClassVar[ExitCode] = ExitCode.FAILED
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -83,7 +145,7 @@ class GPUMeshError(Exception):
 
 class ConfigError(GPUMeshError):
     code = "config"
-    exit_code = 2
+    exit_code = ExitCode.USAGE
 
 
 class NotInitializedError(ConfigError):
@@ -96,7 +158,7 @@ class IdentityError(GPUMeshError):
 
 class PairingCodeError(IdentityError):
     code = "bad_code"
-    exit_code = 2
+    exit_code = ExitCode.USAGE
 
 
 class ExpiredCodeError(PairingCodeError):
@@ -105,7 +167,7 @@ class ExpiredCodeError(PairingCodeError):
 
 class PeerError(GPUMeshError):
     code = "peer"
-    exit_code = 2
+    exit_code = ExitCode.USAGE
 
 
 class UnknownPeerError(PeerError):
@@ -122,7 +184,7 @@ class PeerKeyChangedError(PeerError):
 
 class AccessDeniedError(GPUMeshError):
     code = "denied"
-    exit_code = 3
+    exit_code = ExitCode.DENIED
 
 
 class NotPairedError(AccessDeniedError):
@@ -131,7 +193,7 @@ class NotPairedError(AccessDeniedError):
 
 class TransportError(GPUMeshError):
     code = "transport"
-    exit_code = 4
+    exit_code = ExitCode.UNREACHABLE
 
 
 class UnreachableError(TransportError):
@@ -154,7 +216,7 @@ class RelayError(TransportError):
 
 class ProtocolError(GPUMeshError):
     code = "protocol"
-    exit_code = 5
+    exit_code = ExitCode.PROTOCOL
 
 
 class FrameTooLargeError(ProtocolError):
@@ -163,7 +225,7 @@ class FrameTooLargeError(ProtocolError):
 
 class RuntimeUnavailableError(GPUMeshError):
     code = "runtime"
-    exit_code = 6
+    exit_code = ExitCode.RUNTIME
 
 
 class ImageMissingError(RuntimeUnavailableError):
@@ -174,12 +236,20 @@ class LimitError(GPUMeshError):
     """A request over a provider's limit (VRAM, upload size, quota)."""
 
     code = "limit"
-    exit_code = 2
+    exit_code = ExitCode.USAGE
 
 
 class NotFoundError(GPUMeshError):
     code = "not_found"
-    exit_code = 2
+    exit_code = ExitCode.USAGE
+
+
+class InUseError(GPUMeshError):
+    """Something this node needs is taken: its home by a running ``gpumesh share``,
+    or the UDP port it would listen on."""
+
+    code = "in_use"
+    exit_code = ExitCode.IN_USE
 
 
 class AgentError(GPUMeshError):

@@ -5,7 +5,7 @@
 ``GPUMESH_NODE_NAME``       default name for ``gpumesh init``
 ``GPUMESH_PEER``            default ``--peer`` for commands that take one
 ``GPUMESH_IMAGE``           default job image (over the config's ``image``)
-``GPUMESH_RELAY``           relay ``host:port`` (over the config's ``relay``)
+``GPUMESH_RELAY``           relay ``host[:port]`` (over the config's ``relay``)
 ``GPUMESH_RELAY_TOKEN``     shared token of a private relay (over ``relay_token``)
 ``GPUMESH_REGION``          region for public listings (over ``region``)
 ``GPUMESH_API_TOKEN``       bearer token for the control API

@@ -23,6 +23,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from gpumesh.errors import ExitCode
 from gpumesh.identity.codes import CODE_PREFIX, make_code
 from gpumesh.identity.keys import Identity
 from tests.integration.conftest import gpumesh
@@ -127,7 +128,9 @@ def test_user_flow_pair_connect_deny_and_stop(alice_sharing, tmp_path: Path) -> 
     assert share.wait(timeout=10) == 0
     assert not (alice / "agent.json").exists()
     assert json.loads(gpumesh(alice, "status", "--json").stdout)["sharing"] is False
-    _one_line_error(gpumesh(bob, "connect", "alice-pc"), 4, "nothing is listening")
+    _one_line_error(
+        gpumesh(bob, "connect", "alice-pc"), ExitCode.UNREACHABLE, "nothing is listening"
+    )
 
 
 def test_share_stops_cleanly_on_ctrl_c(alice_sharing) -> None:
@@ -143,7 +146,7 @@ def test_share_stops_cleanly_on_ctrl_c(alice_sharing) -> None:
 
 def test_second_share_on_same_home_is_refused(alice_sharing) -> None:
     alice, _share = alice_sharing
-    _one_line_error(gpumesh(alice, "share"), 1, "already running")
+    _one_line_error(gpumesh(alice, "share"), ExitCode.IN_USE, "already running")
 
 
 def test_share_on_a_taken_port_says_so(tmp_path: Path) -> None:
@@ -151,7 +154,7 @@ def test_share_on_a_taken_port_says_so(tmp_path: Path) -> None:
         taken.bind(("127.0.0.1", 0))
         home = tmp_path / "a"
         _init(home, "alice", taken.getsockname()[1])
-        _one_line_error(gpumesh(home, "share"), 1, "cannot listen on UDP")
+        _one_line_error(gpumesh(home, "share"), ExitCode.IN_USE, "cannot listen on UDP")
 
 
 def _tamper(code: str, field: str, value: object) -> str:
@@ -391,6 +394,41 @@ def test_doctor_reports_each_check(bob_home: Path) -> None:
     assert result.returncode == 1
     assert checks["identity"]["status"] == "fail"
     assert "chmod 600" in checks["identity"]["fix"]
+
+
+def test_config_set_relay_takes_a_host_without_port(bob_home: Path) -> None:
+    """The README says the relay's port defaults to 4799: a bare host is accepted."""
+    result = gpumesh(bob_home, "config", "set", "relay", "127.0.0.1")
+    assert result.returncode == 0, result.stderr
+    assert gpumesh(bob_home, "config", "get", "relay").stdout.strip() == "127.0.0.1"
+
+
+def test_doctor_reports_a_bad_setting_in_the_environment_and_runs_the_rest(
+    bob_home: Path,
+) -> None:
+    result = _run_with_env(
+        bob_home, {"GPUMESH_RELAY": "relay.example.org:http"}, "doctor", "--json"
+    )
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    checks = {c["name"]: c for c in json.loads(result.stdout)}
+    assert checks["config"]["status"] == "fail"
+    assert "GPUMESH_RELAY" in checks["config"]["detail"]
+    assert "GPUMESH_RELAY" in checks["config"]["fix"]
+    # The other checks ran, and only the bad setting failed.
+    assert {"identity", "database", "docker", "udp port", "clock"} <= set(checks)
+    assert [c["name"] for c in checks.values() if c["status"] == "fail"] == ["config"]
+
+
+def test_a_log_filter_that_is_not_one_is_warned_about_once(bob_home: Path) -> None:
+    result = _run_with_env(bob_home, {"GPUMESH_LOG": "bogus==="}, "peers")
+    assert result.returncode == 0, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("warning: GPUMESH_LOG='bogus==='")
+    assert "e.g. GPUMESH_LOG=info,gpumesh.transport=debug" in lines[0]
+    fine = _run_with_env(bob_home, {"GPUMESH_LOG": "error,gpumesh.transport=error"}, "peers")
+    assert (fine.returncode, fine.stderr) == (0, "")
 
 
 def test_doctor_narrows_the_home_and_reports_its_modes(bob_home: Path) -> None:

@@ -403,3 +403,30 @@ def test_group_help_has_examples_everywhere() -> None:
         assert result.returncode == 0, result.stderr
         assert "Examples:" in result.stdout, sub
     assert "Create, share and join groups" in _ok(Path("/nonexistent"), "--help")
+
+
+def test_an_unreachable_member_is_worded_as_connect_words_it(
+    homes: tuple[Path, Path, Path],
+) -> None:
+    """alice-pc is paired and in the group but not sharing: `group members` and
+    `run --group --explain` say where they tried (with the port) and what to check,
+    in the same words as `connect`."""
+    alice, bob, _carol = homes
+    _ok(alice, "group", "create", "research")
+    _ok(bob, "group", "join", _ok(alice, "group", "invite", "research").strip())
+    _pair_both(alice, bob)
+    connect = gpumesh(bob, "connect", "alice-pc")
+    assert connect.returncode == 4, connect.stderr
+    words = connect.stderr.strip().removeprefix("error: ")
+    assert "127.0.0.1:47101" in words
+    assert "is `gpumesh share` running there?" in words
+
+    members = {m["name"]: m for m in _json(bob, "group", "members", "research")}
+    assert members["alice-pc"]["reachable"] is False
+    assert members["alice-pc"]["reach"] == f"unreachable: {words}"
+    assert f"alice-pc: unreachable: {words}" in _ok(bob, "group", "members", "research")
+
+    explained = gpumesh(bob, "run", "--group", "research", "--explain", "--", "true")
+    assert explained.returncode != 0
+    assert f"alice-pc: unreachable: {words}" in explained.stderr
+    assert "Traceback" not in explained.stderr

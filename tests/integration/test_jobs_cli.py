@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import gpumesh
+from gpumesh.errors import ExitCode
+from tests.integration.conftest import gpumesh, shared_pair
 from tests.integration.test_cli import _free_udp_port, _init, _one_line_error
 
 pytestmark = pytest.mark.usefixtures("docker_daemon")
@@ -141,7 +142,7 @@ def test_ctrl_c_without_a_terminal_cancels_the_remote_job(pair) -> None:
         (["--gpu-memory", "lots", "true"], 2, "invalid size"),
         (["--env", "NOEQUALS", "true"], 2, "NOEQUALS"),
         (["--workdir", "/nonexistent/dir", "true"], 2, "does not exist"),
-        (["--image", "no/such:image", "true"], 6, "not on alice-pc"),
+        (["--image", "no/such:image", "true"], ExitCode.RUNTIME, "not on alice-pc"),
         (["--gpu-memory", "8GB", "true"], 2, "alice-pc has no NVIDIA GPU"),
     ],
     ids=["memory-units", "env-syntax", "workdir", "image", "no-gpu"],
@@ -237,3 +238,29 @@ def test_cancelling_a_hosted_job_without_a_running_share_is_one_line(pair) -> No
     result = gpumesh(alice, "cancel", job_id)
     _one_line_error(result, 1, "no `gpumesh share` runs for")
     assert "its cancel is recorded" in result.stderr
+
+
+def test_a_provider_whose_docker_cannot_give_gpus_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """alice-pc reports a GPU (simulated) but its Docker has no NVIDIA runtime: the
+    consumer's message names alice-pc, not "this machine" (which reads as its own)."""
+    import docker
+
+    if "nvidia" in (docker.from_env().info().get("Runtimes") or {}):  # pragma: no cover
+        pytest.skip("this machine's Docker can give GPUs to containers")
+    monkeypatch.setenv("GPUMESH_TEST_SIMULATED_GPUS", "A100:80GB")
+    with shared_pair(tmp_path) as (_alice, bob):
+        result = gpumesh(bob, "run", "--peer", "alice-pc", "--gpu-memory", "1GB", "--", "true")
+    assert result.returncode != 0, result.stderr
+    assert "alice-pc's Docker cannot give GPUs to containers" in result.stderr
+    assert "this machine" not in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_command_missing_from_the_image_is_said_in_our_words(pair) -> None:
+    _alice, bob = pair
+    result = gpumesh(bob, "run", "--peer", "alice-pc", "--", "nvidia-smi")
+    assert result.returncode == 127
+    assert f"gpumesh: nvidia-smi: not found in image {IMAGE} (exit 127)" in result.stderr
+    assert "tini" not in result.stderr

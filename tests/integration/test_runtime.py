@@ -792,7 +792,13 @@ def test_missing_command_exits_127(jobs: Jobs, init: bool) -> None:
     assert state.status == "exited"
     assert state.exit_code == 127
     if init:
-        assert b"nosuchcmd" in jobs.output(container_id, "stderr")
+        # tini's own line ("[FATAL tini (7)] exec nosuchcmd failed: ...") in our words.
+        said = DockerRuntime(jobs.client, init=True).logs(
+            container_id, "stderr", LogCursor(), False
+        )
+        assert b"".join(line.data for line in said) == (
+            f"gpumesh: nosuchcmd: not found in image {IMAGE} (exit 127)\n".encode()
+        )
     else:
         assert "executable file not found" in state.error
         assert runtime.inspect(container_id).exit_code == 127
@@ -808,7 +814,12 @@ def test_non_executable_command_exits_126(jobs: Jobs, workdir: Path, init: bool)
     runtime.start(container_id)
     state = runtime.wait(container_id)
     assert (state.status, state.exit_code) == ("exited", 126)
-    if not init:
+    if init:
+        said = runtime.logs(container_id, "stderr", LogCursor(), False)
+        assert b"".join(line.data for line in said) == (
+            f"gpumesh: /workspace/job.sh: not executable in image {IMAGE} (exit 126)\n".encode()
+        )
+    else:
         assert "permission denied" in state.error
 
 

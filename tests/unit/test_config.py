@@ -87,8 +87,9 @@ def test_unknown_key_lists_the_valid_keys(config: Config, operation: str) -> Non
         ("listen_host", "localhost"),
         ("listen_host", "300.1.1.1"),
         ("listen_host", ""),
-        ("relay", "relay.example.org"),
         ("relay", "relay.example.org:"),
+        ("relay", "[2001:db8::1]x"),
+        ("relay", "relay example.org"),
         ("relay", ":4799"),
         ("relay", "relay.example.org:0"),
         ("relay", "relay.example.org:http"),
@@ -126,7 +127,7 @@ def test_bad_values_are_refused(config: Config, key: str, value: str) -> None:
     [
         ("listen_port", "70000", "1 to 65535"),
         ("listen_host", "localhost", "IP address"),
-        ("relay", "relay.example.org", "host:port"),
+        ("relay", "relay.example.org:", "host or host:port"),
         ("job_network", "host", "bridge, none"),
         ("max_vram", "lots", "16GiB"),
         ("job_cpus", "lots", "positive number; or auto"),
@@ -148,6 +149,8 @@ def test_refusals_say_what_would_be_valid(
         ("listen_host", "::", "::"),
         ("listen_host", "127.0.0.1", "127.0.0.1"),
         ("relay", "[2001:db8::1]:4799", "[2001:db8::1]:4799"),
+        ("relay", "relay.example.org", "relay.example.org"),  # the port defaults to 4799
+        ("relay", "127.0.0.1", "127.0.0.1"),
         ("relay", "", ""),
         ("rendezvous_url", "https://registry.example.org", "https://registry.example.org"),
         ("job_cpus", "0", 0.0),
@@ -235,8 +238,8 @@ def test_empty_environment_variable_does_not_override(
 def test_invalid_environment_value_is_refused(
     config: Config, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("GPUMESH_RELAY", "no-port-here")
-    with pytest.raises(ConfigError, match="host:port"):
+    monkeypatch.setenv("GPUMESH_RELAY", "relay.example.org:http")
+    with pytest.raises(ConfigError, match="1 to 65535"):
         config.get("relay")
 
 

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from gpumesh.blocking import in_thread
 from gpumesh.errors import (
     ConnectionLostError,
+    ExitCode,
     GPUMeshError,
     LimitError,
     ProtocolError,
@@ -202,12 +203,12 @@ class ExecService:
             # The attach stream ends with the program: let its last output through.
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(sender), _DRAIN_TIMEOUT)
-            if state.error and state.exit_code in (126, 127):
+            if state.error and state.exit_code in (ExitCode.NOT_EXECUTABLE, ExitCode.NOT_FOUND):
                 newline = b"\r\n" if tty else b"\n"
                 await ctx.stream.send_data(f"gpumesh: {state.error}".encode() + newline)
             if state.oom_killed:
                 logger.info("shell container %s ran out of memory", container_id[:12])
-            return state.exit_code if state.exit_code is not None else 125
+            return state.exit_code if state.exit_code is not None else ExitCode.JOB_NOT_RUN
         finally:
             stopping.set()
             for task in (sender, receiver, closed):

@@ -51,6 +51,7 @@ from gpumesh.errors import (
     AccessDeniedError,
     AgentError,
     ConfigError,
+    ExitCode,
     GPUMeshError,
     LimitError,
     NotFoundError,
@@ -95,7 +96,7 @@ logger = logging.getLogger(__name__)
 
 HOSTED = "hosted"
 T = TypeVar("T")
-TIMEOUT_EXIT = 124
+TIMEOUT_EXIT = ExitCode.JOB_TIMED_OUT
 """Exit code of an attempt stopped by its timeout (as coreutils `timeout` reports)."""
 _LOG_DRAIN_TIMEOUT = 15.0
 """After a container exits, how long its log readers may go without progress."""
@@ -587,6 +588,13 @@ class JobService:
                 f"{self.agent.name} cannot run jobs as configured: {exc.message}"
             ) from None
 
+    def _in_our_name(self, exc: GPUMeshError) -> GPUMeshError:
+        """The runtime's error for the consumer: the runtime speaks of "this machine",
+        the consumer needs to know which one."""
+        name = self.agent.name
+        message = exc.message.replace("this machine", name)
+        return type(exc)(message if name in message else f"{name}: {message}")
+
     async def check_image(self, image: str) -> None:
         """Refuse, naming this provider, an image its owner does not allow, or that is
         neither here nor pullable; then keep the pulled images within image_disk."""
@@ -596,9 +604,7 @@ class JobService:
         try:
             pulled = await in_thread(self.runtime.ensure_image, image)
         except GPUMeshError as exc:
-            # The runtime speaks of "this machine"; the consumer needs to know which one.
-            message = exc.message.replace("this machine", name)
-            raise type(exc)(message if name in message else f"{name}: {message}") from None
+            raise self._in_our_name(exc) from None
         budget = parse_size(str(config.get("image_disk")))
         await in_thread(self.images.used, image, pulled, budget)
 
@@ -718,7 +724,7 @@ class JobService:
             await in_thread(self.runtime.start, run.container_id)
         except GPUMeshError as exc:
             await self._remove_container(run)
-            return run.machine.infra_failed(exc.message)
+            return run.machine.infra_failed(self._in_our_name(exc).message)
         state = await in_thread(self.runtime.inspect, run.container_id)
         return await self._follow(run, job, state)
 
@@ -781,9 +787,9 @@ class JobService:
         if run.timed_out and not run.machine.cancel_requested:
             self.store.update_job(HOSTED, run.job_id, exit_code=TIMEOUT_EXIT)
             return run.machine.infra_failed(f"timed out after {job.timeout:.0f}s")
-        if final.error and final.exit_code in (126, 127):
+        if final.error and final.exit_code in (ExitCode.NOT_EXECUTABLE, ExitCode.NOT_FOUND):
             await self._event(run, None, final.exit_code, final.error, kind_state=False)
-        exit_code = final.exit_code if final.exit_code is not None else 125
+        exit_code = final.exit_code if final.exit_code is not None else ExitCode.JOB_NOT_RUN
         decision = run.machine.exited(exit_code)
         if final.oom_killed and decision.state is not JobState.CANCELLED:
             decision = Decision(
@@ -908,9 +914,10 @@ class JobService:
         job = self._record(run.job_id)
         exit_code = job.exit_code
         if decision.state is JobState.CANCELLED:
-            exit_code = exit_code if exit_code is not None else 130
+            exit_code = exit_code if exit_code is not None else ExitCode.INTERRUPTED
         elif decision.state is JobState.FAILED and exit_code in (None, 0):
-            exit_code = 125  # never ran to completion: like docker run's own failures
+            # Never ran to completion: like docker run's own failures.
+            exit_code = ExitCode.JOB_NOT_RUN
         if job.state in FINAL_STATES:
             return
         self.store.update_job(

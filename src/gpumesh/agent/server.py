@@ -28,6 +28,7 @@ from gpumesh.errors import (
     AccessDeniedError,
     AgentError,
     GPUMeshError,
+    InUseError,
     LimitError,
     NotPairedError,
     ProtocolError,
@@ -176,7 +177,7 @@ class Agent:
                 on_drop=self._dropped,
             )
         except OSError as exc:
-            raise AgentError(
+            raise InUseError(
                 f"cannot listen on UDP {self.host}:{self.port}: {exc.strerror or exc}; is "
                 "another `gpumesh share` running? pick another port with "
                 "`gpumesh config set listen_port PORT`"

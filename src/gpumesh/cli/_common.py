@@ -14,7 +14,7 @@ from typing import Any, NoReturn, TypeVar
 
 import click
 
-from gpumesh.errors import GPUMeshError
+from gpumesh.errors import ExitCode, GPUMeshError
 from gpumesh.settings import ENV_LOG, env
 from gpumesh.store.modes import open_private
 
@@ -62,7 +62,12 @@ def print_error(message: str) -> None:
     click.echo(f"{prefix} {message}", err=True)
 
 
-def fail(message: str, code: int = 1) -> NoReturn:
+def _warn(message: str) -> None:
+    prefix = click.style("warning:", fg="yellow", bold=True) if sys.stderr.isatty() else "warning:"
+    click.echo(f"{prefix} {message}", err=True)
+
+
+def fail(message: str, code: int = ExitCode.FAILED) -> NoReturn:
     print_error(message)
     raise SystemExit(code)
 
@@ -75,7 +80,13 @@ def setup_logging(logs_dir: Path | None, *, console_level: str | None = None) ->
     root._gpumesh_configured = True  # type: ignore[attr-defined]
     root.setLevel(logging.DEBUG)
     spec = env(ENV_LOG) or console_level or "warning"
-    default_level, per_logger = _parse_log_filter(spec)
+    default_level, per_logger, ignored = _parse_log_filter(spec)
+    if ignored:
+        _warn(
+            f"{ENV_LOG}={spec!r}: ignored {', '.join(repr(part) for part in ignored)}; "
+            "a filter is a level (debug, info, warning, error) and/or LOGGER=LEVEL pairs "
+            f"separated by commas, e.g. {ENV_LOG}=info,gpumesh.transport=debug"
+        )
     console = logging.StreamHandler(sys.stderr)
     console.setLevel(logging.DEBUG)
     console.setFormatter(
@@ -159,22 +170,24 @@ class _LevelFilter(logging.Filter):
         return record.levelno >= level
 
 
-def _parse_log_filter(spec: str) -> tuple[int, dict[str, int]]:
+def _parse_log_filter(spec: str) -> tuple[int, dict[str, int], list[str]]:
+    """The default level, the levels per logger, and the parts that are neither."""
     default = logging.WARNING
     per_logger: dict[str, int] = {}
+    ignored: list[str] = []
     for raw in spec.split(","):
         part = raw.strip()
         if not part:
             continue
-        name, _, level_text = part.rpartition("=")
+        name, sep, level_text = part.rpartition("=")
         level = logging.getLevelName(level_text.upper())
-        if not isinstance(level, int):
-            continue
-        if name:
+        if not isinstance(level, int) or "=" in name or (sep and not name):
+            ignored.append(part)
+        elif name:
             per_logger[name] = level
         else:
             default = level
-    return default, per_logger
+    return default, per_logger, ignored
 
 
 def run_cli(command: click.Command, argv: list[str] | None) -> int:
@@ -186,13 +199,13 @@ def run_cli(command: click.Command, argv: list[str] | None) -> int:
         return exc.exit_code
     except click.exceptions.Abort:
         click.echo("Aborted.", err=True)
-        return 130
+        return ExitCode.INTERRUPTED
     except click.ClickException as exc:
         exc.show()
         return exc.exit_code
     except KeyboardInterrupt:
         click.echo("Interrupted.", err=True)
-        return 130
+        return ExitCode.INTERRUPTED
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except Exception:
@@ -202,5 +215,5 @@ def run_cli(command: click.Command, argv: list[str] | None) -> int:
         print_error(f"unexpected internal failure{where}; please report it")
         if env(ENV_LOG):
             raise
-        return 70
-    return 0
+        return ExitCode.INTERNAL
+    return ExitCode.OK

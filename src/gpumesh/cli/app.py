@@ -9,6 +9,7 @@ from typing import Any
 import click
 
 from gpumesh.cli._common import emit_json, fail, get_node, run_async
+from gpumesh.errors import ExitCode
 
 
 @click.group(
@@ -161,7 +162,7 @@ def run(
             fail(
                 f"the job produced no folder {out_name}/ in {synced.remote} on {synced.peer}: "
                 f"nothing to pull into {out}",
-                status or 1,
+                status or ExitCode.FAILED,
             )
         if not quiet:
             click.echo(f"pulled {synced.peer}:{remote} -> {out}", err=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from gpumesh.cli._common import emit_json, get_node
+from gpumesh.errors import ExitCode
 
 _MARK = {"ok": ("✓", "green"), "warn": ("!", "yellow"), "fail": ("✗", "red")}
 
@@ -29,4 +30,4 @@ def doctor(as_json: bool) -> None:
             if check.fix:
                 click.echo(f"  {'':<14} fix: {check.fix}")
     if any(c.status == "fail" for c in checks):
-        raise SystemExit(1)
+        raise SystemExit(ExitCode.FAILED)

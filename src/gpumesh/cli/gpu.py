@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from gpumesh.cli._common import emit_json, fail
+from gpumesh.errors import ExitCode
 
 
 @click.command(epilog="\b\nExamples:\n  gpumesh gpu\n  gpumesh gpu --json")
@@ -30,7 +31,7 @@ def gpu(as_json: bool) -> None:
         fail(
             "no NVIDIA GPU found (NVML and nvidia-smi are unavailable); install the NVIDIA "
             "driver to share a GPU",
-            code=1,
+            ExitCode.FAILED,
         )
     from rich.markup import escape
 

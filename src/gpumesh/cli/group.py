@@ -243,6 +243,8 @@ class Live:
     gpus: str
     free: int | None
     state: str
+    problem: str = ""
+    """Why it could not be asked (unreachable, not paired back), in full."""
 
 
 def _probe(node: Any, views: list[MemberView]) -> dict[str, Live]:
@@ -255,7 +257,9 @@ def _probe(node: Any, views: list[MemberView]) -> dict[str, Live]:
     for view, result in zip(targets, results, strict=True):
         status = result.status
         if status is None:
-            live[view.member.node_id] = Live(result.error or "unreachable", "-", None, "-")
+            problem = result.error or "unreachable"
+            reach = "no" if problem.startswith("unreachable") else "-"
+            live[view.member.node_id] = Live(reach, "-", None, "-", problem)
             continue
         verdict = evaluate(result, 0)
         names = sorted({g.name for g in status.gpus})
@@ -271,7 +275,7 @@ def _live_json(live: Live | None) -> dict[str, Any]:
         return {"reachable": None, "gpus": None, "free_gpu_memory": None, "state": None}
     return {
         "reachable": live.reach.startswith("yes"),
-        "reach": live.reach,
+        "reach": live.problem or live.reach,
         "gpus": live.gpus,
         "free_gpu_memory": live.free,
         "state": live.state,
@@ -328,10 +332,14 @@ def _print_members(views: list[MemberView], live: dict[str, Live] | None = None)
     print_table(headers, rows)
     # Plain lines, not table cells: a narrow terminal must not cut the advice.
     todo = [v for v in views if v.hint]
-    if todo:
+    problems = [(v.name, p.problem) for v in views if (p := (live or {}).get(v.member.node_id))]
+    problems = [(name, problem) for name, problem in problems if problem]
+    if todo or problems:
         click.echo("")
         for view in todo:
             click.echo(f"  {view.name}: {view.hint}")
+        for name, problem in problems:
+            click.echo(f"  {name}: {problem}")
         if any(not v.peer for v in todo):
             click.echo(
                 "Pairing is mutual: they also run `gpumesh pair` with your `gpumesh pair-code`."

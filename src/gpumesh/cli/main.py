@@ -7,10 +7,12 @@ Each command lives in its own module and is imported only when run, so
 from __future__ import annotations
 
 import importlib
+import textwrap
 
 import click
 
 from gpumesh import __version__
+from gpumesh.errors import JOB_CODES_NOTE, exit_code_rows
 
 __all__ = ["cli", "main"]
 
@@ -52,6 +54,13 @@ Every node's state lives in $GPUMESH_HOME (default ~/.gpumesh).
 """
 
 
+def exit_codes_help() -> str:
+    """The exit code table as ``gpumesh --help`` shows it (from errors.ExitCode)."""
+    rows = [f"  {code:>3}  {meaning}" for code, meaning in exit_code_rows()]
+    note = textwrap.wrap(JOB_CODES_NOTE, 90, initial_indent="  ", subsequent_indent="  ")
+    return "\n".join(["\b", "Exit codes:", *rows, *note]) + "\n"
+
+
 class LazyGroup(click.Group):
     def list_commands(self, ctx: click.Context) -> list[str]:
         return list(COMMANDS)
@@ -72,7 +81,7 @@ class LazyGroup(click.Group):
 
 @click.group(
     cls=LazyGroup,
-    epilog=EPILOG,
+    epilog=EPILOG + "\n" + exit_codes_help(),
     context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
 )
 @click.option(

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from gpumesh.cli._common import get_node, run_async
+from gpumesh.errors import ExitCode
 
 
 @click.command(
@@ -92,7 +93,7 @@ def run(
         )
     except KeyboardInterrupt:
         _interrupted(node, job_id)
-        raise SystemExit(130) from None
+        raise SystemExit(ExitCode.INTERRUPTED) from None
     if detach:
         click.echo(result.job_id)
         return
@@ -105,8 +106,8 @@ def exit_status(result: object) -> int:
 
     assert isinstance(result, JobResult)
     if result.state == "cancelled":
-        return 130
-    return result.exit_code if result.exit_code is not None else 125
+        return ExitCode.INTERRUPTED
+    return result.exit_code if result.exit_code is not None else ExitCode.JOB_NOT_RUN
 
 
 def _interrupted(node: object, job_id: str) -> None:

@@ -11,6 +11,7 @@ import time
 import click
 
 from gpumesh.cli._common import fail, get_node, setup_logging
+from gpumesh.errors import ExitCode, InUseError
 
 
 @click.group(
@@ -38,10 +39,9 @@ def share(ctx: click.Context, host: str | None, port: int | None, max_vram: str 
     node.home.require_initialized()
     running = node.home.read_agent_info()
     if running is not None:
-        fail(
+        raise InUseError(
             f"`gpumesh share` is already running for {node.home.path} (pid {running.pid}, "
-            f"udp {running.host}:{running.port}); stop it with `gpumesh share stop`",
-            code=1,
+            f"udp {running.host}:{running.port}); stop it with `gpumesh share stop`"
         )
     from gpumesh.units import parse_size
 
@@ -157,7 +157,7 @@ def stop(timeout: float) -> None:
     node = get_node()
     running = node.home.read_agent_info()
     if running is None:
-        fail(f"no `gpumesh share` is running for {node.home.path}", code=1)
+        fail(f"no `gpumesh share` is running for {node.home.path}", ExitCode.FAILED)
     os.kill(running.pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -165,4 +165,7 @@ def stop(timeout: float) -> None:
             click.echo(f"Stopped `gpumesh share` (pid {running.pid}).")
             return
         time.sleep(0.05)
-    fail(f"`gpumesh share` (pid {running.pid}) did not stop within {timeout:.0f}s", code=1)
+    fail(
+        f"`gpumesh share` (pid {running.pid}) did not stop within {timeout:.0f}s",
+        ExitCode.FAILED,
+    )

@@ -6,12 +6,14 @@ import datetime
 import os
 import socket
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from gpumesh.errors import ConfigError, GPUMeshError
 from gpumesh.runtime.base import EngineIsolation
 from gpumesh.runtime.users import job_identity
+from gpumesh.settings import env
 from gpumesh.store.home import Home
 from gpumesh.units import format_size, parse_size
 
@@ -35,18 +37,42 @@ class Check:
 
 
 def run_checks(home: Home) -> list[Check]:
-    checks = [_identity(home)]
+    """Every check, each on its own: one that cannot run (a bad setting in the
+    environment, say) is a failed check, and the rest still run."""
+    steps: list[tuple[str, Callable[[], Check | list[Check]]]] = [
+        ("identity", lambda: _identity(home))
+    ]
     if home.initialized:
-        checks += [_config(home), _database(home)]
-        checks.append(_home_modes(home))
-    checks += [*_docker(home), _gpus(), _udp_port(home)]
-    checks.append(_job_isolation(home))
-    checks.append(_job_storage(home))
-    checks.append(_agent_user(home))
+        steps += [
+            ("config", lambda: _config(home)),
+            ("database", lambda: _database(home)),
+            ("home", lambda: _home_modes(home)),
+        ]
+    steps += [
+        ("docker", lambda: _docker(home)),
+        ("gpu", _gpus),
+        ("udp port", lambda: _udp_port(home)),
+        ("job isolation", lambda: _job_isolation(home)),
+        ("job storage", lambda: _job_storage(home)),
+        ("agent user", lambda: _agent_user(home)),
+    ]
     if home.initialized:
-        checks += _relay(home)
-    checks.append(_clock())
+        steps.append(("relay", lambda: _relay(home)))
+    steps.append(("clock", _clock))
+    checks: list[Check] = []
+    for name, step in steps:
+        try:
+            found = step()
+        except GPUMeshError as exc:
+            found = Check(name, FAIL, f"could not check: {exc.message}", _fix_for(exc))
+        checks += found if isinstance(found, list) else [found]
     return checks
+
+
+def _fix_for(exc: GPUMeshError) -> str:
+    if isinstance(exc, ConfigError):
+        return "fix the setting (`gpumesh config show` lists them) and run doctor again"
+    return ""
 
 
 def _identity(home: Home) -> Check:
@@ -70,10 +96,23 @@ def _identity(home: Home) -> Check:
 
 
 def _config(home: Home) -> Check:
+    from gpumesh.store.config import KEYS
+
     try:
         config = home.config
     except GPUMeshError as exc:
         return Check("config", FAIL, exc.message, f"fix or delete {home.config_path}")
+    for key in KEYS.values():
+        if key.env and env(key.env):
+            try:
+                config.get(key.name)
+            except ConfigError as exc:
+                return Check(
+                    "config",
+                    FAIL,
+                    f"{key.env} in the environment: {exc.message}",
+                    f"fix {key.env} or unset it (it overrides the config's {key.name})",
+                )
     if not config.node_name:
         return Check("config", FAIL, "no node_name set", "gpumesh config set node_name NAME")
     return Check("config", OK, f"{home.config_path} (node {config.node_name})")
@@ -423,7 +462,11 @@ def _relay(home: Home) -> list[Check]:
     import asyncio
 
     config = home.config
-    if not config.relay:
+    try:
+        relay = config.relay
+    except ConfigError:
+        return []  # a bad setting: the config check reported it
+    if not relay:
         return [
             Check(
                 "relay",

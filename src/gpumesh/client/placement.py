@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from gpumesh.errors import GPUMeshError, LimitError, NotPairedError, UnreachableError
 from gpumesh.protocol.messages import GpuReport, StatusReply, StatusRequest
 from gpumesh.store.db import Peer
+from gpumesh.transport.reach import unreachable
 from gpumesh.units import format_size
 
 if TYPE_CHECKING:
@@ -134,11 +135,13 @@ async def _probe_one(node: Node, name: str, peer: Peer | None, timeout: float) -
             async with node.session(peer.node_id, timeout=timeout) as session:
                 reply = await session.request(StatusRequest(), timeout=timeout)
     except TimeoutError:
-        return Probe(name, peer, error=f"unreachable (no answer within {timeout:g}s)")
+        where = ", ".join(peer.dial_addresses()) or f"{name}'s relay"
+        error = unreachable(where, waited=timeout)
+        return Probe(name, peer, error=f"unreachable: {error.message}")
     except NotPairedError:
         return Probe(name, peer, error="has not paired you: send it your `gpumesh pair-code`")
     except UnreachableError as exc:
-        return Probe(name, peer, error=f"unreachable ({exc.message.split(':')[0]})")
+        return Probe(name, peer, error=f"unreachable: {exc.message}")
     except GPUMeshError as exc:
         return Probe(name, peer, error=exc.message)
     if not isinstance(reply, StatusReply):

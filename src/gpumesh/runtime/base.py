@@ -125,6 +125,8 @@ class ContainerState:
     oom_killed: bool = False
     error: str = ""
     """Docker's State.Error (e.g. why start failed)."""
+    image: str = ""
+    """The image as the container was created from it (``busybox:1``)."""
 
 
 @dataclass(frozen=True)

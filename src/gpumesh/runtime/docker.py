@@ -49,6 +49,7 @@ import urllib3.exceptions
 from gpumesh.errors import (
     AgentError,
     ConfigError,
+    ExitCode,
     GPUMeshError,
     ImageMissingError,
     NotFoundError,
@@ -524,12 +525,14 @@ class DockerRuntime:
                 "resume from an empty cursor to read from the start"
             )
         # Fail now (unknown container, engine down), not at the first next().
-        self.inspect(container_id)
-        return self._log_lines(container_id, stream, cursor, follow)
+        image = self.inspect(container_id).image
+        # tini's own line is tini's, not the job's: only a container it started has one.
+        lines = self._log_lines(container_id, stream, cursor, follow)
+        return _tini_in_our_words(lines, image) if self._init and stream == "stderr" else lines
 
     def _log_lines(
         self, container_id: str, stream: Stream, cursor: LogCursor, follow: bool
-    ) -> Iterator[LogLine]:
+    ) -> Generator[LogLine, None, None]:
         if not follow:
             yield from self._read_logs(container_id, stream, cursor, False)
             return
@@ -643,6 +646,42 @@ class DockerRuntime:
             raise AgentError(f"Docker could not {action}: {_explanation(exc)}") from exc
         except _CONNECTION_ERRORS as exc:
             raise _connection_error(exc, _endpoint(api)) from exc
+
+
+# What tini (Docker's init, PID 1 of every job) writes when it cannot start the
+# job's command (tini.c: PRINT_FATAL("exec %s failed: %s", ...), then exit 127
+# for ENOENT, 126 for EACCES).
+_TINI_EXEC = re.compile(rb"\[FATAL tini \(\d+\)\] exec (.*) failed: (.*?)\r?\n?")
+_TINI_REASONS = {
+    b"No such file or directory": f"not found in image {{image}} (exit {ExitCode.NOT_FOUND:d})",
+    b"Permission denied": f"not executable in image {{image}} (exit {ExitCode.NOT_EXECUTABLE:d})",
+}
+_START_FAILURES = (ExitCode.NOT_EXECUTABLE, ExitCode.NOT_FOUND)
+
+
+def _tini_in_our_words(
+    lines: Generator[LogLine, None, None], image: str
+) -> Generator[LogLine, None, None]:
+    """The job's stderr with tini's line about a command it could not start
+    replaced by ours: ``gpumesh: nvidia-smi: not found in image busybox:1 (exit 127)``."""
+    with contextlib.closing(lines):
+        yield from (_reworded(line, image) for line in lines)
+
+
+def _reworded(line: LogLine, image: str) -> LogLine:
+    if not line.data.startswith(b"[FATAL tini"):
+        return line
+    match = _TINI_EXEC.fullmatch(line.data)
+    if match is None:
+        return line
+    command = match.group(1).decode("utf-8", "replace")
+    where = image or "?"
+    reason = _TINI_REASONS.get(match.group(2))
+    if reason is not None:
+        said = reason.format(image=where)
+    else:
+        said = f"cannot be started in image {where}: {match.group(2).decode('utf-8', 'replace')}"
+    return dataclasses.replace(line, data=f"gpumesh: {command}: {said}\n".encode())
 
 
 class _EntryReader:
@@ -893,12 +932,13 @@ def _state(attrs: dict[str, Any]) -> ContainerState:
         # failure); an engine that sets none is judged by the message.
         docker_code = int(state.get("ExitCode") or 0)
         if docker_code:
-            code = docker_code if docker_code in (126, 127) else None
+            code = docker_code if docker_code in _START_FAILURES else None
         else:
             code = _start_failure_code(error)
         if code is not None:
             status, exit_code = "exited", code
-    labels = (attrs.get("Config") or {}).get("Labels") or {}
+    config = attrs.get("Config") or {}
+    labels = config.get("Labels") or {}
     return ContainerState(
         container_id=str(attrs.get("Id", "")),
         # An empty value is an image's label we overrode: as good as absent.
@@ -907,6 +947,7 @@ def _state(attrs: dict[str, Any]) -> ContainerState:
         exit_code=exit_code,
         oom_killed=bool(state.get("OOMKilled")),
         error=error,
+        image=str(config.get("Image") or ""),
     )
 
 
@@ -915,9 +956,9 @@ def _start_failure_code(message: str) -> int | None:
     lowered = message.lower()
     # Same order as the daemon: "permission denied" wins over "not found".
     if "permission denied" in lowered:
-        return 126
+        return ExitCode.NOT_EXECUTABLE
     if "executable file not found" in lowered or "no such file or directory" in lowered:
-        return 127
+        return ExitCode.NOT_FOUND
     return None
 
 

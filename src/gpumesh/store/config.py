@@ -78,13 +78,26 @@ def _port(text: str) -> int:
     return port
 
 
-def _host_port(text: str) -> str:
+def _relay_address(text: str) -> str:
+    """``host``, ``host:port`` or ``[v6]:port``; without a port the relay's own, 4799."""
+    text = text.strip()
     if not text:
         return ""
-    host, sep, port = text.rpartition(":")
-    if not sep or not host:
-        raise ConfigError(f"invalid address {text!r}: use host:port, e.g. relay.example.org:4799")
-    _port(port)
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        port: str | None = rest.removeprefix(":") if rest.startswith(":") or not rest else None
+    elif text.count(":") == 1:
+        host, _, port = text.partition(":")
+        port = port or None
+    else:  # a name, an IPv4 address, or a bare IPv6 address
+        host, port = text, ""
+    if not host or port is None or any(c.isspace() for c in host):
+        raise ConfigError(
+            f"invalid relay address {text!r}: use host or host:port, e.g. relay.example.org "
+            "(the port defaults to 4799) or relay.example.org:4799"
+        )
+    if port:
+        _port(port)
     return text
 
 
@@ -222,7 +235,11 @@ KEYS: dict[str, ConfigKey] = {
         ConfigKey("listen_host", _host, "0.0.0.0", "address `gpumesh share` listens on"),
         ConfigKey("listen_port", _port, DEFAULT_PORT, "UDP port `gpumesh share` listens on"),
         ConfigKey(
-            "relay", _host_port, "", "relay host:port for peers behind NAT", settings.ENV_RELAY
+            "relay",
+            _relay_address,
+            "",
+            "relay host[:port] for peers behind NAT",
+            settings.ENV_RELAY,
         ),
         ConfigKey(
             "relay_token",

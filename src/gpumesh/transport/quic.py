@@ -65,8 +65,9 @@ from gpumesh.protocol.admission import (
 )
 from gpumesh.protocol.handshake import BINDING_SIZE
 from gpumesh.protocol.messages import ALPNS
+from gpumesh.transport.reach import unreachable
 from gpumesh.transport.stream import RESET_OVER_LIMIT, Stream, over_limit_error
-from gpumesh.transport.udp import Address, UdpSocket, open_udp_socket
+from gpumesh.transport.udp import Address, UdpSocket, format_address, open_udp_socket
 
 if TYPE_CHECKING:
     from gpumesh.transport.relayclient import RelayClient, RelayedPath
@@ -597,7 +598,7 @@ class QuicEndpoint:
             udp.connect(address)
         except OSError as exc:
             udp.close()
-            raise UnreachableError(f"cannot reach {where}: {exc.strerror or exc}") from exc
+            raise unreachable(where, reason=str(exc.strerror or exc)) from exc
         endpoint = cls(udp)
         try:
             return await endpoint._dial_link(address, where, expected_key, timeout, alpns=alpns)
@@ -662,10 +663,7 @@ class QuicEndpoint:
         except TimeoutError:
             if link.is_closed:
                 raise link.closed.result() from None
-            raise UnreachableError(
-                f"no answer from {where} within {timeout:.0f}s: is `gpumesh share` running "
-                "there and is its UDP port reachable?"
-            ) from None
+            raise unreachable(where, waited=timeout) from None
         if link.peer_public_key() != expected_key:
             error = KeyMismatchError(
                 f"the node at {where} presented a different key than the one you paired "
@@ -765,12 +763,7 @@ class QuicEndpoint:
             link = self._dialer_link
             if link is not None and not link.connected.done():
                 host, port = link.address
-                link._finish(
-                    UnreachableError(
-                        f"nothing is listening on {host}:{port} (connection refused): "
-                        "is `gpumesh share` running there?"
-                    )
-                )
+                link._finish(unreachable(format_address((host, port)), refused=True))
             return
         except OSError as exc:
             logger.debug("udp receive failed: %s", exc)
