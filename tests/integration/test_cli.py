@@ -91,7 +91,8 @@ def test_user_flow_pair_connect_deny_and_stop(alice_sharing, tmp_path: Path) -> 
 
     alice_code = gpumesh(alice, "pair-code").stdout.strip()
     assert alice_code.startswith(CODE_PREFIX)
-    paired = gpumesh(bob, "pair", alice_code)
+    # --offline: no dial yet, so `last_seen` below is still empty.
+    paired = gpumesh(bob, "pair", "--offline", alice_code)
     assert paired.returncode == 0, paired.stderr
     assert "Paired with alice-pc" in paired.stdout
     bob_code = gpumesh(bob, "pair-code").stdout.strip()

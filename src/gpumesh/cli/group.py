@@ -265,7 +265,8 @@ def _probe(node: Any, views: list[MemberView]) -> dict[str, Live]:
         names = sorted({g.name for g in status.gpus})
         gpus = ", ".join(f"{sum(g.name == n for g in status.gpus)}x {n}" for n in names) or "none"
         free = max((g.available for g in status.gpus), default=None)
-        state = "idle" if verdict.eligible else ("busy" if "busy" in verdict.reason else "-")
+        # Busy means GPUMesh jobs there, whether or not they hold a GPU.
+        state = "busy" if verdict.busy else ("idle" if verdict.eligible else "-")
         live[view.member.node_id] = Live(f"yes ({result.rtt_ms:.0f} ms)", gpus, free, state)
     return live
 

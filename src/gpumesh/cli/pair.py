@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import click
 
-from gpumesh.cli._common import emit_json, get_node
+from gpumesh.cli._common import emit_json, get_node, run_async
+
+if TYPE_CHECKING:
+    from gpumesh.client.node import PairCheck
 
 
 @click.command(
@@ -12,20 +17,29 @@ from gpumesh.cli._common import emit_json, get_node
 Examples:
   gpumesh pair 'gpm1_...'
   gpumesh pair --rekey 'gpm1_...'     # the peer was reinstalled and has a new key
+  gpumesh pair --offline 'gpm1_...'   # do not check whether they paired you
 """
 )
 @click.argument("code")
 @click.option("--rekey", is_flag=True, help="Accept a new key for an already-paired peer name.")
+@click.option(
+    "--offline", is_flag=True, help="Do not dial the peer to check whether it paired you."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable output.")
-def pair(code: str, rekey: bool, as_json: bool) -> None:
+def pair(code: str, rekey: bool, offline: bool, as_json: bool) -> None:
     """Pair with a peer: verify its CODE, store it, and allow it.
 
     Pairing is mutual: the peer must also pair with your code
-    (`gpumesh pair-code`) before either of you can use the other. A code
-    pairs once; a peer you denied stays denied (`gpumesh allow PEER`).
+    (`gpumesh pair-code`) before either of you can use the other. After
+    pairing, one short dial (a few seconds at most) tells whether the peer
+    has paired you too, has not yet, or cannot be reached now; --offline, or
+    a code without addresses or relay, skips it.
     """
     node = get_node()
     peer = node.pair(code, rekey=rekey)
+    check: PairCheck | None = None
+    if not offline and (peer.addresses or peer.relay):
+        check = run_async(node.check_paired_back(peer.name))
     if as_json:
         emit_json(
             {
@@ -33,6 +47,8 @@ def pair(code: str, rekey: bool, as_json: bool) -> None:
                 "node_id": peer.node_id,
                 "addresses": peer.addresses,
                 "allowed": peer.allowed,
+                "paired_back": check.state if check else None,
+                "paired_back_reason": (check.detail or None) if check else None,
             }
         )
         return
@@ -46,4 +62,24 @@ def pair(code: str, rekey: bool, as_json: bool) -> None:
         return
     click.echo(f"Paired with {name} ({peer.node_id.short}), allowed.")
     click.echo(f"  addresses  {', '.join(peer.addresses) or '-'}")
-    click.echo("They must also pair with your code (`gpumesh pair-code`) before you can connect.")
+    click.echo(_paired_back(peer.name, check))
+
+
+def _paired_back(name: str, check: PairCheck | None) -> str:
+    """One line saying whether ``name`` can be used now, and what to do if not."""
+    if check is None:
+        return "They must also pair with your code (`gpumesh pair-code`) before you can connect."
+    if check.state == "ready":
+        return click.style(f"{name} has paired you too: ready.", fg="green")
+    if check.state == "not_paired":
+        return (
+            f"{name} has not paired you yet: send them your code "
+            f"(`gpumesh pair-code` prints it) and they run `gpumesh pair` with it."
+        )
+    if check.state == "unreachable":
+        return click.style(
+            f"{name} is not reachable now: {check.detail} "
+            f"(`gpumesh connect {name}` checks again later.)",
+            fg="yellow",
+        )
+    return click.style(f"{name} refuses you: {check.detail}", fg="yellow")

@@ -37,6 +37,7 @@ def status(as_json: bool) -> None:
                     }
                     for g in st.gpus
                 ],
+                "state": "busy" if st.running_hosted else "idle",
                 "jobs_hosted_running": st.running_hosted,
                 "jobs_submitted_running": st.running_submitted,
             }
@@ -71,7 +72,10 @@ def status(as_json: bool) -> None:
             click.echo(f"GPU {gpu.index}    {gpu.name}, {used} used of {total}")
     else:
         click.echo("GPUs     no NVIDIA GPU (CPU-only jobs)")
+    # Busy means GPUMesh jobs here, whether or not they hold a GPU.
+    state = click.style("busy", fg="yellow") if st.running_hosted else "idle"
     click.echo(
-        f"Jobs     {st.running_hosted} running here, {st.running_submitted} submitted running"
+        f"Jobs     {state}: {st.running_hosted} running here, "
+        f"{st.running_submitted} submitted running"
     )
     click.echo(f"Peers    {st.peers} paired, {st.allowed} allowed")

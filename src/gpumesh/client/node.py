@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 
 from gpumesh.errors import (
     ConfigError,
+    GPUMeshError,
+    NotPairedError,
     PeerError,
     PeerKeyChangedError,
     UnreachableError,
@@ -38,11 +40,13 @@ if TYPE_CHECKING:
     from gpumesh.gpu.inventory import GpuInfo
     from gpumesh.transport.session import Session
 
-__all__ = ["ConnectResult", "Node", "NodeInfo", "NodeStatus", "ThroughputResult"]
+__all__ = ["ConnectResult", "Node", "NodeInfo", "NodeStatus", "PairCheck", "ThroughputResult"]
 
 FINAL = ("succeeded", "failed", "cancelled")
 PUNCH_WAIT = 3.0
 """Seconds `connect` lets hole punching finish before it reports the path."""
+PAIR_CHECK_TIMEOUT = 3.0
+"""Seconds ``pair`` spends finding out whether the new peer paired back."""
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +77,17 @@ class NodeStatus:
     """Unfinished jobs this node runs for peers."""
     running_submitted: int
     """Jobs this node submitted that were not seen finishing."""
+
+
+@dataclass(frozen=True)
+class PairCheck:
+    """Whether a peer just paired with has paired this node too."""
+
+    state: str
+    """``ready`` (it serves us), ``not_paired`` (it refuses us as unknown),
+    ``unreachable``, or ``refused`` (it refuses us for another reason)."""
+    detail: str = ""
+    """The reason, in the words ``connect`` uses, unless ``ready`` or ``not_paired``."""
 
 
 @dataclass(frozen=True)
@@ -342,6 +357,31 @@ class Node:
             connect_ms=connect_ms,
             remote=remote,
         )
+
+    async def check_paired_back(
+        self, query: str, *, timeout: float = PAIR_CHECK_TIMEOUT
+    ) -> PairCheck:
+        """One short dial to a peer: does it know this node yet? Never raises for the
+        peer's sake; the whole attempt takes at most ``timeout`` seconds."""
+        import asyncio
+
+        from gpumesh.transport.reach import unreachable
+
+        peer = self.peer(query)
+        try:
+            async with asyncio.timeout(timeout):
+                async with self.session(peer.node_id, timeout=timeout) as session:
+                    await session.request(StatusRequest(), timeout=timeout)
+        except TimeoutError:
+            where = ", ".join(peer.dial_addresses()) or f"{peer.name}'s relay"
+            return PairCheck("unreachable", unreachable(where, waited=timeout).message)
+        except NotPairedError:
+            return PairCheck("not_paired")
+        except UnreachableError as exc:
+            return PairCheck("unreachable", exc.message)
+        except GPUMeshError as exc:
+            return PairCheck("refused", exc.message)
+        return PairCheck("ready")
 
     async def throughput(self, query: str, size: int) -> ThroughputResult:
         """Push ``size`` bytes to a peer over one authenticated stream and time it."""

@@ -63,6 +63,13 @@ class Candidate:
     headroom: int = 0
     """Bytes of GPU memory left after the job."""
     rtt_ms: float = 0.0
+    jobs: int = 0
+    """GPUMesh jobs queued or running there (on a GPU or not)."""
+
+    @property
+    def busy(self) -> bool:
+        """Whether it is doing GPUMesh work now, whatever its GPUs."""
+        return self.jobs > 0 or self.reason.startswith("busy")
 
 
 @dataclass(frozen=True)
@@ -85,10 +92,14 @@ def evaluate(probe_result: Probe, gpu_memory: int) -> Candidate:
     if not status.sharing:
         return Candidate(name, False, "not sharing")
     gpus = status.gpus
+    rtt_ms, jobs = probe_result.rtt_ms, status.running_jobs
     if not gpus:
         if gpu_memory:
-            return Candidate(name, False, "no NVIDIA GPU", rtt_ms=probe_result.rtt_ms)
-        return Candidate(name, True, "CPU only", rtt_ms=probe_result.rtt_ms)
+            return Candidate(name, False, "no NVIDIA GPU", rtt_ms=rtt_ms, jobs=jobs)
+        if jobs:
+            # A CPU-only node's only room is its CPUs, and GPUMesh jobs hold them.
+            return Candidate(name, False, f"busy ({_jobs(jobs)})", rtt_ms=rtt_ms, jobs=jobs)
+        return Candidate(name, True, "CPU only", rtt_ms=rtt_ms)
     idle = [g for g in gpus if g.jobs == 0 and (g.utilization or 0) <= BUSY_UTILIZATION]
     if not idle:
         busiest = ", ".join(
@@ -96,7 +107,7 @@ def evaluate(probe_result: Probe, gpu_memory: int) -> Candidate:
             + (f" with {g.jobs} job(s)" if g.jobs else "")
             for g in gpus
         )
-        return Candidate(name, False, f"busy ({busiest})", rtt_ms=probe_result.rtt_ms)
+        return Candidate(name, False, f"busy ({busiest})", rtt_ms=rtt_ms, jobs=jobs)
     best = max(idle, key=lambda g: g.available)
     if best.available < gpu_memory:
         return Candidate(
@@ -104,25 +115,33 @@ def evaluate(probe_result: Probe, gpu_memory: int) -> Candidate:
             False,
             f"not enough GPU memory ({format_size(best.available)} free on its idlest GPU, "
             f"{format_size(gpu_memory)} needed)",
-            rtt_ms=probe_result.rtt_ms,
+            rtt_ms=rtt_ms,
+            jobs=jobs,
         )
     return Candidate(
         name,
         True,
-        f"GPU {best.index} {best.name}, {format_size(best.available)} free",
+        f"GPU {best.index} {best.name}, {format_size(best.available)} free"
+        + (f", {_jobs(jobs)} on its other GPUs or CPUs" if jobs else ""),
         gpu=best,
         headroom=best.available - gpu_memory,
-        rtt_ms=probe_result.rtt_ms,
+        rtt_ms=rtt_ms,
+        jobs=jobs,
     )
 
 
+def _jobs(count: int) -> str:
+    return f"{count} GPUMesh job{'s' if count != 1 else ''} running"
+
+
 def choose(probes: list[Probe], gpu_memory: int) -> Placement:
-    """Pick the idle GPU with the most headroom; GPU members before CPU-only ones."""
+    """Pick the idle GPU with the most headroom; GPU members before CPU-only ones,
+    and among those the members running the fewest GPUMesh jobs first."""
     candidates = [evaluate(p, gpu_memory) for p in probes]
     eligible = [c for c in candidates if c.eligible]
     if not eligible:
         return Placement(None, candidates)
-    chosen = max(eligible, key=lambda c: (c.gpu is not None, c.headroom, -c.rtt_ms))
+    chosen = max(eligible, key=lambda c: (c.gpu is not None, -c.jobs, c.headroom, -c.rtt_ms))
     return Placement(chosen, candidates)
 
 
