@@ -95,9 +95,11 @@ def complete_peer_path(
 
     Paths on the peer are not offered: listing them would take a connection.
     """
+    if ":" in incomplete:
+        return []
     local = [CompletionItem(incomplete, type="file")]
-    if ":" in incomplete or incomplete.startswith(("/", ".", "~")):
-        return local if ":" not in incomplete else []
+    if incomplete.startswith(("/", ".", "~")):
+        return local
     peers = _items(ctx, peer_names, incomplete)
     return [CompletionItem(f"{p.value}:", help=p.help) for p in peers] + local
 
