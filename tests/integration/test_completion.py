@@ -153,6 +153,9 @@ def test_fish_completes_peers_in_cp_and_groups(bob: Path) -> None:
     assert result.stdout.splitlines() == ["plain,alice-pc:", "file,a"]
     result = _complete(bob, "fish", COMP_WORDS="gpumesh cp ", COMP_CWORD="")
     assert result.stdout.splitlines()[:2] == ["plain,alice-pc:", "plain,carol-box:"]
+    # A local path is left to the shell's own file completion.
+    result = _complete(bob, "fish", COMP_WORDS="gpumesh cp ./d", COMP_CWORD="./d")
+    assert result.stdout.splitlines() == ["file,./d"]
     # After PEER: nothing is offered (listing the peer's folder would take a connection).
     result = _complete(bob, "fish", COMP_WORDS="gpumesh cp alice-pc:/d", COMP_CWORD="alice-pc:/d")
     assert result.stdout == "\n"
