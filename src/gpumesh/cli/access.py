@@ -5,10 +5,11 @@ from __future__ import annotations
 import click
 
 from gpumesh.cli._common import get_node
+from gpumesh.cli._complete import complete_peer
 
 
 @click.command(epilog="\b\nExamples:\n  gpumesh allow bob-laptop\n  gpumesh allow k3x9")
-@click.argument("peer")
+@click.argument("peer", shell_complete=complete_peer)
 def allow(peer: str) -> None:
     """Let a paired PEER (name or id prefix) use this node again."""
     record = get_node().allow(peer)
@@ -16,7 +17,7 @@ def allow(peer: str) -> None:
 
 
 @click.command(epilog="\b\nExamples:\n  gpumesh deny bob-laptop")
-@click.argument("peer")
+@click.argument("peer", shell_complete=complete_peer)
 def deny(peer: str) -> None:
     """Revoke PEER's access (name or id prefix) at once.
 

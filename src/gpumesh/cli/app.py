@@ -9,6 +9,7 @@ from typing import Any
 import click
 
 from gpumesh.cli._common import emit_json, fail, get_node, run_async
+from gpumesh.cli._complete import complete_peer, complete_submitted_job
 from gpumesh.errors import ExitCode
 
 
@@ -60,7 +61,14 @@ def _sync_json(result: Any) -> dict[str, Any]:
 
 
 @app.command()
-@click.option("--peer", envvar="GPUMESH_PEER", show_envvar=True, required=True, help="Provider.")
+@click.option(
+    "--peer",
+    envvar="GPUMESH_PEER",
+    show_envvar=True,
+    required=True,
+    shell_complete=complete_peer,
+    help="Provider.",
+)
 @click.option("--dir", "folder", type=click.Path(file_okay=False), required=True)
 @click.option("--dry-run", is_flag=True, help="List what would be sent and skipped; send nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
@@ -89,7 +97,14 @@ def sync(peer: str, folder: str, dry_run: bool, as_json: bool) -> None:
 
 
 @app.command(context_settings={"allow_interspersed_args": False})
-@click.option("--peer", envvar="GPUMESH_PEER", show_envvar=True, required=True, help="Provider.")
+@click.option(
+    "--peer",
+    envvar="GPUMESH_PEER",
+    show_envvar=True,
+    required=True,
+    shell_complete=complete_peer,
+    help="Provider.",
+)
 @click.option("--dir", "folder", type=click.Path(file_okay=False), required=True)
 @click.option("--out", type=click.Path(), help="Pull the app's folder of this name back here.")
 @click.option("--image", help="Container image (default: config `image` / $GPUMESH_IMAGE).")
@@ -170,8 +185,21 @@ def run(
 
 
 @app.command()
-@click.option("--peer", envvar="GPUMESH_PEER", show_envvar=True, required=True, help="Provider.")
-@click.option("--job", "job_id", required=True, help="A job started with `gpumesh app run`.")
+@click.option(
+    "--peer",
+    envvar="GPUMESH_PEER",
+    show_envvar=True,
+    required=True,
+    shell_complete=complete_peer,
+    help="Provider.",
+)
+@click.option(
+    "--job",
+    "job_id",
+    required=True,
+    shell_complete=complete_submitted_job,
+    help="A job started with `gpumesh app run`.",
+)
 @click.option("--dir", "folder", type=click.Path(file_okay=False), required=True)
 def pull(peer: str, job_id: str, folder: str) -> None:
     """Copy the working folder of a past job (its app folder) into DIR."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from gpumesh.cli._common import get_node, run_async
+from gpumesh.cli._complete import complete_peer, complete_submitted_job
 
 
 @click.command(
@@ -15,8 +16,14 @@ Examples:
   gpumesh cancel 7c21                  # a job a peer runs here: this node's share stops it
 """
 )
-@click.option("--peer", envvar="GPUMESH_PEER", show_envvar=True, help="The job's provider.")
-@click.argument("job_id")
+@click.option(
+    "--peer",
+    envvar="GPUMESH_PEER",
+    show_envvar=True,
+    shell_complete=complete_peer,
+    help="The job's provider.",
+)
+@click.argument("job_id", shell_complete=complete_submitted_job)
 def cancel(peer: str | None, job_id: str) -> None:
     """Cancel a job: one you submitted (its provider stops it), or one a peer runs
     here (`gpumesh share` stops it). Its container is stopped; it is never retried."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from gpumesh.cli._common import emit_json, get_node, run_async
+from gpumesh.cli._complete import complete_peer
 
 
 @click.command(
@@ -15,7 +16,7 @@ Examples:
   gpumesh connect alice-pc --speed 256MB     # also measure upload throughput
 """
 )
-@click.argument("peer", envvar="GPUMESH_PEER")
+@click.argument("peer", envvar="GPUMESH_PEER", shell_complete=complete_peer)
 @click.option(
     "--timeout", type=float, help="Seconds to wait for an answer (config connect_timeout)."
 )

@@ -8,6 +8,7 @@ from typing import Any
 import click
 
 from gpumesh.cli._common import emit_json, get_node, run_async
+from gpumesh.cli._complete import complete_peer_path
 
 
 @click.command(
@@ -28,8 +29,8 @@ a direct path exists, else QUIC (a channel that did not open is not tried
 again with that peer for 10 minutes).
 """,
 )
-@click.argument("source")
-@click.argument("destination")
+@click.argument("source", shell_complete=complete_peer_path)
+@click.argument("destination", shell_complete=complete_peer_path)
 @click.option(
     "-r", "--recursive", is_flag=True, help="Accepted for habit: folders always copy whole."
 )

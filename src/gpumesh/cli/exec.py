@@ -11,6 +11,7 @@ from typing import Any
 import click
 
 from gpumesh.cli._common import get_node, run_async
+from gpumesh.cli._complete import complete_peer
 
 
 @click.command(
@@ -33,7 +34,7 @@ Exit status: the program's exit code (129 when the local terminal hung up,
 )
 @click.option("--image", help="Container image (default: config `image` / $GPUMESH_IMAGE).")
 @click.option("-e", "--env", "env_items", multiple=True, metavar="KEY=VAL", help="Set a variable.")
-@click.argument("peer")
+@click.argument("peer", shell_complete=complete_peer)
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def exec(
     peer: str, image: str | None, env_items: tuple[str, ...], command: tuple[str, ...]

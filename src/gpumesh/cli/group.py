@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from gpumesh.cli._common import emit_json, get_node
+from gpumesh.cli._complete import complete_group, complete_peer
 from gpumesh.units import format_duration
 
 if TYPE_CHECKING:
@@ -114,7 +115,7 @@ Examples:
   gpumesh group invite research --expires 1h
 """
 )
-@click.argument("name")
+@click.argument("name", shell_complete=complete_group)
 @click.option(
     "--expires",
     default="24h",
@@ -181,8 +182,8 @@ Examples:
   gpumesh group add research 3f9akq2m       # by node id prefix
 """
 )
-@click.argument("name")
-@click.argument("peer")
+@click.argument("name", shell_complete=complete_group)
+@click.argument("peer", shell_complete=complete_peer)
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable output.")
 def add(name: str, peer: str, as_json: bool) -> None:
     """Add the paired PEER to group NAME on this node.
@@ -216,7 +217,7 @@ Examples:
   gpumesh group members research --json
 """
 )
-@click.argument("name")
+@click.argument("name", shell_complete=complete_group)
 @click.option("--offline", is_flag=True, help="Do not probe the members (local state only).")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable output.")
 def members(name: str, offline: bool, as_json: bool) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from gpumesh.cli._common import get_node, run_async
+from gpumesh.cli._complete import complete_job
 
 
 @click.command(
@@ -14,7 +15,7 @@ Examples:
   gpumesh logs 3f9a -f         # follow by id prefix; reconnects if the link drops
 """
 )
-@click.argument("job_id", required=False)
+@click.argument("job_id", required=False, shell_complete=complete_job)
 @click.option("-f", "--follow", is_flag=True, help="Keep streaming until the job ends.")
 def logs(job_id: str | None, follow: bool) -> None:
     """Print a job's output (stdout and stderr kept apart), attempts numbered.

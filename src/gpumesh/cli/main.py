@@ -14,7 +14,9 @@ import click
 from gpumesh import __version__
 from gpumesh.errors import JOB_CODES_NOTE, exit_code_rows
 
-__all__ = ["cli", "main"]
+__all__ = ["COMPLETE_VAR", "cli", "main"]
+
+COMPLETE_VAR = "_GPUMESH_COMPLETE"
 
 # name -> (module, attribute, short help shown in `gpumesh --help`)
 COMMANDS: dict[str, tuple[str, str, str]] = {
@@ -100,7 +102,12 @@ def cli(ctx: click.Context, home: str | None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; every GPUMesh error becomes one line and an exit code."""
+    import os
+
     from gpumesh.cli._common import run_cli
+
+    if COMPLETE_VAR in os.environ:  # a shell's Tab press: our PowerShell completer must answer
+        import gpumesh.cli._complete  # noqa: F401
 
     return run_cli(cli, argv)
 

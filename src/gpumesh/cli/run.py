@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from gpumesh.cli._common import get_node, run_async
+from gpumesh.cli._complete import complete_group, complete_peer
 from gpumesh.errors import ExitCode
 
 
@@ -25,8 +26,18 @@ Examples:
 Exit status: the job's own exit code (125 when it could not run, 130 when cancelled).
 """,
 )
-@click.option("--peer", envvar="GPUMESH_PEER", show_envvar=True, help="Provider to run on.")
-@click.option("--group", help="Run on the best member of this group (idle GPU, most memory).")
+@click.option(
+    "--peer",
+    envvar="GPUMESH_PEER",
+    show_envvar=True,
+    shell_complete=complete_peer,
+    help="Provider to run on.",
+)
+@click.option(
+    "--group",
+    shell_complete=complete_group,
+    help="Run on the best member of this group (idle GPU, most memory).",
+)
 @click.option("--explain", is_flag=True, help="With --group: show every member's verdict.")
 @click.option("--wait", is_flag=True, help="With --group: wait until a member can take it.")
 @click.option("--image", help="Container image (default: config `image` / $GPUMESH_IMAGE).")
