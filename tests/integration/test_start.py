@@ -23,7 +23,7 @@ import pytest
 
 from gpumesh.identity.codes import PairingOffer, decode_code
 from tests.integration.conftest import gpumesh
-from tests.integration.test_cli import _init
+from tests.integration.test_cli import _free_udp_port, _init
 
 GPUMESH = str(Path(sys.executable).parent / "gpumesh")
 UP, DOWN = "\x1b[A", "\x1b[B"
@@ -183,7 +183,7 @@ def test_fresh_home_takes_the_default_name_on_enter(open_start: Opener, tmp_path
 
 def test_pairing_code_by_arrows_and_by_number(open_start: Opener, tmp_path: Path) -> None:
     home = tmp_path / "alice"
-    _init(home, "alice-pc", port=47931)
+    _init(home, "alice-pc", port=_free_udp_port())
     expected = _offer(gpumesh(home, "pair-code").stdout.strip())
     term = open_start(home)
     _menu(term)
@@ -210,8 +210,8 @@ def test_pairing_code_by_arrows_and_by_number(open_start: Opener, tmp_path: Path
 
 def test_pair_with_a_code_then_run_offers_the_peer(open_start: Opener, tmp_path: Path) -> None:
     alice, bob = tmp_path / "alice", tmp_path / "bob"
-    _init(alice, "alice-pc", port=47932)
-    _init(bob, "bob-laptop", port=47933)
+    _init(alice, "alice-pc", port=_free_udp_port())
+    _init(bob, "bob-laptop", port=_free_udp_port())
     bob_code = gpumesh(bob, "pair-code").stdout.strip()
     term = open_start(alice)
     _menu(term)
@@ -241,7 +241,7 @@ def test_pair_with_a_code_then_run_offers_the_peer(open_start: Opener, tmp_path:
 
 def test_doctor_entry_runs_the_checks(open_start: Opener, tmp_path: Path) -> None:
     home = tmp_path / "alice"
-    _init(home, "alice-pc", port=47934)
+    _init(home, "alice-pc", port=_free_udp_port())
     term = open_start(home)
     _menu(term)
     term.send("1")
@@ -256,7 +256,7 @@ def test_ctrl_c_leaves_with_130_and_restores_the_terminal(
     open_start: Opener, tmp_path: Path
 ) -> None:
     home = tmp_path / "alice"
-    _init(home, "alice-pc", port=47935)
+    _init(home, "alice-pc", port=_free_udp_port())
     term = open_start(home)
     _menu(term)
     lflag = term.mode()[3]
