@@ -43,6 +43,20 @@ _AS_SESSION_LEADER = (
 )
 
 
+_READ_SYSCALL = {"x86_64": "0", "aarch64": "63"}.get(os.uname().machine)
+
+
+def _reading_stdin(pid: int) -> bool:
+    """Whether ``pid`` is blocked in read(0, ...); True where Linux cannot tell."""
+    if _READ_SYSCALL is None:
+        return True
+    try:
+        fields = Path(f"/proc/{pid}/syscall").read_text().split()
+    except OSError:
+        return True
+    return fields[:2] == [_READ_SYSCALL, "0x0"]
+
+
 class Terminal:
     """A real pty with ``gpumesh start`` (or another command) running on it."""
 
@@ -91,6 +105,18 @@ class Terminal:
 
     def send(self, keys: str) -> None:
         os.write(self.master, keys.encode())
+
+    def interrupt_prompt(self) -> None:
+        """Ctrl-C at a line prompt, once the process is blocked reading the terminal.
+
+        A SIGINT that lands after Python last checked for signals but before its
+        read() starts is only noticed at the next input (CPython's race, not
+        ours; no person types that fast), so wait until the read has begun.
+        """
+        deadline = time.monotonic() + WAIT
+        while not _reading_stdin(self.proc.pid) and time.monotonic() < deadline:
+            self._read(0.05)
+        self.send("\x03")
 
     def wait(self) -> int:
         deadline = time.monotonic() + WAIT
@@ -157,6 +183,9 @@ def test_fresh_home_offers_init_with_a_default_name(open_start: Opener, tmp_path
     term = open_start(home, GPUMESH_NODE_NAME="box-default")
     term.expect(r"no node yet")
     term.expect(r"Name for this node \[box-default\]: ")
+    term.send("not a name!\r")
+    term.expect(r"error: .*name")
+    term.expect(r"Name for this node \[box-default\]: ")  # asked again
     term.send("alice-pc\r")
     term.expect(r"Initialized node alice-pc")
     term.expect(r"GPUMesh · alice-pc")
@@ -179,6 +208,17 @@ def test_fresh_home_takes_the_default_name_on_enter(open_start: Opener, tmp_path
     term.send("\x1b")  # a lone Esc leaves
     assert term.wait() == 0
     assert _offer(gpumesh(home, "pair-code").stdout.strip()).name == "box-default"
+
+
+def test_leaving_the_name_prompt_creates_nothing(open_start: Opener, tmp_path: Path) -> None:
+    home = tmp_path / "fresh"
+    term = open_start(home)
+    term.expect(r"Name for this node \[\S+\]: ")
+    term.interrupt_prompt()
+    term.expect(r"Nothing done")
+    assert term.wait() == 130
+    assert term.mode() == term.initial
+    assert not (home / "identity.key").exists()
 
 
 def test_pairing_code_by_arrows_and_by_number(open_start: Opener, tmp_path: Path) -> None:
@@ -230,7 +270,7 @@ def test_pair_with_a_code_then_run_offers_the_peer(open_start: Opener, tmp_path:
     term.send("5")
     term.expect(r"Paired peers: bob-laptop")
     term.expect(r"Peer to run on \[bob-laptop\]: ")
-    term.send("\x03")  # Ctrl-C at a prompt: back to the menu, not out
+    term.interrupt_prompt()  # Ctrl-C at a prompt: back to the menu, not out
     term.expect(r"Cancelled")
     _menu(term, selected=5)
     term.send("q")
@@ -305,3 +345,39 @@ def test_without_a_terminal_it_refuses_with_one_line(tmp_path: Path) -> None:
         os.close(slave)
     assert out.returncode == 2
     assert "needs a terminal" in out.stderr
+
+
+def test_share_entry_runs_until_ctrl_c_then_returns(open_start: Opener, tmp_path: Path) -> None:
+    home = tmp_path / "alice"
+    _init(home, "alice-pc", port=_free_udp_port())
+    term = open_start(home)
+    _menu(term)
+    term.send("2")
+    term.expect(r"\$ gpumesh share")
+    term.expect(_CODE.pattern)  # share prints the pairing code once it listens
+    running = gpumesh(home, "status", "--json")
+    assert '"sharing": true' in running.stdout, running.stdout
+    term.send("\x03")  # Ctrl-C stops sharing, not the menu
+    _menu(term, selected=2)
+    assert '"sharing": false' in gpumesh(home, "status", "--json").stdout
+    term.send("q")
+    assert term.wait() == 0
+    assert term.mode() == term.initial
+
+
+def test_run_entry_runs_a_command_on_the_peer(open_start: Opener, pair: tuple[Path, Path]) -> None:
+    _alice, bob = pair
+    term = open_start(bob)
+    _menu(term)
+    term.send("5")
+    term.expect(r"Peer to run on \[alice-pc\]: ")
+    term.send("\r")
+    term.expect(r"Command to run \[nvidia-smi\]: ")
+    term.send("echo 'made in the menu'\r")
+    term.expect(r"\$ gpumesh run --peer alice-pc -- echo 'made in the menu'")
+    term.expect(r"\nmade in the menu\n")
+    _menu(term, selected=5)
+    term.send("q")
+    assert term.wait() == 0
+    jobs = gpumesh(bob, "jobs", "--json")
+    assert "made in the menu" in jobs.stdout

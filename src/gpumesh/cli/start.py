@@ -64,7 +64,7 @@ def start(ctx: click.Context) -> None:
         )
     home: str | None = ctx.find_root().obj
     if not _initialized(home) and not _offer_init(home):
-        return
+        raise SystemExit(ExitCode.INTERRUPTED)
     items = _items()
     selected = 0
     while True:
@@ -172,16 +172,18 @@ def _initialized(home: str | None) -> bool:
 
 
 def _offer_init(home: str | None) -> bool:
-    """Ask for a name and create the node; False when the user would rather not."""
+    """Ask for a name and create the node; False when the user leaves instead."""
     from gpumesh.client.node import default_node_name
 
     click.echo("This home has no node yet; let's create one (`gpumesh init`).")
-    try:
-        name = click.prompt("Name for this node", default=default_node_name())
-    except click.Abort:
-        click.echo("\nNothing done; run `gpumesh init` or `gpumesh start` when ready.")
-        return False
-    return _invoke(home, ["init", "--name", name.strip()]) == 0
+    while True:  # a refused name (its error line is shown) asks again
+        try:
+            name = click.prompt("Name for this node", default=default_node_name())
+        except click.Abort:
+            click.echo("\nNothing done; run `gpumesh init` or `gpumesh start` when ready.")
+            return False
+        if _invoke(home, ["init", "--name", name.strip()]) == 0:
+            return True
 
 
 def _title(home: str | None) -> str:
