@@ -21,6 +21,7 @@ COMPLETE_VAR = "_GPUMESH_COMPLETE"
 # name -> (module, attribute, short help shown in `gpumesh --help`)
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "init": ("gpumesh.cli.init", "init", "Create this node's identity and config."),
+    "start": ("gpumesh.cli.start", "start", "Open a menu for the common flows (needs a terminal)."),
     "status": ("gpumesh.cli.status", "status", "Show this node: sharing, GPUs, jobs, peers."),
     "gpu": ("gpumesh.cli.gpu", "gpu", "Show this machine's NVIDIA GPUs."),
     "doctor": ("gpumesh.cli.doctor", "doctor", "Check what this node needs and how to fix it."),

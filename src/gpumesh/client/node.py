@@ -40,7 +40,15 @@ if TYPE_CHECKING:
     from gpumesh.gpu.inventory import GpuInfo
     from gpumesh.transport.session import Session
 
-__all__ = ["ConnectResult", "Node", "NodeInfo", "NodeStatus", "PairCheck", "ThroughputResult"]
+__all__ = [
+    "ConnectResult",
+    "Node",
+    "NodeInfo",
+    "NodeStatus",
+    "PairCheck",
+    "ThroughputResult",
+    "default_node_name",
+]
 
 FINAL = ("succeeded", "failed", "cancelled")
 PUNCH_WAIT = 3.0
@@ -131,7 +139,7 @@ class Node:
 
     def init(self, name: str | None = None, *, force: bool = False) -> NodeInfo:
         """Create this node's identity and config; refuse to replace one unless forced."""
-        name = name or env(ENV_NODE_NAME) or _default_name()
+        name = name or default_node_name()
         check_node_name(name)
         if self.home.initialized and not force:
             info = self.info()
@@ -403,6 +411,11 @@ class Node:
         if reply.received != size:
             raise UnreachableError(f"{peer.name} received {reply.received} of {size} bytes")
         return ThroughputResult(peer=peer, bytes=size, seconds=seconds)
+
+
+def default_node_name() -> str:
+    """The name ``init`` gives a node when none is asked for: $GPUMESH_NODE_NAME, or the host's."""
+    return env(ENV_NODE_NAME) or _default_name()
 
 
 def _default_name() -> str:
