@@ -59,6 +59,8 @@ def test_jobs_shows_a_detached_job_that_ended_unfollowed(pair) -> None:
     assert fresh["confirmed_at"] >= stale["confirmed_at"]
 
     # What was learned sticks, without asking again.
+    status = json.loads(gpumesh(bob, "status", "--json").stdout)
+    assert (status["jobs_submitted_running"], status["jobs_submitted_unknown"]) == (0, 0)
     (kept,) = _jobs(bob, "--offline")
     assert (kept["state"], kept["exit_code"]) == ("succeeded", 0)
     table = gpumesh(bob, "jobs")
@@ -87,6 +89,10 @@ def test_jobs_with_the_provider_stopped_says_unknown_since(pair) -> None:
     assert f"unknown since {since}" in table.stdout
     assert "alice-pc did not say where its jobs stand" in table.stderr
     assert "Traceback" not in table.stderr
+
+    status = gpumesh(bob, "status")
+    assert f"1 submitted running (1 unknown since {since})" in status.stdout
+    assert json.loads(gpumesh(bob, "status", "--json").stdout)["jobs_submitted_unknown"] == 1
 
     # Offline: nothing asked, so nothing found unknown.
     offline = gpumesh(bob, "jobs", "--offline")

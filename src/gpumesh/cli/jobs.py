@@ -30,11 +30,11 @@ def jobs(limit: int, offline: bool, as_json: bool) -> None:
     "unknown since HH:MM", the last time its state was confirmed; one its
     provider no longer knows shows "gone".
     """
-    from gpumesh.client.jobs import refresh_jobs
-
     node = get_node()
     unconfirmed: dict[str, str] = {}
-    if not offline:
+    if not offline and node.home.store.unconfirmed_submitted_jobs(limit):
+        from gpumesh.client.jobs import refresh_jobs
+
         for answer in run_async(refresh_jobs(node, limit=limit)):
             unconfirmed.update(dict.fromkeys(answer.job_ids, answer.reason))
     records = node.home.store.jobs(limit=limit)

@@ -507,15 +507,15 @@ class Unconfirmed:
 async def refresh_jobs(
     node: Node, *, limit: int = 1000, timeout: float = REFRESH_TIMEOUT
 ) -> list[Unconfirmed]:
-    """Ask the providers of this node's unfinished submitted jobs where they stand and
+    """Ask the providers of this node's unfinished submitted jobs (of its ``limit``
+    newest jobs) where they stand and
     record what they say (state, exit code, times), so a job that ended while nobody
     followed it shows as ended. One session per provider, all at once, and never
     more than ``timeout`` seconds in all. A job its provider no longer knows is
     marked so (``provider_forgot``) and not asked about again."""
     pending: dict[str, list[JobRecord]] = {}
-    for job in node.home.store.jobs(limit=limit, role=SUBMITTED):
-        if job.state not in FINAL and not job.provider_forgot:
-            pending.setdefault(job.peer_id, []).append(job)
+    for job in node.home.store.unconfirmed_submitted_jobs(limit):
+        pending.setdefault(job.peer_id, []).append(job)
     answers = await asyncio.gather(
         *(_refresh_peer(node, jobs, timeout) for jobs in pending.values())
     )

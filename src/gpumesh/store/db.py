@@ -738,6 +738,17 @@ class Store:
             )
         return [JobRecord.from_row(r) for r in rows]
 
+    def unconfirmed_submitted_jobs(self, limit: int = 1000) -> list[JobRecord]:
+        """Of the ``limit`` newest jobs, the submitted ones not known to have ended
+        (and that their providers have not forgotten): those worth asking about."""
+        rows = self._query(
+            "SELECT * FROM (SELECT * FROM jobs ORDER BY created_at DESC LIMIT ?) "
+            "WHERE role = 'submitted' AND provider_forgot = 0 "
+            "AND state NOT IN ('succeeded', 'failed', 'cancelled') ORDER BY created_at DESC",
+            (limit,),
+        )
+        return [JobRecord.from_row(r) for r in rows]
+
     def finished_jobs_before(self, cutoff: float) -> list[JobRecord]:
         rows = self._query(
             "SELECT * FROM jobs WHERE (state IN ('succeeded', 'failed', 'cancelled') "
