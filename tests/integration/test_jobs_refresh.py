@@ -6,6 +6,7 @@ does not answer leaves "unknown since HH:MM", and `--offline` asks nobody. Real
 from __future__ import annotations
 
 import json
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -114,3 +115,21 @@ def test_jobs_says_when_the_provider_no_longer_knows_a_job(pair) -> None:
     table = gpumesh(bob, "jobs")
     assert "gone" in table.stdout
     assert f"alice-pc no longer knows job {job_id}" in table.stderr
+
+
+def test_jobs_does_not_wait_for_a_provider_that_never_answers(pair) -> None:
+    alice, bob = pair
+    job_id = _detach(bob, "sleep", "300")
+    _hosted_state(alice, job_id, "running")
+    _host, port = json.loads(gpumesh(alice, "status", "--json").stdout)["listen"].rsplit(":", 1)
+    assert gpumesh(alice, "share", "stop").returncode == 0
+    # A patient dial setting does not make the listing patient.
+    assert gpumesh(bob, "config", "set", "connect_timeout", "300").returncode == 0
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as silent:
+        silent.bind(("127.0.0.1", int(port)))  # the provider's port, never answering
+        result = gpumesh(bob, "jobs", "--json", timeout=120)
+    assert result.returncode == 0, result.stderr
+    (job,) = json.loads(result.stdout)
+    assert job["state"] == "queued"  # as submitted: nobody has said otherwise
+    assert job["unknown_since"] == pytest.approx(job["confirmed_at"])
+    assert job["unknown_reason"] == "no answer within 3s"
