@@ -31,6 +31,7 @@ from gpumesh.errors import (
     RuntimeUnavailableError,
 )
 from gpumesh.gpu.inventory import SimulatedInventory
+from gpumesh.protocol.messages import JobQuery
 from gpumesh.runtime.base import LABEL_NODE
 from gpumesh.runtime.docker import DockerRuntime
 from tests.integration.conftest import arun, job_nodes, pair_both
@@ -364,6 +365,9 @@ def test_another_peers_job_cannot_be_cancelled_or_read(cluster) -> None:
             job = await run_job(bob, spec("alice", "sleep", "300"), detach=True)
             with pytest.raises(AccessDeniedError, match="submitted by another peer"):
                 await cancel_job(carol, "alice", job.job_id)
+            async with carol.session("alice") as session:
+                with pytest.raises(AccessDeniedError, match="submitted by another peer"):
+                    await session.request(JobQuery(job_id=job.job_id))
             await cancel_job(bob, "alice", job.job_id)
 
     arun(scenario())

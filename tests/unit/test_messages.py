@@ -42,6 +42,7 @@ from gpumesh.protocol.messages import (
     JobCancel,
     JobLogs,
     JobOutput,
+    JobQuery,
     JobStatus,
     JobSubmit,
     Message,
@@ -127,9 +128,11 @@ MESSAGES: st.SearchStrategy[Message] = st.one_of(
         attempt=st.integers(0, 21),
         exit_code=st.none() | st.integers(-(2**31), 2**31),
         message=st.text(max_size=200),
+        started=st.floats(0, 2e9),
     ),
     st.builds(JobLogs, job_id=job_ids, after_seq=st.integers(0, 2**40), follow=st.booleans()),
     st.builds(JobCancel, job_id=job_ids),
+    st.builds(JobQuery, job_id=job_ids),
     st.builds(FileStat, path=st.text(max_size=200)),
     st.builds(
         FileInfo,
@@ -234,7 +237,7 @@ def test_every_message_round_trips(message: Message) -> None:
 def test_every_message_type_is_covered_by_the_round_trip() -> None:
     covered = {SessionProof, Hello, Challenge, Proof, Welcome, Refusal, Ping, Pong}
     covered |= {StatusRequest, StatusReply, ThroughputRequest, ThroughputReply}
-    covered |= {JobSubmit, JobAccepted, JobOutput, JobStatus, JobLogs, JobCancel}
+    covered |= {JobSubmit, JobAccepted, JobOutput, JobStatus, JobLogs, JobCancel, JobQuery}
     covered |= {FileStat, FileInfo, FilePut, FileResume, FileGet, FileDone, DirPut, DirGet}
     covered |= {ExecStart, ExecStarted, ExecResize, ExecExit}
     covered |= {AppSync, AppNeeds, AppSend, AppSynced, AppJobDir, AppJobDirReply}

@@ -2,7 +2,7 @@
 
 Owns the hosted jobs of this node: their records and event logs in the store,
 their containers (through :class:`~gpumesh.runtime.base.JobRuntime`), their
-GPU assignment, and the requests ``JobSubmit``, ``JobLogs`` and ``JobCancel``.
+GPU assignment, and the requests ``JobSubmit``, ``JobLogs``, ``JobQuery`` and ``JobCancel``.
 
 Durability: output read from the engine is appended to the job's event log
 together with the engine-log cursor, in one transaction. Containers outlive
@@ -67,6 +67,7 @@ from gpumesh.protocol.messages import (
     JobCancel,
     JobLogs,
     JobOutput,
+    JobQuery,
     JobStatus,
     JobSubmit,
 )
@@ -396,6 +397,24 @@ class JobService:
                 attempt=job.attempt,
                 exit_code=job.exit_code,
                 message=job.message,
+            ),
+            end=True,
+        )
+
+    async def handle_query(self, ctx: RequestContext, message: JobQuery) -> None:
+        job = self._owned(ctx, message.job_id)
+        entered = job.finished_at or job.started_at or job.created_at
+        ctx.stream.send_message(
+            JobStatus(
+                job_id=job.job_id,
+                seq=job.last_seq,
+                state=job.state,
+                attempt=job.attempt,
+                exit_code=job.exit_code,
+                message=job.message,
+                time=entered,
+                peak_gpu_memory=job.peak_gpu_memory,
+                started=job.started_at or 0.0,
             ),
             end=True,
         )

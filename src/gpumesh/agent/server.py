@@ -49,6 +49,7 @@ from gpumesh.protocol.messages import (
     FileStat,
     JobCancel,
     JobLogs,
+    JobQuery,
     JobSubmit,
     Message,
     Ping,
@@ -143,6 +144,7 @@ class Agent:
             JobSubmit: _handle_job_submit,
             JobLogs: _handle_job_logs,
             JobCancel: _handle_job_cancel,
+            JobQuery: _handle_job_query,
             FileStat: self.files.handle_stat,
             FilePut: self.files.handle_put,
             FileGet: self.files.handle_get,
@@ -561,6 +563,11 @@ async def _handle_job_logs(ctx: RequestContext, message: Message) -> None:
 async def _handle_job_cancel(ctx: RequestContext, message: Message) -> None:
     assert isinstance(message, JobCancel)
     await ctx.agent.jobs.handle_cancel(ctx, message)
+
+
+async def _handle_job_query(ctx: RequestContext, message: Message) -> None:
+    assert isinstance(message, JobQuery)
+    await ctx.agent.jobs.handle_query(ctx, message)
 
 
 def _where(link: QuicLink) -> str:

@@ -6,16 +6,37 @@ import time
 
 import click
 
-from gpumesh.cli._common import emit_json, get_node
+from gpumesh.cli._common import emit_json, get_node, run_async
+from gpumesh.store.db import JobRecord
 from gpumesh.units import format_duration, format_size
 
 
-@click.command(epilog="\b\nExamples:\n  gpumesh jobs\n  gpumesh jobs --limit 100 --json")
+@click.command(
+    epilog="\b\nExamples:\n  gpumesh jobs\n  gpumesh jobs --limit 100 --json\n"
+    "  gpumesh jobs --offline"
+)
 @click.option("--limit", type=int, default=20, show_default=True, help="How many, newest first.")
+@click.option(
+    "--offline",
+    is_flag=True,
+    help="Do not ask providers where unfinished jobs stand: show the states last recorded.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable output.")
-def jobs(limit: int, as_json: bool) -> None:
-    """List jobs this node submitted (to a peer) and hosted (for a peer)."""
+def jobs(limit: int, offline: bool, as_json: bool) -> None:
+    """List jobs this node submitted (to a peer) and hosted (for a peer).
+
+    Unfinished submitted jobs are first refreshed from their providers (all at
+    once, a few seconds at most). A job whose provider does not answer shows
+    "unknown since HH:MM", the last time its state was confirmed; one its
+    provider no longer knows shows "gone".
+    """
     node = get_node()
+    unconfirmed: dict[str, str] = {}
+    if not offline and node.home.store.unconfirmed_submitted_jobs(limit):
+        from gpumesh.client.jobs import refresh_jobs
+
+        for answer in run_async(refresh_jobs(node, limit=limit)):
+            unconfirmed.update(dict.fromkeys(answer.job_ids, answer.reason))
     records = node.home.store.jobs(limit=limit)
     if as_json:
         emit_json(
@@ -39,6 +60,10 @@ def jobs(limit: int, as_json: bool) -> None:
                     "duration": j.duration,
                     "message": j.message,
                     "output_dropped": j.output_dropped,
+                    "confirmed_at": j.confirmed_at,
+                    "unknown_since": _confirmed(j) if j.job_id in unconfirmed else None,
+                    "unknown_reason": unconfirmed.get(j.job_id),
+                    "provider_forgot": j.provider_forgot,
                 }
                 for j in records
             ]
@@ -57,6 +82,14 @@ def jobs(limit: int, as_json: bool) -> None:
     for j in records:
         peer = f"→ {j.peer_name}" if j.role == "submitted" else f"← {j.peer_name}"
         color = colors.get(j.state, "white")
+        state = j.state
+        duration = j.duration
+        if j.job_id in unconfirmed or j.provider_forgot:
+            color = "yellow"
+            when = time.strftime("%H:%M", time.localtime(_confirmed(j)))
+            state = "gone" if j.provider_forgot else f"unknown since {when}"
+            if j.started_at is not None:  # not counting on past what is known
+                duration = max(0.0, _confirmed(j) - j.started_at)
         command = " ".join(j.command) or f"({j.image})"
         gpu = ",".join(j.gpus) or "-"
         if j.gpu_memory or j.peak_gpu_memory:
@@ -68,13 +101,13 @@ def jobs(limit: int, as_json: bool) -> None:
             [
                 j.job_id,
                 escape(peer),
-                f"[{color}]{escape(j.state)}[/{color}]",
+                f"[{color}]{escape(state)}[/{color}]",
                 "-" if j.exit_code is None else str(j.exit_code),
                 f"{j.attempt}/{j.retries + 1}",
                 escape(gpu),
                 escape(command),
                 f"{format_duration(now - j.created_at)} ago",
-                format_duration(j.duration) if j.duration is not None else "-",
+                format_duration(duration) if duration is not None else "-",
             ]
         )
     # On a narrow terminal the command gives way first, then the peer's name.
@@ -90,3 +123,34 @@ def jobs(limit: int, as_json: bool) -> None:
         Column("TIME"),
     ]
     print_table(columns, rows)
+    _explain(records, unconfirmed)
+
+
+def _confirmed(job: JobRecord) -> float:
+    return job.confirmed_at if job.confirmed_at is not None else job.created_at
+
+
+def _explain(records: list[JobRecord], unconfirmed: dict[str, str]) -> None:
+    """Why some states are not known: on stderr, so piped rows stay rows."""
+    told: set[str] = set()
+    for j in records:
+        if j.job_id in unconfirmed and j.peer_name not in told:
+            told.add(j.peer_name)
+            why = unconfirmed[j.job_id] or "it did not answer"
+            click.echo(
+                click.style(
+                    f"gpumesh: {j.peer_name} did not say where its jobs stand ({why}); "
+                    "they show their last confirmed state in --json",
+                    fg="yellow",
+                ),
+                err=True,
+            )
+        elif j.provider_forgot and j.role == "submitted":
+            click.echo(
+                click.style(
+                    f"gpumesh: {j.peer_name} no longer knows job {j.job_id} (pruned there, or "
+                    f"its home was reset); it was last known {j.state}",
+                    fg="yellow",
+                ),
+                err=True,
+            )

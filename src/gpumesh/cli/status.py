@@ -2,16 +2,37 @@
 
 from __future__ import annotations
 
+import time
+
 import click
 
-from gpumesh.cli._common import emit_json, get_node
+from gpumesh.cli._common import emit_json, get_node, run_async
 
 
 @click.command(epilog="\b\nExamples:\n  gpumesh status\n  gpumesh status --json")
+@click.option(
+    "--offline",
+    is_flag=True,
+    help="Do not ask providers where submitted jobs stand: count them as last recorded.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable output.")
-def status(as_json: bool) -> None:
-    """Show this node: identity, whether it is sharing, GPUs, running jobs, peers."""
+def status(offline: bool, as_json: bool) -> None:
+    """Show this node: identity, whether it is sharing, GPUs, running jobs, peers.
+
+    Unfinished submitted jobs are first refreshed from their providers, as in
+    `gpumesh jobs` (a few seconds at most).
+    """
     node = get_node()
+    unknown: list[float] = []
+    if not offline and node.home.initialized and node.home.store.unconfirmed_submitted_jobs():
+        from gpumesh.client.jobs import refresh_jobs
+
+        unconfirmed: set[str] = set()
+        for answer in run_async(refresh_jobs(node)):
+            unconfirmed |= answer.job_ids
+        for job in node.home.store.jobs(limit=1000, role="submitted"):
+            if job.job_id in unconfirmed:
+                unknown.append(job.confirmed_at or job.created_at)
     st = node.status()
     if as_json:
         emit_json(
@@ -40,6 +61,7 @@ def status(as_json: bool) -> None:
                 "state": "busy" if st.running_hosted else "idle",
                 "jobs_hosted_running": st.running_hosted,
                 "jobs_submitted_running": st.running_submitted,
+                "jobs_submitted_unknown": len(unknown),
             }
         )
         return
@@ -74,8 +96,9 @@ def status(as_json: bool) -> None:
         click.echo("GPUs     no NVIDIA GPU (CPU-only jobs)")
     # Busy means GPUMesh jobs here, whether or not they hold a GPU.
     state = click.style("busy", fg="yellow") if st.running_hosted else "idle"
-    click.echo(
-        f"Jobs     {state}: {st.running_hosted} running here, "
-        f"{st.running_submitted} submitted running"
-    )
+    submitted = f"{st.running_submitted} submitted running"
+    if unknown:
+        since = time.strftime("%H:%M", time.localtime(min(unknown)))
+        submitted += click.style(f" ({len(unknown)} unknown since {since})", fg="yellow")
+    click.echo(f"Jobs     {state}: {st.running_hosted} running here, {submitted}")
     click.echo(f"Peers    {st.peers} paired, {st.allowed} allowed")

@@ -40,6 +40,7 @@ from gpumesh.protocol.messages import (
     JobCancel,
     JobLogs,
     JobOutput,
+    JobQuery,
     JobStatus,
     JobSubmit,
     Message,
@@ -60,13 +61,16 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FINAL",
+    "REFRESH_TIMEOUT",
     "SUBMITTED",
     "JobCallbacks",
     "JobResult",
+    "Unconfirmed",
     "cancel_job",
     "follow_job",
     "new_job_id",
     "prune_jobs",
+    "refresh_jobs",
     "run_job",
 ]
 
@@ -77,6 +81,8 @@ HOSTED = "hosted"
 FINAL = frozenset({"succeeded", "failed", "cancelled"})
 _RECONNECT_FOR = 60.0
 """How long a follower keeps redialling a provider that dropped."""
+REFRESH_TIMEOUT = 3.0
+"""How long a listing waits, in all, for providers to say where their jobs stand."""
 
 
 def new_job_id() -> str:
@@ -211,7 +217,8 @@ async def run_job(
                 retries=spec.retries,
                 timeout=spec.timeout,
                 workdir=str(spec.workdir or ""),
-                created_at=time.time(),
+                created_at=(now := time.time()),
+                confirmed_at=now,
             )
         )
         callbacks.accepted(accepted)
@@ -396,6 +403,7 @@ def _record_status(node: Node, job_id: str, status: JobStatus) -> None:
         "state": status.state,
         "attempt": status.attempt,
         "message": status.message,
+        "confirmed_at": time.time(),
     }
     if status.exit_code is not None:
         fields["exit_code"] = status.exit_code
@@ -404,7 +412,9 @@ def _record_status(node: Node, job_id: str, status: JobStatus) -> None:
     job = node.home.store.job(SUBMITTED, job_id)
     when = status.time or time.time()
     if job is not None:
-        if status.state == "running" and job.started_at is None:
+        if status.started:
+            fields["started_at"] = status.started
+        elif status.state == "running" and job.started_at is None:
             fields["started_at"] = when
         if status.state in FINAL:
             fields["finished_at"] = when
@@ -484,6 +494,67 @@ async def cancel_job(node: Node, peer_query: str, job_id: str) -> JobResult:
     return result
 
 
+@dataclass(frozen=True)
+class Unconfirmed:
+    """A provider that did not say where some of its jobs stand this time: they keep
+    the state it last confirmed (``JobRecord.confirmed_at``)."""
+
+    peer: str
+    reason: str
+    job_ids: frozenset[str]
+
+
+async def refresh_jobs(
+    node: Node, *, limit: int = 1000, timeout: float = REFRESH_TIMEOUT
+) -> list[Unconfirmed]:
+    """Ask the providers of this node's unfinished submitted jobs (of its ``limit``
+    newest jobs) where they stand and
+    record what they say (state, exit code, times), so a job that ended while nobody
+    followed it shows as ended. One session per provider, all at once, and never
+    more than ``timeout`` seconds in all. A job its provider no longer knows is
+    marked so (``provider_forgot``) and not asked about again."""
+    pending: dict[str, list[JobRecord]] = {}
+    for job in node.home.store.unconfirmed_submitted_jobs(limit):
+        pending.setdefault(job.peer_id, []).append(job)
+    answers = await asyncio.gather(
+        *(_refresh_peer(node, jobs, timeout) for jobs in pending.values())
+    )
+    return [answer for answer in answers if answer is not None]
+
+
+async def _refresh_peer(node: Node, jobs: list[JobRecord], timeout: float) -> Unconfirmed | None:
+    unanswered = {job.job_id for job in jobs}
+    reasons: list[str] = []
+
+    async def query(session: Session, job_id: str) -> None:
+        try:
+            reply = await session.request(JobQuery(job_id=job_id), timeout=timeout)
+        except NotFoundError:
+            node.home.store.update_job(SUBMITTED, job_id, provider_forgot=1)
+        except GPUMeshError as exc:
+            reasons.append(exc.message)
+            return
+        else:
+            if not isinstance(reply, JobStatus) or reply.job_id != job_id:
+                reasons.append(f"answered a job query with {type(reply).__name__}")
+                return
+            _record_status(node, job_id, reply)
+        unanswered.discard(job_id)
+
+    try:
+        async with asyncio.timeout(timeout):
+            async with node.session(jobs[0].peer_id, timeout=timeout) as session:
+                await asyncio.gather(*(query(session, job_id) for job_id in sorted(unanswered)))
+    except TimeoutError:
+        reasons.append(f"no answer within {timeout:g}s")
+    except GPUMeshError as exc:
+        reasons.append(exc.message)
+    if not unanswered:
+        return None
+    logger.info("jobs on %s not confirmed: %s", jobs[0].peer_name, reasons)
+    return Unconfirmed(jobs[0].peer_name, reasons[0] if reasons else "", frozenset(unanswered))
+
+
 async def cancel_hosted(node: Node, job_id: str, *, timeout: float = 60.0) -> JobResult:
     """Cancel a job a peer runs on this node (the owner's cancel): recorded in the
     store, carried out by this home's running agent, which is told at once."""
@@ -559,7 +630,7 @@ def prune_jobs(node: Node, older_than: float, *, dry_run: bool = False) -> list[
     """Forget finished jobs created more than ``older_than`` seconds ago.
 
     Hosted jobs also lose their logs and workdir on this machine. Running jobs
-    are never touched.
+    are never touched; a submitted job its provider no longer knows counts as finished.
     """
     import shutil
 

@@ -84,7 +84,8 @@ class NodeStatus:
     running_hosted: int
     """Unfinished jobs this node runs for peers."""
     running_submitted: int
-    """Jobs this node submitted that were not seen finishing."""
+    """Jobs this node submitted that were not seen finishing (and that their
+    providers still know)."""
 
 
 @dataclass(frozen=True)
@@ -175,7 +176,11 @@ class Node:
 
         inventory = detect_inventory()
         store = self.home.store
-        submitted = [j for j in store.jobs(limit=1000, role="submitted") if j.state not in FINAL]
+        submitted = [
+            j
+            for j in store.jobs(limit=1000, role="submitted")
+            if j.state not in FINAL and not j.provider_forgot
+        ]
         return NodeStatus(
             name=info.name,
             node_id=info.node_id,

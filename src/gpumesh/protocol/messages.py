@@ -58,6 +58,7 @@ __all__ = [
     "JobCancel",
     "JobLogs",
     "JobOutput",
+    "JobQuery",
     "JobStatus",
     "JobSubmit",
     "Message",
@@ -313,6 +314,9 @@ class JobStatus(_Msg, tag="job_status", frozen=True):
     """The provider's clock when the state was entered (0: unknown)."""
     peak_gpu_memory: Count = 0
     """Most GPU memory the job used at once so far, in bytes (0: unknown or none)."""
+    started: float = 0.0
+    """The provider's clock when the job last began running (0: not yet, or not told:
+    only a reply to ``JobQuery`` says it)."""
 
 
 class JobLogs(_Msg, tag="job_logs", frozen=True):
@@ -327,6 +331,13 @@ class JobLogs(_Msg, tag="job_logs", frozen=True):
 
 
 class JobCancel(_Msg, tag="job_cancel", frozen=True):
+    job_id: JobId
+
+
+class JobQuery(_Msg, tag="job_query", frozen=True):
+    """Where a job stands now: answered with one ``JobStatus`` (``seq``: its last event),
+    or refused ``not_found`` when the provider no longer knows the job."""
+
     job_id: JobId
 
 
@@ -595,6 +606,7 @@ Message = (
     | JobStatus
     | JobLogs
     | JobCancel
+    | JobQuery
     | FileStat
     | FileInfo
     | FilePut

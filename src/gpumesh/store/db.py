@@ -68,6 +68,8 @@ _JOB_COLUMNS = [
     "peak_gpu_memory",
     "output_bytes",
     "output_dropped",
+    "confirmed_at",
+    "provider_forgot",
 ]
 _JSON_COLUMNS = {"command", "env", "gpus", "log_cursor"}
 
@@ -188,6 +190,13 @@ MIGRATIONS: list[str] = [
     """
     ALTER TABLE peers ADD COLUMN channel_blocked_until REAL NOT NULL DEFAULT 0;
     """,
+    # 9 -> 10: submitted jobs: when their provider last confirmed their state, and
+    # whether it said it no longer knows them
+    """
+    ALTER TABLE jobs ADD COLUMN confirmed_at REAL;
+    ALTER TABLE jobs ADD COLUMN provider_forgot INTEGER NOT NULL DEFAULT 0;
+    UPDATE jobs SET confirmed_at = created_at WHERE role = 'submitted';
+    """,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -278,6 +287,12 @@ class JobRecord:
     provider's ``job_log_limit``. Hosted: exactly; submitted: as far as this node
     has been told (the drop is always a prefix of the output, so a gap that ends at
     offset N says that N bytes were dropped)."""
+    confirmed_at: float | None = None
+    """Submitted: when the provider last told this node the job's state (its
+    acceptance, an event, or an answer to a refresh)."""
+    provider_forgot: bool = False
+    """Submitted: the provider answered that it no longer knows the job (pruned
+    there, or its home was reset): its state here is the last one known."""
 
     @classmethod
     def from_row(cls, row: sqlite3.Row) -> JobRecord:
@@ -285,6 +300,7 @@ class JobRecord:
         for name in _JSON_COLUMNS:
             values[name] = json.loads(values[name])
         values["cancel_requested"] = bool(values["cancel_requested"])
+        values["provider_forgot"] = bool(values["provider_forgot"])
         return cls(**values)
 
     @property
@@ -722,10 +738,21 @@ class Store:
             )
         return [JobRecord.from_row(r) for r in rows]
 
+    def unconfirmed_submitted_jobs(self, limit: int = 1000) -> list[JobRecord]:
+        """Of the ``limit`` newest jobs, the submitted ones not known to have ended
+        (and that their providers have not forgotten): those worth asking about."""
+        rows = self._query(
+            "SELECT * FROM (SELECT * FROM jobs ORDER BY created_at DESC LIMIT ?) "
+            "WHERE role = 'submitted' AND provider_forgot = 0 "
+            "AND state NOT IN ('succeeded', 'failed', 'cancelled') ORDER BY created_at DESC",
+            (limit,),
+        )
+        return [JobRecord.from_row(r) for r in rows]
+
     def finished_jobs_before(self, cutoff: float) -> list[JobRecord]:
         rows = self._query(
-            "SELECT * FROM jobs WHERE state IN ('succeeded', 'failed', 'cancelled') "
-            "AND created_at < ? ORDER BY created_at",
+            "SELECT * FROM jobs WHERE (state IN ('succeeded', 'failed', 'cancelled') "
+            "OR provider_forgot = 1) AND created_at < ? ORDER BY created_at",
             (cutoff,),
         )
         return [JobRecord.from_row(r) for r in rows]
