@@ -17,7 +17,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from gpumesh.errors import (
     AmbiguousPeerError,
@@ -68,8 +68,9 @@ _JOB_COLUMNS = [
     "peak_gpu_memory",
     "output_bytes",
     "output_dropped",
+    "mounts",
 ]
-_JSON_COLUMNS = {"command", "env", "gpus", "log_cursor"}
+_JSON_COLUMNS = {"command", "env", "gpus", "log_cursor", "mounts"}
 
 MIGRATIONS: list[str] = [
     # 0 -> 1: peers and the allowlist
@@ -188,6 +189,10 @@ MIGRATIONS: list[str] = [
     """
     ALTER TABLE peers ADD COLUMN channel_blocked_until REAL NOT NULL DEFAULT 0;
     """,
+    # 9 -> 10: sandbox folders mounted into each job
+    """
+    ALTER TABLE jobs ADD COLUMN mounts TEXT NOT NULL DEFAULT '[]';
+    """,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -278,6 +283,9 @@ class JobRecord:
     provider's ``job_log_limit``. Hosted: exactly; submitted: as far as this node
     has been told (the drop is always a prefix of the output, so a gap that ends at
     offset N says that N bytes were dropped)."""
+    mounts: list[dict[str, Any]] = field(default_factory=list)
+    """Sandbox folders mounted into the job, each ``{"remote": "/datasets",
+    "source": host path (hosted only), "target": "/data", "rw": bool}``."""
 
     @classmethod
     def from_row(cls, row: sqlite3.Row) -> JobRecord:
