@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import json
 import subprocess
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import gpumesh
+from gpumesh.client.jobs import cancel_job, new_job_id, run_job
+from gpumesh.client.jobspec import MountSpec
+from gpumesh.client.node import Node
+from gpumesh.errors import LimitError, ProtocolError
+from tests.integration.conftest import arun, gpumesh, job_nodes, pair_both
+from tests.integration.test_jobs import providing, spec
 
 pytestmark = pytest.mark.usefixtures("docker_daemon")
 
@@ -96,3 +102,65 @@ def test_folders_outside_the_sandbox_links_and_missing_ones_are_refused(
     # Nothing ran: no container of a refused job ever saw the host's folder.
     jobs = json.loads(gpumesh(alice, "jobs", "--json").stdout or "[]")
     assert jobs == [] or all(job.get("state") != "succeeded" for job in jobs)
+
+
+@pytest.fixture
+def cluster(make_node, engine) -> Iterator[Callable[[str], Node]]:
+    with job_nodes(make_node, "256MB") as factory:
+        yield factory
+
+
+def test_mounted_folders_are_never_nested_with_another_unfinished_jobs(cluster) -> None:
+    # A job with a folder mounted read-write can put a link anywhere below it;
+    # Docker mounts by path when a container starts.
+    alice, bob = cluster("alice"), cluster("bob")
+    box = alice.home.path / "files" / str(bob.info().node_id)
+    (box / "w" / "d").mkdir(parents=True)
+    (box / "other").mkdir()
+
+    async def scenario() -> None:
+        async with providing(alice):
+            pair_both(alice, bob)
+            rw = [MountSpec("/w", "/w", rw=True)]
+            first = await run_job(bob, spec("alice", "sleep", "60", mounts=rw), detach=True)
+            below = [MountSpec("/w/d", "/d")]
+            with pytest.raises(LimitError, match=rf"your job {first.job_id} \(\w+\) works"):
+                await run_job(bob, spec("alice", "true", mounts=below))
+            with pytest.raises(LimitError, match="works in a folder above or below"):
+                await run_job(bob, spec("alice", "true"), sandbox_dir="/w/d")
+            same = await run_job(bob, spec("alice", "ls", "/x", mounts=[MountSpec("/w", "/x")]))
+            assert same.state == "succeeded"
+            await cancel_job(bob, "alice", first.job_id)
+            both = [MountSpec("/w", "/a"), MountSpec("/w/d", "/b")]
+            with pytest.raises(LimitError, match="another folder of the same job"):
+                await run_job(bob, spec("alice", "true", mounts=both))
+            side = [MountSpec("/w", "/a"), MountSpec("/other", "/b")]
+            assert (await run_job(bob, spec("alice", "true", mounts=side))).state == "succeeded"
+
+    arun(scenario())
+
+
+def test_a_provider_that_ignores_mounts_gets_its_job_cancelled_and_the_user_told(
+    cluster, monkeypatch
+) -> None:
+    from gpumesh.agent.jobs import JobService
+
+    alice, bob = cluster("alice"), cluster("bob")
+    (alice.home.path / "files" / str(bob.info().node_id) / "data").mkdir(parents=True)
+
+    async def older(self: object, peer: object, wanted: object, workdir: str) -> list[object]:
+        return []  # as a provider from before JobSubmit.mounts: the field is dropped
+
+    monkeypatch.setattr(JobService, "_resolve_mounts", older)
+
+    async def scenario() -> None:
+        async with providing(alice):
+            pair_both(alice, bob)
+            job = spec("alice", "sleep", "60", mounts=[MountSpec("/data", "/data")])
+            job_id = new_job_id()
+            with pytest.raises(ProtocolError, match="older GPUMesh that cannot mount folders"):
+                await run_job(bob, job, job_id=job_id)
+            hosted = alice.home.store.job("hosted", job_id)
+            assert hosted is not None and hosted.state == "cancelled"
+
+    arun(scenario())
