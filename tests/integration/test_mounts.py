@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 from collections.abc import Callable, Iterator
@@ -13,6 +14,7 @@ from gpumesh.client.jobs import cancel_job, new_job_id, run_job
 from gpumesh.client.jobspec import MountSpec
 from gpumesh.client.node import Node
 from gpumesh.errors import LimitError, ProtocolError
+from gpumesh.store.db import JobRecord
 from tests.integration.conftest import arun, gpumesh, job_nodes, pair_both
 from tests.integration.test_jobs import providing, spec
 
@@ -162,5 +164,49 @@ def test_a_provider_that_ignores_mounts_gets_its_job_cancelled_and_the_user_told
                 await run_job(bob, job, job_id=job_id)
             hosted = alice.home.store.job("hosted", job_id)
             assert hosted is not None and hosted.state == "cancelled"
+
+    arun(scenario())
+
+
+def test_a_mounted_folder_is_checked_again_before_every_attempt(
+    cluster, monkeypatch, tmp_path: Path
+) -> None:
+    from gpumesh.agent import jobstate
+
+    monkeypatch.setattr(jobstate, "backoff", lambda _attempt: 3600.0)  # woken by the test
+    alice, bob = cluster("alice"), cluster("bob")
+    box = alice.home.path / "files" / str(bob.info().node_id)
+    (box / "w").mkdir(parents=True)
+    outside = tmp_path / "host"
+    outside.mkdir()
+    (outside / "secret").write_text("host secret\n")
+
+    async def until(job_id: str, states: tuple[str, ...]) -> JobRecord:
+        for _ in range(1200):  # a generous ceiling; the state is what is awaited
+            job = alice.home.store.job("hosted", job_id)
+            if job is not None and job.state in states:
+                return job
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"job {job_id} never reached {states}")
+
+    async def scenario() -> None:
+        async with providing(alice) as agent:
+            pair_both(alice, bob)
+            job = spec(
+                "alice", "sh", "-c", "cat /w/secret; exit 3", retries=1,
+                mounts=[MountSpec("/w", "/w")],
+            )  # fmt: skip
+            started = await run_job(bob, job, detach=True)
+            await until(started.job_id, ("retrying",))
+            # Between attempts the folder becomes a link to a host folder.
+            (box / "w").rmdir()
+            (box / "w").symlink_to(outside)
+            agent.jobs._runs[started.job_id].wake.set()
+            ended = await until(started.job_id, ("failed", "succeeded", "cancelled"))
+            assert ended.state == "failed"
+            assert "its folder /w cannot be used any more" in ended.message
+            assert "symlink" in ended.message
+            output = b"".join(e.data for e in alice.home.store.job_events(started.job_id, 0))
+            assert b"host secret" not in output
 
     arun(scenario())
