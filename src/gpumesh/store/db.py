@@ -284,8 +284,9 @@ class JobRecord:
     has been told (the drop is always a prefix of the output, so a gap that ends at
     offset N says that N bytes were dropped)."""
     mounts: list[dict[str, Any]] = field(default_factory=list)
-    """Sandbox folders mounted into the job, each ``{"remote": "/datasets",
-    "source": host path (hosted only), "target": "/data", "rw": bool}``."""
+    """Sandbox folders mounted into the job. Hosted: each ``{"remote": "/datasets",
+    "source": its host path, "target": "/data", "rw": bool}``; submitted: each
+    ``{"source": "/datasets", "target": "/data", "rw": bool}``."""
 
     @classmethod
     def from_row(cls, row: sqlite3.Row) -> JobRecord:
