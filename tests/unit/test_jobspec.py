@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from gpumesh.client.jobspec import (
     FIELDS,
     JobSpec,
+    MountSpec,
     build_spec,
     load_job_file,
     parse_duration,
@@ -267,12 +268,12 @@ REFUSALS = [
     (
         "gpu_mem: 8GB",
         "job.yaml:2: unknown field 'gpu_mem' (did you mean gpu_memory?); valid fields: image, "
-        "command, env, workdir, gpu_memory, retries, timeout, peer, group",
+        "command, env, workdir, gpu_memory, retries, timeout, peer, group, mounts",
     ),
     (
         "image: x\ndetach: true",
         "job.yaml:3: unknown field 'detach'; valid fields: image, command, env, workdir, "
-        "gpu_memory, retries, timeout, peer, group",
+        "gpu_memory, retries, timeout, peer, group, mounts",
     ),
     ("image: a\nimage: b", "job.yaml:3: image: set twice (first on line 2); keep one"),
     (
@@ -697,3 +698,52 @@ def test_file_errors_surface_through_build_spec(tmp_path: Path) -> None:
 
 def test_fields_constant_matches_jobspec() -> None:
     assert set(FIELDS) == set(JobSpec.__dataclass_fields__)
+
+
+# --- mounts -----------------------------------------------------------------------------------
+
+
+def test_mounts_from_the_file_and_flags_read_only_unless_rw(tmp_path: Path) -> None:
+    path = write(tmp_path, "command: ls\nmounts:\n  - /datasets:/data\n  - out:/out:rw\n")
+    spec = build_spec(path, mounts=["/more:/more:ro"])
+    assert spec.mounts == [
+        MountSpec("/datasets", "/data", rw=False),
+        MountSpec("/out", "/out", rw=True),
+        MountSpec("/more", "/more", rw=False),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("mount", "expected"),
+    [
+        ("/datasets", "is not FOLDER:PATH[:rw]"),
+        ("/datasets:/data:rx", "is not FOLDER:PATH[:rw]"),
+        (":/data", "is not FOLDER:PATH[:rw]"),
+        ("/d:data", "plain absolute path"),
+        ("/d:/data/../etc", "plain absolute path"),
+        ("/d:/data/", "plain absolute path"),
+        ("/d:/", "below /"),
+        ("/d:/proc", "overlaps /proc"),
+        ("/d:/dev/shm/x", "overlaps /dev"),
+        ("/d:/sys", "overlaps /sys"),
+        ("/d:/workspace", "overlaps /workspace"),
+        ("/d:/tmp/x", "overlaps /tmp"),
+        ("/d:/home", "overlaps /home/gpumesh"),
+    ],
+)
+def test_mount_refusals(mount: str, expected: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        build_spec(command=["ls"], mounts=[mount])
+    assert expected in str(caught.value)
+
+
+def test_mounts_over_each_other_or_too_many_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="another of the job's mounts"):
+        build_spec(command=["ls"], mounts=["/a:/data", "/b:/data/sub"])
+    many = [f"/d{i}:/m{i}" for i in range(9)]
+    with pytest.raises(ConfigError, match="at most 8 folders"):
+        build_spec(command=["ls"], mounts=many)
+    message = refusal(tmp_path, "mounts: /datasets:/data\n")
+    assert message.startswith("job.yaml:1: mounts: must be a list")
+    message = refusal(tmp_path, "mounts:\n  - /a:/proc/x\n")
+    assert message.startswith("job.yaml:2: mounts: mount '/a:/proc/x'")

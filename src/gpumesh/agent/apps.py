@@ -345,12 +345,18 @@ class AppService:
             )
         return workdir[len(root) :].replace(os.sep, "/")
 
-    def resolve_sandbox_dir(self, peer: Peer, remote: str) -> tuple[str, ...]:
-        """A job's ``sandbox_dir``: the parts of an existing folder inside the peer's
-        sandbox, with no link on the way, handed to the job's user (blocking)."""
+    def resolve_sandbox_dir(
+        self, peer: Peer, remote: str, missing: str = "sync it first"
+    ) -> tuple[str, ...]:
+        """A job's ``sandbox_dir`` (or a folder it mounts): the parts of an existing
+        folder inside the peer's sandbox, with no link on the way, handed to the
+        job's user (blocking). ``missing``: what to do when there is none."""
         parts = self.files.parts(remote)
         if not parts:
-            raise AccessDeniedError(f"{remote!r} is not a folder inside your sandbox")
+            raise AccessDeniedError(
+                f"{self.files.agent.name} refused {remote!r}: name a folder inside your "
+                "sandbox, such as /datasets, not the sandbox itself"
+            )
         with self.files.tree(peer) as tree:
             try:
                 folder = tree.subtree(parts)
@@ -358,7 +364,7 @@ class AppService:
                 if exc.errno == errno.ELOOP:
                     raise self.files.link_refused(remote) from None
                 raise ConfigError(
-                    f"{remote} is not a folder on {self.files.agent.name}: sync it first"
+                    f"{remote} is not a folder on {self.files.agent.name}: {missing}"
                 ) from None
         with folder:
             if self.files.owner is not None:

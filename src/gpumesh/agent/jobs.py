@@ -34,8 +34,9 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
+from gpumesh.agent.files import shown
 from gpumesh.agent.images import ImageKeeper, check_allowed
 from gpumesh.agent.jobstate import (
     FINAL_STATES,
@@ -66,6 +67,7 @@ from gpumesh.protocol.messages import (
     JobAccepted,
     JobCancel,
     JobLogs,
+    JobMount,
     JobOutput,
     JobQuery,
     JobStatus,
@@ -81,6 +83,8 @@ from gpumesh.runtime.base import (
     JobRuntime,
     LogCursor,
     LogLine,
+    Mount,
+    mount_target_problem,
 )
 from gpumesh.runtime.users import job_identity
 from gpumesh.store.db import JobRecord
@@ -89,6 +93,7 @@ from gpumesh.units import format_size, parse_size
 if TYPE_CHECKING:
     from gpumesh.agent.files import TarOffer
     from gpumesh.agent.server import Agent, RequestContext
+    from gpumesh.store.db import Peer
     from gpumesh.transport.stream import Stream
 
 __all__ = ["HOSTED", "JobService"]
@@ -313,7 +318,10 @@ class JobService:
                 # A resubmission after a dropped link: never a second copy.
                 ctx.stream.send_message(
                     JobAccepted(
-                        job_id=existing.job_id, gpus=existing.gpus, provider=self.agent.name
+                        job_id=existing.job_id,
+                        gpus=existing.gpus,
+                        provider=self.agent.name,
+                        mounts=[m["target"] for m in existing.mounts],
                     )
                 )
                 if message.attach:
@@ -339,6 +347,7 @@ class JobService:
             parts = await in_thread(self.agent.apps.resolve_sandbox_dir, peer, message.sandbox_dir)
             workdir = str(self.agent.files.sandbox(peer).joinpath(*parts))
             self._check_nesting(peer.node_id, workdir, message.sandbox_dir)
+        mounts = await self._resolve_mounts(peer, message.mounts, workdir)
         gpus = await in_thread(self._assign_gpus, message.gpu_memory, message.gpu)
         await self.check_image(message.image)
         await self.who_runs(message.image)
@@ -356,6 +365,7 @@ class JobService:
             timeout=message.timeout,
             workdir=workdir,
             created_at=time.time(),
+            mounts=mounts,
         )
         # Again, with nothing awaited before the record claims it: a submit that
         # raced this one through the checks above may have taken the last place.
@@ -365,7 +375,12 @@ class JobService:
         self._runs[record.job_id] = run
         logger.info("[job %s] accepted from %s: %s", record.job_id, peer.name, record.image)
         # The workdir may take a data channel: offered before the acceptance.
-        accepted = JobAccepted(job_id=record.job_id, gpus=gpus, provider=self.agent.name)
+        accepted = JobAccepted(
+            job_id=record.job_id,
+            gpus=gpus,
+            provider=self.agent.name,
+            mounts=[m["target"] for m in mounts],
+        )
         wanted = message.channel and message.workdir_bytes > 0
         offer = self.agent.files.offer_channel(ctx, wanted, accepted)
         if message.workdir_bytes:
@@ -480,6 +495,45 @@ class JobService:
         assert job is not None
         return job
 
+    async def _resolve_mounts(
+        self, peer: Peer, wanted: list[JobMount], workdir: str
+    ) -> list[dict[str, Any]]:
+        """The sandbox folders a submitted job mounts, each checked as a ``sandbox_dir``
+        is (inside the sandbox, a folder, no link on the way, not nested with a
+        folder of the peer's unfinished jobs nor of this job), handed to the job's
+        user; as :attr:`JobRecord.mounts` stores them."""
+        mounts: list[dict[str, Any]] = []
+        own = [workdir] if workdir else []
+        for mount in wanted:
+            target = mount.target
+            problem = mount_target_problem(mount.target, [m["target"] for m in mounts])
+            if problem is not None:
+                raise ConfigError(
+                    f"{self.agent.name} refused --mount {shown(mount.source)}:"
+                    f"{target if target.isprintable() else repr(target)}: "
+                    f"the container path {problem}"
+                )
+            parts = await in_thread(
+                self.agent.apps.resolve_sandbox_dir,
+                peer,
+                mount.source,
+                "copy it there first with `gpumesh cp`",
+            )
+            source = str(self.agent.files.sandbox(peer).joinpath(*parts))
+            remote = "/" + "/".join(parts)
+            self._check_nesting(peer.node_id, source, remote)
+            for folder in own:
+                if _nested(folder, source):
+                    raise LimitError(
+                        f"{self.agent.name} refused --mount {remote}: it lies above or below "
+                        "another folder of the same job; mount one of them, or folders side by side"
+                    )
+            own.append(source)
+            mounts.append(
+                {"remote": remote, "source": source, "target": mount.target, "rw": mount.rw}
+            )
+        return mounts
+
     def _check_nesting(self, peer_id: str, workdir: str, remote: str) -> None:
         """Refuse a sandbox folder above or below one an unfinished job of the peer uses.
 
@@ -491,9 +545,9 @@ class JobService:
         twice is fine: no job can rename the folder it is given).
         """
         for job in self.store.unfinished_hosted_jobs():
-            if job.peer_id != peer_id or not job.workdir or job.workdir == workdir:
+            if job.peer_id != peer_id:
                 continue
-            if _nested(job.workdir, workdir):
+            if any(_nested(folder, workdir) for folder in _folders(job)):
                 raise LimitError(
                     f"{self.agent.name} refused {remote}: your job {job.job_id} ({job.state}) "
                     "works in a folder above or below it, and jobs may not share nested "
@@ -501,22 +555,24 @@ class JobService:
                 )
 
     async def _recheck_folder(self, job: JobRecord) -> None:
-        """Before each attempt: the job's sandbox folder is still a folder there,
-        with no link on the way, and its user owns what is in it."""
+        """Before each attempt: the job's sandbox folders (the one it runs in,
+        those it mounts) are still folders there, with no link on the way, and
+        its user owns what is in them."""
         try:
             peer = self.store.peer_by_id(job.peer_id)
         except GPUMeshError:
             return
         root = str(self.agent.files.sandbox(peer)) + os.sep
-        if not job.workdir.startswith(root):
-            return  # an uploaded workdir: the agent's own folder, handed over once
-        remote = "/" + job.workdir[len(root) :]
-        try:
-            await in_thread(self.agent.apps.resolve_sandbox_dir, peer, remote)
-        except GPUMeshError as exc:
-            raise AgentError(
-                f"its folder {remote} cannot be used any more: {exc.message}"
-            ) from None
+        remotes = [str(m["remote"]) for m in job.mounts]
+        if job.workdir.startswith(root):  # else an uploaded workdir, handed over once
+            remotes.insert(0, "/" + job.workdir[len(root) :])
+        for remote in remotes:
+            try:
+                await in_thread(self.agent.apps.resolve_sandbox_dir, peer, remote)
+            except GPUMeshError as exc:
+                raise AgentError(
+                    f"its folder {remote} cannot be used any more: {exc.message}"
+                ) from None
 
     def peer_workdirs(self, peer_id: str) -> list[Path]:
         """The uploaded workdirs of a peer's jobs still on disk (not its sandbox folders)."""
@@ -771,7 +827,7 @@ class JobService:
         )
         watcher = (
             asyncio.create_task(self._watch_quota(run, job, container.container_id))
-            if job.workdir
+            if job.workdir or any(m["rw"] for m in job.mounts)
             else None
         )
         waiter = in_thread(self.runtime.wait, container.container_id)
@@ -1034,6 +1090,10 @@ class JobService:
             writable_root=who.writable_root,
             storage_size=who.storage_size,
             workdir=job.workdir or None,
+            mounts=[
+                Mount(source=str(m["source"]), target=str(m["target"]), rw=bool(m["rw"]))
+                for m in job.mounts
+            ],
             gpu_ids=list(job.gpus),
         )
 
@@ -1212,6 +1272,12 @@ def _dropped_line(before: JobOutput, dropped: int) -> JobOutput:
     return JobOutput(
         seq=before.seq - 1, attempt=before.attempt, stream="stderr", data=text.encode()
     )
+
+
+def _folders(job: JobRecord) -> list[str]:
+    """The host folders a job has mounted: its workdir and its sandbox mounts."""
+    folders = [job.workdir] if job.workdir else []
+    return folders + [str(m["source"]) for m in job.mounts]
 
 
 def _nested(a: str, b: str) -> bool:

@@ -27,6 +27,11 @@ command again resumes too. Every copy is checked end to end with BLAKE3
 File and folder bytes take a TLS/TCP channel opened by the QUIC session when
 a direct path exists, else QUIC (a channel that did not open is not tried
 again with that peer for 10 minutes).
+\b
+Using copied files in a job: a job sees nothing of your folder until you
+mount a folder of it, read-only unless :rw (copy once, mount in every job):
+  gpumesh cp ./datasets alice-pc:/
+  gpumesh run --peer alice-pc --mount /datasets:/data -- ls /data
 """,
 )
 @click.argument("source", shell_complete=complete_peer_path)

@@ -22,6 +22,9 @@ Examples:
   gpumesh run -f job.yaml                    # flags override the file's fields
   gpumesh run --peer alice-pc --detach -- ./long.sh && gpumesh logs -f
   gpumesh run --group research --gpu-memory 8GB --explain -- python train.py
+  gpumesh cp ./dataset alice-pc:/datasets   # once; then in every job:
+  gpumesh run --peer alice-pc --mount /datasets:/data -- ls /data
+  gpumesh run --peer alice-pc --mount /out:/out:rw -- sh -c 'date > /out/t'
 \b
 Exit status: the job's own exit code (125 when it could not run, 130 when cancelled).
 """,
@@ -43,6 +46,14 @@ Exit status: the job's own exit code (125 when it could not run, 130 when cancel
 @click.option("--image", help="Container image (default: config `image` / $GPUMESH_IMAGE).")
 @click.option("--gpu-memory", metavar="SIZE", help="GPU memory the job needs, e.g. 8GB.")
 @click.option("--workdir", type=click.Path(), help="Local folder to upload as the working dir.")
+@click.option(
+    "--mount",
+    "mounts",
+    multiple=True,
+    metavar="FOLDER:PATH[:rw]",
+    help="Mount FOLDER of your sandbox on the peer (what you copied there with "
+    "`gpumesh cp`) at PATH in the job; read-only unless :rw. Repeatable.",
+)
 @click.option("-f", "--file", "job_file", type=click.Path(), help="job.yaml with the same fields.")
 @click.option("--retries", type=int, help="Re-run a failed attempt up to N times (backoff).")
 @click.option("--timeout", metavar="DURATION", help="Stop an attempt after e.g. 30m or 2h.")
@@ -62,6 +73,7 @@ def run(
     retries: int | None,
     timeout: str | None,
     env_items: tuple[str, ...],
+    mounts: tuple[str, ...],
     detach: bool,
     quiet: bool,
     command: tuple[str, ...],
@@ -88,6 +100,7 @@ def run(
         timeout=timeout,
         peer=peer,
         group=group,
+        mounts=list(mounts),
     )
     printer = JobPrinter(quiet=quiet, explain=explain)
     job_id = new_job_id()

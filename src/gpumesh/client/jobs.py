@@ -19,7 +19,7 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import msgspec
 
@@ -39,6 +39,7 @@ from gpumesh.protocol.messages import (
     JobAccepted,
     JobCancel,
     JobLogs,
+    JobMount,
     JobOutput,
     JobQuery,
     JobStatus,
@@ -190,6 +191,7 @@ async def run_job(
         gpu=preferred_gpu,
         sandbox_dir=sandbox_dir,
         credited=True,
+        mounts=[JobMount(source=m.source, target=m.target, rw=m.rw) for m in spec.mounts],
     )
     store = node.home.store
     result = JobResult(job_id, peer.name, "queued", None, 0, "")
@@ -202,6 +204,8 @@ async def run_job(
         stream = session.open_stream()
         stream.send_message(submit)
         offer, accepted = await answer_after_offer(stream, JobAccepted, None)
+        if list(accepted.mounts) != [m.target for m in spec.mounts]:
+            await _refuse_unmounted(session, peer.name, job_id, stream)
         result.gpus = list(accepted.gpus)
         store.add_job(
             JobRecord(
@@ -219,6 +223,7 @@ async def run_job(
                 workdir=str(spec.workdir or ""),
                 created_at=(now := time.time()),
                 confirmed_at=now,
+                mounts=[dataclasses.asdict(m) for m in spec.mounts],
             )
         )
         callbacks.accepted(accepted)
@@ -248,6 +253,19 @@ async def run_job(
             return result
     # Go on from the last event this stream delivered: not from the start again.
     return await _follow(node, peer.node_id, result, callbacks, reader, follow=True)
+
+
+async def _refuse_unmounted(
+    session: Session, peer_name: str, job_id: str, stream: Stream
+) -> NoReturn:
+    """A provider from before mounts accepted a job without them: cancel it, say so."""
+    stream.abort()
+    with contextlib.suppress(GPUMeshError):
+        await session.request(JobCancel(job_id=job_id), timeout=60)
+    raise ProtocolError(
+        f"{peer_name} runs an older GPUMesh that cannot mount folders into jobs "
+        f"(job {job_id} was cancelled there): ask its owner to upgrade, or run without --mount"
+    )
 
 
 async def place_in_group(

@@ -16,6 +16,8 @@ A job file::
     retries: 2
     timeout: 2h                              # or seconds: 7200
     peer: alice-pc                           # or group: lab (not both)
+    mounts:                                  # folders copied there with gpumesh cp
+      - /datasets:/data                      # read-only; /out:/results:rw to write
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Any, NoReturn
 import yaml
 
 from gpumesh.errors import ConfigError
+from gpumesh.runtime.base import MAX_MOUNTS, mount_target_problem
 from gpumesh.units import parse_size
 
 __all__ = [
@@ -39,10 +42,12 @@ __all__ = [
     "MAX_RETRIES",
     "JobFile",
     "JobSpec",
+    "MountSpec",
     "build_spec",
     "load_job_file",
     "parse_duration",
     "parse_env",
+    "parse_mount",
 ]
 
 MAX_RETRIES = 20
@@ -56,6 +61,7 @@ FIELDS = (
     "timeout",
     "peer",
     "group",
+    "mounts",
 )
 """Every field a job file may set, in the order the docs list them."""
 
@@ -70,6 +76,18 @@ _DURATION = re.compile(
 _SECONDS_PER = {"d": 86400, "h": 3600, "m": 60, "s": 1}
 _YAML_NULL = "tag:yaml.org,2002:null"
 _YAML_STR = "tag:yaml.org,2002:str"
+
+
+@dataclass(frozen=True)
+class MountSpec:
+    """A folder of the peer's sandbox to mount into the job."""
+
+    source: str
+    """The folder as a path in the peer's sandbox, e.g. ``/datasets``."""
+    target: str
+    """Where the job sees it, e.g. ``/data``."""
+    rw: bool = False
+    """False: read-only."""
 
 
 @dataclass(frozen=True)
@@ -95,6 +113,8 @@ class JobSpec:
     """Name of the provider to run on; exclusive with ``group``."""
     group: str | None
     """Group of providers to pick one from; exclusive with ``peer``."""
+    mounts: list[MountSpec] = field(default_factory=list)
+    """Folders of the peer's sandbox to mount (``--mount``, ``mounts:``)."""
 
 
 @dataclass(frozen=True)
@@ -114,11 +134,44 @@ class JobFile:
     timeout: float | None = None
     peer: str | None = None
     group: str | None = None
+    mounts: list[MountSpec] | None = None
     lines: dict[str, int] = field(default_factory=dict)
     """Line of each field the file sets, for messages about checks made later."""
 
 
 # --- small parsers shared by flags and file -------------------------------------------------------
+
+
+def parse_mount(text: str) -> MountSpec:
+    """``/sandbox/folder:/container/path`` with an optional ``:rw`` or ``:ro``."""
+    pieces = text.split(":")
+    rw = False
+    if len(pieces) == 3 and pieces[2] in ("rw", "ro"):
+        rw = pieces.pop() == "rw"
+    if len(pieces) != 2 or not pieces[0] or not pieces[1]:
+        raise ConfigError(
+            f"mount {text!r} is not FOLDER:PATH[:rw], such as /datasets:/data "
+            "(a folder you copied there with gpumesh cp, and where the job sees it)"
+        )
+    source, target = pieces
+    if not source.startswith("/"):
+        source = "/" + source  # sandbox paths are from its root, as in `gpumesh cp`
+    problem = mount_target_problem(target)
+    if problem is not None:
+        raise ConfigError(f"mount {text!r}: the container path {problem}")
+    return MountSpec(source=source, target=target, rw=rw)
+
+
+def _check_mounts(mounts: Sequence[MountSpec]) -> list[MountSpec]:
+    if len(mounts) > MAX_MOUNTS:
+        raise ConfigError(f"a job may mount at most {MAX_MOUNTS} folders, got {len(mounts)}")
+    targets: list[str] = []
+    for mount in mounts:
+        problem = mount_target_problem(mount.target, targets)
+        if problem is not None:
+            raise ConfigError(f"mount {mount.source}:{mount.target}: the container path {problem}")
+        targets.append(mount.target)
+    return list(mounts)
 
 
 def parse_duration(text: str) -> float:
@@ -380,6 +433,22 @@ class _FileReader:
             )
         return seconds
 
+    def mounts(self, node: yaml.Node) -> list[MountSpec]:
+        example = "a list of FOLDER:PATH[:rw] such as [/datasets:/data]"
+        if not isinstance(node, yaml.SequenceNode):
+            self.fail(node, f"mounts: must be {example}, got {_kind(node)}")
+        mounts: list[MountSpec] = []
+        for item in node.value:
+            text = self.text(item, "mounts", example)
+            try:
+                mounts.append(parse_mount(text))
+            except ConfigError as exc:
+                self.fail(item, f"mounts: {exc.message}")
+        try:
+            return _check_mounts(mounts)
+        except ConfigError as exc:
+            self.fail(node, f"mounts: {exc.message}")
+
     def name(self, node: yaml.Node, name: str) -> str:
         return self.text(node, name, f"a {name} name")
 
@@ -475,6 +544,8 @@ def _read_fields(reader: _FileReader, root: yaml.Node | None) -> JobFile:
             values[key] = reader.retries(value_node)
         elif key == "timeout":
             values[key] = reader.timeout(value_node)
+        elif key == "mounts":
+            values[key] = reader.mounts(value_node)
         else:
             values[key] = reader.name(value_node, key)
         if "peer" in lines and "group" in lines:
@@ -509,6 +580,7 @@ def build_spec(
     timeout: str | float | None = None,
     peer: str | None = None,
     group: str | None = None,
+    mounts: Sequence[str] | None = None,
 ) -> JobSpec:
     """Merge a job file (if any) with flags into a checked :class:`JobSpec`.
 
@@ -516,7 +588,8 @@ def build_spec(
     not given (click passes ``()`` when nothing follows ``--``). ``env_items``
     are merged over the file's env. ``--peer`` or ``--group`` replaces the
     file's choice of where to run, whichever of the two the file used.
-    ``gpu_memory`` is bytes when an int, or text such as ``8GB``.
+    ``gpu_memory`` is bytes when an int, or text such as ``8GB``. ``mounts``
+    (``--mount``) are added to the file's.
     """
     job = load_job_file(file) if file is not None else JobFile(path=Path())
     shown = str(job.path)
@@ -582,6 +655,10 @@ def build_spec(
     if peer is not None or group is not None:
         final_peer, final_group = peer, group
 
+    final_mounts = _check_mounts(
+        list(job.mounts or []) + [parse_mount(text) for text in mounts or []]
+    )
+
     return JobSpec(
         image=final_image,
         command=final_command,
@@ -592,4 +669,5 @@ def build_spec(
         timeout=final_timeout,
         peer=final_peer,
         group=final_group,
+        mounts=final_mounts,
     )

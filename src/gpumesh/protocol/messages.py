@@ -27,6 +27,7 @@ __all__ = [
     "ALPNS",
     "ALPN_CHALLENGE",
     "MAX_DATA_FRAME",
+    "MAX_JOB_MOUNTS",
     "MAX_MESSAGE_FRAME",
     "PROTOCOL_VERSION",
     "AppJobDir",
@@ -57,6 +58,7 @@ __all__ = [
     "JobAccepted",
     "JobCancel",
     "JobLogs",
+    "JobMount",
     "JobOutput",
     "JobQuery",
     "JobStatus",
@@ -253,6 +255,21 @@ MAX_OUTPUT_CHUNK = 32 * 1024
 """Largest piece of job output in one JobOutput message."""
 
 
+MAX_JOB_MOUNTS = 8
+"""Most sandbox folders one job may mount."""
+
+
+class JobMount(msgspec.Struct, frozen=True):
+    """A folder of the submitter's sandbox to mount into its job."""
+
+    source: Annotated[str, msgspec.Meta(max_length=4096)]
+    """The folder, as a path in the sandbox (``/datasets``)."""
+    target: Annotated[str, msgspec.Meta(max_length=4096)]
+    """Where the job sees it (``/data``): absolute, not over the container's own paths."""
+    rw: bool = False
+    """False: read-only."""
+
+
 class JobSubmit(_Msg, tag="job_submit", frozen=True):
     """Run a job. A DATA section with the workdir tar follows when ``workdir_bytes``."""
 
@@ -282,6 +299,9 @@ class JobSubmit(_Msg, tag="job_submit", frozen=True):
     channel: bool = False
     """The workdir tar may take a data channel: a ChannelOffer may come before
     JobAccepted (see :class:`ChannelOffer`)."""
+    mounts: Annotated[list[JobMount], msgspec.Meta(max_length=MAX_JOB_MOUNTS)] = []
+    """Sandbox folders to mount into the job. A provider from before this field
+    ignores it: the consumer finds that out from ``JobAccepted.mounts``."""
 
 
 class JobAccepted(_Msg, tag="job_accepted", frozen=True):
@@ -289,6 +309,9 @@ class JobAccepted(_Msg, tag="job_accepted", frozen=True):
     gpus: Annotated[list[Name], msgspec.Meta(max_length=64)]
     """GPUs assigned to the job (indexes); empty: CPU only."""
     provider: Name
+    mounts: Annotated[list[str], msgspec.Meta(max_length=MAX_JOB_MOUNTS)] = []
+    """The container paths of the ``JobSubmit.mounts`` this provider will mount,
+    in order; empty from a provider that does not know mounts."""
 
 
 class JobOutput(_Msg, tag="job_output", frozen=True):

@@ -9,18 +9,24 @@ unknown container.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import posixpath
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+from gpumesh.protocol.messages import MAX_JOB_MOUNTS
+
 __all__ = [
+    "MAX_MOUNTS",
     "ContainerSpec",
     "ContainerState",
     "EngineIsolation",
     "JobRuntime",
     "LogCursor",
     "LogLine",
+    "Mount",
     "Terminal",
+    "mount_target_problem",
 ]
 
 LABEL_PREFIX = "io.gpumesh"
@@ -39,8 +45,53 @@ KIND_EXEC = "exec"
 WORKDIR_MOUNT = "/workspace"
 DEFAULT_HOME = "/home/gpumesh"
 GiB = 1024**3
+MAX_MOUNTS = MAX_JOB_MOUNTS
+"""Most sandbox folders one job may mount."""
+SYSTEM_PATHS = ("/proc", "/sys", "/dev")
+"""What the engine itself mounts: nothing of a job's may stand there or below."""
 
 Stream = Literal["stdout", "stderr"]
+
+
+@dataclass(frozen=True)
+class Mount:
+    """A host folder bind-mounted into a job's container (a folder of the
+    submitting peer's sandbox, checked by the agent)."""
+
+    source: str
+    """Absolute host path of the folder."""
+    target: str
+    """Where it appears in the container (see :func:`mount_target_problem`)."""
+    rw: bool = False
+    """False: mounted read-only."""
+
+
+def _overlaps(a: str, b: str) -> bool:
+    """Whether one of two absolute container paths is the other or lies in it."""
+    return a == b or a.startswith(b.rstrip("/") + "/") or b.startswith(a.rstrip("/") + "/")
+
+
+def mount_target_problem(target: str, others: Sequence[str] = ()) -> str | None:
+    """Why a job may not mount a folder at ``target`` (None: it may).
+
+    A plain absolute path (no ``..``, ``.`` or doubled ``/``), not the root nor
+    at, above or below a path the container already has (/proc, /sys, /dev, the
+    workdir, /tmp, the home) nor any of ``others`` (the job's other mounts).
+    """
+    if not target.startswith("/") or posixpath.normpath(target) != target or "//" in target:
+        return "must be a plain absolute path such as /data (no .., no trailing /)"
+    if target == "/" or any(ch in target for ch in ":,\0\n"):
+        return "must name a folder below / (and hold no ':', ',' or control characters)"
+    for path in SYSTEM_PATHS:
+        if _overlaps(target, path):
+            return f"overlaps {path}, which the container's system needs"
+    for path in (WORKDIR_MOUNT, "/tmp", DEFAULT_HOME):
+        if _overlaps(target, path):
+            return f"overlaps {path}, which the job already has"
+    for path in others:
+        if _overlaps(target, path):
+            return f"overlaps {path}, another of the job's mounts"
+    return None
 
 
 @dataclass(frozen=True)
@@ -65,7 +116,10 @@ class ContainerSpec:
     """``bridge``: outbound through Docker's default bridge; ``none``: no network."""
     workdir: str | None = None
     """Host folder bind-mounted read-write at /workspace and made the working
-    directory; the only host path a job ever sees."""
+    directory."""
+    mounts: list[Mount] = field(default_factory=list)
+    """Folders of the submitting peer's sandbox, bind-mounted (read-only unless
+    ``rw``); with the workdir, the only host paths a job ever sees."""
     gpu_ids: list[str] = field(default_factory=list)
     """GPU indexes or UUIDs given to the container through a device request;
     empty: no GPU (and NVIDIA_VISIBLE_DEVICES=void so the image cannot widen it)."""

@@ -61,6 +61,8 @@ from gpumesh.runtime.base import (
     LABEL_KIND,
     LABEL_NODE,
     LABEL_PEER,
+    MAX_MOUNTS,
+    SYSTEM_PATHS,
     WORKDIR_MOUNT,
     ContainerSpec,
     ContainerState,
@@ -68,6 +70,7 @@ from gpumesh.runtime.base import (
     LogCursor,
     LogLine,
     Stream,
+    mount_target_problem,
 )
 
 __all__ = ["DockerRuntime"]
@@ -110,7 +113,6 @@ _ALIVE = frozenset({"running", "paused", "restarting"})
 _TMPFS_OPTIONS = "rw,exec,nosuid,nodev"
 # Paths a job's tmpfs mounts must not take: the root, what Docker mounts
 # itself, and the kernel's.
-_SYSTEM_PATHS = ("/proc", "/sys", "/dev")
 # Given with GPUs: what CUDA programs need, not graphics, video or display.
 _DRIVER_CAPABILITIES = "compute,utility"
 _PROBE_SIZE = "1G"
@@ -344,6 +346,12 @@ class DockerRuntime:
         binds = None
         if spec.workdir is not None:
             binds = {spec.workdir: {"bind": WORKDIR_MOUNT, "mode": "rw"}}
+        # Mount, not Binds: the engine refuses a source that is not there
+        # instead of making one, and no path is parsed out of a string.
+        mounts = [
+            docker.types.Mount(m.target, m.source, type="bind", read_only=not m.rw)
+            for m in spec.mounts
+        ]
         if interactive:
             # What is typed and shown in a shell stays off the provider's disk.
             log_config = docker.types.LogConfig(type="none")
@@ -365,6 +373,7 @@ class DockerRuntime:
                 nano_cpus=round(spec.cpus * 1e9) if spec.cpus > 0 else None,
                 network_mode=spec.network,
                 binds=binds,
+                mounts=mounts or None,
                 init=self._init,
                 device_requests=device_requests,
                 log_config=log_config,
@@ -821,7 +830,7 @@ def _check_spec(spec: ContainerSpec, *, interactive: bool) -> None:
         not home.startswith("/")
         or posixpath.normpath(home) != home
         or home in ("/", "/tmp", "/dev/shm", WORKDIR_MOUNT)
-        or home.startswith(tuple(f"{path}/" for path in _SYSTEM_PATHS))
+        or home.startswith(tuple(f"{path}/" for path in SYSTEM_PATHS))
         or ":" in home
         or "," in home
     ):
@@ -851,6 +860,18 @@ def _check_spec(spec: ContainerSpec, *, interactive: bool) -> None:
         if ":" in workdir or "," in workdir:
             # Docker's bind syntax splits on these.
             raise ConfigError(f"job workdir {workdir!r} must not contain ':' or ','")
+    if interactive and spec.mounts:
+        raise ConfigError("an interactive container gets no host folder")
+    if len(spec.mounts) > MAX_MOUNTS:
+        raise ConfigError(f"a job may mount at most {MAX_MOUNTS} folders")
+    targets: list[str] = []
+    for mount in spec.mounts:
+        if not os.path.isabs(mount.source) or not os.path.isdir(mount.source):
+            raise ConfigError(f"mount {mount.source!r} is not an existing absolute directory")
+        problem = mount_target_problem(mount.target, targets)
+        if problem is not None:
+            raise ConfigError(f"mount target {mount.target!r} {problem}")
+        targets.append(mount.target)
 
 
 def _container_env(spec: ContainerSpec, image_env: list[str] | None) -> dict[str, str]:
@@ -895,10 +916,11 @@ def _tmpfs_mounts(spec: ContainerSpec, volumes: dict[str, Any] | None) -> dict[s
     taken = {"/", "/dev/shm", *tmpfs}
     if spec.workdir is not None:
         taken.add(WORKDIR_MOUNT)  # the bind mount already stands there
+    mounted = tuple(m.target for m in spec.mounts)
     for volume in volumes or {}:
         # Docker compares the cleaned path with the Tmpfs keys.
         path = posixpath.normpath("/" + volume.lstrip("/"))
-        if path not in taken:
+        if path not in taken and not any(path == m or path.startswith(m + "/") for m in mounted):
             tmpfs[path] = f"{options},mode=1777"
     return tmpfs
 

@@ -17,7 +17,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from gpumesh.errors import (
     AmbiguousPeerError,
@@ -70,8 +70,9 @@ _JOB_COLUMNS = [
     "output_dropped",
     "confirmed_at",
     "provider_forgot",
+    "mounts",
 ]
-_JSON_COLUMNS = {"command", "env", "gpus", "log_cursor"}
+_JSON_COLUMNS = {"command", "env", "gpus", "log_cursor", "mounts"}
 
 MIGRATIONS: list[str] = [
     # 0 -> 1: peers and the allowlist
@@ -197,6 +198,10 @@ MIGRATIONS: list[str] = [
     ALTER TABLE jobs ADD COLUMN provider_forgot INTEGER NOT NULL DEFAULT 0;
     UPDATE jobs SET confirmed_at = created_at WHERE role = 'submitted';
     """,
+    # 10 -> 11: sandbox folders mounted into each job
+    """
+    ALTER TABLE jobs ADD COLUMN mounts TEXT NOT NULL DEFAULT '[]';
+    """,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -293,6 +298,10 @@ class JobRecord:
     provider_forgot: bool = False
     """Submitted: the provider answered that it no longer knows the job (pruned
     there, or its home was reset): its state here is the last one known."""
+    mounts: list[dict[str, Any]] = field(default_factory=list)
+    """Sandbox folders mounted into the job. Hosted: each ``{"remote": "/datasets",
+    "source": its host path, "target": "/data", "rw": bool}``; submitted: each
+    ``{"source": "/datasets", "target": "/data", "rw": bool}``."""
 
     @classmethod
     def from_row(cls, row: sqlite3.Row) -> JobRecord:
