@@ -30,7 +30,8 @@ class Column:
     gives_way: int = 0
     """0: never cut. Higher numbers are cut first when the terminal is too narrow."""
     least: int = 8
-    """The narrowest a column that gives way becomes (never narrower than its header)."""
+    """The narrowest a column that gives way becomes while that is enough; when it
+    is not, it goes on down to its header's width (never narrower)."""
     below: bool = False
     """Never cut: when the row does not fit once the others have given way, the
     column leaves the table and each of its cells is printed under its row."""
@@ -84,12 +85,16 @@ def _fit(
         (pos for pos, i in enumerate(inline) if columns[i].gives_way),
         key=lambda pos: -columns[inline[pos]].gives_way,
     )
-    for pos in order:
-        column = columns[inline[pos]]
-        floor = min(widths[pos], max(len(column.header), column.least))
-        cut = min(excess, widths[pos] - floor)
-        widths[pos] -= cut
-        excess -= cut
+    # First down to each column's readable width, then, if that is not enough,
+    # down to its header: a cell cut short still beats a line past the edge.
+    for floor_of in (lambda c: max(len(c.header), c.least), lambda c: len(c.header)):
+        for pos in order:
+            if excess <= 0:
+                break
+            floor = min(widths[pos], floor_of(columns[inline[pos]]))
+            cut = min(excess, widths[pos] - floor)
+            widths[pos] -= cut
+            excess -= cut
     return widths, excess <= 0
 
 
