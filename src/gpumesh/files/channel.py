@@ -541,6 +541,24 @@ class _Relay:
         self._end()
 
 
+def _recv_piece(
+    channel: Channel, sock: socket.socket, buffer: bytearray, want: int, what: str
+) -> int:
+    """Fill ``buffer[:want]`` from ``sock`` (blocking); returns ``want``. A closed or
+    broken connection raises ``ConnectionLostError`` naming ``what`` it was in."""
+    view = memoryview(buffer)
+    fill = 0
+    while fill < want:
+        try:
+            got = sock.recv_into(view[fill:want])
+        except OSError as exc:
+            raise _lost(channel, exc) from None
+        if not got:
+            raise ConnectionLostError(f"the data channel closed in the middle of the {what}")
+        fill += got
+    return fill
+
+
 def _lost(channel: Channel, exc: OSError) -> GPUMeshError:
     if isinstance(exc, TimeoutError):
         return ConnectionLostError("the data channel stalled (no progress for a while)")
@@ -617,19 +635,7 @@ def receive_file(
         with channel.using() as sock:
             while remaining:
                 buffer = relay.take()
-                view = memoryview(buffer)
-                fill = 0
-                want = min(PIECE, remaining)
-                while fill < want:
-                    try:
-                        got = sock.recv_into(view[fill:want])
-                    except OSError as exc:
-                        raise _lost(channel, exc) from None
-                    if not got:
-                        raise ConnectionLostError(
-                            "the data channel closed in the middle of the file"
-                        )
-                    fill += got
+                fill = _recv_piece(channel, sock, buffer, min(PIECE, remaining), "file")
                 relay.give(buffer, fill)
                 remaining -= fill
                 progress(fill)
@@ -751,20 +757,8 @@ def receive_stream(
         with channel.using() as sock:
             while remaining:
                 buffer = relay.take()
-                view = memoryview(buffer)
-                fill = 0
-                want = min(PIECE, remaining)
-                while fill < want:
-                    try:
-                        got = sock.recv_into(view[fill:want])
-                    except OSError as exc:
-                        raise _lost(channel, exc) from None
-                    if not got:
-                        raise ConnectionLostError(
-                            "the data channel closed in the middle of the transfer"
-                        )
-                    fill += got
-                yield view[:fill]
+                fill = _recv_piece(channel, sock, buffer, min(PIECE, remaining), "transfer")
+                yield memoryview(buffer)[:fill]
                 relay.give(buffer, fill)
                 remaining -= fill
                 progress(fill)
