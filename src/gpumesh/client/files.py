@@ -521,15 +521,11 @@ class _FileUpload(_Upload):
             return False
         try:
             hash_name = taken(offer.hash, asked)
-            if offer.offset > self.size:
-                raise ProtocolError(f"{self.peer.name} asked to resume past the end of the file")
+            self.start_at(offer.offset)
         except ProtocolError:
             channel.close()
             raise
         self.result.channel = "tls"
-        self.result.offsets.append(offer.offset)
-        self.done = offer.offset
-        self.callbacks.progress(self.done, self.size)
         # Any answer before ours is a refusal: it stops the sending.
         answer = _watch(stream, FileDone)
         answer.add_done_callback(lambda _answer: channel.abort())
