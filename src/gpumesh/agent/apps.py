@@ -52,6 +52,7 @@ import msgspec
 
 from gpumesh.blocking import in_thread
 from gpumesh.errors import AccessDeniedError, ConfigError, GPUMeshError, ProtocolError
+from gpumesh.files.hashing import SHA256, new_hasher
 from gpumesh.files.sandbox import Tree
 from gpumesh.files.transfer import swallow, unpack_from
 from gpumesh.protocol.messages import (
@@ -280,7 +281,7 @@ class AppService:
             # Each file is checked against the manifest's hash when it is applied;
             # the tar's own hash is checked only where the data channel carries it.
             if offer is not None and await self.files.receive_tar(
-                ctx, offer, send.size, temp, limit, hashlib.sha256()
+                ctx, offer, send.size, temp, limit, new_hasher(SHA256)
             ):
                 received = send.size
             elif send.size:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -58,6 +57,7 @@ from gpumesh.errors import (
     NotFoundError,
     ProtocolError,
 )
+from gpumesh.files.hashing import SHA256, new_hasher
 from gpumesh.files.sandbox import Tree
 from gpumesh.gpu.inventory import GpuInfo, GpuInventory
 from gpumesh.protocol.joboutput import UNKNOWN, OutputPosition, encode_events
@@ -706,7 +706,7 @@ class JobService:
         if offer is not None:
             incoming = job_dir / "incoming"
             if await self.agent.files.receive_tar(
-                ctx, offer, size, incoming, limit, hashlib.sha256()
+                ctx, offer, size, incoming, limit, new_hasher(SHA256)
             ):
                 await in_thread(incoming.rename, work)
                 await in_thread(_hand_over, job_dir, work, self.agent.files.owner)
