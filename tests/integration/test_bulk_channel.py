@@ -27,6 +27,7 @@ from gpumesh.client.bulk import NoChannel
 from gpumesh.client.files import PART_SUFFIX, CopyCallbacks, CopyResult, copy
 from gpumesh.client.jobspec import JobSpec
 from gpumesh.client.node import Node
+from tests.conftest import _in_ci
 from tests.integration.conftest import arun, job_nodes, pair_both
 from tests.integration.test_cp import partials_of, sandbox_of, tree, write_random
 
@@ -249,6 +250,8 @@ def _firewalled(action: list[str]) -> Iterator[tuple[str, Callable[[], None]]]:
     """A loopback address of this test's own, and a way to make iptables apply
     ``action`` to TCP towards it (removed at the end)."""
     if os.geteuid() != 0 or shutil.which("iptables") is None:
+        if _in_ci():
+            pytest.fail("needs root and iptables, which CI must have")
         pytest.skip("needs root and iptables")
     host = f"127.{random.randint(100, 250)}.{random.randint(1, 250)}.{random.randint(1, 250)}"
     rule = ["INPUT", "-d", host, "-p", "tcp", "-j", *action]
