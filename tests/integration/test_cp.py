@@ -695,7 +695,8 @@ def _start_agent(home: Path) -> subprocess.Popen[bytes]:
         stderr=subprocess.DEVNULL,
     )
     watcher = Home(home)
-    deadline = time.monotonic() + 15
+    # A bound on a hang, not a verdict on speed: a loaded CI machine can take long.
+    deadline = time.monotonic() + 60
     while (info := watcher.read_agent_info()) is None or info.pid != proc.pid:
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
