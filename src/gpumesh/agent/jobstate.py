@@ -14,24 +14,11 @@ time never enters here (backoff delays are returned, not slept).
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
+from gpumesh.protocol.states import FINAL_STATES, JobState
+
 __all__ = ["FINAL_STATES", "Decision", "JobMachine", "JobState", "backoff"]
-
-
-class JobState(enum.StrEnum):
-    QUEUED = "queued"
-    UPLOADING = "uploading"
-    STARTING = "starting"
-    RUNNING = "running"
-    RETRYING = "retrying"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-
-
-FINAL_STATES = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
 
 
 REVOKED = "access revoked"

@@ -241,16 +241,6 @@ Arg = Annotated[str, msgspec.Meta(max_length=8192)]
 EnvKey = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}\Z")]
 # No NUL: Docker's refusal of one quotes the whole variable, value included, into logs.
 EnvValue = Annotated[str, msgspec.Meta(max_length=32768, pattern=r"^[^\x00]*\Z")]
-JOB_STATES = (
-    "queued",
-    "uploading",
-    "starting",
-    "running",
-    "retrying",
-    "succeeded",
-    "failed",
-    "cancelled",
-)
 MAX_OUTPUT_CHUNK = 32 * 1024
 """Largest piece of job output in one JobOutput message."""
 

@@ -1,0 +1,38 @@
+"""The facts about jobs that every layer shares: a job's states and a node's roles.
+
+Defined once, here, at the floor every other layer may import: the wire carries
+the states (``JobStatus.state``), the store keeps them in its ``jobs`` table,
+the agent's state machine (``agent/jobstate.py``) moves between them and the
+client and CLI show them. Both are ``StrEnum``: a member equals its text, so
+the store and the wire keep the same values they always had.
+"""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = ["FINAL_STATES", "JobRole", "JobState"]
+
+
+class JobState(enum.StrEnum):
+    QUEUED = "queued"
+    UPLOADING = "uploading"
+    STARTING = "starting"
+    RUNNING = "running"
+    RETRYING = "retrying"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+FINAL_STATES = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
+"""States a job never leaves."""
+
+
+class JobRole(enum.StrEnum):
+    """Which side of a job this node's store records."""
+
+    SUBMITTED = "submitted"
+    """This node sent the job to a provider."""
+    HOSTED = "hosted"
+    """This node runs the job for a peer."""
