@@ -64,6 +64,8 @@ mkdir -p "$STATE_DIR"
 missing=()
 command -v iptables >/dev/null || missing+=(iptables)
 command -v ip >/dev/null || missing+=(iproute2) # the NAT lab (scripts/natlab.sh)
+# `gpumesh share --print-systemd-unit` is checked with `systemd-analyze verify`.
+command -v systemd-analyze >/dev/null || missing+=(systemd)
 if ! docker_up; then
   command -v dockerd >/dev/null || missing+=(docker.io)
   command -v docker >/dev/null || missing+=(docker.io)

@@ -7,6 +7,7 @@ import contextlib
 import os
 import signal
 import time
+from pathlib import Path
 
 import click
 
@@ -21,13 +22,28 @@ Examples:
   gpumesh share                        # foreground; Ctrl-C stops it
   gpumesh share --port 47001
   gpumesh share stop                   # stop the one running for this home
+  gpumesh share --print-systemd-unit > gpumesh-share.service
+                                       # keep sharing across reboots (see the unit's header)
 """,
 )
 @click.option("--host", help="Address to listen on (config listen_host, default 0.0.0.0).")
 @click.option("--port", type=int, help="UDP port to listen on (config listen_port, default 47000).")
 @click.option("--max-vram", metavar="SIZE", help="Most GPU memory one job may ask for, e.g. 16GB.")
+@click.option(
+    "--print-systemd-unit",
+    "print_unit",
+    is_flag=True,
+    help="Print a systemd unit that runs this `gpumesh share` (same home, user and flags) "
+    "at boot, and exit.",
+)
 @click.pass_context
-def share(ctx: click.Context, host: str | None, port: int | None, max_vram: str | None) -> None:
+def share(
+    ctx: click.Context,
+    host: str | None,
+    port: int | None,
+    max_vram: str | None,
+    print_unit: bool,
+) -> None:
     """Share this machine with paired, allowed peers (runs in the foreground).
 
     Prints this node's pairing code, then serves requests from peers on the
@@ -37,6 +53,9 @@ def share(ctx: click.Context, host: str | None, port: int | None, max_vram: str 
         return
     node = get_node()
     node.home.require_initialized()
+    if print_unit:
+        _print_unit(node.home.path, host, port, max_vram)
+        return
     running = node.home.read_agent_info()
     if running is not None:
         raise InUseError(
@@ -48,6 +67,21 @@ def share(ctx: click.Context, host: str | None, port: int | None, max_vram: str 
     cap = parse_size(max_vram) if max_vram else None
     setup_logging(node.home.logs_dir, console_level="info")
     asyncio.run(_serve(node, host, port, cap))
+
+
+def _print_unit(home: Path, host: str | None, port: int | None, max_vram: str | None) -> None:
+    import getpass
+
+    from gpumesh.client.service import share_command, systemd_unit
+
+    extra: list[str] = []
+    for flag, value in (("--host", host), ("--port", port), ("--max-vram", max_vram)):
+        if value is not None:
+            extra += [flag, str(value)]
+    unit = systemd_unit(
+        home.resolve(), user=getpass.getuser(), command=share_command(), extra_args=extra
+    )
+    click.echo(unit, nl=False)
 
 
 async def _report_relay(relay: object) -> None:
