@@ -189,6 +189,35 @@ def test_ensure_image_that_cannot_be_pulled(jobs: Jobs) -> None:
     assert "lookup" not in message and "dial tcp" not in message
 
 
+def test_a_pull_from_a_registry_reports_its_layers_and_bytes(jobs: Jobs) -> None:
+    """A real pull by the engine, from a registry on loopback (tests/integration/registry.py)."""
+    from gpumesh.runtime.pull import PullProgress
+    from tests.integration.registry import local_registry
+
+    tag = uuid.uuid4().hex[:8]
+    with local_registry(delay=0.02) as registry:
+        sizes = registry.add(jobs.client, IMAGE, "gpumesh-test/pulled", tag, new_layer=1 << 20)
+        image = f"{registry.address}/gpumesh-test/pulled:{tag}"
+        heard: list[PullProgress] = []
+        try:
+            assert DockerRuntime(jobs.client).ensure_image(image, heard.append) is True
+            assert jobs.runtime.image_present(image)
+            assert jobs.runtime.ensure_image(image, heard.append) is False  # here now
+        finally:
+            with contextlib.suppress(docker.errors.APIError):
+                jobs.client.images.remove(image)
+    assert heard, "no progress was reported"
+    last = heard[-1]
+    assert last.image == image and last.done
+    # The base layers are here already ("Already exists": done, no bytes); only the
+    # new one is fetched, all of its compressed bytes.
+    assert (last.layers, last.layers_done) == (len(sizes), len(sizes))
+    assert last.total == sizes[-1] and last.downloaded == sizes[-1]
+    # Figures only grow; some were heard before the end.
+    assert [p.downloaded for p in heard] == sorted(p.downloaded for p in heard)
+    assert any(not p.done for p in heard)
+
+
 def test_create_with_a_missing_image(jobs: Jobs) -> None:
     image = f"gpumesh-test/no-such-image-{uuid.uuid4().hex[:8]}:1"
     with pytest.raises(ImageMissingError, match="docker pull"):

@@ -10,11 +10,12 @@ unknown container.
 from __future__ import annotations
 
 import posixpath
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from gpumesh.protocol.messages import MAX_JOB_MOUNTS
+from gpumesh.runtime.pull import PullProgress
 
 __all__ = [
     "MAX_MOUNTS",
@@ -243,11 +244,15 @@ class JobRuntime(Protocol):
     def image_present(self, image: str) -> bool:
         """Whether ``image`` is already on this machine (no pull)."""
 
-    def ensure_image(self, image: str) -> bool:
+    def ensure_image(
+        self, image: str, progress: Callable[[PullProgress], None] | None = None
+    ) -> bool:
         """Make sure ``image`` is present, pulling it if needed; whether it was pulled.
 
-        Raises ImageMissingError when it is neither present nor pullable (the
-        reason says what kind of failure, never the engine's network details)."""
+        ``progress`` hears how the pull goes (from the pulling thread, only when a
+        figure changed; never after the pull was given up). Raises ImageMissingError
+        when it is neither present nor pullable (the reason says what kind of
+        failure, never the engine's network details)."""
 
     def image_size(self, image: str) -> int | None:
         """The image's size on disk in bytes; None when it is not here."""

@@ -37,7 +37,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 import docker
@@ -72,6 +72,7 @@ from gpumesh.runtime.base import (
     Stream,
     mount_target_problem,
 )
+from gpumesh.runtime.pull import PullProgress, PullTracker
 
 __all__ = ["DockerRuntime"]
 
@@ -235,7 +236,9 @@ class DockerRuntime:
                 return False
         return True
 
-    def ensure_image(self, image: str) -> bool:
+    def ensure_image(
+        self, image: str, progress: Callable[[PullProgress], None] | None = None
+    ) -> bool:
         with self._engine(f"look up image {image!r}") as api:
             try:
                 api.inspect_image(image)
@@ -245,7 +248,7 @@ class DockerRuntime:
             except docker.errors.APIError as exc:
                 # e.g. an invalid reference: no pull can fix that either
                 raise ImageMissingError(_missing_image(image, _explanation(exc))) from exc
-        self._pull(image)
+        self._pull(image, progress)
         with self._engine(f"look up image {image!r}") as api:
             try:
                 api.inspect_image(image)
@@ -273,16 +276,21 @@ class DockerRuntime:
                 return False
         return True
 
-    def _pull(self, image: str) -> None:
+    def _pull(self, image: str, progress: Callable[[PullProgress], None] | None) -> None:
         api = self._api()
         failures: list[Exception] = []
         finished = threading.Event()
+        tracker = PullTracker(image)
 
         def pull() -> None:
             try:
                 for message in api.pull(image, stream=True, decode=True):
-                    if isinstance(message, dict) and message.get("error"):
+                    if not isinstance(message, dict):
+                        continue
+                    if message.get("error"):
                         raise _PullFailed(str(message["error"]))
+                    if tracker.feed(message) and progress is not None and not finished.is_set():
+                        progress(tracker.progress())
             except Exception as exc:  # handed over to the waiting thread
                 failures.append(exc)
             finally:
