@@ -38,6 +38,7 @@ from gpumesh.protocol.messages import (
     FileResume,
     FileStat,
     Hello,
+    ImagePull,
     JobAccepted,
     JobCancel,
     JobLogs,
@@ -112,6 +113,15 @@ MESSAGES: st.SearchStrategy[Message] = st.one_of(
         job_id=job_ids,
         gpus=st.lists(st.text(max_size=8), max_size=4),
         provider=names,
+    ),
+    st.builds(
+        ImagePull,
+        image=st.text(min_size=1, max_size=255),
+        layers=st.integers(0, 2**10),
+        layers_done=st.integers(0, 2**10),
+        downloaded=st.integers(0, 2**40),
+        total=st.integers(0, 2**40),
+        done=st.booleans(),
     ),
     st.builds(
         JobOutput,
@@ -237,7 +247,16 @@ def test_every_message_round_trips(message: Message) -> None:
 def test_every_message_type_is_covered_by_the_round_trip() -> None:
     covered = {SessionProof, Hello, Challenge, Proof, Welcome, Refusal, Ping, Pong}
     covered |= {StatusRequest, StatusReply, ThroughputRequest, ThroughputReply}
-    covered |= {JobSubmit, JobAccepted, JobOutput, JobStatus, JobLogs, JobCancel, JobQuery}
+    covered |= {
+        JobSubmit,
+        JobAccepted,
+        ImagePull,
+        JobOutput,
+        JobStatus,
+        JobLogs,
+        JobCancel,
+        JobQuery,
+    }
     covered |= {FileStat, FileInfo, FilePut, FileResume, FileGet, FileDone, DirPut, DirGet}
     covered |= {ExecStart, ExecStarted, ExecResize, ExecExit}
     covered |= {AppSync, AppNeeds, AppSend, AppSynced, AppJobDir, AppJobDirReply}

@@ -30,6 +30,7 @@ __all__ = [
     "MAX_JOB_MOUNTS",
     "MAX_MESSAGE_FRAME",
     "PROTOCOL_VERSION",
+    "PULL_PROGRESS_EVERY",
     "AppJobDir",
     "AppJobDirReply",
     "AppNeeds",
@@ -55,6 +56,7 @@ __all__ = [
     "FileStat",
     "GpuReport",
     "Hello",
+    "ImagePull",
     "JobAccepted",
     "JobCancel",
     "JobLogs",
@@ -241,6 +243,8 @@ Arg = Annotated[str, msgspec.Meta(max_length=8192)]
 EnvKey = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}\Z")]
 # No NUL: Docker's refusal of one quotes the whole variable, value included, into logs.
 EnvValue = Annotated[str, msgspec.Meta(max_length=32768, pattern=r"^[^\x00]*\Z")]
+PULL_PROGRESS_EVERY = 0.5
+"""Fewest seconds between two ``ImagePull`` messages of one request."""
 MAX_OUTPUT_CHUNK = 32 * 1024
 """Largest piece of job output in one JobOutput message."""
 
@@ -292,6 +296,9 @@ class JobSubmit(_Msg, tag="job_submit", frozen=True):
     mounts: Annotated[list[JobMount], msgspec.Meta(max_length=MAX_JOB_MOUNTS)] = []
     """Sandbox folders to mount into the job. A provider from before this field
     ignores it: the consumer finds that out from ``JobAccepted.mounts``."""
+    pull_progress: bool = False
+    """``ImagePull`` messages may come before ``JobAccepted`` while the provider
+    pulls the image (a consumer from before this field would not expect them)."""
 
 
 class JobAccepted(_Msg, tag="job_accepted", frozen=True):
@@ -302,6 +309,21 @@ class JobAccepted(_Msg, tag="job_accepted", frozen=True):
     mounts: Annotated[list[str], msgspec.Meta(max_length=MAX_JOB_MOUNTS)] = []
     """The container paths of the ``JobSubmit.mounts`` this provider will mount,
     in order; empty from a provider that does not know mounts."""
+
+
+class ImagePull(_Msg, tag="image_pull", frozen=True):
+    """How the provider's pull of a requested image goes: sent before ``JobAccepted``
+    (or ``ExecStarted``) to a requester that set ``pull_progress``, at most every
+    ``PULL_PROGRESS_EVERY`` seconds and once when the pull ended. Figures are the
+    engine's (compressed bytes of the layers it fetches; ``total`` grows as layer
+    sizes become known)."""
+
+    image: Annotated[str, msgspec.Meta(min_length=1, max_length=255)]
+    layers: Count
+    layers_done: Count
+    downloaded: Count
+    total: Count
+    done: bool = False
 
 
 class JobOutput(_Msg, tag="job_output", frozen=True):
@@ -585,6 +607,8 @@ class ExecStart(_Msg, tag="exec_start", frozen=True):
     tty: bool
     rows: Annotated[int, msgspec.Meta(ge=0, le=10000)]
     cols: Annotated[int, msgspec.Meta(ge=0, le=10000)]
+    pull_progress: bool = False
+    """As ``JobSubmit.pull_progress``, before ``ExecStarted``."""
 
 
 class ExecStarted(_Msg, tag="exec_started", frozen=True):
@@ -615,6 +639,7 @@ Message = (
     | ThroughputReply
     | JobSubmit
     | JobAccepted
+    | ImagePull
     | JobOutput
     | JobStatus
     | JobLogs
