@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import json
 import logging
 import logging.handlers
 import os
@@ -53,8 +52,11 @@ def run_async(coro: Coroutine[Any, Any, T]) -> T:
     return asyncio.run(coro)
 
 
-def emit_json(data: Any) -> None:
-    click.echo(json.dumps(data, indent=2, default=str))
+def emit_json(view: object) -> None:
+    """Print a view struct (:mod:`gpumesh.client.views`), or a list of them, as JSON."""
+    from gpumesh.client.views import to_json
+
+    click.echo(to_json(view))
 
 
 def print_error(message: str) -> None:

@@ -22,6 +22,7 @@ from pathlib import Path
 import click
 from click.shell_completion import CompletionItem, ShellComplete, add_completion_class
 
+from gpumesh.protocol.states import JobRole
 from gpumesh.store.names import NameHint, group_names, job_ids, peer_names
 
 __all__ = [
@@ -85,7 +86,7 @@ def complete_submitted_job(
     ctx: click.Context, param: click.Parameter, incomplete: str
 ) -> list[CompletionItem]:
     """Ids of jobs submitted from here, newest first."""
-    return _items(ctx, lambda db: job_ids(db, role="submitted"), incomplete.lower())
+    return _items(ctx, lambda db: job_ids(db, role=JobRole.SUBMITTED), incomplete.lower())
 
 
 def complete_peer_path(

@@ -40,10 +40,12 @@ def show(as_json: bool) -> None:
     from gpumesh.store.config import KEYS
 
     cfg = get_node().home.config
-    rows = [(name, cfg.shown(name), cfg.source(name), key.help) for name, key in KEYS.items()]
     if as_json:
-        emit_json({name: value for name, value, _src, _help in rows})
+        from gpumesh.client.views.node import config_values
+
+        emit_json(config_values(cfg))
         return
+    rows = [(name, cfg.shown(name), cfg.source(name), key.help) for name, key in KEYS.items()]
     from rich.markup import escape
 
     from gpumesh.cli._table import Column, print_table

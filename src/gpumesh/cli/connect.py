@@ -34,21 +34,9 @@ def connect(peer: str, timeout: float | None, speed: str | None, as_json: bool) 
     result = run_async(node.connect(peer, timeout=timeout))
     throughput = run_async(node.throughput(peer, size)) if size else None
     if as_json:
-        data = {
-            "peer": result.peer.name,
-            "node_id": result.peer.node_id,
-            "reachable": True,
-            "path": result.path,
-            "address": result.address,
-            "rtt_ms": round(result.rtt_ms, 3),
-            "connect_ms": round(result.connect_ms, 3),
-            "punch_ms": None if result.punch_ms is None else round(result.punch_ms, 1),
-            "remote_version": result.remote.version,
-            "sharing": result.remote.sharing,
-        }
-        if throughput:
-            data["upload_mb_per_s"] = round(throughput.mb_per_s, 1)
-        emit_json(data)
+        from gpumesh.client.views.peers import ConnectView
+
+        emit_json(ConnectView.of(result, throughput))
         return
     where = "" if " " in result.path else f" via {result.address}"
     click.echo(

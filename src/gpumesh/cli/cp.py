@@ -87,28 +87,9 @@ def cp(
     finally:
         view.close()
     if as_json:
-        emit_json(
-            {
-                "direction": result.direction,
-                "kind": result.kind,
-                "peer": result.peer,
-                "local": str(result.local),
-                "remote": result.remote,
-                "size": result.size,
-                "hash": result.hash,
-                "digest": result.digest,
-                "seconds": round(result.seconds, 3),
-                "transferred": result.transferred,
-                "resumed_from": result.resumed_from,
-                "attempts": result.attempts,
-                "offsets": result.offsets,
-                "mb_per_s": round(result.mb_per_s, 1),
-                "skipped": result.skipped,
-                "channel": result.channel,
-                "congestion": result.congestion,
-                "no_channel": result.no_channel,
-            }
-        )
+        from gpumesh.client.views.files import CopyView
+
+        emit_json(CopyView.of(result))
     elif not quiet:
         view.summary(result)
 

@@ -22,7 +22,9 @@ def doctor(as_json: bool) -> None:
     node = get_node()
     checks = run_checks(node.home)
     if as_json:
-        emit_json([c.__dict__ for c in checks])
+        from gpumesh.client.views.node import CheckView
+
+        emit_json([CheckView.of(c) for c in checks])
     else:
         for check in checks:
             mark, color = _MARK[check.status]

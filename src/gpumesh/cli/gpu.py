@@ -21,7 +21,9 @@ def gpu(as_json: bool) -> None:
     inventory = detect_inventory()
     gpus = inventory.gpus()
     if as_json:
-        emit_json({"source": inventory.source, "gpus": [g.__dict__ for g in gpus]})
+        from gpumesh.client.views.node import GpusView
+
+        emit_json(GpusView.of(inventory, gpus))
         return
     if inventory.source == "simulated":
         click.echo(

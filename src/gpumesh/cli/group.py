@@ -5,8 +5,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import click
 
@@ -16,8 +15,7 @@ from gpumesh.units import format_duration
 
 if TYPE_CHECKING:
     from gpumesh.cli._table import Column
-    from gpumesh.client.groups import MemberView
-    from gpumesh.store.db import Group
+    from gpumesh.client.groups import MemberLive, MemberStatus, MemberView
 
 _ACCESS_COLORS = {"self": "cyan", "allowed": "green", "denied": "red"}
 
@@ -49,7 +47,9 @@ def create(name: str, as_json: bool) -> None:
 
     created = create_group(get_node(), name)
     if as_json:
-        emit_json(_group_json(created))
+        from gpumesh.client.views.groups import GroupView
+
+        emit_json(GroupView.of(created))
         return
     click.echo(f"Created group {click.style(created.name, bold=True)} ({created.short_id}).")
     click.echo(f"Invite others with `gpumesh group invite {created.name}`.")
@@ -65,17 +65,9 @@ def list_groups(as_json: bool) -> None:
 
     rows = summaries(get_node())
     if as_json:
-        emit_json(
-            [
-                {
-                    **_group_json(s.group),
-                    "usable": s.usable,
-                    "others": s.others,
-                    "joined_via": s.inviter or None,
-                }
-                for s in rows
-            ]
-        )
+        from gpumesh.client.views.groups import GroupListEntry
+
+        emit_json([GroupListEntry.of_summary(s) for s in rows])
         return
     if not rows:
         click.echo(
@@ -154,25 +146,20 @@ Examples:
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable output.")
 def join(code: str, as_json: bool) -> None:
     """Join a group with a member's invite CODE and record its members."""
-    from gpumesh.client.groups import join_group
+    from gpumesh.client.groups import MemberStatus, join_group
 
     joined = join_group(get_node(), code)
     if as_json:
-        emit_json(
-            {
-                **_group_json(joined.group),
-                "inviter": joined.inviter,
-                "already_member": joined.already_member,
-                "members": [_member_json(v) for v in joined.members],
-            }
-        )
+        from gpumesh.client.views.groups import JoinedView
+
+        emit_json(JoinedView.of_joined(joined))
         return
     verb = "Refreshed" if joined.already_member else "Joined"
     click.echo(
         f"{verb} group {click.style(joined.group.name, bold=True)} ({joined.group.short_id}) "
         f"via {joined.inviter}: {joined.group.member_count} members."
     )
-    _print_members(joined.members)
+    _print_members([MemberStatus(v, None) for v in joined.members])
 
 
 @group.command(
@@ -194,13 +181,9 @@ def add(name: str, peer: str, as_json: bool) -> None:
 
     added = add_member(get_node(), name, peer)
     if as_json:
-        emit_json(
-            {
-                **_group_json(added.group),
-                "already_member": added.already_member,
-                "member": _member_json(added.member),
-            }
-        )
+        from gpumesh.client.views.groups import AddedView
+
+        emit_json(AddedView.of_added(added))
         return
     who = added.member.name
     if added.already_member:
@@ -225,74 +208,28 @@ def members(name: str, offline: bool, as_json: bool) -> None:
 
     Paired members are probed in parallel (about a second at most).
     """
-    from gpumesh.client.groups import members as member_views
-
-    node = get_node()
-    views = member_views(node, name)
-    live: dict[str, Live] = {} if offline else _probe(node, views)
-    if as_json:
-        emit_json([{**_member_json(v), **_live_json(live.get(v.member.node_id))} for v in views])
-        return
-    _print_members(views, live)
-
-
-@dataclass(frozen=True)
-class Live:
-    """What a probe found out about one member."""
-
-    reach: str
-    gpus: str
-    free: int | None
-    state: str
-    problem: str = ""
-    """Why it could not be asked (unreachable, not paired back), in full."""
-
-
-def _probe(node: Any, views: list[MemberView]) -> dict[str, Live]:
     from gpumesh.cli._common import run_async
-    from gpumesh.client.placement import evaluate, probe
+    from gpumesh.client.groups import group_status
 
-    targets = [v for v in views if not v.is_self and v.usable]
-    results = run_async(probe(node, [(v.name, v.peer) for v in targets]))
-    live: dict[str, Live] = {}
-    for view, result in zip(targets, results, strict=True):
-        status = result.status
-        if status is None:
-            problem = result.error or "unreachable"
-            reach = "no" if problem.startswith("unreachable") else "-"
-            live[view.member.node_id] = Live(reach, "-", None, "-", problem)
-            continue
-        verdict = evaluate(result, 0)
-        names = sorted({g.name for g in status.gpus})
-        gpus = ", ".join(f"{sum(g.name == n for g in status.gpus)}x {n}" for n in names) or "none"
-        free = max((g.available for g in status.gpus), default=None)
-        # Busy means GPUMesh jobs there, whether or not they hold a GPU.
-        state = "busy" if verdict.busy else ("idle" if verdict.eligible else "-")
-        live[view.member.node_id] = Live(f"yes ({result.rtt_ms:.0f} ms)", gpus, free, state)
-    return live
+    statuses = run_async(group_status(get_node(), name, live=not offline))
+    if as_json:
+        from gpumesh.client.views.groups import MemberStatusEntry
 
-
-def _live_json(live: Live | None) -> dict[str, Any]:
-    if live is None:
-        return {"reachable": None, "gpus": None, "free_gpu_memory": None, "state": None}
-    return {
-        "reachable": live.reach.startswith("yes"),
-        "reach": live.problem or live.reach,
-        "gpus": live.gpus,
-        "free_gpu_memory": live.free,
-        "state": live.state,
-    }
+        emit_json([MemberStatusEntry.of_status(s) for s in statuses])
+        return
+    _print_members(statuses)
 
 
 # --- rendering ------------------------------------------------------------------------
 
 # One entry per table column: header and cell text (Rich markup allowed). A new
-# column (reachability, GPUs) is one more entry here and one more key in _member_json.
+# column (reachability, GPUs) is one more entry here and one more field in
+# gpumesh.client.views.groups.MemberEntry.
 _MEMBER_COLUMNS: list[tuple[str, Callable[[MemberView], str]]] = [
     ("NAME", lambda v: _escape(v.name)),
     ("ID", lambda v: v.member.node_id.short),
     ("ACCESS", lambda v: _colored(v.access, v.label)),
-    ("ADDRESSES", lambda v: _escape(", ".join(_addresses(v)) or "-")),
+    ("ADDRESSES", lambda v: _escape(", ".join(v.addresses) or "-")),
 ]
 
 
@@ -306,11 +243,12 @@ def _member_column(header: str) -> Column:
     return Column(header)
 
 
-def _print_members(views: list[MemberView], live: dict[str, Live] | None = None) -> None:
+def _print_members(statuses: list[MemberStatus]) -> None:
     from gpumesh.cli._table import Column, print_table
-    from gpumesh.units import format_size
 
-    # With live columns the addresses make way (they stay in --offline and --json).
+    # Live columns only when some member was asked; the addresses then make way
+    # (they stay in --offline and --json).
+    live = any(s.live is not None for s in statuses)
     columns = [c for c in _MEMBER_COLUMNS if not (live and c[0] == "ADDRESSES")]
     headers = [_member_column(header) for header, _ in columns]
     if live:
@@ -321,21 +259,15 @@ def _print_members(views: list[MemberView], live: dict[str, Live] | None = None)
         ]
         headers += [Column("FREE"), Column("STATE")]
     rows = []
-    for view in views:
-        cells = [cell(view) for _, cell in columns]
+    for status in statuses:
+        cells = [cell(status.view) for _, cell in columns]
         if live:
-            found = live.get(view.member.node_id)
-            if found is None:
-                cells += ["-", "-", "-", "-"]
-            else:
-                free = "-" if found.free is None else format_size(found.free)
-                cells += [_escape(found.reach), _escape(found.gpus), free, found.state]
+            cells += _live_cells(status.live)
         rows.append(cells)
     print_table(headers, rows)
     # Plain lines, not table cells: a narrow terminal must not cut the advice.
-    todo = [v for v in views if v.hint]
-    problems = [(v.name, p.problem) for v in views if (p := (live or {}).get(v.member.node_id))]
-    problems = [(name, problem) for name, problem in problems if problem]
+    todo = [s.view for s in statuses if s.view.hint]
+    problems = [(s.view.name, s.live.reason) for s in statuses if s.live and s.live.reason]
     if todo or problems:
         click.echo("")
         for view in todo:
@@ -348,32 +280,25 @@ def _print_members(views: list[MemberView], live: dict[str, Live] | None = None)
             )
 
 
-def _member_json(view: MemberView) -> dict[str, Any]:
-    return {
-        "name": view.name,
-        "node_id": view.member.node_id,
-        "is_self": view.is_self,
-        "access": view.access,
-        "paired": view.peer is not None,
-        "allowed": view.peer.allowed if view.peer is not None else None,
-        "addresses": _addresses(view),
-        "relay": (view.peer.relay if view.peer else view.member.relay) or None,
-        "hint": view.hint or None,
-    }
+def _live_cells(live: MemberLive | None) -> list[str]:
+    """REACHABLE, GPUS, FREE and STATE of one member; dashes when it was not asked."""
+    from gpumesh.client.groups import MemberState
+    from gpumesh.units import format_size
 
-
-def _group_json(group: Group) -> dict[str, Any]:
-    return {
-        "name": group.name,
-        "group_id": group.group_id,
-        "member_count": group.member_count,
-        "created_at": group.created_at,
-    }
-
-
-def _addresses(view: MemberView) -> list[str]:
-    # A paired peer's own record is fresher than what an invite said.
-    return view.peer.dial_addresses() if view.peer is not None else view.member.addresses
+    if live is None:
+        return ["-", "-", "-", "-"]
+    if live.answered:
+        reach = f"yes ({live.rtt_ms:.0f} ms)"
+    else:
+        reach = "no" if live.state is MemberState.UNREACHABLE else "-"
+    free = live.free_gpu_memory
+    state = live.state if live.state in (MemberState.BUSY, MemberState.IDLE) else "-"
+    return [
+        _escape(reach),
+        _escape(live.gpu_summary),
+        "-" if free is None else format_size(free),
+        str(state),
+    ]
 
 
 def _colored(access: str, text: str) -> str:

@@ -35,7 +35,9 @@ def init(name: str | None, force: bool, as_json: bool) -> None:
         )
     info = node.init(name, force=force)
     if as_json:
-        emit_json({"name": info.name, "node_id": info.node_id, "home": str(info.home)})
+        from gpumesh.client.views.node import NodeView
+
+        emit_json(NodeView.of(info))
         return
     click.echo(f"Initialized node {click.style(info.name, bold=True)}")
     click.echo(f"  id    {info.node_id}")

@@ -7,6 +7,8 @@ import time
 import click
 
 from gpumesh.cli._common import emit_json, get_node, run_async
+from gpumesh.client.views.joblist import JobListEntry, last_confirmed
+from gpumesh.protocol.states import JobRole, JobState
 from gpumesh.store.db import JobRecord
 from gpumesh.units import format_duration, format_size
 
@@ -39,35 +41,7 @@ def jobs(limit: int, offline: bool, as_json: bool) -> None:
             unconfirmed.update(dict.fromkeys(answer.job_ids, answer.reason))
     records = node.home.store.jobs(limit=limit)
     if as_json:
-        emit_json(
-            [
-                {
-                    "job_id": j.job_id,
-                    "role": j.role,
-                    "peer": j.peer_name,
-                    "state": j.state,
-                    "exit_code": j.exit_code,
-                    "attempt": j.attempt,
-                    "retries": j.retries,
-                    "image": j.image,
-                    "command": j.command,
-                    "gpus": j.gpus,
-                    "gpu_memory": j.gpu_memory,
-                    "peak_gpu_memory": j.peak_gpu_memory,
-                    "created_at": j.created_at,
-                    "started_at": j.started_at,
-                    "finished_at": j.finished_at,
-                    "duration": j.duration,
-                    "message": j.message,
-                    "output_dropped": j.output_dropped,
-                    "confirmed_at": j.confirmed_at,
-                    "unknown_since": _confirmed(j) if j.job_id in unconfirmed else None,
-                    "unknown_reason": unconfirmed.get(j.job_id),
-                    "provider_forgot": j.provider_forgot,
-                }
-                for j in records
-            ]
-        )
+        emit_json([JobListEntry.of(j, unconfirmed) for j in records])
         return
     if not records:
         click.echo("No jobs yet. Start one with `gpumesh run --peer NAME -- COMMAND`.")
@@ -76,20 +50,25 @@ def jobs(limit: int, offline: bool, as_json: bool) -> None:
 
     from gpumesh.cli._table import Column, print_table
 
-    colors = {"succeeded": "green", "failed": "red", "cancelled": "yellow", "running": "cyan"}
+    colors: dict[str, str] = {
+        JobState.SUCCEEDED: "green",
+        JobState.FAILED: "red",
+        JobState.CANCELLED: "yellow",
+        JobState.RUNNING: "cyan",
+    }
     now = time.time()
     rows = []
     for j in records:
-        peer = f"→ {j.peer_name}" if j.role == "submitted" else f"← {j.peer_name}"
+        peer = f"→ {j.peer_name}" if j.role == JobRole.SUBMITTED else f"← {j.peer_name}"
         color = colors.get(j.state, "white")
         state = j.state
         duration = j.duration
         if j.job_id in unconfirmed or j.provider_forgot:
             color = "yellow"
-            when = time.strftime("%H:%M", time.localtime(_confirmed(j)))
+            when = time.strftime("%H:%M", time.localtime(last_confirmed(j)))
             state = "gone" if j.provider_forgot else f"unknown since {when}"
             if j.started_at is not None:  # not counting on past what is known
-                duration = max(0.0, _confirmed(j) - j.started_at)
+                duration = max(0.0, last_confirmed(j) - j.started_at)
         command = " ".join(j.command) or f"({j.image})"
         gpu = ",".join(j.gpus) or "-"
         if j.gpu_memory or j.peak_gpu_memory:
@@ -126,10 +105,6 @@ def jobs(limit: int, offline: bool, as_json: bool) -> None:
     _explain(records, unconfirmed)
 
 
-def _confirmed(job: JobRecord) -> float:
-    return job.confirmed_at if job.confirmed_at is not None else job.created_at
-
-
 def _explain(records: list[JobRecord], unconfirmed: dict[str, str]) -> None:
     """Why some states are not known: on stderr, so piped rows stay rows."""
     told: set[str] = set()
@@ -145,7 +120,7 @@ def _explain(records: list[JobRecord], unconfirmed: dict[str, str]) -> None:
                 ),
                 err=True,
             )
-        elif j.provider_forgot and j.role == "submitted":
+        elif j.provider_forgot and j.role == JobRole.SUBMITTED:
             click.echo(
                 click.style(
                     f"gpumesh: {j.peer_name} no longer knows job {j.job_id} (pruned there, or "

@@ -41,16 +41,9 @@ def pair(code: str, rekey: bool, offline: bool, as_json: bool) -> None:
     if not offline and (peer.addresses or peer.relay):
         check = run_async(node.check_paired_back(peer.name))
     if as_json:
-        emit_json(
-            {
-                "name": peer.name,
-                "node_id": peer.node_id,
-                "addresses": peer.addresses,
-                "allowed": peer.allowed,
-                "paired_back": check.state if check else None,
-                "paired_back_reason": (check.detail or None) if check else None,
-            }
-        )
+        from gpumesh.client.views.peers import PairView
+
+        emit_json(PairView.of(peer, check))
         return
     name = click.style(peer.name, bold=True)
     if not peer.allowed:

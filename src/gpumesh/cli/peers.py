@@ -17,22 +17,9 @@ def peers(as_json: bool) -> None:
     node = get_node()
     rows = node.peers()
     if as_json:
-        emit_json(
-            [
-                {
-                    "name": p.name,
-                    "node_id": p.node_id,
-                    "allowed": p.allowed,
-                    "last_seen": p.last_seen,
-                    "last_address": p.last_address or None,
-                    "last_path": p.last_path or None,
-                    "addresses": p.addresses,
-                    "relay": p.relay or None,
-                    "paired_at": p.paired_at,
-                }
-                for p in rows
-            ]
-        )
+        from gpumesh.client.views.peers import PeerView
+
+        emit_json([PeerView.of(p) for p in rows])
         return
     if not rows:
         click.echo("No peers yet. Pair with `gpumesh pair '<code>'` (see `gpumesh pair-code`).")

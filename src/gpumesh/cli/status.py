@@ -7,6 +7,7 @@ import time
 import click
 
 from gpumesh.cli._common import emit_json, get_node, run_async
+from gpumesh.protocol.states import JobRole
 
 
 @click.command(epilog="\b\nExamples:\n  gpumesh status\n  gpumesh status --json")
@@ -30,40 +31,14 @@ def status(offline: bool, as_json: bool) -> None:
         unconfirmed: set[str] = set()
         for answer in run_async(refresh_jobs(node)):
             unconfirmed |= answer.job_ids
-        for job in node.home.store.jobs(limit=1000, role="submitted"):
+        for job in node.home.store.jobs(limit=1000, role=JobRole.SUBMITTED):
             if job.job_id in unconfirmed:
                 unknown.append(job.confirmed_at or job.created_at)
     st = node.status()
     if as_json:
-        emit_json(
-            {
-                "name": st.name,
-                "node_id": st.node_id,
-                "home": str(st.home),
-                "sharing": st.agent is not None,
-                "listen": st.listen,
-                "agent_pid": st.agent.pid if st.agent else None,
-                "relay": st.relay or None,
-                "relay_state": st.agent.relay_state if st.agent and st.relay else None,
-                "connections": st.agent.links if st.agent else [],
-                "peers": st.peers,
-                "allowed": st.allowed,
-                "gpu_source": st.gpu_source,
-                "gpus": [
-                    {
-                        "index": g.index,
-                        "name": g.name,
-                        "memory_total": g.memory_total,
-                        "memory_used": g.memory_used,
-                    }
-                    for g in st.gpus
-                ],
-                "state": "busy" if st.running_hosted else "idle",
-                "jobs_hosted_running": st.running_hosted,
-                "jobs_submitted_running": st.running_submitted,
-                "jobs_submitted_unknown": len(unknown),
-            }
-        )
+        from gpumesh.client.views.node import StatusView
+
+        emit_json(StatusView.of(st, submitted_unknown=len(unknown)))
         return
     sharing = (
         click.style(f"yes, on udp {st.listen} (pid {st.agent.pid})", fg="green")

@@ -5,13 +5,16 @@ are and where to find them, while running on a member still needs mutual
 pairing. So the members view says, for each member, whether it is this node,
 a paired peer this node allows, a paired peer it denies, or not paired yet.
 
-Everything here is local (the store and the identity); nothing dials a peer.
-Invites carry the inviter's view of the group, and joining merges it in: a
-new group from anyone's invite, a known group only from a known member's.
+Everything here is local (the store and the identity) except
+:func:`group_status`, which asks the paired members where they stand through
+:func:`gpumesh.client.placement.probe`. Invites carry the inviter's view of the
+group, and joining merges it in: a new group from anyone's invite, a known group
+only from a known member's.
 """
 
 from __future__ import annotations
 
+import enum
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,6 +41,8 @@ from gpumesh.units import format_duration
 
 if TYPE_CHECKING:
     from gpumesh.client.node import Node
+    from gpumesh.client.placement import Probe
+    from gpumesh.protocol.messages import GpuReport
 
 __all__ = [
     "ACCESS_ALLOWED",
@@ -48,10 +53,14 @@ __all__ = [
     "Added",
     "GroupSummary",
     "Joined",
+    "MemberLive",
+    "MemberState",
+    "MemberStatus",
     "MemberView",
     "add_member",
     "create_group",
     "find_group",
+    "group_status",
     "groups",
     "invite_code",
     "join_group",
@@ -99,6 +108,11 @@ class MemberView:
     def usable(self) -> bool:
         """Whether this node may use the member (it must also have paired this node)."""
         return self.access == ACCESS_ALLOWED
+
+    @property
+    def addresses(self) -> list[str]:
+        """Where to dial it: a paired peer's own record is fresher than an invite."""
+        return self.peer.dial_addresses() if self.peer is not None else self.member.addresses
 
     @property
     def label(self) -> str:
@@ -162,6 +176,84 @@ class Added:
     already_member: bool
 
 
+class MemberState(enum.StrEnum):
+    """Where a member stands, as a probe found it."""
+
+    IDLE = "idle"
+    """It answered, and has no GPUMesh jobs and an idle GPU (or only CPUs)."""
+    BUSY = "busy"
+    """It answered, and runs GPUMesh jobs (on a GPU or not) or all its GPUs are busy."""
+    NOT_SHARING = "not sharing"
+    """It answered, and takes no jobs."""
+    REFUSED = "refused"
+    """It would not say: it has not paired this node, or the probe failed there."""
+    UNREACHABLE = "unreachable"
+    """No answer came: no path to it, or it was too slow."""
+
+
+_ANSWERED = frozenset({MemberState.IDLE, MemberState.BUSY, MemberState.NOT_SHARING})
+
+
+@dataclass(frozen=True)
+class MemberLive:
+    """What a probe found out about one member."""
+
+    state: MemberState
+    reason: str = ""
+    """Why it did not answer, in full (advice included); empty when it answered."""
+    rtt_ms: float = 0.0
+    """How long its answer took, in milliseconds (0 without an answer)."""
+    gpus: list[GpuReport] | None = None
+    """Its GPUs as it reported them; None when it did not answer."""
+
+    @property
+    def answered(self) -> bool:
+        return self.state in _ANSWERED
+
+    @property
+    def free_gpu_memory(self) -> int | None:
+        """Bytes free on its roomiest GPU; None without GPUs or an answer."""
+        return max((g.available for g in self.gpus or []), default=None)
+
+    @property
+    def gpu_summary(self) -> str:
+        """Its GPUs in a few words (``2x L4, 1x A100``), ``none``, or ``-`` without an answer."""
+        if self.gpus is None:
+            return "-"
+        names = sorted({g.name for g in self.gpus})
+        return ", ".join(f"{sum(g.name == n for g in self.gpus)}x {n}" for n in names) or "none"
+
+    @classmethod
+    def of(cls, probe_result: Probe) -> MemberLive:
+        from gpumesh.client.placement import evaluate
+
+        status = probe_result.status
+        if status is None:
+            reason = probe_result.error or "unreachable"
+            unreachable = probe_result.unreachable or not probe_result.error
+            state = MemberState.UNREACHABLE if unreachable else MemberState.REFUSED
+            return cls(state, reason)
+        # As placement sees it with no GPU memory asked: busy means GPUMesh jobs
+        # there, whether or not they hold a GPU.
+        verdict = evaluate(probe_result, 0)
+        if verdict.busy:
+            state = MemberState.BUSY
+        elif verdict.eligible:
+            state = MemberState.IDLE
+        else:
+            state = MemberState.NOT_SHARING
+        return cls(state, rtt_ms=probe_result.rtt_ms, gpus=list(status.gpus))
+
+
+@dataclass(frozen=True)
+class MemberStatus:
+    """One member: how this node stands with it, and what a probe found."""
+
+    view: MemberView
+    live: MemberLive | None
+    """None when it was not asked: this node, a member it may not use, or offline."""
+
+
 def create_group(node: Node, name: str, *, clock: Callable[[], float] = time.time) -> Group:
     """A new group with this node as its only member."""
     check_group_name(name)
@@ -191,6 +283,21 @@ def summaries(node: Node) -> list[GroupSummary]:
 def members(node: Node, query: str) -> list[MemberView]:
     """Every member of a group, by name, with this node's pairing state for each."""
     return _views(node, find_group(node, query))
+
+
+async def group_status(node: Node, query: str, *, live: bool = True) -> list[MemberStatus]:
+    """Every member of a group, and where the paired ones this node may use stand now.
+
+    They are asked in parallel, each within
+    :data:`gpumesh.client.placement.PROBE_TIMEOUT`; with ``live`` false none is.
+    """
+    from gpumesh.client.placement import probe
+
+    views = members(node, query)
+    targets = [v for v in views if live and not v.is_self and v.usable]
+    results = await probe(node, [(v.name, v.peer) for v in targets]) if targets else []
+    found = {v.member.node_id: MemberLive.of(r) for v, r in zip(targets, results, strict=True)}
+    return [MemberStatus(v, found.get(v.member.node_id)) for v in views]
 
 
 def member_view(node: Node, member: GroupMember) -> MemberView:

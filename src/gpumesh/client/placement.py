@@ -50,6 +50,8 @@ class Probe:
     status: StatusReply | None = None
     error: str = ""
     rtt_ms: float = 0.0
+    unreachable: bool = False
+    """No answer came (no path, or too slow), as opposed to an answer refusing or failing."""
 
 
 @dataclass(frozen=True)
@@ -65,11 +67,13 @@ class Candidate:
     rtt_ms: float = 0.0
     jobs: int = 0
     """GPUMesh jobs queued or running there (on a GPU or not)."""
+    gpus_busy: bool = False
+    """Every GPU it has is running jobs or above :data:`BUSY_UTILIZATION`."""
 
     @property
     def busy(self) -> bool:
-        """Whether it is doing GPUMesh work now, whatever its GPUs."""
-        return self.jobs > 0 or self.reason.startswith("busy")
+        """Whether it is doing GPUMesh work now, or all its GPUs are busy."""
+        return self.jobs > 0 or self.gpus_busy
 
 
 @dataclass(frozen=True)
@@ -107,7 +111,7 @@ def evaluate(probe_result: Probe, gpu_memory: int) -> Candidate:
             + (f" with {g.jobs} job(s)" if g.jobs else "")
             for g in gpus
         )
-        return Candidate(name, False, f"busy ({busiest})", rtt_ms=rtt_ms, jobs=jobs)
+        return Candidate(name, False, f"busy ({busiest})", rtt_ms=rtt_ms, jobs=jobs, gpus_busy=True)
     best = max(idle, key=lambda g: g.available)
     if best.available < gpu_memory:
         return Candidate(
@@ -156,11 +160,11 @@ async def _probe_one(node: Node, name: str, peer: Peer | None, timeout: float) -
     except TimeoutError:
         where = ", ".join(peer.dial_addresses()) or f"{name}'s relay"
         error = unreachable(where, waited=timeout)
-        return Probe(name, peer, error=f"unreachable: {error.message}")
+        return Probe(name, peer, error=f"unreachable: {error.message}", unreachable=True)
     except NotPairedError:
         return Probe(name, peer, error="has not paired you: send it your `gpumesh pair-code`")
     except UnreachableError as exc:
-        return Probe(name, peer, error=f"unreachable: {exc.message}")
+        return Probe(name, peer, error=f"unreachable: {exc.message}", unreachable=True)
     except GPUMeshError as exc:
         return Probe(name, peer, error=exc.message)
     if not isinstance(reply, StatusReply):

@@ -1,0 +1,68 @@
+"""The shape of ``gpumesh cp --json``: one finished copy."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import msgspec
+
+if TYPE_CHECKING:
+    from gpumesh.client.files import CopyResult
+
+__all__ = ["CopyView"]
+
+
+class CopyView(msgspec.Struct):
+    """A copy, either way, of a file or a folder."""
+
+    direction: str
+    """``upload`` or ``download``."""
+    kind: str
+    """``file`` or ``dir``."""
+    peer: str
+    local: str
+    remote: str
+    """The path in the peer's sandbox, from its root."""
+    size: int
+    """Bytes of the file, or of the folder's tar."""
+    hash: str
+    """``blake3``, or ``sha256`` with an older peer."""
+    digest: str
+    seconds: float
+    transferred: int
+    """Bytes that crossed the network."""
+    resumed_from: int
+    attempts: int
+    offsets: list[int]
+    """Where each attempt started."""
+    mb_per_s: float
+    skipped: list[str]
+    """Entries of a folder left out, each with why."""
+    channel: str
+    """``tls`` (the data channel) or ``quic``."""
+    congestion: str
+    no_channel: str
+    """With ``quic``: why not the data channel."""
+
+    @classmethod
+    def of(cls, result: CopyResult) -> CopyView:
+        return cls(
+            direction=result.direction,
+            kind=result.kind,
+            peer=result.peer,
+            local=str(result.local),
+            remote=result.remote,
+            size=result.size,
+            hash=result.hash,
+            digest=result.digest,
+            seconds=round(result.seconds, 3),
+            transferred=result.transferred,
+            resumed_from=result.resumed_from,
+            attempts=result.attempts,
+            offsets=result.offsets,
+            mb_per_s=round(result.mb_per_s, 1),
+            skipped=result.skipped,
+            channel=result.channel,
+            congestion=result.congestion,
+            no_channel=result.no_channel,
+        )

@@ -1,0 +1,154 @@
+"""The shapes of the commands about this node: init, status, gpu, doctor, config show."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import msgspec
+
+if TYPE_CHECKING:
+    from gpumesh.client.doctor import Check
+    from gpumesh.client.node import NodeInfo, NodeStatus
+    from gpumesh.gpu.inventory import GpuInfo, GpuInventory
+    from gpumesh.store.config import Config, Value
+
+__all__ = [
+    "CheckView",
+    "GpuDetail",
+    "GpuUse",
+    "GpusView",
+    "NodeView",
+    "StatusView",
+    "config_values",
+]
+
+
+class NodeView(msgspec.Struct):
+    """``init``: the node just made."""
+
+    name: str
+    node_id: str
+    home: str
+
+    @classmethod
+    def of(cls, info: NodeInfo) -> NodeView:
+        return cls(info.name, str(info.node_id), str(info.home))
+
+
+class GpuUse(msgspec.Struct):
+    """A GPU in ``status``: its memory, in bytes."""
+
+    index: int
+    name: str
+    memory_total: int
+    memory_used: int
+
+
+class StatusView(msgspec.Struct):
+    """``status``."""
+
+    name: str
+    node_id: str
+    home: str
+    sharing: bool
+    listen: str
+    """``host:port`` the agent listens on, or would."""
+    agent_pid: int | None
+    relay: str | None
+    relay_state: str | None
+    """What the running agent says of its relay; None without either."""
+    connections: list[dict[str, str]]
+    """The agent's connected peers: ``{"peer": name, "path": "direct"}``."""
+    peers: int
+    allowed: int
+    gpu_source: str
+    gpus: list[GpuUse]
+    state: str
+    """``busy`` while this node runs GPUMesh jobs for peers, else ``idle``."""
+    jobs_hosted_running: int
+    jobs_submitted_running: int
+    jobs_submitted_unknown: int
+    """Unfinished submitted jobs whose providers did not say where they stand."""
+
+    @classmethod
+    def of(cls, status: NodeStatus, *, submitted_unknown: int) -> StatusView:
+        agent = status.agent
+        return cls(
+            name=status.name,
+            node_id=str(status.node_id),
+            home=str(status.home),
+            sharing=agent is not None,
+            listen=status.listen,
+            agent_pid=agent.pid if agent else None,
+            relay=status.relay or None,
+            relay_state=agent.relay_state if agent and status.relay else None,
+            connections=agent.links if agent else [],
+            peers=status.peers,
+            allowed=status.allowed,
+            gpu_source=status.gpu_source,
+            gpus=[GpuUse(g.index, g.name, g.memory_total, g.memory_used) for g in status.gpus],
+            # Busy means GPUMesh jobs here, whether or not they hold a GPU.
+            state="busy" if status.running_hosted else "idle",
+            jobs_hosted_running=status.running_hosted,
+            jobs_submitted_running=status.running_submitted,
+            jobs_submitted_unknown=submitted_unknown,
+        )
+
+
+class GpuDetail(msgspec.Struct):
+    """A GPU in ``gpu``: everything the inventory read."""
+
+    index: int
+    uuid: str
+    name: str
+    memory_total: int
+    memory_used: int
+    utilization: int | None
+    temperature: int | None
+    processes: int | None
+
+    @classmethod
+    def of(cls, gpu: GpuInfo) -> GpuDetail:
+        return cls(
+            gpu.index,
+            gpu.uuid,
+            gpu.name,
+            gpu.memory_total,
+            gpu.memory_used,
+            gpu.utilization,
+            gpu.temperature,
+            gpu.processes,
+        )
+
+
+class GpusView(msgspec.Struct):
+    """``gpu``."""
+
+    source: str
+    """``nvml``, ``nvidia-smi``, ``simulated`` (tests only) or ``none``."""
+    gpus: list[GpuDetail]
+
+    @classmethod
+    def of(cls, inventory: GpuInventory, gpus: list[GpuInfo]) -> GpusView:
+        return cls(inventory.source, [GpuDetail.of(g) for g in gpus])
+
+
+class CheckView(msgspec.Struct):
+    """One ``doctor`` check."""
+
+    name: str
+    status: str
+    """``ok``, ``warn`` or ``fail``."""
+    detail: str
+    fix: str
+
+    @classmethod
+    def of(cls, check: Check) -> CheckView:
+        return cls(check.name, check.status, check.detail, check.fix)
+
+
+def config_values(config: Config) -> dict[str, Value]:
+    """``config show``: every setting's effective value, a secret one masked."""
+    from gpumesh.store.config import KEYS
+
+    return {name: config.shown(name) for name in KEYS}

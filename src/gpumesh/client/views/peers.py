@@ -1,0 +1,100 @@
+"""The shapes of the commands about peers: ``peers``, ``pair`` and ``connect``."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import msgspec
+
+if TYPE_CHECKING:
+    from gpumesh.client.node import ConnectResult, PairCheck, ThroughputResult
+    from gpumesh.store.db import Peer
+
+__all__ = ["ConnectView", "PairView", "PeerView"]
+
+
+class PeerView(msgspec.Struct):
+    """One paired peer (``peers``)."""
+
+    name: str
+    node_id: str
+    allowed: bool
+    last_seen: float | None
+    """Unix time of the last authenticated exchange; None: never."""
+    last_address: str | None
+    last_path: str | None
+    addresses: list[str]
+    """The ``host:port`` hints from its pairing code."""
+    relay: str | None
+    paired_at: float
+
+    @classmethod
+    def of(cls, peer: Peer) -> PeerView:
+        return cls(
+            name=peer.name,
+            node_id=str(peer.node_id),
+            allowed=peer.allowed,
+            last_seen=peer.last_seen,
+            last_address=peer.last_address or None,
+            last_path=peer.last_path or None,
+            addresses=peer.addresses,
+            relay=peer.relay or None,
+            paired_at=peer.paired_at,
+        )
+
+
+class PairView(msgspec.Struct):
+    """``pair``: the peer just paired with, and whether it has paired this node too."""
+
+    name: str
+    node_id: str
+    addresses: list[str]
+    allowed: bool
+    paired_back: str | None
+    """``ready``, ``not_paired``, ``unreachable`` or ``refused``; None when not checked."""
+    paired_back_reason: str | None
+
+    @classmethod
+    def of(cls, peer: Peer, check: PairCheck | None) -> PairView:
+        return cls(
+            name=peer.name,
+            node_id=str(peer.node_id),
+            addresses=peer.addresses,
+            allowed=peer.allowed,
+            paired_back=check.state if check else None,
+            paired_back_reason=(check.detail or None) if check else None,
+        )
+
+
+class ConnectView(msgspec.Struct):
+    """``connect``: the path to a peer and how fast it answers."""
+
+    peer: str
+    node_id: str
+    reachable: bool
+    path: str
+    """``direct``, ``direct (hole-punched) ADDR`` or ``relayed via RELAY``."""
+    address: str
+    rtt_ms: float
+    connect_ms: float
+    punch_ms: float | None
+    remote_version: str
+    sharing: bool
+    upload_mb_per_s: float | msgspec.UnsetType = msgspec.UNSET
+    """Only with ``--speed``."""
+
+    @classmethod
+    def of(cls, result: ConnectResult, throughput: ThroughputResult | None) -> ConnectView:
+        return cls(
+            peer=result.peer.name,
+            node_id=str(result.peer.node_id),
+            reachable=True,
+            path=result.path,
+            address=result.address,
+            rtt_ms=round(result.rtt_ms, 3),
+            connect_ms=round(result.connect_ms, 3),
+            punch_ms=None if result.punch_ms is None else round(result.punch_ms, 1),
+            remote_version=result.remote.version,
+            sharing=result.remote.sharing,
+            upload_mb_per_s=round(throughput.mb_per_s, 1) if throughput else msgspec.UNSET,
+        )
