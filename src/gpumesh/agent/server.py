@@ -115,6 +115,7 @@ class Agent:
         self._notifications: socket.socket | None = None
         self.machine = machine_size()
         config = home.config
+        jobs_dir = home.path / "jobs"
         provider = Provider(self.name, str(self.identity.node_id), self.host)
         if max_vram is None:
             configured_cap = str(config.get("max_vram") or "")
@@ -130,7 +131,8 @@ class Agent:
             config,
             self.identity,
             root=home.path / "files",
-            job_dirs=functools.partial(uploaded_workdirs, self.store, home.path / "jobs"),
+            # What a peer's jobs write in their uploaded workdirs counts in its quota.
+            job_dirs=functools.partial(uploaded_workdirs, self.store, jobs_dir),
         )
         self.containers = Containers(
             provider, config, self.store, self.share_limits, self.files, runtime=runtime
@@ -143,7 +145,7 @@ class Agent:
             gpus=self.gpus,
             files=self.files,
             share_limits=self.share_limits,
-            jobs_dir=home.path / "jobs",
+            jobs_dir=jobs_dir,
         )
         self.apps = AppService(provider, self.files, self.jobs, index_root=home.path / APPS)
         self.shells = ExecService(provider, self.containers, self.jobs.admission)
