@@ -19,6 +19,7 @@ from pathlib import Path
 import docker
 import pytest
 
+from gpumesh.agent.gpus import Holder, HolderKind
 from gpumesh.agent.server import Agent
 from gpumesh.client.jobs import JobCallbacks, cancel_job, follow_job, run_job
 from gpumesh.client.jobspec import JobSpec
@@ -255,10 +256,12 @@ def test_gpu_jobs_get_their_assigned_gpu_through_device_requests(cluster, engine
 
     async def scenario() -> None:
         async with providing(alice, inventory=inventory) as agent:
-            jobs = agent.jobs
-            assert jobs._assign_gpus(8 * 10**9) == ["1"]  # the GPU with room for it
+            jobs, gpus = agent.jobs, agent.gpus
+            holder = Holder(HolderKind.JOB, "feedfacecafe")
+            found = inventory.gpus()
+            assert gpus.choose(found, holder, 8 * 10**9) == ["1"]  # the GPU with room for it
             with pytest.raises(LimitError, match=r"the most free on alice is 70GB \(GPU 1 A100"):
-                jobs._assign_gpus(75 * 10**9)
+                gpus.choose(found, holder, 75 * 10**9)
             record = alice.home.store  # noqa: F841 - the spec needs a job record
             from gpumesh.store.db import JobRecord
 
@@ -291,7 +294,8 @@ def test_gpu_jobs_get_their_assigned_gpu_through_device_requests(cluster, engine
             )
             runtime = DockerRuntime()
             try:
-                container_id = runtime.create(jobs.container_spec(job, 1, jobs.job_user(IMAGE)))
+                who = agent.containers.job_user(IMAGE)
+                container_id = runtime.create(jobs.container_spec(job, 1, who))
             finally:
                 runtime.close()
             inspected = engine.api.inspect_container(container_id)
@@ -479,7 +483,7 @@ def test_peak_gpu_memory_is_measured_and_reported_to_the_submitter(cluster) -> N
                     break
                 await asyncio.sleep(0.1)
             run = agent.jobs._runs[job.job_id]
-            agent.jobs._inventory = _EveryProcessUsesGpuMemory("L4:24GB")
+            agent.gpus._inventory = _EveryProcessUsesGpuMemory("L4:24GB")
             sampler = asyncio.create_task(agent.jobs._sample_gpu_memory(run, record.container_id))
             await asyncio.sleep(0.5)
             sampler.cancel()

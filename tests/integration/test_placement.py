@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from gpumesh.agent.gpus import Holder, HolderKind
 from gpumesh.agent.server import Agent
 from gpumesh.client.node import Node
 from gpumesh.client.placement import choose, place, probe
@@ -103,7 +104,7 @@ def test_busy_members_are_skipped_and_running_jobs_count(make_node) -> None:
             pair_both(busy, me)
             pair_both(free, me)
             # A GPUMesh job holds busy's only GPU (as the job service records it).
-            agents["busy"].jobs._reservations = lambda: ({"0": 4 * 10**9}, {"0": 1})  # type: ignore[method-assign]
+            agents["busy"].gpus.hold(Holder(HolderKind.JOB, "x"), ["0"], 4 * 10**9)
             placement = await place(me, _members(me, ["busy", "free"]), 10**9)  # type: ignore[arg-type]
             assert placement.peer_name == "free"
             reasons = {c.name: c.reason for c in placement.candidates}
@@ -142,10 +143,11 @@ def test_the_chosen_gpu_is_the_one_the_job_gets(make_node) -> None:
             placement = await place(me, _members(me, ["multi"]), 20 * 10**9)  # type: ignore[arg-type]
             assert placement.chosen is not None and placement.chosen.gpu is not None
             assert placement.chosen.gpu.index == 2
-            jobs = agents["multi"].jobs
-            assert jobs._assign_gpus(20 * 10**9, "2") == ["2"]
+            gpus = agents["multi"].gpus
+            job = Holder(HolderKind.JOB, "j")
+            assert gpus.choose(gpus.inventory.gpus(), job, 20 * 10**9, "2") == ["2"]
             with pytest.raises(LimitError, match="on GPU 1 of multi is 10GB"):
-                jobs._assign_gpus(20 * 10**9, "1")
+                gpus.choose(gpus.inventory.gpus(), job, 20 * 10**9, "1")
 
     arun(scenario())
 

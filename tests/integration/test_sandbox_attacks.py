@@ -435,7 +435,7 @@ def test_handing_a_folder_to_a_job_never_changes_owners_outside(
             agent.files.owner = (47000, 47000)
             seam.at("walk", "e", lambda: swap_for_link(box / "w" / "e", outside))
             peer = alice.peer("bob")
-            return agent.apps.resolve_sandbox_dir(peer, "/w")
+            return agent.files.resolve_sandbox_dir(peer, "/w")
 
     assert arun(scenario()) == ("w",)
     assert seam.fired == [("walk", "e")]

@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gpumesh.agent.deps import Provider
 from gpumesh.agent.files import FileService, sandbox_parts, sandbox_path
 from gpumesh.client.files import parse_location
 from gpumesh.errors import AccessDeniedError, ConfigError, GPUMeshError
@@ -116,11 +117,9 @@ def test_any_dot_dot_anywhere_is_refused(parts: list[str], position: int) -> Non
 
 @pytest.fixture
 def service(tmp_path: Path) -> tuple[FileService, object, Path]:
-    agent = SimpleNamespace(
-        home=SimpleNamespace(path=tmp_path / "home", config=None), name="alice-pc"
-    )
+    provider = Provider(name="alice-pc", node_id="alice", host="127.0.0.1")
     peer = SimpleNamespace(node_id="bobbobbobbobbobbobbobbobbo", name="bob")
-    files = FileService(agent)  # type: ignore[arg-type]
+    files = FileService(provider, None, None, root=tmp_path / "home" / "files")  # type: ignore[arg-type]
     sandbox = files.sandbox(peer)  # type: ignore[arg-type]
     return files, peer, sandbox
 

@@ -1,7 +1,8 @@
 """The provider's side of `gpumesh app`: project folders synced into a peer's sandbox.
 
 An app lives at ``/apps/NAME`` in the peer's sandbox (see
-:mod:`gpumesh.agent.files`). A sync is content-addressed and incremental: the
+:mod:`gpumesh.agent.files`, which this service reaches only through the narrow
+:class:`~gpumesh.agent.deps.SandboxFiles`). A sync is content-addressed and incremental: the
 consumer sends a manifest (path, size, mode, SHA-256 of each file), the
 provider compares it with its index of what the consumer put there before and
 answers which files it needs and which it will delete, then applies a tar of
@@ -50,6 +51,8 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from gpumesh.agent.deps import Handlers, OwnedJobs, Provider, RequestContext, SandboxFiles
+from gpumesh.agent.sandboxfs import Usage, refusing, sandbox_parts
 from gpumesh.blocking import in_thread
 from gpumesh.errors import AccessDeniedError, ConfigError, GPUMeshError, ProtocolError
 from gpumesh.files.hashing import SHA256, new_hasher
@@ -63,12 +66,9 @@ from gpumesh.protocol.messages import (
     AppSync,
     AppSynced,
     FileResume,
-    Message,
 )
 
 if TYPE_CHECKING:
-    from gpumesh.agent.files import FileService, _Usage
-    from gpumesh.agent.server import RequestContext
     from gpumesh.store.db import Peer
     from gpumesh.transport.stream import Stream
 
@@ -106,8 +106,6 @@ class _StateFile(msgspec.Struct):
 
 def check_app_name(name: str) -> str:
     """``name`` when it is one plain folder name; refused otherwise."""
-    from gpumesh.agent.files import sandbox_parts
-
     parts = sandbox_parts(name)
     if len(parts) != 1 or parts[0] != name or name.startswith("."):
         raise AccessDeniedError(f"app name {name!r} must be one folder name, not a path")
@@ -122,12 +120,21 @@ def app_path(name: str) -> str:
 class AppService:
     """Apps in each peer's sandbox."""
 
-    def __init__(self, files: FileService) -> None:
+    def __init__(
+        self, provider: Provider, files: SandboxFiles, jobs: OwnedJobs, *, index_root: Path
+    ) -> None:
+        self.provider = provider
         self.files = files
-        self.index_root = files.agent.home.path / APPS
+        self.jobs = jobs
+        self.index_root = index_root
+        """``apps/`` of the home: each peer's app indexes (outside every sandbox)."""
         self._synced: dict[tuple[str, str], _Synced] = {}
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
         """One sync of an app at a time (they share its index)."""
+
+    def register(self, handlers: Handlers) -> None:
+        handlers.add(AppSync, self.handle_sync)
+        handlers.add(AppJobDir, self.handle_job_dir)
 
     def _index_file(self, peer: Peer, name: str) -> Path:
         folder = self.index_root / str(peer.node_id)
@@ -141,7 +148,7 @@ class AppService:
         try:
             remote = app_path(name)
         except (AccessDeniedError, ConfigError) as exc:
-            raise type(exc)(f"{self.files.agent.name} refused {exc.message}") from None
+            raise type(exc)(f"{self.provider.name} refused {exc.message}") from None
         parts = (APPS, name)
         with self.files.tree(peer) as tree:
             try:
@@ -152,22 +159,11 @@ class AppService:
                 if exc.errno == errno.ELOOP:
                     raise self.files.link_refused(remote) from None
                 if exc.errno == errno.ENOTDIR:
-                    raise ConfigError(
-                        f"{remote} is not a folder on {self.files.agent.name}"
-                    ) from None
+                    raise ConfigError(f"{remote} is not a folder on {self.provider.name}") from None
                 raise
 
-    async def handle_sync(self, ctx: RequestContext, message: Message) -> None:
-        assert isinstance(message, AppSync)
-        from gpumesh.agent.files import _os_error
-
-        try:
-            await self._sync(ctx, message)
-        except OSError as exc:
-            logger.debug("app sync failed", exc_info=True)
-            raise _os_error(exc) from None
-
-    async def _sync(self, ctx: RequestContext, message: AppSync) -> None:
+    @refusing
+    async def handle_sync(self, ctx: RequestContext, message: AppSync) -> None:
         key = (str(ctx.peer.node_id), message.name)
         lock = self._locks.setdefault(key, asyncio.Lock())
         async with lock:
@@ -205,7 +201,7 @@ class AppService:
         folder: Tree | None,
         listing: dict[str, tuple[int, int]],
         dry_run: bool,
-    ) -> _Usage | None:
+    ) -> Usage | None:
         """Fill ``listing`` with the folder's files; the peer's usage unless ``dry_run``."""
         if dry_run:
             if folder is not None:
@@ -220,7 +216,7 @@ class AppService:
         key: tuple[str, str],
         folder: Tree | None,
         index_file: Path,
-        walking: asyncio.Future[_Usage | None],
+        walking: asyncio.Future[Usage | None],
         listing: dict[str, tuple[int, int]],
     ) -> None:
         from gpumesh.files.manifest import apply_delta, digest
@@ -270,7 +266,7 @@ class AppService:
             stream.finish()
             return
         send = await stream.expect(AppSend)
-        usage.check(self.files.agent.name, send.size)
+        usage.check(self.provider.name, send.size)
         temp = self.files.partials(peer) / f"app-{secrets.token_hex(8)}"
         received = 0
         limit = max(0, usage.quota - usage.used)
@@ -326,9 +322,8 @@ class AppService:
             unchanged,
         )
 
-    async def handle_job_dir(self, ctx: RequestContext, message: Message) -> None:
-        assert isinstance(message, AppJobDir)
-        job = ctx.agent.jobs._owned(ctx, message.job_id)
+    async def handle_job_dir(self, ctx: RequestContext, message: AppJobDir) -> None:
+        job = self.jobs.owned(ctx.peer, message.job_id)
         relative = self._job_relative(ctx.peer, job.workdir, message.job_id)
         ctx.stream.send_message(AppJobDirReply(path="/" + relative), end=True)
 
@@ -345,32 +340,6 @@ class AppService:
                 "only jobs started with `gpumesh app run` can be pulled"
             )
         return workdir[len(root) :].replace(os.sep, "/")
-
-    def resolve_sandbox_dir(
-        self, peer: Peer, remote: str, missing: str = "sync it first"
-    ) -> tuple[str, ...]:
-        """A job's ``sandbox_dir`` (or a folder it mounts): the parts of an existing
-        folder inside the peer's sandbox, with no link on the way, handed to the
-        job's user (blocking). ``missing``: what to do when there is none."""
-        parts = self.files.parts(remote)
-        if not parts:
-            raise AccessDeniedError(
-                f"{self.files.agent.name} refused {remote!r}: name a folder inside your "
-                "sandbox, such as /datasets, not the sandbox itself"
-            )
-        with self.files.tree(peer) as tree:
-            try:
-                folder = tree.subtree(parts)
-            except OSError as exc:
-                if exc.errno == errno.ELOOP:
-                    raise self.files.link_refused(remote) from None
-                raise ConfigError(
-                    f"{remote} is not a folder on {self.files.agent.name}: {missing}"
-                ) from None
-        with folder:
-            if self.files.owner is not None:
-                folder.chown_all((), self.files.owner)
-        return parts
 
 
 class _NoHash:
@@ -410,8 +379,6 @@ def _parse_manifest(raw: bytes) -> Manifest:
 
 def _check_entry(path: object, size: object, mode: object, digest: object) -> str:
     """One manifest entry's fields, checked (types, bounds, a clean sandbox path); its path."""
-    from gpumesh.agent.files import sandbox_parts
-
     if not (
         isinstance(path, str)
         and isinstance(size, int)

@@ -24,6 +24,9 @@ import threading
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
+from gpumesh.agent.containers import Containers, JobUser
+from gpumesh.agent.deps import Handlers, Provider, RequestContext
+from gpumesh.agent.limits import Admission
 from gpumesh.blocking import in_thread
 from gpumesh.errors import (
     ConnectionLostError,
@@ -54,12 +57,10 @@ from gpumesh.runtime.base import (
 )
 
 if TYPE_CHECKING:
-    from gpumesh.agent.jobs import JobUser
-    from gpumesh.agent.server import Agent, RequestContext
     from gpumesh.store.db import Peer
     from gpumesh.transport.stream import Stream
 
-__all__ = ["ExecService", "handle_exec_start"]
+__all__ = ["ExecService"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,14 +76,21 @@ _STOP_TIMEOUT = 10.0
 class ExecService:
     """Interactive containers of one agent."""
 
-    def __init__(self, agent: Agent) -> None:
-        self.agent = agent
+    def __init__(self, provider: Provider, containers: Containers, admission: Admission) -> None:
+        self.provider = provider
+        self.containers = containers
+        """The engine, images, user and limits: the same as jobs get."""
+        self.admission = admission
+        """Shared with the job service: shells and jobs count against the same limits."""
         self._live: set[str] = set()
         """Containers of open sessions, removed on stop."""
 
+    def register(self, handlers: Handlers) -> None:
+        handlers.add(ExecStart, self.handle_start)
+
     @property
     def runtime(self) -> JobRuntime:
-        return self.agent.jobs.runtime  # one engine connection pool per agent
+        return self.containers.runtime  # one engine connection pool per agent
 
     def stop(self) -> None:
         """Remove the containers of open sessions (blocking, bounded)."""
@@ -109,12 +117,12 @@ class ExecService:
                 raise LimitError(f"{key} may not be set: the provider decides GPU access")
         # Held from before the image check (no pull for a peer at its limit) until the
         # container is gone: max_shells_per_peer, and its memory within share_memory.
-        with self.agent.jobs.admission.shell(ctx.peer.node_id):
+        with self.admission.shell(ctx.peer.node_id):
             await self._open(ctx, message)
 
     async def _open(self, ctx: RequestContext, message: ExecStart) -> None:
-        await self.agent.jobs.check_image(message.image)
-        who = await self.agent.jobs.who_runs(message.image)
+        await self.containers.check_image(message.image)
+        who = await self.containers.who_runs(message.image)
         spec = self.container_spec(ctx.peer, message, who)
         runtime = self.runtime
         container_id = await in_thread(runtime.create_interactive, spec, message.tty)
@@ -125,7 +133,7 @@ class ExecService:
             await in_thread(runtime.start, container_id)
             if message.tty and message.rows and message.cols:
                 await self._resize(container_id, message.rows, message.cols)
-            ctx.stream.send_message(ExecStarted(provider=self.agent.name))
+            ctx.stream.send_message(ExecStarted(provider=self.provider.name))
             logger.info("[%s] opened a shell in %s (%s)", ctx.peer.name, spec.name, spec.image)
             try:
                 exit_code = await self._serve(ctx, container_id, terminal, message.tty)
@@ -153,11 +161,11 @@ class ExecService:
             env=dict(message.env),
             labels={
                 LABEL_PEER: peer.node_id,
-                LABEL_NODE: self.agent.node_id,
+                LABEL_NODE: self.provider.node_id,
                 LABEL_KIND: KIND_EXEC,
             },
             name=f"gpumesh-exec-{secrets.token_hex(6)}",
-            **asdict(self.agent.jobs.limits()),
+            **asdict(self.containers.limits()),
             user=who.user,
             writable_root=who.writable_root,
             storage_size=who.storage_size,
@@ -278,8 +286,3 @@ def _read_output(
 async def _send_output(stream: Stream, queue: asyncio.Queue[bytes]) -> None:
     while data := await queue.get():
         await stream.send_data(data)
-
-
-async def handle_exec_start(ctx: RequestContext, message: Message) -> None:
-    assert isinstance(message, ExecStart)
-    await ctx.agent.shells.handle_start(ctx, message)

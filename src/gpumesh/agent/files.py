@@ -13,7 +13,7 @@ files) takes a channel when its request asks for one: :meth:`FileService.offer_c
 job and app services too.
 
 Paths: a remote path names a place inside the sandbox; a leading ``/`` is the
-sandbox root. :func:`sandbox_parts` is the pure check every request goes
+sandbox root. :func:`~gpumesh.agent.sandboxfs.sandbox_parts` is the pure check every request goes
 through (no ``..``, no NUL, control characters or backslashes, no component
 over 255 bytes). The sandbox is then only ever reached through
 :class:`gpumesh.files.sandbox.Tree`: relative to directory descriptors, one
@@ -54,11 +54,21 @@ import secrets
 import shutil
 import stat
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from gpumesh.agent.deps import Handlers, Provider, RequestContext, Settings
+from gpumesh.agent.sandboxfs import (
+    Listing,
+    Usage,
+    os_refusal,
+    refusing,
+    sandbox_parts,
+    sandbox_path,
+    shown,
+)
 from gpumesh.blocking import in_thread
 from gpumesh.errors import (
     AccessDeniedError,
@@ -66,7 +76,6 @@ from gpumesh.errors import (
     ConfigError,
     ConnectionLostError,
     GPUMeshError,
-    LimitError,
     NotFoundError,
     ProtocolError,
     UnreachableError,
@@ -99,20 +108,21 @@ from gpumesh.protocol.messages import (
     FileStat,
     Message,
 )
-from gpumesh.units import format_size, parse_size
+from gpumesh.units import parse_size
 
 if TYPE_CHECKING:
     import ssl
 
-    from gpumesh.agent.server import Agent, RequestContext
     from gpumesh.files.channel import Channel, Listener
     from gpumesh.files.pack import PackPlan
+    from gpumesh.identity.keys import Identity
     from gpumesh.store.db import Peer
     from gpumesh.transport.quic import QuicLink
     from gpumesh.transport.stream import Stream
 
 __all__ = [
     "FileService",
+    "TarOffer",
     "sandbox_parts",
     "sandbox_path",
     "shown",
@@ -122,7 +132,6 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-MAX_NAME_BYTES = 255
 PARTIALS = ".partial"
 """Folder under ``files/`` holding partial uploads (node ids never start with a dot)."""
 PARTIAL_TTL = 7 * 86400.0
@@ -135,71 +144,6 @@ _CHANNEL_STALL = 20.0
 """Seconds without progress on a data channel after which it counts as dropped."""
 
 
-# --- paths -----------------------------------------------------------------------------------
-
-
-def sandbox_parts(remote: str) -> tuple[str, ...]:
-    """The checked components of a sandbox path; ``()`` is the sandbox root.
-
-    Pure: no file system access. A leading ``/`` is the sandbox root, and
-    empty and ``.`` components are dropped. Raises ``AccessDeniedError`` for
-    ``..`` anywhere (even when it would stay inside), and ``ConfigError`` for
-    names no peer should send: NUL and other control characters, backslashes
-    (a Windows separator here would be part of a name), components longer
-    than 255 bytes.
-    """
-    parts = []
-    for part in remote.split("/"):
-        if part in ("", "."):
-            continue
-        if part == "..":
-            raise AccessDeniedError(
-                f"{remote!r} climbs out with '..': remote paths stay inside your folder"
-            )
-        if any(ord(char) < 0x20 or ord(char) == 0x7F for char in part):
-            raise ConfigError(f"{remote!r} has a control character in a name; rename it")
-        if "\\" in part:
-            raise ConfigError(f"{remote!r} has a backslash in a name; separate folders with /")
-        try:
-            encoded = part.encode("utf-8")
-        except UnicodeEncodeError:
-            raise ConfigError(f"{remote!r} is not valid UTF-8; rename it") from None
-        if len(encoded) > MAX_NAME_BYTES:
-            raise ConfigError(f"a name in {remote!r} is longer than {MAX_NAME_BYTES} bytes")
-        parts.append(part)
-    return tuple(parts)
-
-
-def sandbox_path(root: Path, remote: str) -> Path:
-    """Where ``remote`` lies under the sandbox ``root``, symlinks not yet considered."""
-    return root.joinpath(*sandbox_parts(remote))
-
-
-def shown(remote: str) -> str:
-    """A remote path as users write it: from the sandbox root, with a leading ``/``."""
-    text = "/" + "/".join(part for part in remote.split("/") if part not in ("", "."))
-    return text if text.isprintable() else repr(text)
-
-
-# --- the service ----------------------------------------------------------------------------
-
-Handler = Callable[["FileService", "RequestContext", Message], Awaitable[None]]
-
-
-def _refusing(handler: Handler) -> Handler:
-    """OS errors met while serving become refusals that say what happened."""
-
-    @functools.wraps(handler)
-    async def wrapped(service: FileService, ctx: RequestContext, message: Message) -> None:
-        try:
-            await handler(service, ctx, message)
-        except OSError as exc:
-            logger.debug("file request failed", exc_info=True)
-            raise _os_error(exc) from None
-
-    return wrapped
-
-
 @dataclass
 class _Active:
     """An upload in progress: what it holds of the quota, and how to stop it."""
@@ -207,26 +151,6 @@ class _Active:
     reserved: int
     stream: Stream | None = None
     done: asyncio.Event = field(default_factory=asyncio.Event)
-
-
-_Listing = tuple[Sequence[str], dict[str, tuple[int, int]]]
-"""A folder in a sandbox (its parts), and the dict a walk fills with its regular
-files: path from that folder -> (size, mtime_ns)."""
-
-
-@dataclass(frozen=True)
-class _Usage:
-    used: int
-    quota: int
-
-    def check(self, provider: str, extra: int) -> None:
-        if self.used + extra > self.quota:
-            raise LimitError(
-                f"{provider} keeps at most {format_size(self.quota)} of files for you (its "
-                f"file_quota); {format_size(self.used)} is in use and this needs "
-                f"{format_size(extra)} more: free space in your folder there, or ask its "
-                "owner to raise file_quota"
-            )
 
 
 @dataclass
@@ -254,10 +178,20 @@ class FileService:
     """Each allowed peer's sandbox on this provider."""
 
     def __init__(
-        self, agent: Agent, *, job_dirs: Callable[[str], list[Path]] | None = None
+        self,
+        provider: Provider,
+        settings: Settings,
+        identity: Identity,
+        *,
+        root: Path,
+        job_dirs: Callable[[str], list[Path]] | None = None,
     ) -> None:
-        self.agent = agent
-        self.root = agent.home.path / "files"
+        self.provider = provider
+        self.settings = settings
+        self.identity = identity
+        """Whose certificate data channels present."""
+        self.root = root
+        """``files/`` of the home: the sandboxes, and the partial uploads in ``.partial``."""
         self.owner: tuple[int, int] | None = None
         """Who owns what a peer stores here: the host uid:gid its jobs run as, set
         by the job service once it asked the engine; None until then (what is
@@ -267,6 +201,15 @@ class FileService:
         self._active: dict[str, dict[str, _Active]] = {}
         """Peer id -> name in its partials folder -> the upload writing it."""
         self._tls: ssl.SSLContext | None = None
+
+    def register(self, handlers: Handlers) -> None:
+        handlers.add(FileStat, self.handle_stat)
+        handlers.add(FilePut, self.handle_put)
+        handlers.add(FileGet, self.handle_get)
+        handlers.add(DirPut, self.handle_dir_put)
+        handlers.add(DirGet, self.handle_dir_get)
+        handlers.add(ChannelPut, self.handle_channel_put)
+        handlers.add(ChannelGet, self.handle_channel_get)
 
     # --- places -------------------------------------------------------------------------
 
@@ -295,25 +238,50 @@ class FileService:
         try:
             return sandbox_parts(remote)
         except GPUMeshError as exc:
-            raise type(exc)(f"{self.agent.name} refused {exc.message}") from None
+            raise type(exc)(f"{self.provider.name} refused {exc.message}") from None
 
     def _where(self, remote: str) -> str:
-        return f"{self.agent.name}:{shown(remote)}"
+        return f"{self.provider.name}:{shown(remote)}"
 
     def link_refused(self, remote: str) -> AccessDeniedError:
         return AccessDeniedError(
-            f"{self.agent.name} refused {shown(remote)}: a symlink is on that path, and "
+            f"{self.provider.name} refused {shown(remote)}: a symlink is on that path, and "
             "links in your folder are never followed"
         )
 
+    def resolve_sandbox_dir(
+        self, peer: Peer, remote: str, missing: str = "sync it first"
+    ) -> tuple[str, ...]:
+        """A job's ``sandbox_dir`` (or a folder it mounts): the parts of an existing
+        folder inside the peer's sandbox, with no link on the way, handed to the
+        job's user (blocking). ``missing``: what to do when there is none."""
+        parts = self.parts(remote)
+        if not parts:
+            raise AccessDeniedError(
+                f"{self.provider.name} refused {remote!r}: name a folder inside your "
+                "sandbox, such as /datasets, not the sandbox itself"
+            )
+        with self.tree(peer) as tree:
+            try:
+                folder = tree.subtree(parts)
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    raise self.link_refused(remote) from None
+                raise ConfigError(
+                    f"{remote} is not a folder on {self.provider.name}: {missing}"
+                ) from None
+        with folder:
+            if self.owner is not None:
+                folder.chown_all((), self.owner)
+        return parts
+
     def quota(self) -> int:
-        return parse_size(str(self.agent.home.config.get("file_quota")))
+        return parse_size(str(self.settings.get("file_quota")))
 
     # --- requests -----------------------------------------------------------------------
 
-    @_refusing
-    async def handle_stat(self, ctx: RequestContext, message: Message) -> None:
-        assert isinstance(message, FileStat)
+    @refusing
+    async def handle_stat(self, ctx: RequestContext, message: FileStat) -> None:
         info = await in_thread(self._stat, ctx.peer, message.path)
         ctx.stream.send_message(info, end=True)
 
@@ -366,7 +334,7 @@ class FileService:
             return ConfigError(f"{where} is a folder")
         if exc.errno == errno.EPERM:
             return AccessDeniedError(f"{where} is not a regular file (a device, pipe or socket)")
-        return _os_error(exc)
+        return os_refusal(exc)
 
     def open_regular(self, peer: Peer, remote: str) -> int:
         """A regular file of the peer's, opened for reading (blocking)."""
@@ -377,9 +345,8 @@ class FileService:
             except OSError as exc:
                 raise self._refusal(exc, remote) from None
 
-    @_refusing
-    async def handle_get(self, ctx: RequestContext, message: Message) -> None:
-        assert isinstance(message, FileGet)
+    @refusing
+    async def handle_get(self, ctx: RequestContext, message: FileGet) -> None:
         where = self._where(message.path)
         fd = await in_thread(self.open_regular, ctx.peer, message.path)
         async with worker(cleanup=lambda: os.close(fd)) as runner:
@@ -400,10 +367,9 @@ class FileService:
         await _until_finished(stream)
         logger.info("[%s] sent %s (%d bytes)", ctx.peer.name, where, st.st_size - message.offset)
 
-    @_refusing
-    async def handle_put(self, ctx: RequestContext, message: Message) -> None:
-        assert isinstance(message, FilePut)
-        peer, name = ctx.peer, self.agent.name
+    @refusing
+    async def handle_put(self, ctx: RequestContext, message: FilePut) -> None:
+        peer, name = ctx.peer, self.provider.name
         where = self._where(message.path)
         parts, relative = self._file_target(message.path)
         if message.digest is not None:  # an older consumer: its SHA-256 up front
@@ -488,9 +454,8 @@ class FileService:
         await runner.call(self._place_file, ctx.peer, fd, message.mode, partial, message.path)
         return digest
 
-    @_refusing
-    async def handle_dir_get(self, ctx: RequestContext, message: Message) -> None:
-        assert isinstance(message, DirGet)
+    @refusing
+    async def handle_dir_get(self, ctx: RequestContext, message: DirGet) -> None:
         from gpumesh.files.pack import tar_size
 
         where = self._where(message.path)
@@ -548,10 +513,9 @@ class FileService:
             folder.close()
             raise
 
-    @_refusing
-    async def handle_dir_put(self, ctx: RequestContext, message: Message) -> None:
-        assert isinstance(message, DirPut)
-        peer, name = ctx.peer, self.agent.name
+    @refusing
+    async def handle_dir_put(self, ctx: RequestContext, message: DirPut) -> None:
+        peer, name = ctx.peer, self.provider.name
         parts = self.parts(message.path)
         where = self._where(message.path)
         await in_thread(self._check_folder_target, peer, parts, message.path)
@@ -596,7 +560,7 @@ class FileService:
     # --- the data channel ------------------------------------------------------------------
 
     def channel_enabled(self) -> bool:
-        return str(self.agent.home.config.get("data_channel")) == "on"
+        return str(self.settings.get("data_channel")) == "on"
 
     def _listener(self, peer: str) -> Listener:
         """A one-shot TLS listener on the share address, with a fresh ticket, that admits
@@ -604,11 +568,13 @@ class FileService:
         from gpumesh.files.channel import Listener, server_context
 
         if not self.channel_enabled():
-            raise UnreachableError(f"{self.agent.name} opens no data channels (data_channel off)")
+            raise UnreachableError(
+                f"{self.provider.name} opens no data channels (data_channel off)"
+            )
         if self._tls is None:
-            self._tls = server_context(self.agent.identity)
+            self._tls = server_context(self.identity)
         try:
-            return Listener(self.agent.host, self._tls, secrets.token_bytes(32), peer=peer)
+            return Listener(self.provider.host, self._tls, secrets.token_bytes(32), peer=peer)
         except OSError as exc:
             raise UnreachableError(f"cannot open a data channel: {exc.strerror or exc}") from None
         except ValueError as exc:
@@ -729,13 +695,12 @@ class FileService:
             offer.close()
         return True
 
-    @_refusing
-    async def handle_channel_put(self, ctx: RequestContext, message: Message) -> None:
+    @refusing
+    async def handle_channel_put(self, ctx: RequestContext, message: ChannelPut) -> None:
         """``FilePut`` with the bytes over a data channel and the hash at the end."""
         from gpumesh.files.channel import receive_file
 
-        assert isinstance(message, ChannelPut)
-        peer, name, stream = ctx.peer, self.agent.name, ctx.stream
+        peer, name, stream = ctx.peer, self.provider.name, ctx.stream
         where = self._where(message.path)
         if not self.channel_enabled():
             raise UnreachableError(f"{name} opens no data channels (data_channel off)")
@@ -802,12 +767,11 @@ class FileService:
             offset,
         )
 
-    @_refusing
-    async def handle_channel_get(self, ctx: RequestContext, message: Message) -> None:
+    @refusing
+    async def handle_channel_get(self, ctx: RequestContext, message: ChannelGet) -> None:
         """``FileGet`` with the bytes over a data channel."""
         from gpumesh.files.channel import send_file
 
-        assert isinstance(message, ChannelGet)
         where = self._where(message.path)
         listener = self._listener(ctx.link.remote_address()[0])
         try:
@@ -871,7 +835,7 @@ class FileService:
                 await asyncio.wait_for(previous.done.wait(), _TAKEOVER_WAIT)
             except TimeoutError:
                 raise AgentError(
-                    f"{self.agent.name} is still finishing an earlier upload of this file; "
+                    f"{self.provider.name} is still finishing an earlier upload of this file; "
                     "try again in a minute"
                 ) from None
         claim = _Active(reserve, stream)
@@ -883,7 +847,7 @@ class FileService:
                 del active[key]
             claim.done.set()
 
-    async def usage(self, peer: Peer, exclude: str = "", listing: _Listing | None = None) -> _Usage:
+    async def usage(self, peer: Peer, exclude: str = "", listing: Listing | None = None) -> Usage:
         """Bytes the peer holds here: its sandbox, its partial uploads, its jobs'
         uploaded workdirs, and uploads in flight (all but ``exclude``).
 
@@ -894,9 +858,9 @@ class FileService:
         busy = set(active)
         reserved = sum(claim.reserved for name, claim in active.items() if name != exclude)
         stored = await in_thread(self._stored_bytes, peer, busy | {exclude}, listing)
-        return _Usage(stored + reserved, self.quota())
+        return Usage(stored + reserved, self.quota())
 
-    def _stored_bytes(self, peer: Peer, busy: set[str], listing: _Listing | None) -> int:
+    def _stored_bytes(self, peer: Peer, busy: set[str], listing: Listing | None) -> int:
         """Bytes in the peer's regular files (walked through descriptors), idle
         partials (old ones removed) and job workdirs (blocking)."""
         with self.tree(peer) as tree:
@@ -1112,21 +1076,7 @@ def _guarded(function: Callable[..., T], *args: Any) -> T:
     try:
         return function(*args)
     except OSError as exc:
-        raise _os_error(exc) from None
-
-
-def _os_error(exc: OSError) -> GPUMeshError:
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return LimitError("the provider's disk is full")
-    if exc.errno == errno.ENOTDIR:
-        return ConfigError("a folder in that path is a file on the provider")
-    if exc.errno == errno.EISDIR:
-        return ConfigError("that path is a folder on the provider")
-    if exc.errno in (errno.EACCES, errno.EPERM):
-        return AccessDeniedError("the provider may not touch that path (permission denied)")
-    if exc.errno == errno.ENAMETOOLONG:
-        return ConfigError("that path is too long for the provider's file system")
-    return AgentError(f"the provider could not do that: {exc.strerror or exc}")
+        raise os_refusal(exc) from None
 
 
 def _partial_key(

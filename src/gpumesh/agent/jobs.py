@@ -1,8 +1,10 @@
 """The provider's job service: accept, run, supervise, recover and stream jobs.
 
 Owns the hosted jobs of this node: their records and event logs in the store,
-their containers (through :class:`~gpumesh.runtime.base.JobRuntime`), their
-GPU assignment, and the requests ``JobSubmit``, ``JobLogs``, ``JobQuery`` and ``JobCancel``.
+their containers (through :class:`~gpumesh.runtime.base.JobRuntime`, as
+:class:`~gpumesh.agent.containers.Containers` sets them up), their GPU memory
+(reserved with :class:`~gpumesh.agent.gpus.GpuAllocator` from acceptance until
+the job ends), and the requests ``JobSubmit``, ``JobLogs``, ``JobQuery`` and ``JobCancel``.
 
 Durability: output read from the engine is appended to the job's event log
 together with the engine-log cursor, in one transaction. Containers outlive
@@ -31,21 +33,22 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from gpumesh.agent.files import shown
-from gpumesh.agent.images import ImageKeeper, check_allowed
-from gpumesh.agent.jobstate import (
-    FINAL_STATES,
-    OWNER_CANCELLED,
-    REVOKED,
-    Decision,
-    JobMachine,
-    JobState,
+from gpumesh.agent.containers import Containers, JobUser
+from gpumesh.agent.deps import (
+    Handlers,
+    Provider,
+    RequestContext,
+    SandboxFiles,
+    Settings,
 )
-from gpumesh.agent.limits import Admission, Claim, Kind, ShareLimits, machine_size
+from gpumesh.agent.gpus import GpuAllocator, Holder, HolderKind
+from gpumesh.agent.jobstate import OWNER_CANCELLED, REVOKED, Decision, JobMachine
+from gpumesh.agent.limits import Admission, Claim, Kind, ShareLimits
+from gpumesh.agent.sandboxfs import shown
 from gpumesh.blocking import in_thread
 from gpumesh.errors import (
     AccessDeniedError,
@@ -59,11 +62,9 @@ from gpumesh.errors import (
 )
 from gpumesh.files.hashing import SHA256, new_hasher
 from gpumesh.files.sandbox import Tree
-from gpumesh.gpu.inventory import GpuInfo, GpuInventory
 from gpumesh.protocol.joboutput import UNKNOWN, OutputPosition, encode_events
 from gpumesh.protocol.messages import (
     MAX_OUTPUT_CHUNK,
-    GpuReport,
     JobAccepted,
     JobCancel,
     JobLogs,
@@ -73,6 +74,7 @@ from gpumesh.protocol.messages import (
     JobStatus,
     JobSubmit,
 )
+from gpumesh.protocol.states import FINAL_STATES, JobRole, JobState
 from gpumesh.runtime.base import (
     LABEL_ATTEMPT,
     LABEL_JOB,
@@ -86,21 +88,18 @@ from gpumesh.runtime.base import (
     Mount,
     mount_target_problem,
 )
-from gpumesh.runtime.users import job_identity
-from gpumesh.store.db import JobRecord
+from gpumesh.store.db import JobRecord, Store
 from gpumesh.units import format_size, parse_size
 
 if TYPE_CHECKING:
     from gpumesh.agent.files import TarOffer
-    from gpumesh.agent.server import Agent, RequestContext
     from gpumesh.store.db import Peer
     from gpumesh.transport.stream import Stream
 
-__all__ = ["HOSTED", "JobService"]
+__all__ = ["JobService", "uploaded_workdirs"]
 
 logger = logging.getLogger(__name__)
 
-HOSTED = "hosted"
 T = TypeVar("T")
 TIMEOUT_EXIT = ExitCode.JOB_TIMED_OUT
 """Exit code of an attempt stopped by its timeout (as coreutils `timeout` reports)."""
@@ -127,6 +126,13 @@ QUOTA_INTERVAL = 5.0
 """Seconds between checks of what a running job's peer stores against its file_quota."""
 
 
+def uploaded_workdirs(store: Store, jobs_dir: Path, peer_id: str) -> list[Path]:
+    """The uploaded workdirs of a peer's jobs still on disk (not its sandbox folders):
+    what its jobs write there counts in its file_quota."""
+    root = str(jobs_dir) + os.sep
+    return [Path(w) for w in store.hosted_workdirs(peer_id) if w.startswith(root)]
+
+
 def _hand_over(job_dir: Path, work: Path, owner: tuple[int, int] | None) -> None:
     """Give the job's user its workdir: owned by it, never writable by anyone else.
 
@@ -143,32 +149,6 @@ def _hand_over(job_dir: Path, work: Path, owner: tuple[int, int] | None) -> None
 def _state_data(state: str, exit_code: int | None, message: str, peak: int) -> bytes:
     info = {"state": state, "exit_code": exit_code, "message": message, "peak_gpu_memory": peak}
     return json.dumps(info).encode()
-
-
-@dataclass(frozen=True)
-class ContainerLimits:
-    """What every container run for a peer (job or shell) may use on this provider."""
-
-    memory: int
-    pids_limit: int
-    cpus: float
-    network: Literal["bridge", "none"]
-    tmp_size: int
-    """/tmp and HOME, each (tmpfs: counted in ``memory``)."""
-    shm_size: int
-
-
-@dataclass(frozen=True)
-class JobUser:
-    """Who a peer's containers run as, and what of their file system they may write."""
-
-    user: str
-    """``UID:GID`` inside the container."""
-    owner: tuple[int, int]
-    """The host uid:gid that must own what the container may write (its workdir)."""
-    writable_root: bool
-    storage_size: int
-    """Bytes of the writable root filesystem, where the engine can bound it; 0: unbounded."""
 
 
 class _Run:
@@ -199,50 +179,43 @@ class JobService:
 
     def __init__(
         self,
-        agent: Agent,
+        provider: Provider,
+        settings: Settings,
+        store: Store,
         *,
-        runtime: JobRuntime | None = None,
-        inventory: GpuInventory | None = None,
-        max_vram: int | None = None,
+        containers: Containers,
+        gpus: GpuAllocator,
+        files: SandboxFiles,
+        share_limits: Callable[[], ShareLimits],
+        jobs_dir: Path,
     ) -> None:
-        self.agent = agent
-        self.store = agent.store
-        self._runtime = runtime
-        self._owns_runtime = runtime is None
-        self._inventory = inventory
-        config = agent.home.config
-        configured_cap = str(config.get("max_vram") or "")
-        self.max_vram = (
-            max_vram
-            if max_vram is not None
-            else (parse_size(configured_cap) if configured_cap else 0)
-        )
-        self.jobs_dir = agent.home.path / "jobs"
+        self.provider = provider
+        self.settings = settings
+        self.store = store
+        self.containers = containers
+        self.gpus = gpus
+        """Where each job's GPU memory is promised, from acceptance until it ends."""
+        self.files = files
+        self.jobs_dir = jobs_dir
         self._runs: dict[str, _Run] = {}
         self._changed = asyncio.Condition()
-        self.images = ImageKeeper(agent.store, lambda: self.runtime, provider=agent.name)
-        self.machine = machine_size()
-        self.admission = Admission(self.share_limits, self._claims, agent.name)
+        self.admission = Admission(share_limits, self._claims, provider.name)
         """Admits jobs and shells (max_jobs_per_peer, max_shells_per_peer, share_memory)."""
+        # What unfinished jobs were promised holds again from the start, before any
+        # request is served: they will run (again).
+        for job in store.unfinished_hosted_jobs():
+            gpus.hold(_holder(job.job_id), job.gpus, job.gpu_memory)
 
-    # --- collaborators (created lazily: an agent without Docker still serves pings) ---
+    def register(self, handlers: Handlers) -> None:
+        handlers.add(JobSubmit, self.handle_submit)
+        handlers.add(JobLogs, self.handle_logs)
+        handlers.add(JobCancel, self.handle_cancel)
+        handlers.add(JobQuery, self.handle_query)
 
     @property
     def runtime(self) -> JobRuntime:
-        if self._runtime is None:
-            from gpumesh.runtime.docker import DockerRuntime
-
-            pull_timeout = float(self.agent.home.config.get("pull_timeout"))
-            self._runtime = DockerRuntime(pull_timeout=pull_timeout)
-        return self._runtime
-
-    @property
-    def inventory(self) -> GpuInventory:
-        if self._inventory is None:
-            from gpumesh.gpu.inventory import detect_inventory
-
-            self._inventory = detect_inventory()
-        return self._inventory
+        """The engine (made on first use: an agent without Docker still serves pings)."""
+        return self.containers.runtime
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -250,7 +223,7 @@ class JobService:
         """Re-attach to this node's job containers after a (re)start; clean orphans."""
         unfinished = self.store.unfinished_hosted_jobs()
         try:
-            containers = await in_thread(self.runtime.list_jobs, self.agent.node_id)
+            containers = await in_thread(self.runtime.list_jobs, self.provider.node_id)
         except GPUMeshError as exc:
             if unfinished:
                 logger.warning("cannot recover %d job(s) yet: %s", len(unfinished), exc)
@@ -299,8 +272,6 @@ class JobService:
         for run in self._runs.values():
             if run.task is not None:
                 run.task.cancel()
-        if self._owns_runtime and self._runtime is not None:
-            self._runtime.close()
 
     async def _notify(self) -> None:
         async with self._changed:
@@ -310,7 +281,7 @@ class JobService:
 
     async def handle_submit(self, ctx: RequestContext, message: JobSubmit) -> None:
         peer = ctx.peer
-        existing = self.store.job(HOSTED, message.job_id)
+        existing = self.store.job(JobRole.HOSTED, message.job_id)
         if existing is not None:
             if existing.peer_id != peer.node_id:
                 raise AccessDeniedError(f"job id {message.job_id} is taken; submit again")
@@ -320,7 +291,7 @@ class JobService:
                     JobAccepted(
                         job_id=existing.job_id,
                         gpus=existing.gpus,
-                        provider=self.agent.name,
+                        provider=self.provider.name,
                         mounts=[m["target"] for m in existing.mounts],
                     )
                 )
@@ -334,43 +305,49 @@ class JobService:
             await self._discard(existing.job_id)
         self._check_env(message)
         self.admission.admit_job(peer.node_id)  # before any image is pulled for it
-        limit = parse_size(str(self.agent.home.config.get("upload_limit")))
+        limit = parse_size(str(self.settings.get("upload_limit")))
         if message.workdir_bytes > limit:
             raise LimitError(
-                f"the workdir is {format_size(message.workdir_bytes)}; {self.agent.name} accepts "
-                f"at most {format_size(limit)} (its upload_limit): trim it with .gpumeshignore"
+                f"the workdir is {format_size(message.workdir_bytes)}; {self.provider.name} "
+                f"accepts at most {format_size(limit)} (its upload_limit): trim it with "
+                ".gpumeshignore"
             )
         workdir = ""
         if message.sandbox_dir:
             if message.workdir_bytes:
                 raise ProtocolError("a job has an uploaded workdir or a sandbox_dir, not both")
-            parts = await in_thread(self.agent.apps.resolve_sandbox_dir, peer, message.sandbox_dir)
-            workdir = str(self.agent.files.sandbox(peer).joinpath(*parts))
+            parts = await in_thread(self.files.resolve_sandbox_dir, peer, message.sandbox_dir)
+            workdir = str(self.files.sandbox(peer).joinpath(*parts))
             self._check_nesting(peer.node_id, workdir, message.sandbox_dir)
         mounts = await self._resolve_mounts(peer, message.mounts, workdir)
-        gpus = await in_thread(self._assign_gpus, message.gpu_memory, message.gpu)
-        await self.check_image(message.image)
-        await self.who_runs(message.image)
-        record = JobRecord(
-            role=HOSTED,
-            job_id=message.job_id,
-            peer_id=peer.node_id,
-            peer_name=peer.name,
-            image=message.image,
-            command=list(message.command),
-            env=dict(message.env),
-            gpu_memory=message.gpu_memory,
-            gpus=gpus,
-            retries=message.retries,
-            timeout=message.timeout,
-            workdir=workdir,
-            created_at=time.time(),
-            mounts=mounts,
-        )
-        # Again, with nothing awaited before the record claims it: a submit that
-        # raced this one through the checks above may have taken the last place.
-        self.admission.admit_job(peer.node_id)
-        self.store.add_job(record)
+        holder = _holder(message.job_id)
+        gpus = await self.gpus.reserve(holder, message.gpu_memory, message.gpu)
+        try:
+            await self.containers.check_image(message.image)
+            await self.containers.who_runs(message.image)
+            record = JobRecord(
+                role=JobRole.HOSTED,
+                job_id=message.job_id,
+                peer_id=peer.node_id,
+                peer_name=peer.name,
+                image=message.image,
+                command=list(message.command),
+                env=dict(message.env),
+                gpu_memory=message.gpu_memory,
+                gpus=gpus,
+                retries=message.retries,
+                timeout=message.timeout,
+                workdir=workdir,
+                created_at=time.time(),
+                mounts=mounts,
+            )
+            # Again, with nothing awaited before the record claims it: a submit that
+            # raced this one through the checks above may have taken the last place.
+            self.admission.admit_job(peer.node_id)
+            self.store.add_job(record)
+        except BaseException:
+            self.gpus.release(holder)
+            raise
         run = _Run(record)
         self._runs[record.job_id] = run
         logger.info("[job %s] accepted from %s: %s", record.job_id, peer.name, record.image)
@@ -378,11 +355,11 @@ class JobService:
         accepted = JobAccepted(
             job_id=record.job_id,
             gpus=gpus,
-            provider=self.agent.name,
+            provider=self.provider.name,
             mounts=[m["target"] for m in mounts],
         )
         wanted = message.channel and message.workdir_bytes > 0
-        offer = self.agent.files.offer_channel(ctx, wanted, accepted)
+        offer = self.files.offer_channel(ctx, wanted, accepted)
         if message.workdir_bytes:
             try:
                 await self._receive_workdir(ctx, run, message.workdir_bytes, limit, offer)
@@ -397,13 +374,13 @@ class JobService:
             ctx.stream.finish()
 
     async def handle_logs(self, ctx: RequestContext, message: JobLogs) -> None:
-        job = self._owned(ctx, message.job_id)
+        job = self.owned(ctx.peer, message.job_id)
         await self._follow_events(
             ctx.stream, job.job_id, message.after_seq, message.follow, credited=message.credited
         )
 
     async def handle_cancel(self, ctx: RequestContext, message: JobCancel) -> None:
-        job = await self.cancel(self._owned(ctx, message.job_id).job_id)
+        job = await self.cancel(self.owned(ctx.peer, message.job_id).job_id)
         ctx.stream.send_message(
             JobStatus(
                 job_id=job.job_id,
@@ -417,7 +394,7 @@ class JobService:
         )
 
     async def handle_query(self, ctx: RequestContext, message: JobQuery) -> None:
-        job = self._owned(ctx, message.job_id)
+        job = self.owned(ctx.peer, message.job_id)
         entered = job.finished_at or job.started_at or job.created_at
         ctx.stream.send_message(
             JobStatus(
@@ -441,7 +418,7 @@ class JobService:
         if job.state not in FINAL_STATES and run is not None:
             decision = run.machine.cancel(reason)
             self.store.update_job(
-                HOSTED, job_id, cancel_requested=1, message=run.machine.cancel_reason
+                JobRole.HOSTED, job_id, cancel_requested=1, message=run.machine.cancel_reason
             )
             run.wake.set()
             if decision is not None:  # nothing running: ends now
@@ -480,18 +457,19 @@ class JobService:
 
     # --- checks -----------------------------------------------------------------------------
 
-    def _owned(self, ctx: RequestContext, job_id: str) -> JobRecord:
-        job = self.store.job(HOSTED, job_id)
+    def owned(self, peer: Peer, job_id: str) -> JobRecord:
+        """The hosted job ``job_id`` when ``peer`` submitted it; refused otherwise."""
+        job = self.store.job(JobRole.HOSTED, job_id)
         if job is None:
-            raise NotFoundError(f"{self.agent.name} has no job {job_id}")
-        if job.peer_id != ctx.peer.node_id:
+            raise NotFoundError(f"{self.provider.name} has no job {job_id}")
+        if job.peer_id != peer.node_id:
             raise AccessDeniedError(
-                f"job {job_id} on {self.agent.name} was submitted by another peer"
+                f"job {job_id} on {self.provider.name} was submitted by another peer"
             )
         return job
 
     def _record(self, job_id: str) -> JobRecord:
-        job = self.store.job(HOSTED, job_id)
+        job = self.store.job(JobRole.HOSTED, job_id)
         assert job is not None
         return job
 
@@ -509,23 +487,23 @@ class JobService:
             problem = mount_target_problem(mount.target, [m["target"] for m in mounts])
             if problem is not None:
                 raise ConfigError(
-                    f"{self.agent.name} refused --mount {shown(mount.source)}:"
+                    f"{self.provider.name} refused --mount {shown(mount.source)}:"
                     f"{target if target.isprintable() else repr(target)}: "
                     f"the container path {problem}"
                 )
             parts = await in_thread(
-                self.agent.apps.resolve_sandbox_dir,
+                self.files.resolve_sandbox_dir,
                 peer,
                 mount.source,
                 "copy it there first with `gpumesh cp`",
             )
-            source = str(self.agent.files.sandbox(peer).joinpath(*parts))
+            source = str(self.files.sandbox(peer).joinpath(*parts))
             remote = "/" + "/".join(parts)
             self._check_nesting(peer.node_id, source, remote)
             for folder in own:
                 if _nested(folder, source):
                     raise LimitError(
-                        f"{self.agent.name} refused --mount {remote}: it lies above or below "
+                        f"{self.provider.name} refused --mount {remote}: it lies above or below "
                         "another folder of the same job; mount one of them, or folders side by side"
                     )
             own.append(source)
@@ -549,7 +527,7 @@ class JobService:
                 continue
             if any(_nested(folder, workdir) for folder in _folders(job)):
                 raise LimitError(
-                    f"{self.agent.name} refused {remote}: your job {job.job_id} ({job.state}) "
+                    f"{self.provider.name} refused {remote}: your job {job.job_id} ({job.state}) "
                     "works in a folder above or below it, and jobs may not share nested "
                     "folders; wait for it to end, or use a folder beside it"
                 )
@@ -562,126 +540,23 @@ class JobService:
             peer = self.store.peer_by_id(job.peer_id)
         except GPUMeshError:
             return
-        root = str(self.agent.files.sandbox(peer)) + os.sep
+        root = str(self.files.sandbox(peer)) + os.sep
         remotes = [str(m["remote"]) for m in job.mounts]
         if job.workdir.startswith(root):  # else an uploaded workdir, handed over once
             remotes.insert(0, "/" + job.workdir[len(root) :])
         for remote in remotes:
             try:
-                await in_thread(self.agent.apps.resolve_sandbox_dir, peer, remote)
+                await in_thread(self.files.resolve_sandbox_dir, peer, remote)
             except GPUMeshError as exc:
                 raise AgentError(
                     f"its folder {remote} cannot be used any more: {exc.message}"
                 ) from None
-
-    def peer_workdirs(self, peer_id: str) -> list[Path]:
-        """The uploaded workdirs of a peer's jobs still on disk (not its sandbox folders)."""
-        root = str(self.jobs_dir) + os.sep
-        return [Path(w) for w in self.store.hosted_workdirs(peer_id) if w.startswith(root)]
 
     @staticmethod
     def _check_env(message: JobSubmit) -> None:
         for key in message.env:
             if key.upper().startswith("NVIDIA_"):
                 raise LimitError(f"{key} may not be set by a job: the provider decides GPU access")
-
-    def _reservations(self) -> tuple[dict[str, int], dict[str, int]]:
-        """GPU memory reserved and job counts per GPU index, from unfinished jobs."""
-        reserved: dict[str, int] = {}
-        jobs: dict[str, int] = {}
-        for job in self.store.unfinished_hosted_jobs():
-            for index in job.gpus:
-                reserved[index] = reserved.get(index, 0) + job.gpu_memory
-                jobs[index] = jobs.get(index, 0) + 1
-        return reserved, jobs
-
-    def _available(self, gpu: GpuInfo, reserved: dict[str, int]) -> int:
-        """What a new job may still ask for on ``gpu``."""
-        taken = reserved.get(str(gpu.index), 0)
-        available = gpu.memory_free - taken
-        if self.max_vram:
-            available = min(available, self.max_vram)
-        return max(0, available)
-
-    async def gpu_report(self) -> tuple[list[GpuReport], str]:
-        """This provider's GPUs as placement sees them, and where the facts come from."""
-        gpus = await in_thread(self.inventory.gpus)
-        reserved, jobs = self._reservations()
-        report = [
-            GpuReport(
-                index=gpu.index,
-                name=gpu.name[:64],
-                memory_total=gpu.memory_total,
-                memory_used=gpu.memory_used,
-                available=self._available(gpu, reserved),
-                utilization=gpu.utilization,
-                jobs=jobs.get(str(gpu.index), 0),
-            )
-            for gpu in gpus
-        ]
-        return report, self.inventory.source
-
-    def _assign_gpus(self, gpu_memory: int, preferred: str = "") -> list[str]:
-        """The GPU(s) for a job, or a refusal that gives the numbers."""
-        name = self.agent.name
-        if self.max_vram and gpu_memory > self.max_vram:
-            raise LimitError(
-                f"the job asks for {format_size(gpu_memory)} of GPU memory; {name} shares at "
-                f"most {format_size(self.max_vram)} (--max-vram)"
-            )
-        gpus = self.inventory.gpus()
-        if not gpus:
-            if gpu_memory:
-                raise LimitError(
-                    f"{name} has no NVIDIA GPU; run without --gpu-memory for a CPU-only job"
-                )
-            return []
-        reserved, _jobs = self._reservations()
-        if preferred:
-            chosen = [g for g in gpus if str(g.index) == preferred]
-            if not chosen:
-                raise LimitError(f"{name} has no GPU {preferred}")
-            best = chosen[0]
-        else:
-            best = max(gpus, key=lambda gpu: self._available(gpu, reserved))
-        available = self._available(best, reserved)
-        if available < gpu_memory:
-            where = "on" if not preferred else f"on GPU {preferred} of"
-            raise LimitError(
-                f"the job asks for {format_size(gpu_memory)} of GPU memory; the most free {where} "
-                f"{name} is {format_size(available)} (GPU {best.index} {best.name}, "
-                f"{format_size(best.memory_used)} used of {format_size(best.memory_total)})"
-            )
-        return [str(best.index)]
-
-    async def who_runs(self, image: str) -> JobUser:
-        """:meth:`job_user`, its refusals in this provider's name."""
-        try:
-            return await in_thread(self.job_user, image)
-        except ConfigError as exc:
-            raise ConfigError(
-                f"{self.agent.name} cannot run jobs as configured: {exc.message}"
-            ) from None
-
-    def _in_our_name(self, exc: GPUMeshError) -> GPUMeshError:
-        """The runtime's error for the consumer: the runtime speaks of "this machine",
-        the consumer needs to know which one."""
-        name = self.agent.name
-        message = exc.message.replace("this machine", name)
-        return type(exc)(message if name in message else f"{name}: {message}")
-
-    async def check_image(self, image: str) -> None:
-        """Refuse, naming this provider, an image its owner does not allow, or that is
-        neither here nor pullable; then keep the pulled images within image_disk."""
-        name = self.agent.name
-        config = self.agent.home.config
-        check_allowed(image, str(config.get("allowed_images")), name)
-        try:
-            pulled = await in_thread(self.runtime.ensure_image, image)
-        except GPUMeshError as exc:
-            raise self._in_our_name(exc) from None
-        budget = parse_size(str(config.get("image_disk")))
-        await in_thread(self.images.used, image, pulled, budget)
 
     # --- upload -------------------------------------------------------------------------------
 
@@ -695,7 +570,7 @@ class JobService:
 
         try:
             run.machine.uploading()
-            self.store.update_job(HOSTED, run.job_id, state=JobState.UPLOADING)
+            self.store.update_job(JobRole.HOSTED, run.job_id, state=JobState.UPLOADING)
             job_dir = self.jobs_dir / run.job_id
             job_dir.mkdir(parents=True, exist_ok=True)
         except BaseException:
@@ -705,12 +580,10 @@ class JobService:
         work = job_dir / "work"
         if offer is not None:
             incoming = job_dir / "incoming"
-            if await self.agent.files.receive_tar(
-                ctx, offer, size, incoming, limit, new_hasher(SHA256)
-            ):
+            if await self.files.receive_tar(ctx, offer, size, incoming, limit, new_hasher(SHA256)):
                 await in_thread(incoming.rename, work)
-                await in_thread(_hand_over, job_dir, work, self.agent.files.owner)
-                self.store.update_job(HOSTED, run.job_id, workdir=str(work))
+                await in_thread(_hand_over, job_dir, work, self.files.owner)
+                self.store.update_job(JobRole.HOSTED, run.job_id, workdir=str(work))
                 logger.info(
                     "[job %s] workdir received over a data channel (%d bytes of tar)",
                     run.job_id,
@@ -730,8 +603,8 @@ class JobService:
             raise ProtocolError(f"the workdir upload ended after {received} of {size} bytes")
         await in_thread(unpack_tar, tar_path, work, limit)
         tar_path.unlink()
-        await in_thread(_hand_over, job_dir, work, self.agent.files.owner)
-        self.store.update_job(HOSTED, run.job_id, workdir=str(work))
+        await in_thread(_hand_over, job_dir, work, self.files.owner)
+        self.store.update_job(JobRole.HOSTED, run.job_id, workdir=str(work))
         logger.info("[job %s] workdir received (%d bytes of tar)", run.job_id, size)
 
     async def _upload_failed(self, run: _Run, exc: BaseException) -> None:
@@ -746,8 +619,9 @@ class JobService:
 
     async def _discard(self, job_id: str) -> None:
         self._runs.pop(job_id, None)
+        self.gpus.release(_holder(job_id))
         shutil.rmtree(self.jobs_dir / job_id, ignore_errors=True)
-        self.store.delete_job(HOSTED, job_id)
+        self.store.delete_job(JobRole.HOSTED, job_id)
 
     # --- supervision ---------------------------------------------------------------------------
 
@@ -781,7 +655,7 @@ class JobService:
         run.cursor = {}
         run.timed_out = False
         self.store.update_job(
-            HOSTED,
+            JobRole.HOSTED,
             run.job_id,
             state=JobState.STARTING,
             attempt=attempt,
@@ -791,15 +665,15 @@ class JobService:
         await self._event(run, JobState.STARTING, None, f"attempt {attempt} starting")
         job = self._record(run.job_id)
         try:
-            who = await self.who_runs(job.image)
+            who = await self.containers.who_runs(job.image)
             await self._recheck_folder(job)
             spec = self.container_spec(job, attempt, who)
             run.container_id = await in_thread(self.runtime.create, spec)
-            self.store.update_job(HOSTED, run.job_id, container_id=run.container_id)
+            self.store.update_job(JobRole.HOSTED, run.job_id, container_id=run.container_id)
             await in_thread(self.runtime.start, run.container_id)
         except GPUMeshError as exc:
             await self._remove_container(run)
-            return run.machine.infra_failed(self._in_our_name(exc).message)
+            return run.machine.infra_failed(self.containers.in_our_name(exc).message)
         state = await in_thread(self.runtime.inspect, run.container_id)
         return await self._follow(run, job, state)
 
@@ -812,7 +686,7 @@ class JobService:
             fields: dict[str, object] = {"state": JobState.RUNNING}
             if job.started_at is None:
                 fields["started_at"] = time.time()
-            self.store.update_job(HOSTED, run.job_id, **fields)
+            self.store.update_job(JobRole.HOSTED, run.job_id, **fields)
             await self._event(run, JobState.RUNNING, None, f"attempt {run.machine.attempt} running")
         pipe = _LogPipe(asyncio.get_running_loop(), readers=2)
         readers = [
@@ -860,7 +734,7 @@ class JobService:
             await self._event(run, None, None, run.over_quota, kind_state=False)
             return Decision(JobState.FAILED, 0.0, run.over_quota)
         if run.timed_out and not run.machine.cancel_requested:
-            self.store.update_job(HOSTED, run.job_id, exit_code=TIMEOUT_EXIT)
+            self.store.update_job(JobRole.HOSTED, run.job_id, exit_code=TIMEOUT_EXIT)
             return run.machine.infra_failed(f"timed out after {job.timeout:.0f}s")
         if final.error and final.exit_code in (ExitCode.NOT_EXECUTABLE, ExitCode.NOT_FOUND):
             await self._event(run, None, final.exit_code, final.error, kind_state=False)
@@ -870,7 +744,7 @@ class JobService:
             decision = Decision(
                 decision.state, decision.delay, decision.message + " (out of memory)"
             )
-        self.store.update_job(HOSTED, run.job_id, exit_code=exit_code)
+        self.store.update_job(JobRole.HOSTED, run.job_id, exit_code=exit_code)
         return decision
 
     async def _sample_gpu_memory(self, run: _Run, container_id: str) -> None:
@@ -879,13 +753,13 @@ class JobService:
         while True:
             try:
                 pids = await in_thread(self.runtime.pids, container_id)
-                usage = await in_thread(self.inventory.process_memory)
+                usage = await in_thread(self.gpus.inventory.process_memory)
             except GPUMeshError:
                 pids, usage = [], {}
             used = sum(usage.get(pid, 0) for pid in pids)
             if used > peak:
                 peak = used
-                self.store.update_job(HOSTED, run.job_id, peak_gpu_memory=peak)
+                self.store.update_job(JobRole.HOSTED, run.job_id, peak_gpu_memory=peak)
             await asyncio.sleep(GPU_SAMPLE_INTERVAL)
 
     async def _watch_quota(self, run: _Run, job: JobRecord, container_id: str) -> None:
@@ -902,14 +776,14 @@ class JobService:
         while True:
             await asyncio.sleep(QUOTA_INTERVAL)
             try:
-                usage = await self.agent.files.usage(peer)
+                usage = await self.files.usage(peer)
             except GPUMeshError as exc:
                 reason = f"stopped: its files could not be counted ({exc.message})"
             else:
                 if usage.used <= usage.quota:
                     continue
                 reason = (
-                    f"stopped: your files on {self.agent.name} grew to "
+                    f"stopped: your files on {self.provider.name} grew to "
                     f"{format_size(usage.used)}, over its file_quota of "
                     f"{format_size(usage.quota)}; free space there or ask its owner for more"
                 )
@@ -963,19 +837,19 @@ class JobService:
 
     def _log_limit(self) -> int:
         """Most bytes of a job's output this provider keeps (config job_log_limit)."""
-        return parse_size(str(self.agent.home.config.get("job_log_limit")))
+        return parse_size(str(self.settings.get("job_log_limit")))
 
     async def _remove_container(self, run: _Run) -> None:
         if run.container_id:
             with contextlib.suppress(GPUMeshError):
                 await in_thread(self.runtime.remove, run.container_id)
             run.container_id = ""
-            self.store.update_job(HOSTED, run.job_id, container_id="")
+            self.store.update_job(JobRole.HOSTED, run.job_id, container_id="")
 
     async def _after_attempt(self, run: _Run, job: JobRecord, decision: Decision) -> None:
         if decision.state is JobState.RETRYING:
             self.store.update_job(
-                HOSTED, run.job_id, state=JobState.RETRYING, message=decision.message
+                JobRole.HOSTED, run.job_id, state=JobState.RETRYING, message=decision.message
             )
             await self._event(run, JobState.RETRYING, None, decision.message)
             logger.info("[job %s] %s", run.job_id, decision.message)
@@ -986,6 +860,8 @@ class JobService:
         if no_retry and decision.state is JobState.RETRYING:
             decision = Decision(JobState.FAILED, 0.0, decision.message)
             run.machine.state = JobState.FAILED
+        # Whatever happens below, the job holds no GPU memory once it ends.
+        self.gpus.release(_holder(run.job_id))
         job = self._record(run.job_id)
         exit_code = job.exit_code
         if decision.state is JobState.CANCELLED:
@@ -996,7 +872,7 @@ class JobService:
         if job.state in FINAL_STATES:
             return
         self.store.update_job(
-            HOSTED,
+            JobRole.HOSTED,
             run.job_id,
             state=decision.state,
             exit_code=exit_code,
@@ -1026,51 +902,12 @@ class JobService:
             )
         await self._notify()
 
-    def share_limits(self) -> ShareLimits:
-        """The sharing limits in force (config, ``auto`` worked out for this machine)."""
-        return ShareLimits.from_config(self.agent.home.config, self.machine)
-
     def _claims(self, limits: ShareLimits) -> list[Claim]:
         """Memory promised to jobs: every unfinished one will run (again)."""
         return [
             Claim(job.peer_id, Kind.JOB, limits.job_memory)
             for job in self.store.unfinished_hosted_jobs()
         ]
-
-    def limits(self) -> ContainerLimits:
-        """This provider's limits for every container it runs for a peer (config job_*)."""
-        config = self.agent.home.config
-        network = str(config.get("job_network"))
-        shared = self.share_limits()
-        return ContainerLimits(
-            memory=shared.job_memory,
-            pids_limit=int(config.get("job_pids_limit")),
-            cpus=shared.job_cpus,
-            network="none" if network == "none" else "bridge",
-            tmp_size=parse_size(str(config.get("job_tmp"))),
-            shm_size=parse_size(str(config.get("job_shm"))),
-        )
-
-    def job_user(self, image: str) -> JobUser:
-        """Who containers run as, from job_user / job_root and what the engine does
-        with users (blocking: asks the engine once). Also tells the file service
-        whom to give what peers store, so their jobs can write it."""
-        config = self.agent.home.config
-        isolation = self.runtime.isolation(image)
-        as_root = str(config.get("job_root")) == "on"
-        user, owner = job_identity(
-            str(config.get("job_user")), as_root, isolation, os.geteuid(), os.getegid()
-        )
-        self.agent.files.owner = owner
-        # The root filesystem stays read-only unless the engine can bound it, or
-        # the owner explicitly allowed root jobs (which doctor and share flag).
-        sized = isolation.storage_size
-        return JobUser(
-            user=user,
-            owner=owner,
-            writable_root=as_root or sized,
-            storage_size=parse_size(str(config.get("job_tmp"))) if sized else 0,
-        )
 
     def container_spec(self, job: JobRecord, attempt: int, who: JobUser) -> ContainerSpec:
         """The locked-down container for one attempt of ``job``."""
@@ -1081,11 +918,11 @@ class JobService:
             labels={
                 LABEL_JOB: job.job_id,
                 LABEL_PEER: job.peer_id,
-                LABEL_NODE: self.agent.node_id,
+                LABEL_NODE: self.provider.node_id,
                 LABEL_ATTEMPT: str(attempt),
             },
             name=f"gpumesh-{job.job_id}-{attempt}",
-            **asdict(self.limits()),
+            **asdict(self.containers.limits()),
             user=who.user,
             writable_root=who.writable_root,
             storage_size=who.storage_size,
@@ -1285,3 +1122,8 @@ def _nested(a: str, b: str) -> bool:
     return a != b and (
         a.startswith(b.rstrip(os.sep) + os.sep) or b.startswith(a.rstrip(os.sep) + os.sep)
     )
+
+
+def _holder(job_id: str) -> Holder:
+    """Who a job's GPU memory is promised to."""
+    return Holder(HolderKind.JOB, job_id)

@@ -1,28 +1,34 @@
 """The provider agent behind ``gpumesh share``.
 
 Owns the listening QUIC endpoint, the identity proof of each new connection,
-the access check of every request, and request dispatch. Request handlers
-are small functions of (agent, peer, stream, message).
+the access check of every request, and request dispatch. It builds the
+services (jobs, files, apps, shells) from the narrow things each one uses
+(:mod:`gpumesh.agent.deps`), with the GPU allocator and the container settings
+they share, and each service registers a typed handler per request message;
+the agent answers ``Ping``, ``StatusRequest`` and ``ThroughputRequest`` itself.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import socket
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable
 from typing import Any
 
 from gpumesh import __version__
-from gpumesh.agent.apps import AppService
-from gpumesh.agent.exec import ExecService, handle_exec_start
+from gpumesh.agent.apps import APPS, AppService
+from gpumesh.agent.containers import Containers
+from gpumesh.agent.deps import Handlers, Provider, RequestContext
+from gpumesh.agent.exec import ExecService
 from gpumesh.agent.files import FileService
-from gpumesh.agent.jobs import JobService
-from gpumesh.agent.limits import return_free_memory
+from gpumesh.agent.gpus import GpuAllocator
+from gpumesh.agent.jobs import JobService, uploaded_workdirs
+from gpumesh.agent.limits import ShareLimits, machine_size, return_free_memory
 from gpumesh.agent.ratelimit import ConnectionLimiter, Outcome, RefusalTally, Slot
 from gpumesh.errors import (
     AccessDeniedError,
@@ -37,21 +43,6 @@ from gpumesh.errors import (
 from gpumesh.gpu.inventory import GpuInventory
 from gpumesh.protocol.admission import Admission, DropReason
 from gpumesh.protocol.messages import (
-    AppJobDir,
-    AppSync,
-    ChannelGet,
-    ChannelPut,
-    DirGet,
-    DirPut,
-    ExecStart,
-    FileGet,
-    FilePut,
-    FileStat,
-    JobCancel,
-    JobLogs,
-    JobQuery,
-    JobSubmit,
-    Message,
     Ping,
     Pong,
     StatusReply,
@@ -60,7 +51,6 @@ from gpumesh.protocol.messages import (
     ThroughputRequest,
 )
 from gpumesh.runtime.base import JobRuntime
-from gpumesh.store.db import Peer
 from gpumesh.store.home import AgentInfo, Home
 from gpumesh.transport.netinfo import local_addresses
 from gpumesh.transport.quic import QuicEndpoint, QuicLink
@@ -68,6 +58,7 @@ from gpumesh.transport.relayclient import RelayClient
 from gpumesh.transport.session import accept_session, resolve_relay
 from gpumesh.transport.stream import Stream
 from gpumesh.transport.udp import Address, format_address
+from gpumesh.units import parse_size
 
 __all__ = ["Agent", "RequestContext"]
 
@@ -82,17 +73,6 @@ announced (`gpumesh deny` and `cancel` announce theirs: see Home.notify_agent)."
 REQUEST_TIMEOUT = 30.0
 REFUSALS_EVERY = 10.0
 """Seconds between summary lines about refused packets (never a line per packet)."""
-
-
-@dataclass
-class RequestContext:
-    agent: Agent
-    peer: Peer
-    link: QuicLink
-    stream: Stream
-
-
-Handler = Callable[[RequestContext, Message], Awaitable[None]]
 
 
 class Agent:
@@ -133,29 +113,53 @@ class Agent:
         self._changed = asyncio.Event()
         """Set when this home's state changed outside the agent (a deny, a cancel)."""
         self._notifications: socket.socket | None = None
-        self.jobs = JobService(self, runtime=runtime, inventory=inventory, max_vram=max_vram)
-        self.files = FileService(self, job_dirs=self.jobs.peer_workdirs)
-        self.apps = AppService(self.files)
-        self.shells = ExecService(self)
-        self.handlers: dict[type, Handler] = {
-            Ping: _handle_ping,
-            StatusRequest: _handle_status,
-            ThroughputRequest: _handle_throughput,
-            JobSubmit: _handle_job_submit,
-            JobLogs: _handle_job_logs,
-            JobCancel: _handle_job_cancel,
-            JobQuery: _handle_job_query,
-            FileStat: self.files.handle_stat,
-            FilePut: self.files.handle_put,
-            FileGet: self.files.handle_get,
-            DirPut: self.files.handle_dir_put,
-            DirGet: self.files.handle_dir_get,
-            ChannelPut: self.files.handle_channel_put,
-            ChannelGet: self.files.handle_channel_get,
-            AppSync: self.apps.handle_sync,
-            AppJobDir: self.apps.handle_job_dir,
-            ExecStart: handle_exec_start,
-        }
+        self.machine = machine_size()
+        config = home.config
+        jobs_dir = home.path / "jobs"
+        provider = Provider(self.name, str(self.identity.node_id), self.host)
+        if max_vram is None:
+            configured_cap = str(config.get("max_vram") or "")
+            max_vram = parse_size(configured_cap) if configured_cap else 0
+        self.gpus = GpuAllocator(
+            lambda: inventory if inventory is not None else _detect_inventory(),
+            max_vram=max_vram,
+            provider=self.name,
+        )
+        """Which GPU memory is promised to whom (jobs now)."""
+        self.files = FileService(
+            provider,
+            config,
+            self.identity,
+            root=home.path / "files",
+            # What a peer's jobs write in their uploaded workdirs counts in its quota.
+            job_dirs=functools.partial(uploaded_workdirs, self.store, jobs_dir),
+        )
+        self.containers = Containers(
+            provider, config, self.store, self.share_limits, self.files, runtime=runtime
+        )
+        self.jobs = JobService(
+            provider,
+            config,
+            self.store,
+            containers=self.containers,
+            gpus=self.gpus,
+            files=self.files,
+            share_limits=self.share_limits,
+            jobs_dir=jobs_dir,
+        )
+        self.apps = AppService(provider, self.files, self.jobs, index_root=home.path / APPS)
+        self.shells = ExecService(provider, self.containers, self.jobs.admission)
+        self.handlers = Handlers()
+        """Request message type -> the handler that serves it."""
+        self.handlers.add(Ping, _handle_ping)
+        self.handlers.add(StatusRequest, self._handle_status)
+        self.handlers.add(ThroughputRequest, _handle_throughput)
+        for service in (self.jobs, self.files, self.apps, self.shells):
+            service.register(self.handlers)
+
+    def share_limits(self) -> ShareLimits:
+        """The sharing limits in force (config, ``auto`` worked out for this machine)."""
+        return ShareLimits.from_config(self.home.config, self.machine)
 
     @property
     def node_id(self) -> str:
@@ -193,7 +197,7 @@ class Agent:
         self._spawn(self._summarize_refusals())
         self._spawn(self.jobs.recover())
         logger.info("sharing on udp %s:%d as %s", host, port, self.name)
-        logger.info("limits: %s", self.jobs.share_limits().describe())
+        logger.info("limits: %s", self.share_limits().describe())
         return self.address
 
     # --- the relay --------------------------------------------------------------------
@@ -277,8 +281,9 @@ class Agent:
         self._stopped.set()
         if self._returning_memory is not None:
             self._returning_memory.cancel()
-        self.shells.stop()  # before jobs.stop(), which closes the engine client
+        self.shells.stop()  # before the engine client is closed
         self.jobs.stop()
+        self.containers.close()
         for task in list(self._tasks):
             task.cancel()
         if self._notifications is not None:
@@ -366,7 +371,7 @@ class Agent:
         assert key is not None
         peer = self.store.peer_by_key(key)
         assert peer is not None
-        limits = self.jobs.share_limits()
+        limits = self.share_limits()
         most = limits.max_links_per_peer
         held = sum(1 for other in self._links.values() if other == key)
         if most and held >= most:
@@ -441,6 +446,21 @@ class Agent:
         allowed_ids = {str(peer.node_id) for peer in self.store.peers() if peer.allowed}
         await self.jobs.revoke(lambda peer_id: peer_id in allowed_ids)
 
+    async def _handle_status(self, ctx: RequestContext, message: StatusRequest) -> None:
+        gpus, source = await self.gpus.report()
+        reply = StatusReply(
+            name=self.name,
+            node_id=self.node_id,
+            version=__version__,
+            sharing=True,
+            uptime=time.time() - self.started,
+            gpu_source=source,
+            gpus=gpus,
+            running_jobs=len(self.store.unfinished_hosted_jobs()),
+            max_vram=self.gpus.max_vram,
+        )
+        ctx.stream.send_message(reply, end=True)
+
     def buffered(self) -> int:
         """Bytes all links hold now: unread requests and unsent replies."""
         return sum(link.buffered().total for link in self._links)
@@ -448,7 +468,7 @@ class Agent:
     def _open_request(self, link: QuicLink) -> None:
         """Count a new request of ``link``, or refuse it past max_requests_per_link;
         apply the link's buffer limit (link_buffer) as it is now."""
-        limits = self.jobs.share_limits()
+        limits = self.share_limits()
         link.buffer_limit = limits.link_buffer
         requests = self._requests.get(link)
         if requests is None:
@@ -500,7 +520,7 @@ class Agent:
             handler = self.handlers.get(type(message))
             if handler is None:
                 raise ProtocolError(f"{type(message).__name__} is not a request this node serves")
-            await handler(RequestContext(self, peer, link, stream), message)
+            await handler(RequestContext(peer, link, stream), message)
         except TimeoutError:
             stream.refuse(ProtocolError("no request arrived in time"))
         except GPUMeshError as exc:
@@ -516,30 +536,11 @@ class Agent:
             link.forget_stream(stream.stream_id)
 
 
-async def _handle_ping(ctx: RequestContext, message: Message) -> None:
-    assert isinstance(message, Ping)
+async def _handle_ping(ctx: RequestContext, message: Ping) -> None:
     ctx.stream.send_message(Pong(sent=message.sent, time=time.time()), end=True)
 
 
-async def _handle_status(ctx: RequestContext, message: Message) -> None:
-    agent = ctx.agent
-    gpus, source = await agent.jobs.gpu_report()
-    reply = StatusReply(
-        name=agent.name,
-        node_id=str(agent.identity.node_id),
-        version=__version__,
-        sharing=True,
-        uptime=time.time() - agent.started,
-        gpu_source=source,
-        gpus=gpus,
-        running_jobs=len(agent.store.unfinished_hosted_jobs()),
-        max_vram=agent.jobs.max_vram,
-    )
-    ctx.stream.send_message(reply, end=True)
-
-
-async def _handle_throughput(ctx: RequestContext, message: Message) -> None:
-    assert isinstance(message, ThroughputRequest)
+async def _handle_throughput(ctx: RequestContext, message: ThroughputRequest) -> None:
     started = time.perf_counter()
     received = 0
     while chunk := await ctx.stream.read_data():
@@ -550,24 +551,10 @@ async def _handle_throughput(ctx: RequestContext, message: Message) -> None:
     ctx.stream.send_message(ThroughputReply(received=received, seconds=seconds), end=True)
 
 
-async def _handle_job_submit(ctx: RequestContext, message: Message) -> None:
-    assert isinstance(message, JobSubmit)
-    await ctx.agent.jobs.handle_submit(ctx, message)
+def _detect_inventory() -> GpuInventory:
+    from gpumesh.gpu.inventory import detect_inventory
 
-
-async def _handle_job_logs(ctx: RequestContext, message: Message) -> None:
-    assert isinstance(message, JobLogs)
-    await ctx.agent.jobs.handle_logs(ctx, message)
-
-
-async def _handle_job_cancel(ctx: RequestContext, message: Message) -> None:
-    assert isinstance(message, JobCancel)
-    await ctx.agent.jobs.handle_cancel(ctx, message)
-
-
-async def _handle_job_query(ctx: RequestContext, message: Message) -> None:
-    assert isinstance(message, JobQuery)
-    await ctx.agent.jobs.handle_query(ctx, message)
+    return detect_inventory()
 
 
 def _where(link: QuicLink) -> str:

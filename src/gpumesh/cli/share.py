@@ -108,7 +108,7 @@ async def _report_job_user(agent: object) -> None:
 
     assert isinstance(agent, Agent)
     try:
-        who = await agent.jobs.who_runs(str(agent.home.config.get("image")))
+        who = await agent.containers.who_runs(str(agent.home.config.get("image")))
     except ConfigError as exc:
         click.echo(click.style(f"WARNING: {exc.message}", fg="yellow", bold=True), err=True)
         return
@@ -150,7 +150,7 @@ async def _serve(node: object, host: str | None, port: int | None, max_vram: int
     info = node.info()
     where = f"udp {bound_host}:{bound_port}"
     click.echo(f"Sharing {click.style(info.name, bold=True)} ({info.node_id.short}) on {where}")
-    inventory = agent.jobs.inventory
+    inventory = agent.gpus.inventory
     gpus = inventory.gpus()
     if inventory.source == "simulated":
         click.echo(
@@ -164,14 +164,14 @@ async def _serve(node: object, host: str | None, port: int | None, max_vram: int
                 f"  GPU {gpu.index}: {gpu.name}, {format_size(gpu.memory_total)} "
                 f"({format_size(gpu.memory_free)} free)"
             )
-        if agent.jobs.max_vram:
+        if agent.gpus.max_vram:
             click.echo(
-                f"  jobs may ask for at most {format_size(agent.jobs.max_vram)} of GPU memory"
+                f"  jobs may ask for at most {format_size(agent.gpus.max_vram)} of GPU memory"
             )
     else:
         click.echo("  no NVIDIA GPU here: peers can run CPU-only jobs (without --gpu-memory)")
     await _report_job_user(agent)
-    click.echo(f"  limits: {agent.jobs.share_limits().describe()}")
+    click.echo(f"  limits: {agent.share_limits().describe()}")
     if agent.relay is not None:
         await _report_relay(agent.relay)
     click.echo("Only paired, allowed peers are served. Pairing code for a new peer (valid 1 hour):")

@@ -1,0 +1,153 @@
+"""What every container the provider runs for a peer gets, jobs and shells alike.
+
+Owns the connection to the container engine (one per agent, made on first
+use: an agent without Docker still serves pings), the images peers may use
+(``allowed_images``, ``image_disk``), the user containers run as (``job_user``,
+``job_root``) and their limits (``job_*``). The job and exec services build
+their containers from these; neither reaches into the other for them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from gpumesh.agent.deps import Provider, Sandboxes, Settings
+from gpumesh.agent.images import ImageKeeper, check_allowed
+from gpumesh.agent.limits import ShareLimits
+from gpumesh.blocking import in_thread
+from gpumesh.errors import ConfigError, GPUMeshError
+from gpumesh.runtime.base import JobRuntime
+from gpumesh.runtime.users import job_identity
+from gpumesh.store.db import Store
+from gpumesh.units import parse_size
+
+__all__ = ["ContainerLimits", "Containers", "JobUser"]
+
+
+@dataclass(frozen=True)
+class ContainerLimits:
+    """What every container run for a peer (job or shell) may use on this provider."""
+
+    memory: int
+    pids_limit: int
+    cpus: float
+    network: Literal["bridge", "none"]
+    tmp_size: int
+    """/tmp and HOME, each (tmpfs: counted in ``memory``)."""
+    shm_size: int
+
+
+@dataclass(frozen=True)
+class JobUser:
+    """Who a peer's containers run as, and what of their file system they may write."""
+
+    user: str
+    """``UID:GID`` inside the container."""
+    owner: tuple[int, int]
+    """The host uid:gid that must own what the container may write (its workdir)."""
+    writable_root: bool
+    storage_size: int
+    """Bytes of the writable root filesystem, where the engine can bound it; 0: unbounded."""
+
+
+class Containers:
+    """The engine, the image policy, the user and the limits of peers' containers."""
+
+    def __init__(
+        self,
+        provider: Provider,
+        settings: Settings,
+        store: Store,
+        share_limits: Callable[[], ShareLimits],
+        sandboxes: Sandboxes,
+        *,
+        runtime: JobRuntime | None = None,
+    ) -> None:
+        self._provider = provider
+        self._settings = settings
+        self._share_limits = share_limits
+        self._sandboxes = sandboxes
+        self._runtime = runtime
+        self._owns_runtime = runtime is None
+        self.images = ImageKeeper(store, lambda: self.runtime, provider=provider.name)
+
+    @property
+    def runtime(self) -> JobRuntime:
+        """The engine (connected on first use)."""
+        if self._runtime is None:
+            from gpumesh.runtime.docker import DockerRuntime
+
+            pull_timeout = float(self._settings.get("pull_timeout"))
+            self._runtime = DockerRuntime(pull_timeout=pull_timeout)
+        return self._runtime
+
+    def close(self) -> None:
+        """Close the engine's connection when this agent made it."""
+        if self._owns_runtime and self._runtime is not None:
+            self._runtime.close()
+
+    def limits(self) -> ContainerLimits:
+        """This provider's limits for every container it runs for a peer (config job_*)."""
+        settings = self._settings
+        network = str(settings.get("job_network"))
+        shared = self._share_limits()
+        return ContainerLimits(
+            memory=shared.job_memory,
+            pids_limit=int(settings.get("job_pids_limit")),
+            cpus=shared.job_cpus,
+            network="none" if network == "none" else "bridge",
+            tmp_size=parse_size(str(settings.get("job_tmp"))),
+            shm_size=parse_size(str(settings.get("job_shm"))),
+        )
+
+    def job_user(self, image: str) -> JobUser:
+        """Who containers run as, from job_user / job_root and what the engine does
+        with users (blocking: asks the engine once). Also tells the sandboxes
+        whom to give what peers store, so their jobs can write it."""
+        settings = self._settings
+        isolation = self.runtime.isolation(image)
+        as_root = str(settings.get("job_root")) == "on"
+        user, owner = job_identity(
+            str(settings.get("job_user")), as_root, isolation, os.geteuid(), os.getegid()
+        )
+        self._sandboxes.owner = owner
+        # The root filesystem stays read-only unless the engine can bound it, or
+        # the owner explicitly allowed root jobs (which doctor and share flag).
+        sized = isolation.storage_size
+        return JobUser(
+            user=user,
+            owner=owner,
+            writable_root=as_root or sized,
+            storage_size=parse_size(str(settings.get("job_tmp"))) if sized else 0,
+        )
+
+    async def who_runs(self, image: str) -> JobUser:
+        """:meth:`job_user`, its refusals in this provider's name."""
+        try:
+            return await in_thread(self.job_user, image)
+        except ConfigError as exc:
+            raise ConfigError(
+                f"{self._provider.name} cannot run jobs as configured: {exc.message}"
+            ) from None
+
+    def in_our_name(self, exc: GPUMeshError) -> GPUMeshError:
+        """The runtime's error for the consumer: the runtime speaks of "this machine",
+        the consumer needs to know which one."""
+        name = self._provider.name
+        message = exc.message.replace("this machine", name)
+        return type(exc)(message if name in message else f"{name}: {message}")
+
+    async def check_image(self, image: str) -> None:
+        """Refuse, naming this provider, an image its owner does not allow, or that is
+        neither here nor pullable; then keep the pulled images within image_disk."""
+        settings = self._settings
+        check_allowed(image, str(settings.get("allowed_images")), self._provider.name)
+        try:
+            pulled = await in_thread(self.runtime.ensure_image, image)
+        except GPUMeshError as exc:
+            raise self.in_our_name(exc) from None
+        budget = parse_size(str(settings.get("image_disk")))
+        await in_thread(self.images.used, image, pulled, budget)
