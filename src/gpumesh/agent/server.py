@@ -20,7 +20,6 @@ import time
 from collections.abc import Awaitable
 from typing import Any
 
-from gpumesh import __version__
 from gpumesh.agent.apps import APPS, AppService
 from gpumesh.agent.containers import Containers
 from gpumesh.agent.deps import Handlers, Provider, RequestContext
@@ -59,6 +58,7 @@ from gpumesh.transport.session import accept_session, resolve_relay
 from gpumesh.transport.stream import Stream
 from gpumesh.transport.udp import Address, format_address
 from gpumesh.units import parse_size
+from gpumesh.version import __version__
 
 __all__ = ["Agent", "RequestContext"]
 

@@ -11,8 +11,8 @@ import textwrap
 
 import click
 
-from gpumesh import __version__
 from gpumesh.errors import JOB_CODES_NOTE, exit_code_rows
+from gpumesh.version import __version__
 
 __all__ = ["COMPLETE_VAR", "cli", "main"]
 

@@ -16,7 +16,6 @@ from typing import Any
 
 import click
 
-from gpumesh import __version__
 from gpumesh.errors import ConfigError
 from gpumesh.relay.config import (
     RelayConfig,
@@ -27,6 +26,7 @@ from gpumesh.relay.config import (
     read_allow_file,
     read_token_file,
 )
+from gpumesh.version import __version__
 
 __all__ = ["main", "relay"]
 
