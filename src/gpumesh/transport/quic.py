@@ -55,6 +55,7 @@ from gpumesh.errors import (
 )
 from gpumesh.identity.keys import Identity
 from gpumesh.identity.tlscert import public_key_from_spki, self_signed_certificate_pem
+from gpumesh.protocol.addresses import Address, format_address
 from gpumesh.protocol.admission import (
     Admission,
     DropReason,
@@ -67,7 +68,7 @@ from gpumesh.protocol.handshake import BINDING_SIZE
 from gpumesh.protocol.messages import ALPNS
 from gpumesh.transport.reach import unreachable
 from gpumesh.transport.stream import RESET_OVER_LIMIT, Stream, over_limit_error
-from gpumesh.transport.udp import Address, UdpSocket, format_address, open_udp_socket
+from gpumesh.transport.udp import UdpSocket, open_udp_socket
 
 if TYPE_CHECKING:
     from gpumesh.transport.relayclient import RelayClient, RelayedPath

@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any
 from gpumesh.errors import ProtocolError, RelayError, UnreachableError
 from gpumesh.identity.keys import Identity, node_id_for
 from gpumesh.protocol import relay as wire
+from gpumesh.protocol.addresses import Address, format_address, parse_address
 from gpumesh.protocol.punch import PunchConfig, Puncher
-from gpumesh.transport.udp import Address, format_address, parse_address
 
 if TYPE_CHECKING:
     from gpumesh.transport.quic import QuicEndpoint, QuicLink

@@ -31,12 +31,12 @@ from gpumesh.errors import (
     UnreachableError,
 )
 from gpumesh.identity.keys import Identity
+from gpumesh.protocol.addresses import Address, parse_address
 from gpumesh.protocol.flow import DEFAULT_WINDOW
 from gpumesh.protocol.handshake import AUTH_STREAM, AuthForm, ClientAuth, ServerAuth
 from gpumesh.protocol.messages import MAX_MESSAGE_FRAME, Hello, Message, Proof, SessionProof
 from gpumesh.transport.quic import QuicEndpoint, QuicLink
 from gpumesh.transport.stream import Stream
-from gpumesh.transport.udp import Address, parse_address
 
 __all__ = [
     "AUTH_TIMEOUT",
