@@ -124,7 +124,7 @@ class AppService:
 
     def __init__(self, files: FileService) -> None:
         self.files = files
-        self.index_root = files.agent.home.path / APPS
+        self.index_root = files.agent.home.apps_dir
         self._synced: dict[tuple[str, str], _Synced] = {}
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
         """One sync of an app at a time (they share its index)."""

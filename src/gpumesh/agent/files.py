@@ -257,7 +257,7 @@ class FileService:
         self, agent: Agent, *, job_dirs: Callable[[str], list[Path]] | None = None
     ) -> None:
         self.agent = agent
-        self.root = agent.home.path / "files"
+        self.root = agent.home.files_dir
         self.owner: tuple[int, int] | None = None
         """Who owns what a peer stores here: the host uid:gid its jobs run as, set
         by the job service once it asked the engine; None until then (what is

@@ -217,7 +217,7 @@ class JobService:
             if max_vram is not None
             else (parse_size(configured_cap) if configured_cap else 0)
         )
-        self.jobs_dir = agent.home.path / "jobs"
+        self.jobs_dir = agent.home.jobs_dir
         self._runs: dict[str, _Run] = {}
         self._changed = asyncio.Condition()
         self.images = ImageKeeper(agent.store, lambda: self.runtime, provider=agent.name)

@@ -7,7 +7,14 @@
       config.toml      settings (see gpumesh.store.config), 0600
       gpumesh.db       SQLite (WAL): peers, allowlist, jobs and groups, 0600 (and -wal, -shm)
       agent.json       present while `gpumesh share` runs: pid and port, 0600
+      agent.sock       present while `gpumesh share` runs: "the store changed", 0600
       logs/            debug logs of CLI commands and the agent, 0700, files 0600
+      jobs/            provider: one folder per hosted job (its unpacked workdir)
+      files/           provider: each peer's sandbox (cp, mounts, apps), by node id
+      apps/            provider: what each peer's synced apps hold, by node id
+      appcache/        consumer: manifests of app folders and of what providers hold
+
+The sub-folders are named once, here (:class:`Home`'s ``*_dir`` properties).
 
 Each writer creates its file with its mode; :meth:`Home.secure`, run at every
 start, narrows whatever is found wider.
@@ -35,6 +42,12 @@ if TYPE_CHECKING:
     import socket
 
 __all__ = ["AgentInfo", "Home"]
+
+LOGS_DIR = "logs"
+JOBS_DIR = "jobs"
+FILES_DIR = "files"
+APPS_DIR = "apps"
+APPCACHE_DIR = "appcache"
 
 
 @dataclass(frozen=True)
@@ -90,7 +103,27 @@ class Home:
 
     @property
     def logs_dir(self) -> Path:
-        return self.path / "logs"
+        return self.path / LOGS_DIR
+
+    @property
+    def jobs_dir(self) -> Path:
+        """Provider: ``jobs/JOB_ID``, each hosted job's folder."""
+        return self.path / JOBS_DIR
+
+    @property
+    def files_dir(self) -> Path:
+        """Provider: ``files/NODE_ID``, each peer's sandbox."""
+        return self.path / FILES_DIR
+
+    @property
+    def apps_dir(self) -> Path:
+        """Provider: ``apps/NODE_ID``, the index of each peer's synced apps."""
+        return self.path / APPS_DIR
+
+    @property
+    def appcache_dir(self) -> Path:
+        """Consumer: manifests of local app folders and of what each provider holds."""
+        return self.path / APPCACHE_DIR
 
     @property
     def initialized(self) -> bool:
