@@ -61,7 +61,7 @@ from gpumesh.protocol.messages import (
 )
 from gpumesh.runtime.base import JobRuntime
 from gpumesh.store.db import Peer
-from gpumesh.store.home import AgentInfo, Home
+from gpumesh.store.home import AgentInfo, Home, RelayState
 from gpumesh.transport.netinfo import local_addresses
 from gpumesh.transport.quic import QuicEndpoint, QuicLink
 from gpumesh.transport.relayclient import RelayClient
@@ -121,7 +121,7 @@ class Agent:
         self.endpoint: QuicEndpoint | None = None
         self.relay: RelayClient | None = None
         self._relay_text = home.config.relay
-        self._relay_state = ""
+        self._relay_state = (RelayState.NONE, "")
         self._published: AgentInfo | None = None
         self._links: dict[QuicLink, bytes] = {}
         self._link_names: dict[QuicLink, str] = {}
@@ -206,7 +206,7 @@ class Agent:
             address = await resolve_relay(text)
         except UnreachableError as exc:
             logger.warning("%s; sharing without the relay", exc)
-            self._relay_state = f"unavailable: {exc}"
+            self._relay_state = (RelayState.UNAVAILABLE, str(exc))
             return
         port = self.address[1]
         client = RelayClient(
@@ -223,7 +223,7 @@ class Agent:
         client.on_change = self._relay_changed
         endpoint.relay = client
         self.relay = client
-        self._relay_state = "registering"
+        self._relay_state = (RelayState.REGISTERING, "")
         client.start()
 
     def _relay_authorize(self, public_key: bytes) -> bool:
@@ -238,11 +238,11 @@ class Agent:
         client = self.relay
         assert client is not None
         if client.registered.is_set():
-            self._relay_state = f"registered as {client.observed}"
+            self._relay_state = (RelayState.REGISTERED, str(client.observed))
         elif client.error is not None:
-            self._relay_state = f"refused: {client.error.message}"
+            self._relay_state = (RelayState.REFUSED, client.error.message)
         else:
-            self._relay_state = "registering"
+            self._relay_state = (RelayState.REGISTERING, "")
         self._publish()
 
     def _publish(self) -> None:
@@ -261,7 +261,8 @@ class Agent:
             port,
             self.started,
             relay=self._relay_text,
-            relay_state=self._relay_state,
+            relay_state=self._relay_state[0],
+            relay_detail=self._relay_state[1],
             links=links,
         )
         if info != self._published:
