@@ -304,7 +304,7 @@ def _rank(error: GPUMeshError) -> int:
     # Which failure to report when every address failed: the most telling one.
     if isinstance(error, (AccessDeniedError, KeyMismatchError, ProtocolError)):
         return 0
-    if isinstance(error, UnreachableError) and "refused" in error.message:
+    if isinstance(error, UnreachableError) and error.refused:
         return 2
     return 1
 
@@ -423,7 +423,9 @@ async def _open_direct(
     best = errors[0] if errors else UnreachableError(f"cannot reach {peer_label}")
     if len(addresses) > 1 and isinstance(best, UnreachableError):
         tried = ", ".join(f"{h}:{p}" for h, p in addresses)
-        raise UnreachableError(f"cannot reach {peer_label} at {tried}: {best.message}")
+        raise UnreachableError(
+            f"cannot reach {peer_label} at {tried}: {best.message}", refused=best.refused
+        )
     raise best
 
 
