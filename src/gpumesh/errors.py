@@ -199,6 +199,11 @@ class TransportError(GPUMeshError):
 class UnreachableError(TransportError):
     code = "unreachable"
 
+    def __init__(self, message: str, *, refused: bool = False) -> None:
+        super().__init__(message)
+        self.refused = refused
+        """The host answered that nothing listens on that port (ICMP port unreachable)."""
+
 
 class KeyMismatchError(TransportError):
     code = "key_mismatch"

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from gpumesh.identity.keys import Identity, node_id_for
+from gpumesh.protocol.addresses import Address
 from gpumesh.protocol.relay import (
     Accept,
     Challenge,
@@ -48,7 +49,6 @@ from gpumesh.protocol.relay import (
     token_proof,
 )
 
-Address = tuple[str, int]
 PRIVATE_LINE = (
     "error: the relay is private by default: give --allow NODE_ID, --allow-file FILE or "
     "--token-file FILE (or --open to serve anyone)"

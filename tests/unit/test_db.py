@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import sqlite3
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,8 @@ import pytest
 
 from gpumesh.errors import AmbiguousPeerError, ConfigError, PairingCodeError, UnknownPeerError
 from gpumesh.identity.keys import node_id_for
-from gpumesh.store.db import MIGRATIONS, SCHEMA_VERSION, Peer, Store
+from gpumesh.protocol.states import FINAL_STATES, JobRole, JobState
+from gpumesh.store.db import MIGRATIONS, SCHEMA_VERSION, JobRecord, Peer, Store
 
 
 def key(n: int) -> bytes:
@@ -347,3 +349,77 @@ def test_dial_addresses_includes_a_last_address_not_in_the_code(store: Store) ->
     peer = store.save_peer(key(1), "alice", ["a:1"], "")
     store.touch_peer(peer.node_id, address="nat:9", now=1.0)
     assert store.peer_by_id(peer.node_id).dial_addresses() == ["nat:9", "a:1"]
+
+
+# --- transactions and job states ---------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Member:
+    name: str
+    public_key: bytes
+    relay: str = ""
+
+    @property
+    def addresses(self) -> list[str]:
+        if self.name == "broken":
+            raise RuntimeError("interrupted in the middle of the transaction")
+        return []
+
+
+def test_a_transaction_that_fails_half_way_leaves_nothing_and_the_store_goes_on(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "gpumesh.db"
+    store = Store(path)
+    try:
+        # The group row and the first member are written before the second one fails.
+        members = [_Member("alice", key(1)), _Member("broken", key(2))]
+        with pytest.raises(RuntimeError, match="interrupted"):
+            store.add_group("g" * 64, "research", members)
+        assert store.groups() == []
+        # Rolled back, not left open: the next transaction (and another process) can write.
+        store.add_group("h" * 64, "research", [_Member("alice", key(1))])
+        other = Store(path)
+        try:
+            other.save_peer(key(3), "carol", [], "")
+        finally:
+            other.close()
+        assert [g.name for g in store.groups()] == ["research"]
+        assert [p.name for p in store.peers()] == ["carol"]
+    finally:
+        store.close()
+
+
+def _job(role: JobRole, job_id: str, state: JobState, created_at: float) -> JobRecord:
+    return JobRecord(
+        role=role,
+        job_id=job_id,
+        peer_id="peer",
+        peer_name="bob",
+        image="busybox",
+        command=["true"],
+        env={},
+        gpu_memory=0,
+        gpus=[],
+        retries=0,
+        timeout=0.0,
+        workdir="",
+        created_at=created_at,
+        state=state,
+    )
+
+
+def test_every_final_state_counts_as_finished_and_no_other(store: Store) -> None:
+    for index, state in enumerate(JobState):
+        for role in JobRole:
+            store.add_job(_job(role, f"{role}-{state}", state, created_at=float(index)))
+    live = sorted(set(JobState) - FINAL_STATES)
+    hosted = sorted(j.state for j in store.unfinished_hosted_jobs())
+    assert hosted == live
+    assert all(j.role == JobRole.HOSTED for j in store.unfinished_hosted_jobs())
+    submitted = sorted(j.state for j in store.unconfirmed_submitted_jobs())
+    assert submitted == live
+    assert all(j.role == JobRole.SUBMITTED for j in store.unconfirmed_submitted_jobs())
+    finished = [(j.role, j.state) for j in store.finished_jobs_before(cutoff=100.0)]
+    assert sorted(finished) == sorted((r, s) for s in FINAL_STATES for r in JobRole)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 from pathlib import Path
@@ -10,7 +11,7 @@ import pytest
 
 from gpumesh.errors import NotInitializedError
 from gpumesh.identity.keys import Identity
-from gpumesh.store.home import AgentInfo, Home
+from gpumesh.store.home import AgentInfo, Home, RelayState
 
 NO_SUCH_PID = 2**31 - 1
 
@@ -54,6 +55,40 @@ def test_agent_info_round_trips_while_the_process_lives(tmp_path: Path) -> None:
     info = AgentInfo(pid=os.getpid(), host="0.0.0.0", port=47000, started=12.5)
     home.write_agent_info(info)
     assert home.read_agent_info() == info
+
+
+@pytest.mark.parametrize(
+    ("state", "detail", "text"),
+    [
+        (RelayState.NONE, "", ""),
+        (RelayState.REGISTERING, "", "registering"),
+        (RelayState.REGISTERED, "203.0.113.3:4799", "registered as 203.0.113.3:4799"),
+        (RelayState.REFUSED, "bad token", "refused: bad token"),
+        (RelayState.UNAVAILABLE, "no such host", "unavailable: no such host"),
+    ],
+)
+def test_agent_info_carries_the_relay_state_as_an_enum(
+    tmp_path: Path, state: RelayState, detail: str, text: str
+) -> None:
+    home = Home(tmp_path)
+    info = AgentInfo(os.getpid(), "0.0.0.0", 1, 0.0, "relay:1", state, detail)
+    home.write_agent_info(info)
+    read = home.read_agent_info()
+    assert read == info
+    assert read.relay_state is state
+    assert read.relay_text == text
+
+
+def test_agent_info_with_a_relay_state_of_another_version_still_counts(tmp_path: Path) -> None:
+    home = Home(tmp_path)
+    home.agent_path.write_text(
+        json.dumps(
+            {"pid": os.getpid(), "host": "h", "port": 1, "started": 0.0, "relay_state": "new"}
+        )
+    )
+    info = home.read_agent_info()
+    assert info is not None
+    assert info.relay_state is RelayState.NONE
 
 
 def test_agent_info_of_a_dead_process_counts_as_none(tmp_path: Path) -> None:

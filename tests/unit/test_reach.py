@@ -25,3 +25,11 @@ def test_every_form_names_host_and_port_and_what_to_check(
     assert error.message.startswith(start)
     assert "is `gpumesh share` running there" in error.message
     assert "\n" not in error.message
+
+
+def test_only_a_port_nobody_listens_on_is_marked_refused() -> None:
+    # Dial errors are ranked by this field, never by the words of the message.
+    assert unreachable("192.0.2.2:48202", refused=True).refused
+    assert not unreachable("192.0.2.2:48202", waited=3.0).refused
+    assert not unreachable("refused.example:1", reason="connection refused by policy").refused
+    assert not UnreachableError("a peer's unreachable refusal").refused

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from gpumesh.errors import ConfigError
 from gpumesh.identity.keys import Identity, NodeId, node_id_for
 from gpumesh.protocol import relay as wire
+from gpumesh.protocol.addresses import Address
 from gpumesh.protocol.relay import (
     HELLO_MIN_SIZE,
     REFUSALS,
@@ -55,7 +56,7 @@ from gpumesh.relay.config import (
     parse_listen,
     read_allow_file,
 )
-from gpumesh.relay.core import Address, RelayCore, Send, address_text, is_reach_probe
+from gpumesh.relay.core import RelayCore, Send, address_text, is_reach_probe
 
 SECRET = b"s" * 32
 START = 1_000_000.0  # an epoch boundary (30 s buckets)

@@ -20,7 +20,7 @@ import time
 from collections.abc import Awaitable
 from typing import Any
 
-from gpumesh.agent.apps import APPS, AppService
+from gpumesh.agent.apps import AppService
 from gpumesh.agent.containers import Containers
 from gpumesh.agent.deps import Handlers, Provider, RequestContext
 from gpumesh.agent.exec import ExecService
@@ -50,7 +50,7 @@ from gpumesh.protocol.messages import (
     ThroughputRequest,
 )
 from gpumesh.runtime.base import JobRuntime
-from gpumesh.store.home import AgentInfo, Home
+from gpumesh.store.home import AgentInfo, Home, RelayState
 from gpumesh.transport.netinfo import local_addresses
 from gpumesh.transport.quic import QuicEndpoint, QuicLink
 from gpumesh.transport.relayclient import RelayClient
@@ -101,7 +101,7 @@ class Agent:
         self.endpoint: QuicEndpoint | None = None
         self.relay: RelayClient | None = None
         self._relay_text = home.config.relay
-        self._relay_state = ""
+        self._relay_state = (RelayState.NONE, "")
         self._published: AgentInfo | None = None
         self._links: dict[QuicLink, bytes] = {}
         self._link_names: dict[QuicLink, str] = {}
@@ -115,7 +115,7 @@ class Agent:
         self._notifications: socket.socket | None = None
         self.machine = machine_size()
         config = home.config
-        jobs_dir = home.path / "jobs"
+        jobs_dir = home.jobs_dir
         provider = Provider(self.name, str(self.identity.node_id), self.host)
         if max_vram is None:
             configured_cap = str(config.get("max_vram") or "")
@@ -130,7 +130,7 @@ class Agent:
             provider,
             config,
             self.identity,
-            root=home.path / "files",
+            root=home.files_dir,
             # What a peer's jobs write in their uploaded workdirs counts in its quota.
             job_dirs=functools.partial(uploaded_workdirs, self.store, jobs_dir),
         )
@@ -147,7 +147,7 @@ class Agent:
             share_limits=self.share_limits,
             jobs_dir=jobs_dir,
         )
-        self.apps = AppService(provider, self.files, self.jobs, index_root=home.path / APPS)
+        self.apps = AppService(provider, self.files, self.jobs, index_root=home.apps_dir)
         self.shells = ExecService(provider, self.containers, self.jobs.admission)
         self.handlers = Handlers()
         """Request message type -> the handler that serves it."""
@@ -210,7 +210,7 @@ class Agent:
             address = await resolve_relay(text)
         except UnreachableError as exc:
             logger.warning("%s; sharing without the relay", exc)
-            self._relay_state = f"unavailable: {exc}"
+            self._relay_state = (RelayState.UNAVAILABLE, str(exc))
             return
         port = self.address[1]
         client = RelayClient(
@@ -227,7 +227,7 @@ class Agent:
         client.on_change = self._relay_changed
         endpoint.relay = client
         self.relay = client
-        self._relay_state = "registering"
+        self._relay_state = (RelayState.REGISTERING, "")
         client.start()
 
     def _relay_authorize(self, public_key: bytes) -> bool:
@@ -242,11 +242,11 @@ class Agent:
         client = self.relay
         assert client is not None
         if client.registered.is_set():
-            self._relay_state = f"registered as {client.observed}"
+            self._relay_state = (RelayState.REGISTERED, str(client.observed))
         elif client.error is not None:
-            self._relay_state = f"refused: {client.error.message}"
+            self._relay_state = (RelayState.REFUSED, client.error.message)
         else:
-            self._relay_state = "registering"
+            self._relay_state = (RelayState.REGISTERING, "")
         self._publish()
 
     def _publish(self) -> None:
@@ -265,7 +265,8 @@ class Agent:
             port,
             self.started,
             relay=self._relay_text,
-            relay_state=self._relay_state,
+            relay_state=self._relay_state[0],
+            relay_detail=self._relay_state[1],
             links=links,
         )
         if info != self._published:

@@ -50,12 +50,14 @@ def status(offline: bool, as_json: bool) -> None:
     click.echo(f"Home     {st.home}")
     click.echo(f"Sharing  {sharing}")
     if st.relay:
+        from gpumesh.store.home import RelayState
+
         if st.agent is None:
             relay_line = f"{st.relay} (used when sharing or when a direct dial fails)"
-        elif st.agent.relay_state.startswith("registered"):
-            relay_line = click.style(f"{st.relay}, {st.agent.relay_state}", fg="green")
+        elif st.agent.relay_state is RelayState.REGISTERED:
+            relay_line = click.style(f"{st.relay}, {st.agent.relay_text}", fg="green")
         else:
-            relay_line = click.style(f"{st.relay}, {st.agent.relay_state}", fg="yellow")
+            relay_line = click.style(f"{st.relay}, {st.agent.relay_text}", fg="yellow")
         click.echo(f"Relay    {relay_line}")
     for link in st.agent.links if st.agent else []:
         click.echo(f"Peer     {link['peer']} connected, path {link['path']}")

@@ -91,7 +91,7 @@ def app_folder(name: str) -> str:
 
 def _cache_file(node: Node, root: Path) -> Path:
     key = hashlib.sha256(str(root).encode("utf-8", "surrogateescape")).hexdigest()[:32]
-    folder = node.home.path / "appcache"
+    folder = node.home.appcache_dir
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     return folder / f"{key}.json"
 
@@ -136,7 +136,7 @@ def _manifest(
 def _state_file(node: Node, peer_id: str, name: str) -> Path:
     """Where the manifest ``peer`` confirmed for app ``name`` is kept."""
     key = hashlib.sha256(f"{peer_id}\n{name}".encode("utf-8", "surrogateescape")).hexdigest()
-    folder = node.home.path / "appcache"
+    folder = node.home.appcache_dir
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     return folder / f"sync-{key[:32]}.json"
 

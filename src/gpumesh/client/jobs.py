@@ -658,5 +658,5 @@ def prune_jobs(node: Node, older_than: float, *, dry_run: bool = False) -> list[
         for job in old:
             store.delete_job(job.role, job.job_id)
             if job.role == "hosted":
-                shutil.rmtree(node.home.path / "jobs" / job.job_id, ignore_errors=True)
+                shutil.rmtree(node.home.jobs_dir / job.job_id, ignore_errors=True)
     return old

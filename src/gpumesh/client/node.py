@@ -360,7 +360,7 @@ class Node:
                     rtts.append((time.perf_counter() - sent) * 1000)
             host, port = session.address
             path = session.path
-            punched = session.link.path.puncher.direct_after if session.link.path else None
+            punched = session.punched_after
         return ConnectResult(
             peer=self.peer(peer.node_id),
             address=f"{host}:{port}",

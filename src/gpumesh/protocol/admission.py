@@ -26,6 +26,8 @@ from enum import Enum
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from gpumesh.protocol.addresses import Address
+
 __all__ = [
     "MIN_INITIAL_SIZE",
     "QUIC_V1",
@@ -37,8 +39,6 @@ __all__ = [
     "encode_retry",
     "parse_initial",
 ]
-
-Address = tuple[str, int]
 
 QUIC_V1 = 0x00000001
 MIN_INITIAL_SIZE = 1200

@@ -30,11 +30,11 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from gpumesh.protocol.addresses import Address
 from gpumesh.protocol.relay import Probe, encode_packet, probe_mac
 
 __all__ = ["PunchConfig", "PunchEvent", "Puncher"]
 
-Address = tuple[str, int]
 Outgoing = list[tuple[bytes, Address]]
 
 

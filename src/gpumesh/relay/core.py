@@ -29,6 +29,7 @@ from typing import Any
 
 from gpumesh.errors import ProtocolError
 from gpumesh.identity.keys import node_id_for, verify_signature
+from gpumesh.protocol.addresses import Address, format_address
 from gpumesh.protocol.relay import (
     DATA_HEADER,
     HELLO_MIN_SIZE,
@@ -60,11 +61,9 @@ from gpumesh.protocol.relay import (
     token_proof,
 )
 from gpumesh.relay.config import RelayConfig
-from gpumesh.transport.udp import format_address
 
 __all__ = [
     "EPOCH_SECONDS",
-    "Address",
     "RelayCore",
     "Send",
     "address_text",
@@ -73,7 +72,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-Address = tuple[str, int]
 Send = tuple[bytes, Address]
 
 EPOCH_SECONDS = 30

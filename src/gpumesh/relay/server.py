@@ -29,8 +29,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from gpumesh.protocol.addresses import Address
 from gpumesh.relay.config import RelayConfig
-from gpumesh.relay.core import Address, RelayCore, Send, address_text, is_reach_probe
+from gpumesh.relay.core import RelayCore, Send, address_text, is_reach_probe
 from gpumesh.transport.udp import UdpSocket, gso_control, open_udp_socket
 
 __all__ = ["RelayServer", "serve"]

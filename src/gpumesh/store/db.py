@@ -9,12 +9,13 @@ schema has explicit versions: ``MIGRATIONS[i]`` takes version ``i`` to
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sqlite3
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -28,6 +29,7 @@ from gpumesh.errors import (
 )
 from gpumesh.identity.keys import NodeId, node_id_for
 from gpumesh.protocol.messages import JobOutput, JobStatus
+from gpumesh.protocol.states import FINAL_STATES, JobRole, JobState
 from gpumesh.store.modes import open_private
 
 __all__ = [
@@ -40,6 +42,9 @@ __all__ = [
     "Peer",
     "Store",
 ]
+
+_FINAL = "(" + ", ".join(sorted(f"'{state}'" for state in FINAL_STATES)) + ")"
+"""``('cancelled', 'failed', 'succeeded')``: the final job states as an SQL list."""
 
 _JOB_COLUMNS = [
     "role",
@@ -74,6 +79,8 @@ _JOB_COLUMNS = [
 ]
 _JSON_COLUMNS = {"command", "env", "gpus", "log_cursor", "mounts"}
 
+# Migrations are history: each keeps the literal values (roles, states) it was
+# written with, whatever the code calls them now.
 MIGRATIONS: list[str] = [
     # 0 -> 1: peers and the allowlist
     """
@@ -270,7 +277,7 @@ class JobRecord:
     workdir: str
     """Hosted: the unpacked workdir on this machine; submitted: the local folder sent."""
     created_at: float
-    state: str = "queued"
+    state: str = JobState.QUEUED
     attempt: int = 0
     exit_code: int | None = None
     message: str = ""
@@ -449,25 +456,36 @@ class Store:
     def close(self) -> None:
         self._db.close()
 
-    def _migrate(self) -> None:
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[None]:
+        """Hold the connection for one ``BEGIN IMMEDIATE`` transaction: committed when
+        the block ends, rolled back when anything leaves it (an error, a cancel).
+
+        IMMEDIATE takes the write lock at the start, so two processes never both
+        read and then fail to write; the busy timeout makes the second one wait.
+        """
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
-                version = self._db.execute("PRAGMA user_version").fetchone()[0]
-                if version > SCHEMA_VERSION:
-                    raise ConfigError(
-                        f"{self.path} was written by a newer GPUMesh (schema {version}, this "
-                        f"one knows {SCHEMA_VERSION}): upgrade GPUMesh"
-                    )
-                for index in range(version, SCHEMA_VERSION):
-                    for statement in MIGRATIONS[index].split(";"):
-                        if statement.strip():
-                            self._db.execute(statement)
-                    self._db.execute(f"PRAGMA user_version = {index + 1}")
+                yield
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
+
+    def _migrate(self) -> None:
+        with self._transaction():
+            version = self._db.execute("PRAGMA user_version").fetchone()[0]
+            if version > SCHEMA_VERSION:
+                raise ConfigError(
+                    f"{self.path} was written by a newer GPUMesh (schema {version}, this "
+                    f"one knows {SCHEMA_VERSION}): upgrade GPUMesh"
+                )
+            for index in range(version, SCHEMA_VERSION):
+                for statement in MIGRATIONS[index].split(";"):
+                    if statement.strip():
+                        self._db.execute(statement)
+                self._db.execute(f"PRAGMA user_version = {index + 1}")
 
     @property
     def schema_version(self) -> int:
@@ -524,36 +542,30 @@ class Store:
         """
         now = now or time.time()
         node_id = node_id_for(public_key)
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                self._db.execute("DELETE FROM used_codes WHERE expires < ?", (now,))
-                spent = self._db.execute(
-                    "SELECT 1 FROM used_codes WHERE nonce = ?", (nonce,)
-                ).fetchone()
-                if spent is not None:
-                    raise PairingCodeError(
-                        f"that pairing code of {name} was already used on this node, and a "
-                        f"code pairs once; ask {name} for a fresh code (`gpumesh pair-code` "
-                        "on their side)"
-                    )
-                allowed = True
-                if replaces is not None and replaces != node_id:
-                    old = self._db.execute(
-                        "SELECT allowed FROM peers WHERE node_id = ?", (replaces,)
-                    ).fetchone()
-                    # A reinstall does not lift a denial of the name it takes over.
-                    allowed = old is None or bool(old["allowed"])
-                    self._db.execute("DELETE FROM peers WHERE node_id = ?", (replaces,))
-                self._upsert_peer(public_key, name, addresses, relay, allowed, now)
-                self._db.execute(
-                    "INSERT INTO used_codes (nonce, node_id, used_at, expires) VALUES (?, ?, ?, ?)",
-                    (nonce, node_id, now, expires),
+        with self._transaction():
+            self._db.execute("DELETE FROM used_codes WHERE expires < ?", (now,))
+            spent = self._db.execute(
+                "SELECT 1 FROM used_codes WHERE nonce = ?", (nonce,)
+            ).fetchone()
+            if spent is not None:
+                raise PairingCodeError(
+                    f"that pairing code of {name} was already used on this node, and a "
+                    f"code pairs once; ask {name} for a fresh code (`gpumesh pair-code` "
+                    "on their side)"
                 )
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
+            allowed = True
+            if replaces is not None and replaces != node_id:
+                old = self._db.execute(
+                    "SELECT allowed FROM peers WHERE node_id = ?", (replaces,)
+                ).fetchone()
+                # A reinstall does not lift a denial of the name it takes over.
+                allowed = old is None or bool(old["allowed"])
+                self._db.execute("DELETE FROM peers WHERE node_id = ?", (replaces,))
+            self._upsert_peer(public_key, name, addresses, relay, allowed, now)
+            self._db.execute(
+                "INSERT INTO used_codes (nonce, node_id, used_at, expires) VALUES (?, ?, ?, ?)",
+                (nonce, node_id, now, expires),
+            )
         return self.peer_by_id(node_id)
 
     def _upsert_peer(
@@ -702,16 +714,10 @@ class Store:
         )
 
     def delete_job(self, role: str, job_id: str) -> None:
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                self._db.execute("DELETE FROM jobs WHERE role = ? AND job_id = ?", (role, job_id))
-                if role == "hosted":
-                    self._db.execute("DELETE FROM job_events WHERE job_id = ?", (job_id,))
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
+        with self._transaction():
+            self._db.execute("DELETE FROM jobs WHERE role = ? AND job_id = ?", (role, job_id))
+            if role == JobRole.HOSTED:
+                self._db.execute("DELETE FROM job_events WHERE job_id = ?", (job_id,))
 
     def job(self, role: str, job_id: str) -> JobRecord | None:
         rows = self._query("SELECT * FROM jobs WHERE role = ? AND job_id = ?", (role, job_id))
@@ -752,15 +758,15 @@ class Store:
         (and that their providers have not forgotten): those worth asking about."""
         rows = self._query(
             "SELECT * FROM (SELECT * FROM jobs ORDER BY created_at DESC LIMIT ?) "
-            "WHERE role = 'submitted' AND provider_forgot = 0 "
-            "AND state NOT IN ('succeeded', 'failed', 'cancelled') ORDER BY created_at DESC",
-            (limit,),
+            f"WHERE role = ? AND provider_forgot = 0 AND state NOT IN {_FINAL} "
+            "ORDER BY created_at DESC",
+            (limit, JobRole.SUBMITTED),
         )
         return [JobRecord.from_row(r) for r in rows]
 
     def finished_jobs_before(self, cutoff: float) -> list[JobRecord]:
         rows = self._query(
-            "SELECT * FROM jobs WHERE (state IN ('succeeded', 'failed', 'cancelled') "
+            f"SELECT * FROM jobs WHERE (state IN {_FINAL} "
             "OR provider_forgot = 1) AND created_at < ? ORDER BY created_at",
             (cutoff,),
         )
@@ -791,15 +797,15 @@ class Store:
     def hosted_workdirs(self, peer_id: str) -> list[str]:
         """The folders the peer's hosted jobs worked in (their files may still be there)."""
         rows = self._query(
-            "SELECT workdir FROM jobs WHERE role = 'hosted' AND peer_id = ? AND workdir != ''",
-            (peer_id,),
+            "SELECT workdir FROM jobs WHERE role = ? AND peer_id = ? AND workdir != ''",
+            (JobRole.HOSTED, peer_id),
         )
         return [str(row["workdir"]) for row in rows]
 
     def unfinished_hosted_jobs(self) -> list[JobRecord]:
         rows = self._query(
-            "SELECT * FROM jobs WHERE role = 'hosted' AND state NOT IN "
-            "('succeeded', 'failed', 'cancelled') ORDER BY created_at"
+            f"SELECT * FROM jobs WHERE role = ? AND state NOT IN {_FINAL} ORDER BY created_at",
+            (JobRole.HOSTED,),
         )
         return [JobRecord.from_row(r) for r in rows]
 
@@ -844,41 +850,35 @@ class Store:
         positions, so each is told exactly what it missed.
         """
         when = now or time.time()
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                row = self._db.execute(
-                    "SELECT last_seq, output_bytes, output_dropped FROM jobs "
-                    "WHERE role = 'hosted' AND job_id = ?",
-                    (job_id,),
-                ).fetchone()
-                seq, written, dropped = int(row[0]), int(row[1]), int(row[2])
-                for kind, data in events:
-                    seq += 1
-                    position = -1
-                    if kind != "state":
-                        position, written = written, written + len(data)
-                    self._db.execute(
-                        "INSERT INTO job_events (job_id, seq, ts, attempt, kind, data, position) "
-                        "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                        (job_id, seq, when, attempt, kind, data, position),
-                    )
-                if log_limit and written - dropped > log_limit:
-                    dropped += self._drop_oldest_output(job_id, written - dropped - log_limit)
+        with self._transaction():
+            row = self._db.execute(
+                "SELECT last_seq, output_bytes, output_dropped FROM jobs "
+                "WHERE role = ? AND job_id = ?",
+                (JobRole.HOSTED, job_id),
+            ).fetchone()
+            seq, written, dropped = int(row[0]), int(row[1]), int(row[2])
+            for kind, data in events:
+                seq += 1
+                position = -1
+                if kind != "state":
+                    position, written = written, written + len(data)
                 self._db.execute(
-                    "UPDATE jobs SET last_seq = ?, output_bytes = ?, output_dropped = ? "
-                    "WHERE role = 'hosted' AND job_id = ?",
-                    (seq, written, dropped, job_id),
+                    "INSERT INTO job_events (job_id, seq, ts, attempt, kind, data, position) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    (job_id, seq, when, attempt, kind, data, position),
                 )
-                if log_cursor is not None:
-                    self._db.execute(
-                        "UPDATE jobs SET log_cursor = ? WHERE role = 'hosted' AND job_id = ?",
-                        (json.dumps(log_cursor), job_id),
-                    )
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
+            if log_limit and written - dropped > log_limit:
+                dropped += self._drop_oldest_output(job_id, written - dropped - log_limit)
+            self._db.execute(
+                "UPDATE jobs SET last_seq = ?, output_bytes = ?, output_dropped = ? "
+                "WHERE role = ? AND job_id = ?",
+                (seq, written, dropped, JobRole.HOSTED, job_id),
+            )
+            if log_cursor is not None:
+                self._db.execute(
+                    "UPDATE jobs SET log_cursor = ? WHERE role = ? AND job_id = ?",
+                    (json.dumps(log_cursor), JobRole.HOSTED, job_id),
+                )
         return seq
 
     def _drop_oldest_output(self, job_id: str, excess: int) -> int:
@@ -937,32 +937,25 @@ class Store:
         Members are saved as :meth:`save_group_members` saves them.
         """
         now = now or time.time()
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                taken = self._db.execute(
-                    "SELECT group_id, name FROM groups WHERE name = ? OR group_id = ?",
-                    (name, group_id),
-                ).fetchone()
-                if taken is not None and taken["name"] == name:
-                    raise ConfigError(
-                        f"a group named {name!r} already exists on this node "
-                        f"({taken['group_id'][:12]}): see `gpumesh group list`"
-                    )
-                if taken is not None:
-                    raise ConfigError(
-                        f"group {group_id[:12]} is already on this node as {taken['name']!r}"
-                    )
-                self._db.execute(
-                    "INSERT INTO groups (group_id, name, created_at, joined_via) "
-                    "VALUES (?, ?, ?, ?)",
-                    (group_id, name, now, joined_via),
+        with self._transaction():
+            taken = self._db.execute(
+                "SELECT group_id, name FROM groups WHERE name = ? OR group_id = ?",
+                (name, group_id),
+            ).fetchone()
+            if taken is not None and taken["name"] == name:
+                raise ConfigError(
+                    f"a group named {name!r} already exists on this node "
+                    f"({taken['group_id'][:12]}): see `gpumesh group list`"
                 )
-                self._upsert_members(group_id, members, now)
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
+            if taken is not None:
+                raise ConfigError(
+                    f"group {group_id[:12]} is already on this node as {taken['name']!r}"
+                )
+            self._db.execute(
+                "INSERT INTO groups (group_id, name, created_at, joined_via) VALUES (?, ?, ?, ?)",
+                (group_id, name, now, joined_via),
+            )
+            self._upsert_members(group_id, members, now)
         return self.group_by_id(group_id)
 
     def save_group_members(
@@ -974,21 +967,13 @@ class Store:
         and relay of its pairing, whatever ``members`` says (see
         :meth:`_upsert_members`).
         """
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                if (
-                    self._db.execute(
-                        "SELECT 1 FROM groups WHERE group_id = ?", (group_id,)
-                    ).fetchone()
-                    is None
-                ):
-                    raise NotFoundError(f"no group with id {group_id} on this node")
-                self._upsert_members(group_id, members, now or time.time())
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
+        with self._transaction():
+            if (
+                self._db.execute("SELECT 1 FROM groups WHERE group_id = ?", (group_id,)).fetchone()
+                is None
+            ):
+                raise NotFoundError(f"no group with id {group_id} on this node")
+            self._upsert_members(group_id, members, now or time.time())
 
     def _upsert_members(self, group_id: str, members: Sequence[MemberSource], now: float) -> None:
         # Caller holds the lock and a transaction; added_at keeps the first sighting.

@@ -7,7 +7,14 @@
       config.toml      settings (see gpumesh.store.config), 0600
       gpumesh.db       SQLite (WAL): peers, allowlist, jobs and groups, 0600 (and -wal, -shm)
       agent.json       present while `gpumesh share` runs: pid and port, 0600
+      agent.sock       present while `gpumesh share` runs: "the store changed", 0600
       logs/            debug logs of CLI commands and the agent, 0700, files 0600
+      jobs/            provider: one folder per hosted job (its unpacked workdir)
+      files/           provider: each peer's sandbox (cp, mounts, apps), by node id
+      apps/            provider: what each peer's synced apps hold, by node id
+      appcache/        consumer: manifests of app folders and of what providers hold
+
+The sub-folders are named once, here (:class:`Home`'s ``*_dir`` properties).
 
 Each writer creates its file with its mode; :meth:`Home.secure`, run at every
 start, narrows whatever is found wider.
@@ -16,6 +23,7 @@ start, narrows whatever is found wider.
 from __future__ import annotations
 
 import contextlib
+import enum
 import json
 import os
 from collections.abc import Iterator
@@ -34,7 +42,28 @@ from gpumesh.store.modes import PRIVATE_DIR, PRIVATE_FILE, narrow, write_private
 if TYPE_CHECKING:
     import socket
 
-__all__ = ["AgentInfo", "Home"]
+__all__ = ["AgentInfo", "Home", "RelayState"]
+
+LOGS_DIR = "logs"
+JOBS_DIR = "jobs"
+FILES_DIR = "files"
+APPS_DIR = "apps"
+APPCACHE_DIR = "appcache"
+
+
+class RelayState(enum.StrEnum):
+    """Where a sharing agent's registration with its relay stands."""
+
+    NONE = ""
+    """No relay configured."""
+    UNAVAILABLE = "unavailable"
+    """The relay's address did not resolve: sharing goes on without it."""
+    REGISTERING = "registering"
+    """Waiting for the relay's answer (at start, or after the relay lost us)."""
+    REGISTERED = "registered"
+    """The relay accepted us; peers behind NAT reach us through it."""
+    REFUSED = "refused"
+    """The relay refused the registration (a token, its allowlist); retried slowly."""
 
 
 @dataclass(frozen=True)
@@ -47,10 +76,22 @@ class AgentInfo:
     started: float
     relay: str = ""
     """The relay ``host:port`` the agent registers with, or empty."""
-    relay_state: str = ""
-    """``registered as ADDR``, ``registering`` or ``refused: ...`` (empty without a relay)."""
+    relay_state: RelayState = RelayState.NONE
+    relay_detail: str = ""
+    """Registered: the address the relay sees us at; refused or unavailable: why."""
     links: list[dict[str, str]] = field(default_factory=list)
     """Connected peers and their paths: ``{"peer": name, "path": "direct"}``."""
+
+    @property
+    def relay_text(self) -> str:
+        """``registered as ADDR``, ``registering``, ``refused: WHY``, ``unavailable: WHY``
+        (empty without a relay)."""
+        state = self.relay_state
+        if state is RelayState.REGISTERED:
+            return f"registered as {self.relay_detail}"
+        if state in (RelayState.REFUSED, RelayState.UNAVAILABLE):
+            return f"{state}: {self.relay_detail}"
+        return str(state)
 
     @property
     def alive(self) -> bool:
@@ -90,7 +131,27 @@ class Home:
 
     @property
     def logs_dir(self) -> Path:
-        return self.path / "logs"
+        return self.path / LOGS_DIR
+
+    @property
+    def jobs_dir(self) -> Path:
+        """Provider: ``jobs/JOB_ID``, each hosted job's folder."""
+        return self.path / JOBS_DIR
+
+    @property
+    def files_dir(self) -> Path:
+        """Provider: ``files/NODE_ID``, each peer's sandbox."""
+        return self.path / FILES_DIR
+
+    @property
+    def apps_dir(self) -> Path:
+        """Provider: ``apps/NODE_ID``, the index of each peer's synced apps."""
+        return self.path / APPS_DIR
+
+    @property
+    def appcache_dir(self) -> Path:
+        """Consumer: manifests of local app folders and of what each provider holds."""
+        return self.path / APPCACHE_DIR
 
     @property
     def initialized(self) -> bool:
@@ -163,7 +224,8 @@ class Home:
                 port=int(data["port"]),
                 started=float(data["started"]),
                 relay=str(data.get("relay", "")),
-                relay_state=str(data.get("relay_state", "")),
+                relay_state=_relay_state(data.get("relay_state", "")),
+                relay_detail=str(data.get("relay_detail", "")),
                 links=[
                     {"peer": str(link["peer"]), "path": str(link["path"])}
                     for link in data.get("links", [])
@@ -228,6 +290,15 @@ class Home:
         store = self.__dict__.pop("store", None)
         if store is not None:
             store.close()
+
+
+def _relay_state(value: object) -> RelayState:
+    # An agent of another version may write a state this one does not know:
+    # the agent still runs, so its file still counts.
+    try:
+        return RelayState(str(value))
+    except ValueError:
+        return RelayState.NONE
 
 
 NOTIFY_SOCKET = "agent.sock"

@@ -13,6 +13,8 @@ import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpumesh.protocol.states import JobRole
+
 __all__ = ["NameHint", "group_names", "job_ids", "peer_names"]
 
 # Long enough for a writer's short transaction, short enough not to be felt at a Tab press.
@@ -73,7 +75,7 @@ def job_ids(db_path: Path, role: str | None = None) -> list[NameHint]:
     rows = _rows(db_path, sql + " ORDER BY created_at DESC LIMIT ?", (*args, _JOB_LIMIT))
     hints: dict[str, NameHint] = {}
     for r in rows:
-        where = "on" if r["role"] == "submitted" else "for"
+        where = "on" if r["role"] == JobRole.SUBMITTED else "for"
         hints.setdefault(
             r["job_id"], NameHint(str(r["job_id"]), f"{r['state']} {where} {r['peer_name']}")
         )

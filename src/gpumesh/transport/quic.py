@@ -24,6 +24,11 @@ Pitfalls it handles (all learned the hard way):
   client Initial that the caller admits (see :meth:`QuicEndpoint._incoming`):
   the caller may ask for a stateless Retry first, and an Initial that does not
   decrypt leaves nothing behind.
+
+Other paths plug in through :class:`PacketRoute` (the relay client is one):
+the endpoint hands such a route every packet that is not QUIC, and a link
+that runs over one of its paths (:class:`LinkPath`) sends through it. This
+module names no route: the relay client imports it, never the other way.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import os
 import ssl
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from qh3 import QuicConfiguration, QuicConnection, QuicConnectionError
 from qh3.quic import events as qe
@@ -55,6 +60,7 @@ from gpumesh.errors import (
 )
 from gpumesh.identity.keys import Identity
 from gpumesh.identity.tlscert import public_key_from_spki, self_signed_certificate_pem
+from gpumesh.protocol.addresses import Address, format_address
 from gpumesh.protocol.admission import (
     Admission,
     DropReason,
@@ -67,14 +73,13 @@ from gpumesh.protocol.handshake import BINDING_SIZE
 from gpumesh.protocol.messages import ALPNS
 from gpumesh.transport.reach import unreachable
 from gpumesh.transport.stream import RESET_OVER_LIMIT, Stream, over_limit_error
-from gpumesh.transport.udp import Address, UdpSocket, format_address, open_udp_socket
-
-if TYPE_CHECKING:
-    from gpumesh.transport.relayclient import RelayClient, RelayedPath
+from gpumesh.transport.udp import UdpSocket, open_udp_socket
 
 __all__ = [
     "APP_ERROR",
     "Buffered",
+    "LinkPath",
+    "PacketRoute",
     "PeerStreamIds",
     "QuicEndpoint",
     "QuicLink",
@@ -226,6 +231,84 @@ class PeerStreamIds:
         return False
 
 
+class LinkPath(Protocol):
+    """The way a link's packets travel when they do not go straight to its address:
+    a relayed session, perhaps punched through to a direct address since.
+
+    qh3 knows the peer by the path's :attr:`virtual` address; the endpoint asks
+    the path where each datagram goes, so a move from the relay to a punched
+    address is invisible to QUIC.
+    """
+
+    @property
+    def virtual(self) -> Address:
+        """The address the link's QUIC connection knows the peer by (no packet comes
+        from there: the route hands them over under it)."""
+        ...
+
+    def outgoing(self, datagrams: list[bytes]) -> list[tuple[bytes, Address]]:
+        """Each QUIC datagram of the link as it leaves the socket, and where to."""
+        ...
+
+    def remote_address(self) -> Address:
+        """Where packets go now (a punched address, or the relay's)."""
+        ...
+
+    def describe(self) -> str:
+        """``direct (hole-punched) ADDR`` or ``relayed via RELAY``."""
+        ...
+
+    def attach(self, link: QuicLink) -> None:
+        """``link`` runs over this path from now on."""
+        ...
+
+    def release(self) -> None:
+        """The link over this path is gone: the path may end what carried it."""
+        ...
+
+
+class PacketRoute(Protocol):
+    """Another user of an endpoint's socket, carrying some of its links over paths of
+    its own (:class:`LinkPath`): the relay client, which must share the socket
+    whose NAT mapping peers punch through.
+
+    The endpoint hands it every packet that is not QUIC and delivers the QUIC
+    datagrams they carried under the path's virtual address; for QUIC packets
+    from elsewhere it asks whether a path was punched to their source. The
+    route sends its own packets with :meth:`QuicEndpoint.send_raw`.
+    """
+
+    @property
+    def has_paths(self) -> bool:
+        """Whether any path is open (the endpoint's send path skips lookups if not)."""
+        ...
+
+    def path_for_virtual(self, address: tuple[Any, ...]) -> LinkPath | None:
+        """The path behind a virtual address (qh3 gives IPv6 ones as 4-tuples)."""
+        ...
+
+    def from_direct(self, source: Address, now: float) -> Address | None:
+        """A QUIC packet came from ``source``: the virtual address of the path punched
+        through to there (which hears that it is alive), or None."""
+        ...
+
+    def unwrap_run(
+        self, buffer: bytes, segment: int, source: Address
+    ) -> tuple[Address, list[bytes]] | None:
+        """A GRO run of ``segment``-byte packets of one path: its virtual address and
+        the QUIC datagrams; None when the run is anything else."""
+        ...
+
+    def handle(self, packet: bytes, source: Address, now: float) -> tuple[Address, bytes] | None:
+        """One packet that is not QUIC: the ``(virtual address, QUIC datagram)`` it
+        carried, or None when it was the route's own (or nothing)."""
+        ...
+
+    def close(self) -> None:
+        """The endpoint is closing."""
+        ...
+
+
 class QuicLink:
     """One QUIC connection to one peer, carrying many streams."""
 
@@ -236,6 +319,7 @@ class QuicLink:
         address: Address,
         *,
         validated: bool = False,
+        path: LinkPath | None = None,
     ) -> None:
         loop = asyncio.get_running_loop()
         self._loop = loop
@@ -258,8 +342,8 @@ class QuicLink:
         self.binding = b""
         """This TLS session's binding (:func:`session_binding`, set when connected)."""
         self.cids: set[bytes] = {quic.host_cid}
-        self.path: RelayedPath | None = None
-        """The relayed session under this link, or None for a plain direct link."""
+        self.path = path
+        """The path under this link (a relayed session), or None for a plain direct link."""
         self._peer_streams = PeerStreamIds()
         self.buffer_limit = 0
         """Most bytes the link may hold (:meth:`buffered`) before a stream that would add
@@ -274,6 +358,8 @@ class QuicLink:
         self._keepalive: asyncio.TimerHandle | None = loop.call_later(
             self._keepalive_every, self._send_keepalive
         )
+        if path is not None:
+            path.attach(self)
 
     # --- public -------------------------------------------------------------------
 
@@ -323,7 +409,7 @@ class QuicLink:
         """Where packets go now: the real address, also for punched sessions."""
         if self.path is None:
             return self.address
-        return self.path.direct or self.path.client.relay_address
+        return self.path.remote_address()
 
     # --- used by Stream -----------------------------------------------------------
 
@@ -549,8 +635,9 @@ class QuicEndpoint:
         self._closed = False
         self._socket_closed = False
         self._dialer_link: QuicLink | None = None
-        self.relay: RelayClient | None = None
-        """Set when this endpoint is registered with a relay (same socket)."""
+        self.relay: PacketRoute | None = None
+        """The route sharing this socket: the relay client, once this endpoint registers
+        with a relay."""
         self._fileno = udp.sock.fileno()
         self._loop.add_reader(self._fileno, self._on_readable)
         self._writer_registered = False
@@ -601,59 +688,26 @@ class QuicEndpoint:
             raise unreachable(where, reason=str(exc.strerror or exc)) from exc
         endpoint = cls(udp)
         try:
-            return await endpoint._dial_link(address, where, expected_key, timeout, alpns=alpns)
+            return await endpoint.dial_link(address, where, expected_key, timeout, alpns=alpns)
         except BaseException:
             endpoint.close()
             raise
 
-    @classmethod
-    async def dial_relayed(
-        cls,
-        relay: Callable[[QuicEndpoint], RelayClient],
-        peer_key: bytes,
-        *,
-        timeout: float,
-        local_host: str = "0.0.0.0",
-    ) -> QuicLink:
-        """Connect to ``peer_key`` through a relay (and punch a direct path meanwhile)."""
-        try:
-            udp = UdpSocket(open_udp_socket(local_host, 0))
-        except OSError as exc:
-            raise UnreachableError(f"cannot open a UDP socket: {exc}") from exc
-        endpoint = cls(udp)
-        try:
-            client = relay(endpoint)
-            endpoint.relay = client
-            client.start()
-            deadline = endpoint._loop.time() + timeout
-            await client.wait_registered(timeout)
-            path = await client.open_path(peer_key, max(0.5, deadline - endpoint._loop.time()))
-            link = await endpoint._dial_link(
-                path.virtual,
-                f"the peer through the relay {client.label}",
-                peer_key,
-                max(0.5, deadline - endpoint._loop.time()),
-                path=path,
-            )
-        except BaseException:
-            endpoint.close()
-            raise
-        return link
-
-    async def _dial_link(
+    async def dial_link(
         self,
         address: Address,
         where: str,
         expected_key: bytes,
         timeout: float,
         *,
-        path: RelayedPath | None = None,
+        path: LinkPath | None = None,
         alpns: Sequence[str] = ALPNS,
     ) -> QuicLink:
+        """Connect this dialer endpoint's one link to ``address`` (a ``path``'s virtual
+        address when it runs over one) and pin ``expected_key``; ``where`` names
+        the peer in errors."""
         quic = QuicConnection(configuration=client_configuration(alpns))
-        link = QuicLink(self, quic, address)
-        if path is not None and self.relay is not None:
-            self.relay.attach(path, link)
+        link = QuicLink(self, quic, address, path=path)
         self._dialer_link = link
         self._add_link(link)
         quic.connect(address, self._loop.time())
@@ -715,8 +769,8 @@ class QuicEndpoint:
 
     def _forget(self, link: QuicLink) -> None:
         link.cancel_timer()
-        if link.path is not None and self.relay is not None:
-            self.relay.forget(link.path)
+        if link.path is not None:
+            link.path.release()
         self.links.discard(link)
         for cid in link.cids:
             if self._by_cid.get(cid) is link:
@@ -728,7 +782,7 @@ class QuicEndpoint:
 
     def send(self, datagrams: list[tuple[bytes, Any]]) -> None:
         relay = self.relay
-        if relay is not None and relay.paths:
+        if relay is not None and relay.has_paths:
             path = relay.path_for_virtual(datagrams[0][1]) if datagrams else None
             if path is not None and all(address == datagrams[0][1] for _, address in datagrams):
                 # The usual case: everything of one transmit goes to one relayed peer.
@@ -791,10 +845,9 @@ class QuicEndpoint:
                             self._deliver(datagram, len(datagram), virtual, now, touched)
                 continue
             if relay is not None:
-                path = relay.path_for_direct(address)
-                if path is not None:
-                    relay.note_direct_inbound(path, now)
-                    address = path.virtual
+                punched = relay.from_direct(address, now)
+                if punched is not None:
+                    address = punched  # the path's virtual address
             self._deliver(data, segment_size, address, now, touched)
         for link in touched:
             link.process_events()
@@ -901,11 +954,9 @@ class QuicEndpoint:
             # Random bytes shaped like an Initial: qh3 found nothing to answer.
             self._dropped(address, DropReason.UNDECRYPTABLE, validated=validated)
             return
-        link = QuicLink(self, quic, address, validated=validated)
+        link = QuicLink(self, quic, address, validated=validated, path=path)
         link.cids.add(header.dcid)
         self._add_link(link)
-        if path is not None and self.relay is not None:
-            self.relay.attach(path, link)
         self.send(datagrams)
         touched[link] = None
         if self._on_link is not None:

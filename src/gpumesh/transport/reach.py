@@ -25,7 +25,7 @@ def unreachable(
     """
     if refused:
         return UnreachableError(
-            f"nothing is listening on {where} (connection refused): {_SHARING}?"
+            f"nothing is listening on {where} (connection refused): {_SHARING}?", refused=True
         )
     if waited is not None:
         what = f"no answer from {where} within {waited:.0f}s"

@@ -6,6 +6,10 @@ packet that is not QUIC; it answers the relay, feeds punching probes to the
 session's :class:`~gpumesh.protocol.punch.Puncher`, and gives relayed QUIC
 datagrams back to the endpoint under the session's *virtual address*.
 
+It plugs into the endpoint as its :class:`~gpumesh.transport.quic.PacketRoute`,
+and each session is a :class:`~gpumesh.transport.quic.LinkPath` under the QUIC
+link that runs over it: the endpoint calls those, and names nothing here.
+
 Virtual addresses are how QUIC stays unaware of paths: a relayed session is
 known to qh3 as ``[100::<session>]:1`` (RFC 6666's discard-only prefix: no
 real packet can come from there). The endpoint translates on the way out
@@ -23,18 +27,17 @@ import ipaddress
 import logging
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from gpumesh.errors import ProtocolError, RelayError, UnreachableError
 from gpumesh.identity.keys import Identity, node_id_for
 from gpumesh.protocol import relay as wire
+from gpumesh.protocol.addresses import Address, format_address, parse_address
 from gpumesh.protocol.punch import PunchConfig, Puncher
-from gpumesh.transport.udp import Address, format_address, parse_address
+from gpumesh.transport.quic import QuicEndpoint, QuicLink
+from gpumesh.transport.udp import UdpSocket, open_udp_socket
 
-if TYPE_CHECKING:
-    from gpumesh.transport.quic import QuicEndpoint, QuicLink
-
-__all__ = ["RelayClient", "RelayedPath", "parse_host_port", "virtual_address"]
+__all__ = ["RelayClient", "RelayedPath", "dial_relayed", "parse_host_port", "virtual_address"]
 
 logger = logging.getLogger(__name__)
 
@@ -112,11 +115,20 @@ class RelayedPath:
         header, relay = self._header, self.client.relay_address
         return [(header + datagram, relay) for datagram in datagrams]
 
+    def remote_address(self) -> Address:
+        return self.puncher.direct or self.client.relay_address
+
     def describe(self) -> str:
         direct = self.puncher.direct
         if direct is not None:
             return f"direct (hole-punched) {format_address(direct)}"
         return f"relayed via {self.client.label}"
+
+    def attach(self, link: QuicLink) -> None:
+        self.link = link
+
+    def release(self) -> None:
+        self.client.forget(self)
 
 
 class RelayClient:
@@ -239,18 +251,22 @@ class RelayClient:
             self._reach = None
         return True
 
-    # --- used by the endpoint ------------------------------------------------------
+    # --- used by the endpoint (its PacketRoute) ----------------------------------------
+
+    @property
+    def has_paths(self) -> bool:
+        return bool(self.paths)
 
     def path_for_virtual(self, address: tuple[Any, ...]) -> RelayedPath | None:
         """The path behind a virtual address (qh3 gives IPv6 ones as 4-tuples)."""
         return self._by_virtual.get((address[0], address[1]))
 
-    def path_for_direct(self, address: Address) -> RelayedPath | None:
-        return self._by_direct.get(address)
-
-    def attach(self, path: RelayedPath, link: QuicLink) -> None:
-        path.link = link
-        link.path = path
+    def from_direct(self, source: Address, now: float) -> Address | None:
+        path = self._by_direct.get(source)
+        if path is None:
+            return None
+        path.puncher.on_inbound(now)
+        return path.virtual
 
     def forget(self, path: RelayedPath) -> None:
         """The link over ``path`` is gone: end the relayed session."""
@@ -263,16 +279,16 @@ class RelayClient:
         if path.relay_open and not self._closed:
             self._send(wire.Close(session=path.session, code="closed", message=""))
 
-    def handle(self, data: bytes, source: Address, now: float) -> tuple[Address, bytes] | None:
+    def handle(self, packet: bytes, source: Address, now: float) -> tuple[Address, bytes] | None:
         """One non-QUIC packet; returns ``(virtual address, QUIC datagram)`` to deliver."""
         from_relay = source == self.relay_address
         if from_relay:
             self._last_heard = now
-        if wire.is_data(data):
+        if wire.is_data(packet):
             if not from_relay:
                 return None
             try:
-                session, datagram = wire.decode_data(data)
+                session, datagram = wire.decode_data(packet)
             except ProtocolError:
                 return None
             path = self.paths.get(session)
@@ -280,7 +296,7 @@ class RelayClient:
                 return None
             return path.virtual, datagram
         try:
-            message = wire.decode_packet(data)
+            message = wire.decode_packet(packet)
         except ProtocolError as exc:
             logger.debug("relay packet from %s dropped: %s", source, exc)
             return None
@@ -319,9 +335,6 @@ class RelayClient:
         start = wire.DATA_HEADER
         datagrams = [buffer[o + start : o + segment] for o in range(0, len(buffer), segment)]
         return path.virtual, datagrams
-
-    def note_direct_inbound(self, path: RelayedPath, now: float) -> None:
-        path.puncher.on_inbound(now)
 
     # --- relay messages -----------------------------------------------------------------
 
@@ -561,3 +574,42 @@ class RelayClient:
     def _send_many(self, packets: list[tuple[bytes, Address]]) -> None:
         if packets:
             self.endpoint.send_raw(packets)
+
+
+async def dial_relayed(
+    make_client: Callable[[QuicEndpoint], RelayClient],
+    peer_key: bytes,
+    *,
+    timeout: float,
+    local_host: str = "0.0.0.0",
+) -> tuple[QuicLink, RelayedPath]:
+    """Connect to ``peer_key`` through a relay (and punch a direct path meanwhile).
+
+    ``make_client`` registers a fresh endpoint with the relay; the link and the
+    relayed session under it come back (the session says whether punching found
+    a direct path, and when).
+    """
+    try:
+        udp = UdpSocket(open_udp_socket(local_host, 0))
+    except OSError as exc:
+        raise UnreachableError(f"cannot open a UDP socket: {exc}") from exc
+    endpoint = QuicEndpoint(udp)
+    loop = asyncio.get_running_loop()
+    try:
+        client = make_client(endpoint)
+        endpoint.relay = client
+        client.start()
+        deadline = loop.time() + timeout
+        await client.wait_registered(timeout)
+        path = await client.open_path(peer_key, max(0.5, deadline - loop.time()))
+        link = await endpoint.dial_link(
+            path.virtual,
+            f"the peer through the relay {client.label}",
+            peer_key,
+            max(0.5, deadline - loop.time()),
+            path=path,
+        )
+    except BaseException:
+        endpoint.close()
+        raise
+    return link, path

@@ -20,6 +20,7 @@ import os
 import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from gpumesh.errors import (
     AccessDeniedError,
@@ -31,12 +32,15 @@ from gpumesh.errors import (
     UnreachableError,
 )
 from gpumesh.identity.keys import Identity
+from gpumesh.protocol.addresses import Address, parse_address
 from gpumesh.protocol.flow import DEFAULT_WINDOW
 from gpumesh.protocol.handshake import AUTH_STREAM, AuthForm, ClientAuth, ServerAuth
 from gpumesh.protocol.messages import MAX_MESSAGE_FRAME, Hello, Message, Proof, SessionProof
 from gpumesh.transport.quic import QuicEndpoint, QuicLink
 from gpumesh.transport.stream import Stream
-from gpumesh.transport.udp import Address, parse_address
+
+if TYPE_CHECKING:
+    from gpumesh.transport.relayclient import RelayedPath
 
 __all__ = [
     "AUTH_TIMEOUT",
@@ -106,8 +110,18 @@ class Session:
     then raises.
     """
 
-    def __init__(self, link: QuicLink, auth: ClientAuth, auth_stream: Stream, where: str) -> None:
+    def __init__(
+        self,
+        link: QuicLink,
+        auth: ClientAuth,
+        auth_stream: Stream,
+        where: str,
+        *,
+        relayed: RelayedPath | None = None,
+    ) -> None:
         self.link = link
+        self.relayed = relayed
+        """The relayed session under the link (punched or not), or None for a direct one."""
         self.peer_name = where
         """The provider's node name once it welcomed us; where we dialled until then."""
         self._auth = auth
@@ -123,7 +137,7 @@ class Session:
     @property
     def through_relay(self) -> bool:
         """True when the session was set up through a relay (punched or not)."""
-        return self.link.path is not None
+        return self.relayed is not None
 
     def dialable_address(self) -> Address | None:
         """An address worth dialling directly next time, if this session found one.
@@ -132,10 +146,15 @@ class Session:
         only when it is one the peer listens on itself (its LAN address, say),
         not its NAT's mapping, which only answered because we punched it.
         """
-        path = self.link.path
+        path = self.relayed
         if path is None:
             return self.link.address
         return path.direct if path.direct in path.peer_listens else None
+
+    @property
+    def punched_after(self) -> float | None:
+        """Seconds hole punching took to find the direct path; None without one."""
+        return None if self.relayed is None else self.relayed.puncher.direct_after
 
     @property
     def path(self) -> str:
@@ -144,7 +163,7 @@ class Session:
 
     async def wait_for_punching(self, timeout: float) -> None:
         """Give hole punching up to ``timeout`` seconds to find a direct path."""
-        path = self.link.path
+        path = self.relayed
         if path is None:
             return
         with contextlib.suppress(TimeoutError):
@@ -227,7 +246,7 @@ async def _dial_relayed(
 ) -> Session:
     # Imported here: most dials never need the relay, and every CLI start pays for imports.
     from gpumesh.transport.netinfo import local_addresses
-    from gpumesh.transport.relayclient import RelayClient
+    from gpumesh.transport.relayclient import RelayClient, dial_relayed
 
     relay_address = await resolve_relay(relay.address)
 
@@ -242,10 +261,10 @@ async def _dial_relayed(
             candidates=lambda: local_addresses("0.0.0.0", endpoint.local_address[1]),
         )
 
-    link = await QuicEndpoint.dial_relayed(make_client, server_key, timeout=timeout)
-    session = await _authenticate(link, identity, name, server_key, f"the relay {relay.address}")
-    path = link.path
-    if path is not None and path.direct is None and path.puncher.heard_from:
+    link, path = await dial_relayed(make_client, server_key, timeout=timeout)
+    where = f"the relay {relay.address}"
+    session = await _authenticate(link, identity, name, server_key, where, relayed=path)
+    if path.direct is None and path.puncher.heard_from:
         # The peer's probes already get through: the direct path is a round trip
         # away, so let a bulk request start there rather than on the relay.
         await session.wait_for_punching(PUNCH_SETTLE)
@@ -253,7 +272,13 @@ async def _dial_relayed(
 
 
 async def _authenticate(
-    link: QuicLink, identity: Identity, name: str, server_key: bytes, where: str
+    link: QuicLink,
+    identity: Identity,
+    name: str,
+    server_key: bytes,
+    where: str,
+    *,
+    relayed: RelayedPath | None = None,
 ) -> Session:
     """Send the identity proof; wait for the Welcome only where requests must."""
     auth = ClientAuth(identity, name, server_key)
@@ -265,7 +290,7 @@ async def _authenticate(
     except GPUMeshError as exc:
         link.close(exc if isinstance(exc, ProtocolError) else None)
         raise
-    session = Session(link, auth, stream, where)
+    session = Session(link, auth, stream, where, relayed=relayed)
     if not auth.may_send_requests:
         try:
             await session.established()
@@ -279,7 +304,7 @@ def _rank(error: GPUMeshError) -> int:
     # Which failure to report when every address failed: the most telling one.
     if isinstance(error, (AccessDeniedError, KeyMismatchError, ProtocolError)):
         return 0
-    if isinstance(error, UnreachableError) and "refused" in error.message:
+    if isinstance(error, UnreachableError) and error.refused:
         return 2
     return 1
 
@@ -398,7 +423,9 @@ async def _open_direct(
     best = errors[0] if errors else UnreachableError(f"cannot reach {peer_label}")
     if len(addresses) > 1 and isinstance(best, UnreachableError):
         tried = ", ".join(f"{h}:{p}" for h, p in addresses)
-        raise UnreachableError(f"cannot reach {peer_label} at {tried}: {best.message}")
+        raise UnreachableError(
+            f"cannot reach {peer_label} at {tried}: {best.message}", refused=best.refused
+        )
     raise best
 
 

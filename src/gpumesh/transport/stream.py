@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import struct
 from collections import deque
-from typing import TYPE_CHECKING, TypeVar
+from typing import Protocol, TypeVar
 
 from gpumesh.errors import (
     ConnectionLostError,
@@ -38,10 +38,7 @@ from gpumesh.protocol.framing import (
 from gpumesh.protocol.messages import Message, Refusal, decode_message, encode_message
 from gpumesh.units import format_size
 
-if TYPE_CHECKING:
-    from gpumesh.transport.quic import QuicLink
-
-__all__ = ["DATA_CHUNK", "RESET_OVER_LIMIT", "Stream", "over_limit_error"]
+__all__ = ["DATA_CHUNK", "RESET_OVER_LIMIT", "Stream", "StreamLink", "over_limit_error"]
 
 DATA_CHUNK = 256 * 1024
 """Bulk bytes per DATA frame when sending."""
@@ -54,10 +51,42 @@ while the link held more than its buffer limit; the peer raises it as a LimitErr
 M = TypeVar("M")
 
 
-class Stream:
-    """A bidirectional stream of one request on a :class:`QuicLink`."""
+class StreamLink(Protocol):
+    """What a stream needs of the connection it runs on (a
+    :class:`~gpumesh.transport.quic.QuicLink`): defined here, so that streams know
+    nothing of QUIC and the link's module is the only one that imports the other."""
 
-    def __init__(self, link: QuicLink, stream_id: int) -> None:
+    @property
+    def buffer_limit(self) -> int:
+        """Most bytes the link may hold before a stream that adds to them is ended; 0: none."""
+        ...
+
+    @property
+    def is_closed(self) -> bool: ...
+
+    def held(self) -> int:
+        """Bytes the link holds now: unread by handlers and not yet sent."""
+        ...
+
+    def note_unread(self, delta: int) -> None: ...
+
+    def send(self, stream_id: int, data: bytes | memoryview, end_stream: bool = False) -> None: ...
+
+    def send_buffer_size(self, stream_id: int | None = None) -> int: ...
+
+    async def wait_writable(self, stream_id: int) -> None: ...
+
+    def reset_stream(self, stream_id: int, code: int = 0) -> None: ...
+
+    def stop_receiving(self, stream_id: int) -> None:
+        """Ask the peer to stop sending on the stream."""
+        ...
+
+
+class Stream:
+    """A bidirectional stream of one request on a link (:class:`StreamLink`)."""
+
+    def __init__(self, link: StreamLink, stream_id: int) -> None:
         self.link = link
         self.stream_id = stream_id
         self._decoder = FrameDecoder()

@@ -20,6 +20,10 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+# Address and its text forms are defined in the protocol layer; re-exported here
+# for the callers that open sockets with them.
+from gpumesh.protocol.addresses import Address, format_address, parse_address
+
 __all__ = [
     "Address",
     "Received",
@@ -32,8 +36,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-Address = tuple[str, int]
-
 # Linux values; the socket module does not export them on every Python.
 _SOL_UDP = 17
 _UDP_SEGMENT = 103
@@ -45,35 +47,9 @@ _SOCKET_BUFFER = 4 * 1024 * 1024
 _CMSG_SPACE = socket.CMSG_SPACE(4) if hasattr(socket, "CMSG_SPACE") else 0
 
 
-def parse_address(text: str, default_port: int | None = None) -> Address:
-    """``host:port`` or ``[v6]:port`` into a tuple."""
-    text = text.strip()
-    if text.startswith("["):
-        host, _, rest = text[1:].partition("]")
-        port_text = rest.lstrip(":")
-    elif text.count(":") == 1:
-        host, _, port_text = text.partition(":")
-    else:
-        host, port_text = text, ""
-    if not port_text:
-        if default_port is None:
-            raise ValueError(f"address {text!r} has no port")
-        return (host, default_port)
-    port = int(port_text)
-    if not 0 < port < 65536:
-        raise ValueError(f"port {port} is out of range")
-    return (host, port)
-
-
 def gso_control(segment: int) -> list[tuple[int, int, bytes]]:
     """The ``sendmsg`` ancillary data that cuts one buffer into ``segment``-byte datagrams."""
     return [(_SOL_UDP, _UDP_SEGMENT, struct.pack("=H", segment))]
-
-
-def format_address(address: Address) -> str:
-    """``host:port``, or ``[v6]:port``."""
-    host, port = address
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -81,7 +81,7 @@ class StatusView(msgspec.Struct):
             listen=status.listen,
             agent_pid=agent.pid if agent else None,
             relay=status.relay or None,
-            relay_state=agent.relay_state if agent and status.relay else None,
+            relay_state=agent.relay_text if agent and status.relay else None,
             connections=agent.links if agent else [],
             peers=status.peers,
             allowed=status.allowed,
