@@ -295,7 +295,6 @@ async def _send_workdir(
     from gpumesh.client.bulk import NoChannel, send_tar
     from gpumesh.client.files import STALL_TIMEOUT
     from gpumesh.files.hashing import SHA256
-    from gpumesh.files.pack import write_tar
 
     offer, no_channel = channel
     sent = 0
@@ -316,46 +315,39 @@ async def _send_workdir(
         no_channel = NoChannel.NOT_OFFERED
     result.workdir_channel = "quic"
     result.workdir_no_channel = no_channel
-    await _upload(stream, plan, size, write_tar, callbacks.upload)
+    await _upload(stream, plan, size, callbacks.upload)
 
 
 async def _upload(
-    stream: Stream,
-    plan: object,
-    total: int,
-    write_tar: Callable[..., int],
-    progress: Callable[[int, int], None],
+    stream: Stream, plan: PackPlan, total: int, progress: Callable[[int, int], None]
 ) -> None:
-    """Stream the workdir tar with constant memory: a writer thread feeds a pipe of chunks."""
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=8)
+    """Stream the workdir tar with constant memory, packed on a thread.
 
-    class _QueueWriter:
-        def write(self, data: bytes) -> int:
-            asyncio.run_coroutine_threadsafe(queue.put(bytes(data)), loop).result()
-            return len(data)
+    ``tar_chunks`` stops its packing thread when this ends early (the link
+    dropped under ``send_data``), so a failed upload raises instead of waiting
+    for a thread blocked on a queue nothing reads any more.
+    """
+    from gpumesh.files.transfer import tar_chunks
 
-        def flush(self) -> None:
-            return None
-
-    def produce() -> None:
-        try:
-            write_tar(plan, _QueueWriter())
-        finally:
-            asyncio.run_coroutine_threadsafe(queue.put(None), loop).result()
-
-    producer = loop.run_in_executor(None, produce)
     sent = 0
-    try:
-        while (chunk := await queue.get()) is not None:
+    async with contextlib.aclosing(tar_chunks(plan, _NoHash())) as chunks:
+        async for chunk in chunks:
             await stream.send_data(chunk)
             sent += len(chunk)
             progress(sent, total)
-    finally:
-        await producer
     stream.end_data()
     if sent != total:
         raise ProtocolError(f"the workdir changed while it was sent ({sent} of {total} bytes)")
+
+
+class _NoHash:
+    """The workdir over QUIC is checked by its size; nothing hashes it on this side."""
+
+    def update(self, data: bytes | memoryview, /) -> None:
+        return None
+
+    def digest(self) -> bytes:
+        return b""
 
 
 async def _consume(
