@@ -88,6 +88,7 @@ from gpumesh.runtime.base import (
 )
 from gpumesh.runtime.users import job_identity
 from gpumesh.store.db import JobRecord
+from gpumesh.store.followers import FollowerWakeups
 from gpumesh.units import format_size, parse_size
 
 if TYPE_CHECKING:
@@ -220,6 +221,8 @@ class JobService:
         self.jobs_dir = agent.home.path / "jobs"
         self._runs: dict[str, _Run] = {}
         self._changed = asyncio.Condition()
+        self._followers = FollowerWakeups(agent.home.path)
+        """``gpumesh logs -f`` of hosted jobs in other processes, woken on new events."""
         self.images = ImageKeeper(agent.store, lambda: self.runtime, provider=agent.name)
         self.machine = machine_size()
         self.admission = Admission(self.share_limits, self._claims, agent.name)
@@ -301,10 +304,19 @@ class JobService:
                 run.task.cancel()
         if self._owns_runtime and self._runtime is not None:
             self._runtime.close()
+        self._followers.close()
 
     async def _notify(self) -> None:
         async with self._changed:
             self._changed.notify_all()
+        self._followers.wake()
+
+    async def wait_changed(self, timeout: float) -> None:
+        """Return when a hosted job gets events (or after ``timeout`` seconds): what an
+        in-process follower waits on (:func:`gpumesh.client.jobs.follow_hosted`)."""
+        async with self._changed:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), timeout)
 
     # --- requests ----------------------------------------------------------------------------
 
