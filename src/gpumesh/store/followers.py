@@ -54,6 +54,7 @@ class FollowerSocket:
     def __init__(self, home: Path) -> None:
         self.folder = home / FOLDER
         self.folder.mkdir(mode=0o700, exist_ok=True)
+        os.chmod(self.folder, 0o700)  # one made wider by hand is narrowed again
         self.name = f"{secrets.token_hex(8)}{_SUFFIX}"
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         try:
