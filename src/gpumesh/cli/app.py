@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import click
 
 from gpumesh.cli._common import emit_json, fail, get_node, run_async
 from gpumesh.cli._complete import complete_peer, complete_submitted_job
 from gpumesh.errors import ExitCode
+
+if TYPE_CHECKING:
+    from gpumesh.client.apps import SyncResult
 
 
 @click.group(
@@ -31,7 +34,7 @@ def app() -> None:
     """Keep a project folder on a peer and run jobs in it."""
 
 
-def _sync_summary(result: Any) -> str:
+def _sync_summary(result: SyncResult) -> str:
     from gpumesh.units import format_size
 
     return (
@@ -119,7 +122,7 @@ def run(
     """
     from gpumesh.cli._jobview import JobPrinter
     from gpumesh.cli.run import exit_status
-    from gpumesh.client.apps import SyncResult, run_app
+    from gpumesh.client.apps import run_app
     from gpumesh.client.jobspec import build_spec
 
     node = get_node()
