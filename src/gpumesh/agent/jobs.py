@@ -89,6 +89,7 @@ from gpumesh.runtime.base import (
     mount_target_problem,
 )
 from gpumesh.store.db import JobRecord, Store
+from gpumesh.store.followers import FollowerWakeups
 from gpumesh.units import format_size, parse_size
 
 if TYPE_CHECKING:
@@ -188,6 +189,7 @@ class JobService:
         files: SandboxFiles,
         share_limits: Callable[[], ShareLimits],
         jobs_dir: Path,
+        followers: FollowerWakeups,
     ) -> None:
         self.provider = provider
         self.settings = settings
@@ -199,6 +201,8 @@ class JobService:
         self.jobs_dir = jobs_dir
         self._runs: dict[str, _Run] = {}
         self._changed = asyncio.Condition()
+        self._followers = followers
+        """``gpumesh logs -f`` of hosted jobs in other processes, woken on new events."""
         self.admission = Admission(share_limits, self._claims, provider.name)
         """Admits jobs and shells (max_jobs_per_peer, max_shells_per_peer, share_memory)."""
         # What unfinished jobs were promised holds again from the start, before any
@@ -272,10 +276,19 @@ class JobService:
         for run in self._runs.values():
             if run.task is not None:
                 run.task.cancel()
+        self._followers.close()
 
     async def _notify(self) -> None:
         async with self._changed:
             self._changed.notify_all()
+        self._followers.wake()
+
+    async def wait_changed(self, timeout: float) -> None:
+        """Return when a hosted job gets events (or after ``timeout`` seconds): what an
+        in-process follower waits on (:func:`gpumesh.client.jobs.follow_hosted`)."""
+        async with self._changed:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), timeout)
 
     # --- requests ----------------------------------------------------------------------------
 

@@ -6,10 +6,18 @@ import sys
 
 import click
 
-from gpumesh.client.jobs import JobCallbacks
+from gpumesh.client.jobs import (
+    JobCallbacks,
+    JobEvent,
+    Output,
+    OutputDropped,
+    Reconnecting,
+    StatusChanged,
+)
 from gpumesh.client.placement import Placement
 from gpumesh.errors import GPUMeshError
 from gpumesh.protocol.messages import JobAccepted, JobStatus
+from gpumesh.protocol.states import FINAL_STATES, JobState
 from gpumesh.units import format_size
 
 __all__ = ["JobPrinter"]
@@ -40,24 +48,38 @@ class JobPrinter:
         sys.stderr.buffer.write(data)
         sys.stderr.buffer.flush()
 
+    def show(self, event: JobEvent) -> None:
+        """One event of a followed job."""
+        if isinstance(event, Output):
+            (self.stdout if event.stream == "stdout" else self.stderr)(event.data)
+        elif isinstance(event, StatusChanged):
+            self.changed(event)
+        elif isinstance(event, OutputDropped):
+            self.dropped(event.count)
+        elif isinstance(event, Reconnecting):
+            self.reconnecting(event.error)
+
     def status(self, status: JobStatus) -> None:
-        final = status.state in ("succeeded", "failed", "cancelled")
-        if self.numbered and status.state == "starting":
+        self.changed(StatusChanged.of(status))
+
+    def changed(self, change: StatusChanged) -> None:
+        status, state = change.status, change.state
+        if self.numbered and state == JobState.STARTING:
             self.note(f"--- attempt {status.attempt} ---")
-        elif self.numbered and final:
+        elif self.numbered and state in FINAL_STATES:
             code = "" if status.exit_code is None else f", exit {status.exit_code}"
-            plain_exit = status.message.startswith("exited") or status.state == "succeeded"
+            plain_exit = change.exited or state == JobState.SUCCEEDED
             detail = "" if plain_exit or not status.message else f": {status.message}"
             if status.peak_gpu_memory:
                 detail += f"; GPU memory peak {format_size(status.peak_gpu_memory)}"
-            self.note(f"--- {status.state}{code}{detail} ---")
-        elif status.state == "starting" and status.attempt > 1:
+            self.note(f"--- {state}{code}{detail} ---")
+        elif state == JobState.STARTING and status.attempt > 1:
             self.note(f"attempt {status.attempt} starting")
-        elif status.state == "retrying":
+        elif state == JobState.RETRYING:
             self.note(status.message)
-        elif status.state == "cancelled":
+        elif state == JobState.CANCELLED:
             self.note(f"job {status.job_id} cancelled")
-        elif status.state == "failed" and not status.message.startswith("exited"):
+        elif state == JobState.FAILED and not change.exited:
             self.note(f"job failed: {status.message}")  # it never exited on its own
         self.attempt = status.attempt
 

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import click
 
 from gpumesh.cli._common import emit_json, fail, get_node, run_async
 from gpumesh.cli._complete import complete_peer, complete_submitted_job
 from gpumesh.errors import ExitCode
+
+if TYPE_CHECKING:
+    from gpumesh.client.apps import SyncResult
 
 
 @click.group(
@@ -31,7 +34,7 @@ def app() -> None:
     """Keep a project folder on a peer and run jobs in it."""
 
 
-def _sync_summary(result: Any) -> str:
+def _sync_summary(result: SyncResult) -> str:
     from gpumesh.units import format_size
 
     return (
@@ -39,25 +42,6 @@ def _sync_summary(result: Any) -> str:
         f"({format_size(result.bytes_sent)}), {len(result.deleted)} deleted, "
         f"{result.unchanged} unchanged"
     )
-
-
-def _sync_json(result: Any) -> dict[str, Any]:
-    return {
-        "peer": result.peer,
-        "remote": result.remote,
-        "dry_run": result.dry_run,
-        "bytes_sent": result.bytes_sent,
-        "manifest_bytes": result.manifest_bytes,
-        "manifest": result.manifest,
-        "files_sent": len(result.sent),
-        "files_deleted": len(result.deleted),
-        "files_unchanged": result.unchanged,
-        "sent": result.sent,
-        "deleted": result.deleted,
-        "skipped": [{"path": s.path, "rule": s.reason} for s in result.skipped],
-        "channel": result.channel,
-        "no_channel": result.no_channel,
-    }
 
 
 @app.command()
@@ -79,7 +63,11 @@ def sync(peer: str, folder: str, dry_run: bool, as_json: bool) -> None:
     node = get_node()
     result = run_async(sync_app(node, peer, Path(folder), dry_run=dry_run))
     if as_json:
-        emit_json(_sync_json(result))
+        import msgspec
+
+        from gpumesh.client.views.apps import SyncView
+
+        emit_json(msgspec.to_builtins(SyncView.of(result)))
         return
     if dry_run:
         for path in result.sent:
@@ -134,10 +122,8 @@ def run(
     """
     from gpumesh.cli._jobview import JobPrinter
     from gpumesh.cli.run import exit_status
-    from gpumesh.client.apps import pull_folder, sync_app
-    from gpumesh.client.jobs import new_job_id, run_job
+    from gpumesh.client.apps import run_app
     from gpumesh.client.jobspec import build_spec
-    from gpumesh.errors import NotFoundError
 
     node = get_node()
     out_name = ""
@@ -155,32 +141,33 @@ def run(
         timeout=timeout,
         peer=peer,
     )
-    synced = run_async(sync_app(node, peer, Path(folder)))
-    if not quiet:
-        click.echo(_sync_summary(synced), err=True)
+
+    def synced(result: SyncResult) -> None:
+        if not quiet:
+            click.echo(_sync_summary(result), err=True)
+
     printer = JobPrinter(quiet=quiet)
-    result = run_async(
-        run_job(
+    done = run_async(
+        run_app(
             node,
+            peer,
+            Path(folder),
             spec,
+            out=Path(out) if out is not None else None,
             callbacks=printer.callbacks(),
-            job_id=new_job_id(),
-            sandbox_dir=synced.remote,
+            synced=synced,
         )
     )
-    status = exit_status(result)
+    status = exit_status(done.job)
     if out is not None:
-        remote = f"{synced.remote}/{out_name}"
-        try:
-            run_async(pull_folder(node, peer, remote, Path(out)))
-        except NotFoundError:
+        if not done.pulled:
             fail(
-                f"the job produced no folder {out_name}/ in {synced.remote} on {synced.peer}: "
-                f"nothing to pull into {out}",
+                f"the job produced no folder {out_name}/ in {done.sync.remote} on "
+                f"{done.sync.peer}: nothing to pull into {out}",
                 status or ExitCode.FAILED,
             )
         if not quiet:
-            click.echo(f"pulled {synced.peer}:{remote} -> {out}", err=True)
+            click.echo(f"pulled {done.sync.peer}:{done.out_remote} -> {out}", err=True)
     raise SystemExit(status)
 
 
@@ -203,13 +190,7 @@ def run(
 @click.option("--dir", "folder", type=click.Path(file_okay=False), required=True)
 def pull(peer: str, job_id: str, folder: str) -> None:
     """Copy the working folder of a past job (its app folder) into DIR."""
-    from gpumesh.client.apps import job_folder, pull_folder
+    from gpumesh.client.apps import pull_job
 
-    node = get_node()
-
-    async def both() -> tuple[str, int]:
-        remote = await job_folder(node, peer, job_id)
-        return remote, await pull_folder(node, peer, remote, Path(folder))
-
-    remote, _size = run_async(both())
+    remote, _size = run_async(pull_job(get_node(), peer, job_id, Path(folder)))
     click.echo(f"pulled {peer}:{remote} -> {folder}")

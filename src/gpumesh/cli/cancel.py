@@ -27,25 +27,12 @@ Examples:
 def cancel(peer: str | None, job_id: str) -> None:
     """Cancel a job: one you submitted (its provider stops it), or one a peer runs
     here (`gpumesh share` stops it). Its container is stopped; it is never retried."""
-    from gpumesh.client.jobs import HOSTED, SUBMITTED, cancel_hosted, cancel_job
-    from gpumesh.errors import NotFoundError
+    from gpumesh.client.jobs import HOSTED
+    from gpumesh.client.jobs import cancel as cancel_by_id
 
-    node = get_node()
-    if peer is None:
-        try:
-            job = node.home.store.find_job(job_id, role=SUBMITTED)
-        except NotFoundError:
-            try:
-                hosted = node.home.store.find_job(job_id, role=HOSTED)
-            except NotFoundError:
-                raise NotFoundError(
-                    f"no job {job_id!r} submitted from here or hosted here: see `gpumesh "
-                    "jobs`, or give the provider of a job you submitted with --peer"
-                ) from None
-            result = run_async(cancel_hosted(node, hosted.job_id))
-            click.echo(f"Job {result.job_id} of {result.peer}: {result.state} ({result.message})")
-            return
-        peer, job_id = job.peer_id, job.job_id
-    result = run_async(cancel_job(node, peer, job_id))
+    result = run_async(cancel_by_id(get_node(), job_id, peer=peer))
+    if result.role == HOSTED:
+        click.echo(f"Job {result.job_id} of {result.peer}: {result.state} ({result.message})")
+        return
     code = "" if result.exit_code is None else f" (exit {result.exit_code})"
     click.echo(f"Job {result.job_id} on {result.peer}: {result.state}{code}")

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import signal
+from collections.abc import AsyncIterator
 from typing import Any
 
 import click
@@ -101,8 +103,8 @@ async def _session(
             node,
             peer,
             command,
-            input_fd=0,
-            output=_write_stdout,
+            source=_read_fd(0),
+            sink=_write_stdout,
             image=image,
             env=env,
             tty=raw is not None,
@@ -126,7 +128,7 @@ def _window_size() -> tuple[int, int]:
     return (size.lines, size.columns)
 
 
-def _write_stdout(data: bytes) -> None:
+async def _write_stdout(data: bytes) -> None:
     view = memoryview(data)
     while view:
         try:
@@ -134,6 +136,45 @@ def _write_stdout(data: bytes) -> None:
         except BlockingIOError:
             continue
         view = view[written:]
+
+
+_READ = 64 * 1024
+
+
+async def _read_fd(fd: int) -> AsyncIterator[bytes]:
+    """What arrives on ``fd`` (the terminal, a pipe or a file), until its end."""
+    while data := await _read(fd):
+        yield data
+
+
+async def _read(fd: int) -> bytes:
+    """The next bytes available on ``fd``, without blocking the loop; b"" at its end."""
+    loop = asyncio.get_running_loop()
+    while True:
+        ready: asyncio.Future[None] = loop.create_future()
+        try:
+            loop.add_reader(fd, _set_ready, ready)
+        except PermissionError:
+            # A regular file (stdin redirected from one) cannot be polled, and
+            # reading it never waits long.
+            return await asyncio.to_thread(os.read, fd, _READ)
+        try:
+            await ready
+        finally:
+            loop.remove_reader(fd)
+        try:
+            return os.read(fd, _READ)
+        except BlockingIOError:
+            continue
+        except OSError as exc:
+            if exc.errno == errno.EIO:  # a terminal that was hung up
+                return b""
+            raise
+
+
+def _set_ready(ready: asyncio.Future[None]) -> None:
+    if not ready.done():
+        ready.set_result(None)
 
 
 class _RawMode:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import click
 
 from gpumesh.cli._common import get_node, run_async
@@ -24,28 +26,19 @@ def logs(job_id: str | None, follow: bool) -> None:
     hosts (read locally). Exits with the job's exit code once it has ended.
     """
     from gpumesh.cli._jobview import JobPrinter
-    from gpumesh.client.jobs import SUBMITTED, follow_hosted, follow_job
-    from gpumesh.errors import NotFoundError
+    from gpumesh.cli.run import exit_status
+    from gpumesh.client.jobs import JobResult
+    from gpumesh.client.jobs import logs as job_logs
 
-    node = get_node()
-    store = node.home.store
-    if job_id is None:
-        recent = store.jobs(limit=1)
-        if not recent:
-            raise NotFoundError("no jobs yet: start one with `gpumesh run`")
-        job = recent[0]
-    else:
-        job = store.find_job(job_id)
+    events = job_logs(get_node(), job_id, follow=follow)
     printer = JobPrinter(numbered=True)
-    if job.role == SUBMITTED:
-        result = run_async(
-            follow_job(node, job.job_id, follow=follow, callbacks=printer.callbacks())
-        )
-    else:
-        result = run_async(
-            follow_hosted(node, job.job_id, follow=follow, callbacks=printer.callbacks())
-        )
-    if result.final:
-        from gpumesh.cli.run import exit_status
 
+    async def show() -> JobResult:
+        async with contextlib.aclosing(events):
+            async for event in events:
+                printer.show(event)
+        return events.result
+
+    result = run_async(show())
+    if result.final:
         raise SystemExit(exit_status(result))

@@ -127,9 +127,10 @@ def run(
 def exit_status(result: object) -> int:
     """The CLI's exit status for a finished job, as `docker run` would give it."""
     from gpumesh.client.jobs import JobResult
+    from gpumesh.protocol.states import JobState
 
     assert isinstance(result, JobResult)
-    if result.state == "cancelled":
+    if result.state == JobState.CANCELLED:
         return ExitCode.INTERRUPTED
     return result.exit_code if result.exit_code is not None else ExitCode.JOB_NOT_RUN
 

@@ -22,6 +22,7 @@ import json
 import os
 import shutil
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -46,13 +47,24 @@ from gpumesh.protocol.messages import (
 )
 
 if TYPE_CHECKING:
+    from gpumesh.client.jobs import JobCallbacks, JobResult
+    from gpumesh.client.jobspec import JobSpec
     from gpumesh.client.node import Node
     from gpumesh.files.pack import PackEntry, PackPlan, Skipped
     from gpumesh.store.db import Peer
     from gpumesh.transport.session import Session
     from gpumesh.transport.stream import Stream
 
-__all__ = ["SyncResult", "app_folder", "job_folder", "pull_folder", "sync_app"]
+__all__ = [
+    "AppRun",
+    "SyncResult",
+    "app_folder",
+    "job_folder",
+    "pull_folder",
+    "pull_job",
+    "run_app",
+    "sync_app",
+]
 
 _CHUNK = 1 << 20
 
@@ -82,6 +94,28 @@ class SyncResult:
     """What carried the files: ``tls`` (the data channel), ``quic``, or empty (none sent)."""
     no_channel: str = ""
     """With ``quic``: why not the data channel (see :class:`gpumesh.client.bulk.NoChannel`)."""
+
+
+@dataclass
+class AppRun:
+    """What ``run_app`` did: the sync, the job, and the folder pulled back."""
+
+    sync: SyncResult
+    job: JobResult
+    out_remote: str = ""
+    """The app's folder pulled back (``/apps/NAME/OUT``), or empty without ``out``."""
+    pulled: bool = False
+    """False with ``out`` when the job left no such folder: nothing was pulled."""
+
+
+@contextlib.asynccontextmanager
+async def _on(node: Node, peer: Peer, session: Session | None) -> AsyncIterator[Session]:
+    """``session`` when it is given and still open, else a new one (closed after)."""
+    if session is not None and not session.link.is_closed:
+        yield session
+        return
+    async with node.session(peer.node_id) as opened:
+        yield opened
 
 
 def app_folder(name: str) -> str:
@@ -180,10 +214,12 @@ async def sync_app(
     name: str | None = None,
     dry_run: bool = False,
     incremental: bool = True,
+    reuse: Session | None = None,
 ) -> SyncResult:
     """Sync ``folder`` into the peer's ``/apps/NAME`` (NAME: the folder's name).
 
     ``incremental=False`` sends the whole manifest even when a delta would do.
+    ``reuse``: an open session with the peer to use (else one is opened).
     """
     from gpumesh.files.manifest import delta, digest
 
@@ -194,7 +230,7 @@ async def sync_app(
     # The folder is scanned (and the last confirmed manifest read) while we dial.
     scanning = in_thread(_scan_with_state, node, folder, state_file if incremental else None)
     scanning.add_done_callback(_retrieved)
-    async with node.session(peer.node_id) as session:
+    async with _on(node, peer, reuse) as session:
         plan, entries, by_path, state = await scanning
         result = SyncResult(peer.name, app_folder(name), dry_run, skipped=list(plan.skipped))
         files = {path: (size, mode, sha) for path, size, mode, sha in entries}
@@ -368,10 +404,65 @@ async def _read_bytes(stream: Stream, size: int) -> bytes:
 # --- pulling ---------------------------------------------------------------------------------
 
 
-async def job_folder(node: Node, peer_query: str, job_id: str) -> str:
-    """The sandbox folder a past ``app run`` job ran in (``/apps/NAME``)."""
+async def run_app(
+    node: Node,
+    peer_query: str,
+    folder: Path,
+    spec: JobSpec,
+    *,
+    out: Path | None = None,
+    callbacks: JobCallbacks | None = None,
+    synced: Callable[[SyncResult], None] | None = None,
+    job_id: str | None = None,
+) -> AppRun:
+    """Sync ``folder``, run ``spec`` in it and, with ``out``, pull the app's folder
+    named like ``out`` back into ``out``: all on one session with the peer (a
+    follow that had to redial goes on on its new link, and so does the pull).
+    ``synced`` hears of the sync before the job starts."""
+    from gpumesh.client.jobs import new_job_id, run_job
+
     peer = node.peer(peer_query)
     async with node.session(peer.node_id) as session:
+        sync = await sync_app(node, peer.node_id, folder, reuse=session)
+        if synced is not None:
+            synced(sync)
+        job = await run_job(
+            node,
+            spec,
+            callbacks=callbacks,
+            job_id=job_id or new_job_id(),
+            sandbox_dir=sync.remote,
+            reuse=session,
+        )
+        run = AppRun(sync, job)
+        if out is not None:
+            out_name = Path(await in_thread(os.path.abspath, out)).name
+            run.out_remote = f"{sync.remote}/{out_name}"
+            try:
+                await pull_folder(node, peer.node_id, run.out_remote, out, reuse=session)
+            except NotFoundError:
+                return run
+            run.pulled = True
+    return run
+
+
+async def pull_job(
+    node: Node, peer_query: str, job_id: str, dest: Path, *, reuse: Session | None = None
+) -> tuple[str, int]:
+    """Copy the folder a past ``app run`` job ran in into ``dest``, on one session:
+    the folder's path there and the tar's bytes."""
+    peer = node.peer(peer_query)
+    async with _on(node, peer, reuse) as session:
+        remote = await job_folder(node, peer.node_id, job_id, reuse=session)
+        return remote, await pull_folder(node, peer.node_id, remote, dest, reuse=session)
+
+
+async def job_folder(
+    node: Node, peer_query: str, job_id: str, *, reuse: Session | None = None
+) -> str:
+    """The sandbox folder a past ``app run`` job ran in (``/apps/NAME``)."""
+    peer = node.peer(peer_query)
+    async with _on(node, peer, reuse) as session:
         stream = session.open_stream()
         try:
             stream.send_message(AppJobDir(job_id=job_id), end=True)
@@ -381,13 +472,15 @@ async def job_folder(node: Node, peer_query: str, job_id: str) -> str:
     return reply.path
 
 
-async def pull_folder(node: Node, peer_query: str, remote: str, dest: Path) -> int:
+async def pull_folder(
+    node: Node, peer_query: str, remote: str, dest: Path, *, reuse: Session | None = None
+) -> int:
     """Copy the sandbox folder ``remote`` to ``dest`` (created, or merged into); its tar bytes.
 
     Raises ``NotFoundError`` when ``remote`` is not a folder there.
     """
     peer = node.peer(peer_query)
-    async with node.session(peer.node_id) as session:
+    async with _on(node, peer, reuse) as session:
         info = await _stat(session, remote)
         if not info.exists or info.kind != "dir":
             raise NotFoundError(f"{peer.name}:{remote} is not a folder")

@@ -1,10 +1,11 @@
 """Shells from the consumer's side: one ``gpumesh exec`` session.
 
-Owns the session's wire exchange: ``ExecStart``; then the caller's input (a
-file descriptor: a terminal already in raw mode, a pipe or a file) as DATA
-frames, the provider's DATA frames to an output callback, window sizes as
-``ExecResize``; and the program's exit code from ``ExecExit``. Terminal modes
-and signals belong to the caller (the CLI); nothing here prints.
+Owns the session's wire exchange: ``ExecStart``; then the caller's input (an
+async byte source: a terminal already in raw mode, a pipe, a browser's
+terminal) as DATA frames, the provider's DATA frames to an async byte sink,
+window sizes as ``ExecResize``; and the program's exit code from ``ExecExit``.
+Terminal modes, file descriptors and signals belong to the caller (the CLI);
+nothing here prints.
 
 Leaving the session any way (the program exits, an error, cancellation) closes
 the link, which tells the provider to remove the container at once.
@@ -14,9 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
-import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterable, Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from gpumesh.errors import ConnectionLostError, GPUMeshError, ProtocolError, error_from_code
@@ -34,12 +33,14 @@ if TYPE_CHECKING:
     from gpumesh.client.node import Node
     from gpumesh.transport.stream import Stream
 
-__all__ = ["HANGUP_EXIT", "ExecSession", "exec_shell"]
+__all__ = ["HANGUP_EXIT", "ByteSink", "ExecSession", "exec_shell"]
 
 HANGUP_EXIT = 129
 """Exit code when the local terminal goes away mid-session (128 + SIGHUP)."""
-_READ = 64 * 1024
 _MAX_SIZE = 10000
+
+ByteSink = Callable[[bytes], Awaitable[None]]
+"""Where the program's output goes; awaited, so a slow reader slows the session."""
 
 
 class _TerminalClosed(Exception):
@@ -76,8 +77,8 @@ async def exec_shell(
     peer: str,
     command: Sequence[str],
     *,
-    input_fd: int,
-    output: Callable[[bytes], None],
+    source: AsyncIterable[bytes],
+    sink: ByteSink,
     image: str | None = None,
     env: Mapping[str, str] | None = None,
     tty: bool = False,
@@ -87,11 +88,11 @@ async def exec_shell(
     """Run ``command`` (empty: the image's default) in a fresh container on ``peer``.
 
     ``tty``: give the program a terminal (``size`` is its (rows, cols)); the
-    caller puts its own terminal in raw mode. Without one, the program's
-    stdout and stderr arrive merged, and the end of ``input_fd`` is the end of
-    its stdin. ``started`` is called once the container runs. Returns the
-    program's exit code, or HANGUP_EXIT when ``input_fd`` is a terminal that
-    was hung up.
+    caller puts its own terminal in raw mode. ``source`` yields the input (its
+    end: with a TTY, the terminal hung up; without, the end of the program's
+    stdin); ``sink`` takes the output (without a TTY, stdout and stderr
+    merged). ``started`` is called once the container runs. Returns the
+    program's exit code, or HANGUP_EXIT when a TTY's ``source`` ended.
     """
     rows, cols = size if tty and size is not None else (0, 0)
     start = ExecStart(
@@ -109,8 +110,8 @@ async def exec_shell(
         reply = await stream.expect(ExecStarted)
         shell = ExecSession(stream, tty, reply.provider)
         started(shell)
-        pump = asyncio.create_task(_pump_input(stream, input_fd, tty))
-        receiver = asyncio.create_task(_receive(stream, output, reply.provider))
+        pump = asyncio.create_task(_pump_input(stream, source, tty))
+        receiver = asyncio.create_task(_receive(stream, sink, reply.provider))
         try:
             await asyncio.wait({pump, receiver}, return_when=asyncio.FIRST_COMPLETED)
             if not receiver.done():
@@ -134,49 +135,17 @@ async def exec_shell(
                     await task
 
 
-async def _pump_input(stream: Stream, fd: int, tty: bool) -> None:
+async def _pump_input(stream: Stream, source: AsyncIterable[bytes], tty: bool) -> None:
     """Local input -> DATA frames; at its end, an empty DATA frame (stdin EOF)."""
-    while True:
-        data = await _read(fd)
-        if not data:
-            if tty:
-                raise _TerminalClosed
-            stream.end_data()
-            return
-        await stream.send_data(data)
+    async for data in source:
+        if data:
+            await stream.send_data(data)
+    if tty:
+        raise _TerminalClosed
+    stream.end_data()
 
 
-async def _read(fd: int) -> bytes:
-    """The next bytes available on ``fd``, without blocking the loop; b"" at its end."""
-    loop = asyncio.get_running_loop()
-    while True:
-        ready: asyncio.Future[None] = loop.create_future()
-        try:
-            loop.add_reader(fd, _set_ready, ready)
-        except PermissionError:
-            # A regular file (stdin redirected from one) cannot be polled, and
-            # reading it never waits long.
-            return await asyncio.to_thread(os.read, fd, _READ)
-        try:
-            await ready
-        finally:
-            loop.remove_reader(fd)
-        try:
-            return os.read(fd, _READ)
-        except BlockingIOError:
-            continue
-        except OSError as exc:
-            if exc.errno == errno.EIO:  # a terminal that was hung up
-                return b""
-            raise
-
-
-def _set_ready(ready: asyncio.Future[None]) -> None:
-    if not ready.done():
-        ready.set_result(None)
-
-
-async def _receive(stream: Stream, output: Callable[[bytes], None], provider: str) -> int:
+async def _receive(stream: Stream, sink: ByteSink, provider: str) -> int:
     """Provider -> output until ExecExit; returns the exit code."""
     while True:
         frame = await stream.read_frame()
@@ -184,7 +153,7 @@ async def _receive(stream: Stream, output: Callable[[bytes], None], provider: st
             raise ConnectionLostError(f"{provider} ended the shell without its exit status")
         if frame.kind is FrameKind.DATA:
             if frame.body:
-                output(frame.body)
+                await sink(frame.body)
             continue
         message = decode_message(frame.body)
         if isinstance(message, ExecExit):

@@ -1,8 +1,11 @@
 """Jobs from the consumer's side: run, follow logs, cancel, list.
 
 The consumer keeps a reference to every job it submits (role ``submitted``
-in its store) and updates it from the events it receives. Output is handed to
-callbacks; the CLI prints it, the dashboard will push it to a browser. Events
+in its store) and updates it from the events it receives. A job's events
+(output, state changes, output dropped, reconnects) come as an async iterator
+(:func:`logs`, :class:`JobFollow`); :class:`JobCallbacks` adapts them for
+callers that prefer callbacks (the CLI prints them, the dashboard will push
+them to a browser). Events
 arrive at the pace this node reads them (it asks for them credited:
 :mod:`gpumesh.protocol.joboutput`). A dropped link while following is redialled
 and resumed after the last event seen, so no line is lost or repeated; output
@@ -17,9 +20,9 @@ import dataclasses
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, NoReturn, Protocol
 
 import msgspec
 
@@ -48,6 +51,7 @@ from gpumesh.protocol.messages import (
     Refusal,
     decode_message,
 )
+from gpumesh.protocol.states import FINAL_STATES, JobRole, JobState
 from gpumesh.store.db import JobRecord
 
 if TYPE_CHECKING:
@@ -57,18 +61,32 @@ if TYPE_CHECKING:
     from gpumesh.files.pack import PackPlan
     from gpumesh.protocol.messages import ChannelOffer
     from gpumesh.store.db import Peer
+    from gpumesh.store.followers import FollowerSocket
     from gpumesh.transport.session import Session
     from gpumesh.transport.stream import Stream
 
 __all__ = [
     "FINAL",
+    "HOSTED",
     "REFRESH_TIMEOUT",
     "SUBMITTED",
+    "ChangeWaiter",
     "JobCallbacks",
+    "JobEvent",
+    "JobFollow",
     "JobResult",
+    "Output",
+    "OutputDropped",
+    "Reconnecting",
+    "StatusChanged",
     "Unconfirmed",
+    "cancel",
+    "cancel_hosted",
     "cancel_job",
+    "find_job",
+    "follow_hosted",
     "follow_job",
+    "logs",
     "new_job_id",
     "prune_jobs",
     "refresh_jobs",
@@ -77,13 +95,17 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-SUBMITTED = "submitted"
-HOSTED = "hosted"
-FINAL = frozenset({"succeeded", "failed", "cancelled"})
+SUBMITTED = JobRole.SUBMITTED
+HOSTED = JobRole.HOSTED
+FINAL = FINAL_STATES
 _RECONNECT_FOR = 60.0
 """How long a follower keeps redialling a provider that dropped."""
 REFRESH_TIMEOUT = 3.0
 """How long a listing waits, in all, for providers to say where their jobs stand."""
+_REREAD = 5.0
+"""Seconds a follower of a hosted job waits for a wake-up before it re-reads anyway."""
+_POLL = 0.2
+"""Seconds between reads of a hosted job's events when no wake-up socket could be made."""
 
 
 def new_job_id() -> str:
@@ -112,6 +134,64 @@ class JobCallbacks:
     first) that this reader was never sent, just before the output that comes next."""
 
 
+@dataclass(frozen=True)
+class Output:
+    """Bytes the job wrote."""
+
+    stream: str
+    """``stdout`` or ``stderr``."""
+    data: bytes
+
+
+@dataclass(frozen=True)
+class StatusChanged:
+    """The job entered a state (or began an attempt)."""
+
+    status: JobStatus
+    exited: bool
+    """The attempt's program exited on its own: ``status.message`` only repeats its
+    exit code (else it says why the job ended: a timeout, a cancel, an error)."""
+
+    @classmethod
+    def of(cls, status: JobStatus) -> StatusChanged:
+        # The wire carries the reason as text; this is the one place it is read.
+        return cls(status, status.message.startswith("exited"))
+
+    @property
+    def state(self) -> JobState:
+        return JobState(self.status.state)
+
+
+@dataclass(frozen=True)
+class OutputDropped:
+    """Bytes of output the provider dropped (beyond its ``job_log_limit``, the oldest
+    first) that this reader was never sent, just before the output that comes next."""
+
+    count: int
+
+
+@dataclass(frozen=True)
+class Reconnecting:
+    """The link to the provider dropped; the follow redials and resumes."""
+
+    error: GPUMeshError
+
+
+JobEvent = Output | StatusChanged | OutputDropped | Reconnecting
+"""What following a job yields."""
+
+
+def _dispatch(callbacks: JobCallbacks, event: JobEvent) -> None:
+    if isinstance(event, Output):
+        (callbacks.stdout if event.stream == "stdout" else callbacks.stderr)(event.data)
+    elif isinstance(event, StatusChanged):
+        callbacks.status(event.status)
+    elif isinstance(event, OutputDropped):
+        callbacks.dropped(event.count)
+    else:
+        callbacks.reconnecting(event.error)
+
+
 @dataclass
 class JobResult:
     job_id: str
@@ -127,10 +207,26 @@ class JobResult:
     """What carried the workdir: ``tls`` (the data channel), ``quic``, or empty (none)."""
     workdir_no_channel: str = ""
     """With ``quic``: why not the data channel (see :class:`gpumesh.client.bulk.NoChannel`)."""
+    role: JobRole = JobRole.SUBMITTED
+    """Whether this node submitted the job or hosts it."""
 
     @property
     def final(self) -> bool:
-        return self.state in FINAL
+        return self.state in FINAL_STATES
+
+
+def _result_of(job: JobRecord) -> JobResult:
+    return JobResult(
+        job.job_id,
+        job.peer_name,
+        job.state,
+        job.exit_code,
+        job.attempt,
+        job.message,
+        list(job.gpus),
+        job.output_dropped,
+        role=JobRole(job.role),
+    )
 
 
 @dataclass
@@ -152,11 +248,13 @@ async def run_job(
     job_id: str | None = None,
     wait: float = 0.0,
     sandbox_dir: str = "",
+    reuse: Session | None = None,
 ) -> JobResult:
     """Submit ``spec`` to its peer (or the best member of its group); unless
     ``detach``, follow it to the end. ``wait``: seconds a group placement may
     wait for a member to free up. ``sandbox_dir``: a folder in the peer's
-    sandbox to run in (``gpumesh app run``) instead of an uploaded workdir."""
+    sandbox to run in (``gpumesh app run``) instead of an uploaded workdir.
+    ``reuse``: an open session with ``spec.peer`` to submit on (left open)."""
     callbacks = callbacks or JobCallbacks()
     preferred_gpu = ""
     if spec.group is not None:
@@ -194,8 +292,8 @@ async def run_job(
         mounts=[JobMount(source=m.source, target=m.target, rw=m.rw) for m in spec.mounts],
     )
     store = node.home.store
-    result = JobResult(job_id, peer.name, "queued", None, 0, "")
-    async with node.session(peer.node_id) as session:
+    result = JobResult(job_id, peer.name, JobState.QUEUED, None, 0, "")
+    async with _session_with(node, peer, reuse) as session:
         from gpumesh.client.bulk import answer_after_offer, why_no_channel
 
         no_channel = why_no_channel(node, peer, session) if plan is not None else None
@@ -244,7 +342,7 @@ async def run_job(
             return result
         reader = _Reader()
         try:
-            await _consume(stream, node, result, callbacks, reader)
+            await _deliver_all(_consume(stream, node, result, reader), callbacks)
         except (ConnectionLostError, UnreachableError) as exc:
             if result.final:
                 return result
@@ -252,7 +350,27 @@ async def run_job(
         else:
             return result
     # Go on from the last event this stream delivered: not from the start again.
-    return await _follow(node, peer.node_id, result, callbacks, reader, follow=True)
+    await _deliver_all(_follow(node, peer.node_id, result, reader, follow=True), callbacks)
+    return result
+
+
+async def _deliver_all(events: AsyncGenerator[JobEvent, None], callbacks: JobCallbacks) -> None:
+    """The callbacks as an adapter over an iterator of events."""
+    async with contextlib.aclosing(events) as each:
+        async for event in each:
+            _dispatch(callbacks, event)
+
+
+@contextlib.asynccontextmanager
+async def _session_with(
+    node: Node, peer: Peer, session: Session | None
+) -> AsyncGenerator[Session, None]:
+    """``session`` (left open) when given, else a new one closed on exit."""
+    if session is not None:
+        yield session
+        return
+    async with node.session(peer.node_id) as opened:
+        yield opened
 
 
 async def _refuse_unmounted(
@@ -295,7 +413,6 @@ async def _send_workdir(
     from gpumesh.client.bulk import NoChannel, send_tar
     from gpumesh.client.files import STALL_TIMEOUT
     from gpumesh.files.hashing import SHA256
-    from gpumesh.files.pack import write_tar
 
     offer, no_channel = channel
     sent = 0
@@ -316,52 +433,45 @@ async def _send_workdir(
         no_channel = NoChannel.NOT_OFFERED
     result.workdir_channel = "quic"
     result.workdir_no_channel = no_channel
-    await _upload(stream, plan, size, write_tar, callbacks.upload)
+    await _upload(stream, plan, size, callbacks.upload)
 
 
 async def _upload(
-    stream: Stream,
-    plan: object,
-    total: int,
-    write_tar: Callable[..., int],
-    progress: Callable[[int, int], None],
+    stream: Stream, plan: PackPlan, total: int, progress: Callable[[int, int], None]
 ) -> None:
-    """Stream the workdir tar with constant memory: a writer thread feeds a pipe of chunks."""
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=8)
+    """Stream the workdir tar with constant memory, packed on a thread.
 
-    class _QueueWriter:
-        def write(self, data: bytes) -> int:
-            asyncio.run_coroutine_threadsafe(queue.put(bytes(data)), loop).result()
-            return len(data)
+    ``tar_chunks`` stops its packing thread when this ends early (the link
+    dropped under ``send_data``), so a failed upload raises instead of waiting
+    for a thread blocked on a queue nothing reads any more.
+    """
+    from gpumesh.files.transfer import tar_chunks
 
-        def flush(self) -> None:
-            return None
-
-    def produce() -> None:
-        try:
-            write_tar(plan, _QueueWriter())
-        finally:
-            asyncio.run_coroutine_threadsafe(queue.put(None), loop).result()
-
-    producer = loop.run_in_executor(None, produce)
     sent = 0
-    try:
-        while (chunk := await queue.get()) is not None:
+    async with contextlib.aclosing(tar_chunks(plan, _NoHash())) as chunks:
+        async for chunk in chunks:
             await stream.send_data(chunk)
             sent += len(chunk)
             progress(sent, total)
-    finally:
-        await producer
     stream.end_data()
     if sent != total:
         raise ProtocolError(f"the workdir changed while it was sent ({sent} of {total} bytes)")
 
 
+class _NoHash:
+    """The workdir over QUIC is checked by its size; nothing hashes it on this side."""
+
+    def update(self, data: bytes | memoryview, /) -> None:
+        return None
+
+    def digest(self) -> bytes:
+        return b""
+
+
 async def _consume(
-    stream: Stream, node: Node, result: JobResult, callbacks: JobCallbacks, reader: _Reader
-) -> None:
-    """Handle events until the provider ends the stream, moving ``reader`` along.
+    stream: Stream, node: Node, result: JobResult, reader: _Reader
+) -> AsyncGenerator[JobEvent, None]:
+    """Yield events until the provider ends the stream, moving ``reader`` along.
 
     Events come inside a credited section (DATA frames: credit goes back as each
     is read, so the provider waits for us) or, from an older provider, as plain
@@ -382,38 +492,38 @@ async def _consume(
             section.end()
             continue
         for message in messages:
-            _deliver(node, message, result, callbacks, reader)
+            for event in _deliver(node, message, result, reader):
+                yield event
         store.update_job(
             SUBMITTED, result.job_id, last_seq=reader.seq, output_dropped=result.output_dropped
         )
 
 
-def _deliver(
-    node: Node, message: Message, result: JobResult, callbacks: JobCallbacks, reader: _Reader
-) -> None:
+def _deliver(node: Node, message: Message, result: JobResult, reader: _Reader) -> list[JobEvent]:
     if isinstance(message, Refusal):
         raise error_from_code(message.code, message.message)
     if isinstance(message, JobOutput):
         if message.seq <= reader.seq:
-            return  # already delivered
+            return []  # already delivered
         reader.seq = message.seq
+        events: list[JobEvent] = []
         dropped = reader.output.on_output(message.offset, len(message.data))
         if dropped:
             result.output_dropped = max(result.output_dropped, reader.output.known_dropped)
-            callbacks.dropped(dropped)
-        (callbacks.stdout if message.stream == "stdout" else callbacks.stderr)(message.data)
-    elif isinstance(message, JobStatus):
+            events.append(OutputDropped(dropped))
+        events.append(Output(message.stream, message.data))
+        return events
+    if isinstance(message, JobStatus):
         if message.seq and message.seq <= reader.seq:
-            return
+            return []
         reader.seq = max(reader.seq, message.seq)
         result.state = message.state
         result.attempt = message.attempt
         result.exit_code = message.exit_code
         result.message = message.message
         _record_status(node, result.job_id, message)
-        callbacks.status(message)
-    else:
-        raise ProtocolError(f"unexpected {type(message).__name__} in a job's event stream")
+        return [StatusChanged.of(message)]
+    raise ProtocolError(f"unexpected {type(message).__name__} in a job's event stream")
 
 
 def _record_status(node: Node, job_id: str, status: JobStatus) -> None:
@@ -432,24 +542,70 @@ def _record_status(node: Node, job_id: str, status: JobStatus) -> None:
     if job is not None:
         if status.started:
             fields["started_at"] = status.started
-        elif status.state == "running" and job.started_at is None:
+        elif status.state == JobState.RUNNING and job.started_at is None:
             fields["started_at"] = when
-        if status.state in FINAL:
+        if status.state in FINAL_STATES:
             fields["finished_at"] = when
     node.home.store.update_job(SUBMITTED, job_id, **fields)
 
 
-async def follow_job(
+class JobFollow:
+    """A job's events, to read with ``async for`` (once); ``result`` is where the job
+    stands, updated as events arrive (final once the events of an ended job ran out).
+    Leaving the loop early: call :meth:`aclose` (or use ``contextlib.aclosing``)."""
+
+    def __init__(
+        self, job: JobRecord, result: JobResult, events: AsyncGenerator[JobEvent, None]
+    ) -> None:
+        self.job = job
+        self.result = result
+        self._events = events
+
+    def __aiter__(self) -> AsyncIterator[JobEvent]:
+        return self._events
+
+    async def aclose(self) -> None:
+        await self._events.aclose()
+
+
+class ChangeWaiter(Protocol):
+    """What an in-process follower of hosted jobs waits on: the agent's job service."""
+
+    async def wait_changed(self, timeout: float) -> None:
+        """Return when a hosted job gets events, or after ``timeout`` seconds."""
+
+
+def find_job(node: Node, job_id: str | None = None) -> JobRecord:
+    """The job ``job_id`` names (an id or a unique prefix; submitted or hosted), or
+    with None the most recent one."""
+    store = node.home.store
+    if job_id is not None:
+        return store.find_job(job_id)
+    recent = store.jobs(limit=1)
+    if not recent:
+        raise NotFoundError("no jobs yet: start one with `gpumesh run`")
+    return recent[0]
+
+
+def logs(
     node: Node,
-    job_id: str,
+    job_id: str | None = None,
     *,
-    follow: bool = True,
-    after_seq: int = 0,
-    callbacks: JobCallbacks | None = None,
-) -> JobResult:
-    """Stream a submitted job's events from its provider, redialling on drops."""
-    callbacks = callbacks or JobCallbacks()
-    job = node.home.store.find_job(job_id, role=SUBMITTED)
+    follow: bool = False,
+    changes: ChangeWaiter | None = None,
+) -> JobFollow:
+    """A job's events from its start (the most recent job when ``job_id`` is None):
+    a job this node submitted from its provider, one it hosts from its own store.
+    ``follow``: until the job ends. ``changes``: in the agent's own process, its job
+    service (else hosted jobs are woken by the agent through a socket)."""
+    job = find_job(node, job_id)
+    if job.role == SUBMITTED:
+        return _submitted_follow(node, job, follow=follow, after_seq=0)
+    result = _result_of(job)
+    return JobFollow(job, result, _hosted(node, job, result, follow=follow, changes=changes))
+
+
+def _submitted_follow(node: Node, job: JobRecord, *, follow: bool, after_seq: int) -> JobFollow:
     result = JobResult(
         job.job_id,
         job.peer_name,
@@ -462,18 +618,27 @@ async def follow_job(
     # From the start, a gap before the first output is output dropped; from
     # further on, where the output stood is not known here.
     reader = _Reader(after_seq, OutputPosition(0 if after_seq == 0 else UNKNOWN))
-    return await _follow(node, job.peer_id, result, callbacks, reader, follow=follow)
+    return JobFollow(job, result, _follow(node, job.peer_id, result, reader, follow=follow))
+
+
+async def follow_job(
+    node: Node,
+    job_id: str,
+    *,
+    follow: bool = True,
+    after_seq: int = 0,
+    callbacks: JobCallbacks | None = None,
+) -> JobResult:
+    """Stream a submitted job's events from its provider, redialling on drops."""
+    job = node.home.store.find_job(job_id, role=SUBMITTED)
+    events = _submitted_follow(node, job, follow=follow, after_seq=after_seq)
+    await _deliver_all(events._events, callbacks or JobCallbacks())
+    return events.result
 
 
 async def _follow(
-    node: Node,
-    peer_id: str,
-    result: JobResult,
-    callbacks: JobCallbacks,
-    reader: _Reader,
-    *,
-    follow: bool,
-) -> JobResult:
+    node: Node, peer_id: str, result: JobResult, reader: _Reader, *, follow: bool
+) -> AsyncGenerator[JobEvent, None]:
     deadline = time.monotonic() + _RECONNECT_FOR
     while True:
         try:
@@ -486,13 +651,36 @@ async def _follow(
                         job_id=result.job_id, after_seq=reader.seq, follow=follow, credited=True
                     )
                 )
-                await _consume(stream, node, result, callbacks, reader)
-                return result
+                async with contextlib.aclosing(_consume(stream, node, result, reader)) as events:
+                    async for event in events:
+                        yield event
+                return
         except (ConnectionLostError, UnreachableError) as exc:
             if result.final or time.monotonic() > deadline:
                 raise
-            callbacks.reconnecting(exc)
+            yield Reconnecting(exc)
             await asyncio.sleep(1.0)
+
+
+async def cancel(node: Node, job_id: str, *, peer: str | None = None) -> JobResult:
+    """Cancel a job by its id (or a unique prefix): one this node submitted (its
+    provider stops it), or, without ``peer``, one a peer runs here (this home's
+    `gpumesh share` stops it). ``peer``: the provider, for a job not in this store."""
+    store = node.home.store
+    if peer is not None:
+        return await cancel_job(node, peer, job_id)
+    try:
+        job = store.find_job(job_id, role=SUBMITTED)
+    except NotFoundError:
+        try:
+            hosted = store.find_job(job_id, role=HOSTED)
+        except NotFoundError:
+            raise NotFoundError(
+                f"no job {job_id!r} submitted from here or hosted here: see `gpumesh "
+                "jobs`, or give the provider of a job you submitted with --peer"
+            ) from None
+        return await cancel_hosted(node, hosted.job_id)
+    return await cancel_job(node, job.peer_id, job.job_id)
 
 
 async def cancel_job(node: Node, peer_query: str, job_id: str) -> JobResult:
@@ -580,7 +768,7 @@ async def cancel_hosted(node: Node, job_id: str, *, timeout: float = 60.0) -> Jo
 
     store = node.home.store
     job = store.find_job(job_id, role=HOSTED)
-    if job.state not in FINAL:
+    if job.state not in FINAL_STATES:
         store.update_job(HOSTED, job.job_id, cancel_requested=1, message=OWNER_CANCELLED)
         if not node.home.notify_agent():
             raise AgentError(
@@ -589,7 +777,7 @@ async def cancel_hosted(node: Node, job_id: str, *, timeout: float = 60.0) -> Jo
             )
         deadline = time.monotonic() + timeout
         while (current := store.job(HOSTED, job.job_id)) is not None and (
-            current.state not in FINAL
+            current.state not in FINAL_STATES
         ):
             if time.monotonic() > deadline:
                 raise AgentError(
@@ -598,7 +786,15 @@ async def cancel_hosted(node: Node, job_id: str, *, timeout: float = 60.0) -> Jo
                 )
             await asyncio.sleep(0.1)
         job = current or job
-    return JobResult(job.job_id, job.peer_name, job.state, job.exit_code, job.attempt, job.message)
+    return JobResult(
+        job.job_id,
+        job.peer_name,
+        job.state,
+        job.exit_code,
+        job.attempt,
+        job.message,
+        role=JobRole.HOSTED,
+    )
 
 
 async def follow_hosted(
@@ -607,41 +803,75 @@ async def follow_hosted(
     *,
     follow: bool = True,
     callbacks: JobCallbacks | None = None,
-    poll: float = 0.2,
+    changes: ChangeWaiter | None = None,
 ) -> JobResult:
-    """Read the event log of a job this node hosts, straight from its own store."""
-    callbacks = callbacks or JobCallbacks()
+    """Read the event log of a job this node hosts, straight from its own store.
+    ``changes``: in the agent's own process, its job service to wait on."""
+    job = node.home.store.find_job(job_id, role=HOSTED)
+    result = _result_of(job)
+    events = _hosted(node, job, result, follow=follow, changes=changes)
+    await _deliver_all(events, callbacks or JobCallbacks())
+    return result
+
+
+async def _hosted(
+    node: Node, job: JobRecord, result: JobResult, *, follow: bool, changes: ChangeWaiter | None
+) -> AsyncGenerator[JobEvent, None]:
     store = node.home.store
-    job = store.find_job(job_id, role="hosted")
     seen = 0
     position = OutputPosition()
-    while True:
-        events = store.job_events(job.job_id, seen, 100)
-        for event in events:
-            seen = event.seq
-            message = event.to_message()
-            if isinstance(message, JobStatus):
-                callbacks.status(message)
+    waker: FollowerSocket | None = None
+    try:
+        while True:
+            events = store.job_events(job.job_id, seen, 100)
+            for event in events:
+                seen = event.seq
+                message = event.to_message()
+                if isinstance(message, JobStatus):
+                    yield StatusChanged.of(message)
+                    continue
+                dropped = position.on_output(message.offset, len(message.data))
+                if dropped:
+                    yield OutputDropped(dropped)
+                yield Output(message.stream, message.data)
+            current = store.job(HOSTED, job.job_id)
+            assert current is not None
+            _update(result, current)
+            if events:
                 continue
-            dropped = position.on_output(message.offset, len(message.data))
-            if dropped:
-                callbacks.dropped(dropped)
-            (callbacks.stdout if message.stream == "stdout" else callbacks.stderr)(message.data)
-        current = store.job("hosted", job.job_id)
-        assert current is not None
-        if not events and (not follow or (current.state in FINAL and seen >= current.last_seq)):
-            return JobResult(
-                current.job_id,
-                current.peer_name,
-                current.state,
-                current.exit_code,
-                current.attempt,
-                current.message,
-                list(current.gpus),
-                current.output_dropped,
-            )
-        if not events:
-            await asyncio.sleep(poll)
+            if not follow or (current.state in FINAL_STATES and seen >= current.last_seq):
+                return
+            if changes is not None:
+                await changes.wait_changed(_REREAD)
+            elif waker is None:
+                waker = _wake_up_socket(node)
+                if waker is not None:
+                    continue  # read once more: nothing written before it was bound is missed
+                await asyncio.sleep(_POLL)
+            else:
+                await waker.wait(_REREAD)
+    finally:
+        if waker is not None:
+            waker.close()
+
+
+def _wake_up_socket(node: Node) -> FollowerSocket | None:
+    from gpumesh.store.followers import FollowerSocket
+
+    try:
+        return FollowerSocket(node.home.path)
+    except OSError as exc:
+        logger.info("following by polling: no wake-up socket (%s)", exc)
+        return None
+
+
+def _update(result: JobResult, job: JobRecord) -> None:
+    result.state = job.state
+    result.exit_code = job.exit_code
+    result.attempt = job.attempt
+    result.message = job.message
+    result.gpus = list(job.gpus)
+    result.output_dropped = job.output_dropped
 
 
 def prune_jobs(node: Node, older_than: float, *, dry_run: bool = False) -> list[JobRecord]:
@@ -657,6 +887,6 @@ def prune_jobs(node: Node, older_than: float, *, dry_run: bool = False) -> list[
     if not dry_run:
         for job in old:
             store.delete_job(job.role, job.job_id)
-            if job.role == "hosted":
+            if job.role == HOSTED:
                 shutil.rmtree(node.home.jobs_dir / job.job_id, ignore_errors=True)
     return old

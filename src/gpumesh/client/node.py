@@ -32,6 +32,7 @@ from gpumesh.protocol.messages import (
     ThroughputReply,
     ThroughputRequest,
 )
+from gpumesh.protocol.states import FINAL_STATES, JobRole
 from gpumesh.settings import ENV_NODE_NAME, env
 from gpumesh.store.db import Peer
 from gpumesh.store.home import AgentInfo, Home
@@ -50,7 +51,6 @@ __all__ = [
     "default_node_name",
 ]
 
-FINAL = ("succeeded", "failed", "cancelled")
 PUNCH_WAIT = 3.0
 """Seconds `connect` lets hole punching finish before it reports the path."""
 PAIR_CHECK_TIMEOUT = 3.0
@@ -178,8 +178,8 @@ class Node:
         store = self.home.store
         submitted = [
             j
-            for j in store.jobs(limit=1000, role="submitted")
-            if j.state not in FINAL and not j.provider_forgot
+            for j in store.jobs(limit=1000, role=JobRole.SUBMITTED)
+            if j.state not in FINAL_STATES and not j.provider_forgot
         ]
         return NodeStatus(
             name=info.name,

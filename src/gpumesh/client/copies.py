@@ -1,0 +1,114 @@
+"""A copy's progress as an async iterator: ``async for event in watch_copy(...)``.
+
+:func:`gpumesh.client.files.copy` reports through :class:`CopyCallbacks`; this
+adapts them for callers that read events (a web route, a browser's progress
+bar). Progress is coalesced: a reader slower than the copy sees the newest
+count, never a backlog, so the copy never waits for it and memory stays flat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from gpumesh.client.files import CopyCallbacks, CopyResult, copy
+
+if TYPE_CHECKING:
+    from gpumesh.client.node import Node
+    from gpumesh.errors import GPUMeshError
+
+__all__ = ["CopyEvent", "CopyProgress", "CopyRetrying", "CopyStarted", "CopyWatch", "watch_copy"]
+
+
+@dataclass(frozen=True)
+class CopyStarted:
+    what: str
+    """What is copied, e.g. ``data.bin -> alice-pc:/data.bin``."""
+    total: int
+
+
+@dataclass(frozen=True)
+class CopyProgress:
+    done: int
+    """Bytes in place so far, resumed ones included."""
+    total: int
+
+
+@dataclass(frozen=True)
+class CopyRetrying:
+    error: GPUMeshError
+    """Why the link was lost."""
+    attempt: int
+    """The attempt about to start."""
+
+
+CopyEvent = CopyStarted | CopyProgress | CopyRetrying
+
+
+class CopyWatch:
+    """One copy, run while it is iterated (once); ``result`` once iteration ended
+    (the copy's error is raised from the loop instead)."""
+
+    def __init__(self, node: Node, source: str, destination: str, options: dict[str, Any]) -> None:
+        self.result: CopyResult | None = None
+        self._events = self._run(node, source, destination, options)
+
+    def __aiter__(self) -> AsyncIterator[CopyEvent]:
+        return self._events
+
+    async def aclose(self) -> None:
+        """Stop reading; a copy still running is cancelled."""
+        await self._events.aclose()
+
+    async def _run(
+        self, node: Node, source: str, destination: str, options: dict[str, Any]
+    ) -> AsyncGenerator[CopyEvent, None]:
+        pending: deque[CopyEvent] = deque()
+        wake = asyncio.Event()
+
+        def push(event: CopyEvent) -> None:
+            if (
+                isinstance(event, CopyProgress)
+                and pending
+                and isinstance(pending[-1], CopyProgress)
+            ):
+                pending[-1] = event
+            else:
+                pending.append(event)
+            wake.set()
+
+        callbacks = CopyCallbacks(
+            started=lambda what, total: push(CopyStarted(what, total)),
+            progress=lambda done, total: push(CopyProgress(done, total)),
+            retrying=lambda error, attempt: push(CopyRetrying(error, attempt)),
+        )
+        task = asyncio.ensure_future(
+            copy(node, source, destination, callbacks=callbacks, **options)
+        )
+        try:
+            while True:
+                while pending:
+                    yield pending.popleft()
+                if task.done():
+                    break
+                wake.clear()
+                waiter = asyncio.ensure_future(wake.wait())
+                try:
+                    await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    waiter.cancel()
+            self.result = task.result()
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+
+
+def watch_copy(node: Node, source: str, destination: str, **options: Any) -> CopyWatch:
+    """:func:`gpumesh.client.files.copy` (same arguments, less ``callbacks``) as events."""
+    return CopyWatch(node, source, destination, options)
