@@ -95,7 +95,7 @@ def test_happy_path_queued_starting_running_succeeded() -> None:
     assert machine.state is S.RUNNING
 
     decision = machine.exited(0)
-    assert decision == Decision(S.SUCCEEDED, 0.0, "exited 0")
+    assert decision == Decision(S.SUCCEEDED, 0.0, "exited 0", exited=True)
     assert machine.state is S.SUCCEEDED
     assert machine.final
     assert machine.attempt == 1
@@ -178,7 +178,7 @@ def test_exhausting_retries_fails_with_the_last_exit() -> None:
     assert machine.start_attempt() == 3
     machine.running()
     decision = machine.exited(7)
-    assert decision == Decision(S.FAILED, 0.0, "exited 7")
+    assert decision == Decision(S.FAILED, 0.0, "exited 7", exited=True)
     assert machine.state is S.FAILED
     assert machine.final
     assert machine.attempt == 3
@@ -189,7 +189,7 @@ def test_no_retries_means_the_first_failure_is_final() -> None:
     machine = JobMachine(retries=0)
     machine.start_attempt()
     machine.running()
-    assert machine.exited(137) == Decision(S.FAILED, 0.0, "exited 137")
+    assert machine.exited(137) == Decision(S.FAILED, 0.0, "exited 137", exited=True)
 
 
 @pytest.mark.parametrize("code", [-1, 1, 2, 126, 127, 137, 255])
@@ -526,3 +526,24 @@ JobMachineRules.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestJobMachineRules = JobMachineRules.TestCase
+
+
+def test_a_decision_says_whether_the_program_exited_on_its_own() -> None:
+    """Followers read this flag (JobStatus.exited), never the message's words."""
+    machine = JobMachine(retries=1)
+    machine.start_attempt()
+    machine.running()
+    retry = machine.exited(3)
+    assert retry.state is JobState.RETRYING and retry.exited
+    machine.start_attempt()
+    assert machine.infra_failed("timed out after 5s").exited is False
+
+    done = JobMachine(retries=0)
+    done.start_attempt()
+    assert done.exited(0).exited and done.state is JobState.SUCCEEDED
+
+    cancelled = JobMachine(retries=0)
+    cancelled.start_attempt()
+    assert cancelled.cancel("cancelled by bob") is None
+    decision = cancelled.exited(137)
+    assert decision.state is JobState.CANCELLED and not decision.exited

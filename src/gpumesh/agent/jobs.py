@@ -147,8 +147,16 @@ def _hand_over(job_dir: Path, work: Path, owner: tuple[int, int] | None) -> None
             tree.chown_all((), owner)
 
 
-def _state_data(state: str, exit_code: int | None, message: str, peak: int) -> bytes:
-    info = {"state": state, "exit_code": exit_code, "message": message, "peak_gpu_memory": peak}
+def _state_data(
+    state: str, exit_code: int | None, message: str, peak: int, *, exited: bool
+) -> bytes:
+    info = {
+        "state": state,
+        "exit_code": exit_code,
+        "message": message,
+        "peak_gpu_memory": peak,
+        "exited": exited,
+    }
     return json.dumps(info).encode()
 
 
@@ -864,14 +872,16 @@ class JobService:
             self.store.update_job(
                 JobRole.HOSTED, run.job_id, state=JobState.RETRYING, message=decision.message
             )
-            await self._event(run, JobState.RETRYING, None, decision.message)
+            await self._event(
+                run, JobState.RETRYING, None, decision.message, exited=decision.exited
+            )
             logger.info("[job %s] %s", run.job_id, decision.message)
             return
         await self._finish(run, decision)
 
     async def _finish(self, run: _Run, decision: Decision, *, no_retry: bool = False) -> None:
         if no_retry and decision.state is JobState.RETRYING:
-            decision = Decision(JobState.FAILED, 0.0, decision.message)
+            decision = Decision(JobState.FAILED, 0.0, decision.message, decision.exited)
             run.machine.state = JobState.FAILED
         # Whatever happens below, the job holds no GPU memory once it ends.
         self.gpus.release(_holder(run.job_id))
@@ -892,7 +902,7 @@ class JobService:
             message=decision.message,
             finished_at=time.time(),
         )
-        await self._event(run, decision.state, exit_code, decision.message)
+        await self._event(run, decision.state, exit_code, decision.message, exited=decision.exited)
         logger.info("[job %s] %s: %s", run.job_id, decision.state, decision.message)
 
     async def _event(
@@ -903,10 +913,11 @@ class JobService:
         message: str,
         *,
         kind_state: bool = True,
+        exited: bool = False,
     ) -> None:
         if kind_state:
             peak = self._record(run.job_id).peak_gpu_memory
-            data = _state_data(str(state), exit_code, message, peak)
+            data = _state_data(str(state), exit_code, message, peak, exited=exited)
             self.store.append_job_event(run.job_id, run.machine.attempt, "state", data)
         else:  # a diagnostic for the user, on the job's stderr
             text = f"gpumesh: {message.strip()}\n".encode()

@@ -40,6 +40,8 @@ class Decision:
     """RETRYING (then start another attempt after ``delay``) or a final state."""
     delay: float = 0.0
     message: str = ""
+    exited: bool = False
+    """The attempt's program exited on its own (``message`` only repeats its code)."""
 
 
 class JobMachine:
@@ -90,8 +92,8 @@ class JobMachine:
         if self.cancel_requested:
             return self._finish(JobState.CANCELLED, self.cancel_reason)
         if exit_code == 0:
-            return self._finish(JobState.SUCCEEDED, "exited 0")
-        return self._failed(f"exited {exit_code}")
+            return self._finish(JobState.SUCCEEDED, "exited 0", exited=True)
+        return self._failed(f"exited {exit_code}", exited=True)
 
     def infra_failed(self, message: str) -> Decision:
         """The attempt could not run (engine error, lost container, timeout...)."""
@@ -114,9 +116,9 @@ class JobMachine:
             return None
         return self._finish(JobState.CANCELLED, self.cancel_reason)
 
-    def _failed(self, message: str) -> Decision:
+    def _failed(self, message: str, *, exited: bool = False) -> Decision:
         if self.attempt == 0:  # nothing ever ran: there is no attempt to retry
-            return self._finish(JobState.FAILED, message)
+            return self._finish(JobState.FAILED, message, exited=exited)
         if self.attempts_left > 0:
             self.state = JobState.RETRYING
             delay = backoff(self.attempt)
@@ -125,12 +127,13 @@ class JobMachine:
                 delay,
                 f"attempt {self.attempt} {message}; retrying in {delay:.0f}s "
                 f"({self.attempts_left} left)",
+                exited,
             )
-        return self._finish(JobState.FAILED, message)
+        return self._finish(JobState.FAILED, message, exited=exited)
 
-    def _finish(self, state: JobState, message: str) -> Decision:
+    def _finish(self, state: JobState, message: str, *, exited: bool = False) -> Decision:
         self.state = state
-        return Decision(state, 0.0, message)
+        return Decision(state, 0.0, message, exited)
 
     def _expect(self, *states: JobState) -> None:
         if self.state not in states:

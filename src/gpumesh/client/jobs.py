@@ -154,8 +154,11 @@ class StatusChanged:
 
     @classmethod
     def of(cls, status: JobStatus) -> StatusChanged:
-        # The wire carries the reason as text; this is the one place it is read.
-        return cls(status, status.message.startswith("exited"))
+        if status.exited is not None:
+            return cls(status, status.exited)
+        # A provider (or a stored event) from before JobStatus.exited: its message
+        # then said "exited N" exactly when the program exited on its own.
+        return cls(status, status.message.startswith("exited "))
 
     @property
     def state(self) -> JobState:

@@ -352,6 +352,11 @@ class JobStatus(_Msg, tag="job_status", frozen=True):
     started: float = 0.0
     """The provider's clock when the job last began running (0: not yet, or not told:
     only a reply to ``JobQuery`` says it)."""
+    exited: bool | None = None
+    """Whether the attempt's program exited on its own (``message`` then only repeats
+    its exit code) rather than the job ending for a reason ``message`` gives (a
+    timeout, a cancel, an error); None: not said (a provider before this field, an
+    event stored before it, or a reply that is not a state change)."""
 
 
 class JobLogs(_Msg, tag="job_logs", frozen=True):

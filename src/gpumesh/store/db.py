@@ -360,6 +360,7 @@ class JobEvent:
             message=info["message"],
             peak_gpu_memory=info.get("peak_gpu_memory", 0),
             time=self.ts,
+            exited=info.get("exited"),
         )
 
 
