@@ -60,16 +60,18 @@ def pair(code: str, rekey: bool, offline: bool, as_json: bool) -> None:
 
 def _paired_back(name: str, check: PairCheck | None) -> str:
     """One line saying whether ``name`` can be used now, and what to do if not."""
+    from gpumesh.client.node import PairState
+
     if check is None:
         return "They must also pair with your code (`gpumesh pair-code`) before you can connect."
-    if check.state == "ready":
+    if check.state is PairState.READY:
         return click.style(f"{name} has paired you too: ready.", fg="green")
-    if check.state == "not_paired":
+    if check.state is PairState.NOT_PAIRED:
         return (
             f"{name} has not paired you yet: send them your code "
             f"(`gpumesh pair-code` prints it) and they run `gpumesh pair` with it."
         )
-    if check.state == "unreachable":
+    if check.state is PairState.UNREACHABLE:
         return click.style(
             f"{name} is not reachable now: {check.detail} "
             f"(`gpumesh connect {name}` checks again later.)",

@@ -51,7 +51,7 @@ from gpumesh.protocol.messages import (
     Refusal,
     decode_message,
 )
-from gpumesh.protocol.states import FINAL_STATES, JobRole, JobState
+from gpumesh.protocol.states import FINAL_STATES, JobRole, JobState, job_state
 from gpumesh.store.db import JobRecord
 
 if TYPE_CHECKING:
@@ -162,7 +162,7 @@ class StatusChanged:
 
     @property
     def state(self) -> JobState:
-        return JobState(self.status.state)
+        return job_state(self.status.state)
 
 
 @dataclass(frozen=True)
@@ -199,7 +199,7 @@ def _dispatch(callbacks: JobCallbacks, event: JobEvent) -> None:
 class JobResult:
     job_id: str
     peer: str
-    state: str
+    state: JobState
     exit_code: int | None
     attempt: int
     message: str
@@ -520,7 +520,7 @@ def _deliver(node: Node, message: Message, result: JobResult, reader: _Reader) -
         if message.seq and message.seq <= reader.seq:
             return []
         reader.seq = max(reader.seq, message.seq)
-        result.state = message.state
+        result.state = job_state(message.state)
         result.attempt = message.attempt
         result.exit_code = message.exit_code
         result.message = message.message
@@ -531,7 +531,7 @@ def _deliver(node: Node, message: Message, result: JobResult, reader: _Reader) -
 
 def _record_status(node: Node, job_id: str, status: JobStatus) -> None:
     fields: dict[str, object] = {
-        "state": status.state,
+        "state": job_state(status.state),
         "attempt": status.attempt,
         "message": status.message,
         "confirmed_at": time.time(),
@@ -696,7 +696,12 @@ async def cancel_job(node: Node, peer_query: str, job_id: str) -> JobResult:
     if not isinstance(reply, JobStatus):
         raise ProtocolError(f"{peer.name} answered a cancel with {type(reply).__name__}")
     result = JobResult(
-        reply.job_id, peer.name, reply.state, reply.exit_code, reply.attempt, reply.message
+        reply.job_id,
+        peer.name,
+        job_state(reply.state, peer.name),
+        reply.exit_code,
+        reply.attempt,
+        reply.message,
     )
     if node.home.store.job(SUBMITTED, reply.job_id) is not None:
         _record_status(node, reply.job_id, reply)

@@ -7,6 +7,7 @@ Remote operations are coroutines; local ones are plain methods.
 from __future__ import annotations
 
 import contextlib
+import enum
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -47,6 +48,7 @@ __all__ = [
     "NodeInfo",
     "NodeStatus",
     "PairCheck",
+    "PairState",
     "ThroughputResult",
     "default_node_name",
 ]
@@ -88,13 +90,23 @@ class NodeStatus:
     providers still know)."""
 
 
+class PairState(enum.StrEnum):
+    """Where a pairing stands, seen from this side."""
+
+    READY = "ready"
+    """It serves us."""
+    NOT_PAIRED = "not_paired"
+    """It refuses us as unknown: it has not paired this node yet."""
+    UNREACHABLE = "unreachable"
+    REFUSED = "refused"
+    """It refuses us for another reason (denied, limits)."""
+
+
 @dataclass(frozen=True)
 class PairCheck:
     """Whether a peer just paired with has paired this node too."""
 
-    state: str
-    """``ready`` (it serves us), ``not_paired`` (it refuses us as unknown),
-    ``unreachable``, or ``refused`` (it refuses us for another reason)."""
+    state: PairState
     detail: str = ""
     """The reason, in the words ``connect`` uses, unless ``ready`` or ``not_paired``."""
 
@@ -387,14 +399,14 @@ class Node:
                     await session.request(StatusRequest(), timeout=timeout)
         except TimeoutError:
             where = ", ".join(peer.dial_addresses()) or f"{peer.name}'s relay"
-            return PairCheck("unreachable", unreachable(where, waited=timeout).message)
+            return PairCheck(PairState.UNREACHABLE, unreachable(where, waited=timeout).message)
         except NotPairedError:
-            return PairCheck("not_paired")
+            return PairCheck(PairState.NOT_PAIRED)
         except UnreachableError as exc:
-            return PairCheck("unreachable", exc.message)
+            return PairCheck(PairState.UNREACHABLE, exc.message)
         except GPUMeshError as exc:
-            return PairCheck("refused", exc.message)
-        return PairCheck("ready")
+            return PairCheck(PairState.REFUSED, exc.message)
+        return PairCheck(PairState.READY)
 
     async def throughput(self, query: str, size: int) -> ThroughputResult:
         """Push ``size`` bytes to a peer over one authenticated stream and time it."""

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["FINAL_STATES", "JobRole", "JobState"]
+from gpumesh.errors import ProtocolError
+
+__all__ = ["FINAL_STATES", "JobRole", "JobState", "job_state"]
 
 
 class JobState(enum.StrEnum):
@@ -27,6 +29,19 @@ class JobState(enum.StrEnum):
 
 FINAL_STATES = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
 """States a job never leaves."""
+
+
+def job_state(value: str, sender: str = "the provider") -> JobState:
+    """A state as a peer wrote it (``JobStatus.state`` is text on the wire, so a
+    state added later does not break decoding): a refusal, not a crash, when it is
+    none of ours."""
+    try:
+        return JobState(value)
+    except ValueError:
+        raise ProtocolError(
+            f"{sender} reported a job state this version does not know ({value[:16]!r}); "
+            "upgrade gpumesh on this machine"
+        ) from None
 
 
 class JobRole(enum.StrEnum):

@@ -262,7 +262,7 @@ class Peer:
 class JobRecord:
     """A job as this node knows it: ``hosted`` (ran here) or ``submitted`` (sent to a peer)."""
 
-    role: str
+    role: JobRole
     job_id: str
     peer_id: str
     """The submitter (hosted) or the provider (submitted)."""
@@ -277,7 +277,7 @@ class JobRecord:
     workdir: str
     """Hosted: the unpacked workdir on this machine; submitted: the local folder sent."""
     created_at: float
-    state: str = JobState.QUEUED
+    state: JobState = JobState.QUEUED
     attempt: int = 0
     exit_code: int | None = None
     message: str = ""
@@ -317,6 +317,8 @@ class JobRecord:
             values[name] = json.loads(values[name])
         values["cancel_requested"] = bool(values["cancel_requested"])
         values["provider_forgot"] = bool(values["provider_forgot"])
+        values["role"] = JobRole(values["role"])
+        values["state"] = JobState(values["state"])
         return cls(**values)
 
     @property
@@ -702,7 +704,7 @@ class Store:
             f"INSERT INTO jobs ({','.join(_JOB_COLUMNS)}) VALUES ({marks})", tuple(values)
         )
 
-    def update_job(self, role: str, job_id: str, **fields: object) -> None:
+    def update_job(self, role: JobRole, job_id: str, **fields: object) -> None:
         if not fields:
             return
         unknown = set(fields) - set(_JOB_COLUMNS)
@@ -714,17 +716,17 @@ class Store:
             f"UPDATE jobs SET {sets} WHERE role = ? AND job_id = ?", (*values, role, job_id)
         )
 
-    def delete_job(self, role: str, job_id: str) -> None:
+    def delete_job(self, role: JobRole, job_id: str) -> None:
         with self._transaction():
             self._db.execute("DELETE FROM jobs WHERE role = ? AND job_id = ?", (role, job_id))
             if role == JobRole.HOSTED:
                 self._db.execute("DELETE FROM job_events WHERE job_id = ?", (job_id,))
 
-    def job(self, role: str, job_id: str) -> JobRecord | None:
+    def job(self, role: JobRole, job_id: str) -> JobRecord | None:
         rows = self._query("SELECT * FROM jobs WHERE role = ? AND job_id = ?", (role, job_id))
         return JobRecord.from_row(rows[0]) if rows else None
 
-    def find_job(self, query: str, role: str | None = None) -> JobRecord:
+    def find_job(self, query: str, role: JobRole | None = None) -> JobRecord:
         """A job by id or unambiguous id prefix (4+ characters), newest first."""
         query = query.strip().lower()
         if len(query) < 4:
@@ -744,7 +746,7 @@ class Store:
             )
         return JobRecord.from_row(rows[0])
 
-    def jobs(self, limit: int = 20, role: str | None = None) -> list[JobRecord]:
+    def jobs(self, limit: int = 20, role: JobRole | None = None) -> list[JobRecord]:
         if role is None:
             rows = self._query("SELECT * FROM jobs ORDER BY created_at DESC LIMIT ?", (limit,))
         else:

@@ -65,7 +65,7 @@ def group_names(db_path: Path) -> list[NameHint]:
     return [NameHint(str(r["name"]), _members(int(r["members"]))) for r in rows]
 
 
-def job_ids(db_path: Path, role: str | None = None) -> list[NameHint]:
+def job_ids(db_path: Path, role: JobRole | None = None) -> list[NameHint]:
     """Job ids, newest first: submitted and hosted, or those of one ``role``."""
     sql = "SELECT job_id, role, peer_name, state FROM jobs"
     args: tuple[object, ...] = ()
