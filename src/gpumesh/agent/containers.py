@@ -9,22 +9,87 @@ their containers from these; neither reaches into the other for them.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from gpumesh.agent.deps import Provider, Sandboxes, Settings
 from gpumesh.agent.images import ImageKeeper, check_allowed
 from gpumesh.agent.limits import ShareLimits
 from gpumesh.blocking import in_thread
 from gpumesh.errors import ConfigError, GPUMeshError
+from gpumesh.protocol.messages import PULL_PROGRESS_EVERY, ImagePull
 from gpumesh.runtime.base import JobRuntime
+from gpumesh.runtime.pull import PullProgress
 from gpumesh.runtime.users import job_identity
 from gpumesh.store.db import Store
 from gpumesh.units import parse_size
 
-__all__ = ["ContainerLimits", "Containers", "JobUser"]
+if TYPE_CHECKING:
+    from gpumesh.transport.stream import Stream
+
+__all__ = ["ContainerLimits", "Containers", "JobUser", "PullReporter"]
+
+
+class PullReporter:
+    """Relays a pull's progress from the engine's thread to the request's stream, at
+    most every ``PULL_PROGRESS_EVERY`` seconds; :meth:`finish` sends what is left.
+
+    Called from the pulling thread; everything else happens on the event loop, so
+    the stream is only touched there. A stream that is gone (its requester left)
+    silently stops the reports: the pull itself goes on for the job."""
+
+    def __init__(self, stream: Stream, *, every: float = PULL_PROGRESS_EVERY) -> None:
+        self._stream = stream
+        self._loop = asyncio.get_running_loop()
+        self._every = every
+        self._sent_at = -math.inf
+        self._pending: PullProgress | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._finished = False
+
+    def __call__(self, progress: PullProgress) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop closed under a stopping agent
+            self._loop.call_soon_threadsafe(self._take, progress)
+
+    def _take(self, progress: PullProgress) -> None:
+        if self._finished:
+            return
+        self._pending = progress
+        due = self._sent_at + self._every
+        if progress.done or self._loop.time() >= due:
+            self._flush()
+        elif self._timer is None:
+            self._timer = self._loop.call_at(due, self._flush)
+
+    def _flush(self) -> None:
+        self._timer = None
+        progress, self._pending = self._pending, None
+        if progress is None:
+            return
+        self._sent_at = self._loop.time()
+        with contextlib.suppress(GPUMeshError, ValueError):  # the stream was reset
+            self._stream.send_message(
+                ImagePull(
+                    image=progress.image,
+                    layers=progress.layers,
+                    layers_done=progress.layers_done,
+                    downloaded=progress.downloaded,
+                    total=progress.total,
+                    done=progress.done,
+                )
+            )
+
+    def finish(self) -> None:
+        """The pull is over: send the last figures now, and nothing after."""
+        if self._timer is not None:
+            self._timer.cancel()
+        self._flush()
+        self._finished = True
 
 
 @dataclass(frozen=True)
@@ -140,14 +205,21 @@ class Containers:
         message = exc.message.replace("this machine", name)
         return type(exc)(message if name in message else f"{name}: {message}")
 
-    async def check_image(self, image: str) -> None:
+    async def check_image(self, image: str, report_to: Stream | None = None) -> None:
         """Refuse, naming this provider, an image its owner does not allow, or that is
-        neither here nor pullable; then keep the pulled images within image_disk."""
+        neither here nor pullable; then keep the pulled images within image_disk.
+
+        ``report_to``: the request's stream, which hears a pull's progress as
+        ``ImagePull`` messages (its requester asked for them)."""
         settings = self._settings
         check_allowed(image, str(settings.get("allowed_images")), self._provider.name)
+        reporter = PullReporter(report_to) if report_to is not None else None
         try:
-            pulled = await in_thread(self.runtime.ensure_image, image)
+            pulled = await in_thread(self.runtime.ensure_image, image, reporter)
         except GPUMeshError as exc:
             raise self.in_our_name(exc) from None
+        finally:
+            if reporter is not None:
+                reporter.finish()
         budget = parse_size(str(settings.get("image_disk")))
         await in_thread(self.images.used, image, pulled, budget)

@@ -121,7 +121,9 @@ class ExecService:
             await self._open(ctx, message)
 
     async def _open(self, ctx: RequestContext, message: ExecStart) -> None:
-        await self.containers.check_image(message.image)
+        await self.containers.check_image(
+            message.image, ctx.stream if message.pull_progress else None
+        )
         who = await self.containers.who_runs(message.image)
         spec = self.container_spec(ctx.peer, message, who)
         runtime = self.runtime

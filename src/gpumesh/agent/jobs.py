@@ -344,7 +344,9 @@ class JobService:
         holder = _holder(message.job_id)
         gpus = await self.gpus.reserve(holder, message.gpu_memory, message.gpu)
         try:
-            await self.containers.check_image(message.image)
+            await self.containers.check_image(
+                message.image, ctx.stream if message.pull_progress else None
+            )
             await self.containers.who_runs(message.image)
             record = JobRecord(
                 role=JobRole.HOSTED,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import click
 
@@ -16,7 +17,7 @@ from gpumesh.client.jobs import (
 )
 from gpumesh.client.placement import Placement
 from gpumesh.errors import GPUMeshError
-from gpumesh.protocol.messages import JobAccepted, JobStatus
+from gpumesh.protocol.messages import ImagePull, JobAccepted, JobStatus
 from gpumesh.protocol.states import FINAL_STATES, JobState
 from gpumesh.units import format_size
 
@@ -35,6 +36,9 @@ class JobPrinter:
         """Mark every attempt's start and the end (for `logs`, which replays history)."""
         self.attempt = 0
         self._progress: object | None = None
+        self._pull_bar: object | None = None
+        self._pull_task: Any = None
+        self._pull_noted = False
 
     def note(self, text: str) -> None:
         if not self.quiet:
@@ -87,6 +91,39 @@ class JobPrinter:
         if sys.stderr.isatty():
             where = f"GPU {', '.join(accepted.gpus)}" if accepted.gpus else "no GPU"
             self.note(f"job {accepted.job_id} on {accepted.provider} ({where})")
+
+    def pull(self, pull: ImagePull) -> None:
+        """The provider pulls the image: a bar on a terminal, a line at each end else."""
+        if self.quiet:
+            return
+        layers = f"{pull.layers_done}/{pull.layers} layers"
+        if not sys.stderr.isatty():
+            if not self._pull_noted:
+                self.note(f"the provider is pulling {pull.image}")
+                self._pull_noted = True
+            if pull.done:
+                self.note(f"pulled {pull.image}: {layers}, {format_size(pull.downloaded)} fetched")
+            return
+        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
+
+        if self._pull_bar is None:
+            bar = Progress(
+                TextColumn(f"[dim]gpumesh: pulling {pull.image}"),
+                BarColumn(),
+                DownloadColumn(binary_units=False),
+                TextColumn("[dim]{task.fields[layers]}"),
+                transient=True,
+            )
+            bar.start()
+            self._pull_task = bar.add_task("pull", total=pull.total or None, layers=layers)
+            self._pull_bar = bar
+        assert isinstance(self._pull_bar, Progress)
+        self._pull_bar.update(
+            self._pull_task, completed=pull.downloaded, total=pull.total or None, layers=layers
+        )
+        if pull.done:
+            self._pull_bar.stop()
+            self.note(f"pulled {pull.image}: {layers}, {format_size(pull.downloaded)} fetched")
 
     def upload(self, sent: int, total: int) -> None:
         if self.quiet or not sys.stderr.isatty():
@@ -146,6 +183,7 @@ class JobPrinter:
             stderr=self.stderr,
             status=self.status,
             accepted=self.accepted,
+            pull=self.pull,
             upload=self.upload,
             placed=self.placed,
             reconnecting=self.reconnecting,

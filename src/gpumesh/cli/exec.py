@@ -74,6 +74,7 @@ async def _session(
     env: dict[str, str],
     raw: _RawMode | None,
 ) -> int:
+    from gpumesh.cli._jobview import JobPrinter
     from gpumesh.client.exec import ExecSession, exec_shell
     from gpumesh.client.node import Node
 
@@ -110,6 +111,7 @@ async def _session(
             tty=raw is not None,
             size=_window_size() if raw is not None else None,
             started=on_started,
+            on_pull=JobPrinter().pull,
         )
     except asyncio.CancelledError:
         if received:

@@ -35,7 +35,13 @@ from gpumesh.errors import (
     UnreachableError,
 )
 from gpumesh.files.hashing import label, new_hasher
-from gpumesh.protocol.messages import ChannelDeclined, ChannelOffer, FileDone, Message
+from gpumesh.protocol.messages import (
+    ChannelDeclined,
+    ChannelOffer,
+    FileDone,
+    ImagePull,
+    Message,
+)
 
 if TYPE_CHECKING:
     from gpumesh.client.node import Node
@@ -123,13 +129,20 @@ async def open_channel(
 
 
 async def answer_after_offer(
-    stream: Stream, kind: type[M], wait: float | None = _ANSWER_WAIT
+    stream: Stream,
+    kind: type[M],
+    wait: float | None = _ANSWER_WAIT,
+    on_pull: Callable[[ImagePull], None] | None = None,
 ) -> tuple[ChannelOffer | None, M]:
     """The answer to a tar request that asked for a channel: a ChannelOffer, when the
     provider makes one, then the request's usual first answer ``kind`` (within
-    ``wait`` seconds; None: however long it takes)."""
+    ``wait`` seconds; None: however long it takes). With ``on_pull`` (the request
+    set ``pull_progress``) the provider's ImagePull reports may come first."""
     async with _answer_within(wait):
         message = await stream.read_message()
+        while on_pull is not None and isinstance(message, ImagePull):
+            on_pull(message)
+            message = await stream.read_message()
         offer = None
         if isinstance(message, ChannelOffer):
             offer = message

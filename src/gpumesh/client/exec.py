@@ -25,6 +25,7 @@ from gpumesh.protocol.messages import (
     ExecResize,
     ExecStart,
     ExecStarted,
+    ImagePull,
     Refusal,
     decode_message,
 )
@@ -84,6 +85,7 @@ async def exec_shell(
     tty: bool = False,
     size: tuple[int, int] | None = None,
     started: Callable[[ExecSession], None] = _ignore,
+    on_pull: Callable[[ImagePull], None] | None = None,
 ) -> int:
     """Run ``command`` (empty: the image's default) in a fresh container on ``peer``.
 
@@ -91,7 +93,8 @@ async def exec_shell(
     caller puts its own terminal in raw mode. ``source`` yields the input (its
     end: with a TTY, the terminal hung up; without, the end of the program's
     stdin); ``sink`` takes the output (without a TTY, stdout and stderr
-    merged). ``started`` is called once the container runs. Returns the
+    merged). ``started`` is called once the container runs; ``on_pull`` hears how
+    the provider's pull of the image goes before that. Returns the
     program's exit code, or HANGUP_EXIT when a TTY's ``source`` ended.
     """
     rows, cols = size if tty and size is not None else (0, 0)
@@ -102,12 +105,19 @@ async def exec_shell(
         tty=tty,
         rows=max(0, min(rows, _MAX_SIZE)),
         cols=max(0, min(cols, _MAX_SIZE)),
+        pull_progress=on_pull is not None,
     )
     target = node.peer(peer)
     async with node.session(target.node_id) as session:
         stream = session.open_stream()
         stream.send_message(start)
-        reply = await stream.expect(ExecStarted)
+        first = await stream.read_message()
+        while on_pull is not None and isinstance(first, ImagePull):
+            on_pull(first)
+            first = await stream.read_message()
+        if not isinstance(first, ExecStarted):
+            raise ProtocolError(f"{target.name} answered a shell with {type(first).__name__}")
+        reply = first
         shell = ExecSession(stream, tty, reply.provider)
         started(shell)
         pump = asyncio.create_task(_pump_input(stream, source, tty))

@@ -39,6 +39,7 @@ from gpumesh.errors import (
 from gpumesh.protocol.framing import FrameKind
 from gpumesh.protocol.joboutput import UNKNOWN, EventSection, OutputPosition
 from gpumesh.protocol.messages import (
+    ImagePull,
     JobAccepted,
     JobCancel,
     JobLogs,
@@ -124,6 +125,8 @@ class JobCallbacks:
     stderr: Callable[[bytes], None] = _ignore
     status: Callable[[JobStatus], None] = _ignore
     accepted: Callable[[JobAccepted], None] = _ignore
+    pull: Callable[[ImagePull], None] = _ignore
+    """How the provider's pull of the job's image goes, before it accepts the job."""
     upload: Callable[[int, int], None] = _ignore
     """(bytes sent, total) while the workdir uploads."""
     placed: Callable[[Placement], None] = _ignore
@@ -293,6 +296,7 @@ async def run_job(
         sandbox_dir=sandbox_dir,
         credited=True,
         mounts=[JobMount(source=m.source, target=m.target, rw=m.rw) for m in spec.mounts],
+        pull_progress=True,
     )
     store = node.home.store
     result = JobResult(job_id, peer.name, JobState.QUEUED, None, 0, "")
@@ -304,7 +308,7 @@ async def run_job(
             submit = msgspec.structs.replace(submit, channel=True)
         stream = session.open_stream()
         stream.send_message(submit)
-        offer, accepted = await answer_after_offer(stream, JobAccepted, None)
+        offer, accepted = await answer_after_offer(stream, JobAccepted, None, callbacks.pull)
         if list(accepted.mounts) != [m.target for m in spec.mounts]:
             await _refuse_unmounted(session, peer.name, job_id, stream)
         result.gpus = list(accepted.gpus)
