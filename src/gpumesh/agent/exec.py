@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from gpumesh.agent.containers import Containers, JobUser
 from gpumesh.agent.deps import Handlers, Provider, RequestContext
+from gpumesh.agent.gpus import GpuAllocator, Holder, HolderKind
 from gpumesh.agent.limits import Admission
 from gpumesh.blocking import in_thread
 from gpumesh.errors import (
@@ -76,10 +77,18 @@ _STOP_TIMEOUT = 10.0
 class ExecService:
     """Interactive containers of one agent."""
 
-    def __init__(self, provider: Provider, containers: Containers, admission: Admission) -> None:
+    def __init__(
+        self,
+        provider: Provider,
+        containers: Containers,
+        admission: Admission,
+        gpus: GpuAllocator,
+    ) -> None:
         self.provider = provider
         self.containers = containers
         """The engine, images, user and limits: the same as jobs get."""
+        self.gpus = gpus
+        """The same books as jobs': a shell with a GPU holds its memory while open."""
         self.admission = admission
         """Shared with the job service: shells and jobs count against the same limits."""
         self._live: set[str] = set()
@@ -118,24 +127,35 @@ class ExecService:
         # Held from before the image check (no pull for a peer at its limit) until the
         # container is gone: max_shells_per_peer, and its memory within share_memory.
         with self.admission.shell(ctx.peer.node_id):
-            await self._open(ctx, message)
+            holder = Holder(HolderKind.SHELL, secrets.token_hex(6))
+            gpus = await self.gpus.reserve(holder, message.gpu_memory) if message.gpu_memory else []
+            try:
+                await self._open(ctx, message, gpus)
+            finally:
+                self.gpus.release(holder)
 
-    async def _open(self, ctx: RequestContext, message: ExecStart) -> None:
+    async def _open(self, ctx: RequestContext, message: ExecStart, gpus: list[str]) -> None:
         await self.containers.check_image(
             message.image, ctx.stream if message.pull_progress else None
         )
         who = await self.containers.who_runs(message.image)
-        spec = self.container_spec(ctx.peer, message, who)
+        spec = self.container_spec(ctx.peer, message, who, gpus)
         runtime = self.runtime
-        container_id = await in_thread(runtime.create_interactive, spec, message.tty)
+        try:
+            container_id = await in_thread(runtime.create_interactive, spec, message.tty)
+        except GPUMeshError as exc:
+            raise self.containers.in_our_name(exc) from None
         self._live.add(container_id)
         terminal: Terminal | None = None
         try:
             terminal = await in_thread(runtime.attach, container_id, message.tty)
-            await in_thread(runtime.start, container_id)
+            try:
+                await in_thread(runtime.start, container_id)
+            except GPUMeshError as exc:  # e.g. no NVIDIA runtime for a shell with a GPU
+                raise self.containers.in_our_name(exc) from None
             if message.tty and message.rows and message.cols:
                 await self._resize(container_id, message.rows, message.cols)
-            ctx.stream.send_message(ExecStarted(provider=self.provider.name))
+            ctx.stream.send_message(ExecStarted(provider=self.provider.name, gpus=gpus))
             logger.info("[%s] opened a shell in %s (%s)", ctx.peer.name, spec.name, spec.image)
             try:
                 exit_code = await self._serve(ctx, container_id, terminal, message.tty)
@@ -154,9 +174,11 @@ class ExecService:
             finally:
                 self._live.discard(container_id)
 
-    def container_spec(self, peer: Peer, message: ExecStart, who: JobUser) -> ContainerSpec:
+    def container_spec(
+        self, peer: Peer, message: ExecStart, who: JobUser, gpus: list[str] | None = None
+    ) -> ContainerSpec:
         """The locked-down container for one shell: a job's limits and user, no host
-        path, no GPU."""
+        path, and the GPUs held for it (none unless it asked)."""
         return ContainerSpec(
             image=message.image,
             command=list(message.command),
@@ -171,6 +193,7 @@ class ExecService:
             user=who.user,
             writable_root=who.writable_root,
             storage_size=who.storage_size,
+            gpu_ids=list(gpus or []),
         )
 
     async def _resize(self, container_id: str, rows: int, cols: int) -> None:

@@ -39,7 +39,7 @@ class HolderKind(enum.StrEnum):
     JOB = "job"
     """A hosted job: from its acceptance until it ends (or is discarded)."""
     SHELL = "shell"
-    """A shell with a GPU (not offered yet)."""
+    """A shell with a GPU (`exec --gpu-memory`): while it is open."""
     CUDA = "cuda"
     """A CUDA session (not offered yet)."""
 

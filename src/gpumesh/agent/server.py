@@ -150,7 +150,7 @@ class Agent:
             followers=FollowerWakeups(home.path),
         )
         self.apps = AppService(provider, self.files, self.jobs, index_root=home.apps_dir)
-        self.shells = ExecService(provider, self.containers, self.jobs.admission)
+        self.shells = ExecService(provider, self.containers, self.jobs.admission, self.gpus)
         self.handlers = Handlers()
         """Request message type -> the handler that serves it."""
         self.handlers.add(Ping, _handle_ping)

@@ -25,10 +25,12 @@ Examples:
   gpumesh exec --image python:3.12-slim alice-pc python
   gpumesh exec -e DEBUG=1 alice-pc -- sh -l
   echo 'nproc; exit 3' | gpumesh exec alice-pc sh    # no terminal: stdin is piped
+  gpumesh exec --gpu-memory 8GB alice-pc nvidia-smi  # a shell with a GPU
 \b
 Each session gets a new container with the same lockdown as a job (no
-privileges, no capabilities, no host folders, no GPU) that is removed when
-the session ends. Options go before PEER; everything after it is the command.
+privileges, no capabilities, no host folders, no GPU unless --gpu-memory asks
+for one: its memory is then held for the shell, as for a job, until it ends)
+that is removed when the session ends. Options go before PEER; everything after it is the command.
 \b
 Exit status: the program's exit code (129 when the local terminal hung up,
 143 on SIGTERM, 130 on Ctrl-C without a terminal).
@@ -36,10 +38,19 @@ Exit status: the program's exit code (129 when the local terminal hung up,
 )
 @click.option("--image", help="Container image (default: config `image` / $GPUMESH_IMAGE).")
 @click.option("-e", "--env", "env_items", multiple=True, metavar="KEY=VAL", help="Set a variable.")
+@click.option(
+    "--gpu-memory",
+    metavar="SIZE",
+    help="Give the shell a GPU with this much free memory (e.g. 8GB), held while it is open.",
+)
 @click.argument("peer", shell_complete=complete_peer)
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def exec(
-    peer: str, image: str | None, env_items: tuple[str, ...], command: tuple[str, ...]
+    peer: str,
+    image: str | None,
+    env_items: tuple[str, ...],
+    gpu_memory: str | None,
+    command: tuple[str, ...],
 ) -> None:
     """Open a shell (or COMMAND, default sh) in a fresh container on PEER.
 
@@ -56,10 +67,15 @@ def exec(
     env = parse_env(env_items)
     if image is not None and (not image.strip() or any(ch.isspace() for ch in image)):
         raise ConfigError(f"--image {image!r} is not an image name, such as python:3.12-slim")
+    from gpumesh.units import parse_size
+
+    memory = parse_size(gpu_memory) if gpu_memory is not None else 0
+    if gpu_memory is not None and memory <= 0:
+        raise ConfigError(f"--gpu-memory {gpu_memory!r} must be more than 0, e.g. 8GB")
     tty = os.isatty(0) and os.isatty(1)
     raw = _RawMode(0) if tty else None
     try:
-        code = run_async(_session(node, peer, list(command) or ["sh"], image, env, raw))
+        code = run_async(_session(node, peer, list(command) or ["sh"], image, env, raw, memory))
     finally:
         if raw is not None:
             raw.restore()
@@ -73,6 +89,7 @@ async def _session(
     image: str | None,
     env: dict[str, str],
     raw: _RawMode | None,
+    gpu_memory: int = 0,
 ) -> int:
     from gpumesh.cli._jobview import JobPrinter
     from gpumesh.client.exec import ExecSession, exec_shell
@@ -112,6 +129,7 @@ async def _session(
             size=_window_size() if raw is not None else None,
             started=on_started,
             on_pull=JobPrinter().pull,
+            gpu_memory=gpu_memory,
         )
     except asyncio.CancelledError:
         if received:

@@ -18,7 +18,13 @@ import contextlib
 from collections.abc import AsyncIterable, Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from gpumesh.errors import ConnectionLostError, GPUMeshError, ProtocolError, error_from_code
+from gpumesh.errors import (
+    AgentError,
+    ConnectionLostError,
+    GPUMeshError,
+    ProtocolError,
+    error_from_code,
+)
 from gpumesh.protocol.framing import FrameKind
 from gpumesh.protocol.messages import (
     ExecExit,
@@ -86,6 +92,7 @@ async def exec_shell(
     size: tuple[int, int] | None = None,
     started: Callable[[ExecSession], None] = _ignore,
     on_pull: Callable[[ImagePull], None] | None = None,
+    gpu_memory: int = 0,
 ) -> int:
     """Run ``command`` (empty: the image's default) in a fresh container on ``peer``.
 
@@ -94,7 +101,9 @@ async def exec_shell(
     end: with a TTY, the terminal hung up; without, the end of the program's
     stdin); ``sink`` takes the output (without a TTY, stdout and stderr
     merged). ``started`` is called once the container runs; ``on_pull`` hears how
-    the provider's pull of the image goes before that. Returns the
+    the provider's pull of the image goes before that. ``gpu_memory``: give the
+    shell a GPU with that many free bytes (held for it while it is open; refused
+    like a job's request when none has the room). Returns the
     program's exit code, or HANGUP_EXIT when a TTY's ``source`` ended.
     """
     rows, cols = size if tty and size is not None else (0, 0)
@@ -106,6 +115,7 @@ async def exec_shell(
         rows=max(0, min(rows, _MAX_SIZE)),
         cols=max(0, min(cols, _MAX_SIZE)),
         pull_progress=on_pull is not None,
+        gpu_memory=gpu_memory,
     )
     target = node.peer(peer)
     async with node.session(target.node_id) as session:
@@ -118,6 +128,12 @@ async def exec_shell(
         if not isinstance(first, ExecStarted):
             raise ProtocolError(f"{target.name} answered a shell with {type(first).__name__}")
         reply = first
+        if gpu_memory and not reply.gpus:
+            # A provider from before ExecStart.gpu_memory ignored it: no GPU in there.
+            raise AgentError(
+                f"{reply.provider} opened the shell without a GPU: its gpumesh is too old "
+                "for `exec --gpu-memory`; ask its owner to upgrade (jobs get GPUs meanwhile)"
+            )
         shell = ExecSession(stream, tty, reply.provider)
         started(shell)
         pump = asyncio.create_task(_pump_input(stream, source, tty))

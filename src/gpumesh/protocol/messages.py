@@ -614,10 +614,16 @@ class ExecStart(_Msg, tag="exec_start", frozen=True):
     cols: Annotated[int, msgspec.Meta(ge=0, le=10000)]
     pull_progress: bool = False
     """As ``JobSubmit.pull_progress``, before ``ExecStarted``."""
+    gpu_memory: Count = 0
+    """GPU memory the shell needs, in bytes, held for it while it is open; 0: no GPU.
+    A provider from before this field opens the shell without one: the consumer
+    finds that out from ``ExecStarted.gpus``."""
 
 
 class ExecStarted(_Msg, tag="exec_started", frozen=True):
     provider: Name
+    gpus: Annotated[list[Name], msgspec.Meta(max_length=64)] = []
+    """GPUs given to the shell (indexes); empty: none."""
 
 
 class ExecResize(_Msg, tag="exec_resize", frozen=True):

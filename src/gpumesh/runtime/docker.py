@@ -857,8 +857,8 @@ def _check_spec(spec: ContainerSpec, *, interactive: bool) -> None:
     for key in spec.env:
         if not key or "=" in key or "\0" in key:
             raise ConfigError(f"environment variable name {key!r} is not valid")
-    if interactive and (spec.workdir is not None or spec.gpu_ids):
-        raise ConfigError("an interactive container gets no host folder and no GPU")
+    if interactive and (spec.workdir is not None or spec.mounts):
+        raise ConfigError("an interactive container gets no host folder")
     if spec.workdir is not None:
         workdir = spec.workdir
         if not os.path.isabs(workdir) or not os.path.isdir(workdir):
