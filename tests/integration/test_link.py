@@ -17,6 +17,7 @@ from gpumesh.errors import (
     ConnectionLostError,
     KeyMismatchError,
     NotPairedError,
+    ProtocolError,
     UnreachableError,
 )
 from gpumesh.protocol.handshake import AuthForm, ClientAuth
@@ -24,6 +25,7 @@ from gpumesh.protocol.messages import ALPN, ALPN_CHALLENGE, Ping, Pong, StatusRe
 from gpumesh.transport.quic import QuicEndpoint, QuicLink
 from gpumesh.transport.session import accept_session, open_session
 from gpumesh.transport.stream import Stream
+from gpumesh.version import __version__
 from tests.integration.conftest import arun, pair_both, sharing
 
 
@@ -405,5 +407,30 @@ def test_a_refusal_reaches_every_request_sent_with_the_proof(make_node) -> None:
                     await session.established()
             finally:
                 session.close()
+
+    arun(scenario())
+
+
+def test_a_peer_that_shares_no_protocol_version_is_named_as_such(make_node) -> None:
+    """A provider that dropped every connection protocol this node speaks (a much
+    newer release): the dial fails with the versions named and what to do, not
+    with the TLS library's words."""
+    alice, bob = make_node("alice"), make_node("bob")
+    alice_id = alice.home.identity
+
+    async def scenario() -> None:
+        newer = QuicEndpoint.listen(
+            alice_id, "127.0.0.1", 0, on_link=lambda link: None, alpns=("gpumesh/9",)
+        )
+        try:
+            with pytest.raises(ProtocolError) as caught:
+                await open_session(
+                    bob.home.identity, "bob", [newer.local_address], alice_id.public_key, timeout=5
+                )
+        finally:
+            newer.close()
+        message = caught.value.message
+        assert f"({ALPN}, {ALPN_CHALLENGE}; GPUMesh {__version__})" in message
+        assert message.endswith("upgrade GPUMesh on the older side")
 
     arun(scenario())

@@ -74,6 +74,7 @@ from gpumesh.protocol.messages import ALPNS
 from gpumesh.transport.reach import unreachable
 from gpumesh.transport.stream import RESET_OVER_LIMIT, Stream, over_limit_error
 from gpumesh.transport.udp import UdpSocket, open_udp_socket
+from gpumesh.version import __version__
 
 __all__ = [
     "APP_ERROR",
@@ -180,10 +181,23 @@ def close_reason(error: GPUMeshError) -> str:
     return f"{error.code}: {error.message}"[:1000]
 
 
+_TLS_HANDSHAKE_FAILURE = 0x100 + 40
+"""QUIC's CRYPTO_ERROR for the TLS alert handshake_failure (RFC 9001, 4.8)."""
+_NO_COMMON_ALPN = "No common ALPN protocols"
+"""qh3's reason when the two sides share no connection protocol (it sends
+handshake_failure, not no_application_protocol, so only the words tell)."""
+
+
 def _error_from_close(event: qe.ConnectionTerminated) -> GPUMeshError:
     if event.error_code == APP_ERROR and ": " in event.reason_phrase:
         code, message = event.reason_phrase.split(": ", 1)
         return error_from_code(code, message)
+    if event.error_code == _TLS_HANDSHAKE_FAILURE and _NO_COMMON_ALPN in event.reason_phrase:
+        return ProtocolError(
+            f"the peer speaks none of this node's GPUMesh protocol versions "
+            f"({', '.join(ALPNS)}; GPUMesh {__version__}): it runs a much newer or "
+            "older GPUMesh; upgrade GPUMesh on the older side"
+        )
     if event.reason_phrase:
         return ConnectionLostError(f"connection closed by peer: {event.reason_phrase}")
     if event.error_code == 0:
