@@ -22,7 +22,14 @@ import pytest
 
 import gpumesh
 from gpumesh.client.views.jobs import JobResultView
-from gpumesh.errors import ConfigError, GPUMeshError, NotFoundError, UnknownPeerError
+from gpumesh.errors import (
+    ConfigError,
+    GPUMeshError,
+    NotFoundError,
+    NotInitializedError,
+    PairingCodeError,
+    UnknownPeerError,
+)
 from tests.integration.conftest import gpumesh as cli
 from tests.integration.conftest import shared_pair
 
@@ -159,8 +166,25 @@ def test_a_sync_call_inside_a_running_loop_is_refused_with_its_twin(homes) -> No
         assert "\n" not in message
 
 
-def test_errors_are_the_projects_with_stable_codes(homes) -> None:
+def test_pair_takes_a_code_and_refuses_a_bad_one(homes) -> None:
+    alice, bob = homes
+    with gpumesh.Mesh(bob) as mesh:
+        code = cli(alice, "pair-code").stdout.strip()
+        view = mesh.pair(code, check=False)
+        assert (view.name, view.allowed, view.paired_back) == ("alice-pc", True, None)
+        with pytest.raises(PairingCodeError) as spent:
+            mesh.pair(code, check=False)  # a code pairs once
+        assert spent.value.code == "bad_code"
+        with pytest.raises(PairingCodeError):
+            mesh.pair("gpm1_not-a-code")
+        assert [peer.name for peer in mesh.peers()] == ["alice-pc"]
+
+
+def test_errors_are_the_projects_with_stable_codes(homes, tmp_path: Path) -> None:
     _, bob = homes
+    with pytest.raises(NotInitializedError) as empty:
+        gpumesh.Mesh(tmp_path / "no-home").status()
+    assert empty.value.code == "not_initialized"
     with gpumesh.Mesh(bob) as mesh:
         with pytest.raises(UnknownPeerError) as unknown:
             mesh.run("nobody", ["true"])

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import shlex
+import weakref
 from collections.abc import (
     AsyncGenerator,
     AsyncIterator,
@@ -228,6 +229,7 @@ class Mesh:
             )
         self._backend: MeshBackend = InProcess(home)
         self._runner: asyncio.Runner | None = None
+        self._closer: weakref.finalize[[], Mesh] | None = None
 
     # --- the sync face ------------------------------------------------------------------
 
@@ -236,6 +238,8 @@ class Mesh:
         _refuse_in_loop(name, twin, call)
         if self._runner is None:
             self._runner = asyncio.Runner()
+            # A script that never calls close() leaves no unclosed loop behind.
+            self._closer = weakref.finalize(self, self._runner.close)
         return self._runner.run(_awaited(call))
 
     def _iterate(self, name: str, twin: str, items: AsyncIterator[T]) -> Iterator[T]:
@@ -259,9 +263,9 @@ class Mesh:
 
     def close(self) -> None:
         """Close the home's database and this Mesh's event loop."""
-        if self._runner is not None:
-            self._runner.close()
-            self._runner = None
+        if self._closer is not None:
+            self._closer()
+            self._runner = self._closer = None
         self._backend.close()
 
     def __enter__(self) -> Mesh:
