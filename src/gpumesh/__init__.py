@@ -1,6 +1,9 @@
 """GPUMesh: share idle NVIDIA GPUs among people who trust each other.
 
-The public Python API, in ``__all__``: :class:`Node` (one node's home, pairing
+The public Python API, in ``__all__``: :class:`Mesh`, one object for a home
+with sync methods for scripts and ``a``-prefixed async twins, returning the
+view structs ``--json`` prints, and its :class:`Job` handles (see
+docs/python-api.md); under it, :class:`Node` (one node's home, pairing
 and the allowlist, sessions with peers) and the client layer's operations as
 functions taking a ``Node``: jobs (:func:`run_job`, :func:`logs` and
 :func:`follow_job` for their events, :func:`cancel`), copies (:func:`copy`,
@@ -25,6 +28,7 @@ __all__ = [
     "CopyResult",
     "ExecSession",
     "GPUMeshError",
+    "Job",
     "JobCallbacks",
     "JobEvent",
     "JobFollow",
@@ -32,6 +36,7 @@ __all__ = [
     "JobRole",
     "JobSpec",
     "JobState",
+    "Mesh",
     "Node",
     "NotFoundError",
     "Peer",
@@ -74,12 +79,15 @@ if TYPE_CHECKING:
         run_job,
     )
     from gpumesh.client.jobspec import JobSpec, build_spec
+    from gpumesh.client.mesh import Job, Mesh
     from gpumesh.client.node import ConnectResult, Node
     from gpumesh.errors import AccessDeniedError, GPUMeshError, NotFoundError, UnreachableError
     from gpumesh.protocol.states import FINAL_STATES, JobRole, JobState
     from gpumesh.store.db import Peer
 
 _LAZY = {
+    "Mesh": "gpumesh.client.mesh",
+    "Job": "gpumesh.client.mesh",
     "Node": "gpumesh.client.node",
     "ConnectResult": "gpumesh.client.node",
     "Peer": "gpumesh.store.db",

@@ -346,6 +346,8 @@ async def run_job(
             )
         if detach:
             stream.finish()
+            if plan is not None:
+                await _until_received(stream)
             return result
         reader = _Reader()
         try:
@@ -359,6 +361,16 @@ async def run_job(
     # Go on from the last event this stream delivered: not from the start again.
     await _deliver_all(_follow(node, peer.node_id, result, reader, follow=True), callbacks)
     return result
+
+
+async def _until_received(stream: Stream) -> None:
+    """Wait for the provider to end a detached submit: then it holds the whole workdir
+    (closing the session sooner cuts the upload off), or it says why not."""
+    while (frame := await stream.read_frame()) is not None:
+        if frame.kind is FrameKind.MESSAGE:
+            message = decode_message(frame.body)
+            if isinstance(message, Refusal):
+                raise error_from_code(message.code, message.message)
 
 
 async def _deliver_all(events: AsyncGenerator[JobEvent, None], callbacks: JobCallbacks) -> None:

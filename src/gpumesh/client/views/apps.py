@@ -1,4 +1,5 @@
-"""View structs of ``gpumesh app``: the ``--json`` shape of ``app sync``."""
+"""View structs of ``gpumesh app``: the ``--json`` shape of ``app sync``, and what
+one ``app run`` did."""
 
 from __future__ import annotations
 
@@ -6,10 +7,12 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-if TYPE_CHECKING:
-    from gpumesh.client.apps import SyncResult
+from gpumesh.client.views.jobs import JobResultView
 
-__all__ = ["SkippedView", "SyncView"]
+if TYPE_CHECKING:
+    from gpumesh.client.apps import AppRun, SyncResult
+
+__all__ = ["AppRunView", "SkippedView", "SyncView"]
 
 
 class SkippedView(msgspec.Struct):
@@ -56,4 +59,24 @@ class SyncView(msgspec.Struct):
             skipped=[SkippedView(s.path, s.reason) for s in result.skipped],
             channel=result.channel,
             no_channel=result.no_channel,
+        )
+
+
+class AppRunView(msgspec.Struct):
+    """What one ``app run`` did: the sync, the job, and the folder pulled back."""
+
+    sync: SyncView
+    job: JobResultView
+    out_remote: str
+    """The app's folder pulled back (``/apps/NAME/OUT``), or empty when none was asked."""
+    pulled: bool
+    """False when a folder was asked for and the job left none: nothing was pulled."""
+
+    @classmethod
+    def of(cls, run: AppRun) -> AppRunView:
+        return cls(
+            sync=SyncView.of(run.sync),
+            job=JobResultView.of(run.job),
+            out_remote=run.out_remote,
+            pulled=run.pulled,
         )
