@@ -748,6 +748,8 @@ class EventStream(Response):
             headers={"cache-control": "no-store", "x-accel-buffering": "no"},
             media_type=self.media_type,
         )
+        # A stream has no length; the rest of the headers stay Starlette's.
+        self.raw_headers = [(k, v) for k, v in self.raw_headers if k != b"content-length"]
         self._events = events
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
