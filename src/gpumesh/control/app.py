@@ -83,8 +83,6 @@ class ControlState:
     sessions: auth.Sessions = field(default_factory=auth.Sessions)
     host_names: frozenset[str] = frozenset()
     """Names besides loopback that ``Host`` may carry (a non-loopback bind's)."""
-    unix_path: str = ""
-    """The unix socket's path as the server sees it (requests on it need no credential)."""
     public_url: str = ""
     """``http://host:port`` of the TCP listener, for login URLs."""
 

@@ -101,7 +101,7 @@ async def _run(*, listen: str | None, allow_remote: bool, hosts: list[str]) -> i
     public_url = ""
     if listen is not None:
         host, port = parse_listen(listen)
-        if not auth.is_loopback(host.lower()) and host.lower() != "localhost":
+        if not auth.is_loopback(host.lower()):
             if not allow_remote:
                 raise ConfigError(
                     f"{listen} is not a loopback address: the API is served on loopback unless "
