@@ -32,7 +32,8 @@ exit codes; nothing here prints.
     ├── LimitError                    limit
     ├── NotFoundError                 not_found
     ├── InUseError                    in_use
-    └── AgentError                    agent
+    ├── AgentError                    agent
+    └── BadRequestError               bad_request
 
 Each class also carries the ``exit_code`` the CLI ends with; :class:`ExitCode`
 is the one table of those codes (with the ones jobs end with), which
@@ -101,6 +102,7 @@ __all__ = [
     "AccessDeniedError",
     "AgentError",
     "AmbiguousPeerError",
+    "BadRequestError",
     "ConfigError",
     "ConnectionLostError",
     "ExitCode",
@@ -259,6 +261,13 @@ class InUseError(GPUMeshError):
 
 class AgentError(GPUMeshError):
     code = "agent"
+
+
+class BadRequestError(GPUMeshError):
+    """A control API request that is malformed: its body, a parameter, a missing field."""
+
+    code = "bad_request"
+    exit_code = ExitCode.USAGE
 
 
 def _all_subclasses(cls: type[GPUMeshError]) -> list[type[GPUMeshError]]:

@@ -10,6 +10,8 @@
 ``GPUMESH_REGION``          region for public listings (over ``region``)
 ``GPUMESH_API_TOKEN``       bearer token for the control API
 ``GPUMESH_API_ADDR``        control API bind address (default 127.0.0.1:8080)
+``GPUMESH_API_HOSTS``       names besides loopback that the control API accepts
+                            in ``Host`` (comma-separated), e.g. ``gpu-box.lan``
 ``GPUMESH_LOG``             log level or filter, e.g. ``debug`` or
                             ``gpumesh.transport=debug,info``
 ==========================  =================================================
@@ -23,6 +25,7 @@ from pathlib import Path
 __all__ = [
     "API_ADDR_DEFAULT",
     "ENV_API_ADDR",
+    "ENV_API_HOSTS",
     "ENV_API_TOKEN",
     "ENV_HOME",
     "ENV_IMAGE",
@@ -45,6 +48,7 @@ ENV_RELAY_TOKEN = "GPUMESH_RELAY_TOKEN"
 ENV_REGION = "GPUMESH_REGION"
 ENV_API_TOKEN = "GPUMESH_API_TOKEN"
 ENV_API_ADDR = "GPUMESH_API_ADDR"
+ENV_API_HOSTS = "GPUMESH_API_HOSTS"
 ENV_LOG = "GPUMESH_LOG"
 
 API_ADDR_DEFAULT = "127.0.0.1:8080"

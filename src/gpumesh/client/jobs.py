@@ -574,11 +574,22 @@ class JobFollow:
     Leaving the loop early: call :meth:`aclose` (or use ``contextlib.aclosing``)."""
 
     def __init__(
-        self, job: JobRecord, result: JobResult, events: AsyncGenerator[JobEvent, None]
+        self,
+        job: JobRecord,
+        result: JobResult,
+        events: AsyncGenerator[JobEvent, None],
+        reader: _Reader | None = None,
     ) -> None:
         self.job = job
         self.result = result
         self._events = events
+        self._reader = reader or _Reader()
+
+    @property
+    def seq(self) -> int:
+        """The sequence number of the last event read (0: none yet). A follow started
+        with ``after_seq`` set to it resumes right after, with nothing lost or repeated."""
+        return self._reader.seq
 
     def __aiter__(self) -> AsyncIterator[JobEvent]:
         return self._events
@@ -612,16 +623,20 @@ def logs(
     *,
     follow: bool = False,
     changes: ChangeWaiter | None = None,
+    after_seq: int = 0,
 ) -> JobFollow:
     """A job's events from its start (the most recent job when ``job_id`` is None):
     a job this node submitted from its provider, one it hosts from its own store.
     ``follow``: until the job ends. ``changes``: in the agent's own process, its job
-    service (else hosted jobs are woken by the agent through a socket)."""
+    service (else hosted jobs are woken by the agent through a socket).
+    ``after_seq``: start after that event (a :attr:`JobFollow.seq` read before)."""
     job = find_job(node, job_id)
     if job.role == SUBMITTED:
-        return _submitted_follow(node, job, follow=follow, after_seq=0)
+        return _submitted_follow(node, job, follow=follow, after_seq=after_seq)
     result = _result_of(job)
-    return JobFollow(job, result, _hosted(node, job, result, follow=follow, changes=changes))
+    reader = _Reader(after_seq, OutputPosition(0 if after_seq == 0 else UNKNOWN))
+    events = _hosted(node, job, result, reader, follow=follow, changes=changes)
+    return JobFollow(job, result, events, reader)
 
 
 def _submitted_follow(node: Node, job: JobRecord, *, follow: bool, after_seq: int) -> JobFollow:
@@ -637,7 +652,7 @@ def _submitted_follow(node: Node, job: JobRecord, *, follow: bool, after_seq: in
     # From the start, a gap before the first output is output dropped; from
     # further on, where the output stood is not known here.
     reader = _Reader(after_seq, OutputPosition(0 if after_seq == 0 else UNKNOWN))
-    return JobFollow(job, result, _follow(node, job.peer_id, result, reader, follow=follow))
+    return JobFollow(job, result, _follow(node, job.peer_id, result, reader, follow=follow), reader)
 
 
 async def follow_job(
@@ -833,28 +848,32 @@ async def follow_hosted(
     ``changes``: in the agent's own process, its job service to wait on."""
     job = node.home.store.find_job(job_id, role=HOSTED)
     result = _result_of(job)
-    events = _hosted(node, job, result, follow=follow, changes=changes)
+    events = _hosted(node, job, result, _Reader(), follow=follow, changes=changes)
     await _deliver_all(events, callbacks or JobCallbacks())
     return result
 
 
 async def _hosted(
-    node: Node, job: JobRecord, result: JobResult, *, follow: bool, changes: ChangeWaiter | None
+    node: Node,
+    job: JobRecord,
+    result: JobResult,
+    reader: _Reader,
+    *,
+    follow: bool,
+    changes: ChangeWaiter | None,
 ) -> AsyncGenerator[JobEvent, None]:
     store = node.home.store
-    seen = 0
-    position = OutputPosition()
     waker: FollowerSocket | None = None
     try:
         while True:
-            events = store.job_events(job.job_id, seen, 100)
+            events = store.job_events(job.job_id, reader.seq, 100)
             for event in events:
-                seen = event.seq
+                reader.seq = event.seq
                 message = event.to_message()
                 if isinstance(message, JobStatus):
                     yield StatusChanged.of(message)
                     continue
-                dropped = position.on_output(message.offset, len(message.data))
+                dropped = reader.output.on_output(message.offset, len(message.data))
                 if dropped:
                     yield OutputDropped(dropped)
                 yield Output(message.stream, message.data)
@@ -863,7 +882,7 @@ async def _hosted(
             _update(result, current)
             if events:
                 continue
-            if not follow or (current.state in FINAL_STATES and seen >= current.last_seq):
+            if not follow or (current.state in FINAL_STATES and reader.seq >= current.last_seq):
                 return
             if changes is not None:
                 await changes.wait_changed(_REREAD)

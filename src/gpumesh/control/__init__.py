@@ -1,3 +1,7 @@
-"""Control: the local HTTP API and web dashboard over this node's home.
-Reserved: the ``gpumesh-control`` entry point exists so installs keep a
-stable command name; the API and dashboard are not built yet."""
+"""Control: the local HTTP API over this node's home (``gpumesh-control``).
+
+``app.py`` holds the routes (thin: parse, call ``gpumesh.client``, return the
+view structs of ``gpumesh.client.views``), ``auth.py`` who may call them,
+``openapi.py`` the document that lists them, ``server.py`` the sockets and the
+uvicorn server, ``main.py`` the command. Nothing below this package imports it.
+"""

@@ -1,14 +1,168 @@
-"""``gpumesh-control`` entry point (reserved; not yet implemented)."""
+"""``gpumesh-control``: this home's control API, on its unix socket and on TCP.
+
+Serves ``$GPUMESH_HOME/control.sock`` (the owner's) and ``GPUMESH_API_ADDR``
+(default ``127.0.0.1:8080``) together in one event loop until SIGINT or SIGTERM,
+then exits 0. A bind beyond loopback needs ``--allow-remote`` and
+``$GPUMESH_API_TOKEN``. While this home's ``gpumesh share`` runs, the API
+works beside it: it reads the same store, and the owner's changes (a deny, a
+cancel) reach the agent through its notification socket.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import signal
+import socket
 import sys
 
+import click
 
-def main() -> int:
-    print(
-        "error: gpumesh-control (the HTTP API and dashboard) is not available in this version "
-        "of GPUMesh; use the gpumesh CLI",
-        file=sys.stderr,
+from gpumesh.errors import ConfigError, GPUMeshError
+from gpumesh.settings import API_ADDR_DEFAULT, ENV_API_ADDR, ENV_API_HOSTS, ENV_API_TOKEN, ENV_LOG
+
+__all__ = ["command", "main"]
+
+
+def _hosts(text: str | None) -> list[str]:
+    return [name.strip().lower() for name in (text or "").split(",") if name.strip()]
+
+
+@click.command(
+    name="gpumesh-control",
+    epilog="""\b
+Examples:
+  gpumesh-control                                  # unix socket + 127.0.0.1:8080
+  GPUMESH_API_ADDR=127.0.0.1:9090 gpumesh-control
+  curl --unix-socket ~/.gpumesh/control.sock http://gpumesh/api/v1/status
+  curl -H "Authorization: Bearer $(cat ~/.gpumesh/api.token)" http://127.0.0.1:8080/api/v1/peers
+  GPUMESH_API_TOKEN=... gpumesh-control --listen 10.0.0.5:8080 --allow-remote \\
+      --allowed-host gpu-box.lan
+""",
+)
+@click.option(
+    "--listen",
+    envvar=ENV_API_ADDR,
+    show_envvar=True,
+    default=API_ADDR_DEFAULT,
+    show_default=True,
+    metavar="HOST:PORT",
+    help="TCP address to serve on (loopback unless --allow-remote).",
+)
+@click.option(
+    "--allow-remote",
+    is_flag=True,
+    help=f"Allow a bind beyond loopback (needs ${ENV_API_TOKEN}).",
+)
+@click.option(
+    "--allowed-host",
+    "allowed_hosts",
+    multiple=True,
+    metavar="NAME",
+    help=f"A name browsers may use in Host besides loopback (also ${ENV_API_HOSTS}).",
+)
+@click.option("--no-tcp", is_flag=True, help="Serve the unix socket only.")
+def command(listen: str, allow_remote: bool, allowed_hosts: tuple[str, ...], no_tcp: bool) -> None:
+    """Serve this node's control API (HTTP/JSON, /api/v1, OpenAPI at
+    /api/v1/openapi.json) on $GPUMESH_HOME/control.sock and on TCP.
+
+    The unix socket is the owner's (mode 0600) and needs no credential. TCP
+    always does: `Authorization: Bearer TOKEN` with $GPUMESH_API_TOKEN, or the
+    home's own random token in api.token (0600, made on first use); a browser
+    opens the one-time login URL printed here. Stop with Ctrl-C or SIGTERM.
+    """
+    from gpumesh.settings import env
+
+    try:
+        code = asyncio.run(
+            _run(
+                listen=None if no_tcp else listen,
+                allow_remote=allow_remote,
+                hosts=[*_hosts(env(ENV_API_HOSTS)), *_hosts(",".join(allowed_hosts))],
+            )
+        )
+    except GPUMeshError as exc:
+        click.echo(f"error: {exc.message}", err=True)
+        raise SystemExit(int(exc.exit_code)) from None
+    raise SystemExit(code)
+
+
+async def _run(*, listen: str | None, allow_remote: bool, hosts: list[str]) -> int:
+    from gpumesh.client.node import Node
+    from gpumesh.control import auth
+    from gpumesh.control.app import ControlState, create_app
+    from gpumesh.control.server import parse_listen, serve, tcp_listener, unix_listener
+    from gpumesh.settings import env
+
+    node = Node()
+    info = node.info()  # a home without an identity is refused here, in one line
+    home = node.home.path
+    sockets: list[socket.socket] = []
+    public_url = ""
+    if listen is not None:
+        host, port = parse_listen(listen)
+        if not auth.is_loopback(host.lower()):
+            if not allow_remote:
+                raise ConfigError(
+                    f"{listen} is not a loopback address: the API is served on loopback unless "
+                    "--allow-remote says otherwise (and then only with a token)"
+                )
+            if not env(ENV_API_TOKEN):
+                raise ConfigError(
+                    f"a bind beyond loopback needs ${ENV_API_TOKEN} set to a token of your own"
+                )
+            hosts.append(host.lower())
+        tcp = tcp_listener(host, port)
+        sockets.append(tcp)
+        bound = tcp.getsockname()
+        shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
+        public_url = f"http://{shown}:{bound[1]}"
+    unix = unix_listener(home)
+    sockets.insert(0, unix)
+    state = ControlState(
+        node=node,
+        token=auth.api_token(home),
+        host_names=frozenset(hosts),
+        public_url=public_url,
     )
-    return 2
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+    socket_path = home / "control.sock"
+    print(f"gpumesh-control: the control API of {info.name} ({home})", flush=True)
+    print(f"  unix socket  {socket_path} (owner only, no token needed)", flush=True)
+    if public_url:
+        where = f"${ENV_API_TOKEN}" if env(ENV_API_TOKEN) else str(home / auth.TOKEN_FILE)
+        print(f"  http         {public_url}/api/v1/ (Authorization: Bearer, from {where})")
+        print(f"  browser      {public_url}/#code={state.sessions.new_code()} (one-time login)")
+    print("  OpenAPI      /api/v1/openapi.json; stop with Ctrl-C", flush=True)
+    try:
+        await serve(create_app(state), sockets, stop)
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        for sock in sockets:
+            sock.close()
+        socket_path.unlink(missing_ok=True)
+        node.close()
+    print("gpumesh-control: stopped", flush=True)
+    return 0
+
+
+def _setup_logging() -> None:
+    """Warnings (or ``$GPUMESH_LOG``'s level) to stderr, one line each."""
+    from gpumesh.settings import env
+
+    level = (env(ENV_LOG) or "warning").split(",")[0].upper()
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger("gpumesh")
+    root.addHandler(handler)
+    root.setLevel(level if level in logging.getLevelNamesMapping() else "WARNING")
+
+
+def main() -> None:
+    _setup_logging()
+    command.main(prog_name="gpumesh-control")

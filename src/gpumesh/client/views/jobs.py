@@ -1,7 +1,8 @@
-"""View structs of one job's operations (run, logs, cancel): where a job stands.
+"""View structs of one job's operations (run, logs, cancel): where a job stands,
+and the events of a followed job.
 
-``gpumesh run``, ``logs`` and ``cancel`` print text, not JSON; this is the shape
-the control API returns for the same results.
+``gpumesh run``, ``logs`` and ``cancel`` print text, not JSON; these are the
+shapes the control API returns for the same results.
 """
 
 from __future__ import annotations
@@ -13,9 +14,17 @@ import msgspec
 from gpumesh.protocol.states import JobRole, JobState
 
 if TYPE_CHECKING:
-    from gpumesh.client.jobs import JobResult
+    from gpumesh.client.jobs import JobEvent, JobResult
 
-__all__ = ["JobResultView"]
+__all__ = [
+    "Dropped",
+    "JobEventView",
+    "JobResultView",
+    "Output",
+    "Reconnecting",
+    "Status",
+    "event_view",
+]
 
 
 class JobResultView(msgspec.Struct):
@@ -46,3 +55,65 @@ class JobResultView(msgspec.Struct):
             gpus=list(result.gpus),
             output_dropped=result.output_dropped,
         )
+
+
+class JobEventView(msgspec.Struct, tag_field="kind", tag=str.lower):
+    """One event of a followed job, as the control API streams it; the ``kind``
+    field says which of the structs below it is."""
+
+    seq: int
+    """The event's sequence number: resume after it (0: not numbered)."""
+
+
+class Output(JobEventView, tag="output"):
+    """Bytes the job wrote."""
+
+    stream: str
+    """``stdout`` or ``stderr``."""
+    data: str
+    """The bytes, base64: output need not be text."""
+    text: str
+    """The bytes as UTF-8, invalid sequences replaced."""
+
+
+class Status(JobEventView, tag="status"):
+    """The job entered a state (or began an attempt)."""
+
+    state: JobState
+    attempt: int
+    exit_code: int | None
+    message: str
+    exited: bool
+    """The program exited on its own (``message`` only repeats its code)."""
+
+
+class Dropped(JobEventView, tag="dropped"):
+    """Bytes of output the provider dropped just before the next output."""
+
+    count: int
+
+
+class Reconnecting(JobEventView, tag="reconnecting"):
+    """The link to the provider dropped; the follow redials and resumes."""
+
+    code: str
+    message: str
+
+
+def event_view(event: JobEvent, seq: int) -> JobEventView:
+    """A followed job's event as its view; ``seq``: the follow's sequence number then."""
+    import base64
+
+    from gpumesh.client import jobs
+
+    if isinstance(event, jobs.Output):
+        text = event.data.decode("utf-8", errors="replace")
+        return Output(seq, event.stream, base64.b64encode(event.data).decode("ascii"), text)
+    if isinstance(event, jobs.StatusChanged):
+        status = event.status
+        return Status(
+            seq, event.state, status.attempt, status.exit_code, status.message, event.exited
+        )
+    if isinstance(event, jobs.OutputDropped):
+        return Dropped(seq, event.count)
+    return Reconnecting(seq, event.error.code, event.error.message)

@@ -8,9 +8,10 @@ import msgspec
 
 if TYPE_CHECKING:
     from gpumesh.client.node import ConnectResult, PairCheck, ThroughputResult
+    from gpumesh.identity.codes import PairingOffer
     from gpumesh.store.db import Peer
 
-__all__ = ["ConnectView", "PairView", "PeerView"]
+__all__ = ["ConnectView", "PairView", "PairingCodeView", "PeerView"]
 
 
 class PeerView(msgspec.Struct):
@@ -97,4 +98,27 @@ class ConnectView(msgspec.Struct):
             remote_version=result.remote.version,
             sharing=result.remote.sharing,
             upload_mb_per_s=round(throughput.mb_per_s, 1) if throughput else msgspec.UNSET,
+        )
+
+
+class PairingCodeView(msgspec.Struct):
+    """``pair-code``: this node's pairing code, for a peer to paste into ``pair``."""
+
+    code: str
+    name: str
+    node_id: str
+    expires: float
+    """Unix time after which the code no longer verifies."""
+    addresses: list[str]
+    relay: str | None
+
+    @classmethod
+    def of(cls, code: str, offer: PairingOffer) -> PairingCodeView:
+        return cls(
+            code=code,
+            name=offer.name,
+            node_id=str(offer.node_id),
+            expires=offer.expires,
+            addresses=list(offer.addresses),
+            relay=offer.relay or None,
         )

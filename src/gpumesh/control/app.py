@@ -1,0 +1,800 @@
+"""The control API's routes: parse a request, call the client layer, return a view.
+
+Every route is one :class:`Endpoint` in :data:`ENDPOINTS` (method, path, who may
+call it, the body it takes and the view it returns); the Starlette routes and
+the OpenAPI document are both made from that table, so neither can list a route
+the other lacks. Handlers hold no product logic: what the CLI does with the same
+result lives in ``gpumesh.client``, and the JSON is the view struct the CLI's
+``--json`` prints.
+
+Who may call what (``auth.py`` has the rules): the unix socket is the owner's
+and may call everything; over TCP a bearer token may call everything, a browser
+session cookie everything but the routes that name local paths (copies, apps, a
+job's local workdir), and nothing without a credential but the page, the login
+exchange and the OpenAPI document. Errors are ``{"code", "message"}`` with the
+error tree's stable codes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import enum
+import hashlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from gpumesh.control import auth
+from gpumesh.control.endpoints import Access, Endpoint, ErrorView, Query
+from gpumesh.errors import (
+    AccessDeniedError,
+    AgentError,
+    AmbiguousPeerError,
+    BadRequestError,
+    ConfigError,
+    GPUMeshError,
+    InUseError,
+    LimitError,
+    NotFoundError,
+    PairingCodeError,
+    PeerKeyChangedError,
+    ProtocolError,
+    RuntimeUnavailableError,
+    TransportError,
+    UnknownPeerError,
+)
+
+if TYPE_CHECKING:
+    from gpumesh.client.node import Node
+
+__all__ = ["ENDPOINTS", "Call", "ControlState", "create_app"]
+
+logger = logging.getLogger(__name__)
+
+KEEPALIVE = 15.0
+"""Seconds of silence after which an event stream sends a comment, so a client
+that left is noticed and a proxy keeps the stream open."""
+
+
+class Credential(enum.Enum):
+    UNIX = "unix"
+    BEARER = "bearer"
+    COOKIE = "cookie"
+    NONE = "none"
+
+
+@dataclass
+class ControlState:
+    """What the routes share: the node, the token, the browser sessions."""
+
+    node: Node
+    token: str
+    sessions: auth.Sessions = field(default_factory=auth.Sessions)
+    host_names: frozenset[str] = frozenset()
+    """Names besides loopback that ``Host`` may carry (a non-loopback bind's)."""
+    public_url: str = ""
+    """``http://host:port`` of the TCP listener, for login URLs."""
+
+
+class Refusal(Exception):
+    """A request refused before it reached the client layer: an HTTP status and an
+    error of the tree (its code and message are the body)."""
+
+    def __init__(self, status: int, error: GPUMeshError) -> None:
+        super().__init__(error.message)
+        self.status = status
+        self.error = error
+
+
+@dataclass
+class Call:
+    """One request, authorised: what a handler reads."""
+
+    request: Request
+    state: ControlState
+    credential: Credential
+    body: Any = None
+
+    @property
+    def node(self) -> Node:
+        return self.state.node
+
+    def param(self, name: str) -> str:
+        return str(self.request.path_params[name])
+
+    def flag(self, name: str, default: bool = False) -> bool:
+        value = self.request.query_params.get(name)
+        if value is None:
+            return default
+        if value.lower() in ("1", "true", "yes", ""):
+            return True
+        if value.lower() in ("0", "false", "no"):
+            return False
+        raise BadRequestError(f"query parameter {name}={value!r}: use true or false")
+
+    def number(self, name: str, default: int, *, least: int = 0, most: int = 10_000) -> int:
+        value = self.request.query_params.get(name)
+        if value is None:
+            return default
+        try:
+            number = int(value)
+        except ValueError:
+            raise BadRequestError(f"query parameter {name}={value!r} is not a number") from None
+        if not least <= number <= most:
+            raise BadRequestError(f"query parameter {name} must be {least} to {most}")
+        return number
+
+    def refuse_cookie(self, what: str) -> None:
+        if self.credential is Credential.COOKIE:
+            raise Refusal(
+                403,
+                AccessDeniedError(
+                    f"{what} names a path on this machine: only the unix socket or a bearer "
+                    "token may, never a browser session"
+                ),
+            )
+
+
+# --- request bodies: unknown fields are refused (a typo must not pass silently) ----------
+
+
+class PairBody(msgspec.Struct, forbid_unknown_fields=True):
+    code: str
+    rekey: bool = False
+    offline: bool = False
+    """Do not dial the peer to check whether it paired this node."""
+
+
+class JobBody(msgspec.Struct, forbid_unknown_fields=True):
+    command: list[str] = []
+    peer: str | None = None
+    group: str | None = None
+    image: str | None = None
+    env: dict[str, str] = {}
+    gpu_memory: int | str | None = None
+    """Bytes, or text such as ``8GB``."""
+    retries: int | None = None
+    timeout: float | str | None = None
+    mounts: list[str] = []
+    """``/sandbox/folder:/container/path[:rw]``, as ``--mount``."""
+    workdir: str | None = None
+    """A local folder to upload (not from a browser session)."""
+    wait: float = 0.0
+    """With ``group``: seconds to wait for a member to free up."""
+
+
+class CancelBody(msgspec.Struct, forbid_unknown_fields=True):
+    peer: str | None = None
+    """The provider, for a job not in this node's store."""
+
+
+class CopyBody(msgspec.Struct, forbid_unknown_fields=True):
+    source: str
+    destination: str
+    """Exactly one of the two is ``PEER:PATH``, the other a local path."""
+
+
+class SyncBody(msgspec.Struct, forbid_unknown_fields=True):
+    peer: str
+    dir: str
+    name: str | None = None
+    dry_run: bool = False
+
+
+class ExchangeBody(msgspec.Struct, forbid_unknown_fields=True):
+    code: str
+
+
+class LoginCodeView(msgspec.Struct):
+    """A one-time login for a browser: open ``url``; it is good for one exchange."""
+
+    url: str
+    expires_in: float
+
+
+# --- handlers ----------------------------------------------------------------------------
+
+
+async def get_status(call: Call) -> object:
+    from gpumesh.client.jobs import refresh_jobs
+    from gpumesh.client.views.node import StatusView
+
+    node = call.node
+    unknown: set[str] = set()
+    if not call.flag("offline") and node.home.store.unconfirmed_submitted_jobs():
+        for answer in await refresh_jobs(node):
+            unknown |= answer.job_ids
+    return StatusView.of(node.status(), submitted_unknown=len(unknown))
+
+
+async def get_gpus(call: Call) -> object:
+    from gpumesh.client.views.node import GpusView
+    from gpumesh.gpu.inventory import detect_inventory
+
+    inventory = detect_inventory()
+    return GpusView.of(inventory, inventory.gpus())
+
+
+async def get_peers(call: Call) -> object:
+    from gpumesh.client.views.peers import PeerView
+
+    return [PeerView.of(p) for p in call.node.peers()]
+
+
+async def post_pair(call: Call) -> object:
+    from gpumesh.client.views.peers import PairView
+
+    body: PairBody = call.body
+    peer = call.node.pair(body.code.strip(), rekey=body.rekey)
+    check = None
+    if not body.offline and (peer.addresses or peer.relay):
+        check = await call.node.check_paired_back(peer.name)
+    return PairView.of(peer, check)
+
+
+async def get_pairing_code(call: Call) -> object:
+    from gpumesh.client.views.peers import PairingCodeView
+    from gpumesh.identity.codes import verify_code
+
+    code = call.node.pairing_code()
+    return PairingCodeView.of(code, verify_code(code))
+
+
+async def get_pairing_qr(call: Call) -> object:
+    """The QR code of a pairing code of this node's (``code``), or of a fresh one."""
+    from gpumesh.identity.codes import verify_code
+
+    code = call.request.query_params.get("code") or call.node.pairing_code()
+    try:
+        offer = verify_code(code)
+    except PairingCodeError as exc:
+        raise BadRequestError(f"code: {exc.message}") from None
+    if offer.public_key != call.node.home.identity.public_key:
+        raise BadRequestError("code: not a pairing code of this node")
+    return Response(qr_svg(code), media_type="image/svg+xml")
+
+
+def qr_svg(text: str) -> bytes:
+    """``text`` as a QR code, an SVG image that scales (no fixed size)."""
+    import io
+
+    import segno
+
+    out = io.BytesIO()
+    segno.make(text, error="m", micro=False).save(
+        out, kind="svg", scale=1, border=4, xmldecl=False, svgns=True, omitsize=True
+    )
+    return out.getvalue()
+
+
+async def post_allow(call: Call) -> object:
+    from gpumesh.client.views.peers import PeerView
+
+    return PeerView.of(call.node.allow(call.param("peer")))
+
+
+async def post_deny(call: Call) -> object:
+    from gpumesh.client.views.peers import PeerView
+
+    return PeerView.of(call.node.deny(call.param("peer")))
+
+
+async def post_connect(call: Call) -> object:
+    from gpumesh.client.views.peers import ConnectView
+
+    pings = call.number("pings", 5, least=1, most=100)
+    return ConnectView.of(await call.node.connect(call.param("peer"), pings=pings), None)
+
+
+async def get_jobs(call: Call) -> object:
+    from gpumesh.client.jobs import refresh_jobs
+    from gpumesh.client.views.joblist import JobListEntry
+
+    node = call.node
+    limit = call.number("limit", 20, least=1, most=1000)
+    unconfirmed: dict[str, str] = {}
+    if not call.flag("offline") and node.home.store.unconfirmed_submitted_jobs(limit):
+        for answer in await refresh_jobs(node, limit=limit):
+            unconfirmed.update(dict.fromkeys(answer.job_ids, answer.reason))
+    return [JobListEntry.of(j, unconfirmed) for j in node.home.store.jobs(limit=limit)]
+
+
+async def get_job(call: Call) -> object:
+    from gpumesh.client.jobs import find_job
+    from gpumesh.client.views.joblist import JobListEntry
+
+    return JobListEntry.of(find_job(call.node, call.param("job_id")), {})
+
+
+async def post_job(call: Call) -> object:
+    """Submit a job to a peer or to the best member of a group; returns once the
+    provider accepted it (follow it with the events route)."""
+    from gpumesh.client.jobs import run_job
+    from gpumesh.client.jobspec import build_spec
+    from gpumesh.client.views.jobs import JobResultView
+
+    body: JobBody = call.body
+    if body.workdir is not None:
+        call.refuse_cookie("workdir")
+    if not body.peer and not body.group:
+        raise BadRequestError("give peer or group: where to run the job")
+    spec = build_spec(
+        image=body.image,
+        command=body.command,
+        env_items=[f"{k}={v}" for k, v in body.env.items()],
+        workdir=body.workdir,
+        gpu_memory=body.gpu_memory,
+        retries=body.retries,
+        timeout=body.timeout,
+        peer=body.peer,
+        group=body.group,
+        mounts=body.mounts,
+    )
+    return JobResultView.of(await run_job(call.node, spec, detach=True, wait=body.wait))
+
+
+async def post_cancel(call: Call) -> object:
+    from gpumesh.client.jobs import cancel
+    from gpumesh.client.views.jobs import JobResultView
+
+    body: CancelBody = call.body
+    return JobResultView.of(await cancel(call.node, call.param("job_id"), peer=body.peer))
+
+
+async def get_job_events(call: Call) -> object:
+    """A job's events as Server-Sent Events. Each output and status event carries
+    its sequence number as the event's id: a client that reconnects with
+    ``Last-Event-ID`` (as a browser's EventSource does) or ``after`` resumes right
+    after it. The stream ends with an ``end`` event (the job's result), or an
+    ``error`` event."""
+    from gpumesh.client.jobs import find_job, logs
+
+    job = find_job(call.node, call.param("job_id"))  # an unknown job is a plain 404
+    after = call.number("after", 0, most=2**62)
+    last = call.request.headers.get("last-event-id")
+    if last is not None:
+        try:
+            after = max(0, int(last))
+        except ValueError:
+            raise BadRequestError(f"Last-Event-ID {last!r} is not a sequence number") from None
+    follow = logs(call.node, job.job_id, follow=call.flag("follow", True), after_seq=after)
+    return EventStream(_job_events(follow))
+
+
+async def _job_events(follow: Any) -> AsyncIterator[bytes]:
+    from gpumesh.client import jobs
+    from gpumesh.client.views.jobs import JobResultView, event_view
+
+    it = aiter(follow)
+    pending: asyncio.Future[Any] | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(anext(it))
+            done, _ = await asyncio.wait({pending}, timeout=KEEPALIVE)
+            if not done:
+                yield b": keep-alive\n\n"
+                continue
+            try:
+                event = pending.result()
+            except StopAsyncIteration:
+                break
+            finally:
+                if pending.done():
+                    pending = None
+            view = event_view(event, follow.seq)
+            # Only output and status events are resumable points: a drop notice
+            # shares its output's number and a reconnect has none.
+            numbered = isinstance(event, jobs.Output | jobs.StatusChanged)
+            yield sse(type(view).__name__.lower(), view, follow.seq if numbered else None)
+        yield sse("end", JobResultView.of(follow.result))
+    except GPUMeshError as exc:
+        yield sse("error", ErrorView(exc.code, exc.message))
+    finally:
+        if pending is not None:
+            pending.cancel()
+            with contextlib.suppress(BaseException):
+                await pending
+        await follow.aclose()
+
+
+def sse(event: str, data: object, event_id: int | None = None) -> bytes:
+    """One Server-Sent Event: its name, id (when it has one) and JSON data on one line."""
+    head = f"event: {event}\n" + ("" if event_id is None else f"id: {event_id}\n")
+    return head.encode() + b"data: " + msgspec.json.encode(data, enc_hook=str) + b"\n\n"
+
+
+async def get_groups(call: Call) -> object:
+    from gpumesh.client.groups import summaries
+    from gpumesh.client.views.groups import GroupListEntry
+
+    return [GroupListEntry.of_summary(s) for s in summaries(call.node)]
+
+
+async def get_members(call: Call) -> object:
+    from gpumesh.client.groups import group_status
+    from gpumesh.client.views.groups import MemberStatusEntry
+
+    statuses = await group_status(call.node, call.param("group"), live=not call.flag("offline"))
+    return [MemberStatusEntry.of_status(s) for s in statuses]
+
+
+async def post_copy(call: Call) -> object:
+    from gpumesh.client.files import copy
+    from gpumesh.client.views.files import CopyView
+
+    body: CopyBody = call.body
+    return CopyView.of(await copy(call.node, body.source, body.destination))
+
+
+async def post_app_sync(call: Call) -> object:
+    from gpumesh.client.apps import sync_app
+    from gpumesh.client.views.apps import SyncView
+
+    body: SyncBody = call.body
+    result = await sync_app(
+        call.node, body.peer, Path(body.dir), name=body.name, dry_run=body.dry_run
+    )
+    return SyncView.of(result)
+
+
+async def get_owner(call: Call) -> object:
+    from gpumesh.client.owner import owner_view
+    from gpumesh.client.views.owner import OwnerStatusView
+
+    return OwnerStatusView.of(owner_view(call.node, limit=call.number("limit", 50, least=1)))
+
+
+async def post_session(call: Call) -> object:
+    """Exchange a one-time login code for a browser session cookie."""
+    body: ExchangeBody = call.body
+    session = call.state.sessions.exchange(body.code)
+    if session is None:
+        raise Refusal(401, AccessDeniedError("that login code is unknown, used or expired"))
+    response = Response(status_code=204)
+    response.set_cookie(
+        auth.COOKIE,
+        session,
+        max_age=int(auth.SESSION_TTL),
+        path="/",
+        httponly=True,
+        samesite="strict",
+    )
+    return response
+
+
+async def delete_session(call: Call) -> object:
+    call.state.sessions.end(call.request.cookies.get(auth.COOKIE))
+    response = Response(status_code=204)
+    response.delete_cookie(auth.COOKIE, path="/", httponly=True, samesite="strict")
+    return response
+
+
+async def post_login_code(call: Call) -> object:
+    """A one-time login URL for a browser (the code is in its fragment, which
+    browsers never send to a server or put in a Referer)."""
+    if not call.state.public_url:
+        raise AgentError("this control server does not listen on TCP: no browser can log in")
+    code = call.state.sessions.new_code()
+    return LoginCodeView(f"{call.state.public_url}/#code={code}", auth.CODE_TTL)
+
+
+async def get_openapi(call: Call) -> object:
+    from gpumesh.control.openapi import document
+
+    return Response(document(ENDPOINTS), media_type="application/json")
+
+
+_PAGE_SCRIPT = """
+const out = document.getElementById("out");
+async function main() {
+  const code = new URLSearchParams(location.hash.slice(1)).get("code");
+  history.replaceState(null, "", location.pathname);
+  if (code) {
+    const r = await fetch("/api/v1/auth/session", {method: "POST",
+      headers: {"content-type": "application/json", "x-gpumesh-csrf": "1"},
+      body: JSON.stringify({code})});
+    if (!r.ok) { out.textContent = (await r.json()).message; return; }
+  }
+  const s = await fetch("/api/v1/status?offline=true");
+  out.textContent = s.ok ? JSON.stringify(await s.json(), null, 2)
+    : "not logged in: open the URL gpumesh-control printed";
+}
+main();
+""".strip()
+_PAGE = f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>GPUMesh</title></head>
+<body><h1>GPUMesh</h1><pre id="out">...</pre>
+<script>{_PAGE_SCRIPT}</script></body></html>
+"""
+_SCRIPT_HASH = base64.b64encode(hashlib.sha256(_PAGE_SCRIPT.encode()).digest()).decode()
+
+
+async def get_page(call: Call) -> object:
+    """The browser's way in: exchanges the login code in the URL's fragment for a
+    session cookie, removes it from the address bar, and shows this node's status."""
+    return HTMLResponse(
+        _PAGE,
+        headers={
+            "content-security-policy": (
+                f"default-src 'none'; script-src 'sha256-{_SCRIPT_HASH}'; connect-src 'self'; "
+                "frame-ancestors 'none'; base-uri 'none'; form-action 'none'"
+            ),
+            "referrer-policy": "no-referrer",
+        },
+    )
+
+
+def _views() -> dict[str, Any]:
+    """The response types, imported only when the table is built."""
+    from gpumesh.client.views import apps, files, groups, joblist, jobs, node, owner, peers
+
+    return {
+        "status": node.StatusView,
+        "gpus": node.GpusView,
+        "peers": list[peers.PeerView],
+        "peer": peers.PeerView,
+        "pair": peers.PairView,
+        "code": peers.PairingCodeView,
+        "connect": peers.ConnectView,
+        "jobs": list[joblist.JobListEntry],
+        "job": joblist.JobListEntry,
+        "result": jobs.JobResultView,
+        "event": jobs.Output | jobs.Status | jobs.Dropped | jobs.Reconnecting,
+        "groups": list[groups.GroupListEntry],
+        "members": list[groups.MemberStatusEntry],
+        "copy": files.CopyView,
+        "sync": apps.SyncView,
+        "owner": owner.OwnerStatusView,
+    }
+
+
+V = _views()
+_offline = Query("offline", "boolean", "Do not ask peers: local state only.")
+
+ENDPOINTS: tuple[Endpoint, ...] = (
+    Endpoint("GET", "/", get_page, "The browser's login page", None, Access.PUBLIC,
+             media_type="text/html"),
+    Endpoint("GET", "/api/v1/openapi.json", get_openapi, "This document", None, Access.PUBLIC),
+    Endpoint("POST", "/api/v1/auth/session", post_session,
+             "Exchange a one-time login code for a session cookie", None, Access.PUBLIC,
+             body=ExchangeBody, status=204),
+    Endpoint("DELETE", "/api/v1/auth/session", delete_session, "End a browser session", None,
+             status=204),
+    Endpoint("POST", "/api/v1/auth/login-codes", post_login_code,
+             "A one-time login URL for a browser", LoginCodeView, Access.NO_COOKIE),
+    Endpoint("GET", "/api/v1/status", get_status, "This node: identity, sharing, GPUs, jobs",
+             V["status"], query=(_offline,)),
+    Endpoint("GET", "/api/v1/gpus", get_gpus, "This machine's GPUs, read now", V["gpus"]),
+    Endpoint("GET", "/api/v1/peers", get_peers, "Paired peers", V["peers"]),
+    Endpoint("POST", "/api/v1/peers/pair", post_pair, "Pair with a peer's code", V["pair"],
+             body=PairBody),
+    Endpoint("GET", "/api/v1/pairing-code", get_pairing_code,
+             "A fresh pairing code of this node", V["code"]),
+    Endpoint("GET", "/api/v1/pairing-code/qr.svg", get_pairing_qr,
+             "A pairing code of this node as a QR code", None,
+             query=(Query("code", "string", "A code of this node's; default: a fresh one"),),
+             media_type="image/svg+xml"),
+    Endpoint("POST", "/api/v1/peers/{peer}/allow", post_allow, "Allow a peer", V["peer"]),
+    Endpoint("POST", "/api/v1/peers/{peer}/deny", post_deny,
+             "Deny a peer: revokes everything at once", V["peer"]),
+    Endpoint("POST", "/api/v1/peers/{peer}/connect", post_connect,
+             "Dial a peer and measure the path", V["connect"],
+             query=(Query("pings", "integer", "Round trips to measure (5)"),)),
+    Endpoint("GET", "/api/v1/jobs", get_jobs, "Jobs submitted and hosted, newest first",
+             V["jobs"], query=(Query("limit", "integer", "How many (20)"), _offline)),
+    Endpoint("POST", "/api/v1/jobs", post_job, "Submit a job to a peer or a group",
+             V["result"], body=JobBody),
+    Endpoint("GET", "/api/v1/jobs/{job_id}", get_job, "One job as last known", V["job"]),
+    Endpoint("POST", "/api/v1/jobs/{job_id}/cancel", post_cancel, "Cancel a job", V["result"],
+             body=CancelBody),
+    Endpoint("GET", "/api/v1/jobs/{job_id}/events", get_job_events,
+             "A job's events as Server-Sent Events, resumable by sequence number",
+             V["event"], media_type="text/event-stream",
+             query=(Query("after", "integer", "Start after this sequence number "
+                          "(Last-Event-ID wins)"),
+                    Query("follow", "boolean", "Until the job ends (true)"))),
+    Endpoint("GET", "/api/v1/groups", get_groups, "Groups this node is in", V["groups"]),
+    Endpoint("GET", "/api/v1/groups/{group}/members", get_members,
+             "A group's members, probed live", V["members"], query=(_offline,)),
+    Endpoint("POST", "/api/v1/copies", post_copy, "Copy a file or folder to or from a peer",
+             V["copy"], Access.NO_COOKIE, body=CopyBody),
+    Endpoint("POST", "/api/v1/apps/sync", post_app_sync, "Sync a local folder to a peer",
+             V["sync"], Access.NO_COOKIE, body=SyncBody),
+    Endpoint("GET", "/api/v1/owner", get_owner,
+             "Who uses this machine: connected peers, hosted jobs", V["owner"],
+             query=(Query("limit", "integer", "How many hosted jobs (50)"),)),
+)  # fmt: skip
+
+
+# --- the request pipeline ----------------------------------------------------------------
+
+_SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
+def status_of(error: GPUMeshError) -> int:
+    """The HTTP status that fits an error of the tree."""
+    table: list[tuple[type[GPUMeshError], int]] = [
+        (UnknownPeerError, 404),
+        (NotFoundError, 404),
+        (AmbiguousPeerError, 409),
+        (PeerKeyChangedError, 409),
+        (InUseError, 409),
+        (AccessDeniedError, 403),
+        (LimitError, 422),
+        (PairingCodeError, 400),
+        (ConfigError, 400),
+        (BadRequestError, 400),
+        (TransportError, 502),
+        (ProtocolError, 502),
+        (RuntimeUnavailableError, 503),
+        (AgentError, 503),
+    ]
+    for cls, status in table:
+        if isinstance(error, cls):
+            return status
+    return 500
+
+
+def error_response(status: int, error: GPUMeshError) -> Response:
+    return Response(
+        msgspec.json.encode(ErrorView(error.code, error.message)),
+        status_code=status,
+        media_type="application/json",
+    )
+
+
+def _credential(request: Request, state: ControlState, endpoint: Endpoint) -> Credential:
+    """Who calls, or a :class:`Refusal`: the checks of ``auth.py`` in order."""
+    server = request.scope.get("server")
+    if server is not None and server[1] is None:
+        return Credential.UNIX  # a unix socket's peer passed its file mode
+    headers = request.headers
+    host = headers.get("host")
+    if not auth.host_allowed(host, state.host_names):
+        raise Refusal(
+            403,
+            AccessDeniedError(
+                f"Host {host!r} is not this server's name: use 127.0.0.1 or localhost"
+            ),
+        )
+    changes = request.method not in _SAFE_METHODS
+    if changes and not auth.origin_allowed(headers.get("origin"), host):
+        raise Refusal(403, AccessDeniedError("a request from another site's page is refused"))
+    given = auth.bearer(headers.get("authorization"))
+    if given is not None:
+        if not auth.token_matches(given, state.token):
+            raise Refusal(401, AccessDeniedError("wrong API token"))
+        return Credential.BEARER
+    if state.sessions.valid(request.cookies.get(auth.COOKIE)):
+        if changes and headers.get(auth.CSRF_HEADER) is None:
+            raise Refusal(
+                403, AccessDeniedError(f"a browser's change needs the {auth.CSRF_HEADER} header")
+            )
+        if endpoint.access is Access.NO_COOKIE:
+            raise Refusal(
+                403,
+                AccessDeniedError(
+                    "this route names paths on this machine: only the unix socket or a bearer "
+                    "token may call it, never a browser session"
+                ),
+            )
+        return Credential.COOKIE
+    if endpoint.access is Access.PUBLIC:
+        return Credential.NONE
+    raise Refusal(
+        401,
+        AccessDeniedError(
+            "the control API over TCP needs `Authorization: Bearer TOKEN` ($GPUMESH_API_TOKEN, "
+            "or the home's api.token), or a browser session from a login URL"
+        ),
+    )
+
+
+def _endpoint(endpoint: Endpoint, state: ControlState) -> Callable[[Request], Awaitable[Response]]:
+    async def respond(request: Request) -> Response:
+        try:
+            call = Call(request, state, _credential(request, state, endpoint))
+            if endpoint.body is not None:
+                raw = await request.body()
+                try:
+                    call.body = msgspec.json.decode(raw or b"{}", type=endpoint.body)
+                except msgspec.ValidationError as exc:
+                    raise BadRequestError(f"request body: {exc}") from None
+                except msgspec.DecodeError:
+                    raise BadRequestError("request body: not JSON") from None
+            result = await endpoint.handler(call)
+        except Refusal as refusal:
+            return error_response(refusal.status, refusal.error)
+        except GPUMeshError as exc:
+            return error_response(status_of(exc), exc)
+        except Exception:
+            logger.exception("control API %s %s failed", request.method, request.url.path)
+            return error_response(
+                500, GPUMeshError("internal error in the control API (details in the debug log)")
+            )
+        if isinstance(result, Response):
+            return result
+        return Response(
+            msgspec.json.encode(result, enc_hook=str),
+            status_code=endpoint.status,
+            media_type="application/json",
+        )
+
+    return respond
+
+
+class EventStream(Response):
+    """A ``text/event-stream`` response that stops its source as soon as the client
+    leaves (an idle follow notices through the keep-alive comments too)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[bytes]) -> None:
+        super().__init__(
+            headers={"cache-control": "no-store", "x-accel-buffering": "no"},
+            media_type=self.media_type,
+        )
+        # A stream has no length; the rest of the headers stay Starlette's.
+        self.raw_headers = [(k, v) for k, v in self.raw_headers if k != b"content-length"]
+        self._events = events
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def stream() -> None:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            async for chunk in self._events:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        async def disconnected() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+        tasks = [asyncio.ensure_future(stream()), asyncio.ensure_future(disconnected())]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if task is tasks[0]:
+                    task.result()
+        except OSError:
+            pass  # the client left while we wrote
+        finally:
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(BaseException):
+                    await task
+            aclose = getattr(self._events, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+
+def create_app(state: ControlState) -> Starlette:
+    """The ASGI app over ``state``'s node: one route per :data:`ENDPOINTS` entry."""
+    routes = [
+        Route(e.path, _endpoint(e, state), methods=[e.method], include_in_schema=False)
+        for e in ENDPOINTS
+    ]
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        return error_response(
+            404, NotFoundError(f"no route {request.url.path}: see /api/v1/openapi.json")
+        )
+
+    async def not_allowed(request: Request, exc: Exception) -> Response:
+        return error_response(
+            405, BadRequestError(f"{request.method} is not a method of {request.url.path}")
+        )
+
+    return Starlette(routes=routes, exception_handlers={404: not_found, 405: not_allowed})

@@ -1,0 +1,145 @@
+"""The control API's sockets and its uvicorn server, in the caller's event loop.
+
+One :class:`uvicorn.Server` serves every listening socket at once (the home's
+unix socket and, when asked, TCP). Its own signal capture is switched off: the
+process that hosts it (``gpumesh-control`` now, the node process later) owns
+SIGINT and SIGTERM and says when to stop through an :class:`asyncio.Event`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import uvicorn
+
+from gpumesh.errors import ConfigError, InUseError
+
+if TYPE_CHECKING:
+    from starlette.types import ASGIApp
+
+__all__ = [
+    "SOCKET_NAME",
+    "parse_listen",
+    "serve",
+    "tcp_listener",
+    "unix_listener",
+]
+
+SOCKET_NAME = "control.sock"
+"""The owner's socket in the home (0600 in the 0700 home)."""
+GRACE = 3.0
+"""Seconds open requests (an event stream) get to end once the server stops."""
+_SUN_PATH_MAX = 107
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port``) of a TCP bind."""
+    host, sep, port = text.strip().rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"listen address {text!r}: use HOST:PORT, such as 127.0.0.1:8080")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not host:
+        raise ConfigError(f"listen address {text!r} names no host: use 127.0.0.1:{port}")
+    return host, int(port)
+
+
+@contextlib.contextmanager
+def _reachable(path: Path) -> Iterator[str]:
+    """A name for ``path`` short enough for a unix socket: through a descriptor of
+    its folder (``/proc/self/fd/N/NAME``) when the path is too long."""
+    if len(os.fsencode(str(path))) <= _SUN_PATH_MAX:
+        yield str(path)
+        return
+    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        yield f"/proc/self/fd/{fd}/{path.name}"
+    finally:
+        os.close(fd)
+
+
+def unix_listener(home: Path) -> socket.socket:
+    """The home's ``control.sock``, bound and made 0600; a stale one (nothing answers
+    on it) is replaced, a live one is :class:`InUseError`."""
+    path = home / SOCKET_NAME
+    with _reachable(path) as name:
+        if path.is_socket():
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                probe.connect(name)
+            except OSError:
+                path.unlink(missing_ok=True)  # left by a process that is gone
+            else:
+                raise InUseError(
+                    f"a control API already serves {home} ({path} answers): stop it first"
+                )
+            finally:
+                probe.close()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            # The home is 0700, so nobody else can reach the socket before the chmod.
+            sock.bind(name)
+            os.chmod(path, 0o600)
+            sock.listen(128)
+        except OSError as exc:
+            sock.close()
+            raise InUseError(f"cannot listen on {path}: {exc.strerror}") from None
+    return sock
+
+
+def tcp_listener(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (port 0: any free one)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ConfigError(f"cannot resolve {host}: {exc.strerror}") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise InUseError(
+                f"TCP {host}:{port} is taken: choose another with --listen or GPUMESH_API_ADDR"
+            ) from None
+        raise ConfigError(f"cannot listen on TCP {host}:{port}: {exc.strerror}") from None
+    sock.setblocking(False)
+    return sock
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # The hosting process owns SIGINT/SIGTERM (the agent's handling must stay).
+        yield
+
+
+async def serve(app: ASGIApp, sockets: list[socket.socket], stop: asyncio.Event) -> None:
+    """Serve ``app`` on ``sockets`` until ``stop`` is set, then let open requests end
+    (at most :data:`GRACE` seconds) and return. The sockets are the caller's to close."""
+    config = uvicorn.Config(
+        app,
+        log_config=None,
+        access_log=False,
+        lifespan="off",
+        timeout_graceful_shutdown=int(GRACE),
+        server_header=False,
+    )
+    server = _Server(config)
+    task = asyncio.ensure_future(server.serve(sockets=sockets))
+    waiter = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+        server.should_exit = True
+        await task
