@@ -216,23 +216,24 @@ class JobResult:
     role: JobRole = JobRole.SUBMITTED
     """Whether this node submitted the job or hosts it."""
 
+    @classmethod
+    def of_record(cls, job: JobRecord) -> JobResult:
+        """Where a job stands as this node's store last recorded it."""
+        return cls(
+            job.job_id,
+            job.peer_name,
+            job.state,
+            job.exit_code,
+            job.attempt,
+            job.message,
+            list(job.gpus),
+            job.output_dropped,
+            role=job.role,
+        )
+
     @property
     def final(self) -> bool:
         return self.state in FINAL_STATES
-
-
-def _result_of(job: JobRecord) -> JobResult:
-    return JobResult(
-        job.job_id,
-        job.peer_name,
-        job.state,
-        job.exit_code,
-        job.attempt,
-        job.message,
-        list(job.gpus),
-        job.output_dropped,
-        role=JobRole(job.role),
-    )
 
 
 @dataclass
@@ -633,7 +634,7 @@ def logs(
     job = find_job(node, job_id)
     if job.role == SUBMITTED:
         return _submitted_follow(node, job, follow=follow, after_seq=after_seq)
-    result = _result_of(job)
+    result = JobResult.of_record(job)
     reader = _Reader(after_seq, OutputPosition(0 if after_seq == 0 else UNKNOWN))
     events = _hosted(node, job, result, reader, follow=follow, changes=changes)
     return JobFollow(job, result, events, reader)
@@ -825,15 +826,7 @@ async def cancel_hosted(node: Node, job_id: str, *, timeout: float = 60.0) -> Jo
                 )
             await asyncio.sleep(0.1)
         job = current or job
-    return JobResult(
-        job.job_id,
-        job.peer_name,
-        job.state,
-        job.exit_code,
-        job.attempt,
-        job.message,
-        role=JobRole.HOSTED,
-    )
+    return JobResult.of_record(job)
 
 
 async def follow_hosted(
@@ -847,7 +840,7 @@ async def follow_hosted(
     """Read the event log of a job this node hosts, straight from its own store.
     ``changes``: in the agent's own process, its job service to wait on."""
     job = node.home.store.find_job(job_id, role=HOSTED)
-    result = _result_of(job)
+    result = JobResult.of_record(job)
     events = _hosted(node, job, result, _Reader(), follow=follow, changes=changes)
     await _deliver_all(events, callbacks or JobCallbacks())
     return result

@@ -44,7 +44,6 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from gpumesh.client.jobs import JobEvent, JobFollow, JobResult, Output
 from gpumesh.client.views.jobs import JobResultView
 from gpumesh.errors import ConfigError
-from gpumesh.protocol.states import JobRole
 
 if TYPE_CHECKING:
     from gpumesh.client.jobspec import JobSpec
@@ -55,7 +54,6 @@ if TYPE_CHECKING:
     from gpumesh.client.views.joblist import JobListEntry
     from gpumesh.client.views.node import StatusView
     from gpumesh.client.views.peers import PairView, PeerView
-    from gpumesh.store.db import JobRecord
 
 __all__ = ["InProcess", "Job", "Mesh", "MeshBackend"]
 
@@ -166,7 +164,7 @@ class InProcess:
     async def job(self, job_id: str) -> JobResultView:
         from gpumesh.client.jobs import find_job
 
-        return JobResultView.of(_recorded(find_job(self.node, job_id)))
+        return JobResultView.of(JobResult.of_record(find_job(self.node, job_id)))
 
     async def cp(self, source: str, destination: str, *, retries: int) -> CopyView:
         from gpumesh.client.files import copy
@@ -196,20 +194,6 @@ class InProcess:
         return [MemberStatusEntry.of_status(s) for s in statuses]
 
 
-def _recorded(job: JobRecord) -> JobResult:
-    return JobResult(
-        job.job_id,
-        job.peer_name,
-        job.state,
-        job.exit_code,
-        job.attempt,
-        job.message,
-        list(job.gpus),
-        job.output_dropped,
-        role=JobRole(job.role),
-    )
-
-
 class Mesh:
     """One home's node, its peers, jobs, copies, apps and groups.
 
@@ -229,7 +213,7 @@ class Mesh:
             )
         self._backend: MeshBackend = InProcess(home)
         self._runner: asyncio.Runner | None = None
-        self._closer: weakref.finalize[[], Mesh] | None = None
+        self._closer: weakref.finalize[[asyncio.Runner], Mesh] | None = None
 
     # --- the sync face ------------------------------------------------------------------
 
@@ -239,7 +223,7 @@ class Mesh:
         if self._runner is None:
             self._runner = asyncio.Runner()
             # A script that never calls close() leaves no unclosed loop behind.
-            self._closer = weakref.finalize(self, self._runner.close)
+            self._closer = weakref.finalize(self, _close_runner, self._runner)
         return self._runner.run(_awaited(call))
 
     def _iterate(self, name: str, twin: str, items: AsyncIterator[T]) -> Iterator[T]:
@@ -600,3 +584,17 @@ def _refuse_in_loop(name: str, twin: str, call: Awaitable[Any] | None = None) ->
 
 async def _awaited(call: Awaitable[T]) -> T:
     return await call
+
+
+def _close_runner(runner: asyncio.Runner) -> None:
+    """Close a Mesh's own loop, also when the Mesh is collected while another loop runs
+    in this thread (a Mesh dropped inside async code): that loop cannot run ours to
+    shut it down, so ours is only closed."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        runner.close()
+        return
+    loop = runner.get_loop()
+    if not loop.is_running() and not loop.is_closed():
+        loop.close()
