@@ -51,6 +51,7 @@ def share(
     """
     if ctx.invoked_subcommand is not None:
         return
+    _require_linux()
     node = get_node()
     node.home.require_initialized()
     if print_unit:
@@ -67,6 +68,22 @@ def share(
     cap = parse_size(max_vram) if max_vram else None
     setup_logging(node.home.logs_dir, console_level="info")
     asyncio.run(_serve(node, host, port, cap))
+
+
+def _require_linux() -> None:
+    """The provider runs Docker jobs with NVIDIA's runtime and Linux's sandboxing
+    (openat2, /proc, unix sockets): elsewhere, say so before anything starts."""
+    from gpumesh import platform
+    from gpumesh.errors import RuntimeUnavailableError
+
+    found = platform.system()
+    if found != "linux":
+        shown = {"macos": "macOS", "windows": "Windows"}.get(found, found)
+        raise RuntimeUnavailableError(
+            f"`gpumesh share` needs Linux (this is {shown}): a provider runs jobs in "
+            "Docker with NVIDIA's runtime on Linux. This machine works as a consumer "
+            "(pair, run, cp, exec, app); share from a Linux machine"
+        )
 
 
 def _print_unit(home: Path, host: str | None, port: int | None, max_vram: str | None) -> None:

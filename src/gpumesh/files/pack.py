@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, Literal
 
+from gpumesh import platform
 from gpumesh.errors import AgentError, ConfigError, GPUMeshError, LimitError, ProtocolError
 from gpumesh.files.sandbox import Tree, open_beneath, pause_point
 from gpumesh.units import format_size
@@ -474,10 +475,25 @@ def _open_entry(plan: PackPlan, entry: PackEntry) -> int:
     # O_NOFOLLOW: a file swapped for a symlink since the scan must not send
     # whatever the link points at; through the tree, no folder on the way is
     # followed either. O_NONBLOCK: a pipe put in its place must not block.
+    # Where there is no O_NOFOLLOW (Windows), the path is looked at first and
+    # what was opened is checked to be that same file.
     pause_point("pack", entry.path)
+    nonblock = platform.open_flag("O_NONBLOCK")
     if plan.root_fd is not None:
-        return open_beneath(plan.root_fd, entry.path.split("/"), os.O_RDONLY | os.O_NONBLOCK)
-    return os.open(plan.root / entry.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        return open_beneath(plan.root_fd, entry.path.split("/"), os.O_RDONLY | nonblock)
+    path = plan.root / entry.path
+    nofollow = platform.open_flag("O_NOFOLLOW")
+    if nofollow:
+        return os.open(path, os.O_RDONLY | nofollow | nonblock)
+    seen = os.lstat(path)
+    if stat.S_ISLNK(seen.st_mode):
+        raise OSError(errno.ELOOP, "a symlink now", str(path))
+    fd = os.open(path, os.O_RDONLY | platform.BINARY)
+    opened = os.fstat(fd)
+    if (opened.st_dev, opened.st_ino) != (seen.st_dev, seen.st_ino):
+        os.close(fd)
+        raise OSError(errno.ELOOP, "replaced while opened", str(path))
+    return fd
 
 
 def _write_file(plan: PackPlan, entry: PackEntry, output: _Output) -> None:
@@ -495,7 +511,8 @@ def _write_file(plan: PackPlan, entry: PackEntry, output: _Output) -> None:
         # The size went into the header (and into tar_size) already.
         if not stat.S_ISREG(st.st_mode) or st.st_size != entry.size:
             raise _changed(entry)
-        os.set_blocking(fd, True)
+        if platform.open_flag("O_NONBLOCK"):
+            os.set_blocking(fd, True)
         remaining = entry.size
         while remaining:
             chunk = source.read(min(_CHUNK, remaining))
