@@ -19,6 +19,8 @@ asks here first and takes a portable way when the answer is no:
   Windows): ``signal.signal`` hands signals to the loop; no process probe.
 * ``add_reader``: the default loop watches descriptors (not Windows'
   Proactor): a selector loop for sockets, a thread for stdin.
+* ``dir_fd``: calls relative to a folder's descriptor (``openat``,
+  ``fdopendir``; not on Windows): a folder to upload is walked by path.
 * ``fcntl``: ``fcntl`` and its ioctls (not on Windows): fewer address hints.
 * ``nofollow``: ``os.O_NOFOLLOW`` (not on Windows): ``lstat`` first, then the
   file opened is checked to be the one looked at.
@@ -39,8 +41,9 @@ way, since only Linux machines run them. Under either, every fallback taken
 is logged once at info, and, with ``GPUMESH_TEST_PLATFORM_REPORT=FILE``,
 appended to FILE (one ``took NAME`` line each) together with any Linux-only
 call that slipped past this module (``used NAME``: an ``AF_UNIX`` socket, a
-``sendmsg``, an ``O_NOFOLLOW`` open, an ``fcntl`` call, seen by an audit
-hook), so a test can show the other platforms' code really ran.
+``sendmsg``, an ``O_NOFOLLOW`` or ``O_DIRECTORY`` open, a listing of a
+descriptor, an ``fcntl`` call, seen by an audit hook), so a test can show
+that the other platforms' code really ran.
 
 Nothing here imports from the rest of the package but :mod:`gpumesh.settings`.
 """
@@ -55,6 +58,7 @@ import socket
 import sys
 import threading
 from collections.abc import Callable, Coroutine
+from types import FrameType
 from typing import Any, ClassVar, Literal, TypeVar
 
 from gpumesh.settings import ENV_TEST_PLATFORM, ENV_TEST_PLATFORM_REPORT, ENV_TEST_WITHOUT, env
@@ -91,6 +95,7 @@ FACILITIES = (
     "sigwinch",
     "signals",
     "add_reader",
+    "dir_fd",
     "fcntl",
     "nofollow",
     "oflags",
@@ -138,6 +143,8 @@ def _probe(name: str) -> bool:
         return hasattr(signal, "SIGWINCH")
     if name in ("signals", "add_reader", "modes"):
         return sys.platform != "win32"
+    if name == "dir_fd":
+        return os.open in os.supports_dir_fd and os.scandir in os.supports_fd
     if name == "fcntl":
         try:
             import fcntl  # noqa: F401
@@ -303,29 +310,55 @@ _AF_UNIX = getattr(socket, "AF_UNIX", None)
 
 def _audit(event: str, args: tuple[Any, ...]) -> None:
     # Runs on every audited event of the process: cheap tests first.
-    off = _State.off
-    if event == "socket.__new__":
-        if "unix" in off and _AF_UNIX is not None and len(args) > 1 and args[1] == _AF_UNIX:
-            _used("unix")
-    elif event == "socket.sendmsg":
-        if "sendmsg" in off or "gso" in off:
-            _used("sendmsg")
-    elif event.startswith("fcntl."):
-        if "fcntl" in off:
-            _used("fcntl")
-    elif (
-        event == "open"
-        and "nofollow" in off
-        and len(args) > 2
-        and isinstance(args[2], int)
-        and args[2] & getattr(os, "O_NOFOLLOW", 0)
-    ):
-        _used("nofollow")
+    for name in _linux_only(event, args):
+        if name in _State.off:
+            _used(name)
+            return
+
+
+def _linux_only(event: str, args: tuple[Any, ...]) -> tuple[str, ...]:
+    """The facilities an audited event uses, of those a simulation can switch off."""
+    if event == "socket.__new__" and len(args) > 1 and _AF_UNIX is not None:
+        # asyncio's wake-up pair is a socketpair: AF_INET where there is no AF_UNIX
+        unix = args[1] == _AF_UNIX and not _called_from("socketpair")
+        return ("unix",) if unix else ()
+    if event == "socket.sendmsg":
+        return ("sendmsg", "gso")
+    if event.startswith("fcntl."):
+        return ("fcntl",)
+    if event == "open" and len(args) > 2 and isinstance(args[2], int):
+        flags = args[2]
+        nofollow = ("nofollow",) if flags & getattr(os, "O_NOFOLLOW", 0) else ()
+        return nofollow + (("oflags",) if flags & getattr(os, "O_DIRECTORY", 0) else ())
+    if event in ("os.scandir", "os.listdir") and args and isinstance(args[0], int):
+        return ("dir_fd",)
+    return ()
+
+
+def _called_from(function: str) -> bool:
+    frame: FrameType | None = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name == function:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _used(name: str) -> None:
-    logger.warning("platform simulation: %s used although switched off", name)
-    _write_report(f"used {name}")
+    where = _caller()
+    logger.warning("platform simulation: %s used although switched off, at %s", name, where)
+    _write_report(f"used {name} at {where}")
+
+
+def _caller() -> str:
+    """The innermost frame of this package outside this module: where the call was made."""
+    frame: FrameType | None = sys._getframe(2)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if f"{os.sep}gpumesh{os.sep}" in path and not path.endswith("platform.py"):
+            return f"{path.rsplit(os.sep, 2)[-2]}/{os.path.basename(path)}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "?"
 
 
 def _write_report(line: str) -> None:

@@ -94,13 +94,13 @@ class UdpSocket:
         self.gso = False
         self.gro = False
         batched = platform.has("sendmsg")
-        if batched and platform.has("gso"):
+        if platform.has("gso") and batched:
             try:
                 sock.getsockopt(_SOL_UDP, _UDP_SEGMENT)
                 self.gso = True
             except OSError:
                 pass
-        if batched and platform.has("gro"):
+        if platform.has("gro") and batched:
             try:
                 sock.setsockopt(_SOL_UDP, _UDP_GRO, 1)
                 self.gro = True
