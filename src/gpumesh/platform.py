@@ -45,23 +45,27 @@ call that slipped past this module (``used NAME``: an ``AF_UNIX`` socket, a
 descriptor, an ``fcntl`` call, seen by an audit hook), so a test can show
 that the other platforms' code really ran.
 
-Nothing here imports from the rest of the package but :mod:`gpumesh.settings`.
+Nothing here imports from the rest of the package but :mod:`gpumesh.settings`
+and :mod:`gpumesh.errors`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import signal
 import socket
 import sys
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from types import FrameType
-from typing import Any, ClassVar, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 
-from gpumesh.settings import ENV_TEST_PLATFORM, ENV_TEST_PLATFORM_REPORT, ENV_TEST_WITHOUT, env
+from gpumesh.errors import ConfigError
+from gpumesh.settings import ENV_TEST_PLATFORM, ENV_TEST_PLATFORM_REPORT, ENV_TEST_WITHOUT
+
+if TYPE_CHECKING:
+    import asyncio
 
 __all__ = [
     "BINARY",
@@ -70,6 +74,7 @@ __all__ = [
     "System",
     "add_signal_handler",
     "chmod_open",
+    "configure",
     "has",
     "open_flag",
     "pread",
@@ -164,29 +169,47 @@ def _probe(name: str) -> bool:
     raise ValueError(f"unknown platform facility {name!r}")
 
 
+_PROBED = {name: _probe(name) for name in FACILITIES}
+"""Each probe's answer, asked once at import: the OS does not change while we run."""
+
+
 class _State:
     simulated: System | None = None
     off: frozenset[str] = frozenset()
     taken: ClassVar[set[str]] = set()
     report: str | None = None
     loaded = False
+    audited = False
 
 
-def _load() -> None:
+def configure(environ: Mapping[str, str] | None = None) -> None:
+    """Read the switches again, from ``environ`` (default: the process's
+    environment), forgetting the fallbacks taken so far; for tests."""
+    _State.loaded = False
+    _State.simulated = None
+    _State.taken.clear()
+    _load(os.environ if environ is None else environ)
+
+
+def _load(environ: Mapping[str, str] | None = None) -> None:
     if _State.loaded:
         return
     _State.loaded = True
+
+    def env(name: str) -> str | None:
+        return (os.environ if environ is None else environ).get(name, "").strip() or None
+
     off: set[str] = set()
     chosen = (env(ENV_TEST_PLATFORM) or "").lower()
     if chosen:
         if chosen not in LACKS:
-            raise ValueError(f"{ENV_TEST_PLATFORM}={chosen!r}: use linux, macos or windows")
+            raise ConfigError(f"{ENV_TEST_PLATFORM}={chosen!r}: use linux, macos or windows")
         _State.simulated = chosen  # type: ignore[assignment]
         off |= LACKS[chosen]
     for item in (env(ENV_TEST_WITHOUT) or "").split(","):
         if item.strip():
             if item.strip() not in FACILITIES:
-                raise ValueError(
+                raise ConfigError(
                     f"{ENV_TEST_WITHOUT}: unknown facility {item.strip()!r} "
                     f"(known: {', '.join(FACILITIES)})"
                 )
@@ -195,7 +218,9 @@ def _load() -> None:
     _State.report = env(ENV_TEST_PLATFORM_REPORT)
     if off:
         logger.info("simulating a platform without: %s", ", ".join(sorted(off)))
-        sys.addaudithook(_audit)
+        if not _State.audited:
+            _State.audited = True
+            sys.addaudithook(_audit)  # for the process's life: hooks cannot be removed
 
 
 def system() -> System:
@@ -208,7 +233,7 @@ def has(name: str) -> bool:
     """Whether ``name`` (one of :data:`FACILITIES`) is there; a no is remembered
     as a fallback taken."""
     _load()
-    if name in _State.off or not _probe(name):
+    if name in _State.off or not _PROBED[name]:
         if name not in _State.taken:
             _State.taken.add(name)
             logger.info("platform: without %s, taking the fallback", name)
@@ -275,6 +300,8 @@ def preadv(fd: int, buffer: memoryview, offset: int) -> int:
 def run(coro: Coroutine[Any, Any, T]) -> T:
     """``asyncio.run``, on a loop that can watch sockets: Windows' default
     (Proactor) loop cannot, its selector loop can (though not pipes or a console)."""
+    import asyncio  # not at the top: `gpumesh --help` does not pay for it
+
     if has("add_reader"):
         return asyncio.run(coro)
     with asyncio.Runner(loop_factory=asyncio.SelectorEventLoop) as runner:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ import pytest
 
 from tests.integration.conftest import gpumesh, remove_containers
 from tests.integration.test_cli import _free_udp_port, _init, _start_share
+from tests.integration.test_exec import Terminal
 
 pytestmark = pytest.mark.usefixtures("docker_daemon")
 
@@ -200,3 +202,48 @@ def test_share_elsewhere_than_linux_is_one_clear_refusal(tmp_path: Path) -> None
         assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
         assert f"needs Linux (this is {shown})" in lines[0]
         assert not (home / "agent.json").exists()
+
+
+def test_a_terminal_without_termios_runs_the_shell_as_a_pipe(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Windows: a console but no raw mode; lines go through as typed, read on a thread."""
+    with _consumer_on(tmp_path, {}) as (_alice, bob):
+        monkeypatch.setenv("GPUMESH_TEST_PLATFORM", "windows")
+        monkeypatch.setenv("GPUMESH_TEST_PLATFORM_REPORT", str(bob.report))
+        shell = Terminal(bob.home, "exec", "alice-pc", "sh")
+        try:
+            shell.send("tty || echo no-$((6 * 7))-terminal\n")
+            shell.expect(b"no-42-terminal")
+            shell.send("exit 4\n")
+            assert shell.wait() == 4
+        finally:
+            shell.close()
+        assert {"termios", "add_reader", "signals"} <= bob.taken()
+
+
+def test_a_terminal_without_sigwinch_or_signal_handlers_still_follows_and_ends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Raw mode is there; the window's size is polled, SIGTERM goes through signal.signal."""
+    with _consumer_on(tmp_path, {}) as (_alice, bob):
+        monkeypatch.setenv("GPUMESH_TEST_WITHOUT", "sigwinch,signals,add_reader")
+        monkeypatch.setenv("GPUMESH_TEST_PLATFORM_REPORT", str(bob.report))
+        shell = Terminal(bob.home, "exec", "alice-pc", rows=30, cols=100)
+        try:
+            shell.expect(b"$ ")
+            shell.send("busybox stty size\r")
+            shell.expect(b"30 100")
+            shell.resize(40, 120)
+            for attempt in range(40):
+                shell.send("busybox stty size\r")
+                try:
+                    shell.expect(b"40 120", timeout=0.5)
+                    break
+                except AssertionError:
+                    assert attempt < 39, "the remote terminal never got the new size"
+            shell.proc.send_signal(signal.SIGTERM)
+            assert shell.wait() == 143
+        finally:
+            shell.close()
+        assert bob.taken() == {"sigwinch", "signals", "add_reader"}
