@@ -81,6 +81,7 @@ __all__ = [
     "preadv",
     "run",
     "system",
+    "system_name",
     "taken",
     "utime_open",
 ]
@@ -221,6 +222,12 @@ def _load(environ: Mapping[str, str] | None = None) -> None:
         if not _State.audited:
             _State.audited = True
             sys.addaudithook(_audit)  # for the process's life: hooks cannot be removed
+
+
+def system_name() -> str:
+    """:func:`system` as people write it: ``macOS``, ``Windows``, ``Linux``."""
+    found = system()
+    return {"linux": "Linux", "macos": "macOS", "windows": "Windows"}.get(found, sys.platform)
 
 
 def system() -> System:

@@ -47,7 +47,8 @@ def share(
     """Share this machine with paired, allowed peers (runs in the foreground).
 
     Prints this node's pairing code, then serves requests from peers on the
-    allowlist only; everyone else gets a typed refusal.
+    allowlist only; everyone else gets a typed refusal. Sharing needs Linux;
+    macOS and Windows machines work as consumers.
     """
     if ctx.invoked_subcommand is not None:
         return
@@ -76,12 +77,10 @@ def _require_linux() -> None:
     from gpumesh import platform
     from gpumesh.errors import RuntimeUnavailableError
 
-    found = platform.system()
-    if found != "linux":
-        shown = {"macos": "macOS", "windows": "Windows"}.get(found, found)
+    if platform.system() != "linux":
         raise RuntimeUnavailableError(
-            f"`gpumesh share` needs Linux (this is {shown}): a provider runs jobs in "
-            "Docker with NVIDIA's runtime on Linux. This machine works as a consumer "
+            f"`gpumesh share` needs Linux (this is {platform.system_name()}): a provider "
+            "runs jobs in Docker with NVIDIA's runtime on Linux. This machine works as a consumer "
             "(pair, run, cp, exec, app); share from a Linux machine"
         )
 

@@ -364,7 +364,7 @@ def _not_a_provider() -> Check:
     return Check(
         "share",
         WARN,
-        f"this is {platform.system()}: it works as a consumer (pair, run, cp, exec, app), "
+        f"this is {platform.system_name()}: it works as a consumer (pair, run, cp, exec, app), "
         "but sharing GPUs with `gpumesh share` needs Linux",
         "share from a Linux machine with an NVIDIA GPU",
     )
