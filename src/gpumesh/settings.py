@@ -14,6 +14,12 @@
                             in ``Host`` (comma-separated), e.g. ``gpu-box.lan``
 ``GPUMESH_LOG``             log level or filter, e.g. ``debug`` or
                             ``gpumesh.transport=debug,info``
+``GPUMESH_TEST_PLATFORM``   tests only: ``macos`` or ``windows`` switches off
+                            what that OS lacks (:mod:`gpumesh.platform`)
+``GPUMESH_TEST_WITHOUT``    tests only: facilities to switch off, e.g.
+                            ``gso,gro,unix,termios`` (:mod:`gpumesh.platform`)
+``GPUMESH_TEST_PLATFORM_REPORT``  tests only: a file where the fallbacks
+                            taken (and Linux-only calls made) are appended
 ==========================  =================================================
 """
 
@@ -35,6 +41,9 @@ __all__ = [
     "ENV_REGION",
     "ENV_RELAY",
     "ENV_RELAY_TOKEN",
+    "ENV_TEST_PLATFORM",
+    "ENV_TEST_PLATFORM_REPORT",
+    "ENV_TEST_WITHOUT",
     "env",
     "home_dir",
 ]
@@ -50,6 +59,9 @@ ENV_API_TOKEN = "GPUMESH_API_TOKEN"
 ENV_API_ADDR = "GPUMESH_API_ADDR"
 ENV_API_HOSTS = "GPUMESH_API_HOSTS"
 ENV_LOG = "GPUMESH_LOG"
+ENV_TEST_PLATFORM = "GPUMESH_TEST_PLATFORM"
+ENV_TEST_WITHOUT = "GPUMESH_TEST_WITHOUT"
+ENV_TEST_PLATFORM_REPORT = "GPUMESH_TEST_PLATFORM_REPORT"
 
 API_ADDR_DEFAULT = "127.0.0.1:8080"
 

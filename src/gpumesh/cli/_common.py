@@ -47,9 +47,10 @@ def get_node(ctx: click.Context | None = None) -> Any:
 
 
 def run_async(coro: Coroutine[Any, Any, T]) -> T:
-    import asyncio  # not at the top: `gpumesh --help` should not pay for it
 
-    return asyncio.run(coro)
+    from gpumesh import platform
+
+    return platform.run(coro)
 
 
 def emit_json(view: object) -> None:

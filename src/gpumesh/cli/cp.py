@@ -20,7 +20,9 @@ Examples:
   gpumesh cp alice-pc:/results ./             # a folder, with its files' modes
 \b
 PEER:PATH is a path in your own folder on that peer (a leading / is its root);
-other peers never see it. A copy that stops (dropped link, restarted peer)
+other peers never see it. On Windows a single letter before the colon is a
+drive: C:\\data and C:/data are local paths (name a one-letter peer by its id
+prefix). A copy that stops (dropped link, restarted peer)
 resumes where it stopped: gpumesh retries by itself, and running the same
 command again resumes too. Every copy is checked end to end with BLAKE3
 (SHA-256 with peers running an older version).

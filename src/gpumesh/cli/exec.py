@@ -3,17 +3,24 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import errno
+import functools
 import os
 import signal
-from collections.abc import AsyncIterator
-from typing import Any
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
 
 import click
 
+from gpumesh import platform
 from gpumesh.cli._common import get_node, run_async
 from gpumesh.cli._complete import complete_peer
+
+if TYPE_CHECKING:
+    from gpumesh.client.exec import ExecSession
 
 
 @click.command(
@@ -72,7 +79,9 @@ def exec(
     memory = parse_size(gpu_memory) if gpu_memory is not None else 0
     if gpu_memory is not None and memory <= 0:
         raise ConfigError(f"--gpu-memory {gpu_memory!r} must be more than 0, e.g. 8GB")
-    tty = os.isatty(0) and os.isatty(1)
+    # Without termios (Windows) there is no raw mode to give keys through as
+    # they are typed: the session runs as with a pipe, line by line.
+    tty = os.isatty(0) and os.isatty(1) and platform.has("termios")
     raw = _RawMode(0) if tty else None
     try:
         code = run_async(_session(node, peer, list(command) or ["sh"], image, env, raw, memory))
@@ -92,7 +101,7 @@ async def _session(
     gpu_memory: int = 0,
 ) -> int:
     from gpumesh.cli._jobview import JobPrinter
-    from gpumesh.client.exec import ExecSession, exec_shell
+    from gpumesh.client.exec import exec_shell
     from gpumesh.client.node import Node
 
     assert isinstance(node, Node)
@@ -107,15 +116,26 @@ async def _session(
         received.append(signum)
         main.cancel()
 
+    undo: list[Callable[[], None]] = []
+    watchers: list[asyncio.Task[None]] = []
+
     def on_started(shell: ExecSession) -> None:
         if raw is None:
             return
         raw.enter()
-        loop.add_signal_handler(signal.SIGWINCH, lambda: shell.resize(*_window_size()))
+        if platform.has("sigwinch"):
+            resize = functools.partial(_resize, shell)
+            undo.append(platform.add_signal_handler(loop, signal.SIGWINCH, resize))
+        else:
+            watchers.append(asyncio.create_task(_watch_window(shell)))
 
-    handled = [signal.SIGHUP, signal.SIGTERM]
-    for signum in handled:
-        loop.add_signal_handler(signum, on_signal, signum)
+    # SIGHUP: not on Windows, where a closed console ends the process anyway.
+    for name in ("SIGHUP", "SIGTERM"):
+        if hasattr(signal, name):
+            signum = getattr(signal, name)
+            undo.append(
+                platform.add_signal_handler(loop, signum, functools.partial(on_signal, signum))
+            )
     try:
         return await exec_shell(
             node,
@@ -136,8 +156,28 @@ async def _session(
             return 128 + received[0]
         raise
     finally:
-        for signum in [*handled, signal.SIGWINCH]:
-            loop.remove_signal_handler(signum)
+        for watcher in watchers:
+            watcher.cancel()
+        for step in undo:
+            step()
+
+
+def _resize(shell: ExecSession) -> None:
+    shell.resize(*_window_size())
+
+
+_WINDOW_POLL = 0.5
+"""Seconds between looks at the window's size where no signal says it changed."""
+
+
+async def _watch_window(shell: ExecSession) -> None:
+    size = _window_size()
+    while True:
+        await asyncio.sleep(_WINDOW_POLL)
+        now = _window_size()
+        if now != size:
+            size = now
+            shell.resize(*now)
 
 
 def _window_size() -> tuple[int, int]:
@@ -163,7 +203,39 @@ _READ = 64 * 1024
 
 async def _read_fd(fd: int) -> AsyncIterator[bytes]:
     """What arrives on ``fd`` (the terminal, a pipe or a file), until its end."""
+    if not platform.has("add_reader"):
+        async for data in _read_in_thread(fd):
+            yield data
+        return
     while data := await _read(fd):
+        yield data
+
+
+async def _read_in_thread(fd: int) -> AsyncIterator[bytes]:
+    """:func:`_read_fd` where the loop cannot watch ``fd`` (Windows: a console or
+    a pipe): a daemon thread reads, so a read still blocked when the session
+    ends never holds the process open."""
+    loop = asyncio.get_running_loop()
+    arrived: asyncio.Queue[bytes] = asyncio.Queue(maxsize=4)
+
+    def hand_over(data: bytes) -> bool:
+        try:
+            asyncio.run_coroutine_threadsafe(arrived.put(data), loop).result()
+        except (RuntimeError, concurrent.futures.CancelledError):  # the loop is gone
+            return False
+        return True
+
+    def pump() -> None:
+        while True:
+            try:
+                data = os.read(fd, _READ)
+            except OSError:
+                data = b""
+            if not hand_over(data) or not data:
+                return
+
+    threading.Thread(target=pump, name="gpumesh-stdin", daemon=True).start()
+    while data := await arrived.get():
         yield data
 
 

@@ -47,10 +47,12 @@ def share(
     """Share this machine with paired, allowed peers (runs in the foreground).
 
     Prints this node's pairing code, then serves requests from peers on the
-    allowlist only; everyone else gets a typed refusal.
+    allowlist only; everyone else gets a typed refusal. Sharing needs Linux;
+    macOS and Windows machines work as consumers.
     """
     if ctx.invoked_subcommand is not None:
         return
+    _require_linux()
     node = get_node()
     node.home.require_initialized()
     if print_unit:
@@ -67,6 +69,20 @@ def share(
     cap = parse_size(max_vram) if max_vram else None
     setup_logging(node.home.logs_dir, console_level="info")
     asyncio.run(_serve(node, host, port, cap))
+
+
+def _require_linux() -> None:
+    """The provider runs Docker jobs with NVIDIA's runtime and Linux's sandboxing
+    (openat2, /proc, unix sockets): elsewhere, say so before anything starts."""
+    from gpumesh import platform
+    from gpumesh.errors import RuntimeUnavailableError
+
+    if platform.system() != "linux":
+        raise RuntimeUnavailableError(
+            f"`gpumesh share` needs Linux (this is {platform.system_name()}): a provider "
+            "runs jobs in Docker with NVIDIA's runtime on Linux. This machine works as a consumer "
+            "(pair, run, cp, exec, app); share from a Linux machine"
+        )
 
 
 def _print_unit(home: Path, host: str | None, port: int | None, max_vram: str | None) -> None:

@@ -55,9 +55,9 @@ def start(ctx: click.Context) -> None:
             f"or use the commands directly ({DIRECT})",
             ExitCode.USAGE,
         )
-    try:
-        import termios  # noqa: F401  (only to know raw mode is there)
-    except ImportError:
+    from gpumesh import platform
+
+    if not platform.has("termios"):
         fail(
             f"`gpumesh start` needs a POSIX terminal; use the commands directly ({DIRECT})",
             ExitCode.USAGE,

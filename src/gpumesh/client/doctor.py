@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from gpumesh import platform
 from gpumesh.errors import ConfigError, GPUMeshError
 from gpumesh.runtime.base import EngineIsolation
 from gpumesh.runtime.users import job_identity
@@ -48,14 +49,17 @@ def run_checks(home: Home) -> list[Check]:
             ("database", lambda: _database(home)),
             ("home", lambda: _home_modes(home)),
         ]
-    steps += [
-        ("docker", lambda: _docker(home)),
-        ("gpu", _gpus),
-        ("udp port", lambda: _udp_port(home)),
-        ("job isolation", lambda: _job_isolation(home)),
-        ("job storage", lambda: _job_storage(home)),
-        ("agent user", lambda: _agent_user(home)),
-    ]
+    if platform.system() == "linux":
+        steps += [
+            ("docker", lambda: _docker(home)),
+            ("gpu", _gpus),
+            ("udp port", lambda: _udp_port(home)),
+            ("job isolation", lambda: _job_isolation(home)),
+            ("job storage", lambda: _job_storage(home)),
+            ("agent user", lambda: _agent_user(home)),
+        ]
+    else:
+        steps.append(("share", _not_a_provider))
     if home.initialized:
         steps.append(("relay", lambda: _relay(home)))
     steps.append(("clock", _clock))
@@ -81,7 +85,7 @@ def _identity(home: Home) -> Check:
             "identity", FAIL, f"no identity in {home.path}", "run `gpumesh init --name NAME`"
         )
     mode = stat.S_IMODE(os.stat(home.key_path).st_mode)
-    if mode & 0o077:
+    if mode & 0o077 and platform.has("modes"):  # Windows: the profile's ACL guards it
         return Check(
             "identity",
             FAIL,
@@ -132,6 +136,10 @@ def _database(home: Home) -> Check:
 def _home_modes(home: Home) -> Check:
     """The home 0700, its state files 0600: fixed here as at every start, then looked at."""
     home.secure()
+    if not platform.has("modes"):
+        return Check(
+            "home", OK, f"{home.path} (mode bits are not checked here: its folder's ACL guards it)"
+        )
     wider: list[str] = []
     for path, allowed in home.private_paths():
         try:
@@ -352,6 +360,16 @@ def _describe_storage(
     )
 
 
+def _not_a_provider() -> Check:
+    return Check(
+        "share",
+        WARN,
+        f"this is {platform.system_name()}: it works as a consumer (pair, run, cp, exec, app), "
+        "but sharing GPUs with `gpumesh share` needs Linux",
+        "share from a Linux machine with an NVIDIA GPU",
+    )
+
+
 def _agent_user(home: Home) -> Check:
     agent = home.read_agent_info() if home.initialized else None
     agent_uid = None
@@ -459,7 +477,6 @@ RELAY_TIMEOUT = 3.0
 
 def _relay(home: Home) -> list[Check]:
     """Relay configured, reachable, registration accepted; what the NAT does."""
-    import asyncio
 
     config = home.config
     try:
@@ -476,7 +493,7 @@ def _relay(home: Home) -> list[Check]:
                 "gpumesh config set relay HOST:PORT (a `gpumesh-relay` you or a friend run)",
             )
         ]
-    return asyncio.run(_relay_checks(home))
+    return platform.run(_relay_checks(home))
 
 
 async def _relay_checks(home: Home) -> list[Check]:

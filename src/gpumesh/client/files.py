@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from gpumesh import platform
 from gpumesh.errors import (
     ConfigError,
     ConnectionLostError,
@@ -172,12 +173,19 @@ class Location:
 def parse_location(text: str) -> Location:
     """``peer:path`` is remote, anything else local (scp's rule: a colon before any slash).
 
-    A local name with a colon can be written ``./name:with:colons``.
+    A local name with a colon can be written ``./name:with:colons``. On Windows
+    a single letter before the colon is a drive (``C:\\data``, ``C:/data``,
+    ``C:data`` are local); a one-letter peer is
+    then named by its id prefix.
     """
     head, sep, tail = text.partition(":")
-    if sep and head and "/" not in head:
+    if sep and head and "/" not in head and "\\" not in head and not _is_drive(head):
         return Location(head, tail)
     return Location(None, text)
+
+
+def _is_drive(head: str) -> bool:
+    return len(head) == 1 and head.isascii() and head.isalpha() and platform.system() == "windows"
 
 
 async def copy(
@@ -531,7 +539,7 @@ class _FileUpload(_Upload):
         answer.add_done_callback(lambda _answer: channel.abort())
         hasher = new_hasher(hash_name)
         try:
-            fd = os.open(self.local, os.O_RDONLY)
+            fd = os.open(self.local, os.O_RDONLY | platform.BINARY)
             report = self.progress_from_thread(self.size)
             try:
                 await _pump(channel, fd, send_file, offer.offset, self.size, hasher, report)
@@ -580,7 +588,7 @@ class _FileUpload(_Upload):
         answer = _watch(stream, FileDone)
         hasher = new_hasher(hash_name)
         try:
-            fd = os.open(self.local, os.O_RDONLY)
+            fd = os.open(self.local, os.O_RDONLY | platform.BINARY)
             async with worker(cleanup=lambda: os.close(fd)) as runner:
                 # The part the provider kept is hashed here first, ahead of the reads.
                 runner.submit(hash_file, fd, resume.offset, hasher).add_done_callback(swallow)
@@ -620,7 +628,7 @@ class _FileUpload(_Upload):
         self.start_at(resume.offset)
         answer = _watch(stream, FileDone)
         try:
-            fd = os.open(self.local, os.O_RDONLY)
+            fd = os.open(self.local, os.O_RDONLY | platform.BINARY)
             async with worker(cleanup=lambda: os.close(fd)) as runner:
                 await self.send_chunks(stream, file_chunks(runner, fd, resume.offset, self.size))
                 _check_unchanged(self.local, os.fstat(fd), self.st)
@@ -695,7 +703,7 @@ def _hash_path(path: Path, st: os.stat_result) -> bytes:
     from gpumesh.files.transfer import hash_file
 
     hasher = new_hasher(SHA256)
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY | platform.BINARY)
     try:
         hash_file(fd, st.st_size, hasher)
         _check_unchanged(path, os.fstat(fd), st)
@@ -896,7 +904,7 @@ class _Download(_Copy):
             self.done = offset
             self.callbacks.progress(offset, size)
             hasher = new_hasher(hash_name)
-            fd = os.open(part, os.O_RDWR | os.O_CREAT, 0o600)
+            fd = os.open(part, os.O_RDWR | os.O_CREAT | platform.BINARY, 0o600)
             report = self.progress_from_thread(size)
             await _pump(channel, fd, _resume_and_receive, offset, size - offset, hasher, report)
             done = await self.within(RESPONSE_TIMEOUT, stream.expect(FileDone))
@@ -933,7 +941,7 @@ class _Download(_Copy):
             self.done = offset
             self.callbacks.progress(offset, size)
             hasher = new_hasher(hash_name)
-            fd = os.open(part, os.O_RDWR | os.O_CREAT, 0o600)
+            fd = os.open(part, os.O_RDWR | os.O_CREAT | platform.BINARY, 0o600)
             async with worker(cleanup=lambda: os.close(fd)) as runner:
                 await runner.call(_truncate_and_hash, fd, offset, hasher)
                 sink = FileSink(runner, fd, hasher)
@@ -1112,9 +1120,9 @@ def _truncate_and_hash(fd: int, offset: int, hasher: Hasher) -> None:
 
 
 def _place_download(fd: int, info: FileInfo, part: Path, dest: Path) -> None:
-    os.fchmod(fd, info.mode & 0o777)
+    platform.chmod_open(fd, part, info.mode & 0o777)
     if info.mtime > 0:
-        os.utime(fd, (info.mtime, info.mtime))
+        platform.utime_open(fd, part, info.mtime)
     os.replace(part, dest)
 
 

@@ -52,6 +52,7 @@ import time
 from collections.abc import Callable, Generator, Iterator
 from typing import TYPE_CHECKING, TypeVar
 
+from gpumesh import platform
 from gpumesh.errors import (
     AccessDeniedError,
     ConfigError,
@@ -590,7 +591,7 @@ def send_file(
                 buffer = relay.take()
                 wanted = min(PIECE, end - position)
                 view = memoryview(buffer)[:wanted]
-                got = os.preadv(fd, [view], position)
+                got = platform.preadv(fd, view, position)
                 if got != wanted:
                     raise ConfigError("the file shrank while it was being sent; copy it again")
                 try:

@@ -23,13 +23,14 @@ import secrets
 import shutil
 import stat
 import tarfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, Literal
 
+from gpumesh import platform
 from gpumesh.errors import AgentError, ConfigError, GPUMeshError, LimitError, ProtocolError
-from gpumesh.files.sandbox import Tree, open_beneath, pause_point
+from gpumesh.files.sandbox import Folder, Tree, open_beneath, pause_point
 from gpumesh.units import format_size
 
 if TYPE_CHECKING:
@@ -191,15 +192,20 @@ class _IgnoreRules:
         return self._spec
 
     @classmethod
-    def load(cls, tree: Tree) -> _IgnoreRules:
+    def load(cls, tree: Tree | Path) -> _IgnoreRules:
+        """The rules of ``tree``'s ignore file (a :class:`Path`: read by path)."""
+        root = tree.path if isinstance(tree, Tree) else tree
         try:
-            data = tree.read_small((IGNORE_FILE,), _MAX_IGNORE_FILE)
+            if isinstance(tree, Tree):
+                data = tree.read_small((IGNORE_FILE,), _MAX_IGNORE_FILE)
+            else:
+                data = _read_small(tree / IGNORE_FILE, _MAX_IGNORE_FILE)
         except LimitError:
             raise ConfigError(
                 f"{IGNORE_FILE} is larger than {format_size(_MAX_IGNORE_FILE)}; shorten it"
             ) from None
         except OSError as exc:
-            raise ConfigError(f"cannot read {tree.path / IGNORE_FILE}: {exc.strerror}") from None
+            raise ConfigError(f"cannot read {root / IGNORE_FILE}: {exc.strerror}") from None
         if data is None:
             return cls([])
         try:
@@ -296,6 +302,21 @@ def _lexical_target(relative: str, target: str) -> str | None:
     return target
 
 
+def _read_small(path: Path, limit: int) -> bytes | None:
+    """:meth:`Tree.read_small` by path: None when absent, never through a link."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        raise OSError(errno.ELOOP, "a symlink", str(path))
+    with open(path, "rb") as handle:
+        data = handle.read(limit + 1)
+    if len(data) > limit:
+        raise LimitError(f"{path} is larger than {format_size(limit)}")
+    return data
+
+
 def scan(root: Path, exclude_paths: Iterable[Path] = ()) -> PackPlan:
     """Decide what of ``root`` to pack; ``exclude_paths`` are never packed
     (GPUMesh's home folder, which holds the private key, when it is inside).
@@ -314,8 +335,11 @@ def scan(root: Path, exclude_paths: Iterable[Path] = ()) -> PackPlan:
                 f"refusing to upload {root}: it is inside {path}, GPUMesh's own folder, "
                 "which holds your private key; upload your project folder instead"
             )
+    if not (platform.has("dir_fd") and platform.has("nofollow")):  # a Tree needs both
+        rules = _IgnoreRules.load(Path(real_root))
+        return _scan(Path(real_root), _walk_paths(real_root), rules, excluded, None)
     with Tree(real_root) as tree:
-        return _scan(tree, excluded, resolve_links=True)
+        return _scan(tree.path, tree.walk(), _IgnoreRules.load(tree), excluded, None)
 
 
 def scan_tree(tree: Tree) -> PackPlan:
@@ -323,16 +347,51 @@ def scan_tree(tree: Tree) -> PackPlan:
     changing: ``tree`` is walked through descriptors, links are never followed
     (kept only when their text stays inside), and the plan packs files through
     the tree's descriptor (see :attr:`PackPlan.root_fd`)."""
-    return _scan(tree, set(), resolve_links=False)
+    return _scan(tree.path, tree.walk(), _IgnoreRules.load(tree), set(), tree.fd)
 
 
-def _scan(tree: Tree, excluded: set[str], *, resolve_links: bool) -> PackPlan:
-    rules = _IgnoreRules.load(tree)
-    prefix = os.path.join(str(tree.path), "")
+def _walk_paths(root: str) -> Iterator[Folder]:
+    """:meth:`Tree.walk` by path, for an OS without descriptor-relative calls
+    (Windows): the consumer's own folder, which nothing hostile changes; links
+    are still never followed (``lstat``), and ``fd`` is -1."""
+    stack = [""]
+    while stack:
+        relative = stack.pop()
+        path = os.path.join(root, *relative.split("/")) if relative else root
+        entries: list[tuple[str, os.stat_result]] = []
+        try:
+            with os.scandir(path) as scanner:
+                for item in scanner:
+                    with contextlib.suppress(FileNotFoundError):  # removed since the listing
+                        entries.append((item.name, item.stat(follow_symlinks=False)))
+        except PermissionError as exc:
+            raise PermissionError(exc.errno, exc.strerror, relative or ".") from None
+        except (FileNotFoundError, NotADirectoryError):
+            continue  # gone or replaced since its parent was listed
+        entries.sort(key=lambda pair: pair[0])
+        folder = Folder(relative, -1, entries)
+        yield folder
+        for name, st in reversed(folder.entries):
+            if stat.S_ISDIR(st.st_mode):
+                stack.append(f"{relative}/{name}" if relative else name)
+
+
+def _scan(
+    root: Path,
+    walk: Iterable[Folder],
+    rules: _IgnoreRules,
+    excluded: set[str],
+    root_fd: int | None,
+) -> PackPlan:
+    """The plan for the folders ``walk`` meets under ``root``; ``root_fd``: the
+    tree's descriptor when links are never followed (see :func:`scan_tree`),
+    None when the folder is the user's own (:func:`scan`)."""
+    resolve_links = root_fd is None
+    prefix = os.path.join(str(root), "")
     files: list[PackEntry] = []
     skipped: list[Skipped] = []
     try:
-        for folder in tree.walk():
+        for folder in walk:
             descend: list[tuple[str, os.stat_result]] = []
             for name, st in folder.entries:
                 relative = f"{folder.relative}/{name}" if folder.relative else name
@@ -347,7 +406,7 @@ def _scan(tree: Tree, excluded: set[str], *, resolve_links: bool) -> PackPlan:
                     descend.append((name, st))
             folder.entries[:] = descend
     except PermissionError as exc:
-        shown = f"{exc.filename}/" if exc.filename not in (None, ".") else str(tree.path)
+        shown = f"{exc.filename}/" if exc.filename not in (None, ".") else str(root)
         raise ConfigError(
             f"cannot read folder {shown}: permission denied; "
             f"fix its permissions or add it to {IGNORE_FILE}"
@@ -356,8 +415,7 @@ def _scan(tree: Tree, excluded: set[str], *, resolve_links: bool) -> PackPlan:
     # order tar tools expect, and keeps the archive the same from run to run.
     files.sort(key=lambda entry: entry.path.split("/"))
     skipped.sort(key=lambda entry: entry.path.rstrip("/").split("/"))
-    root_fd = None if resolve_links else tree.fd
-    return PackPlan(tree.path, tuple(files), tuple(skipped), root_fd)
+    return PackPlan(root, tuple(files), tuple(skipped), root_fd)
 
 
 def _plan_entry(
@@ -389,7 +447,7 @@ def _plan_entry(
         return PackEntry(relative, "file", st.st_size, mode, mtime, mtime_ns=st.st_mtime_ns)
     if stat.S_ISLNK(st.st_mode):
         try:
-            text = os.readlink(name, dir_fd=folder_fd)
+            text = os.readlink(name, dir_fd=folder_fd) if folder_fd >= 0 else os.readlink(full)
         except OSError:  # replaced since the listing: nothing to send
             return Skipped(shown, "changed while it was listed")
         if resolve_links:
@@ -474,10 +532,25 @@ def _open_entry(plan: PackPlan, entry: PackEntry) -> int:
     # O_NOFOLLOW: a file swapped for a symlink since the scan must not send
     # whatever the link points at; through the tree, no folder on the way is
     # followed either. O_NONBLOCK: a pipe put in its place must not block.
+    # Where there is no O_NOFOLLOW (Windows), the path is looked at first and
+    # what was opened is checked to be that same file.
     pause_point("pack", entry.path)
+    nonblock = platform.open_flag("O_NONBLOCK")
     if plan.root_fd is not None:
-        return open_beneath(plan.root_fd, entry.path.split("/"), os.O_RDONLY | os.O_NONBLOCK)
-    return os.open(plan.root / entry.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        return open_beneath(plan.root_fd, entry.path.split("/"), os.O_RDONLY | nonblock)
+    path = plan.root / entry.path
+    nofollow = platform.open_flag("O_NOFOLLOW")
+    if nofollow:
+        return os.open(path, os.O_RDONLY | nofollow | nonblock)
+    seen = os.lstat(path)
+    if stat.S_ISLNK(seen.st_mode):
+        raise OSError(errno.ELOOP, "a symlink now", str(path))
+    fd = os.open(path, os.O_RDONLY | platform.BINARY)
+    opened = os.fstat(fd)
+    if (opened.st_dev, opened.st_ino) != (seen.st_dev, seen.st_ino):
+        os.close(fd)
+        raise OSError(errno.ELOOP, "replaced while opened", str(path))
+    return fd
 
 
 def _write_file(plan: PackPlan, entry: PackEntry, output: _Output) -> None:
@@ -495,7 +568,8 @@ def _write_file(plan: PackPlan, entry: PackEntry, output: _Output) -> None:
         # The size went into the header (and into tar_size) already.
         if not stat.S_ISREG(st.st_mode) or st.st_size != entry.size:
             raise _changed(entry)
-        os.set_blocking(fd, True)
+        if platform.open_flag("O_NONBLOCK"):
+            os.set_blocking(fd, True)
         remaining = entry.size
         while remaining:
             chunk = source.read(min(_CHUNK, remaining))

@@ -51,8 +51,12 @@ MAX_DEPTH = 256
 descriptor per level, and a job could nest folders without end to hide bytes
 from the quota or exhaust the agent's descriptors."""
 
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+# getattr: a consumer on Windows imports this module (through pack.py) but
+# never opens a Tree there, and Windows has none of these flags.
+_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
+_DIR_FLAGS |= getattr(os, "O_CLOEXEC", 0)
+_READ_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+_READ_FLAGS |= getattr(os, "O_CLOEXEC", 0)
 """O_NONBLOCK: a named pipe put where a file was must not block the open."""
 
 # --- openat2 ---------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, 
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, TypeVar, cast
 
+from gpumesh import platform
 from gpumesh.blocking import in_thread
 from gpumesh.errors import (
     AgentError,
@@ -162,7 +163,7 @@ def hash_file(fd: int, length: int, hasher: Hasher) -> None:
     """Feed the first ``length`` bytes of an open file to ``hasher`` (blocking)."""
     position = 0
     while position < length:
-        data = os.pread(fd, min(CHUNK, length - position), position)
+        data = platform.pread(fd, min(CHUNK, length - position), position)
         if not data:
             raise AgentError("a file shrank while it was read; try again")
         hasher.update(data)
@@ -175,7 +176,7 @@ async def file_chunks(
     """Bytes ``offset..end`` of an open file in ``CHUNK`` pieces, read (and hashed) ahead."""
 
     def read(position: int, size: int) -> bytes:
-        data = os.pread(fd, size, position)
+        data = platform.pread(fd, size, position)
         if len(data) != size:
             raise ConfigError("the file shrank while it was being sent; copy it again")
         if hasher is not None:

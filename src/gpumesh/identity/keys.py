@@ -21,6 +21,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
     Ed25519PublicKey,
 )
 
+from gpumesh import platform
 from gpumesh.errors import IdentityError
 
 __all__ = [
@@ -136,7 +137,7 @@ class Identity:
         """Write the key with mode 0600 from the first byte (never world-readable)."""
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | platform.BINARY, 0o600)
         try:
             os.write(fd, self.private_pem())
             os.fsync(fd)

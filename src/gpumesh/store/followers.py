@@ -11,19 +11,24 @@ buffer, an older agent) only delays, never loses, an event.
 
 The socket's path may be longer than ``sun_path`` allows: it is then reached
 through a descriptor of the folder (``/proc/self/fd/N/NAME``), as
-:mod:`gpumesh.store.home` does for the agent's own socket.
+:mod:`gpumesh.store.home` does for the agent's own socket. Where there are no
+unix datagram sockets (Windows) or no ``/proc`` for a long path (macOS), a
+:class:`FollowerSocket` cannot be made (``OSError``) and its follower polls.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import secrets
 import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
+
+from gpumesh import platform
 
 __all__ = ["FOLDER", "FollowerSocket", "FollowerWakeups"]
 
@@ -40,6 +45,8 @@ def _reachable(folder: Path, name: str) -> Iterator[str]:
     if len(os.fsencode(direct)) <= _SUN_PATH_MAX:
         yield direct
         return
+    if not platform.has("procfd"):
+        raise OSError(errno.ENAMETOOLONG, "too long for a unix socket", direct)
     fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         yield f"/proc/self/fd/{fd}/{name}"
@@ -56,6 +63,8 @@ class FollowerSocket:
         self.folder.mkdir(mode=0o700, exist_ok=True)
         os.chmod(self.folder, 0o700)  # one made wider by hand is narrowed again
         self.name = f"{secrets.token_hex(8)}{_SUFFIX}"
+        if not platform.has("unix"):
+            raise OSError(errno.EAFNOSUPPORT, "no unix datagram sockets here")
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         try:
             with _reachable(self.folder, self.name) as where:

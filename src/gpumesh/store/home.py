@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import errno
 import json
 import os
 from collections.abc import Iterator
@@ -32,6 +33,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from gpumesh import platform
 from gpumesh.errors import NotInitializedError
 from gpumesh.identity.keys import Identity
 from gpumesh.settings import home_dir
@@ -95,6 +97,9 @@ class AgentInfo:
 
     @property
     def alive(self) -> bool:
+        if not platform.has("signals"):
+            # Windows' os.kill(pid, 0) would end the process; no agent runs there.
+            return False
         try:
             os.kill(self.pid, 0)
         except ProcessLookupError:
@@ -252,6 +257,8 @@ class Home:
         the agent only re-reads the store, so whoever sends it learns nothing."""
         import socket
 
+        if not platform.has("unix"):  # no agent runs where there are no unix sockets
+            return False
         try:
             with (
                 _socket_path(self.path) as where,
@@ -315,6 +322,8 @@ def _socket_path(home: Path) -> Iterator[str]:
     if len(os.fsencode(direct)) <= _SUN_PATH_MAX:
         yield direct
         return
+    if not platform.has("procfd"):
+        raise OSError(errno.ENAMETOOLONG, "too long for a unix socket", direct)
     fd = os.open(home, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         yield f"/proc/self/fd/{fd}/{NOTIFY_SOCKET}"

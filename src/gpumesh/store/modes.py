@@ -4,7 +4,9 @@ What a home holds (settings with tokens, the database of peers and of jobs
 with their environment, debug logs) is for its user only. Files are created
 with their mode from the first byte and narrowed when found wider. Nothing
 here touches the process umask: files the CLI writes for its user elsewhere
-(downloads, pulled outputs) keep the modes they are meant to have.
+(downloads, pulled outputs) keep the modes they are meant to have. On Windows
+mode bits say little (a home's privacy is its folder's ACL, from the user's
+profile): the same calls run, with the flags and ``fchmod`` it lacks left out.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
+
+from gpumesh import platform
 
 __all__ = ["PRIVATE_DIR", "PRIVATE_FILE", "narrow", "open_private", "write_private"]
 
@@ -34,10 +38,10 @@ def narrow(path: Path, mode: int) -> None:
 
 def open_private(path: str | Path, flags: int) -> int:
     """Open ``path`` (created 0600, narrowed to 0600 if it exists wider); the descriptor."""
-    fd = os.open(path, flags | os.O_CREAT | os.O_CLOEXEC, PRIVATE_FILE)
+    fd = os.open(path, flags | os.O_CREAT | platform.open_flag("O_CLOEXEC"), PRIVATE_FILE)
     try:
         if stat.S_IMODE(os.fstat(fd).st_mode) & ~PRIVATE_FILE:
-            os.fchmod(fd, PRIVATE_FILE)
+            platform.chmod_open(fd, path, PRIVATE_FILE)
     except BaseException:
         os.close(fd)
         raise

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import socket
 import struct
-import sys
+
+from gpumesh import platform
 
 __all__ = ["local_addresses"]
 
@@ -15,8 +15,11 @@ _SKIP_PREFIXES = ("docker", "veth", "br-", "virbr", "cni", "flannel")
 
 
 def _interface_ipv4s() -> list[str]:
-    if sys.platform != "linux":
+    # SIOCGIFADDR is Linux's number; elsewhere the primary address is the hint.
+    if platform.system() != "linux" or not platform.has("fcntl"):
         return []
+    import fcntl
+
     found: list[str] = []
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         for _index, name in socket.if_nameindex():

@@ -4,8 +4,10 @@ Python has no ``recvmmsg``/``sendmmsg``, so per-datagram syscalls dominate a
 naive QUIC loop. On Linux we use generic segmentation offload instead: one
 ``sendmsg`` with ``UDP_SEGMENT`` hands the kernel up to 64 equal-size
 datagrams, and ``UDP_GRO`` lets one ``recvmsg`` return many coalesced ones.
-Where the kernel lacks either, the same interface falls back to one syscall
-per datagram.
+Where the kernel lacks either (macOS, Windows, old kernels), the same
+interface falls back to one syscall per datagram; where Python lacks
+``sendmsg``/``recvmsg`` (Windows) it uses ``sendto``/``recvfrom`` only. Which of
+them this machine has is asked of :mod:`gpumesh.platform`.
 """
 
 from __future__ import annotations
@@ -15,13 +17,13 @@ import errno
 import logging
 import socket
 import struct
-import sys
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 # Address and its text forms are defined in the protocol layer; re-exported here
 # for the callers that open sockets with them.
+from gpumesh import platform
 from gpumesh.protocol.addresses import Address, format_address, parse_address
 
 __all__ = [
@@ -91,12 +93,14 @@ class UdpSocket:
         self.sock = sock
         self.gso = False
         self.gro = False
-        if sys.platform == "linux":
+        batched = platform.has("sendmsg")
+        if platform.has("gso") and batched:
             try:
                 sock.getsockopt(_SOL_UDP, _UDP_SEGMENT)
                 self.gso = True
             except OSError:
                 pass
+        if platform.has("gro") and batched:
             try:
                 sock.setsockopt(_SOL_UDP, _UDP_GRO, 1)
                 self.gro = True
