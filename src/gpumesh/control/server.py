@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import uvicorn
 
 from gpumesh.errors import ConfigError, InUseError
+from gpumesh.store.sockets import socket_name
 
 if TYPE_CHECKING:
     from starlette.types import ASGIApp
@@ -36,7 +37,6 @@ SOCKET_NAME = "control.sock"
 """The owner's socket in the home (0600 in the 0700 home)."""
 GRACE = 3.0
 """Seconds open requests (an event stream) get to end once the server stops."""
-_SUN_PATH_MAX = 107
 
 
 def parse_listen(text: str) -> tuple[str, int]:
@@ -50,25 +50,11 @@ def parse_listen(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
-@contextlib.contextmanager
-def _reachable(path: Path) -> Iterator[str]:
-    """A name for ``path`` short enough for a unix socket: through a descriptor of
-    its folder (``/proc/self/fd/N/NAME``) when the path is too long."""
-    if len(os.fsencode(str(path))) <= _SUN_PATH_MAX:
-        yield str(path)
-        return
-    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        yield f"/proc/self/fd/{fd}/{path.name}"
-    finally:
-        os.close(fd)
-
-
 def unix_listener(home: Path) -> socket.socket:
     """The home's ``control.sock``, bound and made 0600; a stale one (nothing answers
     on it) is replaced, a live one is :class:`InUseError`."""
     path = home / SOCKET_NAME
-    with _reachable(path) as name:
+    with socket_name(path.parent, path.name) as name:
         if path.is_socket():
             probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:

@@ -25,33 +25,17 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 from gpumesh import platform
+from gpumesh.store.sockets import socket_name
 
 __all__ = ["FOLDER", "FollowerSocket", "FollowerWakeups"]
 
 FOLDER = "followers"
 _SUFFIX = ".sock"
-_SUN_PATH_MAX = 107
 _RELIST = 1.0
 """Seconds a listing of the followers' folder is trusted while its stamp stays."""
-
-
-@contextlib.contextmanager
-def _reachable(folder: Path, name: str) -> Iterator[str]:
-    direct = str(folder / name)
-    if len(os.fsencode(direct)) <= _SUN_PATH_MAX:
-        yield direct
-        return
-    if not platform.has("procfd"):
-        raise OSError(errno.ENAMETOOLONG, "too long for a unix socket", direct)
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        yield f"/proc/self/fd/{fd}/{name}"
-    finally:
-        os.close(fd)
 
 
 class FollowerSocket:
@@ -67,7 +51,7 @@ class FollowerSocket:
             raise OSError(errno.EAFNOSUPPORT, "no unix datagram sockets here")
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         try:
-            with _reachable(self.folder, self.name) as where:
+            with socket_name(self.folder, self.name) as where:
                 self._sock.bind(where)
             os.chmod(self.folder / self.name, 0o600)
             self._sock.setblocking(False)
@@ -134,7 +118,7 @@ class FollowerWakeups:
         woken = 0
         for name in names:
             try:
-                with _reachable(self.folder, name) as where:
+                with socket_name(self.folder, name) as where:
                     self._sock.sendto(b"", where)
                 woken += 1
             except (ConnectionRefusedError, FileNotFoundError):

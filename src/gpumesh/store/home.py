@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import errno
 import json
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -40,6 +38,7 @@ from gpumesh.settings import home_dir
 from gpumesh.store.config import Config
 from gpumesh.store.db import Store
 from gpumesh.store.modes import PRIVATE_DIR, PRIVATE_FILE, narrow, write_private
+from gpumesh.store.sockets import socket_name
 
 if TYPE_CHECKING:
     import socket
@@ -261,7 +260,7 @@ class Home:
             return False
         try:
             with (
-                _socket_path(self.path) as where,
+                socket_name(self.path, NOTIFY_SOCKET) as where,
                 socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock,
             ):
                 sock.sendto(b"changed", where)
@@ -276,7 +275,7 @@ class Home:
 
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         try:
-            with _socket_path(self.path) as where:
+            with socket_name(self.path, NOTIFY_SOCKET) as where:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(where)
                 sock.bind(where)
@@ -309,23 +308,3 @@ def _relay_state(value: object) -> RelayState:
 
 
 NOTIFY_SOCKET = "agent.sock"
-_SUN_PATH_MAX = 107
-"""A unix socket's path must fit in 108 bytes with its NUL."""
-
-
-@contextlib.contextmanager
-def _socket_path(home: Path) -> Iterator[str]:
-    """The notification socket's path, short enough for bind/connect: a home's
-    path may be longer than a unix socket's 108 bytes, so it is reached through
-    a descriptor of the home (``/proc/self/fd/N/agent.sock``) when it must be."""
-    direct = str(home / NOTIFY_SOCKET)
-    if len(os.fsencode(direct)) <= _SUN_PATH_MAX:
-        yield direct
-        return
-    if not platform.has("procfd"):
-        raise OSError(errno.ENAMETOOLONG, "too long for a unix socket", direct)
-    fd = os.open(home, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        yield f"/proc/self/fd/{fd}/{NOTIFY_SOCKET}"
-    finally:
-        os.close(fd)
