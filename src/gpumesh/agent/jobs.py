@@ -46,7 +46,7 @@ from gpumesh.agent.deps import (
     Settings,
 )
 from gpumesh.agent.gpus import GpuAllocator, Holder, HolderKind
-from gpumesh.agent.jobstate import OWNER_CANCELLED, REVOKED, Decision, JobMachine
+from gpumesh.agent.jobstate import REVOKED, Decision, JobMachine
 from gpumesh.agent.limits import Admission, Claim, Kind, ShareLimits
 from gpumesh.agent.sandboxfs import shown
 from gpumesh.blocking import in_thread
@@ -74,7 +74,7 @@ from gpumesh.protocol.messages import (
     JobStatus,
     JobSubmit,
 )
-from gpumesh.protocol.states import FINAL_STATES, JobRole, JobState
+from gpumesh.protocol.states import FINAL_STATES, OWNER_CANCELLED, JobRole, JobState
 from gpumesh.runtime.base import (
     LABEL_ATTEMPT,
     LABEL_JOB,

@@ -23,8 +23,6 @@ __all__ = ["FINAL_STATES", "Decision", "JobMachine", "JobState", "backoff"]
 
 REVOKED = "access revoked"
 """Why the jobs of a peer that was denied (or unpaired) were cancelled."""
-OWNER_CANCELLED = "cancelled by the provider's owner"
-"""Why a job the provider's owner cancelled (``gpumesh cancel`` of a hosted job) ended."""
 
 
 def backoff(attempt: int) -> float:

@@ -52,7 +52,13 @@ from gpumesh.protocol.messages import (
     Refusal,
     decode_message,
 )
-from gpumesh.protocol.states import FINAL_STATES, JobRole, JobState, job_state
+from gpumesh.protocol.states import (
+    FINAL_STATES,
+    OWNER_CANCELLED,
+    JobRole,
+    JobState,
+    job_state,
+)
 from gpumesh.store.db import JobRecord
 
 if TYPE_CHECKING:
@@ -804,7 +810,6 @@ async def _refresh_peer(node: Node, jobs: list[JobRecord], timeout: float) -> Un
 async def cancel_hosted(node: Node, job_id: str, *, timeout: float = 60.0) -> JobResult:
     """Cancel a job a peer runs on this node (the owner's cancel): recorded in the
     store, carried out by this home's running agent, which is told at once."""
-    from gpumesh.agent.jobstate import OWNER_CANCELLED
 
     store = node.home.store
     job = store.find_job(job_id, role=HOSTED)

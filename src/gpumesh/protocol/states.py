@@ -13,7 +13,7 @@ import enum
 
 from gpumesh.errors import ProtocolError
 
-__all__ = ["FINAL_STATES", "JobRole", "JobState", "job_state"]
+__all__ = ["FINAL_STATES", "OWNER_CANCELLED", "JobRole", "JobState", "job_state"]
 
 
 class JobState(enum.StrEnum):
@@ -29,6 +29,11 @@ class JobState(enum.StrEnum):
 
 FINAL_STATES = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
 """States a job never leaves."""
+
+
+OWNER_CANCELLED = "cancelled by the provider's owner"
+"""Why a job the provider's owner cancelled (``gpumesh cancel`` of a hosted job) ended:
+written by the owner's command into the store, read by the agent that applies it."""
 
 
 def job_state(value: str, sender: str = "the provider") -> JobState:
