@@ -5,7 +5,8 @@ with sync methods for scripts and ``a``-prefixed async twins, returning the
 view structs ``--json`` prints, and its :class:`Job` handles (see
 docs/python-api.md); under it, :class:`Node` (one node's home, pairing
 and the allowlist, sessions with peers) and the client layer's operations as
-functions taking a ``Node``: jobs (:func:`run_job`, :func:`logs` and
+functions taking a ``Node``: jobs (:func:`run_job`, :func:`watch_run` for a run
+from submission to its end as events, :func:`logs` and
 :func:`follow_job` for their events, :func:`cancel`), copies (:func:`copy`,
 :func:`watch_copy`), apps (:func:`sync_app`, :func:`run_app`,
 :func:`pull_job`), shells (:func:`exec_shell`) and groups; their typed results;
@@ -59,6 +60,7 @@ __all__ = [
     "run_job",
     "sync_app",
     "watch_copy",
+    "watch_run",
 ]
 
 if TYPE_CHECKING:
@@ -81,6 +83,7 @@ if TYPE_CHECKING:
     from gpumesh.client.jobspec import JobSpec, build_spec
     from gpumesh.client.mesh import Job, Mesh
     from gpumesh.client.node import ConnectResult, Node
+    from gpumesh.client.runs import watch_run
     from gpumesh.errors import AccessDeniedError, GPUMeshError, NotFoundError, UnreachableError
     from gpumesh.protocol.states import FINAL_STATES, JobRole, JobState
     from gpumesh.store.db import Peer
@@ -113,6 +116,7 @@ _LAZY = {
     "CopyResult": "gpumesh.client.files",
     "copy": "gpumesh.client.files",
     "watch_copy": "gpumesh.client.copies",
+    "watch_run": "gpumesh.client.runs",
     "AppRun": "gpumesh.client.apps",
     "SyncResult": "gpumesh.client.apps",
     "pull_job": "gpumesh.client.apps",

@@ -72,6 +72,36 @@ def test_a_submitted_jobs_events_come_as_an_async_iterator(cluster) -> None:
     arun(scenario())
 
 
+def test_a_run_from_submission_to_its_end_is_one_async_iterator(cluster, tmp_path: Path) -> None:
+    from gpumesh.client.runs import Accepted, Uploading, watch_run
+
+    alice, bob = cluster("alice"), cluster("bob")
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "data.txt").write_bytes(b"from the workdir\n" * 4096)
+
+    async def scenario() -> None:
+        async with providing(alice):
+            pair_both(alice, bob)
+            watch = watch_run(
+                bob, spec("alice", "sh", "-c", "head -c 17 data.txt; exit 4", workdir=work)
+            )
+            events = [event async for event in watch]
+            kinds = [type(event).__name__ for event in events]
+            first_job_event = kinds.index("StatusChanged")
+            # Everything before the job's own events is about getting it there.
+            assert "Accepted" in kinds[:first_job_event]
+            uploads = [e for e in events if isinstance(e, Uploading)]
+            assert uploads and uploads[-1].sent == uploads[-1].total > 64 * 1024
+            [accepted] = [e for e in events if isinstance(e, Accepted)]
+            assert _stdout(events) == b"from the workdir\n"
+            assert watch.result is not None
+            assert watch.result.job_id == accepted.accepted.job_id
+            assert (watch.result.state, watch.result.exit_code) == (JobState.FAILED, 4)
+
+    arun(scenario())
+
+
 @pytest.mark.parametrize("in_process", [False, True])
 def test_a_hosted_jobs_follower_is_woken_by_the_agent(cluster, monkeypatch, in_process) -> None:
     # With no fallback re-read to speak of, the follow ends only if the agent wakes it.

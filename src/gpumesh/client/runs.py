@@ -1,0 +1,132 @@
+"""A job from submission to its end as one async iterator: ``async for event in
+watch_run(node, spec)``.
+
+:func:`gpumesh.client.jobs.run_job` reports the steps before a job runs (where
+``--group`` placed it, the provider's image pull, its acceptance, the workdir
+upload) through :class:`JobCallbacks`. This yields them as events, then the job's
+own events (:data:`gpumesh.client.jobs.JobEvent`) from :func:`logs`, which are
+paced by the reader (credit), so a slow reader holds up nothing but itself.
+The steps before are coalesced where they are progress (a pull's figures, bytes
+uploaded): a slow reader sees the newest, never a backlog.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from gpumesh.client.jobs import JobCallbacks, JobEvent, JobResult, logs, run_job
+
+if TYPE_CHECKING:
+    from gpumesh.client.jobspec import JobSpec
+    from gpumesh.client.node import Node
+    from gpumesh.client.placement import Placement
+    from gpumesh.protocol.messages import ImagePull, JobAccepted
+
+__all__ = ["Accepted", "Placed", "Pulling", "RunEvent", "RunWatch", "Uploading", "watch_run"]
+
+
+@dataclass(frozen=True)
+class Placed:
+    """Where ``run --group`` put the job, and why not elsewhere."""
+
+    placement: Placement
+
+
+@dataclass(frozen=True)
+class Pulling:
+    """How the provider's pull of the job's image goes."""
+
+    pull: ImagePull
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """The provider took the job (its id, GPUs and mounts)."""
+
+    accepted: JobAccepted
+
+
+@dataclass(frozen=True)
+class Uploading:
+    sent: int
+    total: int
+
+
+RunEvent = Placed | Pulling | Accepted | Uploading | JobEvent
+_PROGRESS = (Pulling, Uploading)
+
+
+class RunWatch:
+    """One job, submitted when iterated (once); ``result`` is where it stands, final
+    once iteration ended (a failure to submit is raised from the loop)."""
+
+    def __init__(self, node: Node, spec: JobSpec, follow: bool) -> None:
+        self.result: JobResult | None = None
+        self._events = self._run(node, spec, follow)
+
+    def __aiter__(self) -> AsyncIterator[RunEvent]:
+        return self._events
+
+    async def aclose(self) -> None:
+        """Stop reading; a submission still under way is cancelled (a job already
+        accepted keeps running: cancel it by id)."""
+        await self._events.aclose()
+
+    async def _run(self, node: Node, spec: JobSpec, follow: bool) -> AsyncGenerator[RunEvent, None]:
+        pending: deque[RunEvent] = deque()
+        wake = asyncio.Event()
+
+        def push(event: RunEvent) -> None:
+            last = pending[-1] if pending else None
+            if isinstance(event, _PROGRESS) and type(last) is type(event):
+                pending[-1] = event
+            else:
+                pending.append(event)
+            wake.set()
+
+        callbacks = JobCallbacks(
+            placed=lambda placement: push(Placed(placement)),
+            pull=lambda pull: push(Pulling(pull)),
+            accepted=lambda accepted: push(Accepted(accepted)),
+            upload=lambda sent, total: push(Uploading(sent, total)),
+        )
+        task = asyncio.ensure_future(run_job(node, spec, detach=True, callbacks=callbacks))
+        try:
+            while True:
+                while pending:
+                    yield pending.popleft()
+                if task.done():
+                    break
+                wake.clear()
+                waiter = asyncio.ensure_future(wake.wait())
+                try:
+                    await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    waiter.cancel()
+            self.result = task.result()
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        if not follow:
+            return
+        events = logs(node, self.result.job_id, follow=True)
+        try:
+            async for event in events:
+                self.result = events.result
+                yield event
+            self.result = events.result
+        finally:
+            await events.aclose()
+
+
+def watch_run(node: Node, spec: JobSpec, *, follow: bool = True) -> RunWatch:
+    """:func:`run_job` as events: the steps until the provider holds the job, then
+    (with ``follow``) the job's own events until it ends."""
+    return RunWatch(node, spec, follow)
