@@ -161,6 +161,25 @@ def test_app_run_out_without_the_folder_is_one_clear_error(pair, tmp_path: Path)
     assert not (tmp_path / "renders").exists()
 
 
+def test_app_run_mounts_a_dataset_copied_before(pair, tmp_path: Path) -> None:
+    """A dataset copied once with `cp` is mounted read-only next to the app's folder."""
+    _alice, bob = pair
+    project = _project(tmp_path)
+    data = tmp_path / "datasets"
+    data.mkdir()
+    (data / "rows.csv").write_text("a,b\n1,2\n")
+    copied = gpumesh(bob, "cp", str(data), "alice-pc:/", timeout=60)
+    assert copied.returncode == 0, copied.stderr
+    script = "cat /data/rows.csv; touch /data/x 2>/dev/null || echo read-only"
+    args = ["app", "run", "--peer", "alice-pc", "--dir", str(project), "-q"]
+    result = gpumesh(bob, *args, "--mount", "/datasets:/data", "--", "sh", "-c", script, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "a,b\n1,2\nread-only\n"
+    outside = gpumesh(bob, *args, "--mount", "/../etc:/data", "--", "true", timeout=60)
+    assert outside.returncode != 0
+    assert outside.stderr.startswith("error: ") and "Traceback" not in outside.stderr
+
+
 def test_app_names_and_job_folders_stay_inside_the_sandbox(make_node, tmp_path: Path) -> None:
     alice, bob = make_node("alice"), make_node("bob")
     pair_both(alice, bob)

@@ -100,6 +100,14 @@ def sync(peer: str, folder: str, dry_run: bool, as_json: bool) -> None:
 @click.option("--retries", type=int, help="Re-run a failed attempt up to N times (backoff).")
 @click.option("--timeout", metavar="DURATION", help="Stop an attempt after e.g. 30m or 2h.")
 @click.option("-e", "--env", "env_items", multiple=True, metavar="KEY=VAL", help="Set a variable.")
+@click.option(
+    "--mount",
+    "mounts",
+    multiple=True,
+    metavar="FOLDER:PATH[:rw]",
+    help="Also mount FOLDER of your sandbox on the peer (e.g. a dataset copied there "
+    "with `gpumesh cp`) at PATH; read-only unless :rw. Repeatable.",
+)
 @click.option("-q", "--quiet", is_flag=True, help="Print only the job's own output.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def run(
@@ -111,6 +119,7 @@ def run(
     retries: int | None,
     timeout: str | None,
     env_items: tuple[str, ...],
+    mounts: tuple[str, ...],
     quiet: bool,
     command: tuple[str, ...],
 ) -> None:
@@ -140,6 +149,7 @@ def run(
         retries=retries,
         timeout=timeout,
         peer=peer,
+        mounts=list(mounts),
     )
 
     def synced(result: SyncResult) -> None:
