@@ -2,19 +2,18 @@
 
 :func:`gpumesh.client.files.copy` reports through :class:`CopyCallbacks`; this
 adapts them for callers that read events (a web route, a browser's progress
-bar). Progress is coalesced: a reader slower than the copy sees the newest
-count, never a backlog, so the copy never waits for it and memory stays flat.
+bar). Progress is coalesced (:mod:`gpumesh.client._events`): a reader slower than
+the copy sees the newest count, never a backlog.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from gpumesh.client._events import EventQueue, stop
 from gpumesh.client.files import CopyCallbacks, CopyResult, copy
 
 if TYPE_CHECKING:
@@ -67,46 +66,21 @@ class CopyWatch:
     async def _run(
         self, node: Node, source: str, destination: str, options: dict[str, Any]
     ) -> AsyncGenerator[CopyEvent, None]:
-        pending: deque[CopyEvent] = deque()
-        wake = asyncio.Event()
-
-        def push(event: CopyEvent) -> None:
-            if (
-                isinstance(event, CopyProgress)
-                and pending
-                and isinstance(pending[-1], CopyProgress)
-            ):
-                pending[-1] = event
-            else:
-                pending.append(event)
-            wake.set()
-
+        queue: EventQueue[CopyEvent] = EventQueue((CopyProgress,))
         callbacks = CopyCallbacks(
-            started=lambda what, total: push(CopyStarted(what, total)),
-            progress=lambda done, total: push(CopyProgress(done, total)),
-            retrying=lambda error, attempt: push(CopyRetrying(error, attempt)),
+            started=lambda what, total: queue.push(CopyStarted(what, total)),
+            progress=lambda done, total: queue.push(CopyProgress(done, total)),
+            retrying=lambda error, attempt: queue.push(CopyRetrying(error, attempt)),
         )
         task = asyncio.ensure_future(
             copy(node, source, destination, callbacks=callbacks, **options)
         )
         try:
-            while True:
-                while pending:
-                    yield pending.popleft()
-                if task.done():
-                    break
-                wake.clear()
-                waiter = asyncio.ensure_future(wake.wait())
-                try:
-                    await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    waiter.cancel()
+            while (event := await queue.next(task)) is not None:
+                yield event
             self.result = task.result()
         finally:
-            if not task.done():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+            await stop(task)
 
 
 def watch_copy(node: Node, source: str, destination: str, **options: Any) -> CopyWatch:

@@ -13,12 +13,11 @@ uploaded): a slow reader sees the newest, never a backlog.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from gpumesh.client._events import EventQueue, stop
 from gpumesh.client.jobs import JobCallbacks, JobEvent, JobResult, logs, run_job
 
 if TYPE_CHECKING:
@@ -58,7 +57,6 @@ class Uploading:
 
 
 RunEvent = Placed | Pulling | Accepted | Uploading | JobEvent
-_PROGRESS = (Pulling, Uploading)
 
 
 class RunWatch:
@@ -78,42 +76,20 @@ class RunWatch:
         await self._events.aclose()
 
     async def _run(self, node: Node, spec: JobSpec, follow: bool) -> AsyncGenerator[RunEvent, None]:
-        pending: deque[RunEvent] = deque()
-        wake = asyncio.Event()
-
-        def push(event: RunEvent) -> None:
-            last = pending[-1] if pending else None
-            if isinstance(event, _PROGRESS) and type(last) is type(event):
-                pending[-1] = event
-            else:
-                pending.append(event)
-            wake.set()
-
+        queue: EventQueue[RunEvent] = EventQueue((Pulling, Uploading))
         callbacks = JobCallbacks(
-            placed=lambda placement: push(Placed(placement)),
-            pull=lambda pull: push(Pulling(pull)),
-            accepted=lambda accepted: push(Accepted(accepted)),
-            upload=lambda sent, total: push(Uploading(sent, total)),
+            placed=lambda placement: queue.push(Placed(placement)),
+            pull=lambda pull: queue.push(Pulling(pull)),
+            accepted=lambda accepted: queue.push(Accepted(accepted)),
+            upload=lambda sent, total: queue.push(Uploading(sent, total)),
         )
         task = asyncio.ensure_future(run_job(node, spec, detach=True, callbacks=callbacks))
         try:
-            while True:
-                while pending:
-                    yield pending.popleft()
-                if task.done():
-                    break
-                wake.clear()
-                waiter = asyncio.ensure_future(wake.wait())
-                try:
-                    await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    waiter.cancel()
+            while (event := await queue.next(task)) is not None:
+                yield event
             self.result = task.result()
         finally:
-            if not task.done():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+            await stop(task)
         if not follow:
             return
         events = logs(node, self.result.job_id, follow=True)
