@@ -547,3 +547,20 @@ def test_a_decision_says_whether_the_program_exited_on_its_own() -> None:
     assert cancelled.cancel("cancelled by bob") is None
     decision = cancelled.exited(137)
     assert decision.state is JobState.CANCELLED and not decision.exited
+
+
+def test_a_state_a_peer_reports_is_ours_or_a_clear_refusal() -> None:
+    """JobStatus.state is text on the wire: a state this version does not know (a
+    newer provider's, or a hostile one's) is a ProtocolError naming it, not a crash."""
+    from gpumesh.errors import ProtocolError
+    from gpumesh.protocol.states import job_state
+
+    assert job_state("running") is JobState.RUNNING
+    with pytest.raises(ProtocolError) as caught:
+        job_state("paused-by-magic" * 4, "alice-pc")
+    message = caught.value.message
+    assert message.startswith(
+        "alice-pc reported a job state this version does not know ('paused-by-magi"
+    )
+    assert message.endswith("upgrade gpumesh on this machine")
+    assert "\n" not in message
