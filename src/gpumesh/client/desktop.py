@@ -23,7 +23,7 @@ import contextlib
 import ipaddress
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -46,9 +46,13 @@ if TYPE_CHECKING:
     from gpumesh.transport.session import Session
 
 __all__ = [
+    "INSTALL_HINTS",
     "DesktopOffer",
+    "DesktopReport",
+    "LocalServer",
     "TunnelReady",
     "allow_desktop",
+    "check_desktop",
     "deny_desktop",
     "desktop_tunnel",
     "parse_bind",
@@ -260,3 +264,90 @@ def deny_desktop(node: Node, peer: str) -> Peer:
     node.home.store.set_desktop_allowed(record.node_id, False)
     node.home.notify_agent()
     return record
+
+
+# --- doctor: what serves a desktop here -----------------------------------------------
+
+_CANDIDATE_PORTS = (*range(5900, 5910), 3389)
+
+
+@dataclass(frozen=True)
+class LocalServer:
+    """A desktop server found listening on this machine's loopback."""
+
+    kind: DesktopKind
+    port: int
+    greeting: str
+    """What it said first (a VNC server's ``RFB 003.008``); empty for RDP (the client
+    speaks first)."""
+
+
+@dataclass(frozen=True)
+class DesktopReport:
+    """``desktop doctor``: servers found here, and this node's share and its allowlist."""
+
+    servers: list[LocalServer]
+    share: DesktopShare | None
+    share_answers: bool
+    """Whether something listens on the shared port now."""
+    allowed: list[Peer]
+    connected: list[dict[str, str]]
+    """Open connections, as the running agent publishes them (none when not sharing)."""
+    sharing: bool
+    """Whether this node's agent runs (the desktop is offered only while it does)."""
+    owner_checked: bool
+    """Whether this system can refuse other users' connections to a tunnel's port."""
+
+
+async def _probe_port(port: int, timeout: float = 1.0) -> LocalServer | None:
+    try:
+        async with asyncio.timeout(timeout):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    except (OSError, TimeoutError):
+        return None
+    greeting = b""
+    try:
+        with contextlib.suppress(TimeoutError, OSError):
+            async with asyncio.timeout(timeout):
+                greeting = await reader.read(12)
+    finally:
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+    if greeting.startswith(b"RFB "):
+        return LocalServer(DesktopKind.VNC, port, greeting.decode("ascii", "replace").strip())
+    if port == 3389:
+        return LocalServer(DesktopKind.RDP, port, "")
+    return LocalServer(DesktopKind.TCP, port, greeting.decode("ascii", "replace").strip())
+
+
+async def check_desktop(node: Node, extra_ports: Sequence[int] = ()) -> DesktopReport:
+    """What ``desktop doctor`` reports (probes 127.0.0.1:5900-5909, 3389 and the shared
+    port; nothing leaves this machine)."""
+    share = node.home.store.desktop_share()
+    ports = list(dict.fromkeys([*_CANDIDATE_PORTS, *extra_ports, *([share.port] if share else [])]))
+    found = await asyncio.gather(*(_probe_port(port) for port in ports))
+    servers = [server for server in found if server is not None]
+    allowed_ids = node.home.store.desktop_allowed_ids()
+    agent = node.home.read_agent_info()
+    return DesktopReport(
+        servers=servers,
+        share=share,
+        share_answers=share is not None and any(s.port == share.port for s in servers),
+        allowed=[peer for peer in node.peers() if peer.node_id in allowed_ids],
+        connected=list(agent.desktop) if agent else [],
+        sharing=agent is not None,
+        owner_checked=owner_check_available(),
+    )
+
+
+INSTALL_HINTS = {
+    DesktopKind.VNC: (
+        "VNC on Linux: `sudo apt install x11vnc`, then `x11vnc -display :0 -localhost "
+        "-usepw -forever` (or turn on your desktop's screen sharing: GNOME, KDE)"
+    ),
+    DesktopKind.RDP: (
+        "RDP on Linux: `sudo apt install freerdp2-shadow-x11` (`freerdp-shadow-cli "
+        "/bind-address:127.0.0.1`) or xrdp; on Windows, turn on Remote Desktop"
+    ),
+}
