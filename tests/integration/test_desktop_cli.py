@@ -68,9 +68,9 @@ def homes(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
 
 def _connect(bob: Path) -> tuple[subprocess.Popen[str], int]:
     """`desktop connect alice-pc` on a free loopback port; returns it and the port."""
+    command = ["desktop", "connect", "alice-pc", "--bind", "127.0.0.1:0"]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gpumesh", "desktop", "connect", "alice-pc"]
-        + ["--bind", "127.0.0.1:0"],
+        [sys.executable, "-m", "gpumesh", *command],
         env=dict(os.environ, GPUMESH_HOME=str(bob)),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -16,14 +16,14 @@ if TYPE_CHECKING:
 
 @click.group(
     epilog="""\b
-Examples (the owner of the machine):
+Examples:
+  # the owner of the machine
   gpumesh desktop doctor             # is a VNC or RDP server listening here?
   gpumesh desktop share --vnc        # offer 127.0.0.1:5900 while this node shares
   gpumesh desktop allow bob-laptop   # its own allowlist, empty until you add someone
   gpumesh desktop deny bob-laptop    # cuts bob's open desktop connections at once
   gpumesh desktop share stop
-\b
-Examples (a peer it allowed):
+  # a peer it allowed
   gpumesh desktop connect alice-pc   # then: vncviewer 127.0.0.1::15900
 \b
 The desktop is the one thing peers can reach outside a container, so it is
@@ -87,13 +87,14 @@ def _print_report(report: DesktopReport) -> None:
 
 
 @desktop.command(
+    short_help="Offer the local VNC/RDP server (`share stop` ends it).",
     epilog="""\b
 Examples:
   gpumesh desktop share --vnc          # 127.0.0.1:5900
   gpumesh desktop share --rdp          # 127.0.0.1:3389
   gpumesh desktop share --vnc --port 5901
   gpumesh desktop share stop
-"""
+""",
 )
 @click.argument("action", required=False, type=click.Choice(["stop"]))
 @click.option("--vnc", "kind", flag_value="vnc", help="A VNC server (port 5900 unless --port).")
@@ -149,7 +150,10 @@ def allow(peer: str) -> None:
     click.echo(f"{record.name} ({record.node_id.short}) may use the desktop.")
 
 
-@desktop.command(epilog="\b\nExamples:\n  gpumesh desktop deny bob-laptop")
+@desktop.command(
+    short_help="Take a peer off the desktop allowlist; cuts its sessions.",
+    epilog="\b\nExamples:\n  gpumesh desktop deny bob-laptop",
+)
 @click.argument("peer", shell_complete=complete_peer)
 def deny(peer: str) -> None:
     """Take PEER off the desktop allowlist; a running `gpumesh share` cuts its open
@@ -164,6 +168,7 @@ def deny(peer: str) -> None:
 
 
 @desktop.command(
+    short_help="Tunnel a peer's desktop to 127.0.0.1 and say what to run.",
     epilog="""\b
 Examples:
   gpumesh desktop connect alice-pc                  # VNC: 127.0.0.1:15900, RDP: 13389
@@ -172,7 +177,7 @@ Examples:
 Then, while it runs:
   vncviewer 127.0.0.1::15900
   xfreerdp /v:127.0.0.1:13389      (Windows: mstsc /v:127.0.0.1:13389)
-"""
+""",
 )
 @click.argument("peer", shell_complete=complete_peer)
 @click.option(
