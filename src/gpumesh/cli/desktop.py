@@ -34,7 +34,10 @@ def desktop() -> None:
     """Share this machine's VNC or RDP server with chosen peers, or use a peer's."""
 
 
-@desktop.command(epilog="\b\nExamples:\n  gpumesh desktop doctor\n  gpumesh desktop doctor --json")
+@desktop.command(
+    short_help="Is a VNC/RDP server listening here? Who may use it?",
+    epilog="\b\nExamples:\n  gpumesh desktop doctor\n  gpumesh desktop doctor --json",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable output.")
 def doctor(as_json: bool) -> None:
     """Check for a VNC or RDP server on 127.0.0.1 (ports 5900-5909, 3389 and the
