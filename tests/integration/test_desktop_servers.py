@@ -24,6 +24,9 @@ from tests.integration.conftest import gpumesh
 from tests.integration.test_desktop_cli import _connect, homes  # noqa: F401 (a fixture)
 
 CEILING = 30.0
+X11VNC_FLAGS = ("-localhost", "-nopw", "-forever", "-shared", "-nocursor", "-quiet")
+RDP_FLAGS = ("/u:tester", "/p:secret", "/cert:ignore", "+auth-only")
+INPUT = ("move", "350", "350", "click", "1", "key", "a")
 PROGRAMS = ("Xvfb", "x11vnc", "xdotool", "xev", "xmessage", "xfreerdp", "freerdp-shadow-cli")
 
 
@@ -135,8 +138,7 @@ def test_vnc_screen_keys_and_clicks_through_the_tunnel(
             tmp_path / "xev.out",
         ),
         _started(
-            ["x11vnc", "-display", env["DISPLAY"], "-rfbport", str(vnc_port), "-localhost"]
-            + ["-nopw", "-forever", "-shared", "-nocursor", "-quiet"],
+            ["x11vnc", "-display", env["DISPLAY"], "-rfbport", str(vnc_port), *X11VNC_FLAGS],
             env,
             tmp_path / "x11vnc.log",
         ) as vnc,
@@ -152,8 +154,7 @@ def test_vnc_screen_keys_and_clicks_through_the_tunnel(
             assert len(set(tunnelled)) > 1  # the message window is on it, not one colour
             # A click and a key sent through the tunnel reach the X server.
             sent = subprocess.run(
-                [_vncdo(), "-s", f"127.0.0.1::{port}", "move", "350", "350", "click", "1"]
-                + ["key", "a"],
+                [_vncdo(), "-s", f"127.0.0.1::{port}", *INPUT],
                 capture_output=True,
                 timeout=CEILING,
                 check=False,
@@ -198,8 +199,7 @@ def test_rdp_handshake_through_the_tunnel(
             # then exits 0 without opening a window. Each connection gets its own stream.
             for _ in range(2):
                 done = subprocess.run(
-                    ["xfreerdp", f"/v:127.0.0.1:{port}", "/u:tester", "/p:secret"]
-                    + ["/cert:ignore", "+auth-only"],
+                    ["xfreerdp", f"/v:127.0.0.1:{port}", *RDP_FLAGS],
                     env=client_env,
                     capture_output=True,
                     text=True,
