@@ -29,7 +29,7 @@ from gpumesh.agent.deps import Handlers, Provider, RequestContext
 from gpumesh.errors import AccessDeniedError, AgentError, GPUMeshError, NotFoundError
 from gpumesh.protocol.desktop import DesktopKind
 from gpumesh.protocol.messages import DesktopOpen, DesktopOpened
-from gpumesh.transport.tcpstream import pump
+from gpumesh.transport.tcpstream import READ_LIMIT, pump
 
 if TYPE_CHECKING:
     from gpumesh.store.db import DesktopShare, Peer
@@ -114,7 +114,9 @@ class DesktopService:
         share = self.check(ctx.peer)
         try:
             async with asyncio.timeout(_CONNECT_TIMEOUT):
-                reader, writer = await asyncio.open_connection(SERVER_HOST, share.port)
+                reader, writer = await asyncio.open_connection(
+                    SERVER_HOST, share.port, limit=READ_LIMIT
+                )
         except (OSError, TimeoutError):
             raise AgentError(
                 f"{self.provider.name} shares its desktop ({share.kind}) on port {share.port}, "

@@ -38,7 +38,7 @@ from gpumesh.errors import (
 from gpumesh.protocol.desktop import DesktopKind, client_commands
 from gpumesh.protocol.messages import DesktopOpen, DesktopOpened
 from gpumesh.transport.sockowner import owner_check_available, socket_owner
-from gpumesh.transport.tcpstream import pump
+from gpumesh.transport.tcpstream import READ_LIMIT, pump
 
 if TYPE_CHECKING:
     from gpumesh.client.node import Node
@@ -172,7 +172,7 @@ async def desktop_tunnel(
 
         listen_port = port if port is not None else offer.kind.local_port
         try:
-            server = await asyncio.start_server(serve, host, listen_port)
+            server = await asyncio.start_server(serve, host, listen_port, limit=READ_LIMIT)
         except OSError as exc:
             raise InUseError(
                 f"cannot listen on {host}:{listen_port}: {exc.strerror or exc}; is another "

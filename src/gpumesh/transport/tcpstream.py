@@ -25,7 +25,11 @@ from gpumesh.transport.stream import DATA_CHUNK
 if TYPE_CHECKING:
     from gpumesh.transport.stream import Stream
 
-__all__ = ["pump"]
+__all__ = ["READ_LIMIT", "pump"]
+
+READ_LIMIT = 4 * DATA_CHUNK
+"""The StreamReader buffer for a tunnelled socket (``limit=`` of asyncio's
+open_connection/start_server): large enough that one read fills a DATA frame."""
 
 
 class _SocketError(Exception):
