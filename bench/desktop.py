@@ -373,7 +373,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--pings", type=int, default=1000, help="round trips per path (1000)")
     parser.add_argument("--updates", type=int, default=20, help="VNC updates per path (20)")
     parser.add_argument("--deny", type=int, default=5, help="deny measurements (5)")
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run of a few seconds (tiny sizes, one of each)",
+    )
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.size, args.repeat, args.pings, args.updates, args.deny = 16, 1, 100, 2, 1
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
