@@ -95,7 +95,8 @@ def test_owner_commands_and_a_session_cut_by_desktop_deny(
     assert "Nobody may use it yet" in shared.stdout
 
     report = json.loads(gpumesh(alice, "desktop", "doctor", "--json").stdout)
-    assert {"kind": "vnc", "port": vnc_like, "greeting": "RFB 003.008"} in report["servers"]
+    # Found in the kernel's table (Linux): not connected to, so no greeting read.
+    assert {"kind": "vnc", "port": vnc_like, "greeting": None} in report["servers"]
     assert (report["shared"], report["share_port"], report["share_answers"]) == (
         True,
         vnc_like,

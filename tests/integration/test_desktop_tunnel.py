@@ -282,6 +282,35 @@ def test_revocation_cuts_an_open_session(nodes: tuple[Node, Node], how: str) -> 
     arun(scenario())
 
 
+def test_the_probe_does_not_connect_to_the_desktop_server(nodes: tuple[Node, Node]) -> None:
+    """A VNC server started for one client (x11vnc without -forever) exits when that
+    client leaves: `connect`'s first check must not be that client."""
+    alice, bob = nodes
+    accepted: list[int] = []
+
+    async def count(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(1)
+        await _echo(reader, writer)
+
+    async def scenario() -> None:
+        server, port = await _serve_desktop(count)
+        async with sharing(alice):
+            pair_both(alice, bob)
+            allow_desktop(alice, "bob-laptop")
+            share_desktop(alice, DesktopKind.VNC, port)
+            async with _tunnel(bob) as (ready, _task):
+                assert accepted == []
+                reader, writer = await asyncio.open_connection("127.0.0.1", ready.port)
+                writer.write(b"one\n")
+                assert await asyncio.wait_for(reader.readline(), CEILING) == b"one\n"
+                assert accepted == [1]
+                writer.close()
+        server.close()
+
+    if owner_check_available():
+        arun(scenario())
+
+
 def test_listener_binds_loopback_only(nodes: tuple[Node, Node]) -> None:
     alice, bob = nodes
     for text in ("0.0.0.0:15900", "192.168.1.5", "[::]:1", "example.com:5"):

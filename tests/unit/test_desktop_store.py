@@ -10,7 +10,7 @@ import pytest
 
 from gpumesh.protocol.desktop import DesktopKind, client_commands, kind_for_port
 from gpumesh.store.db import Store
-from gpumesh.transport.sockowner import parse_table
+from gpumesh.transport.sockowner import parse_listeners, parse_table
 
 KEY_A = b"a" * 32
 KEY_B = b"b" * 32
@@ -94,3 +94,9 @@ def test_the_socket_table_names_the_connecting_user() -> None:
         parse_table("garbage\n 0: zz:zz yy:yy 01 a b c d e\n", ("1.2.3.4", 1), ("1.2.3.4", 2))
         is None
     )
+
+
+@pytest.mark.skipif(sys.byteorder != "little", reason="the sample rows are little-endian")
+def test_the_socket_table_names_listeners() -> None:
+    assert parse_listeners(TCP) == {("127.0.0.1", 15900)}  # the connected row is not one
+    assert parse_listeners(TCP6) == set()

@@ -29,6 +29,7 @@ from gpumesh.agent.deps import Handlers, Provider, RequestContext
 from gpumesh.errors import AccessDeniedError, AgentError, GPUMeshError, NotFoundError
 from gpumesh.protocol.desktop import DesktopKind
 from gpumesh.protocol.messages import DesktopOpen, DesktopOpened
+from gpumesh.transport.sockowner import listening_on_loopback
 from gpumesh.transport.tcpstream import READ_LIMIT, pump
 
 if TYPE_CHECKING:
@@ -112,18 +113,21 @@ class DesktopService:
 
     async def handle_open(self, ctx: RequestContext, message: DesktopOpen) -> None:
         share = self.check(ctx.peer)
+        reply = DesktopOpened(provider=self.provider.name, kind=str(share.kind), port=share.port)
+        if message.probe and listening_on_loopback(share.port) is not None:
+            # Checked in the kernel's table, not by connecting: a VNC server started
+            # for one client (x11vnc without -forever) would exit after the probe.
+            if not listening_on_loopback(share.port):
+                raise self._no_server(share)
+            ctx.stream.send_message(reply, end=True)
+            return
         try:
             async with asyncio.timeout(_CONNECT_TIMEOUT):
                 reader, writer = await asyncio.open_connection(
                     SERVER_HOST, share.port, limit=READ_LIMIT
                 )
         except (OSError, TimeoutError):
-            raise AgentError(
-                f"{self.provider.name} shares its desktop ({share.kind}) on port {share.port}, "
-                "but no server answers there now; ask its owner to start it "
-                "(`gpumesh desktop doctor` says how)"
-            ) from None
-        reply = DesktopOpened(provider=self.provider.name, kind=str(share.kind), port=share.port)
+            raise self._no_server(share) from None
         if message.probe:
             writer.close()
             ctx.stream.send_message(reply, end=True)
@@ -150,6 +154,13 @@ class DesktopService:
             self.on_change()
         if session.cut is not None:
             logger.info("[%s] desktop connection cut: %s", ctx.peer.name, session.cut)
+
+    def _no_server(self, share: DesktopShare) -> AgentError:
+        return AgentError(
+            f"{self.provider.name} shares its desktop ({share.kind}) on port {share.port}, "
+            "but no server answers there now; ask its owner to start it "
+            "(`gpumesh desktop doctor` says how)"
+        )
 
     # --- the owner's side -------------------------------------------------------------------
 

@@ -35,9 +35,13 @@ from gpumesh.errors import (
     NotFoundError,
     ProtocolError,
 )
-from gpumesh.protocol.desktop import DesktopKind, client_commands
+from gpumesh.protocol.desktop import DesktopKind, client_commands, kind_for_port
 from gpumesh.protocol.messages import DesktopOpen, DesktopOpened
-from gpumesh.transport.sockowner import owner_check_available, socket_owner
+from gpumesh.transport.sockowner import (
+    listening_on_loopback,
+    owner_check_available,
+    socket_owner,
+)
 from gpumesh.transport.tcpstream import READ_LIMIT, pump
 
 if TYPE_CHECKING:
@@ -278,8 +282,8 @@ class LocalServer:
     kind: DesktopKind
     port: int
     greeting: str
-    """What it said first (a VNC server's ``RFB 003.008``); empty for RDP (the client
-    speaks first)."""
+    """What it said first (a VNC server's ``RFB 003.008``) where servers are found by
+    connecting; empty for RDP (the client speaks first) and on Linux (not connected)."""
 
 
 @dataclass(frozen=True)
@@ -300,6 +304,11 @@ class DesktopReport:
 
 
 async def _probe_port(port: int, timeout: float = 1.0) -> LocalServer | None:
+    listening = listening_on_loopback(port)
+    if listening is not None:
+        # Read from the kernel's table: connecting would end a VNC server started
+        # for one client (x11vnc without -forever), as its one client leaving.
+        return LocalServer(kind_for_port(port), port, "") if listening else None
     try:
         async with asyncio.timeout(timeout):
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -322,12 +331,19 @@ async def _probe_port(port: int, timeout: float = 1.0) -> LocalServer | None:
 
 
 async def check_desktop(node: Node, extra_ports: Sequence[int] = ()) -> DesktopReport:
-    """What ``desktop doctor`` reports (probes 127.0.0.1:5900-5909, 3389 and the shared
-    port; nothing leaves this machine)."""
+    """What ``desktop doctor`` reports: servers on 127.0.0.1:5900-5909, 3389 and the
+    shared port (from the kernel's socket table on Linux; elsewhere by connecting and
+    reading a VNC server's greeting); nothing leaves this machine."""
     share = node.home.store.desktop_share()
     ports = list(dict.fromkeys([*_CANDIDATE_PORTS, *extra_ports, *([share.port] if share else [])]))
     found = await asyncio.gather(*(_probe_port(port) for port in ports))
-    servers = [server for server in found if server is not None]
+    servers = [
+        LocalServer(share.kind, server.port, server.greeting)
+        if share is not None and server.port == share.port and not server.greeting
+        else server
+        for server in found
+        if server is not None
+    ]
     allowed_ids = node.home.store.desktop_allowed_ids()
     agent = node.home.read_agent_info()
     return DesktopReport(

@@ -16,11 +16,22 @@ import ipaddress
 import sys
 from pathlib import Path
 
-__all__ = ["owner_check_available", "parse_table", "socket_owner"]
+__all__ = [
+    "listening_on_loopback",
+    "owner_check_available",
+    "parse_listeners",
+    "parse_table",
+    "socket_owner",
+]
 
 _TABLES = (Path("/proc/net/tcp"), Path("/proc/net/tcp6"))
 
 Endpoint = tuple[str, int]
+
+_LISTEN = "0A"
+"""TCP_LISTEN in the table's ``st`` column."""
+_REACHES_LOOPBACK = {"127.0.0.1", "0.0.0.0", "::1", "::"}
+"""Bound addresses a connection to 127.0.0.1 (or ::1) reaches."""
 
 
 def owner_check_available() -> bool:
@@ -75,3 +86,33 @@ def socket_owner(local: Endpoint, remote: Endpoint) -> int | None:
         if uid is not None:
             return uid
     return None
+
+
+def parse_listeners(text: str) -> set[Endpoint]:
+    """The addresses TCP sockets listen on in ``text`` (a /proc/net/tcp table)."""
+    found = set()
+    for line in text.splitlines()[1:]:
+        fields = line.split()
+        if len(fields) < 4 or fields[3] != _LISTEN:
+            continue
+        try:
+            found.add(_address(fields[1]))
+        except ValueError:
+            continue
+    return found
+
+
+def listening_on_loopback(port: int) -> bool | None:
+    """Whether a TCP server on this host takes connections to 127.0.0.1:``port``, read
+    from the kernel's table without connecting (a VNC server started for one client
+    would take a test connection as its one and exit); None where there is no table."""
+    if not owner_check_available():
+        return None
+    for table in _TABLES:
+        try:
+            text = table.read_text()
+        except OSError:
+            continue
+        if any(p == port and host in _REACHES_LOOPBACK for host, p in parse_listeners(text)):
+            return True
+    return False
