@@ -311,6 +311,44 @@ def test_the_probe_does_not_connect_to_the_desktop_server(nodes: tuple[Node, Nod
         arun(scenario())
 
 
+def test_a_connection_over_the_providers_limit_is_refused_and_the_tunnel_goes_on(
+    nodes: tuple[Node, Node],
+) -> None:
+    alice, bob = nodes
+    alice.home.config.set("max_requests_per_link", "2")
+    alice.home.config.save()
+    refused: list[GPUMeshError] = []
+
+    async def echo_once(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"hi\n")
+        assert await asyncio.wait_for(reader.readline(), CEILING) == b"hi\n"
+        return reader, writer
+
+    async def scenario() -> None:
+        server, port = await _serve_desktop(_echo)
+        async with sharing(alice) as agent:
+            pair_both(alice, bob)
+            allow_desktop(alice, "bob-laptop")
+            share_desktop(alice, DesktopKind.RDP, port)
+            async with _tunnel(bob, connection_refused=refused.append) as (ready, task):
+                held = [await echo_once(ready.port) for _ in range(2)]
+                reader, writer = await asyncio.open_connection("127.0.0.1", ready.port)
+                assert await asyncio.wait_for(reader.read(), CEILING) == b""  # refused
+                writer.close()
+                assert len(refused) == 1
+                assert "max_requests_per_link is 2" in refused[0].message
+                held[0][1].close()  # one ends: room for the next
+                await _wait_for(lambda: len(agent.desktop.sessions()) == 1)
+                held[0] = await echo_once(ready.port)
+                assert not task.done() and len(refused) == 1
+                for _reader, held_writer in held:
+                    held_writer.close()
+        server.close()
+
+    arun(scenario())
+
+
 def test_listener_binds_loopback_only(nodes: tuple[Node, Node]) -> None:
     alice, bob = nodes
     for text in ("0.0.0.0:15900", "192.168.1.5", "[::]:1", "example.com:5"):

@@ -12,6 +12,7 @@ from gpumesh.cli._complete import complete_peer
 
 if TYPE_CHECKING:
     from gpumesh.client.desktop import DesktopReport, TunnelReady
+    from gpumesh.errors import GPUMeshError
 
 
 @click.group(
@@ -210,8 +211,20 @@ def connect(peer: str, bind_text: str | None, as_json: bool) -> None:
         who = f"uid {uid}" if uid is not None else "an unknown user"
         click.echo(f"Refused a connection from {who}: not this user.", err=True)
 
+    def failed(error: GPUMeshError) -> None:
+        click.echo(f"warning: a desktop connection was refused: {error.message}", err=True)
+
     try:
-        run_async(desktop_tunnel(node, peer, bind=bind, ready=ready, refused_local=refused))
+        run_async(
+            desktop_tunnel(
+                node,
+                peer,
+                bind=bind,
+                ready=ready,
+                refused_local=refused,
+                connection_refused=failed,
+            )
+        )
     except KeyboardInterrupt:
         click.echo("Tunnel closed.", err=True)
 

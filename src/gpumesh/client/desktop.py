@@ -34,6 +34,7 @@ from gpumesh.errors import (
     InUseError,
     NotFoundError,
     ProtocolError,
+    TransportError,
 )
 from gpumesh.protocol.desktop import DesktopKind, client_commands, kind_for_port
 from gpumesh.protocol.messages import DesktopOpen, DesktopOpened
@@ -143,13 +144,16 @@ async def desktop_tunnel(
     bind: tuple[str, int | None] = ("127.0.0.1", None),
     ready: Callable[[TunnelReady], None] = lambda _ready: None,
     refused_local: Callable[[int | None], None] = lambda _uid: None,
+    connection_refused: Callable[[GPUMeshError], None] = lambda _error: None,
     owner: OwnerLookup | None = None,
 ) -> None:
     """Tunnel ``peer``'s shared desktop to a loopback port until cancelled.
 
     ``bind``: where to listen (port None: 15900 for VNC, 13389 for RDP; 0: any).
     ``ready`` hears where it listens; ``refused_local`` hears of each connection
-    refused because another user's process made it (its uid, None if unknown).
+    refused because another user's process made it (its uid, None if unknown);
+    ``connection_refused`` of each one the provider refused while the tunnel goes
+    on (e.g. past its max_requests_per_link).
     Raises the provider's refusal (not on its desktop allowlist, not shared, its
     server not running), and later why the tunnel ended (access revoked, share
     stopped, link lost).
@@ -170,7 +174,7 @@ async def desktop_tunnel(
                 if lookup is not None and not _same_user(writer, lookup, refused_local):
                     writer.close()
                     return
-                await _carry(session, reader, writer, ended)
+                await _carry(session, reader, writer, ended, connection_refused)
             finally:
                 connections.discard(task)
 
@@ -217,6 +221,7 @@ async def _carry(
     reader: asyncio.StreamReader,
     writer: asyncio.StreamWriter,
     ended: asyncio.Future[GPUMeshError],
+    refused: Callable[[GPUMeshError], None],
 ) -> None:
     """One local connection over its own stream; a refusal that ends the whole
     tunnel (access revoked, share stopped) settles ``ended``."""
@@ -231,6 +236,8 @@ async def _carry(
             ended.set_result(exc)
         else:
             logger.info("a desktop connection ended: %s", exc)
+            if not isinstance(exc, TransportError):  # a reset or a lost link is no refusal
+                refused(exc)
     finally:
         session.link.forget_stream(stream.stream_id)
 
