@@ -14,7 +14,8 @@ sshd (bench/sshd.sh), and directly. Figures:
 * VNC full-screen update: with Xvfb and x11vnc installed, ``--updates`` full
   framebuffer updates of a 1280x800 screen in one `vncdo` session, per update.
 * deny: from spawning `gpumesh desktop deny bob` until an open tunnelled
-  connection reads EOF (goal: within 1 s); nothing to compare with.
+  connection reads EOF (goal: within 1 s), and from the same change made in
+  this process (no CLI start-up) until then; nothing to compare with.
 
 Everything it starts (agent, tunnel, sshd, X) is stopped on exit.
 """
@@ -43,6 +44,7 @@ from _benchlib import (
     summarize,
 )
 from bulk import gpumesh_command, loopback_sshd, make_nodes, running_agent
+from gpumesh.store.home import Home
 
 MIB = 1024 * 1024
 CIPHER = "aes128-gcm@openssh.com"
@@ -201,30 +203,43 @@ def round_trips(port: int, count: int) -> list[float]:
     return samples
 
 
-def deny_cut(alice: Path, bob: Path, repeat: int) -> tuple[list[float], list[float]]:
-    """(until the tunnelled connection reads EOF, the deny command's own duration)."""
-    cuts, commands = [], []
-    for _ in range(repeat):
+def deny_cut(alice: Path, bob: Path, repeat: int) -> tuple[list[float], list[float], list[float]]:
+    """Until an open tunnelled connection reads EOF: after spawning `gpumesh desktop
+    deny` (and that command's own duration), and after the same change made in this
+    process (the store row, then the agent's notification), which leaves out the
+    CLI's start-up."""
+    cuts, commands, direct = [], [], []
+    for index in range(2 * repeat):
+        in_process = index % 2 == 1
         with tunnel(bob) as (port, _proc), socket.create_connection(("127.0.0.1", port)) as conn:
             conn.sendall(b"E" + b"x")
             if conn.recv(1) != b"x":
                 raise RuntimeError("no echo through the tunnel")
             started = time.perf_counter()
-            deny = subprocess.Popen(
-                [*gpumesh_command(), "desktop", "deny", CONSUMER],
-                env=dict(os.environ, GPUMESH_HOME=str(alice)),
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
+            deny = None
+            if in_process:
+                home = Home(alice)
+                peer = home.store.find_peer(CONSUMER)
+                home.store.set_desktop_allowed(peer.node_id, False)
+                home.notify_agent()
+                home.close()
+            else:
+                deny = subprocess.Popen(
+                    [*gpumesh_command(), "desktop", "deny", CONSUMER],
+                    env=dict(os.environ, GPUMESH_HOME=str(alice)),
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
             conn.settimeout(30)
             if conn.recv(1) != b"":
                 raise RuntimeError("the connection was not cut")
-            cuts.append(time.perf_counter() - started)
-            deny.wait(timeout=60)
-            commands.append(time.perf_counter() - started)
+            (direct if in_process else cuts).append(time.perf_counter() - started)
+            if deny is not None:
+                deny.wait(timeout=60)
+                commands.append(time.perf_counter() - started)
         if gpumesh(alice, "desktop", "allow", CONSUMER).returncode != 0:
             raise RuntimeError("desktop allow failed")
-    return cuts, commands
+    return cuts, commands, direct
 
 
 @contextlib.contextmanager
@@ -352,17 +367,22 @@ def run(args: argparse.Namespace) -> int:
                 gpumesh(alice, "desktop", "share", "--port", str(target))
 
             print(f"\n`desktop deny` until an open tunnelled connection reads EOF, {args.deny}x")
-            cuts, commands = deny_cut(alice, bob, args.deny)
-            cut, command = summarize(cuts), summarize(commands)
+            cuts, commands, direct = deny_cut(alice, bob, args.deny)
+            cut, command, change = summarize(cuts), summarize(commands), summarize(direct)
             print_rows(
                 ["", "p50 ms", "max ms"],
                 [
                     ["connection cut", f"{cut.p50 * 1e3:.0f}", f"{cut.high * 1e3:.0f}"],
                     ["deny command done", f"{command.p50 * 1e3:.0f}", f"{command.high * 1e3:.0f}"],
+                    [
+                        "cut after the store change",
+                        f"{change.p50 * 1e3:.0f}",
+                        f"{change.high * 1e3:.0f}",
+                    ],
                 ],
             )
             verdict = "meets" if cut.high <= DENY_GOAL else "misses"
-            print(f"  {verdict} the goal of {DENY_GOAL:.0f} s")
+            print(f"  {verdict} the goal of {DENY_GOAL:.0f} s (the command's start-up included)")
     return 0
 
 
