@@ -6,8 +6,10 @@
 # Env:
 #   GPUMESH_SKIP_INSTALL=1   do not (re)install the package into .venv
 #   GPUMESH_TEST_NO_DOCKER=1 skip the Docker setup and the tests that need it
-#   CI=true                  a broken Docker setup fails the run instead of
-#                            skipping the Docker tests
+#   GPUMESH_TEST_NO_DESKTOP=1 skip installing Xvfb/x11vnc/FreeRDP and the tests
+#                            that drive them
+#   CI=true                  a broken Docker (or desktop programs) setup fails the
+#                            run instead of skipping those tests
 #   PYTHON                   interpreter used to create .venv (default python3)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -57,6 +59,21 @@ else
     # A developer laptop without root or Docker still gets the other tests.
     echo "warning: Docker is not available; Docker tests will be SKIPPED" >&2
     export GPUMESH_TEST_NO_DOCKER=1
+  fi
+fi
+
+# 2b. The desktop tunnel's tests drive real VNC and RDP servers and clients.
+if [ "${GPUMESH_TEST_NO_DESKTOP:-}" = 1 ]; then
+  stage "Desktop programs: skipped (GPUMESH_TEST_NO_DESKTOP=1)"
+else
+  stage "Desktop programs (Xvfb, x11vnc, FreeRDP)"
+  if ! scripts/ensure-desktop.sh; then
+    if is_ci; then
+      echo "error: desktop programs missing in CI; refusing to skip the desktop tests" >&2
+      exit 1
+    fi
+    echo "warning: Xvfb/x11vnc/FreeRDP are not available; desktop tests will be SKIPPED" >&2
+    export GPUMESH_TEST_NO_DESKTOP=1
   fi
 fi
 

@@ -25,6 +25,8 @@ from gpumesh.protocol.messages import (
     ChannelGet,
     ChannelOffer,
     ChannelPut,
+    DesktopOpen,
+    DesktopOpened,
     DirGet,
     DirPut,
     ExecExit,
@@ -228,6 +230,13 @@ MESSAGES: st.SearchStrategy[Message] = st.one_of(
     st.builds(ExecStarted, provider=names),
     st.builds(ExecResize, rows=st.integers(1, 10000), cols=st.integers(1, 10000)),
     st.builds(ExecExit, exit_code=st.integers(-(2**31), 2**31)),
+    st.builds(DesktopOpen, probe=st.booleans()),
+    st.builds(
+        DesktopOpened,
+        provider=names,
+        kind=st.sampled_from(["vnc", "rdp", "tcp"]),
+        port=st.integers(1, 65535),
+    ),
 )
 
 KEY = b"k" * 32
@@ -261,6 +270,7 @@ def test_every_message_type_is_covered_by_the_round_trip() -> None:
     covered |= {ExecStart, ExecStarted, ExecResize, ExecExit}
     covered |= {AppSync, AppNeeds, AppSend, AppSynced, AppJobDir, AppJobDirReply}
     covered |= {ChannelPut, ChannelGet, ChannelOffer, ChannelDeclined}
+    covered |= {DesktopOpen, DesktopOpened}
     assert set(get_args(Message)) == covered
 
 

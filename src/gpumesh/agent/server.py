@@ -23,6 +23,7 @@ from typing import Any
 from gpumesh.agent.apps import AppService
 from gpumesh.agent.containers import Containers
 from gpumesh.agent.deps import Handlers, Provider, RequestContext
+from gpumesh.agent.desktop import DesktopService
 from gpumesh.agent.exec import ExecService
 from gpumesh.agent.files import FileService
 from gpumesh.agent.gpus import GpuAllocator
@@ -156,7 +157,9 @@ class Agent:
         self.handlers.add(Ping, _handle_ping)
         self.handlers.add(StatusRequest, self._handle_status)
         self.handlers.add(ThroughputRequest, _handle_throughput)
-        for service in (self.jobs, self.files, self.apps, self.shells):
+        self.desktop = DesktopService(provider, self.store, on_change=self._publish)
+        """The desktop share: the owner's one local port, for its own allowlist."""
+        for service in (self.jobs, self.files, self.apps, self.shells, self.desktop):
             service.register(self.handlers)
 
     def share_limits(self) -> ShareLimits:
@@ -270,6 +273,10 @@ class Agent:
             relay_state=self._relay_state[0],
             relay_detail=self._relay_state[1],
             links=links,
+            desktop=[
+                {"peer": session.peer.name, "kind": str(session.kind), "since": str(session.since)}
+                for session in self.desktop.sessions()
+            ],
         )
         if info != self._published:
             self._published = info
@@ -285,6 +292,7 @@ class Agent:
         if self._returning_memory is not None:
             self._returning_memory.cancel()
         self.shells.stop()  # before the engine client is closed
+        self.desktop.stop()
         self.jobs.stop()
         self.containers.close()
         for task in list(self._tasks):
@@ -433,6 +441,7 @@ class Agent:
             self._changed.clear()
             try:
                 await self.revoke_denied()
+                self.desktop.revoke()  # its own allowlist, and the share itself
                 await self.jobs.owner_cancels()
             except Exception:
                 logger.exception("re-reading the allowlist and cancels failed")

@@ -61,6 +61,9 @@ def status(offline: bool, as_json: bool) -> None:
         click.echo(f"Relay    {relay_line}")
     for link in st.agent.links if st.agent else []:
         click.echo(f"Peer     {link['peer']} connected, path {link['path']}")
+    for entry in st.agent.desktop if st.agent else []:
+        since = time.strftime("%H:%M", time.localtime(float(entry["since"])))
+        click.echo(f"Desktop  {entry['peer']} connected ({entry['kind']}) since {since}")
     from gpumesh.units import format_size
 
     if st.gpu_source == "simulated":

@@ -42,6 +42,8 @@ __all__ = [
     "ChannelGet",
     "ChannelOffer",
     "ChannelPut",
+    "DesktopOpen",
+    "DesktopOpened",
     "DirGet",
     "DirPut",
     "ExecExit",
@@ -635,6 +637,32 @@ class ExecExit(_Msg, tag="exec_exit", frozen=True):
     exit_code: int
 
 
+# --- desktop: one TCP connection to the desktop server the owner shared ---------------
+
+DesktopKindName = Annotated[str, msgspec.Meta(max_length=16)]
+"""A :class:`gpumesh.protocol.desktop.DesktopKind`: ``vnc``, ``rdp`` or ``tcp``; a
+newer peer's other name is shown as it is."""
+
+
+class DesktopOpen(_Msg, tag="desktop_open", frozen=True):
+    """Consumer -> provider: connect one TCP connection to the desktop server its owner
+    shared (never an address the consumer names). After ``DesktopOpened``, DATA frames
+    carry the connection's bytes both ways; an empty DATA frame ends that direction
+    (TCP half-close); FIN follows once both directions ended."""
+
+    probe: bool = False
+    """Only check (allowed, shared, the server listens) and answer, then end: what
+    ``desktop connect`` asks first to pick its local port."""
+
+
+class DesktopOpened(_Msg, tag="desktop_opened", frozen=True):
+    provider: Name
+    kind: DesktopKindName
+    """What the owner shared: ``vnc``, ``rdp`` or ``tcp``."""
+    port: Annotated[int, msgspec.Meta(ge=1, le=65535)]
+    """The provider's local port (for the consumer's messages; it never picks it)."""
+
+
 Message = (
     SessionProof
     | Hello
@@ -678,6 +706,8 @@ Message = (
     | ExecStarted
     | ExecResize
     | ExecExit
+    | DesktopOpen
+    | DesktopOpened
 )
 
 _encoder = msgspec.msgpack.Encoder()

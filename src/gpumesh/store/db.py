@@ -28,12 +28,14 @@ from gpumesh.errors import (
     UnknownPeerError,
 )
 from gpumesh.identity.keys import NodeId, node_id_for
+from gpumesh.protocol.desktop import DesktopKind
 from gpumesh.protocol.messages import JobOutput, JobStatus
 from gpumesh.protocol.states import FINAL_STATES, JobRole, JobState
 from gpumesh.store.modes import open_private
 
 __all__ = [
     "SCHEMA_VERSION",
+    "DesktopShare",
     "Group",
     "GroupMember",
     "JobEvent",
@@ -208,6 +210,20 @@ MIGRATIONS: list[str] = [
     # 10 -> 11: sandbox folders mounted into each job
     """
     ALTER TABLE jobs ADD COLUMN mounts TEXT NOT NULL DEFAULT '[]';
+    """,
+    # 11 -> 12: the desktop allowlist (its own, empty until the owner adds a peer) and
+    # the desktop share (the one local port peers on it may reach)
+    """
+    CREATE TABLE desktop_allowed (
+        node_id    TEXT PRIMARY KEY REFERENCES peers(node_id) ON DELETE CASCADE,
+        allowed_at REAL NOT NULL
+    );
+    CREATE TABLE desktop_share (
+        id        INTEGER PRIMARY KEY CHECK (id = 1),
+        kind      TEXT NOT NULL,
+        port      INTEGER NOT NULL,
+        shared_at REAL NOT NULL
+    );
     """,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -430,6 +446,17 @@ class MemberSource(Protocol):
     def addresses(self) -> list[str]: ...
     @property
     def relay(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class DesktopShare:
+    """The desktop this node's owner shares: peers on the desktop allowlist reach
+    exactly this local port, nothing else."""
+
+    kind: DesktopKind
+    port: int
+    """The TCP port on 127.0.0.1 the provider forwards to."""
+    shared_at: float
 
 
 _GROUP_SELECT = """
@@ -1057,3 +1084,46 @@ class Store:
             "SELECT * FROM group_members WHERE group_id = ? ORDER BY name, node_id", (group_id,)
         )
         return [GroupMember.from_row(r) for r in rows]
+
+    # --- the desktop share and its allowlist -----------------------------------------
+
+    def desktop_share(self) -> DesktopShare | None:
+        """The desktop the owner shares, or None (not shared)."""
+        rows = self._query("SELECT kind, port, shared_at FROM desktop_share WHERE id = 1")
+        if not rows:
+            return None
+        row = rows[0]
+        return DesktopShare(DesktopKind.parse(row["kind"]), int(row["port"]), row["shared_at"])
+
+    def set_desktop_share(
+        self, kind: DesktopKind, port: int, now: float | None = None
+    ) -> DesktopShare:
+        when = now or time.time()
+        self._execute(
+            "INSERT INTO desktop_share (id, kind, port, shared_at) VALUES (1, ?, ?, ?) "
+            "ON CONFLICT(id) DO UPDATE SET kind = excluded.kind, port = excluded.port, "
+            "shared_at = excluded.shared_at",
+            (str(kind), port, when),
+        )
+        return DesktopShare(kind, port, when)
+
+    def clear_desktop_share(self) -> bool:
+        """Stop sharing the desktop; False when it was not shared."""
+        return self._execute("DELETE FROM desktop_share WHERE id = 1") > 0
+
+    def set_desktop_allowed(self, node_id: str, allowed: bool, now: float | None = None) -> None:
+        if allowed:
+            self._execute(
+                "INSERT OR IGNORE INTO desktop_allowed (node_id, allowed_at) VALUES (?, ?)",
+                (node_id, now or time.time()),
+            )
+        else:
+            self._execute("DELETE FROM desktop_allowed WHERE node_id = ?", (node_id,))
+
+    def desktop_allowed_ids(self) -> set[str]:
+        """Peers that may use the desktop: on its allowlist and not denied altogether."""
+        rows = self._query(
+            "SELECT d.node_id FROM desktop_allowed d JOIN peers p ON p.node_id = d.node_id "
+            "WHERE p.allowed = 1"
+        )
+        return {str(r["node_id"]) for r in rows}

@@ -82,6 +82,8 @@ class AgentInfo:
     """Registered: the address the relay sees us at; refused or unavailable: why."""
     links: list[dict[str, str]] = field(default_factory=list)
     """Connected peers and their paths: ``{"peer": name, "path": "direct"}``."""
+    desktop: list[dict[str, str]] = field(default_factory=list)
+    """Open desktop connections: ``{"peer": name, "kind": "vnc", "since": unix time}``."""
 
     @property
     def relay_text(self) -> str:
@@ -233,6 +235,10 @@ class Home:
                 links=[
                     {"peer": str(link["peer"]), "path": str(link["path"])}
                     for link in data.get("links", [])
+                ],
+                desktop=[
+                    {key: str(entry[key]) for key in ("peer", "kind", "since")}
+                    for entry in data.get("desktop", [])
                 ],
             )
         except (OSError, ValueError, KeyError, TypeError):

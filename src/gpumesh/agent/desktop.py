@@ -1,0 +1,203 @@
+"""The provider's desktop share: ``DesktopOpen`` reaches the one port the owner shared.
+
+Owns desktop sessions. A request is served only for a peer on the desktop
+allowlist (its own, empty until the owner adds someone; a denied peer is off it
+too), only while the owner shares the desktop, and only ever to 127.0.0.1 on
+the port the owner shared: the consumer names no address. Each request carries
+one TCP connection (:func:`gpumesh.transport.tcpstream.pump`); RDP clients open
+several.
+
+:meth:`DesktopService.revoke` cuts at once every session whose peer left the
+desktop allowlist or whose share ended; the agent calls it whenever the home
+says its state changed (``desktop deny``, ``gpumesh deny``, ``desktop share stop``).
+This is the one service that reaches the host rather than a container, which is
+why it never forwards anywhere else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from gpumesh.agent.deps import Handlers, Provider, RequestContext
+from gpumesh.errors import AccessDeniedError, AgentError, GPUMeshError, NotFoundError
+from gpumesh.protocol.desktop import DesktopKind
+from gpumesh.protocol.messages import DesktopOpen, DesktopOpened
+from gpumesh.transport.sockowner import listening_on_loopback
+from gpumesh.transport.tcpstream import READ_LIMIT, pump
+
+if TYPE_CHECKING:
+    from gpumesh.store.db import DesktopShare, Peer
+    from gpumesh.transport.stream import Stream
+
+__all__ = ["DesktopService", "DesktopSession", "DesktopStore"]
+
+logger = logging.getLogger(__name__)
+
+SERVER_HOST = "127.0.0.1"
+"""Where the shared desktop server is reached: this host's loopback, nowhere else."""
+_CONNECT_TIMEOUT = 10.0
+
+
+class DesktopStore(Protocol):
+    """What the service reads of the store: the share and who may use it."""
+
+    def desktop_share(self) -> DesktopShare | None: ...
+
+    def desktop_allowed_ids(self) -> set[str]: ...
+
+
+@dataclass
+class DesktopSession:
+    """One open TCP connection of a peer to the shared desktop."""
+
+    peer: Peer
+    kind: DesktopKind
+    port: int
+    since: float
+    stream: Stream
+    task: asyncio.Task[None] | None = None
+    cut: GPUMeshError | None = field(default=None)
+    """Why the owner's side ended it (revoked, share stopped), once it did."""
+
+
+class DesktopService:
+    """Desktop connections of one agent."""
+
+    def __init__(
+        self,
+        provider: Provider,
+        store: DesktopStore,
+        *,
+        on_change: Callable[[], None] = lambda: None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.provider = provider
+        self.store = store
+        self.on_change = on_change
+        """Called when sessions open or close (the agent republishes who is connected)."""
+        self.clock = clock
+        self._sessions: dict[int, DesktopSession] = {}
+        self._ids = itertools.count()
+
+    def register(self, handlers: Handlers) -> None:
+        handlers.add(DesktopOpen, self.handle_open)
+
+    def sessions(self) -> list[DesktopSession]:
+        """Open connections, oldest first."""
+        return sorted(self._sessions.values(), key=lambda s: s.since)
+
+    # --- the request ----------------------------------------------------------------------
+
+    def check(self, peer: Peer) -> DesktopShare:
+        """The share ``peer`` may use now; raises the refusal it gets otherwise."""
+        name = self.provider.name
+        if peer.node_id not in self.store.desktop_allowed_ids():
+            raise AccessDeniedError(
+                f"{name} has not allowed you to use its desktop; ask its owner to run "
+                "`gpumesh desktop allow YOUR-NODE` (jobs and files have their own allowlist)"
+            )
+        share = self.store.desktop_share()
+        if share is None:
+            raise NotFoundError(
+                f"{name} does not share its desktop; ask its owner to run "
+                "`gpumesh desktop share --vnc` (or --rdp)"
+            )
+        return share
+
+    async def handle_open(self, ctx: RequestContext, message: DesktopOpen) -> None:
+        share = self.check(ctx.peer)
+        reply = DesktopOpened(provider=self.provider.name, kind=str(share.kind), port=share.port)
+        if message.probe and listening_on_loopback(share.port) is not None:
+            # Checked in the kernel's table, not by connecting: a VNC server started
+            # for one client (x11vnc without -forever) would exit after the probe.
+            if not listening_on_loopback(share.port):
+                raise self._no_server(share)
+            ctx.stream.send_message(reply, end=True)
+            return
+        try:
+            async with asyncio.timeout(_CONNECT_TIMEOUT):
+                reader, writer = await asyncio.open_connection(
+                    SERVER_HOST, share.port, limit=READ_LIMIT
+                )
+        except (OSError, TimeoutError):
+            raise self._no_server(share) from None
+        if message.probe:
+            writer.close()
+            ctx.stream.send_message(reply, end=True)
+            return
+        ctx.stream.send_message(reply)
+        session = DesktopSession(ctx.peer, share.kind, share.port, self.clock(), ctx.stream)
+        key = next(self._ids)
+        self._sessions[key] = session
+        logger.info("[%s] opened a desktop connection (%s)", ctx.peer.name, share.kind)
+        self.on_change()
+        session.task = asyncio.create_task(pump(ctx.stream, reader, writer))
+        try:
+            await session.task
+        except asyncio.CancelledError:
+            if session.cut is None:
+                raise  # the agent is stopping: not ours to swallow
+        except GPUMeshError as exc:
+            logger.info("[%s] desktop connection ended: %s", ctx.peer.name, exc)
+        finally:
+            session.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, GPUMeshError):
+                await session.task
+            self._sessions.pop(key, None)
+            self.on_change()
+        if session.cut is not None:
+            logger.info("[%s] desktop connection cut: %s", ctx.peer.name, session.cut)
+
+    def _no_server(self, share: DesktopShare) -> AgentError:
+        return AgentError(
+            f"{self.provider.name} shares its desktop ({share.kind}) on port {share.port}, "
+            "but no server answers there now; ask its owner to start it "
+            "(`gpumesh desktop doctor` says how)"
+        )
+
+    # --- the owner's side -------------------------------------------------------------------
+
+    def revoke(self) -> int:
+        """Cut every connection whose peer may no longer use the desktop, or whose
+        share ended or changed; returns how many were cut."""
+        if not self._sessions:
+            return 0
+        allowed = self.store.desktop_allowed_ids()
+        share = self.store.desktop_share()
+        name = self.provider.name
+        cut = 0
+        for session in list(self._sessions.values()):
+            if session.cut is not None:
+                continue
+            if session.peer.node_id not in allowed:
+                error: GPUMeshError = AccessDeniedError(
+                    f"{name} has revoked your access to its desktop"
+                )
+            elif share is None or share.port != session.port:
+                error = NotFoundError(f"{name} stopped sharing its desktop")
+            else:
+                continue
+            self._cut(session, error)
+            cut += 1
+        return cut
+
+    def _cut(self, session: DesktopSession, error: GPUMeshError) -> None:
+        session.cut = error
+        # The refusal ends our side (FIN), so the consumer reads it after what it was
+        # sent; no reset or STOP_SENDING may follow, or QUIC could drop it unread.
+        with contextlib.suppress(GPUMeshError):
+            session.stream.refuse(error)
+        if session.task is not None:
+            session.task.cancel()  # closes the socket to the desktop server now
+
+    def stop(self) -> None:
+        for session in list(self._sessions.values()):
+            if session.task is not None:
+                session.task.cancel()

@@ -1,0 +1,247 @@
+"""``gpumesh desktop``: share this machine's VNC or RDP server, or reach a peer's."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import click
+
+from gpumesh.cli._common import emit_json, get_node, run_async
+from gpumesh.cli._complete import complete_peer
+
+if TYPE_CHECKING:
+    from gpumesh.client.desktop import DesktopReport, TunnelReady
+    from gpumesh.errors import GPUMeshError
+
+
+@click.group(
+    epilog="""\b
+Examples:
+  # the owner of the machine
+  gpumesh desktop doctor             # is a VNC or RDP server listening here?
+  gpumesh desktop share --vnc        # offer 127.0.0.1:5900 while this node shares
+  gpumesh desktop allow bob-laptop   # its own allowlist, empty until you add someone
+  gpumesh desktop deny bob-laptop    # cuts bob's open desktop connections at once
+  gpumesh desktop share stop
+  # a peer it allowed
+  gpumesh desktop connect alice-pc   # then: vncviewer 127.0.0.1::15900
+\b
+The desktop is the one thing peers can reach outside a container, so it is
+opt-in twice: share it, and name who may use it. `gpumesh deny` revokes it too.
+"""
+)
+def desktop() -> None:
+    """Share this machine's VNC or RDP server with chosen peers, or use a peer's."""
+
+
+@desktop.command(
+    short_help="Is a VNC/RDP server listening here? Who may use it?",
+    epilog="\b\nExamples:\n  gpumesh desktop doctor\n  gpumesh desktop doctor --json",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable output.")
+def doctor(as_json: bool) -> None:
+    """Check for a VNC or RDP server on 127.0.0.1 (ports 5900-5909, 3389 and the
+    shared one), and show the share, its allowlist and who is connected."""
+    from gpumesh.client.desktop import check_desktop
+
+    report = run_async(check_desktop(get_node()))
+    if as_json:
+        from gpumesh.client.views.desktop import DesktopDoctorView
+
+        emit_json(DesktopDoctorView.of(report))
+        return
+    _print_report(report)
+
+
+def _print_report(report: DesktopReport) -> None:
+    from gpumesh.client.desktop import INSTALL_HINTS
+    from gpumesh.protocol.desktop import DesktopKind
+
+    ok, warn = click.style("ok", fg="green"), click.style("!!", fg="yellow")
+    for server in report.servers:
+        said = f" ({server.greeting})" if server.greeting else ""
+        click.echo(f"{ok}  {server.kind} server listening on 127.0.0.1:{server.port}{said}")
+    kinds = {server.kind for server in report.servers}
+    for kind in (DesktopKind.VNC, DesktopKind.RDP):
+        if kind not in kinds:
+            click.echo(f"--  no {kind} server on 127.0.0.1; {INSTALL_HINTS[kind]}")
+    share = report.share
+    if share is None:
+        click.echo("--  the desktop is not shared (`gpumesh desktop share --vnc` or --rdp)")
+    else:
+        state = ok if report.share_answers else warn
+        answers = "" if report.share_answers else ", but nothing listens there now"
+        click.echo(f"{state}  shared: {share.kind} on 127.0.0.1:{share.port}{answers}")
+        if not report.sharing:
+            click.echo(f"{warn}  offered only while this node shares: run `gpumesh share`")
+    names = ", ".join(peer.name for peer in report.allowed)
+    if names:
+        click.echo(f"{ok}  may use it: {names}")
+    else:
+        click.echo("--  nobody may use it yet (`gpumesh desktop allow PEER`)")
+    for entry in report.connected:
+        since = time.strftime("%H:%M", time.localtime(float(entry.get("since", "0"))))
+        click.echo(f"{ok}  {entry['peer']} connected ({entry['kind']}) since {since}")
+    if not report.owner_checked:
+        click.echo(
+            f"{warn}  this system cannot tell which user opens a local connection: on a "
+            "shared machine, other accounts could use a `desktop connect` tunnel from here"
+        )
+
+
+@desktop.command(
+    short_help="Offer the local VNC/RDP server (`share stop` ends it).",
+    epilog="""\b
+Examples:
+  gpumesh desktop share --vnc          # 127.0.0.1:5900
+  gpumesh desktop share --rdp          # 127.0.0.1:3389
+  gpumesh desktop share --vnc --port 5901
+  gpumesh desktop share stop
+""",
+)
+@click.argument("action", required=False, type=click.Choice(["stop"]))
+@click.option("--vnc", "kind", flag_value="vnc", help="A VNC server (port 5900 unless --port).")
+@click.option("--rdp", "kind", flag_value="rdp", help="An RDP server (port 3389 unless --port).")
+@click.option(
+    "--port",
+    type=click.IntRange(1, 65535),
+    help="The server's port on 127.0.0.1 (the kind is guessed from it without --vnc/--rdp).",
+)
+def share(action: str | None, kind: str | None, port: int | None) -> None:
+    """Offer this machine's desktop server on 127.0.0.1 to the peers on the desktop
+    allowlist while this node shares; `share stop` ends it and its connections.
+
+    Returns at once; the share is remembered. Peers reach that one port, nothing else.
+    """
+    from gpumesh.client.desktop import share_desktop, stop_desktop_share
+    from gpumesh.errors import BadRequestError
+    from gpumesh.protocol.desktop import DesktopKind, kind_for_port
+
+    node = get_node()
+    if action == "stop":
+        if kind or port:
+            raise BadRequestError("`desktop share stop` takes no --vnc, --rdp or --port")
+        stopped = stop_desktop_share(node)
+        click.echo("The desktop is no longer shared." if stopped else "The desktop was not shared.")
+        return
+    if kind is not None:
+        chosen = DesktopKind(kind)
+        port = port or chosen.server_port
+    elif port is not None:
+        chosen = kind_for_port(port)
+    else:
+        chosen, port = DesktopKind.VNC, DesktopKind.VNC.server_port
+    shared = share_desktop(node, chosen, port)
+    click.echo(f"Sharing the desktop: {shared.kind} on 127.0.0.1:{shared.port}.")
+    allowed = node.home.store.desktop_allowed_ids()
+    if not allowed:
+        click.echo("Nobody may use it yet: `gpumesh desktop allow PEER`.")
+    if node.home.read_agent_info() is None:
+        click.echo("Offered while this node shares: run `gpumesh share`.")
+
+
+@desktop.command(epilog="\b\nExamples:\n  gpumesh desktop allow bob-laptop")
+@click.argument("peer", shell_complete=complete_peer)
+def allow(peer: str) -> None:
+    """Let a paired PEER (name or id prefix) use the shared desktop.
+
+    The desktop allowlist is separate from the one for jobs and files.
+    """
+    from gpumesh.client.desktop import allow_desktop
+
+    record = allow_desktop(get_node(), peer)
+    click.echo(f"{record.name} ({record.node_id.short}) may use the desktop.")
+
+
+@desktop.command(
+    short_help="Take a peer off the desktop allowlist; cuts its sessions.",
+    epilog="\b\nExamples:\n  gpumesh desktop deny bob-laptop",
+)
+@click.argument("peer", shell_complete=complete_peer)
+def deny(peer: str) -> None:
+    """Take PEER off the desktop allowlist; a running `gpumesh share` cuts its open
+    desktop connections at once (its jobs and files are untouched)."""
+    from gpumesh.client.desktop import deny_desktop
+
+    record = deny_desktop(get_node(), peer)
+    click.echo(
+        f"{record.name} ({record.node_id.short}) may no longer use the desktop; its open "
+        "desktop connections are closed."
+    )
+
+
+@desktop.command(
+    short_help="Tunnel a peer's desktop to 127.0.0.1 and say what to run.",
+    epilog="""\b
+Examples:
+  gpumesh desktop connect alice-pc                  # VNC: 127.0.0.1:15900, RDP: 13389
+  gpumesh desktop connect alice-pc --bind 127.0.0.1:5999
+\b
+Then, while it runs:
+  vncviewer 127.0.0.1::15900
+  xfreerdp /v:127.0.0.1:13389      (Windows: mstsc /v:127.0.0.1:13389)
+""",
+)
+@click.argument("peer", shell_complete=complete_peer)
+@click.option(
+    "--bind",
+    "bind_text",
+    metavar="[HOST:]PORT",
+    help="Loopback address to listen on (default 127.0.0.1:15900 for VNC, :13389 for RDP).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print where it listens as JSON, then run.")
+def connect(peer: str, bind_text: str | None, as_json: bool) -> None:
+    """Tunnel PEER's shared desktop to a loopback port until Ctrl-C, and say what
+    to run. Only this user's programs may connect (Linux)."""
+    from gpumesh.client.desktop import desktop_tunnel, parse_bind
+
+    bind = parse_bind(bind_text) if bind_text else ("127.0.0.1", None)
+    node = get_node()
+
+    def ready(tunnel: TunnelReady) -> None:
+        if as_json:
+            from gpumesh.client.views.desktop import TunnelView
+
+            emit_json(TunnelView.of(tunnel))
+        else:
+            _print_ready(tunnel)
+
+    def refused(uid: int | None) -> None:
+        who = f"uid {uid}" if uid is not None else "an unknown user"
+        click.echo(f"Refused a connection from {who}: not this user.", err=True)
+
+    def failed(error: GPUMeshError) -> None:
+        click.echo(f"warning: a desktop connection was refused: {error.message}", err=True)
+
+    try:
+        run_async(
+            desktop_tunnel(
+                node,
+                peer,
+                bind=bind,
+                ready=ready,
+                refused_local=refused,
+                connection_refused=failed,
+            )
+        )
+    except KeyboardInterrupt:
+        click.echo("Tunnel closed.", err=True)
+
+
+def _print_ready(tunnel: TunnelReady) -> None:
+    host = f"[{tunnel.host}]" if ":" in tunnel.host else tunnel.host
+    offer = tunnel.offer
+    click.echo(
+        f"{offer.provider}'s desktop ({offer.kind}) is on {host}:{tunnel.port}; "
+        "keep this running and use:"
+    )
+    for command in tunnel.commands:
+        click.echo(f"  {command}")
+    if not tunnel.owner_checked:
+        click.echo(
+            "note: this system cannot tell which user opens a local connection, so other "
+            "accounts on this machine could use the tunnel while it runs",
+            err=True,
+        )
+    click.echo("Ctrl-C closes it.", err=True)

@@ -1,0 +1,376 @@
+"""A peer's desktop from the consumer's side: ``gpumesh desktop connect``.
+
+Owns the local end of a desktop tunnel: it asks the provider once whether its
+desktop may be used (``DesktopOpen`` with ``probe``: the allowlist, the share,
+its server answering; a refusal is raised as one error), then listens on a
+loopback port (15900 for VNC, 13389 for RDP) and carries each TCP connection
+a local client opens on its own stream of one session
+(:func:`gpumesh.transport.tcpstream.pump`). RDP clients open several.
+
+Only loopback addresses are ever bound. On Linux a connection is taken only
+from a process of this user (the kernel's socket table says whose it is), so
+another account on a shared machine cannot ride the tunnel; elsewhere
+:attr:`TunnelReady.owner_checked` is False and the caller says so.
+
+The tunnel ends with the session: a revoked access, a stopped share or a lost
+link is raised as its error; cancelling the call closes it. Nothing here prints.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from gpumesh.errors import (
+    AccessDeniedError,
+    BadRequestError,
+    GPUMeshError,
+    InUseError,
+    NotFoundError,
+    ProtocolError,
+    TransportError,
+)
+from gpumesh.protocol.desktop import DesktopKind, client_commands, kind_for_port
+from gpumesh.protocol.messages import DesktopOpen, DesktopOpened
+from gpumesh.transport.sockowner import (
+    listening_on_loopback,
+    owner_check_available,
+    socket_owner,
+)
+from gpumesh.transport.tcpstream import READ_LIMIT, pump
+
+if TYPE_CHECKING:
+    from gpumesh.client.node import Node
+    from gpumesh.store.db import DesktopShare, Peer
+    from gpumesh.transport.session import Session
+
+__all__ = [
+    "INSTALL_HINTS",
+    "DesktopOffer",
+    "DesktopReport",
+    "LocalServer",
+    "TunnelReady",
+    "allow_desktop",
+    "check_desktop",
+    "deny_desktop",
+    "desktop_tunnel",
+    "parse_bind",
+    "probe_desktop",
+    "share_desktop",
+    "stop_desktop_share",
+]
+
+logger = logging.getLogger(__name__)
+
+OwnerLookup = Callable[[tuple[str, int], tuple[str, int]], "int | None"]
+
+
+@dataclass(frozen=True)
+class DesktopOffer:
+    """What a provider shares, as it answered the probe."""
+
+    provider: str
+    kind: DesktopKind
+    port: int
+    """The port on the provider's loopback (for messages; the consumer never picks it)."""
+
+
+@dataclass(frozen=True)
+class TunnelReady:
+    """The tunnel listens: what to tell the user."""
+
+    offer: DesktopOffer
+    host: str
+    port: int
+    owner_checked: bool
+    """True: connections from other users' processes are refused (Linux)."""
+
+    @property
+    def commands(self) -> list[str]:
+        """What to run to use it (vncviewer, xfreerdp, mstsc)."""
+        return client_commands(self.offer.kind, self.host, self.port)
+
+
+def parse_bind(text: str) -> tuple[str, int | None]:
+    """``[HOST:]PORT`` or ``HOST`` for the listener; HOST must be a loopback address."""
+    host, port_text = "127.0.0.1", ""
+    text = text.strip()
+    if text.startswith("["):  # [::1]:PORT
+        host, _, rest = text[1:].partition("]")
+        port_text = rest.removeprefix(":")
+    elif text.count(":") == 1:
+        host, port_text = text.split(":")
+        host = host or "127.0.0.1"
+    elif text.isdigit():
+        port_text = text
+    else:
+        host = text
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        raise BadRequestError(
+            f"--bind {text}: the desktop tunnel listens on a loopback address only "
+            "(127.0.0.1 or ::1), so other machines cannot reach it"
+        )
+    if not port_text:
+        return host, None
+    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise BadRequestError(f"--bind {text}: {port_text!r} is not a port (0-65535)")
+    return host, int(port_text)
+
+
+async def probe_desktop(session: Session) -> DesktopOffer:
+    """Ask the provider whether its desktop is ours to use now; raises its refusal."""
+    reply = await session.request(DesktopOpen(probe=True))
+    if not isinstance(reply, DesktopOpened):
+        raise ProtocolError(
+            f"{session.peer_name} answered a desktop request with {type(reply).__name__}"
+        )
+    return DesktopOffer(reply.provider, DesktopKind.parse(reply.kind), reply.port)
+
+
+async def desktop_tunnel(
+    node: Node,
+    peer: str,
+    *,
+    bind: tuple[str, int | None] = ("127.0.0.1", None),
+    ready: Callable[[TunnelReady], None] = lambda _ready: None,
+    refused_local: Callable[[int | None], None] = lambda _uid: None,
+    connection_refused: Callable[[GPUMeshError], None] = lambda _error: None,
+    owner: OwnerLookup | None = None,
+) -> None:
+    """Tunnel ``peer``'s shared desktop to a loopback port until cancelled.
+
+    ``bind``: where to listen (port None: 15900 for VNC, 13389 for RDP; 0: any).
+    ``ready`` hears where it listens; ``refused_local`` hears of each connection
+    refused because another user's process made it (its uid, None if unknown);
+    ``connection_refused`` of each one the provider refused while the tunnel goes
+    on (e.g. past its max_requests_per_link).
+    Raises the provider's refusal (not on its desktop allowlist, not shared, its
+    server not running), and later why the tunnel ended (access revoked, share
+    stopped, link lost).
+    """
+    host, port = bind
+    lookup = owner if owner is not None else (socket_owner if owner_check_available() else None)
+    target = node.peer(peer)
+    async with node.session(target.node_id) as session:
+        offer = await probe_desktop(session)
+        ended: asyncio.Future[GPUMeshError] = asyncio.get_running_loop().create_future()
+        connections: set[asyncio.Task[None]] = set()
+
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            task = asyncio.current_task()
+            assert task is not None
+            connections.add(task)
+            try:
+                if lookup is not None and not _same_user(writer, lookup, refused_local):
+                    writer.close()
+                    return
+                await _carry(session, reader, writer, ended, connection_refused)
+            finally:
+                connections.discard(task)
+
+        listen_port = port if port is not None else offer.kind.local_port
+        try:
+            server = await asyncio.start_server(serve, host, listen_port, limit=READ_LIMIT)
+        except OSError as exc:
+            raise InUseError(
+                f"cannot listen on {host}:{listen_port}: {exc.strerror or exc}; is another "
+                "tunnel running? pick another port with --bind 127.0.0.1:PORT"
+            ) from None
+        closed = asyncio.ensure_future(session.link.wait_closed())
+        try:
+            bound = server.sockets[0].getsockname()
+            ready(TunnelReady(offer, host, int(bound[1]), lookup is not None))
+            done, _ = await asyncio.wait({closed, ended}, return_when=asyncio.FIRST_COMPLETED)
+            raise (ended.result() if ended in done else closed.result())
+        finally:
+            closed.cancel()
+            server.close()
+            for task in list(connections):
+                task.cancel()
+            for task in list(connections):
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+
+
+def _same_user(
+    writer: asyncio.StreamWriter, lookup: OwnerLookup, refused: Callable[[int | None], None]
+) -> bool:
+    """Whether the connecting socket is this user's (its row in the kernel's table)."""
+    theirs = writer.get_extra_info("peername")
+    ours = writer.get_extra_info("sockname")
+    uid = lookup((str(theirs[0]), int(theirs[1])), (str(ours[0]), int(ours[1])))
+    if uid == os.getuid():
+        return True
+    logger.warning("refused a desktop connection from uid %s (not this user)", uid)
+    refused(uid)
+    return False
+
+
+async def _carry(
+    session: Session,
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    ended: asyncio.Future[GPUMeshError],
+    refused: Callable[[GPUMeshError], None],
+) -> None:
+    """One local connection over its own stream; a refusal that ends the whole
+    tunnel (access revoked, share stopped) settles ``ended``."""
+    stream = session.open_stream()
+    try:
+        stream.send_message(DesktopOpen())
+        await stream.expect(DesktopOpened)
+        await pump(stream, reader, writer)
+    except GPUMeshError as exc:
+        writer.close()
+        if isinstance(exc, AccessDeniedError | NotFoundError) and not ended.done():
+            ended.set_result(exc)
+        else:
+            logger.info("a desktop connection ended: %s", exc)
+            if not isinstance(exc, TransportError):  # a reset or a lost link is no refusal
+                refused(exc)
+    finally:
+        session.link.forget_stream(stream.stream_id)
+
+
+# --- the owner's side: the share and its allowlist ------------------------------------
+
+
+def share_desktop(node: Node, kind: DesktopKind, port: int) -> DesktopShare:
+    """Offer this machine's desktop server on 127.0.0.1:``port`` to the peers on the
+    desktop allowlist whenever this node shares (remembered; the agent sees it at the
+    next request). A change of port cuts the connections to the old one."""
+    share = node.home.store.set_desktop_share(kind, port)
+    node.home.notify_agent()
+    return share
+
+
+def stop_desktop_share(node: Node) -> bool:
+    """Stop offering the desktop and cut its open connections; False if not shared."""
+    stopped = node.home.store.clear_desktop_share()
+    node.home.notify_agent()
+    return stopped
+
+
+def allow_desktop(node: Node, peer: str) -> Peer:
+    """Put a paired peer on the desktop allowlist (jobs keep their own)."""
+    record = node.peer(peer)
+    node.home.store.set_desktop_allowed(record.node_id, True)
+    return record
+
+
+def deny_desktop(node: Node, peer: str) -> Peer:
+    """Take a peer off the desktop allowlist; a running agent cuts its open desktop
+    connections at once (its jobs and files are untouched)."""
+    record = node.peer(peer)
+    node.home.store.set_desktop_allowed(record.node_id, False)
+    node.home.notify_agent()
+    return record
+
+
+# --- doctor: what serves a desktop here -----------------------------------------------
+
+_CANDIDATE_PORTS = (*range(5900, 5910), 3389)
+
+
+@dataclass(frozen=True)
+class LocalServer:
+    """A desktop server found listening on this machine's loopback."""
+
+    kind: DesktopKind
+    port: int
+    greeting: str
+    """What it said first (a VNC server's ``RFB 003.008``) where servers are found by
+    connecting; empty for RDP (the client speaks first) and on Linux (not connected)."""
+
+
+@dataclass(frozen=True)
+class DesktopReport:
+    """``desktop doctor``: servers found here, and this node's share and its allowlist."""
+
+    servers: list[LocalServer]
+    share: DesktopShare | None
+    share_answers: bool
+    """Whether something listens on the shared port now."""
+    allowed: list[Peer]
+    connected: list[dict[str, str]]
+    """Open connections, as the running agent publishes them (none when not sharing)."""
+    sharing: bool
+    """Whether this node's agent runs (the desktop is offered only while it does)."""
+    owner_checked: bool
+    """Whether this system can refuse other users' connections to a tunnel's port."""
+
+
+async def _probe_port(port: int, timeout: float = 1.0) -> LocalServer | None:
+    listening = listening_on_loopback(port)
+    if listening is not None:
+        # Read from the kernel's table: connecting would end a VNC server started
+        # for one client (x11vnc without -forever), as its one client leaving.
+        return LocalServer(kind_for_port(port), port, "") if listening else None
+    try:
+        async with asyncio.timeout(timeout):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    except (OSError, TimeoutError):
+        return None
+    greeting = b""
+    try:
+        with contextlib.suppress(TimeoutError, OSError):
+            async with asyncio.timeout(timeout):
+                greeting = await reader.read(12)
+    finally:
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+    if greeting.startswith(b"RFB "):
+        return LocalServer(DesktopKind.VNC, port, greeting.decode("ascii", "replace").strip())
+    if port == 3389:
+        return LocalServer(DesktopKind.RDP, port, "")
+    return LocalServer(DesktopKind.TCP, port, greeting.decode("ascii", "replace").strip())
+
+
+async def check_desktop(node: Node, extra_ports: Sequence[int] = ()) -> DesktopReport:
+    """What ``desktop doctor`` reports: servers on 127.0.0.1:5900-5909, 3389 and the
+    shared port (from the kernel's socket table on Linux; elsewhere by connecting and
+    reading a VNC server's greeting); nothing leaves this machine."""
+    share = node.home.store.desktop_share()
+    ports = list(dict.fromkeys([*_CANDIDATE_PORTS, *extra_ports, *([share.port] if share else [])]))
+    found = await asyncio.gather(*(_probe_port(port) for port in ports))
+    servers = [
+        LocalServer(share.kind, server.port, server.greeting)
+        if share is not None and server.port == share.port and not server.greeting
+        else server
+        for server in found
+        if server is not None
+    ]
+    allowed_ids = node.home.store.desktop_allowed_ids()
+    agent = node.home.read_agent_info()
+    return DesktopReport(
+        servers=servers,
+        share=share,
+        share_answers=share is not None and any(s.port == share.port for s in servers),
+        allowed=[peer for peer in node.peers() if peer.node_id in allowed_ids],
+        connected=list(agent.desktop) if agent else [],
+        sharing=agent is not None,
+        owner_checked=owner_check_available(),
+    )
+
+
+INSTALL_HINTS = {
+    DesktopKind.VNC: (
+        "VNC on Linux: `sudo apt install x11vnc`, then `x11vnc -display :0 -localhost "
+        "-usepw -forever` (or turn on your desktop's screen sharing: GNOME, KDE)"
+    ),
+    DesktopKind.RDP: (
+        "RDP on Linux: `sudo apt install freerdp2-shadow-x11` (`freerdp-shadow-cli "
+        "/bind-address:127.0.0.1`) or xrdp; on Windows, turn on Remote Desktop"
+    ),
+}

@@ -1,0 +1,79 @@
+"""The shapes of ``gpumesh desktop``: ``doctor`` and ``connect``."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import msgspec
+
+if TYPE_CHECKING:
+    from gpumesh.client.desktop import DesktopReport, TunnelReady
+
+__all__ = ["DesktopDoctorView", "LocalServerView", "TunnelView"]
+
+
+class LocalServerView(msgspec.Struct):
+    """A desktop server listening on 127.0.0.1."""
+
+    kind: str
+    """``vnc``, ``rdp`` or ``tcp``."""
+    port: int
+    greeting: str | None
+
+
+class DesktopDoctorView(msgspec.Struct):
+    """``desktop doctor``: local servers, the share, who may use it, who is connected."""
+
+    servers: list[LocalServerView]
+    shared: bool
+    share_kind: str | None
+    share_port: int | None
+    share_answers: bool
+    """Whether a server listens on the shared port now."""
+    sharing: bool
+    """Whether `gpumesh share` runs (the desktop is offered only while it does)."""
+    allowed: list[str]
+    """Peers on the desktop allowlist (names)."""
+    connected: list[dict[str, str]]
+    """Open desktop connections: ``{"peer", "kind", "since"}``."""
+    owner_checked: bool
+    """Whether `desktop connect` here refuses other local users' connections."""
+
+    @classmethod
+    def of(cls, report: DesktopReport) -> DesktopDoctorView:
+        share = report.share
+        return cls(
+            servers=[
+                LocalServerView(str(s.kind), s.port, s.greeting or None) for s in report.servers
+            ],
+            shared=share is not None,
+            share_kind=str(share.kind) if share else None,
+            share_port=share.port if share else None,
+            share_answers=report.share_answers,
+            sharing=report.sharing,
+            allowed=[peer.name for peer in report.allowed],
+            connected=report.connected,
+            owner_checked=report.owner_checked,
+        )
+
+
+class TunnelView(msgspec.Struct):
+    """``desktop connect --json``: printed once the tunnel listens."""
+
+    provider: str
+    kind: str
+    listen: str
+    """``host:port`` of the loopback listener."""
+    commands: list[str]
+    owner_checked: bool
+
+    @classmethod
+    def of(cls, ready: TunnelReady) -> TunnelView:
+        host = f"[{ready.host}]" if ":" in ready.host else ready.host
+        return cls(
+            provider=ready.offer.provider,
+            kind=str(ready.offer.kind),
+            listen=f"{host}:{ready.port}",
+            commands=ready.commands,
+            owner_checked=ready.owner_checked,
+        )

@@ -1,0 +1,118 @@
+"""Who owns the other end of a loopback TCP connection, from the kernel's socket table.
+
+A listener on 127.0.0.1 is reachable by every account on the machine. Linux
+lists each TCP socket of this network namespace, with the uid that made it, in
+``/proc/net/tcp`` and ``/proc/net/tcp6``; the connecting socket is the row whose
+local address is our peer's and whose remote address is ours. Elsewhere there is
+no such table: :func:`owner_check_available` says so, and callers tell the user.
+
+:func:`parse_table` is the pure part (tested on sample text); :func:`socket_owner`
+reads the files.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import sys
+from pathlib import Path
+
+__all__ = [
+    "listening_on_loopback",
+    "owner_check_available",
+    "parse_listeners",
+    "parse_table",
+    "socket_owner",
+]
+
+_TABLES = (Path("/proc/net/tcp"), Path("/proc/net/tcp6"))
+
+Endpoint = tuple[str, int]
+
+_LISTEN = "0A"
+"""TCP_LISTEN in the table's ``st`` column."""
+_REACHES_LOOPBACK = {"127.0.0.1", "0.0.0.0", "::1", "::"}
+"""Bound addresses a connection to 127.0.0.1 (or ::1) reaches."""
+
+
+def owner_check_available() -> bool:
+    """Whether this system lists socket owners (Linux with /proc mounted)."""
+    return sys.platform.startswith("linux") and _TABLES[0].exists()
+
+
+def _address(text: str) -> Endpoint:
+    """``0100007F:1F90`` (host byte order per 32-bit word) -> ``("127.0.0.1", 8080)``."""
+    host, port = text.split(":")
+    raw = bytes.fromhex(host)
+    if sys.byteorder == "little":
+        raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    address = ipaddress.ip_address(raw)
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return str(address), int(port, 16)
+
+
+def _normal(endpoint: Endpoint) -> Endpoint:
+    address = ipaddress.ip_address(endpoint[0])
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return str(address), endpoint[1]
+
+
+def parse_table(text: str, local: Endpoint, remote: Endpoint) -> int | None:
+    """The uid of the socket in ``text`` (a /proc/net/tcp table) bound to ``local``
+    and connected to ``remote``; None when no row matches."""
+    local, remote = _normal(local), _normal(remote)
+    for line in text.splitlines()[1:]:
+        fields = line.split()
+        if len(fields) < 8:
+            continue
+        try:
+            if _address(fields[1]) == local and _address(fields[2]) == remote:
+                return int(fields[7])
+        except ValueError:
+            continue
+    return None
+
+
+def socket_owner(local: Endpoint, remote: Endpoint) -> int | None:
+    """The uid that owns the TCP socket bound to ``local`` and connected to ``remote``
+    (None: not found, or no table to look in)."""
+    for table in _TABLES:
+        try:
+            text = table.read_text()
+        except OSError:
+            continue
+        uid = parse_table(text, local, remote)
+        if uid is not None:
+            return uid
+    return None
+
+
+def parse_listeners(text: str) -> set[Endpoint]:
+    """The addresses TCP sockets listen on in ``text`` (a /proc/net/tcp table)."""
+    found = set()
+    for line in text.splitlines()[1:]:
+        fields = line.split()
+        if len(fields) < 4 or fields[3] != _LISTEN:
+            continue
+        try:
+            found.add(_address(fields[1]))
+        except ValueError:
+            continue
+    return found
+
+
+def listening_on_loopback(port: int) -> bool | None:
+    """Whether a TCP server on this host takes connections to 127.0.0.1:``port``, read
+    from the kernel's table without connecting (a VNC server started for one client
+    would take a test connection as its one and exit); None where there is no table."""
+    if not owner_check_available():
+        return None
+    for table in _TABLES:
+        try:
+            text = table.read_text()
+        except OSError:
+            continue
+        if any(p == port and host in _REACHES_LOOPBACK for host, p in parse_listeners(text)):
+            return True
+    return False

@@ -1,0 +1,213 @@
+"""Real desktop servers and clients through the tunnel (scripts/ensure-desktop.sh
+installs them; never skipped in CI).
+
+The provider side is a headless X server (Xvfb) with a real VNC server (x11vnc)
+or RDP server (freerdp-shadow-cli) on it; `gpumesh share` and `gpumesh desktop
+connect` are the real CLI; the clients are vncdotool's `vncdo` and `xfreerdp`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.integration.conftest import gpumesh
+from tests.integration.test_desktop_cli import _connect, homes  # noqa: F401 (a fixture)
+
+CEILING = 30.0
+X11VNC_FLAGS = ("-localhost", "-nopw", "-forever", "-shared", "-nocursor", "-quiet")
+RDP_FLAGS = ("/u:tester", "/p:secret", "/cert:ignore", "+auth-only")
+INPUT = ("move", "350", "350", "click", "1", "key", "a")
+PROGRAMS = ("Xvfb", "x11vnc", "xdotool", "xev", "xmessage", "xfreerdp", "freerdp-shadow-cli")
+
+
+@pytest.fixture(autouse=True)
+def desktop_programs() -> None:
+    """Require the programs: skipped on a machine without them, never in CI."""
+    missing = [program for program in PROGRAMS if shutil.which(program) is None]
+    in_ci = os.environ.get("CI", "").lower() not in ("", "0", "false", "no")
+    if os.environ.get("GPUMESH_TEST_NO_DESKTOP") == "1" or missing:
+        if in_ci:
+            pytest.fail(f"desktop programs missing in CI: {missing} (scripts/ensure-desktop.sh)")
+        pytest.skip(f"needs {', '.join(missing) or 'the desktop programs'} (ensure-desktop.sh)")
+
+
+def _vncdo() -> str:
+    found = Path(sys.executable).with_name("vncdo")
+    return str(found) if found.exists() else "vncdo"
+
+
+def _free_tcp_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _wait_listening(port: int, proc: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + CEILING
+    while True:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+            return
+        assert proc.poll() is None, f"{proc.args} exited with {proc.returncode}"
+        assert time.monotonic() < deadline, f"{proc.args} did not listen on {port}"
+        time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def _started(
+    command: list[str], env: dict[str, str], log: Path
+) -> Iterator[subprocess.Popen[bytes]]:
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextlib.contextmanager
+def _xvfb(tmp_path: Path, size: str = "640x480x24") -> Iterator[dict[str, str]]:
+    """A headless X display; yields the environment that names it."""
+    read, write = os.pipe()
+    proc = subprocess.Popen(
+        ["Xvfb", "-displayfd", str(write), "-screen", "0", size, "-nolisten", "tcp"],
+        pass_fds=(write,),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    os.close(write)
+    try:
+        with os.fdopen(read) as pipe:
+            number = pipe.readline().strip()
+        assert number, "Xvfb did not report its display"
+        yield dict(os.environ, DISPLAY=f":{number}", HOME=str(tmp_path))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def _share(alice: Path, bob: Path, *flags: str) -> None:
+    assert gpumesh(alice, "desktop", "share", *flags).returncode == 0
+    assert gpumesh(alice, "desktop", "allow", "bob-laptop").returncode == 0
+
+
+def _capture(target: str, path: Path) -> bytes:
+    """The screen as raw RGB pixels, captured by vncdotool from ``target``."""
+    from PIL import Image
+
+    done = subprocess.run(
+        [_vncdo(), "-s", target, "capture", str(path)],
+        capture_output=True,
+        timeout=CEILING,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    with Image.open(path) as image:
+        return image.convert("RGB").tobytes()
+
+
+def test_vnc_screen_keys_and_clicks_through_the_tunnel(
+    tmp_path: Path,
+    homes: tuple[Path, Path],  # noqa: F811
+) -> None:
+    alice, bob = homes
+    vnc_port = _free_tcp_port()
+    with (
+        _xvfb(tmp_path) as env,
+        _started(
+            ["xmessage", "-geometry", "+40+40", "hello through the tunnel"], env, tmp_path / "m"
+        ),
+        _started(
+            ["xev", "-geometry", "200x150+300+300", "-event", "keyboard", "-event", "button"],
+            env,
+            tmp_path / "xev.out",
+        ),
+        _started(
+            ["x11vnc", "-display", env["DISPLAY"], "-rfbport", str(vnc_port), *X11VNC_FLAGS],
+            env,
+            tmp_path / "x11vnc.log",
+        ) as vnc,
+    ):
+        _wait_listening(vnc_port, vnc)
+        _share(alice, bob, "--vnc", "--port", str(vnc_port))
+        proc, port = _connect(bob)
+        try:
+            direct = _capture(f"127.0.0.1::{vnc_port}", tmp_path / "direct.png")
+            tunnelled = _capture(f"127.0.0.1::{port}", tmp_path / "tunnel.png")
+            assert len(tunnelled) == 640 * 480 * 3
+            assert tunnelled == direct
+            assert len(set(tunnelled)) > 1  # the message window is on it, not one colour
+            # A click and a key sent through the tunnel reach the X server.
+            sent = subprocess.run(
+                [_vncdo(), "-s", f"127.0.0.1::{port}", *INPUT],
+                capture_output=True,
+                timeout=CEILING,
+                check=False,
+            )
+            assert sent.returncode == 0, sent.stderr
+            where = subprocess.run(
+                ["xdotool", "getmouselocation"], env=env, capture_output=True, text=True, check=True
+            )
+            assert where.stdout.startswith("x:350 y:350 ")
+            deadline = time.monotonic() + CEILING
+            while True:  # xev writes the events as the X server delivers them
+                events = (tmp_path / "xev.out").read_text()
+                if "ButtonPress event" in events and "(keysym 0x61, a)" in events:
+                    break
+                assert time.monotonic() < deadline, events
+                time.sleep(0.1)
+        finally:
+            proc.terminate()
+            proc.communicate(timeout=CEILING)
+
+
+def test_rdp_handshake_through_the_tunnel(
+    tmp_path: Path,
+    homes: tuple[Path, Path],  # noqa: F811
+) -> None:
+    alice, bob = homes
+    rdp_port = _free_tcp_port()
+    with (
+        _xvfb(tmp_path) as server_env,
+        _xvfb(tmp_path, "320x240x24") as client_env,
+        _started(
+            ["freerdp-shadow-cli", "/bind-address:127.0.0.1", f"/port:{rdp_port}"],
+            server_env,
+            tmp_path / "shadow.log",
+        ) as shadow,
+    ):
+        _wait_listening(rdp_port, shadow)
+        _share(alice, bob, "--rdp", "--port", str(rdp_port))
+        proc, port = _connect(bob)
+        try:
+            # +auth-only: the client negotiates security, runs TLS and authenticates,
+            # then exits 0 without opening a window. Each connection gets its own stream.
+            for _ in range(2):
+                done = subprocess.run(
+                    ["xfreerdp", f"/v:127.0.0.1:{port}", *RDP_FLAGS],
+                    env=client_env,
+                    capture_output=True,
+                    text=True,
+                    timeout=CEILING,
+                    check=False,
+                )
+                assert done.returncode == 0, done.stdout + done.stderr
+                assert "Authentication only, exit status 0" in done.stdout + done.stderr
+        finally:
+            proc.terminate()
+            proc.communicate(timeout=CEILING)
