@@ -25,6 +25,8 @@ from gpumesh.protocol.messages import (
     ChannelGet,
     ChannelOffer,
     ChannelPut,
+    CudaOpen,
+    CudaOpened,
     DirGet,
     DirPut,
     ExecExit,
@@ -228,6 +230,14 @@ MESSAGES: st.SearchStrategy[Message] = st.one_of(
     st.builds(ExecStarted, provider=names),
     st.builds(ExecResize, rows=st.integers(1, 10000), cols=st.integers(1, 10000)),
     st.builds(ExecExit, exit_code=st.integers(-(2**31), 2**31)),
+    st.builds(CudaOpen, memory=st.integers(1, 2**40), version=st.integers(0, 9)),
+    st.builds(
+        CudaOpened,
+        provider=names,
+        backend=st.sampled_from(["driver", "fallback"]),
+        device=names,
+        memory=st.integers(0, 2**40),
+    ),
 )
 
 KEY = b"k" * 32
@@ -259,6 +269,7 @@ def test_every_message_type_is_covered_by_the_round_trip() -> None:
     }
     covered |= {FileStat, FileInfo, FilePut, FileResume, FileGet, FileDone, DirPut, DirGet}
     covered |= {ExecStart, ExecStarted, ExecResize, ExecExit}
+    covered |= {CudaOpen, CudaOpened}
     covered |= {AppSync, AppNeeds, AppSend, AppSynced, AppJobDir, AppJobDirReply}
     covered |= {ChannelPut, ChannelGet, ChannelOffer, ChannelDeclined}
     assert set(get_args(Message)) == covered
