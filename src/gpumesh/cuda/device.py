@@ -148,17 +148,22 @@ class RemoteDevice:
         return device
 
     def _setup(self, sock: socket.socket, client: str) -> None:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 * 1024 * 1024)
         self._sock = sock
         self._closed = False
         self._modules: dict[bytes, Module] = {}
+        try:
+            self._greet(client)
+        except BaseException:
+            self.close()
+            raise
+
+    def _greet(self, client: str) -> None:
         self._send(call_frame(Hello(version=VERSION, client=client[:256])))
         kind, body = self._frame()
         if kind is not FrameKind.RESULT:
             raise ProtocolError(f"the CUDA session began with {kind.name}")
         welcome = decode_welcome(body)
         if welcome.error:
-            self.close()
             raise CudaError(f"{welcome.error}: {welcome.detail}", welcome.error)
         self.backend = welcome.backend
         """``driver`` (a GPU) or ``fallback`` (host memory on the provider)."""
@@ -317,7 +322,7 @@ class RemoteDevice:
 
     def close(self) -> None:
         """End the session: the provider frees its memory."""
-        if getattr(self, "_sock", None) is None:
+        if getattr(self, "_sock", None) is None or self._sock.fileno() < 0:
             return
         self._closed = True
         with contextlib.suppress(OSError):
