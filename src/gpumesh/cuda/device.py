@@ -141,8 +141,16 @@ class RemoteDevice:
                 f"no CUDA bridge at {address}: {exc}; start one with "
                 "`gpumesh cuda bridge --peer PEER --bind ADDRESS`"
             ) from None
+        return cls.over_socket(sock, address, client=client)
+
+    @classmethod
+    def over_socket(
+        cls, sock: socket.socket, name: str, *, client: str = "gpumesh.cuda"
+    ) -> RemoteDevice:
+        """A session on a connected socket that carries the call protocol (what the
+        bridge serves; a benchmark carries one itself). ``name`` is for messages."""
         device = cls.__new__(cls)
-        device.peer = address
+        device.peer = name
         device._thread = None
         device._setup(sock, client)
         return device

@@ -41,6 +41,7 @@ from gpumesh.protocol.messages import CudaOpen, CudaOpened, Refusal, decode_mess
 
 if TYPE_CHECKING:
     from gpumesh.client.node import Node
+    from gpumesh.transport.session import Session
     from gpumesh.transport.stream import Stream
 
 __all__ = ["DEFAULT_MEMORY", "Bridge", "carry", "parse_bind", "socket_owner"]
@@ -59,14 +60,19 @@ async def carry(
     reader: asyncio.StreamReader,
     writer: asyncio.StreamWriter,
     on_open: Callable[[CudaOpened], None] | None = None,
+    on_session: Callable[[Session], None] | None = None,
 ) -> None:
     """Carry one local connection's CUDA session to ``peer`` until either side ends.
 
     Failures reach the local side as an END frame; this returns normally.
+    ``on_session`` gets the QUIC session the CUDA stream runs on (a benchmark
+    times plain requests on it).
     """
     try:
         target = node.peer(peer)
         async with node.session(target.node_id) as session:
+            if on_session is not None:
+                on_session(session)
             stream = session.open_stream()
             stream.send_message(CudaOpen(memory=memory))
             opened = await stream.expect(CudaOpened)
