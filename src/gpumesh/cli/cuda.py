@@ -126,7 +126,7 @@ def demo(peer: str, memory: str | None) -> None:
     where = (
         f"on {result.device} ({result.detail})"
         if result.backend == "driver"
-        else f"on the host-memory fallback (no GPU driver there: {result.detail})"
+        else f"on the host-memory fallback ({result.detail})"
     )
     if not result.correct:
         fail(f"vector add on {peer} ran {where} but {result.mismatches} results were wrong")

@@ -200,7 +200,8 @@ def open_backend(memory_cap: int, which: str = "auto") -> Backend:
     """The driver backend when ``which`` allows it and libcuda loads, else the fallback
     (whose ``detail`` says why)."""
     if which == "fallback":
-        return FallbackBackend(memory_cap, "the host-memory fallback was asked for")
+        # Only the agent asks for it: when the provider has no NVIDIA GPU.
+        return FallbackBackend(memory_cap, "the provider has no NVIDIA GPU")
     try:
         return DriverBackend(load_driver(), memory_cap)
     except DriverUnavailable as exc:
