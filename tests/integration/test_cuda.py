@@ -190,3 +190,49 @@ def test_a_worker_crash_is_one_line_and_the_agent_serves_on(make_node) -> None:
             await _in_thread(again.close)
 
     arun(scenario())
+
+
+def test_on_a_gpu_the_session_holds_its_memory_there_and_max_vram_caps_it(make_node) -> None:
+    """GPUs here are the explicit simulated inventory (no NVIDIA hardware on these
+    machines); the worker, finding no driver, runs the fallback."""
+    from gpumesh.gpu.inventory import SimulatedInventory
+    from tests.integration.test_jobs import providing
+
+    alice, bob = _cuda_pair(make_node)
+    inventory = SimulatedInventory("Sim GPU:40GB")
+
+    async def scenario() -> None:
+        async with providing(alice, inventory=inventory, max_vram=8 * 10**9) as agent:
+            pair_both(alice, bob)
+            _offer(alice, bob)
+            with pytest.raises(
+                LimitError,
+                match=r"asks for 17.2GB of GPU memory; alice shares at most 8GB \(--max-vram\)",
+            ):
+                await _in_thread(lambda: RemoteDevice("alice", home=bob.home.path, memory=16 << 30))
+            dev = await _in_thread(
+                lambda: RemoteDevice("alice", home=bob.home.path, memory=2 << 30)
+            )
+            try:
+                [held] = agent.gpus.reservations()
+                assert (held.holder.kind, held.gpus, held.memory) == (
+                    HolderKind.CUDA,
+                    ("0",),
+                    2 << 30,
+                )
+                reports, _ = await agent.gpus.report()
+                assert reports[0].jobs == 1  # what peers' status and placement read
+                [figures] = agent.gpus.figures(inventory.gpus())
+                assert figures.reserved == 2 << 30
+            finally:
+                await _in_thread(dev.close)
+            await _until(lambda: not agent.gpus.reservations())
+            agent.cuda.backend = "driver"  # as if the GPU's driver had to be used, and is missing
+            with pytest.raises(
+                CudaError,
+                match="the CUDA worker on alice could not open a device: CUDA_ERROR_NO_DEVICE",
+            ):
+                await _in_thread(lambda: RemoteDevice("alice", home=bob.home.path))
+            await _until(lambda: not agent.gpus.reservations())
+
+    arun(scenario())

@@ -35,6 +35,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from gpumesh.agent.deps import Handlers, Provider, RequestContext
 from gpumesh.agent.gpus import GpuAllocator, Holder, HolderKind
 from gpumesh.blocking import in_thread
+from gpumesh.cuda.protocol import FrameDecoder, decode_end
+from gpumesh.cuda.protocol import FrameKind as CudaFrameKind
 from gpumesh.errors import (
     AccessDeniedError,
     AgentError,
@@ -266,10 +268,12 @@ class CudaService:
         except ValueError:
             described = None
         if not isinstance(described, dict):
+            said = _last_words(await process.stdout.read())
             await process.wait()
+            why = f": {said}" if said else f" (exit {process.returncode})"
             raise CudaError(
-                f"the CUDA worker on {name} could not open a device (exit "
-                f"{process.returncode}); its owner can run `gpumesh cuda doctor`"
+                f"the CUDA worker on {name} could not open a device{why}; its owner can "
+                "run `gpumesh cuda doctor`"
             )
         session = CudaSession(
             id=session_id,
@@ -338,6 +342,16 @@ class CudaService:
         finally:
             for task in (to_worker, from_worker, logs, closed, exited):
                 task.cancel()
+
+
+def _last_words(output: bytes) -> str:
+    """The message of the END frame a worker wrote before it gave up, if any."""
+    try:
+        frames = FrameDecoder().feed(output)
+    except ProtocolError:
+        return ""
+    ends = [frame for frame in frames if frame.kind is CudaFrameKind.END]
+    return decode_end(ends[-1].body).message if ends else ""
 
 
 def _exit_text(code: int | None) -> str:

@@ -144,8 +144,19 @@ class CallServer:
                     f"not {call.version}: upgrade the older side",
                 )
             )
+        try:
+            info = backend.device_info(0)
+        except CudaFault as fault:
+            return result_frame(
+                Welcome(
+                    version=VERSION,
+                    backend=backend.name,
+                    device="",
+                    error=fault.name,
+                    detail=fault.message[:2048],
+                )
+            )
         self._greeted = True
-        info = backend.device_info(0)
         return result_frame(
             Welcome(
                 version=VERSION,
@@ -236,10 +247,10 @@ def main(argv: list[str] | None = None) -> int:
     options = parser.parse_args(argv)
     try:
         backend = open_backend(options.memory_cap, options.backend)
+        info = backend.device_info(0)
     except CudaFault as fault:
         _write_all(1, [end_frame("cuda", f"{fault.name}: {fault.message}")])
         return 1
-    info = backend.device_info(0)
     sys.stderr.write(
         json.dumps({"backend": backend.name, "device": info.name, "detail": backend.detail}) + "\n"
     )
