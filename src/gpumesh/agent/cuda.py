@@ -29,6 +29,7 @@ import secrets
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -125,7 +126,7 @@ class CudaService:
         gpus: GpuAllocator,
         *,
         backend: str = "auto",
-        on_change: Any = None,
+        on_change: Callable[[list[CudaSession]], None] | None = None,
     ) -> None:
         self.provider = provider
         self.access = access
