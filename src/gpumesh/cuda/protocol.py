@@ -321,36 +321,64 @@ def decode_end(body: bytes) -> End:
 
 
 class FrameDecoder:
-    """Bytes in, whole frames out; refuses a frame over its kind's limit."""
+    """Bytes in, whole frames out; refuses a frame over its kind's limit.
+
+    A body is kept as the pieces it arrived in and joined once, when whole: a
+    1 MiB chunk of a copy is copied once here, however the reads cut it.
+    """
 
     def __init__(self) -> None:
-        self._buffer = bytearray()
-        self._start = 0
+        self._header = bytearray()
+        self._kind: FrameKind | None = None
+        self._want = 0
+        self._got = 0
+        self._pieces: list[bytes | memoryview] = []
+
+    def _start(self, header: bytes | bytearray) -> None:
+        kind_byte, length = _HEADER.unpack(header)
+        try:
+            kind = FrameKind(kind_byte)
+        except ValueError:
+            raise ProtocolError(f"unknown CUDA frame kind {kind_byte}") from None
+        limit = MAX_CHUNK if kind is FrameKind.DATA else MAX_CALL
+        if length > limit:
+            raise ProtocolError(f"CUDA {kind.name} frame of {length} bytes over {limit}")
+        self._kind, self._want, self._got, self._pieces = kind, length, 0, []
 
     def feed(self, data: bytes | memoryview) -> list[Frame]:
-        self._buffer += data
+        view = memoryview(data)
         frames: list[Frame] = []
-        buffer, start = self._buffer, self._start
-        while len(buffer) - start >= _HEADER.size:
-            kind_byte, length = _HEADER.unpack_from(buffer, start)
-            try:
-                kind = FrameKind(kind_byte)
-            except ValueError:
-                raise ProtocolError(f"unknown CUDA frame kind {kind_byte}") from None
-            limit = MAX_CHUNK if kind is FrameKind.DATA else MAX_CALL
-            if length > limit:
-                raise ProtocolError(f"CUDA {kind.name} frame of {length} bytes over {limit}")
-            end = start + _HEADER.size + length
-            if len(buffer) < end:
-                break
-            frames.append(Frame(kind, bytes(buffer[start + _HEADER.size : end])))
-            start = end
-        if start:
-            del buffer[:start]
-            start = 0
-        self._start = start
+        pos, size = 0, len(view)
+        while pos < size or (self._kind is not None and self._got == self._want):
+            if self._kind is None:
+                need = _HEADER.size - len(self._header)
+                if not self._header and size - pos >= _HEADER.size:
+                    self._start(view[pos : pos + _HEADER.size].tobytes())
+                    pos += _HEADER.size
+                else:
+                    self._header += view[pos : pos + need]
+                    pos += min(need, size - pos)
+                    if len(self._header) < _HEADER.size:
+                        break
+                    header, self._header = self._header, bytearray()
+                    self._start(header)
+                continue
+            take = min(self._want - self._got, size - pos)
+            if take:
+                self._pieces.append(view[pos : pos + take])
+                self._got += take
+                pos += take
+            if self._got == self._want:
+                pieces = self._pieces
+                body = bytes(pieces[0]) if len(pieces) == 1 else b"".join(pieces)
+                frames.append(Frame(self._kind, body))
+                self._kind, self._pieces, self._want, self._got = None, [], 0, 0
+        # Pieces still waiting point into ``data``: unless it is immutable, keep a copy
+        # the caller cannot change.
+        if self._pieces and not isinstance(data, bytes):
+            self._pieces = [bytes(piece) for piece in self._pieces]
         return frames
 
     @property
     def buffered(self) -> int:
-        return len(self._buffer) - self._start
+        return len(self._header) + self._got
