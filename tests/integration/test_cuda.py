@@ -16,7 +16,7 @@ from gpumesh.client.node import Node
 from gpumesh.cuda import DevicePointer, RemoteDevice
 from gpumesh.cuda.kernels import VADD_F32, VADD_PTX
 from gpumesh.cuda.owner import open_sessions
-from gpumesh.errors import AccessDeniedError, CudaError, LimitError
+from gpumesh.errors import AccessDeniedError, CudaError, GPUMeshError, LimitError
 from tests.integration.conftest import arun, pair_both, sharing
 
 MiB = 1024 * 1024
@@ -234,5 +234,24 @@ def test_on_a_gpu_the_session_holds_its_memory_there_and_max_vram_caps_it(make_n
             ):
                 await _in_thread(lambda: RemoteDevice("alice", home=bob.home.path))
             await _until(lambda: not agent.gpus.reservations())
+
+    arun(scenario())
+
+
+def test_stopping_the_agent_ends_its_sessions_and_their_workers(make_node) -> None:
+    alice, bob = _cuda_pair(make_node)
+
+    async def scenario() -> None:
+        async with sharing(alice) as agent:
+            pair_both(alice, bob)
+            _offer(alice, bob)
+            dev = await _in_thread(lambda: RemoteDevice("alice", home=bob.home.path, memory=MiB))
+            [session] = agent.cuda.sessions()
+            agent.stop()
+            assert await session.process.wait() != 0
+            with pytest.raises(GPUMeshError) as caught:
+                await _in_thread(dev.synchronize)
+            assert "\n" not in str(caught.value)
+            await _in_thread(dev.close)
 
     arun(scenario())
