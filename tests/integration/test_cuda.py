@@ -255,3 +255,13 @@ def test_stopping_the_agent_ends_its_sessions_and_their_workers(make_node) -> No
             await _in_thread(dev.close)
 
     arun(scenario())
+
+
+def test_an_unknown_peer_or_bridge_is_one_clear_error(make_node, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from gpumesh.errors import ConnectionLostError, PeerError
+
+    bob = make_node("bob")
+    with pytest.raises(PeerError, match="nobody"):
+        RemoteDevice("nobody", home=bob.home.path)
+    with pytest.raises(ConnectionLostError, match=r"no CUDA bridge at unix:.*`gpumesh cuda bridge"):
+        RemoteDevice.bridge(f"unix:{tmp_path / 'none.sock'}")

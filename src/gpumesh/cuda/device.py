@@ -113,7 +113,11 @@ class RemoteDevice:
         from gpumesh.cuda.remote import DEFAULT_MEMORY
 
         node = Node(home)
-        node.peer(peer)  # an unknown peer is an error here, in the caller's thread
+        try:
+            node.peer(peer)  # an unknown peer is an error here, in the caller's thread
+        except BaseException:
+            node.close()
+            raise
         mine, theirs = socket.socketpair()
         self.peer = peer
         self._thread: threading.Thread | None = threading.Thread(
@@ -132,7 +136,11 @@ class RemoteDevice:
         try:
             if address.startswith("unix:"):
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                sock.connect(address[5:])
+                try:
+                    sock.connect(address[5:])
+                except OSError:
+                    sock.close()
+                    raise
             else:
                 host, _, port = address.rpartition(":")
                 sock = socket.create_connection((host.strip("[]"), int(port)))
