@@ -33,7 +33,8 @@ exit codes; nothing here prints.
     ├── NotFoundError                 not_found
     ├── InUseError                    in_use
     ├── AgentError                    agent
-    └── BadRequestError               bad_request
+    ├── BadRequestError               bad_request
+    └── CudaError                     cuda
 
 Each class also carries the ``exit_code`` the CLI ends with; :class:`ExitCode`
 is the one table of those codes (with the ones jobs end with), which
@@ -105,6 +106,7 @@ __all__ = [
     "BadRequestError",
     "ConfigError",
     "ConnectionLostError",
+    "CudaError",
     "ExitCode",
     "ExpiredCodeError",
     "FrameTooLargeError",
@@ -268,6 +270,16 @@ class BadRequestError(GPUMeshError):
 
     code = "bad_request"
     exit_code = ExitCode.USAGE
+
+
+class CudaError(GPUMeshError):
+    """A remote CUDA call failed; ``name`` is CUDA's error name when it has one."""
+
+    code = "cuda"
+
+    def __init__(self, message: str, name: str = "") -> None:
+        super().__init__(message)
+        self.name = name
 
 
 def _all_subclasses(cls: type[GPUMeshError]) -> list[type[GPUMeshError]]:

@@ -57,6 +57,7 @@ FLOORS = {
     "files": SERVICES,
     "client": OPERATIONS,
     "agent": OPERATIONS,
+    "cuda": OPERATIONS,
     "cli": FACES,
     "control": FACES,
     "relay": RELAY,

@@ -25,6 +25,8 @@ from gpumesh.protocol.messages import (
     ChannelGet,
     ChannelOffer,
     ChannelPut,
+    CudaOpen,
+    CudaOpened,
     DesktopOpen,
     DesktopOpened,
     DirGet,
@@ -237,6 +239,14 @@ MESSAGES: st.SearchStrategy[Message] = st.one_of(
         kind=st.sampled_from(["vnc", "rdp", "tcp"]),
         port=st.integers(1, 65535),
     ),
+    st.builds(CudaOpen, memory=st.integers(1, 2**40), version=st.integers(0, 9)),
+    st.builds(
+        CudaOpened,
+        provider=names,
+        backend=st.sampled_from(["driver", "fallback"]),
+        device=names,
+        memory=st.integers(0, 2**40),
+    ),
 )
 
 KEY = b"k" * 32
@@ -268,6 +278,7 @@ def test_every_message_type_is_covered_by_the_round_trip() -> None:
     }
     covered |= {FileStat, FileInfo, FilePut, FileResume, FileGet, FileDone, DirPut, DirGet}
     covered |= {ExecStart, ExecStarted, ExecResize, ExecExit}
+    covered |= {CudaOpen, CudaOpened}
     covered |= {AppSync, AppNeeds, AppSend, AppSynced, AppJobDir, AppJobDirReply}
     covered |= {ChannelPut, ChannelGet, ChannelOffer, ChannelDeclined}
     covered |= {DesktopOpen, DesktopOpened}

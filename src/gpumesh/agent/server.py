@@ -22,6 +22,7 @@ from typing import Any
 
 from gpumesh.agent.apps import AppService
 from gpumesh.agent.containers import Containers
+from gpumesh.agent.cuda import CudaService, CudaSession
 from gpumesh.agent.deps import Handlers, Provider, RequestContext
 from gpumesh.agent.desktop import DesktopService
 from gpumesh.agent.exec import ExecService
@@ -30,6 +31,7 @@ from gpumesh.agent.gpus import GpuAllocator
 from gpumesh.agent.jobs import JobService, uploaded_workdirs
 from gpumesh.agent.limits import ShareLimits, machine_size, return_free_memory
 from gpumesh.agent.ratelimit import ConnectionLimiter, Outcome, RefusalTally, Slot
+from gpumesh.cuda.owner import clear_sessions, write_sessions
 from gpumesh.errors import (
     AccessDeniedError,
     AgentError,
@@ -152,6 +154,7 @@ class Agent:
         )
         self.apps = AppService(provider, self.files, self.jobs, index_root=home.apps_dir)
         self.shells = ExecService(provider, self.containers, self.jobs.admission, self.gpus)
+        self.cuda = CudaService(provider, self.store, self.gpus, on_change=self._publish_cuda)
         self.handlers = Handlers()
         """Request message type -> the handler that serves it."""
         self.handlers.add(Ping, _handle_ping)
@@ -159,8 +162,17 @@ class Agent:
         self.handlers.add(ThroughputRequest, _handle_throughput)
         self.desktop = DesktopService(provider, self.store, on_change=self._publish)
         """The desktop share: the owner's one local port, for its own allowlist."""
-        for service in (self.jobs, self.files, self.apps, self.shells, self.desktop):
+        for service in (self.jobs, self.files, self.apps, self.shells, self.desktop, self.cuda):
             service.register(self.handlers)
+
+    def _publish_cuda(self, sessions: list[CudaSession]) -> None:
+        """Let the owner's ``status`` see the open CUDA sessions."""
+        if self._stopped.is_set():
+            return
+        try:
+            write_sessions(self.home.path, [session.describe() for session in sessions])
+        except OSError as exc:
+            logger.warning("could not publish CUDA sessions: %s", exc)
 
     def share_limits(self) -> ShareLimits:
         """The sharing limits in force (config, ``auto`` worked out for this machine)."""
@@ -293,6 +305,8 @@ class Agent:
             self._returning_memory.cancel()
         self.shells.stop()  # before the engine client is closed
         self.desktop.stop()
+        self.cuda.stop()
+        clear_sessions(self.home.path)
         self.jobs.stop()
         self.containers.close()
         for task in list(self._tasks):
@@ -457,6 +471,7 @@ class Agent:
                 link.close(AccessDeniedError(f"{self.name} has revoked your access"))
         allowed_ids = {str(peer.node_id) for peer in self.store.peers() if peer.allowed}
         await self.jobs.revoke(lambda peer_id: peer_id in allowed_ids)
+        await self.cuda.revoke()
 
     async def _handle_status(self, ctx: RequestContext, message: StatusRequest) -> None:
         gpus, source = await self.gpus.report()

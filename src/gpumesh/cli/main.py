@@ -44,6 +44,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "group": ("gpumesh.cli.group", "group", "Create, share and join groups of nodes."),
     "desktop": ("gpumesh.cli.desktop", "desktop", "Share your VNC/RDP desktop, or use a peer's."),
     "completion": ("gpumesh.cli.completion", "completion", "Print a shell completion script."),
+    "cuda": ("gpumesh.cli.cuda", "cuda", "Use a peer's GPU from your programs (experimental)."),
 }
 
 EPILOG = """\b

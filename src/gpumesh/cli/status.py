@@ -66,6 +66,12 @@ def status(offline: bool, as_json: bool) -> None:
         click.echo(f"Desktop  {entry['peer']} connected ({entry['kind']}) since {since}")
     from gpumesh.units import format_size
 
+    if st.agent:
+        from gpumesh.cuda.owner import open_sessions
+
+        for cuda in open_sessions(node.home):
+            held = format_size(cuda.memory)
+            click.echo(f"CUDA     {cuda.peer}: {held} on {cuda.device} (pid {cuda.pid})")
     if st.gpu_source == "simulated":
         click.echo(click.style("GPUs     SIMULATED (test mode, not real hardware)", fg="red"))
     if st.gpus:

@@ -42,6 +42,8 @@ __all__ = [
     "ChannelGet",
     "ChannelOffer",
     "ChannelPut",
+    "CudaOpen",
+    "CudaOpened",
     "DesktopOpen",
     "DesktopOpened",
     "DirGet",
@@ -663,6 +665,33 @@ class DesktopOpened(_Msg, tag="desktop_opened", frozen=True):
     """The provider's local port (for the consumer's messages; it never picks it)."""
 
 
+# --- CUDA remoting: one session per stream ------------------------------------------
+
+
+class CudaOpen(_Msg, tag="cuda_open", frozen=True):
+    """Open a CUDA session on the provider with ``memory`` bytes of device memory
+    (held for it while it is open). After ``CudaOpened``, DATA frames carry the
+    CUDA call protocol both ways (:mod:`gpumesh.cuda.protocol`); the consumer's
+    FIN ends the session and frees its memory."""
+
+    memory: Annotated[int, msgspec.Meta(ge=1)]
+    version: int = 1
+    """The CUDA call protocol the consumer speaks."""
+
+
+class CudaOpened(_Msg, tag="cuda_opened", frozen=True):
+    provider: Name
+    backend: Name
+    """``driver`` (a GPU) or ``fallback`` (host memory)."""
+    device: Name
+    """The GPU's name, or ``host-memory fallback``."""
+    memory: Count
+    """Bytes held for the session."""
+    detail: Text = ""
+    """The driver version, or why the fallback."""
+    gpus: Annotated[list[Name], msgspec.Meta(max_length=64)] = []
+
+
 Message = (
     SessionProof
     | Hello
@@ -708,6 +737,8 @@ Message = (
     | ExecExit
     | DesktopOpen
     | DesktopOpened
+    | CudaOpen
+    | CudaOpened
 )
 
 _encoder = msgspec.msgpack.Encoder()

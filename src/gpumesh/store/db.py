@@ -225,6 +225,19 @@ MIGRATIONS: list[str] = [
         shared_at REAL NOT NULL
     );
     """,
+    # 12 -> 13: CUDA remoting: its own allowlist (empty by default) and whether this
+    # node offers CUDA sessions when it shares
+    """
+    CREATE TABLE cuda_allowed (
+        node_id    TEXT PRIMARY KEY REFERENCES peers(node_id) ON DELETE CASCADE,
+        allowed_at REAL NOT NULL
+    );
+    CREATE TABLE cuda_share (
+        id         INTEGER PRIMARY KEY CHECK (id = 1),
+        sharing    INTEGER NOT NULL,
+        changed_at REAL NOT NULL
+    );
+    """,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -1127,3 +1140,34 @@ class Store:
             "WHERE p.allowed = 1"
         )
         return {str(r["node_id"]) for r in rows}
+
+    # --- CUDA remoting: its allowlist and whether it is shared ------------------------
+
+    def cuda_allow(self, node_id: str, now: float | None = None) -> None:
+        """Let a paired peer open CUDA sessions here (besides the peer allowlist)."""
+        self._execute(
+            "INSERT OR IGNORE INTO cuda_allowed (node_id, allowed_at) VALUES (?, ?)",
+            (node_id, time.time() if now is None else now),
+        )
+
+    def cuda_deny(self, node_id: str) -> bool:
+        """Take a peer off the CUDA allowlist; False when it was not on it."""
+        return self._execute("DELETE FROM cuda_allowed WHERE node_id = ?", (node_id,)) > 0
+
+    def cuda_allowed(self) -> set[str]:
+        """The node ids on the CUDA allowlist."""
+        return {r["node_id"] for r in self._query("SELECT node_id FROM cuda_allowed")}
+
+    def set_cuda_share(self, sharing: bool, now: float | None = None) -> None:
+        """Remember whether this node offers CUDA sessions whenever it shares."""
+        self._execute(
+            "INSERT INTO cuda_share (id, sharing, changed_at) VALUES (1, ?, ?) "
+            "ON CONFLICT (id) DO UPDATE SET sharing = excluded.sharing, "
+            "changed_at = excluded.changed_at",
+            (int(sharing), time.time() if now is None else now),
+        )
+
+    def cuda_share(self) -> bool:
+        """Whether this node offers CUDA sessions (off until `cuda share`)."""
+        rows = self._query("SELECT sharing FROM cuda_share WHERE id = 1")
+        return bool(rows and rows[0]["sharing"])

@@ -1,0 +1,203 @@
+"""``gpumesh cuda``: share, allow, deny, doctor, demo, bench and bridge."""
+
+from __future__ import annotations
+
+import click
+
+from gpumesh.cli._common import fail, get_node, run_async
+from gpumesh.cli._complete import complete_peer
+from gpumesh.units import format_size
+
+_MEMORY_HELP = "Device memory to hold for the session (e.g. 2GB; default 1GiB)."
+
+
+def _memory(text: str | None) -> int | None:
+    if text is None:
+        return None
+    from gpumesh.errors import ConfigError
+    from gpumesh.units import parse_size
+
+    size = parse_size(text)
+    if size <= 0:
+        raise ConfigError(f"--memory {text!r} must be a size above zero, such as 2GB")
+    return size
+
+
+@click.group(
+    epilog="""\b
+Examples:
+  gpumesh cuda doctor                  # on the provider: GPU driver, or the fallback and why
+  gpumesh cuda share                   # offer CUDA sessions whenever this node shares
+  gpumesh cuda allow bob-laptop        # its own allowlist, empty by default
+  gpumesh cuda demo --peer alice-pc    # on the consumer
+  gpumesh cuda bench --peer alice-pc
+  gpumesh cuda bridge --peer alice-pc --bind 127.0.0.1:17999
+\b
+An experimental subset of the CUDA driver API (device query, memory, copies,
+kernels from PTX, synchronize) run on a peer's GPU, or in its host memory
+when no GPU driver loads there. Not a drop-in for PyTorch; from Python:
+`from gpumesh.cuda import RemoteDevice`.
+"""
+)
+def cuda() -> None:
+    """Use a peer's GPU from your programs over the LAN (experimental)."""
+
+
+@cuda.command(epilog="\b\nExamples:\n  gpumesh cuda doctor")
+def doctor() -> None:
+    """Say what a CUDA session on this node runs on, and who may open one."""
+    from gpumesh.cuda.ops import doctor as check
+
+    report = check(get_node())
+    if report.backend == "driver":
+        click.echo(click.style(f"Driver   libcuda loads: {report.detail}", fg="green"))
+        for index, info in enumerate(report.devices):
+            click.echo(
+                f"GPU {index}    {info.name}, {format_size(info.memory_total)}, "
+                f"compute {info.major}.{info.minor}, {info.multiprocessors} SMs"
+            )
+    else:
+        click.echo(click.style("Driver   host-memory fallback: ", fg="yellow") + report.detail)
+        click.echo("         sessions get memory calls and GPUMesh's own kernels only")
+    shared = "yes (when this node shares)" if report.sharing else "no (`gpumesh cuda share`)"
+    click.echo(f"Shared   {shared}")
+    allowed = ", ".join(report.allowed) or "nobody (`gpumesh cuda allow PEER`)"
+    click.echo(f"Allowed  {allowed}")
+    for session in report.sessions:
+        click.echo(
+            f"Session  {session.peer}: {format_size(session.memory)} on "
+            f"{session.device} (worker pid {session.pid})"
+        )
+
+
+@cuda.command(
+    epilog="\b\nExamples:\n  gpumesh cuda share\n  gpumesh cuda share stop",
+)
+@click.argument("action", required=False, type=click.Choice(["stop"]))
+def share(action: str | None) -> None:
+    """Offer CUDA sessions whenever this node shares (remembered); `stop` ends them.
+
+    Returns at once. Only peers on the CUDA allowlist (`gpumesh cuda allow`) may
+    open a session; each one's memory is held like a job's GPU memory.
+    """
+    from gpumesh.cuda.ops import share as set_share
+
+    node = get_node()
+    set_share(node, action != "stop")
+    if action == "stop":
+        click.echo("CUDA sessions are no longer offered; open ones were ended")
+    elif node.home.read_agent_info() is None:
+        click.echo("CUDA sessions are offered whenever this node shares (`gpumesh share`)")
+    else:
+        click.echo("CUDA sessions are offered now and whenever this node shares")
+
+
+@cuda.command(epilog="\b\nExamples:\n  gpumesh cuda allow bob-laptop")
+@click.argument("peer", shell_complete=complete_peer)
+def allow(peer: str) -> None:
+    """Let a paired PEER open CUDA sessions here."""
+    from gpumesh.cuda.ops import allow as put
+
+    found = put(get_node(), peer)
+    click.echo(f"{found.name} may open CUDA sessions here")
+
+
+@cuda.command(epilog="\b\nExamples:\n  gpumesh cuda deny bob-laptop")
+@click.argument("peer", shell_complete=complete_peer)
+def deny(peer: str) -> None:
+    """Take PEER off the CUDA allowlist; its open sessions end at once."""
+    from gpumesh.cuda.ops import deny as take
+
+    found = take(get_node(), peer)
+    click.echo(f"{found.name} may no longer open CUDA sessions here")
+
+
+@cuda.command(epilog="\b\nExamples:\n  gpumesh cuda demo --peer alice-pc")
+@click.option("--peer", required=True, shell_complete=complete_peer, help="The provider.")
+@click.option("--memory", metavar="SIZE", help=_MEMORY_HELP)
+def demo(peer: str, memory: str | None) -> None:
+    """Add two vectors on PEER's device and check the result; say where it ran."""
+    from gpumesh.cuda.device import RemoteDevice
+    from gpumesh.cuda.ops import demo as run_demo
+
+    node = get_node()
+    with RemoteDevice(peer, memory=_memory(memory), home=node.home.path) as device:
+        result = run_demo(device)
+    where = (
+        f"on {result.device} ({result.detail})"
+        if result.backend == "driver"
+        else f"on the host-memory fallback ({result.detail})"
+    )
+    if not result.correct:
+        fail(f"vector add on {peer} ran {where} but {result.mismatches} results were wrong")
+    click.echo(
+        f"vector add of {result.elements:,} floats on {peer}: correct, ran {where}, "
+        f"{result.seconds:.2f}s"
+    )
+
+
+@cuda.command(epilog="\b\nExamples:\n  gpumesh cuda bench --peer alice-pc")
+@click.option("--peer", required=True, shell_complete=complete_peer, help="The provider.")
+@click.option("--memory", metavar="SIZE", help=_MEMORY_HELP)
+def bench(peer: str, memory: str | None) -> None:
+    """Call latency, and copy bandwidth each way 1 MiB ... 256 MiB, next to the link's."""
+    from gpumesh.cuda.device import RemoteDevice
+    from gpumesh.cuda.ops import bench as run_bench
+
+    node = get_node()
+    link = run_async(node.connect(peer))
+    raw = run_async(node.throughput(peer, 64 * 1024 * 1024))
+    with RemoteDevice(peer, memory=_memory(memory), home=node.home.path) as device:
+        result = run_bench(device)
+    where = result.device if result.backend == "driver" else "host-memory fallback"
+    click.echo(f"CUDA on {peer} ({where})")
+    click.echo(f"call latency  p50 {result.call_p50_ms:.2f} ms  (link ping {link.rtt_ms:.2f} ms)")
+    click.echo(f"small copies  {result.small_copies_per_s:,.0f}/s of 4 KiB")
+    click.echo(f"link raw      {raw.mb_per_s:,.0f} MB/s (64 MiB over QUIC)")
+    click.echo("    size   host->device   device->host")
+    mib = 1024 * 1024
+    for row in result.rows:
+        click.echo(
+            f"{row.size // mib:>4} MiB  {row.htod_mb_s:>9,.0f} MB/s {row.dtoh_mb_s:>9,.0f} MB/s"
+        )
+    for size in result.skipped:
+        click.echo(f"{size // mib:>4} MiB  skipped: over the session's memory (--memory)")
+
+
+@cuda.command(
+    epilog="""\b
+Examples:
+  gpumesh cuda bridge --peer alice-pc --bind 127.0.0.1:17999
+  gpumesh cuda bridge --peer alice-pc --bind unix:/tmp/gpumesh-cuda.sock
+\b
+Programs on this machine connect and speak the CUDA call protocol (see
+docs/architecture.md, "CUDA remoting"); from Python:
+RemoteDevice.bridge("127.0.0.1:17999"). Each connection is one session on
+PEER, authenticated as this node. On TCP only your own user's processes are
+served (Linux checks each connection's owner); a unix socket is made 0600.
+"""
+)
+@click.option("--peer", required=True, shell_complete=complete_peer, help="The provider.")
+@click.option(
+    "--bind",
+    default="127.0.0.1:17999",
+    show_default=True,
+    help="Loopback HOST:PORT, or unix:PATH.",
+)
+@click.option("--memory", metavar="SIZE", help=_MEMORY_HELP)
+def bridge(peer: str, bind: str, memory: str | None) -> None:
+    """Serve a local endpoint through which programs here use PEER's device."""
+    from gpumesh.cuda.remote import DEFAULT_MEMORY, Bridge
+
+    node = get_node()
+    server = Bridge(node, peer, bind, _memory(memory) or DEFAULT_MEMORY)
+
+    async def serve() -> None:
+        where = await server.start()
+        click.echo(f"CUDA bridge to {peer} on {where} (Ctrl-C ends it)", err=True)
+        try:
+            await server.serve_forever()
+        finally:
+            server.close()
+
+    run_async(serve())

@@ -1,0 +1,216 @@
+"""The driver backend: a CUDA session on a real GPU through NVIDIA's ``cuda-bindings``.
+
+``cuda-bindings`` (the optional ``cuda`` extra) is imported only here and only
+when a session or ``cuda doctor`` asks, so nothing else needs it. Every call of
+the driver API returns ``(CUresult, *values)``; :meth:`DriverBackend._check`
+turns a failure into :class:`CudaFault` with CUDA's error name. Host buffers
+and kernel parameters are passed as addresses (``ctypes``), which every version
+of the bindings accepts.
+
+Tests drive this class with a fake of the driver module (the same functions,
+on host memory), since the machines they run on have no GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from typing import Any
+
+from gpumesh.cuda.backend import CudaFault, DeviceInfo, LaunchArg, ctype_arg
+from gpumesh.units import format_size
+
+__all__ = ["DriverBackend", "DriverUnavailable", "load_driver"]
+
+
+class DriverUnavailable(Exception):
+    """libcuda (or the bindings) cannot be used here; the message says why."""
+
+
+def load_driver() -> Any:
+    """The initialized ``cuda.bindings.driver`` module, or DriverUnavailable."""
+    try:
+        from cuda.bindings import driver  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        try:
+            # cuda-python before 12.6
+            from cuda import cuda as driver  # type: ignore[import-not-found,unused-ignore,no-redef]
+        except ImportError:
+            raise DriverUnavailable(
+                "cuda-bindings is not installed (pip install 'gpumesh[cuda]')"
+            ) from None
+    try:
+        result = driver.cuInit(0)
+    except Exception as exc:  # DynamicLibNotFoundError, RuntimeError: no libcuda
+        raise DriverUnavailable(f"libcuda did not load: {exc}") from None
+    if result[0] != driver.CUresult.CUDA_SUCCESS:
+        raise DriverUnavailable(f"cuInit failed: {_name(driver, result[0])}")
+    count = driver.cuDeviceGetCount()
+    if count[0] != driver.CUresult.CUDA_SUCCESS or count[1] < 1:
+        raise DriverUnavailable("libcuda loaded but sees no CUDA device")
+    return driver
+
+
+def _name(cu: Any, err: Any) -> str:
+    name = getattr(err, "name", None)
+    if isinstance(name, str) and name.startswith("CUDA_"):
+        return name
+    try:
+        found = cu.cuGetErrorName(err)
+        if found[0] == cu.CUresult.CUDA_SUCCESS:
+            return bytes(found[1]).decode(errors="replace")
+    except Exception:  # an unknown code: say the number
+        pass
+    return f"CUDA_ERROR_{int(err)}"
+
+
+class DriverBackend:
+    """One session's context on one GPU."""
+
+    name = "driver"
+
+    def __init__(self, driver: Any, memory_cap: int, device: int = 0) -> None:
+        self._cu = driver
+        self.memory_cap = memory_cap
+        (version,) = self._check(driver.cuDriverGetVersion(), "cuDriverGetVersion")
+        self.detail = f"CUDA driver {int(version) // 1000}.{int(version) % 1000 // 10}"
+        (self._device,) = self._check(driver.cuDeviceGet(device), "cuDeviceGet")
+        (self._context,) = self._check(
+            driver.cuDevicePrimaryCtxRetain(self._device), "cuDevicePrimaryCtxRetain"
+        )
+        self._check(driver.cuCtxSetCurrent(self._context), "cuCtxSetCurrent")
+        self._sizes: dict[int, int] = {}
+        self._used = 0
+        self._modules: dict[int, Any] = {}
+        self._functions: dict[tuple[int, str], Any] = {}
+
+    def _check(self, result: Any, call: str) -> tuple[Any, ...]:
+        """The values of a driver call's result; CudaFault when it failed."""
+        err, *values = result if isinstance(result, tuple) else (result,)
+        if err != self._cu.CUresult.CUDA_SUCCESS:
+            message = ""
+            try:
+                found = self._cu.cuGetErrorString(err)
+                if found[0] == self._cu.CUresult.CUDA_SUCCESS:
+                    message = bytes(found[1]).decode(errors="replace")
+            except Exception:  # the name is enough
+                pass
+            raise CudaFault(_name(self._cu, err), f"{call}: {message or 'failed'}")
+        return tuple(values)
+
+    def device_count(self) -> int:
+        (count,) = self._check(self._cu.cuDeviceGetCount(), "cuDeviceGetCount")
+        return int(count)
+
+    def device_info(self, device: int) -> DeviceInfo:
+        cu = self._cu
+        (handle,) = self._check(cu.cuDeviceGet(device), "cuDeviceGet")
+        (raw,) = self._check(cu.cuDeviceGetName(256, handle), "cuDeviceGetName")
+        (total,) = self._check(cu.cuDeviceTotalMem(handle), "cuDeviceTotalMem")
+        attrs = cu.CUdevice_attribute
+        values = [
+            self._check(cu.cuDeviceGetAttribute(attr, handle), "cuDeviceGetAttribute")[0]
+            for attr in (
+                attrs.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
+                attrs.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR,
+                attrs.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )
+        ]
+        name = bytes(raw).split(b"\0", 1)[0].decode(errors="replace")
+        return DeviceInfo(name, int(total), int(values[0]), int(values[1]), int(values[2]))
+
+    # --- memory -----------------------------------------------------------------------------
+
+    def alloc(self, size: int) -> int:
+        if size <= 0:
+            raise CudaFault("CUDA_ERROR_INVALID_VALUE", "cannot allocate 0 bytes")
+        if self._used + size > self.memory_cap:
+            raise CudaFault(
+                "CUDA_ERROR_OUT_OF_MEMORY",
+                f"{format_size(size)} more would pass this session's cap of "
+                f"{format_size(self.memory_cap)} ({format_size(self._used)} allocated)",
+            )
+        (ptr,) = self._check(self._cu.cuMemAlloc(size), "cuMemAlloc")
+        address = int(ptr)
+        self._sizes[address] = size
+        self._used += size
+        return address
+
+    def free(self, ptr: int) -> None:
+        size = self._sizes.get(ptr)
+        if size is None:  # the driver would accept a pointer inside another session's memory
+            raise CudaFault("CUDA_ERROR_INVALID_VALUE", f"{ptr:#x} is not an allocation")
+        self._check(self._cu.cuMemFree(ptr), "cuMemFree")
+        del self._sizes[ptr]
+        self._used -= size
+
+    def memset(self, ptr: int, value: int, size: int) -> None:
+        self._check(self._cu.cuMemsetD8(ptr, value, size), "cuMemsetD8")
+
+    def write(self, ptr: int, data: bytes) -> None:
+        source = ctypes.c_char_p(data)  # the bytes' own buffer: no copy
+        address = ctypes.cast(source, ctypes.c_void_p).value or 0
+        self._check(self._cu.cuMemcpyHtoD(ptr, address, len(data)), "cuMemcpyHtoD")
+
+    def read(self, ptr: int, size: int) -> bytes:
+        target = bytearray(size)
+        address = ctypes.addressof((ctypes.c_char * size).from_buffer(target)) if size else 0
+        self._check(self._cu.cuMemcpyDtoH(address, ptr, size), "cuMemcpyDtoH")
+        return bytes(target)
+
+    def copy(self, dst: int, src: int, size: int) -> None:
+        self._check(self._cu.cuMemcpyDtoD(dst, src, size), "cuMemcpyDtoD")
+
+    # --- kernels ----------------------------------------------------------------------------
+
+    def module_load(self, ptx: bytes) -> int:
+        image = ptx if ptx.endswith(b"\0") else ptx + b"\0"
+        (module,) = self._check(self._cu.cuModuleLoadData(image), "cuModuleLoadData")
+        handle = len(self._modules) + 1
+        self._modules[handle] = module
+        return handle
+
+    def launch(
+        self,
+        module: int,
+        name: str,
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        shared: int,
+        args: Sequence[LaunchArg],
+    ) -> None:
+        loaded = self._modules.get(module)
+        if loaded is None:
+            raise CudaFault("CUDA_ERROR_INVALID_HANDLE", f"module {module} is not loaded")
+        function = self._functions.get((module, name))
+        if function is None:
+            (function,) = self._check(
+                self._cu.cuModuleGetFunction(loaded, name.encode()), "cuModuleGetFunction"
+            )
+            self._functions[(module, name)] = function
+        # cuLaunchKernel reads a void*[] of pointers to each argument's value.
+        values = [ctype_arg(kind, value) for kind, value in args]
+        pointers = (ctypes.c_void_p * max(1, len(values)))(
+            *[ctypes.addressof(value) for value in values]
+        )
+        params = ctypes.addressof(pointers) if values else 0
+        self._check(
+            self._cu.cuLaunchKernel(function, *grid, *block, shared, 0, params, 0),
+            "cuLaunchKernel",
+        )
+
+    def synchronize(self) -> None:
+        self._check(self._cu.cuCtxSynchronize(), "cuCtxSynchronize")
+
+    def close(self) -> None:
+        """Free the session's memory and modules, and let go of the context."""
+        cu = self._cu
+        for ptr in list(self._sizes):
+            cu.cuMemFree(ptr)
+        for module in self._modules.values():
+            cu.cuModuleUnload(module)
+        self._sizes.clear()
+        self._modules.clear()
+        self._functions.clear()
+        self._used = 0
+        cu.cuDevicePrimaryCtxRelease(self._device)

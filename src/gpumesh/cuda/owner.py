@@ -1,0 +1,74 @@
+"""What the owner sees of this node's CUDA remoting: the share, the allowlist, sessions.
+
+The agent writes its open CUDA sessions to ``cuda-sessions.json`` in the home
+(only the agent writes it, and it removes it when it stops); ``status`` and
+``cuda doctor`` read it here, and trust it only while that agent runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gpumesh.store.home import Home
+from gpumesh.store.modes import write_private
+
+__all__ = ["SESSIONS_FILE", "OwnerSession", "clear_sessions", "open_sessions", "write_sessions"]
+
+SESSIONS_FILE = "cuda-sessions.json"
+
+
+@dataclass(frozen=True)
+class OwnerSession:
+    peer: str
+    memory: int
+    backend: str
+    device: str
+    gpus: list[str]
+    started: float
+    pid: int
+
+
+def _path(home: Path) -> Path:
+    return home / SESSIONS_FILE
+
+
+def write_sessions(home: Path, sessions: list[dict[str, Any]]) -> None:
+    """The agent's side: its sessions now."""
+    data = {"agent": os.getpid(), "sessions": sessions}
+    write_private(_path(home), json.dumps(data).encode())
+
+
+def clear_sessions(home: Path) -> None:
+    _path(home).unlink(missing_ok=True)
+
+
+def open_sessions(home: Home) -> list[OwnerSession]:
+    """The running agent's CUDA sessions (none when it does not run)."""
+    agent = home.read_agent_info()
+    try:
+        data = json.loads(_path(home.path).read_text())
+    except (OSError, ValueError):
+        return []
+    if agent is None or not isinstance(data, dict) or data.get("agent") != agent.pid:
+        return []
+    found = []
+    for item in data.get("sessions", []):
+        try:
+            found.append(
+                OwnerSession(
+                    peer=str(item["peer"]),
+                    memory=int(item["memory"]),
+                    backend=str(item["backend"]),
+                    device=str(item["device"]),
+                    gpus=[str(g) for g in item.get("gpus", [])],
+                    started=float(item["started"]),
+                    pid=int(item["pid"]),
+                )
+            )
+        except (KeyError, TypeError, ValueError):
+            continue
+    return found

@@ -1,0 +1,275 @@
+"""The consumer's CUDA link: a local byte stream carried to a provider's CUDA session.
+
+Owns the consumer's side of ``CudaOpen``: one local connection (a socket pair
+inside :class:`~gpumesh.cuda.device.RemoteDevice`, or a program's connection
+to ``gpumesh cuda bridge``) is one CUDA session on the peer. The call
+protocol's bytes (:mod:`gpumesh.cuda.protocol`) go through unchanged both ways,
+so this side parses none of them; what the link itself has to say (the
+provider refused, the session was revoked, the link dropped) reaches the local
+program as the protocol's ``END`` frame, one line with an error code.
+
+The bridge (:class:`Bridge`) listens on loopback TCP or a unix socket. On
+Linux a TCP connection is accepted only from a process of this user (its
+socket's owner, looked up in ``/proc/net/tcp``); a unix socket is made 0600.
+Where neither check is possible the bridge refuses to start on TCP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import os
+import socket
+import stat
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from gpumesh.cuda.protocol import end_frame
+from gpumesh.errors import (
+    AccessDeniedError,
+    ConfigError,
+    GPUMeshError,
+    InUseError,
+    ProtocolError,
+    error_from_code,
+)
+from gpumesh.protocol.framing import FrameKind
+from gpumesh.protocol.messages import CudaOpen, CudaOpened, Refusal, decode_message
+
+if TYPE_CHECKING:
+    from gpumesh.client.node import Node
+    from gpumesh.transport.session import Session
+    from gpumesh.transport.stream import Stream
+
+__all__ = ["DEFAULT_MEMORY", "Bridge", "carry", "parse_bind", "socket_owner"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MEMORY = 1024**3
+"""Device memory a session asks for unless told otherwise."""
+_CHUNK = 1024 * 1024
+
+
+async def carry(
+    node: Node,
+    peer: str,
+    memory: int,
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    on_open: Callable[[CudaOpened], None] | None = None,
+    on_session: Callable[[Session], None] | None = None,
+) -> None:
+    """Carry one local connection's CUDA session to ``peer`` until either side ends.
+
+    Failures reach the local side as an END frame; this returns normally.
+    ``on_session`` gets the QUIC session the CUDA stream runs on (a benchmark
+    times plain requests on it).
+    """
+    try:
+        target = node.peer(peer)
+        async with node.session(target.node_id) as session:
+            if on_session is not None:
+                on_session(session)
+            stream = session.open_stream()
+            stream.send_message(CudaOpen(memory=memory))
+            opened = await stream.expect(CudaOpened)
+            if on_open is not None:
+                on_open(opened)
+            await _pump(stream, reader, writer, opened.provider)
+    except GPUMeshError as exc:
+        with contextlib.suppress(OSError, RuntimeError):
+            writer.write(end_frame(exc.code, exc.message))
+            await writer.drain()
+    finally:
+        writer.close()
+        with contextlib.suppress(OSError, RuntimeError):
+            await writer.wait_closed()
+
+
+async def _pump(
+    stream: Stream, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, provider: str
+) -> None:
+    outgoing = asyncio.create_task(_local_to_peer(stream, reader))
+    try:
+        while True:
+            frame = await stream.read_frame()
+            if frame is None:
+                return  # the provider closed the session
+            if frame.kind is FrameKind.DATA:
+                if frame.body:
+                    writer.write(frame.body)
+                    await writer.drain()
+                continue
+            message = decode_message(frame.body)
+            if isinstance(message, Refusal):
+                raise error_from_code(message.code, message.message)
+            raise ProtocolError(f"{provider} sent {type(message).__name__} in a CUDA session")
+    except (ConnectionResetError, BrokenPipeError):
+        return  # the local program went away; leaving closes the stream
+    finally:
+        outgoing.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await outgoing
+
+
+async def _local_to_peer(stream: Stream, reader: asyncio.StreamReader) -> None:
+    while data := await reader.read(_CHUNK):
+        await stream.send_data(data)
+    stream.finish()  # the program closed its side: the worker ends the session
+
+
+# --- the bridge ----------------------------------------------------------------------------
+
+
+def parse_bind(text: str) -> tuple[str, int] | Path:
+    """``HOST:PORT`` on loopback, or ``unix:PATH``."""
+    if text.startswith("unix:"):
+        return Path(text[5:]).expanduser()
+    host, sep, port_text = text.rpartition(":")
+    host = host.strip("[]")
+    try:
+        port = int(port_text)
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        raise ConfigError(
+            f"--bind {text!r} is not HOST:PORT on loopback (127.0.0.1:17999) or unix:PATH"
+        ) from None
+    if not sep or not 0 <= port < 65536:
+        raise ConfigError(f"--bind {text!r}: the port must be 0 to 65535")
+    if not address.is_loopback:
+        raise ConfigError(
+            f"--bind {text!r} is not a loopback address: the bridge serves programs on "
+            "this machine only (use 127.0.0.1 or ::1)"
+        )
+    return host, port
+
+
+def _hex_address(text: str) -> tuple[str, int]:
+    """An address of /proc/net/tcp{,6} (``0100007F:4E1F``) as (ip, port)."""
+    host_hex, port_hex = text.split(":")
+    raw = bytes.fromhex(host_hex)
+    # Each 32-bit word is in the kernel's byte order (little-endian here).
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    return str(ipaddress.ip_address(words)), int(port_hex, 16)
+
+
+def _same(a: tuple[str, int], b: tuple[str, int]) -> bool:
+    left, right = ipaddress.ip_address(a[0]), ipaddress.ip_address(b[0])
+    if isinstance(left, ipaddress.IPv6Address) and left.ipv4_mapped:
+        left = left.ipv4_mapped
+    if isinstance(right, ipaddress.IPv6Address) and right.ipv4_mapped:
+        right = right.ipv4_mapped
+    return left == right and a[1] == b[1]
+
+
+def socket_owner(
+    local: tuple[str, int], remote: tuple[str, int], proc: Path = Path("/proc/net")
+) -> int | None:
+    """The uid owning the TCP socket at ``remote`` connected to ``local`` (the other end
+    of an accepted connection), from /proc/net/tcp; None when it cannot be told."""
+    for name in ("tcp", "tcp6"):
+        try:
+            lines = (proc / name).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) < 8:
+                continue
+            try:
+                here, there = _hex_address(fields[1]), _hex_address(fields[2])
+            except ValueError:
+                continue
+            if _same(here, remote) and _same(there, local):
+                return int(fields[7])
+    return None
+
+
+def _can_tell_tcp_owner() -> bool:
+    return os.path.exists("/proc/net/tcp")
+
+
+class Bridge:
+    """``gpumesh cuda bridge``: local programs' CUDA sessions on ``peer``."""
+
+    def __init__(self, node: Node, peer: str, bind: str, memory: int = DEFAULT_MEMORY) -> None:
+        self.node = node
+        self.peer = peer
+        self.memory = memory
+        self.where = parse_bind(bind)
+        self._server: asyncio.Server | None = None
+        self.sessions = 0
+        """Local connections carried so far."""
+        self.on_open: Callable[[CudaOpened], None] | None = None
+
+    async def start(self) -> str:
+        """Listen; returns the address programs use (``RemoteDevice.bridge(...)``)."""
+        self.node.peer(self.peer)  # an unknown peer fails here, not per connection
+        where = self.where
+        try:
+            if isinstance(where, Path):
+                with contextlib.suppress(FileNotFoundError):
+                    if stat.S_ISSOCK(os.lstat(where).st_mode):
+                        where.unlink()  # a stale socket from an earlier bridge
+                old = os.umask(0o177)
+                try:
+                    self._server = await asyncio.start_unix_server(self._serve, path=str(where))
+                finally:
+                    os.umask(old)
+                return f"unix:{where}"
+            if not _can_tell_tcp_owner():
+                raise ConfigError(
+                    "this system cannot tell which user connects over TCP: use "
+                    "--bind unix:PATH (only you can open it)"
+                )
+            host, port = where
+            self._server = await asyncio.start_server(self._serve, host, port)
+        except OSError as exc:
+            raise InUseError(f"cannot listen on {self._text()}: {exc.strerror or exc}") from exc
+        sockname = self._server.sockets[0].getsockname()
+        host = sockname[0]
+        return f"[{host}]:{sockname[1]}" if ":" in host else f"{host}:{sockname[1]}"
+
+    def _text(self) -> str:
+        where = self.where
+        return f"unix:{where}" if isinstance(where, Path) else f"{where[0]}:{where[1]}"
+
+    async def serve_forever(self) -> None:
+        assert self._server is not None
+        async with self._server:
+            await self._server.serve_forever()
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        if isinstance(self.where, Path):
+            with contextlib.suppress(OSError):
+                self.where.unlink()
+
+    def _check_user(self, writer: asyncio.StreamWriter) -> None:
+        sock = writer.get_extra_info("socket")
+        if sock is None or sock.family == socket.AF_UNIX:
+            return  # the socket file is 0600: only this user opens it
+        local, remote = sock.getsockname()[:2], sock.getpeername()[:2]
+        owner = socket_owner(local, remote)
+        if owner != os.getuid():
+            raise AccessDeniedError(
+                "the CUDA bridge serves only its own user's programs "
+                f"(this connection is {'of uid ' + str(owner) if owner is not None else 'unknown'})"
+            )
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            self._check_user(writer)
+        except AccessDeniedError as exc:
+            logger.warning("%s", exc)
+            with contextlib.suppress(OSError, RuntimeError):
+                writer.write(end_frame(exc.code, exc.message))
+                await writer.drain()
+            writer.close()
+            return
+        self.sessions += 1
+        await carry(self.node, self.peer, self.memory, reader, writer, self.on_open)

@@ -1,0 +1,274 @@
+"""The provider's CUDA worker: one process per session, running its calls.
+
+:class:`CallServer` is the session without I/O: call-protocol bytes in
+(:mod:`gpumesh.cuda.protocol`), answer bytes out, calls run on a
+:class:`~gpumesh.cuda.backend.Backend`. :func:`main` runs it on the process's
+stdin and stdout, which the agent connects to the consumer's stream; a fault
+or crash here (a bad kernel, a driver bug) ends this process, never the agent.
+The first line on stderr is a JSON description of the backend, for the
+agent's ``status``; later lines are log lines.
+
+The worker never decides who may use CUDA or how much memory: the agent starts
+it for an allowed peer with the cap it reserved, and ends it on ``deny``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import dataclass
+
+from gpumesh.cuda.backend import Backend, CudaFault
+from gpumesh.cuda.driver import DriverBackend, DriverUnavailable, load_driver
+from gpumesh.cuda.fallback import FallbackBackend
+from gpumesh.cuda.protocol import (
+    SYNC_CALLS,
+    VERSION,
+    Call,
+    CopyDtoD,
+    CopyDtoH,
+    CopyHtoD,
+    DeviceCount,
+    DeviceProps,
+    FrameDecoder,
+    FrameKind,
+    Hello,
+    Launch,
+    MemAlloc,
+    MemFree,
+    Memset,
+    ModuleLoad,
+    Result,
+    Synchronize,
+    Welcome,
+    data_frames,
+    decode_call,
+    end_frame,
+    result_frame,
+)
+from gpumesh.errors import ProtocolError
+
+__all__ = ["CallServer", "main", "open_backend"]
+
+
+@dataclass
+class _Upload:
+    """A host-to-device copy whose bytes are still arriving."""
+
+    ptr: int
+    left: int
+    failed: bool = False
+
+
+class CallServer:
+    """One session's calls, run in order on ``backend``."""
+
+    def __init__(self, backend: Backend, memory_cap: int) -> None:
+        self.backend = backend
+        self.memory_cap = memory_cap
+        self._decoder = FrameDecoder()
+        self._greeted = False
+        self._upload: _Upload | None = None
+        self._pending: CudaFault | None = None
+        """The first failure of a call that is not answered, for the next answer."""
+        self.calls = 0
+
+    def feed(self, data: bytes) -> list[bytes]:
+        """Bytes from the client; the bytes to send back (ProtocolError when malformed)."""
+        out: list[bytes] = []
+        for frame in self._decoder.feed(data):
+            if frame.kind is FrameKind.DATA:
+                self._data(frame.body)
+            elif frame.kind is FrameKind.CALL:
+                if self._upload is not None:
+                    raise ProtocolError("a CUDA call arrived in the middle of a copy's bytes")
+                out.extend(self._call(decode_call(frame.body)))
+            else:
+                raise ProtocolError(f"a client may not send CUDA {frame.kind.name} frames")
+        return out
+
+    def _data(self, body: bytes) -> None:
+        upload = self._upload
+        if upload is None or len(body) > upload.left:
+            raise ProtocolError("CUDA copy bytes arrived that no copy announced")
+        if not upload.failed:
+            try:
+                self.backend.write(upload.ptr, body)
+            except CudaFault as fault:
+                upload.failed = True
+                self._fail(fault)
+        upload.ptr += len(body)
+        upload.left -= len(body)
+        if not upload.left:
+            self._upload = None
+
+    def _fail(self, fault: CudaFault) -> None:
+        if self._pending is None:
+            self._pending = fault
+
+    def _call(self, call: Call) -> list[bytes]:
+        self.calls += 1
+        if isinstance(call, Hello):
+            return [self._hello(call)]
+        if not self._greeted:
+            raise ProtocolError("a CUDA session must start with Hello")
+        if isinstance(call, SYNC_CALLS):
+            pending, self._pending = self._pending, None
+            if pending is not None:
+                return [result_frame(Result(error=pending.name, message=pending.message))]
+            try:
+                return self._answer(call)
+            except CudaFault as fault:
+                return [result_frame(Result(error=fault.name, message=fault.message))]
+        if isinstance(call, CopyHtoD) and call.size:
+            self._upload = _Upload(call.ptr, call.size)
+            return []
+        try:
+            self._run(call)
+        except CudaFault as fault:
+            self._fail(fault)
+        return []
+
+    def _hello(self, call: Hello) -> bytes:
+        backend = self.backend
+        if call.version != VERSION:
+            return result_frame(
+                Welcome(
+                    version=VERSION,
+                    backend=backend.name,
+                    device="",
+                    error="CUDA_ERROR_NOT_SUPPORTED",
+                    detail=f"this provider speaks CUDA call protocol {VERSION}, "
+                    f"not {call.version}: upgrade the older side",
+                )
+            )
+        try:
+            info = backend.device_info(0)
+        except CudaFault as fault:
+            return result_frame(
+                Welcome(
+                    version=VERSION,
+                    backend=backend.name,
+                    device="",
+                    error=fault.name,
+                    detail=fault.message[:2048],
+                )
+            )
+        self._greeted = True
+        return result_frame(
+            Welcome(
+                version=VERSION,
+                backend=backend.name,
+                device=info.name[:256],
+                detail=backend.detail[:2048],
+                memory_cap=self.memory_cap,
+            )
+        )
+
+    def _answer(self, call: Call) -> list[bytes]:
+        backend = self.backend
+        if isinstance(call, DeviceCount):
+            return [result_frame(Result(value=backend.device_count()))]
+        if isinstance(call, DeviceProps):
+            info = backend.device_info(call.device)
+            props: dict[str, int | str] = {
+                "name": info.name[:256],
+                "memory_total": info.memory_total,
+                "major": info.major,
+                "minor": info.minor,
+                "multiprocessors": info.multiprocessors,
+                "backend": backend.name,
+            }
+            return [result_frame(Result(props=props))]
+        if isinstance(call, MemAlloc):
+            return [result_frame(Result(value=backend.alloc(call.size)))]
+        if isinstance(call, CopyDtoH):
+            data = backend.read(call.ptr, call.size)
+            return [result_frame(Result(value=call.size)), *data_frames(data)]
+        if isinstance(call, ModuleLoad):
+            return [result_frame(Result(value=backend.module_load(call.ptx)))]
+        assert isinstance(call, Synchronize)
+        backend.synchronize()
+        return [result_frame(Result())]
+
+    def _run(self, call: Call) -> None:
+        backend = self.backend
+        if isinstance(call, MemFree):
+            backend.free(call.ptr)
+        elif isinstance(call, Memset):
+            backend.memset(call.ptr, call.value, call.size)
+        elif isinstance(call, CopyDtoD):
+            backend.copy(call.dst, call.src, call.size)
+        elif isinstance(call, Launch):
+            args = [(arg.kind, arg.value) for arg in call.args]
+            backend.launch(call.module, call.name, call.grid, call.block, call.shared, args)
+        # CopyHtoD of 0 bytes: nothing to do
+
+
+def open_backend(memory_cap: int, which: str = "auto") -> Backend:
+    """The driver backend when ``which`` allows it and libcuda loads, else the fallback
+    (whose ``detail`` says why)."""
+    if which == "fallback":
+        # Only the agent asks for it: when the provider has no NVIDIA GPU.
+        return FallbackBackend(memory_cap, "the provider has no NVIDIA GPU")
+    try:
+        return DriverBackend(load_driver(), memory_cap)
+    except DriverUnavailable as exc:
+        if which == "driver":
+            raise CudaFault("CUDA_ERROR_NO_DEVICE", str(exc)) from None
+        return FallbackBackend(memory_cap, str(exc))
+
+
+def _widen_pipes() -> None:
+    """Ask for 1 MiB pipe buffers (Linux): a copy's chunks then cross in a few
+    reads and writes instead of sixteen each."""
+    try:
+        import fcntl
+
+        for fd in (0, 1):
+            fcntl.fcntl(fd, getattr(fcntl, "F_SETPIPE_SZ", 1031), 1 << 20)
+    except (ImportError, OSError):
+        pass  # not a pipe, or not Linux: the default size works, slower
+
+
+def _write_all(fd: int, frames: list[bytes]) -> None:
+    for frame in frames:
+        view = memoryview(frame)
+        while view:
+            view = view[os.write(fd, view) :]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m gpumesh.cuda.worker")
+    parser.add_argument("--memory-cap", type=int, required=True)
+    parser.add_argument("--backend", choices=("auto", "driver", "fallback"), default="auto")
+    options = parser.parse_args(argv)
+    try:
+        backend = open_backend(options.memory_cap, options.backend)
+        info = backend.device_info(0)
+    except CudaFault as fault:
+        _write_all(1, [end_frame("cuda", f"{fault.name}: {fault.message}")])
+        return 1
+    sys.stderr.write(
+        json.dumps({"backend": backend.name, "device": info.name, "detail": backend.detail}) + "\n"
+    )
+    sys.stderr.flush()
+    server = CallServer(backend, options.memory_cap)
+    _widen_pipes()
+    try:
+        while data := os.read(0, 1 << 20):
+            _write_all(1, server.feed(data))
+    except ProtocolError as exc:
+        _write_all(1, [end_frame("protocol", str(exc))])
+        return 2
+    except BrokenPipeError:
+        return 0
+    finally:
+        backend.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
