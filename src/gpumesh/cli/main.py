@@ -43,6 +43,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "prune": ("gpumesh.cli.prune", "prune", "Remove old finished jobs and their logs."),
     "group": ("gpumesh.cli.group", "group", "Create, share and join groups of nodes."),
     "completion": ("gpumesh.cli.completion", "completion", "Print a shell completion script."),
+    "dashboard": ("gpumesh.cli.dashboard", "dashboard", "Print a sign-in URL for the dashboard."),
 }
 
 EPILOG = """\b
