@@ -6,6 +6,7 @@
 # Env:
 #   GPUMESH_SKIP_INSTALL=1   do not (re)install the package into .venv
 #   GPUMESH_TEST_NO_DOCKER=1 skip the Docker setup and the tests that need it
+#   GPUMESH_TEST_NO_BROWSER=1 skip the chromium setup and the browser tests
 #   CI=true                  a broken Docker setup fails the run instead of
 #                            skipping the Docker tests
 #   PYTHON                   interpreter used to create .venv (default python3)
@@ -57,6 +58,21 @@ else
     # A developer laptop without root or Docker still gets the other tests.
     echo "warning: Docker is not available; Docker tests will be SKIPPED" >&2
     export GPUMESH_TEST_NO_DOCKER=1
+  fi
+fi
+
+# 2b. A browser for the dashboard's tests: Debian's chromium, and zbar-tools.
+if [ "${GPUMESH_TEST_NO_BROWSER:-}" = 1 ]; then
+  stage "Browser: skipped (GPUMESH_TEST_NO_BROWSER=1)"
+else
+  stage "Browser"
+  if ! scripts/ensure-browser.sh; then
+    if is_ci; then
+      echo "error: browser setup failed in CI; refusing to skip the browser tests" >&2
+      exit 1
+    fi
+    echo "warning: chromium is not available; browser tests will be SKIPPED" >&2
+    export GPUMESH_TEST_NO_BROWSER=1
   fi
 fi
 

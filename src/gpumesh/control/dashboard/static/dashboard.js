@@ -208,20 +208,19 @@
     function append(stream, text) {
       const parts = text.split("\n");
       parts.forEach((part, i) => {
+        const last = i === parts.length - 1;
+        if (last && part === "") return;  // the text ended its line
         let line = open[stream];
         if (!line) {
           line = document.createElement("div");
           line.className = `line ${stream}`;
           line.dataset.stream = stream;
           log.appendChild(line);
-          open[stream] = line;
         }
         line.textContent += part;
         shown(line);
-        if (i < parts.length - 1) open[stream] = null;
+        open[stream] = last ? line : null;
       });
-      // A trailing newline opened nothing: drop the empty line it would leave.
-      if (text.endsWith("\n")) open[stream] = null;
       log.scrollTop = log.scrollHeight;
     }
     filter.addEventListener("input", () => log.querySelectorAll(".line").forEach(shown));
