@@ -378,6 +378,7 @@ def test_every_page_passes_axe_in_both_themes(browser: Any, mesh: Mesh) -> None:
                 page.wait_for_load_state("networkidle")
                 page.add_script_tag(path=str(AXE))
                 result = page.evaluate("axe.run(document)")
+                assert len(result["passes"]) > 10, path  # axe ran and checked the page
                 for v in result["violations"]:
                     if v["impact"] in ("serious", "critical"):
                         targets = [n["target"] for n in v["nodes"]][:3]

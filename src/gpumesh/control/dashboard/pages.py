@@ -393,7 +393,7 @@ async def job_page(call: Call) -> object:
     cancel_peer = f' data-body="{h(json.dumps({"peer": job.peer}))}"'
     body = (
         f'<section class="card" aria-labelledby="job-h" data-job="{h(job.job_id)}" id="job">'
-        f'<h2 id="job-h">Job <code>{h(job.job_id)}</code></h2>'
+        '<h2 id="job-h">Details</h2>'
         f'<p>State: <span id="job-state" class="state state-{h(job.state)}">{h(job.state)}</span>'
         f' exit code: <span id="job-exit">{h("-" if job.exit_code is None else job.exit_code)}'
         f'</span></p><dl class="facts">{dl}</dl>'

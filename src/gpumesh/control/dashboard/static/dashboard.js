@@ -257,8 +257,11 @@
       state.textContent = data.state;
       state.className = `state state-${data.state}`;
       $("#job-exit").textContent = data.exit_code === null ? "-" : data.exit_code;
-      $("#log-end").textContent = `The job ended: ${data.state}${data.message ? ` (${data.message})` : ""}.`;
+      const why = data.message && data.message !== data.state ? ` (${data.message})` : "";
+      $("#log-end").textContent = `The job ended: ${data.state}${why}.`;
       section.dataset.ended = "1";
+      const cancel = $("#cancel");
+      if (cancel) cancel.hidden = true;
     });
     source.addEventListener("error", (event) => {
       if (event.data) {
