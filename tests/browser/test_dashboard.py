@@ -21,7 +21,7 @@ from unittest import mock
 
 import pytest
 
-from tests.integration.conftest import shared_pair
+from tests.integration.conftest import gpumesh, shared_pair
 from tests.integration.test_cli import _free_udp_port, _init
 from tests.integration.test_control_api import Api, start_control
 
@@ -359,6 +359,52 @@ def test_deny_from_the_owners_view_stops_the_peers_job_and_refuses_the_next(
         assert refused.status_code == 403 and refused.json()["code"] == "denied", refused.text
     finally:
         mesh.alice.ok("POST", "/api/v1/peers/bob-laptop/allow")
+
+
+# --- groups -------------------------------------------------------------------------------------
+
+
+def test_the_groups_page_and_a_run_on_a_group_lands_where_explain_says(
+    browser: Any, mesh: Mesh
+) -> None:
+    bob, carol = mesh.bob.home, mesh.carol.home
+    assert gpumesh(bob, "pair", gpumesh(carol, "pair-code").stdout.strip()).returncode == 0
+    assert gpumesh(bob, "group", "create", "research").returncode == 0
+    for member in ("alice-pc", "carol-ws"):
+        assert gpumesh(bob, "group", "add", "research", member).returncode == 0
+    explained = gpumesh(bob, "run", "--group", "research", "--explain", "--", "true", timeout=60)
+    assert explained.returncode == 0, explained.stderr
+    chosen = explained.stderr.split("placing on ", 1)[1].split(":", 1)[0]
+    assert chosen == "alice-pc"  # carol does not share: unreachable
+
+    with signed_in(browser, mesh.bob) as page:
+        page.goto(mesh.bob.url + "/groups")
+        group = page.locator('[data-group="research"]')
+        row = {
+            name: group.locator(f'tr[data-member="{name}"] td').all_text_contents()
+            for name in ("alice-pc", "carol-ws", "bob-laptop")
+        }
+        # Reachable, GPUs, free GPU memory, state, why skipped.
+        assert row["alice-pc"][0].startswith("yes (") and row["alice-pc"][1] == "none"
+        assert row["alice-pc"][3] == "idle" and row["alice-pc"][4] == "-"
+        # carol did not answer: the reason is why she would be skipped.
+        assert "unreachable" in row["carol-ws"][4] and row["carol-ws"][0] == row["carol-ws"][4]
+        assert row["bob-laptop"][4] == "this node"
+
+        page.goto(mesh.bob.url + "/jobs")
+        page.select_option("#run-where", "group:research")
+        page.fill("#run-command", "echo placed")
+        with page.expect_navigation(url="**/jobs/*"):
+            page.click("#run button[type=submit]")
+        page.wait_for_selector("#log .line:has-text('placed')")
+        facts = dict(
+            zip(
+                page.locator("#job dt").all_text_contents(),
+                page.locator("#job dd").all_text_contents(),
+                strict=True,
+            )
+        )
+        assert facts["Peer"] == chosen
 
 
 # --- accessibility and screenshots --------------------------------------------------------------
