@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import http.server
 import os
+import socket
 import subprocess
 import threading
 import time
@@ -76,9 +77,10 @@ def _until(what: Callable[[], Any], ceiling: float = 60.0, message: str = "") ->
 
 
 @contextlib.contextmanager
-def signed_in(browser: Any, api: Api, **options: Any) -> Iterator[Any]:
+def signed_in(browser: Any, api: Api, base: str = "", **options: Any) -> Iterator[Any]:
     """A page of a fresh browser context, signed in to ``api``'s dashboard through a
-    one-time login URL (the context is the cookie jar: one per dashboard)."""
+    one-time login URL (the context is the cookie jar: one per dashboard); ``base``
+    reaches the dashboard another way (a forwarder)."""
     context = browser.new_context(**options)
     page = context.new_page()
     errors: list[str] = []
@@ -89,7 +91,7 @@ def signed_in(browser: Any, api: Api, **options: Any) -> Iterator[Any]:
     )
     try:
         url = api.ok("POST", "/api/v1/auth/login-codes")["url"]
-        page.goto(url)
+        page.goto(url.replace(api.url, base) if base else url)
         wait_js(page, "document.getElementById('login') === null && !location.hash")
         page.wait_for_selector("nav")
         yield page
@@ -317,6 +319,76 @@ def test_a_run_from_the_page_streams_survives_a_reload_and_cancels(
         wait_js(page, "document.getElementById('job-state').textContent === 'cancelled'")
     job = mesh.bob.ok("GET", f"/api/v1/jobs/{job_id}")
     assert job["state"] == "cancelled"
+
+
+class Forwarder:
+    """A loopback TCP forwarder whose open connections can all be cut at once: a
+    network drop between the browser and the dashboard."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.accepted = 0
+        self.open: list[socket.socket] = []
+        self.lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.port))
+            with self.lock:
+                self.accepted += 1
+                self.open += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        with contextlib.suppress(OSError):
+            sink.shutdown(socket.SHUT_RDWR)
+
+    def cut(self) -> None:
+        with self.lock:
+            cut, self.open = self.open, []
+        for sock in cut:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+    def close(self) -> None:
+        self.listener.close()
+        self.cut()
+
+
+def test_a_dropped_connection_resumes_the_log_without_loss_or_repeat(
+    browser: Any, mesh: Mesh
+) -> None:
+    forwarder = Forwarder(int(mesh.bob.url.rsplit(":", 1)[1]))
+    try:
+        with signed_in(browser, mesh.bob, base=forwarder.url) as page:
+            script = "i=0; while [ $i -lt 60 ]; do i=$((i+1)); echo line $i; sleep 0.1; done"
+            body = {"peer": "alice-pc", "command": ["sh", "-c", script + "; echo done"]}
+            job_id = mesh.bob.ok("POST", "/api/v1/jobs", json=body)["job_id"]
+            page.goto(f"{forwarder.url}/jobs/{job_id}")
+            page.wait_for_selector("#log .line:has-text('line 5')")
+            before = forwarder.accepted
+            forwarder.cut()  # the event stream drops mid-job
+            page.wait_for_selector("#log .line:has-text('done')", timeout=60_000)
+            assert forwarder.accepted > before  # the page reconnected by itself
+            lines = [t for s, t in _lines(page) if s == "stdout"]
+            assert lines == [*(f"line {i}" for i in range(1, 61)), "done"]
+    finally:
+        forwarder.close()
 
 
 # --- the owner denies a peer --------------------------------------------------------------------
