@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from importlib import resources
 from string import Template
 from typing import TYPE_CHECKING
+from urllib.parse import quote
 
 from starlette.responses import HTMLResponse, Response
 
@@ -165,7 +166,7 @@ def _job_rows(jobs: list[JobListEntry], *, stop: bool) -> list[str]:
         if running and stop:
             action = _button(
                 "Stop",
-                f"POST /api/v1/jobs/{job.job_id}/cancel",
+                f"POST /api/v1/jobs/{quote(job.job_id)}/cancel",
                 extra=f' aria-label="Stop job {h(job.job_id)}"',
                 danger=True,
             )
@@ -277,15 +278,15 @@ async def peers_page(call: Call) -> object:
     for peer in (PeerView.of(p) for p in node.peers()):
         name = h(peer.name)
         toggle = (
-            _button("Deny", f"POST /api/v1/peers/{peer.name}/deny",
+            _button("Deny", f"POST /api/v1/peers/{quote(peer.name)}/deny",
                     extra=f' aria-label="Deny {name}"', danger=True)
             if peer.allowed
-            else _button("Allow", f"POST /api/v1/peers/{peer.name}/allow",
+            else _button("Allow", f"POST /api/v1/peers/{quote(peer.name)}/allow",
                          extra=f' aria-label="Allow {name}"')
         )  # fmt: skip
         connect = _button(
             "Connect",
-            f"POST /api/v1/peers/{peer.name}/connect",
+            f"POST /api/v1/peers/{quote(peer.name)}/connect",
             then="connect",
             extra=f' aria-label="Connect to {name}" data-result="connect-{name}"',
         )
@@ -399,7 +400,7 @@ async def job_page(call: Call) -> object:
         f'</span></p><dl class="facts">{dl}</dl>'
         + _button(
             "Cancel job",
-            f"POST /api/v1/jobs/{job.job_id}/cancel",
+            f"POST /api/v1/jobs/{quote(job.job_id)}/cancel",
             then="none",
             danger=True,
             extra=f' id="cancel"{cancel_peer}',
@@ -497,7 +498,7 @@ async def owner_page(call: Call) -> object:
         action = (
             _button(
                 "Deny and stop everything",
-                f"POST /api/v1/peers/{name}/deny",
+                f"POST /api/v1/peers/{quote(name)}/deny",
                 danger=True,
                 confirm=f"Deny {name}: stops its jobs and shells and refuses it from now on?",
                 extra=f' aria-label="Deny {h(name)} and stop everything"',
