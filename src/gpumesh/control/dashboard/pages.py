@@ -432,7 +432,7 @@ def _member_row(m: MemberStatusEntry) -> str:
         why = str(m.reach)
     elif m.state == "busy":
         why = "busy"
-    reach = "-" if m.reachable is None else str(m.reach) if m.reach else str(m.reachable)
+    reach = "-" if m.reachable is None else str(m.reach) if m.reachable else "no"
     free = format_size(m.free_gpu_memory) if m.free_gpu_memory is not None else "-"
     return (
         f'<tr data-member="{h(m.name)}"><th scope="row">{h(m.name)}</th>'
