@@ -479,6 +479,28 @@ def test_the_groups_page_and_a_run_on_a_group_lands_where_explain_says(
         assert facts["Peer"] == chosen
 
 
+# --- themes -------------------------------------------------------------------------------------
+
+
+def test_themes_follow_the_system_the_switch_and_the_url(browser: Any, mesh: Mesh) -> None:
+    background = "getComputedStyle(document.body).backgroundColor"
+    with signed_in(browser, mesh.bob, color_scheme="dark") as page:
+        dark = page.evaluate(background)
+        page.goto(mesh.bob.url + "/peers?theme=light")
+        light = page.evaluate(background)
+        assert dark != light and page.get_attribute("html", "data-theme") == "light"
+        # The switch, by keyboard: it applies at once and is remembered.
+        page.goto(mesh.bob.url + "/peers")
+        assert page.evaluate(background) == dark  # the system's
+        tab_to(page, "#theme-switch")
+        page.keyboard.press("ArrowDown")  # System -> Light
+        assert page.input_value("#theme-switch") == "light"
+        assert page.evaluate(background) == light
+        page.reload()
+        assert page.evaluate(background) == light
+        assert page.input_value("#theme-switch") == "light"
+
+
 # --- accessibility and screenshots --------------------------------------------------------------
 
 
