@@ -433,6 +433,24 @@ def test_deny_from_the_owners_view_stops_the_peers_job_and_refuses_the_next(
         mesh.alice.ok("POST", "/api/v1/peers/bob-laptop/allow")
 
 
+def test_the_owner_stops_one_hosted_job_from_the_owners_view(browser: Any, mesh: Mesh) -> None:
+    body = {"peer": "alice-pc", "command": ["sh", "-c", "sleep 300"]}
+    job_id = mesh.bob.ok("POST", "/api/v1/jobs", json=body)["job_id"]
+
+    def state() -> str:
+        jobs = mesh.alice.ok("GET", "/api/v1/owner")["hosted"]
+        return str(next((j["state"] for j in jobs if j["job_id"] == job_id), "unknown"))
+
+    _until(lambda: state() == "running", message="the job never ran")
+    with signed_in(browser, mesh.alice) as page:
+        page.goto(mesh.alice.url + "/owner")
+        tab_to(page, f'button[aria-label="Stop job {job_id}"]')
+        page.keyboard.press("Enter")
+        _until(lambda: state() == "cancelled", message="the job kept running")
+    # Only that job: bob is still allowed and may run again.
+    assert {p["name"]: p["allowed"] for p in mesh.alice.ok("GET", "/api/v1/peers")}["bob-laptop"]
+
+
 # --- groups -------------------------------------------------------------------------------------
 
 
