@@ -8,8 +8,9 @@
 #   GPUMESH_TEST_NO_DOCKER=1 skip the Docker setup and the tests that need it
 #   GPUMESH_TEST_NO_DESKTOP=1 skip installing Xvfb/x11vnc/FreeRDP and the tests
 #                            that drive them
-#   CI=true                  a broken Docker (or desktop programs) setup fails the
-#                            run instead of skipping those tests
+#   GPUMESH_TEST_NO_BROWSER=1 skip the chromium setup and the browser tests
+#   CI=true                  a broken Docker (or desktop programs, or browser) setup
+#                            fails the run instead of skipping those tests
 #   PYTHON                   interpreter used to create .venv (default python3)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -74,6 +75,21 @@ else
     fi
     echo "warning: Xvfb/x11vnc/FreeRDP are not available; desktop tests will be SKIPPED" >&2
     export GPUMESH_TEST_NO_DESKTOP=1
+  fi
+fi
+
+# 2c. A browser for the dashboard's tests: Debian's chromium, and zbar-tools.
+if [ "${GPUMESH_TEST_NO_BROWSER:-}" = 1 ]; then
+  stage "Browser: skipped (GPUMESH_TEST_NO_BROWSER=1)"
+else
+  stage "Browser"
+  if ! scripts/ensure-browser.sh; then
+    if is_ci; then
+      echo "error: browser setup failed in CI; refusing to skip the browser tests" >&2
+      exit 1
+    fi
+    echo "warning: chromium is not available; browser tests will be SKIPPED" >&2
+    export GPUMESH_TEST_NO_BROWSER=1
   fi
 fi
 

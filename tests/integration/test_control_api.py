@@ -468,7 +468,8 @@ def test_browser_login_cookie_csrf_and_local_paths(mesh: Mesh) -> None:
     api = mesh.api
     page = api.tcp("GET", "/", bearer=False)
     assert page.status_code == 200 and "text/html" in page.headers["content-type"]
-    assert "script-src 'sha256-" in page.headers["content-security-policy"]
+    assert "script-src 'self'" in page.headers["content-security-policy"]
+    assert 'id="login"' in page.text and "Node id" not in page.text  # no data without a session
 
     code = api.login.split("#code=", 1)[1]
     cross = api.tcp(

@@ -265,7 +265,8 @@ def test_pair_with_a_code_then_run_offers_the_peer(open_start: Opener, tmp_path:
     term.expect(r"Paired with bob-laptop")
     _menu(term, selected=4)
     term.send("6")
-    term.expect(r"Open the dashboard \(dashboard\): not available in this version yet")
+    term.expect(r"\$ gpumesh dashboard")
+    term.expect(r"no control server runs for .*gpumesh-control")  # it starts none itself
     _menu(term, selected=6)
     term.send("5")
     term.expect(r"Paired peers: bob-laptop")

@@ -18,10 +18,8 @@ error tree's stable codes.
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import enum
-import hashlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -31,11 +29,13 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from gpumesh.control import auth
+from gpumesh.control.dashboard import history, pages
+from gpumesh.control.dashboard.pages import qr_svg
 from gpumesh.control.endpoints import Access, Endpoint, ErrorView, Query
 from gpumesh.errors import (
     AccessDeniedError,
@@ -85,6 +85,8 @@ class ControlState:
     """Names besides loopback that ``Host`` may carry (a non-loopback bind's)."""
     public_url: str = ""
     """``http://host:port`` of the TCP listener, for login URLs."""
+    gpu_history: history.GpuHistory = field(default_factory=history.GpuHistory.from_env)
+    """The last hour of GPU readings, sampled from the first request on."""
 
 
 class Refusal(Exception):
@@ -109,6 +111,11 @@ class Call:
     @property
     def node(self) -> Node:
         return self.state.node
+
+    @property
+    def signed_in(self) -> bool:
+        """Whether the caller holds a credential (a page shows data only then)."""
+        return self.credential is not Credential.NONE
 
     def param(self, name: str) -> str:
         return str(self.request.path_params[name])
@@ -263,19 +270,6 @@ async def get_pairing_qr(call: Call) -> object:
     if offer.public_key != call.node.home.identity.public_key:
         raise BadRequestError("code: not a pairing code of this node")
     return Response(qr_svg(code), media_type="image/svg+xml")
-
-
-def qr_svg(text: str) -> bytes:
-    """``text`` as a QR code, an SVG image that scales (no fixed size)."""
-    import io
-
-    import segno
-
-    out = io.BytesIO()
-    segno.make(text, error="m", micro=False).save(
-        out, kind="svg", scale=1, border=4, xmldecl=False, svgns=True, omitsize=True
-    )
-    return out.getvalue()
 
 
 async def post_allow(call: Call) -> object:
@@ -496,44 +490,10 @@ async def get_openapi(call: Call) -> object:
     return Response(document(ENDPOINTS), media_type="application/json")
 
 
-_PAGE_SCRIPT = """
-const out = document.getElementById("out");
-async function main() {
-  const code = new URLSearchParams(location.hash.slice(1)).get("code");
-  history.replaceState(null, "", location.pathname);
-  if (code) {
-    const r = await fetch("/api/v1/auth/session", {method: "POST",
-      headers: {"content-type": "application/json", "x-gpumesh-csrf": "1"},
-      body: JSON.stringify({code})});
-    if (!r.ok) { out.textContent = (await r.json()).message; return; }
-  }
-  const s = await fetch("/api/v1/status?offline=true");
-  out.textContent = s.ok ? JSON.stringify(await s.json(), null, 2)
-    : "not logged in: open the URL gpumesh-control printed";
-}
-main();
-""".strip()
-_PAGE = f"""<!doctype html>
-<html><head><meta charset="utf-8"><title>GPUMesh</title></head>
-<body><h1>GPUMesh</h1><pre id="out">...</pre>
-<script>{_PAGE_SCRIPT}</script></body></html>
-"""
-_SCRIPT_HASH = base64.b64encode(hashlib.sha256(_PAGE_SCRIPT.encode()).digest()).decode()
-
-
-async def get_page(call: Call) -> object:
-    """The browser's way in: exchanges the login code in the URL's fragment for a
-    session cookie, removes it from the address bar, and shows this node's status."""
-    return HTMLResponse(
-        _PAGE,
-        headers={
-            "content-security-policy": (
-                f"default-src 'none'; script-src 'sha256-{_SCRIPT_HASH}'; connect-src 'self'; "
-                "frame-ancestors 'none'; base-uri 'none'; form-action 'none'"
-            ),
-            "referrer-policy": "no-referrer",
-        },
-    )
+async def get_gpu_history(call: Call) -> object:
+    """The last hour of this machine's GPU readings, sampled by this process."""
+    call.state.gpu_history.start()
+    return call.state.gpu_history.view()
 
 
 def _views() -> dict[str, Any]:
@@ -557,6 +517,7 @@ def _views() -> dict[str, Any]:
         "copy": files.CopyView,
         "sync": apps.SyncView,
         "owner": owner.OwnerStatusView,
+        "history": history.GpuHistoryView,
     }
 
 
@@ -564,8 +525,23 @@ V = _views()
 _offline = Query("offline", "boolean", "Do not ask peers: local state only.")
 
 ENDPOINTS: tuple[Endpoint, ...] = (
-    Endpoint("GET", "/", get_page, "The browser's login page", None, Access.PUBLIC,
+    Endpoint("GET", "/", pages.overview_page, "Dashboard: overview (sign-in without a session)",
+             None, Access.PUBLIC, media_type="text/html"),
+    Endpoint("GET", "/peers", pages.peers_page, "Dashboard: peers", None, Access.PUBLIC,
              media_type="text/html"),
+    Endpoint("GET", "/jobs", pages.jobs_page, "Dashboard: jobs", None, Access.PUBLIC,
+             media_type="text/html"),
+    Endpoint("GET", "/jobs/{job_id}", pages.job_page, "Dashboard: one job and its live log",
+             None, Access.PUBLIC, media_type="text/html"),
+    Endpoint("GET", "/groups", pages.groups_page, "Dashboard: groups", None, Access.PUBLIC,
+             media_type="text/html"),
+    Endpoint("GET", "/owner", pages.owner_page, "Dashboard: the owner's view", None,
+             Access.PUBLIC, media_type="text/html"),
+    Endpoint("GET", "/static/{name}", pages.static_file, "Dashboard: its scripts and styles",
+             None, Access.PUBLIC, media_type="text/plain"),
+    Endpoint("GET", "/static/vendor/{name}", pages.vendor_file,
+             "Dashboard: vendored libraries (VENDORED.md lists them)", None, Access.PUBLIC,
+             media_type="text/plain"),
     Endpoint("GET", "/api/v1/openapi.json", get_openapi, "This document", None, Access.PUBLIC),
     Endpoint("POST", "/api/v1/auth/session", post_session,
              "Exchange a one-time login code for a session cookie", None, Access.PUBLIC,
@@ -577,6 +553,8 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("GET", "/api/v1/status", get_status, "This node: identity, sharing, GPUs, jobs",
              V["status"], query=(_offline,)),
     Endpoint("GET", "/api/v1/gpus", get_gpus, "This machine's GPUs, read now", V["gpus"]),
+    Endpoint("GET", "/api/v1/gpus/history", get_gpu_history,
+             "The last hour of GPU readings, sampled by this process", V["history"]),
     Endpoint("GET", "/api/v1/peers", get_peers, "Paired peers", V["peers"]),
     Endpoint("POST", "/api/v1/peers/pair", post_pair, "Pair with a peer's code", V["pair"],
              body=PairBody),
@@ -781,7 +759,11 @@ class EventStream(Response):
 
 
 def create_app(state: ControlState) -> Starlette:
-    """The ASGI app over ``state``'s node: one route per :data:`ENDPOINTS` entry."""
+    """The ASGI app over ``state``'s node: one route per :data:`ENDPOINTS` entry.
+    Made in a running event loop (a server's), it starts sampling the GPUs."""
+    with contextlib.suppress(RuntimeError):  # no running loop: from the first request on
+        asyncio.get_running_loop()
+        state.gpu_history.start()
     routes = [
         Route(e.path, _endpoint(e, state), methods=[e.method], include_in_schema=False)
         for e in ENDPOINTS

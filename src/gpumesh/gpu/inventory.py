@@ -8,10 +8,13 @@ that shows GPUs says so loudly (``source == "simulated"``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import os
 import shutil
 import subprocess
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -20,6 +23,7 @@ from gpumesh.units import parse_size
 
 __all__ = [
     "ENV_SIMULATED",
+    "ENV_SIMULATED_LOAD",
     "GpuInfo",
     "GpuInventory",
     "NoGpus",
@@ -34,6 +38,9 @@ logger = logging.getLogger(__name__)
 
 ENV_SIMULATED = "GPUMESH_TEST_SIMULATED_GPUS"
 """Test-only: ``NAME:MEMORY[:USED],...`` e.g. ``RTX-4090:24GB,A100:80GB:10GB``."""
+ENV_SIMULATED_LOAD = "GPUMESH_TEST_SIMULATED_GPU_LOAD"
+"""Test-only: ``1`` makes the simulated GPUs' utilisation, memory, temperature and
+power change with time (for charts); unset, they stay as declared."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +58,8 @@ class GpuInfo:
     """Degrees Celsius, when known."""
     processes: int | None = None
     """Compute processes using the GPU, when known (NVML)."""
+    power: int | None = None
+    """Watts drawn, when known (NVML)."""
 
     @property
     def memory_free(self) -> int:
@@ -129,6 +138,10 @@ class NvmlInventory:
             processes: int | None = len(nvml.nvmlDeviceGetComputeRunningProcesses(handle))
         except (nvml.NVMLError, AttributeError):  # AttributeError: an older nvidia-ml-py
             processes = None
+        try:
+            power: int | None = int(nvml.nvmlDeviceGetPowerUsage(handle)) // 1000  # mW
+        except (nvml.NVMLError, AttributeError):
+            power = None
         name = nvml.nvmlDeviceGetName(handle)
         uuid = nvml.nvmlDeviceGetUUID(handle)
         return GpuInfo(
@@ -140,6 +153,7 @@ class NvmlInventory:
             utilization=utilization,
             temperature=temperature,
             processes=processes,
+            power=power,
         )
 
 
@@ -252,10 +266,26 @@ class SimulatedInventory:
             )
 
     def gpus(self) -> list[GpuInfo]:
-        return list(self._gpus)
+        if os.environ.get(ENV_SIMULATED_LOAD, "") != "1":
+            return list(self._gpus)
+        return [_simulated_load(gpu, time.time()) for gpu in self._gpus]
 
     def process_memory(self) -> dict[int, int]:
         return {}  # simulated GPUs run nothing
+
+
+def _simulated_load(gpu: GpuInfo, now: float) -> GpuInfo:
+    """``gpu`` as if it worked: smooth waves of utilisation, memory, temperature and
+    power over ``now`` (each GPU its own phase), within the declared memory."""
+    wave = (math.sin(now / 7.0 + gpu.index) + 1) / 2  # 0..1, a period of ~44 s
+    spare = gpu.memory_total - gpu.memory_used
+    return dataclasses.replace(
+        gpu,
+        utilization=round(100 * wave),
+        memory_used=gpu.memory_used + int(spare * 0.5 * wave),
+        temperature=35 + round(45 * wave),
+        power=30 + round(270 * wave),
+    )
 
 
 def detect_inventory() -> GpuInventory:
