@@ -33,7 +33,8 @@ exit codes; nothing here prints.
     ├── NotFoundError                 not_found
     ├── InUseError                    in_use
     ├── AgentError                    agent
-    └── BadRequestError               bad_request
+    ├── BadRequestError               bad_request
+    └── RegistryError                 registry
 
 Each class also carries the ``exit_code`` the CLI ends with; :class:`ExitCode`
 is the one table of those codes (with the ones jobs end with), which
@@ -121,6 +122,7 @@ __all__ = [
     "PeerError",
     "PeerKeyChangedError",
     "ProtocolError",
+    "RegistryError",
     "RelayError",
     "RuntimeUnavailableError",
     "TransportError",
@@ -268,6 +270,13 @@ class BadRequestError(GPUMeshError):
 
     code = "bad_request"
     exit_code = ExitCode.USAGE
+
+
+class RegistryError(GPUMeshError):
+    """A public registry refused a record (stale, rate limit, too large) or sent
+    something that does not verify; the message names the registry and why."""
+
+    code = "registry"
 
 
 def _all_subclasses(cls: type[GPUMeshError]) -> list[type[GPUMeshError]]:
