@@ -6,8 +6,10 @@
 # Env:
 #   GPUMESH_SKIP_INSTALL=1   do not (re)install the package into .venv
 #   GPUMESH_TEST_NO_DOCKER=1 skip the Docker setup and the tests that need it
-#   CI=true                  a broken Docker setup fails the run instead of
-#                            skipping the Docker tests
+#   GPUMESH_TEST_NO_POSTGRES=1 skip the PostgreSQL setup and the registry's
+#                            PostgreSQL tests (they also run on SQLite)
+#   CI=true                  a broken Docker or PostgreSQL setup fails the run
+#                            instead of skipping those tests
 #   PYTHON                   interpreter used to create .venv (default python3)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -57,6 +59,23 @@ else
     # A developer laptop without root or Docker still gets the other tests.
     echo "warning: Docker is not available; Docker tests will be SKIPPED" >&2
     export GPUMESH_TEST_NO_DOCKER=1
+  fi
+fi
+
+# 2b. PostgreSQL, for the registry's tests (they run on SQLite and PostgreSQL).
+if [ "${GPUMESH_TEST_NO_POSTGRES:-}" = 1 ]; then
+  stage "PostgreSQL: skipped (GPUMESH_TEST_NO_POSTGRES=1)"
+else
+  stage "PostgreSQL"
+  if url=$(scripts/ensure-postgres.sh); then
+    export GPUMESH_TEST_POSTGRES_URL=$url
+  else
+    if is_ci; then
+      echo "error: PostgreSQL setup failed in CI; refusing to skip the PostgreSQL tests" >&2
+      exit 1
+    fi
+    echo "warning: PostgreSQL is not available; PostgreSQL tests will be SKIPPED" >&2
+    export GPUMESH_TEST_NO_POSTGRES=1
   fi
 fi
 
