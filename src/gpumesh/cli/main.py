@@ -43,6 +43,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "prune": ("gpumesh.cli.prune", "prune", "Remove old finished jobs and their logs."),
     "group": ("gpumesh.cli.group", "group", "Create, share and join groups of nodes."),
     "search": ("gpumesh.cli.search", "search", "Find shared GPUs in the public registry."),
+    "sync": ("gpumesh.cli.sync", "sync", "Re-publish to the registry; refresh peers' addresses."),
     "completion": ("gpumesh.cli.completion", "completion", "Print a shell completion script."),
 }
 

@@ -1,4 +1,4 @@
-"""The shapes of the public registry's commands: ``search``."""
+"""The shapes of the public registry's commands: ``search`` and ``sync``."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ from typing import TYPE_CHECKING
 import msgspec
 
 if TYPE_CHECKING:
+    from gpumesh.client.discovery import PeerRefresh
     from gpumesh.client.registry import FoundListing, SearchPage
 
-__all__ = ["ListingGpuView", "ListingView", "SearchView"]
+__all__ = ["ListingGpuView", "ListingView", "PeerSyncView", "SearchView", "SyncView"]
 
 
 class ListingGpuView(msgspec.Struct):
@@ -60,3 +61,38 @@ class SearchView(msgspec.Struct):
     @classmethod
     def of(cls, page: SearchPage) -> SearchView:
         return cls([ListingView.of(found) for found in page.listings], page.next)
+
+
+class PeerSyncView(msgspec.Struct):
+    """One paired peer after ``sync``."""
+
+    name: str
+    node_id: str
+    moved: bool
+    """Its signed address record in the registry named new addresses, now stored."""
+    addresses: list[str]
+    reachable: bool | None
+    """None: not dialled (``--no-dial``)."""
+    path: str
+    note: str
+
+
+class SyncView(msgspec.Struct):
+    """``sync --json``."""
+
+    registry: str
+    """The rendezvous_url used; empty when none is configured."""
+    republished_by: int | None
+    """Pid of the running ``share`` asked to re-publish; None when none runs."""
+    peers: list[PeerSyncView]
+
+    @classmethod
+    def of(cls, registry: str, republished: int | None, peers: list[PeerRefresh]) -> SyncView:
+        return cls(
+            registry,
+            republished,
+            [
+                PeerSyncView(p.name, p.node_id, p.moved, p.addresses, p.reachable, p.path, p.note)
+                for p in peers
+            ],
+        )
