@@ -20,7 +20,9 @@ from migrating twice.
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -151,6 +153,13 @@ class RegistryStore:
         self.engine: AsyncEngine = create_async_engine(url, **options)
         if self.dialect == "sqlite":
             sa.event.listen(self.engine.sync_engine, "connect", _sqlite_pragmas)
+        # SQLite has one writer: two pooled connections that both upgrade from a
+        # read to a write would fail at once with "database is locked" (its busy
+        # timeout does not cover that), so this process sends it one write at a
+        # time. PostgreSQL's row locks need no such thing.
+        self._write_lock: asyncio.Lock | contextlib.nullcontext[None] = (
+            asyncio.Lock() if self.dialect == "sqlite" else contextlib.nullcontext()
+        )
 
     async def open(self) -> None:
         """Create or upgrade the schema."""
@@ -186,13 +195,13 @@ class RegistryStore:
                 "window": stmt.excluded.window,
             },
         ).returning(rate_windows.c.count)
-        async with self.engine.begin() as conn:
+        async with self._write_lock, self.engine.begin() as conn:
             return int((await conn.execute(stmt)).scalar_one())
 
     async def put(self, record: Record, signed: SignedRecord, now: float, ttl: float) -> bool:
         """Store ``record`` if its seq is above the stored one; False when it is not."""
         node_id = str(record.node_id)
-        async with self.engine.begin() as conn:
+        async with self._write_lock, self.engine.begin() as conn:
             if isinstance(record, AddressRecord):
                 return await self._upsert(
                     conn,
@@ -317,7 +326,7 @@ class RegistryStore:
     async def purge(self, now: float, window: int) -> int:
         """Delete what expired before any record it could refuse would still be fresh."""
         horizon = now - MAX_AGE - CLOCK_SKEW
-        async with self.engine.begin() as conn:
+        async with self._write_lock, self.engine.begin() as conn:
             gone = (
                 await conn.execute(sa.delete(listings).where(listings.c.expires_at < horizon))
             ).rowcount
