@@ -158,8 +158,8 @@ def create_app(
         return _json(found)
 
     async def health(_request: Request) -> Response:
-        counts = await store.counts(clock())
-        return _json({"ok": True, "version": __version__, **counts})
+        await store.ping()  # a health check that fails when the database does
+        return _json({"ok": True, "version": __version__})
 
     def refusing(handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
         async def wrapped(request: Request) -> Response:

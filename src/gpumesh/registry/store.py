@@ -343,7 +343,13 @@ class RegistryStore:
             await conn.execute(sa.delete(rate_windows).where(rate_windows.c.window < window))
         return int(gone)
 
+    async def ping(self) -> None:
+        """One round trip to the database (what ``/v1/health`` checks)."""
+        async with self.engine.connect() as conn:
+            await conn.execute(sa.select(1))
+
     async def counts(self, now: float) -> dict[str, int]:
+        """Live listings (a full count: for operators and tests, not for each request)."""
         async with self.engine.connect() as conn:
             live = (
                 await conn.execute(
