@@ -405,3 +405,46 @@ def test_client_rejects_an_address_record_signed_by_another_key() -> None:
         pytest.raises(RegistryError, match="signed by another key"),
     ):
         RegistryClient(fake.url).lookup_addresses(str(alice.node_id), alice.public_key)
+
+
+def test_publisher_refreshes_on_request_and_withdraws(registry: RunningRegistry) -> None:
+    import asyncio
+
+    from gpumesh.client.publishing import Publisher, Snapshot
+
+    alice = Identity.generate()
+    client = RegistryClient(registry.url)
+    states = iter([True, False])
+
+    async def snapshot() -> Snapshot:
+        return Snapshot([GpuListing("NVIDIA GeForce RTX 4090", 24 * GIB, 20 * GIB)], next(states))
+
+    async def scenario() -> None:
+        publisher = Publisher(
+            client=client,
+            identity=alice,
+            name="alice-pc",
+            snapshot=snapshot,
+            addresses=lambda: ["203.0.113.7:47000"],
+            region="us-west",
+            contact="alice@example.org",
+            clock=registry.clock,
+        )
+        task = asyncio.create_task(publisher.run(first_wait=3600))
+        assert await publisher.publish_once() == OPEN.ttl  # listing + address record
+        assert names(client, idle=True) == ["alice-pc"]
+        publisher.refresh_now()  # what `gpumesh sync` asks for, through SIGUSR1
+        async with asyncio.timeout(30):
+            # Polled: the publisher has no event for a test to wait on.
+            while publisher.published < 4:  # noqa: ASYNC110
+                await asyncio.sleep(0.01)
+        task.cancel()
+        assert publisher.last_error is None
+        assert names(client, idle=True) == []  # the refresh carried the new state
+        assert names(client) == ["alice-pc"]
+        await publisher.withdraw()
+        assert names(client) == []
+        found = client.lookup_addresses(str(alice.node_id), alice.public_key)
+        assert found is not None and found.addresses == ["203.0.113.7:47000"]
+
+    asyncio.run(scenario())
