@@ -97,7 +97,7 @@ def serve_registry(db: str, config: RegistryConfig | None = None) -> Iterator[Ru
     clock = Clock()
     config = (config or RegistryConfig()).replace(db=db)
     app = create_app(config.check(), RegistryStore(database_url(db)), clock=clock)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]

@@ -172,3 +172,22 @@ def test_sync_rejects_an_address_record_signed_by_another_key(
         assert refused.returncode == 4
     (after,) = json.loads(gpumesh(bob, "peers", "--json").stdout)
     assert after["addresses"] == before["addresses"]
+
+
+def test_sync_asks_a_share_to_republish_and_a_plain_share_survives_it(
+    homes: tuple[Path, Path, str],
+) -> None:
+    alice, _bob, url = homes
+    share = _share(alice)  # publishes nothing
+    try:
+        done = gpumesh(alice, "sync", "--json")
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)["republished_by"] == share.pid
+        stopped = gpumesh(alice, "share", "stop")
+        assert stopped.returncode == 0, stopped.stderr
+        share.communicate(timeout=30)
+        assert share.returncode == 0
+    finally:
+        if share.poll() is None:
+            _stop(share)
+    assert url

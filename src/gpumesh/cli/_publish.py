@@ -69,6 +69,10 @@ async def start(
     config = node.home.config
     announce = public or config.get("announce_addresses") == "true"
     if not announce:
+        # `gpumesh sync` signals every running share: one that publishes nothing
+        # must not die of SIGUSR1's default action.
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, lambda: None)
         return None
     url = registry_url(str(config.get("rendezvous_url")))
 
