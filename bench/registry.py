@@ -14,6 +14,8 @@ HTTP on loopback:
 * search: ``--searches`` requests per filter, one at a time, timed at the
   HTTP client (p50/p95), next to ``GET /v1/health`` on the same connection,
   the floor of one HTTP round trip through this server and client;
+* where the publish time goes: the registry process's CPU time per listing
+  (from /proc) and this generator's, next to the wall time per listing;
 * memory: the registry process's resident and peak resident memory after the
   load (VmRSS, VmHWM).
 
@@ -160,6 +162,12 @@ def _verify_rate(seconds: float = 1.0) -> float:
     return count / (time.perf_counter() - started)
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _memory(pid: int) -> tuple[str, str]:
     fields = {}
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -223,6 +231,8 @@ def _run(args: argparse.Namespace, url: str, registry: subprocess.Popen[bytes], 
     rng = random.Random(17)
     sending = 0.0
     signing = 0.0
+    registry_cpu = 0.0
+    own_cpu = 0.0
     refused = 0
     done = 0
     while done < args.listings:
@@ -230,7 +240,10 @@ def _run(args: argparse.Namespace, url: str, registry: subprocess.Popen[bytes], 
         started = time.perf_counter()
         bodies = _sign_batch(rng, count)
         signing += time.perf_counter() - started
+        cpu_before, own_before = _cpu_seconds(registry.pid), time.process_time()
         seconds, bad = asyncio.run(_publish(url, bodies, args.concurrency))
+        registry_cpu += _cpu_seconds(registry.pid) - cpu_before
+        own_cpu += time.process_time() - own_before
         sending += seconds
         refused += bad
         done += count
@@ -245,6 +258,14 @@ def _run(args: argparse.Namespace, url: str, registry: subprocess.Popen[bytes], 
         [
             ["listings accepted per second (one per request)", f"{args.listings / sending:,.0f}"],
             ["refused", f"{refused}"],
+            [
+                "registry process CPU per listing, ms",
+                f"{registry_cpu / args.listings * 1000:.2f}",
+            ],
+            [
+                "load generator CPU per listing (HTTP client), ms",
+                f"{own_cpu / args.listings * 1000:.2f}",
+            ],
             ["Ed25519 verifications per second, one core, no I/O", f"{verify:,.0f}"],
             [
                 "signing per listing in this generator (not counted), ms",
