@@ -303,12 +303,11 @@ def _wait_up(url: str, registry: subprocess.Popen[bytes]) -> None:
 
 def _reset_postgres(db: str) -> None:
     from gpumesh.registry.config import database_url
-    from gpumesh.registry.store import RegistryStore, metadata
+    from gpumesh.registry.store import RegistryStore
 
     async def drop() -> None:
         store = RegistryStore(database_url(db))
-        async with store.engine.begin() as conn:
-            await conn.run_sync(metadata.drop_all)
+        await store.drop_all()
         await store.close()
 
     asyncio.run(drop())

@@ -26,7 +26,7 @@ import uvicorn
 
 from gpumesh.registry.app import create_app
 from gpumesh.registry.config import RegistryConfig, database_url
-from gpumesh.registry.store import RegistryStore, metadata
+from gpumesh.registry.store import RegistryStore
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -83,8 +83,7 @@ def empty_database(kind: str, tmp_path: Path) -> str:
 
     async def drop() -> None:
         store = RegistryStore(database_url(url))
-        async with store.engine.begin() as conn:
-            await conn.run_sync(metadata.drop_all)
+        await store.drop_all()
         await store.close()
 
     asyncio.run(drop())

@@ -49,16 +49,16 @@ class RegistryConfig:
 
 
 def database_url(text: str) -> str:
-    """The SQLAlchemy async URL for ``--db``: a path or sqlite:// URL, or postgresql://."""
+    """The SQLAlchemy URL for ``--db``: a path or sqlite:/// URL, or postgresql:// (asyncpg)."""
     if text.startswith(("postgresql://", "postgres://")):
         return "postgresql+asyncpg://" + text.split("://", 1)[1]
     if text.startswith("postgresql+asyncpg://"):
         return text
     if text.startswith("sqlite:///"):
-        return "sqlite+aiosqlite:///" + text.removeprefix("sqlite:///")
+        return text
     if "://" in text:
         raise ConfigError(
             f"unsupported --db {text.split('://', 1)[0]}://…: use a SQLite file path "
             "or a postgresql://user:password@host/database URL"
         )
-    return "sqlite+aiosqlite:///" + text
+    return "sqlite:///" + text
