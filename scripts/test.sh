@@ -9,7 +9,9 @@
 #   GPUMESH_TEST_NO_DESKTOP=1 skip installing Xvfb/x11vnc/FreeRDP and the tests
 #                            that drive them
 #   GPUMESH_TEST_NO_BROWSER=1 skip the chromium setup and the browser tests
-#   CI=true                  a broken Docker (or desktop programs, or browser) setup
+#   GPUMESH_TEST_NO_POSTGRES=1 skip the PostgreSQL setup and the registry's
+#                            PostgreSQL tests (they also run on SQLite)
+#   CI=true                  a broken Docker, desktop, browser or PostgreSQL setup
 #                            fails the run instead of skipping those tests
 #   PYTHON                   interpreter used to create .venv (default python3)
 set -euo pipefail
@@ -90,6 +92,23 @@ else
     fi
     echo "warning: chromium is not available; browser tests will be SKIPPED" >&2
     export GPUMESH_TEST_NO_BROWSER=1
+  fi
+fi
+
+# 2d. PostgreSQL, for the registry's tests (they run on SQLite and PostgreSQL).
+if [ "${GPUMESH_TEST_NO_POSTGRES:-}" = 1 ]; then
+  stage "PostgreSQL: skipped (GPUMESH_TEST_NO_POSTGRES=1)"
+else
+  stage "PostgreSQL"
+  if url=$(scripts/ensure-postgres.sh); then
+    export GPUMESH_TEST_POSTGRES_URL=$url
+  else
+    if is_ci; then
+      echo "error: PostgreSQL setup failed in CI; refusing to skip the PostgreSQL tests" >&2
+      exit 1
+    fi
+    echo "warning: PostgreSQL is not available; PostgreSQL tests will be SKIPPED" >&2
+    export GPUMESH_TEST_NO_POSTGRES=1
   fi
 fi
 

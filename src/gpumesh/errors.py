@@ -34,7 +34,8 @@ exit codes; nothing here prints.
     ├── InUseError                    in_use
     ├── AgentError                    agent
     ├── BadRequestError               bad_request
-    └── CudaError                     cuda
+    ├── CudaError                     cuda
+    └── RegistryError                 registry
 
 Each class also carries the ``exit_code`` the CLI ends with; :class:`ExitCode`
 is the one table of those codes (with the ones jobs end with), which
@@ -123,6 +124,7 @@ __all__ = [
     "PeerError",
     "PeerKeyChangedError",
     "ProtocolError",
+    "RegistryError",
     "RelayError",
     "RuntimeUnavailableError",
     "TransportError",
@@ -280,6 +282,13 @@ class CudaError(GPUMeshError):
     def __init__(self, message: str, name: str = "") -> None:
         super().__init__(message)
         self.name = name
+
+
+class RegistryError(GPUMeshError):
+    """A public registry refused a record (stale, rate limit, too large) or sent
+    something that does not verify; the message names the registry and why."""
+
+    code = "registry"
 
 
 def _all_subclasses(cls: type[GPUMeshError]) -> list[type[GPUMeshError]]:

@@ -15,7 +15,8 @@ floor, from the bottom:
 
 ``relay/`` is a top of its own (``gpumesh-relay``): it may use floors 0 to 3,
 nothing else imports it, and it never imports ``client/``, ``agent/``, ``cli/``,
-``control/`` or the package root.
+``control/`` or the package root. ``registry/`` (``gpumesh-registry``) is
+a top in the same way.
 
 Two checks:
 
@@ -61,6 +62,7 @@ FLOORS = {
     "cli": FACES,
     "control": FACES,
     "relay": RELAY,
+    "registry": RELAY,
 }
 """Each folder of the package and its floor; a top-level module is on BASE."""
 

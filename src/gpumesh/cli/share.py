@@ -21,6 +21,8 @@ from gpumesh.errors import ExitCode, InUseError
 Examples:
   gpumesh share                        # foreground; Ctrl-C stops it
   gpumesh share --port 47001
+  gpumesh share --public --region us-west --contact 'matrix:@alice:example.org'
+                                       # also list the GPUs in the registry (rendezvous_url)
   gpumesh share stop                   # stop the one running for this home
   gpumesh share --print-systemd-unit > gpumesh-share.service
                                        # keep sharing across reboots (see the unit's header)
@@ -29,6 +31,14 @@ Examples:
 @click.option("--host", help="Address to listen on (config listen_host, default 0.0.0.0).")
 @click.option("--port", type=int, help="UDP port to listen on (config listen_port, default 47000).")
 @click.option("--max-vram", metavar="SIZE", help="Most GPU memory one job may ask for, e.g. 16GB.")
+@click.option(
+    "--public",
+    is_flag=True,
+    help="List this node's GPUs (metadata only) in the registry at rendezvous_url "
+    "while sharing; withdrawn when sharing stops. A listing grants nothing.",
+)
+@click.option("--region", metavar="R", help="Region shown in the listing (config region).")
+@click.option("--contact", metavar="TEXT", default="", help="How people reach you, e.g. an email.")
 @click.option(
     "--print-systemd-unit",
     "print_unit",
@@ -42,6 +52,9 @@ def share(
     host: str | None,
     port: int | None,
     max_vram: str | None,
+    public: bool,
+    region: str | None,
+    contact: str,
     print_unit: bool,
 ) -> None:
     """Share this machine with paired, allowed peers (runs in the foreground).
@@ -64,11 +77,13 @@ def share(
             f"`gpumesh share` is already running for {node.home.path} (pid {running.pid}, "
             f"udp {running.host}:{running.port}); stop it with `gpumesh share stop`"
         )
+    from gpumesh.cli import _publish
     from gpumesh.units import parse_size
 
     cap = parse_size(max_vram) if max_vram else None
+    _publish.check(node.home.config, public)
     setup_logging(node.home.logs_dir, console_level="info")
-    asyncio.run(_serve(node, host, port, cap))
+    asyncio.run(_serve(node, host, port, cap, (public, region, contact)))
 
 
 def _require_linux() -> None:
@@ -152,8 +167,15 @@ async def _report_job_user(agent: object) -> None:
     click.echo(f"  jobs run as {inside} (host uid {who.owner[0]}), root filesystem {root}")
 
 
-async def _serve(node: object, host: str | None, port: int | None, max_vram: int | None) -> None:
+async def _serve(
+    node: object,
+    host: str | None,
+    port: int | None,
+    max_vram: int | None,
+    public: tuple[bool, str | None, str] = (False, None, ""),
+) -> None:
     from gpumesh.agent.server import Agent
+    from gpumesh.cli import _publish
     from gpumesh.client.node import Node
     from gpumesh.units import format_size
 
@@ -190,6 +212,9 @@ async def _serve(node: object, host: str | None, port: int | None, max_vram: int
     click.echo(f"  limits: {agent.share_limits().describe()}")
     if agent.relay is not None:
         await _report_relay(agent.relay)
+    publishing = await _publish.start(
+        node, agent, public=public[0], region=public[1], contact=public[2]
+    )
     click.echo("Only paired, allowed peers are served. Pairing code for a new peer (valid 1 hour):")
     click.echo(node.pairing_code())
     click.echo("Press Ctrl-C or run `gpumesh share stop` to stop.", err=True)
@@ -197,6 +222,8 @@ async def _serve(node: object, host: str | None, port: int | None, max_vram: int
         await agent.wait_stopped()
     finally:
         agent.stop()
+        if publishing is not None:
+            await publishing.stop()
     click.echo("Stopped sharing.", err=True)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -40,6 +41,7 @@ from gpumesh.store.home import AgentInfo, Home
 
 if TYPE_CHECKING:
     from gpumesh.gpu.inventory import GpuInfo
+    from gpumesh.protocol.addresses import Address
     from gpumesh.transport.session import Session
 
 __all__ = [
@@ -314,15 +316,23 @@ class Node:
         config = self.home.config
         relay_text = config.relay or peer.relay
         relay = RelayHint(relay_text, config.relay_token) if relay_text else None
-        session = await open_session(
+        dial = functools.partial(
+            open_session,
             self.home.identity,
             config.node_name,
-            addresses,
-            peer.public_key,
+            server_key=peer.public_key,
             timeout=timeout or config.connect_timeout,
             peer_label=peer.name,
             relay=relay,
         )
+        try:
+            session = await dial(addresses)
+        except UnreachableError:
+            # The peer may have moved: its signed address record in the registry.
+            moved = await self._look_up_moved(peer)
+            if moved is None:
+                raise
+            session = await dial(moved)
         logger.info("session with %s: %s", peer.name, session.path)
         self._remember(peer, session)
         try:
@@ -332,6 +342,28 @@ class Node:
                 # What punching found is worth keeping for the next dial.
                 self._remember(peer, session)
             session.close()
+
+    async def _look_up_moved(self, peer: Peer) -> list[Address] | None:
+        """New addresses of ``peer`` from the registry (signed by its pinned key), stored;
+        None without a registry, a record, or anything new."""
+        from gpumesh.client.discovery import refresh_peer
+        from gpumesh.client.registry import RegistryClient
+        from gpumesh.protocol.addresses import parse_address
+
+        url = str(self.home.config.get("rendezvous_url"))
+        if not url:
+            return None
+        found = await refresh_peer(
+            self, peer, RegistryClient(url, timeout=5.0), timeout=0, dial=False
+        )
+        if not found.moved:
+            return None
+        addresses = []
+        for text in found.addresses:
+            with contextlib.suppress(ValueError):
+                addresses.append(parse_address(text))
+        logger.info("%s moved to %s (its signed address record)", peer.name, found.addresses)
+        return addresses or None
 
     def _remember(self, peer: Peer, session: Session) -> None:
         """Record the path that worked (and a punched address to dial first next time)."""

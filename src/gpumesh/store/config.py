@@ -249,8 +249,20 @@ KEYS: dict[str, ConfigKey] = {
             settings.ENV_RELAY_TOKEN,
             secret=True,
         ),
-        ConfigKey("rendezvous_url", _url, "", "public registry URL for `share --public`"),
+        ConfigKey(
+            "rendezvous_url",
+            _url,
+            "",
+            "public registry (gpumesh-registry) for `share --public`, `search` and `sync`",
+        ),
         ConfigKey("region", _text, "", "region shown in public listings", settings.ENV_REGION),
+        ConfigKey(
+            "announce_addresses",
+            _choice("true", "false"),
+            "false",
+            "publish signed address records to rendezvous_url so paired peers find this "
+            "node after it moves (`share --public` implies it)",
+        ),
         ConfigKey("image", _text, DEFAULT_IMAGE, "default job image", settings.ENV_IMAGE),
         ConfigKey(
             "max_vram", _size_or_empty, "", "most GPU memory peers may ask for (empty: no cap)"

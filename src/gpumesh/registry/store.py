@@ -1,0 +1,427 @@
+"""The registry's database: SQLAlchemy Core, one code path for SQLite and PostgreSQL.
+
+Every decision that must hold across several registry processes is one
+statement the database makes atomic: a record is stored by an upsert that
+only replaces a row with a *lower* sequence number (a stale or replayed
+record changes nothing and is refused), and a rate-limit window is counted
+by an upsert that returns the new count. Nothing is kept in memory between
+requests.
+
+A withdrawn or expired listing keeps its row (with its sequence number) until
+it is older than any record the registry would still accept as fresh, so a
+replay of an earlier listing is refused by one check or the other.
+
+Schema versions are applied at start by the registry itself (the table
+``registry_schema``), as ``store/db.py`` does for a node: three tables do not
+need Alembic's environment, and a console script has no ``alembic.ini`` to
+find. On PostgreSQL an advisory lock keeps processes that start together
+from migrating twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Final, TypeVar
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+
+from gpumesh.protocol.listing import (
+    CLOCK_SKEW,
+    MAX_AGE,
+    AddressRecord,
+    Listing,
+    Record,
+    SignedRecord,
+)
+
+__all__ = ["SCHEMA_VERSION", "Page", "RegistryStore", "SearchQuery"]
+
+T = TypeVar("T")
+
+SCHEMA_VERSION: Final = 1
+_MIGRATION_LOCK: Final = 0x67706D72  # "gpmr": the advisory lock id on PostgreSQL
+
+metadata = sa.MetaData()
+
+schema_table = sa.Table(
+    "registry_schema",
+    metadata,
+    sa.Column("version", sa.Integer, primary_key=True),
+)
+
+listings = sa.Table(
+    "listings",
+    metadata,
+    sa.Column("node_id", sa.String(26), primary_key=True),
+    sa.Column("seq", sa.BigInteger, nullable=False),
+    sa.Column("timestamp", sa.Float, nullable=False),
+    sa.Column("expires_at", sa.Float, nullable=False),
+    sa.Column("withdrawn", sa.Boolean, nullable=False),
+    sa.Column("idle", sa.Boolean, nullable=False),
+    sa.Column("region", sa.String(64), nullable=False),
+    sa.Column("best_free", sa.BigInteger, nullable=False),
+    sa.Column("record", sa.LargeBinary, nullable=False),
+    sa.Column("signature", sa.LargeBinary, nullable=False),
+    sa.Index("listings_order", "best_free", "node_id"),
+    sa.Index("listings_expiry", "expires_at"),
+)
+
+listing_gpus = sa.Table(
+    "listing_gpus",
+    metadata,
+    sa.Column(
+        "node_id",
+        sa.String(26),
+        sa.ForeignKey("listings.node_id", ondelete="CASCADE"),
+        primary_key=True,
+    ),
+    sa.Column("idx", sa.Integer, primary_key=True),
+    sa.Column("name", sa.String(96), nullable=False),
+    sa.Column("memory_total", sa.BigInteger, nullable=False),
+    sa.Column("memory_free", sa.BigInteger, nullable=False),
+    sa.Index("listing_gpus_free", "memory_free"),
+)
+
+address_records = sa.Table(
+    "address_records",
+    metadata,
+    sa.Column("node_id", sa.String(26), primary_key=True),
+    sa.Column("seq", sa.BigInteger, nullable=False),
+    sa.Column("expires_at", sa.Float, nullable=False),
+    sa.Column("record", sa.LargeBinary, nullable=False),
+    sa.Column("signature", sa.LargeBinary, nullable=False),
+)
+
+rate_windows = sa.Table(
+    "rate_windows",
+    metadata,
+    sa.Column("bucket", sa.String(120), primary_key=True),
+    sa.Column("window", sa.BigInteger, nullable=False),
+    sa.Column("count", sa.Integer, nullable=False),
+)
+
+
+@dataclass(frozen=True)
+class SearchQuery:
+    """Filters of a search; every one is optional."""
+
+    gpu: str = ""
+    """Part of a GPU model name, any case (``4090`` matches ``NVIDIA GeForce RTX 4090``)."""
+    vram: int = 0
+    """Bytes a GPU of the listing must have (free, or total with ``vram_total``)."""
+    vram_total: bool = False
+    idle: bool = False
+    region: str = ""
+    """Exact region, any case."""
+    limit: int = 20
+    cursor: str = ""
+    """Where the previous page ended (its ``next``)."""
+
+
+@dataclass(frozen=True)
+class Page:
+    records: list[SignedRecord]
+    next: str
+    """The cursor of the next page, empty on the last one."""
+
+
+def _cursor(best_free: int, node_id: str) -> str:
+    return base64.urlsafe_b64encode(f"{best_free}:{node_id}".encode()).decode().rstrip("=")
+
+
+def _parse_cursor(text: str) -> tuple[int, str]:
+    try:
+        raw = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)).decode()
+        free, _, node_id = raw.partition(":")
+        return int(free), node_id
+    except (ValueError, UnicodeDecodeError):
+        raise ValueError("the cursor is not one this registry gave out") from None
+
+
+class RegistryStore:
+    """The database of one registry process (several may share one PostgreSQL).
+
+    Every operation is one function of a SQLAlchemy ``Connection``, the same
+    for both databases; only how it runs differs. PostgreSQL: through asyncpg
+    in the event loop (``run_sync``). SQLite: in a worker thread on the
+    standard library's driver, one thread hop per operation, where the async
+    driver took one per statement and cursor call (about a dozen per publish,
+    most of the registry's time).
+    """
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        parsed = sa.engine.make_url(url)
+        self.dialect = parsed.get_backend_name()
+        self.engine: AsyncEngine | None = None
+        self._sync: sa.Engine | None = None
+        if self.dialect == "sqlite":
+            self._sync = sa.create_engine(parsed.set(drivername="sqlite"))
+            sa.event.listen(self._sync, "connect", _sqlite_pragmas)
+        else:
+            self.engine = create_async_engine(
+                url, pool_size=10, max_overflow=10, pool_pre_ping=True
+            )
+        # SQLite has one writer: two pooled connections that both upgrade from a
+        # read to a write would fail at once with "database is locked" (its busy
+        # timeout does not cover that), so this process sends it one write at a
+        # time. PostgreSQL's row locks need no such thing.
+        self._write_lock: asyncio.Lock | contextlib.nullcontext[None] = (
+            asyncio.Lock() if self._sync is not None else contextlib.nullcontext()
+        )
+
+    async def _write(self, operation: Callable[..., T], *args: Any) -> T:
+        """Run ``operation(connection, *args)`` in one transaction."""
+        async with self._write_lock:
+            if self._sync is not None:
+                return await asyncio.to_thread(self._sync_transaction, operation, *args)
+            assert self.engine is not None
+            async with self.engine.begin() as conn:
+                return await conn.run_sync(operation, *args)
+
+    async def _read(self, operation: Callable[..., T], *args: Any) -> T:
+        if self._sync is not None:
+            return await asyncio.to_thread(self._sync_read, operation, *args)
+        assert self.engine is not None
+        async with self.engine.connect() as conn:
+            return await conn.run_sync(operation, *args)
+
+    def _sync_transaction(self, operation: Callable[..., T], *args: Any) -> T:
+        assert self._sync is not None
+        with self._sync.begin() as conn:
+            return operation(conn, *args)
+
+    def _sync_read(self, operation: Callable[..., T], *args: Any) -> T:
+        assert self._sync is not None
+        with self._sync.connect() as conn:
+            return operation(conn, *args)
+
+    async def open(self) -> None:
+        """Create or upgrade the schema."""
+        await self._write(self._migrate)
+
+    def _migrate(self, conn: sa.Connection) -> None:
+        if self.dialect == "postgresql":
+            conn.execute(sa.select(sa.func.pg_advisory_xact_lock(_MIGRATION_LOCK)))
+        metadata.create_all(conn)
+        version = conn.execute(sa.select(sa.func.max(schema_table.c.version))).scalar()
+        if version is None:
+            conn.execute(sa.insert(schema_table).values(version=SCHEMA_VERSION))
+        elif version > SCHEMA_VERSION:
+            raise RuntimeError(
+                f"the database has registry schema {version}, newer than this "
+                f"gpumesh-registry ({SCHEMA_VERSION}); upgrade gpumesh"
+            )
+
+    async def drop_all(self) -> None:
+        """Remove every registry table (tests and benchmarks start from nothing)."""
+        await self._write(metadata.drop_all)
+
+    async def close(self) -> None:
+        if self.engine is not None:
+            await self.engine.dispose()
+        if self._sync is not None:
+            self._sync.dispose()
+
+    def _insert(self, table: sa.Table) -> Any:
+        return (postgresql.insert if self.dialect == "postgresql" else sqlite.insert)(table)
+
+    async def count_hit(self, bucket: str, window: int) -> int:
+        """Count one hit in ``bucket`` for the time window ``window``; the count so far."""
+        stmt = self._insert(rate_windows).values(bucket=bucket, window=window, count=1)
+        existing = rate_windows.c
+        stmt = stmt.on_conflict_do_update(
+            index_elements=[existing.bucket],
+            set_={
+                "count": sa.case(
+                    (existing.window == stmt.excluded.window, existing.count + 1), else_=1
+                ),
+                "window": stmt.excluded.window,
+            },
+        ).returning(rate_windows.c.count)
+        return await self._write(_scalar_int, stmt)
+
+    async def put(self, record: Record, signed: SignedRecord, now: float, ttl: float) -> bool:
+        """Store ``record`` if its seq is above the stored one; False when it is not."""
+        return await self._write(self._put, record, signed, now, ttl)
+
+    def _put(
+        self, conn: sa.Connection, record: Record, signed: SignedRecord, now: float, ttl: float
+    ) -> bool:
+        node_id = str(record.node_id)
+        if isinstance(record, AddressRecord):
+            return self._upsert(
+                conn,
+                address_records,
+                {
+                    "node_id": node_id,
+                    "seq": record.seq,
+                    "expires_at": now + ttl,
+                    "record": signed.record,
+                    "signature": signed.signature,
+                },
+            )
+        if isinstance(record, Listing):
+            row = {
+                "node_id": node_id,
+                "seq": record.seq,
+                "timestamp": record.timestamp,
+                "expires_at": now + ttl,
+                "withdrawn": False,
+                "idle": record.idle,
+                "region": record.region.lower(),
+                "best_free": max((g.memory_free for g in record.gpus), default=0),
+                "record": signed.record,
+                "signature": signed.signature,
+            }
+        else:  # a withdrawal: the row stays, as a tombstone with its seq
+            row = {
+                "node_id": node_id,
+                "seq": record.seq,
+                "timestamp": record.timestamp,
+                "expires_at": now,
+                "withdrawn": True,
+                "idle": False,
+                "region": "",
+                "best_free": 0,
+                "record": signed.record,
+                "signature": signed.signature,
+            }
+        if not self._upsert(conn, listings, row):
+            return False
+        conn.execute(sa.delete(listing_gpus).where(listing_gpus.c.node_id == node_id))
+        if isinstance(record, Listing) and record.gpus:
+            conn.execute(
+                sa.insert(listing_gpus),
+                [
+                    {
+                        "node_id": node_id,
+                        "idx": index,
+                        "name": gpu.name.lower(),
+                        "memory_total": gpu.memory_total,
+                        "memory_free": gpu.memory_free,
+                    }
+                    for index, gpu in enumerate(record.gpus)
+                ],
+            )
+        return True
+
+    def _upsert(self, conn: sa.Connection, table: sa.Table, row: dict[str, Any]) -> bool:
+        stmt = self._insert(table).values(**row)
+        stmt = stmt.on_conflict_do_update(
+            index_elements=[table.c.node_id],
+            set_={key: stmt.excluded[key] for key in row if key != "node_id"},
+            where=table.c.seq < stmt.excluded.seq,
+        ).returning(table.c.node_id)
+        return conn.execute(stmt).first() is not None
+
+    async def search(self, query: SearchQuery, now: float) -> Page:
+        conditions: list[sa.ColumnElement[bool]] = [
+            listings.c.expires_at > now,
+            listings.c.withdrawn.is_(False),
+        ]
+        if query.idle:
+            conditions.append(listings.c.idle.is_(True))
+        if query.region:
+            conditions.append(listings.c.region == query.region.lower())
+        if query.gpu or query.vram:
+            gpu_conditions: list[sa.ColumnElement[bool]] = [
+                listing_gpus.c.node_id == listings.c.node_id
+            ]
+            if query.gpu:
+                pattern = "%" + _escape_like(query.gpu.lower()) + "%"
+                gpu_conditions.append(listing_gpus.c.name.like(pattern, escape="\\"))
+            if query.vram:
+                column = (
+                    listing_gpus.c.memory_total if query.vram_total else listing_gpus.c.memory_free
+                )
+                gpu_conditions.append(column >= query.vram)
+            conditions.append(sa.exists().where(*gpu_conditions))
+        if query.cursor:
+            free, node_id = _parse_cursor(query.cursor)
+            conditions.append(
+                sa.or_(
+                    listings.c.best_free < free,
+                    sa.and_(listings.c.best_free == free, listings.c.node_id > node_id),
+                )
+            )
+        stmt = (
+            sa.select(
+                listings.c.record, listings.c.signature, listings.c.best_free, listings.c.node_id
+            )
+            .where(*conditions)
+            .order_by(listings.c.best_free.desc(), listings.c.node_id)
+            .limit(query.limit + 1)
+        )
+        rows = await self._read(_all_rows, stmt)
+        page = rows[: query.limit]
+        following = ""
+        if len(rows) > query.limit:
+            last = page[-1]
+            following = _cursor(last.best_free, last.node_id)
+        return Page([SignedRecord(bytes(r.record), bytes(r.signature)) for r in page], following)
+
+    async def addresses(self, node_id: str, now: float) -> SignedRecord | None:
+        stmt = sa.select(address_records.c.record, address_records.c.signature).where(
+            address_records.c.node_id == node_id, address_records.c.expires_at > now
+        )
+        rows = await self._read(_all_rows, stmt)
+        if not rows:
+            return None
+        return SignedRecord(bytes(rows[0].record), bytes(rows[0].signature))
+
+    async def purge(self, now: float, window: int) -> int:
+        """Delete what expired before any record it could refuse would still be fresh."""
+        return await self._write(_purge, now - MAX_AGE - CLOCK_SKEW, window)
+
+    async def ping(self) -> None:
+        """One round trip to the database (what ``/v1/health`` checks)."""
+        await self._read(_scalar_int, sa.select(1))
+
+    async def counts(self, now: float) -> dict[str, int]:
+        """Live listings (a full count: for operators and tests, not for each request)."""
+        stmt = sa.select(sa.func.count()).where(
+            listings.c.expires_at > now, listings.c.withdrawn.is_(False)
+        )
+        return {"listings": await self._read(_scalar_int, stmt)}
+
+
+def _scalar_int(conn: sa.Connection, stmt: Any) -> int:
+    return int(conn.execute(stmt).scalar_one())
+
+
+def _all_rows(conn: sa.Connection, stmt: Any) -> list[Any]:
+    return list(conn.execute(stmt).all())
+
+
+def _purge(conn: sa.Connection, horizon: float, window: int) -> int:
+    gone = conn.execute(sa.delete(listings).where(listings.c.expires_at < horizon)).rowcount
+    conn.execute(
+        sa.delete(listing_gpus).where(
+            ~sa.exists().where(listings.c.node_id == listing_gpus.c.node_id)
+        )
+    )
+    gone += conn.execute(
+        sa.delete(address_records).where(address_records.c.expires_at < horizon)
+    ).rowcount
+    conn.execute(sa.delete(rate_windows).where(rate_windows.c.window < window))
+    return int(gone)
+
+
+def _escape_like(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+
+
+def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA synchronous=NORMAL")
+    cursor.execute("PRAGMA busy_timeout=5000")
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.close()
