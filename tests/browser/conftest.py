@@ -32,8 +32,12 @@ def _in_ci() -> bool:
     return os.environ.get("CI", "").lower() not in ("", "0", "false", "no")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
+    # Module scope, not session: Playwright's sync API keeps an event loop running
+    # in this thread while it is open, and the in-process tests that follow the
+    # browser tests in the same run call asyncio.run(), which refuses to start
+    # inside a running loop.
     if not _in_ci() and (
         os.environ.get("GPUMESH_TEST_NO_BROWSER") == "1" or not Path(CHROMIUM).exists()
     ):
