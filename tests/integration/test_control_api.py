@@ -566,7 +566,7 @@ def test_process_stops_cleanly_and_refuses_what_it_must(tmp_path: Path) -> None:
         check=False,
     )
     assert second.returncode == 7, second
-    assert second.stderr.startswith("error: a control API already serves")
+    assert second.stderr.startswith("error: a node process (pid ")
     assert len(second.stderr.strip().splitlines()) == 1
     assert api.ok("GET", "/api/v1/peers") == []
     out = api.stop(signal.SIGINT)

@@ -59,6 +59,7 @@ FLOORS = {
     "agent": OPERATIONS,
     "cli": FACES,
     "control": FACES,
+    "daemon": FACES,
     "relay": RELAY,
 }
 """Each folder of the package and its floor; a top-level module is on BASE."""

@@ -42,6 +42,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "exec": ("gpumesh.cli.exec", "exec", "Open a shell in a fresh container on a peer."),
     "prune": ("gpumesh.cli.prune", "prune", "Remove old finished jobs and their logs."),
     "group": ("gpumesh.cli.group", "group", "Create, share and join groups of nodes."),
+    "daemon": ("gpumesh.cli.daemon", "daemon", "Show or stop this home's node process."),
     "completion": ("gpumesh.cli.completion", "completion", "Print a shell completion script."),
 }
 

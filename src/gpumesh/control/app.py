@@ -57,6 +57,7 @@ from gpumesh.errors import (
 
 if TYPE_CHECKING:
     from gpumesh.client.node import Node
+    from gpumesh.daemon.process import NodeProcess
 
 __all__ = ["ENDPOINTS", "Call", "ControlState", "create_app"]
 
@@ -85,6 +86,8 @@ class ControlState:
     """Names besides loopback that ``Host`` may carry (a non-loopback bind's)."""
     public_url: str = ""
     """``http://host:port`` of the TCP listener, for login URLs."""
+    process: NodeProcess | None = None
+    """The node process serving this API (its status, its stop)."""
 
 
 class Refusal(Exception):
@@ -536,9 +539,30 @@ async def get_page(call: Call) -> object:
     )
 
 
+# --- the node process (gpumesh.daemon) ----------------------------------------------------
+
+
+def _process(call: Call) -> NodeProcess:
+    if call.state.process is None:
+        raise AgentError("this control API is not served by a node process")
+    return call.state.process
+
+
+async def get_node(call: Call) -> object:
+    return _process(call).view(sharing=call.node.home.read_agent_info() is not None)
+
+
+async def post_node_stop(call: Call) -> object:
+    """Stop the node process once this answer is sent (open streams end)."""
+    process = _process(call)
+    asyncio.get_running_loop().call_soon(process.stop.set)
+    return process.view(sharing=call.node.home.read_agent_info() is not None)
+
+
 def _views() -> dict[str, Any]:
     """The response types, imported only when the table is built."""
     from gpumesh.client.views import apps, files, groups, joblist, jobs, node, owner, peers
+    from gpumesh.daemon.views import NodeProcessView
 
     return {
         "status": node.StatusView,
@@ -557,6 +581,7 @@ def _views() -> dict[str, Any]:
         "copy": files.CopyView,
         "sync": apps.SyncView,
         "owner": owner.OwnerStatusView,
+        "process": NodeProcessView,
     }
 
 
@@ -615,6 +640,10 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("GET", "/api/v1/owner", get_owner,
              "Who uses this machine: connected peers, hosted jobs", V["owner"],
              query=(Query("limit", "integer", "How many hosted jobs (50)"),)),
+    Endpoint("GET", "/api/v1/node", get_node,
+             "The node process: pid, version, API addresses", V["process"]),
+    Endpoint("POST", "/api/v1/node/stop", post_node_stop, "Stop the node process",
+             V["process"], Access.NO_COOKIE),
 )  # fmt: skip
 
 
