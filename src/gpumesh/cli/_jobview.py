@@ -7,6 +7,7 @@ from typing import Any
 
 import click
 
+from gpumesh.cli._notes import dropped_note, state_note
 from gpumesh.client.jobs import (
     JobCallbacks,
     JobEvent,
@@ -18,7 +19,6 @@ from gpumesh.client.jobs import (
 from gpumesh.client.placement import Placement
 from gpumesh.errors import GPUMeshError
 from gpumesh.protocol.messages import ImagePull, JobAccepted, JobStatus
-from gpumesh.protocol.states import FINAL_STATES, JobState
 from gpumesh.units import format_size
 
 __all__ = ["JobPrinter"]
@@ -67,24 +67,19 @@ class JobPrinter:
         self.changed(StatusChanged.of(status))
 
     def changed(self, change: StatusChanged) -> None:
-        status, state = change.status, change.state
-        if self.numbered and state == JobState.STARTING:
-            self.note(f"--- attempt {status.attempt} ---")
-        elif self.numbered and state in FINAL_STATES:
-            code = "" if status.exit_code is None else f", exit {status.exit_code}"
-            plain_exit = change.exited or state == JobState.SUCCEEDED
-            detail = "" if plain_exit or not status.message else f": {status.message}"
-            if status.peak_gpu_memory:
-                detail += f"; GPU memory peak {format_size(status.peak_gpu_memory)}"
-            self.note(f"--- {state}{code}{detail} ---")
-        elif state == JobState.STARTING and status.attempt > 1:
-            self.note(f"attempt {status.attempt} starting")
-        elif state == JobState.RETRYING:
-            self.note(status.message)
-        elif state == JobState.CANCELLED:
-            self.note(f"job {status.job_id} cancelled")
-        elif state == JobState.FAILED and not change.exited:
-            self.note(f"job failed: {status.message}")  # it never exited on its own
+        status = change.status
+        note = state_note(
+            numbered=self.numbered,
+            state=change.state,
+            attempt=status.attempt,
+            exit_code=status.exit_code,
+            message=status.message,
+            exited=change.exited,
+            job_id=status.job_id,
+            peak_gpu_memory=status.peak_gpu_memory,
+        )
+        if note is not None:
+            self.note(note)
         self.attempt = status.attempt
 
     def accepted(self, accepted: JobAccepted) -> None:
@@ -168,14 +163,7 @@ class JobPrinter:
 
     def dropped(self, count: int) -> None:
         # Part of the output itself (where it is missing), so shown even with --quiet.
-        click.echo(
-            click.style(
-                f"gpumesh: {format_size(count)} of output dropped here: the provider keeps "
-                "only the newest part of a job's output (its job_log_limit)",
-                fg="yellow",
-            ),
-            err=True,
-        )
+        click.echo(click.style(dropped_note(count), fg="yellow"), err=True)
 
     def callbacks(self) -> JobCallbacks:
         return JobCallbacks(

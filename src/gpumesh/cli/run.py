@@ -9,6 +9,7 @@ import click
 
 from gpumesh.cli._common import get_node, run_async
 from gpumesh.cli._complete import complete_group, complete_peer
+from gpumesh.cli._node import node_enabled
 from gpumesh.errors import ExitCode
 
 
@@ -84,11 +85,8 @@ def run(
     so it composes in scripts like `docker run`. Ctrl-C asks whether to cancel
     the remote job or leave it running.
     """
-    from gpumesh.cli._jobview import JobPrinter
-    from gpumesh.client.jobs import new_job_id, run_job
     from gpumesh.client.jobspec import build_spec
 
-    node = get_node()
     spec = build_spec(
         Path(job_file) if job_file else None,
         image=image,
@@ -102,6 +100,13 @@ def run(
         group=group,
         mounts=list(mounts),
     )
+    if node_enabled():
+        _through_node(spec, detach=detach, quiet=quiet, wait=wait)
+        return
+    from gpumesh.cli._jobview import JobPrinter
+    from gpumesh.client.jobs import new_job_id, run_job
+
+    node = get_node()
     printer = JobPrinter(quiet=quiet, explain=explain)
     job_id = new_job_id()
     try:
@@ -124,15 +129,87 @@ def run(
     raise SystemExit(exit_status(result))
 
 
+WAIT_FOREVER = 10.0**9
+"""``--wait`` through the node process: seconds enough to mean "until a member frees up"."""
+
+
+def _through_node(spec: object, *, detach: bool, quiet: bool, wait: bool) -> None:
+    """``run`` as a thin client of the node process: it submits the job (returning
+    once the provider accepted it) and the job's events are followed from the first."""
+    from gpumesh.cli._node import follow, node_client
+    from gpumesh.cli._notes import ViewPrinter, exit_status_of
+    from gpumesh.client.jobspec import JobSpec
+
+    assert isinstance(spec, JobSpec)
+    body = {
+        "command": spec.command,
+        "peer": spec.peer,
+        "group": spec.group,
+        "image": spec.image,
+        "env": spec.env,
+        "gpu_memory": spec.gpu_memory,
+        "retries": spec.retries,
+        "timeout": spec.timeout,
+        "mounts": [f"{m.source}:{m.target}{':rw' if m.rw else ''}" for m in spec.mounts],
+        "workdir": None if spec.workdir is None else str(spec.workdir),
+        "wait": WAIT_FOREVER if wait else 0.0,
+    }
+    client = node_client()
+    try:
+        accepted = client.call("POST", "/api/v1/jobs", body)
+    except KeyboardInterrupt:
+        click.echo("Interrupted before the job started.", err=True)
+        raise SystemExit(ExitCode.INTERRUPTED) from None
+    job_id = str(accepted["job_id"])
+    if detach:
+        click.echo(job_id)
+        return
+    if sys.stderr.isatty() and not quiet:
+        where = f"GPU {', '.join(accepted['gpus'])}" if accepted["gpus"] else "no GPU"
+        click.echo(
+            click.style(f"gpumesh: job {job_id} on {accepted['peer']} ({where})", dim=True),
+            err=True,
+        )
+    try:
+        result = follow(job_id, ViewPrinter(job_id, quiet=quiet))
+    except KeyboardInterrupt:
+        _interrupted_thin(job_id, str(accepted["peer"]))
+        raise SystemExit(ExitCode.INTERRUPTED) from None
+    raise SystemExit(exit_status_of(result["state"], result["exit_code"]))
+
+
+def _interrupted_thin(job_id: str, peer: str) -> None:
+    """Ctrl-C through the node process: as :func:`_interrupted`."""
+    from urllib.parse import quote
+
+    from gpumesh.cli._common import print_error
+    from gpumesh.cli._node import node_client
+    from gpumesh.errors import GPUMeshError
+
+    cancel = True
+    if sys.stdin.isatty():
+        cancel = click.confirm(
+            f"\nCancel job {job_id} on {peer}? (no: it keeps running)", default=True
+        )
+    if not cancel:
+        click.echo(f"Detached. Follow it with: gpumesh logs -f {job_id}", err=True)
+        return
+    try:
+        path = f"/api/v1/jobs/{quote(job_id, safe='')}/cancel"
+        result = node_client().call("POST", path, {"peer": None})
+    except GPUMeshError as exc:
+        print_error(f"could not cancel {job_id}: {exc.message}")
+        return
+    click.echo(f"Job {job_id} {result['state']}.", err=True)
+
+
 def exit_status(result: object) -> int:
     """The CLI's exit status for a finished job, as `docker run` would give it."""
+    from gpumesh.cli._notes import exit_status_of
     from gpumesh.client.jobs import JobResult
-    from gpumesh.protocol.states import JobState
 
     assert isinstance(result, JobResult)
-    if result.state == JobState.CANCELLED:
-        return ExitCode.INTERRUPTED
-    return result.exit_code if result.exit_code is not None else ExitCode.JOB_NOT_RUN
+    return exit_status_of(result.state, result.exit_code)
 
 
 def _interrupted(node: object, job_id: str) -> None:
