@@ -10,11 +10,12 @@ import signal
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from tests.integration.node import alive, cli, node_env, status, wait_gone
+from tests.integration.node import CEILING, alive, cli, node_env, status, wait_gone
 
 CONTROL = str(Path(sys.executable).parent / "gpumesh-control")
 
@@ -160,11 +161,43 @@ def test_gpumesh_control_takes_over_from_a_background_node_process(home: Path) -
 
 
 def _wait_answering(home: Path) -> None:
-    import time
-
-    from tests.integration.node import CEILING
-
     deadline = time.monotonic() + CEILING
     while not status(home)["running"]:
         assert time.monotonic() < deadline, "the node process did not answer"
         time.sleep(0.05)
+
+
+def test_share_becomes_the_node_process_and_daemon_stop_ends_sharing(home: Path) -> None:
+    from tests.integration.test_cli import _free_udp_port
+
+    for key, value in (("listen_host", "127.0.0.1"), ("listen_port", str(_free_udp_port()))):
+        assert cli(home, "config", "set", key, value, GPUMESH_NODE="off").returncode == 0
+    assert cli(home, "jobs").returncode == 0
+    background = status(home)["node"]["pid"]
+    share = subprocess.Popen(
+        [sys.executable, "-m", "gpumesh", "share"],
+        env=node_env(home),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert wait_gone(background)  # it handed the home over
+        deadline = time.monotonic() + CEILING
+        while (status(home)["node"] or {}).get("pid") != share.pid:
+            assert share.poll() is None, share.communicate()
+            assert time.monotonic() < deadline, "share did not become the node process"
+            time.sleep(0.05)
+        node = status(home)["node"]
+        assert node["sharing"] and not node["detached"] and node["idle_exit"] is None
+        assert cli(home, "jobs", "--json").stdout.strip() == "[]"  # served by share
+        stopped = cli(home, "daemon", "stop")
+        assert stopped.returncode == 0 and f"pid {share.pid}" in stopped.stdout
+        out, err = share.communicate(timeout=60)
+    finally:
+        if share.poll() is None:
+            share.kill()
+            share.communicate()
+    assert share.returncode == 0, err
+    assert "this process is the home's node process" in out
+    assert "Stopped sharing." in err

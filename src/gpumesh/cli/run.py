@@ -11,6 +11,7 @@ from gpumesh.cli._common import get_node, run_async
 from gpumesh.cli._complete import complete_group, complete_peer
 from gpumesh.cli._node import node_enabled
 from gpumesh.errors import ExitCode
+from gpumesh.settings import ENV_IMAGE, env
 
 
 @click.command(
@@ -85,6 +86,24 @@ def run(
     so it composes in scripts like `docker run`. Ctrl-C asks whether to cancel
     the remote job or leave it running.
     """
+    simple = not job_file and not workdir and all("=" in item for item in env_items)
+    if node_enabled() and simple and (peer or group):
+        # Checked by the node process, with the same messages: this process
+        # need not load the job file reader (YAML) or the runtime's rules.
+        body: dict[str, object] = {
+            "command": list(command),
+            "peer": peer,
+            "group": group,
+            "image": image or env(ENV_IMAGE),
+            "env": dict(item.split("=", 1) for item in env_items),
+            "gpu_memory": gpu_memory,
+            "retries": retries,
+            "timeout": timeout,
+            "mounts": list(mounts),
+            "wait": WAIT_FOREVER if wait else 0.0,
+        }
+        _through_node(body, detach=detach, quiet=quiet)
+        return
     from gpumesh.client.jobspec import build_spec
 
     spec = build_spec(
@@ -101,7 +120,20 @@ def run(
         mounts=list(mounts),
     )
     if node_enabled():
-        _through_node(spec, detach=detach, quiet=quiet, wait=wait)
+        body = {
+            "command": spec.command,
+            "peer": spec.peer,
+            "group": spec.group,
+            "image": spec.image or env(ENV_IMAGE),
+            "env": spec.env,
+            "gpu_memory": spec.gpu_memory,
+            "retries": spec.retries,
+            "timeout": spec.timeout,
+            "mounts": [f"{m.source}:{m.target}{':rw' if m.rw else ''}" for m in spec.mounts],
+            "workdir": None if spec.workdir is None else str(spec.workdir),
+            "wait": WAIT_FOREVER if wait else 0.0,
+        }
+        _through_node(body, detach=detach, quiet=quiet)
         return
     from gpumesh.cli._jobview import JobPrinter
     from gpumesh.client.jobs import new_job_id, run_job
@@ -133,27 +165,12 @@ WAIT_FOREVER = 10.0**9
 """``--wait`` through the node process: seconds enough to mean "until a member frees up"."""
 
 
-def _through_node(spec: object, *, detach: bool, quiet: bool, wait: bool) -> None:
+def _through_node(body: dict[str, object], *, detach: bool, quiet: bool) -> None:
     """``run`` as a thin client of the node process: it submits the job (returning
     once the provider accepted it) and the job's events are followed from the first."""
     from gpumesh.cli._node import follow, node_client
     from gpumesh.cli._notes import ViewPrinter, exit_status_of
-    from gpumesh.client.jobspec import JobSpec
 
-    assert isinstance(spec, JobSpec)
-    body = {
-        "command": spec.command,
-        "peer": spec.peer,
-        "group": spec.group,
-        "image": spec.image,
-        "env": spec.env,
-        "gpu_memory": spec.gpu_memory,
-        "retries": spec.retries,
-        "timeout": spec.timeout,
-        "mounts": [f"{m.source}:{m.target}{':rw' if m.rw else ''}" for m in spec.mounts],
-        "workdir": None if spec.workdir is None else str(spec.workdir),
-        "wait": WAIT_FOREVER if wait else 0.0,
-    }
     client = node_client()
     try:
         accepted = client.call("POST", "/api/v1/jobs", body)

@@ -2,28 +2,26 @@
 
 A command that talks to peers asks the node process, starting one in the
 background when none runs (:func:`connect`), and reads its answers and event
-streams with the standard library only: no QUIC, cryptography or Docker SDK is
-imported on this path, which is what makes ``gpumesh jobs`` start fast. Errors
-come back as the error tree's ``{code, message}`` and are raised as the same
-classes, so the CLI's one-line messages and exit codes stay what they are.
+streams with the standard library only (a small HTTP/1.1 reader of its own):
+no QUIC, cryptography or Docker SDK is imported on this path, which is what
+makes ``gpumesh jobs`` start fast. Errors come back as the error tree's
+``{code, message}`` and are raised as the same classes, so the CLI's one-line
+messages and exit codes stay what they are.
 """
 
 from __future__ import annotations
 
 import contextlib
-import http.client
 import json
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-from urllib.parse import quote
+from typing import TYPE_CHECKING, Any
 
 from gpumesh.daemon.record import holder
 from gpumesh.errors import AgentError, GPUMeshError, InUseError, error_from_code
@@ -37,7 +35,6 @@ __all__ = [
     "SseEvent",
     "connect",
     "enabled",
-    "quote",
 ]
 
 SOCKET_NAME = "control.sock"
@@ -58,21 +55,78 @@ def enabled() -> bool:
     return value not in ("off", "0", "false", "no") and hasattr(socket, "AF_UNIX")
 
 
-class _UnixConnection(http.client.HTTPConnection):
-    def __init__(self, home: Path, timeout: float | None) -> None:
-        super().__init__("gpumesh", timeout=timeout)
-        self._home = home
+class _Response:
+    """One HTTP/1.1 response read off a socket: what our own server sends (a body
+    with a length, or chunked), no more. ``http.client`` would do, but it imports
+    ``ssl`` and the ``email`` package, a fifth of a thin command's start-up."""
 
-    def connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.timeout)
-        try:
-            with socket_name(self._home, SOCKET_NAME) as name:
-                sock.connect(name)
-        except BaseException:
-            sock.close()
-            raise
-        self.sock = sock
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._file = sock.makefile("rb")
+        status_line = self._file.readline(_LINE_MAX)
+        parts = status_line.split(None, 2)
+        if len(parts) < 2 or not parts[0].startswith(b"HTTP/") or not parts[1].isdigit():
+            raise NodeUnavailableError(f"not an HTTP answer: {status_line[:80]!r}")
+        self.status = int(parts[1])
+        self.headers: dict[str, str] = {}
+        while True:
+            line = self._file.readline(_LINE_MAX)
+            if not line:
+                raise NodeUnavailableError("the answer ended in its headers")
+            if line in (b"\r\n", b"\n"):
+                break
+            name, _, value = line.decode("latin-1").partition(":")
+            self.headers[name.strip().lower()] = value.strip()
+        self._chunked = self.headers.get("transfer-encoding", "").lower() == "chunked"
+        self._left = int(self.headers.get("content-length", "-1"))
+
+    def read(self) -> bytes:
+        """The whole body."""
+        if self._chunked:
+            return b"".join(self._chunks())
+        data = self._file.read() if self._left < 0 else self._exactly(self._left)
+        return data
+
+    def lines(self) -> Iterator[bytes]:
+        """The body line by line (each with its newline), until it ends."""
+        buffer = b""
+        for chunk in (
+            self._chunks() if self._chunked else iter(lambda: self._file.read1(65536), b"")
+        ):
+            buffer += chunk
+            *complete, buffer = buffer.split(b"\n")
+            for line in complete:
+                yield line + b"\n"
+        if buffer:
+            yield buffer
+
+    def _chunks(self) -> Iterator[bytes]:
+        while True:
+            size_line = self._file.readline(_LINE_MAX)
+            if not size_line:
+                raise NodeUnavailableError("the answer ended before its last chunk")
+            try:
+                size = int(size_line.split(b";")[0].strip(), 16)
+            except ValueError:
+                raise NodeUnavailableError(f"a bad chunk size {size_line[:40]!r}") from None
+            if size == 0:
+                return
+            data = self._exactly(size)
+            self._exactly(2)  # the chunk's CRLF
+            yield data
+
+    def _exactly(self, count: int) -> bytes:
+        data = self._file.read(count)
+        if len(data) < count:
+            raise NodeUnavailableError("the answer ended early")
+        return data
+
+    def close(self) -> None:
+        self._file.close()
+        self._sock.close()
+
+
+_LINE_MAX = 65536
 
 
 @dataclass(frozen=True)
@@ -88,31 +142,36 @@ class NodeClient:
     def __init__(self, home: Path) -> None:
         self.home = home
 
-    def _open(
-        self, method: str, path: str, body: object, timeout: float | None
-    ) -> tuple[_UnixConnection, http.client.HTTPResponse]:
-        conn = _UnixConnection(self.home, timeout)
-        payload = None if body is None else json.dumps(body).encode()
-        headers = {"content-type": "application/json"} if payload is not None else {}
+    def _open(self, method: str, path: str, body: object, timeout: float | None) -> _Response:
+        payload = b"" if body is None else json.dumps(body).encode()
+        head = f"{method} {path} HTTP/1.1\r\nhost: gpumesh\r\nconnection: close\r\n"
+        if body is not None:
+            head += f"content-type: application/json\r\ncontent-length: {len(payload)}\r\n"
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
         try:
-            conn.request(method, path, body=payload, headers=headers)
-            return conn, conn.getresponse()
-        except (OSError, http.client.HTTPException) as exc:
-            conn.close()
+            with socket_name(self.home, SOCKET_NAME) as name:
+                sock.connect(name)
+            sock.sendall(head.encode("latin-1") + b"\r\n" + payload)
+            return _Response(sock)
+        except OSError as exc:
+            sock.close()
             raise NodeUnavailableError(str(exc)) from None
+        except BaseException:
+            sock.close()
+            raise
 
     def call(
         self, method: str, path: str, body: object = None, timeout: float | None = None
     ) -> Any:
         """The JSON answer of one request; an error answer is raised as the tree's."""
-        conn, response = self._open(method, path, body, timeout)
+        response = self._open(method, path, body, timeout)
         try:
             raw = response.read()
-        except (OSError, http.client.HTTPException) as exc:
+        except OSError as exc:
             raise NodeUnavailableError(str(exc)) from None
         finally:
             response.close()
-            conn.close()
         data = json.loads(raw) if raw else None
         if response.status >= 400:
             raise _error(data, response.status)
@@ -121,16 +180,17 @@ class NodeClient:
     def events(self, path: str) -> Iterator[SseEvent]:
         """A Server-Sent Events stream, event by event, until it ends; a stream the
         node process dropped (it died) raises :class:`NodeUnavailableError`."""
-        conn, response = self._open("GET", path, None, None)
+        response = self._open("GET", path, None, None)
         try:
             if response.status >= 400:
                 raise _error(json.loads(response.read() or b"null"), response.status)
             event, event_id = "message", None
             data: list[str] = []
+            lines = response.lines()
             while True:
                 try:
-                    line = response.readline()
-                except (OSError, http.client.HTTPException) as exc:
+                    line = next(lines, b"")
+                except OSError as exc:
                     raise NodeUnavailableError(str(exc)) from None
                 if not line:
                     raise NodeUnavailableError("the event stream ended early")
@@ -154,13 +214,16 @@ class NodeClient:
                         data.append(value)
         finally:
             response.close()
-            conn.close()
 
 
 def _error(data: Any, status: int) -> GPUMeshError:
     if isinstance(data, dict) and "code" in data and "message" in data:
         return error_from_code(str(data["code"]), str(data["message"]))
     return AgentError(f"the node process answered HTTP {status}: see its log")
+
+
+if TYPE_CHECKING:
+    import subprocess
 
 
 def connect(home: Path) -> NodeClient:
@@ -179,10 +242,11 @@ def connect(home: Path) -> NodeClient:
             if view.get("version") == __version__:
                 return client
             if not view.get("detached") or restarted:
+                what = "`gpumesh share`" if view.get("sharing") else "`gpumesh-control`"
                 raise InUseError(
                     f"the node process of {home} (pid {view.get('pid')}) is version "
-                    f"{view.get('version')} and this gpumesh is {__version__}: stop it "
-                    "(Ctrl-C where it runs, or `gpumesh daemon stop`) and start it again"
+                    f"{view.get('version')} and this gpumesh is {__version__}: restart it "
+                    f"(`gpumesh daemon stop`, then {what} again)"
                 )
             stop(home, client)
             restarted = True
@@ -230,6 +294,8 @@ def stop(home: Path, client: NodeClient | None = None) -> int | None:
 def _spawn(home: Path) -> subprocess.Popen[bytes]:
     """A node process for ``home``, detached from this command (its own session, its
     output in the home's logs folder)."""
+    import subprocess
+
     from gpumesh.store.modes import open_private
 
     logs = home / "logs"

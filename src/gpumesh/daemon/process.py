@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from starlette.types import ASGIApp, Receive, Scope, Send
 
     from gpumesh.client.pool import SessionPool
+    from gpumesh.store.home import Home
 
 __all__ = ["IDLE_DEFAULT", "NodeProcess", "run_node"]
 
@@ -79,6 +80,8 @@ class NodeProcess:
     """Requests under way (an event stream counts until it ends)."""
     last_active: float = 0.0
     pool: SessionPool | None = None
+    before: Callable[[], None] | None = None
+    """Called before each request (the config's freshness check)."""
 
     def __post_init__(self) -> None:
         self.last_active = self.clock()
@@ -121,6 +124,8 @@ class NodeProcess:
                 return
             self.active += 1
             try:
+                if self.before is not None:
+                    self.before()
                 await app(scope, receive, send)
             finally:
                 self.active -= 1
@@ -171,8 +176,13 @@ async def run_node(
     hosts: list[str],
     detached: bool,
     announce: Callable[[str], None] = print,
+    stop: asyncio.Event | None = None,
 ) -> int:
-    """Be this home's node process until stopped; 0 on an orderly end."""
+    """Be this home's node process until stopped; 0 on an orderly end.
+
+    ``stop``: the hosting process's own (``gpumesh share``, which keeps its SIGINT
+    and SIGTERM handling and ends the node with the agent); without it, SIGINT
+    and SIGTERM stop the node process."""
     from gpumesh.client.node import Node
     from gpumesh.control import auth
     from gpumesh.control.app import ControlState, create_app
@@ -196,7 +206,9 @@ async def run_node(
                 )
             hosts.append(host.lower())
         tcp_address = (host, port)
-    lock = _take_home(home, detached=detached)
+    # In a thread: a background node process may take a moment to hand over, and
+    # `gpumesh share` serves peers in this loop meanwhile.
+    lock = await asyncio.to_thread(_take_home, home, detached=detached)
     sockets: list[socket.socket] = []
     socket_path = home / "control.sock"
     try:
@@ -217,9 +229,12 @@ async def run_node(
             idle=idle_limit() if detached and not public_url else None,
             version=env(ENV_TEST_NODE_VERSION) or __version__,
         )
+        if stop is not None:
+            process.stop = stop
         from gpumesh.client.pool import SessionPool
 
         process.pool = node.pool = SessionPool()
+        process.before = _config_watch(node.home)
         state = ControlState(
             node=node,
             token=auth.api_token(home),
@@ -229,7 +244,8 @@ async def run_node(
         )
         lock.write(new_record(api, tcp=process.tcp, version=process.version))
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        signals = (signal.SIGINT, signal.SIGTERM) if stop is None else ()
+        for sig in signals:
             loop.add_signal_handler(sig, process.stop.set)
         title = "gpumesh node process" if detached else "gpumesh-control"
         announce(f"{title}: the control API of {info.name} ({home}), pid {os.getpid()}")
@@ -249,7 +265,7 @@ async def run_node(
                 task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await keeper
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            for sig in signals:
                 loop.remove_signal_handler(sig)
     finally:
         for sock in sockets:
@@ -261,6 +277,29 @@ async def run_node(
         node.close()
     announce(f"{'gpumesh node process' if detached else 'gpumesh-control'}: stopped")
     return 0
+
+
+def _config_watch(home: Home) -> Callable[[], None]:
+    """A check that reloads ``home``'s config when its file changed (`gpumesh config
+    set` in another process): a request sees the settings of the moment."""
+    path = home.config_path
+
+    def stamp() -> tuple[int, int] | None:
+        try:
+            info = path.stat()
+        except OSError:
+            return None
+        return (info.st_mtime_ns, info.st_size)
+
+    seen = [stamp()]
+
+    def check() -> None:
+        now = stamp()
+        if now != seen[0]:
+            seen[0] = now
+            home.reload_config()
+
+    return check
 
 
 async def _watch(process: NodeProcess) -> None:
