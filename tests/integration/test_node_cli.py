@@ -143,3 +143,24 @@ def _connected(home: Path) -> list[str]:
 
     data = json.loads(gpumesh(home, "status", "--json", "--offline").stdout)
     return sorted(c["peer"] for c in data["connections"])
+
+
+def test_a_sharing_node_process_sees_a_deny_made_elsewhere(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """alice's `gpumesh share` is her home's node process too: the agent and the
+    control API share one database connection, so a deny made by another process
+    reaches the agent's next check (two connections in one process lost it)."""
+    from tests.integration.conftest import shared_pair
+
+    monkeypatch.delenv("GPUMESH_NODE")
+    with shared_pair(tmp_path) as (alice, bob):
+        assert status(alice)["node"]["sharing"] is True
+        ran = cli(bob, "run", "--peer", "alice-pc", "--", "echo", "hi")
+        assert ran.returncode == 0 and ran.stdout == "hi\n", ran.stderr
+        hosted = json.loads(cli(alice, "jobs", "--json", "--offline").stdout)
+        assert [j["state"] for j in hosted] == ["succeeded"]
+        assert cli(alice, "deny", "bob-laptop").returncode == 0
+        refused = cli(bob, "run", "--peer", "alice-pc", "--", "true")
+        assert refused.returncode == 3, (refused.stdout, refused.stderr)
+        assert refused.stderr.strip() == "error: alice-pc has denied you access"

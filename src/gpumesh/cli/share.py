@@ -230,7 +230,7 @@ async def _become_node(node: object, agent: object) -> asyncio.Future[object] | 
     async def serve() -> object:
         try:
             await run_node(
-                node.home.path,
+                node,
                 listen=None,
                 allow_remote=False,
                 hosts=[],

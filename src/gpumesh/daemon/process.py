@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from gpumesh.client.node import Node
 from gpumesh.daemon.record import HomeLock, holder, new_record
 from gpumesh.daemon.views import NodeProcessView, WarmSessionView
 from gpumesh.errors import ConfigError, InUseError
@@ -169,7 +170,7 @@ def _take_home(home: Path, *, detached: bool) -> HomeLock:
 
 
 async def run_node(
-    home_arg: str | Path | None,
+    home_arg: str | Path | Node | None,
     *,
     listen: str | None,
     allow_remote: bool,
@@ -180,15 +181,19 @@ async def run_node(
 ) -> int:
     """Be this home's node process until stopped; 0 on an orderly end.
 
+    ``home_arg``: the home, or the hosting process's own :class:`Node` (left open).
     ``stop``: the hosting process's own (``gpumesh share``, which keeps its SIGINT
     and SIGTERM handling and ends the node with the agent); without it, SIGINT
     and SIGTERM stop the node process."""
-    from gpumesh.client.node import Node
     from gpumesh.control import auth
     from gpumesh.control.app import ControlState, create_app
     from gpumesh.control.server import parse_listen, serve, tcp_listener, unix_listener
 
-    node = Node(home_arg)
+    # One Node (so one database connection) per process: a second connection made
+    # beside the agent's would close a descriptor of the database file, and with it
+    # the agent's POSIX locks, and SQLite could then hand the agent a stale snapshot.
+    own = not isinstance(home_arg, Node)
+    node = home_arg if isinstance(home_arg, Node) else Node(home_arg)
     info = node.info()  # a home without an identity is refused here, in one line
     home = node.home.path
     tcp_address = None
@@ -274,7 +279,9 @@ async def run_node(
             with contextlib.suppress(OSError):
                 socket_path.unlink(missing_ok=True)
         lock.release()
-        node.close()
+        node.pool = None
+        if own:
+            node.close()
     announce(f"{'gpumesh node process' if detached else 'gpumesh-control'}: stopped")
     return 0
 
