@@ -164,3 +164,29 @@ def test_a_sharing_node_process_sees_a_deny_made_elsewhere(
         refused = cli(bob, "run", "--peer", "alice-pc", "--", "true")
         assert refused.returncode == 3, (refused.stdout, refused.stderr)
         assert refused.stderr.strip() == "error: alice-pc has denied you access"
+
+
+def test_run_on_a_group_through_the_node_process_says_where_and_why(
+    pair: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """The run is streamed by the node process: the placement notes come before the
+    job's output, as in-process."""
+    from tests.integration.test_cli import _free_udp_port, _init
+
+    _alice, bob = pair
+    carol = tmp_path / "c"  # paired with bob but not sharing: unreachable
+    _init(carol, "carol", _free_udp_port())
+    code = cli(carol, "pair-code", GPUMESH_NODE="off").stdout.strip()
+    assert cli(bob, "pair", code, GPUMESH_NODE="off").returncode == 0
+    assert cli(bob, "group", "create", "research").returncode == 0
+    for member in ("alice-pc", "carol"):
+        assert cli(bob, "group", "add", "research", member).returncode == 0
+    result = cli(bob, "run", "--group", "research", "--explain", "--", "echo", "placed")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "placed\n"
+    assert "gpumesh: placing on alice-pc: CPU only" in result.stderr
+    assert "gpumesh:   carol: skipped: unreachable" in result.stderr
+    assert status(bob)["node"]["pid"]  # it went through the node process
+    refused = cli(bob, "run", "--group", "research", "--gpu-memory", "8GB", "--", "true")
+    assert refused.returncode == 2
+    assert refused.stderr.startswith("error: ") and "with 8GB of GPU memory" in refused.stderr

@@ -52,9 +52,12 @@ RESUME_TRIES = 5
 """Node processes in a row that may die under one follow before it gives up."""
 
 
-def follow(job_id: str, printer: ViewPrinter, *, live: bool = True) -> dict[str, Any]:
+def follow(
+    job_id: str, printer: ViewPrinter, *, live: bool = True, after: int = 0
+) -> dict[str, Any]:
     """Print a job's events through the node process until the stream ends; the
-    job's result (the ``end`` event's view). A node process that dies meanwhile is
+    job's result (the ``end`` event's view); ``after``: the sequence number of the
+    last event already printed. A node process that dies meanwhile is
     replaced, and the follow resumes after the last numbered event it printed, so
     no output is lost or repeated."""
     from urllib.parse import quote
@@ -63,7 +66,6 @@ def follow(job_id: str, printer: ViewPrinter, *, live: bool = True) -> dict[str,
     from gpumesh.errors import error_from_code
 
     client = node_client()
-    after = 0
     failures = 0
     while True:
         path = (

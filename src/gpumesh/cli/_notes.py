@@ -17,7 +17,7 @@ from gpumesh.errors import ExitCode
 from gpumesh.protocol.states import FINAL_STATES, JobState
 from gpumesh.units import format_size
 
-__all__ = ["ViewPrinter", "dropped_note", "exit_status_of", "state_note"]
+__all__ = ["StepNotes", "ViewPrinter", "dropped_note", "exit_status_of", "state_note"]
 
 
 def state_note(
@@ -70,10 +70,13 @@ class ViewPrinter:
     """A followed job's events as the control API streams them, printed as
     :class:`gpumesh.cli._jobview.JobPrinter` prints the client layer's."""
 
-    def __init__(self, job_id: str, *, quiet: bool = False, numbered: bool = False) -> None:
+    def __init__(
+        self, job_id: str, *, quiet: bool = False, numbered: bool = False, explain: bool = False
+    ) -> None:
         self.job_id = job_id
         self.quiet = quiet
         self.numbered = numbered
+        self.steps = StepNotes(quiet=quiet, explain=explain)
 
     def note(self, text: str) -> None:
         if not self.quiet:
@@ -101,3 +104,109 @@ class ViewPrinter:
             click.echo(click.style(dropped_note(view["count"]), fg="yellow"), err=True)
         elif kind == "reconnecting":
             self.note(f"link lost ({view['message']}); reconnecting")
+        elif kind == "placedview":
+            chosen = view["chosen"]
+            every = [(c["name"], c["eligible"], c["reason"]) for c in view["candidates"]]
+            self.steps.placed(chosen["name"], chosen["reason"], every)
+        elif kind == "pullingview":
+            self.steps.pull(
+                view["image"],
+                view["layers"],
+                view["layers_done"],
+                view["downloaded"],
+                view["total"],
+                view["done"],
+            )
+        elif kind == "acceptedview":
+            self.job_id = view["job_id"]
+            self.steps.accepted(view["job_id"], view["provider"], view["gpus"])
+        elif kind == "uploadingview":
+            self.steps.upload(view["sent"], view["total"])
+
+
+class StepNotes:
+    """What the steps before a job runs print: where ``--group`` placed it, the
+    provider's pull (a bar on a terminal, a line at each end else), acceptance (on
+    a terminal), the workdir upload (a bar on a terminal)."""
+
+    def __init__(self, *, quiet: bool = False, explain: bool = False) -> None:
+        self.quiet = quiet
+        self.explain = explain
+        self._upload_bar: Any = None
+        self._upload_task: Any = None
+        self._pull_bar: Any = None
+        self._pull_task: Any = None
+        self._pull_noted = False
+
+    def note(self, text: str) -> None:
+        if not self.quiet:
+            click.echo(click.style(f"gpumesh: {text}", dim=True), err=True)
+
+    def accepted(self, job_id: str, provider: str, gpus: list[str]) -> None:
+        if sys.stderr.isatty():
+            where = f"GPU {', '.join(gpus)}" if gpus else "no GPU"
+            self.note(f"job {job_id} on {provider} ({where})")
+
+    def placed(self, chosen: str, reason: str, candidates: list[tuple[str, bool, str]]) -> None:
+        """``candidates``: every member as (name, eligible, reason), the chosen one too."""
+        self.note(f"placing on {chosen}: {reason}")
+        for name, eligible, why in candidates:
+            if name == chosen:
+                continue
+            if self.explain or not eligible:
+                verdict = "also fits" if eligible else "skipped"
+                self.note(f"  {name}: {verdict}: {why}")
+
+    def pull(
+        self, image: str, layers: int, layers_done: int, downloaded: int, total: int, done: bool
+    ) -> None:
+        if self.quiet:
+            return
+        text = f"{layers_done}/{layers} layers"
+        if not sys.stderr.isatty():
+            if not self._pull_noted:
+                self.note(f"the provider is pulling {image}")
+                self._pull_noted = True
+            if done:
+                self.note(f"pulled {image}: {text}, {format_size(downloaded)} fetched")
+            return
+        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
+
+        if self._pull_bar is None:
+            bar = Progress(
+                TextColumn(f"[dim]gpumesh: pulling {image}"),
+                BarColumn(),
+                DownloadColumn(binary_units=False),
+                TextColumn("[dim]{task.fields[layers]}"),
+                transient=True,
+            )
+            bar.start()
+            self._pull_task = bar.add_task("pull", total=total or None, layers=text)
+            self._pull_bar = bar
+        self._pull_bar.update(
+            self._pull_task, completed=downloaded, total=total or None, layers=text
+        )
+        if done:
+            self._pull_bar.stop()
+            self.note(f"pulled {image}: {text}, {format_size(downloaded)} fetched")
+
+    def upload(self, sent: int, total: int) -> None:
+        if self.quiet or not sys.stderr.isatty():
+            return
+        from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
+        if self._upload_bar is None:
+            progress = Progress(
+                "[dim]gpumesh: uploading workdir",
+                BarColumn(),
+                DownloadColumn(binary_units=False),
+                TransferSpeedColumn(),
+                transient=True,
+                console=None,
+            )
+            progress.start()
+            self._upload_task = progress.add_task("upload", total=total)
+            self._upload_bar = progress
+        self._upload_bar.update(self._upload_task, completed=sent)
+        if sent >= total:
+            self._upload_bar.stop()

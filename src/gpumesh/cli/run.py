@@ -102,7 +102,7 @@ def run(
             "mounts": list(mounts),
             "wait": WAIT_FOREVER if wait else 0.0,
         }
-        _through_node(body, detach=detach, quiet=quiet)
+        _through_node(body, detach=detach, quiet=quiet, explain=explain)
         return
     from gpumesh.client.jobspec import build_spec
 
@@ -133,7 +133,7 @@ def run(
             "workdir": None if spec.workdir is None else str(spec.workdir),
             "wait": WAIT_FOREVER if wait else 0.0,
         }
-        _through_node(body, detach=detach, quiet=quiet)
+        _through_node(body, detach=detach, quiet=quiet, explain=explain)
         return
     from gpumesh.cli._jobview import JobPrinter
     from gpumesh.client.jobs import new_job_id, run_job
@@ -165,32 +165,50 @@ WAIT_FOREVER = 10.0**9
 """``--wait`` through the node process: seconds enough to mean "until a member frees up"."""
 
 
-def _through_node(body: dict[str, object], *, detach: bool, quiet: bool) -> None:
-    """``run`` as a thin client of the node process: it submits the job (returning
-    once the provider accepted it) and the job's events are followed from the first."""
+def _through_node(
+    body: dict[str, object], *, detach: bool, quiet: bool, explain: bool = False
+) -> None:
+    """``run`` as a thin client of the node process. Detached, it returns once the
+    provider accepted the job (and the workdir is uploaded); else the node process
+    streams the run (placement, pull, acceptance, upload, then the job's events),
+    and a stream its node process dropped after acceptance resumes as `logs -f`."""
     from gpumesh.cli._node import follow, node_client
     from gpumesh.cli._notes import ViewPrinter, exit_status_of
+    from gpumesh.daemon.client import NodeUnavailableError
+    from gpumesh.errors import AgentError, error_from_code
 
     client = node_client()
-    try:
-        accepted = client.call("POST", "/api/v1/jobs", body)
-    except KeyboardInterrupt:
-        click.echo("Interrupted before the job started.", err=True)
-        raise SystemExit(ExitCode.INTERRUPTED) from None
-    job_id = str(accepted["job_id"])
     if detach:
-        click.echo(job_id)
+        click.echo(client.call("POST", "/api/v1/jobs", body)["job_id"])
         return
-    if sys.stderr.isatty() and not quiet:
-        where = f"GPU {', '.join(accepted['gpus'])}" if accepted["gpus"] else "no GPU"
-        click.echo(
-            click.style(f"gpumesh: job {job_id} on {accepted['peer']} ({where})", dim=True),
-            err=True,
-        )
+    printer = ViewPrinter("", quiet=quiet, explain=explain)
+    job_id = peer = None
+    after = 0
     try:
-        result = follow(job_id, ViewPrinter(job_id, quiet=quiet))
+        try:
+            for event in client.events("/api/v1/jobs?stream=true", "POST", body):
+                if event.event == "end":
+                    result = event.data
+                    break
+                if event.event == "error":
+                    raise error_from_code(str(event.data["code"]), str(event.data["message"]))
+                if event.event == "acceptedview":
+                    job_id, peer = str(event.data["job_id"]), str(event.data["provider"])
+                printer.show(event.event, event.data)
+                if event.id is not None:
+                    after = event.id
+        except NodeUnavailableError:
+            if job_id is None:
+                raise AgentError(
+                    "the node process stopped while it submitted the job: `gpumesh jobs` "
+                    "shows whether the job started"
+                ) from None
+            result = follow(job_id, printer, after=after)
     except KeyboardInterrupt:
-        _interrupted_thin(job_id, str(accepted["peer"]))
+        if job_id is None or peer is None:
+            click.echo("Interrupted before the job started.", err=True)
+        else:
+            _interrupted_thin(job_id, peer)
         raise SystemExit(ExitCode.INTERRUPTED) from None
     raise SystemExit(exit_status_of(result["state"], result["exit_code"]))
 

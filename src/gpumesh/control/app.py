@@ -344,7 +344,36 @@ async def post_job(call: Call) -> object:
         group=body.group,
         mounts=body.mounts,
     )
+    if call.flag("stream"):
+        from gpumesh.client.runs import watch_run
+
+        return EventStream(_run_events(watch_run(call.node, spec, wait=body.wait)))
     return JobResultView.of(await run_job(call.node, spec, detach=True, wait=body.wait))
+
+
+async def _run_events(run: Any) -> AsyncIterator[bytes]:
+    """A run as Server-Sent Events: its steps (``placedview``, ``pullingview``,
+    ``acceptedview``, ``uploadingview``), then the job's events as the events route
+    sends them (numbered: resume that route with ``after``), then ``end``. Leaving
+    early cancels a submission still under way (an accepted job keeps running)."""
+    from gpumesh.client import jobs
+    from gpumesh.client.views.jobs import JobResultView, event_view
+    from gpumesh.client.views.runs import step_view
+
+    try:
+        async for event in run:
+            step = step_view(event)
+            if step is not None:
+                yield sse(type(step).__name__.lower(), step)
+                continue
+            view = event_view(event, run.seq)
+            numbered = isinstance(event, jobs.Output | jobs.StatusChanged)
+            yield sse(type(view).__name__.lower(), view, run.seq if numbered else None)
+        yield sse("end", JobResultView.of(run.result))
+    except GPUMeshError as exc:
+        yield sse("error", ErrorView(exc.code, exc.message))
+    finally:
+        await run.aclose()
 
 
 async def post_cancel(call: Call) -> object:
@@ -620,7 +649,9 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("GET", "/api/v1/jobs", get_jobs, "Jobs submitted and hosted, newest first",
              V["jobs"], query=(Query("limit", "integer", "How many (20)"), _offline)),
     Endpoint("POST", "/api/v1/jobs", post_job, "Submit a job to a peer or a group",
-             V["result"], body=JobBody),
+             V["result"], body=JobBody,
+             query=(Query("stream", "boolean", "Answer with the run as Server-Sent Events: "
+                          "placement, pull, acceptance, upload, the job's events, end"),)),
     Endpoint("GET", "/api/v1/jobs/{job_id}", get_job, "One job as last known", V["job"]),
     Endpoint("POST", "/api/v1/jobs/{job_id}/cancel", post_cancel, "Cancel a job", V["result"],
              body=CancelBody),

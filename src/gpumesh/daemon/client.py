@@ -177,10 +177,10 @@ class NodeClient:
             raise _error(data, response.status)
         return data
 
-    def events(self, path: str) -> Iterator[SseEvent]:
+    def events(self, path: str, method: str = "GET", body: object = None) -> Iterator[SseEvent]:
         """A Server-Sent Events stream, event by event, until it ends; a stream the
         node process dropped (it died) raises :class:`NodeUnavailableError`."""
-        response = self._open("GET", path, None, None)
+        response = self._open(method, path, body, None)
         try:
             if response.status >= 400:
                 raise _error(json.loads(response.read() or b"null"), response.status)
