@@ -434,7 +434,7 @@ def test_owner_view_and_deny_reach_the_running_agent(mesh: Mesh) -> None:
         refused = mesh.api.call(
             "POST", "/api/v1/jobs", json={"peer": "alice-pc", "command": ["true"]}
         )
-        assert refused.status_code == 403 and refused.json()["code"] == "denied"
+        assert refused.status_code == 403 and refused.json()["code"] == "denied", refused.json()
     finally:
         assert mesh.owner.ok("POST", "/api/v1/peers/bob-laptop/allow")["allowed"] is True
     assert _lines(mesh.api.events(_job(mesh.api, "echo back")["job_id"])) == ["back"]

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from gpumesh.errors import GPUMeshError, UnknownPeerError
+from gpumesh.errors import ConnectionLostError, GPUMeshError, TransportError, UnknownPeerError
 from gpumesh.protocol.messages import Ping
 
 if TYPE_CHECKING:
@@ -38,6 +38,8 @@ KEEPALIVE = 15.0
 """Seconds between keep-alive pings of a warm session."""
 CHECK = 0.25
 """Seconds between looks at the store (deny, unpair, key change) and the clocks."""
+CLOSE_WAIT = 2.0
+"""Seconds a request that lost its warm session waits to learn why it closed."""
 
 
 @dataclass
@@ -97,9 +99,25 @@ class SessionPool:
         warm.uses += 1
         try:
             yield warm.session
+        except ConnectionLostError:
+            # The peer closed the session under this request (a deny's close may
+            # cross the request on the wire): say why it closed, as a fresh dial
+            # would have been told, rather than that it closed.
+            reason = await self._close_reason(warm.session)
+            if reason is not None and not isinstance(reason, TransportError):
+                raise reason from None
+            raise
         finally:
             warm.users -= 1
             warm.last_used = self._clock()
+
+    async def _close_reason(self, session: Session) -> GPUMeshError | None:
+        """The error the peer closed ``session`` with, waiting out QUIC's draining
+        period (at most :data:`CLOSE_WAIT` seconds); None when it stays open."""
+        try:
+            return await asyncio.wait_for(session.link.wait_closed(), CLOSE_WAIT)
+        except TimeoutError:
+            return None
 
     def drop(self, peer_id: str, reason: str) -> None:
         """Close and forget the warm session to ``peer_id`` (if any)."""
