@@ -26,10 +26,12 @@ Examples:
 """
 )
 def daemon() -> None:
-    """This home's node process: the one process that talks to peers for every
-    command (started in the background by the first command that needs it, gone
-    after an idle period), and that serves the control API on
-    $GPUMESH_HOME/control.sock."""
+    """This home's node process: it serves the control API on
+    $GPUMESH_HOME/control.sock and talks to peers for `run`, `logs`, `jobs` and
+    `cancel`, keeping sessions to recently used peers warm. The first of those
+    commands starts it in the background (it exits after $GPUMESH_NODE_IDLE
+    seconds without a request, 600 by default); `gpumesh share` and
+    `gpumesh-control` are node processes in the foreground."""
 
 
 @daemon.command()
