@@ -21,7 +21,7 @@ __all__ = ["follow", "node_client", "node_enabled", "node_home"]
 
 def node_enabled() -> bool:
     """Whether commands go through the node process (``$GPUMESH_NODE`` is not ``off``)."""
-    from gpumesh.daemon.client import enabled
+    from gpumesh.daemon import enabled
 
     return enabled()
 

@@ -213,7 +213,7 @@ async def _become_node(node: object, agent: object) -> asyncio.Future[object] | 
     process (`gpumesh-control`) holds the home, sharing goes on beside it."""
     from gpumesh.agent.server import Agent
     from gpumesh.client.node import Node
-    from gpumesh.daemon.client import enabled
+    from gpumesh.daemon import enabled
     from gpumesh.daemon.process import run_node
     from gpumesh.errors import GPUMeshError
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from gpumesh.daemon.record import holder
 from gpumesh.errors import AgentError, GPUMeshError, InUseError, error_from_code
-from gpumesh.settings import ENV_HOME, ENV_NODE, env
+from gpumesh.settings import ENV_HOME
 from gpumesh.store.sockets import socket_name
 from gpumesh.version import __version__
 
@@ -34,7 +34,6 @@ __all__ = [
     "NodeUnavailableError",
     "SseEvent",
     "connect",
-    "enabled",
 ]
 
 SOCKET_NAME = "control.sock"
@@ -47,12 +46,6 @@ LOG_NAME = "node.log"
 
 class NodeUnavailableError(Exception):
     """Nothing answers on the home's control socket (none runs, or it just died)."""
-
-
-def enabled() -> bool:
-    """Whether commands go through the node process (``$GPUMESH_NODE`` not ``off``)."""
-    value = (env(ENV_NODE) or "on").lower()
-    return value not in ("off", "0", "false", "no") and hasattr(socket, "AF_UNIX")
 
 
 class _Response:
