@@ -1,8 +1,10 @@
 """Start-up time of the ``gpumesh`` command, next to a bare interpreter.
 
 What is measured: the wall time, as a user's shell sees it, of running
-``gpumesh --help`` and ``gpumesh status`` (in a freshly initialized temporary
-home) to completion, median and p90 of ``--runs`` runs each. The floor is
+``gpumesh --help``, ``gpumesh status`` and ``gpumesh jobs`` (in a freshly
+initialized temporary home) to completion; ``jobs`` as users get it, through
+the home's node process (started by the warm-ups, then kept), and in-process
+(``GPUMESH_NODE=off``) for comparison, median and p90 of ``--runs`` runs each. The floor is
 ``python -c pass`` with the interpreter the ``gpumesh`` console script runs
 on: no CLI can start faster than its interpreter. ``python -c "import click"``
 is shown too, as the cost of the CLI framework alone.
@@ -10,8 +12,10 @@ is shown too, as the cost of the CLI framework alone.
 Why it is fair: every command is the real console script in a new process,
 with output discarded; all commands take turns in one round-robin loop (after
 two untimed warm-ups each) so the noise of this shared machine hits each
-alike. The goal checked is a median under 150 ms for ``gpumesh --help``; it
-is reported, never turned into a pass/fail exit status.
+alike. The goals checked are a median under 150 ms for ``gpumesh --help``,
+and ``gpumesh --help`` and ``gpumesh jobs`` at most 1.2x and 1.5x of
+``python -c "import click"``; they are reported, never turned into a
+pass/fail exit status.
 """
 
 from __future__ import annotations
@@ -35,6 +39,9 @@ from _benchlib import (
 )
 
 HELP_GOAL_MS = 150.0
+HELP_GOAL_RATIO = 1.2
+JOBS_GOAL_RATIO = 1.5
+CLICK = 'python -c "import click"'
 WARMUPS = 2
 
 
@@ -61,7 +68,7 @@ def script_interpreter(script: Path) -> str:
     return sys.executable
 
 
-def time_once(command: list[str], env: dict[str, str]) -> float:
+def time_once(command: list[str], env: dict[str, str] | None) -> float:
     """Seconds from spawn to exit of one run; a failure stops the benchmark."""
     started = time.perf_counter()
     result = subprocess.run(
@@ -86,21 +93,26 @@ def measure(runs: int, home: Path) -> dict[str, list[float]]:
     python = script_interpreter(script)
     env = dict(os.environ, GPUMESH_HOME=str(home))
     env.pop("GPUMESH_LOG", None)
+    env.pop("GPUMESH_NODE", None)
     init = [str(script), "init", "--name", "bench"]
     subprocess.run(init, env=env, check=True, stdout=subprocess.DEVNULL)
     commands = {
         "python -c pass (floor)": [python, "-c", "pass"],
-        'python -c "import click"': [python, "-c", "import click"],
+        CLICK: [python, "-c", "import click"],
         "gpumesh --help": [str(script), "--help"],
         "gpumesh status": [str(script), "status"],
+        "gpumesh jobs": [str(script), "jobs"],
+        "gpumesh jobs, in-process": [str(script), "jobs"],
     }
+    envs = {"gpumesh jobs, in-process": dict(env, GPUMESH_NODE="off")}
     samples: dict[str, list[float]] = {name: [] for name in commands}
     for _ in range(WARMUPS):
-        for command in commands.values():
-            time_once(command, env)
+        for name, command in commands.items():
+            time_once(command, envs.get(name, env))
     for _ in range(runs):
         for name, command in commands.items():
-            samples[name].append(time_once(command, env))
+            samples[name].append(time_once(command, envs.get(name, env)))
+    subprocess.run([str(script), "daemon", "stop"], env=env, check=False, stdout=subprocess.DEVNULL)
     return samples
 
 
@@ -122,12 +134,17 @@ def report(runs: int, samples: dict[str, list[float]]) -> None:
     help_ms = summaries["gpumesh --help"].p50 * 1e3
     verdict = "met" if help_ms < HELP_GOAL_MS else "missed"
     print(f"  goal: `gpumesh --help` median < {HELP_GOAL_MS:.0f} ms: {help_ms:.1f} ms, {verdict}")
+    click_p50 = summaries[CLICK].p50
+    for name, goal in (("gpumesh --help", HELP_GOAL_RATIO), ("gpumesh jobs", JOBS_GOAL_RATIO)):
+        ratio = summaries[name].p50 / click_p50
+        verdict = "met" if ratio <= goal else "missed"
+        print(f"  goal: `{name}` <= {goal:.1f}x `import click`: {ratio:.2f}x, {verdict}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        description="Time `gpumesh --help` and `gpumesh status` next to a bare "
-        "`python -c pass`, in one run.",
+        description="Time `gpumesh --help`, `gpumesh status` and `gpumesh jobs` next to a "
+        "bare `python -c pass` and `python -c 'import click'`, in one run.",
     )
     parser.add_argument("--runs", type=int, default=20, help="timed runs of each (default 20)")
     parser.add_argument("--quick", action="store_true", help="smoke run: 3 runs of each")

@@ -6,10 +6,13 @@ command to getting the prompt back, for a container that prints ``hi``:
 * GPUMesh: ``gpumesh run --peer alice --image IMAGE echo hi``, a new CLI
   process each time, against a provider already running as a separate
   ``gpumesh share`` process on this machine (127.0.0.1, a free UDP port, both
-  nodes paired both ways in temporary homes). Each run starts the
-  interpreter, dials, proves both identities, submits the job, and streams its
-  output; the provider creates, starts, waits for and removes the container
-  through the Docker Engine API.
+  nodes paired both ways in temporary homes). As users get it, the command
+  asks bob's node process (started by the warm-ups, then kept), which holds a
+  warm session to alice, submits the job and streams its output back; the
+  provider creates, starts, waits for and removes the container through the
+  Docker Engine API. The same command with ``GPUMESH_NODE=off`` (in-process:
+  it imports everything, dials and proves both identities itself) takes turns
+  in the same loop.
 * ``docker run --rm IMAGE echo hi``: the floor, no network at all.
 * ``ssh HOST docker run --rm IMAGE echo hi``: what users would otherwise do
   to run on another machine, against a throwaway loopback sshd
@@ -87,6 +90,7 @@ EXPECTED = b"hi\n"
 
 # Names of the timed commands, in the order of the table.
 RUN = "gpumesh run"
+IN_PROCESS = "gpumesh run, in-process (GPUMESH_NODE=off)"
 DOCKER = "docker run --rm"
 SSH = "ssh + docker run --rm"
 HELP = "gpumesh --help"
@@ -292,6 +296,22 @@ class Results:
     import_seconds: list[float] = field(default_factory=list)
     """What ``python -X importtime`` says ``gpumesh run``'s imports took."""
     ssh_note: str | None = None
+    node_rss_kb: int | None = None
+    """Resident memory of bob's node process after the runs (one warm session)."""
+
+
+def node_rss_kb(home: Path) -> int | None:
+    """VmRSS of the node process serving ``home``, from its record; None if none runs."""
+    import json
+
+    try:
+        pid = int(json.loads((home / "node.json").read_text())["pid"])
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    except (OSError, ValueError, KeyError):
+        return None
+    return None
 
 
 CONNECT_MS = re.compile(rb"connect ([0-9.]+) ms")
@@ -328,12 +348,15 @@ def measure(args: argparse.Namespace, tmp: Path) -> Results:
         commands[HELP] = provider.gpumesh("--help")
         commands[CONNECT] = provider.gpumesh("connect", PEER)
         commands[PROFILED] = commands[RUN]
-        env = provider.env
+        commands[IN_PROCESS] = commands[RUN]
+        env = dict(provider.env)
+        env.pop("GPUMESH_NODE", None)  # `gpumesh run` as users get it: through the node process
         profiled_env = dict(env, PYTHONPROFILEIMPORTTIME="1")
+        envs = {PROFILED: profiled_env, IN_PROCESS: dict(env, GPUMESH_NODE="off")}
 
         def once(name: str) -> Outcome:
-            outcome = time_command(name, commands[name], profiled_env if name == PROFILED else env)
-            if name in (RUN, DOCKER, SSH, PROFILED):
+            outcome = time_command(name, commands[name], envs.get(name, env))
+            if name in (RUN, IN_PROCESS, DOCKER, SSH, PROFILED):
                 expect_hi(name, commands[name], outcome)
             if name == PROFILED:
                 results.import_seconds.append(import_seconds(outcome.stderr))
@@ -366,6 +389,7 @@ def measure(args: argparse.Namespace, tmp: Path) -> Results:
                 results.seconds[name].append(outcome.seconds)
                 if name == RUN and (split := phases(provider, outcome)) is not None:
                     results.phases.append(split)
+        results.node_rss_kb = node_rss_kb(provider.bob_home)
     return results
 
 
@@ -382,7 +406,7 @@ def report(args: argparse.Namespace, results: Results) -> None:
     print(f"\nDispatch of `echo hi` in {args.image}, {args.runs} runs each, round-robin;")
     print("wall time of a new process, from spawn to exit, as a shell sees it")
     rows = []
-    for name in (RUN, SSH, DOCKER):
+    for name in (RUN, IN_PROCESS, SSH, DOCKER):
         if name in summaries:
             summary = summaries[name]
             rows.append([name, *_ms(summary), f"{summary.p50 / floor.p50:.2f}x"])
@@ -395,6 +419,8 @@ def report(args: argparse.Namespace, results: Results) -> None:
         f"  goal: gpumesh run median <= {GOAL_RATIO:.1f}x docker run: {ratio:.2f}x, {verdict} "
         f"({(summaries[RUN].p50 - floor.p50) * 1e3:+.0f} ms)"
     )
+    if results.node_rss_kb is not None:
+        print(f"  bob's node process after the runs: {results.node_rss_kb / 1024:.1f} MB resident")
 
     print("\nWhere `gpumesh run` spends its time (phases of the same runs)")
     rows = []

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -18,6 +20,10 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile("gpumesh")
+
+# The suite's CLI tests run their commands in-process, as before the node process;
+# tests of the node process (tests/integration/test_node_*.py) switch it back on.
+os.environ.setdefault("GPUMESH_NODE", "off")
 
 
 def _in_ci() -> bool:
@@ -68,3 +74,23 @@ def resolution(request: pytest.FixtureRequest) -> Iterator[str]:
         yield str(request.param)
     finally:
         sandbox.use_openat2(None)
+
+
+@pytest.fixture(autouse=True)
+def _no_node_process_left(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Whatever node process a test's homes got (a command started one in the
+    background) is ended with the test."""
+    if "tmp_path" not in request.fixturenames:
+        yield
+        return
+    tmp_path: Path = request.getfixturevalue("tmp_path")
+    yield
+    import signal
+
+    from gpumesh.daemon.record import holder
+
+    for lock in [*tmp_path.glob("*/node.lock"), *tmp_path.glob("*/*/node.lock")]:
+        record = holder(lock.parent)
+        if record is not None and record.pid:
+            with contextlib.suppress(OSError):
+                os.kill(record.pid, signal.SIGKILL)

@@ -12,6 +12,10 @@
 ``GPUMESH_API_ADDR``        control API bind address (default 127.0.0.1:8080)
 ``GPUMESH_API_HOSTS``       names besides loopback that the control API accepts
                             in ``Host`` (comma-separated), e.g. ``gpu-box.lan``
+``GPUMESH_NODE``            ``off``: commands work in-process instead of through
+                            the home's node process (the test suite's default)
+``GPUMESH_NODE_IDLE``       seconds a background node process stays without a
+                            request (default 600)
 ``GPUMESH_LOG``             log level or filter, e.g. ``debug`` or
                             ``gpumesh.transport=debug,info``
 ``GPUMESH_TEST_PLATFORM``   tests only: ``macos`` or ``windows`` switches off
@@ -20,6 +24,7 @@
                             ``gso,gro,unix,termios`` (:mod:`gpumesh.platform`)
 ``GPUMESH_TEST_PLATFORM_REPORT``  tests only: a file where the fallbacks
                             taken (and Linux-only calls made) are appended
+``GPUMESH_TEST_NODE_VERSION``  tests only: the version a node process claims
 ==========================  =================================================
 """
 
@@ -36,11 +41,14 @@ __all__ = [
     "ENV_HOME",
     "ENV_IMAGE",
     "ENV_LOG",
+    "ENV_NODE",
+    "ENV_NODE_IDLE",
     "ENV_NODE_NAME",
     "ENV_PEER",
     "ENV_REGION",
     "ENV_RELAY",
     "ENV_RELAY_TOKEN",
+    "ENV_TEST_NODE_VERSION",
     "ENV_TEST_PLATFORM",
     "ENV_TEST_PLATFORM_REPORT",
     "ENV_TEST_WITHOUT",
@@ -60,6 +68,9 @@ ENV_API_ADDR = "GPUMESH_API_ADDR"
 ENV_API_HOSTS = "GPUMESH_API_HOSTS"
 ENV_LOG = "GPUMESH_LOG"
 ENV_TEST_PLATFORM = "GPUMESH_TEST_PLATFORM"
+ENV_NODE = "GPUMESH_NODE"
+ENV_NODE_IDLE = "GPUMESH_NODE_IDLE"
+ENV_TEST_NODE_VERSION = "GPUMESH_TEST_NODE_VERSION"
 ENV_TEST_WITHOUT = "GPUMESH_TEST_WITHOUT"
 ENV_TEST_PLATFORM_REPORT = "GPUMESH_TEST_PLATFORM_REPORT"
 

@@ -434,7 +434,7 @@ def test_owner_view_and_deny_reach_the_running_agent(mesh: Mesh) -> None:
         refused = mesh.api.call(
             "POST", "/api/v1/jobs", json={"peer": "alice-pc", "command": ["true"]}
         )
-        assert refused.status_code == 403 and refused.json()["code"] == "denied"
+        assert refused.status_code == 403 and refused.json()["code"] == "denied", refused.json()
     finally:
         assert mesh.owner.ok("POST", "/api/v1/peers/bob-laptop/allow")["allowed"] is True
     assert _lines(mesh.api.events(_job(mesh.api, "echo back")["job_id"])) == ["back"]
@@ -567,7 +567,7 @@ def test_process_stops_cleanly_and_refuses_what_it_must(tmp_path: Path) -> None:
         check=False,
     )
     assert second.returncode == 7, second
-    assert second.stderr.startswith("error: a control API already serves")
+    assert second.stderr.startswith("error: a node process (pid ")
     assert len(second.stderr.strip().splitlines()) == 1
     assert api.ok("GET", "/api/v1/peers") == []
     out = api.stop(signal.SIGINT)

@@ -61,6 +61,7 @@ FLOORS = {
     "cuda": OPERATIONS,
     "cli": FACES,
     "control": FACES,
+    "daemon": FACES,
     "relay": RELAY,
     "registry": RELAY,
 }

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import sys
-from typing import Any
 
 import click
 
+from gpumesh.cli._notes import StepNotes, dropped_note, state_note
 from gpumesh.client.jobs import (
     JobCallbacks,
     JobEvent,
@@ -18,8 +18,6 @@ from gpumesh.client.jobs import (
 from gpumesh.client.placement import Placement
 from gpumesh.errors import GPUMeshError
 from gpumesh.protocol.messages import ImagePull, JobAccepted, JobStatus
-from gpumesh.protocol.states import FINAL_STATES, JobState
-from gpumesh.units import format_size
 
 __all__ = ["JobPrinter"]
 
@@ -35,10 +33,7 @@ class JobPrinter:
         self.numbered = numbered
         """Mark every attempt's start and the end (for `logs`, which replays history)."""
         self.attempt = 0
-        self._progress: object | None = None
-        self._pull_bar: object | None = None
-        self._pull_task: Any = None
-        self._pull_noted = False
+        self.steps = StepNotes(quiet=quiet, explain=explain)
 
     def note(self, text: str) -> None:
         if not self.quiet:
@@ -67,115 +62,45 @@ class JobPrinter:
         self.changed(StatusChanged.of(status))
 
     def changed(self, change: StatusChanged) -> None:
-        status, state = change.status, change.state
-        if self.numbered and state == JobState.STARTING:
-            self.note(f"--- attempt {status.attempt} ---")
-        elif self.numbered and state in FINAL_STATES:
-            code = "" if status.exit_code is None else f", exit {status.exit_code}"
-            plain_exit = change.exited or state == JobState.SUCCEEDED
-            detail = "" if plain_exit or not status.message else f": {status.message}"
-            if status.peak_gpu_memory:
-                detail += f"; GPU memory peak {format_size(status.peak_gpu_memory)}"
-            self.note(f"--- {state}{code}{detail} ---")
-        elif state == JobState.STARTING and status.attempt > 1:
-            self.note(f"attempt {status.attempt} starting")
-        elif state == JobState.RETRYING:
-            self.note(status.message)
-        elif state == JobState.CANCELLED:
-            self.note(f"job {status.job_id} cancelled")
-        elif state == JobState.FAILED and not change.exited:
-            self.note(f"job failed: {status.message}")  # it never exited on its own
+        status = change.status
+        note = state_note(
+            numbered=self.numbered,
+            state=change.state,
+            attempt=status.attempt,
+            exit_code=status.exit_code,
+            message=status.message,
+            exited=change.exited,
+            job_id=status.job_id,
+            peak_gpu_memory=status.peak_gpu_memory,
+        )
+        if note is not None:
+            self.note(note)
         self.attempt = status.attempt
 
     def accepted(self, accepted: JobAccepted) -> None:
-        if sys.stderr.isatty():
-            where = f"GPU {', '.join(accepted.gpus)}" if accepted.gpus else "no GPU"
-            self.note(f"job {accepted.job_id} on {accepted.provider} ({where})")
+        self.steps.accepted(accepted.job_id, accepted.provider, list(accepted.gpus))
 
     def pull(self, pull: ImagePull) -> None:
         """The provider pulls the image: a bar on a terminal, a line at each end else."""
-        if self.quiet:
-            return
-        layers = f"{pull.layers_done}/{pull.layers} layers"
-        if not sys.stderr.isatty():
-            if not self._pull_noted:
-                self.note(f"the provider is pulling {pull.image}")
-                self._pull_noted = True
-            if pull.done:
-                self.note(f"pulled {pull.image}: {layers}, {format_size(pull.downloaded)} fetched")
-            return
-        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
-
-        if self._pull_bar is None:
-            bar = Progress(
-                TextColumn(f"[dim]gpumesh: pulling {pull.image}"),
-                BarColumn(),
-                DownloadColumn(binary_units=False),
-                TextColumn("[dim]{task.fields[layers]}"),
-                transient=True,
-            )
-            bar.start()
-            self._pull_task = bar.add_task("pull", total=pull.total or None, layers=layers)
-            self._pull_bar = bar
-        assert isinstance(self._pull_bar, Progress)
-        self._pull_bar.update(
-            self._pull_task, completed=pull.downloaded, total=pull.total or None, layers=layers
+        self.steps.pull(
+            pull.image, pull.layers, pull.layers_done, pull.downloaded, pull.total, pull.done
         )
-        if pull.done:
-            self._pull_bar.stop()
-            self.note(f"pulled {pull.image}: {layers}, {format_size(pull.downloaded)} fetched")
 
     def upload(self, sent: int, total: int) -> None:
-        if self.quiet or not sys.stderr.isatty():
-            return
-        from rich.progress import (
-            BarColumn,
-            DownloadColumn,
-            Progress,
-            TransferSpeedColumn,
-        )
-
-        if self._progress is None:
-            progress = Progress(
-                "[dim]gpumesh: uploading workdir",
-                BarColumn(),
-                DownloadColumn(binary_units=False),
-                TransferSpeedColumn(),
-                transient=True,
-                console=None,
-            )
-            progress.start()
-            self._task = progress.add_task("upload", total=total)
-            self._progress = progress
-        assert isinstance(self._progress, Progress)
-        self._progress.update(self._task, completed=sent)
-        if sent >= total:
-            self._progress.stop()
+        self.steps.upload(sent, total)
 
     def placed(self, placement: Placement) -> None:
         chosen = placement.chosen
         assert chosen is not None
-        self.note(f"placing on {chosen.name}: {chosen.reason}")
-        for candidate in placement.candidates:
-            if candidate is chosen:
-                continue
-            if self.explain or not candidate.eligible:
-                verdict = "also fits" if candidate.eligible else "skipped"
-                self.note(f"  {candidate.name}: {verdict}: {candidate.reason}")
+        every = [(c.name, c.eligible, c.reason) for c in placement.candidates]
+        self.steps.placed(chosen.name, chosen.reason, every)
 
     def reconnecting(self, error: GPUMeshError) -> None:
         self.note(f"link lost ({error.message}); reconnecting")
 
     def dropped(self, count: int) -> None:
         # Part of the output itself (where it is missing), so shown even with --quiet.
-        click.echo(
-            click.style(
-                f"gpumesh: {format_size(count)} of output dropped here: the provider keeps "
-                "only the newest part of a job's output (its job_log_limit)",
-                fg="yellow",
-            ),
-            err=True,
-        )
+        click.echo(click.style(dropped_note(count), fg="yellow"), err=True)
 
     def callbacks(self) -> JobCallbacks:
         return JobCallbacks(

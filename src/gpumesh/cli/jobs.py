@@ -7,9 +7,9 @@ import time
 import click
 
 from gpumesh.cli._common import emit_json, get_node, run_async
-from gpumesh.client.views.joblist import JobListEntry, last_confirmed
+from gpumesh.cli._node import node_enabled
+from gpumesh.client.views.joblist import JobListEntry
 from gpumesh.protocol.states import JobRole, JobState
-from gpumesh.store.db import JobRecord
 from gpumesh.units import format_duration, format_size
 
 
@@ -32,6 +32,28 @@ def jobs(limit: int, offline: bool, as_json: bool) -> None:
     "unknown since HH:MM", the last time its state was confirmed; one its
     provider no longer knows shows "gone".
     """
+    entries = _from_node(limit, offline) if node_enabled() else _in_process(limit, offline)
+    if as_json:
+        emit_json(entries)
+        return
+    if not entries:
+        click.echo("No jobs yet. Start one with `gpumesh run --peer NAME -- COMMAND`.")
+        return
+    _print(entries)
+
+
+def _from_node(limit: int, offline: bool) -> list[JobListEntry]:
+    """The list as this home's node process gives it (it asks the providers)."""
+    import msgspec
+
+    from gpumesh.cli._node import node_client
+
+    query = f"limit={limit}&offline={'true' if offline else 'false'}"
+    data = node_client().call("GET", f"/api/v1/jobs?{query}")
+    return msgspec.convert(data, list[JobListEntry])
+
+
+def _in_process(limit: int, offline: bool) -> list[JobListEntry]:
     node = get_node()
     unconfirmed: dict[str, str] = {}
     if not offline and node.home.store.unconfirmed_submitted_jobs(limit):
@@ -39,13 +61,17 @@ def jobs(limit: int, offline: bool, as_json: bool) -> None:
 
         for answer in run_async(refresh_jobs(node, limit=limit)):
             unconfirmed.update(dict.fromkeys(answer.job_ids, answer.reason))
-    records = node.home.store.jobs(limit=limit)
-    if as_json:
-        emit_json([JobListEntry.of(j, unconfirmed) for j in records])
-        return
-    if not records:
-        click.echo("No jobs yet. Start one with `gpumesh run --peer NAME -- COMMAND`.")
-        return
+    return [JobListEntry.of(j, unconfirmed) for j in node.home.store.jobs(limit=limit)]
+
+
+def _confirmed(j: JobListEntry) -> float:
+    """When a job's state was last known for sure (as :func:`last_confirmed`)."""
+    if j.unknown_since is not None:
+        return j.unknown_since
+    return j.confirmed_at if j.confirmed_at is not None else j.created_at
+
+
+def _print(records: list[JobListEntry]) -> None:
     from rich.markup import escape
 
     from gpumesh.cli._table import Column, print_table
@@ -59,16 +85,16 @@ def jobs(limit: int, offline: bool, as_json: bool) -> None:
     now = time.time()
     rows = []
     for j in records:
-        peer = f"→ {j.peer_name}" if j.role == JobRole.SUBMITTED else f"← {j.peer_name}"
+        peer = f"→ {j.peer}" if j.role == JobRole.SUBMITTED else f"← {j.peer}"
         color = colors.get(j.state, "white")
         state = j.state
         duration = j.duration
-        if j.job_id in unconfirmed or j.provider_forgot:
+        if j.unknown_since is not None or j.provider_forgot:
             color = "yellow"
-            when = time.strftime("%H:%M", time.localtime(last_confirmed(j)))
+            when = time.strftime("%H:%M", time.localtime(_confirmed(j)))
             state = "gone" if j.provider_forgot else f"unknown since {when}"
             if j.started_at is not None:  # not counting on past what is known
-                duration = max(0.0, last_confirmed(j) - j.started_at)
+                duration = max(0.0, _confirmed(j) - j.started_at)
         command = " ".join(j.command) or f"({j.image})"
         gpu = ",".join(j.gpus) or "-"
         if j.gpu_memory or j.peak_gpu_memory:
@@ -102,19 +128,19 @@ def jobs(limit: int, offline: bool, as_json: bool) -> None:
         Column("TIME"),
     ]
     print_table(columns, rows)
-    _explain(records, unconfirmed)
+    _explain(records)
 
 
-def _explain(records: list[JobRecord], unconfirmed: dict[str, str]) -> None:
+def _explain(records: list[JobListEntry]) -> None:
     """Why some states are not known: on stderr, so piped rows stay rows."""
     told: set[str] = set()
     for j in records:
-        if j.job_id in unconfirmed and j.peer_name not in told:
-            told.add(j.peer_name)
-            why = unconfirmed[j.job_id] or "it did not answer"
+        if j.unknown_since is not None and j.peer not in told:
+            told.add(j.peer)
+            why = j.unknown_reason or "it did not answer"
             click.echo(
                 click.style(
-                    f"gpumesh: {j.peer_name} did not say where its jobs stand ({why}); "
+                    f"gpumesh: {j.peer} did not say where its jobs stand ({why}); "
                     "they show their last confirmed state in --json",
                     fg="yellow",
                 ),
@@ -123,7 +149,7 @@ def _explain(records: list[JobRecord], unconfirmed: dict[str, str]) -> None:
         elif j.provider_forgot and j.role == JobRole.SUBMITTED:
             click.echo(
                 click.style(
-                    f"gpumesh: {j.peer_name} no longer knows job {j.job_id} (pruned there, or "
+                    f"gpumesh: {j.peer} no longer knows job {j.job_id} (pruned there, or "
                     f"its home was reset); it was last known {j.state}",
                     fg="yellow",
                 ),

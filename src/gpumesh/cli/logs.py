@@ -8,6 +8,7 @@ import click
 
 from gpumesh.cli._common import get_node, run_async
 from gpumesh.cli._complete import complete_job
+from gpumesh.cli._node import node_enabled
 
 
 @click.command(
@@ -25,6 +26,9 @@ def logs(job_id: str | None, follow: bool) -> None:
     Works for jobs this node submitted (fetched from the provider) and jobs it
     hosts (read locally). Exits with the job's exit code once it has ended.
     """
+    if node_enabled():
+        _through_node(job_id, follow)
+        return
     from gpumesh.cli._jobview import JobPrinter
     from gpumesh.cli.run import exit_status
     from gpumesh.client.jobs import JobResult
@@ -42,3 +46,21 @@ def logs(job_id: str | None, follow: bool) -> None:
     result = run_async(show())
     if result.final:
         raise SystemExit(exit_status(result))
+
+
+def _through_node(job_id: str | None, follow: bool) -> None:
+    """``logs`` as a thin client of the node process (which resumes a follow
+    across its own restart)."""
+    from gpumesh.cli._node import follow as follow_job
+    from gpumesh.cli._node import node_client
+    from gpumesh.cli._notes import ViewPrinter, exit_status_of
+    from gpumesh.errors import NotFoundError
+
+    if job_id is None:
+        recent = node_client().call("GET", "/api/v1/jobs?limit=1&offline=true")
+        if not recent:
+            raise NotFoundError("no jobs yet: start one with `gpumesh run`")
+        job_id = str(recent[0]["job_id"])
+    result = follow_job(job_id, ViewPrinter(job_id, numbered=True), live=follow)
+    if result["final"]:
+        raise SystemExit(exit_status_of(result["state"], result["exit_code"]))

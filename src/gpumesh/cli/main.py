@@ -45,6 +45,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "desktop": ("gpumesh.cli.desktop", "desktop", "Share your VNC/RDP desktop, or use a peer's."),
     "search": ("gpumesh.cli.search", "search", "Find shared GPUs in the public registry."),
     "sync": ("gpumesh.cli.sync", "sync", "Re-publish to the registry; refresh peers' addresses."),
+    "daemon": ("gpumesh.cli.daemon", "daemon", "Show or stop this home's node process."),
     "completion": ("gpumesh.cli.completion", "completion", "Print a shell completion script."),
     "cuda": ("gpumesh.cli.cuda", "cuda", "Use a peer's GPU from your programs (experimental)."),
     "dashboard": ("gpumesh.cli.dashboard", "dashboard", "Print a sign-in URL for the dashboard."),

@@ -9,7 +9,9 @@ import click
 
 from gpumesh.cli._common import get_node, run_async
 from gpumesh.cli._complete import complete_group, complete_peer
+from gpumesh.cli._node import node_enabled
 from gpumesh.errors import ExitCode
+from gpumesh.settings import ENV_IMAGE, env
 
 
 @click.command(
@@ -84,11 +86,26 @@ def run(
     so it composes in scripts like `docker run`. Ctrl-C asks whether to cancel
     the remote job or leave it running.
     """
-    from gpumesh.cli._jobview import JobPrinter
-    from gpumesh.client.jobs import new_job_id, run_job
+    simple = not job_file and not workdir and all("=" in item for item in env_items)
+    if node_enabled() and simple and (peer or group):
+        # Checked by the node process, with the same messages: this process
+        # need not load the job file reader (YAML) or the runtime's rules.
+        body: dict[str, object] = {
+            "command": list(command),
+            "peer": peer,
+            "group": group,
+            "image": image or env(ENV_IMAGE),
+            "env": dict(item.split("=", 1) for item in env_items),
+            "gpu_memory": gpu_memory,
+            "retries": retries,
+            "timeout": timeout,
+            "mounts": list(mounts),
+            "wait": WAIT_FOREVER if wait else 0.0,
+        }
+        _through_node(body, detach=detach, quiet=quiet, explain=explain)
+        return
     from gpumesh.client.jobspec import build_spec
 
-    node = get_node()
     spec = build_spec(
         Path(job_file) if job_file else None,
         image=image,
@@ -102,6 +119,26 @@ def run(
         group=group,
         mounts=list(mounts),
     )
+    if node_enabled():
+        body = {
+            "command": spec.command,
+            "peer": spec.peer,
+            "group": spec.group,
+            "image": spec.image or env(ENV_IMAGE),
+            "env": spec.env,
+            "gpu_memory": spec.gpu_memory,
+            "retries": spec.retries,
+            "timeout": spec.timeout,
+            "mounts": [f"{m.source}:{m.target}{':rw' if m.rw else ''}" for m in spec.mounts],
+            "workdir": None if spec.workdir is None else str(spec.workdir),
+            "wait": WAIT_FOREVER if wait else 0.0,
+        }
+        _through_node(body, detach=detach, quiet=quiet, explain=explain)
+        return
+    from gpumesh.cli._jobview import JobPrinter
+    from gpumesh.client.jobs import new_job_id, run_job
+
+    node = get_node()
     printer = JobPrinter(quiet=quiet, explain=explain)
     job_id = new_job_id()
     try:
@@ -124,15 +161,90 @@ def run(
     raise SystemExit(exit_status(result))
 
 
+WAIT_FOREVER = 10.0**9
+"""``--wait`` through the node process: seconds enough to mean "until a member frees up"."""
+
+
+def _through_node(
+    body: dict[str, object], *, detach: bool, quiet: bool, explain: bool = False
+) -> None:
+    """``run`` as a thin client of the node process. Detached, it returns once the
+    provider accepted the job (and the workdir is uploaded); else the node process
+    streams the run (placement, pull, acceptance, upload, then the job's events),
+    and a stream its node process dropped after acceptance resumes as `logs -f`."""
+    from gpumesh.cli._node import follow, node_client
+    from gpumesh.cli._notes import ViewPrinter, exit_status_of
+    from gpumesh.daemon.client import NodeUnavailableError
+    from gpumesh.errors import AgentError, error_from_code
+
+    client = node_client()
+    if detach:
+        click.echo(client.call("POST", "/api/v1/jobs", body)["job_id"])
+        return
+    printer = ViewPrinter("", quiet=quiet, explain=explain)
+    job_id = peer = None
+    after = 0
+    try:
+        try:
+            for event in client.events("/api/v1/jobs?stream=true", "POST", body):
+                if event.event == "end":
+                    result = event.data
+                    break
+                if event.event == "error":
+                    raise error_from_code(str(event.data["code"]), str(event.data["message"]))
+                if event.event == "acceptedview":
+                    job_id, peer = str(event.data["job_id"]), str(event.data["provider"])
+                printer.show(event.event, event.data)
+                if event.id is not None:
+                    after = event.id
+        except NodeUnavailableError:
+            if job_id is None:
+                raise AgentError(
+                    "the node process stopped while it submitted the job: `gpumesh jobs` "
+                    "shows whether the job started"
+                ) from None
+            result = follow(job_id, printer, after=after)
+    except KeyboardInterrupt:
+        if job_id is None or peer is None:
+            click.echo("Interrupted before the job started.", err=True)
+        else:
+            _interrupted_thin(job_id, peer)
+        raise SystemExit(ExitCode.INTERRUPTED) from None
+    raise SystemExit(exit_status_of(result["state"], result["exit_code"]))
+
+
+def _interrupted_thin(job_id: str, peer: str) -> None:
+    """Ctrl-C through the node process: as :func:`_interrupted`."""
+    from urllib.parse import quote
+
+    from gpumesh.cli._common import print_error
+    from gpumesh.cli._node import node_client
+    from gpumesh.errors import GPUMeshError
+
+    cancel = True
+    if sys.stdin.isatty():
+        cancel = click.confirm(
+            f"\nCancel job {job_id} on {peer}? (no: it keeps running)", default=True
+        )
+    if not cancel:
+        click.echo(f"Detached. Follow it with: gpumesh logs -f {job_id}", err=True)
+        return
+    try:
+        path = f"/api/v1/jobs/{quote(job_id, safe='')}/cancel"
+        result = node_client().call("POST", path, {"peer": None})
+    except GPUMeshError as exc:
+        print_error(f"could not cancel {job_id}: {exc.message}")
+        return
+    click.echo(f"Job {job_id} {result['state']}.", err=True)
+
+
 def exit_status(result: object) -> int:
     """The CLI's exit status for a finished job, as `docker run` would give it."""
+    from gpumesh.cli._notes import exit_status_of
     from gpumesh.client.jobs import JobResult
-    from gpumesh.protocol.states import JobState
 
     assert isinstance(result, JobResult)
-    if result.state == JobState.CANCELLED:
-        return ExitCode.INTERRUPTED
-    return result.exit_code if result.exit_code is not None else ExitCode.JOB_NOT_RUN
+    return exit_status_of(result.state, result.exit_code)
 
 
 def _interrupted(node: object, job_id: str) -> None:

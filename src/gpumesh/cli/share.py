@@ -60,8 +60,11 @@ def share(
     """Share this machine with paired, allowed peers (runs in the foreground).
 
     Prints this node's pairing code, then serves requests from peers on the
-    allowlist only; everyone else gets a typed refusal. Sharing needs Linux;
-    macOS and Windows machines work as consumers.
+    allowlist only; everyone else gets a typed refusal. It is also this home's
+    node process (the control API on $GPUMESH_HOME/control.sock, which commands
+    use), taking over from one running in the background; `gpumesh daemon stop`
+    stops it too. Sharing needs Linux; macOS and Windows machines work as
+    consumers.
     """
     if ctx.invoked_subcommand is not None:
         return
@@ -218,13 +221,63 @@ async def _serve(
     click.echo("Only paired, allowed peers are served. Pairing code for a new peer (valid 1 hour):")
     click.echo(node.pairing_code())
     click.echo("Press Ctrl-C or run `gpumesh share stop` to stop.", err=True)
+    api = await _become_node(node, agent)
     try:
         await agent.wait_stopped()
     finally:
         agent.stop()
         if publishing is not None:
             await publishing.stop()
+        if api is not None:
+            await api
     click.echo("Stopped sharing.", err=True)
+
+
+async def _become_node(node: object, agent: object) -> asyncio.Future[object] | None:
+    """Serve this home's control API from this process too: `share` is then the
+    home's node process (a background one hands over to it), which commands talk
+    to and `gpumesh daemon stop` stops, sharing included. When another foreground
+    process (`gpumesh-control`) holds the home, sharing goes on beside it."""
+    from gpumesh.agent.server import Agent
+    from gpumesh.client.node import Node
+    from gpumesh.daemon import enabled
+    from gpumesh.daemon.process import run_node
+    from gpumesh.errors import GPUMeshError
+
+    assert isinstance(node, Node) and isinstance(agent, Agent)
+    if not enabled():
+        return None
+    stop = asyncio.Event()
+    socket_path = node.home.path / "control.sock"
+
+    def announce(line: str) -> None:
+        if "the control API of" in line:
+            click.echo(f"  control API: {socket_path} (this process is the home's node process)")
+
+    async def serve() -> object:
+        try:
+            await run_node(
+                node,
+                listen=None,
+                allow_remote=False,
+                hosts=[],
+                detached=False,
+                announce=announce,
+                stop=stop,
+            )
+        except GPUMeshError as exc:
+            click.echo(
+                click.style(f"  control API: not served here ({exc.message})", fg="yellow"),
+                err=True,
+            )
+            return None
+        agent.stop()  # `gpumesh daemon stop` ends sharing too
+        return None
+
+    task = asyncio.ensure_future(serve())
+    agent_stopped = asyncio.ensure_future(agent.wait_stopped())
+    agent_stopped.add_done_callback(lambda _: stop.set())
+    return task
 
 
 @share.command()

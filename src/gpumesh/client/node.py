@@ -40,6 +40,7 @@ from gpumesh.store.db import Peer
 from gpumesh.store.home import AgentInfo, Home
 
 if TYPE_CHECKING:
+    from gpumesh.client.pool import SessionPool
     from gpumesh.gpu.inventory import GpuInfo
     from gpumesh.protocol.addresses import Address
     from gpumesh.transport.session import Session
@@ -146,6 +147,8 @@ class Node:
     def __init__(self, home: str | Path | Home | None = None) -> None:
         self.home = home if isinstance(home, Home) else Home(home)
         self.home.secure()  # every start re-asserts the home's modes, not only `init`
+        self.pool: SessionPool | None = None
+        """Warm sessions to reuse (a long-running process's); None: each dials."""
 
     def close(self) -> None:
         self.home.close()
@@ -296,7 +299,8 @@ class Node:
 
     @contextlib.asynccontextmanager
     async def session(self, query: str, *, timeout: float | None = None) -> AsyncIterator[Session]:
-        """An authenticated session with a paired peer, closed on exit.
+        """An authenticated session with a paired peer, closed on exit (or lent
+        from ``pool``, and left open there, when this node keeps warm sessions).
 
         Requests may start at once: the identity proof leaves with the first of
         them, and the peer's Welcome, or its refusal (raised by every request
@@ -305,10 +309,24 @@ class Node:
         pairing, else ours) the relay is tried too, and hole punching moves a
         relayed session to a direct path when the NATs allow it.
         """
+        peer = self.peer(query)
+        if self.pool is not None:
+            async with self.pool.lend(peer, lambda: self._dial(peer, timeout)) as warm:
+                yield warm
+            return
+        session = await self._dial(peer, timeout)
+        try:
+            yield session
+        finally:
+            if session.through_relay:
+                # What punching found is worth keeping for the next dial.
+                self._remember(peer, session)
+            session.close()
+
+    async def _dial(self, peer: Peer, timeout: float | None) -> Session:
         # Imported here: local commands (status, peers) need no QUIC or TLS.
         from gpumesh.transport.session import RelayHint, open_session, parse_address
 
-        peer = self.peer(query)
         addresses = []
         for text in peer.dial_addresses():
             with contextlib.suppress(ValueError):
@@ -335,13 +353,7 @@ class Node:
             session = await dial(moved)
         logger.info("session with %s: %s", peer.name, session.path)
         self._remember(peer, session)
-        try:
-            yield session
-        finally:
-            if session.through_relay:
-                # What punching found is worth keeping for the next dial.
-                self._remember(peer, session)
-            session.close()
+        return session
 
     async def _look_up_moved(self, peer: Peer) -> list[Address] | None:
         """New addresses of ``peer`` from the registry (signed by its pinned key), stored;

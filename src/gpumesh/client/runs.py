@@ -63,8 +63,11 @@ class RunWatch:
     """One job, submitted when iterated (once); ``result`` is where it stands, final
     once iteration ended (a failure to submit is raised from the loop)."""
 
-    def __init__(self, node: Node, spec: JobSpec, follow: bool) -> None:
+    def __init__(self, node: Node, spec: JobSpec, follow: bool, wait: float = 0.0) -> None:
         self.result: JobResult | None = None
+        self.seq = 0
+        """The sequence number of the job's last event read (resume after it)."""
+        self._wait = wait
         self._events = self._run(node, spec, follow)
 
     def __aiter__(self) -> AsyncIterator[RunEvent]:
@@ -83,7 +86,9 @@ class RunWatch:
             accepted=lambda accepted: queue.push(Accepted(accepted)),
             upload=lambda sent, total: queue.push(Uploading(sent, total)),
         )
-        task = asyncio.ensure_future(run_job(node, spec, detach=True, callbacks=callbacks))
+        task = asyncio.ensure_future(
+            run_job(node, spec, detach=True, callbacks=callbacks, wait=self._wait)
+        )
         try:
             while (event := await queue.next(task)) is not None:
                 yield event
@@ -96,13 +101,15 @@ class RunWatch:
         try:
             async for event in events:
                 self.result = events.result
+                self.seq = events.seq
                 yield event
             self.result = events.result
         finally:
             await events.aclose()
 
 
-def watch_run(node: Node, spec: JobSpec, *, follow: bool = True) -> RunWatch:
+def watch_run(node: Node, spec: JobSpec, *, follow: bool = True, wait: float = 0.0) -> RunWatch:
     """:func:`run_job` as events: the steps until the provider holds the job, then
-    (with ``follow``) the job's own events until it ends."""
-    return RunWatch(node, spec, follow)
+    (with ``follow``) the job's own events until it ends. ``wait``: seconds a group
+    placement may wait for a member to free up."""
+    return RunWatch(node, spec, follow, wait)

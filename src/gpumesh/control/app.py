@@ -57,6 +57,7 @@ from gpumesh.errors import (
 
 if TYPE_CHECKING:
     from gpumesh.client.node import Node
+    from gpumesh.daemon.process import NodeProcess
 
 __all__ = ["ENDPOINTS", "Call", "ControlState", "create_app"]
 
@@ -87,6 +88,8 @@ class ControlState:
     """``http://host:port`` of the TCP listener, for login URLs."""
     gpu_history: history.GpuHistory = field(default_factory=history.GpuHistory.from_env)
     """The last hour of GPU readings, sampled from the first request on."""
+    process: NodeProcess | None = None
+    """The node process serving this API (its status, its stop)."""
 
 
 class Refusal(Exception):
@@ -335,7 +338,36 @@ async def post_job(call: Call) -> object:
         group=body.group,
         mounts=body.mounts,
     )
+    if call.flag("stream"):
+        from gpumesh.client.runs import watch_run
+
+        return EventStream(_run_events(watch_run(call.node, spec, wait=body.wait)))
     return JobResultView.of(await run_job(call.node, spec, detach=True, wait=body.wait))
+
+
+async def _run_events(run: Any) -> AsyncIterator[bytes]:
+    """A run as Server-Sent Events: its steps (``placedview``, ``pullingview``,
+    ``acceptedview``, ``uploadingview``), then the job's events as the events route
+    sends them (numbered: resume that route with ``after``), then ``end``. Leaving
+    early cancels a submission still under way (an accepted job keeps running)."""
+    from gpumesh.client import jobs
+    from gpumesh.client.views.jobs import JobResultView, event_view
+    from gpumesh.client.views.runs import step_view
+
+    try:
+        async for event in run:
+            step = step_view(event)
+            if step is not None:
+                yield sse(type(step).__name__.lower(), step)
+                continue
+            view = event_view(event, run.seq)
+            numbered = isinstance(event, jobs.Output | jobs.StatusChanged)
+            yield sse(type(view).__name__.lower(), view, run.seq if numbered else None)
+        yield sse("end", JobResultView.of(run.result))
+    except GPUMeshError as exc:
+        yield sse("error", ErrorView(exc.code, exc.message))
+    finally:
+        await run.aclose()
 
 
 async def post_cancel(call: Call) -> object:
@@ -496,9 +528,30 @@ async def get_gpu_history(call: Call) -> object:
     return call.state.gpu_history.view()
 
 
+# --- the node process (gpumesh.daemon) ----------------------------------------------------
+
+
+def _process(call: Call) -> NodeProcess:
+    if call.state.process is None:
+        raise AgentError("this control API is not served by a node process")
+    return call.state.process
+
+
+async def get_node(call: Call) -> object:
+    return _process(call).view(sharing=call.node.home.read_agent_info() is not None)
+
+
+async def post_node_stop(call: Call) -> object:
+    """Stop the node process once this answer is sent (open streams end)."""
+    process = _process(call)
+    asyncio.get_running_loop().call_soon(process.stop.set)
+    return process.view(sharing=call.node.home.read_agent_info() is not None)
+
+
 def _views() -> dict[str, Any]:
     """The response types, imported only when the table is built."""
     from gpumesh.client.views import apps, files, groups, joblist, jobs, node, owner, peers
+    from gpumesh.daemon.views import NodeProcessView
 
     return {
         "status": node.StatusView,
@@ -518,6 +571,7 @@ def _views() -> dict[str, Any]:
         "sync": apps.SyncView,
         "owner": owner.OwnerStatusView,
         "history": history.GpuHistoryView,
+        "process": NodeProcessView,
     }
 
 
@@ -573,7 +627,9 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("GET", "/api/v1/jobs", get_jobs, "Jobs submitted and hosted, newest first",
              V["jobs"], query=(Query("limit", "integer", "How many (20)"), _offline)),
     Endpoint("POST", "/api/v1/jobs", post_job, "Submit a job to a peer or a group",
-             V["result"], body=JobBody),
+             V["result"], body=JobBody,
+             query=(Query("stream", "boolean", "Answer with the run as Server-Sent Events: "
+                          "placement, pull, acceptance, upload, the job's events, end"),)),
     Endpoint("GET", "/api/v1/jobs/{job_id}", get_job, "One job as last known", V["job"]),
     Endpoint("POST", "/api/v1/jobs/{job_id}/cancel", post_cancel, "Cancel a job", V["result"],
              body=CancelBody),
@@ -593,6 +649,10 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("GET", "/api/v1/owner", get_owner,
              "Who uses this machine: connected peers, hosted jobs", V["owner"],
              query=(Query("limit", "integer", "How many hosted jobs (50)"),)),
+    Endpoint("GET", "/api/v1/node", get_node,
+             "The node process: pid, version, API addresses", V["process"]),
+    Endpoint("POST", "/api/v1/node/stop", post_node_stop, "Stop the node process",
+             V["process"], Access.NO_COOKIE),
 )  # fmt: skip
 
 

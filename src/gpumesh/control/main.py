@@ -3,7 +3,9 @@
 Serves ``$GPUMESH_HOME/control.sock`` (the owner's) and ``GPUMESH_API_ADDR``
 (default ``127.0.0.1:8080``) together in one event loop until SIGINT or SIGTERM,
 then exits 0. A bind beyond loopback needs ``--allow-remote`` and
-``$GPUMESH_API_TOKEN``. While this home's ``gpumesh share`` runs, the API
+``$GPUMESH_API_TOKEN``. It is this home's node process in the
+foreground (:mod:`gpumesh.daemon`): a node process a command started in the
+background hands over to it. While this home's ``gpumesh share`` runs, the API
 works beside it: it reads the same store, and the owner's changes (a deny, a
 cancel) reach the agent through its notification socket.
 """
@@ -12,13 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
-import socket
 import sys
 
 import click
 
-from gpumesh.errors import ConfigError, GPUMeshError
+from gpumesh.errors import GPUMeshError
 from gpumesh.settings import API_ADDR_DEFAULT, ENV_API_ADDR, ENV_API_HOSTS, ENV_API_TOKEN, ENV_LOG
 
 __all__ = ["command", "main"]
@@ -88,70 +88,19 @@ def command(listen: str, allow_remote: bool, allowed_hosts: tuple[str, ...], no_
 
 
 async def _run(*, listen: str | None, allow_remote: bool, hosts: list[str]) -> int:
-    from gpumesh.client.node import Node
-    from gpumesh.control import auth
-    from gpumesh.control.app import ControlState, create_app
-    from gpumesh.control.server import parse_listen, serve, tcp_listener, unix_listener
-    from gpumesh.settings import env
+    from gpumesh.daemon.process import run_node
 
-    node = Node()
-    info = node.info()  # a home without an identity is refused here, in one line
-    home = node.home.path
-    sockets: list[socket.socket] = []
-    public_url = ""
-    if listen is not None:
-        host, port = parse_listen(listen)
-        if not auth.is_loopback(host.lower()):
-            if not allow_remote:
-                raise ConfigError(
-                    f"{listen} is not a loopback address: the API is served on loopback unless "
-                    "--allow-remote says otherwise (and then only with a token)"
-                )
-            if not env(ENV_API_TOKEN):
-                raise ConfigError(
-                    f"a bind beyond loopback needs ${ENV_API_TOKEN} set to a token of your own"
-                )
-            hosts.append(host.lower())
-        tcp = tcp_listener(host, port)
-        sockets.append(tcp)
-        bound = tcp.getsockname()
-        shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
-        public_url = f"http://{shown}:{bound[1]}"
-    unix = unix_listener(home)
-    sockets.insert(0, unix)
-    state = ControlState(
-        node=node,
-        token=auth.api_token(home),
-        host_names=frozenset(hosts),
-        public_url=public_url,
+    return await run_node(
+        None,
+        listen=listen,
+        allow_remote=allow_remote,
+        hosts=hosts,
+        detached=False,
+        announce=lambda line: print(line, flush=True),
     )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-
-    socket_path = home / "control.sock"
-    print(f"gpumesh-control: the control API of {info.name} ({home})", flush=True)
-    print(f"  unix socket  {socket_path} (owner only, no token needed)", flush=True)
-    if public_url:
-        where = f"${ENV_API_TOKEN}" if env(ENV_API_TOKEN) else str(home / auth.TOKEN_FILE)
-        print(f"  http         {public_url}/api/v1/ (Authorization: Bearer, from {where})")
-        print(f"  browser      {public_url}/#code={state.sessions.new_code()} (one-time login)")
-    print("  OpenAPI      /api/v1/openapi.json; stop with Ctrl-C", flush=True)
-    try:
-        await serve(create_app(state), sockets, stop)
-    finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
-        for sock in sockets:
-            sock.close()
-        socket_path.unlink(missing_ok=True)
-        node.close()
-    print("gpumesh-control: stopped", flush=True)
-    return 0
 
 
-def _setup_logging() -> None:
+def setup_logging() -> None:
     """Warnings (or ``$GPUMESH_LOG``'s level) to stderr, one line each."""
     from gpumesh.settings import env
 
@@ -164,5 +113,5 @@ def _setup_logging() -> None:
 
 
 def main() -> None:
-    _setup_logging()
+    setup_logging()
     command.main(prog_name="gpumesh-control")

@@ -1,0 +1,95 @@
+"""The thin CLI's way to this home's node process (:mod:`gpumesh.daemon.client`).
+
+Imports only the standard library and the base floor until a command asks for
+the node process; the commands that use it (``run``, ``logs``, ``jobs``,
+``cancel``) import this instead of the client layer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import click
+
+if TYPE_CHECKING:
+    from gpumesh.cli._notes import ViewPrinter
+    from gpumesh.daemon.client import NodeClient
+
+__all__ = ["follow", "node_client", "node_enabled", "node_home"]
+
+
+def node_enabled() -> bool:
+    """Whether commands go through the node process (``$GPUMESH_NODE`` is not ``off``)."""
+    from gpumesh.daemon import enabled
+
+    return enabled()
+
+
+def node_home() -> Path:
+    """The home of ``--home`` / ``$GPUMESH_HOME``, refused when not initialised (as
+    the in-process commands refuse it)."""
+    from gpumesh.errors import NotInitializedError
+    from gpumesh.settings import home_dir
+
+    home = home_dir(click.get_current_context().find_root().obj)
+    if not (home / "identity.key").exists():
+        raise NotInitializedError(
+            f"no GPUMesh node in {home}: run `gpumesh init --name NAME` first "
+            "(or set GPUMESH_HOME to your node's folder)"
+        )
+    return home
+
+
+def node_client() -> NodeClient:
+    """A client of this home's node process, started when none runs."""
+    from gpumesh.daemon.client import connect
+
+    return connect(node_home())
+
+
+RESUME_TRIES = 5
+"""Node processes in a row that may die under one follow before it gives up."""
+
+
+def follow(
+    job_id: str, printer: ViewPrinter, *, live: bool = True, after: int = 0
+) -> dict[str, Any]:
+    """Print a job's events through the node process until the stream ends; the
+    job's result (the ``end`` event's view); ``after``: the sequence number of the
+    last event already printed. A node process that dies meanwhile is
+    replaced, and the follow resumes after the last numbered event it printed, so
+    no output is lost or repeated."""
+    from urllib.parse import quote
+
+    from gpumesh.daemon.client import NodeUnavailableError
+    from gpumesh.errors import error_from_code
+
+    client = node_client()
+    failures = 0
+    while True:
+        path = (
+            f"/api/v1/jobs/{quote(job_id, safe='')}/events"
+            f"?follow={'true' if live else 'false'}&after={after}"
+        )
+        try:
+            for event in client.events(path):
+                if event.event == "end":
+                    result: dict[str, Any] = event.data
+                    return result
+                if event.event == "error":
+                    raise error_from_code(str(event.data["code"]), str(event.data["message"]))
+                printer.show(event.event, event.data)
+                if event.id is not None:
+                    after = event.id
+                    failures = 0
+        except NodeUnavailableError as exc:
+            failures += 1
+            if failures > RESUME_TRIES:
+                from gpumesh.errors import AgentError
+
+                raise AgentError(
+                    f"the node process kept failing while following job {job_id} ({exc}): "
+                    f"see {node_home() / 'logs' / 'node.log'}"
+                ) from None
+            client = node_client()

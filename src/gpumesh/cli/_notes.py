@@ -1,0 +1,212 @@
+"""What a followed job's events print, for both ways a command follows one: in
+this process (:mod:`gpumesh.cli._jobview`, on the client layer's events) and
+through the node process (:class:`ViewPrinter`, on the control API's views).
+
+Imports nothing heavy: ``logs`` and ``run`` through the node process use it.
+"""
+
+from __future__ import annotations
+
+import base64
+import sys
+from typing import Any
+
+import click
+
+from gpumesh.errors import ExitCode
+from gpumesh.protocol.states import FINAL_STATES, JobState
+from gpumesh.units import format_size
+
+__all__ = ["StepNotes", "ViewPrinter", "dropped_note", "exit_status_of", "state_note"]
+
+
+def state_note(
+    *,
+    numbered: bool,
+    state: str,
+    attempt: int,
+    exit_code: int | None,
+    message: str,
+    exited: bool,
+    job_id: str,
+    peak_gpu_memory: int = 0,
+) -> str | None:
+    """The note a job's new state gets on stderr, if any."""
+    if numbered and state == JobState.STARTING:
+        return f"--- attempt {attempt} ---"
+    if numbered and state in FINAL_STATES:
+        code = "" if exit_code is None else f", exit {exit_code}"
+        plain_exit = exited or state == JobState.SUCCEEDED
+        detail = "" if plain_exit or not message else f": {message}"
+        if peak_gpu_memory:
+            detail += f"; GPU memory peak {format_size(peak_gpu_memory)}"
+        return f"--- {state}{code}{detail} ---"
+    if state == JobState.STARTING and attempt > 1:
+        return f"attempt {attempt} starting"
+    if state == JobState.RETRYING:
+        return message
+    if state == JobState.CANCELLED:
+        return f"job {job_id} cancelled"
+    if state == JobState.FAILED and not exited:
+        return f"job failed: {message}"  # it never exited on its own
+    return None
+
+
+def dropped_note(count: int) -> str:
+    return (
+        f"gpumesh: {format_size(count)} of output dropped here: the provider keeps "
+        "only the newest part of a job's output (its job_log_limit)"
+    )
+
+
+def exit_status_of(state: str, exit_code: int | None) -> int:
+    """The CLI's exit status for a finished job, as `docker run` would give it."""
+    if state == JobState.CANCELLED:
+        return ExitCode.INTERRUPTED
+    return exit_code if exit_code is not None else ExitCode.JOB_NOT_RUN
+
+
+class ViewPrinter:
+    """A followed job's events as the control API streams them, printed as
+    :class:`gpumesh.cli._jobview.JobPrinter` prints the client layer's."""
+
+    def __init__(
+        self, job_id: str, *, quiet: bool = False, numbered: bool = False, explain: bool = False
+    ) -> None:
+        self.job_id = job_id
+        self.quiet = quiet
+        self.numbered = numbered
+        self.steps = StepNotes(quiet=quiet, explain=explain)
+
+    def note(self, text: str) -> None:
+        if not self.quiet:
+            click.echo(click.style(f"gpumesh: {text}", dim=True), err=True)
+
+    def show(self, kind: str, view: Any) -> None:
+        """One event (``kind`` as the stream names it, ``view`` its JSON)."""
+        if kind == "output":
+            out = sys.stdout if view["stream"] == "stdout" else sys.stderr
+            out.buffer.write(base64.b64decode(view["data"]))
+            out.buffer.flush()
+        elif kind == "status":
+            note = state_note(
+                numbered=self.numbered,
+                state=view["state"],
+                attempt=view["attempt"],
+                exit_code=view["exit_code"],
+                message=view["message"],
+                exited=view["exited"],
+                job_id=self.job_id,
+            )
+            if note is not None:
+                self.note(note)
+        elif kind == "dropped":
+            click.echo(click.style(dropped_note(view["count"]), fg="yellow"), err=True)
+        elif kind == "reconnecting":
+            self.note(f"link lost ({view['message']}); reconnecting")
+        elif kind == "placedview":
+            chosen = view["chosen"]
+            every = [(c["name"], c["eligible"], c["reason"]) for c in view["candidates"]]
+            self.steps.placed(chosen["name"], chosen["reason"], every)
+        elif kind == "pullingview":
+            self.steps.pull(
+                view["image"],
+                view["layers"],
+                view["layers_done"],
+                view["downloaded"],
+                view["total"],
+                view["done"],
+            )
+        elif kind == "acceptedview":
+            self.job_id = view["job_id"]
+            self.steps.accepted(view["job_id"], view["provider"], view["gpus"])
+        elif kind == "uploadingview":
+            self.steps.upload(view["sent"], view["total"])
+
+
+class StepNotes:
+    """What the steps before a job runs print: where ``--group`` placed it, the
+    provider's pull (a bar on a terminal, a line at each end else), acceptance (on
+    a terminal), the workdir upload (a bar on a terminal)."""
+
+    def __init__(self, *, quiet: bool = False, explain: bool = False) -> None:
+        self.quiet = quiet
+        self.explain = explain
+        self._upload_bar: Any = None
+        self._upload_task: Any = None
+        self._pull_bar: Any = None
+        self._pull_task: Any = None
+        self._pull_noted = False
+
+    def note(self, text: str) -> None:
+        if not self.quiet:
+            click.echo(click.style(f"gpumesh: {text}", dim=True), err=True)
+
+    def accepted(self, job_id: str, provider: str, gpus: list[str]) -> None:
+        if sys.stderr.isatty():
+            where = f"GPU {', '.join(gpus)}" if gpus else "no GPU"
+            self.note(f"job {job_id} on {provider} ({where})")
+
+    def placed(self, chosen: str, reason: str, candidates: list[tuple[str, bool, str]]) -> None:
+        """``candidates``: every member as (name, eligible, reason), the chosen one too."""
+        self.note(f"placing on {chosen}: {reason}")
+        for name, eligible, why in candidates:
+            if name == chosen:
+                continue
+            if self.explain or not eligible:
+                verdict = "also fits" if eligible else "skipped"
+                self.note(f"  {name}: {verdict}: {why}")
+
+    def pull(
+        self, image: str, layers: int, layers_done: int, downloaded: int, total: int, done: bool
+    ) -> None:
+        if self.quiet:
+            return
+        text = f"{layers_done}/{layers} layers"
+        if not sys.stderr.isatty():
+            if not self._pull_noted:
+                self.note(f"the provider is pulling {image}")
+                self._pull_noted = True
+            if done:
+                self.note(f"pulled {image}: {text}, {format_size(downloaded)} fetched")
+            return
+        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
+
+        if self._pull_bar is None:
+            bar = Progress(
+                TextColumn(f"[dim]gpumesh: pulling {image}"),
+                BarColumn(),
+                DownloadColumn(binary_units=False),
+                TextColumn("[dim]{task.fields[layers]}"),
+                transient=True,
+            )
+            bar.start()
+            self._pull_task = bar.add_task("pull", total=total or None, layers=text)
+            self._pull_bar = bar
+        self._pull_bar.update(
+            self._pull_task, completed=downloaded, total=total or None, layers=text
+        )
+        if done:
+            self._pull_bar.stop()
+            self.note(f"pulled {image}: {text}, {format_size(downloaded)} fetched")
+
+    def upload(self, sent: int, total: int) -> None:
+        if self.quiet or not sys.stderr.isatty():
+            return
+        from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
+        if self._upload_bar is None:
+            progress = Progress(
+                "[dim]gpumesh: uploading workdir",
+                BarColumn(),
+                DownloadColumn(binary_units=False),
+                TransferSpeedColumn(),
+                transient=True,
+                console=None,
+            )
+            progress.start()
+            self._upload_task = progress.add_task("upload", total=total)
+            self._upload_bar = progress
+        self._upload_bar.update(self._upload_task, completed=sent)
+        if sent >= total:
+            self._upload_bar.stop()

@@ -1,0 +1,177 @@
+"""Warm sessions: authenticated sessions to recently used peers, kept open between
+requests by a long-running process (the node process) so that the next command
+to the same peer skips the dial, the TLS handshake and the identity proof.
+
+A session is lent to any number of requests at once (QUIC carries each on its
+own stream). :meth:`SessionPool.maintain` keeps them honest: it pings each one
+every :data:`KEEPALIVE` seconds (a dead one is dropped and the next request
+dials again), closes one unused for :data:`IDLE` seconds, and closes at once
+the sessions of a peer that was denied, unpaired or whose key changed (read
+from the store, so a `gpumesh deny` in another process counts too). Time is
+injected (``clock``) so expiry is decided without sleeping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from gpumesh.errors import ConnectionLostError, GPUMeshError, TransportError, UnknownPeerError
+from gpumesh.protocol.messages import Ping
+
+if TYPE_CHECKING:
+    from gpumesh.store.db import Peer, Store
+    from gpumesh.transport.session import Session
+
+__all__ = ["IDLE", "KEEPALIVE", "SessionPool", "Warm"]
+
+logger = logging.getLogger(__name__)
+
+IDLE = 300.0
+"""Seconds a warm session stays open without a request."""
+KEEPALIVE = 15.0
+"""Seconds between keep-alive pings of a warm session."""
+CHECK = 0.25
+"""Seconds between looks at the store (deny, unpair, key change) and the clocks."""
+CLOSE_WAIT = 2.0
+"""Seconds a request that lost its warm session waits to learn why it closed."""
+
+
+@dataclass
+class Warm:
+    """One warm session and what decides its life."""
+
+    peer_id: str
+    peer_name: str
+    public_key: bytes
+    session: Session
+    last_used: float
+    last_ping: float
+    users: int = 0
+    uses: int = 0
+
+
+class SessionPool:
+    """Warm sessions by peer id."""
+
+    def __init__(
+        self,
+        *,
+        idle: float = IDLE,
+        keepalive: float = KEEPALIVE,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.idle = idle
+        self.keepalive = keepalive
+        self._clock = clock
+        self._warm: dict[str, Warm] = {}
+        self._dialling: dict[str, asyncio.Lock] = {}
+
+    def sessions(self) -> list[Warm]:
+        return [w for w in self._warm.values() if not w.session.link.is_closed]
+
+    @contextlib.asynccontextmanager
+    async def lend(
+        self, peer: Peer, dial: Callable[[], Awaitable[Session]]
+    ) -> AsyncIterator[Session]:
+        """The warm session to ``peer``, dialled (with ``dial``) when there is none,
+        it died, or the peer's key is not the one it was opened with."""
+        key = str(peer.node_id)
+        lock = self._dialling.setdefault(key, asyncio.Lock())
+        async with lock:
+            warm = self._warm.get(key)
+            if warm is not None and (
+                warm.session.link.is_closed or warm.public_key != peer.public_key
+            ):
+                self.drop(key, "closed or rekeyed")
+                warm = None
+            if warm is None:
+                session = await dial()
+                now = self._clock()
+                warm = Warm(key, peer.name, peer.public_key, session, now, now)
+                self._warm[key] = warm
+        warm.users += 1
+        warm.uses += 1
+        try:
+            yield warm.session
+        except ConnectionLostError:
+            # The peer closed the session under this request (a deny's close may
+            # cross the request on the wire): say why it closed, as a fresh dial
+            # would have been told, rather than that it closed.
+            reason = await self._close_reason(warm.session)
+            if reason is not None and not isinstance(reason, TransportError):
+                raise reason from None
+            raise
+        finally:
+            warm.users -= 1
+            warm.last_used = self._clock()
+
+    async def _close_reason(self, session: Session) -> GPUMeshError | None:
+        """The error the peer closed ``session`` with, waiting out QUIC's draining
+        period (at most :data:`CLOSE_WAIT` seconds); None when it stays open."""
+        try:
+            return await asyncio.wait_for(session.link.wait_closed(), CLOSE_WAIT)
+        except TimeoutError:
+            return None
+
+    def drop(self, peer_id: str, reason: str) -> None:
+        """Close and forget the warm session to ``peer_id`` (if any)."""
+        warm = self._warm.pop(peer_id, None)
+        if warm is not None:
+            logger.info("warm session to %s closed: %s", warm.peer_name, reason)
+            warm.session.close()
+
+    def close(self) -> None:
+        for peer_id in list(self._warm):
+            self.drop(peer_id, "shutting down")
+
+    def sweep(self, store: Store) -> list[Warm]:
+        """Drop what must go now (denied, unpaired, rekeyed, dead, idle); the
+        sessions due a keep-alive ping."""
+        now = self._clock()
+        due = []
+        for peer_id, warm in list(self._warm.items()):
+            try:
+                peer = store.peer_by_id(peer_id)
+            except UnknownPeerError:
+                self.drop(peer_id, "unpaired")
+                continue
+            if not peer.allowed:
+                self.drop(peer_id, "denied")
+            elif peer.public_key != warm.public_key:
+                self.drop(peer_id, "its key changed")
+            elif warm.session.link.is_closed:
+                self.drop(peer_id, "the link closed")
+            elif warm.users == 0 and now - warm.last_used >= self.idle:
+                self.drop(peer_id, f"unused for {self.idle:g} s")
+            elif now - warm.last_ping >= self.keepalive:
+                warm.last_ping = now
+                due.append(warm)
+        return due
+
+    async def maintain(self, store: Store) -> None:
+        """Run :meth:`sweep` and the keep-alive pings until cancelled."""
+        pings: set[asyncio.Task[None]] = set()
+        try:
+            while True:
+                for warm in self.sweep(store):
+                    task = asyncio.ensure_future(self._ping(warm))
+                    pings.add(task)
+                    task.add_done_callback(pings.discard)
+                await asyncio.sleep(CHECK)
+        finally:
+            for task in pings:
+                task.cancel()
+            self.close()
+
+    async def _ping(self, warm: Warm) -> None:
+        try:
+            await warm.session.request(Ping(sent=time.perf_counter()), timeout=self.keepalive)
+        except GPUMeshError as exc:
+            if self._warm.get(warm.peer_id) is warm:
+                self.drop(warm.peer_id, f"keep-alive failed: {exc.message}")

@@ -1,0 +1,308 @@
+"""The thin client of a home's node process: HTTP/JSON over ``control.sock``.
+
+A command that talks to peers asks the node process, starting one in the
+background when none runs (:func:`connect`), and reads its answers and event
+streams with the standard library only (a small HTTP/1.1 reader of its own):
+no QUIC, cryptography or Docker SDK is imported on this path, which is what
+makes ``gpumesh jobs`` start fast. Errors come back as the error tree's
+``{code, message}`` and are raised as the same classes, so the CLI's one-line
+messages and exit codes stay what they are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from gpumesh.daemon.record import holder
+from gpumesh.errors import AgentError, GPUMeshError, InUseError, error_from_code
+from gpumesh.settings import ENV_HOME
+from gpumesh.store.sockets import socket_name
+from gpumesh.version import __version__
+
+__all__ = [
+    "NodeClient",
+    "NodeUnavailableError",
+    "SseEvent",
+    "connect",
+]
+
+SOCKET_NAME = "control.sock"
+START_TIMEOUT = 60.0
+"""Seconds a command waits for the node process it started to answer (a generous
+ceiling: a loaded machine imports slowly)."""
+STOP_TIMEOUT = 20.0
+LOG_NAME = "node.log"
+
+
+class NodeUnavailableError(Exception):
+    """Nothing answers on the home's control socket (none runs, or it just died)."""
+
+
+class _Response:
+    """One HTTP/1.1 response read off a socket: what our own server sends (a body
+    with a length, or chunked), no more. ``http.client`` would do, but it imports
+    ``ssl`` and the ``email`` package, a fifth of a thin command's start-up."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._file = sock.makefile("rb")
+        status_line = self._file.readline(_LINE_MAX)
+        parts = status_line.split(None, 2)
+        if len(parts) < 2 or not parts[0].startswith(b"HTTP/") or not parts[1].isdigit():
+            raise NodeUnavailableError(f"not an HTTP answer: {status_line[:80]!r}")
+        self.status = int(parts[1])
+        self.headers: dict[str, str] = {}
+        while True:
+            line = self._file.readline(_LINE_MAX)
+            if not line:
+                raise NodeUnavailableError("the answer ended in its headers")
+            if line in (b"\r\n", b"\n"):
+                break
+            name, _, value = line.decode("latin-1").partition(":")
+            self.headers[name.strip().lower()] = value.strip()
+        self._chunked = self.headers.get("transfer-encoding", "").lower() == "chunked"
+        self._left = int(self.headers.get("content-length", "-1"))
+
+    def read(self) -> bytes:
+        """The whole body."""
+        if self._chunked:
+            return b"".join(self._chunks())
+        data = self._file.read() if self._left < 0 else self._exactly(self._left)
+        return data
+
+    def lines(self) -> Iterator[bytes]:
+        """The body line by line (each with its newline), until it ends."""
+        buffer = b""
+        for chunk in (
+            self._chunks() if self._chunked else iter(lambda: self._file.read1(65536), b"")
+        ):
+            buffer += chunk
+            *complete, buffer = buffer.split(b"\n")
+            for line in complete:
+                yield line + b"\n"
+        if buffer:
+            yield buffer
+
+    def _chunks(self) -> Iterator[bytes]:
+        while True:
+            size_line = self._file.readline(_LINE_MAX)
+            if not size_line:
+                raise NodeUnavailableError("the answer ended before its last chunk")
+            try:
+                size = int(size_line.split(b";")[0].strip(), 16)
+            except ValueError:
+                raise NodeUnavailableError(f"a bad chunk size {size_line[:40]!r}") from None
+            if size == 0:
+                return
+            data = self._exactly(size)
+            self._exactly(2)  # the chunk's CRLF
+            yield data
+
+    def _exactly(self, count: int) -> bytes:
+        data = self._file.read(count)
+        if len(data) < count:
+            raise NodeUnavailableError("the answer ended early")
+        return data
+
+    def close(self) -> None:
+        self._file.close()
+        self._sock.close()
+
+
+_LINE_MAX = 65536
+
+
+@dataclass(frozen=True)
+class SseEvent:
+    event: str
+    id: int | None
+    data: Any
+
+
+class NodeClient:
+    """Requests to the node process of ``home``."""
+
+    def __init__(self, home: Path) -> None:
+        self.home = home
+
+    def _open(self, method: str, path: str, body: object, timeout: float | None) -> _Response:
+        payload = b"" if body is None else json.dumps(body).encode()
+        head = f"{method} {path} HTTP/1.1\r\nhost: gpumesh\r\nconnection: close\r\n"
+        if body is not None:
+            head += f"content-type: application/json\r\ncontent-length: {len(payload)}\r\n"
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        try:
+            with socket_name(self.home, SOCKET_NAME) as name:
+                sock.connect(name)
+            sock.sendall(head.encode("latin-1") + b"\r\n" + payload)
+            return _Response(sock)
+        except OSError as exc:
+            sock.close()
+            raise NodeUnavailableError(str(exc)) from None
+        except BaseException:
+            sock.close()
+            raise
+
+    def call(
+        self, method: str, path: str, body: object = None, timeout: float | None = None
+    ) -> Any:
+        """The JSON answer of one request; an error answer is raised as the tree's."""
+        response = self._open(method, path, body, timeout)
+        try:
+            raw = response.read()
+        except OSError as exc:
+            raise NodeUnavailableError(str(exc)) from None
+        finally:
+            response.close()
+        data = json.loads(raw) if raw else None
+        if response.status >= 400:
+            raise _error(data, response.status)
+        return data
+
+    def events(self, path: str, method: str = "GET", body: object = None) -> Iterator[SseEvent]:
+        """A Server-Sent Events stream, event by event, until it ends; a stream the
+        node process dropped (it died) raises :class:`NodeUnavailableError`."""
+        response = self._open(method, path, body, None)
+        try:
+            if response.status >= 400:
+                raise _error(json.loads(response.read() or b"null"), response.status)
+            event, event_id = "message", None
+            data: list[str] = []
+            lines = response.lines()
+            while True:
+                try:
+                    line = next(lines, b"")
+                except OSError as exc:
+                    raise NodeUnavailableError(str(exc)) from None
+                if not line:
+                    raise NodeUnavailableError("the event stream ended early")
+                text = line.decode("utf-8").rstrip("\r\n")
+                if text == "":
+                    if data:
+                        yield SseEvent(event, event_id, json.loads("\n".join(data)))
+                        if event in ("end", "error"):
+                            return
+                    event, event_id, data = "message", None, []
+                elif text.startswith(":"):
+                    continue
+                else:
+                    name, _, value = text.partition(":")
+                    value = value[1:] if value.startswith(" ") else value
+                    if name == "event":
+                        event = value
+                    elif name == "id":
+                        event_id = int(value)
+                    elif name == "data":
+                        data.append(value)
+        finally:
+            response.close()
+
+
+def _error(data: Any, status: int) -> GPUMeshError:
+    if isinstance(data, dict) and "code" in data and "message" in data:
+        return error_from_code(str(data["code"]), str(data["message"]))
+    return AgentError(f"the node process answered HTTP {status}: see its log")
+
+
+if TYPE_CHECKING:
+    import subprocess
+
+
+def connect(home: Path) -> NodeClient:
+    """The node process of ``home``, started in the background when none runs,
+    and restarted when it is a background one of another version."""
+    client = NodeClient(home)
+    deadline = time.monotonic() + START_TIMEOUT
+    started: subprocess.Popen[bytes] | None = None
+    restarted = False
+    while True:
+        try:
+            view = client.call("GET", "/api/v1/node", timeout=START_TIMEOUT)
+        except NodeUnavailableError:
+            view = None
+        if isinstance(view, dict):
+            if view.get("version") == __version__:
+                return client
+            if not view.get("detached") or restarted:
+                what = "`gpumesh share`" if view.get("sharing") else "`gpumesh-control`"
+                raise InUseError(
+                    f"the node process of {home} (pid {view.get('pid')}) is version "
+                    f"{view.get('version')} and this gpumesh is {__version__}: restart it "
+                    f"(`gpumesh daemon stop`, then {what} again)"
+                )
+            stop(home, client)
+            restarted = True
+            continue
+        if holder(home) is None:
+            if started is not None and started.poll() is not None:
+                raise AgentError(
+                    f"the node process for {home} exited at start "
+                    f"(code {started.returncode}): see {home / 'logs' / LOG_NAME}"
+                )
+            if started is None:
+                started = _spawn(home)
+        if time.monotonic() > deadline:
+            raise AgentError(
+                f"the node process for {home} did not answer within {START_TIMEOUT:g} s: "
+                f"see {home / 'logs' / LOG_NAME}"
+            )
+        time.sleep(0.02)
+
+
+def stop(home: Path, client: NodeClient | None = None) -> int | None:
+    """Ask the node process of ``home`` to stop and wait until it let go of the
+    home; its pid, or None when none ran."""
+    record = holder(home)
+    if record is None:
+        return None
+    client = client or NodeClient(home)
+    try:
+        client.call("POST", "/api/v1/node/stop", timeout=STOP_TIMEOUT)
+    except NodeUnavailableError:
+        if record.pid:
+            with contextlib.suppress(OSError):
+                os.kill(record.pid, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_TIMEOUT
+    while holder(home) is not None:
+        if time.monotonic() > deadline:
+            raise AgentError(
+                f"the node process (pid {record.pid}) of {home} did not stop within "
+                f"{STOP_TIMEOUT:g} s: end it with `kill {record.pid}`"
+            )
+        time.sleep(0.02)
+    return record.pid
+
+
+def _spawn(home: Path) -> subprocess.Popen[bytes]:
+    """A node process for ``home``, detached from this command (its own session, its
+    output in the home's logs folder)."""
+    import subprocess
+
+    from gpumesh.store.modes import open_private
+
+    logs = home / "logs"
+    logs.mkdir(mode=0o700, exist_ok=True)
+    log = open_private(logs / LOG_NAME, os.O_WRONLY | os.O_APPEND)
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-m", "gpumesh.daemon", "--detached"],
+            env={**os.environ, ENV_HOME: str(home)},
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+            close_fds=True,
+        )
+    finally:
+        os.close(log)

@@ -1,0 +1,319 @@
+"""The node process: holds the home, serves the control API, and knows when to go.
+
+One per home (:mod:`gpumesh.daemon.record`'s lock). It serves the control API on
+the home's ``control.sock`` (0600) and, when asked, on TCP, in one event loop.
+Started in the background by a command that needs it (``detached``), it exits
+after :data:`IDLE_DEFAULT` seconds without a request unless it serves TCP; it
+also exits as soon as its home folder is gone (a test's temporary home leaves
+no process behind). SIGINT and SIGTERM, or ``POST /api/v1/node/stop``, stop it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from gpumesh.client.node import Node
+from gpumesh.daemon.record import HomeLock, holder, new_record
+from gpumesh.daemon.views import NodeProcessView, WarmSessionView
+from gpumesh.errors import ConfigError, InUseError
+from gpumesh.settings import ENV_API_TOKEN, ENV_NODE_IDLE, ENV_TEST_NODE_VERSION, env
+from gpumesh.version import __version__
+
+if TYPE_CHECKING:
+    from starlette.types import ASGIApp, Receive, Scope, Send
+
+    from gpumesh.client.pool import SessionPool
+    from gpumesh.store.home import Home
+
+__all__ = ["IDLE_DEFAULT", "NodeProcess", "run_node"]
+
+logger = logging.getLogger(__name__)
+
+IDLE_DEFAULT = 600.0
+"""Seconds a background node process waits for the next request before it exits."""
+TICK = 0.5
+"""Seconds between the checks for idleness and for the home's folder."""
+TAKEOVER_WAIT = 15.0
+"""Seconds a foreground start waits for a background node process to hand over."""
+
+
+def idle_limit() -> float:
+    """``$GPUMESH_NODE_IDLE`` seconds, else :data:`IDLE_DEFAULT`."""
+    text = env(ENV_NODE_IDLE)
+    if text is None:
+        return IDLE_DEFAULT
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConfigError(f"{ENV_NODE_IDLE}={text!r}: give seconds, such as 600") from None
+    if value <= 0:
+        raise ConfigError(f"{ENV_NODE_IDLE} must be more than 0 seconds")
+    return value
+
+
+@dataclass
+class NodeProcess:
+    """This process as the control API shows it, and how idle it is.
+
+    ``clock`` is injected so idleness is decided without sleeping in tests."""
+
+    home: Path
+    detached: bool
+    api: list[str]
+    tcp: bool
+    idle: float | None
+    """Seconds without a request before exiting; None: never (foreground, TCP)."""
+    version: str = __version__
+    clock: Callable[[], float] = time.monotonic
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+    started_at: float = field(default_factory=time.time)
+    active: int = 0
+    """Requests under way (an event stream counts until it ends)."""
+    last_active: float = 0.0
+    pool: SessionPool | None = None
+    before: Callable[[], None] | None = None
+    """Called before each request (the config's freshness check)."""
+
+    def __post_init__(self) -> None:
+        self.last_active = self.clock()
+
+    def view(self, sharing: bool) -> NodeProcessView:
+        return NodeProcessView(
+            pid=os.getpid(),
+            version=self.version,
+            started_at=self.started_at,
+            detached=self.detached,
+            sharing=sharing,
+            api=list(self.api),
+            idle_exit=self.idle,
+            warm_sessions=[
+                WarmSessionView(
+                    peer=w.peer_name,
+                    path=w.session.path,
+                    idle=round(max(0.0, self.clock() - w.last_used), 1),
+                    uses=w.uses,
+                )
+                for w in (self.pool.sessions() if self.pool is not None else [])
+            ],
+        )
+
+    def should_exit(self) -> str | None:
+        """Why to exit now, or None."""
+        if not self.home.is_dir():
+            return f"its home {self.home} is gone"
+        idle_for = self.clock() - self.last_active
+        if self.idle is not None and self.active == 0 and idle_for >= self.idle:
+            return f"idle for {self.idle:g} s"
+        return None
+
+    def wrap(self, app: ASGIApp) -> ASGIApp:
+        """``app``, counting its requests as activity."""
+
+        async def counted(scope: Scope, receive: Receive, send: Send) -> None:
+            if scope["type"] != "http":
+                await app(scope, receive, send)
+                return
+            self.active += 1
+            try:
+                if self.before is not None:
+                    self.before()
+                await app(scope, receive, send)
+            finally:
+                self.active -= 1
+                self.last_active = self.clock()
+
+        return counted
+
+
+def _take_home(home: Path, *, detached: bool) -> HomeLock:
+    """The home's lock. A background node process hands over to a foreground start;
+    any other holder is named."""
+    lock = HomeLock(home)
+    deadline = time.monotonic() + TAKEOVER_WAIT
+    asked = False
+    while not lock.acquire():
+        record = holder(home)
+        if record is None:
+            continue  # it let go between the two looks
+        if detached or not asked:
+            from gpumesh.daemon.client import NodeClient, NodeUnavailableError
+
+            view = None
+            with contextlib.suppress(NodeUnavailableError):
+                view = NodeClient(home).call("GET", "/api/v1/node", timeout=5)
+            if detached or not (isinstance(view, dict) and view.get("detached")):
+                pid = record.pid or "starting"
+                raise InUseError(
+                    f"a node process (pid {pid}) already serves {home}: "
+                    "`gpumesh daemon status` shows it, `gpumesh daemon stop` stops it"
+                )
+            with contextlib.suppress(NodeUnavailableError):
+                NodeClient(home).call("POST", "/api/v1/node/stop", timeout=5)
+            asked = True
+        if time.monotonic() > deadline:
+            raise InUseError(
+                f"the node process (pid {record.pid}) of {home} did not stop: "
+                f"stop it with `kill {record.pid}`"
+            )
+        time.sleep(0.05)
+    return lock
+
+
+async def run_node(
+    home_arg: str | Path | Node | None,
+    *,
+    listen: str | None,
+    allow_remote: bool,
+    hosts: list[str],
+    detached: bool,
+    announce: Callable[[str], None] = print,
+    stop: asyncio.Event | None = None,
+) -> int:
+    """Be this home's node process until stopped; 0 on an orderly end.
+
+    ``home_arg``: the home, or the hosting process's own :class:`Node` (left open).
+    ``stop``: the hosting process's own (``gpumesh share``, which keeps its SIGINT
+    and SIGTERM handling and ends the node with the agent); without it, SIGINT
+    and SIGTERM stop the node process."""
+    from gpumesh.control import auth
+    from gpumesh.control.app import ControlState, create_app
+    from gpumesh.control.server import parse_listen, serve, tcp_listener, unix_listener
+
+    # One Node (so one database connection) per process: a second connection made
+    # beside the agent's would close a descriptor of the database file, and with it
+    # the agent's POSIX locks, and SQLite could then hand the agent a stale snapshot.
+    own = not isinstance(home_arg, Node)
+    node = home_arg if isinstance(home_arg, Node) else Node(home_arg)
+    info = node.info()  # a home without an identity is refused here, in one line
+    home = node.home.path
+    tcp_address = None
+    if listen is not None:
+        host, port = parse_listen(listen)
+        if not auth.is_loopback(host.lower()):
+            if not allow_remote:
+                raise ConfigError(
+                    f"{listen} is not a loopback address: the API is served on loopback unless "
+                    "--allow-remote says otherwise (and then only with a token)"
+                )
+            if not env(ENV_API_TOKEN):
+                raise ConfigError(
+                    f"a bind beyond loopback needs ${ENV_API_TOKEN} set to a token of your own"
+                )
+            hosts.append(host.lower())
+        tcp_address = (host, port)
+    # In a thread: a background node process may take a moment to hand over, and
+    # `gpumesh share` serves peers in this loop meanwhile.
+    lock = await asyncio.to_thread(_take_home, home, detached=detached)
+    sockets: list[socket.socket] = []
+    socket_path = home / "control.sock"
+    try:
+        public_url = ""
+        if tcp_address is not None:
+            tcp = tcp_listener(*tcp_address)
+            sockets.append(tcp)
+            bound = tcp.getsockname()
+            shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
+            public_url = f"http://{shown}:{bound[1]}"
+        sockets.insert(0, unix_listener(home))
+        api = [str(socket_path), *([public_url] if public_url else [])]
+        process = NodeProcess(
+            home=home,
+            detached=detached,
+            api=api,
+            tcp=bool(public_url),
+            idle=idle_limit() if detached and not public_url else None,
+            version=env(ENV_TEST_NODE_VERSION) or __version__,
+        )
+        if stop is not None:
+            process.stop = stop
+        from gpumesh.client.pool import SessionPool
+
+        process.pool = node.pool = SessionPool()
+        process.before = _config_watch(node.home)
+        state = ControlState(
+            node=node,
+            token=auth.api_token(home),
+            host_names=frozenset(hosts),
+            public_url=public_url,
+            process=process,
+        )
+        lock.write(new_record(api, tcp=process.tcp, version=process.version))
+        loop = asyncio.get_running_loop()
+        signals = (signal.SIGINT, signal.SIGTERM) if stop is None else ()
+        for sig in signals:
+            loop.add_signal_handler(sig, process.stop.set)
+        title = "gpumesh node process" if detached else "gpumesh-control"
+        announce(f"{title}: the control API of {info.name} ({home}), pid {os.getpid()}")
+        announce(f"  unix socket  {socket_path} (owner only, no token needed)")
+        if public_url:
+            where = f"${ENV_API_TOKEN}" if env(ENV_API_TOKEN) else str(home / auth.TOKEN_FILE)
+            announce(f"  http         {public_url}/api/v1/ (Authorization: Bearer, from {where})")
+            code = state.sessions.new_code()
+            announce(f"  browser      {public_url}/#code={code} (one-time login)")
+        announce("  OpenAPI      /api/v1/openapi.json; stop with Ctrl-C")
+        watcher = asyncio.ensure_future(_watch(process))
+        keeper = asyncio.ensure_future(process.pool.maintain(node.home.store))
+        try:
+            await serve(process.wrap(create_app(state)), sockets, process.stop)
+        finally:
+            for task in (watcher, keeper):
+                task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await keeper
+            for sig in signals:
+                loop.remove_signal_handler(sig)
+    finally:
+        for sock in sockets:
+            sock.close()
+        if sockets:
+            with contextlib.suppress(OSError):
+                socket_path.unlink(missing_ok=True)
+        lock.release()
+        node.pool = None
+        if own:
+            node.close()
+    announce(f"{'gpumesh node process' if detached else 'gpumesh-control'}: stopped")
+    return 0
+
+
+def _config_watch(home: Home) -> Callable[[], None]:
+    """A check that reloads ``home``'s config when its file changed (`gpumesh config
+    set` in another process): a request sees the settings of the moment."""
+    path = home.config_path
+
+    def stamp() -> tuple[int, int] | None:
+        try:
+            info = path.stat()
+        except OSError:
+            return None
+        return (info.st_mtime_ns, info.st_size)
+
+    seen = [stamp()]
+
+    def check() -> None:
+        now = stamp()
+        if now != seen[0]:
+            seen[0] = now
+            home.reload_config()
+
+    return check
+
+
+async def _watch(process: NodeProcess) -> None:
+    while not process.stop.is_set():
+        reason = process.should_exit()
+        if reason is not None:
+            logger.info("node process exits: %s", reason)
+            process.stop.set()
+            return
+        await asyncio.sleep(TICK)

@@ -1,0 +1,65 @@
+"""Helpers of the node process tests: the CLI with the node process on (as users
+get it), and the node process's record read back."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+CEILING = 60.0
+"""Seconds a node process gets to start or go (generous: CI is a loaded 2-core box)."""
+
+
+def node_env(home: Path, **extra: str) -> dict[str, str]:
+    env = dict(os.environ, GPUMESH_HOME=str(home), **extra)
+    env.pop("GPUMESH_NODE", None)  # the default: through the node process
+    env.pop("GPUMESH_LOG", None)
+    return env
+
+
+def cli(
+    home: Path, *args: str, timeout: float = 60, **extra: str
+) -> subprocess.CompletedProcess[str]:
+    """``gpumesh ARGS`` for ``home`` through its node process."""
+    return subprocess.run(
+        [sys.executable, "-m", "gpumesh", *args],
+        env=node_env(home, **extra),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def status(home: Path) -> dict[str, Any]:
+    result = cli(home, "daemon", "status", "--json")
+    assert result.returncode == 0, result.stderr
+    data: dict[str, Any] = json.loads(result.stdout)
+    return data
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie of ours (a Popen not yet waited) is gone too.
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_gone(pid: int, ceiling: float = CEILING) -> bool:
+    deadline = time.monotonic() + ceiling
+    while alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
