@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +60,41 @@ def test_a_database_from_a_newer_gpumesh_is_refused(tmp_path: Path) -> None:
     raw.close()
     with pytest.raises(ConfigError, match="newer GPUMesh"):
         Store(path)
+
+
+def _posix_locks_held_on(path: Path) -> int:
+    """POSIX locks this process holds on ``path``'s inode, from the kernel's table."""
+    inode = f":{path.stat().st_ino}"
+    held = 0
+    for line in Path("/proc/locks").read_text().splitlines():
+        fields = line.split()
+        if fields[1] == "POSIX" and fields[4] == str(os.getpid()) and fields[5].endswith(inode):
+            held += 1
+    return held
+
+
+@pytest.mark.skipif(not Path("/proc/locks").exists(), reason="reads Linux's /proc/locks")
+def test_a_second_store_leaves_the_first_ones_locks_alone(tmp_path: Path) -> None:
+    # Closing any descriptor of a file drops every POSIX lock the process holds on
+    # it: a Store that opened the database file itself to set its mode took the
+    # locks of the agent's connection in the same process, and SQLite then served
+    # the agent a stale snapshot (a denied peer still let in).
+    path = tmp_path / "gpumesh.db"
+    first = Store(path)
+    held = _posix_locks_held_on(path)
+    assert held >= 1  # SQLite holds its shared lock on an open WAL database
+    second = Store(path)
+    assert _posix_locks_held_on(path) >= held
+    second.close()
+    first.close()
+
+
+def test_an_existing_database_is_narrowed_to_the_owner(tmp_path: Path) -> None:
+    path = tmp_path / "gpumesh.db"
+    Store(path).close()
+    path.chmod(0o644)
+    Store(path).close()
+    assert path.stat().st_mode & 0o777 == 0o600
 
 
 def test_wal_mode_is_on(store: Store) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import sqlite3
 import threading
 import time
@@ -31,7 +30,7 @@ from gpumesh.identity.keys import NodeId, node_id_for
 from gpumesh.protocol.desktop import DesktopKind
 from gpumesh.protocol.messages import JobOutput, JobStatus
 from gpumesh.protocol.states import FINAL_STATES, JobRole, JobState
-from gpumesh.store.modes import open_private
+from gpumesh.store.modes import create_private
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -485,8 +484,10 @@ class Store:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._lock = threading.Lock()
-        # SQLite gives the -wal and -shm files the database's mode: make it 0600 first.
-        os.close(open_private(path, os.O_RDWR))
+        # SQLite gives the -wal and -shm files the database's mode: make it 0600 first
+        # (never by opening it: that would drop the locks of this process's other
+        # connections to it, see create_private).
+        create_private(path)
         self._db = sqlite3.connect(
             path, timeout=10.0, isolation_level=None, check_same_thread=False
         )

@@ -17,7 +17,14 @@ from pathlib import Path
 
 from gpumesh import platform
 
-__all__ = ["PRIVATE_DIR", "PRIVATE_FILE", "narrow", "open_private", "write_private"]
+__all__ = [
+    "PRIVATE_DIR",
+    "PRIVATE_FILE",
+    "create_private",
+    "narrow",
+    "open_private",
+    "write_private",
+]
 
 PRIVATE_DIR = 0o700
 PRIVATE_FILE = 0o600
@@ -46,6 +53,23 @@ def open_private(path: str | Path, flags: int) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def create_private(path: Path) -> None:
+    """Make sure ``path`` exists and is 0600 (created so, or narrowed), without ever
+    opening a file that already exists.
+
+    For files that SQLite holds open in this process: closing any descriptor of a
+    file drops every POSIX lock the process holds on it, SQLite's included, and a
+    connection that lost its locks can read a stale snapshot or write over another's.
+    """
+    try:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | platform.open_flag("O_CLOEXEC")
+        fd = os.open(path, flags, PRIVATE_FILE)
+    except FileExistsError:
+        narrow(path, PRIVATE_FILE)
+    else:
+        os.close(fd)  # a file made just now: no lock of this process is on it
 
 
 def write_private(path: Path, data: bytes) -> None:
