@@ -206,3 +206,21 @@ def test_a_cuda_session_is_listed_and_ended_by_the_owner(owner: Owner) -> None:
             os.kill(listed["pid"], 0)  # the worker is gone, and its memory with it
     finally:
         dev.close()
+
+
+def test_the_owners_cancel_command_ends_a_session_by_its_id(owner: Owner) -> None:
+    from tests.integration.test_cli import _one_line_error
+
+    unknown = gpumesh(owner.alice, "cancel", "cuda-000000000000")
+    _one_line_error(unknown, 2, "no open cuda session cuda-000000000000 on this node")
+    dev = RemoteDevice("alice-pc", home=owner.bob, memory=MiB)
+    try:
+        [listed] = _until(lambda: _listed(owner, "cuda"))
+        ended = gpumesh(owner.alice, "cancel", listed["id"])
+        assert ended.returncode == 0, ended.stderr
+        assert ended.stdout == f"Ended bob-laptop's CUDA session {listed['id']}\n"
+        with pytest.raises(AccessDeniedError, match="owner ended your CUDA session"):
+            dev.synchronize()
+        assert _listed(owner, "cuda") == []
+    finally:
+        dev.close()
