@@ -24,7 +24,7 @@ import pytest
 
 from gpumesh.cuda import RemoteDevice
 from gpumesh.errors import GPUMeshError
-from tests.browser.test_dashboard import _until, signed_in, tab_to, wait_js
+from tests.browser.test_dashboard import AXE, _until, signed_in, tab_to, wait_js
 from tests.integration.conftest import gpumesh, shared_pair
 from tests.integration.test_control_api import Api, start_control
 
@@ -115,6 +115,7 @@ def test_the_owner_stops_a_desktop_connection_from_the_page_by_keyboard(
 ) -> None:
     with _desktop_connection(owner.bob) as (proc, conn):
         [listed] = _until(lambda: _sessions(owner, "desktops"), CEILING)
+        _no_serious_axe_violation(browser, owner)
         with signed_in(browser, owner.api) as page:
             page.goto(owner.api.url + "/owner")
             label = f"Stop bob-laptop's desktop session {listed['id']}"
@@ -130,6 +131,25 @@ def test_the_owner_stops_a_desktop_connection_from_the_page_by_keyboard(
             "error: alice-pc's owner ended your desktop connection"
         )
     assert _sessions(owner, "desktops") == []
+
+
+def _no_serious_axe_violation(browser: Any, owner: Owner) -> None:
+    """The owner's page with a session listed, in both themes (axe is injected by
+    the test, so this context alone bypasses the page's CSP)."""
+    serious = []
+    for theme in ("light", "dark"):
+        with signed_in(browser, owner.api, bypass_csp=True, color_scheme=theme) as page:
+            page.goto(f"{owner.api.url}/owner?theme={theme}")
+            page.locator("tr[data-session]").first.wait_for()
+            page.add_script_tag(path=str(AXE))
+            result = page.evaluate("axe.run(document)")
+            assert len(result["passes"]) > 10  # axe ran and checked the page
+            serious += [
+                f"{theme}: {v['id']} {v['help']} {[n['target'] for n in v['nodes']]}"
+                for v in result["violations"]
+                if v["impact"] in ("serious", "critical")
+            ]
+    assert serious == []
 
 
 def test_deny_and_stop_everything_ends_shells_desktop_and_cuda_sessions(
@@ -152,7 +172,7 @@ def test_deny_and_stop_everything_ends_shells_desktop_and_cuda_sessions(
                 for kind in ("Shell", "Desktop", "CUDA"):
                     page.locator("tr[data-session]", has_text=kind).wait_for()
                 page.once("dialog", lambda dialog: dialog.accept())
-                tab_to(page, 'button[aria-label="Deny bob-laptop and stop everything"]')
+                tab_to(page, 'button[aria-label="Deny and stop everything for bob-laptop"]')
                 page.keyboard.press("Enter")
                 wait_js(page, "document.querySelector('tr[data-session]') === null")
             assert conn.recv(100) == b""

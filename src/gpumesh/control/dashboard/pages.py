@@ -513,7 +513,7 @@ async def owner_page(call: Call) -> object:
                     f"Deny {name}: stops its jobs, shells, desktop and CUDA sessions and "
                     "refuses it from now on?"
                 ),
-                extra=f' aria-label="Deny {h(name)} and stop everything"',
+                extra=f' aria-label="Deny and stop everything for {h(name)}"',
             )
             if name in peers
             else "denied"
