@@ -224,3 +224,37 @@ def test_the_owners_cancel_command_ends_a_session_by_its_id(owner: Owner) -> Non
         assert _listed(owner, "cuda") == []
     finally:
         dev.close()
+
+
+def test_through_the_node_process_the_owner_sees_and_ends_a_session(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """alice's `gpumesh share` is her home's node process: the agent and the control
+    API in one process; `cancel` reaches the agent through that API."""
+    from tests.integration.node import cli, status
+    from tests.integration.test_cli import _one_line_error
+
+    monkeypatch.delenv("GPUMESH_NODE")
+    with shared_pair(tmp_path) as (alice, bob):
+        assert status(alice)["node"]["sharing"] is True
+        for args in (("cuda", "share"), ("cuda", "allow", "bob-laptop")):
+            done = cli(alice, *args)
+            assert done.returncode == 0, (args, done.stderr)
+        dev = RemoteDevice("alice-pc", home=bob, memory=MiB)
+        try:
+
+            def listed() -> list[dict[str, Any]]:
+                shown = json.loads(cli(alice, "status", "--json", "--offline").stdout)
+                return list(shown["sessions"]["cuda"])
+
+            [session] = _until(listed)
+            unknown = cli(alice, "cancel", "shell-000000000000")
+            _one_line_error(unknown, 2, "no open shell session shell-000000000000")
+            ended = cli(alice, "cancel", session["id"])
+            assert ended.returncode == 0, ended.stderr
+            assert ended.stdout == f"Ended bob-laptop's CUDA session {session['id']}\n"
+            with pytest.raises(AccessDeniedError, match="owner ended your CUDA session"):
+                dev.synchronize()
+            assert listed() == []
+        finally:
+            dev.close()
