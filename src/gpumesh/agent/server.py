@@ -459,6 +459,7 @@ class Agent:
         # The allowlist and owner cancels live in SQLite, written by other
         # processes, which announce each change; a slow re-read covers any that
         # did not (a change made with sqlite3, an older CLI).
+        take_stops(self.home.path)  # an earlier agent's leftovers name none of ours
         while True:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), CHANGES_FALLBACK)
