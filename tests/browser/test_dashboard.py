@@ -413,7 +413,7 @@ def test_deny_from_the_owners_view_stops_the_peers_job_and_refuses_the_next(
     try:
         with signed_in(browser, mesh.alice) as page:
             page.goto(mesh.alice.url + "/owner")
-            button = page.locator('button[aria-label="Deny bob-laptop and stop everything"]')
+            button = page.locator('button[aria-label="Deny and stop everything for bob-laptop"]')
             page.once("dialog", lambda dialog: dialog.accept())
             button.click()
             wait_js(

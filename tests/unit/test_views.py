@@ -209,7 +209,9 @@ def test_status_keeps_its_keys_in_order() -> None:
         "jobs_hosted_running",
         "jobs_submitted_running",
         "jobs_submitted_unknown",
+        "sessions",
     ]
+    assert shown["sessions"] == {"shells": [], "desktops": [], "cuda": []}
     assert shown["node_id"] == ID and shown["home"] == "/home/a/.gpumesh"
     assert shown["gpus"] == [{"index": 0, "name": "L4", "memory_total": 24 * GB, "memory_used": GB}]
     assert (shown["sharing"], shown["agent_pid"], shown["relay_state"]) == (True, 42, "")

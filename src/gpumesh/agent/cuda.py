@@ -164,6 +164,14 @@ class CudaService:
             elif session.peer_id not in allowed:
                 session.end(f"{name} has revoked your CUDA access")
 
+    def end(self, session_id: str) -> bool:
+        """End one session because the owner asked; False when it is not open."""
+        session = self._sessions.get(session_id)
+        if session is None or session.ended_because:
+            return False
+        session.end(f"{self.provider.name}'s owner ended your CUDA session")
+        return True
+
     def stop(self) -> None:
         for session in self.sessions():
             session.end(f"{self.provider.name} stopped sharing")
@@ -206,7 +214,7 @@ class CudaService:
                 self._check_fallback(message.memory)
                 self.gpus.hold(holder, [], message.memory)
                 chosen, backend = [], "fallback"
-            await self._run(ctx, holder.id, message.memory, chosen, backend)
+            await self._run(ctx, f"cuda-{holder.id}", message.memory, chosen, backend)
         finally:
             self.gpus.release(holder)
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -65,6 +65,8 @@ class DesktopSession:
     task: asyncio.Task[None] | None = None
     cut: GPUMeshError | None = field(default=None)
     """Why the owner's side ended it (revoked, share stopped), once it did."""
+    id: str = ""
+    """How the owner names it (``status``, the owner's view) to end it."""
 
 
 class DesktopService:
@@ -83,8 +85,7 @@ class DesktopService:
         self.on_change = on_change
         """Called when sessions open or close (the agent republishes who is connected)."""
         self.clock = clock
-        self._sessions: dict[int, DesktopSession] = {}
-        self._ids = itertools.count()
+        self._sessions: dict[str, DesktopSession] = {}
 
     def register(self, handlers: Handlers) -> None:
         handlers.add(DesktopOpen, self.handle_open)
@@ -134,7 +135,8 @@ class DesktopService:
             return
         ctx.stream.send_message(reply)
         session = DesktopSession(ctx.peer, share.kind, share.port, self.clock(), ctx.stream)
-        key = next(self._ids)
+        key = f"desktop-{secrets.token_hex(6)}"
+        session.id = key
         self._sessions[key] = session
         logger.info("[%s] opened a desktop connection (%s)", ctx.peer.name, share.kind)
         self.on_change()
@@ -187,6 +189,15 @@ class DesktopService:
             self._cut(session, error)
             cut += 1
         return cut
+
+    def end(self, session_id: str) -> bool:
+        """End one connection because the owner asked; False when it is not open."""
+        session = self._sessions.get(session_id)
+        if session is None or session.cut is not None:
+            return False
+        name = self.provider.name
+        self._cut(session, AccessDeniedError(f"{name}'s owner ended your desktop connection"))
+        return True
 
     def _cut(self, session: DesktopSession, error: GPUMeshError) -> None:
         session.cut = error

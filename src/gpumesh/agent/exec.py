@@ -21,7 +21,9 @@ import contextlib
 import logging
 import secrets
 import threading
-from dataclasses import asdict
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from gpumesh.agent.containers import Containers, JobUser
@@ -30,6 +32,7 @@ from gpumesh.agent.gpus import GpuAllocator, Holder, HolderKind
 from gpumesh.agent.limits import Admission
 from gpumesh.blocking import in_thread
 from gpumesh.errors import (
+    AccessDeniedError,
     ConnectionLostError,
     ExitCode,
     GPUMeshError,
@@ -74,6 +77,30 @@ _STOP_TIMEOUT = 10.0
 """How long stopping the agent waits for open shells' containers to go."""
 
 
+@dataclass
+class ShellSession:
+    """One open shell, as the owner sees it."""
+
+    id: str
+    peer: str
+    """The peer's name."""
+    image: str
+    container: str
+    """The container's name."""
+    since: float
+    ended: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+    """Set when the owner ends it."""
+
+    def describe(self) -> dict[str, str]:
+        return {
+            "id": self.id,
+            "peer": self.peer,
+            "image": self.image,
+            "container": self.container,
+            "since": str(self.since),
+        }
+
+
 class ExecService:
     """Interactive containers of one agent."""
 
@@ -83,6 +110,8 @@ class ExecService:
         containers: Containers,
         admission: Admission,
         gpus: GpuAllocator,
+        *,
+        on_change: Callable[[], None] = lambda: None,
     ) -> None:
         self.provider = provider
         self.containers = containers
@@ -93,6 +122,9 @@ class ExecService:
         """Shared with the job service: shells and jobs count against the same limits."""
         self._live: set[str] = set()
         """Containers of open sessions, removed on stop."""
+        self._sessions: dict[str, ShellSession] = {}
+        self.on_change = on_change
+        """Called when shells open or close (the agent republishes them)."""
 
     def register(self, handlers: Handlers) -> None:
         handlers.add(ExecStart, self.handle_start)
@@ -100,6 +132,19 @@ class ExecService:
     @property
     def runtime(self) -> JobRuntime:
         return self.containers.runtime  # one engine connection pool per agent
+
+    def sessions(self) -> list[ShellSession]:
+        """Open shells, oldest first."""
+        return sorted(self._sessions.values(), key=lambda s: s.since)
+
+    def end(self, session_id: str) -> bool:
+        """End one shell because the owner asked (its container goes, the consumer is
+        told); False when it is not open."""
+        session = self._sessions.get(session_id)
+        if session is None or session.ended.is_set():
+            return False
+        session.ended.set()
+        return True
 
     def stop(self) -> None:
         """Remove the containers of open sessions (blocking, bounded)."""
@@ -157,12 +202,25 @@ class ExecService:
                 await self._resize(container_id, message.rows, message.cols)
             ctx.stream.send_message(ExecStarted(provider=self.provider.name, gpus=gpus))
             logger.info("[%s] opened a shell in %s (%s)", ctx.peer.name, spec.name, spec.image)
+            session = ShellSession(
+                f"shell-{secrets.token_hex(6)}", ctx.peer.name, spec.image, spec.name, time.time()
+            )
+            self._sessions[session.id] = session
+            self.on_change()
             try:
-                exit_code = await self._serve(ctx, container_id, terminal, message.tty)
+                exit_code = await self._serve(
+                    ctx, container_id, terminal, message.tty, session.ended
+                )
             except ConnectionLostError as exc:
                 # The consumer went away: nobody to answer; the container goes below.
                 logger.info("[%s] left the shell in %s: %s", ctx.peer.name, spec.name, exc)
                 return
+            finally:
+                self._sessions.pop(session.id, None)
+                self.on_change()
+            if exit_code is None:
+                logger.info("[%s] shell in %s ended by the owner", ctx.peer.name, spec.name)
+                raise AccessDeniedError(f"{self.provider.name}'s owner ended your shell")
             ctx.stream.send_message(ExecExit(exit_code=exit_code), end=True)
             logger.info("[%s] shell in %s exited %d", ctx.peer.name, spec.name, exit_code)
         finally:
@@ -205,9 +263,15 @@ class ExecService:
     # --- the session ------------------------------------------------------------------------
 
     async def _serve(
-        self, ctx: RequestContext, container_id: str, terminal: Terminal, tty: bool
-    ) -> int:
-        """Pump bytes both ways until the program exits; return its exit code.
+        self,
+        ctx: RequestContext,
+        container_id: str,
+        terminal: Terminal,
+        tty: bool,
+        ended: asyncio.Event,
+    ) -> int | None:
+        """Pump bytes both ways until the program exits; return its exit code, or None
+        when the owner ended the shell first.
 
         Raises ConnectionLostError when the consumer's stream or link goes away first.
         """
@@ -223,14 +287,17 @@ class ExecService:
         sender = asyncio.create_task(_send_output(ctx.stream, queue))
         receiver = asyncio.create_task(self._receive_input(ctx.stream, container_id, terminal, tty))
         closed = asyncio.create_task(ctx.link.wait_closed())
+        owner = asyncio.create_task(ended.wait())
         waiter = in_thread(self.runtime.wait, container_id)
-        pending: set[asyncio.Future[Any]] = {sender, receiver, closed, waiter}
+        pending: set[asyncio.Future[Any]] = {sender, receiver, closed, owner, waiter}
         try:
             while waiter in pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 if closed in done:
                     raise ConnectionLostError("the link closed")
-                for task in done - {waiter}:
+                if owner in done:
+                    return None
+                for task in done - {waiter, owner}:
                     task.result()  # raises when the consumer's stream failed
             state = waiter.result()
             # The attach stream ends with the program: let its last output through.
@@ -244,7 +311,7 @@ class ExecService:
             return state.exit_code if state.exit_code is not None else ExitCode.JOB_NOT_RUN
         finally:
             stopping.set()
-            for task in (sender, receiver, closed):
+            for task in (sender, receiver, closed, owner):
                 task.cancel()
 
     async def _receive_input(

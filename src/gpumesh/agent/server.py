@@ -55,6 +55,7 @@ from gpumesh.protocol.messages import (
 from gpumesh.runtime.base import JobRuntime
 from gpumesh.store.followers import FollowerWakeups
 from gpumesh.store.home import AgentInfo, Home, RelayState
+from gpumesh.store.stops import take_stops
 from gpumesh.transport.netinfo import local_addresses
 from gpumesh.transport.quic import QuicEndpoint, QuicLink
 from gpumesh.transport.relayclient import RelayClient
@@ -153,7 +154,9 @@ class Agent:
             followers=FollowerWakeups(home.path),
         )
         self.apps = AppService(provider, self.files, self.jobs, index_root=home.apps_dir)
-        self.shells = ExecService(provider, self.containers, self.jobs.admission, self.gpus)
+        self.shells = ExecService(
+            provider, self.containers, self.jobs.admission, self.gpus, on_change=self._publish
+        )
         self.cuda = CudaService(provider, self.store, self.gpus, on_change=self._publish_cuda)
         self.handlers = Handlers()
         """Request message type -> the handler that serves it."""
@@ -286,9 +289,16 @@ class Agent:
             relay_detail=self._relay_state[1],
             links=links,
             desktop=[
-                {"peer": session.peer.name, "kind": str(session.kind), "since": str(session.since)}
+                {
+                    "id": session.id,
+                    "peer": session.peer.name,
+                    "kind": str(session.kind),
+                    "port": str(session.port),
+                    "since": str(session.since),
+                }
                 for session in self.desktop.sessions()
             ],
+            shells=[session.describe() for session in self.shells.sessions()],
         )
         if info != self._published:
             self._published = info
@@ -449,6 +459,7 @@ class Agent:
         # The allowlist and owner cancels live in SQLite, written by other
         # processes, which announce each change; a slow re-read covers any that
         # did not (a change made with sqlite3, an older CLI).
+        take_stops(self.home.path)  # an earlier agent's leftovers name none of ours
         while True:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), CHANGES_FALLBACK)
@@ -457,8 +468,17 @@ class Agent:
                 await self.revoke_denied()
                 self.desktop.revoke()  # its own allowlist, and the share itself
                 await self.jobs.owner_cancels()
+                self.owner_stops()
             except Exception:
                 logger.exception("re-reading the allowlist and cancels failed")
+
+    def owner_stops(self) -> None:
+        """End the sessions the owner asked to end, one by one (see store/stops.py)."""
+        for session_id in take_stops(self.home.path):
+            for service in (self.shells, self.desktop, self.cuda):
+                if service.end(session_id):
+                    logger.info("the owner ended session %s", session_id)
+                    break
 
     async def revoke_denied(self) -> None:
         """End everything of peers that are denied (or no longer paired): their open

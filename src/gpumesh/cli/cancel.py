@@ -17,6 +17,9 @@ Examples:
   gpumesh cancel --peer alice-pc 3f9a2c1b7d0e
   gpumesh cancel 3f9a                  # the peer is known for jobs you submitted
   gpumesh cancel 7c21                  # a job a peer runs here: this node's share stops it
+  gpumesh cancel shell-5d1e0b9a4c2f    # a peer's open shell here (`gpumesh status` lists
+  gpumesh cancel desktop-0a4e2c9d1b3f  #   each open shell, desktop connection and CUDA
+  gpumesh cancel cuda-9b2f6d0c3e1a     #   session with its id)
 """
 )
 @click.option(
@@ -29,9 +32,18 @@ Examples:
 @click.argument("job_id", shell_complete=complete_submitted_job)
 def cancel(peer: str | None, job_id: str) -> None:
     """Cancel a job: one you submitted (its provider stops it), or one a peer runs
-    here (`gpumesh share` stops it). Its container is stopped; it is never retried."""
+    here (`gpumesh share` stops it). Its container is stopped; it is never retried.
+
+    Given the id of a peer's open shell, desktop connection or CUDA session here
+    (as `gpumesh status` shows it), `gpumesh share` ends that session; the peer is
+    told its owner ended it."""
     from gpumesh.client.views.jobs import JobResultView
     from gpumesh.protocol.states import JobRole
+
+    kind = _session_kind(job_id)
+    if kind is not None:
+        _end_session(kind, job_id)
+        return
 
     if node_enabled():
         import msgspec
@@ -50,3 +62,32 @@ def cancel(peer: str | None, job_id: str) -> None:
         return
     code = "" if result.exit_code is None else f" (exit {result.exit_code})"
     click.echo(f"Job {result.job_id} on {result.peer}: {result.state}{code}")
+
+
+_SESSION_ROUTES = {"shell": "shells", "desktop": "desktop", "cuda": "cuda"}
+
+
+def _session_kind(given: str) -> str | None:
+    """``shell``, ``desktop`` or ``cuda`` for a session's id (job ids are hex only)."""
+    kind, dash, rest = given.partition("-")
+    return kind if dash and rest and kind in _SESSION_ROUTES else None
+
+
+def _end_session(kind: str, session_id: str) -> None:
+    from gpumesh.client.views.owner import EndedSessionView
+
+    if node_enabled():
+        import msgspec
+
+        from gpumesh.cli._node import node_client
+
+        path = f"/api/v1/owner/{_SESSION_ROUTES[kind]}/{quote(session_id, safe='')}/stop"
+        ended = msgspec.convert(node_client().call("POST", path, None), EndedSessionView)
+    else:
+        from gpumesh.client.owner import SessionKind, end_session
+
+        ended = EndedSessionView.of(
+            run_async(end_session(get_node(), SessionKind(kind), session_id))
+        )
+    what = {"shell": "shell", "desktop": "desktop connection", "cuda": "CUDA session"}[kind]
+    click.echo(f"Ended {ended.peer}'s {what} {ended.id}")

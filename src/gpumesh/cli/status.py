@@ -61,17 +61,21 @@ def status(offline: bool, as_json: bool) -> None:
         click.echo(f"Relay    {relay_line}")
     for link in st.agent.links if st.agent else []:
         click.echo(f"Peer     {link['peer']} connected, path {link['path']}")
-    for entry in st.agent.desktop if st.agent else []:
-        since = time.strftime("%H:%M", time.localtime(float(entry["since"])))
-        click.echo(f"Desktop  {entry['peer']} connected ({entry['kind']}) since {since}")
+    from gpumesh.client.owner import open_sessions
     from gpumesh.units import format_size
 
-    if st.agent:
-        from gpumesh.cuda.owner import open_sessions
-
-        for cuda in open_sessions(node.home):
-            held = format_size(cuda.memory)
-            click.echo(f"CUDA     {cuda.peer}: {held} on {cuda.device} (pid {cuda.pid})")
+    sessions = open_sessions(st.home, st.agent)
+    for shell in sessions.shells:
+        since = _clock(shell["since"])
+        click.echo(f"Shell    {shell['peer']} in {shell['image']} since {since} (id {shell['id']})")
+    for entry in sessions.desktops:
+        since = _clock(entry["since"])
+        click.echo(
+            f"Desktop  {entry['peer']} connected ({entry['kind']}) since {since} (id {entry['id']})"
+        )
+    for cuda in sessions.cuda:
+        held = format_size(cuda.memory)
+        click.echo(f"CUDA     {cuda.peer}: {held} on {cuda.device} (pid {cuda.pid}, id {cuda.id})")
     if st.gpu_source == "simulated":
         click.echo(click.style("GPUs     SIMULATED (test mode, not real hardware)", fg="red"))
     if st.gpus:
@@ -88,3 +92,10 @@ def status(offline: bool, as_json: bool) -> None:
         submitted += click.style(f" ({len(unknown)} unknown since {since})", fg="yellow")
     click.echo(f"Jobs     {state}: {st.running_hosted} running here, {submitted}")
     click.echo(f"Peers    {st.peers} paired, {st.allowed} allowed")
+
+
+def _clock(unix_time: str) -> str:
+    try:
+        return time.strftime("%H:%M", time.localtime(float(unix_time)))
+    except ValueError:
+        return "?"

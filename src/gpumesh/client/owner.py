@@ -1,21 +1,76 @@
 """The owner's view of a providing node: who is connected and what runs here for peers.
 
-Read from this home's store and the running agent's ``agent.json``; no network.
+Read from this home's store and the running agent's ``agent.json`` (and its
+``cuda-sessions.json``); no network. The owner ends one open session (a shell, a
+desktop connection, a CUDA session) through the running agent, which owns them:
+:func:`end_session` leaves a request in the home and pokes the agent, as ``deny``
+and ``cancel`` do, then waits until the agent no longer lists the session.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+import enum
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+from gpumesh.cuda.owner import OwnerSession, sessions_at
+from gpumesh.errors import AgentError, NotFoundError
 from gpumesh.protocol.states import FINAL_STATES, JobRole
+from gpumesh.store.stops import request_stop, valid_session_id
 
 if TYPE_CHECKING:
     from gpumesh.client.node import Node
     from gpumesh.store.db import JobRecord
     from gpumesh.store.home import AgentInfo
 
-__all__ = ["OwnerView", "owner_view"]
+__all__ = [
+    "END_TIMEOUT",
+    "OpenSessions",
+    "OwnerView",
+    "SessionKind",
+    "end_session",
+    "open_sessions",
+    "owner_view",
+]
+
+END_TIMEOUT = 10.0
+"""How long ending a session waits for the agent to say it ended."""
+
+
+class SessionKind(enum.StrEnum):
+    """What the owner can end one of."""
+
+    SHELL = "shell"
+    DESKTOP = "desktop"
+    CUDA = "cuda"
+
+
+@dataclass(frozen=True)
+class OpenSessions:
+    """The running agent's open sessions (none when no agent runs)."""
+
+    shells: list[dict[str, str]] = field(default_factory=list)
+    """``{"id", "peer", "image", "container", "since"}``, as agent.json has them."""
+    desktops: list[dict[str, str]] = field(default_factory=list)
+    """``{"id", "peer", "kind", "port", "since"}``."""
+    cuda: list[OwnerSession] = field(default_factory=list)
+
+    def find(self, kind: SessionKind, session_id: str) -> str | None:
+        """The peer of the open session ``session_id`` of ``kind``, or None."""
+        if kind is SessionKind.CUDA:
+            return next((s.peer for s in self.cuda if s.id == session_id), None)
+        entries = self.shells if kind is SessionKind.SHELL else self.desktops
+        return next((e["peer"] for e in entries if e.get("id") == session_id), None)
+
+
+def open_sessions(home: Path, agent: AgentInfo | None) -> OpenSessions:
+    """What ``agent`` (this home's running agent, or None) publishes of its sessions."""
+    if agent is None:
+        return OpenSessions()
+    return OpenSessions(list(agent.shells), list(agent.desktop), sessions_at(home, agent.pid))
 
 
 @dataclass(frozen=True)
@@ -24,6 +79,8 @@ class OwnerView:
     """The running `gpumesh share`, or None."""
     hosted: list[JobRecord]
     """The newest jobs run here for peers, newest first."""
+    sessions: OpenSessions = field(default_factory=OpenSessions)
+    """Open shells, desktop connections and CUDA sessions."""
 
     @property
     def running(self) -> list[JobRecord]:
@@ -31,6 +88,45 @@ class OwnerView:
 
 
 def owner_view(node: Node, *, limit: int = 50) -> OwnerView:
-    """Who uses this machine: the agent's connected peers and the jobs it hosts."""
-    store = node.home.store
-    return OwnerView(node.home.read_agent_info(), store.jobs(limit=limit, role=JobRole.HOSTED))
+    """Who uses this machine: the agent's connected peers, the jobs it hosts, its
+    open sessions."""
+    home = node.home
+    agent = home.read_agent_info()
+    return OwnerView(
+        agent,
+        home.store.jobs(limit=limit, role=JobRole.HOSTED),
+        open_sessions(home.path, agent),
+    )
+
+
+@dataclass(frozen=True)
+class EndedSession:
+    kind: SessionKind
+    id: str
+    peer: str
+
+
+async def end_session(
+    node: Node, kind: SessionKind, session_id: str, *, timeout: float = END_TIMEOUT
+) -> EndedSession:
+    """End one open session of the running agent; returns once the agent has."""
+    home = node.home
+    what = f"{kind} session {session_id}"
+
+    def peer_now() -> str | None:
+        return open_sessions(home.path, home.read_agent_info()).find(kind, session_id)
+
+    peer = peer_now() if valid_session_id(session_id) else None
+    if peer is None:
+        raise NotFoundError(f"no open {what} on this node; `gpumesh status` lists the open ones")
+    request_stop(home.path, session_id)
+    home.notify_agent()  # without it the agent still reads the request, just later
+    deadline = time.monotonic() + timeout
+    while peer_now() is not None:
+        if time.monotonic() > deadline:
+            raise AgentError(
+                f"the sharing agent did not end {what} within {timeout:.0f}s; it will "
+                "when it next reads its requests, or stop sharing to end everything"
+            )
+        await asyncio.sleep(0.05)
+    return EndedSession(kind, session_id, peer)

@@ -482,6 +482,26 @@ async def get_owner(call: Call) -> object:
     return OwnerStatusView.of(owner_view(call.node, limit=call.number("limit", 50, least=1)))
 
 
+async def _end_session(call: Call, kind: str) -> object:
+    from gpumesh.client.owner import SessionKind, end_session
+    from gpumesh.client.views.owner import EndedSessionView
+
+    ended = await end_session(call.node, SessionKind(kind), call.param("session"))
+    return EndedSessionView.of(ended)
+
+
+async def post_end_shell(call: Call) -> object:
+    return await _end_session(call, "shell")
+
+
+async def post_end_desktop(call: Call) -> object:
+    return await _end_session(call, "desktop")
+
+
+async def post_end_cuda(call: Call) -> object:
+    return await _end_session(call, "cuda")
+
+
 async def post_session(call: Call) -> object:
     """Exchange a one-time login code for a browser session cookie."""
     body: ExchangeBody = call.body
@@ -570,6 +590,7 @@ def _views() -> dict[str, Any]:
         "copy": files.CopyView,
         "sync": apps.SyncView,
         "owner": owner.OwnerStatusView,
+        "ended": owner.EndedSessionView,
         "history": history.GpuHistoryView,
         "process": NodeProcessView,
     }
@@ -647,8 +668,14 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("POST", "/api/v1/apps/sync", post_app_sync, "Sync a local folder to a peer",
              V["sync"], Access.NO_COOKIE, body=SyncBody),
     Endpoint("GET", "/api/v1/owner", get_owner,
-             "Who uses this machine: connected peers, hosted jobs", V["owner"],
+             "Who uses this machine: connected peers, hosted jobs, open sessions", V["owner"],
              query=(Query("limit", "integer", "How many hosted jobs (50)"),)),
+    Endpoint("POST", "/api/v1/owner/shells/{session}/stop", post_end_shell,
+             "End a peer's open shell here (its container goes)", V["ended"]),
+    Endpoint("POST", "/api/v1/owner/desktop/{session}/stop", post_end_desktop,
+             "End a peer's connection to this machine's desktop", V["ended"]),
+    Endpoint("POST", "/api/v1/owner/cuda/{session}/stop", post_end_cuda,
+             "End a peer's CUDA session here (its memory is freed)", V["ended"]),
     Endpoint("GET", "/api/v1/node", get_node,
              "The node process: pid, version, API addresses", V["process"]),
     Endpoint("POST", "/api/v1/node/stop", post_node_stop, "Stop the node process",

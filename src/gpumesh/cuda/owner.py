@@ -16,7 +16,14 @@ from typing import Any
 from gpumesh.store.home import Home
 from gpumesh.store.modes import write_private
 
-__all__ = ["SESSIONS_FILE", "OwnerSession", "clear_sessions", "open_sessions", "write_sessions"]
+__all__ = [
+    "SESSIONS_FILE",
+    "OwnerSession",
+    "clear_sessions",
+    "open_sessions",
+    "sessions_at",
+    "write_sessions",
+]
 
 SESSIONS_FILE = "cuda-sessions.json"
 
@@ -30,6 +37,8 @@ class OwnerSession:
     gpus: list[str]
     started: float
     pid: int
+    id: str = ""
+    """How the owner names it to end it."""
 
 
 def _path(home: Path) -> Path:
@@ -49,11 +58,16 @@ def clear_sessions(home: Path) -> None:
 def open_sessions(home: Home) -> list[OwnerSession]:
     """The running agent's CUDA sessions (none when it does not run)."""
     agent = home.read_agent_info()
+    return [] if agent is None else sessions_at(home.path, agent.pid)
+
+
+def sessions_at(home: Path, agent_pid: int) -> list[OwnerSession]:
+    """The CUDA sessions that the agent ``agent_pid`` published in ``home``."""
     try:
-        data = json.loads(_path(home.path).read_text())
+        data = json.loads(_path(home).read_text())
     except (OSError, ValueError):
         return []
-    if agent is None or not isinstance(data, dict) or data.get("agent") != agent.pid:
+    if not isinstance(data, dict) or data.get("agent") != agent_pid:
         return []
     found = []
     for item in data.get("sessions", []):
@@ -67,6 +81,7 @@ def open_sessions(home: Home) -> list[OwnerSession]:
                     gpus=[str(g) for g in item.get("gpus", [])],
                     started=float(item["started"]),
                     pid=int(item["pid"]),
+                    id=str(item.get("id", "")),
                 )
             )
         except (KeyError, TypeError, ValueError):

@@ -67,6 +67,9 @@ class RelayState(enum.StrEnum):
     """The relay refused the registration (a token, its allowlist); retried slowly."""
 
 
+_DESKTOP_KEYS = ("id", "peer", "kind", "port", "since")
+
+
 @dataclass(frozen=True)
 class AgentInfo:
     """What a running provider agent publishes about itself in ``agent.json``."""
@@ -83,7 +86,11 @@ class AgentInfo:
     links: list[dict[str, str]] = field(default_factory=list)
     """Connected peers and their paths: ``{"peer": name, "path": "direct"}``."""
     desktop: list[dict[str, str]] = field(default_factory=list)
-    """Open desktop connections: ``{"peer": name, "kind": "vnc", "since": unix time}``."""
+    """Open desktop connections: ``{"id": …, "peer": name, "kind": "vnc", "port": "5900",
+    "since": unix time}``."""
+    shells: list[dict[str, str]] = field(default_factory=list)
+    """Open shells: ``{"id": …, "peer": name, "image": …, "container": name, "since": unix
+    time}``."""
 
     @property
     def relay_text(self) -> str:
@@ -237,8 +244,13 @@ class Home:
                     for link in data.get("links", [])
                 ],
                 desktop=[
-                    {key: str(entry[key]) for key in ("peer", "kind", "since")}
+                    {key: str(entry.get(key, "")) for key in _DESKTOP_KEYS}
                     for entry in data.get("desktop", [])
+                    if {"peer", "kind", "since"} <= entry.keys()
+                ],
+                shells=[
+                    {key: str(entry[key]) for key in ("id", "peer", "image", "container", "since")}
+                    for entry in data.get("shells", [])
                 ],
             )
         except (OSError, ValueError, KeyError, TypeError):

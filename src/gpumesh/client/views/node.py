@@ -6,6 +6,8 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from gpumesh.client.views.owner import SessionsView
+
 if TYPE_CHECKING:
     from gpumesh.client.doctor import Check
     from gpumesh.client.node import NodeInfo, NodeStatus
@@ -69,9 +71,13 @@ class StatusView(msgspec.Struct):
     jobs_submitted_running: int
     jobs_submitted_unknown: int
     """Unfinished submitted jobs whose providers did not say where they stand."""
+    sessions: SessionsView
+    """The sharing agent's open shells, desktop connections and CUDA sessions."""
 
     @classmethod
     def of(cls, status: NodeStatus, *, submitted_unknown: int) -> StatusView:
+        from gpumesh.client.owner import open_sessions
+
         agent = status.agent
         return cls(
             name=status.name,
@@ -92,6 +98,7 @@ class StatusView(msgspec.Struct):
             jobs_hosted_running=status.running_hosted,
             jobs_submitted_running=status.running_submitted,
             jobs_submitted_unknown=submitted_unknown,
+            sessions=SessionsView.of(open_sessions(status.home, agent)),
         )
 
 

@@ -9,9 +9,99 @@ import msgspec
 from gpumesh.client.views.joblist import JobListEntry
 
 if TYPE_CHECKING:
-    from gpumesh.client.owner import OwnerView
+    from gpumesh.client.owner import EndedSession, OpenSessions, OwnerView
 
-__all__ = ["OwnerStatusView"]
+__all__ = [
+    "CudaSessionView",
+    "DesktopSessionView",
+    "EndedSessionView",
+    "OwnerStatusView",
+    "SessionsView",
+    "ShellSessionView",
+]
+
+
+def _float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        return 0.0
+
+
+class ShellSessionView(msgspec.Struct):
+    """An open shell: a peer's program in a fresh container here."""
+
+    id: str
+    """What ends it: ``POST /api/v1/owner/shells/{id}/stop``."""
+    peer: str
+    image: str
+    container: str
+    """The container's name."""
+    since: float
+    """Unix time it opened."""
+
+
+class DesktopSessionView(msgspec.Struct):
+    """An open connection of a peer to this machine's shared desktop."""
+
+    id: str
+    """What ends it: ``POST /api/v1/owner/desktop/{id}/stop``."""
+    peer: str
+    kind: str
+    """``vnc``, ``rdp`` or ``tcp``."""
+    port: int
+    """The local port the owner shared."""
+    since: float
+
+
+class CudaSessionView(msgspec.Struct):
+    """An open CUDA session of a peer: a worker process holding GPU (or host) memory."""
+
+    id: str
+    """What ends it: ``POST /api/v1/owner/cuda/{id}/stop``."""
+    peer: str
+    memory: int
+    """Bytes held for it."""
+    backend: str
+    """``driver`` or ``fallback`` (host memory)."""
+    device: str
+    gpus: list[str]
+    since: float
+    pid: int
+    """The worker process."""
+
+
+class SessionsView(msgspec.Struct):
+    """The sharing agent's open sessions."""
+
+    shells: list[ShellSessionView]
+    desktops: list[DesktopSessionView]
+    cuda: list[CudaSessionView]
+
+    @classmethod
+    def of(cls, sessions: OpenSessions) -> SessionsView:
+        return cls(
+            shells=[
+                ShellSessionView(s["id"], s["peer"], s["image"], s["container"], _float(s["since"]))
+                for s in sessions.shells
+            ],
+            desktops=[
+                DesktopSessionView(
+                    d["id"],
+                    d["peer"],
+                    d["kind"],
+                    int(d["port"]) if d["port"].isdigit() else 0,
+                    _float(d["since"]),
+                )
+                for d in sessions.desktops
+            ],
+            cuda=[
+                CudaSessionView(
+                    c.id, c.peer, c.memory, c.backend, c.device, list(c.gpus), c.started, c.pid
+                )
+                for c in sessions.cuda
+            ],
+        )
 
 
 class OwnerStatusView(msgspec.Struct):
@@ -25,6 +115,8 @@ class OwnerStatusView(msgspec.Struct):
     """Jobs run here for peers that have not ended."""
     hosted: list[JobListEntry]
     """The newest jobs run here for peers, newest first."""
+    sessions: SessionsView
+    """Open shells, desktop connections and CUDA sessions."""
 
     @classmethod
     def of(cls, view: OwnerView) -> OwnerStatusView:
@@ -35,4 +127,18 @@ class OwnerStatusView(msgspec.Struct):
             connections=agent.links if agent else [],
             running=len(view.running),
             hosted=[JobListEntry.of(j, {}) for j in view.hosted],
+            sessions=SessionsView.of(view.sessions),
         )
+
+
+class EndedSessionView(msgspec.Struct):
+    """A session the owner ended."""
+
+    kind: str
+    """``shell``, ``desktop`` or ``cuda``."""
+    id: str
+    peer: str
+
+    @classmethod
+    def of(cls, ended: EndedSession) -> EndedSessionView:
+        return cls(str(ended.kind), ended.id, ended.peer)

@@ -25,6 +25,7 @@ from gpumesh.units import format_size
 if TYPE_CHECKING:
     from gpumesh.client.views.groups import MemberStatusEntry
     from gpumesh.client.views.joblist import JobListEntry
+    from gpumesh.client.views.owner import SessionsView
     from gpumesh.control.app import Call
 
 __all__ = [
@@ -486,7 +487,15 @@ async def owner_page(call: Call) -> object:
     node = call.node
     view = OwnerStatusView.of(owner_view(node, limit=50))
     peers = {p.name for p in node.peers() if p.allowed}
-    users = sorted({c.get("peer", "") for c in view.connections} | {j.peer for j in view.hosted})
+    open_now = view.sessions
+    in_session = (
+        {s.peer for s in open_now.shells}
+        | {d.peer for d in open_now.desktops}
+        | {c.peer for c in open_now.cuda}
+    )
+    users = sorted(
+        {c.get("peer", "") for c in view.connections} | {j.peer for j in view.hosted} | in_session
+    )
     rows = []
     for name in users:
         if not name:
@@ -500,8 +509,11 @@ async def owner_page(call: Call) -> object:
                 "Deny and stop everything",
                 f"POST /api/v1/peers/{quote(name)}/deny",
                 danger=True,
-                confirm=f"Deny {name}: stops its jobs and shells and refuses it from now on?",
-                extra=f' aria-label="Deny {h(name)} and stop everything"',
+                confirm=(
+                    f"Deny {name}: stops its jobs, shells, desktop and CUDA sessions and "
+                    "refuses it from now on?"
+                ),
+                extra=f' aria-label="Deny and stop everything for {h(name)}"',
             )
             if name in peers
             else "denied"
@@ -530,9 +542,46 @@ async def owner_page(call: Call) -> object:
             _job_rows(view.hosted, stop=True),
             "No job was run here.",
         )
+        + '</section><section aria-labelledby="sessions-h">'
+        '<h2 id="sessions-h">Open sessions</h2>'
+        + _table(
+            "Shells, desktop connections and CUDA sessions open now",
+            ("Kind", "Peer", "What", "Since", "Action"),
+            _session_rows(open_now),
+            "No shell, desktop or CUDA session is open.",
+        )
         + "</section></div>"
     )
     return render(call, "owner", "Owner", body)
+
+
+def _session_rows(sessions: SessionsView) -> list[str]:
+    """One row per open session, each with its stop button."""
+    found: list[tuple[float, str, str, str, str, str]] = []
+    for shell in sessions.shells:
+        what = f"{shell.image} ({shell.container})"
+        found.append((shell.since, "Shell", "shells", shell.id, shell.peer, what))
+    for desk in sessions.desktops:
+        what = f"{desk.kind.upper()} on port {desk.port}"
+        found.append((desk.since, "Desktop", "desktop", desk.id, desk.peer, what))
+    for cuda in sessions.cuda:
+        what = f"{format_size(cuda.memory)} on {cuda.device} (pid {cuda.pid})"
+        found.append((cuda.since, "CUDA", "cuda", cuda.id, cuda.peer, what))
+    rows = []
+    for since, kind, route, session_id, peer, what in sorted(found):
+        label = f"Stop {peer}'s {kind.lower()} session {session_id}"
+        stop = _button(
+            "Stop",
+            f"POST /api/v1/owner/{route}/{quote(session_id)}/stop",
+            danger=True,
+            extra=f' aria-label="{h(label)}"',
+        )
+        rows.append(
+            f'<tr data-session="{h(session_id)}"><td>{h(kind)}</td>'
+            f'<th scope="row">{h(peer)}</th><td>{h(what)}</td>'
+            f"<td>{h(_ago(since))}</td><td>{stop}</td></tr>"
+        )
+    return rows
 
 
 # --- static files ------------------------------------------------------------------------
