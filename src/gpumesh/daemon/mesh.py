@@ -112,6 +112,10 @@ class ThroughNode:
     def _call_sync(self, method: str, path: str, body: object) -> Any:
         from gpumesh.daemon.client import NodeUnavailableError
 
+        if method != "GET":
+            # A change is sent once: to a node process just seen answering (one that
+            # went idle or died since the last call is replaced first).
+            return self._connect().call(method, path, body)
         client = self._client or self._connect()
         try:
             return client.call(method, path, body)
