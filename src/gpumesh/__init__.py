@@ -81,15 +81,16 @@ if TYPE_CHECKING:
         run_job,
     )
     from gpumesh.client.jobspec import JobSpec, build_spec
-    from gpumesh.client.mesh import Job, Mesh
+    from gpumesh.client.mesh import Job
     from gpumesh.client.node import ConnectResult, Node
     from gpumesh.client.runs import watch_run
+    from gpumesh.daemon.mesh import Mesh
     from gpumesh.errors import AccessDeniedError, GPUMeshError, NotFoundError, UnreachableError
     from gpumesh.protocol.states import FINAL_STATES, JobRole, JobState
     from gpumesh.store.db import Peer
 
 _LAZY = {
-    "Mesh": "gpumesh.client.mesh",
+    "Mesh": "gpumesh.daemon.mesh",
     "Job": "gpumesh.client.mesh",
     "Node": "gpumesh.client.node",
     "ConnectResult": "gpumesh.client.node",

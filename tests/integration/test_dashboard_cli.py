@@ -1,15 +1,19 @@
-"""`gpumesh dashboard` against a real `gpumesh-control` process: the URL it prints
-signs a browser in once; without a control server (or without TCP) it says in
-one line what to run."""
+"""`gpumesh dashboard` through the home's real node process: it starts one when
+none runs, asks it to serve TCP, and the URL it prints signs a browser-like
+client in once; the node process then stays (no idle exit) until `daemon stop`.
+A taken port is named in one line; `gpumesh-control` still serves it too."""
 
 from __future__ import annotations
 
+import socket
+import time
 from pathlib import Path
 
 import httpx
 
 from tests.integration.conftest import gpumesh
-from tests.integration.test_control_api import start_control
+from tests.integration.node import alive, cli, status, wait_gone
+from tests.integration.test_control_api import _free_tcp_port, start_control
 
 
 def _home(tmp_path: Path) -> Path:
@@ -18,41 +22,126 @@ def _home(tmp_path: Path) -> Path:
     return home
 
 
-def test_dashboard_prints_a_one_time_login_url(tmp_path: Path) -> None:
+def _signs_in_once(url: str, base: str) -> None:
+    """``url`` signs a browser-like client in once, and only once."""
+    assert url.startswith(f"{base}/#code=")
+    code = url.split("#code=", 1)[1]
+    with httpx.Client(base_url=base) as browser:
+        assert browser.get("/").status_code == 200
+        assert "Node id" not in browser.get("/").text  # no session: no data
+        first = browser.post("/api/v1/auth/session", json={"code": code})
+        assert first.status_code == 204
+        page = browser.get("/")
+        assert "dash-node" in page.text and "Node id" in page.text
+        # A browser session may not tell the node process to serve TCP elsewhere.
+        refused = browser.post(
+            "/api/v1/node/tcp", json={"listen": "127.0.0.1:1"}, headers={"x-gpumesh-csrf": "1"}
+        )
+        assert refused.status_code == 403
+    again = httpx.post(f"{base}/api/v1/auth/session", json={"code": code})
+    assert again.status_code == 401  # one time only
+
+
+def test_dashboard_starts_the_node_process_which_then_serves_tcp_and_stays(
+    tmp_path: Path,
+) -> None:
+    home = _home(tmp_path)
+    port = _free_tcp_port()
+    base = f"http://127.0.0.1:{port}"
+    assert status(home)["running"] is False
+    # An idle limit of 1 s: a node process that did not stay would be gone at once.
+    result = cli(home, "dashboard", GPUMESH_API_ADDR=f"127.0.0.1:{port}", GPUMESH_NODE_IDLE="1")
+    assert result.returncode == 0, result.stderr
+    url = result.stdout.strip()
+    _signs_in_once(url, base)
+    node = status(home)["node"]
+    pid = node["pid"]
+    assert node["detached"] and node["idle_exit"] is None
+    assert node["api"] == [str(home / "control.sock"), base]
+    text = cli(home, "daemon", "status").stdout
+    assert f"api       {base}" in text and "idle exit never" in text
+    # Well past the idle limit (a generous margin, not a timing verdict): still there.
+    time.sleep(3)
+    assert alive(pid) and httpx.get(f"{base}/api/v1/openapi.json").status_code == 200
+
+    # A second run asks the same process; it mints a new code.
+    second = cli(home, "dashboard", GPUMESH_API_ADDR=f"127.0.0.1:{port}")
+    assert second.returncode == 0, second.stderr
+    assert second.stdout.strip() != url and second.stdout.startswith(f"{base}/#code=")
+    assert status(home)["node"]["pid"] == pid
+
+    assert cli(home, "daemon", "stop").returncode == 0
+    assert wait_gone(pid)
+    assert status(home)["running"] is False
+    try:
+        httpx.get(f"{base}/api/v1/openapi.json", timeout=5)
+    except httpx.TransportError:
+        pass
+    else:
+        raise AssertionError("the stopped node process still serves TCP")
+
+
+def test_a_running_node_process_is_asked_to_serve_tcp(tmp_path: Path) -> None:
+    home = _home(tmp_path)
+    assert cli(home, "jobs").returncode == 0  # a background node process, unix socket only
+    node = status(home)["node"]
+    assert node["api"] == [str(home / "control.sock")] and node["idle_exit"] is not None
+    port = _free_tcp_port()
+    result = cli(home, "dashboard", GPUMESH_API_ADDR=f"127.0.0.1:{port}")
+    assert result.returncode == 0, result.stderr
+    after = status(home)["node"]
+    assert after["pid"] == node["pid"] and after["idle_exit"] is None
+    assert after["api"][1] == f"http://127.0.0.1:{port}"
+    _signs_in_once(result.stdout.strip(), f"http://127.0.0.1:{port}")
+
+
+def test_a_taken_port_is_named_in_one_line(tmp_path: Path) -> None:
+    home = _home(tmp_path)
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    port = taken.getsockname()[1]
+    try:
+        result = cli(home, "dashboard", GPUMESH_API_ADDR=f"127.0.0.1:{port}")
+    finally:
+        taken.close()
+    assert result.returncode != 0 and result.stdout == ""
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert f"127.0.0.1:{port} is taken" in result.stderr
+    assert "GPUMESH_API_ADDR" in result.stderr
+    # The node process itself is fine, and still not on TCP.
+    assert status(home)["node"]["api"] == [str(home / "control.sock")]
+
+
+def test_a_non_loopback_address_is_refused_in_one_line(tmp_path: Path) -> None:
+    home = _home(tmp_path)
+    result = cli(home, "dashboard", GPUMESH_API_ADDR="0.0.0.0:0")
+    assert result.returncode != 0 and result.stderr.count("\n") == 1
+    assert "not a loopback address" in result.stderr and "--allow-remote" in result.stderr
+
+
+def test_dashboard_with_gpumesh_control_running(tmp_path: Path) -> None:
     home = _home(tmp_path)
     api = start_control(home)
     try:
-        result = gpumesh(home, "dashboard")
+        result = cli(home, "dashboard")
         assert result.returncode == 0, result.stderr
-        url = result.stdout.strip()
-        assert url.startswith(f"{api.url}/#code=")
-        code = url.split("#code=", 1)[1]
-        with httpx.Client(base_url=api.url) as browser:
-            assert browser.get("/").status_code == 200
-            assert "Node id" not in browser.get("/").text  # no session: no data
-            first = browser.post("/api/v1/auth/session", json={"code": code})
-            assert first.status_code == 204
-            page = browser.get("/")
-            assert "dash-node" in page.text and "Node id" in page.text
-            again = httpx.post(f"{api.url}/api/v1/auth/session", json={"code": code})
-            assert again.status_code == 401  # one time only
-        # Each run mints a new code.
-        assert gpumesh(home, "dashboard").stdout.strip() != url
+        _signs_in_once(result.stdout.strip(), api.url)
     finally:
         api.stop()
 
 
-def test_dashboard_without_a_control_server_says_what_to_run(tmp_path: Path) -> None:
+def test_dashboard_with_the_node_process_off_names_what_to_run(tmp_path: Path) -> None:
     home = _home(tmp_path)
-    result = gpumesh(home, "dashboard")
+    result = gpumesh(home, "dashboard")  # GPUMESH_NODE=off
     assert result.returncode != 0 and result.stdout == ""
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
-    assert "no control server runs" in result.stderr and "gpumesh-control" in result.stderr
+    assert "no node process runs" in result.stderr and "gpumesh-control" in result.stderr
 
-    api = start_control(home, tcp=False)
+    api = start_control(home)
     try:
-        refused = gpumesh(home, "dashboard")
-        assert refused.returncode != 0 and refused.stderr.count("\n") == 1
-        assert "does not listen on TCP" in refused.stderr and "--no-tcp" in refused.stderr
+        served = gpumesh(home, "dashboard")
+        assert served.returncode == 0, served.stderr
+        assert served.stdout.startswith(f"{api.url}/#code=")
     finally:
         api.stop()

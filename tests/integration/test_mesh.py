@@ -5,7 +5,9 @@ Sync methods from a plain script and their async twins; a job's lines, its end
 and its exit code; a failing and a cancelled job; copies both ways; a group's
 live status; a sync call inside a running loop refused with the twin's name;
 errors of the project's tree with their stable codes; and every example of
-docs/python-api.md run as a script for the consumer's home.
+docs/python-api.md run as a script for the consumer's home. Every test runs in
+both modes: through the home's real node process (``Mesh()`` starts it over
+``control.sock``) and in-process (``$GPUMESH_NODE=off``).
 """
 
 from __future__ import annotations
@@ -39,14 +41,25 @@ ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "python-api.md"
 
 
+@pytest.fixture(params=["node", "in-process"])
+def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """How ``gpumesh.Mesh()`` reaches the home: its node process, or in this process."""
+    monkeypatch.setenv("GPUMESH_NODE", "on" if request.param == "node" else "off")
+    return str(request.param)
+
+
 @pytest.fixture
-def homes(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+def homes(tmp_path: Path, mode: str) -> Iterator[tuple[Path, Path]]:
     """alice-pc shares (a real `gpumesh share`); bob-laptop is paired with her both
     ways and has a group ``lab`` with her in it."""
     with shared_pair(tmp_path) as (alice, bob):
         assert cli(bob, "group", "create", "lab").returncode == 0
         assert cli(bob, "group", "add", "lab", "alice-pc").returncode == 0
         yield alice, bob
+        if mode == "node":  # it went through bob's node process, which is still there
+            from gpumesh.daemon.record import holder
+
+            assert holder(bob) is not None
 
 
 def test_a_script_runs_a_job_reads_its_lines_and_waits_for_its_exit_code(homes) -> None:
@@ -200,9 +213,11 @@ def test_errors_are_the_projects_with_stable_codes(homes, tmp_path: Path) -> Non
         with pytest.raises(GPUMeshError) as where:
             mesh.cp("here.txt", "there.txt")
         assert where.value.code == "config"
-    with pytest.raises(ConfigError) as mode:
-        gpumesh.Mesh(bob, in_process=False)
-    assert "Mesh()" in str(mode.value)
+    from gpumesh.client import mesh
+
+    with pytest.raises(ConfigError) as only_here:
+        mesh.Mesh(bob, in_process=False)  # the client layer's own: in-process only
+    assert "gpumesh.Mesh" in str(only_here.value)
 
 
 def _examples() -> list[str]:
@@ -210,7 +225,7 @@ def _examples() -> list[str]:
     return re.findall(r"^```python\n(.*?)^```$", DOC.read_text(), re.MULTILINE | re.DOTALL)
 
 
-def test_the_python_api_docs_examples_run(homes, tmp_path: Path) -> None:
+def test_the_python_api_docs_examples_run(homes, tmp_path: Path, mode: str) -> None:
     _, bob = homes
     examples = _examples()
     assert len(examples) >= 6
@@ -219,7 +234,7 @@ def test_the_python_api_docs_examples_run(homes, tmp_path: Path) -> None:
     (folder / "train" / "train.sh").write_text(
         'for i in $(seq "${EPOCHS:-1}"); do echo "epoch $i"; done\n'
     )
-    env = dict(os.environ, GPUMESH_HOME=str(bob))
+    env = dict(os.environ, GPUMESH_HOME=str(bob), GPUMESH_NODE="on" if mode == "node" else "off")
     env.pop("GPUMESH_LOG", None)
     outputs = []
     for number, code in enumerate(examples, 1):
@@ -256,3 +271,26 @@ def test_a_detached_job_gets_its_whole_workdir(homes, tmp_path: Path) -> None:
         job = mesh.run("alice-pc", ["sh", "train.sh"], workdir=folder)
         assert [line.strip() for line in job.logs()] == ["2000000"]
         assert (job.wait().state, job.result.exit_code) == ("succeeded", 0)
+
+
+def test_a_follow_outlives_its_node_process(tmp_path: Path, monkeypatch) -> None:
+    """The node process killed in the middle of ``job.logs()``: the next one is
+    started and the follow resumes after the last line it gave, none lost or doubled."""
+    import signal
+
+    from gpumesh.daemon.record import holder
+
+    monkeypatch.setenv("GPUMESH_NODE", "on")
+    with shared_pair(tmp_path) as (_, bob), gpumesh.Mesh(bob) as mesh:
+        script = "for i in 1 2 3 4 5 6; do echo line$i; sleep 0.5; done"
+        job = mesh.run("alice-pc", ["sh", "-c", script])
+        lines = job.logs()
+        got = [next(lines)]
+        first = holder(bob)
+        assert first is not None and first.pid
+        os.kill(first.pid, signal.SIGKILL)
+        got += list(lines)
+        assert got == [f"line{i}" for i in range(1, 7)]
+        assert (job.wait().state, job.result.exit_code) == ("succeeded", 0)
+        second = holder(bob)
+        assert second is not None and second.pid != first.pid

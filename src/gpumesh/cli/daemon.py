@@ -30,8 +30,9 @@ def daemon() -> None:
     $GPUMESH_HOME/control.sock and talks to peers for `run`, `logs`, `jobs` and
     `cancel`, keeping sessions to recently used peers warm. The first of those
     commands starts it in the background (it exits after $GPUMESH_NODE_IDLE
-    seconds without a request, 600 by default); `gpumesh share` and
-    `gpumesh-control` are node processes in the foreground."""
+    seconds without a request, 600 by default, unless `gpumesh dashboard` made
+    it serve TCP); `gpumesh share` and `gpumesh-control` are node processes in
+    the foreground."""
 
 
 @daemon.command()

@@ -8,10 +8,11 @@ functions the CLI calls) through a backend and returns the view structs of
 returns), so a script sees the same shapes whichever way it reaches the home.
 
 Backends: :class:`InProcess` runs the client layer in this process, with a
-:class:`~gpumesh.client.node.Node` of the home; it is the only one today, and
-``Mesh()`` means it. A backend that talks to the home's node process through
-its control API comes with that process; it implements :class:`MeshBackend`,
-and nothing above that line changes.
+:class:`~gpumesh.client.node.Node` of the home. The one that talks to the
+home's node process through its control API sits a floor higher, with the
+public ``gpumesh.Mesh`` that chooses between the two
+(:mod:`gpumesh.daemon.mesh`); both implement :class:`MeshBackend`, and nothing
+above that line changes. This floor's :class:`Mesh` alone runs in-process.
 
 Every method has an async twin whose name starts with ``a`` (``run``/``arun``).
 The sync ones are for plain scripts: they run their twin on an event loop
@@ -41,11 +42,11 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from gpumesh.client.jobs import JobEvent, JobFollow, JobResult, Output
 from gpumesh.client.views.jobs import JobResultView
 from gpumesh.errors import ConfigError
 
 if TYPE_CHECKING:
+    from gpumesh.client.jobs import JobEvent, JobFollow
     from gpumesh.client.jobspec import JobSpec
     from gpumesh.client.node import Node
     from gpumesh.client.views.apps import AppRunView
@@ -55,9 +56,20 @@ if TYPE_CHECKING:
     from gpumesh.client.views.node import StatusView
     from gpumesh.client.views.peers import PairView, PeerView
 
-__all__ = ["InProcess", "Job", "Mesh", "MeshBackend"]
+__all__ = ["Follow", "InProcess", "Job", "Mesh", "MeshBackend"]
 
 T = TypeVar("T")
+
+
+class Follow(Protocol):
+    """A job's events, read once with ``async for``; :meth:`view`: where the job stood
+    once they ran out."""
+
+    def __aiter__(self) -> AsyncIterator[JobEvent]: ...
+
+    async def aclose(self) -> None: ...
+
+    def view(self) -> JobResultView: ...
 
 
 class MeshBackend(Protocol):
@@ -72,7 +84,7 @@ class MeshBackend(Protocol):
 
     async def run(self, spec: JobSpec, *, detach: bool) -> JobResultView: ...
 
-    def events(self, job_id: str, *, follow: bool) -> JobFollow:
+    def events(self, job_id: str, *, follow: bool) -> Follow:
         """A job's events from its start (``follow``: until it ends)."""
         ...
 
@@ -139,10 +151,10 @@ class InProcess:
 
         return JobResultView.of(await run_job(self.node, spec, detach=detach))
 
-    def events(self, job_id: str, *, follow: bool) -> JobFollow:
+    def events(self, job_id: str, *, follow: bool) -> Follow:
         from gpumesh.client.jobs import logs
 
-        return logs(self.node, job_id, follow=follow)
+        return _LocalFollow(logs(self.node, job_id, follow=follow))
 
     async def cancel(self, job_id: str) -> JobResultView:
         from gpumesh.client.jobs import cancel
@@ -162,7 +174,7 @@ class InProcess:
         return [JobListEntry.of(job, unconfirmed) for job in store.jobs(limit=limit)]
 
     async def job(self, job_id: str) -> JobResultView:
-        from gpumesh.client.jobs import find_job
+        from gpumesh.client.jobs import JobResult, find_job
 
         return JobResultView.of(JobResult.of_record(find_job(self.node, job_id)))
 
@@ -194,26 +206,44 @@ class InProcess:
         return [MemberStatusEntry.of_status(s) for s in statuses]
 
 
-class Mesh:
-    """One home's node, its peers, jobs, copies, apps and groups.
+class _LocalFollow:
+    """:class:`~gpumesh.client.jobs.JobFollow` as a :class:`Follow`."""
 
+    def __init__(self, follow: JobFollow) -> None:
+        self._follow = follow
+
+    def __aiter__(self) -> AsyncIterator[JobEvent]:
+        return aiter(self._follow)
+
+    async def aclose(self) -> None:
+        await self._follow.aclose()
+
+    def view(self) -> JobResultView:
+        return JobResultView.of(self._follow.result)
+
+
+class Mesh:
+    """One home's node, its peers, jobs, copies, apps and groups, in this process.
+
+    The public ``gpumesh.Mesh`` (:mod:`gpumesh.daemon.mesh`) is this with the
+    choice of the home's node process; see there for ``in_process``.
     ``home``: the home folder (default ``$GPUMESH_HOME``, else ``~/.gpumesh``).
-    ``in_process``: run the client layer in this process. That is the only way
-    today, and what ``Mesh()`` does; ``in_process=False`` (through the home's
-    node process) is refused until that process exists.
 
     Close it when done (``with Mesh() as mesh:``, or ``async with`` in async code).
     """
 
     def __init__(self, home: str | Path | None = None, *, in_process: bool | None = None) -> None:
-        if in_process is False:
-            raise ConfigError(
-                "Mesh(in_process=False) needs this home's node process, which this "
-                "release does not have yet: use Mesh() (it runs in this process)"
-            )
-        self._backend: MeshBackend = InProcess(home)
+        self._backend: MeshBackend = self._backend_for(home, in_process)
         self._runner: asyncio.Runner | None = None
         self._closer: weakref.finalize[[asyncio.Runner], Mesh] | None = None
+
+    @staticmethod
+    def _backend_for(home: str | Path | None, in_process: bool | None) -> MeshBackend:
+        if in_process is False:
+            raise ConfigError(
+                "this Mesh runs in this process only: use gpumesh.Mesh for the node process"
+            )
+        return InProcess(home)
 
     # --- the sync face ------------------------------------------------------------------
 
@@ -502,7 +532,7 @@ class Job:
         async with contextlib.aclosing(events):
             async for event in events:
                 yield event
-        self.result = JobResultView.of(events.result)
+        self.result = events.view()
 
     def events(self, *, follow: bool = True) -> Iterator[JobEvent]:
         return self._mesh._iterate("events", "aevents", self.aevents(follow=follow))
@@ -511,6 +541,8 @@ class Job:
         """The job's output as lines of text (no line ends), from its start, stdout
         and stderr as they came (``stderr=False``: stdout only). ``follow``: until
         the job ends, else what there is now."""
+        from gpumesh.client.jobs import Output
+
         lines = _Lines()
         async with contextlib.aclosing(self.aevents(follow=follow)) as events:
             async for event in events:

@@ -206,6 +206,12 @@ class ExchangeBody(msgspec.Struct, forbid_unknown_fields=True):
     code: str
 
 
+class TcpBody(msgspec.Struct, forbid_unknown_fields=True):
+    listen: str = ""
+    """``host:port`` on loopback; empty: the node process's ``GPUMESH_API_ADDR``
+    (default 127.0.0.1:8080)."""
+
+
 class LoginCodeView(msgspec.Struct):
     """A one-time login for a browser: open ``url``; it is good for one exchange."""
 
@@ -568,6 +574,19 @@ async def post_node_stop(call: Call) -> object:
     return process.view(sharing=call.node.home.read_agent_info() is not None)
 
 
+async def post_node_tcp(call: Call) -> object:
+    """Serve this API on TCP too (a dashboard's way in); the node process then stays
+    until stopped. Nothing changes when it serves TCP already."""
+    from gpumesh.settings import API_ADDR_DEFAULT, ENV_API_ADDR, env
+
+    process = _process(call)
+    if process.serve_tcp is None:
+        raise AgentError("this node process is stopping: run the command again")
+    body: TcpBody = call.body
+    await process.serve_tcp(body.listen or env(ENV_API_ADDR) or API_ADDR_DEFAULT)
+    return process.view(sharing=call.node.home.read_agent_info() is not None)
+
+
 def _views() -> dict[str, Any]:
     """The response types, imported only when the table is built."""
     from gpumesh.client.views import apps, files, groups, joblist, jobs, node, owner, peers
@@ -680,6 +699,9 @@ ENDPOINTS: tuple[Endpoint, ...] = (
              "The node process: pid, version, API addresses", V["process"]),
     Endpoint("POST", "/api/v1/node/stop", post_node_stop, "Stop the node process",
              V["process"], Access.NO_COOKIE),
+    Endpoint("POST", "/api/v1/node/tcp", post_node_tcp,
+             "Serve this API on loopback TCP too (then never exit for being idle)",
+             V["process"], Access.NO_COOKIE, body=TcpBody),
 )  # fmt: skip
 
 

@@ -225,6 +225,7 @@ def connect(home: Path) -> NodeClient:
     client = NodeClient(home)
     deadline = time.monotonic() + START_TIMEOUT
     started: subprocess.Popen[bytes] | None = None
+    _reap()
     restarted = False
     while True:
         try:
@@ -252,12 +253,23 @@ def connect(home: Path) -> NodeClient:
                 )
             if started is None:
                 started = _spawn(home)
+                _STARTED.append(started)
         if time.monotonic() > deadline:
             raise AgentError(
                 f"the node process for {home} did not answer within {START_TIMEOUT:g} s: "
                 f"see {home / 'logs' / LOG_NAME}"
             )
         time.sleep(0.02)
+
+
+_STARTED: list[subprocess.Popen[bytes]] = []
+"""Node processes this process started: kept, so a long-lived caller (a script's
+``gpumesh.Mesh``) neither drops a running child's handle (a warning) nor leaves an
+exited one a zombie."""
+
+
+def _reap() -> None:
+    _STARTED[:] = [child for child in _STARTED if child.poll() is None]
 
 
 def stop(home: Path, client: NodeClient | None = None) -> int | None:

@@ -6,6 +6,8 @@ Started in the background by a command that needs it (``detached``), it exits
 after :data:`IDLE_DEFAULT` seconds without a request unless it serves TCP; it
 also exits as soon as its home folder is gone (a test's temporary home leaves
 no process behind). SIGINT and SIGTERM, or ``POST /api/v1/node/stop``, stop it.
+``POST /api/v1/node/tcp`` (``gpumesh dashboard``) makes a running one serve TCP
+too, on loopback: from then on it stays until stopped, as ``gpumesh-control`` does.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,7 +28,14 @@ from gpumesh.client.node import Node
 from gpumesh.daemon.record import HomeLock, holder, new_record
 from gpumesh.daemon.views import NodeProcessView, WarmSessionView
 from gpumesh.errors import ConfigError, InUseError
-from gpumesh.settings import ENV_API_TOKEN, ENV_NODE_IDLE, ENV_TEST_NODE_VERSION, env
+from gpumesh.settings import (
+    API_ADDR_DEFAULT,
+    ENV_API_ADDR,
+    ENV_API_TOKEN,
+    ENV_NODE_IDLE,
+    ENV_TEST_NODE_VERSION,
+    env,
+)
 from gpumesh.version import __version__
 
 if TYPE_CHECKING:
@@ -83,6 +92,9 @@ class NodeProcess:
     pool: SessionPool | None = None
     before: Callable[[], None] | None = None
     """Called before each request (the config's freshness check)."""
+    serve_tcp: Callable[[str], Awaitable[None]] | None = None
+    """Start serving the API on TCP at ``host:port`` too (loopback only); nothing
+    when it already does."""
 
     def __post_init__(self) -> None:
         self.last_active = self.clock()
@@ -221,9 +233,7 @@ async def run_node(
         if tcp_address is not None:
             tcp = tcp_listener(*tcp_address)
             sockets.append(tcp)
-            bound = tcp.getsockname()
-            shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
-            public_url = f"http://{shown}:{bound[1]}"
+            public_url = _url_of(tcp)
         sockets.insert(0, unix_listener(home))
         api = [str(socket_path), *([public_url] if public_url else [])]
         process = NodeProcess(
@@ -248,6 +258,39 @@ async def run_node(
             process=process,
         )
         lock.write(new_record(api, tcp=process.tcp, version=process.version))
+        app = process.wrap(create_app(state))
+        late: list[asyncio.Future[None]] = []
+
+        async def serve_tcp(listen: str) -> None:
+            if process.tcp:
+                return
+            host, port = parse_listen(listen)
+            if not auth.is_loopback(host.lower()):
+                raise ConfigError(
+                    f"{listen} is not a loopback address: a running node process serves TCP on "
+                    f"loopback only (set {ENV_API_ADDR} to one, such as {API_ADDR_DEFAULT}); "
+                    "for a bind beyond it, run `gpumesh-control --allow-remote` instead"
+                )
+            try:
+                tcp = tcp_listener(host, port)
+            except InUseError:
+                raise InUseError(
+                    f"TCP {listen} is taken by another program: set {ENV_API_ADDR} to a free "
+                    "address, such as 127.0.0.1:8081, and run the command again"
+                ) from None
+            sockets.append(tcp)
+            url = _url_of(tcp)
+            state.public_url = url
+            process.api.append(url)
+            process.tcp = True
+            process.idle = None
+            lock.write(new_record(process.api, tcp=True, version=process.version))
+            late.append(asyncio.ensure_future(serve(app, [tcp], process.stop)))
+            announce(
+                f"  http         {url}/api/v1/ (asked to serve TCP; it now stays until stopped)"
+            )
+
+        process.serve_tcp = serve_tcp
         loop = asyncio.get_running_loop()
         signals = (signal.SIGINT, signal.SIGTERM) if stop is None else ()
         for sig in signals:
@@ -264,12 +307,16 @@ async def run_node(
         watcher = asyncio.ensure_future(_watch(process))
         keeper = asyncio.ensure_future(process.pool.maintain(node.home.store))
         try:
-            await serve(process.wrap(create_app(state)), sockets, process.stop)
+            await serve(app, list(sockets), process.stop)
+            for task in late:
+                await task
         finally:
-            for task in (watcher, keeper):
+            process.serve_tcp = None
+            for task in (watcher, keeper, *late):
                 task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await keeper
+            for task in (keeper, *late):
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             for sig in signals:
                 loop.remove_signal_handler(sig)
     finally:
@@ -284,6 +331,12 @@ async def run_node(
             node.close()
     announce(f"{'gpumesh node process' if detached else 'gpumesh-control'}: stopped")
     return 0
+
+
+def _url_of(tcp: socket.socket) -> str:
+    bound = tcp.getsockname()
+    shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
+    return f"http://{shown}:{bound[1]}"
 
 
 def _config_watch(home: Home) -> Callable[[], None]:

@@ -1,0 +1,354 @@
+"""``gpumesh.Mesh`` through the home's node process: the control API over
+``control.sock``, with the same methods and the same view structs as in-process.
+
+:class:`Mesh` is the public one: it picks its backend (:class:`ThroughNode` when
+commands use the node process, ``$GPUMESH_NODE`` not ``off`` and the system
+has unix sockets; :class:`~gpumesh.client.mesh.InProcess` with
+``in_process=True`` or else). It lives on this floor because it talks to the
+node process; everything else is :class:`gpumesh.client.mesh.Mesh`'s.
+
+:class:`ThroughNode` sends each call as one request of the standard-library
+client (:mod:`gpumesh.daemon.client`, in a worker thread so the caller's loop
+never blocks), starting the node process when none runs. Answers are
+converted to the view structs; an error answer's ``{code, message}`` is raised
+as the error tree's class. A job's events come from the API's event stream
+and are turned back into the client layer's events; a node process that dies
+under a follow is replaced and the follow resumes after the last numbered
+event, so no line is lost or repeated. Local paths (a workdir, a copy's local
+side) are made absolute here: the node process has another working folder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import quote, urlencode
+
+import msgspec
+
+from gpumesh.client import mesh as base
+from gpumesh.client.views.jobs import JobResultView
+from gpumesh.errors import AgentError, ConfigError, NotInitializedError, error_from_code
+
+if TYPE_CHECKING:
+    from gpumesh.client.jobs import JobEvent
+    from gpumesh.client.jobspec import JobSpec
+    from gpumesh.client.views.apps import AppRunView
+    from gpumesh.client.views.files import CopyView
+    from gpumesh.client.views.groups import GroupListEntry, MemberStatusEntry
+    from gpumesh.client.views.joblist import JobListEntry
+    from gpumesh.client.views.node import StatusView
+    from gpumesh.client.views.peers import PairView, PeerView
+    from gpumesh.daemon.client import NodeClient, SseEvent
+
+__all__ = ["Mesh", "ThroughNode"]
+
+T = TypeVar("T")
+
+RESUME_TRIES = 5
+"""Node processes in a row that may die under one follow before it gives up."""
+
+
+class Mesh(base.Mesh):
+    """One home's node, its peers, jobs, copies, apps and groups.
+
+    ``home``: the home folder (default ``$GPUMESH_HOME``, else ``~/.gpumesh``).
+    ``in_process``: None (the default) talks to the home's node process over
+    its ``control.sock``, starting it in the background when none runs, as the
+    CLI does (in this process instead when ``$GPUMESH_NODE`` is ``off`` or the
+    system has no unix sockets); True runs the client layer in this process;
+    False insists on the node process.
+
+    Close it when done (``with Mesh() as mesh:``, or ``async with`` in async code).
+    """
+
+    @staticmethod
+    def _backend_for(home: str | Path | None, in_process: bool | None) -> base.MeshBackend:
+        from gpumesh import platform
+        from gpumesh.daemon import enabled
+
+        if in_process is True or (in_process is None and not enabled()):
+            return base.InProcess(home)
+        if not platform.has("unix"):
+            raise ConfigError(
+                "Mesh(in_process=False) needs unix sockets to reach the node process, which "
+                "this system lacks: use Mesh() (it runs in this process)"
+            )
+        return ThroughNode(home)
+
+
+class ThroughNode:
+    """The client layer in the home's node process, over its control API."""
+
+    def __init__(self, home: str | Path | None) -> None:
+        from gpumesh.settings import home_dir
+
+        self.home = home_dir(home)
+        self._client: NodeClient | None = None
+        self._local: base.InProcess | None = None
+
+    def close(self) -> None:
+        if self._local is not None:
+            self._local.close()
+            self._local = None
+
+    # --- requests ---------------------------------------------------------------------
+
+    def _connect(self) -> NodeClient:
+        from gpumesh.daemon.client import connect
+
+        if not (self.home / "identity.key").exists():
+            raise NotInitializedError(
+                f"no GPUMesh node in {self.home}: run `gpumesh init --name NAME` first "
+                "(or set GPUMESH_HOME to your node's folder)"
+            )
+        self._client = connect(self.home)
+        return self._client
+
+    def _call_sync(self, method: str, path: str, body: object) -> Any:
+        from gpumesh.daemon.client import NodeUnavailableError
+
+        if method != "GET":
+            # A change is sent once: to a node process just seen answering (one that
+            # went idle or died since the last call is replaced first).
+            return self._connect().call(method, path, body)
+        client = self._client or self._connect()
+        try:
+            return client.call(method, path, body)
+        except NodeUnavailableError:
+            # It died or went idle since: the next one is started, once.
+            return self._connect().call(method, path, body)
+
+    async def _call(self, method: str, path: str, body: object = None) -> Any:
+        return await asyncio.to_thread(self._call_sync, method, path, body)
+
+    async def _get(self, kind: type[T], method: str, path: str, body: object = None) -> T:
+        return msgspec.convert(await self._call(method, path, body), kind)
+
+    # --- the backend --------------------------------------------------------------------
+
+    async def status(self, *, refresh: bool) -> StatusView:
+        from gpumesh.client.views.node import StatusView
+
+        return await self._get(StatusView, "GET", f"/api/v1/status?{_offline(refresh)}")
+
+    async def peers(self) -> list[PeerView]:
+        from gpumesh.client.views.peers import PeerView
+
+        return await self._get(list[PeerView], "GET", "/api/v1/peers")
+
+    async def pair(self, code: str, *, rekey: bool, check: bool) -> PairView:
+        from gpumesh.client.views.peers import PairView
+
+        body = {"code": code, "rekey": rekey, "offline": not check}
+        return await self._get(PairView, "POST", "/api/v1/peers/pair", body)
+
+    async def run(self, spec: JobSpec, *, detach: bool) -> JobResultView:
+        from gpumesh.settings import ENV_IMAGE, env
+
+        body = {
+            "command": spec.command,
+            "peer": spec.peer,
+            "group": spec.group,
+            "image": spec.image or env(ENV_IMAGE),
+            "env": spec.env,
+            "gpu_memory": spec.gpu_memory,
+            "retries": spec.retries,
+            "timeout": spec.timeout,
+            "mounts": [f"{m.source}:{m.target}{':rw' if m.rw else ''}" for m in spec.mounts],
+            "workdir": None if spec.workdir is None else _local(spec.workdir),
+        }
+        accepted = await self._get(JobResultView, "POST", "/api/v1/jobs", body)
+        if detach:
+            return accepted
+        follow = self.events(accepted.job_id, follow=True)
+        async with contextlib.aclosing(follow):
+            async for _ in follow:
+                pass
+        return follow.view()
+
+    def events(self, job_id: str, *, follow: bool) -> NodeFollow:
+        return NodeFollow(self, job_id, follow)
+
+    async def cancel(self, job_id: str) -> JobResultView:
+        return await self._get(JobResultView, "POST", f"/api/v1/jobs/{_q(job_id)}/cancel", {})
+
+    async def jobs(self, *, limit: int, refresh: bool) -> list[JobListEntry]:
+        from gpumesh.client.views.joblist import JobListEntry
+
+        query = urlencode({"limit": limit, "offline": "false" if refresh else "true"})
+        return await self._get(list[JobListEntry], "GET", f"/api/v1/jobs?{query}")
+
+    async def job(self, job_id: str) -> JobResultView:
+        from gpumesh.client.views.joblist import JobListEntry
+        from gpumesh.protocol.states import FINAL_STATES, JobRole, JobState
+
+        entry = await self._get(JobListEntry, "GET", f"/api/v1/jobs/{_q(job_id)}")
+        state = JobState(entry.state)
+        return JobResultView(
+            job_id=entry.job_id,
+            peer=entry.peer,
+            role=JobRole(entry.role),
+            state=state,
+            final=state in FINAL_STATES,
+            exit_code=entry.exit_code,
+            attempt=entry.attempt,
+            message=entry.message,
+            gpus=list(entry.gpus),
+            output_dropped=entry.output_dropped,
+        )
+
+    async def cp(self, source: str, destination: str, *, retries: int) -> CopyView:
+        from gpumesh.client.views.files import CopyView
+
+        body = {"source": _absolute(source), "destination": _absolute(destination)}
+        return await self._get(CopyView, "POST", "/api/v1/copies", body)
+
+    async def app_run(
+        self, peer: str, folder: Path, spec: JobSpec, *, out: Path | None
+    ) -> AppRunView:
+        # The control API has no app run yet (only its sync): this one runs here.
+        if self._local is None:
+            self._local = base.InProcess(self.home)
+        return await self._local.app_run(peer, folder, spec, out=out)
+
+    async def groups(self) -> list[GroupListEntry]:
+        from gpumesh.client.views.groups import GroupListEntry
+
+        return await self._get(list[GroupListEntry], "GET", "/api/v1/groups")
+
+    async def group_status(self, name: str, *, live: bool) -> list[MemberStatusEntry]:
+        from gpumesh.client.views.groups import MemberStatusEntry
+
+        path = f"/api/v1/groups/{_q(name)}/members?{_offline(live)}"
+        return await self._get(list[MemberStatusEntry], "GET", path)
+
+
+class NodeFollow:
+    """A job's events through the node process's event stream, as the client layer's
+    events; ``view()`` is where the job stood at the stream's end."""
+
+    def __init__(self, backend: ThroughNode, job_id: str, follow: bool) -> None:
+        self._backend = backend
+        self._job_id = job_id
+        self._follow = follow
+        self._after = 0
+        self._stream: Iterator[SseEvent] | None = None
+        self._end: JobResultView | None = None
+        self._closed = False
+
+    def __aiter__(self) -> AsyncIterator[JobEvent]:
+        return self._events()
+
+    async def _events(self) -> AsyncIterator[JobEvent]:
+        while True:
+            event = await asyncio.to_thread(self._next)
+            if event is None:
+                return
+            yield event
+
+    def _open(self) -> Iterator[SseEvent]:
+        client = self._backend._client or self._backend._connect()
+        path = (
+            f"/api/v1/jobs/{_q(self._job_id)}/events"
+            f"?follow={'true' if self._follow else 'false'}&after={self._after}"
+        )
+        return client.events(path)
+
+    def _next(self) -> JobEvent | None:
+        """The next event (None: the stream ended), resuming under a new node process."""
+        from gpumesh.daemon.client import NodeUnavailableError
+
+        failures = 0
+        while not self._closed and self._end is None:
+            try:
+                if self._stream is None:
+                    self._stream = self._open()
+                item = next(self._stream, None)
+            except NodeUnavailableError as exc:
+                self._stream = None
+                failures += 1
+                if failures > RESUME_TRIES:
+                    raise AgentError(
+                        f"the node process kept failing while following job {self._job_id} "
+                        f"({exc}): see {self._backend.home / 'logs' / 'node.log'}"
+                    ) from None
+                self._backend._connect()
+                continue
+            if item is None:
+                self._stream = None
+                raise AgentError(f"the event stream of job {self._job_id} ended without its end")
+            if item.id is not None:
+                self._after = item.id
+            if item.event == "end":
+                self._end = msgspec.convert(item.data, JobResultView)
+                return None
+            if item.event == "error":
+                raise error_from_code(str(item.data["code"]), str(item.data["message"]))
+            converted = _event(self._job_id, item.event, item.data)
+            if converted is not None:
+                return converted
+        return None
+
+    async def aclose(self) -> None:
+        self._closed = True
+        stream, self._stream = self._stream, None
+        close: Callable[[], None] | None = getattr(stream, "close", None)
+        if close is not None:
+            with contextlib.suppress(ValueError):  # a step still under way in its thread
+                close()
+
+    def view(self) -> JobResultView:
+        if self._end is None:
+            raise AgentError(f"the follow of job {self._job_id} did not reach its end")
+        return self._end
+
+
+def _event(job_id: str, kind: str, data: dict[str, Any]) -> JobEvent | None:
+    """An event stream's event as the client layer's (None: one of no kind known)."""
+    from gpumesh.client import jobs
+    from gpumesh.protocol.messages import JobStatus
+
+    if kind == "output":
+        return jobs.Output(str(data["stream"]), base64.b64decode(data["data"]))
+    if kind == "status":
+        status = JobStatus(
+            job_id=job_id,
+            seq=int(data["seq"]),
+            state=str(data["state"]),
+            attempt=int(data["attempt"]),
+            exit_code=data["exit_code"],
+            message=str(data["message"]),
+            exited=bool(data["exited"]),
+        )
+        return jobs.StatusChanged(status, bool(data["exited"]))
+    if kind == "dropped":
+        return jobs.OutputDropped(int(data["count"]))
+    if kind == "reconnecting":
+        return jobs.Reconnecting(error_from_code(str(data["code"]), str(data["message"])))
+    return None
+
+
+def _q(text: str) -> str:
+    return quote(text, safe="")
+
+
+def _offline(live: bool) -> str:
+    return f"offline={'false' if live else 'true'}"
+
+
+def _absolute(location: str) -> str:
+    """A copy's side with a local path made absolute (``PEER:PATH`` as it is)."""
+    from gpumesh.client.files import parse_location
+
+    if parse_location(location).peer is not None:
+        return location
+    return _local(location)
+
+
+def _local(path: str | Path) -> str:
+    return str(Path(path).expanduser().absolute())
