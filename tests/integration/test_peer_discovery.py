@@ -16,11 +16,13 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
+import pytest
 
 from gpumesh.agent.deps import RequestContext
 from gpumesh.agent.server import Agent
 from gpumesh.client.discovery import PeerRefresh, refresh_peers
 from gpumesh.client.node import Node
+from gpumesh.errors import ProtocolError
 from gpumesh.identity.keys import Identity
 from gpumesh.protocol.listing import DOMAIN, AddressRecord
 from gpumesh.protocol.messages import AddressAnswer, AddressQuery, SignedAddresses
@@ -184,5 +186,36 @@ def test_a_node_that_did_not_opt_in_is_never_revealed(make_node: Callable[[str],
             bob.deny("carol")
             answer = await _ask(alice, "bob", AddressQuery(node_ids=[carol_id]))
             assert answer.peers == []
+
+    arun(scenario())
+
+
+def test_refusals_and_an_older_peer_are_one_line_notes(make_node: Callable[[str], Node]) -> None:
+    alice, bob, _carol = _three(make_node)
+    mallory = Identity.generate()
+
+    async def scenario() -> None:
+        async with sharing(bob) as older:
+            pair_both(alice, bob)
+            # An asker's "own" record signed by another key is refused, in one line.
+            theirs = sign_own_record(mallory, ["10.9.9.9:1"], "")
+            with pytest.raises(ProtocolError) as refused:
+                await _ask(alice, "bob", AddressQuery(mine=theirs))
+            assert refused.value.message.startswith(
+                "your own address record was refused: the record is signed by another key"
+            )
+            assert "\n" not in refused.value.message
+            assert str(mallory.node_id) not in {str(p.node_id) for p in bob.peers()}
+
+            # A peer from before AddressQuery: sync says so and still dials it.
+            async def unknown(ctx: RequestContext, message: AddressQuery) -> None:
+                raise ProtocolError("AddressQuery is not a request this node serves")
+
+            older.handlers[AddressQuery] = unknown
+            (result,) = await refresh_peers(alice, None, timeout=2)
+            assert result.reachable is True
+            assert result.note == (
+                "could not ask it for addresses: AddressQuery is not a request this node serves"
+            )
 
     arun(scenario())
