@@ -13,6 +13,7 @@ import asyncio
 import json
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -27,7 +28,10 @@ from gpumesh.identity.keys import Identity
 from gpumesh.protocol.listing import DOMAIN, AddressRecord
 from gpumesh.protocol.messages import AddressAnswer, AddressQuery, SignedAddresses
 from gpumesh.protocol.peeraddresses import sign_own_record
+from gpumesh.store.peerrecords import PeerRecords
 from tests.integration.conftest import arun, gpumesh, pair_both, sharing
+from tests.integration.test_cli import _free_udp_port, _init
+from tests.integration.test_registry_share import _share, _stop
 
 
 def _three(make_node: Callable[[str], Node]) -> tuple[Node, Node, Node]:
@@ -219,3 +223,25 @@ def test_refusals_and_an_older_peer_are_one_line_notes(make_node: Callable[[str]
             )
 
     arun(scenario())
+
+
+def test_share_with_announce_addresses_needs_no_registry(tmp_path: Path) -> None:
+    alice, bob = tmp_path / "alice", tmp_path / "bob"
+    _init(alice, "alice-pc", _free_udp_port())
+    _init(bob, "bob-laptop")
+    gpumesh(alice, "config", "set", "announce_addresses", "true")
+    share = _share(alice)
+    try:
+        banner = share.banner  # type: ignore[attr-defined]
+        assert "no rendezvous_url: paired peers hand this node's addresses on (`sync`)" in banner
+        assert gpumesh(bob, "pair", gpumesh(alice, "pair-code").stdout.strip()).returncode == 0
+        assert gpumesh(alice, "pair", gpumesh(bob, "pair-code").stdout.strip()).returncode == 0
+        synced = gpumesh(bob, "sync", "--json")
+        assert synced.returncode == 0, synced.stderr
+        (peer,) = json.loads(synced.stdout)["peers"]
+        assert peer["reachable"] is True and peer["note"] == ""
+        # alice's record reached bob marked findable: bob may hand it on.
+        stored = PeerRecords(bob).get(peer["node_id"])
+        assert stored is not None and stored.findable is True
+    finally:
+        _stop(share)

@@ -91,6 +91,8 @@ def test_stored_records_round_trip_and_bad_files_read_as_none(tmp_path: Path) ->
     stored = StoredRecord(signed.record, signed.signature, True, NOW)
     records.save(node_id, stored)
     assert records.get(node_id) == stored
+    assert (tmp_path / "peer-addresses").stat().st_mode & 0o777 == 0o700
+    assert (tmp_path / "peer-addresses" / node_id).stat().st_mode & 0o777 == 0o600
     (tmp_path / "peer-addresses" / node_id).write_bytes(b"\xc1 not msgpack")
     assert records.get(node_id) is None
     records.forget(node_id)

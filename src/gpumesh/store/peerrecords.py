@@ -70,7 +70,11 @@ class PeerRecords:
         target = self._file(node_id)
         self.path.mkdir(mode=0o700, exist_ok=True)
         temporary = target.with_name(f".{node_id}.{os.getpid()}.tmp")
-        temporary.write_bytes(msgspec.msgpack.encode(stored))
+        with contextlib.suppress(FileNotFoundError):
+            temporary.unlink()  # left by a process of this pid that died mid-write
+        descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(descriptor, "wb") as handle:
+            handle.write(msgspec.msgpack.encode(stored))
         os.replace(temporary, target)
 
     def forget(self, node_id: str) -> None:
