@@ -26,7 +26,8 @@ exit codes; nothing here prints.
     │   ├── ConnectionLostError       connection_lost
     │   └── RelayError                relay
     ├── ProtocolError                 protocol
-    │   └── FrameTooLargeError        frame_too_large
+    │   ├── FrameTooLargeError        frame_too_large
+    │   └── StaleRecordError          stale_record
     ├── RuntimeUnavailableError       runtime
     │   └── ImageMissingError         image_missing
     ├── LimitError                    limit
@@ -127,6 +128,7 @@ __all__ = [
     "RegistryError",
     "RelayError",
     "RuntimeUnavailableError",
+    "StaleRecordError",
     "TransportError",
     "UnknownPeerError",
     "UnreachableError",
@@ -232,6 +234,12 @@ class ProtocolError(GPUMeshError):
 
 class FrameTooLargeError(ProtocolError):
     code = "frame_too_large"
+
+
+class StaleRecordError(ProtocolError):
+    """A peer's address record is not newer than the one already taken for its node."""
+
+    code = "stale_record"
 
 
 class RuntimeUnavailableError(GPUMeshError):

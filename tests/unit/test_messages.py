@@ -12,8 +12,11 @@ from hypothesis import strategies as st
 
 from gpumesh.errors import FrameTooLargeError, ProtocolError
 from gpumesh.protocol.messages import (
+    MAX_ADDRESS_QUERY,
     MAX_MESSAGE_FRAME,
     PROTOCOL_VERSION,
+    AddressAnswer,
+    AddressQuery,
     AppJobDir,
     AppJobDirReply,
     AppNeeds,
@@ -56,6 +59,7 @@ from gpumesh.protocol.messages import (
     Proof,
     Refusal,
     SessionProof,
+    SignedAddresses,
     StatusReply,
     StatusRequest,
     ThroughputReply,
@@ -73,6 +77,8 @@ hash_lists = st.lists(st.text(max_size=16), max_size=8)
 job_ids = st.from_regex(r"[a-z0-9]{8,32}", fullmatch=True)
 env_keys = st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,20}", fullmatch=True)
 env_values = st.text(st.characters(blacklist_characters="\0"), max_size=100)
+signed_bytes = st.binary(max_size=300)
+signatures = st.binary(min_size=64, max_size=64)
 
 MESSAGES: st.SearchStrategy[Message] = st.one_of(
     st.builds(
@@ -247,6 +253,20 @@ MESSAGES: st.SearchStrategy[Message] = st.one_of(
         device=names,
         memory=st.integers(0, 2**40),
     ),
+    st.builds(
+        AddressQuery,
+        node_ids=st.lists(names, max_size=MAX_ADDRESS_QUERY),
+        mine=st.none() | st.builds(SignedAddresses, record=signed_bytes, signature=signatures),
+    ),
+    st.builds(
+        AddressAnswer,
+        own=st.builds(SignedAddresses, record=signed_bytes, signature=signatures),
+        findable=st.booleans(),
+        peers=st.lists(
+            st.builds(SignedAddresses, record=signed_bytes, signature=signatures),
+            max_size=MAX_ADDRESS_QUERY,
+        ),
+    ),
 )
 
 KEY = b"k" * 32
@@ -282,6 +302,7 @@ def test_every_message_type_is_covered_by_the_round_trip() -> None:
     covered |= {AppSync, AppNeeds, AppSend, AppSynced, AppJobDir, AppJobDirReply}
     covered |= {ChannelPut, ChannelGet, ChannelOffer, ChannelDeclined}
     covered |= {DesktopOpen, DesktopOpened}
+    covered |= {AddressQuery, AddressAnswer}
     assert set(get_args(Message)) == covered
 
 
@@ -313,6 +334,14 @@ def test_decode_accepts_a_memoryview() -> None:
         ThroughputRequest(size=-1),
         ThroughputRequest(size=4 * 1024**3 + 1),
         ThroughputReply(received=-1, seconds=0.0),
+        AddressQuery(node_ids=["n"] * (MAX_ADDRESS_QUERY + 1)),
+        AddressQuery(node_ids=["n" * 65]),
+        AddressQuery(mine=SignedAddresses(record=b"r", signature=b"s" * 63)),
+        AddressAnswer(own=SignedAddresses(record=b"r" * 4097, signature=b"s" * 64)),
+        AddressAnswer(
+            own=SignedAddresses(record=b"r", signature=b"s" * 64),
+            peers=[SignedAddresses(record=b"r", signature=b"s" * 64)] * (MAX_ADDRESS_QUERY + 1),
+        ),
     ],
     ids=repr,
 )
@@ -492,3 +521,12 @@ def test_hash_lists_and_names_are_bounded() -> None:
     ):
         with pytest.raises(ProtocolError):
             decode_message(_raw(fields))
+
+
+def test_the_largest_address_answer_fits_a_frame() -> None:
+    """Every record at its size limit, as many as allowed: still one frame."""
+    biggest = SignedAddresses(record=b"r" * 4096, signature=b"s" * 64)
+    answer = AddressAnswer(own=biggest, findable=True, peers=[biggest] * MAX_ADDRESS_QUERY)
+    assert decode_message(encode_message(answer)) == answer
+    query = AddressQuery(node_ids=["n" * 64] * MAX_ADDRESS_QUERY, mine=biggest)
+    assert len(encode_message(query)) < MAX_MESSAGE_FRAME

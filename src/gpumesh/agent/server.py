@@ -20,6 +20,7 @@ import time
 from collections.abc import Awaitable
 from typing import Any
 
+from gpumesh.agent.addresses import AddressService
 from gpumesh.agent.apps import AppService
 from gpumesh.agent.containers import Containers
 from gpumesh.agent.cuda import CudaService, CudaSession
@@ -55,6 +56,7 @@ from gpumesh.protocol.messages import (
 from gpumesh.runtime.base import JobRuntime
 from gpumesh.store.followers import FollowerWakeups
 from gpumesh.store.home import AgentInfo, Home, RelayState
+from gpumesh.store.peerrecords import PeerRecords
 from gpumesh.store.stops import take_stops
 from gpumesh.transport.netinfo import local_addresses
 from gpumesh.transport.quic import QuicEndpoint, QuicLink
@@ -167,6 +169,15 @@ class Agent:
         """The desktop share: the owner's one local port, for its own allowlist."""
         for service in (self.jobs, self.files, self.apps, self.shells, self.desktop, self.cuda):
             service.register(self.handlers)
+        self.addresses = AddressService(
+            self.identity,
+            config,
+            self.store,
+            PeerRecords(home.path),
+            lambda: local_addresses(self.host, self.address[1]),
+        )
+        """Where this node and its findable peers are now (``gpumesh sync`` asks)."""
+        self.addresses.register(self.handlers)
 
     def _publish_cuda(self, sessions: list[CudaSession]) -> None:
         """Let the owner's ``status`` see the open CUDA sessions."""

@@ -57,8 +57,9 @@ class Publishing:
 
 
 def check(config: Any, public: bool) -> None:
-    """Refuse ``--public`` (or announce_addresses) without a registry, before sharing starts."""
-    if public or config.get("announce_addresses") == "true":
+    """Refuse ``--public`` without a registry, before sharing starts (announce_addresses
+    alone needs none: paired peers then hand this node's record on)."""
+    if public:
         registry_url(str(config.get("rendezvous_url")))
 
 
@@ -68,6 +69,9 @@ async def start(
     """Publish now and keep refreshing; None when this node publishes nothing."""
     config = node.home.config
     announce = public or config.get("announce_addresses") == "true"
+    if announce and not public and not str(config.get("rendezvous_url")):
+        click.echo("  no rendezvous_url: paired peers hand this node's addresses on (`sync`)")
+        announce = False
     if not announce:
         # `gpumesh sync` signals every running share: one that publishes nothing
         # must not die of SIGUSR1's default action.

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import os
 import signal
+from typing import TYPE_CHECKING
 
 import click
 
 from gpumesh.cli._common import emit_json, get_node, run_async
+
+if TYPE_CHECKING:
+    from gpumesh.client.discovery import PeerRefresh
 
 
 @click.command(
@@ -17,9 +21,11 @@ Examples:
   gpumesh sync --no-dial        # only look addresses up, dial nobody
   gpumesh sync --json
 \b
-Peers' addresses come from signed records in the registry (rendezvous_url),
-published by nodes with `announce_addresses = true` or `share --public`; a
-record is accepted only when signed by the key you paired with.
+Peers' addresses come from signed records: in the registry (rendezvous_url),
+published by nodes with `announce_addresses = true` or `share --public`, and
+from paired peers that answer (each about itself, and about your other peers
+that asked them to hand their record on). A record is accepted only when
+signed by the key you paired with, and newer than the last one taken.
 """
 )
 @click.option("--timeout", type=float, default=5.0, show_default=True, help="Seconds per peer.")
@@ -31,7 +37,9 @@ def sync(timeout: float, no_dial: bool, as_json: bool) -> None:
     With a registry configured, a running `gpumesh share --public` (or with
     announce_addresses) re-publishes at once, and each paired peer's signed
     address record is looked up; then every peer is dialled to refresh the
-    path that works. Without one, only the dialling is done.
+    path that works. Registry or not, every peer that answers is asked for
+    its current addresses and those of the peers that did not answer; a peer
+    found that way is dialled again.
     """
     from gpumesh.client.discovery import refresh_peers
     from gpumesh.client.registry import RegistryClient
@@ -49,9 +57,8 @@ def sync(timeout: float, no_dial: bool, as_json: bool) -> None:
         return
     if not url:
         click.echo(
-            "No registry is configured (rendezvous_url): addresses were only refreshed "
-            "by dialling paired peers. Set one with "
-            "`gpumesh config set rendezvous_url http://HOST:8080`."
+            "No registry configured (rendezvous_url): refreshed from paired peers only. "
+            "Set one with `gpumesh config set rendezvous_url http://HOST:8080`."
         )
     elif republished is None:
         click.echo(f"Registry {url}: no `gpumesh share` runs here, nothing to re-publish.")
@@ -60,18 +67,45 @@ def sync(timeout: float, no_dial: bool, as_json: bool) -> None:
     if not results:
         click.echo("No paired peers.")
         return
+    _print_results(results)
+
+
+def _print_results(results: list[PeerRefresh]) -> None:
+    from rich.markup import escape
+
+    from gpumesh.cli._table import Column, print_table
+
+    rows = []
     for result in results:
         if result.reachable is None:
             state = "not dialled"
         elif result.reachable:
-            state = f"reachable ({result.path})"
+            state = f"yes ({result.path})"
         else:
-            state = "unreachable"
-        moved = "moved, addresses updated: " if result.moved else ""
-        line = f"{result.name}: {moved}{', '.join(result.addresses) or 'no address'}; {state}"
-        if result.note:
-            line += f" - {result.note}"
-        click.echo(line)
+            state = "no"
+        if result.moved:
+            changed = f"moved (via {result.found_via})" if result.found_via else "moved (registry)"
+        else:
+            changed = "-"
+        rows.append(
+            [
+                escape(result.name),
+                changed,
+                escape(", ".join(result.addresses) or "no address"),
+                escape(state),
+                escape(result.note),
+            ]
+        )
+    print_table(
+        [
+            Column("PEER", gives_way=3),
+            Column("CHANGED"),
+            Column("ADDRESSES", gives_way=2),
+            Column("REACHABLE"),
+            Column("NOTE", gives_way=1, below=True, named_below=True),
+        ],
+        rows,
+    )
 
 
 def _ask_share_to_republish(node: object) -> int | None:

@@ -21,16 +21,20 @@ from typing import Annotated
 import msgspec
 
 from gpumesh.errors import FrameTooLargeError, ProtocolError
+from gpumesh.protocol.listing import MAX_RECORD_BYTES
 
 __all__ = [
     "ALPN",
     "ALPNS",
     "ALPN_CHALLENGE",
+    "MAX_ADDRESS_QUERY",
     "MAX_DATA_FRAME",
     "MAX_JOB_MOUNTS",
     "MAX_MESSAGE_FRAME",
     "PROTOCOL_VERSION",
     "PULL_PROGRESS_EVERY",
+    "AddressAnswer",
+    "AddressQuery",
     "AppJobDir",
     "AppJobDirReply",
     "AppNeeds",
@@ -75,6 +79,7 @@ __all__ = [
     "Proof",
     "Refusal",
     "SessionProof",
+    "SignedAddresses",
     "StatusReply",
     "StatusRequest",
     "ThroughputReply",
@@ -692,6 +697,45 @@ class CudaOpened(_Msg, tag="cuda_opened", frozen=True):
     gpus: Annotated[list[Name], msgspec.Meta(max_length=64)] = []
 
 
+# --- discovery among paired peers: current addresses, signed by their nodes ----------
+
+MAX_ADDRESS_QUERY = 12
+"""Most node ids one ``AddressQuery`` names and most records one ``AddressAnswer``
+hands on: with the answering node's own, 13 records of at most 4 KiB each fit a frame."""
+
+SignedBytes = Annotated[bytes, msgspec.Meta(max_length=MAX_RECORD_BYTES)]
+
+
+class SignedAddresses(msgspec.Struct, frozen=True):
+    """A :class:`gpumesh.protocol.listing.AddressRecord` exactly as its node signed it
+    (the registry's format): the receiver checks the signature against the key it
+    pinned for that node, never against anything the sender says."""
+
+    record: SignedBytes
+    signature: Signature
+
+
+class AddressQuery(_Msg, tag="address_query", frozen=True):
+    """Asker -> a paired peer: your current address record, and the records of these
+    nodes (by id) that you are paired with and that handed you theirs to pass on."""
+
+    node_ids: Annotated[list[Name], msgspec.Meta(max_length=MAX_ADDRESS_QUERY)] = []
+    mine: SignedAddresses | None = None
+    """The asker's own record, only when it asked to be findable (announce_addresses):
+    the peer may then hand it on to its other paired peers that ask for it."""
+
+
+class AddressAnswer(_Msg, tag="address_answer", frozen=True):
+    own: SignedAddresses
+    """The answering node's own record, signed by its key."""
+    findable: bool = False
+    """Whether the answering node asked to be findable: only then may the asker hand
+    ``own`` on to its other peers."""
+    peers: Annotated[list[SignedAddresses], msgspec.Meta(max_length=MAX_ADDRESS_QUERY)] = []
+    """Records of asked-for nodes, each as that node signed it; omitted: not known,
+    not paired there, or not findable (the answer never says which)."""
+
+
 Message = (
     SessionProof
     | Hello
@@ -739,6 +783,8 @@ Message = (
     | DesktopOpened
     | CudaOpen
     | CudaOpened
+    | AddressQuery
+    | AddressAnswer
 )
 
 _encoder = msgspec.msgpack.Encoder()

@@ -260,8 +260,9 @@ KEYS: dict[str, ConfigKey] = {
             "announce_addresses",
             _choice("true", "false"),
             "false",
-            "publish signed address records to rendezvous_url so paired peers find this "
-            "node after it moves (`share --public` implies it)",
+            "publish signed address records (to rendezvous_url, and to paired peers, which "
+            "hand them on) so paired peers find this node after it moves (`share --public` "
+            "implies it)",
         ),
         ConfigKey("image", _text, DEFAULT_IMAGE, "default job image", settings.ENV_IMAGE),
         ConfigKey(

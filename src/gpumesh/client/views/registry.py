@@ -69,12 +69,16 @@ class PeerSyncView(msgspec.Struct):
     name: str
     node_id: str
     moved: bool
-    """Its signed address record in the registry named new addresses, now stored."""
+    """A signed address record (from the registry, or handed on by a paired peer)
+    named new addresses, now stored."""
     addresses: list[str]
     reachable: bool | None
     """None: not dialled (``--no-dial``)."""
     path: str
     note: str
+    found_via: str = ""
+    """The paired peer whose answer gave its new addresses; empty: none did (or the
+    registry did, with ``moved``)."""
 
 
 class SyncView(msgspec.Struct):
@@ -92,7 +96,16 @@ class SyncView(msgspec.Struct):
             registry,
             republished,
             [
-                PeerSyncView(p.name, p.node_id, p.moved, p.addresses, p.reachable, p.path, p.note)
+                PeerSyncView(
+                    p.name,
+                    p.node_id,
+                    p.moved,
+                    p.addresses,
+                    p.reachable,
+                    p.path,
+                    p.note,
+                    p.found_via,
+                )
                 for p in peers
             ],
         )
