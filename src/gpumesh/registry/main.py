@@ -19,6 +19,7 @@ import click
 from gpumesh.errors import ConfigError
 from gpumesh.protocol.addresses import format_address
 from gpumesh.registry.config import DEFAULT_DB, DEFAULT_LISTEN, RegistryConfig, database_url
+from gpumesh.servermain import print_error, run_command, stderr_logging
 from gpumesh.version import __version__
 
 __all__ = ["main", "registry"]
@@ -119,7 +120,7 @@ def registry(**options: Any) -> None:
         search_per_ip=options["search_per_ip"],
     ).check()
     url = database_url(config.db)
-    _setup_logging(options["log_level"])
+    stderr_logging(options["log_level"])
     try:
         import sqlalchemy  # noqa: F401
     except ImportError:
@@ -188,7 +189,7 @@ async def _run(
     except Exception as exc:
         logger.debug("opening the database failed", exc_info=True)
         await store.close()
-        _error(f"cannot open the database {where}: {_reason(exc)}; check --db")
+        print_error(f"cannot open the database {where}: {_reason(exc)}; check --db")
         return 1
     app = create_app(config, store, open_store=False)
     host, port = sock.getsockname()[:2]
@@ -218,41 +219,9 @@ def _reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
-def _setup_logging(level: str) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
-    root = logging.getLogger("gpumesh")
-    root.addHandler(handler)
-    root.setLevel(getattr(logging, level.upper(), logging.INFO))
-
-
-def _error(message: str) -> None:
-    prefix = click.style("error:", fg="red", bold=True) if sys.stderr.isatty() else "error:"
-    click.echo(f"{prefix} {message}", err=True)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Console entry point: the exit status (0, 1 cannot run, 2 bad settings)."""
-    try:
-        result = registry.main(args=argv, prog_name="gpumesh-registry", standalone_mode=False)
-    except ConfigError as exc:
-        _error(exc.message)
-        return 2
-    except click.UsageError as exc:
-        _error(exc.format_message())
-        return 2
-    except click.ClickException as exc:
-        _error(exc.format_message())
-        return exc.exit_code
-    except (click.Abort, KeyboardInterrupt):
-        return 130
-    except SystemExit as exc:
-        return exc.code if isinstance(exc.code, int) else 0
-    except Exception as exc:  # never a traceback on the terminal
-        logger.debug("gpumesh-registry failed", exc_info=True)
-        _error(f"{type(exc).__name__}: {exc}")
-        return 1
-    return result if isinstance(result, int) else 0
+    return run_command(registry, argv, "gpumesh-registry")
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from gpumesh.relay.config import (
     read_allow_file,
     read_token_file,
 )
+from gpumesh.servermain import print_error, run_command, stderr_logging
 from gpumesh.version import __version__
 
 __all__ = ["main", "relay"]
@@ -154,7 +155,7 @@ def relay(**options: Any) -> None:
     The relay sees who talks to whom and how much, never what they say.
     """
     config = build_config(options)
-    _setup_logging(config.log_level)
+    stderr_logging(config.log_level)
     import asyncio
 
     sys.exit(asyncio.run(_run(config)))
@@ -236,7 +237,7 @@ async def _run(config: RelayConfig) -> int:
         server = await serve(config)
     except OSError as exc:
         where = f"{config.host}:{config.port}"
-        _error(f"cannot listen on udp {where}: {exc.strerror or exc}")
+        print_error(f"cannot listen on udp {where}: {exc.strerror or exc}")
         return 1
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -253,41 +254,9 @@ async def _run(config: RelayConfig) -> int:
     return 0
 
 
-def _setup_logging(level: str) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
-    root = logging.getLogger("gpumesh")
-    root.addHandler(handler)
-    root.setLevel(getattr(logging, level.upper(), logging.INFO))
-
-
-def _error(message: str) -> None:
-    prefix = click.style("error:", fg="red", bold=True) if sys.stderr.isatty() else "error:"
-    click.echo(f"{prefix} {message}", err=True)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Console entry point: the exit status (0, 1 cannot run, 2 bad settings)."""
-    try:
-        result = relay.main(args=argv, prog_name="gpumesh-relay", standalone_mode=False)
-    except ConfigError as exc:
-        _error(exc.message)
-        return 2
-    except click.UsageError as exc:
-        _error(exc.format_message())
-        return 2
-    except click.ClickException as exc:
-        _error(exc.format_message())
-        return exc.exit_code
-    except (click.Abort, KeyboardInterrupt):
-        return 130
-    except SystemExit as exc:
-        return exc.code if isinstance(exc.code, int) else 0
-    except Exception as exc:  # never a traceback on the terminal
-        logger.debug("gpumesh-relay failed", exc_info=True)
-        _error(f"{type(exc).__name__}: {exc}")
-        return 1
-    return result if isinstance(result, int) else 0
+    return run_command(relay, argv, "gpumesh-relay")
 
 
 if __name__ == "__main__":
