@@ -11,12 +11,9 @@ import contextlib
 import os
 import re
 import socket
-import socketserver
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +22,7 @@ import pytest
 from gpumesh.cuda import RemoteDevice
 from gpumesh.errors import GPUMeshError
 from tests.browser.test_dashboard import AXE, _until, signed_in, tab_to, wait_js
-from tests.integration.conftest import gpumesh, shared_pair
-from tests.integration.test_control_api import Api, start_control
+from tests.integration.test_owner_sessions import Owner, sharing_sessions
 
 pytestmark = pytest.mark.usefixtures("docker_daemon")
 
@@ -34,45 +30,10 @@ CEILING = 60.0
 MiB = 1024 * 1024
 
 
-class _Echo(socketserver.BaseRequestHandler):
-    def handle(self) -> None:
-        while data := self.request.recv(65536):
-            self.request.sendall(data)
-
-
-class _Server(socketserver.ThreadingTCPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-
-
-@dataclass
-class Owner:
-    alice: Path
-    bob: Path
-    api: Api
-    """alice's dashboard."""
-
-
 @pytest.fixture(scope="module")
 def owner(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Owner]:
-    desktop = _Server(("127.0.0.1", 0), _Echo)
-    threading.Thread(target=desktop.serve_forever, daemon=True).start()
-    with shared_pair(tmp_path_factory.mktemp("owner-dash")) as (alice, bob):
-        for args in (
-            ("desktop", "share", "--port", str(desktop.server_address[1])),
-            ("desktop", "allow", "bob-laptop"),
-            ("cuda", "share"),
-            ("cuda", "allow", "bob-laptop"),
-        ):
-            done = gpumesh(alice, *args)
-            assert done.returncode == 0, (args, done.stderr)
-        api = start_control(alice)
-        try:
-            yield Owner(alice, bob, api)
-        finally:
-            api.stop()
-            desktop.shutdown()
-            desktop.server_close()
+    with sharing_sessions(tmp_path_factory.mktemp("owner-dash")) as shared:
+        yield shared
 
 
 def _sessions(owner: Owner, kind: str) -> list[dict[str, Any]]:

@@ -6,6 +6,7 @@ fallback, as these machines have no GPU)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -55,12 +56,13 @@ class Owner:
     alice_id: str
 
 
-@pytest.fixture(scope="module")
-def owner(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Owner]:
-    """alice shares a desktop (an echo server) and CUDA with bob-laptop."""
+@contextlib.contextmanager
+def sharing_sessions(root: Path) -> Iterator[Owner]:
+    """alice (under ``root``) shares a desktop (an echo server) and CUDA with
+    bob-laptop, and serves her control API; also the browser tests' set-up."""
     desktop = _Server(("127.0.0.1", 0), _Echo)
     threading.Thread(target=desktop.serve_forever, daemon=True).start()
-    with shared_pair(tmp_path_factory.mktemp("owner")) as (alice, bob):
+    with shared_pair(root) as (alice, bob):
         for args in (
             ("desktop", "share", "--port", str(desktop.server_address[1])),
             ("desktop", "allow", "bob-laptop"),
@@ -77,6 +79,12 @@ def owner(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Owner]:
             api.stop()
             desktop.shutdown()
             desktop.server_close()
+
+
+@pytest.fixture(scope="module")
+def owner(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Owner]:
+    with sharing_sessions(tmp_path_factory.mktemp("owner")) as shared:
+        yield shared
 
 
 def _until(check: Callable[[], Any]) -> Any:
