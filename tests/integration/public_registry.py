@@ -70,7 +70,8 @@ def postgres_url() -> str:
         if ci:
             pytest.fail(f"PostgreSQL is needed in CI: {done.stderr.strip()}")
         pytest.skip(f"no PostgreSQL here: {done.stderr.strip()}")
-    url = done.stdout.strip()
+    lines = done.stdout.strip().splitlines()
+    url = lines[-1] if lines else ""
     os.environ["GPUMESH_TEST_POSTGRES_URL"] = url
     return url
 
