@@ -21,6 +21,8 @@ from tests.integration.node import CEILING, cli, node_env, status, wait_gone
 pytestmark = pytest.mark.usefixtures("docker_daemon")
 
 HEAVY = ("qh3", "cryptography", "docker")
+LISTING = (*HEAVY, "rich", "asyncio", "sqlite3", "logging", "shutil")
+"""Not imported by `gpumesh jobs --json` through the node process either."""
 
 
 def test_run_streams_output_apart_and_exits_with_the_jobs_code(pair: tuple[Path, Path]) -> None:
@@ -92,7 +94,9 @@ def test_the_thin_commands_import_no_quic_crypto_or_docker(pair: tuple[Path, Pat
         f"""
         import sys
         from gpumesh.cli.main import main
-        codes = []
+        codes = [int(main(["jobs", "--json"]))]
+        listing = sorted(m for m in sys.modules if m.split(".")[0] in {LISTING!r})
+        print("LISTING", listing, file=sys.stderr)
         for argv in (["jobs"], ["logs", "-f", "{job_id}"], ["cancel", "{job_id}"],
                      ["run", "--peer", "alice-pc", "--", "echo", "again"]):
             codes.append(int(main(argv)))
@@ -111,8 +115,9 @@ def test_the_thin_commands_import_no_quic_crypto_or_docker(pair: tuple[Path, Pat
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("RESULT"), result.stderr
     codes, heavy = last.removeprefix("RESULT ").split("] ", 1)
-    assert codes == "[0, 0, 0, 0", result.stderr
+    assert codes == "[0, 0, 0, 0, 0", result.stderr
     assert heavy == "[]", f"imported on the thin path: {heavy}"
+    assert "LISTING []\n" in result.stderr, result.stderr
     assert "hi\n" in result.stdout and "again\n" in result.stdout
 
 
