@@ -20,8 +20,8 @@ from tests.integration.node import CEILING, cli, node_env, status, wait_gone
 
 pytestmark = pytest.mark.usefixtures("docker_daemon")
 
-HEAVY = ("qh3", "cryptography", "docker")
-LISTING = (*HEAVY, "rich", "asyncio", "sqlite3", "logging", "shutil")
+HEAVY = ("qh3", "cryptography", "docker", "sqlite3")
+LISTING = (*HEAVY, "rich", "asyncio", "logging", "shutil")
 """Not imported by `gpumesh jobs --json` through the node process either."""
 
 
@@ -85,7 +85,7 @@ def test_a_follow_survives_the_node_process_being_killed(pair: tuple[Path, Path]
     assert status(bob)["node"]["pid"] != first  # a new node process carried the rest
 
 
-def test_the_thin_commands_import_no_quic_crypto_or_docker(pair: tuple[Path, Path]) -> None:
+def test_the_thin_commands_import_no_quic_crypto_docker_or_sqlite(pair: tuple[Path, Path]) -> None:
     _alice, bob = pair
     job = cli(bob, "run", "--peer", "alice-pc", "-d", "--", "echo", "hi")
     assert job.returncode == 0, job.stderr
