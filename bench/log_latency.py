@@ -36,6 +36,14 @@ stamped after its reader had received the warm-up line, so replayed history
 paths take turns, ``--rounds`` containers each, the order rotating every
 round; figures are p50 and p90 over all counted lines of a path.
 
+The first line of each container (the warm-up line, printed ``LEAD_IN``
+seconds after the container started, when the reader is attached) is shown
+apart: the latency of a job's first output, which for GPUMesh includes the
+provider's first look at the container's log and, for ``logs -f``, the node
+process's event stream (``/api/v1/jobs/ID/events``) starting to carry it. A
+follower that attached only after that line was written would show its
+lateness here instead; the lead-in makes that unlikely.
+
 For GPUMesh, the provider's event log also records when it stored each line,
 so its latency splits into "container to the provider's event log" (Docker's
 log pipeline, the Engine API, one SQLite transaction) and "event log to CLI
@@ -254,12 +262,15 @@ class Sample:
     from_store: list[float] = field(default_factory=list)
     gaps: list[float] = field(default_factory=list)
     replayed: int = 0
+    first: list[float] = field(default_factory=list)
+    """The warm-up line's latency: the container's first line of output."""
 
 
 def counted(reading: Reading, stored: dict[int, float] | None = None) -> Sample:
     """The lines stamped after the reader had the warm-up line; latencies checked >= 0."""
     sample = Sample(gaps=list(reading.gaps))
     live_from = reading.received[0]
+    sample.first.append(max(0.0, live_from - reading.stamped[0]))
     for number, stamp in reading.stamped.items():
         if number == 0:
             continue
@@ -420,6 +431,18 @@ def report(args: argparse.Namespace, samples: dict[str, list[Sample]]) -> None:
         f"  (p50 {gaps.p50 * 1e3:.2f} ms, p90 {gaps.p90 * 1e3:.2f} ms), and in practice less: "
         f"the fastest line of all took {fastest * 1e3:.2f} ms"
     )
+    first = summarize(merged(BASELINE, "first"))
+    print(
+        f"\nFirst line of each container (printed {LEAD_IN:g} s after it started, the reader "
+        "attached meanwhile), write to the reader's output"
+    )
+    rows = [
+        _row(
+            path, merged(path, "first"), f"{summarize(merged(path, 'first')).p50 / first.p50:.2f}x"
+        )
+        for path in PATHS
+    ]
+    print_rows(["", "p50 ms", "p90 ms", "max ms", "lines", f"p50 vs {BASELINE}"], rows)
     replayed = {path: sum(s.replayed for s in samples[path]) for path in PATHS}
     if any(replayed.values()):
         shown = ", ".join(f"{path}: {n}" for path, n in replayed.items() if n)

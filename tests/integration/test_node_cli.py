@@ -20,7 +20,9 @@ from tests.integration.node import CEILING, cli, node_env, status, wait_gone
 
 pytestmark = pytest.mark.usefixtures("docker_daemon")
 
-HEAVY = ("qh3", "cryptography", "docker")
+HEAVY = ("qh3", "cryptography", "docker", "sqlite3")
+LISTING = (*HEAVY, "rich", "asyncio", "logging", "shutil")
+"""Not imported by `gpumesh jobs --json` through the node process either."""
 
 
 def test_run_streams_output_apart_and_exits_with_the_jobs_code(pair: tuple[Path, Path]) -> None:
@@ -83,7 +85,7 @@ def test_a_follow_survives_the_node_process_being_killed(pair: tuple[Path, Path]
     assert status(bob)["node"]["pid"] != first  # a new node process carried the rest
 
 
-def test_the_thin_commands_import_no_quic_crypto_or_docker(pair: tuple[Path, Path]) -> None:
+def test_the_thin_commands_import_no_quic_crypto_docker_or_sqlite(pair: tuple[Path, Path]) -> None:
     _alice, bob = pair
     job = cli(bob, "run", "--peer", "alice-pc", "-d", "--", "echo", "hi")
     assert job.returncode == 0, job.stderr
@@ -92,7 +94,9 @@ def test_the_thin_commands_import_no_quic_crypto_or_docker(pair: tuple[Path, Pat
         f"""
         import sys
         from gpumesh.cli.main import main
-        codes = []
+        codes = [int(main(["jobs", "--json"]))]
+        listing = sorted(m for m in sys.modules if m.split(".")[0] in {LISTING!r})
+        print("LISTING", listing, file=sys.stderr)
         for argv in (["jobs"], ["logs", "-f", "{job_id}"], ["cancel", "{job_id}"],
                      ["run", "--peer", "alice-pc", "--", "echo", "again"]):
             codes.append(int(main(argv)))
@@ -111,8 +115,9 @@ def test_the_thin_commands_import_no_quic_crypto_or_docker(pair: tuple[Path, Pat
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("RESULT"), result.stderr
     codes, heavy = last.removeprefix("RESULT ").split("] ", 1)
-    assert codes == "[0, 0, 0, 0", result.stderr
+    assert codes == "[0, 0, 0, 0, 0", result.stderr
     assert heavy == "[]", f"imported on the thin path: {heavy}"
+    assert "LISTING []\n" in result.stderr, result.stderr
     assert "hi\n" in result.stdout and "again\n" in result.stdout
 
 

@@ -14,6 +14,7 @@ import pytest
 
 from gpumesh.cli import _common
 from gpumesh.cli._common import setup_logging
+from gpumesh.cli._logsetup import PrivateLogFile
 
 FORGED = "busybox\n2026-01-01 00:00:00 1 INFO gpumesh.agent: forged"
 ESCAPED = "busybox\\n2026-01-01 00:00:00 1 INFO gpumesh.agent: forged"
@@ -119,7 +120,7 @@ def test_a_wider_log_file_is_narrowed_when_opened(tmp_path: Path) -> None:
     logs.mkdir()
     (logs / "gpumesh.log").write_text("old\n")
     (logs / "gpumesh.log").chmod(0o644)
-    handler = _common._PrivateLogFile(logs / "gpumesh.log")
+    handler = PrivateLogFile(logs / "gpumesh.log")
     try:
         assert stat.S_IMODE(os.stat(logs / "gpumesh.log").st_mode) == 0o600
     finally:

@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
-import io
-import logging
-import logging.handlers
 import os
 import sys
 from collections.abc import Coroutine
-from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import click
 
 from gpumesh.errors import ExitCode, GPUMeshError
-from gpumesh.settings import ENV_LOG, env
-from gpumesh.store.modes import open_private
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+# What only some commands need (logging and its handlers, the settings and their
+# pathlib, the log file's modes) is imported where it is used: `gpumesh --help`
+# and the thin commands through the node process start without it.
 
 __all__ = [
     "emit_json",
@@ -77,13 +78,23 @@ def fail(message: str, code: int = ExitCode.FAILED) -> NoReturn:
 
 def setup_logging(logs_dir: Path | None, *, console_level: str | None = None) -> None:
     """Console handler at GPUMESH_LOG (default warning); debug log file per node."""
+    import logging
+
+    from gpumesh.cli._logsetup import (
+        LevelFilter,
+        OneLineFormatter,
+        PrivateLogFile,
+        parse_log_filter,
+    )
+    from gpumesh.settings import ENV_LOG, env
+
     root = logging.getLogger("gpumesh")
     if getattr(root, "_gpumesh_configured", False):
         return
     root._gpumesh_configured = True  # type: ignore[attr-defined]
     root.setLevel(logging.DEBUG)
     spec = env(ENV_LOG) or console_level or "warning"
-    default_level, per_logger, ignored = _parse_log_filter(spec)
+    default_level, per_logger, ignored = parse_log_filter(spec)
     if ignored:
         _warn(
             f"{ENV_LOG}={spec!r}: ignored {', '.join(repr(part) for part in ignored)}; "
@@ -93,15 +104,15 @@ def setup_logging(logs_dir: Path | None, *, console_level: str | None = None) ->
     console = logging.StreamHandler(sys.stderr)
     console.setLevel(logging.DEBUG)
     console.setFormatter(
-        _OneLineFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
+        OneLineFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
     )
-    console.addFilter(_LevelFilter(default_level, per_logger))
+    console.addFilter(LevelFilter(default_level, per_logger))
     root.addHandler(console)
     if logs_dir is not None:
         try:
             logs_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
             _LogState.file = logs_dir / "gpumesh.log"
-            handler = _PrivateLogFile(
+            handler = PrivateLogFile(
                 _LogState.file,
                 maxBytes=2_000_000,
                 backupCount=3,
@@ -110,94 +121,18 @@ def setup_logging(logs_dir: Path | None, *, console_level: str | None = None) ->
             )
             handler.setLevel(logging.DEBUG)
             handler.setFormatter(
-                _OneLineFormatter(f"%(asctime)s {os.getpid()} %(levelname)s %(name)s: %(message)s")
+                OneLineFormatter(f"%(asctime)s {os.getpid()} %(levelname)s %(name)s: %(message)s")
             )
             root.addHandler(handler)
         except OSError:
             _LogState.file = None
 
 
-# Line breaks and terminal controls a peer could put in a name, a path or an error text.
-# U+2028 and U+2029 are not controls but end a line for many readers.
-_ESCAPES = {code: f"\\x{code:02x}" for code in [*range(0x20), 0x7F, *range(0x80, 0xA0)]}
-_ESCAPES |= {ord("\n"): "\\n", 0x2028: "\\u2028", 0x2029: "\\u2029"}
-_CONTINUATION = "    "
-
-
-def _escape_controls(text: str) -> str:
-    """``text`` on one line: a newline as ``\\n``, other controls as ``\\xNN``."""
-    return text.translate(_ESCAPES)
-
-
-class _OneLineFormatter(logging.Formatter):
-    """A record's own text on one line, so text from peers cannot forge a record.
-
-    Names, paths, commands and error texts from peers reach log lines through the
-    arguments of logger calls all over the code base; escaping here, where the
-    handlers are set up, covers every one of them. What a record carries over
-    several lines on purpose (a traceback, a stack) follows with every line
-    indented, so none of its lines can pass for a record either.
-    """
-
-    def formatMessage(self, record: logging.LogRecord) -> str:
-        return _escape_controls(super().formatMessage(record))
-
-    def format(self, record: logging.LogRecord) -> str:
-        # After the escaped first line, only a traceback or a stack can follow.
-        first, _, rest = super().format(record).partition("\n")
-        if not rest:
-            return first
-        lines = rest.split("\n")
-        return "\n".join([first, *(_CONTINUATION + _escape_controls(line) for line in lines)])
-
-
-class _PrivateLogFile(logging.handlers.RotatingFileHandler):
-    """The debug log, 0600 from its first byte (and after each rotation)."""
-
-    def _open(self) -> io.TextIOWrapper:
-        fd = open_private(self.baseFilename, os.O_WRONLY | os.O_APPEND)
-        return open(fd, "a", encoding=self.encoding, errors=self.errors)
-
-
-class _LevelFilter(logging.Filter):
-    def __init__(self, default: int, per_logger: dict[str, int]) -> None:
-        super().__init__()
-        self.default = default
-        self.per_logger = per_logger
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        level = self.default
-        for name, value in self.per_logger.items():
-            if record.name == name or record.name.startswith(name + "."):
-                level = value
-        return record.levelno >= level
-
-
-def _parse_log_filter(spec: str) -> tuple[int, dict[str, int], list[str]]:
-    """The default level, the levels per logger, and the parts that are neither."""
-    default = logging.WARNING
-    per_logger: dict[str, int] = {}
-    ignored: list[str] = []
-    for raw in spec.split(","):
-        part = raw.strip()
-        if not part:
-            continue
-        name, sep, level_text = part.rpartition("=")
-        level = logging.getLevelName(level_text.upper())
-        if not isinstance(level, int) or "=" in name or (sep and not name):
-            ignored.append(part)
-        elif name:
-            per_logger[name] = level
-        else:
-            default = level
-    return default, per_logger, ignored
-
-
 def run_cli(command: click.Command, argv: list[str] | None) -> int:
     try:
         command.main(args=argv, prog_name="gpumesh", standalone_mode=False)
     except GPUMeshError as exc:
-        logging.getLogger("gpumesh.cli").debug("command failed", exc_info=True)
+        _debug_log("command failed")
         print_error(exc.message)
         return exc.exit_code
     except click.exceptions.Abort:
@@ -213,10 +148,19 @@ def run_cli(command: click.Command, argv: list[str] | None) -> int:
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except Exception:
         # The traceback goes to the debug log only (the console shows warnings and up).
-        logging.getLogger("gpumesh.cli").debug("unexpected failure", exc_info=True)
+        _debug_log("unexpected failure")
         where = f" (details in {_LogState.file})" if _LogState.file else ""
         print_error(f"unexpected internal failure{where}; please report it")
+        from gpumesh.settings import ENV_LOG, env
+
         if env(ENV_LOG):
             raise
         return ExitCode.INTERNAL
     return ExitCode.OK
+
+
+def _debug_log(message: str) -> None:
+    """The failure being handled, with its traceback, to the debug log (if any)."""
+    import logging
+
+    logging.getLogger("gpumesh.cli").debug(message, exc_info=True)

@@ -18,12 +18,18 @@ import os
 import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 from click.shell_completion import CompletionItem, ShellComplete, add_completion_class
 
 from gpumesh.protocol.states import JobRole
-from gpumesh.store.names import NameHint, group_names, job_ids, peer_names
+
+if TYPE_CHECKING:
+    from gpumesh.store.names import NameHint
+
+# The lookups (and the sqlite3 they need) are imported at a Tab press only: the
+# commands that name these completers must not pay for them when they run.
 
 __all__ = [
     "SHELLS",
@@ -65,6 +71,8 @@ def complete_peer(
     ctx: click.Context, param: click.Parameter, incomplete: str
 ) -> list[CompletionItem]:
     """Names of paired peers."""
+    from gpumesh.store.names import peer_names
+
     return _items(ctx, peer_names, incomplete)
 
 
@@ -72,6 +80,8 @@ def complete_group(
     ctx: click.Context, param: click.Parameter, incomplete: str
 ) -> list[CompletionItem]:
     """Names of the groups this node created or joined."""
+    from gpumesh.store.names import group_names
+
     return _items(ctx, group_names, incomplete)
 
 
@@ -79,6 +89,8 @@ def complete_job(
     ctx: click.Context, param: click.Parameter, incomplete: str
 ) -> list[CompletionItem]:
     """Ids of jobs submitted from here and hosted here, newest first."""
+    from gpumesh.store.names import job_ids
+
     return _items(ctx, job_ids, incomplete.lower())
 
 
@@ -86,6 +98,8 @@ def complete_submitted_job(
     ctx: click.Context, param: click.Parameter, incomplete: str
 ) -> list[CompletionItem]:
     """Ids of jobs submitted from here, newest first."""
+    from gpumesh.store.names import job_ids
+
     return _items(ctx, lambda db: job_ids(db, role=JobRole.SUBMITTED), incomplete.lower())
 
 
@@ -101,6 +115,8 @@ def complete_peer_path(
     local = [CompletionItem(incomplete, type="file")]
     if incomplete.startswith(("/", ".", "~")):
         return local
+    from gpumesh.store.names import peer_names
+
     peers = _items(ctx, peer_names, incomplete)
     return [CompletionItem(f"{p.value}:", help=p.help) for p in peers] + local
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from rich.console import Console
 from rich.text import Text
 
-from gpumesh.cli._common import _escape_controls
+from gpumesh.cli._text import escape_controls
 
 __all__ = ["Column", "print_table"]
 
@@ -44,7 +44,7 @@ def print_table(columns: Sequence[Column], rows: Sequence[Sequence[str]]) -> Non
     console = Console()
     # A newline or a terminal control in a cell (a command, a peer's text) would
     # break the one-line rows or drive the terminal: shown escaped instead.
-    cells = [[Text.from_markup(_escape_controls(cell)) for cell in row] for row in rows]
+    cells = [[Text.from_markup(escape_controls(cell)) for cell in row] for row in rows]
     natural = [
         max([len(column.header), *(row[index].cell_len for row in cells)])
         for index, column in enumerate(columns)

@@ -7,9 +7,12 @@ Each command lives in its own module and is imported only when run, so
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 import textwrap
 
 import click
+import click.formatting
 
 from gpumesh.errors import JOB_CODES_NOTE, exit_code_rows
 from gpumesh.version import __version__
@@ -70,7 +73,39 @@ def exit_codes_help() -> str:
     return "\n".join(["\b", "Exit codes:", *rows, *note]) + "\n"
 
 
+def terminal_columns() -> int:
+    """``shutil.get_terminal_size().columns``, as click's help asks it, without
+    importing :mod:`shutil` (and the archive modules it pulls in) on every
+    ``gpumesh --help``: ``$COLUMNS`` when a positive number, else the width of
+    the terminal on standard output, else 80."""
+    try:
+        columns = int(os.environ["COLUMNS"])
+    except (KeyError, ValueError):
+        columns = 0
+    if columns > 0:
+        return columns
+    try:
+        size = os.get_terminal_size(sys.__stdout__.fileno())  # type: ignore[union-attr]
+    except (AttributeError, ValueError, OSError):
+        return 80
+    return size.columns or 80
+
+
+class HelpContext(click.Context):
+    """The top-level group's context: click's help formatter of the same width."""
+
+    def make_formatter(self) -> click.HelpFormatter:
+        width = self.terminal_width
+        if width is None:
+            width = click.formatting.FORCED_WIDTH
+        if width is None:
+            width = max(min(terminal_columns(), self.max_content_width or 80) - 2, 50)
+        return self.formatter_class(width=width, max_width=self.max_content_width)
+
+
 class LazyGroup(click.Group):
+    context_class = HelpContext
+
     def list_commands(self, ctx: click.Context) -> list[str]:
         return list(COMMANDS)
 

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from gpumesh.errors import ConnectionLostError, GPUMeshError, TransportError, UnknownPeerError
+from gpumesh.errors import ConnectionLostError, GPUMeshError, TransportError
 from gpumesh.protocol.messages import Ping
 
 if TYPE_CHECKING:
@@ -134,11 +134,15 @@ class SessionPool:
         """Drop what must go now (denied, unpaired, rekeyed, dead, idle); the
         sessions due a keep-alive ping."""
         now = self._clock()
-        due = []
+        due: list[Warm] = []
+        if not self._warm:
+            return due
+        # One read of the peers per look, not one per session: a node holding
+        # sessions to hundreds of peers looks four times a second.
+        peers = {str(peer.node_id): peer for peer in store.peers()}
         for peer_id, warm in list(self._warm.items()):
-            try:
-                peer = store.peer_by_id(peer_id)
-            except UnknownPeerError:
+            peer = peers.get(peer_id)
+            if peer is None:
                 self.drop(peer_id, "unpaired")
                 continue
             if not peer.allowed:

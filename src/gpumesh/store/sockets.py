@@ -15,8 +15,6 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from gpumesh import platform
-
 __all__ = ["SUN_PATH_MAX", "socket_name"]
 
 SUN_PATH_MAX = 107
@@ -31,6 +29,8 @@ def socket_name(folder: Path, name: str) -> Iterator[str]:
     if len(os.fsencode(direct)) <= SUN_PATH_MAX:
         yield direct
         return
+    from gpumesh import platform  # here: the thin CLI's paths are short
+
     if not platform.has("procfd"):
         raise OSError(errno.ENAMETOOLONG, "too long for a unix socket", direct)
     fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
