@@ -203,18 +203,40 @@ async def _to_channel(reader: asyncio.StreamReader, channel: asyncio.StreamWrite
 
 
 async def _from_channel(channel: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Pieces from the channel to the socket, passed on as they arrive (a piece is
+    not gathered whole first: no copy of it here, and no wait for its end)."""
+    header = bytearray()
+    left = 0
+    """Bytes of the current piece still to come; 0: a length is next."""
     while True:
         try:
-            (length,) = _PIECE.unpack(await channel.readexactly(_PIECE.size))
-            if length > CHANNEL_CHUNK:
-                raise _ChannelError(f"a piece of {length} bytes, over {CHANNEL_CHUNK}")
-            if not length:
+            data = await channel.read(CHANNEL_CHUNK)
+        except (OSError, ssl.SSLError) as exc:
+            raise _ChannelError(str(exc) or type(exc).__name__) from None
+        if not data:
+            raise _ChannelError("it ended in the middle of the connection")
+        view, pos = memoryview(data), 0
+        while pos < len(view):
+            if left:
+                take = min(left, len(view) - pos)
+                writer.write(view[pos : pos + take])
+                left -= take
+                pos += take
+                continue
+            need = _PIECE.size - len(header)
+            header += view[pos : pos + need]
+            pos += min(need, len(view) - pos)
+            if len(header) < _PIECE.size:
+                break
+            (left,) = _PIECE.unpack(header)
+            header.clear()
+            if left > CHANNEL_CHUNK:
+                raise _ChannelError(f"a piece of {left} bytes, over {CHANNEL_CHUNK}")
+            if not left:  # the far side's half-close; nothing may follow
+                if pos < len(view):
+                    raise _ChannelError("bytes followed the end of the connection")
                 _shut_write(writer)
                 return
-            data = await channel.readexactly(length)
-        except (OSError, asyncio.IncompleteReadError, ssl.SSLError) as exc:
-            raise _ChannelError(str(exc) or type(exc).__name__) from None
-        writer.write(data)
         try:
             await writer.drain()
         except OSError as exc:
