@@ -127,6 +127,8 @@ def _shut_write(writer: asyncio.StreamWriter) -> None:
 CHANNEL_CHUNK = 1024 * 1024
 """Most bytes per piece on a desktop data channel."""
 _PIECE = struct.Struct(">I")
+_JOINED = 64 * 1024
+"""Pieces up to this size leave joined to their length (a copy, but one TLS record)."""
 
 Streams = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 
@@ -192,8 +194,10 @@ async def _to_channel(reader: asyncio.StreamReader, channel: asyncio.StreamWrite
         except OSError as exc:
             raise _SocketError(exc.strerror or str(exc)) from None
         try:
-            channel.write(_PIECE.pack(len(data)))
-            if data:
+            if len(data) <= _JOINED:  # one TLS record and one send for a small piece
+                channel.write(_PIECE.pack(len(data)) + data)
+            else:
+                channel.write(_PIECE.pack(len(data)))
                 channel.write(data)
             await channel.drain()
         except (OSError, RuntimeError) as exc:
