@@ -35,7 +35,8 @@ from _benchlib import exit_cleanly_on_sigterm, free_port, interrupted, print_row
 from bulk import make_nodes, running_agent
 from gpumesh.client.node import Node
 from gpumesh.cuda import RemoteDevice
-from gpumesh.cuda.remote import carry
+from gpumesh.cuda.device import local_pair
+from gpumesh.cuda.remote import carry_socket
 from gpumesh.protocol.messages import Ping, ThroughputReply, ThroughputRequest
 
 MIB = 1024 * 1024
@@ -45,7 +46,7 @@ class Carried:
     """A RemoteDevice whose QUIC session this script can also send plain requests on."""
 
     def __init__(self, node: Node, peer: str, memory: int) -> None:
-        mine, theirs = socket.socketpair()
+        mine, theirs = local_pair()
         self.loop: asyncio.AbstractEventLoop | None = None
         self.session: Any = None
         ready = threading.Event()
@@ -56,8 +57,7 @@ class Carried:
             ready.set()
 
         async def run() -> None:
-            reader, writer = await asyncio.open_connection(sock=theirs)
-            await carry(node, peer, memory, reader, writer, on_session=hook)
+            await carry_socket(node, peer, memory, theirs, on_session=hook)
 
         self.thread = threading.Thread(target=lambda: asyncio.run(run()), daemon=True)
         self.thread.start()

@@ -31,11 +31,12 @@ from gpumesh.cuda.protocol import (
     Synchronize,
     call_frame,
     data_frames,
+    data_parts,
     decode_result,
     decode_welcome,
     encode_frame,
 )
-from gpumesh.cuda.worker import CallServer
+from gpumesh.cuda.worker import CallServer, _write_all
 from gpumesh.errors import ProtocolError
 
 MiB = 1024 * 1024
@@ -214,3 +215,69 @@ def test_frames_split_anywhere_decode_the_same() -> None:
     decoder = FrameDecoder()
     pieces = [f for i in range(0, len(stream), 7) for f in decoder.feed(stream[i : i + 7])]
     assert pieces == whole and decoder.buffered == 0
+
+
+def test_data_pieces_come_as_views_of_what_was_fed_never_joined() -> None:
+    data = bytes(range(256)) * 40
+    stream = call_frame(MemAlloc(size=5)) + b"".join(data_parts(data)) + call_frame(Synchronize())
+    decoder = FrameDecoder(data_pieces=True)
+    buffer = bytearray(3000)  # one read buffer, reused as the worker reuses its own
+    got, calls = bytearray(), []
+    for start in range(0, len(stream), len(buffer)):
+        count = len(stream[start : start + len(buffer)])
+        buffer[:count] = stream[start : start + count]
+        for frame in decoder.feed(memoryview(buffer)[:count]):
+            if frame.kind is FrameKind.DATA:
+                assert isinstance(frame.body, memoryview) and frame.body.obj is buffer
+                got += frame.body  # used before the buffer is refilled
+            else:
+                calls.append(bytes(frame.body))
+    assert got == data and decoder.buffered == 0
+    assert calls == [f.body for f in FrameDecoder().feed(stream) if f.kind is FrameKind.CALL]
+
+
+def test_a_copy_fed_in_odd_reads_of_a_reused_buffer_lands_whole() -> None:
+    client = Client()
+    ptr = client.call(MemAlloc(size=3 * MiB)).value
+    data = bytes(range(251)) * (3 * MiB // 251)
+    stream = call_frame(CopyHtoD(ptr=ptr, size=len(data))) + b"".join(data_parts(data))
+    buffer = bytearray(100_003)
+    for start in range(0, len(stream), len(buffer)):
+        piece = stream[start : start + len(buffer)]
+        buffer[: len(piece)] = piece
+        assert client.server.feed(memoryview(buffer)[: len(piece)]) == []
+    result, back = client.download(ptr, len(data))
+    assert result.value == len(data) and back == data
+
+
+def test_data_parts_are_data_frames_without_the_copy() -> None:
+    data = bytearray(b"xyz" * (MiB // 2))
+    parts = data_parts(data)
+    assert b"".join(parts) == b"".join(data_frames(bytes(data)))
+    assert all(isinstance(part, bytes) for part in parts[::2])
+    assert all(isinstance(p, memoryview) and p.obj is data for p in parts[1::2])
+
+
+def test_vectored_writes_send_every_part_in_order() -> None:
+    import os
+    import threading
+
+    read_end, write_end = os.pipe()
+    parts: list[bytes | memoryview] = [
+        bytes([i % 251]) * (i * 37 % 5000) for i in range(300)
+    ]  # more parts than one writev takes, some empty
+    got = bytearray()
+
+    def drain() -> None:
+        while chunk := os.read(read_end, 65536):
+            got.extend(chunk)
+
+    reader = threading.Thread(target=drain)
+    reader.start()
+    try:
+        _write_all(write_end, [memoryview(p) for p in parts])
+    finally:
+        os.close(write_end)
+        reader.join(10)
+        os.close(read_end)
+    assert got == b"".join(parts)

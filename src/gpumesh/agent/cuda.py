@@ -67,6 +67,9 @@ FALLBACK_CEILING = 4 * 1024**3
 START_TIMEOUT = 60.0
 """How long a worker may take to open its device (cuInit can be slow)."""
 _PIPE_CHUNK = 1024 * 1024
+_PIPE_LIMIT = 4 * _PIPE_CHUNK
+"""What the worker's output may buffer here before reading it pauses: a copy's
+chunks come out in 1 MiB reads, not 64 KiB ones."""
 
 
 class CudaAccess(Protocol):
@@ -247,6 +250,7 @@ class CudaService:
             stderr=asyncio.subprocess.PIPE,
             env=env,
             start_new_session=True,
+            limit=_PIPE_LIMIT,
         )
         try:
             await self._serve(ctx, session_id, memory, gpus, process)

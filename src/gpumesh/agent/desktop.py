@@ -5,7 +5,12 @@ allowlist (its own, empty until the owner adds someone; a denied peer is off it
 too), only while the owner shares the desktop, and only ever to 127.0.0.1 on
 the port the owner shared: the consumer names no address. Each request carries
 one TCP connection (:func:`gpumesh.transport.tcpstream.pump`); RDP clients open
-several.
+several. When the consumer asks for it (a direct path) and this node opens data
+channels, the connection's bytes go over a data channel of its own instead
+(TLS on TCP as ``cp``'s: a one-shot listener for the request's address, a
+fresh ticket, this node's key; :func:`gpumesh.transport.tcpstream.splice`), and
+the request's stream stays open beside it for refusals; a consumer that cannot
+reach the channel declines it and DATA frames carry the connection after all.
 
 :meth:`DesktopService.revoke` cuts at once every session whose peer left the
 desktop allowlist or whose share ended; the agent calls it whenever the home
@@ -26,13 +31,23 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from gpumesh.agent.deps import Handlers, Provider, RequestContext
-from gpumesh.errors import AccessDeniedError, AgentError, GPUMeshError, NotFoundError
+from gpumesh.errors import (
+    AccessDeniedError,
+    AgentError,
+    GPUMeshError,
+    NotFoundError,
+    ProtocolError,
+)
 from gpumesh.protocol.desktop import DesktopKind
-from gpumesh.protocol.messages import DesktopOpen, DesktopOpened
+from gpumesh.protocol.messages import ChannelDeclined, DesktopOpen, DesktopOpened
 from gpumesh.transport.sockowner import listening_on_loopback
-from gpumesh.transport.tcpstream import READ_LIMIT, pump
+from gpumesh.transport.tcpstream import READ_LIMIT, Streams, pump, splice
 
 if TYPE_CHECKING:
+    import ssl
+
+    from gpumesh.files.channel import StreamsListener
+    from gpumesh.identity.keys import Identity
     from gpumesh.store.db import DesktopShare, Peer
     from gpumesh.transport.stream import Stream
 
@@ -43,6 +58,15 @@ logger = logging.getLogger(__name__)
 SERVER_HOST = "127.0.0.1"
 """Where the shared desktop server is reached: this host's loopback, nowhere else."""
 _CONNECT_TIMEOUT = 10.0
+
+
+class ChannelSource(Protocol):
+    """Whether and where this node opens data channels (the files service)."""
+
+    provider: Provider
+    identity: Identity
+
+    def channel_enabled(self) -> bool: ...
 
 
 class DesktopStore(Protocol):
@@ -67,6 +91,9 @@ class DesktopSession:
     """Why the owner's side ended it (revoked, share stopped), once it did."""
     id: str = ""
     """How the owner names it (``status``, the owner's view) to end it."""
+    path: str = "quic"
+    """What carries its bytes: ``channel`` (a data channel; offered, while it opens)
+    or ``quic`` (the stream)."""
 
 
 class DesktopService:
@@ -79,8 +106,12 @@ class DesktopService:
         *,
         on_change: Callable[[], None] = lambda: None,
         clock: Callable[[], float] = time.time,
+        channels: ChannelSource | None = None,
     ) -> None:
         self.provider = provider
+        self.channels = channels
+        """Where data channels come from; None: connections go over QUIC only."""
+        self._tls: ssl.SSLContext | None = None
         self.store = store
         self.on_change = on_change
         """Called when sessions open or close (the agent republishes who is connected)."""
@@ -133,14 +164,52 @@ class DesktopService:
             writer.close()
             ctx.stream.send_message(reply, end=True)
             return
-        ctx.stream.send_message(reply)
+        listener = await self._listener(ctx) if message.channel else None
+        if listener is not None:
+            reply = DesktopOpened(
+                provider=reply.provider,
+                kind=reply.kind,
+                port=reply.port,
+                channel_port=listener.port,
+                channel_ticket=listener.ticket,
+            )
+        try:
+            ctx.stream.send_message(reply)
+        except BaseException:
+            writer.close()
+            if listener is not None:
+                listener.close()
+            raise
         session = DesktopSession(ctx.peer, share.kind, share.port, self.clock(), ctx.stream)
         key = f"desktop-{secrets.token_hex(6)}"
         session.id = key
+        session.path = "quic" if listener is None else "channel"
         self._sessions[key] = session
-        logger.info("[%s] opened a desktop connection (%s)", ctx.peer.name, share.kind)
+        try:
+            channel = await self._channel(ctx, listener) if listener is not None else None
+        except BaseException:
+            self._sessions.pop(key, None)
+            writer.close()
+            raise
+        if _is_cut(session):  # denied while the channel opened
+            self._sessions.pop(key, None)
+            writer.close()
+            if channel is not None:
+                channel[1].close()
+            return
+        session.path = "quic" if channel is None else "channel"
+        logger.info(
+            "[%s] opened a desktop connection (%s, over %s)",
+            ctx.peer.name,
+            share.kind,
+            "a data channel" if channel is not None else "QUIC",
+        )
         self.on_change()
-        session.task = asyncio.create_task(pump(ctx.stream, reader, writer))
+        session.task = asyncio.create_task(
+            pump(ctx.stream, reader, writer)
+            if channel is None
+            else splice(ctx.stream, (reader, writer), channel)
+        )
         try:
             await session.task
         except asyncio.CancelledError:
@@ -156,6 +225,61 @@ class DesktopService:
             self.on_change()
         if session.cut is not None:
             logger.info("[%s] desktop connection cut: %s", ctx.peer.name, session.cut)
+
+    async def _listener(self, ctx: RequestContext) -> StreamsListener | None:
+        """A one-shot data channel listener for this request; None: QUIC carries it."""
+        from gpumesh.files.channel import StreamsListener, server_context
+
+        channels = self.channels
+        if channels is None or not channels.channel_enabled():
+            return None
+        if self._tls is None:
+            self._tls = server_context(channels.identity)
+        try:
+            listener = StreamsListener(
+                self._tls,
+                secrets.token_bytes(32),
+                peer=ctx.link.remote_address()[0],
+                limit=READ_LIMIT,
+            )
+            await listener.start(channels.provider.host)
+        except (OSError, ValueError) as exc:
+            logger.debug("[%s] no data channel for the desktop: %s", ctx.peer.name, exc)
+            return None
+        return listener
+
+    async def _channel(self, ctx: RequestContext, listener: StreamsListener) -> Streams | None:
+        """The consumer's data channel, or None when it declined it (QUIC carries the
+        connection). A channel neither opened nor declined ends the request."""
+        accepting = asyncio.ensure_future(listener.accept())
+        declining = asyncio.ensure_future(ctx.stream.read_message())
+        try:
+            done, _ = await asyncio.wait(
+                {accepting, declining}, return_when=asyncio.FIRST_COMPLETED
+            )
+            if accepting in done and accepting.exception() is None:
+                return accepting.result()
+            # The channel did not open: the consumer says so on the stream (or it
+            # saw a channel we did not: nothing would carry the connection).
+            async with asyncio.timeout(_CONNECT_TIMEOUT):
+                message = await declining
+            if not isinstance(message, ChannelDeclined):
+                raise ProtocolError(
+                    f"peer sent {type(message).__name__} where a desktop connection's "
+                    "data channel or ChannelDeclined was expected"
+                )
+            logger.info("[%s] desktop data channel declined: %s", ctx.peer.name, message.reason)
+            return None
+        except TimeoutError:
+            raise ProtocolError(
+                "the desktop connection's data channel neither opened nor was declined"
+            ) from None
+        finally:
+            listener.close()
+            for task in (accepting, declining):
+                task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, GPUMeshError):
+                await accepting
 
     def _no_server(self, share: DesktopShare) -> AgentError:
         return AgentError(
@@ -212,3 +336,7 @@ class DesktopService:
         for session in list(self._sessions.values()):
             if session.task is not None:
                 session.task.cancel()
+
+
+def _is_cut(session: DesktopSession) -> bool:
+    return session.cut is not None

@@ -165,7 +165,9 @@ class Agent:
         self.handlers.add(Ping, _handle_ping)
         self.handlers.add(StatusRequest, self._handle_status)
         self.handlers.add(ThroughputRequest, _handle_throughput)
-        self.desktop = DesktopService(provider, self.store, on_change=self._publish)
+        self.desktop = DesktopService(
+            provider, self.store, on_change=self._publish, channels=self.files
+        )
         """The desktop share: the owner's one local port, for its own allowlist."""
         for service in (self.jobs, self.files, self.apps, self.shells, self.desktop, self.cuda):
             service.register(self.handlers)
@@ -306,6 +308,7 @@ class Agent:
                     "kind": str(session.kind),
                     "port": str(session.port),
                     "since": str(session.since),
+                    "path": session.path,
                 }
                 for session in self.desktop.sessions()
             ],

@@ -5,7 +5,12 @@ desktop may be used (``DesktopOpen`` with ``probe``: the allowlist, the share,
 its server answering; a refusal is raised as one error), then listens on a
 loopback port (15900 for VNC, 13389 for RDP) and carries each TCP connection
 a local client opens on its own stream of one session
-(:func:`gpumesh.transport.tcpstream.pump`). RDP clients open several.
+(:func:`gpumesh.transport.tcpstream.pump`). RDP clients open several. On a
+direct path each connection asks for a data channel of its own (TLS on TCP
+with the provider's key pinned, as ``cp``'s: :mod:`gpumesh.client.bulk`
+decides when) and its bytes go there, the stream staying open for refusals;
+a channel that does not open is declined, remembered for the peer as ``cp``
+remembers it, and DATA frames on the stream carry the connection.
 
 Only loopback addresses are ever bound. On Linux a connection is taken only
 from a process of this user (the kernel's socket table says whose it is), so
@@ -23,6 +28,7 @@ import contextlib
 import ipaddress
 import logging
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -35,15 +41,16 @@ from gpumesh.errors import (
     NotFoundError,
     ProtocolError,
     TransportError,
+    UnreachableError,
 )
 from gpumesh.protocol.desktop import DesktopKind, client_commands, kind_for_port
-from gpumesh.protocol.messages import DesktopOpen, DesktopOpened
+from gpumesh.protocol.messages import ChannelDeclined, DesktopOpen, DesktopOpened
 from gpumesh.transport.sockowner import (
     listening_on_loopback,
     owner_check_available,
     socket_owner,
 )
-from gpumesh.transport.tcpstream import READ_LIMIT, pump
+from gpumesh.transport.tcpstream import READ_LIMIT, Streams, pump, splice
 
 if TYPE_CHECKING:
     from gpumesh.client.node import Node
@@ -146,6 +153,7 @@ async def desktop_tunnel(
     refused_local: Callable[[int | None], None] = lambda _uid: None,
     connection_refused: Callable[[GPUMeshError], None] = lambda _error: None,
     owner: OwnerLookup | None = None,
+    carried: Callable[[str], None] = lambda _path: None,
 ) -> None:
     """Tunnel ``peer``'s shared desktop to a loopback port until cancelled.
 
@@ -153,7 +161,8 @@ async def desktop_tunnel(
     ``ready`` hears where it listens; ``refused_local`` hears of each connection
     refused because another user's process made it (its uid, None if unknown);
     ``connection_refused`` of each one the provider refused while the tunnel goes
-    on (e.g. past its max_requests_per_link).
+    on (e.g. past its max_requests_per_link); ``carried`` of what carries each
+    connection once it is open (``channel``: a data channel; ``quic``: the stream).
     Raises the provider's refusal (not on its desktop allowlist, not shared, its
     server not running), and later why the tunnel ended (access revoked, share
     stopped, link lost).
@@ -163,6 +172,7 @@ async def desktop_tunnel(
     target = node.peer(peer)
     async with node.session(target.node_id) as session:
         offer = await probe_desktop(session)
+        way = _Way(node, target, session, carried)
         ended: asyncio.Future[GPUMeshError] = asyncio.get_running_loop().create_future()
         connections: set[asyncio.Task[None]] = set()
 
@@ -174,7 +184,7 @@ async def desktop_tunnel(
                 if lookup is not None and not _same_user(writer, lookup, refused_local):
                     writer.close()
                     return
-                await _carry(session, reader, writer, ended, connection_refused)
+                await _carry(way, reader, writer, ended, connection_refused)
             finally:
                 connections.discard(task)
 
@@ -216,20 +226,65 @@ def _same_user(
     return False
 
 
+@dataclass(frozen=True)
+class _Way:
+    """What each connection of one tunnel needs to pick its path."""
+
+    node: Node
+    peer: Peer
+    session: Session
+    carried: Callable[[str], None]
+
+
+async def _open_channel(way: _Way, opened: DesktopOpened) -> Streams | None:
+    """Dial the offered data channel; None when it does not open (remembered for the
+    peer, as ``cp`` remembers it: later connections go over QUIC without trying)."""
+    from gpumesh.client.bulk import BLOCKED_FOR
+    from gpumesh.files.channel import dial_streams
+
+    try:
+        return await dial_streams(
+            way.session.address[0],
+            opened.channel_port,
+            way.peer.public_key,
+            opened.channel_ticket,
+            limit=READ_LIMIT,
+        )
+    except GPUMeshError as exc:
+        if isinstance(exc, UnreachableError):
+            way.node.home.store.block_channel(str(way.peer.node_id), time.time() + BLOCKED_FOR)
+        logger.info("no desktop data channel to %s (%s); QUIC instead", way.peer.name, exc)
+        return None
+
+
 async def _carry(
-    session: Session,
+    way: _Way,
     reader: asyncio.StreamReader,
     writer: asyncio.StreamWriter,
     ended: asyncio.Future[GPUMeshError],
     refused: Callable[[GPUMeshError], None],
 ) -> None:
-    """One local connection over its own stream; a refusal that ends the whole
-    tunnel (access revoked, share stopped) settles ``ended``."""
+    """One local connection over its own stream (or a data channel beside it); a
+    refusal that ends the whole tunnel (access revoked, share stopped) settles
+    ``ended``."""
+    from gpumesh.client.bulk import why_no_channel
+
+    session = way.session
     stream = session.open_stream()
     try:
-        stream.send_message(DesktopOpen())
-        await stream.expect(DesktopOpened)
-        await pump(stream, reader, writer)
+        wanted = why_no_channel(way.node, way.node.peer(way.peer.name), session) is None
+        stream.send_message(DesktopOpen(channel=wanted))
+        opened = await stream.expect(DesktopOpened)
+        channel = None
+        if opened.channel_port:
+            channel = await _open_channel(way, opened)
+            if channel is None:
+                stream.send_message(ChannelDeclined(reason="the data channel did not open"))
+        way.carried("quic" if channel is None else "channel")
+        if channel is None:
+            await pump(stream, reader, writer)
+        else:
+            await splice(stream, (reader, writer), channel)
     except GPUMeshError as exc:
         writer.close()
         if isinstance(exc, AccessDeniedError | NotFoundError) and not ended.done():

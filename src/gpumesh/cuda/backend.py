@@ -104,11 +104,13 @@ class Backend(Protocol):
 
     def memset(self, ptr: int, value: int, size: int) -> None: ...
 
-    def write(self, ptr: int, data: bytes) -> None:
-        """Host to device: ``data`` at ``ptr`` (a chunk of a larger copy)."""
+    def write(self, ptr: int, data: bytes | memoryview) -> None:
+        """Host to device: ``data`` at ``ptr`` (a piece of a larger copy; a view the
+        caller reuses once this returns)."""
 
-    def read(self, ptr: int, size: int) -> bytes:
-        """Device to host: ``size`` bytes at ``ptr``."""
+    def read(self, ptr: int, size: int) -> bytes | bytearray | memoryview:
+        """Device to host: ``size`` bytes at ``ptr`` (possibly a view of device memory
+        itself, valid until the next call)."""
 
     def copy(self, dst: int, src: int, size: int) -> None: ...
 

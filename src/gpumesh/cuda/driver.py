@@ -147,16 +147,21 @@ class DriverBackend:
     def memset(self, ptr: int, value: int, size: int) -> None:
         self._check(self._cu.cuMemsetD8(ptr, value, size), "cuMemsetD8")
 
-    def write(self, ptr: int, data: bytes) -> None:
-        source = ctypes.c_char_p(data)  # the bytes' own buffer: no copy
-        address = ctypes.cast(source, ctypes.c_void_p).value or 0
-        self._check(self._cu.cuMemcpyHtoD(ptr, address, len(data)), "cuMemcpyHtoD")
+    def write(self, ptr: int, data: bytes | memoryview) -> None:
+        size = len(data)
+        if isinstance(data, memoryview) and not data.readonly and size:
+            # A view of the worker's read buffer: its own memory, no copy.
+            address = ctypes.addressof((ctypes.c_char * size).from_buffer(data))
+        else:
+            source = ctypes.c_char_p(bytes(data))  # a bytes object's own buffer
+            address = ctypes.cast(source, ctypes.c_void_p).value or 0
+        self._check(self._cu.cuMemcpyHtoD(ptr, address, size), "cuMemcpyHtoD")
 
-    def read(self, ptr: int, size: int) -> bytes:
+    def read(self, ptr: int, size: int) -> bytearray:
         target = bytearray(size)
         address = ctypes.addressof((ctypes.c_char * size).from_buffer(target)) if size else 0
         self._check(self._cu.cuMemcpyDtoH(address, ptr, size), "cuMemcpyDtoH")
-        return bytes(target)
+        return target
 
     def copy(self, dst: int, src: int, size: int) -> None:
         self._check(self._cu.cuMemcpyDtoD(dst, src, size), "cuMemcpyDtoD")

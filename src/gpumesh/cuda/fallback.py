@@ -109,13 +109,13 @@ class FallbackBackend:
         block, offset = self._span(ptr, size)
         block[offset : offset + size] = bytes([value]) * size
 
-    def write(self, ptr: int, data: bytes) -> None:
+    def write(self, ptr: int, data: bytes | memoryview) -> None:
         block, offset = self._span(ptr, len(data))
         block[offset : offset + len(data)] = data
 
-    def read(self, ptr: int, size: int) -> bytes:
+    def read(self, ptr: int, size: int) -> memoryview:
         block, offset = self._span(ptr, size)
-        return bytes(block[offset : offset + size])
+        return memoryview(block)[offset : offset + size]  # sent before the next call
 
     def copy(self, dst: int, src: int, size: int) -> None:
         source, at = self._span(src, size)

@@ -69,6 +69,7 @@ __all__ = [
     "Welcome",
     "call_frame",
     "data_frames",
+    "data_parts",
     "decode_call",
     "decode_end",
     "decode_result",
@@ -105,7 +106,9 @@ class FrameKind(enum.IntEnum):
 @dataclass(frozen=True)
 class Frame:
     kind: FrameKind
-    body: bytes
+    body: bytes | memoryview
+    """The whole body; with ``FrameDecoder(data_pieces=True)`` a DATA frame's body
+    comes as several pieces, each a view into the bytes fed."""
 
 
 class _Call(msgspec.Struct, tag_field="op", frozen=True):
@@ -279,6 +282,17 @@ def end_frame(code: str, message: str) -> bytes:
     return encode_frame(FrameKind.END, _call_encoder.encode(End(code[:256], message[:2048])))
 
 
+def data_parts(data: bytes | bytearray | memoryview) -> list[bytes | memoryview]:
+    """``data`` as DATA frames of at most MAX_CHUNK bytes each, as headers and views
+    into ``data`` (for a vectored write: the bytes are not copied)."""
+    view = memoryview(data).cast("B")
+    parts: list[bytes | memoryview] = []
+    for start in range(0, len(view), MAX_CHUNK):
+        chunk = view[start : start + MAX_CHUNK]
+        parts += (_HEADER.pack(FrameKind.DATA, len(chunk)), chunk)
+    return parts
+
+
 def data_frames(data: bytes | memoryview) -> list[bytes]:
     """``data`` as DATA frames of at most MAX_CHUNK bytes each."""
     view = memoryview(data)
@@ -288,7 +302,9 @@ def data_frames(data: bytes | memoryview) -> list[bytes]:
     ]
 
 
-def _decode(decoder: msgspec.msgpack.Decoder[object], body: bytes, what: str) -> object:
+def _decode(
+    decoder: msgspec.msgpack.Decoder[object], body: bytes | memoryview, what: str
+) -> object:
     try:
         return decoder.decode(body)
     except msgspec.ValidationError as exc:
@@ -297,24 +313,24 @@ def _decode(decoder: msgspec.msgpack.Decoder[object], body: bytes, what: str) ->
         raise ProtocolError(f"undecodable CUDA {what}: {exc}") from None
 
 
-def decode_call(body: bytes) -> Call:
+def decode_call(body: bytes | memoryview) -> Call:
     call = _decode(_call_decoder, body, "call")  # type: ignore[arg-type]
     return call  # type: ignore[return-value]
 
 
-def decode_result(body: bytes) -> Result:
+def decode_result(body: bytes | memoryview) -> Result:
     result = _decode(_result_decoder, body, "result")  # type: ignore[arg-type]
     assert isinstance(result, Result)
     return result
 
 
-def decode_welcome(body: bytes) -> Welcome:
+def decode_welcome(body: bytes | memoryview) -> Welcome:
     welcome = _decode(_welcome_decoder, body, "welcome")  # type: ignore[arg-type]
     assert isinstance(welcome, Welcome)
     return welcome
 
 
-def decode_end(body: bytes) -> End:
+def decode_end(body: bytes | memoryview) -> End:
     end = _decode(_end_decoder, body, "session end")  # type: ignore[arg-type]
     assert isinstance(end, End)
     return end
@@ -327,12 +343,16 @@ class FrameDecoder:
     1 MiB chunk of a copy is copied once here, however the reads cut it.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, data_pieces: bool = False) -> None:
         self._header = bytearray()
         self._kind: FrameKind | None = None
         self._want = 0
         self._got = 0
         self._pieces: list[bytes | memoryview] = []
+        self._data_pieces = data_pieces
+        """Hand a DATA body out in the pieces it arrives in, as views into the bytes
+        fed (never joined, never copied): for a caller that uses each piece before it
+        feeds more bytes."""
 
     def _start(self, header: bytes | bytearray) -> None:
         kind_byte, length = _HEADER.unpack(header)
@@ -364,6 +384,14 @@ class FrameDecoder:
                     self._start(header)
                 continue
             take = min(self._want - self._got, size - pos)
+            if self._data_pieces and self._kind is FrameKind.DATA:
+                if take:
+                    frames.append(Frame(FrameKind.DATA, view[pos : pos + take]))
+                    self._got += take
+                    pos += take
+                if self._got == self._want:
+                    self._kind, self._want, self._got = None, 0, 0
+                continue
             if take:
                 self._pieces.append(view[pos : pos + take])
                 self._got += take

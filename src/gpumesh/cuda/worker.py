@@ -43,7 +43,7 @@ from gpumesh.cuda.protocol import (
     Result,
     Synchronize,
     Welcome,
-    data_frames,
+    data_parts,
     decode_call,
     end_frame,
     result_frame,
@@ -68,16 +68,20 @@ class CallServer:
     def __init__(self, backend: Backend, memory_cap: int) -> None:
         self.backend = backend
         self.memory_cap = memory_cap
-        self._decoder = FrameDecoder()
+        self._decoder = FrameDecoder(data_pieces=True)
         self._greeted = False
         self._upload: _Upload | None = None
         self._pending: CudaFault | None = None
         """The first failure of a call that is not answered, for the next answer."""
         self.calls = 0
 
-    def feed(self, data: bytes) -> list[bytes]:
-        """Bytes from the client; the bytes to send back (ProtocolError when malformed)."""
-        out: list[bytes] = []
+    def feed(self, data: bytes | memoryview) -> list[bytes | memoryview]:
+        """Bytes from the client; the bytes to send back (ProtocolError when malformed).
+
+        ``data`` may be a view the caller reuses once this returns; what comes back
+        may be views of device memory, to be sent before the next ``feed``.
+        """
+        out: list[bytes | memoryview] = []
         for frame in self._decoder.feed(data):
             if frame.kind is FrameKind.DATA:
                 self._data(frame.body)
@@ -89,7 +93,7 @@ class CallServer:
                 raise ProtocolError(f"a client may not send CUDA {frame.kind.name} frames")
         return out
 
-    def _data(self, body: bytes) -> None:
+    def _data(self, body: bytes | memoryview) -> None:
         upload = self._upload
         if upload is None or len(body) > upload.left:
             raise ProtocolError("CUDA copy bytes arrived that no copy announced")
@@ -108,7 +112,7 @@ class CallServer:
         if self._pending is None:
             self._pending = fault
 
-    def _call(self, call: Call) -> list[bytes]:
+    def _call(self, call: Call) -> list[bytes | memoryview]:
         self.calls += 1
         if isinstance(call, Hello):
             return [self._hello(call)]
@@ -167,7 +171,7 @@ class CallServer:
             )
         )
 
-    def _answer(self, call: Call) -> list[bytes]:
+    def _answer(self, call: Call) -> list[bytes | memoryview]:
         backend = self.backend
         if isinstance(call, DeviceCount):
             return [result_frame(Result(value=backend.device_count()))]
@@ -186,7 +190,7 @@ class CallServer:
             return [result_frame(Result(value=backend.alloc(call.size)))]
         if isinstance(call, CopyDtoH):
             data = backend.read(call.ptr, call.size)
-            return [result_frame(Result(value=call.size)), *data_frames(data)]
+            return [result_frame(Result(value=call.size)), *data_parts(data)]
         if isinstance(call, ModuleLoad):
             return [result_frame(Result(value=backend.module_load(call.ptx)))]
         assert isinstance(call, Synchronize)
@@ -233,11 +237,23 @@ def _widen_pipes() -> None:
         pass  # not a pipe, or not Linux: the default size works, slower
 
 
-def _write_all(fd: int, frames: list[bytes]) -> None:
-    for frame in frames:
-        view = memoryview(frame)
-        while view:
-            view = view[os.write(fd, view) :]
+_WRITEV_PARTS = 64
+"""Parts per vectored write (well under any system's IOV_MAX)."""
+_READ_SIZE = 1 << 20
+
+
+def _write_all(fd: int, parts: list[bytes | memoryview]) -> None:
+    """Write ``parts`` in order with vectored writes: a copy's chunks leave from
+    device memory (or the driver's buffer) without being joined to their headers."""
+    views = [memoryview(part).cast("B") for part in parts if len(part)]
+    while views:
+        written = os.writev(fd, views[:_WRITEV_PARTS])
+        while written:
+            if written >= len(views[0]):
+                written -= len(views.pop(0))
+            else:
+                views[0] = views[0][written:]
+                written = 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -257,9 +273,11 @@ def main(argv: list[str] | None = None) -> int:
     sys.stderr.flush()
     server = CallServer(backend, options.memory_cap)
     _widen_pipes()
+    buffer = bytearray(_READ_SIZE)  # each read lands here; its pieces are used at once
+    view = memoryview(buffer)
     try:
-        while data := os.read(0, 1 << 20):
-            _write_all(1, server.feed(data))
+        while count := os.readv(0, [buffer]):
+            _write_all(1, server.feed(view[:count]))
     except ProtocolError as exc:
         _write_all(1, [end_frame("protocol", str(exc))])
         return 2

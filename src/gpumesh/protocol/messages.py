@@ -660,6 +660,10 @@ class DesktopOpen(_Msg, tag="desktop_open", frozen=True):
     probe: bool = False
     """Only check (allowed, shared, the server listens) and answer, then end: what
     ``desktop connect`` asks first to pick its local port."""
+    channel: bool = False
+    """Ask for a data channel (TLS on TCP, as ``cp``'s) to carry the connection's bytes
+    instead of DATA frames: the path is direct and the consumer has not found the
+    provider's channels blocked."""
 
 
 class DesktopOpened(_Msg, tag="desktop_opened", frozen=True):
@@ -668,6 +672,12 @@ class DesktopOpened(_Msg, tag="desktop_opened", frozen=True):
     """What the owner shared: ``vnc``, ``rdp`` or ``tcp``."""
     port: Annotated[int, msgspec.Meta(ge=1, le=65535)]
     """The provider's local port (for the consumer's messages; it never picks it)."""
+    channel_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
+    """Where the provider listens for this connection's data channel (0: none offered;
+    DATA frames carry it). The consumer connects within a few seconds from the
+    address of the QUIC session, pins the provider's key, sends ``channel_ticket``
+    first; or sends ``ChannelDeclined`` and DATA frames carry it after all."""
+    channel_ticket: Annotated[bytes, msgspec.Meta(max_length=64)] = b""
 
 
 # --- CUDA remoting: one session per stream ------------------------------------------

@@ -67,7 +67,7 @@ class RelayState(enum.StrEnum):
     """The relay refused the registration (a token, its allowlist); retried slowly."""
 
 
-_DESKTOP_KEYS = ("id", "peer", "kind", "port", "since")
+_DESKTOP_KEYS = ("id", "peer", "kind", "port", "since", "path")
 
 
 @dataclass(frozen=True)
