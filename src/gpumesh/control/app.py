@@ -193,6 +193,12 @@ class CopyBody(msgspec.Struct, forbid_unknown_fields=True):
     source: str
     destination: str
     """Exactly one of the two is ``PEER:PATH``, the other a local path."""
+    cwd: str | None = None
+    """The caller's working folder: a relative local path is taken from there (and
+    shown as written)."""
+    retries: int | None = None
+    fast_path: bool = True
+    """False: keep file bytes on QUIC (``cp --no-fast-path``)."""
 
 
 class SyncBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -463,11 +469,127 @@ async def get_members(call: Call) -> object:
 
 
 async def post_copy(call: Call) -> object:
-    from gpumesh.client.files import copy
+    """A copy; with ``stream``, its progress as Server-Sent Events (``copystarted``,
+    ``copyprogress``, ``copyretrying``), then ``end`` (the copy's view) or ``error``.
+    Leaving the stream stops the copy where it is (the next one resumes there)."""
+    from gpumesh.client.files import RETRIES, CopyCallbacks, copy
     from gpumesh.client.views.files import CopyView
 
     body: CopyBody = call.body
-    return CopyView.of(await copy(call.node, body.source, body.destination))
+    if body.retries is not None and not 0 <= body.retries <= 20:
+        raise BadRequestError("retries must be 0 to 20")
+    source, destination, shown = _local_side(body)
+
+    async def work(feed: Feed) -> object:
+        def started(label: str, total: int) -> None:
+            feed.put("copystarted", {"label": shown(label), "total": total})
+
+        def progress(done: int, total: int) -> None:
+            feed.put("copyprogress", {"done": done, "total": total}, latest=True)
+
+        def retrying(error: GPUMeshError, attempt: int) -> None:
+            feed.put("copyretrying", {"message": str(error), "attempt": attempt})
+
+        result = await copy(
+            call.node,
+            source,
+            destination,
+            retries=RETRIES if body.retries is None else body.retries,
+            callbacks=CopyCallbacks(started=started, progress=progress, retrying=retrying),
+            fast_path=body.fast_path,
+        )
+        view = CopyView.of(result)
+        view.local = shown(view.local)
+        return view
+
+    if call.flag("stream"):
+        return EventStream(feed_events(work))
+    return await work(Feed())
+
+
+def _local_side(body: CopyBody) -> tuple[str, str, Callable[[str], str]]:
+    """``body``'s source and destination with a relative local path made absolute
+    from ``cwd``, and a function that shows that absolute path as the caller wrote it."""
+    import os
+
+    from gpumesh.client.files import parse_location
+
+    source, destination = body.source, body.destination
+    if body.cwd is None:
+        return source, destination, lambda text: text
+    if not os.path.isabs(body.cwd):
+        raise BadRequestError(f"cwd {body.cwd!r} is not an absolute path")
+    local = destination if parse_location(source).peer is not None else source
+    if os.path.isabs(local) or parse_location(local).peer is not None:
+        return source, destination, lambda text: text
+    absolute = os.path.join(body.cwd, local)
+    written = str(Path(local))
+    norm = str(Path(absolute))
+    if local == source:
+        source = absolute
+    else:
+        destination = absolute
+
+    def shown(text: str) -> str:
+        parts = text.split(" -> ")
+        for i, part in enumerate(parts):
+            if part == norm:
+                parts[i] = written
+            elif part.startswith(norm.rstrip(os.sep) + os.sep):
+                parts[i] = os.path.join(written, part[len(norm.rstrip(os.sep)) + 1 :])
+        return " -> ".join(parts)
+
+    return source, destination, shown
+
+
+class Feed:
+    """What a long call reports while it runs, for :func:`feed_events`: named
+    events in order; a ``latest`` one replaces one of its name not yet sent (a
+    progress figure the client has not seen need not be sent)."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[str, object]] = []
+        self.ready = asyncio.Event()
+
+    def put(self, name: str, data: object, *, latest: bool = False) -> None:
+        if latest and self.items and self.items[-1][0] == name:
+            self.items[-1] = (name, data)
+        else:
+            self.items.append((name, data))
+        self.ready.set()
+
+
+async def feed_events(work: Callable[[Feed], Awaitable[object]]) -> AsyncIterator[bytes]:
+    """Server-Sent Events of ``work``: what it puts in its feed, then ``end`` with
+    what it returns, or ``error``. The stream's end (the client left) cancels it."""
+    feed = Feed()
+    task = asyncio.ensure_future(work(feed))
+    try:
+        while True:
+            waiter = asyncio.ensure_future(feed.ready.wait())
+            try:
+                done, _ = await asyncio.wait(
+                    {task, waiter}, timeout=KEEPALIVE, return_when=asyncio.FIRST_COMPLETED
+                )
+            finally:
+                waiter.cancel()
+            finished = task.done()
+            feed.ready.clear()
+            items, feed.items = feed.items, []
+            for name, data in items:
+                yield sse(name, data)
+            if finished:
+                break
+            if not done:
+                yield b": keep-alive\n\n"
+        yield sse("end", task.result())
+    except GPUMeshError as exc:
+        yield sse("error", ErrorView(exc.code, exc.message))
+    finally:
+        if not task.done():
+            task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
 
 
 async def post_app_sync(call: Call) -> object:
@@ -683,7 +805,10 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("GET", "/api/v1/groups/{group}/members", get_members,
              "A group's members, probed live", V["members"], query=(_offline,)),
     Endpoint("POST", "/api/v1/copies", post_copy, "Copy a file or folder to or from a peer",
-             V["copy"], Access.NO_COOKIE, body=CopyBody),
+             V["copy"], Access.NO_COOKIE, body=CopyBody,
+             query=(Query("stream", "boolean", "Answer with the copy's progress as "
+                          "Server-Sent Events: copystarted, copyprogress, copyretrying, "
+                          "end"),)),
     Endpoint("POST", "/api/v1/apps/sync", post_app_sync, "Sync a local folder to a peer",
              V["sync"], Access.NO_COOKIE, body=SyncBody),
     Endpoint("GET", "/api/v1/owner", get_owner,
