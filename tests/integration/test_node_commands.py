@@ -87,3 +87,44 @@ def test_cp_errors_are_one_line_through_the_node_process(
     both = run_in(bob, tmp_path, "cp", "alice-pc:/a", "alice-pc:/b")
     assert both.returncode == 2
     assert both.stderr.strip() == "error: both sides name a peer: one side must be a local path"
+
+
+def test_app_sync_run_and_pull_through_the_node_process(
+    pair: tuple[Path, Path], tmp_path: Path
+) -> None:
+    _alice, bob = pair
+    work = tmp_path / "work"
+    (work / "proj").mkdir(parents=True)
+    (work / "proj" / "a.txt").write_text("alpha\n")
+    dry = run_in(bob, work, "app", "sync", "--peer", "alice-pc", "--dir", "proj", "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert dry.stdout.splitlines() == [
+        "send    a.txt",
+        "dry run: 1 to send, 0 to delete, 0 unchanged; nothing sent",
+    ]
+    synced = run_in(bob, work, "app", "sync", "--peer", "alice-pc", "--dir", "proj", "--json")
+    assert synced.returncode == 0, synced.stderr
+    assert json.loads(synced.stdout)["sent"] == ["a.txt"]
+
+    (work / "proj" / "b.txt").write_text("beta\n")
+    script = "mkdir -p renders && cat a.txt b.txt > renders/ab.txt && echo rendered && exit 3"
+    ran = run_in(
+        bob, work, "app", "run", "--peer", "alice-pc", "--dir", "proj", "--out", "renders",
+        "--", "sh", "-c", script,
+    )  # fmt: skip
+    assert ran.returncode == 3, ran.stderr
+    assert ran.stdout == "rendered\n"
+    # Only the new file went: the sync's note says so, before the job's output.
+    assert "synced /apps/proj on alice-pc: 1 sent" in ran.stderr
+    assert "pulled alice-pc:/apps/proj/renders -> renders" in ran.stderr
+    assert (work / "renders" / "ab.txt").read_text() == "alpha\nbeta\n"
+    assert status(bob)["node"]["detached"]
+
+    listed = json.loads(run_in(bob, work, "jobs", "--json").stdout)
+    job_id = next(job["job_id"] for job in listed if job["role"] == "submitted")
+    pulled = run_in(
+        bob, work, "app", "pull", "--peer", "alice-pc", "--job", job_id, "--dir", "later"
+    )
+    assert pulled.returncode == 0, pulled.stderr
+    assert pulled.stdout == "pulled alice-pc:/apps/proj -> later\n"
+    assert (work / "later" / "renders" / "ab.txt").read_text() == "alpha\nbeta\n"

@@ -208,6 +208,37 @@ class SyncBody(msgspec.Struct, forbid_unknown_fields=True):
     dry_run: bool = False
 
 
+class AppRunBody(msgspec.Struct, forbid_unknown_fields=True):
+    peer: str
+    dir: str
+    """The local folder to sync and run in (absolute)."""
+    command: list[str] = []
+    out: str | None = None
+    """A local folder (absolute) to pull the app's folder of its name back into."""
+    image: str | None = None
+    env: dict[str, str] = {}
+    gpu_memory: int | str | None = None
+    retries: int | None = None
+    timeout: float | str | None = None
+    mounts: list[str] = []
+
+
+class AppPullBody(msgspec.Struct, forbid_unknown_fields=True):
+    peer: str
+    job: str
+    dir: str
+    """The local folder (absolute) to pull the job's app folder into."""
+
+
+class AppPullView(msgspec.Struct):
+    """A past ``app run`` job's folder, pulled."""
+
+    remote: str
+    """The folder on the peer (``/apps/NAME``)."""
+    size: int
+    """Bytes of the tar that carried it."""
+
+
 class ExchangeBody(msgspec.Struct, forbid_unknown_fields=True):
     code: str
 
@@ -603,6 +634,82 @@ async def post_app_sync(call: Call) -> object:
     return SyncView.of(result)
 
 
+def _absolute(what: str, path: str) -> Path:
+    """A local path of a request: absolute, since the caller's folder is not ours."""
+    if not Path(path).is_absolute():
+        raise BadRequestError(f"{what} {path!r} is not an absolute path")
+    return Path(path)
+
+
+async def post_app_run(call: Call) -> object:
+    """Sync a local folder, run a job in it, pull a folder back: Server-Sent Events
+    ``syncview``, the job's steps and events (as the jobs route streams them, not
+    numbered: resume a dropped stream with ``gpumesh logs -f``), then ``end`` (the
+    app run's view) or ``error``. Leaving the stream stops following (the job
+    keeps running)."""
+    from gpumesh.client import jobs, runs
+    from gpumesh.client.apps import run_app
+    from gpumesh.client.jobspec import build_spec
+    from gpumesh.client.views.apps import AppRunView, SyncView
+    from gpumesh.client.views.jobs import event_view
+    from gpumesh.client.views.runs import step_view
+
+    body: AppRunBody = call.body
+    folder = _absolute("dir", body.dir)
+    out = None if body.out is None else _absolute("out", body.out)
+    spec = build_spec(
+        None,
+        image=body.image,
+        command=body.command or None,
+        env_items=[f"{k}={v}" for k, v in body.env.items()],
+        gpu_memory=body.gpu_memory,
+        retries=body.retries,
+        timeout=body.timeout,
+        peer=body.peer,
+        mounts=body.mounts,
+    )
+
+    async def work(feed: Feed) -> object:
+        def event(item: jobs.JobEvent) -> None:
+            view = event_view(item, 0)
+            feed.put(type(view).__name__.lower(), view)
+
+        def step(item: runs.RunEvent, latest: bool = False) -> None:
+            view = step_view(item)
+            if view is not None:
+                feed.put(type(view).__name__.lower(), view, latest=latest)
+
+        callbacks = jobs.JobCallbacks(
+            stdout=lambda data: event(jobs.Output("stdout", data)),
+            stderr=lambda data: event(jobs.Output("stderr", data)),
+            status=lambda status: event(jobs.StatusChanged.of(status)),
+            accepted=lambda accepted: step(runs.Accepted(accepted)),
+            pull=lambda pull: step(runs.Pulling(pull), latest=True),
+            reconnecting=lambda error: event(jobs.Reconnecting(error)),
+            dropped=lambda count: event(jobs.OutputDropped(count)),
+        )
+        done = await run_app(
+            call.node,
+            body.peer,
+            folder,
+            spec,
+            out=out,
+            callbacks=callbacks,
+            synced=lambda sync: feed.put("syncview", SyncView.of(sync)),
+        )
+        return AppRunView.of(done)
+
+    return EventStream(feed_events(work))
+
+
+async def post_app_pull(call: Call) -> object:
+    from gpumesh.client.apps import pull_job
+
+    body: AppPullBody = call.body
+    remote, size = await pull_job(call.node, body.peer, body.job, _absolute("dir", body.dir))
+    return AppPullView(remote, size)
+
+
 async def get_owner(call: Call) -> object:
     from gpumesh.client.owner import owner_view
     from gpumesh.client.views.owner import OwnerStatusView
@@ -730,6 +837,7 @@ def _views() -> dict[str, Any]:
         "members": list[groups.MemberStatusEntry],
         "copy": files.CopyView,
         "sync": apps.SyncView,
+        "apprun": apps.AppRunView,
         "owner": owner.OwnerStatusView,
         "ended": owner.EndedSessionView,
         "history": history.GpuHistoryView,
@@ -811,6 +919,12 @@ ENDPOINTS: tuple[Endpoint, ...] = (
                           "end"),)),
     Endpoint("POST", "/api/v1/apps/sync", post_app_sync, "Sync a local folder to a peer",
              V["sync"], Access.NO_COOKIE, body=SyncBody),
+    Endpoint("POST", "/api/v1/apps/run", post_app_run,
+             "Sync a local folder, run a job in it, pull a folder back: Server-Sent Events",
+             V["apprun"], Access.NO_COOKIE, body=AppRunBody, media_type="text/event-stream"),
+    Endpoint("POST", "/api/v1/apps/pull", post_app_pull,
+             "Pull a past app job's folder into a local folder", AppPullView,
+             Access.NO_COOKIE, body=AppPullBody),
     Endpoint("GET", "/api/v1/owner", get_owner,
              "Who uses this machine: connected peers, hosted jobs, open sessions", V["owner"],
              query=(Query("limit", "integer", "How many hosted jobs (50)"),)),
