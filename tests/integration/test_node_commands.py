@@ -128,3 +128,106 @@ def test_app_sync_run_and_pull_through_the_node_process(
     assert pulled.returncode == 0, pulled.stderr
     assert pulled.stdout == "pulled alice-pc:/apps/proj -> later\n"
     assert (work / "later" / "renders" / "ab.txt").read_text() == "alpha\nbeta\n"
+
+
+def test_exec_with_a_terminal_through_the_node_process(
+    pair: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real pty: raw mode, the window's size at start and after a resize, Ctrl-C
+    to the remote program, and the remote exit code, all through the node process."""
+    import termios
+
+    from tests.integration.test_exec import Terminal
+
+    _alice, bob = pair
+    monkeypatch.delenv("GPUMESH_NODE")
+    shell = Terminal(bob, "exec", "alice-pc", rows=30, cols=100)
+    try:
+        shell.expect(b"$ ")
+        shell.send("busybox stty size\r")
+        shell.expect(b"30 100")
+        shell.resize(40, 120)
+        for attempt in range(40):
+            shell.send("busybox stty size\r")
+            try:
+                shell.expect(b"40 120", timeout=0.5)
+                break
+            except AssertionError:
+                assert attempt < 39, "the remote terminal never got the new size"
+        shell.send("sleep 30\r")
+        shell.send("\x03")  # raw mode: Ctrl-C reaches the remote shell, not gpumesh
+        shell.send("echo still-$((1 + 1))\r")
+        shell.expect(b"still-2", timeout=30)
+        assert status(bob)["node"]["detached"]  # the node process ran the shell
+        shell.send("exit 5\r")
+        assert shell.wait(timeout=60) == 5
+        fd = os.open(shell.slave_name, os.O_RDWR | os.O_NOCTTY)
+        try:
+            lflag = termios.tcgetattr(fd)[3]
+        finally:
+            os.close(fd)
+        assert lflag & termios.ICANON and lflag & termios.ECHO  # out of raw mode again
+    finally:
+        shell.close()
+
+
+def test_exec_without_a_terminal_pipes_stdin_through_the_node_process(
+    pair: tuple[Path, Path], tmp_path: Path
+) -> None:
+    _alice, bob = pair
+    piped = subprocess.run(
+        [sys.executable, "-m", "gpumesh", "exec", "alice-pc", "sh", "-c", "cat; exit 3"],
+        env=node_env(bob),
+        input="hello\nworld\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert piped.returncode == 3, piped.stderr
+    assert piped.stdout == "hello\nworld\n"  # all of stdin, then its end
+    unknown = run_in(bob, tmp_path, "exec", "nobody", "true")
+    assert unknown.returncode == 2
+    assert unknown.stderr.startswith("error: ") and len(unknown.stderr.strip().splitlines()) == 1
+    assert "nobody" in unknown.stderr
+
+
+def test_cp_app_and_exec_through_the_node_import_no_quic_crypto_or_docker(
+    pair: tuple[Path, Path], tmp_path: Path
+) -> None:
+    import textwrap
+
+    _alice, bob = pair
+    (tmp_path / "proj").mkdir()
+    (tmp_path / "proj" / "a.txt").write_text("alpha\n")
+    check = textwrap.dedent(
+        """
+        import sys
+        from gpumesh.cli.main import main
+        HEAVY = ("qh3", "cryptography", "docker")
+        codes = []
+        for argv in (["cp", "proj/a.txt", "alice-pc:/a.txt"],
+                     ["cp", "--json", "alice-pc:/a.txt", "b.txt"],
+                     ["app", "sync", "--peer", "alice-pc", "--dir", "proj"],
+                     ["app", "run", "--peer", "alice-pc", "--dir", "proj", "--", "cat", "a.txt"],
+                     ["exec", "alice-pc", "echo", "shell"]):
+            codes.append(int(main(argv)))
+        heavy = sorted(m for m in sys.modules if m.split(".")[0] in HEAVY)
+        print("RESULT", codes, heavy, file=sys.stderr)
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", check],
+        env=node_env(bob),
+        cwd=tmp_path,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("RESULT"), result.stderr
+    assert last == "RESULT [0, 0, 0, 0, 0] []", result.stderr
+    assert (tmp_path / "b.txt").read_text() == "alpha\n"
+    assert "alpha\n" in result.stdout and "shell\n" in result.stdout

@@ -58,6 +58,7 @@ from gpumesh.errors import (
 if TYPE_CHECKING:
     from gpumesh.client.node import Node
     from gpumesh.daemon.process import NodeProcess
+    from gpumesh.daemon.shells import Shells
 
 __all__ = ["ENDPOINTS", "Call", "ControlState", "create_app"]
 
@@ -90,6 +91,8 @@ class ControlState:
     """The last hour of GPU readings, sampled from the first request on."""
     process: NodeProcess | None = None
     """The node process serving this API (its status, its stop)."""
+    shells: Shells | None = None
+    """``gpumesh exec`` sessions run here, made on the first one."""
 
 
 class Refusal(Exception):
@@ -710,6 +713,31 @@ async def post_app_pull(call: Call) -> object:
     return AppPullView(remote, size)
 
 
+async def post_shell(call: Call) -> object:
+    """A shell on a peer, run by this process: where to connect for its bytes
+    (:mod:`gpumesh.daemon.shells`)."""
+    from gpumesh.daemon.shells import ShellRequest, Shells
+
+    state = call.state
+    body: ShellRequest = call.body
+    from gpumesh.client.jobspec import parse_env
+
+    call.node.peer(body.peer)  # an unknown peer is refused now, not on the socket
+    parse_env([f"{key}={value}" for key, value in body.env.items()])  # `--env`'s checks
+    if body.gpu_memory < 0 or body.rows < 0 or body.cols < 0:
+        raise BadRequestError("gpu_memory, rows and cols cannot be negative")
+    if state.shells is None:
+        process = state.process
+
+        def busy(change: int) -> None:
+            if process is not None:
+                process.active += change
+                process.last_active = process.clock()
+
+        state.shells = Shells(call.node.home.path, busy=busy)
+    return await state.shells.offer(call.node, body)
+
+
 async def get_owner(call: Call) -> object:
     from gpumesh.client.owner import owner_view
     from gpumesh.client.views.owner import OwnerStatusView
@@ -819,6 +847,7 @@ async def post_node_tcp(call: Call) -> object:
 def _views() -> dict[str, Any]:
     """The response types, imported only when the table is built."""
     from gpumesh.client.views import apps, files, groups, joblist, jobs, node, owner, peers
+    from gpumesh.daemon.shells import ShellOfferView, ShellRequest
     from gpumesh.daemon.views import NodeProcessView
 
     return {
@@ -842,6 +871,8 @@ def _views() -> dict[str, Any]:
         "ended": owner.EndedSessionView,
         "history": history.GpuHistoryView,
         "process": NodeProcessView,
+        "shell": ShellOfferView,
+        "shellbody": ShellRequest,
     }
 
 
@@ -925,6 +956,9 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("POST", "/api/v1/apps/pull", post_app_pull,
              "Pull a past app job's folder into a local folder", AppPullView,
              Access.NO_COOKIE, body=AppPullBody),
+    Endpoint("POST", "/api/v1/shells", post_shell,
+             "Open a shell on a peer: where to connect for its bytes (one connection)",
+             V["shell"], Access.NO_COOKIE, body=V["shellbody"]),
     Endpoint("GET", "/api/v1/owner", get_owner,
              "Who uses this machine: connected peers, hosted jobs, open sessions", V["owner"],
              query=(Query("limit", "integer", "How many hosted jobs (50)"),)),
