@@ -231,3 +231,47 @@ def test_cp_app_and_exec_through_the_node_import_no_quic_crypto_or_docker(
     assert last == "RESULT [0, 0, 0, 0, 0] []", result.stderr
     assert (tmp_path / "b.txt").read_text() == "alpha\n"
     assert "alpha\n" in result.stdout and "shell\n" in result.stdout
+
+
+def test_without_unix_sockets_the_cli_reaches_the_node_over_loopback_tcp(
+    pair: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """The platform simulation switches unix sockets off (as on Windows): bob's node
+    process serves the API on loopback TCP only, and his CLI uses it with the
+    home's token, for cp, exec (its shell on TCP too) and run."""
+    from tests.integration.conftest import gpumesh
+
+    _alice, bob = pair
+    assert gpumesh(bob, "config", "set", "listen_host", "127.0.0.1").returncode == 0
+    report = tmp_path / "platform-report"
+    windows = {"GPUMESH_TEST_PLATFORM": "windows", "GPUMESH_TEST_PLATFORM_REPORT": str(report)}
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "data.bin").write_bytes(b"line\r\n\x00" + os.urandom(100_000))
+    up = run_in(bob, work, "cp", "data.bin", "alice-pc:/data.bin", **windows)
+    assert up.returncode == 0, up.stderr
+    down = run_in(bob, work, "cp", "alice-pc:/data.bin", "back.bin", **windows)
+    assert down.returncode == 0, down.stderr
+    assert (work / "back.bin").read_bytes() == (work / "data.bin").read_bytes()
+    shell = subprocess.run(
+        [sys.executable, "-m", "gpumesh", "exec", "alice-pc", "sh", "-c", "cat; exit 4"],
+        env=node_env(bob, **windows),
+        input="piped\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert shell.returncode == 4, shell.stderr
+    assert shell.stdout == "piped\n"
+    ran = run_in(bob, work, "run", "--peer", "alice-pc", "--", "echo", "ran", **windows)
+    assert ran.returncode == 0 and ran.stdout == "ran\n", ran.stderr
+
+    shown = run_in(bob, work, "daemon", "status", "--json", **windows)
+    node = json.loads(shown.stdout)["node"]
+    assert node is not None, (shown.stderr, (bob / "logs" / "node.log").read_text()[-3000:])
+    assert [a.split(":")[0] for a in node["api"]] == ["http"], node["api"]
+    assert node["api"][0].startswith("http://127.0.0.1:")
+    assert not (bob / "control.sock").exists()
+    used = [line for line in report.read_text().splitlines() if line.startswith("used unix")]
+    assert not used, used
