@@ -275,3 +275,63 @@ def test_without_unix_sockets_the_cli_reaches_the_node_over_loopback_tcp(
     assert not (bob / "control.sock").exists()
     used = [line for line in report.read_text().splitlines() if line.startswith("used unix")]
     assert not used, used
+
+
+def test_ctrl_c_during_a_cp_through_the_node_process(
+    pair: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Ctrl-C while the node process copies: the CLI says `Aborted.` and exits 130
+    as in-process, and the next copy works. alice is held stopped (SIGSTOP)
+    so the copy cannot finish first; the signal goes once the CLI holds a socket
+    (it is then in its command, past start-up)."""
+    import signal
+    import time
+
+    from tests.integration.node import CEILING
+
+    alice, bob = pair
+    work = tmp_path / "work"
+    work.mkdir()
+    data = os.urandom(2_000_000)
+    (work / "big.bin").write_bytes(data)
+    assert run_in(bob, work, "cp", "big.bin", "alice-pc:/big.bin").returncode == 0
+    share_pid = json.loads((alice / "agent.json").read_text())["pid"]
+    os.kill(share_pid, signal.SIGSTOP)
+    try:
+        copy = subprocess.Popen(
+            [sys.executable, "-m", "gpumesh", "cp", "alice-pc:/big.bin", "back.bin"],
+            env=node_env(bob),
+            cwd=work,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        deadline = time.monotonic() + CEILING
+        while not _holds_a_socket(copy.pid):
+            assert copy.poll() is None, copy.communicate()
+            assert time.monotonic() < deadline, "the CLI never reached the node process"
+            time.sleep(0.02)
+        copy.send_signal(signal.SIGINT)
+        _out, err = copy.communicate(timeout=CEILING)
+    finally:
+        os.kill(share_pid, signal.SIGCONT)
+    assert copy.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "Aborted."  # click's word for Ctrl-C, as in-process
+    assert "Traceback" not in err
+    again = run_in(bob, work, "cp", "alice-pc:/big.bin", "back.bin")
+    assert again.returncode == 0, again.stderr
+    assert (work / "back.bin").read_bytes() == data
+
+
+def _holds_a_socket(pid: int) -> bool:
+    try:
+        names = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for name in names:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{name}").startswith("socket:"):
+                return True
+        except OSError:
+            continue
+    return False
