@@ -82,10 +82,12 @@ def exec(
     tty = os.isatty(0) and os.isatty(1) and platform.has("termios")
     raw = _RawMode(0) if tty else None
     if node_enabled() and all("=" in item for item in env_items):
+        from gpumesh import settings
+
         request: dict[str, object] = {
             "peer": peer,
             "command": list(command),
-            "image": image,
+            "image": image or settings.env(settings.ENV_IMAGE),  # ours, not the node's
             "env": dict(item.split("=", 1) for item in env_items),
             "gpu_memory": memory,
             "tty": tty,
