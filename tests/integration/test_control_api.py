@@ -501,6 +501,9 @@ def test_browser_login_cookie_csrf_and_local_paths(mesh: Mesh) -> None:
     for path, body in (
         ("/api/v1/copies", {"source": "/etc/passwd", "destination": "alice-pc:/x"}),
         ("/api/v1/apps/sync", {"peer": "alice-pc", "dir": "/etc"}),
+        ("/api/v1/apps/run", {"peer": "alice-pc", "dir": "/etc", "command": ["true"]}),
+        ("/api/v1/apps/pull", {"peer": "alice-pc", "job": "x", "dir": "/tmp/x"}),
+        ("/api/v1/shells", {"peer": "alice-pc"}),
         ("/api/v1/auth/login-codes", None),
     ):
         refused = browser("POST", path, json=body, headers=csrf)

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from gpumesh.cli._common import emit_json, fail, get_node, run_async
 from gpumesh.cli._complete import complete_peer, complete_submitted_job
+from gpumesh.cli._node import node_client, node_enabled
+from gpumesh.cli._notes import exit_status_of
 from gpumesh.errors import ExitCode
+from gpumesh.settings import ENV_IMAGE, env
 
 if TYPE_CHECKING:
     from gpumesh.client.apps import SyncResult
@@ -35,13 +38,27 @@ def app() -> None:
 
 
 def _sync_summary(result: SyncResult) -> str:
+    return _sync_line(
+        result.peer, result.remote, len(result.sent), result.bytes_sent, len(result.deleted),
+        result.unchanged,
+    )  # fmt: skip
+
+
+def _sync_line(peer: str, remote: str, sent: int, size: int, deleted: int, unchanged: int) -> str:
     from gpumesh.units import format_size
 
     return (
-        f"synced {result.remote} on {result.peer}: {len(result.sent)} sent "
-        f"({format_size(result.bytes_sent)}), {len(result.deleted)} deleted, "
-        f"{result.unchanged} unchanged"
+        f"synced {remote} on {peer}: {sent} sent ({format_size(size)}), {deleted} deleted, "
+        f"{unchanged} unchanged"
     )
+
+
+def _view_summary(view: dict[str, Any]) -> str:
+    """:func:`_sync_summary` of a sync's view (as the node process sends it)."""
+    return _sync_line(
+        view["peer"], view["remote"], view["files_sent"], view["bytes_sent"],
+        view["files_deleted"], view["files_unchanged"],
+    )  # fmt: skip
 
 
 @app.command()
@@ -58,6 +75,17 @@ def _sync_summary(result: SyncResult) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def sync(peer: str, folder: str, dry_run: bool, as_json: bool) -> None:
     """Sync the folder DIR into /apps/NAME in your folder on PEER."""
+    if node_enabled():
+        body = {"peer": peer, "dir": os.path.abspath(folder), "dry_run": dry_run}
+        view = node_client().call("POST", "/api/v1/apps/sync", body)
+        if as_json:
+            emit_json(view)
+        elif dry_run:
+            skipped = [(s["path"], s["rule"]) for s in view["skipped"]]
+            _dry_run(view["sent"], view["deleted"], skipped, view["files_unchanged"])
+        else:
+            click.echo(_view_summary(view))
+        return
     from gpumesh.client.apps import sync_app
 
     node = get_node()
@@ -70,18 +98,25 @@ def sync(peer: str, folder: str, dry_run: bool, as_json: bool) -> None:
         emit_json(msgspec.to_builtins(SyncView.of(result)))
         return
     if dry_run:
-        for path in result.sent:
-            click.echo(f"send    {path}")
-        for path in result.deleted:
-            click.echo(f"delete  {path}")
-        for skipped in result.skipped:
-            click.echo(f"skip    {skipped.path}  ({skipped.reason})")
-        click.echo(
-            f"dry run: {len(result.sent)} to send, {len(result.deleted)} to delete, "
-            f"{result.unchanged} unchanged; nothing sent"
-        )
+        skips = [(skipped.path, skipped.reason) for skipped in result.skipped]
+        _dry_run(result.sent, result.deleted, skips, result.unchanged)
         return
     click.echo(_sync_summary(result))
+
+
+def _dry_run(
+    sent: list[str], deleted: list[str], skipped: list[tuple[str, str]], unchanged: int
+) -> None:
+    for path in sent:
+        click.echo(f"send    {path}")
+    for path in deleted:
+        click.echo(f"delete  {path}")
+    for path, reason in skipped:
+        click.echo(f"skip    {path}  ({reason})")
+    click.echo(
+        f"dry run: {len(sent)} to send, {len(deleted)} to delete, "
+        f"{unchanged} unchanged; nothing sent"
+    )
 
 
 @app.command(context_settings={"allow_interspersed_args": False})
@@ -129,17 +164,36 @@ def run(
     (--out ./renders: /apps/NAME/renders) is pulled back into LOCAL_DIR.
     Exits with the job's exit code.
     """
+    out_name = ""
+    if out is not None:
+        out_name = Path(os.path.abspath(out)).name
+        if not out_name or out_name.startswith("."):
+            fail(f"--out {out}: give a folder name, like ./renders")
+    if node_enabled() and all("=" in item for item in env_items):
+        body: dict[str, object] = {
+            "peer": peer,
+            "dir": os.path.abspath(folder),
+            "out": None if out is None else os.path.abspath(out),
+            "command": list(command),
+            "image": image or env(ENV_IMAGE),
+            "env": dict(item.split("=", 1) for item in env_items),
+            "gpu_memory": gpu_memory,
+            "retries": retries,
+            "timeout": timeout,
+            "mounts": list(mounts),
+        }
+        view = _run_through_node(body, quiet=quiet)
+        job = view["job"]
+        status = exit_status_of(job["state"], job["exit_code"])
+        _pulled(view["pulled"], view["sync"]["peer"], view["sync"]["remote"],
+                view["out_remote"], out, out_name, status, quiet)  # fmt: skip
+        raise SystemExit(status)
     from gpumesh.cli._jobview import JobPrinter
     from gpumesh.cli.run import exit_status
     from gpumesh.client.apps import run_app
     from gpumesh.client.jobspec import build_spec
 
     node = get_node()
-    out_name = ""
-    if out is not None:
-        out_name = Path(os.path.abspath(out)).name
-        if not out_name or out_name.startswith("."):
-            fail(f"--out {out}: give a folder name, like ./renders")
     spec = build_spec(
         None,
         image=image,
@@ -169,16 +223,58 @@ def run(
         )
     )
     status = exit_status(done.job)
-    if out is not None:
-        if not done.pulled:
-            fail(
-                f"the job produced no folder {out_name}/ in {done.sync.remote} on "
-                f"{done.sync.peer}: nothing to pull into {out}",
-                status or ExitCode.FAILED,
-            )
-        if not quiet:
-            click.echo(f"pulled {done.sync.peer}:{done.out_remote} -> {out}", err=True)
+    _pulled(done.pulled, done.sync.peer, done.sync.remote, done.out_remote, out, out_name,
+            status, quiet)  # fmt: skip
     raise SystemExit(status)
+
+
+def _pulled(
+    pulled: bool,
+    peer: str,
+    remote: str,
+    out_remote: str,
+    out: str | None,
+    out_name: str,
+    status: int,
+    quiet: bool,
+) -> None:
+    """What ``app run --out`` says of the folder it pulled back, or failed to."""
+    if out is None:
+        return
+    if not pulled:
+        fail(
+            f"the job produced no folder {out_name}/ in {remote} on "
+            f"{peer}: nothing to pull into {out}",
+            status or ExitCode.FAILED,
+        )
+    if not quiet:
+        click.echo(f"pulled {peer}:{out_remote} -> {out}", err=True)
+
+
+def _run_through_node(body: dict[str, object], *, quiet: bool) -> dict[str, Any]:
+    """``app run`` done by the node process, its steps and output printed here as
+    ``gpumesh run`` prints them; the app run's view."""
+    from gpumesh.cli._notes import ViewPrinter
+    from gpumesh.daemon.client import NodeUnavailableError
+    from gpumesh.errors import AgentError, error_from_code
+
+    printer = ViewPrinter("", quiet=quiet)
+    try:
+        for event in node_client().events("/api/v1/apps/run", "POST", body):
+            if event.event == "end":
+                done: dict[str, Any] = event.data
+                return done
+            if event.event == "error":
+                raise error_from_code(str(event.data["code"]), str(event.data["message"]))
+            if event.event == "syncview":
+                if not quiet:
+                    click.echo(_view_summary(event.data), err=True)
+            else:
+                printer.show(event.event, event.data)
+    except NodeUnavailableError:
+        pass
+    follow = f"`gpumesh logs -f {printer.job_id}`" if printer.job_id else "`gpumesh jobs`"
+    raise AgentError(f"the node process stopped during the app's run: see {follow}")
 
 
 @app.command()
@@ -200,6 +296,11 @@ def run(
 @click.option("--dir", "folder", type=click.Path(file_okay=False), required=True)
 def pull(peer: str, job_id: str, folder: str) -> None:
     """Copy the working folder of a past job (its app folder) into DIR."""
+    if node_enabled():
+        body = {"peer": peer, "job": job_id, "dir": os.path.abspath(folder)}
+        remote = node_client().call("POST", "/api/v1/apps/pull", body)["remote"]
+        click.echo(f"pulled {peer}:{remote} -> {folder}")
+        return
     from gpumesh.client.apps import pull_job
 
     remote, _size = run_async(pull_job(get_node(), peer, job_id, Path(folder)))

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import sys
+from types import SimpleNamespace
 from typing import Any
 
 import click
 
 from gpumesh.cli._common import emit_json, get_node, run_async
 from gpumesh.cli._complete import complete_peer_path
+from gpumesh.cli._node import node_enabled
 
 
 @click.command(
@@ -70,10 +73,27 @@ def cp(
     with their permission bits) go both ways; when DESTINATION is an existing
     folder, SOURCE is copied into it under its own name, as cp does.
     """
+    view = _CopyView(quiet=quiet or as_json)
+    if node_enabled():
+        body = {
+            "source": source,
+            "destination": destination,
+            "cwd": os.getcwd(),
+            "retries": retries,
+            "fast_path": not no_fast_path,
+        }
+        try:
+            data = _through_node(body, view)
+        finally:
+            view.close()
+        if as_json:
+            emit_json(data)
+        elif not quiet:
+            view.summary(SimpleNamespace(**data))
+        return
     from gpumesh.client.files import CopyCallbacks, copy
 
     node = get_node()
-    view = _CopyView(quiet=quiet or as_json)
     callbacks = CopyCallbacks(started=view.started, progress=view.progress, retrying=view.retrying)
     try:
         result = run_async(
@@ -94,6 +114,35 @@ def cp(
         emit_json(CopyView.of(result))
     elif not quiet:
         view.summary(result)
+
+
+def _through_node(body: dict[str, object], view: _CopyView) -> dict[str, Any]:
+    """The copy done by the node process, its progress shown here; the copy's view.
+    Ctrl-C (or this process ending) stops the copy where it is, as in-process."""
+    from gpumesh.cli._node import node_client
+    from gpumesh.daemon.client import NodeUnavailableError
+    from gpumesh.errors import AgentError, error_from_code
+
+    try:
+        for event in node_client().events("/api/v1/copies?stream=true", "POST", body):
+            data = event.data
+            if event.event == "end":
+                result: dict[str, Any] = data
+                return result
+            if event.event == "error":
+                raise error_from_code(str(data["code"]), str(data["message"]))
+            if event.event == "copystarted":
+                view.started(str(data["label"]), int(data["total"]))
+            elif event.event == "copyprogress":
+                view.progress(int(data["done"]), int(data["total"]))
+            elif event.event == "copyretrying":
+                view.retrying(data["message"], int(data["attempt"]))
+    except NodeUnavailableError:
+        pass
+    raise AgentError(
+        "the node process stopped during the copy: run the same command again "
+        "(it resumes where it stopped)"
+    )
 
 
 class _CopyView:

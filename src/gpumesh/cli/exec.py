@@ -18,6 +18,7 @@ import click
 from gpumesh import platform
 from gpumesh.cli._common import get_node, run_async
 from gpumesh.cli._complete import complete_peer
+from gpumesh.cli._node import node_enabled
 
 if TYPE_CHECKING:
     from gpumesh.client.exec import ExecSession
@@ -65,13 +66,10 @@ def exec(
     and its window follows yours; without one, stdin is piped through and
     stdout and stderr arrive together. gpumesh exits with the program's code.
     """
-    from gpumesh.client.jobspec import parse_env
     from gpumesh.errors import ConfigError
 
-    node = get_node()
     if command[:1] == ("--",):  # `gpumesh exec PEER -- CMD`: the separator is not the command
         command = command[1:]
-    env = parse_env(env_items)
     if image is not None and (not image.strip() or any(ch.isspace() for ch in image)):
         raise ConfigError(f"--image {image!r} is not an image name, such as python:3.12-slim")
     from gpumesh.units import parse_size
@@ -83,6 +81,27 @@ def exec(
     # they are typed: the session runs as with a pipe, line by line.
     tty = os.isatty(0) and os.isatty(1) and platform.has("termios")
     raw = _RawMode(0) if tty else None
+    if node_enabled() and all("=" in item for item in env_items):
+        from gpumesh import settings
+
+        request: dict[str, object] = {
+            "peer": peer,
+            "command": list(command),
+            "image": image or settings.env(settings.ENV_IMAGE),  # ours, not the node's
+            "env": dict(item.split("=", 1) for item in env_items),
+            "gpu_memory": memory,
+            "tty": tty,
+        }
+        try:
+            code = run_async(_through_node(request, raw))
+        finally:
+            if raw is not None:
+                raw.restore()
+        raise SystemExit(code)
+    from gpumesh.client.jobspec import parse_env
+
+    node = get_node()
+    env = parse_env(env_items)
     try:
         code = run_async(_session(node, peer, list(command) or ["sh"], image, env, raw, memory))
     finally:
@@ -160,6 +179,127 @@ async def _session(
             watcher.cancel()
         for step in undo:
             step()
+
+
+async def _through_node(request: dict[str, object], raw: _RawMode | None) -> int:
+    """The shell run by the node process: this process carries the terminal's bytes,
+    its resizes and the exit code over the socket the node process opened for it
+    (:mod:`gpumesh.daemon.shells`)."""
+    import json
+
+    from gpumesh.cli._node import node_client
+    from gpumesh.cli._notes import StepNotes
+    from gpumesh.daemon import frames
+    from gpumesh.errors import AgentError, error_from_code
+
+    client = node_client()
+    if raw is not None:
+        request["rows"], request["cols"] = _window_size()
+    offer = client.call("POST", "/api/v1/shells", request)
+    reader, writer = await _connect_shell(offer)
+    writer.write(frames.frame(frames.TOKEN, str(offer["token"]).encode()))
+    loop = asyncio.get_running_loop()
+    main = asyncio.current_task()
+    assert main is not None
+    received: list[int] = []
+
+    def on_signal(signum: int) -> None:
+        received.append(signum)  # closing the socket ends the remote session
+        main.cancel()
+
+    def resize() -> None:
+        writer.write(frames.resize_frame(*_window_size()))
+
+    async def pump() -> None:
+        async for data in _read_fd(0):
+            writer.write(frames.frame(frames.DATA, data))
+            await writer.drain()
+        writer.write(frames.frame(frames.EOF))
+        await writer.drain()
+
+    undo: list[Callable[[], None]] = []
+    tasks: list[asyncio.Task[None]] = []
+    for name in ("SIGHUP", "SIGTERM"):
+        if hasattr(signal, name):
+            signum = getattr(signal, name)
+            undo.append(
+                platform.add_signal_handler(loop, signum, functools.partial(on_signal, signum))
+            )
+    notes = StepNotes()
+    try:
+        tasks.append(asyncio.ensure_future(pump()))
+        while True:
+            try:
+                item = await frames.read_frame(reader)
+            except (frames.FrameError, OSError):
+                item = None
+            if item is None:
+                raise AgentError(
+                    "the node process stopped during the shell (the remote program was ended)"
+                )
+            kind, payload = item
+            if kind == frames.DATA:
+                await _write_stdout(payload)
+            elif kind == frames.STARTED and raw is not None:
+                raw.enter()
+                if platform.has("sigwinch"):
+                    undo.append(platform.add_signal_handler(loop, signal.SIGWINCH, resize))
+                else:
+                    tasks.append(asyncio.ensure_future(_poll_window(resize)))
+            elif kind == frames.PULL:
+                notes.pull(**json.loads(payload))
+            elif kind == frames.EXIT:
+                return int.from_bytes(payload, "big", signed=True)
+            elif kind == frames.FAILED:
+                error = json.loads(payload)
+                raise error_from_code(str(error["code"]), str(error["message"]))
+    except asyncio.CancelledError:
+        if received:
+            return 128 + received[0]
+        raise
+    finally:
+        for task in tasks:
+            task.cancel()
+        for step in undo:
+            step()
+        writer.close()
+
+
+async def _connect_shell(
+    offer: dict[str, Any],
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """The connection to a shell the node process offered: its unix socket, or
+    loopback TCP where the system has none."""
+    import socket
+    from pathlib import Path
+
+    from gpumesh.errors import AgentError
+    from gpumesh.store.sockets import socket_name
+
+    try:
+        if not offer["socket"]:
+            return await asyncio.open_connection("127.0.0.1", int(offer["port"]))
+        path = Path(str(offer["socket"]))
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            with socket_name(path.parent, path.name) as name:
+                sock.connect(name)
+        except OSError:
+            sock.close()
+            raise
+        return await asyncio.open_unix_connection(sock=sock)
+    except OSError as exc:
+        raise AgentError(f"cannot reach the shell the node process opened: {exc}") from None
+
+
+async def _poll_window(resize: Callable[[], None]) -> None:
+    size = _window_size()
+    while True:
+        await asyncio.sleep(_WINDOW_POLL)
+        now = _window_size()
+        if now != size:
+            size = now
+            resize()
 
 
 def _resize(shell: ExecSession) -> None:

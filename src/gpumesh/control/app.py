@@ -58,6 +58,7 @@ from gpumesh.errors import (
 if TYPE_CHECKING:
     from gpumesh.client.node import Node
     from gpumesh.daemon.process import NodeProcess
+    from gpumesh.daemon.shells import Shells
 
 __all__ = ["ENDPOINTS", "Call", "ControlState", "create_app"]
 
@@ -90,6 +91,8 @@ class ControlState:
     """The last hour of GPU readings, sampled from the first request on."""
     process: NodeProcess | None = None
     """The node process serving this API (its status, its stop)."""
+    shells: Shells | None = None
+    """``gpumesh exec`` sessions run here, made on the first one."""
 
 
 class Refusal(Exception):
@@ -193,6 +196,12 @@ class CopyBody(msgspec.Struct, forbid_unknown_fields=True):
     source: str
     destination: str
     """Exactly one of the two is ``PEER:PATH``, the other a local path."""
+    cwd: str | None = None
+    """The caller's working folder: a relative local path is taken from there (and
+    shown as written)."""
+    retries: int | None = None
+    fast_path: bool = True
+    """False: keep file bytes on QUIC (``cp --no-fast-path``)."""
 
 
 class SyncBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -200,6 +209,37 @@ class SyncBody(msgspec.Struct, forbid_unknown_fields=True):
     dir: str
     name: str | None = None
     dry_run: bool = False
+
+
+class AppRunBody(msgspec.Struct, forbid_unknown_fields=True):
+    peer: str
+    dir: str
+    """The local folder to sync and run in (absolute)."""
+    command: list[str] = []
+    out: str | None = None
+    """A local folder (absolute) to pull the app's folder of its name back into."""
+    image: str | None = None
+    env: dict[str, str] = {}
+    gpu_memory: int | str | None = None
+    retries: int | None = None
+    timeout: float | str | None = None
+    mounts: list[str] = []
+
+
+class AppPullBody(msgspec.Struct, forbid_unknown_fields=True):
+    peer: str
+    job: str
+    dir: str
+    """The local folder (absolute) to pull the job's app folder into."""
+
+
+class AppPullView(msgspec.Struct):
+    """A past ``app run`` job's folder, pulled."""
+
+    remote: str
+    """The folder on the peer (``/apps/NAME``)."""
+    size: int
+    """Bytes of the tar that carried it."""
 
 
 class ExchangeBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -463,11 +503,127 @@ async def get_members(call: Call) -> object:
 
 
 async def post_copy(call: Call) -> object:
-    from gpumesh.client.files import copy
+    """A copy; with ``stream``, its progress as Server-Sent Events (``copystarted``,
+    ``copyprogress``, ``copyretrying``), then ``end`` (the copy's view) or ``error``.
+    Leaving the stream stops the copy where it is (the next one resumes there)."""
+    from gpumesh.client.files import RETRIES, CopyCallbacks, copy
     from gpumesh.client.views.files import CopyView
 
     body: CopyBody = call.body
-    return CopyView.of(await copy(call.node, body.source, body.destination))
+    if body.retries is not None and not 0 <= body.retries <= 20:
+        raise BadRequestError("retries must be 0 to 20")
+    source, destination, shown = _local_side(body)
+
+    async def work(feed: Feed) -> object:
+        def started(label: str, total: int) -> None:
+            feed.put("copystarted", {"label": shown(label), "total": total})
+
+        def progress(done: int, total: int) -> None:
+            feed.put("copyprogress", {"done": done, "total": total}, latest=True)
+
+        def retrying(error: GPUMeshError, attempt: int) -> None:
+            feed.put("copyretrying", {"message": str(error), "attempt": attempt})
+
+        result = await copy(
+            call.node,
+            source,
+            destination,
+            retries=RETRIES if body.retries is None else body.retries,
+            callbacks=CopyCallbacks(started=started, progress=progress, retrying=retrying),
+            fast_path=body.fast_path,
+        )
+        view = CopyView.of(result)
+        view.local = shown(view.local)
+        return view
+
+    if call.flag("stream"):
+        return EventStream(feed_events(work))
+    return await work(Feed())
+
+
+def _local_side(body: CopyBody) -> tuple[str, str, Callable[[str], str]]:
+    """``body``'s source and destination with a relative local path made absolute
+    from ``cwd``, and a function that shows that absolute path as the caller wrote it."""
+    import os
+
+    from gpumesh.client.files import parse_location
+
+    source, destination = body.source, body.destination
+    if body.cwd is None:
+        return source, destination, lambda text: text
+    if not os.path.isabs(body.cwd):
+        raise BadRequestError(f"cwd {body.cwd!r} is not an absolute path")
+    local = destination if parse_location(source).peer is not None else source
+    if os.path.isabs(local) or parse_location(local).peer is not None:
+        return source, destination, lambda text: text
+    absolute = os.path.join(body.cwd, local)
+    written = str(Path(local))
+    norm = str(Path(absolute))
+    if local == source:
+        source = absolute
+    else:
+        destination = absolute
+
+    def shown(text: str) -> str:
+        parts = text.split(" -> ")
+        for i, part in enumerate(parts):
+            if part == norm:
+                parts[i] = written
+            elif part.startswith(norm.rstrip(os.sep) + os.sep):
+                parts[i] = os.path.join(written, part[len(norm.rstrip(os.sep)) + 1 :])
+        return " -> ".join(parts)
+
+    return source, destination, shown
+
+
+class Feed:
+    """What a long call reports while it runs, for :func:`feed_events`: named
+    events in order; a ``latest`` one replaces one of its name not yet sent (a
+    progress figure the client has not seen need not be sent)."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[str, object]] = []
+        self.ready = asyncio.Event()
+
+    def put(self, name: str, data: object, *, latest: bool = False) -> None:
+        if latest and self.items and self.items[-1][0] == name:
+            self.items[-1] = (name, data)
+        else:
+            self.items.append((name, data))
+        self.ready.set()
+
+
+async def feed_events(work: Callable[[Feed], Awaitable[object]]) -> AsyncIterator[bytes]:
+    """Server-Sent Events of ``work``: what it puts in its feed, then ``end`` with
+    what it returns, or ``error``. The stream's end (the client left) cancels it."""
+    feed = Feed()
+    task = asyncio.ensure_future(work(feed))
+    try:
+        while True:
+            waiter = asyncio.ensure_future(feed.ready.wait())
+            try:
+                done, _ = await asyncio.wait(
+                    {task, waiter}, timeout=KEEPALIVE, return_when=asyncio.FIRST_COMPLETED
+                )
+            finally:
+                waiter.cancel()
+            finished = task.done()
+            feed.ready.clear()
+            items, feed.items = feed.items, []
+            for name, data in items:
+                yield sse(name, data)
+            if finished:
+                break
+            if not done:
+                yield b": keep-alive\n\n"
+        yield sse("end", task.result())
+    except GPUMeshError as exc:
+        yield sse("error", ErrorView(exc.code, exc.message))
+    finally:
+        if not task.done():
+            task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
 
 
 async def post_app_sync(call: Call) -> object:
@@ -479,6 +635,107 @@ async def post_app_sync(call: Call) -> object:
         call.node, body.peer, Path(body.dir), name=body.name, dry_run=body.dry_run
     )
     return SyncView.of(result)
+
+
+def _absolute(what: str, path: str) -> Path:
+    """A local path of a request: absolute, since the caller's folder is not ours."""
+    if not Path(path).is_absolute():
+        raise BadRequestError(f"{what} {path!r} is not an absolute path")
+    return Path(path)
+
+
+async def post_app_run(call: Call) -> object:
+    """Sync a local folder, run a job in it, pull a folder back: Server-Sent Events
+    ``syncview``, the job's steps and events (as the jobs route streams them, not
+    numbered: resume a dropped stream with ``gpumesh logs -f``), then ``end`` (the
+    app run's view) or ``error``. Leaving the stream stops following (the job
+    keeps running)."""
+    from gpumesh.client import jobs, runs
+    from gpumesh.client.apps import run_app
+    from gpumesh.client.jobspec import build_spec
+    from gpumesh.client.views.apps import AppRunView, SyncView
+    from gpumesh.client.views.jobs import event_view
+    from gpumesh.client.views.runs import step_view
+
+    body: AppRunBody = call.body
+    folder = _absolute("dir", body.dir)
+    out = None if body.out is None else _absolute("out", body.out)
+    spec = build_spec(
+        None,
+        image=body.image,
+        command=body.command or None,
+        env_items=[f"{k}={v}" for k, v in body.env.items()],
+        gpu_memory=body.gpu_memory,
+        retries=body.retries,
+        timeout=body.timeout,
+        peer=body.peer,
+        mounts=body.mounts,
+    )
+
+    async def work(feed: Feed) -> object:
+        def event(item: jobs.JobEvent) -> None:
+            view = event_view(item, 0)
+            feed.put(type(view).__name__.lower(), view)
+
+        def step(item: runs.RunEvent, latest: bool = False) -> None:
+            view = step_view(item)
+            if view is not None:
+                feed.put(type(view).__name__.lower(), view, latest=latest)
+
+        callbacks = jobs.JobCallbacks(
+            stdout=lambda data: event(jobs.Output("stdout", data)),
+            stderr=lambda data: event(jobs.Output("stderr", data)),
+            status=lambda status: event(jobs.StatusChanged.of(status)),
+            accepted=lambda accepted: step(runs.Accepted(accepted)),
+            pull=lambda pull: step(runs.Pulling(pull), latest=True),
+            reconnecting=lambda error: event(jobs.Reconnecting(error)),
+            dropped=lambda count: event(jobs.OutputDropped(count)),
+        )
+        done = await run_app(
+            call.node,
+            body.peer,
+            folder,
+            spec,
+            out=out,
+            callbacks=callbacks,
+            synced=lambda sync: feed.put("syncview", SyncView.of(sync)),
+        )
+        return AppRunView.of(done)
+
+    return EventStream(feed_events(work))
+
+
+async def post_app_pull(call: Call) -> object:
+    from gpumesh.client.apps import pull_job
+
+    body: AppPullBody = call.body
+    remote, size = await pull_job(call.node, body.peer, body.job, _absolute("dir", body.dir))
+    return AppPullView(remote, size)
+
+
+async def post_shell(call: Call) -> object:
+    """A shell on a peer, run by this process: where to connect for its bytes
+    (:mod:`gpumesh.daemon.shells`)."""
+    from gpumesh.daemon.shells import ShellRequest, Shells
+
+    state = call.state
+    body: ShellRequest = call.body
+    from gpumesh.client.jobspec import parse_env
+
+    call.node.peer(body.peer)  # an unknown peer is refused now, not on the socket
+    parse_env([f"{key}={value}" for key, value in body.env.items()])  # `--env`'s checks
+    if body.gpu_memory < 0 or body.rows < 0 or body.cols < 0:
+        raise BadRequestError("gpu_memory, rows and cols cannot be negative")
+    if state.shells is None:
+        process = state.process
+
+        def busy(change: int) -> None:
+            if process is not None:
+                process.active += change
+                process.last_active = process.clock()
+
+        state.shells = Shells(call.node.home.path, busy=busy)
+    return await state.shells.offer(call.node, body)
 
 
 async def get_owner(call: Call) -> object:
@@ -590,6 +847,7 @@ async def post_node_tcp(call: Call) -> object:
 def _views() -> dict[str, Any]:
     """The response types, imported only when the table is built."""
     from gpumesh.client.views import apps, files, groups, joblist, jobs, node, owner, peers
+    from gpumesh.daemon.shells import ShellOfferView, ShellRequest
     from gpumesh.daemon.views import NodeProcessView
 
     return {
@@ -608,10 +866,13 @@ def _views() -> dict[str, Any]:
         "members": list[groups.MemberStatusEntry],
         "copy": files.CopyView,
         "sync": apps.SyncView,
+        "apprun": apps.AppRunView,
         "owner": owner.OwnerStatusView,
         "ended": owner.EndedSessionView,
         "history": history.GpuHistoryView,
         "process": NodeProcessView,
+        "shell": ShellOfferView,
+        "shellbody": ShellRequest,
     }
 
 
@@ -683,9 +944,21 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("GET", "/api/v1/groups/{group}/members", get_members,
              "A group's members, probed live", V["members"], query=(_offline,)),
     Endpoint("POST", "/api/v1/copies", post_copy, "Copy a file or folder to or from a peer",
-             V["copy"], Access.NO_COOKIE, body=CopyBody),
+             V["copy"], Access.NO_COOKIE, body=CopyBody,
+             query=(Query("stream", "boolean", "Answer with the copy's progress as "
+                          "Server-Sent Events: copystarted, copyprogress, copyretrying, "
+                          "end"),)),
     Endpoint("POST", "/api/v1/apps/sync", post_app_sync, "Sync a local folder to a peer",
              V["sync"], Access.NO_COOKIE, body=SyncBody),
+    Endpoint("POST", "/api/v1/apps/run", post_app_run,
+             "Sync a local folder, run a job in it, pull a folder back: Server-Sent Events",
+             V["apprun"], Access.NO_COOKIE, body=AppRunBody, media_type="text/event-stream"),
+    Endpoint("POST", "/api/v1/apps/pull", post_app_pull,
+             "Pull a past app job's folder into a local folder", AppPullView,
+             Access.NO_COOKIE, body=AppPullBody),
+    Endpoint("POST", "/api/v1/shells", post_shell,
+             "Open a shell on a peer: where to connect for its bytes (one connection)",
+             V["shell"], Access.NO_COOKIE, body=V["shellbody"]),
     Endpoint("GET", "/api/v1/owner", get_owner,
              "Who uses this machine: connected peers, hosted jobs, open sessions", V["owner"],
              query=(Query("limit", "integer", "How many hosted jobs (50)"),)),

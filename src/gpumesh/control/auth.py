@@ -61,17 +61,25 @@ def api_token(home: Path) -> str:
         return explicit
     path = home / TOKEN_FILE
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _nofollow(), 0o600)
     except FileExistsError:
         token = path.read_text().strip()
         if token:
             return token
         # An empty file (a crash between create and write): write it now.
-        fd = os.open(path, os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_WRONLY | os.O_TRUNC | _nofollow())
     token = secrets.token_urlsafe(32)
     with os.fdopen(fd, "w") as out:
         out.write(token + "\n")
     return token
+
+
+def _nofollow() -> int:
+    """``O_NOFOLLOW`` where the system has it (not on Windows, where the client
+    reads the token to reach the node process over TCP)."""
+    from gpumesh import platform
+
+    return os.O_NOFOLLOW if platform.has("nofollow") else 0
 
 
 def bearer(authorization: str | None) -> str | None:

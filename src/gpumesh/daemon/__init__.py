@@ -13,26 +13,13 @@ __all__ = ["enabled"]
 
 def enabled() -> bool:
     """Whether commands go through the node process: ``$GPUMESH_NODE`` is not
-    ``off``, and the system has unix sockets (without them, as on Windows,
-    commands stay in-process for now). Imports nothing a platform may lack."""
+    ``off``, and the system can lock a home the way the node process does (its
+    record takes an ``flock``: not on Windows, where commands stay in-process for
+    now). Without unix sockets the CLI reaches it on loopback TCP with the home's
+    token. Imports nothing a platform may lack."""
+    from importlib.util import find_spec
+
     from gpumesh.settings import ENV_NODE, env
 
     value = (env(ENV_NODE) or "on").lower()
-    return value not in ("off", "0", "false", "no") and _has_unix()
-
-
-def _has_unix() -> bool:
-    """``platform.has("unix")``; answered here when it is a plain yes (a POSIX
-    system, no simulated platform), since importing :mod:`gpumesh.platform`
-    (logging, threading, its probes) costs a thin command milliseconds."""
-    import socket
-    import sys
-
-    from gpumesh.settings import ENV_TEST_PLATFORM, ENV_TEST_WITHOUT, env
-
-    simulated = env(ENV_TEST_PLATFORM) or env(ENV_TEST_WITHOUT)
-    if not simulated and sys.platform != "win32" and hasattr(socket, "AF_UNIX"):
-        return True
-    from gpumesh import platform
-
-    return platform.has("unix")
+    return value not in ("off", "0", "false", "no") and find_spec("fcntl") is not None

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gpumesh import platform
 from gpumesh.daemon.record import holder
 from gpumesh.errors import AgentError, GPUMeshError, InUseError, error_from_code
 from gpumesh.settings import ENV_HOME
@@ -140,11 +141,43 @@ class NodeClient:
         head = f"{method} {path} HTTP/1.1\r\nhost: gpumesh\r\nconnection: close\r\n"
         if body is not None:
             head += f"content-type: application/json\r\ncontent-length: {len(payload)}\r\n"
+        if not platform.has("unix"):
+            return self._open_tcp(head, payload, timeout)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(timeout)
         try:
             with socket_name(self.home, SOCKET_NAME) as name:
                 sock.connect(name)
+            sock.sendall(head.encode("latin-1") + b"\r\n" + payload)
+            return _Response(sock)
+        except OSError as exc:
+            sock.close()
+            raise NodeUnavailableError(str(exc)) from None
+        except BaseException:
+            sock.close()
+            raise
+
+    def _open_tcp(self, head: str, payload: bytes, timeout: float | None) -> _Response:
+        """:meth:`_open` where the system has no unix sockets: the node process's
+        loopback TCP address (from the home's record) and the home's token."""
+        from gpumesh.control.auth import api_token
+        from gpumesh.daemon.record import read_record
+
+        record = read_record(self.home)
+        urls = [a for a in (record.api if record is not None else []) if a.startswith("http://")]
+        if not urls:
+            raise NodeUnavailableError("no node process has written its address")
+        address = urls[0].removeprefix("http://")
+        host, _, port = address.rpartition(":")
+        # Our own request line: the Host of the address, and the token.
+        head = head.replace("host: gpumesh\r\n", f"host: {address}\r\n", 1)
+        head += f"authorization: Bearer {api_token(self.home)}\r\n"
+        try:
+            sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout)
+        except (OSError, ValueError) as exc:
+            raise NodeUnavailableError(str(exc)) from None
+        try:
+            sock.settimeout(timeout)
             sock.sendall(head.encode("latin-1") + b"\r\n" + payload)
             return _Response(sock)
         except OSError as exc:

@@ -68,15 +68,16 @@ class Mesh(base.Mesh):
 
     @staticmethod
     def _backend_for(home: str | Path | None, in_process: bool | None) -> base.MeshBackend:
-        from gpumesh import platform
+        from importlib.util import find_spec
+
         from gpumesh.daemon import enabled
 
         if in_process is True or (in_process is None and not enabled()):
             return base.InProcess(home)
-        if not platform.has("unix"):
+        if find_spec("fcntl") is None:
             raise ConfigError(
-                "Mesh(in_process=False) needs unix sockets to reach the node process, which "
-                "this system lacks: use Mesh() (it runs in this process)"
+                "Mesh(in_process=False) needs a node process, which cannot lock its home on "
+                "this system (no fcntl): use Mesh() (it runs in this process)"
             )
         return ThroughNode(home)
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from gpumesh import platform
 from gpumesh.client.node import Node
 from gpumesh.daemon.record import HomeLock, holder, new_record
 from gpumesh.daemon.views import NodeProcessView, WarmSessionView
@@ -223,6 +224,12 @@ async def run_node(
                 )
             hosts.append(host.lower())
         tcp_address = (host, port)
+    # Where the system has no unix sockets, the owner's way in is loopback TCP
+    # with the home's token (the CLI reads the address from the home's record).
+    unix = platform.has("unix")
+    local_tcp = tcp_address is None and not unix
+    if local_tcp:
+        tcp_address = ("127.0.0.1", 0)
     # In a thread: a background node process may take a moment to hand over, and
     # `gpumesh share` serves peers in this loop meanwhile.
     lock = await asyncio.to_thread(_take_home, home, detached=detached)
@@ -234,14 +241,15 @@ async def run_node(
             tcp = tcp_listener(*tcp_address)
             sockets.append(tcp)
             public_url = _url_of(tcp)
-        sockets.insert(0, unix_listener(home))
-        api = [str(socket_path), *([public_url] if public_url else [])]
+        if unix:
+            sockets.insert(0, unix_listener(home))
+        api = [*([str(socket_path)] if unix else []), *([public_url] if public_url else [])]
         process = NodeProcess(
             home=home,
             detached=detached,
             api=api,
-            tcp=bool(public_url),
-            idle=idle_limit() if detached and not public_url else None,
+            tcp=bool(public_url) and not local_tcp,
+            idle=idle_limit() if detached and (local_tcp or not public_url) else None,
             version=env(ENV_TEST_NODE_VERSION) or __version__,
         )
         if stop is not None:
@@ -297,7 +305,8 @@ async def run_node(
             loop.add_signal_handler(sig, process.stop.set)
         title = "gpumesh node process" if detached else "gpumesh-control"
         announce(f"{title}: the control API of {info.name} ({home}), pid {os.getpid()}")
-        announce(f"  unix socket  {socket_path} (owner only, no token needed)")
+        if unix:
+            announce(f"  unix socket  {socket_path} (owner only, no token needed)")
         if public_url:
             where = f"${ENV_API_TOKEN}" if env(ENV_API_TOKEN) else str(home / auth.TOKEN_FILE)
             announce(f"  http         {public_url}/api/v1/ (Authorization: Bearer, from {where})")
@@ -322,7 +331,7 @@ async def run_node(
     finally:
         for sock in sockets:
             sock.close()
-        if sockets:
+        if sockets and unix:
             with contextlib.suppress(OSError):
                 socket_path.unlink(missing_ok=True)
         lock.release()
