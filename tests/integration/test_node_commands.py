@@ -155,7 +155,8 @@ def test_exec_with_a_terminal_through_the_node_process(
             except AssertionError:
                 assert attempt < 39, "the remote terminal never got the new size"
         shell.send("sleep 30\r")
-        shell.send("\x03")  # raw mode: Ctrl-C reaches the remote shell, not gpumesh
+        shell.expect(b"sleep 30")
+        shell.interrupt()  # raw mode: Ctrl-C reaches the remote shell, not gpumesh
         shell.send("echo still-$((1 + 1))\r")
         shell.expect(b"still-2", timeout=30)
         assert status(bob)["node"]["detached"]  # the node process ran the shell

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gpumesh import platform
 from gpumesh.daemon.record import holder
 from gpumesh.errors import AgentError, GPUMeshError, InUseError, error_from_code
 from gpumesh.settings import ENV_HOME
@@ -141,7 +140,7 @@ class NodeClient:
         head = f"{method} {path} HTTP/1.1\r\nhost: gpumesh\r\nconnection: close\r\n"
         if body is not None:
             head += f"content-type: application/json\r\ncontent-length: {len(payload)}\r\n"
-        if not platform.has("unix"):
+        if not _has_unix():
             return self._open_tcp(head, payload, timeout)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(timeout)
@@ -351,3 +350,19 @@ def _spawn(home: Path) -> subprocess.Popen[bytes]:
         )
     finally:
         os.close(log)
+
+
+def _has_unix() -> bool:
+    """``platform.has("unix")``, answered here when it is a plain yes (a POSIX
+    system, no simulated platform): importing :mod:`gpumesh.platform` (logging,
+    threading, its probes) costs a thin command milliseconds."""
+    import sys
+
+    from gpumesh.settings import ENV_TEST_PLATFORM, ENV_TEST_WITHOUT, env
+
+    simulated = env(ENV_TEST_PLATFORM) or env(ENV_TEST_WITHOUT)
+    if not simulated and sys.platform != "win32" and hasattr(socket, "AF_UNIX"):
+        return True
+    from gpumesh import platform
+
+    return platform.has("unix")
