@@ -40,11 +40,13 @@ from gpumesh.protocol.listing import (
     SignedRecord,
 )
 
-__all__ = ["SCHEMA_VERSION", "Page", "RegistryStore", "SearchQuery"]
+__all__ = ["SCHEMA_VERSION", "Page", "Put", "RateLimit", "RegistryStore", "SearchQuery"]
 
 T = TypeVar("T")
 
 SCHEMA_VERSION: Final = 1
+MAX_BATCH: Final = 500
+"""Most writes committed in one transaction."""
 _MIGRATION_LOCK: Final = 0x67706D72  # "gpmr": the advisory lock id on PostgreSQL
 
 metadata = sa.MetaData()
@@ -125,6 +127,23 @@ class SearchQuery:
 
 
 @dataclass(frozen=True)
+class RateLimit:
+    """One hit to count in ``bucket`` for time window ``window``, of ``allowed`` per window."""
+
+    bucket: str
+    window: int
+    allowed: int
+
+
+@dataclass(frozen=True)
+class Put:
+    stored: bool
+    """False: a record with this sequence number or a higher one is stored (stale)."""
+    hits: int
+    """The rate limit's count in its window, this hit included (0 without one)."""
+
+
+@dataclass(frozen=True)
 class Page:
     records: list[SignedRecord]
     next: str
@@ -168,22 +187,53 @@ class RegistryStore:
             self.engine = create_async_engine(
                 url, pool_size=10, max_overflow=10, pool_pre_ping=True
             )
-        # SQLite has one writer: two pooled connections that both upgrade from a
-        # read to a write would fail at once with "database is locked" (its busy
-        # timeout does not cover that), so this process sends it one write at a
-        # time. PostgreSQL's row locks need no such thing.
-        self._write_lock: asyncio.Lock | contextlib.nullcontext[None] = (
-            asyncio.Lock() if self._sync is not None else contextlib.nullcontext()
-        )
+        # Every write of this process goes through one queue: what gathers while
+        # a transaction commits is committed together in the next one, and each
+        # caller is answered after the commit that holds its write. SQLite has one
+        # writer anyway (two pooled connections upgrading from a read to a write
+        # fail at once with "database is locked"), and one commit per batch instead
+        # of per request is most of the registry's publish rate on both databases.
+        self._pending: list[_Write] = []
+        self._writer: asyncio.Task[None] | None = None
 
     async def _write(self, operation: Callable[..., T], *args: Any) -> T:
-        """Run ``operation(connection, *args)`` in one transaction."""
-        async with self._write_lock:
-            if self._sync is not None:
-                return await asyncio.to_thread(self._sync_transaction, operation, *args)
-            assert self.engine is not None
-            async with self.engine.begin() as conn:
-                return await conn.run_sync(operation, *args)
+        """Run ``operation(connection, *args)`` in a transaction, perhaps with others.
+
+        Returns once that transaction has committed. If a batch fails, each of
+        its writes is retried in a transaction of its own, so one bad write
+        fails only its own caller.
+        """
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._pending.append(_Write(operation, args, future))
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.create_task(self._drain())
+        result: T = await future
+        return result
+
+    async def _drain(self) -> None:
+        while self._pending:
+            batch, self._pending = self._pending[:MAX_BATCH], self._pending[MAX_BATCH:]
+            try:
+                results = await self._transaction(_run_batch, batch)
+            except Exception as exc:
+                if len(batch) == 1:
+                    _settle(batch[0].future, exc=exc)
+                    continue
+                for write in batch:  # alone, so that only the bad one fails
+                    try:
+                        _settle(write.future, await self._transaction(_run_batch, [write]))
+                    except Exception as alone:
+                        _settle(write.future, exc=alone)
+                continue
+            for write, result in zip(batch, results, strict=True):
+                _settle(write.future, [result])
+
+    async def _transaction(self, operation: Callable[..., T], *args: Any) -> T:
+        if self._sync is not None:
+            return await asyncio.to_thread(self._sync_transaction, operation, *args)
+        assert self.engine is not None
+        async with self.engine.begin() as conn:
+            return await conn.run_sync(operation, *args)
 
     async def _read(self, operation: Callable[..., T], *args: Any) -> T:
         if self._sync is not None:
@@ -224,6 +274,9 @@ class RegistryStore:
         await self._write(metadata.drop_all)
 
     async def close(self) -> None:
+        if self._writer is not None:
+            with contextlib.suppress(Exception):
+                await self._writer
         if self.engine is not None:
             await self.engine.dispose()
         if self._sync is not None:
@@ -234,6 +287,9 @@ class RegistryStore:
 
     async def count_hit(self, bucket: str, window: int) -> int:
         """Count one hit in ``bucket`` for the time window ``window``; the count so far."""
+        return await self._write(self._count_hit, bucket, window)
+
+    def _count_hit(self, conn: sa.Connection, bucket: str, window: int) -> int:
         stmt = self._insert(rate_windows).values(bucket=bucket, window=window, count=1)
         existing = rate_windows.c
         stmt = stmt.on_conflict_do_update(
@@ -245,11 +301,38 @@ class RegistryStore:
                 "window": stmt.excluded.window,
             },
         ).returning(rate_windows.c.count)
-        return await self._write(_scalar_int, stmt)
+        return _scalar_int(conn, stmt)
 
-    async def put(self, record: Record, signed: SignedRecord, now: float, ttl: float) -> bool:
-        """Store ``record`` if its seq is above the stored one; False when it is not."""
-        return await self._write(self._put, record, signed, now, ttl)
+    async def put(
+        self,
+        record: Record,
+        signed: SignedRecord,
+        now: float,
+        ttl: float,
+        limit: RateLimit | None = None,
+    ) -> Put:
+        """Store ``record`` if its seq is above the stored one.
+
+        With ``limit``, first count one hit in its bucket, in the same
+        transaction, and store nothing when that is over what it allows.
+        """
+        return await self._write(self._limited_put, record, signed, now, ttl, limit)
+
+    def _limited_put(
+        self,
+        conn: sa.Connection,
+        record: Record,
+        signed: SignedRecord,
+        now: float,
+        ttl: float,
+        limit: RateLimit | None,
+    ) -> Put:
+        hits = 0
+        if limit is not None:
+            hits = self._count_hit(conn, limit.bucket, limit.window)
+            if hits > limit.allowed:
+                return Put(False, hits)
+        return Put(self._put(conn, record, signed, now, ttl), hits)
 
     def _put(
         self, conn: sa.Connection, record: Record, signed: SignedRecord, now: float, ttl: float
@@ -390,6 +473,29 @@ class RegistryStore:
             listings.c.expires_at > now, listings.c.withdrawn.is_(False)
         )
         return {"listings": await self._read(_scalar_int, stmt)}
+
+
+@dataclass(frozen=True)
+class _Write:
+    operation: Callable[..., Any]
+    args: tuple[Any, ...]
+    future: asyncio.Future[Any]
+
+
+def _run_batch(conn: sa.Connection, batch: list[_Write]) -> list[Any]:
+    return [write.operation(conn, *write.args) for write in batch]
+
+
+def _settle(
+    future: asyncio.Future[Any], results: list[Any] | None = None, exc: Exception | None = None
+) -> None:
+    if future.done():
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        assert results is not None
+        future.set_result(results[0])
 
 
 def _scalar_int(conn: sa.Connection, stmt: Any) -> int:
