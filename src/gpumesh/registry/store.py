@@ -35,6 +35,7 @@ from gpumesh.protocol.listing import (
     CLOCK_SKEW,
     MAX_AGE,
     AddressRecord,
+    GpuListing,
     Listing,
     Record,
     SignedRecord,
@@ -44,7 +45,7 @@ __all__ = ["SCHEMA_VERSION", "Page", "Put", "RateLimit", "RegistryStore", "Searc
 
 T = TypeVar("T")
 
-SCHEMA_VERSION: Final = 1
+SCHEMA_VERSION: Final = 2
 MAX_BATCH: Final = 500
 """Most writes committed in one transaction."""
 _MIGRATION_LOCK: Final = 0x67706D72  # "gpmr": the advisory lock id on PostgreSQL
@@ -70,7 +71,10 @@ listings = sa.Table(
     sa.Column("best_free", sa.BigInteger, nullable=False),
     sa.Column("record", sa.LargeBinary, nullable=False),
     sa.Column("signature", sa.LargeBinary, nullable=False),
-    sa.Index("listings_order", "best_free", "node_id"),
+    # the search's sort, newest schema: best_free descending, node_id ascending
+    # (version 1's "listings_order" ran both ascending, which PostgreSQL cannot
+    # walk for this mixed order without sorting every row of one best_free)
+    sa.Index("listings_by_free", sa.desc("best_free"), "node_id"),
     sa.Index("listings_expiry", "expires_at"),
 )
 
@@ -268,6 +272,12 @@ class RegistryStore:
                 f"the database has registry schema {version}, newer than this "
                 f"gpumesh-registry ({SCHEMA_VERSION}); upgrade gpumesh"
             )
+        elif version < 2:  # 1 -> 2: the sort's index in the sort's own order
+            conn.execute(sa.text("DROP INDEX IF EXISTS listings_order"))
+            for index in listings.indexes:
+                if index.name == "listings_by_free":
+                    index.create(conn, checkfirst=True)
+            conn.execute(sa.update(schema_table).values(version=SCHEMA_VERSION))
 
     async def drop_all(self) -> None:
         """Remove every registry table (tests and benchmarks start from nothing)."""
@@ -351,18 +361,7 @@ class RegistryStore:
                 },
             )
         if isinstance(record, Listing):
-            row = {
-                "node_id": node_id,
-                "seq": record.seq,
-                "timestamp": record.timestamp,
-                "expires_at": now + ttl,
-                "withdrawn": False,
-                "idle": record.idle,
-                "region": record.region.lower(),
-                "best_free": max((g.memory_free for g in record.gpus), default=0),
-                "record": signed.record,
-                "signature": signed.signature,
-            }
+            row = _listing_row(record, signed, now, ttl)
         else:  # a withdrawal: the row stays, as a tombstone with its seq
             row = {
                 "node_id": node_id,
@@ -382,16 +381,7 @@ class RegistryStore:
         if isinstance(record, Listing) and record.gpus:
             conn.execute(
                 sa.insert(listing_gpus),
-                [
-                    {
-                        "node_id": node_id,
-                        "idx": index,
-                        "name": gpu.name.lower(),
-                        "memory_total": gpu.memory_total,
-                        "memory_free": gpu.memory_free,
-                    }
-                    for index, gpu in enumerate(record.gpus)
-                ],
+                [_gpu_row(node_id, index, gpu) for index, gpu in enumerate(record.gpus)],
             )
         return True
 
@@ -405,50 +395,41 @@ class RegistryStore:
         return conn.execute(stmt).first() is not None
 
     async def search(self, query: SearchQuery, now: float) -> Page:
-        conditions: list[sa.ColumnElement[bool]] = [
-            listings.c.expires_at > now,
-            listings.c.withdrawn.is_(False),
-        ]
-        if query.idle:
-            conditions.append(listings.c.idle.is_(True))
-        if query.region:
-            conditions.append(listings.c.region == query.region.lower())
-        if query.gpu or query.vram:
-            gpu_conditions: list[sa.ColumnElement[bool]] = [
-                listing_gpus.c.node_id == listings.c.node_id
-            ]
-            if query.gpu:
-                pattern = "%" + _escape_like(query.gpu.lower()) + "%"
-                gpu_conditions.append(listing_gpus.c.name.like(pattern, escape="\\"))
-            if query.vram:
-                column = (
-                    listing_gpus.c.memory_total if query.vram_total else listing_gpus.c.memory_free
-                )
-                gpu_conditions.append(column >= query.vram)
-            conditions.append(sa.exists().where(*gpu_conditions))
-        if query.cursor:
-            free, node_id = _parse_cursor(query.cursor)
-            conditions.append(
-                sa.or_(
-                    listings.c.best_free < free,
-                    sa.and_(listings.c.best_free == free, listings.c.node_id > node_id),
-                )
-            )
-        stmt = (
-            sa.select(
-                listings.c.record, listings.c.signature, listings.c.best_free, listings.c.node_id
-            )
-            .where(*conditions)
-            .order_by(listings.c.best_free.desc(), listings.c.node_id)
-            .limit(query.limit + 1)
-        )
-        rows = await self._read(_all_rows, stmt)
+        rows = await self._read(_all_rows, search_statement(query, now))
         page = rows[: query.limit]
         following = ""
         if len(rows) > query.limit:
             last = page[-1]
             following = _cursor(last.best_free, last.node_id)
         return Page([SignedRecord(bytes(r.record), bytes(r.signature)) for r in page], following)
+
+    async def bulk_insert(
+        self, records: list[tuple[Listing, SignedRecord]], now: float, ttl: float
+    ) -> None:
+        """Insert listings of nodes not yet listed, in one transaction, without the
+        per-record sequence check: the benchmark's preload, not a way in for a peer."""
+        rows = [_listing_row(record, signed, now, ttl) for record, signed in records]
+        gpus = [
+            _gpu_row(str(record.node_id), index, gpu)
+            for record, _ in records
+            for index, gpu in enumerate(record.gpus)
+        ]
+        await self._write(_insert_many, rows, gpus)
+
+    async def explain(self, query: SearchQuery, now: float) -> str:
+        """PostgreSQL's plan of ``query``'s statement, run (EXPLAIN ANALYZE)."""
+        assert self.engine is not None, "EXPLAIN ANALYZE is PostgreSQL's"
+        stmt = search_statement(query, now).compile(
+            dialect=self.engine.dialect, compile_kwargs={"literal_binds": True}
+        )
+        text = sa.text(f"EXPLAIN (ANALYZE, BUFFERS) {stmt}")
+        rows = await self._read(_all_rows, text)
+        return "\n".join(str(row[0]) for row in rows)
+
+    async def analyze(self) -> None:
+        """Refresh PostgreSQL's statistics (after a bulk load)."""
+        if self.dialect == "postgresql":
+            await self._write(_execute, sa.text("ANALYZE"))
 
     async def addresses(self, node_id: str, now: float) -> SignedRecord | None:
         stmt = sa.select(address_records.c.record, address_records.c.signature).where(
@@ -496,6 +477,82 @@ def _settle(
     else:
         assert results is not None
         future.set_result(results[0])
+
+
+def search_statement(query: SearchQuery, now: float) -> sa.Select[Any]:
+    """The SELECT of one page of ``query``, sorted by best free memory then node id."""
+    conditions: list[sa.ColumnElement[bool]] = [
+        listings.c.expires_at > now,
+        listings.c.withdrawn.is_(False),
+    ]
+    if query.idle:
+        conditions.append(listings.c.idle.is_(True))
+    if query.region:
+        conditions.append(listings.c.region == query.region.lower())
+    if query.gpu or query.vram:
+        gpu_conditions: list[sa.ColumnElement[bool]] = [
+            listing_gpus.c.node_id == listings.c.node_id
+        ]
+        if query.gpu:
+            pattern = "%" + _escape_like(query.gpu.lower()) + "%"
+            gpu_conditions.append(listing_gpus.c.name.like(pattern, escape="\\"))
+        if query.vram:
+            column = listing_gpus.c.memory_total if query.vram_total else listing_gpus.c.memory_free
+            gpu_conditions.append(column >= query.vram)
+        conditions.append(sa.exists().where(*gpu_conditions))
+    if query.cursor:
+        free, node_id = _parse_cursor(query.cursor)
+        conditions.append(
+            sa.or_(
+                listings.c.best_free < free,
+                sa.and_(listings.c.best_free == free, listings.c.node_id > node_id),
+            )
+        )
+    stmt = (
+        sa.select(listings.c.record, listings.c.signature, listings.c.best_free, listings.c.node_id)
+        .where(*conditions)
+        .order_by(listings.c.best_free.desc(), listings.c.node_id)
+        .limit(query.limit + 1)
+    )
+    return stmt
+
+
+def _listing_row(record: Listing, signed: SignedRecord, now: float, ttl: float) -> dict[str, Any]:
+    return {
+        "node_id": str(record.node_id),
+        "seq": record.seq,
+        "timestamp": record.timestamp,
+        "expires_at": now + ttl,
+        "withdrawn": False,
+        "idle": record.idle,
+        "region": record.region.lower(),
+        "best_free": max((g.memory_free for g in record.gpus), default=0),
+        "record": signed.record,
+        "signature": signed.signature,
+    }
+
+
+def _gpu_row(node_id: str, index: int, gpu: GpuListing) -> dict[str, Any]:
+    return {
+        "node_id": node_id,
+        "idx": index,
+        "name": gpu.name.lower(),
+        "memory_total": gpu.memory_total,
+        "memory_free": gpu.memory_free,
+    }
+
+
+def _insert_many(
+    conn: sa.Connection, rows: list[dict[str, Any]], gpus: list[dict[str, Any]]
+) -> None:
+    if rows:
+        conn.execute(sa.insert(listings), rows)
+    if gpus:
+        conn.execute(sa.insert(listing_gpus), gpus)
+
+
+def _execute(conn: sa.Connection, stmt: Any) -> None:
+    conn.execute(stmt)
 
 
 def _scalar_int(conn: sa.Connection, stmt: Any) -> int:
