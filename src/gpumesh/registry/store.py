@@ -199,6 +199,8 @@ class RegistryStore:
         # of per request is most of the registry's publish rate on both databases.
         self._statements = _Statements(self.dialect)
         self._pending: list[_Write] = []
+        self.commits = 0
+        """Write transactions committed by this store (batches; for tests and the bench)."""
         self._writer: asyncio.Task[None] | None = None
 
     async def _write(self, operation: Callable[..., T], *args: Any) -> T:
@@ -220,6 +222,7 @@ class RegistryStore:
             batch, self._pending = self._pending[:MAX_BATCH], self._pending[MAX_BATCH:]
             try:
                 results = await self._transaction(_run_batch, batch)
+                self.commits += 1
             except Exception as exc:
                 if len(batch) == 1:
                     _settle(batch[0].future, exc=exc)
@@ -227,6 +230,7 @@ class RegistryStore:
                 for write in batch:  # alone, so that only the bad one fails
                     try:
                         _settle(write.future, await self._transaction(_run_batch, [write]))
+                        self.commits += 1
                     except Exception as alone:
                         _settle(write.future, exc=alone)
                 continue
@@ -348,7 +352,7 @@ class RegistryStore:
                 },
             )
         if isinstance(record, Listing):
-            row = _listing_row(record, signed, now, ttl)
+            row = _listing_row(record, signed, now, ttl, node_id)
         else:  # a withdrawal: the row stays, as a tombstone with its seq
             row = {
                 "node_id": node_id,
@@ -532,9 +536,11 @@ def search_statement(query: SearchQuery, now: float) -> sa.Select[Any]:
     return stmt
 
 
-def _listing_row(record: Listing, signed: SignedRecord, now: float, ttl: float) -> dict[str, Any]:
+def _listing_row(
+    record: Listing, signed: SignedRecord, now: float, ttl: float, node_id: str = ""
+) -> dict[str, Any]:
     return {
-        "node_id": str(record.node_id),
+        "node_id": node_id or str(record.node_id),
         "seq": record.seq,
         "timestamp": record.timestamp,
         "expires_at": now + ttl,
