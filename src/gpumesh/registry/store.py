@@ -521,6 +521,7 @@ def search_statement(query: SearchQuery, now: float) -> sa.Select[Any]:
         conditions.append(sa.exists().where(*gpu_conditions))
     if query.cursor:
         free, node_id = _parse_cursor(query.cursor)
+        conditions.append(listings.c.best_free <= free)  # where the index scan starts
         conditions.append(
             sa.or_(
                 listings.c.best_free < free,
