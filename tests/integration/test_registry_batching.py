@@ -51,12 +51,14 @@ def registry(db: str) -> Iterator[RunningRegistry]:
         yield running
 
 
-def signed_listing(identity: Identity, seq: int, now: float, name: str) -> SignedRecord:
+def signed_listing(
+    identity: Identity, seq: int, now: float, name: str, gpu: str = "NVIDIA GeForce RTX 4090"
+) -> SignedRecord:
     listing = listing_of(
         identity,
         (seq, now),
         name=name,
-        gpus=[GpuListing("NVIDIA GeForce RTX 4090", 24 * GIB, 20 * GIB)],
+        gpus=[GpuListing(gpu, 24 * GIB, 20 * GIB)],
         idle=True,
         region="us-west",
         contact="matrix:@alice:example.org",
@@ -95,6 +97,28 @@ def test_concurrent_puts_share_one_commit_and_each_gets_its_own_answer(db: str) 
             assert [o.stored for o in outcomes] == [True] * 40 + [False]
             page = await store.search(SearchQuery(limit=100), now)
             assert listed_names(page.records) == {f"node-{i}" for i in range(40)}
+        finally:
+            await store.close()
+
+    asyncio.run(scenario())
+
+
+def test_one_batch_keeps_the_gpus_of_the_newest_stored_listing(db: str) -> None:
+    async def scenario() -> None:
+        store = RegistryStore(database_url(db))
+        await store.open()
+        try:
+            now = time.time()
+            alice = Identity.generate()
+            versions = [(10, "RTX 4090"), (12, "A100"), (11, "RTX 3090")]  # 11 comes late
+            signed = [signed_listing(alice, seq, now, "alice-pc", gpu) for seq, gpu in versions]
+            outcomes = await asyncio.gather(
+                *(store.put(open_record(s), s, now, TTL) for s in signed)
+            )
+            assert [o.stored for o in outcomes] == [True, True, False]
+            for gpu, found in (("a100", True), ("4090", False), ("3090", False)):
+                page = await store.search(SearchQuery(gpu=gpu), now)
+                assert bool(page.records) is found, gpu
         finally:
             await store.close()
 

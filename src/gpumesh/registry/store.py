@@ -368,12 +368,14 @@ class RegistryStore:
             }
         if not self._upsert(conn, listings, row):
             return False
-        conn.execute(_DELETE_GPUS, {"node": node_id})
-        if isinstance(record, Listing) and record.gpus:
-            conn.execute(
-                _INSERT_GPUS,
-                [_gpu_row(node_id, index, gpu) for index, gpu in enumerate(record.gpus)],
-            )
+        gpus = []
+        if isinstance(record, Listing):
+            gpus = [_gpu_row(node_id, index, gpu) for index, gpu in enumerate(record.gpus)]
+        deferred: dict[str, list[dict[str, Any]]] | None = conn.info.get(_GPU_ROWS)
+        if deferred is not None:  # in a batch: one DELETE and one INSERT at its end
+            deferred[node_id] = gpus
+        else:
+            _replace_gpus(conn, {node_id: gpus})
         return True
 
     def _upsert(self, conn: sa.Connection, table: sa.Table, row: dict[str, Any]) -> bool:
@@ -441,7 +443,9 @@ class RegistryStore:
         return {"listings": await self._read(_scalar_int, stmt)}
 
 
-_DELETE_GPUS: Final = sa.delete(listing_gpus).where(listing_gpus.c.node_id == sa.bindparam("node"))
+_DELETE_GPUS: Final = sa.delete(listing_gpus).where(
+    listing_gpus.c.node_id.in_(sa.bindparam("nodes", expanding=True))
+)
 _INSERT_GPUS: Final = sa.insert(listing_gpus)
 
 
@@ -482,8 +486,30 @@ class _Write:
     future: asyncio.Future[Any]
 
 
+_GPU_ROWS: Final = "gpumesh-registry-gpu-rows"
+"""Key in ``Connection.info`` of the GPU rows a batch's upserts replace, by node id."""
+
+
 def _run_batch(conn: sa.Connection, batch: list[_Write]) -> list[Any]:
-    return [write.operation(conn, *write.args) for write in batch]
+    """Every write of ``batch`` in order, then the GPU rows of the listings it stored
+    (the last stored record's, per node) in one DELETE and one INSERT."""
+    deferred: dict[str, list[dict[str, Any]]] = {}
+    conn.info[_GPU_ROWS] = deferred
+    try:
+        results = [write.operation(conn, *write.args) for write in batch]
+    finally:
+        del conn.info[_GPU_ROWS]
+    _replace_gpus(conn, deferred)
+    return results
+
+
+def _replace_gpus(conn: sa.Connection, rows: dict[str, list[dict[str, Any]]]) -> None:
+    if not rows:
+        return
+    conn.execute(_DELETE_GPUS, {"nodes": list(rows)})
+    inserted = [row for gpus in rows.values() for row in gpus]
+    if inserted:
+        conn.execute(_INSERT_GPUS, inserted)
 
 
 def _settle(
