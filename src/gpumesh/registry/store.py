@@ -142,7 +142,8 @@ class RateLimit:
 @dataclass(frozen=True)
 class Put:
     stored: bool
-    """False: a record with this sequence number or a higher one is stored (stale)."""
+    """False: over the rate limit (``hits`` above what it allows), or a record with
+    this sequence number or a higher one is stored (stale)."""
     hits: int
     """The rate limit's count in its window, this hit included (0 without one)."""
 
