@@ -152,8 +152,17 @@ def test_share_public_show_addresses_puts_them_in_the_listing(
         (found,) = _search(bob)
         addresses = found["addresses"]
         assert isinstance(addresses, list) and f"127.0.0.1:{port}" in addresses
+        # what the running share read at start: config set says a restart applies it
+        changed = gpumesh(alice, "config", "set", "announce_addresses", "true")
+        assert changed.stdout.splitlines() == [
+            "announce_addresses = true",
+            "The running `gpumesh share` read announce_addresses when it started: restart it "
+            "(`gpumesh share stop`, then `gpumesh share ...`) for this to take effect.",
+        ]
     finally:
         _stop(share)
+    quiet = gpumesh(alice, "config", "set", "announce_addresses", "false")
+    assert quiet.stdout.splitlines() == ["announce_addresses = false"]
 
 
 def test_show_addresses_without_public_is_refused_before_sharing(tmp_path: Path) -> None:
