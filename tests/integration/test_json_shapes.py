@@ -37,8 +37,13 @@ from typing import Any
 
 import pytest
 
+from gpumesh.client.registry import RegistryClient, SequenceClock, listing_of
 from gpumesh.gpu.inventory import ENV_SIMULATED, detect_inventory
+from gpumesh.identity.keys import Identity
+from gpumesh.protocol.listing import GpuListing
+from gpumesh.registry.config import RegistryConfig
 from tests.integration.conftest import remove_containers
+from tests.integration.public_registry import serve_registry
 from tests.integration.test_cli import _free_udp_port
 
 pytestmark = pytest.mark.usefixtures("docker_daemon")
@@ -281,6 +286,7 @@ def _nodes(root: Path, rec: Recorder, alice: Path, bob: Path, carol: Path, relay
     try:
         with _sharing(alice):
             _pairing(rec, alice, bob, carol)
+            _registry(root, rec, alice, bob, carol)
             _jobs(rec, alice, bob)
             _copies(root, rec, bob)
             _apps(root, rec, bob)
@@ -329,6 +335,28 @@ def _pairing(rec: Recorder, alice: Path, bob: Path, carol: Path) -> None:
         "--json",
     )
     rec.json("peers", "alice (seen), carol (never seen)", bob, "peers", "--json")
+
+
+def _registry(root: Path, rec: Recorder, alice: Path, bob: Path, carol: Path) -> None:
+    """``search`` and ``sync``: bob has no registry; carol has one that lists alice."""
+    rec.json("sync_no_registry", "bob: no rendezvous_url, alice answers", bob, "sync", "--json")
+    with serve_registry(str(root / "registry.db"), RegistryConfig()) as registry:
+        identity = Identity.load(alice / "identity.key")
+        listing = listing_of(
+            identity,
+            SequenceClock(registry.clock).next(),
+            name="alice-pc",
+            gpus=[GpuListing("RTX-4090", 24 * 1000**3, 20 * 1000**3)],
+            idle=True,
+            region="us-west",
+            contact="alice@example.org",
+            version="0.1.0",
+        )
+        RegistryClient(registry.url).publish(identity, listing)
+        _cli(carol, "config", "set", "rendezvous_url", registry.url)
+        rec.json("search", "one listing (alice's)", carol, "search", "--json")
+        rec.json("sync_registry", "carol: a registry, bob paired", carol, "sync", "--json")
+        _cli(carol, "config", "unset", "rendezvous_url")
 
 
 def _jobs(rec: Recorder, alice: Path, bob: Path) -> None:

@@ -141,6 +141,41 @@ def test_share_public_without_registry_is_refused_before_sharing(tmp_path: Path)
     assert not (alice / "agent.json").exists()
 
 
+def test_share_public_show_addresses_puts_them_in_the_listing(
+    homes: tuple[Path, Path, str],
+) -> None:
+    alice, bob, _url = homes
+    port = gpumesh(alice, "config", "get", "listen_port").stdout.strip()
+    share = _share(alice, "--public", "--show-addresses")
+    try:
+        assert f"with its addresses (127.0.0.1:{port}" in share.banner  # type: ignore[attr-defined]
+        (found,) = _search(bob)
+        addresses = found["addresses"]
+        assert isinstance(addresses, list) and f"127.0.0.1:{port}" in addresses
+        # what the running share read at start: config set says a restart applies it
+        changed = gpumesh(alice, "config", "set", "announce_addresses", "true")
+        assert changed.stdout.splitlines() == [
+            "announce_addresses = true",
+            "The running `gpumesh share` read announce_addresses when it started: restart it "
+            "(`gpumesh share stop`, then `gpumesh share ...`) for this to take effect.",
+        ]
+    finally:
+        _stop(share)
+    quiet = gpumesh(alice, "config", "set", "announce_addresses", "false")
+    assert quiet.stdout.splitlines() == ["announce_addresses = false"]
+
+
+def test_show_addresses_without_public_is_refused_before_sharing(tmp_path: Path) -> None:
+    alice = tmp_path / "alice"
+    _init(alice, "alice-pc", _free_udp_port())
+    done = gpumesh(alice, "share", "--show-addresses")
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "error: --show-addresses puts addresses in the public listing: use it with --public"
+    ]
+    assert not (alice / "agent.json").exists()
+
+
 def test_sync_without_registry_says_so_and_dials(tmp_path: Path) -> None:
     bob = tmp_path / "bob"
     _init(bob, "bob-laptop")

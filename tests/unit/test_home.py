@@ -151,6 +151,22 @@ def test_secure_narrows_the_home_and_every_state_file(tmp_path: Path, identity: 
         assert _mode(root / name) == 0o600, name
 
 
+def test_secure_narrows_paired_peers_address_records(tmp_path: Path, identity: Identity) -> None:
+    root = tmp_path / "node"
+    identity.save(root / "identity.key")
+    folder = root / "peer-addresses"
+    folder.mkdir()
+    (folder / "some-node-id").write_bytes(b"record")
+    (folder / "some-node-id").chmod(0o644)
+    folder.chmod(0o755)
+    home = Home(root)
+    assert (folder, 0o700) in home.private_paths()
+    assert (folder / "some-node-id", 0o600) in home.private_paths()
+    home.secure()
+    assert _mode(folder) == 0o700
+    assert _mode(folder / "some-node-id") == 0o600
+
+
 def test_secure_only_takes_permissions_away(tmp_path: Path, identity: Identity) -> None:
     identity.save(tmp_path / "identity.key")
     (tmp_path / "config.toml").write_text("")

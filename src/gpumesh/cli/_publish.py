@@ -17,7 +17,7 @@ import click
 
 from gpumesh.client.publishing import Publisher, Snapshot
 from gpumesh.client.registry import RegistryClient, registry_url
-from gpumesh.errors import GPUMeshError
+from gpumesh.errors import ConfigError, GPUMeshError
 from gpumesh.protocol.listing import GpuListing
 
 __all__ = ["Publishing", "check", "start"]
@@ -56,15 +56,26 @@ class Publishing:
         click.echo(f"Withdrew the public listing from {url}.", err=True)
 
 
-def check(config: Any, public: bool) -> None:
+def check(config: Any, public: bool, show_addresses: bool = False) -> None:
     """Refuse ``--public`` without a registry, before sharing starts (announce_addresses
-    alone needs none: paired peers then hand this node's record on)."""
+    alone needs none: paired peers then hand this node's record on), and
+    ``--show-addresses`` without ``--public``."""
+    if show_addresses and not public:
+        raise ConfigError(
+            "--show-addresses puts addresses in the public listing: use it with --public"
+        )
     if public:
         registry_url(str(config.get("rendezvous_url")))
 
 
 async def start(
-    node: Any, agent: Any, *, public: bool, region: str | None, contact: str
+    node: Any,
+    agent: Any,
+    *,
+    public: bool,
+    region: str | None,
+    contact: str,
+    show_addresses: bool = False,
 ) -> Publishing | None:
     """Publish now and keep refreshing; None when this node publishes nothing."""
     config = node.home.config
@@ -99,6 +110,7 @@ async def start(
         contact=contact,
         listing=public,
         announce=True,
+        show_addresses=show_addresses,
     )
     what = "listed publicly" if public else "address record published"
     try:
@@ -112,6 +124,8 @@ async def start(
     else:
         first_wait = max(5.0, ttl / 3)
         where = f" in region {publisher.region}" if public and publisher.region else ""
+        if show_addresses:
+            where += f", with its addresses ({', '.join(node.advertised_addresses()) or 'none'})"
         click.echo(f"  registry {url}: {what}{where}, refreshed every {first_wait / 60:.0f} min")
         if public:
             click.echo("  a listing grants nothing: people still pair with you before they run")

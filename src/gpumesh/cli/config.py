@@ -75,13 +75,23 @@ def set_(key: str, value: str) -> None:
     """Set KEY to VALUE (validated; unknown keys are refused; a secret is not echoed)."""
     from gpumesh.store.config import KEYS, MASK
 
-    cfg = get_node().home.config
+    home = get_node().home
+    cfg = home.config
     stored = cfg.set(key, value)
     cfg.save()
     if KEYS[key].secret:
         click.echo(f"{key} = {MASK} (hidden)")
     else:
         click.echo(f"{key} = {stored}")
+    if key in _READ_WHEN_SHARING_STARTS and home.read_agent_info() is not None:
+        click.echo(
+            f"The running `gpumesh share` read {key} when it started: restart it "
+            "(`gpumesh share stop`, then `gpumesh share ...`) for this to take effect."
+        )
+
+
+# What `gpumesh share` reads once, at start, for the public registry.
+_READ_WHEN_SHARING_STARTS = ("announce_addresses", "rendezvous_url", "region")
 
 
 @config.command()

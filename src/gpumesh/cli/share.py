@@ -40,6 +40,12 @@ Examples:
 @click.option("--region", metavar="R", help="Region shown in the listing (config region).")
 @click.option("--contact", metavar="TEXT", default="", help="How people reach you, e.g. an email.")
 @click.option(
+    "--show-addresses",
+    is_flag=True,
+    help="With --public: put this node's public addresses in the listing (default: none; "
+    "paired peers find them through the address record anyway).",
+)
+@click.option(
     "--print-systemd-unit",
     "print_unit",
     is_flag=True,
@@ -55,6 +61,7 @@ def share(
     public: bool,
     region: str | None,
     contact: str,
+    show_addresses: bool,
     print_unit: bool,
 ) -> None:
     """Share this machine with paired, allowed peers (runs in the foreground).
@@ -84,9 +91,9 @@ def share(
     from gpumesh.units import parse_size
 
     cap = parse_size(max_vram) if max_vram else None
-    _publish.check(node.home.config, public)
+    _publish.check(node.home.config, public, show_addresses)
     setup_logging(node.home.logs_dir, console_level="info")
-    asyncio.run(_serve(node, host, port, cap, (public, region, contact)))
+    asyncio.run(_serve(node, host, port, cap, (public, region, contact, show_addresses)))
 
 
 def _require_linux() -> None:
@@ -175,7 +182,7 @@ async def _serve(
     host: str | None,
     port: int | None,
     max_vram: int | None,
-    public: tuple[bool, str | None, str] = (False, None, ""),
+    public: tuple[bool, str | None, str, bool] = (False, None, "", False),
 ) -> None:
     from gpumesh.agent.server import Agent
     from gpumesh.cli import _publish
@@ -216,7 +223,12 @@ async def _serve(
     if agent.relay is not None:
         await _report_relay(agent.relay)
     publishing = await _publish.start(
-        node, agent, public=public[0], region=public[1], contact=public[2]
+        node,
+        agent,
+        public=public[0],
+        region=public[1],
+        contact=public[2],
+        show_addresses=public[3],
     )
     click.echo("Only paired, allowed peers are served. Pairing code for a new peer (valid 1 hour):")
     click.echo(node.pairing_code())

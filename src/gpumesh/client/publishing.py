@@ -64,6 +64,9 @@ class Publisher:
     """Publish a GPU listing (``share --public``); False: the address record only."""
     announce: bool = True
     """Publish an address record for paired peers (``announce_addresses``)."""
+    show_addresses: bool = False
+    """Put this node's public addresses in its listing too (``share --show-addresses``);
+    by default a listing carries none."""
     refresh: float | None = None
     """Seconds between refreshes; default a third of the registry's TTL."""
     clock: Callable[[], float] = time.time
@@ -90,6 +93,7 @@ class Publisher:
                 region=self.region,
                 contact=self.contact,
                 version=__version__,
+                addresses=self.addresses() if self.show_addresses else None,
             )
             ttl = await self.client.apublish(self.identity, record)
             self.published += 1

@@ -10,7 +10,10 @@ Routes (JSON; every refusal is ``{"error": {"code", "message"}}`` with a status)
 Order of checks on a publish, cheapest first and so that nobody can spend
 another node's budget: body size, the source address's rate, the signature
 and fields, freshness by timestamp, then the key's rate (only a verified key
-is counted), then the sequence number (in the store's one upsert).
+is counted), then the sequence number (in the store's one upsert). The key's
+count and the upsert are one write; the store commits the writes of
+concurrent requests together (one transaction per batch), and a request is
+answered only after the commit that holds its write.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from starlette.routing import Route
 from gpumesh.errors import ConfigError, ProtocolError
 from gpumesh.protocol.listing import SignedRecord, check_fresh, open_record, record_kind
 from gpumesh.registry.config import RegistryConfig
-from gpumesh.registry.store import RegistryStore, SearchQuery
+from gpumesh.registry.store import RateLimit, RegistryStore, SearchQuery
 from gpumesh.units import parse_size
 from gpumesh.version import __version__
 
@@ -67,20 +70,21 @@ def create_app(
     """The ASGI app; unless ``open_store`` is False it opens ``store`` at start and
     closes it at the end (the console script opens it first, to report a bad --db)."""
 
+    def over(allowed: int, what: str, now: float) -> _Refused:
+        wait = max(1, int(RATE_WINDOW - now % RATE_WINDOW) + 1)
+        return _Refused(
+            429,
+            "rate_limited",
+            f"rate limit: at most {allowed} {what} per minute; retry in {wait}s",
+            wait,
+        )
+
     async def limit(bucket: str, allowed: int, what: str) -> None:
         if not allowed:
             return
         now = clock()
-        window = int(now // RATE_WINDOW)
-        count = await store.count_hit(bucket, window)
-        if count > allowed:
-            wait = max(1, int(RATE_WINDOW - now % RATE_WINDOW) + 1)
-            raise _Refused(
-                429,
-                "rate_limited",
-                f"rate limit: at most {allowed} {what} per minute; retry in {wait}s",
-                wait,
-            )
+        if await store.count_hit(bucket, int(now // RATE_WINDOW)) > allowed:
+            raise over(allowed, what, now)
 
     async def publish(request: Request) -> Response:
         declared = request.headers.get("content-length")
@@ -99,8 +103,8 @@ def create_app(
             signed = msgspec.json.decode(bytes(body), type=SignedRecord)
         except msgspec.DecodeError as exc:
             raise _Refused(400, "bad_record", f"not a signed record ({exc})") from None
-        try:
-            record = open_record(signed)
+        try:  # Ed25519 verification releases the GIL: another core does it
+            record = await asyncio.to_thread(open_record, signed)
         except ProtocolError as exc:
             raise _Refused(400, "bad_record", exc.message) from None
         now = clock()
@@ -109,8 +113,15 @@ def create_app(
         except ProtocolError as exc:
             raise _Refused(409, "stale", exc.message) from None
         node_id = str(record.node_id)
-        await limit(f"pub-key:{node_id}", config.publish_per_key, "records from one node")
-        if not await store.put(record, signed, now, config.ttl):
+        per_key = config.publish_per_key
+        # the key's hit is counted in the transaction that stores the record
+        key_limit = (
+            RateLimit(f"pub-key:{node_id}", int(now // RATE_WINDOW), per_key) if per_key else None
+        )
+        put = await store.put(record, signed, now, config.ttl, key_limit)
+        if key_limit is not None and put.hits > per_key:
+            raise over(per_key, "records from one node", now)
+        if not put.stored:
             raise _Refused(
                 409,
                 "stale",

@@ -171,7 +171,17 @@ def _serve(
 ) -> int:
     import asyncio
 
-    return asyncio.run(_run(config, url, sock, forwarded, log_level))
+    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        return runner.run(_run(config, url, sock, forwarded, log_level))
+
+
+def _loop_factory() -> Any:
+    """uvloop's event loop when it is installed (the registry extra brings it), else asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
 
 
 async def _run(
@@ -197,6 +207,7 @@ async def _run(
         f"gpumesh-registry listening on http://{format_address((host, port))} (database: {where})",
         flush=True,
     )
+    logger.info("serving with the %s event loop and %s", _loop_name(), _http_name())
     server = uvicorn.Server(
         uvicorn.Config(
             app,
@@ -212,6 +223,20 @@ async def _run(
     finally:
         await store.close()
     return 0 if server.started else 1
+
+
+def _loop_name() -> str:
+    import asyncio
+
+    return type(asyncio.get_running_loop()).__module__.split(".")[0]
+
+
+def _http_name() -> str:
+    try:
+        import httptools  # noqa: F401
+    except ImportError:
+        return "h11"
+    return "httptools"
 
 
 def _reason(exc: BaseException) -> str:

@@ -35,16 +35,19 @@ from gpumesh.protocol.listing import (
     CLOCK_SKEW,
     MAX_AGE,
     AddressRecord,
+    GpuListing,
     Listing,
     Record,
     SignedRecord,
 )
 
-__all__ = ["SCHEMA_VERSION", "Page", "RegistryStore", "SearchQuery"]
+__all__ = ["SCHEMA_VERSION", "Page", "Put", "RateLimit", "RegistryStore", "SearchQuery"]
 
 T = TypeVar("T")
 
-SCHEMA_VERSION: Final = 1
+SCHEMA_VERSION: Final = 2
+MAX_BATCH: Final = 500
+"""Most writes committed in one transaction."""
 _MIGRATION_LOCK: Final = 0x67706D72  # "gpmr": the advisory lock id on PostgreSQL
 
 metadata = sa.MetaData()
@@ -68,7 +71,10 @@ listings = sa.Table(
     sa.Column("best_free", sa.BigInteger, nullable=False),
     sa.Column("record", sa.LargeBinary, nullable=False),
     sa.Column("signature", sa.LargeBinary, nullable=False),
-    sa.Index("listings_order", "best_free", "node_id"),
+    # the search's sort, newest schema: best_free descending, node_id ascending
+    # (version 1's "listings_order" ran both ascending, which PostgreSQL cannot
+    # walk for this mixed order without sorting every row of one best_free)
+    sa.Index("listings_by_free", sa.desc("best_free"), "node_id"),
     sa.Index("listings_expiry", "expires_at"),
 )
 
@@ -125,6 +131,24 @@ class SearchQuery:
 
 
 @dataclass(frozen=True)
+class RateLimit:
+    """One hit to count in ``bucket`` for time window ``window``, of ``allowed`` per window."""
+
+    bucket: str
+    window: int
+    allowed: int
+
+
+@dataclass(frozen=True)
+class Put:
+    stored: bool
+    """False: over the rate limit (``hits`` above what it allows), or a record with
+    this sequence number or a higher one is stored (stale)."""
+    hits: int
+    """The rate limit's count in its window, this hit included (0 without one)."""
+
+
+@dataclass(frozen=True)
 class Page:
     records: list[SignedRecord]
     next: str
@@ -168,22 +192,58 @@ class RegistryStore:
             self.engine = create_async_engine(
                 url, pool_size=10, max_overflow=10, pool_pre_ping=True
             )
-        # SQLite has one writer: two pooled connections that both upgrade from a
-        # read to a write would fail at once with "database is locked" (its busy
-        # timeout does not cover that), so this process sends it one write at a
-        # time. PostgreSQL's row locks need no such thing.
-        self._write_lock: asyncio.Lock | contextlib.nullcontext[None] = (
-            asyncio.Lock() if self._sync is not None else contextlib.nullcontext()
-        )
+        # Every write of this process goes through one queue: what gathers while
+        # a transaction commits is committed together in the next one, and each
+        # caller is answered after the commit that holds its write. SQLite has one
+        # writer anyway (two pooled connections upgrading from a read to a write
+        # fail at once with "database is locked"), and one commit per batch instead
+        # of per request is most of the registry's publish rate on both databases.
+        self._statements = _Statements(self.dialect)
+        self._pending: list[_Write] = []
+        self.commits = 0
+        """Write transactions committed by this store (batches; for tests and the bench)."""
+        self._writer: asyncio.Task[None] | None = None
 
     async def _write(self, operation: Callable[..., T], *args: Any) -> T:
-        """Run ``operation(connection, *args)`` in one transaction."""
-        async with self._write_lock:
-            if self._sync is not None:
-                return await asyncio.to_thread(self._sync_transaction, operation, *args)
-            assert self.engine is not None
-            async with self.engine.begin() as conn:
-                return await conn.run_sync(operation, *args)
+        """Run ``operation(connection, *args)`` in a transaction, perhaps with others.
+
+        Returns once that transaction has committed. If a batch fails, each of
+        its writes is retried in a transaction of its own, so one bad write
+        fails only its own caller.
+        """
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._pending.append(_Write(operation, args, future))
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.create_task(self._drain())
+        result: T = await future
+        return result
+
+    async def _drain(self) -> None:
+        while self._pending:
+            batch, self._pending = self._pending[:MAX_BATCH], self._pending[MAX_BATCH:]
+            try:
+                results = await self._transaction(_run_batch, batch)
+                self.commits += 1
+            except Exception as exc:
+                if len(batch) == 1:
+                    _settle(batch[0].future, exc=exc)
+                    continue
+                for write in batch:  # alone, so that only the bad one fails
+                    try:
+                        _settle(write.future, await self._transaction(_run_batch, [write]))
+                        self.commits += 1
+                    except Exception as alone:
+                        _settle(write.future, exc=alone)
+                continue
+            for write, result in zip(batch, results, strict=True):
+                _settle(write.future, [result])
+
+    async def _transaction(self, operation: Callable[..., T], *args: Any) -> T:
+        if self._sync is not None:
+            return await asyncio.to_thread(self._sync_transaction, operation, *args)
+        assert self.engine is not None
+        async with self.engine.begin() as conn:
+            return await conn.run_sync(operation, *args)
 
     async def _read(self, operation: Callable[..., T], *args: Any) -> T:
         if self._sync is not None:
@@ -218,38 +278,63 @@ class RegistryStore:
                 f"the database has registry schema {version}, newer than this "
                 f"gpumesh-registry ({SCHEMA_VERSION}); upgrade gpumesh"
             )
+        elif version < 2:  # 1 -> 2: the sort's index in the sort's own order
+            conn.execute(sa.text("DROP INDEX IF EXISTS listings_order"))
+            for index in listings.indexes:
+                if index.name == "listings_by_free":
+                    index.create(conn, checkfirst=True)
+            conn.execute(sa.update(schema_table).values(version=SCHEMA_VERSION))
 
     async def drop_all(self) -> None:
         """Remove every registry table (tests and benchmarks start from nothing)."""
         await self._write(metadata.drop_all)
 
     async def close(self) -> None:
+        if self._writer is not None:
+            with contextlib.suppress(Exception):
+                await self._writer
         if self.engine is not None:
             await self.engine.dispose()
         if self._sync is not None:
             self._sync.dispose()
 
-    def _insert(self, table: sa.Table) -> Any:
-        return (postgresql.insert if self.dialect == "postgresql" else sqlite.insert)(table)
-
     async def count_hit(self, bucket: str, window: int) -> int:
         """Count one hit in ``bucket`` for the time window ``window``; the count so far."""
-        stmt = self._insert(rate_windows).values(bucket=bucket, window=window, count=1)
-        existing = rate_windows.c
-        stmt = stmt.on_conflict_do_update(
-            index_elements=[existing.bucket],
-            set_={
-                "count": sa.case(
-                    (existing.window == stmt.excluded.window, existing.count + 1), else_=1
-                ),
-                "window": stmt.excluded.window,
-            },
-        ).returning(rate_windows.c.count)
-        return await self._write(_scalar_int, stmt)
+        return await self._write(self._count_hit, bucket, window)
 
-    async def put(self, record: Record, signed: SignedRecord, now: float, ttl: float) -> bool:
-        """Store ``record`` if its seq is above the stored one; False when it is not."""
-        return await self._write(self._put, record, signed, now, ttl)
+    def _count_hit(self, conn: sa.Connection, bucket: str, window: int) -> int:
+        return _scalar_int(conn, self._statements.count_hit, {"bucket": bucket, "window": window})
+
+    async def put(
+        self,
+        record: Record,
+        signed: SignedRecord,
+        now: float,
+        ttl: float,
+        limit: RateLimit | None = None,
+    ) -> Put:
+        """Store ``record`` if its seq is above the stored one.
+
+        With ``limit``, first count one hit in its bucket, in the same
+        transaction, and store nothing when that is over what it allows.
+        """
+        return await self._write(self._limited_put, record, signed, now, ttl, limit)
+
+    def _limited_put(
+        self,
+        conn: sa.Connection,
+        record: Record,
+        signed: SignedRecord,
+        now: float,
+        ttl: float,
+        limit: RateLimit | None,
+    ) -> Put:
+        hits = 0
+        if limit is not None:
+            hits = self._count_hit(conn, limit.bucket, limit.window)
+            if hits > limit.allowed:
+                return Put(False, hits)
+        return Put(self._put(conn, record, signed, now, ttl), hits)
 
     def _put(
         self, conn: sa.Connection, record: Record, signed: SignedRecord, now: float, ttl: float
@@ -268,18 +353,7 @@ class RegistryStore:
                 },
             )
         if isinstance(record, Listing):
-            row = {
-                "node_id": node_id,
-                "seq": record.seq,
-                "timestamp": record.timestamp,
-                "expires_at": now + ttl,
-                "withdrawn": False,
-                "idle": record.idle,
-                "region": record.region.lower(),
-                "best_free": max((g.memory_free for g in record.gpus), default=0),
-                "record": signed.record,
-                "signature": signed.signature,
-            }
+            row = _listing_row(record, signed, now, ttl, node_id)
         else:  # a withdrawal: the row stays, as a tombstone with its seq
             row = {
                 "node_id": node_id,
@@ -295,77 +369,55 @@ class RegistryStore:
             }
         if not self._upsert(conn, listings, row):
             return False
-        conn.execute(sa.delete(listing_gpus).where(listing_gpus.c.node_id == node_id))
-        if isinstance(record, Listing) and record.gpus:
-            conn.execute(
-                sa.insert(listing_gpus),
-                [
-                    {
-                        "node_id": node_id,
-                        "idx": index,
-                        "name": gpu.name.lower(),
-                        "memory_total": gpu.memory_total,
-                        "memory_free": gpu.memory_free,
-                    }
-                    for index, gpu in enumerate(record.gpus)
-                ],
-            )
+        gpus = []
+        if isinstance(record, Listing):
+            gpus = [_gpu_row(node_id, index, gpu) for index, gpu in enumerate(record.gpus)]
+        deferred: dict[str, list[dict[str, Any]]] | None = conn.info.get(_GPU_ROWS)
+        if deferred is not None:  # in a batch: one DELETE and one INSERT at its end
+            deferred[node_id] = gpus
+        else:
+            _replace_gpus(conn, {node_id: gpus})
         return True
 
     def _upsert(self, conn: sa.Connection, table: sa.Table, row: dict[str, Any]) -> bool:
-        stmt = self._insert(table).values(**row)
-        stmt = stmt.on_conflict_do_update(
-            index_elements=[table.c.node_id],
-            set_={key: stmt.excluded[key] for key in row if key != "node_id"},
-            where=table.c.seq < stmt.excluded.seq,
-        ).returning(table.c.node_id)
-        return conn.execute(stmt).first() is not None
+        return conn.execute(self._statements.upsert[table.name], row).first() is not None
 
     async def search(self, query: SearchQuery, now: float) -> Page:
-        conditions: list[sa.ColumnElement[bool]] = [
-            listings.c.expires_at > now,
-            listings.c.withdrawn.is_(False),
-        ]
-        if query.idle:
-            conditions.append(listings.c.idle.is_(True))
-        if query.region:
-            conditions.append(listings.c.region == query.region.lower())
-        if query.gpu or query.vram:
-            gpu_conditions: list[sa.ColumnElement[bool]] = [
-                listing_gpus.c.node_id == listings.c.node_id
-            ]
-            if query.gpu:
-                pattern = "%" + _escape_like(query.gpu.lower()) + "%"
-                gpu_conditions.append(listing_gpus.c.name.like(pattern, escape="\\"))
-            if query.vram:
-                column = (
-                    listing_gpus.c.memory_total if query.vram_total else listing_gpus.c.memory_free
-                )
-                gpu_conditions.append(column >= query.vram)
-            conditions.append(sa.exists().where(*gpu_conditions))
-        if query.cursor:
-            free, node_id = _parse_cursor(query.cursor)
-            conditions.append(
-                sa.or_(
-                    listings.c.best_free < free,
-                    sa.and_(listings.c.best_free == free, listings.c.node_id > node_id),
-                )
-            )
-        stmt = (
-            sa.select(
-                listings.c.record, listings.c.signature, listings.c.best_free, listings.c.node_id
-            )
-            .where(*conditions)
-            .order_by(listings.c.best_free.desc(), listings.c.node_id)
-            .limit(query.limit + 1)
-        )
-        rows = await self._read(_all_rows, stmt)
+        rows = await self._read(_all_rows, search_statement(query, now))
         page = rows[: query.limit]
         following = ""
         if len(rows) > query.limit:
             last = page[-1]
             following = _cursor(last.best_free, last.node_id)
         return Page([SignedRecord(bytes(r.record), bytes(r.signature)) for r in page], following)
+
+    async def bulk_insert(
+        self, records: list[tuple[Listing, SignedRecord]], now: float, ttl: float
+    ) -> None:
+        """Insert listings of nodes not yet listed, in one transaction, without the
+        per-record sequence check: the benchmark's preload, not a way in for a peer."""
+        rows = [_listing_row(record, signed, now, ttl) for record, signed in records]
+        gpus = [
+            _gpu_row(str(record.node_id), index, gpu)
+            for record, _ in records
+            for index, gpu in enumerate(record.gpus)
+        ]
+        await self._write(_insert_many, rows, gpus)
+
+    async def explain(self, query: SearchQuery, now: float) -> str:
+        """PostgreSQL's plan of ``query``'s statement, run (EXPLAIN ANALYZE)."""
+        assert self.engine is not None, "EXPLAIN ANALYZE is PostgreSQL's"
+        stmt = search_statement(query, now).compile(
+            dialect=self.engine.dialect, compile_kwargs={"literal_binds": True}
+        )
+        text = sa.text(f"EXPLAIN (ANALYZE, BUFFERS) {stmt}")
+        rows = await self._read(_all_rows, text)
+        return "\n".join(str(row[0]) for row in rows)
+
+    async def analyze(self) -> None:
+        """Refresh PostgreSQL's statistics (after a bulk load)."""
+        if self.dialect == "postgresql":
+            await self._write(_execute, sa.text("ANALYZE"))
 
     async def addresses(self, node_id: str, now: float) -> SignedRecord | None:
         stmt = sa.select(address_records.c.record, address_records.c.signature).where(
@@ -392,8 +444,168 @@ class RegistryStore:
         return {"listings": await self._read(_scalar_int, stmt)}
 
 
-def _scalar_int(conn: sa.Connection, stmt: Any) -> int:
-    return int(conn.execute(stmt).scalar_one())
+_DELETE_GPUS: Final = sa.delete(listing_gpus).where(
+    listing_gpus.c.node_id.in_(sa.bindparam("nodes", expanding=True))
+)
+_INSERT_GPUS: Final = sa.insert(listing_gpus)
+
+
+class _Statements:
+    """The writes of a publish, built once per store: SQLAlchemy then reuses their
+    compiled form, where a statement built per request cost more than the
+    database's own work (it was most of a publish's time)."""
+
+    def __init__(self, dialect: str) -> None:
+        insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
+        self.upsert: dict[str, Any] = {}
+        for table in (listings, address_records):
+            stmt = insert(table).values({c.name: sa.bindparam(c.name) for c in table.columns})
+            self.upsert[table.name] = stmt.on_conflict_do_update(
+                index_elements=[table.c.node_id],
+                set_={c.name: stmt.excluded[c.name] for c in table.columns if c.name != "node_id"},
+                where=table.c.seq < stmt.excluded.seq,
+            ).returning(table.c.node_id)
+        hit = insert(rate_windows).values(
+            bucket=sa.bindparam("bucket"), window=sa.bindparam("window"), count=1
+        )
+        existing = rate_windows.c
+        self.count_hit = hit.on_conflict_do_update(
+            index_elements=[existing.bucket],
+            set_={
+                "count": sa.case(
+                    (existing.window == hit.excluded.window, existing.count + 1), else_=1
+                ),
+                "window": hit.excluded.window,
+            },
+        ).returning(existing.count)
+
+
+@dataclass(frozen=True)
+class _Write:
+    operation: Callable[..., Any]
+    args: tuple[Any, ...]
+    future: asyncio.Future[Any]
+
+
+_GPU_ROWS: Final = "gpumesh-registry-gpu-rows"
+"""Key in ``Connection.info`` of the GPU rows a batch's upserts replace, by node id."""
+
+
+def _run_batch(conn: sa.Connection, batch: list[_Write]) -> list[Any]:
+    """Every write of ``batch`` in order, then the GPU rows of the listings it stored
+    (the last stored record's, per node) in one DELETE and one INSERT."""
+    deferred: dict[str, list[dict[str, Any]]] = {}
+    conn.info[_GPU_ROWS] = deferred
+    try:
+        results = [write.operation(conn, *write.args) for write in batch]
+    finally:
+        del conn.info[_GPU_ROWS]
+    _replace_gpus(conn, deferred)
+    return results
+
+
+def _replace_gpus(conn: sa.Connection, rows: dict[str, list[dict[str, Any]]]) -> None:
+    if not rows:
+        return
+    conn.execute(_DELETE_GPUS, {"nodes": list(rows)})
+    inserted = [row for gpus in rows.values() for row in gpus]
+    if inserted:
+        conn.execute(_INSERT_GPUS, inserted)
+
+
+def _settle(
+    future: asyncio.Future[Any], results: list[Any] | None = None, exc: Exception | None = None
+) -> None:
+    if future.done():
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        assert results is not None
+        future.set_result(results[0])
+
+
+def search_statement(query: SearchQuery, now: float) -> sa.Select[Any]:
+    """The SELECT of one page of ``query``, sorted by best free memory then node id."""
+    conditions: list[sa.ColumnElement[bool]] = [
+        listings.c.expires_at > now,
+        listings.c.withdrawn.is_(False),
+    ]
+    if query.idle:
+        conditions.append(listings.c.idle.is_(True))
+    if query.region:
+        conditions.append(listings.c.region == query.region.lower())
+    if query.gpu or query.vram:
+        gpu_conditions: list[sa.ColumnElement[bool]] = [
+            listing_gpus.c.node_id == listings.c.node_id
+        ]
+        if query.gpu:
+            pattern = "%" + _escape_like(query.gpu.lower()) + "%"
+            gpu_conditions.append(listing_gpus.c.name.like(pattern, escape="\\"))
+        if query.vram:
+            column = listing_gpus.c.memory_total if query.vram_total else listing_gpus.c.memory_free
+            gpu_conditions.append(column >= query.vram)
+        conditions.append(sa.exists().where(*gpu_conditions))
+    if query.cursor:
+        free, node_id = _parse_cursor(query.cursor)
+        conditions.append(listings.c.best_free <= free)  # where the index scan starts
+        conditions.append(
+            sa.or_(
+                listings.c.best_free < free,
+                sa.and_(listings.c.best_free == free, listings.c.node_id > node_id),
+            )
+        )
+    stmt = (
+        sa.select(listings.c.record, listings.c.signature, listings.c.best_free, listings.c.node_id)
+        .where(*conditions)
+        .order_by(listings.c.best_free.desc(), listings.c.node_id)
+        .limit(query.limit + 1)
+    )
+    return stmt
+
+
+def _listing_row(
+    record: Listing, signed: SignedRecord, now: float, ttl: float, node_id: str = ""
+) -> dict[str, Any]:
+    return {
+        "node_id": node_id or str(record.node_id),
+        "seq": record.seq,
+        "timestamp": record.timestamp,
+        "expires_at": now + ttl,
+        "withdrawn": False,
+        "idle": record.idle,
+        "region": record.region.lower(),
+        "best_free": max((g.memory_free for g in record.gpus), default=0),
+        "record": signed.record,
+        "signature": signed.signature,
+    }
+
+
+def _gpu_row(node_id: str, index: int, gpu: GpuListing) -> dict[str, Any]:
+    return {
+        "node_id": node_id,
+        "idx": index,
+        "name": gpu.name.lower(),
+        "memory_total": gpu.memory_total,
+        "memory_free": gpu.memory_free,
+    }
+
+
+def _insert_many(
+    conn: sa.Connection, rows: list[dict[str, Any]], gpus: list[dict[str, Any]]
+) -> None:
+    if rows:
+        conn.execute(sa.insert(listings), rows)
+    if gpus:
+        conn.execute(sa.insert(listing_gpus), gpus)
+
+
+def _execute(conn: sa.Connection, stmt: Any) -> None:
+    conn.execute(stmt)
+
+
+def _scalar_int(conn: sa.Connection, stmt: Any, params: dict[str, Any] | None = None) -> int:
+    return int(conn.execute(stmt, params).scalar_one())
 
 
 def _all_rows(conn: sa.Connection, stmt: Any) -> list[Any]:

@@ -171,16 +171,20 @@ class Home:
         return self.key_path.exists()
 
     def private_paths(self) -> list[tuple[Path, int]]:
-        """The home, its logs folder and its state files, each with the widest mode allowed.
+        """The home, its logs and peer-addresses folders and its state files, each with the
+        widest mode allowed.
 
         The identity key is not here: `gpumesh doctor` reports a key found readable by
         others instead of quietly narrowing it, since such a key may need replacing.
         """
+        peer_addresses = self.path / "peer-addresses"  # paired peers' address records
         paths = [(self.path, PRIVATE_DIR), (self.logs_dir, PRIVATE_DIR)]
+        paths.append((peer_addresses, PRIVATE_DIR))
         files = [self.config_path, self.agent_path, self.db_path]
         files += [self.db_path.with_name(self.db_path.name + s) for s in ("-wal", "-shm")]
-        with contextlib.suppress(OSError):
-            files += sorted(p for p in self.logs_dir.iterdir() if p.is_file())
+        for folder in (self.logs_dir, peer_addresses):
+            with contextlib.suppress(OSError):
+                files += sorted(p for p in folder.iterdir() if p.is_file())
         return paths + [(path, PRIVATE_FILE) for path in files]
 
     def secure(self) -> None:
