@@ -212,6 +212,8 @@ class Session:
         finally:
             self.link.forget_stream(stream.stream_id)
         self.peer_name = auth.server_name or self.peer_name
+        if auth.server_fec:
+            self.link.peer_takes_fec()
 
     async def request(self, message: Message, timeout: float = 30.0) -> Message:
         """Send one message on a new stream and return the single reply (which a
@@ -281,7 +283,7 @@ async def _authenticate(
     relayed: RelayedPath | None = None,
 ) -> Session:
     """Send the identity proof; wait for the Welcome only where requests must."""
-    auth = ClientAuth(identity, name, server_key)
+    auth = ClientAuth(identity, name, server_key, fec=link.fec_offered)
     try:
         form = AuthForm.of(link.alpn)
         stream = link.open_stream()
@@ -474,7 +476,9 @@ async def accept_session(
             await asyncio.shield(link.connected)
             form = AuthForm.of(link.alpn)
             if form is AuthForm.SESSION:
-                auth = ServerAuth.for_session(identity, name, link.binding, authorize)
+                auth = ServerAuth.for_session(
+                    identity, name, link.binding, authorize, fec=link.fec_offered
+                )
                 expected: tuple[type[Message], ...] = (SessionProof,)
             else:
                 auth = ServerAuth.for_challenge(identity, name, os.urandom(32), authorize)
@@ -497,6 +501,8 @@ async def accept_session(
                     assert auth.error is not None
                     raise auth.error
         link.forget_stream(stream.stream_id)
+        if auth.client_fec:
+            link.peer_takes_fec()
     except TimeoutError:
         error = AccessDeniedError("identity proof not completed in time")
         link.close(error)
