@@ -183,13 +183,19 @@ class Session:
         Raises the provider's refusal (the link is closed then), or
         :class:`UnreachableError` when no answer comes within :data:`AUTH_TIMEOUT`.
         """
+        await asyncio.shield(self.read_welcome())
+
+    def read_welcome(self) -> asyncio.Future[None]:
+        """Start reading the provider's answer to the proof (once): what
+        :meth:`established` waits for. Started at once after a session-bound proof,
+        so the Welcome's news (FEC) is heard even when no request waits for it."""
         if self._established is None:
             self._established = asyncio.ensure_future(self._finish_authentication())
             # Retrieved here too: a caller may be cancelled while it goes on.
             self._established.add_done_callback(
                 lambda done: None if done.cancelled() else done.exception()
             )
-        await asyncio.shield(self._established)
+        return self._established
 
     async def _finish_authentication(self) -> None:
         auth, stream = self._auth, self._auth_stream
@@ -293,6 +299,7 @@ async def _authenticate(
         link.close(exc if isinstance(exc, ProtocolError) else None)
         raise
     session = Session(link, auth, stream, where, relayed=relayed)
+    session.read_welcome()
     if not auth.may_send_requests:
         try:
             await session.established()
