@@ -114,6 +114,17 @@ _MUL_TABLE: npt.NDArray[np.uint8] = np.array(
     [[_mul(a, b) for b in range(256)] for a in range(256)], dtype=np.uint8
 )
 """``_MUL_TABLE[c][v]`` = c·v in GF(256): one lookup multiplies a whole buffer."""
+_TIMES_G: npt.NDArray[np.uint8] = _MUL_TABLE[2].copy()
+
+
+def _weighted_sum(symbols: npt.NDArray[np.uint8]) -> npt.NDArray[np.uint8]:
+    """Q = sum of g^i · symbol i (g = 2), by Horner's rule from the last row up:
+    one table lookup and one XOR per row."""
+    q: npt.NDArray[np.uint8] = symbols[-1].copy()
+    for row in symbols[-2::-1]:
+        q = _TIMES_G.take(q)
+        q ^= row
+    return q
 
 
 def _scale(coefficient: int, symbol: npt.NDArray[np.uint8]) -> npt.NDArray[np.uint8]:
@@ -170,8 +181,8 @@ class Encoder:
         self._count = 0
         self._longest = 0
         self._opened = 0.0
-        self._p = np.zeros(_SYMBOL, dtype=np.uint8)
-        self._q = np.zeros(_SYMBOL, dtype=np.uint8)
+        self._symbols = np.zeros((group_size, _SYMBOL), dtype=np.uint8)
+        """The open group's symbols, one row each (parity is computed at its close)."""
 
     def encode(self, datagrams: list[bytes], now: float) -> list[bytes]:
         """The frames to send for ``datagrams``, parity included where a group fills."""
@@ -184,11 +195,15 @@ class Encoder:
                 self._opened = now
             index = self._count
             frames.append(_DATA_HEADER.pack(DATA, self._group, index) + datagram)
-            symbol = _symbol(datagram)
-            size = len(symbol)
-            self._p[:size] ^= symbol
-            self._q[:size] ^= _scale(_EXP[index], symbol)
-            self._longest = max(self._longest, size)
+            size = len(datagram) + 2
+            row = self._symbols[index]
+            row[0], row[1] = size - 2 >> 8, size - 2 & 0xFF
+            row[2:size] = np.frombuffer(datagram, dtype=np.uint8)
+            if size < self._longest:
+                row[size : self._longest] = 0
+            elif size > self._longest:
+                self._symbols[:index, self._longest : size] = 0
+                self._longest = size
             self._count += 1
             self.counters.sent_data += 1
             if self._count >= self.group_size:
@@ -216,10 +231,12 @@ class Encoder:
 
     def _close(self, frames: list[bytes]) -> None:
         size, k, group = self._longest, self._count, self._group
-        for which, parity in enumerate((self._p, self._q)):
+        symbols = self._symbols[:k, :size]
+        p = np.bitwise_xor.reduce(symbols, axis=0)
+        q = _weighted_sum(symbols)
+        for which, parity in enumerate((p, q)):
             header = _PARITY_HEADER.pack(PARITY, group, which << 6 | k)
-            frames.append(header + parity[:size].tobytes())
-            parity[:size] = 0
+            frames.append(header + parity.tobytes())
         self.counters.sent_parity += PARITIES
         self._group = (group + 1) & 0xFFFFFFFF
         self._count = 0
@@ -388,12 +405,12 @@ class Decoder:
     def _repair(self, group: _Group, missing: list[int]) -> list[tuple[int, bytes]]:
         assert group.k is not None
         size = max(len(p) for p in group.parity.values())
-        known_p = np.zeros(size, dtype=np.uint8)
-        known_q = np.zeros(size, dtype=np.uint8)
+        rows = np.zeros((group.k, size), dtype=np.uint8)  # a missing one's row stays 0
         for index, datagram in group.data.items():
             symbol = _symbol(datagram)[:size]
-            known_p[: len(symbol)] ^= symbol
-            known_q[: len(symbol)] ^= _scale(_EXP[index], symbol)
+            rows[index, : len(symbol)] = symbol
+        known_p = np.bitwise_xor.reduce(rows, axis=0)
+        known_q = _weighted_sum(rows)
         p = q = None
         if 0 in group.parity:
             p = np.zeros(size, dtype=np.uint8)

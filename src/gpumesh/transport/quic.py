@@ -100,6 +100,9 @@ APP_ERROR = 0x100
 MAX_DATAGRAM = 1452
 IDLE_TIMEOUT = 60.0
 FEC_MODES = ("auto", "on", "off")
+FEC_LONG_RTT = 0.025
+"""Seconds of round trip from which ``auto`` sends parity from the start: on such a
+link one random loss in slow start costs QUIC seconds of a small window."""
 _FEC_MARKERS = (fec.DATA, fec.PARITY)
 _STREAM_WINDOW = 16 * 1024 * 1024
 _CONNECTION_WINDOW = 64 * 1024 * 1024
@@ -442,7 +445,8 @@ class QuicLink:
 
     def peer_takes_fec(self) -> None:
         """The peer said it takes FEC frames: parity may go to it from now on
-        (at once with ``GPUMESH_FEC=on``, else from the link's first loss)."""
+        (``auto``: at once on a link with a round trip of :data:`FEC_LONG_RTT` or
+        more, else from the link's first loss; ``on``: at once)."""
         if self.fec_offered:
             self.fec_peer = True
             self._maybe_start_parity()
@@ -450,11 +454,17 @@ class QuicLink:
     def _maybe_start_parity(self) -> None:
         if self.fec_encoder is not None or not self.fec_peer:
             return
-        if self.fec_mode == "on" or self.loss_total() > 0:
+        core = getattr(self.quic, "_core", None)
+        rtt = None if core is None else core.smoothed_rtt
+        long_link = rtt is not None and rtt >= FEC_LONG_RTT
+        if self.fec_mode == "on" or long_link or self.loss_total() > 0:
             # Group ids start at random so a new link is not mistaken for an old one.
             self.fec_encoder = fec.Encoder(first_group=int.from_bytes(os.urandom(4), "big"))
             logger.debug(
-                "parity on for %s (QUIC losses so far: %d)", self.address, self.loss_total()
+                "parity on for %s (rtt %s, QUIC losses so far: %d)",
+                self.address,
+                rtt,
+                self.loss_total(),
             )
 
     def loss_total(self) -> int:
