@@ -26,9 +26,11 @@ EVERY = 37
 class LossyForwarder:
     """Forwards datagrams between one client and a server, dropping every Nth each way."""
 
-    def __init__(self, server: tuple[str, int], every: int) -> None:
+    def __init__(self, server: tuple[str, int], every: int, delay: float = 0.0) -> None:
         self.server = server
         self.every = every
+        self.delay = delay
+        """Seconds each datagram waits before it goes on (one way)."""
         self.front = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.front.bind(("127.0.0.1", 0))
         self.front.setblocking(False)
@@ -65,13 +67,21 @@ class LossyForwarder:
             if self.seen[way] % self.every == 0:
                 self.dropped[way] += 1
                 continue
-            try:
-                if way == "up":
-                    self.back.sendto(data, self.server)
-                elif self.client is not None:
-                    self.front.sendto(data, self.client)
-            except BlockingIOError:
-                self.dropped[way] += 1  # a full buffer drops like the network would
+            if self.delay:
+                asyncio.get_running_loop().call_later(self.delay, self._forward, data, way)
+            else:
+                self._forward(data, way)
+
+    def _forward(self, data: bytes, way: str) -> None:
+        if self.front.fileno() < 0:
+            return  # closed meanwhile
+        try:
+            if way == "up":
+                self.back.sendto(data, self.server)
+            elif self.client is not None:
+                self.front.sendto(data, self.client)
+        except BlockingIOError:
+            self.dropped[way] += 1  # a full buffer drops like the network would
 
     def close(self) -> None:
         loop = asyncio.get_running_loop()
@@ -80,10 +90,12 @@ class LossyForwarder:
             sock.close()
 
 
-async def _bulk_through_loss(*, provider_fec: str) -> tuple[LossyForwarder, Session, QuicLink]:
-    """Send SIZE bytes dialer -> provider through the forwarder; check the hash."""
+async def _bulk_through_loss(
+    *, provider_fec: str, every: int = EVERY, delay: float = 0.0, size: int = SIZE
+) -> tuple[LossyForwarder, Session, QuicLink]:
+    """Send ``size`` bytes dialer -> provider through the forwarder; check the hash."""
     provider, dialer = Identity.generate(), Identity.generate()
-    payload = os.urandom(SIZE)
+    payload = os.urandom(size)
     received: asyncio.Future[tuple[str, QuicLink]] = asyncio.get_running_loop().create_future()
     tasks: set[asyncio.Future[None]] = set()
 
@@ -108,7 +120,7 @@ async def _bulk_through_loss(*, provider_fec: str) -> tuple[LossyForwarder, Sess
         0,
         on_link=lambda link: tasks.add(asyncio.ensure_future(serve(link))),
     )
-    forwarder = LossyForwarder(endpoint.local_address, EVERY)
+    forwarder = LossyForwarder(endpoint.local_address, every, delay)
     session = await open_session(
         dialer, "dialer", [forwarder.address], provider.public_key, timeout=10
     )
@@ -151,5 +163,31 @@ def test_a_peer_without_fec_still_gets_every_byte_without_frames() -> None:
         assert provider_link.fec_decoder is None
         assert forwarder.frames == 0  # nothing but plain QUIC went over the wire
         assert session.link.loss_total() > 0  # QUIC repaired the loss itself
+
+    arun(scenario())
+
+
+def test_a_clean_short_link_sends_plain_quic() -> None:
+    async def scenario() -> None:
+        forwarder, session, _ = await _bulk_through_loss(
+            provider_fec="auto", every=10**9, size=512 * 1024
+        )
+        assert session.link.fec_peer  # offered and taken...
+        assert session.link.fec_encoder is None  # ...but no loss, no long round trip
+        assert forwarder.frames == 0
+
+    arun(scenario())
+
+
+def test_a_long_link_sends_parity_from_the_start() -> None:
+    async def scenario() -> None:
+        # 2 x 15 ms: a round trip over FEC_LONG_RTT, and no loss at all
+        forwarder, session, _ = await _bulk_through_loss(
+            provider_fec="auto", every=10**9, delay=0.015, size=1024 * 1024
+        )
+        encoder = session.link.fec_encoder
+        assert encoder is not None and encoder.counters.sent_parity > 0
+        assert session.link.loss_total() == 0
+        assert forwarder.frames > 0
 
     arun(scenario())

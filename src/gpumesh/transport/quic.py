@@ -394,6 +394,7 @@ class QuicLink:
         self.fec_decoder: fec.Decoder | None = None
         """Takes the peer's FEC frames (made at the first one)."""
         self._fec_to: Any = address
+        self._min_rtt = float("inf")
         """Where QUIC sent the datagrams of the open group (parity follows them)."""
         if path is not None:
             path.attach(self)
@@ -455,8 +456,12 @@ class QuicLink:
         if self.fec_encoder is not None or not self.fec_peer:
             return
         core = getattr(self.quic, "_core", None)
-        rtt = None if core is None else core.smoothed_rtt
-        long_link = rtt is not None and rtt >= FEC_LONG_RTT
+        sample = None if core is None else core.latest_rtt
+        if sample is not None and sample < self._min_rtt:
+            self._min_rtt = sample
+        # The least round trip seen: the link's own, not what queues add under bulk.
+        rtt = self._min_rtt
+        long_link = rtt != float("inf") and rtt >= FEC_LONG_RTT
         if self.fec_mode == "on" or long_link or self.loss_total() > 0:
             # Group ids start at random so a new link is not mistaken for an old one.
             self.fec_encoder = fec.Encoder(first_group=int.from_bytes(os.urandom(4), "big"))
