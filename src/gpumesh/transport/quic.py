@@ -97,7 +97,9 @@ logger = logging.getLogger(__name__)
 CID_LENGTH = 8
 APP_ERROR = 0x100
 """Application close code: the reason phrase is ``code: message``."""
-MAX_DATAGRAM = 1452
+MAX_DATAGRAM = 1452 - 8
+"""QUIC's datagram size: an IPv6 packet of 1500 bytes holds 1452 bytes of UDP
+payload, less room for the FEC frame header (6, and a parity symbol's 2)."""
 IDLE_TIMEOUT = 60.0
 FEC_MODES = ("auto", "on", "off")
 FEC_LONG_RTT = 0.025
