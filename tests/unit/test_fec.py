@@ -116,6 +116,14 @@ def test_memory_is_bounded_per_peer() -> None:
         assert decoder.held <= 32
 
 
+def test_stored_bytes_are_bounded_per_peer() -> None:
+    decoder = Decoder(max_stored=100_000)
+    for gid in range(200):
+        for index in range(fec.MAX_K):  # groups as large as the header allows, never closed
+            decoder.receive(struct.pack("!BIB", DATA, gid, index) + b"x" * 1400, 0.0)
+            assert decoder.stored <= 100_000 + 1400
+
+
 @settings(max_examples=300, deadline=None)
 @given(frame=st.binary(max_size=1600))
 def test_hostile_frames_never_raise(frame: bytes) -> None:

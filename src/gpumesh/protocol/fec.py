@@ -69,6 +69,8 @@ HOLD_TIME = 0.05
 MAX_HELD = 256
 MAX_GROUPS = 64
 """Open groups a decoder keeps per peer (the oldest go first)."""
+MAX_STORED = 2 * 1024 * 1024
+"""Bytes of open groups a decoder keeps per peer (the oldest groups go first)."""
 MAX_PAYLOAD = 1500
 """Largest datagram the codec carries (larger ones are sent and taken as they are)."""
 _SYMBOL = MAX_PAYLOAD + 2
@@ -253,6 +255,8 @@ class _Group:
     parity: dict[int, bytes] = field(default_factory=dict)
     k: int | None = None
     """Data datagrams in the group: known once a parity frame says so."""
+    stored: int = 0
+    """Bytes of data and parity kept."""
     highest: int = -1
     gap: bool = False
     """A datagram is missing below one that arrived."""
@@ -267,11 +271,14 @@ class Decoder:
         hold: bool = True,
         hold_time: float = HOLD_TIME,
         max_groups: int = MAX_GROUPS,
+        max_stored: int = MAX_STORED,
         max_held: int = MAX_HELD,
     ) -> None:
         self.hold = hold
         self.hold_time = hold_time
         self.max_groups = max_groups
+        self.max_stored = max_stored
+        self._stored = 0
         self.max_held = max_held
         self.counters = FecCounters()
         self._groups: OrderedDict[int, _Group] = OrderedDict()
@@ -334,6 +341,7 @@ class Decoder:
                 self.counters.dropped += 1
                 return
             group.data[index] = datagram
+            self._store(group, len(datagram))
             group.highest = max(group.highest, index)
             group.gap = len(group.data) <= group.highest  # one below the highest is missing
         if self._hold_group is not None:
@@ -367,6 +375,7 @@ class Decoder:
             return
         group.k = k
         group.parity[which] = payload
+        self._store(group, len(payload))
         if len(group.data) < k:
             group.gap = True  # the parity came after the group: what is missing is known
         self._settle(gid, group, out)
@@ -446,8 +455,21 @@ class Decoder:
             repaired.append((index, symbol[2 : 2 + length].tobytes()))
         return repaired
 
+    @property
+    def stored(self) -> int:
+        """Bytes kept for open groups."""
+        return self._stored
+
+    def _store(self, group: _Group, size: int) -> None:
+        group.stored += size
+        self._stored += size
+        while self._stored > self.max_stored and len(self._groups) > 1:
+            self._finish(next(iter(self._groups)))  # the oldest first
+
     def _finish(self, gid: int) -> None:
-        self._groups.pop(gid, None)
+        group = self._groups.pop(gid, None)
+        if group is not None:
+            self._stored -= group.stored
         self._finished[gid] = None
         while len(self._finished) > _RECENT:
             self._finished.popitem(last=False)

@@ -482,7 +482,8 @@ class QuicLink:
     def fec_receive(self, frame: bytes, now: float) -> list[bytes]:
         """The QUIC datagrams an FEC frame from the peer gives now."""
         if self.fec_decoder is None:
-            if not self.fec_offered:
+            # Frames come only after we offered FEC, which is after the handshake.
+            if not self.fec_offered or not self.connected.done():
                 return []
             self.fec_decoder = fec.Decoder()
         return self.fec_decoder.receive(frame, now)
