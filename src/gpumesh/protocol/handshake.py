@@ -301,4 +301,5 @@ class ServerAuth:
             )
         self._authorize(self.client_key)
         self._state = _State.DONE
-        return Welcome(name=self._name, fec=self._fec)
+        # Said only to a dialer that offered it: an older one gets the Welcome it knows.
+        return Welcome(name=self._name, fec=self.client_fec)

@@ -170,8 +170,8 @@ class Welcome(_Msg, tag="welcome", frozen=True):
     name: Name
     """The provider's node name."""
     fec: bool = False
-    """The provider takes parity-protected datagrams (:mod:`gpumesh.protocol.fec`);
-    absent from older providers."""
+    """The provider takes parity-protected datagrams (:mod:`gpumesh.protocol.fec`),
+    said only to a dialer that offered them; absent from older providers."""
 
 
 class Refusal(_Msg, tag="refusal", frozen=True):
