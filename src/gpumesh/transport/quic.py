@@ -396,8 +396,8 @@ class QuicLink:
         self.fec_decoder: fec.Decoder | None = None
         """Takes the peer's FEC frames (made at the first one)."""
         self._fec_to: Any = address
-        self._min_rtt = float("inf")
         """Where QUIC sent the datagrams of the open group (parity follows them)."""
+        self._min_rtt = float("inf")
         if path is not None:
             path.attach(self)
 
@@ -589,12 +589,11 @@ class QuicLink:
         self._schedule_timer()
 
     def receive_datagrams(self, datagrams: list[bytes], address: Address, now: float) -> None:
-        """Feed QUIC datagrams (repaired or released by FEC); a broken one is dropped."""
-        for datagram in datagrams:
-            try:
-                self.quic.receive_datagram(datagram, address, now)
-            except Exception:  # a malformed packet must not take the endpoint down
-                logger.debug("dropping packet from %s", address, exc_info=True)
+        """Feed QUIC datagrams that FEC frames carried, rebuilt or released, in one call."""
+        try:
+            self.quic.receive_many_datagrams(datagrams, address, now)
+        except Exception:  # a malformed packet must not take the endpoint down
+            logger.debug("dropping packets from %s", address, exc_info=True)
 
     def receive(self, data: bytes, segment_size: int, address: Address, now: float) -> None:
         if len(data) > segment_size:
@@ -751,6 +750,8 @@ class QuicEndpoint:
         self._by_cid: dict[bytes, QuicLink] = {}
         self._by_address: dict[Any, QuicLink] = {}
         """Links by their peer's (or path's virtual) address: where FEC frames go."""
+        self._fec_pending: dict[QuicLink, list[bytes]] = {}
+        """QUIC datagrams from this wake-up's FEC frames, per link, not fed yet."""
         self.links: set[QuicLink] = set()
         self._closed = False
         self._socket_closed = False
@@ -979,6 +980,9 @@ class QuicEndpoint:
                 if punched is not None:
                     address = punched  # the path's virtual address
             self._deliver(data, segment_size, address, now, touched)
+        for link, datagrams in self._fec_pending.items():
+            link.receive_datagrams(datagrams, link.address, now)
+        self._fec_pending.clear()
         for link in touched:
             link.process_events()
             link.transmit_now()
@@ -1041,7 +1045,8 @@ class QuicEndpoint:
             return
         datagrams = link.fec_receive(frame, now)
         if datagrams:
-            link.receive_datagrams(datagrams, address, now)
+            # Fed to QUIC once per socket wake-up, like a GRO buffer (see _on_readable).
+            self._fec_pending.setdefault(link, []).extend(datagrams)
         touched[link] = None
 
     def _route(self, data: bytes, address: Address) -> QuicLink | None:
