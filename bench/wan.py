@@ -13,7 +13,10 @@ and loss, and each path is timed as a whole process, ``--repeat`` runs each
 * ``cp``: ``gpumesh cp --json FILE alice:PATH`` (the data channel; checked:
   ``channel`` is ``tls``, the size arrived) next to ``scp -c
   aes128-gcm@openssh.com FILE`` of the same ``--size`` file;
-* ``cp --no-fast-path``: the same over QUIC;
+* ``cp --no-fast-path``: the same over QUIC (with parity under it where the
+  link asks for it, see docs/architecture.md);
+* ``QUIC, FEC off``: the same with ``GPUMESH_FEC=off`` for bob's command (the
+  provider then sends no parity either): QUIC as it was before FEC;
 * folder ``cp`` of a tree of ``--files`` files making up ``--size`` bytes,
   next to ``scp -r`` of it;
 * ``run --workdir TREE -- true`` (needs Docker and its image; a container run
@@ -76,7 +79,20 @@ DEFAULT_ROWS = "20/0,50/0.5,100/1"
 # The paths, in the order of the tables; each GPUMesh path names its baseline.
 CP, QUIC, FOLDER, WORKDIR, APP = "cp", "cp --no-fast-path", "folder cp", "run --workdir", "app sync"
 SCP, SCP_R, RSYNC = "scp -c aes128-gcm", "scp -r", "rsync -a"
-BASELINE = {CP: SCP, QUIC: SCP, FOLDER: SCP_R, WORKDIR: SCP_R, APP: RSYNC}
+QUIC_PLAIN = "QUIC, FEC off"
+BASELINE = {CP: SCP, QUIC: SCP, QUIC_PLAIN: SCP, FOLDER: SCP_R, WORKDIR: SCP_R, APP: RSYNC}
+ONLY = {
+    "cp": CP,
+    "quic": QUIC,
+    "quic-plain": QUIC_PLAIN,
+    "folder": FOLDER,
+    "workdir": WORKDIR,
+    "app": APP,
+    "scp": SCP,
+    "scp-r": SCP_R,
+    "rsync": RSYNC,
+}
+"""``--only`` keys and the paths they name."""
 
 
 @dataclass
@@ -213,13 +229,13 @@ def gm(*args: str) -> list[str]:
     return [*gpumesh_command(), *args]
 
 
-def run_cp(setup: Setup, row: Row, *, fast: bool) -> float:
+def run_cp(setup: Setup, row: Row, *, fast: bool, fec: bool = True) -> float:
     name = setup.fresh("file") + ".bin"
     flags = [] if fast else ["--no-fast-path"]
     seconds, out = timed(
         gm("cp", "--json", *flags, str(setup.source), f"alice:/wan/{name}"),
         setup.args.limit,
-        setup.env,
+        setup.env if fec else dict(setup.env, GPUMESH_FEC="off"),
     )
     result = json.loads(out)
     arrived = setup.sandbox / "wan" / name
@@ -335,6 +351,7 @@ def runners(setup: Setup) -> dict[str, Callable[[Setup, Row], float]]:
     chosen: dict[str, Callable[[Setup, Row], float]] = {
         CP: lambda s, r: run_cp(s, r, fast=True),
         QUIC: lambda s, r: run_cp(s, r, fast=False),
+        QUIC_PLAIN: lambda s, r: run_cp(s, r, fast=False, fec=False),
         FOLDER: run_folder,
     }
     if setup.docker_note is None:
@@ -345,6 +362,8 @@ def runners(setup: Setup) -> dict[str, Callable[[Setup, Row], float]]:
         chosen[SCP_R] = run_scp_r
         if shutil.which("rsync"):
             chosen[RSYNC] = run_rsync
+    if setup.args.only:
+        chosen = {name: run for name, run in chosen.items() if name in setup.args.only}
     return chosen
 
 
@@ -497,7 +516,8 @@ def cell(path: Runs | None, limit: float, size: int) -> str:
 
 
 def report(args: argparse.Namespace, rows: list[Row], setup: Setup) -> None:
-    names = [n for n in (CP, QUIC, FOLDER, WORKDIR, APP, SCP, SCP_R, RSYNC) if n in rows[0].paths]
+    order = (CP, QUIC, QUIC_PLAIN, FOLDER, WORKDIR, APP, SCP, SCP_R, RSYNC)
+    names = [n for n in order if n in rows[0].paths]
     print(
         f"\nOver the WAN lab, {args.size / MIB:g} MiB (file; tree of {args.files} files), "
         f"up to {args.repeat} runs of each, whole processes; median MB/s = 10^6 bytes/s; "
@@ -557,6 +577,15 @@ def parse_rows(text: str) -> list[Row]:
     return rows
 
 
+def parse_only(text: str) -> set[str]:
+    chosen = set()
+    for key in text.split(","):
+        if key.strip() not in ONLY:
+            raise argparse.ArgumentTypeError(f"unknown path {key!r}: one of {', '.join(ONLY)}")
+        chosen.add(ONLY[key.strip()])
+    return chosen
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description="GPUMesh's bulk paths over an emulated WAN link (scripts/wanlab.sh), "
@@ -582,6 +611,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-scp", action="store_true", help="measure GPUMesh only")
     parser.add_argument(
         "--quick", action="store_true", help="smoke run: 16M, 1 run of each, 20 s limit"
+    )
+    parser.add_argument(
+        "--only",
+        type=parse_only,
+        default=None,
+        help=f"measure only these paths, comma-separated: {', '.join(ONLY)}",
     )
     args = parser.parse_args(argv)
     if args.quick:

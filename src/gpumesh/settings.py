@@ -16,6 +16,9 @@
                             the home's node process (the test suite's default)
 ``GPUMESH_NODE_IDLE``       seconds a background node process stays without a
                             request (default 600)
+``GPUMESH_FEC``             parity under QUIC on lossy links: ``auto`` (the
+                            default: from a link's first loss on), ``on`` (from
+                            the start) or ``off`` (neither sent nor offered)
 ``GPUMESH_LOG``             log level or filter, e.g. ``debug`` or
                             ``gpumesh.transport=debug,info``
 ``GPUMESH_TEST_PLATFORM``   tests only: ``macos`` or ``windows`` switches off
@@ -67,6 +70,7 @@ ENV_API_TOKEN = "GPUMESH_API_TOKEN"
 ENV_API_ADDR = "GPUMESH_API_ADDR"
 ENV_API_HOSTS = "GPUMESH_API_HOSTS"
 ENV_LOG = "GPUMESH_LOG"
+ENV_FEC = "GPUMESH_FEC"
 ENV_TEST_PLATFORM = "GPUMESH_TEST_PLATFORM"
 ENV_NODE = "GPUMESH_NODE"
 ENV_NODE_IDLE = "GPUMESH_NODE_IDLE"

@@ -543,3 +543,35 @@ def test_an_unknown_alpn_names_no_form(alpn: str | None) -> None:
         AuthForm.of(alpn)
     assert AuthForm.of("gpumesh/2") is AuthForm.SESSION
     assert AuthForm.of("gpumesh/1") is AuthForm.CHALLENGE
+
+
+# --- FEC negotiation -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("client_fec", "server_fec"), [(True, True), (True, False), (False, True), (False, False)]
+)
+def test_fec_is_on_only_where_both_sides_said_they_take_it(
+    identity: Identity, other_identity: Identity, client_fec: bool, server_fec: bool
+) -> None:
+    binding = os.urandom(32)
+    server = ServerAuth.for_session(other_identity, "provider", binding, allow_all, fec=server_fec)
+    client = ClientAuth(identity, "dialer", other_identity.public_key, fec=client_fec)
+    run_handshake(client, server, binding)
+    assert server.client_fec is (client_fec and server_fec)
+    assert client.server_fec is (client_fec and server_fec)
+
+
+def test_fec_fields_are_invisible_to_a_peer_one_version_behind() -> None:
+    import msgspec
+
+    class OldWelcome(msgspec.Struct, tag_field="t", tag="welcome", frozen=True):
+        name: str
+
+    # An older provider's Welcome has no field: this version reads it as no FEC...
+    old = msgspec.msgpack.encode(OldWelcome(name="provider"))
+    welcome = decode_message(old)
+    assert isinstance(welcome, Welcome) and welcome.fec is False
+    # ...and an older dialer decodes this version's Welcome, ignoring the field.
+    new = encode_message(Welcome(name="provider", fec=True))
+    assert msgspec.msgpack.decode(new, type=OldWelcome).name == "provider"

@@ -129,13 +129,18 @@ class _State(enum.Enum):
 class ClientAuth:
     """The dialer's side. Call :meth:`start`, then feed each received message."""
 
-    def __init__(self, identity: Identity, name: str, server_key: bytes) -> None:
+    def __init__(
+        self, identity: Identity, name: str, server_key: bytes, *, fec: bool = False
+    ) -> None:
         self._identity = identity
         self._name = name
         self._server_key = server_key
+        self._fec = fec
         self._state = _State.START
         self._form: AuthForm | None = None
         self.server_name: str | None = None
+        self.server_fec = False
+        """The provider's Welcome said it takes FEC frames (and we offered them)."""
 
     @property
     def done(self) -> bool:
@@ -163,6 +168,7 @@ class ClientAuth:
                 public_key=me,
                 name=self._name,
                 signature=self._identity.sign(transcript),
+                fec=self._fec,
             )
         self._state = _State.WAIT_CHALLENGE
         return Hello(version=PROTOCOL_VERSION, public_key=me, name=self._name)
@@ -184,6 +190,7 @@ class ClientAuth:
         if self._state is _State.WAIT_WELCOME and isinstance(message, Welcome):
             self._state = _State.DONE
             self.server_name = message.name
+            self.server_fec = self._fec and message.fec
             return None
         self._state = _State.FAILED
         raise ProtocolError(f"unexpected {type(message).__name__} during authentication")
@@ -205,8 +212,12 @@ class ServerAuth:
         *,
         form: AuthForm,
         secret: bytes,
+        fec: bool = False,
     ) -> None:
         self._identity = identity
+        self._fec = fec
+        self.client_fec = False
+        """The dialer's proof said it takes FEC frames (and so do we)."""
         self._name = name
         self._authorize = authorize
         self.form = form
@@ -219,9 +230,16 @@ class ServerAuth:
 
     @classmethod
     def for_session(
-        cls, identity: Identity, name: str, binding: bytes, authorize: Callable[[bytes], None]
+        cls,
+        identity: Identity,
+        name: str,
+        binding: bytes,
+        authorize: Callable[[bytes], None],
+        *,
+        fec: bool = False,
     ) -> ServerAuth:
-        return cls(identity, name, authorize, form=AuthForm.SESSION, secret=binding)
+        """``fec``: this end takes FEC frames (said in the Welcome)."""
+        return cls(identity, name, authorize, form=AuthForm.SESSION, secret=binding, fec=fec)
 
     @classmethod
     def for_challenge(
@@ -252,6 +270,7 @@ class ServerAuth:
             if isinstance(message, SessionProof):
                 self._claim(message.version, message.public_key, message.name)
                 assert self.client_key is not None
+                self.client_fec = self._fec and message.fec
                 transcript = session_transcript(
                     self._secret, self._identity.public_key, self.client_key
                 )
@@ -282,4 +301,5 @@ class ServerAuth:
             )
         self._authorize(self.client_key)
         self._state = _State.DONE
-        return Welcome(name=self._name)
+        # Said only to a dialer that offered it: an older one gets the Welcome it knows.
+        return Welcome(name=self._name, fec=self.client_fec)

@@ -133,6 +133,9 @@ class SessionProof(_Msg, tag="session_proof", frozen=True):
     """The dialer's node name (informational; the key is what counts)."""
     signature: Signature
     """Ed25519 over the session transcript: binding, provider key, dialer key."""
+    fec: bool = False
+    """The dialer takes parity-protected datagrams (:mod:`gpumesh.protocol.fec`);
+    absent from older dialers."""
 
 
 class Hello(_Msg, tag="hello", frozen=True):
@@ -166,6 +169,9 @@ class Welcome(_Msg, tag="welcome", frozen=True):
 
     name: Name
     """The provider's node name."""
+    fec: bool = False
+    """The provider takes parity-protected datagrams (:mod:`gpumesh.protocol.fec`),
+    said only to a dialer that offered them; absent from older providers."""
 
 
 class Refusal(_Msg, tag="refusal", frozen=True):

@@ -50,6 +50,7 @@ from qh3.tls import (
     load_pem_x509_certificates,
 )
 
+from gpumesh import settings
 from gpumesh.errors import (
     ConnectionLostError,
     GPUMeshError,
@@ -60,6 +61,7 @@ from gpumesh.errors import (
 )
 from gpumesh.identity.keys import Identity
 from gpumesh.identity.tlscert import public_key_from_spki, self_signed_certificate_pem
+from gpumesh.protocol import fec
 from gpumesh.protocol.addresses import Address, format_address
 from gpumesh.protocol.admission import (
     Admission,
@@ -95,8 +97,15 @@ logger = logging.getLogger(__name__)
 CID_LENGTH = 8
 APP_ERROR = 0x100
 """Application close code: the reason phrase is ``code: message``."""
-MAX_DATAGRAM = 1452
+MAX_DATAGRAM = 1452 - 8
+"""QUIC's datagram size: an IPv6 packet of 1500 bytes holds 1452 bytes of UDP
+payload, less room for the FEC frame header (6, and a parity symbol's 2)."""
 IDLE_TIMEOUT = 60.0
+FEC_MODES = ("auto", "on", "off")
+FEC_LONG_RTT = 0.025
+"""Seconds of round trip from which ``auto`` sends parity from the start: on such a
+link one random loss in slow start costs QUIC seconds of a small window."""
+_FEC_MARKERS = (fec.DATA, fec.PARITY)
 _STREAM_WINDOW = 16 * 1024 * 1024
 _CONNECTION_WINDOW = 64 * 1024 * 1024
 SEND_HIGH_WATER = 2 * 1024 * 1024
@@ -203,6 +212,12 @@ def _error_from_close(event: qe.ConnectionTerminated) -> GPUMeshError:
     if event.error_code == 0:
         return ConnectionLostError("connection closed")
     return ConnectionLostError(f"connection lost (QUIC error {event.error_code:#x})")
+
+
+def fec_mode() -> str:
+    """``auto``, ``on`` or ``off``: when links send parity (see :class:`QuicLink`)."""
+    mode = (settings.env(settings.ENV_FEC) or "auto").lower()
+    return mode if mode in FEC_MODES else "auto"
 
 
 def _destination_cid(data: bytes) -> bytes | None:
@@ -372,6 +387,17 @@ class QuicLink:
         self._keepalive: asyncio.TimerHandle | None = loop.call_later(
             self._keepalive_every, self._send_keepalive
         )
+        self.fec_mode = fec_mode()
+        """Whether this link offers FEC and when it sends parity (:func:`fec_mode`)."""
+        self.fec_peer = False
+        """Whether the peer said it takes FEC frames (:meth:`peer_takes_fec`)."""
+        self.fec_encoder: fec.Encoder | None = None
+        """Frames outgoing datagrams once parity is on (None: they go out plain)."""
+        self.fec_decoder: fec.Decoder | None = None
+        """Takes the peer's FEC frames (made at the first one)."""
+        self._fec_to: Any = address
+        """Where QUIC sent the datagrams of the open group (parity follows them)."""
+        self._min_rtt = float("inf")
         if path is not None:
             path.attach(self)
 
@@ -414,6 +440,53 @@ class QuicLink:
 
     async def wait_closed(self) -> GPUMeshError:
         return await asyncio.shield(self.closed)
+
+    @property
+    def fec_offered(self) -> bool:
+        """Whether to tell the peer that this end takes FEC frames."""
+        return self.fec_mode != "off"
+
+    def peer_takes_fec(self) -> None:
+        """The peer said it takes FEC frames: parity may go to it from now on
+        (``auto``: at once on a link with a round trip of :data:`FEC_LONG_RTT` or
+        more, else from the link's first loss; ``on``: at once)."""
+        if self.fec_offered:
+            self.fec_peer = True
+            self._maybe_start_parity()
+
+    def _maybe_start_parity(self) -> None:
+        if self.fec_encoder is not None or not self.fec_peer:
+            return
+        core = getattr(self.quic, "_core", None)
+        sample = None if core is None else core.latest_rtt
+        if sample is not None and sample < self._min_rtt:
+            self._min_rtt = sample
+        # The least round trip seen: the link's own, not what queues add under bulk.
+        rtt = self._min_rtt
+        long_link = rtt != float("inf") and rtt >= FEC_LONG_RTT
+        if self.fec_mode == "on" or long_link or self.loss_total() > 0:
+            # Group ids start at random so a new link is not mistaken for an old one.
+            self.fec_encoder = fec.Encoder(first_group=int.from_bytes(os.urandom(4), "big"))
+            logger.debug(
+                "parity on for %s (rtt %s, QUIC losses so far: %d)",
+                self.address,
+                rtt,
+                self.loss_total(),
+            )
+
+    def loss_total(self) -> int:
+        """Packets QUIC declared lost on this link so far."""
+        core = getattr(self.quic, "_core", None)
+        return int(core.loss_total) if core is not None else 0
+
+    def fec_receive(self, frame: bytes, now: float) -> list[bytes]:
+        """The QUIC datagrams an FEC frame from the peer gives now."""
+        if self.fec_decoder is None:
+            # Frames come only after we offered FEC, which is after the handshake.
+            if not self.fec_offered or not self.connected.done():
+                return []
+            self.fec_decoder = fec.Decoder()
+        return self.fec_decoder.receive(frame, now)
 
     def describe_path(self) -> str:
         """``direct``, ``direct (hole-punched) ADDR`` or ``relayed via RELAY``."""
@@ -504,10 +577,23 @@ class QuicLink:
         self._transmit_scheduled = False
         now = self._loop.time()
         datagrams = self.quic.datagrams_to_send(now)
+        if self.fec_peer and self.fec_encoder is None:
+            self._maybe_start_parity()
+        encoder = self.fec_encoder
+        if datagrams and encoder is not None:
+            self._fec_to = address = datagrams[0][1]
+            datagrams = [(f, address) for f in encoder.encode([d for d, _ in datagrams], now)]
         if datagrams:
             self._endpoint.send(datagrams)
         self._writable.set()
         self._schedule_timer()
+
+    def receive_datagrams(self, datagrams: list[bytes], address: Address, now: float) -> None:
+        """Feed QUIC datagrams that FEC frames carried, rebuilt or released, in one call."""
+        try:
+            self.quic.receive_many_datagrams(datagrams, address, now)
+        except Exception:  # a malformed packet must not take the endpoint down
+            logger.debug("dropping packets from %s", address, exc_info=True)
 
     def receive(self, data: bytes, segment_size: int, address: Address, now: float) -> None:
         if len(data) > segment_size:
@@ -587,6 +673,12 @@ class QuicLink:
 
     def _schedule_timer(self) -> None:
         at = self.quic.get_timer()
+        for fec_at in (
+            None if self.fec_encoder is None else self.fec_encoder.flush_at(),
+            None if self.fec_decoder is None else self.fec_decoder.hold_until(),
+        ):
+            if fec_at is not None and (at is None or fec_at < at):
+                at = fec_at
         if at == self._timer_at:
             return
         if self._timer is not None:
@@ -599,8 +691,19 @@ class QuicLink:
     def _on_timer(self) -> None:
         self._timer = None
         self._timer_at = None
-        self.quic.handle_timer(self._loop.time())
+        now = self._loop.time()
+        if self.fec_decoder is not None:
+            released = self.fec_decoder.poll(now)
+            if released:
+                self.receive_datagrams(released, self.address, now)
+        quic_at = self.quic.get_timer()
+        if quic_at is not None and now >= quic_at:
+            self.quic.handle_timer(now)
         self.process_events()
+        if self.fec_encoder is not None:
+            parity = self.fec_encoder.poll(now)
+            if parity:
+                self._endpoint.send([(frame, self._fec_to) for frame in parity])
         self.transmit_now()
 
     def cancel_timer(self) -> None:
@@ -645,6 +748,10 @@ class QuicEndpoint:
         """Keyed with a secret of this endpoint's own: tokens die with it."""
         self.retries_sent = 0
         self._by_cid: dict[bytes, QuicLink] = {}
+        self._by_address: dict[Any, QuicLink] = {}
+        """Links by their peer's (or path's virtual) address: where FEC frames go."""
+        self._fec_pending: dict[QuicLink, list[bytes]] = {}
+        """QUIC datagrams from this wake-up's FEC frames, per link, not fed yet."""
         self.links: set[QuicLink] = set()
         self._closed = False
         self._socket_closed = False
@@ -764,6 +871,7 @@ class QuicEndpoint:
 
     def _add_link(self, link: QuicLink) -> None:
         self.links.add(link)
+        self._by_address[link.address] = link
         for cid in link.cids:
             self._by_cid[cid] = link
 
@@ -786,6 +894,8 @@ class QuicEndpoint:
         if link.path is not None:
             link.path.release()
         self.links.discard(link)
+        if self._by_address.get(link.address) is link:
+            del self._by_address[link.address]
         for cid in link.cids:
             if self._by_cid.get(cid) is link:
                 del self._by_cid[cid]
@@ -843,6 +953,13 @@ class QuicEndpoint:
         relay = self.relay
         for item in batch:
             data, segment_size, address = item.data, item.segment_size, item.address
+            if data[0] in _FEC_MARKERS:  # parity-protected QUIC (see protocol/fec.py)
+                if relay is not None:
+                    address = relay.from_direct(address, now) or address
+                for offset in range(0, len(data), segment_size):
+                    frame = data[offset : offset + segment_size]
+                    self._deliver_fec(frame, address, now, touched)
+                continue
             if data[0] < 0x40:  # not QUIC: the relay's, or a punching probe
                 if relay is None:
                     self._dropped(address, DropReason.NOT_QUIC)
@@ -863,6 +980,9 @@ class QuicEndpoint:
                 if punched is not None:
                     address = punched  # the path's virtual address
             self._deliver(data, segment_size, address, now, touched)
+        for link, datagrams in self._fec_pending.items():
+            link.receive_datagrams(datagrams, link.address, now)
+        self._fec_pending.clear()
         for link in touched:
             link.process_events()
             link.transmit_now()
@@ -875,6 +995,9 @@ class QuicEndpoint:
         now: float,
         touched: dict[QuicLink, None],
     ) -> None:
+        if data[0] in _FEC_MARKERS:  # a relayed path's frame
+            self._deliver_fec(data, address, now, touched)
+            return
         link = self._route(data, address)
         if link is None:
             if len(data) <= segment_size:
@@ -900,7 +1023,7 @@ class QuicEndpoint:
         self, datagrams: list[bytes], address: Address, now: float, touched: dict[QuicLink, None]
     ) -> None:
         link = self._route(datagrams[0], address)
-        if link is None:
+        if link is None or any(datagram[0] in _FEC_MARKERS for datagram in datagrams):
             for datagram in datagrams:
                 self._deliver(datagram, len(datagram), address, now, touched)
             return
@@ -911,6 +1034,19 @@ class QuicEndpoint:
         except Exception:  # a malformed packet must not take the endpoint down
             logger.debug("dropping packets from %s", address, exc_info=True)
             return
+        touched[link] = None
+
+    def _deliver_fec(
+        self, frame: bytes, address: Address, now: float, touched: dict[QuicLink, None]
+    ) -> None:
+        """An FEC frame: routed by its source (it carries no connection id)."""
+        link = self._dialer_link or self._by_address.get(address)
+        if link is None or (link.path is not None and address != link.address):
+            return
+        datagrams = link.fec_receive(frame, now)
+        if datagrams:
+            # Fed to QUIC once per socket wake-up, like a GRO buffer (see _on_readable).
+            self._fec_pending.setdefault(link, []).extend(datagrams)
         touched[link] = None
 
     def _route(self, data: bytes, address: Address) -> QuicLink | None:

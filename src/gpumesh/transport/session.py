@@ -183,13 +183,19 @@ class Session:
         Raises the provider's refusal (the link is closed then), or
         :class:`UnreachableError` when no answer comes within :data:`AUTH_TIMEOUT`.
         """
+        await asyncio.shield(self.read_welcome())
+
+    def read_welcome(self) -> asyncio.Future[None]:
+        """Start reading the provider's answer to the proof (once): what
+        :meth:`established` waits for. Started at once after a session-bound proof,
+        so the Welcome's news (FEC) is heard even when no request waits for it."""
         if self._established is None:
             self._established = asyncio.ensure_future(self._finish_authentication())
             # Retrieved here too: a caller may be cancelled while it goes on.
             self._established.add_done_callback(
                 lambda done: None if done.cancelled() else done.exception()
             )
-        await asyncio.shield(self._established)
+        return self._established
 
     async def _finish_authentication(self) -> None:
         auth, stream = self._auth, self._auth_stream
@@ -212,6 +218,8 @@ class Session:
         finally:
             self.link.forget_stream(stream.stream_id)
         self.peer_name = auth.server_name or self.peer_name
+        if auth.server_fec:
+            self.link.peer_takes_fec()
 
     async def request(self, message: Message, timeout: float = 30.0) -> Message:
         """Send one message on a new stream and return the single reply (which a
@@ -281,7 +289,7 @@ async def _authenticate(
     relayed: RelayedPath | None = None,
 ) -> Session:
     """Send the identity proof; wait for the Welcome only where requests must."""
-    auth = ClientAuth(identity, name, server_key)
+    auth = ClientAuth(identity, name, server_key, fec=link.fec_offered)
     try:
         form = AuthForm.of(link.alpn)
         stream = link.open_stream()
@@ -291,6 +299,7 @@ async def _authenticate(
         link.close(exc if isinstance(exc, ProtocolError) else None)
         raise
     session = Session(link, auth, stream, where, relayed=relayed)
+    session.read_welcome()
     if not auth.may_send_requests:
         try:
             await session.established()
@@ -474,7 +483,9 @@ async def accept_session(
             await asyncio.shield(link.connected)
             form = AuthForm.of(link.alpn)
             if form is AuthForm.SESSION:
-                auth = ServerAuth.for_session(identity, name, link.binding, authorize)
+                auth = ServerAuth.for_session(
+                    identity, name, link.binding, authorize, fec=link.fec_offered
+                )
                 expected: tuple[type[Message], ...] = (SessionProof,)
             else:
                 auth = ServerAuth.for_challenge(identity, name, os.urandom(32), authorize)
@@ -497,6 +508,8 @@ async def accept_session(
                     assert auth.error is not None
                     raise auth.error
         link.forget_stream(stream.stream_id)
+        if auth.client_fec:
+            link.peer_takes_fec()
     except TimeoutError:
         error = AccessDeniedError("identity proof not completed in time")
         link.close(error)

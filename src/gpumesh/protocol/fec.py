@@ -1,0 +1,480 @@
+"""Forward error correction for the datagrams of one QUIC connection (sans I/O).
+
+QUIC's congestion control reads every lost packet as congestion, so on a long
+link with random loss its window never grows. This codec hides such loss from
+it: the sender groups its datagrams into groups of up to :data:`GROUP_SIZE` and
+sends two parity datagrams behind each group (``P``, the XOR of the group, and
+``Q``, a Reed-Solomon sum over GF(256) as in RAID-6), so the receiver rebuilds
+any one or two datagrams a group lost, byte for byte, before QUIC sees them
+missing.
+
+Framing (every frame's first byte has QUIC's fixed bit ``0x40`` clear, so no
+frame can be taken for a QUIC packet, and differs from the relay's type bytes)::
+
+    data:   0x3A | group (u32) | index (u8)          | QUIC datagram
+    parity: 0x3B | group (u32) | which<<6 | k (u8)    | parity over the group
+
+A group's symbols are ``length (u16) | datagram``, zero-padded to the longest of
+the group; parity covers them, so a rebuilt datagram gets its length back. A
+group that is not full is closed :data:`FLUSH_DELAY` after its first datagram
+(the I/O layer asks :meth:`Encoder.flush_at` and calls :meth:`Encoder.poll`), so
+interactive traffic waits for nothing: data frames leave at once.
+
+The receiver (:class:`Decoder`) passes every data frame up at once, except that
+it never lets QUIC see a gap it could still repair: QUIC declares a packet lost
+once three later ones are acknowledged, so while a group misses a datagram the
+datagrams that follow it are held (at most :data:`HOLD_TIME`, at most
+:data:`MAX_HELD` of them) until the group is repaired or given up, then
+released in order. Memory is bounded: at most :data:`MAX_GROUPS` open groups.
+Hostile or broken frames are dropped and counted, never raised.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = [
+    "DATA",
+    "FLUSH_DELAY",
+    "GROUP_SIZE",
+    "HOLD_TIME",
+    "MAX_GROUPS",
+    "MAX_HELD",
+    "MAX_PAYLOAD",
+    "OVERHEAD",
+    "PARITY",
+    "Decoder",
+    "Encoder",
+    "FecCounters",
+    "is_fec",
+]
+
+DATA = 0x3A
+PARITY = 0x3B
+GROUP_SIZE = 16
+"""Data datagrams per group (when traffic fills it before :data:`FLUSH_DELAY`)."""
+MAX_K = 63
+"""Most data datagrams a group may have (the parity header's six bits)."""
+PARITIES = 2
+"""Parity datagrams per group: P and Q."""
+FLUSH_DELAY = 0.01
+"""Seconds after its first datagram that a group that is not full is closed."""
+HOLD_TIME = 0.05
+"""Seconds the receiver holds datagrams behind a gap before it gives the gap up."""
+MAX_HELD = 256
+MAX_GROUPS = 64
+"""Open groups a decoder keeps per peer (the oldest go first)."""
+MAX_STORED = 2 * 1024 * 1024
+"""Bytes of open groups a decoder keeps per peer (the oldest groups go first)."""
+MAX_PAYLOAD = 1500
+"""Largest datagram the codec carries (larger ones are sent and taken as they are)."""
+_SYMBOL = MAX_PAYLOAD + 2
+_DATA_HEADER = struct.Struct("!BIB")
+_PARITY_HEADER = struct.Struct("!BIB")
+OVERHEAD = _DATA_HEADER.size
+"""Bytes a data frame adds to its datagram (a parity frame adds as many, plus 2)."""
+_RECENT = 4096
+"""Finished group ids remembered, so late parity does not reopen them."""
+
+# --- GF(256) with the RAID-6 polynomial x^8 + x^4 + x^3 + x^2 + 1 -------------------
+
+
+def _gf_tables() -> tuple[list[int], list[int]]:
+    exp = [0] * 512
+    log = [0] * 256
+    x = 1
+    for i in range(255):
+        exp[i] = x
+        log[x] = i
+        x <<= 1
+        if x & 0x100:
+            x ^= 0x11D
+    for i in range(255, 512):
+        exp[i] = exp[i - 255]
+    return exp, log
+
+
+_EXP, _LOG = _gf_tables()
+
+
+def _mul(a: int, b: int) -> int:
+    if a == 0 or b == 0:
+        return 0
+    return _EXP[_LOG[a] + _LOG[b]]
+
+
+def _inv(a: int) -> int:
+    return _EXP[255 - _LOG[a]]
+
+
+_MUL_TABLE: npt.NDArray[np.uint8] = np.array(
+    [[_mul(a, b) for b in range(256)] for a in range(256)], dtype=np.uint8
+)
+"""``_MUL_TABLE[c][v]`` = c·v in GF(256): one lookup multiplies a whole buffer."""
+_TIMES_G: npt.NDArray[np.uint8] = _MUL_TABLE[2].copy()
+
+
+def _weighted_sum(symbols: npt.NDArray[np.uint8]) -> npt.NDArray[np.uint8]:
+    """Q = sum of g^i · symbol i (g = 2), by Horner's rule from the last row up:
+    one table lookup and one XOR per row."""
+    q: npt.NDArray[np.uint8] = symbols[-1].copy()
+    for row in symbols[-2::-1]:
+        q = _TIMES_G.take(q)
+        q ^= row
+    return q
+
+
+def _scale(coefficient: int, symbol: npt.NDArray[np.uint8]) -> npt.NDArray[np.uint8]:
+    result: npt.NDArray[np.uint8] = _MUL_TABLE[coefficient][symbol]
+    return result
+
+
+def _symbol(datagram: bytes) -> npt.NDArray[np.uint8]:
+    return np.frombuffer(struct.pack("!H", len(datagram)) + datagram, dtype=np.uint8)
+
+
+def is_fec(data: bytes) -> bool:
+    """Whether a packet is an FEC frame (data or parity)."""
+    return bool(data) and data[0] in (DATA, PARITY)
+
+
+@dataclass
+class FecCounters:
+    """What a codec did, for tests, benchmarks and ``--verbose`` logs."""
+
+    sent_data: int = 0
+    sent_parity: int = 0
+    received_data: int = 0
+    received_parity: int = 0
+    repaired: int = 0
+    """Datagrams rebuilt from parity."""
+    given_up: int = 0
+    """Groups that lost more than parity could rebuild (QUIC retransmits)."""
+    held: int = 0
+    """Datagrams held back behind a gap, then released."""
+    dropped: int = 0
+    """Frames refused: malformed, out of range, or too large."""
+
+
+# --- sender ------------------------------------------------------------------------
+
+
+class Encoder:
+    """Frames one peer's outgoing datagrams and adds parity per group."""
+
+    def __init__(
+        self,
+        *,
+        group_size: int = GROUP_SIZE,
+        flush_delay: float = FLUSH_DELAY,
+        first_group: int = 0,
+    ) -> None:
+        if not 1 <= group_size <= MAX_K:
+            raise ValueError(f"group size must be 1..{MAX_K}")
+        self.group_size = group_size
+        self.flush_delay = flush_delay
+        self.counters = FecCounters()
+        self._group = first_group & 0xFFFFFFFF
+        self._count = 0
+        self._longest = 0
+        self._opened = 0.0
+        self._symbols = np.zeros((group_size, _SYMBOL), dtype=np.uint8)
+        """The open group's symbols, one row each (parity is computed at its close)."""
+
+    def encode(self, datagrams: list[bytes], now: float) -> list[bytes]:
+        """The frames to send for ``datagrams``, parity included where a group fills."""
+        frames: list[bytes] = []
+        for datagram in datagrams:
+            if len(datagram) > MAX_PAYLOAD:
+                frames.append(datagram)  # never happens with QUIC's datagram size
+                continue
+            if self._count == 0:
+                self._opened = now
+            index = self._count
+            frames.append(_DATA_HEADER.pack(DATA, self._group, index) + datagram)
+            size = len(datagram) + 2
+            row = self._symbols[index]
+            row[0], row[1] = size - 2 >> 8, size - 2 & 0xFF
+            row[2:size] = np.frombuffer(datagram, dtype=np.uint8)
+            if size < self._longest:
+                row[size : self._longest] = 0
+            elif size > self._longest:
+                self._symbols[:index, self._longest : size] = 0
+                self._longest = size
+            self._count += 1
+            self.counters.sent_data += 1
+            if self._count >= self.group_size:
+                self._close(frames)
+        return frames
+
+    def flush_at(self) -> float | None:
+        """When the open group must be closed (None: no group is open)."""
+        return self._opened + self.flush_delay if self._count else None
+
+    def poll(self, now: float) -> list[bytes]:
+        """Parity for a group whose time is up (or nothing)."""
+        frames: list[bytes] = []
+        due = self.flush_at()
+        if due is not None and now >= due:
+            self._close(frames)
+        return frames
+
+    def flush(self) -> list[bytes]:
+        """Close the open group now."""
+        frames: list[bytes] = []
+        if self._count:
+            self._close(frames)
+        return frames
+
+    def _close(self, frames: list[bytes]) -> None:
+        size, k, group = self._longest, self._count, self._group
+        symbols = self._symbols[:k, :size]
+        p = np.bitwise_xor.reduce(symbols, axis=0)
+        q = _weighted_sum(symbols)
+        for which, parity in enumerate((p, q)):
+            header = _PARITY_HEADER.pack(PARITY, group, which << 6 | k)
+            frames.append(header + parity.tobytes())
+        self.counters.sent_parity += PARITIES
+        self._group = (group + 1) & 0xFFFFFFFF
+        self._count = 0
+        self._longest = 0
+
+
+# --- receiver ----------------------------------------------------------------------
+
+
+@dataclass
+class _Group:
+    created: float
+    data: dict[int, bytes] = field(default_factory=dict)
+    parity: dict[int, bytes] = field(default_factory=dict)
+    k: int | None = None
+    """Data datagrams in the group: known once a parity frame says so."""
+    stored: int = 0
+    """Bytes of data and parity kept."""
+    highest: int = -1
+    gap: bool = False
+    """A datagram is missing below one that arrived."""
+
+
+class Decoder:
+    """Unframes one peer's incoming frames and rebuilds what a group lost."""
+
+    def __init__(
+        self,
+        *,
+        hold: bool = True,
+        hold_time: float = HOLD_TIME,
+        max_groups: int = MAX_GROUPS,
+        max_stored: int = MAX_STORED,
+        max_held: int = MAX_HELD,
+    ) -> None:
+        self.hold = hold
+        self.hold_time = hold_time
+        self.max_groups = max_groups
+        self.max_stored = max_stored
+        self._stored = 0
+        self.max_held = max_held
+        self.counters = FecCounters()
+        self._groups: OrderedDict[int, _Group] = OrderedDict()
+        self._finished: OrderedDict[int, None] = OrderedDict()
+        self._held: list[bytes] = []
+        self._hold_group: int | None = None
+        self._hold_until = 0.0
+
+    @property
+    def open_groups(self) -> int:
+        return len(self._groups)
+
+    @property
+    def held(self) -> int:
+        return len(self._held)
+
+    def receive(self, frame: bytes, now: float) -> list[bytes]:
+        """The QUIC datagrams to pass up now, in order (often just the one carried)."""
+        out: list[bytes] = []
+        if len(frame) <= _DATA_HEADER.size:
+            self.counters.dropped += 1
+            return out
+        if frame[0] == DATA:
+            self._data(frame, now, out)
+        elif frame[0] == PARITY:
+            self._parity(frame, now, out)
+        else:
+            self.counters.dropped += 1
+        if self._hold_group is not None and self._hold_group not in self._groups:
+            out += self._release()  # its group was repaired, completed or pushed out
+        out += self.poll(now)
+        return out
+
+    def hold_until(self) -> float | None:
+        """When held datagrams are released even without a repair (None: none held)."""
+        return self._hold_until if self._hold_group is not None else None
+
+    def poll(self, now: float) -> list[bytes]:
+        """Release what waited behind a gap too long."""
+        if self._hold_group is not None and now >= self._hold_until:
+            group = self._hold_group
+            if group in self._groups:
+                self._finish(group)
+                self.counters.given_up += 1
+            return self._release()
+        return []
+
+    # --- frames --------------------------------------------------------------------
+
+    def _data(self, frame: bytes, now: float, out: list[bytes]) -> None:
+        _marker, gid, index = _DATA_HEADER.unpack_from(frame)
+        datagram = frame[_DATA_HEADER.size :]
+        if index >= MAX_K or len(datagram) > MAX_PAYLOAD:
+            self.counters.dropped += 1
+            return
+        self.counters.received_data += 1
+        group = None if gid in self._finished else self._open(gid, now)
+        if group is not None:
+            if index in group.data or (group.k is not None and index >= group.k):
+                self.counters.dropped += 1
+                return
+            group.data[index] = datagram
+            self._store(group, len(datagram))
+            group.highest = max(group.highest, index)
+            group.gap = len(group.data) <= group.highest  # one below the highest is missing
+        if self._hold_group is not None:
+            self._held.append(datagram)
+            self.counters.held += 1
+        elif group is not None and group.gap and self.hold:
+            self._hold_group = gid
+            self._hold_until = now + self.hold_time
+            self._held.append(datagram)
+            self.counters.held += 1
+        else:
+            out.append(datagram)
+        if group is not None:
+            self._settle(gid, group, out)
+        if len(self._held) > self.max_held:
+            out += self._release()
+
+    def _parity(self, frame: bytes, now: float, out: list[bytes]) -> None:
+        _marker, gid, packed = _PARITY_HEADER.unpack_from(frame)
+        which, k = packed >> 6, packed & 0x3F
+        payload = frame[_PARITY_HEADER.size :]
+        if which >= PARITIES or k == 0 or len(payload) > _SYMBOL or len(payload) < 3:
+            self.counters.dropped += 1
+            return
+        self.counters.received_parity += 1
+        if gid in self._finished:
+            return
+        group = self._open(gid, now)
+        if (group.k is not None and group.k != k) or group.highest >= k or which in group.parity:
+            self.counters.dropped += 1
+            return
+        group.k = k
+        group.parity[which] = payload
+        self._store(group, len(payload))
+        if len(group.data) < k:
+            group.gap = True  # the parity came after the group: what is missing is known
+        self._settle(gid, group, out)
+
+    # --- groups --------------------------------------------------------------------
+
+    def _open(self, gid: int, now: float) -> _Group:
+        group = self._groups.get(gid)
+        if group is None:
+            group = _Group(created=now)
+            self._groups[gid] = group
+            while len(self._groups) > self.max_groups:
+                oldest = next(iter(self._groups))
+                self._finish(oldest)
+        return group
+
+    @staticmethod
+    def _missing(group: _Group) -> list[int]:
+        top = group.k if group.k is not None else group.highest + 1
+        return [i for i in range(top) if i not in group.data]
+
+    def _settle(self, gid: int, group: _Group, out: list[bytes]) -> None:
+        """Repair the group if parity allows; finish it once complete."""
+        if group.k is None:
+            return
+        missing = self._missing(group)
+        if missing and len(missing) <= len(group.parity):
+            for index, datagram in self._repair(group, missing):
+                group.data[index] = datagram
+                self.counters.repaired += 1
+                out.append(datagram)
+            missing = []
+        if not missing:
+            self._finish(gid)
+
+    def _repair(self, group: _Group, missing: list[int]) -> list[tuple[int, bytes]]:
+        assert group.k is not None
+        size = max(len(p) for p in group.parity.values())
+        rows = np.zeros((group.k, size), dtype=np.uint8)  # a missing one's row stays 0
+        for index, datagram in group.data.items():
+            symbol = _symbol(datagram)[:size]
+            rows[index, : len(symbol)] = symbol
+        known_p = np.bitwise_xor.reduce(rows, axis=0)
+        known_q = _weighted_sum(rows)
+        p = q = None
+        if 0 in group.parity:
+            p = np.zeros(size, dtype=np.uint8)
+            raw = np.frombuffer(group.parity[0], dtype=np.uint8)
+            p[: len(raw)] = raw
+            p ^= known_p  # the sum of the missing symbols
+        if 1 in group.parity:
+            q = np.zeros(size, dtype=np.uint8)
+            raw = np.frombuffer(group.parity[1], dtype=np.uint8)
+            q[: len(raw)] = raw
+            q ^= known_q  # the weighted sum of the missing symbols
+        symbols: list[tuple[int, npt.NDArray[np.uint8]]]
+        if len(missing) == 1:
+            x = missing[0]
+            if p is not None:
+                symbols = [(x, p)]
+            else:
+                assert q is not None
+                symbols = [(x, _scale(_inv(_EXP[x]), q))]
+        else:
+            assert p is not None and q is not None
+            x, y = missing
+            # D_x ^ D_y = p ; g^x D_x ^ g^y D_y = q  =>  D_x = (g^y p ^ q) / (g^x ^ g^y)
+            gx, gy = _EXP[x], _EXP[y]
+            d_x = _scale(_inv(gx ^ gy), _scale(gy, p) ^ q)
+            symbols = [(x, d_x), (y, d_x ^ p)]
+        repaired: list[tuple[int, bytes]] = []
+        for index, symbol in symbols:
+            length = int(symbol[0]) << 8 | int(symbol[1])
+            if length + 2 > size:
+                self.counters.dropped += 1  # parity that does not add up: not ours
+                continue
+            repaired.append((index, symbol[2 : 2 + length].tobytes()))
+        return repaired
+
+    @property
+    def stored(self) -> int:
+        """Bytes kept for open groups."""
+        return self._stored
+
+    def _store(self, group: _Group, size: int) -> None:
+        group.stored += size
+        self._stored += size
+        while self._stored > self.max_stored and len(self._groups) > 1:
+            self._finish(next(iter(self._groups)))  # the oldest first
+
+    def _finish(self, gid: int) -> None:
+        group = self._groups.pop(gid, None)
+        if group is not None:
+            self._stored -= group.stored
+        self._finished[gid] = None
+        while len(self._finished) > _RECENT:
+            self._finished.popitem(last=False)
+
+    def _release(self) -> list[bytes]:
+        held, self._held = self._held, []
+        self._hold_group = None
+        return held

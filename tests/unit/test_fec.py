@@ -1,0 +1,159 @@
+"""The FEC codec: repairs byte-exactly what parity allows, gives up the rest in
+bounded time and memory, and refuses hostile frames without raising."""
+
+from __future__ import annotations
+
+import struct
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpumesh.protocol import fec
+from gpumesh.protocol.fec import DATA, PARITY, Decoder, Encoder
+
+
+def _group(datagrams: list[bytes], now: float = 0.0) -> list[bytes]:
+    encoder = Encoder(group_size=len(datagrams))
+    frames = encoder.encode(datagrams, now)
+    assert len(frames) == len(datagrams) + 2  # a full group closes with P and Q
+    return frames
+
+
+datagram_lists = st.lists(st.binary(min_size=1, max_size=1452), min_size=1, max_size=20)
+
+
+@settings(max_examples=200, deadline=None)
+@given(datagrams=datagram_lists, data=st.data())
+def test_any_two_losses_in_a_group_are_repaired_byte_exactly(
+    datagrams: list[bytes], data: st.DataObject
+) -> None:
+    frames = _group(datagrams)
+    lost = data.draw(
+        st.sets(st.integers(0, len(frames) - 1), max_size=2), label="lost frame indexes"
+    )
+    decoder = Decoder()
+    passed: list[bytes] = []
+    for i, frame in enumerate(frames):
+        if i not in lost:
+            passed += decoder.receive(frame, 0.0)
+    assert sorted(passed) == sorted(datagrams)
+    lost_data = sum(1 for i in lost if i < len(datagrams))
+    assert decoder.counters.repaired == lost_data
+    # Without any parity the decoder cannot know the group is whole: it stays open
+    # (bounded by max_groups) until newer groups push it out.
+    assert decoder.open_groups == (1 if lost == {len(datagrams), len(datagrams) + 1} else 0)
+    assert decoder.held == 0
+
+
+def test_datagrams_pass_up_at_once_and_in_order_without_loss() -> None:
+    encoder, decoder = Encoder(), Decoder()
+    datagrams = [bytes([i]) * (100 + i) for i in range(40)]
+    passed: list[bytes] = []
+    for datagram in datagrams:
+        for frame in encoder.encode([datagram], 0.0):
+            out = decoder.receive(frame, 0.0)
+            if frame[0] == DATA:
+                assert out == [datagram]  # never held back when nothing is missing
+            passed += out
+    assert passed == datagrams
+    assert decoder.counters.held == 0
+
+
+def test_a_gap_holds_the_later_datagrams_until_the_repair_then_releases_them_in_order() -> None:
+    datagrams = [bytes([i]) * 50 for i in range(16)]
+    frames = _group(datagrams)
+    decoder = Decoder()
+    passed: list[bytes] = []
+    for i, frame in enumerate(frames):
+        if i == 3:
+            continue
+        out = decoder.receive(frame, 0.0)
+        if 3 < i < 16:
+            assert out == []  # QUIC must not see later packets ahead of a repairable gap
+        passed += out
+    assert passed == datagrams  # the repaired one first, then those held behind it
+    assert decoder.counters.repaired == 1
+    assert decoder.counters.held == 12
+
+
+def test_more_losses_than_parity_are_given_up_after_the_bound() -> None:
+    datagrams = [bytes([i]) * 80 for i in range(16)]
+    frames = _group(datagrams)
+    decoder = Decoder(hold_time=0.05)
+    passed: list[bytes] = []
+    for i, frame in enumerate(frames):
+        if i not in (1, 2, 3):
+            passed += decoder.receive(frame, 1.0)
+    assert decoder.hold_until() == 1.05
+    assert decoder.poll(1.049) == []
+    passed += decoder.poll(1.05)
+    assert passed == [d for i, d in enumerate(datagrams) if i not in (1, 2, 3)]
+    assert decoder.counters.given_up == 1
+    assert decoder.counters.repaired == 0
+    assert decoder.open_groups == 0
+    assert decoder.hold_until() is None
+
+
+def test_a_group_not_full_is_closed_after_the_flush_delay() -> None:
+    encoder = Encoder(flush_delay=0.01)
+    frames = encoder.encode([b"ack"], 5.0)
+    assert len(frames) == 1
+    assert encoder.flush_at() == 5.01
+    assert encoder.poll(5.0) == []
+    parity = encoder.poll(5.01)
+    assert [frame[0] for frame in parity] == [PARITY, PARITY]
+    assert encoder.flush_at() is None
+    decoder = Decoder()
+    assert decoder.receive(parity[0], 5.02) == [b"ack"]  # the lone datagram rebuilt
+
+
+def test_memory_is_bounded_per_peer() -> None:
+    decoder = Decoder(max_groups=8, max_held=32)
+    for gid in range(1000):
+        # index 5 of each group: a gap below it every time
+        decoder.receive(struct.pack("!BIB", DATA, gid, 5) + b"x" * 1000, float(gid))
+        assert decoder.open_groups <= 8
+        assert decoder.held <= 32
+
+
+def test_stored_bytes_are_bounded_per_peer() -> None:
+    decoder = Decoder(max_stored=100_000)
+    for gid in range(200):
+        for index in range(fec.MAX_K):  # groups as large as the header allows, never closed
+            decoder.receive(struct.pack("!BIB", DATA, gid, index) + b"x" * 1400, 0.0)
+            assert decoder.stored <= 100_000 + 1400
+
+
+@settings(max_examples=300, deadline=None)
+@given(frame=st.binary(max_size=1600))
+def test_hostile_frames_never_raise(frame: bytes) -> None:
+    decoder = Decoder()
+    for marker in (DATA, PARITY):
+        decoder.receive(bytes([marker]) + frame[1:], 0.0)
+        decoder.receive(frame, 0.0)
+    decoder.poll(10.0)
+
+
+def test_hostile_frames_are_counted_and_dropped() -> None:
+    decoder = Decoder()
+    bad = [
+        b"",
+        bytes([DATA]),
+        struct.pack("!BIB", DATA, 1, 63) + b"x",  # index out of range
+        struct.pack("!BIB", DATA, 1, 0) + b"x" * (fec.MAX_PAYLOAD + 1),  # oversized
+        struct.pack("!BIB", PARITY, 1, 0) + b"xyz",  # k = 0
+        struct.pack("!BIB", PARITY, 1, 2 << 6 | 4) + b"xyz",  # a third parity
+        struct.pack("!BIB", PARITY, 1, 4) + b"x" * 2000,  # oversized parity
+        struct.pack("!BIB", 0x3C, 1, 0) + b"x",  # not a frame type
+    ]
+    for frame in bad:
+        assert decoder.receive(frame, 0.0) == []
+    assert decoder.counters.dropped == len(bad)
+
+
+def test_parity_that_does_not_add_up_is_dropped_not_trusted() -> None:
+    decoder = Decoder()
+    decoder.receive(struct.pack("!BIB", DATA, 9, 0) + b"a", 0.0)
+    # P for k=2 claiming the missing datagram is 65535 bytes long
+    assert decoder.receive(struct.pack("!BIB", PARITY, 9, 2) + b"\xff\xff\x00", 0.0) == []
+    assert decoder.counters.dropped == 1
