@@ -31,12 +31,15 @@ Hostile or broken frames are dropped and counted, never raised.
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import numpy as np
-import numpy.typing as npt
+if TYPE_CHECKING:  # numpy loads with the first encoder or decoder, not with QUIC
+    import numpy as np
+    import numpy.typing as npt
 
 __all__ = [
     "DATA",
@@ -112,29 +115,38 @@ def _inv(a: int) -> int:
     return _EXP[255 - _LOG[a]]
 
 
-_MUL_TABLE: npt.NDArray[np.uint8] = np.array(
-    [[_mul(a, b) for b in range(256)] for a in range(256)], dtype=np.uint8
-)
-"""``_MUL_TABLE[c][v]`` = c·v in GF(256): one lookup multiplies a whole buffer."""
-_TIMES_G: npt.NDArray[np.uint8] = _MUL_TABLE[2].copy()
+@functools.cache
+def _mul_table() -> npt.NDArray[np.uint8]:
+    """``_mul_table()[c][v]`` = c·v in GF(256): one lookup multiplies a whole buffer."""
+    import numpy as np
+
+    exp = np.array(_EXP, dtype=np.intp)
+    log = np.array(_LOG, dtype=np.intp)
+    table: npt.NDArray[np.uint8] = exp[log[:, None] + log[None, :]].astype(np.uint8)
+    table[0, :] = 0
+    table[:, 0] = 0
+    return table
 
 
 def _weighted_sum(symbols: npt.NDArray[np.uint8]) -> npt.NDArray[np.uint8]:
     """Q = sum of g^i · symbol i (g = 2), by Horner's rule from the last row up:
     one table lookup and one XOR per row."""
+    times_g = _mul_table()[2]
     q: npt.NDArray[np.uint8] = symbols[-1].copy()
     for row in symbols[-2::-1]:
-        q = _TIMES_G.take(q)
+        q = times_g.take(q)
         q ^= row
     return q
 
 
 def _scale(coefficient: int, symbol: npt.NDArray[np.uint8]) -> npt.NDArray[np.uint8]:
-    result: npt.NDArray[np.uint8] = _MUL_TABLE[coefficient][symbol]
+    result: npt.NDArray[np.uint8] = _mul_table()[coefficient][symbol]
     return result
 
 
 def _symbol(datagram: bytes) -> npt.NDArray[np.uint8]:
+    import numpy as np
+
     return np.frombuffer(struct.pack("!H", len(datagram)) + datagram, dtype=np.uint8)
 
 
@@ -183,11 +195,15 @@ class Encoder:
         self._count = 0
         self._longest = 0
         self._opened = 0.0
+        import numpy as np
+
         self._symbols = np.zeros((group_size, _SYMBOL), dtype=np.uint8)
         """The open group's symbols, one row each (parity is computed at its close)."""
 
     def encode(self, datagrams: list[bytes], now: float) -> list[bytes]:
         """The frames to send for ``datagrams``, parity included where a group fills."""
+        import numpy as np
+
         frames: list[bytes] = []
         for datagram in datagrams:
             if len(datagram) > MAX_PAYLOAD:
@@ -232,6 +248,8 @@ class Encoder:
         return frames
 
     def _close(self, frames: list[bytes]) -> None:
+        import numpy as np
+
         size, k, group = self._longest, self._count, self._group
         symbols = self._symbols[:k, :size]
         p = np.bitwise_xor.reduce(symbols, axis=0)
@@ -412,6 +430,8 @@ class Decoder:
             self._finish(gid)
 
     def _repair(self, group: _Group, missing: list[int]) -> list[tuple[int, bytes]]:
+        import numpy as np
+
         assert group.k is not None
         size = max(len(p) for p in group.parity.values())
         rows = np.zeros((group.k, size), dtype=np.uint8)  # a missing one's row stays 0
