@@ -97,7 +97,7 @@ if ! docker_up; then
     setsid nohup dockerd ${DOCKERD_ARGS:-} </dev/null >"$LOG" 2>&1 &
     echo $! >"$PIDFILE"
   fi
-  for _ in $(seq 240); do   # 240 x 0.25 s = 60 s
+  for _ in $(seq 480); do   # 480 x 0.25 s = 120 s (a loaded machine is slow to start it)
     docker_up && break
     ours_running || break   # daemon died: stop waiting
     sleep 0.25
