@@ -996,6 +996,29 @@ def test_follow_keeps_the_last_output_without_newline(jobs: Jobs) -> None:
         assert [line.data for line in followed] == [b"one\n", b"last"]
 
 
+def test_follow_woken_by_the_wait_still_reads_the_last_lines(jobs: Jobs) -> None:
+    # A job that prints until the moment it exits: the wait that sees it stop
+    # cuts the readers' pause short, and what it printed last must still come,
+    # once, in order, on both streams.
+    script = f"{_count_to(2000)}; {_count_to(2000, 'stderr')}; echo end; echo end >&2"
+    for _ in range(3):
+        container_id = jobs.started(["sh", "-c", script])
+        out: list[bytes] = []
+        err: list[bytes] = []
+        readers = [
+            threading.Thread(target=_collect, args=(jobs, container_id, "stdout", out)),
+            threading.Thread(target=_collect, args=(jobs, container_id, "stderr", err)),
+        ]
+        for reader in readers:
+            reader.start()
+        assert jobs.runtime.wait(container_id).exit_code == 0
+        for reader in readers:
+            reader.join(60)
+        expected = b"".join(f"line{i}\n".encode() for i in range(1, 2001)) + b"end\n"
+        assert b"".join(out) == expected
+        assert b"".join(err) == expected
+
+
 def test_jobs_from_many_threads_at_once(jobs: Jobs) -> None:
     results: dict[int, tuple[int | None, bytes, bytes]] = {}
     failures: list[BaseException] = []
