@@ -654,6 +654,29 @@ def test_an_image_that_moves_under_create_is_refused(jobs: Jobs) -> None:
     assert jobs.leftovers() == []
 
 
+def test_a_tag_moved_after_the_image_check_is_refused(jobs: Jobs, forged_image: str) -> None:
+    # The container is made right after ensure_image, from its inspection of the
+    # image: a tag moved in between (here, for real, onto the forged image) must
+    # not let the other image's labels, env and volumes through.
+    moving = f"gpumesh-test/moving:{uuid.uuid4().hex[:8]}"
+    repository, tag = moving.split(":")
+    jobs.client.api.tag(IMAGE, repository, tag)
+    try:
+        runtime = DockerRuntime(jobs.client)
+        assert runtime.ensure_image(moving) is False
+        jobs.client.api.tag(forged_image, repository, tag, force=True)
+        with pytest.raises(AgentError, match="changed while container"):
+            runtime.create(jobs.spec(["true"], image=moving))
+        assert jobs.leftovers() == []
+        # Checked again, the image is what the tag names now, with our overrides.
+        assert runtime.ensure_image(moving) is False
+        container_id = runtime.create(jobs.spec(["true"], image=moving))
+        labels = jobs.client.api.inspect_container(container_id)["Config"]["Labels"]
+        assert labels["other"] == "" and labels[LABEL_JOB] != "forged"
+    finally:
+        jobs.client.api.remove_image(moving)
+
+
 # --- pip install --user under the lockdown --------------------------------------------------
 
 PYTHON_IMAGE = os.environ.get("GPUMESH_TEST_PYTHON_IMAGE", "gpumesh-test/python:1")

@@ -100,6 +100,10 @@ _LOG_PIECE = 16 * 1024
 # While a container's log grows, it is read without follow at most this often
 # (see DockerRuntime._log_lines).
 _LOG_POLL = 0.02
+# How long ensure_image's inspection of an image stands in for the one before
+# creating a container from it (a job's check and its container come within
+# milliseconds; a later attempt inspects again).
+_INSPECTION_REUSE = 2.0
 # Bytes read at once from a log response without follow.
 _LOG_BLOCK = 256 * 1024
 
@@ -161,6 +165,9 @@ class DockerRuntime:
         self._init = init
         self._lock = threading.Lock()
         self._isolation_lock = threading.Lock()
+        self._inspected: dict[str, tuple[float, dict[str, Any]]] = {}
+        """An image's inspection by :meth:`ensure_image` (monotonic time, attrs), for
+        the container created from it right after. Guarded by ``_lock``."""
         self._stopped: dict[str, threading.Event] = {}
         """Set for a container once :meth:`wait` saw it stop: a log reader pausing
         between reads (see :meth:`_log_lines`) goes on at once. Guarded by ``_lock``."""
@@ -244,13 +251,16 @@ class DockerRuntime:
     ) -> bool:
         with self._engine(f"look up image {image!r}") as api:
             try:
-                api.inspect_image(image)
-                return False
+                attrs = api.inspect_image(image)
             except docker.errors.ImageNotFound:
                 pass
             except docker.errors.APIError as exc:
                 # e.g. an invalid reference: no pull can fix that either
                 raise ImageMissingError(_missing_image(image, _explanation(exc))) from exc
+            else:
+                with self._lock:
+                    self._inspected[image] = (time.monotonic(), attrs)
+                return False
         self._pull(image, progress)
         with self._engine(f"look up image {image!r}") as api:
             try:
@@ -335,11 +345,7 @@ class DockerRuntime:
         container and can only override them, never drop them; so the image is
         inspected first and each of those is overridden (labels and ``NVIDIA_*``
         with empty values, volumes with tmpfs mounts)."""
-        with self._engine(f"look up image {spec.image!r}") as api:
-            try:
-                image = api.inspect_image(spec.image)
-            except docker.errors.ImageNotFound as exc:
-                raise ImageMissingError(_not_here(spec.image)) from exc
+        image = self._inspect_image(spec.image)
         image_config = image.get("Config") or {}
         env = _container_env(spec, image_config.get("Env"))
         labels = _container_labels(spec, image_config.get("Labels"))
@@ -429,6 +435,21 @@ class DockerRuntime:
             logger.warning("[%s %s] Docker: %s", kind, label, warning)
         logger.debug("[%s %s] created container %s", kind, label, container_id)
         return container_id
+
+    def _inspect_image(self, name: str) -> dict[str, Any]:
+        """The image a container is about to be created from: the inspection
+        :meth:`ensure_image` just made of it (at most _INSPECTION_REUSE old, used
+        once), else a new one. Either way the container is checked to have been
+        created from exactly the image inspected (see :meth:`_create`)."""
+        with self._lock:
+            inspected = self._inspected.pop(name, None)
+        if inspected is not None and time.monotonic() - inspected[0] <= _INSPECTION_REUSE:
+            return inspected[1]
+        with self._engine(f"look up image {name!r}") as api:
+            try:
+                return dict(api.inspect_image(name))
+            except docker.errors.ImageNotFound as exc:
+                raise ImageMissingError(_not_here(name)) from exc
 
     def start(self, container_id: str) -> None:
         with self._engine("start container", container_id) as api:
