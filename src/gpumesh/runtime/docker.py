@@ -169,8 +169,9 @@ class DockerRuntime:
         """An image's inspection by :meth:`ensure_image` (monotonic time, attrs), for
         the container created from it right after. Guarded by ``_lock``."""
         self._stopped: dict[str, threading.Event] = {}
-        """Set for a container once :meth:`wait` saw it stop: a log reader pausing
-        between reads (see :meth:`_log_lines`) goes on at once. Guarded by ``_lock``."""
+        """Set for a container once :meth:`wait` saw it stop (cleared when a wait
+        begins): a log reader pausing between reads (see :meth:`_log_lines`) goes
+        on at once, and takes it as stopped without asking. Guarded by ``_lock``."""
         self._isolation: EngineIsolation | None = None
         self._storage_size: bool | None = None
 
@@ -623,12 +624,15 @@ class DockerRuntime:
                 finally:
                     waiting.close()
                 ended = first is None
-            # Asked before the next read begins, so that a stopped container's
-            # next read is its last.
-            try:
-                alive = self.inspect(container_id).status in _ALIVE
-            except NotFoundError:
-                return
+            # Known before the next read begins, so that a stopped container's
+            # next read is its last: from the wait that saw it stop, else asked.
+            if stopped.is_set():
+                alive = False
+            else:
+                try:
+                    alive = self.inspect(container_id).status in _ALIVE
+                except NotFoundError:
+                    return
             if ended and alive:
                 stopped.wait(_LOG_POLL)  # an engine that keeps ending the stream: don't spin
 
