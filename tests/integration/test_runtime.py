@@ -654,6 +654,29 @@ def test_an_image_that_moves_under_create_is_refused(jobs: Jobs) -> None:
     assert jobs.leftovers() == []
 
 
+def test_a_tag_moved_after_the_image_check_is_refused(jobs: Jobs, forged_image: str) -> None:
+    # The container is made right after ensure_image, from its inspection of the
+    # image: a tag moved in between (here, for real, onto the forged image) must
+    # not let the other image's labels, env and volumes through.
+    moving = f"gpumesh-test/moving:{uuid.uuid4().hex[:8]}"
+    repository, tag = moving.split(":")
+    jobs.client.api.tag(IMAGE, repository, tag)
+    try:
+        runtime = DockerRuntime(jobs.client)
+        assert runtime.ensure_image(moving) is False
+        jobs.client.api.tag(forged_image, repository, tag, force=True)
+        with pytest.raises(AgentError, match="changed while container"):
+            runtime.create(jobs.spec(["true"], image=moving))
+        assert jobs.leftovers() == []
+        # Checked again, the image is what the tag names now, with our overrides.
+        assert runtime.ensure_image(moving) is False
+        container_id = runtime.create(jobs.spec(["true"], image=moving))
+        labels = jobs.client.api.inspect_container(container_id)["Config"]["Labels"]
+        assert labels["other"] == "" and labels[LABEL_JOB] != "forged"
+    finally:
+        jobs.client.api.remove_image(moving)
+
+
 # --- pip install --user under the lockdown --------------------------------------------------
 
 PYTHON_IMAGE = os.environ.get("GPUMESH_TEST_PYTHON_IMAGE", "gpumesh-test/python:1")
@@ -994,6 +1017,29 @@ def test_follow_keeps_the_last_output_without_newline(jobs: Jobs) -> None:
     for container_id in containers:
         followed = list(jobs.runtime.logs(container_id, "stdout", LogCursor(), True))
         assert [line.data for line in followed] == [b"one\n", b"last"]
+
+
+def test_follow_woken_by_the_wait_still_reads_the_last_lines(jobs: Jobs) -> None:
+    # A job that prints until the moment it exits: the wait that sees it stop
+    # cuts the readers' pause short, and what it printed last must still come,
+    # once, in order, on both streams.
+    script = f"{_count_to(2000)}; {_count_to(2000, 'stderr')}; echo end; echo end >&2"
+    for _ in range(3):
+        container_id = jobs.started(["sh", "-c", script])
+        out: list[bytes] = []
+        err: list[bytes] = []
+        readers = [
+            threading.Thread(target=_collect, args=(jobs, container_id, "stdout", out)),
+            threading.Thread(target=_collect, args=(jobs, container_id, "stderr", err)),
+        ]
+        for reader in readers:
+            reader.start()
+        assert jobs.runtime.wait(container_id).exit_code == 0
+        for reader in readers:
+            reader.join(60)
+        expected = b"".join(f"line{i}\n".encode() for i in range(1, 2001)) + b"end\n"
+        assert b"".join(out) == expected
+        assert b"".join(err) == expected
 
 
 def test_jobs_from_many_threads_at_once(jobs: Jobs) -> None:

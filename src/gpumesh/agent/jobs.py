@@ -697,7 +697,12 @@ class JobService:
         except GPUMeshError as exc:
             await self._remove_container(run)
             return run.machine.infra_failed(self.containers.in_our_name(exc).message)
-        state = await in_thread(self.runtime.inspect, run.container_id)
+        # Just started: no need to ask the engine (an inspect here would only wait
+        # for a short job to exit). A command that could not start leaves it
+        # exited with 126/127, which the wait in _follow reports.
+        state = ContainerState(
+            run.container_id, dict(spec.labels), "running", None, image=job.image
+        )
         return await self._follow(run, job, state)
 
     async def _follow(self, run: _Run, job: JobRecord, container: ContainerState) -> Decision:

@@ -100,6 +100,10 @@ _LOG_PIECE = 16 * 1024
 # While a container's log grows, it is read without follow at most this often
 # (see DockerRuntime._log_lines).
 _LOG_POLL = 0.02
+# How long ensure_image's inspection of an image stands in for the one before
+# creating a container from it (a job's check and its container come within
+# milliseconds; a later attempt inspects again).
+_INSPECTION_REUSE = 2.0
 # Bytes read at once from a log response without follow.
 _LOG_BLOCK = 256 * 1024
 
@@ -161,6 +165,13 @@ class DockerRuntime:
         self._init = init
         self._lock = threading.Lock()
         self._isolation_lock = threading.Lock()
+        self._inspected: dict[str, tuple[float, dict[str, Any]]] = {}
+        """An image's inspection by :meth:`ensure_image` (monotonic time, attrs), for
+        the container created from it right after. Guarded by ``_lock``."""
+        self._stopped: dict[str, threading.Event] = {}
+        """Set for a container once :meth:`wait` saw it stop (cleared when a wait
+        begins): a log reader pausing between reads (see :meth:`_log_lines`) goes
+        on at once, and takes it as stopped without asking. Guarded by ``_lock``."""
         self._isolation: EngineIsolation | None = None
         self._storage_size: bool | None = None
 
@@ -241,13 +252,16 @@ class DockerRuntime:
     ) -> bool:
         with self._engine(f"look up image {image!r}") as api:
             try:
-                api.inspect_image(image)
-                return False
+                attrs = api.inspect_image(image)
             except docker.errors.ImageNotFound:
                 pass
             except docker.errors.APIError as exc:
                 # e.g. an invalid reference: no pull can fix that either
                 raise ImageMissingError(_missing_image(image, _explanation(exc))) from exc
+            else:
+                with self._lock:
+                    self._inspected[image] = (time.monotonic(), attrs)
+                return False
         self._pull(image, progress)
         with self._engine(f"look up image {image!r}") as api:
             try:
@@ -332,11 +346,7 @@ class DockerRuntime:
         container and can only override them, never drop them; so the image is
         inspected first and each of those is overridden (labels and ``NVIDIA_*``
         with empty values, volumes with tmpfs mounts)."""
-        with self._engine(f"look up image {spec.image!r}") as api:
-            try:
-                image = api.inspect_image(spec.image)
-            except docker.errors.ImageNotFound as exc:
-                raise ImageMissingError(_not_here(spec.image)) from exc
+        image = self._inspect_image(spec.image)
         image_config = image.get("Config") or {}
         env = _container_env(spec, image_config.get("Env"))
         labels = _container_labels(spec, image_config.get("Labels"))
@@ -427,6 +437,21 @@ class DockerRuntime:
         logger.debug("[%s %s] created container %s", kind, label, container_id)
         return container_id
 
+    def _inspect_image(self, name: str) -> dict[str, Any]:
+        """The image a container is about to be created from: the inspection
+        :meth:`ensure_image` just made of it (at most _INSPECTION_REUSE old, used
+        once), else a new one. Either way the container is checked to have been
+        created from exactly the image inspected (see :meth:`_create`)."""
+        with self._lock:
+            inspected = self._inspected.pop(name, None)
+        if inspected is not None and time.monotonic() - inspected[0] <= _INSPECTION_REUSE:
+            return inspected[1]
+        with self._engine(f"look up image {name!r}") as api:
+            try:
+                return dict(api.inspect_image(name))
+            except docker.errors.ImageNotFound as exc:
+                raise ImageMissingError(_not_here(name)) from exc
+
     def start(self, container_id: str) -> None:
         with self._engine("start container", container_id) as api:
             try:
@@ -453,10 +478,17 @@ class DockerRuntime:
                 ) from exc
 
     def wait(self, container_id: str) -> ContainerState:
+        stopped = self._stop_event(container_id)
+        stopped.clear()  # (started again since an earlier wait)
         with self._engine("wait for container", container_id) as api:
             # No HTTP timeout: a job may run for days.
             api.wait(container_id, timeout=None)
+        stopped.set()
         return self.inspect(container_id)
+
+    def _stop_event(self, container_id: str) -> threading.Event:
+        with self._lock:
+            return self._stopped.setdefault(container_id, threading.Event())
 
     def inspect(self, container_id: str) -> ContainerState:
         with self._engine("inspect container", container_id) as api:
@@ -472,6 +504,8 @@ class DockerRuntime:
             api.stop(container_id, timeout=max(0, math.ceil(timeout)))
 
     def remove(self, container_id: str) -> None:
+        with self._lock:
+            self._stopped.pop(container_id, None)
         with (
             contextlib.suppress(NotFoundError),
             self._engine("remove container", container_id) as api,
@@ -542,14 +576,17 @@ class DockerRuntime:
                 "resume from an empty cursor to read from the start"
             )
         # Fail now (unknown container, engine down), not at the first next().
-        image = self.inspect(container_id).image
+        state = self.inspect(container_id)
+        image = state.image
         # tini's own line is tini's, not the job's: only a container it started has one.
-        lines = self._log_lines(container_id, stream, cursor, follow)
+        lines = self._log_lines(container_id, stream, cursor, follow, state.status in _ALIVE)
         return _tini_in_our_words(lines, image) if self._init and stream == "stderr" else lines
 
     def _log_lines(
-        self, container_id: str, stream: Stream, cursor: LogCursor, follow: bool
+        self, container_id: str, stream: Stream, cursor: LogCursor, follow: bool, alive: bool
     ) -> Generator[LogLine, None, None]:
+        """The log after ``cursor``; with ``follow``, until the container stops.
+        ``alive``: whether it was running just now (saves asking again first)."""
         if not follow:
             yield from self._read_logs(container_id, stream, cursor, False)
             return
@@ -560,36 +597,44 @@ class DockerRuntime:
         # cost the engine little when they return little), one every _LOG_POLL
         # while the log grows. A quiet log is waited on with a followed stream and
         # only its first entry taken, which the follower sends as soon as it is
-        # written, before it could have moved on to a newer file.
+        # written, before it could have moved on to a newer file. A read that
+        # began after the container stopped is the last one: nothing is written
+        # after it.
+        stopped = self._stop_event(container_id)
         while True:
             got = False
             for line in self._read_logs(container_id, stream, cursor, False):
                 got = True
                 cursor = line.cursor
                 yield line
-            if got:
-                time.sleep(_LOG_POLL)  # a growing log: let it gather a batch
-                continue
-            try:
-                alive = self.inspect(container_id).status in _ALIVE
-            except NotFoundError:
-                return
             if not alive:
-                # Whatever it wrote before it stopped is in the log by now.
-                yield from self._read_logs(container_id, stream, cursor, False)
                 return
-            waiting = self._read_logs(container_id, stream, cursor, True)
-            try:
-                # Ends at the next entry, or when the stream does (the container
-                # stopped, or the connection dropped: the SDK reports both alike).
-                first = next(waiting, None)
-                if first is not None and not first.lost:  # else read again, to be sure
-                    cursor = first.cursor
-                    yield first
-            finally:
-                waiting.close()
-            if first is None:
-                time.sleep(_LOG_POLL)  # an engine that keeps ending the stream: don't spin
+            ended = False
+            if got:
+                stopped.wait(_LOG_POLL)  # a growing log: let it gather a batch
+            else:
+                waiting = self._read_logs(container_id, stream, cursor, True)
+                try:
+                    # Ends at the next entry, or when the stream does (the container
+                    # stopped, or the connection dropped: the SDK reports both alike).
+                    first = next(waiting, None)
+                    if first is not None and not first.lost:  # else read again, to be sure
+                        cursor = first.cursor
+                        yield first
+                finally:
+                    waiting.close()
+                ended = first is None
+            # Known before the next read begins, so that a stopped container's
+            # next read is its last: from the wait that saw it stop, else asked.
+            if stopped.is_set():
+                alive = False
+            else:
+                try:
+                    alive = self.inspect(container_id).status in _ALIVE
+                except NotFoundError:
+                    return
+            if ended and alive:
+                stopped.wait(_LOG_POLL)  # an engine that keeps ending the stream: don't spin
 
     def _read_logs(
         self,
@@ -605,14 +650,8 @@ class DockerRuntime:
         after = _timestamp_key(cursor.timestamp) if cursor.timestamp else None
         reader = _EntryReader(stream, after, cursor.count)
         with self._engine("read the logs of container", container_id) as api:
-            frames = api.logs(
-                container_id,
-                stdout=stream == "stdout",
-                stderr=stream == "stderr",
-                timestamps=True,
-                follow=follow,
-                stream=True,
-                since=_since(after) if after is not None else None,
+            frames = _log_stream(
+                api, container_id, stream, follow, _since(after) if after is not None else None
             )
             try:
                 # One frame is one log entry; a followed one is delivered as soon as
@@ -1007,6 +1046,28 @@ def _since(key: tuple[str, int]) -> float | None:
     # three decimals, so rounding can never move the bound past the cursor.
     millis = seconds * 1000 + key[1] // 1_000_000
     return millis / 1000 if millis > 0 else None
+
+
+def _log_stream(
+    api: Any, container_id: str, stream: Stream, follow: bool, since: float | None
+) -> Any:
+    """What the SDK's ``logs(..., stream=True)`` returns, without the inspect it
+    makes first to learn whether the container has a TTY: a job container never
+    has one, and its log is read several times for every job, the last reads
+    after it exited, on the way to reporting its end."""
+    params: dict[str, Any] = {
+        "stdout": int(stream == "stdout"),
+        "stderr": int(stream == "stderr"),
+        "timestamps": 1,
+        "follow": int(follow),
+        "tail": "all",
+    }
+    if since is not None:
+        params["since"] = since
+    response = api._get(api._url("/containers/{0}/logs", container_id), params=params, stream=True)
+    # Raises the engine's answer (no such container, ...) now, as logs() does.
+    frames = api._get_result_tty(True, response, False)
+    return docker.types.CancellableStream(frames, response)
 
 
 def _frames_in_blocks(response: Any) -> Iterator[bytes]:
