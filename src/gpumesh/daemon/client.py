@@ -18,7 +18,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -144,17 +144,12 @@ class NodeClient:
             return self._open_tcp(head, payload, timeout)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(timeout)
-        try:
+
+        def connect() -> None:
             with socket_name(self.home, SOCKET_NAME) as name:
                 sock.connect(name)
-            sock.sendall(head.encode("latin-1") + b"\r\n" + payload)
-            return _Response(sock)
-        except OSError as exc:
-            sock.close()
-            raise NodeUnavailableError(str(exc)) from None
-        except BaseException:
-            sock.close()
-            raise
+
+        return _request(sock, connect, head.encode("latin-1") + b"\r\n" + payload)
 
     def _open_tcp(self, head: str, payload: bytes, timeout: float | None) -> _Response:
         """:meth:`_open` where the system has no unix sockets: the node process's
@@ -175,16 +170,8 @@ class NodeClient:
             sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout)
         except (OSError, ValueError) as exc:
             raise NodeUnavailableError(str(exc)) from None
-        try:
-            sock.settimeout(timeout)
-            sock.sendall(head.encode("latin-1") + b"\r\n" + payload)
-            return _Response(sock)
-        except OSError as exc:
-            sock.close()
-            raise NodeUnavailableError(str(exc)) from None
-        except BaseException:
-            sock.close()
-            raise
+        sock.settimeout(timeout)
+        return _request(sock, lambda: None, head.encode("latin-1") + b"\r\n" + payload)
 
     def call(
         self, method: str, path: str, body: object = None, timeout: float | None = None
@@ -350,6 +337,21 @@ def _spawn(home: Path) -> subprocess.Popen[bytes]:
         )
     finally:
         os.close(log)
+
+
+def _request(sock: socket.socket, connect: Callable[[], None], data: bytes) -> _Response:
+    """Connect ``sock`` (``connect``), send the request ``data`` and wait for its
+    answer's head; the socket is closed on any failure."""
+    try:
+        connect()
+        sock.sendall(data)
+        return _Response(sock)
+    except OSError as exc:
+        sock.close()
+        raise NodeUnavailableError(str(exc)) from None
+    except BaseException:
+        sock.close()
+        raise
 
 
 def _has_unix() -> bool:

@@ -421,11 +421,6 @@ def dial(host: str, port: int, expected_key: bytes, ticket: bytes, stall_timeout
     Raises ``UnreachableError`` when no channel could be opened (the caller
     falls back to QUIC) and ``KeyMismatchError`` when another key answered.
     """
-    from cryptography import x509
-    from cryptography.hazmat.primitives import serialization
-
-    from gpumesh.identity.tlscert import public_key_from_spki
-
     try:
         conn = socket.create_connection((host, port), timeout=CONNECT_WAIT)
     except OSError as exc:
@@ -438,20 +433,7 @@ def dial(host: str, port: int, expected_key: bytes, ticket: bytes, stall_timeout
         raise UnreachableError(f"the data channel's TLS handshake failed: {exc}") from None
     channel = Channel(tls)
     try:
-        der = tls.getpeercert(binary_form=True)
-        if not der:
-            raise KeyMismatchError("the data channel presented no certificate")
-        try:
-            spki = x509.load_der_x509_certificate(der).public_key()
-            raw = spki.public_bytes(
-                serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
-            )
-        except ValueError:
-            raise KeyMismatchError("the data channel presented an unreadable certificate") from None
-        if not hmac.compare_digest(public_key_from_spki(raw), expected_key):
-            raise KeyMismatchError(
-                f"the data channel at {host}:{port} presented a different key than the peer"
-            )
+        check_pin(tls.getpeercert(binary_form=True), expected_key, f"{host}:{port}")
         tls.settimeout(stall_timeout)
         tls.sendall(ticket)
     except BaseException as exc:
