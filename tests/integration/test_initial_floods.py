@@ -221,6 +221,7 @@ def test_garbage_that_is_no_client_initial_makes_no_connection(make_node, monkey
         os.urandom(1200),  # most likely not even a long header
         b"\x01" + os.urandom(1300),  # not QUIC
         b"\x41" + os.urandom(1300),  # a short header for no connection
+        b"\x3a" + os.urandom(1300),  # a parity-protected frame from no link (FEC)
         b"\xe3" + initial[1:],  # a Handshake packet
         initial[:1199],  # an Initial below the minimum size
         initial[:1] + b"\x6b\x33\x43\xcf" + initial[5:],  # QUIC v2

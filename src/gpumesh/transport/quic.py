@@ -1041,8 +1041,11 @@ class QuicEndpoint:
     ) -> None:
         """An FEC frame: routed by its source (it carries no connection id)."""
         link = self._dialer_link or self._by_address.get(address)
-        if link is None or (link.path is not None and address != link.address):
+        if link is None:
+            self._dropped(address, DropReason.NOT_QUIC)  # a stranger's: it costs nothing
             return
+        if address != link.address:
+            return  # frames come only from the link's own peer (or its relayed path)
         datagrams = link.fec_receive(frame, now)
         if datagrams:
             # Fed to QUIC once per socket wake-up, like a GRO buffer (see _on_readable).
