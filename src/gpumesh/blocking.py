@@ -11,11 +11,18 @@ import asyncio
 import contextlib
 import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
-__all__ = ["in_thread"]
+__all__ = ["closing_in_thread", "in_thread"]
 
 T = TypeVar("T")
+
+
+class _Closeable(Protocol):
+    def close(self) -> None: ...
+
+
+C = TypeVar("C", bound=_Closeable)
 
 
 def in_thread(function: Callable[..., T], *args: Any) -> asyncio.Future[T]:
@@ -45,3 +52,20 @@ def in_thread(function: Callable[..., T], *args: Any) -> asyncio.Future[T]:
 
     threading.Thread(target=target, name="gpumesh-job", daemon=True).start()
     return future
+
+
+async def closing_in_thread(function: Callable[..., C], *args: Any) -> C:
+    """:func:`in_thread` for a call that returns something to close (a socket, a
+    channel): when the caller is cancelled before the call returns, what it
+    returns later is closed instead of left to the garbage collector."""
+    future = in_thread(function, *args)
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        future.add_done_callback(_close_unclaimed)
+        raise
+
+
+def _close_unclaimed(future: asyncio.Future[C]) -> None:
+    if not future.cancelled() and future.exception() is None:
+        future.result().close()

@@ -69,7 +69,7 @@ from gpumesh.agent.sandboxfs import (
     sandbox_path,
     shown,
 )
-from gpumesh.blocking import in_thread
+from gpumesh.blocking import closing_in_thread, in_thread
 from gpumesh.errors import (
     AccessDeniedError,
     AgentError,
@@ -1056,7 +1056,7 @@ async def _channel_of(listener: Listener, watch: asyncio.Future[Any]) -> AsyncIt
 
     watch.add_done_callback(stop)
     try:
-        channel = await in_thread(listener.accept, _CHANNEL_STALL)
+        channel = await closing_in_thread(listener.accept, _CHANNEL_STALL)
         if watch.done():
             stop(watch)
         yield channel

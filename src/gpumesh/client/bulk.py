@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from gpumesh.blocking import in_thread
+from gpumesh.blocking import closing_in_thread, in_thread
 from gpumesh.errors import (
     ConnectionLostError,
     ProtocolError,
@@ -111,7 +111,7 @@ async def open_channel(
     from gpumesh.files.channel import dial
 
     try:
-        return await in_thread(
+        return await closing_in_thread(
             dial, session.address[0], offer.port, peer.public_key, offer.ticket, stall_timeout
         )
     except UnreachableError as exc:
