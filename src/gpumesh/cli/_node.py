@@ -26,6 +26,28 @@ def node_enabled() -> bool:
     return enabled()
 
 
+def job_options(
+    image: str | None,
+    env_items: tuple[str, ...],
+    gpu_memory: str | None,
+    retries: int | None,
+    timeout: str | None,
+    mounts: tuple[str, ...],
+) -> dict[str, object]:
+    """A job's options in a request to the node process (``run`` and ``app run``),
+    from the flags both commands share; ``env_items`` are all ``KEY=VALUE``."""
+    from gpumesh.settings import ENV_IMAGE, env
+
+    return {
+        "image": image or env(ENV_IMAGE),
+        "env": dict(item.split("=", 1) for item in env_items),
+        "gpu_memory": gpu_memory,
+        "retries": retries,
+        "timeout": timeout,
+        "mounts": list(mounts),
+    }
+
+
 def node_home() -> Path:
     """The home of ``--home`` / ``$GPUMESH_HOME``, refused when not initialised (as
     the in-process commands refuse it)."""

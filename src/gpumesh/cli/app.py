@@ -10,10 +10,9 @@ import click
 
 from gpumesh.cli._common import emit_json, fail, get_node, run_async
 from gpumesh.cli._complete import complete_peer, complete_submitted_job
-from gpumesh.cli._node import node_client, node_enabled
+from gpumesh.cli._node import job_options, node_client, node_enabled
 from gpumesh.cli._notes import exit_status_of
 from gpumesh.errors import ExitCode
-from gpumesh.settings import ENV_IMAGE, env
 
 if TYPE_CHECKING:
     from gpumesh.client.apps import SyncResult
@@ -175,12 +174,7 @@ def run(
             "dir": os.path.abspath(folder),
             "out": None if out is None else os.path.abspath(out),
             "command": list(command),
-            "image": image or env(ENV_IMAGE),
-            "env": dict(item.split("=", 1) for item in env_items),
-            "gpu_memory": gpu_memory,
-            "retries": retries,
-            "timeout": timeout,
-            "mounts": list(mounts),
+            **job_options(image, env_items, gpu_memory, retries, timeout, mounts),
         }
         view = _run_through_node(body, quiet=quiet)
         job = view["job"]

@@ -9,7 +9,7 @@ import click
 
 from gpumesh.cli._common import get_node, run_async
 from gpumesh.cli._complete import complete_group, complete_peer
-from gpumesh.cli._node import node_enabled
+from gpumesh.cli._node import job_options, node_enabled
 from gpumesh.errors import ExitCode
 from gpumesh.settings import ENV_IMAGE, env
 
@@ -94,12 +94,7 @@ def run(
             "command": list(command),
             "peer": peer,
             "group": group,
-            "image": image or env(ENV_IMAGE),
-            "env": dict(item.split("=", 1) for item in env_items),
-            "gpu_memory": gpu_memory,
-            "retries": retries,
-            "timeout": timeout,
-            "mounts": list(mounts),
+            **job_options(image, env_items, gpu_memory, retries, timeout, mounts),
             "wait": WAIT_FOREVER if wait else 0.0,
         }
         _through_node(body, detach=detach, quiet=quiet, explain=explain)
