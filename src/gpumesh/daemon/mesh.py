@@ -90,12 +90,9 @@ class ThroughNode:
 
         self.home = home_dir(home)
         self._client: NodeClient | None = None
-        self._local: base.InProcess | None = None
 
     def close(self) -> None:
-        if self._local is not None:
-            self._local.close()
-            self._local = None
+        pass
 
     # --- requests ---------------------------------------------------------------------
 
@@ -148,19 +145,26 @@ class ThroughNode:
         body = {"code": code, "rekey": rekey, "offline": not check}
         return await self._get(PairView, "POST", "/api/v1/peers/pair", body)
 
-    async def run(self, spec: JobSpec, *, detach: bool) -> JobResultView:
+    @staticmethod
+    def _options(spec: JobSpec) -> dict[str, object]:
+        """A job's options in a request (``run`` and ``app run`` share them)."""
         from gpumesh.settings import ENV_IMAGE, env
 
-        body = {
-            "command": spec.command,
-            "peer": spec.peer,
-            "group": spec.group,
+        return {
             "image": spec.image or env(ENV_IMAGE),
             "env": spec.env,
             "gpu_memory": spec.gpu_memory,
             "retries": spec.retries,
             "timeout": spec.timeout,
             "mounts": [f"{m.source}:{m.target}{':rw' if m.rw else ''}" for m in spec.mounts],
+        }
+
+    async def run(self, spec: JobSpec, *, detach: bool) -> JobResultView:
+        body = {
+            "command": spec.command,
+            "peer": spec.peer,
+            "group": spec.group,
+            **self._options(spec),
             "workdir": None if spec.workdir is None else _local(spec.workdir),
         }
         accepted = await self._get(JobResultView, "POST", "/api/v1/jobs", body)
@@ -212,10 +216,24 @@ class ThroughNode:
     async def app_run(
         self, peer: str, folder: Path, spec: JobSpec, *, out: Path | None
     ) -> AppRunView:
-        # The control API has no app run yet (only its sync): this one runs here.
-        if self._local is None:
-            self._local = base.InProcess(self.home)
-        return await self._local.app_run(peer, folder, spec, out=out)
+        from gpumesh.client.views.apps import AppRunView
+        from gpumesh.daemon.apprun import NodeAppRun
+
+        body = {
+            "peer": peer,
+            "dir": _local(folder),
+            "out": None if out is None else _local(out),
+            "command": spec.command,
+            **self._options(spec),
+        }
+        run = NodeAppRun(self._connect, body)
+
+        def whole() -> object:
+            for _ in run.events():
+                pass
+            return run.view
+
+        return msgspec.convert(await asyncio.to_thread(whole), AppRunView)
 
     async def groups(self) -> list[GroupListEntry]:
         from gpumesh.client.views.groups import GroupListEntry
