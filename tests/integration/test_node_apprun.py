@@ -24,7 +24,7 @@ import pytest
 
 from gpumesh.protocol.states import FINAL_STATES
 from tests.integration.conftest import gpumesh, shared_pair
-from tests.integration.node import CEILING, node_env, status, wait_gone
+from tests.integration.node import CEILING, cli, node_env, status, wait_gone
 from tests.integration.test_job_output import LINE, _numbered, _numbered_job
 
 pytestmark = pytest.mark.usefixtures("docker_daemon")
@@ -84,6 +84,8 @@ def test_app_run_stream_is_numbered_and_a_reader_that_stops_reading_is_told_what
         folder.mkdir()
         (folder / "x.txt").write_text("x\n")
         body = {"peer": "alice-pc", "dir": str(folder), "command": _numbered_job(lines, 0)}
+        # Started by a command, so this test process holds no child of its own.
+        assert cli(bob, "jobs").returncode == 0
         events = connect(bob).events("/api/v1/apps/run", "POST", body)
         stack.callback(events.close)
         assert next(events).event == "syncview"
@@ -163,3 +165,53 @@ def test_mesh_app_run_goes_through_the_node_process(
     ]
     assert (work / "out" / "n.txt").read_text().strip() == "5"
     assert status(bob)["node"]["detached"]
+
+
+def test_app_run_through_the_node_process_of_a_simulated_windows(
+    pair: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """As on Windows (no unix sockets, no flock): the node process locks the home
+    with a byte lock and serves loopback TCP, and `app run` goes through it."""
+    _alice, bob = pair
+    assert gpumesh(bob, "config", "set", "listen_host", "127.0.0.1").returncode == 0
+    report = tmp_path / "platform-report"
+    windows = {"GPUMESH_TEST_PLATFORM": "windows", "GPUMESH_TEST_PLATFORM_REPORT": str(report)}
+    work = tmp_path / "work"
+    (work / "proj").mkdir(parents=True)
+    (work / "proj" / "a.txt").write_text("alpha\n")
+    ran = subprocess.run(
+        [sys.executable, "-m", "gpumesh", "app", "run", "--peer", "alice-pc", "--dir", "proj",
+         "--", "cat", "a.txt"],
+        env=node_env(bob, **windows),
+        cwd=work,
+        capture_output=True,
+        text=True,
+        timeout=CEILING * 3,
+        check=False,
+    )  # fmt: skip
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout == "alpha\n"
+    shown = subprocess.run(
+        [sys.executable, "-m", "gpumesh", "daemon", "status", "--json"],
+        env=node_env(bob, **windows),
+        capture_output=True,
+        text=True,
+        timeout=CEILING,
+        check=False,
+    )
+    node = json.loads(shown.stdout)["node"]
+    assert node is not None and node["api"][0].startswith("http://127.0.0.1:"), shown.stderr
+    assert not (bob / "control.sock").exists()
+    lines = report.read_text().splitlines()
+    assert any(line.endswith(" took fcntl") for line in lines)
+    used = [line for line in lines if " used unix" in line or " used fcntl" in line]
+    assert not used, used
+    # A process of the real platform sees no flock held: the home's lock is the byte one.
+    import fcntl
+
+    fd = os.open(bob / "node.lock", os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        os.close(fd)
+    assert cli(bob, "daemon", "stop", **windows).returncode == 0

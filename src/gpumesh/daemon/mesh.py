@@ -2,8 +2,8 @@
 ``control.sock``, with the same methods and the same view structs as in-process.
 
 :class:`Mesh` is the public one: it picks its backend (:class:`ThroughNode` when
-commands use the node process, ``$GPUMESH_NODE`` not ``off`` and the system
-has unix sockets; :class:`~gpumesh.client.mesh.InProcess` with
+commands use the node process: ``$GPUMESH_NODE`` not ``off`` and the system
+can lock a home for one; :class:`~gpumesh.client.mesh.InProcess` with
 ``in_process=True`` or else). It lives on this floor because it talks to the
 node process; everything else is :class:`gpumesh.client.mesh.Mesh`'s.
 
@@ -60,7 +60,7 @@ class Mesh(base.Mesh):
     ``in_process``: None (the default) talks to the home's node process over
     its ``control.sock``, starting it in the background when none runs, as the
     CLI does (in this process instead when ``$GPUMESH_NODE`` is ``off`` or the
-    system has no unix sockets); True runs the client layer in this process;
+    system cannot lock a home for a node process); True runs the client layer in this process;
     False insists on the node process.
 
     Close it when done (``with Mesh() as mesh:``, or ``async with`` in async code).
@@ -68,16 +68,15 @@ class Mesh(base.Mesh):
 
     @staticmethod
     def _backend_for(home: str | Path | None, in_process: bool | None) -> base.MeshBackend:
-        from importlib.util import find_spec
-
         from gpumesh.daemon import enabled
+        from gpumesh.daemon.record import can_lock
 
         if in_process is True or (in_process is None and not enabled()):
             return base.InProcess(home)
-        if find_spec("fcntl") is None:
+        if not can_lock():
             raise ConfigError(
                 "Mesh(in_process=False) needs a node process, which cannot lock its home on "
-                "this system (no fcntl): use Mesh() (it runs in this process)"
+                "this system (neither flock nor msvcrt): use Mesh() (it runs in this process)"
             )
         return ThroughNode(home)
 
