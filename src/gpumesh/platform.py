@@ -359,7 +359,8 @@ def _linux_only(event: str, args: tuple[Any, ...]) -> tuple[str, ...]:
     if event == "socket.sendmsg":
         return ("sendmsg", "gso")
     if event.startswith("fcntl."):
-        return ("fcntl",)
+        # A simulated Windows locks a home with a POSIX byte lock for msvcrt's.
+        return () if _called_from("_byte_lock") else ("fcntl",)
     if event == "open" and len(args) > 2 and isinstance(args[2], int):
         flags = args[2]
         nofollow = ("nofollow",) if flags & getattr(os, "O_NOFOLLOW", 0) else ()

@@ -257,6 +257,8 @@ def test_the_python_api_docs_examples_run(homes, tmp_path: Path, mode: str) -> N
     assert "alice-pc ['placed']" in outputs[4]
     assert "one\ntwo\nsucceeded 0\n" in outputs[5]
     assert "config status() cannot block" in outputs[5]
+    assert outputs[6].startswith("1 succeeded True\nepoch 1\n")  # app_run, --out pulled
+    assert "succeeded 0 True" in outputs[7]  # aapp_run
 
 
 def test_a_detached_job_gets_its_whole_workdir(homes, tmp_path: Path) -> None:

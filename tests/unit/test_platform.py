@@ -229,7 +229,8 @@ for name in ("SIGWINCH", "SIGHUP", "SIGUSR1"):
 for name in ("fcntl", "termios", "tty", "pwd", "grp", "resource"):
     sys.modules[name] = None
 failed = []
-for package in ("cli", "client", "transport", "store", "files", "identity", "protocol", "gpu"):
+for package in ("cli", "client", "transport", "store", "files", "identity", "protocol", "gpu",
+                "daemon", "control"):
     found = importlib.import_module("gpumesh." + package)
     for info in pkgutil.walk_packages(found.__path__, found.__name__ + "."):
         try:
@@ -243,7 +244,8 @@ print("\\n".join(failed))
 def test_every_consumer_module_imports_without_what_windows_lacks() -> None:
     """Nothing on the consumer's floors touches a Linux-only name at import: the
     attributes and modules Windows lacks are removed first (the provider's
-    ``agent/``, ``runtime/`` and ``relay/`` are left out: they need Linux)."""
+    ``agent/``, ``runtime/`` and ``relay/`` are left out: they need Linux; the node
+    process's ``daemon/`` and ``control/`` are in)."""
     result = subprocess.run(
         [sys.executable, "-c", _IMPORT_AS_ON_WINDOWS],
         capture_output=True,

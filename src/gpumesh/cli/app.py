@@ -247,28 +247,21 @@ def _pulled(
 
 def _run_through_node(body: dict[str, object], *, quiet: bool) -> dict[str, Any]:
     """``app run`` done by the node process, its steps and output printed here as
-    ``gpumesh run`` prints them; the app run's view."""
+    ``gpumesh run`` prints them; the app run's view. A node process that dies once
+    the job was accepted is replaced and the job's output resumes where it stopped."""
     from gpumesh.cli._notes import ViewPrinter
-    from gpumesh.daemon.client import NodeUnavailableError
-    from gpumesh.errors import AgentError, error_from_code
+    from gpumesh.daemon.apprun import NodeAppRun
 
     printer = ViewPrinter("", quiet=quiet)
-    try:
-        for event in node_client().events("/api/v1/apps/run", "POST", body):
-            if event.event == "end":
-                done: dict[str, Any] = event.data
-                return done
-            if event.event == "error":
-                raise error_from_code(str(event.data["code"]), str(event.data["message"]))
-            if event.event == "syncview":
-                if not quiet:
-                    click.echo(_view_summary(event.data), err=True)
-            else:
-                printer.show(event.event, event.data)
-    except NodeUnavailableError:
-        pass
-    follow = f"`gpumesh logs -f {printer.job_id}`" if printer.job_id else "`gpumesh jobs`"
-    raise AgentError(f"the node process stopped during the app's run: see {follow}")
+    run = NodeAppRun(node_client, body)
+    for event in run.events():
+        if event.event == "syncview":
+            if not quiet:
+                click.echo(_view_summary(event.data), err=True)
+        else:
+            printer.show(event.event, event.data)
+    assert run.view is not None
+    return run.view
 
 
 @app.command()

@@ -63,11 +63,14 @@ class RunWatch:
     """One job, submitted when iterated (once); ``result`` is where it stands, final
     once iteration ended (a failure to submit is raised from the loop)."""
 
-    def __init__(self, node: Node, spec: JobSpec, follow: bool, wait: float = 0.0) -> None:
+    def __init__(
+        self, node: Node, spec: JobSpec, follow: bool, wait: float = 0.0, sandbox_dir: str = ""
+    ) -> None:
         self.result: JobResult | None = None
         self.seq = 0
         """The sequence number of the job's last event read (resume after it)."""
         self._wait = wait
+        self._sandbox_dir = sandbox_dir
         self._events = self._run(node, spec, follow)
 
     def __aiter__(self) -> AsyncIterator[RunEvent]:
@@ -87,7 +90,14 @@ class RunWatch:
             upload=lambda sent, total: queue.push(Uploading(sent, total)),
         )
         task = asyncio.ensure_future(
-            run_job(node, spec, detach=True, callbacks=callbacks, wait=self._wait)
+            run_job(
+                node,
+                spec,
+                detach=True,
+                callbacks=callbacks,
+                wait=self._wait,
+                sandbox_dir=self._sandbox_dir,
+            )
         )
         try:
             while (event := await queue.next(task)) is not None:
@@ -108,8 +118,11 @@ class RunWatch:
             await events.aclose()
 
 
-def watch_run(node: Node, spec: JobSpec, *, follow: bool = True, wait: float = 0.0) -> RunWatch:
+def watch_run(
+    node: Node, spec: JobSpec, *, follow: bool = True, wait: float = 0.0, sandbox_dir: str = ""
+) -> RunWatch:
     """:func:`run_job` as events: the steps until the provider holds the job, then
     (with ``follow``) the job's own events until it ends. ``wait``: seconds a group
-    placement may wait for a member to free up."""
-    return RunWatch(node, spec, follow, wait)
+    placement may wait for a member to free up; ``sandbox_dir``: run in that folder
+    of the peer's sandbox (``app run``)."""
+    return RunWatch(node, spec, follow, wait, sandbox_dir)

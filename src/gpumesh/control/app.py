@@ -231,6 +231,8 @@ class AppPullBody(msgspec.Struct, forbid_unknown_fields=True):
     job: str
     dir: str
     """The local folder (absolute) to pull the job's app folder into."""
+    folder: str = ""
+    """Only this folder of the app's folder (``app run --out``'s name), if given."""
 
 
 class AppPullView(msgspec.Struct):
@@ -646,16 +648,13 @@ def _absolute(what: str, path: str) -> Path:
 
 async def post_app_run(call: Call) -> object:
     """Sync a local folder, run a job in it, pull a folder back: Server-Sent Events
-    ``syncview``, the job's steps and events (as the jobs route streams them, not
-    numbered: resume a dropped stream with ``gpumesh logs -f``), then ``end`` (the
-    app run's view) or ``error``. Leaving the stream stops following (the job
-    keeps running)."""
-    from gpumesh.client import jobs, runs
-    from gpumesh.client.apps import run_app
+    ``syncview``, the job's steps and events as the jobs route streams them
+    (numbered: resume a dropped stream with the job's events route, ``after`` the
+    last number read), then ``end`` (the app run's view) or ``error``. The job's
+    output is paced by the reader (nothing piles up here). Leaving the stream
+    stops following (the job keeps running)."""
+    from gpumesh.client.apprun import watch_app_run
     from gpumesh.client.jobspec import build_spec
-    from gpumesh.client.views.apps import AppRunView, SyncView
-    from gpumesh.client.views.jobs import event_view
-    from gpumesh.client.views.runs import step_view
 
     body: AppRunBody = call.body
     folder = _absolute("dir", body.dir)
@@ -671,46 +670,67 @@ async def post_app_run(call: Call) -> object:
         peer=body.peer,
         mounts=body.mounts,
     )
+    return EventStream(_app_run_events(watch_app_run(call.node, body.peer, folder, spec, out=out)))
 
-    async def work(feed: Feed) -> object:
-        def event(item: jobs.JobEvent) -> None:
-            view = event_view(item, 0)
-            feed.put(type(view).__name__.lower(), view)
 
-        def step(item: runs.RunEvent, latest: bool = False) -> None:
-            view = step_view(item)
-            if view is not None:
-                feed.put(type(view).__name__.lower(), view, latest=latest)
+async def _app_run_events(run: Any) -> AsyncIterator[bytes]:
+    """An app run (:class:`gpumesh.client.apprun.AppRunWatch`) as Server-Sent Events,
+    with a keep-alive comment while it is silent (a long sync or a quiet job)."""
+    from gpumesh.client import apprun, jobs
+    from gpumesh.client.views.apps import AppRunView, SyncView
+    from gpumesh.client.views.jobs import event_view
+    from gpumesh.client.views.runs import step_view
 
-        callbacks = jobs.JobCallbacks(
-            stdout=lambda data: event(jobs.Output("stdout", data)),
-            stderr=lambda data: event(jobs.Output("stderr", data)),
-            status=lambda status: event(jobs.StatusChanged.of(status)),
-            accepted=lambda accepted: step(runs.Accepted(accepted)),
-            pull=lambda pull: step(runs.Pulling(pull), latest=True),
-            reconnecting=lambda error: event(jobs.Reconnecting(error)),
-            dropped=lambda count: event(jobs.OutputDropped(count)),
-        )
-        done = await run_app(
-            call.node,
-            body.peer,
-            folder,
-            spec,
-            out=out,
-            callbacks=callbacks,
-            synced=lambda sync: feed.put("syncview", SyncView.of(sync)),
-        )
-        return AppRunView.of(done)
-
-    return EventStream(feed_events(work))
+    it = aiter(run)
+    pending: asyncio.Future[Any] | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(anext(it))
+            done, _ = await asyncio.wait({pending}, timeout=KEEPALIVE)
+            if not done:
+                yield b": keep-alive\n\n"
+                continue
+            try:
+                event = pending.result()
+            except StopAsyncIteration:
+                break
+            finally:
+                if pending.done():
+                    pending = None
+            if isinstance(event, apprun.Synced):
+                yield sse("syncview", SyncView.of(event.sync))
+                continue
+            step = step_view(event)
+            if step is not None:
+                yield sse(type(step).__name__.lower(), step)
+                continue
+            view = event_view(event, run.seq)
+            numbered = isinstance(event, jobs.Output | jobs.StatusChanged)
+            yield sse(type(view).__name__.lower(), view, run.seq if numbered else None)
+        yield sse("end", AppRunView.of(run.result))
+    except GPUMeshError as exc:
+        yield sse("error", ErrorView(exc.code, exc.message))
+    finally:
+        if pending is not None:
+            pending.cancel()
+            with contextlib.suppress(BaseException):
+                await pending
+        await run.aclose()
 
 
 async def post_app_pull(call: Call) -> object:
-    from gpumesh.client.apps import pull_job
+    from gpumesh.client.apps import job_folder, pull_folder, pull_job
 
     body: AppPullBody = call.body
-    remote, size = await pull_job(call.node, body.peer, body.job, _absolute("dir", body.dir))
-    return AppPullView(remote, size)
+    dest = _absolute("dir", body.dir)
+    if not body.folder:
+        remote, size = await pull_job(call.node, body.peer, body.job, dest)
+        return AppPullView(remote, size)
+    if body.folder in (".", "..") or "/" in body.folder or "\\" in body.folder:
+        raise BadRequestError(f"folder {body.folder!r} is not a folder name")
+    remote = f"{await job_folder(call.node, body.peer, body.job)}/{body.folder}"
+    return AppPullView(remote, await pull_folder(call.node, body.peer, remote, dest))
 
 
 async def post_shell(call: Call) -> object:
@@ -951,7 +971,8 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("POST", "/api/v1/apps/sync", post_app_sync, "Sync a local folder to a peer",
              V["sync"], Access.NO_COOKIE, body=SyncBody),
     Endpoint("POST", "/api/v1/apps/run", post_app_run,
-             "Sync a local folder, run a job in it, pull a folder back: Server-Sent Events",
+             "Sync a local folder, run a job in it, pull a folder back: Server-Sent Events "
+             "(the job's numbered as its events route numbers them)",
              V["apprun"], Access.NO_COOKIE, body=AppRunBody, media_type="text/event-stream"),
     Endpoint("POST", "/api/v1/apps/pull", post_app_pull,
              "Pull a past app job's folder into a local folder", AppPullView,

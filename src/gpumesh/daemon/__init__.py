@@ -13,13 +13,15 @@ __all__ = ["enabled"]
 
 def enabled() -> bool:
     """Whether commands go through the node process: ``$GPUMESH_NODE`` is not
-    ``off``, and the system can lock a home the way the node process does (its
-    record takes an ``flock``: not on Windows, where commands stay in-process for
-    now). Without unix sockets the CLI reaches it on loopback TCP with the home's
+    ``off``, and the system can lock a home the way the node process does (an
+    ``flock``, or ``msvcrt.locking`` on Windows: :func:`gpumesh.daemon.record.can_lock`).
+    Without unix sockets the CLI reaches it on loopback TCP with the home's
     token. Imports nothing a platform may lack."""
     from importlib.util import find_spec
 
     from gpumesh.settings import ENV_NODE, env
 
     value = (env(ENV_NODE) or "on").lower()
-    return value not in ("off", "0", "false", "no") and find_spec("fcntl") is not None
+    if value in ("off", "0", "false", "no"):
+        return False
+    return find_spec("fcntl") is not None or find_spec("msvcrt") is not None  # as can_lock

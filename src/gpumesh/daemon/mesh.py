@@ -2,8 +2,8 @@
 ``control.sock``, with the same methods and the same view structs as in-process.
 
 :class:`Mesh` is the public one: it picks its backend (:class:`ThroughNode` when
-commands use the node process, ``$GPUMESH_NODE`` not ``off`` and the system
-has unix sockets; :class:`~gpumesh.client.mesh.InProcess` with
+commands use the node process: ``$GPUMESH_NODE`` not ``off`` and the system
+can lock a home for one; :class:`~gpumesh.client.mesh.InProcess` with
 ``in_process=True`` or else). It lives on this floor because it talks to the
 node process; everything else is :class:`gpumesh.client.mesh.Mesh`'s.
 
@@ -60,7 +60,7 @@ class Mesh(base.Mesh):
     ``in_process``: None (the default) talks to the home's node process over
     its ``control.sock``, starting it in the background when none runs, as the
     CLI does (in this process instead when ``$GPUMESH_NODE`` is ``off`` or the
-    system has no unix sockets); True runs the client layer in this process;
+    system cannot lock a home for a node process); True runs the client layer in this process;
     False insists on the node process.
 
     Close it when done (``with Mesh() as mesh:``, or ``async with`` in async code).
@@ -68,16 +68,15 @@ class Mesh(base.Mesh):
 
     @staticmethod
     def _backend_for(home: str | Path | None, in_process: bool | None) -> base.MeshBackend:
-        from importlib.util import find_spec
-
         from gpumesh.daemon import enabled
+        from gpumesh.daemon.record import can_lock
 
         if in_process is True or (in_process is None and not enabled()):
             return base.InProcess(home)
-        if find_spec("fcntl") is None:
+        if not can_lock():
             raise ConfigError(
                 "Mesh(in_process=False) needs a node process, which cannot lock its home on "
-                "this system (no fcntl): use Mesh() (it runs in this process)"
+                "this system (neither flock nor msvcrt): use Mesh() (it runs in this process)"
             )
         return ThroughNode(home)
 
@@ -90,12 +89,9 @@ class ThroughNode:
 
         self.home = home_dir(home)
         self._client: NodeClient | None = None
-        self._local: base.InProcess | None = None
 
     def close(self) -> None:
-        if self._local is not None:
-            self._local.close()
-            self._local = None
+        pass
 
     # --- requests ---------------------------------------------------------------------
 
@@ -148,19 +144,26 @@ class ThroughNode:
         body = {"code": code, "rekey": rekey, "offline": not check}
         return await self._get(PairView, "POST", "/api/v1/peers/pair", body)
 
-    async def run(self, spec: JobSpec, *, detach: bool) -> JobResultView:
+    @staticmethod
+    def _options(spec: JobSpec) -> dict[str, object]:
+        """A job's options in a request (``run`` and ``app run`` share them)."""
         from gpumesh.settings import ENV_IMAGE, env
 
-        body = {
-            "command": spec.command,
-            "peer": spec.peer,
-            "group": spec.group,
+        return {
             "image": spec.image or env(ENV_IMAGE),
             "env": spec.env,
             "gpu_memory": spec.gpu_memory,
             "retries": spec.retries,
             "timeout": spec.timeout,
             "mounts": [f"{m.source}:{m.target}{':rw' if m.rw else ''}" for m in spec.mounts],
+        }
+
+    async def run(self, spec: JobSpec, *, detach: bool) -> JobResultView:
+        body = {
+            "command": spec.command,
+            "peer": spec.peer,
+            "group": spec.group,
+            **self._options(spec),
             "workdir": None if spec.workdir is None else _local(spec.workdir),
         }
         accepted = await self._get(JobResultView, "POST", "/api/v1/jobs", body)
@@ -212,10 +215,24 @@ class ThroughNode:
     async def app_run(
         self, peer: str, folder: Path, spec: JobSpec, *, out: Path | None
     ) -> AppRunView:
-        # The control API has no app run yet (only its sync): this one runs here.
-        if self._local is None:
-            self._local = base.InProcess(self.home)
-        return await self._local.app_run(peer, folder, spec, out=out)
+        from gpumesh.client.views.apps import AppRunView
+        from gpumesh.daemon.apprun import NodeAppRun
+
+        body = {
+            "peer": peer,
+            "dir": _local(folder),
+            "out": None if out is None else _local(out),
+            "command": spec.command,
+            **self._options(spec),
+        }
+        run = NodeAppRun(self._connect, body)
+
+        def whole() -> object:
+            for _ in run.events():
+                pass
+            return run.view
+
+        return msgspec.convert(await asyncio.to_thread(whole), AppRunView)
 
     async def groups(self) -> list[GroupListEntry]:
         from gpumesh.client.views.groups import GroupListEntry

@@ -301,8 +301,8 @@ async def run_node(
         process.serve_tcp = serve_tcp
         loop = asyncio.get_running_loop()
         signals = (signal.SIGINT, signal.SIGTERM) if stop is None else ()
-        for sig in signals:
-            loop.add_signal_handler(sig, process.stop.set)
+        # Through platform: Windows' loop has no add_signal_handler.
+        undo = [platform.add_signal_handler(loop, sig, process.stop.set) for sig in signals]
         title = "gpumesh node process" if detached else "gpumesh-control"
         announce(f"{title}: the control API of {info.name} ({home}), pid {os.getpid()}")
         if unix:
@@ -326,8 +326,8 @@ async def run_node(
             for task in (keeper, *late):
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-            for sig in signals:
-                loop.remove_signal_handler(sig)
+            for restore in undo:
+                restore()
     finally:
         for sock in sockets:
             sock.close()

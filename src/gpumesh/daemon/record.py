@@ -5,19 +5,36 @@ its whole life (the kernel drops it when the process dies, however it dies, so a
 crashed node never blocks the next one) and writes ``node.json`` (pid, version,
 addresses) next to it, 0600. A reader trusts the record only while the lock is
 held. Imports only the standard library and the base floor: the thin CLI reads it.
+
+Where there is no ``flock`` (Windows), the lock is ``msvcrt.locking`` of the
+file's first byte: also dropped when the process dies, but exclusive only, so
+a reader's look takes it for an instant, and a look or a take that finds it
+held looks once more before believing it. ``GPUMESH_TEST_PLATFORM=windows``
+takes that way on Linux, a POSIX record lock of the same byte standing in for
+``msvcrt`` (as exclusive, and as dropped with the process).
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
+import importlib
 import json
 import os
 import time
 from dataclasses import asdict, dataclass, field
+from importlib.util import find_spec
 from pathlib import Path
+from typing import Any
 
-__all__ = ["LOCK_NAME", "RECORD_NAME", "HomeLock", "NodeRecord", "holder", "read_record"]
+__all__ = [
+    "LOCK_NAME",
+    "RECORD_NAME",
+    "HomeLock",
+    "NodeRecord",
+    "can_lock",
+    "holder",
+    "read_record",
+]
 
 LOCK_NAME = "node.lock"
 RECORD_NAME = "node.json"
@@ -51,19 +68,88 @@ def read_record(home: Path) -> NodeRecord | None:
         return None
 
 
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)  # Windows' os.open never lets children inherit
+SECOND_LOOK = 0.02
+"""Seconds before a byte lock found held is tried once more (someone's look)."""
+
+
+def can_lock() -> bool:
+    """Whether this system can lock a home as the node process does (``flock``, or
+    Windows' ``msvcrt.locking``). Imports nothing a platform may lack."""
+    return find_spec("fcntl") is not None or find_spec("msvcrt") is not None
+
+
+def _flock_here() -> bool:
+    """Whether homes are locked with ``flock``: ``platform.has("fcntl")``, answered
+    here when plainly yes (no simulated platform): importing :mod:`gpumesh.platform`
+    costs a thin command milliseconds."""
+    from gpumesh.settings import ENV_TEST_PLATFORM, ENV_TEST_WITHOUT, env
+
+    if not (env(ENV_TEST_PLATFORM) or env(ENV_TEST_WITHOUT)):
+        return find_spec("fcntl") is not None
+    from gpumesh import platform
+
+    return platform.has("fcntl")
+
+
+def _try_lock(fd: int, *, shared: bool) -> bool:
+    """Lock ``fd``'s file without waiting (``shared``: a look, where locks can be
+    shared); whether it was taken."""
+    if _flock_here():
+        import fcntl
+
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+        except OSError:
+            return False
+        return True
+    for look in range(2):
+        if look:
+            time.sleep(SECOND_LOOK)
+        try:
+            _byte_lock(fd, lock=True)
+        except OSError:
+            continue
+        return True
+    return False
+
+
+def _unlock(fd: int) -> None:
+    if _flock_here():
+        import fcntl
+
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    else:
+        _byte_lock(fd, lock=False)
+
+
+def _byte_lock(fd: int, *, lock: bool) -> None:
+    """Lock (or unlock) the first byte of ``fd``'s file, exclusively, without waiting
+    (``OSError`` when it is held): ``msvcrt.locking``, or where there is no
+    ``msvcrt`` (a simulated Windows) a POSIX record lock of that byte."""
+    if find_spec("msvcrt") is not None:
+        msvcrt: Any = importlib.import_module("msvcrt")
+        os.lseek(fd, 0, os.SEEK_SET)
+        msvcrt.locking(fd, msvcrt.LK_NBLCK if lock else msvcrt.LK_UNLCK, 1)
+        return
+    import fcntl
+
+    fcntl.lockf(fd, (fcntl.LOCK_EX | fcntl.LOCK_NB) if lock else fcntl.LOCK_UN, 1, 0)
+
+
 def holder(home: Path) -> NodeRecord | None:
     """The node process holding ``home`` now (its record), or None when the lock is
     free. A holder whose record is not written yet reads as pid 0."""
+    # A byte lock is exclusive, which POSIX takes only on a file open for writing.
+    mode = os.O_RDONLY if _flock_here() else os.O_RDWR
     try:
-        fd = os.open(home / LOCK_NAME, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(home / LOCK_NAME, mode | _CLOEXEC)
     except OSError:
         return None
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except OSError:
-        return read_record(home) or NodeRecord(pid=0, version="", started_at=0.0)
-    else:
-        fcntl.flock(fd, fcntl.LOCK_UN)
+        if not _try_lock(fd, shared=True):
+            return read_record(home) or NodeRecord(pid=0, version="", started_at=0.0)
+        _unlock(fd)
         return None
     finally:
         os.close(fd)
@@ -78,10 +164,8 @@ class HomeLock:
 
     def acquire(self) -> bool:
         """Take the home; False when another process holds it."""
-        fd = os.open(self.home / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        fd = os.open(self.home / LOCK_NAME, os.O_RDWR | os.O_CREAT | _CLOEXEC, 0o600)
+        if not _try_lock(fd, shared=False):
             os.close(fd)
             return False
         self._fd = fd
@@ -91,7 +175,10 @@ class HomeLock:
         """Publish ``record`` (atomically: a reader sees the old one or the new one)."""
         path = self.home / RECORD_NAME
         temp = path.with_name(f".{RECORD_NAME}.{os.getpid()}")
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        from gpumesh import platform  # the node process's, not the thin path's
+
+        nofollow = platform.open_flag("O_NOFOLLOW")
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | nofollow, 0o600)
         with os.fdopen(fd, "w") as out:
             json.dump(asdict(record), out)
         os.replace(temp, path)
@@ -101,6 +188,8 @@ class HomeLock:
             return
         with contextlib.suppress(OSError):
             (self.home / RECORD_NAME).unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            _unlock(self._fd)  # Windows asks for it before the close
         os.close(self._fd)  # closing the descriptor drops the lock
         self._fd = None
 

@@ -1,0 +1,127 @@
+"""``app run`` by the home's node process, as ``gpumesh app run`` and
+``gpumesh.Mesh.app_run`` read it: one stream that survives the node process.
+
+``POST /api/v1/apps/run`` streams the sync (``syncview``), the job's steps and
+its events (output and status numbered as the job's events route numbers
+them), then ``end`` (the app run's view). When that stream breaks (the node
+process died) after the provider accepted the job, the job's events route of
+a new node process (started by :func:`~gpumesh.daemon.client.connect`) goes on
+after the last numbered event read, so no line is lost or repeated, and the
+folder ``out`` names is then pulled back with ``POST /api/v1/apps/pull``. A
+stream that breaks before acceptance cannot tell whether a job started: that
+is an error naming ``gpumesh jobs``. Standard library only (a thin command's path).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Generator, Iterator
+from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
+
+from gpumesh.daemon.client import NodeUnavailableError
+from gpumesh.errors import AgentError, NotFoundError, error_from_code
+
+if TYPE_CHECKING:
+    from gpumesh.daemon.client import NodeClient, SseEvent
+
+__all__ = ["RESUME_TRIES", "NodeAppRun"]
+
+RESUME_TRIES = 5
+"""Node processes in a row that may die under one app run before it gives up."""
+
+
+class NodeAppRun:
+    """One app run by the node process: :meth:`events` yields its events (not
+    ``end`` or ``error``: an error is raised) and, once they ran out, :attr:`view`
+    is the app run's view (``AppRunView`` as JSON). ``connect`` reaches the home's
+    node process, starting one when none runs; ``body`` is the route's."""
+
+    def __init__(self, connect: Callable[[], NodeClient], body: dict[str, Any]) -> None:
+        self._connect = connect
+        self._body = body
+        self.view: dict[str, Any] | None = None
+        self.job_id = ""
+        """The job's id, once the provider accepted it."""
+        self.after = 0
+        """The number of the job's last event read."""
+        self._sync: dict[str, Any] | None = None
+
+    def events(self) -> Iterator[SseEvent]:
+        try:
+            for event in self._connect().events("/api/v1/apps/run", "POST", self._body):
+                if event.event == "end":
+                    self.view = event.data
+                    return
+                if event.event == "error":
+                    raise error_from_code(str(event.data["code"]), str(event.data["message"]))
+                if event.event == "syncview":
+                    self._sync = event.data
+                elif event.event == "acceptedview":
+                    self.job_id = str(event.data["job_id"])
+                if event.id is not None:
+                    self.after = event.id
+                yield event
+        except NodeUnavailableError:
+            if not self.job_id or self._sync is None:
+                raise AgentError(
+                    "the node process stopped before the provider accepted the app's job: "
+                    "`gpumesh jobs` shows whether it started; run `gpumesh app run` again "
+                    "(the sync sends only what changed)"
+                ) from None
+        job = yield from self._resume()
+        self.view = self._finish(job)
+
+    def _resume(self) -> Generator[SseEvent, None, dict[str, Any]]:
+        """The job's events after :attr:`after`, through as many node processes as it
+        takes (up to :data:`RESUME_TRIES` failing in a row); the job's result."""
+        failures = 0
+        while True:
+            path = f"/api/v1/jobs/{quote(self.job_id, safe='')}/events?after={self.after}"
+            try:
+                for event in self._connect().events(path):
+                    if event.event == "end":
+                        result: dict[str, Any] = event.data
+                        return result
+                    if event.event == "error":
+                        raise error_from_code(str(event.data["code"]), str(event.data["message"]))
+                    if event.id is not None:
+                        self.after = event.id
+                        failures = 0
+                    yield event
+            except NodeUnavailableError as exc:
+                failures += 1
+                if failures > RESUME_TRIES:
+                    raise AgentError(
+                        f"the node process kept failing while following job {self.job_id} "
+                        f"({exc}): see its log, logs/node.log in your GPUMesh home"
+                    ) from None
+            else:
+                raise AgentError(f"the event stream of job {self.job_id} ended without its end")
+
+    def _finish(self, job: dict[str, Any]) -> dict[str, Any]:
+        """The app run's view once its job ended: with ``out``, its folder pulled back."""
+        assert self._sync is not None
+        view: dict[str, Any] = {"sync": self._sync, "job": job, "out_remote": "", "pulled": False}
+        out = self._body.get("out")
+        if out is None:
+            return view
+        name = os.path.basename(os.path.normpath(str(out)))
+        view["out_remote"] = f"{self._sync['remote']}/{name}"
+        pull = {"peer": self._body["peer"], "job": self.job_id, "dir": out, "folder": name}
+        for attempt in range(2):
+            try:
+                self._connect().call("POST", "/api/v1/apps/pull", pull)
+            except NotFoundError:
+                return view
+            except NodeUnavailableError:
+                if attempt:
+                    raise AgentError(
+                        f"the node process stopped while it pulled {view['out_remote']}: "
+                        f"`gpumesh app pull --peer {self._body['peer']} --job {self.job_id} "
+                        f"--dir DIR` pulls the app's folder"
+                    ) from None
+            else:
+                view["pulled"] = True
+                return view
+        return view
