@@ -74,6 +74,13 @@ def status(as_json: bool) -> None:
             f"    {session['peer']}  {session['path']}, {session['uses']} requests, "
             f"idle {session['idle']:g} s"
         )
+    outgoing = view.get("outgoing")
+    if outgoing is not None:
+        port = outgoing["port"]
+        where = "not open yet" if port is None else f"UDP port {port}, {outgoing['links']} links"
+        click.echo(f"  outgoing  {where}")
+        for relay in outgoing["relays"]:
+            click.echo(f"    relay {relay['relay']}  {relay['state']}")
 
 
 def _ago(started: float) -> str:
