@@ -39,7 +39,8 @@ def daemon() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable output.")
 def status(as_json: bool) -> None:
     """Whether a node process runs for this home: pid, version, sharing, API addresses,
-    and the warm sessions it keeps to peers."""
+    the warm sessions it keeps to peers, and the one UDP port and relay registrations
+    its outgoing links use."""
     import json
 
     from gpumesh.daemon.client import NodeClient, NodeUnavailableError
