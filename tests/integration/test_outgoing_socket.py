@@ -1,19 +1,26 @@
 """The node process's shared dialling socket, in one process: real agents on
 loopback, real QUIC. Links to two peers on one socket carry bulk at the same time,
 each to its own peer (routed by connection id), and a re-dial leaves from the same
-port."""
+port; ICMP refusals on the shared (unconnected) socket."""
 
 from __future__ import annotations
 
 import asyncio
+import select
+import socket
 from collections.abc import Callable
+
+import pytest
 
 from gpumesh.client.node import Node
 from gpumesh.client.pool import SessionPool
 from gpumesh.transport.outgoing import OutgoingSocket
+from gpumesh.transport.udp import UdpSocket, open_udp_socket
 from tests.integration.conftest import arun, pair_both, sharing
 
 SIZE = 8 * 1024 * 1024
+CEILING = 30.0
+"""Seconds for the kernel's answer (generous: CI is a loaded 2-core box)."""
 
 
 def test_two_links_on_one_socket_carry_bulk_at_once_and_a_redial_keeps_the_port(
@@ -55,3 +62,37 @@ def test_two_links_on_one_socket_carry_bulk_at_once_and_a_redial_keeps_the_port(
             assert outgoing.state().port is None  # closed with the pool
 
     arun(scenario())
+
+
+def _closed_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def test_an_icmp_refusal_is_named_and_does_not_cost_the_next_datagram() -> None:
+    """With IP_RECVERR the kernel reports an ICMP error once, on the socket's next
+    call, whatever it is: a send to another peer must still go out."""
+    udp = UdpSocket(open_udp_socket("127.0.0.1", 0))
+    listener = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        udp.report_refusals()
+        if not udp.reports_refusals:
+            pytest.skip("no IP_RECVERR on this platform")
+        listener.bind(("127.0.0.1", 0))
+        listener.settimeout(CEILING)
+        nobody = ("127.0.0.1", _closed_port())
+        udp.send_batch([(b"\x40hello", nobody)])
+        poller = select.poll()
+        poller.register(udp.sock.fileno(), select.POLLERR)
+        assert poller.poll(CEILING * 1000), "no ICMP error came back"
+        # The error is pending now: the next send must not be the one that pays for it.
+        udp.send_batch([(b"\x40to-a-listener", listener.getsockname())])
+        assert listener.recv(100) == b"\x40to-a-listener"
+        assert udp.take_refusals() == [nobody]
+        assert udp.take_refusals() == []
+        assert udp.receive_batch() == []
+    finally:
+        udp.close()
+        listener.close()

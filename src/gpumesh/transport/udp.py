@@ -48,6 +48,10 @@ _RECV_BUFFER = 65535
 _SOCKET_BUFFER = 4 * 1024 * 1024
 _CMSG_SPACE = socket.CMSG_SPACE(4) if hasattr(socket, "CMSG_SPACE") else 0
 _IP_RECVERR = getattr(socket, "IP_RECVERR", 11)
+_ICMP_ERRORS = frozenset(
+    {errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN, errno.EPROTO}
+)
+"""What a socket with ``IP_RECVERR`` reports once, on its next call, for an ICMP error."""
 _ERR_CMSG_SPACE = socket.CMSG_SPACE(64) if hasattr(socket, "CMSG_SPACE") else 0
 
 
@@ -228,6 +232,7 @@ class UdpSocket:
         pending = self._pending
         sock = self.sock
         connected = self.peer is not None
+        retried = False
         while pending:
             data, segment, addr = pending[0]
             try:
@@ -252,9 +257,15 @@ class UdpSocket:
                     for offset in reversed(range(0, len(data), segment)):
                         pending.appendleft((data[offset : offset + segment], segment, addr))
                     continue
+                if self.reports_refusals and not retried and exc.errno in _ICMP_ERRORS:
+                    # An ICMP error about an earlier datagram to anywhere, which the
+                    # kernel reports on this send: the datagram itself did not go.
+                    retried = True
+                    continue
                 # Unreachable peers and similar: drop the datagram like the network would.
                 logger.debug("udp send to %s failed: %s", addr, exc)
             pending.popleft()
+            retried = False
         return True
 
     def close(self) -> None:
