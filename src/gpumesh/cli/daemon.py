@@ -78,7 +78,9 @@ def status(as_json: bool) -> None:
     outgoing = view.get("outgoing")
     if outgoing is not None:
         port = outgoing["port"]
-        where = "not open yet" if port is None else f"UDP port {port}, {outgoing['links']} links"
+        links = outgoing["links"]
+        where = f"UDP port {port}, {links} link{'' if links == 1 else 's'}"
+        where = "not open yet" if port is None else where
         click.echo(f"  outgoing  {where}")
         for relay in outgoing["relays"]:
             click.echo(f"    relay {relay['relay']}  {relay['state']}")
