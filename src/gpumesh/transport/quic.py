@@ -896,8 +896,10 @@ class QuicEndpoint:
         self._by_cid.pop(cid, None)
 
     def link_closed(self, link: QuicLink) -> None:
-        if link is self._dialer_link:
-            # A dialer's socket serves this one link; its close is already sent.
+        if link is self._dialer_link or self._server_config is None:
+            # A dialer's socket (one link, or a shared one's several): its close is
+            # already sent, and no peer's retransmission needs an answer. A relayed
+            # link's session ends at the relay now, not after a linger.
             self._forget(link)
             return
         # Keep routing for a moment so the close can be retransmitted, then forget.
