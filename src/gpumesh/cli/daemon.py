@@ -39,7 +39,8 @@ def daemon() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable output.")
 def status(as_json: bool) -> None:
     """Whether a node process runs for this home: pid, version, sharing, API addresses,
-    and the warm sessions it keeps to peers."""
+    the warm sessions it keeps to peers, and the one UDP port and relay registrations
+    its outgoing links use."""
     import json
 
     from gpumesh.daemon.client import NodeClient, NodeUnavailableError
@@ -74,6 +75,15 @@ def status(as_json: bool) -> None:
             f"    {session['peer']}  {session['path']}, {session['uses']} requests, "
             f"idle {session['idle']:g} s"
         )
+    outgoing = view.get("outgoing")
+    if outgoing is not None:
+        port = outgoing["port"]
+        links = outgoing["links"]
+        where = f"UDP port {port}, {links} link{'' if links == 1 else 's'}"
+        where = "not open yet" if port is None else where
+        click.echo(f"  outgoing  {where}")
+        for relay in outgoing["relays"]:
+            click.echo(f"    relay {relay['relay']}  {relay['state']}")
 
 
 def _ago(started: float) -> str:

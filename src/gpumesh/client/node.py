@@ -342,6 +342,7 @@ class Node:
             timeout=timeout or config.connect_timeout,
             peer_label=peer.name,
             relay=relay,
+            via=None if self.pool is None else self.pool.outgoing,
         )
         try:
             session = await dial(addresses)

@@ -9,6 +9,10 @@ dials again), closes one unused for :data:`IDLE` seconds, and closes at once
 the sessions of a peer that was denied, unpaired or whose key changed (read
 from the store, so a `gpumesh deny` in another process counts too). Time is
 injected (``clock``) so expiry is decided without sleeping.
+
+Every dial of a pool goes out from one shared socket (``outgoing``): one UDP port
+and one relay registration per relay for all its links (see
+:mod:`gpumesh.transport.outgoing`).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from gpumesh.protocol.messages import Ping
 
 if TYPE_CHECKING:
     from gpumesh.store.db import Peer, Store
+    from gpumesh.transport.outgoing import OutgoingSocket
     from gpumesh.transport.session import Session
 
 __all__ = ["IDLE", "KEEPALIVE", "SessionPool", "Warm"]
@@ -65,8 +70,12 @@ class SessionPool:
         idle: float = IDLE,
         keepalive: float = KEEPALIVE,
         clock: Callable[[], float] = time.monotonic,
+        outgoing: OutgoingSocket | None = None,
     ) -> None:
         self.idle = idle
+        self.outgoing = outgoing
+        """The one UDP socket (and relay registrations) every dial of the pool goes out
+        from; None: each dial opens its own."""
         self.keepalive = keepalive
         self._clock = clock
         self._warm: dict[str, Warm] = {}
@@ -129,6 +138,8 @@ class SessionPool:
     def close(self) -> None:
         for peer_id in list(self._warm):
             self.drop(peer_id, "shutting down")
+        if self.outgoing is not None:
+            self.outgoing.close()
 
     def sweep(self, store: Store) -> list[Warm]:
         """Drop what must go now (denied, unpaired, rekeyed, dead, idle); the

@@ -27,7 +27,12 @@ from typing import TYPE_CHECKING
 from gpumesh import platform
 from gpumesh.client.node import Node
 from gpumesh.daemon.record import HomeLock, holder, new_record
-from gpumesh.daemon.views import NodeProcessView, WarmSessionView
+from gpumesh.daemon.views import (
+    NodeProcessView,
+    OutgoingView,
+    RelayRegistrationView,
+    WarmSessionView,
+)
 from gpumesh.errors import ConfigError, InUseError
 from gpumesh.settings import (
     API_ADDR_DEFAULT,
@@ -115,10 +120,23 @@ class NodeProcess:
                     path=w.session.path,
                     idle=round(max(0.0, self.clock() - w.last_used), 1),
                     uses=w.uses,
+                    local_port=w.session.link.local_port,
                 )
                 for w in (self.pool.sessions() if self.pool is not None else [])
             ],
+            outgoing=self._outgoing(),
         )
+
+    def _outgoing(self) -> OutgoingView | None:
+        shared = None if self.pool is None else self.pool.outgoing
+        if shared is None:
+            return None
+        state = shared.state()
+        relays = [
+            RelayRegistrationView(relay=r.relay, state=r.state, registrations=r.registrations)
+            for r in state.relays
+        ]
+        return OutgoingView(port=state.port, links=state.links, relays=relays)
 
     def should_exit(self) -> str | None:
         """Why to exit now, or None."""
@@ -255,8 +273,11 @@ async def run_node(
         if stop is not None:
             process.stop = stop
         from gpumesh.client.pool import SessionPool
+        from gpumesh.transport.outgoing import OutgoingSocket
 
-        process.pool = node.pool = SessionPool()
+        # One socket and one relay registration per relay for every outgoing link.
+        outgoing = OutgoingSocket(lambda: node.home.identity)
+        process.pool = node.pool = SessionPool(outgoing=outgoing)
         process.before = _config_watch(node.home)
         state = ControlState(
             node=node,

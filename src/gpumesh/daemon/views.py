@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-__all__ = ["NodeProcessView", "WarmSessionView"]
+__all__ = ["NodeProcessView", "OutgoingView", "RelayRegistrationView", "WarmSessionView"]
 
 
 class WarmSessionView(msgspec.Struct):
@@ -17,6 +17,29 @@ class WarmSessionView(msgspec.Struct):
     """Seconds since it was last used."""
     uses: int
     """Requests it carried (a job's submission and its follow are two)."""
+    local_port: int | None = None
+    """The local UDP port its packets leave from (the shared socket's, for IPv4 peers)."""
+
+
+class RelayRegistrationView(msgspec.Struct):
+    """The shared socket's registration with one relay."""
+
+    relay: str
+    state: str
+    """``registered as ADDR`` (as the relay sees this node), ``registering`` or
+    ``refused: ...``."""
+    registrations: int
+    """Times the relay accepted it (more than 1: it was lost and made again)."""
+
+
+class OutgoingView(msgspec.Struct):
+    """The one UDP socket every outgoing link of the node process leaves from."""
+
+    port: int | None
+    """Its local UDP port; None until the first dial opens it."""
+    links: int
+    """QUIC links open on it."""
+    relays: list[RelayRegistrationView]
 
 
 class NodeProcessView(msgspec.Struct):
@@ -35,3 +58,5 @@ class NodeProcessView(msgspec.Struct):
     idle_exit: float | None
     """Seconds without a request after which it exits; None: it stays."""
     warm_sessions: list[WarmSessionView]
+    outgoing: OutgoingView | None = None
+    """The shared dialling socket and its relay registrations."""

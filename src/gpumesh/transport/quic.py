@@ -488,6 +488,11 @@ class QuicLink:
             self.fec_decoder = fec.Decoder()
         return self.fec_decoder.receive(frame, now)
 
+    @property
+    def local_port(self) -> int:
+        """The local UDP port this link's packets leave from."""
+        return self._endpoint.local_address[1]
+
     def describe_path(self) -> str:
         """``direct``, ``direct (hole-punched) ADDR`` or ``relayed via RELAY``."""
         return "direct" if self.path is None else self.path.describe()
@@ -823,13 +828,16 @@ class QuicEndpoint:
         *,
         path: LinkPath | None = None,
         alpns: Sequence[str] = ALPNS,
+        shared: bool = False,
     ) -> QuicLink:
         """Connect this dialer endpoint's one link to ``address`` (a ``path``'s virtual
         address when it runs over one) and pin ``expected_key``; ``where`` names
-        the peer in errors."""
+        the peer in errors. ``shared``: the endpoint carries other client links too
+        (routed by connection id), and a failed dial closes only its own link."""
         quic = QuicConnection(configuration=client_configuration(alpns))
         link = QuicLink(self, quic, address, path=path)
-        self._dialer_link = link
+        if not shared:
+            self._dialer_link = link
         self._add_link(link)
         quic.connect(address, self._loop.time())
         link.transmit_now()
@@ -838,7 +846,13 @@ class QuicEndpoint:
         except TimeoutError:
             if link.is_closed:
                 raise link.closed.result() from None
+            if shared:
+                link.close()
             raise unreachable(where, waited=timeout) from None
+        except BaseException:
+            if shared:
+                link.close()
+            raise
         if link.peer_public_key() != expected_key:
             error = KeyMismatchError(
                 f"the node at {where} presented a different key than the one you paired "
@@ -882,8 +896,10 @@ class QuicEndpoint:
         self._by_cid.pop(cid, None)
 
     def link_closed(self, link: QuicLink) -> None:
-        if link is self._dialer_link:
-            # A dialer's socket serves this one link; its close is already sent.
+        if link is self._dialer_link or self._server_config is None:
+            # A dialer's socket (one link, or a shared one's several): its close is
+            # already sent, and no peer's retransmission needs an answer. A relayed
+            # link's session ends at the relay now, not after a linger.
             self._forget(link)
             return
         # Keep routing for a moment so the close can be retransmitted, then forget.
@@ -947,6 +963,8 @@ class QuicEndpoint:
             logger.debug("udp receive failed: %s", exc)
             return
         if not batch:
+            if self.udp.reports_refusals:  # a shared dialer's socket (Linux)
+                self._refused(self.udp.take_refusals())
             return
         now = self._loop.time()
         touched: dict[QuicLink, None] = {}
@@ -986,6 +1004,12 @@ class QuicEndpoint:
         for link in touched:
             link.process_events()
             link.transmit_now()
+
+    def _refused(self, addresses: list[Address]) -> None:
+        """ICMP said nothing listens at ``addresses``: their dials fail at once."""
+        for link in list(self.links):
+            if link.path is None and link.address in addresses and not link.connected.done():
+                link._finish(unreachable(format_address(link.address), refused=True))
 
     def _deliver(
         self,

@@ -40,6 +40,7 @@ from gpumesh.transport.quic import QuicEndpoint, QuicLink
 from gpumesh.transport.stream import Stream
 
 if TYPE_CHECKING:
+    from gpumesh.transport.outgoing import OutgoingSocket
     from gpumesh.transport.relayclient import RelayedPath
 
 __all__ = [
@@ -243,14 +244,28 @@ class Session:
 
 
 async def _dial_one(
-    identity: Identity, name: str, address: Address, server_key: bytes, timeout: float
+    identity: Identity,
+    name: str,
+    address: Address,
+    server_key: bytes,
+    timeout: float,
+    via: OutgoingSocket | None = None,
 ) -> Session:
-    link = await QuicEndpoint.dial(address, expected_key=server_key, timeout=timeout)
-    return await _authenticate(link, identity, name, server_key, f"{address[0]}:{address[1]}")
+    where = f"{address[0]}:{address[1]}"
+    if via is not None and via.takes(address):
+        link = await via.dial(address, where, server_key, timeout)
+    else:
+        link = await QuicEndpoint.dial(address, expected_key=server_key, timeout=timeout)
+    return await _authenticate(link, identity, name, server_key, where)
 
 
 async def _dial_relayed(
-    identity: Identity, name: str, relay: RelayHint, server_key: bytes, timeout: float
+    identity: Identity,
+    name: str,
+    relay: RelayHint,
+    server_key: bytes,
+    timeout: float,
+    via: OutgoingSocket | None = None,
 ) -> Session:
     # Imported here: most dials never need the relay, and every CLI start pays for imports.
     from gpumesh.transport.netinfo import local_addresses
@@ -269,7 +284,12 @@ async def _dial_relayed(
             candidates=lambda: local_addresses("0.0.0.0", endpoint.local_address[1]),
         )
 
-    link, path = await dial_relayed(make_client, server_key, timeout=timeout)
+    if via is not None:
+        link, path = await via.dial_relayed(
+            relay_address, relay.address, relay.token, server_key, timeout
+        )
+    else:
+        link, path = await dial_relayed(make_client, server_key, timeout=timeout)
     where = f"the relay {relay.address}"
     session = await _authenticate(link, identity, name, server_key, where, relayed=path)
     if path.direct is None and path.puncher.heard_from:
@@ -341,16 +361,18 @@ async def open_session(
     timeout: float = 5.0,
     peer_label: str = "the peer",
     relay: RelayHint | None = None,
+    via: OutgoingSocket | None = None,
 ) -> Session:
     """Dial ``addresses`` (staggered, first success wins) and authenticate.
 
     With a ``relay``, the relay is tried too: after :data:`RELAY_DELAY`, or
     at once when every direct dial has failed; whichever finishes first wins.
     A refusal (denied, not paired) or a key mismatch ends the attempt at once:
-    other paths reach the same node and would only repeat it.
+    other paths reach the same node and would only repeat it. ``via``: a long-running
+    process's shared socket and relay registrations (else each dial opens its own).
     """
     direct = asyncio.create_task(
-        _open_direct(identity, name, addresses, server_key, timeout, peer_label)
+        _open_direct(identity, name, addresses, server_key, timeout, peer_label, via)
     )
     if relay is None:
         return await direct
@@ -360,7 +382,9 @@ async def open_session(
         await asyncio.wait({direct}, timeout=RELAY_DELAY if addresses else 0)
         if direct.done() and (winner := _settled(direct)) is not None:
             return winner
-        relayed = asyncio.create_task(_dial_relayed(identity, name, relay, server_key, timeout))
+        relayed = asyncio.create_task(
+            _dial_relayed(identity, name, relay, server_key, timeout, via)
+        )
         pending: set[asyncio.Task[Session]] = {relayed} if direct.done() else {direct, relayed}
         while pending:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -395,6 +419,7 @@ async def _open_direct(
     server_key: bytes,
     timeout: float,
     peer_label: str,
+    via: OutgoingSocket | None = None,
 ) -> Session:
     if not addresses:
         raise UnreachableError(f"no known address for {peer_label}: pair again with a fresh code")
@@ -404,7 +429,7 @@ async def _open_direct(
     winner: Session | None = None
     try:
         for index, address in enumerate(addresses):
-            task = asyncio.create_task(_dial_one(identity, name, address, server_key, timeout))
+            task = asyncio.create_task(_dial_one(identity, name, address, server_key, timeout, via))
             tasks.append(task)
             pending.add(task)
             is_last = index == len(addresses) - 1

@@ -47,6 +47,12 @@ _GSO_MAX_BYTES = 65000
 _RECV_BUFFER = 65535
 _SOCKET_BUFFER = 4 * 1024 * 1024
 _CMSG_SPACE = socket.CMSG_SPACE(4) if hasattr(socket, "CMSG_SPACE") else 0
+_IP_RECVERR = getattr(socket, "IP_RECVERR", 11)
+_ICMP_ERRORS = frozenset(
+    {errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN, errno.EPROTO}
+)
+"""What a socket with ``IP_RECVERR`` reports once, on its next call, for an ICMP error."""
+_ERR_CMSG_SPACE = socket.CMSG_SPACE(64) if hasattr(socket, "CMSG_SPACE") else 0
 
 
 def gso_control(segment: int) -> list[tuple[int, int, bytes]]:
@@ -108,6 +114,8 @@ class UdpSocket:
                 pass
         self._pending: deque[tuple[bytes, int, Address | None]] = deque()
         self.peer: Address | None = None
+        self.reports_refusals = False
+        """ICMP errors of this unconnected socket are queued (:meth:`report_refusals`)."""
         logger.debug("udp socket %s gso=%s gro=%s", sock.getsockname(), self.gso, self.gro)
 
     @property
@@ -119,6 +127,34 @@ class UdpSocket:
         """Fix the peer, so an ICMP 'port unreachable' surfaces as an error."""
         self.sock.connect(address)
         self.peer = address
+
+    def report_refusals(self) -> None:
+        """Queue ICMP errors of this unconnected IPv4 socket (Linux's ``IP_RECVERR``),
+        so a dial from a shared socket to a port where nothing listens fails at once
+        (:meth:`take_refusals` names those ports); elsewhere nothing changes."""
+        if self.sock.family != socket.AF_INET or not hasattr(socket, "MSG_ERRQUEUE"):
+            return
+        try:
+            self.sock.setsockopt(socket.IPPROTO_IP, _IP_RECVERR, 1)
+        except OSError:
+            return
+        self.reports_refusals = True
+
+    def take_refusals(self) -> list[Address]:
+        """Empty the ICMP error queue; the destinations that said nothing listens there."""
+        refused: list[Address] = []
+        for _ in range(256):
+            try:
+                _data, ancdata, _flags, addr = self.sock.recvmsg(
+                    1, _ERR_CMSG_SPACE, socket.MSG_ERRQUEUE
+                )
+            except OSError:  # the queue is empty (EAGAIN), or no queue at all
+                break
+            for level, kind, value in ancdata:
+                is_error = level == socket.IPPROTO_IP and kind == _IP_RECVERR and len(value) >= 4
+                if is_error and addr and struct.unpack_from("=I", value)[0] == errno.ECONNREFUSED:
+                    refused.append((addr[0], addr[1]))
+        return refused
 
     # --- receive ----------------------------------------------------------------
 
@@ -143,6 +179,10 @@ class UdpSocket:
                     segment = len(data)
             except (BlockingIOError, InterruptedError):
                 break
+            except OSError:
+                if not self.reports_refusals:
+                    raise
+                continue  # an ICMP error, reported once here: take_refusals names it
             if data:
                 batch.append(Received(data, segment or len(data), (addr[0], addr[1])))
         return batch
@@ -192,6 +232,7 @@ class UdpSocket:
         pending = self._pending
         sock = self.sock
         connected = self.peer is not None
+        retried = False
         while pending:
             data, segment, addr = pending[0]
             try:
@@ -216,9 +257,15 @@ class UdpSocket:
                     for offset in reversed(range(0, len(data), segment)):
                         pending.appendleft((data[offset : offset + segment], segment, addr))
                     continue
+                if self.reports_refusals and not retried and exc.errno in _ICMP_ERRORS:
+                    # An ICMP error about an earlier datagram to anywhere, which the
+                    # kernel reports on this send: the datagram itself did not go.
+                    retried = True
+                    continue
                 # Unreachable peers and similar: drop the datagram like the network would.
                 logger.debug("udp send to %s failed: %s", addr, exc)
             pending.popleft()
+            retried = False
         return True
 
     def close(self) -> None:
