@@ -96,6 +96,36 @@ def test_placement_skips_a_stopped_member_within_the_probe_timeout(make_node) ->
     arun(scenario())
 
 
+def test_when_no_member_answers_in_time_the_probe_waits_for_the_first_answer(
+    make_node,
+) -> None:
+    """A loaded machine may miss the probe timeout for every member: the probe then
+    waits on for the first answer instead of calling them all unreachable, and a
+    member still silent by then is unreachable."""
+    me, alive, dead = make_node("me"), make_node("alive"), make_node("dead")
+
+    async def scenario() -> None:
+        async with providers({alive: "RTX-4090:24GB", dead: "RTX-4090:24GB"}) as agents:
+            pair_both(alive, me)
+            pair_both(dead, me)
+            agents["dead"].stop()
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as blackhole:
+                blackhole.bind(("127.0.0.1", 0))  # swallows packets: no ICMP refusal
+                me.home.store._execute(
+                    "UPDATE peers SET addresses = ?, last_address = '' WHERE name = 'dead'",
+                    (f'["127.0.0.1:{blackhole.getsockname()[1]}"]',),
+                )
+                # No dial and proof can finish in a millisecond: nobody answers in time.
+                members = _members(me, ["alive", "dead"])
+                probes = await probe(me, members, timeout=0.001, patience=120.0)  # type: ignore[arg-type]
+            found = {p.name: p for p in probes}
+            assert found["alive"].status is not None, found["alive"].error
+            assert found["dead"].unreachable and found["dead"].status is None
+            assert "no answer from 127.0.0.1:" in found["dead"].error
+
+    arun(scenario())
+
+
 def test_busy_members_are_skipped_and_running_jobs_count(make_node) -> None:
     me, busy, free = make_node("me"), make_node("busy"), make_node("free")
 

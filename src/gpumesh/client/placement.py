@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BUSY_UTILIZATION",
+    "PROBE_PATIENCE",
     "PROBE_TIMEOUT",
     "Candidate",
     "Placement",
@@ -36,6 +37,10 @@ __all__ = [
 
 PROBE_TIMEOUT = 1.0
 """Seconds a member has to answer a placement probe."""
+PROBE_PATIENCE = 5.0
+"""Seconds a probe waits for its first answer when no member answered within
+:data:`PROBE_TIMEOUT` (a loaded machine, or a path still being dialled): the
+members that are merely slow are then not all called unreachable at once."""
 BUSY_UTILIZATION = 80
 """A GPU above this utilisation (percent) counts as busy."""
 
@@ -173,12 +178,48 @@ async def _probe_one(node: Node, name: str, peer: Peer | None, timeout: float) -
 
 
 async def probe(
-    node: Node, members: list[tuple[str, Peer | None]], timeout: float = PROBE_TIMEOUT
+    node: Node,
+    members: list[tuple[str, Peer | None]],
+    timeout: float = PROBE_TIMEOUT,
+    patience: float = PROBE_PATIENCE,
 ) -> list[Probe]:
-    """Ask every member for its status at once; each has ``timeout`` seconds."""
-    return list(
-        await asyncio.gather(*(_probe_one(node, name, peer, timeout) for name, peer in members))
-    )
+    """Ask every member for its status at once; each has ``timeout`` seconds.
+
+    When no member has answered by then, the probe waits on, up to ``patience``
+    seconds in all, for the first answer; a member still silent when the probe
+    stops is unreachable, said with the seconds it was given.
+    """
+    patience = max(patience, timeout)
+    tasks = [asyncio.create_task(_probe_one(node, name, peer, patience)) for name, peer in members]
+    started = time.monotonic()
+    waited = timeout
+    try:
+        pending = {t for t in tasks if not t.done()}
+        if pending:
+            _, pending = await asyncio.wait(pending, timeout=timeout)
+        while pending and not any(t.done() and t.result().status for t in tasks):
+            left = patience - (time.monotonic() - started)
+            if left <= 0:
+                break
+            _, pending = await asyncio.wait(
+                pending, timeout=left, return_when=asyncio.FIRST_COMPLETED
+            )
+        waited = max(timeout, time.monotonic() - started)
+    finally:
+        silent = [t for t in tasks if not t.done()]
+        for task in silent:
+            task.cancel()
+        await asyncio.gather(*silent, return_exceptions=True)
+    probes = []
+    for (name, peer), task in zip(members, tasks, strict=True):
+        if not task.cancelled():
+            probes.append(task.result())
+            continue
+        assert peer is not None  # an unpaired member's probe never waits
+        where = ", ".join(peer.dial_addresses()) or f"{name}'s relay"
+        error = unreachable(where, waited=waited)
+        probes.append(Probe(name, peer, error=f"unreachable: {error.message}", unreachable=True))
+    return probes
 
 
 async def place(
