@@ -120,9 +120,12 @@ def test_both_ways_with_half_close_then_it_ends_cleanly(
 ) -> None:
     moving, program, far = spliced
     up, down = os.urandom(5 * CHANNEL_CHUNK + 7), os.urandom(3 * CHANNEL_CHUNK + 11)
-    sender = threading.Thread(
-        target=lambda: (program.sendall(up), program.shutdown(socket.SHUT_WR))
-    )
+
+    def send() -> None:
+        program.sendall(up)
+        program.shutdown(socket.SHUT_WR)
+
+    sender = threading.Thread(target=send)
     sender.start()
     assert _pieces_until_end(far) == up  # the program's EOF arrived as a piece of 0
     # The far side still sends after the program's half-close: it is read to the end.
