@@ -253,11 +253,13 @@ class DesktopService:
         connection). A channel neither opened nor declined ends the request."""
         accepting = asyncio.ensure_future(closing_in_thread(listener.accept, _CHANNEL_STALL))
         declining = asyncio.ensure_future(ctx.stream.read_message())
+        taken = False
         try:
             done, _ = await asyncio.wait(
                 {accepting, declining}, return_when=asyncio.FIRST_COMPLETED
             )
             if accepting in done and accepting.exception() is None:
+                taken = True
                 return accepting.result()
             # The channel did not open: the consumer says so on the stream (or it
             # saw a channel we did not: nothing would carry the connection).
@@ -279,6 +281,8 @@ class DesktopService:
             declining.cancel()
             if not accepting.done():
                 accepting.cancel()  # a channel it still returns is closed, unclaimed
+            elif not taken and not accepting.cancelled() and accepting.exception() is None:
+                accepting.result().close()  # opened, yet the consumer declined it
             with contextlib.suppress(asyncio.CancelledError, GPUMeshError):
                 await declining
 

@@ -243,6 +243,11 @@ async def _accept(
             conn, _address = await loop.sock_accept(listener)
         except (ConnectionAbortedError, InterruptedError):
             continue  # gone while it was queued
+        except OSError as exc:  # e.g. out of file descriptors
+            raise TransportError(
+                f"the tunnel's listener failed: {exc.strerror or exc}; "
+                "start `desktop connect` again"
+            ) from None
         conn.setblocking(False)
         task = asyncio.create_task(serve(conn))
         connections.add(task)  # before it first runs: a close now cancels it too
