@@ -377,7 +377,10 @@ class _Splice:
                 self._down_eof = True
                 break
             self._down_fill += got
-            if not channel.pending() and not _unread(channel):
+            # A full record is bulk: more likely follows, and reading on costs at most
+            # one exception per buffer. After a short one (a small message) ask the
+            # kernel first: that exception would come at every hop.
+            if got < _FULL_RECORD and not channel.pending() and not _unread(channel):
                 self._channel_r = False  # drained; poll says when more comes
                 break
         if not self._down_fill:
@@ -431,6 +434,8 @@ class _Splice:
 
 
 _COUNT = struct.Struct("i")
+_FULL_RECORD = 16384
+"""The most bytes one TLS record carries."""
 
 
 def _unread(sock: socket.socket) -> bool:
