@@ -292,8 +292,17 @@ class _Splice:
         while not (self.up_done and self.down_done):
             if self._stopping:
                 raise _Stopped()
-            moved = self._step_up()
-            moved = self._step_down() or moved
+            # A step is called only when it can move (its socket known ready): a
+            # small message then costs one call of each kind per hop.
+            moved = False
+            if not self.up_done and (self._local_r if self._up_out is None else self._channel_w):
+                moved = self._step_up()
+            if not self.down_done and (
+                self._local_w
+                if self._down_pos < self._down_fill
+                else self._channel_r or self._down_eof
+            ):
+                moved = self._step_down() or moved
             if moved:
                 continue
             want_local = want_channel = 0
@@ -461,6 +470,8 @@ class _Poller:
         self._wake, self._local, self._channel = wake.fileno(), local.fileno(), channel.fileno()
         self._poll = select.poll() if _HAS_POLL else None
         self._masks: dict[int, int] = {}
+        self._last = (0, 0)
+        """What the last wait wanted of (the local socket, the channel)."""
         if self._poll is not None:
             self._poll.register(self._wake, select.POLLIN)
 
@@ -470,19 +481,8 @@ class _Poller:
         the next step finds out what it is."""
         if self._poll is None:
             return self._select(local, channel)
-        for fd, wanted in ((self._local, local), (self._channel, channel)):
-            mask = (select.POLLIN if wanted & _READ else 0) | (
-                select.POLLOUT if wanted & _WRITE else 0
-            )
-            if self._masks.get(fd, 0) == mask:
-                continue
-            # A socket nothing is wanted of is left out: a hang-up on it (the local
-            # program gone after its half-close) would wake every wait at once.
-            if mask:
-                self._poll.register(fd, mask)  # again: modifies
-            else:
-                self._poll.unregister(fd)
-            self._masks[fd] = mask
+        if (local, channel) != self._last:
+            self._want(local, channel)
         woke, ready_local, ready_channel = False, 0, 0
         for fd, revents in self._poll.poll():
             ready = (_READ | _WRITE) if revents & _BROKEN else 0
@@ -496,6 +496,23 @@ class _Poller:
             else:
                 ready_channel |= ready
         return woke, ready_local, ready_channel
+
+    def _want(self, local: int, channel: int) -> None:
+        assert self._poll is not None
+        self._last = (local, channel)
+        for fd, wanted in ((self._local, local), (self._channel, channel)):
+            mask = (select.POLLIN if wanted & _READ else 0) | (
+                select.POLLOUT if wanted & _WRITE else 0
+            )
+            if self._masks.get(fd, 0) == mask:
+                continue
+            # A socket nothing is wanted of is left out: a hang-up on it (the local
+            # program gone after its half-close) would wake every wait at once.
+            if mask:
+                self._poll.register(fd, mask)  # again: modifies
+            else:
+                self._poll.unregister(fd)
+            self._masks[fd] = mask
 
     def _select(self, local: int, channel: int) -> tuple[bool, int, int]:
         pairs = ((self._local, local), (self._channel, channel))
