@@ -163,3 +163,51 @@ def test_ctrl_c_closes_the_tunnel(homes: tuple[Path, Path], vnc_like: int) -> No
             break
         assert time.monotonic() < deadline
         time.sleep(0.1)
+
+
+def _connect_json(bob: Path) -> tuple[subprocess.Popen[str], dict[str, object]]:
+    """`desktop connect alice-pc --json` on a free port; returns it and what it printed first."""
+    command = ["desktop", "connect", "alice-pc", "--bind", "127.0.0.1:0", "--json"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gpumesh", *command],
+        env=dict(os.environ, GPUMESH_HOME=str(bob)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    lines = [proc.stdout.readline()]
+    while lines[-1] and lines[-1].rstrip() != "}":  # the first document is indented
+        lines.append(proc.stdout.readline())
+    try:
+        return proc, json.loads("".join(lines))
+    except ValueError:
+        proc.kill()
+        raise AssertionError((lines, proc.communicate())) from None
+
+
+@pytest.mark.parametrize("data_channel", ["on", "off"])
+def test_connect_json_says_what_carries_each_connection(
+    homes: tuple[Path, Path], vnc_like: int, data_channel: str
+) -> None:
+    """After where it listens, one line per connection as it opens: a data channel on
+    this direct loopback link, QUIC when the consumer turned data channels off."""
+    alice, bob = homes
+    assert gpumesh(alice, "desktop", "share", "--port", str(vnc_like)).returncode == 0
+    assert gpumesh(alice, "desktop", "allow", "bob-laptop").returncode == 0
+    assert gpumesh(bob, "config", "set", "data_channel", data_channel).returncode == 0
+    proc, ready = _connect_json(bob)
+    try:
+        assert ready["provider"] == "alice-pc"
+        listen = str(ready["listen"])
+        port = int(listen.rsplit(":", 1)[1])
+        path = "channel" if data_channel == "on" else "quic"
+        assert proc.stdout is not None
+        for number in (1, 2):
+            with socket.create_connection(("127.0.0.1", port), timeout=CEILING) as conn:
+                conn.settimeout(CEILING)
+                assert conn.recv(12) == b"RFB 003.008\n"  # carried both ways
+                assert json.loads(proc.stdout.readline()) == {"connection": number, "path": path}
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=CEILING)

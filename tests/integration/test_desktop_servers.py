@@ -211,3 +211,54 @@ def test_rdp_handshake_through_the_tunnel(
         finally:
             proc.terminate()
             proc.communicate(timeout=CEILING)
+
+
+# NTLM's hash of "secret" (MD4 of its UTF-16LE bytes), as `winpr-hash -u tester -p
+# secret` prints it; written out because Python's hashlib has no MD4 under OpenSSL 3.
+SAM_ENTRY = "tester:::878d8014606cda29677a44efa1353fc7:::\n"
+
+
+def test_rdp_authentication_through_the_tunnel_refuses_a_wrong_password(
+    tmp_path: Path,
+    homes: tuple[Path, Path],  # noqa: F811
+) -> None:
+    """The RDP server (NLA against its own user list) decides: a wrong password is
+    refused by it through the tunnel, the right one then gets in on the same tunnel."""
+    alice, bob = homes
+    rdp_port = _free_tcp_port()
+    sam = tmp_path / "sam"
+    sam.write_text(SAM_ENTRY)
+    server = ["freerdp-shadow-cli", "/bind-address:127.0.0.1", f"/port:{rdp_port}"]
+    log = tmp_path / "shadow.log"
+    with (
+        _xvfb(tmp_path) as server_env,
+        _xvfb(tmp_path, "320x240x24") as client_env,
+        _started([*server, "/sec:nla", f"/sam-file:{sam}"], server_env, log) as shadow,
+    ):
+        _wait_listening(rdp_port, shadow)
+        _share(alice, bob, "--rdp", "--port", str(rdp_port))
+        proc, port = _connect(bob)
+
+        def login(password: str) -> subprocess.CompletedProcess[str]:
+            flags = ("/u:tester", f"/p:{password}", "/cert:ignore", "+auth-only")
+            return subprocess.run(
+                ["xfreerdp", f"/v:127.0.0.1:{port}", *flags],
+                env=client_env,
+                capture_output=True,
+                text=True,
+                timeout=CEILING,
+                check=False,
+            )
+
+        try:
+            wrong = login("not-the-password")
+            assert wrong.returncode != 0, wrong.stdout + wrong.stderr
+            assert "Authentication only, exit status 1" in wrong.stdout + wrong.stderr
+            assert "client authentication failure" in log.read_text()  # the server said no
+            right = login("secret")
+            assert right.returncode == 0, right.stdout + right.stderr
+            assert "Authentication only, exit status 0" in right.stdout + right.stderr
+            assert proc.poll() is None  # a refused login is no reason to end the tunnel
+        finally:
+            proc.terminate()
+            proc.communicate(timeout=CEILING)

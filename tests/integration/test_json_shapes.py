@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -200,6 +201,14 @@ class Recorder:
             data = json.loads(result.stdout)
         except ValueError as exc:
             raise AssertionError(f"{case}: not JSON ({exc}):\n{result.stdout}") from None
+        return self.record(case, situation, home, args, data)
+
+    def record(
+        self, case: str, situation: str, home: Path, args: tuple[str, ...], data: Any
+    ) -> Any:
+        """Keep the shape of ``data``, one document a command printed (a command that
+        runs on prints several: each is its own case)."""
+        assert case not in self.cases, f"case {case} recorded twice"
         shown = [_CODES.get(arg[:5], arg) for arg in args]
         command = " ".join(["gpumesh", *shown]).replace(str(self.root), "$TMP")
         self.cases[case] = {
@@ -291,6 +300,7 @@ def _nodes(root: Path, rec: Recorder, alice: Path, bob: Path, carol: Path, relay
             _copies(root, rec, bob)
             _apps(root, rec, bob)
             _groups(rec, alice, bob)
+            _desktop(rec, alice, bob)
             job_id = _cli(bob, "run", "--peer", "alice-pc", "--detach", "--", "sleep", "120")
         rec.json(
             "jobs_provider_unreachable",
@@ -463,6 +473,37 @@ def _groups(rec: Recorder, alice: Path, bob: Path) -> None:
     )
     members = ("group", "members", "lab", "--offline", "--json")
     rec.json("group_members_offline", "", bob, *members)
+
+
+def _desktop(rec: Recorder, alice: Path, bob: Path) -> None:
+    """``desktop connect --json`` runs until stopped: where it listens, then a line per
+    connection (over a data channel: a direct loopback link)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    _cli(alice, "desktop", "share", "--port", str(server.getsockname()[1]))
+    _cli(alice, "desktop", "allow", "bob-laptop")
+    args = ("desktop", "connect", "alice-pc", "--bind", "127.0.0.1:0", "--json")
+    proc = subprocess.Popen(
+        [*GPUMESH, *args], env=_env(bob), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        lines = [proc.stdout.readline()]
+        while lines[-1] and lines[-1].rstrip() != "}":  # the first document is indented
+            lines.append(proc.stdout.readline())
+        ready = rec.record(
+            "desktop_connect", "a plain TCP server shared", bob, args, json.loads("".join(lines))
+        )
+        port = int(str(ready["listen"]).rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=60):
+            line = proc.stdout.readline()
+            rec.record(
+                "desktop_connect_connection", "its first connection", bob, args, json.loads(line)
+            )
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=60)
+        server.close()
+        _cli(alice, "desktop", "share", "stop")
 
 
 def _relayed(rec: Recorder, alice: Path, bob: Path, relay: str) -> None:

@@ -25,12 +25,14 @@ import asyncio
 import contextlib
 import logging
 import secrets
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from gpumesh.agent.deps import Handlers, Provider, RequestContext
+from gpumesh.blocking import closing_in_thread
 from gpumesh.errors import (
     AccessDeniedError,
     AgentError,
@@ -41,12 +43,12 @@ from gpumesh.errors import (
 from gpumesh.protocol.desktop import DesktopKind
 from gpumesh.protocol.messages import ChannelDeclined, DesktopOpen, DesktopOpened
 from gpumesh.transport.sockowner import listening_on_loopback
-from gpumesh.transport.tcpstream import READ_LIMIT, Streams, pump, splice
+from gpumesh.transport.tcpstream import READ_LIMIT, pump, splice
 
 if TYPE_CHECKING:
     import ssl
 
-    from gpumesh.files.channel import StreamsListener
+    from gpumesh.files.channel import Channel, Listener
     from gpumesh.identity.keys import Identity
     from gpumesh.store.db import DesktopShare, Peer
     from gpumesh.transport.stream import Stream
@@ -58,6 +60,9 @@ logger = logging.getLogger(__name__)
 SERVER_HOST = "127.0.0.1"
 """Where the shared desktop server is reached: this host's loopback, nowhere else."""
 _CONNECT_TIMEOUT = 10.0
+_CHANNEL_STALL = 30.0
+"""Seconds a desktop data channel may stall before it is given up (the blocking
+socket's timeout while it opens; the connection itself never times out)."""
 
 
 class ChannelSource(Protocol):
@@ -154,17 +159,14 @@ class DesktopService:
             ctx.stream.send_message(reply, end=True)
             return
         try:
-            async with asyncio.timeout(_CONNECT_TIMEOUT):
-                reader, writer = await asyncio.open_connection(
-                    SERVER_HOST, share.port, limit=READ_LIMIT
-                )
+            server = await _connect(share.port)
         except (OSError, TimeoutError):
             raise self._no_server(share) from None
         if message.probe:
-            writer.close()
+            server.close()
             ctx.stream.send_message(reply, end=True)
             return
-        listener = await self._listener(ctx) if message.channel else None
+        listener = self._listener(ctx) if message.channel else None
         if listener is not None:
             reply = DesktopOpened(
                 provider=reply.provider,
@@ -176,7 +178,7 @@ class DesktopService:
         try:
             ctx.stream.send_message(reply)
         except BaseException:
-            writer.close()
+            server.close()
             if listener is not None:
                 listener.close()
             raise
@@ -189,13 +191,13 @@ class DesktopService:
             channel = await self._channel(ctx, listener) if listener is not None else None
         except BaseException:
             self._sessions.pop(key, None)
-            writer.close()
+            server.close()
             raise
         if _is_cut(session):  # denied while the channel opened
             self._sessions.pop(key, None)
-            writer.close()
+            server.close()
             if channel is not None:
-                channel[1].close()
+                channel.close()
             return
         session.path = "quic" if channel is None else "channel"
         logger.info(
@@ -206,9 +208,9 @@ class DesktopService:
         )
         self.on_change()
         session.task = asyncio.create_task(
-            pump(ctx.stream, reader, writer)
+            _over_quic(ctx.stream, server)
             if channel is None
-            else splice(ctx.stream, (reader, writer), channel)
+            else splice(ctx.stream, server, channel.sock)
         )
         try:
             await session.task
@@ -226,9 +228,9 @@ class DesktopService:
         if session.cut is not None:
             logger.info("[%s] desktop connection cut: %s", ctx.peer.name, session.cut)
 
-    async def _listener(self, ctx: RequestContext) -> StreamsListener | None:
+    def _listener(self, ctx: RequestContext) -> Listener | None:
         """A one-shot data channel listener for this request; None: QUIC carries it."""
-        from gpumesh.files.channel import StreamsListener, server_context
+        from gpumesh.files.channel import Listener, server_context
 
         channels = self.channels
         if channels is None or not channels.channel_enabled():
@@ -236,28 +238,28 @@ class DesktopService:
         if self._tls is None:
             self._tls = server_context(channels.identity)
         try:
-            listener = StreamsListener(
+            return Listener(
+                channels.provider.host,
                 self._tls,
                 secrets.token_bytes(32),
                 peer=ctx.link.remote_address()[0],
-                limit=READ_LIMIT,
             )
-            await listener.start(channels.provider.host)
         except (OSError, ValueError) as exc:
             logger.debug("[%s] no data channel for the desktop: %s", ctx.peer.name, exc)
             return None
-        return listener
 
-    async def _channel(self, ctx: RequestContext, listener: StreamsListener) -> Streams | None:
+    async def _channel(self, ctx: RequestContext, listener: Listener) -> Channel | None:
         """The consumer's data channel, or None when it declined it (QUIC carries the
         connection). A channel neither opened nor declined ends the request."""
-        accepting = asyncio.ensure_future(listener.accept())
+        accepting = asyncio.ensure_future(closing_in_thread(listener.accept, _CHANNEL_STALL))
         declining = asyncio.ensure_future(ctx.stream.read_message())
+        taken = False
         try:
             done, _ = await asyncio.wait(
                 {accepting, declining}, return_when=asyncio.FIRST_COMPLETED
             )
             if accepting in done and accepting.exception() is None:
+                taken = True
                 return accepting.result()
             # The channel did not open: the consumer says so on the stream (or it
             # saw a channel we did not: nothing would carry the connection).
@@ -275,11 +277,14 @@ class DesktopService:
                 "the desktop connection's data channel neither opened nor was declined"
             ) from None
         finally:
-            listener.close()
-            for task in (accepting, declining):
-                task.cancel()
+            listener.stop()  # accept() returns within a fraction of a second
+            declining.cancel()
+            if not accepting.done():
+                accepting.cancel()  # a channel it still returns is closed, unclaimed
+            elif not taken and not accepting.cancelled() and accepting.exception() is None:
+                accepting.result().close()  # opened, yet the consumer declined it
             with contextlib.suppress(asyncio.CancelledError, GPUMeshError):
-                await accepting
+                await declining
 
     def _no_server(self, share: DesktopShare) -> AgentError:
         return AgentError(
@@ -340,3 +345,26 @@ class DesktopService:
 
 def _is_cut(session: DesktopSession) -> bool:
     return session.cut is not None
+
+
+async def _connect(port: int) -> socket.socket:
+    """A plain socket connected to the shared server on this host's loopback."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    try:
+        async with asyncio.timeout(_CONNECT_TIMEOUT):
+            await asyncio.get_running_loop().sock_connect(sock, (SERVER_HOST, port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+async def _over_quic(stream: Stream, server: socket.socket) -> None:
+    """The connection's bytes as DATA frames on its stream (no data channel)."""
+    try:
+        reader, writer = await asyncio.open_connection(sock=server, limit=READ_LIMIT)
+    except BaseException:
+        server.close()
+        raise
+    await pump(stream, reader, writer)

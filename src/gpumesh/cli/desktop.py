@@ -190,7 +190,13 @@ Then, while it runs:
     metavar="[HOST:]PORT",
     help="Loopback address to listen on (default 127.0.0.1:15900 for VNC, :13389 for RDP).",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print where it listens as JSON, then run.")
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print where it listens as JSON, then one line of JSON per connection as it "
+    'opens, with what carries it: {"connection": 1, "path": "channel"} (or "quic").',
+)
 def connect(peer: str, bind_text: str | None, as_json: bool) -> None:
     """Tunnel PEER's shared desktop to a loopback port until Ctrl-C, and say what
     to run. Only this user's programs may connect (Linux)."""
@@ -206,6 +212,21 @@ def connect(peer: str, bind_text: str | None, as_json: bool) -> None:
             emit_json(TunnelView.of(tunnel))
         else:
             _print_ready(tunnel)
+
+    opened = 0
+
+    def carried(path: str) -> None:
+        nonlocal opened
+        opened += 1
+        if as_json:  # one compact line each: a script reads them as they come
+            import json
+
+            import msgspec
+
+            from gpumesh.client.views.desktop import TunnelConnectionView
+
+            view = TunnelConnectionView(opened, path)
+            click.echo(json.dumps(msgspec.to_builtins(view)))
 
     def refused(uid: int | None) -> None:
         who = f"uid {uid}" if uid is not None else "an unknown user"
@@ -223,6 +244,7 @@ def connect(peer: str, bind_text: str | None, as_json: bool) -> None:
                 ready=ready,
                 refused_local=refused,
                 connection_refused=failed,
+                carried=carried,
             )
         )
     except KeyboardInterrupt:

@@ -28,11 +28,13 @@ import contextlib
 import ipaddress
 import logging
 import os
+import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from gpumesh.blocking import closing_in_thread
 from gpumesh.errors import (
     AccessDeniedError,
     BadRequestError,
@@ -50,10 +52,11 @@ from gpumesh.transport.sockowner import (
     owner_check_available,
     socket_owner,
 )
-from gpumesh.transport.tcpstream import READ_LIMIT, Streams, pump, splice
+from gpumesh.transport.tcpstream import READ_LIMIT, pump, splice
 
 if TYPE_CHECKING:
     from gpumesh.client.node import Node
+    from gpumesh.files.channel import Channel
     from gpumesh.store.db import DesktopShare, Peer
     from gpumesh.transport.session import Session
 
@@ -76,6 +79,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 OwnerLookup = Callable[[tuple[str, int], tuple[str, int]], "int | None"]
+_CHANNEL_STALL = 30.0
+"""Seconds the data channel's blocking socket may stall while it opens (the
+connection itself never times out)."""
 
 
 @dataclass(frozen=True)
@@ -176,35 +182,43 @@ async def desktop_tunnel(
         ended: asyncio.Future[GPUMeshError] = asyncio.get_running_loop().create_future()
         connections: set[asyncio.Task[None]] = set()
 
-        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        async def serve(conn: socket.socket) -> None:
             task = asyncio.current_task()
             assert task is not None
             connections.add(task)
             try:
-                if lookup is not None and not _same_user(writer, lookup, refused_local):
-                    writer.close()
+                if lookup is not None and not _same_user(conn, lookup, refused_local):
+                    conn.close()
                     return
-                await _carry(way, reader, writer, ended, connection_refused)
+                await _carry(way, conn, ended, connection_refused)
             finally:
                 connections.discard(task)
 
         listen_port = port if port is not None else offer.kind.local_port
         try:
-            server = await asyncio.start_server(serve, host, listen_port, limit=READ_LIMIT)
+            listener = socket.create_server((host, listen_port), family=_family(host))
         except OSError as exc:
             raise InUseError(
                 f"cannot listen on {host}:{listen_port}: {exc.strerror or exc}; is another "
                 "tunnel running? pick another port with --bind 127.0.0.1:PORT"
             ) from None
+        listener.setblocking(False)
+        accepting = asyncio.create_task(_accept(listener, serve, connections))
         closed = asyncio.ensure_future(session.link.wait_closed())
         try:
-            bound = server.sockets[0].getsockname()
+            bound = listener.getsockname()
             ready(TunnelReady(offer, host, int(bound[1]), lookup is not None))
-            done, _ = await asyncio.wait({closed, ended}, return_when=asyncio.FIRST_COMPLETED)
+            waits: set[asyncio.Future[Any]] = {closed, ended, accepting}
+            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            if accepting in done:
+                accepting.result()  # the listener failed
             raise (ended.result() if ended in done else closed.result())
         finally:
             closed.cancel()
-            server.close()
+            accepting.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await accepting
+            listener.close()
             for task in list(connections):
                 task.cancel()
             for task in list(connections):
@@ -212,12 +226,41 @@ async def desktop_tunnel(
                     await task
 
 
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+async def _accept(
+    listener: socket.socket,
+    serve: Callable[[socket.socket], Coroutine[Any, Any, None]],
+    connections: set[asyncio.Task[None]],
+) -> None:
+    """Take each connection to ``listener`` as a plain socket (a data channel moves
+    its bytes on a thread of its own; QUIC wraps it in asyncio streams)."""
+    loop = asyncio.get_running_loop()
+    while True:
+        try:
+            conn, _address = await loop.sock_accept(listener)
+        except (ConnectionAbortedError, InterruptedError):
+            continue  # gone while it was queued
+        except OSError as exc:  # e.g. out of file descriptors
+            raise TransportError(
+                f"the tunnel's listener failed: {exc.strerror or exc}; "
+                "start `desktop connect` again"
+            ) from None
+        conn.setblocking(False)
+        task = asyncio.create_task(serve(conn))
+        connections.add(task)  # before it first runs: a close now cancels it too
+
+
 def _same_user(
-    writer: asyncio.StreamWriter, lookup: OwnerLookup, refused: Callable[[int | None], None]
+    conn: socket.socket, lookup: OwnerLookup, refused: Callable[[int | None], None]
 ) -> bool:
     """Whether the connecting socket is this user's (its row in the kernel's table)."""
-    theirs = writer.get_extra_info("peername")
-    ours = writer.get_extra_info("sockname")
+    try:
+        theirs, ours = conn.getpeername(), conn.getsockname()
+    except OSError:
+        return False  # already gone
     uid = lookup((str(theirs[0]), int(theirs[1])), (str(ours[0]), int(ours[1])))
     if uid == os.getuid():
         return True
@@ -236,19 +279,20 @@ class _Way:
     carried: Callable[[str], None]
 
 
-async def _open_channel(way: _Way, opened: DesktopOpened) -> Streams | None:
+async def _open_channel(way: _Way, opened: DesktopOpened) -> Channel | None:
     """Dial the offered data channel; None when it does not open (remembered for the
     peer, as ``cp`` remembers it: later connections go over QUIC without trying)."""
     from gpumesh.client.bulk import BLOCKED_FOR
-    from gpumesh.files.channel import dial_streams
+    from gpumesh.files.channel import dial
 
     try:
-        return await dial_streams(
+        return await closing_in_thread(
+            dial,
             way.session.address[0],
             opened.channel_port,
             way.peer.public_key,
             opened.channel_ticket,
-            limit=READ_LIMIT,
+            _CHANNEL_STALL,
         )
     except GPUMeshError as exc:
         if isinstance(exc, UnreachableError):
@@ -259,8 +303,7 @@ async def _open_channel(way: _Way, opened: DesktopOpened) -> Streams | None:
 
 async def _carry(
     way: _Way,
-    reader: asyncio.StreamReader,
-    writer: asyncio.StreamWriter,
+    conn: socket.socket,
     ended: asyncio.Future[GPUMeshError],
     refused: Callable[[GPUMeshError], None],
 ) -> None:
@@ -282,17 +325,21 @@ async def _carry(
                 stream.send_message(ChannelDeclined(reason="the data channel did not open"))
         way.carried("quic" if channel is None else "channel")
         if channel is None:
+            reader, writer = await asyncio.open_connection(sock=conn, limit=READ_LIMIT)
             await pump(stream, reader, writer)
         else:
-            await splice(stream, (reader, writer), channel)
+            await splice(stream, conn, channel.sock)
     except GPUMeshError as exc:
-        writer.close()
+        conn.close()
         if isinstance(exc, AccessDeniedError | NotFoundError) and not ended.done():
             ended.set_result(exc)
         else:
             logger.info("a desktop connection ended: %s", exc)
             if not isinstance(exc, TransportError):  # a reset or a lost link is no refusal
                 refused(exc)
+    except BaseException:
+        conn.close()
+        raise
     finally:
         session.link.forget_stream(stream.stream_id)
 

@@ -9,7 +9,7 @@ import msgspec
 if TYPE_CHECKING:
     from gpumesh.client.desktop import DesktopReport, TunnelReady
 
-__all__ = ["DesktopDoctorView", "LocalServerView", "TunnelView"]
+__all__ = ["DesktopDoctorView", "LocalServerView", "TunnelConnectionView", "TunnelView"]
 
 
 class LocalServerView(msgspec.Struct):
@@ -77,3 +77,13 @@ class TunnelView(msgspec.Struct):
             commands=ready.commands,
             owner_checked=ready.owner_checked,
         )
+
+
+class TunnelConnectionView(msgspec.Struct):
+    """``desktop connect --json``: one line for each local connection, once it is open."""
+
+    connection: int
+    """Its number in this tunnel, from 1."""
+    path: str
+    """What carries its bytes: ``channel`` (a data channel of its own, TLS on TCP)
+    or ``quic`` (its stream of the session)."""
