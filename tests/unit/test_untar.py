@@ -14,6 +14,7 @@ import shutil
 import stat
 import subprocess
 import tarfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -96,8 +97,12 @@ def test_pieces_cut_anywhere_give_the_same_tree(tmp_path: Path) -> None:
     data = tar_of(root)
     for step in (1, 7, 511, 513, 4096):
         dest = tmp_path / f"dest{step}"
-        pieces = iter(memoryview(data)[i : i + step] for i in range(0, len(data), step))
-        unpack_stream(lambda p=pieces: next(p, None), dest, BIG)
+        pieces = iter([memoryview(data)[i : i + step] for i in range(0, len(data), step)])
+
+        def next_piece(pieces: Iterator[memoryview] = pieces) -> memoryview | None:
+            return next(pieces, None)
+
+        unpack_stream(next_piece, dest, BIG)
         for i in range(30):
             assert (dest / "s" / f"f{i}").read_bytes() == (root / "s" / f"f{i}").read_bytes()
 

@@ -672,6 +672,28 @@ class _PieceWriter:
                 self._send()
         return len(data)
 
+    def fill_from(self, fd: int, count: int) -> int:
+        """Read bytes ``0..count`` of ``fd`` straight into the pieces (no copy between
+        the file and TLS); returns how many there were (fewer: the file ended)."""
+        if self.sent + self._fill + count > self._size:
+            raise ConfigError("the folder grew while it was packed; copy it again")
+        position = 0
+        while position < count:
+            if self._buffer is None:
+                self._buffer = self._relay.take()
+                self._fill = 0
+            step = min(count - position, PIECE - self._fill)
+            got = platform.preadv(
+                fd, memoryview(self._buffer)[self._fill : self._fill + step], position
+            )
+            if not got:
+                break
+            self._fill += got
+            position += got
+            if self._fill == PIECE:
+                self._send()
+        return position
+
     def flush(self) -> None:
         return None
 

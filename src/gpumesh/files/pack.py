@@ -24,7 +24,7 @@ import tarfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO, Literal
+from typing import TYPE_CHECKING, BinaryIO, Literal, Protocol, cast
 
 from gpumesh import platform
 from gpumesh.errors import ConfigError, LimitError
@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_IGNORES",
     "IGNORE_FILE",
+    "Gathering",
     "PackEntry",
     "PackPlan",
     "Skipped",
@@ -567,7 +568,7 @@ def _open_entry(plan: PackPlan, entry: PackEntry) -> int:
     nonblock = platform.open_flag("O_NONBLOCK")
     if plan.root_fd is not None:
         return open_beneath(plan.root_fd, entry.path.split("/"), os.O_RDONLY | nonblock)
-    path = plan.root / entry.path
+    path = os.path.join(plan.root, entry.path)
     nofollow = platform.open_flag("O_NOFOLLOW")
     if nofollow:
         return os.open(path, os.O_RDONLY | nofollow | nonblock)
@@ -582,7 +583,21 @@ def _open_entry(plan: PackPlan, entry: PackEntry) -> int:
     return fd
 
 
-def _write_file(plan: PackPlan, entry: PackEntry, output: _Output) -> None:
+class Gathering(Protocol):
+    """An output that gathers what it is given into large pieces of its own, and can
+    read a file's bytes straight into them (the data channel's sender): the tar
+    is then written with no copy of its own in between."""
+
+    def write(self, data: bytes | bytearray | memoryview, /) -> int: ...
+
+    def fill_from(self, fd: int, count: int) -> int:
+        """Read bytes ``0..count`` of the file ``fd`` into the output; returns how
+        many there were (fewer: the file ended early)."""
+        ...
+
+
+def _open_checked(plan: PackPlan, entry: PackEntry) -> int:
+    """The entry's file, open, still a regular file of the scanned size."""
     try:
         fd = _open_entry(plan, entry)
     except PermissionError:
@@ -592,13 +607,21 @@ def _write_file(plan: PackPlan, entry: PackEntry, output: _Output) -> None:
         ) from None
     except OSError:  # gone, or now a symlink (ELOOP)
         raise _changed(entry) from None
-    with os.fdopen(fd, "rb", buffering=0) as source:
+    try:
         st = os.fstat(fd)
-        # The size went into the header (and into tar_size) already.
+        # The size went into the header (and into tar_size) already. A regular
+        # file ignores O_NONBLOCK, so reads below block as usual.
         if not stat.S_ISREG(st.st_mode) or st.st_size != entry.size:
             raise _changed(entry)
-        if platform.open_flag("O_NONBLOCK"):
-            os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _write_file(plan: PackPlan, entry: PackEntry, output: _Output) -> None:
+    fd = _open_checked(plan, entry)
+    with os.fdopen(fd, "rb", buffering=0) as source:
         remaining = entry.size
         while remaining:
             chunk = source.read(min(_CHUNK, remaining))
@@ -609,14 +632,43 @@ def _write_file(plan: PackPlan, entry: PackEntry, output: _Output) -> None:
     output.write(b"\0" * _padding(entry.size))
 
 
-def write_tar(plan: PackPlan, out: BinaryIO, progress: Callable[[int], None] | None = None) -> int:
+def _gather_file(plan: PackPlan, entry: PackEntry, out: Gathering) -> None:
+    fd = _open_checked(plan, entry)
+    try:
+        if entry.size and out.fill_from(fd, entry.size) != entry.size:
+            raise _changed(entry)
+    finally:
+        os.close(fd)
+    out.write(_ZEROS[: _padding(entry.size)])
+
+
+_ZEROS = bytes(_BLOCK)
+
+
+def write_tar(
+    plan: PackPlan, out: BinaryIO | Gathering, progress: Callable[[int], None] | None = None
+) -> int:
     """Stream ``plan`` into ``out`` as an uncompressed pax tar; returns the bytes written.
 
     Memory stays bounded whatever the size: files are read ``_CHUNK`` bytes at a
     time, and small pieces are gathered into writes of about that size.
-    ``progress`` is called after each write with the bytes just written.
+    ``progress`` is called after each write with the bytes just written. A
+    :class:`Gathering` output (no ``progress``) is given every header and file
+    as it comes, and reads files' bytes itself.
     """
-    output = _Output(out, progress)
+    if progress is None and hasattr(out, "fill_from"):
+        gathering = cast(Gathering, out)
+        written = 0
+        for entry in plan.files:
+            header = _header(entry)
+            gathering.write(header)
+            written += len(header)
+            if entry.kind == "file":
+                _gather_file(plan, entry, gathering)
+                written += entry.size + _padding(entry.size)
+        gathering.write(_END_OF_ARCHIVE)
+        return written + len(_END_OF_ARCHIVE)
+    output = _Output(cast(BinaryIO, out), progress)
     for entry in plan.files:
         output.write(_header(entry))
         if entry.kind == "file":

@@ -57,8 +57,11 @@ _SIGNED = struct.Struct("148b8x356b")
 
 _FILE_TYPES = frozenset({b"0", b"\0", b"7"})
 _META_TYPES = frozenset({b"x", b"g", b"X", b"L", b"K"})
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+# getattr: a consumer on Windows imports this module (through pack.py); there a
+# download unpacks into a fresh private folder all the same, only less guarded.
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _NOFOLLOW
+_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | getattr(os, "O_BINARY", 0)
 
 Piece = bytes | bytearray | memoryview
 
@@ -379,7 +382,7 @@ class _Writer:
             dst_dir_fd=dest_fd,
             follow_symlinks=False,
         )
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dest_fd)
+        fd = os.open(name, os.O_RDONLY | _NOFOLLOW, dir_fd=dest_fd)
         try:
             os.fchmod(fd, _file_mode(member.mode))
             os.utime(fd, (member.mtime, member.mtime))
