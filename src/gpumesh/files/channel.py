@@ -460,8 +460,7 @@ class _Relay:
         self, works: list[Callable[[memoryview], object]], before: Callable[[], None]
     ) -> None:
         self._empty: queue.SimpleQueue[bytearray | None] = queue.SimpleQueue()
-        for _ in range(_PIECES):
-            self._empty.put(bytearray(PIECE))
+        self._made = 0  # buffers are made on first need: a small transfer makes one
         self._lock = threading.Lock()
         self._pending: dict[int, int] = {}
         self._error: BaseException | None = None
@@ -499,6 +498,9 @@ class _Relay:
             self._empty.put(None)  # wake the main thread
 
     def take(self) -> bytearray:
+        if self._made < _PIECES and self._empty.empty():
+            self._made += 1
+            return bytearray(PIECE)
         buffer = self._empty.get()
         if buffer is None or self._error is not None:
             assert self._error is not None
