@@ -150,3 +150,29 @@ def test_a_gnu_sparse_file_is_refused(tmp_path: Path) -> None:
     assert str(caught.value) == (
         "refused the upload: entry 'holes' is a sparse file; gpumesh never sends those"
     )
+
+
+def test_without_descriptor_calls_the_same_tree_arrives_by_path(tmp_path: Path) -> None:
+    # Windows has no dir_fd: a download unpacks by path in its fresh private folder.
+    from gpumesh import platform
+
+    root = tmp_path / "r"
+    (root / "sub" / "deeper").mkdir(parents=True)
+    (root / "sub" / "deeper" / "f").write_bytes(b"x" * 3000)
+    (root / "tool").write_text("#!/bin/sh\n")
+    os.chmod(root / "tool", 0o755)
+    os.chmod(root / "sub", 0o700)
+    os.symlink("sub/deeper/f", root / "link")
+    data = tar_of(root)
+    try:
+        platform.configure({"GPUMESH_TEST_WITHOUT": "dir_fd"})
+        unpack_tar(io.BytesIO(data), tmp_path / "by-path", BIG)
+        assert "dir_fd" in platform.taken()
+    finally:
+        platform.configure({})
+    unpack_tar(io.BytesIO(data), tmp_path / "by-fd", BIG)
+    for dest in (tmp_path / "by-path", tmp_path / "by-fd"):
+        assert (dest / "sub" / "deeper" / "f").read_bytes() == b"x" * 3000
+        assert stat.S_IMODE((dest / "tool").stat().st_mode) == 0o755
+        assert stat.S_IMODE((dest / "sub").stat().st_mode) == 0o700
+        assert os.readlink(dest / "link") == "sub/deeper/f"

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from gpumesh import platform
 from gpumesh.errors import AgentError, GPUMeshError, LimitError, ProtocolError
 from gpumesh.units import format_size
 
@@ -57,8 +58,8 @@ _SIGNED = struct.Struct("148b8x356b")
 
 _FILE_TYPES = frozenset({b"0", b"\0", b"7"})
 _META_TYPES = frozenset({b"x", b"g", b"X", b"L", b"K"})
-# getattr: a consumer on Windows imports this module (through pack.py); there a
-# download unpacks into a fresh private folder all the same, only less guarded.
+# getattr: a consumer on Windows imports this module (through pack.py); it has
+# none of these, and unpacks by path (_PathWriter) in a fresh private folder.
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _NOFOLLOW
 _FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | getattr(os, "O_BINARY", 0)
@@ -329,17 +330,17 @@ def _file_mode(mode: int) -> int:
 # --- writing ----------------------------------------------------------------------------
 
 
-class _Writer:
-    """Creates entries below ``root_fd`` (a fresh folder private to this process)."""
+class _FdWriter:
+    """Creates entries below ``root_fd`` (a fresh folder private to this process),
+    each relative to its open parent folder, never through a link."""
 
     def __init__(self, root_fd: int) -> None:
         self._dirs: dict[str, int] = {"": root_fd}
-        self._root_fd = root_fd
         self.folders: dict[str, tuple[int, float]] = {}
         """Folders with a header: their mode and time, set once everything is in."""
 
     def folder(self, path: str) -> int:
-        """The descriptor of folder ``path`` (made on first use, never through a link)."""
+        """The descriptor of folder ``path`` (made on first use)."""
         fd = self._dirs.get(path)
         if fd is not None:
             return fd
@@ -355,7 +356,7 @@ class _Writer:
         """Close the folders kept open when there are many (between entries, so no
         descriptor in use is closed)."""
         if len(self._dirs) > _OPEN_DIRS:
-            self.close()
+            self._close_folders()
 
     def file(self, source: _Source, path: str, member: _Member) -> None:
         parent, _, name = path.rpartition("/")
@@ -398,14 +399,74 @@ class _Writer:
             os.fchmod(fd, (mode & 0o755) | 0o700)
             os.utime(fd, (mtime, mtime))
 
-    def close(self) -> None:
+    def _close_folders(self) -> None:
+        root_fd = self._dirs[""]
         for path, fd in self._dirs.items():
             if path:
                 os.close(fd)
-        self._dirs = {"": self._root_fd}
+        self._dirs = {"": root_fd}
+
+    def close(self) -> None:
+        self._close_folders()
+        os.close(self._dirs.pop(""))
 
 
-def _extract(source: _Source, writer: _Writer, limit: int) -> tuple[int, list[str]]:
+class _PathWriter:
+    """:class:`_FdWriter` by path, where the OS has no descriptor-relative calls
+    (Windows): the staging folder is fresh and private to this process, and
+    every entry's parents were checked to be folders made here."""
+
+    def __init__(self, root: str) -> None:
+        self._root = root
+        self._made = {""}
+        self.folders: dict[str, tuple[int, float]] = {}
+
+    def _full(self, path: str) -> str:
+        return os.path.join(self._root, *path.split("/"))
+
+    def folder(self, path: str) -> None:
+        if path in self._made:
+            return
+        self.folder(path.rpartition("/")[0])
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(self._full(path))
+        self._made.add(path)
+
+    def trim(self) -> None:
+        return None
+
+    def file(self, source: _Source, path: str, member: _Member) -> None:
+        self.folder(path.rpartition("/")[0])
+        full = self._full(path)
+        fd = os.open(full, _FILE_FLAGS, 0o600)
+        try:
+            source.copy_to(fd, member.size)
+        finally:
+            os.close(fd)
+        os.chmod(full, _file_mode(member.mode))
+        os.utime(full, (member.mtime, member.mtime))
+
+    def symlink(self, path: str, target: str) -> None:
+        self.folder(path.rpartition("/")[0])
+        os.symlink(target, self._full(path))
+
+    def hard_link(self, path: str, target: str, member: _Member) -> None:
+        self.folder(path.rpartition("/")[0])
+        os.link(self._full(target), self._full(path))
+        os.chmod(self._full(path), _file_mode(member.mode))
+        os.utime(self._full(path), (member.mtime, member.mtime))
+
+    def finish_folders(self) -> None:
+        for path in sorted(self.folders, key=lambda p: p.count("/"), reverse=True):
+            mode, mtime = self.folders[path]
+            os.chmod(self._full(path), (mode & 0o755) | 0o700)
+            os.utime(self._full(path), (mtime, mtime))
+
+    def close(self) -> None:
+        return None
+
+
+def _extract(source: _Source, writer: _FdWriter | _PathWriter, limit: int) -> tuple[int, list[str]]:
     """Every entry of the archive into ``writer``; (bytes of content, symlinks made)."""
     kinds: dict[str, str] = {}
     symlinks: list[str] = []
@@ -478,8 +539,11 @@ def unpack_stream(next_piece: Callable[[], Piece | None], dest: Path, limit: int
     temp.mkdir()  # mode 0o777 less the umask, like the folders made inside
     try:
         source = _Source(next_piece, limit)
-        root_fd = os.open(temp, _DIR_FLAGS)
-        writer = _Writer(root_fd)
+        writer: _FdWriter | _PathWriter
+        if platform.has("dir_fd"):
+            writer = _FdWriter(os.open(temp, _DIR_FLAGS))
+        else:
+            writer = _PathWriter(str(temp))
         try:
             content, symlinks = _extract(source, writer, limit)
             source.drain()
@@ -491,7 +555,6 @@ def unpack_stream(next_piece: Callable[[], Piece | None], dest: Path, limit: int
             raise _write_failed(exc) from None
         finally:
             writer.close()
-            os.close(root_fd)
         _check_links(temp, symlinks)
         temp.rename(dest)  # replaces dest when it is an empty folder
     except BaseException:
