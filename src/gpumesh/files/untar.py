@@ -59,7 +59,8 @@ _SIGNED = struct.Struct("148b8x356b")
 _FILE_TYPES = frozenset({b"0", b"\0", b"7"})
 _META_TYPES = frozenset({b"x", b"g", b"X", b"L", b"K"})
 # getattr: a consumer on Windows imports this module (through pack.py); it has
-# none of these, and unpacks by path (_PathWriter) in a fresh private folder.
+# none of these, and unpacks by path (_PathWriter) in a fresh private folder,
+# as does any system missing one of them.
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _NOFOLLOW
 _FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | getattr(os, "O_BINARY", 0)
@@ -412,12 +413,14 @@ class _FdWriter:
 
 
 class _PathWriter:
-    """:class:`_FdWriter` by path, where the OS has no descriptor-relative calls
-    (Windows): the staging folder is fresh and private to this process, and
+    """:class:`_FdWriter` by path, where the OS has no descriptor-relative calls or
+    no ``O_NOFOLLOW`` (Windows): the staging folder is fresh and private to this process, and
     every entry's parents were checked to be folders made here."""
 
     def __init__(self, root: str) -> None:
         self._root = root
+        self._flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | platform.BINARY
+        self._flags |= platform.open_flag("O_NOFOLLOW") | platform.open_flag("O_CLOEXEC")
         self._made = {""}
         self.folders: dict[str, tuple[int, float]] = {}
 
@@ -438,7 +441,7 @@ class _PathWriter:
     def file(self, source: _Source, path: str, member: _Member) -> None:
         self.folder(path.rpartition("/")[0])
         full = self._full(path)
-        fd = os.open(full, _FILE_FLAGS, 0o600)
+        fd = os.open(full, self._flags, 0o600)
         try:
             source.copy_to(fd, member.size)
         finally:
@@ -540,7 +543,7 @@ def unpack_stream(next_piece: Callable[[], Piece | None], dest: Path, limit: int
     try:
         source = _Source(next_piece, limit)
         writer: _FdWriter | _PathWriter
-        if platform.has("dir_fd"):
+        if platform.has("dir_fd") and platform.has("nofollow") and platform.has("oflags"):
             writer = _FdWriter(os.open(temp, _DIR_FLAGS))
         else:
             writer = _PathWriter(str(temp))
