@@ -176,3 +176,47 @@ def test_without_descriptor_calls_the_same_tree_arrives_by_path(tmp_path: Path) 
         assert stat.S_IMODE((dest / "tool").stat().st_mode) == 0o755
         assert stat.S_IMODE((dest / "sub").stat().st_mode) == 0o700
         assert os.readlink(dest / "link") == "sub/deeper/f"
+
+
+class _Collected:
+    """A :class:`Gathering` output into memory (what the data channel's writer does
+    into its pieces), as ``io.BytesIO`` is for the other path."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+
+    def write(self, data: bytes | bytearray | memoryview, /) -> int:
+        self.data += data
+        return len(data)
+
+    def fill_from(self, fd: int, count: int) -> int:
+        got = os.pread(fd, count, 0)
+        self.data += got
+        return len(got)
+
+
+def test_a_gathering_output_gets_the_same_bytes(tmp_path: Path) -> None:
+    root = tmp_path / "r"
+    (root / "s").mkdir(parents=True)
+    for i in range(20):
+        (root / "s" / f"f{i}").write_bytes(os.urandom(i * 301))
+    os.symlink("s/f3", root / "link")
+    plan = scan(root)
+    gathered = _Collected()
+    written = write_tar(plan, gathered)
+    assert bytes(gathered.data) == tar_of(root)
+    assert written == len(gathered.data)
+
+
+@pytest.mark.parametrize("change", ["shrink", "grow"])
+def test_a_file_changed_after_the_scan_stops_a_gathered_tar(tmp_path: Path, change: str) -> None:
+    from gpumesh.errors import ConfigError
+
+    root = tmp_path / "r"
+    root.mkdir()
+    (root / "data").write_bytes(b"x" * 5000)
+    plan = scan(root)
+    (root / "data").write_bytes(b"x" * (10 if change == "shrink" else 9000))
+    with pytest.raises(ConfigError) as caught:
+        write_tar(plan, _Collected())
+    assert str(caught.value).startswith("data changed while it was being packed; run again")
