@@ -19,7 +19,7 @@ file rewritten before each pair of runs, the two tools alternating first):
 
 The first sync of each tool is not part of the medians; GPUMesh's is
 printed, and re-syncs are compared with it (goal: at most 0.1x its time and
-bytes) and with rsync (goal: no slower). Everything lives on tmpfs
+bytes) and with rsync (goal: at most 0.5x its time). Everything lives on tmpfs
 (``/dev/shm`` when it exists) and is removed on exit. If sshd or rsync cannot
 be set up, the script says why and still reports GPUMesh's figures.
 """
@@ -53,6 +53,8 @@ from bulk import gpumesh_command, loopback_sshd, make_nodes, running_agent
 TIMEOUT = 600.0
 GOAL_OF_FIRST = 0.1
 """A re-sync should take at most this share of the first sync's time and bytes."""
+GOAL_OF_RSYNC = 0.5
+"""A re-sync should take at most this share of rsync's re-sync time."""
 
 
 @dataclass
@@ -223,7 +225,8 @@ def report(args: argparse.Namespace, results: Results) -> None:
         return
     ratio = gm.p50 / summarize(results.rsync_seconds).p50
     print(
-        f"  re-sync time gpumesh / rsync (medians): {ratio:.2f}x (goal <= 1x: {_met(ratio <= 1.0)})"
+        f"  re-sync time gpumesh / rsync (medians): {ratio:.2f}x "
+        f"(goal <= {GOAL_OF_RSYNC}x: {_met(ratio <= GOAL_OF_RSYNC)})"
     )
 
 

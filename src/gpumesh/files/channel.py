@@ -460,8 +460,7 @@ class _Relay:
         self, works: list[Callable[[memoryview], object]], before: Callable[[], None]
     ) -> None:
         self._empty: queue.SimpleQueue[bytearray | None] = queue.SimpleQueue()
-        for _ in range(_PIECES):
-            self._empty.put(bytearray(PIECE))
+        self._made = 0  # buffers are made on first need: a small transfer makes one
         self._lock = threading.Lock()
         self._pending: dict[int, int] = {}
         self._error: BaseException | None = None
@@ -499,6 +498,9 @@ class _Relay:
             self._empty.put(None)  # wake the main thread
 
     def take(self) -> bytearray:
+        if self._made < _PIECES and self._empty.empty():
+            self._made += 1
+            return bytearray(PIECE)
         buffer = self._empty.get()
         if buffer is None or self._error is not None:
             assert self._error is not None
@@ -671,6 +673,28 @@ class _PieceWriter:
             if self._fill == PIECE:
                 self._send()
         return len(data)
+
+    def fill_from(self, fd: int, count: int) -> int:
+        """Read bytes ``0..count`` of ``fd`` straight into the pieces (no copy between
+        the file and TLS); returns how many there were (fewer: the file ended)."""
+        if self.sent + self._fill + count > self._size:
+            raise ConfigError("the folder grew while it was packed; copy it again")
+        position = 0
+        while position < count:
+            if self._buffer is None:
+                self._buffer = self._relay.take()
+                self._fill = 0
+            step = min(count - position, PIECE - self._fill)
+            got = platform.preadv(
+                fd, memoryview(self._buffer)[self._fill : self._fill + step], position
+            )
+            if not got:
+                break
+            self._fill += got
+            position += got
+            if self._fill == PIECE:
+                self._send()
+        return position
 
     def flush(self) -> None:
         return None

@@ -8,9 +8,9 @@ This module owns the upload format and both of its ends:
 * :func:`write_tar` streams that plan as an uncompressed POSIX (pax) tar with
   constant memory, and :func:`tar_size` tells its exact size beforehand, so the
   provider can refuse an upload over its limit before a byte is sent.
-* :func:`unpack_tar` is the provider's side: it treats the archive as hostile
-  (it came from another machine) and either extracts all of it inside the
-  destination or leaves nothing behind.
+* :func:`unpack_tar` (from :mod:`gpumesh.files.untar`) is the receiving side:
+  it treats the archive as hostile (it came from another machine) and either
+  extracts all of it inside the destination or leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -19,18 +19,17 @@ import contextlib
 import errno
 import os
 import re
-import secrets
-import shutil
 import stat
 import tarfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO, Literal
+from typing import TYPE_CHECKING, BinaryIO, Literal, Protocol, cast
 
 from gpumesh import platform
-from gpumesh.errors import AgentError, ConfigError, GPUMeshError, LimitError, ProtocolError
+from gpumesh.errors import ConfigError, LimitError
 from gpumesh.files.sandbox import Folder, Tree, open_beneath, pause_point
+from gpumesh.files.untar import unpack_tar
 from gpumesh.units import format_size
 
 if TYPE_CHECKING:
@@ -39,6 +38,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_IGNORES",
     "IGNORE_FILE",
+    "Gathering",
     "PackEntry",
     "PackPlan",
     "Skipped",
@@ -75,18 +75,6 @@ _CHUNK = 1 << 20
 """Bytes read from a file, and handed to ``out.write``, at a time."""
 _MAX_IGNORE_FILE = 1 << 20
 """Largest ``.gpumeshignore`` read (a provider reads one its peer's jobs may write)."""
-_MAX_META_SIZE = 1 << 20
-"""Largest pax or GNU long-name header accepted when unpacking: tarfile reads
-those whole into memory, so a hostile archive could otherwise claim gigabytes."""
-_META_TYPES = frozenset(
-    {
-        tarfile.XHDTYPE,
-        tarfile.XGLTYPE,
-        tarfile.SOLARIS_XHDTYPE,
-        tarfile.GNUTYPE_LONGNAME,
-        tarfile.GNUTYPE_LONGLINK,
-    }
-)
 _SPECIAL_KINDS = {
     stat.S_IFSOCK: "a socket",
     stat.S_IFIFO: "a named pipe",
@@ -466,7 +454,49 @@ def _plan_entry(
 # --- writing -------------------------------------------------------------------------------------
 
 
+_USTAR_LIMIT = 8**11
+"""Sizes and times below this fit a ustar header's 12-byte octal fields."""
+_TYPES = {"file": tarfile.REGTYPE, "dir": tarfile.DIRTYPE, "symlink": tarfile.SYMTYPE}
+_NO_OWNER = b"0000000\x00" * 2
+"""uid and gid 0: owners mean nothing on the provider."""
+_USTAR_TAIL = b"ustar\x0000" + bytes(32 + 32 + 8 + 8 + 155 + 12)
+"""magic, version, empty owner names, device numbers, prefix and the padding to 512."""
+
+
 def _header(entry: PackEntry) -> bytes:
+    """The entry's header: exactly what tarfile's pax format writes for it, built
+    directly when it fits a plain ustar header (ASCII names of up to 100 bytes,
+    sizes and times under 8 GiB / year 6053), else by tarfile with a pax header.
+    tarfile's own path costs ~50 us an entry, most of a small file's time."""
+    name = entry.path + "/" if entry.kind == "dir" else entry.path
+    if (
+        len(name) <= 100
+        and len(entry.target) <= 100
+        and name.isascii()
+        and entry.target.isascii()
+        and entry.size < _USTAR_LIMIT
+        and 0 <= entry.mtime < _USTAR_LIMIT
+    ):
+        return _ustar(name, entry)
+    return _tarfile_header(entry)
+
+
+def _ustar(name: str, entry: PackEntry) -> bytes:
+    head = b"".join(
+        (
+            name.encode("ascii").ljust(100, b"\0"),
+            b"%07o\0" % (entry.mode & 0o7777),
+            _NO_OWNER,
+            b"%011o\0" % entry.size,
+            b"%011o\0" % entry.mtime,
+        )
+    )
+    rest = _TYPES[entry.kind] + entry.target.encode("ascii").ljust(100, b"\0") + _USTAR_TAIL
+    checksum = sum(head) + sum(rest) + 8 * 0x20  # the checksum field counts as spaces
+    return head + b"%06o\0 " % checksum + rest
+
+
+def _tarfile_header(entry: PackEntry) -> bytes:
     info = tarfile.TarInfo(entry.path)
     info.mode = entry.mode
     info.mtime = entry.mtime
@@ -538,7 +568,7 @@ def _open_entry(plan: PackPlan, entry: PackEntry) -> int:
     nonblock = platform.open_flag("O_NONBLOCK")
     if plan.root_fd is not None:
         return open_beneath(plan.root_fd, entry.path.split("/"), os.O_RDONLY | nonblock)
-    path = plan.root / entry.path
+    path = os.path.join(plan.root, entry.path)
     nofollow = platform.open_flag("O_NOFOLLOW")
     if nofollow:
         return os.open(path, os.O_RDONLY | nofollow | nonblock)
@@ -553,7 +583,21 @@ def _open_entry(plan: PackPlan, entry: PackEntry) -> int:
     return fd
 
 
-def _write_file(plan: PackPlan, entry: PackEntry, output: _Output) -> None:
+class Gathering(Protocol):
+    """An output that gathers what it is given into large pieces of its own, and can
+    read a file's bytes straight into them (the data channel's sender): the tar
+    is then written with no copy of its own in between."""
+
+    def write(self, data: bytes | bytearray | memoryview, /) -> int: ...
+
+    def fill_from(self, fd: int, count: int) -> int:
+        """Read bytes ``0..count`` of the file ``fd`` into the output; returns how
+        many there were (fewer: the file ended early)."""
+        ...
+
+
+def _open_checked(plan: PackPlan, entry: PackEntry) -> int:
+    """The entry's file, open, still a regular file of the scanned size."""
     try:
         fd = _open_entry(plan, entry)
     except PermissionError:
@@ -563,13 +607,21 @@ def _write_file(plan: PackPlan, entry: PackEntry, output: _Output) -> None:
         ) from None
     except OSError:  # gone, or now a symlink (ELOOP)
         raise _changed(entry) from None
-    with os.fdopen(fd, "rb", buffering=0) as source:
+    try:
         st = os.fstat(fd)
-        # The size went into the header (and into tar_size) already.
+        # The size went into the header (and into tar_size) already. A regular
+        # file ignores O_NONBLOCK, so reads below block as usual.
         if not stat.S_ISREG(st.st_mode) or st.st_size != entry.size:
             raise _changed(entry)
-        if platform.open_flag("O_NONBLOCK"):
-            os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _write_file(plan: PackPlan, entry: PackEntry, output: _Output) -> None:
+    fd = _open_checked(plan, entry)
+    with os.fdopen(fd, "rb", buffering=0) as source:
         remaining = entry.size
         while remaining:
             chunk = source.read(min(_CHUNK, remaining))
@@ -580,14 +632,43 @@ def _write_file(plan: PackPlan, entry: PackEntry, output: _Output) -> None:
     output.write(b"\0" * _padding(entry.size))
 
 
-def write_tar(plan: PackPlan, out: BinaryIO, progress: Callable[[int], None] | None = None) -> int:
+def _gather_file(plan: PackPlan, entry: PackEntry, out: Gathering) -> None:
+    fd = _open_checked(plan, entry)
+    try:
+        if entry.size and out.fill_from(fd, entry.size) != entry.size:
+            raise _changed(entry)
+    finally:
+        os.close(fd)
+    out.write(_ZEROS[: _padding(entry.size)])
+
+
+_ZEROS = bytes(_BLOCK)
+
+
+def write_tar(
+    plan: PackPlan, out: BinaryIO | Gathering, progress: Callable[[int], None] | None = None
+) -> int:
     """Stream ``plan`` into ``out`` as an uncompressed pax tar; returns the bytes written.
 
     Memory stays bounded whatever the size: files are read ``_CHUNK`` bytes at a
     time, and small pieces are gathered into writes of about that size.
-    ``progress`` is called after each write with the bytes just written.
+    ``progress`` is called after each write with the bytes just written. A
+    :class:`Gathering` output (no ``progress``) is given every header and file
+    as it comes, and reads files' bytes itself.
     """
-    output = _Output(out, progress)
+    if progress is None and hasattr(out, "fill_from"):
+        gathering = cast(Gathering, out)
+        written = 0
+        for entry in plan.files:
+            header = _header(entry)
+            gathering.write(header)
+            written += len(header)
+            if entry.kind == "file":
+                _gather_file(plan, entry, gathering)
+                written += entry.size + _padding(entry.size)
+        gathering.write(_END_OF_ARCHIVE)
+        return written + len(_END_OF_ARCHIVE)
+    output = _Output(cast(BinaryIO, out), progress)
     for entry in plan.files:
         output.write(_header(entry))
         if entry.kind == "file":
@@ -595,211 +676,3 @@ def write_tar(plan: PackPlan, out: BinaryIO, progress: Callable[[int], None] | N
     output.write(_END_OF_ARCHIVE)
     output.flush()
     return output.written
-
-
-# --- unpacking -----------------------------------------------------------------------------------
-
-
-class _LimitedReader:
-    """Counts what tarfile reads from the upload and stops at the limit."""
-
-    def __init__(self, raw: BinaryIO, limit: int) -> None:
-        self._raw = raw
-        self._limit = limit
-        self.count = 0
-
-    def read(self, size: int = -1, /) -> bytes:
-        data = self._raw.read(size)
-        self.count += len(data)
-        if self.count > self._limit:
-            raise _over_limit(self._limit)
-        return data
-
-    def tell(self) -> int:
-        return self.count
-
-    def write(self, data: bytes, /) -> int:
-        raise OSError("the upload is read-only")
-
-    def seek(self, pos: int, /) -> int:
-        raise OSError("the upload is read as a stream")
-
-    def close(self) -> None:
-        return None
-
-
-def _over_limit(limit: int) -> LimitError:
-    return LimitError(
-        f"the upload is larger than this provider's limit of {format_size(limit)}; "
-        f"leave big files out with {IGNORE_FILE}, or ask the provider for a higher limit"
-    )
-
-
-class _GuardedTarInfo(tarfile.TarInfo):
-    """Refuses oversized pax and long-name headers before tarfile reads them."""
-
-    def _proc_member(self, tarfile_: tarfile.TarFile) -> tarfile.TarInfo:
-        if self.type in _META_TYPES and self.size > _MAX_META_SIZE:
-            raise ProtocolError(
-                f"refused the upload: a {format_size(self.size)} tar header; "
-                "it was not made by gpumesh"
-            )
-        # tarfile's own dispatch on the header type (a private, long-stable method).
-        result: tarfile.TarInfo = super()._proc_member(tarfile_)  # type: ignore[misc]
-        return result
-
-
-class _Checker:
-    """GPUMesh's own checks on each member, before tarfile's ``data`` filter.
-
-    Stricter than the filter: no ``..`` anywhere, no entry twice, nothing
-    written through a symlink, hard links only to files already extracted, and
-    the sum of file sizes within the limit before any content is written.
-    """
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.content = 0
-        self.kinds: dict[str, str] = {}
-        self.symlinks: list[str] = []
-
-    def refuse(self, member: tarfile.TarInfo, why: str) -> ProtocolError:
-        return ProtocolError(f"refused the upload: entry {member.name!r} {why}")
-
-    def __call__(self, member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo | None:
-        name = member.name
-        if name.startswith("/") or os.path.isabs(name):
-            raise self.refuse(member, "has an absolute path")
-        raw_parts = name.split("/")
-        if ".." in raw_parts:
-            raise self.refuse(member, "climbs out with '..'")
-        parts = [part for part in raw_parts if part not in ("", ".")]
-        if not parts:
-            return None  # the archive's own "./": dest already is that folder
-        path = "/".join(parts)
-        for depth in range(1, len(parts)):
-            parent = "/".join(parts[:depth])
-            kind = self.kinds.setdefault(parent, "dir")
-            if kind != "dir":
-                raise self.refuse(member, f"is inside {parent!r}, which is a {kind}")
-        kind = self._kind(member)
-        previous = self.kinds.get(path)
-        if previous is not None and not (previous == kind == "dir"):
-            raise self.refuse(member, "appears twice")
-        self.kinds[path] = kind
-        if kind == "file":
-            self.content += member.size
-            if self.content > self.limit:
-                raise _over_limit(self.limit)
-        elif kind == "symlink":
-            self._check_symlink(member, parts)
-            self.symlinks.append(path)
-        elif kind == "hard link":
-            target = "/".join(p for p in member.linkname.split("/") if p not in ("", "."))
-            if (
-                member.linkname.startswith("/")
-                or ".." in member.linkname.split("/")
-                or self.kinds.get(target) != "file"
-            ):
-                raise self.refuse(member, "is a hard link to something not extracted before it")
-        try:
-            return tarfile.data_filter(member, dest)
-        except tarfile.FilterError as exc:
-            raise self.refuse(member, f"is unsafe: {exc}") from None
-
-    def _kind(self, member: tarfile.TarInfo) -> str:
-        if member.isreg():
-            if member.issparse():
-                raise self.refuse(member, "is a sparse file; gpumesh never sends those")
-            return "file"
-        if member.isdir():
-            return "dir"
-        if member.issym():
-            return "symlink"
-        if member.islnk():
-            return "hard link"
-        if member.ischr() or member.isblk():
-            raise self.refuse(member, "is a device")
-        if member.isfifo():
-            raise self.refuse(member, "is a named pipe")
-        raise self.refuse(member, f"has an unsupported type {member.type!r}")
-
-    def _check_symlink(self, member: tarfile.TarInfo, parts: list[str]) -> None:
-        target = member.linkname
-        if not target or target.startswith("/") or os.path.isabs(target):
-            raise self.refuse(member, f"is a symlink to {target!r}, outside the folder")
-        depth = len(parts) - 1
-        for part in target.split("/"):
-            if part == "..":
-                depth -= 1
-                if depth < 0:
-                    raise self.refuse(member, f"is a symlink to {target!r}, outside the folder")
-            elif part not in ("", "."):
-                depth += 1
-
-
-def _remove(path: Path) -> None:
-    if path.is_symlink() or path.is_file():
-        path.unlink()
-    elif path.exists():
-        shutil.rmtree(path, ignore_errors=True)
-
-
-def unpack_tar(src: BinaryIO | Path, dest: Path, limit: int) -> int:
-    """Extract an uploaded tar into ``dest`` (absent or empty); returns bytes of content.
-
-    Reads ``src`` once, as a stream. Refuses (``ProtocolError``) absolute names,
-    ``..``, links leading outside ``dest``, devices and pipes, and anything that
-    is not a tar; refuses (``LimitError``) more than ``limit`` bytes read from
-    ``src`` or of file content. Extraction happens in a sibling temporary
-    folder renamed to ``dest`` at the end: on any failure nothing is left.
-    File modes are kept (the exec bit included), less set-id bits and
-    group/other write, as tarfile's ``data`` filter does.
-    """
-    if dest.is_symlink() or (dest.exists() and (not dest.is_dir() or any(dest.iterdir()))):
-        raise FileExistsError(f"{dest} is not an empty folder")
-    if isinstance(src, Path):
-        with src.open("rb") as opened:
-            return unpack_tar(opened, dest, limit)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    temp = dest.parent / f".{dest.name}.unpacking-{secrets.token_hex(6)}"
-    temp.mkdir()  # mode 0o777 less the umask, like the folders tarfile makes
-    try:
-        checker = _Checker(limit)
-        reader = _LimitedReader(src, limit)
-        try:
-            # "r|": one pass over a stream, and never decompressed (no zip bombs).
-            with tarfile.open(fileobj=reader, mode="r|", tarinfo=_GuardedTarInfo) as archive:
-                archive.extractall(temp, filter=checker)
-        except (tarfile.TarError, EOFError) as exc:
-            raise ProtocolError(
-                f"refused the upload: not a complete tar archive ({_one_line(exc)})"
-            ) from None
-        except OSError as exc:
-            raise _write_failed(exc) from None
-        _check_links(temp, checker.symlinks)
-        temp.rename(dest)  # replaces dest when it is an empty folder
-    except BaseException:
-        with contextlib.suppress(OSError):
-            _remove(temp)
-        raise
-    return checker.content
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
-
-
-def _write_failed(exc: OSError) -> GPUMeshError:
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return LimitError("the provider's disk is full: it has no room for this upload")
-    return AgentError(f"the provider could not write the upload: {exc.strerror or exc}")
-
-
-def _check_links(root: Path, symlinks: list[str]) -> None:
-    # Each link was checked when it was made, but a later link can change
-    # where an earlier one leads (a -> b/.., then b -> .): check them all again.
-    real_root = os.path.realpath(root)
-    for link in symlinks:
-        if not _inside(os.path.realpath(root / link), real_root):
-            raise ProtocolError(f"refused the upload: symlink {link!r} leads outside the folder")

@@ -288,166 +288,32 @@ async def tar_chunks(plan: PackPlan, hasher: Hasher) -> AsyncGenerator[bytes, No
             producer.exception()
 
 
-class _FolderModes:
-    """The permission bits of the folders in a tar stream, read from its headers.
+def _unpack(
+    next_piece: Callable[[], bytes | memoryview | None],
+    dest: Path,
+    limit: int,
+    hasher: Hasher | None = None,
+) -> int:
+    from gpumesh.files.untar import unpack_stream
 
-    ``unpack_tar`` (through tarfile's ``data`` filter) keeps files' modes but
-    gives every folder the default one; these are applied after it succeeds,
-    so a private folder (0o700) stays private.
-    """
+    if hasher is None:
+        return unpack_stream(next_piece, dest, limit)
+    update = hasher.update
 
-    _MAX_META = 1 << 20
+    def hashed() -> bytes | memoryview | None:
+        piece = next_piece()
+        if piece is not None:
+            update(piece)
+        return piece
 
-    def __init__(self) -> None:
-        self.modes: dict[str, int] = {}
-        self._header = bytearray()
-        self._skip = 0
-        self._meta: bytearray | None = None
-        self._meta_kind = b""
-        self._meta_size = 0
-        self._long_name: str | None = None
-        self._done = False
-
-    def feed(self, data: bytes | memoryview) -> None:
-        view = memoryview(data)
-        while view and not self._done:
-            if self._skip:
-                step = min(self._skip, len(view))
-                if self._meta is not None and len(self._meta) < self._meta_size:
-                    self._meta += view[: min(step, self._meta_size - len(self._meta))]
-                self._skip -= step
-                view = view[step:]
-                if not self._skip and self._meta is not None:
-                    self._end_meta()
-                continue
-            take = 512 - len(self._header)
-            self._header += view[:take]
-            view = view[take:]
-            if len(self._header) == 512:
-                self._parse(bytes(self._header))
-                self._header.clear()
-
-    def _parse(self, block: bytes) -> None:
-        if not block.strip(b"\0"):
-            self._done = True  # the end-of-archive marker
-            return
-        size = _tar_number(block[124:136])
-        kind = block[156:157]
-        self._skip = size + (-size % 512)
-        if kind in (b"x", b"g", b"L"):
-            self._meta_kind = kind
-            self._meta_size = size if size <= self._MAX_META else 0
-            self._meta = bytearray()
-            if not self._skip:
-                self._end_meta()
-            return
-        name = self._long_name or _tar_text(block[0:100])
-        prefix = _tar_text(block[345:500]) if block[257:262] == b"ustar" else ""
-        if self._long_name is None and prefix:
-            name = f"{prefix}/{name}"
-        self._long_name = None
-        if kind == b"5":
-            path = "/".join(part for part in name.split("/") if part not in ("", "."))
-            if path:
-                self.modes[path] = _tar_number(block[100:108]) & 0o7777
-
-    def _end_meta(self) -> None:
-        data, self._meta = bytes(self._meta or b""), None
-        if self._meta_kind == b"L":
-            self._long_name = data.rstrip(b"\0").decode("utf-8", "replace")
-        elif self._meta_kind == b"x":
-            for record in _pax_records(data):
-                key, _, value = record.partition(b"=")
-                if key == b"path":
-                    self._long_name = value.decode("utf-8", "replace")
-
-    def apply(self, root: Path) -> None:
-        """Set the recorded modes on the folders under ``root`` (never through a symlink)."""
-        real_root = os.path.realpath(root)
-        for path, mode in self.modes.items():
-            target = root / path
-            if target.is_symlink() or not target.is_dir():
-                continue
-            if not inside(os.path.realpath(target), real_root):
-                continue
-            # As for files: no group/other write, no set-id bits; and the owner
-            # keeps full access, so the folder can be replaced or removed later.
-            os.chmod(target, (mode & 0o755) | 0o700)
-
-
-def _tar_number(field: bytes) -> int:
-    if field[:1] and field[0] & 0x80:  # base-256, for numbers octal cannot hold
-        return int.from_bytes(field[1:], "big")
-    text = field.split(b"\0", 1)[0].strip()
-    return int(text, 8) if text else 0
-
-
-def _tar_text(field: bytes) -> str:
-    return field.split(b"\0", 1)[0].decode("utf-8", "replace")
-
-
-def _pax_records(data: bytes) -> Iterator[bytes]:
-    position = 0
-    while position < len(data):
-        length_text, space, _ = data[position : position + 20].partition(b" ")
-        if not space or not length_text.isdigit() or int(length_text) <= 0:
-            return
-        length = int(length_text)
-        yield data[position + len(length_text) + 1 : position + length].rstrip(b"\n")
-        position += length
-
-
-class _Feed:
-    """A read-only file for ``unpack_tar`` on a thread, over pieces from ``next_piece``
-    (None: the end). With a ``hasher``, each piece is hashed as it is read."""
-
-    def __init__(
-        self,
-        next_piece: Callable[[], bytes | memoryview | None],
-        hasher: Hasher | None = None,
-    ) -> None:
-        self._next_piece = next_piece
-        self.hasher = hasher
-        self.folders = _FolderModes()
-        self._current = memoryview(b"")
-        self._eof = False
-
-    def read(self, size: int = -1, /) -> bytes:
-        while not self._current and not self._eof:
-            piece = self._next_piece()
-            if piece is None:
-                self._eof = True
-            else:
-                if self.hasher is not None:
-                    self.hasher.update(piece)
-                self.folders.feed(piece)
-                self._current = memoryview(piece)
-        if size < 0:
-            size = len(self._current)
-        data = bytes(self._current[:size])
-        self._current = self._current[size:]
-        return data
-
-    def drain(self) -> None:
-        """Consume what is left until the end of the section."""
-        while self.read(CHUNK):
-            pass
-
-
-def _unpack_feed(source: _Feed, dest: Path, limit: int) -> int:
-    from gpumesh.files.pack import unpack_tar
-
-    content = unpack_tar(cast(BinaryIO, source), dest, limit)
-    source.drain()  # a tar reader may stop before the last padding
-    source.folders.apply(dest)
-    return content
+    return unpack_stream(hashed, dest, limit)
 
 
 def unpack_pieces(pieces: Iterator[memoryview], dest: Path, limit: int) -> int:
     """Unpack a tar arriving as ``pieces`` into ``dest``, all or nothing, reading every
     piece to the end (blocking; the pieces' producer hashes them). Returns bytes of
     content. The same unpacker, checks and limit as :func:`unpack_from`."""
-    return _unpack_feed(_Feed(lambda: next(pieces, None)), dest, limit)
+    return _unpack(lambda: next(pieces, None), dest, limit)
 
 
 @contextlib.asynccontextmanager
@@ -471,7 +337,7 @@ async def unpack_from(
             raise OSError(errno.ECONNABORTED, "the transfer stopped")
         return chunk
 
-    unpacking = in_thread(_unpack_feed, _Feed(next_chunk, hasher), dest, limit)
+    unpacking = in_thread(_unpack, next_chunk, dest, limit, hasher)
     finished = False
 
     async def feed(chunk: bytes | None) -> None:
