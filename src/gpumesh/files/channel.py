@@ -37,7 +37,6 @@ peers, sandboxes or asyncio; a timeout on the socket turns a stalled link into
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hmac
 import ipaddress
@@ -75,12 +74,10 @@ __all__ = [
     "TICKET_BYTES",
     "Channel",
     "Listener",
-    "StreamsListener",
     "check_pin",
     "client_context",
     "congestion_of",
     "dial",
-    "dial_streams",
     "receive_file",
     "receive_stream",
     "send_file",
@@ -790,9 +787,6 @@ def receive_stream(
     return result
 
 
-# --- a channel on the event loop: one tunnelled TCP connection -------------------------------
-
-
 def check_pin(der: bytes | None, expected_key: bytes, where: str) -> None:
     """Raise KeyMismatchError unless the certificate ``der`` holds ``expected_key``."""
     from cryptography import x509
@@ -813,102 +807,3 @@ def check_pin(der: bytes | None, expected_key: bytes, where: str) -> None:
         raise KeyMismatchError(
             f"the data channel at {where} presented a different key than the peer"
         )
-
-
-Streams = tuple[asyncio.StreamReader, asyncio.StreamWriter]
-
-
-async def dial_streams(
-    host: str, port: int, expected_key: bytes, ticket: bytes, *, limit: int
-) -> Streams:
-    """:func:`dial` on the event loop: TLS, the key pin and the ticket, as asyncio
-    streams (for a connection that goes both ways, which one TLS socket may not do
-    from two threads). Raises UnreachableError when it cannot be opened and
-    KeyMismatchError when another key answered."""
-    import asyncio
-
-    try:
-        async with asyncio.timeout(CONNECT_WAIT):
-            reader, writer = await asyncio.open_connection(
-                host, port, ssl=client_context(), limit=limit
-            )
-    except (OSError, ssl.SSLError, TimeoutError) as exc:
-        raise UnreachableError(f"cannot open a data channel to {host}:{port}: {exc}") from None
-    try:
-        tls = writer.get_extra_info("ssl_object")
-        check_pin(
-            tls.getpeercert(binary_form=True) if tls else None, expected_key, f"{host}:{port}"
-        )
-        writer.write(ticket)
-        await writer.drain()
-    except BaseException as exc:
-        writer.close()
-        if isinstance(exc, OSError):
-            raise UnreachableError(f"the data channel to {host}:{port} failed: {exc}") from None
-        raise
-    return reader, writer
-
-
-class StreamsListener:
-    """:class:`Listener` on the event loop: one TLS connection from ``peer``'s address
-    bearing ``ticket``, as asyncio streams; others are closed, the address checked
-    before the handshake, the ticket before a byte is carried."""
-
-    def __init__(self, context: ssl.SSLContext, ticket: bytes, *, peer: str, limit: int) -> None:
-        peer_ip = _ip(peer)
-        if peer_ip is None:
-            raise ValueError(f"the data channel's peer {peer!r} is not an IP address")
-        self.peer = peer_ip
-        self.ticket = ticket
-        self.port = 0
-        self._context = context
-        self._limit = limit
-        self._server: asyncio.Server | None = None
-        self._chosen: asyncio.Future[Streams] = asyncio.get_running_loop().create_future()
-        self._wrong_tickets = 0
-
-    async def start(self, host: str) -> None:
-        self._server = await asyncio.start_server(self._take, host, 0, limit=self._limit)
-        self.port = int(self._server.sockets[0].getsockname()[1])
-
-    async def _take(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peername = writer.get_extra_info("peername")
-        if self._chosen.done() or not peername or _ip(str(peername[0])) != self.peer:
-            logger.debug("data channel: closed a connection from %s", peername)
-            writer.close()
-            return
-        try:
-            async with asyncio.timeout(ACCEPT_WAIT):
-                await writer.start_tls(self._context)
-                presented = await reader.readexactly(TICKET_BYTES)
-        except (OSError, ssl.SSLError, TimeoutError, asyncio.IncompleteReadError) as exc:
-            logger.debug("data channel: a connection from the peer's address failed: %s", exc)
-            writer.close()
-            return
-        if not hmac.compare_digest(presented, self.ticket) or self._chosen.done():
-            self._wrong_tickets += 1
-            writer.close()
-            return
-        self._chosen.set_result((reader, writer))
-
-    async def accept(self, wait: float = ACCEPT_WAIT) -> Streams:
-        """The peer's connection with its ticket checked; the listener is closed after."""
-        try:
-            async with asyncio.timeout(wait):
-                return await asyncio.shield(self._chosen)
-        except TimeoutError:
-            if self._wrong_tickets:
-                raise AccessDeniedError(
-                    "the data channel was opened with a wrong ticket, and not with the "
-                    "right one in time"
-                ) from None
-            raise UnreachableError("nobody opened the data channel in time") from None
-        finally:
-            self.close()
-
-    def close(self) -> None:
-        """Stop listening (a connection already handed out stays open)."""
-        if self._server is not None:
-            self._server.close()
-        if not self._chosen.done():
-            self._chosen.cancel()
