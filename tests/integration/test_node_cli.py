@@ -40,6 +40,22 @@ def test_run_streams_output_apart_and_exits_with_the_jobs_code(pair: tuple[Path,
     assert node["detached"]  # it went through the node process the command started
     listed = json.loads(cli(bob, "jobs", "--json").stdout)
     assert [j["state"] for j in listed] == ["failed"] and listed[0]["exit_code"] == 3
+    # The node's JSON, printed as it comes, is byte for byte what the command
+    # prints in-process from its view structs.
+    thin = cli(bob, "jobs", "--offline", "--json")
+    in_process = subprocess.run(
+        [sys.executable, "-m", "gpumesh", "jobs", "--offline", "--json"],
+        env={**node_env(bob), "GPUMESH_NODE": "off"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert thin.returncode == in_process.returncode == 0, thin.stderr + in_process.stderr
+    assert thin.stdout == in_process.stdout and '"exit_code": 3' in thin.stdout
+    table = cli(bob, "jobs", "--offline")
+    assert table.returncode == 0, table.stderr
+    assert "→ alice-pc" in table.stdout and "failed" in table.stdout
 
 
 def test_detach_logs_and_cancel_through_the_node_process(pair: tuple[Path, Path]) -> None:
