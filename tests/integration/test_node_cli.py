@@ -21,8 +21,11 @@ from tests.integration.node import CEILING, cli, node_env, status, wait_gone
 pytestmark = pytest.mark.usefixtures("docker_daemon")
 
 HEAVY = ("qh3", "cryptography", "docker", "sqlite3")
-LISTING = (*HEAVY, "rich", "asyncio", "logging", "shutil")
+LISTING = (*HEAVY, "rich", "asyncio", "logging", "shutil", "msgspec", "decimal")
 """Not imported by `gpumesh jobs --json` through the node process either."""
+RUNNING = (*LISTING, "base64", "textwrap")
+"""Not imported by `jobs` (its table piped), `logs -f` and `run` either: what a
+command started for one job pays for at start-up, besides click."""
 
 
 def test_run_streams_output_apart_and_exits_with_the_jobs_code(pair: tuple[Path, Path]) -> None:
@@ -37,6 +40,22 @@ def test_run_streams_output_apart_and_exits_with_the_jobs_code(pair: tuple[Path,
     assert node["detached"]  # it went through the node process the command started
     listed = json.loads(cli(bob, "jobs", "--json").stdout)
     assert [j["state"] for j in listed] == ["failed"] and listed[0]["exit_code"] == 3
+    # The node's JSON, printed as it comes, is byte for byte what the command
+    # prints in-process from its view structs.
+    thin = cli(bob, "jobs", "--offline", "--json")
+    in_process = subprocess.run(
+        [sys.executable, "-m", "gpumesh", "jobs", "--offline", "--json"],
+        env={**node_env(bob), "GPUMESH_NODE": "off"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert thin.returncode == in_process.returncode == 0, thin.stderr + in_process.stderr
+    assert thin.stdout == in_process.stdout and '"exit_code": 3' in thin.stdout
+    table = cli(bob, "jobs", "--offline")
+    assert table.returncode == 0, table.stderr
+    assert "→ alice-pc" in table.stdout and "failed" in table.stdout
 
 
 def test_detach_logs_and_cancel_through_the_node_process(pair: tuple[Path, Path]) -> None:
@@ -97,9 +116,12 @@ def test_the_thin_commands_import_no_quic_crypto_docker_or_sqlite(pair: tuple[Pa
         codes = [int(main(["jobs", "--json"]))]
         listing = sorted(m for m in sys.modules if m.split(".")[0] in {LISTING!r})
         print("LISTING", listing, file=sys.stderr)
-        for argv in (["jobs"], ["logs", "-f", "{job_id}"], ["cancel", "{job_id}"],
+        for argv in (["jobs"], ["logs", "-f", "{job_id}"],
                      ["run", "--peer", "alice-pc", "--", "echo", "again"]):
             codes.append(int(main(argv)))
+        running = sorted(m for m in sys.modules if m.split(".")[0] in {RUNNING!r})
+        print("RUNNING", running, file=sys.stderr)
+        codes.append(int(main(["cancel", "{job_id}"])))
         heavy = sorted(m for m in sys.modules if m.split(".")[0] in {HEAVY!r})
         print("RESULT", codes, heavy, file=sys.stderr)
         """
@@ -118,6 +140,7 @@ def test_the_thin_commands_import_no_quic_crypto_docker_or_sqlite(pair: tuple[Pa
     assert codes == "[0, 0, 0, 0, 0", result.stderr
     assert heavy == "[]", f"imported on the thin path: {heavy}"
     assert "LISTING []\n" in result.stderr, result.stderr
+    assert "RUNNING []\n" in result.stderr, result.stderr
     assert "hi\n" in result.stdout and "again\n" in result.stdout
 
 

@@ -88,3 +88,50 @@ def test_help_imports_no_command_and_nothing_heavy() -> None:
     assert result.stdout.strip() == "0 [] ['gpumesh.cli._common', 'gpumesh.cli.main']", (
         result.stdout + result.stderr
     )
+
+
+# What a command that talks to the node process must not load at start-up:
+# the client layer's and the provider's libraries, and what only a terminal
+# (Rich), an in-process command (logging, asyncio) or help text needs.
+THIN_AVOIDS = {
+    "qh3", "cryptography", "docker", "sqlite3", "asyncio", "msgspec", "rich", "logging",
+    "decimal", "shutil", "base64", "textwrap", "signal",
+}  # fmt: skip
+
+
+def test_jobs_and_run_through_a_node_process_start_light(tmp_path: Path) -> None:
+    """A real node process in a fresh home, already running (as the commands after
+    the first one find it): `jobs` (empty, and as JSON) and a `run` the node
+    process refuses (no such peer) load none of THIN_AVOIDS."""
+    home = tmp_path / "home"
+    env = dict(os.environ, GPUMESH_HOME=str(home))
+    env.pop("GPUMESH_NODE", None)
+    env.pop("GPUMESH_LOG", None)
+    init = [str(SCRIPT), "init", "--name", "light"]
+    subprocess.run(init, env=env, capture_output=True, check=True, timeout=60)
+    # The first command starts the node process (subprocess and all).
+    subprocess.run([str(SCRIPT), "jobs"], env=env, capture_output=True, check=True, timeout=120)
+    check = (
+        "import sys\n"
+        "from gpumesh.cli.main import main\n"
+        "codes = [int(main(['jobs'])), int(main(['jobs', '--json'])),\n"
+        "         int(main(['run', '--peer', 'nobody', '--', 'true']))]\n"
+        f"avoided = {sorted(THIN_AVOIDS)!r}\n"
+        "print(codes, sorted(m for m in sys.modules if m.split('.')[0] in avoided))\n"
+    )
+    try:
+        result = subprocess.run(
+            [sys.executable, "-c", check],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=120,
+        )
+    finally:
+        stop = [str(SCRIPT), "daemon", "stop"]
+        subprocess.run(stop, env=env, capture_output=True, check=False, timeout=60)
+    assert result.stdout.splitlines()[-1] == "[0, 0, 2] []", result.stdout + result.stderr
+    assert result.stdout.splitlines()[-2] == "[]"  # `jobs --json` of an empty home
+    assert "no paired peer named 'nobody'" in result.stderr

@@ -160,7 +160,10 @@ def run_cli(command: click.Command, argv: list[str] | None) -> int:
 
 
 def _debug_log(message: str) -> None:
-    """The failure being handled, with its traceback, to the debug log (if any)."""
-    import logging
+    """The failure being handled, with its traceback, to the debug log (if any).
 
-    logging.getLogger("gpumesh.cli").debug(message, exc_info=True)
+    A command that never set logging up (a thin one) has no log to write to:
+    it does not import :mod:`logging` just to find that out."""
+    logging = sys.modules.get("logging")
+    if logging is not None:
+        logging.getLogger("gpumesh.cli").debug(message, exc_info=True)

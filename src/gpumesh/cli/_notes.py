@@ -7,7 +7,7 @@ Imports nothing heavy: ``logs`` and ``run`` through the node process use it.
 
 from __future__ import annotations
 
-import base64
+import binascii
 import sys
 from typing import Any
 
@@ -86,7 +86,8 @@ class ViewPrinter:
         """One event (``kind`` as the stream names it, ``view`` its JSON)."""
         if kind == "output":
             out = sys.stdout if view["stream"] == "stdout" else sys.stderr
-            out.buffer.write(base64.b64decode(view["data"]))
+            # base64.b64decode is this, after importing struct and more.
+            out.buffer.write(binascii.a2b_base64(view["data"]))
             out.buffer.flush()
         elif kind == "status":
             note = state_note(

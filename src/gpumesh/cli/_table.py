@@ -6,19 +6,29 @@ first, and never below their header; the other columns (times, ids, states,
 values) are never cut, and a column that would be too narrow to read can move
 under its row instead. Piped output is never cut: a script or `grep` gets every
 cell whole, one row per line (a newline in a cell shows as ``\\n``).
+
+Rich lays the table out on a terminal. Piped, the same lines are plain text
+that this module writes itself (:func:`_plain_lines`), byte for byte what Rich
+would write, so a listing piped to a script does not import Rich; a cell this
+short cut cannot prove it renders alike (emoji codes, wide characters, unusual
+markup) sends the whole table to Rich.
 """
 
 from __future__ import annotations
 
+import os
+import re
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-from rich.console import Console
-from rich.text import Text
+from typing import TYPE_CHECKING
 
 from gpumesh.cli._text import escape_controls
 
-__all__ = ["Column", "print_table"]
+if TYPE_CHECKING:
+    from rich.text import Text
+
+__all__ = ["Column", "escape", "print_table"]
 
 _GAP = 2
 _INDENT = 4
@@ -39,8 +49,117 @@ class Column:
     """Under its row, the cell starts with the header (``reachable: yes (3 ms)``)."""
 
 
+def escape(text: str) -> str:
+    """``text`` safe in a cell's markup: ``rich.markup.escape``, without importing Rich."""
+
+    def double(match: re.Match[str]) -> str:
+        backslashes, tag = match.groups()
+        return f"{backslashes}{backslashes}\\{tag}"
+
+    text = _ESCAPE_TAG.sub(double, text)
+    if text.endswith("\\") and not text.endswith("\\\\"):
+        return text + "\\"
+    return text
+
+
 def print_table(columns: Sequence[Column], rows: Sequence[Sequence[str]]) -> None:
     """Print ``rows`` (cells in Rich markup, escaped by the caller) under ``columns``."""
+    lines = _plain_lines(columns, rows) if not _styled_output() else None
+    if lines is not None:
+        sys.stdout.write("".join(f"{line}\n" for line in lines))
+        sys.stdout.flush()
+        return
+    _print_rich(columns, rows)
+
+
+# rich.markup's tags and escapes, and what its emoji codes look like.
+_TAG = re.compile(r"((\\*)\[([a-z#/@][^[]*?)])")
+_ESCAPE_TAG = re.compile(r"(\\*)(\[[a-z#/@][^[]*?])")
+_EMOJI_LIKE = re.compile(r":\S*?:")
+# One terminal cell each, as Rich counts them: printable ASCII and the arrows of PEER.
+_NARROW = re.compile(r"[\x20-\x7e\u2190\u2192]*")
+
+
+def _styled_output() -> bool:
+    """Whether Rich would treat standard output as a terminal (styles, a width):
+    its own test, from ``TTY_COMPATIBLE``, ``FORCE_COLOR`` and ``isatty()``."""
+    import builtins
+
+    if hasattr(builtins, "get_ipython"):
+        return True  # IPython or a notebook: Rich's own rules
+    compatible = os.environ.get("TTY_COMPATIBLE", "")
+    if compatible in ("0", "1"):
+        return compatible == "1"
+    force = os.environ.get("FORCE_COLOR")
+    if force is not None:
+        return force != ""
+    try:
+        return sys.stdout.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def _plain(markup: str) -> str | None:
+    """The text of one cell's markup as Rich renders it unstyled, or None when
+    this reading is not sure to match Rich's (Rich then prints the table)."""
+    if _EMOJI_LIKE.search(markup):
+        return None
+    parts: list[str] = []
+    opened: list[str] = []
+    position = 0
+    for match in _TAG.finditer(markup):
+        full, escapes, tag = match.groups()
+        start, end = match.span()
+        if start > position:
+            parts.append(markup[position:start].replace("\\[", "["))
+        position = end
+        if escapes:
+            backslashes, escaped = divmod(len(escapes), 2)
+            parts.append("\\" * backslashes)
+            if escaped:
+                parts.append(full[len(escapes) :])
+                continue
+        name = tag.partition("=")[0]
+        if name.startswith("@"):
+            return None
+        if not name.startswith("/"):
+            opened.append(" ".join(name.split()).lower())
+        elif (closing := " ".join(name[1:].split()).lower()) in opened:
+            del opened[len(opened) - 1 - opened[::-1].index(closing)]
+        elif closing or not opened:
+            return None  # Rich refuses it (or closes what this does not follow)
+        else:
+            opened.pop()
+    if position < len(markup):
+        parts.append(markup[position:].replace("\\[", "["))
+    text = "".join(parts)
+    return text if _NARROW.fullmatch(text) else None
+
+
+def _plain_lines(columns: Sequence[Column], rows: Sequence[Sequence[str]]) -> list[str] | None:
+    """The lines Rich prints for the table on a non-terminal (nothing cut, no
+    style), or None when a cell is beyond :func:`_plain`."""
+    cells: list[list[str]] = []
+    for row in rows:
+        texts = [_plain(escape_controls(cell)) for cell in row]
+        if any(text is None for text in texts):
+            return None
+        cells.append([text for text in texts if text is not None])
+    widths = [
+        max([len(column.header), *(len(row[index]) for row in cells)])
+        for index, column in enumerate(columns)
+    ]
+    lines = []
+    for row in [[column.header for column in columns], *cells]:
+        padded = [cell.ljust(width) for cell, width in zip(row[:-1], widths, strict=False)]
+        lines.append("  ".join([*padded, row[-1]]) if row else "")
+    return lines
+
+
+def _print_rich(columns: Sequence[Column], rows: Sequence[Sequence[str]]) -> None:
+    from rich.console import Console
+    from rich.text import Text
+
     console = Console()
     # A newline or a terminal control in a cell (a command, a peer's text) would
     # break the one-line rows or drive the terminal: shown escaped instead.
@@ -99,6 +218,8 @@ def _fit(
 
 
 def _line(cells: list[Text], widths: list[int]) -> Text:
+    from rich.text import Text
+
     parts = []
     for position, (cell, width) in enumerate(zip(cells, widths, strict=True)):
         part = cell.copy()

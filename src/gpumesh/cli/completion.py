@@ -27,6 +27,7 @@ def completion(shell: str) -> None:
     """Print the completion script for SHELL."""
     from click.shell_completion import get_completion_class
 
+    import gpumesh.cli._powershell  # noqa: F401  (registers PowerShell's class)
     from gpumesh.cli.main import COMPLETE_VAR, cli
 
     completion_class = get_completion_class(shell)

@@ -46,9 +46,7 @@ def show(as_json: bool) -> None:
         emit_json(config_values(cfg))
         return
     rows = [(name, cfg.shown(name), cfg.source(name), key.help) for name, key in KEYS.items()]
-    from rich.markup import escape
-
-    from gpumesh.cli._table import Column, print_table
+    from gpumesh.cli._table import Column, escape, print_table
 
     # Values are never cut; on a narrow terminal the meaning goes under its key.
     columns = [Column("KEY"), Column("VALUE"), Column("FROM"), Column("MEANING", below=True)]

@@ -35,9 +35,7 @@ def gpu(as_json: bool) -> None:
             "driver to share a GPU",
             ExitCode.FAILED,
         )
-    from rich.markup import escape
-
-    from gpumesh.cli._table import Column, print_table
+    from gpumesh.cli._table import Column, escape, print_table
 
     rows = [
         [

@@ -307,6 +307,6 @@ def _colored(access: str, text: str) -> str:
 
 
 def _escape(text: str) -> str:
-    from rich.markup import escape
+    from gpumesh.cli._table import escape
 
     return escape(text)

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from gpumesh.cli._common import emit_json, get_node, run_async
 from gpumesh.cli._node import node_enabled
-from gpumesh.client.views.joblist import JobListEntry
 from gpumesh.protocol.states import JobRole, JobState
 from gpumesh.units import format_duration, format_size
+
+if TYPE_CHECKING:
+    from gpumesh.client.views.joblist import JobListEntry
 
 
 @click.command(
@@ -32,28 +35,47 @@ def jobs(limit: int, offline: bool, as_json: bool) -> None:
     "unknown since HH:MM", the last time its state was confirmed; one its
     provider no longer knows shows "gone".
     """
-    entries = _from_node(limit, offline) if node_enabled() else _in_process(limit, offline)
-    if as_json:
-        emit_json(entries)
-        return
+    entries: list[dict[str, Any]]
+    if node_enabled():
+        entries = _from_node(limit, offline)
+        if as_json:
+            # The node process's answer is the same view in the same key order:
+            # printed as emit_json prints it, without loading msgspec here.
+            import json
+
+            click.echo(json.dumps(entries, indent=2))
+            return
+    else:
+        import msgspec
+
+        listed = _in_process(limit, offline)
+        if as_json:
+            emit_json(listed)
+            return
+        entries = msgspec.to_builtins(listed)
     if not entries:
         click.echo("No jobs yet. Start one with `gpumesh run --peer NAME -- COMMAND`.")
         return
     _print(entries)
 
 
-def _from_node(limit: int, offline: bool) -> list[JobListEntry]:
-    """The list as this home's node process gives it (it asks the providers)."""
-    import msgspec
-
+def _from_node(limit: int, offline: bool) -> list[dict[str, Any]]:
+    """The list as this home's node process gives it (it asks the providers): the
+    JSON of :class:`~gpumesh.client.views.joblist.JobListEntry` views."""
     from gpumesh.cli._node import node_client
 
     query = f"limit={limit}&offline={'true' if offline else 'false'}"
     data = node_client().call("GET", f"/api/v1/jobs?{query}")
-    return msgspec.convert(data, list[JobListEntry])
+    if not isinstance(data, list):
+        from gpumesh.errors import AgentError
+
+        raise AgentError("the node process answered the job list with something else")
+    return data
 
 
 def _in_process(limit: int, offline: bool) -> list[JobListEntry]:
+    from gpumesh.client.views.joblist import JobListEntry
+
     node = get_node()
     unconfirmed: dict[str, str] = {}
     if not offline and node.home.store.unconfirmed_submitted_jobs(limit):
@@ -64,17 +86,16 @@ def _in_process(limit: int, offline: bool) -> list[JobListEntry]:
     return [JobListEntry.of(j, unconfirmed) for j in node.home.store.jobs(limit=limit)]
 
 
-def _confirmed(j: JobListEntry) -> float:
+def _confirmed(j: dict[str, Any]) -> float:
     """When a job's state was last known for sure (as :func:`last_confirmed`)."""
-    if j.unknown_since is not None:
-        return j.unknown_since
-    return j.confirmed_at if j.confirmed_at is not None else j.created_at
+    if j["unknown_since"] is not None:
+        return float(j["unknown_since"])
+    return float(j["confirmed_at"] if j["confirmed_at"] is not None else j["created_at"])
 
 
-def _print(records: list[JobListEntry]) -> None:
-    from rich.markup import escape
-
-    from gpumesh.cli._table import Column, print_table
+def _print(records: list[dict[str, Any]]) -> None:
+    """The table of ``records``: job list entries as JSON has them."""
+    from gpumesh.cli._table import Column, escape, print_table
 
     colors: dict[str, str] = {
         JobState.SUCCEEDED: "green",
@@ -85,33 +106,33 @@ def _print(records: list[JobListEntry]) -> None:
     now = time.time()
     rows = []
     for j in records:
-        peer = f"→ {j.peer}" if j.role == JobRole.SUBMITTED else f"← {j.peer}"
-        color = colors.get(j.state, "white")
-        state = j.state
-        duration = j.duration
-        if j.unknown_since is not None or j.provider_forgot:
+        peer = f"→ {j['peer']}" if j["role"] == JobRole.SUBMITTED else f"← {j['peer']}"
+        color = colors.get(j["state"], "white")
+        state = str(j["state"])
+        duration = j["duration"]
+        if j["unknown_since"] is not None or j["provider_forgot"]:
             color = "yellow"
             when = time.strftime("%H:%M", time.localtime(_confirmed(j)))
-            state = "gone" if j.provider_forgot else f"unknown since {when}"
-            if j.started_at is not None:  # not counting on past what is known
-                duration = max(0.0, _confirmed(j) - j.started_at)
-        command = " ".join(j.command) or f"({j.image})"
-        gpu = ",".join(j.gpus) or "-"
-        if j.gpu_memory or j.peak_gpu_memory:
+            state = "gone" if j["provider_forgot"] else f"unknown since {when}"
+            if j["started_at"] is not None:  # not counting on past what is known
+                duration = max(0.0, _confirmed(j) - j["started_at"])
+        command = " ".join(j["command"]) or f"({j['image']})"
+        gpu = ",".join(j["gpus"]) or "-"
+        if j["gpu_memory"] or j["peak_gpu_memory"]:
             # asked / measured, so users can right-size --gpu-memory
-            asked = format_size(j.gpu_memory) if j.gpu_memory else "?"
-            peak = format_size(j.peak_gpu_memory) if j.peak_gpu_memory else "?"
+            asked = format_size(j["gpu_memory"]) if j["gpu_memory"] else "?"
+            peak = format_size(j["peak_gpu_memory"]) if j["peak_gpu_memory"] else "?"
             gpu += f" {asked}/{peak}"
         rows.append(
             [
-                j.job_id,
+                j["job_id"],
                 escape(peer),
                 f"[{color}]{escape(state)}[/{color}]",
-                "-" if j.exit_code is None else str(j.exit_code),
-                f"{j.attempt}/{j.retries + 1}",
+                "-" if j["exit_code"] is None else str(j["exit_code"]),
+                f"{j['attempt']}/{j['retries'] + 1}",
                 escape(gpu),
                 escape(command),
-                f"{format_duration(now - j.created_at)} ago",
+                f"{format_duration(now - j['created_at'])} ago",
                 format_duration(duration) if duration is not None else "-",
             ]
         )
@@ -131,26 +152,26 @@ def _print(records: list[JobListEntry]) -> None:
     _explain(records)
 
 
-def _explain(records: list[JobListEntry]) -> None:
+def _explain(records: list[dict[str, Any]]) -> None:
     """Why some states are not known: on stderr, so piped rows stay rows."""
     told: set[str] = set()
     for j in records:
-        if j.unknown_since is not None and j.peer not in told:
-            told.add(j.peer)
-            why = j.unknown_reason or "it did not answer"
+        if j["unknown_since"] is not None and j["peer"] not in told:
+            told.add(j["peer"])
+            why = j["unknown_reason"] or "it did not answer"
             click.echo(
                 click.style(
-                    f"gpumesh: {j.peer} did not say where its jobs stand ({why}); "
+                    f"gpumesh: {j['peer']} did not say where its jobs stand ({why}); "
                     "they show their last confirmed state in --json",
                     fg="yellow",
                 ),
                 err=True,
             )
-        elif j.provider_forgot and j.role == JobRole.SUBMITTED:
+        elif j["provider_forgot"] and j["role"] == JobRole.SUBMITTED:
             click.echo(
                 click.style(
-                    f"gpumesh: {j.peer} no longer knows job {j.job_id} (pruned there, or "
-                    f"its home was reset); it was last known {j.state}",
+                    f"gpumesh: {j['peer']} no longer knows job {j['job_id']} (pruned there, or "
+                    f"its home was reset); it was last known {j['state']}",
                     fg="yellow",
                 ),
                 err=True,

@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-import textwrap
 
 import click
 import click.formatting
@@ -68,6 +67,8 @@ Every node's state lives in $GPUMESH_HOME (default ~/.gpumesh).
 
 def exit_codes_help() -> str:
     """The exit code table as ``gpumesh --help`` shows it (from errors.ExitCode)."""
+    import textwrap
+
     rows = [f"  {code:>3}  {meaning}" for code, meaning in exit_code_rows()]
     note = textwrap.wrap(JOB_CODES_NOTE, 90, initial_indent="  ", subsequent_indent="  ")
     return "\n".join(["\b", "Exit codes:", *rows, *note]) + "\n"
@@ -106,6 +107,16 @@ class HelpContext(click.Context):
 class LazyGroup(click.Group):
     context_class = HelpContext
 
+    # The epilog (examples and the exit code table) is made when help is shown
+    # (or asked for), not on every command's start.
+    @property
+    def epilog(self) -> str:
+        return EPILOG + "\n" + exit_codes_help()
+
+    @epilog.setter
+    def epilog(self, value: str | None) -> None:
+        pass
+
     def list_commands(self, ctx: click.Context) -> list[str]:
         return list(COMMANDS)
 
@@ -125,7 +136,6 @@ class LazyGroup(click.Group):
 
 @click.group(
     cls=LazyGroup,
-    epilog=EPILOG + "\n" + exit_codes_help(),
     context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
 )
 @click.option(
@@ -149,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     from gpumesh.cli._common import run_cli
 
     if COMPLETE_VAR in os.environ:  # a shell's Tab press: our PowerShell completer must answer
-        import gpumesh.cli._complete  # noqa: F401
+        import gpumesh.cli._powershell  # noqa: F401
 
     return run_cli(cli, argv)
 
@@ -159,17 +169,16 @@ def entry() -> None:
 
     Tearing down the modules a job run loads (QUIC, TLS, SQLite, asyncio) costs
     tens of milliseconds on every command; all state is already committed and
-    every file closed by the time main() returns, so only output is flushed.
+    every file closed by the time main() returns, so only output is flushed
+    (and the log handlers, where a command set logging up: a thin command
+    never imports it).
     """
-    import logging
-    import os
-    import sys
-
     code = main()
     try:
         sys.stdout.flush()
         sys.stderr.flush()
     except (BrokenPipeError, ValueError):
         code = code or 1
-    logging.shutdown()
+    if (logging := sys.modules.get("logging")) is not None:
+        logging.shutdown()
     os._exit(code)

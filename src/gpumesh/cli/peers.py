@@ -24,9 +24,7 @@ def peers(as_json: bool) -> None:
     if not rows:
         click.echo("No peers yet. Pair with `gpumesh pair '<code>'` (see `gpumesh pair-code`).")
         return
-    from rich.markup import escape
-
-    from gpumesh.cli._table import Column, print_table
+    from gpumesh.cli._table import Column, escape, print_table
 
     now = time.time()
     rows_shown = []

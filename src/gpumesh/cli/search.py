@@ -71,9 +71,7 @@ def search(
     if not page.listings:
         click.echo(f"No listing matches on {url}.")
         return
-    from rich.markup import escape
-
-    from gpumesh.cli._table import Column, print_table
+    from gpumesh.cli._table import Column, escape, print_table
     from gpumesh.units import format_size
 
     rows = []

@@ -71,9 +71,7 @@ def sync(timeout: float, no_dial: bool, as_json: bool) -> None:
 
 
 def _print_results(results: list[PeerRefresh]) -> None:
-    from rich.markup import escape
-
-    from gpumesh.cli._table import Column, print_table
+    from gpumesh.cli._table import Column, escape, print_table
 
     rows = []
     for result in results:

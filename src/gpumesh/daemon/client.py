@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import socket
 import sys
 import time
@@ -302,6 +301,8 @@ def stop(home: Path, client: NodeClient | None = None) -> int | None:
         client.call("POST", "/api/v1/node/stop", timeout=STOP_TIMEOUT)
     except NodeUnavailableError:
         if record.pid:
+            import signal
+
             with contextlib.suppress(OSError):
                 os.kill(record.pid, signal.SIGTERM)
     deadline = time.monotonic() + STOP_TIMEOUT
