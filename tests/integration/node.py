@@ -16,9 +16,10 @@ CEILING = 60.0
 
 
 def node_env(home: Path, **extra: str) -> dict[str, str]:
-    env = dict(os.environ, GPUMESH_HOME=str(home), **extra)
+    env = dict(os.environ, GPUMESH_HOME=str(home))
     env.pop("GPUMESH_NODE", None)  # the default: through the node process
     env.pop("GPUMESH_LOG", None)
+    env.update(extra)  # a caller's GPUMESH_NODE=off keeps that command in-process
     return env
 
 
