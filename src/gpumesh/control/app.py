@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import enum
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -446,11 +446,15 @@ async def get_job_events(call: Call) -> object:
     return EventStream(_job_events(follow))
 
 
-async def _job_events(follow: Any) -> AsyncIterator[bytes]:
-    from gpumesh.client import jobs
-    from gpumesh.client.views.jobs import JobResultView, event_view
+KEEP_ALIVE = object()
+"""What :func:`_paced` yields when its source was silent for :data:`KEEPALIVE` seconds."""
 
-    it = aiter(follow)
+
+async def _paced(source: Any) -> AsyncGenerator[Any, None]:
+    """``source``'s events, with :data:`KEEP_ALIVE` after every :data:`KEEPALIVE`
+    seconds of silence (a long sync or a quiet job), so proxies and browsers keep
+    the stream open; closing this closes ``source``."""
+    it = aiter(source)
     pending: asyncio.Future[Any] | None = None
     try:
         while True:
@@ -458,15 +462,34 @@ async def _job_events(follow: Any) -> AsyncIterator[bytes]:
                 pending = asyncio.ensure_future(anext(it))
             done, _ = await asyncio.wait({pending}, timeout=KEEPALIVE)
             if not done:
-                yield b": keep-alive\n\n"
+                yield KEEP_ALIVE
                 continue
             try:
                 event = pending.result()
             except StopAsyncIteration:
-                break
+                return
             finally:
                 if pending.done():
                     pending = None
+            yield event
+    finally:
+        if pending is not None:
+            pending.cancel()
+            with contextlib.suppress(BaseException):
+                await pending
+        await source.aclose()
+
+
+async def _job_events(follow: Any) -> AsyncIterator[bytes]:
+    from gpumesh.client import jobs
+    from gpumesh.client.views.jobs import JobResultView, event_view
+
+    events = _paced(follow)
+    try:
+        async for event in events:
+            if event is KEEP_ALIVE:
+                yield b": keep-alive\n\n"
+                continue
             view = event_view(event, follow.seq)
             # Only output and status events are resumable points: a drop notice
             # shares its output's number and a reconnect has none.
@@ -476,11 +499,7 @@ async def _job_events(follow: Any) -> AsyncIterator[bytes]:
     except GPUMeshError as exc:
         yield sse("error", ErrorView(exc.code, exc.message))
     finally:
-        if pending is not None:
-            pending.cancel()
-            with contextlib.suppress(BaseException):
-                await pending
-        await follow.aclose()
+        await events.aclose()
 
 
 def sse(event: str, data: object, event_id: int | None = None) -> bytes:
@@ -681,23 +700,12 @@ async def _app_run_events(run: Any) -> AsyncIterator[bytes]:
     from gpumesh.client.views.jobs import event_view
     from gpumesh.client.views.runs import step_view
 
-    it = aiter(run)
-    pending: asyncio.Future[Any] | None = None
+    events = _paced(run)
     try:
-        while True:
-            if pending is None:
-                pending = asyncio.ensure_future(anext(it))
-            done, _ = await asyncio.wait({pending}, timeout=KEEPALIVE)
-            if not done:
+        async for event in events:
+            if event is KEEP_ALIVE:
                 yield b": keep-alive\n\n"
                 continue
-            try:
-                event = pending.result()
-            except StopAsyncIteration:
-                break
-            finally:
-                if pending.done():
-                    pending = None
             if isinstance(event, apprun.Synced):
                 yield sse("syncview", SyncView.of(event.sync))
                 continue
@@ -712,11 +720,7 @@ async def _app_run_events(run: Any) -> AsyncIterator[bytes]:
     except GPUMeshError as exc:
         yield sse("error", ErrorView(exc.code, exc.message))
     finally:
-        if pending is not None:
-            pending.cancel()
-            with contextlib.suppress(BaseException):
-                await pending
-        await run.aclose()
+        await events.aclose()
 
 
 async def post_app_pull(call: Call) -> object:
