@@ -489,9 +489,45 @@ def run(args: argparse.Namespace, rows: list[Row]) -> None:
             if index:
                 print(lab_lines(lab("link", *link_options(row, args.seed))))
             print(f"RTT {row.rtt:g} ms, {row.loss:g}% loss each way:", flush=True)
+            before = {side: udp_counters(side) for side in ("A", "B")}
             measure_row(setup, row)
             print(lab_lines(lab("stats")))
+            print(lab_lines(udp_drops(before)))
         report(args, rows, setup)
+
+
+def udp_counters(side: str) -> dict[str, int]:
+    """The kernel's UDP counters in host ``side``'s namespace (``/proc/net/snmp``)."""
+    text = subprocess.run(
+        [*on(side), "cat", "/proc/net/snmp"], capture_output=True, text=True, check=False
+    ).stdout
+    lines = [line.split() for line in text.splitlines() if line.startswith("Udp:")]
+    counters = {}
+    if len(lines) >= 2:
+        counters = dict(zip(lines[0][1:], map(int, lines[1][1:]), strict=False))
+    dropped = subprocess.run(
+        [*on(side), "cat", "/sys/class/net/wan/statistics/tx_dropped"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.strip()
+    counters["TxDropped"] = int(dropped) if dropped.isdigit() else 0
+    return counters
+
+
+def udp_drops(before: dict[str, dict[str, int]]) -> str:
+    """What each host's kernel dropped of UDP since ``before`` (full receive buffers)."""
+    parts = []
+    for side in ("A", "B"):
+        now = udp_counters(side)
+        was = before.get(side, {})
+        got = {k: now.get(k, 0) - was.get(k, 0) for k in now}
+        parts.append(
+            f"host {side}: {got['InDatagrams']} UDP datagrams in, {got['RcvbufErrors']} dropped "
+            f"for a full receive buffer ({got['InErrors']} errors in all), "
+            f"{got['TxDropped']} dropped by its link device before the link took them"
+        )
+    return "; ".join(parts)
 
 
 def lab_lines(text: str) -> str:
