@@ -6,7 +6,8 @@ it: the sender groups its datagrams into groups of up to :data:`GROUP_SIZE` and
 sends two parity datagrams behind each group (``P``, the XOR of the group, and
 ``Q``, a Reed-Solomon sum over GF(256) as in RAID-6), so the receiver rebuilds
 any one or two datagrams a group lost, byte for byte, before QUIC sees them
-missing.
+missing. Small groups get less (:func:`parities_for`): one parity for a group
+of one or two, none for a lone acknowledgement.
 
 Framing (every frame's first byte has QUIC's fixed bit ``0x40`` clear, so no
 frame can be taken for a QUIC packet, and differs from the relay's type bytes)::
@@ -51,10 +52,12 @@ __all__ = [
     "MAX_PAYLOAD",
     "OVERHEAD",
     "PARITY",
+    "SMALL",
     "Decoder",
     "Encoder",
     "FecCounters",
     "is_fec",
+    "parities_for",
 ]
 
 DATA = 0x3A
@@ -74,6 +77,10 @@ MAX_GROUPS = 64
 """Open groups a decoder keeps per peer (the oldest go first)."""
 MAX_STORED = 2 * 1024 * 1024
 """Bytes of open groups a decoder keeps per peer (the oldest groups go first)."""
+SMALL = 80
+"""Datagrams this short carry acknowledgements or pings (a QUIC short header, an ACK
+frame and the tag): a group of one such datagram gets no parity (see
+:func:`parities_for`)."""
 MAX_PAYLOAD = 1500
 """Largest datagram the codec carries (larger ones are sent and taken as they are)."""
 _SYMBOL = MAX_PAYLOAD + 2
@@ -171,9 +178,28 @@ class FecCounters:
     """Datagrams held back behind a gap, then released."""
     dropped: int = 0
     """Frames refused: malformed, out of range, or too large."""
+    unprotected: int = 0
+    """Groups sent without parity (a lone acknowledgement-sized datagram)."""
 
 
 # --- sender ------------------------------------------------------------------------
+
+
+def parities_for(k: int, longest: int) -> int:
+    """Parity frames for a group of ``k`` datagrams, the longest ``longest`` bytes.
+
+    Two for a group of three or more; one (``P``, which rebuilds either one)
+    for a group of one or two; none for a lone acknowledgement-sized datagram
+    (at most :data:`SMALL` bytes): QUIC never resends what one carries as such
+    (a later ACK covers a lost one), and on an idle long link each keep-alive
+    or ACK makes a group of its own, which two parity frames tripled. A decoder
+    of any version takes a group without parity: its one datagram passes up at
+    once (a group of one has no gap to wait on), and the group is forgotten
+    with the oldest.
+    """
+    if k == 1 and longest <= SMALL:
+        return 0
+    return PARITIES if k > 2 else 1
 
 
 class Encoder:
@@ -251,13 +277,17 @@ class Encoder:
         import numpy as np
 
         size, k, group = self._longest, self._count, self._group
-        symbols = self._symbols[:k, :size]
-        p = np.bitwise_xor.reduce(symbols, axis=0)
-        q = _weighted_sum(symbols)
-        for which, parity in enumerate((p, q)):
-            header = _PARITY_HEADER.pack(PARITY, group, which << 6 | k)
-            frames.append(header + parity.tobytes())
-        self.counters.sent_parity += PARITIES
+        parities = parities_for(k, size - 2)
+        if parities:
+            symbols = self._symbols[:k, :size]
+            p = np.bitwise_xor.reduce(symbols, axis=0)
+            q = _weighted_sum(symbols) if parities > 1 else p
+            for which, parity in enumerate((p, q)[:parities]):
+                header = _PARITY_HEADER.pack(PARITY, group, which << 6 | k)
+                frames.append(header + parity.tobytes())
+            self.counters.sent_parity += parities
+        else:
+            self.counters.unprotected += 1
         self._group = (group + 1) & 0xFFFFFFFF
         self._count = 0
         self._longest = 0
