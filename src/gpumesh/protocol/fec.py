@@ -221,33 +221,23 @@ class Encoder:
         self._count = 0
         self._longest = 0
         self._opened = 0.0
-        import numpy as np
-
-        self._symbols = np.zeros((group_size, _SYMBOL), dtype=np.uint8)
-        """The open group's symbols, one row each (parity is computed at its close)."""
+        self._datagrams: list[bytes] = []
+        """The open group's datagrams (symbols are laid out and parity computed at its
+        close, in one buffer: cheaper per datagram than a row copy each)."""
 
     def encode(self, datagrams: list[bytes], now: float) -> list[bytes]:
         """The frames to send for ``datagrams``, parity included where a group fills."""
-        import numpy as np
-
         frames: list[bytes] = []
+        pack = _DATA_HEADER.pack
         for datagram in datagrams:
             if len(datagram) > MAX_PAYLOAD:
                 frames.append(datagram)  # never happens with QUIC's datagram size
                 continue
             if self._count == 0:
                 self._opened = now
-            index = self._count
-            frames.append(_DATA_HEADER.pack(DATA, self._group, index) + datagram)
-            size = len(datagram) + 2
-            row = self._symbols[index]
-            row[0], row[1] = size - 2 >> 8, size - 2 & 0xFF
-            row[2:size] = np.frombuffer(datagram, dtype=np.uint8)
-            if size < self._longest:
-                row[size : self._longest] = 0
-            elif size > self._longest:
-                self._symbols[:index, self._longest : size] = 0
-                self._longest = size
+            frames.append(pack(DATA, self._group, self._count) + datagram)
+            self._datagrams.append(datagram)
+            self._longest = max(self._longest, len(datagram) + 2)
             self._count += 1
             self.counters.sent_data += 1
             if self._count >= self.group_size:
@@ -279,7 +269,13 @@ class Encoder:
         size, k, group = self._longest, self._count, self._group
         parities = parities_for(k, size - 2)
         if parities:
-            symbols = self._symbols[:k, :size]
+            buffer = bytearray(k * size)  # symbol i: length u16 | datagram | zeros
+            at = 0
+            for datagram in self._datagrams:
+                buffer[at : at + 2] = len(datagram).to_bytes(2, "big")
+                buffer[at + 2 : at + 2 + len(datagram)] = datagram
+                at += size
+            symbols = np.frombuffer(buffer, dtype=np.uint8).reshape(k, size)
             p = np.bitwise_xor.reduce(symbols, axis=0)
             q = _weighted_sum(symbols) if parities > 1 else p
             for which, parity in enumerate((p, q)[:parities]):
@@ -291,6 +287,7 @@ class Encoder:
         self._group = (group + 1) & 0xFFFFFFFF
         self._count = 0
         self._longest = 0
+        self._datagrams = []
 
 
 # --- receiver ----------------------------------------------------------------------
