@@ -44,7 +44,9 @@ iptables rule on host B shapes his path: ``cp, hole-punched`` drops only
 QUIC Initials to the provider's port (the dial goes through the relay, then
 punching moves the session to a direct path), ``cp, relayed`` drops
 everything to that port (punching fails; every byte crosses the link to the
-relay). ``gpumesh connect --json`` checks the path once per row.
+relay). ``gpumesh connect --json`` checks the path once per row. dave's
+commands run in-process (``GPUMESH_NODE=off``), so each copy dials afresh
+under its rule, relay and punching included in its time.
 Everything (link, namespaces, processes, files) is removed on exit.
 """
 
@@ -643,7 +645,10 @@ def run(args: argparse.Namespace, rows: list[Row]) -> None:
         for name in ("GPUMESH_LOG", "GPUMESH_PEER", "GPUMESH_IMAGE"):
             env.pop(name, None)
         quic_env = dict(env, GPUMESH_HOME=str(tmp / "c"))
-        relay_env = {} if relay_note else dict(env, GPUMESH_HOME=str(tmp / "d"))
+        # In-process (no node process): each run dials afresh under its own rule. A warm
+        # session in dave's node process would outlive the rule it was made under (a
+        # punched path black-holed by the relayed rule: measured 0.5-0.9 MB/s).
+        relay_env = {} if relay_note else dict(env, GPUMESH_HOME=str(tmp / "d"), GPUMESH_NODE="off")
         setup = Setup(
             tmp=tmp,
             source=source,
