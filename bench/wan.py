@@ -23,6 +23,10 @@ and loss, and each path is timed as a whole process, ``--repeat`` runs each
   is part of the time), next to ``scp -r``;
 * ``app sync`` of the tree as a new app (a first sync), next to ``rsync -a``
   over ssh of it;
+* folder ``cp``, ``run --workdir`` and ``app sync`` again "over QUIC": from a
+  second consumer (carol) whose ``data_channel`` is ``off``, the way every
+  hole-punched or relayed session carries them (the data channel needs a
+  direct TCP path);
 * ``gpumesh connect --json``: the whole process, and the time it reports
   itself (``connect_ms``: dial and identity proof).
 
@@ -33,8 +37,16 @@ and both homes live on tmpfs (``/dev/shm``), so neither disk counts; every
 copy is removed after it is checked. Needs root (namespaces, a TUN device).
 The hosts' TCP uses BBR where the kernel has it: the script prints the
 congestion control of the hosts and of the data channel (as ``cp --json``
-reports it). Direct paths only: relayed and hole-punched sessions are not
-measured here (``bench/relay.py``, ``scripts/natlab.sh``).
+reports it). Hole-punched and relayed sessions: ``gpumesh-relay`` runs on
+host A beside the provider (which registers with it), and a third consumer
+(dave, data channel off, who knows the relay) copies the file while an
+iptables rule on host B shapes his path: ``cp, hole-punched`` drops only
+QUIC Initials to the provider's port (the dial goes through the relay, then
+punching moves the session to a direct path), ``cp, relayed`` drops
+everything to that port (punching fails; every byte crosses the link to the
+relay). ``gpumesh connect --json`` checks the path once per row. dave's
+commands run in-process (``GPUMESH_NODE=off``), so each copy dials afresh
+under its rule, relay and punching included in its time.
 Everything (link, namespaces, processes, files) is removed on exit.
 """
 
@@ -63,12 +75,14 @@ from _benchlib import (
 )
 from bulk import gpumesh_command, loopback_sshd, make_nodes, parse_size, running_agent
 from dispatch import DEFAULT_IMAGE, remove_containers
+from gpumesh.client.node import Node
 from gpumesh.runtime.base import LABEL_NODE
 
 MIB = 1024 * 1024
 ROOT = Path(__file__).resolve().parent.parent
 WANLAB = ROOT / "scripts" / "wanlab.sh"
 PREFIX = "gmwb"
+
 """The bench's own lab prefix: it never touches a lab someone built by hand."""
 ADDRESS_A = "10.77.0.1"
 PORT = 4711
@@ -78,9 +92,23 @@ DEFAULT_ROWS = "20/0,50/0.5,100/1"
 
 # The paths, in the order of the tables; each GPUMesh path names its baseline.
 CP, QUIC, FOLDER, WORKDIR, APP = "cp", "cp --no-fast-path", "folder cp", "run --workdir", "app sync"
+FOLDER_Q, WORKDIR_Q, APP_Q = "folder cp, QUIC", "run --workdir, QUIC", "app sync, QUIC"
+PUNCHED, RELAYED = "cp, hole-punched", "cp, relayed"
 SCP, SCP_R, RSYNC = "scp -c aes128-gcm", "scp -r", "rsync -a"
 QUIC_PLAIN = "QUIC, FEC off"
-BASELINE = {CP: SCP, QUIC: SCP, QUIC_PLAIN: SCP, FOLDER: SCP_R, WORKDIR: SCP_R, APP: RSYNC}
+BASELINE = {
+    CP: SCP,
+    QUIC: SCP,
+    QUIC_PLAIN: SCP,
+    FOLDER: SCP_R,
+    WORKDIR: SCP_R,
+    APP: RSYNC,
+    FOLDER_Q: SCP_R,
+    WORKDIR_Q: SCP_R,
+    APP_Q: RSYNC,
+    PUNCHED: SCP,
+    RELAYED: SCP,
+}
 ONLY = {
     "cp": CP,
     "quic": QUIC,
@@ -88,11 +116,30 @@ ONLY = {
     "folder": FOLDER,
     "workdir": WORKDIR,
     "app": APP,
+    "folder-quic": FOLDER_Q,
+    "workdir-quic": WORKDIR_Q,
+    "app-quic": APP_Q,
+    "punched": PUNCHED,
+    "relayed": RELAYED,
     "scp": SCP,
     "scp-r": SCP_R,
     "rsync": RSYNC,
 }
 """``--only`` keys and the paths they name."""
+RELAY_ADDRESS = "10.77.0.1:4799"
+"""gpumesh-relay runs on host A, beside the provider: a relayed session crosses the
+link once, as it would to a relay near the provider."""
+BLOCK = {
+    RELAYED: ["-p", "udp", "-d", ADDRESS_A, "--dport", str(PORT), "-j", "DROP"],
+    PUNCHED: [
+        *("-p", "udp", "-d", ADDRESS_A, "--dport", str(PORT)),
+        *("-m", "u32", "--u32", "0>>22&0x3C@8>>24=0xC0:0xCF", "-j", "DROP"),
+    ],
+}
+"""iptables rules on host B (OUTPUT) while dave's runs take a path: everything to the
+provider's port (so the dial and hole punching fail: relayed), or only QUIC's long
+headers to it (a new connection's packets: the dial goes through the relay, and
+punching then moves the session to a direct path)."""
 
 
 @dataclass
@@ -112,6 +159,8 @@ class Row:
     connect_wall: list[float] = field(default_factory=list)
     connect_own: list[float] = field(default_factory=list)
     channel_congestion: set[str] = field(default_factory=set)
+    paths_checked: dict[str, str] = field(default_factory=dict)
+    """What ``connect`` said dave's path was, per relay path, once per row."""
 
     @property
     def label(self) -> str:
@@ -214,6 +263,12 @@ class Setup:
     sandbox: Path
     env: dict[str, str]
     """bob's CLI environment."""
+    quic_sandbox: Path
+    quic_env: dict[str, str]
+    """carol's CLI environment: the same as bob's, with the data channel off."""
+    relay_sandbox: Path
+    relay_env: dict[str, str]
+    """dave's: carol's settings, and the relay."""
     ssh: list[str] | None
     ssh_note: str
     docker_note: str | None
@@ -250,14 +305,14 @@ def run_cp(setup: Setup, row: Row, *, fast: bool, fec: bool = True) -> float:
     return setup.size / seconds / 1e6
 
 
-def run_folder(setup: Setup, _row: Row) -> float:
+def run_folder(setup: Setup, _row: Row, *, quic: bool = False) -> float:
     name = setup.fresh("tree")
     seconds, _ = timed(
         gm("cp", "--json", str(setup.tree), f"alice:/wan/{name}"),
         setup.args.limit,
-        setup.env,
+        setup.quic_env if quic else setup.env,
     )
-    arrived = setup.sandbox / "wan" / name
+    arrived = (setup.quic_sandbox if quic else setup.sandbox) / "wan" / name
     check_tree(arrived, setup.tree_size, "gpumesh cp")
     return setup.tree_size / seconds / 1e6
 
@@ -269,7 +324,7 @@ def check_tree(arrived: Path, size: int, what: str) -> None:
         raise RuntimeError(f"{what} delivered {got} of {size} bytes")
 
 
-def run_workdir(setup: Setup, _row: Row) -> float:
+def run_workdir(setup: Setup, _row: Row, *, quic: bool = False) -> float:
     seconds, _ = timed(
         gm(
             "run",
@@ -284,12 +339,12 @@ def run_workdir(setup: Setup, _row: Row) -> float:
             "true",
         ),
         setup.args.limit,
-        setup.env,
+        setup.quic_env if quic else setup.env,
     )
     return setup.tree_size / seconds / 1e6
 
 
-def run_app(setup: Setup, _row: Row) -> float:
+def run_app(setup: Setup, _row: Row, *, quic: bool = False) -> float:
     # A new app each time (a first sync): hard links of the tree under a fresh name.
     app = setup.tmp / "apps" / setup.fresh("app")
     shutil.copytree(setup.tree, app, copy_function=os.link)
@@ -297,11 +352,12 @@ def run_app(setup: Setup, _row: Row) -> float:
         seconds, _ = timed(
             gm("app", "sync", "--json", "--peer", "alice", "--dir", str(app)),
             setup.args.limit,
-            setup.env,
+            setup.quic_env if quic else setup.env,
         )
     finally:
         shutil.rmtree(app, ignore_errors=True)
-    shutil.rmtree(setup.sandbox / "apps" / app.name, ignore_errors=True)
+    sandbox = setup.quic_sandbox if quic else setup.sandbox
+    shutil.rmtree(sandbox / "apps" / app.name, ignore_errors=True)
     return setup.tree_size / seconds / 1e6
 
 
@@ -341,6 +397,41 @@ def run_rsync(setup: Setup, _row: Row) -> float:
     return setup.tree_size / seconds / 1e6
 
 
+@contextlib.contextmanager
+def blocked(rule: list[str]) -> Iterator[None]:
+    """``rule`` in host B's OUTPUT chain for the block."""
+    subprocess.run([*on("B"), "iptables", "-I", "OUTPUT", *rule], check=True)
+    try:
+        yield
+    finally:
+        subprocess.run([*on("B"), "iptables", "-D", "OUTPUT", *rule], check=False)
+
+
+def run_via_relay(setup: Setup, row: Row, *, path: str) -> float:
+    """``cp`` of the file by dave (QUIC) with host B's firewall making ``path``."""
+    name = setup.fresh("relay") + ".bin"
+    with blocked(BLOCK[path]):
+        if path not in row.paths_checked:
+            _, out = timed(gm("connect", "--json", "alice"), setup.args.limit, setup.relay_env)
+            got = str(json.loads(out)["path"])
+            want = "hole-punched" if path == PUNCHED else "relayed"
+            if want not in got:
+                raise RuntimeError(f"{path}: dave's session took the path {got!r}")
+            row.paths_checked[path] = got
+            print(f"  {path}: connect says the path is {got!r}", flush=True)
+        seconds, out = timed(
+            gm("cp", "--json", str(setup.source), f"alice:/wan/{name}"),
+            setup.args.limit,
+            setup.relay_env,
+        )
+    arrived = setup.relay_sandbox / "wan" / name
+    size = arrived.stat().st_size
+    arrived.unlink()
+    if size != setup.size:
+        raise RuntimeError(f"gpumesh cp ({path}) copied {size} of {setup.size} bytes")
+    return setup.size / seconds / 1e6
+
+
 def run_connect(setup: Setup, row: Row) -> None:
     seconds, out = timed(gm("connect", "--json", "alice"), setup.args.limit, setup.env)
     row.connect_wall.append(seconds * 1000)
@@ -357,6 +448,13 @@ def runners(setup: Setup) -> dict[str, Callable[[Setup, Row], float]]:
     if setup.docker_note is None:
         chosen[WORKDIR] = run_workdir
     chosen[APP] = run_app
+    chosen[FOLDER_Q] = lambda s, r: run_folder(s, r, quic=True)
+    if setup.docker_note is None:
+        chosen[WORKDIR_Q] = lambda s, r: run_workdir(s, r, quic=True)
+    chosen[APP_Q] = lambda s, r: run_app(s, r, quic=True)
+    if setup.relay_env:
+        chosen[PUNCHED] = lambda s, r: run_via_relay(s, r, path=PUNCHED)
+        chosen[RELAYED] = lambda s, r: run_via_relay(s, r, path=RELAYED)
     if setup.ssh is not None:
         chosen[SCP] = run_scp
         chosen[SCP_R] = run_scp_r
@@ -425,6 +523,72 @@ def make_tree(root: Path, files: int, size: int) -> None:
                 written += len(piece[: want - written])
 
 
+def quic_consumer(home: Path, alice: Node, name: str, relay: str | None = None) -> Node:
+    """A consumer paired with alice both ways whose data channel is off (and who
+    knows ``relay``)."""
+    node = Node(home)
+    node.init(name)
+    node.pair(alice.pairing_code())
+    alice.pair(node.pairing_code())
+    node.home.config.set("data_channel", "off")
+    if relay:
+        node.home.config.set("relay", relay)
+    node.home.config.save()
+    node.home.reload_config()
+    return node
+
+
+def relay_missing() -> str | None:
+    if shutil.which("iptables") is None:
+        return "iptables is not installed"
+    if not (Path(sys.executable).parent / "gpumesh-relay").exists():
+        return "gpumesh-relay is not installed beside this Python"
+    return None
+
+
+@contextlib.contextmanager
+def running_relay(log: Path) -> Iterator[None]:
+    """``gpumesh-relay`` on host A until the block ends."""
+    relay = str(Path(sys.executable).parent / "gpumesh-relay")
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [*on("A"), relay, "--listen", RELAY_ADDRESS, "--open", "--log-level", "warning"],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        yield
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def wait_registered(home: Path) -> str | None:
+    """None once alice's share has registered with the relay, else why not."""
+    env = dict(os.environ, GPUMESH_HOME=str(home))
+    env.pop("GPUMESH_LOG", None)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        result = subprocess.run(
+            [*on("A"), *gm("status", "--json")],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if result.returncode == 0:
+            state = json.loads(result.stdout).get("relay_state") or ""
+            if "registered" in state:
+                return None
+        time.sleep(0.3)
+    return "the provider did not register with the relay within 30 s"
+
+
 def write_source(path: Path, size: int) -> None:
     chunk = os.urandom(MIB)
     with path.open("wb") as out:
@@ -450,11 +614,27 @@ def run(args: argparse.Namespace, rows: list[Row]) -> None:
         alice, bob = make_nodes(tmp, PORT, ADDRESS_A)
         alice_id = str(alice.info().node_id)
         sandbox = tmp / "a" / "files" / str(bob.info().node_id)
+        carol = quic_consumer(tmp / "c", alice, "carol")
+        quic_sandbox = tmp / "a" / "files" / str(carol.info().node_id)
+        relay_note = relay_missing()
+        dave = None if relay_note else quic_consumer(tmp / "d", alice, "dave", RELAY_ADDRESS)
+        relay_sandbox = tmp / "a" / "files" / (str(dave.info().node_id) if dave else "-")
+        if dave is not None:
+            alice.home.config.set("relay", RELAY_ADDRESS)
+            alice.home.config.save()
+            dave.close()
         alice.close()
         bob.close()
+        carol.close()
         print(lab_lines(stack.enter_context(wan_lab(rows[0], args.seed))))
         stack.callback(remove_containers, f"{LABEL_NODE}={alice_id}")
+        if relay_note is None:
+            stack.enter_context(running_relay(tmp / "relay.log"))
         stack.enter_context(running_agent(tmp / "a", tmp / "agent.log", wrap=on("A")))
+        if relay_note is None:
+            relay_note = wait_registered(tmp / "a")
+        if relay_note:
+            print(f"hole-punched and relayed rows: {relay_note}")
         ssh, ssh_note = None, "skipped (--no-scp)"
         if not args.no_scp:
             ssh, why = stack.enter_context(
@@ -464,6 +644,11 @@ def run(args: argparse.Namespace, rows: list[Row]) -> None:
         env = dict(os.environ, GPUMESH_HOME=str(tmp / "b"))
         for name in ("GPUMESH_LOG", "GPUMESH_PEER", "GPUMESH_IMAGE"):
             env.pop(name, None)
+        quic_env = dict(env, GPUMESH_HOME=str(tmp / "c"))
+        # In-process (no node process): each run dials afresh under its own rule. A warm
+        # session in dave's node process would outlive the rule it was made under (a
+        # punched path black-holed by the relayed rule: measured 0.5-0.9 MB/s).
+        relay_env = {} if relay_note else dict(env, GPUMESH_HOME=str(tmp / "d"), GPUMESH_NODE="off")
         setup = Setup(
             tmp=tmp,
             source=source,
@@ -472,6 +657,10 @@ def run(args: argparse.Namespace, rows: list[Row]) -> None:
             tree_size=tree_bytes(tree),
             sandbox=sandbox,
             env=env,
+            quic_sandbox=quic_sandbox,
+            quic_env=quic_env,
+            relay_sandbox=relay_sandbox,
+            relay_env=relay_env,
             ssh=ssh,
             ssh_note=ssh_note,
             docker_note=None if args.no_docker else docker_missing(args.image),
@@ -489,9 +678,45 @@ def run(args: argparse.Namespace, rows: list[Row]) -> None:
             if index:
                 print(lab_lines(lab("link", *link_options(row, args.seed))))
             print(f"RTT {row.rtt:g} ms, {row.loss:g}% loss each way:", flush=True)
+            before = {side: udp_counters(side) for side in ("A", "B")}
             measure_row(setup, row)
             print(lab_lines(lab("stats")))
+            print(lab_lines(udp_drops(before)))
         report(args, rows, setup)
+
+
+def udp_counters(side: str) -> dict[str, int]:
+    """The kernel's UDP counters in host ``side``'s namespace (``/proc/net/snmp``)."""
+    text = subprocess.run(
+        [*on(side), "cat", "/proc/net/snmp"], capture_output=True, text=True, check=False
+    ).stdout
+    lines = [line.split() for line in text.splitlines() if line.startswith("Udp:")]
+    counters = {}
+    if len(lines) >= 2:
+        counters = dict(zip(lines[0][1:], map(int, lines[1][1:]), strict=False))
+    dropped = subprocess.run(
+        [*on(side), "cat", "/sys/class/net/wan/statistics/tx_dropped"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.strip()
+    counters["TxDropped"] = int(dropped) if dropped.isdigit() else 0
+    return counters
+
+
+def udp_drops(before: dict[str, dict[str, int]]) -> str:
+    """What each host's kernel dropped of UDP since ``before`` (full receive buffers)."""
+    parts = []
+    for side in ("A", "B"):
+        now = udp_counters(side)
+        was = before.get(side, {})
+        got = {k: now.get(k, 0) - was.get(k, 0) for k in now}
+        parts.append(
+            f"host {side}: {got['InDatagrams']} UDP datagrams in, {got['RcvbufErrors']} dropped "
+            f"for a full receive buffer ({got['InErrors']} errors in all), "
+            f"{got['TxDropped']} dropped by its link device before the link took them"
+        )
+    return "; ".join(parts)
 
 
 def lab_lines(text: str) -> str:
@@ -516,7 +741,22 @@ def cell(path: Runs | None, limit: float, size: int) -> str:
 
 
 def report(args: argparse.Namespace, rows: list[Row], setup: Setup) -> None:
-    order = (CP, QUIC, QUIC_PLAIN, FOLDER, WORKDIR, APP, SCP, SCP_R, RSYNC)
+    order = (
+        CP,
+        QUIC,
+        QUIC_PLAIN,
+        FOLDER,
+        FOLDER_Q,
+        WORKDIR,
+        WORKDIR_Q,
+        APP,
+        APP_Q,
+        PUNCHED,
+        RELAYED,
+        SCP,
+        SCP_R,
+        RSYNC,
+    )
     names = [n for n in order if n in rows[0].paths]
     print(
         f"\nOver the WAN lab, {args.size / MIB:g} MiB (file; tree of {args.files} files), "

@@ -31,6 +31,12 @@ PYTHON=${PYTHON:-python3}
 ADDR_A=10.77.0.1
 ADDR_B=10.77.0.2
 MTU=${GPUMESH_WANLAB_MTU:-1500}
+# Packets a host's "wan" device holds for the link process. A TUN device drops
+# what does not fit without telling the sender (no backpressure, unlike a NIC's
+# queue), and the kernel's default (500) is a few ms of a bulk flow: on a loaded
+# machine, where the link process waits for a CPU now and then, that made loss
+# in bursts on top of the configured loss. `stats` shows what was dropped there.
+TXQUEUE=${GPUMESH_WANLAB_TXQUEUE:-20000}
 ns() { ip netns exec "$@"; }
 
 link_running() { [ -f "$STATE/wanemu.pid" ] && kill -0 "$(cat "$STATE/wanemu.pid")" 2>/dev/null; }
@@ -126,7 +132,7 @@ up() {
     ns "$P$n" ip link set lo up
     # Persistent, so the link can be restarted with other options under running hosts.
     ns "$P$n" ip tuntap add dev wan mode tun
-    ns "$P$n" ip link set wan mtu "$MTU" up
+    ns "$P$n" ip link set wan mtu "$MTU" txqueuelen "$TXQUEUE" up
     ns "$P$n" ip addr add "$self/32" peer "$peer/32" dev wan
   done
   congestion_control
@@ -147,6 +153,9 @@ case "${1:-}" in
     kill -USR1 "$(cat "$STATE/wanemu.pid")"
     sleep 0.2
     grep -E '^(A->B|B->A):' "$STATE/wanemu.log" | tail -n 2
+    for n in A B; do
+      echo "host $n: $(ns "$P$n" cat /sys/class/net/wan/statistics/tx_dropped) packets dropped by its wan device before the link took them"
+    done
     ;;
   down) down ;;
   check) check ;;

@@ -132,9 +132,16 @@ def test_the_link_delays_every_packet_and_delivers_bytes_intact(lab: None) -> No
     connect_ms, received = _transfer(data)
     assert received == hashlib.sha256(data).hexdigest()
     assert connect_ms >= 80  # SYN and SYN-ACK each waited 40 ms
-    stats = _counters(_wanlab("stats").stdout)
+    text = _wanlab("stats").stdout
+    stats = _counters(text)
     assert stats["B->A"][0] > len(data) // 1500  # the bytes went through the link
     assert all(lost == 0 for _, _, lost in stats.values())
+    # The hosts' devices queue enough for a link process that waits for a CPU (the
+    # default 500 dropped bursts), and stats says what they dropped anyway.
+    for side in ("A", "B"):
+        queue = _wanlab("exec", side, "cat", "/sys/class/net/wan/tx_queue_len")
+        assert queue.stdout.strip() == "20000"
+        assert re.search(rf"^host {side}: \d+ packets dropped by its wan device", text, re.M)
 
     # Restarting only the link, with loss, under the running hosts.
     relinked = _wanlab("link", "--delay", "5", "--loss", "5", "--seed", "3")

@@ -19,7 +19,8 @@ def _group(datagrams: list[bytes], now: float = 0.0) -> list[bytes]:
     return frames
 
 
-datagram_lists = st.lists(st.binary(min_size=1, max_size=1452), min_size=1, max_size=20)
+datagram_lists = st.lists(st.binary(min_size=1, max_size=1452), min_size=3, max_size=20)
+"""Groups of three or more: those get both parities (smaller ones, see below)."""
 
 
 @settings(max_examples=200, deadline=None)
@@ -96,15 +97,52 @@ def test_more_losses_than_parity_are_given_up_after_the_bound() -> None:
 
 def test_a_group_not_full_is_closed_after_the_flush_delay() -> None:
     encoder = Encoder(flush_delay=0.01)
-    frames = encoder.encode([b"ack"], 5.0)
+    request = b"r" * 200
+    frames = encoder.encode([request], 5.0)
     assert len(frames) == 1
     assert encoder.flush_at() == 5.01
     assert encoder.poll(5.0) == []
     parity = encoder.poll(5.01)
-    assert [frame[0] for frame in parity] == [PARITY, PARITY]
+    assert [frame[0] for frame in parity] == [PARITY]  # a group of one: P alone
     assert encoder.flush_at() is None
     decoder = Decoder()
-    assert decoder.receive(parity[0], 5.02) == [b"ack"]  # the lone datagram rebuilt
+    assert decoder.receive(parity[0], 5.02) == [request]  # the lone datagram rebuilt
+
+
+def test_a_lone_acknowledgement_gets_no_parity_and_passes_up_at_once() -> None:
+    encoder, decoder = Encoder(flush_delay=0.01), Decoder()
+    passed: list[bytes] = []
+    for i in range(100):  # an idle long link: one ACK or keep-alive per group
+        ack = bytes([i]) * fec.SMALL
+        frames = encoder.encode([ack], float(i)) + encoder.poll(i + 0.01)
+        assert len(frames) == 1 and frames[0][0] == DATA  # the datagram, nothing more
+        passed += decoder.receive(frames[0], i + 0.02)
+        assert passed[-1] == ack
+    assert encoder.counters.sent_parity == 0 and encoder.counters.unprotected == 100
+    assert decoder.held == 0 and decoder.open_groups <= fec.MAX_GROUPS
+    # One byte longer is no acknowledgement: it gets its P.
+    assert len(encoder.encode([b"x" * (fec.SMALL + 1)], 200.0) + encoder.flush()) == 2
+
+
+@settings(max_examples=100, deadline=None)
+@given(datagrams=st.lists(st.binary(min_size=1, max_size=1452), min_size=1, max_size=2))
+def test_a_group_of_one_or_two_gets_one_parity_that_rebuilds_either(
+    datagrams: list[bytes],
+) -> None:
+    encoder = Encoder(group_size=len(datagrams))
+    frames = encoder.encode(datagrams, 0.0)
+    if len(datagrams) == 1 and len(datagrams[0]) <= fec.SMALL:
+        assert frames == [struct.pack("!BIB", DATA, 0, 0) + datagrams[0]]
+        return
+    assert [frame[0] for frame in frames] == [DATA] * len(datagrams) + [PARITY]
+    for lost in range(len(datagrams)):
+        decoder = Decoder()
+        passed: list[bytes] = []
+        for i, frame in enumerate(frames):
+            if i != lost:
+                passed += decoder.receive(frame, 0.0)
+        assert sorted(passed) == sorted(datagrams)
+        assert decoder.counters.repaired == 1 and decoder.open_groups == 0
 
 
 def test_memory_is_bounded_per_peer() -> None:

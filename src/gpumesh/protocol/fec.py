@@ -6,7 +6,8 @@ it: the sender groups its datagrams into groups of up to :data:`GROUP_SIZE` and
 sends two parity datagrams behind each group (``P``, the XOR of the group, and
 ``Q``, a Reed-Solomon sum over GF(256) as in RAID-6), so the receiver rebuilds
 any one or two datagrams a group lost, byte for byte, before QUIC sees them
-missing.
+missing. Small groups get less (:func:`parities_for`): one parity for a group
+of one or two, none for a lone acknowledgement.
 
 Framing (every frame's first byte has QUIC's fixed bit ``0x40`` clear, so no
 frame can be taken for a QUIC packet, and differs from the relay's type bytes)::
@@ -51,10 +52,12 @@ __all__ = [
     "MAX_PAYLOAD",
     "OVERHEAD",
     "PARITY",
+    "SMALL",
     "Decoder",
     "Encoder",
     "FecCounters",
     "is_fec",
+    "parities_for",
 ]
 
 DATA = 0x3A
@@ -74,6 +77,10 @@ MAX_GROUPS = 64
 """Open groups a decoder keeps per peer (the oldest go first)."""
 MAX_STORED = 2 * 1024 * 1024
 """Bytes of open groups a decoder keeps per peer (the oldest groups go first)."""
+SMALL = 80
+"""Datagrams this short carry acknowledgements or pings (a QUIC short header, an ACK
+frame and the tag): a group of one such datagram gets no parity (see
+:func:`parities_for`)."""
 MAX_PAYLOAD = 1500
 """Largest datagram the codec carries (larger ones are sent and taken as they are)."""
 _SYMBOL = MAX_PAYLOAD + 2
@@ -171,9 +178,28 @@ class FecCounters:
     """Datagrams held back behind a gap, then released."""
     dropped: int = 0
     """Frames refused: malformed, out of range, or too large."""
+    unprotected: int = 0
+    """Groups sent without parity (a lone acknowledgement-sized datagram)."""
 
 
 # --- sender ------------------------------------------------------------------------
+
+
+def parities_for(k: int, longest: int) -> int:
+    """Parity frames for a group of ``k`` datagrams, the longest ``longest`` bytes.
+
+    Two for a group of three or more; one (``P``, which rebuilds either one)
+    for a group of one or two; none for a lone acknowledgement-sized datagram
+    (at most :data:`SMALL` bytes): QUIC never resends what one carries as such
+    (a later ACK covers a lost one), and on an idle long link each keep-alive
+    or ACK makes a group of its own, which two parity frames tripled. A decoder
+    of any version takes a group without parity: its one datagram passes up at
+    once (a group of one has no gap to wait on), and the group is forgotten
+    with the oldest.
+    """
+    if k == 1 and longest <= SMALL:
+        return 0
+    return PARITIES if k > 2 else 1
 
 
 class Encoder:
@@ -195,33 +221,23 @@ class Encoder:
         self._count = 0
         self._longest = 0
         self._opened = 0.0
-        import numpy as np
-
-        self._symbols = np.zeros((group_size, _SYMBOL), dtype=np.uint8)
-        """The open group's symbols, one row each (parity is computed at its close)."""
+        self._datagrams: list[bytes] = []
+        """The open group's datagrams (symbols are laid out and parity computed at its
+        close, in one buffer: cheaper per datagram than a row copy each)."""
 
     def encode(self, datagrams: list[bytes], now: float) -> list[bytes]:
         """The frames to send for ``datagrams``, parity included where a group fills."""
-        import numpy as np
-
         frames: list[bytes] = []
+        pack = _DATA_HEADER.pack
         for datagram in datagrams:
             if len(datagram) > MAX_PAYLOAD:
                 frames.append(datagram)  # never happens with QUIC's datagram size
                 continue
             if self._count == 0:
                 self._opened = now
-            index = self._count
-            frames.append(_DATA_HEADER.pack(DATA, self._group, index) + datagram)
-            size = len(datagram) + 2
-            row = self._symbols[index]
-            row[0], row[1] = size - 2 >> 8, size - 2 & 0xFF
-            row[2:size] = np.frombuffer(datagram, dtype=np.uint8)
-            if size < self._longest:
-                row[size : self._longest] = 0
-            elif size > self._longest:
-                self._symbols[:index, self._longest : size] = 0
-                self._longest = size
+            frames.append(pack(DATA, self._group, self._count) + datagram)
+            self._datagrams.append(datagram)
+            self._longest = max(self._longest, len(datagram) + 2)
             self._count += 1
             self.counters.sent_data += 1
             if self._count >= self.group_size:
@@ -251,16 +267,27 @@ class Encoder:
         import numpy as np
 
         size, k, group = self._longest, self._count, self._group
-        symbols = self._symbols[:k, :size]
-        p = np.bitwise_xor.reduce(symbols, axis=0)
-        q = _weighted_sum(symbols)
-        for which, parity in enumerate((p, q)):
-            header = _PARITY_HEADER.pack(PARITY, group, which << 6 | k)
-            frames.append(header + parity.tobytes())
-        self.counters.sent_parity += PARITIES
+        parities = parities_for(k, size - 2)
+        if parities:
+            buffer = bytearray(k * size)  # symbol i: length u16 | datagram | zeros
+            at = 0
+            for datagram in self._datagrams:
+                buffer[at : at + 2] = len(datagram).to_bytes(2, "big")
+                buffer[at + 2 : at + 2 + len(datagram)] = datagram
+                at += size
+            symbols = np.frombuffer(buffer, dtype=np.uint8).reshape(k, size)
+            p = np.bitwise_xor.reduce(symbols, axis=0)
+            q = _weighted_sum(symbols) if parities > 1 else p
+            for which, parity in enumerate((p, q)[:parities]):
+                header = _PARITY_HEADER.pack(PARITY, group, which << 6 | k)
+                frames.append(header + parity.tobytes())
+            self.counters.sent_parity += parities
+        else:
+            self.counters.unprotected += 1
         self._group = (group + 1) & 0xFFFFFFFF
         self._count = 0
         self._longest = 0
+        self._datagrams = []
 
 
 # --- receiver ----------------------------------------------------------------------
