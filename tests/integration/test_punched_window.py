@@ -24,7 +24,7 @@ import os
 from gpumesh.identity.keys import Identity
 from gpumesh.relay.config import RelayConfig
 from gpumesh.relay.server import serve
-from gpumesh.transport.quic import QuicEndpoint, QuicLink
+from gpumesh.transport.quic import QuicEndpoint, QuicLink, Recovery
 from gpumesh.transport.relayclient import RelayClient, dial_relayed
 from gpumesh.transport.stream import Stream
 
@@ -33,7 +33,7 @@ INITIAL_WINDOW = 14_440
 """qh3's initial congestion window (10 datagrams of MAX_DATAGRAM)."""
 
 
-async def _punched_upload() -> tuple[str, int, int, int]:
+async def _punched_upload() -> tuple[str, Recovery]:
     relay = await serve(RelayConfig(host="127.0.0.1", port=0, open=True))
     relay_address = relay.address
     provider = Identity.generate()
@@ -92,9 +92,9 @@ async def _punched_upload() -> tuple[str, int, int, int]:
         await stream.send_data(os.urandom(UPLOAD))
         stream.end_data()
         await asyncio.wait_for(done.wait(), 60)
-        core = link.quic._core
-        assert core is not None
-        return described, link.loss_total(), core.pto_total, core.congestion_window
+        recovery = link.recovery()
+        assert recovery is not None
+        return described, recovery
     finally:
         if link is not None:
             link.close()
@@ -105,11 +105,11 @@ async def _punched_upload() -> tuple[str, int, int, int]:
 
 
 def test_a_punched_session_loses_nothing_at_the_switch_and_stays_in_slow_start() -> None:
-    described, lost, ptos, window = asyncio.run(_punched_upload())
+    described, recovery = asyncio.run(_punched_upload())
     assert described.startswith("direct (hole-punched) 127.0.0.1:")
-    assert lost == 0
-    assert ptos == 0
+    assert recovery.lost == 0, recovery
+    assert recovery.probe_timeouts == 0, recovery
     # Slow start doubles the window each round trip: after 4 MiB acknowledged it is
     # far past the initial one. Out of it after an early loss, the window grows by
     # one datagram per round trip and stays near where it was cut.
-    assert window > 40 * INITIAL_WINDOW, window
+    assert recovery.window > 40 * INITIAL_WINDOW, recovery
