@@ -3,8 +3,8 @@
 Real QUIC over real UDP on loopback, with a real relay (in-process): a dialer
 reaches a provider through the relay, punching moves the session to the direct
 address underneath QUIC, and a bulk upload runs over it. On a lossless link the
-move must cost QUIC nothing: no packet declared lost, no probe timeout, and the
-congestion window still in slow start after the upload.
+move must cost QUIC nothing: no packet declared lost, and the congestion window
+still in slow start after the upload.
 
 Why this matters: qh3's congestion control leaves slow start at the first loss
 and then grows its window by one datagram per round trip. A hole-punched copy
@@ -108,7 +108,8 @@ def test_a_punched_session_loses_nothing_at_the_switch_and_stays_in_slow_start()
     described, recovery = asyncio.run(_punched_upload())
     assert described.startswith("direct (hole-punched) 127.0.0.1:")
     assert recovery.lost == 0, recovery
-    assert recovery.probe_timeouts == 0, recovery
+    # (Probe timeouts are not asserted: on a loaded machine a handshake slower than
+    # loopback's tiny round trip fires one, which costs the window nothing.)
     # Slow start doubles the window each round trip: after 4 MiB acknowledged it is
     # far past the initial one. Out of it after an early loss, the window grows by
     # one datagram per round trip and stays near where it was cut.
