@@ -129,17 +129,26 @@ ONLY = {
 RELAY_ADDRESS = "10.77.0.1:4799"
 """gpumesh-relay runs on host A, beside the provider: a relayed session crosses the
 link once, as it would to a relay near the provider."""
-BLOCK = {
-    RELAYED: ["-p", "udp", "-d", ADDRESS_A, "--dport", str(PORT), "-j", "DROP"],
-    PUNCHED: [
-        *("-p", "udp", "-d", ADDRESS_A, "--dport", str(PORT)),
-        *("-m", "u32", "--u32", "0>>22&0x3C@8>>24=0xC0:0xCF", "-j", "DROP"),
-    ],
+BLOCK: dict[str, tuple[str, str, list[str]]] = {
+    RELAYED: ("B", "OUTPUT", ["-p", "udp", "-d", ADDRESS_A, "--dport", str(PORT), "-j", "DROP"]),
+    PUNCHED: (
+        "A",
+        "INPUT",
+        [
+            *("-p", "udp", "-s", "10.77.0.2", "--dport", str(PORT)),
+            *("-m", "conntrack", "--ctstate", "NEW", "-j", "DROP"),
+        ],
+    ),
 }
-"""iptables rules on host B (OUTPUT) while dave's runs take a path: everything to the
-provider's port (so the dial and hole punching fail: relayed), or only QUIC's long
-headers to it (a new connection's packets: the dial goes through the relay, and
-punching then moves the session to a direct path)."""
+"""iptables rules (host, chain, rule) while dave's runs take a path: host B drops
+everything to the provider's port (so the dial and hole punching fail: relayed), or
+host A's firewall drops what comes from host B to that port unasked, as a NAT or a
+stateful firewall in front of the provider does (the dial goes through the relay;
+the provider's probes open the way for host B's answers, and punching moves the
+session to a direct path). An earlier rule dropped every QUIC long header to the
+port instead: that also dropped the punched session's own last Initial (and, sent
+in one GSO buffer with it, the client's Finished), so every hole-punched copy lost
+its handshake's first 1-RTT packets and left slow start at a window of 12 KB."""
 
 
 @dataclass
@@ -398,13 +407,14 @@ def run_rsync(setup: Setup, _row: Row) -> float:
 
 
 @contextlib.contextmanager
-def blocked(rule: list[str]) -> Iterator[None]:
-    """``rule`` in host B's OUTPUT chain for the block."""
-    subprocess.run([*on("B"), "iptables", "-I", "OUTPUT", *rule], check=True)
+def blocked(rule: tuple[str, str, list[str]]) -> Iterator[None]:
+    """``rule`` (host, chain, rule) in that host's firewall for the block."""
+    side, chain, spec = rule
+    subprocess.run([*on(side), "iptables", "-I", chain, *spec], check=True)
     try:
         yield
     finally:
-        subprocess.run([*on("B"), "iptables", "-D", "OUTPUT", *rule], check=False)
+        subprocess.run([*on(side), "iptables", "-D", chain, *spec], check=False)
 
 
 def run_via_relay(setup: Setup, row: Row, *, path: str) -> float:

@@ -86,6 +86,7 @@ __all__ = [
     "PeerStreamIds",
     "QuicEndpoint",
     "QuicLink",
+    "Recovery",
     "client_configuration",
     "close_reason",
     "server_configuration",
@@ -124,6 +125,22 @@ class Buffered:
     @property
     def total(self) -> int:
         return self.unread + self.unsent
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """What QUIC's loss recovery holds for a link now (qh3's, read from its core)."""
+
+    window: int
+    """Congestion window, bytes."""
+    in_flight: int
+    """Bytes sent and neither acknowledged nor declared lost."""
+    smoothed_rtt: float | None
+    """Seconds; None before the first sample."""
+    lost: int
+    """Packets declared lost so far (each one also cut the window, or kept it cut)."""
+    probe_timeouts: int
+    """Probe timeouts so far (nothing acknowledged for a while)."""
 
 
 def _base_configuration(is_client: bool, alpns: Sequence[str]) -> QuicConfiguration:
@@ -479,6 +496,21 @@ class QuicLink:
         core = getattr(self.quic, "_core", None)
         return int(core.loss_total) if core is not None else 0
 
+    def recovery(self) -> Recovery | None:
+        """The link's congestion window, round trip and losses now (None before QUIC
+        has a connection state): a window cut early and never grown back is what
+        makes a long link's bulk crawl."""
+        core = getattr(self.quic, "_core", None)
+        if core is None:
+            return None
+        return Recovery(
+            window=int(core.congestion_window),
+            in_flight=int(core.bytes_in_flight),
+            smoothed_rtt=core.smoothed_rtt,
+            lost=int(core.loss_total),
+            probe_timeouts=int(core.pto_total),
+        )
+
     def fec_receive(self, frame: bytes, now: float) -> list[bytes]:
         """The QUIC datagrams an FEC frame from the peer gives now."""
         if self.fec_decoder is None:
@@ -661,6 +693,9 @@ class QuicLink:
         self._keepalive = self._loop.call_later(self._keepalive_every, self._send_keepalive)
 
     def _finish(self, error: GPUMeshError) -> None:
+        if not self.closed.done() and logger.isEnabledFor(logging.DEBUG):
+            where = f"{self.address} ({self.describe_path()})"
+            logger.debug("link to %s ended: %s", where, self.recovery())
         if self._keepalive is not None:
             self._keepalive.cancel()
             self._keepalive = None
