@@ -67,6 +67,9 @@ __all__ = [
 ]
 
 _CHUNK = 1 << 20
+SMALL_TAR = 1 << 20
+"""A tar of fewer bytes goes over QUIC on the session already open: a data
+channel's TCP connect and TLS handshake cost more than such bytes do."""
 
 
 @dataclass
@@ -320,6 +323,8 @@ async def _apply_needs(
     subset = PackPlan(plan.root, tuple(by_path[path] for path in need), ())
     size = await in_thread(_tar_size, subset) if need else 0
     no_channel = why_no_channel(node, peer, session) if need else None
+    if need and no_channel is None and size < SMALL_TAR:
+        no_channel = NoChannel.SMALL
     stream.send_message(AppSend(size=size, channel=bool(need) and no_channel is None))
     offer, _resume = await answer_after_offer(stream, FileResume)
     if need:
