@@ -251,6 +251,9 @@ def test_a_resync_sends_a_delta_and_the_whole_list_when_the_provider_differs(
 
     # The provider holds another manifest than the consumer's base (here: none):
     # it refuses the delta, the whole list follows, and the result is the same.
+    # (It writes its state after answering, under the app's lock: a dry run
+    # takes that lock, so the state below is the one the second sync wrote.)
+    assert _sync(bob, project, "--dry-run")["sent"] == []
     states = list((alice / "apps" / _node_id(bob)).glob("big.manifest"))
     assert len(states) == 1
     states[0].unlink()

@@ -295,24 +295,28 @@ class AppService:
             else:
                 while await stream.read_data():
                     raise ProtocolError("the app files sent are larger than announced")
-            self._synced[key] = await in_thread(
-                _apply_and_save,
-                temp,
-                folder,
-                (state_file, index_file),
-                (manifest, manifest_digest),
-                index,
-                need,
-                delete,
+            applied = await in_thread(_apply, temp, folder, manifest, index, need, delete)
+            # The files are in place: the reply goes out before the state and the
+            # index are written (still under the app's lock). Should they never
+            # be written, the next sync's delta names a base this agent does not
+            # hold (it asks for the whole manifest) and the old index is checked
+            # against the folder as ever (a file it does not list is sent again).
+            stream.send_message(
+                AppSynced(
+                    received=received, written=len(need), deleted=len(delete), unchanged=unchanged
+                ),
+                end=True,
             )
+            try:
+                self._synced[key] = await in_thread(
+                    _save_synced, (state_file, index_file), (manifest, manifest_digest), applied
+                )
+            except OSError as exc:
+                logger.warning(
+                    "[%s] app %s: its index was not saved (%s)", peer.name, message.name, exc
+                )
         finally:
             await in_thread(shutil.rmtree, temp, True)
-        stream.send_message(
-            AppSynced(
-                received=received, written=len(need), deleted=len(delete), unchanged=unchanged
-            ),
-            end=True,
-        )
         logger.info(
             "[%s] synced app %s: %d files written, %d deleted, %d unchanged",
             peer.name,
@@ -502,22 +506,13 @@ def _current_index(
     return current
 
 
-def _apply_and_save(
-    temp: Path,
-    folder: Tree,
-    files: tuple[Path, Path],
-    applied: tuple[Manifest, str],
-    index: Index,
-    need: list[str],
-    delete: list[str],
-) -> _Synced:
-    """:func:`_apply`, then write the state (the manifest and its digest, computed
-    when not given) and the index; what was written, for the next sync."""
+def _save_synced(files: tuple[Path, Path], applied: tuple[Manifest, str], saved: Index) -> _Synced:
+    """Write the state (the manifest and its digest, computed when not given) and
+    the index :func:`_apply` gave; what was written, for the next sync."""
     from gpumesh.files.manifest import digest
 
     state_file, index_file = files
     manifest, manifest_digest = applied
-    saved = _apply(temp, folder, manifest, index, need, delete)
     manifest_digest = manifest_digest or digest(manifest)
     index_stamp = _write(index_file, msgspec.json.encode(saved))
     state_stamp = _write(

@@ -11,6 +11,12 @@ with its digest: a re-sync sends only the delta against it (the provider
 applies it only on the same base, else asks for the whole manifest), so an
 unchanged tree of 10,000 files costs a few hundred bytes, not a megabyte.
 
+A long-lived process (the node process) keeps what it read and wrote of
+those files in memory, each with the stamp (inode, size, mtime_ns) the file
+had: it is read again only when the stamp changed (another process wrote
+it). It keeps each folder's last scan too (:class:`gpumesh.files.pack.ScanMemo`),
+so a file listed again unchanged is not decided again.
+
 Nothing here prints; results go to the caller.
 """
 
@@ -21,6 +27,7 @@ import hashlib
 import json
 import os
 import shutil
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -50,7 +57,7 @@ if TYPE_CHECKING:
     from gpumesh.client.jobs import JobCallbacks, JobResult
     from gpumesh.client.jobspec import JobSpec
     from gpumesh.client.node import Node
-    from gpumesh.files.pack import PackEntry, PackPlan, Skipped
+    from gpumesh.files.pack import PackEntry, PackPlan, ScanMemo, Skipped
     from gpumesh.store.db import Peer
     from gpumesh.transport.session import Session
     from gpumesh.transport.stream import Stream
@@ -67,6 +74,9 @@ __all__ = [
 ]
 
 _CHUNK = 1 << 20
+SMALL_TAR = 1 << 20
+"""A tar of fewer bytes goes over QUIC on the session already open: a data
+channel's TCP connect and TLS handshake cost more than such bytes do."""
 
 
 @dataclass
@@ -130,17 +140,79 @@ def _cache_file(node: Node, root: Path) -> Path:
     return folder / f"{key}.json"
 
 
+_Stamp = tuple[int, int, int]
+"""A file's (inode, size, mtime_ns)."""
+_HELD_MAX = 64
+"""Files and folder scans kept in memory at most (each app sync needs three)."""
+_held: dict[str, tuple[_Stamp, object]] = {}
+"""Our own cache and state files as last read or written, by path, with their stamp."""
+_scans: dict[str, ScanMemo] = {}
+_held_lock = threading.Lock()
+
+
+def _stamp(path: Path) -> _Stamp | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _read_held(path: Path, kind: type[Any]) -> Any:
+    """``path`` decoded as ``kind``: what was held of it while its stamp is the same.
+
+    Raises ``OSError`` or ``msgspec.MsgspecError`` as reading it would."""
+    stamp = _stamp(path)
+    held = _held.get(str(path))
+    if stamp is not None and held is not None and held[0] == stamp:
+        return held[1]
+    value = msgspec.json.decode(path.read_bytes(), type=kind)
+    if stamp is not None:  # stat-ed before reading: a write between only costs a re-read
+        _hold(str(path), (stamp, value))
+    return value
+
+
+def _write_held(path: Path, value: object) -> None:
+    """Write ``path`` (whole, by rename) and hold ``value`` as its contents."""
+    part = path.with_name(path.name + ".tmp")
+    part.write_bytes(msgspec.json.encode(value))
+    os.replace(part, path)
+    stamp = _stamp(path)
+    if stamp is not None:
+        _hold(str(path), (stamp, value))
+
+
+def _hold(key: str, held: tuple[_Stamp, object]) -> None:
+    with _held_lock:
+        if len(_held) >= _HELD_MAX and key not in _held:
+            _held.clear()
+        _held[key] = held
+
+
+def _scan_memo(folder: Path) -> ScanMemo:
+    from gpumesh.files.pack import ScanMemo
+
+    key = os.path.abspath(folder)
+    with _held_lock:
+        memo = _scans.get(key)
+        if memo is None:
+            if len(_scans) >= _HELD_MAX:
+                _scans.clear()
+            memo = _scans[key] = ScanMemo()
+        return memo
+
+
 def _manifest(
     node: Node, folder: Path
 ) -> tuple[PackPlan, list[tuple[str, int, int, str]], dict[str, PackEntry]]:
     """Scan ``folder`` and hash its files (through the cache): the plan and the manifest."""
     from gpumesh.files.pack import scan
 
-    plan = scan(folder, exclude_paths=[node.home.path])
+    plan = scan(folder, exclude_paths=[node.home.path], memo=_scan_memo(folder))
     cache_path = _cache_file(node, plan.root)
     cache: dict[str, tuple[int, int, str]] = {}
     with contextlib.suppress(OSError, msgspec.MsgspecError):
-        cache = msgspec.json.decode(cache_path.read_bytes(), type=dict[str, tuple[int, int, str]])
+        cache = _read_held(cache_path, dict[str, tuple[int, int, str]])
     entries: list[tuple[str, int, int, str]] = []
     by_path: dict[str, PackEntry] = {}
     fresh: dict[str, tuple[int, int, str]] = {}
@@ -161,9 +233,7 @@ def _manifest(
         entries.append((path, size, entry.mode, digest))
         by_path[path] = entry
     if changed or len(fresh) != len(cache):
-        part = cache_path.with_suffix(".tmp")
-        part.write_bytes(msgspec.json.encode(fresh))
-        os.replace(part, cache_path)
+        _write_held(cache_path, fresh)
     return plan, entries, by_path
 
 
@@ -182,16 +252,14 @@ class _State(msgspec.Struct):
 
 def _load_state(path: Path) -> tuple[str, dict[str, tuple[int, int, str]]] | None:
     try:
-        state = msgspec.json.decode(path.read_bytes(), type=_State)
+        state: _State = _read_held(path, _State)
     except (OSError, msgspec.MsgspecError):
         return None
     return state.digest, state.files
 
 
 def _save_state(path: Path, digest: str, files: dict[str, tuple[int, int, str]]) -> None:
-    part = path.with_name(path.name + ".tmp")
-    part.write_bytes(msgspec.json.encode(_State(digest, files)))
-    os.replace(part, path)
+    _write_held(path, _State(digest, files))
 
 
 def _hash(path: Path, size: int) -> str:
@@ -320,6 +388,8 @@ async def _apply_needs(
     subset = PackPlan(plan.root, tuple(by_path[path] for path in need), ())
     size = await in_thread(_tar_size, subset) if need else 0
     no_channel = why_no_channel(node, peer, session) if need else None
+    if need and no_channel is None and size < SMALL_TAR:
+        no_channel = NoChannel.SMALL
     stream.send_message(AppSend(size=size, channel=bool(need) and no_channel is None))
     offer, _resume = await answer_after_offer(stream, FileResume)
     if need:

@@ -86,6 +86,8 @@ class NoChannel(enum.StrEnum):
     """The offered channel could not be opened now (it is remembered)."""
     NOT_OFFERED = "not offered"
     """The provider opens none (an older one, or its ``data_channel off``)."""
+    SMALL = "small"
+    """Too few bytes to be worth a channel's TCP connect and TLS handshake (app syncs)."""
 
 
 def why_no_channel(

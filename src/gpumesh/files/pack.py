@@ -41,6 +41,7 @@ __all__ = [
     "Gathering",
     "PackEntry",
     "PackPlan",
+    "ScanMemo",
     "Skipped",
     "scan",
     "scan_tree",
@@ -141,6 +142,8 @@ class _IgnoreRules:
     """The defaults followed by the user's ``.gpumeshignore``, last match wins."""
 
     def __init__(self, user_lines: list[str]) -> None:
+        self.lines = tuple(user_lines)
+        """The ignore file's lines: equal lines, equal decisions."""
         self._why: list[str] = []
         self._sources = [("default rule", line) for line in DEFAULT_IGNORES]
         self._sources += [
@@ -305,12 +308,29 @@ def _read_small(path: Path, limit: int) -> bytes | None:
     return data
 
 
-def scan(root: Path, exclude_paths: Iterable[Path] = ()) -> PackPlan:
+class ScanMemo:
+    """What one :func:`scan` of a folder decided for its regular files, for the
+    next scan of the same folder (``app sync`` re-syncs from a long-lived process).
+
+    A file listed again with the same size, mode and mtime_ns, under the same
+    ignore rules, gets the same entry: it is reused rather than decided again
+    (the decision depends on nothing else). Everything else is decided afresh.
+    Each scan publishes a new mapping, so a memo may be shared between threads.
+    """
+
+    def __init__(self) -> None:
+        self.last: tuple[tuple[object, ...], dict[str, PackEntry]] = ((), {})
+        """The scan's settings (folder, exclusions, rules) and its files' entries."""
+
+
+def scan(root: Path, exclude_paths: Iterable[Path] = (), memo: ScanMemo | None = None) -> PackPlan:
     """Decide what of ``root`` to pack; ``exclude_paths`` are never packed
     (GPUMesh's home folder, which holds the private key, when it is inside).
 
     The consumer's side: ``root`` is the user's own folder, and a symlink in
-    it that leads elsewhere inside it is kept (rewritten relative)."""
+    it that leads elsewhere inside it is kept (rewritten relative). ``memo``:
+    what the last scan of this folder decided, reused where it still holds
+    (and updated)."""
     if not root.exists():
         raise ConfigError(f"{root} does not exist: give an existing folder to upload")
     if not root.is_dir():
@@ -325,9 +345,9 @@ def scan(root: Path, exclude_paths: Iterable[Path] = ()) -> PackPlan:
             )
     if not (platform.has("dir_fd") and platform.has("nofollow")):  # a Tree needs both
         rules = _IgnoreRules.load(Path(real_root))
-        return _scan(Path(real_root), _walk_paths(real_root), rules, excluded, None)
+        return _scan(Path(real_root), _walk_paths(real_root), rules, excluded, None, memo)
     with Tree(real_root) as tree:
-        return _scan(tree.path, tree.walk(), _IgnoreRules.load(tree), excluded, None)
+        return _scan(tree.path, tree.walk(), _IgnoreRules.load(tree), excluded, None, memo)
 
 
 def scan_tree(tree: Tree) -> PackPlan:
@@ -370,6 +390,7 @@ def _scan(
     rules: _IgnoreRules,
     excluded: set[str],
     root_fd: int | None,
+    memo: ScanMemo | None = None,
 ) -> PackPlan:
     """The plan for the folders ``walk`` meets under ``root``; ``root_fd``: the
     tree's descriptor when links are never followed (see :func:`scan_tree`),
@@ -378,11 +399,27 @@ def _scan(
     prefix = os.path.join(str(root), "")
     files: list[PackEntry] = []
     skipped: list[Skipped] = []
+    key = (prefix, tuple(sorted(excluded)), resolve_links, rules.lines)
+    last_key, known = memo.last if memo is not None else ((), {})
+    if last_key != key:
+        known = {}
+    seen: dict[str, PackEntry] = {}
     try:
         for folder in walk:
             descend: list[tuple[str, os.stat_result]] = []
             for name, st in folder.entries:
                 relative = f"{folder.relative}/{name}" if folder.relative else name
+                before = known.get(relative)
+                if (
+                    before is not None
+                    and stat.S_ISREG(st.st_mode)
+                    and before.size == st.st_size
+                    and before.mtime_ns == st.st_mtime_ns
+                    and before.mode == stat.S_IMODE(st.st_mode) & 0o777
+                ):
+                    files.append(before)
+                    seen[relative] = before
+                    continue
                 entry = _plan_entry(
                     folder.fd, relative, name, st, rules, (prefix, excluded, resolve_links)
                 )
@@ -392,6 +429,8 @@ def _scan(
                 files.append(entry)
                 if entry.kind == "dir":
                     descend.append((name, st))
+                elif entry.kind == "file":
+                    seen[relative] = entry
             folder.entries[:] = descend
     except PermissionError as exc:
         shown = f"{exc.filename}/" if exc.filename not in (None, ".") else str(root)
@@ -403,6 +442,8 @@ def _scan(
     # order tar tools expect, and keeps the archive the same from run to run.
     files.sort(key=lambda entry: entry.path.split("/"))
     skipped.sort(key=lambda entry: entry.path.rstrip("/").split("/"))
+    if memo is not None:
+        memo.last = (key, seen)
     return PackPlan(root, tuple(files), tuple(skipped), root_fd)
 
 
