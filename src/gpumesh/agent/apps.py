@@ -56,6 +56,8 @@ from gpumesh.agent.sandboxfs import Usage, refusing, sandbox_parts
 from gpumesh.blocking import in_thread
 from gpumesh.errors import AccessDeniedError, ConfigError, GPUMeshError, ProtocolError
 from gpumesh.files.hashing import SHA256, new_hasher
+from gpumesh.files.manifest import Stamp
+from gpumesh.files.manifest import stamp as file_stamp
 from gpumesh.files.sandbox import Tree
 from gpumesh.files.transfer import swallow, unpack_from
 from gpumesh.protocol.messages import (
@@ -84,7 +86,6 @@ Manifest = dict[str, tuple[int, int, str]]
 """Relative path -> (size, mode, sha256 hex)."""
 Index = dict[str, tuple[int, int, str]]
 """Synced file -> (size, mtime_ns, sha256 hex) as it was written."""
-_Stamp = tuple[int, int, int]
 """A file's (inode, size, mtime_ns): whether it is still the one we wrote."""
 
 
@@ -95,7 +96,7 @@ class _Synced:
     digest: str
     manifest: Manifest
     index: Index
-    stamps: tuple[_Stamp | None, _Stamp | None]
+    stamps: tuple[Stamp | None, Stamp | None]
     """Of the state file and the index file, right after writing them."""
 
 
@@ -419,14 +420,6 @@ def _parse_delta(raw: bytes) -> tuple[Manifest, list[str]]:
     return put, [str(path) for path in removed]
 
 
-def _stamp(path: Path) -> _Stamp | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_ino, st.st_size, st.st_mtime_ns
-
-
 def _load_synced(cached: _Synced | None, state_file: Path, index_file: Path) -> _Synced | None:
     """The app's state and index: ``cached`` while both files are the ones written
     with it, else as the files hold them now (None without a usable state file).
@@ -434,7 +427,7 @@ def _load_synced(cached: _Synced | None, state_file: Path, index_file: Path) -> 
     Either file may be missing or broken (then that part is rebuilt); they are
     our own files, written only after what they hold was checked.
     """
-    stamps = (_stamp(state_file), _stamp(index_file))
+    stamps = (file_stamp(state_file), file_stamp(index_file))
     if cached is not None and cached.stamps == stamps and None not in stamps:
         return cached
     state = _load_state(state_file)
@@ -459,11 +452,11 @@ def _load_index(path: Path) -> Index | None:
         return None
 
 
-def _write(path: Path, data: bytes) -> _Stamp | None:
+def _write(path: Path, data: bytes) -> Stamp | None:
     part = path.with_name(path.name + ".tmp")
     part.write_bytes(data)
     os.replace(part, path)
-    return _stamp(path)
+    return file_stamp(path)
 
 
 def _hash(fd: int) -> str:

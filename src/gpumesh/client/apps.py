@@ -38,6 +38,8 @@ import msgspec
 
 from gpumesh.blocking import in_thread
 from gpumesh.errors import ConfigError, NotFoundError, ProtocolError
+from gpumesh.files.manifest import Stamp
+from gpumesh.files.manifest import stamp as file_stamp
 from gpumesh.files.transfer import merge_into
 from gpumesh.protocol.messages import (
     AppJobDir,
@@ -140,29 +142,20 @@ def _cache_file(node: Node, root: Path) -> Path:
     return folder / f"{key}.json"
 
 
-_Stamp = tuple[int, int, int]
 """A file's (inode, size, mtime_ns)."""
 _HELD_MAX = 64
 """Files and folder scans kept in memory at most (each app sync needs three)."""
-_held: dict[str, tuple[_Stamp, object]] = {}
+_held: dict[str, tuple[Stamp, object]] = {}
 """Our own cache and state files as last read or written, by path, with their stamp."""
 _scans: dict[str, ScanMemo] = {}
 _held_lock = threading.Lock()
-
-
-def _stamp(path: Path) -> _Stamp | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def _read_held(path: Path, kind: type[Any]) -> Any:
     """``path`` decoded as ``kind``: what was held of it while its stamp is the same.
 
     Raises ``OSError`` or ``msgspec.MsgspecError`` as reading it would."""
-    stamp = _stamp(path)
+    stamp = file_stamp(path)
     held = _held.get(str(path))
     if stamp is not None and held is not None and held[0] == stamp:
         return held[1]
@@ -177,12 +170,12 @@ def _write_held(path: Path, value: object) -> None:
     part = path.with_name(path.name + ".tmp")
     part.write_bytes(msgspec.json.encode(value))
     os.replace(part, path)
-    stamp = _stamp(path)
+    stamp = file_stamp(path)
     if stamp is not None:
         _hold(str(path), (stamp, value))
 
 
-def _hold(key: str, held: tuple[_Stamp, object]) -> None:
+def _hold(key: str, held: tuple[Stamp, object]) -> None:
     with _held_lock:
         if len(_held) >= _HELD_MAX and key not in _held:
             _held.clear()

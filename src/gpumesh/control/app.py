@@ -398,19 +398,11 @@ async def _run_events(run: Any) -> AsyncIterator[bytes]:
     ``acceptedview``, ``uploadingview``), then the job's events as the events route
     sends them (numbered: resume that route with ``after``), then ``end``. Leaving
     early cancels a submission still under way (an accepted job keeps running)."""
-    from gpumesh.client import jobs
-    from gpumesh.client.views.jobs import JobResultView, event_view
-    from gpumesh.client.views.runs import step_view
+    from gpumesh.client.views.jobs import JobResultView
 
     try:
         async for event in run:
-            step = step_view(event)
-            if step is not None:
-                yield sse(type(step).__name__.lower(), step)
-                continue
-            view = event_view(event, run.seq)
-            numbered = isinstance(event, jobs.Output | jobs.StatusChanged)
-            yield sse(type(view).__name__.lower(), view, run.seq if numbered else None)
+            yield _run_event(event, run.seq)
         yield sse("end", JobResultView.of(run.result))
     except GPUMeshError as exc:
         yield sse("error", ErrorView(exc.code, exc.message))
@@ -444,6 +436,21 @@ async def get_job_events(call: Call) -> object:
             raise BadRequestError(f"Last-Event-ID {last!r} is not a sequence number") from None
     follow = logs(call.node, job.job_id, follow=call.flag("follow", True), after_seq=after)
     return EventStream(_job_events(follow))
+
+
+def _run_event(event: Any, seq: int) -> bytes:
+    """One event of a run (a step of its submission, or the job's own) as an SSE
+    event; only output and status events carry ``seq`` as their id."""
+    from gpumesh.client import jobs
+    from gpumesh.client.views.jobs import event_view
+    from gpumesh.client.views.runs import step_view
+
+    step = step_view(event)
+    if step is not None:
+        return sse(type(step).__name__.lower(), step)
+    view = event_view(event, seq)
+    numbered = isinstance(event, jobs.Output | jobs.StatusChanged)
+    return sse(type(view).__name__.lower(), view, seq if numbered else None)
 
 
 KEEP_ALIVE = object()
@@ -695,10 +702,8 @@ async def post_app_run(call: Call) -> object:
 async def _app_run_events(run: Any) -> AsyncIterator[bytes]:
     """An app run (:class:`gpumesh.client.apprun.AppRunWatch`) as Server-Sent Events,
     with a keep-alive comment while it is silent (a long sync or a quiet job)."""
-    from gpumesh.client import apprun, jobs
+    from gpumesh.client import apprun
     from gpumesh.client.views.apps import AppRunView, SyncView
-    from gpumesh.client.views.jobs import event_view
-    from gpumesh.client.views.runs import step_view
 
     events = _paced(run)
     try:
@@ -709,13 +714,7 @@ async def _app_run_events(run: Any) -> AsyncIterator[bytes]:
             if isinstance(event, apprun.Synced):
                 yield sse("syncview", SyncView.of(event.sync))
                 continue
-            step = step_view(event)
-            if step is not None:
-                yield sse(type(step).__name__.lower(), step)
-                continue
-            view = event_view(event, run.seq)
-            numbered = isinstance(event, jobs.Output | jobs.StatusChanged)
-            yield sse(type(view).__name__.lower(), view, run.seq if numbered else None)
+            yield _run_event(event, run.seq)
         yield sse("end", AppRunView.of(run.result))
     except GPUMeshError as exc:
         yield sse("error", ErrorView(exc.code, exc.message))

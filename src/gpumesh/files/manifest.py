@@ -11,15 +11,30 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Mapping
+from pathlib import Path
 
 import msgspec
 
-__all__ = ["Entry", "Manifest", "apply_delta", "compact_json", "delta", "digest"]
+__all__ = ["Entry", "Manifest", "Stamp", "apply_delta", "compact_json", "delta", "digest", "stamp"]
 
 Entry = tuple[int, int, str]
 """(size, mode, sha256 hex) of one file."""
 Manifest = Mapping[str, Entry]
+
+Stamp = tuple[int, int, int]
+"""(inode, size, mtime_ns) of a state or cache file, to tell whether another writer
+changed it since it was last read or written."""
+
+
+def stamp(path: Path) -> Stamp | None:
+    """``path``'s :data:`Stamp`; None when it cannot be read."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def digest(files: Manifest) -> str:
