@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
@@ -37,6 +37,20 @@ async def providers(nodes: dict[Node, str]) -> AsyncIterator[dict[str, Agent]]:
     finally:
         for agent in agents.values():
             agent.stop()
+
+
+@contextlib.contextmanager
+def black_holed(me: Node, agents: dict[str, Agent], name: str) -> Iterator[None]:
+    """Stop ``name``'s agent and point ``me`` at an address that swallows packets
+    (no ICMP refusal): a member that is gone, in the worst case."""
+    agents[name].stop()
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as blackhole:
+        blackhole.bind(("127.0.0.1", 0))
+        me.home.store._execute(
+            "UPDATE peers SET addresses = ?, last_address = '' WHERE name = ?",
+            (f'["127.0.0.1:{blackhole.getsockname()[1]}"]', name),
+        )
+        yield
 
 
 def _members(consumer: Node, names: list[str]) -> list[tuple[str, object]]:
@@ -77,14 +91,7 @@ def test_placement_skips_a_stopped_member_within_the_probe_timeout(make_node) ->
         async with providers({alive: "RTX-4090:24GB", dead: "RTX-4090:24GB"}) as agents:
             pair_both(alive, me)
             pair_both(dead, me)
-            agents["dead"].stop()
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as blackhole:
-                # The dead member's address now swallows packets (no ICMP): the worst case.
-                blackhole.bind(("127.0.0.1", 0))
-                me.home.store._execute(
-                    "UPDATE peers SET addresses = ?, last_address = '' WHERE name = 'dead'",
-                    (f'["127.0.0.1:{blackhole.getsockname()[1]}"]',),
-                )
+            with black_holed(me, agents, "dead"):
                 began = time.monotonic()
                 placement = await place(me, _members(me, ["alive", "dead"]), 10**9, timeout=1.0)  # type: ignore[arg-type]
                 elapsed = time.monotonic() - began
@@ -108,13 +115,7 @@ def test_when_no_member_answers_in_time_the_probe_waits_for_the_first_answer(
         async with providers({alive: "RTX-4090:24GB", dead: "RTX-4090:24GB"}) as agents:
             pair_both(alive, me)
             pair_both(dead, me)
-            agents["dead"].stop()
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as blackhole:
-                blackhole.bind(("127.0.0.1", 0))  # swallows packets: no ICMP refusal
-                me.home.store._execute(
-                    "UPDATE peers SET addresses = ?, last_address = '' WHERE name = 'dead'",
-                    (f'["127.0.0.1:{blackhole.getsockname()[1]}"]',),
-                )
+            with black_holed(me, agents, "dead"):
                 # No dial and proof can finish in a millisecond: nobody answers in time.
                 members = _members(me, ["alive", "dead"])
                 probes = await probe(me, members, timeout=0.001, patience=120.0)  # type: ignore[arg-type]
