@@ -114,7 +114,6 @@ class OutgoingSocket:
         self.host = host
         self._endpoint: QuicEndpoint | None = None
         self._routes = _Routes()
-        self._labels: dict[Address, str] = {}
         self._registrations: dict[Address, int] = {}
         self._lock = asyncio.Lock()
 
@@ -167,20 +166,9 @@ class OutgoingSocket:
         return client
 
     def _new_client(self, relay_address: Address, label: str, token: str) -> RelayClient:
-        from gpumesh.transport.netinfo import local_addresses
-        from gpumesh.transport.relayclient import RelayClient
+        from gpumesh.transport.relayclient import dialling_client
 
-        endpoint = self.endpoint()
-        client = RelayClient(
-            endpoint,
-            relay_address,
-            label,
-            self._identity(),
-            token=token,
-            serving=False,
-            candidates=lambda: local_addresses("0.0.0.0", endpoint.local_address[1]),
-        )
-        self._labels[relay_address] = label
+        client = dialling_client(self.endpoint(), relay_address, label, self._identity(), token)
         self._registrations[relay_address] = 0
 
         was_registered = False

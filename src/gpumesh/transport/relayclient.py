@@ -37,7 +37,14 @@ from gpumesh.protocol.punch import PunchConfig, Puncher
 from gpumesh.transport.quic import QuicEndpoint, QuicLink
 from gpumesh.transport.udp import UdpSocket, open_udp_socket
 
-__all__ = ["RelayClient", "RelayedPath", "dial_relayed", "parse_host_port", "virtual_address"]
+__all__ = [
+    "RelayClient",
+    "RelayedPath",
+    "dial_relayed",
+    "dialling_client",
+    "parse_host_port",
+    "virtual_address",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -574,6 +581,24 @@ class RelayClient:
     def _send_many(self, packets: list[tuple[bytes, Address]]) -> None:
         if packets:
             self.endpoint.send_raw(packets)
+
+
+def dialling_client(
+    endpoint: QuicEndpoint, relay_address: Address, label: str, identity: Identity, token: str
+) -> RelayClient:
+    """A client of the relay at ``relay_address`` that only dials (it serves nobody),
+    offering the local addresses of ``endpoint``'s port for punching."""
+    from gpumesh.transport.netinfo import local_addresses
+
+    return RelayClient(
+        endpoint,
+        relay_address,
+        label,
+        identity,
+        token=token,
+        serving=False,
+        candidates=lambda: local_addresses("0.0.0.0", endpoint.local_address[1]),
+    )
 
 
 async def dial_relayed(

@@ -268,21 +268,12 @@ async def _dial_relayed(
     via: OutgoingSocket | None = None,
 ) -> Session:
     # Imported here: most dials never need the relay, and every CLI start pays for imports.
-    from gpumesh.transport.netinfo import local_addresses
-    from gpumesh.transport.relayclient import RelayClient, dial_relayed
+    from gpumesh.transport.relayclient import RelayClient, dial_relayed, dialling_client
 
     relay_address = await resolve_relay(relay.address)
 
     def make_client(endpoint: QuicEndpoint) -> RelayClient:
-        return RelayClient(
-            endpoint,
-            relay_address,
-            relay.address,
-            identity,
-            token=relay.token,
-            serving=False,
-            candidates=lambda: local_addresses("0.0.0.0", endpoint.local_address[1]),
-        )
+        return dialling_client(endpoint, relay_address, relay.address, identity, relay.token)
 
     if via is not None:
         link, path = await via.dial_relayed(
