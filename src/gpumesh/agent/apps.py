@@ -86,7 +86,6 @@ Manifest = dict[str, tuple[int, int, str]]
 """Relative path -> (size, mode, sha256 hex)."""
 Index = dict[str, tuple[int, int, str]]
 """Synced file -> (size, mtime_ns, sha256 hex) as it was written."""
-"""A file's (inode, size, mtime_ns): whether it is still the one we wrote."""
 
 
 @dataclass

@@ -142,7 +142,6 @@ def _cache_file(node: Node, root: Path) -> Path:
     return folder / f"{key}.json"
 
 
-"""A file's (inode, size, mtime_ns)."""
 _HELD_MAX = 64
 """Files and folder scans kept in memory at most (each app sync needs three)."""
 _held: dict[str, tuple[Stamp, object]] = {}
