@@ -270,7 +270,9 @@ class RelayClient:
 
     def from_direct(self, source: Address, now: float) -> Address | None:
         path = self._by_direct.get(source)
-        if path is None:
+        if path is None or (path.link is not None and path.link.is_closed):
+            # A closed link's path lingers while its close may be retransmitted; a
+            # new connection from the peer's punched address is a direct one.
             return None
         path.puncher.on_inbound(now)
         return path.virtual
