@@ -8,14 +8,17 @@ or not at all, only hands the dial to the usual addresses. The NAT lab test
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 from gpumesh.client.node import Node
 from gpumesh.client.pool import PUNCHED_KEEP, SessionPool
+from gpumesh.errors import ConnectionLostError
 from gpumesh.protocol.messages import Ping, Pong, StatusRequest
 from gpumesh.transport.outgoing import OutgoingSocket
-from gpumesh.transport.session import Session, open_session
+from gpumesh.transport.session import RelayHint, Session, open_session
 from tests.integration.conftest import arun, pair_both, sharing
-from tests.integration.test_outgoing_socket import _closed_port
+from tests.integration.test_outgoing_socket import CEILING, _closed_port
+from tests.integration.test_relay_node import _start_relay, _stop
 
 
 def test_a_punched_address_is_tried_first_and_a_wrong_one_falls_back(
@@ -116,3 +119,56 @@ def test_the_pool_forgets_a_punched_address_on_deny_and_after_a_while(
                 bob.pool = None
 
     arun(scenario())
+
+
+def test_a_redial_after_a_silent_drop_takes_over_the_providers_punched_path(
+    tmp_path: Path,
+) -> None:
+    """bob's session ends on his side only (a network blip: alice never hears of it)
+    and he re-dials alice's punched address: her agent maps it to the old session's
+    punched path, still open, and the new connection takes that path over, so it
+    lives on when her old connection ends and lets the path go."""
+    proc, relay = _start_relay(tmp_path, "--open")
+    alice, bob = Node(tmp_path / "a"), Node(tmp_path / "b")
+    alice.init("alice")
+    bob.init("bob")
+    alice.home.config.set("listen_host", "127.0.0.1")
+    alice.home.config.set("relay", relay)
+
+    async def scenario() -> None:
+        async with sharing(alice) as agent:
+            pair_both(alice, bob)
+            assert agent.relay is not None and agent.endpoint is not None
+            await agent.relay.wait_registered(CEILING)
+            outgoing = OutgoingSocket(lambda: bob.home.identity)
+            key = alice.home.identity.public_key
+            hint = RelayHint(relay)
+            try:
+                first = await open_session(
+                    bob.home.identity, "bob", [], key, relay=hint, via=outgoing
+                )
+                assert isinstance(await first.request(Ping(sent=0.0)), Pong)
+                await first.wait_for_punching(CEILING)
+                punched = first.punched_address
+                assert punched is not None, first.path
+                first.link.abort(ConnectionLostError("a blip"))  # alice is not told
+                again = await open_session(
+                    bob.home.identity, "bob", [], key, relay=hint, via=outgoing, punched=punched
+                )
+                assert again.punched_before == punched and not again.through_relay
+                assert isinstance(await again.request(Ping(sent=0.0)), Pong)
+                (old,) = [link for link in agent.endpoint.links if link.path is not None
+                          and link.path.link is not link]  # fmt: skip
+                old.close()
+                agent.endpoint._forget(old)  # its 3 s linger, without the wait
+                assert isinstance(await again.request(Ping(sent=0.0), timeout=CEILING), Pong)
+                again.close()
+            finally:
+                outgoing.close()
+
+    try:
+        arun(scenario())
+    finally:
+        _stop(proc)
+        alice.close()
+        bob.close()

@@ -135,6 +135,11 @@ class RelayedPath:
         self.link = link
 
     def release(self) -> None:
+        link = self.link
+        if link is not None and not link.is_closed:
+            # A newer connection from the peer took the path over (it re-dialled the
+            # punched address before this side saw the old one end): it keeps it.
+            return
         self.client.forget(self)
 
 
