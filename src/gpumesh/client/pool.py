@@ -55,6 +55,13 @@ PUNCHED_KEEP = 25.0
 """Seconds after its session ended that a punched address is still dialled first:
 under the 30 s that Linux's conntrack and many home routers keep an idle UDP
 mapping open."""
+PROBE_AFTER = 5.0
+"""Seconds without an answer on a warm session after which it is pinged before it is
+lent: a peer that was killed and restarted never closed it, and its new process
+drops the old connection's packets without a word, so a request on it would hang
+until the keep-alive gave up."""
+PROBE_TIMEOUT = 2.0
+"""Seconds that ping may take; past them the session is dropped and dialled again."""
 CLOSE_WAIT = 2.0
 """Seconds a request that lost its warm session waits to learn why it closed."""
 
@@ -69,6 +76,8 @@ class Warm:
     session: Session
     last_used: float
     last_ping: float
+    last_ok: float = 0.0
+    """When a request or keep-alive on it last got its answer."""
     users: int = 0
     uses: int = 0
 
@@ -130,10 +139,13 @@ class SessionPool:
             ):
                 self.drop(key, "closed or rekeyed", forget_path=warm.public_key != peer.public_key)
                 warm = None
+            if warm is not None and not await self._answers(warm):
+                self.drop(key, f"no answer within {PROBE_TIMEOUT:g} s (the peer restarted?)")
+                warm = None
             if warm is None:
                 session = await dial()
                 now = self._clock()
-                warm = Warm(key, peer.name, peer.public_key, session, now, now)
+                warm = Warm(key, peer.name, peer.public_key, session, now, now, now)
                 self._warm[key] = warm
                 # What this session punches (now or later) replaces what the last found.
                 self._punched.pop(key, None)
@@ -142,6 +154,7 @@ class SessionPool:
         warm.uses += 1
         try:
             yield warm.session
+            warm.last_ok = self._clock()
         except ConnectionLostError:
             # The peer closed the session under this request (a deny's close may
             # cross the request on the wire): say why it closed, as a fresh dial
@@ -153,6 +166,17 @@ class SessionPool:
         finally:
             warm.users -= 1
             warm.last_used = self._clock()
+
+    async def _answers(self, warm: Warm) -> bool:
+        """Whether a warm session silent for :data:`PROBE_AFTER` seconds still answers."""
+        if self._clock() - warm.last_ok < PROBE_AFTER:
+            return True
+        try:
+            await warm.session.request(Ping(sent=time.perf_counter()), timeout=PROBE_TIMEOUT)
+        except GPUMeshError:
+            return False
+        warm.last_ok = self._clock()
+        return True
 
     async def _close_reason(self, session: Session) -> GPUMeshError | None:
         """The error the peer closed ``session`` with, waiting out QUIC's draining
@@ -231,3 +255,5 @@ class SessionPool:
         except GPUMeshError as exc:
             if self._warm.get(warm.peer_id) is warm:
                 self.drop(warm.peer_id, f"keep-alive failed: {exc.message}")
+        else:
+            warm.last_ok = self._clock()
