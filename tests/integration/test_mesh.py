@@ -129,6 +129,24 @@ def test_cp_copies_up_and_down(homes, tmp_path: Path) -> None:
     assert back.read_bytes() == source.read_bytes()
 
 
+def test_app_run_mounts_a_folder_copied_to_the_peer(homes, tmp_path: Path) -> None:
+    """``mounts`` reaches the job in both modes, as ``app run --mount`` does."""
+    _, bob = homes
+    data = tmp_path / "data.txt"
+    data.write_text("mounted\n")
+    app = tmp_path / "app"
+    app.mkdir()
+    (app / "main.sh").write_text("cat /data/data.txt\n")
+    with gpumesh.Mesh(bob) as mesh:
+        mesh.cp(str(data), "alice-pc:/dataset/data.txt")
+        run = mesh.app_run("alice-pc", app, ["sh", "main.sh"], mounts=["dataset:/data"])
+        assert (run.job.state, run.job.exit_code) == ("succeeded", 0)
+        assert list(mesh.job(run.job.job_id).logs(follow=False)) == ["mounted"]
+        # Without the mount the file is not there: the mount is what put it there.
+        bare = mesh.app_run("alice-pc", app, ["sh", "main.sh"])
+        assert bare.job.state == "failed"
+
+
 def test_group_status_asks_the_members(homes) -> None:
     _, bob = homes
     with gpumesh.Mesh(bob) as mesh:

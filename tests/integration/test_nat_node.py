@@ -115,3 +115,31 @@ def test_a_second_command_behind_nat_reuses_the_punched_path_and_the_registratio
     sources = re.findall(rf"registered {re.escape(bob)} from (\S+) \(dialing\)", text)
     assert len(sources) == 1, text
     assert len(re.findall(rf"{re.escape(sources[0])} -> 203\.0\.113\.3:", text)) == 2, text
+
+
+@pytest.mark.usefixtures("docker_daemon")
+def test_after_the_provider_drops_the_session_the_re_dial_goes_straight_to_the_punched_address(
+    lab: Lab,
+) -> None:
+    _echo(lab, "one")
+    first = _punched(lab)
+    opened = lab.relay_stats()["sessions_opened"]
+    assert opened == 1, opened
+    # alice ends the session from her side: her deny closes bob's links at once.
+    assert lab.gpumesh("B", lab.b, "deny", "bob-laptop").returncode == 0
+    deadline = time.monotonic() + CEILING
+    while any(w["peer"] == "alice-pc" for w in _node_status(lab)["warm_sessions"]):
+        assert time.monotonic() < deadline, "the closed session stayed warm"
+        time.sleep(0.1)
+    assert lab.gpumesh("B", lab.b, "allow", "bob-laptop").returncode == 0
+    _echo(lab, "two")
+    warm = {w["peer"]: w for w in _node_status(lab)["warm_sessions"]}
+    second = warm["alice-pc"]
+    assert second["uses"] <= first["uses"]  # a new session...
+    # ...dialled straight to the address punching found for the first one, from the
+    # same shared socket: the relay was not asked for a session again.
+    assert second["path"] == first["path"]
+    assert second["local_port"] == first["local_port"]
+    assert lab.relay_stats()["sessions_opened"] == opened
+    _echo(lab, "three")  # and it carries the next command as a warm session does
+    assert lab.relay_stats()["sessions_opened"] == opened

@@ -439,10 +439,13 @@ class Mesh:
         retries: int = 0,
         timeout: str | float | None = None,
         out: str | Path | None = None,
+        mounts: Sequence[str] | None = None,
     ) -> AppRunView:
         """Sync ``folder`` to ``peer``, run ``command`` in it to the end and, with
         ``out``, pull the app's folder named like ``out`` back into it
-        (``gpumesh app run``). The job's output: ``mesh.job(view.job.job_id).logs()``."""
+        (``gpumesh app run``). ``mounts``: folders of this node's sandbox on the
+        peer, as in :meth:`run` (``--mount``). The job's output:
+        ``mesh.job(view.job.job_id).logs()``."""
         from gpumesh.client.jobspec import build_spec
 
         spec = build_spec(
@@ -454,6 +457,7 @@ class Mesh:
             retries=retries,
             timeout=timeout,
             peer=peer,
+            mounts=mounts,
         )
         where = None if out is None else Path(out)
         return await self._backend.app_run(peer, Path(folder), spec, out=where)
@@ -470,6 +474,7 @@ class Mesh:
         retries: int = 0,
         timeout: str | float | None = None,
         out: str | Path | None = None,
+        mounts: Sequence[str] | None = None,
     ) -> AppRunView:
         call = self.aapp_run(
             peer,
@@ -481,6 +486,7 @@ class Mesh:
             retries=retries,
             timeout=timeout,
             out=out,
+            mounts=mounts,
         )
         return self._sync("app_run", "aapp_run", call)
 

@@ -334,6 +334,9 @@ class Node:
         config = self.home.config
         relay_text = config.relay or peer.relay
         relay = RelayHint(relay_text, config.relay_token) if relay_text else None
+        via = None if self.pool is None else self.pool.outgoing
+        # Dialled first: where punching got through last time, from the same socket.
+        punched = None if via is None or self.pool is None else self.pool.punched(str(peer.node_id))
         dial = functools.partial(
             open_session,
             self.home.identity,
@@ -342,7 +345,8 @@ class Node:
             timeout=timeout or config.connect_timeout,
             peer_label=peer.name,
             relay=relay,
-            via=None if self.pool is None else self.pool.outgoing,
+            via=via,
+            punched=punched,
         )
         try:
             session = await dial(addresses)

@@ -10,6 +10,13 @@ the sessions of a peer that was denied, unpaired or whose key changed (read
 from the store, so a `gpumesh deny` in another process counts too). Time is
 injected (``clock``) so expiry is decided without sleeping.
 
+A session that hole punching moved off the relay leaves its punched address
+behind when it ends (:meth:`SessionPool.punched`): the next dial to that peer
+tries it first, directly from the same shared socket, whose NAT mapping the
+peer's NAT still lets in for a while, and so reaches a restarted or
+reconnecting peer in one round trip rather than through the relay and a new
+round of punching. A deny, unpair or key change forgets it with the session.
+
 Every dial of a pool goes out from one shared socket (``outgoing``): one UDP port
 and one relay registration per relay for all its links (see
 :mod:`gpumesh.transport.outgoing`).
@@ -29,11 +36,12 @@ from gpumesh.errors import ConnectionLostError, GPUMeshError, TransportError
 from gpumesh.protocol.messages import Ping
 
 if TYPE_CHECKING:
+    from gpumesh.protocol.addresses import Address
     from gpumesh.store.db import Peer, Store
     from gpumesh.transport.outgoing import OutgoingSocket
     from gpumesh.transport.session import Session
 
-__all__ = ["IDLE", "KEEPALIVE", "SessionPool", "Warm"]
+__all__ = ["IDLE", "KEEPALIVE", "PUNCHED_KEEP", "SessionPool", "Warm"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +51,17 @@ KEEPALIVE = 15.0
 """Seconds between keep-alive pings of a warm session."""
 CHECK = 0.25
 """Seconds between looks at the store (deny, unpair, key change) and the clocks."""
+PUNCHED_KEEP = 25.0
+"""Seconds after its session ended that a punched address is still dialled first:
+under the 30 s that Linux's conntrack and many home routers keep an idle UDP
+mapping open."""
+PROBE_AFTER = 5.0
+"""Seconds without an answer on a warm session after which it is pinged before it is
+lent: a peer that was killed and restarted never closed it, and its new process
+drops the old connection's packets without a word, so a request on it would hang
+until the keep-alive gave up."""
+PROBE_TIMEOUT = 2.0
+"""Seconds that ping may take; past them the session is dropped and dialled again."""
 CLOSE_WAIT = 2.0
 """Seconds a request that lost its warm session waits to learn why it closed."""
 
@@ -57,6 +76,8 @@ class Warm:
     session: Session
     last_used: float
     last_ping: float
+    last_ok: float = 0.0
+    """When a request or keep-alive on it last got its answer."""
     users: int = 0
     uses: int = 0
 
@@ -80,6 +101,25 @@ class SessionPool:
         self._clock = clock
         self._warm: dict[str, Warm] = {}
         self._dialling: dict[str, asyncio.Lock] = {}
+        self._punched: dict[str, tuple[Address, float]] = {}
+        """By peer id: the punched address of its last session, and when that session
+        was last seen open."""
+
+    def punched(self, peer_id: str) -> Address | None:
+        """The hole-punched address the last session to ``peer_id`` used, if that
+        session was open less than :data:`PUNCHED_KEEP` seconds ago."""
+        warm = self._warm.get(peer_id)
+        if warm is not None:
+            self._note_punched(warm)
+        found = self._punched.get(peer_id)
+        if found is None or self._clock() - found[1] > PUNCHED_KEEP:
+            return None
+        return found[0]
+
+    def _note_punched(self, warm: Warm) -> None:
+        address = warm.session.punched_address
+        if address is not None and not warm.session.link.is_closed:
+            self._punched[warm.peer_id] = (address, self._clock())
 
     def sessions(self) -> list[Warm]:
         return [w for w in self._warm.values() if not w.session.link.is_closed]
@@ -97,17 +137,24 @@ class SessionPool:
             if warm is not None and (
                 warm.session.link.is_closed or warm.public_key != peer.public_key
             ):
-                self.drop(key, "closed or rekeyed")
+                self.drop(key, "closed or rekeyed", forget_path=warm.public_key != peer.public_key)
+                warm = None
+            if warm is not None and not await self._answers(warm):
+                self.drop(key, f"no answer within {PROBE_TIMEOUT:g} s (the peer restarted?)")
                 warm = None
             if warm is None:
                 session = await dial()
                 now = self._clock()
-                warm = Warm(key, peer.name, peer.public_key, session, now, now)
+                warm = Warm(key, peer.name, peer.public_key, session, now, now, now)
                 self._warm[key] = warm
+                # What this session punches (now or later) replaces what the last found.
+                self._punched.pop(key, None)
+                self._note_punched(warm)
         warm.users += 1
         warm.uses += 1
         try:
             yield warm.session
+            warm.last_ok = self._clock()
         except ConnectionLostError:
             # The peer closed the session under this request (a deny's close may
             # cross the request on the wire): say why it closed, as a fresh dial
@@ -120,6 +167,17 @@ class SessionPool:
             warm.users -= 1
             warm.last_used = self._clock()
 
+    async def _answers(self, warm: Warm) -> bool:
+        """Whether a warm session silent for :data:`PROBE_AFTER` seconds still answers."""
+        if self._clock() - warm.last_ok < PROBE_AFTER:
+            return True
+        try:
+            await warm.session.request(Ping(sent=time.perf_counter()), timeout=PROBE_TIMEOUT)
+        except GPUMeshError:
+            return False
+        warm.last_ok = self._clock()
+        return True
+
     async def _close_reason(self, session: Session) -> GPUMeshError | None:
         """The error the peer closed ``session`` with, waiting out QUIC's draining
         period (at most :data:`CLOSE_WAIT` seconds); None when it stays open."""
@@ -128,9 +186,14 @@ class SessionPool:
         except TimeoutError:
             return None
 
-    def drop(self, peer_id: str, reason: str) -> None:
-        """Close and forget the warm session to ``peer_id`` (if any)."""
+    def drop(self, peer_id: str, reason: str, *, forget_path: bool = False) -> None:
+        """Close and forget the warm session to ``peer_id`` (if any); keep its punched
+        address for the next dial unless ``forget_path``."""
         warm = self._warm.pop(peer_id, None)
+        if forget_path:
+            self._punched.pop(peer_id, None)
+        elif warm is not None:
+            self._note_punched(warm)  # while its link is still open
         if warm is not None:
             logger.info("warm session to %s closed: %s", warm.peer_name, reason)
             warm.session.close()
@@ -154,12 +217,12 @@ class SessionPool:
         for peer_id, warm in list(self._warm.items()):
             peer = peers.get(peer_id)
             if peer is None:
-                self.drop(peer_id, "unpaired")
+                self.drop(peer_id, "unpaired", forget_path=True)
                 continue
             if not peer.allowed:
-                self.drop(peer_id, "denied")
+                self.drop(peer_id, "denied", forget_path=True)
             elif peer.public_key != warm.public_key:
-                self.drop(peer_id, "its key changed")
+                self.drop(peer_id, "its key changed", forget_path=True)
             elif warm.session.link.is_closed:
                 self.drop(peer_id, "the link closed")
             elif warm.users == 0 and now - warm.last_used >= self.idle:
@@ -167,6 +230,8 @@ class SessionPool:
             elif now - warm.last_ping >= self.keepalive:
                 warm.last_ping = now
                 due.append(warm)
+            else:
+                self._note_punched(warm)
         return due
 
     async def maintain(self, store: Store) -> None:
@@ -190,3 +255,5 @@ class SessionPool:
         except GPUMeshError as exc:
             if self._warm.get(warm.peer_id) is warm:
                 self.drop(warm.peer_id, f"keep-alive failed: {exc.message}")
+        else:
+            warm.last_ok = self._clock()

@@ -135,6 +135,11 @@ class RelayedPath:
         self.link = link
 
     def release(self) -> None:
+        link = self.link
+        if link is not None and not link.is_closed:
+            # A newer connection from the peer took the path over (it re-dialled the
+            # punched address before this side saw the old one end): it keeps it.
+            return
         self.client.forget(self)
 
 
@@ -270,7 +275,9 @@ class RelayClient:
 
     def from_direct(self, source: Address, now: float) -> Address | None:
         path = self._by_direct.get(source)
-        if path is None:
+        if path is None or (path.link is not None and path.link.is_closed):
+            # A closed link's path lingers while its close may be retransmitted; a
+            # new connection from the peer's punched address is a direct one.
             return None
         path.puncher.on_inbound(now)
         return path.virtual

@@ -32,7 +32,7 @@ from gpumesh.errors import (
     UnreachableError,
 )
 from gpumesh.identity.keys import Identity
-from gpumesh.protocol.addresses import Address, parse_address
+from gpumesh.protocol.addresses import Address, format_address, parse_address
 from gpumesh.protocol.flow import DEFAULT_WINDOW
 from gpumesh.protocol.handshake import AUTH_STREAM, AuthForm, ClientAuth, ServerAuth
 from gpumesh.protocol.messages import MAX_MESSAGE_FRAME, Hello, Message, Proof, SessionProof
@@ -74,6 +74,8 @@ RELAY_DELAY = 0.5
 """Seconds direct dials get before the relay is tried too (at once if they all fail)."""
 PUNCH_SETTLE = 0.3
 """Most seconds a relayed dial waits for a direct path whose peer already answered."""
+PUNCHED_FIRST = RELAY_DELAY
+"""Seconds a re-dial gives the last punched address alone before the usual dial joins."""
 
 
 @dataclass(frozen=True)
@@ -125,6 +127,9 @@ class Session:
         """The relayed session under the link (punched or not), or None for a direct one."""
         self.peer_name = where
         """The provider's node name once it welcomed us; where we dialled until then."""
+        self.punched_before: Address | None = None
+        """Set on a direct session dialled to the address hole punching found for an
+        earlier session with the peer (its NAT's mapping, still open): that address."""
         self._auth = auth
         self._auth_stream = auth_stream
         self._where = where
@@ -149,8 +154,17 @@ class Session:
         """
         path = self.relayed
         if path is None:
-            return self.link.address
+            return self.link.address if self.punched_before is None else None
         return path.direct if path.direct in path.peer_listens else None
+
+    @property
+    def punched_address(self) -> Address | None:
+        """The hole-punched address this session's packets go to now, if any: worth
+        dialling directly first when the session must be dialled again, from the same
+        socket, while the NATs still keep the mapping open."""
+        if self.relayed is None:
+            return self.punched_before
+        return self.relayed.direct
 
     @property
     def punched_after(self) -> float | None:
@@ -160,6 +174,8 @@ class Session:
     @property
     def path(self) -> str:
         """``direct``, ``direct (hole-punched) ADDR`` or ``relayed via RELAY``."""
+        if self.punched_before is not None:
+            return f"direct (hole-punched) {format_address(self.punched_before)}"
         return self.link.describe_path()
 
     async def wait_for_punching(self, timeout: float) -> None:
@@ -353,6 +369,7 @@ async def open_session(
     peer_label: str = "the peer",
     relay: RelayHint | None = None,
     via: OutgoingSocket | None = None,
+    punched: Address | None = None,
 ) -> Session:
     """Dial ``addresses`` (staggered, first success wins) and authenticate.
 
@@ -361,7 +378,62 @@ async def open_session(
     A refusal (denied, not paired) or a key mismatch ends the attempt at once:
     other paths reach the same node and would only repeat it. ``via``: a long-running
     process's shared socket and relay registrations (else each dial opens its own).
+    ``punched``: the address punching found for the last session with this peer
+    from ``via``'s socket, dialled first and alone for :data:`PUNCHED_FIRST`
+    seconds: the NATs on both sides still let that flow through for a while after
+    its session ended, so the peer is a round trip away without the relay. Then
+    the usual dial runs beside it; its failure (a stale mapping, another host
+    there now) only means the usual dial decides.
     """
+    if punched is None:
+        return await _open_with_relay(
+            identity, name, addresses, server_key, timeout, peer_label, relay, via
+        )
+    first = asyncio.create_task(_dial_one(identity, name, punched, server_key, timeout, via))
+    rest: asyncio.Task[Session] | None = None
+    winner: Session | None = None
+    try:
+        await asyncio.wait({first}, timeout=PUNCHED_FIRST)
+        while True:
+            if first.done():
+                error = first.exception()
+                if error is None:
+                    winner = first.result()
+                    winner.punched_before = punched
+                    return winner
+                if not isinstance(error, GPUMeshError):
+                    raise error  # a bug, not a stale address
+            if rest is None:
+                rest = asyncio.create_task(
+                    _open_with_relay(
+                        identity, name, addresses, server_key, timeout, peer_label, relay, via
+                    )
+                )
+            if rest.done() and (first.done() or rest.exception() is None):
+                winner = rest.result()  # or its error, once the punched address failed too
+                return winner
+            waiting = {task for task in (first, rest) if not task.done()}
+            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (first, rest):
+            if task is None:
+                continue
+            if not task.done():
+                task.cancel()
+            elif not task.cancelled() and task.exception() is None and task.result() is not winner:
+                task.result().close()
+
+
+async def _open_with_relay(
+    identity: Identity,
+    name: str,
+    addresses: Sequence[Address],
+    server_key: bytes,
+    timeout: float,
+    peer_label: str,
+    relay: RelayHint | None,
+    via: OutgoingSocket | None,
+) -> Session:
     direct = asyncio.create_task(
         _open_direct(identity, name, addresses, server_key, timeout, peer_label, via)
     )
