@@ -326,9 +326,11 @@ class _Splice:
             try:
                 count = local.recv_into(room)
             except OSError as exc:
-                self._check()
+                if self._halted:
+                    raise _Stopped() from None
                 raise _SocketError(exc.strerror or str(exc)) from None
-            self._check()  # a stop's shutdown reads as an EOF
+            if self._halted:  # a stop's shutdown reads as an EOF
+                raise _Stopped()
             _PIECE.pack_into(buffer, 0, count)
             out = buffer[: _PIECE.size + count]
             while out:
@@ -344,8 +346,11 @@ class _Splice:
                     self._check()
                     continue
                 except (OSError, ssl.SSLError) as exc:
-                    self._check()
+                    if self._halted:
+                        raise _Stopped() from None
                     raise _ChannelError(str(exc) or type(exc).__name__) from None
+                if sent == len(out):
+                    break
                 out = out[sent:]
             if not count:
                 return
@@ -366,14 +371,10 @@ class _Splice:
                 self._check()
             fill, eof, drained = 0, False, False
             while fill < CHANNEL_CHUNK:
+                room = CHANNEL_CHUNK - fill
                 try:
                     with lock:
                         got = channel.recv_into(buffer[fill:])
-                        # A full record is bulk: more likely follows, and reading on
-                        # costs at most one exception per buffer. A short one (a small
-                        # message) goes out at once; the next read waits for the
-                        # channel first.
-                        drained = got < _FULL_RECORD and not channel.pending()
                 except ssl.SSLWantReadError:
                     drained = True
                     break
@@ -382,15 +383,23 @@ class _Splice:
                     self._check()
                     continue
                 except (OSError, ssl.SSLError) as exc:
-                    self._check()
+                    if self._halted:
+                        raise _Stopped() from None
                     raise _ChannelError(str(exc) or type(exc).__name__) from None
                 if not got:
                     eof = True
                     break
                 fill += got
-                if drained:
+                # A full record is bulk: more likely follows, and reading on costs
+                # at most one exception per buffer. A short one (a small message)
+                # goes out at once, and the next read waits for the channel first:
+                # a read with room to spare took the rest of its record, so OpenSSL
+                # holds nothing that poll would not see.
+                if got < _FULL_RECORD and got < room:
+                    drained = True
                     break
-            self._check()
+            if self._halted:
+                raise _Stopped()
             pos = 0
             while pos < fill:
                 if left:
@@ -398,7 +407,8 @@ class _Splice:
                     try:
                         local.sendall(buffer[pos:end])
                     except OSError as exc:
-                        self._check()
+                        if self._halted:
+                            raise _Stopped() from None
                         raise _SocketError(exc.strerror or str(exc)) from None
                     left -= end - pos
                     pos = end
