@@ -7,10 +7,12 @@ tunnel, through `ssh -c aes128-gcm@openssh.com -L` to a throwaway loopback
 sshd (bench/sshd.sh), and directly. Figures:
 
 * bulk: ``--size`` MiB sent to the server, which answers how many it got after
-  the client's half-close; MB/s, median of ``--repeat`` (goal: the tunnel at
-  least 1.2x `ssh -L`).
+  the client's half-close; MB/s, median of ``--repeat`` taken in turns across the
+  paths (goal: the tunnel at least 1.2x `ssh -L`), and the CPU the two ends of
+  each path spent per GB (the tunnel and the provider's agent; ssh and sshd).
 * round trip: ``--pings`` 64-byte request/response exchanges on one connection;
-  p50 and p90 (goal: the tunnel's p50 no more than `ssh -L`'s).
+  p50 and p90 (goal: the tunnel's p50 no more than `ssh -L`'s), and the ends'
+  CPU per round trip.
 * VNC full-screen update: with Xvfb and x11vnc installed, ``--updates`` full
   framebuffer updates of a 1280x800 screen in one `vncdo` session, per update.
 * deny: from spawning `gpumesh desktop deny bob` until an open tunnelled
@@ -32,7 +34,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 from _benchlib import (
@@ -51,6 +53,7 @@ CIPHER = "aes128-gcm@openssh.com"
 BULK_GOAL = 1.2
 DENY_GOAL = 1.0
 X11VNC_FLAGS = ("-localhost", "-nopw", "-forever", "-shared", "-nocursor", "-quiet")
+SSH_ROW = "ssh -L (aes128-gcm)"
 PEER = "alice"
 CONSUMER = "bob"
 
@@ -149,7 +152,8 @@ def tunnel(bob: Path) -> Iterator[tuple[int, subprocess.Popen[bytes]]]:
 
 
 @contextlib.contextmanager
-def ssh_forward(ssh_options: list[str], target: int) -> Iterator[int]:
+def ssh_forward(ssh_options: list[str], target: int) -> Iterator[tuple[int, int]]:
+    """`ssh -L` on a free loopback port: (the port, ssh's process id)."""
     port = free_port()
     proc = subprocess.Popen(
         ["ssh", *ssh_options, "-c", CIPHER, "-N", "-L", f"{port}:127.0.0.1:{target}", "bench"],
@@ -158,7 +162,37 @@ def ssh_forward(ssh_options: list[str], target: int) -> Iterator[int]:
     )
     with stopping(proc):
         wait_port(port, proc)
-        yield port
+        yield port, proc.pid
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User and system CPU these processes and their descendants have spent so far
+    (Linux's /proc; 0 elsewhere, and the CPU columns then read 0)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir() if Path("/proc/self/stat").exists() else ():
+        if entry.name.isdigit() and (stat := _stat(int(entry.name))) is not None:
+            children.setdefault(stat[0], []).append(int(entry.name))
+    total, todo, seen = 0.0, list(pids), set()
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        total += (_stat(pid) or (0, 0.0))[1]
+        todo += children.get(pid, [])
+    return total
+
+
+def _stat(pid: int) -> tuple[int, float] | None:
+    """(parent pid, user + system CPU seconds) of a process; None once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return int(fields[1]), (int(fields[11]) + int(fields[12])) / _TICKS
+
+
+_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 # --- the measurements -----------------------------------------------------------------------
@@ -290,10 +324,6 @@ def vnc_updates(port: int, updates: int, tmp: Path) -> float:
 # --- the run --------------------------------------------------------------------------------
 
 
-def median_of(repeat: int, measure: Callable[[], float]) -> float:
-    return summarize([measure() for _ in range(repeat)]).p50
-
-
 def run(args: argparse.Namespace) -> int:
     size = args.size * MIB
     with tempfile.TemporaryDirectory(prefix="gpumesh-desktop-bench-") as where:
@@ -304,7 +334,7 @@ def run(args: argparse.Namespace) -> int:
         alice, bob = tmp / "a", tmp / "b"
         with contextlib.ExitStack() as stack:
             target = stack.enter_context(target_server())
-            stack.enter_context(running_agent(alice, tmp / "agent.log"))
+            agent = stack.enter_context(running_agent(alice, tmp / "agent.log"))
             for command in (
                 ("desktop", "share", "--port", str(target)),
                 ("desktop", "allow", CONSUMER),
@@ -313,23 +343,40 @@ def run(args: argparse.Namespace) -> int:
                     raise SystemExit(f"gpumesh {' '.join(command)} failed: {done.stderr}")
             ssh_options, why = stack.enter_context(loopback_sshd(tmp / "ssh"))
             paths: dict[str, int] = {}
-            paths["gpumesh desktop"] = stack.enter_context(tunnel(bob))[0]
+            ends: dict[str, list[int]] = {}
+            """The processes at each end of a path, whose CPU is counted."""
+            port, proc = stack.enter_context(tunnel(bob))
+            paths["gpumesh desktop"], ends["gpumesh desktop"] = port, [proc.pid, agent.pid]
             if ssh_options is not None:
-                paths["ssh -L (aes128-gcm)"] = stack.enter_context(ssh_forward(ssh_options, target))
+                port, ssh_pid = stack.enter_context(ssh_forward(ssh_options, target))
+                sshd_pid = int((tmp / "ssh" / "sshd.pid").read_text())
+                paths["ssh -L (aes128-gcm)"], ends["ssh -L (aes128-gcm)"] = (
+                    port,
+                    [ssh_pid, sshd_pid],
+                )
             else:
                 print(f"note: no `ssh -L` rows: {why}")
-            paths["direct"] = target
+            paths["direct"], ends["direct"] = target, []
 
-            print(f"bulk: {args.size} MiB to the server, median of {args.repeat}")
-            rates = {
-                name: size / median_of(args.repeat, lambda p=port: bulk(p, size)) / 1e6
-                for name, port in paths.items()
-            }
+            print(f"bulk: {args.size} MiB to the server, median of {args.repeat} taken in turns")
+            seconds: dict[str, list[float]] = {name: [] for name in paths}
+            spent = dict.fromkeys(paths, 0.0)
+            for _ in range(args.repeat):
+                for name, port in paths.items():
+                    before = cpu_seconds(ends[name])
+                    seconds[name].append(bulk(port, size))
+                    spent[name] += cpu_seconds(ends[name]) - before
+            rates = {name: size / summarize(runs).p50 / 1e6 for name, runs in seconds.items()}
             ssh_rate = next((r for n, r in rates.items() if n.startswith("ssh")), None)
             print_rows(
-                ["path", "MB/s", "vs ssh -L"],
+                ["path", "MB/s", "vs ssh -L", "ends' CPU s/GB"],
                 [
-                    [name, f"{rate:.0f}", f"{rate / ssh_rate:.2f}x" if ssh_rate else "-"]
+                    [
+                        name,
+                        f"{rate:.0f}",
+                        f"{rate / ssh_rate:.2f}x" if ssh_rate else "-",
+                        f"{spent[name] / (args.repeat * size) * 1e9:.2f}" if ends[name] else "-",
+                    ]
                     for name, rate in rates.items()
                 ],
             )
@@ -339,10 +386,22 @@ def run(args: argparse.Namespace) -> int:
                 print(f"  the tunnel {verdict} the goal of {BULK_GOAL}x ssh -L ({ratio:.2f}x)")
 
             print(f"\nround trip of 64 bytes, {args.pings} on one connection")
-            trips = {name: summarize(round_trips(port, args.pings)) for name, port in paths.items()}
+            trips, per_trip = {}, {}
+            for name, port in paths.items():
+                before = cpu_seconds(ends[name])
+                trips[name] = summarize(round_trips(port, args.pings))
+                per_trip[name] = (cpu_seconds(ends[name]) - before) / (args.pings + 10)
             print_rows(
-                ["path", "p50 µs", "p90 µs"],
-                [[n, f"{s.p50 * 1e6:.0f}", f"{s.p90 * 1e6:.0f}"] for n, s in trips.items()],
+                ["path", "p50 µs", "p90 µs", "ends' CPU µs"],
+                [
+                    [
+                        n,
+                        f"{s.p50 * 1e6:.0f}",
+                        f"{s.p90 * 1e6:.0f}",
+                        f"{per_trip[n] * 1e6:.0f}" if ends[n] else "-",
+                    ]
+                    for n, s in trips.items()
+                ],
             )
             ssh_trip = next((s for n, s in trips.items() if n.startswith("ssh")), None)
             if ssh_trip:
@@ -357,7 +416,7 @@ def run(args: argparse.Namespace) -> int:
                 gpumesh(alice, "desktop", "share", "--vnc", "--port", str(vnc))
                 vnc_paths = {"gpumesh desktop": stack.enter_context(tunnel(bob))[0]}
                 if ssh_options is not None:
-                    vnc_paths["ssh -L"] = stack.enter_context(ssh_forward(ssh_options, vnc))
+                    vnc_paths["ssh -L"] = stack.enter_context(ssh_forward(ssh_options, vnc))[0]
                 vnc_paths["direct"] = vnc
                 print(f"\nVNC full-screen update (1280x800), {args.updates} in one vncdo session")
                 per = {n: vnc_updates(p, args.updates, tmp) for n, p in vnc_paths.items()}

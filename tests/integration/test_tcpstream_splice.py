@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import socket
 import ssl
 import struct
@@ -18,7 +19,13 @@ import pytest
 
 from gpumesh.files.channel import client_context, server_context
 from gpumesh.identity.keys import Identity
-from gpumesh.transport.tcpstream import CHANNEL_CHUNK, _ChannelError, _Splice, _Stopped
+from gpumesh.transport.tcpstream import (
+    CHANNEL_CHUNK,
+    _ChannelError,
+    _SocketError,
+    _Splice,
+    _Stopped,
+)
 
 CEILING = 30.0
 _LENGTH = struct.Struct(">I")
@@ -182,3 +189,83 @@ def test_stop_lets_go_at_once_and_closes_both_sockets(
     assert program.recv(1) == b""  # its socket to the program is closed
     with contextlib.suppress(ConnectionResetError, ssl.SSLError):
         assert far.recv(1) == b""  # and the channel
+
+
+def _fill_until_blocked(send: Callable[[bytes], int]) -> int:
+    """Send until the far side's buffers are full (nothing reads them); bytes sent."""
+    block, total = b"\0" * 65536, 0
+    with contextlib.suppress(BlockingIOError, ssl.SSLWantWriteError, TimeoutError):
+        while True:
+            total += send(block)
+    return total
+
+
+def test_each_direction_moves_while_the_other_is_held_back(
+    spliced: tuple[Moving, socket.socket, ssl.SSLSocket],
+) -> None:
+    """The far side reads nothing, so the up direction stops (back-pressure); the
+    down direction still carries the far side's messages to the program, and the
+    held-back bytes all arrive once the far side reads again."""
+    moving, program, far = spliced
+    program.settimeout(1.0)
+    sent = _fill_until_blocked(program.send)  # stops once the channel is full too
+    program.settimeout(CEILING)
+    for index in range(20):
+        message = f"down {index}".encode()
+        far.sendall(_LENGTH.pack(len(message)) + message)
+        assert _read_exactly(program.recv, len(message)) == message
+    program.shutdown(socket.SHUT_WR)
+    assert len(_pieces_until_end(far)) == sent
+    far.sendall(_LENGTH.pack(0))
+    assert program.recv(1) == b""
+    assert moving.ended() is None
+
+
+def test_stop_lets_go_while_the_local_program_reads_nothing(
+    spliced: tuple[Moving, socket.socket, ssl.SSLSocket],
+) -> None:
+    """Down is blocked sending to a program that does not read (and up waits on the
+    program): a stop still ends both at once and closes the sockets."""
+    moving, program, far = spliced
+    piece = _LENGTH.pack(CHANNEL_CHUNK) + os.urandom(CHANNEL_CHUNK)
+    far.setblocking(False)
+    out = memoryview(piece * 16)  # far more than the program's socket holds
+    while out:  # until the splice stops reading the channel (or all went)
+        try:
+            out = out[far.send(out) :]
+        except ssl.SSLWantWriteError:
+            if not select.select([], [far], [], 0.5)[1]:
+                break
+    moving.splice.stop()
+    assert isinstance(moving.ended(), _Stopped)
+    with contextlib.suppress(ConnectionResetError):
+        while program.recv(1 << 20):  # what was delivered, then the close
+            pass
+
+
+def test_stop_lets_go_while_the_channel_takes_nothing(
+    spliced: tuple[Moving, socket.socket, ssl.SSLSocket],
+) -> None:
+    """Up is waiting for a full channel (the far side reads nothing), down for the
+    far side: a stop ends both at once."""
+    moving, program, _far = spliced
+    program.settimeout(1.0)
+    _fill_until_blocked(program.send)
+    moving.splice.stop()
+    assert isinstance(moving.ended(), _Stopped)
+
+
+def test_a_reset_local_connection_ends_both_directions(
+    spliced: tuple[Moving, socket.socket, ssl.SSLSocket],
+) -> None:
+    """The program resets its connection while the far side is silent: the splice
+    ends with the local socket's error instead of waiting on the channel."""
+    moving, program, far = spliced
+    program.sendall(b"hi")
+    assert _read_exactly(far.recv, 6)[4:] == b"hi"
+    far.sendall(_LENGTH.pack(2) + b"yo")
+    assert _read_exactly(program.recv, 2) == b"yo"
+    program.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    program.close()
+    error = moving.ended()
+    assert isinstance(error, _SocketError)

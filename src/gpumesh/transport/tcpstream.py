@@ -9,12 +9,12 @@ received shuts the socket's write side. The stream is finished once both
 directions ended. A failed stream (a refusal, a reset, its link closed) closes
 the socket; a failed socket resets the stream, so the far side's socket closes.
 
-Over a data channel (:func:`splice`) the bytes skip the event loop: one thread
-per connection moves both directions between two plain non-blocking sockets
-(the local one and the channel's TLS socket), and the loop only watches the
-request's stream for a refusal. Python's TLS on asyncio copies each chunk
-several times and wakes the loop per chunk; here a chunk is read into a reused
-buffer and handed to OpenSSL (or the kernel) from there.
+Over a data channel (:func:`splice`) the bytes skip the event loop: two threads
+per connection, one per direction, move them between the local socket and the
+channel's TLS socket, and the loop only watches the request's stream for a
+refusal. Python's TLS on asyncio copies each chunk several times and wakes the
+loop per chunk; here a chunk is read into a reused buffer and handed to OpenSSL
+(or the kernel) from there.
 """
 
 from __future__ import annotations
@@ -26,15 +26,8 @@ import socket
 import ssl
 import struct
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
-
-try:  # not on Windows: there the channel is read on until a read would block
-    import fcntl
-    from termios import FIONREAD as _FIONREAD_VALUE
-
-    _FIONREAD: int | None = _FIONREAD_VALUE
-except ImportError:  # pragma: no cover - Windows
-    _FIONREAD = None
 
 from gpumesh.errors import ConnectionLostError, GPUMeshError, ProtocolError, error_from_code
 from gpumesh.protocol.framing import FrameKind
@@ -155,9 +148,9 @@ async def splice(stream: Stream, local: socket.socket, channel: ssl.SSLSocket) -
     closed when it returns, whatever happened.
 
     On the channel each piece is its length (4 bytes) then its bytes; a length of
-    0 is a half-close, passed on to the local socket. The bytes move on a thread
-    of their own (:class:`_Splice`: non-blocking sockets, one reused buffer per
-    direction, no copy between the kernel's and OpenSSL's), and the event loop
+    0 is a half-close, passed on to the local socket. The bytes move on threads
+    of their own (:class:`_Splice`: one per direction, one reused buffer each, no
+    copy between the kernel's and OpenSSL's), and the event loop
     keeps only the request's stream beside it, for what is not bytes: a refusal
     on it (access revoked, the share stopped) ends the connection with that error,
     and a far side gone (the stream failed, the channel broke) closes it. Raises
@@ -232,54 +225,58 @@ class _Stopped(Exception):
 
 
 class _Splice:
-    """Both directions of one connection on one thread, over non-blocking sockets.
+    """Both directions of one connection, each on a thread of its own.
 
-    One thread owns the TLS socket, so OpenSSL never sees two threads at once;
-    each direction still goes at its own pace: a direction whose next step would
-    block waits (``poll``) while the other moves. Up: the local socket is read
-    straight into the buffer behind a 4-byte length, and that piece is handed to
-    TLS whole before the next read (back-pressure: a full channel stops the
-    reads). Down: TLS records are decrypted into the buffer back to back while
-    the kernel holds more, and the pieces' bytes go to the local socket from
-    there before the next read. A step is tried only while its socket is known
-    ready (``poll`` said so, or the last step did not drain it): a small message
-    costs one wake-up, one read and one write per hop, and no exceptions.
-    Nothing here touches the event loop; :meth:`stop` (any thread) wakes it to
-    let go.
+    A direction's thread sleeps in the kernel until its bytes come and goes
+    straight back to sleep once they are passed on: a small message costs one
+    wake-up, its reads and one write per hop, with no loop over both directions
+    between them (Python releases the GIL in each of those calls).
+
+    Up (the thread that calls :meth:`run`): a blocking read of the local socket
+    straight into the buffer behind a 4-byte length, and that piece handed to TLS
+    whole before the next read (back-pressure: a full channel stops the reads).
+    Down (a second thread): TLS records decrypted into the buffer back to back
+    while full ones keep coming, and the pieces' bytes sent to the local socket
+    from there (a blocking send: a local program that does not read stops the
+    channel's reads).
+
+    OpenSSL never sees two threads at once: the TLS socket is non-blocking and
+    each call on it is made under one lock, never held while waiting; a direction
+    whose TLS step would block waits in ``poll`` on the channel and a wake-up
+    socket. :meth:`stop` (any thread) or a failure in either direction stops both:
+    the wake-up socket turns readable for good and the local socket is shut down,
+    which wakes a thread blocked on it. Nothing here touches the event loop.
     """
 
     def __init__(self, local: socket.socket, channel: ssl.SSLSocket) -> None:
         self.local = local
         self.channel = channel
         self._wake, self._waker = socket.socketpair()
-        for sock in (local, channel, self._wake, self._waker):
+        local.setblocking(True)
+        for sock in (channel, self._wake, self._waker):
             sock.setblocking(False)
         for sock in (local, channel):
             with contextlib.suppress(OSError):  # small pieces leave at once
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._up = memoryview(bytearray(_PIECE.size + CHANNEL_CHUNK))
-        self._up_out: memoryview | None = None
-        """The framed piece TLS has not taken whole yet."""
-        self._up_last = False
-        """The piece out is the half-close (length 0)."""
-        self.up_done = False
-        self._down = memoryview(bytearray(CHANNEL_CHUNK))
-        self._down_fill = 0
-        self._down_pos = 0
-        self._down_eof = False
-        """The channel ended after the bytes in the buffer."""
-        self._header = bytearray()
-        self._left = 0
-        """Bytes of the current piece still to go to the local socket."""
-        self.down_done = False
-        # What each socket is known ready for; cleared when a step would block.
-        self._local_r = self._local_w = self._channel_r = self._channel_w = True
-        self._stopping = False
+        self._tls = threading.Lock()
+        """Held around every call into OpenSSL on the channel."""
+        self._halted = False
+        self._failure: BaseException | None = None
+        """What broke first, in either direction (None: nothing, or :meth:`stop` came first)."""
 
     def stop(self) -> None:
-        self._stopping = True  # seen between steps, while bytes keep moving
-        with contextlib.suppress(OSError):  # wakes the poll
+        """Let go (any thread): both directions end, :meth:`run` with :class:`_Stopped`."""
+        self._halt()
+
+    def _halt(self) -> None:
+        """Both directions let go: the flag first, so a wake-up reads as a stop."""
+        if self._halted:
+            return
+        self._halted = True
+        with contextlib.suppress(OSError):  # readable from now on: wakes every poll
             self._waker.send(b"\0")
+        with contextlib.suppress(OSError):  # wakes a thread blocked on the local socket
+            self.local.shutdown(socket.SHUT_RDWR)
 
     def close(self) -> None:
         for sock in (self.local, self.channel, self._wake, self._waker):
@@ -288,243 +285,198 @@ class _Splice:
 
     def run(self) -> None:
         """Move bytes until both directions ended (blocking; raises what broke)."""
-        poller = _Poller(self._wake, self.local, self.channel)
-        while not (self.up_done and self.down_done):
-            if self._stopping:
-                raise _Stopped()
-            # A step is called only when it can move (its socket known ready): a
-            # small message then costs one call of each kind per hop.
-            moved = False
-            if not self.up_done and (self._local_r if self._up_out is None else self._channel_w):
-                moved = self._step_up()
-            if not self.down_done and (
-                self._local_w
-                if self._down_pos < self._down_fill
-                else self._channel_r or self._down_eof
-            ):
-                moved = self._step_down() or moved
-            if moved:
-                continue
-            want_local = want_channel = 0
-            if not self.up_done:
-                if self._up_out is None:
-                    want_local |= _READ
-                else:
-                    want_channel |= _WRITE
-            if not self.down_done:
-                if self._down_pos < self._down_fill:
-                    want_local |= _WRITE
-                else:
-                    want_channel |= _READ
-            woke, local, channel = poller.wait(want_local, want_channel)
-            if woke:
-                raise _Stopped()
-            self._local_r |= bool(local & _READ)
-            self._local_w |= bool(local & _WRITE)
-            self._channel_r |= bool(channel & _READ)
-            self._channel_w |= bool(channel & _WRITE)
+        ended: list[bool] = []
+        down = threading.Thread(
+            target=lambda: ended.append(self._direction(self._down)),
+            name="gpumesh-desktop-down",
+            daemon=True,
+        )
+        down.start()
+        up_ended = self._direction(self._up)
+        down.join()
+        if self._failure is not None:
+            raise self._failure
+        if not (up_ended and ended == [True]):
+            raise _Stopped()
 
-    def _step_up(self) -> bool:
-        """One piece from the local socket into TLS; whether anything moved."""
-        if self.up_done:
-            return False
-        moved = False
-        if self._up_out is None:
-            if not self._local_r:
-                return False
-            room = self._up[_PIECE.size :]
-            try:
-                count = self.local.recv_into(room)
-            except (BlockingIOError, InterruptedError):
-                self._local_r = False
-                return False
-            except OSError as exc:
-                raise _SocketError(exc.strerror or str(exc)) from None
-            if 0 < count < len(room):
-                self._local_r = False  # drained; poll says when more comes
-            _PIECE.pack_into(self._up, 0, count)
-            self._up_out = self._up[: _PIECE.size + count]
-            self._up_last = count == 0
-            moved = True
-        if not self._channel_w:
-            return moved
+    def _direction(self, move: Callable[[_Waiter], None]) -> bool:
+        """Run one direction; whether it ended normally. A failure is kept for
+        :meth:`run` (the first one only) and stops the other direction."""
         try:
-            sent = self.channel.send(self._up_out)
-        except (ssl.SSLWantWriteError, ssl.SSLWantReadError):
-            self._channel_w = False
-            return moved
-        except (OSError, ssl.SSLError) as exc:
-            raise _ChannelError(str(exc) or type(exc).__name__) from None
-        if sent < len(self._up_out):
-            self._up_out = self._up_out[sent:]
-            return True
-        self._up_out = None
-        self.up_done = self._up_last
+            move(_Waiter(self.channel, self._wake))
+        except _Stopped:
+            return False
+        except BaseException as exc:
+            if self._failure is None and not self._halted:
+                self._failure = exc
+            self._halt()
+            return False
         return True
 
-    def _step_down(self) -> bool:
-        """Decrypt what has arrived, or pass on what was decrypted; whether anything moved."""
-        if self.down_done:
-            return False
-        if self._down_pos < self._down_fill:
-            return self._deliver()
-        if self._down_eof:
-            raise _ChannelError("it ended in the middle of the connection")
-        if not self._channel_r:
-            return False
-        self._down_fill = self._down_pos = 0
-        channel, down = self.channel, self._down
-        while self._down_fill < len(down):
+    def _check(self) -> None:
+        if self._halted:
+            raise _Stopped()
+
+    def _up(self, waiter: _Waiter) -> None:
+        """The local socket's bytes into TLS, a piece per read, until its EOF."""
+        buffer = memoryview(bytearray(_PIECE.size + CHANNEL_CHUNK))
+        room = buffer[_PIECE.size :]
+        local, channel, lock = self.local, self.channel, self._tls
+        while True:
             try:
-                got = channel.recv_into(down[self._down_fill :])
-            except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
-                self._channel_r = False
-                break
-            except (OSError, ssl.SSLError) as exc:
-                raise _ChannelError(str(exc) or type(exc).__name__) from None
-            if not got:
-                self._down_eof = True
-                break
-            self._down_fill += got
-            # A full record is bulk: more likely follows, and reading on costs at most
-            # one exception per buffer. After a short one (a small message) ask the
-            # kernel first: that exception would come at every hop.
-            if got < _FULL_RECORD and not channel.pending() and not _unread(channel):
-                self._channel_r = False  # drained; poll says when more comes
-                break
-        if not self._down_fill:
-            if self._down_eof:
-                raise _ChannelError("it ended in the middle of the connection")
-            return False
-        self._deliver()
-        return True
-
-    def _deliver(self) -> bool:
-        """Parse the pieces in the buffer and send their bytes to the local socket, as
-        far as it takes them; whether anything moved."""
-        moved = False
-        view, fill = self._down, self._down_fill
-        while self._down_pos < fill:
-            if self._left:
-                if not self._local_w:
-                    return moved
-                end = self._down_pos + min(self._left, fill - self._down_pos)
+                count = local.recv_into(room)
+            except OSError as exc:
+                if self._halted:
+                    raise _Stopped() from None
+                raise _SocketError(exc.strerror or str(exc)) from None
+            if self._halted:  # a stop's shutdown reads as an EOF
+                raise _Stopped()
+            _PIECE.pack_into(buffer, 0, count)
+            out = buffer[: _PIECE.size + count]
+            while out:
                 try:
-                    sent = self.local.send(view[self._down_pos : end])
-                except (BlockingIOError, InterruptedError):
-                    self._local_w = False
-                    return moved
-                except OSError as exc:
-                    raise _SocketError(exc.strerror or str(exc)) from None
-                if sent < end - self._down_pos:
-                    self._local_w = False  # its buffer is full; poll says when it drains
-                self._down_pos += sent
-                self._left -= sent
-                moved = True
-                continue
-            take = min(_PIECE.size - len(self._header), fill - self._down_pos)
-            self._header += view[self._down_pos : self._down_pos + take]
-            self._down_pos += take
-            moved = True
-            if len(self._header) < _PIECE.size:
-                break
-            (self._left,) = _PIECE.unpack(self._header)
-            self._header.clear()
-            if self._left > CHANNEL_CHUNK:
-                raise _ChannelError(f"a piece of {self._left} bytes, over {CHANNEL_CHUNK}")
-            if not self._left:  # the far side's half-close; nothing may follow
-                if self._down_pos < fill:
-                    raise _ChannelError("bytes followed the end of the connection")
-                with contextlib.suppress(OSError):
-                    self.local.shutdown(socket.SHUT_WR)
-                self.down_done = True
-                return True
-        return moved
+                    with lock:
+                        sent = channel.send(out)
+                except ssl.SSLWantWriteError:
+                    waiter.wait(_WRITE)
+                    self._check()
+                    continue
+                except ssl.SSLWantReadError:
+                    waiter.wait(_READ)
+                    self._check()
+                    continue
+                except (OSError, ssl.SSLError) as exc:
+                    if self._halted:
+                        raise _Stopped() from None
+                    raise _ChannelError(str(exc) or type(exc).__name__) from None
+                if sent == len(out):
+                    break
+                out = out[sent:]
+            if not count:
+                return
+
+    def _down(self, waiter: _Waiter) -> None:
+        """TLS records into the buffer, their pieces' bytes to the local socket,
+        until the far side's half-close."""
+        buffer = memoryview(bytearray(CHANNEL_CHUNK))
+        local, channel, lock = self.local, self.channel, self._tls
+        header = bytearray()
+        left = 0
+        """Bytes of the current piece still to go to the local socket."""
+        drained = False
+        """The last read found the kernel empty: wait before the next."""
+        while True:
+            if drained:
+                waiter.wait(_READ)
+                self._check()
+            fill, eof, drained = 0, False, False
+            while fill < CHANNEL_CHUNK:
+                room = CHANNEL_CHUNK - fill
+                try:
+                    with lock:
+                        got = channel.recv_into(buffer[fill:])
+                except ssl.SSLWantReadError:
+                    drained = True
+                    break
+                except ssl.SSLWantWriteError:
+                    waiter.wait(_WRITE)
+                    self._check()
+                    continue
+                except (OSError, ssl.SSLError) as exc:
+                    if self._halted:
+                        raise _Stopped() from None
+                    raise _ChannelError(str(exc) or type(exc).__name__) from None
+                if not got:
+                    eof = True
+                    break
+                fill += got
+                # A full record is bulk: more likely follows, and reading on costs
+                # at most one exception per buffer. A short one (a small message)
+                # goes out at once, and the next read waits for the channel first:
+                # a read with room to spare took the rest of its record, so OpenSSL
+                # holds nothing that poll would not see.
+                if got < _FULL_RECORD and got < room:
+                    drained = True
+                    break
+            if self._halted:
+                raise _Stopped()
+            pos = 0
+            while pos < fill:
+                if left:
+                    end = pos + min(left, fill - pos)
+                    try:
+                        local.sendall(buffer[pos:end])
+                    except OSError as exc:
+                        if self._halted:
+                            raise _Stopped() from None
+                        raise _SocketError(exc.strerror or str(exc)) from None
+                    left -= end - pos
+                    pos = end
+                    continue
+                if not header and fill - pos >= _PIECE.size:  # the usual case: no copy
+                    (left,) = _PIECE.unpack_from(buffer, pos)
+                    pos += _PIECE.size
+                    if left > CHANNEL_CHUNK:
+                        raise _ChannelError(f"a piece of {left} bytes, over {CHANNEL_CHUNK}")
+                    if not left:
+                        self._end_down(pos < fill)
+                        return
+                    continue
+                take = min(_PIECE.size - len(header), fill - pos)
+                header += buffer[pos : pos + take]
+                pos += take
+                if len(header) < _PIECE.size:
+                    break
+                (left,) = _PIECE.unpack(header)
+                header.clear()
+                if left > CHANNEL_CHUNK:
+                    raise _ChannelError(f"a piece of {left} bytes, over {CHANNEL_CHUNK}")
+                if not left:
+                    self._end_down(pos < fill)
+                    return
+            if eof:
+                raise _ChannelError("it ended in the middle of the connection")
+
+    def _end_down(self, more: bool) -> None:
+        """The far side's half-close (a piece of 0), which nothing may follow: the
+        local program reads EOF."""
+        if more:
+            raise _ChannelError("bytes followed the end of the connection")
+        with contextlib.suppress(OSError):
+            self.local.shutdown(socket.SHUT_WR)
 
 
-_COUNT = struct.Struct("i")
 _FULL_RECORD = 16384
 """The most bytes one TLS record carries."""
 
 
-def _unread(sock: socket.socket) -> bool:
-    """Whether the kernel holds bytes not yet read from ``sock`` (True where it cannot
-    say: the next read finds out, at the cost of an exception)."""
-    if _FIONREAD is None:
-        return True
-    try:
-        raw = fcntl.ioctl(sock.fileno(), _FIONREAD, b"\0\0\0\0")
-    except OSError:
-        return True
-    return bool(_COUNT.unpack(raw)[0])
+class _Waiter:
+    """One direction's wait until the channel is ready, or the wake-up socket
+    readable: ``poll`` where the system has it (registered once), else ``select``."""
 
-
-_BROKEN = select.POLLERR | select.POLLHUP | select.POLLNVAL if _HAS_POLL else 0
-
-
-class _Poller:
-    """Wait until the wake socket, the local socket or the channel is ready: ``poll``
-    where the system has it (one call, no registration per wait), else ``select``."""
-
-    def __init__(self, wake: socket.socket, local: socket.socket, channel: socket.socket) -> None:
-        self._wake, self._local, self._channel = wake.fileno(), local.fileno(), channel.fileno()
+    def __init__(self, channel: socket.socket, wake: socket.socket) -> None:
+        self._channel, self._wake = channel.fileno(), wake.fileno()
         self._poll = select.poll() if _HAS_POLL else None
-        self._masks: dict[int, int] = {}
-        self._last = (0, 0)
-        """What the last wait wanted of (the local socket, the channel)."""
+        self._events = 0
         if self._poll is not None:
             self._poll.register(self._wake, select.POLLIN)
 
-    def wait(self, local: int, channel: int) -> tuple[bool, int, int]:
-        """Block until something is ready: (woken, the local socket's readiness, the
-        channel's), each ``_READ | _WRITE``; an error or hang-up counts as both, so
-        the next step finds out what it is."""
-        if self._poll is None:
-            return self._select(local, channel)
-        if (local, channel) != self._last:
-            self._want(local, channel)
-        woke, ready_local, ready_channel = False, 0, 0
-        for fd, revents in self._poll.poll():
-            ready = (_READ | _WRITE) if revents & _BROKEN else 0
-            ready |= (_READ if revents & select.POLLIN else 0) | (
-                _WRITE if revents & select.POLLOUT else 0
+    def wait(self, what: int) -> None:
+        """Block until the channel may be ready for ``what`` (``_READ`` or
+        ``_WRITE``): an error or a hang-up counts, so the next step finds out."""
+        if self._poll is None:  # pragma: no cover - Windows
+            reading = what == _READ
+            select.select(
+                [self._wake, *([self._channel] if reading else [])],
+                [] if reading else [self._channel],
+                [self._channel],
             )
-            if fd == self._wake:
-                woke = True
-            elif fd == self._local:
-                ready_local |= ready
-            else:
-                ready_channel |= ready
-        return woke, ready_local, ready_channel
-
-    def _want(self, local: int, channel: int) -> None:
-        assert self._poll is not None
-        self._last = (local, channel)
-        for fd, wanted in ((self._local, local), (self._channel, channel)):
-            mask = (select.POLLIN if wanted & _READ else 0) | (
-                select.POLLOUT if wanted & _WRITE else 0
-            )
-            if self._masks.get(fd, 0) == mask:
-                continue
-            # A socket nothing is wanted of is left out: a hang-up on it (the local
-            # program gone after its half-close) would wake every wait at once.
-            if mask:
-                self._poll.register(fd, mask)  # again: modifies
-            else:
-                self._poll.unregister(fd)
-            self._masks[fd] = mask
-
-    def _select(self, local: int, channel: int) -> tuple[bool, int, int]:
-        pairs = ((self._local, local), (self._channel, channel))
-        readers = [self._wake, *(fd for fd, wanted in pairs if wanted & _READ)]
-        writers = [fd for fd, wanted in pairs if wanted & _WRITE]
-        readable, writable, failed = select.select(readers, writers, [self._local, self._channel])
-
-        def ready(fd: int) -> int:
-            broken = (_READ | _WRITE) if fd in failed else 0
-            return broken | (_READ if fd in readable else 0) | (_WRITE if fd in writable else 0)
-
-        return self._wake in readable, ready(self._local), ready(self._channel)
+            return
+        events = select.POLLIN if what == _READ else select.POLLOUT
+        if events != self._events:
+            self._poll.register(self._channel, events)  # again: modifies
+            self._events = events
+        self._poll.poll()
 
 
 async def _refusal_on(stream: Stream) -> None:
