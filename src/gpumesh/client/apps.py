@@ -147,6 +147,9 @@ _HELD_MAX = 64
 _held: dict[str, tuple[Stamp, object]] = {}
 """Our own cache and state files as last read or written, by path, with their stamp."""
 _scans: dict[str, ScanMemo] = {}
+_WATCHED_MAX = 8
+"""Folders whose scans the kernel watches at most (each takes one of the user's
+inotify instances, of which there are few)."""
 _held_lock = threading.Lock()
 
 
@@ -189,8 +192,9 @@ def _scan_memo(folder: Path) -> ScanMemo:
         memo = _scans.get(key)
         if memo is None:
             if len(_scans) >= _HELD_MAX:
-                _scans.clear()
-            memo = _scans[key] = ScanMemo()
+                _scans.clear()  # a watch goes with its memo (its descriptor closed)
+            watching = sum(held.watching for held in _scans.values()) < _WATCHED_MAX
+            memo = _scans[key] = ScanMemo(watch=watching)
         return memo
 
 
