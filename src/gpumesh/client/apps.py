@@ -45,6 +45,7 @@ from gpumesh.protocol.messages import (
     AppJobDir,
     AppJobDirReply,
     AppNeeds,
+    AppPrepare,
     AppSend,
     AppSync,
     AppSynced,
@@ -295,6 +296,7 @@ async def sync_app(
     scanning = in_thread(_scan_with_state, node, folder, state_file if incremental else None)
     scanning.add_done_callback(_retrieved)
     async with _on(node, peer, reuse) as session:
+        _prepare(session, name, dry_run)
         plan, entries, by_path, state = await scanning
         result = SyncResult(peer.name, app_folder(name), dry_run, skipped=list(plan.skipped))
         files = {path: (size, mode, sha) for path, size, mode, sha in entries}
@@ -335,6 +337,17 @@ async def sync_app(
         await in_thread(_save_state, state_file, current, files)
     result.seconds = time.perf_counter() - started
     return result
+
+
+def _prepare(session: Session, name: str, dry_run: bool) -> None:
+    """Tell the provider a sync of ``name`` begins, so that it walks its copy while
+    we scan ours (a provider that does not know the message refuses its stream:
+    nothing is waited for, nothing read)."""
+    stream = session.open_stream()
+    try:
+        stream.send_message(AppPrepare(name=name, dry_run=dry_run), end=True)
+    finally:
+        session.link.forget_stream(stream.stream_id)
 
 
 def _scan_with_state(
