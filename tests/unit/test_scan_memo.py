@@ -127,3 +127,14 @@ def test_a_watched_memo_lists_only_changed_folders_and_sees_every_kind_of_change
     # never last (c has a symlink, a a file with another link).
     scan(root, memo=memo)
     assert memo.listed == (2 if available else 4)
+
+
+def test_a_plan_puts_each_folder_right_before_its_contents(tmp_path: Path) -> None:
+    root = tmp_path / "proj"
+    for path in ("a/x.txt", "a-b/y.txt", "a.txt", "a/b/z.txt", "a b/w.txt", "ab/v.txt"):
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text(path)
+    for memo in (None, ScanMemo(), ScanMemo(watch=True)):
+        paths = [entry.path for entry in scan(root, memo=memo).files]
+        assert paths == sorted(paths, key=lambda path: path.split("/"))
+        assert paths.index("a") + 1 == paths.index("a/b")

@@ -25,7 +25,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO, Literal, Protocol, cast
+from typing import TYPE_CHECKING, BinaryIO, Literal, NamedTuple, Protocol, cast
 
 from gpumesh import platform
 from gpumesh.errors import ConfigError, LimitError
@@ -334,7 +334,7 @@ class ScanMemo:
         """The scan's settings (folder, exclusions, rules) and its files' entries."""
         self.watching = watch
         self.watch: FolderWatch | None = None
-        self.folders: dict[str, tuple[list[PackEntry | Skipped], tuple[str, ...]]] = {}
+        self.folders: dict[str, _FolderPlan] = {}
         """Each folder's decisions at the last watched scan and the subfolders walked
         into, by its path from the root; only folders whose decisions last (see
         :func:`_decide_folder`) while the watch saw no change in them."""
@@ -459,7 +459,7 @@ def _scan_watched(tree: Tree, rules: _IgnoreRules, excluded: set[str], memo: Sca
         known, dirty = {}, None
     before = memo.folders if dirty is not None else {}
     watched = memo.watch is not None
-    now: dict[str, tuple[list[PackEntry | Skipped], tuple[str, ...]]] = {}
+    now: dict[str, _FolderPlan] = {}
     files: list[PackEntry] = []
     skipped: list[Skipped] = []
     seen: dict[str, PackEntry] = {}
@@ -474,12 +474,7 @@ def _scan_watched(tree: Tree, rules: _IgnoreRules, excluded: set[str], memo: Sca
                     f"folders nest deeper than {MAX_DEPTH} levels there; flatten them and try again"
                 )
             result = before.get(relative) if dirty is not None and relative not in dirty else None
-            if result is not None:
-                decided, descend = result
-                for entry in decided:
-                    if isinstance(entry, PackEntry) and entry.kind == "file":
-                        seen[entry.path] = entry
-            else:
+            if result is None:
                 listing = _list_watched(tree, relative, memo.watch if watched else None)
                 if listing is None:
                     continue  # gone or replaced since its parent was listed
@@ -487,16 +482,23 @@ def _scan_watched(tree: Tree, rules: _IgnoreRules, excluded: set[str], memo: Sca
                 listed += 1
                 watched = watched and watched_here
                 try:
-                    decided, reusable = _decide_folder(folder, known, seen, rules, where)
+                    decided, reusable = _decide_folder(folder, known, {}, rules, where)
                 finally:
                     os.close(folder.fd)
-                descend = tuple(name for name, _st in _descended(folder.entries, decided))
-                if reusable:
-                    result = (decided, descend)
-            if result is not None:
-                now[relative] = result
-            _sort_into(decided, files, skipped)
-            stack.extend(f"{relative}/{name}" if relative else name for name in descend)
+                result = _FolderPlan.of(decided, _descended(folder.entries, decided))
+                if not reusable:
+                    files.extend(result.files)
+                    skipped.extend(result.skipped)
+                    seen.update(result.regular)
+                    stack.extend(
+                        f"{relative}/{name}" if relative else name for name in result.descend
+                    )
+                    continue
+            now[relative] = result
+            files.extend(result.files)
+            skipped.extend(result.skipped)
+            seen.update(result.regular)
+            stack.extend(f"{relative}/{name}" if relative else name for name in result.descend)
     except PermissionError as exc:
         raise _unreadable(exc, tree.path) from None
     if not watched and memo.watch is not None:  # a folder it could not watch: not trusted
@@ -505,6 +507,27 @@ def _scan_watched(tree: Tree, rules: _IgnoreRules, excluded: set[str], memo: Sca
     memo.folders = now if watched else {}
     memo.listed = listed
     return _planned(tree.path, files, skipped, None, memo, (key, seen))
+
+
+class _FolderPlan(NamedTuple):
+    """What a scan decided for one folder's entries."""
+
+    files: list[PackEntry]
+    skipped: list[Skipped]
+    regular: dict[str, PackEntry]
+    """The regular files among ``files``, by path."""
+    descend: tuple[str, ...]
+    """The subfolders walked into."""
+
+    @classmethod
+    def of(
+        cls, decided: list[PackEntry | Skipped], descend: list[tuple[str, os.stat_result]]
+    ) -> _FolderPlan:
+        files: list[PackEntry] = []
+        skipped: list[Skipped] = []
+        _sort_into(decided, files, skipped)
+        regular = {entry.path: entry for entry in files if entry.kind == "file"}
+        return cls(files, skipped, regular, tuple(name for name, _st in descend))
 
 
 def _list_watched(
@@ -617,8 +640,9 @@ def _planned(
 ) -> PackPlan:
     # Comparing split paths puts each folder right before its contents, the
     # order tar tools expect, and keeps the archive the same from run to run.
-    files.sort(key=lambda entry: entry.path.split("/"))
-    skipped.sort(key=lambda entry: entry.path.rstrip("/").split("/"))
+    # (Each "/" taken as a character below all others compares the same, faster.)
+    files.sort(key=lambda entry: entry.path.replace("/", "\0"))
+    skipped.sort(key=lambda entry: entry.path.rstrip("/").replace("/", "\0"))
     if memo is not None:
         memo.last = last
     return PackPlan(root, tuple(files), tuple(skipped), root_fd)
