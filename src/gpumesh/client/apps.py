@@ -15,7 +15,12 @@ A long-lived process (the node process) keeps what it read and wrote of
 those files in memory, each with the stamp (inode, size, mtime_ns) the file
 had: it is read again only when the stamp changed (another process wrote
 it). It keeps each folder's last scan too (:class:`gpumesh.files.pack.ScanMemo`),
-so a file listed again unchanged is not decided again.
+so a file listed again unchanged is not decided again; on Linux the memo
+also watches the folder (inotify), and a re-scan lists again only the
+subfolders something changed in.
+
+As a sync begins, ``AppPrepare`` tells the provider to walk its copy while
+this side scans (a provider without it refuses that stream only).
 
 Nothing here prints; results go to the caller.
 """
