@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -55,10 +56,18 @@ async def _idle(service: AppService) -> None:
 
 
 def test_a_resync_takes_the_walk_its_prepare_began_and_sees_what_jobs_wrote(
-    make_node: Callable[[str], Node], tmp_path: Path
+    make_node: Callable[[str], Node], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     alice, bob = make_node("alice"), make_node("bob")
     project = _project(tmp_path)
+    checks: list[int] = []
+    check = agent_apps._current_index
+
+    def counting(*args: Any) -> agent_apps.Index:
+        checks.append(1)
+        return check(*args)
+
+    monkeypatch.setattr(agent_apps, "_current_index", counting)
 
     async def scenario() -> None:
         async with sharing(alice) as agent:
@@ -84,6 +93,8 @@ def test_a_resync_takes_the_walk_its_prepare_began_and_sees_what_jobs_wrote(
             # Each sync took the walk its prepare began (the first one found no
             # folder there yet, and the sync made it and walked it itself).
             assert taken == [True, True, True]
+            # One index check a sync: a prepared walk's own served its sync.
+            assert len(checks) == 3
             assert agent.apps._prepared == {}
 
     arun(scenario())

@@ -107,6 +107,9 @@ class _Walk:
     """Done once ``folder`` is set, or known to stay None."""
     listing: dict[str, tuple[int, int]] = field(default_factory=dict)
     task: asyncio.Future[Usage | None] = field(init=False)
+    checked: tuple[_Synced | None, Index] | None = None
+    """A prepared walk's index check, done as soon as it walked: the app's state
+    it checked (the sync uses the index only when it loads that same state)."""
 
 
 @dataclass
@@ -219,7 +222,16 @@ class AppService:
             _settle(walk.opened)
         if walk.folder is None:
             return None
-        return await self._walk(peer, name, walk.folder, walk.listing, walk.dry_run)
+        usage = await self._walk(peer, name, walk.folder, walk.listing, walk.dry_run)
+        # The index is checked against the walk right away, while the consumer scans.
+        index_file = await in_thread(self._index_file, peer, name)
+        state_file = index_file.with_name(f"{name}.manifest")
+        key = (str(peer.node_id), name)
+        synced = await in_thread(_load_synced, self._synced.get(key), state_file, index_file)
+        recorded = synced.index if synced is not None else None
+        index = await in_thread(_current_index, walk.folder, recorded, walk.listing)
+        walk.checked = (synced, index)
+        return usage
 
     def _begin_walk(self, peer: Peer, name: str, folder: Tree | None, dry_run: bool) -> _Walk:
         loop = asyncio.get_running_loop()
@@ -278,9 +290,7 @@ class AppService:
             walk = self._begin_walk(ctx.peer, message.name, folder, message.dry_run)
         try:
             index_file = self._index_file(ctx.peer, message.name)
-            await self._sync_walking(
-                ctx, message, key, walk.folder, index_file, walk.task, walk.listing
-            )
+            await self._sync_walking(ctx, message, key, index_file, walk)
         finally:
             await _end_walk(walk)
 
@@ -304,10 +314,8 @@ class AppService:
         ctx: RequestContext,
         message: AppSync,
         key: tuple[str, str],
-        folder: Tree | None,
         index_file: Path,
-        walking: asyncio.Future[Usage | None],
-        listing: dict[str, tuple[int, int]],
+        walk: _Walk,
     ) -> None:
         from gpumesh.files.manifest import apply_delta, digest
 
@@ -334,9 +342,13 @@ class AppService:
         else:
             manifest = _parse_manifest(raw)
             manifest_digest = ""
-        usage = await walking
-        recorded = synced.index if synced is not None else None
-        index = await in_thread(_current_index, folder, recorded, listing)
+        usage = await walk.task
+        folder = walk.folder
+        if walk.checked is not None and walk.checked[0] is synced:
+            index = walk.checked[1]  # checked against the same state, by the same walk
+        else:
+            recorded = synced.index if synced is not None else None
+            index = await in_thread(_current_index, folder, recorded, walk.listing)
         need = sorted(p for p, entry in manifest.items() if index.get(p, (0, 0, ""))[2] != entry[2])
         delete = sorted(p for p in index if p not in manifest)
         unchanged = len(manifest) - len(need)
