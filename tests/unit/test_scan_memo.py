@@ -8,6 +8,8 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from gpumesh.client import apps
 from gpumesh.files.pack import PackPlan, ScanMemo, scan
 
@@ -138,3 +140,18 @@ def test_a_plan_puts_each_folder_right_before_its_contents(tmp_path: Path) -> No
         paths = [entry.path for entry in scan(root, memo=memo).files]
         assert paths == sorted(paths, key=lambda path: path.split("/"))
         assert paths.index("a") + 1 == paths.index("a/b")
+
+
+def test_a_tree_the_watch_cannot_hold_is_scanned_as_without_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gpumesh.files import watch
+
+    monkeypatch.setattr(watch, "MAX_FOLDERS", 2)
+    root = tmp_path / "proj"
+    _tree(root)
+    memo = ScanMemo(watch=True)
+    assert _plan(scan(root, memo=memo)) == _plan(scan(root))
+    assert memo.watch is None and not memo.watching and memo.folders == {}
+    (root / "c" / "f1.txt").write_text("seen without a watch\n")
+    assert _plan(scan(root, memo=memo)) == _plan(scan(root))

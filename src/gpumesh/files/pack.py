@@ -504,6 +504,7 @@ def _scan_watched(tree: Tree, rules: _IgnoreRules, excluded: set[str], memo: Sca
     if not watched and memo.watch is not None:  # a folder it could not watch: not trusted
         memo.watch.close()
         memo.watch = None
+        memo.watching = False  # nor tried again (too many folders, another device)
     memo.folders = now if watched else {}
     memo.listed = listed
     return _planned(tree.path, files, skipped, None, memo, (key, seen))
