@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -270,3 +272,37 @@ def test_a_resync_sends_a_delta_and_the_whole_list_when_the_provider_differs(
     assert fourth["manifest"] == "delta" and int(str(fourth["manifest_bytes"])) < 100
     assert fourth["sent"] == ["d4/f200.txt"]
     assert (app / "d4" / "f200.txt").read_text() == "file 200\n"
+
+
+def test_app_sync_json_through_the_node_process_loads_no_msgspec(pair, tmp_path: Path) -> None:
+    """The node process answers plain JSON: `app sync --json` prints it as every
+    `--json` prints (two-space indent, keys in order) without loading msgspec."""
+    _alice, bob = pair
+    project = _project(tmp_path)
+    env = dict(os.environ, GPUMESH_HOME=str(bob))
+    env.pop("GPUMESH_NODE", None)
+    env.pop("GPUMESH_LOG", None)
+    check = (
+        "import sys\n"
+        "from gpumesh.cli.main import main\n"
+        f"code = main(['app', 'sync', '--peer', 'alice-pc', '--dir', {str(project)!r}, '--json'])\n"
+        "print(code, sorted(m for m in sys.modules if m.split('.')[0] == 'msgspec'))\n"
+    )
+    try:
+        result = subprocess.run(
+            [sys.executable, "-c", check],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=120,
+        )
+    finally:
+        stop = [sys.executable, "-m", "gpumesh", "daemon", "stop"]
+        subprocess.run(stop, env=env, capture_output=True, check=False, timeout=60)
+    *printed, last = result.stdout.splitlines()
+    assert last == "0 []", result.stdout + result.stderr
+    view = json.loads("\n".join(printed))
+    assert (view["files_sent"], view["remote"], view["manifest"]) == (3, "/apps/proj", "full")
+    assert "\n".join(printed) == json.dumps(view, indent=2)

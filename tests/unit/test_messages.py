@@ -20,6 +20,7 @@ from gpumesh.protocol.messages import (
     AppJobDir,
     AppJobDirReply,
     AppNeeds,
+    AppPrepare,
     AppSend,
     AppSync,
     AppSynced,
@@ -198,6 +199,7 @@ MESSAGES: st.SearchStrategy[Message] = st.one_of(
         list_bytes=st.integers(0, 1 << 20),
     ),
     st.builds(AppSend, size=st.integers(0, 2**50), channel=st.booleans()),
+    st.builds(AppPrepare, name=st.text(min_size=1, max_size=255), dry_run=st.booleans()),
     st.builds(ChannelDeclined, reason=st.text(max_size=100)),
     st.builds(
         AppSynced,
@@ -299,7 +301,7 @@ def test_every_message_type_is_covered_by_the_round_trip() -> None:
     covered |= {FileStat, FileInfo, FilePut, FileResume, FileGet, FileDone, DirPut, DirGet}
     covered |= {ExecStart, ExecStarted, ExecResize, ExecExit}
     covered |= {CudaOpen, CudaOpened}
-    covered |= {AppSync, AppNeeds, AppSend, AppSynced, AppJobDir, AppJobDirReply}
+    covered |= {AppSync, AppNeeds, AppSend, AppSynced, AppJobDir, AppJobDirReply, AppPrepare}
     covered |= {ChannelPut, ChannelGet, ChannelOffer, ChannelDeclined}
     covered |= {DesktopOpen, DesktopOpened}
     covered |= {AddressQuery, AddressAnswer}

@@ -4,8 +4,11 @@ cache and state files held in memory while their stamp stays the same."""
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
+
+import pytest
 
 from gpumesh.client import apps
 from gpumesh.files.pack import PackPlan, ScanMemo, scan
@@ -59,3 +62,96 @@ def test_held_files_are_read_again_when_another_writer_changed_them(tmp_path: Pa
     assert apps._load_state(path) == ("c" * 64, {})
     path.unlink()
     assert apps._load_state(path) is None
+
+
+def _tree(root: Path) -> None:
+    for folder in ("a", "b", "b/deep", "c"):
+        (root / folder).mkdir(parents=True)
+        for index in range(5):
+            (root / folder / f"f{index}.txt").write_text(f"{folder} {index}\n")
+
+
+def test_a_watched_memo_lists_only_changed_folders_and_sees_every_kind_of_change(
+    tmp_path: Path,
+) -> None:
+    """Kernel notice (inotify) of changes: a re-scan lists again only the folders
+    that changed (and their parents), and its plan is a fresh scan's after each
+    kind of change: content, size, mtime, mode, new, deleted and renamed files,
+    folders made, removed and moved, ignore rules, links."""
+    from gpumesh.files.watch import open_watch
+
+    root = tmp_path / "proj"
+    _tree(root)
+    os.link(root / "a" / "f0.txt", tmp_path / "outside")  # a file with another name
+    probe = os.open(root, os.O_RDONLY)
+    try:
+        available = open_watch(probe) is not None
+    finally:
+        os.close(probe)
+    memo = ScanMemo(watch=True)
+    assert _plan(scan(root, memo=memo)) == _plan(scan(root))
+    assert memo.listed == 5
+    assert _plan(scan(root, memo=memo)) == _plan(scan(root))
+    # Nothing changed: nothing listed but a (its f0.txt may be written through
+    # its other name, which a watch of a does not see).
+    assert memo.listed == (1 if available else 5)
+
+    (root / "b" / "deep" / "f1.txt").write_text("b deep 1 rewritten\n")
+    assert _plan(scan(root, memo=memo)) == _plan(scan(root))
+    assert memo.listed == (4 if available else 5)  # b/deep, b, the root; and a
+
+    def same_size() -> None:  # same size, new content: the mtime tells
+        with (root / "a" / "f2.txt").open("r+") as handle:
+            handle.write("A")
+
+    changes: list[Callable[[], object]] = [
+        same_size,
+        lambda: os.utime(root / "c" / "f0.txt", ns=(1, 10**18)),
+        lambda: (root / "c" / "f1.txt").chmod(0o755),
+        lambda: (root / "a" / "new.txt").write_text("new"),
+        (root / "a" / "f3.txt").unlink,
+        lambda: (root / "c" / "f2.txt").rename(root / "c" / "moved.txt"),
+        (root / "b" / "deep" / "more").mkdir,
+        lambda: (root / "b" / "deep" / "more" / "g.txt").write_text("g"),
+        lambda: (root / "b" / "deep").rename(root / "c" / "deep"),
+        lambda: (root / "c" / "deep" / "more" / "g.txt").write_text("g again, longer"),
+        lambda: (root / ".gpumeshignore").write_text("*.md\n"),
+        lambda: (root / "c" / "notes.md").write_text("ignored"),
+        lambda: (root / "c" / "link").symlink_to("f0.txt"),
+        lambda: (root / "c" / "f0.txt").write_text("through the link's target\n"),
+        lambda: (tmp_path / "outside").write_text("written through another folder\n"),
+        lambda: shutil.rmtree(root / "c" / "deep"),
+    ]
+    for change in changes:
+        change()
+        assert _plan(scan(root, memo=memo)) == _plan(scan(root))
+    # Without a change, still nothing is listed but the folders whose decisions
+    # never last (c has a symlink, a a file with another link).
+    scan(root, memo=memo)
+    assert memo.listed == (2 if available else 4)
+
+
+def test_a_plan_puts_each_folder_right_before_its_contents(tmp_path: Path) -> None:
+    root = tmp_path / "proj"
+    for path in ("a/x.txt", "a-b/y.txt", "a.txt", "a/b/z.txt", "a b/w.txt", "ab/v.txt"):
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text(path)
+    for memo in (None, ScanMemo(), ScanMemo(watch=True)):
+        paths = [entry.path for entry in scan(root, memo=memo).files]
+        assert paths == sorted(paths, key=lambda path: path.split("/"))
+        assert paths.index("a") + 1 == paths.index("a/b")
+
+
+def test_a_tree_the_watch_cannot_hold_is_scanned_as_without_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gpumesh.files import watch
+
+    monkeypatch.setattr(watch, "MAX_FOLDERS", 2)
+    root = tmp_path / "proj"
+    _tree(root)
+    memo = ScanMemo(watch=True)
+    assert _plan(scan(root, memo=memo)) == _plan(scan(root))
+    assert memo.watch is None and not memo.watching and memo.folders == {}
+    (root / "c" / "f1.txt").write_text("seen without a watch\n")
+    assert _plan(scan(root, memo=memo)) == _plan(scan(root))

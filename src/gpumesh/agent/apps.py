@@ -45,7 +45,8 @@ import os
 import secrets
 import shutil
 import stat
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -64,6 +65,7 @@ from gpumesh.protocol.messages import (
     AppJobDir,
     AppJobDirReply,
     AppNeeds,
+    AppPrepare,
     AppSend,
     AppSync,
     AppSynced,
@@ -86,6 +88,28 @@ Manifest = dict[str, tuple[int, int, str]]
 """Relative path -> (size, mode, sha256 hex)."""
 Index = dict[str, tuple[int, int, str]]
 """Synced file -> (size, mtime_ns, sha256 hex) as it was written."""
+
+
+PREPARED_FOR = 5.0
+"""Seconds a walk begun on ``AppPrepare`` waits for its ``AppSync`` before it goes."""
+
+
+@dataclass
+class _Walk:
+    """A walk of an app's folder under way (or done): the files it lists, the usage."""
+
+    folder: Tree | None
+    """The folder walked, once it is open (None: not yet, or there is none)."""
+    dry_run: bool
+    began: float
+    """``time.monotonic()`` when it began."""
+    opened: asyncio.Future[None]
+    """Done once ``folder`` is set, or known to stay None."""
+    listing: dict[str, tuple[int, int]] = field(default_factory=dict)
+    task: asyncio.Future[Usage | None] = field(init=False)
+    checked: tuple[_Synced | None, Index] | None = None
+    """A prepared walk's index check, done as soon as it walked: the app's state
+    it checked (the sync uses the index only when it loads that same state)."""
 
 
 @dataclass
@@ -131,9 +155,13 @@ class AppService:
         self._synced: dict[tuple[str, str], _Synced] = {}
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
         """One sync of an app at a time (they share its index)."""
+        self._prepared: dict[tuple[str, str], _Walk] = {}
+        """Walks begun on ``AppPrepare``, each for the ``AppSync`` of the app to come."""
+        self._dropping: set[asyncio.Future[None]] = set()
 
     def register(self, handlers: Handlers) -> None:
         handlers.add(AppSync, self.handle_sync)
+        handlers.add(AppPrepare, self.handle_prepare)
         handlers.add(AppJobDir, self.handle_job_dir)
 
     def _index_file(self, peer: Peer, name: str) -> Path:
@@ -163,6 +191,78 @@ class AppService:
                 raise
 
     @refusing
+    async def handle_prepare(self, ctx: RequestContext, message: AppPrepare) -> None:
+        """Begin walking the app's folder for the ``AppSync`` that follows. Nothing
+        is made (a new app's folder is walked when its sync comes) and nothing is
+        answered; while a sync of the app runs, its own walk serves it."""
+        ctx.stream.finish()
+        check_app_name(message.name)
+        key = (str(ctx.peer.node_id), message.name)
+        lock = self._locks.get(key)
+        if lock is not None and lock.locked():
+            return
+        # Registered before anything is awaited: the sync right behind it finds it.
+        loop = asyncio.get_running_loop()
+        walk = _Walk(None, message.dry_run, time.monotonic(), loop.create_future())
+        walk.task = asyncio.ensure_future(self._open_and_walk(ctx.peer, message.name, walk))
+        walk.task.add_done_callback(swallow)
+        self._drop(self._prepared.pop(key, None))
+        self._prepared[key] = walk
+        loop.call_later(PREPARED_FOR, self._expire, key, walk)
+
+    async def _open_and_walk(self, peer: Peer, name: str, walk: _Walk) -> Usage | None:
+        """Open the app's folder (when there is one: none is made) and walk it."""
+        opening = asyncio.ensure_future(in_thread(self._folder, peer, name, False))
+        try:
+            walk.folder = await asyncio.shield(opening)
+        except asyncio.CancelledError:
+            opening.add_done_callback(_close_opened)
+            raise
+        finally:
+            _settle(walk.opened)
+        if walk.folder is None:
+            return None
+        usage = await self._walk(peer, name, walk.folder, walk.listing, walk.dry_run)
+        # The index is checked against the walk right away, while the consumer scans.
+        index_file = await in_thread(self._index_file, peer, name)
+        state_file = index_file.with_name(f"{name}.manifest")
+        key = (str(peer.node_id), name)
+        synced = await in_thread(_load_synced, self._synced.get(key), state_file, index_file)
+        recorded = synced.index if synced is not None else None
+        index = await in_thread(_current_index, walk.folder, recorded, walk.listing)
+        walk.checked = (synced, index)
+        return usage
+
+    def _begin_walk(self, peer: Peer, name: str, folder: Tree | None, dry_run: bool) -> _Walk:
+        loop = asyncio.get_running_loop()
+        walk = _Walk(folder, dry_run, time.monotonic(), loop.create_future())
+        walk.opened.set_result(None)
+        walk.task = asyncio.ensure_future(self._walk(peer, name, folder, walk.listing, dry_run))
+        walk.task.add_done_callback(swallow)
+        return walk
+
+    def _expire(self, key: tuple[str, str], walk: _Walk) -> None:
+        if self._prepared.get(key) is walk:
+            self._drop(self._prepared.pop(key))
+
+    def _drop(self, walk: _Walk | None) -> None:
+        """Let a walk go: stopped, then its folder closed (in the background)."""
+        if walk is not None:
+            dropping = asyncio.ensure_future(_end_walk(walk))
+            self._dropping.add(dropping)
+            dropping.add_done_callback(self._dropping.discard)
+
+    def _take_prepared(self, key: tuple[str, str], dry_run: bool) -> _Walk | None:
+        """The walk begun for this sync by its ``AppPrepare``, when one began lately."""
+        walk = self._prepared.pop(key, None)
+        if walk is None:
+            return None
+        if walk.dry_run != dry_run or time.monotonic() - walk.began > PREPARED_FOR:
+            self._drop(walk)
+            return None
+        return walk
+
+    @refusing
     async def handle_sync(self, ctx: RequestContext, message: AppSync) -> None:
         key = (str(ctx.peer.node_id), message.name)
         lock = self._locks.setdefault(key, asyncio.Lock())
@@ -172,27 +272,27 @@ class AppService:
     async def _sync_locked(
         self, ctx: RequestContext, message: AppSync, key: tuple[str, str]
     ) -> None:
-        folder = await in_thread(self._folder, ctx.peer, message.name, not message.dry_run)
+        # One walk: the files in the folder now (size, mtime) and the quota usage,
+        # while the manifest is read and rebuilt. The usage is taken here rather
+        # than when the files arrive: a round trip earlier, the same kind of
+        # snapshot of the sandbox as the walk always was. A walk begun on the
+        # sync's AppPrepare (after the consumer began it) is that snapshot too.
+        walk = self._take_prepared(key, message.dry_run)
+        if walk is not None:
+            opened = walk.opened
+            walk.task.add_done_callback(lambda _task: _settle(opened))
+            await walk.opened  # set by the walk itself, at the latest when it ends
+            if walk.folder is None:  # none then (a new app), or it failed: opened afresh
+                await _end_walk(walk)
+                walk = None
+        if walk is None:
+            folder = await in_thread(self._folder, ctx.peer, message.name, not message.dry_run)
+            walk = self._begin_walk(ctx.peer, message.name, folder, message.dry_run)
         try:
             index_file = self._index_file(ctx.peer, message.name)
-            # One walk: the files in the folder now (size, mtime) and the quota usage,
-            # while the manifest is read and rebuilt. The usage is taken here rather
-            # than when the files arrive: a round trip earlier, the same kind of
-            # snapshot of the sandbox as the walk always was.
-            listing: dict[str, tuple[int, int]] = {}
-            walking = asyncio.ensure_future(
-                self._walk(ctx.peer, message.name, folder, listing, message.dry_run)
-            )
-            walking.add_done_callback(swallow)
-            try:
-                await self._sync_walking(ctx, message, key, folder, index_file, walking, listing)
-            finally:
-                walking.cancel()
-                with contextlib.suppress(asyncio.CancelledError, GPUMeshError, OSError):
-                    await walking  # it reads through the folder's descriptor
+            await self._sync_walking(ctx, message, key, index_file, walk)
         finally:
-            if folder is not None:
-                folder.close()
+            await _end_walk(walk)
 
     async def _walk(
         self,
@@ -214,10 +314,8 @@ class AppService:
         ctx: RequestContext,
         message: AppSync,
         key: tuple[str, str],
-        folder: Tree | None,
         index_file: Path,
-        walking: asyncio.Future[Usage | None],
-        listing: dict[str, tuple[int, int]],
+        walk: _Walk,
     ) -> None:
         from gpumesh.files.manifest import apply_delta, digest
 
@@ -244,9 +342,13 @@ class AppService:
         else:
             manifest = _parse_manifest(raw)
             manifest_digest = ""
-        usage = await walking
-        recorded = synced.index if synced is not None else None
-        index = await in_thread(_current_index, folder, recorded, listing)
+        usage = await walk.task
+        folder = walk.folder
+        if walk.checked is not None and walk.checked[0] is synced:
+            index = walk.checked[1]  # checked against the same state, by the same walk
+        else:
+            recorded = synced.index if synced is not None else None
+            index = await in_thread(_current_index, folder, recorded, walk.listing)
         need = sorted(p for p, entry in manifest.items() if index.get(p, (0, 0, ""))[2] != entry[2])
         delete = sorted(p for p in index if p not in manifest)
         unchanged = len(manifest) - len(need)
@@ -344,6 +446,30 @@ class AppService:
                 "only jobs started with `gpumesh app run` can be pulled"
             )
         return workdir[len(root) :].replace(os.sep, "/")
+
+
+def _settle(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def _close_opened(opening: asyncio.Future[Tree | None]) -> None:
+    """Close the folder a walk opened after it was let go."""
+    if not opening.cancelled() and opening.exception() is None:
+        folder = opening.result()
+        if folder is not None:
+            folder.close()
+
+
+async def _end_walk(walk: _Walk) -> None:
+    """Stop ``walk`` (when it still runs) and close its folder once it let go."""
+    walk.task.cancel()
+    try:
+        with contextlib.suppress(asyncio.CancelledError, GPUMeshError, OSError):
+            await walk.task  # it reads through the folder's descriptor
+    finally:
+        if walk.folder is not None:
+            walk.folder.close()
 
 
 class _NoHash:

@@ -77,8 +77,10 @@ def sync(peer: str, folder: str, dry_run: bool, as_json: bool) -> None:
     if node_enabled():
         body = {"peer": peer, "dir": os.path.abspath(folder), "dry_run": dry_run}
         view = node_client().call("POST", "/api/v1/apps/sync", body)
-        if as_json:
-            emit_json(view)
+        if as_json:  # plain JSON data already: printed as emit_json would, without msgspec
+            import json
+
+            click.echo(json.dumps(view, indent=2))
         elif dry_run:
             skipped = [(s["path"], s["rule"]) for s in view["skipped"]]
             _dry_run(view["sent"], view["deleted"], skipped, view["files_unchanged"])

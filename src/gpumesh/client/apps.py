@@ -15,7 +15,12 @@ A long-lived process (the node process) keeps what it read and wrote of
 those files in memory, each with the stamp (inode, size, mtime_ns) the file
 had: it is read again only when the stamp changed (another process wrote
 it). It keeps each folder's last scan too (:class:`gpumesh.files.pack.ScanMemo`),
-so a file listed again unchanged is not decided again.
+so a file listed again unchanged is not decided again; on Linux the memo
+also watches the folder (inotify), and a re-scan lists again only the
+subfolders something changed in.
+
+As a sync begins, ``AppPrepare`` tells the provider to walk its copy while
+this side scans (a provider without it refuses that stream only).
 
 Nothing here prints; results go to the caller.
 """
@@ -45,6 +50,7 @@ from gpumesh.protocol.messages import (
     AppJobDir,
     AppJobDirReply,
     AppNeeds,
+    AppPrepare,
     AppSend,
     AppSync,
     AppSynced,
@@ -147,6 +153,9 @@ _HELD_MAX = 64
 _held: dict[str, tuple[Stamp, object]] = {}
 """Our own cache and state files as last read or written, by path, with their stamp."""
 _scans: dict[str, ScanMemo] = {}
+_WATCHED_MAX = 8
+"""Folders whose scans the kernel watches at most (each takes one of the user's
+inotify instances, of which there are few)."""
 _held_lock = threading.Lock()
 
 
@@ -189,8 +198,9 @@ def _scan_memo(folder: Path) -> ScanMemo:
         memo = _scans.get(key)
         if memo is None:
             if len(_scans) >= _HELD_MAX:
-                _scans.clear()
-            memo = _scans[key] = ScanMemo()
+                _scans.clear()  # a watch goes with its memo (its descriptor closed)
+            watching = sum(held.watching for held in _scans.values()) < _WATCHED_MAX
+            memo = _scans[key] = ScanMemo(watch=watching)
         return memo
 
 
@@ -291,6 +301,7 @@ async def sync_app(
     scanning = in_thread(_scan_with_state, node, folder, state_file if incremental else None)
     scanning.add_done_callback(_retrieved)
     async with _on(node, peer, reuse) as session:
+        _prepare(session, name, dry_run)
         plan, entries, by_path, state = await scanning
         result = SyncResult(peer.name, app_folder(name), dry_run, skipped=list(plan.skipped))
         files = {path: (size, mode, sha) for path, size, mode, sha in entries}
@@ -331,6 +342,17 @@ async def sync_app(
         await in_thread(_save_state, state_file, current, files)
     result.seconds = time.perf_counter() - started
     return result
+
+
+def _prepare(session: Session, name: str, dry_run: bool) -> None:
+    """Tell the provider a sync of ``name`` begins, so that it walks its copy while
+    we scan ours (a provider that does not know the message refuses its stream:
+    nothing is waited for, nothing read)."""
+    stream = session.open_stream()
+    try:
+        stream.send_message(AppPrepare(name=name, dry_run=dry_run), end=True)
+    finally:
+        session.link.forget_stream(stream.stream_id)
 
 
 def _scan_with_state(

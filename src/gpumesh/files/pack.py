@@ -21,19 +21,22 @@ import os
 import re
 import stat
 import tarfile
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO, Literal, Protocol, cast
+from typing import TYPE_CHECKING, BinaryIO, Literal, NamedTuple, Protocol, cast
 
 from gpumesh import platform
 from gpumesh.errors import ConfigError, LimitError
-from gpumesh.files.sandbox import Folder, Tree, open_beneath, pause_point
+from gpumesh.files.sandbox import MAX_DEPTH, Folder, Tree, open_beneath, pause_point
 from gpumesh.files.untar import unpack_tar
 from gpumesh.units import format_size
 
 if TYPE_CHECKING:
     import pathspec
+
+    from gpumesh.files.watch import FolderWatch
 
 __all__ = [
     "DEFAULT_IGNORES",
@@ -316,11 +319,28 @@ class ScanMemo:
     ignore rules, gets the same entry: it is reused rather than decided again
     (the decision depends on nothing else). Everything else is decided afresh.
     Each scan publishes a new mapping, so a memo may be shared between threads.
+
+    With ``watch`` (a long-lived process's memo), the kernel is asked to tell
+    of changes in the folder's subfolders (:mod:`gpumesh.files.watch`, Linux):
+    the next scan lists again only the folders something changed in (and
+    their parents), and takes the others' decisions from the last scan
+    without a system call. Where no such notice can be had, or a notice says
+    the folders themselves moved, every folder is listed as without it.
+    Watched scans of one folder take turns.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, watch: bool = False) -> None:
         self.last: tuple[tuple[object, ...], dict[str, PackEntry]] = ((), {})
         """The scan's settings (folder, exclusions, rules) and its files' entries."""
+        self.watching = watch
+        self.watch: FolderWatch | None = None
+        self.folders: dict[str, _FolderPlan] = {}
+        """Each folder's decisions at the last watched scan and the subfolders walked
+        into, by its path from the root; only folders whose decisions last (see
+        :func:`_decide_folder`) while the watch saw no change in them."""
+        self.lock = threading.Lock()
+        self.listed = 0
+        """Folders the last scan listed (the others it took from the watch's memo)."""
 
 
 def scan(root: Path, exclude_paths: Iterable[Path] = (), memo: ScanMemo | None = None) -> PackPlan:
@@ -347,7 +367,11 @@ def scan(root: Path, exclude_paths: Iterable[Path] = (), memo: ScanMemo | None =
         rules = _IgnoreRules.load(Path(real_root))
         return _scan(Path(real_root), _walk_paths(real_root), rules, excluded, None, memo)
     with Tree(real_root) as tree:
-        return _scan(tree.path, tree.walk(), _IgnoreRules.load(tree), excluded, None, memo)
+        rules = _IgnoreRules.load(tree)
+        if memo is not None and memo.watching:
+            with memo.lock:
+                return _scan_watched(tree, rules, excluded, memo)
+        return _scan(tree.path, tree.walk(), rules, excluded, None, memo)
 
 
 def scan_tree(tree: Tree) -> PackPlan:
@@ -404,46 +428,224 @@ def _scan(
     if last_key != key:
         known = {}
     seen: dict[str, PackEntry] = {}
+    where = (prefix, excluded, resolve_links)
     try:
         for folder in walk:
-            descend: list[tuple[str, os.stat_result]] = []
-            for name, st in folder.entries:
-                relative = f"{folder.relative}/{name}" if folder.relative else name
-                before = known.get(relative)
-                if (
-                    before is not None
-                    and stat.S_ISREG(st.st_mode)
-                    and before.size == st.st_size
-                    and before.mtime_ns == st.st_mtime_ns
-                    and before.mode == stat.S_IMODE(st.st_mode) & 0o777
-                ):
-                    files.append(before)
-                    seen[relative] = before
-                    continue
-                entry = _plan_entry(
-                    folder.fd, relative, name, st, rules, (prefix, excluded, resolve_links)
-                )
-                if isinstance(entry, Skipped):
-                    skipped.append(entry)
-                    continue
-                files.append(entry)
-                if entry.kind == "dir":
-                    descend.append((name, st))
-                elif entry.kind == "file":
-                    seen[relative] = entry
-            folder.entries[:] = descend
+            decided, _reusable = _decide_folder(folder, known, seen, rules, where)
+            _sort_into(decided, files, skipped)
+            folder.entries[:] = _descended(folder.entries, decided)
     except PermissionError as exc:
-        shown = f"{exc.filename}/" if exc.filename not in (None, ".") else str(root)
-        raise ConfigError(
-            f"cannot read folder {shown}: permission denied; "
-            f"fix its permissions or add it to {IGNORE_FILE}"
-        ) from None
+        raise _unreadable(exc, root) from None
+    return _planned(root, files, skipped, root_fd, memo, (key, seen))
+
+
+def _scan_watched(tree: Tree, rules: _IgnoreRules, excluded: set[str], memo: ScanMemo) -> PackPlan:
+    """:func:`_scan` of the user's own folder, listing again only the folders its
+    watch saw a change in (all of them when there is no watch, or it says to)."""
+    from gpumesh.files.watch import open_watch
+
+    prefix = os.path.join(str(tree.path), "")
+    key = (prefix, tuple(sorted(excluded)), True, rules.lines)
+    last_key, known = memo.last
+    dirty: set[str] | None = None
+    if memo.watch is not None:
+        dirty = memo.watch.changed()  # drained before anything is listed
+        if dirty is None:
+            memo.watch.close()
+            memo.watch = None
+    if memo.watch is None:
+        memo.watch = open_watch(tree.fd)
+    if last_key != key:
+        known, dirty = {}, None
+    before = memo.folders if dirty is not None else {}
+    watched = memo.watch is not None
+    now: dict[str, _FolderPlan] = {}
+    files: list[PackEntry] = []
+    skipped: list[Skipped] = []
+    seen: dict[str, PackEntry] = {}
+    where = (prefix, excluded, True)
+    stack = [""]
+    listed = 0
+    try:
+        while stack:
+            relative = stack.pop()
+            if relative.count("/") >= MAX_DEPTH:
+                raise LimitError(
+                    f"folders nest deeper than {MAX_DEPTH} levels there; flatten them and try again"
+                )
+            result = before.get(relative) if dirty is not None and relative not in dirty else None
+            if result is None:
+                listing = _list_watched(tree, relative, memo.watch if watched else None)
+                if listing is None:
+                    continue  # gone or replaced since its parent was listed
+                folder, watched_here = listing
+                listed += 1
+                watched = watched and watched_here
+                try:
+                    decided, reusable = _decide_folder(folder, known, {}, rules, where)
+                finally:
+                    os.close(folder.fd)
+                result = _FolderPlan.of(decided, _descended(folder.entries, decided))
+                if not reusable:
+                    files.extend(result.files)
+                    skipped.extend(result.skipped)
+                    seen.update(result.regular)
+                    stack.extend(
+                        f"{relative}/{name}" if relative else name for name in result.descend
+                    )
+                    continue
+            now[relative] = result
+            files.extend(result.files)
+            skipped.extend(result.skipped)
+            seen.update(result.regular)
+            stack.extend(f"{relative}/{name}" if relative else name for name in result.descend)
+    except PermissionError as exc:
+        raise _unreadable(exc, tree.path) from None
+    if not watched and memo.watch is not None:  # a folder it could not watch: not trusted
+        memo.watch.close()
+        memo.watch = None
+        memo.watching = False  # nor tried again (too many folders, another device)
+    memo.folders = now if watched else {}
+    memo.listed = listed
+    return _planned(tree.path, files, skipped, None, memo, (key, seen))
+
+
+class _FolderPlan(NamedTuple):
+    """What a scan decided for one folder's entries."""
+
+    files: list[PackEntry]
+    skipped: list[Skipped]
+    regular: dict[str, PackEntry]
+    """The regular files among ``files``, by path."""
+    descend: tuple[str, ...]
+    """The subfolders walked into."""
+
+    @classmethod
+    def of(
+        cls, decided: list[PackEntry | Skipped], descend: list[tuple[str, os.stat_result]]
+    ) -> _FolderPlan:
+        files: list[PackEntry] = []
+        skipped: list[Skipped] = []
+        _sort_into(decided, files, skipped)
+        regular = {entry.path: entry for entry in files if entry.kind == "file"}
+        return cls(files, skipped, regular, tuple(name for name, _st in descend))
+
+
+def _list_watched(
+    tree: Tree, relative: str, watch: FolderWatch | None
+) -> tuple[Folder, bool] | None:
+    """The folder at ``relative``, watched (when ``watch``) and then listed; and
+    whether the watch took it. None when it is no longer a folder there."""
+    parts = relative.split("/") if relative else []
+    try:
+        fd = tree.open_dir(parts)
+    except PermissionError as exc:
+        raise PermissionError(exc.errno, exc.strerror, relative or ".") from None
+    except OSError as exc:
+        if relative and exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+            return None
+        raise
+    try:
+        watched = watch is not None and watch.add(fd, relative)
+        entries: list[tuple[str, os.stat_result]] = []
+        try:
+            with os.scandir(fd) as scanner:
+                for item in scanner:
+                    with contextlib.suppress(FileNotFoundError):  # removed since the listing
+                        entries.append((item.name, item.stat(follow_symlinks=False)))
+        except PermissionError as exc:
+            raise PermissionError(exc.errno, exc.strerror, relative or ".") from None
+        entries.sort(key=lambda pair: pair[0])
+        # Decided while the folder is open: a symlink's text is read through it.
+        return Folder(relative, fd, entries), watched
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _decide_folder(
+    folder: Folder,
+    known: dict[str, PackEntry],
+    seen: dict[str, PackEntry],
+    rules: _IgnoreRules,
+    where: tuple[str, set[str], bool],
+) -> tuple[list[PackEntry | Skipped], bool]:
+    """What to do with each entry of one listed folder, in its order; and whether
+    those decisions hold for as long as the folder itself does not change
+    (False when it holds a symlink, whose target may change elsewhere, or a
+    file with other links, which may be written through another folder).
+    ``known``: the last scan's file entries, reused when a file's size, mtime
+    and mode are the same; ``seen`` gets this folder's file entries."""
+    decided: list[PackEntry | Skipped] = []
+    reusable = True
+    for name, st in folder.entries:
+        relative = f"{folder.relative}/{name}" if folder.relative else name
+        regular = stat.S_ISREG(st.st_mode)
+        if (regular and st.st_nlink > 1) or stat.S_ISLNK(st.st_mode):
+            reusable = False
+        before = known.get(relative)
+        if (
+            before is not None
+            and regular
+            and before.size == st.st_size
+            and before.mtime_ns == st.st_mtime_ns
+            and before.mode == stat.S_IMODE(st.st_mode) & 0o777
+        ):
+            decided.append(before)
+            seen[relative] = before
+            continue
+        entry = _plan_entry(folder.fd, relative, name, st, rules, where)
+        decided.append(entry)
+        if isinstance(entry, PackEntry) and entry.kind == "file":
+            seen[relative] = entry
+    return decided, reusable
+
+
+def _sort_into(
+    decided: Iterable[PackEntry | Skipped], files: list[PackEntry], skipped: list[Skipped]
+) -> None:
+    for entry in decided:
+        if isinstance(entry, Skipped):
+            skipped.append(entry)
+        else:
+            files.append(entry)
+
+
+def _descended(
+    folders: list[tuple[str, os.stat_result]], decided: list[PackEntry | Skipped]
+) -> list[tuple[str, os.stat_result]]:
+    """The subfolders of ``folders`` that were packed (not skipped): walked into."""
+    packed = {entry.path.rpartition("/")[2] for entry in decided if _is_dir(entry)}
+    return [(name, st) for name, st in folders if name in packed]
+
+
+def _is_dir(entry: PackEntry | Skipped) -> bool:
+    return isinstance(entry, PackEntry) and entry.kind == "dir"
+
+
+def _unreadable(exc: PermissionError, root: Path) -> ConfigError:
+    shown = f"{exc.filename}/" if exc.filename not in (None, ".") else str(root)
+    return ConfigError(
+        f"cannot read folder {shown}: permission denied; "
+        f"fix its permissions or add it to {IGNORE_FILE}"
+    )
+
+
+def _planned(
+    root: Path,
+    files: list[PackEntry],
+    skipped: list[Skipped],
+    root_fd: int | None,
+    memo: ScanMemo | None,
+    last: tuple[tuple[object, ...], dict[str, PackEntry]],
+) -> PackPlan:
     # Comparing split paths puts each folder right before its contents, the
     # order tar tools expect, and keeps the archive the same from run to run.
-    files.sort(key=lambda entry: entry.path.split("/"))
-    skipped.sort(key=lambda entry: entry.path.rstrip("/").split("/"))
+    # (Each "/" taken as a character below all others compares the same, faster.)
+    files.sort(key=lambda entry: entry.path.replace("/", "\0"))
+    skipped.sort(key=lambda entry: entry.path.rstrip("/").replace("/", "\0"))
     if memo is not None:
-        memo.last = (key, seen)
+        memo.last = last
     return PackPlan(root, tuple(files), tuple(skipped), root_fd)
 
 

@@ -752,6 +752,16 @@ class AddressAnswer(_Msg, tag="address_answer", frozen=True):
     not paired there, or not findable (the answer never says which)."""
 
 
+class AppPrepare(_Msg, tag="app_prepare", frozen=True):
+    """Consumer -> provider, on a stream of its own, as an ``AppSync`` of the app
+    begins: the provider may start walking ``/apps/NAME`` while the consumer
+    scans its folder, for the ``AppSync`` that follows. Nothing answers it (a
+    provider that does not know it refuses that stream, and nothing else)."""
+
+    name: AppName
+    dry_run: bool = False
+
+
 Message = (
     SessionProof
     | Hello
@@ -789,6 +799,7 @@ Message = (
     | AppNeeds
     | AppSend
     | AppSynced
+    | AppPrepare
     | AppJobDir
     | AppJobDirReply
     | ExecStart
