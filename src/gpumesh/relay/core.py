@@ -505,8 +505,8 @@ class RelayCore:
     # --- data ---------------------------------------------------------------------------------
 
     def _data(self, packet: bytes, source: Address, now: float) -> list[Send]:
-        try:
-            session_id, payload = decode_data(packet)
+        try:  # the header only: the payload goes on as it came, never copied
+            session_id, _ = decode_data(packet[:DATA_HEADER])
         except ProtocolError as exc:
             logger.debug("dropped data packet from %s: %s", source, exc)
             return []
@@ -520,7 +520,7 @@ class RelayCore:
         if session.state != "active":
             return []  # the serving end raced its own Accept; QUIC will resend
         reason = self._cap_reached(session, now)
-        size = len(payload)
+        size = len(packet) - DATA_HEADER
         cap = self.config.session_bytes
         if reason is None and cap and session.bytes + size > cap:
             reason = "byte-cap"

@@ -30,9 +30,10 @@ from types import TracebackType
 from typing import Any
 
 from gpumesh.protocol.addresses import Address
+from gpumesh.protocol.relay import DATA_HEADER, T_DATA
 from gpumesh.relay.config import RelayConfig
 from gpumesh.relay.core import RelayCore, Send, address_text, is_reach_probe
-from gpumesh.transport.udp import UdpSocket, gso_control, open_udp_socket
+from gpumesh.transport.udp import Received, UdpSocket, gso_control, open_udp_socket
 
 __all__ = ["RelayServer", "serve"]
 
@@ -41,11 +42,25 @@ logger = logging.getLogger(__name__)
 TICK_INTERVAL = 0.25
 STATS_INTERVAL = 1.0
 _READ_BATCH = 256
+_RUN_PACKETS = 64
+_RUN_BYTES = 65000
+"""A run sent with one write: the kernel's limits for UDP segmentation offload."""
+_DATA_TYPE = bytes([T_DATA])
+_SOL_UDP = 17
+_UDP_GRO = 104
 
 
-async def serve(config: RelayConfig, *, clock: Callable[[], float] = time.monotonic) -> RelayServer:
-    """Start a relay for ``config`` (checked) and return it running; ``close()`` stops it."""
-    server = RelayServer(config.check(), clock=clock)
+async def serve(
+    config: RelayConfig,
+    *,
+    clock: Callable[[], float] = time.monotonic,
+    receive_offload: bool = True,
+) -> RelayServer:
+    """Start a relay for ``config`` (checked) and return it running; ``close()`` stops it.
+
+    ``receive_offload=False`` reads every datagram on its own even where the kernel
+    could coalesce them (GRO), as packets from a link without it arrive (tests)."""
+    server = RelayServer(config.check(), clock=clock, receive_offload=receive_offload)
     await server.start()
     return server
 
@@ -53,8 +68,15 @@ async def serve(config: RelayConfig, *, clock: Callable[[], float] = time.monoto
 class RelayServer:
     """One relay process's sockets and timers around a :class:`RelayCore`."""
 
-    def __init__(self, config: RelayConfig, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        config: RelayConfig,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        receive_offload: bool = True,
+    ) -> None:
         self.config = config
+        self._receive_offload = receive_offload
         self.core = RelayCore(config)
         self._clock = clock
         self._sock: socket.socket | None = None
@@ -73,6 +95,10 @@ class RelayServer:
         self._gso = False
         self.dropped = 0
         """Packets dropped because a destination's queue was full."""
+        self.packets_sent = 0
+        """Packets sent (forwarded or answered), however many writes they took."""
+        self.writes = 0
+        """Socket writes that sent them: fewer than packets when runs went with GSO."""
 
     @property
     def address(self) -> Address:
@@ -98,6 +124,9 @@ class RelayServer:
         bound = self._sock.getsockname()
         self._address = (host or "0.0.0.0", bound[1])
         self._udp = UdpSocket(self._sock)
+        if not self._receive_offload and self._udp.gro:
+            self._sock.setsockopt(_SOL_UDP, _UDP_GRO, 0)
+            self._udp.gro = False
         self._gso = self._udp.gso
         self._loop.add_reader(self._sock.fileno(), self._on_readable)
         self._timer = asyncio.create_task(self._run_timers(), name="gpumesh-relay-timers")
@@ -162,21 +191,28 @@ class RelayServer:
         except OSError as exc:  # e.g. an ICMP error reported on the socket
             logger.debug("receive error: %s", exc)
             return
-        for item in batch:
-            data, segment, address = item.data, item.segment_size, item.address
+        # What this wake-up's packets make the relay send, in order, sent together at
+        # the end: packets that arrived one by one (from a link without receive
+        # offload) leave in runs of one write each, and the node behind gets them
+        # with one read (GRO) instead of one each.
+        out: list[Send] = []
+        for data, segment, address in _joined(batch):
             try:
                 now = self._clock()
                 if len(data) > segment:
                     destination = self.core.forward_run(data, segment, address, now)
                     if destination is not None:
-                        self._send_run(data, segment, destination)
+                        self._send_all(out)
+                        out = []
+                        self._send_run(data, segment, destination, -(-len(data) // segment))
                         continue
                 for offset in range(0, len(data), segment):
                     packet = data[offset : offset + segment]
-                    self._send_all(self.core.handle(packet, address, now))
+                    out += self.core.handle(packet, address, now)
             except Exception:  # a bug must cost one packet, never the relay
                 logger.exception("failed handling a packet from %s", address)
                 continue
+        self._send_all(out)
 
     async def _run_timers(self) -> None:
         next_stats = 0.0
@@ -194,11 +230,39 @@ class RelayServer:
     # --- sending ------------------------------------------------------------------------------
 
     def _send_all(self, out: list[Send]) -> None:
+        """Send ``out`` in order; consecutive packets of one size to one address (the
+        last of a run may be shorter) go as one run (:meth:`_send_run`)."""
+        run: list[bytes] = []
+        run_to: Address | None = None
+        size = 0
         for data, address in out:
             if is_reach_probe(data):
                 self._send_probe(data, address)
-            else:
-                self._send(data, address)
+                continue
+            if (
+                run
+                and address == run_to
+                and len(data) <= size
+                and len(run) < _RUN_PACKETS
+                and (len(run) + 1) * size <= _RUN_BYTES
+            ):
+                run.append(data)
+                if len(data) < size:  # a shorter packet ends a run
+                    self._send_packets(run, size, run_to)
+                    run = []
+                continue
+            if run and run_to is not None:
+                self._send_packets(run, size, run_to)
+            run, run_to, size = [data], address, len(data)
+        if run and run_to is not None:
+            self._send_packets(run, size, run_to)
+
+    def _send_packets(self, run: list[bytes], size: int, address: Address) -> None:
+        if len(run) > 1 and self._gso:
+            self._send_run(b"".join(run), size, address, len(run))
+            return
+        for data in run:
+            self._send(data, address)
 
     def _send(self, data: bytes, address: Address) -> None:
         queue = self._queues.get(address)
@@ -208,6 +272,8 @@ class RelayServer:
                 return
             try:
                 sock.sendto(data, address)
+                self.writes += 1
+                self.packets_sent += 1
                 return
             except (BlockingIOError, InterruptedError):
                 queue = self._queues[address] = deque()
@@ -220,8 +286,9 @@ class RelayServer:
             return
         queue.append(data)
 
-    def _send_run(self, data: bytes, segment: int, address: Address) -> None:
-        """Forward a run of equal-size packets with one write where the kernel allows."""
+    def _send_run(self, data: bytes, segment: int, address: Address, count: int) -> None:
+        """Send a run of ``count`` packets of ``segment`` bytes (the last may be shorter)
+        with one write where the kernel allows (GSO)."""
         sock = self._sock
         if sock is None:
             return
@@ -229,6 +296,8 @@ class RelayServer:
             cmsg = gso_control(segment)
             try:
                 sock.sendmsg([data], cmsg, 0, address)
+                self.writes += 1
+                self.packets_sent += count
                 return
             except (BlockingIOError, InterruptedError):
                 pass
@@ -265,6 +334,8 @@ class RelayServer:
                 queue = self._queues[address]
                 try:
                     sock.sendto(queue[0], address)
+                    self.writes += 1
+                    self.packets_sent += 1
                 except (BlockingIOError, InterruptedError):
                     return
                 except OSError as exc:
@@ -284,6 +355,45 @@ class RelayServer:
             write_atomically(path, json.dumps(self.stats(), indent=2) + "\n")
         except OSError as exc:
             logger.warning("cannot write the stats file %s: %s", path, exc)
+
+
+def _joined(batch: list[Received]) -> list[tuple[bytes, int, Address]]:
+    """``batch`` as ``(buffer, segment size, source)``, where consecutive Data packets
+    of one source with one session header and one size (the last may be shorter) are
+    joined into one buffer, as if they had come with receive offload (GRO): the core
+    then takes the run with one check (:meth:`RelayCore.forward_run`), and one write
+    forwards it."""
+    joined: list[tuple[bytes, int, Address]] = []
+    run: list[bytes] = []
+    header = b""
+    source: Address | None = None
+    size = 0
+    for item in batch:
+        data = item.data
+        if (
+            run
+            and item.address == source
+            and len(data) <= size
+            and len(data) == item.segment_size
+            and len(run) < _RUN_PACKETS
+            and (len(run) + 1) * size <= _RUN_BYTES
+            and data.startswith(header)
+        ):
+            run.append(data)
+            if len(data) < size:  # a shorter packet ends a run
+                joined.append((b"".join(run), size, item.address))
+                run = []
+            continue
+        if run and source is not None:
+            joined.append((b"".join(run) if len(run) > 1 else run[0], size, source))
+            run = []
+        if len(data) == item.segment_size and data[:1] == _DATA_TYPE and len(data) > DATA_HEADER:
+            run, header, source, size = [data], data[:DATA_HEADER], item.address, len(data)
+        else:
+            joined.append((data, item.segment_size, item.address))
+    if run and source is not None:
+        joined.append((b"".join(run) if len(run) > 1 else run[0], size, source))
+    return joined
 
 
 def write_atomically(path: Path, text: str) -> None:
