@@ -131,6 +131,26 @@ def test_a_watched_memo_lists_only_changed_folders_and_sees_every_kind_of_change
     assert memo.listed == (2 if available else 4)
 
 
+def test_a_watched_memo_sees_a_file_written_through_a_link_made_after_its_folder_was_listed(
+    tmp_path: Path,
+) -> None:
+    """A second name made in another watched folder, then written through: the
+    file's own folder saw nothing (link and write are told to the other folder
+    only), so a new link makes the scan list every folder once."""
+    root = tmp_path / "proj"
+    _tree(root)
+    memo = ScanMemo(watch=True)
+    scan(root, memo=memo)
+    scan(root, memo=memo)  # everything held by the watch now
+    os.link(root / "a" / "f1.txt", root / "c" / "other-name.txt")
+    assert _plan(scan(root, memo=memo)) == _plan(scan(root))
+    (root / "c" / "other-name.txt").write_text("written through the second name, longer\n")
+    plan = scan(root, memo=memo)
+    assert _plan(plan) == _plan(scan(root))
+    by_path = {entry.path: entry for entry in plan.files}
+    assert by_path["a/f1.txt"].size == len("written through the second name, longer\n")
+
+
 def test_a_plan_puts_each_folder_right_before_its_contents(tmp_path: Path) -> None:
     root = tmp_path / "proj"
     for path in ("a/x.txt", "a-b/y.txt", "a.txt", "a/b/z.txt", "a b/w.txt", "ab/v.txt"):

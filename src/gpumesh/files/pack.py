@@ -338,6 +338,8 @@ class ScanMemo:
         """Each folder's decisions at the last watched scan and the subfolders walked
         into, by its path from the root; only folders whose decisions last (see
         :func:`_decide_folder`) while the watch saw no change in them."""
+        self.linked: set[int] = set()
+        """The inodes of the files with more than one link at the last watched scan."""
         self.lock = threading.Lock()
         self.listed = 0
         """Folders the last scan listed (the others it took from the watch's memo)."""
@@ -457,50 +459,65 @@ def _scan_watched(tree: Tree, rules: _IgnoreRules, excluded: set[str], memo: Sca
         memo.watch = open_watch(tree.fd)
     if last_key != key:
         known, dirty = {}, None
-    before = memo.folders if dirty is not None else {}
-    watched = memo.watch is not None
-    now: dict[str, _FolderPlan] = {}
-    files: list[PackEntry] = []
-    skipped: list[Skipped] = []
-    seen: dict[str, PackEntry] = {}
-    where = (prefix, excluded, True)
-    stack = [""]
-    listed = 0
-    try:
-        while stack:
-            relative = stack.pop()
-            if relative.count("/") >= MAX_DEPTH:
-                raise LimitError(
-                    f"folders nest deeper than {MAX_DEPTH} levels there; flatten them and try again"
-                )
-            result = before.get(relative) if dirty is not None and relative not in dirty else None
-            if result is None:
-                listing = _list_watched(tree, relative, memo.watch if watched else None)
-                if listing is None:
-                    continue  # gone or replaced since its parent was listed
-                folder, watched_here = listing
-                listed += 1
-                watched = watched and watched_here
-                try:
-                    decided, reusable = _decide_folder(folder, known, {}, rules, where)
-                finally:
-                    os.close(folder.fd)
-                result = _FolderPlan.of(decided, _descended(folder.entries, decided))
-                if not reusable:
-                    files.extend(result.files)
-                    skipped.extend(result.skipped)
-                    seen.update(result.regular)
-                    stack.extend(
-                        f"{relative}/{name}" if relative else name for name in result.descend
+    while True:
+        before = memo.folders if dirty is not None else {}
+        watched = memo.watch is not None
+        now: dict[str, _FolderPlan] = {}
+        files: list[PackEntry] = []
+        skipped: list[Skipped] = []
+        seen: dict[str, PackEntry] = {}
+        where = (prefix, excluded, True)
+        stack = [""]
+        listed = 0
+        linked: set[int] = set()
+        try:
+            while stack:
+                relative = stack.pop()
+                if relative.count("/") >= MAX_DEPTH:
+                    raise LimitError(
+                        f"folders nest deeper than {MAX_DEPTH} levels there; flatten them and try again"
                     )
-                    continue
-            now[relative] = result
-            files.extend(result.files)
-            skipped.extend(result.skipped)
-            seen.update(result.regular)
-            stack.extend(f"{relative}/{name}" if relative else name for name in result.descend)
-    except PermissionError as exc:
-        raise _unreadable(exc, tree.path) from None
+                result = (
+                    before.get(relative) if dirty is not None and relative not in dirty else None
+                )
+                if result is None:
+                    listing = _list_watched(tree, relative, memo.watch if watched else None)
+                    if listing is None:
+                        continue  # gone or replaced since its parent was listed
+                    folder, watched_here = listing
+                    listed += 1
+                    linked.update(
+                        st.st_ino
+                        for _name, st in folder.entries
+                        if stat.S_ISREG(st.st_mode) and st.st_nlink > 1
+                    )
+                    watched = watched and watched_here
+                    try:
+                        decided, reusable = _decide_folder(folder, known, {}, rules, where)
+                    finally:
+                        os.close(folder.fd)
+                    result = _FolderPlan.of(decided, _descended(folder.entries, decided))
+                    if not reusable:
+                        files.extend(result.files)
+                        skipped.extend(result.skipped)
+                        seen.update(result.regular)
+                        stack.extend(
+                            f"{relative}/{name}" if relative else name for name in result.descend
+                        )
+                        continue
+                now[relative] = result
+                files.extend(result.files)
+                skipped.extend(result.skipped)
+                seen.update(result.regular)
+                stack.extend(f"{relative}/{name}" if relative else name for name in result.descend)
+        except PermissionError as exc:
+            raise _unreadable(exc, tree.path) from None
+        if dirty is None or linked <= memo.linked:
+            break
+        # A file gained a link since the last scan: written through the other
+        # name, its own folder's watch would see nothing, so list them all.
+        dirty = None
+    memo.linked = linked
     if not watched and memo.watch is not None:  # a folder it could not watch: not trusted
         memo.watch.close()
         memo.watch = None

@@ -18,11 +18,13 @@ unseen), a folder on another device than the root, more than
 :data:`MAX_FOLDERS` folders. Two more cases the caller handles: a folder
 holding a symlink (its target may change elsewhere) or a file with more than
 one link (written through another folder, unseen here) is listed every time.
-What no folder watch sees, and a scan with one therefore misses until the
-folder is listed again for another reason (or the watch is reset): a file
-written only through a shared memory mapping after its descriptor closed,
-and a file given a second name in another folder after its own folder was
-listed and then written through that name.
+A file given a second name inside the folder after its own folder was
+listed is caught too: a file with a link the last scan did not know makes
+the scan list every folder once. What no folder watch sees, and a scan with
+one therefore misses until the folder is listed again for another reason (or
+the watch is reset): a file written only through a shared memory mapping
+after its descriptor closed, and a file given a second name outside the
+folder after its own folder was listed and then written through that name.
 """
 
 from __future__ import annotations
