@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import TYPE_CHECKING
+
+TYPE_CHECKING = False  # as typing's, which this module must not import
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

@@ -18,15 +18,20 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
-from gpumesh.daemon.record import holder
 from gpumesh.errors import AgentError, GPUMeshError, InUseError, error_from_code
 from gpumesh.settings import ENV_HOME
 from gpumesh.store.sockets import socket_name
 from gpumesh.version import __version__
+
+# As typing's: typing, dataclasses (and their inspect) and the node record's module
+# stay out of a thin command's start-up (gpumesh.cli.launch sends run's request
+# before anything else loads).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import subprocess
+    from typing import Any
 
 __all__ = [
     "NodeClient",
@@ -121,11 +126,18 @@ class _Response:
 _LINE_MAX = 65536
 
 
-@dataclass(frozen=True)
 class SseEvent:
-    event: str
-    id: int | None
-    data: Any
+    """One Server-Sent Event: its name, its id (a sequence number) and its JSON data."""
+
+    __slots__ = ("data", "event", "id")
+
+    def __init__(self, event: str, id: int | None, data: Any) -> None:
+        self.event = event
+        self.id = id
+        self.data = data
+
+    def __repr__(self) -> str:
+        return f"SseEvent({self.event!r}, {self.id!r}, {self.data!r})"
 
 
 class NodeClient:
@@ -252,10 +264,6 @@ def _error(data: Any, status: int) -> GPUMeshError:
     return AgentError(f"the node process answered HTTP {status}: see its log")
 
 
-if TYPE_CHECKING:
-    import subprocess
-
-
 def connect(home: Path) -> NodeClient:
     """The node process of ``home``, started in the background when none runs,
     and restarted when it is a background one of another version."""
@@ -282,6 +290,8 @@ def connect(home: Path) -> NodeClient:
             stop(home, client)
             restarted = True
             continue
+        from gpumesh.daemon.record import holder
+
         if holder(home) is None:
             if started is not None and started.poll() is not None:
                 raise AgentError(
@@ -312,6 +322,8 @@ def _reap() -> None:
 def stop(home: Path, client: NodeClient | None = None) -> int | None:
     """Ask the node process of ``home`` to stop and wait until it let go of the
     home; its pid, or None when none ran."""
+    from gpumesh.daemon.record import holder
+
     record = holder(home)
     if record is None:
         return None
