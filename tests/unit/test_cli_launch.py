@@ -107,3 +107,32 @@ def test_nothing_is_sent_ahead_without_an_initialised_home_or_with_the_node_off(
     monkeypatch.setenv("GPUMESH_NODE", "off")
     assert not launch.start(["run", "--peer", "alice", "true"])
     assert not launch._ahead
+
+
+def test_a_node_process_that_cannot_be_reached_is_reported_once_not_waited_for_twice(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gpumesh.daemon import client
+    from gpumesh.errors import AgentError
+
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "identity.key").write_bytes(b"")
+    monkeypatch.setenv("GPUMESH_HOME", str(home))
+    monkeypatch.delenv("GPUMESH_NODE", raising=False)
+    monkeypatch.delenv("GPUMESH_IMAGE", raising=False)
+    calls: list[object] = []
+    failure = AgentError("the node process did not answer")
+
+    def connect(where: object) -> object:
+        calls.append(where)
+        raise failure
+
+    monkeypatch.setattr(client, "connect", connect)
+    monkeypatch.setattr(launch, "_failed", [])
+    assert not launch.start(["run", "--peer", "alice", "true"])
+    assert calls == [home]
+    with pytest.raises(AgentError) as raised:
+        launch.take(launch.run_body("alice", None, ["true"]))
+    assert raised.value is failure
+    assert launch.take(launch.run_body("alice", None, ["true"])) is None  # said once

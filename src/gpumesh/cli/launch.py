@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from collections.abc import Iterator
 
     from gpumesh.daemon.client import NodeClient, SseEvent
+    from gpumesh.errors import GPUMeshError
 
 __all__ = ["entry", "plain_run", "run_body", "take"]
 
@@ -36,6 +37,10 @@ _OPTIONS = ("--peer", "--image")
 
 _ahead: list[tuple[dict[str, object], NodeClient, Iterator[SseEvent]]] = []
 """The request sent ahead, if any: its body, the client, and its events (not read yet)."""
+_failed: list[tuple[dict[str, object], GPUMeshError]] = []
+"""Why the node process could not be reached for the request, if so: ``run`` says
+it rather than trying again (a node process that never answers would make it
+wait the whole start-up ceiling a second time)."""
 
 
 def plain_run(argv: list[str]) -> tuple[str, str | None, list[str]] | None:
@@ -105,12 +110,17 @@ def start(argv: list[str]) -> bool:
     if not (home / "identity.key").exists():
         return False
     from gpumesh.daemon.client import connect
+    from gpumesh.errors import GPUMeshError
 
     body = run_body(*parsed)
     try:
         client = connect(home)
+    except GPUMeshError as exc:
+        _failed.append((body, exc))
+        return False
+    try:
         events = client.send_events(RUN_PATH, "POST", body)
-    except Exception:  # the CLI meets it again and says what went wrong
+    except Exception:  # no whole request went out: the CLI sends it and says what went wrong
         return False
     _ahead.append((body, client, events))
     return True
@@ -118,7 +128,11 @@ def start(argv: list[str]) -> bool:
 
 def take(body: dict[str, object]) -> tuple[NodeClient, Iterator[SseEvent]] | None:
     """The client and events of the request sent ahead, for ``run`` with ``body``;
-    None when none was sent."""
+    None when none was sent. Raises what kept :func:`start` from the node process."""
+    if _failed:
+        failed_body, failure = _failed.pop()
+        if failed_body == body:
+            raise failure
     if not _ahead:
         return None
     sent = _ahead.pop()
