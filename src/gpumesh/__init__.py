@@ -16,9 +16,9 @@ calls the same functions. Imports are lazy so ``gpumesh --help`` stays fast.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
 from gpumesh.version import __version__
+
+TYPE_CHECKING = False  # as typing's: importing typing costs every command milliseconds
 
 __all__ = [
     "FINAL_STATES",
@@ -64,6 +64,8 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from typing import Any
+
     from gpumesh.client.apps import AppRun, SyncResult, pull_job, run_app, sync_app
     from gpumesh.client.copies import watch_copy
     from gpumesh.client.exec import ExecSession, exec_shell

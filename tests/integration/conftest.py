@@ -74,6 +74,7 @@ def pair_both(a: Node, b: Node) -> None:
 def engine() -> Iterator[Any]:
     """A Docker client for tests that look at containers themselves."""
     import docker
+    import docker.errors
 
     client = docker.from_env()
     yield client
@@ -105,14 +106,21 @@ def job_nodes(make_node: Callable[[str], Node], job_memory: str) -> Iterator[Cal
 def remove_containers(node_id: str) -> None:
     """Remove every container a node's agent made (agents keep job containers on stop)."""
     import docker
+    import docker.errors
 
     from gpumesh.runtime.base import LABEL_NODE
 
     client = docker.from_env()
     try:
         label = f"{LABEL_NODE}={node_id}"
-        for container in client.containers.list(all=True, filters={"label": label}):
-            container.remove(force=True)
+        for summary in client.api.containers(all=True, filters={"label": label}):
+            try:
+                client.api.remove_container(summary["Id"], force=True)
+            except docker.errors.APIError as exc:
+                # The agent's own removal of a finished job's container may be under
+                # way (it runs after the job's end is told) or done by now.
+                if exc.status_code not in (404, 409):
+                    raise
     finally:
         client.close()
 

@@ -33,7 +33,7 @@ from gpumesh.errors import (
 )
 from gpumesh.gpu.inventory import SimulatedInventory
 from gpumesh.protocol.messages import JobQuery
-from gpumesh.runtime.base import LABEL_NODE
+from gpumesh.runtime.base import LABEL_JOB, LABEL_NODE
 from gpumesh.runtime.docker import DockerRuntime
 from tests.integration.conftest import arun, job_nodes, pair_both
 
@@ -52,6 +52,25 @@ def cluster(make_node, engine) -> Iterator[Callable[[str], Node]]:
 def _containers(engine: docker.DockerClient, node: Node) -> list[object]:
     label = f"{LABEL_NODE}={node.info().node_id}"
     return list(engine.containers.list(all=True, filters={"label": label}))
+
+
+async def _removed(engine: docker.DockerClient, node: Node, job_id: str | None = None) -> bool:
+    """Whether the node's job containers (or the one of ``job_id``) are gone, after
+    waiting for a removal under way: a finished job's container is removed just
+    after its end is told (a generous ceiling; the removal runs in its own thread)."""
+    deadline = time.monotonic() + 30
+    while True:
+        label = f"{LABEL_NODE}={node.info().node_id}"
+        # The summaries of the listing (the SDK's own list inspects each container,
+        # which fails for one whose removal ends meanwhile).
+        found = engine.api.containers(all=True, filters={"label": label})
+        jobs = [(c.get("Labels") or {}).get(LABEL_JOB) for c in found]
+        gone = not jobs if job_id is None else job_id not in jobs
+        if gone:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.05)
 
 
 @contextlib.asynccontextmanager
@@ -152,7 +171,38 @@ def test_env_and_workdir_are_visible_in_the_container(cluster, tmp_path: Path, e
     arun(scenario())
     hosted = alice.home.store.jobs(role="hosted")[0]
     assert (Path(hosted.workdir) / "out.txt").read_text() == "made\n"
-    assert not _containers(engine, alice)  # finished containers are removed
+    assert arun(_removed(engine, alice))  # finished containers are removed
+
+
+def test_a_finished_jobs_container_left_behind_is_removed_by_the_next_start(
+    cluster, engine
+) -> None:
+    """The container of a job is removed after its end is told; an agent stopped
+    in between leaves it behind, and its next start removes it (with nothing else
+    of the job changed)."""
+    alice, bob = cluster("alice"), cluster("bob")
+
+    async def scenario() -> str:
+        async with providing(alice) as agent:
+            pair_both(alice, bob)
+            result = await run_job(bob, spec("alice", "echo", "hi"))
+            assert (result.state, result.exit_code) == ("succeeded", 0)
+            assert await _removed(engine, alice)
+            # As if the agent had stopped between the end and the removal.
+            job = agent.jobs.container_spec(
+                alice.home.store.job("hosted", result.job_id),  # type: ignore[arg-type]
+                1,
+                await agent.jobs.containers.who_runs(IMAGE),
+            )
+            await asyncio.to_thread(agent.jobs.runtime.create, job)
+        assert len(_containers(engine, alice)) == 1
+        async with providing(alice):
+            assert await _removed(engine, alice)
+        return result.job_id
+
+    job_id = arun(scenario())
+    hosted = alice.home.store.job("hosted", job_id)
+    assert hosted is not None and (hosted.state, hosted.exit_code) == ("succeeded", 0)
 
 
 def test_retries_are_counted_and_stop_at_success(cluster, tmp_path: Path) -> None:
@@ -212,7 +262,7 @@ def test_cancel_stops_the_container_and_is_never_retried(cluster, engine) -> Non
             cancelled = await cancel_job(bob, "alice", started.job_id)
             assert cancelled.state == "cancelled"
             assert time.monotonic() - began < 15
-            assert not _containers(engine, alice)
+            assert await _removed(engine, alice)
             assert alice.home.store.job("hosted", started.job_id).attempt == 1  # type: ignore[union-attr]
             assert bob.home.store.job("submitted", started.job_id).state == "cancelled"  # type: ignore[union-attr]
 
@@ -333,7 +383,7 @@ def test_refusals_create_no_container(cluster, engine, tmp_path: Path) -> None:
                 await run_job(bob, spec("alice", "true", workdir=big))
             with pytest.raises(NotFoundError, match="alice has no job"):
                 await cancel_job(bob, "alice", "0123456789ab")
-            assert not _containers(engine, alice)
+            assert await _removed(engine, alice)
             assert alice.home.store.jobs(role="hosted") == []
 
     arun(scenario())
@@ -397,7 +447,7 @@ def test_agent_restart_mid_job_loses_no_line_and_runs_one_copy(cluster, engine) 
         assert bytes(got.out).decode().splitlines() == [f"line {i}" for i in range(1, 31)]
         assert bytes(got.err).decode().splitlines() == [f"err {i}" for i in range(1, 31)]
         assert [s for s in got.states if s[0] == "starting"] == [("starting", 1)]
-        assert not _containers(engine, alice)
+        assert await _removed(engine, alice)
 
     arun(scenario())
 
@@ -435,7 +485,7 @@ def test_timeout_stops_an_attempt_and_counts_as_a_failure(cluster, engine) -> No
             assert (result.state, result.exit_code, result.attempt) == ("failed", 124, 2)
             assert "timed out after 1s" in result.message
             assert time.monotonic() - began < 30
-            assert not _containers(engine, alice)
+            assert await _removed(engine, alice)
 
     arun(scenario())
 
@@ -556,7 +606,7 @@ def test_a_job_writing_past_its_peers_file_quota_is_stopped_with_the_reason(
             assert b"wrote\n" in bytes(got.out)
             assert b"gpumesh: stopped: your files on alice grew to" in bytes(got.err)
             assert result.attempt == 1  # never retried: it would only fill the disk again
-            assert not _containers(engine, alice)
+            assert await _removed(engine, alice)
 
     arun(scenario())
 
@@ -626,8 +676,9 @@ def test_deny_cancels_the_peers_jobs_at_once_and_they_are_never_retried(
             assert (job.state, job.message, job.attempt) == ("cancelled", "access revoked", 1)  # type: ignore[attr-defined]
             # carol is untouched; bob's container is gone
             assert alice.home.store.job("hosted", carols.job_id).state in ("starting", "running")  # type: ignore[union-attr]
+            assert await _removed(engine, alice, bobs.job_id)
             labels = [c.labels.get("io.gpumesh.job") for c in _containers(engine, alice)]  # type: ignore[attr-defined]
-            assert bobs.job_id not in labels and carols.job_id in labels
+            assert carols.job_id in labels
             # and bob can neither follow nor submit any more
             with pytest.raises(AccessDeniedError):
                 await follow_job(bob, bobs.job_id)
@@ -666,7 +717,7 @@ def test_the_providers_owner_cancels_a_hosted_job(cluster, engine, monkeypatch) 
             followed = await follow_job(bob, submitted.job_id)
             assert (followed.state, followed.attempt) == ("cancelled", 1)
             assert followed.message == "cancelled by the provider's owner"
-            assert not _containers(engine, alice)
+            assert await _removed(engine, alice)
 
     arun(scenario())
     owner.close()

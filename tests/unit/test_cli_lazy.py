@@ -101,8 +101,9 @@ THIN_AVOIDS = {
 
 def test_jobs_and_run_through_a_node_process_start_light(tmp_path: Path) -> None:
     """A real node process in a fresh home, already running (as the commands after
-    the first one find it): `jobs` (empty, and as JSON) and a `run` the node
-    process refuses (no such peer) load none of THIN_AVOIDS."""
+    the first one find it): `jobs` (empty, and as JSON), a `run` the node
+    process refuses (no such peer) and a `cancel` it refuses load none of
+    THIN_AVOIDS; `run`'s request goes out before click loads."""
     home = tmp_path / "home"
     env = dict(os.environ, GPUMESH_HOME=str(home))
     env.pop("GPUMESH_NODE", None)
@@ -113,11 +114,18 @@ def test_jobs_and_run_through_a_node_process_start_light(tmp_path: Path) -> None
     subprocess.run([str(SCRIPT), "jobs"], env=env, capture_output=True, check=True, timeout=120)
     check = (
         "import sys\n"
+        "from gpumesh.cli import launch\n"
+        f"avoided = {sorted(THIN_AVOIDS)!r}\n"
+        # run's head start: its request is sent before click (or anything heavy) loads
+        "ahead = launch.start(['run', '--peer', 'nobody', '--', 'true'])\n"
+        "early = [*avoided, 'click', 'typing', 'dataclasses', 'inspect']\n"
+        "print(ahead, sorted(m for m in sys.modules if m.split('.')[0] in early))\n"
         "from gpumesh.cli.main import main\n"
         "codes = [int(main(['jobs'])), int(main(['jobs', '--json'])),\n"
-        "         int(main(['run', '--peer', 'nobody', '--', 'true']))]\n"
-        f"avoided = {sorted(THIN_AVOIDS)!r}\n"
-        "print(codes, sorted(m for m in sys.modules if m.split('.')[0] in avoided))\n"
+        "         int(main(['run', '--peer', 'nobody', '--', 'true'])),\n"
+        "         int(main(['cancel', '--peer', 'nobody', '0123456789ab']))]\n"
+        "left = len(launch._ahead)\n"
+        "print(codes, left, sorted(m for m in sys.modules if m.split('.')[0] in avoided))\n"
     )
     try:
         result = subprocess.run(
@@ -132,6 +140,8 @@ def test_jobs_and_run_through_a_node_process_start_light(tmp_path: Path) -> None
     finally:
         stop = [str(SCRIPT), "daemon", "stop"]
         subprocess.run(stop, env=env, capture_output=True, check=False, timeout=60)
-    assert result.stdout.splitlines()[-1] == "[0, 0, 2] []", result.stdout + result.stderr
+    assert result.stdout.splitlines()[-1] == "[0, 0, 2, 2] 0 []", result.stdout + result.stderr
     assert result.stdout.splitlines()[-2] == "[]"  # `jobs --json` of an empty home
-    assert "no paired peer named 'nobody'" in result.stderr
+    assert result.stdout.splitlines()[0] == "True []"
+    # The run sent ahead is the one the command read (none is left), and refused.
+    assert result.stderr.count("no paired peer named 'nobody'") == 2  # run, then cancel

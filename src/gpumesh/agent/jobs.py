@@ -180,6 +180,8 @@ class _Run:
         """Set to cut a retry backoff short (cancel)."""
         self.timed_out = False
         self.over_quota = ""
+        self.removal: asyncio.Future[None] | None = None
+        """The exited container's removal, under way while its end is recorded and told."""
         """Why the job was stopped for what its peer stores (empty: it was not)."""
 
 
@@ -660,7 +662,14 @@ class JobService:
                     resume = None
                 if decision is None:
                     continue
+                if decision.state is JobState.RETRYING:
+                    await self._remove_container(run)  # before the next attempt is recorded
                 await self._after_attempt(run, job, decision)
+                # A final attempt's container is removed while its end is recorded and
+                # told (the removal began in _follow): the consumer need not wait for
+                # the engine. Should the agent stop before it is done, its next start
+                # removes the container of a finished job as an orphan (see recover).
+                await self._remove_container(run)
                 if run.machine.state is JobState.RETRYING:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(run.wake.wait(), decision.delay)
@@ -757,7 +766,9 @@ class JobService:
             for task in (sampler, watcher):
                 if task is not None:
                     task.cancel()
-        await self._remove_container(run)
+        # Exited and its output stored: removed from now on (see _supervise).
+        run.removal = in_thread(self.runtime.remove, container.container_id)
+        run.removal.add_done_callback(_retrieved)
         if run.over_quota and not run.machine.cancel_requested:
             await self._event(run, None, None, run.over_quota, kind_state=False)
             return Decision(JobState.FAILED, 0.0, run.over_quota)
@@ -868,9 +879,11 @@ class JobService:
         return parse_size(str(self.settings.get("job_log_limit")))
 
     async def _remove_container(self, run: _Run) -> None:
+        """Remove the attempt's container (or wait for the removal under way)."""
         if run.container_id:
+            removal, run.removal = run.removal, None
             with contextlib.suppress(GPUMeshError):
-                await in_thread(self.runtime.remove, run.container_id)
+                await (removal or in_thread(self.runtime.remove, run.container_id))
             run.container_id = ""
             self.store.update_job(JobRole.HOSTED, run.job_id, container_id="")
 
@@ -1153,6 +1166,13 @@ def _nested(a: str, b: str) -> bool:
     return a != b and (
         a.startswith(b.rstrip(os.sep) + os.sep) or b.startswith(a.rstrip(os.sep) + os.sep)
     )
+
+
+def _retrieved(future: asyncio.Future[None]) -> None:
+    """Take a removal's failure (a container already gone is fine; any other stays
+    for the orphan clean-up of the next start), so nothing logs it as unseen."""
+    if not future.cancelled():
+        future.exception()
 
 
 def _holder(job_id: str) -> Holder:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from typing import Any
 from urllib.parse import quote
 
 import click
@@ -37,31 +38,30 @@ def cancel(peer: str | None, job_id: str) -> None:
     Given the id of a peer's open shell, desktop connection or CUDA session here
     (as `gpumesh status` shows it), `gpumesh share` ends that session; the peer is
     told its owner ended it."""
-    from gpumesh.client.views.jobs import JobResultView
-    from gpumesh.protocol.states import JobRole
-
     kind = _session_kind(job_id)
     if kind is not None:
         _end_session(kind, job_id)
         return
 
     if node_enabled():
-        import msgspec
-
+        # The node process's JSON view as it is: no need to load msgspec to read it.
         from gpumesh.cli._node import node_client
 
         path = f"/api/v1/jobs/{quote(job_id, safe='')}/cancel"
-        data = node_client().call("POST", path, {"peer": peer})
-        result = msgspec.convert(data, JobResultView)
+        view: dict[str, Any] = node_client().call("POST", path, {"peer": peer})
     else:
+        import msgspec
+
         from gpumesh.client.jobs import cancel as cancel_by_id
+        from gpumesh.client.views.jobs import JobResultView
 
         result = JobResultView.of(run_async(cancel_by_id(get_node(), job_id, peer=peer)))
-    if result.role == JobRole.HOSTED:
-        click.echo(f"Job {result.job_id} of {result.peer}: {result.state} ({result.message})")
+        view = msgspec.to_builtins(result)
+    if view["role"] == "hosted":
+        click.echo(f"Job {view['job_id']} of {view['peer']}: {view['state']} ({view['message']})")
         return
-    code = "" if result.exit_code is None else f" (exit {result.exit_code})"
-    click.echo(f"Job {result.job_id} on {result.peer}: {result.state}{code}")
+    code = "" if view["exit_code"] is None else f" (exit {view['exit_code']})"
+    click.echo(f"Job {view['job_id']} on {view['peer']}: {view['state']}{code}")
 
 
 _SESSION_ROUTES = {"shell": "shells", "desktop": "desktop", "cuda": "cuda"}

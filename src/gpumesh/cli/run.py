@@ -169,10 +169,12 @@ def _through_node(
     and a stream its node process dropped after acceptance resumes as `logs -f`."""
     from gpumesh.cli._node import follow, node_client
     from gpumesh.cli._notes import ViewPrinter, exit_status_of
+    from gpumesh.cli.launch import RUN_PATH, take
     from gpumesh.daemon.client import NodeUnavailableError
     from gpumesh.errors import AgentError, error_from_code
 
-    client = node_client()
+    ahead = take(body)  # the plain form's request, sent before the CLI loaded
+    client = ahead[0] if ahead is not None else node_client()
     if detach:
         click.echo(client.call("POST", "/api/v1/jobs", body)["job_id"])
         return
@@ -181,7 +183,8 @@ def _through_node(
     after = 0
     try:
         try:
-            for event in client.events("/api/v1/jobs?stream=true", "POST", body):
+            events = ahead[1] if ahead is not None else client.events(RUN_PATH, "POST", body)
+            for event in events:
                 if event.event == "end":
                     result = event.data
                     break

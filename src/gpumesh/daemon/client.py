@@ -18,15 +18,20 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
-from gpumesh.daemon.record import holder
 from gpumesh.errors import AgentError, GPUMeshError, InUseError, error_from_code
 from gpumesh.settings import ENV_HOME
 from gpumesh.store.sockets import socket_name
 from gpumesh.version import __version__
+
+# As typing's: typing, dataclasses (and their inspect) and the node record's module
+# stay out of a thin command's start-up (gpumesh.cli.launch sends run's request
+# before anything else loads).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import subprocess
+    from typing import Any
 
 __all__ = [
     "NodeClient",
@@ -121,11 +126,18 @@ class _Response:
 _LINE_MAX = 65536
 
 
-@dataclass(frozen=True)
 class SseEvent:
-    event: str
-    id: int | None
-    data: Any
+    """One Server-Sent Event: its name, its id (a sequence number) and its JSON data."""
+
+    __slots__ = ("data", "event", "id")
+
+    def __init__(self, event: str, id: int | None, data: Any) -> None:
+        self.event = event
+        self.id = id
+        self.data = data
+
+    def __repr__(self) -> str:
+        return f"SseEvent({self.event!r}, {self.id!r}, {self.data!r})"
 
 
 class NodeClient:
@@ -135,12 +147,18 @@ class NodeClient:
         self.home = home
 
     def _open(self, method: str, path: str, body: object, timeout: float | None) -> _Response:
+        return self._send(method, path, body, timeout)()
+
+    def _send(
+        self, method: str, path: str, body: object, timeout: float | None
+    ) -> Callable[[], _Response]:
+        """Send one request now; the function returned waits for its answer's head."""
         payload = b"" if body is None else json.dumps(body).encode()
         head = f"{method} {path} HTTP/1.1\r\nhost: gpumesh\r\nconnection: close\r\n"
         if body is not None:
             head += f"content-type: application/json\r\ncontent-length: {len(payload)}\r\n"
         if not _has_unix():
-            return self._open_tcp(head, payload, timeout)
+            return self._send_tcp(head, payload, timeout)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(timeout)
 
@@ -148,10 +166,12 @@ class NodeClient:
             with socket_name(self.home, SOCKET_NAME) as name:
                 sock.connect(name)
 
-        return _request(sock, connect, head.encode("latin-1") + b"\r\n" + payload)
+        return _sent(sock, connect, head.encode("latin-1") + b"\r\n" + payload)
 
-    def _open_tcp(self, head: str, payload: bytes, timeout: float | None) -> _Response:
-        """:meth:`_open` where the system has no unix sockets: the node process's
+    def _send_tcp(
+        self, head: str, payload: bytes, timeout: float | None
+    ) -> Callable[[], _Response]:
+        """:meth:`_send` where the system has no unix sockets: the node process's
         loopback TCP address (from the home's record) and the home's token."""
         from gpumesh.control.auth import api_token
         from gpumesh.daemon.record import read_record
@@ -170,7 +190,7 @@ class NodeClient:
         except (OSError, ValueError) as exc:
             raise NodeUnavailableError(str(exc)) from None
         sock.settimeout(timeout)
-        return _request(sock, lambda: None, head.encode("latin-1") + b"\r\n" + payload)
+        return _sent(sock, lambda: None, head.encode("latin-1") + b"\r\n" + payload)
 
     def call(
         self, method: str, path: str, body: object = None, timeout: float | None = None
@@ -191,7 +211,18 @@ class NodeClient:
     def events(self, path: str, method: str = "GET", body: object = None) -> Iterator[SseEvent]:
         """A Server-Sent Events stream, event by event, until it ends; a stream the
         node process dropped (it died) raises :class:`NodeUnavailableError`."""
-        response = self._open(method, path, body, None)
+        yield from self._events(self._send(method, path, body, None))
+
+    def send_events(
+        self, path: str, method: str = "GET", body: object = None
+    ) -> Iterator[SseEvent]:
+        """:meth:`events` with the request sent now, before the first event is
+        asked for (its answer is read then): the node process starts on it while
+        this process does other things."""
+        return self._events(self._send(method, path, body, None))
+
+    def _events(self, answer: Callable[[], _Response]) -> Iterator[SseEvent]:
+        response = answer()
         try:
             if response.status >= 400:
                 raise _error(json.loads(response.read() or b"null"), response.status)
@@ -233,10 +264,6 @@ def _error(data: Any, status: int) -> GPUMeshError:
     return AgentError(f"the node process answered HTTP {status}: see its log")
 
 
-if TYPE_CHECKING:
-    import subprocess
-
-
 def connect(home: Path) -> NodeClient:
     """The node process of ``home``, started in the background when none runs,
     and restarted when it is a background one of another version."""
@@ -263,6 +290,8 @@ def connect(home: Path) -> NodeClient:
             stop(home, client)
             restarted = True
             continue
+        from gpumesh.daemon.record import holder
+
         if holder(home) is None:
             if started is not None and started.poll() is not None:
                 raise AgentError(
@@ -293,6 +322,8 @@ def _reap() -> None:
 def stop(home: Path, client: NodeClient | None = None) -> int | None:
     """Ask the node process of ``home`` to stop and wait until it let go of the
     home; its pid, or None when none ran."""
+    from gpumesh.daemon.record import holder
+
     record = holder(home)
     if record is None:
         return None
@@ -342,19 +373,30 @@ def _spawn(home: Path) -> subprocess.Popen[bytes]:
         os.close(log)
 
 
-def _request(sock: socket.socket, connect: Callable[[], None], data: bytes) -> _Response:
-    """Connect ``sock`` (``connect``), send the request ``data`` and wait for its
-    answer's head; the socket is closed on any failure."""
+def _sent(sock: socket.socket, connect: Callable[[], None], data: bytes) -> Callable[[], _Response]:
+    """Connect ``sock`` (``connect``) and send the request ``data``; the function
+    returned waits for its answer's head. The socket is closed on any failure."""
     try:
         connect()
         sock.sendall(data)
-        return _Response(sock)
     except OSError as exc:
         sock.close()
         raise NodeUnavailableError(str(exc)) from None
     except BaseException:
         sock.close()
         raise
+
+    def answer() -> _Response:
+        try:
+            return _Response(sock)
+        except OSError as exc:
+            sock.close()
+            raise NodeUnavailableError(str(exc)) from None
+        except BaseException:
+            sock.close()
+            raise
+
+    return answer
 
 
 def _has_unix() -> bool:
