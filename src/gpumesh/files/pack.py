@@ -475,7 +475,8 @@ def _scan_watched(tree: Tree, rules: _IgnoreRules, excluded: set[str], memo: Sca
                 relative = stack.pop()
                 if relative.count("/") >= MAX_DEPTH:
                     raise LimitError(
-                        f"folders nest deeper than {MAX_DEPTH} levels there; flatten them and try again"
+                        f"folders nest deeper than {MAX_DEPTH} levels there; "
+                        "flatten them and try again"
                     )
                 result = (
                     before.get(relative) if dirty is not None and relative not in dirty else None
