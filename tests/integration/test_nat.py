@@ -192,18 +192,13 @@ def _stop(process: subprocess.Popen[str] | None) -> None:
 
 
 def _remove_containers(lab: Lab) -> None:
-    import docker
-
-    from gpumesh.runtime.base import LABEL_NODE
+    from tests.integration.conftest import remove_containers
 
     try:
         node_id = lab.node_id(lab.b)
-        client = docker.from_env()
     except Exception:
         return
-    for container in client.containers.list(all=True, filters={"label": f"{LABEL_NODE}={node_id}"}):
-        container.remove(force=True)
-    client.close()
+    remove_containers(node_id)  # tolerates a removal the agent still has under way
 
 
 @pytest.fixture
