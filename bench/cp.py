@@ -10,7 +10,11 @@ twice, on two media:
   is) and the ssh tools' target;
 * disk: the same under ``--dir`` (default ``bench/out/`` in this checkout; the
   script prints its filesystem, taken from ``findmnt``, and refuses tmpfs
-  there). Writes land in the page cache as any copy's do; nobody syncs.
+  there). Writes land in the page cache as any copy's do, and no copy is synced
+  inside its timing; but before each copy on disk the disk's filesystem is
+  synced (``sync -f``, untimed), so that no tool pays for writing back the
+  copy before it, nor for the journal work of removing it (``--no-sync``:
+  leave that out, as runs before it did).
 
 Two things are copied (``--size``, default 1 GiB, and a tree of ``--files``
 files, default 10,000, making up ``--tree-size``, default 256 MiB):
@@ -118,6 +122,8 @@ class Copies:
     sandbox: Path
     env: dict[str, str]
     ssh: list[str] | None
+    settle: bool = False
+    """Sync the filesystem (untimed) before each copy."""
     counter: int = 0
 
     def fresh(self, stem: str) -> str:
@@ -241,17 +247,25 @@ def tools(c: Copies, kind: str, no_rsync_why: str | None) -> dict[str, Callable[
     return chosen
 
 
+def settle(c: Copies) -> None:
+    """Write back what earlier copies (and their removal) left dirty, outside any timing."""
+    if c.settle:
+        subprocess.run(["sync", "-f", str(c.tmp)], timeout=TRANSFER_TIMEOUT, check=False)
+
+
 def measure(c: Copies, medium: Medium, kind: str, repeat: int, no_rsync_why: str | None) -> None:
     chosen = tools(c, kind, no_rsync_why)
     figures = medium.file if kind == "file" else medium.tree
     names = list(chosen)
     for name in names:
+        settle(c)
         chosen[name](c, medium)  # untimed warm-up: first-use costs, page cache
         figures[name] = []
     medium.reported.clear()
     for index in range(repeat):
         shift = index % len(names)
         for name in names[shift:] + names[:shift]:
+            settle(c)
             mbps = chosen[name](c, medium)
             figures[name].append(mbps)
             print(
@@ -292,14 +306,16 @@ def make_tree(root: Path, files: int, size: int) -> None:
 
 @contextlib.contextmanager
 def copies(
-    args: argparse.Namespace, parent: Path, no_scp: bool
+    args: argparse.Namespace, parent: Path, no_scp: bool, settle: bool
 ) -> Iterator[tuple[Copies, str | None]]:
     """A provider and (unless ``no_scp``) an sshd with everything under ``parent``."""
     with contextlib.ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="cp-", dir=parent)))
         source, tree = tmp / "source.bin", tmp / "tree"
-        write_source(source, args.size)
-        make_tree(tree, args.files, args.tree_size)
+        # Only what is measured: a gigabyte written and never read still has to
+        # go to the disk while the tree is timed.
+        write_source(source, 0 if args.no_file else args.size)
+        make_tree(tree, 1 if args.no_tree else args.files, args.tree_size)
         (tmp / "ssh-in").mkdir()
         alice, bob = make_nodes(tmp, free_port(kind=socket.SOCK_DGRAM))
         sandbox = tmp / "a" / "files" / str(bob.info().node_id)
@@ -321,6 +337,7 @@ def copies(
                 sandbox=sandbox,
                 env=env,
                 ssh=ssh,
+                settle=settle,
             ),
             why,
         )
@@ -347,12 +364,12 @@ def run(args: argparse.Namespace) -> list[Medium]:
         if medium.name == "disk" and medium.filesystem.split()[:1] == ["tmpfs"]:
             print(f"  {medium.parent} is on tmpfs, not a disk: skipped (pick one with --dir)")
             continue
-        print(
-            f"  writing a {args.size / MIB:g} MiB file and {args.files} files of "
-            f"{args.tree_size / MIB:g} MiB in all...",
-            flush=True,
-        )
-        with copies(args, medium.parent, args.no_scp) as (c, ssh_why):
+        writing = [] if args.no_file else [f"a {args.size / MIB:g} MiB file"]
+        if not args.no_tree:
+            writing.append(f"{args.files} files of {args.tree_size / MIB:g} MiB in all")
+        print(f"  writing {' and '.join(writing) or 'nothing'}...", flush=True)
+        settle = medium.name == "disk" and not args.no_sync
+        with copies(args, medium.parent, args.no_scp, settle) as (c, ssh_why):
             if ssh_why:
                 print(f"  scp, rsync: {ssh_why}")
             elif no_rsync_why:
@@ -451,6 +468,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-tree", action="store_true", help="leave the tree copies out")
     parser.add_argument("--quick", action="store_true", help="smoke run: 32M, 500 files, 1 run")
     parser.add_argument("--no-scp", action="store_true", help="measure GPUMesh only")
+    parser.add_argument(
+        "--no-sync",
+        action="store_true",
+        help="do not sync the disk (untimed) before each copy on it",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.size, args.files, args.tree_size, args.repeat = 32 * MIB, 500, 8 * MIB, 1

@@ -863,3 +863,32 @@ def test_a_small_folder_reports_its_rate_in_a_unit_that_fits(agent_process, tmp_
     )
     assert summary is not None, ok.stderr
     assert float(summary.group(2)) > 0
+
+
+def test_a_folder_arrives_owned_by_the_jobs_user_on_both_paths(pair, tmp_path: Path) -> None:
+    # A provider running as root hands uploads to the user its jobs run as; the
+    # unpacker does it as it makes each entry, on the data channel and on QUIC.
+    if os.geteuid() != 0:
+        pytest.skip("changing owners needs root (CI runs as root)")
+    alice, bob = pair
+    source = tmp_path / "src"
+    (source / "sub" / "deeper").mkdir(parents=True)
+    (source / "sub" / "deeper" / "f.txt").write_text("deep\n")
+    (source / "top.txt").write_text("top\n")
+    os.symlink("sub/deeper/f.txt", source / "link")
+
+    async def scenario() -> list[CopyResult]:
+        async with _serving(alice, bob) as agent:
+            agent.files.owner = (47000, 47001)
+            return [
+                await copy(bob, str(source), "alice:/fast"),
+                await copy(bob, str(source), "alice:/slow", fast_path=False),
+            ]
+
+    results = arun(scenario())
+    assert [r.channel for r in results] == ["tls", "quic"]
+    for name in ("fast", "slow"):
+        dest = sandbox_of(alice, bob) / name
+        assert tree(dest) == tree(source)
+        owners = {(p.lstat().st_uid, p.lstat().st_gid) for p in [dest, *dest.rglob("*")]}
+        assert owners == {(47000, 47001)}

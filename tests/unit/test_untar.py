@@ -220,3 +220,37 @@ def test_a_file_changed_after_the_scan_stops_a_gathered_tar(tmp_path: Path, chan
     with pytest.raises(ConfigError) as caught:
         write_tar(plan, _Collected())
     assert str(caught.value).startswith("data changed while it was being packed; run again")
+
+
+def test_everything_made_is_given_the_owner_named(tmp_path: Path) -> None:
+    # A provider that runs jobs as another user names it: the unpacker gives it
+    # each folder, file and link as it makes them (there is no second walk).
+    from gpumesh import platform
+
+    if os.geteuid() != 0:
+        pytest.skip("giving files away needs root (CI runs as root)")
+    root = tmp_path / "r"
+    (root / "a" / "b").mkdir(parents=True)
+    (root / "a" / "b" / "f").write_text("f")
+    (root / "g").write_text("g")
+    os.symlink("../g", root / "a" / "up")
+    os.link(root / "g", root / "h")
+    data = tar_of(root)
+    owner = (47001, 47002)
+    try:
+        platform.configure({"GPUMESH_TEST_WITHOUT": "dir_fd"})
+        unpack_tar(io.BytesIO(data), tmp_path / "by-path", BIG, owner=owner)
+    finally:
+        platform.configure({})
+    unpack_tar(io.BytesIO(data), tmp_path / "by-fd", BIG, owner=owner)
+    unpack_tar(io.BytesIO(data), tmp_path / "nobody-named", BIG)
+    for dest in (tmp_path / "by-path", tmp_path / "by-fd"):
+        found = {
+            str(path.relative_to(dest)): (path.lstat().st_uid, path.lstat().st_gid)
+            for path in [dest, *dest.rglob("*")]
+        }
+        assert set(found) == {".", "a", "a/b", "a/b/f", "a/up", "g", "h"}
+        assert set(found.values()) == {owner}, found
+        assert (dest / "a" / "b" / "f").read_text() == "f"
+        assert stat.S_IMODE((dest / "a" / "b" / "f").stat().st_mode) & 0o600 == 0o600
+    assert (tmp_path / "nobody-named" / "g").stat().st_uid == os.geteuid()

@@ -532,12 +532,13 @@ class FileService:
             via = ""
             offer = self.offer_channel(ctx, message.channel, FileResume(offset=0, hash=hash_name))
             try:
+                # Unpacked straight to the jobs' owner: no second walk to chown it.
                 if offer is not None and await self.receive_tar(
-                    ctx, offer, message.size, temp, limit, hasher
+                    ctx, offer, message.size, temp, limit, hasher, self.owner
                 ):
                     received, via = message.size, " over a data channel"
                 else:
-                    async with unpack_from(temp, limit, hasher) as feed:
+                    async with unpack_from(temp, limit, hasher, self.owner) as feed:
                         while chunk := await stream.read_data():
                             received += len(chunk)
                             if received > message.size:
@@ -624,17 +625,18 @@ class FileService:
         dest: Path,
         limit: int,
         hasher: Hasher,
+        owner: tuple[int, int] | None = None,
     ) -> bool:
         """Unpack the request's tar from its data channel into ``dest`` (all or nothing,
-        the same unpacker and ``limit`` as over QUIC) and check it against the
-        FileDone the consumer sends on QUIC after it; on any failure ``dest`` is
+        the same unpacker, ``limit`` and ``owner`` as over QUIC) and check it against
+        the FileDone the consumer sends on QUIC after it; on any failure ``dest`` is
         removed. False: the consumer declined the channel, and the tar comes as
         DATA on the stream."""
         from gpumesh.files.channel import receive_stream
         from gpumesh.files.transfer import unpack_pieces
 
         following = _next_message(ctx.stream, offer.listener)
-        consume = functools.partial(unpack_pieces, dest=dest, limit=limit)
+        consume = functools.partial(unpack_pieces, dest=dest, limit=limit, owner=owner)
         try:
             try:
                 async with _channel_of(offer.listener, following) as channel:
@@ -935,10 +937,8 @@ class FileService:
         meta.unlink(missing_ok=True)
 
     def _place_folder(self, peer: Peer, temp: Path, remote: str) -> None:
-        """Move an unpacked folder into place: renamed when new, merged into an existing one."""
-        if self.owner is not None:
-            with Tree(temp) as unpacked:  # still private to the agent
-                unpacked.chown_all((), self.owner)
+        """Move an unpacked folder (unpacked for :attr:`owner` already) into place:
+        renamed when new, merged into an existing one."""
         refusal = f"{self._where(remote)} is not a folder: pick another name"
         self._move_in(peer, temp, remote, Tree.place_tree, (NotADirectoryError, refusal))
 

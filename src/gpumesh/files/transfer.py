@@ -293,11 +293,12 @@ def _unpack(
     dest: Path,
     limit: int,
     hasher: Hasher | None = None,
+    owner: tuple[int, int] | None = None,
 ) -> int:
     from gpumesh.files.untar import unpack_stream
 
     if hasher is None:
-        return unpack_stream(next_piece, dest, limit)
+        return unpack_stream(next_piece, dest, limit, owner)
     update = hasher.update
 
     def hashed() -> bytes | memoryview | None:
@@ -306,21 +307,24 @@ def _unpack(
             update(piece)
         return piece
 
-    return unpack_stream(hashed, dest, limit)
+    return unpack_stream(hashed, dest, limit, owner)
 
 
-def unpack_pieces(pieces: Iterator[memoryview], dest: Path, limit: int) -> int:
+def unpack_pieces(
+    pieces: Iterator[memoryview], dest: Path, limit: int, owner: tuple[int, int] | None = None
+) -> int:
     """Unpack a tar arriving as ``pieces`` into ``dest``, all or nothing, reading every
     piece to the end (blocking; the pieces' producer hashes them). Returns bytes of
-    content. The same unpacker, checks and limit as :func:`unpack_from`."""
-    return _unpack(lambda: next(pieces, None), dest, limit)
+    content. The same unpacker, checks, limit and ``owner`` as :func:`unpack_from`."""
+    return _unpack(lambda: next(pieces, None), dest, limit, owner=owner)
 
 
 @contextlib.asynccontextmanager
 async def unpack_from(
-    dest: Path, limit: int, hasher: Hasher
+    dest: Path, limit: int, hasher: Hasher, owner: tuple[int, int] | None = None
 ) -> AsyncIterator[Callable[[bytes | None], Awaitable[None]]]:
-    """Unpack a tar into ``dest`` (all or nothing) on a thread while chunks arrive.
+    """Unpack a tar into ``dest`` (all or nothing) on a thread while chunks arrive;
+    ``owner`` (uid, gid): given everything unpacked, ``dest`` included.
 
     Yields ``feed``: ``await feed(chunk)`` for each chunk, ``await feed(None)``
     at the end, which waits for the unpacking to finish and raises what it
@@ -337,7 +341,7 @@ async def unpack_from(
             raise OSError(errno.ECONNABORTED, "the transfer stopped")
         return chunk
 
-    unpacking = in_thread(_unpack, next_chunk, dest, limit, hasher)
+    unpacking = in_thread(_unpack, next_chunk, dest, limit, hasher, owner)
     finished = False
 
     async def feed(chunk: bytes | None) -> None:

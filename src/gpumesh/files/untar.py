@@ -23,7 +23,10 @@ Modes follow tarfile's ``data`` filter: files keep their exec bits, less
 set-id, sticky and group/other write, and their owner can always read and
 write them; folders keep theirs the same way, and their owner keeps full
 access so the folder can be replaced or removed later. Modification times
-are kept for files and folders (not symlinks); owners never travel.
+are kept for files and folders (not symlinks); owners never travel. The
+provider may name an owner: everything made (the top folder included) is
+given to it as it is made, through the descriptor in hand, so no second walk
+over the unpacked folder is needed.
 """
 
 from __future__ import annotations
@@ -335,7 +338,10 @@ class _FdWriter:
     """Creates entries below ``root_fd`` (a fresh folder private to this process),
     each relative to its open parent folder, never through a link."""
 
-    def __init__(self, root_fd: int) -> None:
+    def __init__(self, root_fd: int, owner: tuple[int, int] | None = None) -> None:
+        self._owner = owner
+        if owner is not None:
+            os.fchown(root_fd, *owner)
         self._dirs: dict[str, int] = {"": root_fd}
         self.folders: dict[str, tuple[int, float]] = {}
         """Folders with a header: their mode and time, set once everything is in."""
@@ -347,10 +353,15 @@ class _FdWriter:
             return fd
         parent, _, name = path.rpartition("/")
         parent_fd = self.folder(parent)
-        with contextlib.suppress(FileExistsError):  # made before (a folder twice)
+        made = True
+        try:
             os.mkdir(name, 0o777, dir_fd=parent_fd)
+        except FileExistsError:  # made before (a folder twice, or reopened after trim)
+            made = False
         fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
         self._dirs[path] = fd
+        if made and self._owner is not None:
+            os.fchown(fd, *self._owner)
         return fd
 
     def trim(self) -> None:
@@ -364,6 +375,8 @@ class _FdWriter:
         fd = os.open(name, _FILE_FLAGS, 0o600, dir_fd=self.folder(parent))
         try:
             source.copy_to(fd, member.size)
+            if self._owner is not None:
+                os.fchown(fd, *self._owner)
             os.fchmod(fd, _file_mode(member.mode))
             os.utime(fd, (member.mtime, member.mtime))
         finally:
@@ -371,7 +384,10 @@ class _FdWriter:
 
     def symlink(self, path: str, target: str) -> None:
         parent, _, name = path.rpartition("/")
-        os.symlink(target, name, dir_fd=self.folder(parent))
+        parent_fd = self.folder(parent)
+        os.symlink(target, name, dir_fd=parent_fd)
+        if self._owner is not None:
+            os.chown(name, *self._owner, dir_fd=parent_fd, follow_symlinks=False)
 
     def hard_link(self, path: str, target: str, member: _Member) -> None:
         parent, _, name = path.rpartition("/")
@@ -417,8 +433,10 @@ class _PathWriter:
     no ``O_NOFOLLOW`` (Windows): the staging folder is fresh and private to this process, and
     every entry's parents were checked to be folders made here."""
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, owner: tuple[int, int] | None = None) -> None:
         self._root = root
+        self._owner = owner
+        self._own(root)
         self._flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | platform.BINARY
         self._flags |= platform.open_flag("O_NOFOLLOW") | platform.open_flag("O_CLOEXEC")
         self._made = {""}
@@ -427,12 +445,20 @@ class _PathWriter:
     def _full(self, path: str) -> str:
         return os.path.join(self._root, *path.split("/"))
 
+    def _own(self, full: str) -> None:
+        if self._owner is not None:
+            os.chown(full, *self._owner, follow_symlinks=False)
+
     def folder(self, path: str) -> None:
         if path in self._made:
             return
         self.folder(path.rpartition("/")[0])
-        with contextlib.suppress(FileExistsError):
+        try:
             os.mkdir(self._full(path))
+        except FileExistsError:
+            pass
+        else:
+            self._own(self._full(path))
         self._made.add(path)
 
     def trim(self) -> None:
@@ -446,12 +472,14 @@ class _PathWriter:
             source.copy_to(fd, member.size)
         finally:
             os.close(fd)
+        self._own(full)
         os.chmod(full, _file_mode(member.mode))
         os.utime(full, (member.mtime, member.mtime))
 
     def symlink(self, path: str, target: str) -> None:
         self.folder(path.rpartition("/")[0])
         os.symlink(target, self._full(path))
+        self._own(self._full(path))
 
     def hard_link(self, path: str, target: str, member: _Member) -> None:
         self.folder(path.rpartition("/")[0])
@@ -524,7 +552,12 @@ def _extract(source: _Source, writer: _FdWriter | _PathWriter, limit: int) -> tu
     return content, symlinks
 
 
-def unpack_stream(next_piece: Callable[[], Piece | None], dest: Path, limit: int) -> int:
+def unpack_stream(
+    next_piece: Callable[[], Piece | None],
+    dest: Path,
+    limit: int,
+    owner: tuple[int, int] | None = None,
+) -> int:
     """Extract the tar arriving as pieces from ``next_piece`` (None: the end) into
     ``dest`` (absent or an empty folder); returns bytes of content.
 
@@ -534,6 +567,7 @@ def unpack_stream(next_piece: Callable[[], Piece | None], dest: Path, limit: int
     (``LimitError``) more than ``limit`` bytes of archive or of file content.
     Reads every piece to the end, past the archive's end marker.
     A piece may be reused by its producer once the next one is asked for.
+    ``owner`` (uid, gid): given every folder, file and link made, ``dest`` included.
     """
     if dest.is_symlink() or (dest.exists() and (not dest.is_dir() or any(dest.iterdir()))):
         raise FileExistsError(f"{dest} is not an empty folder")
@@ -544,9 +578,14 @@ def unpack_stream(next_piece: Callable[[], Piece | None], dest: Path, limit: int
         source = _Source(next_piece, limit)
         writer: _FdWriter | _PathWriter
         if platform.has("dir_fd") and platform.has("nofollow") and platform.has("oflags"):
-            writer = _FdWriter(os.open(temp, _DIR_FLAGS))
+            root_fd = os.open(temp, _DIR_FLAGS)
+            try:
+                writer = _FdWriter(root_fd, owner)
+            except BaseException:
+                os.close(root_fd)
+                raise
         else:
-            writer = _PathWriter(str(temp))
+            writer = _PathWriter(str(temp), owner)
         try:
             content, symlinks = _extract(source, writer, limit)
             source.drain()
@@ -567,11 +606,13 @@ def unpack_stream(next_piece: Callable[[], Piece | None], dest: Path, limit: int
     return content
 
 
-def unpack_tar(src: BinaryIO | Path, dest: Path, limit: int) -> int:
+def unpack_tar(
+    src: BinaryIO | Path, dest: Path, limit: int, owner: tuple[int, int] | None = None
+) -> int:
     """:func:`unpack_stream` of a file (read once, as a stream) or of the file at a path."""
     if isinstance(src, Path):
         with src.open("rb") as opened:
-            return unpack_tar(opened, dest, limit)
+            return unpack_tar(opened, dest, limit, owner)
     taken = 0
 
     def next_piece() -> bytes | None:
@@ -581,7 +622,7 @@ def unpack_tar(src: BinaryIO | Path, dest: Path, limit: int) -> int:
         taken += len(data)
         return data or None
 
-    return unpack_stream(next_piece, dest, limit)
+    return unpack_stream(next_piece, dest, limit, owner)
 
 
 def _write_failed(exc: OSError) -> GPUMeshError:
