@@ -69,7 +69,7 @@ _IN_Q_OVERFLOW = 0x4000
 _IN_IGNORED = 0x8000
 _IN_ONLYDIR = 0x1000000
 _IN_ISDIR = 0x40000000
-_IN_NONBLOCK = os.O_NONBLOCK
+_IN_NONBLOCK = getattr(os, "O_NONBLOCK", 0o4000)  # inotify is Linux-only; Windows lacks it
 _IN_CLOEXEC = 0o2000000
 
 _MASK = (
