@@ -137,6 +137,9 @@ def _shut_write(writer: asyncio.StreamWriter) -> None:
 CHANNEL_CHUNK = 1024 * 1024
 """Most bytes per piece on a desktop data channel."""
 _PIECE = struct.Struct(">I")
+_TLS_SLICE = 128 * 1024
+"""Most bytes one call into TLS takes or one read of the channel brings: eight
+records per system call, and the copies a memory buffer costs stay in cache."""
 
 
 async def splice(stream: Stream, local: socket.socket, channel: MemoryChannel) -> None:
@@ -349,13 +352,14 @@ class _Splice:
                 raise _Stopped()
             _PIECE.pack_into(buffer, 0, count)
             out = buffer[: _PIECE.size + count]
-            try:
-                with lock:  # memory buffers take it all: no partial write
-                    while out:
-                        out = out[tls.write(out) :]
-            except ssl.SSLError as exc:
-                raise self._channel_error(exc) from None
-            self._flush()
+            while out:  # a slice at a time: the copies into and out of TLS stay in cache
+                try:
+                    with lock:  # memory buffers take it all: no partial write
+                        done = tls.write(out[:_TLS_SLICE])
+                except ssl.SSLError as exc:
+                    raise self._channel_error(exc) from None
+                out = out[done:]
+                self._flush()
             if not count:
                 return
 
@@ -363,7 +367,7 @@ class _Splice:
         """The channel's bytes into TLS, its records into the buffer, their pieces'
         bytes to the local socket, until the far side's half-close."""
         buffer = memoryview(bytearray(CHANNEL_CHUNK))
-        raw = memoryview(bytearray(CHANNEL_CHUNK))
+        raw = memoryview(bytearray(_TLS_SLICE))
         local, sock, lock = self.local, self._sock, self._tls
         tls, incoming, outgoing = self.channel.tls, self.channel.incoming, self.channel.outgoing
         header = bytearray()
@@ -399,6 +403,11 @@ class _Splice:
                     eof = True
                     break
                 fill += got
+                if not incoming.pending and not tls.pending():
+                    # All taken: the kernel's bytes come next, with no exception to
+                    # say so (the usual end of a small message, and of bulk at times).
+                    starved = True
+                    break
             if reply:  # TLS answered something (a key update): it goes out in order
                 self._flush()
             pos = 0
