@@ -137,11 +137,12 @@ def gpumesh(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 @contextlib.contextmanager
-def tunnel(bob: Path) -> Iterator[tuple[int, subprocess.Popen[bytes]]]:
-    """`gpumesh desktop connect alice` on a free loopback port."""
+def tunnel(bob: Path, wrap: tuple[str, ...] = ()) -> Iterator[tuple[int, subprocess.Popen[bytes]]]:
+    """`gpumesh desktop connect alice` on a free loopback port (``wrap`` as
+    :func:`running_agent`'s)."""
     port = free_port()
     proc = subprocess.Popen(
-        [*gpumesh_command(), "desktop", "connect", PEER, "--bind", f"127.0.0.1:{port}"],
+        [*wrap, *gpumesh_command(), "desktop", "connect", PEER, "--bind", f"127.0.0.1:{port}"],
         env=dict(os.environ, GPUMESH_HOME=str(bob)),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -356,6 +357,9 @@ def run(args: argparse.Namespace) -> int:
                 )
             else:
                 print(f"note: no `ssh -L` rows: {why}")
+            if args.baseline:
+                name = f"gpumesh desktop ({args.baseline})"
+                paths[name], ends[name] = stack.enter_context(baseline(tmp, target, args.baseline))
             paths["direct"], ends["direct"] = target, []
 
             print(f"bulk: {args.size} MiB to the server, median of {args.repeat} taken in turns")
@@ -445,6 +449,36 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def baseline(tmp: Path, target: int, rev: str) -> Iterator[tuple[int, list[int]]]:
+    """A second provider and tunnel running this checkout's ``src/`` as of ``rev``
+    (``git archive``), sharing the same server: old and new side by side in one run."""
+    source = tmp / "baseline-src"
+    source.mkdir()
+    checkout = Path(__file__).resolve().parent.parent
+    archive = subprocess.run(
+        ["git", "-C", str(checkout), "archive", rev, "src"], capture_output=True, check=False
+    )
+    if archive.returncode != 0:
+        raise SystemExit(f"git archive {rev} failed: {archive.stderr.decode().strip()}")
+    subprocess.run(["tar", "-x", "-C", str(source)], input=archive.stdout, check=True)
+    wrap = ("env", f"PYTHONPATH={source / 'src'}")
+    alice_node, bob_node = make_nodes(tmp / "baseline", free_port(kind=socket.SOCK_DGRAM))
+    alice_node.close()
+    bob_node.close()
+    alice, bob = tmp / "baseline" / "a", tmp / "baseline" / "b"
+    with contextlib.ExitStack() as stack:
+        agent = stack.enter_context(running_agent(alice, tmp / "baseline-agent.log", wrap))
+        for command in (
+            ("desktop", "share", "--port", str(target)),
+            ("desktop", "allow", CONSUMER),
+        ):
+            if (done := gpumesh(alice, *command)).returncode != 0:
+                raise SystemExit(f"gpumesh {' '.join(command)} failed: {done.stderr}")
+        port, proc = stack.enter_context(tunnel(bob, wrap))
+        yield port, [proc.pid, agent.pid]
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", type=int, default=256, help="MiB per bulk run (256)")
@@ -452,6 +486,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--pings", type=int, default=1000, help="round trips per path (1000)")
     parser.add_argument("--updates", type=int, default=20, help="VNC updates per path (20)")
     parser.add_argument("--deny", type=int, default=5, help="deny measurements (5)")
+    parser.add_argument(
+        "--baseline",
+        metavar="REV",
+        help="also measure the tunnel as of git revision REV (bulk and round trip rows)",
+    )
     parser.add_argument(
         "--quick",
         action="store_true",

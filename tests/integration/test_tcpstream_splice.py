@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import select
 import socket
 import ssl
@@ -17,7 +18,13 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from gpumesh.files.channel import client_context, server_context
+from gpumesh.files.channel import (
+    TICKET_BYTES,
+    Listener,
+    MemoryChannel,
+    dial_memory,
+    server_context,
+)
 from gpumesh.identity.keys import Identity
 from gpumesh.transport.tcpstream import (
     CHANNEL_CHUNK,
@@ -31,21 +38,18 @@ CEILING = 30.0
 _LENGTH = struct.Struct(">I")
 
 
-def _tls_pair() -> tuple[ssl.SSLSocket, ssl.SSLSocket]:
-    """A TLS connection on loopback: (the splice's end, the far end)."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    with listener:
-        near = socket.create_connection(listener.getsockname())
-        far, _ = listener.accept()
-    server = server_context(Identity.generate())
+def _tls_pair() -> tuple[MemoryChannel, ssl.SSLSocket]:
+    """A data channel on loopback, opened as a desktop connection opens it: (the
+    splice's end, TLS on memory buffers; the far end, Python's TLS socket)."""
+    identity = Identity.generate()
+    ticket = secrets.token_bytes(TICKET_BYTES)
+    listener = Listener("127.0.0.1", server_context(identity), ticket, peer="127.0.0.1")
     result: list[ssl.SSLSocket] = []
-    thread = threading.Thread(
-        target=lambda: result.append(server.wrap_socket(far, server_side=True))
-    )
+    thread = threading.Thread(target=lambda: result.append(listener.accept(CEILING).sock))
     thread.start()
-    near_tls = client_context().wrap_socket(near)
+    near = dial_memory("127.0.0.1", listener.port, identity.public_key, ticket)
     thread.join(CEILING)
-    return near_tls, result[0]
+    return near, result[0]
 
 
 def _tcp_pair() -> tuple[socket.socket, socket.socket]:

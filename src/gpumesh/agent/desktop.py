@@ -48,7 +48,7 @@ from gpumesh.transport.tcpstream import READ_LIMIT, pump, splice
 if TYPE_CHECKING:
     import ssl
 
-    from gpumesh.files.channel import Channel, Listener
+    from gpumesh.files.channel import Listener, MemoryChannel
     from gpumesh.identity.keys import Identity
     from gpumesh.store.db import DesktopShare, Peer
     from gpumesh.transport.stream import Stream
@@ -60,9 +60,6 @@ logger = logging.getLogger(__name__)
 SERVER_HOST = "127.0.0.1"
 """Where the shared desktop server is reached: this host's loopback, nowhere else."""
 _CONNECT_TIMEOUT = 10.0
-_CHANNEL_STALL = 30.0
-"""Seconds a desktop data channel may stall before it is given up (the blocking
-socket's timeout while it opens; the connection itself never times out)."""
 
 
 class ChannelSource(Protocol):
@@ -210,7 +207,7 @@ class DesktopService:
         session.task = asyncio.create_task(
             _over_quic(ctx.stream, server)
             if channel is None
-            else splice(ctx.stream, server, channel.sock)
+            else splice(ctx.stream, server, channel)
         )
         try:
             await session.task
@@ -248,10 +245,10 @@ class DesktopService:
             logger.debug("[%s] no data channel for the desktop: %s", ctx.peer.name, exc)
             return None
 
-    async def _channel(self, ctx: RequestContext, listener: Listener) -> Channel | None:
+    async def _channel(self, ctx: RequestContext, listener: Listener) -> MemoryChannel | None:
         """The consumer's data channel, or None when it declined it (QUIC carries the
         connection). A channel neither opened nor declined ends the request."""
-        accepting = asyncio.ensure_future(closing_in_thread(listener.accept, _CHANNEL_STALL))
+        accepting = asyncio.ensure_future(closing_in_thread(listener.accept_memory))
         declining = asyncio.ensure_future(ctx.stream.read_message())
         taken = False
         try:

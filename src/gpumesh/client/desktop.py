@@ -56,7 +56,7 @@ from gpumesh.transport.tcpstream import READ_LIMIT, pump, splice
 
 if TYPE_CHECKING:
     from gpumesh.client.node import Node
-    from gpumesh.files.channel import Channel
+    from gpumesh.files.channel import MemoryChannel
     from gpumesh.store.db import DesktopShare, Peer
     from gpumesh.transport.session import Session
 
@@ -79,9 +79,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 OwnerLookup = Callable[[tuple[str, int], tuple[str, int]], "int | None"]
-_CHANNEL_STALL = 30.0
-"""Seconds the data channel's blocking socket may stall while it opens (the
-connection itself never times out)."""
 
 
 @dataclass(frozen=True)
@@ -279,20 +276,19 @@ class _Way:
     carried: Callable[[str], None]
 
 
-async def _open_channel(way: _Way, opened: DesktopOpened) -> Channel | None:
+async def _open_channel(way: _Way, opened: DesktopOpened) -> MemoryChannel | None:
     """Dial the offered data channel; None when it does not open (remembered for the
     peer, as ``cp`` remembers it: later connections go over QUIC without trying)."""
     from gpumesh.client.bulk import BLOCKED_FOR
-    from gpumesh.files.channel import dial
+    from gpumesh.files.channel import dial_memory
 
     try:
         return await closing_in_thread(
-            dial,
+            dial_memory,
             way.session.address[0],
             opened.channel_port,
             way.peer.public_key,
             opened.channel_ticket,
-            _CHANNEL_STALL,
         )
     except GPUMeshError as exc:
         if isinstance(exc, UnreachableError):
@@ -328,7 +324,7 @@ async def _carry(
             reader, writer = await asyncio.open_connection(sock=conn, limit=READ_LIMIT)
             await pump(stream, reader, writer)
         else:
-            await splice(stream, conn, channel.sock)
+            await splice(stream, conn, channel)
     except GPUMeshError as exc:
         conn.close()
         if isinstance(exc, AccessDeniedError | NotFoundError) and not ended.done():

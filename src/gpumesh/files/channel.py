@@ -50,7 +50,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Generator, Iterator
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from gpumesh import platform
 from gpumesh.errors import (
@@ -74,10 +74,12 @@ __all__ = [
     "TICKET_BYTES",
     "Channel",
     "Listener",
+    "MemoryChannel",
     "check_pin",
     "client_context",
     "congestion_of",
     "dial",
+    "dial_memory",
     "receive_file",
     "receive_stream",
     "send_file",
@@ -270,6 +272,17 @@ class Listener:
         self._sock.close()
 
     def accept(self, stall_timeout: float, wait: float | None = None) -> Channel:
+        """The peer's connection, its handshake done and its ticket checked (blocking);
+        as :meth:`accept_memory`, with Python's TLS socket (a file's pump)."""
+        candidate = self._accept(wait, _Candidate)
+        return candidate.channel(stall_timeout)
+
+    def accept_memory(self, wait: float | None = None) -> MemoryChannel:
+        """:meth:`accept` for a desktop connection: its TLS on memory buffers
+        (:class:`MemoryChannel`), the socket left blocking without a timeout."""
+        return self._accept(wait, _MemoryCandidate).channel()
+
+    def _accept(self, wait: float | None, kind: type[_C]) -> _C:
         """The peer's connection, its handshake done and its ticket checked (blocking).
 
         Waits up to ``wait`` seconds (default :data:`ACCEPT_WAIT`). Connections
@@ -279,7 +292,7 @@ class Listener:
         is closed before this returns: nothing is accepted after the one.
         """
         deadline = time.monotonic() + (ACCEPT_WAIT if wait is None else wait)
-        pending: list[_Candidate] = []
+        pending: list[_C] = []
         wrong_tickets = 0
         try:
             with selectors.DefaultSelector() as selector:
@@ -300,9 +313,9 @@ class Listener:
                         raise UnreachableError("nobody opened the data channel in time")
                     for key, _events in selector.select(min(left, _POLL)):
                         if key.fileobj is self._sock:
-                            self._take(selector, pending)
+                            self._take(selector, pending, kind)
                             continue
-                        candidate: _Candidate = key.data
+                        candidate: _C = key.data
                         outcome = candidate.step()
                         if outcome is None:
                             selector.modify(candidate.sock, candidate.events, candidate)
@@ -310,7 +323,7 @@ class Listener:
                         selector.unregister(candidate.sock)
                         pending.remove(candidate)
                         if outcome:
-                            return candidate.channel(stall_timeout)
+                            return candidate
                         wrong_tickets += candidate.wrong_ticket
                         candidate.close()
         finally:
@@ -318,7 +331,7 @@ class Listener:
             for candidate in pending:
                 candidate.close()
 
-    def _take(self, selector: selectors.BaseSelector, pending: list[_Candidate]) -> None:
+    def _take(self, selector: selectors.BaseSelector, pending: list[_C], kind: type[_C]) -> None:
         """Accept what is queued: the peer's address gets a handshake, others a close."""
         while True:
             try:
@@ -334,9 +347,7 @@ class Listener:
                 continue
             try:
                 conn.setblocking(False)
-                tls = self._context.wrap_socket(
-                    conn, server_side=True, do_handshake_on_connect=False
-                )
+                candidate = kind(conn, self._context, self.ticket)
             except (OSError, ssl.SSLError) as exc:
                 logger.debug("data channel: a connection from %s failed: %s", address[0], exc)
                 conn.close()
@@ -345,16 +356,15 @@ class Listener:
                 oldest = pending.pop(0)
                 selector.unregister(oldest.sock)
                 oldest.close()
-            candidate = _Candidate(tls, self.ticket)
             pending.append(candidate)
-            selector.register(tls, candidate.events, candidate)
+            selector.register(candidate.sock, candidate.events, candidate)
 
 
 class _Candidate:
     """One connection from the peer's address, in its handshake and ticket (non-blocking)."""
 
-    def __init__(self, sock: ssl.SSLSocket, ticket: bytes) -> None:
-        self.sock = sock
+    def __init__(self, conn: socket.socket, context: ssl.SSLContext, ticket: bytes) -> None:
+        self.sock = context.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
         self._ticket = ticket
         self._handshaken = False
         self._presented = bytearray()
@@ -400,6 +410,124 @@ class _Candidate:
             self.sock.close()
 
 
+class MemoryChannel:
+    """One TLS connection whose TLS runs on memory buffers: a desktop connection's.
+
+    ``tls`` encrypts into ``outgoing`` and decrypts from ``incoming``; moving the
+    bytes between those and the plain TCP socket ``sock`` is the caller's (a
+    splice: one ``recv`` feeds many records, and many records leave in one
+    ``send``, none of it under the lock OpenSSL needs). The socket is blocking,
+    without a timeout. The TLS is the same as :class:`Channel`'s (TLS 1.3, the
+    key pinned, the ticket presented first): the far end cannot tell them apart.
+    """
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        tls: ssl.SSLObject,
+        incoming: ssl.MemoryBIO,
+        outgoing: ssl.MemoryBIO,
+    ) -> None:
+        self.sock = sock
+        self.tls = tls
+        self.incoming = incoming
+        self.outgoing = outgoing
+
+    def close(self) -> None:
+        """Close the socket (any thread): a thread blocked on it is woken first."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+class _MemoryCandidate:
+    """:class:`_Candidate` with its TLS on memory buffers (a desktop connection)."""
+
+    def __init__(self, conn: socket.socket, context: ssl.SSLContext, ticket: bytes) -> None:
+        self.sock = conn
+        self._incoming, self._outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+        self._tls = context.wrap_bio(self._incoming, self._outgoing, server_side=True)
+        self._ticket = ticket
+        self._handshaken = False
+        self._presented = bytearray()
+        self._unsent = b""
+        self.events = selectors.EVENT_READ
+        self.wrong_ticket = False
+
+    def step(self) -> bool | None:
+        """Go as far as it can: True (the ticket matched), False (refused), None (wait)."""
+        try:
+            if self._unsent:  # the handshake's answer, not all taken by the kernel
+                self._unsent = self._unsent[self.sock.send(self._unsent) :]
+                if self._unsent:
+                    return None
+                self.events = selectors.EVENT_READ
+            while True:
+                try:
+                    if not self._handshaken:
+                        self._tls.do_handshake()
+                        self._handshaken = True
+                    while len(self._presented) < TICKET_BYTES:
+                        piece = self._tls.read(TICKET_BYTES - len(self._presented))
+                        if not piece:
+                            return False
+                        self._presented += piece
+                    break
+                except ssl.SSLWantReadError:
+                    if self._flush():
+                        return None
+                    data = self.sock.recv(65536)
+                    if not data:
+                        return False
+                    self._incoming.write(data)
+        except (BlockingIOError, InterruptedError):
+            return None
+        except (OSError, ssl.SSLError) as exc:
+            logger.debug("data channel: a connection from the peer's address failed: %s", exc)
+            return False
+        if not hmac.compare_digest(bytes(self._presented), self._ticket):
+            logger.debug("data channel: closed a connection with a wrong ticket")
+            self.wrong_ticket = True
+            return False
+        return True
+
+    def _flush(self) -> bool:
+        """Send what TLS wrote; whether some is left for the socket's room."""
+        out = self._outgoing.read()
+        if out:
+            self._unsent = out[self.sock.send(out) :]
+        if self._unsent:
+            self.events = selectors.EVENT_WRITE
+            return True
+        return False
+
+    def channel(self) -> MemoryChannel:
+        self.sock.setblocking(True)
+        return MemoryChannel(self.sock, self._tls, self._incoming, self._outgoing)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+class _Accepting(Protocol):
+    """What :meth:`Listener._accept` drives: one connection in its handshake."""
+
+    events: int
+    wrong_ticket: bool
+
+    @property
+    def sock(self) -> socket.socket: ...
+
+    def __init__(self, conn: socket.socket, context: ssl.SSLContext, ticket: bytes) -> None: ...
+    def step(self) -> bool | None: ...
+    def close(self) -> None: ...
+
+
+_C = TypeVar("_C", bound=_Accepting)
+
+
 def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
     """An address as one value however it is written: an IPv4 client of a dual-stack
     socket (``::ffff:a.b.c.d``) is that IPv4 address; a zone (``%eth0``) is dropped."""
@@ -435,6 +563,44 @@ def dial(host: str, port: int, expected_key: bytes, ticket: bytes, stall_timeout
         tls.sendall(ticket)
     except BaseException as exc:
         channel.close()
+        if isinstance(exc, OSError):
+            raise UnreachableError(f"the data channel to {host}:{port} failed: {exc}") from None
+        raise
+    return channel
+
+
+def dial_memory(host: str, port: int, expected_key: bytes, ticket: bytes) -> MemoryChannel:
+    """:func:`dial` for a desktop connection: the same TLS, run on memory buffers
+    (:class:`MemoryChannel`); the socket is left blocking without a timeout."""
+    try:
+        conn = socket.create_connection((host, port), timeout=CONNECT_WAIT)
+    except OSError as exc:
+        raise UnreachableError(f"cannot open a data channel to {host}:{port}: {exc}") from None
+    _prefer_bbr(conn)
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls = client_context().wrap_bio(incoming, outgoing)
+    channel = MemoryChannel(conn, tls, incoming, outgoing)
+    try:
+        while True:
+            try:
+                tls.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                conn.sendall(outgoing.read())
+                data = conn.recv(65536)
+                if not data:
+                    raise UnreachableError(
+                        f"the data channel's TLS handshake failed: {host}:{port} closed it"
+                    ) from None
+                incoming.write(data)
+        check_pin(tls.getpeercert(binary_form=True), expected_key, f"{host}:{port}")
+        tls.write(ticket)
+        conn.sendall(outgoing.read())
+        conn.settimeout(None)
+    except BaseException as exc:
+        channel.close()
+        if isinstance(exc, ssl.SSLError):
+            raise UnreachableError(f"the data channel's TLS handshake failed: {exc}") from None
         if isinstance(exc, OSError):
             raise UnreachableError(f"the data channel to {host}:{port} failed: {exc}") from None
         raise

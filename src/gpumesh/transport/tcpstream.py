@@ -11,23 +11,22 @@ the socket; a failed socket resets the stream, so the far side's socket closes.
 
 Over a data channel (:func:`splice`) the bytes skip the event loop: two threads
 per connection, one per direction, move them between the local socket and the
-channel's TLS socket, and the loop only watches the request's stream for a
-refusal. Python's TLS on asyncio copies each chunk several times and wakes the
-loop per chunk; here a chunk is read into a reused buffer and handed to OpenSSL
-(or the kernel) from there.
+channel's plain TCP socket, TLS running on memory buffers between them, and the
+loop only watches the request's stream for a refusal. Python's TLS on asyncio
+wakes the loop per chunk, and its TLS socket makes a system call (or two) per
+16 KiB record; here one ``recv`` feeds many records and many leave in one send.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import select
 import socket
 import ssl
 import struct
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from gpumesh.errors import ConnectionLostError, GPUMeshError, ProtocolError, error_from_code
 from gpumesh.protocol.framing import FrameKind
@@ -35,6 +34,7 @@ from gpumesh.protocol.messages import Refusal, decode_message
 from gpumesh.transport.stream import DATA_CHUNK
 
 if TYPE_CHECKING:
+    from gpumesh.files.channel import MemoryChannel
     from gpumesh.transport.stream import Stream
 
 __all__ = ["CHANNEL_CHUNK", "READ_LIMIT", "pump", "splice"]
@@ -137,20 +137,20 @@ def _shut_write(writer: asyncio.StreamWriter) -> None:
 CHANNEL_CHUNK = 1024 * 1024
 """Most bytes per piece on a desktop data channel."""
 _PIECE = struct.Struct(">I")
-_READ = 1
-_WRITE = 2
-_HAS_POLL = hasattr(select, "poll")
+_TLS_SLICE = 128 * 1024
+"""Most bytes one call into TLS takes or one read of the channel brings: eight
+records per system call, and the copies a memory buffer costs stay in cache."""
 
 
-async def splice(stream: Stream, local: socket.socket, channel: ssl.SSLSocket) -> None:
+async def splice(stream: Stream, local: socket.socket, channel: MemoryChannel) -> None:
     """Carry the connection both ways over a data channel (TLS on TCP) instead of the
     stream, until both directions ended; then finish the stream. Both sockets are
     closed when it returns, whatever happened.
 
     On the channel each piece is its length (4 bytes) then its bytes; a length of
     0 is a half-close, passed on to the local socket. The bytes move on threads
-    of their own (:class:`_Splice`: one per direction, one reused buffer each, no
-    copy between the kernel's and OpenSSL's), and the event loop
+    of their own (:class:`_Splice`: one per direction, TLS on memory buffers, a
+    system call per many records), and the event loop
     keeps only the request's stream beside it, for what is not bytes: a refusal
     on it (access revoked, the share stopped) ends the connection with that error,
     and a far side gone (the stream failed, the channel broke) closes it. Raises
@@ -229,37 +229,42 @@ class _Splice:
 
     A direction's thread sleeps in the kernel until its bytes come and goes
     straight back to sleep once they are passed on: a small message costs one
-    wake-up, its reads and one write per hop, with no loop over both directions
+    wake-up, one read and one write per hop, with no loop over both directions
     between them (Python releases the GIL in each of those calls).
 
-    Up (the thread that calls :meth:`run`): a blocking read of the local socket
-    straight into the buffer behind a 4-byte length, and that piece handed to TLS
-    whole before the next read (back-pressure: a full channel stops the reads).
-    Down (a second thread): TLS records decrypted into the buffer back to back
-    while full ones keep coming, and the pieces' bytes sent to the local socket
+    The channel's TLS runs on memory buffers (:class:`MemoryChannel`), so the
+    channel's socket is a plain blocking one and no system call is made under
+    the lock OpenSSL needs. Up (the thread that calls :meth:`run`): a blocking
+    read of the local socket straight into the buffer behind a 4-byte length,
+    that piece encrypted whole (as many records as it takes) and the records sent
+    in one blocking ``sendall`` before the next read (back-pressure: a full channel
+    stops the reads). Down (a second thread): one ``recv`` of up to
+    :data:`CHANNEL_CHUNK` of the channel's bytes, the records in them decrypted
+    back to back into the buffer, and the pieces' bytes sent to the local socket
     from there (a blocking send: a local program that does not read stops the
     channel's reads).
 
-    OpenSSL never sees two threads at once: the TLS socket is non-blocking and
-    each call on it is made under one lock, never held while waiting; a direction
-    whose TLS step would block waits in ``poll`` on the channel and a wake-up
-    socket. :meth:`stop` (any thread) or a failure in either direction stops both:
-    the wake-up socket turns readable for good and the local socket is shut down,
-    which wakes a thread blocked on it. Nothing here touches the event loop.
+    OpenSSL never sees two threads at once: each call on the TLS object and its
+    buffers is made under one lock, never held in a system call. Encrypted bytes
+    are taken from the outgoing buffer and sent under a second lock, so records
+    leave in the order they were made, whichever thread sends them. :meth:`stop`
+    (any thread) or a failure in either direction stops both: both sockets are
+    shut down, which wakes a thread blocked on either. Nothing here touches the
+    event loop.
     """
 
-    def __init__(self, local: socket.socket, channel: ssl.SSLSocket) -> None:
+    def __init__(self, local: socket.socket, channel: MemoryChannel) -> None:
         self.local = local
         self.channel = channel
-        self._wake, self._waker = socket.socketpair()
-        local.setblocking(True)
-        for sock in (channel, self._wake, self._waker):
-            sock.setblocking(False)
-        for sock in (local, channel):
+        self._sock = channel.sock
+        for sock in (local, self._sock):
+            sock.setblocking(True)
             with contextlib.suppress(OSError):  # small pieces leave at once
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._tls = threading.Lock()
-        """Held around every call into OpenSSL on the channel."""
+        """Held around every call into OpenSSL and its memory buffers."""
+        self._sending = threading.Lock()
+        """Held from taking encrypted bytes out of TLS until they are sent."""
         self._halted = False
         self._failure: BaseException | None = None
         """What broke first, in either direction (None: nothing, or :meth:`stop` came first)."""
@@ -273,15 +278,14 @@ class _Splice:
         if self._halted:
             return
         self._halted = True
-        with contextlib.suppress(OSError):  # readable from now on: wakes every poll
-            self._waker.send(b"\0")
-        with contextlib.suppress(OSError):  # wakes a thread blocked on the local socket
-            self.local.shutdown(socket.SHUT_RDWR)
+        for sock in (self.local, self._sock):  # wakes a thread blocked on either
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
 
     def close(self) -> None:
-        for sock in (self.local, self.channel, self._wake, self._waker):
-            with contextlib.suppress(OSError):
-                sock.close()
+        with contextlib.suppress(OSError):
+            self.local.close()
+        self.channel.close()
 
     def run(self) -> None:
         """Move bytes until both directions ended (blocking; raises what broke)."""
@@ -299,11 +303,11 @@ class _Splice:
         if not (up_ended and ended == [True]):
             raise _Stopped()
 
-    def _direction(self, move: Callable[[_Waiter], None]) -> bool:
+    def _direction(self, move: Callable[[], None]) -> bool:
         """Run one direction; whether it ended normally. A failure is kept for
         :meth:`run` (the first one only) and stops the other direction."""
         try:
-            move(_Waiter(self.channel, self._wake))
+            move()
         except _Stopped:
             return False
         except BaseException as exc:
@@ -313,15 +317,30 @@ class _Splice:
             return False
         return True
 
-    def _check(self) -> None:
+    def _channel_error(self, exc: Exception) -> Exception:
         if self._halted:
-            raise _Stopped()
+            return _Stopped()
+        if isinstance(exc, OSError) and not isinstance(exc, ssl.SSLError):
+            return _ChannelError(exc.strerror or str(exc))
+        return _ChannelError(str(exc) or type(exc).__name__)
 
-    def _up(self, waiter: _Waiter) -> None:
+    def _flush(self) -> None:
+        """Send what TLS has encrypted so far (blocking), in the order it was made."""
+        with self._sending:
+            with self._tls:
+                out = self.channel.outgoing.read()
+            if not out:
+                return
+            try:
+                self._sock.sendall(out)
+            except OSError as exc:
+                raise self._channel_error(exc) from None
+
+    def _up(self) -> None:
         """The local socket's bytes into TLS, a piece per read, until its EOF."""
         buffer = memoryview(bytearray(_PIECE.size + CHANNEL_CHUNK))
         room = buffer[_PIECE.size :]
-        local, channel, lock = self.local, self.channel, self._tls
+        local, tls, lock = self.local, self.channel.tls, self._tls
         while True:
             try:
                 count = local.recv_into(room)
@@ -333,73 +352,64 @@ class _Splice:
                 raise _Stopped()
             _PIECE.pack_into(buffer, 0, count)
             out = buffer[: _PIECE.size + count]
-            while out:
+            while out:  # a slice at a time: the copies into and out of TLS stay in cache
                 try:
-                    with lock:
-                        sent = channel.send(out)
-                except ssl.SSLWantWriteError:
-                    waiter.wait(_WRITE)
-                    self._check()
-                    continue
-                except ssl.SSLWantReadError:
-                    waiter.wait(_READ)
-                    self._check()
-                    continue
-                except (OSError, ssl.SSLError) as exc:
-                    if self._halted:
-                        raise _Stopped() from None
-                    raise _ChannelError(str(exc) or type(exc).__name__) from None
-                if sent == len(out):
-                    break
-                out = out[sent:]
+                    with lock:  # memory buffers take it all: no partial write
+                        done = tls.write(out[:_TLS_SLICE])
+                except ssl.SSLError as exc:
+                    raise self._channel_error(exc) from None
+                out = out[done:]
+                self._flush()
             if not count:
                 return
 
-    def _down(self, waiter: _Waiter) -> None:
-        """TLS records into the buffer, their pieces' bytes to the local socket,
-        until the far side's half-close."""
+    def _down(self) -> None:
+        """The channel's bytes into TLS, its records into the buffer, their pieces'
+        bytes to the local socket, until the far side's half-close."""
         buffer = memoryview(bytearray(CHANNEL_CHUNK))
-        local, channel, lock = self.local, self.channel, self._tls
+        raw = memoryview(bytearray(_TLS_SLICE))
+        local, sock, lock = self.local, self._sock, self._tls
+        tls, incoming, outgoing = self.channel.tls, self.channel.incoming, self.channel.outgoing
         header = bytearray()
         left = 0
         """Bytes of the current piece still to go to the local socket."""
-        drained = False
-        """The last read found the kernel empty: wait before the next."""
+        starved = False
+        """TLS holds no whole record: the kernel's bytes come first."""
         while True:
-            if drained:
-                waiter.wait(_READ)
-                self._check()
-            fill, eof, drained = 0, False, False
+            if starved:
+                try:
+                    got = sock.recv_into(raw)
+                except OSError as exc:
+                    raise self._channel_error(exc) from None
+                if self._halted:
+                    raise _Stopped()
+                if not got:
+                    raise _ChannelError("it ended in the middle of the connection")
+                with lock:
+                    incoming.write(raw[:got])
+            fill, eof, starved, reply = 0, False, False, False
             while fill < CHANNEL_CHUNK:
-                room = CHANNEL_CHUNK - fill
                 try:
                     with lock:
-                        got = channel.recv_into(buffer[fill:])
+                        # given a buffer, it returns a count (typeshed says bytes)
+                        got = cast(int, tls.read(CHANNEL_CHUNK - fill, buffer[fill:]))
+                        reply = reply or outgoing.pending > 0
                 except ssl.SSLWantReadError:
-                    drained = True
+                    starved = True
                     break
-                except ssl.SSLWantWriteError:
-                    waiter.wait(_WRITE)
-                    self._check()
-                    continue
-                except (OSError, ssl.SSLError) as exc:
-                    if self._halted:
-                        raise _Stopped() from None
-                    raise _ChannelError(str(exc) or type(exc).__name__) from None
+                except ssl.SSLError as exc:
+                    raise self._channel_error(exc) from None
                 if not got:
                     eof = True
                     break
                 fill += got
-                # A full record is bulk: more likely follows, and reading on costs
-                # at most one exception per buffer. A short one (a small message)
-                # goes out at once, and the next read waits for the channel first:
-                # a read with room to spare took the rest of its record, so OpenSSL
-                # holds nothing that poll would not see.
-                if got < _FULL_RECORD and got < room:
-                    drained = True
+                if not incoming.pending and not tls.pending():
+                    # All taken: the kernel's bytes come next, with no exception to
+                    # say so (the usual end of a small message, and of bulk at times).
+                    starved = True
                     break
-            if self._halted:
-                raise _Stopped()
+            if reply:  # TLS answered something (a key update): it goes out in order
+                self._flush()
             pos = 0
             while pos < fill:
                 if left:
@@ -436,6 +446,8 @@ class _Splice:
                     return
             if eof:
                 raise _ChannelError("it ended in the middle of the connection")
+            if self._halted:
+                raise _Stopped()
 
     def _end_down(self, more: bool) -> None:
         """The far side's half-close (a piece of 0), which nothing may follow: the
@@ -444,39 +456,6 @@ class _Splice:
             raise _ChannelError("bytes followed the end of the connection")
         with contextlib.suppress(OSError):
             self.local.shutdown(socket.SHUT_WR)
-
-
-_FULL_RECORD = 16384
-"""The most bytes one TLS record carries."""
-
-
-class _Waiter:
-    """One direction's wait until the channel is ready, or the wake-up socket
-    readable: ``poll`` where the system has it (registered once), else ``select``."""
-
-    def __init__(self, channel: socket.socket, wake: socket.socket) -> None:
-        self._channel, self._wake = channel.fileno(), wake.fileno()
-        self._poll = select.poll() if _HAS_POLL else None
-        self._events = 0
-        if self._poll is not None:
-            self._poll.register(self._wake, select.POLLIN)
-
-    def wait(self, what: int) -> None:
-        """Block until the channel may be ready for ``what`` (``_READ`` or
-        ``_WRITE``): an error or a hang-up counts, so the next step finds out."""
-        if self._poll is None:  # pragma: no cover - Windows
-            reading = what == _READ
-            select.select(
-                [self._wake, *([self._channel] if reading else [])],
-                [] if reading else [self._channel],
-                [self._channel],
-            )
-            return
-        events = select.POLLIN if what == _READ else select.POLLOUT
-        if events != self._events:
-            self._poll.register(self._channel, events)  # again: modifies
-            self._events = events
-        self._poll.poll()
 
 
 async def _refusal_on(stream: Stream) -> None:
