@@ -75,8 +75,12 @@ def _view_summary(view: dict[str, Any]) -> str:
 def sync(peer: str, folder: str, dry_run: bool, as_json: bool) -> None:
     """Sync the folder DIR into /apps/NAME in your folder on PEER."""
     if node_enabled():
+        from gpumesh.cli.launch import APP_SYNC, APP_SYNC_PATH, take
+
         body = {"peer": peer, "dir": os.path.abspath(folder), "dry_run": dry_run}
-        view = node_client().call("POST", "/api/v1/apps/sync", body)
+        ahead = take(APP_SYNC, body)  # the plain form's request, sent before the CLI loaded
+        read = ahead[1] if ahead is not None else None
+        view = read() if read else node_client().call("POST", APP_SYNC_PATH, body)
         if as_json:  # plain JSON data already: printed as emit_json would, without msgspec
             import json
 
