@@ -1,8 +1,8 @@
 """``gpumesh app sync``'s head start (gpumesh.cli.launch) against a real provider
 (a ``gpumesh share`` process) and a real node process: the request goes out before
-click loads, is read once by the command, and everything the command prints, and
-its exit code, are what the same command left to click prints (the ``--home``
-form, which the head start never takes)."""
+click loads and is read once, its answer printed without click or by the command
+(a failure); everything printed, and the exit code, are what the same command
+left to click prints (the ``--home`` form, which the head start never takes)."""
 
 from __future__ import annotations
 
@@ -57,11 +57,10 @@ def test_app_sync_sent_ahead_prints_what_the_command_left_to_click_prints(
         "from gpumesh.cli import launch\n"
         f"argv = ['app', 'sync', '--peer', 'alice-pc', '--dir', {str(project)!r}]\n"
         "ahead = launch.start(argv)\n"
+        "code = launch.finish(argv)\n"
         "early = ['click', 'typing', 'dataclasses', 'inspect', 'msgspec', 'qh3', 'asyncio']\n"
-        "print(ahead, sorted(m for m in sys.modules if m.split('.')[0] in early))\n"
-        "from gpumesh.cli.main import main\n"
-        "code = int(main(argv))\n"
-        "print(code, len(launch._ahead))\n"
+        "print(ahead, code, len(launch._ahead))\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in early))\n"
     )
     try:
         # The first command starts the node process (subprocess and all).
@@ -76,11 +75,11 @@ def test_app_sync_sent_ahead_prints_what_the_command_left_to_click_prints(
             check=False,
             timeout=120,
         )
-        # The first sync went out before click loaded, was read once, and landed.
+        # The first sync went out, was read once and printed, and landed, all
+        # before click (or anything heavy) loaded.
         lines = first.stdout.splitlines()
-        assert lines[0] == "True []", first.stdout + first.stderr
-        assert lines[1].startswith("synced /apps/proj on alice-pc: 3 sent ("), lines
-        assert lines[2:] == ["0 0"], first.stdout + first.stderr
+        assert lines[0].startswith("synced /apps/proj on alice-pc: 3 sent ("), lines
+        assert lines[1:] == ["True 0 0", "[]"], first.stdout + first.stderr
         app = _app_on(alice, bob, "proj")
         assert (app / "a.txt").read_text() == "alpha\n"
 

@@ -258,3 +258,80 @@ def test_a_request_sent_ahead_is_read_by_its_own_command_only(
     monkeypatch.setattr(launch, "_ahead", [(launch.APP_SYNC, body, *marker)])
     assert launch.take(launch.APP_SYNC, dict(body)) == marker
     assert launch.take(launch.APP_SYNC, body) is None
+
+
+def _sync_by_command(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``app sync`` as click runs it, reading only what was sent ahead."""
+    from gpumesh.cli import app as app_module
+
+    def no_second_request() -> object:
+        raise AssertionError("the command sent its request again")
+
+    monkeypatch.setattr(app_module, "node_client", no_second_request)
+    monkeypatch.setattr(app_module, "node_enabled", lambda: True)
+    app_module.sync.main(args=argv[2:], prog_name="gpumesh app sync", standalone_mode=False)
+
+
+def test_an_app_sync_answer_is_printed_ahead_only_as_click_would_echo_it(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("GPUMESH_LOG", raising=False)
+    argv = ["app", "sync", "--peer", "alice", "--dir", str(tmp_path)]
+    body = launch.app_sync_body("alice", str(tmp_path), False)
+    view: dict[str, object] = {
+        "peer": "alice", "remote": "/apps/x", "files_sent": 1, "bytes_sent": 1500,
+        "files_deleted": 0, "files_unchanged": 2, "sent": ["a"], "deleted": [], "skipped": [],
+    }  # fmt: skip
+    line = "synced /apps/x on alice: 1 sent (1.5KB), 0 deleted, 2 unchanged\n"
+    monkeypatch.setattr(launch, "_ahead", [(launch.APP_SYNC, body, None, lambda: view)])
+    assert launch.finish(argv) == 0
+    assert capsys.readouterr().out == line
+    assert not launch._ahead
+    # The same view, printed by the command: the same bytes.
+    monkeypatch.setattr(launch, "_ahead", [(launch.APP_SYNC, body, None, lambda: view)])
+    _sync_by_command(argv, monkeypatch)
+    assert capsys.readouterr().out == line
+
+    # What click.echo might re-encode is the command's to print (the view read once).
+    reads: list[int] = []
+
+    def other() -> object:
+        reads.append(1)
+        return {**view, "remote": "/apps/caf\u00e9"}
+
+    monkeypatch.setattr(launch, "_ahead", [(launch.APP_SYNC, body, None, other)])
+    assert launch.finish(argv) is None
+    assert capsys.readouterr().out == ""
+    _sync_by_command(argv, monkeypatch)
+    assert (
+        capsys.readouterr().out
+        == "synced /apps/caf\u00e9 on alice: 1 sent (1.5KB), 0 deleted, 2 unchanged\n"
+    )
+    assert reads == [1] and not launch._ahead
+
+
+def test_an_app_sync_failure_sent_ahead_is_raised_once_by_the_command(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from gpumesh.errors import AgentError
+
+    monkeypatch.delenv("GPUMESH_LOG", raising=False)
+    argv = ["app", "sync", "--peer", "nobody", "--dir", str(tmp_path), "--json"]
+    body = launch.app_sync_body("nobody", str(tmp_path), False)
+    failure = AgentError("no paired peer named 'nobody'")
+    reads: list[int] = []
+
+    def refused() -> object:
+        reads.append(1)
+        raise failure
+
+    monkeypatch.setattr(launch, "_ahead", [(launch.APP_SYNC, body, None, refused)])
+    assert launch.finish(argv) is None
+    assert capsys.readouterr().out == ""
+    with pytest.raises(AgentError) as raised:
+        _sync_by_command(argv, monkeypatch)
+    assert raised.value is failure and reads == [1] and not launch._ahead
+    # Nothing sent ahead (or a run's request): nothing to finish here.
+    assert launch.finish(argv) is None
+    monkeypatch.setattr(launch, "_ahead", [(launch.RUN, {}, None, iter(()))])
+    assert launch.finish(argv) is None and len(launch._ahead) == 1

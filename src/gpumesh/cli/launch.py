@@ -7,7 +7,10 @@ thing, and the rest of the CLI (click and the command's modules, most of a
 thin command's start-up) loads while the node process works on it (submits
 the job and the provider makes its container; scans the folder and syncs it).
 The command then reads the answer of the request already sent (:func:`take`)
-instead of sending it.
+instead of sending it. An app sync's answer is even printed here
+(:func:`finish`), as the command prints it, so a sync that went through never
+loads click at all; a failure, or output click might echo differently, is left
+to the command, which raises or prints the answer already read.
 
 Only exactly those forms are taken here, with options click would read the
 same way (each given once, a value that does not look like an option, for
@@ -37,6 +40,7 @@ __all__ = [
     "RUN_PATH",
     "app_sync_body",
     "entry",
+    "finish",
     "plain_app_sync",
     "plain_run",
     "request",
@@ -140,8 +144,8 @@ def run_body(peer: str, image: str | None, command: list[str]) -> dict[str, obje
     }
 
 
-def plain_app_sync(argv: list[str]) -> tuple[str, str, bool] | None:
-    """``(peer, folder, dry_run)`` of ``app sync --peer P --dir D [--dry-run]
+def plain_app_sync(argv: list[str]) -> tuple[str, str, bool, bool] | None:
+    """``(peer, folder, dry_run, as_json)`` of ``app sync --peer P --dir D [--dry-run]
     [--json]`` (in any order) where D is a readable folder (click refuses a file or
     an unreadable path itself, and a missing one is the node process's to refuse
     after click); None for any other command line."""
@@ -157,7 +161,7 @@ def plain_app_sync(argv: list[str]) -> tuple[str, str, bool] | None:
     folder = values["--dir"]
     if not (os.path.isdir(folder) and os.access(folder, os.R_OK)):
         return None
-    return values["--peer"], folder, "--dry-run" in values
+    return values["--peer"], folder, "--dry-run" in values, "--json" in values
 
 
 def app_sync_body(peer: str, folder: str, dry_run: bool) -> dict[str, object]:
@@ -172,7 +176,7 @@ def request(argv: list[str]) -> tuple[str, dict[str, object]] | None:
         return RUN, run_body(*run)
     sync = plain_app_sync(argv)
     if sync is not None:
-        return APP_SYNC, app_sync_body(*sync)
+        return APP_SYNC, app_sync_body(*sync[:3])
     return None
 
 
@@ -232,10 +236,53 @@ def take(form: str, body: dict[str, object]) -> tuple[NodeClient, Any] | None:
     return sent[2], sent[3]
 
 
-def entry() -> None:
-    """Console-script entry: the head start, then :func:`gpumesh.cli.main.entry`."""
+def finish(argv: list[str]) -> int | None:
+    """For an app sync sent ahead: read its answer and print it as the command would,
+    without loading the CLI; the exit status, or None to leave it to the command
+    (no app sync sent; a failure, which the command then raises as its own call
+    would; output click might not echo byte for byte, which it then prints)."""
+    sync = plain_app_sync(argv)
+    if sync is None or not _ahead or _ahead[-1][0] != APP_SYNC:
+        return None
+    from gpumesh.settings import ENV_LOG
+
+    if os.environ.get(ENV_LOG) or sys.stdout is None:
+        return None  # the CLI's logging set up as it asks; no stdout: click's way
+    form, body, client, read = _ahead.pop()
     try:
-        start(sys.argv[1:])
+        view = read()
+    except Exception as exc:  # the command's own call raises it, said once as ever
+        failure = exc
+
+        def fail() -> object:
+            raise failure
+
+        _ahead.append((form, body, client, fail))
+        return None
+    from gpumesh.cli._syncview import view_output
+
+    texts = view_output(view, as_json=sync[3], dry_run=sync[2])
+    if not all(text.isascii() and "\x1b" not in text for text in texts):
+        # click.echo may re-encode or strip escapes: the command prints it.
+        _ahead.append((form, body, client, lambda: view))
+        return None
+    try:
+        for text in texts:
+            sys.stdout.write(text + "\n")  # as click.echo writes a str
+            sys.stdout.flush()
+    except (BrokenPipeError, ValueError):
+        return 1  # as the CLI's entry when its output cannot be flushed
+    return 0
+
+
+def entry() -> None:
+    """Console-script entry: the head start, then :func:`gpumesh.cli.main.entry`
+    (not for an app sync sent ahead that :func:`finish` printed)."""
+    try:
+        if start(sys.argv[1:]):
+            code = finish(sys.argv[1:])
+            if code is not None:
+                os._exit(code)
         from gpumesh.cli.main import entry as cli_entry
     except KeyboardInterrupt:
         # As the command says it when interrupted before its answer was read.
