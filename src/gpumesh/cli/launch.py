@@ -195,7 +195,8 @@ def start(argv: list[str]) -> bool:
 
     # As the CLI's --home option reads it (its environment variable, else the default).
     home = home_dir(os.environ.get(ENV_HOME) or None)
-    if not (home / "identity.key").exists():
+    # click checks the home as a readable folder before any command runs.
+    if not (os.access(home, os.R_OK) and (home / "identity.key").exists()):
         return False
     from gpumesh.daemon.client import connect
     from gpumesh.errors import GPUMeshError
