@@ -1,6 +1,7 @@
-"""``gpumesh run``'s head start (gpumesh.cli.launch) takes a command line only
-when it means exactly what the CLI makes of it: the same request to the node
-process, sent by the same run. Everything else is left to click."""
+"""The head start of ``gpumesh run`` and ``gpumesh app sync`` (gpumesh.cli.launch)
+takes a command line only when it means exactly what the CLI makes of it: the
+same request to the node process, read by the same command. Everything else is
+left to click."""
 
 from __future__ import annotations
 
@@ -89,12 +90,15 @@ def test_a_request_sent_ahead_is_taken_once_and_only_for_its_own_body(
 ) -> None:
     body = launch.run_body("alice", IMAGE, ["true"])
     marker = (object(), iter(()))
-    monkeypatch.setattr(launch, "_ahead", [(body, *marker)])
-    assert launch.take(dict(body)) == marker
-    assert launch.take(body) is None  # taken: never read twice
-    monkeypatch.setattr(launch, "_ahead", [(body, *marker)])
+    monkeypatch.setattr(launch, "_ahead", [(launch.RUN, body, *marker)])
+    assert launch.take(launch.RUN, dict(body)) == marker
+    assert launch.take(launch.RUN, body) is None  # taken: never read twice
+    monkeypatch.setattr(launch, "_ahead", [(launch.RUN, body, *marker)])
     with pytest.raises(RuntimeError, match="the run sent ahead was"):
-        launch.take({**body, "command": ["false"]})
+        launch.take(launch.RUN, {**body, "command": ["false"]})
+    monkeypatch.setattr(launch, "_ahead", [(launch.RUN, body, *marker)])
+    with pytest.raises(RuntimeError, match="the run sent ahead was"):
+        launch.take(launch.APP_SYNC, body)  # another command's request is never read
 
 
 def test_nothing_is_sent_ahead_without_an_initialised_home_or_with_the_node_off(
@@ -133,6 +137,201 @@ def test_a_node_process_that_cannot_be_reached_is_reported_once_not_waited_for_t
     assert not launch.start(["run", "--peer", "alice", "true"])
     assert calls == [home]
     with pytest.raises(AgentError) as raised:
-        launch.take(launch.run_body("alice", None, ["true"]))
+        launch.take(launch.RUN, launch.run_body("alice", None, ["true"]))
     assert raised.value is failure
-    assert launch.take(launch.run_body("alice", None, ["true"])) is None  # said once
+    assert launch.take(launch.RUN, launch.run_body("alice", None, ["true"])) is None  # said once
+
+
+# `app sync`: "D" is a folder, "F" a file, "M" a path that does not exist (each
+# replaced by its path under the test's folder; relative forms run from there).
+SYNC_TAKEN = [
+    ["app", "sync", "--peer", "alice", "--dir", "D"],
+    ["app", "sync", "--dir", "D", "--peer", "alice", "--json"],
+    ["app", "sync", "--json", "--peer=alice", "--dir=D"],
+    ["app", "sync", "--peer", "alice", "--dir", "D", "--dry-run"],
+    ["app", "sync", "--dry-run", "--json", "--peer", "alice", "--dir", "D"],
+    ["app", "sync", "--peer", "a=b", "--dir", "D"],
+    ["app", "sync", "--peer", "alice", "--dir", "proj"],
+    ["app", "sync", "--peer", "alice", "--dir", "./proj/"],
+    ["app", "sync", "--peer", "alice", "--dir", "."],
+]
+
+SYNC_LEFT = [
+    ["app"],
+    ["app", "--help"],
+    ["app", "sync"],
+    ["app", "sync", "--help"],
+    ["app", "sync", "--peer", "alice"],  # no folder: click's to say
+    ["app", "sync", "--dir", "D"],  # the peer from $GPUMESH_PEER or nowhere
+    ["--home", "/h", "app", "sync", "--peer", "alice", "--dir", "D"],
+    ["app", "sync", "--peer", "alice", "--dir", "D", "--json", "--json"],
+    ["app", "sync", "--peer", "alice", "--dir", "D", "--dry-run", "--dry-run"],
+    ["app", "sync", "--peer", "alice", "--peer", "bob", "--dir", "D"],
+    ["app", "sync", "--peer", "alice", "--dir", "D", "--dir", "D"],
+    ["app", "sync", "--peer", "alice", "--dir", "D", "extra"],
+    ["app", "sync", "--peer", "alice", "--dir", "D", "--"],
+    ["app", "sync", "--", "--peer", "alice", "--dir", "D"],
+    ["app", "sync", "--peer", "alice", "--dir", "D", "--help"],
+    ["app", "sync", "--peer", "alice", "--dir", "D", "-h"],
+    ["app", "sync", "--peer", "alice", "--dir", "D", "--json=1"],
+    ["app", "sync", "--peer", "alice", "--dir", "D", "--js"],
+    ["app", "sync", "--peer", "alice", "--dir", "F"],  # a file: click refuses it
+    ["app", "sync", "--peer", "alice", "--dir", "M"],  # missing: the node process says so
+    ["app", "sync", "--peer", "alice", "--dir", ""],
+    ["app", "sync", "--peer", "alice", "--dir="],
+    ["app", "sync", "--peer", "-q", "--dir", "D"],
+    ["app", "sync", "--peer", "alice", "--dir", "-x"],
+    ["app", "sync", "--peer", "alice", "--dir"],
+    ["app", "run", "--peer", "alice", "--dir", "D", "true"],
+    ["app", "pull", "--peer", "alice", "--job", "j", "--dir", "D"],
+    ["sync", "--peer", "alice", "--dir", "D"],
+]
+
+
+def _paths(argv: list[str], root) -> list[str]:
+    named = {"D": root / "proj", "F": root / "file", "M": root / "missing"}
+    (root / "proj").mkdir(exist_ok=True)
+    (root / "file").write_bytes(b"")
+
+    def one(arg: str) -> str:
+        name, equals, value = arg.partition("=")
+        if equals and value in named:
+            return f"{name}={named[value]}"
+        return str(named[arg]) if arg in named else arg
+
+    return [one(arg) for arg in argv]
+
+
+def _click_sync(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> dict[str, object]:
+    """The request click's ``app sync`` sends for ``argv`` (its node client replaced
+    by one that records the request and answers an empty sync's view)."""
+    from gpumesh.cli import app as app_module
+
+    sent: list[tuple[str, str, object]] = []
+    view = {
+        "peer": "p", "remote": "/apps/proj", "files_sent": 0, "bytes_sent": 0,
+        "files_deleted": 0, "files_unchanged": 0, "sent": [], "deleted": [], "skipped": [],
+    }  # fmt: skip
+
+    class Recorder:
+        def call(self, method: str, path: str, body: object) -> object:
+            sent.append((method, path, body))
+            return view
+
+    monkeypatch.setattr(app_module, "node_client", Recorder)
+    monkeypatch.setattr(app_module, "node_enabled", lambda: True)
+    app_module.sync.main(args=argv[2:], prog_name="gpumesh app sync", standalone_mode=False)
+    ((method, path, body),) = sent
+    assert (method, path) == ("POST", launch.APP_SYNC_PATH)
+    assert isinstance(body, dict)
+    return body
+
+
+@pytest.mark.parametrize("argv", SYNC_TAKEN)
+def test_a_plain_app_sync_sends_what_click_would(
+    argv: list[str], tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("GPUMESH_PEER", raising=False)
+    monkeypatch.chdir(tmp_path)
+    argv = _paths(argv, tmp_path)
+    taken = launch.request(argv)
+    assert taken is not None
+    form, body = taken
+    assert form == launch.APP_SYNC
+    assert body == _click_sync(argv, monkeypatch)
+    assert body["dir"] in (str(tmp_path / "proj"), str(tmp_path))  # absolute, as the node needs
+
+
+@pytest.mark.parametrize("argv", SYNC_LEFT)
+def test_any_other_app_command_line_is_left_to_click(argv: list[str], tmp_path) -> None:
+    assert launch.request(_paths(argv, tmp_path)) is None
+
+
+def test_a_request_sent_ahead_is_read_by_its_own_command_only(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    body = launch.app_sync_body("alice", str(tmp_path), False)
+    marker = (object(), lambda: {"files_sent": 0})
+    monkeypatch.setattr(launch, "_ahead", [(launch.APP_SYNC, body, *marker)])
+    with pytest.raises(RuntimeError, match="the app sync sent ahead was"):
+        launch.take(launch.RUN, body)
+    monkeypatch.setattr(launch, "_ahead", [(launch.APP_SYNC, body, *marker)])
+    assert launch.take(launch.APP_SYNC, dict(body)) == marker
+    assert launch.take(launch.APP_SYNC, body) is None
+
+
+def _sync_by_command(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``app sync`` as click runs it, reading only what was sent ahead."""
+    from gpumesh.cli import app as app_module
+
+    def no_second_request() -> object:
+        raise AssertionError("the command sent its request again")
+
+    monkeypatch.setattr(app_module, "node_client", no_second_request)
+    monkeypatch.setattr(app_module, "node_enabled", lambda: True)
+    app_module.sync.main(args=argv[2:], prog_name="gpumesh app sync", standalone_mode=False)
+
+
+def test_an_app_sync_answer_is_printed_ahead_only_as_click_would_echo_it(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("GPUMESH_LOG", raising=False)
+    argv = ["app", "sync", "--peer", "alice", "--dir", str(tmp_path)]
+    body = launch.app_sync_body("alice", str(tmp_path), False)
+    view: dict[str, object] = {
+        "peer": "alice", "remote": "/apps/x", "files_sent": 1, "bytes_sent": 1500,
+        "files_deleted": 0, "files_unchanged": 2, "sent": ["a"], "deleted": [], "skipped": [],
+    }  # fmt: skip
+    line = "synced /apps/x on alice: 1 sent (1.5KB), 0 deleted, 2 unchanged\n"
+    monkeypatch.setattr(launch, "_ahead", [(launch.APP_SYNC, body, None, lambda: view)])
+    assert launch.finish(argv) == 0
+    assert capsys.readouterr().out == line
+    assert not launch._ahead
+    # The same view, printed by the command: the same bytes.
+    monkeypatch.setattr(launch, "_ahead", [(launch.APP_SYNC, body, None, lambda: view)])
+    _sync_by_command(argv, monkeypatch)
+    assert capsys.readouterr().out == line
+
+    # What click.echo might re-encode is the command's to print (the view read once).
+    reads: list[int] = []
+
+    def other() -> object:
+        reads.append(1)
+        return {**view, "remote": "/apps/caf\u00e9"}
+
+    monkeypatch.setattr(launch, "_ahead", [(launch.APP_SYNC, body, None, other)])
+    assert launch.finish(argv) is None
+    assert capsys.readouterr().out == ""
+    _sync_by_command(argv, monkeypatch)
+    assert (
+        capsys.readouterr().out
+        == "synced /apps/caf\u00e9 on alice: 1 sent (1.5KB), 0 deleted, 2 unchanged\n"
+    )
+    assert reads == [1] and not launch._ahead
+
+
+def test_an_app_sync_failure_sent_ahead_is_raised_once_by_the_command(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from gpumesh.errors import AgentError
+
+    monkeypatch.delenv("GPUMESH_LOG", raising=False)
+    argv = ["app", "sync", "--peer", "nobody", "--dir", str(tmp_path), "--json"]
+    body = launch.app_sync_body("nobody", str(tmp_path), False)
+    failure = AgentError("no paired peer named 'nobody'")
+    reads: list[int] = []
+
+    def refused() -> object:
+        reads.append(1)
+        raise failure
+
+    monkeypatch.setattr(launch, "_ahead", [(launch.APP_SYNC, body, None, refused)])
+    assert launch.finish(argv) is None
+    assert capsys.readouterr().out == ""
+    with pytest.raises(AgentError) as raised:
+        _sync_by_command(argv, monkeypatch)
+    assert raised.value is failure and reads == [1] and not launch._ahead
+    # Nothing sent ahead (or a run's request): nothing to finish here.
+    assert launch.finish(argv) is None
+    monkeypatch.setattr(launch, "_ahead", [(launch.RUN, {}, None, iter(()))])
+    assert launch.finish(argv) is None and len(launch._ahead) == 1

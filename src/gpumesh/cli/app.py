@@ -12,6 +12,7 @@ from gpumesh.cli._common import emit_json, fail, get_node, run_async
 from gpumesh.cli._complete import complete_peer, complete_submitted_job
 from gpumesh.cli._node import job_options, node_client, node_enabled
 from gpumesh.cli._notes import exit_status_of
+from gpumesh.cli._syncview import dry_run_lines, sync_line, view_output
 from gpumesh.errors import ExitCode
 
 if TYPE_CHECKING:
@@ -37,24 +38,15 @@ def app() -> None:
 
 
 def _sync_summary(result: SyncResult) -> str:
-    return _sync_line(
+    return sync_line(
         result.peer, result.remote, len(result.sent), result.bytes_sent, len(result.deleted),
         result.unchanged,
     )  # fmt: skip
 
 
-def _sync_line(peer: str, remote: str, sent: int, size: int, deleted: int, unchanged: int) -> str:
-    from gpumesh.units import format_size
-
-    return (
-        f"synced {remote} on {peer}: {sent} sent ({format_size(size)}), {deleted} deleted, "
-        f"{unchanged} unchanged"
-    )
-
-
 def _view_summary(view: dict[str, Any]) -> str:
     """:func:`_sync_summary` of a sync's view (as the node process sends it)."""
-    return _sync_line(
+    return sync_line(
         view["peer"], view["remote"], view["files_sent"], view["bytes_sent"],
         view["files_deleted"], view["files_unchanged"],
     )  # fmt: skip
@@ -75,17 +67,14 @@ def _view_summary(view: dict[str, Any]) -> str:
 def sync(peer: str, folder: str, dry_run: bool, as_json: bool) -> None:
     """Sync the folder DIR into /apps/NAME in your folder on PEER."""
     if node_enabled():
-        body = {"peer": peer, "dir": os.path.abspath(folder), "dry_run": dry_run}
-        view = node_client().call("POST", "/api/v1/apps/sync", body)
-        if as_json:  # plain JSON data already: printed as emit_json would, without msgspec
-            import json
+        from gpumesh.cli.launch import APP_SYNC, APP_SYNC_PATH, take
 
-            click.echo(json.dumps(view, indent=2))
-        elif dry_run:
-            skipped = [(s["path"], s["rule"]) for s in view["skipped"]]
-            _dry_run(view["sent"], view["deleted"], skipped, view["files_unchanged"])
-        else:
-            click.echo(_view_summary(view))
+        body = {"peer": peer, "dir": os.path.abspath(folder), "dry_run": dry_run}
+        ahead = take(APP_SYNC, body)  # the plain form's request, sent before the CLI loaded
+        read = ahead[1] if ahead is not None else None
+        view = read() if read else node_client().call("POST", APP_SYNC_PATH, body)
+        for text in view_output(view, as_json=as_json, dry_run=dry_run):
+            click.echo(text)
         return
     from gpumesh.client.apps import sync_app
 
@@ -108,16 +97,8 @@ def sync(peer: str, folder: str, dry_run: bool, as_json: bool) -> None:
 def _dry_run(
     sent: list[str], deleted: list[str], skipped: list[tuple[str, str]], unchanged: int
 ) -> None:
-    for path in sent:
-        click.echo(f"send    {path}")
-    for path in deleted:
-        click.echo(f"delete  {path}")
-    for path, reason in skipped:
-        click.echo(f"skip    {path}  ({reason})")
-    click.echo(
-        f"dry run: {len(sent)} to send, {len(deleted)} to delete, "
-        f"{unchanged} unchanged; nothing sent"
-    )
+    for text in dry_run_lines(sent, deleted, skipped, unchanged):
+        click.echo(text)
 
 
 @app.command(context_settings={"allow_interspersed_args": False})

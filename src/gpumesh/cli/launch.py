@@ -1,17 +1,23 @@
-"""The ``gpumesh`` console script: ``run``'s head start, then the CLI.
+"""The ``gpumesh`` console script: the head start of the forms typed most, then the CLI.
 
-The form of ``gpumesh run`` typed most, ``gpumesh run --peer P [--image I] [--]
-COMMAND...``, is understood here without click: its request goes to the home's
-node process first thing, and the rest of the CLI (click and the command's
-modules, most of a thin command's start-up) loads while the node process
-submits the job and the provider makes its container. ``run`` then reads the
-answer of the request already sent (:func:`take`) instead of sending it.
+Two command lines are understood here without click: the plain ``gpumesh run
+--peer P [--image I] [--] COMMAND...`` and ``gpumesh app sync --peer P --dir D
+[--dry-run] [--json]``. Their request goes to the home's node process first
+thing, and the rest of the CLI (click and the command's modules, most of a
+thin command's start-up) loads while the node process works on it (submits
+the job and the provider makes its container; scans the folder and syncs it).
+The command then reads the answer of the request already sent (:func:`take`)
+instead of sending it. An app sync's answer is even printed here
+(:func:`finish`), as the command prints it, so a sync that went through never
+loads click at all; a failure, or output click might echo differently, is left
+to the command, which raises or prints the answer already read.
 
-Only exactly that form is taken here, with options click would read the same
-way (each given once, a value that does not look like an option); any other
-command line, a home that is not initialised, commands kept in-process
-(``GPUMESH_NODE=off``) or a failure on the way to the node process leave the
-command to the CLI as it always ran: nothing is ever sent twice.
+Only exactly those forms are taken here, with options click would read the
+same way (each given once, a value that does not look like an option, for
+``--dir`` a folder click's check passes); any other command line, a home that
+is not initialised, commands kept in-process (``GPUMESH_NODE=off``) or a
+failure on the way to the node process leave the command to the CLI as it
+always ran: nothing is ever sent twice.
 """
 
 from __future__ import annotations
@@ -22,44 +28,73 @@ import sys
 TYPE_CHECKING = False  # as typing's, which this module must not import
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from typing import Any
 
-    from gpumesh.daemon.client import NodeClient, SseEvent
+    from gpumesh.daemon.client import NodeClient
     from gpumesh.errors import GPUMeshError
 
-__all__ = ["entry", "plain_run", "run_body", "take"]
+__all__ = [
+    "APP_SYNC",
+    "APP_SYNC_PATH",
+    "RUN",
+    "RUN_PATH",
+    "app_sync_body",
+    "entry",
+    "finish",
+    "plain_app_sync",
+    "plain_run",
+    "request",
+    "run_body",
+    "take",
+]
+
+RUN = "run"
+APP_SYNC = "app sync"
+"""The forms taken here, as :func:`take` names them."""
 
 RUN_PATH = "/api/v1/jobs?stream=true"
 """The node process's route for a run that streams its events."""
+APP_SYNC_PATH = "/api/v1/apps/sync"
+"""The node process's route for an app sync (one JSON answer: the sync's view)."""
+
+_INTERRUPTED = {RUN: "Interrupted before the job started.\n", APP_SYNC: "Interrupted.\n"}
+"""What each form says when interrupted before its answer was read (as the command
+says it then)."""
 
 _COMPLETE_VAR = "_GPUMESH_COMPLETE"
-_OPTIONS = ("--peer", "--image")
 
-_ahead: list[tuple[dict[str, object], NodeClient, Iterator[SseEvent]]] = []
-"""The request sent ahead, if any: its body, the client, and its events (not read yet)."""
-_failed: list[tuple[dict[str, object], GPUMeshError]] = []
-"""Why the node process could not be reached for the request, if so: ``run`` says
-it rather than trying again (a node process that never answers would make it
+_ahead: list[tuple[str, dict[str, object], NodeClient, Any]] = []
+"""The request sent ahead, if any: its form, its body, the client, and what reads
+its answer (not read yet): the run's events, or the function that reads a call's
+JSON answer."""
+_failed: list[tuple[str, dict[str, object], GPUMeshError]] = []
+"""Why the node process could not be reached for the request, if so: the command
+says it rather than trying again (a node process that never answers would make it
 wait the whole start-up ceiling a second time)."""
 
 
-def plain_run(argv: list[str]) -> tuple[str, str | None, list[str]] | None:
-    """``(peer, image, command)`` of ``run --peer P [--image I] [--] COMMAND...``;
-    None for any other command line (the CLI parses it)."""
-    if not argv or argv[0] != "run":
-        return None
+def _options(
+    rest: list[str], valued: tuple[str, ...], flags: tuple[str, ...]
+) -> tuple[dict[str, str], int] | None:
+    """The options at the start of ``rest`` and the index where they end (at
+    ``--`` or the first argument that is not an option); None unless click would
+    read each the same way: a known name, given once, a value (after ``=`` or as
+    the next argument) that is not empty and does not look like an option, a flag
+    without a value."""
     values: dict[str, str] = {}
-    rest = argv[1:]
     index = 0
     while index < len(rest):
         arg = rest[index]
-        if arg == "--":
-            index += 1
+        if arg == "--" or not arg.startswith("-"):
             break
-        if not arg.startswith("-"):
-            break  # the command: everything from here on is its own
+        if arg in values:
+            return None
+        if arg in flags:
+            values[arg] = ""
+            index += 1
+            continue
         name, equals, value = arg.partition("=")
-        if name not in _OPTIONS or name in values:
+        if name not in valued or name in values:
             return None
         if not equals:
             if index + 1 >= len(rest):
@@ -70,6 +105,21 @@ def plain_run(argv: list[str]) -> tuple[str, str | None, list[str]] | None:
         if not value or value.startswith("-"):
             return None
         values[name] = value
+    return values, index
+
+
+def plain_run(argv: list[str]) -> tuple[str, str | None, list[str]] | None:
+    """``(peer, image, command)`` of ``run --peer P [--image I] [--] COMMAND...``;
+    None for any other command line (the CLI parses it)."""
+    if not argv or argv[0] != "run":
+        return None
+    rest = argv[1:]
+    options = _options(rest, ("--peer", "--image"), ())
+    if options is None:
+        return None
+    values, index = options
+    if index < len(rest) and rest[index] == "--":
+        index += 1
     command = rest[index:]
     if "--peer" not in values or not command:
         return None
@@ -94,10 +144,48 @@ def run_body(peer: str, image: str | None, command: list[str]) -> dict[str, obje
     }
 
 
+def plain_app_sync(argv: list[str]) -> tuple[str, str, bool, bool] | None:
+    """``(peer, folder, dry_run, as_json)`` of ``app sync --peer P --dir D [--dry-run]
+    [--json]`` (in any order) where D is a readable folder (click refuses a file or
+    an unreadable path itself, and a missing one is the node process's to refuse
+    after click); None for any other command line."""
+    if argv[:2] != ["app", "sync"]:
+        return None
+    rest = argv[2:]
+    options = _options(rest, ("--peer", "--dir"), ("--dry-run", "--json"))
+    if options is None:
+        return None
+    values, index = options
+    if index != len(rest) or "--peer" not in values or "--dir" not in values:
+        return None
+    folder = values["--dir"]
+    if not (os.path.isdir(folder) and os.access(folder, os.R_OK)):
+        return None
+    return values["--peer"], folder, "--dry-run" in values, "--json" in values
+
+
+def app_sync_body(peer: str, folder: str, dry_run: bool) -> dict[str, object]:
+    """The node process's request for ``app sync``: what the command sends for it."""
+    return {"peer": peer, "dir": os.path.abspath(folder), "dry_run": dry_run}
+
+
+def request(argv: list[str]) -> tuple[str, dict[str, object]] | None:
+    """``(form, body)`` of a command line taken here; None for any other."""
+    run = plain_run(argv)
+    if run is not None:
+        return RUN, run_body(*run)
+    sync = plain_app_sync(argv)
+    if sync is not None:
+        return APP_SYNC, app_sync_body(*sync[:3])
+    return None
+
+
 def start(argv: list[str]) -> bool:
-    """Send the plain form's request to the node process now; whether it was sent."""
-    parsed = plain_run(argv)
-    if parsed is None or _COMPLETE_VAR in os.environ:
+    """Send the request of a form taken here to the node process now; whether it was sent."""
+    if _COMPLETE_VAR in os.environ:
+        return False
+    taken = request(argv)
+    if taken is None:
         return False
     from gpumesh.daemon import enabled
 
@@ -107,49 +195,100 @@ def start(argv: list[str]) -> bool:
 
     # As the CLI's --home option reads it (its environment variable, else the default).
     home = home_dir(os.environ.get(ENV_HOME) or None)
-    if not (home / "identity.key").exists():
+    # click checks the home as a readable folder before any command runs.
+    if not (os.access(home, os.R_OK) and (home / "identity.key").exists()):
         return False
     from gpumesh.daemon.client import connect
     from gpumesh.errors import GPUMeshError
 
-    body = run_body(*parsed)
+    form, body = taken
     try:
         client = connect(home)
     except GPUMeshError as exc:
-        _failed.append((body, exc))
+        _failed.append((form, body, exc))
         return False
     try:
-        events = client.send_events(RUN_PATH, "POST", body)
+        if form == RUN:
+            answer: Any = client.send_events(RUN_PATH, "POST", body)
+        else:
+            answer = client.send_call("POST", APP_SYNC_PATH, body)
     except Exception:  # no whole request went out: the CLI sends it and says what went wrong
         return False
-    _ahead.append((body, client, events))
+    _ahead.append((form, body, client, answer))
     return True
 
 
-def take(body: dict[str, object]) -> tuple[NodeClient, Iterator[SseEvent]] | None:
-    """The client and events of the request sent ahead, for ``run`` with ``body``;
-    None when none was sent. Raises what kept :func:`start` from the node process."""
+def take(form: str, body: dict[str, object]) -> tuple[NodeClient, Any] | None:
+    """The client and the answer's reader of the request sent ahead, for the command
+    ``form`` with ``body``: the events of a run, the function that reads an app
+    sync's JSON answer; None when none was sent. Raises what kept :func:`start`
+    from the node process."""
     if _failed:
-        failed_body, failure = _failed.pop()
-        if failed_body == body:
+        failed_form, failed_body, failure = _failed.pop()
+        if (failed_form, failed_body) == (form, body):
             raise failure
     if not _ahead:
         return None
     sent = _ahead.pop()
-    if sent[0] != body:
-        raise RuntimeError(f"the run sent ahead was {sent[0]!r}, the command line means {body!r}")
-    return sent[1], sent[2]
+    if (sent[0], sent[1]) != (form, body):
+        raise RuntimeError(
+            f"the {sent[0]} sent ahead was {sent[1]!r}, the command line means {form} {body!r}"
+        )
+    return sent[2], sent[3]
+
+
+def finish(argv: list[str]) -> int | None:
+    """For an app sync sent ahead: read its answer and print it as the command would,
+    without loading the CLI; the exit status, or None to leave it to the command
+    (no app sync sent; a failure, which the command then raises as its own call
+    would; output click might not echo byte for byte, which it then prints)."""
+    sync = plain_app_sync(argv)
+    if sync is None or not _ahead or _ahead[-1][0] != APP_SYNC:
+        return None
+    from gpumesh.settings import ENV_LOG
+
+    if os.environ.get(ENV_LOG) or sys.stdout is None:
+        return None  # the CLI's logging set up as it asks; no stdout: click's way
+    form, body, client, read = _ahead.pop()
+    try:
+        view = read()
+    except Exception as exc:  # the command's own call raises it, said once as ever
+        failure = exc
+
+        def fail() -> object:
+            raise failure
+
+        _ahead.append((form, body, client, fail))
+        return None
+    from gpumesh.cli._syncview import view_output
+
+    texts = view_output(view, as_json=sync[3], dry_run=sync[2])
+    if not all(text.isascii() and "\x1b" not in text for text in texts):
+        # click.echo may re-encode or strip escapes: the command prints it.
+        _ahead.append((form, body, client, lambda: view))
+        return None
+    try:
+        for text in texts:
+            sys.stdout.write(text + "\n")  # as click.echo writes a str
+            sys.stdout.flush()
+    except (BrokenPipeError, ValueError):
+        return 1  # as the CLI's entry when its output cannot be flushed
+    return 0
 
 
 def entry() -> None:
-    """Console-script entry: the head start, then :func:`gpumesh.cli.main.entry`."""
-    sent = False
+    """Console-script entry: the head start, then :func:`gpumesh.cli.main.entry`
+    (not for an app sync sent ahead that :func:`finish` printed)."""
     try:
-        sent = start(sys.argv[1:])
+        if start(sys.argv[1:]):
+            code = finish(sys.argv[1:])
+            if code is not None:
+                os._exit(code)
         from gpumesh.cli.main import entry as cli_entry
     except KeyboardInterrupt:
-        # As `run` says it when interrupted before the job's acceptance was read.
-        sys.stderr.write("Interrupted before the job started.\n" if sent else "Interrupted.\n")
+        # As the command says it when interrupted before its answer was read.
+        form = _ahead[-1][0] if _ahead else ""
+        sys.stderr.write(_INTERRUPTED.get(form, "Interrupted.\n"))
         sys.stderr.flush()
         os._exit(130)
     cli_entry()

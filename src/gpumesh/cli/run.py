@@ -169,11 +169,11 @@ def _through_node(
     and a stream its node process dropped after acceptance resumes as `logs -f`."""
     from gpumesh.cli._node import follow, node_client
     from gpumesh.cli._notes import ViewPrinter, exit_status_of
-    from gpumesh.cli.launch import RUN_PATH, take
+    from gpumesh.cli.launch import RUN, RUN_PATH, take
     from gpumesh.daemon.client import NodeUnavailableError
     from gpumesh.errors import AgentError, error_from_code
 
-    ahead = take(body)  # the plain form's request, sent before the CLI loaded
+    ahead = take(RUN, body)  # the plain form's request, sent before the CLI loaded
     client = ahead[0] if ahead is not None else node_client()
     if detach:
         click.echo(client.call("POST", "/api/v1/jobs", body)["job_id"])

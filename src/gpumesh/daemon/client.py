@@ -146,9 +146,6 @@ class NodeClient:
     def __init__(self, home: Path) -> None:
         self.home = home
 
-    def _open(self, method: str, path: str, body: object, timeout: float | None) -> _Response:
-        return self._send(method, path, body, timeout)()
-
     def _send(
         self, method: str, path: str, body: object, timeout: float | None
     ) -> Callable[[], _Response]:
@@ -196,7 +193,18 @@ class NodeClient:
         self, method: str, path: str, body: object = None, timeout: float | None = None
     ) -> Any:
         """The JSON answer of one request; an error answer is raised as the tree's."""
-        response = self._open(method, path, body, timeout)
+        return self.send_call(method, path, body, timeout)()
+
+    def send_call(
+        self, method: str, path: str, body: object = None, timeout: float | None = None
+    ) -> Callable[[], Any]:
+        """:meth:`call` with the request sent now; the function returned reads its
+        answer (once): the node process starts on it while this process does other
+        things."""
+        answer = self._send(method, path, body, timeout)
+        return lambda: self._answer(answer())
+
+    def _answer(self, response: _Response) -> Any:
         try:
             raw = response.read()
         except OSError as exc:
