@@ -71,12 +71,16 @@ def test_app_run_stream_is_numbered_and_a_reader_that_stops_reading_is_told_what
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A reader takes the sync's event, then nothing until the job ended: the node
-    process holds no backlog for it (alice keeps 1MB of the job's 8MB), and what
-    it then reads is each byte in order or a `dropped` event saying how many went."""
+    process holds no backlog for it beyond the link's flow-control window (alice
+    keeps 1MB of the job's 24MB), and what it then reads is each byte in order or
+    a `dropped` event saying how many went."""
     from gpumesh.daemon.client import connect
 
     monkeypatch.setenv("GPUMESH_NODE", "on")
-    lines = 8000
+    # More than one QUIC stream's window (16 MiB) and alice's 1MB together: had
+    # the job's output been read as fast as it was written (a loaded machine
+    # slows the job), the window alone could hold 8MB and nothing would drop.
+    lines = 24_000
     with contextlib.ExitStack() as stack:
         alice, bob = stack.enter_context(shared_pair(tmp_path, job_log_limit="1MB"))
         stack.callback(gpumesh, bob, "daemon", "stop")
