@@ -506,6 +506,16 @@ async def _open_with_relay(
                 record.note("direct won")
                 return winner
             record.note("direct failed")
+        if via is not None and not direct.done():
+            # From a shared socket the relayed session leaves from the same port as
+            # the direct attempt. Once punching opens the peer's NAT or firewall for
+            # that port, the direct attempt's retransmitted Initials get through and
+            # the peer takes them for a re-dial that replaces the relayed session,
+            # which then ends under us. Punching finds the direct path anyway.
+            direct.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await direct
+            record.note("direct stopped")
         record.note("relay started")
         relayed = asyncio.create_task(
             _dial_relayed(identity, name, relay, server_key, timeout, via)
@@ -519,13 +529,15 @@ async def _open_with_relay(
                     record.note(f"{what} won")
                     return winner
                 record.note(f"{what} failed")
-        direct_error = direct.exception()
         relay_error = relayed.exception()
-        assert direct_error is not None and relay_error is not None
+        assert relay_error is not None
         if isinstance(relay_error, RelayError | KeyMismatchError):
             raise relay_error
         if not addresses:
             raise relay_error
+        direct_error = (
+            "no answer before the relay was tried" if direct.cancelled() else direct.exception()
+        )
         raise UnreachableError(
             f"cannot reach {peer_label} directly ({direct_error}) nor through the relay "
             f"{relay.address} ({relay_error})"
