@@ -187,3 +187,37 @@ def test_the_pool_remembers_a_relayed_peer_until_a_direct_session_or_a_deny(
                 pool.close()
 
     arun(scenario())
+
+
+def test_a_silent_punched_address_stops_when_the_relay_is_tried_from_the_shared_socket(
+    relayed_alice: tuple[Node, Node, str], black_hole: tuple[str, int]
+) -> None:
+    """The re-dial's first try at a stale punched address gets no answer: from a shared
+    socket it stops as the usual dial (here: straight to the relay) takes over, as the
+    relay may punch to that address from that port."""
+    alice, bob, relay = relayed_alice
+
+    async def scenario() -> None:
+        async with sharing(alice) as agent:
+            pair_both(alice, bob)
+            assert agent.relay is not None
+            await agent.relay.wait_registered(CEILING)
+            outgoing = OutgoingSocket(lambda: bob.home.identity)
+            try:
+                async with asyncio.timeout(CEILING):
+                    session = await open_session(
+                        bob.home.identity, "bob", [], alice.home.identity.public_key,
+                        timeout=DIAL_TIMEOUT, relay=RelayHint(relay), via=outgoing,
+                        punched=black_hole,
+                    )  # fmt: skip
+                try:
+                    assert session.through_relay and session.punched_before is None
+                    names = _names(session)
+                    assert names[:2] == ["punched started", "punched stopped"], names
+                    assert names[-2:] == ["relay started", "relay won"], names
+                finally:
+                    session.close()
+            finally:
+                outgoing.close()
+
+    arun(scenario())

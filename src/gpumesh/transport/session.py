@@ -450,7 +450,7 @@ async def _open_session(
     try:
         await asyncio.wait({first}, timeout=PUNCHED_FIRST)
         while True:
-            if first.done():
+            if first.done() and not first.cancelled():
                 error = first.exception()
                 if error is None:
                     winner = first.result()
@@ -460,6 +460,13 @@ async def _open_session(
                 if not isinstance(error, GPUMeshError):
                     raise error  # a bug, not a stale address
             if rest is None:
+                if via is not None and relay is not None and not first.done():
+                    # The relay may punch to this very address from this very port:
+                    # stop the attempt, as _open_with_relay stops a direct one.
+                    first.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await first
+                    record.note("punched stopped")
                 rest = asyncio.create_task(usual())
             if rest.done() and (first.done() or rest.exception() is None):
                 winner = rest.result()  # or its error, once the punched address failed too
