@@ -44,9 +44,17 @@ iptables rule on host B shapes his path: ``cp, hole-punched`` drops only
 QUIC Initials to the provider's port (the dial goes through the relay, then
 punching moves the session to a direct path), ``cp, relayed`` drops
 everything to that port (punching fails; every byte crosses the link to the
-relay). ``gpumesh connect --json`` checks the path once per row. dave's
+relay). Each of these paths has two rows. The warm row (``cp, hole-punched``,
+``cp, relayed``) measures it as the direct rows are measured, the way a user
+runs successive copies: through the consumer's node process (erin relayed,
+frank hole-punched), whose session and relay registration stay warm between
+copies; its first copy, untimed, dials under the broad rule before the first
+row, then the rule holds for that node process's own UDP port only, for the
+whole run (``gpumesh daemon status --json`` checks after each copy that the
+session is still on its path). The cold row (``..., cold``) is dave's: his
 commands run in-process (``GPUMESH_NODE=off``), so each copy dials afresh
-under its rule, relay and punching included in its time.
+under the broad rule (CLI start, relay registration and punching included in
+its time; ``gpumesh connect --json`` checks the path once per row).
 Everything (link, namespaces, processes, files) is removed on exit.
 """
 
@@ -54,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -64,6 +73,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from _benchlib import (
     ensure_bytecode,
@@ -94,6 +104,11 @@ DEFAULT_ROWS = "20/0,50/0.5,100/1"
 CP, QUIC, FOLDER, WORKDIR, APP = "cp", "cp --no-fast-path", "folder cp", "run --workdir", "app sync"
 FOLDER_Q, WORKDIR_Q, APP_Q = "folder cp, QUIC", "run --workdir, QUIC", "app sync, QUIC"
 PUNCHED, RELAYED = "cp, hole-punched", "cp, relayed"
+PUNCHED_COLD, RELAYED_COLD = "cp, hole-punched, cold", "cp, relayed, cold"
+WARM_PATHS = (RELAYED, PUNCHED)
+"""Relay paths measured as a user's successive copies: through a consumer's node process."""
+COLD_OF = {PUNCHED_COLD: PUNCHED, RELAYED_COLD: RELAYED}
+"""Each cold row and the path it takes: every copy a new in-process command."""
 SCP, SCP_R, RSYNC = "scp -c aes128-gcm", "scp -r", "rsync -a"
 QUIC_PLAIN = "QUIC, FEC off"
 BASELINE = {
@@ -108,47 +123,65 @@ BASELINE = {
     APP_Q: RSYNC,
     PUNCHED: SCP,
     RELAYED: SCP,
+    PUNCHED_COLD: SCP,
+    RELAYED_COLD: SCP,
 }
 ONLY = {
-    "cp": CP,
-    "quic": QUIC,
-    "quic-plain": QUIC_PLAIN,
-    "folder": FOLDER,
-    "workdir": WORKDIR,
-    "app": APP,
-    "folder-quic": FOLDER_Q,
-    "workdir-quic": WORKDIR_Q,
-    "app-quic": APP_Q,
-    "punched": PUNCHED,
-    "relayed": RELAYED,
-    "scp": SCP,
-    "scp-r": SCP_R,
-    "rsync": RSYNC,
+    "cp": (CP,),
+    "quic": (QUIC,),
+    "quic-plain": (QUIC_PLAIN,),
+    "folder": (FOLDER,),
+    "workdir": (WORKDIR,),
+    "app": (APP,),
+    "folder-quic": (FOLDER_Q,),
+    "workdir-quic": (WORKDIR_Q,),
+    "app-quic": (APP_Q,),
+    "punched": (PUNCHED, PUNCHED_COLD),
+    "relayed": (RELAYED, RELAYED_COLD),
+    "punched-warm": (PUNCHED,),
+    "relayed-warm": (RELAYED,),
+    "punched-cold": (PUNCHED_COLD,),
+    "relayed-cold": (RELAYED_COLD,),
+    "scp": (SCP,),
+    "scp-r": (SCP_R,),
+    "rsync": (RSYNC,),
 }
-"""``--only`` keys and the paths they name."""
+"""``--only`` keys and the paths they name (``punched``, ``relayed``: warm and cold)."""
 RELAY_ADDRESS = "10.77.0.1:4799"
 """gpumesh-relay runs on host A, beside the provider: a relayed session crosses the
 link once, as it would to a relay near the provider."""
-BLOCK: dict[str, tuple[str, str, list[str]]] = {
-    RELAYED: ("B", "OUTPUT", ["-p", "udp", "-d", ADDRESS_A, "--dport", str(PORT), "-j", "DROP"]),
-    PUNCHED: (
+Rule = tuple[str, str, list[str]]
+"""An iptables rule: host, chain, rule."""
+
+
+def block_rule(path: str, *, port: int | None = None, spare: int | None = None) -> Rule:
+    """The firewall rule that makes ``path`` for a consumer on host B: only for its
+    packets from UDP ``port`` (a node process's shared socket), else for every port
+    but ``spare`` (another consumer's, whose warm session must not be touched).
+
+    Relayed: host B drops what goes to the provider's port (so the dial and hole
+    punching fail). Hole-punched: host A's firewall drops what comes from host B to
+    that port unasked, as a NAT or a stateful firewall in front of the provider
+    does (the dial goes through the relay; the provider's probes open the way for
+    host B's answers, and punching moves the session to a direct path). An
+    earlier rule dropped every QUIC long header to the port instead: that also
+    dropped the punched session's own last Initial (and, sent in one GSO buffer
+    with it, the client's Finished), so every hole-punched copy lost its
+    handshake's first 1-RTT packets and left slow start at a window of 12 KB."""
+    ports = ["--sport", str(port)] if port is not None else []
+    if port is None and spare is not None:
+        ports = ["!", "--sport", str(spare)]
+    if path == RELAYED:
+        return ("B", "OUTPUT", ["-p", "udp", "-d", ADDRESS_A, *ports, "--dport", str(PORT),
+                                "-j", "DROP"])  # fmt: skip
+    return (
         "A",
         "INPUT",
         [
-            *("-p", "udp", "-s", "10.77.0.2", "--dport", str(PORT)),
+            *("-p", "udp", "-s", "10.77.0.2", *ports, "--dport", str(PORT)),
             *("-m", "conntrack", "--ctstate", "NEW", "-j", "DROP"),
         ],
-    ),
-}
-"""iptables rules (host, chain, rule) while dave's runs take a path: host B drops
-everything to the provider's port (so the dial and hole punching fail: relayed), or
-host A's firewall drops what comes from host B to that port unasked, as a NAT or a
-stateful firewall in front of the provider does (the dial goes through the relay;
-the provider's probes open the way for host B's answers, and punching moves the
-session to a direct path). An earlier rule dropped every QUIC long header to the
-port instead: that also dropped the punched session's own last Initial (and, sent
-in one GSO buffer with it, the client's Finished), so every hole-punched copy lost
-its handshake's first 1-RTT packets and left slow start at a window of 12 KB."""
+    )
 
 
 @dataclass
@@ -263,6 +296,22 @@ def tree_bytes(root: Path) -> int:
 
 
 @dataclass
+class WarmConsumer:
+    """A consumer with carol's settings and the relay whose copies go through its node
+    process, as a user's successive commands do: its session (and relay registration)
+    stays warm between copies. Its path's firewall rule holds for its own UDP port
+    from its first copy on, so the session cannot drift to another path."""
+
+    name: str
+    env: dict[str, str]
+    sandbox: Path
+    port: int | None = None
+    """Its node process's shared UDP port, once its first copy opened it."""
+    path: str = ""
+    """The path its warm session took, as ``daemon status`` says."""
+
+
+@dataclass
 class Setup:
     tmp: Path
     source: Path
@@ -277,7 +326,9 @@ class Setup:
     """carol's CLI environment: the same as bob's, with the data channel off."""
     relay_sandbox: Path
     relay_env: dict[str, str]
-    """dave's: carol's settings, and the relay."""
+    """dave's: carol's settings, and the relay; in-process (the cold rows)."""
+    warm: dict[str, WarmConsumer]
+    """The consumer of each warm relay path (erin: relayed, frank: hole-punched)."""
     ssh: list[str] | None
     ssh_note: str
     docker_note: str | None
@@ -417,28 +468,104 @@ def blocked(rule: tuple[str, str, list[str]]) -> Iterator[None]:
         subprocess.run([*on(side), "iptables", "-D", chain, *spec], check=False)
 
 
-def run_via_relay(setup: Setup, row: Row, *, path: str) -> float:
-    """``cp`` of the file by dave (QUIC) with host B's firewall making ``path``."""
+def want_path(path: str) -> str:
+    return "hole-punched" if path == PUNCHED else "relayed"
+
+
+def copy_checked(setup: Setup, env: dict[str, str], sandbox: Path, what: str) -> float:
+    """Seconds of one whole ``cp`` of the file (QUIC) with ``env``; checked and removed."""
     name = setup.fresh("relay") + ".bin"
-    with blocked(BLOCK[path]):
-        if path not in row.paths_checked:
-            _, out = timed(gm("connect", "--json", "alice"), setup.args.limit, setup.relay_env)
-            got = str(json.loads(out)["path"])
-            want = "hole-punched" if path == PUNCHED else "relayed"
-            if want not in got:
-                raise RuntimeError(f"{path}: dave's session took the path {got!r}")
-            row.paths_checked[path] = got
-            print(f"  {path}: connect says the path is {got!r}", flush=True)
-        seconds, out = timed(
-            gm("cp", "--json", str(setup.source), f"alice:/wan/{name}"),
-            setup.args.limit,
-            setup.relay_env,
-        )
-    arrived = setup.relay_sandbox / "wan" / name
+    seconds, _ = timed(
+        gm("cp", "--json", str(setup.source), f"alice:/wan/{name}"), setup.args.limit, env
+    )
+    arrived = sandbox / "wan" / name
     size = arrived.stat().st_size
     arrived.unlink()
     if size != setup.size:
-        raise RuntimeError(f"gpumesh cp ({path}) copied {size} of {setup.size} bytes")
+        raise RuntimeError(f"gpumesh cp ({what}) copied {size} of {setup.size} bytes")
+    return seconds
+
+
+def run_cold(setup: Setup, row: Row, *, cold: str) -> float:
+    """``cp`` of the file by dave (QUIC, in-process: a fresh dial each time) with the
+    firewall making his path (sparing the warm hole-punched consumer's port)."""
+    path = COLD_OF[cold]
+    punched = setup.warm.get(PUNCHED)
+    spare = None if punched is None else punched.port
+    with blocked(block_rule(path, spare=spare)):
+        if cold not in row.paths_checked:
+            _, out = timed(gm("connect", "--json", "alice"), setup.args.limit, setup.relay_env)
+            got = str(json.loads(out)["path"])
+            if want_path(path) not in got:
+                raise RuntimeError(f"{cold}: dave's session took the path {got!r}")
+            row.paths_checked[cold] = got
+            print(f"  {cold}: connect says the path is {got!r}", flush=True)
+        seconds = copy_checked(setup, setup.relay_env, setup.relay_sandbox, cold)
+    return setup.size / seconds / 1e6
+
+
+def node_view(consumer: WarmConsumer, limit: float) -> dict[str, Any]:
+    """``gpumesh daemon status --json`` of the consumer's node process."""
+    _, out = timed(gm("daemon", "status", "--json"), limit, consumer.env)
+    view = json.loads(out)["node"]
+    if view is None:
+        raise RuntimeError(f"{consumer.name}'s node process is not running")
+    return dict(view)
+
+
+def session_path(consumer: WarmConsumer, limit: float) -> tuple[str, int | None]:
+    """The path of the consumer's warm session to alice and its shared UDP port."""
+    view = node_view(consumer, limit)
+    paths = [str(s["path"]) for s in view["warm_sessions"] if s["peer"] == "alice"]
+    port = view["outgoing"]["port"] if view.get("outgoing") else None
+    return (paths[0] if paths else "none"), port
+
+
+def warm_up(setup: Setup, path: str, stack: contextlib.ExitStack) -> None:
+    """The consumer's first copy (untimed: the cold rows show what a first dial costs)
+    under the broad rule for its path, then that rule for its own port only, kept."""
+    consumer = setup.warm[path]
+    stack.callback(stop_node, consumer)
+    punched = setup.warm.get(PUNCHED)
+    spare = None if punched is None or punched is consumer else punched.port
+    with blocked(block_rule(path, spare=spare)):
+        try:
+            copy_checked(setup, consumer.env, consumer.sandbox, f"{path}, first copy")
+        except RuntimeError:
+            log = Path(consumer.env["GPUMESH_HOME"]) / "logs" / "node.log"
+            if log.exists():
+                print("\n".join(log.read_text().splitlines()[-15:]), file=sys.stderr)
+            raise
+        got, port = session_path(consumer, setup.args.limit)
+        if want_path(path) not in got or port is None:
+            raise RuntimeError(f"{path}: {consumer.name}'s session took the path {got!r}")
+        stack.enter_context(blocked(block_rule(path, port=port)))
+    consumer.port, consumer.path = port, got
+    print(f"{path} (warm): {consumer.name}'s node process, UDP port {port}: {got!r}", flush=True)
+
+
+def stop_node(consumer: WarmConsumer) -> None:
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        subprocess.run(
+            [*on("B"), *gm("daemon", "stop")],
+            env=consumer.env,
+            capture_output=True,
+            timeout=30,
+            check=False,
+        )
+
+
+def run_warm(setup: Setup, row: Row, *, path: str) -> float:
+    """``cp`` of the file by the path's warm consumer, through its node process; the
+    session it used must still be on the path (checked after the copy, untimed)."""
+    consumer = setup.warm[path]
+    seconds = copy_checked(setup, consumer.env, consumer.sandbox, path)
+    got, _ = session_path(consumer, setup.args.limit)
+    if want_path(path) not in got:
+        raise RuntimeError(f"{path}: {consumer.name}'s warm session moved to {got!r}")
+    if path not in row.paths_checked:
+        row.paths_checked[path] = got
+        print(f"  {path}: the node process says the path is {got!r}", flush=True)
     return setup.size / seconds / 1e6
 
 
@@ -462,9 +589,12 @@ def runners(setup: Setup) -> dict[str, Callable[[Setup, Row], float]]:
     if setup.docker_note is None:
         chosen[WORKDIR_Q] = lambda s, r: run_workdir(s, r, quic=True)
     chosen[APP_Q] = lambda s, r: run_app(s, r, quic=True)
+    for path in WARM_PATHS:
+        if path in setup.warm:
+            chosen[path] = functools.partial(run_warm, path=path)
     if setup.relay_env:
-        chosen[PUNCHED] = lambda s, r: run_via_relay(s, r, path=PUNCHED)
-        chosen[RELAYED] = lambda s, r: run_via_relay(s, r, path=RELAYED)
+        chosen[PUNCHED_COLD] = lambda s, r: run_cold(s, r, cold=PUNCHED_COLD)
+        chosen[RELAYED_COLD] = lambda s, r: run_cold(s, r, cold=RELAYED_COLD)
     if setup.ssh is not None:
         chosen[SCP] = run_scp
         chosen[SCP_R] = run_scp_r
@@ -629,10 +759,17 @@ def run(args: argparse.Namespace, rows: list[Row]) -> None:
         relay_note = relay_missing()
         dave = None if relay_note else quic_consumer(tmp / "d", alice, "dave", RELAY_ADDRESS)
         relay_sandbox = tmp / "a" / "files" / (str(dave.info().node_id) if dave else "-")
+        warm_homes: dict[str, tuple[str, Path]] = {}
         if dave is not None:
             alice.home.config.set("relay", RELAY_ADDRESS)
             alice.home.config.save()
             dave.close()
+            wanted = args.only or set(WARM_PATHS)
+            for path, who in ((RELAYED, "erin"), (PUNCHED, "frank")):
+                if path in wanted:
+                    node = quic_consumer(tmp / who[0], alice, who, RELAY_ADDRESS)
+                    warm_homes[path] = (who, tmp / "a" / "files" / str(node.info().node_id))
+                    node.close()
         alice.close()
         bob.close()
         carol.close()
@@ -671,6 +808,11 @@ def run(args: argparse.Namespace, rows: list[Row]) -> None:
             quic_env=quic_env,
             relay_sandbox=relay_sandbox,
             relay_env=relay_env,
+            warm={
+                path: WarmConsumer(who, dict(env, GPUMESH_HOME=str(tmp / who[0])), box)
+                for path, (who, box) in warm_homes.items()
+                if not relay_note
+            },
             ssh=ssh,
             ssh_note=ssh_note,
             docker_note=None if args.no_docker else docker_missing(args.image),
@@ -684,6 +826,9 @@ def run(args: argparse.Namespace, rows: list[Row]) -> None:
             print(f"scp, scp -r, rsync: {ssh_note}")
         # Untimed warm-up on the first link: first-use costs of both tools.
         run_connect(setup, Row(0, 0))
+        for path in WARM_PATHS:  # relayed first: its broad rule would cut a punched path
+            if path in setup.warm:
+                warm_up(setup, path, stack)
         for index, row in enumerate(rows):
             if index:
                 print(lab_lines(lab("link", *link_options(row, args.seed))))
@@ -762,7 +907,9 @@ def report(args: argparse.Namespace, rows: list[Row], setup: Setup) -> None:
         APP,
         APP_Q,
         PUNCHED,
+        PUNCHED_COLD,
         RELAYED,
+        RELAYED_COLD,
         SCP,
         SCP_R,
         RSYNC,
@@ -806,6 +953,15 @@ def report(args: argparse.Namespace, rows: list[Row], setup: Setup) -> None:
         print("  run --workdir includes starting and running one container (`true`)")
     print("  app sync: a first sync of the tree as a new app; rsync -a to a new folder")
     print("  connect: the whole `gpumesh connect` process, and (in brackets) what it reports")
+    print(
+        "  warm rows (successive copies through the consumer's node process, its session "
+        "and relay registration kept): cp, cp --no-fast-path, QUIC FEC off, folder cp, "
+        "run --workdir, app sync (and their QUIC rows), cp hole-punched, cp relayed"
+    )
+    print(
+        "  cold rows (each copy a new in-process command, GPUMESH_NODE=off: dial, relay "
+        "registration and punching in its time): cp hole-punched cold, cp relayed cold"
+    )
 
 
 # --- command line ------------------------------------------------------------------------
@@ -828,11 +984,11 @@ def parse_rows(text: str) -> list[Row]:
 
 
 def parse_only(text: str) -> set[str]:
-    chosen = set()
+    chosen: set[str] = set()
     for key in text.split(","):
         if key.strip() not in ONLY:
             raise argparse.ArgumentTypeError(f"unknown path {key!r}: one of {', '.join(ONLY)}")
-        chosen.add(ONLY[key.strip()])
+        chosen.update(ONLY[key.strip()])
     return chosen
 
 

@@ -337,6 +337,8 @@ class Node:
         via = None if self.pool is None else self.pool.outgoing
         # Dialled first: where punching got through last time, from the same socket.
         punched = None if via is None or self.pool is None else self.pool.punched(str(peer.node_id))
+        # Reached through the relay last time: try it at once, beside the addresses.
+        relay_first = self.pool is not None and self.pool.relay_first(str(peer.node_id))
         dial = functools.partial(
             open_session,
             self.home.identity,
@@ -347,6 +349,7 @@ class Node:
             relay=relay,
             via=via,
             punched=punched,
+            relay_first=relay_first,
         )
         try:
             session = await dial(addresses)

@@ -17,6 +17,12 @@ peer's NAT still lets in for a while, and so reaches a restarted or
 reconnecting peer in one round trip rather than through the relay and a new
 round of punching. A deny, unpair or key change forgets it with the session.
 
+The pool also remembers which peers its last session reached through the relay
+(punched or not) (:meth:`SessionPool.relay_first`): their direct addresses did
+not answer then, so the next dial starts the relay at once beside them rather
+than after :data:`~gpumesh.transport.session.RELAY_DELAY`. A session that
+comes up direct, or a deny, unpair or key change, forgets it.
+
 Every dial of a pool goes out from one shared socket (``outgoing``): one UDP port
 and one relay registration per relay for all its links (see
 :mod:`gpumesh.transport.outgoing`).
@@ -104,6 +110,13 @@ class SessionPool:
         self._punched: dict[str, tuple[Address, float]] = {}
         """By peer id: the punched address of its last session, and when that session
         was last seen open."""
+        self._through_relay: set[str] = set()
+        """Peer ids whose last session was set up through the relay."""
+
+    def relay_first(self, peer_id: str) -> bool:
+        """Whether the last session to ``peer_id`` was set up through the relay (its
+        direct addresses did not answer): the next dial tries the relay at once."""
+        return peer_id in self._through_relay
 
     def punched(self, peer_id: str) -> Address | None:
         """The hole-punched address the last session to ``peer_id`` used, if that
@@ -149,6 +162,10 @@ class SessionPool:
                 self._warm[key] = warm
                 # What this session punches (now or later) replaces what the last found.
                 self._punched.pop(key, None)
+                if session.through_relay:
+                    self._through_relay.add(key)
+                else:
+                    self._through_relay.discard(key)
                 self._note_punched(warm)
         warm.users += 1
         warm.uses += 1
@@ -188,10 +205,12 @@ class SessionPool:
 
     def drop(self, peer_id: str, reason: str, *, forget_path: bool = False) -> None:
         """Close and forget the warm session to ``peer_id`` (if any); keep its punched
-        address for the next dial unless ``forget_path``."""
+        address (and whether it came through the relay) for the next dial unless
+        ``forget_path``."""
         warm = self._warm.pop(peer_id, None)
         if forget_path:
             self._punched.pop(peer_id, None)
+            self._through_relay.discard(peer_id)
         elif warm is not None:
             self._note_punched(warm)  # while its link is still open
         if warm is not None:

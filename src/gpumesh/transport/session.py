@@ -18,9 +18,10 @@ import contextlib
 import logging
 import os
 import socket
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gpumesh.errors import (
     AccessDeniedError,
@@ -48,6 +49,7 @@ __all__ = [
     "EARLY_BUFFER",
     "EARLY_REQUESTS",
     "Accepted",
+    "DialRecord",
     "RelayHint",
     "Session",
     "accept_session",
@@ -76,6 +78,25 @@ PUNCH_SETTLE = 0.3
 """Most seconds a relayed dial waits for a direct path whose peer already answered."""
 PUNCHED_FIRST = RELAY_DELAY
 """Seconds a re-dial gives the last punched address alone before the usual dial joins."""
+
+
+@dataclass
+class DialRecord:
+    """What one dial started and when, relative to its start: which attempts raced
+    (``punched``, ``direct``, ``relay``) and when each finished. Kept on the session it
+    gave (:attr:`Session.dial_record`) for logs and tests."""
+
+    started: float = field(default_factory=time.monotonic)
+    events: list[tuple[str, float]] = field(default_factory=list)
+    """(event, seconds since the dial started): ``<attempt> started``,
+    ``<attempt> failed``, ``<attempt> won``."""
+
+    def note(self, event: str) -> None:
+        self.events.append((event, time.monotonic() - self.started))
+
+    def at(self, event: str) -> float | None:
+        """When ``event`` happened first (seconds into the dial); None if it did not."""
+        return next((when for name, when in self.events if name == event), None)
 
 
 @dataclass(frozen=True)
@@ -127,6 +148,8 @@ class Session:
         """The relayed session under the link (punched or not), or None for a direct one."""
         self.peer_name = where
         """The provider's node name once it welcomed us; where we dialled until then."""
+        self.dial_record: DialRecord | None = None
+        """What the dial that opened this session tried, and when."""
         self.punched_before: Address | None = None
         """Set on a direct session dialled to the address hole punching found for an
         earlier session with the peer (its NAT's mapping, still open): that address."""
@@ -370,45 +393,81 @@ async def open_session(
     relay: RelayHint | None = None,
     via: OutgoingSocket | None = None,
     punched: Address | None = None,
+    relay_first: bool = False,
 ) -> Session:
     """Dial ``addresses`` (staggered, first success wins) and authenticate.
 
     With a ``relay``, the relay is tried too: after :data:`RELAY_DELAY`, or
-    at once when every direct dial has failed; whichever finishes first wins.
-    A refusal (denied, not paired) or a key mismatch ends the attempt at once:
-    other paths reach the same node and would only repeat it. ``via``: a long-running
-    process's shared socket and relay registrations (else each dial opens its own).
-    ``punched``: the address punching found for the last session with this peer
-    from ``via``'s socket, dialled first and alone for :data:`PUNCHED_FIRST`
-    seconds: the NATs on both sides still let that flow through for a while after
-    its session ended, so the peer is a round trip away without the relay. Then
-    the usual dial runs beside it; its failure (a stale mapping, another host
-    there now) only means the usual dial decides.
+    at once when every direct dial has failed or with ``relay_first`` (the
+    last session with this peer went through the relay: its direct addresses
+    did not answer then, so waiting for them first would only add the delay);
+    whichever finishes first wins. A refusal (denied, not paired) or a key
+    mismatch ends the attempt at once: other paths reach the same node and would
+    only repeat it. ``via``: a long-running process's shared socket and relay
+    registrations (else each dial opens its own). ``punched``: the address
+    punching found for the last session with this peer from ``via``'s socket,
+    dialled first and alone for :data:`PUNCHED_FIRST` seconds: the NATs on both
+    sides still let that flow through for a while after its session ended, so
+    the peer is a round trip away without the relay. Then the usual dial runs
+    beside it; its failure (a stale mapping, another host there now) only means
+    the usual dial decides. The session's :attr:`Session.dial_record` says what
+    was tried and when.
     """
+    record = DialRecord()
+    session = await _open_session(
+        identity, name, addresses, server_key, timeout, peer_label, relay, via, punched,
+        relay_first, record,
+    )  # fmt: skip
+    session.dial_record = record
+    return session
+
+
+async def _open_session(
+    identity: Identity,
+    name: str,
+    addresses: Sequence[Address],
+    server_key: bytes,
+    timeout: float,
+    peer_label: str,
+    relay: RelayHint | None,
+    via: OutgoingSocket | None,
+    punched: Address | None,
+    relay_first: bool,
+    record: DialRecord,
+) -> Session:
+    def usual() -> Coroutine[Any, Any, Session]:
+        return _open_with_relay(
+            identity, name, addresses, server_key, timeout, peer_label, relay, via,
+            relay_first, record,
+        )  # fmt: skip
+
     if punched is None:
-        return await _open_with_relay(
-            identity, name, addresses, server_key, timeout, peer_label, relay, via
-        )
+        return await usual()
+    record.note("punched started")
     first = asyncio.create_task(_dial_one(identity, name, punched, server_key, timeout, via))
     rest: asyncio.Task[Session] | None = None
     winner: Session | None = None
     try:
         await asyncio.wait({first}, timeout=PUNCHED_FIRST)
         while True:
-            if first.done():
+            if first.done() and not first.cancelled():
                 error = first.exception()
                 if error is None:
                     winner = first.result()
                     winner.punched_before = punched
+                    record.note("punched won")
                     return winner
                 if not isinstance(error, GPUMeshError):
                     raise error  # a bug, not a stale address
             if rest is None:
-                rest = asyncio.create_task(
-                    _open_with_relay(
-                        identity, name, addresses, server_key, timeout, peer_label, relay, via
-                    )
-                )
+                if via is not None and relay is not None and not first.done():
+                    # The relay may punch to this very address from this very port:
+                    # stop the attempt, as _open_with_relay stops a direct one.
+                    first.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await first
+                    record.note("punched stopped")
+                rest = asyncio.create_task(usual())
             if rest.done() and (first.done() or rest.exception() is None):
                 winner = rest.result()  # or its error, once the punched address failed too
                 return winner
@@ -433,18 +492,38 @@ async def _open_with_relay(
     peer_label: str,
     relay: RelayHint | None,
     via: OutgoingSocket | None,
+    relay_first: bool,
+    record: DialRecord,
 ) -> Session:
+    record.note("direct started")
     direct = asyncio.create_task(
         _open_direct(identity, name, addresses, server_key, timeout, peer_label, via)
     )
     if relay is None:
-        return await direct
+        alone = await direct
+        record.note("direct won")
+        return alone
     relayed: asyncio.Task[Session] | None = None
     winner: Session | None = None
     try:
-        await asyncio.wait({direct}, timeout=RELAY_DELAY if addresses else 0)
-        if direct.done() and (winner := _settled(direct)) is not None:
-            return winner
+        delay = RELAY_DELAY if addresses and not relay_first else 0
+        await asyncio.wait({direct}, timeout=delay)
+        if direct.done():
+            if (winner := _settled(direct)) is not None:
+                record.note("direct won")
+                return winner
+            record.note("direct failed")
+        if via is not None and not direct.done():
+            # From a shared socket the relayed session leaves from the same port as
+            # the direct attempt. Once punching opens the peer's NAT or firewall for
+            # that port, the direct attempt's retransmitted Initials get through and
+            # the peer takes them for a re-dial that replaces the relayed session,
+            # which then ends under us. Punching finds the direct path anyway.
+            direct.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await direct
+            record.note("direct stopped")
+        record.note("relay started")
         relayed = asyncio.create_task(
             _dial_relayed(identity, name, relay, server_key, timeout, via)
         )
@@ -452,15 +531,20 @@ async def _open_with_relay(
         while pending:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             for finished in done:
+                what = "relay" if finished is relayed else "direct"
                 if (winner := _settled(finished)) is not None:
+                    record.note(f"{what} won")
                     return winner
-        direct_error = direct.exception()
+                record.note(f"{what} failed")
         relay_error = relayed.exception()
-        assert direct_error is not None and relay_error is not None
+        assert relay_error is not None
         if isinstance(relay_error, RelayError | KeyMismatchError):
             raise relay_error
         if not addresses:
             raise relay_error
+        direct_error = (
+            "no answer before the relay was tried" if direct.cancelled() else direct.exception()
+        )
         raise UnreachableError(
             f"cannot reach {peer_label} directly ({direct_error}) nor through the relay "
             f"{relay.address} ({relay_error})"
