@@ -19,7 +19,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -474,13 +474,19 @@ async def _open_session(
             waiting = {task for task in (first, rest) if not task.done()}
             await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        for task in (first, rest):
-            if task is None:
-                continue
-            if not task.done():
-                task.cancel()
-            elif not task.cancelled() and task.exception() is None and task.result() is not winner:
-                task.result().close()
+        _drop_losers((first, rest), winner)
+
+
+def _drop_losers(tasks: Iterable[asyncio.Task[Session] | None], winner: Session | None) -> None:
+    """Cancel the attempts still running and close the sessions of those that
+    finished but did not win."""
+    for task in tasks:
+        if task is None:
+            continue
+        if not task.done():
+            task.cancel()
+        elif not task.cancelled() and task.exception() is None and task.result() is not winner:
+            task.result().close()
 
 
 async def _open_with_relay(
@@ -550,13 +556,7 @@ async def _open_with_relay(
             f"{relay.address} ({relay_error})"
         )
     finally:
-        for task in (direct, relayed):
-            if task is None:
-                continue
-            if not task.done():
-                task.cancel()
-            elif not task.cancelled() and task.exception() is None and task.result() is not winner:
-                task.result().close()
+        _drop_losers((direct, relayed), winner)
 
 
 async def _open_direct(
@@ -595,11 +595,7 @@ async def _open_direct(
                 if not done or not is_last:
                     break
     finally:
-        for task in tasks:
-            if not task.done():
-                task.cancel()
-            elif not task.cancelled() and task.exception() is None and task.result() is not winner:
-                task.result().close()
+        _drop_losers(tasks, winner)
     errors.sort(key=_rank)
     best = errors[0] if errors else UnreachableError(f"cannot reach {peer_label}")
     if len(addresses) > 1 and isinstance(best, UnreachableError):
