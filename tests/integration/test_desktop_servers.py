@@ -97,10 +97,28 @@ def _xvfb(tmp_path: Path, size: str = "640x480x24") -> Iterator[dict[str, str]]:
         with os.fdopen(read) as pipe:
             number = pipe.readline().strip()
         assert number, "Xvfb did not report its display"
-        yield dict(os.environ, DISPLAY=f":{number}", HOME=str(tmp_path))
+        env = dict(os.environ, DISPLAY=f":{number}", HOME=str(tmp_path))
+        _wait_display(env, proc)
+        yield env
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def _wait_display(env: dict[str, str], proc: subprocess.Popen[bytes]) -> None:
+    """Until a client can open the display: a server started next (x11vnc,
+    freerdp-shadow) that cannot open it gives up at once (seen once on a loaded
+    machine right after Xvfb reported its number)."""
+    deadline = time.monotonic() + CEILING
+    while True:
+        probe = subprocess.run(
+            ["xdotool", "getdisplaygeometry"], env=env, capture_output=True, check=False
+        )
+        if probe.returncode == 0:
+            return
+        assert proc.poll() is None, f"Xvfb exited ({proc.returncode})"
+        assert time.monotonic() < deadline, probe.stderr
+        time.sleep(0.1)
 
 
 def _share(alice: Path, bob: Path, *flags: str) -> None:
