@@ -16,6 +16,7 @@ import pytest
 
 from gpumesh.agent.deps import RequestContext
 from gpumesh.agent.server import Agent
+from gpumesh.client import pool
 from gpumesh.client.jobs import refresh_jobs, run_job
 from gpumesh.client.node import Node
 from gpumesh.client.pool import SessionPool
@@ -24,7 +25,7 @@ from gpumesh.protocol.messages import JobQuery, JobSubmit
 from gpumesh.protocol.states import FINAL_STATES, JobRole, JobState
 from gpumesh.transport.stream import Stream
 from tests.integration.conftest import arun, job_nodes, pair_both, sharing
-from tests.integration.test_jobs import Collected, spec
+from tests.integration.test_jobs import Collected, providing, spec
 
 pytestmark = pytest.mark.usefixtures("docker_daemon")
 
@@ -140,5 +141,51 @@ def test_job_queries_whose_warm_session_closed_under_them_are_asked_again(
                 assert record is not None and record.state == JobState.SUCCEEDED
             finally:
                 bob.pool.close()
+
+    arun(scenario())
+
+
+def _vanish(agent: Agent) -> int:
+    """Stop ``agent`` as a killed process would: no link hears of it. Its port."""
+    assert agent.endpoint is not None
+    port = agent.endpoint.local_address[1]
+    for link in list(agent.endpoint.links):
+        link.cancel_timer()
+    agent.endpoint.links.clear()
+    agent.stop()
+    return port
+
+
+def test_a_run_lent_a_warm_session_its_restarted_provider_no_longer_knows_dials_again(
+    cluster: Callable[[str], Node], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The provider went and came back on the same port within the seconds a warm
+    session is lent without a ping (made long here, so the lend never pings): the
+    new agent drops the old connection's packets without a word. The submit and a
+    ping go unanswered for ``PROBE_TIMEOUT`` seconds each, then the run is sent on
+    a new session."""
+    monkeypatch.setattr(pool, "PROBE_AFTER", 3600.0)
+    alice, bob = cluster("alice"), cluster("bob")
+
+    async def scenario() -> None:
+        bob.pool = SessionPool()
+        try:
+            async with sharing(alice) as first_agent:
+                pair_both(alice, bob)
+                first = await run_job(bob, spec("alice", "sh", "-c", "echo one"))
+                assert first.exit_code == 0
+                port = _vanish(first_agent)
+            (old,) = bob.pool.sessions()
+            async with providing(alice, port=port):
+                got = Collected()
+                second = await run_job(bob, spec("alice", "sh", "-c", "echo two"), callbacks=got)
+                assert (second.state, second.exit_code) == ("succeeded", 0)
+                assert bytes(got.out) == b"two\n"
+                (new,) = bob.pool.sessions()
+                assert new.session is not old.session and old.session.link.is_closed
+                hosted = alice.home.store.job(JobRole.HOSTED, second.job_id)
+                assert hosted is not None and hosted.attempt == 1
+        finally:
+            bob.pool.close()
 
     arun(scenario())
