@@ -17,11 +17,11 @@ import pytest
 from gpumesh.agent.deps import RequestContext
 from gpumesh.agent.server import Agent
 from gpumesh.client import pool
-from gpumesh.client.jobs import refresh_jobs, run_job
+from gpumesh.client.jobs import cancel_job, refresh_jobs, run_job
 from gpumesh.client.node import Node
 from gpumesh.client.pool import SessionPool
 from gpumesh.errors import GPUMeshError
-from gpumesh.protocol.messages import JobQuery, JobSubmit
+from gpumesh.protocol.messages import JobCancel, JobQuery, JobSubmit, Message
 from gpumesh.protocol.states import FINAL_STATES, JobRole, JobState
 from gpumesh.transport.stream import Stream
 from tests.integration.conftest import arun, job_nodes, pair_both, sharing
@@ -44,6 +44,23 @@ async def _started(node: Node, job_id: str) -> None:
             return
         await asyncio.sleep(0.05)
     raise AssertionError(f"job {job_id} never started")
+
+
+def _close_on_first(agent: Agent, kind: type[JobQuery] | type[JobCancel]) -> list[Message]:
+    """The first request of ``kind`` closes the link it came on, unanswered; later ones
+    are served as ever. The requests that closed a link."""
+    handle = agent.handlers[kind]
+    closed: list[Message] = []
+
+    async def closing(ctx: RequestContext, message: JobQuery | JobCancel) -> None:
+        if not closed:
+            closed.append(message)
+            ctx.link.close()
+            return
+        await handle(ctx, message)
+
+    agent.handlers[kind] = closing
+    return closed
 
 
 def _silence(stream: Stream) -> None:
@@ -123,19 +140,9 @@ def test_job_queries_whose_warm_session_closed_under_them_are_asked_again(
                     if hosted is not None and hosted.state in FINAL_STATES:
                         break
                     await asyncio.sleep(0.05)
-                handle = agent.handlers[JobQuery]
-                closed: list[str] = []
-
-                async def closing(ctx: RequestContext, message: JobQuery) -> None:
-                    if not closed:
-                        closed.append(message.job_id)
-                        ctx.link.close()
-                        return
-                    await handle(ctx, message)
-
-                agent.handlers[JobQuery] = closing
+                closed = _close_on_first(agent, JobQuery)
                 unconfirmed = await refresh_jobs(bob, timeout=30)
-                assert closed == [done.job_id]
+                assert closed == [JobQuery(job_id=done.job_id)]
                 assert unconfirmed == []
                 record = bob.home.store.job(JobRole.SUBMITTED, done.job_id)
                 assert record is not None and record.state == JobState.SUCCEEDED
@@ -187,5 +194,28 @@ def test_a_run_lent_a_warm_session_its_restarted_provider_no_longer_knows_dials_
                 assert hosted is not None and hosted.attempt == 1
         finally:
             bob.pool.close()
+
+    arun(scenario())
+
+
+def test_a_cancel_whose_warm_session_closed_under_it_is_sent_again(
+    cluster: Callable[[str], Node],
+) -> None:
+    alice, bob = cluster("alice"), cluster("bob")
+
+    async def scenario() -> None:
+        async with sharing(alice) as agent:
+            pair_both(alice, bob)
+            bob.pool = SessionPool()
+            try:
+                job = await run_job(bob, spec("alice", "sleep", "60"), detach=True)
+                closed = _close_on_first(agent, JobCancel)
+                result = await cancel_job(bob, "alice", job.job_id)
+                assert closed == [JobCancel(job_id=job.job_id)]
+                assert result.state == "cancelled"
+                hosted = alice.home.store.job(JobRole.HOSTED, job.job_id)
+                assert hosted is not None and hosted.state == JobState.CANCELLED
+            finally:
+                bob.pool.close()
 
     arun(scenario())

@@ -742,8 +742,12 @@ async def cancel_job(node: Node, peer_query: str, job_id: str) -> JobResult:
     peer = node.peer(peer_query)
     with contextlib.suppress(NotFoundError):
         job_id = node.home.store.find_job(job_id, role=SUBMITTED).job_id
-    async with node.session(peer.node_id) as session:
-        reply = await session.request(JobCancel(job_id=job_id), timeout=60)
+
+    async def ask(session: Session) -> Message:
+        # Safe to send twice: a job cancelled already is answered with its end.
+        return await session.request(JobCancel(job_id=job_id), timeout=60)
+
+    reply = await node.on_session(peer.node_id, ask)
     if not isinstance(reply, JobStatus):
         raise ProtocolError(f"{peer.name} answered a cancel with {type(reply).__name__}")
     result = JobResult(
@@ -814,8 +818,7 @@ async def _refresh_peer(node: Node, jobs: list[JobRecord], timeout: float) -> Un
 
     try:
         async with asyncio.timeout(timeout):
-            async with node.session_for(jobs[0].peer_id, ask, timeout=timeout):
-                pass
+            await node.on_session(jobs[0].peer_id, ask, timeout=timeout)
     except TimeoutError:
         reasons.append(f"no answer within {timeout:g}s")
     except GPUMeshError as exc:

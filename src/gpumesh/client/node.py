@@ -345,6 +345,18 @@ class Node:
         async with self.session(query, timeout=timeout) as session:
             yield session, await first(session)
 
+    async def on_session(
+        self,
+        query: str,
+        request: Callable[[Session], Awaitable[T]],
+        *,
+        timeout: float | None = None,
+    ) -> T:
+        """``request`` (safe to send twice) on a session with the peer: what it returns.
+        Sent once more on a new session should a warm one die under it."""
+        async with self.session_for(query, request, timeout=timeout) as (_session, result):
+            return result
+
     async def _dial(self, peer: Peer, timeout: float | None) -> Session:
         # Imported here: local commands (status, peers) need no QUIC or TLS.
         from gpumesh.transport.session import RelayHint, open_session, parse_address
