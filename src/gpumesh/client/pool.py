@@ -26,7 +26,7 @@ comes up direct, or a deny, unpair or key change, forgets it.
 A warm session can die under a request: its peer was killed and started again
 within :data:`PROBE_AFTER` seconds of the last answer (so it was lent without a
 ping), or it closed the link. :meth:`SessionPool.lend_for` runs a command's
-first request, one that is safe to send twice (a status, a job query, a
+first request, one that is safe to send twice (a job query, a cancel, a
 ``JobSubmit``, whose consumer-chosen job id makes the provider accept a
 resubmission without starting a second copy), and sends it once more on a
 session dialled afresh when a session lent again closed under it or went
