@@ -230,4 +230,4 @@ class Opener:
     def cut(self) -> None:
         """The stream's bytes ended (a TCP EOF): an error unless its end was sealed."""
         if not self.ended:
-            raise SealError("it ended without its end-of-stream frame (cut short)")
+            raise SealError("it ended in the middle of the connection (no end-of-stream frame)")
