@@ -168,7 +168,8 @@ def test_keys_move_on_in_step_and_a_wrapping_counter_ends_it(
     opener2.feed(first + b"".join(frames[:5]) + first)
     with pytest.raises(SealError, match="authentication"):
         _open_all(opener2)
-    sealer._direction.counter = (1 << 96) - 1  # what 2^96 frames would leave
+    direction = sealer._direction  # where 2^96 frames would leave it: the last key's turn
+    direction.counter = direction.until = (1 << 96) - sealing.REKEY_FRAMES
     with pytest.raises(SealError, match="wrap"):
         sealer.seal(b"x")
 

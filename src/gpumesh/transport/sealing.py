@@ -97,20 +97,22 @@ class _Direction:
 
     def __init__(self, key: bytes) -> None:
         self._key = key
-        self.aead = AESGCM(key)
         self.counter = 0
+        """The next frame's number: its nonce."""
+        self.until = REKEY_FRAMES
+        """The counter at which the key moves on (and the wrap is checked)."""
+        aead = AESGCM(key)
+        self.encrypt_into, self.decrypt_into = aead.encrypt_into, aead.decrypt_into
 
-    def nonce(self) -> bytes:
-        """The next frame's nonce; the counter moves on (and the key, every
-        :data:`REKEY_FRAMES`)."""
-        counter = self.counter
-        if counter >= _COUNTER_END - 1:
+    def next_key(self) -> None:
+        """At :attr:`until`: the next key (as TLS 1.3's KeyUpdate), or the end when
+        the counter would wrap."""
+        if self.counter >= _COUNTER_END - REKEY_FRAMES:
             raise SealError("the frame counter would wrap: the connection must end")
-        if counter and not counter % REKEY_FRAMES:
-            self._key = _next_key(self._key)
-            self.aead = AESGCM(self._key)
-        self.counter = counter + 1
-        return counter.to_bytes(12, "big")
+        self._key = _next_key(self._key)
+        aead = AESGCM(self._key)
+        self.encrypt_into, self.decrypt_into = aead.encrypt_into, aead.decrypt_into
+        self.until = self.counter + REKEY_FRAMES
 
 
 class Sealer:
@@ -130,13 +132,18 @@ class Sealer:
         if size > MAX_PLAIN:
             raise ValueError(f"a frame carries at most {MAX_PLAIN} bytes, not {size}")
         direction = self._direction
-        nonce = direction.nonce()
-        _LENGTH.pack_into(out, 0, size + TAG)
-        header = out[:HEADER]
-        direction.aead.encrypt_into(nonce, plain, header, out[HEADER : HEADER + size + TAG])
+        counter = direction.counter
+        if counter == direction.until:
+            direction.next_key()
+        direction.counter = counter + 1
+        length = size + TAG
+        _LENGTH.pack_into(out, 0, length)
+        direction.encrypt_into(
+            counter.to_bytes(12, "big"), plain, out[:HEADER], out[HEADER : HEADER + length]
+        )
         if not size:
             self.ended = True
-        return HEADER + size + TAG
+        return HEADER + length
 
     def seal(self, plain: bytes | bytearray | memoryview) -> bytes:
         """:meth:`seal_into` a new buffer (for tests and small frames)."""
@@ -209,13 +216,18 @@ class Opener:
         if available < HEADER + length:
             return None
         view = self._view
-        nonce = self._direction.nonce()
+        direction = self._direction
+        counter = direction.counter
+        if counter == direction.until:
+            direction.next_key()
+        direction.counter = counter + 1
         size = length - TAG
+        body = start + HEADER
         try:
-            self._direction.aead.decrypt_into(
-                nonce,
-                view[start + HEADER : start + HEADER + length],
-                view[start : start + HEADER],
+            direction.decrypt_into(
+                counter.to_bytes(12, "big"),
+                view[body : body + length],
+                view[start:body],
                 out[:size],
             )
         except InvalidTag:
