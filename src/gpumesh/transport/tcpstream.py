@@ -15,6 +15,10 @@ channel's plain TCP socket, TLS running on memory buffers between them, and the
 loop only watches the request's stream for a refusal. Python's TLS on asyncio
 wakes the loop per chunk, and its TLS socket makes a system call (or two) per
 16 KiB record; here one ``recv`` feeds many records and many leave in one send.
+When both ends agreed on it, the channel leaves TLS records behind once each end
+has sent a random through them: its pieces move as sealed frames
+(:mod:`gpumesh.transport.sealing`), one AEAD call and one system call each way
+per frame, with no lock.
 """
 
 from __future__ import annotations
@@ -274,6 +278,10 @@ class _Splice:
     (any thread) or a failure in either direction stops both: both sockets are
     shut down, which wakes a thread blocked on either. Nothing here touches the
     event loop.
+
+    Sealed (``sealed``): :meth:`_switch` first (the randoms through TLS, the
+    keys), then :meth:`_up_sealed` and :meth:`_down_sealed` in place of the two
+    directions above, on the same threads with the same stops and shutdowns.
     """
 
     def __init__(
@@ -289,6 +297,9 @@ class _Splice:
         self._sock = channel.sock
         self._sealed = sealed
         self._dialler = dialler
+        self._sealer: Sealer
+        self._opener: Opener
+        """Both made by :meth:`_switch`, on a sealed channel only."""
         for sock in (local, self._sock):
             sock.setblocking(True)
             with contextlib.suppress(OSError):  # small pieces leave at once
