@@ -181,3 +181,5 @@ def test_keys_need_both_randoms_whole() -> None:
     assert derive_keys(a, b) != derive_keys(b, a)
     up, down = derive_keys(a, b)
     assert up != down
+    # Another TLS session's binding makes other keys from the same randoms.
+    assert derive_keys(a, b, b"one session") != derive_keys(a, b, b"another")

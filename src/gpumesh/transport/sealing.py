@@ -10,8 +10,9 @@ with one call into the AEAD, straight from and into preallocated buffers.
 
 * Keys: HKDF-SHA256 over both randoms (the dialler's first), one key per
   direction (the labels differ), so neither end's frames can be reflected back
-  to it. The randoms crossed the authenticated TLS, so only the two ends know
-  them, and they are fresh per connection: so are the keys.
+  to it; the TLS connection's channel binding (``tls-unique``) is mixed in.
+  The randoms crossed the authenticated TLS, so only the two ends know them,
+  and they are fresh per connection: so are the keys.
 * A frame: its ciphertext's length (4 bytes, big-endian) then the AES-128-GCM
   ciphertext and tag. The length is the associated data. The nonce is the
   direction's frame counter (96 bits, never sent): a frame dropped, replayed or
@@ -79,12 +80,19 @@ class SealError(Exception):
     """A frame failed: tampered, replayed, moved, malformed, or the stream was cut."""
 
 
-def derive_keys(dialler_random: bytes, acceptor_random: bytes) -> tuple[bytes, bytes]:
-    """The two directions' keys: (dialler to acceptor, acceptor to dialler)."""
+def derive_keys(
+    dialler_random: bytes, acceptor_random: bytes, binding: bytes = b""
+) -> tuple[bytes, bytes]:
+    """The two directions' keys: (dialler to acceptor, acceptor to dialler).
+    ``binding``: the TLS connection's channel binding (``tls-unique``), which ties
+    the keys to that one TLS session too."""
     if len(dialler_random) != RANDOM_BYTES or len(acceptor_random) != RANDOM_BYTES:
         raise SealError(f"a sealed-frame random must be {RANDOM_BYTES} bytes")
     secret = dialler_random + acceptor_random
-    up, down = (HKDF(hashes.SHA256(), KEY_BYTES, _SALT, label).derive(secret) for label in _LABELS)
+    up, down = (
+        HKDF(hashes.SHA256(), KEY_BYTES, _SALT, label + b"\0" + binding).derive(secret)
+        for label in _LABELS
+    )
     return up, down
 
 

@@ -536,7 +536,7 @@ class _Splice:
         if tls.pending() or outgoing.pending:
             raise _ChannelError("TLS went on after the switch to sealed frames")
         first, second = (own, bytes(theirs)) if self._dialler else (bytes(theirs), own)
-        up, down = derive_keys(first, second)
+        up, down = derive_keys(first, second, tls.get_channel_binding("tls-unique") or b"")
         send, receive = (up, down) if self._dialler else (down, up)
         self._sealer = Sealer(send)
         self._opener = Opener(receive, incoming.read())
