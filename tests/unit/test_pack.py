@@ -370,6 +370,29 @@ def test_tar_command_reads_it(tmp_path: Path) -> None:
     assert listed.stderr == ""
 
 
+def test_the_tar_carries_every_folder_before_any_file(tmp_path: Path) -> None:
+    # An unpacker then makes every folder before the first file (ext4 makes a
+    # tree's files much faster that way); each folder still comes before the
+    # folders inside it, and the bytes are the same count.
+    make(tmp_path, {"a/b/c": "1", "a.txt": "2", "a/z": "3", "b/d/e": "4", "c/": ""})
+    plan = scan(tmp_path)
+    data = tar_bytes(plan)
+    assert len(data) == tar_size(plan)
+    with tarfile.open(fileobj=io.BytesIO(data)) as archive:
+        names = [(m.name, m.isdir()) for m in archive.getmembers()]
+    assert names == [
+        ("a", True),
+        ("a/b", True),
+        ("b", True),
+        ("b/d", True),
+        ("c", True),
+        ("a/b/c", False),
+        ("a/z", False),
+        ("a.txt", False),
+        ("b/d/e", False),
+    ]
+
+
 def test_same_tree_same_bytes(tmp_path: Path) -> None:
     make(tmp_path, {"a": "1", "b/c": "2"})
     assert tar_bytes(scan(tmp_path)) == tar_bytes(scan(tmp_path))

@@ -74,6 +74,59 @@ def test_modes_and_times_arrive(tmp_path: Path) -> None:
     assert int((dest / "private").stat().st_mtime) == 1_500_000_000
 
 
+def _modes_tree(root: Path) -> Path:
+    (root / "sub").mkdir(parents=True)
+    for name, mode in (("tool", 0o755), ("data", 0o644), ("sub/key", 0o600), ("sub/run", 0o700)):
+        (root / name).write_text(name)
+        os.chmod(root / name, mode)
+    return root
+
+
+def _modes(dest: Path) -> dict[str, int]:
+    return {
+        name: stat.S_IMODE((dest / name).stat().st_mode)
+        for name in ("tool", "data", "sub/key", "sub/run")
+    }
+
+
+_EXACT = {"tool": 0o755, "data": 0o644, "sub/key": 0o600, "sub/run": 0o700}
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002, 0o077, 0o000])
+def test_modes_arrive_exactly_whatever_the_umask(tmp_path: Path, umask: int) -> None:
+    # Files are made with their final mode, and set again only where the umask
+    # took bits away: either way they end up exactly as sent.
+    data = tar_of(_modes_tree(tmp_path / "r"))
+    before = os.umask(umask)
+    try:
+        unpack_tar(io.BytesIO(data), tmp_path / "dest", BIG)
+    finally:
+        os.umask(before)
+    assert _modes(tmp_path / "dest") == _EXACT
+
+
+def test_modes_arrive_exactly_under_a_default_acl(tmp_path: Path) -> None:
+    # A default ACL (here: nothing for group and others) decides a new file's
+    # mode instead of the umask; the unpacker sees it and sets each mode.
+    parent = tmp_path / "acl"
+    parent.mkdir()
+    entries = [(0x01, 0o7), (0x04, 0), (0x20, 0)]  # user::rwx, group::---, other::---
+    acl = (2).to_bytes(4, "little") + b"".join(
+        tag.to_bytes(2, "little") + perm.to_bytes(2, "little") + (2**32 - 1).to_bytes(4, "little")
+        for tag, perm in entries
+    )
+    try:
+        os.setxattr(parent, "system.posix_acl_default", acl)
+    except OSError as exc:
+        pytest.skip(f"this filesystem keeps no ACLs: {exc.strerror}")
+    probe = parent / "probe"
+    probe.touch(mode=0o755)
+    assert stat.S_IMODE(probe.stat().st_mode) == 0o700  # the ACL took group and other
+    probe.unlink()
+    unpack_tar(io.BytesIO(tar_of(_modes_tree(tmp_path / "r"))), parent / "dest", BIG)
+    assert _modes(parent / "dest") == _EXACT
+
+
 def test_a_tree_wider_and_deeper_than_the_open_folders(tmp_path: Path) -> None:
     root = tmp_path / "r"
     for a, b in itertools.product(range(12), range(12)):  # 156 folders, files in each

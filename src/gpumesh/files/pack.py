@@ -906,6 +906,25 @@ def _gather_file(plan: PackPlan, entry: PackEntry, out: Gathering) -> None:
 _ZEROS = bytes(_BLOCK)
 
 
+def _tar_order(plan: PackPlan) -> Iterator[PackEntry]:
+    """The plan's entries in the order the tar carries them: every folder first (each
+    still before the folders inside it), then files and symlinks.
+
+    Why: an unpacker makes each folder as its entry comes. Made one by one
+    between their files, a 10,000-file tree's folders land in several of
+    ext4's block groups, and making its files took 2-3x as long on this
+    project's test machine as when every folder was made before the first file
+    (all in one group; tmpfs does not care). rsync makes its folders first too.
+    The bytes and their count are the same either way; only the order changes.
+    """
+    for entry in plan.files:
+        if entry.kind == "dir":
+            yield entry
+    for entry in plan.files:
+        if entry.kind != "dir":
+            yield entry
+
+
 def write_tar(
     plan: PackPlan, out: BinaryIO | Gathering, progress: Callable[[int], None] | None = None
 ) -> int:
@@ -920,7 +939,7 @@ def write_tar(
     if progress is None and hasattr(out, "fill_from"):
         gathering = cast(Gathering, out)
         written = 0
-        for entry in plan.files:
+        for entry in _tar_order(plan):
             header = _header(entry)
             gathering.write(header)
             written += len(header)
@@ -930,7 +949,7 @@ def write_tar(
         gathering.write(_END_OF_ARCHIVE)
         return written + len(_END_OF_ARCHIVE)
     output = _Output(cast(BinaryIO, out), progress)
-    for entry in plan.files:
+    for entry in _tar_order(plan):
         output.write(_header(entry))
         if entry.kind == "file":
             _write_file(plan, entry, output)

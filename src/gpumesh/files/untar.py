@@ -338,11 +338,17 @@ class _FdWriter:
     """Creates entries below ``root_fd`` (a fresh folder private to this process),
     each relative to its open parent folder, never through a link."""
 
-    def __init__(self, root_fd: int, owner: tuple[int, int] | None = None) -> None:
+    def __init__(
+        self, root_fd: int, owner: tuple[int, int] | None = None, dropped: int = 0o777
+    ) -> None:
         self._owner = owner
+        self._dropped = dropped
+        """Mode bits a create may leave out (see :func:`_dropped_at_create`)."""
         if owner is not None:
             os.fchown(root_fd, *owner)
         self._dirs: dict[str, int] = {"": root_fd}
+        self._made: set[str] = set()
+        """Folders made here: reopened after :meth:`trim` without trying mkdir again."""
         self.folders: dict[str, tuple[int, float]] = {}
         """Folders with a header: their mode and time, set once everything is in."""
 
@@ -353,11 +359,13 @@ class _FdWriter:
             return fd
         parent, _, name = path.rpartition("/")
         parent_fd = self.folder(parent)
-        made = True
-        try:
-            os.mkdir(name, 0o777, dir_fd=parent_fd)
-        except FileExistsError:  # made before (a folder twice, or reopened after trim)
-            made = False
+        made = path not in self._made
+        if made:
+            try:
+                os.mkdir(name, 0o777, dir_fd=parent_fd)
+            except FileExistsError:  # made before (a folder twice)
+                made = False
+            self._made.add(path)
         fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
         self._dirs[path] = fd
         if made and self._owner is not None:
@@ -372,12 +380,16 @@ class _FdWriter:
 
     def file(self, source: _Source, path: str, member: _Member) -> None:
         parent, _, name = path.rpartition("/")
-        fd = os.open(name, _FILE_FLAGS, 0o600, dir_fd=self.folder(parent))
+        # Made with its final mode: one fchmod less per file, unless the create
+        # leaves some of its bits out (the umask, a default ACL).
+        mode = _file_mode(member.mode)
+        fd = os.open(name, _FILE_FLAGS, mode, dir_fd=self.folder(parent))
         try:
             source.copy_to(fd, member.size)
             if self._owner is not None:
                 os.fchown(fd, *self._owner)
-            os.fchmod(fd, _file_mode(member.mode))
+            if mode & self._dropped:
+                os.fchmod(fd, mode)
             os.utime(fd, (member.mtime, member.mtime))
         finally:
             os.close(fd)
@@ -580,7 +592,7 @@ def unpack_stream(
         if platform.has("dir_fd") and platform.has("nofollow") and platform.has("oflags"):
             root_fd = os.open(temp, _DIR_FLAGS)
             try:
-                writer = _FdWriter(root_fd, owner)
+                writer = _FdWriter(root_fd, owner, _dropped_at_create(root_fd))
             except BaseException:
                 os.close(root_fd)
                 raise
@@ -623,6 +635,29 @@ def unpack_tar(
         return data or None
 
     return unpack_stream(next_piece, dest, limit, owner)
+
+
+def _dropped_at_create(root_fd: int) -> int:
+    """The mode bits a file created below ``root_fd`` may not get from its create call:
+    the umask, read without changing it (``os.umask`` would, for every thread);
+    all of them when ``root_fd`` has a default ACL (which then decides, and which
+    every folder made below it inherits) or when this cannot be told."""
+    try:
+        if "system.posix_acl_default" in os.listxattr(root_fd):
+            return 0o777
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTSUP, errno.EOPNOTSUPP):
+            return 0o777
+    except AttributeError:  # no xattrs on this system
+        return 0o777
+    try:
+        with open("/proc/self/status", "rb") as status:
+            for line in status:
+                if line.startswith(b"Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o777
 
 
 def _write_failed(exc: OSError) -> GPUMeshError:
