@@ -270,7 +270,8 @@ def run(args: argparse.Namespace) -> Results:
         stack.callback(bob.close)
         alice.close()  # the agent process owns alice's home from here on
         stack.enter_context(running_agent(tmp / "a", tmp / "agent.log"))
-        scp_options, note = (None, "skipped (--no-scp)")
+        scp_options: list[str] | None = None
+        note: str | None = "skipped (--no-scp)"
         if not args.no_scp:
             scp_options, note = stack.enter_context(loopback_sshd(tmp / "ssh"))
         print(

@@ -78,6 +78,7 @@ from _benchlib import (
     summarize,
 )
 from bulk import gpumesh_command, loopback_sshd, make_nodes, running_agent
+from gpumesh.protocol.states import JobRole
 from gpumesh.runtime.base import LABEL_NODE
 from gpumesh.store.db import JobRecord
 from gpumesh.store.home import Home
@@ -97,6 +98,7 @@ SSH = "ssh + docker run --rm"
 HELP = "gpumesh --help"
 CONNECT = "gpumesh connect"
 PROFILED = "gpumesh run, import-profiled"
+BASELINE = "gpumesh run at --baseline"
 
 
 # --- the local provider (shared with log_latency.py) --------------------------------------
@@ -122,11 +124,11 @@ class Provider:
         home = Home(self.bob_home)
         try:
             if job_id is None:
-                jobs = home.store.jobs(limit=1, role="submitted")
+                jobs = home.store.jobs(limit=1, role=JobRole.SUBMITTED)
                 if not jobs:
                     raise RuntimeError("bob's store holds no submitted job")
                 return jobs[0]
-            job = home.store.job("submitted", job_id)
+            job = home.store.job(JobRole.SUBMITTED, job_id)
             if job is None:
                 raise RuntimeError(f"bob's store has no job {job_id}")
             return job
@@ -137,7 +139,7 @@ class Provider:
         """alice's record of a job and its stdout events as (time stored, data)."""
         home = Home(self.alice_home)
         try:
-            job = home.store.job("hosted", job_id)
+            job = home.store.job(JobRole.HOSTED, job_id)
             if job is None:
                 raise RuntimeError(f"the provider has no record of job {job_id}")
             events = home.store.job_events(job_id, 0, 100_000)
@@ -163,8 +165,12 @@ def remove_containers(label: str) -> None:
 
 
 @contextlib.contextmanager
-def local_provider(tmp: Path) -> Iterator[Provider]:
+def local_provider(tmp: Path, source: Path | None = None) -> Iterator[Provider]:
     """A ``gpumesh share`` provider on 127.0.0.1 and a paired consumer, until the block ends.
+
+    ``source``: a folder holding another version's ``gpumesh`` package, which the
+    provider and bob's commands (and so his node process) then run instead of
+    this checkout's (see ``--baseline``).
 
     The provider stops on exit; job containers it leaves behind (an interrupted
     run outlives the agent, by design) are removed too.
@@ -177,11 +183,29 @@ def local_provider(tmp: Path) -> Iterator[Provider]:
     env = dict(os.environ, GPUMESH_HOME=str(tmp / "b"))
     for name in ("GPUMESH_LOG", "GPUMESH_PEER", "GPUMESH_IMAGE"):
         env.pop(name, None)
+    wrap: tuple[str, ...] = ()
+    if source is not None:
+        # Ahead of the installed checkout on sys.path.
+        env["PYTHONPATH"] = str(source)
+        wrap = ("env", f"PYTHONPATH={source}")
     try:
-        with running_agent(tmp / "a", tmp / "agent.log"):
+        with running_agent(tmp / "a", tmp / "agent.log", wrap):
             yield Provider(tmp / "a", tmp / "b", alice_id, gpumesh_command(), env)
     finally:
         remove_containers(f"{LABEL_NODE}={alice_id}")
+
+
+def baseline_source(rev: str, folder: Path) -> Path:
+    """The ``src`` folder of git revision ``rev`` of this checkout, unpacked in ``folder``."""
+    folder.mkdir()
+    checkout = Path(__file__).resolve().parent.parent
+    archive = subprocess.run(
+        ["git", "-C", str(checkout), "archive", rev, "src"], capture_output=True, check=False
+    )
+    if archive.returncode != 0:
+        raise SystemExit(f"git archive {rev} failed: {archive.stderr.decode().strip()}")
+    subprocess.run(["tar", "-x", "-C", str(folder)], input=archive.stdout, check=True)
+    return folder / "src"
 
 
 def docker_ready(image: str) -> None:
@@ -354,10 +378,19 @@ def measure(args: argparse.Namespace, tmp: Path) -> Results:
         env.pop("GPUMESH_NODE", None)  # `gpumesh run` as users get it: through the node process
         profiled_env = dict(env, PYTHONPROFILEIMPORTTIME="1")
         envs = {PROFILED: profiled_env, IN_PROCESS: dict(env, GPUMESH_NODE="off")}
+        if args.baseline:
+            # Another version, provider and consumer both, on the same engine.
+            source = baseline_source(args.baseline, tmp / "baseline-src")
+            other = stack.enter_context(local_provider(tmp / "baseline", source))
+            commands[BASELINE] = other.gpumesh(
+                "run", "--peer", PEER, "--image", args.image, "echo", "hi"
+            )
+            envs[BASELINE] = dict(other.env)
+            envs[BASELINE].pop("GPUMESH_NODE", None)
 
         def once(name: str) -> Outcome:
             outcome = time_command(name, commands[name], envs.get(name, env))
-            if name in (RUN, IN_PROCESS, DOCKER, SSH, PROFILED):
+            if name in (RUN, IN_PROCESS, DOCKER, SSH, PROFILED, BASELINE):
                 expect_hi(name, commands[name], outcome)
             if name == PROFILED:
                 results.import_seconds.append(import_seconds(outcome.stderr))
@@ -407,7 +440,7 @@ def report(args: argparse.Namespace, results: Results) -> None:
     print(f"\nDispatch of `echo hi` in {args.image}, {args.runs} runs each, round-robin;")
     print("wall time of a new process, from spawn to exit, as a shell sees it")
     rows = []
-    for name in (RUN, IN_PROCESS, SSH, DOCKER):
+    for name in (RUN, BASELINE, IN_PROCESS, SSH, DOCKER):
         if name in summaries:
             summary = summaries[name]
             rows.append([name, *_ms(summary), f"{summary.p50 / floor.p50:.2f}x"])
@@ -420,6 +453,12 @@ def report(args: argparse.Namespace, results: Results) -> None:
         f"  goal: gpumesh run median <= {GOAL_RATIO:.1f}x docker run: {ratio:.2f}x, {verdict} "
         f"({(summaries[RUN].p50 - floor.p50) * 1e3:+.0f} ms)"
     )
+    if BASELINE in summaries:
+        before = summaries[BASELINE].p50
+        print(
+            f"  this checkout vs --baseline {args.baseline}: {summaries[RUN].p50 / before:.2f}x "
+            f"({(summaries[RUN].p50 - before) * 1e3:+.0f} ms)"
+        )
     if results.node_rss_kb is not None:
         print(f"  bob's node process after the runs: {results.node_rss_kb / 1024:.1f} MB resident")
 
@@ -461,6 +500,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--image", default=DEFAULT_IMAGE, help=f"image to run (default {DEFAULT_IMAGE})"
     )
     parser.add_argument("--no-ssh", action="store_true", help="skip the ssh baseline")
+    parser.add_argument(
+        "--baseline",
+        metavar="REV",
+        help="also time `gpumesh run` of git revision REV (provider and consumer both, "
+        "from `git archive`), side by side in the same loop",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.runs = 3

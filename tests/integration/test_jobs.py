@@ -357,6 +357,30 @@ def test_gpu_jobs_get_their_assigned_gpu_through_device_requests(cluster, engine
     arun(scenario())
 
 
+def test_a_container_that_cannot_start_is_removed_and_the_job_says_why(cluster, engine) -> None:
+    """GPUs simulated (no NVIDIA hardware here), and this engine has no NVIDIA
+    runtime: a GPU job's container is created, then its start fails. Created and
+    started in one step, it is still known and removed, and the job fails with
+    the reason in the provider's name."""
+    if "nvidia" in (engine.info().get("Runtimes") or {}):
+        pytest.skip("this engine has an NVIDIA runtime: a GPU container starts here")
+    alice, bob = cluster("alice"), cluster("bob")
+    inventory = SimulatedInventory("RTX-4090:24GB:20GB")
+
+    async def scenario() -> None:
+        async with providing(alice, inventory=inventory):
+            pair_both(alice, bob)
+            result = await run_job(bob, spec("alice", "true", gpu_memory=10**9))
+            assert (result.state, result.exit_code) == ("failed", 125)
+            assert "alice: this machine's Docker" not in result.message
+            assert "nvidia-container-toolkit" in result.message
+            assert await _removed(engine, alice)
+            (job,) = alice.home.store.jobs(role="hosted")
+            assert job.container_id == ""
+
+    arun(scenario())
+
+
 def test_refusals_create_no_container(cluster, engine, tmp_path: Path) -> None:
     alice, bob = cluster("alice"), cluster("bob")
     alice.home.config.set("upload_limit", "1KB")

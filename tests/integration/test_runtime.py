@@ -39,6 +39,7 @@ from gpumesh.errors import (
 )
 from gpumesh.runtime.base import (
     LABEL_ATTEMPT,
+    LABEL_IMAGE,
     LABEL_JOB,
     LABEL_KIND,
     LABEL_NODE,
@@ -638,41 +639,46 @@ def test_gpu_containers_get_compute_and_utility_only(jobs: Jobs, forged_image: s
     assert "NVIDIA_DRIVER_CAPABILITIES=all" not in env
 
 
-def test_an_image_that_moves_under_create_is_refused(jobs: Jobs) -> None:
+def test_a_container_is_created_from_the_image_id_inspected(jobs: Jobs) -> None:
+    # By id, not by name: what was overridden was read from exactly that image.
+    # The name the job gave stays readable (a label), as the log messages use it.
     runtime = DockerRuntime(jobs.client)
-    real = jobs.client.api.inspect_image
-
-    def inspect_other(image: str) -> dict[str, Any]:
-        return {**real(image), "Id": "sha256:" + "0" * 64}  # as if the tag moved since
-
-    jobs.client.api.inspect_image = inspect_other
-    try:
-        with pytest.raises(AgentError, match="changed while container"):
-            runtime.create(jobs.spec(["true"]))
-    finally:
-        del jobs.client.api.inspect_image
-    assert jobs.leftovers() == []
+    image_id = jobs.client.api.inspect_image(IMAGE)["Id"]
+    container_id = runtime.create(jobs.spec(["true"]))
+    attrs = jobs.client.api.inspect_container(container_id)
+    assert attrs["Image"] == image_id and attrs["Config"]["Image"] == image_id
+    assert attrs["Config"]["Labels"][LABEL_IMAGE] == IMAGE
+    assert runtime.inspect(container_id).image == IMAGE
 
 
-def test_a_tag_moved_after_the_image_check_is_refused(jobs: Jobs, forged_image: str) -> None:
+def test_a_tag_moved_after_the_image_check_runs_the_image_checked(
+    jobs: Jobs, forged_image: str
+) -> None:
     # The container is made right after ensure_image, from its inspection of the
     # image: a tag moved in between (here, for real, onto the forged image) must
-    # not let the other image's labels, env and volumes through.
+    # not let the other image's labels, env and volumes through. The container is
+    # made from the image checked (by its id), with that image's overrides.
     moving = f"gpumesh-test/moving:{uuid.uuid4().hex[:8]}"
     repository, tag = moving.split(":")
     jobs.client.api.tag(IMAGE, repository, tag)
     try:
         runtime = DockerRuntime(jobs.client)
+        checked = jobs.client.api.inspect_image(moving)["Id"]
         assert runtime.ensure_image(moving) is False
         jobs.client.api.tag(forged_image, repository, tag, force=True)
-        with pytest.raises(AgentError, match="changed while container"):
-            runtime.create(jobs.spec(["true"], image=moving))
-        assert jobs.leftovers() == []
+        container_id = runtime.create(jobs.spec(["true"], image=moving))
+        attrs = jobs.client.api.inspect_container(container_id)
+        assert attrs["Image"] == checked
+        labels = attrs["Config"]["Labels"]
+        assert "other" not in labels and labels[LABEL_JOB] != "forged"
         # Checked again, the image is what the tag names now, with our overrides.
         assert runtime.ensure_image(moving) is False
         container_id = runtime.create(jobs.spec(["true"], image=moving))
-        labels = jobs.client.api.inspect_container(container_id)["Config"]["Labels"]
+        attrs = jobs.client.api.inspect_container(container_id)
+        assert attrs["Image"] == jobs.client.api.inspect_image(forged_image)["Id"]
+        labels = attrs["Config"]["Labels"]
         assert labels["other"] == "" and labels[LABEL_JOB] != "forged"
+        assert labels[LABEL_IMAGE] == moving
     finally:
         jobs.client.api.remove_image(moving)
 

@@ -191,8 +191,12 @@ class Containers:
 
     async def who_runs(self, image: str) -> JobUser:
         """:meth:`job_user`, its refusals in this provider's name."""
+        return await in_thread(self.checked_job_user, image)
+
+    def checked_job_user(self, image: str) -> JobUser:
+        """:meth:`job_user`, its refusals in this provider's name (blocking)."""
         try:
-            return await in_thread(self.job_user, image)
+            return self.job_user(image)
         except ConfigError as exc:
             raise ConfigError(
                 f"{self._provider.name} cannot run jobs as configured: {exc.message}"
@@ -223,3 +227,26 @@ class Containers:
                 reporter.finish()
         budget = parse_size(str(settings.get("image_disk")))
         await in_thread(self.images.used, image, pulled, budget)
+
+    async def prepare(self, image: str, report_to: Stream | None = None) -> JobUser:
+        """:meth:`check_image`, then :meth:`who_runs`, in one trip to a thread (a
+        job's submission makes this one: each trip costs a thread and a wake-up
+        of the event loop, milliseconds on a busy machine)."""
+        settings = self._settings
+        check_allowed(image, str(settings.get("allowed_images")), self._provider.name)
+        reporter = PullReporter(report_to) if report_to is not None else None
+        budget = parse_size(str(settings.get("image_disk")))
+        try:
+            return await in_thread(self._prepare, image, reporter, budget)
+        finally:
+            if reporter is not None:
+                reporter.finish()
+
+    def _prepare(self, image: str, reporter: PullReporter | None, budget: int) -> JobUser:
+        """:meth:`prepare`'s blocking part."""
+        try:
+            pulled = self.runtime.ensure_image(image, reporter)
+        except GPUMeshError as exc:
+            raise self.in_our_name(exc) from None
+        self.images.used(image, pulled, budget)
+        return self.checked_job_user(image)

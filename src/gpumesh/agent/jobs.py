@@ -346,10 +346,9 @@ class JobService:
         holder = _holder(message.job_id)
         gpus = await self.gpus.reserve(holder, message.gpu_memory, message.gpu)
         try:
-            await self.containers.check_image(
+            await self.containers.prepare(
                 message.image, ctx.stream if message.pull_progress else None
             )
-            await self.containers.who_runs(message.image)
             record = JobRecord(
                 role=JobRole.HOSTED,
                 job_id=message.job_id,
@@ -557,10 +556,23 @@ class JobService:
                     "folders; wait for it to end, or use a folder beside it"
                 )
 
-    async def _recheck_folder(self, job: JobRecord) -> None:
+    def _create_and_start(self, run: _Run, job: JobRecord, attempt: int) -> ContainerSpec:
+        """An attempt's container, made and started, in one trip to a thread (a
+        thread and a wake-up of the event loop for each step would add up to
+        milliseconds on a busy machine): who runs it, its folders checked again,
+        created (``run.container_id`` set at once, for a cancel and for removal
+        should the start fail), started. Blocking."""
+        who = self.containers.checked_job_user(job.image)
+        self._recheck_folder(job)
+        spec = self.container_spec(job, attempt, who)
+        run.container_id = self.runtime.create(spec)
+        self.runtime.start(run.container_id)
+        return spec
+
+    def _recheck_folder(self, job: JobRecord) -> None:
         """Before each attempt: the job's sandbox folders (the one it runs in,
         those it mounts) are still folders there, with no link on the way, and
-        its user owns what is in them."""
+        its user owns what is in them (blocking)."""
         try:
             peer = self.store.peer_by_id(job.peer_id)
         except GPUMeshError:
@@ -571,7 +583,7 @@ class JobService:
             remotes.insert(0, "/" + job.workdir[len(root) :])
         for remote in remotes:
             try:
-                await in_thread(self.files.resolve_sandbox_dir, peer, remote)
+                self.files.resolve_sandbox_dir(peer, remote)
             except GPUMeshError as exc:
                 raise AgentError(
                     f"its folder {remote} cannot be used any more: {exc.message}"
@@ -697,12 +709,8 @@ class JobService:
         await self._event(run, JobState.STARTING, None, f"attempt {attempt} starting")
         job = self._record(run.job_id)
         try:
-            who = await self.containers.who_runs(job.image)
-            await self._recheck_folder(job)
-            spec = self.container_spec(job, attempt, who)
-            run.container_id = await in_thread(self.runtime.create, spec)
+            spec = await in_thread(self._create_and_start, run, job, attempt)
             self.store.update_job(JobRole.HOSTED, run.job_id, container_id=run.container_id)
-            await in_thread(self.runtime.start, run.container_id)
         except GPUMeshError as exc:
             await self._remove_container(run)
             return run.machine.infra_failed(self.containers.in_our_name(exc).message)

@@ -39,6 +39,9 @@ LABEL_NODE = f"{LABEL_PREFIX}.node"
 """Label holding the provider's node id: two nodes on one engine never touch
 each other's containers."""
 LABEL_ATTEMPT = f"{LABEL_PREFIX}.attempt"
+LABEL_IMAGE = f"{LABEL_PREFIX}.image"
+"""Label holding the image as the job named it: the container is created from
+that image's id (see DockerRuntime.create), which is all the engine keeps."""
 LABEL_KIND = f"{LABEL_PREFIX}.kind"
 """Label saying what a container is for when it is not a job: ``exec`` for an
 interactive shell."""

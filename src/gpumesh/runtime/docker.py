@@ -57,6 +57,7 @@ from gpumesh.errors import (
 )
 from gpumesh.runtime.base import (
     LABEL_ATTEMPT,
+    LABEL_IMAGE,
     LABEL_JOB,
     LABEL_KIND,
     LABEL_NODE,
@@ -345,11 +346,19 @@ class DockerRuntime:
         Docker merges the image's labels, ENV and VOLUME lines into the
         container and can only override them, never drop them; so the image is
         inspected first and each of those is overridden (labels and ``NVIDIA_*``
-        with empty values, volumes with tmpfs mounts)."""
+        with empty values, volumes with tmpfs mounts). The container is created
+        from the inspected image's id, not its name: a tag moved in between (a
+        pull, a build) cannot let another image's labels, env and volumes
+        through, and no inspection of the container is needed to be sure. The
+        name the job gave is kept in the LABEL_IMAGE label."""
         image = self._inspect_image(spec.image)
+        image_id = str(image.get("Id") or "")
+        if not image_id:
+            raise AgentError(f"Docker described image {spec.image!r} without an id: try again")
         image_config = image.get("Config") or {}
         env = _container_env(spec, image_config.get("Env"))
         labels = _container_labels(spec, image_config.get("Labels"))
+        labels[LABEL_IMAGE] = spec.image
         tmpfs = _tmpfs_mounts(spec, image_config.get("Volumes"))
         storage_opt = None
         if spec.writable_root and spec.storage_size > 0 and self.isolation(spec.image).storage_size:
@@ -398,7 +407,7 @@ class DockerRuntime:
             )
             try:
                 created = api.create_container(
-                    image=spec.image,
+                    image=image_id,
                     command=list(spec.command) or None,
                     environment=[f"{key}={value}" for key, value in env.items()],
                     labels=labels,
@@ -422,15 +431,6 @@ class DockerRuntime:
                     ) from exc
                 raise
             container_id = str(created["Id"])
-            # What was overridden above was read from the image the name meant
-            # then; a tag moved in between (a pull, a build) would let another
-            # image's labels, env and volumes through.
-            if api.inspect_container(container_id).get("Image") != image.get("Id"):
-                api.remove_container(container_id, force=True, v=True)
-                raise AgentError(
-                    f"image {spec.image!r} changed while container {spec.name!r} was being "
-                    "created: try again"
-                )
         label = spec.labels.get(LABEL_JOB, spec.name)
         for warning in created.get("Warnings") or []:
             logger.warning("[%s %s] Docker: %s", kind, label, warning)
@@ -440,8 +440,8 @@ class DockerRuntime:
     def _inspect_image(self, name: str) -> dict[str, Any]:
         """The image a container is about to be created from: the inspection
         :meth:`ensure_image` just made of it (at most _INSPECTION_REUSE old, used
-        once), else a new one. Either way the container is checked to have been
-        created from exactly the image inspected (see :meth:`_create`)."""
+        once), else a new one. Either way the container is created from exactly
+        the image inspected, by its id (see :meth:`_create`)."""
         with self._lock:
             inspected = self._inspected.pop(name, None)
         if inspected is not None and time.monotonic() - inspected[0] <= _INSPECTION_REUSE:
@@ -1016,7 +1016,8 @@ def _state(attrs: dict[str, Any]) -> ContainerState:
         exit_code=exit_code,
         oom_killed=bool(state.get("OOMKilled")),
         error=error,
-        image=str(config.get("Image") or ""),
+        # The name the job gave (the engine only knows the id it was created from).
+        image=str(labels.get(LABEL_IMAGE) or config.get("Image") or ""),
     )
 
 
