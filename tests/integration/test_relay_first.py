@@ -21,7 +21,7 @@ from gpumesh.client.node import Node
 from gpumesh.client.pool import SessionPool
 from gpumesh.protocol.messages import Ping, Pong, StatusRequest
 from gpumesh.transport.outgoing import OutgoingSocket
-from gpumesh.transport.session import RelayHint, Session, open_session
+from gpumesh.transport.session import RelayHint, Session, open_session, went_through_relay
 from tests.integration.conftest import arun, pair_both, sharing
 from tests.integration.test_outgoing_socket import CEILING, _closed_port
 from tests.integration.test_relay_node import _start_relay, _stop
@@ -100,6 +100,54 @@ def test_relay_first_starts_the_relay_beside_a_silent_direct_address(
                         session.close()
             finally:
                 outgoing.close()
+
+    arun(scenario())
+
+
+def test_an_in_process_dial_starts_the_relay_at_once_when_the_store_says_relayed(
+    relayed_alice: tuple[Node, Node, str],
+    black_hole: tuple[str, int],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A command run in-process has no pool: what its last session with the peer took
+    comes from the store (``last_path``), written by the dial before it. Its second
+    dial through a silent direct address ends only if it starts the relay at once."""
+    alice, bob, relay = relayed_alice
+
+    async def dial_names() -> tuple[list[str], str]:
+        async with asyncio.timeout(CEILING), bob.session("alice", timeout=DIAL_TIMEOUT) as s:
+            assert isinstance(await s.request(Ping(sent=0.0)), Pong)
+            return _names(s), s.path
+
+    async def scenario() -> None:
+        async with sharing(alice) as agent:
+            pair_both(alice, bob)
+            assert agent.relay is not None
+            await agent.relay.wait_registered(CEILING)
+            assert bob.pool is None
+            alice_key = alice.home.identity.public_key
+            silent = f"{black_hole[0]}:{black_hole[1]}"
+            bob.home.store.save_peer(alice_key, "alice", [silent], relay)
+            assert bob.peer("alice").last_path == ""
+            # First dial: nothing known, so the relay waits RELAY_DELAY (left as it is).
+            names, path = await dial_names()
+            assert names == ["direct started", "relay started", "relay won"]
+            # Relayed, or moved to a direct path by punching (loopback lets it through).
+            assert went_through_relay(path), path
+            assert went_through_relay(bob.peer("alice").last_path)
+            # Second dial: a dial that waited for RELAY_DELAY now could not end in time.
+            # (Punching on loopback reaches the address alice listens on, which the
+            # store keeps to dial first: silence it again.)
+            bob.home.store.touch_peer(bob.peer("alice").node_id, address=silent)
+            monkeypatch.setattr(session_module, "RELAY_DELAY", NEVER)
+            names, _ = await dial_names()
+            assert names == ["direct started", "relay started", "relay won"]
+            # A session that came up direct: the next dial leaves the relay alone.
+            at_alice = f"127.0.0.1:{agent.address[1]}"
+            bob.home.store.save_peer(alice_key, "alice", [at_alice], relay)
+            bob.home.store.touch_peer(bob.peer("alice").node_id, path="direct")
+            names, path = await dial_names()
+            assert (names, path) == (["direct started", "direct won"], "direct")
 
     arun(scenario())
 

@@ -56,6 +56,7 @@ __all__ = [
     "open_session",
     "parse_address",
     "resolve_relay",
+    "went_through_relay",
 ]
 
 logger = logging.getLogger(__name__)
@@ -106,6 +107,13 @@ class RelayHint:
     address: str
     """``host:port`` as the user wrote it (the port defaults to 4799)."""
     token: str = ""
+
+
+def went_through_relay(path: str) -> bool:
+    """Whether a session's :attr:`Session.path` (as a store keeps it) says its peer's
+    direct addresses did not answer: it was relayed, or hole punching reached the peer
+    (through the relay, or at the address an earlier punch found)."""
+    return path.startswith(("relayed", "direct (hole-punched)"))
 
 
 async def resolve_relay(text: str) -> Address:
