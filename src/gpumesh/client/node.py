@@ -370,7 +370,7 @@ class Node:
             if moved is None:
                 raise
             session = await dial(moved)
-        logger.info("session with %s: %s", peer.name, session.path)
+        logger.info("session with %s: %s (dial: %s)", peer.name, session.path, session.dial_record)
         self._remember(peer, session)
         return session
 

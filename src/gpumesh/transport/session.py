@@ -99,6 +99,9 @@ class DialRecord:
         """When ``event`` happened first (seconds into the dial); None if it did not."""
         return next((when for name, when in self.events if name == event), None)
 
+    def __str__(self) -> str:
+        return ", ".join(f"{name} {when:.3f} s" for name, when in self.events)
+
 
 @dataclass(frozen=True)
 class RelayHint:
