@@ -5,7 +5,7 @@ per peer by the session pool) and a direct attempt that already failed outright.
 Real agent, real ``gpumesh-relay`` and real QUIC on loopback. No timing decides:
 ``RELAY_DELAY`` is raised far past the test's ceiling, so a dial that waited for
 it could not finish in time, and the dial's own record says the relay attempt
-started while the direct one was still pending (or right after it failed)."""
+started first, the direct one beside it (or right after the direct one failed)."""
 
 from __future__ import annotations
 
@@ -90,11 +90,12 @@ def test_relay_first_starts_the_relay_beside_a_silent_direct_address(
                     try:
                         assert isinstance(await session.request(Ping(sent=0.0)), Pong)
                         assert session.through_relay and session.peer_name == "alice"
-                        # The relay started at once. In-process both attempts race (the
-                        # silent one never failed); from a shared socket the direct one
-                        # stops as the relay starts (see _open_with_relay).
-                        stopped = [] if via is None else ["direct stopped"]
-                        expected = ["direct started", *stopped, "relay started", "relay won"]
+                        # The relay started at once, first. In-process the direct
+                        # attempt races it (the silent one never failed); from a shared
+                        # socket there is none (it would stop as the relay starts, see
+                        # _open_with_relay).
+                        beside = ["direct started"] if via is None else []
+                        expected = ["relay started", *beside, "relay won"]
                         assert _names(session) == expected
                     finally:
                         session.close()
@@ -135,13 +136,14 @@ def test_an_in_process_dial_starts_the_relay_at_once_when_the_store_says_relayed
             # Relayed, or moved to a direct path by punching (loopback lets it through).
             assert went_through_relay(path), path
             assert went_through_relay(bob.peer("alice").last_path)
-            # Second dial: a dial that waited for RELAY_DELAY now could not end in time.
+            # Second dial: the relay first. (A dial that waited for RELAY_DELAY now could
+            # not end in time either.)
             # (Punching on loopback reaches the address alice listens on, which the
             # store keeps to dial first: silence it again.)
             bob.home.store.touch_peer(bob.peer("alice").node_id, address=silent)
             monkeypatch.setattr(session_module, "RELAY_DELAY", NEVER)
             names, _ = await dial_names()
-            assert names == ["direct started", "relay started", "relay won"]
+            assert names == ["relay started", "direct started", "relay won"]
             # A session that came up direct: the next dial leaves the relay alone.
             at_alice = f"127.0.0.1:{agent.address[1]}"
             bob.home.store.save_peer(alice_key, "alice", [at_alice], relay)
