@@ -504,9 +504,12 @@ def copy_checked(setup: Setup, env: dict[str, str], sandbox: Path, what: str) ->
     return seconds
 
 
-TRACE_LOG = "warning,gpumesh.client.node=info,gpumesh.transport.quic=debug"
+TRACE_LOG = (
+    "warning,gpumesh.client.node=info,gpumesh.transport.quic=debug,"
+    "gpumesh.transport.relayclient=info"
+)
 """``--trace``: what a cold copy logs (its dial, and its link's recovery at the end)."""
-TRACE_MARKS = ("session with", "ended:", "parity on")
+TRACE_MARKS = ("session with", "ended:", "parity on", "at once", "direct path")
 
 
 def run_cold(setup: Setup, row: Row, *, cold: str) -> float:

@@ -109,6 +109,8 @@ link one random loss in slow start costs QUIC seconds of a small window."""
 EARLY_COPIES = 64
 """Most datagrams each side of a link sends twice before parity can start (see
 :meth:`QuicLink._twice`)."""
+LOSS_BURST = 8
+"""Packets declared lost in one go from which a link logs it (debug)."""
 _FEC_MARKERS = (fec.DATA, fec.PARITY)
 _STREAM_WINDOW = 16 * 1024 * 1024
 _CONNECTION_WINDOW = 64 * 1024 * 1024
@@ -418,6 +420,10 @@ class QuicLink:
         self._fec_to: Any = address
         """Where QUIC sent the datagrams of the open group (parity follows them)."""
         self._min_rtt = float("inf")
+        self._born = loop.time()
+        self._losses_seen = 0
+        """QUIC's loss count when :meth:`process_events` last looked (for the debug log
+        of a burst of losses)."""
         self._early_copies = EARLY_COPIES if self.fec_offered else 0
         """Datagrams this link may still send twice (:meth:`_twice`)."""
         self.early_duplicates = 0
@@ -539,6 +545,21 @@ class QuicLink:
         self.early_duplicates += count
         twice = [item for item in datagrams[:count] for _ in (0, 1)]
         return twice + datagrams[count:]
+
+    def _log_loss_burst(self) -> None:
+        """Log (debug) when QUIC declared several packets lost at once: what the link's
+        recovery, parity and path were then."""
+        lost = self.loss_total()
+        burst, self._losses_seen = lost - self._losses_seen, lost
+        if burst >= LOSS_BURST:
+            logger.debug(
+                "%d packets declared lost at once on %s, %.3f s in (parity %s): %s",
+                burst,
+                self.describe_path(),
+                self._loop.time() - self._born,
+                "on" if self.fec_encoder is not None else "off",
+                self.recovery(),
+            )
 
     def loss_total(self) -> int:
         """Packets QUIC declared lost on this link so far."""
@@ -717,6 +738,8 @@ class QuicLink:
             self.quic.receive_datagram(data, address, now)
 
     def process_events(self) -> None:
+        if logger.isEnabledFor(logging.DEBUG):
+            self._log_loss_burst()
         while (event := self.quic.next_event()) is not None:
             if isinstance(event, qe.StreamDataReceived):
                 stream = self._streams.get(event.stream_id)
