@@ -714,15 +714,18 @@ def relay_missing() -> str | None:
 
 @contextlib.contextmanager
 def running_relay(log: Path) -> Iterator[None]:
-    """``gpumesh-relay`` on host A until the block ends."""
+    """``gpumesh-relay`` on host A until the block ends; then what it forwarded and
+    what it dropped (its stats file, written at exit)."""
     relay = str(Path(sys.executable).parent / "gpumesh-relay")
+    stats = log.with_suffix(".json")
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [*on("A"), relay, "--listen", RELAY_ADDRESS, "--open", "--log-level", "warning"],
+            [*on("A"), relay, "--listen", RELAY_ADDRESS, "--open", "--log-level", "warning",
+             "--stats-file", str(stats)],
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
-        )
+        )  # fmt: skip
     try:
         yield
     finally:
@@ -732,6 +735,13 @@ def running_relay(log: Path) -> Iterator[None]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        with contextlib.suppress(OSError, ValueError):
+            counters = json.loads(stats.read_text())
+            print(
+                f"  relay: {counters.get('packets_sent', '?')} packets forwarded, "
+                f"{counters.get('dropped_queue_full', '?')} dropped for a full queue",
+                flush=True,
+            )
 
 
 def wait_registered(home: Path) -> str | None:
