@@ -1,6 +1,7 @@
 """The relay without :data:`RELAY_DELAY` where waiting for the direct path would only
 add it: a peer whose last session came through the relay (``relay_first``, kept
-per peer by the session pool) and a direct attempt that already failed outright.
+per peer by the session pool, or read from the store's ``last_path`` by a command
+run in-process) and a direct attempt that already failed outright.
 
 Real agent, real ``gpumesh-relay`` and real QUIC on loopback. No timing decides:
 ``RELAY_DELAY`` is raised far past the test's ceiling, so a dial that waited for
