@@ -70,6 +70,41 @@ def pair_both(a: Node, b: Node) -> None:
     a.pair(b.pairing_code())
 
 
+RELAY_CEILING = 30.0
+"""Seconds an agent gets to register with the relay (generous: CI is a loaded 2-core box)."""
+
+
+@pytest.fixture
+def relayed_alice(tmp_path: Path) -> Iterator[tuple[Node, Node, str]]:
+    """alice listening on loopback with a real `gpumesh-relay` (``--open``) as her
+    relay, and bob; the relay's address. Share with :func:`sharing_relayed`."""
+    from tests.integration.test_relay_node import _start_relay, _stop
+
+    proc, relay = _start_relay(tmp_path, "--open")
+    alice, bob = Node(tmp_path / "a"), Node(tmp_path / "b")
+    alice.init("alice")
+    bob.init("bob")
+    alice.home.config.set("listen_host", "127.0.0.1")
+    alice.home.config.set("relay", relay)
+    try:
+        yield alice, bob, relay
+    finally:
+        _stop(proc)
+        alice.close()
+        bob.close()
+
+
+@contextlib.asynccontextmanager
+async def sharing_relayed(alice: Node, bob: Node) -> AsyncIterator[Agent]:
+    """``alice`` sharing (see :func:`sharing`), paired with ``bob``, once her agent is
+    registered with her relay."""
+    async with sharing(alice) as agent:
+        pair_both(alice, bob)
+        assert agent.relay is not None
+        await agent.relay.wait_registered(RELAY_CEILING)
+        yield agent
+
+
 @pytest.fixture
 def engine() -> Iterator[Any]:
     """A Docker client for tests that look at containers themselves."""

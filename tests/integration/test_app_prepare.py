@@ -4,6 +4,7 @@ own. Real agents in-process over real QUIC; no Docker (no job runs)."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from gpumesh.agent.sandboxfs import Usage
 from gpumesh.client.apps import sync_app
 from gpumesh.client.node import Node
 from gpumesh.errors import ProtocolError
+from gpumesh.files.sandbox import Tree, WalkStopped
 from gpumesh.protocol.messages import AppPrepare
 from gpumesh.store.db import Peer
 from tests.integration.conftest import arun, pair_both, sharing
@@ -170,5 +172,93 @@ def test_a_prepared_walk_no_sync_took_goes(
                 (project / "d0" / "f0.txt").write_text("later\n")
                 later = await sync_app(bob, "alice", project, reuse=session)
                 assert later.sent == ["d0/f0.txt"]
+
+    arun(scenario())
+
+
+def test_a_flood_of_prepares_keeps_its_walks_under_the_cap_and_the_sync_right(
+    make_node: Callable[[str], Node], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A peer sending ``AppPrepare`` for one large app over and over: each one stops
+    the walk it replaces, no more than :data:`PREPARED_WALKS` run at once (counted
+    where the walks run, in their threads), and the sync after it is still right.
+
+    The walks wait at their start until the whole flood was handled, so that every
+    walk a prepare began is running when the next prepare comes."""
+    alice, bob = make_node("alice"), make_node("bob")
+    project = tmp_path / "big"
+    for index in range(2000):
+        folder = project / f"d{index // 100}"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"f{index}.txt").write_text(f"file {index}\n")
+    gate = threading.Event()
+    running = peak = stopped = 0
+    counting = threading.Lock()
+    tally = Tree.tally
+
+    def held(tree: Tree, *args: Any) -> int:
+        nonlocal running, peak, stopped
+        with counting:
+            running += 1
+            peak = max(peak, running)
+        try:
+            assert gate.wait(60)
+            return tally(tree, *args)
+        except WalkStopped:
+            with counting:
+                stopped += 1
+            raise
+        finally:
+            with counting:
+                running -= 1
+
+    async def scenario() -> None:
+        async with sharing(alice) as agent:
+            pair_both(alice, bob)
+            peer = bob.peer("alice").node_id
+            handled: list[str] = []
+            handle = agent.handlers[AppPrepare]
+
+            async def counted(ctx: RequestContext, message: AppPrepare) -> None:
+                await handle(ctx, message)
+                handled.append(message.name)
+
+            agent.handlers[AppPrepare] = counted
+            async with bob.session(peer) as session:
+                first = await sync_app(bob, "alice", project, reuse=session)
+                assert len(first.sent) == 2000
+                await _idle(agent.apps)
+                bob_id = str(bob.info().node_id)
+                app = alice.home.path / "files" / bob_id / "apps" / "big"
+                (app / "d3" / "f300.txt").write_text("a job wrote this\n")
+                (project / "d7" / "f777.txt").write_text("changed here\n")
+                monkeypatch.setattr(Tree, "tally", held)
+                handled.clear()
+                for _ in range(50):
+                    stream = session.open_stream()
+                    stream.send_message(AppPrepare(name="big"), end=True)
+                    session.link.forget_stream(stream.stream_id)
+                for _ in range(600):  # a generous ceiling
+                    if len(handled) == 50:
+                        break
+                    await asyncio.sleep(0.05)
+                assert len(handled) == 50
+                assert agent.apps.prepared_walks(bob_id) == agent_apps.PREPARED_WALKS
+                gate.set()
+                for _ in range(600):
+                    if agent.apps.prepared_walks(bob_id) == 0:
+                        break
+                    await asyncio.sleep(0.05)
+                monkeypatch.setattr(Tree, "tally", tally)
+                assert agent.apps.prepared_walks(bob_id) == 0 and running == 0
+                assert peak == agent_apps.PREPARED_WALKS
+                assert stopped == agent_apps.PREPARED_WALKS  # replaced: stopped at once
+                after = await sync_app(bob, "alice", project, reuse=session)
+                assert sorted(after.sent) == ["d3/f300.txt", "d7/f777.txt"]
+                assert after.unchanged == 1998
+                assert (app / "d3" / "f300.txt").read_text() == "file 300\n"
+                assert (app / "d7" / "f777.txt").read_text() == "changed here\n"
+                await _idle(agent.apps)
+                assert agent.apps.prepared_walks(bob_id) == 0
 
     arun(scenario())

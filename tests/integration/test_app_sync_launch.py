@@ -6,26 +6,15 @@ left to click prints (the ``--home`` form, which the head start never takes)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.integration.test_app import _app_on, _project
+from tests.probe import SCRIPT, node_process, probe, thin_env
 
 pytestmark = pytest.mark.usefixtures("docker_daemon")
-
-SCRIPT = Path(sys.executable).with_name("gpumesh")
-
-
-def _env(home: Path) -> dict[str, str]:
-    env = dict(os.environ, GPUMESH_HOME=str(home))
-    env.pop("GPUMESH_NODE", None)
-    env.pop("GPUMESH_LOG", None)
-    env.pop("GPUMESH_PEER", None)
-    return env
 
 
 def _both(home: Path, *args: str) -> tuple[tuple[int, str, str], tuple[int, str, str]]:
@@ -35,7 +24,7 @@ def _both(home: Path, *args: str) -> tuple[tuple[int, str, str], tuple[int, str,
     for prefix in ([], ["--home", str(home)]):
         result = subprocess.run(
             [str(SCRIPT), *prefix, "app", "sync", *args],
-            env=_env(home),
+            env=thin_env(home),
             stdin=subprocess.DEVNULL,
             capture_output=True,
             text=True,
@@ -51,7 +40,7 @@ def test_app_sync_sent_ahead_prints_what_the_command_left_to_click_prints(
 ) -> None:
     alice, bob = pair
     project = _project(tmp_path)
-    env = _env(bob)
+    env = thin_env(bob)
     check = (
         "import sys\n"
         "from gpumesh.cli import launch\n"
@@ -62,19 +51,8 @@ def test_app_sync_sent_ahead_prints_what_the_command_left_to_click_prints(
         "print(ahead, code, len(launch._ahead))\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in early))\n"
     )
-    try:
-        # The first command starts the node process (subprocess and all).
-        jobs = [str(SCRIPT), "jobs"]
-        subprocess.run(jobs, env=env, capture_output=True, check=True, timeout=120)
-        first = subprocess.run(
-            [sys.executable, "-c", check],
-            env=env,
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            check=False,
-            timeout=120,
-        )
+    with node_process(env):
+        first = probe(check, env)
         # The first sync went out, was read once and printed, and landed, all
         # before click (or anything heavy) loaded.
         lines = first.stdout.splitlines()
@@ -116,6 +94,3 @@ def test_app_sync_sent_ahead_prints_what_the_command_left_to_click_prints(
         assert sent.stdout.startswith("synced /apps/proj on alice-pc: 1 sent ("), sent.stdout
         assert sent.stdout.count("\n") == 1 and sent.stderr == ""
         assert (app / "c.txt").read_text() == "charlie, changed\n"
-    finally:
-        stop = [str(SCRIPT), "daemon", "stop"]
-        subprocess.run(stop, env=env, capture_output=True, check=False, timeout=60)

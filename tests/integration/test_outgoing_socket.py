@@ -9,7 +9,6 @@ import asyncio
 import select
 import socket
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 
@@ -19,8 +18,7 @@ from gpumesh.protocol.messages import Ping, Pong
 from gpumesh.transport.outgoing import OutgoingSocket
 from gpumesh.transport.session import RelayHint, open_session
 from gpumesh.transport.udp import UdpSocket, open_udp_socket
-from tests.integration.conftest import arun, pair_both, sharing
-from tests.integration.test_relay_node import _start_relay, _stop
+from tests.integration.conftest import arun, pair_both, sharing, sharing_relayed
 
 SIZE = 8 * 1024 * 1024
 CEILING = 30.0
@@ -102,23 +100,17 @@ def test_an_icmp_refusal_is_named_and_does_not_cost_the_next_datagram() -> None:
         listener.close()
 
 
-def test_relayed_redials_in_a_row_over_one_registration(tmp_path: Path) -> None:
+def test_relayed_redials_in_a_row_over_one_registration(
+    relayed_alice: tuple[Node, Node, str],
+) -> None:
     """Twelve relayed sessions opened and closed one after another over the shared
     socket: each ends at the relay when it closes (the relay allows 8 open to one
     peer, and keeps a session it was not told of for far longer than this loop
     takes), and all go over the one registration."""
-    proc, relay = _start_relay(tmp_path, "--open")
-    alice, bob = Node(tmp_path / "a"), Node(tmp_path / "b")
-    alice.init("alice")
-    bob.init("bob")
-    alice.home.config.set("listen_host", "127.0.0.1")
-    alice.home.config.set("relay", relay)
+    alice, bob, relay = relayed_alice
 
     async def scenario() -> None:
-        async with sharing(alice) as agent:
-            pair_both(alice, bob)
-            assert agent.relay is not None
-            await agent.relay.wait_registered(CEILING)
+        async with sharing_relayed(alice, bob) as agent:
             outgoing = OutgoingSocket(lambda: bob.home.identity)
             key = alice.home.identity.public_key
             try:
@@ -143,9 +135,4 @@ def test_relayed_redials_in_a_row_over_one_registration(tmp_path: Path) -> None:
             finally:
                 outgoing.close()
 
-    try:
-        arun(scenario())
-    finally:
-        _stop(proc)
-        alice.close()
-        bob.close()
+    arun(scenario())

@@ -8,7 +8,6 @@ or not at all, only hands the dial to the usual addresses. The NAT lab test
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 
 from gpumesh.client.node import Node
 from gpumesh.client.pool import PUNCHED_KEEP, SessionPool
@@ -16,9 +15,8 @@ from gpumesh.errors import ConnectionLostError
 from gpumesh.protocol.messages import Ping, Pong, StatusRequest
 from gpumesh.transport.outgoing import OutgoingSocket
 from gpumesh.transport.session import RelayHint, Session, open_session
-from tests.integration.conftest import arun, pair_both, sharing
+from tests.integration.conftest import arun, pair_both, sharing, sharing_relayed
 from tests.integration.test_outgoing_socket import CEILING, _closed_port
-from tests.integration.test_relay_node import _start_relay, _stop
 
 
 def test_a_punched_address_is_tried_first_and_a_wrong_one_falls_back(
@@ -122,24 +120,17 @@ def test_the_pool_forgets_a_punched_address_on_deny_and_after_a_while(
 
 
 def test_a_redial_after_a_silent_drop_takes_over_the_providers_punched_path(
-    tmp_path: Path,
+    relayed_alice: tuple[Node, Node, str],
 ) -> None:
     """bob's session ends on his side only (a network blip: alice never hears of it)
     and he re-dials alice's punched address: her agent maps it to the old session's
     punched path, still open, and the new connection takes that path over, so it
     lives on when her old connection ends and lets the path go."""
-    proc, relay = _start_relay(tmp_path, "--open")
-    alice, bob = Node(tmp_path / "a"), Node(tmp_path / "b")
-    alice.init("alice")
-    bob.init("bob")
-    alice.home.config.set("listen_host", "127.0.0.1")
-    alice.home.config.set("relay", relay)
+    alice, bob, relay = relayed_alice
 
     async def scenario() -> None:
-        async with sharing(alice) as agent:
-            pair_both(alice, bob)
-            assert agent.relay is not None and agent.endpoint is not None
-            await agent.relay.wait_registered(CEILING)
+        async with sharing_relayed(alice, bob) as agent:
+            assert agent.endpoint is not None
             outgoing = OutgoingSocket(lambda: bob.home.identity)
             key = alice.home.identity.public_key
             hint = RelayHint(relay)
@@ -166,9 +157,4 @@ def test_a_redial_after_a_silent_drop_takes_over_the_providers_punched_path(
             finally:
                 outgoing.close()
 
-    try:
-        arun(scenario())
-    finally:
-        _stop(proc)
-        alice.close()
-        bob.close()
+    arun(scenario())

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -23,9 +22,8 @@ from gpumesh.client.pool import SessionPool
 from gpumesh.protocol.messages import Ping, Pong, StatusRequest
 from gpumesh.transport.outgoing import OutgoingSocket
 from gpumesh.transport.session import RelayHint, Session, open_session, went_through_relay
-from tests.integration.conftest import arun, pair_both, sharing
+from tests.integration.conftest import arun, sharing_relayed
 from tests.integration.test_outgoing_socket import CEILING, _closed_port
-from tests.integration.test_relay_node import _start_relay, _stop
 
 NEVER = 3600.0
 """RELAY_DELAY for these tests: far past CEILING, so only a dial that skips it ends."""
@@ -42,23 +40,6 @@ def black_hole() -> Iterator[tuple[str, int]]:
         yield sock.getsockname()
 
 
-@pytest.fixture
-def relayed_alice(tmp_path: Path) -> Iterator[tuple[Node, Node, str]]:
-    """alice sharing on loopback and registered with a relay; bob paired with her."""
-    proc, relay = _start_relay(tmp_path, "--open")
-    alice, bob = Node(tmp_path / "a"), Node(tmp_path / "b")
-    alice.init("alice")
-    bob.init("bob")
-    alice.home.config.set("listen_host", "127.0.0.1")
-    alice.home.config.set("relay", relay)
-    try:
-        yield alice, bob, relay
-    finally:
-        _stop(proc)
-        alice.close()
-        bob.close()
-
-
 def _names(session: Session) -> list[str]:
     assert session.dial_record is not None
     return [event for event, _ in session.dial_record.events]
@@ -73,10 +54,7 @@ def test_relay_first_starts_the_relay_beside_a_silent_direct_address(
     monkeypatch.setattr(session_module, "RELAY_DELAY", NEVER)
 
     async def scenario() -> None:
-        async with sharing(alice) as agent:
-            pair_both(alice, bob)
-            assert agent.relay is not None
-            await agent.relay.wait_registered(CEILING)
+        async with sharing_relayed(alice, bob):
             key = alice.home.identity.public_key
             outgoing = OutgoingSocket(lambda: bob.home.identity)
             try:
@@ -122,10 +100,7 @@ def test_an_in_process_dial_starts_the_relay_at_once_when_the_store_says_relayed
             return _names(s), s.path
 
     async def scenario() -> None:
-        async with sharing(alice) as agent:
-            pair_both(alice, bob)
-            assert agent.relay is not None
-            await agent.relay.wait_registered(CEILING)
+        async with sharing_relayed(alice, bob) as agent:
             assert bob.pool is None
             alice_key = alice.home.identity.public_key
             silent = f"{black_hole[0]}:{black_hole[1]}"
@@ -164,10 +139,7 @@ def test_a_direct_attempt_that_failed_outright_hands_over_to_the_relay_at_once(
     monkeypatch.setattr(session_module, "RELAY_DELAY", NEVER)
 
     async def scenario() -> None:
-        async with sharing(alice) as agent:
-            pair_both(alice, bob)
-            assert agent.relay is not None
-            await agent.relay.wait_registered(CEILING)
+        async with sharing_relayed(alice, bob):
             async with asyncio.timeout(CEILING):
                 session = await open_session(
                     bob.home.identity, "bob", [("127.0.0.1", _closed_port())],
@@ -194,10 +166,7 @@ def test_the_pool_remembers_a_relayed_peer_until_a_direct_session_or_a_deny(
     alice, bob, relay = relayed_alice
 
     async def scenario() -> None:
-        async with sharing(alice) as agent:
-            pair_both(alice, bob)
-            assert agent.relay is not None
-            await agent.relay.wait_registered(CEILING)
+        async with sharing_relayed(alice, bob) as agent:
             peer = bob.peer("alice")
             peer_id = str(peer.node_id)
             at_alice = ("127.0.0.1", agent.address[1])
@@ -249,10 +218,7 @@ def test_a_silent_punched_address_stops_when_the_relay_is_tried_from_the_shared_
     alice, bob, relay = relayed_alice
 
     async def scenario() -> None:
-        async with sharing(alice) as agent:
-            pair_both(alice, bob)
-            assert agent.relay is not None
-            await agent.relay.wait_registered(CEILING)
+        async with sharing_relayed(alice, bob):
             outgoing = OutgoingSocket(lambda: bob.home.identity)
             try:
                 async with asyncio.timeout(CEILING):

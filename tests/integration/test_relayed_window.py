@@ -28,11 +28,8 @@ from gpumesh.relay.config import RelayConfig
 from gpumesh.relay.server import RelayServer, serve
 from gpumesh.transport.quic import QuicEndpoint, QuicLink, Recovery
 from gpumesh.transport.relayclient import RelayClient, dial_relayed
-from gpumesh.transport.stream import Stream
+from tests.integration.window import UPLOAD, Receiver, assert_kept_slow_start
 
-UPLOAD = 4 * 1024 * 1024
-INITIAL_WINDOW = 14_440
-"""qh3's initial congestion window (10 datagrams of MAX_DATAGRAM)."""
 NO_PUNCHING = PunchConfig(max_candidates=0)
 
 
@@ -40,22 +37,8 @@ async def _relayed_upload() -> tuple[str, Recovery, RelayServer, bytes]:
     relay = await serve(RelayConfig(host="127.0.0.1", port=0, open=True), receive_offload=False)
     provider = Identity.generate()
     consumer = Identity.generate()
-    received = bytearray()
-    done = asyncio.Event()
-    readers: set[asyncio.Task[None]] = set()
-
-    async def read_all(stream: Stream) -> None:
-        while chunk := await stream.read_data():
-            received.extend(chunk)
-        done.set()
-
-    def on_link(link: QuicLink) -> None:
-        def on_stream(stream: Stream) -> None:
-            readers.add(asyncio.create_task(read_all(stream)))
-
-        link.on_stream = on_stream
-
-    endpoint = QuicEndpoint.listen(provider, "127.0.0.1", 0, on_link=on_link)
+    receiver = Receiver()
+    endpoint = QuicEndpoint.listen(provider, "127.0.0.1", 0, on_link=receiver.on_link)
     serving = RelayClient(
         endpoint,
         relay.address,
@@ -88,8 +71,8 @@ async def _relayed_upload() -> tuple[str, Recovery, RelayServer, bytes]:
         stream = link.open_stream()
         await stream.send_data(payload)
         stream.end_data()
-        await asyncio.wait_for(done.wait(), 60)
-        assert bytes(received) == payload
+        await asyncio.wait_for(receiver.done.wait(), 60)
+        assert bytes(receiver.received) == payload
         described = link.describe_path()
         recovery = link.recovery()
         assert recovery is not None
@@ -97,8 +80,7 @@ async def _relayed_upload() -> tuple[str, Recovery, RelayServer, bytes]:
     finally:
         if link is not None:
             link.close()
-        for task in readers:
-            task.cancel()
+        receiver.cancel()
         endpoint.close()
         relay.close()
 
@@ -112,7 +94,4 @@ def test_a_relayed_upload_crosses_the_relay_in_runs_and_keeps_its_window() -> No
     # sender's bursts are up to 64 datagrams; one write each would make these equal).
     assert relay.writes * 4 < relay.packets_sent, (relay.writes, relay.packets_sent)
     assert relay.dropped == 0
-    assert recovery.lost == 0, recovery
-    # Still in slow start after 4 MiB: the window far past the initial one (an early
-    # loss would leave it near where it was cut, growing one datagram per round trip).
-    assert recovery.window > 40 * INITIAL_WINDOW, recovery
+    assert_kept_slow_start(recovery)

@@ -18,8 +18,7 @@ import click
 import pytest
 
 from gpumesh.cli import main as cli_main
-
-SCRIPT = Path(sys.executable).with_name("gpumesh")
+from tests.probe import SCRIPT, node_process, probe, thin_env
 
 
 class _InOrder(click.Group):
@@ -104,14 +103,9 @@ def test_jobs_and_run_through_a_node_process_start_light(tmp_path: Path) -> None
     the first one find it): `jobs` (empty, and as JSON), a `run` the node
     process refuses (no such peer) and a `cancel` it refuses load none of
     THIN_AVOIDS; `run`'s request goes out before click loads."""
-    home = tmp_path / "home"
-    env = dict(os.environ, GPUMESH_HOME=str(home))
-    env.pop("GPUMESH_NODE", None)
-    env.pop("GPUMESH_LOG", None)
+    env = thin_env(tmp_path / "home")
     init = [str(SCRIPT), "init", "--name", "light"]
     subprocess.run(init, env=env, capture_output=True, check=True, timeout=60)
-    # The first command starts the node process (subprocess and all).
-    subprocess.run([str(SCRIPT), "jobs"], env=env, capture_output=True, check=True, timeout=120)
     check = (
         "import sys\n"
         "from gpumesh.cli import launch\n"
@@ -127,19 +121,8 @@ def test_jobs_and_run_through_a_node_process_start_light(tmp_path: Path) -> None
         "left = len(launch._ahead)\n"
         "print(codes, left, sorted(m for m in sys.modules if m.split('.')[0] in avoided))\n"
     )
-    try:
-        result = subprocess.run(
-            [sys.executable, "-c", check],
-            env=env,
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            check=False,
-            timeout=120,
-        )
-    finally:
-        stop = [str(SCRIPT), "daemon", "stop"]
-        subprocess.run(stop, env=env, capture_output=True, check=False, timeout=60)
+    with node_process(env):
+        result = probe(check, env)
     assert result.stdout.splitlines()[-1] == "[0, 0, 2, 2] 0 []", result.stdout + result.stderr
     assert result.stdout.splitlines()[-2] == "[]"  # `jobs --json` of an empty home
     assert result.stdout.splitlines()[0] == "True []"

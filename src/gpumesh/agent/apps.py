@@ -36,7 +36,6 @@ their size and mtime, against which the index is checked.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import hashlib
 import json
@@ -45,21 +44,23 @@ import os
 import secrets
 import shutil
 import stat
+import threading
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import msgspec
 
 from gpumesh.agent.deps import Handlers, OwnedJobs, Provider, RequestContext, SandboxFiles
 from gpumesh.agent.sandboxfs import Usage, refusing, sandbox_parts
 from gpumesh.blocking import in_thread
-from gpumesh.errors import AccessDeniedError, ConfigError, GPUMeshError, ProtocolError
+from gpumesh.errors import AccessDeniedError, ConfigError, ProtocolError
 from gpumesh.files.hashing import SHA256, new_hasher
 from gpumesh.files.manifest import Stamp
 from gpumesh.files.manifest import stamp as file_stamp
-from gpumesh.files.sandbox import Tree
+from gpumesh.files.sandbox import Tree, WalkStopped
 from gpumesh.files.transfer import swallow, unpack_from
 from gpumesh.protocol.messages import (
     AppJobDir,
@@ -92,6 +93,12 @@ Index = dict[str, tuple[int, int, str]]
 
 PREPARED_FOR = 5.0
 """Seconds a walk begun on ``AppPrepare`` waits for its ``AppSync`` before it goes."""
+PREPARED_WALKS = 2
+"""Walks begun on ``AppPrepare`` that may run at once for one peer. A walk that
+another ``AppPrepare`` replaced stops at its next entry, but counts until it has;
+an ``AppPrepare`` past the cap begins none (its sync walks the folder itself)."""
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -107,6 +114,8 @@ class _Walk:
     """Done once ``folder`` is set, or known to stay None."""
     listing: dict[str, tuple[int, int]] = field(default_factory=dict)
     task: asyncio.Future[Usage | None] = field(init=False)
+    stop: threading.Event = field(default_factory=threading.Event)
+    """Set when the walk is let go: its thread ends at the next entry it looks at."""
     checked: tuple[_Synced | None, Index] | None = None
     """A prepared walk's index check, done as soon as it walked: the app's state
     it checked (the sync uses the index only when it loads that same state)."""
@@ -158,6 +167,13 @@ class AppService:
         self._prepared: dict[tuple[str, str], _Walk] = {}
         """Walks begun on ``AppPrepare``, each for the ``AppSync`` of the app to come."""
         self._dropping: set[asyncio.Future[None]] = set()
+        self._walking: dict[str, int] = {}
+        """By peer id: walks begun on ``AppPrepare`` whose work has not ended yet."""
+
+    def prepared_walks(self, peer_id: str) -> int:
+        """Walks begun on ``AppPrepare`` for ``peer_id`` that are running now (at most
+        :data:`PREPARED_WALKS`)."""
+        return self._walking.get(peer_id, 0)
 
     def register(self, handlers: Handlers) -> None:
         handlers.add(AppSync, self.handle_sync)
@@ -201,14 +217,31 @@ class AppService:
         lock = self._locks.get(key)
         if lock is not None and lock.locked():
             return
+        self._drop(self._prepared.pop(key, None))
+        peer_id = key[0]
+        if self._walking.get(peer_id, 0) >= PREPARED_WALKS:
+            # Nothing is answered to a prepare: the sync finds no walk, and walks itself.
+            logger.info(
+                "[%s] app %s: %d walks still running; its sync walks it itself",
+                ctx.peer.name,
+                message.name,
+                self._walking[peer_id],
+            )
+            return
         # Registered before anything is awaited: the sync right behind it finds it.
         loop = asyncio.get_running_loop()
         walk = _Walk(None, message.dry_run, time.monotonic(), loop.create_future())
         walk.task = asyncio.ensure_future(self._open_and_walk(ctx.peer, message.name, walk))
         walk.task.add_done_callback(swallow)
-        self._drop(self._prepared.pop(key, None))
+        self._walking[peer_id] = self._walking.get(peer_id, 0) + 1
+        walk.task.add_done_callback(lambda _task: self._walked(peer_id))
         self._prepared[key] = walk
         loop.call_later(PREPARED_FOR, self._expire, key, walk)
+
+    def _walked(self, peer_id: str) -> None:
+        left = self._walking.pop(peer_id, 0) - 1
+        if left > 0:
+            self._walking[peer_id] = left
 
     async def _open_and_walk(self, peer: Peer, name: str, walk: _Walk) -> Usage | None:
         """Open the app's folder (when there is one: none is made) and walk it."""
@@ -222,14 +255,17 @@ class AppService:
             _settle(walk.opened)
         if walk.folder is None:
             return None
-        usage = await self._walk(peer, name, walk.folder, walk.listing, walk.dry_run)
+        usage = await self._walk(peer, name, walk)
         # The index is checked against the walk right away, while the consumer scans.
         index_file = await in_thread(self._index_file, peer, name)
         state_file = index_file.with_name(f"{name}.manifest")
         key = (str(peer.node_id), name)
         synced = await in_thread(_load_synced, self._synced.get(key), state_file, index_file)
         recorded = synced.index if synced is not None else None
-        index = await in_thread(_current_index, walk.folder, recorded, walk.listing)
+        index = await _to_its_end(
+            walk.stop,
+            in_thread(_current_index, walk.folder, recorded, walk.listing, walk.stop),
+        )
         walk.checked = (synced, index)
         return usage
 
@@ -237,7 +273,7 @@ class AppService:
         loop = asyncio.get_running_loop()
         walk = _Walk(folder, dry_run, time.monotonic(), loop.create_future())
         walk.opened.set_result(None)
-        walk.task = asyncio.ensure_future(self._walk(peer, name, folder, walk.listing, dry_run))
+        walk.task = asyncio.ensure_future(self._walk(peer, name, walk))
         walk.task.add_done_callback(swallow)
         return walk
 
@@ -294,20 +330,17 @@ class AppService:
         finally:
             await _end_walk(walk)
 
-    async def _walk(
-        self,
-        peer: Peer,
-        name: str,
-        folder: Tree | None,
-        listing: dict[str, tuple[int, int]],
-        dry_run: bool,
-    ) -> Usage | None:
-        """Fill ``listing`` with the folder's files; the peer's usage unless ``dry_run``."""
-        if dry_run:
-            if folder is not None:
-                await in_thread(folder.tally, ((), listing))
+    async def _walk(self, peer: Peer, name: str, walk: _Walk) -> Usage | None:
+        """Fill the walk's listing with the folder's files; the peer's usage unless a
+        dry run. Cancelled, it stops the walk and returns once its thread has."""
+        if walk.dry_run:
+            if walk.folder is not None:
+                await _to_its_end(
+                    walk.stop, in_thread(walk.folder.tally, ((), walk.listing), walk.stop)
+                )
             return None
-        return await self.files.usage(peer, listing=((APPS, name), listing))
+        listing = ((APPS, name), walk.listing)
+        return await _to_its_end(walk.stop, self.files.usage(peer, listing=listing, stop=walk.stop))
 
     async def _sync_walking(
         self,
@@ -461,15 +494,32 @@ def _close_opened(opening: asyncio.Future[Tree | None]) -> None:
             folder.close()
 
 
-async def _end_walk(walk: _Walk) -> None:
-    """Stop ``walk`` (when it still runs) and close its folder once it let go."""
-    walk.task.cancel()
+async def _to_its_end(stop: threading.Event, work: Awaitable[T]) -> T:
+    """``work`` (a walk's step in a thread); when cancelled, ``stop`` is set and the
+    step is waited for: nothing may close the folder it reads under it."""
+    step = asyncio.ensure_future(work)
     try:
-        with contextlib.suppress(asyncio.CancelledError, GPUMeshError, OSError):
-            await walk.task  # it reads through the folder's descriptor
+        return await asyncio.shield(step)
+    except asyncio.CancelledError:
+        stop.set()
+        step.add_done_callback(swallow)
+        await asyncio.wait([step])
+        raise
+
+
+async def _end_walk(walk: _Walk) -> None:
+    """Stop ``walk`` (when it still runs: at its next entry) and close its folder
+    once it let go."""
+    walk.stop.set()
+    try:
+        await asyncio.wait([walk.task])  # it reads through the folder's descriptor
     finally:
-        if walk.folder is not None:
-            walk.folder.close()
+        walk.task.add_done_callback(lambda _task: _close_walked(walk))
+
+
+def _close_walked(walk: _Walk) -> None:
+    if walk.folder is not None:
+        walk.folder.close()
 
 
 class _NoHash:
@@ -598,7 +648,10 @@ def _hash_in(folder: Tree, rel: str) -> str:
 
 
 def _current_index(
-    folder: Tree | None, recorded: Index | None, listing: dict[str, tuple[int, int]]
+    folder: Tree | None,
+    recorded: Index | None,
+    listing: dict[str, tuple[int, int]],
+    stop: threading.Event | None = None,
 ) -> Index:
     """Synced file -> (size, mtime_ns, sha256 hex), checked against the folder now.
 
@@ -611,6 +664,8 @@ def _current_index(
         recorded = dict.fromkeys(listing, (-1, -1, ""))
     current: Index = {}
     for rel, (size, mtime_ns, digest) in recorded.items():
+        if stop is not None and stop.is_set():
+            raise WalkStopped
         found = listing.get(rel)
         if found is None or folder is None:
             continue

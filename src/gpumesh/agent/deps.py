@@ -22,6 +22,8 @@ from gpumesh.errors import AccessDeniedError
 from gpumesh.protocol.messages import Message
 
 if TYPE_CHECKING:
+    import threading
+
     from gpumesh.agent.files import TarOffer
     from gpumesh.agent.sandboxfs import Listing, Usage
     from gpumesh.files.pack import PackPlan
@@ -124,7 +126,11 @@ class Sandboxes(Protocol):
     def link_refused(self, remote: str) -> AccessDeniedError: ...
 
     async def usage(
-        self, peer: Peer, exclude: str = "", listing: Listing | None = None
+        self,
+        peer: Peer,
+        exclude: str = "",
+        listing: Listing | None = None,
+        stop: threading.Event | None = None,
     ) -> Usage: ...
 
     def resolve_sandbox_dir(

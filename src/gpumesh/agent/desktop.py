@@ -42,6 +42,7 @@ from gpumesh.errors import (
 )
 from gpumesh.protocol.desktop import DesktopKind
 from gpumesh.protocol.messages import ChannelDeclined, DesktopOpen, DesktopOpened
+from gpumesh.transport.sealing import FRAMING_VERSION
 from gpumesh.transport.sockowner import listening_on_loopback
 from gpumesh.transport.tcpstream import READ_LIMIT, pump, splice
 
@@ -96,6 +97,8 @@ class DesktopSession:
     path: str = "quic"
     """What carries its bytes: ``channel`` (a data channel; offered, while it opens)
     or ``quic`` (the stream)."""
+    framing: int = 0
+    """On a data channel: the sealed-frame version agreed (0: TLS records)."""
 
 
 class DesktopService:
@@ -119,6 +122,9 @@ class DesktopService:
         """Called when sessions open or close (the agent republishes who is connected)."""
         self.clock = clock
         self._sessions: dict[str, DesktopSession] = {}
+        self.framing = FRAMING_VERSION
+        """The sealed-frame version it agrees to on a data channel when the consumer
+        offers it (0: TLS records only, as a provider before sealed frames)."""
 
     def register(self, handlers: Handlers) -> None:
         handlers.add(DesktopOpen, self.handle_open)
@@ -164,13 +170,16 @@ class DesktopService:
             ctx.stream.send_message(reply, end=True)
             return
         listener = self._listener(ctx) if message.channel else None
+        framing = 0
         if listener is not None:
+            framing = self.framing if message.framing >= self.framing else 0
             reply = DesktopOpened(
                 provider=reply.provider,
                 kind=reply.kind,
                 port=reply.port,
                 channel_port=listener.port,
                 channel_ticket=listener.ticket,
+                framing=framing,
             )
         try:
             ctx.stream.send_message(reply)
@@ -183,6 +192,7 @@ class DesktopService:
         key = f"desktop-{secrets.token_hex(6)}"
         session.id = key
         session.path = "quic" if listener is None else "channel"
+        session.framing = framing
         self._sessions[key] = session
         try:
             channel = await self._channel(ctx, listener) if listener is not None else None
@@ -197,6 +207,7 @@ class DesktopService:
                 channel.close()
             return
         session.path = "quic" if channel is None else "channel"
+        session.framing = 0 if channel is None else framing
         logger.info(
             "[%s] opened a desktop connection (%s, over %s)",
             ctx.peer.name,
@@ -207,7 +218,7 @@ class DesktopService:
         session.task = asyncio.create_task(
             _over_quic(ctx.stream, server)
             if channel is None
-            else splice(ctx.stream, server, channel)
+            else splice(ctx.stream, server, channel, sealed=framing > 0)
         )
         try:
             await session.task

@@ -112,6 +112,7 @@ from gpumesh.units import parse_size
 
 if TYPE_CHECKING:
     import ssl
+    import threading
 
     from gpumesh.files.channel import Channel, Listener
     from gpumesh.files.pack import PackPlan
@@ -849,24 +850,33 @@ class FileService:
                 del active[key]
             claim.done.set()
 
-    async def usage(self, peer: Peer, exclude: str = "", listing: Listing | None = None) -> Usage:
+    async def usage(
+        self,
+        peer: Peer,
+        exclude: str = "",
+        listing: Listing | None = None,
+        stop: threading.Event | None = None,
+    ) -> Usage:
         """Bytes the peer holds here: its sandbox, its partial uploads, its jobs'
         uploaded workdirs, and uploads in flight (all but ``exclude``).
 
         With ``listing`` (a folder in the sandbox, and a dict), the same walk
-        also fills the dict with each regular file under that folder.
+        also fills the dict with each regular file under that folder. Setting
+        ``stop`` ends the sandbox's walk early (``WalkStopped``).
         """
         active = self._active.get(str(peer.node_id), {})
         busy = set(active)
         reserved = sum(claim.reserved for name, claim in active.items() if name != exclude)
-        stored = await in_thread(self._stored_bytes, peer, busy | {exclude}, listing)
+        stored = await in_thread(self._stored_bytes, peer, busy | {exclude}, listing, stop)
         return Usage(stored + reserved, self.quota())
 
-    def _stored_bytes(self, peer: Peer, busy: set[str], listing: Listing | None) -> int:
+    def _stored_bytes(
+        self, peer: Peer, busy: set[str], listing: Listing | None, stop: threading.Event | None
+    ) -> int:
         """Bytes in the peer's regular files (walked through descriptors), idle
         partials (old ones removed) and job workdirs (blocking)."""
         with self.tree(peer) as tree:
-            total = tree.tally(listing)
+            total = tree.tally(listing, stop)
         total += _partial_bytes(self.partials(peer, create=False), busy)
         for workdir in self._job_dirs(str(peer.node_id)):
             try:
@@ -874,7 +884,7 @@ class FileService:
             except (FileNotFoundError, NotADirectoryError):
                 continue
             with work:
-                total += work.tally()
+                total += work.tally(None, stop)
         return total
 
     # --- blocking steps of the requests ---------------------------------------------------

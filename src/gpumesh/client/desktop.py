@@ -47,6 +47,7 @@ from gpumesh.errors import (
 )
 from gpumesh.protocol.desktop import DesktopKind, client_commands, kind_for_port
 from gpumesh.protocol.messages import ChannelDeclined, DesktopOpen, DesktopOpened
+from gpumesh.transport.sealing import FRAMING_VERSION
 from gpumesh.transport.sockowner import (
     listening_on_loopback,
     owner_check_available,
@@ -77,6 +78,10 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+FRAMING = FRAMING_VERSION
+"""The sealed-frame version a connection offers for its data channel (0: TLS
+records only, as a consumer before sealed frames)."""
 
 OwnerLookup = Callable[[tuple[str, int], tuple[str, int]], "int | None"]
 
@@ -312,8 +317,13 @@ async def _carry(
     stream = session.open_stream()
     try:
         wanted = why_no_channel(way.node, way.node.peer(way.peer.name), session) is None
-        stream.send_message(DesktopOpen(channel=wanted))
+        stream.send_message(DesktopOpen(channel=wanted, framing=FRAMING if wanted else 0))
         opened = await stream.expect(DesktopOpened)
+        if opened.framing not in (0, FRAMING):
+            raise ProtocolError(
+                f"{way.peer.name} answered with sealed frames of version {opened.framing}, "
+                f"which were not offered"
+            )
         channel = None
         if opened.channel_port:
             channel = await _open_channel(way, opened)
@@ -324,7 +334,7 @@ async def _carry(
             reader, writer = await asyncio.open_connection(sock=conn, limit=READ_LIMIT)
             await pump(stream, reader, writer)
         else:
-            await splice(stream, conn, channel)
+            await splice(stream, conn, channel, sealed=opened.framing > 0, dialler=True)
     except GPUMeshError as exc:
         conn.close()
         if isinstance(exc, AccessDeniedError | NotFoundError) and not ended.done():

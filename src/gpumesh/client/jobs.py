@@ -20,9 +20,9 @@ import dataclasses
 import logging
 import secrets
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NoReturn, Protocol
+from typing import TYPE_CHECKING, NoReturn, Protocol, TypeVar
 
 import msgspec
 
@@ -101,6 +101,8 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 SUBMITTED = JobRole.SUBMITTED
 HOSTED = JobRole.HOSTED
@@ -307,15 +309,24 @@ async def run_job(
     )
     store = node.home.store
     result = JobResult(job_id, peer.name, JobState.QUEUED, None, 0, "")
-    async with _session_with(node, peer, reuse) as session:
-        from gpumesh.client.bulk import answer_after_offer, why_no_channel
+    from gpumesh.client.bulk import answer_after_offer, why_no_channel
 
+    async def submitted(
+        session: Session,
+    ) -> tuple[Stream, ChannelOffer | None, JobAccepted, NoChannel | None]:
+        # Safe to send twice: a provider that has the job id accepts it again and
+        # follows it from its first event; it never starts a second copy.
         no_channel = why_no_channel(node, peer, session) if plan is not None else None
+        sent = submit
         if plan is not None and no_channel is None:
-            submit = msgspec.structs.replace(submit, channel=True)
+            sent = msgspec.structs.replace(submit, channel=True)
         stream = session.open_stream()
-        stream.send_message(submit)
+        stream.send_message(sent)
         offer, accepted = await answer_after_offer(stream, JobAccepted, None, callbacks.pull)
+        return stream, offer, accepted, no_channel
+
+    async with _session_with(node, peer, reuse, submitted) as (session, answered):
+        stream, offer, accepted, no_channel = answered
         if list(accepted.mounts) != [m.target for m in spec.mounts]:
             await _refuse_unmounted(session, peer.name, job_id, stream)
         result.gpus = list(accepted.gpus)
@@ -389,14 +400,16 @@ async def _deliver_all(events: AsyncGenerator[JobEvent, None], callbacks: JobCal
 
 @contextlib.asynccontextmanager
 async def _session_with(
-    node: Node, peer: Peer, session: Session | None
-) -> AsyncGenerator[Session, None]:
-    """``session`` (left open) when given, else a new one closed on exit."""
+    node: Node, peer: Peer, session: Session | None, first: Callable[[Session], Awaitable[T]]
+) -> AsyncGenerator[tuple[Session, T], None]:
+    """``session`` (left open) when given, else a new one closed on exit (or a warm
+    one, on which ``first`` is sent again should it die under it), with what
+    ``first``, a request safe to send twice, answered on it."""
     if session is not None:
-        yield session
+        yield session, await first(session)
         return
-    async with node.session(peer.node_id) as opened:
-        yield opened
+    async with node.session_for(peer.node_id, first) as lent:
+        yield lent
 
 
 async def _refuse_unmounted(
@@ -729,8 +742,12 @@ async def cancel_job(node: Node, peer_query: str, job_id: str) -> JobResult:
     peer = node.peer(peer_query)
     with contextlib.suppress(NotFoundError):
         job_id = node.home.store.find_job(job_id, role=SUBMITTED).job_id
-    async with node.session(peer.node_id) as session:
-        reply = await session.request(JobCancel(job_id=job_id), timeout=60)
+
+    async def ask(session: Session) -> Message:
+        # Safe to send twice: a job cancelled already is answered with its end.
+        return await session.request(JobCancel(job_id=job_id), timeout=60)
+
+    reply = await node.on_session(peer.node_id, ask)
     if not isinstance(reply, JobStatus):
         raise ProtocolError(f"{peer.name} answered a cancel with {type(reply).__name__}")
     result = JobResult(
@@ -783,6 +800,8 @@ async def _refresh_peer(node: Node, jobs: list[JobRecord], timeout: float) -> Un
             reply = await session.request(JobQuery(job_id=job_id), timeout=timeout)
         except NotFoundError:
             node.home.store.update_job(SUBMITTED, job_id, provider_forgot=1)
+        except ConnectionLostError:
+            raise  # the whole session's: asked again on a new one (or the reason)
         except GPUMeshError as exc:
             reasons.append(exc.message)
             return
@@ -793,10 +812,13 @@ async def _refresh_peer(node: Node, jobs: list[JobRecord], timeout: float) -> Un
             _record_status(node, job_id, reply)
         unanswered.discard(job_id)
 
+    async def ask(session: Session) -> None:
+        # Queries only: safe to send again should a warm session die under them.
+        await asyncio.gather(*(query(session, job_id) for job_id in sorted(unanswered)))
+
     try:
         async with asyncio.timeout(timeout):
-            async with node.session(jobs[0].peer_id, timeout=timeout) as session:
-                await asyncio.gather(*(query(session, job_id) for job_id in sorted(unanswered)))
+            await node.on_session(jobs[0].peer_id, ask, timeout=timeout)
     except TimeoutError:
         reasons.append(f"no answer within {timeout:g}s")
     except GPUMeshError as exc:

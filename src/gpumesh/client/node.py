@@ -11,10 +11,10 @@ import enum
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from gpumesh.errors import (
     ConfigError,
@@ -62,6 +62,8 @@ PAIR_CHECK_TIMEOUT = 3.0
 """Seconds ``pair`` spends finding out whether the new peer paired back."""
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -322,6 +324,38 @@ class Node:
                 # What punching found is worth keeping for the next dial.
                 self._remember(peer, session)
             session.close()
+
+    @contextlib.asynccontextmanager
+    async def session_for(
+        self,
+        query: str,
+        first: Callable[[Session], Awaitable[T]],
+        *,
+        timeout: float | None = None,
+    ) -> AsyncIterator[tuple[Session, T]]:
+        """:meth:`session`, with ``first`` (a request safe to send twice) run on it
+        before it is yielded with its result; on a warm session that dies under
+        ``first``, it is sent once more on a new one (see
+        :meth:`~gpumesh.client.pool.SessionPool.lend_for`)."""
+        peer = self.peer(query)
+        if self.pool is not None:
+            async with self.pool.lend_for(peer, lambda: self._dial(peer, timeout), first) as lent:
+                yield lent
+            return
+        async with self.session(query, timeout=timeout) as session:
+            yield session, await first(session)
+
+    async def on_session(
+        self,
+        query: str,
+        request: Callable[[Session], Awaitable[T]],
+        *,
+        timeout: float | None = None,
+    ) -> T:
+        """``request`` (safe to send twice) on a session with the peer: what it returns.
+        Sent once more on a new session should a warm one die under it."""
+        async with self.session_for(query, request, timeout=timeout) as (_session, result):
+            return result
 
     async def _dial(self, peer: Peer, timeout: float | None) -> Session:
         # Imported here: local commands (status, peers) need no QUIC or TLS.

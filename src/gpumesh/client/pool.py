@@ -23,6 +23,15 @@ not answer then, so the next dial starts the relay at once beside them rather
 than after :data:`~gpumesh.transport.session.RELAY_DELAY`. A session that
 comes up direct, or a deny, unpair or key change, forgets it.
 
+A warm session can die under a request: its peer was killed and started again
+within :data:`PROBE_AFTER` seconds of the last answer (so it was lent without a
+ping), or it closed the link. :meth:`SessionPool.lend_for` runs a command's
+first request, one that is safe to send twice (a job query, a cancel, a
+``JobSubmit``, whose consumer-chosen job id makes the provider accept a
+resubmission without starting a second copy), and sends it once more on a
+session dialled afresh when a session lent again closed under it or went
+:data:`PROBE_TIMEOUT` seconds without an answer while a ping went unanswered too.
+
 Every dial of a pool goes out from one shared socket (``outgoing``): one UDP port
 and one relay registration per relay for all its links (see
 :mod:`gpumesh.transport.outgoing`).
@@ -36,7 +45,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from gpumesh.errors import ConnectionLostError, GPUMeshError, TransportError
 from gpumesh.protocol.messages import Ping
@@ -50,6 +59,8 @@ if TYPE_CHECKING:
 __all__ = ["IDLE", "KEEPALIVE", "PUNCHED_KEEP", "SessionPool", "Warm"]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 IDLE = 300.0
 """Seconds a warm session stays open without a request."""
@@ -183,6 +194,55 @@ class SessionPool:
         finally:
             warm.users -= 1
             warm.last_used = self._clock()
+
+    @contextlib.asynccontextmanager
+    async def lend_for(
+        self,
+        peer: Peer,
+        dial: Callable[[], Awaitable[Session]],
+        first: Callable[[Session], Awaitable[T]],
+    ) -> AsyncIterator[tuple[Session, T]]:
+        """:meth:`lend`, with ``first`` (a request safe to send twice) run on the
+        session before it is yielded with its result. When the session was lent
+        before and dies under ``first`` (it closed, or ``first`` and a ping both
+        went unanswered for :data:`PROBE_TIMEOUT` seconds), it is dropped and
+        ``first`` sent once more on a session dialled afresh."""
+        key = str(peer.node_id)
+        async with contextlib.AsyncExitStack() as lent:
+            session = await lent.enter_async_context(self.lend(peer, dial))
+            warm = self._warm.get(key)
+            if warm is None or warm.session is not session or warm.uses < 2:
+                yield session, await first(session)  # dialled for it: nothing to retry
+                return
+            try:
+                result = await self._watched(session, first)
+            except ConnectionLostError as exc:
+                reason = await self._close_reason(session) if session.link.is_closed else None
+                if reason is not None and not isinstance(reason, TransportError):
+                    raise reason from None  # refused (denied, unpaired): no second try
+                if self._warm.get(key) is warm:
+                    self.drop(key, f"it died under a request ({exc.message})")
+                await lent.aclose()
+                logger.info("sending a request to %s again on a new session", peer.name)
+                session = await lent.enter_async_context(self.lend(peer, dial))
+                result = await first(session)
+            yield session, result
+
+    async def _watched(self, session: Session, first: Callable[[Session], Awaitable[T]]) -> T:
+        """``first(session)``; should it take :data:`PROBE_TIMEOUT` seconds, a ping
+        checks the peer still answers (``ConnectionLostError`` when it does not)."""
+        work = asyncio.ensure_future(first(session))
+        try:
+            done, _ = await asyncio.wait([work], timeout=PROBE_TIMEOUT)
+            if not done:
+                try:
+                    await session.request(Ping(sent=time.perf_counter()), timeout=PROBE_TIMEOUT)
+                except ConnectionLostError:
+                    if not work.done():
+                        raise
+            return await work
+        finally:
+            work.cancel()
 
     async def _answers(self, warm: Warm) -> bool:
         """Whether a warm session silent for :data:`PROBE_AFTER` seconds still answers."""

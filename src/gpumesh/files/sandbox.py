@@ -40,6 +40,7 @@ __all__ = [
     "MAX_DEPTH",
     "Folder",
     "Tree",
+    "WalkStopped",
     "open_beneath",
     "openat2_available",
     "pause_point",
@@ -562,23 +563,39 @@ class Tree:
                     with contextlib.suppress(OSError):
                         os.chown(name, *owner, dir_fd=folder.fd, follow_symlinks=False)
 
-    def tally(self, listing: tuple[Sequence[str], dict[str, tuple[int, int]]] | None = None) -> int:
+    def tally(
+        self,
+        listing: tuple[Sequence[str], dict[str, tuple[int, int]]] | None = None,
+        stop: threading.Event | None = None,
+    ) -> int:
         """Bytes in regular files in the whole tree, in one walk.
 
         With ``listing`` (a folder's parts, and a dict), the dict also gets each
-        regular file under that folder: path from it -> (size, mtime_ns).
+        regular file under that folder: path from it -> (size, mtime_ns). Once
+        ``stop`` is set the walk ends at the next entry, raising :class:`WalkStopped`.
         """
         total = 0
         base = "/".join(listing[0]) if listing is not None else ""
         for folder in self.walk():
             below = _below(folder.relative, base) if listing is not None else None
+            _check_stop(stop)
             for name, st in folder.entries:
+                _check_stop(stop)
                 if stat.S_ISREG(st.st_mode):
                     total += st.st_size
                     if below is not None and listing is not None:
                         path = f"{below}/{name}" if below else name
                         listing[1][path] = (st.st_size, st.st_mtime_ns)
         return total
+
+
+class WalkStopped(Exception):
+    """A walk was stopped (its ``stop`` event set) before it ended."""
+
+
+def _check_stop(stop: threading.Event | None) -> None:
+    if stop is not None and stop.is_set():
+        raise WalkStopped
 
 
 def _below(path: str, base: str) -> str | None:

@@ -670,6 +670,9 @@ class DesktopOpen(_Msg, tag="desktop_open", frozen=True):
     """Ask for a data channel (TLS on TCP, as ``cp``'s) to carry the connection's bytes
     instead of DATA frames: the path is direct and the consumer has not found the
     provider's channels blocked."""
+    framing: int = 0
+    """The sealed-frame version the consumer speaks on that channel after its TLS
+    handshake and ticket (0: TLS records only, as before sealed frames)."""
 
 
 class DesktopOpened(_Msg, tag="desktop_opened", frozen=True):
@@ -684,6 +687,9 @@ class DesktopOpened(_Msg, tag="desktop_opened", frozen=True):
     address of the QUIC session, pins the provider's key, sends ``channel_ticket``
     first; or sends ``ChannelDeclined`` and DATA frames carry it after all."""
     channel_ticket: Annotated[bytes, msgspec.Meta(max_length=64)] = b""
+    framing: int = 0
+    """The sealed-frame version both ends switch the channel to once each sent 32
+    random bytes through its TLS (0: TLS records carry it, as before sealed frames)."""
 
 
 # --- CUDA remoting: one session per stream ------------------------------------------

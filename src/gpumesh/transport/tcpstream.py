@@ -15,12 +15,17 @@ channel's plain TCP socket, TLS running on memory buffers between them, and the
 loop only watches the request's stream for a refusal. Python's TLS on asyncio
 wakes the loop per chunk, and its TLS socket makes a system call (or two) per
 16 KiB record; here one ``recv`` feeds many records and many leave in one send.
+When both ends agreed on it, the channel leaves TLS records behind once each end
+has sent a random through them: its pieces move as sealed frames
+(:mod:`gpumesh.transport.sealing`), one AEAD call and one system call each way
+per frame, with no lock.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import socket
 import ssl
 import struct
@@ -31,6 +36,15 @@ from typing import TYPE_CHECKING, Any, cast
 from gpumesh.errors import ConnectionLostError, GPUMeshError, ProtocolError, error_from_code
 from gpumesh.protocol.framing import FrameKind
 from gpumesh.protocol.messages import Refusal, decode_message
+from gpumesh.transport.sealing import (
+    MAX_FRAME,
+    MAX_PLAIN,
+    RANDOM_BYTES,
+    Opener,
+    Sealer,
+    SealError,
+    derive_keys,
+)
 from gpumesh.transport.stream import DATA_CHUNK
 
 if TYPE_CHECKING:
@@ -142,7 +156,14 @@ _TLS_SLICE = 128 * 1024
 records per system call, and the copies a memory buffer costs stay in cache."""
 
 
-async def splice(stream: Stream, local: socket.socket, channel: MemoryChannel) -> None:
+async def splice(
+    stream: Stream,
+    local: socket.socket,
+    channel: MemoryChannel,
+    *,
+    sealed: bool = False,
+    dialler: bool = False,
+) -> None:
     """Carry the connection both ways over a data channel (TLS on TCP) instead of the
     stream, until both directions ended; then finish the stream. Both sockets are
     closed when it returns, whatever happened.
@@ -155,8 +176,14 @@ async def splice(stream: Stream, local: socket.socket, channel: MemoryChannel) -
     on it (access revoked, the share stopped) ends the connection with that error,
     and a far side gone (the stream failed, the channel broke) closes it. Raises
     as :func:`pump`.
+
+    ``sealed`` (both ends agreed on it over the request; ``dialler``: this end
+    dialled the channel): once each end has sent :data:`~gpumesh.transport.sealing.RANDOM_BYTES`
+    random bytes through the TLS, the pieces move as sealed frames
+    (:mod:`gpumesh.transport.sealing`) instead of TLS records: a frame per read,
+    one AEAD call and one ``sendall`` each; an empty frame is the half-close.
     """
-    splicer = _Splice(local, channel)
+    splicer = _Splice(local, channel, sealed=sealed, dialler=dialler)
     loop = asyncio.get_running_loop()
     moved: asyncio.Future[None] = loop.create_future()
 
@@ -251,12 +278,28 @@ class _Splice:
     (any thread) or a failure in either direction stops both: both sockets are
     shut down, which wakes a thread blocked on either. Nothing here touches the
     event loop.
+
+    Sealed (``sealed``): :meth:`_switch` first (the randoms through TLS, the
+    keys), then :meth:`_up_sealed` and :meth:`_down_sealed` in place of the two
+    directions above, on the same threads with the same stops and shutdowns.
     """
 
-    def __init__(self, local: socket.socket, channel: MemoryChannel) -> None:
+    def __init__(
+        self,
+        local: socket.socket,
+        channel: MemoryChannel,
+        *,
+        sealed: bool = False,
+        dialler: bool = False,
+    ) -> None:
         self.local = local
         self.channel = channel
         self._sock = channel.sock
+        self._sealed = sealed
+        self._dialler = dialler
+        self._sealer: Sealer
+        self._opener: Opener
+        """Both made by :meth:`_switch`, on a sealed channel only."""
         for sock in (local, self._sock):
             sock.setblocking(True)
             with contextlib.suppress(OSError):  # small pieces leave at once
@@ -290,13 +333,20 @@ class _Splice:
     def run(self) -> None:
         """Move bytes until both directions ended (blocking; raises what broke)."""
         ended: list[bool] = []
+        up_move, down_move = self._up, self._down
+        if self._sealed:
+            if not self._direction(self._switch):
+                if self._failure is not None:
+                    raise self._failure
+                raise _Stopped()
+            up_move, down_move = self._up_sealed, self._down_sealed
         down = threading.Thread(
-            target=lambda: ended.append(self._direction(self._down)),
+            target=lambda: ended.append(self._direction(down_move)),
             name="gpumesh-desktop-down",
             daemon=True,
         )
         down.start()
-        up_ended = self._direction(self._up)
+        up_ended = self._direction(up_move)
         down.join()
         if self._failure is not None:
             raise self._failure
@@ -448,6 +498,103 @@ class _Splice:
                 raise _ChannelError("it ended in the middle of the connection")
             if self._halted:
                 raise _Stopped()
+
+    # --- sealed frames ------------------------------------------------------------------
+
+    def _switch(self) -> None:
+        """Each end's random through the TLS, then the keys: the channel's bytes from
+        here on are sealed frames (what the kernel brought past the far end's random
+        is the first of them)."""
+        tls, incoming, outgoing = self.channel.tls, self.channel.incoming, self.channel.outgoing
+        sock = self._sock
+        own = os.urandom(RANDOM_BYTES)
+        try:
+            tls.write(own)
+        except ssl.SSLError as exc:
+            raise self._channel_error(exc) from None
+        self._flush()
+        theirs = bytearray()
+        while len(theirs) < RANDOM_BYTES:
+            try:
+                piece = tls.read(RANDOM_BYTES - len(theirs))
+            except ssl.SSLWantReadError:
+                try:
+                    data = sock.recv(65536)
+                except OSError as exc:
+                    raise self._channel_error(exc) from None
+                if self._halted:
+                    raise _Stopped() from None
+                if not data:
+                    raise _ChannelError("it ended before its sealed frames began") from None
+                incoming.write(data)
+                continue
+            except ssl.SSLError as exc:
+                raise self._channel_error(exc) from None
+            if not piece:
+                raise _ChannelError("it ended before its sealed frames began")
+            theirs += piece
+        if tls.pending() or outgoing.pending:
+            raise _ChannelError("TLS went on after the switch to sealed frames")
+        first, second = (own, bytes(theirs)) if self._dialler else (bytes(theirs), own)
+        up, down = derive_keys(first, second, tls.get_channel_binding("tls-unique") or b"")
+        send, receive = (up, down) if self._dialler else (down, up)
+        self._sealer = Sealer(send)
+        self._opener = Opener(receive, incoming.read())
+
+    def _up_sealed(self) -> None:
+        """The local socket's bytes as sealed frames, a frame per read, until its EOF
+        (sealed as an empty frame)."""
+        plain = memoryview(bytearray(MAX_PLAIN))
+        frame = memoryview(bytearray(MAX_FRAME))
+        local, sock, seal = self.local, self._sock, self._sealer.seal_into
+        while True:
+            try:
+                count = local.recv_into(plain)
+            except OSError as exc:
+                if self._halted:
+                    raise _Stopped() from None
+                raise _SocketError(exc.strerror or str(exc)) from None
+            if self._halted:  # a stop's shutdown reads as an EOF
+                raise _Stopped()
+            size = seal(plain[:count], frame)
+            try:
+                sock.sendall(frame[:size])
+            except OSError as exc:
+                raise self._channel_error(exc) from None
+            if not count:
+                return
+
+    def _down_sealed(self) -> None:
+        """The channel's sealed frames opened, their bytes to the local socket, until
+        the far side's half-close (its empty frame)."""
+        plain = memoryview(bytearray(MAX_PLAIN))
+        local, sock, opener = self.local, self._sock, self._opener
+        open_into = opener.open_into
+        try:
+            while True:
+                while (size := open_into(plain)) is not None:
+                    if not size:
+                        self._end_down(False)
+                        return
+                    try:
+                        local.sendall(plain[:size])
+                    except OSError as exc:
+                        if self._halted:
+                            raise _Stopped() from None
+                        raise _SocketError(exc.strerror or str(exc)) from None
+                try:
+                    got = sock.recv_into(opener.room())
+                except OSError as exc:
+                    raise self._channel_error(exc) from None
+                if self._halted:
+                    raise _Stopped()
+                if not got:
+                    opener.cut()
+                opener.filled(got)
+        except SealError as exc:
+            if self._halted:
+                raise _Stopped() from None
+            raise _ChannelError(str(exc)) from None
 
     def _end_down(self, more: bool) -> None:
         """The far side's half-close (a piece of 0), which nothing may follow: the

@@ -1,0 +1,185 @@
+"""Sealed frames (the desktop connection's framing after TLS): what opens and what is refused."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpumesh.transport import sealing
+from gpumesh.transport.sealing import (
+    HEADER,
+    MAX_PLAIN,
+    RANDOM_BYTES,
+    TAG,
+    Opener,
+    Sealer,
+    SealError,
+    derive_keys,
+)
+
+payloads = st.lists(st.binary(min_size=1, max_size=4096), min_size=1, max_size=12)
+splits = st.lists(st.integers(min_value=1, max_value=9000), min_size=1, max_size=30)
+
+
+def _pair() -> tuple[Sealer, Opener, Sealer, Opener]:
+    """Both directions of one connection: (dialler's sealer, acceptor's opener,
+    acceptor's sealer, dialler's opener)."""
+    up, down = derive_keys(os.urandom(RANDOM_BYTES), os.urandom(RANDOM_BYTES))
+    return Sealer(up), Opener(up), Sealer(down), Opener(down)
+
+
+def _open_all(opener: Opener) -> list[bytes]:
+    out = memoryview(bytearray(MAX_PLAIN))
+    opened = []
+    while (size := opener.open_into(out)) is not None:
+        opened.append(bytes(out[:size]))
+        if not size:
+            break
+    return opened
+
+
+def _deliver(opener: Opener, wire: bytes, cuts: list[int]) -> list[bytes]:
+    """Feed ``wire`` through :meth:`Opener.room` in pieces of the sizes in ``cuts``
+    (the last repeated), opening what is whole after each piece."""
+    opened: list[bytes] = []
+    pos, index = 0, 0
+    while pos < len(wire):
+        size = cuts[min(index, len(cuts) - 1)]
+        index += 1
+        room = opener.room()
+        take = min(size, len(room), len(wire) - pos)
+        room[:take] = wire[pos : pos + take]
+        opener.filled(take)
+        pos += take
+        opened += _open_all(opener)
+    return opened
+
+
+@settings(max_examples=60, deadline=None)
+@given(payloads, splits)
+def test_frames_round_trip_however_the_bytes_arrive(messages: list[bytes], cuts: list[int]) -> None:
+    sealer, opener, _, _ = _pair()
+    wire = b"".join(sealer.seal(m) for m in messages) + sealer.seal(b"")
+    assert _deliver(opener, wire, cuts) == [*messages, b""]
+    assert opener.ended
+    opener.cut()  # its end was sealed: an EOF now is no error
+
+
+@settings(max_examples=60, deadline=None)
+@given(payloads, st.data())
+def test_a_changed_byte_is_refused(messages: list[bytes], data: st.DataObject) -> None:
+    sealer, opener, _, _ = _pair()
+    wire = bytearray(b"".join(sealer.seal(m) for m in messages))
+    where = data.draw(st.integers(min_value=0, max_value=len(wire) - 1))
+    wire[where] ^= data.draw(st.integers(min_value=1, max_value=255))
+    with pytest.raises(SealError):
+        opener.feed(bytes(wire))
+        _open_all(opener)
+        opener.cut()  # a length made larger only waits for bytes that never come
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.binary(min_size=1, max_size=512), min_size=2, max_size=8), st.data())
+def test_reordered_replayed_or_dropped_frames_are_refused(
+    messages: list[bytes], data: st.DataObject
+) -> None:
+    sealer, opener, _, _ = _pair()
+    frames = [sealer.seal(m) for m in messages]
+    i = data.draw(st.integers(min_value=0, max_value=len(frames) - 2))
+    how = data.draw(st.sampled_from(["swap", "replay", "drop"]))
+    if how == "swap":
+        frames[i], frames[i + 1] = frames[i + 1], frames[i]
+    elif how == "replay":
+        frames.insert(i + 1, frames[i])
+    else:
+        del frames[i]
+    opener.feed(b"".join(frames))
+    with pytest.raises(SealError, match="authentication"):
+        _open_all(opener)
+
+
+@settings(max_examples=40, deadline=None)
+@given(payloads, st.data())
+def test_a_stream_cut_short_is_refused(messages: list[bytes], data: st.DataObject) -> None:
+    sealer, opener, _, _ = _pair()
+    wire = b"".join(sealer.seal(m) for m in messages) + sealer.seal(b"")
+    keep = data.draw(st.integers(min_value=0, max_value=len(wire) - 1))
+    opener.feed(wire[:keep])
+    opened = _open_all(opener)
+    assert opened == messages[: len(opened)]  # what opened is genuine, and in order
+    with pytest.raises(SealError, match="ended in the middle"):
+        opener.cut()
+
+
+def test_a_frame_of_one_direction_does_not_open_in_the_other() -> None:
+    up, _, _, down_opener = _pair()
+    down_opener.feed(up.seal(b"hello"))
+    with pytest.raises(SealError, match="authentication"):
+        _open_all(down_opener)
+
+
+def test_another_connections_frame_does_not_open() -> None:
+    sealer, _, _, _ = _pair()
+    _, opener, _, _ = _pair()
+    opener.feed(sealer.seal(b"hello"))
+    with pytest.raises(SealError, match="authentication"):
+        _open_all(opener)
+
+
+def test_nothing_follows_the_end_of_the_stream() -> None:
+    sealer, opener, _, _ = _pair()
+    opener.feed(sealer.seal(b"") + b"x")
+    with pytest.raises(SealError, match="followed the end"):
+        _open_all(opener)
+    with pytest.raises(SealError, match="follow the end"):
+        sealer.seal(b"more")
+
+
+def test_an_oversized_length_is_refused_before_any_wait() -> None:
+    _, opener, _, _ = _pair()
+    opener.feed((MAX_PLAIN + TAG + 1).to_bytes(HEADER, "big"))
+    with pytest.raises(SealError, match="a frame of"):
+        _open_all(opener)
+
+
+def test_full_frames_pass_and_a_larger_plaintext_is_not_sealed() -> None:
+    sealer, opener, _, _ = _pair()
+    big = os.urandom(MAX_PLAIN)
+    wire = sealer.seal(big) * 1 + sealer.seal(big[:7])
+    assert _deliver(opener, wire, [65536, 1, 300000]) == [big, big[:7]]
+    with pytest.raises(ValueError):
+        sealer.seal(big + b"x")
+
+
+def test_keys_move_on_in_step_and_a_wrapping_counter_ends_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(sealing, "REKEY_FRAMES", 3)
+    sealer, opener, _, _ = _pair()
+    wire = b"".join(sealer.seal(bytes([n])) for n in range(10))
+    assert _deliver(opener, wire, [5]) == [bytes([n]) for n in range(10)]
+    # A frame sealed with the first key, sent where the third is due, is refused.
+    sealer2, opener2, _, _ = _pair()
+    first = sealer2.seal(b"a")
+    frames = [sealer2.seal(b"b") for _ in range(6)]
+    opener2.feed(first + b"".join(frames[:5]) + first)
+    with pytest.raises(SealError, match="authentication"):
+        _open_all(opener2)
+    direction = sealer._direction  # where 2^96 frames would leave it: the last key's turn
+    direction.counter = direction.until = (1 << 96) - sealing.REKEY_FRAMES
+    with pytest.raises(SealError, match="wrap"):
+        sealer.seal(b"x")
+
+
+def test_keys_need_both_randoms_whole() -> None:
+    with pytest.raises(SealError):
+        derive_keys(b"short", os.urandom(RANDOM_BYTES))
+    a, b = os.urandom(RANDOM_BYTES), os.urandom(RANDOM_BYTES)
+    assert derive_keys(a, b) != derive_keys(b, a)
+    up, down = derive_keys(a, b)
+    assert up != down
+    # Another TLS session's binding makes other keys from the same randoms.
+    assert derive_keys(a, b, b"one session") != derive_keys(a, b, b"another")
