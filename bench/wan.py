@@ -54,7 +54,9 @@ whole run (``gpumesh daemon status --json`` checks after each copy that the
 session is still on its path). The cold row (``..., cold``) is dave's: his
 commands run in-process (``GPUMESH_NODE=off``), so each copy dials afresh
 under the broad rule (CLI start, relay registration and punching included in
-its time; ``gpumesh connect --json`` checks the path once per row).
+its time; ``gpumesh connect --json`` checks the path once per row). With
+``--trace`` each cold copy prints its dial (which attempts started, failed and
+won, and when) and its link's window and losses when it ended.
 Everything (link, namespaces, processes, files) is removed on exit.
 """
 
@@ -262,9 +264,14 @@ def wan_lab(first: Row, seed: int) -> Iterator[str]:
 
 
 def timed(
-    command: Sequence[str], limit: float, env: dict[str, str] | None = None
+    command: Sequence[str],
+    limit: float,
+    env: dict[str, str] | None = None,
+    *,
+    stderr: list[str] | None = None,
 ) -> tuple[float, str]:
-    """(seconds, stdout) of a whole process run on host B; Stalled past ``limit``."""
+    """(seconds, stdout) of a whole process run on host B; Stalled past ``limit``.
+    ``stderr``: where its standard error's lines go (else only into a failure's error)."""
     started = time.perf_counter()
     with subprocess.Popen(
         [*on("B"), *command],
@@ -281,6 +288,8 @@ def timed(
             proc.communicate()
             raise Stalled from None
     seconds = time.perf_counter() - started
+    if stderr is not None:
+        stderr.extend(err.splitlines())
     if proc.returncode != 0:
         raise RuntimeError(
             f"{' '.join(command[:3])} failed (exit {proc.returncode}): {err.strip()}"
@@ -475,15 +484,32 @@ def want_path(path: str) -> str:
 def copy_checked(setup: Setup, env: dict[str, str], sandbox: Path, what: str) -> float:
     """Seconds of one whole ``cp`` of the file (QUIC) with ``env``; checked and removed."""
     name = setup.fresh("relay") + ".bin"
+    log: list[str] | None = [] if setup.args.trace else None
+    if log is not None:
+        env = dict(env, GPUMESH_LOG=TRACE_LOG)
     seconds, _ = timed(
-        gm("cp", "--json", str(setup.source), f"alice:/wan/{name}"), setup.args.limit, env
+        gm("cp", "--json", str(setup.source), f"alice:/wan/{name}"),
+        setup.args.limit,
+        env,
+        stderr=log,
     )
+    for line in log or ():
+        if any(mark in line for mark in TRACE_MARKS):
+            print(f"    {what} ({seconds:.2f} s): {line.strip()}", flush=True)
     arrived = sandbox / "wan" / name
     size = arrived.stat().st_size
     arrived.unlink()
     if size != setup.size:
         raise RuntimeError(f"gpumesh cp ({what}) copied {size} of {setup.size} bytes")
     return seconds
+
+
+TRACE_LOG = (
+    "warning,gpumesh.client.node=info,gpumesh.transport.quic=debug,"
+    "gpumesh.transport.relayclient=info"
+)
+"""``--trace``: what a cold copy logs (its dial, and its link's recovery at the end)."""
+TRACE_MARKS = ("session with", "ended:", "parity on", "at once", "direct path")
 
 
 def run_cold(setup: Setup, row: Row, *, cold: str) -> float:
@@ -688,15 +714,18 @@ def relay_missing() -> str | None:
 
 @contextlib.contextmanager
 def running_relay(log: Path) -> Iterator[None]:
-    """``gpumesh-relay`` on host A until the block ends."""
+    """``gpumesh-relay`` on host A until the block ends; then what it forwarded and
+    what it dropped (its stats file, written at exit)."""
     relay = str(Path(sys.executable).parent / "gpumesh-relay")
+    stats = log.with_suffix(".json")
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [*on("A"), relay, "--listen", RELAY_ADDRESS, "--open", "--log-level", "warning"],
+            [*on("A"), relay, "--listen", RELAY_ADDRESS, "--open", "--log-level", "warning",
+             "--stats-file", str(stats)],
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
-        )
+        )  # fmt: skip
     try:
         yield
     finally:
@@ -706,6 +735,13 @@ def running_relay(log: Path) -> Iterator[None]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        with contextlib.suppress(OSError, ValueError):
+            counters = json.loads(stats.read_text())
+            print(
+                f"  relay: {counters.get('packets_sent', '?')} packets forwarded, "
+                f"{counters.get('dropped_queue_full', '?')} dropped for a full queue",
+                flush=True,
+            )
 
 
 def wait_registered(home: Path) -> str | None:
@@ -1017,6 +1053,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-scp", action="store_true", help="measure GPUMesh only")
     parser.add_argument(
         "--quick", action="store_true", help="smoke run: 16M, 1 run of each, 20 s limit"
+    )
+    parser.add_argument(
+        "--trace",
+        action="store_true",
+        help="print each cold copy's dial (attempts, and when each started and won) "
+        "and its link's losses when it ended",
     )
     parser.add_argument(
         "--only",

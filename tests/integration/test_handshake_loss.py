@@ -26,6 +26,7 @@ from typing import cast
 from gpumesh.identity.keys import Identity
 from gpumesh.protocol.addresses import Address
 from gpumesh.transport.quic import QuicEndpoint, QuicLink, Recovery
+from gpumesh.transport.stream import Stream
 from gpumesh.transport.udp import open_udp_socket
 from tests.integration.window import UPLOAD, Receiver, assert_kept_slow_start
 
@@ -37,13 +38,16 @@ EARLY = 24
 
 class _Link(asyncio.DatagramProtocol):
     """Datagrams from the dialer go to the provider and back, each ``DELAY`` late, in
-    order; the dialer's first ``EARLY`` lose every other one."""
+    order; the first ``EARLY`` of one side (the dialer's, or with ``provider_loses``
+    the provider's) lose every other one."""
 
-    def __init__(self, provider: Address) -> None:
+    def __init__(self, provider: Address, *, provider_loses: bool = False) -> None:
         self.provider = provider
+        self.provider_loses = provider_loses
         self.dialer: Address | None = None
         self.transport: asyncio.DatagramTransport | None = None
         self.from_dialer = 0
+        self.from_provider = 0
         self.dropped = 0
         self._queue: deque[tuple[float, bytes, Address]] = deque()
         self._loop = asyncio.get_running_loop()
@@ -57,12 +61,17 @@ class _Link(asyncio.DatagramProtocol):
         if source == self.provider:
             if self.dialer is None:
                 return
+            index = self.from_provider
+            self.from_provider += 1
+            if self.provider_loses and index < EARLY and index % 2 == 0:
+                self.dropped += 1
+                return
             to = self.dialer
         else:
             self.dialer = source
             index = self.from_dialer
             self.from_dialer += 1
-            if index < EARLY and index % 2 == 0:
+            if not self.provider_loses and index < EARLY and index % 2 == 0:
                 self.dropped += 1
                 return
             to = self.provider
@@ -119,4 +128,72 @@ def test_a_dial_that_loses_its_first_datagrams_keeps_slow_start() -> None:
     recovery, dropped, duplicates = asyncio.run(_upload_through_the_link())
     assert dropped == EARLY // 2
     assert duplicates >= EARLY // 2  # every datagram the link dropped had a copy behind it
+    assert_kept_slow_start(recovery)
+
+
+async def _download_through_the_link() -> tuple[Recovery, int, int]:
+    """The dialer asks for ``UPLOAD`` bytes; the provider's first datagrams (its
+    handshake flight, then the first of the answer) cross the lossy side."""
+    provider = Identity.generate()
+    writers: set[asyncio.Task[None]] = set()
+    accepted: list[QuicLink] = []
+
+    async def answer(stream: Stream) -> None:
+        while await stream.read_data():
+            pass
+        await stream.send_data(os.urandom(UPLOAD))
+        stream.end_data()
+
+    def on_link(link: QuicLink) -> None:
+        accepted.append(link)
+
+        def on_stream(stream: Stream) -> None:
+            writers.add(asyncio.create_task(answer(stream)))
+
+        link.on_stream = on_stream
+
+    endpoint = QuicEndpoint.listen(provider, "127.0.0.1", 0, on_link=on_link)
+    loop = asyncio.get_running_loop()
+    transport, lab = await loop.create_datagram_endpoint(
+        lambda: _Link(("127.0.0.1", endpoint.local_address[1]), provider_loses=True),
+        sock=open_udp_socket("127.0.0.1", 0),
+    )
+    link: QuicLink | None = None
+    try:
+        lab_address = transport.get_extra_info("sockname")
+        link = await QuicEndpoint.dial(
+            ("127.0.0.1", lab_address[1]),
+            expected_key=provider.public_key,
+            timeout=20,
+            local_host="127.0.0.1",
+        )
+        stream = link.open_stream()
+        await stream.send_data(b"send")
+        stream.end_data()
+        received = 0
+        async with asyncio.timeout(120):
+            while chunk := await stream.read_data():
+                received += len(chunk)
+        assert received == UPLOAD
+        assert len(accepted) == 1
+        recovery = accepted[0].recovery()
+        assert recovery is not None
+        return recovery, lab.dropped, accepted[0].early_duplicates
+    finally:
+        if link is not None:
+            link.close()
+        for task in writers:
+            task.cancel()
+        transport.close()
+        endpoint.close()
+
+
+def test_a_provider_that_loses_its_handshake_flight_keeps_slow_start() -> None:
+    """The accepting side copies its datagrams too, its handshake flight included
+    (within three times what the dialer sent it, until the dialer's address is
+    validated): the link drops every other one of its first datagrams, each still
+    arrives once, and its download runs in slow start."""
+    recovery, dropped, duplicates = asyncio.run(_download_through_the_link())
+    assert dropped == EARLY // 2
+    assert duplicates >= EARLY // 2
     assert_kept_slow_start(recovery)

@@ -1,11 +1,12 @@
 """The relay without :data:`RELAY_DELAY` where waiting for the direct path would only
 add it: a peer whose last session came through the relay (``relay_first``, kept
-per peer by the session pool) and a direct attempt that already failed outright.
+per peer by the session pool, or read from the store's ``last_path`` by a command
+run in-process) and a direct attempt that already failed outright.
 
 Real agent, real ``gpumesh-relay`` and real QUIC on loopback. No timing decides:
 ``RELAY_DELAY`` is raised far past the test's ceiling, so a dial that waited for
 it could not finish in time, and the dial's own record says the relay attempt
-started while the direct one was still pending (or right after it failed)."""
+started first, the direct one beside it (or right after the direct one failed)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from gpumesh.client.node import Node
 from gpumesh.client.pool import SessionPool
 from gpumesh.protocol.messages import Ping, Pong, StatusRequest
 from gpumesh.transport.outgoing import OutgoingSocket
-from gpumesh.transport.session import RelayHint, Session, open_session
+from gpumesh.transport.session import RelayHint, Session, open_session, went_through_relay
 from tests.integration.conftest import arun, sharing_relayed
 from tests.integration.test_outgoing_socket import CEILING, _closed_port
 
@@ -68,16 +69,63 @@ def test_relay_first_starts_the_relay_beside_a_silent_direct_address(
                     try:
                         assert isinstance(await session.request(Ping(sent=0.0)), Pong)
                         assert session.through_relay and session.peer_name == "alice"
-                        # The relay started at once. In-process both attempts race (the
-                        # silent one never failed); from a shared socket the direct one
-                        # stops as the relay starts (see _open_with_relay).
-                        stopped = [] if via is None else ["direct stopped"]
-                        expected = ["direct started", *stopped, "relay started", "relay won"]
+                        # The relay started at once, first. In-process the direct
+                        # attempt races it (the silent one never failed); from a shared
+                        # socket there is none (it would stop as the relay starts, see
+                        # _open_with_relay).
+                        beside = ["direct started"] if via is None else []
+                        expected = ["relay started", *beside, "relay won"]
                         assert _names(session) == expected
                     finally:
                         session.close()
             finally:
                 outgoing.close()
+
+    arun(scenario())
+
+
+def test_an_in_process_dial_starts_the_relay_at_once_when_the_store_says_relayed(
+    relayed_alice: tuple[Node, Node, str],
+    black_hole: tuple[str, int],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A command run in-process has no pool: what its last session with the peer took
+    comes from the store (``last_path``), written by the dial before it. Its second
+    dial through a silent direct address ends only if it starts the relay at once."""
+    alice, bob, relay = relayed_alice
+
+    async def dial_names() -> tuple[list[str], str]:
+        async with asyncio.timeout(CEILING), bob.session("alice", timeout=DIAL_TIMEOUT) as s:
+            assert isinstance(await s.request(Ping(sent=0.0)), Pong)
+            return _names(s), s.path
+
+    async def scenario() -> None:
+        async with sharing_relayed(alice, bob) as agent:
+            assert bob.pool is None
+            alice_key = alice.home.identity.public_key
+            silent = f"{black_hole[0]}:{black_hole[1]}"
+            bob.home.store.save_peer(alice_key, "alice", [silent], relay)
+            assert bob.peer("alice").last_path == ""
+            # First dial: nothing known, so the relay waits RELAY_DELAY (left as it is).
+            names, path = await dial_names()
+            assert names == ["direct started", "relay started", "relay won"]
+            # Relayed, or moved to a direct path by punching (loopback lets it through).
+            assert went_through_relay(path), path
+            assert went_through_relay(bob.peer("alice").last_path)
+            # Second dial: the relay first. (A dial that waited for RELAY_DELAY now could
+            # not end in time either.)
+            # (Punching on loopback reaches the address alice listens on, which the
+            # store keeps to dial first: silence it again.)
+            bob.home.store.touch_peer(bob.peer("alice").node_id, address=silent)
+            monkeypatch.setattr(session_module, "RELAY_DELAY", NEVER)
+            names, _ = await dial_names()
+            assert names == ["relay started", "direct started", "relay won"]
+            # A session that came up direct: the next dial leaves the relay alone.
+            at_alice = f"127.0.0.1:{agent.address[1]}"
+            bob.home.store.save_peer(alice_key, "alice", [at_alice], relay)
+            bob.home.store.touch_peer(bob.peer("alice").node_id, path="direct")
+            names, path = await dial_names()
+            assert (names, path) == (["direct started", "direct won"], "direct")
 
     arun(scenario())
 

@@ -292,6 +292,8 @@ def test_sessions_forward_only_between_their_ends(tmp_path: Path, clients: list[
         assert (entry["id"], entry["state"], entry["bytes"]) == (session, "active", 1005)
         assert stats["refusals"] == {"no-session": 1, "not-registered": 1}
         assert stats["listen"] == f"{running.address[0]}:{running.address[1]}"
+        # Every packet it wrote (the two it forwarded among them); none dropped.
+        assert stats["packets_sent"] >= 2 and stats["dropped_queue_full"] == 0
         assert running.stop() == 0
     log = running.log.read_text()
     assert f"registered {node_id_for(server.key)}" in log

@@ -359,7 +359,12 @@ class Node:
 
     async def _dial(self, peer: Peer, timeout: float | None) -> Session:
         # Imported here: local commands (status, peers) need no QUIC or TLS.
-        from gpumesh.transport.session import RelayHint, open_session, parse_address
+        from gpumesh.transport.session import (
+            RelayHint,
+            open_session,
+            parse_address,
+            went_through_relay,
+        )
 
         addresses = []
         for text in peer.dial_addresses():
@@ -372,7 +377,13 @@ class Node:
         # Dialled first: where punching got through last time, from the same socket.
         punched = None if via is None or self.pool is None else self.pool.punched(str(peer.node_id))
         # Reached through the relay last time: try it at once, beside the addresses.
-        relay_first = self.pool is not None and self.pool.relay_first(str(peer.node_id))
+        # The pool remembers its own sessions. An in-process command (a socket of its
+        # own, where the direct attempt races the relay rather than stopping for it)
+        # reads the path of the last session with the peer from the store.
+        if self.pool is not None:
+            relay_first = self.pool.relay_first(str(peer.node_id))
+        else:
+            relay_first = went_through_relay(peer.last_path)
         dial = functools.partial(
             open_session,
             self.home.identity,
@@ -393,7 +404,7 @@ class Node:
             if moved is None:
                 raise
             session = await dial(moved)
-        logger.info("session with %s: %s", peer.name, session.path)
+        logger.info("session with %s: %s (dial: %s)", peer.name, session.path, session.dial_record)
         self._remember(peer, session)
         return session
 

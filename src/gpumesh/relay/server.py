@@ -139,6 +139,8 @@ class RelayServer:
         """What the stats file holds, now."""
         stats = self.core.stats(self._clock())
         stats["listen"] = self.address_text if self._address else ""
+        stats["packets_sent"] = self.packets_sent
+        stats["dropped_queue_full"] = self.dropped
         return stats
 
     def close(self) -> None:

@@ -107,8 +107,10 @@ FEC_LONG_RTT = 0.025
 """Seconds of round trip from which ``auto`` sends parity from the start: on such a
 link one random loss in slow start costs QUIC seconds of a small window."""
 EARLY_COPIES = 64
-"""Most datagrams a dialer sends twice before parity can start (see
-:meth:`QuicLink.transmit_now`)."""
+"""Most datagrams each side of a link sends twice before parity can start (see
+:meth:`QuicLink._twice`)."""
+LOSS_BURST = 8
+"""Packets declared lost in one go from which a link logs it (debug)."""
 _FEC_MARKERS = (fec.DATA, fec.PARITY)
 _STREAM_WINDOW = 16 * 1024 * 1024
 _CONNECTION_WINDOW = 64 * 1024 * 1024
@@ -418,11 +420,17 @@ class QuicLink:
         self._fec_to: Any = address
         """Where QUIC sent the datagrams of the open group (parity follows them)."""
         self._min_rtt = float("inf")
-        dialer = quic.configuration.is_client
-        self._early_copies = EARLY_COPIES if self.fec_offered and dialer else 0
-        """Datagrams this dialer may still send twice (:meth:`_twice`)."""
+        self._born = loop.time()
+        self._losses_seen = 0
+        """QUIC's loss count when :meth:`process_events` last looked (for the debug log
+        of a burst of losses)."""
+        self._early_copies = EARLY_COPIES if self.fec_offered else 0
+        """Datagrams this link may still send twice (:meth:`_twice`)."""
         self.early_duplicates = 0
         """Datagrams sent twice so far."""
+        self._allowance = 0
+        """Accepting side, until the peer's address is validated: bytes it may still
+        send there (three times what came from it, less what went to it)."""
         if path is not None:
             path.attach(self)
 
@@ -504,7 +512,7 @@ class QuicLink:
         return self._min_rtt
 
     def _twice(self, datagrams: list[tuple[bytes, Any]]) -> list[tuple[bytes, Any]]:
-        """A dialer's datagrams before parity can start, each sent twice.
+        """A link's datagrams before parity can start, each sent twice.
 
         Parity starts once the peer's Welcome says it takes FEC frames, two round
         trips in; a loss before that (an Initial, the Finished, the proof or the
@@ -515,17 +523,43 @@ class QuicLink:
         costs nothing: QUIC drops the one that comes second as a duplicate. Only
         on a link not known to be short (no round trip seen yet, or the least one
         :data:`FEC_LONG_RTT` or more; ``on``: any), for at most :data:`EARLY_COPIES`
-        datagrams; never by the accepting side, whose answers before the peer's
-        address is validated must stay within three times what it received.
+        datagrams. The accepting side copies its handshake flight too (a lost
+        ServerHello or certificate costs the same), but until the peer's address is
+        validated what it sends there, copies included, stays within three times
+        what it received (RFC 9000, 8.1): a copy that would pass it is left out.
         """
         if self.fec_mode != "on" and self._least_rtt() < FEC_LONG_RTT:
             self._early_copies = 0
             return datagrams
         count = min(len(datagrams), self._early_copies)
+        if self._unvalidated():
+            spare = self._allowance - sum(len(data) for data, _ in datagrams)
+            fit = 0
+            for data, _ in datagrams[:count]:
+                if len(data) > spare:
+                    break
+                spare -= len(data)
+                fit += 1
+            count = fit
         self._early_copies -= count
         self.early_duplicates += count
         twice = [item for item in datagrams[:count] for _ in (0, 1)]
         return twice + datagrams[count:]
+
+    def _log_loss_burst(self) -> None:
+        """Log (debug) when QUIC declared several packets lost at once: what the link's
+        recovery, parity and path were then."""
+        lost = self.loss_total()
+        burst, self._losses_seen = lost - self._losses_seen, lost
+        if burst >= LOSS_BURST:
+            logger.debug(
+                "%d packets declared lost at once on %s, %.3f s in (parity %s): %s",
+                burst,
+                self.describe_path(),
+                self._loop.time() - self._born,
+                "on" if self.fec_encoder is not None else "off",
+                self.recovery(),
+            )
 
     def loss_total(self) -> int:
         """Packets QUIC declared lost on this link so far."""
@@ -659,24 +693,53 @@ class QuicLink:
         elif datagrams and self._early_copies:
             datagrams = self._twice(datagrams)
         if datagrams:
+            self._sending(datagrams)
             self._endpoint.send(datagrams)
         self._writable.set()
         self._schedule_timer()
 
+    def _unvalidated(self) -> bool:
+        """Accepting side, the peer's address not yet validated."""
+        return not self.validated and not self.quic.configuration.is_client
+
+    def note_received(self, size: int) -> None:
+        """``size`` bytes came from the peer (what an unvalidated answer may send grows)."""
+        if self._unvalidated():
+            self._allowance += 3 * size
+
+    def _sending(self, datagrams: list[tuple[bytes, Any]]) -> None:
+        if self._unvalidated():
+            self._allowance -= sum(len(data) for data, _ in datagrams)
+
+    def first_flight(
+        self, received: int, datagrams: list[tuple[bytes, Any]]
+    ) -> list[tuple[bytes, Any]]:
+        """What the accepting side sends in answer to the Initial that made the link
+        (``received`` bytes): QUIC's ``datagrams``, with copies where they fit."""
+        self.note_received(received)
+        if self._early_copies:
+            datagrams = self._twice(datagrams)
+        self._sending(datagrams)
+        return datagrams
+
     def receive_datagrams(self, datagrams: list[bytes], address: Address, now: float) -> None:
         """Feed QUIC datagrams that FEC frames carried, rebuilt or released, in one call."""
+        self.note_received(sum(len(data) for data in datagrams))
         try:
             self.quic.receive_many_datagrams(datagrams, address, now)
         except Exception:  # a malformed packet must not take the endpoint down
             logger.debug("dropping packets from %s", address, exc_info=True)
 
     def receive(self, data: bytes, segment_size: int, address: Address, now: float) -> None:
+        self.note_received(len(data))
         if len(data) > segment_size:
             self.quic.receive_gro_buffer(data, segment_size, address, now)
         else:
             self.quic.receive_datagram(data, address, now)
 
     def process_events(self) -> None:
+        if logger.isEnabledFor(logging.DEBUG):
+            self._log_loss_burst()
         while (event := self.quic.next_event()) is not None:
             if isinstance(event, qe.StreamDataReceived):
                 stream = self._streams.get(event.stream_id)
@@ -1126,6 +1189,7 @@ class QuicEndpoint:
             return
         if link.path is not None and address != link.address:
             return
+        link.note_received(sum(len(datagram) for datagram in datagrams))
         try:
             link.quic.receive_many_datagrams(datagrams, address, now)
         except Exception:  # a malformed packet must not take the endpoint down
@@ -1207,7 +1271,7 @@ class QuicEndpoint:
         link = QuicLink(self, quic, address, validated=validated, path=path)
         link.cids.add(header.dcid)
         self._add_link(link)
-        self.send(datagrams)
+        self.send(link.first_flight(len(packet), datagrams))
         touched[link] = None
         if self._on_link is not None:
             self._on_link(link)

@@ -56,6 +56,7 @@ __all__ = [
     "open_session",
     "parse_address",
     "resolve_relay",
+    "went_through_relay",
 ]
 
 logger = logging.getLogger(__name__)
@@ -98,6 +99,9 @@ class DialRecord:
         """When ``event`` happened first (seconds into the dial); None if it did not."""
         return next((when for name, when in self.events if name == event), None)
 
+    def __str__(self) -> str:
+        return ", ".join(f"{name} {when:.3f} s" for name, when in self.events)
+
 
 @dataclass(frozen=True)
 class RelayHint:
@@ -106,6 +110,13 @@ class RelayHint:
     address: str
     """``host:port`` as the user wrote it (the port defaults to 4799)."""
     token: str = ""
+
+
+def went_through_relay(path: str) -> bool:
+    """Whether a session's :attr:`Session.path` (as a store keeps it) says its peer's
+    direct addresses did not answer: it was relayed, or hole punching reached the peer
+    (through the relay, or at the address an earlier punch found)."""
+    return path.startswith(("relayed", "direct (hole-punched)"))
 
 
 async def resolve_relay(text: str) -> Address:
@@ -501,39 +512,54 @@ async def _open_with_relay(
     relay_first: bool,
     record: DialRecord,
 ) -> Session:
-    record.note("direct started")
-    direct = asyncio.create_task(
-        _open_direct(identity, name, addresses, server_key, timeout, peer_label, via)
-    )
+    def start_direct() -> asyncio.Task[Session]:
+        record.note("direct started")
+        return asyncio.create_task(
+            _open_direct(identity, name, addresses, server_key, timeout, peer_label, via)
+        )
+
+    def start_relayed(relay: RelayHint) -> asyncio.Task[Session]:
+        record.note("relay started")
+        return asyncio.create_task(_dial_relayed(identity, name, relay, server_key, timeout, via))
+
     if relay is None:
-        alone = await direct
+        alone = await start_direct()
         record.note("direct won")
         return alone
+    direct: asyncio.Task[Session] | None = None
     relayed: asyncio.Task[Session] | None = None
     winner: Session | None = None
     try:
-        delay = RELAY_DELAY if addresses and not relay_first else 0
-        await asyncio.wait({direct}, timeout=delay)
-        if direct.done():
-            if (winner := _settled(direct)) is not None:
-                record.note("direct won")
-                return winner
-            record.note("direct failed")
-        if via is not None and not direct.done():
-            # From a shared socket the relayed session leaves from the same port as
-            # the direct attempt. Once punching opens the peer's NAT or firewall for
-            # that port, the direct attempt's retransmitted Initials get through and
-            # the peer takes them for a re-dial that replaces the relayed session,
-            # which then ends under us. Punching finds the direct path anyway.
-            direct.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await direct
-            record.note("direct stopped")
-        record.note("relay started")
-        relayed = asyncio.create_task(
-            _dial_relayed(identity, name, relay, server_key, timeout, via)
-        )
-        pending: set[asyncio.Task[Session]] = {relayed} if direct.done() else {direct, relayed}
+        if relay_first and addresses:
+            # The relay is the path expected to win: its first step runs before the
+            # direct attempt's (tasks start in order), so the direct attempt's own
+            # set-up (a TLS flight) is not in the relay's way. From a shared socket
+            # there is no direct attempt at all: it would stop as the relay starts
+            # (see below).
+            relayed = start_relayed(relay)
+            if via is None:
+                direct = start_direct()
+        else:
+            direct = start_direct()
+            await asyncio.wait({direct}, timeout=RELAY_DELAY if addresses else 0)
+            if direct.done():
+                if (winner := _settled(direct)) is not None:
+                    record.note("direct won")
+                    return winner
+                record.note("direct failed")
+            if via is not None and not direct.done():
+                # From a shared socket the relayed session leaves from the same port
+                # as the direct attempt. Once punching opens the peer's NAT or
+                # firewall for that port, the direct attempt's retransmitted Initials
+                # get through and the peer takes them for a re-dial that replaces the
+                # relayed session, which then ends under us. Punching finds the
+                # direct path anyway.
+                direct.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await direct
+                record.note("direct stopped")
+            relayed = start_relayed(relay)
+        pending = {task for task in (direct, relayed) if task is not None and not task.done()}
         while pending:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             for finished in done:
@@ -542,6 +568,7 @@ async def _open_with_relay(
                     record.note(f"{what} won")
                     return winner
                 record.note(f"{what} failed")
+        assert relayed is not None
         relay_error = relayed.exception()
         assert relay_error is not None
         if isinstance(relay_error, RelayError | KeyMismatchError):
@@ -549,7 +576,9 @@ async def _open_with_relay(
         if not addresses:
             raise relay_error
         direct_error = (
-            "no answer before the relay was tried" if direct.cancelled() else direct.exception()
+            "no answer before the relay was tried"
+            if direct is None or direct.cancelled()
+            else direct.exception()
         )
         raise UnreachableError(
             f"cannot reach {peer_label} directly ({direct_error}) nor through the relay "
