@@ -19,8 +19,9 @@ round of punching. A deny, unpair or key change forgets it with the session.
 
 The pool also remembers which peers its last session reached through the relay
 (punched or not) (:meth:`SessionPool.relay_first`): their direct addresses did
-not answer then, so the next dial starts the relay at once beside them rather
-than after :data:`~gpumesh.transport.session.RELAY_DELAY`. A session that
+not answer then, so the next dial starts the relay at once rather than after
+:data:`~gpumesh.transport.session.RELAY_DELAY`, with no direct attempt from the
+shared socket (punching still finds a direct path). A session that
 comes up direct, or a deny, unpair or key change, forgets it.
 
 A warm session can die under a request: its peer was killed and started again
