@@ -20,7 +20,6 @@ from gpumesh import settings
 from gpumesh.errors import ConfigError, IdentityError
 from gpumesh.identity.keys import check_node_name
 from gpumesh.protocol.flow import DEFAULT_WINDOW
-from gpumesh.runtime.users import parse_job_user
 from gpumesh.store.modes import write_private
 from gpumesh.units import parse_size
 
@@ -194,6 +193,10 @@ def _link_buffer(text: str) -> str:
 
 
 def _job_user(text: str) -> str:
+    # Imported here: the job runtime is a provider's, and a consumer's command
+    # (an in-process cp, say) would load it before it dials for nothing.
+    from gpumesh.runtime.users import parse_job_user
+
     parse_job_user(text)
     return text.strip()
 

@@ -75,8 +75,6 @@ any connection."""
 _DIAL_STAGGER = 0.25
 RELAY_DELAY = 0.5
 """Seconds direct dials get before the relay is tried too (at once if they all fail)."""
-PUNCH_SETTLE = 0.3
-"""Most seconds a relayed dial waits for a direct path whose peer already answered."""
 PUNCHED_FIRST = RELAY_DELAY
 """Seconds a re-dial gives the last punched address alone before the usual dial joins."""
 
@@ -332,12 +330,10 @@ async def _dial_relayed(
     else:
         link, path = await dial_relayed(make_client, server_key, timeout=timeout)
     where = f"the relay {relay.address}"
-    session = await _authenticate(link, identity, name, server_key, where, relayed=path)
-    if path.direct is None and path.puncher.heard_from:
-        # The peer's probes already get through: the direct path is a round trip
-        # away, so let a bulk request start there rather than on the relay.
-        await session.wait_for_punching(PUNCH_SETTLE)
-    return session
+    # Returned at once, punching or not: the first request starts on the relay and
+    # the link moves to a punched path underneath QUIC whenever punching finds one
+    # (the peer's probes arriving is no promise that ours get through).
+    return await _authenticate(link, identity, name, server_key, where, relayed=path)
 
 
 async def _authenticate(

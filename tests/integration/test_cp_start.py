@@ -1,0 +1,46 @@
+"""What an in-process ``cp`` loads on its way to the dial.
+
+A cold copy (``GPUMESH_NODE=off``, or the first copy before a node process runs)
+pays its imports before the dial starts: a consumer's copy has no use for the
+provider's job runtime (``gpumesh.runtime``, the Docker client), which the
+config's ``job_user`` check used to load with every home.
+
+A real command in a real home, dialling a real loopback port where nothing
+listens (refused at once): the command ends with its one-line error, after its
+dial, and the probe then lists what it loaded.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from gpumesh.client.node import Node
+from tests.integration.test_outgoing_socket import _closed_port
+from tests.probe import probe, thin_env
+
+
+def test_an_in_process_cp_dials_without_loading_the_job_runtime(tmp_path: Path) -> None:
+    alice, bob = Node(tmp_path / "a"), Node(tmp_path / "b")
+    try:
+        alice.init("alice")
+        bob.init("bob")
+        bob.home.store.save_peer(
+            alice.home.identity.public_key, "alice", [f"127.0.0.1:{_closed_port()}"], ""
+        )
+    finally:
+        alice.close()
+        bob.close()
+    source = tmp_path / "data.bin"
+    source.write_bytes(b"x" * 1000)
+    env = dict(thin_env(tmp_path / "b"), GPUMESH_NODE="off")
+    check = (
+        "import sys\n"
+        "from gpumesh.cli.main import main\n"
+        f"code = main(['cp', '--retries', '0', {str(source)!r}, 'alice:data.bin'])\n"
+        "print(code, 'gpumesh.transport.session' in sys.modules, sorted(m for m in sys.modules\n"
+        "      if m.startswith(('gpumesh.runtime', 'gpumesh.agent', 'docker'))))\n"
+    )
+    result = probe(check, env)
+    assert "nothing is listening on 127.0.0.1:" in result.stderr, result.stderr
+    # It dialled (and failed as it should), and loaded nothing of a provider's.
+    assert result.stdout.splitlines()[-1] == "4 True []", result.stdout + result.stderr
