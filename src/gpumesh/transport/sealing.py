@@ -81,6 +81,9 @@ _LENGTH = struct.Struct(">I")
 _NONCE = struct.Struct(">IQ")
 """The frame counter as a nonce, written in place: its high 32 bits, its low 64."""
 _LOW = (1 << 64) - 1
+_SMALL = 1024
+"""Plaintexts up to this size have their buffers' views made once per pump and
+kept (a request, a key press, a pointer move): no memoryview made per frame."""
 _SALT = b"gpumesh desktop sealed frames v1"
 _LABELS = (b"dialler to acceptor", b"acceptor to dialler")
 _NEXT = b"gpumesh sealed next key"
@@ -196,6 +199,9 @@ class Sealer:
         header = frame[:HEADER]
         nonce = bytearray(12)
         pack_length, pack_nonce = _LENGTH.pack_into, _NONCE.pack_into
+        low, small = _LOW, _SMALL
+        kept: list[tuple[memoryview, memoryview, memoryview] | None] = [None] * (small + 1)
+        """By plaintext size: the plaintext's view, the ciphertext's, the frame's."""
         direction = self._direction
         encrypt, counter, until = direction.encrypt_into, direction.counter, direction.until
         try:
@@ -210,13 +216,21 @@ class Sealer:
                     direction.counter = counter
                     direction.next_key()
                     encrypt, until = direction.encrypt_into, direction.until
-                pack_nonce(nonce, 0, counter >> 64, counter & _LOW)
+                pack_nonce(nonce, 0, counter >> 64, counter & low)
                 counter += 1
-                end = HEADER + TAG + count
                 pack_length(header, 0, TAG + count)
-                encrypt(nonce, plain[:count], header, frame[HEADER:end])
+                if count <= small:
+                    views = kept[count]
+                    if views is None:
+                        end = HEADER + TAG + count
+                        views = kept[count] = (plain[:count], frame[HEADER:end], frame[:end])
+                    source, sealed, whole = views
+                else:
+                    end = HEADER + TAG + count
+                    source, sealed, whole = plain[:count], frame[HEADER:end], frame[:end]
+                encrypt(nonce, source, header, sealed)
                 try:
-                    send(frame[:end])
+                    send(whole)
                 except OSError as exc:
                     raise SendFailed() from exc
         finally:
@@ -321,8 +335,13 @@ class Opener:
             raise SealError("nothing may follow the end of the stream")
         buffer, view = self._buffer, self._view
         plain = memoryview(bytearray(MAX_PLAIN))
+        header = view[:HEADER]
         nonce = bytearray(12)
         unpack_length, pack_nonce = _LENGTH.unpack_from, _NONCE.pack_into
+        low, small = _LOW, _SMALL + TAG
+        kept: list[tuple[memoryview, memoryview] | None] = [None] * (small + 1)
+        """By ciphertext length, for a frame at the buffer's front: its
+        ciphertext's view, the plaintext's."""
         direction = self._direction
         decrypt, counter, until = direction.decrypt_into, direction.counter, direction.until
         start, end = self._start, self._end
@@ -342,11 +361,19 @@ class Opener:
                         direction.counter = counter
                         direction.next_key()
                         decrypt, until = direction.decrypt_into, direction.until
-                    pack_nonce(nonce, 0, counter >> 64, counter & _LOW)
+                    pack_nonce(nonce, 0, counter >> 64, counter & low)
                     counter += 1
                     size = length - TAG
+                    if not start and length <= small:  # the usual case: one read, one frame
+                        views = kept[length]
+                        if views is None:
+                            views = kept[length] = (view[HEADER:stop], plain[:size])
+                        sealed, opened = views
+                        associated = header
+                    else:
+                        sealed, associated, opened = view[body:stop], view[start:body], plain[:size]
                     try:
-                        decrypt(nonce, view[body:stop], view[start:body], plain[:size])
+                        decrypt(nonce, sealed, associated, opened)
                     except InvalidTag:
                         raise SealError("a frame failed its authentication") from None
                     start = stop
@@ -356,7 +383,7 @@ class Opener:
                             raise SealError("bytes followed the end of the stream")
                         return
                     try:
-                        send(plain[:size])
+                        send(opened)
                     except OSError as exc:
                         raise SendFailed() from exc
                 if start == end:  # the usual case: all opened, the next read at the front
