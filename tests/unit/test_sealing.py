@@ -15,8 +15,10 @@ from gpumesh.transport.sealing import (
     RANDOM_BYTES,
     TAG,
     Opener,
+    ReadFailed,
     Sealer,
     SealError,
+    SendFailed,
     derive_keys,
 )
 
@@ -183,3 +185,135 @@ def test_keys_need_both_randoms_whole() -> None:
     assert up != down
     # Another TLS session's binding makes other keys from the same randoms.
     assert derive_keys(a, b, b"one session") != derive_keys(a, b, b"another")
+
+
+# --- the pumps: the same frames as a loop, given the calls that read and send -----------------
+
+
+class _Reads:
+    """A ``read_into`` that brings ``pieces`` one per call (cut to the room given),
+    then nothing (an end); an OSError in ``pieces`` is raised at its turn."""
+
+    def __init__(self, pieces: list[bytes | OSError]) -> None:
+        self._pieces = list(pieces)
+        self.calls = 0
+
+    def __call__(self, room: memoryview) -> int:
+        self.calls += 1
+        if not self._pieces:
+            return 0
+        piece = self._pieces.pop(0)
+        if isinstance(piece, OSError):
+            raise piece
+        take = min(len(piece), len(room))
+        room[:take] = piece[:take]
+        if take < len(piece):
+            self._pieces.insert(0, piece[take:])
+        return take
+
+
+def _pieces(wire: bytes, cuts: list[int]) -> list[bytes | OSError]:
+    pieces: list[bytes | OSError] = []
+    pos, index = 0, 0
+    while pos < len(wire):
+        size = cuts[min(index, len(cuts) - 1)]
+        pieces.append(wire[pos : pos + size])
+        pos += size
+        index += 1
+    return pieces
+
+
+def _pumped(sealer: Sealer, messages: list[bytes | OSError]) -> bytes:
+    """What :meth:`Sealer.pump` sends for ``messages`` (one read each), its end sealed."""
+    sent: list[bytes] = []
+    sealer.pump(_Reads(messages), lambda frame: sent.append(bytes(frame)))
+    return b"".join(sent) + sealer.seal(b"")
+
+
+def _opened(opener: Opener, wire: bytes, cuts: list[int]) -> list[bytes]:
+    got: list[bytes] = []
+    opener.pump(_Reads(_pieces(wire, cuts)), lambda plain: got.append(bytes(plain)))
+    return got
+
+
+@settings(max_examples=60, deadline=None)
+@given(payloads, splits)
+def test_pumped_frames_are_the_frames_and_open_however_the_bytes_arrive(
+    messages: list[bytes], cuts: list[int]
+) -> None:
+    up = os.urandom(16)
+    wire = _pumped(Sealer(up), list(messages))
+    # Byte for byte what seal_into makes (header, nonce from the counter, tag).
+    reference = Sealer(up)
+    assert wire == b"".join(reference.seal(m) for m in [*messages, b""])
+    opener = Opener(up)
+    assert _opened(opener, wire, cuts) == messages
+    assert opener.ended
+    assert _deliver(Opener(up), wire, cuts) == [*messages, b""]
+
+
+def test_pumped_frames_keep_the_nonce_past_64_bits_and_the_keys_in_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(sealing, "REKEY_FRAMES", 3)
+    key = os.urandom(16)
+    messages = [bytes([n]) * (n + 1) for n in range(10)]
+    sealers, openers = (Sealer(key), Sealer(key)), (Opener(key), Opener(key))
+    for end in (*sealers, *openers):
+        direction = end._direction  # a counter about to carry into the nonce's high bits
+        direction.counter, direction.until = (1 << 64) - 4, (1 << 64) - 2
+    wire = _pumped(sealers[0], list(messages))
+    assert wire == b"".join(sealers[1].seal(m) for m in [*messages, b""])
+    assert _opened(openers[0], wire, [7]) == messages
+    assert _deliver(openers[1], wire, [5]) == [*messages, b""]
+
+
+def test_a_pumped_stream_refuses_what_open_into_refuses() -> None:
+    key = os.urandom(16)
+    sealer = Sealer(key)
+    frames = [sealer.seal(b"a"), sealer.seal(b"b"), sealer.seal(b"c")]
+    end = sealer.seal(b"")
+    cases = {
+        "changed": frames[0][:5] + bytes([frames[0][5] ^ 1]) + frames[0][6:] + end,
+        "reordered": frames[1] + frames[0] + frames[2] + end,
+        "replayed": frames[0] + frames[0] + end,
+        "dropped": frames[0] + frames[2] + end,
+        "cut": b"".join(frames),
+        "cut mid-frame": b"".join(frames) + end[:7],
+    }
+    for name, wire in cases.items():
+        for cuts in ([1], [4096]):
+            with pytest.raises(SealError):
+                _opened(Opener(key), wire, cuts)
+                pytest.fail(f"{name} opened")
+    # Bytes read with the end frame (the pump reads nothing after it).
+    with pytest.raises(SealError, match="followed"):
+        _opened(Opener(key), b"".join(frames) + end + b"x", [4096])
+
+
+def test_a_pumped_oversized_length_is_refused_before_any_more_reads() -> None:
+    reads = _Reads([(MAX_PLAIN + TAG + 1).to_bytes(HEADER, "big"), b"more"])
+    with pytest.raises(SealError, match="at most"):
+        Opener(os.urandom(16)).pump(reads, lambda plain: None)
+    assert reads.calls == 1
+
+
+def test_a_pump_says_which_call_failed() -> None:
+    key = os.urandom(16)
+    with pytest.raises(ReadFailed) as read:
+        Sealer(key).pump(_Reads([b"a", ConnectionResetError(104, "reset")]), lambda f: None)
+    assert isinstance(read.value.__cause__, ConnectionResetError)
+
+    def refuse(data: memoryview) -> None:
+        raise BrokenPipeError(32, "broken pipe")
+
+    with pytest.raises(SendFailed):
+        Sealer(key).pump(_Reads([b"a"]), refuse)
+    with pytest.raises(SendFailed):
+        Opener(key).pump(_Reads([Sealer(key).seal(b"a")]), refuse)
+    with pytest.raises(ReadFailed):
+        Opener(key).pump(_Reads([OSError(5, "io")]), lambda plain: None)
+    ended = Sealer(key)
+    ended.seal(b"")
+    with pytest.raises(SealError):
+        ended.pump(_Reads([b"a"]), lambda f: None)

@@ -23,15 +23,20 @@ with one call into the AEAD, straight from and into preallocated buffers.
   from it (as TLS 1.3's KeyUpdate), which keeps each key far below AES-GCM's
   usage limit; a counter that would wrap ends the connection.
 
-Nothing here does I/O: :class:`Sealer` writes a frame into a buffer the caller
-sends, :class:`Opener` takes bytes the caller received into its buffer and gives
-back plaintexts. See :mod:`gpumesh.transport.tcpstream` for the splice that
-uses them.
+Nothing here owns a socket: :class:`Sealer` writes a frame into a buffer the
+caller sends, :class:`Opener` takes bytes the caller received into its buffer and
+gives back plaintexts. Their ``pump`` methods are the same work as a loop for a
+connection's life, given the two calls that read and send: the small-message
+path of a desktop tunnel, so each frame costs a handful of interpreter steps
+beside its AEAD call (locals bound once, buffers and the nonce preallocated, a
+frame opened straight from the buffer one read filled). See
+:mod:`gpumesh.transport.tcpstream` for the splice that uses them.
 """
 
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
@@ -47,8 +52,10 @@ __all__ = [
     "REKEY_FRAMES",
     "TAG",
     "Opener",
+    "ReadFailed",
     "SealError",
     "Sealer",
+    "SendFailed",
     "derive_keys",
 ]
 
@@ -71,6 +78,12 @@ REKEY_FRAMES = 1 << 16
 allows about 2^24.5 full records, some 370 GiB)."""
 _COUNTER_END = 1 << 96
 _LENGTH = struct.Struct(">I")
+_NONCE = struct.Struct(">IQ")
+"""The frame counter as a nonce, written in place: its high 32 bits, its low 64."""
+_LOW = (1 << 64) - 1
+_SMALL = 1024
+"""Plaintexts up to this size have their buffers' views made once per pump and
+kept (a request, a key press, a pointer move): no memoryview made per frame."""
 _SALT = b"gpumesh desktop sealed frames v1"
 _LABELS = (b"dialler to acceptor", b"acceptor to dialler")
 _NEXT = b"gpumesh sealed next key"
@@ -78,6 +91,20 @@ _NEXT = b"gpumesh sealed next key"
 
 class SealError(Exception):
     """A frame failed: tampered, replayed, moved, malformed, or the stream was cut."""
+
+
+class ReadFailed(Exception):
+    """A pump's call that reads raised an OSError (its ``__cause__``)."""
+
+
+class SendFailed(Exception):
+    """A pump's call that sends raised an OSError (its ``__cause__``)."""
+
+
+ReadInto = Callable[[memoryview], int]
+"""Reads into the buffer it is given (blocking); how many bytes, 0 at the end."""
+Send = Callable[[memoryview], object]
+"""Sends all of what it is given (blocking)."""
 
 
 def derive_keys(
@@ -158,6 +185,56 @@ class Sealer:
         out = bytearray(HEADER + len(plain) + TAG)
         self.seal_into(plain, memoryview(out))
         return bytes(out)
+
+    def pump(self, read_into: ReadInto, send: Send) -> None:
+        """Seal what each ``read_into`` brings as one frame and ``send`` it, until a
+        read brings nothing: then return, the end of the stream not sealed (the
+        caller seals it with :meth:`seal_into` once it knows the read was an end
+        and not a stop). Frames as :meth:`seal_into` makes them; an OSError of
+        either call is raised as :class:`ReadFailed` or :class:`SendFailed`."""
+        if self.ended:
+            raise SealError("nothing may follow the end of the stream")
+        plain = memoryview(bytearray(MAX_PLAIN))
+        frame = memoryview(bytearray(MAX_FRAME))
+        header = frame[:HEADER]
+        nonce = bytearray(12)
+        pack_length, pack_nonce = _LENGTH.pack_into, _NONCE.pack_into
+        low, small = _LOW, _SMALL
+        kept: list[tuple[memoryview, memoryview, memoryview] | None] = [None] * (small + 1)
+        """By plaintext size: the plaintext's view, the ciphertext's, the frame's."""
+        direction = self._direction
+        encrypt, counter, until = direction.encrypt_into, direction.counter, direction.until
+        try:
+            while True:
+                try:
+                    count = read_into(plain)
+                except OSError as exc:
+                    raise ReadFailed() from exc
+                if not count:
+                    return
+                if counter == until:
+                    direction.counter = counter
+                    direction.next_key()
+                    encrypt, until = direction.encrypt_into, direction.until
+                pack_nonce(nonce, 0, counter >> 64, counter & low)
+                counter += 1
+                pack_length(header, 0, TAG + count)
+                if count <= small:
+                    views = kept[count]
+                    if views is None:
+                        end = HEADER + TAG + count
+                        views = kept[count] = (plain[:count], frame[HEADER:end], frame[:end])
+                    source, sealed, whole = views
+                else:
+                    end = HEADER + TAG + count
+                    source, sealed, whole = plain[:count], frame[HEADER:end], frame[:end]
+                encrypt(nonce, source, header, sealed)
+                try:
+                    send(whole)
+                except OSError as exc:
+                    raise SendFailed() from exc
+        finally:
+            direction.counter = counter
 
 
 class Opener:
@@ -246,6 +323,90 @@ class Opener:
             if self._end > self._start:
                 raise SealError("bytes followed the end of the stream")
         return size
+
+    def pump(self, read_into: ReadInto, send: Send) -> None:
+        """Open the frames ``read_into`` brings into the buffer and ``send`` each
+        plaintext, until the end-of-stream frame: then return. What is buffered
+        goes first; a frame all in one read is opened where it landed. Refuses as
+        :meth:`open_into` and :meth:`cut` do (:class:`SealError`; a read that
+        brings nothing before the end is a cut); an OSError of either call is
+        raised as :class:`ReadFailed` or :class:`SendFailed`."""
+        if self.ended:
+            raise SealError("nothing may follow the end of the stream")
+        buffer, view = self._buffer, self._view
+        plain = memoryview(bytearray(MAX_PLAIN))
+        header = view[:HEADER]
+        nonce = bytearray(12)
+        unpack_length, pack_nonce = _LENGTH.unpack_from, _NONCE.pack_into
+        low, small = _LOW, _SMALL + TAG
+        kept: list[tuple[memoryview, memoryview] | None] = [None] * (small + 1)
+        """By ciphertext length, for a frame at the buffer's front: its
+        ciphertext's view, the plaintext's."""
+        direction = self._direction
+        decrypt, counter, until = direction.decrypt_into, direction.counter, direction.until
+        start, end = self._start, self._end
+        last_room = len(buffer) - MAX_FRAME
+        """Past this, a partial frame is moved to the front before the next read."""
+        try:
+            while True:
+                while end - start >= HEADER:
+                    length: int = unpack_length(buffer, start)[0]
+                    if length < TAG or length > MAX_PLAIN + TAG:
+                        raise SealError(f"a frame of {length} bytes (at most {MAX_PLAIN + TAG})")
+                    body = start + HEADER
+                    stop = body + length
+                    if stop > end:
+                        break
+                    if counter == until:
+                        direction.counter = counter
+                        direction.next_key()
+                        decrypt, until = direction.decrypt_into, direction.until
+                    pack_nonce(nonce, 0, counter >> 64, counter & low)
+                    counter += 1
+                    size = length - TAG
+                    if not start and length <= small:  # the usual case: one read, one frame
+                        views = kept[length]
+                        if views is None:
+                            views = kept[length] = (view[HEADER:stop], plain[:size])
+                        sealed, opened = views
+                        associated = header
+                    else:
+                        sealed, associated, opened = view[body:stop], view[start:body], plain[:size]
+                    try:
+                        decrypt(nonce, sealed, associated, opened)
+                    except InvalidTag:
+                        raise SealError("a frame failed its authentication") from None
+                    start = stop
+                    if not size:
+                        self.ended = True
+                        if end > start:
+                            raise SealError("bytes followed the end of the stream")
+                        return
+                    try:
+                        send(opened)
+                    except OSError as exc:
+                        raise SendFailed() from exc
+                if start == end:  # the usual case: all opened, the next read at the front
+                    start = end = 0
+                    room = view
+                else:
+                    if end > last_room:
+                        count = end - start
+                        view[:count] = view[start:end]
+                        start, end = 0, count
+                    room = view[end:]
+                try:
+                    got = read_into(room)
+                except OSError as exc:
+                    raise ReadFailed() from exc
+                if not got:
+                    raise SealError(
+                        "it ended in the middle of the connection (no end-of-stream frame)"
+                    )
+                end += got
+        finally:
+            self._start, self._end = start, end
+            direction.counter = counter
 
     def cut(self) -> None:
         """The stream's bytes ended (a TCP EOF): an error unless its end was sealed."""

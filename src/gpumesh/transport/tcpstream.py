@@ -37,12 +37,14 @@ from gpumesh.errors import ConnectionLostError, GPUMeshError, ProtocolError, err
 from gpumesh.protocol.framing import FrameKind
 from gpumesh.protocol.messages import Refusal, decode_message
 from gpumesh.transport.sealing import (
-    MAX_FRAME,
-    MAX_PLAIN,
+    HEADER,
     RANDOM_BYTES,
+    TAG,
     Opener,
+    ReadFailed,
     Sealer,
     SealError,
+    SendFailed,
     derive_keys,
 )
 from gpumesh.transport.stream import DATA_CHUNK
@@ -243,6 +245,13 @@ async def splice(
             await watch
 
 
+def _reason(exc: BaseException | None) -> str:
+    """An OSError's words for a one-line message."""
+    if isinstance(exc, OSError):
+        return exc.strerror or str(exc)
+    return str(exc)
+
+
 class _ChannelError(Exception):
     """The data channel failed (reset, cut, a malformed piece)."""
 
@@ -367,7 +376,7 @@ class _Splice:
             return False
         return True
 
-    def _channel_error(self, exc: Exception) -> Exception:
+    def _channel_error(self, exc: BaseException | None) -> Exception:
         if self._halted:
             return _Stopped()
         if isinstance(exc, OSError) and not isinstance(exc, ssl.SSLError):
@@ -544,57 +553,40 @@ class _Splice:
     def _up_sealed(self) -> None:
         """The local socket's bytes as sealed frames, a frame per read, until its EOF
         (sealed as an empty frame)."""
-        plain = memoryview(bytearray(MAX_PLAIN))
-        frame = memoryview(bytearray(MAX_FRAME))
-        local, sock, seal = self.local, self._sock, self._sealer.seal_into
-        while True:
-            try:
-                count = local.recv_into(plain)
-            except OSError as exc:
-                if self._halted:
-                    raise _Stopped() from None
-                raise _SocketError(exc.strerror or str(exc)) from None
-            if self._halted:  # a stop's shutdown reads as an EOF
-                raise _Stopped()
-            size = seal(plain[:count], frame)
-            try:
-                sock.sendall(frame[:size])
-            except OSError as exc:
-                raise self._channel_error(exc) from None
-            if not count:
-                return
+        sealer = self._sealer
+        try:
+            sealer.pump(self.local.recv_into, self._sock.sendall)
+        except ReadFailed as exc:
+            if self._halted:
+                raise _Stopped() from None
+            raise _SocketError(_reason(exc.__cause__)) from None
+        except SendFailed as exc:
+            raise self._channel_error(exc.__cause__) from None
+        if self._halted:  # a stop's shutdown reads as an EOF
+            raise _Stopped()
+        end = memoryview(bytearray(HEADER + TAG))
+        sealer.seal_into(b"", end)
+        try:
+            self._sock.sendall(end)
+        except OSError as exc:
+            raise self._channel_error(exc) from None
 
     def _down_sealed(self) -> None:
         """The channel's sealed frames opened, their bytes to the local socket, until
         the far side's half-close (its empty frame)."""
-        plain = memoryview(bytearray(MAX_PLAIN))
-        local, sock, opener = self.local, self._sock, self._opener
-        open_into = opener.open_into
         try:
-            while True:
-                while (size := open_into(plain)) is not None:
-                    if not size:
-                        self._end_down(False)
-                        return
-                    try:
-                        local.sendall(plain[:size])
-                    except OSError as exc:
-                        if self._halted:
-                            raise _Stopped() from None
-                        raise _SocketError(exc.strerror or str(exc)) from None
-                try:
-                    got = sock.recv_into(opener.room())
-                except OSError as exc:
-                    raise self._channel_error(exc) from None
-                if self._halted:
-                    raise _Stopped()
-                if not got:
-                    opener.cut()
-                opener.filled(got)
-        except SealError as exc:
+            self._opener.pump(self._sock.recv_into, self.local.sendall)
+        except ReadFailed as exc:
+            raise self._channel_error(exc.__cause__) from None
+        except SendFailed as exc:
             if self._halted:
                 raise _Stopped() from None
+            raise _SocketError(_reason(exc.__cause__)) from None
+        except SealError as exc:
+            if self._halted:  # a stop's shutdown reads as a cut
+                raise _Stopped() from None
             raise _ChannelError(str(exc)) from None
+        self._end_down(False)
 
     def _end_down(self, more: bool) -> None:
         """The far side's half-close (a piece of 0), which nothing may follow: the
