@@ -32,7 +32,7 @@ import shutil
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -88,6 +88,7 @@ from gpumesh.runtime.base import (
     Mount,
     mount_target_problem,
 )
+from gpumesh.runtime.base import Stream as LogStream
 from gpumesh.store.db import JobRecord, Store
 from gpumesh.store.followers import FollowerWakeups
 from gpumesh.units import format_size, parse_size
@@ -104,6 +105,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 TIMEOUT_EXIT = ExitCode.JOB_TIMED_OUT
 """Exit code of an attempt stopped by its timeout (as coreutils `timeout` reports)."""
+_LOG_STREAMS: tuple[LogStream, ...] = ("stdout", "stderr")
 _LOG_DRAIN_TIMEOUT = 15.0
 """After a container exits, how long its log readers may go without progress."""
 _PIPE_BYTES = 4 * 1024 * 1024
@@ -733,11 +735,8 @@ class JobService:
                 fields["started_at"] = time.time()
             self.store.update_job(JobRole.HOSTED, run.job_id, **fields)
             await self._event(run, JobState.RUNNING, None, f"attempt {run.machine.attempt} running")
-        pipe = _LogPipe(asyncio.get_running_loop(), readers=2)
-        readers = [
-            in_thread(self._read_logs, pipe, container.container_id, stream, run.cursor)
-            for stream in ("stdout", "stderr")
-        ]
+        pipe = _LogPipe(asyncio.get_running_loop(), readers=1)
+        readers = [in_thread(self._read_logs, pipe, container.container_id, run.cursor)]
         writer = asyncio.create_task(self._write_logs(run, pipe))
         sampler = (
             asyncio.create_task(self._sample_gpu_memory(run, container.container_id))
@@ -840,19 +839,16 @@ class JobService:
             return
 
     def _read_logs(
-        self, pipe: _LogPipe, container_id: str, stream: str, cursors: dict[str, list[object]]
+        self, pipe: _LogPipe, container_id: str, cursors: dict[str, list[object]]
     ) -> None:
-        """Read one stream of the engine's log from the cursor into ``pipe`` (a thread)."""
+        """Read the engine's log (both streams, in one request a read) from the
+        cursors into ``pipe`` (a thread)."""
         try:
-            saved = cursors.get(stream) or ["", 0]
-            cursor = LogCursor(str(saved[0]), int(str(saved[1])))
-            lines: Iterator[LogLine] = self.runtime.logs(
-                container_id,
-                "stdout" if stream == "stdout" else "stderr",
-                cursor,
-                True,
-            )
-            for line in lines:
+            start: dict[LogStream, LogCursor] = {}
+            for stream in _LOG_STREAMS:
+                saved = cursors.get(stream) or ["", 0]
+                start[stream] = LogCursor(str(saved[0]), int(str(saved[1])))
+            for line in self.runtime.job_logs(container_id, start, True):
                 if not pipe.put(line):
                     return  # the writer stopped: the cursor in the store is the truth
         finally:
