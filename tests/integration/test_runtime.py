@@ -1130,3 +1130,23 @@ def test_both_streams_followed_together_until_the_end(jobs: Jobs) -> None:
     assert [line.data for line in lines if line.stream == "stdout"] == [b"last\n"]
     assert [line.data for line in lines if line.stream == "stderr"] == [b"late\n"]
     assert not any(line.lost for line in lines)
+
+
+def test_both_streams_followed_from_the_start_each_line_once(jobs: Jobs) -> None:
+    # The agent's reader from the start of a job: stdout gets a cursor first, then
+    # stderr (reads of both from the log's start while it is small), then many
+    # lines of both: every line comes once, in order on its stream.
+    script = (
+        "echo first; sleep 0.5; echo second >&2; sleep 0.5; "
+        f"{_count_to(3000)} & {_count_to(3000, 'stderr')}; wait; echo end; echo end >&2"
+    )
+    for _ in range(2):
+        container_id = jobs.started(["sh", "-c", script])
+        cursors: dict[Stream, LogCursor] = {"stdout": LogCursor(), "stderr": LogCursor()}
+        lines = list(jobs.runtime.job_logs(container_id, cursors, True))
+        numbered = b"".join(f"line{i}\n".encode() for i in range(1, 3001))
+        out = b"".join(line.data for line in lines if line.stream == "stdout")
+        err = b"".join(line.data for line in lines if line.stream == "stderr")
+        assert out == b"first\n" + numbered + b"end\n"
+        assert err == b"second\n" + numbered + b"end\n"
+        assert not any(line.lost for line in lines)

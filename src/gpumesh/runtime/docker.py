@@ -111,6 +111,9 @@ _LOG_BLOCK = 256 * 1024
 _REQUIRED_LABELS = (LABEL_JOB, LABEL_PEER, LABEL_NODE, LABEL_ATTEMPT)
 _INTERACTIVE_LABELS = (LABEL_PEER, LABEL_NODE, LABEL_KIND)
 _ATTACH_READ = 64 * 1024
+_REREAD_BYTES = 64 * 1024
+"""Most bytes of a log read from its start that a reader reads again, rather than
+reading a stream with a cursor and one without apart (see _read_logs)."""
 _STREAM_IDS: dict[Stream, int] = {"stdout": 1, "stderr": 2}
 """The stream byte of a multiplexed log frame."""
 _ALIVE = frozenset({"running", "paused", "restarting"})
@@ -625,11 +628,17 @@ class DockerRuntime:
         # began after the container stopped is the last one: nothing is written
         # after it.
         stopped = self._stop_event(container_id)
+        # Read from the start until now (no cursor was set): while what was read is
+        # small, reading it all again is cheaper than a request per stream.
+        read = 0 if not any(cursor.timestamp for cursor in cursors.values()) else None
         while True:
             got = False
-            for line in self._read_logs(container_id, cursors, False):
+            whole = read is not None and read <= _REREAD_BYTES
+            for line in self._read_logs(container_id, cursors, False, whole=whole):
                 got = True
                 cursors[line.stream] = line.cursor
+                if read is not None:
+                    read += len(line.data)
                 yield line
             if not alive:
                 return
@@ -637,13 +646,16 @@ class DockerRuntime:
             if got:
                 stopped.wait(_LOG_POLL)  # a growing log: let it gather a batch
             else:
-                waiting = self._read_logs(container_id, cursors, True)
+                whole = read is not None and read <= _REREAD_BYTES
+                waiting = self._read_logs(container_id, cursors, True, whole=whole)
                 try:
                     # Ends at the next entry, or when the stream does (the container
                     # stopped, or the connection dropped: the SDK reports both alike).
                     first = next(waiting, None)
                     if first is not None and not first.lost:  # else read again, to be sure
                         cursors[first.stream] = first.cursor
+                        if read is not None:
+                            read += len(first.data)
                         yield first
                 finally:
                     waiting.close()
@@ -665,6 +677,8 @@ class DockerRuntime:
         container_id: str,
         cursors: dict[Stream, LogCursor],
         follow: bool,
+        *,
+        whole: bool = False,
     ) -> Generator[LogLine, None, None]:
         """One read of the engine's log after ``cursors``. Each stream starts at the
         entry at its cursor; when its first line comes without that entry before
@@ -673,17 +687,21 @@ class DockerRuntime:
 
         The streams are read in one request when their cursors bound it alike
         (all empty, or all set: each stream's entries are written in the order
-        of their timestamps, so the oldest cursor bounds them all). A stream
-        without a cursor next to one with a cursor is read from the start, on
-        its own, rather than from the other's cursor: an entry of one stream may
-        reach the log after a newer one of the other. A followed read of such a
-        pair waits from the cursor that is set; an entry it brings of the stream
-        without one is marked ``lost`` (a wake-up only: the next read takes it)."""
+        of their timestamps, so the oldest cursor bounds them all), or with
+        ``whole``: from the log's start, each stream passing over what lies
+        before its cursor. Otherwise a stream without a cursor next to one with
+        a cursor is read from the start, on its own, rather than from the
+        other's cursor: an entry of one stream may reach the log after a newer
+        one of the other. A followed read of such a pair waits from the cursor
+        that is set; an entry it brings of the stream without one is marked
+        ``lost`` (a wake-up only: the next read takes it)."""
         set_keys = [
             key
             for cursor in cursors.values()
             if (key := _timestamp_key(cursor.timestamp) if cursor.timestamp else None)
         ]
+        if whole:
+            set_keys = []
         if not follow and 0 < len(set_keys) < len(cursors):
             for stream, cursor in cursors.items():
                 yield from self._read_logs(container_id, {stream: cursor}, False)
