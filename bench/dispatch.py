@@ -30,7 +30,7 @@ into a pass/fail exit status.
 Where GPUMesh's time goes, from the same runs: the provider's and the
 client's job records hold wall-clock times (this one machine's clock) for
 "provider accepted the job", "container running", "job finished (its
-output stored; the container's removal under way)" and "client got the final
+output stored; the container's removal follows)" and "client got the final
 status"; together with the spawn and
 exit times seen here they split every ``gpumesh run`` into phases. Two more
 commands take turns in the same loop as reference points: ``gpumesh --help``
@@ -484,7 +484,7 @@ def report(args: argparse.Namespace, results: Results) -> None:
     if not results.phases:
         print("  (no phase split: the job records lacked a time)")
     print("  phases: from the provider's and the client's job records (one clock);")
-    print("  the provider removes the container while the end is told; most CLI imports load")
+    print("  the provider removes the container after the end is told; most CLI imports load")
     print("  after run's request is sent; -X importtime inflates imports a little")
 
 

@@ -1083,3 +1083,70 @@ def test_jobs_from_many_threads_at_once(jobs: Jobs) -> None:
 
 def _collect(jobs: Jobs, container_id: str, stream: Stream, into: list[bytes]) -> None:
     into.extend(line.data for line in jobs.runtime.logs(container_id, stream, LogCursor(), True))
+
+
+def _interleaved(jobs: Jobs, container_id: str, cursors: dict[Stream, LogCursor]) -> list[LogLine]:
+    return list(jobs.runtime.job_logs(container_id, dict(cursors), False))
+
+
+def test_both_streams_read_together_resume_each_from_its_own_cursor(jobs: Jobs) -> None:
+    # One read for both streams (the agent's reader): each stream keeps its own
+    # order and cursors, and resuming from any pair of cursors, whichever stream
+    # is ahead, or one stream with no cursor yet, gives exactly the rest of each.
+    script = "i=1; while [ $i -le 40 ]; do echo out$i; echo err$i >&2; i=$((i+1)); done"
+    container_id, _ = jobs.run(["sh", "-c", script])
+    both = _interleaved(jobs, container_id, {"stdout": LogCursor(), "stderr": LogCursor()})
+    out = [line for line in both if line.stream == "stdout"]
+    err = [line for line in both if line.stream == "stderr"]
+    assert [line.data for line in out] == [f"out{i}\n".encode() for i in range(1, 41)]
+    assert [line.data for line in err] == [f"err{i}\n".encode() for i in range(1, 41)]
+    assert out == jobs.lines(container_id, "stdout")
+    assert err == jobs.lines(container_id, "stderr")
+    assert not any(line.lost for line in both)
+    cuts = [(0, 30), (30, 0), (12, 13), (39, 39)]
+    for a, b in cuts:
+        rest = _interleaved(jobs, container_id, {"stdout": out[a].cursor, "stderr": err[b].cursor})
+        assert [line for line in rest if line.stream == "stdout"] == out[a + 1 :]
+        assert [line for line in rest if line.stream == "stderr"] == err[b + 1 :]
+        assert not any(line.lost for line in rest)
+    for cut in (0, 25):
+        rest = _interleaved(jobs, container_id, {"stdout": out[cut].cursor, "stderr": LogCursor()})
+        assert [line for line in rest if line.stream == "stdout"] == out[cut + 1 :]
+        assert [line for line in rest if line.stream == "stderr"] == err
+        assert not any(line.lost for line in rest)
+
+
+def test_both_streams_followed_together_until_the_end(jobs: Jobs) -> None:
+    # Followed as the agent does, from a start where only stdout has a cursor
+    # (the stderr entries its followed wait brings are taken by the next read).
+    script = "echo first; sleep 1; echo late >&2; sleep 0.5; echo last"
+    container_id = jobs.started(["sh", "-c", script])
+    first = next(iter(jobs.runtime.logs(container_id, "stdout", LogCursor(), True)))
+    assert first.data == b"first\n"
+    lines = list(
+        jobs.runtime.job_logs(container_id, {"stdout": first.cursor, "stderr": LogCursor()}, True)
+    )
+    # (Per stream: the order between the streams is not kept.)
+    assert [line.data for line in lines if line.stream == "stdout"] == [b"last\n"]
+    assert [line.data for line in lines if line.stream == "stderr"] == [b"late\n"]
+    assert not any(line.lost for line in lines)
+
+
+def test_both_streams_followed_from_the_start_each_line_once(jobs: Jobs) -> None:
+    # The agent's reader from the start of a job: stdout gets a cursor first, then
+    # stderr (reads of both from the log's start while it is small), then many
+    # lines of both: every line comes once, in order on its stream.
+    script = (
+        "echo first; sleep 0.5; echo second >&2; sleep 0.5; "
+        f"{_count_to(3000)} & {_count_to(3000, 'stderr')}; wait; echo end; echo end >&2"
+    )
+    for _ in range(2):
+        container_id = jobs.started(["sh", "-c", script])
+        cursors: dict[Stream, LogCursor] = {"stdout": LogCursor(), "stderr": LogCursor()}
+        lines = list(jobs.runtime.job_logs(container_id, cursors, True))
+        numbered = b"".join(f"line{i}\n".encode() for i in range(1, 3001))
+        out = b"".join(line.data for line in lines if line.stream == "stdout")
+        err = b"".join(line.data for line in lines if line.stream == "stderr")
+        assert out == b"first\n" + numbered + b"end\n"
+        assert err == b"second\n" + numbered + b"end\n"
+        assert not any(line.lost for line in lines)

@@ -32,7 +32,7 @@ import shutil
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -88,6 +88,7 @@ from gpumesh.runtime.base import (
     Mount,
     mount_target_problem,
 )
+from gpumesh.runtime.base import Stream as LogStream
 from gpumesh.store.db import JobRecord, Store
 from gpumesh.store.followers import FollowerWakeups
 from gpumesh.units import format_size, parse_size
@@ -104,7 +105,12 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 TIMEOUT_EXIT = ExitCode.JOB_TIMED_OUT
 """Exit code of an attempt stopped by its timeout (as coreutils `timeout` reports)."""
+_LOG_STREAMS: tuple[LogStream, ...] = ("stdout", "stderr")
 _LOG_DRAIN_TIMEOUT = 15.0
+_REMOVAL_DELAY = 0.05
+"""Seconds between telling a job's end and removing its container: the removal's
+thread would otherwise take turns with the event loop (the interpreter's lock)
+while the end is stored and sent to the consumer."""
 """After a container exits, how long its log readers may go without progress."""
 _PIPE_BYTES = 4 * 1024 * 1024
 """Most engine-log bytes read but not yet stored. Beyond it the readers wait: only
@@ -180,8 +186,6 @@ class _Run:
         """Set to cut a retry backoff short (cancel)."""
         self.timed_out = False
         self.over_quota = ""
-        self.removal: asyncio.Future[None] | None = None
-        """The exited container's removal, under way while its end is recorded and told."""
         """Why the job was stopped for what its peer stores (empty: it was not)."""
 
 
@@ -677,10 +681,19 @@ class JobService:
                 if decision.state is JobState.RETRYING:
                     await self._remove_container(run)  # before the next attempt is recorded
                 await self._after_attempt(run, job, decision)
-                # A final attempt's container is removed while its end is recorded and
-                # told (the removal began in _follow): the consumer need not wait for
-                # the engine. Should the agent stop before it is done, its next start
-                # removes the container of a finished job as an orphan (see recover).
+                # A final attempt's container is removed once its end is recorded and
+                # told (just after: the followers send it first): the consumer need not
+                # wait for the engine. Should the agent stop before it is done, its next
+                # start removes the container of a finished job as an orphan (see
+                # recover).
+                if run.container_id and decision.state is not JobState.RETRYING:
+                    try:
+                        await asyncio.sleep(_REMOVAL_DELAY)
+                    except asyncio.CancelledError:
+                        # The agent is stopping: removed all the same, in a thread.
+                        removal = in_thread(self.runtime.remove, run.container_id)
+                        removal.add_done_callback(_retrieved)
+                        raise
                 await self._remove_container(run)
                 if run.machine.state is JobState.RETRYING:
                     with contextlib.suppress(TimeoutError):
@@ -733,11 +746,8 @@ class JobService:
                 fields["started_at"] = time.time()
             self.store.update_job(JobRole.HOSTED, run.job_id, **fields)
             await self._event(run, JobState.RUNNING, None, f"attempt {run.machine.attempt} running")
-        pipe = _LogPipe(asyncio.get_running_loop(), readers=2)
-        readers = [
-            in_thread(self._read_logs, pipe, container.container_id, stream, run.cursor)
-            for stream in ("stdout", "stderr")
-        ]
+        pipe = _LogPipe(asyncio.get_running_loop(), readers=1)
+        readers = [in_thread(self._read_logs, pipe, container.container_id, run.cursor)]
         writer = asyncio.create_task(self._write_logs(run, pipe))
         sampler = (
             asyncio.create_task(self._sample_gpu_memory(run, container.container_id))
@@ -774,9 +784,7 @@ class JobService:
             for task in (sampler, watcher):
                 if task is not None:
                     task.cancel()
-        # Exited and its output stored: removed from now on (see _supervise).
-        run.removal = in_thread(self.runtime.remove, container.container_id)
-        run.removal.add_done_callback(_retrieved)
+        # Exited and its output stored: removed once its end is told (see _supervise).
         if run.over_quota and not run.machine.cancel_requested:
             await self._event(run, None, None, run.over_quota, kind_state=False)
             return Decision(JobState.FAILED, 0.0, run.over_quota)
@@ -840,19 +848,16 @@ class JobService:
             return
 
     def _read_logs(
-        self, pipe: _LogPipe, container_id: str, stream: str, cursors: dict[str, list[object]]
+        self, pipe: _LogPipe, container_id: str, cursors: dict[str, list[object]]
     ) -> None:
-        """Read one stream of the engine's log from the cursor into ``pipe`` (a thread)."""
+        """Read the engine's log (both streams, in one request a read) from the
+        cursors into ``pipe`` (a thread)."""
         try:
-            saved = cursors.get(stream) or ["", 0]
-            cursor = LogCursor(str(saved[0]), int(str(saved[1])))
-            lines: Iterator[LogLine] = self.runtime.logs(
-                container_id,
-                "stdout" if stream == "stdout" else "stderr",
-                cursor,
-                True,
-            )
-            for line in lines:
+            start: dict[LogStream, LogCursor] = {}
+            for stream in _LOG_STREAMS:
+                saved = cursors.get(stream) or ["", 0]
+                start[stream] = LogCursor(str(saved[0]), int(str(saved[1])))
+            for line in self.runtime.job_logs(container_id, start, True):
                 if not pipe.put(line):
                     return  # the writer stopped: the cursor in the store is the truth
         finally:
@@ -887,11 +892,10 @@ class JobService:
         return parse_size(str(self.settings.get("job_log_limit")))
 
     async def _remove_container(self, run: _Run) -> None:
-        """Remove the attempt's container (or wait for the removal under way)."""
+        """Remove the attempt's container."""
         if run.container_id:
-            removal, run.removal = run.removal, None
             with contextlib.suppress(GPUMeshError):
-                await (removal or in_thread(self.runtime.remove, run.container_id))
+                await in_thread(self.runtime.remove, run.container_id)
             run.container_id = ""
             self.store.update_job(JobRole.HOSTED, run.job_id, container_id="")
 

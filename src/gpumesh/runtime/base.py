@@ -280,6 +280,18 @@ class JobRuntime(Protocol):
     ) -> Iterator[LogLine]:
         """Entries of one stream after ``cursor``; with ``follow`` until the container exits."""
 
+    def job_logs(
+        self,
+        container_id: str,
+        cursors: dict[Stream, LogCursor],
+        follow: bool,
+        *,
+        state: ContainerState | None = None,
+    ) -> Iterator[LogLine]:
+        """Entries of each stream in ``cursors`` after its cursor (in its own order;
+        the streams read together); with ``follow`` until the container exits.
+        ``state``: the container as the caller just saw it (None: asked first)."""
+
     def stop(self, container_id: str, timeout: float = 10.0) -> None:
         """SIGTERM, then SIGKILL after ``timeout``; no error if already stopped."""
 

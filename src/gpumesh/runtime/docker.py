@@ -111,6 +111,11 @@ _LOG_BLOCK = 256 * 1024
 _REQUIRED_LABELS = (LABEL_JOB, LABEL_PEER, LABEL_NODE, LABEL_ATTEMPT)
 _INTERACTIVE_LABELS = (LABEL_PEER, LABEL_NODE, LABEL_KIND)
 _ATTACH_READ = 64 * 1024
+_REREAD_BYTES = 64 * 1024
+"""Most bytes of a log read from its start that a reader reads again, rather than
+reading a stream with a cursor and one without apart (see _read_logs)."""
+_STREAM_IDS: dict[Stream, int] = {"stdout": 1, "stderr": 2}
+"""The stream byte of a multiplexed log frame."""
 _ALIVE = frozenset({"running", "paused", "restarting"})
 
 # Docker's --tmpfs defaults to noexec, which breaks whatever loads compiled
@@ -568,27 +573,49 @@ class DockerRuntime:
     def logs(
         self, container_id: str, stream: Stream, cursor: LogCursor, follow: bool
     ) -> Iterator[LogLine]:
-        if stream not in ("stdout", "stderr"):
-            raise ConfigError(f"unknown log stream {stream!r}: use 'stdout' or 'stderr'")
-        if cursor.timestamp and _timestamp_key(cursor.timestamp) is None:
-            raise ConfigError(
-                f"log cursor {cursor.timestamp!r} is not a Docker log timestamp: "
-                "resume from an empty cursor to read from the start"
-            )
-        # Fail now (unknown container, engine down), not at the first next().
-        state = self.inspect(container_id)
-        image = state.image
+        return self.job_logs(container_id, {stream: cursor}, follow)
+
+    def job_logs(
+        self,
+        container_id: str,
+        cursors: dict[Stream, LogCursor],
+        follow: bool,
+        *,
+        state: ContainerState | None = None,
+    ) -> Iterator[LogLine]:
+        """The entries of the streams in ``cursors``, each after its cursor and in
+        its own order, from one read of the engine's log at a time (the agent's
+        reader of a job: half the requests of a reader per stream, and one
+        thread). ``state``: the container as the caller just saw it (None: ask
+        the engine first)."""
+        for stream, cursor in cursors.items():
+            if stream not in ("stdout", "stderr"):
+                raise ConfigError(f"unknown log stream {stream!r}: use 'stdout' or 'stderr'")
+            if cursor.timestamp and _timestamp_key(cursor.timestamp) is None:
+                raise ConfigError(
+                    f"log cursor {cursor.timestamp!r} is not a Docker log timestamp: "
+                    "resume from an empty cursor to read from the start"
+                )
+        if state is None:
+            # Fail now (unknown container, engine down), not at the first next().
+            state = self.inspect(container_id)
+        lines = self._log_lines(container_id, dict(cursors), follow, state.status in _ALIVE)
         # tini's own line is tini's, not the job's: only a container it started has one.
-        lines = self._log_lines(container_id, stream, cursor, follow, state.status in _ALIVE)
-        return _tini_in_our_words(lines, image) if self._init and stream == "stderr" else lines
+        if self._init and "stderr" in cursors:
+            return _tini_in_our_words(lines, state.image)
+        return lines
 
     def _log_lines(
-        self, container_id: str, stream: Stream, cursor: LogCursor, follow: bool, alive: bool
+        self,
+        container_id: str,
+        cursors: dict[Stream, LogCursor],
+        follow: bool,
+        alive: bool,
     ) -> Generator[LogLine, None, None]:
-        """The log after ``cursor``; with ``follow``, until the container stops.
+        """The log after ``cursors``; with ``follow``, until the container stops.
         ``alive``: whether it was running just now (saves asking again first)."""
         if not follow:
-            yield from self._read_logs(container_id, stream, cursor, False)
+            yield from self._read_logs(container_id, cursors, False)
             return
         # Docker's follower moves to the new file when the log rotates and skips
         # whatever it had not read of the old one (20.10), so a reader behind a fast
@@ -601,11 +628,17 @@ class DockerRuntime:
         # began after the container stopped is the last one: nothing is written
         # after it.
         stopped = self._stop_event(container_id)
+        # Read from the start until now (no cursor was set): while what was read is
+        # small, reading it all again is cheaper than a request per stream.
+        read = 0 if not any(cursor.timestamp for cursor in cursors.values()) else None
         while True:
             got = False
-            for line in self._read_logs(container_id, stream, cursor, False):
+            whole = read is not None and read <= _REREAD_BYTES
+            for line in self._read_logs(container_id, cursors, False, whole=whole):
                 got = True
-                cursor = line.cursor
+                cursors[line.stream] = line.cursor
+                if read is not None:
+                    read += len(line.data)
                 yield line
             if not alive:
                 return
@@ -613,13 +646,16 @@ class DockerRuntime:
             if got:
                 stopped.wait(_LOG_POLL)  # a growing log: let it gather a batch
             else:
-                waiting = self._read_logs(container_id, stream, cursor, True)
+                whole = read is not None and read <= _REREAD_BYTES
+                waiting = self._read_logs(container_id, cursors, True, whole=whole)
                 try:
                     # Ends at the next entry, or when the stream does (the container
                     # stopped, or the connection dropped: the SDK reports both alike).
                     first = next(waiting, None)
                     if first is not None and not first.lost:  # else read again, to be sure
-                        cursor = first.cursor
+                        cursors[first.stream] = first.cursor
+                        if read is not None:
+                            read += len(first.data)
                         yield first
                 finally:
                     waiting.close()
@@ -639,34 +675,68 @@ class DockerRuntime:
     def _read_logs(
         self,
         container_id: str,
-        stream: Stream,
-        cursor: LogCursor,
+        cursors: dict[Stream, LogCursor],
         follow: bool,
+        *,
+        whole: bool = False,
     ) -> Generator[LogLine, None, None]:
-        """One read of the engine's log after ``cursor``. It starts at the entry at
-        the cursor; when its first line comes without that entry before it, the
-        entry was rotated out of the engine's log (and maybe more after it) before
-        it was read: that line is marked ``lost``."""
-        after = _timestamp_key(cursor.timestamp) if cursor.timestamp else None
-        reader = _EntryReader(stream, after, cursor.count)
+        """One read of the engine's log after ``cursors``. Each stream starts at the
+        entry at its cursor; when its first line comes without that entry before
+        it, the entry was rotated out of the engine's log (and maybe more after
+        it) before it was read: that line is marked ``lost``.
+
+        The streams are read in one request when their cursors bound it alike
+        (all empty, or all set: each stream's entries are written in the order
+        of their timestamps, so the oldest cursor bounds them all), or with
+        ``whole``: from the log's start, each stream passing over what lies
+        before its cursor. Otherwise a stream without a cursor next to one with
+        a cursor is read from the start, on its own, rather than from the
+        other's cursor: an entry of one stream may reach the log after a newer
+        one of the other. A followed read of such a pair waits from the cursor
+        that is set; an entry it brings of the stream without one is marked
+        ``lost`` (a wake-up only: the next read takes it)."""
+        set_keys = [
+            key
+            for cursor in cursors.values()
+            if (key := _timestamp_key(cursor.timestamp) if cursor.timestamp else None)
+        ]
+        if whole:
+            set_keys = []
+        if not follow and 0 < len(set_keys) < len(cursors):
+            for stream, cursor in cursors.items():
+                yield from self._read_logs(container_id, {stream: cursor}, False)
+            return
+        readers: dict[int, _EntryReader] = {}
+        for stream, cursor in cursors.items():
+            after = _timestamp_key(cursor.timestamp) if cursor.timestamp else None
+            readers[_STREAM_IDS[stream]] = _EntryReader(stream, after, cursor.count)
+        unbounded = {
+            _STREAM_IDS[stream]
+            for stream, cursor in cursors.items()
+            if set_keys and not cursor.timestamp
+        }
+        since = _since(min(set_keys)) if set_keys else None
         with self._engine("read the logs of container", container_id) as api:
-            frames = _log_stream(
-                api, container_id, stream, follow, _since(after) if after is not None else None
-            )
+            response = _log_response(api, container_id, list(cursors), follow, since)
             try:
                 # One frame is one log entry; a followed one is delivered as soon as
                 # Docker has it, and a read without follow goes by blocks.
-                response = None if follow else getattr(frames, "_response", None)
-                for frame in frames if response is None else _frames_in_blocks(response):
+                frames = _followed_frames(response) if follow else _frames_in_blocks(response)
+                for kind, frame in frames:
+                    reader = readers.get(kind)
+                    if reader is None:
+                        continue
                     line = reader.entry(frame)
                     if line is None:
                         continue
-                    if not reader.reached:
+                    if kind in unbounded:
+                        line = dataclasses.replace(line, lost=True)
+                    elif not reader.reached:
                         reader.reached = True
                         line = dataclasses.replace(line, lost=True)
                     yield line
             finally:
-                _close_stream(frames)
+                _close_response(response)
 
     # --- plumbing -----------------------------------------------------------------------
 
@@ -721,7 +791,7 @@ def _tini_in_our_words(
     """The job's stderr with tini's line about a command it could not start
     replaced by ours: ``gpumesh: nvidia-smi: not found in image busybox:1 (exit 127)``."""
     with contextlib.closing(lines):
-        yield from (_reworded(line, image) for line in lines)
+        yield from (_reworded(line, image) if line.stream == "stderr" else line for line in lines)
 
 
 def _reworded(line: LogLine, image: str) -> LogLine:
@@ -1049,16 +1119,17 @@ def _since(key: tuple[str, int]) -> float | None:
     return millis / 1000 if millis > 0 else None
 
 
-def _log_stream(
-    api: Any, container_id: str, stream: Stream, follow: bool, since: float | None
+def _log_response(
+    api: Any, container_id: str, streams: list[Stream], follow: bool, since: float | None
 ) -> Any:
-    """What the SDK's ``logs(..., stream=True)`` returns, without the inspect it
-    makes first to learn whether the container has a TTY: a job container never
-    has one, and its log is read several times for every job, the last reads
-    after it exited, on the way to reporting its end."""
+    """The engine's answer to one read of a job's log, not yet read: what the
+    SDK's ``logs(..., stream=True)`` gets, without the inspect it makes first to
+    learn whether the container has a TTY (a job container never has one; its
+    log is read several times for every job, the last reads after it exited, on
+    the way to reporting its end) and with the stream of each frame kept."""
     params: dict[str, Any] = {
-        "stdout": int(stream == "stdout"),
-        "stderr": int(stream == "stderr"),
+        "stdout": int("stdout" in streams),
+        "stderr": int("stderr" in streams),
         "timestamps": 1,
         "follow": int(follow),
         "tail": "all",
@@ -1066,15 +1137,23 @@ def _log_stream(
     if since is not None:
         params["since"] = since
     response = api._get(api._url("/containers/{0}/logs", container_id), params=params, stream=True)
-    # Raises the engine's answer (no such container, ...) now, as logs() does.
-    frames = api._get_result_tty(True, response, False)
-    return docker.types.CancellableStream(frames, response)
+    try:
+        # Raises the engine's answer (no such container, ...) now, as logs() does.
+        api._raise_for_status(response)
+    except BaseException:
+        response.close()
+        raise
+    if follow:
+        # A job may stay quiet for days: no read timeout while following.
+        with contextlib.suppress(AttributeError, OSError):
+            api._disable_socket_timeout(api._get_raw_response_socket(response))
+    return response
 
 
-def _frames_in_blocks(response: Any) -> Iterator[bytes]:
+def _frames_in_blocks(response: Any) -> Iterator[tuple[int, bytes]]:
     """The frames of a multiplexed log response (``u8 stream, 3 zero bytes, u32
-    length``, then the entry), read in large blocks: the SDK reads each frame's
-    header and body apart, some tens of microseconds a frame."""
+    length``, then the entry) as (stream, entry), read in large blocks: the SDK
+    reads each frame's header and body apart, some tens of microseconds a frame."""
     buffer = b""
     while block := response.raw.read(_LOG_BLOCK):
         buffer = buffer + block if buffer else block
@@ -1084,20 +1163,28 @@ def _frames_in_blocks(response: Any) -> Iterator[bytes]:
             if end > size:
                 break
             if end > offset + 8:
-                yield buffer[offset + 8 : end]
+                yield buffer[offset], buffer[offset + 8 : end]
             offset = end
         buffer = buffer[offset:]
 
 
-def _close_stream(frames: Any) -> None:
-    # The SDK's close() pokes at urllib3 internals that are gone once the
-    # response was read to the end; nothing is left to close then.
-    with contextlib.suppress(AttributeError, OSError, docker.errors.DockerException):
-        frames.close()
-    # A stream left before its end (its reader stopped): the socket closes only
-    # once the response lets go of it too.
-    with contextlib.suppress(AttributeError, OSError):
-        frames._response.close()
+def _followed_frames(response: Any) -> Iterator[tuple[int, bytes]]:
+    """The frames of a followed log response, each as soon as the engine sent it."""
+    while len(header := response.raw.read(8)) == 8:
+        length = int.from_bytes(header[4:8], "big")
+        if not length:
+            continue
+        data = response.raw.read(length)
+        if len(data) < length:
+            return  # the connection ended mid-frame
+        yield header[0], data
+
+
+def _close_response(response: Any) -> None:
+    # A response left before its end (its reader stopped): the socket closes only
+    # once the response lets go of it.
+    with contextlib.suppress(AttributeError, OSError, requests.exceptions.RequestException):
+        response.close()
 
 
 def _explanation(exc: docker.errors.APIError) -> str:
