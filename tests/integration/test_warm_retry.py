@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import pytest
@@ -34,6 +34,18 @@ pytestmark = pytest.mark.usefixtures("docker_daemon")
 def cluster(make_node: Callable[[str], Node], engine: Any) -> Iterator[Callable[[str], Node]]:
     with job_nodes(make_node, "256MB") as factory:
         yield factory
+
+
+@contextlib.asynccontextmanager
+async def _pooled(alice: Node, bob: Node) -> AsyncIterator[Agent]:
+    """alice shares, both paired, and bob keeps warm sessions (a pool of its own)."""
+    async with sharing(alice) as agent:
+        pair_both(alice, bob)
+        bob.pool = SessionPool()
+        try:
+            yield agent
+        finally:
+            bob.pool.close()
 
 
 async def _started(node: Node, job_id: str) -> None:
@@ -103,23 +115,18 @@ def test_a_run_whose_warm_session_died_before_its_acceptance_is_sent_again_and_r
     alice, bob = cluster("alice"), cluster("bob")
 
     async def scenario() -> None:
-        async with sharing(alice) as agent:
-            pair_both(alice, bob)
-            bob.pool = SessionPool()
-            try:
-                first = await run_job(bob, spec("alice", "sh", "-c", "echo one"))
-                assert first.exit_code == 0
-                cut = _cut_after_start(agent, alice)
-                got = Collected()
-                second = await run_job(bob, spec("alice", "sh", "-c", "echo two"), callbacks=got)
-                assert cut == [second.job_id]  # the session it was lent died under it
-                assert (second.state, second.exit_code) == ("succeeded", 0)
-                assert bytes(got.out) == b"two\n"
-                hosted = {job.job_id: job for job in alice.home.store.jobs(role="hosted")}
-                assert sorted(hosted) == sorted([first.job_id, second.job_id])
-                assert hosted[second.job_id].attempt == 1  # never started twice
-            finally:
-                bob.pool.close()
+        async with _pooled(alice, bob) as agent:
+            first = await run_job(bob, spec("alice", "sh", "-c", "echo one"))
+            assert first.exit_code == 0
+            cut = _cut_after_start(agent, alice)
+            got = Collected()
+            second = await run_job(bob, spec("alice", "sh", "-c", "echo two"), callbacks=got)
+            assert cut == [second.job_id]  # the session it was lent died under it
+            assert (second.state, second.exit_code) == ("succeeded", 0)
+            assert bytes(got.out) == b"two\n"
+            hosted = {job.job_id: job for job in alice.home.store.jobs(role="hosted")}
+            assert sorted(hosted) == sorted([first.job_id, second.job_id])
+            assert hosted[second.job_id].attempt == 1  # never started twice
 
     arun(scenario())
 
@@ -130,24 +137,19 @@ def test_job_queries_whose_warm_session_closed_under_them_are_asked_again(
     alice, bob = cluster("alice"), cluster("bob")
 
     async def scenario() -> None:
-        async with sharing(alice) as agent:
-            pair_both(alice, bob)
-            bob.pool = SessionPool()
-            try:
-                done = await run_job(bob, spec("alice", "sh", "-c", "echo one"), detach=True)
-                for _ in range(600):  # a generous ceiling
-                    hosted = alice.home.store.job(JobRole.HOSTED, done.job_id)
-                    if hosted is not None and hosted.state in FINAL_STATES:
-                        break
-                    await asyncio.sleep(0.05)
-                closed = _close_on_first(agent, JobQuery)
-                unconfirmed = await refresh_jobs(bob, timeout=30)
-                assert closed == [JobQuery(job_id=done.job_id)]
-                assert unconfirmed == []
-                record = bob.home.store.job(JobRole.SUBMITTED, done.job_id)
-                assert record is not None and record.state == JobState.SUCCEEDED
-            finally:
-                bob.pool.close()
+        async with _pooled(alice, bob) as agent:
+            done = await run_job(bob, spec("alice", "sh", "-c", "echo one"), detach=True)
+            for _ in range(600):  # a generous ceiling
+                hosted = alice.home.store.job(JobRole.HOSTED, done.job_id)
+                if hosted is not None and hosted.state in FINAL_STATES:
+                    break
+                await asyncio.sleep(0.05)
+            closed = _close_on_first(agent, JobQuery)
+            unconfirmed = await refresh_jobs(bob, timeout=30)
+            assert closed == [JobQuery(job_id=done.job_id)]
+            assert unconfirmed == []
+            record = bob.home.store.job(JobRole.SUBMITTED, done.job_id)
+            assert record is not None and record.state == JobState.SUCCEEDED
 
     arun(scenario())
 
@@ -204,18 +206,13 @@ def test_a_cancel_whose_warm_session_closed_under_it_is_sent_again(
     alice, bob = cluster("alice"), cluster("bob")
 
     async def scenario() -> None:
-        async with sharing(alice) as agent:
-            pair_both(alice, bob)
-            bob.pool = SessionPool()
-            try:
-                job = await run_job(bob, spec("alice", "sleep", "60"), detach=True)
-                closed = _close_on_first(agent, JobCancel)
-                result = await cancel_job(bob, "alice", job.job_id)
-                assert closed == [JobCancel(job_id=job.job_id)]
-                assert result.state == "cancelled"
-                hosted = alice.home.store.job(JobRole.HOSTED, job.job_id)
-                assert hosted is not None and hosted.state == JobState.CANCELLED
-            finally:
-                bob.pool.close()
+        async with _pooled(alice, bob) as agent:
+            job = await run_job(bob, spec("alice", "sleep", "60"), detach=True)
+            closed = _close_on_first(agent, JobCancel)
+            result = await cancel_job(bob, "alice", job.job_id)
+            assert closed == [JobCancel(job_id=job.job_id)]
+            assert result.state == "cancelled"
+            hosted = alice.home.store.job(JobRole.HOSTED, job.job_id)
+            assert hosted is not None and hosted.state == JobState.CANCELLED
 
     arun(scenario())
