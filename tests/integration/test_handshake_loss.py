@@ -19,8 +19,10 @@ of the dialer's packets, and the window stays near where the first loss cut it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from collections import deque
+from collections.abc import AsyncIterator
 from typing import cast
 
 from gpumesh.identity.keys import Identity
@@ -90,13 +92,14 @@ class _Link(asyncio.DatagramProtocol):
             self._timer = self._loop.call_at(self._queue[0][0], self._release)
 
 
-async def _upload_through_the_link() -> tuple[Recovery, int, int]:
-    provider = Identity.generate()
-    receiver = Receiver()
-    endpoint = QuicEndpoint.listen(provider, "127.0.0.1", 0, on_link=receiver.on_link)
+@contextlib.asynccontextmanager
+async def _dialled_through(
+    endpoint: QuicEndpoint, provider: Identity, *, provider_loses: bool = False
+) -> AsyncIterator[tuple[_Link, QuicLink]]:
+    """A link in front of ``endpoint`` (see :class:`_Link`) and a dial through it."""
     loop = asyncio.get_running_loop()
     transport, lab = await loop.create_datagram_endpoint(
-        lambda: _Link(("127.0.0.1", endpoint.local_address[1])),
+        lambda: _Link(("127.0.0.1", endpoint.local_address[1]), provider_loses=provider_loses),
         sock=open_udp_socket("127.0.0.1", 0),  # big buffers: the link itself drops nothing else
     )
     link: QuicLink | None = None
@@ -108,19 +111,29 @@ async def _upload_through_the_link() -> tuple[Recovery, int, int]:
             timeout=20,
             local_host="127.0.0.1",
         )
-        stream = link.open_stream()
-        await stream.send_data(os.urandom(UPLOAD))
-        stream.end_data()
-        await asyncio.wait_for(receiver.done.wait(), 120)
-        assert len(receiver.received) == UPLOAD
-        recovery = link.recovery()
-        assert recovery is not None
-        return recovery, lab.dropped, link.early_duplicates
+        yield lab, link
     finally:
         if link is not None:
             link.close()
-        receiver.cancel()
         transport.close()
+
+
+async def _upload_through_the_link() -> tuple[Recovery, int, int]:
+    provider = Identity.generate()
+    receiver = Receiver()
+    endpoint = QuicEndpoint.listen(provider, "127.0.0.1", 0, on_link=receiver.on_link)
+    try:
+        async with _dialled_through(endpoint, provider) as (lab, link):
+            stream = link.open_stream()
+            await stream.send_data(os.urandom(UPLOAD))
+            stream.end_data()
+            await asyncio.wait_for(receiver.done.wait(), 120)
+            assert len(receiver.received) == UPLOAD
+            recovery = link.recovery()
+            assert recovery is not None
+            return recovery, lab.dropped, link.early_duplicates
+    finally:
+        receiver.cancel()
         endpoint.close()
 
 
@@ -153,38 +166,23 @@ async def _download_through_the_link() -> tuple[Recovery, int, int]:
         link.on_stream = on_stream
 
     endpoint = QuicEndpoint.listen(provider, "127.0.0.1", 0, on_link=on_link)
-    loop = asyncio.get_running_loop()
-    transport, lab = await loop.create_datagram_endpoint(
-        lambda: _Link(("127.0.0.1", endpoint.local_address[1]), provider_loses=True),
-        sock=open_udp_socket("127.0.0.1", 0),
-    )
-    link: QuicLink | None = None
     try:
-        lab_address = transport.get_extra_info("sockname")
-        link = await QuicEndpoint.dial(
-            ("127.0.0.1", lab_address[1]),
-            expected_key=provider.public_key,
-            timeout=20,
-            local_host="127.0.0.1",
-        )
-        stream = link.open_stream()
-        await stream.send_data(b"send")
-        stream.end_data()
-        received = 0
-        async with asyncio.timeout(120):
-            while chunk := await stream.read_data():
-                received += len(chunk)
-        assert received == UPLOAD
-        assert len(accepted) == 1
-        recovery = accepted[0].recovery()
-        assert recovery is not None
-        return recovery, lab.dropped, accepted[0].early_duplicates
+        async with _dialled_through(endpoint, provider, provider_loses=True) as (lab, link):
+            stream = link.open_stream()
+            await stream.send_data(b"send")
+            stream.end_data()
+            received = 0
+            async with asyncio.timeout(120):
+                while chunk := await stream.read_data():
+                    received += len(chunk)
+            assert received == UPLOAD
+            assert len(accepted) == 1
+            recovery = accepted[0].recovery()
+            assert recovery is not None
+            return recovery, lab.dropped, accepted[0].early_duplicates
     finally:
-        if link is not None:
-            link.close()
         for task in writers:
             task.cancel()
-        transport.close()
         endpoint.close()
 
 
