@@ -16,6 +16,7 @@ from gpumesh.errors import AccessDeniedError, ConfigError
 from gpumesh.protocol.messages import JobAccepted, JobSubmit
 from tests.integration.conftest import arun, gpumesh, pair_both, sharing
 from tests.integration.test_cli import _one_line_error
+from tests.probe import probe
 
 pytestmark = pytest.mark.usefixtures("docker_daemon")
 
@@ -289,15 +290,7 @@ def test_app_sync_json_through_the_node_process_loads_no_msgspec(pair, tmp_path:
         "print(code, sorted(m for m in sys.modules if m.split('.')[0] == 'msgspec'))\n"
     )
     try:
-        result = subprocess.run(
-            [sys.executable, "-c", check],
-            env=env,
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            check=False,
-            timeout=120,
-        )
+        result = probe(check, env)
     finally:
         stop = [sys.executable, "-m", "gpumesh", "daemon", "stop"]
         subprocess.run(stop, env=env, capture_output=True, check=False, timeout=60)
