@@ -128,8 +128,12 @@ class ConnectResult:
     punch_ms: float | None
     """For a relayed session: milliseconds hole punching took to open a direct path."""
     connect_ms: float
-    """Dial + TLS + identity proof, in milliseconds."""
+    """Dial + TLS + identity proof, in milliseconds (of the warm session's own dial,
+    when ``warm``)."""
     remote: StatusReply
+    warm: bool = False
+    """The pool lent a session an earlier request had dialled: nothing was dialled
+    now, and the round trips were measured on it."""
 
 
 @dataclass(frozen=True)
@@ -448,12 +452,18 @@ class Node:
 
         started = time.perf_counter()
         async with self.session(query, timeout=timeout) as session:
+            # Lent warm: welcomed before this command (a dial of its own is not yet).
+            warm = session.welcomed
             # The status request leaves with the identity proof and its reply comes
             # right behind the provider's Welcome: no round trip of its own.
             status = asyncio.ensure_future(session.request(StatusRequest()))
             try:
                 await session.established()
                 connect_ms = (time.perf_counter() - started) * 1000
+                if warm and self.pool is not None:
+                    kept = self.pool.warm(str(peer.node_id), session)
+                    if kept is not None and kept.connect_ms is not None:
+                        connect_ms = kept.connect_ms
                 remote = await status
             finally:
                 status.cancel()
@@ -478,6 +488,7 @@ class Node:
             punch_ms=None if punched is None else punched * 1000,
             connect_ms=connect_ms,
             remote=remote,
+            warm=warm,
         )
 
     async def check_paired_back(

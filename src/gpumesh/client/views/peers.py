@@ -83,6 +83,10 @@ class ConnectView(msgspec.Struct):
     sharing: bool
     upload_mb_per_s: float | msgspec.UnsetType = msgspec.UNSET
     """Only with ``--speed``."""
+    warm: bool = False
+    """True: the node process lent a session an earlier command had dialled; nothing
+    was dialled now (``connect_ms`` is that session's own dial), the round trips were
+    measured on it."""
 
     @classmethod
     def of(cls, result: ConnectResult, throughput: ThroughputResult | None) -> ConnectView:
@@ -98,6 +102,7 @@ class ConnectView(msgspec.Struct):
             remote_version=result.remote.version,
             sharing=result.remote.sharing,
             upload_mb_per_s=round(throughput.mb_per_s, 1) if throughput else msgspec.UNSET,
+            warm=result.warm,
         )
 
 
