@@ -132,7 +132,7 @@ async def _on(node: Node, peer: Peer, session: Session | None) -> AsyncIterator[
     if session is not None and not session.link.is_closed:
         yield session
         return
-    async with node.session(peer.node_id) as opened:
+    async with node.live_session(peer.node_id) as opened:
         yield opened
 
 
@@ -506,7 +506,7 @@ async def run_app(
     from gpumesh.client.jobs import new_job_id, run_job
 
     peer = node.peer(peer_query)
-    async with node.session(peer.node_id) as session:
+    async with node.live_session(peer.node_id) as session:
         sync = await sync_app(node, peer.node_id, folder, reuse=session)
         if synced is not None:
             synced(sync)

@@ -349,6 +349,19 @@ class Node:
         async with self.session(query, timeout=timeout) as session:
             yield session, await first(session)
 
+    @contextlib.asynccontextmanager
+    async def live_session(
+        self, query: str, *, timeout: float | None = None
+    ) -> AsyncIterator[Session]:
+        """:meth:`session` for what is more than one request safe to send twice (a
+        follow, a copy, a sync): a warm session lent again is pinged first, and
+        should it have died while it waited (its peer was killed and restarted, or
+        closed it), a new one is dialled before anything is sent (see
+        :meth:`~gpumesh.client.pool.SessionPool.lend_for`). A session dialled now
+        proves itself with its first answer."""
+        async with self.session_for(query, _answers_if_warm, timeout=timeout) as (session, _):
+            yield session
+
     async def on_session(
         self,
         query: str,
@@ -536,6 +549,15 @@ class Node:
         if reply.received != size:
             raise UnreachableError(f"{peer.name} received {reply.received} of {size} bytes")
         return ThroughputResult(peer=peer, bytes=size, seconds=seconds)
+
+
+async def _answers_if_warm(session: Session) -> None:
+    """A ping on a session welcomed before this request (lent warm); nothing on one
+    dialled for it."""
+    if session.welcomed:
+        from gpumesh.client.pool import PROBE_TIMEOUT
+
+        await session.request(Ping(sent=time.perf_counter()), timeout=PROBE_TIMEOUT)
 
 
 def default_node_name() -> str:
