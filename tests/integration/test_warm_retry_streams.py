@@ -199,3 +199,22 @@ def test_an_app_sync_lent_a_dead_warm_session_dials_again_and_sends_only_the_cha
     arun(scenario())
     synced = alice.home.path / "files" / str(bob.info().node_id) / "apps" / "app"
     assert (synced / "f2.py").read_text() == "print('two')\n"
+
+
+def test_a_connect_lent_a_dead_warm_session_dials_again_and_says_so(
+    cluster: Callable[[str], Node], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(pool, "PROBE_AFTER", 3600.0)
+    alice, bob = cluster("alice"), cluster("bob")
+
+    async def scenario() -> None:
+        async with _restarts(alice, bob) as provider:
+            assert (await _within(bob.connect("alice", pings=1))).warm is False
+            assert (await _within(bob.connect("alice", pings=1))).warm is True
+            old = await provider.restart()
+            again = await _within(bob.connect("alice", pings=1))
+            assert again.warm is False  # measured on a session dialled now
+            assert again.remote.name == "alice"
+            provider.dialled_again(old)
+
+    arun(scenario())

@@ -464,8 +464,8 @@ class Node:
         import gpumesh.transport.session  # noqa: F401 - loading code is not connecting
 
         started = time.perf_counter()
-        async with self.session(query, timeout=timeout) as session:
-            # Lent warm: welcomed before this command (a dial of its own is not yet).
+        async with self.live_session(query, timeout=timeout) as session:
+            # Lent warm (and found alive): welcomed before. A dial of its own is not yet.
             warm = session.welcomed
             # The status request leaves with the identity proof and its reply comes
             # right behind the provider's Welcome: no round trip of its own.
