@@ -351,15 +351,27 @@ class Node:
 
     @contextlib.asynccontextmanager
     async def live_session(
-        self, query: str, *, timeout: float | None = None
+        self,
+        query: str,
+        *,
+        timeout: float | None = None,
+        before: Callable[[Session], None] | None = None,
     ) -> AsyncIterator[Session]:
         """:meth:`session` for what is more than one request safe to send twice (a
         follow, a copy, a sync): a warm session lent again is pinged first, and
         should it have died while it waited (its peer was killed and restarted, or
         closed it), a new one is dialled before anything is sent (see
         :meth:`~gpumesh.client.pool.SessionPool.lend_for`). A session dialled now
-        proves itself with its first answer."""
-        async with self.session_for(query, _answers_if_warm, timeout=timeout) as (session, _):
+        proves itself with its first answer. ``before``: a notice that is safe to
+        send twice and waits for no answer, sent ahead of the ping (and again on a
+        new session), so the peer starts on it meanwhile."""
+
+        async def check(session: Session) -> None:
+            if before is not None:
+                before(session)
+            await _answers_if_warm(session)
+
+        async with self.session_for(query, check, timeout=timeout) as (session, _):
             yield session
 
     async def on_session(
