@@ -81,12 +81,12 @@ class ConnectView(msgspec.Struct):
     punch_ms: float | None
     remote_version: str
     sharing: bool
-    upload_mb_per_s: float | msgspec.UnsetType = msgspec.UNSET
-    """Only with ``--speed``."""
     warm: bool = False
     """True: the node process lent a session an earlier command had dialled; nothing
     was dialled now (``connect_ms`` is that session's own dial), the round trips were
     measured on it."""
+    upload_mb_per_s: float | msgspec.UnsetType = msgspec.UNSET
+    """Only with ``--speed``."""
 
     @classmethod
     def of(cls, result: ConnectResult, throughput: ThroughputResult | None) -> ConnectView:
@@ -101,8 +101,8 @@ class ConnectView(msgspec.Struct):
             punch_ms=None if result.punch_ms is None else round(result.punch_ms, 1),
             remote_version=result.remote.version,
             sharing=result.remote.sharing,
-            upload_mb_per_s=round(throughput.mb_per_s, 1) if throughput else msgspec.UNSET,
             warm=result.warm,
+            upload_mb_per_s=round(throughput.mb_per_s, 1) if throughput else msgspec.UNSET,
         )
 
 
