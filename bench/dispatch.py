@@ -35,8 +35,9 @@ status"; together with the spawn and
 exit times seen here they split every ``gpumesh run`` into phases. Two more
 commands take turns in the same loop as reference points: ``gpumesh --help``
 (interpreter and CLI start-up, the floor of any ``gpumesh`` command) and
-``gpumesh connect alice`` (start-up plus dial, identity proof, a status
-request and five pings, then exit; it also reports its own dial time). One
+``gpumesh connect alice`` with ``GPUMESH_NODE=off`` (in-process: start-up
+plus a fresh dial, identity proof, a status request and five pings, then
+exit; it also reports its own dial time). One
 more ``gpumesh run`` per round runs with ``PYTHONPROFILEIMPORTTIME=1``; only
 its import total is used (the profiler slows it, so its wall time is not).
 
@@ -378,6 +379,9 @@ def measure(args: argparse.Namespace, tmp: Path) -> Results:
         env.pop("GPUMESH_NODE", None)  # `gpumesh run` as users get it: through the node process
         profiled_env = dict(env, PYTHONPROFILEIMPORTTIME="1")
         envs = {PROFILED: profiled_env, IN_PROCESS: dict(env, GPUMESH_NODE="off")}
+        # In-process: a dial of its own every time (through the node process it would
+        # measure on the warm session the runs keep).
+        envs[CONNECT] = dict(env, GPUMESH_NODE="off")
         if args.baseline:
             # Another version, provider and consumer both, on the same engine.
             source = baseline_source(args.baseline, tmp / "baseline-src")

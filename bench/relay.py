@@ -16,8 +16,9 @@ What is measured, ``--repeat`` times, alternating the two set-ups:
   punching fails and every byte goes through the relay.
 
 Figures are MB/s (10^6 bytes per second) of the whole throughput call,
-medians of the runs, and the ratio relayed/direct. The lab and every process
-in it are removed on exit.
+medians of the runs, and the ratio relayed/direct. Every ``gpumesh`` command
+runs in-process (``GPUMESH_NODE=off``: no node process, each ``connect`` a
+fresh dial). The lab and every process in it are removed on exit.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ def _natlab(*args: str) -> None:
 def _in(ns: str, home: Path | None, *args: str, timeout: float = 300) -> str:
     env = dict(os.environ)
     env.pop("GPUMESH_LOG", None)
+    # In-process: each connect dials afresh, and no node process outlives the lab.
+    env["GPUMESH_NODE"] = "off"
     if home is not None:
         env["GPUMESH_HOME"] = str(home)
     result = subprocess.run(

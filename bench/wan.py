@@ -27,8 +27,9 @@ and loss, and each path is timed as a whole process, ``--repeat`` runs each
   second consumer (carol) whose ``data_channel`` is ``off``, the way every
   hole-punched or relayed session carries them (the data channel needs a
   direct TCP path);
-* ``gpumesh connect --json``: the whole process, and the time it reports
-  itself (``connect_ms``: dial and identity proof).
+* ``gpumesh connect --json`` in-process (``GPUMESH_NODE=off``: a fresh dial
+  each time): the whole process, and the time it reports itself
+  (``connect_ms``: dial and identity proof).
 
 A run that takes longer than ``--limit`` seconds is killed and shown as
 timed out (below size/limit MB/s); that path's other runs in that row are
@@ -596,7 +597,9 @@ def run_warm(setup: Setup, row: Row, *, path: str) -> float:
 
 
 def run_connect(setup: Setup, row: Row) -> None:
-    seconds, out = timed(gm("connect", "--json", "alice"), setup.args.limit, setup.env)
+    # In-process: a fresh dial each time, not the node process's warm session.
+    env = dict(setup.env, GPUMESH_NODE="off")
+    seconds, out = timed(gm("connect", "--json", "alice"), setup.args.limit, env)
     row.connect_wall.append(seconds * 1000)
     row.connect_own.append(float(json.loads(out)["connect_ms"]))
 

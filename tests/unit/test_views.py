@@ -232,6 +232,7 @@ def test_connect_has_upload_speed_only_when_measured() -> None:
     plain = json.loads(to_json(ConnectView.of(result, None)))
     assert "upload_mb_per_s" not in plain
     assert (plain["rtt_ms"], plain["connect_ms"], plain["punch_ms"]) == (0.123, 61.988, None)
+    assert plain["warm"] is False  # dialled for it (a node process's warm session: True)
     measured = ConnectView.of(result, ThroughputResult(peer, bytes=3_000_000, seconds=2.0))
     shown = json.loads(to_json(measured))
     assert list(shown)[-1] == "upload_mb_per_s" and shown["upload_mb_per_s"] == 1.5

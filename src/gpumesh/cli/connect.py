@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
 from gpumesh.cli._common import emit_json, get_node, run_async
 from gpumesh.cli._complete import complete_peer
+from gpumesh.cli._node import node_enabled
 
 
 @click.command(
@@ -14,6 +17,13 @@ Examples:
   gpumesh connect alice-pc
   gpumesh connect k3x9 --json
   gpumesh connect alice-pc --speed 256MB     # also measure upload throughput
+  GPUMESH_NODE=off gpumesh connect alice-pc  # a fresh dial from this command itself
+\b
+Through this home's node process (the default), a warm session to PEER is
+reused when there is one: the round trips are measured on it, "(warm session)"
+says so (--json: "warm": true) and the connect time shown is that session's
+own dial. Otherwise the node process dials now and keeps the session warm for
+the next command. --speed pushes its bytes on that same session.
 """
 )
 @click.argument("peer", envvar="GPUMESH_PEER", shell_complete=complete_peer)
@@ -27,27 +37,78 @@ def connect(peer: str, timeout: float | None, speed: str | None, as_json: bool) 
 
     PEER is a name or an id prefix; $GPUMESH_PEER is the default.
     """
-    from gpumesh.units import parse_size
+    from gpumesh.units import format_rate, format_size, parse_size
 
-    node = get_node()
     size = parse_size(speed) if speed else 0
-    result = run_async(node.connect(peer, timeout=timeout))
-    throughput = run_async(node.throughput(peer, size)) if size else None
-    if as_json:
+    if timeout is not None and not 0 < timeout <= 3600:
+        raise click.BadParameter("must be above 0 and at most 3600", param_hint="--timeout")
+    if node_enabled():
+        view = _through_node(peer, timeout, size)
+        if as_json:
+            import json
+
+            click.echo(json.dumps(view, indent=2))  # as to_json prints the view
+            return
+        _show(view)
+        mb_per_s = view.get("upload_mb_per_s")
+        rate = "-" if not mb_per_s else format_rate(mb_per_s * 1e6, 1.0)
+    else:
+        node = get_node()
+        result = run_async(node.connect(peer, timeout=timeout))
+        throughput = run_async(node.throughput(peer, size)) if size else None
         from gpumesh.client.views.peers import ConnectView
 
-        emit_json(ConnectView.of(result, throughput))
-        return
-    where = "" if " " in result.path else f" via {result.address}"
+        connected = ConnectView.of(result, throughput)
+        if as_json:
+            emit_json(connected)
+            return
+        _show(
+            {
+                "peer": result.peer.name,
+                "path": result.path,
+                "address": result.address,
+                "rtt_ms": result.rtt_ms,
+                "connect_ms": result.connect_ms,
+                "punch_ms": result.punch_ms,
+                "warm": result.warm,
+            }
+        )
+        rate = "-" if throughput is None else format_rate(throughput.bytes, throughput.seconds)
+    if size:
+        click.echo(f"upload {rate} ({format_size(size)})")
+
+
+def _through_node(peer: str, timeout: float | None, size: int) -> dict[str, Any]:
+    """The node process's ``connect`` view (its JSON as it is)."""
+    from urllib.parse import quote, urlencode
+
+    from gpumesh.cli._node import node_client
+
+    query: dict[str, str] = {}
+    if timeout is not None:
+        query["timeout"] = repr(timeout)
+    if size:
+        query["speed"] = str(size)
+    path = f"/api/v1/peers/{quote(peer, safe='')}/connect"
+    view: dict[str, Any] = node_client().call(
+        "POST", path + (f"?{urlencode(query)}" if query else "")
+    )
+    return view
+
+
+def _show(view: dict[str, Any]) -> None:
+    """The line about the path (``view``: the ``connect`` view's fields)."""
+    path = str(view["path"])
+    where = "" if " " in path else f" via {view['address']}"
+    if view.get("warm"):
+        how = f"warm session: no dial now, its dial took {view['connect_ms']:.0f} ms"
+    else:
+        how = f"connect {view['connect_ms']:.0f} ms"
+    punch = view.get("punch_ms")
     click.echo(
-        f"{click.style(result.peer.name, bold=True)} is reachable: path "
-        f"{click.style(result.path, fg='green')}{where}, "
-        f"rtt {result.rtt_ms:.2f} ms (connect {result.connect_ms:.0f} ms"
-        + ("" if result.punch_ms is None else f", punched in {result.punch_ms:.0f} ms")
+        f"{click.style(str(view['peer']), bold=True)} is reachable: path "
+        f"{click.style(path, fg='green')}{where}, "
+        f"rtt {view['rtt_ms']:.2f} ms ({how}"
+        + ("" if punch is None else f", punched in {punch:.0f} ms")
         + ")"
     )
-    if throughput:
-        from gpumesh.units import format_rate, format_size
-
-        rate = format_rate(throughput.bytes, throughput.seconds)
-        click.echo(f"upload {rate} ({format_size(throughput.bytes)})")

@@ -28,6 +28,7 @@ Nothing here prints; results go to the caller.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -127,12 +128,21 @@ class AppRun:
 
 
 @contextlib.asynccontextmanager
-async def _on(node: Node, peer: Peer, session: Session | None) -> AsyncIterator[Session]:
-    """``session`` when it is given and still open, else a new one (closed after)."""
+async def _on(
+    node: Node,
+    peer: Peer,
+    session: Session | None,
+    before: Callable[[Session], None] | None = None,
+) -> AsyncIterator[Session]:
+    """``session`` when it is given and still open, else a new one (closed after).
+    ``before``: a notice safe to send twice, sent on the session before anything
+    else (on a warm one, before the ping that checks it is alive)."""
     if session is not None and not session.link.is_closed:
+        if before is not None:
+            before(session)
         yield session
         return
-    async with node.session(peer.node_id) as opened:
+    async with node.live_session(peer.node_id, before=before) as opened:
         yield opened
 
 
@@ -300,8 +310,10 @@ async def sync_app(
     # The folder is scanned (and the last confirmed manifest read) while we dial.
     scanning = in_thread(_scan_with_state, node, folder, state_file if incremental else None)
     scanning.add_done_callback(_retrieved)
-    async with _on(node, peer, reuse) as session:
-        _prepare(session, name, dry_run)
+    # The provider walks its copy while we scan ours, even while a warm session is
+    # checked.
+    prepare = functools.partial(_prepare, name=name, dry_run=dry_run)
+    async with _on(node, peer, reuse, before=prepare) as session:
         plan, entries, by_path, state = await scanning
         result = SyncResult(peer.name, app_folder(name), dry_run, skipped=list(plan.skipped))
         files = {path: (size, mode, sha) for path, size, mode, sha in entries}
@@ -506,7 +518,7 @@ async def run_app(
     from gpumesh.client.jobs import new_job_id, run_job
 
     peer = node.peer(peer_query)
-    async with node.session(peer.node_id) as session:
+    async with node.live_session(peer.node_id) as session:
         sync = await sync_app(node, peer.node_id, folder, reuse=session)
         if synced is not None:
             synced(sync)

@@ -317,7 +317,7 @@ class _Copy:
         attempt = 1
         while True:
             try:
-                async with self.node.session(self.peer.node_id) as session:
+                async with self.node.live_session(self.peer.node_id) as session:
                     await self.attempt(session)
                 break
             except (ConnectionLostError, UnreachableError) as exc:

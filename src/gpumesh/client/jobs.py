@@ -696,7 +696,7 @@ async def _follow(
     deadline = time.monotonic() + _RECONNECT_FOR
     while True:
         try:
-            async with node.session(peer_id) as session:
+            async with node.live_session(peer_id) as session:
                 deadline = time.monotonic() + _RECONNECT_FOR  # from the last working link
                 stream = session.open_stream()
                 # Our side stays open: it carries the credit back.

@@ -128,8 +128,12 @@ class ConnectResult:
     punch_ms: float | None
     """For a relayed session: milliseconds hole punching took to open a direct path."""
     connect_ms: float
-    """Dial + TLS + identity proof, in milliseconds."""
+    """Dial + TLS + identity proof, in milliseconds (of the warm session's own dial,
+    when ``warm``)."""
     remote: StatusReply
+    warm: bool = False
+    """The pool lent a session an earlier request had dialled: nothing was dialled
+    now, and the round trips were measured on it."""
 
 
 @dataclass(frozen=True)
@@ -345,6 +349,31 @@ class Node:
         async with self.session(query, timeout=timeout) as session:
             yield session, await first(session)
 
+    @contextlib.asynccontextmanager
+    async def live_session(
+        self,
+        query: str,
+        *,
+        timeout: float | None = None,
+        before: Callable[[Session], None] | None = None,
+    ) -> AsyncIterator[Session]:
+        """:meth:`session` for what is more than one request safe to send twice (a
+        follow, a copy, a sync): a warm session lent again is pinged first, and
+        should it have died while it waited (its peer was killed and restarted, or
+        closed it), a new one is dialled before anything is sent (see
+        :meth:`~gpumesh.client.pool.SessionPool.lend_for`). A session dialled now
+        proves itself with its first answer. ``before``: a notice that is safe to
+        send twice and waits for no answer, sent ahead of the ping (and again on a
+        new session), so the peer starts on it meanwhile."""
+
+        async def check(session: Session) -> None:
+            if before is not None:
+                before(session)
+            await _answers_if_warm(session)
+
+        async with self.session_for(query, check, timeout=timeout) as (session, _):
+            yield session
+
     async def on_session(
         self,
         query: str,
@@ -447,13 +476,19 @@ class Node:
         import gpumesh.transport.session  # noqa: F401 - loading code is not connecting
 
         started = time.perf_counter()
-        async with self.session(query, timeout=timeout) as session:
+        async with self.live_session(query, timeout=timeout) as session:
+            # Lent warm (and found alive): welcomed before. A dial of its own is not yet.
+            warm = session.welcomed
             # The status request leaves with the identity proof and its reply comes
             # right behind the provider's Welcome: no round trip of its own.
             status = asyncio.ensure_future(session.request(StatusRequest()))
             try:
                 await session.established()
                 connect_ms = (time.perf_counter() - started) * 1000
+                if warm and self.pool is not None:
+                    kept = self.pool.warm(str(peer.node_id), session)
+                    if kept is not None and kept.connect_ms is not None:
+                        connect_ms = kept.connect_ms
                 remote = await status
             finally:
                 status.cancel()
@@ -478,6 +513,7 @@ class Node:
             punch_ms=None if punched is None else punched * 1000,
             connect_ms=connect_ms,
             remote=remote,
+            warm=warm,
         )
 
     async def check_paired_back(
@@ -525,6 +561,15 @@ class Node:
         if reply.received != size:
             raise UnreachableError(f"{peer.name} received {reply.received} of {size} bytes")
         return ThroughputResult(peer=peer, bytes=size, seconds=seconds)
+
+
+async def _answers_if_warm(session: Session) -> None:
+    """A ping on a session welcomed before this request (lent warm); nothing on one
+    dialled for it."""
+    if session.welcomed:
+        from gpumesh.client.pool import PROBE_TIMEOUT
+
+        await session.request(Ping(sent=time.perf_counter()), timeout=PROBE_TIMEOUT)
 
 
 def default_node_name() -> str:

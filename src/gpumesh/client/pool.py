@@ -98,6 +98,9 @@ class Warm:
     """When a request or keep-alive on it last got its answer."""
     users: int = 0
     uses: int = 0
+    connect_ms: float | None = None
+    """Milliseconds its dial took, up to the peer's Welcome (dial, TLS, identity
+    proof); None until the Welcome came."""
 
 
 class SessionPool:
@@ -149,6 +152,12 @@ class SessionPool:
     def sessions(self) -> list[Warm]:
         return [w for w in self._warm.values() if not w.session.link.is_closed]
 
+    def warm(self, peer_id: str, session: Session) -> Warm | None:
+        """The warm session ``session`` to ``peer_id`` as the pool keeps it (None once
+        it was dropped)."""
+        warm = self._warm.get(peer_id)
+        return warm if warm is not None and warm.session is session else None
+
     @contextlib.asynccontextmanager
     async def lend(
         self, peer: Peer, dial: Callable[[], Awaitable[Session]]
@@ -168,10 +177,12 @@ class SessionPool:
                 self.drop(key, f"no answer within {PROBE_TIMEOUT:g} s (the peer restarted?)")
                 warm = None
             if warm is None:
+                dialled = time.perf_counter()
                 session = await dial()
                 now = self._clock()
                 warm = Warm(key, peer.name, peer.public_key, session, now, now, now)
                 self._warm[key] = warm
+                _time_welcome(warm, dialled)
                 # What this session punches (now or later) replaces what the last found.
                 self._punched.pop(key, None)
                 if session.through_relay:
@@ -337,3 +348,14 @@ class SessionPool:
                 self.drop(warm.peer_id, f"keep-alive failed: {exc.message}")
         else:
             warm.last_ok = self._clock()
+
+
+def _time_welcome(warm: Warm, dialled: float) -> None:
+    """Set ``warm.connect_ms`` when the peer's Welcome comes (``dialled``: the
+    ``perf_counter`` when its dial began)."""
+
+    def welcomed(done: asyncio.Future[None]) -> None:
+        if not done.cancelled() and done.exception() is None:
+            warm.connect_ms = (time.perf_counter() - dialled) * 1000
+
+    warm.session.read_welcome().add_done_callback(welcomed)

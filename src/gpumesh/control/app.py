@@ -336,10 +336,25 @@ async def post_deny(call: Call) -> object:
 
 
 async def post_connect(call: Call) -> object:
+    """The path to a peer, on the warm session to it when there is one (dialled now
+    when not, and kept warm for the next request); ``speed``: bytes to push too."""
     from gpumesh.client.views.peers import ConnectView
 
     pings = call.number("pings", 5, least=1, most=100)
-    return ConnectView.of(await call.node.connect(call.param("peer"), pings=pings), None)
+    size = call.number("speed", 0, most=2**62)
+    timeout = call.request.query_params.get("timeout")
+    seconds = None
+    if timeout is not None:
+        try:
+            seconds = float(timeout)
+        except ValueError:
+            raise BadRequestError(f"query parameter timeout={timeout!r} is not a number") from None
+        if not 0 < seconds <= 3600:
+            raise BadRequestError("query parameter timeout must be above 0 and at most 3600")
+    peer = call.param("peer")
+    result = await call.node.connect(peer, pings=pings, timeout=seconds)
+    throughput = await call.node.throughput(peer, size) if size else None
+    return ConnectView.of(result, throughput)
 
 
 async def get_jobs(call: Call) -> object:
@@ -947,7 +962,10 @@ ENDPOINTS: tuple[Endpoint, ...] = (
              "Deny a peer: revokes everything at once", V["peer"]),
     Endpoint("POST", "/api/v1/peers/{peer}/connect", post_connect,
              "Dial a peer and measure the path", V["connect"],
-             query=(Query("pings", "integer", "Round trips to measure (5)"),)),
+             query=(Query("pings", "integer", "Round trips to measure (5)"),
+                    Query("timeout", "number", "Seconds to wait for an answer "
+                          "(config connect_timeout)"),
+                    Query("speed", "integer", "Also push this many bytes and report MB/s"))),
     Endpoint("GET", "/api/v1/jobs", get_jobs, "Jobs submitted and hosted, newest first",
              V["jobs"], query=(Query("limit", "integer", "How many (20)"), _offline)),
     Endpoint("POST", "/api/v1/jobs", post_job, "Submit a job to a peer or a group",

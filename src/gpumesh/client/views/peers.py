@@ -81,6 +81,10 @@ class ConnectView(msgspec.Struct):
     punch_ms: float | None
     remote_version: str
     sharing: bool
+    warm: bool = False
+    """True: the node process lent a session an earlier command had dialled; nothing
+    was dialled now (``connect_ms`` is that session's own dial), the round trips were
+    measured on it."""
     upload_mb_per_s: float | msgspec.UnsetType = msgspec.UNSET
     """Only with ``--speed``."""
 
@@ -97,6 +101,7 @@ class ConnectView(msgspec.Struct):
             punch_ms=None if result.punch_ms is None else round(result.punch_ms, 1),
             remote_version=result.remote.version,
             sharing=result.remote.sharing,
+            warm=result.warm,
             upload_mb_per_s=round(throughput.mb_per_s, 1) if throughput else msgspec.UNSET,
         )
 
