@@ -5,6 +5,8 @@ left to click."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
 from gpumesh.cli import launch
@@ -335,3 +337,200 @@ def test_an_app_sync_failure_sent_ahead_is_raised_once_by_the_command(
     assert launch.finish(argv) is None
     monkeypatch.setattr(launch, "_ahead", [(launch.RUN, {}, None, iter(()))])
     assert launch.finish(argv) is None and len(launch._ahead) == 1
+
+
+# A plain run's events, printed by the head start (finish_run) or by the command.
+JOB = "0123456789ab"
+RUN_ARGV = ["run", "--peer", "alice", "--", "sh", "-c", "echo hi; echo oops >&2; exit 3"]
+
+
+def _status(seq: int, state: str, **more: object) -> object:
+    from gpumesh.daemon.client import SseEvent
+
+    data = {"state": state, "attempt": 1, "exit_code": None, "message": "", "exited": False}
+    return SseEvent("status", seq, {**data, **more})
+
+
+def _output(seq: int, stream: str, data: bytes) -> object:
+    import base64
+
+    from gpumesh.daemon.client import SseEvent
+
+    return SseEvent("output", seq, {"stream": stream, "data": base64.b64encode(data).decode()})
+
+
+def _accepted() -> object:
+    from gpumesh.daemon.client import SseEvent
+
+    return SseEvent("acceptedview", None, {"job_id": JOB, "provider": "alice", "gpus": []})
+
+
+def _end(state: str, exit_code: int | None) -> object:
+    from gpumesh.daemon.client import SseEvent
+
+    return SseEvent("end", None, {"job_id": JOB, "state": state, "exit_code": exit_code})
+
+
+RUN_EVENTS = [
+    _accepted(),
+    _status(1, "starting"),
+    _status(2, "running"),
+    _output(3, "stdout", b"hi\n"),
+    _output(4, "stderr", b"oops\n"),
+    _status(5, "retrying", message="exited with 3; retrying in 1s"),  # a note on stderr
+    _status(6, "failed", exit_code=3, exited=True),
+    _end("failed", 3),
+]
+
+
+def _run_body() -> dict[str, object]:
+    return launch.run_body("alice", None, RUN_ARGV[4:])
+
+
+def _run_by_command(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> int:
+    """``run`` as click runs it, reading only what was sent ahead: its exit status."""
+    monkeypatch.setattr(run_module, "node_enabled", lambda: True)
+    with pytest.raises(SystemExit) as exited:
+        run_module.run.main(args=argv[1:], prog_name="gpumesh run", standalone_mode=False)
+    assert isinstance(exited.value.code, int)
+    return exited.value.code
+
+
+@pytest.fixture
+def run_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("GPUMESH_LOG", raising=False)
+    monkeypatch.delenv("GPUMESH_IMAGE", raising=False)
+    monkeypatch.setattr(launch, "_ahead", [])
+    monkeypatch.setattr(launch, "_readers", [])
+
+    def no_second_request() -> object:
+        raise AssertionError("the command sent its request again")
+
+    from gpumesh.cli import _node
+
+    monkeypatch.setattr(_node, "node_client", no_second_request)
+
+
+@pytest.mark.usefixtures("run_ahead")
+def test_a_runs_events_are_printed_ahead_as_the_command_prints_them(
+    monkeypatch: pytest.MonkeyPatch, capsysbinary: pytest.CaptureFixture[bytes]
+) -> None:
+    ahead = (launch.RUN, _run_body(), None, iter(RUN_EVENTS))
+    monkeypatch.setattr(launch, "_ahead", [ahead])
+    assert launch.finish_run(RUN_ARGV) == 3
+    printed = capsysbinary.readouterr()
+    assert printed.out == b"hi\n"
+    assert printed.err == b"oops\ngpumesh: exited with 3; retrying in 1s\n"
+    assert not launch._ahead and not launch._readers
+    # The same events read by the command: the same bytes, the same exit status.
+    monkeypatch.setattr(launch, "_ahead", [(launch.RUN, _run_body(), None, iter(RUN_EVENTS))])
+    assert _run_by_command(RUN_ARGV, monkeypatch) == 3
+    assert capsysbinary.readouterr() == printed
+
+
+@pytest.mark.usefixtures("run_ahead")
+def test_a_run_is_finished_ahead_only_when_one_was_sent_and_no_log_is_asked_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert launch.finish_run(RUN_ARGV) is None  # nothing sent ahead
+    sync = (launch.APP_SYNC, {}, None, lambda: {})
+    monkeypatch.setattr(launch, "_ahead", [sync])
+    assert launch.finish_run(RUN_ARGV) is None and launch._ahead == [sync]
+    ahead = (launch.RUN, _run_body(), None, iter(RUN_EVENTS))
+    monkeypatch.setattr(launch, "_ahead", [ahead])
+    assert launch.finish_run(["run", "--peer", "alice", "-q", "true"]) is None
+    monkeypatch.setenv("GPUMESH_LOG", "debug")  # the CLI sets its logging up as asked
+    assert launch.finish_run(RUN_ARGV) is None and launch._ahead == [ahead]
+
+
+def _events_then(failure: BaseException, *events: object) -> Iterator[object]:
+    yield from events
+    raise failure
+
+
+@pytest.mark.usefixtures("run_ahead")
+def test_a_node_process_lost_mid_run_is_followed_by_the_command_from_the_last_event(
+    monkeypatch: pytest.MonkeyPatch, capsysbinary: pytest.CaptureFixture[bytes]
+) -> None:
+    from gpumesh.cli import _node
+    from gpumesh.daemon.client import NodeUnavailableError
+
+    lost = NodeUnavailableError("the event stream ended early")
+    events = _events_then(lost, _accepted(), _status(1, "running"), _output(2, "stdout", b"a\n"))
+    monkeypatch.setattr(launch, "_ahead", [(launch.RUN, _run_body(), None, events)])
+    assert launch.finish_run(RUN_ARGV) is None
+    assert capsysbinary.readouterr().out == b"a\n"
+    followed: list[tuple[str, object, int]] = []
+
+    def follow(job_id: str, printer: object, *, after: int) -> dict[str, object]:
+        followed.append((job_id, printer, after))
+        return {"state": "succeeded", "exit_code": 0}
+
+    monkeypatch.setattr(_node, "follow", follow)
+    (reader,) = launch._readers
+    assert _run_by_command(RUN_ARGV, monkeypatch) == 0
+    assert followed == [(JOB, reader.printer, 2)]  # on from the last event printed
+    assert capsysbinary.readouterr().out == b""  # nothing printed twice
+    assert not launch._ahead and not launch._readers
+
+
+@pytest.mark.usefixtures("run_ahead")
+def test_a_refusal_read_ahead_is_raised_once_by_the_command(
+    monkeypatch: pytest.MonkeyPatch, capsysbinary: pytest.CaptureFixture[bytes]
+) -> None:
+    from gpumesh.daemon.client import SseEvent
+    from gpumesh.errors import NotFoundError
+
+    refused = SseEvent("error", None, {"code": "not_found", "message": "no peer named 'x'"})
+    monkeypatch.setattr(launch, "_ahead", [(launch.RUN, _run_body(), None, iter([refused]))])
+    assert launch.finish_run(RUN_ARGV) is None
+    monkeypatch.setattr(run_module, "node_enabled", lambda: True)
+    with pytest.raises(NotFoundError, match="no peer named 'x'"):
+        run_module.run.main(args=RUN_ARGV[1:], prog_name="gpumesh run", standalone_mode=False)
+    assert capsysbinary.readouterr() == (b"", b"")
+    assert not launch._ahead and not launch._readers
+
+
+@pytest.mark.usefixtures("run_ahead")
+@pytest.mark.parametrize("accepted", [False, True])
+def test_ctrl_c_while_a_run_is_read_ahead_is_the_commands_to_handle(
+    accepted: bool,
+    monkeypatch: pytest.MonkeyPatch,
+    capsysbinary: pytest.CaptureFixture[bytes],
+) -> None:
+    before = [_accepted(), _status(1, "running")] if accepted else []
+    events = _events_then(KeyboardInterrupt(), *before)
+    monkeypatch.setattr(launch, "_ahead", [(launch.RUN, _run_body(), None, events)])
+    assert launch.finish_run(RUN_ARGV) is None
+    asked: list[tuple[str, str]] = []
+    monkeypatch.setattr(run_module, "_interrupted_thin", lambda *job: asked.append(job))
+    assert _run_by_command(RUN_ARGV, monkeypatch) == 130
+    if accepted:  # the command asks whether to cancel the job it now knows
+        assert asked == [(JOB, "alice")]
+    else:
+        assert asked == [] and capsysbinary.readouterr().err == (
+            b"Interrupted before the job started.\n"
+        )
+
+
+def test_a_note_on_a_terminal_is_what_click_writes_there(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The head start notes a run's acceptance on a terminal without loading click."""
+    import io
+
+    import click
+
+    from gpumesh.cli import _notes
+
+    class Terminal(io.StringIO):
+        encoding = "utf-8"
+
+        def isatty(self) -> bool:
+            return True
+
+    text = "job 0123456789ab on alice \x1b[31m\u00e9 (no GPU)"
+    ours, clicks = Terminal(), Terminal()
+    monkeypatch.setattr("sys.stderr", ours)
+    _notes._note(text)
+    monkeypatch.setattr("sys.stderr", clicks)
+    click.echo(click.style(f"gpumesh: {text}", dim=True), err=True)
+    assert ours.getvalue() == clicks.getvalue() == f"\x1b[2mgpumesh: {text}\x1b[0m\n"

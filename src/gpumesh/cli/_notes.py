@@ -3,21 +3,36 @@ this process (:mod:`gpumesh.cli._jobview`, on the client layer's events) and
 through the node process (:class:`ViewPrinter`, on the control API's views).
 
 Imports nothing heavy: ``logs`` and ``run`` through the node process use it.
+click loads only when a note is printed, so a plain run's head start
+(:mod:`gpumesh.cli.launch`) prints a job's output and exits without it.
 """
 
 from __future__ import annotations
 
 import binascii
+import os
 import sys
-from typing import Any
+from collections.abc import Iterable
 
-import click
-
-from gpumesh.errors import ExitCode
+from gpumesh.errors import ExitCode, error_from_code
 from gpumesh.protocol.states import FINAL_STATES, JobState
 from gpumesh.units import format_size
 
-__all__ = ["StepNotes", "ViewPrinter", "dropped_note", "exit_status_of", "state_note"]
+# As typing's: typing stays out of a plain run's head start, which prints with this module.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
+    from gpumesh.daemon.client import SseEvent
+
+__all__ = [
+    "RunReader",
+    "StepNotes",
+    "ViewPrinter",
+    "dropped_note",
+    "exit_status_of",
+    "state_note",
+]
 
 
 def state_note(
@@ -80,7 +95,7 @@ class ViewPrinter:
 
     def note(self, text: str) -> None:
         if not self.quiet:
-            click.echo(click.style(f"gpumesh: {text}", dim=True), err=True)
+            _note(text)
 
     def show(self, kind: str, view: Any) -> None:
         """One event (``kind`` as the stream names it, ``view`` its JSON)."""
@@ -102,6 +117,8 @@ class ViewPrinter:
             if note is not None:
                 self.note(note)
         elif kind == "dropped":
+            import click
+
             click.echo(click.style(dropped_note(view["count"]), fg="yellow"), err=True)
         elif kind == "reconnecting":
             self.note(f"link lost ({view['message']}); reconnecting")
@@ -125,6 +142,61 @@ class ViewPrinter:
             self.steps.upload(view["sent"], view["total"])
 
 
+class RunReader:
+    """A run's events as the node process streams them (``POST /api/v1/jobs?stream=true``),
+    each printed with ``printer``, and what a command needs should the stream break
+    before the end: the job and its provider once accepted, and the id of the last
+    event (where a follow of the job resumes)."""
+
+    def __init__(self, printer: ViewPrinter) -> None:
+        self.printer = printer
+        self.job_id: str | None = None
+        self.provider: str | None = None
+        self.after = 0
+
+    def read(self, events: Iterable[SseEvent]) -> Any:
+        """Print ``events`` up to the run's end; the end's view (the job's result). An
+        ``error`` event is raised as its error."""
+        for event in events:
+            if event.event == "end":
+                return event.data
+            if event.event == "error":
+                raise error_from_code(str(event.data["code"]), str(event.data["message"]))
+            if event.event == "acceptedview":
+                self.job_id = str(event.data["job_id"])
+                self.provider = str(event.data["provider"])
+            self.printer.show(event.event, event.data)
+            if event.id is not None:
+                self.after = event.id
+        from gpumesh.daemon.client import NodeUnavailableError
+
+        raise NodeUnavailableError("the event stream ended before the run's end")
+
+
+def _note(text: str) -> None:
+    """A note on stderr, dimmed (on a terminal)."""
+    line = f"gpumesh: {text}"
+    stream = sys.stderr
+    if os.name == "posix" and _utf8_terminal(stream):
+        # What click.echo writes there (the style kept, nothing re-encoded), without
+        # loading click: a run's acceptance is noted while the provider's engine
+        # starts the container (see gpumesh.cli.launch).
+        stream.write(f"\x1b[2m{line}\x1b[0m\n")
+        stream.flush()
+        return
+    import click
+
+    click.echo(click.style(line, dim=True), err=True)
+
+
+def _utf8_terminal(stream: Any) -> bool:
+    try:
+        encoding = str(stream.encoding or "").lower().replace("-", "")
+        return encoding == "utf8" and bool(stream.isatty())
+    except (AttributeError, ValueError, OSError):  # no stream, or a closed one: click's way
+        return False
+
+
 class StepNotes:
     """What the steps before a job runs print: where ``--group`` placed it, the
     provider's pull (a bar on a terminal, a line at each end else), acceptance (on
@@ -141,7 +213,7 @@ class StepNotes:
 
     def note(self, text: str) -> None:
         if not self.quiet:
-            click.echo(click.style(f"gpumesh: {text}", dim=True), err=True)
+            _note(text)
 
     def accepted(self, job_id: str, provider: str, gpus: list[str]) -> None:
         if sys.stderr.isatty():

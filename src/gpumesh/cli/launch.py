@@ -10,7 +10,13 @@ The command then reads the answer of the request already sent (:func:`take`)
 instead of sending it. An app sync's answer is even printed here
 (:func:`finish`), as the command prints it, so a sync that went through never
 loads click at all; a failure, or output click might echo differently, is left
-to the command, which raises or prints the answer already read.
+to the command, which raises or prints the answer already read. A run's events
+are printed here too (:func:`finish_run`), by the command's own printer, so a
+run that ends never loads click either: the provider's engine starts the
+container meanwhile, and on a small machine the CPU the CLI's imports took
+made that start slower. Anything but the run's end (a failure, the node
+process gone, Ctrl-C) is left to the command, where the reading stopped
+(:func:`read_ahead`).
 
 Only exactly those forms are taken here, with options click would read the
 same way (each given once, a value that does not look like an option, for
@@ -28,9 +34,11 @@ import sys
 TYPE_CHECKING = False  # as typing's, which this module must not import
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
     from typing import Any
 
-    from gpumesh.daemon.client import NodeClient
+    from gpumesh.cli._notes import RunReader
+    from gpumesh.daemon.client import NodeClient, SseEvent
     from gpumesh.errors import GPUMeshError
 
 __all__ = [
@@ -41,8 +49,10 @@ __all__ = [
     "app_sync_body",
     "entry",
     "finish",
+    "finish_run",
     "plain_app_sync",
     "plain_run",
+    "read_ahead",
     "request",
     "run_body",
     "take",
@@ -71,6 +81,9 @@ _failed: list[tuple[str, dict[str, object], GPUMeshError]] = []
 """Why the node process could not be reached for the request, if so: the command
 says it rather than trying again (a node process that never answers would make it
 wait the whole start-up ceiling a second time)."""
+_readers: list[RunReader] = []
+"""The reader of a run sent ahead that :func:`finish_run` began and left to the
+command (what it printed, the job, the last event id)."""
 
 
 def _options(
@@ -276,12 +289,60 @@ def finish(argv: list[str]) -> int | None:
     return 0
 
 
+def finish_run(argv: list[str]) -> int | None:
+    """For a run sent ahead: print its events as the command would (its printer)
+    without loading the CLI, and the exit status once it ended; None to leave it
+    to the command: no run sent ahead, logging asked for, or something other than
+    the end came out of the events (a failure, the node process gone, Ctrl-C). The
+    command then meets that where the reading stopped, with the reader
+    (:func:`read_ahead`), and nothing is printed or sent twice."""
+    if plain_run(argv) is None or not _ahead or _ahead[-1][0] != RUN:
+        return None
+    from gpumesh.settings import ENV_LOG
+
+    if os.environ.get(ENV_LOG) or sys.stdout is None or sys.stderr is None:
+        return None  # the CLI's logging set up as it asks; no stdout: click's way
+    from gpumesh.cli._notes import RunReader, ViewPrinter, exit_status_of
+
+    form, body, client, events = _ahead.pop()
+    # The plain form has no --quiet or --explain: the command's printer for it.
+    reader = RunReader(ViewPrinter(""))
+    try:
+        result = reader.read(events)
+    except BaseException as exc:  # the command's own reading meets it
+        _ahead.append((form, body, client, _raising(exc)))
+        _readers.append(reader)
+        return None
+    code = exit_status_of(result["state"], result["exit_code"])
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except (BrokenPipeError, ValueError):
+        return code or 1  # as the CLI's entry when its output cannot be flushed
+    return code
+
+
+def read_ahead() -> RunReader | None:
+    """The reader :func:`finish_run` left to the command of the run it began to read;
+    None when it read nothing (for the run that :func:`take` just gave)."""
+    return _readers.pop() if _readers else None
+
+
+def _raising(exc: BaseException) -> Iterator[SseEvent]:
+    """Events that raise ``exc`` at once: what stopped :func:`finish_run`."""
+    yield from ()  # a generator, as the events it stands for: raises at the first next()
+    raise exc
+
+
 def entry() -> None:
     """Console-script entry: the head start, then :func:`gpumesh.cli.main.entry`
-    (not for an app sync sent ahead that :func:`finish` printed)."""
+    (not for an app sync that :func:`finish` printed, nor a run :func:`finish_run`
+    saw to its end)."""
     try:
         if start(sys.argv[1:]):
             code = finish(sys.argv[1:])
+            if code is None:
+                code = finish_run(sys.argv[1:])
             if code is not None:
                 os._exit(code)
         from gpumesh.cli.main import entry as cli_entry

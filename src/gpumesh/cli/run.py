@@ -168,45 +168,34 @@ def _through_node(
     streams the run (placement, pull, acceptance, upload, then the job's events),
     and a stream its node process dropped after acceptance resumes as `logs -f`."""
     from gpumesh.cli._node import follow, node_client
-    from gpumesh.cli._notes import ViewPrinter, exit_status_of
-    from gpumesh.cli.launch import RUN, RUN_PATH, take
+    from gpumesh.cli._notes import RunReader, ViewPrinter, exit_status_of
+    from gpumesh.cli.launch import RUN, RUN_PATH, read_ahead, take
     from gpumesh.daemon.client import NodeUnavailableError
-    from gpumesh.errors import AgentError, error_from_code
+    from gpumesh.errors import AgentError
 
     ahead = take(RUN, body)  # the plain form's request, sent before the CLI loaded
     client = ahead[0] if ahead is not None else node_client()
     if detach:
         click.echo(client.call("POST", "/api/v1/jobs", body)["job_id"])
         return
-    printer = ViewPrinter("", quiet=quiet, explain=explain)
-    job_id = peer = None
-    after = 0
+    # What the head start already read and printed of the run, if it began to.
+    reader = read_ahead() or RunReader(ViewPrinter("", quiet=quiet, explain=explain))
     try:
         try:
             events = ahead[1] if ahead is not None else client.events(RUN_PATH, "POST", body)
-            for event in events:
-                if event.event == "end":
-                    result = event.data
-                    break
-                if event.event == "error":
-                    raise error_from_code(str(event.data["code"]), str(event.data["message"]))
-                if event.event == "acceptedview":
-                    job_id, peer = str(event.data["job_id"]), str(event.data["provider"])
-                printer.show(event.event, event.data)
-                if event.id is not None:
-                    after = event.id
+            result = reader.read(events)
         except NodeUnavailableError:
-            if job_id is None:
+            if reader.job_id is None:
                 raise AgentError(
                     "the node process stopped while it submitted the job: `gpumesh jobs` "
                     "shows whether the job started"
                 ) from None
-            result = follow(job_id, printer, after=after)
+            result = follow(reader.job_id, reader.printer, after=reader.after)
     except KeyboardInterrupt:
-        if job_id is None or peer is None:
+        if reader.job_id is None or reader.provider is None:
             click.echo("Interrupted before the job started.", err=True)
         else:
-            _interrupted_thin(job_id, peer)
+            _interrupted_thin(reader.job_id, reader.provider)
         raise SystemExit(ExitCode.INTERRUPTED) from None
     raise SystemExit(exit_status_of(result["state"], result["exit_code"]))
 
