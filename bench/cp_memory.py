@@ -22,8 +22,11 @@ so a copy's peak is its own and not what an earlier, larger copy left in the
 allocator. For these processes the kernel's high-water mark (``VmHWM`` in ``/proc/PID/status``) is
 reset just before each copy (writing ``5`` to ``/proc/PID/clear_refs``, which
 needs the process's owner or root) and read just after; where that reset is
-refused, the resident size is sampled every 10 ms instead. A CLI process's
-peak is its ``ru_maxrss`` from ``wait4``. Reading a file does not map it, so
+refused, the sampled peak instead. A CLI process's peak is its ``ru_maxrss``
+from ``wait4``. Every process that moves the bytes is also sampled (RSS every
+20 ms), and for the largest size the peak of the copy's first half is shown
+beside its second half's: memory that grows with the bytes moved shows there
+as a higher second half, whatever the start-up cost. Reading a file does not map it, so
 the figures are the processes' own memory, not the page cache.
 
 What is printed: per process, direction and path, the peak in MB at each
@@ -44,7 +47,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,7 +60,7 @@ GIB = 1024 * MIB
 FLAT_MB = 16.0
 """A growth from the smallest to the largest size under this many MB counts as flat."""
 COPY_TIMEOUT = 900.0
-SAMPLE_EVERY = 0.01
+SAMPLE_EVERY = 0.02
 
 SHARE = "provider (gpumesh share)"
 NODE = "consumer node process"
@@ -84,37 +87,60 @@ def reset_peak(pid: int) -> bool:
 
 
 class Peaks:
-    """The peak resident memory of long-lived processes over one copy."""
+    """The peak resident memory of processes over one copy, and its course.
+
+    Long-lived processes' peaks come from the kernel (VmHWM, reset when this
+    starts); every process is also sampled (RSS every ``SAMPLE_EVERY``), so the
+    peak of the copy's first half can be set beside its second half's: memory
+    that grows with the bytes moved shows as a higher second half.
+    """
 
     def __init__(self, pids: list[int]) -> None:
         self.pids = pids
         self.reset = all(reset_peak(pid) for pid in pids)
-        self.sampled: dict[int, int] = {pid: status_kb(pid, "VmRSS") for pid in pids}
+        self.samples: dict[int, list[tuple[float, int]]] = {pid: [] for pid in pids}
+        self.began = time.monotonic()
         self._done = threading.Event()
-        self._thread: threading.Thread | None = None
-        if not self.reset:
-            self._thread = threading.Thread(target=self._sample, daemon=True)
-            self._thread.start()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def watch(self, pid: int) -> None:
+        """Sample ``pid`` too from now on (a process started after this)."""
+        self.samples.setdefault(pid, [])
 
     def _sample(self) -> None:
         while not self._done.wait(SAMPLE_EVERY):
-            for pid in self.pids:
+            for pid, samples in list(self.samples.items()):
                 with contextlib.suppress(OSError, RuntimeError):
-                    self.sampled[pid] = max(self.sampled[pid], status_kb(pid, "VmRSS"))
+                    samples.append((time.monotonic(), status_kb(pid, "VmRSS")))
 
-    def finish(self) -> dict[int, int]:
-        """KiB per pid."""
-        if self._thread is not None:
-            self._done.set()
-            self._thread.join()
-            return dict(self.sampled)
-        return {pid: status_kb(pid, "VmHWM") for pid in self.pids}
+    def finish(self) -> tuple[dict[int, int], dict[int, tuple[int, int]]]:
+        """Peak KiB per long-lived pid; per sampled pid, its peak KiB in the first and
+        in the second half of the time since this started."""
+        self._done.set()
+        self._thread.join()
+        middle = (self.began + time.monotonic()) / 2
+        halves = {}
+        for pid, samples in self.samples.items():
+            first = [kib for at, kib in samples if at < middle]
+            second = [kib for at, kib in samples if at >= middle]
+            if first and second:
+                halves[pid] = (max(first), max(second))
+        if self.reset:
+            peaks = {pid: status_kb(pid, "VmHWM") for pid in self.pids}
+        else:
+            peaks = {pid: max(kib for _, kib in self.samples[pid]) for pid in self.pids}
+        return peaks, halves
 
 
-def run_cli(command: list[str], env: dict[str, str]) -> tuple[str, int]:
-    """(stdout, peak RSS in KiB) of one CLI process, which must exit 0."""
+def run_cli(
+    command: list[str], env: dict[str, str], started: Callable[[int], None] = lambda _pid: None
+) -> tuple[str, int]:
+    """(stdout, peak RSS in KiB) of one CLI process, which must exit 0; ``started``
+    gets its pid."""
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err)
+        started(proc.pid)
         deadline = time.monotonic() + COPY_TIMEOUT
         while True:
             pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
@@ -143,6 +169,8 @@ class Figures:
     peaks: dict[tuple[str, str, str], dict[int, int]] = field(default_factory=dict)
     channels: set[str] = field(default_factory=set)
     reset: bool = True
+    halves: dict[tuple[str, str, str, int], tuple[int, int] | None] = field(default_factory=dict)
+    """Sampled peak KiB in the first and the second half of each copy."""
 
     def add(self, process: str, direction: str, path: str, size: int, kib: int) -> None:
         self.peaks.setdefault((process, direction, path), {})[size] = kib
@@ -188,8 +216,15 @@ def copy_once(
         run_cli([*gpumesh_command(), "connect", "alice"], s.env_alone if alone else s.env_node)
         pids = [share_pid] if node is None else [share_pid, node]
         peaks = Peaks(pids)
-        out, cli_kib = run_cli(command, s.env_alone if alone else s.env_node)
-        held = peaks.finish()
+        cli: list[int] = []
+
+        def started(pid: int) -> None:
+            cli.append(pid)
+            if node is None:  # the CLI does the copy itself
+                peaks.watch(pid)
+
+        out, cli_kib = run_cli(command, s.env_alone if alone else s.env_node, started)
+        held, halves = peaks.finish()
     figures.reset = figures.reset and peaks.reset
     result = json.loads(out)
     if result.get("resumed_from", 0) != 0:
@@ -200,10 +235,13 @@ def copy_once(
     figures.channels.add(f"{'QUIC asked' if quic else 'default'}: {result.get('channel')}")
     path = "QUIC" if quic else "channel"
     figures.add(SHARE, direction, path, size, held[share_pid])
+    figures.halves[(SHARE, direction, path, size)] = halves.get(share_pid)
     if node is None:
         figures.add(CLI_ALONE, direction, path, size, cli_kib)
+        figures.halves[(CLI_ALONE, direction, path, size)] = halves.get(cli[0])
     else:
         figures.add(NODE, direction, path, size, held[node])
+        figures.halves[(NODE, direction, path, size)] = halves.get(node)
         figures.add(CLI_NODE, direction, path, size, cli_kib)
     down.unlink(missing_ok=True)
 
@@ -279,7 +317,7 @@ def report(args: argparse.Namespace, figures: Figures) -> None:
     how = (
         "VmHWM reset before each copy"
         if figures.reset
-        else "RSS sampled every 10 ms (the kernel refused a VmHWM reset)"
+        else "RSS sampled (the kernel refused a VmHWM reset)"
     )
     print(f"\nPeak resident memory per copy, MB ({how}; CLI: ru_maxrss)")
     print_rows(
@@ -288,6 +326,21 @@ def report(args: argparse.Namespace, figures: Figures) -> None:
         rows,
     )  # fmt: skip
     print(f"  paths taken: {'; '.join(sorted(figures.channels))}")
+    halves = []
+    for (process, direction, path), _peaks in figures.peaks.items():
+        pair = figures.halves.get((process, direction, path, high))
+        if pair is not None:
+            first, second = pair
+            halves.append(
+                [f"{process}, {direction}, {path}", f"{first / 1024:.1f}",
+                 f"{second / 1024:.1f}", f"{(second - first) / 1024:+.1f}"]
+            )  # fmt: skip
+    if halves:
+        print(
+            f"\nThe {high / MIB:g} MiB copy's course: RSS sampled every "
+            f"{SAMPLE_EVERY * 1000:g} ms, peak of each half of the copy, MB"
+        )
+        print_rows(["process, direction, path", "1st half", "2nd half", "change"], halves)
     if len(sizes) > 1:
         verdict = "flat" if worst < FLAT_MB else "GROWS with file size"
         print(
