@@ -18,6 +18,7 @@ import shutil
 import subprocess
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -347,6 +348,50 @@ def test_a_workdir_over_the_channel_is_checked_with_the_hash_its_offer_names(
     made = [work_there, *work_there.rglob("*")]
     assert len(made) == 4 and owners[0] is not None
     assert {(p.lstat().st_uid, p.lstat().st_gid) for p in made} == {owners[0]}
+
+
+def test_a_workdir_goes_over_the_channel_to_a_provider_from_before_the_hash_list(
+    job_pair, tmp_path: Path
+) -> None:
+    """A provider that reads no ``hashes`` in JobSubmit names none in its offer and
+    checks SHA-256: the consumer then sends SHA-256 (BLAKE3 would be refused)."""
+    import msgspec
+
+    from gpumesh.client.jobs import JobCallbacks, run_job
+    from gpumesh.protocol.messages import ChannelOffer, JobSubmit
+
+    alice, bob = job_pair
+    work = tmp_path / "work"
+    work.mkdir()
+    write_random(work / "blob.bin", 3 * MIB)
+    seen: list[list[str]] = []
+
+    async def scenario() -> tuple[object, bytes]:
+        async with _serving(alice, bob) as agent:
+            real = agent.handlers[JobSubmit]
+
+            async def older(ctx: Any, message: Any) -> None:
+                seen.append(list(message.hashes))
+                send = ctx.stream.send_message
+
+                def as_older(reply: Any, *, end: bool = False) -> None:
+                    if isinstance(reply, ChannelOffer):
+                        reply = msgspec.structs.replace(reply, hash="")
+                    send(reply, end=end)
+
+                ctx.stream.send_message = as_older
+                await real(ctx, msgspec.structs.replace(message, hashes=[]))
+
+            agent.handlers[JobSubmit] = older
+            output: list[bytes] = []
+            spec = job_spec("sh", "-c", "wc -c < blob.bin", workdir=work)
+            result = await run_job(bob, spec, callbacks=JobCallbacks(stdout=output.append))
+            return result, b"".join(output)
+
+    result, output = arun(scenario())
+    assert seen == [["blake3", "sha256"]]
+    assert (result.state, result.exit_code, result.workdir_channel) == ("succeeded", 0, "tls")
+    assert output.strip() == str(3 * MIB).encode()
 
 
 # --- a blocked or broken channel ---------------------------------------------------------------
