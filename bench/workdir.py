@@ -15,8 +15,11 @@ on a folder that first has to reach the provider:
   this machine; the two times are added.
 * For reference, ``gpumesh run --workdir`` with ``data_channel off`` in the
   consumer's config (the folder as DATA on the QUIC stream, as before the
-  workdir took the channel), and ``gpumesh run -- true`` without a workdir
-  (what dispatching a job costs beyond the upload).
+  workdir took the channel), ``gpumesh run --workdir`` in-process
+  (``GPUMESH_NODE=off``: the CLI dials and uploads itself instead of asking
+  the home's node process, as the other commands here do), and
+  ``gpumesh run -- true`` without a workdir (what dispatching a job costs
+  beyond the upload).
 
 CHECK adds up the sizes of the folder's files inside the container, and
 every run's output is compared with the folder's size, so each job did see
@@ -44,7 +47,14 @@ from pathlib import Path
 
 from _benchlib import exit_cleanly_on_sigterm, interrupted, print_rows, source_note
 from bulk import parse_size, write_source
-from dispatch import DEFAULT_IMAGE, Provider, docker_ready, local_provider, time_command
+from dispatch import (
+    DEFAULT_IMAGE,
+    Provider,
+    baseline_source,
+    docker_ready,
+    local_provider,
+    time_command,
+)
 
 MIB = 1024 * 1024
 GOAL = 1.2
@@ -54,6 +64,8 @@ RUN = "gpumesh run --workdir"
 CP = "gpumesh cp -r"
 DOCKER = "docker run -v"
 QUIC = "gpumesh run --workdir, data_channel off"
+ALONE = "gpumesh run --workdir, in-process"
+BASELINE = "gpumesh run --workdir at --baseline"
 BARE = "gpumesh run, no workdir"
 CHECK = "find . -type f | xargs stat -c %s | awk '{n += $1} END {print n}'"
 """The job: add up the sizes of the files in the folder it was given (their
@@ -94,8 +106,16 @@ def _set_channel(provider: Provider, value: str) -> None:
 def measure(args: argparse.Namespace, tmp: Path) -> dict[str, list[float]]:
     folder = tmp / "data"
     make_folder(folder, args.size, args.files)
-    times: dict[str, list[float]] = {RUN: [], CP: [], DOCKER: [], QUIC: [], BARE: []}
-    with local_provider(tmp) as provider:
+    times: dict[str, list[float]] = {
+        name: [] for name in (RUN, CP, DOCKER, QUIC, BARE, ALONE, BASELINE)
+    }
+    with contextlib.ExitStack() as stack:
+        provider = stack.enter_context(local_provider(tmp))
+        other = None
+        if args.baseline:
+            # Another version, provider and consumer both, on the same engine.
+            source = baseline_source(args.baseline, tmp / "baseline-src")
+            other = stack.enter_context(local_provider(tmp / "baseline", source))
         run = provider.gpumesh(
             "run", "--peer", "alice", "--image", args.image, "--workdir", str(folder),
             "--", "sh", "-c", CHECK,
@@ -107,21 +127,29 @@ def measure(args: argparse.Namespace, tmp: Path) -> dict[str, list[float]]:
             "sh", "-c", CHECK,
         ]  # fmt: skip
 
+        commands = {RUN: run, QUIC: run, ALONE: run, CP: cp, DOCKER: docker, BARE: bare}
+        envs = {name: provider.env for name in commands}
+        envs[ALONE] = dict(provider.env, GPUMESH_NODE="off")
+        if other is not None:
+            commands[BASELINE] = other.gpumesh(*run[len(provider.command) :])
+            envs[BASELINE] = other.env
+
         def one(name: str) -> float:
             if name == QUIC:
                 _set_channel(provider, "off")
             try:
-                command = {RUN: run, QUIC: run, CP: cp, DOCKER: docker, BARE: bare}[name]
-                outcome = time_command(name, command, provider.env)
+                outcome = time_command(name, commands[name], envs[name])
             finally:
                 if name == QUIC:
                     _set_channel(provider, "on")
             if name not in (CP, BARE):
                 _expect_size(name, outcome.stdout, args.size)
-            _tidy(provider)
+            _tidy(other if name == BASELINE and other is not None else provider)
             return outcome.seconds
 
         names = [RUN, CP, DOCKER, BARE] + ([] if args.no_quic else [QUIC])
+        names += [] if args.no_in_process else [ALONE]
+        names += [] if other is None else [BASELINE]
         for name in names:  # untimed warm-up of each
             one(name)
         for index in range(args.repeat):
@@ -139,7 +167,7 @@ def report(args: argparse.Namespace, times: dict[str, list[float]]) -> None:
 
     rows = [
         [name, f"{median(name):.2f}", f"{min(times[name]):.2f}", f"{max(times[name]):.2f}"]
-        for name in (RUN, CP, DOCKER, BARE, QUIC)
+        for name in (RUN, CP, DOCKER, BARE, QUIC, ALONE, BASELINE)
         if times[name]
     ]
     baseline = [c + d for c, d in zip(times[CP], times[DOCKER], strict=True)]
@@ -160,6 +188,15 @@ def report(args: argparse.Namespace, times: dict[str, list[float]]) -> None:
         print(
             f"  run --workdir over QUIC / over the data channel: {median(QUIC) / median(RUN):.2f}x"
         )
+    if times[ALONE]:
+        alone = median(ALONE) / statistics.median(baseline)
+        print(f"  ratio run --workdir in-process / (cp + docker run) (medians): {alone:.2f}x")
+    if times[BASELINE]:
+        before = median(BASELINE) / statistics.median(baseline)
+        print(
+            f"  ratio run --workdir at {args.baseline} / (cp + docker run) (medians): "
+            f"{before:.2f}x; this checkout / {args.baseline}: {median(RUN) / median(BASELINE):.2f}x"
+        )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -174,6 +211,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeat", type=int, default=3, help="runs of each (default 3)")
     parser.add_argument("--image", default=DEFAULT_IMAGE, help=f"(default {DEFAULT_IMAGE})")
     parser.add_argument("--no-quic", action="store_true", help="leave out the QUIC reference")
+    parser.add_argument(
+        "--baseline",
+        metavar="REV",
+        help="also time `run --workdir` of git revision REV (provider and consumer both, "
+        "from `git archive`), side by side in the same loop",
+    )
+    parser.add_argument(
+        "--no-in-process",
+        action="store_true",
+        help="leave out `run --workdir` in-process (GPUMESH_NODE=off)",
+    )
     parser.add_argument("--quick", action="store_true", help="smoke run: 32M, 1 run of each")
     args = parser.parse_args(argv)
     if args.quick:

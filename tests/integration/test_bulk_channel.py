@@ -18,6 +18,7 @@ import shutil
 import subprocess
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -242,6 +243,155 @@ def test_run_workdir_takes_the_data_channel_and_quic_when_it_is_off(
     for result, output in ((tls, tls_out), (quic, quic_out)):
         assert (result.state, result.exit_code) == ("succeeded", 0)
         assert output.split() == [b"from", b"the", b"workdir", b"ran", str(6 * MIB).encode()]
+
+
+@pytest.mark.parametrize("hashes", [["blake3", "sha256"], []], ids=["current", "older"])
+def test_a_workdir_over_the_channel_is_checked_with_the_hash_its_offer_names(
+    job_pair, tmp_path: Path, hashes: list[str]
+) -> None:
+    """A consumer that lists hashes gets BLAKE3 named in the offer; one from before
+    the list (none sent) gets no name and SHA-256. The provider checks with that
+    one: the right digest is taken, the other algorithm's digest of the very same
+    bytes is refused, and that job gets no workdir."""
+    import io
+
+    from blake3 import blake3
+
+    from gpumesh.blocking import in_thread
+    from gpumesh.client.jobs import new_job_id
+    from gpumesh.errors import ProtocolError, error_from_code
+    from gpumesh.files.channel import dial
+    from gpumesh.files.pack import scan, tar_size, write_tar
+    from gpumesh.protocol.framing import FrameKind
+    from gpumesh.protocol.messages import (
+        ChannelOffer,
+        FileDone,
+        JobAccepted,
+        JobSubmit,
+        Refusal,
+        decode_message,
+    )
+
+    alice, bob = job_pair
+    work = tmp_path / "work"
+    work.mkdir()
+    write_random(work / "blob.bin", 5 * MIB)
+    (work / "sub").mkdir()
+    (work / "sub" / "hello.txt").write_text("hi\n")
+    plan = scan(work)
+    out = io.BytesIO()
+    write_tar(plan, out)
+    data = out.getvalue()
+    assert len(data) == tar_size(plan)
+    digests = {"blake3": blake3(data).digest(), "sha256": hashlib.sha256(data).digest()}
+    named = "blake3" if hashes else "sha256"
+    other = "sha256" if hashes else "blake3"
+
+    async def submit(session, digest: bytes) -> tuple[str, str, ProtocolError | None]:
+        peer = bob.peer("alice")
+        job_id = new_job_id()
+        stream = session.open_stream()
+        stream.send_message(
+            JobSubmit(
+                job_id=job_id,
+                image=str(alice.home.config.get("image")),
+                command=["true"],
+                env={},
+                workdir_bytes=len(data),
+                gpu_memory=0,
+                retries=0,
+                timeout=0.0,
+                attach=False,
+                channel=True,
+                hashes=hashes,
+            )
+        )
+        offer = await stream.expect(ChannelOffer)
+        await stream.expect(JobAccepted)
+        channel = await in_thread(
+            dial, session.address[0], offer.port, peer.public_key, offer.ticket, 10.0
+        )
+        try:
+            await in_thread(channel.sock.sendall, data)
+        finally:
+            channel.close()
+        stream.send_message(FileDone(size=len(data), digest=digest), end=True)
+        refused = None
+        while (frame := await stream.read_frame()) is not None:
+            if frame.kind is FrameKind.MESSAGE:
+                message = decode_message(frame.body)
+                if isinstance(message, Refusal):
+                    error = error_from_code(message.code, message.message)
+                    assert isinstance(error, ProtocolError)
+                    refused = error
+        return job_id, offer.hash, refused
+
+    owners: list[tuple[int, int] | None] = []
+
+    async def scenario() -> list[tuple[str, str, ProtocolError | None]]:
+        async with _serving(alice, bob) as agent:
+            async with bob.session(str(bob.peer("alice").node_id)) as session:
+                done = [await submit(session, digests[name]) for name in (named, other)]
+            owners.append(agent.files.owner)
+            return done
+
+    (good, good_named, good_refused), (bad, bad_named, bad_refused) = arun(scenario())
+    assert good_named == bad_named == ("blake3" if hashes else "")
+    assert good_refused is None
+    assert bad_refused is not None and "does not match its hash" in str(bad_refused)
+    jobs = {job.job_id: job for job in alice.home.store.jobs(role="hosted")}
+    assert jobs[bad].state == "failed" and "did not complete" in jobs[bad].message
+    assert jobs[good].state != "failed"
+    assert not (alice.home.path / "jobs" / bad / "work").exists()
+    # Unpacked as the job's user, every folder and file, the workdir itself included.
+    work_there = alice.home.path / "jobs" / good / "work"
+    made = [work_there, *work_there.rglob("*")]
+    assert len(made) == 4 and owners[0] is not None
+    assert {(p.lstat().st_uid, p.lstat().st_gid) for p in made} == {owners[0]}
+
+
+def test_a_workdir_goes_over_the_channel_to_a_provider_from_before_the_hash_list(
+    job_pair, tmp_path: Path
+) -> None:
+    """A provider that reads no ``hashes`` in JobSubmit names none in its offer and
+    checks SHA-256: the consumer then sends SHA-256 (BLAKE3 would be refused)."""
+    import msgspec
+
+    from gpumesh.client.jobs import JobCallbacks, run_job
+    from gpumesh.protocol.messages import ChannelOffer, JobSubmit
+
+    alice, bob = job_pair
+    work = tmp_path / "work"
+    work.mkdir()
+    write_random(work / "blob.bin", 3 * MIB)
+    seen: list[list[str]] = []
+
+    async def scenario() -> tuple[object, bytes]:
+        async with _serving(alice, bob) as agent:
+            real = agent.handlers[JobSubmit]
+
+            async def older(ctx: Any, message: Any) -> None:
+                seen.append(list(message.hashes))
+                send = ctx.stream.send_message
+
+                def as_older(reply: Any, *, end: bool = False) -> None:
+                    if isinstance(reply, ChannelOffer):
+                        reply = msgspec.structs.replace(reply, hash="")
+                    send(reply, end=end)
+
+                ctx.stream.send_message = as_older
+                await real(ctx, msgspec.structs.replace(message, hashes=[]))
+
+            agent.handlers[JobSubmit] = older
+            output: list[bytes] = []
+            spec = job_spec("sh", "-c", "wc -c < blob.bin", workdir=work)
+            result = await run_job(bob, spec, callbacks=JobCallbacks(stdout=output.append))
+            return result, b"".join(output)
+
+    result, output = arun(scenario())
+    assert seen == [["blake3", "sha256"]]
+    assert (result.state, result.exit_code, result.workdir_channel) == ("succeeded", 0, "tls")
+    assert output.strip() == str(3 * MIB).encode()
 
 
 # --- a blocked or broken channel ---------------------------------------------------------------

@@ -142,7 +142,7 @@ class TarChannels(Protocol):
     """Data channels for a request's tar (the file service offers and serves them)."""
 
     def offer_channel(
-        self, ctx: RequestContext, wanted: bool, answer: Message
+        self, ctx: RequestContext, wanted: bool, answer: Message, hash_name: str = ""
     ) -> TarOffer | None: ...
 
     async def receive_tar(
@@ -153,6 +153,7 @@ class TarChannels(Protocol):
         dest: Path,
         limit: int,
         hasher: Hasher,
+        owner: tuple[int, int] | None = None,
     ) -> bool: ...
 
     async def send_tar(

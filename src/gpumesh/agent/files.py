@@ -582,11 +582,15 @@ class FileService:
         except ValueError as exc:
             raise UnreachableError(f"cannot open a data channel: {exc}") from None
 
-    def offer_channel(self, ctx: RequestContext, wanted: bool, answer: Message) -> TarOffer | None:
+    def offer_channel(
+        self, ctx: RequestContext, wanted: bool, answer: Message, hash_name: str = ""
+    ) -> TarOffer | None:
         """Send ``answer``, the request's usual first answer, after a ChannelOffer when
         the consumer asked for a channel for its tar, this provider opens them, and
         the link has room for the pump's buffers (its ``link_buffer`` counts them
-        while the offer lives); the offer, or None: the tar goes as DATA on QUIC."""
+        while the offer lives); the offer, or None: the tar goes as DATA on QUIC.
+        ``hash_name``: the tar's hash, named in the offer where the request carries
+        no other answer that names it (a JobSubmit's workdir); empty: none named."""
         from gpumesh.files.channel import HELD
 
         offer = None
@@ -609,7 +613,9 @@ class FileService:
             if offer is not None:
                 listener = offer.listener
                 ctx.stream.send_message(
-                    ChannelOffer(port=listener.port, ticket=listener.ticket, offset=0)
+                    ChannelOffer(
+                        port=listener.port, ticket=listener.ticket, offset=0, hash=hash_name
+                    )
                 )
             ctx.stream.send_message(answer)
         except BaseException:

@@ -60,8 +60,7 @@ from gpumesh.errors import (
     NotFoundError,
     ProtocolError,
 )
-from gpumesh.files.hashing import SHA256, new_hasher
-from gpumesh.files.sandbox import Tree
+from gpumesh.files.hashing import choose, label, new_hasher
 from gpumesh.protocol.joboutput import UNKNOWN, OutputPosition, encode_events
 from gpumesh.protocol.messages import (
     MAX_OUTPUT_CHUNK,
@@ -140,17 +139,21 @@ def uploaded_workdirs(store: Store, jobs_dir: Path, peer_id: str) -> list[Path]:
     return [Path(w) for w in store.hosted_workdirs(peer_id) if w.startswith(root)]
 
 
-def _hand_over(job_dir: Path, work: Path, owner: tuple[int, int] | None) -> None:
-    """Give the job's user its workdir: owned by it, never writable by anyone else.
-
-    The job's folder (``jobs/<id>``) stays private to the agent, so no one else
-    on the host reaches the workdir; inside it, the job's user owns every file
-    and folder (walked through descriptors, links never followed).
-    """
+def _hand_over(job_dir: Path) -> None:
+    """Keep the job's folder (``jobs/<id>``) private to the agent, so no one else on
+    the host reaches the workdir inside it; the job's user owns every file and
+    folder of the workdir already (the unpacker made them so)."""
     job_dir.chmod(0o700)
-    if owner is not None:
-        with Tree(work) as tree:
-            tree.chown_all((), owner)
+
+
+class _NoHash:
+    """The workdir over QUIC is checked by its size; nothing hashes it on this side."""
+
+    def update(self, data: bytes | memoryview, /) -> None:
+        return None
+
+    def digest(self) -> bytes:
+        return b""
 
 
 def _state_data(
@@ -387,10 +390,16 @@ class JobService:
             mounts=[m["target"] for m in mounts],
         )
         wanted = message.channel and message.workdir_bytes > 0
-        offer = self.files.offer_channel(ctx, wanted, accepted)
+        # The tar's hash over a channel: named in the offer when the consumer listed
+        # any (a consumer from before the list checks SHA-256, and looks for no name).
+        hash_name = choose(message.hashes)
+        named = hash_name if message.hashes else ""
+        offer = self.files.offer_channel(ctx, wanted, accepted, named)
         if message.workdir_bytes:
             try:
-                await self._receive_workdir(ctx, run, message.workdir_bytes, limit, offer)
+                await self._receive_workdir(
+                    ctx, run, message.workdir_bytes, limit, offer, hash_name
+                )
             except BaseException as exc:
                 await self._upload_failed(run, exc)
                 raise
@@ -602,12 +611,19 @@ class JobService:
     # --- upload -------------------------------------------------------------------------------
 
     async def _receive_workdir(
-        self, ctx: RequestContext, run: _Run, size: int, limit: int, offer: TarOffer | None
+        self,
+        ctx: RequestContext,
+        run: _Run,
+        size: int,
+        limit: int,
+        offer: TarOffer | None,
+        hash_name: str,
     ) -> None:
-        """Receive and unpack the job's workdir: over the data channel when one was
-        offered (unpacked as it arrives, checked against its hash before it becomes
-        the job's), else as DATA on the request's stream."""
-        from gpumesh.files.pack import unpack_tar
+        """Receive and unpack the job's workdir, as it arrives, straight to the job's
+        user: over the data channel when one was offered (checked against its
+        ``hash_name`` hash before it becomes the job's), else as DATA on the
+        request's stream (checked by its size; QUIC protects the bytes)."""
+        from gpumesh.files.transfer import unpack_from
 
         try:
             run.machine.uploading()
@@ -619,32 +635,34 @@ class JobService:
                 offer.close()
             raise
         work = job_dir / "work"
+        # Everything is unpacked as the job's user: no second walk to chown it.
+        owner = self.files.owner
         if offer is not None:
             incoming = job_dir / "incoming"
-            if await self.files.receive_tar(ctx, offer, size, incoming, limit, new_hasher(SHA256)):
+            hasher = new_hasher(hash_name)
+            if await self.files.receive_tar(ctx, offer, size, incoming, limit, hasher, owner):
                 await in_thread(incoming.rename, work)
-                await in_thread(_hand_over, job_dir, work, self.files.owner)
+                await in_thread(_hand_over, job_dir)
                 self.store.update_job(JobRole.HOSTED, run.job_id, workdir=str(work))
                 logger.info(
-                    "[job %s] workdir received over a data channel (%d bytes of tar)",
+                    "[job %s] workdir received over a data channel (%d bytes of tar, %s)",
                     run.job_id,
                     size,
+                    label(hash_name),
                 )
                 return
         stream = ctx.stream
-        tar_path = job_dir / "upload.tar"
         received = 0
-        with tar_path.open("wb") as out:
+        async with unpack_from(work, limit, _NoHash(), owner) as feed:
             while chunk := await stream.read_data():
                 received += len(chunk)
                 if received > size:
                     raise ProtocolError("the workdir upload is larger than announced")
-                out.write(chunk)
-        if received != size:
-            raise ProtocolError(f"the workdir upload ended after {received} of {size} bytes")
-        await in_thread(unpack_tar, tar_path, work, limit)
-        tar_path.unlink()
-        await in_thread(_hand_over, job_dir, work, self.files.owner)
+                await feed(chunk)
+            if received != size:
+                raise ProtocolError(f"the workdir upload ended after {received} of {size} bytes")
+            await feed(None)
+        await in_thread(_hand_over, job_dir)
         self.store.update_job(JobRole.HOSTED, run.job_id, workdir=str(work))
         logger.info("[job %s] workdir received (%d bytes of tar)", run.job_id, size)
 

@@ -310,6 +310,7 @@ async def run_job(
     store = node.home.store
     result = JobResult(job_id, peer.name, JobState.QUEUED, None, 0, "")
     from gpumesh.client.bulk import answer_after_offer, why_no_channel
+    from gpumesh.files.hashing import offered
 
     async def submitted(
         session: Session,
@@ -319,7 +320,7 @@ async def run_job(
         no_channel = why_no_channel(node, peer, session) if plan is not None else None
         sent = submit
         if plan is not None and no_channel is None:
-            sent = msgspec.structs.replace(submit, channel=True)
+            sent = msgspec.structs.replace(submit, channel=True, hashes=offered())
         stream = session.open_stream()
         stream.send_message(sent)
         offer, accepted = await answer_after_offer(stream, JobAccepted, None, callbacks.pull)
@@ -451,7 +452,7 @@ async def _send_workdir(
     """The workdir's tar: over the offered data channel, else as DATA on the stream."""
     from gpumesh.client.bulk import NoChannel, send_tar
     from gpumesh.client.files import STALL_TIMEOUT
-    from gpumesh.files.hashing import SHA256
+    from gpumesh.files.hashing import offered, taken
 
     offer, no_channel = channel
     sent = 0
@@ -462,8 +463,9 @@ async def _send_workdir(
         callbacks.upload(sent, size)
 
     if offer is not None:
-        # JobSubmit names no hash: the workdir's tar is checked with SHA-256.
-        args = (node, session, peer, stream, offer, plan, size, SHA256, progress, STALL_TIMEOUT)
+        # The offer names the hash picked from JobSubmit's list (none: SHA-256).
+        hash_name = taken(offer.hash, offered())
+        args = (node, session, peer, stream, offer, plan, size, hash_name, progress, STALL_TIMEOUT)
         if await send_tar(*args) is not None:
             result.workdir_channel = "tls"
             return

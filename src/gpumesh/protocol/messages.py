@@ -314,6 +314,10 @@ class JobSubmit(_Msg, tag="job_submit", frozen=True):
     pull_progress: bool = False
     """``ImagePull`` messages may come before ``JobAccepted`` while the provider
     pulls the image (a consumer from before this field would not expect them)."""
+    hashes: Hashes = msgspec.field(default_factory=list)
+    """With ``channel``: the hashes the consumer can check the workdir's tar with
+    over a data channel; the provider names its pick in ``ChannelOffer.hash``.
+    Empty (a consumer from before this field): SHA-256."""
 
 
 class JobAccepted(_Msg, tag="job_accepted", frozen=True):
@@ -537,8 +541,9 @@ class ChannelOffer(_Msg, tag="channel_offer", frozen=True):
     offset: Count
     """Where the bytes on the channel start in the file (a resumed copy)."""
     hash: HashName = ""
-    """Answering ChannelPut: the hash picked from its ``hashes``; empty (an older
-    provider): SHA-256. (A ChannelGet's is in the FileInfo before.)"""
+    """Answering ChannelPut, or a JobSubmit that listed ``hashes``: the hash picked
+    from its ``hashes``; empty (an older provider): SHA-256. (A ChannelGet's is
+    in the FileInfo before.)"""
 
 
 class ChannelDeclined(_Msg, tag="channel_declined", frozen=True):
