@@ -59,7 +59,10 @@ commands run in-process (``GPUMESH_NODE=off``), so each copy dials afresh
 under the broad rule (CLI start, relay registration and punching included in
 its time; ``gpumesh connect --json`` checks the path once per row). With
 ``--trace`` each cold copy prints its dial (which attempts started, failed and
-won, and when) and its link's window and losses when it ended.
+won, and when) and its link's window and losses when it ended, and each warm
+row what the consumer's node process logged of its links meanwhile (it then
+logs at debug): packets QUIC declared lost at once, with the link's window and
+round trip then.
 Everything (link, namespaces, processes, files) is removed on exit.
 
 The report has one line per path: its median MB/s in each link row (the
@@ -354,6 +357,18 @@ class WarmConsumer:
     """Its node process's shared UDP port, once its first copy opened it."""
     path: str = ""
     """The path its warm session took, as ``daemon status`` says."""
+    log_seen: int = 0
+    """``--trace``: how much of its node process's log was already printed."""
+
+    def new_log_lines(self) -> list[str]:
+        """``--trace``: what its node process logged since the last call."""
+        log = Path(self.env["GPUMESH_HOME"]) / "logs" / "node.log"
+        with contextlib.suppress(OSError), log.open("rb") as file:
+            file.seek(self.log_seen)
+            text = file.read()
+            self.log_seen += len(text)
+            return text.decode(errors="replace").splitlines()
+        return []
 
 
 @dataclass
@@ -529,8 +544,8 @@ def copy_checked(setup: Setup, env: dict[str, str], sandbox: Path, what: str) ->
     """Seconds of one whole ``cp`` of the file (QUIC) with ``env``; checked and removed."""
     name = setup.fresh("relay") + ".bin"
     log: list[str] | None = [] if setup.args.trace else None
-    if log is not None:
-        env = dict(env, GPUMESH_LOG=TRACE_LOG)
+    if log is not None:  # a warm consumer's own level (its node process's) is kept
+        env = dict(env, GPUMESH_LOG=env.get("GPUMESH_LOG", TRACE_LOG))
     seconds, _ = timed(
         gm("cp", "--json", str(setup.source), f"alice:/wan/{name}"),
         setup.args.limit,
@@ -596,6 +611,8 @@ def warm_up(setup: Setup, path: str, stack: contextlib.ExitStack) -> None:
     under the broad rule for its path, then that rule for its own port only, kept."""
     consumer = setup.warm[path]
     stack.callback(stop_node, consumer)
+    if setup.args.trace:  # its node process logs at the level of the command that starts it
+        consumer.env["GPUMESH_LOG"] = "debug"
     punched = setup.warm.get(PUNCHED)
     spare = None if punched is None or punched is consumer else punched.port
     with blocked(block_rule(path, spare=spare)):
@@ -646,6 +663,10 @@ def run_warm(setup: Setup, row: Row, *, name: str) -> float:
         mbps = WARM_BULK[name](setup, row, via=path)
     else:
         mbps = setup.size / copy_checked(setup, consumer.env, consumer.sandbox, path) / 1e6
+    if setup.args.trace:
+        for line in consumer.new_log_lines():
+            if any(mark in line for mark in TRACE_MARKS):
+                print(f"    {name} ({consumer.name}'s node process): {line.strip()}", flush=True)
     got, _ = session_path(consumer, setup.args.limit)
     if want_path(path) not in got:
         raise RuntimeError(f"{name}: {consumer.name}'s warm session moved to {got!r}")
@@ -1132,7 +1153,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--trace",
         action="store_true",
         help="print each cold copy's dial (attempts, and when each started and won) "
-        "and its link's losses when it ended",
+        "and its link's losses when it ended; for warm rows, what the node process "
+        "logged of its links during each run (losses declared at once, parity)",
     )
     parser.add_argument(
         "--only",
