@@ -52,13 +52,23 @@ frank hole-punched), whose session and relay registration stay warm between
 copies; its first copy, untimed, dials under the broad rule before the first
 row, then the rule holds for that node process's own UDP port only, for the
 whole run (``gpumesh daemon status --json`` checks after each copy that the
-session is still on its path). The cold row (``..., cold``) is dave's: his
+session is still on its path). The same warm consumers also run folder ``cp``,
+``run --workdir`` and ``app sync`` of the tree over their paths (rows ``folder
+cp, hole-punched`` ... ``app sync, relayed``, next to ``scp -r`` and ``rsync
+-a``; the path checked after each run alike). The cold row (``..., cold``) is dave's: his
 commands run in-process (``GPUMESH_NODE=off``), so each copy dials afresh
 under the broad rule (CLI start, relay registration and punching included in
 its time; ``gpumesh connect --json`` checks the path once per row). With
 ``--trace`` each cold copy prints its dial (which attempts started, failed and
-won, and when) and its link's window and losses when it ended.
+won, and when) and its link's window and losses when it ended, and each warm
+row what the consumer's node process logged of its links meanwhile (it then
+logs at debug): packets QUIC declared lost at once, with the link's window and
+round trip then.
 Everything (link, namespaces, processes, files) is removed on exit.
+
+The report has one line per path: its median MB/s in each link row (the
+slowest and fastest run beside it) and its ratio to the median of its
+baseline in that row, measured in the same run.
 """
 
 from __future__ import annotations
@@ -108,8 +118,25 @@ CP, QUIC, FOLDER, WORKDIR, APP = "cp", "cp --no-fast-path", "folder cp", "run --
 FOLDER_Q, WORKDIR_Q, APP_Q = "folder cp, QUIC", "run --workdir, QUIC", "app sync, QUIC"
 PUNCHED, RELAYED = "cp, hole-punched", "cp, relayed"
 PUNCHED_COLD, RELAYED_COLD = "cp, hole-punched, cold", "cp, relayed, cold"
+FOLDER_P, WORKDIR_P, APP_P = (
+    "folder cp, hole-punched",
+    "run --workdir, hole-punched",
+    "app sync, hole-punched",
+)
+FOLDER_R, WORKDIR_R, APP_R = "folder cp, relayed", "run --workdir, relayed", "app sync, relayed"
 WARM_PATHS = (RELAYED, PUNCHED)
 """Relay paths measured as a user's successive copies: through a consumer's node process."""
+WARM_OF = {
+    PUNCHED: PUNCHED,
+    FOLDER_P: PUNCHED,
+    WORKDIR_P: PUNCHED,
+    APP_P: PUNCHED,
+    RELAYED: RELAYED,
+    FOLDER_R: RELAYED,
+    WORKDIR_R: RELAYED,
+    APP_R: RELAYED,
+}
+"""Each warm row and the relay path (and so the warm consumer) it takes."""
 COLD_OF = {PUNCHED_COLD: PUNCHED, RELAYED_COLD: RELAYED}
 """Each cold row and the path it takes: every copy a new in-process command."""
 SCP, SCP_R, RSYNC = "scp -c aes128-gcm", "scp -r", "rsync -a"
@@ -128,6 +155,12 @@ BASELINE = {
     RELAYED: SCP,
     PUNCHED_COLD: SCP,
     RELAYED_COLD: SCP,
+    FOLDER_P: SCP_R,
+    WORKDIR_P: SCP_R,
+    APP_P: RSYNC,
+    FOLDER_R: SCP_R,
+    WORKDIR_R: SCP_R,
+    APP_R: RSYNC,
 }
 ONLY = {
     "cp": (CP,),
@@ -145,11 +178,17 @@ ONLY = {
     "relayed-warm": (RELAYED,),
     "punched-cold": (PUNCHED_COLD,),
     "relayed-cold": (RELAYED_COLD,),
+    "folder-punched": (FOLDER_P,),
+    "workdir-punched": (WORKDIR_P,),
+    "app-punched": (APP_P,),
+    "folder-relayed": (FOLDER_R,),
+    "workdir-relayed": (WORKDIR_R,),
+    "app-relayed": (APP_R,),
     "scp": (SCP,),
     "scp-r": (SCP_R,),
     "rsync": (RSYNC,),
 }
-"""``--only`` keys and the paths they name (``punched``, ``relayed``: warm and cold)."""
+"""``--only`` keys and the paths they name (``punched``, ``relayed``: cp warm and cold)."""
 RELAY_ADDRESS = "10.77.0.1:4799"
 """gpumesh-relay runs on host A, beside the provider: a relayed session crosses the
 link once, as it would to a relay near the provider."""
@@ -319,6 +358,18 @@ class WarmConsumer:
     """Its node process's shared UDP port, once its first copy opened it."""
     path: str = ""
     """The path its warm session took, as ``daemon status`` says."""
+    log_seen: int = 0
+    """``--trace``: how much of its node process's log was already printed."""
+
+    def new_log_lines(self) -> list[str]:
+        """``--trace``: what its node process logged since the last call."""
+        log = Path(self.env["GPUMESH_HOME"]) / "logs" / "node.log"
+        with contextlib.suppress(OSError), log.open("rb") as file:
+            file.seek(self.log_seen)
+            text = file.read()
+            self.log_seen += len(text)
+            return text.decode(errors="replace").splitlines()
+        return []
 
 
 @dataclass
@@ -349,6 +400,15 @@ class Setup:
         self.counter += 1
         return f"{stem}-{self.counter}"
 
+    def consumer(self, via: str) -> tuple[dict[str, str], Path]:
+        """The CLI environment and the provider's sandbox of the consumer ``via`` names:
+        ``bob``, ``carol`` (data channel off), or a warm relay path's consumer."""
+        if via == "bob":
+            return self.env, self.sandbox
+        if via == "carol":
+            return self.quic_env, self.quic_sandbox
+        return self.warm[via].env, self.warm[via].sandbox
+
 
 def gm(*args: str) -> list[str]:
     return [*gpumesh_command(), *args]
@@ -375,14 +435,13 @@ def run_cp(setup: Setup, row: Row, *, fast: bool, fec: bool = True) -> float:
     return setup.size / seconds / 1e6
 
 
-def run_folder(setup: Setup, _row: Row, *, quic: bool = False) -> float:
+def run_folder(setup: Setup, _row: Row, *, via: str = "bob") -> float:
     name = setup.fresh("tree")
+    env, sandbox = setup.consumer(via)
     seconds, _ = timed(
-        gm("cp", "--json", str(setup.tree), f"alice:/wan/{name}"),
-        setup.args.limit,
-        setup.quic_env if quic else setup.env,
+        gm("cp", "--json", str(setup.tree), f"alice:/wan/{name}"), setup.args.limit, env
     )
-    arrived = (setup.quic_sandbox if quic else setup.sandbox) / "wan" / name
+    arrived = sandbox / "wan" / name
     check_tree(arrived, setup.tree_size, "gpumesh cp")
     return setup.tree_size / seconds / 1e6
 
@@ -394,7 +453,7 @@ def check_tree(arrived: Path, size: int, what: str) -> None:
         raise RuntimeError(f"{what} delivered {got} of {size} bytes")
 
 
-def run_workdir(setup: Setup, _row: Row, *, quic: bool = False) -> float:
+def run_workdir(setup: Setup, _row: Row, *, via: str = "bob") -> float:
     seconds, _ = timed(
         gm(
             "run",
@@ -409,24 +468,24 @@ def run_workdir(setup: Setup, _row: Row, *, quic: bool = False) -> float:
             "true",
         ),
         setup.args.limit,
-        setup.quic_env if quic else setup.env,
+        setup.consumer(via)[0],
     )
     return setup.tree_size / seconds / 1e6
 
 
-def run_app(setup: Setup, _row: Row, *, quic: bool = False) -> float:
+def run_app(setup: Setup, _row: Row, *, via: str = "bob") -> float:
     # A new app each time (a first sync): hard links of the tree under a fresh name.
     app = setup.tmp / "apps" / setup.fresh("app")
     shutil.copytree(setup.tree, app, copy_function=os.link)
+    env, sandbox = setup.consumer(via)
     try:
         seconds, _ = timed(
             gm("app", "sync", "--json", "--peer", "alice", "--dir", str(app)),
             setup.args.limit,
-            setup.quic_env if quic else setup.env,
+            env,
         )
     finally:
         shutil.rmtree(app, ignore_errors=True)
-    sandbox = setup.quic_sandbox if quic else setup.sandbox
     shutil.rmtree(sandbox / "apps" / app.name, ignore_errors=True)
     return setup.tree_size / seconds / 1e6
 
@@ -486,8 +545,8 @@ def copy_checked(setup: Setup, env: dict[str, str], sandbox: Path, what: str) ->
     """Seconds of one whole ``cp`` of the file (QUIC) with ``env``; checked and removed."""
     name = setup.fresh("relay") + ".bin"
     log: list[str] | None = [] if setup.args.trace else None
-    if log is not None:
-        env = dict(env, GPUMESH_LOG=TRACE_LOG)
+    if log is not None:  # a warm consumer's own level (its node process's) is kept
+        env = dict(env, GPUMESH_LOG=env.get("GPUMESH_LOG", TRACE_LOG))
     seconds, _ = timed(
         gm("cp", "--json", str(setup.source), f"alice:/wan/{name}"),
         setup.args.limit,
@@ -553,6 +612,8 @@ def warm_up(setup: Setup, path: str, stack: contextlib.ExitStack) -> None:
     under the broad rule for its path, then that rule for its own port only, kept."""
     consumer = setup.warm[path]
     stack.callback(stop_node, consumer)
+    if setup.args.trace:  # its node process logs at the level of the command that starts it
+        consumer.env["GPUMESH_LOG"] = "debug"
     punched = setup.warm.get(PUNCHED)
     spare = None if punched is None or punched is consumer else punched.port
     with blocked(block_rule(path, spare=spare)):
@@ -582,18 +643,38 @@ def stop_node(consumer: WarmConsumer) -> None:
         )
 
 
-def run_warm(setup: Setup, row: Row, *, path: str) -> float:
-    """``cp`` of the file by the path's warm consumer, through its node process; the
-    session it used must still be on the path (checked after the copy, untimed)."""
+WARM_BULK: dict[str, Callable[..., float]] = {
+    FOLDER_P: run_folder,
+    FOLDER_R: run_folder,
+    WORKDIR_P: run_workdir,
+    WORKDIR_R: run_workdir,
+    APP_P: run_app,
+    APP_R: run_app,
+}
+"""The warm rows other than ``cp`` and what each runs (by the path's warm consumer)."""
+
+
+def run_warm(setup: Setup, row: Row, *, name: str) -> float:
+    """Row ``name`` (``cp`` of the file, or a folder ``cp``, ``run --workdir`` or ``app
+    sync`` of the tree) by its path's warm consumer, through its node process; the
+    session it used must still be on the path (checked after the run, untimed)."""
+    path = WARM_OF[name]
     consumer = setup.warm[path]
-    seconds = copy_checked(setup, consumer.env, consumer.sandbox, path)
+    if name in WARM_BULK:
+        mbps = WARM_BULK[name](setup, row, via=path)
+    else:
+        mbps = setup.size / copy_checked(setup, consumer.env, consumer.sandbox, path) / 1e6
+    if setup.args.trace:
+        for line in consumer.new_log_lines():
+            if any(mark in line for mark in TRACE_MARKS):
+                print(f"    {name} ({consumer.name}'s node process): {line.strip()}", flush=True)
     got, _ = session_path(consumer, setup.args.limit)
     if want_path(path) not in got:
-        raise RuntimeError(f"{path}: {consumer.name}'s warm session moved to {got!r}")
-    if path not in row.paths_checked:
-        row.paths_checked[path] = got
-        print(f"  {path}: the node process says the path is {got!r}", flush=True)
-    return setup.size / seconds / 1e6
+        raise RuntimeError(f"{name}: {consumer.name}'s warm session moved to {got!r}")
+    if name not in row.paths_checked:
+        row.paths_checked[name] = got
+        print(f"  {name}: the node process says the path is {got!r}", flush=True)
+    return mbps
 
 
 def run_connect(setup: Setup, row: Row) -> None:
@@ -614,13 +695,13 @@ def runners(setup: Setup) -> dict[str, Callable[[Setup, Row], float]]:
     if setup.docker_note is None:
         chosen[WORKDIR] = run_workdir
     chosen[APP] = run_app
-    chosen[FOLDER_Q] = lambda s, r: run_folder(s, r, quic=True)
+    chosen[FOLDER_Q] = lambda s, r: run_folder(s, r, via="carol")
     if setup.docker_note is None:
-        chosen[WORKDIR_Q] = lambda s, r: run_workdir(s, r, quic=True)
-    chosen[APP_Q] = lambda s, r: run_app(s, r, quic=True)
-    for path in WARM_PATHS:
-        if path in setup.warm:
-            chosen[path] = functools.partial(run_warm, path=path)
+        chosen[WORKDIR_Q] = lambda s, r: run_workdir(s, r, via="carol")
+    chosen[APP_Q] = lambda s, r: run_app(s, r, via="carol")
+    for name, path in WARM_OF.items():
+        if path in setup.warm and (setup.docker_note is None or name not in (WORKDIR_P, WORKDIR_R)):
+            chosen[name] = functools.partial(run_warm, name=name)
     if setup.relay_env:
         chosen[PUNCHED_COLD] = lambda s, r: run_cold(s, r, cold=PUNCHED_COLD)
         chosen[RELAYED_COLD] = lambda s, r: run_cold(s, r, cold=RELAYED_COLD)
@@ -803,7 +884,7 @@ def run(args: argparse.Namespace, rows: list[Row]) -> None:
             alice.home.config.set("relay", RELAY_ADDRESS)
             alice.home.config.save()
             dave.close()
-            wanted = args.only or set(WARM_PATHS)
+            wanted = {WARM_OF[name] for name in args.only or WARM_OF if name in WARM_OF}
             for path, who in ((RELAYED, "erin"), (PUNCHED, "frank")):
                 if path in wanted:
                     node = quic_consumer(tmp / who[0], alice, who, RELAY_ADDRESS)
@@ -934,6 +1015,18 @@ def cell(path: Runs | None, limit: float, size: int) -> str:
     return text + " (1 timed out)" if path.stalled else text
 
 
+def ratio(row: Row, name: str, limit: float, size: int) -> str:
+    """Row ``name``'s median over its baseline's in ``row`` (a bound if it timed out)."""
+    if name not in BASELINE or BASELINE[name] not in row.paths:
+        return ""
+    ours, theirs = median(row.paths.get(name)), median(row.paths.get(BASELINE[name]))
+    if ours is not None and theirs:
+        return f"{ours / theirs:.2f}x"
+    if row.paths[name].stalled and theirs:
+        return f"< {size / limit / 1e6 / theirs:.2f}x"
+    return "-"
+
+
 def report(args: argparse.Namespace, rows: list[Row], setup: Setup) -> None:
     order = (
         CP,
@@ -947,8 +1040,14 @@ def report(args: argparse.Namespace, rows: list[Row], setup: Setup) -> None:
         APP_Q,
         PUNCHED,
         PUNCHED_COLD,
+        FOLDER_P,
+        WORKDIR_P,
+        APP_P,
         RELAYED,
         RELAYED_COLD,
+        FOLDER_R,
+        WORKDIR_R,
+        APP_R,
         SCP,
         SCP_R,
         RSYNC,
@@ -956,36 +1055,31 @@ def report(args: argparse.Namespace, rows: list[Row], setup: Setup) -> None:
     names = [n for n in order if n in rows[0].paths]
     print(
         f"\nOver the WAN lab, {args.size / MIB:g} MiB (file; tree of {args.files} files), "
-        f"up to {args.repeat} runs of each, whole processes; median MB/s = 10^6 bytes/s; "
-        f"timed out: killed after {args.limit:g} s"
+        f"up to {args.repeat} runs of each, whole processes; MB/s = 10^6 bytes/s, median "
+        f"(slowest-fastest run); timed out: killed after {args.limit:g} s; x: the median "
+        "against the median of what a user would otherwise run (> 1: GPUMesh faster)"
     )
-    header = ["RTT, loss each way", *names, "connect ms (own)"]
+    header = ["path", "against"]
+    for row in rows:
+        header += [f"{row.label}: MB/s", "x"]
     table = []
+    for name in names:
+        cells = [name, BASELINE.get(name, "")]
+        for row in rows:
+            runs = row.paths.get(name)
+            text = cell(runs, args.limit, setup.size)
+            if runs is not None and len(runs.mbps) > 1:
+                text += f" ({min(runs.mbps):.1f}-{max(runs.mbps):.1f})"
+            cells += [text, ratio(row, name, args.limit, setup.size)]
+        table.append(cells)
+    connect = ["connect ms (own)", ""]
     for row in rows:
-        cells = [cell(row.paths.get(n), args.limit, setup.size) for n in names]
-        connect = "-"
         if row.connect_wall:
-            connect = (
-                f"{summarize(row.connect_wall).p50:.0f} ({summarize(row.connect_own).p50:.0f})"
-            )
-        table.append([row.label, *cells, connect])
-    print_rows(header, table)
-    print("\nRatios against what a user would otherwise run (medians; > 1: GPUMesh faster)")
-    ratio_names = [n for n in names if n in BASELINE and BASELINE[n] in names]
-    ratio_rows = []
-    for row in rows:
-        cells = []
-        for name in ratio_names:
-            ours, theirs = median(row.paths.get(name)), median(row.paths.get(BASELINE[name]))
-            if ours is not None and theirs:
-                cells.append(f"{ours / theirs:.2f}x")
-            elif row.paths[name].stalled and theirs:
-                bound = setup.size / args.limit / 1e6 / theirs
-                cells.append(f"< {bound:.2f}x")
-            else:
-                cells.append("-")
-        ratio_rows.append([row.label, *cells])
-    print_rows(["", *[f"{n} / {BASELINE[n]}" for n in ratio_names]], ratio_rows)
+            wall, own = summarize(row.connect_wall).p50, summarize(row.connect_own).p50
+            connect += [f"{wall:.0f} ({own:.0f})", ""]
+        else:
+            connect += ["-", ""]
+    print_rows(header, [*table, connect])
     congestion = sorted(set().union(*(row.channel_congestion for row in rows)))
     print(f"  data channel's TCP congestion control (cp --json): {', '.join(congestion) or '-'}")
     if WORKDIR in names:
@@ -995,7 +1089,8 @@ def report(args: argparse.Namespace, rows: list[Row], setup: Setup) -> None:
     print(
         "  warm rows (successive copies through the consumer's node process, its session "
         "and relay registration kept): cp, cp --no-fast-path, QUIC FEC off, folder cp, "
-        "run --workdir, app sync (and their QUIC rows), cp hole-punched, cp relayed"
+        "run --workdir, app sync (and their QUIC rows); over the hole-punched and the "
+        "relayed path each: cp, folder cp, run --workdir, app sync"
     )
     print(
         "  cold rows (each copy a new in-process command, GPUMESH_NODE=off: dial, relay "
@@ -1061,7 +1156,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--trace",
         action="store_true",
         help="print each cold copy's dial (attempts, and when each started and won) "
-        "and its link's losses when it ended",
+        "and its link's losses when it ended; for warm rows, what the node process "
+        "logged of its links during each run (losses declared at once, parity)",
     )
     parser.add_argument(
         "--only",

@@ -195,3 +195,50 @@ def test_parity_that_does_not_add_up_is_dropped_not_trusted() -> None:
     # P for k=2 claiming the missing datagram is 65535 bytes long
     assert decoder.receive(struct.pack("!BIB", PARITY, 9, 2) + b"\xff\xff\x00", 0.0) == []
     assert decoder.counters.dropped == 1
+
+
+def test_a_later_group_repaired_during_a_hold_waits_behind_the_held_datagrams() -> None:
+    # Group 1 loses three datagrams (more than parity rebuilds), so the decoder holds
+    # what follows until it gives the group up. Group 2 loses one, which its parity
+    # rebuilds meanwhile: passed up at once, it would reach QUIC ahead of every held
+    # datagram of group 2, and QUIC would declare all of those lost.
+    encoder = Encoder(group_size=16)
+    first = [bytes([1, i]) * 40 for i in range(16)]
+    second = [bytes([2, i]) * 40 for i in range(16)]
+    frames = encoder.encode(first, 0.0) + encoder.encode(second, 0.0)
+    assert len(frames) == 36
+    lost = {2, 3, 4, 18 + 5}
+    decoder = Decoder(hold_time=0.05)
+    passed: list[bytes] = []
+    for i, frame in enumerate(frames):
+        if i not in lost:
+            out = decoder.receive(frame, 1.0)
+            if i > 4:
+                assert out == []  # everything after group 1's gap waits, rebuilt or not
+            passed += out
+    assert decoder.counters.repaired == 1
+    passed += decoder.poll(1.05)
+    assert passed == [d for i, d in enumerate(first) if i not in (2, 3, 4)] + second
+    assert decoder.counters.given_up == 1
+    assert decoder.held == 0
+
+
+def test_an_earlier_group_repaired_during_a_hold_passes_up_at_once() -> None:
+    # Group 1 misses its last datagram, which only its parity reveals; group 2's gap
+    # has started a hold by then. Group 1's rebuilt datagram comes before everything
+    # held, so it goes up at once.
+    encoder = Encoder(group_size=4)
+    first = [bytes([1, i]) * 40 for i in range(4)]
+    second = [bytes([2, i]) * 40 for i in range(4)]
+    f1, f2 = encoder.encode(first, 0.0), encoder.encode(second, 0.0)
+    decoder = Decoder()
+    passed: list[bytes] = []
+    for frame in f1[:3]:  # group 1's last datagram and its parity are late
+        passed += decoder.receive(frame, 0.0)
+    passed += decoder.receive(f2[0], 0.0)
+    assert decoder.receive(f2[2], 0.0) == []  # group 2's index 1 is missing: a hold
+    assert decoder.receive(f1[4], 0.0) == [first[3]]  # group 1's P rebuilds it at once
+    passed.append(first[3])
+    for frame in (f2[3], f2[4], f2[5]):
+        passed += decoder.receive(frame, 0.0)
+    assert passed == [*first[:3], second[0], first[3], *second[1:]]

@@ -26,7 +26,8 @@ it never lets QUIC see a gap it could still repair: QUIC declares a packet lost
 once three later ones are acknowledged, so while a group misses a datagram the
 datagrams that follow it are held (at most :data:`HOLD_TIME`, at most
 :data:`MAX_HELD` of them) until the group is repaired or given up, then
-released in order. Memory is bounded: at most :data:`MAX_GROUPS` open groups.
+released in order; what parity rebuilds for a later group meanwhile waits in its
+place among them. Memory is bounded: at most :data:`MAX_GROUPS` open groups.
 Hostile or broken frames are dropped and counted, never raised.
 """
 
@@ -307,6 +308,13 @@ class _Group:
     """A datagram is missing below one that arrived."""
 
 
+def _comes_after(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    """Whether datagram ``a`` (group, index) was sent after ``b`` (group ids wrap)."""
+    if a[0] == b[0]:
+        return a[1] > b[1]
+    return (a[0] - b[0]) & 0xFFFFFFFF < 1 << 31
+
+
 class Decoder:
     """Unframes one peer's incoming frames and rebuilds what a group lost."""
 
@@ -329,6 +337,8 @@ class Decoder:
         self._groups: OrderedDict[int, _Group] = OrderedDict()
         self._finished: OrderedDict[int, None] = OrderedDict()
         self._held: list[bytes] = []
+        self._held_at: list[tuple[int, int]] = []
+        """(group, index) of each held datagram: where a rebuilt one goes among them."""
         self._hold_group: int | None = None
         self._hold_until = 0.0
 
@@ -390,13 +400,11 @@ class Decoder:
             group.highest = max(group.highest, index)
             group.gap = len(group.data) <= group.highest  # one below the highest is missing
         if self._hold_group is not None:
-            self._held.append(datagram)
-            self.counters.held += 1
+            self._hold(gid, index, datagram)
         elif group is not None and group.gap and self.hold:
             self._hold_group = gid
             self._hold_until = now + self.hold_time
-            self._held.append(datagram)
-            self.counters.held += 1
+            self._hold(gid, index, datagram)
         else:
             out.append(datagram)
         if group is not None:
@@ -448,13 +456,35 @@ class Decoder:
             return
         missing = self._missing(group)
         if missing and len(missing) <= len(group.parity):
+            # A group after the one a hold waits on queues its rebuilt datagrams
+            # behind the held ones: passed up at once they would reach QUIC ahead of
+            # everything held, and QUIC would take all of that for lost.
+            behind = self._behind_hold(gid)
             for index, datagram in self._repair(group, missing):
                 group.data[index] = datagram
                 self.counters.repaired += 1
-                out.append(datagram)
+                if behind:
+                    self._hold(gid, index, datagram)
+                else:
+                    out.append(datagram)
             missing = []
         if not missing:
             self._finish(gid)
+
+    def _hold(self, gid: int, index: int, datagram: bytes) -> None:
+        """Hold ``datagram`` in its place: after every held one sent before it (a rebuilt
+        datagram arrives after later ones of its group, with the parity)."""
+        at = len(self._held)
+        while at and _comes_after(self._held_at[at - 1], (gid, index)):
+            at -= 1
+        self._held.insert(at, datagram)
+        self._held_at.insert(at, (gid, index))
+        self.counters.held += 1
+
+    def _behind_hold(self, gid: int) -> bool:
+        """Whether group ``gid`` came after the group a hold waits on (ids wrap)."""
+        hold = self._hold_group
+        return hold is not None and gid != hold and (gid - hold) & 0xFFFFFFFF < 1 << 31
 
     def _repair(self, group: _Group, missing: list[int]) -> list[tuple[int, bytes]]:
         import numpy as np
@@ -523,5 +553,6 @@ class Decoder:
 
     def _release(self) -> list[bytes]:
         held, self._held = self._held, []
+        self._held_at = []
         self._hold_group = None
         return held
