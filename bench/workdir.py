@@ -31,7 +31,9 @@ removed after its run. The commands take turns in one loop (the order rotates
 every round, after an untimed warm-up of each) so that the noise of this
 shared machine hits each alike; figures are medians of ``--repeat`` runs. The
 goal reported is a median ``run --workdir`` of at most 1.2x the median of
-(``cp`` + ``docker run``); it is never turned into an exit status.
+(``cp`` + ``docker run``); it is never turned into an exit status. Each timed
+``run --workdir`` (and ``--baseline``'s) is also split into phases by the
+provider's and the client's job records and the spawn and exit times seen here.
 """
 
 from __future__ import annotations
