@@ -31,13 +31,16 @@ removed after its run. The commands take turns in one loop (the order rotates
 every round, after an untimed warm-up of each) so that the noise of this
 shared machine hits each alike; figures are medians of ``--repeat`` runs. The
 goal reported is a median ``run --workdir`` of at most 1.2x the median of
-(``cp`` + ``docker run``); it is never turned into an exit status.
+(``cp`` + ``docker run``); it is never turned into an exit status. Each timed
+``run --workdir`` (and ``--baseline``'s) is also split into phases by the
+provider's and the client's job records and the spawn and exit times seen here.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import shutil
 import statistics
 import subprocess
@@ -49,6 +52,7 @@ from _benchlib import exit_cleanly_on_sigterm, interrupted, print_rows, source_n
 from bulk import parse_size, write_source
 from dispatch import (
     DEFAULT_IMAGE,
+    Outcome,
     Provider,
     baseline_source,
     docker_ready,
@@ -71,6 +75,33 @@ CHECK = "find . -type f | xargs stat -c %s | awk '{n += $1} END {print n}'"
 """The job: add up the sizes of the files in the folder it was given (their
 content is checked by the transfer's hash; reading it here would time the
 container's reads, not the transfer)."""
+
+
+PHASES = [
+    "CLI start, submit, provider accepts",
+    "upload, unpack, create + start container",
+    "the job, its end recorded",
+    "end reaches the CLI, CLI exits",
+]
+"""Where a ``run --workdir`` spends its time, from the provider's and the client's
+job records and the spawn and exit times seen here (one clock)."""
+
+
+def phases(provider: Provider, outcome: Outcome) -> list[float] | None:
+    """Seconds of each of PHASES for the run that just ended, or None if a time is missing."""
+    mine = provider.submitted()
+    theirs, _ = provider.hosted(mine.job_id)
+    marks = [
+        outcome.spawned,
+        theirs.created_at,
+        theirs.started_at,
+        theirs.finished_at,
+        outcome.exited,
+    ]
+    if any(mark is None for mark in marks):
+        return None
+    times = [float(mark) for mark in marks if mark is not None]
+    return [after - before for before, after in itertools.pairwise(times)]
 
 
 def make_folder(root: Path, size: int, files: int) -> None:
@@ -103,12 +134,15 @@ def _set_channel(provider: Provider, value: str) -> None:
     )
 
 
-def measure(args: argparse.Namespace, tmp: Path) -> dict[str, list[float]]:
+def measure(
+    args: argparse.Namespace, tmp: Path
+) -> tuple[dict[str, list[float]], dict[str, list[list[float]]]]:
     folder = tmp / "data"
     make_folder(folder, args.size, args.files)
     times: dict[str, list[float]] = {
         name: [] for name in (RUN, CP, DOCKER, QUIC, BARE, ALONE, BASELINE)
     }
+    splits: dict[str, list[list[float]]] = {RUN: [], BASELINE: []}
     with contextlib.ExitStack() as stack:
         provider = stack.enter_context(local_provider(tmp))
         other = None
@@ -134,7 +168,7 @@ def measure(args: argparse.Namespace, tmp: Path) -> dict[str, list[float]]:
             commands[BASELINE] = other.gpumesh(*run[len(provider.command) :])
             envs[BASELINE] = other.env
 
-        def one(name: str) -> float:
+        def one(name: str, timed: bool = True) -> float:
             if name == QUIC:
                 _set_channel(provider, "off")
             try:
@@ -144,6 +178,9 @@ def measure(args: argparse.Namespace, tmp: Path) -> dict[str, list[float]]:
                     _set_channel(provider, "on")
             if name not in (CP, BARE):
                 _expect_size(name, outcome.stdout, args.size)
+            owner = other if name == BASELINE and other is not None else provider
+            if timed and name in splits and (split := phases(owner, outcome)) is not None:
+                splits[name].append(split)
             _tidy(other if name == BASELINE and other is not None else provider)
             return outcome.seconds
 
@@ -151,14 +188,30 @@ def measure(args: argparse.Namespace, tmp: Path) -> dict[str, list[float]]:
         names += [] if args.no_in_process else [ALONE]
         names += [] if other is None else [BASELINE]
         for name in names:  # untimed warm-up of each
-            one(name)
+            one(name, timed=False)
         for index in range(args.repeat):
             order = names[index % len(names) :] + names[: index % len(names)]
             for name in order:
                 seconds = one(name)
                 times[name].append(seconds)
                 print(f"  run {index + 1}: {name:<40} {seconds:6.2f} s", flush=True)
-    return times
+    return times, splits
+
+
+def report_phases(args: argparse.Namespace, splits: dict[str, list[list[float]]]) -> None:
+    """The median of each phase of ``run --workdir`` (and of the baseline's, beside it)."""
+    shown = [name for name in (RUN, BASELINE) if splits[name]]
+    if not shown:
+        return
+    columns = {name: list(zip(*splits[name], strict=True)) for name in shown}
+    heads = ["this checkout" if name == RUN else f"at {args.baseline}" for name in shown]
+    print("\nWhere `run --workdir` spends its time (medians of the same runs, ms)")
+    rows = [
+        [phase, *(f"{statistics.median(columns[name][i]) * 1e3:.0f}" for name in shown)]
+        for i, phase in enumerate(PHASES)
+    ]
+    print_rows(["", *heads], rows)
+    print("  phases: from the provider's and the client's job records (one clock)")
 
 
 def report(args: argparse.Namespace, times: dict[str, list[float]]) -> None:
@@ -246,10 +299,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"Running on a {args.size / MIB:g} MiB folder, {args.repeat} runs of each...",
                 flush=True,
             )
-            times = measure(args, Path(tmp))
+            times, splits = measure(args, Path(tmp))
     except KeyboardInterrupt:
         return interrupted()
     report(args, times)
+    report_phases(args, splits)
     return 0
 
 

@@ -144,6 +144,100 @@ def test_a_node_process_that_cannot_be_reached_is_reported_once_not_waited_for_t
     assert launch.take(launch.RUN, launch.run_body("alice", None, ["true"])) is None  # said once
 
 
+# `run --workdir`: "D" is a folder, "F" a file, "M" a path that does not exist (each
+# replaced by its path under the test's folder; relative forms run from there).
+WORKDIR_TAKEN = [
+    ["run", "--peer", "alice", "--workdir", "D", "true"],
+    ["run", "--workdir", "D", "--peer", "alice", "--", "sh", "-c", "ls"],
+    ["run", "--peer=alice", "--workdir=D", "--image=" + IMAGE, "--", "--help"],
+    ["run", "--image", IMAGE, "--workdir", "D", "--peer", "alice", "ls", "-d"],
+    ["run", "--peer", "alice", "--workdir", "proj", "true"],
+    ["run", "--peer", "alice", "--workdir", "./proj/", "true"],
+    ["run", "--peer", "alice", "--workdir", "proj/../proj//", "true"],
+    ["run", "--peer", "alice", "--workdir", ".", "true"],
+    ["run", "--peer", "alice", "--workdir", "link", "true"],  # resolved, as the spec does
+]
+
+WORKDIR_LEFT = [
+    ["run", "--peer", "alice", "--workdir", "D"],  # no command
+    ["run", "--peer", "alice", "--workdir", "D", "--"],
+    ["run", "--workdir", "D", "true"],  # the peer from $GPUMESH_PEER or nowhere
+    ["run", "--peer", " ", "--workdir", "D", "true"],  # blank: the command says so
+    ["run", "--peer", "alice", "--image", "a b", "--workdir", "D", "true"],
+    ["run", "--peer", "alice", "--workdir", "F", "true"],  # a file: the command refuses it
+    ["run", "--peer", "alice", "--workdir", "M", "true"],  # missing: the command says so
+    ["run", "--peer", "alice", "--workdir", "~nobody-here-at-all/x", "true"],
+    ["run", "--peer", "alice", "--workdir", "", "true"],
+    ["run", "--peer", "alice", "--workdir=", "true"],
+    ["run", "--peer", "alice", "--workdir", "-x", "true"],
+    ["run", "--peer", "alice", "--workdir", "D", "--workdir", "D", "true"],
+    ["run", "--peer", "alice", "--workdir", "D", "-e", "A=1", "true"],
+    ["run", "--peer", "alice", "--workdir", "D", "--detach", "true"],
+    ["run", "--peer", "alice", "--workdir", "D", "-q", "true"],
+    ["run", "--peer", "alice", "--workdir", "D", "--mount", "/a:/b", "true"],
+    ["run", "--peer", "alice", "--workdir", "D", "--gpu-memory", "1GB", "true"],
+    ["run", "--group", "lab", "--workdir", "D", "true"],
+    ["run", "-f", "job.yaml", "--workdir", "D"],
+    ["run", "--peer", "alice", "--workdir", "D", "--help"],
+    ["--home", "/h", "run", "--peer", "alice", "--workdir", "D", "true"],
+]
+
+
+def _workdir_paths(argv: list[str], root) -> list[str]:
+    (root / "link").symlink_to(root / "proj")
+    return _paths(argv, root)
+
+
+@pytest.mark.parametrize("argv", WORKDIR_TAKEN)
+@pytest.mark.parametrize("image_env", [None, "from-env:2"])
+def test_a_run_with_a_workdir_sends_what_click_would(
+    argv: list[str], image_env: str | None, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("GPUMESH_IMAGE", "GPUMESH_PEER"):
+        monkeypatch.delenv(name, raising=False)
+    if image_env is not None:
+        monkeypatch.setenv("GPUMESH_IMAGE", image_env)
+    monkeypatch.chdir(tmp_path)
+    argv = _workdir_paths(argv, tmp_path)
+    assert launch.plain_run(argv) is None
+    taken = launch.request(argv)
+    assert taken is not None
+    form, body = taken
+    assert form == launch.RUN
+    assert body == _click_body(argv, monkeypatch)
+    assert body["workdir"] in (str(tmp_path / "proj"), str(tmp_path))  # absolute, resolved
+
+
+@pytest.mark.parametrize("argv", WORKDIR_LEFT)
+def test_any_other_run_with_a_workdir_is_left_to_click(
+    argv: list[str], tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert launch.request(_workdir_paths(argv, tmp_path)) is None
+
+
+@pytest.mark.parametrize(
+    ("workdir", "message"),
+    [
+        ("F", "is not a folder: give the folder to upload"),
+        ("M", "does not exist: give an existing folder to upload"),
+    ],
+)
+def test_a_workdir_left_to_click_is_refused_there_with_its_own_message(
+    workdir: str, message: str, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the head start leaves alone, the command refuses as it always did (and
+    the head start sends nothing for it)."""
+    from gpumesh.errors import GPUMeshError
+
+    monkeypatch.chdir(tmp_path)
+    argv = _workdir_paths(["run", "--peer", "alice", "--workdir", workdir, "true"], tmp_path)
+    assert launch.request(argv) is None
+    with pytest.raises(GPUMeshError) as raised:
+        _click_body(argv, monkeypatch)
+    assert raised.value.message == f"--workdir {argv[4]} {message}"
+
+
 # `app sync`: "D" is a folder, "F" a file, "M" a path that does not exist (each
 # replaced by its path under the test's folder; relative forms run from there).
 SYNC_TAKEN = [

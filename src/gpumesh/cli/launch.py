@@ -1,29 +1,31 @@
 """The ``gpumesh`` console script: the head start of the forms typed most, then the CLI.
 
-Two command lines are understood here without click: the plain ``gpumesh run
---peer P [--image I] [--] COMMAND...`` and ``gpumesh app sync --peer P --dir D
-[--dry-run] [--json]``. Their request goes to the home's node process first
-thing, and the rest of the CLI (click and the command's modules, most of a
-thin command's start-up) loads while the node process works on it (submits
-the job and the provider makes its container; scans the folder and syncs it).
-The command then reads the answer of the request already sent (:func:`take`)
-instead of sending it. An app sync's answer is even printed here
-(:func:`finish`), as the command prints it, so a sync that went through never
-loads click at all; a failure, or output click might echo differently, is left
-to the command, which raises or prints the answer already read. A run's events
-are printed here too (:func:`finish_run`), by the command's own printer, so a
-run that ends never loads click either: the provider's engine starts the
-container meanwhile, and on a small machine the CPU the CLI's imports took
-made that start slower. Anything but the run's end (a failure, the node
-process gone, Ctrl-C) is left to the command, where the reading stopped
-(:func:`read_ahead`).
+Three command lines are understood here without click: the plain ``gpumesh run
+--peer P [--image I] [--] COMMAND...``, the same with ``--workdir D`` (its
+folder made absolute as the command's job spec makes it) and ``gpumesh app
+sync --peer P --dir D [--dry-run] [--json]``. Their request goes to the home's
+node process first thing, and the rest of the CLI (click and the command's
+modules, most of a thin command's start-up) loads while the node process works
+on it (submits the job, uploads its workdir and the provider makes its
+container; scans the folder and syncs it). The command then reads the answer
+of the request already sent (:func:`take`) instead of sending it. An app
+sync's answer is even printed here (:func:`finish`), as the command prints it,
+so a sync that went through never loads click at all; a failure, or output
+click might echo differently, is left to the command, which raises or prints
+the answer already read. A run's events are printed here too
+(:func:`finish_run`), by the command's own printer, so a run that ends never
+loads click either: the provider's engine starts the container meanwhile, and
+on a small machine the CPU the CLI's imports took made that start slower.
+Anything but the run's end (a failure, the node process gone, Ctrl-C) is left
+to the command, where the reading stopped (:func:`read_ahead`).
 
 Only exactly those forms are taken here, with options click would read the
 same way (each given once, a value that does not look like an option, for
-``--dir`` a folder click's check passes); any other command line, a home that
-is not initialised, commands kept in-process (``GPUMESH_NODE=off``) or a
-failure on the way to the node process leave the command to the CLI as it
-always ran: nothing is ever sent twice.
+``--dir`` a folder click's check passes, for ``--workdir`` a folder the job
+spec's check passes); any other command line, a home that is not initialised,
+commands kept in-process (``GPUMESH_NODE=off``) or a failure on the way to the
+node process leave the command to the CLI as it always ran: nothing is ever
+sent twice.
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ __all__ = [
     "request",
     "run_body",
     "take",
+    "workdir_run",
+    "workdir_run_body",
 ]
 
 RUN = "run"
@@ -157,6 +161,62 @@ def run_body(peer: str, image: str | None, command: list[str]) -> dict[str, obje
     }
 
 
+def workdir_run(argv: list[str]) -> tuple[str, str | None, str, list[str]] | None:
+    """``(peer, image, workdir, command)`` of ``run --peer P [--image I] --workdir D
+    [--] COMMAND...`` (options in any order) where the command's own checks pass: a
+    peer name that is not blank, an image name without spaces, D an existing folder
+    (after ``~`` is expanded, as the command expands it); None for any other command
+    line, whose refusal, if any, the command then says itself."""
+    if not argv or argv[0] != "run":
+        return None
+    rest = argv[1:]
+    options = _options(rest, ("--peer", "--image", "--workdir"), ())
+    if options is None:
+        return None
+    values, index = options
+    if index < len(rest) and rest[index] == "--":
+        index += 1
+    command = rest[index:]
+    if "--peer" not in values or "--workdir" not in values or not command:
+        return None
+    peer, image, workdir = values["--peer"], values.get("--image"), values["--workdir"]
+    if not peer.strip() or (image is not None and any(ch.isspace() for ch in image)):
+        return None
+    from pathlib import Path
+
+    try:
+        if not Path(workdir).expanduser().is_dir():
+            return None
+    except (RuntimeError, OSError):  # a ~user unknown here, a path the system refuses
+        return None
+    return peer, image, workdir, command
+
+
+def workdir_run_body(
+    peer: str, image: str | None, workdir: str, command: list[str]
+) -> dict[str, object]:
+    """The node process's request for ``run`` with a workdir: what the command sends
+    for it once its job spec is built (the folder made absolute as the spec makes it,
+    the spec's defaults for the options not given)."""
+    from pathlib import Path
+
+    from gpumesh.settings import ENV_IMAGE, env
+
+    return {
+        "command": list(command),
+        "peer": peer,
+        "group": None,
+        "image": image or env(ENV_IMAGE),
+        "env": {},
+        "gpu_memory": 0,
+        "retries": 0,
+        "timeout": 0.0,
+        "mounts": [],
+        "workdir": str(Path(workdir).expanduser().resolve()),
+        "wait": 0.0,
+    }
+
+
 def plain_app_sync(argv: list[str]) -> tuple[str, str, bool, bool] | None:
     """``(peer, folder, dry_run, as_json)`` of ``app sync --peer P --dir D [--dry-run]
     [--json]`` (in any order) where D is a readable folder (click refuses a file or
@@ -187,6 +247,9 @@ def request(argv: list[str]) -> tuple[str, dict[str, object]] | None:
     run = plain_run(argv)
     if run is not None:
         return RUN, run_body(*run)
+    with_workdir = workdir_run(argv)
+    if with_workdir is not None:
+        return RUN, workdir_run_body(*with_workdir)
     sync = plain_app_sync(argv)
     if sync is not None:
         return APP_SYNC, app_sync_body(*sync[:3])
@@ -296,7 +359,9 @@ def finish_run(argv: list[str]) -> int | None:
     the end came out of the events (a failure, the node process gone, Ctrl-C). The
     command then meets that where the reading stopped, with the reader
     (:func:`read_ahead`), and nothing is printed or sent twice."""
-    if plain_run(argv) is None or not _ahead or _ahead[-1][0] != RUN:
+    if plain_run(argv) is None and workdir_run(argv) is None:
+        return None
+    if not _ahead or _ahead[-1][0] != RUN:
         return None
     from gpumesh.settings import ENV_LOG
 
