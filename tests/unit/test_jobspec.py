@@ -130,6 +130,19 @@ def test_workdir_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert load_job_file(write(tmp_path, "workdir: ~/proj\n")).workdir == tmp_path / "proj"
 
 
+def test_a_workdir_under_an_unknown_users_home_is_refused_in_one_line(tmp_path: Path) -> None:
+    # Path.expanduser raises RuntimeError for a user this machine does not know.
+    unknown = "~gpumesh-no-such-user-9x/proj"
+    with pytest.raises(ConfigError) as caught:
+        build_spec(None, command=["x"], workdir=unknown)
+    assert str(caught.value) == (
+        f"{unknown}: this machine has no home folder for ~gpumesh-no-such-user-9x: "
+        "give the folder's full path"
+    )
+    with pytest.raises(ConfigError, match=r"job\.yaml:1: workdir: ~gpumesh-no-such-user-9x/proj: "):
+        load_job_file(write(tmp_path, f"workdir: {unknown}\n"))
+
+
 @pytest.mark.parametrize("text", ["", "# nothing yet\n", "---\n", "~\n"])
 def test_empty_file_sets_nothing(tmp_path: Path, text: str) -> None:
     job = load_job_file(write(tmp_path, text))

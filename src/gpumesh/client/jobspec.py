@@ -387,7 +387,11 @@ class _FileReader:
         )
 
     def workdir(self, node: yaml.Node) -> Path:
-        value = Path(self.text(node, "workdir", "a folder path")).expanduser()
+        text = self.text(node, "workdir", "a folder path")
+        try:
+            value = _expanded(text)
+        except ConfigError as exc:
+            self.fail(node, f"workdir: {exc.message}")
         # Relative to the job file, so `gpumesh run -f exp/job.yaml` works from anywhere.
         return (self.path.parent / value).absolute()
 
@@ -560,6 +564,18 @@ def _read_fields(reader: _FileReader, root: yaml.Node | None) -> JobFile:
 # --- merging --------------------------------------------------------------------------------------
 
 
+def _expanded(text: str) -> Path:
+    """``text`` as a path with ``~`` / ``~user`` expanded (ConfigError for a user or
+    home this machine does not know)."""
+    try:
+        return Path(text).expanduser()
+    except RuntimeError:
+        head = text.split("/", 1)[0]
+        raise ConfigError(
+            f"{text}: this machine has no home folder for {head}: give the folder's full path"
+        ) from None
+
+
 def _check_workdir(path: Path, shown_as: str) -> Path:
     if not path.exists():
         raise ConfigError(f"{shown_as} does not exist: give an existing folder to upload")
@@ -613,7 +629,7 @@ def build_spec(
 
     final_workdir: Path | None = None
     if workdir is not None:
-        final_workdir = _check_workdir(Path(workdir).expanduser(), f"--workdir {workdir}")
+        final_workdir = _check_workdir(_expanded(str(workdir)), f"--workdir {workdir}")
     elif job.workdir is not None:
         final_workdir = _check_workdir(job.workdir, f"{at('workdir')} folder {job.workdir}")
 
