@@ -84,6 +84,7 @@ __all__ = [
     "system_name",
     "taken",
     "utime_open",
+    "write_all",
 ]
 
 logger = logging.getLogger(__name__)
@@ -302,6 +303,21 @@ def preadv(fd: int, buffer: memoryview, offset: int) -> int:
     data = pread(fd, len(buffer), offset)
     buffer[: len(data)] = data
     return len(data)
+
+
+WRITE_SLICE = 1 << 20
+"""Most bytes per ``write()`` of :func:`write_all`. The page cache takes a write's
+bytes in folios as large as the write allows (up to 2 MiB); on the virtual
+machine measured, a GiB written in 4 MiB writes cost 1.7-4.2 s of kernel CPU
+against 0.3 s in writes of 1 MiB or less (fresh large blocks of guest memory
+are likely ones the host has taken back and must fault in again), which made a
+copy onto disk slower than scp's small writes."""
+
+
+def write_all(fd: int, data: memoryview) -> None:
+    """Write all of ``data`` at ``fd``'s position, at most :data:`WRITE_SLICE` bytes a call."""
+    while data:
+        data = data[os.write(fd, data[:WRITE_SLICE]) :]
 
 
 def run(coro: Coroutine[Any, Any, T]) -> T:
