@@ -90,6 +90,7 @@ from gpumesh.files.transfer import (
     hash_file,
     swallow,
     tar_chunks,
+    truncate_at,
     unpack_from,
     worker,
 )
@@ -731,7 +732,7 @@ class FileService:
             try:
                 # Drop what lies past the offset before a byte is added; the kept
                 # part is hashed while the first new bytes arrive.
-                await in_thread(_truncate, fd, offset)
+                await in_thread(truncate_at, fd, offset)
                 listener = self._listener(ctx.link.remote_address()[0])
                 stream.send_message(
                     ChannelOffer(
@@ -1137,14 +1138,8 @@ def _start_partial(part: Path, meta: Path, expected: dict[str, Any]) -> None:
         pass
 
 
-def _truncate(fd: int, offset: int) -> None:
-    """Drop what lies past ``offset`` (a write cut short), and write from there on."""
-    os.ftruncate(fd, offset)
-    os.lseek(fd, offset, os.SEEK_SET)
-
-
 def _truncate_and_hash(fd: int, offset: int, hasher: Hasher) -> None:
-    _truncate(fd, offset)
+    truncate_at(fd, offset)
     hash_file(fd, offset, hasher)
 
 

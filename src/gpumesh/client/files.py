@@ -1107,15 +1107,10 @@ def _local_target(local: Path, remote: str, peer_name: str, kind: str) -> Path:
     return dest
 
 
-def _truncate(fd: int, offset: int) -> None:
-    os.ftruncate(fd, offset)
-    os.lseek(fd, offset, os.SEEK_SET)
-
-
 def _truncate_and_hash(fd: int, offset: int, hasher: Hasher) -> None:
-    from gpumesh.files.transfer import hash_file
+    from gpumesh.files.transfer import hash_file, truncate_at
 
-    _truncate(fd, offset)
+    truncate_at(fd, offset)
     hash_file(fd, offset, hasher)
 
 
@@ -1136,8 +1131,9 @@ def _resume_and_receive(
 ) -> None:
     """After the part kept so far (hashed while the first new bytes arrive), the rest."""
     from gpumesh.files.channel import receive_file
+    from gpumesh.files.transfer import truncate_at
 
-    _truncate(fd, offset)
+    truncate_at(fd, offset)
     receive_file(channel, fd, count, hasher, progress, offset)
 
 

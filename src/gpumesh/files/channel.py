@@ -777,8 +777,7 @@ def receive_file(
     from gpumesh.files.transfer import hash_file
 
     def write(view: memoryview) -> None:
-        while view:
-            view = view[os.write(fd, view) :]
+        platform.write_all(fd, view)
 
     # Writing and hashing on two threads: each costs about as much as the TLS.
     relay = _Relay([hasher.update, write], lambda: hash_file(fd, kept, hasher))

@@ -134,8 +134,7 @@ class _Source:
             view = self._view[:size]
             self._view = self._view[len(view) :]
             size -= len(view)
-            while view:
-                view = view[os.write(fd, view) :]
+            platform.write_all(fd, view)
 
     def skip(self, size: int) -> None:
         while size:
