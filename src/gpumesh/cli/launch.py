@@ -125,13 +125,13 @@ def _options(
     return values, index
 
 
-def plain_run(argv: list[str]) -> tuple[str, str | None, list[str]] | None:
-    """``(peer, image, command)`` of ``run --peer P [--image I] [--] COMMAND...``;
-    None for any other command line (the CLI parses it)."""
+def _run_form(argv: list[str], valued: tuple[str, ...]) -> tuple[dict[str, str], list[str]] | None:
+    """The options (among ``valued``) and the command of ``run --peer P [OPTIONS] [--]
+    COMMAND...``; None for any other command line (the CLI parses it)."""
     if not argv or argv[0] != "run":
         return None
     rest = argv[1:]
-    options = _options(rest, ("--peer", "--image"), ())
+    options = _options(rest, valued, ())
     if options is None:
         return None
     values, index = options
@@ -140,6 +140,16 @@ def plain_run(argv: list[str]) -> tuple[str, str | None, list[str]] | None:
     command = rest[index:]
     if "--peer" not in values or not command:
         return None
+    return values, command
+
+
+def plain_run(argv: list[str]) -> tuple[str, str | None, list[str]] | None:
+    """``(peer, image, command)`` of ``run --peer P [--image I] [--] COMMAND...``;
+    None for any other command line (the CLI parses it)."""
+    form = _run_form(argv, ("--peer", "--image"))
+    if form is None:
+        return None
+    values, command = form
     return values["--peer"], values.get("--image"), command
 
 
@@ -167,18 +177,10 @@ def workdir_run(argv: list[str]) -> tuple[str, str | None, str, list[str]] | Non
     peer name that is not blank, an image name without spaces, D an existing folder
     (after ``~`` is expanded, as the command expands it); None for any other command
     line, whose refusal, if any, the command then says itself."""
-    if not argv or argv[0] != "run":
+    form = _run_form(argv, ("--peer", "--image", "--workdir"))
+    if form is None or "--workdir" not in form[0]:
         return None
-    rest = argv[1:]
-    options = _options(rest, ("--peer", "--image", "--workdir"), ())
-    if options is None:
-        return None
-    values, index = options
-    if index < len(rest) and rest[index] == "--":
-        index += 1
-    command = rest[index:]
-    if "--peer" not in values or "--workdir" not in values or not command:
-        return None
+    values, command = form
     peer, image, workdir = values["--peer"], values.get("--image"), values["--workdir"]
     if not peer.strip() or (image is not None and any(ch.isspace() for ch in image)):
         return None
@@ -200,20 +202,12 @@ def workdir_run_body(
     the spec's defaults for the options not given)."""
     from pathlib import Path
 
-    from gpumesh.settings import ENV_IMAGE, env
-
     return {
-        "command": list(command),
-        "peer": peer,
-        "group": None,
-        "image": image or env(ENV_IMAGE),
-        "env": {},
+        **run_body(peer, image, command),
         "gpu_memory": 0,
         "retries": 0,
         "timeout": 0.0,
-        "mounts": [],
         "workdir": str(Path(workdir).expanduser().resolve()),
-        "wait": 0.0,
     }
 
 
