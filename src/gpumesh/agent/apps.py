@@ -61,7 +61,7 @@ from gpumesh.files.hashing import SHA256, new_hasher
 from gpumesh.files.manifest import Stamp
 from gpumesh.files.manifest import stamp as file_stamp
 from gpumesh.files.sandbox import Tree, WalkStopped
-from gpumesh.files.transfer import swallow, unpack_from
+from gpumesh.files.transfer import NoHash, swallow, unpack_from
 from gpumesh.protocol.messages import (
     AppJobDir,
     AppJobDirReply,
@@ -416,7 +416,7 @@ class AppService:
             ):
                 received = send.size
             elif send.size:
-                async with unpack_from(temp, limit, _NoHash()) as feed:
+                async with unpack_from(temp, limit, NoHash()) as feed:
                     while chunk := await stream.read_data():
                         received += len(chunk)
                         if received > send.size:
@@ -520,14 +520,6 @@ async def _end_walk(walk: _Walk) -> None:
 def _close_walked(walk: _Walk) -> None:
     if walk.folder is not None:
         walk.folder.close()
-
-
-class _NoHash:
-    def update(self, data: bytes | memoryview, /) -> None:
-        return None
-
-    def digest(self) -> bytes:
-        return b""
 
 
 async def _read_section(stream: Stream, size: int, what: str) -> bytes:

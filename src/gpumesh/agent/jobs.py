@@ -146,16 +146,6 @@ def _hand_over(job_dir: Path) -> None:
     job_dir.chmod(0o700)
 
 
-class _NoHash:
-    """The workdir over QUIC is checked by its size; nothing hashes it on this side."""
-
-    def update(self, data: bytes | memoryview, /) -> None:
-        return None
-
-    def digest(self) -> bytes:
-        return b""
-
-
 def _state_data(
     state: str, exit_code: int | None, message: str, peak: int, *, exited: bool
 ) -> bytes:
@@ -623,7 +613,7 @@ class JobService:
         user: over the data channel when one was offered (checked against its
         ``hash_name`` hash before it becomes the job's), else as DATA on the
         request's stream (checked by its size; QUIC protects the bytes)."""
-        from gpumesh.files.transfer import unpack_from
+        from gpumesh.files.transfer import NoHash, unpack_from
 
         try:
             run.machine.uploading()
@@ -653,7 +643,7 @@ class JobService:
                 return
         stream = ctx.stream
         received = 0
-        async with unpack_from(work, limit, _NoHash(), owner) as feed:
+        async with unpack_from(work, limit, NoHash(), owner) as feed:
             while chunk := await stream.read_data():
                 received += len(chunk)
                 if received > size:

@@ -441,10 +441,10 @@ async def _apply_needs(
 
 
 async def _send_tar_quic(stream: Stream, subset: PackPlan, size: int, folder: Path) -> None:
-    from gpumesh.files.transfer import tar_chunks
+    from gpumesh.files.transfer import NoHash, tar_chunks
 
     sent = 0
-    async with contextlib.aclosing(tar_chunks(subset, _NoHash())) as chunks:
+    async with contextlib.aclosing(tar_chunks(subset, NoHash())) as chunks:
         async for chunk in chunks:
             await stream.send_data(chunk)
             sent += len(chunk)
@@ -470,14 +470,6 @@ def _tar_size(plan: PackPlan) -> int:
     from gpumesh.files.pack import tar_size
 
     return tar_size(plan)
-
-
-class _NoHash:
-    def update(self, data: bytes | memoryview, /) -> None:
-        return None
-
-    def digest(self) -> bytes:
-        return b""
 
 
 async def _send_bytes(stream: Stream, data: bytes) -> None:

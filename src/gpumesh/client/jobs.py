@@ -486,10 +486,10 @@ async def _upload(
     dropped under ``send_data``), so a failed upload raises instead of waiting
     for a thread blocked on a queue nothing reads any more.
     """
-    from gpumesh.files.transfer import tar_chunks
+    from gpumesh.files.transfer import NoHash, tar_chunks
 
     sent = 0
-    async with contextlib.aclosing(tar_chunks(plan, _NoHash())) as chunks:
+    async with contextlib.aclosing(tar_chunks(plan, NoHash())) as chunks:
         async for chunk in chunks:
             await stream.send_data(chunk)
             sent += len(chunk)
@@ -497,16 +497,6 @@ async def _upload(
     stream.end_data()
     if sent != total:
         raise ProtocolError(f"the workdir changed while it was sent ({sent} of {total} bytes)")
-
-
-class _NoHash:
-    """The workdir over QUIC is checked by its size; nothing hashes it on this side."""
-
-    def update(self, data: bytes | memoryview, /) -> None:
-        return None
-
-    def digest(self) -> bytes:
-        return b""
 
 
 async def _consume(
