@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
+import pwd
+import shutil
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -94,3 +98,54 @@ def _no_node_process_left(request: pytest.FixtureRequest) -> Iterator[None]:
         if record is not None and record.pid:
             with contextlib.suppress(OSError):
                 os.kill(record.pid, signal.SIGKILL)
+
+
+OTHER_USER = "gpumesh-other"
+"""The second local account that tests acting as another user of this machine run as."""
+
+
+@dataclasses.dataclass(frozen=True)
+class OtherUser:
+    """Another local account: runs commands as it, with no supplementary groups."""
+
+    name: str
+    uid: int
+    gid: int
+    home: Path
+
+    def argv(self, *command: str) -> list[str]:
+        """The argv that runs `command` as this user (setpriv, a clean group list)."""
+        return [
+            "setpriv",
+            f"--reuid={self.uid}",
+            f"--regid={self.gid}",
+            "--clear-groups",
+            "--",
+            *command,
+        ]
+
+    def run(self, *command: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        """Run `command` as this user and capture its output (never raises on exit codes)."""
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(self.home)}
+        return subprocess.run(
+            self.argv(*command), capture_output=True, text=True, timeout=timeout, env=env
+        )
+
+
+@pytest.fixture(scope="session")
+def other_user() -> OtherUser:
+    """A second local account (created once, as root). Skipped without root, never in CI."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None or shutil.which("useradd") is None:
+        if _in_ci():
+            raise AssertionError("CI runs as root with setpriv and useradd: tests need them")
+        pytest.skip("needs root, setpriv and useradd to act as another local user")
+    try:
+        entry = pwd.getpwnam(OTHER_USER)
+    except KeyError:
+        subprocess.run(
+            ["useradd", "--create-home", "--user-group", "--shell", "/bin/sh", OTHER_USER],
+            check=True,
+            capture_output=True,
+        )
+        entry = pwd.getpwnam(OTHER_USER)
+    return OtherUser(entry.pw_name, entry.pw_uid, entry.pw_gid, Path(entry.pw_dir))
