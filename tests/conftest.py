@@ -128,7 +128,12 @@ class OtherUser:
         """Run `command` as this user and capture its output (never raises on exit codes)."""
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(self.home)}
         return subprocess.run(
-            self.argv(*command), capture_output=True, text=True, timeout=timeout, env=env
+            self.argv(*command),
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
         )
 
 
