@@ -26,6 +26,7 @@ from gpumesh.identity.codes import (
     verify_code,
 )
 from gpumesh.identity.keys import Identity
+from tests.badhints import BAD_HINTS
 
 NOW = 1_700_000_000.0
 URLSAFE = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_"
@@ -302,10 +303,42 @@ def test_a_signed_code_with_an_invalid_name_is_refused(identity: Identity) -> No
 
 
 def test_a_signed_code_with_an_overlong_address_is_refused(identity: Identity) -> None:
-    with pytest.raises(PairingCodeError, match="invalid addresses"):
+    with pytest.raises(PairingCodeError, match=r"bad address: 'hhh.*over 255 characters"):
         verify_code(make_code(identity, "alice", ["h" * 300 + ":1"]))
 
 
 def test_a_signed_code_with_an_overlong_relay_is_refused(identity: Identity) -> None:
-    with pytest.raises(PairingCodeError, match="malformed"):
+    with pytest.raises(PairingCodeError, match=r"bad relay: 'rrr.*over 255 characters"):
         verify_code(make_code(identity, "alice", [], "r" * 300 + ":1"))
+
+
+@pytest.mark.parametrize("hint", BAD_HINTS)
+def test_a_signed_code_with_a_bad_address_is_refused(identity: Identity, hint: str) -> None:
+    code = make_code(identity, "alice", ["192.0.2.1:47000", hint])
+    with pytest.raises(PairingCodeError) as caught:
+        verify_code(code)
+    message = str(caught.value)
+    assert message.startswith("that pairing code carries a bad address: ")
+    assert "ask the peer for a fresh `gpumesh pair-code`" in message
+    assert "\n" not in message and "\x1b" not in message
+
+
+@pytest.mark.parametrize("hint", [h for h in BAD_HINTS if h != "192.0.2.1"])
+def test_a_signed_code_with_a_bad_relay_is_refused(identity: Identity, hint: str) -> None:
+    with pytest.raises(PairingCodeError, match=r"^that pairing code carries a bad relay: "):
+        verify_code(make_code(identity, "alice", ["192.0.2.1:47000"], hint))
+
+
+@pytest.mark.parametrize(
+    "hint",
+    ["192.0.2.1:1", "[2001:db8::1]:65535", "node-1.example.org:47000", "localhost:4799", "a.b.:9"],
+)
+def test_ip_literals_and_host_names_are_taken(identity: Identity, hint: str) -> None:
+    offer = verify_code(make_code(identity, "alice", [hint], hint))
+    assert offer.addresses == [hint] and offer.relay == hint
+
+
+def test_a_relay_hint_may_leave_out_its_port(identity: Identity) -> None:
+    assert verify_code(make_code(identity, "alice", [], "relay.example.org")).relay == (
+        "relay.example.org"
+    )

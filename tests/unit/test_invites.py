@@ -33,6 +33,7 @@ from gpumesh.identity.invites import (
     verify_invite,
 )
 from gpumesh.identity.keys import Identity
+from tests.badhints import BAD_HINTS
 
 NOW = 1_700_000_000.0
 URLSAFE = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_"
@@ -475,9 +476,12 @@ def _alice_with(**changes: Any) -> dict[str, Any]:
         ({"group_name": "bad name!"}, "invalid group name"),
         ({"nonce": b"short"}, "malformed"),
         ({"members": [_alice_with(name="bad name!")]}, "invalid member"),
-        ({"members": [_alice_with(addresses=["h" * 300 + ":1"])]}, "invalid addresses"),
+        (
+            {"members": [_alice_with(addresses=["h" * 300 + ":1"])]},
+            "bad address for alice-pc: 'hhh",
+        ),
         ({"members": [_alice_with(addresses=["192.0.2.1:1"] * 17)]}, "invalid addresses"),
-        ({"members": [_alice_with(relay="r" * 300)]}, "invalid relay"),
+        ({"members": [_alice_with(relay="r" * 300)]}, "bad relay for alice-pc: 'rrr"),
         ({"members": [_alice_with(), _alice_with(name="alice-again")]}, "key twice"),
     ],
     ids=[
@@ -497,6 +501,24 @@ def test_a_signed_invite_with_invalid_fields_is_refused(
     with pytest.raises(PairingCodeError, match=message) as info:
         verify_invite(_signed_with(**changes))
     assert not isinstance(info.value, ExpiredCodeError)
+
+
+@pytest.mark.parametrize("hint", BAD_HINTS)
+def test_a_signed_invite_with_a_bad_address_is_refused(hint: str) -> None:
+    members = [_alice_with(addresses=["192.0.2.1:47000", hint])]
+    with pytest.raises(PairingCodeError) as caught:
+        verify_invite(_signed_with(members=members))
+    message = str(caught.value)
+    assert message.startswith("that group invite carries a bad address for alice-pc: ")
+    assert message.endswith("; ask a member for a fresh `gpumesh group invite`")
+
+
+@pytest.mark.parametrize("hint", [h for h in BAD_HINTS if h != "192.0.2.1"])
+def test_a_signed_invite_with_a_bad_relay_is_refused(hint: str) -> None:
+    with pytest.raises(
+        PairingCodeError, match=r"^that group invite carries a bad relay for alice-pc: "
+    ):
+        verify_invite(_signed_with(members=[_alice_with(relay=hint)]))
 
 
 def test_a_signed_invite_with_too_many_members_is_refused() -> None:

@@ -27,6 +27,7 @@ from collections.abc import Callable
 import msgspec
 
 from gpumesh.errors import ExpiredCodeError, IdentityError, PairingCodeError
+from gpumesh.identity.hints import MAX_HINT_CHARS, check_hints
 from gpumesh.identity.keys import (
     PUBLIC_KEY_SIZE,
     Identity,
@@ -52,7 +53,7 @@ CODE_LIFETIME = 3600.0
 MAX_CODE_CHARS = 4096
 MAX_BODY_BYTES = 0xFFFF  # the length field is a u16
 MAX_ADDRESSES = 16
-MAX_ADDRESS_CHARS = 255
+MAX_ADDRESS_CHARS = MAX_HINT_CHARS
 _DOMAIN = b"gpumesh-pairing-offer-v1\x00"
 _CLOCK_SKEW = 300.0
 _PAYLOAD_RE = re.compile(r"[A-Za-z0-9_-]*")
@@ -219,9 +220,15 @@ def _check_fields(offer: PairingOffer) -> None:
         check_node_name(offer.name)
     except IdentityError:
         raise PairingCodeError("that pairing code carries an invalid node name") from None
-    if len(offer.addresses) > MAX_ADDRESSES or any(
-        len(a) > MAX_ADDRESS_CHARS for a in offer.addresses
-    ):
+    if len(offer.addresses) > MAX_ADDRESSES:
         raise PairingCodeError("that pairing code carries invalid addresses")
-    if len(offer.relay) > MAX_ADDRESS_CHARS or len(offer.nonce) != 16:
+    if len(offer.nonce) != 16:
         raise PairingCodeError("that pairing code is malformed")
+    try:
+        check_hints(offer.addresses, offer.relay)
+    except ValueError as exc:
+        field, detail = exc.args
+        raise PairingCodeError(
+            f"that pairing code carries a bad {field}: {detail}; "
+            "ask the peer for a fresh `gpumesh pair-code`"
+        ) from None

@@ -30,12 +30,12 @@ import msgspec
 from gpumesh.errors import ConfigError, ExpiredCodeError, IdentityError, PairingCodeError
 from gpumesh.identity.codes import (
     CODE_PREFIX,
-    MAX_ADDRESS_CHARS,
     MAX_ADDRESSES,
     MAX_BODY_BYTES,
     decode_token,
     encode_token,
 )
+from gpumesh.identity.hints import check_hints
 from gpumesh.identity.keys import (
     PUBLIC_KEY_SIZE,
     Identity,
@@ -259,12 +259,16 @@ def _check_fields(invite: GroupInvite) -> None:
     for member in invite.members:
         if not _is_name(member.name) or len(member.public_key) != PUBLIC_KEY_SIZE:
             raise PairingCodeError("that group invite carries an invalid member")
-        if len(member.addresses) > MAX_ADDRESSES or any(
-            len(a) > MAX_ADDRESS_CHARS for a in member.addresses
-        ):
+        if len(member.addresses) > MAX_ADDRESSES:
             raise PairingCodeError(f"that group invite carries invalid addresses for {member.name}")
-        if len(member.relay) > MAX_ADDRESS_CHARS:
-            raise PairingCodeError(f"that group invite carries an invalid relay for {member.name}")
+        try:
+            check_hints(member.addresses, member.relay)
+        except ValueError as exc:
+            field, detail = exc.args
+            raise PairingCodeError(
+                f"that group invite carries a bad {field} for {member.name}: {detail}; "
+                "ask a member for a fresh `gpumesh group invite`"
+            ) from None
         if member.public_key in keys:
             raise PairingCodeError(f"that group invite lists {member.name}'s key twice")
         keys.add(member.public_key)

@@ -31,6 +31,7 @@ from typing import Final
 import msgspec
 
 from gpumesh.errors import IdentityError, ProtocolError
+from gpumesh.identity.hints import check_hint
 from gpumesh.identity.keys import (
     PUBLIC_KEY_SIZE,
     Identity,
@@ -225,6 +226,11 @@ def check_record(record: Record) -> None:
     elif isinstance(record, AddressRecord):
         _check_addresses(record.addresses)
         _text(record.relay, "relay", MAX_ADDRESS_CHARS)
+        if record.relay:
+            try:
+                check_hint(record.relay, port_optional=True)
+            except ValueError as exc:
+                raise ProtocolError(f"the record's relay {exc}") from None
 
 
 def _check_listing(listing: Listing) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import sqlite3
 import threading
 import time
@@ -26,6 +27,7 @@ from gpumesh.errors import (
     PairingCodeError,
     UnknownPeerError,
 )
+from gpumesh.identity.hints import check_hint
 from gpumesh.identity.keys import NodeId, node_id_for
 from gpumesh.protocol.desktop import DesktopKind
 from gpumesh.protocol.messages import JobOutput, JobStatus
@@ -82,6 +84,8 @@ _JSON_COLUMNS = {"command", "env", "gpus", "log_cursor", "mounts"}
 
 # Migrations are history: each keeps the literal values (roles, states) it was
 # written with, whatever the code calls them now.
+logger = logging.getLogger(__name__)
+
 MIGRATIONS: list[str] = [
     # 0 -> 1: peers and the allowlist
     """
@@ -496,6 +500,7 @@ class Store:
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute("PRAGMA foreign_keys=ON")
         self._migrate()
+        self._drop_bad_hints()
 
     def close(self) -> None:
         self._db.close()
@@ -530,6 +535,41 @@ class Store:
                     if statement.strip():
                         self._db.execute(statement)
                 self._db.execute(f"PRAGMA user_version = {index + 1}")
+
+    def _drop_bad_hints(self) -> None:
+        """Forget the addresses and relays of peers and group members that are not
+        ``host:port`` (:func:`~gpumesh.identity.hints.check_hint`), with one warning
+        per node. Codes and invites are checked so since; a node paired before kept
+        what its code said, and a dial must never meet it."""
+        fixes: list[tuple[str, int, str, list[str], str, list[str]]] = []
+        for table in ("peers", "group_members"):
+            for row in self._query(f"SELECT rowid, name, addresses, relay FROM {table}"):
+                kept, relay, dropped = _good_hints(row["addresses"], row["relay"])
+                if dropped:
+                    fixes.append((table, row["rowid"], row["name"], kept, relay, dropped))
+        stale = [
+            row["rowid"]
+            for row in self._query("SELECT rowid, last_address FROM peers")
+            if row["last_address"] and not _is_hint(row["last_address"])
+        ]
+        if not fixes and not stale:
+            return
+        with self._transaction():
+            for table, rowid, _name, kept, relay, _dropped in fixes:
+                self._db.execute(
+                    f"UPDATE {table} SET addresses = ?, relay = ? WHERE rowid = ?",
+                    (json.dumps(kept), relay, rowid),
+                )
+            for rowid in stale:
+                self._db.execute("UPDATE peers SET last_address = '' WHERE rowid = ?", (rowid,))
+        for table, _rowid, name, _kept, _relay, dropped in fixes:
+            logger.warning(
+                "%s %s: dropped %s stored for it (not host:port; from a code or invite of "
+                "before they were checked): pair again with a fresh code if it is not reached",
+                "peer" if table == "peers" else "group member",
+                name,
+                ", ".join(repr(text[:60]) for text in dropped),
+            )
 
     @property
     def schema_version(self) -> int:
@@ -1172,3 +1212,30 @@ class Store:
         """Whether this node offers CUDA sessions (off until `cuda share`)."""
         rows = self._query("SELECT sharing FROM cuda_share WHERE id = 1")
         return bool(rows and rows[0]["sharing"])
+
+
+def _is_hint(text: object, *, port_optional: bool = False) -> bool:
+    if not isinstance(text, str):
+        return False
+    try:
+        check_hint(text, port_optional=port_optional)
+    except ValueError:
+        return False
+    return True
+
+
+def _good_hints(addresses_json: str, relay: str) -> tuple[list[str], str, list[str]]:
+    """A stored row's addresses and relay with only the good hints kept, and the
+    texts dropped (anything not a string, or not JSON at all, as it reads)."""
+    try:
+        addresses = json.loads(addresses_json)
+    except ValueError:
+        addresses = [addresses_json]
+    if not isinstance(addresses, list):
+        addresses = [addresses]
+    kept = [a for a in addresses if _is_hint(a)]
+    dropped = [a if isinstance(a, str) else repr(a) for a in addresses if not _is_hint(a)]
+    if relay and not _is_hint(relay, port_optional=True):
+        dropped.append(relay)
+        relay = ""
+    return kept, relay, dropped

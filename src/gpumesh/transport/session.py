@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import os
 import socket
@@ -38,6 +39,7 @@ from gpumesh.protocol.flow import DEFAULT_WINDOW
 from gpumesh.protocol.handshake import AUTH_STREAM, AuthForm, ClientAuth, ServerAuth
 from gpumesh.protocol.messages import MAX_MESSAGE_FRAME, Hello, Message, Proof, SessionProof
 from gpumesh.transport.quic import QuicEndpoint, QuicLink
+from gpumesh.transport.reach import unreachable
 from gpumesh.transport.stream import Stream
 
 if TYPE_CHECKING:
@@ -117,6 +119,29 @@ def went_through_relay(path: str) -> bool:
     return path.startswith(("relayed", "direct (hole-punched)"))
 
 
+async def resolve_host(address: Address, where: str) -> Address:
+    """``address`` with its host name (a hint may name one) looked up, IPv4 first,
+    as sockets and QUIC take only IP literals; an IP literal as it is. A name that
+    does not resolve is :class:`UnreachableError` at ``where``, as a silent host is."""
+    host, port = address
+    with contextlib.suppress(ValueError):
+        ipaddress.ip_address(host)
+        return address
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_DGRAM)
+    except (OSError, UnicodeError) as exc:
+        raise unreachable(where, reason=f"cannot resolve {host}: {_why(exc)}") from None
+    infos.sort(key=lambda info: info[0] != socket.AF_INET)
+    if not infos:
+        raise unreachable(where, reason=f"{host} has no address")
+    found = infos[0][4]
+    return (str(found[0]), int(found[1]))
+
+
+def _why(exc: OSError | UnicodeError) -> str:
+    return str(exc.strerror if isinstance(exc, OSError) and exc.strerror else exc)
+
+
 async def resolve_relay(text: str) -> Address:
     """``host[:port]`` of a relay to one IPv4 address (UDP)."""
     from gpumesh.protocol.relay import DEFAULT_RELAY_PORT
@@ -128,8 +153,8 @@ async def resolve_relay(text: str) -> Address:
     loop = asyncio.get_running_loop()
     try:
         infos = await loop.getaddrinfo(host, port, family=socket.AF_INET, type=socket.SOCK_DGRAM)
-    except OSError as exc:
-        raise UnreachableError(f"cannot resolve the relay {text}: {exc.strerror or exc}") from None
+    except (OSError, UnicodeError) as exc:
+        raise UnreachableError(f"cannot resolve the relay {text}: {_why(exc)}") from None
     found = infos[0][4]
     return (str(found[0]), int(found[1]))
 
@@ -300,6 +325,7 @@ async def _dial_one(
     via: OutgoingSocket | None = None,
 ) -> Session:
     where = f"{address[0]}:{address[1]}"
+    address = await resolve_host(address, where)
     if via is not None and via.takes(address):
         link = await via.dial(address, where, server_key, timeout)
     else:
