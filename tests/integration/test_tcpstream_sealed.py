@@ -21,6 +21,7 @@ import pytest
 
 from gpumesh.files.channel import TICKET_BYTES, Listener, MemoryChannel, dial_memory, server_context
 from gpumesh.identity.keys import Identity
+from gpumesh.protocol.handshake import BINDING_SIZE
 from gpumesh.transport.sealing import MAX_PLAIN
 from gpumesh.transport.tcpstream import _ChannelError, _Splice
 from tests.integration.test_tcpstream_splice import (
@@ -93,14 +94,23 @@ def _channels(relay: Callable[[int], int] | None = None) -> tuple[MemoryChannel,
 
 
 class Tunnel:
-    """Both splices running: the dialler's program and the acceptor's program."""
+    """Both splices running: the dialler's program and the acceptor's program.
+    ``bindings``: the QUIC session binding each end seals to (dialler's, acceptor's;
+    by default one fresh binding for both, as two ends of one session have)."""
 
-    def __init__(self, relay: Callable[[int], int] | None = None) -> None:
+    def __init__(
+        self,
+        relay: Callable[[int], int] | None = None,
+        bindings: tuple[bytes, bytes] | None = None,
+    ) -> None:
         near, far = _channels(relay)
         ours, self.consumer = _tcp_pair()
         theirs, self.server = _tcp_pair()
-        self.dialler = Moving(_Splice(ours, near, sealed=True, dialler=True))
-        self.acceptor = Moving(_Splice(theirs, far, sealed=True))
+        if bindings is None:
+            shared = os.urandom(BINDING_SIZE)
+            bindings = (shared, shared)
+        self.dialler = Moving(_Splice(ours, near, sealed_to=bindings[0], dialler=True))
+        self.acceptor = Moving(_Splice(theirs, far, sealed_to=bindings[1]))
         for sock in (self.consumer, self.server):
             sock.settimeout(CEILING)
         self.relays: list[_Relay] = []
@@ -195,6 +205,21 @@ def test_a_cut_channel_ends_the_connection() -> None:
     made = _relayed(_PAST_TLS + 1000, lambda data: None)
     try:
         _refused_after(made, ("ended in the middle",))
+    finally:
+        made.close()
+
+
+def test_ends_sealed_to_different_quic_sessions_open_no_frame() -> None:
+    """The keys are bound to the QUIC session whose request agreed on the switch:
+    a channel whose two ends came from two sessions (one end's request relayed by
+    someone who holds neither session's secrets) opens no frame, although the
+    randoms crossed the channel's TLS unchanged. Nothing reaches the program."""
+    made = Tunnel(bindings=(os.urandom(BINDING_SIZE), os.urandom(BINDING_SIZE)))
+    try:
+        made.consumer.settimeout(CEILING)
+        _refused_after(made, ("authentication",))
+        with contextlib.suppress(ConnectionResetError):  # the splice ended: no byte
+            assert made.consumer.recv(1) == b""
     finally:
         made.close()
 

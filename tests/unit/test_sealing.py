@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gpumesh.protocol.handshake import BINDING_SIZE
 from gpumesh.transport import sealing
 from gpumesh.transport.sealing import (
     HEADER,
@@ -29,7 +30,9 @@ splits = st.lists(st.integers(min_value=1, max_value=9000), min_size=1, max_size
 def _pair() -> tuple[Sealer, Opener, Sealer, Opener]:
     """Both directions of one connection: (dialler's sealer, acceptor's opener,
     acceptor's sealer, dialler's opener)."""
-    up, down = derive_keys(os.urandom(RANDOM_BYTES), os.urandom(RANDOM_BYTES))
+    up, down = derive_keys(
+        os.urandom(RANDOM_BYTES), os.urandom(RANDOM_BYTES), os.urandom(BINDING_SIZE)
+    )
     return Sealer(up), Opener(up), Sealer(down), Opener(down)
 
 
@@ -176,15 +179,21 @@ def test_keys_move_on_in_step_and_a_wrapping_counter_ends_it(
         sealer.seal(b"x")
 
 
-def test_keys_need_both_randoms_whole() -> None:
+def test_keys_need_both_randoms_and_a_quic_session_binding_whole() -> None:
+    binding = os.urandom(BINDING_SIZE)
     with pytest.raises(SealError):
-        derive_keys(b"short", os.urandom(RANDOM_BYTES))
+        derive_keys(b"short", os.urandom(RANDOM_BYTES), binding)
     a, b = os.urandom(RANDOM_BYTES), os.urandom(RANDOM_BYTES)
-    assert derive_keys(a, b) != derive_keys(b, a)
-    up, down = derive_keys(a, b)
+    assert derive_keys(a, b, binding) != derive_keys(b, a, binding)
+    up, down = derive_keys(a, b, binding)
     assert up != down
-    # Another TLS session's binding makes other keys from the same randoms.
-    assert derive_keys(a, b, b"one session") != derive_keys(a, b, b"another")
+    # Another QUIC session's binding makes other keys from the same randoms.
+    assert derive_keys(a, b, binding) != derive_keys(a, b, os.urandom(BINDING_SIZE))
+    # No binding, or one of another size (version 1's tls-unique: under TLS 1.3 the
+    # client Finished, 48 bytes with TLS_AES_256_GCM_SHA384), is refused.
+    for wrong in (b"", os.urandom(12), os.urandom(48)):
+        with pytest.raises(SealError, match="QUIC session binding"):
+            derive_keys(a, b, wrong)
 
 
 # --- the pumps: the same frames as a loop, given the calls that read and send -----------------

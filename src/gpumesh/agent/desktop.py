@@ -41,6 +41,7 @@ from gpumesh.errors import (
     ProtocolError,
 )
 from gpumesh.protocol.desktop import DesktopKind
+from gpumesh.protocol.handshake import BINDING_SIZE
 from gpumesh.protocol.messages import ChannelDeclined, DesktopOpen, DesktopOpened
 from gpumesh.transport.sealing import FRAMING_VERSION
 from gpumesh.transport.sockowner import listening_on_loopback
@@ -124,7 +125,8 @@ class DesktopService:
         self._sessions: dict[str, DesktopSession] = {}
         self.framing = FRAMING_VERSION
         """The sealed-frame version it agrees to on a data channel when the consumer
-        offers it (0: TLS records only, as a provider before sealed frames)."""
+        offers it (0: TLS records only, as a provider before sealed frames). Version
+        1 is never agreed: its keys were bound to ``tls-unique``."""
 
     def register(self, handlers: Handlers) -> None:
         handlers.add(DesktopOpen, self.handle_open)
@@ -171,15 +173,18 @@ class DesktopService:
             return
         listener = self._listener(ctx) if message.channel else None
         framing = 0
+        if listener is not None and len(ctx.link.binding) == BINDING_SIZE:
+            # Only the field of version 2 on: a consumer that offers only version 1
+            # (``framing``) keeps TLS records.
+            framing = self.framing if self.framing and message.sealing >= self.framing else 0
         if listener is not None:
-            framing = self.framing if message.framing >= self.framing else 0
             reply = DesktopOpened(
                 provider=reply.provider,
                 kind=reply.kind,
                 port=reply.port,
                 channel_port=listener.port,
                 channel_ticket=listener.ticket,
-                framing=framing,
+                sealing=framing,
             )
         try:
             ctx.stream.send_message(reply)
@@ -218,7 +223,9 @@ class DesktopService:
         session.task = asyncio.create_task(
             _over_quic(ctx.stream, server)
             if channel is None
-            else splice(ctx.stream, server, channel, sealed=framing > 0)
+            else splice(
+                ctx.stream, server, channel, sealed_to=ctx.link.binding if framing else None
+            )
         )
         try:
             await session.task

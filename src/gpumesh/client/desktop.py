@@ -46,6 +46,7 @@ from gpumesh.errors import (
     UnreachableError,
 )
 from gpumesh.protocol.desktop import DesktopKind, client_commands, kind_for_port
+from gpumesh.protocol.handshake import BINDING_SIZE
 from gpumesh.protocol.messages import ChannelDeclined, DesktopOpen, DesktopOpened
 from gpumesh.transport.sealing import FRAMING_VERSION
 from gpumesh.transport.sockowner import (
@@ -317,12 +318,16 @@ async def _carry(
     stream = session.open_stream()
     try:
         wanted = why_no_channel(way.node, way.node.peer(way.peer.name), session) is None
-        stream.send_message(DesktopOpen(channel=wanted, framing=FRAMING if wanted else 0))
+        binding = session.link.binding
+        offer = FRAMING if wanted and len(binding) == BINDING_SIZE else 0
+        # Offered in ``sealing`` only: a provider of version 1 reads ``framing`` and,
+        # finding 0 there, keeps TLS records rather than bind keys to ``tls-unique``.
+        stream.send_message(DesktopOpen(channel=wanted, sealing=offer))
         opened = await stream.expect(DesktopOpened)
-        if opened.framing not in (0, FRAMING):
+        if opened.framing or opened.sealing not in (0, offer):
             raise ProtocolError(
-                f"{way.peer.name} answered with sealed frames of version {opened.framing}, "
-                f"which were not offered"
+                f"{way.peer.name} answered with sealed frames of version "
+                f"{opened.sealing or opened.framing}, which were not offered"
             )
         channel = None
         if opened.channel_port:
@@ -334,7 +339,8 @@ async def _carry(
             reader, writer = await asyncio.open_connection(sock=conn, limit=READ_LIMIT)
             await pump(stream, reader, writer)
         else:
-            await splice(stream, conn, channel, sealed=opened.framing > 0, dialler=True)
+            sealed_to = binding if opened.sealing else None
+            await splice(stream, conn, channel, sealed_to=sealed_to, dialler=True)
     except GPUMeshError as exc:
         conn.close()
         if isinstance(exc, AccessDeniedError | NotFoundError) and not ended.done():

@@ -676,8 +676,13 @@ class DesktopOpen(_Msg, tag="desktop_open", frozen=True):
     instead of DATA frames: the path is direct and the consumer has not found the
     provider's channels blocked."""
     framing: int = 0
-    """The sealed-frame version the consumer speaks on that channel after its TLS
-    handshake and ticket (0: TLS records only, as before sealed frames)."""
+    """Sealed-frame version 1 (keys bound to the channel's ``tls-unique``), which
+    a consumer from before version 2 offers; never agreed now, so always 0 here."""
+    sealing: int = 0
+    """The sealed-frame version, from 2 on (keys bound to this QUIC session), the
+    consumer speaks on that channel after its TLS handshake and ticket (0: TLS
+    records only). A field of its own: a provider that knows only ``framing``
+    answers it (with 1, whatever higher version is offered) and never reads this."""
 
 
 class DesktopOpened(_Msg, tag="desktop_opened", frozen=True):
@@ -693,8 +698,11 @@ class DesktopOpened(_Msg, tag="desktop_opened", frozen=True):
     first; or sends ``ChannelDeclined`` and DATA frames carry it after all."""
     channel_ticket: Annotated[bytes, msgspec.Meta(max_length=64)] = b""
     framing: int = 0
-    """The sealed-frame version both ends switch the channel to once each sent 32
-    random bytes through its TLS (0: TLS records carry it, as before sealed frames)."""
+    """Sealed-frame version 1, as a provider from before version 2 agreed to it;
+    never agreed now, so always 0 here (a consumer refuses any other answer)."""
+    sealing: int = 0
+    """The sealed-frame version (2 on) both ends switch the channel to once each sent
+    32 random bytes through its TLS (0: TLS records carry it)."""
 
 
 # --- CUDA remoting: one session per stream ------------------------------------------

@@ -2,7 +2,7 @@
 
 A desktop connection's data channel opens as TLS 1.3 (the provider's key pinned,
 the ticket presented first). When both ends agreed on it over the QUIC request
-(``DesktopOpen.framing``, ``DesktopOpened.framing``), each end then sends
+(``DesktopOpen.sealing``, ``DesktopOpened.sealing``), each end then sends
 :data:`RANDOM_BYTES` random bytes through that TLS, and from then on the bytes
 move in frames of this module's instead of TLS records: fewer, larger pieces
 (up to :data:`MAX_PLAIN` bytes each instead of 16 KiB), each sealed and opened
@@ -10,9 +10,14 @@ with one call into the AEAD, straight from and into preallocated buffers.
 
 * Keys: HKDF-SHA256 over both randoms (the dialler's first), one key per
   direction (the labels differ), so neither end's frames can be reflected back
-  to it; the TLS connection's channel binding (``tls-unique``) is mixed in.
-  The randoms crossed the authenticated TLS, so only the two ends know them,
-  and they are fresh per connection: so are the keys.
+  to it; the binding of the QUIC session whose request agreed on the switch
+  (:func:`gpumesh.transport.quic.session_binding`, a secret of that session's
+  TLS 1.3 key schedule) is mixed in. The randoms crossed the authenticated
+  channel TLS, so only the two ends know them, and they are fresh per
+  connection: so are the keys. Version 1 mixed in the channel TLS's
+  ``tls-unique`` instead, which TLS 1.3 leaves undefined (OpenSSL hands back the
+  client Finished); Python's ``ssl`` offers no exporter (RFC 9266) to replace it,
+  so version 2 binds to the QUIC session, and a version-1 peer keeps TLS records.
 * A frame: its ciphertext's length (4 bytes, big-endian) then the AES-128-GCM
   ciphertext and tag. The length is the associated data. The nonce is the
   direction's frame counter (96 bits, never sent): a frame dropped, replayed or
@@ -43,6 +48,8 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF, HKDFExpand
 
+from gpumesh.protocol.handshake import BINDING_SIZE
+
 __all__ = [
     "FRAMING_VERSION",
     "HEADER",
@@ -59,8 +66,10 @@ __all__ = [
     "derive_keys",
 ]
 
-FRAMING_VERSION = 1
-"""The sealed framing this code speaks (0, on the wire: TLS records only)."""
+FRAMING_VERSION = 2
+"""The sealed framing this code speaks (0, on the wire: TLS records only). Version
+1 (keys bound to ``tls-unique``) is never agreed: a peer that speaks only it gets
+TLS records."""
 RANDOM_BYTES = 32
 """What each end sends through TLS before the switch."""
 MAX_PLAIN = 256 * 1024
@@ -72,7 +81,9 @@ MAX_FRAME = HEADER + MAX_PLAIN + TAG
 """Most bytes one frame takes on the wire."""
 KEY_BYTES = 16
 """AES-128: the fastest AEAD cryptography offers on this hardware (measured beside
-AES-256-GCM and ChaCha20-Poly1305), and the cipher the TLS it replaces uses."""
+AES-256-GCM and ChaCha20-Poly1305). The channel TLS it takes over from negotiates
+TLS_AES_256_GCM_SHA384 (Python's ``ssl`` offers no TLS 1.3 cipher choice); 128-bit
+keys are what TLS 1.3's own mandatory suite, TLS_AES_128_GCM_SHA256, uses."""
 REKEY_FRAMES = 1 << 16
 """Frames per key: at most 16 GiB, far below AES-GCM's per-key limit (TLS 1.3
 allows about 2^24.5 full records, some 370 GiB)."""
@@ -84,7 +95,7 @@ _LOW = (1 << 64) - 1
 _SMALL = 1024
 """Plaintexts up to this size have their buffers' views made once per pump and
 kept (a request, a key press, a pointer move): no memoryview made per frame."""
-_SALT = b"gpumesh desktop sealed frames v1"
+_SALT = b"gpumesh desktop sealed frames v2"
 _LABELS = (b"dialler to acceptor", b"acceptor to dialler")
 _NEXT = b"gpumesh sealed next key"
 
@@ -108,13 +119,16 @@ Send = Callable[[memoryview], object]
 
 
 def derive_keys(
-    dialler_random: bytes, acceptor_random: bytes, binding: bytes = b""
+    dialler_random: bytes, acceptor_random: bytes, binding: bytes
 ) -> tuple[bytes, bytes]:
     """The two directions' keys: (dialler to acceptor, acceptor to dialler).
-    ``binding``: the TLS connection's channel binding (``tls-unique``), which ties
-    the keys to that one TLS session too."""
+    ``binding``: the binding of the QUIC session whose request agreed on sealed
+    frames (:data:`~gpumesh.protocol.handshake.BINDING_SIZE` bytes), which ties
+    the keys to that one session too."""
     if len(dialler_random) != RANDOM_BYTES or len(acceptor_random) != RANDOM_BYTES:
         raise SealError(f"a sealed-frame random must be {RANDOM_BYTES} bytes")
+    if len(binding) != BINDING_SIZE:
+        raise SealError(f"a QUIC session binding is {BINDING_SIZE} bytes, not {len(binding)}")
     secret = dialler_random + acceptor_random
     up, down = (
         HKDF(hashes.SHA256(), KEY_BYTES, _SALT, label + b"\0" + binding).derive(secret)

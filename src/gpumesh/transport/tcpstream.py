@@ -163,7 +163,7 @@ async def splice(
     local: socket.socket,
     channel: MemoryChannel,
     *,
-    sealed: bool = False,
+    sealed_to: bytes | None = None,
     dialler: bool = False,
 ) -> None:
     """Carry the connection both ways over a data channel (TLS on TCP) instead of the
@@ -179,13 +179,15 @@ async def splice(
     and a far side gone (the stream failed, the channel broke) closes it. Raises
     as :func:`pump`.
 
-    ``sealed`` (both ends agreed on it over the request; ``dialler``: this end
-    dialled the channel): once each end has sent :data:`~gpumesh.transport.sealing.RANDOM_BYTES`
-    random bytes through the TLS, the pieces move as sealed frames
-    (:mod:`gpumesh.transport.sealing`) instead of TLS records: a frame per read,
-    one AEAD call and one ``sendall`` each; an empty frame is the half-close.
+    ``sealed_to``: the binding of the QUIC session whose request agreed on sealed
+    frames (:func:`~gpumesh.transport.quic.session_binding`; None: TLS records
+    carry the pieces); ``dialler``: this end dialled the channel. Once each end
+    has sent :data:`~gpumesh.transport.sealing.RANDOM_BYTES` random bytes through
+    the TLS, the pieces move as sealed frames (:mod:`gpumesh.transport.sealing`)
+    under keys bound to that session: a frame per read, one AEAD call and one
+    ``sendall`` each; an empty frame is the half-close.
     """
-    splicer = _Splice(local, channel, sealed=sealed, dialler=dialler)
+    splicer = _Splice(local, channel, sealed_to=sealed_to, dialler=dialler)
     loop = asyncio.get_running_loop()
     moved: asyncio.Future[None] = loop.create_future()
 
@@ -288,9 +290,10 @@ class _Splice:
     shut down, which wakes a thread blocked on either. Nothing here touches the
     event loop.
 
-    Sealed (``sealed``): :meth:`_switch` first (the randoms through TLS, the
-    keys), then :meth:`_up_sealed` and :meth:`_down_sealed` in place of the two
-    directions above, on the same threads with the same stops and shutdowns.
+    Sealed (``sealed_to``, the QUIC session's binding): :meth:`_switch` first (the
+    randoms through TLS, the keys), then :meth:`_up_sealed` and :meth:`_down_sealed`
+    in place of the two directions above, on the same threads with the same stops
+    and shutdowns.
     """
 
     def __init__(
@@ -298,13 +301,14 @@ class _Splice:
         local: socket.socket,
         channel: MemoryChannel,
         *,
-        sealed: bool = False,
+        sealed_to: bytes | None = None,
         dialler: bool = False,
     ) -> None:
         self.local = local
         self.channel = channel
         self._sock = channel.sock
-        self._sealed = sealed
+        self._sealed = sealed_to is not None
+        self._binding = sealed_to or b""
         self._dialler = dialler
         self._sealer: Sealer
         self._opener: Opener
@@ -511,9 +515,9 @@ class _Splice:
     # --- sealed frames ------------------------------------------------------------------
 
     def _switch(self) -> None:
-        """Each end's random through the TLS, then the keys: the channel's bytes from
-        here on are sealed frames (what the kernel brought past the far end's random
-        is the first of them)."""
+        """Each end's random through the TLS, then the keys (bound to the QUIC session
+        that agreed on them): the channel's bytes from here on are sealed frames (what
+        the kernel brought past the far end's random is the first of them)."""
         tls, incoming, outgoing = self.channel.tls, self.channel.incoming, self.channel.outgoing
         sock = self._sock
         own = os.urandom(RANDOM_BYTES)
@@ -545,7 +549,7 @@ class _Splice:
         if tls.pending() or outgoing.pending:
             raise _ChannelError("TLS went on after the switch to sealed frames")
         first, second = (own, bytes(theirs)) if self._dialler else (bytes(theirs), own)
-        up, down = derive_keys(first, second, tls.get_channel_binding("tls-unique") or b"")
+        up, down = derive_keys(first, second, self._binding)
         send, receive = (up, down) if self._dialler else (down, up)
         self._sealer = Sealer(send)
         self._opener = Opener(receive, incoming.read())
