@@ -20,6 +20,7 @@ from gpumesh.identity.codes import make_code
 from gpumesh.identity.invites import InviteMember, make_invite, new_group_id
 from gpumesh.identity.keys import Identity
 from tests.integration.conftest import gpumesh
+from tests.integration.node import cli, status
 from tests.integration.test_cli import _free_udp_port, _init, _one_line_error, _start_share
 
 # Each raised out of the dial before hints were checked: the first two from the
@@ -165,3 +166,38 @@ def test_a_peer_named_by_its_host_name_is_reached(bob: Path, tmp_path: Path) -> 
         for pipe in (share.stdout, share.stderr):
             if pipe is not None:
                 pipe.close()
+
+
+def test_through_the_node_process_a_bad_hint_written_under_it_fails_in_one_line(
+    bob: Path, tmp_path: Path
+) -> None:
+    """bob's node process is running when the bad hint lands in the store (it read
+    the store before): `connect` and `run --group` through it still end in one
+    line with the in-process command's exit code, never "internal error in the
+    control API" or "the node process stopped"."""
+    alice = tmp_path / "a"
+    _init(alice, "alice", _free_udp_port())
+    assert gpumesh(alice, "group", "create", "research").returncode == 0
+    invite = gpumesh(alice, "group", "invite", "research").stdout
+    assert gpumesh(bob, "group", "join", invite).returncode == 0
+    assert gpumesh(bob, "pair", "--offline", gpumesh(alice, "pair-code").stdout).returncode == 0
+    try:
+        started = cli(bob, "jobs")  # a command starts the node process
+        assert started.returncode == 0, started.stderr
+        assert status(bob)["running"] is True
+        for hint in ESCAPING:
+            _set_hints(bob, "peers", "alice", [hint], "")
+            _set_hints(bob, "group_members", "alice", [hint], "")
+            connect = cli(bob, "connect", "alice", "--timeout", "3")
+            assert connect.returncode == 4, connect.stderr
+            assert "Traceback" not in connect.stderr
+            (error,) = _errors(connect.stderr)
+            assert error == "error: no known address for alice: pair again with a fresh code"
+
+            run = cli(bob, "run", "--group", "research", "--explain", "--", "true")
+            assert run.returncode == 2, run.stderr
+            (error,) = _errors(run.stderr)
+            assert error.startswith("error: no member can take the job: alice: unreachable")
+            assert "node process" not in error
+    finally:
+        cli(bob, "daemon", "stop")
