@@ -20,6 +20,7 @@ from gpumesh.protocol.peeraddresses import (
     sign_own_record,
 )
 from gpumesh.store.peerrecords import PeerRecords, StoredRecord
+from tests.badhints import BAD_HINTS
 
 NOW = 1_800_000_000.0
 
@@ -100,3 +101,17 @@ def test_stored_records_round_trip_and_bad_files_read_as_none(tmp_path: Path) ->
     assert records.get(node_id) is None
     with pytest.raises(ValueError, match="not a node id"):
         records.get("../etc/passwd")
+
+
+@pytest.mark.parametrize("hint", BAD_HINTS)
+def test_a_record_with_a_bad_address_or_relay_is_refused(hint: str) -> None:
+    """A paired peer signs its own record, so it may put anything in it: a bad hint
+    refuses the record (its addresses are never stored or handed on)."""
+    node = Identity.generate()
+    with pytest.raises(ProtocolError, match="address"):
+        open_peer_record(sign_own_record(node, [hint], "", NOW), node.public_key, NOW)
+    if hint != "192.0.2.1":  # a relay alone is a host: its port defaults
+        with pytest.raises(ProtocolError, match="relay"):
+            open_peer_record(
+                sign_own_record(node, ["192.0.2.1:1"], hint, NOW), node.public_key, NOW
+            )
