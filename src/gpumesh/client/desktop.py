@@ -324,7 +324,7 @@ async def _carry(
         # finding 0 there, keeps TLS records rather than bind keys to ``tls-unique``.
         stream.send_message(DesktopOpen(channel=wanted, sealing=offer))
         opened = await stream.expect(DesktopOpened)
-        if opened.framing or opened.sealing not in (0, offer):
+        if opened.framing or (opened.sealing not in (0, offer)):
             raise ProtocolError(
                 f"{way.peer.name} answered with sealed frames of version "
                 f"{opened.sealing or opened.framing}, which were not offered"

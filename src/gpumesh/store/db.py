@@ -82,10 +82,10 @@ _JOB_COLUMNS = [
 ]
 _JSON_COLUMNS = {"command", "env", "gpus", "log_cursor", "mounts"}
 
-# Migrations are history: each keeps the literal values (roles, states) it was
-# written with, whatever the code calls them now.
 logger = logging.getLogger(__name__)
 
+# Migrations are history: each keeps the literal values (roles, states) it was
+# written with, whatever the code calls them now.
 MIGRATIONS: list[str] = [
     # 0 -> 1: peers and the allowlist
     """

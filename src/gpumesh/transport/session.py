@@ -119,7 +119,7 @@ def went_through_relay(path: str) -> bool:
     return path.startswith(("relayed", "direct (hole-punched)"))
 
 
-async def resolve_host(address: Address, where: str) -> Address:
+async def _resolve_host(address: Address, where: str) -> Address:
     """``address`` with its host name (a hint may name one) looked up, IPv4 first,
     as sockets and QUIC take only IP literals; an IP literal as it is. A name that
     does not resolve is :class:`UnreachableError` at ``where``, as a silent host is."""
@@ -325,7 +325,7 @@ async def _dial_one(
     via: OutgoingSocket | None = None,
 ) -> Session:
     where = f"{address[0]}:{address[1]}"
-    address = await resolve_host(address, where)
+    address = await _resolve_host(address, where)
     if via is not None and via.takes(address):
         link = await via.dial(address, where, server_key, timeout)
     else:
