@@ -42,6 +42,7 @@ from gpumesh.errors import (
     error_from_code,
 )
 from gpumesh.identity import codes, invites
+from gpumesh.identity.hints import check_hints
 from gpumesh.identity.keys import Identity, verify_signature
 from gpumesh.protocol import relay
 from gpumesh.protocol.framing import HEADER_SIZE, Frame, FrameDecoder, FrameKind
@@ -66,6 +67,7 @@ from gpumesh.protocol.messages import (
     decode_message,
     encode_message,
 )
+from tests.badhints import BAD_HINTS
 from tests.fuzz.mpack import U32_MAX, pack
 from tests.fuzz.strategies import (
     ANY,
@@ -867,12 +869,12 @@ _names = mostly(
 _keys = mostly(st.sampled_from(_KEYS), st.binary(max_size=33))
 _addresses = mostly(
     st.lists(st.sampled_from(["192.0.2.1:47000", "[2001:db8::1]:47000"]), max_size=3),
-    st.lists(st.sampled_from(["a" * 255, "a" * 256]) | st.text(max_size=24), max_size=3)
+    st.lists(st.sampled_from(["a" * 255, "a" * 256, *BAD_HINTS]) | st.text(max_size=24), max_size=3)
     | st.sampled_from([16, 17]).map(lambda n: ["h:1"] * n),
 )
 _relays = mostly(
-    st.sampled_from(["", "relay.example.org:4799", "r" * 255]),
-    st.just("r" * 256) | st.text(max_size=24),
+    st.sampled_from(["", "relay.example.org:4799", "relay.example.org", "r" * 255]),
+    st.sampled_from(["r" * 256, *BAD_HINTS]) | st.text(max_size=24),
 )
 _nonces = mostly(st.binary(min_size=16, max_size=16), st.binary(max_size=20))
 
@@ -1061,9 +1063,19 @@ def _offer_ok(offer: Any, lifetime: float) -> bool:
         and len(offer.addresses) <= codes.MAX_ADDRESSES
         and all(len(a) <= codes.MAX_ADDRESS_CHARS for a in offer.addresses)
         and len(offer.relay) <= codes.MAX_ADDRESS_CHARS
+        and _hints_ok(offer.addresses, offer.relay)
         and len(offer.nonce) == 16
         and NOW <= offer.expires <= NOW + lifetime + 300
     )
+
+
+def _hints_ok(addresses: list[str], relay: str) -> bool:
+    """Whether every hint a verified token carries is one a dial can take."""
+    try:
+        check_hints(addresses, relay)
+    except ValueError:
+        return False
+    return True
 
 
 def _invite_ok(invite: Any) -> bool:
@@ -1080,6 +1092,7 @@ def _invite_ok(invite: Any) -> bool:
             and len(m.addresses) <= codes.MAX_ADDRESSES
             and all(len(a) <= codes.MAX_ADDRESS_CHARS for a in m.addresses)
             and len(m.relay) <= codes.MAX_ADDRESS_CHARS
+            and _hints_ok(m.addresses, m.relay)
             for m in invite.members
         )
         and len(invite.nonce) == 16
@@ -1177,7 +1190,7 @@ TARGETS: tuple[Target, ...] = (
     ),
     Target(
         "pairing-codes",
-        ("gpumesh.identity.codes",),
+        ("gpumesh.identity.codes", "gpumesh.identity.hints"),
         _token_case("code"),
         check_token,
         "16 x the longest token per call",
