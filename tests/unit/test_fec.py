@@ -351,3 +351,11 @@ def test_sequence_numbers_carry_across_the_32_bit_wrap() -> None:
     assert fec._widen(0xFFFFFFFE, (1 << 32) + 2) == 0xFFFFFFFE
     assert fec._widen(7, 3) == 7
     assert fec._widen(0xFFFFFFF0, 3) == 0xFFFFFFF0  # nothing below 0
+
+
+def test_a_group_far_from_the_senders_sequence_is_refused_before_its_tag() -> None:
+    decoder = Decoder(KEYS)
+    far = _frame(DATA, (1 << 16) + 1, 0, b"x" * 100)  # authentic, but a million datagrams on
+    assert decoder.receive(far, 0.0) == []
+    assert decoder.counters.forged == 1
+    assert decoder.receive(_frame(DATA, 1 << 16, 0, b"y" * 100), 0.0) == [b"y" * 100]

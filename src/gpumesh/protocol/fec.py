@@ -41,8 +41,9 @@ datagrams that follow it are held (at most :data:`HOLD_TIME`, at most
 released in order; what parity rebuilds for a later group meanwhile waits in its
 place among them. Memory is bounded: at most :data:`MAX_GROUPS` open groups.
 Hostile or broken frames are dropped and counted, never raised: a frame whose tag
-does not verify changes nothing but a counter, and costs one permutation inverse and
-one GMAC at most.
+does not verify changes nothing but a counter, and costs one permutation inverse (a
+random id is refused there: its sequence number lands far from the sender's) and one
+GMAC at most.
 """
 
 from __future__ import annotations
@@ -115,8 +116,13 @@ OVERHEAD = _DATA_HEADER.size + TAG
 """Bytes a data frame adds to its datagram (a parity frame adds as many, plus 2)."""
 _SMALLEST = _DATA_HEADER.size + 1 + TAG
 """The shortest frame there is (a data frame of a one-byte datagram)."""
-_ID_ROUNDS = 6
-"""Feistel rounds of the group-id permutation (see :class:`Sealer`)."""
+_ID_ROUNDS = 4
+"""Feistel rounds of the group-id permutation (see :class:`Sealer`): four make a
+strong pseudo-random permutation of round functions that are (Luby-Rackoff)."""
+_WINDOW = 1 << 16
+"""Groups a frame's sequence number may be from the highest authentic one so far:
+farther is refused before its tag is checked (a sender that far ahead had a million
+datagrams lost in a row, which no QUIC connection survives)."""
 _IDS_CACHED = 256
 """Group ids whose sequence number a decoder keeps (authentic frames' only)."""
 _RECENT = 4096
@@ -234,12 +240,13 @@ class Sealer:
 
     def __init__(self, keys: FecKeys) -> None:
         self._gmac = AESGCM(keys.mac)
-        self._ids_key = keys.ids
+        # Keyed once: each round copies the state (cheaper than keying BLAKE2s anew).
+        self._ids = hashlib.blake2s(key=keys.ids, digest_size=2)
 
     def _round(self, number: int, half: int) -> int:
-        digest = hashlib.blake2s(
-            bytes((number, half >> 8, half & 0xFF)), key=self._ids_key, digest_size=2
-        ).digest()
+        state = self._ids.copy()
+        state.update(bytes((number, half >> 8, half & 0xFF)))
+        digest = state.digest()
         return digest[0] << 8 | digest[1]
 
     def group_id(self, seq: int) -> int:
@@ -525,7 +532,7 @@ class Decoder:
         if seq32 is None:
             seq32 = self._sealer.sequence(wire)
         seq = _widen(seq32, self._latest)
-        if not self._sealer.check(seq, frame):
+        if abs(seq - self._latest) > _WINDOW or not self._sealer.check(seq, frame):
             self.counters.forged += 1
             return None
         if not known:
