@@ -359,3 +359,14 @@ def test_a_group_far_from_the_senders_sequence_is_refused_before_its_tag() -> No
     assert decoder.receive(far, 0.0) == []
     assert decoder.counters.forged == 1
     assert decoder.receive(_frame(DATA, 1 << 16, 0, b"y" * 100), 0.0) == [b"y" * 100]
+
+
+def test_a_replayed_frame_of_a_group_far_behind_opens_no_group() -> None:
+    decoder = Decoder(KEYS, max_groups=8)
+    old = _frame(DATA, 0, 5, b"o" * 100)  # a gap below it: its group would stay open
+    decoder.receive(old, 0.0)
+    assert decoder.open_groups == 1
+    decoder.receive(_frame(DATA, 5000, 0, b"n" * 100), 1.0)
+    open_before = decoder.open_groups
+    assert decoder.receive(old, 2.0) == []  # recorded long ago, sent again
+    assert decoder.open_groups == open_before and decoder.counters.forged == 1

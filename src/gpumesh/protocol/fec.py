@@ -117,16 +117,21 @@ OVERHEAD = _DATA_HEADER.size + TAG
 _SMALLEST = _DATA_HEADER.size + 1 + TAG
 """The shortest frame there is (a data frame of a one-byte datagram)."""
 _ID_ROUNDS = 4
-"""Feistel rounds of the group-id permutation (see :class:`Sealer`): four make a
-strong pseudo-random permutation of round functions that are (Luby-Rackoff)."""
-_WINDOW = 1 << 16
-"""Groups a frame's sequence number may be from the highest authentic one so far:
-farther is refused before its tag is checked (a sender that far ahead had a million
-datagrams lost in a row, which no QUIC connection survives)."""
+"""Feistel rounds of the group-id permutation (see :class:`Sealer`): four rounds of
+pseudo-random functions make a strong pseudo-random permutation (Luby-Rackoff). A
+32-bit domain leaves any permutation a thin margin: the tag, not the id, is what
+stops forgeries; the id only keeps an observer from naming the next group."""
+_AHEAD = 1 << 16
+"""Groups a frame's sequence number may be ahead of the highest authentic one so
+far: farther is refused before its tag is checked (a sender that far ahead had a
+million datagrams lost in a row, which no QUIC connection survives)."""
 _IDS_CACHED = 256
 """Group ids whose sequence number a decoder keeps (authentic frames' only)."""
 _RECENT = 4096
-"""Finished group ids remembered, so late parity does not reopen them."""
+"""Finished group ids remembered, so late parity does not reopen them; a frame of a
+group further behind the highest authentic one is refused before its tag is checked
+(QUIC took its datagrams for lost long ago, and a replay of it must not open a group
+that pushes real ones out)."""
 
 # --- GF(256) with the RAID-6 polynomial x^8 + x^4 + x^3 + x^2 + 1 -------------------
 
@@ -305,7 +310,9 @@ class FecCounters:
     dropped: int = 0
     """Frames refused: malformed, truncated, out of range, too large, or forged."""
     forged: int = 0
-    """Of those, frames whose tag did not verify."""
+    """Of those, frames that are not authentic: a tag that does not verify, or a group
+    id that no frame of the peer's can carry now (a random one, or a replay of a group
+    far behind)."""
     unprotected: int = 0
     """Groups sent without parity (a lone acknowledgement-sized datagram)."""
 
@@ -532,7 +539,8 @@ class Decoder:
         if seq32 is None:
             seq32 = self._sealer.sequence(wire)
         seq = _widen(seq32, self._latest)
-        if abs(seq - self._latest) > _WINDOW or not self._sealer.check(seq, frame):
+        in_window = self._latest - _RECENT < seq <= self._latest + _AHEAD
+        if not in_window or not self._sealer.check(seq, frame):
             self.counters.forged += 1
             return None
         if not known:
