@@ -3,6 +3,8 @@ a UDP forwarder that drops every 37th datagram each way arrives whole, the codec
 repairs what was dropped, and QUIC sees (and backs off for) only a few losses;
 loss in bursts that parity cannot repair (and that hit parity and ACKs too)
 never stalls a copy: it completes, byte for byte, with QUIC resending the rest.
+Forged data and parity frames injected from the dialer's own address ahead of
+every group neither stall nor corrupt an upload: each is dropped and counted.
 
 Real QUIC over loopback UDP through a real forwarding socket pair; no mocks.
 """

@@ -1,5 +1,7 @@
 """The FEC codec: repairs byte-exactly what parity allows, gives up the rest in
-bounded time and memory, and refuses hostile frames without raising."""
+bounded time and memory, and refuses hostile frames without raising; frames that
+are not authentic (forged, changed, truncated, of the other direction or another
+link, far from the sender's groups) change nothing but a counter."""
 
 from __future__ import annotations
 
