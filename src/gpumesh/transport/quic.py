@@ -604,6 +604,8 @@ class QuicLink:
 
     def _fec_keys(self, *, sending: bool) -> fec.FecKeys:
         """The FEC keys of frames this end sends (``sending``) or the peer sends."""
+        # Both callers wait for the handshake, which sets the secret.
+        assert self._fec_secret, "FEC keys before the handshake finished"
         from_client = self.quic.configuration.is_client == sending
         return fec.FecKeys.derive(self._fec_secret, from_client=from_client)
 
