@@ -36,6 +36,7 @@ import json
 import os
 import re
 import socket
+import struct
 import sys
 import tempfile
 import time
@@ -246,6 +247,144 @@ def flood_line(sent: dict[str, float]) -> str:
     )
 
 
+# --- forged FEC frames (--fec-frames) -------------------------------------------------------
+#
+# A transfer over a link with parity on while another process sends forged FEC frames
+# from the dialer's address (spoofed: a raw socket writes its own UDP header), next to
+# the same transfer while the same process sends the same frames to a closed port.
+# Goal: throughput during the forgery >= 0.9x throughput beside it.
+
+
+def fec_forge(target: tuple[str, int], source_port: int, rate: float, seconds: float) -> None:
+    """Send forged FEC frames (random group ids, full size, data and parity alike) to
+    ``target`` from ``source_port`` of the same host for ``seconds`` or until SIGTERM;
+    print how many."""
+    from gpumesh.protocol import fec
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_UDP)
+    sock.setblocking(False)
+    frames: list[bytes] = []
+    for i in range(JUNK_POOL):
+        marker = fec.PARITY if i % 9 == 8 else fec.DATA
+        body = struct.pack("!BIB", marker, int.from_bytes(os.urandom(4), "big"), i % 16)
+        body += os.urandom(1400 + fec.TAG)
+        # UDP header: ports, length, checksum 0 (none, which IPv4 allows)
+        frames.append(struct.pack("!HHHH", source_port, target[1], 8 + len(body), 0) + body)
+    sent = 0
+    started = time.monotonic()
+    end = started + seconds
+    try:
+        while (now := time.monotonic()) < end:
+            for _ in range(int(rate * (now - started)) - sent):
+                with contextlib.suppress(BlockingIOError):
+                    sock.sendto(frames[sent % JUNK_POOL], (target[0], 0))
+                sent += 1
+            time.sleep(TICK)
+    finally:
+        sock.close()
+        print(sent, flush=True)
+
+
+async def fec_transfer(size: int, forged_to: str | None, rate: float) -> tuple[float, int, int]:
+    """One upload of ``size`` bytes over a fresh link with parity on, while forged
+    frames go to the provider (``forged_to="provider"``) or to a closed port; returns
+    MB/s, frames sent by the forger, and frames the provider dropped as forged."""
+    from gpumesh.identity.keys import Identity
+    from gpumesh.transport.quic import QuicEndpoint, QuicLink
+    from gpumesh.transport.session import accept_session, open_session
+    from gpumesh.transport.stream import Stream
+
+    provider, dialer = Identity.generate(), Identity.generate()
+    payload = os.urandom(1024 * 1024)
+    done: asyncio.Future[QuicLink] = asyncio.get_running_loop().create_future()
+    tasks: set[asyncio.Future[None]] = set()
+
+    async def serve(link: QuicLink) -> None:
+        accepted = await accept_session(link, provider, "provider", lambda key: None)
+        link.buffer_limit = 0
+
+        async def sink(stream: Stream) -> None:
+            while await stream.read_data():
+                pass
+            done.set_result(link)
+
+        link.on_stream = lambda stream: tasks.add(asyncio.ensure_future(sink(stream)))
+        for stream in accepted.early:
+            link.on_stream(stream)
+
+    endpoint = QuicEndpoint.listen(
+        provider, "127.0.0.1", 0, on_link=lambda link: tasks.add(asyncio.ensure_future(serve(link)))
+    )
+    port = endpoint.local_address[1]
+    session = await open_session(dialer, "dialer", [("127.0.0.1", port)], provider.public_key)
+    await session.established()
+    closed = free_port(kind=socket.SOCK_DGRAM)
+    # Aimed at a closed port, the frames come from that port too: the kernel's ICMP
+    # answer then goes nowhere instead of to the dialer's socket.
+    target, source = (port, session.link.local_port) if forged_to else (closed, closed)
+    forger = await asyncio.create_subprocess_exec(
+        sys.executable,
+        __file__,
+        "--fec-forger",
+        f"127.0.0.1:{target}:{source}:{rate}:600",
+        stdout=asyncio.subprocess.PIPE,
+    )
+    try:
+        await asyncio.sleep(0.5)  # the forger is sending by now
+        started = time.perf_counter()
+        stream = session.open_stream()
+        for _ in range(size // len(payload)):
+            await stream.send_data(payload)
+        stream.end_data()
+        provider_link = await asyncio.wait_for(done, 600)
+        elapsed = time.perf_counter() - started
+    finally:
+        forger.terminate()
+        out, _ = await forger.communicate()
+    decoder = provider_link.fec_decoder
+    dropped = 0 if decoder is None else decoder.counters.forged
+    session.close()
+    endpoint.close()
+    sent = int(out.decode().strip() or 0)
+    return size / elapsed / 1e6, sent, dropped
+
+
+def fec_frames_main(args: argparse.Namespace) -> int:
+    """Alternate transfers beside and under forged FEC frames; print the medians."""
+    if os.geteuid() != 0:
+        print("--fec-frames sends spoofed frames through a raw socket: run it as root")
+        return 2
+    os.environ["GPUMESH_FEC"] = "on"  # parity from the first datagram, loopback or not
+    size = args.fec_mib * 1024 * 1024
+    beside: list[float] = []
+    under: list[float] = []
+    sent = dropped = 0
+    print(
+        f"{args.fec_repeat} x 2 uploads of {args.fec_mib} MiB with parity on, "
+        f"{args.fec_rate:,.0f} forged FEC frames/s to the provider or to a closed port..."
+    )
+    for _ in range(args.fec_repeat):  # alternated, so load drifts hit both alike
+        beside.append(asyncio.run(fec_transfer(size, None, args.fec_rate))[0])
+        speed, forged_sent, forged_dropped = asyncio.run(
+            fec_transfer(size, "provider", args.fec_rate)
+        )
+        under.append(speed)
+        sent, dropped = sent + forged_sent, dropped + forged_dropped
+    a, b = summarize(beside), summarize(under)
+    print_rows(
+        ["MB/s", "median", "low", "high"],
+        [
+            ["forged frames to a closed port", f"{a.p50:.1f}", f"{a.low:.1f}", f"{a.high:.1f}"],
+            ["forged frames to the provider", f"{b.p50:.1f}", f"{b.low:.1f}", f"{b.high:.1f}"],
+        ],
+    )
+    print(
+        f"ratio {b.p50 / a.p50:.2f}x (goal >= 0.9x); {sent:,} frames forged at the provider, "
+        f"{dropped:,} dropped as forged; load average {os.getloadavg()[0]:.2f}"
+    )
+    return 0
+
+
 # --- report ---------------------------------------------------------------------------------
 
 
@@ -320,6 +459,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--quick", action="store_true", help="smoke run: 5 s of each")
     parser.add_argument("--flooder", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--fec-frames",
+        action="store_true",
+        help="instead: an upload under forged FEC frames from the dialer's address, "
+        "beside the same frames sent to a closed port (needs root)",
+    )
+    parser.add_argument("--fec-mib", type=int, default=32, help="--fec-frames: MiB per upload")
+    parser.add_argument("--fec-rate", type=float, default=10_000.0, help="--fec-frames: frames/s")
+    parser.add_argument("--fec-repeat", type=int, default=5, help="--fec-frames: uploads each")
+    parser.add_argument("--fec-forger", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.quick:
         args.seconds, args.quiet = 5.0, 5.0
@@ -328,6 +477,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.fec_forger:
+        host, port, source, rate, seconds = args.fec_forger.split(":")
+        exit_cleanly_on_sigterm()
+        fec_forge((host, int(port)), int(source), float(rate), float(seconds))
+        return 0
+    if args.fec_frames:
+        return fec_frames_main(args)
     if args.flooder:
         host, port, rate, stalls, seconds = args.flooder.split(":")
         print(json.dumps(flood((host, int(port)), float(rate), float(stalls), float(seconds))))

@@ -3,6 +3,8 @@ a UDP forwarder that drops every 37th datagram each way arrives whole, the codec
 repairs what was dropped, and QUIC sees (and backs off for) only a few losses;
 loss in bursts that parity cannot repair (and that hit parity and ACKs too)
 never stalls a copy: it completes, byte for byte, with QUIC resending the rest.
+Forged data and parity frames injected from the dialer's own address ahead of
+every group neither stall nor corrupt an upload: each is dropped and counted.
 
 Real QUIC over loopback UDP through a real forwarding socket pair; no mocks.
 """
@@ -13,6 +15,7 @@ import asyncio
 import hashlib
 import os
 import socket
+import struct
 
 from gpumesh.identity.keys import Identity
 from gpumesh.protocol.fec import DATA, PARITY
@@ -97,6 +100,53 @@ class LossyForwarder:
             sock.close()
 
 
+class ForgingForwarder(LossyForwarder):
+    """Also an attacker on the path who can watch and inject but not drop: for each
+    group id it sees on the way up it first sends, from the dialer's address as the
+    provider sees it (the forwarder's own), forged frames for that group and the ones
+    its id would have next if ids counted up: a data frame for every index, as the
+    7 bytes that stalled uploads and with room for a tag; then both parities of the
+    group before it (parity claiming a whole group would close it before its real
+    frames came, which ends a stall instead of making one)."""
+
+    AHEAD = 3
+    """Group ids forged for per id seen: that one and the next ones up."""
+    TAG_ROOM = 16
+    """Bytes a forged frame keeps where a tag would be."""
+
+    def __init__(self, server: tuple[str, int], every: int, delay: float, burst: int) -> None:
+        super().__init__(server, every, delay, burst)
+        self.injected = 0
+        self._attacked: set[int] = set()
+
+    def _forward(self, data: bytes, way: str) -> None:
+        if way == "up" and len(data) > 6 and data[0] in (DATA, PARITY):
+            seen = int.from_bytes(data[1:5], "big")
+            if seen not in self._attacked:
+                self._attacked.add(seen)
+                forged: list[bytes] = []
+                for step in range(self.AHEAD):
+                    group = (seen + step) & 0xFFFFFFFF
+                    for index in range(16):
+                        header = struct.pack("!BIB", DATA, group, index)
+                        forged += [header + b"\x00", header + bytes(1 + self.TAG_ROOM)]
+                before = (seen - 1) & 0xFFFFFFFF
+                forged += [
+                    struct.pack("!BIB", PARITY, before, which << 6 | 16) + bytes(3 + self.TAG_ROOM)
+                    for which in (0, 1)
+                ]
+                self._inject(forged)
+        super()._forward(data, way)
+
+    def _inject(self, forged: list[bytes]) -> None:
+        for frame in forged:
+            try:
+                self.back.sendto(frame, self.server)
+            except BlockingIOError:
+                continue
+            self.injected += 1
+
+
 async def _bulk_through_loss(
     *,
     provider_fec: str,
@@ -104,6 +154,7 @@ async def _bulk_through_loss(
     delay: float = 0.0,
     size: int = SIZE,
     burst: int = 1,
+    forwarder_type: type[LossyForwarder] = LossyForwarder,
 ) -> tuple[LossyForwarder, Session, QuicLink]:
     """Send ``size`` bytes dialer -> provider through the forwarder; check the hash."""
     provider, dialer = Identity.generate(), Identity.generate()
@@ -132,7 +183,7 @@ async def _bulk_through_loss(
         0,
         on_link=lambda link: tasks.add(asyncio.ensure_future(serve(link))),
     )
-    forwarder = LossyForwarder(endpoint.local_address, every, delay, burst)
+    forwarder = forwarder_type(endpoint.local_address, every, delay, burst)
     session = await open_session(
         dialer, "dialer", [forwarder.address], provider.public_key, timeout=10
     )
@@ -219,5 +270,29 @@ def test_bursts_of_loss_beyond_parity_never_stall_a_copy() -> None:
         assert decoder is not None and decoder.counters.given_up > 0  # ...beyond parity
         assert session.link.loss_total() > 0  # QUIC resent what parity could not
         assert decoder.held == 0  # nothing left waiting behind a gap
+
+    arun(scenario())
+
+
+def test_forged_frames_from_the_peers_address_neither_stall_nor_corrupt_an_upload() -> None:
+    async def scenario() -> None:
+        # The default setting: parity starts at the dialer's first loss (every 37th
+        # datagram dropped), and from then on every group is attacked before its
+        # real frames arrive.
+        forwarder, session, provider_link = await _bulk_through_loss(
+            provider_fec="auto", forwarder_type=ForgingForwarder
+        )
+        assert isinstance(forwarder, ForgingForwarder)
+        assert session.link.fec_encoder is not None and forwarder.frames > 0
+        decoder = provider_link.fec_decoder
+        assert decoder is not None
+        # _bulk_through_loss checked the hash: every byte arrived, none forged.
+        assert forwarder.injected > 1000
+        # Each forgery that reached the provider was dropped and counted (loopback
+        # loses none unless a socket buffer overflows: half is a floor, not a rate).
+        assert forwarder.injected // 2 <= decoder.counters.dropped <= forwarder.injected
+        assert decoder.counters.forged > forwarder.injected // 4
+        assert decoder.counters.repaired > 0  # parity still did its work
+        assert decoder.held == 0
 
     arun(scenario())

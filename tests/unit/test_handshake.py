@@ -571,7 +571,46 @@ def test_fec_fields_are_invisible_to_a_peer_one_version_behind() -> None:
     # An older provider's Welcome has no field: this version reads it as no FEC...
     old = msgspec.msgpack.encode(OldWelcome(name="provider"))
     welcome = decode_message(old)
-    assert isinstance(welcome, Welcome) and welcome.fec is False
+    assert isinstance(welcome, Welcome) and welcome.fec_mac is False
     # ...and an older dialer decodes this version's Welcome, ignoring the field.
-    new = encode_message(Welcome(name="provider", fec=True))
+    new = encode_message(Welcome(name="provider", fec_mac=True))
     assert msgspec.msgpack.decode(new, type=OldWelcome).name == "provider"
+
+
+def test_a_peer_of_the_untagged_fec_frames_gets_no_fec(
+    identity: Identity, other_identity: Identity
+) -> None:
+    """A peer that predates the frames' tag says ``fec: true``: it would send and
+    expect frames anyone on the path can forge, so neither side turns FEC on."""
+    import msgspec
+
+    class UntaggedWelcome(msgspec.Struct, tag_field="t", tag="welcome", frozen=True):
+        name: str
+        fec: bool
+
+    class UntaggedProof(msgspec.Struct, tag_field="t", tag="session_proof", frozen=True):
+        version: int
+        public_key: bytes
+        name: str
+        signature: bytes
+        fec: bool
+
+    binding = os.urandom(32)
+    # A provider of this version and a dialer of the untagged frames:
+    server = ServerAuth.for_session(other_identity, "provider", binding, allow_all, fec=True)
+    client = ClientAuth(identity, "dialer", other_identity.public_key, fec=True)
+    proof = client.start(AuthForm.SESSION, binding)
+    assert isinstance(proof, SessionProof) and proof.fec_mac
+    untagged = UntaggedProof(
+        version=proof.version,
+        public_key=proof.public_key,
+        name=proof.name,
+        signature=proof.signature,
+        fec=True,
+    )
+    welcome = server.receive(decode_message(msgspec.msgpack.encode(untagged)))
+    assert server.done and not server.client_fec
+    assert isinstance(welcome, Welcome) and not welcome.fec_mac
+    # A dialer of this version and a provider of the untagged frames:
+    client.receive(decode_message(msgspec.msgpack.encode(UntaggedWelcome("provider", fec=True))))
+    assert not client.server_fec

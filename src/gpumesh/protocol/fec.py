@@ -12,8 +12,20 @@ of one or two, none for a lone acknowledgement.
 Framing (every frame's first byte has QUIC's fixed bit ``0x40`` clear, so no
 frame can be taken for a QUIC packet, and differs from the relay's type bytes)::
 
-    data:   0x3A | group (u32) | index (u8)          | QUIC datagram
-    parity: 0x3B | group (u32) | which<<6 | k (u8)    | parity over the group
+    data:   0x3C | group (u32) | index (u8)          | QUIC datagram         | tag (16)
+    parity: 0x3D | group (u32) | which<<6 | k (u8)    | parity over the group | tag (16)
+
+Frames are authenticated (:class:`FecKeys`, :class:`Sealer`): they carry no
+connection id and are routed by source address only, so without a tag anyone who
+can send with the peer's address could fill a group's slots ahead of the real
+frames (each real one then dropped as a duplicate) and stall the link. The tag is
+AES-128-GCM's over the frame with nothing encrypted (GMAC), under a key of each
+direction derived from the QUIC session's secret, with a nonce made of the group's
+sequence number (64 bits, never reused by a sender) and the frame's header bytes.
+The group field is not that sequence number but its image under a keyed 32-bit
+permutation, so one seen frame does not tell the next group's id. The previous
+framing (``0x3A``/``0x3B``, no tag, group ids counting up) is no longer read:
+peers negotiate the tagged one (``fec_mac`` in the handshake messages).
 
 A group's symbols are ``length (u16) | datagram``, zero-padded to the longest of
 the group; parity covers them, so a rebuilt datagram gets its length back. A
@@ -28,16 +40,24 @@ datagrams that follow it are held (at most :data:`HOLD_TIME`, at most
 :data:`MAX_HELD` of them) until the group is repaired or given up, then
 released in order; what parity rebuilds for a later group meanwhile waits in its
 place among them. Memory is bounded: at most :data:`MAX_GROUPS` open groups.
-Hostile or broken frames are dropped and counted, never raised.
+Hostile or broken frames are dropped and counted, never raised: a frame whose tag
+does not verify changes nothing but a counter, and costs one permutation inverse (a
+random id is refused there: its sequence number lands far from the sender's) and one
+GMAC at most.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import hmac
 import struct
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 if TYPE_CHECKING:  # numpy loads with the first encoder or decoder, not with QUIC
     import numpy as np
@@ -54,15 +74,20 @@ __all__ = [
     "OVERHEAD",
     "PARITY",
     "SMALL",
+    "TAG",
     "Decoder",
     "Encoder",
     "FecCounters",
+    "FecKeys",
+    "Sealer",
     "is_fec",
     "parities_for",
 ]
 
-DATA = 0x3A
-PARITY = 0x3B
+DATA = 0x3C
+PARITY = 0x3D
+TAG = 16
+"""Bytes of the authentication tag that ends every frame."""
 GROUP_SIZE = 16
 """Data datagrams per group (when traffic fills it before :data:`FLUSH_DELAY`)."""
 MAX_K = 63
@@ -87,10 +112,26 @@ MAX_PAYLOAD = 1500
 _SYMBOL = MAX_PAYLOAD + 2
 _DATA_HEADER = struct.Struct("!BIB")
 _PARITY_HEADER = struct.Struct("!BIB")
-OVERHEAD = _DATA_HEADER.size
+OVERHEAD = _DATA_HEADER.size + TAG
 """Bytes a data frame adds to its datagram (a parity frame adds as many, plus 2)."""
+_SMALLEST = _DATA_HEADER.size + 1 + TAG
+"""The shortest frame there is (a data frame of a one-byte datagram)."""
+_ID_ROUNDS = 4
+"""Feistel rounds of the group-id permutation (see :class:`Sealer`): four rounds of
+pseudo-random functions make a strong pseudo-random permutation (Luby-Rackoff). A
+32-bit domain leaves any permutation a thin margin: the tag, not the id, is what
+stops forgeries; the id only keeps an observer from naming the next group."""
+_AHEAD = 1 << 16
+"""Groups a frame's sequence number may be ahead of the highest authentic one so
+far: farther is refused before its tag is checked (a sender that far ahead had a
+million datagrams lost in a row, which no QUIC connection survives)."""
+_IDS_CACHED = 256
+"""Group ids whose sequence number a decoder keeps (authentic frames' only)."""
 _RECENT = 4096
-"""Finished group ids remembered, so late parity does not reopen them."""
+"""Finished group ids remembered, so late parity does not reopen them; a frame of a
+group further behind the highest authentic one is refused before its tag is checked
+(QUIC took its datagrams for lost long ago, and a replay of it must not open a group
+that pushes real ones out)."""
 
 # --- GF(256) with the RAID-6 polynomial x^8 + x^4 + x^3 + x^2 + 1 -------------------
 
@@ -158,6 +199,95 @@ def _symbol(datagram: bytes) -> npt.NDArray[np.uint8]:
     return np.frombuffer(struct.pack("!H", len(datagram)) + datagram, dtype=np.uint8)
 
 
+# --- authentication ---------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class FecKeys:
+    """The keys of one direction of one link: its frames' MAC key and its group-id
+    permutation key. Each end derives both directions' from the secret the QUIC
+    session gave (:meth:`derive`), so a frame reflected back at its sender fails."""
+
+    mac: bytes
+    """AES-128 key of the frames' GMAC tag."""
+    ids: bytes
+    """Key of the permutation that hides group sequence numbers."""
+
+    @classmethod
+    def derive(cls, secret: bytes, *, from_client: bool) -> FecKeys:
+        """The keys of the frames the QUIC client (``from_client``) or server sends."""
+        side = b"client" if from_client else b"server"
+        return cls(
+            mac=hmac.digest(secret, b"gpumesh fec mac " + side, "sha256")[:16],
+            ids=hmac.digest(secret, b"gpumesh fec ids " + side, "sha256"),
+        )
+
+
+def _widen(seq32: int, near: int) -> int:
+    """The 64-bit sequence number closest to ``near`` whose low 32 bits are ``seq32``
+    (as QUIC recovers a packet number from its truncated form)."""
+    candidate = (near & ~0xFFFFFFFF) | seq32
+    if candidate + (1 << 31) <= near:
+        candidate += 1 << 32
+    elif candidate > near + (1 << 31) and candidate >= 1 << 32:
+        candidate -= 1 << 32
+    return candidate
+
+
+class Sealer:
+    """Tags and checks the frames of one direction (:class:`FecKeys`).
+
+    Group ids on the wire are a keyed permutation of the low 32 bits of the group's
+    sequence number: a balanced Feistel network of :data:`_ID_ROUNDS` rounds over
+    16-bit halves, each round a keyed BLAKE2s. The sender computes it once per group;
+    the receiver inverts each id once and keeps the answer for authentic frames.
+    """
+
+    def __init__(self, keys: FecKeys) -> None:
+        self._gmac = AESGCM(keys.mac)
+        # Keyed once: each round copies the state (cheaper than keying BLAKE2s anew).
+        self._ids = hashlib.blake2s(key=keys.ids, digest_size=2)
+
+    def _round(self, number: int, half: int) -> int:
+        state = self._ids.copy()
+        state.update(bytes((number, half >> 8, half & 0xFF)))
+        digest = state.digest()
+        return digest[0] << 8 | digest[1]
+
+    def group_id(self, seq: int) -> int:
+        """The wire id of the group with sequence number ``seq``."""
+        left, right = seq >> 16 & 0xFFFF, seq & 0xFFFF
+        for number in range(_ID_ROUNDS):
+            left, right = right, left ^ self._round(number, right)
+        return left << 16 | right
+
+    def sequence(self, group_id: int) -> int:
+        """The low 32 bits of the sequence number whose wire id is ``group_id``."""
+        left, right = group_id >> 16, group_id & 0xFFFF
+        for number in reversed(range(_ID_ROUNDS)):
+            left, right = right ^ self._round(number, left), left
+        return left << 16 | right
+
+    @staticmethod
+    def _nonce(seq: int, frame: bytes) -> bytes:
+        # Unique per frame: a sender never reuses a sequence number, and within a
+        # group the marker and the index (or which parity) differ.
+        return struct.pack("!QBBxx", seq, frame[0], frame[5])
+
+    def tag(self, seq: int, frame: bytes) -> bytes:
+        """``frame`` (header and payload) with its tag."""
+        return frame + self._gmac.encrypt(self._nonce(seq, frame), b"", frame)
+
+    def check(self, seq: int, frame: bytes) -> bool:
+        """Whether ``frame``'s last :data:`TAG` bytes are its tag under ``seq``."""
+        body, tag = frame[:-TAG], frame[-TAG:]
+        try:
+            self._gmac.decrypt(self._nonce(seq, body), tag, body)
+        except InvalidTag:
+            return False
+        return True
+
+
 def is_fec(data: bytes) -> bool:
     """Whether a packet is an FEC frame (data or parity)."""
     return bool(data) and data[0] in (DATA, PARITY)
@@ -178,7 +308,11 @@ class FecCounters:
     held: int = 0
     """Datagrams held back behind a gap, then released."""
     dropped: int = 0
-    """Frames refused: malformed, out of range, or too large."""
+    """Frames refused: malformed, truncated, out of range, too large, or forged."""
+    forged: int = 0
+    """Of those, frames that are not authentic: a tag that does not verify, or a group
+    id that no frame of the peer's can carry now (a random one, or a replay of a group
+    far behind)."""
     unprotected: int = 0
     """Groups sent without parity (a lone acknowledgement-sized datagram)."""
 
@@ -208,17 +342,20 @@ class Encoder:
 
     def __init__(
         self,
+        keys: FecKeys,
         *,
         group_size: int = GROUP_SIZE,
         flush_delay: float = FLUSH_DELAY,
-        first_group: int = 0,
     ) -> None:
         if not 1 <= group_size <= MAX_K:
             raise ValueError(f"group size must be 1..{MAX_K}")
         self.group_size = group_size
         self.flush_delay = flush_delay
         self.counters = FecCounters()
-        self._group = first_group & 0xFFFFFFFF
+        self._sealer = Sealer(keys)
+        self._seq = 0
+        """The open group's sequence number (64 bits: never wraps, so no nonce repeats)."""
+        self._group = self._sealer.group_id(0)
         self._count = 0
         self._longest = 0
         self._opened = 0.0
@@ -229,14 +366,14 @@ class Encoder:
     def encode(self, datagrams: list[bytes], now: float) -> list[bytes]:
         """The frames to send for ``datagrams``, parity included where a group fills."""
         frames: list[bytes] = []
-        pack = _DATA_HEADER.pack
+        pack, tag = _DATA_HEADER.pack, self._sealer.tag
         for datagram in datagrams:
             if len(datagram) > MAX_PAYLOAD:
                 frames.append(datagram)  # never happens with QUIC's datagram size
                 continue
             if self._count == 0:
                 self._opened = now
-            frames.append(pack(DATA, self._group, self._count) + datagram)
+            frames.append(tag(self._seq, pack(DATA, self._group, self._count) + datagram))
             self._datagrams.append(datagram)
             self._longest = max(self._longest, len(datagram) + 2)
             self._count += 1
@@ -281,11 +418,12 @@ class Encoder:
             q = _weighted_sum(symbols) if parities > 1 else p
             for which, parity in enumerate((p, q)[:parities]):
                 header = _PARITY_HEADER.pack(PARITY, group, which << 6 | k)
-                frames.append(header + parity.tobytes())
+                frames.append(self._sealer.tag(self._seq, header + parity.tobytes()))
             self.counters.sent_parity += parities
         else:
             self.counters.unprotected += 1
-        self._group = (group + 1) & 0xFFFFFFFF
+        self._seq += 1
+        self._group = self._sealer.group_id(self._seq & 0xFFFFFFFF)
         self._count = 0
         self._longest = 0
         self._datagrams = []
@@ -320,6 +458,7 @@ class Decoder:
 
     def __init__(
         self,
+        keys: FecKeys,
         *,
         hold: bool = True,
         hold_time: float = HOLD_TIME,
@@ -334,6 +473,12 @@ class Decoder:
         self._stored = 0
         self.max_held = max_held
         self.counters = FecCounters()
+        self._sealer = Sealer(keys)
+        self._sequences: dict[int, int] = {}
+        """Wire group id -> low 32 bits of its sequence number, for authentic frames."""
+        self._latest = 0
+        """The highest sequence number of an authentic frame so far (the sender's
+        first is 0)."""
         self._groups: OrderedDict[int, _Group] = OrderedDict()
         self._finished: OrderedDict[int, None] = OrderedDict()
         self._held: list[bytes] = []
@@ -353,15 +498,15 @@ class Decoder:
     def receive(self, frame: bytes, now: float) -> list[bytes]:
         """The QUIC datagrams to pass up now, in order (often just the one carried)."""
         out: list[bytes] = []
-        if len(frame) <= _DATA_HEADER.size:
+        opened = self._open_frame(frame)
+        if opened is None:
             self.counters.dropped += 1
-            return out
-        if frame[0] == DATA:
-            self._data(frame, now, out)
-        elif frame[0] == PARITY:
-            self._parity(frame, now, out)
         else:
-            self.counters.dropped += 1
+            gid, body = opened
+            if frame[0] == DATA:
+                self._data(gid, body, now, out)
+            else:
+                self._parity(gid, body, now, out)
         if self._hold_group is not None and self._hold_group not in self._groups:
             out += self._release()  # its group was repaired, completed or pushed out
         out += self.poll(now)
@@ -383,8 +528,30 @@ class Decoder:
 
     # --- frames --------------------------------------------------------------------
 
-    def _data(self, frame: bytes, now: float, out: list[bytes]) -> None:
-        _marker, gid, index = _DATA_HEADER.unpack_from(frame)
+    def _open_frame(self, frame: bytes) -> tuple[int, bytes] | None:
+        """The group (the low 32 bits of its sequence number, which order groups) and
+        the frame without its tag, or None for a frame that is not authentic."""
+        if len(frame) < _SMALLEST or frame[0] not in (DATA, PARITY):
+            return None
+        wire = int.from_bytes(frame[1:5], "big")
+        seq32 = self._sequences.get(wire)
+        known = seq32 is not None
+        if seq32 is None:
+            seq32 = self._sealer.sequence(wire)
+        seq = _widen(seq32, self._latest)
+        in_window = self._latest - _RECENT < seq <= self._latest + _AHEAD
+        if not in_window or not self._sealer.check(seq, frame):
+            self.counters.forged += 1
+            return None
+        if not known:
+            if len(self._sequences) >= _IDS_CACHED:
+                self._sequences.clear()
+            self._sequences[wire] = seq32
+        self._latest = max(self._latest, seq)
+        return seq32, frame[:-TAG]
+
+    def _data(self, gid: int, frame: bytes, now: float, out: list[bytes]) -> None:
+        index = frame[_DATA_HEADER.size - 1]
         datagram = frame[_DATA_HEADER.size :]
         if index >= MAX_K or len(datagram) > MAX_PAYLOAD:
             self.counters.dropped += 1
@@ -412,8 +579,8 @@ class Decoder:
         if len(self._held) > self.max_held:
             out += self._release()
 
-    def _parity(self, frame: bytes, now: float, out: list[bytes]) -> None:
-        _marker, gid, packed = _PARITY_HEADER.unpack_from(frame)
+    def _parity(self, gid: int, frame: bytes, now: float, out: list[bytes]) -> None:
+        packed = frame[_PARITY_HEADER.size - 1]
         which, k = packed >> 6, packed & 0x3F
         payload = frame[_PARITY_HEADER.size :]
         if which >= PARITIES or k == 0 or len(payload) > _SYMBOL or len(payload) < 3:

@@ -168,7 +168,7 @@ class ClientAuth:
                 public_key=me,
                 name=self._name,
                 signature=self._identity.sign(transcript),
-                fec=self._fec,
+                fec_mac=self._fec,
             )
         self._state = _State.WAIT_CHALLENGE
         return Hello(version=PROTOCOL_VERSION, public_key=me, name=self._name)
@@ -190,7 +190,7 @@ class ClientAuth:
         if self._state is _State.WAIT_WELCOME and isinstance(message, Welcome):
             self._state = _State.DONE
             self.server_name = message.name
-            self.server_fec = self._fec and message.fec
+            self.server_fec = self._fec and message.fec_mac
             return None
         self._state = _State.FAILED
         raise ProtocolError(f"unexpected {type(message).__name__} during authentication")
@@ -270,7 +270,7 @@ class ServerAuth:
             if isinstance(message, SessionProof):
                 self._claim(message.version, message.public_key, message.name)
                 assert self.client_key is not None
-                self.client_fec = self._fec and message.fec
+                self.client_fec = self._fec and message.fec_mac
                 transcript = session_transcript(
                     self._secret, self._identity.public_key, self.client_key
                 )
@@ -302,4 +302,4 @@ class ServerAuth:
         self._authorize(self.client_key)
         self._state = _State.DONE
         # Said only to a dialer that offered it: an older one gets the Welcome it knows.
-        return Welcome(name=self._name, fec=self.client_fec)
+        return Welcome(name=self._name, fec_mac=self.client_fec)

@@ -133,9 +133,11 @@ class SessionProof(_Msg, tag="session_proof", frozen=True):
     """The dialer's node name (informational; the key is what counts)."""
     signature: Signature
     """Ed25519 over the session transcript: binding, provider key, dialer key."""
-    fec: bool = False
-    """The dialer takes parity-protected datagrams (:mod:`gpumesh.protocol.fec`);
-    absent from older dialers."""
+    fec_mac: bool = False
+    """The dialer takes parity-protected datagrams in authenticated frames
+    (:mod:`gpumesh.protocol.fec`); absent from older dialers. Those said ``fec``
+    for the untagged frames, which this version neither reads nor sends: such a
+    dialer gets no FEC."""
 
 
 class Hello(_Msg, tag="hello", frozen=True):
@@ -169,9 +171,10 @@ class Welcome(_Msg, tag="welcome", frozen=True):
 
     name: Name
     """The provider's node name."""
-    fec: bool = False
-    """The provider takes parity-protected datagrams (:mod:`gpumesh.protocol.fec`),
-    said only to a dialer that offered them; absent from older providers."""
+    fec_mac: bool = False
+    """The provider takes parity-protected datagrams in authenticated frames
+    (:mod:`gpumesh.protocol.fec`), said only to a dialer that offered them; absent
+    from older providers (whose ``fec`` named the untagged frames: no FEC with them)."""
 
 
 class Refusal(_Msg, tag="refusal", frozen=True):

@@ -89,6 +89,7 @@ __all__ = [
     "Recovery",
     "client_configuration",
     "close_reason",
+    "fec_secret",
     "server_configuration",
     "session_binding",
 ]
@@ -98,9 +99,9 @@ logger = logging.getLogger(__name__)
 CID_LENGTH = 8
 APP_ERROR = 0x100
 """Application close code: the reason phrase is ``code: message``."""
-MAX_DATAGRAM = 1452 - 8
+MAX_DATAGRAM = 1452 - 8 - fec.TAG
 """QUIC's datagram size: an IPv6 packet of 1500 bytes holds 1452 bytes of UDP
-payload, less room for the FEC frame header (6, and a parity symbol's 2)."""
+payload, less room for the FEC frame header (6, and a parity symbol's 2) and tag."""
 IDLE_TIMEOUT = 60.0
 FEC_MODES = ("auto", "on", "off")
 FEC_LONG_RTT = 0.025
@@ -181,6 +182,7 @@ def client_configuration(alpns: Sequence[str] = ALPNS) -> QuicConfiguration:
 
 
 _BINDING_LABEL = b"gpumesh auth"
+_FEC_LABEL = b"gpumesh fec"
 
 
 def session_binding(quic: QuicConnection) -> bytes:
@@ -195,6 +197,22 @@ def session_binding(quic: QuicConnection) -> bytes:
     learns it. Both ends' key schedules stop at this point after the handshake
     (qh3's server has already hashed the client Finished it expects).
     """
+    return _exported(quic, _BINDING_LABEL)
+
+
+def fec_secret(quic: QuicConnection) -> bytes:
+    """The secret this TLS session's FEC keys come from (:class:`fec.FecKeys`).
+
+    Derived as :func:`session_binding` is, under a label of its own, so it shares
+    nothing with the binding that the identity proofs sign: a passive observer, or a
+    peer's other sessions, never learns it.
+    """
+    return _exported(quic, _FEC_LABEL)
+
+
+def _exported(quic: QuicConnection, label: bytes) -> bytes:
+    """``HKDF-Expand-Label(master secret, label, Transcript-Hash(ClientHello ..
+    client Finished), 32)``, once the handshake is done."""
     tls = quic.tls
     schedule = None if tls is None else tls.key_schedule
     if schedule is None or schedule.generation != 3:  # 3: the master secret
@@ -202,7 +220,7 @@ def session_binding(quic: QuicConnection) -> bytes:
     return hkdf_expand_label(
         schedule.algorithm,
         schedule.secret,
-        _BINDING_LABEL,
+        label,
         schedule.hash.copy().digest(),
         BINDING_SIZE,
     )
@@ -392,6 +410,8 @@ class QuicLink:
         """The connection protocol both ends agreed on (set when connected)."""
         self.binding = b""
         """This TLS session's binding (:func:`session_binding`, set when connected)."""
+        self._fec_secret = b""
+        """The secret of this session's FEC keys (:func:`fec_secret`, set when connected)."""
         self.cids: set[bytes] = {quic.host_cid}
         self.path = path
         """The path under this link (a relayed session), or None for a plain direct link."""
@@ -493,8 +513,9 @@ class QuicLink:
         rtt = self._least_rtt()
         long_link = rtt != float("inf") and rtt >= FEC_LONG_RTT
         if self.fec_mode == "on" or long_link or self.loss_total() > 0:
-            # Group ids start at random so a new link is not mistaken for an old one.
-            self.fec_encoder = fec.Encoder(first_group=int.from_bytes(os.urandom(4), "big"))
+            # Keys of this session and direction: group ids differ per link, and a
+            # frame of another link (or reflected back) fails its tag.
+            self.fec_encoder = fec.Encoder(self._fec_keys(sending=True))
             logger.debug(
                 "parity on for %s (rtt %s, QUIC losses so far: %d)",
                 self.address,
@@ -581,13 +602,20 @@ class QuicLink:
             probe_timeouts=int(core.pto_total),
         )
 
+    def _fec_keys(self, *, sending: bool) -> fec.FecKeys:
+        """The FEC keys of frames this end sends (``sending``) or the peer sends."""
+        # Both callers wait for the handshake, which sets the secret.
+        assert self._fec_secret, "FEC keys before the handshake finished"
+        from_client = self.quic.configuration.is_client == sending
+        return fec.FecKeys.derive(self._fec_secret, from_client=from_client)
+
     def fec_receive(self, frame: bytes, now: float) -> list[bytes]:
         """The QUIC datagrams an FEC frame from the peer gives now."""
         if self.fec_decoder is None:
             # Frames come only after we offered FEC, which is after the handshake.
             if not self.fec_offered or not self.connected.done():
                 return []
-            self.fec_decoder = fec.Decoder()
+            self.fec_decoder = fec.Decoder(self._fec_keys(sending=False))
         return self.fec_decoder.receive(frame, now)
 
     @property
@@ -772,6 +800,7 @@ class QuicLink:
                 self.validated = True
                 self.alpn = event.alpn_protocol
                 self.binding = session_binding(self.quic)
+                self._fec_secret = fec_secret(self.quic)
                 if not self.connected.done():
                     self.connected.set_result(None)
             elif isinstance(event, qe.ConnectionIdIssued):
