@@ -4,10 +4,12 @@ provider runs the host-memory fallback."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +19,8 @@ from gpumesh.cuda import RemoteDevice
 from gpumesh.cuda.ops import demo
 from gpumesh.cuda.remote import socket_owner
 from gpumesh.errors import AccessDeniedError
+from gpumesh.store.home import AgentInfo, Home
+from tests.conftest import OtherUser
 from tests.integration.conftest import gpumesh
 from tests.integration.test_cli import _free_udp_port, _init, _one_line_error, _start_share
 
@@ -136,3 +140,37 @@ def test_the_bridge_refuses_other_addresses_and_knows_who_connects(tmp_path: Pat
     )
     assert socket_owner(("127.0.0.1", 17999), ("127.0.0.1", 40000), proc) == 1234
     assert socket_owner(("127.0.0.1", 17999), ("127.0.0.1", 40001), proc) is None
+
+
+def test_share_and_doctor_say_when_workers_run_as_the_agents_own_user(
+    tmp_path: Path, other_user: OtherUser
+) -> None:
+    """An agent that is not root cannot run workers as job_user: the owner is told
+    in one line. The agent here is a process of another local account that
+    agent.json names (this test's interpreter is not readable by that account,
+    so a real `gpumesh share` cannot run as it); the CLI reads its uid from /proc."""
+    home = tmp_path / "a"
+    _init(home, "alice-pc")
+    agent = subprocess.Popen(other_user.argv("sleep", "120"))
+    try:
+        Home(home).write_agent_info(
+            AgentInfo(pid=agent.pid, host="127.0.0.1", port=1, started=time.time())
+        )
+        note = (
+            f"CUDA workers run as the agent's own user (uid {other_user.uid}), not as "
+            "job_user: only an agent started as root can switch them to it"
+        )
+        shared = gpumesh(home, "cuda", "share")
+        assert shared.returncode == 0, shared.stderr
+        assert shared.stdout.splitlines() == [
+            "CUDA sessions are offered now and whenever this node shares",
+            note,
+        ]
+        doctor = gpumesh(home, "doctor", "--json")
+        [worker] = [check for check in json.loads(doctor.stdout) if check["name"] == "cuda worker"]
+        assert (worker["status"], worker["detail"]) == ("ok", note)
+        cuda_doctor = gpumesh(home, "cuda", "doctor")
+        assert f"Worker   {note}\n" in cuda_doctor.stdout
+    finally:
+        agent.kill()
+        agent.wait()
