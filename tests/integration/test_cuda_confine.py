@@ -111,11 +111,14 @@ def test_the_worker_runs_as_job_user_with_no_privileges_environment_or_room_to_g
                 assert status["Uid"].split() == ["4242"] * 4
                 assert status["Gid"].split() == ["4343"] * 4
                 assert status["Groups"] == ""
-                assert _environ(pid) == [
-                    b"HOME=/",
-                    b"LANG=C.UTF-8",
-                    b"PATH=/usr/local/bin:/usr/bin:/bin",
+                passed_on = [
+                    f"{name}={os.environ[name]}".encode()
+                    for name in ("LD_LIBRARY_PATH", "PYTHONPATH")
+                    if os.environ.get(name)
                 ]
+                assert _environ(pid) == sorted(
+                    [b"HOME=/", b"LANG=C.UTF-8", b"PATH=/usr/local/bin:/usr/bin:/bin", *passed_on]
+                )
                 assert os.readlink(f"/proc/{pid}/cwd") == "/"
                 assert _address_space_limit(pid) <= _kib(status["VmSize"]) + MiB + HEADROOM
                 assert await _in_thread(dev.device_count) == 1  # and it still serves

@@ -123,19 +123,31 @@ def test_the_owner_is_told_in_one_line_when_the_worker_stays_the_agents_user() -
     assert worker_user_note(0) is None
     note = worker_user_note(1000)
     assert note is not None and "\n" not in note
-    assert note.startswith("CUDA workers run as the agent's own user (uid 1000), not as job_user")
+    assert note.startswith("CUDA workers run as the agent's own user (uid 1000, with its groups)")
 
 
 def test_the_worker_gets_no_environment_of_the_agents() -> None:
-    assert worker_environment([]) == {
+    agent = {
+        "GPUMESH_HOME": "/home/alice/.gpumesh",
+        "GPUMESH_RELAY_TOKEN": "secret",
+        "AWS_SECRET_ACCESS_KEY": "secret",
+        "PATH": "/home/alice/bin:/usr/bin",
+        "PYTHONSTARTUP": "/tmp/evil.py",
+        "PYTHONPATH": "/opt/gpumesh/src",
+        "LD_PRELOAD": "/tmp/evil.so",
+        "LD_LIBRARY_PATH": "/usr/local/cuda/lib64",
+    }
+    assert worker_environment([], agent) == {
         "PATH": "/usr/local/bin:/usr/bin:/bin",
         "LANG": "C.UTF-8",
         "HOME": "/",
+        "PYTHONPATH": "/opt/gpumesh/src",  # where the agent found its own code
+        "LD_LIBRARY_PATH": "/usr/local/cuda/lib64",
     }
-    env = worker_environment(["GPU-1"])
+    env = worker_environment(["GPU-1"], {})
     assert (env["CUDA_VISIBLE_DEVICES"], env["CUDA_DEVICE_ORDER"]) == ("GPU-1", "PCI_BUS_ID")
     argv = worker_argv(MiB, "fallback", (47000, 47001))
-    assert argv[1:4] == ["-I", "-m", "gpumesh.cuda.worker"]  # no PYTHON* variables, no cwd
+    assert argv[1:4] == ["-s", "-m", "gpumesh.cuda.worker"]  # no user site folder
     assert argv[-4:] == ["--uid", "47000", "--gid", "47001"]
 
 

@@ -34,7 +34,7 @@ import secrets
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -74,6 +74,7 @@ FALLBACK_CEILING = 4 * 1024**3
 START_TIMEOUT = 60.0
 """How long a worker may take to open its device (cuInit can be slow)."""
 _WORKER_PATH = "/usr/local/bin:/usr/bin:/bin"
+_PASSED_ON = ("PYTHONPATH", "LD_LIBRARY_PATH")
 _PIPE_CHUNK = 1024 * 1024
 _PIPE_LIMIT = 4 * _PIPE_CHUNK
 """What the worker's output may buffer here before reading it pauses: a copy's
@@ -255,7 +256,7 @@ class CudaService:
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
-            env=worker_environment(gpus),
+            env=worker_environment(gpus, os.environ),
             cwd="/",
             start_new_session=True,
             limit=_PIPE_LIMIT,
@@ -366,19 +367,22 @@ class CudaService:
 
 
 def worker_argv(memory: int, backend: str, ids: tuple[int, int] | None) -> list[str]:
-    """The worker's command line: isolated mode (``-I``: no ``PYTHON*`` variables,
-    user site or working folder on its import path), its cap, backend and user."""
-    argv = [sys.executable, "-I", "-m", "gpumesh.cuda.worker"]
+    """The worker's command line: without the user's site folder (``-s``), its cap,
+    backend and user."""
+    argv = [sys.executable, "-s", "-m", "gpumesh.cuda.worker"]
     argv += ["--memory-cap", str(memory), "--backend", backend]
     if ids is not None:
         argv += ["--uid", str(ids[0]), "--gid", str(ids[1])]
     return argv
 
 
-def worker_environment(gpus: list[str]) -> dict[str, str]:
+def worker_environment(gpus: list[str], agent: Mapping[str, str]) -> dict[str, str]:
     """All the environment a worker gets: none of the agent's own (its home, tokens,
-    proxies, whatever the owner's shell exported), only what CUDA needs."""
+    proxies, whatever the owner's shell exported) but where the agent found its
+    code and libraries (``PYTHONPATH``, ``LD_LIBRARY_PATH``: a source checkout, a
+    shared libpython, libcuda outside the loader's folders), and what CUDA needs."""
     env = {"PATH": _WORKER_PATH, "LANG": "C.UTF-8", "HOME": "/"}
+    env.update({name: agent[name] for name in _PASSED_ON if agent.get(name)})
     if gpus:
         # The worker sees only the GPU its memory is reserved on, in NVML's order.
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"

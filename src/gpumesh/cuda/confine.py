@@ -73,8 +73,8 @@ def worker_user_note(agent_uid: int) -> str | None:
     if agent_uid == 0:
         return None
     return (
-        f"CUDA workers run as the agent's own user (uid {agent_uid}), not as job_user: "
-        "only an agent started as root can switch them to it"
+        f"CUDA workers run as the agent's own user (uid {agent_uid}, with its groups), not "
+        "as job_user: only an agent started as root can switch them to it"
     )
 
 
