@@ -274,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     buffer = bytearray(_READ_SIZE)  # each read lands here; its pieces are used at once
     view = memoryview(buffer)
-    ids = None if options.uid is None else (options.uid, options.gid or options.uid)
+    gid = options.uid if options.gid is None else options.gid
+    ids = None if options.uid is None else (options.uid, gid)
     # Confined once the device is open (its libraries loaded, as the agent's user)
     # and before the first byte of a call is read.
     ceiling = (
