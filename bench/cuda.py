@@ -14,6 +14,10 @@ the driver where there is one):
   bench/bulk.py measure). Goal: >= 0.8x. Device->host is shown too.
 * small copies per second: 4 KiB host->device copies sent back to back (never
   waited for) with one synchronize at the end.
+* vector add: GPUMesh's kernel on three vectors that fill the session (after
+  the runs above), and the worker's peak RSS (``VmHWM``) over the whole
+  session. Goal on the host-memory fallback: the peak within the session's
+  memory + 64 MiB (the worker's own ceiling).
 
 Figures are medians of ``--repeat`` runs, taken alternately.
 """
@@ -36,10 +40,14 @@ from bulk import make_nodes, running_agent
 from gpumesh.client.node import Node
 from gpumesh.cuda import RemoteDevice
 from gpumesh.cuda.device import local_pair
+from gpumesh.cuda.kernels import VADD_F32, VADD_PTX
+from gpumesh.cuda.owner import open_sessions
 from gpumesh.cuda.remote import carry_socket
 from gpumesh.protocol.messages import Ping, ThroughputReply, ThroughputRequest
 
 MIB = 1024 * 1024
+HEADROOM = 64 * MIB
+"""What the fallback worker may hold beyond its session's memory (gpumesh.cuda.confine)."""
 
 
 class Carried:
@@ -144,6 +152,20 @@ def main(argv: list[str] | None = None) -> int:
                         device.copy_to(buffer, chunk)
                     device.synchronize()
                     small.append(options.small / (time.perf_counter() - sent))
+                device.free(ptr)
+                device.free(buffer)
+                n = size // 12  # three f32 vectors in the session's memory
+                vectors = [device.alloc(n * 4) for _ in range(3)]
+                device.copy_to(vectors[0], bytes(n * 4))
+                device.copy_to(vectors[1], bytes(n * 4))
+                sent = time.perf_counter()
+                device.launch(
+                    VADD_PTX, VADD_F32, grid=(n + 255) // 256, block=256, args=(*vectors, n)
+                )
+                device.synchronize()
+                vadd = time.perf_counter() - sent
+                [session] = open_sessions(alice.home)
+                peak = _peak_rss(session.pid)
             finally:
                 carried.close()
     call_ms, ping_ms = statistics.median(calls) * 1e3, statistics.median(pings) * 1e3
@@ -176,8 +198,30 @@ def main(argv: list[str] | None = None) -> int:
                 "",
             ],
             ["4 KiB copies", f"{statistics.median(small):,.0f}/s", "", "", ""],
+            [
+                f"vector add {n * 4 // MIB} MiB x3",
+                f"{vadd:.2f} s",
+                f"{n / vadd / 1e6:,.1f} M elements/s",
+                "",
+                "",
+            ],
+            [
+                "worker peak RSS",
+                f"{peak / MIB:,.0f} MiB",
+                f"session {(size + MIB) // MIB} MiB",
+                f"{peak / (size + MIB):.2f}x",
+                f"<= {(size + MIB + HEADROOM) // MIB} MiB",
+            ],
         ],
     )
+    return 0
+
+
+def _peak_rss(pid: int) -> int:
+    """The process's peak resident memory (``VmHWM``), in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
     return 0
 
 

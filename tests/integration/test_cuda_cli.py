@@ -4,6 +4,7 @@ provider runs the host-memory fallback."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -19,6 +20,12 @@ from gpumesh.cuda.remote import socket_owner
 from gpumesh.errors import AccessDeniedError
 from tests.integration.conftest import gpumesh
 from tests.integration.test_cli import _free_udp_port, _init, _one_line_error, _start_share
+from tests.integration.test_least_privilege import (
+    Unprivileged,
+    _sharing,
+    _wait_for_agent,
+    unprivileged,  # noqa: F401 (a fixture)
+)
 
 
 @pytest.fixture
@@ -136,3 +143,49 @@ def test_the_bridge_refuses_other_addresses_and_knows_who_connects(tmp_path: Pat
     )
     assert socket_owner(("127.0.0.1", 17999), ("127.0.0.1", 40000), proc) == 1234
     assert socket_owner(("127.0.0.1", 17999), ("127.0.0.1", 40001), proc) is None
+
+
+def test_an_agent_that_is_not_root_runs_workers_as_itself_and_says_so(
+    unprivileged: Unprivileged,  # noqa: F811 (the fixture, imported above)
+    tmp_path: Path,
+) -> None:
+    """A real `gpumesh share` as an ordinary user (in the docker group), which cannot
+    switch users: its workers run as it, still without new privileges or its
+    environment, and `cuda share`, `cuda doctor` and `doctor` say so in one line."""
+    alice, user = unprivileged.mounts / "homes" / "alice", unprivileged
+    for args in (
+        ("init", "--name", "alice-pc"),
+        ("config", "set", "listen_host", "127.0.0.1"),
+        ("config", "set", "listen_port", str(_free_udp_port())),
+    ):
+        assert user.run(alice, *args).returncode == 0
+    bob = tmp_path / "bob"
+    _init(bob, "bob-laptop")
+    note = (
+        f"CUDA workers run as the agent's own user (uid {user.uid}, with its groups), not as "
+        "job_user: only an agent started as root can switch them to it"
+    )
+    with _sharing(user.command("share"), user.env(alice)) as agent:
+        _wait_for_agent(alice, agent)
+        assert gpumesh(bob, "pair", user.run(alice, "pair-code").stdout.strip()).returncode == 0
+        assert user.run(alice, "pair", gpumesh(bob, "pair-code").stdout.strip()).returncode == 0
+        shared = user.run(alice, "cuda", "share")
+        assert shared.stdout.splitlines() == [
+            "CUDA sessions are offered now and whenever this node shares",
+            note,
+        ]
+        assert user.run(alice, "cuda", "allow", "bob-laptop").returncode == 0
+        assert f"Worker   {note}\n" in user.run(alice, "cuda", "doctor").stdout
+        checks = json.loads(gpumesh(alice, "doctor", "--json").stdout)
+        [worker] = [check for check in checks if check["name"] == "cuda worker"]
+        assert (worker["status"], worker["detail"]) == ("ok", note)
+
+        with RemoteDevice("alice-pc", home=bob, memory=1 << 20) as dev:
+            assert dev.device_count() == 1  # it found its code as the agent did
+            sessions = json.loads((alice / "cuda-sessions.json").read_text())["sessions"]
+            status = (Path("/proc") / str(sessions[0]["pid"]) / "status").read_text()
+            fields = dict(line.split(":\t", 1) for line in status.splitlines())
+            assert fields["Uid"].split() == [str(user.uid)] * 4
+            assert fields["NoNewPrivs"] == "1"
+            environ = (Path("/proc") / str(sessions[0]["pid"]) / "environ").read_bytes()
+            assert b"GPUMESH_HOME" not in environ

@@ -334,8 +334,9 @@ def test_memory_promised_to_containers_stays_within_share_memory(cluster) -> Non
                     with pytest.raises(
                         LimitError,
                         match=r"^alice refused the job: 512MB of memory is promised to its "
-                        r"running jobs and shells, and this job's 64MB \(job_memory\) would go "
-                        r"over its share_memory of 512MB; try again when one of them ends$",
+                        r"running jobs, shells and CUDA sessions, and this job's 64MB "
+                        r"\(job_memory\) would go over its share_memory of 512MB; try again "
+                        r"when one of them ends$",
                     ):
                         await run_job(carol, spec("alice", "true"))
                     with pytest.raises(LimitError, match="share_memory of 512MB"):

@@ -16,6 +16,8 @@ import array
 import ctypes
 import enum
 import re
+import tracemalloc
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -346,3 +348,38 @@ def test_the_worker_session_on_the_driver_backend() -> None:
     assert answers(call_frame(launch)) == []
     [sync] = answers(call_frame(Synchronize()))
     assert decode_result(sync.body).error == "CUDA_ERROR_LAUNCH_FAILED"
+
+
+def test_a_read_outside_the_sessions_allocations_allocates_nothing() -> None:
+    """The attack: a device-to-host copy of a made-up size (up to 1 TiB on the wire)
+    made the backend allocate a host buffer of that size before the driver refused."""
+    fake = FakeDriver()
+    backend = DriverBackend(fake, memory_cap=1 << 20)
+    ptr = backend.alloc(4096)
+    tracemalloc.start()
+    try:
+        with pytest.raises(CudaFault, match=r"^CUDA_ERROR_INVALID_VALUE: 268435456 bytes at"):
+            backend.read(ptr, 256 * 1024 * 1024)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1024 * 1024
+    assert "cuMemcpyDtoH" not in fake.calls  # refused before the driver was asked
+
+
+def test_every_memory_call_is_checked_against_the_allocations_before_the_driver() -> None:
+    fake = FakeDriver()
+    backend = DriverBackend(fake, memory_cap=1 << 20)
+    ptr = backend.alloc(4096)
+    elsewhere = ptr + 8192  # not this session's: another's memory, to the driver
+    calls: list[tuple[str, Callable[[], object]]] = [
+        ("cuMemcpyDtoH", lambda: backend.read(ptr + 4000, 100)),
+        ("cuMemcpyHtoD", lambda: backend.write(elsewhere, b"x" * 16)),
+        ("cuMemsetD8", lambda: backend.memset(ptr, 0, 4097)),
+        ("cuMemcpyDtoD", lambda: backend.copy(elsewhere, ptr, 16)),
+        ("cuMemcpyDtoD", lambda: backend.copy(ptr, ptr - 16, 16)),
+    ]
+    for name, call in calls:
+        with pytest.raises(CudaFault, match=r"CUDA_ERROR_INVALID_VALUE: .* not inside one"):
+            call()
+        assert name not in fake.calls

@@ -161,9 +161,9 @@ def test_one_peer_at_its_limits_leaves_room_for_another() -> None:
     _admit(Kind.SHELL, "carol", claims)
     with pytest.raises(
         LimitError,
-        match=r"^alice refused the job: 18GB of memory is promised to its running jobs and "
-        r"shells, and this job's 2.2GB \(job_memory\) would go over its share_memory of "
-        r"18GB; try again when one of them ends$",
+        match=r"^alice refused the job: 18GB of memory is promised to its running jobs, "
+        r"shells and CUDA sessions, and this job's 2.2GB \(job_memory\) would go over its "
+        r"share_memory of 18GB; try again when one of them ends$",
     ):
         _admit(Kind.JOB, "carol", claims)
     assert len(claims) == 8

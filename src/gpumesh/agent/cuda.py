@@ -12,10 +12,15 @@ held in the same books on no GPU.
 Each session runs in its own process (:mod:`gpumesh.cuda.worker`): the agent
 only pumps the call protocol's bytes between the consumer's stream and the
 worker's pipes, so a CUDA fault or a crash there ends that session with one
-line to the consumer, never the agent. The session ends, and its memory is
-freed and given back, when the consumer finishes its stream, when its link
-goes, when the owner revokes (``cuda deny``, ``deny``, ``cuda share stop``:
-:meth:`CudaService.revoke`) and when the agent stops.
+line to the consumer, never the agent. Its memory counts against
+``share_memory`` with the jobs and shells (:class:`~gpumesh.agent.limits.Admission`);
+the worker starts with a clean environment and confines itself
+(:mod:`gpumesh.cuda.confine`): no new privileges, ``job_user``'s ids when the
+agent is root, and on the fallback an address-space ceiling of its memory.
+The session ends, and its memory is freed and given back, when the consumer
+finishes its stream, when its link goes, when the owner revokes (``cuda
+deny``, ``deny``, ``cuda share stop``: :meth:`CudaService.revoke`) and when
+the agent stops.
 """
 
 from __future__ import annotations
@@ -29,13 +34,15 @@ import secrets
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from gpumesh.agent.deps import Handlers, Provider, RequestContext
+from gpumesh.agent.deps import Handlers, Provider, RequestContext, Settings
 from gpumesh.agent.gpus import GpuAllocator, Holder, HolderKind
+from gpumesh.agent.limits import Admission
 from gpumesh.blocking import in_thread
+from gpumesh.cuda.confine import worker_ids
 from gpumesh.cuda.protocol import FrameDecoder, decode_end
 from gpumesh.cuda.protocol import FrameKind as CudaFrameKind
 from gpumesh.errors import (
@@ -55,7 +62,7 @@ if TYPE_CHECKING:
     from gpumesh.store.db import Peer
     from gpumesh.transport.stream import Stream
 
-__all__ = ["CudaAccess", "CudaService", "CudaSession"]
+__all__ = ["CudaAccess", "CudaService", "CudaSession", "worker_argv", "worker_environment"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +73,8 @@ FALLBACK_CEILING = 4 * 1024**3
 """Most host memory one host-memory fallback session may hold."""
 START_TIMEOUT = 60.0
 """How long a worker may take to open its device (cuInit can be slow)."""
+_WORKER_PATH = "/usr/local/bin:/usr/bin:/bin"
+_PASSED_ON = ("PYTHONPATH", "LD_LIBRARY_PATH")
 _PIPE_CHUNK = 1024 * 1024
 _PIPE_LIMIT = 4 * _PIPE_CHUNK
 """What the worker's output may buffer here before reading it pauses: a copy's
@@ -127,6 +136,8 @@ class CudaService:
         provider: Provider,
         access: CudaAccess,
         gpus: GpuAllocator,
+        admission: Admission,
+        settings: Settings,
         *,
         backend: str = "auto",
         on_change: Callable[[list[CudaSession]], None] | None = None,
@@ -134,6 +145,9 @@ class CudaService:
         self.provider = provider
         self.access = access
         self.gpus = gpus
+        self.admission = admission
+        """Holds each session's memory within ``share_memory``, beside jobs and shells."""
+        self.settings = settings
         self.backend = backend
         """What workers use: ``auto`` (the driver when libcuda loads), ``fallback``."""
         self.on_change = on_change
@@ -209,17 +223,22 @@ class CudaService:
             )
         holder = Holder(HolderKind.CUDA, secrets.token_hex(6))
         gpus = await in_thread(self.gpus.inventory.gpus) if self.backend != "fallback" else []
-        try:
-            if gpus:
-                chosen = await self.gpus.reserve(holder, message.memory)
-                backend = self.backend
-            else:
-                self._check_fallback(message.memory)
-                self.gpus.hold(holder, [], message.memory)
-                chosen, backend = [], "fallback"
-            await self._run(ctx, f"cuda-{holder.id}", message.memory, chosen, backend)
-        finally:
-            self.gpus.release(holder)
+        if not gpus:
+            self._check_fallback(message.memory)
+        with self.admission.cuda(peer.node_id, message.memory):
+            try:
+                if gpus:
+                    chosen = await self.gpus.reserve(holder, message.memory)
+                    backend = self.backend
+                else:
+                    self.gpus.hold(holder, [], message.memory)
+                    chosen, backend = [], "fallback"
+                await self._run(ctx, f"cuda-{holder.id}", message.memory, chosen, backend)
+            finally:
+                self.gpus.release(holder)
+
+    def _job_user(self) -> str:
+        return str(self.settings.get("job_user"))
 
     def _check_fallback(self, memory: int) -> None:
         cap = min(FALLBACK_CEILING, self.gpus.max_vram or FALLBACK_CEILING)
@@ -232,23 +251,13 @@ class CudaService:
     async def _run(
         self, ctx: RequestContext, session_id: str, memory: int, gpus: list[str], backend: str
     ) -> None:
-        env = dict(os.environ)
-        if gpus:
-            # The worker sees only the GPU its memory is reserved on, in NVML's order.
-            env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
         process = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "gpumesh.cuda.worker",
-            "--memory-cap",
-            str(memory),
-            "--backend",
-            backend,
+            *worker_argv(memory, backend, worker_ids(self._job_user(), os.geteuid())),
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
-            env=env,
+            env=worker_environment(gpus, os.environ),
+            cwd="/",
             start_new_session=True,
             limit=_PIPE_LIMIT,
         )
@@ -355,6 +364,30 @@ class CudaService:
         finally:
             for task in (to_worker, from_worker, logs, closed, exited):
                 task.cancel()
+
+
+def worker_argv(memory: int, backend: str, ids: tuple[int, int] | None) -> list[str]:
+    """The worker's command line: without the user's site folder (``-s``), its cap,
+    backend and user."""
+    argv = [sys.executable, "-s", "-m", "gpumesh.cuda.worker"]
+    argv += ["--memory-cap", str(memory), "--backend", backend]
+    if ids is not None:
+        argv += ["--uid", str(ids[0]), "--gid", str(ids[1])]
+    return argv
+
+
+def worker_environment(gpus: list[str], agent: Mapping[str, str]) -> dict[str, str]:
+    """All the environment a worker gets: none of the agent's own (its home, tokens,
+    proxies, whatever the owner's shell exported) but where the agent found its
+    code and libraries (``PYTHONPATH``, ``LD_LIBRARY_PATH``: a source checkout, a
+    shared libpython, libcuda outside the loader's folders), and what CUDA needs."""
+    env = {"PATH": _WORKER_PATH, "LANG": "C.UTF-8", "HOME": "/"}
+    env.update({name: agent[name] for name in _PASSED_ON if agent.get(name)})
+    if gpus:
+        # The worker sees only the GPU its memory is reserved on, in NVML's order.
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+    return env
 
 
 def _last_words(output: bytes) -> str:

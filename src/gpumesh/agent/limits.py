@@ -3,9 +3,9 @@
 Owns the sharing limits (config ``job_cpus``, ``job_memory``, ``share_memory``,
 ``max_jobs_per_peer``, ``max_shells_per_peer``, ``max_requests_per_link``,
 ``link_buffer``), their ``auto`` defaults worked out from the machine's size,
-and the admission of jobs and shells: every container promised memory is a
-:class:`Claim`, and one that would take a peer past its count, or all peers
-past ``share_memory``, is refused with the numbers.
+and the admission of jobs, shells and CUDA sessions: each one promised memory
+is a :class:`Claim`, and one that would take a peer past its count, or all
+peers past ``share_memory``, is refused with the numbers.
 
 Everything here but :func:`machine_size` and :func:`return_free_memory` is
 pure: the machine's size, the configuration and the claims are passed in, so
@@ -34,6 +34,7 @@ __all__ = [
     "MachineSize",
     "ShareLimits",
     "check_admission",
+    "check_share_memory",
     "default_job_cpus",
     "default_job_memory",
     "default_share_memory",
@@ -58,6 +59,7 @@ UNKNOWN_MACHINE_JOB = 4 * GB
 class Kind(enum.StrEnum):
     JOB = "job"
     SHELL = "shell"
+    CUDA = "CUDA session"
 
 
 @dataclass(frozen=True)
@@ -228,15 +230,28 @@ def check_admission(
             f"{provider} refused the {kind}: you have {own} {what} there, and its {key} "
             f"is {cap}; {then}"
         )
-    if limits.share_memory:
-        promised = sum(claim.memory for claim in held)
-        if promised + limits.job_memory > limits.share_memory:
-            raise LimitError(
-                f"{provider} refused the {kind}: {format_size(promised)} of memory is promised "
-                f"to its running jobs and shells, and this {kind}'s "
-                f"{format_size(limits.job_memory)} (job_memory) would go over its share_memory "
-                f"of {format_size(limits.share_memory)}; try again when one of them ends"
-            )
+    check_share_memory(kind, limits.job_memory, held, limits, provider)
+
+
+def check_share_memory(
+    kind: Kind, memory: int, claims: Iterable[Claim], limits: ShareLimits, provider: str
+) -> None:
+    """Refuse (LimitError, one line with the numbers) a new ``kind`` that would hold
+    ``memory`` more than ``share_memory`` leaves beside ``claims``."""
+    if not limits.share_memory:
+        return
+    promised = sum(claim.memory for claim in claims)
+    if promised + memory <= limits.share_memory:
+        return
+    if kind is Kind.CUDA:
+        size, then = format_size(memory), "ask for less (--memory) or try again when one ends"
+    else:
+        size, then = f"{format_size(memory)} (job_memory)", "try again when one of them ends"
+    raise LimitError(
+        f"{provider} refused the {kind}: {format_size(promised)} of memory is promised to its "
+        f"running jobs, shells and CUDA sessions, and this {kind}'s {size} would go over "
+        f"its share_memory of {format_size(limits.share_memory)}; {then}"
+    )
 
 
 class Admission:
@@ -244,7 +259,9 @@ class Admission:
 
     Jobs are claimed by their records (every unfinished job), so admitting one is a
     check made just before its record is written, with nothing awaited in between.
-    Shells are held here while their session lasts.
+    Shells and CUDA sessions are held here while they last: a CUDA session's
+    worker may hold its whole memory in host memory (the fallback's device
+    memory, or the driver's copy of an allocation on its way to the consumer).
     """
 
     def __init__(
@@ -256,27 +273,43 @@ class Admission:
         self._limits = limits
         self._jobs = jobs
         self._provider = provider
-        self._shells: dict[object, Claim] = {}
+        self._held: dict[object, Claim] = {}
+        """Open shells and CUDA sessions."""
 
     def claims(self) -> list[Claim]:
-        """Every container promised memory now: unfinished jobs and open shells."""
-        return [*self._jobs(self._limits()), *self._shells.values()]
+        """Everything promised memory now: unfinished jobs, open shells and CUDA sessions."""
+        return [*self._jobs(self._limits()), *self._held.values()]
 
     def admit_job(self, peer_id: str) -> None:
         """Refuse a new job of ``peer_id`` that would go past a limit."""
         limits = self._limits()
-        held = [*self._jobs(limits), *self._shells.values()]
+        held = [*self._jobs(limits), *self._held.values()]
         check_admission(Kind.JOB, peer_id, held, limits, self._provider)
 
     @contextlib.contextmanager
     def shell(self, peer_id: str) -> Iterator[None]:
         """Hold a shell of ``peer_id`` for the block (refused past a limit)."""
         limits = self._limits()
-        held = [*self._jobs(limits), *self._shells.values()]
+        held = [*self._jobs(limits), *self._held.values()]
         check_admission(Kind.SHELL, peer_id, held, limits, self._provider)
+        with self._holding(Claim(peer_id, Kind.SHELL, limits.job_memory)):
+            yield
+
+    @contextlib.contextmanager
+    def cuda(self, peer_id: str, memory: int) -> Iterator[None]:
+        """Hold a CUDA session of ``memory`` bytes for ``peer_id`` for the block (refused
+        past ``share_memory``; its count per peer is the CUDA service's)."""
+        limits = self._limits()
+        held = [*self._jobs(limits), *self._held.values()]
+        check_share_memory(Kind.CUDA, memory, held, limits, self._provider)
+        with self._holding(Claim(peer_id, Kind.CUDA, memory)):
+            yield
+
+    @contextlib.contextmanager
+    def _holding(self, claim: Claim) -> Iterator[None]:
         token = object()
-        self._shells[token] = Claim(peer_id, Kind.SHELL, limits.job_memory)
+        self._held[token] = claim
         try:
             yield
         finally:
-            del self._shells[token]
+            del self._held[token]

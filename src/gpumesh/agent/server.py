@@ -159,7 +159,14 @@ class Agent:
         self.shells = ExecService(
             provider, self.containers, self.jobs.admission, self.gpus, on_change=self._publish
         )
-        self.cuda = CudaService(provider, self.store, self.gpus, on_change=self._publish_cuda)
+        self.cuda = CudaService(
+            provider,
+            self.store,
+            self.gpus,
+            self.jobs.admission,
+            config,
+            on_change=self._publish_cuda,
+        )
         self.handlers = Handlers()
         """Request message type -> the handler that serves it."""
         self.handlers.add(Ping, _handle_ping)

@@ -47,8 +47,10 @@ def cuda() -> None:
 def doctor() -> None:
     """Say what a CUDA session on this node runs on, and who may open one."""
     from gpumesh.cuda.ops import doctor as check
+    from gpumesh.cuda.owner import worker_user
 
-    report = check(get_node())
+    node = get_node()
+    report = check(node)
     if report.backend == "driver":
         click.echo(click.style(f"Driver   libcuda loads: {report.detail}", fg="green"))
         for index, info in enumerate(report.devices):
@@ -63,6 +65,8 @@ def doctor() -> None:
     click.echo(f"Shared   {shared}")
     allowed = ", ".join(report.allowed) or "nobody (`gpumesh cuda allow PEER`)"
     click.echo(f"Allowed  {allowed}")
+    note = worker_user(node.home)
+    click.echo(f"Worker   {note or 'runs as job_user, without privileges or groups'}")
     for session in report.sessions:
         click.echo(
             f"Session  {session.peer}: {format_size(session.memory)} on "
@@ -81,15 +85,20 @@ def share(action: str | None) -> None:
     open a session; each one's memory is held like a job's GPU memory.
     """
     from gpumesh.cuda.ops import share as set_share
+    from gpumesh.cuda.owner import worker_user
 
     node = get_node()
     set_share(node, action != "stop")
     if action == "stop":
         click.echo("CUDA sessions are no longer offered; open ones were ended")
-    elif node.home.read_agent_info() is None:
+        return
+    if node.home.read_agent_info() is None:
         click.echo("CUDA sessions are offered whenever this node shares (`gpumesh share`)")
     else:
         click.echo("CUDA sessions are offered now and whenever this node shares")
+    note = worker_user(node.home)
+    if note is not None:
+        click.echo(click.style(note, fg="yellow"))
 
 
 @cuda.command(epilog="\b\nExamples:\n  gpumesh cuda allow bob-laptop")

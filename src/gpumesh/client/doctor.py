@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from gpumesh import platform
+from gpumesh.cuda.owner import worker_user
 from gpumesh.errors import ConfigError, GPUMeshError
 from gpumesh.runtime.base import EngineIsolation
 from gpumesh.runtime.users import job_identity
@@ -57,6 +58,7 @@ def run_checks(home: Home) -> list[Check]:
             ("job isolation", lambda: _job_isolation(home)),
             ("job storage", lambda: _job_storage(home)),
             ("agent user", lambda: _agent_user(home)),
+            ("cuda worker", lambda: _cuda_worker(home)),
         ]
     else:
         steps.append(("share", _not_a_provider))
@@ -401,6 +403,16 @@ def _describe_agent_user(own_uid: int, agent_pid: int | None, agent_uid: int | N
             name, WARN, "gpumesh runs as root here; `gpumesh share` would too", _AGENT_USER_FIX
         )
     return Check(name, OK, f"gpumesh runs as uid {own_uid}, not root")
+
+
+def _cuda_worker(home: Home) -> list[Check]:
+    """Who CUDA workers run as, when this node shares CUDA."""
+    if not home.initialized or not home.store.cuda_share():
+        return []
+    note = worker_user(home)
+    if note is None:
+        return [Check("cuda worker", OK, "runs as job_user, without privileges or groups")]
+    return [Check("cuda worker", OK, note)]
 
 
 def _agent_ids(home: Home) -> tuple[int, int]:

@@ -6,17 +6,26 @@ NVIDIA's ``cuda-bindings``; the fallback (:mod:`gpumesh.cuda.fallback`) keeps
 device memory in host memory and runs only GPUMesh's own kernels by name.
 :func:`gpumesh.cuda.worker.open_backend` picks: the driver when libcuda loads,
 else the fallback, with the reason. A failing call raises :class:`CudaFault` with CUDA's error name.
+
+:class:`Allocations` is the one bookkeeping both backends keep: the session's
+cap, and whether a call's bytes lie inside one of its allocations. Every
+memory call is checked there before anything is allocated or touched, so a
+size a peer makes up (up to :data:`~gpumesh.cuda.protocol.MAX_COPY`) costs
+nothing but its error line.
 """
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-__all__ = ["Backend", "CudaFault", "DeviceInfo", "LaunchArg", "pack_arg"]
+from gpumesh.units import format_size
+
+__all__ = ["Allocations", "Backend", "CudaFault", "DeviceInfo", "LaunchArg", "pack_arg"]
 
 
 class CudaFault(Exception):
@@ -84,6 +93,68 @@ def ctype_arg(
     """A ctypes object holding ``value`` as ``kind`` (checked by :func:`pack_arg`)."""
     packed = pack_arg(kind, value)
     return _CTYPES[kind].from_buffer_copy(packed)
+
+
+class Allocations:
+    """One session's allocations by address, within its cap (no I/O)."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.used = 0
+        """Bytes allocated now."""
+        self._bases: list[int] = []
+        """Allocation addresses, sorted."""
+        self._sizes: dict[int, int] = {}
+
+    def __contains__(self, ptr: int) -> bool:
+        return ptr in self._sizes
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(list(self._bases))
+
+    def check_new(self, size: int) -> None:
+        """Refuse an allocation of ``size`` that is empty or would pass the cap."""
+        if size <= 0:
+            raise CudaFault("CUDA_ERROR_INVALID_VALUE", "cannot allocate 0 bytes")
+        if self.used + size > self.cap:
+            raise CudaFault(
+                "CUDA_ERROR_OUT_OF_MEMORY",
+                f"{format_size(size)} more would pass this session's cap of "
+                f"{format_size(self.cap)} ({format_size(self.used)} allocated)",
+            )
+
+    def add(self, ptr: int, size: int) -> None:
+        bisect.insort(self._bases, ptr)
+        self._sizes[ptr] = size
+        self.used += size
+
+    def remove(self, ptr: int) -> int:
+        """Forget the allocation at ``ptr``; its size (CudaFault when there is none)."""
+        size = self._sizes.pop(ptr, None)
+        if size is None:
+            raise CudaFault("CUDA_ERROR_INVALID_VALUE", f"{ptr:#x} is not an allocation")
+        self._bases.remove(ptr)
+        self.used -= size
+        return size
+
+    def span(self, ptr: int, size: int) -> tuple[int, int]:
+        """``(base, offset)``: the allocation holding ``[ptr, ptr + size)`` and where
+        ``ptr`` is in it; CudaFault when those bytes are not inside one allocation."""
+        index = bisect.bisect_right(self._bases, ptr) - 1
+        if index >= 0 and size >= 0:
+            base = self._bases[index]
+            offset = ptr - base
+            if offset + size <= self._sizes[base]:
+                return base, offset
+        raise CudaFault(
+            "CUDA_ERROR_INVALID_VALUE",
+            f"{size} bytes at {ptr:#x} are not inside one allocation",
+        )
+
+    def clear(self) -> None:
+        self._bases.clear()
+        self._sizes.clear()
+        self.used = 0
 
 
 class Backend(Protocol):

@@ -17,8 +17,7 @@ import ctypes
 from collections.abc import Sequence
 from typing import Any
 
-from gpumesh.cuda.backend import CudaFault, DeviceInfo, LaunchArg, ctype_arg
-from gpumesh.units import format_size
+from gpumesh.cuda.backend import Allocations, CudaFault, DeviceInfo, LaunchArg, ctype_arg
 
 __all__ = ["DriverBackend", "DriverUnavailable", "load_driver"]
 
@@ -79,8 +78,7 @@ class DriverBackend:
             driver.cuDevicePrimaryCtxRetain(self._device), "cuDevicePrimaryCtxRetain"
         )
         self._check(driver.cuCtxSetCurrent(self._context), "cuCtxSetCurrent")
-        self._sizes: dict[int, int] = {}
-        self._used = 0
+        self._allocations = Allocations(memory_cap)
         self._modules: dict[int, Any] = {}
         self._functions: dict[tuple[int, str], Any] = {}
 
@@ -122,33 +120,27 @@ class DriverBackend:
     # --- memory -----------------------------------------------------------------------------
 
     def alloc(self, size: int) -> int:
-        if size <= 0:
-            raise CudaFault("CUDA_ERROR_INVALID_VALUE", "cannot allocate 0 bytes")
-        if self._used + size > self.memory_cap:
-            raise CudaFault(
-                "CUDA_ERROR_OUT_OF_MEMORY",
-                f"{format_size(size)} more would pass this session's cap of "
-                f"{format_size(self.memory_cap)} ({format_size(self._used)} allocated)",
-            )
+        self._allocations.check_new(size)
         (ptr,) = self._check(self._cu.cuMemAlloc(size), "cuMemAlloc")
-        address = int(ptr)
-        self._sizes[address] = size
-        self._used += size
-        return address
+        self._allocations.add(int(ptr), size)
+        return int(ptr)
 
     def free(self, ptr: int) -> None:
-        size = self._sizes.get(ptr)
-        if size is None:  # the driver would accept a pointer inside another session's memory
+        # The driver would accept a pointer inside another session's memory: only
+        # this session's allocations are passed on, and every range is checked
+        # against them before the driver or a host buffer sees it.
+        if ptr not in self._allocations:
             raise CudaFault("CUDA_ERROR_INVALID_VALUE", f"{ptr:#x} is not an allocation")
         self._check(self._cu.cuMemFree(ptr), "cuMemFree")
-        del self._sizes[ptr]
-        self._used -= size
+        self._allocations.remove(ptr)
 
     def memset(self, ptr: int, value: int, size: int) -> None:
+        self._allocations.span(ptr, size)
         self._check(self._cu.cuMemsetD8(ptr, value, size), "cuMemsetD8")
 
     def write(self, ptr: int, data: bytes | memoryview) -> None:
         size = len(data)
+        self._allocations.span(ptr, size)
         if isinstance(data, memoryview) and not data.readonly and size:
             # A view of the worker's read buffer: its own memory, no copy.
             address = ctypes.addressof((ctypes.c_char * size).from_buffer(data))
@@ -158,12 +150,15 @@ class DriverBackend:
         self._check(self._cu.cuMemcpyHtoD(ptr, address, size), "cuMemcpyHtoD")
 
     def read(self, ptr: int, size: int) -> bytearray:
+        self._allocations.span(ptr, size)  # before the host buffer: at most an allocation
         target = bytearray(size)
         address = ctypes.addressof((ctypes.c_char * size).from_buffer(target)) if size else 0
         self._check(self._cu.cuMemcpyDtoH(address, ptr, size), "cuMemcpyDtoH")
         return target
 
     def copy(self, dst: int, src: int, size: int) -> None:
+        self._allocations.span(src, size)
+        self._allocations.span(dst, size)
         self._check(self._cu.cuMemcpyDtoD(dst, src, size), "cuMemcpyDtoD")
 
     # --- kernels ----------------------------------------------------------------------------
@@ -210,12 +205,11 @@ class DriverBackend:
     def close(self) -> None:
         """Free the session's memory and modules, and let go of the context."""
         cu = self._cu
-        for ptr in list(self._sizes):
+        for ptr in self._allocations:
             cu.cuMemFree(ptr)
         for module in self._modules.values():
             cu.cuModuleUnload(module)
-        self._sizes.clear()
+        self._allocations.clear()
         self._modules.clear()
         self._functions.clear()
-        self._used = 0
         cu.cuDevicePrimaryCtxRelease(self._device)

@@ -2,7 +2,9 @@
 
 Device memory is host memory (bytearrays at made-up device addresses, within
 the session's cap); copies, memset and frees behave as on a device, with
-CUDA's error names. It cannot run PTX: a module is accepted only when every
+CUDA's error names. Beyond the session's memory a call holds at most a
+chunk's worth of host memory: copies are views, and the kernels run in
+chunks. It cannot run PTX: a module is accepted only when every
 entry in it is one of GPUMesh's own kernels (:mod:`gpumesh.cuda.kernels`),
 which run here by name, so the demo and the benchmark work everywhere; any
 other PTX is refused with a clear error.
@@ -11,14 +13,13 @@ other PTX is refused with a clear error.
 from __future__ import annotations
 
 import array
-import bisect
+import operator
 import re
 import sys
 from collections.abc import Sequence
 
-from gpumesh.cuda.backend import CudaFault, DeviceInfo, LaunchArg
+from gpumesh.cuda.backend import Allocations, CudaFault, DeviceInfo, LaunchArg
 from gpumesh.cuda.kernels import VADD_F32
-from gpumesh.units import format_size
 
 __all__ = ["DEVICE_NAME", "KERNELS", "FallbackBackend", "ptx_entries"]
 
@@ -28,6 +29,8 @@ KERNELS = frozenset({VADD_F32})
 _BASE = 0x7F00_0000_0000
 """Where made-up device addresses start (never 0, so a null pointer stays invalid)."""
 _ALIGN = 512
+_CHUNK = 256 * 1024
+"""Bytes a memset or a kernel works on at once (a multiple of 4: whole floats)."""
 _ENTRY = re.compile(rb"\.entry\s+([A-Za-z_$%][\w$]*)")
 
 
@@ -44,11 +47,9 @@ class FallbackBackend:
     def __init__(self, memory_cap: int, detail: str) -> None:
         self.detail = detail
         self.memory_cap = memory_cap
-        self._bases: list[int] = []
-        """Allocation addresses, sorted."""
+        self._allocations = Allocations(memory_cap)
         self._memory: dict[int, bytearray] = {}
         self._next = _BASE
-        self._used = 0
         self._modules: dict[int, frozenset[str]] = {}
 
     def device_count(self) -> int:
@@ -65,62 +66,44 @@ class FallbackBackend:
     # --- memory ---------------------------------------------------------------------------
 
     def alloc(self, size: int) -> int:
-        if size <= 0:
-            raise CudaFault("CUDA_ERROR_INVALID_VALUE", "cannot allocate 0 bytes")
-        if self._used + size > self.memory_cap:
-            raise CudaFault(
-                "CUDA_ERROR_OUT_OF_MEMORY",
-                f"{format_size(size)} more would pass this session's cap of "
-                f"{format_size(self.memory_cap)} ({format_size(self._used)} allocated)",
-            )
+        self._allocations.check_new(size)
         try:
             block = bytearray(size)
-        except MemoryError:
+        except MemoryError:  # the worker's own ceiling, or the machine's
             raise CudaFault("CUDA_ERROR_OUT_OF_MEMORY", "the provider is out of memory") from None
         ptr = self._next
         self._next += (size + _ALIGN - 1) // _ALIGN * _ALIGN + _ALIGN  # a gap: no overlap
-        bisect.insort(self._bases, ptr)
+        self._allocations.add(ptr, size)
         self._memory[ptr] = block
-        self._used += size
         return ptr
 
     def free(self, ptr: int) -> None:
-        block = self._memory.pop(ptr, None)
-        if block is None:
-            raise CudaFault("CUDA_ERROR_INVALID_VALUE", f"{ptr:#x} is not an allocation")
-        self._bases.remove(ptr)
-        self._used -= len(block)
+        self._allocations.remove(ptr)
+        del self._memory[ptr]
 
-    def _span(self, ptr: int, size: int) -> tuple[bytearray, int]:
-        """The allocation holding ``[ptr, ptr + size)`` and the offset of ``ptr`` in it."""
-        index = bisect.bisect_right(self._bases, ptr) - 1
-        if index >= 0:
-            base = self._bases[index]
-            block = self._memory[base]
-            offset = ptr - base
-            if offset + size <= len(block):
-                return block, offset
-        raise CudaFault(
-            "CUDA_ERROR_INVALID_VALUE",
-            f"{size} bytes at {ptr:#x} are not inside one allocation",
-        )
+    def _view(self, ptr: int, size: int) -> memoryview:
+        """The session's bytes ``[ptr, ptr + size)``, checked to lie in one allocation:
+        a view, never a copy, so no call holds more than the session's memory."""
+        base, offset = self._allocations.span(ptr, size)
+        return memoryview(self._memory[base])[offset : offset + size]
 
     def memset(self, ptr: int, value: int, size: int) -> None:
-        block, offset = self._span(ptr, size)
-        block[offset : offset + size] = bytes([value]) * size
+        target = self._view(ptr, size)
+        fill = bytes([value]) * min(size, _CHUNK)
+        for start in range(0, size, _CHUNK):
+            piece = target[start : start + _CHUNK]
+            piece[:] = fill[: len(piece)]
 
     def write(self, ptr: int, data: bytes | memoryview) -> None:
-        block, offset = self._span(ptr, len(data))
-        block[offset : offset + len(data)] = data
+        self._view(ptr, len(data))[:] = data
 
     def read(self, ptr: int, size: int) -> memoryview:
-        block, offset = self._span(ptr, size)
-        return memoryview(block)[offset : offset + size]  # sent before the next call
+        return self._view(ptr, size)  # sent before the next call
 
     def copy(self, dst: int, src: int, size: int) -> None:
-        source, at = self._span(src, size)
-        target, to = self._span(dst, size)
-        target[to : to + size] = source[at : at + size]
+        # memoryview assignment is memmove: overlapping copies within one allocation
+        # land as cuMemcpyDtoD's would.
+        self._view(dst, size)[:] = self._view(src, size)
 
     # --- kernels ----------------------------------------------------------------------------
 
@@ -172,27 +155,30 @@ class FallbackBackend:
         if not count:
             return
         size = count * 4
-        left = _floats(*self._span(a, size), count)
-        right = _floats(*self._span(b, size), count)
-        target, offset = self._span(c, size)
-        out = array.array("f", [x + y for x, y in zip(left, right, strict=True)])
-        if sys.byteorder != "little":
-            out.byteswap()
-        target[offset : offset + size] = out.tobytes()
+        left, right, out = self._view(a, size), self._view(b, size), self._view(c, size)
+        # In chunks of _CHUNK bytes: a whole session's worth of Python floats would
+        # take several times the session's memory.
+        for start in range(0, size, _CHUNK):
+            end = min(size, start + _CHUNK)
+            x, y = _floats(left[start:end]), _floats(right[start:end])
+            total = array.array("f", map(operator.add, x, y))
+            if sys.byteorder != "little":
+                total.byteswap()
+            out[start:end] = memoryview(total).cast("B")
 
     def synchronize(self) -> None:
         return None
 
     def close(self) -> None:
         self._memory.clear()
-        self._bases.clear()
+        self._allocations.clear()
         self._modules.clear()
-        self._used = 0
 
 
-def _floats(block: bytearray, offset: int, count: int) -> array.array[float]:
+def _floats(data: memoryview) -> array.array[float]:
+    """Little-endian f32 bytes as floats (one chunk's copy)."""
     values = array.array("f")
-    values.frombytes(bytes(block[offset : offset + count * 4]))
+    values.frombytes(data)
     if sys.byteorder != "little":
         values.byteswap()
     return values

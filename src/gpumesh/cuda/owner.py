@@ -1,5 +1,8 @@
 """What the owner sees of this node's CUDA remoting: the share, the allowlist, sessions.
 
+:func:`worker_user` is the line ``cuda share``, ``cuda doctor`` and ``doctor``
+print when the workers cannot run as ``job_user`` (the agent is not root).
+
 The agent writes its open CUDA sessions to ``cuda-sessions.json`` in the home
 (only the agent writes it, and it removes it when it stops); ``status`` and
 ``cuda doctor`` read it here, and trust it only while that agent runs.
@@ -7,12 +10,14 @@ The agent writes its open CUDA sessions to ``cuda-sessions.json`` in the home
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gpumesh.cuda.confine import worker_user_note
 from gpumesh.store.home import Home
 from gpumesh.store.modes import write_private
 
@@ -22,6 +27,7 @@ __all__ = [
     "clear_sessions",
     "open_sessions",
     "sessions_at",
+    "worker_user",
     "write_sessions",
 ]
 
@@ -39,6 +45,18 @@ class OwnerSession:
     pid: int
     id: str = ""
     """How the owner names it to end it."""
+
+
+def worker_user(home: Home) -> str | None:
+    """The one line saying CUDA workers run as the agent's own user, for the running
+    agent (or, when none runs, the one this user would start); None when it is root."""
+    agent = home.read_agent_info() if home.initialized else None
+    uid = os.geteuid()
+    if agent is not None:
+        # Not Linux, or it just ended: this user's.
+        with contextlib.suppress(OSError):
+            uid = os.stat(f"/proc/{agent.pid}").st_uid  # the process's effective uid
+    return worker_user_note(uid)
 
 
 def _path(home: Path) -> Path:

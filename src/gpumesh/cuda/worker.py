@@ -9,7 +9,9 @@ The first line on stderr is a JSON description of the backend, for the
 agent's ``status``; later lines are log lines.
 
 The worker never decides who may use CUDA or how much memory: the agent starts
-it for an allowed peer with the cap it reserved, and ends it on ``deny``.
+it for an allowed peer with the cap it reserved and the user to run as, and
+ends it on ``deny``. It confines itself to those (:mod:`gpumesh.cuda.confine`)
+before it reads the first call.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import sys
 from dataclasses import dataclass
 
 from gpumesh.cuda.backend import Backend, CudaFault
+from gpumesh.cuda.confine import Confinement, address_space_ceiling, confine, mapped_now
 from gpumesh.cuda.driver import DriverBackend, DriverUnavailable, load_driver
 from gpumesh.cuda.fallback import FallbackBackend
 from gpumesh.cuda.protocol import (
@@ -260,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gpumesh.cuda.worker")
     parser.add_argument("--memory-cap", type=int, required=True)
     parser.add_argument("--backend", choices=("auto", "driver", "fallback"), default="auto")
+    parser.add_argument("--uid", type=int, help="run as this uid (the agent is root)")
+    parser.add_argument("--gid", type=int, help="with --uid: this gid, no other groups")
     options = parser.parse_args(argv)
     try:
         backend = open_backend(options.memory_cap, options.backend)
@@ -267,14 +272,27 @@ def main(argv: list[str] | None = None) -> int:
     except CudaFault as fault:
         _write_all(1, [end_frame("cuda", f"{fault.name}: {fault.message}")])
         return 1
+    buffer = bytearray(_READ_SIZE)  # each read lands here; its pieces are used at once
+    view = memoryview(buffer)
+    gid = options.uid if options.gid is None else options.gid
+    ids = None if options.uid is None else (options.uid, gid)
+    # Confined once the device is open (its libraries loaded, as the agent's user)
+    # and before the first byte of a call is read.
+    ceiling = (
+        address_space_ceiling(mapped_now(), options.memory_cap) if backend.name == "fallback" else 0
+    )
+    try:
+        confine(Confinement(ids, ceiling))
+    except OSError as exc:
+        backend.close()
+        _write_all(1, [end_frame("cuda", f"the CUDA worker could not confine itself: {exc}")])
+        return 1
     sys.stderr.write(
         json.dumps({"backend": backend.name, "device": info.name, "detail": backend.detail}) + "\n"
     )
     sys.stderr.flush()
     server = CallServer(backend, options.memory_cap)
     _widen_pipes()
-    buffer = bytearray(_READ_SIZE)  # each read lands here; its pieces are used at once
-    view = memoryview(buffer)
     try:
         while count := os.readv(0, [buffer]):
             _write_all(1, server.feed(view[:count]))

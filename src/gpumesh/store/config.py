@@ -291,7 +291,8 @@ KEYS: dict[str, ConfigKey] = {
             "share_memory",
             _auto_or(_size_or_none),
             AUTO,
-            "memory all running jobs and shells may be promised together (none: no cap); "
+            "memory all running jobs, shells and CUDA sessions may be promised together "
+            "(none: no cap); "
             "auto: the machine's memory less the larger of 2GB and a quarter of it",
         ),
         ConfigKey(
