@@ -394,7 +394,7 @@ class RegistryStore:
             if hits > limit.allowed:
                 return Put(False, hits)
         tier = 0
-        if net is not None and isinstance(record, Listing):
+        if net is not None and (net.live or net.first) and isinstance(record, Listing):
             others, first = self._neighbours(conn, net.net, str(record.node_id), now)
             if net.live and others >= net.live:
                 return Put(False, hits, crowded=others)
