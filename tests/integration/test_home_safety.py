@@ -43,7 +43,8 @@ def test_a_home_another_user_pre_created_is_refused(
     home = shared_folder / "gpumesh"
     made = other_user.run("mkdir", "-m", "755", str(home))
     assert made.returncode == 0, made.stderr
-    for args in (("init", "--name", "victim"), ("peers",), ("status",)):
+    # init and an in-process command, and one that talks to the node process
+    for args in (("init", "--name", "victim"), ("peers",), ("jobs",)):
         _one_line_error(
             gpumesh(home, *args),
             CONFIG_EXIT,

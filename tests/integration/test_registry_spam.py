@@ -12,6 +12,7 @@ import http.client
 import json
 import subprocess
 import sys
+import time
 import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
@@ -48,7 +49,13 @@ def registry(db: str) -> Iterator[RunningRegistry]:
         yield running
 
 
-def post_from(url: str, source: str, identity: Identity, record: Record) -> tuple[int, str]:
+def post_from(
+    url: str,
+    source: str,
+    identity: Identity,
+    record: Record,
+    headers: dict[str, str] | None = None,
+) -> tuple[int, str]:
     """Publish ``record`` over a connection from ``source``; the status and the message."""
     parsed = urllib.parse.urlsplit(url)
     assert parsed.hostname is not None
@@ -57,7 +64,9 @@ def post_from(url: str, source: str, identity: Identity, record: Record) -> tupl
     )
     try:
         body = msgspec.json.encode(sign_record(identity, record))
-        conn.request("POST", "/v1/records", body, {"content-type": "application/json"})
+        conn.request(
+            "POST", "/v1/records", body, {"content-type": "application/json", **(headers or {})}
+        )
         response = conn.getresponse()
         reply: dict[str, Any] = json.loads(response.read())
     finally:
@@ -181,6 +190,38 @@ def test_no_page_holds_more_than_2_listings_of_one_network(registry: RunningRegi
         [f"net-a-{n}" for n in range(3)] + [f"net-b-{n}" for n in range(2)]
     )
     assert pages[0] == ["net-a-0", "net-a-1", "net-b-0"]
+
+
+def test_only_a_named_proxy_may_say_who_the_client_is(tmp_path: Path) -> None:
+    argv = [sys.executable, "-m", "gpumesh.registry.main", "--listen", "127.0.0.1:0"]
+    argv += ["--db", str(tmp_path / "r.db"), "--forwarded-allow-ips", "127.0.0.1"]
+    server = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout is not None
+        line = server.stdout.readline()
+        assert line.startswith("gpumesh-registry listening on "), line + server.stderr.read()
+        url = line.split(" on ", 1)[1].split(" (", 1)[0]
+
+        def publish(source: str, client: str) -> tuple[int, str]:
+            key = Identity.generate()
+            made = listing(key, SequenceClock(time.time), "n", 20)
+            return post_from(url, source, key, made, {"x-forwarded-for": client})
+
+        # Through the proxy, each client counts as itself: one network fills up...
+        for n in range(3):
+            assert publish("127.0.0.1", f"198.51.100.{n + 1}")[0] == 200
+        status, message = publish("127.0.0.1", "198.51.100.77")
+        assert status == 429 and "3 are listed from 198.51.100.0/24" in message
+        # ...and another does not.
+        assert publish("127.0.0.1", "192.0.2.1")[0] == 200
+        # Anyone else who sends the header still counts as its own address.
+        for n in range(3):
+            assert publish(f"127.0.2.{n + 1}", f"203.0.113.{n + 1}")[0] == 200
+        status, message = publish("127.0.2.9", "203.0.113.99")
+        assert status == 429 and "3 are listed from 127.0.2.0/24" in message
+    finally:
+        server.terminate()
+        server.communicate(timeout=30)
 
 
 def test_forwarded_allow_ips_any_is_refused_in_one_line(tmp_path: Path) -> None:
