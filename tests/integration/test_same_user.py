@@ -161,3 +161,39 @@ def test_a_root_cuda_bridge_refuses_another_users_connect_send_close(
         "the CUDA bridge serves only its own user's programs (this connection is of no "
         "provable owner); use --bind unix:PATH, a socket only you can open"
     ]
+
+
+def test_a_root_cuda_bridge_refuses_every_one_of_30_tries(
+    nodes: tuple[Node, Node], other_user: OtherUser, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The race the attack ran (21 sessions in 100): the bridge accepts while the other
+    user's connections come and go, so each is seen alive, closing or orphaned."""
+    alice, bob = nodes
+    caplog.set_level(logging.WARNING, logger="gpumesh.cuda.remote")
+    bridge = Bridge(bob, "alice-pc", "127.0.0.1:0")
+    tries = 30
+
+    def refused() -> int:
+        return sum("serves only its own" in r.getMessage() for r in caplog.records)
+
+    async def scenario() -> None:
+        async with sharing(alice):
+            pair_both(alice, bob)
+            where = await bridge.start()
+            try:
+                loop = f"for _ in range({tries}):\n" + "".join(
+                    "    " + line + "\n" for line in CONNECT_SEND_CLOSE.splitlines()[1:]
+                )
+                script = "import socket, sys\n" + loop
+                attacker = await asyncio.create_subprocess_exec(
+                    *other_user.argv(sys.executable, "-c", script, where.rsplit(":", 1)[1]),
+                    stderr=asyncio.subprocess.PIPE,
+                )
+                _, err = await asyncio.wait_for(attacker.communicate(), CEILING)
+                assert attacker.returncode == 0, err
+                await _wait_for(lambda: refused() + bridge.sessions == tries)
+            finally:
+                bridge.close()
+
+    arun(scenario())
+    assert (bridge.sessions, refused()) == (0, tries)
