@@ -394,6 +394,11 @@ def _bench(args: argparse.Namespace, db: str, pool: ProcessPoolExecutor) -> int:
             "0",
             "--search-per-ip",
             "0",
+            # every simulated node publishes from loopback, one network
+            "--listings-per-net",
+            "0",
+            "--page-per-net",
+            "0",
             "--log-level",
             "warning",
         ],

@@ -16,8 +16,8 @@ import pytest
 
 from gpumesh.cuda import RemoteDevice
 from gpumesh.cuda.ops import demo
-from gpumesh.cuda.remote import socket_owner
 from gpumesh.errors import AccessDeniedError
+from gpumesh.transport.sockowner import connection_owner, socket_owner
 from tests.integration.conftest import gpumesh
 from tests.integration.test_cli import _free_udp_port, _init, _one_line_error, _start_share
 from tests.integration.test_least_privilege import (
@@ -132,17 +132,9 @@ def test_the_bridge_refuses_other_addresses_and_knows_who_connects(tmp_path: Pat
         client = socket.create_connection(server.getsockname())
         accepted, _ = server.accept()
         with client, accepted:
-            owner = socket_owner(accepted.getsockname(), accepted.getpeername())
+            owner = connection_owner(accepted)
+            assert socket_owner(accepted.getpeername(), accepted.getsockname()) == owner
     assert owner == os.getuid()
-    proc = tmp_path / "net"
-    proc.mkdir()
-    # Another user's socket 127.0.0.1:40000 -> 127.0.0.1:17999, as the kernel lists it.
-    (proc / "tcp").write_text(
-        "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid\n"
-        "   0: 0100007F:9C40 0100007F:464F 01 00000000:00000000 00:00000000 00000000  1234 0 1\n"
-    )
-    assert socket_owner(("127.0.0.1", 17999), ("127.0.0.1", 40000), proc) == 1234
-    assert socket_owner(("127.0.0.1", 17999), ("127.0.0.1", 40001), proc) is None
 
 
 def test_an_agent_that_is_not_root_runs_workers_as_itself_and_says_so(
@@ -176,7 +168,7 @@ def test_an_agent_that_is_not_root_runs_workers_as_itself_and_says_so(
         ]
         assert user.run(alice, "cuda", "allow", "bob-laptop").returncode == 0
         assert f"Worker   {note}\n" in user.run(alice, "cuda", "doctor").stdout
-        checks = json.loads(gpumesh(alice, "doctor", "--json").stdout)
+        checks = json.loads(user.run(alice, "doctor", "--json").stdout)
         [worker] = [check for check in checks if check["name"] == "cuda worker"]
         assert (worker["status"], worker["detail"]) == ("ok", note)
 

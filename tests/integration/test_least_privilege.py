@@ -265,8 +265,11 @@ def test_share_runs_as_an_ordinary_user_in_the_docker_group(
         )
         assert (sandbox / "data.bin").stat().st_uid == user.uid
 
-        # doctor, asked about this home, sees an agent that is not root.
-        doctor = json.loads(run_cli(alice, "doctor", "--json").stdout)
+        # doctor, asked about this home by its user, sees an agent that is not root;
+        # root itself uses no home another user owns (whose links it would follow).
+        refused = run_cli(alice, "doctor", "--json")
+        assert refused.returncode == 2 and "belongs to another user" in refused.stderr
+        doctor = json.loads(user.run(alice, "doctor", "--json").stdout)
         checks = {check["name"]: check for check in doctor}
         agent_check = checks["agent user"]
         assert agent_check["status"] == "ok", agent_check

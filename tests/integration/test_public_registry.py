@@ -38,7 +38,9 @@ from gpumesh.registry.config import RegistryConfig
 from tests.integration.public_registry import RunningRegistry, empty_database, serve_registry
 
 GIB = 1 << 30
-OPEN = RegistryConfig(publish_per_key=0, publish_per_ip=0, search_per_ip=0)
+OPEN = RegistryConfig(
+    publish_per_key=0, publish_per_ip=0, search_per_ip=0, listings_per_net=0, page_per_net=0
+)
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

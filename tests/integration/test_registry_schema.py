@@ -54,7 +54,7 @@ def test_schema_1_is_upgraded_in_place(db: str) -> None:
             version = await store._read(
                 lambda conn: conn.execute(sa.select(schema_table.c.version)).scalar_one()
             )
-            assert version == SCHEMA_VERSION == 2
+            assert version == SCHEMA_VERSION == 3
             page = await store.search(SearchQuery(), now)
             assert listed_names(page.records) == {"alice-pc"}
         finally:

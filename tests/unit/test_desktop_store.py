@@ -87,8 +87,8 @@ TCP6 = """\
 def test_the_socket_table_names_the_connecting_user() -> None:
     assert parse_table(TCP, ("127.0.0.1", 40000), ("127.0.0.1", 15900)) == 1000
     assert parse_table(TCP, ("127.0.0.1", 40001), ("127.0.0.1", 15900)) is None
-    # The listener's own row is not the client's.
-    assert parse_table(TCP, ("127.0.0.1", 15900), ("0.0.0.0", 0)) == 0
+    # The listener's own row proves no connecting user.
+    assert parse_table(TCP, ("127.0.0.1", 15900), ("0.0.0.0", 0)) is None
     assert parse_table(TCP6, ("127.0.0.1", 40001), ("::ffff:127.0.0.1", 15900)) == 65534
     assert (
         parse_table("garbage\n 0: zz:zz yy:yy 01 a b c d e\n", ("1.2.3.4", 1), ("1.2.3.4", 2))

@@ -133,6 +133,15 @@ def test_garbage_is_refused_with_a_protocol_error(record: bytes, signature: byte
         ({"gpus": [GpuListing("g", 1, 2)]}, "impossible memory"),
         ({"gpus": [GpuListing("g", 1, 1)] * 17}, "at most 16 GPUs"),
         ({"addresses": ["not-an-address"]}, "host:port"),
+        # A spammer's listing that outranks every honest one by claiming 1 PiB per GPU.
+        (
+            {"gpus": [GpuListing("g", 1 << 50, 1 << 50)]},
+            "claims 1125899906842624 bytes of memory, over the 512 GiB a GPU may list",
+        ),
+        ({"gpus": [GpuListing("g", (512 << 30) + 1, 0)]}, "over the 512 GiB"),
+        ({"gpus": [GpuListing("g" * 65, 1, 1)]}, "GPU name is 65 characters, over the limit of 64"),
+        ({"contact": "c" * 257}, "contact is 257 characters, over the limit of 256"),
+        ({"name": "n" * 65}, "node name"),
     ],
 )
 def test_fields_out_of_bounds_are_refused_on_both_sides(
@@ -147,6 +156,15 @@ def test_fields_out_of_bounds_are_refused_on_both_sides(
 
     with pytest.raises(ProtocolError, match=message):
         open_record(SignedRecord(body, _IDENTITY.sign(DOMAIN + body)))
+
+
+def test_every_bound_itself_is_accepted() -> None:
+    widest = listing(
+        name="n" * 63,
+        contact="c" * 256,
+        gpus=[GpuListing("g" * 64, 512 << 30, 512 << 30)] * 16,
+    )
+    assert open_record(sign_record(_IDENTITY, widest)) == widest
 
 
 def test_oversized_record_is_refused_before_decoding() -> None:

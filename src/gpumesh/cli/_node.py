@@ -53,8 +53,10 @@ def node_home() -> Path:
     the in-process commands refuse it)."""
     from gpumesh.errors import NotInitializedError
     from gpumesh.settings import home_dir
+    from gpumesh.store.trust import check_home
 
     home = home_dir(click.get_current_context().find_root().obj)
+    check_home(home)  # another user's folder must not answer for this node
     if not (home / "identity.key").exists():
         raise NotInitializedError(
             f"no GPUMesh node in {home}: run `gpumesh init --name NAME` first "

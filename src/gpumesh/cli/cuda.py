@@ -176,14 +176,16 @@ def bench(peer: str, memory: str | None) -> None:
 @cuda.command(
     epilog="""\b
 Examples:
+  gpumesh cuda bridge --peer alice-pc --bind unix:~/.gpumesh/cuda.sock
   gpumesh cuda bridge --peer alice-pc --bind 127.0.0.1:17999
-  gpumesh cuda bridge --peer alice-pc --bind unix:/tmp/gpumesh-cuda.sock
 \b
 Programs on this machine connect and speak the CUDA call protocol (see
 docs/architecture.md, "CUDA remoting"); from Python:
-RemoteDevice.bridge("127.0.0.1:17999"). Each connection is one session on
-PEER, authenticated as this node. On TCP only your own user's processes are
-served (Linux checks each connection's owner); a unix socket is made 0600.
+RemoteDevice.bridge("unix:/home/me/.gpumesh/cuda.sock"). Each connection is
+one session on PEER, authenticated as this node. Prefer unix:PATH: the socket
+is made 0600, so only you can open it. On TCP (Linux only) a connection is
+served only when the kernel's socket table proves it is your own process's;
+any other is refused.
 """
 )
 @click.option("--peer", required=True, shell_complete=complete_peer, help="The provider.")

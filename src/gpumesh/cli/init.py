@@ -11,7 +11,7 @@ from gpumesh.cli._common import emit_json, get_node
     epilog="""\b
 Examples:
   gpumesh init --name alice-pc
-  GPUMESH_HOME=/tmp/b gpumesh init --name bob-laptop
+  GPUMESH_HOME=~/.gpumesh-bob gpumesh init --name bob-laptop   # a second node of yours
 """
 )
 @click.option(
@@ -23,7 +23,8 @@ def init(name: str | None, force: bool, as_json: bool) -> None:
     """Create this node's Ed25519 identity and config.
 
     Re-running init never silently replaces an identity: it refuses unless
-    --force is given.
+    --force is given. The home ($GPUMESH_HOME, default ~/.gpumesh) must be a
+    folder you own that nobody else may write in, or one GPUMesh makes.
     """
     node = get_node()
     replacing = force and node.home.initialized

@@ -34,7 +34,7 @@ DIRECT = "gpumesh init, doctor, share, pair-code, pair, run"
     epilog="""\b
 Examples:
   gpumesh start                       # arrows and Enter, or type a number; q leaves
-  GPUMESH_HOME=/tmp/b gpumesh start   # the menu for another home
+  GPUMESH_HOME=~/.gpumesh-bob gpumesh start   # the menu for another home of yours
 \b
 Without a terminal it exits 2 and names the commands to use instead.
 """,

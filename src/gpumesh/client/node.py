@@ -38,6 +38,7 @@ from gpumesh.protocol.states import FINAL_STATES, JobRole
 from gpumesh.settings import ENV_NODE_NAME, env
 from gpumesh.store.db import Peer
 from gpumesh.store.home import AgentInfo, Home
+from gpumesh.store.trust import check_home
 
 if TYPE_CHECKING:
     from gpumesh.client.pool import SessionPool
@@ -173,6 +174,7 @@ class Node:
                 "(peers will have to pair again)"
             )
         self.home.path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        check_home(self.home.path)  # made just now by someone else, it is refused
         self.home.logs_dir.mkdir(exist_ok=True, mode=0o700)
         Identity.generate().save(self.home.key_path)
         self.home.__dict__.pop("identity", None)

@@ -10,7 +10,9 @@ program as the protocol's ``END`` frame, one line with an error code.
 
 The bridge (:class:`Bridge`) listens on loopback TCP or a unix socket. On
 Linux a TCP connection is accepted only from a process of this user (its
-socket's owner, looked up in ``/proc/net/tcp``); a unix socket is made 0600.
+socket's owner, looked up in ``/proc/net/tcp`` by
+:mod:`gpumesh.transport.sockowner`, which refuses what it cannot prove); a unix
+socket is made 0600, and is the way to prefer.
 Where neither check is possible the bridge refuses to start on TCP.
 """
 
@@ -38,13 +40,14 @@ from gpumesh.errors import (
 )
 from gpumesh.protocol.framing import FrameKind
 from gpumesh.protocol.messages import CudaOpen, CudaOpened, Refusal, decode_message
+from gpumesh.transport.sockowner import connection_owner, owner_check_available
 
 if TYPE_CHECKING:
     from gpumesh.client.node import Node
     from gpumesh.transport.session import Session
     from gpumesh.transport.stream import Stream
 
-__all__ = ["DEFAULT_MEMORY", "Bridge", "carry", "carry_socket", "parse_bind", "socket_owner"]
+__all__ = ["DEFAULT_MEMORY", "Bridge", "carry", "carry_socket", "parse_bind"]
 
 logger = logging.getLogger(__name__)
 
@@ -220,51 +223,6 @@ def parse_bind(text: str) -> tuple[str, int] | Path:
     return host, port
 
 
-def _hex_address(text: str) -> tuple[str, int]:
-    """An address of /proc/net/tcp{,6} (``0100007F:4E1F``) as (ip, port)."""
-    host_hex, port_hex = text.split(":")
-    raw = bytes.fromhex(host_hex)
-    # Each 32-bit word is in the kernel's byte order (little-endian here).
-    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
-    return str(ipaddress.ip_address(words)), int(port_hex, 16)
-
-
-def _same(a: tuple[str, int], b: tuple[str, int]) -> bool:
-    left, right = ipaddress.ip_address(a[0]), ipaddress.ip_address(b[0])
-    if isinstance(left, ipaddress.IPv6Address) and left.ipv4_mapped:
-        left = left.ipv4_mapped
-    if isinstance(right, ipaddress.IPv6Address) and right.ipv4_mapped:
-        right = right.ipv4_mapped
-    return left == right and a[1] == b[1]
-
-
-def socket_owner(
-    local: tuple[str, int], remote: tuple[str, int], proc: Path = Path("/proc/net")
-) -> int | None:
-    """The uid owning the TCP socket at ``remote`` connected to ``local`` (the other end
-    of an accepted connection), from /proc/net/tcp; None when it cannot be told."""
-    for name in ("tcp", "tcp6"):
-        try:
-            lines = (proc / name).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            if len(fields) < 8:
-                continue
-            try:
-                here, there = _hex_address(fields[1]), _hex_address(fields[2])
-            except ValueError:
-                continue
-            if _same(here, remote) and _same(there, local):
-                return int(fields[7])
-    return None
-
-
-def _can_tell_tcp_owner() -> bool:
-    return os.path.exists("/proc/net/tcp")
-
-
 class Bridge:
     """``gpumesh cuda bridge``: local programs' CUDA sessions on ``peer``."""
 
@@ -293,7 +251,7 @@ class Bridge:
                 finally:
                     os.umask(old)
                 return f"unix:{where}"
-            if not _can_tell_tcp_owner():
+            if not owner_check_available():
                 raise ConfigError(
                     "this system cannot tell which user connects over TCP: use "
                     "--bind unix:PATH (only you can open it)"
@@ -324,14 +282,17 @@ class Bridge:
 
     def _check_user(self, writer: asyncio.StreamWriter) -> None:
         sock = writer.get_extra_info("socket")
-        if sock is None or sock.family == socket.AF_UNIX:
+        if sock is not None and sock.family == socket.AF_UNIX:
             return  # the socket file is 0600: only this user opens it
-        local, remote = sock.getsockname()[:2], sock.getpeername()[:2]
-        owner = socket_owner(local, remote)
+        try:
+            owner = None if sock is None else connection_owner(sock)
+        except OSError:  # the other end is already gone
+            owner = None
         if owner != os.getuid():
+            who = f"uid {owner}'s" if owner is not None else "of no provable owner"
             raise AccessDeniedError(
-                "the CUDA bridge serves only its own user's programs "
-                f"(this connection is {'of uid ' + str(owner) if owner is not None else 'unknown'})"
+                f"the CUDA bridge serves only its own user's programs (this connection is "
+                f"{who}); use --bind unix:PATH, a socket only you can open"
             )
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -8,6 +8,7 @@ address a peer by any unambiguous prefix of it.
 from __future__ import annotations
 
 import base64
+import errno
 import hashlib
 import os
 import re
@@ -137,7 +138,12 @@ class Identity:
         """Write the key with mode 0600 from the first byte (never world-readable)."""
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | platform.BINARY, 0o600)
+        # Never through a link planted as the temporary file: it would get the key.
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | platform.BINARY | _NOFOLLOW
+        try:
+            fd = os.open(tmp, flags, 0o600)
+        except OSError as exc:
+            raise _open_error(tmp, exc) from None
         try:
             os.write(fd, self.private_pem())
             os.fsync(fd)
@@ -149,13 +155,13 @@ class Identity:
     @classmethod
     def load(cls, path: Path) -> Identity:
         try:
-            data = path.read_bytes()
+            fd = os.open(path, os.O_RDONLY | platform.BINARY | _NOFOLLOW)
         except FileNotFoundError:
             raise IdentityError(f"no identity key at {path}: run `gpumesh init` first") from None
         except OSError as exc:
-            raise IdentityError(
-                f"cannot read the identity key at {path}: {exc.strerror or exc}"
-            ) from None
+            raise _open_error(path, exc) from None
+        with open(fd, "rb") as found:
+            data = found.read()
         try:
             key = serialization.load_pem_private_key(data, password=None)
         except (ValueError, TypeError) as exc:  # TypeError: the key is password-protected
@@ -166,3 +172,17 @@ class Identity:
         if not isinstance(key, Ed25519PrivateKey):
             raise IdentityError(f"the key at {path} is not an Ed25519 key")
         return cls(key)
+
+
+_NOFOLLOW = platform.open_flag("O_NOFOLLOW")
+"""A key is never read or written through a link: one planted in the home could hand
+the node someone else's key, or the key to someone else's file."""
+
+
+def _open_error(path: Path, exc: OSError) -> IdentityError:
+    if exc.errno == errno.ELOOP:
+        return IdentityError(
+            f"{path} is a link: GPUMesh opens no links in its home; remove it "
+            f"(`rm {path}`) and restore the key from a backup, or run `gpumesh init --force`"
+        )
+    return IdentityError(f"cannot open the identity key at {path}: {exc.strerror or exc}")

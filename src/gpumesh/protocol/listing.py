@@ -65,10 +65,13 @@ MAX_GPUS: Final = 16
 MAX_ADDRESSES: Final = 16
 MAX_ADDRESS_CHARS: Final = 255
 MAX_REGION_CHARS: Final = 64
-MAX_CONTACT_CHARS: Final = 200
-MAX_GPU_NAME_CHARS: Final = 96
+MAX_CONTACT_CHARS: Final = 256
+MAX_GPU_NAME_CHARS: Final = 64
+"""Driver model names are about 40 (``NVIDIA RTX 6000 Ada Generation``)."""
 MAX_VERSION_CHARS: Final = 32
-MAX_MEMORY: Final = 1 << 50
+MAX_MEMORY: Final = 512 << 30
+"""Bytes one GPU may claim: above every GPU made (288 GB), far below what would let a
+listing outrank every honest one by claiming absurd memory."""
 MAX_SEQ: Final = (1 << 63) - 1
 """Fits a signed 64-bit column (PostgreSQL's bigint)."""
 MAX_AGE: Final = 600.0
@@ -242,10 +245,17 @@ def _check_listing(listing: Listing) -> None:
     _text(listing.contact, "contact", MAX_CONTACT_CHARS)
     _text(listing.version, "version", MAX_VERSION_CHARS)
     if len(listing.gpus) > MAX_GPUS:
-        raise ProtocolError(f"a listing names at most {MAX_GPUS} GPUs")
+        raise ProtocolError(
+            f"a listing names at most {MAX_GPUS} GPUs; this one names {len(listing.gpus)}"
+        )
     for gpu in listing.gpus:
         _text(gpu.name, "GPU name", MAX_GPU_NAME_CHARS)
-        if not 0 <= gpu.memory_free <= gpu.memory_total <= MAX_MEMORY:
+        if gpu.memory_total > MAX_MEMORY:
+            raise ProtocolError(
+                f"the listing's GPU {gpu.name[:40]!r} claims {gpu.memory_total} bytes of "
+                f"memory, over the {MAX_MEMORY >> 30} GiB a GPU may list"
+            )
+        if not 0 <= gpu.memory_free <= gpu.memory_total:
             raise ProtocolError(
                 f"the listing's GPU {gpu.name[:40]!r} has impossible memory figures"
             )
@@ -265,6 +275,8 @@ def _check_addresses(addresses: list[str]) -> None:
 
 def _text(text: str, what: str, limit: int) -> None:
     if len(text) > limit:
-        raise ProtocolError(f"the record's {what} is over {limit} characters")
+        raise ProtocolError(
+            f"the record's {what} is {len(text)} characters, over the limit of {limit}"
+        )
     if not text.isprintable():
         raise ProtocolError(f"the record's {what} contains control characters")

@@ -10,7 +10,8 @@ Routes (JSON; every refusal is ``{"error": {"code", "message"}}`` with a status)
 Order of checks on a publish, cheapest first and so that nobody can spend
 another node's budget: body size, the source address's rate, the signature
 and fields, freshness by timestamp, then the key's rate (only a verified key
-is counted), then the sequence number (in the store's one upsert). The key's
+is counted), then the cap on live listings of the publisher's network and the
+sequence number (in the store's one upsert). The key's count, the network's
 count and the upsert are one write; the store commits the writes of
 concurrent requests together (one transaction per batch), and a request is
 answered only after the commit that holds its write.
@@ -33,8 +34,8 @@ from starlette.routing import Route
 
 from gpumesh.errors import ConfigError, ProtocolError
 from gpumesh.protocol.listing import SignedRecord, check_fresh, open_record, record_kind
-from gpumesh.registry.config import RegistryConfig
-from gpumesh.registry.store import RateLimit, RegistryStore, SearchQuery
+from gpumesh.registry.config import RegistryConfig, rate_source, source_network
+from gpumesh.registry.store import NetCap, RateLimit, RegistryStore, SearchQuery
 from gpumesh.units import parse_size
 from gpumesh.version import __version__
 
@@ -98,7 +99,9 @@ def create_app(
                     413, "too_large", f"a record is at most {config.max_body} bytes of JSON"
                 )
         source = request.client.host if request.client else "unknown"
-        await limit(f"pub-ip:{source}", config.publish_per_ip, "records from one address")
+        await limit(
+            f"pub-ip:{rate_source(source)}", config.publish_per_ip, "records from one address"
+        )
         try:
             signed = msgspec.json.decode(bytes(body), type=SignedRecord)
         except msgspec.DecodeError as exc:
@@ -118,9 +121,20 @@ def create_app(
         key_limit = (
             RateLimit(f"pub-key:{node_id}", int(now // RATE_WINDOW), per_key) if per_key else None
         )
-        put = await store.put(record, signed, now, config.ttl, key_limit)
+        net = source_network(source)
+        cap = NetCap(net, config.listings_per_net, config.page_per_net)
+        put = await store.put(record, signed, now, config.ttl, key_limit, cap)
         if key_limit is not None and put.hits > per_key:
             raise over(per_key, "records from one node", now)
+        if put.crowded:
+            raise _Refused(
+                429,
+                "network_full",
+                f"at most {config.listings_per_net} live listings may come from one network, "
+                f"and {put.crowded} are listed from {net}; withdraw one of them, or wait "
+                f"until one expires (a listing lasts {config.ttl:.0f}s without a refresh)",
+                int(config.ttl),
+            )
         if not put.stored:
             raise _Refused(
                 409,
@@ -134,7 +148,9 @@ def create_app(
 
     async def search(request: Request) -> Response:
         source = request.client.host if request.client else "unknown"
-        await limit(f"search-ip:{source}", config.search_per_ip, "searches from one address")
+        await limit(
+            f"search-ip:{rate_source(source)}", config.search_per_ip, "searches from one address"
+        )
         params = request.query_params
         try:
             vram = parse_size(params["vram"]) if params.get("vram") else 0
@@ -154,14 +170,16 @@ def create_app(
             cursor=params.get("cursor", "")[:200],
         )
         try:
-            page = await store.search(query, clock())
+            page = await store.search(query, clock(), config.page_per_net)
         except ValueError as exc:
             raise _Refused(400, "bad_query", str(exc)) from None
         return _json({"listings": page.records, "next": page.next})
 
     async def addresses(request: Request) -> Response:
         source = request.client.host if request.client else "unknown"
-        await limit(f"search-ip:{source}", config.search_per_ip, "searches from one address")
+        await limit(
+            f"search-ip:{rate_source(source)}", config.search_per_ip, "searches from one address"
+        )
         node_id = request.path_params["node_id"][:26]
         found = await store.addresses(node_id, clock())
         if found is None:

@@ -18,7 +18,13 @@ import click
 
 from gpumesh.errors import ConfigError
 from gpumesh.protocol.addresses import format_address
-from gpumesh.registry.config import DEFAULT_DB, DEFAULT_LISTEN, RegistryConfig, database_url
+from gpumesh.registry.config import (
+    DEFAULT_DB,
+    DEFAULT_LISTEN,
+    RegistryConfig,
+    database_url,
+    trusted_proxies,
+)
 from gpumesh.servermain import print_error, run_command, stderr_logging
 from gpumesh.version import __version__
 
@@ -73,9 +79,9 @@ A listing grants nothing: users still pair before they run. See docs/registry.md
 @click.option(
     "--publish-per-ip",
     type=int,
-    default=120,
+    default=30,
     show_default=True,
-    help="Records per minute from one source address (0: no limit).",
+    help="Records per minute from one source address, or IPv6 /64 (0: no limit).",
 )
 @click.option(
     "--search-per-ip",
@@ -85,10 +91,25 @@ A listing grants nothing: users still pair before they run. See docs/registry.md
     help="Searches per minute from one source address (0: no limit).",
 )
 @click.option(
+    "--listings-per-net",
+    type=int,
+    default=3,
+    show_default=True,
+    help="Live listings from one /24 (IPv4) or /64 (IPv6) (0: no cap).",
+)
+@click.option(
+    "--page-per-net",
+    type=int,
+    default=2,
+    show_default=True,
+    help="Listings of one such network on a page of results (0: no cap).",
+)
+@click.option(
     "--forwarded-allow-ips",
     metavar="IPS",
     default="",
-    help="Proxies whose X-Forwarded-For names the client (comma-separated; '*' for any).",
+    help="Addresses or networks of the reverse proxies whose X-Forwarded-For names the "
+    "client (comma-separated; '*' is refused: clients could choose their address).",
 )
 @click.option(
     "--log-level",
@@ -118,7 +139,10 @@ def registry(**options: Any) -> None:
         publish_per_key=options["publish_per_key"],
         publish_per_ip=options["publish_per_ip"],
         search_per_ip=options["search_per_ip"],
+        listings_per_net=options["listings_per_net"],
+        page_per_net=options["page_per_net"],
     ).check()
+    forwarded = trusted_proxies(options["forwarded_allow_ips"])
     url = database_url(config.db)
     stderr_logging(options["log_level"])
     try:
@@ -128,7 +152,7 @@ def registry(**options: Any) -> None:
             "gpumesh-registry needs its database drivers: pip install 'gpumesh[registry]'"
         ) from None
     sock = _bind(host, port)
-    sys.exit(_serve(config, url, sock, options["forwarded_allow_ips"], options["log_level"]))
+    sys.exit(_serve(config, url, sock, forwarded, options["log_level"]))
 
 
 def _parse_listen(text: str) -> tuple[str, int]:

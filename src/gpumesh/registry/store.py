@@ -11,6 +11,14 @@ A withdrawn or expired listing keeps its row (with its sequence number) until
 it is older than any record the registry would still accept as fresh, so a
 replay of an earlier listing is refused by one check or the other.
 
+One network cannot fill the results: a listing is stored only while fewer than
+``listings_per_net`` live listings of other nodes came from its publisher's
+/24 (IPv4) or /64 (IPv6), counted in the transaction that stores it (on
+PostgreSQL under an advisory lock per network, so that processes agree). The
+first ``page_per_net`` of a network's listings are stored in tier 0 and the
+rest in tier 1, which sorts after every tier-0 listing; a page of results also
+ends before it would hold more than ``page_per_net`` of one network.
+
 Schema versions are applied at start by the registry itself (the table
 ``registry_schema``), as ``store/db.py`` does for a node: three tables do not
 need Alembic's environment, and a console script has no ``alembic.ini`` to
@@ -23,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar
@@ -41,11 +50,19 @@ from gpumesh.protocol.listing import (
     SignedRecord,
 )
 
-__all__ = ["SCHEMA_VERSION", "Page", "Put", "RateLimit", "RegistryStore", "SearchQuery"]
+__all__ = [
+    "SCHEMA_VERSION",
+    "NetCap",
+    "Page",
+    "Put",
+    "RateLimit",
+    "RegistryStore",
+    "SearchQuery",
+]
 
 T = TypeVar("T")
 
-SCHEMA_VERSION: Final = 2
+SCHEMA_VERSION: Final = 3
 MAX_BATCH: Final = 500
 """Most writes committed in one transaction."""
 _MIGRATION_LOCK: Final = 0x67706D72  # "gpmr": the advisory lock id on PostgreSQL
@@ -71,10 +88,16 @@ listings = sa.Table(
     sa.Column("best_free", sa.BigInteger, nullable=False),
     sa.Column("record", sa.LargeBinary, nullable=False),
     sa.Column("signature", sa.LargeBinary, nullable=False),
-    # the search's sort, newest schema: best_free descending, node_id ascending
+    # schema 3: the publisher's /24 or /64 ("" for rows loaded in bulk) and the
+    # listing's tier in it (0: among the network's first page_per_net)
+    sa.Column("source_net", sa.String(64), nullable=False, server_default=""),
+    sa.Column("tier", sa.SmallInteger, nullable=False, server_default="0"),
+    # the search's sort: tier, then best_free descending, node_id ascending
     # (version 1's "listings_order" ran both ascending, which PostgreSQL cannot
-    # walk for this mixed order without sorting every row of one best_free)
-    sa.Index("listings_by_free", sa.desc("best_free"), "node_id"),
+    # walk for this mixed order without sorting every row of one best_free;
+    # version 2's had no tier)
+    sa.Index("listings_by_free", "tier", sa.desc("best_free"), "node_id"),
+    sa.Index("listings_by_net", "source_net"),
     sa.Index("listings_expiry", "expires_at"),
 )
 
@@ -140,12 +163,27 @@ class RateLimit:
 
 
 @dataclass(frozen=True)
+class NetCap:
+    """The publisher's network of a listing, and what it may hold."""
+
+    net: str
+    """Its /24 or /64 (:func:`gpumesh.registry.config.source_network`)."""
+    live: int
+    """Live listings of other nodes from ``net`` above which this one is refused (0: no cap)."""
+    first: int
+    """Listings of ``net`` in tier 0; the rest sort after every tier-0 one (0: all tier 0)."""
+
+
+@dataclass(frozen=True)
 class Put:
     stored: bool
-    """False: over the rate limit (``hits`` above what it allows), or a record with
-    this sequence number or a higher one is stored (stale)."""
+    """False: over the rate limit (``hits`` above what it allows), the network's cap
+    (``crowded``), or a record with this sequence number or a higher one is stored
+    (stale)."""
     hits: int
     """The rate limit's count in its window, this hit included (0 without one)."""
+    crowded: int = 0
+    """Refused by the network's cap: the live listings of other nodes from it (else 0)."""
 
 
 @dataclass(frozen=True)
@@ -155,15 +193,19 @@ class Page:
     """The cursor of the next page, empty on the last one."""
 
 
-def _cursor(best_free: int, node_id: str) -> str:
-    return base64.urlsafe_b64encode(f"{best_free}:{node_id}".encode()).decode().rstrip("=")
+def _cursor(tier: int, best_free: int, node_id: str) -> str:
+    text = f"{tier}:{best_free}:{node_id}"
+    return base64.urlsafe_b64encode(text.encode()).decode().rstrip("=")
 
 
-def _parse_cursor(text: str) -> tuple[int, str]:
+def _parse_cursor(text: str) -> tuple[int, int, str]:
     try:
         raw = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)).decode()
-        free, _, node_id = raw.partition(":")
-        return int(free), node_id
+        parts = raw.split(":")
+        if len(parts) == 2:  # given out before schema 3: tier 0
+            parts.insert(0, "0")
+        tier, free, node_id = parts
+        return int(tier), int(free), node_id
     except (ValueError, UnicodeDecodeError):
         raise ValueError("the cursor is not one this registry gave out") from None
 
@@ -278,10 +320,24 @@ class RegistryStore:
                 f"the database has registry schema {version}, newer than this "
                 f"gpumesh-registry ({SCHEMA_VERSION}); upgrade gpumesh"
             )
-        elif version < 2:  # 1 -> 2: the sort's index in the sort's own order
-            conn.execute(sa.text("DROP INDEX IF EXISTS listings_order"))
+        elif version < SCHEMA_VERSION:
+            if version < 2:  # 1 -> 2: the sort's index in the sort's own order
+                conn.execute(sa.text("DROP INDEX IF EXISTS listings_order"))
+            # 2 -> 3: the publisher's network and the tier, first in the sort's index
+            columns = {c["name"] for c in sa.inspect(conn).get_columns("listings")}
+            if "source_net" not in columns:
+                conn.execute(
+                    sa.text(
+                        "ALTER TABLE listings ADD COLUMN source_net VARCHAR(64) NOT NULL DEFAULT ''"
+                    )
+                )
+            if "tier" not in columns:
+                conn.execute(
+                    sa.text("ALTER TABLE listings ADD COLUMN tier SMALLINT NOT NULL DEFAULT 0")
+                )
+            conn.execute(sa.text("DROP INDEX IF EXISTS listings_by_free"))
             for index in listings.indexes:
-                if index.name == "listings_by_free":
+                if index.name in ("listings_by_free", "listings_by_net"):
                     index.create(conn, checkfirst=True)
             conn.execute(sa.update(schema_table).values(version=SCHEMA_VERSION))
 
@@ -312,13 +368,15 @@ class RegistryStore:
         now: float,
         ttl: float,
         limit: RateLimit | None = None,
+        net: NetCap | None = None,
     ) -> Put:
         """Store ``record`` if its seq is above the stored one.
 
         With ``limit``, first count one hit in its bucket, in the same
-        transaction, and store nothing when that is over what it allows.
+        transaction, and store nothing when that is over what it allows. With
+        ``net``, a listing is stored only within its network's cap, in its tier.
         """
-        return await self._write(self._limited_put, record, signed, now, ttl, limit)
+        return await self._write(self._limited_put, record, signed, now, ttl, limit, net)
 
     def _limited_put(
         self,
@@ -328,16 +386,50 @@ class RegistryStore:
         now: float,
         ttl: float,
         limit: RateLimit | None,
+        net: NetCap | None,
     ) -> Put:
         hits = 0
         if limit is not None:
             hits = self._count_hit(conn, limit.bucket, limit.window)
             if hits > limit.allowed:
                 return Put(False, hits)
-        return Put(self._put(conn, record, signed, now, ttl), hits)
+        tier = 0
+        if net is not None and (net.live or net.first) and isinstance(record, Listing):
+            others, first = self._neighbours(conn, net.net, str(record.node_id), now)
+            if net.live and others >= net.live:
+                return Put(False, hits, crowded=others)
+            tier = 1 if net.first and first >= net.first else 0
+        return Put(self._put(conn, record, signed, now, ttl, net.net if net else "", tier), hits)
+
+    def _neighbours(
+        self, conn: sa.Connection, net: str, node_id: str, now: float
+    ) -> tuple[int, int]:
+        """Live listings of other nodes from ``net``: all of them, and those in tier 0."""
+        if self.dialect == "postgresql":  # one publisher of a network at a time
+            key = int.from_bytes(hashlib.sha256(net.encode()).digest()[:8], "big", signed=True)
+            conn.execute(sa.select(sa.func.pg_advisory_xact_lock(key)))
+        row = conn.execute(
+            sa.select(
+                sa.func.count(),
+                sa.func.coalesce(sa.func.sum(sa.case((listings.c.tier == 0, 1), else_=0)), 0),
+            ).where(
+                listings.c.source_net == net,
+                listings.c.node_id != node_id,
+                listings.c.expires_at > now,
+                listings.c.withdrawn.is_(False),
+            )
+        ).one()
+        return int(row[0]), int(row[1])
 
     def _put(
-        self, conn: sa.Connection, record: Record, signed: SignedRecord, now: float, ttl: float
+        self,
+        conn: sa.Connection,
+        record: Record,
+        signed: SignedRecord,
+        now: float,
+        ttl: float,
+        net: str = "",
+        tier: int = 0,
     ) -> bool:
         node_id = str(record.node_id)
         if isinstance(record, AddressRecord):
@@ -353,7 +445,7 @@ class RegistryStore:
                 },
             )
         if isinstance(record, Listing):
-            row = _listing_row(record, signed, now, ttl, node_id)
+            row = _listing_row(record, signed, now, ttl, node_id, net, tier)
         else:  # a withdrawal: the row stays, as a tombstone with its seq
             row = {
                 "node_id": node_id,
@@ -366,6 +458,8 @@ class RegistryStore:
                 "best_free": 0,
                 "record": signed.record,
                 "signature": signed.signature,
+                "source_net": "",
+                "tier": 0,
             }
         if not self._upsert(conn, listings, row):
             return False
@@ -382,13 +476,21 @@ class RegistryStore:
     def _upsert(self, conn: sa.Connection, table: sa.Table, row: dict[str, Any]) -> bool:
         return conn.execute(self._statements.upsert[table.name], row).first() is not None
 
-    async def search(self, query: SearchQuery, now: float) -> Page:
+    async def search(self, query: SearchQuery, now: float, per_net: int = 0) -> Page:
+        """One page of ``query``; with ``per_net``, a page ends before it would hold
+        more than that many listings of one network (the next page starts there)."""
         rows = await self._read(_all_rows, search_statement(query, now))
-        page = rows[: query.limit]
+        page: list[Any] = []
+        seen: dict[str, int] = {}
+        for row in rows[: query.limit]:
+            if per_net and row.source_net and seen.get(row.source_net, 0) >= per_net:
+                break
+            seen[row.source_net] = seen.get(row.source_net, 0) + 1
+            page.append(row)
         following = ""
-        if len(rows) > query.limit:
+        if len(page) < len(rows):
             last = page[-1]
-            following = _cursor(last.best_free, last.node_id)
+            following = _cursor(last.tier, last.best_free, last.node_id)
         return Page([SignedRecord(bytes(r.record), bytes(r.signature)) for r in page], following)
 
     async def bulk_insert(
@@ -547,25 +649,45 @@ def search_statement(query: SearchQuery, now: float) -> sa.Select[Any]:
             gpu_conditions.append(column >= query.vram)
         conditions.append(sa.exists().where(*gpu_conditions))
     if query.cursor:
-        free, node_id = _parse_cursor(query.cursor)
-        conditions.append(listings.c.best_free <= free)  # where the index scan starts
+        tier, free, node_id = _parse_cursor(query.cursor)
+        conditions.append(listings.c.tier >= tier)  # where the index scan starts
         conditions.append(
             sa.or_(
-                listings.c.best_free < free,
-                sa.and_(listings.c.best_free == free, listings.c.node_id > node_id),
+                listings.c.tier > tier,
+                sa.and_(
+                    listings.c.tier == tier,
+                    sa.or_(
+                        listings.c.best_free < free,
+                        sa.and_(listings.c.best_free == free, listings.c.node_id > node_id),
+                    ),
+                ),
             )
         )
+    columns = listings.c
     stmt = (
-        sa.select(listings.c.record, listings.c.signature, listings.c.best_free, listings.c.node_id)
+        sa.select(
+            columns.record,
+            columns.signature,
+            columns.tier,
+            columns.best_free,
+            columns.node_id,
+            columns.source_net,
+        )
         .where(*conditions)
-        .order_by(listings.c.best_free.desc(), listings.c.node_id)
+        .order_by(columns.tier, columns.best_free.desc(), columns.node_id)
         .limit(query.limit + 1)
     )
     return stmt
 
 
 def _listing_row(
-    record: Listing, signed: SignedRecord, now: float, ttl: float, node_id: str = ""
+    record: Listing,
+    signed: SignedRecord,
+    now: float,
+    ttl: float,
+    node_id: str = "",
+    net: str = "",
+    tier: int = 0,
 ) -> dict[str, Any]:
     return {
         "node_id": node_id or str(record.node_id),
@@ -578,6 +700,8 @@ def _listing_row(
         "best_free": max((g.memory_free for g in record.gpus), default=0),
         "record": signed.record,
         "signature": signed.signature,
+        "source_net": net,
+        "tier": tier,
     }
 
 

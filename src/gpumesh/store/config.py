@@ -20,7 +20,7 @@ from gpumesh import settings
 from gpumesh.errors import ConfigError, IdentityError
 from gpumesh.identity.keys import check_node_name
 from gpumesh.protocol.flow import DEFAULT_WINDOW
-from gpumesh.store.modes import write_private
+from gpumesh.store.modes import read_private, write_private
 from gpumesh.units import parse_size
 
 __all__ = [
@@ -402,10 +402,10 @@ class Config:
     @classmethod
     def load(cls, path: Path) -> Config:
         try:
-            raw = tomllib.loads(path.read_text())
+            raw = tomllib.loads(read_private(path).decode())
         except FileNotFoundError:
             raw = {}
-        except (tomllib.TOMLDecodeError, OSError) as exc:
+        except (tomllib.TOMLDecodeError, OSError, UnicodeDecodeError) as exc:
             raise ConfigError(f"cannot read {path}: {exc}; fix or delete the file") from None
         values: dict[str, Value] = {}
         for name, value in raw.items():

@@ -32,7 +32,7 @@ from gpumesh.identity.keys import NodeId, node_id_for
 from gpumesh.protocol.desktop import DesktopKind
 from gpumesh.protocol.messages import JobOutput, JobStatus
 from gpumesh.protocol.states import FINAL_STATES, JobRole, JobState
-from gpumesh.store.modes import create_private
+from gpumesh.store.modes import create_private, refuse_link
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -492,6 +492,9 @@ class Store:
         # (never by opening it: that would drop the locks of this process's other
         # connections to it, see create_private).
         create_private(path)
+        # SQLite follows links: none may stand for the database or its journals.
+        for journal in ("-wal", "-shm"):
+            refuse_link(path.with_name(path.name + journal))
         self._db = sqlite3.connect(
             path, timeout=10.0, isolation_level=None, check_same_thread=False
         )

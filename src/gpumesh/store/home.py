@@ -17,7 +17,9 @@
 The sub-folders are named once, here (:class:`Home`'s ``*_dir`` properties).
 
 Each writer creates its file with its mode; :meth:`Home.secure`, run at every
-start, narrows whatever is found wider.
+start, refuses a home another account owns or may write in and narrows
+whatever is found wider. Files in the home are opened without following links
+(see :mod:`gpumesh.store.modes`).
 """
 
 from __future__ import annotations
@@ -32,13 +34,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gpumesh import platform
-from gpumesh.errors import NotInitializedError
+from gpumesh.errors import ConfigError, NotInitializedError
 from gpumesh.identity.keys import Identity
 from gpumesh.settings import home_dir
 from gpumesh.store.config import Config
 from gpumesh.store.db import Store
-from gpumesh.store.modes import PRIVATE_DIR, PRIVATE_FILE, narrow, write_private
+from gpumesh.store.modes import (
+    PRIVATE_DIR,
+    PRIVATE_FILE,
+    narrow,
+    read_private,
+    write_private,
+)
 from gpumesh.store.sockets import socket_name
+from gpumesh.store.trust import check_home
 
 if TYPE_CHECKING:
     import socket
@@ -178,7 +187,8 @@ class Home:
         others instead of quietly narrowing it, since such a key may need replacing.
         """
         peer_addresses = self.path / "peer-addresses"  # paired peers' address records
-        paths = [(self.path, PRIVATE_DIR), (self.logs_dir, PRIVATE_DIR)]
+        # The home may be a link to its user's folder (check_home): that folder is meant.
+        paths = [(self.path.resolve(), PRIVATE_DIR), (self.logs_dir, PRIVATE_DIR)]
         paths.append((peer_addresses, PRIVATE_DIR))
         files = [self.config_path, self.agent_path, self.db_path]
         files += [self.db_path.with_name(self.db_path.name + s) for s in ("-wal", "-shm")]
@@ -188,13 +198,18 @@ class Home:
         return paths + [(path, PRIVATE_FILE) for path in files]
 
     def secure(self) -> None:
-        """Make the home 0700 and its state files 0600, narrowing whatever is wider.
+        """Refuse a home that is not safe to use; make it 0700 and its state files 0600,
+        narrowing whatever is wider.
 
         Every start runs it (each command, `gpumesh share`), so a mode widened by a
-        copy, an archive tool or by hand does not stay. A folder holding no node is
-        left as it is: a mistyped GPUMESH_HOME must not change someone's folder.
-        Paths that are not ours to change are left too (`gpumesh doctor` reports them).
+        copy, an archive tool or by hand does not stay. A home another account owns
+        or may write in is refused, node or not: its owner could have planted the
+        files we would trust. A folder holding no node is left as it is otherwise:
+        a mistyped GPUMESH_HOME must not change someone's folder. Paths that are
+        not ours to change are left too (`gpumesh doctor` reports them); links are
+        refused, never followed.
         """
+        check_home(self.path)
         if not self.initialized:
             return
         for path, mode in self.private_paths():
@@ -234,7 +249,7 @@ class Home:
     def read_agent_info(self) -> AgentInfo | None:
         """The running agent, or None (a stale file from a crash counts as none)."""
         try:
-            data = json.loads(self.agent_path.read_text())
+            data = json.loads(read_private(self.agent_path))
             info = AgentInfo(
                 pid=int(data["pid"]),
                 host=str(data["host"]),
@@ -257,8 +272,8 @@ class Home:
                     for entry in data.get("shells", [])
                 ],
             )
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
+        except (OSError, ValueError, KeyError, TypeError, ConfigError):
+            return None  # ConfigError: a link planted as agent.json, never followed
         return info if info.alive else None
 
     def clear_agent_info(self, pid: int) -> None:

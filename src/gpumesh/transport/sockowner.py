@@ -6,8 +6,16 @@ lists each TCP socket of this network namespace, with the uid that made it, in
 local address is our peer's and whose remote address is ours. Elsewhere there is
 no such table: :func:`owner_check_available` says so, and callers tell the user.
 
-:func:`parse_table` is the pure part (tested on sample text); :func:`socket_owner`
-reads the files.
+The table fails open if read naively: a socket whose process closed it (an
+orphan, e.g. in FIN_WAIT2 after a connect-send-close) stays listed with uid 0
+and inode 0, so it would pass for root's. Only a row that is ESTABLISHED or
+CLOSE_WAIT and still has an inode (an open file of some process) proves an
+owner; every other row proves nobody, and the connection is refused. This is
+the one parser of the table: the desktop tunnel and the CUDA bridge both ask
+:func:`connection_owner`.
+
+:func:`parse_table` is the pure part (tested on captured tables);
+:func:`socket_owner` reads the files.
 """
 
 from __future__ import annotations
@@ -15,8 +23,13 @@ from __future__ import annotations
 import ipaddress
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import socket
 
 __all__ = [
+    "connection_owner",
     "listening_on_loopback",
     "owner_check_available",
     "parse_listeners",
@@ -30,6 +43,9 @@ Endpoint = tuple[str, int]
 
 _LISTEN = "0A"
 """TCP_LISTEN in the table's ``st`` column."""
+_PROVES_OWNER = {"01", "08"}
+"""TCP_ESTABLISHED and TCP_CLOSE_WAIT: the states in which a row is a live socket that a
+process still holds; FIN_WAIT*, TIME_WAIT and the rest may be orphans listed as uid 0."""
 _REACHES_LOOPBACK = {"127.0.0.1", "0.0.0.0", "::1", "::"}
 """Bound addresses a connection to 127.0.0.1 (or ::1) reaches."""
 
@@ -60,15 +76,21 @@ def _normal(endpoint: Endpoint) -> Endpoint:
 
 def parse_table(text: str, local: Endpoint, remote: Endpoint) -> int | None:
     """The uid of the socket in ``text`` (a /proc/net/tcp table) bound to ``local``
-    and connected to ``remote``; None when no row matches."""
+    and connected to ``remote``; None when no row proves one: none matches, or the
+    matching row is in another state than ESTABLISHED or CLOSE_WAIT or has inode 0
+    (an orphan that no process holds, listed as uid 0)."""
     local, remote = _normal(local), _normal(remote)
     for line in text.splitlines()[1:]:
+        # sl local rem st tx:rx tr:when retrnsmt uid timeout inode ...
         fields = line.split()
-        if len(fields) < 8:
+        if len(fields) < 10:
             continue
         try:
-            if _address(fields[1]) == local and _address(fields[2]) == remote:
-                return int(fields[7])
+            if _address(fields[1]) != local or _address(fields[2]) != remote:
+                continue
+            if fields[3] not in _PROVES_OWNER or int(fields[9]) == 0:
+                return None
+            return int(fields[7])
         except ValueError:
             continue
     return None
@@ -86,6 +108,13 @@ def socket_owner(local: Endpoint, remote: Endpoint) -> int | None:
         if uid is not None:
             return uid
     return None
+
+
+def connection_owner(sock: socket.socket) -> int | None:
+    """The uid of the process at the other end of ``sock``, a TCP connection accepted on
+    loopback; None when the table proves no owner (or there is no table): refuse it."""
+    ours, theirs = sock.getsockname()[:2], sock.getpeername()[:2]
+    return socket_owner((str(theirs[0]), int(theirs[1])), (str(ours[0]), int(ours[1])))
 
 
 def parse_listeners(text: str) -> set[Endpoint]:
