@@ -34,7 +34,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import msgspec
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
@@ -368,16 +368,15 @@ class _GuardedProtocol(asyncio.Protocol):
     # asyncio.Protocol, handed to uvicorn's protocol once admitted
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self._transport = transport
+        # A cast, not isinstance: uvloop's transports do not derive from asyncio's.
+        self._transport = cast("asyncio.Transport", transport)
         peer = transport.get_extra_info("peername")
         key = str(peer[0]) if isinstance(peer, tuple) and peer else UNIX_PEER
-        table = self.guard.table
-        verdict = table.open(key)
+        verdict = self.guard.table.open(key)
         if isinstance(verdict, Refused):
             logger.info("HTTP connection from %s refused: %s", key, verdict.message)
-            transport.write(_response(verdict))
-            transport.close()
+            self._transport.write(_response(verdict))
+            self._transport.close()
             return
         for eviction in verdict.evict:
             evicted = self.guard.live.pop(eviction.conn, None)
@@ -385,7 +384,7 @@ class _GuardedProtocol(asyncio.Protocol):
                 evicted._end(eviction.refusal)
         self._conn = verdict.conn
         self.guard.live[verdict.conn] = self
-        self._inner.connection_made(transport)
+        self._inner.connection_made(self._transport)
         self._arm()
 
     def connection_lost(self, exc: Exception | None) -> None:

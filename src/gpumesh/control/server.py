@@ -56,13 +56,12 @@ def limits() -> Limits:
 
 def tls_context(cert: Path, key: Path) -> ssl.SSLContext:
     """A server's TLS context from PEM files; a file that cannot be used is named."""
+    for option, path in (("--tls-cert", cert), ("--tls-key", key)):
+        if not path.is_file():
+            raise ConfigError(f"cannot read {option} {path}: no such file")
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     try:
         context.load_cert_chain(cert, key)
-    except FileNotFoundError as exc:
-        raise ConfigError(
-            f"cannot read {exc.filename}: no such file (check --tls-cert and --tls-key)"
-        ) from None
     except (OSError, ssl.SSLError) as exc:
         reason = getattr(exc, "strerror", None) or getattr(exc, "reason", None) or str(exc)
         raise ConfigError(
