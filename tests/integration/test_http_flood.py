@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import signal
 import socket
 import ssl
 import subprocess
@@ -46,11 +47,12 @@ def _free_tcp_port() -> int:
         return port
 
 
-def _few_files() -> None:
-    # Before the guard, 300 held connections used up such a limit; the node
-    # process must lift it to the hard limit itself.
+def _few_files(*argv: str) -> list[str]:
+    """``argv`` run with a soft descriptor limit of :data:`SOFT_FILES` (the hard one
+    left as it is): 300 held connections used up such a limit before the guard,
+    and the node process must lift it to the hard limit itself."""
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-    resource.setrlimit(resource.RLIMIT_NOFILE, (SOFT_FILES, hard))
+    return ["prlimit", f"--nofile={SOFT_FILES}:{hard}", "--", *argv]
 
 
 def _env(home: Path, **extra: str) -> dict[str, str]:
@@ -100,12 +102,11 @@ class Control:
 def start_control(home: Path, *args: str, env: dict[str, str] | None = None) -> Control:
     port = _free_tcp_port()
     proc = subprocess.Popen(
-        [CONTROL, "--listen", f"127.0.0.1:{port}", *args],
+        _few_files(CONTROL, "--listen", f"127.0.0.1:{port}", *args),
         env=env or _env(home),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        preexec_fn=_few_files,
     )
     assert proc.stdout is not None
     lines = []
@@ -312,10 +313,10 @@ def test_allow_remote_serves_https_and_answers_429_after_five_wrong_tokens(
 def test_the_registry_answers_while_a_stranger_holds_slow_connections(tmp_path: Path) -> None:
     port = _free_tcp_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gpumesh.registry.main", "--listen", f"127.0.0.1:{port}",
-         "--db", str(tmp_path / "r.db"), "--log-level", "warning"],
+        _few_files(sys.executable, "-m", "gpumesh.registry.main", "--listen",
+                   f"127.0.0.1:{port}", "--db", str(tmp_path / "r.db"), "--log-level", "warning"),
         env=dict(os.environ, GPUMESH_HTTP_DEADLINE=str(DEADLINE)),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_few_files,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
         assert proc.stdout is not None
@@ -331,3 +332,66 @@ def test_the_registry_answers_while_a_stranger_holds_slow_connections(tmp_path: 
         proc.terminate()
         _, err = proc.communicate(timeout=CEILING)
     assert "Traceback" not in err, err
+
+
+# --- a peer's work while the provider's node process is flooded -----------------------------
+
+
+@pytest.mark.usefixtures("docker_daemon")
+def test_a_peers_cp_and_job_succeed_while_another_user_holds_connections(
+    tmp_path: Path, other_user: OtherUser
+) -> None:
+    from tests.integration.test_cli import _free_udp_port, _init
+
+    image = os.environ.get("GPUMESH_TEST_DOCKER_IMAGE", "gpumesh-test/busybox:1")
+    alice, bob = tmp_path / "a", tmp_path / "b"
+    _init(alice, "alice-pc", _free_udp_port())
+    _init(bob, "bob-laptop")
+    for home in (alice, bob):
+        assert gpumesh(home, "config", "set", "image", image).returncode == 0
+    # alice shares as her node process (which serves her API) with few descriptors.
+    share = subprocess.Popen(
+        _few_files(sys.executable, "-m", "gpumesh", "share"),
+        env=_env(alice, GPUMESH_NODE="on"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        end = time.monotonic() + CEILING
+        while not (alice / "control.sock").exists():
+            assert share.poll() is None and time.monotonic() < end, share.communicate()
+            time.sleep(0.1)
+        assert gpumesh(bob, "pair", gpumesh(alice, "pair-code").stdout.strip()).returncode == 0
+        assert gpumesh(alice, "pair", gpumesh(bob, "pair-code").stdout.strip()).returncode == 0
+        port = _free_tcp_port()
+        with httpx.Client(
+            transport=httpx.HTTPTransport(uds=str(alice / "control.sock")),
+            base_url="http://gpumesh",
+            timeout=CEILING,
+        ) as unix:  # as `gpumesh dashboard` does: TCP on loopback too
+            served = unix.post("/api/v1/node/tcp", json={"listen": f"127.0.0.1:{port}"})
+            assert served.status_code == 200, served.text
+        flood = Flood(other_user, port, idle=150, half=150)
+        try:
+            folder = tmp_path / "flood"
+            folder.mkdir()
+            (folder / "data.txt").write_text("through the flood\n")
+            copied = gpumesh(bob, "cp", "-r", str(folder), "alice-pc:/flood", timeout=CEILING * 2)
+            assert copied.returncode == 0, copied.stderr
+            ran = gpumesh(
+                bob, "run", "--peer", "alice-pc", "-q", "--mount", "/flood:/d", "--",
+                "cat", "/d/data.txt", timeout=CEILING * 2,
+            )  # fmt: skip
+            assert ran.returncode == 0, ran.stderr
+            assert "through the flood" in ran.stdout
+        finally:
+            flood.told()
+    finally:
+        if share.poll() is None:
+            share.send_signal(signal.SIGINT)
+        _, err = share.communicate(timeout=CEILING)
+        from tests.integration.conftest import remove_containers
+
+        remove_containers(json.loads(gpumesh(alice, "status", "--json").stdout)["node_id"])
+    assert "Too many open files" not in err, err
