@@ -30,9 +30,9 @@ and how many Retries it sent) are shown at the end.
 process in the foreground) on a free loopback port; rounds alternate an
 authorised request (``GET /api/v1/node`` with the home's bearer token, a fresh
 connection each) with no connection held and the same request while a holder
-thread keeps ``--held`` connections open on that port, half idle, half with a
-head never finished (it reopens those the server closes). Goals: the held p50
-<= 2x the quiet p50, and no request over 2 s.
+process keeps ``--held`` connections open on that port from the same address,
+half idle, half with a head never finished (it reopens at once those the
+server closes). Goals: the held p50 <= 2x the quiet p50, and no request over 2 s.
 """
 
 from __future__ import annotations
@@ -315,7 +315,9 @@ HALF_HEAD = b"POST /api/v1/auth/session HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-L
 
 class Holder:
     """A thread that keeps ``count`` connections to ``port`` open, half idle and half
-    half-sent, reopening those the server closes, while :attr:`holding` is set."""
+    half-sent, reopening those the server closes, while :attr:`holding` is set.
+    It runs in a process of its own (:func:`hold_main`), so the client timed does
+    not share an interpreter with it."""
 
     def __init__(self, port: int, count: int) -> None:
         self.port = port
@@ -371,6 +373,26 @@ class Holder:
         self._thread.join(timeout=10)
 
 
+def hold_main(port: int, count: int) -> int:
+    """The holder process: ``hold`` and ``release`` lines on stdin, each answered
+    with the connections open once done; at the end, how many the server closed."""
+    holder = Holder(port, count)
+    for line in sys.stdin:
+        if line.strip() == "hold":
+            holder.holding.set()
+            start = time.monotonic()
+            while holder.open_now < count and time.monotonic() - start < 5:
+                time.sleep(0.02)
+        else:
+            holder.holding.clear()
+            while holder.open_now:
+                time.sleep(0.02)
+        print(holder.open_now, flush=True)
+    holder.stop()
+    print(holder.closed_by_server, flush=True)
+    return 0
+
+
 def http_request(port: int, token: str) -> float:
     """Seconds for one authorised request on a fresh connection (inf when it failed)."""
     start = time.perf_counter()
@@ -409,7 +431,21 @@ def http_flood(args: argparse.Namespace) -> int:
             stderr=subprocess.DEVNULL,
             text=True,
         )
-        holder = Holder(port, args.held)
+        holder = subprocess.Popen(
+            [sys.executable, __file__, "--hold", f"{port}:{args.held}"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert holder.stdin is not None and holder.stdout is not None
+
+        def tell(what: str) -> int:
+            assert holder.stdin is not None and holder.stdout is not None
+            holder.stdin.write(what + "\n")
+            holder.stdin.flush()
+            return int(holder.stdout.readline())
+
+        closed = 0
         try:
             assert proc.stdout is not None
             for line in proc.stdout:
@@ -425,20 +461,19 @@ def http_flood(args: argparse.Namespace) -> int:
             held: list[float] = []
             held_counts: list[int] = []
             for _ in range(args.rounds):
-                holder.holding.clear()
+                tell("release")
                 time.sleep(0.2)
                 quiet += [http_request(port, token) for _ in range(args.per_round)]
-                holder.holding.set()
-                start = time.monotonic()
-                while holder.open_now < args.held and time.monotonic() - start < 5:
-                    time.sleep(0.02)
-                held_counts.append(holder.open_now)
+                held_counts.append(tell("hold"))
                 held += [http_request(port, token) for _ in range(args.per_round)]
+            holder.stdin.close()
+            closed = int(holder.stdout.readline() or 0)
         finally:
-            holder.stop()
+            holder.kill()
+            holder.wait(timeout=30)
             proc.terminate()
             proc.wait(timeout=30)
-    http_report(quiet, held, held_counts, holder.closed_by_server)
+    http_report(quiet, held, held_counts, closed)
     return 0
 
 
@@ -500,6 +535,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="the local HTTP flood instead: connections held on a gpumesh-control port",
     )
+    parser.add_argument("--hold", help=argparse.SUPPRESS)
     parser.add_argument(
         "--held", type=int, default=300, help="--http: connections held (default 300)"
     )
@@ -522,6 +558,9 @@ def main(argv: list[str] | None = None) -> int:
         host, port, rate, stalls, seconds = args.flooder.split(":")
         print(json.dumps(flood((host, int(port)), float(rate), float(stalls), float(seconds))))
         return 0
+    if args.hold:
+        port, count = args.hold.split(":")
+        return hold_main(int(port), int(count))
     exit_cleanly_on_sigterm()
     if note := source_note():
         print(note)

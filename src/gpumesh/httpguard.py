@@ -27,6 +27,7 @@ never imports a server's app: each server hands it its limits.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import sys
 import time
@@ -76,6 +77,22 @@ UNIX_PEER = "the unix socket"
 mode (the owner's), so only the total cap applies to them."""
 
 
+def _names_a_client(key: str) -> bool:
+    """Whether ``key`` tells one client from another. A loopback address does not:
+    every local user may use any of 127.0.0.0/8, and a cap per address would only
+    let one of them crowd the owner's own connections out. Loopback peers share
+    the total cap; the owner's way in that nobody else has is the unix socket."""
+    if key == UNIX_PEER:
+        return False
+    try:
+        address = ipaddress.ip_address(key)
+    except ValueError:
+        return True
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return not address.is_loopback
+
+
 @dataclass(frozen=True)
 class Limits:
     """How much one server lets its clients hold. Durations are settings, so tests
@@ -84,7 +101,8 @@ class Limits:
     connections: int = 1024
     """Open connections in all, every listener of the process together."""
     per_client: int = 64
-    """Open connections from one client address."""
+    """Open connections from one client address (not a loopback one: those share
+    the total)."""
     deadline: float = 10.0
     """Seconds from the moment a connection waits for a request (it opened, or
     its last response ended) until that request's head and body are in."""
@@ -183,6 +201,8 @@ class _Conn:
     key: str
     waiting_since: float | None
     """When it began to wait for a request; None while the app has one."""
+    headed: bool = False
+    """The head of the request it waits for is in (only its body may still come)."""
 
 
 class ConnectionTable:
@@ -190,8 +210,10 @@ class ConnectionTable:
 
     A connection is *waiting* from the moment it opens (or its last response
     ends) until its request's head and body are in; then it is *busy* until
-    the app is done with it. Only waiting connections are closed to make room
-    or for the deadline."""
+    the app is done with it. Only waiting connections are closed for the
+    deadline, and only those whose head is not in yet to make room: a client
+    that sends its request at once is safe from the moment its head arrives,
+    however fast another at its address opens connections."""
 
     def __init__(self, limits: Limits, clock: Callable[[], float] = time.monotonic) -> None:
         self.limits = limits
@@ -210,7 +232,7 @@ class ConnectionTable:
         """A new connection from ``key`` (an address, or :data:`UNIX_PEER`)."""
         limits = self.limits
         evict: list[Eviction] = []
-        capped = key != UNIX_PEER and key not in limits.exempt
+        capped = key not in limits.exempt and _names_a_client(key)
         if capped and self._per_key[key] >= limits.per_client:
             victim = self._oldest_waiting(key)
             if victim is None:
@@ -255,6 +277,11 @@ class ConnectionTable:
         self._per_key[key] += 1
         return Admitted(conn, tuple(evict))
 
+    def headed(self, conn: int) -> None:
+        """``conn``'s request head is in: it is no longer closed to make room."""
+        if conn in self._conns:
+            self._conns[conn].headed = True
+
     def busy(self, conn: int) -> None:
         """``conn``'s request is in: no deadline while the app answers it."""
         if conn in self._conns:
@@ -264,6 +291,7 @@ class ConnectionTable:
         """``conn`` was answered and waits for its next request: the deadline runs."""
         if conn in self._conns:
             self._conns[conn].waiting_since = self._clock()
+            self._conns[conn].headed = False
 
     def close(self, conn: int) -> None:
         found = self._conns.pop(conn, None)
@@ -293,7 +321,9 @@ class ConnectionTable:
     def _oldest_waiting(self, key: str | None) -> int | None:
         best: tuple[float, int] | None = None
         for conn, found in self._conns.items():
-            if found.waiting_since is None or (key is not None and found.key != key):
+            if found.waiting_since is None or found.headed:
+                continue
+            if key is not None and found.key != key:
                 continue
             if best is None or found.waiting_since < best[0]:
                 best = (found.waiting_since, conn)
@@ -302,7 +332,9 @@ class ConnectionTable:
     def _most_waiting(self) -> str | None:
         """The key holding the most waiting connections: room is made at its cost
         rather than at another client's."""
-        waiting = Counter(c.key for c in self._conns.values() if c.waiting_since is not None)
+        waiting = Counter(
+            c.key for c in self._conns.values() if c.waiting_since is not None and not c.headed
+        )
         return waiting.most_common(1)[0][0] if waiting else None
 
 
@@ -405,7 +437,11 @@ class _GuardedProtocol(asyncio.Protocol):
                     Refused(431, f"the request head is over {limit} bytes, the limit"),
                 )
                 return
+        cycle = self._inner.cycle
         self._inner.data_received(data)
+        # uvicorn makes a request's cycle as soon as its head is parsed, in this call.
+        if self._inner.cycle is not cycle and self._conn is not None:
+            self.guard.table.headed(self._conn)
 
     def eof_received(self) -> bool | None:
         result: bool | None = self._inner.eof_received()

@@ -218,15 +218,18 @@ def test_held_connections_leave_room_and_are_closed_by_the_deadline(
             assert unix.get("/api/v1/node").status_code == 200
     finally:
         told = flood.told()
-    # None stayed open: each was pushed out to make room or closed by the
-    # deadline, and was told why in one line naming the limit and its number.
+    # None stayed open: each was closed by the deadline and told so in one line
+    # naming the limit and its number. (Loopback addresses share the total cap:
+    # any local user may use any of 127/8, so none is pushed out for its address.)
     assert told["open"] == 0, told
     answers = [str(a) for a in told["answers"]]  # type: ignore[attr-defined]
-    bodies = [json.loads(a.partition("\r\n\r\n")[2])["message"] for a in answers if a]
-    room = [b for b in bodies if "holds 64 connections, the limit per address" in b]
-    late = [b for b in bodies if "not complete within 3 s, the request deadline" in b]
-    assert room and late and len(room) + len(late) == len(bodies), bodies
-    assert all(a.startswith(("HTTP/1.1 503", "HTTP/1.1 408")) for a in answers if a)
+    assert len(answers) == 300
+    assert all(a.startswith("HTTP/1.1 408") for a in answers), answers[:3]
+    messages = {json.loads(a.partition("\r\n\r\n")[2])["message"] for a in answers}
+    assert messages == {
+        "the request was not complete within 3 s, the request deadline: "
+        "send the whole request at once"
+    }
 
 
 # --- --allow-remote -------------------------------------------------------------------------

@@ -40,6 +40,23 @@ def test_an_address_over_its_cap_pushes_out_its_own_oldest_waiting_connection() 
     assert owner not in [e.conn for e in verdict.evict]
 
 
+def test_a_connection_whose_head_is_in_is_never_pushed_out_to_make_room() -> None:
+    clock = Clock()
+    table = ConnectionTable(Limits(per_client=2), clock)
+    owner = _admitted(table.open("10.0.0.1")).conn
+    table.headed(owner)  # its head arrived; its body may still be coming
+    clock.now += 1
+    flood = _admitted(table.open("10.0.0.1")).conn
+    for _ in range(100):  # another at the same address opening as fast as it can
+        clock.now += 0.01
+        verdict = _admitted(table.open("10.0.0.1"))
+        assert [e.conn for e in verdict.evict] == [flood]
+        flood = verdict.conn
+    assert table.left(owner) is not None  # the deadline still runs for its body
+    clock.now += Limits().deadline
+    assert table.overdue(owner) is not None
+
+
 def test_an_address_whose_connections_are_all_busy_is_refused_with_the_number() -> None:
     table = ConnectionTable(Limits(per_client=2), Clock())
     for _ in range(2):
@@ -78,6 +95,14 @@ def test_the_unix_socket_counts_in_the_total_only() -> None:
     for _ in range(3):
         table.busy(_admitted(table.open(UNIX_PEER)).conn)
     assert isinstance(table.open(UNIX_PEER), Refused)
+
+
+def test_loopback_addresses_share_the_total_cap_only() -> None:
+    table = ConnectionTable(Limits(per_client=1, connections=5), Clock())
+    for key in ("127.0.0.1", "127.0.0.2", "::1", "::ffff:127.0.0.1", "127.0.0.1"):
+        _admitted(table.open(key))
+    verdict = _admitted(table.open("10.0.0.9"))  # room is made at loopback's cost
+    assert len(verdict.evict) == 1 and len(table) == 5
 
 
 def test_trusted_proxies_have_no_per_address_cap() -> None:
