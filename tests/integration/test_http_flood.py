@@ -232,6 +232,18 @@ def test_held_connections_leave_room_and_are_closed_by_the_deadline(
     }
 
 
+def test_the_unix_socket_has_the_deadline_too(control: Control) -> None:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(CEILING)
+        sock.connect(str(control.home / "control.sock"))
+        sock.sendall(b"GET /api/v1/node HTTP/1.1\r\nHost: gpumesh\r\n")  # never finished
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 408"), answer
+    assert b"not complete within 3 s, the request deadline" in answer
+
+
 # --- --allow-remote -------------------------------------------------------------------------
 
 
@@ -305,6 +317,8 @@ def test_allow_remote_serves_https_and_answers_429_after_five_wrong_tokens(
                 assert time.monotonic() < end
                 time.sleep(0.1)
             assert node(token).status_code == 200  # a right token clears the count
+        with running.unix() as unix:  # the owner's socket beside it stays plain
+            assert unix.get("/api/v1/node").status_code == 200
     finally:
         _, err = running.stop()
     assert "Traceback" not in err, err
