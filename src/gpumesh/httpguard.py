@@ -137,8 +137,9 @@ class Limits:
 
     def fitted(self, descriptors: int) -> Limits:
         """These limits with the total cap lowered so that ``descriptors`` (the
-        process's soft limit) keep :attr:`reserve` free."""
-        room = max(1, descriptors - self.reserve)
+        process's soft limit) keep :attr:`reserve` free, or half of them when
+        they are few."""
+        room = max(1, descriptors - min(self.reserve, descriptors // 2))
         return replace(self, connections=min(self.connections, room))
 
 

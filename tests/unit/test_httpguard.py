@@ -134,6 +134,7 @@ def test_limits_keep_descriptors_in_reserve_and_read_the_environment(
 ) -> None:
     assert Limits(connections=1024, reserve=256).fitted(1024).connections == 768
     assert Limits(connections=100, reserve=256).fitted(1 << 20).connections == 100
+    assert Limits(reserve=256).fitted(256).connections == 128  # few: half kept free
     limits = Limits(bodies={"POST /login": 10})
     assert limits.body_limit("POST", "/login") == 10
     assert limits.body_limit("GET", "/login") == limits.body
