@@ -232,6 +232,13 @@ def test_held_connections_leave_room_and_are_closed_by_the_deadline(
     }
 
 
+def test_the_node_process_lifts_its_descriptor_limit_to_the_hard_one(control: Control) -> None:
+    limits = Path(f"/proc/{control.proc.pid}/limits").read_text().splitlines()
+    soft, hard = next(line for line in limits if line.startswith("Max open files")).split()[3:5]
+    assert int(soft) == resource.getrlimit(resource.RLIMIT_NOFILE)[1] == int(hard)
+    assert int(soft) > SOFT_FILES  # it was started with 256
+
+
 def test_the_unix_socket_has_the_deadline_too(control: Control) -> None:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(CEILING)
