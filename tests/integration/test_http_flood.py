@@ -232,6 +232,36 @@ def test_held_connections_leave_room_and_are_closed_by_the_deadline(
     }
 
 
+def test_a_full_server_makes_room_at_the_cost_of_the_oldest_waiting_connections(
+    tmp_path: Path, other_user: OtherUser
+) -> None:
+    home = tmp_path / "home"
+    assert gpumesh(home, "init", "--name", "full").returncode == 0
+    running = start_control(home, env=_env(home, GPUMESH_HTTP_CONNECTIONS="50"))
+    try:
+        flood = Flood(other_user, running.port, idle=150, half=150)
+        try:
+            with httpx.Client(timeout=CEILING) as client:
+                response = client.get(
+                    f"{running.url}/api/v1/node",
+                    headers={"authorization": f"Bearer {running.token}"},
+                )
+            assert response.status_code == 200, response.text
+            with running.unix() as unix:
+                assert unix.get("/api/v1/node").status_code == 200
+        finally:
+            told = flood.told()
+    finally:
+        _, err = running.stop()
+    assert "Traceback" not in err, err
+    assert told["open"] == 0, told
+    answers = [str(a) for a in told["answers"]]  # type: ignore[attr-defined]
+    room = [a for a in answers if a.startswith("HTTP/1.1 503")]
+    late = [a for a in answers if a.startswith("HTTP/1.1 408")]
+    assert len(room) + len(late) == 300 and len(room) >= 250, (len(room), len(late))
+    assert "holds 50 connections, its limit" in room[0]
+
+
 def test_the_node_process_lifts_its_descriptor_limit_to_the_hard_one(control: Control) -> None:
     limits = Path(f"/proc/{control.proc.pid}/limits").read_text().splitlines()
     soft, hard = next(line for line in limits if line.startswith("Max open files")).split()[3:5]
