@@ -10,11 +10,16 @@ seconds, and how many stayed open.
 ``body HOST PORT PATH MB chunked|length``: send a request of MB megabytes of
 body (a bearer token, if any, is the first line of stdin: never in argv), print
 (JSON) the status line and body the server answered, and how much was sent.
+
+``get HOST PORT PATH``: one GET; print its status line.
+
+``$FLOOD_SOURCE``, when set, is the address every connection is made from.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import select
 import socket
 import sys
@@ -27,10 +32,17 @@ HALF_HEAD = (
 """A head that never ends."""
 
 
+def _connect(host: str, port: int) -> socket.socket:
+    source = os.environ.get("FLOOD_SOURCE")
+    return socket.create_connection(
+        (host, port), timeout=30, source_address=(source, 0) if source else None
+    )
+
+
 def hold(host: str, port: int, idle: int, half: int) -> list[socket.socket]:
     held = []
     for i in range(idle + half):
-        sock = socket.create_connection((host, port), timeout=30)
+        sock = _connect(host, port)
         if i >= idle:
             sock.sendall(HALF_HEAD)
         held.append(sock)
@@ -106,6 +118,10 @@ def main(argv: list[str]) -> None:
         print(f"held {len(held)}", flush=True)
         sys.stdin.read()
         print(json.dumps(told(held, float(argv[5]))), flush=True)
+    elif argv[0] == "get":
+        with _connect(argv[1], int(argv[2])) as sock:
+            sock.sendall(f"GET {argv[3]} HTTP/1.1\r\nHost: {argv[1]}\r\n\r\n".encode())
+            print(sock.recv(65536).partition(b"\r\n")[0].decode(), flush=True)
     elif argv[0] == "body":
         token = sys.stdin.readline().strip()
         chunked = argv[5] == "chunked"

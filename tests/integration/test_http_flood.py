@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import os
 import resource
+import secrets
+import shutil
 import signal
 import socket
 import ssl
@@ -135,16 +137,29 @@ def control(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Control]:
 class Flood:
     """`floodclient.py hold` as another local user: connections held until stopped."""
 
-    def __init__(self, user: OtherUser | None, port: int, idle: int, half: int) -> None:
-        argv = [PYTHON, "-I", FLOOD, "hold", "127.0.0.1", str(port), str(idle), str(half)]
+    def __init__(
+        self,
+        user: OtherUser | None,
+        port: int,
+        idle: int,
+        half: int,
+        *,
+        host: str = "127.0.0.1",
+        inside: tuple[str, ...] = (),
+        source: str = "",
+    ) -> None:
+        argv = [PYTHON, "-I", FLOOD, "hold", host, str(port), str(idle), str(half)]
         argv.append(str(CEILING))
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+        if source:
+            env["FLOOD_SOURCE"] = source
         self.proc = subprocess.Popen(
-            user.argv(*argv) if user is not None else argv,
+            [*inside, *(user.argv(*argv) if user is not None else argv)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+            env=env,
         )
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
@@ -449,3 +464,62 @@ def test_a_peers_cp_and_job_succeed_while_another_user_holds_connections(
 
         remove_containers(json.loads(gpumesh(alice, "status", "--json").stdout)["node_id"])
     assert "Too many open files" not in err, err
+
+
+@pytest.fixture
+def namespace() -> Iterator[tuple[str, ...]]:
+    """A network namespace of this test's own whose loopback interface also holds
+    10.77.0.1-3, addresses that are not loopback ones (so they are capped)."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        if os.environ.get("CI", "") not in ("", "0", "false", "no"):
+            raise AssertionError("CI runs as root with iproute2: this test needs them")
+        pytest.skip("needs root and iproute2 for a network namespace")
+    name = f"gm-http-{os.getpid()}-{secrets.token_hex(3)}"
+    subprocess.run(["ip", "netns", "add", name], check=True, timeout=30)
+    try:
+        inside = ("ip", "netns", "exec", name)
+        subprocess.run([*inside, "ip", "link", "set", "lo", "up"], check=True, timeout=30)
+        for address in ("10.77.0.1/32", "10.77.0.2/32", "10.77.0.3/32"):
+            subprocess.run(
+                [*inside, "ip", "addr", "add", address, "dev", "lo"], check=True, timeout=30
+            )
+        yield inside
+    finally:
+        subprocess.run(["ip", "netns", "del", name], check=False, timeout=30)
+
+
+def test_one_address_over_its_cap_pushes_out_only_its_own_connections(
+    tmp_path: Path, namespace: tuple[str, ...]
+) -> None:
+    port = 47080
+    proc = subprocess.Popen(
+        [*namespace, *_few_files(sys.executable, "-m", "gpumesh.registry.main", "--listen",
+         f"10.77.0.1:{port}", "--db", str(tmp_path / "r.db"), "--log-level", "warning")],
+        env=dict(os.environ, GPUMESH_HTTP_DEADLINE=str(DEADLINE)),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        assert "listening on" in proc.stdout.readline()
+        flood = Flood(
+            None, port, idle=150, half=150, host="10.77.0.1", inside=namespace, source="10.77.0.2"
+        )
+        try:
+            got = subprocess.run(
+                [*namespace, PYTHON, "-I", FLOOD, "get", "10.77.0.1", str(port), "/v1/listings"],
+                env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "FLOOD_SOURCE": "10.77.0.3"},
+                capture_output=True, text=True, timeout=CEILING, check=False,
+            )  # fmt: skip
+            assert got.stdout.strip() == "HTTP/1.1 200 OK", (got.stdout, got.stderr)
+        finally:
+            told = flood.told()
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=CEILING)
+    assert "Traceback" not in err, err
+    assert told["open"] == 0, told
+    answers = [str(a) for a in told["answers"]]  # type: ignore[attr-defined]
+    room = [a for a in answers if a.startswith("HTTP/1.1 503")]
+    late = [a for a in answers if a.startswith("HTTP/1.1 408")]
+    assert (len(room), len(late)) == (236, 64), (len(room), len(late))
+    assert "10.77.0.2 holds 64 connections, the limit per address" in room[0]
