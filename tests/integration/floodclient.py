@@ -2,10 +2,11 @@
 as a plain script (``python3 -I floodclient.py hold|body ...``); the tests
 import its functions too.
 
-``hold HOST PORT IDLE HALF WAIT``: open IDLE connections that send nothing and
-HALF that send part of a head, print ``held N``, wait until stdin closes, then
-print (JSON) what each connection was told before it closed within WAIT
-seconds, and how many stayed open.
+``hold HOST PORT IDLE HALF WAIT [bodies]``: open IDLE connections that send
+nothing and HALF that send part of a head (with ``bodies``, every other one a
+whole head and part of the login exchange's body instead), print ``held N``,
+wait until stdin closes, then print (JSON) what each connection was told
+before it closed within WAIT seconds, and how many stayed open.
 
 ``body HOST PORT PATH MB chunked|length``: send a request of MB megabytes of
 body (a bearer token, if any, is the first line of stdin: never in argv), print
@@ -30,6 +31,8 @@ HALF_HEAD = (
     b"Content-Type: application/json\r\nContent-Length: 100\r\n"
 )
 """A head that never ends."""
+HALF_BODY = HALF_HEAD + b"\r\n" + b'{"code": "'
+"""A whole head, and a body that never ends."""
 
 
 def _connect(host: str, port: int) -> socket.socket:
@@ -39,12 +42,14 @@ def _connect(host: str, port: int) -> socket.socket:
     )
 
 
-def hold(host: str, port: int, idle: int, half: int) -> list[socket.socket]:
+def hold(
+    host: str, port: int, idle: int, half: int, *, bodies: bool = False
+) -> list[socket.socket]:
     held = []
     for i in range(idle + half):
         sock = _connect(host, port)
         if i >= idle:
-            sock.sendall(HALF_HEAD)
+            sock.sendall(HALF_BODY if bodies and i % 2 else HALF_HEAD)
         held.append(sock)
     return held
 
@@ -114,7 +119,8 @@ def send_body(
 
 def main(argv: list[str]) -> None:
     if argv[0] == "hold":
-        held = hold(argv[1], int(argv[2]), int(argv[3]), int(argv[4]))
+        bodies = argv[6:7] == ["bodies"]
+        held = hold(argv[1], int(argv[2]), int(argv[3]), int(argv[4]), bodies=bodies)
         print(f"held {len(held)}", flush=True)
         sys.stdin.read()
         print(json.dumps(told(held, float(argv[5]))), flush=True)

@@ -147,9 +147,10 @@ class Flood:
         host: str = "127.0.0.1",
         inside: tuple[str, ...] = (),
         source: str = "",
+        bodies: bool = False,
     ) -> None:
         argv = [PYTHON, "-I", FLOOD, "hold", host, str(port), str(idle), str(half)]
-        argv.append(str(CEILING))
+        argv += [str(CEILING), *(["bodies"] if bodies else [])]
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
         if source:
             env["FLOOD_SOURCE"] = source
@@ -219,7 +220,7 @@ def test_a_200_mb_body_to_an_authorised_route_is_refused_unread(
 def test_held_connections_leave_room_and_are_closed_by_the_deadline(
     control: Control, other_user: OtherUser
 ) -> None:
-    flood = Flood(other_user, control.port, idle=150, half=150)
+    flood = Flood(other_user, control.port, idle=150, half=150, bodies=True)
     try:
         # The owner's authorised request over TCP, and on the unix socket, are
         # answered while the 300 connections are held.
