@@ -25,6 +25,14 @@ the successes' connect time, and the agent's CPU use and RSS.
 Goals: success rate >= 99% and p50 <= 2x the quiet p50 during the flood; the
 agent's RSS grows by <= 20 MB. The agent's own summary lines (what it refused
 and how many Retries it sent) are shown at the end.
+
+``--http``: the local HTTP flood instead. A `gpumesh-control` process (the node
+process in the foreground) on a free loopback port; rounds alternate an
+authorised request (``GET /api/v1/node`` with the home's bearer token, a fresh
+connection each) with no connection held and the same request while a holder
+process keeps ``--held`` connections open on that port from the same address,
+half idle, half with a head never finished (it reopens at once those the
+server closes). Goals: the held p50 <= 2x the quiet p50, and no request over 2 s.
 """
 
 from __future__ import annotations
@@ -32,13 +40,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import http.client
 import json
 import os
 import re
+import select
 import socket
 import struct
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -433,6 +445,204 @@ def report(phases: list[Phase], log: str) -> None:
         print(f"    {line.strip()}")
 
 
+# --- the local HTTP flood (--http) ---------------------------------------------------------
+
+
+HALF_HEAD = b"POST /api/v1/auth/session HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100\r\n"
+"""A head that never ends."""
+
+
+class Holder:
+    """A thread that keeps ``count`` connections to ``port`` open, half idle and half
+    half-sent, reopening those the server closes, while :attr:`holding` is set.
+    It runs in a process of its own (:func:`hold_main`), so the client timed does
+    not share an interpreter with it."""
+
+    def __init__(self, port: int, count: int) -> None:
+        self.port = port
+        self.count = count
+        self.holding = threading.Event()
+        self.done = threading.Event()
+        self.closed_by_server = 0
+        self.open_now = 0
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _connect(self, index: int) -> socket.socket | None:
+        try:
+            sock = socket.create_connection(("127.0.0.1", self.port), timeout=5)
+            if index % 2:
+                sock.sendall(HALF_HEAD)
+        except OSError:
+            return None
+        return sock
+
+    def _run(self) -> None:
+        held: dict[int, socket.socket] = {}
+        while not self.done.is_set():
+            if not self.holding.is_set():
+                for sock in held.values():
+                    sock.close()
+                held.clear()
+                self.open_now = 0
+                self.holding.wait(0.05)
+                continue
+            for index in range(self.count):
+                if index not in held and (sock := self._connect(index)) is not None:
+                    held[index] = sock
+            self.open_now = len(held)
+            ready, _, _ = select.select(list(held.values()), [], [], 0.05)
+            for sock in ready:
+                try:
+                    data = sock.recv(65536)
+                except OSError:
+                    data = b""
+                if data and not data.endswith(b"}"):
+                    continue
+                index = next(i for i, s in held.items() if s is sock)
+                sock.close()
+                del held[index]
+                self.closed_by_server += 1
+        for sock in held.values():
+            sock.close()
+
+    def stop(self) -> None:
+        self.done.set()
+        self.holding.set()
+        self._thread.join(timeout=10)
+
+
+def hold_main(port: int, count: int) -> int:
+    """The holder process: ``hold`` and ``release`` lines on stdin, each answered
+    with the connections open once done; at the end, how many the server closed."""
+    holder = Holder(port, count)
+    for line in sys.stdin:
+        if line.strip() == "hold":
+            holder.holding.set()
+            start = time.monotonic()
+            while holder.open_now < count and time.monotonic() - start < 5:
+                time.sleep(0.02)
+        else:
+            holder.holding.clear()
+            while holder.open_now:
+                time.sleep(0.02)
+        print(holder.open_now, flush=True)
+    holder.stop()
+    print(holder.closed_by_server, flush=True)
+    return 0
+
+
+def http_request(port: int, token: str) -> float:
+    """Seconds for one authorised request on a fresh connection (inf when it failed)."""
+    start = time.perf_counter()
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        connection.request("GET", "/api/v1/node", headers={"Authorization": f"Bearer {token}"})
+        response = connection.getresponse()
+        response.read()
+        if response.status != 200:
+            return float("inf")
+    except OSError:
+        return float("inf")
+    finally:
+        connection.close()
+    return time.perf_counter() - start
+
+
+def http_flood(args: argparse.Namespace) -> int:
+    """The ``--http`` mode: alternate rounds, then the table."""
+    with tempfile.TemporaryDirectory(prefix="gpumesh-bench-") as folder:
+        home = Path(folder) / "home"
+        env = dict(os.environ, GPUMESH_HOME=str(home))
+        env.pop("GPUMESH_API_TOKEN", None)
+        subprocess.run(
+            [sys.executable, "-m", "gpumesh", "init", "--name", "bench-http"],
+            env=env,
+            check=True,
+            capture_output=True,
+        )
+        port = free_port()
+        control = Path(sys.executable).parent / "gpumesh-control"
+        proc = subprocess.Popen(
+            [str(control), "--listen", f"127.0.0.1:{port}"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        holder = subprocess.Popen(
+            [sys.executable, __file__, "--hold", f"{port}:{args.held}"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert holder.stdin is not None and holder.stdout is not None
+
+        def tell(what: str) -> int:
+            assert holder.stdin is not None and holder.stdout is not None
+            holder.stdin.write(what + "\n")
+            holder.stdin.flush()
+            return int(holder.stdout.readline())
+
+        closed = 0
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                if "OpenAPI" in line:
+                    break
+            token = (home / "api.token").read_text().strip()
+            print(
+                f"{args.rounds} rounds of {args.per_round} authorised requests each: none held, "
+                f"then {args.held} held (half idle, half half-sent)...",
+                flush=True,
+            )
+            quiet: list[float] = []
+            held: list[float] = []
+            held_counts: list[int] = []
+            for _ in range(args.rounds):
+                tell("release")
+                time.sleep(0.2)
+                quiet += [http_request(port, token) for _ in range(args.per_round)]
+                held_counts.append(tell("hold"))
+                held += [http_request(port, token) for _ in range(args.per_round)]
+            holder.stdin.close()
+            closed = int(holder.stdout.readline() or 0)
+        finally:
+            holder.kill()
+            holder.wait(timeout=30)
+            proc.terminate()
+            proc.wait(timeout=30)
+    http_report(quiet, held, held_counts, closed)
+    return 0
+
+
+def http_report(quiet: list[float], held: list[float], counts: list[int], closed: int) -> None:
+    rows = []
+    for name, samples in (("none held", quiet), ("held", held)):
+        done = [s for s in samples if s != float("inf")]
+        summary = summarize(done) if done else None
+        rows.append(
+            [
+                name,
+                f"{len(done)}/{len(samples)}",
+                f"{summary.p50 * 1000:.1f}" if summary else "-",
+                f"{summary.p90 * 1000:.1f}" if summary else "-",
+                f"{summary.high * 1000:.1f}" if summary else "-",
+            ]
+        )
+    print_rows(["phase", "answered", "p50 ms", "p90 ms", "max ms"], rows)
+    ok_quiet = [s for s in quiet if s != float("inf")]
+    ok_held = [s for s in held if s != float("inf")]
+    if ok_quiet and ok_held:
+        ratio = summarize(ok_held).p50 / summarize(ok_quiet).p50
+        slowest = max(held + quiet)
+        print(
+            f"  held p50 / none-held p50: {ratio:.2f}x (goal <= 2x); slowest {slowest:.3f} s "
+            f"(goal <= 2 s); connections held at each round's start: min {min(counts)}, "
+            f"max {max(counts)}; closed by the server meanwhile: {closed}"
+        )
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description="A paired peer's connects to a separate `gpumesh share` process, without "
@@ -469,9 +679,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--fec-rate", type=float, default=10_000.0, help="--fec-frames: frames/s")
     parser.add_argument("--fec-repeat", type=int, default=5, help="--fec-frames: uploads each")
     parser.add_argument("--fec-forger", help=argparse.SUPPRESS)
+        "--http",
+        action="store_true",
+        help="the local HTTP flood instead: connections held on a gpumesh-control port",
+    )
+    parser.add_argument("--hold", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--held", type=int, default=300, help="--http: connections held (default 300)"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=20, help="--http: alternated rounds (default 20)"
+    )
+    parser.add_argument(
+        "--per-round", type=int, default=10, help="--http: requests per phase (default 10)"
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.seconds, args.quiet = 5.0, 5.0
+        args.rounds = min(args.rounds, 5)
     return args
 
 
@@ -488,9 +713,17 @@ def main(argv: list[str] | None = None) -> int:
         host, port, rate, stalls, seconds = args.flooder.split(":")
         print(json.dumps(flood((host, int(port)), float(rate), float(stalls), float(seconds))))
         return 0
+    if args.hold:
+        port, count = args.hold.split(":")
+        return hold_main(int(port), int(count))
     exit_cleanly_on_sigterm()
     if note := source_note():
         print(note)
+    if args.http:
+        try:
+            return http_flood(args)
+        except KeyboardInterrupt:
+            return interrupted()
     try:
         with tempfile.TemporaryDirectory(prefix="gpumesh-bench-") as folder:
             tmp = Path(folder)

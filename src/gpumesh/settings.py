@@ -16,6 +16,12 @@
                             the home's node process (the test suite's default)
 ``GPUMESH_NODE_IDLE``       seconds a background node process stays without a
                             request (default 600)
+``GPUMESH_HTTP_DEADLINE``   seconds an HTTP client has to send a whole request
+                            once its connection waits for one (default 10)
+``GPUMESH_HTTP_CONNECTIONS``  connections an HTTP server holds in all (default 1024)
+``GPUMESH_HTTP_PER_CLIENT``  connections one client address holds (default 64)
+``GPUMESH_API_BACKOFF``     seconds the control API refuses an address after 5
+                            wrong tokens (default 1, doubling to 60)
 ``GPUMESH_FEC``             parity under QUIC on lossy links: ``auto`` (the
                             default: from a link's first loss on), ``on`` (from
                             the start) or ``off`` (neither sent nor offered)
@@ -39,9 +45,13 @@ from pathlib import Path
 __all__ = [
     "API_ADDR_DEFAULT",
     "ENV_API_ADDR",
+    "ENV_API_BACKOFF",
     "ENV_API_HOSTS",
     "ENV_API_TOKEN",
     "ENV_HOME",
+    "ENV_HTTP_CONNECTIONS",
+    "ENV_HTTP_DEADLINE",
+    "ENV_HTTP_PER_CLIENT",
     "ENV_IMAGE",
     "ENV_LOG",
     "ENV_NODE",
@@ -69,6 +79,10 @@ ENV_REGION = "GPUMESH_REGION"
 ENV_API_TOKEN = "GPUMESH_API_TOKEN"
 ENV_API_ADDR = "GPUMESH_API_ADDR"
 ENV_API_HOSTS = "GPUMESH_API_HOSTS"
+ENV_API_BACKOFF = "GPUMESH_API_BACKOFF"
+ENV_HTTP_DEADLINE = "GPUMESH_HTTP_DEADLINE"
+ENV_HTTP_CONNECTIONS = "GPUMESH_HTTP_CONNECTIONS"
+ENV_HTTP_PER_CLIENT = "GPUMESH_HTTP_PER_CLIENT"
 ENV_LOG = "GPUMESH_LOG"
 ENV_FEC = "GPUMESH_FEC"
 ENV_TEST_PLATFORM = "GPUMESH_TEST_PLATFORM"

@@ -37,6 +37,7 @@ from gpumesh.control import auth
 from gpumesh.control.dashboard import history, pages
 from gpumesh.control.dashboard.pages import qr_svg
 from gpumesh.control.endpoints import Access, Endpoint, ErrorView, Query
+from gpumesh.control.guesses import TokenGuesses
 from gpumesh.errors import (
     AccessDeniedError,
     AgentError,
@@ -93,6 +94,8 @@ class ControlState:
     """The node process serving this API (its status, its stop)."""
     shells: Shells | None = None
     """``gpumesh exec`` sessions run here, made on the first one."""
+    guesses: TokenGuesses = field(default_factory=TokenGuesses.from_env)
+    """Wrong bearer tokens per address: 429 after a few in a row."""
 
 
 class Refusal(Exception):
@@ -1076,8 +1079,14 @@ def _credential(request: Request, state: ControlState, endpoint: Endpoint) -> Cr
         raise Refusal(403, AccessDeniedError("a request from another site's page is refused"))
     given = auth.bearer(headers.get("authorization"))
     if given is not None:
+        address = request.client.host if request.client is not None else ""
+        refusal = state.guesses.refusal(address)
+        if refusal is not None:
+            raise Refusal(429, LimitError(refusal))
         if not auth.token_matches(given, state.token):
+            state.guesses.wrong(address)
             raise Refusal(401, AccessDeniedError("wrong API token"))
+        state.guesses.right(address)
         return Credential.BEARER
     if state.sessions.valid(request.cookies.get(auth.COOKIE)):
         if changes and headers.get(auth.CSRF_HEADER) is None:

@@ -2,8 +2,9 @@
 
 Serves ``$GPUMESH_HOME/control.sock`` (the owner's) and ``GPUMESH_API_ADDR``
 (default ``127.0.0.1:8080``) together in one event loop until SIGINT or SIGTERM,
-then exits 0. A bind beyond loopback needs ``--allow-remote`` and
-``$GPUMESH_API_TOKEN``. It is this home's node process in the
+then exits 0. A bind beyond loopback needs ``--allow-remote``, a
+``$GPUMESH_API_TOKEN`` of at least 32 characters and ``--tls-cert``/``--tls-key``
+(it is served over HTTPS only). It is this home's node process in the
 foreground (:mod:`gpumesh.daemon`): a node process a command started in the
 background hands over to it. While this home's ``gpumesh share`` runs, the API
 works beside it: it reads the same store, and the owner's changes (a deny, a
@@ -15,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+from pathlib import Path
 
 import click
 
@@ -36,8 +38,8 @@ Examples:
   GPUMESH_API_ADDR=127.0.0.1:9090 gpumesh-control
   curl --unix-socket ~/.gpumesh/control.sock http://gpumesh/api/v1/status
   curl -H "Authorization: Bearer $(cat ~/.gpumesh/api.token)" http://127.0.0.1:8080/api/v1/peers
-  GPUMESH_API_TOKEN=... gpumesh-control --listen 10.0.0.5:8080 --allow-remote \\
-      --allowed-host gpu-box.lan
+  GPUMESH_API_TOKEN=$(openssl rand -hex 16) gpumesh-control --listen 10.0.0.5:8443 \\
+      --allow-remote --tls-cert cert.pem --tls-key key.pem --allowed-host gpu-box.lan
 """,
 )
 @click.option(
@@ -52,7 +54,20 @@ Examples:
 @click.option(
     "--allow-remote",
     is_flag=True,
-    help=f"Allow a bind beyond loopback (needs ${ENV_API_TOKEN}).",
+    help=f"Allow a bind beyond loopback (needs --tls-cert, --tls-key and a ${ENV_API_TOKEN} "
+    "of at least 32 characters).",
+)
+@click.option(
+    "--tls-cert",
+    type=click.Path(dir_okay=False, path_type=Path),
+    metavar="FILE",
+    help="PEM certificate to serve TCP over HTTPS with.",
+)
+@click.option(
+    "--tls-key",
+    type=click.Path(dir_okay=False, path_type=Path),
+    metavar="FILE",
+    help="PEM private key of --tls-cert.",
 )
 @click.option(
     "--allowed-host",
@@ -62,7 +77,14 @@ Examples:
     help=f"A name browsers may use in Host besides loopback (also ${ENV_API_HOSTS}).",
 )
 @click.option("--no-tcp", is_flag=True, help="Serve the unix socket only.")
-def command(listen: str, allow_remote: bool, allowed_hosts: tuple[str, ...], no_tcp: bool) -> None:
+def command(
+    listen: str,
+    allow_remote: bool,
+    tls_cert: Path | None,
+    tls_key: Path | None,
+    allowed_hosts: tuple[str, ...],
+    no_tcp: bool,
+) -> None:
     """Serve this node's control API (HTTP/JSON, /api/v1, OpenAPI at
     /api/v1/openapi.json) on $GPUMESH_HOME/control.sock and on TCP.
 
@@ -73,11 +95,15 @@ def command(listen: str, allow_remote: bool, allowed_hosts: tuple[str, ...], no_
     """
     from gpumesh.settings import env
 
+    if (tls_cert is None) != (tls_key is None):
+        click.echo("error: --tls-cert and --tls-key go together: give both", err=True)
+        raise SystemExit(2)
     try:
         code = asyncio.run(
             _run(
                 listen=None if no_tcp else listen,
                 allow_remote=allow_remote,
+                tls=None if tls_cert is None or tls_key is None else (tls_cert, tls_key),
                 hosts=[*_hosts(env(ENV_API_HOSTS)), *_hosts(",".join(allowed_hosts))],
             )
         )
@@ -87,13 +113,16 @@ def command(listen: str, allow_remote: bool, allowed_hosts: tuple[str, ...], no_
     raise SystemExit(code)
 
 
-async def _run(*, listen: str | None, allow_remote: bool, hosts: list[str]) -> int:
+async def _run(
+    *, listen: str | None, allow_remote: bool, tls: tuple[Path, Path] | None, hosts: list[str]
+) -> int:
     from gpumesh.daemon.process import run_node
 
     return await run_node(
         None,
         listen=listen,
         allow_remote=allow_remote,
+        tls=tls,
         hosts=hosts,
         detached=False,
         announce=lambda line: print(line, flush=True),

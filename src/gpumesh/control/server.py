@@ -4,6 +4,8 @@ One :class:`uvicorn.Server` serves every listening socket at once (the home's
 unix socket and, when asked, TCP). Its own signal capture is switched off: the
 process that hosts it (``gpumesh-control`` now, the node process later) owns
 SIGINT and SIGTERM and says when to stop through an :class:`asyncio.Event`.
+Every connection passes the process's one :class:`~gpumesh.httpguard.Guard`
+(caps, the request deadline, each route's body limit), the unix socket's too.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import contextlib
 import errno
 import os
 import socket
+import ssl
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -20,16 +23,20 @@ from typing import TYPE_CHECKING
 import uvicorn
 
 from gpumesh.errors import ConfigError, InUseError
+from gpumesh.httpguard import KIB, Guard, Limits, http_protocol
 from gpumesh.store.sockets import socket_name
 
 if TYPE_CHECKING:
     from starlette.types import ASGIApp
 
 __all__ = [
+    "BODY_LIMITS",
     "SOCKET_NAME",
+    "limits",
     "parse_listen",
     "serve",
     "tcp_listener",
+    "tls_context",
     "unix_listener",
 ]
 
@@ -37,6 +44,31 @@ SOCKET_NAME = "control.sock"
 """The owner's socket in the home (0600 in the 0700 home)."""
 GRACE = 3.0
 """Seconds open requests (an event stream) get to end once the server stops."""
+BODY_LIMITS = {"POST /api/v1/auth/session": 4 * KIB}
+"""Routes whose body is smaller than the default 1 MiB: the login exchange takes
+a code from anybody who reaches the port, before any credential."""
+
+
+def limits() -> Limits:
+    """The control API's limits, ``$GPUMESH_HTTP_*`` over the defaults."""
+    return Limits.from_env(bodies=BODY_LIMITS)
+
+
+def tls_context(cert: Path, key: Path) -> ssl.SSLContext:
+    """A server's TLS context from PEM files; a file that cannot be used is named."""
+    for option, path in (("--tls-cert", cert), ("--tls-key", key)):
+        if not path.is_file():
+            raise ConfigError(f"cannot read {option} {path}: no such file")
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as exc:
+        reason = getattr(exc, "strerror", None) or getattr(exc, "reason", None) or str(exc)
+        raise ConfigError(
+            f"cannot use --tls-cert {cert} with --tls-key {key}: {reason}; give a PEM "
+            "certificate and its private key"
+        ) from None
+    return context
 
 
 def parse_listen(text: str) -> tuple[str, int]:
@@ -109,11 +141,20 @@ class _Server(uvicorn.Server):
         yield
 
 
-async def serve(app: ASGIApp, sockets: list[socket.socket], stop: asyncio.Event) -> None:
-    """Serve ``app`` on ``sockets`` until ``stop`` is set, then let open requests end
-    (at most :data:`GRACE` seconds) and return. The sockets are the caller's to close."""
+async def serve(
+    app: ASGIApp,
+    sockets: list[socket.socket],
+    stop: asyncio.Event,
+    guard: Guard,
+    tls: ssl.SSLContext | None = None,
+) -> None:
+    """Serve ``app`` on ``sockets`` behind ``guard`` (over TLS with ``tls``) until
+    ``stop`` is set, then let open requests end (at most :data:`GRACE` seconds) and
+    return. The sockets are the caller's to close."""
     config = uvicorn.Config(
         app,
+        http=http_protocol(guard),
+        ssl_context_factory=None if tls is None else (lambda _config, _default: tls),
         log_config=None,
         access_log=False,
         lifespan="off",

@@ -8,6 +8,11 @@ also exits as soon as its home folder is gone (a test's temporary home leaves
 no process behind). SIGINT and SIGTERM, or ``POST /api/v1/node/stop``, stop it.
 ``POST /api/v1/node/tcp`` (``gpumesh dashboard``) makes a running one serve TCP
 too, on loopback: from then on it stays until stopped, as ``gpumesh-control`` does.
+At start it lifts its descriptor limit to the hard limit, and every connection,
+on every socket, passes one :class:`~gpumesh.httpguard.Guard`: what another local
+user (or, with ``--allow-remote``, anybody) can open costs bounded descriptors,
+memory and time. A bind beyond loopback is served over TLS only, with a token of
+at least 128 bits.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from gpumesh.daemon.views import (
     WarmSessionView,
 )
 from gpumesh.errors import ConfigError, InUseError
+from gpumesh.httpguard import Guard, raise_descriptor_limit
 from gpumesh.settings import (
     API_ADDR_DEFAULT,
     ENV_API_ADDR,
@@ -54,6 +60,8 @@ __all__ = ["IDLE_DEFAULT", "NodeProcess", "run_node"]
 
 logger = logging.getLogger(__name__)
 
+TOKEN_MIN = 32
+"""Characters of ``$GPUMESH_API_TOKEN`` a bind beyond loopback needs (128 bits as hex)."""
 IDLE_DEFAULT = 600.0
 """Seconds a background node process waits for the next request before it exits."""
 TICK = 0.5
@@ -209,16 +217,25 @@ async def run_node(
     detached: bool,
     announce: Callable[[str], None] = print,
     stop: asyncio.Event | None = None,
+    tls: tuple[Path, Path] | None = None,
 ) -> int:
     """Be this home's node process until stopped; 0 on an orderly end.
 
     ``home_arg``: the home, or the hosting process's own :class:`Node` (left open).
     ``stop``: the hosting process's own (``gpumesh share``, which keeps its SIGINT
     and SIGTERM handling and ends the node with the agent); without it, SIGINT
-    and SIGTERM stop the node process."""
+    and SIGTERM stop the node process. ``tls``: a certificate and its key (PEM)
+    that TCP is served with (``--allow-remote`` needs them)."""
     from gpumesh.control import auth
     from gpumesh.control.app import ControlState, create_app
-    from gpumesh.control.server import parse_listen, serve, tcp_listener, unix_listener
+    from gpumesh.control.server import (
+        limits,
+        parse_listen,
+        serve,
+        tcp_listener,
+        tls_context,
+        unix_listener,
+    )
 
     # One Node (so one database connection) per process: a second connection made
     # beside the agent's would close a descriptor of the database file, and with it
@@ -236,12 +253,12 @@ async def run_node(
                     f"{listen} is not a loopback address: the API is served on loopback unless "
                     "--allow-remote says otherwise (and then only with a token)"
                 )
-            if not env(ENV_API_TOKEN):
-                raise ConfigError(
-                    f"a bind beyond loopback needs ${ENV_API_TOKEN} set to a token of your own"
-                )
             hosts.append(host.lower())
         tcp_address = (host, port)
+    if allow_remote:
+        _check_remote(tls)
+    context = None if tls is None or listen is None else tls_context(*tls)
+    guard = Guard(limits().fitted(raise_descriptor_limit()))
     # Where the system has no unix sockets, the owner's way in is loopback TCP
     # with the home's token (the CLI reads the address from the home's record).
     unix = platform.has("unix")
@@ -258,7 +275,7 @@ async def run_node(
         if tcp_address is not None:
             tcp = tcp_listener(*tcp_address)
             sockets.append(tcp)
-            public_url = _url_of(tcp)
+            public_url = _url_of(tcp, secure=context is not None)
         if unix:
             sockets.insert(0, unix_listener(home))
         api = [*([str(socket_path)] if unix else []), *([public_url] if public_url else [])]
@@ -314,7 +331,7 @@ async def run_node(
             process.tcp = True
             process.idle = None
             lock.write(new_record(process.api, tcp=True, version=process.version))
-            late.append(asyncio.ensure_future(serve(app, [tcp], process.stop)))
+            late.append(asyncio.ensure_future(serve(app, [tcp], process.stop, guard)))
             announce(
                 f"  http         {url}/api/v1/ (asked to serve TCP; it now stays until stopped)"
             )
@@ -336,8 +353,14 @@ async def run_node(
         announce("  OpenAPI      /api/v1/openapi.json; stop with Ctrl-C")
         watcher = asyncio.ensure_future(_watch(process))
         keeper = asyncio.ensure_future(process.pool.maintain(node.home.store))
+        if context is not None and unix:
+            # TLS is TCP's: the unix socket beside it stays plain.
+            late.append(asyncio.ensure_future(serve(app, sockets[:1], process.stop, guard)))
+            served = sockets[1:]
+        else:
+            served = list(sockets)
         try:
-            await serve(app, list(sockets), process.stop)
+            await serve(app, served, process.stop, guard, context)
             for task in late:
                 await task
         finally:
@@ -363,10 +386,31 @@ async def run_node(
     return 0
 
 
-def _url_of(tcp: socket.socket) -> str:
+def _url_of(tcp: socket.socket, *, secure: bool = False) -> str:
     bound = tcp.getsockname()
     shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
-    return f"http://{shown}:{bound[1]}"
+    return f"{'https' if secure else 'http'}://{shown}:{bound[1]}"
+
+
+def _check_remote(tls: tuple[Path, Path] | None) -> None:
+    """What ``--allow-remote`` needs: a strong token of the user's own, and TLS
+    (a token sent in plain HTTP is anybody's on the way)."""
+    token = env(ENV_API_TOKEN)
+    if not token:
+        raise ConfigError(
+            f"--allow-remote needs ${ENV_API_TOKEN} set to a token of your own, at least "
+            f"{TOKEN_MIN} characters (such as the output of `openssl rand -hex 16`)"
+        )
+    if len(token) < TOKEN_MIN:
+        raise ConfigError(
+            f"${ENV_API_TOKEN} has {len(token)} characters and --allow-remote needs at least "
+            f"{TOKEN_MIN} (128 bits): make one with `openssl rand -hex 16`"
+        )
+    if tls is None:
+        raise ConfigError(
+            "--allow-remote needs --tls-cert FILE and --tls-key FILE: the API is served beyond "
+            "loopback over HTTPS only"
+        )
 
 
 def _config_watch(home: Home) -> Callable[[], None]:

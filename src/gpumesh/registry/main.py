@@ -3,7 +3,11 @@
 Every error is one ``error:`` line and a non-zero exit (2 for a bad setting,
 1 when it cannot run); tracebacks go to the debug log only. The socket is
 bound before the server starts, so a taken port is said in one line that
-names ``--listen``.
+names ``--listen``. Every connection passes :mod:`gpumesh.httpguard` (caps per
+address and in total, a deadline for a whole request, the body limit), with
+``$GPUMESH_HTTP_DEADLINE``, ``$GPUMESH_HTTP_CONNECTIONS`` and
+``$GPUMESH_HTTP_PER_CLIENT`` over its defaults; the trusted proxies of
+``--forwarded-allow-ips`` carry many clients and have no per-address cap.
 """
 
 from __future__ import annotations
@@ -213,6 +217,7 @@ async def _run(
 ) -> int:
     import uvicorn
 
+    from gpumesh.httpguard import Guard, Limits, http_protocol, raise_descriptor_limit
     from gpumesh.registry.app import create_app
     from gpumesh.registry.store import RegistryStore
 
@@ -232,9 +237,13 @@ async def _run(
         flush=True,
     )
     logger.info("serving with the %s event loop and %s", _loop_name(), _http_name())
+    proxies = frozenset(p.strip() for p in forwarded.split(",") if p.strip() not in ("", "*"))
+    limits = Limits.from_env(body=config.max_body, exempt=proxies)
+    guard = Guard(limits.fitted(raise_descriptor_limit()))
     server = uvicorn.Server(
         uvicorn.Config(
             app,
+            http=http_protocol(guard),
             log_level=log_level.lower(),
             access_log=False,
             proxy_headers=bool(forwarded),
