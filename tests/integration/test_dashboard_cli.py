@@ -23,10 +23,13 @@ def _home(tmp_path: Path) -> Path:
 
 
 def _signs_in_once(url: str, base: str) -> None:
-    """``url`` signs a browser-like client in once, and only once."""
-    assert url.startswith(f"{base}/#code=")
-    code = url.split("#code=", 1)[1]
-    with httpx.Client(base_url=base) as browser:
+    """``url`` signs a browser-like client in once, and only once: a client of
+    ``base`` that names the URL's host (``<name>.localhost``, as a browser would)."""
+    port = base.rsplit(":", 1)[1]
+    origin, _, code = url.partition("/#code=")
+    name = origin.removeprefix("http://")
+    assert code and name.endswith(f".localhost:{port}"), url
+    with httpx.Client(base_url=base, headers={"host": name}) as browser:
         assert browser.get("/").status_code == 200
         assert "Node id" not in browser.get("/").text  # no session: no data
         first = browser.post("/api/v1/auth/session", json={"code": code})
@@ -38,7 +41,7 @@ def _signs_in_once(url: str, base: str) -> None:
             "/api/v1/node/tcp", json={"listen": "127.0.0.1:1"}, headers={"x-gpumesh-csrf": "1"}
         )
         assert refused.status_code == 403
-    again = httpx.post(f"{base}/api/v1/auth/session", json={"code": code})
+    again = httpx.post(f"{base}/api/v1/auth/session", json={"code": code}, headers={"host": name})
     assert again.status_code == 401  # one time only
 
 
@@ -67,7 +70,7 @@ def test_dashboard_starts_the_node_process_which_then_serves_tcp_and_stays(
     # A second run asks the same process; it mints a new code.
     second = cli(home, "dashboard", GPUMESH_API_ADDR=f"127.0.0.1:{port}")
     assert second.returncode == 0, second.stderr
-    assert second.stdout.strip() != url and second.stdout.startswith(f"{base}/#code=")
+    assert second.stdout.strip() != url and second.stdout.startswith(url.split("#")[0])
     assert status(home)["node"]["pid"] == pid
 
     assert cli(home, "daemon", "stop").returncode == 0
@@ -142,6 +145,7 @@ def test_dashboard_with_the_node_process_off_names_what_to_run(tmp_path: Path) -
     try:
         served = gpumesh(home, "dashboard")
         assert served.returncode == 0, served.stderr
-        assert served.stdout.startswith(f"{api.url}/#code=")
+        assert served.stdout.startswith(f"{api.dashboard}/#code=")
     finally:
         api.stop()
+
