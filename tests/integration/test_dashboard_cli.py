@@ -233,3 +233,28 @@ def test_open_with_a_snap_browser_prints_the_url_and_says_why(
     assert "snap package and cannot read" in result.stderr and str(home) in result.stderr
     assert not record.exists() and not (home / "dashboard-login.html").exists()
     _signs_in_once(result.stdout.strip(), f"http://127.0.0.1:{port}")
+
+
+def test_open_through_xdg_open_to_a_snap_default_browser_prints_the_url_and_says_why(
+    tmp_path: Path, other_user: OtherUser
+) -> None:
+    home = _home(tmp_path)
+    port = _free_tcp_port()
+    program, record = _stand_in(tmp_path, other_user)
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    (tools / "xdg-open").symlink_to(program)
+    (tools / "xdg-settings").write_text("#!/bin/sh\necho firefox_firefox.desktop\n")
+    (tools / "xdg-settings").chmod(0o755)
+    result = cli(
+        home,
+        "dashboard",
+        "--open",
+        GPUMESH_API_ADDR=f"127.0.0.1:{port}",
+        BROWSER="xdg-open",
+        PATH=f"{tools}:{os.environ['PATH']}",
+    )
+    assert result.returncode == 0, result.stderr
+    assert "#code=" in result.stdout and result.stderr.count("\n") == 1
+    assert "firefox_firefox.desktop is a snap package" in result.stderr
+    assert not record.exists() and not (home / "dashboard-login.html").exists()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import html
 import os
 import shutil
+import subprocess
 import webbrowser
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -29,7 +30,14 @@ from gpumesh.cli._node import node_enabled, node_home
 if TYPE_CHECKING:
     from gpumesh.daemon.client import NodeClient
 
-__all__ = ["OPEN_FILE", "dashboard", "login_url", "redirect_page", "sandboxed_browser"]
+__all__ = [
+    "OPEN_FILE",
+    "dashboard",
+    "desktop_packaging",
+    "login_url",
+    "redirect_page",
+    "sandboxed_browser",
+]
 
 OPEN_FILE = "dashboard-login.html"
 """The home's 0600 page that sends a browser on to a fresh sign-in URL."""
@@ -37,6 +45,13 @@ _SANDBOXED = ("/snap/", "/var/lib/snapd/", "/var/lib/flatpak/", "/.local/share/f
 """Where snap and flatpak packages and their launchers live."""
 _LAUNCHER_MARKS = (b"/snap/bin/", b"snap run", b"flatpak run")
 """What a wrapper script (Ubuntu's ``/usr/bin/firefox``) runs a sandboxed browser with."""
+_OPENERS = frozenset({"xdg-open", "gio", "gvfs-open", "kde-open", "kde-open5", "exo-open"})
+"""Programs that open the desktop's default browser, which ``xdg-settings`` names."""
+_FLATPAK_APPS = (
+    "/var/lib/flatpak/exports/share/applications",
+    "~/.local/share/flatpak/exports/share/applications",
+)
+"""Where flatpak puts its apps' desktop files."""
 
 
 def login_url(client: NodeClient, listen: str | None = None) -> str:
@@ -82,6 +97,34 @@ def sandboxed_browser(command: str) -> str | None:
     return None
 
 
+def desktop_packaging(desktop_id: str) -> str | None:
+    """A default browser's packaging from its desktop file's name: snapd names
+    them ``SNAP_APP.desktop``; flatpak exports them to its own folders."""
+    if "/" in desktop_id or not desktop_id.endswith(".desktop"):
+        return None
+    for folder in _FLATPAK_APPS:
+        if (Path(folder).expanduser() / desktop_id).exists():
+            return "flatpak"
+    stem = desktop_id.removesuffix(".desktop")
+    return "snap" if "_" in stem and "." not in stem else None
+
+
+def _default_browser() -> str | None:
+    """The desktop file of the desktop's default browser (what an opener such as
+    ``xdg-open`` starts), when ``xdg-settings`` can tell."""
+    try:
+        answer = subprocess.run(
+            ["xdg-settings", "get", "default-web-browser"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return answer.stdout.strip() or None if answer.returncode == 0 else None
+
+
 def _write_open_file(home: Path, url: str) -> Path:
     """The home's :data:`OPEN_FILE`, rewritten for ``url``: 0600, never through a link."""
     path = home / OPEN_FILE
@@ -105,10 +148,13 @@ def _browser_program() -> str | None:
 def _open(home: Path, url: str) -> None:
     """Hand the browser a file that signs in, or say why the owner must open ``url``."""
     program = _browser_program()
-    packaging = sandboxed_browser(program) if program else None
+    browser, packaging = program, sandboxed_browser(program) if program else None
+    if program is not None and packaging is None and Path(program).name in _OPENERS:
+        browser = _default_browser()
+        packaging = desktop_packaging(browser) if browser else None
     if packaging is not None:
         click.echo(
-            f"The browser {program} is a {packaging} package and cannot read {home}: "
+            f"The browser {browser} is a {packaging} package and cannot read {home}: "
             "open the URL above in it yourself (it signs in once, within 5 minutes).",
             err=True,
         )
