@@ -28,6 +28,7 @@ from gpumesh.control.endpoints import Access
 from tests.browser.test_dashboard import signed_in, wait_js
 from tests.conftest import OtherUser
 from tests.integration.conftest import gpumesh
+from tests.integration.node import cli
 from tests.integration.test_control_api import Api, start_control
 
 CATCHER = r"""
@@ -184,3 +185,30 @@ def test_another_users_server_on_another_port_catches_nothing_that_opens_the_das
         for header, value in request["headers"]:
             assert "gpumesh_session" not in value and label not in value, (header, value)
             assert header.lower() != "authorization"
+
+
+def test_the_page_dashboard_open_hands_the_browser_signs_it_in_once(browser: Any, api: Api) -> None:
+    node_id = api.ok("GET", "/api/v1/status", params={"offline": "1"})["node_id"]
+    # `true` as the browser: the page is written and handed over; chromium opens it.
+    result = cli(api.home, "dashboard", "--open", BROWSER="true")
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    handed = (api.home / "dashboard-login.html").as_uri()
+    context = browser.new_context()
+    try:
+        page = context.new_page()
+        page.goto(handed)
+        wait_js(
+            page,
+            f"location.origin === {json.dumps(api.dashboard)} && !location.hash"
+            " && document.getElementById('login') === null",
+        )
+        page.wait_for_selector("text=Node id")
+        assert node_id in page.content()
+        # Opened again, the page's code is spent: it signs nobody in a second time.
+        other = browser.new_context().new_page()
+        other.goto(handed)
+        wait_js(other, "document.getElementById('notice').textContent.includes('Sign-in failed')")
+        assert other.locator("#login").is_visible()
+        other.context.close()
+    finally:
+        context.close()
