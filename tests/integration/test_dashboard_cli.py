@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import socket
 import stat
 import sys
@@ -183,19 +184,20 @@ def test_open_hands_the_browser_an_owner_only_file_and_no_code_in_its_argv(
     port = _free_tcp_port()
     base = f"http://127.0.0.1:{port}"
     program, record = _stand_in(tmp_path, other_user)
+    # The owner's own token in the environment: the browser must not inherit it.
+    token = secrets.token_urlsafe(32)
     result = cli(
         home,
         "dashboard",
         "--open",
         GPUMESH_API_ADDR=f"127.0.0.1:{port}",
         BROWSER=str(program),
-        GPUMESH_API_TOKEN="",
+        GPUMESH_API_TOKEN=token,
     )
     assert result.returncode == 0, result.stderr
     printed = result.stdout.strip()
     code = printed.split("#code=", 1)[1]
     run = json.loads(record.read_text())
-    token = (home / "api.token").read_text().strip()
     # What another local user read in /proc while the browser ran: no code, no token.
     assert str(program) in run["seen"]  # the watch itself worked
     for text in (run["seen"], *run["argv"], *run["env"].values()):

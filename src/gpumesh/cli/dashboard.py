@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import click
 
 from gpumesh.cli._node import node_enabled, node_home
+from gpumesh.settings import ENV_API_ADDR, ENV_API_TOKEN, env
 
 if TYPE_CHECKING:
     from gpumesh.daemon.client import NodeClient
@@ -161,7 +162,7 @@ def _open(home: Path, url: str) -> None:
         return
     page = _write_open_file(home, url)
     # The browser needs none of our secrets in its environment either.
-    os.environ.pop("GPUMESH_API_TOKEN", None)
+    os.environ.pop(ENV_API_TOKEN, None)
     if not webbrowser.open(page.as_uri()):
         click.echo("No browser could be opened here: open the URL above yourself.", err=True)
 
@@ -211,8 +212,6 @@ def dashboard(open_browser: bool) -> None:
     cookie counts there alone, so no other server on this machine can use it.
     The code in the URL's fragment is good for one sign-in within 5 minutes.
     """
-    from gpumesh.settings import ENV_API_ADDR, env
-
     home = node_home()
     if node_enabled():
         from gpumesh.cli._node import node_client
