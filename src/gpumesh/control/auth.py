@@ -13,10 +13,11 @@ Cookies ignore ports: a browser sends a cookie of ``127.0.0.1:8080`` to every
 server on ``127.0.0.1``, another local user's included. So a loopback dashboard
 lives at the home's own secret name, :func:`dashboard_host`
 (``<random>.localhost``, which browsers resolve to loopback themselves), and a
-session cookie counts only on a request whose ``Host`` is that name: the cookie
-alone, replayed by whoever caught it, grants nothing, and no server of another
-user ever sees it unless it knows the name. Login URLs carry the name; nothing
-without a credential reveals it.
+session cookie counts only on a request whose ``Host`` is that name: replayed at
+any other name the cookie grants nothing, and a browser sends it to another
+user's server only when sent to that server at the name, which takes knowing
+it. Login URLs carry the name; nothing without a credential reveals it, and
+pages send no ``Referer``.
 
 Whatever the credential, ``Host`` must name loopback, the dashboard's name or a
 configured name (a DNS-rebinding page cannot), and a state-changing request whose
