@@ -184,6 +184,10 @@ def test_open_hands_the_browser_an_owner_only_file_and_no_code_in_its_argv(
     port = _free_tcp_port()
     base = f"http://127.0.0.1:{port}"
     program, record = _stand_in(tmp_path, other_user)
+    # A link planted at the page's name is replaced, never written through.
+    planted = tmp_path / "planted"
+    planted.write_text("untouched")
+    (home / "dashboard-login.html").symlink_to(planted)
     # The owner's own token in the environment: the browser must not inherit it.
     token = secrets.token_urlsafe(32)
     result = cli(
@@ -209,7 +213,7 @@ def test_open_hands_the_browser_an_owner_only_file_and_no_code_in_its_argv(
     assert run["argv"][1:] == [page.as_uri()]
     info = page.lstat()
     assert stat.S_ISREG(info.st_mode) and info.st_mode & 0o777 == 0o600
-    assert info.st_uid == os.getuid()
+    assert info.st_uid == os.getuid() and planted.read_text() == "untouched"
     assert other_user.run("cat", str(page)).returncode != 0
     assert f'content="0;url={printed}"' in page.read_text()
     _signs_in_once(printed, base)

@@ -15,6 +15,7 @@ longer exits for being idle: ``gpumesh daemon stop`` ends it.
 
 from __future__ import annotations
 
+import contextlib
 import html
 import os
 import shutil
@@ -127,11 +128,13 @@ def _default_browser() -> str | None:
 
 
 def _write_open_file(home: Path, url: str) -> Path:
-    """The home's :data:`OPEN_FILE`, rewritten for ``url``: 0600, never through a link."""
+    """The home's :data:`OPEN_FILE`, made anew for ``url``, 0600: whatever stood at
+    its name (a link included) is removed, and ``O_EXCL`` never follows one."""
     path = home / OPEN_FILE
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as out:
-        os.fchmod(out.fileno(), 0o600)  # one made earlier with a wider mode
         out.write(redirect_page(url))
     return path
 
