@@ -186,7 +186,7 @@ def measure(args: argparse.Namespace, tmp: Path) -> None:
     try:
         with (
             local_provider(tmp) as provider,
-            control(provider) as (proc, url),
+            control(provider) as (proc, _api_url),
             sync_playwright() as playwright,
         ):
             browser = playwright.chromium.launch(
@@ -196,6 +196,8 @@ def measure(args: argparse.Namespace, tmp: Path) -> None:
             )
             runner = Runner(args, provider, label)
             page = sign_in(browser, provider.bob_home)
+            # The home's own <random>.localhost name: the session cookie counts there.
+            site = page.evaluate("location.origin")
             print(
                 f"Line to page: {args.rounds} round(s) of {', '.join(PATHS)}, "
                 f"{math.ceil(args.lines / args.rounds)} lines each, {args.interval:g} s apart...",
@@ -205,12 +207,12 @@ def measure(args: argparse.Namespace, tmp: Path) -> None:
                 order = PATHS if index % 2 == 0 else PATHS[::-1]
                 for path in order:
                     if path == PAGE:
-                        samples[path].append(page_once(args, provider, page, url))
+                        samples[path].append(page_once(args, provider, page, site))
                     else:
                         samples[path].append(runner.once(path, math.ceil(args.lines / args.rounds)))
             print(f"First paint of the overview, {args.loads} loads...", flush=True)
             for _ in range(args.loads):
-                page.goto(url + "/")
+                page.goto(site + "/")
                 paints.append(
                     page.evaluate(
                         "new Promise((done) => { const look = () => { const e = performance"
@@ -223,7 +225,7 @@ def measure(args: argparse.Namespace, tmp: Path) -> None:
             print(f"Memory: 5 dashboards open for {args.minutes:g} min...", flush=True)
             pages = [sign_in(browser, provider.bob_home) for _ in range(5)]
             for each in pages:
-                each.goto(url + "/")
+                each.goto(site + "/")
             start = time.monotonic()
             while True:
                 memory.append((time.monotonic() - start, rss_kib(proc.pid)))

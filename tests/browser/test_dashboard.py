@@ -91,7 +91,7 @@ def signed_in(browser: Any, api: Api, base: str = "", **options: Any) -> Iterato
     )
     try:
         url = api.ok("POST", "/api/v1/auth/login-codes")["url"]
-        page.goto(url.replace(api.url, base) if base else url)
+        page.goto(url.replace(api.dashboard, base) if base else url)
         wait_js(page, "document.getElementById('login') === null && !location.hash")
         page.wait_for_selector("nav")
         yield page
@@ -154,12 +154,13 @@ def test_a_page_without_a_session_shows_nothing_and_another_sites_post_is_refuse
     try:
         node_id = mesh.bob.ok("GET", "/api/v1/status", params={"offline": "1"})["node_id"]
         for path in (*PAGES, "/jobs/anything"):
-            response = page.goto(mesh.bob.url + path)
+            response = page.goto(mesh.bob.dashboard + path)
             assert response.status == 200
             assert page.locator("#login").is_visible(), path
             text = page.content()
             assert node_id not in text and "alice-pc" not in text and "gpm1_" not in text, path
-        # A wrong token is refused in words; nothing shows up.
+        # A wrong token is refused in words; nothing shows up. (At 127.0.0.1: the right
+        # one sends the browser on to the dashboard's own name, signed in.)
         page.goto(mesh.bob.url + "/")
         page.fill("#login-token", "not-the-token")
         page.keyboard.press("Enter")
@@ -170,10 +171,10 @@ def test_a_page_without_a_session_shows_nothing_and_another_sites_post_is_refuse
         page.keyboard.press("Enter")
         page.wait_for_selector("text=Node id")
         assert node_id in page.content()
+        assert page.url.startswith(mesh.bob.dashboard + "/")
 
-        # A page of another origin (same host, another port: the same site, so the
-        # SameSite cookie goes along) posts a form to the API: refused by Origin.
-        target = f"{mesh.bob.url}/api/v1/peers/alice-pc/deny"
+        # A page of another origin posts a form to the API: refused by Origin.
+        target = f"{mesh.bob.dashboard}/api/v1/peers/alice-pc/deny"
         handler = type("Evil", (_EvilPage,), {"target": target})
         evil = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
         thread = threading.Thread(target=evil.serve_forever, daemon=True)
@@ -225,8 +226,8 @@ def test_two_dashboards_pair_by_keyboard_connect_and_the_qr_decodes(
         signed_in(browser, mesh.alice, **permissions) as alice,
         signed_in(browser, mesh.carol, **permissions) as carol,
     ):
-        alice.goto(mesh.alice.url + "/peers")
-        carol.goto(mesh.carol.url + "/peers")
+        alice.goto(mesh.alice.dashboard + "/peers")
+        carol.goto(mesh.carol.dashboard + "/peers")
 
         # The QR code drawn on the server decodes back to the code shown beside it.
         shown = alice.input_value("#my-code")
@@ -290,7 +291,7 @@ def test_a_run_from_the_page_streams_survives_a_reload_and_cancels(
         "echo oops >&2; sleep 300"
     )
     with signed_in(browser, mesh.bob) as page:
-        page.goto(mesh.bob.url + "/jobs")
+        page.goto(mesh.bob.dashboard + "/jobs")
         page.select_option("#run-where", "peer:alice-pc")
         page.fill("#run-command", f"sh -c '{script}'")
         page.fill("#run-env", "GREETING=hi there")
@@ -374,12 +375,14 @@ def test_a_dropped_connection_resumes_the_log_without_loss_or_repeat(
     browser: Any, mesh: Mesh
 ) -> None:
     forwarder = Forwarder(int(mesh.bob.url.rsplit(":", 1)[1]))
+    # The dashboard's own name at the forwarder's port: the session cookie counts there.
+    via = f"{mesh.bob.dashboard.rsplit(':', 1)[0]}:{forwarder.listener.getsockname()[1]}"
     try:
-        with signed_in(browser, mesh.bob, base=forwarder.url) as page:
+        with signed_in(browser, mesh.bob, base=via) as page:
             script = "i=0; while [ $i -lt 60 ]; do i=$((i+1)); echo line $i; sleep 0.1; done"
             body = {"peer": "alice-pc", "command": ["sh", "-c", script + "; echo done"]}
             job_id = mesh.bob.ok("POST", "/api/v1/jobs", json=body)["job_id"]
-            page.goto(f"{forwarder.url}/jobs/{job_id}")
+            page.goto(f"{via}/jobs/{job_id}")
             page.wait_for_selector("#log .line:has-text('line 5')")
             before = forwarder.accepted
             forwarder.cut()  # the event stream drops mid-job
@@ -412,7 +415,7 @@ def test_deny_from_the_owners_view_stops_the_peers_job_and_refuses_the_next(
     _until(running, message="bob's job never ran")
     try:
         with signed_in(browser, mesh.alice) as page:
-            page.goto(mesh.alice.url + "/owner")
+            page.goto(mesh.alice.dashboard + "/owner")
             button = page.locator('button[aria-label="Deny and stop everything for bob-laptop"]')
             page.once("dialog", lambda dialog: dialog.accept())
             button.click()
@@ -443,7 +446,7 @@ def test_the_owner_stops_one_hosted_job_from_the_owners_view(browser: Any, mesh:
 
     _until(lambda: state() == "running", message="the job never ran")
     with signed_in(browser, mesh.alice) as page:
-        page.goto(mesh.alice.url + "/owner")
+        page.goto(mesh.alice.dashboard + "/owner")
         tab_to(page, f'button[aria-label="Stop job {job_id}"]')
         page.keyboard.press("Enter")
         _until(lambda: state() == "cancelled", message="the job kept running")
@@ -468,7 +471,7 @@ def test_the_groups_page_and_a_run_on_a_group_lands_where_explain_says(
     assert chosen == "alice-pc"  # carol does not share: unreachable
 
     with signed_in(browser, mesh.bob) as page:
-        page.goto(mesh.bob.url + "/groups")
+        page.goto(mesh.bob.dashboard + "/groups")
         group = page.locator('[data-group="research"]')
         row = {
             name: group.locator(f'tr[data-member="{name}"] td').all_text_contents()
@@ -481,7 +484,7 @@ def test_the_groups_page_and_a_run_on_a_group_lands_where_explain_says(
         assert row["carol-ws"][0] == "no" and "unreachable" in row["carol-ws"][4]
         assert row["bob-laptop"][4] == "this node"
 
-        page.goto(mesh.bob.url + "/jobs")
+        page.goto(mesh.bob.dashboard + "/jobs")
         page.select_option("#run-where", "group:research")
         page.fill("#run-command", "echo placed")
         with page.expect_navigation(url="**/jobs/*"):
@@ -504,11 +507,11 @@ def test_themes_follow_the_system_the_switch_and_the_url(browser: Any, mesh: Mes
     background = "getComputedStyle(document.body).backgroundColor"
     with signed_in(browser, mesh.bob, color_scheme="dark") as page:
         dark = page.evaluate(background)
-        page.goto(mesh.bob.url + "/peers?theme=light")
+        page.goto(mesh.bob.dashboard + "/peers?theme=light")
         light = page.evaluate(background)
         assert dark != light and page.get_attribute("html", "data-theme") == "light"
         # The switch, by keyboard: it applies at once and is remembered.
-        page.goto(mesh.bob.url + "/peers")
+        page.goto(mesh.bob.dashboard + "/peers")
         assert page.evaluate(background) == dark  # the system's
         tab_to(page, "#theme-switch")
         page.keyboard.press("ArrowDown")  # System -> Light
@@ -532,7 +535,7 @@ def test_every_page_passes_axe_in_both_themes(browser: Any, mesh: Mesh) -> None:
     for theme in ("light", "dark"):
         with signed_in(browser, mesh.bob, bypass_csp=True, color_scheme=theme) as page:
             for path in _paths(mesh):
-                page.goto(f"{mesh.bob.url}{path}?theme={theme}")
+                page.goto(f"{mesh.bob.dashboard}{path}?theme={theme}")
                 page.wait_for_load_state("networkidle")
                 page.add_script_tag(path=str(AXE))
                 result = page.evaluate("axe.run(document)")
@@ -552,7 +555,7 @@ def test_screenshots_of_every_page_light_and_dark_desktop_and_phone(
         for theme in ("light", "dark"):
             with signed_in(browser, mesh.bob, viewport=size, color_scheme=theme) as page:
                 for path in _paths(mesh):
-                    page.goto(mesh.bob.url + path)
+                    page.goto(mesh.bob.dashboard + path)
                     page.wait_for_load_state("networkidle")
                     name = path.strip("/").replace("/", "-") or "overview"
                     if name.startswith("jobs-"):

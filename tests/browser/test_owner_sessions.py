@@ -78,7 +78,7 @@ def test_the_owner_stops_a_desktop_connection_from_the_page_by_keyboard(
         [listed] = _until(lambda: _sessions(owner, "desktops"), CEILING)
         _no_serious_axe_violation(browser, owner)
         with signed_in(browser, owner.api) as page:
-            page.goto(owner.api.url + "/owner")
+            page.goto(owner.api.dashboard + "/owner")
             label = f"Stop bob-laptop's desktop session {listed['id']}"
             row = page.locator(f'tr[data-session="{listed["id"]}"]')
             assert "Desktop" in row.inner_text() and "bob-laptop" in row.inner_text()
@@ -100,7 +100,7 @@ def _no_serious_axe_violation(browser: Any, owner: Owner) -> None:
     serious = []
     for theme in ("light", "dark"):
         with signed_in(browser, owner.api, bypass_csp=True, color_scheme=theme) as page:
-            page.goto(f"{owner.api.url}/owner?theme={theme}")
+            page.goto(f"{owner.api.dashboard}/owner?theme={theme}")
             page.locator("tr[data-session]").first.wait_for()
             page.add_script_tag(path=str(AXE))
             result = page.evaluate("axe.run(document)")
@@ -129,7 +129,7 @@ def test_deny_and_stop_everything_ends_shells_desktop_and_cuda_sessions(
             )
             [cuda] = _sessions(owner, "cuda")
             with signed_in(browser, owner.api) as page:
-                page.goto(owner.api.url + "/owner")
+                page.goto(owner.api.dashboard + "/owner")
                 for kind in ("Shell", "Desktop", "CUDA"):
                     page.locator("tr[data-session]", has_text=kind).wait_for()
                 page.once("dialog", lambda dialog: dialog.accept())

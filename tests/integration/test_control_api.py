@@ -65,6 +65,12 @@ class Api:
     def token(self) -> str:
         return (self.home / "api.token").read_text().strip()
 
+    @property
+    def dashboard(self) -> str:
+        """``http://<name>.localhost:PORT``: where its login URLs send a browser (the
+        home's secret name, where alone a session cookie counts)."""
+        return self.login.split("/#code=", 1)[0]
+
     def call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         """A request on the unix socket (the owner's: no credential)."""
         return _record(self.unix.request(method, path, **kwargs))
@@ -472,27 +478,42 @@ def test_browser_login_cookie_csrf_and_local_paths(mesh: Mesh) -> None:
     assert 'id="login"' in page.text and "Node id" not in page.text  # no data without a session
 
     code = api.login.split("#code=", 1)[1]
+    name = api.dashboard.split("://", 1)[1]
+    assert name.endswith(f".localhost:{api.url.rsplit(':', 1)[1]}")
+    assert name.split(".")[0] not in api.token  # derived from it, never part of it
+    # At 127.0.0.1 a cookie would reach every port of it: the code is not traded there.
+    loopback = api.tcp("POST", "/api/v1/auth/session", bearer=False, json={"code": code})
+    assert loopback.status_code == 403 and "gpumesh dashboard" in loopback.json()["message"]
+    at_name = {"host": name}
     cross = api.tcp(
         "POST",
         "/api/v1/auth/session",
         bearer=False,
         json={"code": code},
-        headers={"origin": "http://evil.example"},
+        headers={"origin": "http://evil.example", **at_name},
     )
     assert cross.status_code == 403  # and the code is not spent by it
-    exchanged = api.tcp("POST", "/api/v1/auth/session", bearer=False, json={"code": code})
+    exchanged = api.tcp(
+        "POST", "/api/v1/auth/session", bearer=False, json={"code": code}, headers=at_name
+    )
     assert exchanged.status_code == 204 and exchanged.content == b""
     cookie = exchanged.headers["set-cookie"]
     assert "httponly" in cookie.lower() and "samesite=strict" in cookie.lower()
     session = exchanged.cookies["gpumesh_session"]
-    reused = api.tcp("POST", "/api/v1/auth/session", bearer=False, json={"code": code})
+    reused = api.tcp(
+        "POST", "/api/v1/auth/session", bearer=False, json={"code": code}, headers=at_name
+    )
     assert reused.status_code == 401 and reused.json()["code"] == "denied"
 
     def browser(method: str, path: str, **kwargs: Any) -> httpx.Response:
-        headers = {"cookie": f"gpumesh_session={session}", **kwargs.pop("headers", {})}
+        headers = {"cookie": f"gpumesh_session={session}", **at_name, **kwargs.pop("headers", {})}
         return api.tcp(method, path, bearer=False, headers=headers, **kwargs)
 
     assert browser("GET", "/api/v1/status", params={"offline": "1"}).status_code == 200
+    # The cookie alone, at any other name of loopback (another user's catch), is nothing.
+    for host in ("127.0.0.1", "localhost", f"127.0.0.1:{api.url.rsplit(':', 1)[1]}"):
+        replayed = browser("GET", "/api/v1/status", headers={"host": host})
+        assert replayed.status_code == 401, host
     no_csrf = browser("POST", "/api/v1/peers/alice-pc/allow")
     assert no_csrf.status_code == 403 and "x-gpumesh-csrf" in no_csrf.json()["message"]
     csrf = {"x-gpumesh-csrf": "1"}
@@ -517,7 +538,7 @@ def test_browser_login_cookie_csrf_and_local_paths(mesh: Mesh) -> None:
     assert workdir.status_code == 403
     # A new login URL comes from the owner's socket; logging out ends the session.
     fresh = api.ok("POST", "/api/v1/auth/login-codes")
-    assert fresh["url"].startswith(f"{api.url}/#code=")
+    assert fresh["url"].startswith(f"{api.dashboard}/#code=")
     assert browser("DELETE", "/api/v1/auth/session", headers=csrf).status_code == 204
     assert browser("GET", "/api/v1/peers").status_code == 401
 

@@ -96,3 +96,35 @@ def test_login_codes_are_one_time_and_expire() -> None:
     kept = sessions.exchange(sessions.new_code())
     sessions.end(kept)
     assert not sessions.valid(kept)
+
+
+def test_the_dashboards_name_is_the_homes_own_and_says_nothing_of_the_token() -> None:
+    name = auth.dashboard_host("token-one")
+    label, _, tld = name.partition(".")
+    assert tld == "localhost" and len(label) == 32 and int(label, 16) >= 0
+    assert auth.dashboard_host("token-one") == name  # the same across restarts
+    assert auth.dashboard_host("token-two") != name  # a new token, a new name
+    assert label not in "token-one" and "token" not in label
+    # The Host check takes it only when told: a bare *.localhost is not loopback.
+    assert not auth.host_allowed(f"{name}:8080", frozenset())
+    assert auth.host_allowed(f"{name}:8080", frozenset({name}))
+
+
+def test_login_urls_name_the_dashboards_host_on_loopback_only() -> None:
+    from gpumesh.control.app import ControlState
+
+    state = ControlState(node=None, token="t", public_url="http://127.0.0.1:8080")  # type: ignore[arg-type]
+    name = auth.dashboard_host("t")
+    assert state.login_url("C") == f"http://{name}:8080/#code=C"
+    assert state.cookie_hosts == frozenset({name})
+    state.public_url = "http://[::1]:9090"
+    assert state.login_url("C") == f"http://{name}:9090/#code=C"
+    # A bind beyond loopback (--allow-remote) is reached by its own configured name.
+    remote = ControlState(
+        node=None,  # type: ignore[arg-type]
+        token="t",
+        host_names=frozenset({"gpu-box.lan"}),
+        public_url="http://gpu-box.lan:8443",
+    )
+    assert remote.login_url("C") == "http://gpu-box.lan:8443/#code=C"
+    assert remote.cookie_hosts == frozenset({"gpu-box.lan", name})

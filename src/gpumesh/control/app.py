@@ -9,7 +9,8 @@ result lives in ``gpumesh.client``, and the JSON is the view struct the CLI's
 
 Who may call what (``auth.py`` has the rules): the unix socket is the owner's
 and may call everything; over TCP a bearer token may call everything, a browser
-session cookie everything but the routes that name local paths (copies, apps, a
+session cookie (sent to the home's secret ``<random>.localhost`` name, and
+nowhere else) everything but the routes that name local paths (copies, apps, a
 job's local workdir), and nothing without a credential but the page, the login
 exchange and the OpenAPI document. Errors are ``{"code", "message"}`` with the
 error tree's stable codes.
@@ -96,6 +97,27 @@ class ControlState:
     """``gpumesh exec`` sessions run here, made on the first one."""
     guesses: TokenGuesses = field(default_factory=TokenGuesses.from_env)
     """Wrong bearer tokens per address: 429 after a few in a row."""
+
+    @property
+    def dashboard_host(self) -> str:
+        """The home's secret ``<random>.localhost`` name its browser sessions live at."""
+        return auth.dashboard_host(self.token)
+
+    @property
+    def cookie_hosts(self) -> frozenset[str]:
+        """The ``Host`` names a session cookie counts on: the dashboard's secret name,
+        and a non-loopback bind's configured names (a remote browser's)."""
+        return self.host_names | {self.dashboard_host}
+
+    def login_url(self, code: str) -> str:
+        """The one-time sign-in URL for ``code``: at the dashboard's secret name when
+        the listener is on loopback (where the session cookie will count), else at
+        the listener's own address."""
+        scheme, _, address = self.public_url.partition("://")
+        name, _, port = address.rpartition(":")
+        if auth.is_loopback(auth.host_name(address)):
+            address = f"{self.dashboard_host}:{port}" if name else self.dashboard_host
+        return f"{scheme}://{address}/#code={code}"
 
 
 class Refusal(Exception):
@@ -809,6 +831,15 @@ async def post_end_cuda(call: Call) -> object:
 async def post_session(call: Call) -> object:
     """Exchange a one-time login code for a browser session cookie."""
     body: ExchangeBody = call.body
+    if not _cookie_host(call.request, call.state):
+        # Checked before the code is spent: the owner may still follow the right URL.
+        raise Refusal(
+            403,
+            AccessDeniedError(
+                "sign in through the URL `gpumesh dashboard` prints: a session cookie counts "
+                "only at the host name in it"
+            ),
+        )
     session = call.state.sessions.exchange(body.code)
     if session is None:
         raise Refusal(401, AccessDeniedError("that login code is unknown, used or expired"))
@@ -837,7 +868,7 @@ async def post_login_code(call: Call) -> object:
     if not call.state.public_url:
         raise AgentError("this control server does not listen on TCP: no browser can log in")
     code = call.state.sessions.new_code()
-    return LoginCodeView(f"{call.state.public_url}/#code={code}", auth.CODE_TTL)
+    return LoginCodeView(call.state.login_url(code), auth.CODE_TTL)
 
 
 async def get_openapi(call: Call) -> object:
@@ -1067,7 +1098,7 @@ def _credential(request: Request, state: ControlState, endpoint: Endpoint) -> Cr
         return Credential.UNIX  # a unix socket's peer passed its file mode
     headers = request.headers
     host = headers.get("host")
-    if not auth.host_allowed(host, state.host_names):
+    if not auth.host_allowed(host, state.cookie_hosts):
         raise Refusal(
             403,
             AccessDeniedError(
@@ -1088,7 +1119,8 @@ def _credential(request: Request, state: ControlState, endpoint: Endpoint) -> Cr
             raise Refusal(401, AccessDeniedError("wrong API token"))
         state.guesses.right(address)
         return Credential.BEARER
-    if state.sessions.valid(request.cookies.get(auth.COOKIE)):
+    # A cookie reached any port of its host; only at the secret name is it ours.
+    if _cookie_host(request, state) and state.sessions.valid(request.cookies.get(auth.COOKIE)):
         if changes and headers.get(auth.CSRF_HEADER) is None:
             raise Refusal(
                 403, AccessDeniedError(f"a browser's change needs the {auth.CSRF_HEADER} header")
@@ -1111,6 +1143,11 @@ def _credential(request: Request, state: ControlState, endpoint: Endpoint) -> Cr
             "or the home's api.token), or a browser session from a login URL"
         ),
     )
+
+
+def _cookie_host(request: Request, state: ControlState) -> bool:
+    """Whether ``request`` names a host a session cookie counts on."""
+    return auth.host_name(request.headers.get("host", "")) in state.cookie_hosts
 
 
 def _endpoint(endpoint: Endpoint, state: ControlState) -> Callable[[Request], Awaitable[Response]]:

@@ -9,9 +9,20 @@ and needs nothing more. TCP always needs one of:
   (from a URL's fragment) once; it is ``HttpOnly; SameSite=Strict``, and a
   state-changing request made with it must carry :data:`CSRF_HEADER`.
 
-Whatever the credential, ``Host`` must name loopback or a configured name (a
-DNS-rebinding page cannot), and a state-changing request whose ``Origin`` is
-another site's is refused. Codes and sessions live in memory: a restart ends them.
+Cookies ignore ports: a browser sends a cookie of ``127.0.0.1:8080`` to every
+server on ``127.0.0.1``, another local user's included. So a loopback dashboard
+lives at the home's own secret name, :func:`dashboard_host`
+(``<random>.localhost``, which browsers resolve to loopback themselves), and a
+session cookie counts only on a request whose ``Host`` is that name: replayed at
+any other name the cookie grants nothing, and a browser sends it to another
+user's server only when sent to that server at the name, which takes knowing
+it. Login URLs carry the name; nothing without a credential reveals it, and
+pages send no ``Referer``.
+
+Whatever the credential, ``Host`` must name loopback, the dashboard's name or a
+configured name (a DNS-rebinding page cannot), and a state-changing request whose
+``Origin`` is another site's is refused. Codes and sessions live in memory: a
+restart ends them.
 """
 
 from __future__ import annotations
@@ -38,6 +49,7 @@ __all__ = [
     "Sessions",
     "api_token",
     "bearer",
+    "dashboard_host",
     "host_allowed",
     "host_name",
     "is_loopback",
@@ -54,6 +66,7 @@ CODE_TTL = 300.0
 SESSION_TTL = 12 * 3600.0
 """Seconds a browser session lasts."""
 _LOOPBACK_NAMES = frozenset({"localhost", "localhost.", "ip6-localhost"})
+_DASHBOARD_LABEL = b"gpumesh dashboard host name"
 
 
 def api_token(home: Path) -> str:
@@ -89,6 +102,17 @@ def _read_token(path: Path) -> str:
         ) from None
     with os.fdopen(fd) as found:
         return found.read().strip()
+
+
+def dashboard_host(token: str) -> str:
+    """The home's own secret name for its loopback dashboard, ``<32 hex>.localhost``.
+
+    Derived from the API token (an HMAC, so the name says nothing of the token):
+    it stays the same for a home across restarts, so bookmarks keep working, and
+    it changes with the token. Browsers resolve every ``*.localhost`` to loopback
+    without asking DNS."""
+    label = hmac.new(token.encode(), _DASHBOARD_LABEL, hashlib.sha256).hexdigest()[:32]
+    return f"{label}.localhost"
 
 
 def _nofollow() -> int:

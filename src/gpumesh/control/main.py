@@ -37,7 +37,9 @@ Examples:
   gpumesh-control                                  # unix socket + 127.0.0.1:8080
   GPUMESH_API_ADDR=127.0.0.1:9090 gpumesh-control
   curl --unix-socket ~/.gpumesh/control.sock http://gpumesh/api/v1/status
-  curl -H "Authorization: Bearer $(cat ~/.gpumesh/api.token)" http://127.0.0.1:8080/api/v1/peers
+  # over TCP, in bash: printf is built in, so the token is on no command line
+  curl -H @<(printf 'Authorization: Bearer %s\\n' "$(<~/.gpumesh/api.token)") \\
+      http://127.0.0.1:8080/api/v1/peers
   GPUMESH_API_TOKEN=$(openssl rand -hex 16) gpumesh-control --listen 10.0.0.5:8443 \\
       --allow-remote --tls-cert cert.pem --tls-key key.pem --allowed-host gpu-box.lan
 """,

@@ -349,7 +349,7 @@ async def run_node(
             where = f"${ENV_API_TOKEN}" if env(ENV_API_TOKEN) else str(home / auth.TOKEN_FILE)
             announce(f"  http         {public_url}/api/v1/ (Authorization: Bearer, from {where})")
             code = state.sessions.new_code()
-            announce(f"  browser      {public_url}/#code={code} (one-time login)")
+            announce(f"  browser      {state.login_url(code)} (one-time login)")
         announce("  OpenAPI      /api/v1/openapi.json; stop with Ctrl-C")
         watcher = asyncio.ensure_future(_watch(process))
         keeper = asyncio.ensure_future(process.pool.maintain(node.home.store))

@@ -74,12 +74,20 @@
       const given = form.elements.token.value.trim();
       try {
         const inUrl = given.match(/#code=([A-Za-z0-9_-]+)/);
-        if (inUrl) {
+        const elsewhere = inUrl && /^http:\/\/[0-9a-f]+\.localhost(:\d+)?\//.test(given)
+          && !given.startsWith(location.origin + "/");
+        if (elsewhere) {
+          location.assign(given);  // a login URL at the home's own name: sign in there
+          return;
+        } else if (inUrl) {
           await exchange(inUrl[1]);
         } else {
+          // The new URL is at the home's own host name, where the session cookie
+          // counts; it signs in on arrival (signInFromFragment).
           const login = await api("POST", "/api/v1/auth/login-codes", undefined,
             { authorization: `Bearer ${given}` });
-          await exchange(login.url.split("#code=")[1]);
+          location.assign(login.url);
+          return;
         }
         location.reload();
       } catch (e) {
