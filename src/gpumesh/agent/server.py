@@ -32,10 +32,12 @@ from gpumesh.agent.gpus import GpuAllocator
 from gpumesh.agent.jobs import JobService, uploaded_workdirs
 from gpumesh.agent.limits import ShareLimits, machine_size, return_free_memory
 from gpumesh.agent.ratelimit import ConnectionLimiter, Outcome, RefusalTally, Slot
+from gpumesh.blocking import in_thread
 from gpumesh.cuda.owner import clear_sessions, write_sessions
 from gpumesh.errors import (
     AccessDeniedError,
     AgentError,
+    ConfigError,
     GPUMeshError,
     InUseError,
     LimitError,
@@ -204,8 +206,12 @@ class Agent:
         return self.endpoint.local_address
 
     async def start(self) -> Address:
-        """Bind the share port and start serving; returns the bound address."""
+        """Bind the share port and start serving; returns the bound address.
+
+        Refuses (ConfigError) a ``job_network`` whose rules cannot be installed
+        here, before anything is bound: jobs never run unfiltered."""
         self.home.secure()
+        await in_thread(self._prepare_job_network)
         try:
             self.endpoint = QuicEndpoint.listen(
                 self.identity,
@@ -231,7 +237,21 @@ class Agent:
         self._spawn(self.jobs.recover())
         logger.info("sharing on udp %s:%d as %s", host, port, self.name)
         logger.info("limits: %s", self.share_limits().describe())
+        logger.info("job network: %s", self.containers.network().mode)
         return self.address
+
+    def _prepare_job_network(self) -> None:
+        """Refuse a job network this machine cannot filter; install it now when the
+        engine is up (else before the first container)."""
+        problem = self.containers.network_problem()
+        if problem is not None:
+            raise ConfigError(problem)
+        try:
+            self.containers.network().ensure(self.containers.runtime)
+        except GPUMeshError as exc:
+            if isinstance(exc, ConfigError):
+                raise
+            logger.warning("job network not made yet (%s); made before the first job", exc)
 
     # --- the relay --------------------------------------------------------------------
 

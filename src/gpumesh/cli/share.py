@@ -187,6 +187,7 @@ async def _serve(
     from gpumesh.agent.server import Agent
     from gpumesh.cli import _publish
     from gpumesh.client.node import Node
+    from gpumesh.runtime.jobnet import describe_mode
     from gpumesh.units import format_size
 
     assert isinstance(node, Node)
@@ -219,7 +220,11 @@ async def _serve(
     else:
         click.echo("  no NVIDIA GPU here: peers can run CPU-only jobs (without --gpu-memory)")
     await _report_job_user(agent)
-    click.echo(f"  limits: {agent.share_limits().describe()}")
+    network = agent.containers.network()
+    click.echo(
+        f"  limits: {agent.share_limits().describe()}; job network {network.mode} "
+        f"({describe_mode(network.mode)})"
+    )
     if agent.relay is not None:
         await _report_relay(agent.relay)
     publishing = await _publish.start(
