@@ -20,6 +20,7 @@ import os
 import random
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import uuid
@@ -31,6 +32,7 @@ from typing import Any
 import docker
 import pytest
 
+from gpumesh.errors import ExitCode
 from gpumesh.runtime.base import (
     LABEL_ATTEMPT,
     LABEL_JOB,
@@ -43,6 +45,7 @@ from gpumesh.runtime.docker import DockerRuntime
 from gpumesh.runtime.jobnet import JobNetwork, Mode
 from tests.conftest import _in_ci
 from tests.integration.conftest import gpumesh, remove_containers, shared_pair
+from tests.integration.test_cli import _free_udp_port, _init, _one_line_error, _start_share
 from tests.jobnet_lab import remove_job_networks
 
 IMAGE = os.environ.get("GPUMESH_TEST_DOCKER_IMAGE", "gpumesh-test/busybox:1")
@@ -431,3 +434,85 @@ def test_installing_twice_leaves_one_jump_and_the_same_rules() -> None:
 def _rules(*chains: str) -> list[str]:
     shown = subprocess.run(["iptables", "-S"], capture_output=True, text=True, check=True)
     return [line for line in shown.stdout.splitlines() if any(c in line for c in chains)]
+
+
+# --- what the owner sees ---------------------------------------------------------------
+
+
+def _bare_path(tmp_path: Path) -> str:
+    """A PATH without iptables: how a machine without it looks to the agent."""
+    bare = tmp_path / "bin"
+    bare.mkdir(exist_ok=True)
+    return str(bare)
+
+
+@pytest.mark.parametrize("mode", ["internet", "lan"])
+def test_share_and_doctor_refuse_a_filtered_network_that_cannot_be_installed(
+    tmp_path: Path, mode: str
+) -> None:
+    home = tmp_path / "a"
+    _init(home, "alice-pc", _free_udp_port())
+    assert gpumesh(home, "config", "set", "job_network", mode).returncode == 0
+    env = dict(os.environ, GPUMESH_HOME=str(home), PATH=_bare_path(tmp_path))
+    env.pop("GPUMESH_LOG", None)
+    shared = subprocess.run(
+        [sys.executable, "-m", "gpumesh", "share"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    _one_line_error(shared, ExitCode.USAGE, f"job_network {mode} needs firewall rules")
+    for words in (
+        "iptables and iptables-restore are not installed",
+        "`gpumesh config set job_network none` (jobs get no network)",
+        "`gpumesh config set job_network bridge` (jobs can reach this machine's services",
+    ):
+        assert words in shared.stderr
+    assert not (home / "agent.json").exists()
+
+    doctor = subprocess.run(
+        [sys.executable, "-m", "gpumesh", "doctor"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert doctor.returncode == ExitCode.FAILED, doctor.stdout
+    (line,) = [line for line in doctor.stdout.splitlines() if "job network" in line]
+    assert line.startswith("✗")
+    assert shared.stderr.strip().removeprefix("error: ") in line
+
+
+def test_share_shows_the_job_network_in_its_limits_line(tmp_path: Path) -> None:
+    home = tmp_path / "a"
+    _init(home, "alice-pc", _free_udp_port())
+    for mode, words in (
+        ("internet", "job network internet (DNS and the internet only)"),
+        ("bridge", "job network bridge (Docker's bridge: this machine's services"),
+    ):
+        assert gpumesh(home, "config", "set", "job_network", mode).returncode == 0
+        share = _start_share(home)
+        try:
+            assert share.stdout is not None
+            limits = ""
+            while not limits:
+                line = share.stdout.readline()
+                assert line, "share ended before its limits line"
+                limits = line if "limits:" in line else ""
+            assert words in limits, limits
+        finally:
+            share.send_signal(signal.SIGINT)
+            share.communicate(timeout=30)
+
+
+def test_an_unknown_job_network_is_refused_naming_the_valid_ones(tmp_path: Path) -> None:
+    home = tmp_path / "a"
+    _init(home, "alice-pc")
+    _one_line_error(
+        gpumesh(home, "config", "set", "job_network", "host"),
+        ExitCode.USAGE,
+        "invalid value 'host': use one of internet, lan, bridge, none",
+    )

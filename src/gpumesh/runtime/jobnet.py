@@ -58,6 +58,7 @@ __all__ = [
     "cannot_filter",
     "describe_mode",
     "install_problem",
+    "iptables_installed",
     "is_job_network",
     "names_for",
     "resolvers_from",
@@ -113,6 +114,11 @@ def cannot_filter(mode: str, why: str) -> str:
         "`gpumesh config set job_network bridge` (jobs can reach this machine's services "
         "and networks)"
     )
+
+
+def iptables_installed() -> bool:
+    """Whether the tools the rules are installed with are on PATH."""
+    return all(shutil.which(tool) for tool in ("iptables", "iptables-restore"))
 
 
 def install_problem(*, euid: int, rootless: bool, iptables: bool) -> str | None:
@@ -289,8 +295,7 @@ class JobNetwork:
         nothing); ``rootless``: whether the engine runs rootless."""
         if self.names is None:
             return None
-        iptables = all(shutil.which(tool) for tool in ("iptables", "iptables-restore"))
-        why = install_problem(euid=os.geteuid(), rootless=rootless, iptables=iptables)
+        why = install_problem(euid=os.geteuid(), rootless=rootless, iptables=iptables_installed())
         return cannot_filter(self.mode, why) if why else None
 
     def ensure(self, engine: NetworkEngine) -> None:
