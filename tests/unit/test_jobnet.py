@@ -17,6 +17,7 @@ from gpumesh.runtime.jobnet import (
     resolvers_from,
     rule_set,
 )
+from gpumesh.transport.sockowner import exposed_addresses
 
 
 def _rules(mode: str, resolvers: Sequence[str] = ("10.255.255.53",)) -> list[str]:
@@ -189,3 +190,16 @@ def test_a_failing_iptables_refuses_in_one_line(monkeypatch: pytest.MonkeyPatch)
     assert "No chain/target/match" in caught.value.message
     assert "\n" not in caught.value.message
     assert "job_network none" in caught.value.message
+
+
+def test_exposed_addresses_are_the_non_loopback_ones_of_that_port() -> None:
+    listeners = {
+        ("127.0.0.1", 5900),
+        ("0.0.0.0", 5900),
+        ("::", 5900),
+        ("::1", 5900),
+        ("192.0.2.2", 5900),
+        ("0.0.0.0", 3389),
+    }
+    assert exposed_addresses(listeners, 5900) == ["0.0.0.0", "192.0.2.2", "::"]
+    assert exposed_addresses({("127.0.0.1", 5900)}, 5900) == []
