@@ -5,8 +5,9 @@ use: an agent without Docker still serves pings), the images peers may use
 (``allowed_images``, ``image_disk``), the user containers run as (``job_user``,
 ``job_root``), their limits (``job_*``) and the network they join
 (``job_network``, whose rules :mod:`gpumesh.runtime.jobnet` owns: they are in
-place before the first container of a filtered mode is made). The job and exec services build
-their containers from these; neither reaches into the other for them.
+place before the first container of a filtered mode is made). The job and exec
+services build their containers from these; neither reaches into the other for
+them.
 """
 
 from __future__ import annotations

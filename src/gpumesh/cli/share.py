@@ -72,6 +72,11 @@ def share(
     use), taking over from one running in the background; `gpumesh daemon stop`
     stops it too. Sharing needs Linux; macOS and Windows machines work as
     consumers.
+
+    Jobs reach what config job_network says: by default (internet) DNS and the
+    internet, never this machine, other containers, link-local or private
+    addresses. That takes firewall rules only root installs: as another user,
+    share refuses it until you choose job_network none or bridge.
     """
     if ctx.invoked_subcommand is not None:
         return
