@@ -419,9 +419,17 @@ def test_refusals_create_no_container(cluster, engine, tmp_path: Path) -> None:
     arun(scenario())
 
 
+@pytest.fixture
+def collected_last() -> Iterator[None]:
+    """Collects garbage once the test's other fixtures are torn down (its nodes and
+    their agents' engine clients too), still under the test's warning filters."""
+    yield
+    gc.collect()
+
+
 # The docker SDK leaves the socket of a failed unix connect unclosed (its bug, not ours).
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-def test_docker_down_on_the_provider_is_a_clear_refusal(cluster) -> None:
+def test_docker_down_on_the_provider_is_a_clear_refusal(collected_last, cluster) -> None:
     alice, bob = cluster("alice"), cluster("bob")
     client = docker.DockerClient(base_url="unix:///nonexistent.sock", version="1.41")
     broken = DockerRuntime(client)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import os
 import threading
@@ -39,6 +40,8 @@ if TYPE_CHECKING:
     from gpumesh.transport.stream import Stream
 
 __all__ = ["ContainerLimits", "Containers", "JobUser", "PullReporter"]
+
+logger = logging.getLogger(__name__)
 
 
 class PullReporter:
@@ -189,15 +192,25 @@ class Containers:
                 self._network = JobNetwork(mode, prefix=prefix)
             return self._network
 
-    def network_problem(self) -> str | None:
-        """Why ``job_network`` cannot be had here, in one line (None: it can). Asks
-        the engine whether it runs rootless only when it is reachable (blocking)."""
+    def start_network(self) -> None:
+        """At share start (blocking): refuse, in one line, a ``job_network`` this
+        machine cannot filter; make the network and its rules now when the engine
+        answers, else before the first container."""
         network = self.network()
         try:
             rootless = self.runtime.is_rootless()
-        except GPUMeshError:
-            rootless = False  # no engine yet: asked again before the first container
-        return network.problem(rootless=rootless)
+        except GPUMeshError as exc:
+            rootless = False
+            unreachable: str | None = exc.message
+        else:
+            unreachable = None
+        problem = network.problem(rootless=rootless)
+        if problem is not None:
+            raise ConfigError(problem)
+        if unreachable is not None:
+            logger.warning("job network not made yet (%s): made before the first job", unreachable)
+            return
+        network.ensure(self.runtime)
 
     def ensure_network(self) -> None:
         """Make the job network and install its rules, once (blocking); refuses, in

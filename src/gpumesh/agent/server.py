@@ -37,7 +37,6 @@ from gpumesh.cuda.owner import clear_sessions, write_sessions
 from gpumesh.errors import (
     AccessDeniedError,
     AgentError,
-    ConfigError,
     GPUMeshError,
     InUseError,
     LimitError,
@@ -211,7 +210,11 @@ class Agent:
         Refuses (ConfigError) a ``job_network`` whose rules cannot be installed
         here, before anything is bound: jobs never run unfiltered."""
         self.home.secure()
-        await in_thread(self._prepare_job_network)
+        try:
+            await in_thread(self.containers.start_network)
+        except GPUMeshError:
+            self.containers.close()  # the engine client it opened: nothing else runs
+            raise
         try:
             self.endpoint = QuicEndpoint.listen(
                 self.identity,
@@ -222,6 +225,7 @@ class Agent:
                 on_drop=self._dropped,
             )
         except OSError as exc:
+            self.containers.close()
             raise InUseError(
                 f"cannot listen on UDP {self.host}:{self.port}: {exc.strerror or exc}; is "
                 "another `gpumesh share` running? pick another port with "
@@ -239,19 +243,6 @@ class Agent:
         logger.info("limits: %s", self.share_limits().describe())
         logger.info("job network: %s", self.containers.network().mode)
         return self.address
-
-    def _prepare_job_network(self) -> None:
-        """Refuse a job network this machine cannot filter; install it now when the
-        engine is up (else before the first container)."""
-        problem = self.containers.network_problem()
-        if problem is not None:
-            raise ConfigError(problem)
-        try:
-            self.containers.network().ensure(self.containers.runtime)
-        except GPUMeshError as exc:
-            if isinstance(exc, ConfigError):
-                raise
-            logger.warning("job network not made yet (%s); made before the first job", exc)
 
     # --- the relay --------------------------------------------------------------------
 
