@@ -203,3 +203,16 @@ def test_exposed_addresses_are_the_non_loopback_ones_of_that_port() -> None:
     }
     assert exposed_addresses(listeners, 5900) == ["0.0.0.0", "192.0.2.2", "::"]
     assert exposed_addresses({("127.0.0.1", 5900)}, 5900) == []
+
+
+@pytest.mark.parametrize("mode", ["internet", "lan"])
+def test_filtered_modes_join_a_network_of_their_own_given_exactly_the_opened_resolvers(
+    mode: str,
+) -> None:
+    network = JobNetwork(mode, prefix="gpumesh-jobs", resolvers=("10.0.0.2",))  # type: ignore[arg-type]
+    assert network.docker_network == f"gpumesh-jobs-{mode}"
+    assert network.dns == ("10.0.0.2",)
+    names = network.names
+    assert names is not None
+    restore = rule_set(mode, names, network.dns).restore  # type: ignore[arg-type]
+    assert "-d 10.0.0.2/32 --dport 53" in restore
