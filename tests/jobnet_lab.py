@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import subprocess
 
 import docker
 import docker.errors
+import requests.exceptions
 
 from gpumesh.runtime.jobnet import FILTERED_MODES, names_for
 
@@ -24,6 +26,8 @@ def remove_job_networks(prefix: str) -> None:
     """Remove what :class:`gpumesh.runtime.jobnet.JobNetwork` made under ``prefix``."""
 
     def iptables(*args: str) -> int:
+        if shutil.which("iptables") is None:
+            return 1  # nothing was installed without it
         return subprocess.run(["iptables", *args], capture_output=True, check=False).returncode
 
     for mode in FILTERED_MODES:
@@ -36,8 +40,13 @@ def remove_job_networks(prefix: str) -> None:
         try:
             client = docker.from_env()
         except docker.errors.DockerException:
-            continue
-        with contextlib.closing(client):
+            continue  # no engine here: it made no network either
+        with (
+            contextlib.closing(client),
+            contextlib.suppress(
+                docker.errors.DockerException, requests.exceptions.RequestException
+            ),
+        ):
             for network in client.networks.list(names=[names.network]):
                 if network.name != names.network:
                     continue

@@ -20,22 +20,8 @@ import pytest
 
 from gpumesh.agent.server import Agent
 from gpumesh.client.node import Node
-from gpumesh.settings import ENV_TEST_JOB_NETWORK
-from tests.jobnet_lab import SESSION_PREFIX, remove_job_networks
 
 T = TypeVar("T")
-
-
-@pytest.fixture(autouse=True, scope="session")
-def _own_job_networks() -> Iterator[None]:
-    """Agents of this test run (in-process and CLI alike) make job networks of
-    their own, removed at the end."""
-    os.environ[ENV_TEST_JOB_NETWORK] = SESSION_PREFIX
-    try:
-        yield
-    finally:
-        if os.geteuid() == 0:
-            remove_job_networks(SESSION_PREFIX)
 
 
 def arun(coro: Coroutine[Any, Any, T]) -> T:
