@@ -83,6 +83,9 @@ def _measure(work: Path, mode: list[str], size: str) -> dict[str, object]:
         for home, ns, name in ((a, "A", "consumer"), (b, "B", "provider")):
             _gpumesh(ns, home, "init", "--name", name)
             _gpumesh(ns, home, "config", "set", "relay", RELAY)
+            # The provider shares from a namespace apart from the engine's: job
+            # network rules made there would filter nothing.
+            _gpumesh(ns, home, "config", "set", "job_network", "bridge")
         _gpumesh("A", a, "pair", _gpumesh("B", b, "pair-code").strip())
         _gpumesh("B", b, "pair", _gpumesh("A", a, "pair-code").strip())
         relay = [str(BIN / "gpumesh-relay"), "--listen", RELAY, "--open", "--log-level", "warning"]

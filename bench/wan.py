@@ -872,6 +872,10 @@ def run(args: argparse.Namespace, rows: list[Row]) -> None:
         (tmp / "ssh-in").mkdir()
         (tmp / "apps").mkdir()
         alice, bob = make_nodes(tmp, PORT, ADDRESS_A)
+        # alice shares from a namespace of her own while the engine stays in this
+        # machine's: job network rules made there would filter nothing.
+        alice.home.config.set("job_network", "bridge")
+        alice.home.config.save()
         alice_id = str(alice.info().node_id)
         sandbox = tmp / "a" / "files" / str(bob.info().node_id)
         carol = quic_consumer(tmp / "c", alice, "carol")

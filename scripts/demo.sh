@@ -37,6 +37,12 @@ step "GPUMESH_HOME=bob gpumesh init --name bob-laptop"
 GPUMESH_HOME=$B $GPUMESH init --name bob-laptop
 GPUMESH_HOME=$A $GPUMESH config set listen_port "$port" >/dev/null
 for home in "$A" "$B"; do GPUMESH_HOME=$home $GPUMESH config set image "$IMAGE" >/dev/null; done
+# Filtering what jobs reach (job_network internet, the default) takes root; as
+# another user the demo's jobs use Docker's plain bridge instead.
+if [ "$(id -u)" != 0 ]; then
+  step "GPUMESH_HOME=alice gpumesh config set job_network bridge"
+  GPUMESH_HOME=$A $GPUMESH config set job_network bridge
+fi
 
 step "GPUMESH_HOME=alice gpumesh share &"
 GPUMESH_HOME=$A $GPUMESH share >"$work/share.log" 2>&1 &

@@ -14,6 +14,9 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 
+from gpumesh.settings import ENV_TEST_JOB_NETWORK
+from tests.jobnet_lab import SESSION_PREFIX, remove_job_networks
+
 # No verdict may depend on speed: CI runs on a loaded 2-core machine, where a
 # property test's example can take far longer than hypothesis's 200 ms default
 # deadline. Every property test runs without a deadline and without the health
@@ -78,6 +81,18 @@ def resolution(request: pytest.FixtureRequest) -> Iterator[str]:
         yield str(request.param)
     finally:
         sandbox.use_openat2(None)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _own_job_networks() -> Iterator[None]:
+    """Agents of this test run (in-process and CLI alike) make job networks of
+    their own (:mod:`tests.jobnet_lab`), removed at the end."""
+    os.environ[ENV_TEST_JOB_NETWORK] = SESSION_PREFIX
+    try:
+        yield
+    finally:
+        if os.geteuid() == 0:
+            remove_job_networks(SESSION_PREFIX)
 
 
 @pytest.fixture(autouse=True)

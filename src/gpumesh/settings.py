@@ -34,6 +34,8 @@
 ``GPUMESH_TEST_PLATFORM_REPORT``  tests only: a file where the fallbacks
                             taken (and Linux-only calls made) are appended
 ``GPUMESH_TEST_NODE_VERSION``  tests only: the version a node process claims
+``GPUMESH_TEST_JOB_NETWORK``  tests only: the name prefix of the job networks
+                            made (default ``gpumesh-jobs``), so tests own theirs
 ==========================  =================================================
 """
 
@@ -61,6 +63,7 @@ __all__ = [
     "ENV_REGION",
     "ENV_RELAY",
     "ENV_RELAY_TOKEN",
+    "ENV_TEST_JOB_NETWORK",
     "ENV_TEST_NODE_VERSION",
     "ENV_TEST_PLATFORM",
     "ENV_TEST_PLATFORM_REPORT",
@@ -89,6 +92,7 @@ ENV_TEST_PLATFORM = "GPUMESH_TEST_PLATFORM"
 ENV_NODE = "GPUMESH_NODE"
 ENV_NODE_IDLE = "GPUMESH_NODE_IDLE"
 ENV_TEST_NODE_VERSION = "GPUMESH_TEST_NODE_VERSION"
+ENV_TEST_JOB_NETWORK = "GPUMESH_TEST_JOB_NETWORK"
 ENV_TEST_WITHOUT = "GPUMESH_TEST_WITHOUT"
 ENV_TEST_PLATFORM_REPORT = "GPUMESH_TEST_PLATFORM_REPORT"
 

@@ -96,7 +96,7 @@ def test_owner_commands_and_a_session_cut_by_desktop_deny(
 
     report = json.loads(gpumesh(alice, "desktop", "doctor", "--json").stdout)
     # Found in the kernel's table (Linux): not connected to, so no greeting read.
-    assert {"kind": "vnc", "port": vnc_like, "greeting": None} in report["servers"]
+    assert {"kind": "vnc", "port": vnc_like, "greeting": None, "exposed": []} in report["servers"]
     assert (report["shared"], report["share_port"], report["share_answers"]) == (
         True,
         vnc_like,

@@ -35,7 +35,9 @@ from gpumesh.gpu.inventory import SimulatedInventory
 from gpumesh.protocol.messages import JobQuery
 from gpumesh.runtime.base import LABEL_JOB, LABEL_NODE
 from gpumesh.runtime.docker import DockerRuntime
+from gpumesh.runtime.jobnet import names_for
 from tests.integration.conftest import arun, job_nodes, pair_both
+from tests.jobnet_lab import SESSION_PREFIX
 
 pytestmark = pytest.mark.usefixtures("docker_daemon")
 
@@ -293,7 +295,8 @@ def test_lockdown_is_visible_on_a_running_job_container(cluster, engine) -> None
             assert "no-new-privileges" in host["SecurityOpt"]
             assert host["PidsLimit"] == 1024
             assert host["Memory"] == 256_000_000
-            assert host["NetworkMode"] == "bridge"
+            assert host["NetworkMode"] == names_for("internet", SESSION_PREFIX).network
+            assert host["Sysctls"] == {"net.ipv6.conf.all.disable_ipv6": "1"}
             assert not host.get("Binds")
             assert labels["io.gpumesh.job"] == started.job_id
             assert labels["io.gpumesh.peer"] == bob.info().node_id
@@ -416,9 +419,17 @@ def test_refusals_create_no_container(cluster, engine, tmp_path: Path) -> None:
     arun(scenario())
 
 
+@pytest.fixture
+def collected_last() -> Iterator[None]:
+    """Collects garbage once the test's other fixtures are torn down (its nodes and
+    their agents' engine clients too), still under the test's warning filters."""
+    yield
+    gc.collect()
+
+
 # The docker SDK leaves the socket of a failed unix connect unclosed (its bug, not ours).
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-def test_docker_down_on_the_provider_is_a_clear_refusal(cluster) -> None:
+def test_docker_down_on_the_provider_is_a_clear_refusal(collected_last, cluster) -> None:
     alice, bob = cluster("alice"), cluster("bob")
     client = docker.DockerClient(base_url="unix:///nonexistent.sock", version="1.41")
     broken = DockerRuntime(client)

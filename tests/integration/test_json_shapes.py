@@ -43,9 +43,11 @@ from gpumesh.gpu.inventory import ENV_SIMULATED, detect_inventory
 from gpumesh.identity.keys import Identity
 from gpumesh.protocol.listing import GpuListing
 from gpumesh.registry.config import RegistryConfig
+from gpumesh.settings import ENV_TEST_JOB_NETWORK
 from tests.integration.conftest import remove_containers
 from tests.integration.public_registry import serve_registry
 from tests.integration.test_cli import _free_udp_port
+from tests.jobnet_lab import SESSION_PREFIX
 
 pytestmark = pytest.mark.usefixtures("docker_daemon")
 
@@ -146,6 +148,8 @@ def _env(home: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
     # shell, or its simulated GPUs, would change what the commands print.
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUMESH_")}
     env.update(GPUMESH_HOME=str(home), GPUMESH_TEST_DOCKER_IMAGE=IMAGE)
+    # The job networks this test run owns (tests/jobnet_lab.py), not the machine's.
+    env.update({ENV_TEST_JOB_NETWORK: os.environ.get(ENV_TEST_JOB_NETWORK, SESSION_PREFIX)})
     env.update(extra or {})
     return env
 

@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 
 import gpumesh
+from gpumesh.errors import ExitCode
 from tests.integration.conftest import gpumesh as run_cli
 from tests.integration.conftest import remove_containers
 from tests.integration.test_cli import _free_udp_port, _init
@@ -208,6 +209,19 @@ def test_share_runs_as_an_ordinary_user_in_the_docker_group(
         assert result.returncode == 0, result.stderr
     assert alice.stat().st_uid == user.uid
     assert (alice / "identity.key").stat().st_uid == user.uid
+    # Keeping jobs off this machine's services takes firewall rules, which only root
+    # installs: the default job network is refused, in one line naming the ways out.
+    refused = user.run(alice, "share")
+    assert refused.returncode == ExitCode.USAGE, (refused.stdout, refused.stderr)
+    (line,) = refused.stderr.strip().splitlines()
+    assert "job_network internet needs firewall rules" in line
+    assert "the agent does not run as root" in line
+    assert "job_network none` (jobs get no network)" in line
+    assert "job_network bridge` (jobs can reach this machine's services" in line
+    doctor = user.run(alice, "doctor")
+    (network,) = [row for row in doctor.stdout.splitlines() if "job network" in row]
+    assert "the agent does not run as root" in network and "job_network bridge" in network
+    assert user.run(alice, "config", "set", "job_network", "bridge").returncode == 0
     bob = tmp_path / "bob"
     _init(bob, "bob-laptop")
     assert run_cli(bob, "config", "set", "image", IMAGE).returncode == 0
@@ -221,6 +235,7 @@ def test_share_runs_as_an_ordinary_user_in_the_docker_group(
         assert groups == [user.docker_gid]
         # Jobs run as the agent's own user (auto), never root.
         assert f"jobs run as {user.uid}:{user.gid} (host uid {user.uid})" in banner
+        assert "job network bridge (Docker's bridge" in banner
 
         alice_code = user.run(alice, "pair-code").stdout.strip()
         assert run_cli(bob, "pair", alice_code).returncode == 0

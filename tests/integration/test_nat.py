@@ -163,6 +163,10 @@ def _build_lab(
             assert lab.gpumesh(ns, home, "init", "--name", name).returncode == 0
             assert lab.gpumesh(ns, home, "config", "set", "relay", RELAY).returncode == 0
             assert lab.gpumesh(ns, home, "config", "set", "image", IMAGE).returncode == 0
+            # The provider runs in a namespace of its own while the engine and its
+            # containers stay in this machine's: job network rules made there would
+            # filter nothing (what jobs reach is test_job_network.py's).
+            assert lab.gpumesh(ns, home, "config", "set", "job_network", "bridge").returncode == 0
         code_b = lab.gpumesh("B", lab.b, "pair-code").stdout.strip()
         code_a = lab.gpumesh("A", lab.a, "pair-code").stdout.strip()
         assert lab.gpumesh("A", lab.a, "pair", code_b).returncode == 0

@@ -318,8 +318,11 @@ def test_create_refuses_missing_labels_and_host_network(jobs: Jobs) -> None:
     spec = jobs.spec(["true"])
     with pytest.raises(ConfigError, match=LABEL_ATTEMPT):
         jobs.runtime.create(dataclasses.replace(spec, labels={LABEL_NODE: jobs.node_id}))
-    with pytest.raises(ConfigError, match="bridge or none"):
-        jobs.create(["true"], network="host")
+    for network in ("host", "container:gpumesh-other", "gpumesh-jobs-x:y", "my-net"):
+        with pytest.raises(ConfigError, match="use bridge, none or a job network"):
+            jobs.create(["true"], network=network)
+    with pytest.raises(ConfigError, match="only to containers on a job network"):
+        jobs.create(["true"], network="bridge", dns=("10.0.0.2",))
     assert jobs.leftovers() == []
 
 

@@ -128,7 +128,7 @@ def test_bad_values_are_refused(config: Config, key: str, value: str) -> None:
         ("listen_port", "70000", "1 to 65535"),
         ("listen_host", "localhost", "IP address"),
         ("relay", "relay.example.org:", "host or host:port"),
-        ("job_network", "host", "bridge, none"),
+        ("job_network", "host", "internet, lan, bridge, none"),
         ("max_vram", "lots", "16GiB"),
         ("job_cpus", "lots", "positive number; or auto"),
         ("link_buffer", "8MiB", "at least 16MiB"),

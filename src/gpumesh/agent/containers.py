@@ -3,19 +3,24 @@
 Owns the connection to the container engine (one per agent, made on first
 use: an agent without Docker still serves pings), the images peers may use
 (``allowed_images``, ``image_disk``), the user containers run as (``job_user``,
-``job_root``) and their limits (``job_*``). The job and exec services build
-their containers from these; neither reaches into the other for them.
+``job_root``), their limits (``job_*``) and the network they join
+(``job_network``, whose rules :mod:`gpumesh.runtime.jobnet` owns: they are in
+place before the first container of a filtered mode is made). The job and exec
+services build their containers from these; neither reaches into the other for
+them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, cast
 
 from gpumesh.agent.deps import Provider, Sandboxes, Settings
 from gpumesh.agent.images import ImageKeeper, check_allowed
@@ -24,8 +29,10 @@ from gpumesh.blocking import in_thread
 from gpumesh.errors import ConfigError, GPUMeshError
 from gpumesh.protocol.messages import PULL_PROGRESS_EVERY, ImagePull
 from gpumesh.runtime.base import JobRuntime
+from gpumesh.runtime.jobnet import NETWORK_PREFIX, JobNetwork, Mode
 from gpumesh.runtime.pull import PullProgress
 from gpumesh.runtime.users import job_identity
+from gpumesh.settings import ENV_TEST_JOB_NETWORK, env
 from gpumesh.store.db import Store
 from gpumesh.units import parse_size
 
@@ -33,6 +40,8 @@ if TYPE_CHECKING:
     from gpumesh.transport.stream import Stream
 
 __all__ = ["ContainerLimits", "Containers", "JobUser", "PullReporter"]
+
+logger = logging.getLogger(__name__)
 
 
 class PullReporter:
@@ -99,7 +108,10 @@ class ContainerLimits:
     memory: int
     pids_limit: int
     cpus: float
-    network: Literal["bridge", "none"]
+    network: str
+    """The container's network: ``bridge``, ``none`` or our job network."""
+    dns: tuple[str, ...]
+    """Its name servers (on our job network: the ones whose port 53 is open)."""
     tmp_size: int
     """/tmp and HOME, each (tmpfs: counted in ``memory``)."""
     shm_size: int
@@ -137,6 +149,8 @@ class Containers:
         self._sandboxes = sandboxes
         self._runtime = runtime
         self._owns_runtime = runtime is None
+        self._network: JobNetwork | None = None
+        self._network_lock = threading.Lock()
         self.images = ImageKeeper(store, lambda: self.runtime, provider=provider.name)
 
     @property
@@ -157,16 +171,56 @@ class Containers:
     def limits(self) -> ContainerLimits:
         """This provider's limits for every container it runs for a peer (config job_*)."""
         settings = self._settings
-        network = str(settings.get("job_network"))
+        network = self.network()
         shared = self._share_limits()
         return ContainerLimits(
             memory=shared.job_memory,
             pids_limit=int(settings.get("job_pids_limit")),
             cpus=shared.job_cpus,
-            network="none" if network == "none" else "bridge",
+            network=network.docker_network,
+            dns=network.dns,
             tmp_size=parse_size(str(settings.get("job_tmp"))),
             shm_size=parse_size(str(settings.get("job_shm"))),
         )
+
+    def network(self) -> JobNetwork:
+        """The job network of config ``job_network`` (a new one when it changed)."""
+        mode = cast(Mode, str(self._settings.get("job_network")))
+        with self._network_lock:
+            if self._network is None or self._network.mode != mode:
+                prefix = env(ENV_TEST_JOB_NETWORK) or NETWORK_PREFIX
+                self._network = JobNetwork(mode, prefix=prefix)
+            return self._network
+
+    def start_network(self) -> None:
+        """At share start (blocking): refuse, in one line, a ``job_network`` this
+        machine cannot filter; make the network and its rules now when the engine
+        answers, else before the first container."""
+        network = self.network()
+        try:
+            rootless = self.runtime.is_rootless()
+        except GPUMeshError as exc:
+            rootless = False
+            unreachable: str | None = exc.message
+        else:
+            unreachable = None
+        problem = network.problem(rootless=rootless)
+        if problem is not None:
+            raise ConfigError(problem)
+        if unreachable is not None:
+            logger.warning("job network not made yet (%s): made before the first job", unreachable)
+            return
+        network.ensure(self.runtime)
+
+    def ensure_network(self) -> None:
+        """Make the job network and install its rules, once (blocking); refuses, in
+        this provider's name, a filtered mode whose rules cannot be installed."""
+        try:
+            self.network().ensure(self.runtime)
+        except ConfigError as exc:
+            raise ConfigError(
+                f"{self._provider.name} cannot run jobs as configured: {exc.message}"
+            ) from None
 
     def job_user(self, image: str) -> JobUser:
         """Who containers run as, from job_user / job_root and what the engine does
@@ -194,7 +248,9 @@ class Containers:
         return await in_thread(self.checked_job_user, image)
 
     def checked_job_user(self, image: str) -> JobUser:
-        """:meth:`job_user`, its refusals in this provider's name (blocking)."""
+        """:meth:`job_user`, its refusals in this provider's name (blocking). Every
+        container is made after this, so the job network is made sure of here too."""
+        self.ensure_network()
         try:
             return self.job_user(image)
         except ConfigError as exc:

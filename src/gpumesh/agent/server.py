@@ -32,6 +32,7 @@ from gpumesh.agent.gpus import GpuAllocator
 from gpumesh.agent.jobs import JobService, uploaded_workdirs
 from gpumesh.agent.limits import ShareLimits, machine_size, return_free_memory
 from gpumesh.agent.ratelimit import ConnectionLimiter, Outcome, RefusalTally, Slot
+from gpumesh.blocking import in_thread
 from gpumesh.cuda.owner import clear_sessions, write_sessions
 from gpumesh.errors import (
     AccessDeniedError,
@@ -211,8 +212,16 @@ class Agent:
         return self.endpoint.local_address
 
     async def start(self) -> Address:
-        """Bind the share port and start serving; returns the bound address."""
+        """Bind the share port and start serving; returns the bound address.
+
+        Refuses (ConfigError) a ``job_network`` whose rules cannot be installed
+        here, before anything is bound: jobs never run unfiltered."""
         self.home.secure()
+        try:
+            await in_thread(self.containers.start_network)
+        except GPUMeshError:
+            self.containers.close()  # the engine client it opened: nothing else runs
+            raise
         try:
             self.endpoint = QuicEndpoint.listen(
                 self.identity,
@@ -223,6 +232,7 @@ class Agent:
                 on_drop=self._dropped,
             )
         except OSError as exc:
+            self.containers.close()
             raise InUseError(
                 f"cannot listen on UDP {self.host}:{self.port}: {exc.strerror or exc}; is "
                 "another `gpumesh share` running? pick another port with "
@@ -238,6 +248,7 @@ class Agent:
         self._spawn(self.jobs.recover())
         logger.info("sharing on udp %s:%d as %s", host, port, self.name)
         logger.info("limits: %s", self.share_limits().describe())
+        logger.info("job network: %s", self.containers.network().mode)
         return self.address
 
     # --- the relay --------------------------------------------------------------------

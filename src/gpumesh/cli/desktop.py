@@ -42,7 +42,8 @@ def desktop() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable output.")
 def doctor(as_json: bool) -> None:
     """Check for a VNC or RDP server on 127.0.0.1 (ports 5900-5909, 3389 and the
-    shared one), and show the share, its allowlist and who is connected."""
+    shared one), warn when one also listens beyond loopback (jobs' containers and
+    the LAN reach it), and show the share, its allowlist and who is connected."""
     from gpumesh.client.desktop import check_desktop
 
     report = run_async(check_desktop(get_node()))
@@ -55,13 +56,15 @@ def doctor(as_json: bool) -> None:
 
 
 def _print_report(report: DesktopReport) -> None:
-    from gpumesh.client.desktop import INSTALL_HINTS
+    from gpumesh.client.desktop import INSTALL_HINTS, exposure_warning
     from gpumesh.protocol.desktop import DesktopKind
 
     ok, warn = click.style("ok", fg="green"), click.style("!!", fg="yellow")
     for server in report.servers:
         said = f" ({server.greeting})" if server.greeting else ""
         click.echo(f"{ok}  {server.kind} server listening on 127.0.0.1:{server.port}{said}")
+        if server.exposed:
+            click.echo(f"{warn}  {exposure_warning(server.kind, server.port, server.exposed)}")
     kinds = {server.kind for server in report.servers}
     for kind in (DesktopKind.VNC, DesktopKind.RDP):
         if kind not in kinds:
@@ -113,8 +116,15 @@ def share(action: str | None, kind: str | None, port: int | None) -> None:
     allowlist while this node shares; `share stop` ends it and its connections.
 
     Returns at once; the share is remembered. Peers reach that one port, nothing else.
+    Warns when the server also listens beyond loopback (then jobs' containers and the
+    LAN reach it without GPUMesh).
     """
-    from gpumesh.client.desktop import share_desktop, stop_desktop_share
+    from gpumesh.client.desktop import (
+        exposure,
+        exposure_warning,
+        share_desktop,
+        stop_desktop_share,
+    )
     from gpumesh.errors import BadRequestError
     from gpumesh.protocol.desktop import DesktopKind, kind_for_port
 
@@ -134,6 +144,10 @@ def share(action: str | None, kind: str | None, port: int | None) -> None:
         chosen, port = DesktopKind.VNC, DesktopKind.VNC.server_port
     shared = share_desktop(node, chosen, port)
     click.echo(f"Sharing the desktop: {shared.kind} on 127.0.0.1:{shared.port}.")
+    exposed = exposure(shared.port)
+    if exposed:
+        warning = exposure_warning(shared.kind, shared.port, exposed)
+        click.echo(click.style(f"WARNING: {warning}", fg="yellow"), err=True)
     allowed = node.home.store.desktop_allowed_ids()
     if not allowed:
         click.echo("Nobody may use it yet: `gpumesh desktop allow PEER`.")

@@ -72,6 +72,11 @@ def share(
     use), taking over from one running in the background; `gpumesh daemon stop`
     stops it too. Sharing needs Linux; macOS and Windows machines work as
     consumers.
+
+    Jobs reach what config job_network says: by default (internet) DNS and the
+    internet, never this machine, other containers, link-local or private
+    addresses. That takes firewall rules only root installs: as another user,
+    share refuses it until you choose job_network none or bridge.
     """
     if ctx.invoked_subcommand is not None:
         return
@@ -187,6 +192,7 @@ async def _serve(
     from gpumesh.agent.server import Agent
     from gpumesh.cli import _publish
     from gpumesh.client.node import Node
+    from gpumesh.runtime.jobnet import describe_mode
     from gpumesh.units import format_size
 
     assert isinstance(node, Node)
@@ -219,7 +225,11 @@ async def _serve(
     else:
         click.echo("  no NVIDIA GPU here: peers can run CPU-only jobs (without --gpu-memory)")
     await _report_job_user(agent)
-    click.echo(f"  limits: {agent.share_limits().describe()}")
+    network = agent.containers.network()
+    click.echo(
+        f"  limits: {agent.share_limits().describe()}; job network {network.mode} "
+        f"({describe_mode(network.mode)})"
+    )
     if agent.relay is not None:
         await _report_relay(agent.relay)
     publishing = await _publish.start(

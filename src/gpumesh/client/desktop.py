@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import ipaddress
 import logging
 import os
@@ -50,6 +51,7 @@ from gpumesh.protocol.handshake import BINDING_SIZE
 from gpumesh.protocol.messages import ChannelDeclined, DesktopOpen, DesktopOpened
 from gpumesh.transport.sealing import FRAMING_VERSION
 from gpumesh.transport.sockowner import (
+    listening_beyond_loopback,
     listening_on_loopback,
     owner_check_available,
     socket_owner,
@@ -359,6 +361,22 @@ async def _carry(
 # --- the owner's side: the share and its allowlist ------------------------------------
 
 
+def exposure(port: int) -> list[str]:
+    """The addresses beyond loopback a server on ``port`` listens on (empty: loopback
+    only, or nothing there, or no socket table to tell)."""
+    return listening_beyond_loopback(port) or []
+
+
+def exposure_warning(kind: str, port: int, exposed: Sequence[str]) -> str:
+    """The one line ``desktop share`` and ``desktop doctor`` warn with."""
+    where = ", ".join("every address" if a in ("0.0.0.0", "::") else a for a in exposed)
+    return (
+        f"the {kind} server on port {port} also listens on {where}: jobs in containers, "
+        "the LAN and anyone who reaches this machine can connect to it without GPUMesh; "
+        "make it listen on 127.0.0.1 only (x11vnc -localhost, xrdp's address=127.0.0.1)"
+    )
+
+
 def share_desktop(node: Node, kind: DesktopKind, port: int) -> DesktopShare:
     """Offer this machine's desktop server on 127.0.0.1:``port`` to the peers on the
     desktop allowlist whenever this node shares (remembered; the agent sees it at the
@@ -405,6 +423,9 @@ class LocalServer:
     greeting: str
     """What it said first (a VNC server's ``RFB 003.008``) where servers are found by
     connecting; empty for RDP (the client speaks first) and on Linux (not connected)."""
+    exposed: tuple[str, ...] = ()
+    """The addresses beyond loopback it also listens on (``0.0.0.0``: all of them),
+    where jobs in containers, the LAN or anyone reach it without this node."""
 
 
 @dataclass(frozen=True)
@@ -429,7 +450,9 @@ async def _probe_port(port: int, timeout: float = 1.0) -> LocalServer | None:
     if listening is not None:
         # Read from the kernel's table: connecting would end a VNC server started
         # for one client (x11vnc without -forever), as its one client leaving.
-        return LocalServer(kind_for_port(port), port, "") if listening else None
+        if not listening:
+            return None
+        return LocalServer(kind_for_port(port), port, "", tuple(exposure(port)))
     try:
         async with asyncio.timeout(timeout):
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -459,7 +482,7 @@ async def check_desktop(node: Node, extra_ports: Sequence[int] = ()) -> DesktopR
     ports = list(dict.fromkeys([*_CANDIDATE_PORTS, *extra_ports, *([share.port] if share else [])]))
     found = await asyncio.gather(*(_probe_port(port) for port in ports))
     servers = [
-        LocalServer(share.kind, server.port, server.greeting)
+        dataclasses.replace(server, kind=share.kind)
         if share is not None and server.port == share.port and not server.greeting
         else server
         for server in found

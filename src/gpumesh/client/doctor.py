@@ -14,6 +14,12 @@ from gpumesh import platform
 from gpumesh.cuda.owner import worker_user
 from gpumesh.errors import ConfigError, GPUMeshError
 from gpumesh.runtime.base import EngineIsolation
+from gpumesh.runtime.jobnet import (
+    cannot_filter,
+    describe_mode,
+    install_problem,
+    iptables_installed,
+)
 from gpumesh.runtime.users import job_identity
 from gpumesh.settings import env
 from gpumesh.store.home import Home
@@ -57,6 +63,7 @@ def run_checks(home: Home) -> list[Check]:
             ("udp port", lambda: _udp_port(home)),
             ("job isolation", lambda: _job_isolation(home)),
             ("job storage", lambda: _job_storage(home)),
+            ("job network", lambda: _job_network(home)),
             ("agent user", lambda: _agent_user(home)),
             ("cuda worker", lambda: _cuda_worker(home)),
         ]
@@ -370,6 +377,29 @@ def _not_a_provider() -> Check:
         "but sharing GPUs with `gpumesh share` needs Linux",
         "share from a Linux machine with an NVIDIA GPU",
     )
+
+
+def _job_network(home: Home) -> Check:
+    """What jobs reach, and whether the rules of ``internet`` and ``lan`` can be
+    installed by the agent (running, else one this user would start)."""
+    name = "job network"
+    mode = str(home.config.get("job_network"))
+    if mode == "none":
+        return Check(name, OK, f"none: {describe_mode(mode)}")
+    if mode == "bridge":
+        return Check(
+            name,
+            WARN,
+            f"bridge: {describe_mode(mode)}",
+            "`gpumesh config set job_network internet` (share as root, with iptables)",
+        )
+    isolation = _isolation()
+    rootless = not isinstance(isolation, str) and isolation.rootless
+    uid, _gid = _agent_ids(home)
+    why = install_problem(euid=uid, rootless=rootless, iptables=iptables_installed())
+    if why is not None:
+        return Check(name, FAIL, cannot_filter(mode, why))
+    return Check(name, OK, f"{mode}: {describe_mode(mode)}")
 
 
 def _agent_user(home: Home) -> Check:

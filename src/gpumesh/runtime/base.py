@@ -116,8 +116,12 @@ class ContainerSpec:
     """Process limit; 0 means Docker's default (unlimited)."""
     cpus: float = 0.0
     """CPU limit (NanoCpus); 0 means no limit."""
-    network: Literal["bridge", "none"] = "bridge"
-    """``bridge``: outbound through Docker's default bridge; ``none``: no network."""
+    network: str = "bridge"
+    """``bridge``: Docker's default bridge; ``none``: no network; else a job network
+    of :mod:`gpumesh.runtime.jobnet` (filtered; the container's IPv6 is off)."""
+    dns: tuple[str, ...] = ()
+    """Name servers the container is given (only on a job network, whose rules open
+    port 53 of exactly these); empty: the engine's choice."""
     workdir: str | None = None
     """Host folder bind-mounted read-write at /workspace and made the working
     directory."""
@@ -316,6 +320,14 @@ class JobRuntime(Protocol):
         Whether container filesystems can be size-limited is probed by creating
         (never starting) a throwaway container of ``image``, which must be
         present; without one that answer is False and not cached."""
+
+    def is_rootless(self) -> bool:
+        """Whether the engine runs rootless (its networks are then out of our reach)."""
+
+    def ensure_network(self, name: str, bridge: str) -> None:
+        """Make the job network ``name`` with the bridge interface ``bridge`` unless it
+        is there: no traffic between its containers, no IPv6
+        (:mod:`gpumesh.runtime.jobnet` filters the rest)."""
 
     # --- interactive containers (``gpumesh exec``) ----------------------------------------
 

@@ -73,6 +73,7 @@ from gpumesh.runtime.base import (
     Stream,
     mount_target_problem,
 )
+from gpumesh.runtime.jobnet import is_job_network
 from gpumesh.runtime.pull import PullProgress, PullTracker
 
 __all__ = ["DockerRuntime"]
@@ -127,6 +128,8 @@ _TMPFS_OPTIONS = "rw,exec,nosuid,nodev"
 # Given with GPUs: what CUDA programs need, not graphics, video or display.
 _DRIVER_CAPABILITIES = "compute,utility"
 _PROBE_SIZE = "1G"
+_IPV6_SYSCTLS = "/proc/sys/net/ipv6"
+"""Missing where the kernel has no IPv6 (then there is none to switch off)."""
 _USER_IDS = re.compile(r"(\d+):(\d+)")
 # Under userns-remap Docker keeps its data in <data root>/<uid>.<gid>.
 _REMAPPED_ROOT_DIR = re.compile(r"/(\d+)\.(\d+)/*$")
@@ -242,6 +245,33 @@ class DockerRuntime:
             # v=True: also the anonymous volumes of the image's VOLUME lines.
             api.remove_container(created["Id"], force=True, v=True)
         return True
+
+    def is_rootless(self) -> bool:
+        return self.isolation().rootless
+
+    def ensure_network(self, name: str, bridge: str) -> None:
+        """Make the job network ``name`` (bridge interface ``bridge``) unless it is
+        there: containers on it cannot talk to each other (icc off) and get no
+        IPv6 from it."""
+        with self._engine(f"make the job network {name!r}") as api:
+            if api.networks(names=[name]):
+                return
+            try:
+                api.create_network(
+                    name,
+                    driver="bridge",
+                    check_duplicate=True,
+                    enable_ipv6=False,
+                    options={
+                        "com.docker.network.bridge.name": bridge,
+                        "com.docker.network.bridge.enable_icc": "false",
+                    },
+                    labels={LABEL_KIND: "job-network"},
+                )
+            except docker.errors.APIError as exc:
+                if exc.status_code != 409:  # another agent made it just now
+                    raise
+        logger.info("made the job network %s (bridge %s)", name, bridge)
 
     # --- images -------------------------------------------------------------------------
 
@@ -390,6 +420,11 @@ class DockerRuntime:
         else:
             log_config = docker.types.LogConfig(type="local", config=dict(_LOG_CONFIG))
         kind = "exec" if interactive else "job"
+        sysctls = None
+        if is_job_network(spec.network) and os.path.isdir(_IPV6_SYSCTLS):
+            # The job network's rules are IPv4 rules: the container gets no IPv6
+            # at all (not even a link-local address to reach this machine by).
+            sysctls = {"net.ipv6.conf.all.disable_ipv6": "1"}
         with self._engine(f"create container {spec.name!r}") as api:
             host_config = api.create_host_config(
                 privileged=False,
@@ -404,6 +439,8 @@ class DockerRuntime:
                 memswap_limit=spec.memory,
                 nano_cpus=round(spec.cpus * 1e9) if spec.cpus > 0 else None,
                 network_mode=spec.network,
+                dns=list(spec.dns) or None,
+                sysctls=sysctls,
                 binds=binds,
                 mounts=mounts or None,
                 init=self._init,
@@ -931,8 +968,12 @@ class _AttachedTerminal:
 
 
 def _check_spec(spec: ContainerSpec, *, interactive: bool) -> None:
-    if spec.network not in ("bridge", "none"):
-        raise ConfigError(f"network {spec.network!r} is not allowed: use bridge or none")
+    if spec.network not in ("bridge", "none") and not is_job_network(spec.network):
+        raise ConfigError(
+            f"network {spec.network!r} is not allowed: use bridge, none or a job network"
+        )
+    if spec.dns and not is_job_network(spec.network):
+        raise ConfigError("name servers are given only to containers on a job network")
     if spec.memory <= 0:
         raise ConfigError(f"memory limit must be a positive number of bytes, not {spec.memory}")
     for what, size in (("/tmp", spec.tmp_size), ("/dev/shm", spec.shm_size)):

@@ -20,6 +20,7 @@ from gpumesh import settings
 from gpumesh.errors import ConfigError, IdentityError
 from gpumesh.identity.keys import check_node_name
 from gpumesh.protocol.flow import DEFAULT_WINDOW
+from gpumesh.runtime.jobnet import MODES as JOB_NETWORKS
 from gpumesh.store.modes import read_private, write_private
 from gpumesh.units import parse_size
 
@@ -327,7 +328,13 @@ KEYS: dict[str, ConfigKey] = {
             "together; a stream that would go over is refused (none: no limit)",
         ),
         ConfigKey(
-            "job_network", _choice("bridge", "none"), "bridge", "job network: bridge or none"
+            "job_network",
+            _choice(*JOB_NETWORKS),
+            "internet",
+            "what jobs reach: internet (DNS and the internet; never this machine, other "
+            "containers, link-local or private addresses), lan (adds private ranges), "
+            "bridge (Docker's bridge: this machine's services too) or none; internet and "
+            "lan need root and iptables",
         ),
         ConfigKey(
             "job_user",

@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "connection_owner",
+    "exposed_addresses",
+    "listening_beyond_loopback",
     "listening_on_loopback",
     "owner_check_available",
     "parse_listeners",
@@ -145,3 +147,28 @@ def listening_on_loopback(port: int) -> bool | None:
         if any(p == port and host in _REACHES_LOOPBACK for host, p in parse_listeners(text)):
             return True
     return False
+
+
+def exposed_addresses(listeners: set[Endpoint], port: int) -> list[str]:
+    """The addresses beyond loopback that listeners on ``port`` are bound to
+    (``0.0.0.0`` and ``::`` included: every address of the machine), sorted."""
+    exposed = set()
+    for host, bound in listeners:
+        if bound == port and not ipaddress.ip_address(host).is_loopback:
+            exposed.add(host)
+    return sorted(exposed)
+
+
+def listening_beyond_loopback(port: int) -> list[str] | None:
+    """Where a TCP server on ``port`` takes connections from more than this machine's
+    loopback (its containers through their gateway, the LAN): the bound addresses,
+    empty when none; None where there is no table to read."""
+    if not owner_check_available():
+        return None
+    listeners: set[Endpoint] = set()
+    for table in _TABLES:
+        try:
+            listeners |= parse_listeners(table.read_text())
+        except OSError:
+            continue
+    return exposed_addresses(listeners, port)

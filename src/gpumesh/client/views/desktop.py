@@ -19,6 +19,9 @@ class LocalServerView(msgspec.Struct):
     """``vnc``, ``rdp`` or ``tcp``."""
     port: int
     greeting: str | None
+    exposed: list[str] = []
+    """Addresses beyond loopback it also listens on (``0.0.0.0``: every one): reachable
+    without GPUMesh, by jobs in containers and the LAN."""
 
 
 class DesktopDoctorView(msgspec.Struct):
@@ -44,7 +47,8 @@ class DesktopDoctorView(msgspec.Struct):
         share = report.share
         return cls(
             servers=[
-                LocalServerView(str(s.kind), s.port, s.greeting or None) for s in report.servers
+                LocalServerView(str(s.kind), s.port, s.greeting or None, list(s.exposed))
+                for s in report.servers
             ],
             shared=share is not None,
             share_kind=str(share.kind) if share else None,

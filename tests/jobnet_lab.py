@@ -1,0 +1,57 @@
+"""The job networks tests make, named apart from a real share's and removed after.
+
+Every test process's agents make their job networks under their own prefix
+(``GPUMESH_TEST_JOB_NETWORK``), so tests never touch the machine's real
+``gpumesh-jobs-*`` networks and rules, nor each other's; :func:`remove_job_networks`
+takes out the networks, chains and jumps a prefix made.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+
+import docker
+import docker.errors
+import requests.exceptions
+
+from gpumesh.runtime.jobnet import FILTERED_MODES, names_for
+
+SESSION_PREFIX = f"gpumesh-jobs-t{os.getpid()}"
+
+
+def remove_job_networks(prefix: str) -> None:
+    """Remove what :class:`gpumesh.runtime.jobnet.JobNetwork` made under ``prefix``."""
+
+    def iptables(*args: str) -> int:
+        if shutil.which("iptables") is None:
+            return 1  # nothing was installed without it
+        return subprocess.run(["iptables", *args], capture_output=True, check=False).returncode
+
+    for mode in FILTERED_MODES:
+        names = names_for(mode, prefix)
+        for chain, target in (("DOCKER-USER", names.forward_chain), ("INPUT", names.input_chain)):
+            while iptables("-D", chain, "-i", names.bridge, "-j", target) == 0:
+                pass
+            iptables("-F", target)
+            iptables("-X", target)
+        try:
+            client = docker.from_env()
+        except docker.errors.DockerException:
+            continue  # no engine here: it made no network either
+        with (
+            contextlib.closing(client),
+            contextlib.suppress(
+                docker.errors.DockerException, requests.exceptions.RequestException
+            ),
+        ):
+            for network in client.networks.list(names=[names.network]):
+                if network.name != names.network:
+                    continue
+                for container in network.attrs.get("Containers") or {}:
+                    with contextlib.suppress(docker.errors.APIError):
+                        network.disconnect(container, force=True)
+                with contextlib.suppress(docker.errors.APIError):
+                    network.remove()
