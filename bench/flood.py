@@ -679,6 +679,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--fec-rate", type=float, default=10_000.0, help="--fec-frames: frames/s")
     parser.add_argument("--fec-repeat", type=int, default=5, help="--fec-frames: uploads each")
     parser.add_argument("--fec-forger", help=argparse.SUPPRESS)
+    parser.add_argument(
         "--http",
         action="store_true",
         help="the local HTTP flood instead: connections held on a gpumesh-control port",

@@ -149,6 +149,8 @@ def test_an_agent_that_is_not_root_runs_workers_as_itself_and_says_so(
         ("init", "--name", "alice-pc"),
         ("config", "set", "listen_host", "127.0.0.1"),
         ("config", "set", "listen_port", str(_free_udp_port())),
+        # An agent that is not root cannot install the job network's rules.
+        ("config", "set", "job_network", "bridge"),
     ):
         assert user.run(alice, *args).returncode == 0
     bob = tmp_path / "bob"
