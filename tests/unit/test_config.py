@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from gpumesh.errors import ConfigError
+from gpumesh.runtime.jobnet import MODES
 from gpumesh.store.config import DEFAULT_IMAGE, DEFAULT_PORT, KEYS, MASK, Config
 from gpumesh.units import parse_size
 
@@ -274,3 +275,12 @@ def test_saved_file_is_private(tmp_path: Path) -> None:
     path.chmod(0o644)
     config.save()
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+
+
+def test_the_job_network_choices_are_the_runtimes_modes(config: Config) -> None:
+    """The config names job_network's values itself (it must not load the runtime)."""
+    for mode in MODES:
+        config.set("job_network", mode)
+        assert config.get("job_network") == mode
+    with pytest.raises(ConfigError, match=", ".join(MODES)):
+        config.set("job_network", "host")

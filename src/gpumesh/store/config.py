@@ -20,7 +20,6 @@ from gpumesh import settings
 from gpumesh.errors import ConfigError, IdentityError
 from gpumesh.identity.keys import check_node_name
 from gpumesh.protocol.flow import DEFAULT_WINDOW
-from gpumesh.runtime.jobnet import MODES as JOB_NETWORKS
 from gpumesh.store.modes import read_private, write_private
 from gpumesh.units import parse_size
 
@@ -329,7 +328,9 @@ KEYS: dict[str, ConfigKey] = {
         ),
         ConfigKey(
             "job_network",
-            _choice(*JOB_NETWORKS),
+            # runtime/jobnet.py's MODES, named here so that reading a home's config
+            # never loads the job runtime (a consumer's copy has no use for it).
+            _choice("internet", "lan", "bridge", "none"),
             "internet",
             "what jobs reach: internet (DNS and the internet; never this machine, other "
             "containers, link-local or private addresses), lan (adds private ranges), "
