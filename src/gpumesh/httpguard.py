@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
-import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -47,9 +46,6 @@ from gpumesh.settings import (
     ENV_HTTP_PER_CLIENT,
     env,
 )
-
-if sys.platform != "win32":
-    import resource
 
 if TYPE_CHECKING:
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -160,8 +156,12 @@ def _number(name: str, kind: type[float] | type[int]) -> Any:
 def raise_descriptor_limit() -> int:
     """Lift this process's soft ``RLIMIT_NOFILE`` to its hard limit; the soft limit
     now (a large number where the system has no such limit)."""
-    if sys.platform == "win32":
+    try:
+        # Linux's; Windows has no such limit (and the node process runs there too).
+        import resource
+    except ImportError:
         return 1 << 20
+
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard not in (resource.RLIM_INFINITY, soft):
         try:

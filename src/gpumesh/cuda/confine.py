@@ -25,7 +25,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-import resource
 from dataclasses import dataclass
 
 from gpumesh.runtime.users import DEFAULT_JOB_ID, parse_job_user
@@ -104,6 +103,11 @@ def _prctl() -> ctypes._FuncPointer:
 def confine(confinement: Confinement) -> None:
     """Apply ``confinement`` to this process (OSError when the kernel refuses any part:
     the worker then ends rather than run unconfined)."""
+    # Imported here, not at the top: consumers import this module too (the doctor),
+    # on systems without it; and before the switch of user, who may not be able
+    # to read this Python's files.
+    import resource
+
     if _prctl()(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
         errno = ctypes.get_errno()
         raise OSError(errno, f"prctl(PR_SET_NO_NEW_PRIVS): {os.strerror(errno)}")
