@@ -132,6 +132,17 @@ class Event:
     data: Any = None
 
 
+def started_lines(proc: subprocess.Popen[str]) -> list[str]:
+    """What a starting ``gpumesh-control`` printed, up to its OpenAPI line."""
+    assert proc.stdout is not None
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "OpenAPI" in line:
+            return lines
+    raise AssertionError(f"gpumesh-control did not start: {lines} {proc.communicate()}")
+
+
 def start_control(home: Path, *args: str, tcp: bool = True) -> Api:
     port = _free_tcp_port()
     env = dict(os.environ, GPUMESH_HOME=str(home), GPUMESH_API_ADDR=f"127.0.0.1:{port}")
@@ -144,14 +155,7 @@ def start_control(home: Path, *args: str, tcp: bool = True) -> Api:
         stderr=subprocess.PIPE,
         text=True,
     )
-    assert proc.stdout is not None
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if "OpenAPI" in line:
-            break
-    else:
-        raise AssertionError(f"gpumesh-control did not start: {lines} {proc.communicate()}")
+    lines = started_lines(proc)
     login = next((w for line in lines for w in line.split() if "#code=" in w), "")
     unix = httpx.Client(
         transport=httpx.HTTPTransport(uds=str(home / "control.sock")),

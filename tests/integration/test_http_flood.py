@@ -31,6 +31,7 @@ import pytest
 from tests.conftest import OtherUser
 from tests.integration.conftest import gpumesh
 from tests.integration.floodclient import send_body
+from tests.integration.test_control_api import _free_tcp_port, started_lines
 
 CONTROL = str(Path(sys.executable).parent / "gpumesh-control")
 FLOOD = str(Path(__file__).with_name("floodclient.py"))
@@ -40,13 +41,6 @@ SOFT_FILES = 256
 DEADLINE = 3.0
 CEILING = 60.0
 """Seconds any one wait below may take on a loaded machine."""
-
-
-def _free_tcp_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def _few_files(*argv: str) -> list[str]:
@@ -110,14 +104,7 @@ def start_control(home: Path, *args: str, env: dict[str, str] | None = None) -> 
         stderr=subprocess.PIPE,
         text=True,
     )
-    assert proc.stdout is not None
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if "OpenAPI" in line:
-            break
-    else:
-        raise AssertionError(f"gpumesh-control did not start: {lines} {proc.communicate()}")
+    lines = started_lines(proc)
     scheme = "https" if any("https://" in line for line in lines) else "http"
     return Control(home, proc, port, scheme)
 
@@ -217,6 +204,18 @@ def test_a_200_mb_body_to_an_authorised_route_is_refused_unread(
 # --- held connections -----------------------------------------------------------------------
 
 
+def _the_owner_is_answered(control: Control) -> None:
+    """The owner's authorised request over TCP, and on the unix socket, get a 200."""
+    with httpx.Client(timeout=CEILING) as client:
+        response = client.get(
+            f"{control.url}/api/v1/node",
+            headers={"authorization": f"Bearer {control.token}"},
+        )
+    assert response.status_code == 200, response.text
+    with control.unix() as unix:
+        assert unix.get("/api/v1/node").status_code == 200
+
+
 def test_held_connections_leave_room_and_are_closed_by_the_deadline(
     control: Control, other_user: OtherUser
 ) -> None:
@@ -224,14 +223,7 @@ def test_held_connections_leave_room_and_are_closed_by_the_deadline(
     try:
         # The owner's authorised request over TCP, and on the unix socket, are
         # answered while the 300 connections are held.
-        with httpx.Client(timeout=CEILING) as client:
-            response = client.get(
-                f"{control.url}/api/v1/node",
-                headers={"authorization": f"Bearer {control.token}"},
-            )
-        assert response.status_code == 200, response.text
-        with control.unix() as unix:
-            assert unix.get("/api/v1/node").status_code == 200
+        _the_owner_is_answered(control)
     finally:
         told = flood.told()
     # None stayed open: each was closed by the deadline and told so in one line
@@ -257,14 +249,7 @@ def test_a_full_server_makes_room_at_the_cost_of_the_oldest_waiting_connections(
     try:
         flood = Flood(other_user, running.port, idle=150, half=150)
         try:
-            with httpx.Client(timeout=CEILING) as client:
-                response = client.get(
-                    f"{running.url}/api/v1/node",
-                    headers={"authorization": f"Bearer {running.token}"},
-                )
-            assert response.status_code == 200, response.text
-            with running.unix() as unix:
-                assert unix.get("/api/v1/node").status_code == 200
+            _the_owner_is_answered(running)
         finally:
             told = flood.told()
     finally:
