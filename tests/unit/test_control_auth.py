@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from gpumesh.control import auth
+from gpumesh.errors import ConfigError
 
 
 @pytest.mark.parametrize(
@@ -128,3 +129,18 @@ def test_login_urls_name_the_dashboards_host_on_loopback_only() -> None:
     )
     assert remote.login_url("C") == "http://gpu-box.lan:8443/#code=C"
     assert remote.cookie_hosts == frozenset({"gpu-box.lan", name})
+
+
+def test_a_link_planted_as_the_token_file_is_refused_and_its_target_untouched(
+    tmp_path: Path,
+) -> None:
+    """Another account's link at api.token would hand its file to the API as the
+    token (or take the token written through it): it is refused, never followed."""
+    target = tmp_path / "elsewhere"
+    target.write_text("someone else's token\n")
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / auth.TOKEN_FILE).symlink_to(target)
+    with pytest.raises(ConfigError, match="is a link: GPUMesh opens no links in its home"):
+        auth.api_token(home)
+    assert target.read_text() == "someone else's token\n"

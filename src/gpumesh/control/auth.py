@@ -27,7 +27,6 @@ restart ends them.
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import hmac
 import ipaddress
@@ -37,8 +36,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from gpumesh.errors import ConfigError
 from gpumesh.settings import ENV_API_TOKEN, env
+from gpumesh.store.modes import read_private
 
 __all__ = [
     "CODE_TTL",
@@ -78,7 +77,7 @@ def api_token(home: Path) -> str:
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _nofollow(), 0o600)
     except FileExistsError:
-        token = _read_token(path)
+        token = read_private(path).decode().strip()
         if token:
             return token
         # An empty file (a crash between create and write): write it now.
@@ -87,21 +86,6 @@ def api_token(home: Path) -> str:
     with os.fdopen(fd, "w") as out:
         out.write(token + "\n")
     return token
-
-
-def _read_token(path: Path) -> str:
-    """The token in ``path``, never read through a link planted there."""
-    try:
-        fd = os.open(path, os.O_RDONLY | _nofollow())
-    except OSError as exc:
-        if exc.errno != errno.ELOOP:
-            raise
-        raise ConfigError(
-            f"{path} is a link: GPUMesh opens no links in its home; remove it "
-            f"(`rm {path}`) and run the command again (a new token is made)"
-        ) from None
-    with os.fdopen(fd) as found:
-        return found.read().strip()
 
 
 def dashboard_host(token: str) -> str:
