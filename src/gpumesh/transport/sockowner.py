@@ -137,16 +137,10 @@ def listening_on_loopback(port: int) -> bool | None:
     """Whether a TCP server on this host takes connections to 127.0.0.1:``port``, read
     from the kernel's table without connecting (a VNC server started for one client
     would take a test connection as its one and exit); None where there is no table."""
-    if not owner_check_available():
+    listeners = _listeners()
+    if listeners is None:
         return None
-    for table in _TABLES:
-        try:
-            text = table.read_text()
-        except OSError:
-            continue
-        if any(p == port and host in _REACHES_LOOPBACK for host, p in parse_listeners(text)):
-            return True
-    return False
+    return any(p == port and host in _REACHES_LOOPBACK for host, p in listeners)
 
 
 def exposed_addresses(listeners: set[Endpoint], port: int) -> list[str]:
@@ -163,6 +157,13 @@ def listening_beyond_loopback(port: int) -> list[str] | None:
     """Where a TCP server on ``port`` takes connections from more than this machine's
     loopback (its containers through their gateway, the LAN): the bound addresses,
     empty when none; None where there is no table to read."""
+    listeners = _listeners()
+    return None if listeners is None else exposed_addresses(listeners, port)
+
+
+def _listeners() -> set[Endpoint] | None:
+    """Every address a TCP socket of this host listens on (IPv4 and IPv6 tables);
+    None where there is no table to read."""
     if not owner_check_available():
         return None
     listeners: set[Endpoint] = set()
@@ -171,4 +172,4 @@ def listening_beyond_loopback(port: int) -> list[str] | None:
             listeners |= parse_listeners(table.read_text())
         except OSError:
             continue
-    return exposed_addresses(listeners, port)
+    return listeners
