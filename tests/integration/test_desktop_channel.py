@@ -89,6 +89,9 @@ def test_on_a_direct_link_connections_take_a_data_channel(nodes: tuple[Node, Nod
                 await _wait_for(lambda: len(agent.desktop.sessions()) == 1)
                 assert [s.path for s in agent.desktop.sessions()] == ["channel"]
                 await _wait_for(lambda: _published_paths(alice) == ["channel"])
+                # The owner counts the session once it offers the channel; the
+                # tunnel reports the path once its own dial is through.
+                await _wait_for(lambda: len(paths) == 3)
                 writer.close()
         server.close()
         assert paths == ["channel"] * 3

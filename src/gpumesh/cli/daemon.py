@@ -7,6 +7,8 @@ from pathlib import Path
 
 import click
 
+from gpumesh.cli.share import share_options
+
 __all__ = ["daemon"]
 
 
@@ -23,16 +25,19 @@ Examples:
   gpumesh daemon status
   gpumesh daemon status --json
   gpumesh daemon stop
+  gpumesh daemon run                   # in the foreground; Ctrl-C stops it
+  gpumesh daemon run --max-vram 16GB   # ... sharing, as the systemd unit runs it
 """
 )
 def daemon() -> None:
-    """This home's node process: it serves the control API on
+    """This home's node process: the one resident process of a home. It shares
+    this machine (`gpumesh share` asks it to), serves the control API on
     $GPUMESH_HOME/control.sock and talks to peers for `run`, `logs`, `jobs` and
-    `cancel`, keeping sessions to recently used peers warm. The first of those
-    commands starts it in the background (it exits after $GPUMESH_NODE_IDLE
-    seconds without a request, 600 by default, unless `gpumesh dashboard` made
-    it serve TCP); `gpumesh share` and `gpumesh-control` are node processes in
-    the foreground."""
+    `cancel`, keeping sessions to recently used peers warm. The first command
+    that needs it starts it in the background; it exits after
+    $GPUMESH_NODE_IDLE seconds without a request (600 by default) unless it
+    shares, has jobs that have not ended, or serves TCP (`gpumesh dashboard`).
+    `gpumesh daemon run` and `gpumesh-control` run it in the foreground."""
 
 
 @daemon.command()
@@ -58,13 +63,19 @@ def status(as_json: bool) -> None:
         return
     if view is None:
         click.echo(f"No node process runs for {home}; the next command that needs one starts it.")
+        from gpumesh.daemon.record import last_share_end
+
+        ended = last_share_end(home)
+        if ended is not None:
+            said = _not_sharing({"at": ended[0], "how": ended[1]})
+            click.echo(f"Sharing: {said}")
         return
     where = "background" if view["detached"] else "foreground"
     idle = view["idle_exit"]
     click.echo(f"Node process of {home}")
     click.echo(f"  pid       {view['pid']} ({where}, up {_ago(view['started_at'])})")
     click.echo(f"  version   {view['version']}")
-    click.echo(f"  sharing   {'yes' if view['sharing'] else 'no'}")
+    click.echo(f"  sharing   {'yes' if view['sharing'] else _not_sharing(view.get('share_ended'))}")
     for address in view["api"]:
         click.echo(f"  api       {address}")
     click.echo(f"  idle exit {'never' if idle is None else f'after {idle:g} s without a request'}")
@@ -86,6 +97,13 @@ def status(as_json: bool) -> None:
             click.echo(f"    relay {relay['relay']}  {relay['state']}")
 
 
+def _not_sharing(ended: dict[str, object] | None) -> str:
+    """``no``, and when and how the home's last share ended if it is known."""
+    if not ended:
+        return "no"
+    return f"no (the last share ended {_ago(float(str(ended['at'])))} ago: {ended['how']})"
+
+
 def _ago(started: float) -> str:
     from gpumesh.units import format_duration
 
@@ -103,3 +121,48 @@ def stop() -> None:
         click.echo(f"No node process runs for {home}.")
     else:
         click.echo(f"Stopped the node process of {home} (pid {pid}).")
+
+
+@daemon.command(
+    epilog="""\b
+Examples:
+  gpumesh daemon run                   # serve commands; share when `gpumesh share` asks
+  gpumesh daemon run --port 47001      # and share from the start, on UDP 47001
+"""
+)
+@share_options
+@click.option(
+    "--share", is_flag=True, help="Share from the start, with the defaults when no option is given."
+)
+def run(**flags: object) -> None:
+    """Run this home's node process in the foreground (until Ctrl-C or SIGTERM).
+
+    Given share options (or --share), it shares from the start, as
+    `gpumesh share` would, and prints what the share says; a share that cannot
+    start ends it with that error. This is what the systemd unit of
+    `gpumesh share --print-systemd-unit` runs. A node process of this home that
+    runs in the background hands over to it (unless it shares)."""
+    import asyncio
+
+    from gpumesh.cli._common import get_node, setup_logging
+    from gpumesh.cli.share import echo_line, options_of
+    from gpumesh.daemon.process import run_node
+
+    sharing = bool(flags.pop("share"))
+    given = any(value not in (None, False, "") for value in flags.values())
+    options = options_of(dict(flags))
+    node = get_node()
+    node.home.require_initialized()
+    setup_logging(node.home.logs_dir, console_level="info")
+    asyncio.run(
+        run_node(
+            node,
+            listen=None,
+            allow_remote=False,
+            hosts=[],
+            detached=False,
+            announce=click.echo,
+            share=options if sharing or given else None,
+            echo=echo_line,
+        )
+    )

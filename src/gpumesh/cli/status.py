@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import click
 
@@ -43,7 +44,7 @@ def status(offline: bool, as_json: bool) -> None:
     sharing = (
         click.style(f"yes, on udp {st.listen} (pid {st.agent.pid})", fg="green")
         if st.agent
-        else f"no (run `gpumesh share`; would listen on udp {st.listen})"
+        else _not_sharing(st.home, st.listen)
     )
     click.echo(f"Node     {click.style(st.name, bold=True)}")
     click.echo(f"Id       {st.node_id}")
@@ -99,3 +100,16 @@ def _clock(unix_time: str) -> str:
         return time.strftime("%H:%M", time.localtime(float(unix_time)))
     except ValueError:
         return "?"
+
+
+def _not_sharing(home: Path, listen: str) -> str:
+    """``no``, how the last share ended when it is known, and how to share."""
+    from gpumesh.daemon.record import last_share_end
+    from gpumesh.units import format_duration
+
+    hint = f"run `gpumesh share`; would listen on udp {listen}"
+    ended = last_share_end(home)
+    if ended is None:
+        return f"no ({hint})"
+    ago = format_duration(max(0.0, time.time() - ended[0]))
+    return f"no (the last share ended {ago} ago: {ended[1]}; {hint})"

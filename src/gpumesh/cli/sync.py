@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import signal
 from typing import TYPE_CHECKING
 
 import click
 
 from gpumesh.cli._common import emit_json, get_node, run_async
+from gpumesh.errors import GPUMeshError
 
 if TYPE_CHECKING:
     from gpumesh.client.discovery import PeerRefresh
@@ -63,7 +62,10 @@ def sync(timeout: float, no_dial: bool, as_json: bool) -> None:
     elif republished is None:
         click.echo(f"Registry {url}: no `gpumesh share` runs here, nothing to re-publish.")
     else:
-        click.echo(f"Registry {url}: asked `gpumesh share` (pid {republished}) to re-publish now.")
+        click.echo(
+            f"Registry {url}: asked the node process (pid {republished}) to re-publish "
+            "its share now."
+        )
     if not results:
         click.echo("No paired peers.")
         return
@@ -107,15 +109,17 @@ def _print_results(results: list[PeerRefresh]) -> None:
 
 
 def _ask_share_to_republish(node: object) -> int | None:
-    """Signal the running `gpumesh share` of this home (SIGUSR1); its pid, or None."""
+    """Ask this home's node process to re-publish its share now (an API call); its
+    pid, or None when no node process runs or it does not share."""
     from gpumesh.client.node import Node
+    from gpumesh.daemon.client import NodeClient, NodeUnavailableError
+    from gpumesh.daemon.record import holder
 
     assert isinstance(node, Node)
-    running = node.home.read_agent_info()
-    if running is None:
+    if holder(node.home.path) is None:
         return None
     try:
-        os.kill(running.pid, signal.SIGUSR1)
-    except (ProcessLookupError, PermissionError):
+        answer = NodeClient(node.home.path).call("POST", "/api/v1/share/publish", timeout=10)
+    except (NodeUnavailableError, GPUMeshError):
         return None
-    return running.pid
+    return int(answer["pid"]) if isinstance(answer, dict) and answer.get("sharing") else None

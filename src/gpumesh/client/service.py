@@ -1,11 +1,12 @@
-"""Keeping ``gpumesh share`` running across reboots: a systemd unit for this home.
+"""Keeping a home shared across reboots: a systemd unit for this home.
 
-The unit runs the same ``gpumesh share`` a user types, as the user who asked for
-it, with ``GPUMESH_HOME`` pinned to the home it was printed for. systemd's
-SIGTERM is what ``gpumesh share stop`` sends too, so stopping the service stops
-sharing cleanly (running jobs keep their containers and are picked up on the
-next start). Nothing here installs anything: the user decides where the unit
-goes.
+The unit runs the home's node process in the foreground, sharing with the
+options the user gave ``gpumesh share`` (``gpumesh daemon run [share options]``),
+as the user who asked for it, with ``GPUMESH_HOME`` pinned to the home it was
+printed for: systemd then tracks the process that owns the home. On systemd's
+SIGTERM it stops sharing cleanly (running jobs keep their containers and are
+picked up on the next start); ``Restart=on-failure`` brings sharing back after a
+crash. Nothing here installs anything: the user decides where the unit goes.
 """
 
 from __future__ import annotations
@@ -15,21 +16,22 @@ import shlex
 import sys
 from pathlib import Path
 
-__all__ = ["UNIT_NAME", "share_command", "systemd_unit"]
+__all__ = ["UNIT_NAME", "node_command", "systemd_unit"]
 
 UNIT_NAME = "gpumesh-share.service"
 
 
-def share_command(argv0: str | None = None) -> list[str]:
-    """The command line that starts ``gpumesh share`` with this installation.
+def node_command(argv0: str | None = None) -> list[str]:
+    """The command line that runs the node process in the foreground with this
+    installation (``gpumesh daemon run``).
 
     The ``gpumesh`` script that is running now when there is one (a virtual
     environment's stays valid as long as the environment does), else this
     interpreter with ``-m gpumesh``."""
     script = Path(argv0 if argv0 is not None else sys.argv[0])
     if script.name == "gpumesh" and script.is_file() and os.access(script, os.X_OK):
-        return [str(script.resolve()), "share"]
-    return [str(Path(sys.executable).resolve()), "-m", "gpumesh", "share"]
+        return [str(script.resolve()), "daemon", "run"]
+    return [str(Path(sys.executable).resolve()), "-m", "gpumesh", "daemon", "run"]
 
 
 def _quote(arg: str, *, command: bool = False) -> str:
@@ -60,7 +62,7 @@ Environment={_quote("GPUMESH_HOME=" + str(home))}
 ExecStart={exec_start}
 Restart=on-failure
 RestartSec=5
-# SIGTERM is `gpumesh share stop`: the agent closes its links and leaves jobs' containers running.
+# On SIGTERM the node process stops sharing: links close, jobs' containers keep running.
 KillSignal=SIGTERM
 TimeoutStopSec=30
 

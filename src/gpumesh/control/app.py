@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import enum
 import logging
+import os
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +61,7 @@ from gpumesh.errors import (
 if TYPE_CHECKING:
     from gpumesh.client.node import Node
     from gpumesh.daemon.process import NodeProcess
+    from gpumesh.daemon.sharing import ShareOptions, Sharing
     from gpumesh.daemon.shells import Shells
 
 __all__ = ["ENDPOINTS", "Call", "ControlState", "create_app"]
@@ -277,6 +279,16 @@ class TcpBody(msgspec.Struct, forbid_unknown_fields=True):
     listen: str = ""
     """``host:port`` on loopback; empty: the node process's ``GPUMESH_API_ADDR``
     (default 127.0.0.1:8080)."""
+
+
+class PublishView(msgspec.Struct):
+    """``POST /api/v1/share/publish``'s answer."""
+
+    sharing: bool
+    published: bool
+    """A refresh was asked of the registry (False: this share publishes nothing)."""
+    pid: int
+    """The node process's."""
 
 
 class LoginCodeView(msgspec.Struct):
@@ -893,14 +905,16 @@ def _process(call: Call) -> NodeProcess:
 
 
 async def get_node(call: Call) -> object:
-    return _process(call).view(sharing=call.node.home.read_agent_info() is not None)
+    return _process(call).view()
 
 
 async def post_node_stop(call: Call) -> object:
-    """Stop the node process once this answer is sent (open streams end)."""
+    """Stop the node process once this answer is sent (open streams end; a share
+    it runs stops first)."""
     process = _process(call)
-    asyncio.get_running_loop().call_soon(process.stop.set)
-    return process.view(sharing=call.node.home.read_agent_info() is not None)
+    why = "the node process was stopped (`gpumesh daemon stop`)"
+    asyncio.get_running_loop().call_soon(process.end, why)
+    return process.view()
 
 
 async def post_node_tcp(call: Call) -> object:
@@ -913,12 +927,86 @@ async def post_node_tcp(call: Call) -> object:
         raise AgentError("this node process is stopping: run the command again")
     body: TcpBody = call.body
     await process.serve_tcp(body.listen or env(ENV_API_ADDR) or API_ADDR_DEFAULT)
-    return process.view(sharing=call.node.home.read_agent_info() is not None)
+    return process.view()
+
+
+# --- sharing (gpumesh.daemon.sharing) ----------------------------------------------------
+
+
+def _sharing(call: Call) -> Sharing:
+    sharing = _process(call).sharing
+    if sharing is None:
+        raise AgentError("this node process is stopping: run the command again")
+    return sharing
+
+
+async def get_share(call: Call) -> object:
+    return _sharing(call).view()
+
+
+async def post_share(call: Call) -> object:
+    """Share with the body's options (``{}``: the defaults); the running share when
+    it has the same options; 409 when it has others. Answers once peers are served
+    and the share's start is reported (its output, from ``first_line``)."""
+    options: ShareOptions = call.body
+    try:
+        options.check()
+    except ConfigError as exc:
+        raise Refusal(422, exc) from None
+    return await _sharing(call).start(options)
+
+
+async def delete_share(call: Call) -> object:
+    """Stop sharing (withdrawn from the registry, links closed); the share as it ended."""
+    sharing = _sharing(call)
+    if not await sharing.stop():
+        raise NotFoundError(f"{call.node.home.path} does not share: start with `gpumesh share`")
+    return sharing.view()
+
+
+async def post_share_publish(call: Call) -> object:
+    """Refresh the share's registry listing or address record now (``gpumesh sync``)."""
+    sharing = _sharing(call)
+    return PublishView(sharing=sharing.active, published=sharing.republish(), pid=os.getpid())
+
+
+async def get_share_output(call: Call) -> object:
+    """What the share says, as Server-Sent Events: a ``line`` per line (its ``seq``
+    is the event's id), then ``end`` (the share as it is then) when the share
+    stops; without ``follow``, the lines there are now, then ``end``."""
+    sharing = _sharing(call)
+    after = call.number("after", 0, most=2**62)
+    if not call.flag("follow", True):
+        return EventStream(_lines_then(sharing.lines(after), sharing.view()))
+    return EventStream(_share_events(sharing.follow(after)))
+
+
+async def _lines_then(lines: list[Any], view: Any) -> AsyncIterator[bytes]:
+    for line in lines:
+        yield sse("line", line, line.seq)
+    yield sse("end", view)
+
+
+async def _share_events(follow: Any) -> AsyncIterator[bytes]:
+    from gpumesh.daemon.sharing import ShareLine
+
+    events = _paced(follow)
+    try:
+        async for event in events:
+            if event is KEEP_ALIVE:
+                yield b": keep-alive\n\n"
+            elif isinstance(event, ShareLine):
+                yield sse("line", event, event.seq)
+            else:
+                yield sse("end", event)
+    finally:
+        await events.aclose()
 
 
 def _views() -> dict[str, Any]:
     """The response types, imported only when the table is built."""
     from gpumesh.client.views import apps, files, groups, joblist, jobs, node, owner, peers
+    from gpumesh.daemon.sharing import ShareLine, ShareOptions, ShareView
     from gpumesh.daemon.shells import ShellOfferView, ShellRequest
     from gpumesh.daemon.views import NodeProcessView
 
@@ -945,6 +1033,9 @@ def _views() -> dict[str, Any]:
         "process": NodeProcessView,
         "shell": ShellOfferView,
         "shellbody": ShellRequest,
+        "share": ShareView,
+        "shareoptions": ShareOptions,
+        "shareline": ShareLine | ShareView,
     }
 
 
@@ -1051,6 +1142,20 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("POST", "/api/v1/node/tcp", post_node_tcp,
              "Serve this API on loopback TCP too (then never exit for being idle)",
              V["process"], Access.NO_COOKIE, body=TcpBody),
+    Endpoint("GET", "/api/v1/share", get_share,
+             "Whether this machine is shared, since when, with which options", V["share"]),
+    Endpoint("POST", "/api/v1/share", post_share,
+             "Share this machine with the `share` options ({}: the defaults)", V["share"],
+             body=V["shareoptions"], invalid_status=422),
+    Endpoint("DELETE", "/api/v1/share", delete_share, "Stop sharing this machine",
+             V["share"]),
+    Endpoint("POST", "/api/v1/share/publish", post_share_publish,
+             "Re-publish the share's registry listing or address record now", PublishView),
+    Endpoint("GET", "/api/v1/share/output", get_share_output,
+             "What the share says, as Server-Sent Events: line events, then end (the share)",
+             V["shareline"], media_type="text/event-stream",
+             query=(Query("after", "integer", "Start after this line's seq (0)"),
+                    Query("follow", "boolean", "Until the share stops (true)"))),
 )  # fmt: skip
 
 
@@ -1159,7 +1264,8 @@ def _endpoint(endpoint: Endpoint, state: ControlState) -> Callable[[Request], Aw
                 try:
                     call.body = msgspec.json.decode(raw or b"{}", type=endpoint.body)
                 except msgspec.ValidationError as exc:
-                    raise BadRequestError(f"request body: {exc}") from None
+                    error = BadRequestError(f"request body: {exc}")
+                    raise Refusal(endpoint.invalid_status, error) from None
                 except msgspec.DecodeError:
                     raise BadRequestError("request body: not JSON") from None
             result = await endpoint.handler(call)

@@ -19,26 +19,29 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
 import socket
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gpumesh import platform
 from gpumesh.client.node import Node
-from gpumesh.daemon.record import HomeLock, holder, new_record
+from gpumesh.daemon.record import HomeLock, NodeRecord, holder, last_share_end, new_record
+from gpumesh.daemon.sharing import ShareEnd, ShareLine, ShareOptions, Sharing
 from gpumesh.daemon.views import (
     NodeProcessView,
     OutgoingView,
     RelayRegistrationView,
+    ShareEndedView,
     WarmSessionView,
 )
-from gpumesh.errors import ConfigError, InUseError
+from gpumesh.errors import ConfigError, GPUMeshError, InUseError
 from gpumesh.httpguard import Guard, raise_descriptor_limit
 from gpumesh.settings import (
     API_ADDR_DEFAULT,
@@ -109,17 +112,36 @@ class NodeProcess:
     serve_tcp: Callable[[str], Awaitable[None]] | None = None
     """Start serving the API on TCP at ``host:port`` too (loopback only); nothing
     when it already does."""
+    sharing: Sharing | None = None
+    """The home's share, which this process owns."""
+    stopping: str = ""
+    """Why it stops (said in how a share it ran ended)."""
+    unfinished: Callable[[], bool] = lambda: False
+    """Whether the home has work that has not ended (jobs hosted or submitted)."""
 
     def __post_init__(self) -> None:
         self.last_active = self.clock()
 
-    def view(self, sharing: bool) -> NodeProcessView:
+    @property
+    def shares(self) -> bool:
+        return self.sharing is not None and self.sharing.active
+
+    def end(self, why: str) -> None:
+        """Stop, saying why (a share it runs ends with that reason)."""
+        if not self.stopping:
+            self.stopping = why
+        self.stop.set()
+
+    def view(self) -> NodeProcessView:
+        ended = None
+        if self.sharing is not None and not self.shares and self.sharing.ended is not None:
+            ended = self.sharing.ended
         return NodeProcessView(
             pid=os.getpid(),
             version=self.version,
             started_at=self.started_at,
             detached=self.detached,
-            sharing=sharing,
+            sharing=self.shares,
             api=list(self.api),
             idle_exit=self.idle,
             warm_sessions=[
@@ -133,6 +155,7 @@ class NodeProcess:
                 for w in (self.pool.sessions() if self.pool is not None else [])
             ],
             outgoing=self._outgoing(),
+            share_ended=None if ended is None else ShareEndedView(ended.at, ended.how),
         )
 
     def _outgoing(self) -> OutgoingView | None:
@@ -152,6 +175,8 @@ class NodeProcess:
             return f"its home {self.home} is gone"
         idle_for = self.clock() - self.last_active
         if self.idle is not None and self.active == 0 and idle_for >= self.idle:
+            if self.shares or self.unfinished():
+                return None  # a share, or jobs that have not ended, keep it
             return f"idle for {self.idle:g} s"
         return None
 
@@ -196,6 +221,12 @@ def _take_home(home: Path, *, detached: bool) -> HomeLock:
                     f"a node process (pid {pid}) already serves {home}: "
                     "`gpumesh daemon status` shows it, `gpumesh daemon stop` stops it"
                 )
+            if view.get("sharing"):
+                raise InUseError(
+                    f"the node process (pid {record.pid}) of {home} shares this machine: "
+                    "it is not taken over (that would stop sharing); `gpumesh share stop` "
+                    "stops sharing, `gpumesh daemon stop` stops it"
+                )
             with contextlib.suppress(NodeUnavailableError):
                 NodeClient(home).call("POST", "/api/v1/node/stop", timeout=5)
             asked = True
@@ -216,16 +247,21 @@ async def run_node(
     hosts: list[str],
     detached: bool,
     announce: Callable[[str], None] = print,
-    stop: asyncio.Event | None = None,
     tls: tuple[Path, Path] | None = None,
+    share: ShareOptions | None = None,
+    echo: Callable[[ShareLine], None] | None = None,
+    share_only: bool = False,
 ) -> int:
-    """Be this home's node process until stopped; 0 on an orderly end.
+    """Be this home's node process until stopped (SIGINT, SIGTERM, the API); 0 on
+    an orderly end.
 
     ``home_arg``: the home, or the hosting process's own :class:`Node` (left open).
-    ``stop``: the hosting process's own (``gpumesh share``, which keeps its SIGINT
-    and SIGTERM handling and ends the node with the agent); without it, SIGINT
-    and SIGTERM stop the node process. ``tls``: a certificate and its key (PEM)
-    that TCP is served with (``--allow-remote`` needs them)."""
+    ``tls``: a certificate and its key (PEM) that TCP is served with
+    (``--allow-remote`` needs them). ``share``: share with these options from the
+    start (``gpumesh daemon run`` with share options); a share that cannot start
+    ends the process with its error. ``echo`` hears every line a share says (a
+    process in the foreground prints them). ``share_only``: the process ends when
+    that share does (``gpumesh share`` with ``$GPUMESH_NODE=off``)."""
     from gpumesh.control import auth
     from gpumesh.control.app import ControlState, create_app
     from gpumesh.control.server import (
@@ -265,9 +301,10 @@ async def run_node(
     local_tcp = tcp_address is None and not unix
     if local_tcp:
         tcp_address = ("127.0.0.1", 0)
-    # In a thread: a background node process may take a moment to hand over, and
-    # `gpumesh share` serves peers in this loop meanwhile.
+    previous_end = last_share_end(home)  # before this process's record replaces it
+    # In a thread: a background node process may take a moment to hand over.
     lock = await asyncio.to_thread(_take_home, home, detached=detached)
+    record: NodeRecord | None = None
     sockets: list[socket.socket] = []
     socket_path = home / "control.sock"
     try:
@@ -287,8 +324,30 @@ async def run_node(
             idle=idle_limit() if detached and (local_tcp or not public_url) else None,
             version=env(ENV_TEST_NODE_VERSION) or __version__,
         )
-        if stop is not None:
-            process.stop = stop
+        record = new_record(api, tcp=process.tcp, version=process.version, share_ended=previous_end)
+
+        def write_record() -> None:
+            nonlocal record
+            assert record is not None
+            shared = process.sharing
+            active = shared is not None and shared.active
+            ended = None if active or shared is None else shared.ended
+            record = replace(
+                record,
+                api=list(process.api),
+                tcp=process.tcp,
+                sharing_since=shared.since if shared is not None and active else None,
+                share_ended=None if ended is None else (ended.at, ended.how),
+            )
+            lock.write(record)
+
+        process.sharing = Sharing(
+            node,
+            None if previous_end is None else ShareEnd(*previous_end),
+            echo=echo,
+            on_change=write_record,
+        )
+        process.unfinished = functools.partial(_unfinished, node.home)
         from gpumesh.client.pool import SessionPool
         from gpumesh.transport.outgoing import OutgoingSocket
 
@@ -303,7 +362,7 @@ async def run_node(
             public_url=public_url,
             process=process,
         )
-        lock.write(new_record(api, tcp=process.tcp, version=process.version))
+        write_record()
         app = process.wrap(create_app(state))
         late: list[asyncio.Future[None]] = []
 
@@ -330,7 +389,7 @@ async def run_node(
             process.api.append(url)
             process.tcp = True
             process.idle = None
-            lock.write(new_record(process.api, tcp=True, version=process.version))
+            write_record()
             late.append(asyncio.ensure_future(serve(app, [tcp], process.stop, guard)))
             announce(
                 f"  http         {url}/api/v1/ (asked to serve TCP; it now stays until stopped)"
@@ -338,9 +397,13 @@ async def run_node(
 
         process.serve_tcp = serve_tcp
         loop = asyncio.get_running_loop()
-        signals = (signal.SIGINT, signal.SIGTERM) if stop is None else ()
         # Through platform: Windows' loop has no add_signal_handler.
-        undo = [platform.add_signal_handler(loop, sig, process.stop.set) for sig in signals]
+        undo = [
+            platform.add_signal_handler(
+                loop, sig, functools.partial(process.end, f"the node process got {sig.name}")
+            )
+            for sig in (signal.SIGINT, signal.SIGTERM)
+        ]
         title = "gpumesh node process" if detached else "gpumesh-control"
         announce(f"{title}: the control API of {info.name} ({home}), pid {os.getpid()}")
         if unix:
@@ -353,6 +416,10 @@ async def run_node(
         announce("  OpenAPI      /api/v1/openapi.json; stop with Ctrl-C")
         watcher = asyncio.ensure_future(_watch(process))
         keeper = asyncio.ensure_future(process.pool.maintain(node.home.store))
+        failed: list[GPUMeshError] = []
+        sharer = None
+        if share is not None:
+            sharer = asyncio.ensure_future(_share_from_start(process, share, failed, share_only))
         if context is not None and unix:
             # TLS is TCP's: the unix socket beside it stays plain.
             late.append(asyncio.ensure_future(serve(app, sockets[:1], process.stop, guard)))
@@ -365,6 +432,12 @@ async def run_node(
                 await task
         finally:
             process.serve_tcp = None
+            if sharer is not None:
+                sharer.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await sharer
+            if process.sharing.active:
+                await process.sharing.stop(process.stopping or "the node process stopped")
             for task in (watcher, keeper, *late):
                 task.cancel()
             for task in (keeper, *late):
@@ -378,12 +451,44 @@ async def run_node(
         if sockets and unix:
             with contextlib.suppress(OSError):
                 socket_path.unlink(missing_ok=True)
-        lock.release()
+        lock.release(last=record)
         node.pool = None
         if own:
             node.close()
     announce(f"{'gpumesh node process' if detached else 'gpumesh-control'}: stopped")
+    if failed:
+        raise failed[0]
     return 0
+
+
+async def _share_from_start(
+    process: NodeProcess, options: ShareOptions, failed: list[GPUMeshError], only: bool
+) -> None:
+    """Share as the process starts; a share that cannot start ends the process, and
+    so does its end when ``only``."""
+    assert process.sharing is not None
+    try:
+        await process.sharing.start(options)
+    except GPUMeshError as exc:
+        failed.append(exc)
+        process.end("its share did not start")
+        return
+    if only:
+        await process.sharing.wait_ended()
+        process.end("its share ended")
+
+
+def _unfinished(home: Home) -> bool:
+    """Whether ``home`` has jobs it hosts or submitted that have not ended."""
+    from gpumesh.protocol.states import FINAL_STATES, JobRole
+
+    store = home.store
+    if store.unfinished_hosted_jobs():
+        return True
+    return any(
+        j.state not in FINAL_STATES and not j.provider_forgot
+        for j in store.jobs(limit=1000, role=JobRole.SUBMITTED)
+    )
 
 
 def _url_of(tcp: socket.socket, *, secure: bool = False) -> str:
@@ -441,6 +546,6 @@ async def _watch(process: NodeProcess) -> None:
         reason = process.should_exit()
         if reason is not None:
             logger.info("node process exits: %s", reason)
-            process.stop.set()
+            process.end(f"the node process exited: {reason}")
             return
         await asyncio.sleep(TICK)

@@ -21,7 +21,7 @@ import importlib
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
@@ -33,6 +33,7 @@ __all__ = [
     "NodeRecord",
     "can_lock",
     "holder",
+    "last_share_end",
     "read_record",
 ]
 
@@ -51,21 +52,51 @@ class NodeRecord:
     """Where its control API listens: the unix socket's path, ``http://host:port``."""
     tcp: bool = False
     """It serves TCP too (then it never exits for being idle)."""
+    sharing_since: float | None = None
+    """When the home's share it runs started; None while it does not share."""
+    share_ended: tuple[float, str] | None = None
+    """When and how the home's last share ended (kept in the record a node process
+    leaves behind, and carried over by the next one)."""
 
 
 def read_record(home: Path) -> NodeRecord | None:
     """The record in ``home``, or None when missing or unreadable."""
     try:
         data = json.loads((home / RECORD_NAME).read_text())
+        since = data.get("sharing_since")
+        ended = data.get("share_ended")
         return NodeRecord(
             pid=int(data["pid"]),
             version=str(data["version"]),
             started_at=float(data["started_at"]),
             api=[str(a) for a in data.get("api", [])],
             tcp=bool(data.get("tcp", False)),
+            sharing_since=None if since is None else float(since),
+            share_ended=None if not ended else (float(ended[0]), str(ended[1])),
         )
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
         return None
+
+
+def last_share_end(home: Path) -> tuple[float, str] | None:
+    """When and how ``home``'s last share ended; None while it shares, or when it
+    never shared. A node process that died while sharing (killed, crashed) left its
+    record saying it shared: that is how it ended."""
+    record = read_record(home)
+    if record is None:
+        return None
+    if record.sharing_since is not None:
+        if holder(home) is not None:
+            return None  # it shares now
+        try:
+            at = (home / RECORD_NAME).stat().st_mtime
+        except OSError:
+            at = record.sharing_since
+        return (
+            at,
+            f"its node process (pid {record.pid}) ended without stopping it (killed or crashed)",
+        )
+    return record.share_ended
 
 
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)  # Windows' os.open never lets children inherit
@@ -183,16 +214,36 @@ class HomeLock:
             json.dump(asdict(record), out)
         os.replace(temp, path)
 
-    def release(self) -> None:
+    def release(self, last: NodeRecord | None = None) -> None:
+        """Let the home go. ``last``: a record to leave behind (how the home's last
+        share ended) instead of none."""
         if self._fd is None:
             return
         with contextlib.suppress(OSError):
-            (self.home / RECORD_NAME).unlink(missing_ok=True)
+            if last is not None and last.share_ended is not None:
+                self.write(replace(last, api=[], tcp=False, sharing_since=None))
+            else:
+                (self.home / RECORD_NAME).unlink(missing_ok=True)
         with contextlib.suppress(OSError):
             _unlock(self._fd)  # Windows asks for it before the close
         os.close(self._fd)  # closing the descriptor drops the lock
         self._fd = None
 
 
-def new_record(api: list[str], *, tcp: bool, version: str) -> NodeRecord:
-    return NodeRecord(pid=os.getpid(), version=version, started_at=time.time(), api=api, tcp=tcp)
+def new_record(
+    api: list[str],
+    *,
+    tcp: bool,
+    version: str,
+    sharing_since: float | None = None,
+    share_ended: tuple[float, str] | None = None,
+) -> NodeRecord:
+    return NodeRecord(
+        pid=os.getpid(),
+        version=version,
+        started_at=time.time(),
+        api=api,
+        tcp=tcp,
+        sharing_since=sharing_since,
+        share_ended=share_ended,
+    )

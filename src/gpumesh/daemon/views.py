@@ -4,7 +4,20 @@ from __future__ import annotations
 
 import msgspec
 
-__all__ = ["NodeProcessView", "OutgoingView", "RelayRegistrationView", "WarmSessionView"]
+__all__ = [
+    "NodeProcessView",
+    "OutgoingView",
+    "RelayRegistrationView",
+    "ShareEndedView",
+    "WarmSessionView",
+]
+
+
+class ShareEndedView(msgspec.Struct):
+    """When and how this home's last share ended."""
+
+    at: float
+    how: str
 
 
 class WarmSessionView(msgspec.Struct):
@@ -52,7 +65,7 @@ class NodeProcessView(msgspec.Struct):
     """Started in the background by a command (restarted by a command of another
     version); False: in the foreground (``gpumesh-control``)."""
     sharing: bool
-    """This home shares (``gpumesh share`` runs)."""
+    """This process shares this machine (``gpumesh share`` asked it to)."""
     api: list[str]
     """Where its control API listens: the unix socket's path, then ``http://host:port``."""
     idle_exit: float | None
@@ -60,3 +73,5 @@ class NodeProcessView(msgspec.Struct):
     warm_sessions: list[WarmSessionView]
     outgoing: OutgoingView | None = None
     """The shared dialling socket and its relay registrations."""
+    share_ended: ShareEndedView | None = None
+    """While it does not share: when and how the home's last share ended."""

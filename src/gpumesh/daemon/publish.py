@@ -1,26 +1,32 @@
-"""What ``gpumesh share`` does for the public registry: start, report, withdraw.
+"""What a share does for the public registry: start, report, withdraw.
 
-Kept apart from ``share.py``: it wires the agent's view of its GPUs and jobs
-into a :class:`~gpumesh.client.publishing.Publisher` and prints one line per
-outcome. ``SIGUSR1`` (sent by ``gpumesh sync``) asks for a refresh now.
+Wires the agent's view of its GPUs and jobs into a
+:class:`~gpumesh.client.publishing.Publisher` and says one line per outcome
+(the share's output). ``POST /api/v1/share/publish`` (``gpumesh sync``) asks
+for a refresh now.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import signal
 from dataclasses import dataclass
-from typing import Any
-
-import click
+from typing import TYPE_CHECKING, Any, Protocol
 
 from gpumesh.client.publishing import Publisher, Snapshot
 from gpumesh.client.registry import RegistryClient, registry_url
 from gpumesh.errors import ConfigError, GPUMeshError
 from gpumesh.protocol.listing import GpuListing
 
+if TYPE_CHECKING:
+    from gpumesh.daemon.sharing import ShareOptions
+
 __all__ = ["Publishing", "check", "start"]
+
+
+class Say(Protocol):
+    def __call__(self, text: str, *, err: bool = False, tone: str = "") -> None: ...
+
 
 WITHDRAW_TIMEOUT = 5.0
 
@@ -29,14 +35,13 @@ WITHDRAW_TIMEOUT = 5.0
 class Publishing:
     publisher: Publisher
     task: asyncio.Task[None]
+    say: Say
 
     async def stop(self) -> None:
         """Stop refreshing and withdraw the listing (signed), saying how it went."""
         self.task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self.task
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            asyncio.get_running_loop().remove_signal_handler(signal.SIGUSR1)
         if not self.publisher.listing:
             return
         url = self.publisher.client.url
@@ -45,15 +50,13 @@ class Publishing:
                 await self.publisher.withdraw()
         except (GPUMeshError, TimeoutError) as exc:
             why = exc.message if isinstance(exc, GPUMeshError) else "no answer"
-            click.echo(
-                click.style(
-                    f"  could not withdraw the listing from {url} ({why}); it expires by itself",
-                    fg="yellow",
-                ),
+            self.say(
+                f"  could not withdraw the listing from {url} ({why}); it expires by itself",
                 err=True,
+                tone="warn",
             )
             return
-        click.echo(f"Withdrew the public listing from {url}.", err=True)
+        self.say(f"Withdrew the public listing from {url}.", err=True)
 
 
 def check(config: Any, public: bool, show_addresses: bool = False) -> None:
@@ -68,26 +71,16 @@ def check(config: Any, public: bool, show_addresses: bool = False) -> None:
         registry_url(str(config.get("rendezvous_url")))
 
 
-async def start(
-    node: Any,
-    agent: Any,
-    *,
-    public: bool,
-    region: str | None,
-    contact: str,
-    show_addresses: bool = False,
-) -> Publishing | None:
+async def start(node: Any, agent: Any, options: ShareOptions, say: Say) -> Publishing | None:
     """Publish now and keep refreshing; None when this node publishes nothing."""
+    public, region, contact = options.public, options.region, options.contact
+    show_addresses = options.show_addresses
     config = node.home.config
     announce = public or config.get("announce_addresses") == "true"
     if announce and not public and not str(config.get("rendezvous_url")):
-        click.echo("  no rendezvous_url: paired peers hand this node's addresses on (`sync`)")
+        say("  no rendezvous_url: paired peers hand this node's addresses on (`sync`)")
         announce = False
     if not announce:
-        # `gpumesh sync` signals every running share: one that publishes nothing
-        # must not die of SIGUSR1's default action.
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, lambda: None)
         return None
     url = registry_url(str(config.get("rendezvous_url")))
 
@@ -116,20 +109,14 @@ async def start(
     try:
         ttl = await publisher.publish_once()
     except GPUMeshError as exc:
-        click.echo(
-            click.style(f"  registry {url}: not published ({exc.message}); retrying", fg="yellow"),
-            err=True,
-        )
+        say(f"  registry {url}: not published ({exc.message}); retrying", err=True, tone="warn")
         first_wait = 30.0
     else:
         first_wait = max(5.0, ttl / 3)
         where = f" in region {publisher.region}" if public and publisher.region else ""
         if show_addresses:
             where += f", with its addresses ({', '.join(node.advertised_addresses()) or 'none'})"
-        click.echo(f"  registry {url}: {what}{where}, refreshed every {first_wait / 60:.0f} min")
+        say(f"  registry {url}: {what}{where}, refreshed every {first_wait / 60:.0f} min")
         if public:
-            click.echo("  a listing grants nothing: people still pair with you before they run")
-
-    with contextlib.suppress(NotImplementedError, RuntimeError):
-        asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, publisher.refresh_now)
-    return Publishing(publisher, asyncio.create_task(publisher.run(first_wait)))
+            say("  a listing grants nothing: people still pair with you before they run")
+    return Publishing(publisher, asyncio.create_task(publisher.run(first_wait)), say)

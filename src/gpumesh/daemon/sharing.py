@@ -1,0 +1,383 @@
+"""Sharing, owned by the node process: the provider, what it reports, its publishing.
+
+:class:`Sharing` starts and stops this home's provider (the agent) inside the
+node process, on ``POST`` and ``DELETE /api/v1/share``. Everything a share has
+to say (where it listens, its GPUs, who jobs run as, the relay, the registry,
+the pairing code, how it ended) becomes numbered :class:`ShareLine` s kept in a
+bounded buffer: ``gpumesh share`` prints them as it follows the share, from the
+first line of the share it asked for or joined; the node's log has them too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from gpumesh.errors import ConfigError, GPUMeshError, InUseError, RuntimeUnavailableError
+
+if TYPE_CHECKING:
+    from gpumesh.agent.server import Agent
+    from gpumesh.client.node import Node
+    from gpumesh.daemon.publish import Publishing
+
+__all__ = ["ShareEnd", "ShareLine", "ShareOptions", "ShareView", "Sharing", "require_linux"]
+
+logger = logging.getLogger(__name__)
+
+KEPT_LINES = 500
+"""Lines of output kept for followers (a share's start says about twenty)."""
+RELAY_WAIT = 3.0
+"""Seconds the start waits for the relay's first answer before reporting it."""
+
+
+class ShareOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """What ``gpumesh share`` takes (its flags), as ``POST /api/v1/share``'s body."""
+
+    host: str | None = None
+    """Address to listen on (config listen_host)."""
+    port: int | None = None
+    """UDP port (config listen_port); 0: any free one."""
+    max_vram: str | None = None
+    """Most GPU memory one job may ask for, e.g. ``16GB``."""
+    public: bool = False
+    """List this node's GPUs in the registry at rendezvous_url while sharing."""
+    region: str | None = None
+    contact: str = ""
+    show_addresses: bool = False
+
+    def check(self) -> int | None:
+        """Refuse a bad value in one line (:class:`ConfigError`); the GPU memory cap
+        in bytes."""
+        from gpumesh.units import parse_size
+
+        if self.port is not None and not 0 <= self.port <= 65535:
+            raise ConfigError(f"port {self.port}: give a UDP port from 1 to 65535")
+        if self.show_addresses and not self.public:
+            raise ConfigError(
+                "--show-addresses puts addresses in the public listing: use it with --public"
+            )
+        if len(self.contact) > 200:
+            raise ConfigError("contact: at most 200 characters")
+        if self.max_vram is None or self.max_vram == "":
+            return None
+        try:
+            return parse_size(self.max_vram)
+        except ValueError as exc:
+            raise ConfigError(f"max_vram {self.max_vram!r}: {exc}") from None
+
+    def flags(self) -> list[str]:
+        """The command-line flags that give these options (``share``, ``daemon run``)."""
+        argv: list[str] = []
+        for flag, value in (
+            ("--host", self.host),
+            ("--port", self.port),
+            ("--max-vram", self.max_vram),
+        ):
+            if value is not None:
+                argv += [flag, str(value)]
+        if self.public:
+            argv.append("--public")
+        if self.region is not None:
+            argv += ["--region", self.region]
+        if self.contact:
+            argv += ["--contact", self.contact]
+        if self.show_addresses:
+            argv.append("--show-addresses")
+        return argv
+
+    def describe(self) -> str:
+        """How people would type these options (``the defaults`` for none)."""
+        import shlex
+
+        flags = self.flags()
+        return " ".join(shlex.quote(f) for f in flags) if flags else "the defaults"
+
+
+class ShareLine(msgspec.Struct):
+    """One line a share printed: numbered from the node process's start."""
+
+    seq: int
+    text: str
+    err: bool = False
+    """Printed on stderr (warnings, how it stopped)."""
+    tone: str = ""
+    """``warn`` (yellow), ``alarm`` (red, bold) or empty."""
+
+
+class ShareEnd(msgspec.Struct):
+    """When and how this home's last share ended."""
+
+    at: float
+    how: str
+
+
+class ShareView(msgspec.Struct):
+    """``GET /api/v1/share``: whether this home shares, since when, with what."""
+
+    sharing: bool
+    since: float | None = None
+    options: ShareOptions | None = None
+    udp: str | None = None
+    """``host:port`` the share listens on."""
+    first_line: int = 0
+    """The sequence number of this share's first line of output (``after`` it - 1)."""
+    ended: ShareEnd | None = None
+    """How the last share ended, while none runs."""
+
+
+class Sharing:
+    """This home's share: at most one at a time, started and stopped by the API."""
+
+    def __init__(
+        self,
+        node: Node,
+        ended: ShareEnd | None = None,
+        *,
+        echo: Callable[[ShareLine], None] | None = None,
+        on_change: Callable[[], None] = lambda: None,
+    ) -> None:
+        """``ended``: how the home's last share ended, if known; ``echo`` hears each
+        line as it is said (a node process in the foreground prints them);
+        ``on_change``: called when sharing starts or stops."""
+        self.node = node
+        self.echo = echo
+        self.on_change = on_change
+        self.agent: Agent | None = None
+        self.options: ShareOptions | None = None
+        self.since: float | None = None
+        self.ended = ended
+        self.first_line = 0
+        self._lines: deque[ShareLine] = deque(maxlen=KEPT_LINES)
+        self._seq = 0
+        self._grew = asyncio.Event()
+        self._starting: asyncio.Lock = asyncio.Lock()
+        self._task: asyncio.Task[None] | None = None
+        self._publishing: Publishing | None = None
+        self._how = ""
+        """Why the running share is being stopped (said in :attr:`ended`)."""
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def active(self) -> bool:
+        return self.agent is not None
+
+    def view(self) -> ShareView:
+        udp = None
+        if self.agent is not None and self.agent.endpoint is not None:
+            host, port = self.agent.address[:2]
+            udp = f"{host}:{port}"
+        return ShareView(
+            sharing=self.active,
+            since=self.since,
+            options=self.options,
+            udp=udp,
+            first_line=self.first_line,
+            ended=None if self.active else self.ended,
+        )
+
+    # --- output ---------------------------------------------------------------------------
+
+    def say(self, text: str, *, err: bool = False, tone: str = "") -> None:
+        self._seq += 1
+        line = ShareLine(self._seq, text, err, tone)
+        self._lines.append(line)
+        logger.log(logging.WARNING if tone else logging.INFO, "share: %s", text)
+        if self.echo is not None:
+            self.echo(line)
+        self._grew.set()
+        self._grew = asyncio.Event()
+
+    def lines(self, after: int) -> list[ShareLine]:
+        return [line for line in self._lines if line.seq > after]
+
+    async def follow(self, after: int) -> AsyncIterator[ShareLine | ShareView]:
+        """The lines after ``after``, as they come, then the share as it ended."""
+        share_from = self.first_line
+        while True:
+            grew = self._grew
+            for line in self.lines(after):
+                after = line.seq
+                yield line
+            if not self.active or self.first_line != share_from:
+                yield self.view()
+                return
+            await grew.wait()
+
+    # --- start and stop -----------------------------------------------------------------------
+
+    async def start(self, options: ShareOptions) -> ShareView:
+        """Share with ``options``; the running share when it has the same ones (it is
+        joined). Returns once the provider serves and its start is reported."""
+        async with self._starting:
+            if self.agent is not None:
+                if options != self.options:
+                    assert self.options is not None
+                    raise InUseError(
+                        f"this home already shares with {self.options.describe()}: follow it "
+                        "with `gpumesh share` (no options), or stop it with `gpumesh share "
+                        "stop` and share again with the options you want"
+                    )
+                return self.view()
+            cap = options.check()
+            require_linux()
+            from gpumesh.daemon import publish
+
+            publish.check(self.node.home.config, options.public, options.show_addresses)
+            await self._start(options, cap)
+            return self.view()
+
+    async def _start(self, options: ShareOptions, cap: int | None) -> None:
+        from gpumesh.agent.server import Agent
+
+        self.node.home.reload_config()  # `config set` in another process: the latest
+        agent = Agent(self.node.home, host=options.host, port=options.port, max_vram=cap)
+        await agent.start()
+        self.agent, self.options, self.since, self.ended = agent, options, time.time(), None
+        self.first_line = self._seq + 1
+        self._idle.clear()
+        self.on_change()
+        try:
+            await self._report(agent)
+            from gpumesh.daemon import publish
+
+            self._publishing = await publish.start(self.node, agent, options, self.say)
+        except BaseException:
+            self._end("it failed to start")
+            raise
+        self.say(
+            "Only paired, allowed peers are served. Pairing code for a new peer (valid 1 hour):"
+        )
+        self.say(self.node.pairing_code())
+        self._task = asyncio.ensure_future(self._until_stopped(agent))
+
+    async def _until_stopped(self, agent: Agent) -> None:
+        await agent.wait_stopped()
+        publishing, self._publishing = self._publishing, None
+        if publishing is not None:
+            await publishing.stop()
+        self._end(self._how or "stopped")
+
+    async def stop(self, how: str = "stopped with `gpumesh share stop`") -> bool:
+        """Stop sharing; False when this home did not share."""
+        agent = self.agent
+        if agent is None:
+            return False
+        self._how = how
+        agent.stop()
+        if self._task is not None:
+            await asyncio.shield(self._task)
+        return True
+
+    def _end(self, how: str) -> None:
+        if self.agent is None:
+            return
+        self.agent.stop()
+        self.agent = None
+        self._task = None
+        self._how = ""
+        self.ended = ShareEnd(time.time(), how)
+        self.on_change()
+        self.say("Stopped sharing.", err=True)
+        self._idle.set()
+
+    async def wait_ended(self) -> None:
+        """Until no share runs."""
+        await self._idle.wait()
+
+    # --- the start's report ----------------------------------------------------------------
+
+    async def _report(self, agent: Agent) -> None:
+        from gpumesh.runtime.jobnet import describe_mode
+        from gpumesh.units import format_size
+
+        info = self.node.info()
+        host, port = agent.address[:2]
+        self.say(f"Sharing {info.name} ({info.node_id.short}) on udp {host}:{port}")
+        inventory = agent.gpus.inventory
+        gpus = inventory.gpus()
+        if inventory.source == "simulated":
+            self.say("WARNING: SIMULATED GPUs (test mode, not real hardware)", tone="alarm")
+        for gpu in gpus:
+            self.say(
+                f"  GPU {gpu.index}: {gpu.name}, {format_size(gpu.memory_total)} "
+                f"({format_size(gpu.memory_free)} free)"
+            )
+        if gpus and agent.gpus.max_vram:
+            self.say(f"  jobs may ask for at most {format_size(agent.gpus.max_vram)} of GPU memory")
+        if not gpus:
+            self.say("  no NVIDIA GPU here: peers can run CPU-only jobs (without --gpu-memory)")
+        await self._report_job_user(agent)
+        network = agent.containers.network()
+        self.say(
+            f"  limits: {agent.share_limits().describe()}; job network {network.mode} "
+            f"({describe_mode(network.mode)})"
+        )
+        if agent.relay is not None:
+            await self._report_relay(agent)
+
+    async def _report_relay(self, agent: Agent) -> None:
+        relay = agent.relay
+        assert relay is not None
+        with contextlib.suppress(GPUMeshError):
+            await relay.wait_registered(RELAY_WAIT)
+        if relay.registered.is_set():
+            self.say(f"  relay {relay.label}: registered, seen as {relay.observed}")
+            return
+        why = relay.error.message if relay.error else "no answer yet"
+        self.say(f"  relay {relay.label}: not registered ({why}); retrying", err=True, tone="warn")
+
+    async def _report_job_user(self, agent: Agent) -> None:
+        """Who peers' jobs run as here; loudly when it is root (job_root on)."""
+        try:
+            who = await agent.containers.who_runs(str(agent.home.config.get("image")))
+        except ConfigError as exc:
+            self.say(f"WARNING: {exc.message}", err=True, tone="warn")
+            return
+        except GPUMeshError:
+            return  # no Docker: jobs are refused with their own clear message
+        if who.user.startswith("0:") and who.owner == (0, 0):
+            self.say(
+                "WARNING: job_root is on: peers' jobs run as ROOT in their containers, with a "
+                "writable root filesystem"
+                + ("" if who.storage_size else " of unbounded size")
+                + "; root in a container shares this machine's kernel. Turn it off with "
+                "`gpumesh config set job_root off`, or use Docker's userns-remap",
+                err=True,
+                tone="alarm",
+            )
+            return
+        inside = "root in a remapped user namespace" if who.user.startswith("0:") else who.user
+        if not who.writable_root:
+            root = "read-only"
+        else:
+            root = "writable, bounded" if who.storage_size else "writable, unbounded"
+        self.say(f"  jobs run as {inside} (host uid {who.owner[0]}), root filesystem {root}")
+
+    def republish(self) -> bool:
+        """Refresh the registry listing or address record now; False when nothing is
+        published (not sharing, or sharing publishes nothing)."""
+        if self._publishing is None:
+            return False
+        self._publishing.publisher.refresh_now()
+        return True
+
+
+def require_linux() -> None:
+    """The provider runs Docker jobs with NVIDIA's runtime and Linux's sandboxing
+    (openat2, /proc, unix sockets): elsewhere, say so before anything starts."""
+    from gpumesh import platform
+
+    if platform.system() != "linux":
+        raise RuntimeUnavailableError(
+            f"`gpumesh share` needs Linux (this is {platform.system_name()}): a provider "
+            "runs jobs in Docker with NVIDIA's runtime on Linux. This machine works as a consumer "
+            "(pair, run, cp, exec, app); share from a Linux machine"
+        )
