@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from gpumesh.client.service import share_command, systemd_unit
+from gpumesh.client.service import node_command, systemd_unit
 from tests.integration.conftest import gpumesh
 
 
@@ -51,7 +51,8 @@ def test_the_printed_unit_runs_this_share_for_this_home_and_systemd_accepts_it(
     keys = _unit_lines(result.stdout)
     assert keys["User"] == getpass.getuser()
     assert keys["Environment"] == f"'GPUMESH_HOME={home.resolve()}'"
-    assert keys["ExecStart"].endswith(" share --port 47123 --max-vram 8GB")
+    # systemd tracks the home's node process, sharing with the same options.
+    assert keys["ExecStart"].endswith(" daemon run --port 47123 --max-vram 8GB")
     assert keys["Restart"] == "on-failure"
     assert keys["WantedBy"] == "multi-user.target"
     unit = tmp_path / "gpumesh-share.service"
@@ -81,11 +82,11 @@ def test_percent_and_dollar_in_a_path_reach_the_command_unchanged(tmp_path: Path
     assert keys["Environment"] == f"'GPUMESH_HOME={tmp_path}/50%%$HOME'"
 
 
-def test_the_share_command_is_this_installation(tmp_path: Path) -> None:
+def test_the_node_command_is_this_installation(tmp_path: Path) -> None:
     script = tmp_path / "gpumesh"
     script.write_text("#!/bin/sh\n")
     script.chmod(0o755)
-    assert share_command(str(script)) == [str(script.resolve()), "share"]
-    command = share_command(str(tmp_path / "not-a-script"))
-    assert command[1:] == ["-m", "gpumesh", "share"]
+    assert node_command(str(script)) == [str(script.resolve()), "daemon", "run"]
+    command = node_command(str(tmp_path / "not-a-script"))
+    assert command[1:] == ["-m", "gpumesh", "daemon", "run"]
     assert os.access(command[0], os.X_OK)

@@ -175,28 +175,30 @@ def _follow(
     from gpumesh.daemon.client import NodeUnavailableError
 
     seen = int(view["first_line"]) - 1
-    for event in client.events(f"/api/v1/share/output?after={seen}&follow=false"):
-        if event.event == "line":
-            echo_line(event.data)
-            seen = int(event.data["seq"])
-    pid = client.call("GET", "/api/v1/node", timeout=30)["pid"]
-    if detach:
-        click.echo(
-            f"Sharing goes on in the node process (pid {pid}); `gpumesh share stop` stops it.",
-            err=True,
-        )
-        return
-    if started:
-        click.echo("Press Ctrl-C or run `gpumesh share stop` to stop.", err=True)
-    else:
-        click.echo(
-            "Following this home's share: Ctrl-C stops following, `gpumesh share stop` "
-            "stops sharing.",
-            err=True,
-        )
+    pid: int | None = None
     stopping = False
     while True:
         try:
+            if pid is None:
+                for event in client.events(f"/api/v1/share/output?after={seen}&follow=false"):
+                    if event.event == "line":
+                        echo_line(event.data)
+                        seen = int(event.data["seq"])
+                pid = int(client.call("GET", "/api/v1/node", timeout=30)["pid"])
+                if detach:
+                    click.echo(
+                        f"Sharing goes on in the node process (pid {pid}); "
+                        "`gpumesh share stop` stops it.",
+                        err=True,
+                    )
+                    return
+                click.echo(
+                    "Press Ctrl-C or run `gpumesh share stop` to stop."
+                    if started
+                    else "Following this home's share: Ctrl-C stops following, "
+                    "`gpumesh share stop` stops sharing.",
+                    err=True,
+                )
             for event in client.events(f"/api/v1/share/output?after={seen}"):
                 if event.event == "line":
                     echo_line(event.data)
@@ -212,6 +214,7 @@ def _follow(
                 return
             stopping = True
             client.call("DELETE", "/api/v1/share", timeout=60)
+            pid = pid or 0  # the rest of the output is followed, not printed again
         except NodeUnavailableError:
             fail(
                 f"the node process (pid {pid}) of {home} ended while sharing; `gpumesh daemon "

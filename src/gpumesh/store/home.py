@@ -123,7 +123,13 @@ class AgentInfo:
             return False
         except PermissionError:
             return True
-        return True
+        # A process that was killed but not yet reaped (its parent gone, and an
+        # init that does not reap, as in some containers) is no agent either.
+        try:
+            with open(f"/proc/{self.pid}/stat", "rb") as stat:
+                return stat.read().rpartition(b")")[2].split()[:1] != [b"Z"]
+        except OSError:
+            return True  # no /proc here: the signal's answer stands
 
 
 class Home:
