@@ -224,11 +224,11 @@ def _follow(
 
 
 def _share_here(node: Any, options: ShareOptions) -> None:
-    """Be the node process in the foreground, sharing (``$GPUMESH_NODE=off``)."""
+    """Share from this process, in the foreground, until Ctrl-C, SIGTERM or `share stop`
+    (``$GPUMESH_NODE=off``: commands work in-process, so does sharing)."""
     import asyncio
 
     from gpumesh.cli._common import setup_logging
-    from gpumesh.daemon.process import run_node
 
     running = node.home.read_agent_info()
     if running is not None:
@@ -237,20 +237,37 @@ def _share_here(node: Any, options: ShareOptions) -> None:
             f"udp {running.host}:{running.port}); stop it with `gpumesh share stop`"
         )
     setup_logging(node.home.logs_dir, console_level="info")
-    click.echo("Press Ctrl-C or run `gpumesh share stop` to stop.", err=True)
-    asyncio.run(
-        run_node(
-            node,
-            listen=None,
-            allow_remote=False,
-            hosts=[],
-            detached=False,
-            announce=lambda _line: None,
-            share=options,
-            echo=echo_line,
-            share_only=True,
-        )
-    )
+    asyncio.run(_share_in_foreground(node, options))
+
+
+async def _share_in_foreground(node: Any, options: ShareOptions) -> None:
+    import asyncio
+    import signal
+
+    from gpumesh.daemon.sharing import Sharing
+
+    sharing = Sharing(node, echo=echo_line)
+    loop = asyncio.get_running_loop()
+    stopping: list[asyncio.Task[bool]] = []
+    asked: list[str] = []
+
+    def on_signal(why: str) -> None:
+        asked.append(why)
+        stopping.append(asyncio.ensure_future(sharing.stop(why)))
+
+    # Before the start: a Ctrl-C while it starts stops it once it has.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, f"stopped ({sig.name})")
+    # `gpumesh sync` of an in-process home asks with SIGUSR1 (no node process to call).
+    loop.add_signal_handler(signal.SIGUSR1, sharing.republish)
+    await sharing.start(options)
+    if asked and sharing.active:
+        await sharing.stop(asked[0])
+    else:
+        click.echo("Press Ctrl-C or run `gpumesh share stop` to stop.", err=True)
+    await sharing.wait_ended()
+    for task in stopping:
+        await task
 
 
 def _print_unit(home: Path, options: ShareOptions) -> None:
@@ -269,26 +286,48 @@ def _print_unit(home: Path, options: ShareOptions) -> None:
 def stop(timeout: float) -> None:
     """Stop sharing this machine (the node process goes on serving commands)."""
     from gpumesh.daemon import enabled
-    from gpumesh.daemon.client import NodeClient, NodeUnavailableError
+    from gpumesh.daemon.client import NodeClient
     from gpumesh.daemon.record import holder
     from gpumesh.errors import NotFoundError
 
     node = get_node()
     home = node.home.path
-    not_sharing = f"no `gpumesh share` is running for {home}"
     if enabled():
         from gpumesh.cli._node import node_client
 
         client = node_client()
-    elif holder(home) is None:
-        fail(not_sharing, ExitCode.FAILED)
-    else:
+    elif holder(home) is not None:
         client = NodeClient(home)
+    else:
+        _signal_stop(node, timeout)
+        return
     try:
         client.call("DELETE", "/api/v1/share", timeout=timeout)
-        pid = client.call("GET", "/api/v1/node", timeout=30)["pid"]
     except NotFoundError:
-        fail(not_sharing, ExitCode.FAILED)
-    except NodeUnavailableError:
-        pid = None  # a foreground share ends its node process with the share
-    click.echo("Stopped sharing." if pid is None else f"Stopped sharing (node process pid {pid}).")
+        # An in-process share (`GPUMESH_NODE=off share`) runs beside the node process.
+        _signal_stop(node, timeout)
+        return
+    pid = client.call("GET", "/api/v1/node", timeout=30)["pid"]
+    click.echo(f"Stopped sharing (node process pid {pid}).")
+
+
+def _signal_stop(node: Any, timeout: float) -> None:
+    """Stop the in-process share of ``$GPUMESH_NODE=off`` with SIGTERM."""
+    import os
+    import signal
+    import time
+
+    running = node.home.read_agent_info()
+    if running is None:
+        fail(f"no `gpumesh share` is running for {node.home.path}", ExitCode.FAILED)
+    os.kill(running.pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if node.home.read_agent_info() is None:
+            click.echo(f"Stopped `gpumesh share` (pid {running.pid}).")
+            return
+        time.sleep(0.05)
+    fail(
+        f"`gpumesh share` (pid {running.pid}) did not stop within {timeout:.0f}s",
+        ExitCode.FAILED,
+    )

@@ -959,7 +959,8 @@ async def post_share(call: Call) -> object:
 async def delete_share(call: Call) -> object:
     """Stop sharing (withdrawn from the registry, links closed); the share as it ended."""
     sharing = _sharing(call)
-    if not await sharing.stop():
+    how = "stopped from the dashboard" if call.credential is Credential.COOKIE else None
+    if not await (sharing.stop(how) if how else sharing.stop()):
         raise NotFoundError(f"{call.node.home.path} does not share: start with `gpumesh share`")
     return sharing.view()
 
@@ -1035,7 +1036,7 @@ def _views() -> dict[str, Any]:
         "shellbody": ShellRequest,
         "share": ShareView,
         "shareoptions": ShareOptions,
-        "shareline": ShareLine | ShareView,
+        "shareline": ShareLine,
     }
 
 
@@ -1152,7 +1153,8 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("POST", "/api/v1/share/publish", post_share_publish,
              "Re-publish the share's registry listing or address record now", PublishView),
     Endpoint("GET", "/api/v1/share/output", get_share_output,
-             "What the share says, as Server-Sent Events: line events, then end (the share)",
+             "What the share says, as Server-Sent Events: line events, then end (the share "
+             "as it is then, as GET /api/v1/share answers)",
              V["shareline"], media_type="text/event-stream",
              query=(Query("after", "integer", "Start after this line's seq (0)"),
                     Query("follow", "boolean", "Until the share stops (true)"))),

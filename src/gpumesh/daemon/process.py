@@ -118,6 +118,7 @@ class NodeProcess:
     """Why it stops (said in how a share it ran ended)."""
     unfinished: Callable[[], bool] = lambda: False
     """Whether the home has work that has not ended (jobs hosted or submitted)."""
+    _ending: asyncio.Future[bool] | None = None
 
     def __post_init__(self) -> None:
         self.last_active = self.clock()
@@ -127,10 +128,17 @@ class NodeProcess:
         return self.sharing is not None and self.sharing.active
 
     def end(self, why: str) -> None:
-        """Stop, saying why (a share it runs ends with that reason)."""
-        if not self.stopping:
-            self.stopping = why
-        self.stop.set()
+        """Stop, saying why: a share it runs ends first, with that reason (while the
+        API still serves, so its followers hear how it ended)."""
+        if self.stopping:
+            return
+        self.stopping = why
+        if self.sharing is None or not self.sharing.active:
+            self.stop.set()
+            return
+        ending = asyncio.ensure_future(self.sharing.stop(why))
+        ending.add_done_callback(lambda _task: self.stop.set())
+        self._ending = ending
 
     def view(self) -> NodeProcessView:
         ended = None
@@ -250,7 +258,6 @@ async def run_node(
     tls: tuple[Path, Path] | None = None,
     share: ShareOptions | None = None,
     echo: Callable[[ShareLine], None] | None = None,
-    share_only: bool = False,
 ) -> int:
     """Be this home's node process until stopped (SIGINT, SIGTERM, the API); 0 on
     an orderly end.
@@ -260,8 +267,7 @@ async def run_node(
     (``--allow-remote`` needs them). ``share``: share with these options from the
     start (``gpumesh daemon run`` with share options); a share that cannot start
     ends the process with its error. ``echo`` hears every line a share says (a
-    process in the foreground prints them). ``share_only``: the process ends when
-    that share does (``gpumesh share`` with ``$GPUMESH_NODE=off``)."""
+    process in the foreground prints them)."""
     from gpumesh.control import auth
     from gpumesh.control.app import ControlState, create_app
     from gpumesh.control.server import (
@@ -419,7 +425,7 @@ async def run_node(
         failed: list[GPUMeshError] = []
         sharer = None
         if share is not None:
-            sharer = asyncio.ensure_future(_share_from_start(process, share, failed, share_only))
+            sharer = asyncio.ensure_future(_share_from_start(process, share, failed))
         if context is not None and unix:
             # TLS is TCP's: the unix socket beside it stays plain.
             late.append(asyncio.ensure_future(serve(app, sockets[:1], process.stop, guard)))
@@ -462,20 +468,15 @@ async def run_node(
 
 
 async def _share_from_start(
-    process: NodeProcess, options: ShareOptions, failed: list[GPUMeshError], only: bool
+    process: NodeProcess, options: ShareOptions, failed: list[GPUMeshError]
 ) -> None:
-    """Share as the process starts; a share that cannot start ends the process, and
-    so does its end when ``only``."""
+    """Share as the process starts; a share that cannot start ends the process."""
     assert process.sharing is not None
     try:
         await process.sharing.start(options)
     except GPUMeshError as exc:
         failed.append(exc)
         process.end("its share did not start")
-        return
-    if only:
-        await process.sharing.wait_ended()
-        process.end("its share ended")
 
 
 def _unfinished(home: Home) -> bool:

@@ -164,21 +164,19 @@ class Sharing:
         """Why the running share is being stopped (said in :attr:`ended`)."""
         self._idle = asyncio.Event()
         self._idle.set()
+        self._udp = ""
+        """``host:port`` the running share listens on."""
 
     @property
     def active(self) -> bool:
         return self.agent is not None
 
     def view(self) -> ShareView:
-        udp = None
-        if self.agent is not None and self.agent.endpoint is not None:
-            host, port = self.agent.address[:2]
-            udp = f"{host}:{port}"
         return ShareView(
             sharing=self.active,
             since=self.since,
             options=self.options,
-            udp=udp,
+            udp=self._udp if self.active else None,
             first_line=self.first_line,
             ended=None if self.active else self.ended,
         )
@@ -239,7 +237,8 @@ class Sharing:
 
         self.node.home.reload_config()  # `config set` in another process: the latest
         agent = Agent(self.node.home, host=options.host, port=options.port, max_vram=cap)
-        await agent.start()
+        host, port = (await agent.start())[:2]
+        self._udp = f"{host}:{port}"
         self.agent, self.options, self.since, self.ended = agent, options, time.time(), None
         self.first_line = self._seq + 1
         self._idle.clear()
