@@ -526,8 +526,8 @@ async def owner_page(call: Call) -> object:
     body = (
         '<div id="live" hx-get="/owner" hx-trigger="every 5s" hx-select="#live" '
         'hx-swap="outerHTML">'
-        f"<p>Sharing: <strong>{'on' if view.sharing else 'off'}</strong>; "
-        f"{view.running} job(s) running here for peers.</p>"
+        + _share_section(call, agent_sharing=view.sharing)
+        + f"<p>{view.running} job(s) running here for peers.</p>"
         '<section aria-labelledby="who-h"><h2 id="who-h">Who uses this machine</h2>'
         + _table(
             "Peers connected now or with jobs here",
@@ -553,6 +553,72 @@ async def owner_page(call: Call) -> object:
         + "</section></div>"
     )
     return render(call, "owner", "Owner", body)
+
+
+def _clock(when: float) -> str:
+    """``when`` as this machine's local date and time, in a ``<time>`` element."""
+    iso = time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(when))
+    shown = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(when))
+    return f'<time datetime="{h(iso)}">{h(shown)}</time> ({h(_ago(when))})'
+
+
+def _share_section(call: Call, *, agent_sharing: bool) -> str:
+    """Whether this machine is shared (since when, on which UDP address, or how the
+    last share ended), with the button that starts or stops it: ``POST`` and
+    ``DELETE /api/v1/share``, the routes ``gpumesh share`` uses. Without a node
+    process behind this API, only what the agent's record says, and why nothing
+    can be changed here."""
+    process = call.state.process
+    sharing = process.sharing if process is not None else None
+    if sharing is None:
+        why = (
+            "This control API is not served by this home's node process: start and stop "
+            "sharing with <code>gpumesh share</code> and <code>gpumesh share stop</code>."
+            if process is None
+            else "The node process is stopping: sharing cannot be started or stopped now."
+        )
+        state = "Shared" if agent_sharing else "Not shared"
+        return (
+            '<section class="card" id="share" aria-labelledby="share-h" data-sharing="'
+            f'{"true" if agent_sharing else "false"}"><h2 id="share-h">Sharing</h2>'
+            f'<p id="share-state"><strong>{state}.</strong></p>'
+            f'<p class="hint" id="share-note">{why}</p></section>'
+        )
+    share = sharing.view()
+    if share.sharing:
+        options = share.options.describe() if share.options is not None else "the defaults"
+        since = _clock(share.since) if share.since else "now"
+        where = f" on UDP <code>{h(share.udp)}</code>," if share.udp else ""
+        text = f'<strong class="shared">Shared</strong> since {since},{where} with {h(options)}.'
+        action = _button(
+            "Stop sharing",
+            "DELETE /api/v1/share",
+            danger=True,
+            confirm=(
+                "Stop sharing this machine? Peers can no longer reach it and their open "
+                "sessions here end; running jobs go on and are picked up again when it "
+                "shares again."
+            ),
+            extra=' id="share-stop" aria-label="Stop sharing this machine"',
+        )
+    else:
+        text = "<strong>Not shared.</strong>"
+        if share.ended is not None:
+            text += f" The last share ended {_clock(share.ended.at)}: {h(share.ended.how)}."
+        action = _button(
+            "Start sharing",
+            "POST /api/v1/share",
+            extra=(
+                ' id="share-start" data-body="{}" '
+                'aria-label="Start sharing this machine with the default options"'
+            ),
+        )
+    return (
+        '<section class="card" id="share" aria-labelledby="share-h" '
+        f'data-sharing="{"true" if share.sharing else "false"}">'
+        '<h2 id="share-h">Sharing</h2>'
+        f'<p id="share-state">{text}</p>{action}</section>'
+    )
 
 
 def _session_rows(sessions: SessionsView) -> list[str]:
