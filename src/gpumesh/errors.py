@@ -81,7 +81,9 @@ EXIT_MEANINGS: dict[ExitCode, str] = {
     ExitCode.UNREACHABLE: "the peer or relay could not be reached, or the link dropped",
     ExitCode.PROTOCOL: "the peer sent something malformed or speaks another protocol version",
     ExitCode.RUNTIME: "Docker is not available, or the image is not there and cannot be pulled",
-    ExitCode.IN_USE: "already in use: `gpumesh share` runs for this home, or its UDP port is taken",
+    ExitCode.IN_USE: (
+        "already in use: this home shares with other options, or its UDP port is taken"
+    ),
     ExitCode.INTERNAL: "internal failure, a bug (details in the debug log)",
     ExitCode.JOB_TIMED_OUT: "the job ran past its --timeout",
     ExitCode.JOB_NOT_RUN: "the job could not run (its container did not start)",
