@@ -17,11 +17,11 @@ IMAGE=${GPUMESH_TEST_DOCKER_IMAGE:-gpumesh-test/busybox:1}
 
 work=$(mktemp -d "${TMPDIR:-/tmp}/gpumesh-demo.XXXXXX")
 A="$work/alice" B="$work/bob"
-share_pid=
 cleanup() {
-  if [ -n "$share_pid" ] && kill -0 "$share_pid" 2>/dev/null; then
-    GPUMESH_HOME=$A $GPUMESH share stop >/dev/null 2>&1 || kill "$share_pid" 2>/dev/null || true
-  fi
+  # The node processes (alice's shares until stopped) go with the demo's homes.
+  for home in "$A" "$B"; do
+    [ -S "$home/control.sock" ] && GPUMESH_HOME=$home $GPUMESH daemon stop >/dev/null 2>&1 || true
+  done
   rm -rf "$work"
 }
 trap cleanup EXIT
@@ -44,11 +44,8 @@ if [ "$(id -u)" != 0 ]; then
   GPUMESH_HOME=$A $GPUMESH config set job_network bridge
 fi
 
-step "GPUMESH_HOME=alice gpumesh share &"
-GPUMESH_HOME=$A $GPUMESH share >"$work/share.log" 2>&1 &
-share_pid=$!
-for _ in $(seq 100); do [ -f "$A/agent.json" ] && break; sleep 0.1; done
-[ -f "$A/agent.json" ] || { cat "$work/share.log"; exit 1; }
+step "GPUMESH_HOME=alice gpumesh share --detach   # alice's node process shares"
+GPUMESH_HOME=$A $GPUMESH share --detach >"$work/share.log" 2>&1 || { cat "$work/share.log"; exit 1; }
 sed -n 1,2p "$work/share.log"
 
 step "GPUMESH_HOME=bob gpumesh pair \"\$(GPUMESH_HOME=alice gpumesh pair-code)\""
@@ -75,4 +72,3 @@ GPUMESH_HOME=$B $GPUMESH connect alice-pc || echo "(exit code $?: refused, as it
 
 step "GPUMESH_HOME=alice gpumesh share stop"
 GPUMESH_HOME=$A $GPUMESH share stop
-share_pid=
