@@ -275,3 +275,36 @@ def test_daemon_run_on_a_taken_port_ends_with_one_line(home: Path) -> None:
         result = cli(home, "daemon", "run", "--port", port)
     assert result.returncode == ExitCode.IN_USE, result
     assert "cannot listen on UDP" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_foreground_node_process_takes_over_a_background_share(home: Path) -> None:
+    detached = cli(home, "share", "--detach", "--max-vram", "8GB")
+    assert detached.returncode == 0, detached.stderr
+    background = status(home)["node"]["pid"]
+    run = subprocess.Popen(
+        [sys.executable, "-m", "gpumesh", "daemon", "run"],
+        env=node_env(home),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert wait_gone(background)
+        _wait(
+            lambda: (
+                (status(home)["node"] or {}).get("pid") == run.pid
+                and status(home)["node"]["sharing"]
+            ),
+            "daemon run did not take the share over",
+        )
+        _code, view = _api(home, "GET", "/api/v1/share")
+        assert view["options"]["max_vram"] == "8GB"  # the same options
+        run.send_signal(signal.SIGINT)
+        out, err = run.communicate(timeout=CEILING)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.communicate()
+    assert run.returncode == 0, err
+    assert "as the node process it took over did (--max-vram 8GB)" in out
+    assert "Stopped sharing." in err

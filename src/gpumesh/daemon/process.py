@@ -28,7 +28,9 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from gpumesh import platform
 from gpumesh.client.node import Node
@@ -69,8 +71,9 @@ IDLE_DEFAULT = 600.0
 """Seconds a background node process waits for the next request before it exits."""
 TICK = 0.5
 """Seconds between the checks for idleness and for the home's folder."""
-TAKEOVER_WAIT = 15.0
-"""Seconds a foreground start waits for a background node process to hand over."""
+TAKEOVER_WAIT = 30.0
+"""Seconds a foreground start waits for a background node process to hand over (its
+share, if any, stops first: the registry listing is withdrawn, links close)."""
 
 
 def idle_limit() -> float:
@@ -207,12 +210,15 @@ class NodeProcess:
         return counted
 
 
-def _take_home(home: Path, *, detached: bool) -> HomeLock:
-    """The home's lock. A background node process hands over to a foreground start;
-    any other holder is named."""
+def _take_home(home: Path, *, detached: bool) -> tuple[HomeLock, dict[str, Any] | None]:
+    """The home's lock, and the options of the share it took over (or None). A
+    background node process hands over to a foreground start (a share it runs
+    stops there, and the start shares with the same options); any other holder is
+    named."""
     lock = HomeLock(home)
     deadline = time.monotonic() + TAKEOVER_WAIT
     asked = False
+    taken: dict[str, Any] | None = None
     while not lock.acquire():
         record = holder(home)
         if record is None:
@@ -229,13 +235,10 @@ def _take_home(home: Path, *, detached: bool) -> HomeLock:
                     f"a node process (pid {pid}) already serves {home}: "
                     "`gpumesh daemon status` shows it, `gpumesh daemon stop` stops it"
                 )
-            if view.get("sharing"):
-                raise InUseError(
-                    f"the node process (pid {record.pid}) of {home} shares this machine: "
-                    "it is not taken over (that would stop sharing); `gpumesh share stop` "
-                    "stops sharing, `gpumesh daemon stop` stops it"
-                )
             with contextlib.suppress(NodeUnavailableError):
+                if view.get("sharing"):
+                    shared = NodeClient(home).call("GET", "/api/v1/share", timeout=5)
+                    taken = shared.get("options") if isinstance(shared, dict) else None
                 NodeClient(home).call("POST", "/api/v1/node/stop", timeout=5)
             asked = True
         if time.monotonic() > deadline:
@@ -244,7 +247,7 @@ def _take_home(home: Path, *, detached: bool) -> HomeLock:
                 f"stop it with `kill {record.pid}`"
             )
         time.sleep(0.05)
-    return lock
+    return lock, taken
 
 
 async def run_node(
@@ -309,7 +312,10 @@ async def run_node(
         tcp_address = ("127.0.0.1", 0)
     previous_end = last_share_end(home)  # before this process's record replaces it
     # In a thread: a background node process may take a moment to hand over.
-    lock = await asyncio.to_thread(_take_home, home, detached=detached)
+    lock, taken = await asyncio.to_thread(_take_home, home, detached=detached)
+    if share is None and taken is not None:
+        share = msgspec.convert(taken, ShareOptions)
+        announce(f"  it shares, as the node process it took over did ({share.describe()})")
     record: NodeRecord | None = None
     sockets: list[socket.socket] = []
     socket_path = home / "control.sock"
