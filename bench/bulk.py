@@ -108,8 +108,10 @@ def running_agent(
     """``gpumesh share`` for ``home`` in its own process, until the block ends.
 
     ``wrap`` goes before the command and must exec it (e.g. ``ip netns exec NS``).
+    With ``GPUMESH_NODE=off`` the share runs in that process (as in every version a
+    ``--baseline`` may name), so its agent is the process started here.
     """
-    env = dict(os.environ, GPUMESH_HOME=str(home))
+    env = dict(os.environ, GPUMESH_HOME=str(home), GPUMESH_NODE="off")
     with log.open("wb") as out:
         proc = subprocess.Popen(
             [*wrap, *gpumesh_command(), "share"],

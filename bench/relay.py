@@ -94,7 +94,8 @@ def _measure(work: Path, mode: list[str], size: str) -> dict[str, object]:
                 ["ip", "netns", "exec", f"{PREFIX}P", *relay], stdout=subprocess.DEVNULL
             )
         )
-        env = dict(os.environ, GPUMESH_HOME=str(b))
+        # In-process: the share is the process signalled below (no node process is left).
+        env = dict(os.environ, GPUMESH_HOME=str(b), GPUMESH_NODE="off")
         processes.append(
             subprocess.Popen(
                 ["ip", "netns", "exec", f"{PREFIX}B", str(BIN / "gpumesh"), "share"],
