@@ -3,11 +3,13 @@ get it), and the node process's record read back."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +37,25 @@ def cli(
         timeout=timeout,
         check=False,
     )
+
+
+@contextlib.contextmanager
+def spawn(home: Path, *args: str, **extra: str) -> Iterator[subprocess.Popen[str]]:
+    """``gpumesh ARGS`` for ``home`` through its node process, running while the
+    block runs (text pipes for its output); killed at its end if still running."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gpumesh", *args],
+        env=node_env(home, **extra),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.communicate()
 
 
 def status(home: Path) -> dict[str, Any]:

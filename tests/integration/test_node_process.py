@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.node import CEILING, alive, cli, node_env, status, wait_gone
+from tests.integration.node import CEILING, alive, cli, node_env, spawn, status, wait_gone
 
 CONTROL = str(Path(sys.executable).parent / "gpumesh-control")
 
@@ -182,14 +182,7 @@ def test_share_asks_the_node_process_and_daemon_stop_ends_sharing(home: Path) ->
         assert cli(home, "config", "set", key, value, GPUMESH_NODE="off").returncode == 0
     assert cli(home, "jobs").returncode == 0
     background = status(home)["node"]["pid"]
-    share = subprocess.Popen(
-        [sys.executable, "-m", "gpumesh", "share"],
-        env=node_env(home),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
+    with spawn(home, "share") as share:
         deadline = time.monotonic() + CEILING
         while not (status(home)["node"] or {}).get("sharing"):
             assert share.poll() is None, share.communicate()
@@ -200,10 +193,6 @@ def test_share_asks_the_node_process_and_daemon_stop_ends_sharing(home: Path) ->
         stopped = cli(home, "daemon", "stop")
         assert stopped.returncode == 0 and f"pid {background}" in stopped.stdout
         out, err = share.communicate(timeout=60)
-    finally:
-        if share.poll() is None:
-            share.kill()
-            share.communicate()
     assert share.returncode == 0, err
     assert "Sharing node-test" in out and "Stopped sharing." in err
     said = cli(home, "daemon", "status").stdout

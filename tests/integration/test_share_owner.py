@@ -12,7 +12,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ from typing import Any
 import pytest
 
 from gpumesh.errors import ExitCode
-from tests.integration.node import CEILING, alive, cli, node_env, status, wait_gone
+from tests.integration.node import CEILING, alive, cli, spawn, status, wait_gone
 from tests.integration.test_cli import _free_udp_port
 
 
@@ -119,22 +118,11 @@ def test_share_detach_follow_conflict_and_stop(home: Path) -> None:
     _one_line(conflict, ExitCode.IN_USE, "already shares with the defaults")
 
     # No options: it follows; Ctrl-C only stops following.
-    follower = subprocess.Popen(
-        [sys.executable, "-m", "gpumesh", "share"],
-        env=node_env(home),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
+    with spawn(home, "share") as follower:
         _wait(lambda: "gpm1_" in _peek(home), "the share said no pairing code")
         _wait_for_line(follower, "Following this home's share")
         follower.send_signal(signal.SIGINT)
         out, err = follower.communicate(timeout=CEILING)
-    finally:
-        if follower.poll() is None:
-            follower.kill()
-            follower.communicate()
     assert follower.returncode == 0, err
     assert "Sharing owner-box" in out and "this home still shares" in err
     assert status(home)["node"]["sharing"]
@@ -168,21 +156,10 @@ def _wait_for_line(process: subprocess.Popen[str], text: str) -> None:
 
 
 def test_ctrl_c_in_the_share_that_started_it_stops_sharing(home: Path) -> None:
-    share = subprocess.Popen(
-        [sys.executable, "-m", "gpumesh", "share"],
-        env=node_env(home),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
+    with spawn(home, "share") as share:
         _wait_for_line(share, "Press Ctrl-C")
         share.send_signal(signal.SIGINT)
         out, err = share.communicate(timeout=CEILING)
-    finally:
-        if share.poll() is None:
-            share.kill()
-            share.communicate()
     assert share.returncode == 0, err
     assert "gpm1_" in out and "Stopped sharing." in err
     node = status(home)["node"]
@@ -196,14 +173,7 @@ def test_a_sharing_node_process_is_not_idle_and_a_dead_one_does_not_share_again(
     detached = cli(home, "share", "--detach", **quick)
     assert detached.returncode == 0, detached.stderr
     pid = status(home)["node"]["pid"]
-    follower = subprocess.Popen(
-        [sys.executable, "-m", "gpumesh", "share"],
-        env=node_env(home),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
+    with spawn(home, "share") as follower:
         _wait_for_line(follower, "Following this home's share")
         # Many idle limits pass: a share is unfinished work, the process stays.
         time.sleep(4)
@@ -211,10 +181,6 @@ def test_a_sharing_node_process_is_not_idle_and_a_dead_one_does_not_share_again(
         # Killed while sharing: the follower says so in one line and fails.
         os.kill(pid, signal.SIGKILL)
         _out, err = follower.communicate(timeout=CEILING)
-    finally:
-        if follower.poll() is None:
-            follower.kill()
-            follower.communicate()
     assert follower.returncode == ExitCode.FAILED
     assert f"the node process (pid {pid}) of {home} ended while sharing" in err
     assert "Traceback" not in err
@@ -238,14 +204,7 @@ def test_a_sharing_node_process_is_not_idle_and_a_dead_one_does_not_share_again(
 
 def test_daemon_run_shares_in_the_foreground_and_stops_on_sigterm(home: Path) -> None:
     port = _free_udp_port()
-    run = subprocess.Popen(
-        [sys.executable, "-m", "gpumesh", "daemon", "run", "--port", str(port)],
-        env=node_env(home),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
+    with spawn(home, "daemon", "run", "--port", str(port)) as run:
         _wait(lambda: (status(home)["node"] or {}).get("sharing"), "daemon run did not share")
         node = status(home)["node"]
         assert node["pid"] == run.pid and not node["detached"] and node["idle_exit"] is None
@@ -258,10 +217,6 @@ def test_daemon_run_shares_in_the_foreground_and_stops_on_sigterm(home: Path) ->
         assert f"asked the node process (pid {run.pid})" in republish.stdout, republish
         run.send_signal(signal.SIGTERM)
         out, err = run.communicate(timeout=CEILING)
-    finally:
-        if run.poll() is None:
-            run.kill()
-            run.communicate()
     assert run.returncode == 0, err
     assert "Sharing owner-box" in out and "Stopped sharing." in err
     said = cli(home, "daemon", "status").stdout
@@ -281,14 +236,7 @@ def test_a_foreground_node_process_takes_over_a_background_share(home: Path) -> 
     detached = cli(home, "share", "--detach", "--max-vram", "8GB")
     assert detached.returncode == 0, detached.stderr
     background = status(home)["node"]["pid"]
-    run = subprocess.Popen(
-        [sys.executable, "-m", "gpumesh", "daemon", "run"],
-        env=node_env(home),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
+    with spawn(home, "daemon", "run") as run:
         assert wait_gone(background)
         _wait(
             lambda: (
@@ -301,10 +249,6 @@ def test_a_foreground_node_process_takes_over_a_background_share(home: Path) -> 
         assert view["options"]["max_vram"] == "8GB"  # the same options
         run.send_signal(signal.SIGINT)
         out, err = run.communicate(timeout=CEILING)
-    finally:
-        if run.poll() is None:
-            run.kill()
-            run.communicate()
     assert run.returncode == 0, err
     assert "as the node process it took over did (--max-vram 8GB)" in out
     assert "Stopped sharing." in err
