@@ -225,6 +225,28 @@ def test_each_direction_moves_while_the_other_is_held_back(
     assert moving.ended() is None
 
 
+def test_down_does_not_send_the_records_up_has_not_sent_yet(
+    spliced: tuple[Moving, socket.socket, ssl.SSLSocket],
+) -> None:
+    """Up has encrypted a piece and waits its turn to send it (on a full channel it
+    waits for as long as the far side reads nothing): down still passes the far
+    side's bytes on, without sending up's records itself, and they leave in order
+    once up sends again."""
+    moving, program, far = spliced
+    splice = moving.splice
+    with splice._sending:  # up's turn to send, held as a blocked send holds it
+        with splice._tls:
+            splice.channel.tls.write(_LENGTH.pack(2) + b"up")
+        for index in range(3):
+            message = f"down {index}".encode()
+            far.sendall(_LENGTH.pack(len(message)) + message)
+            assert _read_exactly(program.recv, len(message)) == message
+    program.sendall(b"next")
+    for expected in (b"up", b"next"):
+        (length,) = _LENGTH.unpack(_read_exactly(far.recv, 4))
+        assert _read_exactly(far.recv, length) == expected
+
+
 def test_stop_lets_go_while_the_local_program_reads_nothing(
     spliced: tuple[Moving, socket.socket, ssl.SSLSocket],
 ) -> None:

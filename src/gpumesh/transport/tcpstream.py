@@ -454,9 +454,15 @@ class _Splice:
             while fill < CHANNEL_CHUNK:
                 try:
                     with lock:
-                        # given a buffer, it returns a count (typeshed says bytes)
-                        got = cast(int, tls.read(CHANNEL_CHUNK - fill, buffer[fill:]))
-                        reply = reply or outgoing.pending > 0
+                        # Records the up direction encrypted sit there until its
+                        # flush takes them, and that flush may wait on a full
+                        # channel: only what this read adds is TLS's own answer.
+                        made = outgoing.pending
+                        try:
+                            # given a buffer, it returns a count (typeshed says bytes)
+                            got = cast(int, tls.read(CHANNEL_CHUNK - fill, buffer[fill:]))
+                        finally:
+                            reply = reply or outgoing.pending > made
                 except ssl.SSLWantReadError:
                     starved = True
                     break
