@@ -25,8 +25,12 @@ class _Closeable(Protocol):
 C = TypeVar("C", bound=_Closeable)
 
 
-def in_thread(function: Callable[..., T], *args: Any) -> asyncio.Future[T]:
-    """Run a blocking call in a daemon thread; never blocks interpreter exit."""
+def in_thread(
+    function: Callable[..., T], *args: Any, orphaned: Callable[[T], None] | None = None
+) -> asyncio.Future[T]:
+    """Run a blocking call in a daemon thread; never blocks interpreter exit.
+    ``orphaned`` gets the call's result when its loop closed before it returned
+    (nobody can take it then)."""
     loop = asyncio.get_running_loop()
     future: asyncio.Future[T] = loop.create_future()
 
@@ -47,8 +51,11 @@ def in_thread(function: Callable[..., T], *args: Any) -> asyncio.Future[T]:
             report = (result, None)
         # The loop may be gone (the agent stopped while this call blocked): then
         # nobody waits for the answer, and the container is re-attached next start.
-        with contextlib.suppress(RuntimeError):
+        try:
             loop.call_soon_threadsafe(settle, *report)
+        except RuntimeError:
+            if orphaned is not None and report[1] is None:
+                orphaned(report[0])  # type: ignore[arg-type]
 
     threading.Thread(target=target, name="gpumesh-job", daemon=True).start()
     return future
@@ -56,9 +63,10 @@ def in_thread(function: Callable[..., T], *args: Any) -> asyncio.Future[T]:
 
 async def closing_in_thread(function: Callable[..., C], *args: Any) -> C:
     """:func:`in_thread` for a call that returns something to close (a socket, a
-    channel): when the caller is cancelled before the call returns, what it
-    returns later is closed instead of left to the garbage collector."""
-    future = in_thread(function, *args)
+    channel): when the caller is cancelled before the call returns, or its loop
+    closed meanwhile, what it returns later is closed instead of left to the
+    garbage collector."""
+    future = in_thread(function, *args, orphaned=_close)
     try:
         return await asyncio.shield(future)
     except asyncio.CancelledError:
@@ -69,3 +77,8 @@ async def closing_in_thread(function: Callable[..., C], *args: Any) -> C:
 def _close_unclaimed(future: asyncio.Future[C]) -> None:
     if not future.cancelled() and future.exception() is None:
         future.result().close()
+
+
+def _close(thing: C) -> None:
+    with contextlib.suppress(OSError):
+        thing.close()

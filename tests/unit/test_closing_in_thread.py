@@ -50,3 +50,25 @@ def test_a_result_taken_in_time_is_left_open() -> None:
 
     assert asyncio.run(scenario()) is thing
     assert not thing.closed.is_set()
+
+
+def test_a_result_that_arrives_after_the_loop_closed_is_closed() -> None:
+    """The loop is gone (a command ended, an agent stopped) while the call blocked:
+    nobody can take what it returns, so it is closed where it arrives."""
+    release = threading.Event()
+    started = threading.Event()
+    thing = Thing()
+
+    def blocking() -> Thing:
+        started.set()
+        release.wait(30)
+        return thing
+
+    async def scenario() -> None:
+        waiter = asyncio.ensure_future(closing_in_thread(blocking))
+        await asyncio.to_thread(started.wait, 30)
+        assert not waiter.done()
+
+    asyncio.run(scenario())  # ends, cancelling the waiter, and closes its loop
+    release.set()
+    assert thing.closed.wait(30), "the result that outlived its loop was never closed"
