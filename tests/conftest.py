@@ -8,6 +8,7 @@ import os
 import pwd
 import shutil
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -110,6 +111,11 @@ def _no_node_process_left(request: pytest.FixtureRequest) -> Iterator[None]:
 
     for lock in [*tmp_path.glob("*/node.lock"), *tmp_path.glob("*/*/node.lock")]:
         record = holder(lock.parent)
+        # One still starting holds the lock before its record says who it is.
+        deadline = time.monotonic() + 10
+        while record is not None and not record.pid and time.monotonic() < deadline:
+            time.sleep(0.05)
+            record = holder(lock.parent)
         if record is not None and record.pid:
             with contextlib.suppress(OSError):
                 os.kill(record.pid, signal.SIGKILL)
