@@ -141,7 +141,8 @@ def run(**flags: object) -> None:
     `gpumesh share` would, and prints what the share says; a share that cannot
     start ends it with that error. This is what the systemd unit of
     `gpumesh share --print-systemd-unit` runs. A node process of this home that
-    runs in the background hands over to it (unless it shares)."""
+    runs in the background hands over to it; a share it ran goes on here with
+    the same options."""
     import asyncio
 
     from gpumesh.cli._common import get_node, setup_logging
@@ -162,6 +163,7 @@ def run(**flags: object) -> None:
             hosts=[],
             detached=False,
             announce=click.echo,
+            title="gpumesh node process",
             share=options if sharing or given else None,
             echo=echo_line,
         )

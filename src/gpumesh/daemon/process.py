@@ -261,6 +261,7 @@ async def run_node(
     tls: tuple[Path, Path] | None = None,
     share: ShareOptions | None = None,
     echo: Callable[[ShareLine], None] | None = None,
+    title: str | None = None,
 ) -> int:
     """Be this home's node process until stopped (SIGINT, SIGTERM, the API); 0 on
     an orderly end.
@@ -270,7 +271,8 @@ async def run_node(
     (``--allow-remote`` needs them). ``share``: share with these options from the
     start (``gpumesh daemon run`` with share options); a share that cannot start
     ends the process with its error. ``echo`` hears every line a share says (a
-    process in the foreground prints them)."""
+    process in the foreground prints them). ``title``: what its lines call it
+    (``gpumesh-control`` in the foreground, by default)."""
     from gpumesh.control import auth
     from gpumesh.control.app import ControlState, create_app
     from gpumesh.control.server import (
@@ -285,6 +287,7 @@ async def run_node(
     # One Node (so one database connection) per process: a second connection made
     # beside the agent's would close a descriptor of the database file, and with it
     # the agent's POSIX locks, and SQLite could then hand the agent a stale snapshot.
+    title = title or ("gpumesh node process" if detached else "gpumesh-control")
     own = not isinstance(home_arg, Node)
     node = home_arg if isinstance(home_arg, Node) else Node(home_arg)
     info = node.info()  # a home without an identity is refused here, in one line
@@ -416,7 +419,6 @@ async def run_node(
             )
             for sig in (signal.SIGINT, signal.SIGTERM)
         ]
-        title = "gpumesh node process" if detached else "gpumesh-control"
         announce(f"{title}: the control API of {info.name} ({home}), pid {os.getpid()}")
         if unix:
             announce(f"  unix socket  {socket_path} (owner only, no token needed)")
@@ -467,7 +469,7 @@ async def run_node(
         node.pool = None
         if own:
             node.close()
-    announce(f"{'gpumesh node process' if detached else 'gpumesh-control'}: stopped")
+    announce(f"{title}: stopped")
     if failed:
         raise failed[0]
     return 0
