@@ -87,7 +87,10 @@ def _xvfb(tmp_path: Path, size: str = "640x480x24") -> Iterator[dict[str, str]]:
     """A headless X display; yields the environment that names it."""
     read, write = os.pipe()
     proc = subprocess.Popen(
-        ["Xvfb", "-displayfd", str(write), "-screen", "0", size, "-nolisten", "tcp"],
+        # -noreset: by default the server resets when its last client leaves
+        # (the display probe below), and a server started in that window
+        # (freerdp-shadow-cli) cannot open the display and exits 255.
+        ["Xvfb", "-displayfd", str(write), "-screen", "0", size, "-nolisten", "tcp", "-noreset"],
         pass_fds=(write,),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -107,8 +110,7 @@ def _xvfb(tmp_path: Path, size: str = "640x480x24") -> Iterator[dict[str, str]]:
 
 def _wait_display(env: dict[str, str], proc: subprocess.Popen[bytes]) -> None:
     """Until a client can open the display: a server started next (x11vnc,
-    freerdp-shadow) that cannot open it gives up at once (seen once on a loaded
-    machine right after Xvfb reported its number)."""
+    freerdp-shadow) that cannot open it gives up at once."""
     deadline = time.monotonic() + CEILING
     while True:
         probe = subprocess.run(
