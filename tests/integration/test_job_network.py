@@ -42,7 +42,7 @@ from gpumesh.runtime.base import (
     LogCursor,
 )
 from gpumesh.runtime.docker import DockerRuntime
-from gpumesh.runtime.jobnet import JobNetwork, Mode
+from gpumesh.runtime.jobnet import JobNetwork, Mode, rule_set
 from tests.conftest import _in_ci
 from tests.integration.conftest import gpumesh, remove_containers, shared_pair
 from tests.integration.test_cli import _free_udp_port, _init, _one_line_error, _start_share
@@ -331,6 +331,7 @@ class _Jobs:
         self.network.ensure(self.runtime)
 
     def run(self, script: str) -> str:
+        self.network.ensure(self.runtime)  # as the agent does before every container
         job = uuid.uuid4().hex[:10]
         spec = ContainerSpec(
             image=IMAGE,
@@ -429,6 +430,23 @@ def test_installing_twice_leaves_one_jump_and_the_same_rules() -> None:
         assert _rules(names.forward_chain, names.input_chain) == before
         jumps = [line for line in before if line.endswith(f"-j {names.forward_chain}")]
         assert len(jumps) == 1 and jumps[0].startswith("-A DOCKER-USER")
+
+
+def test_rules_flushed_while_sharing_are_back_before_the_next_job(host_listener: int) -> None:
+    """A firewall manager's reload flushes DOCKER-USER and INPUT (and may empty our
+    chains): the next job must not run unfiltered."""
+    with _jobs("internet", ()) as jobs:
+        names = jobs.network.names
+        assert names is not None
+        target = {"gateway": f"$gateway:{host_listener}"}
+        assert _verdicts(jobs.run(_probe_script(target))) == {"gateway": "closed"}
+        for chain, rule in rule_set("internet", names, ()).jumps:
+            subprocess.run(["iptables", "-D", chain, *rule], check=True)
+        subprocess.run(["iptables", "-F", names.input_chain], check=True)
+        output = jobs.run(_probe_script(target))
+        assert _verdicts(output) == {"gateway": "closed"}, output
+        jumps = [line for line in _rules(names.forward_chain) if line.startswith("-A DOCKER")]
+        assert len(jumps) == 1, jumps
 
 
 def _rules(*chains: str) -> list[str]:

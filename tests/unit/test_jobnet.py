@@ -147,27 +147,52 @@ class _Engine:
         return False
 
 
+class _Iptables:
+    """A stand-in for iptables, iptables-restore and iptables-save over a filter
+    table of jumps and our chains' rules; records every call."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[tuple[str, ...], str | None]] = []
+        self.jumps: set[tuple[str, ...]] = set()
+        self.chains: dict[str, list[str]] = {}
+
+    def __call__(self, argv: Sequence[str], stdin: str | None) -> subprocess.CompletedProcess[str]:
+        self.calls.append((tuple(argv), stdin))
+        out = ""
+        if argv[0] == "iptables-restore":
+            assert stdin is not None
+            for line in stdin.splitlines():
+                if line.startswith(":"):
+                    self.chains[line[1:].split()[0]] = []
+                elif line.startswith("-A "):
+                    self.chains[line.split()[1]].append(line)
+        elif argv[0] == "iptables-save":
+            lines = [f"-A {jump[0]} {' '.join(jump[1:])}" for jump in sorted(self.jumps)]
+            out = "\n".join(lines + [rule for rules in self.chains.values() for rule in rules])
+        elif argv[1] == "-C":
+            found = tuple(argv[2:]) in self.jumps
+            return subprocess.CompletedProcess(argv, 0 if found else 1, "", "")
+        elif argv[1] == "-I":
+            self.jumps.add((argv[2], *argv[4:]))
+        return subprocess.CompletedProcess(argv, 0, out, "")
+
+    def made(self, program: str, option: str | None = None) -> int:
+        return sum(
+            argv[0] == program and (option is None or argv[1] == option) for argv, _ in self.calls
+        )
+
+
 def test_install_replaces_our_chains_and_adds_each_jump_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr("os.geteuid", lambda: 0)
-    calls: list[tuple[tuple[str, ...], str | None]] = []
-    present: set[tuple[str, ...]] = set()
-
-    def run(argv: Sequence[str], stdin: str | None) -> subprocess.CompletedProcess[str]:
-        calls.append((tuple(argv), stdin))
-        if argv[1] == "-C":
-            found = tuple(argv[2:]) in present
-            return subprocess.CompletedProcess(argv, 0 if found else 1, "", "")
-        if argv[1] == "-I":
-            present.add((argv[2], *argv[4:]))
-        return subprocess.CompletedProcess(argv, 0, "", "")
-
+    run = _Iptables()
+    calls = run.calls
     engine = _Engine()
     for _ in range(2):  # two share starts: the second adds no second jump
         network = JobNetwork("internet", resolvers=("10.0.0.2",), run=run)
         network.ensure(engine)
-        network.ensure(engine)  # and within one, nothing is done twice
+        network.ensure(engine)  # and within one, the rules are only read back
     inserts = [argv for argv, _ in calls if argv[1] == "-I"]
     assert len(inserts) == 2
     assert all(argv[3] == "1" for argv in inserts)  # first in their chains
@@ -176,6 +201,33 @@ def test_install_replaces_our_chains_and_adds_each_jump_once(
         argv[1] == "--noflush" for argv, _ in calls if argv[0] == "iptables-restore"
     )
     assert engine.networks == [(network.names.network, network.names.bridge)] * 2  # type: ignore[union-attr]
+
+
+def test_rules_removed_while_sharing_are_installed_again_before_the_next_container(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A flush (a firewall manager's reload) or a jump deleted by hand would leave
+    the next jobs unfiltered: each ensure reads the rules back first."""
+    monkeypatch.setattr("os.geteuid", lambda: 0)
+    run = _Iptables()
+    network = JobNetwork("internet", resolvers=("10.0.0.2",), run=run)
+    names = network.names
+    assert names is not None
+    network.ensure(_Engine())
+    assert run.made("iptables-restore") == 1
+    network.ensure(_Engine())
+    assert run.made("iptables-restore") == 1 and run.made("iptables-save") == 1
+
+    run.chains[names.forward_chain] = run.chains[names.forward_chain][:-3]  # rules deleted
+    network.ensure(_Engine())
+    assert run.made("iptables-restore") == 2
+    assert "were removed" in caplog.text
+
+    run.jumps.clear()  # `iptables -F DOCKER-USER; iptables -F INPUT`
+    network.ensure(_Engine())
+    assert run.made("iptables-restore") == 3 and len(run.jumps) == 2
+    network.ensure(_Engine())
+    assert run.made("iptables-restore") == 3  # intact again: read back only
 
 
 def test_a_failing_iptables_refuses_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -22,10 +22,11 @@ one from INPUT (what it sends to this machine itself, at any of its addresses).
 without touching anything; :class:`JobNetwork` applies them with
 ``iptables-restore --noflush`` (our chains are replaced in one step, nothing
 else is flushed) and adds each jump once, so applying is idempotent and safe
-at every share start. This module must never flush, reorder or weaken a rule
-that is not in its own chains, and never runs without root: where rules cannot
-be installed it says why in one line, and sharing refuses ``internet`` and
-``lan`` rather than run jobs unfiltered.
+at every share start; before each container it reads the rules back and
+applies them again when they were removed meanwhile. This module must never
+flush, reorder or weaken a rule that is not in its own chains, and never runs
+without root: where rules cannot be installed it says why in one line, and
+sharing refuses ``internet`` and ``lan`` rather than run jobs unfiltered.
 """
 
 from __future__ import annotations
@@ -177,6 +178,22 @@ class RuleSet:
     jumps: tuple[tuple[str, tuple[str, ...]], ...]
     """(built-in chain, rule) pairs that must each be there once, first in their chain."""
 
+    def intact(self, saved: str) -> bool:
+        """Whether ``saved`` (``iptables-save -t filter``) still has every jump and all
+        of our chains' rules: False after a flush (``iptables -F``, a firewall
+        manager's reload) or a rule deleted by hand."""
+        present = saved.splitlines()
+        for chain, rule in self.jumps:
+            if f"-A {chain} {' '.join(rule)}" not in present:
+                return False
+        wanted = [line for line in self.restore.splitlines() if line.startswith("-A ")]
+        for chain in {line.split()[1] for line in wanted}:
+            head = f"-A {chain} "
+            count = sum(line.startswith(head) for line in wanted)
+            if sum(line.startswith(head) for line in present) != count:
+                return False
+        return True
+
 
 def rule_set(mode: Mode, names: NetworkNames, resolvers: Sequence[str]) -> RuleSet:
     """The filter rules for a job network of ``mode``; ``resolvers``: the IPv4 name
@@ -260,7 +277,8 @@ def _run(argv: Sequence[str], stdin: str | None) -> subprocess.CompletedProcess[
 
 class JobNetwork:
     """One provider's job network: its mode, and (for ``internet`` and ``lan``) the
-    Docker network and rules, installed on first need and then kept.
+    Docker network and rules, installed on first need and checked before every
+    container.
 
     Thread safe: the agent's job and shell threads each ask before a container is
     made; the first one installs, the rest find it done."""
@@ -299,19 +317,31 @@ class JobNetwork:
         return cannot_filter(self.mode, why) if why else None
 
     def ensure(self, engine: NetworkEngine) -> None:
-        """Make the network and install the rules, once; refuse (ConfigError) where
-        they cannot be, so no job ever runs unfiltered under ``internet`` or ``lan``."""
+        """Make the network and install the rules; refuse (ConfigError) where they
+        cannot be, so no job ever runs unfiltered under ``internet`` or ``lan``.
+
+        Called before every container: once installed, the rules are read back
+        (one ``iptables-save``, a few milliseconds) and installed again when
+        something removed them since (a flush, a firewall manager's reload)."""
         names = self.names
         if names is None:
             return
+        rules = rule_set(self.mode, names, self.resolvers)
         with self._lock:
             if self._ready:
-                return
+                if self._intact(rules):
+                    return
+                logger.warning(
+                    "job network %s: its firewall rules were removed (a flush?); "
+                    "installing them again before the next container",
+                    self.mode,
+                )
+                self._ready = False
             problem = self.problem(rootless=engine.is_rootless())
             if problem is not None:
                 raise ConfigError(problem)
             engine.ensure_network(names.network, names.bridge)
-            self._install(rule_set(self.mode, names, self.resolvers))
+            self._install(rules)
             self._ready = True
         logger.info(
             "job network %s: %s (Docker network %s, bridge %s, resolvers %s)",
@@ -321,6 +351,10 @@ class JobNetwork:
             names.bridge,
             ", ".join(self.resolvers) or "none",
         )
+
+    def _intact(self, rules: RuleSet) -> bool:
+        done = self._run(["iptables-save", "-t", "filter"], None)
+        return done.returncode == 0 and rules.intact(done.stdout)
 
     def _install(self, rules: RuleSet) -> None:
         done = self._run(["iptables-restore", "--noflush"], rules.restore)
