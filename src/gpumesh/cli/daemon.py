@@ -150,8 +150,7 @@ def run(**flags: object) -> None:
     from gpumesh.daemon.process import run_node
 
     sharing = bool(flags.pop("share"))
-    given = any(value not in (None, False, "") for value in flags.values())
-    options = options_of(dict(flags))
+    options, given = options_of(dict(flags))
     node = get_node()
     node.home.require_initialized()
     setup_logging(node.home.logs_dir, console_level="info")

@@ -60,10 +60,12 @@ def share_options(command: F) -> F:
     return command
 
 
-def options_of(flags: dict[str, Any]) -> ShareOptions:
-    """The share options the flags give (checked: a bad value is one line)."""
+def options_of(flags: dict[str, Any]) -> tuple[ShareOptions, bool]:
+    """The share options the flags give (checked: a bad value is one line), and
+    whether any was given at all."""
     from gpumesh.daemon.sharing import ShareOptions
 
+    given = any(value not in (None, False, "") for value in flags.values())
     options = ShareOptions(
         host=flags.pop("host"),
         port=flags.pop("port"),
@@ -74,7 +76,7 @@ def options_of(flags: dict[str, Any]) -> ShareOptions:
         show_addresses=flags.pop("show_addresses"),
     )
     options.check()
-    return options
+    return options, given
 
 
 @click.group(
@@ -130,8 +132,7 @@ def share(ctx: click.Context, /, detach: bool, print_unit: bool, **flags: Any) -
     require_linux()
     node = get_node()
     node.home.require_initialized()
-    given = any(value not in (None, False, "") for value in flags.values())
-    options = options_of(flags)
+    options, given = options_of(flags)
     if print_unit:
         _print_unit(node.home.path, options)
         return
