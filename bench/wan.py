@@ -13,8 +13,8 @@ and loss, and each path is timed as a whole process, ``--repeat`` runs each
 * ``cp``: ``gpumesh cp --json FILE alice:PATH`` (the data channel; checked:
   ``channel`` is ``tls``, the size arrived) next to ``scp -c
   aes128-gcm@openssh.com FILE`` of the same ``--size`` file;
-* ``cp --no-fast-path``: the same over QUIC (with parity under it where the
-  link asks for it, see docs/architecture.md);
+* ``cp --no-fast-path``: the same over QUIC with ``GPUMESH_FEC=auto`` on both
+  nodes (parity under it where the link asks for it, see docs/architecture.md);
 * ``QUIC, FEC off``: the same with ``GPUMESH_FEC=off`` for bob's command (the
   provider then sends no parity either): QUIC as it was before FEC;
 * folder ``cp`` of a tree of ``--files`` files making up ``--size`` bytes,
@@ -1181,6 +1181,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # Parity is off by default; the FEC rows measure `auto` on both nodes (and the
+    # "FEC off" row turns it off for bob's command), unless the caller chose.
+    os.environ.setdefault("GPUMESH_FEC", "auto")
     exit_cleanly_on_sigterm()
     if missing := lab_missing():
         print(f"wan.py: the WAN lab cannot be built here: {missing}")

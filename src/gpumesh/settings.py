@@ -22,9 +22,10 @@
 ``GPUMESH_HTTP_PER_CLIENT``  connections one client address holds (default 64)
 ``GPUMESH_API_BACKOFF``     seconds the control API refuses an address after 5
                             wrong tokens (default 1, doubling to 60)
-``GPUMESH_FEC``             parity under QUIC on lossy links: ``auto`` (the
-                            default: from a link's first loss on), ``on`` (from
-                            the start) or ``off`` (neither sent nor offered)
+``GPUMESH_FEC``             parity under QUIC on lossy links: ``off`` (the
+                            default: neither sent nor offered), ``auto`` (on
+                            long links, else from a link's first loss on) or
+                            ``on`` (from the start)
 ``GPUMESH_LOG``             log level or filter, e.g. ``debug`` or
                             ``gpumesh.transport=debug,info``
 ``GPUMESH_TEST_PLATFORM``   tests only: ``macos`` or ``windows`` switches off

@@ -17,15 +17,23 @@ import os
 import socket
 import struct
 
+import pytest
+
 from gpumesh.identity.keys import Identity
 from gpumesh.protocol.fec import DATA, PARITY
-from gpumesh.transport.quic import QuicEndpoint, QuicLink
+from gpumesh.transport.quic import QuicEndpoint, QuicLink, fec_mode
 from gpumesh.transport.session import Session, accept_session, open_session
 from gpumesh.transport.stream import Stream
 from tests.integration.conftest import arun
 
 SIZE = 6 * 1024 * 1024
 EVERY = 37
+
+
+@pytest.fixture(autouse=True)
+def _parity_on_demand(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The dialers here ask for parity (``auto``; the default is ``off``)."""
+    monkeypatch.setenv("GPUMESH_FEC", "auto")
 
 
 class LossyForwarder:
@@ -145,6 +153,22 @@ class ForgingForwarder(LossyForwarder):
             except BlockingIOError:
                 continue
             self.injected += 1
+
+
+class BlindForgingForwarder(ForgingForwarder):
+    """The same attacker where no real frame shows a group id: with every 4th
+    datagram on the way up it sends forged data and parity frames of random ids."""
+
+    def _forward(self, data: bytes, way: str) -> None:
+        if way == "up" and self.seen["up"] % 4 == 0:
+            group = int.from_bytes(os.urandom(4), "big")
+            self._inject(
+                [
+                    struct.pack("!BIB", DATA, group, 0) + bytes(1 + self.TAG_ROOM),
+                    struct.pack("!BIB", PARITY, group, 16) + bytes(3 + self.TAG_ROOM),
+                ]
+            )
+        LossyForwarder._forward(self, data, way)
 
 
 async def _bulk_through_loss(
@@ -294,5 +318,27 @@ def test_forged_frames_from_the_peers_address_neither_stall_nor_corrupt_an_uploa
         assert decoder.counters.forged > forwarder.injected // 4
         assert decoder.counters.repaired > 0  # parity still did its work
         assert decoder.held == 0
+
+    arun(scenario())
+
+
+def test_forged_fec_frames_on_the_default_setting_cost_an_upload_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Parity is off by default: neither end offers it, so forged frames from the
+    dialer's address meet no decoder and are dropped as not QUIC."""
+    monkeypatch.delenv("GPUMESH_FEC")
+    assert fec_mode() == "off"
+
+    async def scenario() -> None:
+        forwarder, session, provider_link = await _bulk_through_loss(
+            provider_fec=fec_mode(), forwarder_type=BlindForgingForwarder
+        )
+        assert isinstance(forwarder, BlindForgingForwarder)
+        assert forwarder.injected > 1000
+        # _bulk_through_loss checked the hash: every byte arrived, none forged.
+        assert not session.link.fec_peer and not provider_link.fec_peer
+        assert session.link.fec_encoder is None and provider_link.fec_decoder is None
+        assert session.link.early_duplicates == 0  # no copies without parity either
 
     arun(scenario())

@@ -25,6 +25,8 @@ from collections import deque
 from collections.abc import AsyncIterator
 from typing import cast
 
+import pytest
+
 from gpumesh.identity.keys import Identity
 from gpumesh.protocol.addresses import Address
 from gpumesh.transport.quic import QuicEndpoint, QuicLink, Recovery
@@ -36,6 +38,12 @@ DELAY = 0.03
 """Seconds each way: a link long enough that parity would start at once (25 ms+)."""
 EARLY = 24
 """The dialer's datagrams among which the link drops every other one."""
+
+
+@pytest.fixture(autouse=True)
+def _parity_on_demand(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The copies come with parity, which is off unless asked for (``auto`` here)."""
+    monkeypatch.setenv("GPUMESH_FEC", "auto")
 
 
 class _Link(asyncio.DatagramProtocol):
