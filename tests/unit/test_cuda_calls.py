@@ -188,7 +188,7 @@ def test_arguments_are_packed_as_the_kernel_reads_them() -> None:
 def test_a_session_must_start_with_hello_and_speak_its_version() -> None:
     backend = FallbackBackend(MiB, "")
     with pytest.raises(ProtocolError, match="must start with Hello"):
-        CallServer(backend, MiB).feed(call_frame(DeviceCount()))
+        list(CallServer(backend, MiB).feed(call_frame(DeviceCount())))
     server = CallServer(backend, MiB)
     [reply] = server.feed(call_frame(Hello(version=VERSION + 1)))
     welcome = decode_welcome(FrameDecoder().feed(reply)[0].body)
@@ -198,15 +198,15 @@ def test_a_session_must_start_with_hello_and_speak_its_version() -> None:
 def test_malformed_frames_are_protocol_errors() -> None:
     client = Client()
     with pytest.raises(ProtocolError, match="no copy announced"):
-        client.server.feed(data_frames(b"stray")[0])
+        list(client.server.feed(data_frames(b"stray")[0]))
     with pytest.raises(ProtocolError, match="unknown CUDA frame kind 9"):
         FrameDecoder().feed(b"\x09\0\0\0\0")
     with pytest.raises(ProtocolError, match="DATA frame of"):
         FrameDecoder().feed(bytes([FrameKind.DATA]) + (MAX_CHUNK + 1).to_bytes(4, "big"))
     with pytest.raises(ProtocolError, match="invalid CUDA call"):
-        Client().server.feed(encode_frame(FrameKind.CALL, b"\x81\xa2op\xa4nope"))
+        list(Client().server.feed(encode_frame(FrameKind.CALL, b"\x81\xa2op\xa4nope")))
     with pytest.raises(ProtocolError, match="may not send CUDA RESULT"):
-        Client().server.feed(encode_frame(FrameKind.RESULT, b""))
+        list(Client().server.feed(encode_frame(FrameKind.RESULT, b"")))
 
 
 def test_frames_split_anywhere_decode_the_same() -> None:
@@ -245,7 +245,7 @@ def test_a_copy_fed_in_odd_reads_of_a_reused_buffer_lands_whole() -> None:
     for start in range(0, len(stream), len(buffer)):
         piece = stream[start : start + len(buffer)]
         buffer[: len(piece)] = piece
-        assert client.server.feed(memoryview(buffer)[: len(piece)]) == []
+        assert list(client.server.feed(memoryview(buffer)[: len(piece)])) == []
     result, back = client.download(ptr, len(data))
     assert result.value == len(data) and back == data
 

@@ -23,11 +23,12 @@ from typing import Any
 import pytest
 
 from gpumesh.cuda.backend import CudaFault
-from gpumesh.cuda.driver import DriverBackend, _name
+from gpumesh.cuda.driver import READ_PIECE, DriverBackend, _name
 from gpumesh.cuda.kernels import VADD_F32, VADD_PTX
 from gpumesh.cuda.protocol import (
     VERSION,
     Arg,
+    CopyDtoH,
     CopyHtoD,
     FrameDecoder,
     Hello,
@@ -155,7 +156,8 @@ class FakeDriver:
         return (CUresult.CUDA_SUCCESS,)
 
     def cuMemcpyDtoH(self, dst: int, src: int, count: int) -> tuple[CUresult]:
-        self._log("cuMemcpyDtoH")
+        if failure := self._log("cuMemcpyDtoH"):
+            return (failure,)
         if not isinstance(dst, int) or not self._span(src, count):
             return (CUresult.CUDA_ERROR_INVALID_VALUE,)
         ctypes.memmove(dst, src, count)
@@ -263,11 +265,11 @@ def test_memory_calls_pass_addresses_and_map_errors() -> None:
     backend = DriverBackend(fake, memory_cap=1 << 20)
     ptr = backend.alloc(4096)
     backend.write(ptr + 16, b"hello, device")
-    assert backend.read(ptr + 16, 13) == b"hello, device"
+    assert b"".join(backend.read(ptr + 16, 13)) == b"hello, device"
     other = backend.alloc(64)
     backend.copy(other, ptr + 16, 5)
     backend.memset(other + 1, ord("J"), 2)
-    assert backend.read(other, 5) == b"hJJlo"
+    assert b"".join(backend.read(other, 5)) == b"hJJlo"
     with pytest.raises(CudaFault, match="CUDA_ERROR_OUT_OF_MEMORY") as caught:
         backend.alloc(1 << 20)  # the session's cap, before the driver is asked
     assert "cuMemAlloc" not in caught.value.message
@@ -275,7 +277,7 @@ def test_memory_calls_pass_addresses_and_map_errors() -> None:
     with pytest.raises(CudaFault, match="CUDA_ERROR_OUT_OF_MEMORY: cuMemAlloc: the fake driver"):
         backend.alloc(16)
     with pytest.raises(CudaFault, match="CUDA_ERROR_INVALID_VALUE"):
-        backend.read(ptr + 4090, 16)  # past the end: the driver refuses
+        b"".join(backend.read(ptr + 4090, 16))  # past the end: the driver refuses
     with pytest.raises(CudaFault, match="is not an allocation"):
         backend.free(ptr + 16)  # never handed to the driver: it is another session's
     backend.free(other)
@@ -300,7 +302,7 @@ def test_a_kernel_launch_packs_typed_arguments_as_the_driver_reads_them() -> Non
     [launch, _] = fake.launches
     assert launch == (("function", VADD_F32), (2, 1, 1), (256, 1, 1), 0, 0, 0, a, b, c, n)
     backend.synchronize()
-    out = array.array("f", backend.read(c, n * 4))
+    out = array.array("f", b"".join(backend.read(c, n * 4)))
     assert out.tolist() == [i + 0.25 for i in range(n)]
     with pytest.raises(CudaFault, match="CUDA_ERROR_NOT_FOUND: cuModuleGetFunction"):
         backend.launch(module, "missing", (1, 1, 1), (1, 1, 1), 0, [])
@@ -359,7 +361,7 @@ def test_a_read_outside_the_sessions_allocations_allocates_nothing() -> None:
     tracemalloc.start()
     try:
         with pytest.raises(CudaFault, match=r"^CUDA_ERROR_INVALID_VALUE: 268435456 bytes at"):
-            backend.read(ptr, 256 * 1024 * 1024)
+            backend.read(ptr, 256 * 1024 * 1024)  # refused before it returns
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -383,3 +385,42 @@ def test_every_memory_call_is_checked_against_the_allocations_before_the_driver(
         with pytest.raises(CudaFault, match=r"CUDA_ERROR_INVALID_VALUE: .* not inside one"):
             call()
         assert name not in fake.calls
+
+
+def test_a_copy_of_a_whole_allocation_to_the_host_holds_a_piece_not_its_size() -> None:
+    """Device-to-host copies are read from the device a piece at a time as they are
+    sent: a session's worker holds no host buffer of a copy's size (its device
+    memory is the GPU's, not the host's), so a large session cannot take the
+    provider's host memory by reading its allocations back."""
+    fake = FakeDriver()
+    size = 64 * 1024 * 1024
+    server = CallServer(DriverBackend(fake, memory_cap=size), size)
+    list(server.feed(call_frame(Hello(version=VERSION))))
+    [alloc] = FrameDecoder().feed(b"".join(server.feed(call_frame(MemAlloc(size=size)))))
+    ptr = decode_result(alloc.body).value
+    fake.calls.clear()
+    tracemalloc.start()
+    try:
+        sent = 0
+        for part in server.feed(call_frame(CopyDtoH(ptr=ptr, size=size))):
+            sent += len(part)  # written to the pipe and dropped, as the worker does
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert sent > size
+    assert fake.calls.count("cuMemcpyDtoH") == size // READ_PIECE
+    assert peak < 4 * READ_PIECE, peak  # was the whole 64 MiB
+
+
+def test_a_fault_in_the_middle_of_a_copy_raises_while_it_is_sent() -> None:
+    fake = FakeDriver()
+    backend = DriverBackend(fake, memory_cap=8 * READ_PIECE)
+    ptr = backend.alloc(4 * READ_PIECE)
+    fake.fail_next["cuMemcpyDtoH"] = CUresult.CUDA_ERROR_LAUNCH_FAILED
+    with pytest.raises(CudaFault, match="CUDA_ERROR_LAUNCH_FAILED"):
+        backend.read(ptr, 4 * READ_PIECE)  # the first piece: the call's own error
+    pieces = backend.read(ptr, 4 * READ_PIECE)
+    fake.fail_next["cuMemcpyDtoH"] = CUresult.CUDA_ERROR_LAUNCH_FAILED
+    assert len(next(pieces)) == READ_PIECE
+    with pytest.raises(CudaFault, match="CUDA_ERROR_LAUNCH_FAILED"):
+        next(pieces)  # the worker ends the session with it (the stream is cut)

@@ -179,9 +179,13 @@ class Backend(Protocol):
         """Host to device: ``data`` at ``ptr`` (a piece of a larger copy; a view the
         caller reuses once this returns)."""
 
-    def read(self, ptr: int, size: int) -> bytes | bytearray | memoryview:
-        """Device to host: ``size`` bytes at ``ptr`` (possibly a view of device memory
-        itself, valid until the next call)."""
+    def read(self, ptr: int, size: int) -> Iterator[bytes | bytearray | memoryview]:
+        """Device to host: ``size`` bytes at ``ptr``, in order, in pieces to send as
+        they come (views of device memory itself, valid until the next call, or
+        pieces of at most :data:`~gpumesh.cuda.protocol.MAX_CHUNK` copied out one by
+        one, so a copy holds no host buffer of its size). The range is checked, and
+        the first piece read, before this returns; a fault in a later piece raises
+        while the pieces are taken."""
 
     def copy(self, dst: int, src: int, size: int) -> None: ...
 

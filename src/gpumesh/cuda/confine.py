@@ -14,7 +14,12 @@ reads the first call, so nothing a peer sends runs with more:
   :data:`HEADROOM`: a session cannot take more of the machine than it was
   promised, whatever its calls. The driver backend gets none: the CUDA driver
   reserves address space far beyond what it uses, and the device, not host
-  memory, holds a session's allocations there.
+  memory, holds a session's allocations there. What a driver worker holds in
+  host memory is bounded by how it works instead: every size is checked
+  against the session's allocations first, uploads arrive in chunks of 1 MiB
+  written to the device one by one, and a device-to-host copy is read out a
+  piece at a time as it is sent (``DriverBackend.read``), at most 32 MiB of it
+  waiting for the pipe.
 
 Linux only, like sharing. Everything here but :func:`confine` and
 :func:`mapped_now` is pure.

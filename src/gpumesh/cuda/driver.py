@@ -14,12 +14,16 @@ on host memory), since the machines they run on have no GPU.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from gpumesh.cuda.backend import Allocations, CudaFault, DeviceInfo, LaunchArg, ctype_arg
+from gpumesh.cuda.protocol import MAX_CHUNK
 
-__all__ = ["DriverBackend", "DriverUnavailable", "load_driver"]
+__all__ = ["READ_PIECE", "DriverBackend", "DriverUnavailable", "load_driver"]
+
+READ_PIECE = MAX_CHUNK
+"""Bytes of a device-to-host copy taken out of the device at a time (one DATA frame)."""
 
 
 class DriverUnavailable(Exception):
@@ -149,8 +153,20 @@ class DriverBackend:
             address = ctypes.cast(source, ctypes.c_void_p).value or 0
         self._check(self._cu.cuMemcpyHtoD(ptr, address, size), "cuMemcpyHtoD")
 
-    def read(self, ptr: int, size: int) -> bytearray:
-        self._allocations.span(ptr, size)  # before the host buffer: at most an allocation
+    def read(self, ptr: int, size: int) -> Iterator[bytearray]:
+        # Checked before any host buffer; then copied out a piece at a time, each a
+        # buffer of its own that goes as soon as it is sent: a copy of a whole
+        # allocation holds one piece or a few of host memory, never its size.
+        self._allocations.span(ptr, size)
+        first = self._piece(ptr, min(size, READ_PIECE))  # a fault here is the call's
+        return self._pieces(first, ptr, size)
+
+    def _pieces(self, first: bytearray, ptr: int, size: int) -> Iterator[bytearray]:
+        yield first
+        for start in range(len(first), size, READ_PIECE):
+            yield self._piece(ptr + start, min(READ_PIECE, size - start))
+
+    def _piece(self, ptr: int, size: int) -> bytearray:
         target = bytearray(size)
         address = ctypes.addressof((ctypes.c_char * size).from_buffer(target)) if size else 0
         self._check(self._cu.cuMemcpyDtoH(address, ptr, size), "cuMemcpyDtoH")

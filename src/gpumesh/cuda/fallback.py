@@ -16,7 +16,7 @@ import array
 import operator
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from gpumesh.cuda.backend import Allocations, CudaFault, DeviceInfo, LaunchArg
 from gpumesh.cuda.kernels import VADD_F32
@@ -97,8 +97,8 @@ class FallbackBackend:
     def write(self, ptr: int, data: bytes | memoryview) -> None:
         self._view(ptr, len(data))[:] = data
 
-    def read(self, ptr: int, size: int) -> memoryview:
-        return self._view(ptr, size)  # sent before the next call
+    def read(self, ptr: int, size: int) -> Iterator[memoryview]:
+        return iter((self._view(ptr, size),))  # sent before the next call
 
     def copy(self, dst: int, src: int, size: int) -> None:
         # memoryview assignment is memmove: overlapping copies within one allocation

@@ -17,9 +17,11 @@ before it reads the first call.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from gpumesh.cuda.backend import Backend, CudaFault
@@ -78,23 +80,24 @@ class CallServer:
         """The first failure of a call that is not answered, for the next answer."""
         self.calls = 0
 
-    def feed(self, data: bytes | memoryview) -> list[bytes | memoryview]:
-        """Bytes from the client; the bytes to send back (ProtocolError when malformed).
+    def feed(self, data: bytes | memoryview) -> Iterator[bytes | bytearray | memoryview]:
+        """Bytes from the client; the bytes to send back, as they are made
+        (ProtocolError when malformed; a CudaFault in the middle of a device-to-host
+        copy's bytes, which ends the session).
 
-        ``data`` may be a view the caller reuses once this returns; what comes back
-        may be views of device memory, to be sent before the next ``feed``.
+        ``data`` may be a view the caller reuses once this is exhausted; what comes
+        back may be views of device memory, to be sent before the next ``feed``,
+        and a copy's pieces are read from the device as they are taken.
         """
-        out: list[bytes | memoryview] = []
         for frame in self._decoder.feed(data):
             if frame.kind is FrameKind.DATA:
                 self._data(frame.body)
             elif frame.kind is FrameKind.CALL:
                 if self._upload is not None:
                     raise ProtocolError("a CUDA call arrived in the middle of a copy's bytes")
-                out.extend(self._call(decode_call(frame.body)))
+                yield from self._call(decode_call(frame.body))
             else:
                 raise ProtocolError(f"a client may not send CUDA {frame.kind.name} frames")
-        return out
 
     def _data(self, body: bytes | memoryview) -> None:
         upload = self._upload
@@ -115,7 +118,7 @@ class CallServer:
         if self._pending is None:
             self._pending = fault
 
-    def _call(self, call: Call) -> list[bytes | memoryview]:
+    def _call(self, call: Call) -> Iterable[bytes | bytearray | memoryview]:
         self.calls += 1
         if isinstance(call, Hello):
             return [self._hello(call)]
@@ -174,7 +177,7 @@ class CallServer:
             )
         )
 
-    def _answer(self, call: Call) -> list[bytes | memoryview]:
+    def _answer(self, call: Call) -> Iterable[bytes | bytearray | memoryview]:
         backend = self.backend
         if isinstance(call, DeviceCount):
             return [result_frame(Result(value=backend.device_count()))]
@@ -192,8 +195,11 @@ class CallServer:
         if isinstance(call, MemAlloc):
             return [result_frame(Result(value=backend.alloc(call.size)))]
         if isinstance(call, CopyDtoH):
-            data = backend.read(call.ptr, call.size)
-            return [result_frame(Result(value=call.size)), *data_parts(data)]
+            pieces = backend.read(call.ptr, call.size)  # checked, its first piece read
+            return itertools.chain(
+                (result_frame(Result(value=call.size)),),
+                itertools.chain.from_iterable(map(data_parts, pieces)),
+            )
         if isinstance(call, ModuleLoad):
             return [result_frame(Result(value=backend.module_load(call.ptx)))]
         assert isinstance(call, Synchronize)
@@ -241,22 +247,27 @@ def _widen_pipes() -> None:
 
 
 _WRITEV_PARTS = 64
-"""Parts per vectored write (well under any system's IOV_MAX)."""
+"""Parts per vectored write (well under any system's IOV_MAX): a copy's headers
+and chunks, so at most 32 MiB of a device-to-host copy is held to be written
+(none on the fallback, whose chunks are views of the session's memory)."""
 _READ_SIZE = 1 << 20
 
 
-def _write_all(fd: int, parts: list[bytes | memoryview]) -> None:
-    """Write ``parts`` in order with vectored writes: a copy's chunks leave from
-    device memory (or the driver's buffer) without being joined to their headers."""
-    views = [memoryview(part).cast("B") for part in parts if len(part)]
-    while views:
-        written = os.writev(fd, views[:_WRITEV_PARTS])
-        while written:
-            if written >= len(views[0]):
-                written -= len(views.pop(0))
-            else:
-                views[0] = views[0][written:]
-                written = 0
+def _write_all(fd: int, parts: Iterable[bytes | bytearray | memoryview]) -> None:
+    """Write ``parts`` in order with vectored writes, taking at most
+    :data:`_WRITEV_PARTS` of them at a time: a copy's chunks leave from device
+    memory (or the driver's pieces) without being joined to their headers."""
+    source = iter(parts)
+    while batch := list(itertools.islice(source, _WRITEV_PARTS)):
+        views = [memoryview(part).cast("B") for part in batch if len(part)]
+        while views:
+            written = os.writev(fd, views)
+            while written:
+                if written >= len(views[0]):
+                    written -= len(views.pop(0))
+                else:
+                    views[0] = views[0][written:]
+                    written = 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -299,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     except ProtocolError as exc:
         _write_all(1, [end_frame("protocol", str(exc))])
         return 2
+    except CudaFault as fault:  # in the middle of a copy's bytes: the stream is cut
+        _write_all(1, [end_frame("cuda", f"{fault.name}: {fault.message}")])
+        return 1
     except BrokenPipeError:
         return 0
     finally:
