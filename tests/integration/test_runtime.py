@@ -14,10 +14,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import io
 import os
 import re
 import subprocess
 import sys
+import tarfile
 import threading
 import time
 import uuid
@@ -426,6 +428,45 @@ def test_job_runs_as_its_user_on_a_read_only_root(jobs: Jobs) -> None:
     host = jobs.runtime.host_config(container_id)
     assert host["ReadonlyRootfs"] is True
     assert jobs.client.api.inspect_container(container_id)["Config"]["User"] == JOB_USER
+
+
+@pytest.fixture
+def tmp_0755_image(jobs: Jobs) -> Iterator[str]:
+    """The test image with its /tmp and a VOLUME path made ``0755 root``, as a
+    minimal image built with ``docker import`` may have them."""
+    base = jobs.client.api.create_container(IMAGE, ["true"])
+    exported = io.BytesIO(b"".join(jobs.client.api.export(base["Id"])))
+    jobs.client.api.remove_container(base["Id"], force=True)
+    rewritten = io.BytesIO()
+    with tarfile.open(fileobj=exported) as source, tarfile.open(fileobj=rewritten, mode="w") as out:
+        for member in source:
+            if member.name.rstrip("/") in ("tmp", "./tmp"):
+                member.mode = 0o755
+            out.addfile(member, source.extractfile(member) if member.isfile() else None)
+        data = tarfile.TarInfo("data")
+        data.type, data.mode = tarfile.DIRTYPE, 0o755
+        out.addfile(data)
+    image = f"gpumesh-test/tmp0755:{uuid.uuid4().hex[:8]}"
+    repository, tag = image.split(":")
+    jobs.client.api.import_image_from_data(
+        rewritten.getvalue(), repository=repository, tag=tag, changes=["VOLUME /data"]
+    )
+    try:
+        yield image
+    finally:
+        assert _remove_labelled(jobs.client, jobs.node_id) == []
+        jobs.client.api.remove_image(image)
+
+
+def test_a_job_writes_tmp_and_volumes_on_an_image_whose_tmp_is_0755_root(
+    jobs: Jobs, tmp_0755_image: str
+) -> None:
+    """Docker gives a tmpfs the image's directory mode: before, the job's user got
+    "Permission denied" writing /tmp on such an image."""
+    script = "echo x > /tmp/f && echo tmp=ok; echo x > /data/f && echo data=ok"
+    container_id, state = jobs.run(["sh", "-c", script], image=tmp_0755_image, user=JOB_USER)
+    assert state.exit_code == 0, jobs.output(container_id, "stderr")
+    assert jobs.output(container_id, "stdout").decode().split() == ["tmp=ok", "data=ok"]
 
 
 def test_home_owned_by_the_user_and_set_unless_the_job_sets_it(jobs: Jobs) -> None:

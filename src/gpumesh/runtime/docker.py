@@ -1062,15 +1062,21 @@ def _tmpfs_mounts(spec: ContainerSpec, volumes: dict[str, Any] | None) -> dict[s
 
     A tmpfs at a VOLUME path stops Docker from making an anonymous volume
     there (on the host's disk, outside every limit); what the image has under
-    that path is hidden, as with ``--tmpfs``."""
+    that path is hidden, as with ``--tmpfs``.
+
+    Docker gives a tmpfs the mode of the image's own directory under it, not
+    ours: on an image whose ``/tmp`` is ``0755 root`` (one made with ``docker
+    import``) the job's user could not write its ``/tmp``. So when the job's
+    uid is known, /tmp and the VOLUME paths belong to it too."""
     options = f"{_TMPFS_OPTIONS},size={spec.tmp_size}"
-    tmpfs = {"/tmp": f"{options},mode=1777"}
     match = _USER_IDS.fullmatch(spec.user or "")
     if match is not None:
         uid, gid = match.groups()
-        tmpfs[spec.home] = f"{options},uid={uid},gid={gid},mode=0700"
+        shared = f"{options},uid={uid},gid={gid},mode=1777"
+        tmpfs = {"/tmp": shared, spec.home: f"{options},uid={uid},gid={gid},mode=0700"}
     else:
-        tmpfs[spec.home] = f"{options},mode=1777"  # the image's user: its uid is not known here
+        shared = f"{options},mode=1777"  # the image's user: its uid is not known here
+        tmpfs = {"/tmp": shared, spec.home: shared}
     taken = {"/", "/dev/shm", *tmpfs}
     if spec.workdir is not None:
         taken.add(WORKDIR_MOUNT)  # the bind mount already stands there
@@ -1079,7 +1085,7 @@ def _tmpfs_mounts(spec: ContainerSpec, volumes: dict[str, Any] | None) -> dict[s
         # Docker compares the cleaned path with the Tmpfs keys.
         path = posixpath.normpath("/" + volume.lstrip("/"))
         if path not in taken and not any(path == m or path.startswith(m + "/") for m in mounted):
-            tmpfs[path] = f"{options},mode=1777"
+            tmpfs[path] = shared
     return tmpfs
 
 
