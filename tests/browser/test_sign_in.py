@@ -191,7 +191,8 @@ def test_the_page_dashboard_open_hands_the_browser_signs_it_in_once(browser: Any
     node_id = api.ok("GET", "/api/v1/status", params={"offline": "1"})["node_id"]
     # `true` as the browser: the page is written and handed over; chromium opens it.
     result = cli(api.home, "dashboard", "--open", BROWSER="true")
-    assert result.returncode == 0 and result.stderr == "", result.stderr
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.count("\n") == 1 and "serves the dashboard on" in result.stderr
     handed = (api.home / "dashboard-login.html").as_uri()
     context = browser.new_context()
     try:

@@ -67,6 +67,11 @@ def test_dashboard_starts_the_node_process_which_then_serves_tcp_and_stays(
     pid = node["pid"]
     assert node["detached"] and node["idle_exit"] is None
     assert node["api"] == [str(home / "control.sock"), base]
+    # What is left running, and how to stop it, is said.
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"The node process (pid {pid}) serves the dashboard on 127.0.0.1:{port} until "
+        "`gpumesh daemon stop`."
+    )
     text = cli(home, "daemon", "status").stdout
     assert f"api       {base}" in text and "idle exit never" in text
     # Well past the idle limit (a generous margin, not a timing verdict): still there.
@@ -235,7 +240,7 @@ def test_open_with_a_snap_browser_prints_the_url_and_says_why(
         home, "dashboard", "--open", GPUMESH_API_ADDR=f"127.0.0.1:{port}", BROWSER=str(wrapper)
     )
     assert result.returncode == 0, result.stderr
-    assert "#code=" in result.stdout and result.stderr.count("\n") == 1
+    assert "#code=" in result.stdout and result.stderr.count("\n") == 2  # and what serves it
     assert "snap package and cannot read" in result.stderr and str(home) in result.stderr
     assert not record.exists() and not (home / "dashboard-login.html").exists()
     _signs_in_once(result.stdout.strip(), f"http://127.0.0.1:{port}")
@@ -261,6 +266,6 @@ def test_open_through_xdg_open_to_a_snap_default_browser_prints_the_url_and_says
         PATH=f"{tools}:{os.environ['PATH']}",
     )
     assert result.returncode == 0, result.stderr
-    assert "#code=" in result.stdout and result.stderr.count("\n") == 1
+    assert "#code=" in result.stdout and result.stderr.count("\n") == 2  # and what serves it
     assert "firefox_firefox.desktop is a snap package" in result.stderr
     assert not record.exists() and not (home / "dashboard-login.html").exists()

@@ -76,7 +76,7 @@ def test_search_without_registry_or_with_one_down(tmp_path: Path) -> None:
     assert unset.returncode == 2
     assert unset.stderr.strip().splitlines() == [
         "error: no registry is configured: set one with `gpumesh config set rendezvous_url "
-        "http://HOST:8080` (a gpumesh-registry)"
+        "http://HOST:47080` (a gpumesh-registry)"
     ]
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

@@ -136,7 +136,7 @@ def test_share_public_without_registry_is_refused_before_sharing(tmp_path: Path)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         "error: no registry is configured: set one with `gpumesh config set rendezvous_url "
-        "http://HOST:8080` (a gpumesh-registry)"
+        "http://HOST:47080` (a gpumesh-registry)"
     ]
     assert not (alice / "agent.json").exists()
 

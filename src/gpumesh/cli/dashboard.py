@@ -56,12 +56,18 @@ _FLATPAK_APPS = (
 """Where flatpak puts its apps' desktop files."""
 
 
-def login_url(client: NodeClient, listen: str | None = None) -> str:
+def login_url(client: NodeClient, listen: str | None = None) -> tuple[str, str]:
     """A one-time sign-in URL from the node process behind ``client``, which is
-    asked to serve TCP first (at ``listen``, else its ``$GPUMESH_API_ADDR``)."""
-    client.call("POST", "/api/v1/node/tcp", {"listen": listen or ""}, timeout=60)
+    asked to serve TCP first (at ``listen``, else its ``$GPUMESH_API_ADDR``); and
+    one line saying what serves it, until when."""
+    process = client.call("POST", "/api/v1/node/tcp", {"listen": listen or ""}, timeout=60)
     answer = client.call("POST", "/api/v1/auth/login-codes", {}, timeout=60)
-    return str(answer["url"])
+    tcp = [address for address in process["api"] if address.startswith("http")]
+    where = f" on {tcp[-1].split('://', 1)[1]}" if tcp else ""
+    until = " until `gpumesh daemon stop`" if process["detached"] else ""
+    how = "" if process["detached"] else ", in the foreground"
+    served = f"The node process (pid {process['pid']}{how}) serves the dashboard{where}{until}."
+    return str(answer["url"]), served
 
 
 def redirect_page(url: str) -> str:
@@ -222,7 +228,8 @@ def dashboard(open_browser: bool) -> None:
         client = node_client()
     else:
         client = _running(home)
-    url = login_url(client, env(ENV_API_ADDR))
+    url, served = login_url(client, env(ENV_API_ADDR))
     click.echo(url)
+    click.echo(served, err=True)
     if open_browser:
         _open(home, url)

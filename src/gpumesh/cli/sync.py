@@ -57,7 +57,7 @@ def sync(timeout: float, no_dial: bool, as_json: bool) -> None:
     if not url:
         click.echo(
             "No registry configured (rendezvous_url): refreshed from paired peers only. "
-            "Set one with `gpumesh config set rendezvous_url http://HOST:8080`."
+            "Set one with `gpumesh config set rendezvous_url http://HOST:47080`."
         )
     elif republished is None:
         click.echo(f"Registry {url}: no `gpumesh share` runs here, nothing to re-publish.")

@@ -57,7 +57,7 @@ logger = logging.getLogger(__name__)
 _MAX_REPLY = 4 << 20
 NO_REGISTRY = (
     "no registry is configured: set one with "
-    "`gpumesh config set rendezvous_url http://HOST:8080` (a gpumesh-registry)"
+    "`gpumesh config set rendezvous_url http://HOST:47080` (a gpumesh-registry)"
 )
 
 

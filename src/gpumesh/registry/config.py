@@ -26,7 +26,7 @@ __all__ = [
     "trusted_proxies",
 ]
 
-DEFAULT_LISTEN = "0.0.0.0:8080"
+DEFAULT_LISTEN = "0.0.0.0:47080"
 DEFAULT_DB = "gpumesh-registry.db"
 
 

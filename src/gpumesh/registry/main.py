@@ -38,12 +38,12 @@ logger = logging.getLogger("gpumesh.registry")
 
 EPILOG = """\b
 Examples:
-  gpumesh-registry                                   # 0.0.0.0:8080, ./gpumesh-registry.db
+  gpumesh-registry                                   # 0.0.0.0:47080, ./gpumesh-registry.db
   gpumesh-registry --listen 127.0.0.1:8090 --db /var/lib/gpumesh/registry.db
   gpumesh-registry --db postgresql://gpumesh:secret@db.example.org/registry
   gpumesh-registry --forwarded-allow-ips 127.0.0.1   # behind a TLS reverse proxy
 \b
-Nodes use it with `gpumesh config set rendezvous_url http://HOST:8080`.
+Nodes use it with `gpumesh config set rendezvous_url http://HOST:47080`.
 A listing grants nothing: users still pair before they run. See docs/registry.md.
 """
 
@@ -135,7 +135,7 @@ def registry(**options: Any) -> None:
         host, port = _parse_listen(options["listen"])
     except ValueError:
         raise ConfigError(
-            f"invalid --listen {options['listen']!r}: use HOST:PORT, e.g. 0.0.0.0:8080"
+            f"invalid --listen {options['listen']!r}: use HOST:PORT, e.g. 0.0.0.0:47080"
         ) from None
     config = RegistryConfig(
         db=options["db"],
