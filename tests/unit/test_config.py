@@ -10,7 +10,7 @@ import pytest
 
 from gpumesh.errors import ConfigError
 from gpumesh.runtime.jobnet import MODES
-from gpumesh.store.config import DEFAULT_IMAGE, DEFAULT_PORT, KEYS, MASK, Config
+from gpumesh.store.config import DEFAULT_IMAGE, DEFAULT_PORT, KEYS, MASK, Config, value_text
 from gpumesh.units import parse_size
 
 ENV_VARS = ("GPUMESH_RELAY", "GPUMESH_IMAGE", "GPUMESH_REGION")
@@ -59,6 +59,23 @@ def test_set_save_load_round_trip(tmp_path: Path) -> None:
     assert loaded.source("listen_port") == "file"
     assert loaded.source("listen_host") == "default"
     assert not path.with_suffix(".tmp").exists()
+
+
+def test_a_yes_no_setting_is_a_boolean_in_the_file_and_in_json(tmp_path: Path) -> None:
+    """`config show --json` gave announce_addresses as the string "false"."""
+    path = tmp_path / "config.toml"
+    config = Config.load(path)
+    assert config.get("announce_addresses") is False
+    assert config.set("announce_addresses", "true") is True
+    config.save()
+    assert "announce_addresses = true\n" in path.read_text()
+    assert Config.load(path).get("announce_addresses") is True
+    assert value_text(True) == "true" and value_text(False) == "false"
+    # A file an earlier version wrote says "true" or "false" as text.
+    path.write_text('announce_addresses = "false"\n')
+    assert Config.load(path).get("announce_addresses") is False
+    with pytest.raises(ConfigError, match="use true or false"):
+        config.set("announce_addresses", "maybe")
 
 
 def test_unset_returns_to_the_default(config: Config) -> None:

@@ -37,7 +37,7 @@ def show(as_json: bool) -> None:
 
     Secret settings show as ******** when set: `gpumesh config get KEY` prints one.
     """
-    from gpumesh.store.config import KEYS
+    from gpumesh.store.config import KEYS, value_text
 
     cfg = get_node().home.config
     if as_json:
@@ -53,7 +53,7 @@ def show(as_json: bool) -> None:
     print_table(
         columns,
         [
-            [name, escape(str(value)), escape(source), escape(text)]
+            [name, escape(value_text(value)), escape(source), escape(text)]
             for name, value, source, text in rows
         ],
     )
@@ -63,7 +63,9 @@ def show(as_json: bool) -> None:
 @click.argument("key")
 def get(key: str) -> None:
     """Print one setting's effective value (a secret one too: you asked for it by name)."""
-    click.echo(get_node().home.config.get(key))
+    from gpumesh.store.config import value_text
+
+    click.echo(value_text(get_node().home.config.get(key)))
 
 
 @config.command(name="set")
@@ -71,7 +73,7 @@ def get(key: str) -> None:
 @click.argument("value")
 def set_(key: str, value: str) -> None:
     """Set KEY to VALUE (validated; unknown keys are refused; a secret is not echoed)."""
-    from gpumesh.store.config import KEYS, MASK
+    from gpumesh.store.config import KEYS, MASK, value_text
 
     home = get_node().home
     cfg = home.config
@@ -80,7 +82,7 @@ def set_(key: str, value: str) -> None:
     if KEYS[key].secret:
         click.echo(f"{key} = {MASK} (hidden)")
     else:
-        click.echo(f"{key} = {stored}")
+        click.echo(f"{key} = {value_text(stored)}")
     if key in _READ_WHEN_SHARING_STARTS and home.read_agent_info() is not None:
         click.echo(
             f"The running `gpumesh share` read {key} when it started: restart it "
@@ -96,7 +98,9 @@ _READ_WHEN_SHARING_STARTS = ("announce_addresses", "rendezvous_url", "region")
 @click.argument("key")
 def unset(key: str) -> None:
     """Return KEY to its default."""
+    from gpumesh.store.config import value_text
+
     cfg = get_node().home.config
     cfg.unset(key)
     cfg.save()
-    click.echo(f"{key} = {cfg.shown(key)} (default)")
+    click.echo(f"{key} = {value_text(cfg.shown(key))} (default)")

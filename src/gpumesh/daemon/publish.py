@@ -76,7 +76,7 @@ async def start(node: Any, agent: Any, options: ShareOptions, say: Say) -> Publi
     public, region, contact = options.public, options.region, options.contact
     show_addresses = options.show_addresses
     config = node.home.config
-    announce = public or config.get("announce_addresses") == "true"
+    announce = public or bool(config.get("announce_addresses"))
     if announce and not public and not str(config.get("rendezvous_url")):
         say("  no rendezvous_url: paired peers hand this node's addresses on (`sync`)")
         announce = False

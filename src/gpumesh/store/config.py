@@ -33,6 +33,7 @@ __all__ = [
     "NO_LIMIT",
     "Config",
     "ConfigKey",
+    "value_text",
 ]
 
 DEFAULT_PORT = 47000
@@ -211,6 +212,26 @@ def _image_patterns(text: str) -> str:
     return " ".join(patterns)
 
 
+_TRUE = ("true", "on", "yes", "1")
+_FALSE = ("false", "off", "no", "0")
+
+
+def _boolean(text: str) -> bool:
+    """A yes/no setting: stored and shown (``config show --json``) as a boolean."""
+    if text.lower() in _TRUE:
+        return True
+    if text.lower() in _FALSE:
+        return False
+    raise ConfigError(f"invalid value {text!r}: use true or false")
+
+
+def value_text(value: Value) -> str:
+    """A setting's value as ``config get`` and ``config show`` print it."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
 def _choice(*choices: str) -> Callable[[str], str]:
     def check(text: str) -> str:
         if text not in choices:
@@ -261,8 +282,8 @@ KEYS: dict[str, ConfigKey] = {
         ConfigKey("region", _text, "", "region shown in public listings", settings.ENV_REGION),
         ConfigKey(
             "announce_addresses",
-            _choice("true", "false"),
-            "false",
+            _boolean,
+            False,
             "publish signed address records (to rendezvous_url, and to paired peers, which "
             "hand them on) so paired peers find this node after it moves (`share --public` "
             "implies it)",

@@ -30,7 +30,7 @@ MAX_FILE_BYTES = 8192
 
 def findable(config: Config) -> bool:
     """Whether this node asked to be findable by its peers' peers (``announce_addresses``)."""
-    return str(config.get("announce_addresses")) == "true"
+    return bool(config.get("announce_addresses"))
 
 
 class StoredRecord(msgspec.Struct, frozen=True):
