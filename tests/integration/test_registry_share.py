@@ -165,13 +165,21 @@ def test_share_public_show_addresses_puts_them_in_the_listing(
     assert quiet.stdout.splitlines() == ["announce_addresses = false"]
 
 
-def test_show_addresses_without_public_is_refused_before_sharing(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "flags", [("--show-addresses",), ("--region", "eu-west"), ("--contact", "me@example.org")]
+)
+def test_listing_flags_without_public_are_refused_before_sharing(
+    tmp_path: Path, flags: tuple[str, ...]
+) -> None:
+    """--region and --contact without --public were ignored: a user who forgot
+    --public believed the node listed."""
     alice = tmp_path / "alice"
     _init(alice, "alice-pc", _free_udp_port())
-    done = gpumesh(alice, "share", "--show-addresses")
+    done = gpumesh(alice, "share", *flags)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
-        "error: --show-addresses puts addresses in the public listing: use it with --public"
+        f"error: {flags[0]} is for the public listing: use it with --public (it would change "
+        "nothing without it)"
     ]
     assert not (alice / "agent.json").exists()
 

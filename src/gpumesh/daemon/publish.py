@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from gpumesh.client.publishing import Publisher, Snapshot
 from gpumesh.client.registry import RegistryClient, registry_url
-from gpumesh.errors import ConfigError, GPUMeshError
+from gpumesh.errors import GPUMeshError
 from gpumesh.protocol.listing import GpuListing
 
 if TYPE_CHECKING:
@@ -59,14 +59,10 @@ class Publishing:
         self.say(f"Withdrew the public listing from {url}.", err=True)
 
 
-def check(config: Any, public: bool, show_addresses: bool = False) -> None:
+def check(config: Any, public: bool) -> None:
     """Refuse ``--public`` without a registry, before sharing starts (announce_addresses
-    alone needs none: paired peers then hand this node's record on), and
-    ``--show-addresses`` without ``--public``."""
-    if show_addresses and not public:
-        raise ConfigError(
-            "--show-addresses puts addresses in the public listing: use it with --public"
-        )
+    alone needs none: paired peers then hand this node's record on). The listing's
+    own flags without ``--public`` are refused by :meth:`ShareOptions.check`."""
     if public:
         registry_url(str(config.get("rendezvous_url")))
 

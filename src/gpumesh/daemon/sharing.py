@@ -59,10 +59,17 @@ class ShareOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_o
 
         if self.port is not None and not 0 <= self.port <= 65535:
             raise ConfigError(f"port {self.port}: give a UDP port from 1 to 65535")
-        if self.show_addresses and not self.public:
-            raise ConfigError(
-                "--show-addresses puts addresses in the public listing: use it with --public"
-            )
+        if not self.public:
+            for flag, given in (
+                ("--show-addresses", self.show_addresses),
+                ("--region", bool(self.region)),
+                ("--contact", bool(self.contact)),
+            ):
+                if given:
+                    raise ConfigError(
+                        f"{flag} is for the public listing: use it with --public (it would "
+                        "change nothing without it)"
+                    )
         if len(self.contact) > 200:
             raise ConfigError("contact: at most 200 characters")
         if self.max_vram is None or self.max_vram == "":
@@ -228,7 +235,7 @@ class Sharing:
             require_linux()
             from gpumesh.daemon import publish
 
-            publish.check(self.node.home.config, options.public, options.show_addresses)
+            publish.check(self.node.home.config, options.public)
             await self._start(options, cap)
             return self.view()
 
