@@ -371,6 +371,9 @@ def test_cancel_a_running_job(mesh: Mesh) -> None:
     assert end.name == "end" and end.data["state"] == "cancelled"
     bad = mesh.api.call("POST", "/api/v1/jobs", json={"command": ["true"]})
     assert bad.status_code == 400 and bad.json()["code"] == "bad_request"
+    assert bad.json()["message"] == (
+        "The job names no place to run: give `peer` (a paired node) or `group`."
+    )
     typo = mesh.api.call("POST", "/api/v1/jobs", json={"peer": "alice-pc", "comand": ["x"]})
     assert typo.status_code == 400 and "comand" in typo.json()["message"]
 

@@ -38,7 +38,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "run": ("gpumesh.cli.run", "run", "Run a command in a container on a peer."),
     "jobs": ("gpumesh.cli.jobs", "jobs", "List jobs submitted and hosted."),
     "logs": ("gpumesh.cli.logs", "logs", "Print or follow a job's output."),
-    "cancel": ("gpumesh.cli.cancel", "cancel", "Cancel a job you submitted."),
+    "cancel": (
+        "gpumesh.cli.cancel",
+        "cancel",
+        "Cancel a job (yours or hosted), or a session.",
+    ),
     "cp": ("gpumesh.cli.cp", "cp", "Copy files to or from a peer's sandbox."),
     "app": ("gpumesh.cli.app", "app", "Sync a project folder to a peer and run jobs in it."),
     "exec": ("gpumesh.cli.exec", "exec", "Open a shell in a fresh container on a peer."),

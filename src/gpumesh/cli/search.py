@@ -30,7 +30,13 @@ forge one). A listing grants nothing: contact the owner, exchange pairing codes
 )
 @click.option("--idle", is_flag=True, help="Only nodes running no job now.")
 @click.option("--region", metavar="R", default="", help="Only nodes in this region.")
-@click.option("--limit", type=click.IntRange(1, 100), default=20, show_default=True)
+@click.option(
+    "--limit",
+    type=click.IntRange(1, 100),
+    default=20,
+    show_default=True,
+    help="Listings on this page (1-100).",
+)
 @click.option("--cursor", metavar="TEXT", default="", help="Where the previous page ended.")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable output.")
 def search(

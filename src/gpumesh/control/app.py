@@ -425,7 +425,9 @@ async def post_job(call: Call) -> object:
     if body.workdir is not None:
         call.refuse_cookie("workdir")
     if not body.peer and not body.group:
-        raise BadRequestError("give peer or group: where to run the job")
+        raise BadRequestError(
+            "The job names no place to run: give `peer` (a paired node) or `group`."
+        )
     spec = build_spec(
         image=body.image,
         command=body.command,
