@@ -97,7 +97,8 @@ class SyncResult:
     """The app's folder in the sandbox, ``/apps/NAME``."""
     dry_run: bool
     bytes_sent: int = 0
-    """Bytes of tar sent (0 on a dry run)."""
+    """Bytes of the files sent, their contents (0 on a dry run; the tar that carries
+    them adds 512 bytes of header a file and rounds each up to 512)."""
     manifest_bytes: int = 0
     """Bytes of the manifest sent (the list of files and their hashes, or its delta)."""
     manifest: str = "full"
@@ -437,7 +438,7 @@ async def _apply_needs(
     done = await stream.expect(AppSynced)
     if done.received != size:
         raise ProtocolError(f"{peer.name} received {done.received} of {size} bytes")
-    result.bytes_sent = size
+    result.bytes_sent = subset.total_bytes if need else 0  # what the files hold, not the tar
 
 
 async def _send_tar_quic(stream: Stream, subset: PackPlan, size: int, folder: Path) -> None:
