@@ -150,9 +150,9 @@ def test_zsh_shows_what_each_name_is(bob: Path) -> None:
 def test_fish_completes_peers_in_cp_and_groups(bob: Path) -> None:
     # fish's protocol: the line up to the cursor and the token being completed.
     result = _complete(bob, "fish", COMP_WORDS="gpumesh cp ./data.bin a", COMP_CWORD="a")
-    assert result.stdout.splitlines() == ["plain,alice-pc:", "file,a"]
+    assert result.stdout.splitlines() == ["file,a", "plain,alice-pc:"]
     result = _complete(bob, "fish", COMP_WORDS="gpumesh cp ", COMP_CWORD="")
-    assert result.stdout.splitlines()[:2] == ["plain,alice-pc:", "plain,carol-box:"]
+    assert result.stdout.splitlines()[1:3] == ["plain,alice-pc:", "plain,carol-box:"]
     # A local path is left to the shell's own file completion.
     result = _complete(bob, "fish", COMP_WORDS="gpumesh cp ./d", COMP_CWORD="./d")
     assert result.stdout.splitlines() == ["file,./d"]
@@ -281,6 +281,10 @@ def test_bash_completes_through_its_script(bob: Path, tmp_path: Path) -> None:
         'printf "%s\\n" "${COMPREPLY[@]}"; '
         "COMPREPLY=(); COMP_WORDS=(gpumesh run --peer ca); COMP_CWORD=3; "
         "_gpumesh_completion gpumesh; "
+        'printf "%s\\n" "${COMPREPLY[@]}"; '
+        # cp's PEER: beside local files (the script's `file` entry wiped the peers).
+        "COMPREPLY=(); COMP_WORDS=(gpumesh cp ./data.bin al); COMP_CWORD=3; "
+        "_gpumesh_completion gpumesh; "
         'printf "%s\\n" "${COMPREPLY[@]}"'
     )
     result = subprocess.run(
@@ -292,7 +296,9 @@ def test_bash_completes_through_its_script(bob: Path, tmp_path: Path) -> None:
         check=False,
     )
     assert result.returncode == 0, result.stderr
-    assert sorted(result.stdout.split()) == sorted([SUBMITTED_ID, HOSTED_ID, "carol-box"])
+    assert sorted(result.stdout.split()) == sorted(
+        [SUBMITTED_ID, HOSTED_ID, "carol-box", "alice-pc:"]
+    )
 
 
 def test_completion_scripts_for_every_shell(bob: Path) -> None:

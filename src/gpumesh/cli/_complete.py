@@ -110,7 +110,9 @@ def complete_peer_path(
     """``PEER:`` for each paired peer, and local paths.
 
     Paths on the peer are not offered: listing them would take a connection.
-    """
+    The local paths' entry comes first: click's bash script empties what it
+    gathered when it meets a ``file`` entry, so after the peers it wiped them
+    (bash then completes files only when no peer matches)."""
     from click.shell_completion import CompletionItem
 
     if ":" in incomplete:
@@ -121,4 +123,4 @@ def complete_peer_path(
     from gpumesh.store.names import peer_names
 
     peers = _items(ctx, peer_names, incomplete)
-    return [CompletionItem(f"{p.value}:", help=p.help) for p in peers] + local
+    return local + [CompletionItem(f"{p.value}:", help=p.help) for p in peers]
