@@ -300,6 +300,16 @@ def test_without_a_terminal_stdin_is_piped_through(nodes: Nodes, engine) -> None
     assert _gone(engine, nodes.alice_id)
 
 
+def test_a_command_missing_from_the_image_is_one_line_in_our_words(nodes: Nodes, engine) -> None:
+    """`exec alice-pc bash`, a natural first try, printed tini's raw
+    `[FATAL tini (6)] exec bash failed: ...` on images without bash."""
+    result = _exec(nodes.bob, "alice-pc", "bash")
+    assert result.returncode == 127, result.stderr
+    said = f"gpumesh: bash: not found in image {IMAGE} (exit 127)"
+    assert (result.stdout + result.stderr).splitlines() == [said]
+    assert _gone(engine, nodes.alice_id)
+
+
 def test_closing_the_terminal_removes_the_container(nodes: Nodes, engine, terminals) -> None:
     shell = Terminal(nodes.bob, "exec", "alice-pc")
     terminals.append(shell)

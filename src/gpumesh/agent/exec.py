@@ -209,7 +209,7 @@ class ExecService:
             self.on_change()
             try:
                 exit_code = await self._serve(
-                    ctx, container_id, terminal, message.tty, session.ended
+                    ctx, container_id, terminal, message.tty, session.ended, spec.image
                 )
             except ConnectionLostError as exc:
                 # The consumer went away: nobody to answer; the container goes below.
@@ -269,6 +269,7 @@ class ExecService:
         terminal: Terminal,
         tty: bool,
         ended: asyncio.Event,
+        image: str,
     ) -> int | None:
         """Pump bytes both ways until the program exits; return its exit code, or None
         when the owner ended the shell first.
@@ -284,7 +285,7 @@ class ExecService:
             name="gpumesh-exec-output",
             daemon=True,
         ).start()
-        sender = asyncio.create_task(_send_output(ctx.stream, queue))
+        sender = asyncio.create_task(_send_output(ctx.stream, queue, image))
         receiver = asyncio.create_task(self._receive_input(ctx.stream, container_id, terminal, tty))
         closed = asyncio.create_task(ctx.link.wait_closed())
         owner = asyncio.create_task(ended.wait())
@@ -375,6 +376,11 @@ def _read_output(
         return  # the loop is gone (the agent stopped): nothing left to feed
 
 
-async def _send_output(stream: Stream, queue: asyncio.Queue[bytes]) -> None:
+async def _send_output(stream: Stream, queue: asyncio.Queue[bytes], image: str) -> None:
+    from gpumesh.runtime.docker import shell_output_in_our_words
+
+    first = True
     while data := await queue.get():
+        if first:  # tini's line, when it could not start the command, is its first
+            data, first = shell_output_in_our_words(data, image), False
         await stream.send_data(data)

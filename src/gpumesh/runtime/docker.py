@@ -76,7 +76,7 @@ from gpumesh.runtime.base import (
 from gpumesh.runtime.jobnet import is_job_network
 from gpumesh.runtime.pull import PullProgress, PullTracker
 
-__all__ = ["DockerRuntime"]
+__all__ = ["DockerRuntime", "shell_output_in_our_words"]
 
 logger = logging.getLogger(__name__)
 
@@ -837,6 +837,10 @@ def _reworded(line: LogLine, image: str) -> LogLine:
     match = _TINI_EXEC.fullmatch(line.data)
     if match is None:
         return line
+    return dataclasses.replace(line, data=_in_our_words(match, image) + b"\n")
+
+
+def _in_our_words(match: re.Match[bytes], image: str) -> bytes:
     command = match.group(1).decode("utf-8", "replace")
     where = image or "?"
     reason = _TINI_REASONS.get(match.group(2))
@@ -844,7 +848,21 @@ def _reworded(line: LogLine, image: str) -> LogLine:
         said = reason.format(image=where)
     else:
         said = f"cannot be started in image {where}: {match.group(2).decode('utf-8', 'replace')}"
-    return dataclasses.replace(line, data=f"gpumesh: {command}: {said}\n".encode())
+    return f"gpumesh: {command}: {said}".encode()
+
+
+def shell_output_in_our_words(data: bytes, image: str) -> bytes:
+    """A shell's first output with tini's line about a command it could not start
+    (``[FATAL tini (6)] exec bash failed: No such file or directory``) replaced by
+    ours, as a job's stderr has it: ``gpumesh: bash: not found in image IMG (exit
+    127)``. A terminal's ``\\r\\n`` is kept."""
+    if not data.startswith(b"[FATAL tini"):
+        return data
+    line, newline, rest = data.partition(b"\n")
+    match = _TINI_EXEC.fullmatch(line + newline)
+    if match is None:
+        return data
+    return _in_our_words(match, image) + (b"\r\n" if line.endswith(b"\r") else b"\n") + rest
 
 
 class _EntryReader:
