@@ -52,10 +52,10 @@ def _one_line_error(result: subprocess.CompletedProcess[str], code: int, text: s
     assert "Traceback" not in result.stderr
 
 
-def _start_share(home: Path) -> subprocess.Popen[str]:
+def _start_share(home: Path, *flags: str) -> subprocess.Popen[str]:
     env = dict(os.environ, GPUMESH_HOME=str(home))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gpumesh", "share"],
+        [sys.executable, "-m", "gpumesh", "share", *flags],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -507,12 +507,17 @@ def test_share_and_doctor_refuse_a_filtered_network_that_cannot_be_installed(
 def test_share_shows_the_job_network_in_its_limits_line(tmp_path: Path) -> None:
     home = tmp_path / "a"
     _init(home, "alice-pc", _free_udp_port())
-    for mode, words in (
-        ("internet", "job network internet (DNS and the internet only)"),
-        ("bridge", "job network bridge (Docker's bridge: this machine's services"),
+    for mode, words, flags in (
+        ("internet", "job network internet (DNS and the internet only)", ()),
+        # --max-vram's cap is a limit too (it was missing from the line).
+        (
+            "bridge",
+            "GPU memory at most 8GB a job; job network bridge (Docker's bridge:",
+            ("--max-vram", "8GB"),
+        ),
     ):
         assert gpumesh(home, "config", "set", "job_network", mode).returncode == 0
-        share = _start_share(home)
+        share = _start_share(home, *flags)
         try:
             assert share.stdout is not None
             limits = ""

@@ -316,14 +316,14 @@ class Sharing:
                 f"  GPU {gpu.index}: {gpu.name}, {format_size(gpu.memory_total)} "
                 f"({format_size(gpu.memory_free)} free)"
             )
-        if gpus and agent.gpus.max_vram:
-            self.say(f"  jobs may ask for at most {format_size(agent.gpus.max_vram)} of GPU memory")
         if not gpus:
             self.say("  no NVIDIA GPU here: peers can run CPU-only jobs (without --gpu-memory)")
         await self._report_job_user(agent)
         network = agent.containers.network()
+        cap = agent.gpus.max_vram
+        vram = f"; GPU memory at most {format_size(cap)} a job" if cap else ""
         self.say(
-            f"  limits: {agent.share_limits().describe()}; job network {network.mode} "
+            f"  limits: {agent.share_limits().describe()}{vram}; job network {network.mode} "
             f"({describe_mode(network.mode)})"
         )
         if agent.relay is not None:
