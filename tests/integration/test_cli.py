@@ -26,7 +26,7 @@ import pytest
 from gpumesh.errors import ExitCode
 from gpumesh.identity.codes import CODE_PREFIX, make_code
 from gpumesh.identity.keys import Identity
-from tests.integration.conftest import gpumesh
+from tests.integration.conftest import gpumesh, remove_containers
 
 
 def _free_udp_port() -> int:
@@ -82,6 +82,31 @@ def alice_sharing(tmp_path: Path):
     for pipe in (proc.stdout, proc.stderr):
         if pipe is not None:
             pipe.close()
+
+
+def test_share_says_who_runs_which_job_and_how_it_ended(alice_sharing, tmp_path: Path) -> None:
+    """The share's output never said who ran which job."""
+    alice, share = alice_sharing
+    bob = tmp_path / "b"
+    _init(bob, "bob-laptop")
+    image = os.environ.get("GPUMESH_TEST_DOCKER_IMAGE", "gpumesh-test/busybox:1")
+    assert gpumesh(bob, "config", "set", "image", image).returncode == 0
+    assert gpumesh(bob, "pair", gpumesh(alice, "pair-code").stdout.strip()).returncode == 0
+    assert gpumesh(alice, "pair", gpumesh(bob, "pair-code").stdout.strip()).returncode == 0
+    try:
+        run = gpumesh(bob, "run", "--peer", "alice-pc", "--", "sh", "-c", "exit 3")
+        assert run.returncode == 3, run.stderr
+        (job,) = json.loads(gpumesh(bob, "jobs", "--json", "--offline").stdout)
+    finally:
+        remove_containers(json.loads(gpumesh(alice, "status", "--json").stdout)["node_id"])
+    assert gpumesh(alice, "share", "stop").returncode == 0
+    out, _ = share.communicate(timeout=30)
+    said = [line.strip() for line in out.splitlines() if line.strip().startswith("job ")]
+    short = job["job_id"][:8]
+    assert said == [
+        f"job {short} from bob-laptop: sh -c 'exit 3' ({image})",
+        f"job {short} of bob-laptop failed (exited 3)",
+    ], out
 
 
 def test_user_flow_pair_connect_deny_and_stop(alice_sharing, tmp_path: Path) -> None:

@@ -28,6 +28,7 @@ import contextlib
 import json
 import logging
 import os
+import shlex
 import shutil
 import threading
 import time
@@ -212,6 +213,9 @@ class JobService:
         """``gpumesh logs -f`` of hosted jobs in other processes, woken on new events."""
         self.admission = Admission(share_limits, self._claims, provider.name)
         """Admits jobs and shells (max_jobs_per_peer, max_shells_per_peer, share_memory)."""
+        self.report: Callable[[str], None] = lambda line: None
+        """Where the owner is told, a line each, who runs which job here and how it
+        ended (a share's output sets it)."""
         # What unfinished jobs were promised holds again from the start, before any
         # request is served: they will run (again).
         for job in store.unfinished_hosted_jobs():
@@ -372,6 +376,9 @@ class JobService:
         run = _Run(record)
         self._runs[record.job_id] = run
         logger.info("[job %s] accepted from %s: %s", record.job_id, peer.name, record.image)
+        self.report(
+            f"job {record.job_id[:8]} from {peer.name}: {_shown(record.command)} ({record.image})"
+        )
         # The workdir may take a data channel: offered before the acceptance.
         accepted = JobAccepted(
             job_id=record.job_id,
@@ -944,6 +951,9 @@ class JobService:
         )
         await self._event(run, decision.state, exit_code, decision.message, exited=decision.exited)
         logger.info("[job %s] %s: %s", run.job_id, decision.state, decision.message)
+        self.report(
+            f"job {run.job_id[:8]} of {job.peer_name} {decision.state} ({decision.message})"
+        )
 
     async def _event(
         self,
@@ -1173,6 +1183,12 @@ def _dropped_line(before: JobOutput, dropped: int) -> JobOutput:
     return JobOutput(
         seq=before.seq - 1, attempt=before.attempt, stream="stderr", data=text.encode()
     )
+
+
+def _shown(command: list[str], most: int = 60) -> str:
+    """A job's command on one line of the owner's output, cut at ``most`` characters."""
+    text = " ".join(shlex.quote(word) for word in command).replace("\n", " ")
+    return text if len(text) <= most else text[: most - 1] + "…"
 
 
 def _folders(job: JobRecord) -> list[str]:

@@ -244,6 +244,7 @@ class Sharing:
 
         self.node.home.reload_config()  # `config set` in another process: the latest
         agent = Agent(self.node.home, host=options.host, port=options.port, max_vram=cap)
+        agent.jobs.report = lambda line: self.say(f"  {line}")
         host, port = (await agent.start())[:2]
         self._udp = f"{host}:{port}"
         self.agent, self.options, self.since, self.ended = agent, options, time.time(), None
