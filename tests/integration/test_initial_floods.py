@@ -23,7 +23,7 @@ from qh3 import QuicConnection
 
 from gpumesh.agent.ratelimit import ConnectionLimiter
 from gpumesh.agent.server import Agent
-from gpumesh.errors import GPUMeshError
+from gpumesh.errors import AccessDeniedError, GPUMeshError
 from gpumesh.protocol.admission import DropReason, RetryTokens, parse_initial
 from gpumesh.transport import quic as quic_module
 from gpumesh.transport.quic import client_configuration
@@ -369,3 +369,28 @@ def _loopback_aliases() -> None:
             sock.bind((SOURCES[-1], 0))
         except OSError as exc:
             pytest.skip(f"cannot bind {SOURCES[-1]}: {exc}")
+
+
+def test_a_denied_peer_is_refused_without_boxing_the_address_it_shares(make_node) -> None:
+    """A denied peer's proof is good: its refusal used to count as a failed proof,
+    which put its address in the penalty box (dropping every peer behind the same
+    address for seconds) and logged a warning about failed identity proofs."""
+    alice, bob, carol = make_node("alice"), make_node("bob"), make_node("carol")
+
+    async def scenario() -> None:
+        limiter = ConnectionLimiter(quiet_burst=0)  # every dial validates its address
+        agent = Agent(alice.home, host="127.0.0.1", port=0, limiter=limiter)
+        await agent.start()
+        try:
+            pair_both(alice, bob)
+            pair_both(alice, carol)
+            alice.deny("bob")
+            with pytest.raises(AccessDeniedError, match="alice has denied you access"):
+                await bob.connect("alice", pings=1)
+            await wait_until(lambda: limiter.pending == 0)
+            assert limiter.admit("127.0.0.1", True) is not DropReason.PENALIZED
+            assert (await carol.connect("alice", pings=1)).remote.name == "alice"
+        finally:
+            agent.stop()
+
+    arun(scenario())

@@ -48,6 +48,9 @@ class Outcome(Enum):
     """Failed or abandoned by a sender known to receive at its address: a penalty."""
     UNATTRIBUTED = "unattributed"
     """Ended before the address was validated (it may have been forged): no penalty."""
+    REFUSED = "refused"
+    """A paired peer the owner denied: its proof was good, so no penalty (its address
+    may be shared with allowed peers), and no trust either."""
 
 
 @dataclass(slots=True)

@@ -424,6 +424,12 @@ class Agent:
             accepted = await accept_session(link, self.identity, self.name, self.authorize)
             outcome = Outcome.PROVEN
         except GPUMeshError as exc:
+            if isinstance(exc, AccessDeniedError) and not isinstance(exc, NotPairedError):
+                # A peer the owner denied: its proof was good. Not held against the
+                # address (allowed peers may share it), and said as what it is.
+                outcome = Outcome.REFUSED
+                logger.info("refused a connection from %s: %s", _where(link), exc)
+                return
             # Held against the address only when the sender is known to receive there:
             # a forged source address must not box its real owner out.
             if link.validated:
