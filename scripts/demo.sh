@@ -36,6 +36,8 @@ GPUMESH_HOME=$A $GPUMESH init --name alice-pc
 step "GPUMESH_HOME=bob gpumesh init --name bob-laptop"
 GPUMESH_HOME=$B $GPUMESH init --name bob-laptop
 GPUMESH_HOME=$A $GPUMESH config set listen_port "$port" >/dev/null
+# Both nodes are on this machine: alice listens on loopback only, not 0.0.0.0.
+GPUMESH_HOME=$A $GPUMESH config set listen_host 127.0.0.1 >/dev/null
 for home in "$A" "$B"; do GPUMESH_HOME=$home $GPUMESH config set image "$IMAGE" >/dev/null; done
 # Filtering what jobs reach (job_network internet, the default) takes root; as
 # another user the demo's jobs use Docker's plain bridge instead.
