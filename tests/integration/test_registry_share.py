@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -192,6 +193,26 @@ def test_sync_without_registry_says_so_and_dials(tmp_path: Path) -> None:
     said = "No registry configured (rendezvous_url): refreshed from paired peers only."
     assert said in done.stdout
     assert "No paired peers." in done.stdout
+
+
+def test_sync_says_a_registry_failure_once_not_on_every_peer_row(tmp_path: Path) -> None:
+    bob = tmp_path / "bob"
+    _init(bob, "bob-laptop")
+    for name in ("alice-pc", "carol-box"):
+        peer = tmp_path / name
+        _init(peer, name, _free_udp_port())
+        code = gpumesh(peer, "pair-code").stdout.strip()
+        assert gpumesh(bob, "pair", "--offline", code).returncode == 0
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    assert gpumesh(bob, "config", "set", "rendezvous_url", url).returncode == 0
+    done = gpumesh(bob, "sync", "--no-dial", "--timeout", "5")
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stdout.splitlines() if url in line]
+    assert len(lines) == 2, done.stdout  # the re-publish line, and the failure once
+    assert lines[1].startswith("The registry could not be asked for any peer: ")
+    assert "alice-pc" in done.stdout and "carol-box" in done.stdout
 
 
 def test_sync_rejects_an_address_record_signed_by_another_key(

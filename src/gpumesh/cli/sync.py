@@ -75,8 +75,15 @@ def sync(timeout: float, no_dial: bool, as_json: bool) -> None:
 def _print_results(results: list[PeerRefresh]) -> None:
     from gpumesh.cli._table import Column, escape, print_table
 
+    said = {result.registry_note for result in results}
+    shared = said.pop() if len(said) == 1 else ""
+    if shared:  # the registry failed as a whole: said once, not on every row
+        click.echo(f"The registry could not be asked for any peer: {shared}")
     rows = []
     for result in results:
+        note = result.note
+        if shared:  # it comes first in the note (it may hold "; " itself)
+            note = note.removeprefix(shared).removeprefix("; ")
         if result.reachable is None:
             state = "not dialled"
         elif result.reachable:
@@ -93,7 +100,7 @@ def _print_results(results: list[PeerRefresh]) -> None:
                 changed,
                 escape(", ".join(result.addresses) or "no address"),
                 escape(state),
-                escape(result.note),
+                escape(note),
             ]
         )
     print_table(

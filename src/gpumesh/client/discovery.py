@@ -62,6 +62,9 @@ class PeerRefresh:
     """Why it is unreachable, or what the registry said (empty when all went well)."""
     found_via: str = ""
     """The paired peer whose answer gave its new addresses; empty: none did."""
+    registry_note: str = ""
+    """What the registry said when asked for this peer's record (also in ``note``):
+    the same for every peer when the registry itself failed."""
 
 
 async def refresh_peer(
@@ -69,11 +72,13 @@ async def refresh_peer(
 ) -> PeerRefresh:
     moved = False
     notes: list[str] = []
+    registry_note = ""
     if registry is not None:
         try:
             record = await registry.alookup_addresses(str(peer.node_id), peer.public_key)
         except GPUMeshError as exc:
             record = None
+            registry_note = exc.message
             notes.append(exc.message)
         if record is not None and (
             sorted(record.addresses) != sorted(peer.addresses)
@@ -103,6 +108,7 @@ async def refresh_peer(
         reachable=reachable,
         path=path,
         note="; ".join(notes),
+        registry_note=registry_note,
     )
 
 
