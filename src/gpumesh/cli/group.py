@@ -262,7 +262,7 @@ def _print_members(statuses: list[MemberStatus]) -> None:
     for status in statuses:
         cells = [cell(status.view) for _, cell in columns]
         if live:
-            cells += _live_cells(status.live)
+            cells += _live_cells(status.live, this_node=status.view.is_self)
         rows.append(cells)
     print_table(headers, rows)
     # Plain lines, not table cells: a narrow terminal must not cut the advice.
@@ -280,19 +280,20 @@ def _print_members(statuses: list[MemberStatus]) -> None:
             )
 
 
-def _live_cells(live: MemberLive | None) -> list[str]:
-    """REACHABLE, GPUS, FREE and STATE of one member; dashes when it was not asked."""
+def _live_cells(live: MemberLive | None, *, this_node: bool) -> list[str]:
+    """REACHABLE, GPUS, FREE and STATE of one member; dashes when it was not asked
+    (this node says so, so that it does not read as one that did not answer)."""
     from gpumesh.client.groups import MemberState
     from gpumesh.units import format_size
 
     if live is None:
-        return ["-", "-", "-", "-"]
+        return ["this node" if this_node else "not asked", "-", "-", "-"]
     if live.answered:
         reach = f"yes ({live.rtt_ms:.0f} ms)"
     else:
-        reach = "no" if live.state is MemberState.UNREACHABLE else "-"
+        reach = "no" if live.state is MemberState.UNREACHABLE else "refused"
     free = live.free_gpu_memory
-    state = live.state if live.state in (MemberState.BUSY, MemberState.IDLE) else "-"
+    state = live.state
     return [
         _escape(reach),
         _escape(live.gpu_summary),

@@ -205,6 +205,8 @@ class MemberLive:
     """How long its answer took, in milliseconds (0 without an answer)."""
     gpus: list[GpuReport] | None = None
     """Its GPUs as it reported them; None when it did not answer."""
+    simulated: bool = False
+    """Its GPUs are simulated (a test mode), not real hardware."""
 
     @property
     def answered(self) -> bool:
@@ -221,7 +223,8 @@ class MemberLive:
         if self.gpus is None:
             return "-"
         names = sorted({g.name for g in self.gpus})
-        return ", ".join(f"{sum(g.name == n for g in self.gpus)}x {n}" for n in names) or "none"
+        summary = ", ".join(f"{sum(g.name == n for g in self.gpus)}x {n}" for n in names)
+        return f"{summary} (SIMULATED)" if summary and self.simulated else summary or "none"
 
     @classmethod
     def of(cls, probe_result: Probe) -> MemberLive:
@@ -242,7 +245,12 @@ class MemberLive:
             state = MemberState.IDLE
         else:
             state = MemberState.NOT_SHARING
-        return cls(state, rtt_ms=probe_result.rtt_ms, gpus=list(status.gpus))
+        return cls(
+            state,
+            rtt_ms=probe_result.rtt_ms,
+            gpus=list(status.gpus),
+            simulated=status.gpu_source == "simulated",
+        )
 
 
 @dataclass(frozen=True)
