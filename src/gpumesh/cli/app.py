@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +18,13 @@ from gpumesh.errors import ExitCode
 
 if TYPE_CHECKING:
     from gpumesh.client.apps import SyncResult
+
+
+def _dir_option(help: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """``--dir DIRECTORY``, required, as each `app` command takes it."""
+    return click.option(
+        "--dir", "folder", type=click.Path(file_okay=False), required=True, help=help
+    )
 
 
 @click.group(
@@ -61,13 +69,7 @@ def _view_summary(view: dict[str, Any]) -> str:
     shell_complete=complete_peer,
     help="Provider.",
 )
-@click.option(
-    "--dir",
-    "folder",
-    type=click.Path(file_okay=False),
-    required=True,
-    help="The local folder to sync (what its .gpumeshignore names is left out).",
-)
+@_dir_option("The local folder to sync (what its .gpumeshignore names is left out).")
 @click.option("--dry-run", is_flag=True, help="List what would be sent and skipped; send nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def sync(peer: str, folder: str, dry_run: bool, as_json: bool) -> None:
@@ -116,13 +118,7 @@ def _dry_run(
     shell_complete=complete_peer,
     help="Provider.",
 )
-@click.option(
-    "--dir",
-    "folder",
-    type=click.Path(file_okay=False),
-    required=True,
-    help="The local folder to sync first; the job runs in its copy on PEER.",
-)
+@_dir_option("The local folder to sync first; the job runs in its copy on PEER.")
 @click.option("--out", type=click.Path(), help="Pull the app's folder of this name back here.")
 @click.option("--image", help="Container image (default: config `image` / $GPUMESH_IMAGE).")
 @click.option("--gpu-memory", metavar="SIZE", help="GPU memory the job needs, e.g. 8GB.")
@@ -275,13 +271,7 @@ def _run_through_node(body: dict[str, object], *, quiet: bool) -> dict[str, Any]
     shell_complete=complete_submitted_job,
     help="A job started with `gpumesh app run`.",
 )
-@click.option(
-    "--dir",
-    "folder",
-    type=click.Path(file_okay=False),
-    required=True,
-    help="The local folder the job's app folder is copied into (made if missing).",
-)
+@_dir_option("The local folder the job's app folder is copied into (made if missing).")
 def pull(peer: str, job_id: str, folder: str) -> None:
     """Copy the working folder of a past job (its app folder) into DIR."""
     if node_enabled():
