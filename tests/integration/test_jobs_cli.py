@@ -258,6 +258,24 @@ def test_a_provider_whose_docker_cannot_give_gpus_is_named(
     assert "Traceback" not in result.stderr
 
 
+def test_a_cpu_job_runs_on_a_gpu_provider_whose_docker_cannot_give_gpus(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every job failed there (exit 125), CPU jobs too: each was given the GPUs."""
+    import docker
+
+    if "nvidia" in (docker.from_env().info().get("Runtimes") or {}):  # pragma: no cover
+        pytest.skip("this machine's Docker can give GPUs to containers")
+    monkeypatch.setenv("GPUMESH_TEST_SIMULATED_GPUS", "A100:80GB")
+    with shared_pair(tmp_path) as (_alice, bob):
+        for n in (1, 2):  # the first finds out; the second is made without GPUs at once
+            result = gpumesh(bob, "run", "--peer", "alice-pc", "--", "echo", f"cpu-{n}")
+            assert result.returncode == 0, result.stderr
+            assert result.stdout == f"cpu-{n}\n"
+        jobs = json.loads(gpumesh(bob, "jobs", "--json", "--offline").stdout)
+        assert [job["state"] for job in jobs] == ["succeeded", "succeeded"]
+
+
 def test_a_command_missing_from_the_image_is_said_in_our_words(pair) -> None:
     _alice, bob = pair
     result = gpumesh(bob, "run", "--peer", "alice-pc", "--", "nvidia-smi")

@@ -60,6 +60,7 @@ from gpumesh.errors import (
     LimitError,
     NotFoundError,
     ProtocolError,
+    RuntimeUnavailableError,
 )
 from gpumesh.files.hashing import choose, label, new_hasher
 from gpumesh.protocol.joboutput import UNKNOWN, OutputPosition, encode_events
@@ -213,6 +214,8 @@ class JobService:
         """``gpumesh logs -f`` of hosted jobs in other processes, woken on new events."""
         self.admission = Admission(share_limits, self._claims, provider.name)
         """Admits jobs and shells (max_jobs_per_peer, max_shells_per_peer, share_memory)."""
+        self.no_gpu_runtime = False
+        """Docker refused a container its GPUs (no NVIDIA container runtime) once."""
         self.report: Callable[[str], None] = lambda line: None
         """Where the owner is told, a line each, who runs which job here and how it
         ended (a share's output sets it)."""
@@ -576,7 +579,24 @@ class JobService:
         self._recheck_folder(job)
         spec = self.container_spec(job, attempt, who)
         run.container_id = self.runtime.create(spec)
-        self.runtime.start(run.container_id)
+        try:
+            self.runtime.start(run.container_id)
+        except RuntimeUnavailableError:
+            if not spec.gpu_ids or job.gpu_memory:
+                raise  # a job that asked for GPU memory needs the GPU: said in one line
+            # This machine has GPUs but its Docker cannot give them to containers (no
+            # NVIDIA container toolkit): a job that asked for no GPU memory runs
+            # without them, as it would on a machine without GPUs.
+            logger.warning(
+                "[job %s] Docker cannot give GPUs to containers here: it runs without "
+                "them (install nvidia-container-toolkit for GPU jobs)",
+                job.job_id,
+            )
+            self.no_gpu_runtime = True
+            self.runtime.remove(run.container_id)
+            spec = self.container_spec(job, attempt, who)
+            run.container_id = self.runtime.create(spec)
+            self.runtime.start(run.container_id)
         return spec
 
     def _recheck_folder(self, job: JobRecord) -> None:
@@ -739,6 +759,9 @@ class JobService:
         try:
             spec = await in_thread(self._create_and_start, run, job, attempt)
             self.store.update_job(JobRole.HOSTED, run.job_id, container_id=run.container_id)
+            if job.gpus and not spec.gpu_ids:  # it runs without them (no GPU runtime)
+                self.gpus.hold(_holder(run.job_id), [], 0)
+                self.store.update_job(JobRole.HOSTED, run.job_id, gpus=[])
         except GPUMeshError as exc:
             await self._remove_container(run)
             return run.machine.infra_failed(self.containers.in_our_name(exc).message)
@@ -1005,7 +1028,9 @@ class JobService:
                 Mount(source=str(m["source"]), target=str(m["target"]), rw=bool(m["rw"]))
                 for m in job.mounts
             ],
-            gpu_ids=list(job.gpus),
+            # Without the NVIDIA container runtime no container may have a GPU: a job
+            # that asked for no GPU memory then runs without one.
+            gpu_ids=[] if self.no_gpu_runtime and not job.gpu_memory else list(job.gpus),
         )
 
     # --- streaming to consumers ------------------------------------------------------------------
