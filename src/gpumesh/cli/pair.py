@@ -72,9 +72,11 @@ def _paired_back(name: str, check: PairCheck | None) -> str:
             f"(`gpumesh pair-code` prints it) and they run `gpumesh pair` with it."
         )
     if check.state is PairState.UNREACHABLE:
-        return click.style(
-            f"{name} is not reachable now: {check.detail} "
-            f"(`gpumesh connect {name}` checks again later.)",
-            fg="yellow",
+        # A node answers only while it shares: one that only uses others' GPUs
+        # never does, and nothing is wrong with that.
+        return (
+            f"{name} did not answer, so whether it paired you too is not known yet: "
+            f"that is expected if {name} only uses GPUs and does not share its own "
+            f"(`gpumesh connect {name}` checks once it shares)."
         )
     return click.style(f"{name} refuses you: {check.detail}", fg="yellow")

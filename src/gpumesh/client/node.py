@@ -18,10 +18,12 @@ from typing import TYPE_CHECKING, TypeVar
 
 from gpumesh.errors import (
     ConfigError,
+    ConnectionLostError,
     GPUMeshError,
     NotPairedError,
     PeerError,
     PeerKeyChangedError,
+    RelayError,
     UnreachableError,
 )
 from gpumesh.identity.codes import make_code, verify_code
@@ -537,7 +539,8 @@ class Node:
             return PairCheck(PairState.UNREACHABLE, unreachable(where, waited=timeout).message)
         except NotPairedError:
             return PairCheck(PairState.NOT_PAIRED)
-        except UnreachableError as exc:
+        except (UnreachableError, RelayError, ConnectionLostError) as exc:
+            # Not the peer's answer: no path to it (a relay's refusal included).
             return PairCheck(PairState.UNREACHABLE, exc.message)
         except GPUMeshError as exc:
             return PairCheck(PairState.REFUSED, exc.message)
