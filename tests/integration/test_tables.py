@@ -175,3 +175,23 @@ def test_group_tables_cut_only_names_and_addresses(tmp_path: Path) -> None:
     header, row = piped(home, "group", "list", cols=40)
     assert header.split() == ["NAME", "ID", "MEMBERS", "PAIRED", "SINCE"]
     assert row.startswith("research ") and row.endswith(" ago, created here")
+
+
+def test_doctor_wraps_under_its_text_at_80_columns_and_not_when_piped(tmp_path: Path) -> None:
+    """Doctor's long lines ran past the edge and wrapped at column 0."""
+    home = tmp_path / "bob"
+    _init(home, "bob-laptop")
+    lines = on_terminal(home, "doctor", cols=80)
+    assert lines and all(len(line) <= 80 for line in lines), "\n".join(lines)
+    piped_lines = piped(home, "doctor")
+    assert any(len(line) > 80 for line in piped_lines)  # some check says more than fits
+    assert len(lines) > len(piped_lines)
+    for line in lines:  # a check's mark, or text under the start of a check's text
+        assert line[0] in "✓!✗" or (line.startswith(" " * 17) and line[17] != " "), line
+
+    # Nothing lost or changed (a path longer than a line is cut into pieces; the
+    # clock check's time moved on between the two runs).
+    def text(shown: list[str]) -> str:
+        return re.sub(r"\d\d:\d\d:\d\d", "T", "".join("".join(shown).split()))
+
+    assert text(lines) == text(piped_lines)
