@@ -420,11 +420,23 @@ class Agent:
 
     async def _authenticate(self, link: QuicLink, slot: Slot) -> None:
         outcome = Outcome.UNATTRIBUTED
+        denied: list[bytes] = []
+
+        def authorize(public_key: bytes) -> None:
+            """:meth:`authorize`, noting a paired peer's denial (its proof was good)."""
+            try:
+                self.authorize(public_key)
+            except NotPairedError:
+                raise
+            except AccessDeniedError:
+                denied.append(public_key)
+                raise
+
         try:
-            accepted = await accept_session(link, self.identity, self.name, self.authorize)
+            accepted = await accept_session(link, self.identity, self.name, authorize)
             outcome = Outcome.PROVEN
         except GPUMeshError as exc:
-            if isinstance(exc, AccessDeniedError) and not isinstance(exc, NotPairedError):
+            if denied:
                 # A peer the owner denied: its proof was good. Not held against the
                 # address (allowed peers may share it), and said as what it is.
                 outcome = Outcome.REFUSED
