@@ -481,18 +481,19 @@ class Node:
 
         started = time.perf_counter()
         async with self.live_session(query, timeout=timeout) as session:
-            # Lent warm (and found alive): welcomed before. A dial of its own is not yet.
-            warm = session.welcomed
+            # Lent warm: the pool had it before this command (it lends a session it
+            # dials now once, to us). Whether it was welcomed yet says nothing: a
+            # dial's Welcome can land before this line runs on a busy machine.
+            kept = self.pool.warm(str(peer.node_id), session) if self.pool else None
+            warm = kept is not None and kept.uses > 1
             # The status request leaves with the identity proof and its reply comes
             # right behind the provider's Welcome: no round trip of its own.
             status = asyncio.ensure_future(session.request(StatusRequest()))
             try:
                 await session.established()
                 connect_ms = (time.perf_counter() - started) * 1000
-                if warm and self.pool is not None:
-                    kept = self.pool.warm(str(peer.node_id), session)
-                    if kept is not None and kept.connect_ms is not None:
-                        connect_ms = kept.connect_ms
+                if warm and kept is not None and kept.connect_ms is not None:
+                    connect_ms = kept.connect_ms
                 remote = await status
             finally:
                 status.cancel()
