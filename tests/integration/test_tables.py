@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from gpumesh.store.config import KEYS
+from gpumesh.store.config import KEYS, value_text
 from gpumesh.units import format_duration
 from tests.integration.conftest import gpumesh
 from tests.integration.test_cli import _init
@@ -118,7 +118,7 @@ def test_config_show_fits_80_columns_and_keeps_every_value(tmp_path: Path) -> No
     assert all(len(line) <= 80 for line in lines), "\n".join(lines)
     for name, value in values.items():
         [row] = [line for line in lines if line.startswith(f"{name} ")]
-        assert f" {value} " in f"{row} ", row
+        assert f" {value_text(value)} " in f"{row} ", row
     shown = " ".join(" ".join(lines).split())
     for key in KEYS.values():  # every meaning whole, on lines of its own
         assert key.help in shown, key.name
