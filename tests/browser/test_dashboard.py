@@ -164,7 +164,7 @@ def test_a_page_without_a_session_shows_nothing_and_another_sites_post_is_refuse
         page.goto(mesh.bob.url + "/")
         page.fill("#login-token", "not-the-token")
         page.keyboard.press("Enter")
-        wait_js(page, "document.getElementById('notice').textContent.includes('wrong')")
+        wait_js(page, "document.getElementById('notice')?.textContent.includes('wrong') === true")
         assert page.locator("#login").is_visible()
         # The right token signs in.
         page.fill("#login-token", mesh.bob.token)

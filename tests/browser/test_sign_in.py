@@ -208,7 +208,9 @@ def test_the_page_dashboard_open_hands_the_browser_signs_it_in_once(browser: Any
         # Opened again, the page's code is spent: it signs nobody in a second time.
         other = browser.new_context().new_page()
         other.goto(handed)
-        wait_js(other, "document.getElementById('notice').textContent.includes('Sign-in failed')")
+        # Null-safe: the page may still be loading (no notice yet) when first asked.
+        failed = "document.getElementById('notice')?.textContent.includes('Sign-in failed')"
+        wait_js(other, f"{failed} === true")
         assert other.locator("#login").is_visible()
         other.context.close()
     finally:
