@@ -20,9 +20,10 @@ def _terminal_width() -> int | None:
     return shutil.get_terminal_size().columns if sys.stdout.isatty() else None
 
 
-def _echo_wrapped(head: str, head_width: int, text: str, width: int | None) -> None:
-    """``head`` then ``text``, wrapped to ``width`` under the text's own start."""
-    if width is None or head_width + len(text) <= width:
+def _echo_wrapped(head: str, text: str, width: int | None) -> None:
+    """``head`` (:data:`_INDENT` columns wide) then ``text``, wrapped to ``width``
+    under the text's own start."""
+    if width is None or _INDENT + len(text) <= width:
         click.echo(head + text)
         return
     import textwrap
@@ -53,8 +54,8 @@ def doctor(as_json: bool) -> None:
         for check in checks:
             mark, color = _MARK[check.status]
             head = f"{click.style(mark, fg=color, bold=True)} {check.name:<14} "
-            _echo_wrapped(head, len(mark) + 16, check.detail, width)
+            _echo_wrapped(head, check.detail, width)
             if check.fix:
-                _echo_wrapped(" " * _INDENT, _INDENT, f"fix: {check.fix}", width)
+                _echo_wrapped(" " * _INDENT, f"fix: {check.fix}", width)
     if any(c.status == "fail" for c in checks):
         raise SystemExit(ExitCode.FAILED)

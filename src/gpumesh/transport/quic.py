@@ -255,7 +255,7 @@ def _error_from_close(event: qe.ConnectionTerminated) -> GPUMeshError:
 
 
 FEC_DEFAULT = "off"
-"""Measured on an idle machine (docs/architecture.md, "Forward error correction"),
+"""Measured on an idle machine (docs/architecture.md, "Parity is off by default"),
 parity made no copy faster at 50 ms / 0.5%, 100 ms / 1% or 100 ms / 2%: it is
 there for whoever asks (``auto`` or ``on``), not sent by default."""
 
