@@ -119,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="gpumesh-bench-cuda-") as tmp:
         alice, bob = make_nodes(Path(tmp), free_port(socket.SOCK_DGRAM))
         alice.home.store.set_cuda_share(True)
+        # CUDA sessions need no job network, and a GPU machine may have no iptables.
+        alice.home.config.set("job_network", "none")
+        alice.home.config.save()
         alice.home.store.cuda_allow(str(bob.info().node_id))
         with running_agent(alice.home.path, Path(tmp) / "agent.log"):
             carried = Carried(bob, "alice", memory=size + MIB)

@@ -53,8 +53,12 @@ fi
 
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpumesh-gpu-check.XXXXXX")
 SHARE_PID=""
-cleanup() {
-  [ -n "$SHARE_PID" ] && kill -INT "$SHARE_PID" 2>/dev/null && wait "$SHARE_PID" 2>/dev/null
+cleanup() {  # both homes' node processes outlive `share`: stop them before the homes go
+  for home in "$WORK/a" "$WORK/b"; do
+    [ -d "$home" ] && GPUMESH_HOME=$home "$PY" -m gpumesh daemon stop >/dev/null 2>&1
+  done
+  # A background job of a script ignores SIGINT, so the share command gets SIGTERM.
+  [ -n "$SHARE_PID" ] && kill "$SHARE_PID" 2>/dev/null && wait "$SHARE_PID" 2>/dev/null
   rm -rf "$WORK"
 }
 trap cleanup EXIT
@@ -63,7 +67,8 @@ step "Two nodes on 127.0.0.1"
 PORT=$("$PY" -c 'import socket; s=socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 export GPUMESH_HOME=$WORK/a
 gm init --name alice-pc >/dev/null && gm config set listen_host 127.0.0.1 >/dev/null &&
-  gm config set listen_port "$PORT" >/dev/null
+  gm config set listen_port "$PORT" >/dev/null &&
+  gm config set job_network none >/dev/null  # no jobs run here, and iptables may be missing
 gm share >"$WORK/share.log" 2>&1 &
 SHARE_PID=$!
 for _ in $(seq 100); do [ -f "$WORK/a/agent.json" ] && break; sleep 0.1; done
@@ -72,6 +77,11 @@ GPUMESH_HOME=$WORK/b gm init --name bob-laptop >/dev/null
 GPUMESH_HOME=$WORK/b gm pair "$ALICE_CODE" >/dev/null
 gm pair "$(GPUMESH_HOME=$WORK/b gm pair-code)" >/dev/null
 gm cuda share && gm cuda allow bob-laptop
+
+step "gpumesh share: what it says about this machine's GPUs"
+sed -n '1,3p' "$WORK/share.log"
+step "gpumesh doctor (informative: Docker may be missing here)"
+gm doctor || true
 
 step "gpumesh cuda doctor"
 check "cuda doctor" gm cuda doctor

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import socket
 import subprocess
 
 import docker
@@ -22,6 +23,20 @@ from gpumesh.runtime.jobnet import FILTERED_MODES, names_for
 SESSION_PREFIX = f"gpumesh-jobs-t{os.getpid()}"
 
 
+def _engine_answers() -> bool:
+    """Whether a Docker engine listens on its socket. Asked first because a
+    ``docker.from_env()`` that finds none leaves the socket it opened unclosed."""
+    host = os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")
+    if not host.startswith("unix://"):
+        return True  # a TCP engine: let the client find out
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(host.removeprefix("unix://"))
+        except OSError:
+            return False
+    return True
+
+
 def remove_job_networks(prefix: str) -> None:
     """Remove what :class:`gpumesh.runtime.jobnet.JobNetwork` made under ``prefix``."""
 
@@ -30,6 +45,7 @@ def remove_job_networks(prefix: str) -> None:
             return 1  # nothing was installed without it
         return subprocess.run(["iptables", *args], capture_output=True, check=False).returncode
 
+    engine = _engine_answers()
     for mode in FILTERED_MODES:
         names = names_for(mode, prefix)
         for chain, target in (("DOCKER-USER", names.forward_chain), ("INPUT", names.input_chain)):
@@ -37,6 +53,8 @@ def remove_job_networks(prefix: str) -> None:
                 pass
             iptables("-F", target)
             iptables("-X", target)
+        if not engine:
+            continue  # no engine here: it made no network either
         try:
             client = docker.from_env()
         except docker.errors.DockerException:
