@@ -13,7 +13,10 @@ command to getting the prompt back, for a container that prints ``hi``:
   Docker Engine API. The same command with ``GPUMESH_NODE=off`` (in-process:
   it imports everything, dials and proves both identities itself) takes turns
   in the same loop.
-* ``docker run --rm IMAGE echo hi``: the floor, no network at all.
+* ``docker run --rm IMAGE echo hi``: the floor, on Docker's default bridge.
+* the same on the provider's job network (``--network gpumesh-jobs-internet``,
+  with its firewall rules): what Docker itself costs a container there, to
+  tell the network's share of the gap from GPUMesh's own.
 * ``ssh HOST docker run --rm IMAGE echo hi``: what users would otherwise do
   to run on another machine, against a throwaway loopback sshd
   (bench/sshd.sh), if one can be started here and its warm-up works; the
@@ -81,6 +84,8 @@ from _benchlib import (
 from bulk import gpumesh_command, loopback_sshd, make_nodes, running_agent
 from gpumesh.protocol.states import JobRole
 from gpumesh.runtime.base import LABEL_NODE
+from gpumesh.runtime.jobnet import NETWORK_PREFIX, names_for
+from gpumesh.settings import ENV_TEST_JOB_NETWORK
 from gpumesh.store.db import JobRecord
 from gpumesh.store.home import Home
 
@@ -95,6 +100,7 @@ EXPECTED = b"hi\n"
 RUN = "gpumesh run"
 IN_PROCESS = "gpumesh run, in-process (GPUMESH_NODE=off)"
 DOCKER = "docker run --rm"
+DOCKER_JOBNET = "docker run --rm on the job network"
 SSH = "ssh + docker run --rm"
 HELP = "gpumesh --help"
 CONNECT = "gpumesh connect"
@@ -364,6 +370,15 @@ def measure(args: argparse.Namespace, tmp: Path) -> Results:
             RUN: provider.gpumesh("run", "--peer", PEER, "--image", args.image, "echo", "hi"),
             DOCKER: ["docker", "run", "--rm", args.image, "echo", "hi"],
         }
+        # The provider's jobs run on a Docker network of their own (job_network
+        # internet, the default), made by its first job (a warm-up, before this
+        # row's first run); Docker starts a container on such a network slower than
+        # on its default bridge, and this row shows by how much.
+        prefix = os.environ.get(ENV_TEST_JOB_NETWORK) or NETWORK_PREFIX
+        jobnet = names_for("internet", prefix).network
+        commands[DOCKER_JOBNET] = [
+            "docker", "run", "--rm", "--network", jobnet, args.image, "echo", "hi"
+        ]  # fmt: skip
         if args.no_ssh:
             results.ssh_note = "skipped (--no-ssh)"
         else:
@@ -394,7 +409,7 @@ def measure(args: argparse.Namespace, tmp: Path) -> Results:
 
         def once(name: str) -> Outcome:
             outcome = time_command(name, commands[name], envs.get(name, env))
-            if name in (RUN, IN_PROCESS, DOCKER, SSH, PROFILED, BASELINE):
+            if name in (RUN, IN_PROCESS, DOCKER, DOCKER_JOBNET, SSH, PROFILED, BASELINE):
                 expect_hi(name, commands[name], outcome)
             if name == PROFILED:
                 results.import_seconds.append(import_seconds(outcome.stderr))
@@ -444,7 +459,7 @@ def report(args: argparse.Namespace, results: Results) -> None:
     print(f"\nDispatch of `echo hi` in {args.image}, {args.runs} runs each, round-robin;")
     print("wall time of a new process, from spawn to exit, as a shell sees it")
     rows = []
-    for name in (RUN, BASELINE, IN_PROCESS, SSH, DOCKER):
+    for name in (RUN, BASELINE, IN_PROCESS, SSH, DOCKER_JOBNET, DOCKER):
         if name in summaries:
             summary = summaries[name]
             rows.append([name, *_ms(summary), f"{summary.p50 / floor.p50:.2f}x"])
@@ -457,6 +472,13 @@ def report(args: argparse.Namespace, results: Results) -> None:
         f"  goal: gpumesh run median <= {GOAL_RATIO:.1f}x docker run: {ratio:.2f}x, {verdict} "
         f"({(summaries[RUN].p50 - floor.p50) * 1e3:+.0f} ms)"
     )
+    if DOCKER_JOBNET in summaries:
+        same = summaries[DOCKER_JOBNET].p50
+        print(
+            f"  on the same Docker network as the job: {summaries[RUN].p50 / same:.2f}x "
+            f"({(summaries[RUN].p50 - same) * 1e3:+.0f} ms; the network itself costs "
+            f"docker run {(same - floor.p50) * 1e3:+.0f} ms)"
+        )
     if BASELINE in summaries:
         before = summaries[BASELINE].p50
         print(
