@@ -110,6 +110,7 @@ __all__ = [
     "AccessDeniedError",
     "AgentError",
     "AmbiguousPeerError",
+    "BadNameError",
     "BadRequestError",
     "ConfigError",
     "ConnectionLostError",
@@ -167,6 +168,11 @@ class NotInitializedError(ConfigError):
 
 class IdentityError(GPUMeshError):
     code = "identity"
+
+
+class BadNameError(IdentityError):
+    code = "bad_name"
+    exit_code = ExitCode.USAGE
 
 
 class PairingCodeError(IdentityError):

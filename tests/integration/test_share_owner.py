@@ -130,7 +130,9 @@ def test_share_detach_follow_conflict_and_stop(home: Path) -> None:
     stopped = cli(home, "share", "stop")
     assert stopped.returncode == 0 and "Stopped sharing" in stopped.stdout
     assert not status(home)["node"]["sharing"]
-    _one_line(cli(home, "share", "stop"), ExitCode.FAILED, "no `gpumesh share` is running")
+    again = cli(home, "share", "stop")  # nothing to stop: what was asked for is so
+    assert again.returncode == 0, again.stderr
+    assert "No `gpumesh share` is running" in again.stdout and "nothing to stop" in again.stdout
 
 
 def _peek(home: Path) -> str:

@@ -24,17 +24,18 @@ def gpu(as_json: bool) -> None:
         from gpumesh.client.views.node import GpusView
 
         emit_json(GpusView.of(inventory, gpus))
-        return
-    if inventory.source == "simulated":
+    elif inventory.source == "simulated":
         click.echo(
             click.style("SIMULATED GPUs (test mode, not real hardware)", fg="red", bold=True)
         )
-    if not gpus:
+    if not gpus:  # the same exit code with --json (its "gpus" then is empty)
         fail(
             "no NVIDIA GPU found (NVML and nvidia-smi are unavailable); install the NVIDIA "
             "driver to share a GPU",
             ExitCode.FAILED,
         )
+    if as_json:
+        return
     from gpumesh.cli._table import Column, escape, print_table
 
     rows = [

@@ -23,7 +23,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
 )
 
 from gpumesh import platform
-from gpumesh.errors import IdentityError
+from gpumesh.errors import BadNameError, IdentityError
 
 __all__ = [
     "ID_LENGTH",
@@ -85,7 +85,7 @@ def node_id_for(public_key: bytes) -> NodeId:
 def check_node_name(name: str) -> str:
     """Return ``name`` if it is a valid node name, else raise."""
     if not _NAME_RE.fullmatch(name):
-        raise IdentityError(
+        raise BadNameError(
             f"invalid node name {name!r}: use 1-63 letters, digits, '.', '_' or '-', "
             "starting with a letter or digit"
         )
