@@ -865,6 +865,23 @@ def test_a_small_folder_reports_its_rate_in_a_unit_that_fits(agent_process, tmp_
     assert float(summary.group(2)) > 0
 
 
+def test_a_folders_size_is_its_files_contents_not_its_tar(agent_process, tmp_path: Path) -> None:
+    alice, bob, procs = agent_process
+    procs.append(_start_agent(alice.home.path))
+    folder = tmp_path / "tiny"
+    folder.mkdir()
+    (folder / "three.txt").write_bytes(b"abc")
+    up = gpumesh(bob.home.path, "cp", str(folder), "alice-pc:/tiny")
+    assert up.returncode == 0, up.stderr
+    assert f"copied folder {folder} -> alice-pc:/tiny: 3B in " in up.stderr  # not its 2KB tar
+    back = tmp_path / "back"
+    down = gpumesh(bob.home.path, "cp", "alice-pc:/tiny", str(back), "--json")
+    assert down.returncode == 0, down.stderr
+    result = json.loads(down.stdout)
+    assert result["content"] == 3 and result["size"] > 512  # the tar: headers and padding
+    assert (back / "three.txt").read_bytes() == b"abc"
+
+
 def test_a_folder_arrives_owned_by_the_jobs_user_on_both_paths(pair, tmp_path: Path) -> None:
     # A provider running as root hands uploads to the user its jobs run as; the
     # unpacker does it as it makes each entry, on the data channel and on QUIC.

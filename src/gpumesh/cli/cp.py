@@ -209,7 +209,7 @@ class _CopyView:
 
         what = "folder" if result.kind == "dir" else "file"
         line = (
-            f"copied {what} {self.label}: {format_size(result.size)} in "
+            f"copied {what} {self.label}: {format_size(result.content)} in "
             f"{_seconds(result.seconds)}, {format_rate(result.transferred, result.seconds)}"
         )
         if result.resumed_from:

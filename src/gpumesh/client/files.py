@@ -148,6 +148,8 @@ class CopyResult:
     """With ``quic``: why not the data channel (a :class:`gpumesh.client.bulk.NoChannel`:
     ``off``, ``relayed``, ``blocked`` (one failed to open recently, so it was not
     tried), ``failed``, ``not offered``)."""
+    folder_content: int = 0
+    """A folder's bytes of file contents (without the tar's headers and padding)."""
 
     @property
     def resumed_from(self) -> int:
@@ -157,6 +159,12 @@ class CopyResult:
     @property
     def attempts(self) -> int:
         return len(self.offsets)
+
+    @property
+    def content(self) -> int:
+        """Bytes of file contents: what a user means by the size of a copy (a
+        folder's tar adds at least 512 bytes of header a file, and padding)."""
+        return self.folder_content if self.kind == "dir" else self.size
 
     @property
     def mb_per_s(self) -> float:
@@ -728,6 +736,7 @@ class _FolderUpload(_Upload):
         self.plan = await in_thread(scan, self.local, [self.node.home.path])
         self.size = await in_thread(tar_size, self.plan)
         self.result.size = self.size
+        self.result.folder_content = self.plan.total_bytes
         self.result.skipped = [f"{s.path}: {s.reason}" for s in self.plan.skipped]
 
     async def attempt(self, session: Session) -> None:
@@ -1036,7 +1045,7 @@ class _Download(_Copy):
                 if digest is None:
                     self.result.channel = "quic"
                     digest = await self._get_folder_quic(stream, temp, size, hash_name)
-                await in_thread(_place_folder_download, temp, dest)
+                self.result.folder_content = await in_thread(_place_folder_download, temp, dest)
             finally:
                 await in_thread(_remove, temp)
             self.result.hash, self.result.digest = hash_name, digest.hex()
@@ -1144,10 +1153,18 @@ def _place_part(info: FileInfo, part: Path, dest: Path) -> None:
     os.replace(part, dest)
 
 
-def _place_folder_download(temp: Path, dest: Path) -> None:
+def _place_folder_download(temp: Path, dest: Path) -> int:
+    """Move the unpacked folder into place; its bytes of file contents."""
+    content = 0
+    for folder, _, files in os.walk(temp):
+        for name in files:
+            st = os.lstat(os.path.join(folder, name))
+            if stat.S_ISREG(st.st_mode):
+                content += st.st_size
     if dest.is_dir() and not dest.is_symlink():
         dest.rmdir()  # empty: checked before the transfer
     os.rename(temp, dest)
+    return content
 
 
 def _remove(path: Path) -> None:

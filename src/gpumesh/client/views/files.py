@@ -25,6 +25,8 @@ class CopyView(msgspec.Struct):
     """The path in the peer's sandbox, from its root."""
     size: int
     """Bytes of the file, or of the folder's tar."""
+    content: int
+    """Bytes of file contents (a folder's files, without the tar's headers)."""
     hash: str
     """``blake3``, or ``sha256`` with an older peer."""
     digest: str
@@ -53,6 +55,7 @@ class CopyView(msgspec.Struct):
             local=str(result.local),
             remote=result.remote,
             size=result.size,
+            content=result.content,
             hash=result.hash,
             digest=result.digest,
             seconds=round(result.seconds, 3),
