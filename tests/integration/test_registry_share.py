@@ -94,8 +94,12 @@ def test_share_public_search_pair_withdraw_and_find_after_moving(
         assert found["node_id"] == alice_id
         assert found["name"] == "alice-pc"
         assert found["contact"] == "alice@example.org"
-        assert found["gpus"] == [
-            {"name": "RTX-4090", "memory_total": 24 * 1000**3, "memory_free": 20 * 1000**3}
+        assert found["gpus"] == [  # simulated, and the listing says so
+            {
+                "name": "(SIMULATED) RTX-4090",
+                "memory_total": 24 * 1000**3,
+                "memory_free": 20 * 1000**3,
+            }
         ]
         assert found["addresses"] == []  # no address unless the owner asks
         assert _search(bob, "--vram", "21GB") == []

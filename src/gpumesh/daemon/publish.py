@@ -18,6 +18,9 @@ from gpumesh.client.registry import RegistryClient, registry_url
 from gpumesh.errors import GPUMeshError
 from gpumesh.protocol.listing import GpuListing
 
+SIMULATED_MARK = "(SIMULATED) "
+"""Before each GPU's name in the listing of a node whose GPUs are simulated."""
+
 if TYPE_CHECKING:
     from gpumesh.daemon.sharing import ShareOptions
 
@@ -81,9 +84,12 @@ async def start(node: Any, agent: Any, options: ShareOptions, say: Say) -> Publi
     url = registry_url(str(config.get("rendezvous_url")))
 
     async def snapshot() -> Snapshot:
-        reports, _source = await agent.gpus.report()
+        reports, source = await agent.gpus.report()
+        # Simulated GPUs (a test setting) say so in public too, in the name, which
+        # every registry and searcher shows as it is.
+        mark = SIMULATED_MARK if source == "simulated" else ""
         gpus = [
-            GpuListing(r.name[:96], r.memory_total, min(r.available, r.memory_total))
+            GpuListing((mark + r.name)[:96], r.memory_total, min(r.available, r.memory_total))
             for r in reports
         ]
         return Snapshot(gpus=gpus, idle=not agent.store.unfinished_hosted_jobs())
