@@ -276,6 +276,38 @@ def test_a_cpu_job_runs_on_a_gpu_provider_whose_docker_cannot_give_gpus(
         assert [job["state"] for job in jobs] == ["succeeded", "succeeded"]
 
 
+def test_share_warns_when_its_docker_cannot_give_its_gpus(tmp_path: Path) -> None:
+    import docker
+
+    if "nvidia" in (docker.from_env().info().get("Runtimes") or {}):  # pragma: no cover
+        pytest.skip("this machine's Docker can give GPUs to containers")
+    home = tmp_path / "a"
+    _init(home, "alice-pc", _free_udp_port())
+    env = dict(os.environ, GPUMESH_HOME=str(home), GPUMESH_TEST_SIMULATED_GPUS="A100:80GB")
+    env.pop("GPUMESH_LOG", None)
+    share = subprocess.Popen(
+        [sys.executable, "-m", "gpumesh", "share"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert share.stdout is not None
+    said = []
+    try:
+        while not any("limits:" in line for line in said):  # the warning comes before
+            line = share.stdout.readline()
+            assert line, f"share ended: {said}"
+            said.append(line)
+    finally:
+        share.terminate()
+        _, err = share.communicate(timeout=30)
+    assert "GPU 0: A100" in "".join(said)
+    warning = [line for line in err.splitlines() if "cannot give GPUs to containers" in line]
+    assert len(warning) == 1, err
+    assert "jobs run without GPUs" in warning[0] and "nvidia-container-toolkit" in warning[0]
+
+
 def test_a_command_missing_from_the_image_is_said_in_our_words(pair) -> None:
     _alice, bob = pair
     result = gpumesh(bob, "run", "--peer", "alice-pc", "--", "nvidia-smi")

@@ -60,6 +60,8 @@ class LevelFilter(logging.Filter):
         self.per_logger = per_logger
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(record, "gpumesh_said", False):
+            return False  # a share's line, which its output shows already
         level = self.default
         for name, value in self.per_logger.items():
             if record.name == name or record.name.startswith(name + "."):

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from gpumesh import platform
 from gpumesh.cuda.owner import worker_user
 from gpumesh.errors import ConfigError, GPUMeshError
-from gpumesh.runtime.base import EngineIsolation
+from gpumesh.runtime.base import NO_GPU_RUNTIME, EngineIsolation
 from gpumesh.runtime.jobnet import (
     cannot_filter,
     describe_mode,
@@ -202,8 +202,9 @@ def _gpu_runtime(runtime: DockerRuntime) -> Check:
     if gpus and inventory.source != "simulated":
         return Check(
             "nvidia runtime",
-            FAIL,
-            f"{len(gpus)} GPU(s) here but Docker has no NVIDIA runtime: jobs cannot use them",
+            WARN,
+            f"{len(gpus)} GPU(s) here, but {NO_GPU_RUNTIME}: jobs run without them, and "
+            "those that ask for GPU memory fail",
             "install the NVIDIA Container Toolkit and run `sudo nvidia-ctk runtime configure "
             "--runtime=docker`, then restart Docker",
         )

@@ -21,6 +21,10 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from gpumesh.errors import ConfigError, GPUMeshError, InUseError, RuntimeUnavailableError
+from gpumesh.runtime.base import NO_GPU_RUNTIME
+
+_SAID = {"gpumesh_said": True}
+"""On the log record of a line the share says (see cli/_logsetup.LevelFilter)."""
 
 if TYPE_CHECKING:
     from gpumesh.agent.server import Agent
@@ -194,7 +198,9 @@ class Sharing:
         self._seq += 1
         line = ShareLine(self._seq, text, err, tone)
         self._lines.append(line)
-        logger.log(logging.WARNING if tone else logging.INFO, "share: %s", text)
+        # Marked as said when echoed: the console it is echoed to leaves the record out.
+        said = _SAID if self.echo is not None else None
+        logger.log(logging.WARNING if tone else logging.INFO, "share: %s", text, extra=said)
         if self.echo is not None:
             self.echo(line)
         self._grew.set()
@@ -319,6 +325,13 @@ class Sharing:
             )
         if not gpus:
             self.say("  no NVIDIA GPU here: peers can run CPU-only jobs (without --gpu-memory)")
+        elif not await self._docker_gives_gpus(agent):
+            self.say(
+                f"  {NO_GPU_RUNTIME}: jobs run without GPUs, and those that ask for GPU "
+                "memory fail; install nvidia-container-toolkit and restart Docker",
+                err=True,
+                tone="warn",
+            )
         await self._report_job_user(agent)
         network = agent.containers.network()
         cap = agent.gpus.max_vram
@@ -329,6 +342,16 @@ class Sharing:
         )
         if agent.relay is not None:
             await self._report_relay(agent)
+
+    async def _docker_gives_gpus(self, agent: Agent) -> bool:
+        """Whether this machine's Docker can give GPUs to containers (True when Docker
+        cannot be asked: its own problem is said where a job meets it)."""
+        from gpumesh.blocking import in_thread
+
+        try:
+            return await in_thread(agent.containers.runtime.gpu_runtime_available)
+        except GPUMeshError:
+            return True
 
     async def _report_relay(self, agent: Agent) -> None:
         relay = agent.relay

@@ -19,6 +19,7 @@ from gpumesh.runtime.pull import PullProgress
 
 __all__ = [
     "MAX_MOUNTS",
+    "NO_GPU_RUNTIME",
     "ContainerSpec",
     "ContainerState",
     "EngineIsolation",
@@ -29,6 +30,11 @@ __all__ = [
     "Terminal",
     "mount_target_problem",
 ]
+
+NO_GPU_RUNTIME = (
+    "this machine's Docker cannot give GPUs to containers (no NVIDIA container toolkit)"
+)
+"""What a provider says when its engine has no way to give containers GPUs."""
 
 LABEL_PREFIX = "io.gpumesh"
 LABEL_JOB = f"{LABEL_PREFIX}.job"

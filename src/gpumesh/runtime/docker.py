@@ -34,6 +34,7 @@ import os
 import posixpath
 import re
 import secrets
+import shutil
 import socket
 import threading
 import time
@@ -63,6 +64,7 @@ from gpumesh.runtime.base import (
     LABEL_NODE,
     LABEL_PEER,
     MAX_MOUNTS,
+    NO_GPU_RUNTIME,
     SYSTEM_PATHS,
     WORKDIR_MOUNT,
     ContainerSpec,
@@ -108,6 +110,8 @@ _LOG_POLL = 0.02
 _INSPECTION_REUSE = 2.0
 # Bytes read at once from a log response without follow.
 _LOG_BLOCK = 256 * 1024
+_NVIDIA_HOOK = "nvidia-container-runtime-hook"
+"""NVIDIA's OCI hook, which Docker runs for a container given GPUs."""
 
 _REQUIRED_LABELS = (LABEL_JOB, LABEL_PEER, LABEL_NODE, LABEL_ATTEMPT)
 _INTERACTIVE_LABELS = (LABEL_PEER, LABEL_NODE, LABEL_KIND)
@@ -203,7 +207,11 @@ class DockerRuntime:
     def gpu_runtime_available(self) -> bool:
         with self._engine("describe itself") as api:
             info = api.info()
-        return "nvidia" in (info.get("Runtimes") or {})
+        if "nvidia" in (info.get("Runtimes") or {}):
+            return True
+        # Docker gives GPUs (--gpus, device requests) through NVIDIA's prestart hook
+        # when it finds it on its PATH, with or without the "nvidia" runtime entry.
+        return shutil.which(_NVIDIA_HOOK) is not None
 
     def isolation(self, image: str | None = None) -> EngineIsolation:
         # One lock for the whole answer: a second caller waits for the first
@@ -512,8 +520,7 @@ class DockerRuntime:
                         return
                 if "could not select device driver" in message:
                     raise RuntimeUnavailableError(
-                        "this machine's Docker cannot give GPUs to containers (no NVIDIA "
-                        "container runtime): install nvidia-container-toolkit and restart Docker"
+                        f"{NO_GPU_RUNTIME}: install nvidia-container-toolkit and restart Docker"
                     ) from exc
                 raise AgentError(
                     f"Docker could not start container {container_id[:12]}: {message}"
