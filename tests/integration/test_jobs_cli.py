@@ -276,6 +276,25 @@ def test_a_cpu_job_runs_on_a_gpu_provider_whose_docker_cannot_give_gpus(
         assert [job["state"] for job in jobs] == ["succeeded", "succeeded"]
 
 
+def test_group_placement_skips_a_provider_whose_docker_cannot_give_gpus_for_gpu_jobs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import docker
+
+    if "nvidia" in (docker.from_env().info().get("Runtimes") or {}):  # pragma: no cover
+        pytest.skip("this machine's Docker can give GPUs to containers")
+    monkeypatch.setenv("GPUMESH_TEST_SIMULATED_GPUS", "A100:80GB")
+    with shared_pair(tmp_path) as (_alice, bob):
+        assert gpumesh(bob, "group", "create", "lab").returncode == 0
+        assert gpumesh(bob, "group", "add", "lab", "alice-pc").returncode == 0
+        gpu_job = gpumesh(bob, "run", "--group", "lab", "--gpu-memory", "1GB", "--", "true")
+        assert gpu_job.returncode != 0
+        assert "alice-pc: its Docker cannot give GPUs to containers" in gpu_job.stderr
+        cpu_job = gpumesh(bob, "run", "--group", "lab", "--", "echo", "cpu")
+        assert cpu_job.returncode == 0, cpu_job.stderr
+        assert cpu_job.stdout == "cpu\n"
+
+
 def test_share_warns_when_its_docker_cannot_give_its_gpus(tmp_path: Path) -> None:
     import docker
 

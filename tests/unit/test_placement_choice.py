@@ -11,7 +11,13 @@ from gpumesh.store.db import Peer
 GB = 10**9
 
 
-def _probe(name: str, gpus: list[GpuReport], running_jobs: int, rtt_ms: float = 1.0) -> Probe:
+def _probe(
+    name: str,
+    gpus: list[GpuReport],
+    running_jobs: int,
+    rtt_ms: float = 1.0,
+    container_gpus: bool = True,
+) -> Probe:
     peer = Peer(
         node_id=NodeId("k" * 52),
         name=name,
@@ -31,6 +37,7 @@ def _probe(name: str, gpus: list[GpuReport], running_jobs: int, rtt_ms: float = 
         uptime=1.0,
         gpus=gpus,
         running_jobs=running_jobs,
+        container_gpus=container_gpus,
     )
     return Probe(name, peer, status, rtt_ms=rtt_ms)
 
@@ -69,3 +76,34 @@ def test_a_gpu_member_running_a_cpu_job_still_fits_but_an_idle_one_wins() -> Non
     # With no idle member left, the least busy one takes it.
     busier = _probe("busier", [_gpu(24 * GB)], running_jobs=3, rtt_ms=0.1)
     assert choose([busier, busy], 8 * GB).peer_name == "busy"
+
+
+def test_a_member_whose_docker_cannot_give_gpus_is_skipped_for_gpu_jobs() -> None:
+    # Its roomy GPU would win, but its jobs would get no GPU there.
+    toolless = _probe("toolless", [_gpu(24 * GB)], running_jobs=0, container_gpus=False)
+    able = _probe("able", [_gpu(10 * GB)], running_jobs=0, rtt_ms=9.0)
+    placement = choose([toolless, able], 8 * GB)
+    assert placement.peer_name == "able"
+    verdicts = {c.name: c for c in placement.candidates}
+    assert not verdicts["toolless"].eligible
+    assert verdicts["toolless"].reason == "its Docker cannot give GPUs to containers"
+    assert choose([toolless], 8 * GB).chosen is None
+    # A CPU job may run there, as on a CPU-only member: after the members with GPUs.
+    cpu = choose([toolless, able], 0)
+    assert cpu.peer_name == "able"
+    alone = evaluate(toolless, 0)
+    assert alone.eligible and alone.gpu is None
+    assert alone.reason == "CPU only (its Docker cannot give GPUs to containers)"
+
+
+def test_a_status_reply_from_an_older_provider_gives_its_gpus_to_containers() -> None:
+    import msgspec
+
+    from gpumesh.protocol.messages import decode_message, encode_message
+
+    reply = _probe("a", [_gpu(GB)], running_jobs=0).status
+    assert reply is not None
+    raw = msgspec.msgpack.decode(encode_message(reply))
+    del raw["container_gpus"]  # a provider from before the field
+    decoded = decode_message(msgspec.msgpack.encode(raw))
+    assert isinstance(decoded, StatusReply) and decoded.container_gpus is True

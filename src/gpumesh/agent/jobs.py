@@ -215,7 +215,8 @@ class JobService:
         self.admission = Admission(share_limits, self._claims, provider.name)
         """Admits jobs and shells (max_jobs_per_peer, max_shells_per_peer, share_memory)."""
         self.no_gpu_runtime = False
-        """Docker refused a container its GPUs (no NVIDIA container runtime) once."""
+        """This machine has GPUs its Docker cannot give to containers: found at the
+        share's start, or when Docker refused a container its GPUs."""
         self.report: Callable[[str], None] = lambda line: None
         """Where the owner is told, a line each, who runs which job here and how it
         ended (a share's output sets it)."""

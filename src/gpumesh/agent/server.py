@@ -219,6 +219,7 @@ class Agent:
         self.home.secure()
         try:
             await in_thread(self.containers.start_network)
+            self.jobs.no_gpu_runtime = await in_thread(self._docker_lacks_gpus)
         except GPUMeshError:
             self.containers.close()  # the engine client it opened: nothing else runs
             raise
@@ -250,6 +251,16 @@ class Agent:
         logger.info("limits: %s", self.share_limits().describe())
         logger.info("job network: %s", self.containers.network().mode)
         return self.address
+
+    def _docker_lacks_gpus(self) -> bool:
+        """Whether this machine has GPUs its Docker cannot give to containers
+        (blocking; False when Docker does not answer: a job meets that itself)."""
+        if not self.gpus.inventory.gpus():
+            return False
+        try:
+            return not self.containers.runtime.gpu_runtime_available()
+        except GPUMeshError:
+            return False
 
     # --- the relay --------------------------------------------------------------------
 
@@ -555,6 +566,7 @@ class Agent:
             gpus=gpus,
             running_jobs=len(self.store.unfinished_hosted_jobs()),
             max_vram=self.gpus.max_vram,
+            container_gpus=not self.jobs.no_gpu_runtime,
         )
         ctx.stream.send_message(reply, end=True)
 

@@ -102,13 +102,16 @@ def evaluate(probe_result: Probe, gpu_memory: int) -> Candidate:
         return Candidate(name, False, "not sharing")
     gpus = status.gpus
     rtt_ms, jobs = probe_result.rtt_ms, status.running_jobs
-    if not gpus:
+    if not gpus or not status.container_gpus:
+        # Its jobs get no GPU: no NVIDIA GPU, or its Docker cannot give them.
+        lacks = "no NVIDIA GPU" if not gpus else "its Docker cannot give GPUs to containers"
         if gpu_memory:
-            return Candidate(name, False, "no NVIDIA GPU", rtt_ms=rtt_ms, jobs=jobs)
+            return Candidate(name, False, lacks, rtt_ms=rtt_ms, jobs=jobs)
         if jobs:
             # A CPU-only node's only room is its CPUs, and GPUMesh jobs hold them.
             return Candidate(name, False, f"busy ({_jobs(jobs)})", rtt_ms=rtt_ms, jobs=jobs)
-        return Candidate(name, True, "CPU only", rtt_ms=rtt_ms)
+        reason = "CPU only" if not gpus else f"CPU only ({lacks})"
+        return Candidate(name, True, reason, rtt_ms=rtt_ms)
     idle = [g for g in gpus if g.jobs == 0 and (g.utilization or 0) <= BUSY_UTILIZATION]
     if not idle:
         busiest = ", ".join(

@@ -325,7 +325,7 @@ class Sharing:
             )
         if not gpus:
             self.say("  no NVIDIA GPU here: peers can run CPU-only jobs (without --gpu-memory)")
-        elif not await self._docker_gives_gpus(agent):
+        elif agent.jobs.no_gpu_runtime:
             self.say(
                 f"  {NO_GPU_RUNTIME}: jobs run without GPUs, and those that ask for GPU "
                 "memory fail; install nvidia-container-toolkit and restart Docker",
@@ -342,16 +342,6 @@ class Sharing:
         )
         if agent.relay is not None:
             await self._report_relay(agent)
-
-    async def _docker_gives_gpus(self, agent: Agent) -> bool:
-        """Whether this machine's Docker can give GPUs to containers (True when Docker
-        cannot be asked: its own problem is said where a job meets it)."""
-        from gpumesh.blocking import in_thread
-
-        try:
-            return await in_thread(agent.containers.runtime.gpu_runtime_available)
-        except GPUMeshError:
-            return True
 
     async def _report_relay(self, agent: Agent) -> None:
         relay = agent.relay

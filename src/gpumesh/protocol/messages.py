@@ -239,6 +239,9 @@ class StatusReply(_Msg, tag="status_reply", frozen=True):
     running_jobs: Count = 0
     max_vram: Count = 0
     """The provider's per-job GPU memory cap in bytes; 0: none."""
+    container_gpus: bool = True
+    """False: the provider's Docker cannot give its GPUs to containers (no NVIDIA
+    container toolkit), so its jobs run without them (absent from older providers)."""
 
 
 class ThroughputRequest(_Msg, tag="throughput", frozen=True):
