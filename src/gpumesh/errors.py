@@ -218,10 +218,13 @@ class TransportError(GPUMeshError):
 class UnreachableError(TransportError):
     code = "unreachable"
 
-    def __init__(self, message: str, *, refused: bool = False) -> None:
+    def __init__(self, message: str, *, refused: bool = False, why: str = "") -> None:
         super().__init__(message)
         self.refused = refused
         """The host answered that nothing listens on that port (ICMP port unreachable)."""
+        self.why = why or message
+        """What failed, without the advice after it: one part of a message that
+        names every path a dial tried."""
 
 
 class KeyMismatchError(TransportError):
@@ -236,6 +239,11 @@ class RelayError(TransportError):
     """The relay refused or ended something (its named refusal is in the message)."""
 
     code = "relay"
+
+    def __init__(self, message: str, *, why: str = "") -> None:
+        super().__init__(message)
+        self.why = why or message
+        """The refusal without the advice after it (see UnreachableError.why)."""
 
 
 class ProtocolError(GPUMeshError):

@@ -190,3 +190,22 @@ def test_a_copy_over_a_relay_found_session_arrives_whole_with_parity_on(
         assert back.read_bytes() == source.read_bytes()
     finally:
         _stop(share)
+
+
+def test_a_peer_not_sharing_is_said_on_each_path_tried(tmp_path: Path, relay: str) -> None:
+    # Before, with a relay, the relay's refusal alone was said (unknown-peer), and
+    # that nothing listened at the peer's own address was lost.
+    alice, bob = tmp_path / "a", tmp_path / "b"
+    port = _free_udp_port()
+    _init(alice, "alice-pc", port)
+    _init(bob, "bob-laptop")
+    for home in (alice, bob):
+        assert gpumesh(home, "config", "set", "relay", relay).returncode == 0
+    assert gpumesh(bob, "pair", gpumesh(alice, "pair-code").stdout.strip()).returncode == 0
+    _one_line_error(
+        gpumesh(bob, "connect", "alice-pc", "--timeout", "10"),
+        4,
+        f"cannot reach alice-pc directly (nothing is listening on 127.0.0.1:{port} "
+        f"(connection refused)) nor through the relay {relay} (unknown-peer: the peer is "
+        "not registered with the relay): is `gpumesh share` running on alice-pc?",
+    )

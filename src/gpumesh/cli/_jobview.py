@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from gpumesh.cli._notes import StepNotes, dropped_note, state_note
+from gpumesh.cli._notes import ReconnectNotes, StepNotes, dropped_note, state_note
 from gpumesh.client.jobs import (
     JobCallbacks,
     JobEvent,
@@ -34,16 +34,19 @@ class JobPrinter:
         """Mark every attempt's start and the end (for `logs`, which replays history)."""
         self.attempt = 0
         self.steps = StepNotes(quiet=quiet, explain=explain)
+        self.outage = ReconnectNotes()
 
     def note(self, text: str) -> None:
         if not self.quiet:
             click.echo(click.style(f"gpumesh: {text}", dim=True), err=True)
 
     def stdout(self, data: bytes) -> None:
+        self.outage.heard()  # (each callback of an event from the provider says so)
         sys.stdout.buffer.write(data)
         sys.stdout.buffer.flush()
 
     def stderr(self, data: bytes) -> None:
+        self.outage.heard()
         sys.stderr.buffer.write(data)
         sys.stderr.buffer.flush()
 
@@ -62,6 +65,7 @@ class JobPrinter:
         self.changed(StatusChanged.of(status))
 
     def changed(self, change: StatusChanged) -> None:
+        self.outage.heard()
         status = change.status
         note = state_note(
             numbered=self.numbered,
@@ -96,7 +100,8 @@ class JobPrinter:
         self.steps.placed(chosen.name, chosen.reason, every)
 
     def reconnecting(self, error: GPUMeshError) -> None:
-        self.note(f"link lost ({error.message}); reconnecting")
+        if (line := self.outage.note(error.message)) is not None:
+            self.note(line)
 
     def dropped(self, count: int) -> None:
         # Part of the output itself (where it is missing), so shown even with --quiet.

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from gpumesh.daemon.client import SseEvent
 
 __all__ = [
+    "ReconnectNotes",
     "RunReader",
     "StepNotes",
     "ViewPrinter",
@@ -67,6 +68,25 @@ def state_note(
     return None
 
 
+class ReconnectNotes:
+    """What a follow says while its link is down: why, once, and again only when the
+    reason changes (a re-dial every few seconds would print the same line each time).
+    Anything the job sends again ends the outage (:meth:`heard`)."""
+
+    def __init__(self) -> None:
+        self._last = ""
+
+    def note(self, message: str) -> str | None:
+        """The line to show for a failed (re)connection with ``message``; None: said."""
+        if message == self._last:
+            return None
+        self._last = message
+        return f"{message} (reconnecting; Ctrl-C stops following)"
+
+    def heard(self) -> None:
+        self._last = ""
+
+
 def dropped_note(count: int) -> str:
     return (
         f"gpumesh: {format_size(count)} of output dropped here: the provider keeps "
@@ -92,6 +112,7 @@ class ViewPrinter:
         self.quiet = quiet
         self.numbered = numbered
         self.steps = StepNotes(quiet=quiet, explain=explain)
+        self.outage = ReconnectNotes()
 
     def note(self, text: str) -> None:
         if not self.quiet:
@@ -99,6 +120,8 @@ class ViewPrinter:
 
     def show(self, kind: str, view: Any) -> None:
         """One event (``kind`` as the stream names it, ``view`` its JSON)."""
+        if kind != "reconnecting":
+            self.outage.heard()
         if kind == "output":
             out = sys.stdout if view["stream"] == "stdout" else sys.stderr
             # base64.b64decode is this, after importing struct and more.
@@ -121,7 +144,8 @@ class ViewPrinter:
 
             click.echo(click.style(dropped_note(view["count"]), fg="yellow"), err=True)
         elif kind == "reconnecting":
-            self.note(f"link lost ({view['message']}); reconnecting")
+            if (line := self.outage.note(view["message"])) is not None:
+                self.note(line)
         elif kind == "placedview":
             chosen = view["chosen"]
             every = [(c["name"], c["eligible"], c["reason"]) for c in view["candidates"]]

@@ -55,6 +55,7 @@ __all__ = [
     "KEEPALIVE_MIN_SIZE",
     "MAX_PACKET",
     "REFUSALS",
+    "REFUSAL_ADVICE",
     "Accept",
     "Challenge",
     "Close",
@@ -127,7 +128,7 @@ REFUSALS: dict[str, str] = {
     "too-many-registrations": "the relay has no room for more nodes",
     "too-many-per-ip": "too many nodes registered from this IP address",
     "not-registered": "this address is not registered with the relay",
-    "unknown-peer": "the peer is not registered with the relay (is `gpumesh share` running there?)",
+    "unknown-peer": "the peer is not registered with the relay",
     "peer-declined": "the peer declined the relayed connection",
     "too-many-sessions": "this node has too many relayed sessions open",
     "too-many-initiated": "this node has opened too many relayed sessions at once",
@@ -141,6 +142,10 @@ REFUSALS: dict[str, str] = {
     "shutting-down": "the relay is shutting down",
 }
 """Every refusal code the relay may send, with its meaning for people."""
+REFUSAL_ADVICE: dict[str, str] = {
+    "unknown-peer": "is `gpumesh share` running there?",
+}
+"""What to do about a refusal, where the meaning alone does not say it."""
 
 Key = Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]
 Nonce = Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]

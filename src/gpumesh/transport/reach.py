@@ -24,11 +24,10 @@ def unreachable(
     before anything was sent (no route, say).
     """
     if refused:
-        return UnreachableError(
-            f"nothing is listening on {where} (connection refused): {_SHARING}?", refused=True
-        )
+        what = f"nothing is listening on {where} (connection refused)"
+        return UnreachableError(f"{what}: {_SHARING}?", refused=True, why=what)
     if waited is not None:
         what = f"no answer from {where} within {waited:.0f}s"
     else:
         what = f"cannot reach {where}" + (f" ({reason})" if reason else "")
-    return UnreachableError(f"{what}: {_SHARING} and is its UDP port reachable?")
+    return UnreachableError(f"{what}: {_SHARING} and is its UDP port reachable?", why=what)

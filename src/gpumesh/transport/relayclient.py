@@ -71,7 +71,9 @@ def _relay_error(what: str, code: str, message: str) -> RelayError:
     """``WHAT: code: meaning (detail)`` for a refusal code from :data:`~wire.REFUSALS`."""
     meaning = wire.REFUSALS.get(code, code)
     detail = f" ({message})" if message and message != meaning else ""
-    return RelayError(f"{what}: {code}: {meaning}{detail}")
+    why = f"{code}: {meaning}{detail}"
+    advice = wire.REFUSAL_ADVICE.get(code)
+    return RelayError(f"{what}: {why}" + (f" ({advice})" if advice else ""), why=why)
 
 
 class RelayedPath:

@@ -392,6 +392,11 @@ async def _authenticate(
     return session
 
 
+def _path_failure(error: BaseException) -> str:
+    """What failed on one path, without the advice its own message ends with."""
+    return getattr(error, "why", "") or str(error)
+
+
 def _rank(error: GPUMeshError) -> int:
     # Which failure to report when every address failed: the most telling one.
     if isinstance(error, (AccessDeniedError, KeyMismatchError, ProtocolError)):
@@ -593,18 +598,23 @@ async def _open_with_relay(
         assert relayed is not None
         relay_error = relayed.exception()
         assert relay_error is not None
-        if isinstance(relay_error, RelayError | KeyMismatchError):
+        tried_direct = direct is not None and not direct.cancelled()
+        if isinstance(relay_error, KeyMismatchError) or not addresses:
             raise relay_error
-        if not addresses:
-            raise relay_error
-        direct_error = (
-            "no answer before the relay was tried"
-            if direct is None or direct.cancelled()
-            else direct.exception()
+        if isinstance(relay_error, RelayError) and not tried_direct:
+            raise relay_error  # the relay's answer is the whole story
+        # One line naming each path and why it failed (the relay's refusal alone
+        # would hide that nothing answered directly either).
+        direct_error = direct.exception() if direct is not None and tried_direct else None
+        direct_why = (
+            _path_failure(direct_error) if direct_error else "no answer before the relay was tried"
         )
+        advice = ""
+        if isinstance(direct_error, UnreachableError):
+            advice = f": is `gpumesh share` running on {peer_label}?"
         raise UnreachableError(
-            f"cannot reach {peer_label} directly ({direct_error}) nor through the relay "
-            f"{relay.address} ({relay_error})"
+            f"cannot reach {peer_label} directly ({direct_why}) nor through the relay "
+            f"{relay.address} ({_path_failure(relay_error)}){advice}"
         )
     finally:
         _drop_losers((direct, relayed), winner)

@@ -1,0 +1,39 @@
+"""What a follow prints while its provider cannot be reached: the reason once, and
+again only when it changes or after the job was heard from again."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpumesh.cli._jobview import JobPrinter
+from gpumesh.cli._notes import ReconnectNotes, ViewPrinter
+from gpumesh.client.jobs import Reconnecting
+from gpumesh.errors import UnreachableError
+
+DOWN = "cannot reach alice-pc directly (nothing is listening on 127.0.0.1:47000)"
+RELAY = "cannot reach alice-pc through the relay r:4799 (unknown-peer)"
+
+
+def test_the_same_reason_is_said_once_until_the_job_is_heard_again() -> None:
+    notes = ReconnectNotes()
+    first = notes.note(DOWN)
+    assert first == f"{DOWN} (reconnecting; Ctrl-C stops following)"
+    assert notes.note(DOWN) is None
+    assert notes.note(RELAY) is not None  # another reason: said
+    assert notes.note(RELAY) is None
+    notes.heard()
+    assert notes.note(RELAY) is not None  # a new outage
+
+
+def test_both_printers_say_a_repeated_failure_once(capsys: pytest.CaptureFixture[str]) -> None:
+    printer = JobPrinter()
+    for _ in range(5):
+        printer.show(Reconnecting(UnreachableError(DOWN)))
+    printer.stderr(b"back\n")
+    printer.show(Reconnecting(UnreachableError(DOWN)))
+    viewer = ViewPrinter("job")
+    for _ in range(5):
+        viewer.show("reconnecting", {"message": DOWN})
+    err = capsys.readouterr().err
+    assert err.count(DOWN) == 3, err  # JobPrinter twice (before and after output), viewer once
+    assert "link lost" not in err
