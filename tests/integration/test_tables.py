@@ -93,13 +93,18 @@ def test_jobs_never_cut_times_and_are_whole_when_piped(pair) -> None:
         [job] = json.loads(gpumesh(home, "jobs", "--json").stdout)
         took = format_duration(job["duration"])
 
-        header, row = on_terminal(home, "jobs")
-        assert header.split() == headers  # no header cut (once `TIME` showed as `TI`)
-        assert len(header) <= 80 and len(row) <= 80
+        # At 80 columns the long command and the creation time go under the row,
+        # whole, rather than the command cut to a few letters.
+        lines = on_terminal(home, "jobs")
+        header, row, *command, created = lines
+        assert header.split() == [h for h in headers if h not in ("COMMAND", "CREATED")]
+        assert all(len(line) <= 80 for line in lines), lines
         assert row.startswith(job["job_id"])
         assert row.endswith(f" {took}")  # a 148ms job never reads `148m`
-        assert " succeeded " in row
-        assert " sh -c" in row and "…" in row and words not in row
+        assert " succeeded " in row and "…" not in row
+        assert all(line.startswith("    ") for line in command)  # wrapped, never cut
+        assert " ".join(line.strip() for line in command) == f"sh -c echo {words}\\ntrue"
+        assert created.startswith("    created: ") and created.endswith(" ago"), created
 
         header, row = piped(home, "jobs")
         assert header.split() == headers

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -43,10 +43,16 @@ class Column:
     """The narrowest a column that gives way becomes while that is enough; when it
     is not, it goes on down to its header's width (never narrower)."""
     below: bool = False
-    """Never cut: when the row does not fit once the others have given way, the
-    column leaves the table and each of its cells is printed under its row."""
+    """When the row does not fit once every column that gives way is down to its
+    readable width, the column leaves the table and each of its cells is printed
+    whole under its row (a column that also gives way is cut only while that is
+    enough)."""
     named_below: bool = False
     """Under its row, the cell starts with the header (``reachable: yes (3 ms)``)."""
+    compact: Callable[[str], str] | None = None
+    """A cell's shorter form (markup to markup), used when the column gives way and
+    the cell is too wide for it: ``a, b, c`` becomes ``a +2``. Cut after that only
+    if still too wide."""
 
 
 def escape(text: str) -> str:
@@ -164,16 +170,21 @@ def _print_rich(columns: Sequence[Column], rows: Sequence[Sequence[str]]) -> Non
     # A newline or a terminal control in a cell (a command, a peer's text) would
     # break the one-line rows or drive the terminal: shown escaped instead.
     cells = [[Text.from_markup(escape_controls(cell)) for cell in row] for row in rows]
-    natural = [
-        max([len(column.header), *(row[index].cell_len for row in cells)])
-        for index, column in enumerate(columns)
-    ]
     limit = console.width if console.is_terminal else None
-    inline = list(range(len(columns)))
-    widths, fits = _fit(columns, natural, inline, limit)
-    if not fits and any(column.below for column in columns):
-        inline = [i for i, column in enumerate(columns) if not column.below]
-        widths, _ = _fit(columns, natural, inline, limit)
+    inline, widths = _layout(columns, cells, limit)
+    # A column that gave way shows its cells' shorter forms where they are too wide,
+    # and the table is laid out again with them.
+    compacted = False
+    for pos, index in enumerate(inline):
+        compact = columns[index].compact
+        if compact is None:
+            continue
+        for row, markup in zip(cells, rows, strict=True):
+            if row[index].cell_len > widths[pos]:
+                row[index] = Text.from_markup(escape_controls(compact(markup[index])))
+                compacted = True
+    if compacted:
+        inline, widths = _layout(columns, cells, limit)
     below = [i for i in range(len(columns)) if i not in inline]
     header = [Text(columns[i].header, style="bold") for i in inline]
     console.print(_line(header, widths), soft_wrap=True)
@@ -188,10 +199,36 @@ def _print_rich(columns: Sequence[Column], rows: Sequence[Sequence[str]]) -> Non
                 console.print(Text(" " * _INDENT) + part, style="dim", soft_wrap=True)
 
 
+def _layout(
+    columns: Sequence[Column], cells: list[list[Text]], limit: int | None
+) -> tuple[list[int], list[int]]:
+    """The columns that stay in the table's line, and their widths within ``limit``:
+    cut at most to readable widths; then the columns that may go below leave it;
+    only then cut further, down to the headers."""
+    natural = [
+        max([len(column.header), *(row[index].cell_len for row in cells)])
+        for index, column in enumerate(columns)
+    ]
+    inline = list(range(len(columns)))
+    widths, fits = _fit(columns, natural, inline, limit, readable=True)
+    if not fits and any(column.below for column in columns):
+        inline = [i for i, column in enumerate(columns) if not column.below]
+        widths, fits = _fit(columns, natural, inline, limit, readable=True)
+    if not fits:
+        widths, _ = _fit(columns, natural, inline, limit)
+    return inline, widths
+
+
 def _fit(
-    columns: Sequence[Column], natural: list[int], inline: list[int], limit: int | None
+    columns: Sequence[Column],
+    natural: list[int],
+    inline: list[int],
+    limit: int | None,
+    *,
+    readable: bool = False,
 ) -> tuple[list[int], bool]:
-    """Widths of the ``inline`` columns within ``limit``, and whether they fit.
+    """Widths of the ``inline`` columns within ``limit``, and whether they fit;
+    ``readable``: cut none below its readable width (``least``).
 
     When even the columns that give way at their narrowest do not fit, the line
     runs past the terminal's edge: that wraps, but it cuts nothing that must stay.
@@ -206,7 +243,10 @@ def _fit(
     )
     # First down to each column's readable width, then, if that is not enough,
     # down to its header: a cell cut short still beats a line past the edge.
-    for floor_of in (lambda c: max(len(c.header), c.least), lambda c: len(c.header)):
+    floors: list[Callable[[Column], int]] = [lambda c: max(len(c.header), c.least)]
+    if not readable:
+        floors.append(lambda c: len(c.header))
+    for floor_of in floors:
         for pos in order:
             if excess <= 0:
                 break

@@ -9,11 +9,27 @@ import click
 
 from gpumesh.cli._common import emit_json, get_node, run_async
 from gpumesh.cli._node import node_enabled
+from gpumesh.cli._table import Column
 from gpumesh.protocol.states import JobRole, JobState
 from gpumesh.units import format_duration, format_size
 
 if TYPE_CHECKING:
     from gpumesh.client.views.joblist import JobListEntry
+
+COLUMNS = [
+    Column("ID"),
+    # On a narrow terminal the command gives way first, then it and the creation
+    # time go under their row, and only then is a peer's name (and its arrow) of
+    # more than 20 characters cut.
+    Column("PEER", gives_way=1, least=22),
+    Column("STATE"),
+    Column("EXIT"),
+    Column("ATTEMPT"),
+    Column("GPU"),
+    Column("COMMAND", gives_way=2, least=16, below=True),
+    Column("CREATED", below=True, named_below=True),
+    Column("TIME"),
+]
 
 
 @click.command(
@@ -95,7 +111,7 @@ def _confirmed(j: dict[str, Any]) -> float:
 
 def _print(records: list[dict[str, Any]]) -> None:
     """The table of ``records``: job list entries as JSON has them."""
-    from gpumesh.cli._table import Column, escape, print_table
+    from gpumesh.cli._table import escape, print_table
 
     colors: dict[str, str] = {
         JobState.SUCCEEDED: "green",
@@ -136,19 +152,7 @@ def _print(records: list[dict[str, Any]]) -> None:
                 format_duration(duration) if duration is not None else "-",
             ]
         )
-    # On a narrow terminal the command gives way first, then the peer's name.
-    columns = [
-        Column("ID"),
-        Column("PEER", gives_way=1),
-        Column("STATE"),
-        Column("EXIT"),
-        Column("ATTEMPT"),
-        Column("GPU"),
-        Column("COMMAND", gives_way=2),
-        Column("CREATED"),
-        Column("TIME"),
-    ]
-    print_table(columns, rows)
+    print_table(COLUMNS, rows)
     _explain(records)
 
 

@@ -49,13 +49,22 @@ def peers(as_json: bool) -> None:
                 escape(addresses),
             ]
         )
-    # The addresses give way first on a narrow terminal (`--json` has them all).
+    # The addresses give way first on a narrow terminal: the first one whole and
+    # how many more (`--json` and piped output have them all).
     columns = [
         Column("NAME", gives_way=1, least=10),
         Column("ID"),
         Column("ACCESS"),
         Column("LAST SEEN"),
         Column("PATH"),
-        Column("ADDRESSES", gives_way=2, least=12),
+        Column("ADDRESSES", gives_way=2, least=12, compact=first_and_count),
     ]
     print_table(columns, rows_shown)
+
+
+def first_and_count(cell: str) -> str:
+    """``a, b (relay r)`` as ``a +2``: the first address and how many more."""
+    first, *rest = cell.split(", ")
+    if not rest:
+        return cell
+    return f"{first} +{len(rest) + (1 if ' (relay ' in rest[-1] else 0)}"

@@ -5,6 +5,18 @@ from __future__ import annotations
 import click
 
 from gpumesh.cli._common import emit_json, get_node
+from gpumesh.cli._table import Column
+
+COLUMNS = [
+    # On a narrow terminal names are cut to 20 characters, GPUs to 16; then the
+    # contact goes under its row, whole; only then are names cut further.
+    Column("NAME", gives_way=2, least=20),
+    Column("ID"),
+    Column("GPUS (FREE/TOTAL)", gives_way=1, least=16),
+    Column("STATE"),
+    Column("REGION"),
+    Column("CONTACT", below=True, named_below=True),
+]
 
 
 @click.command(
@@ -77,7 +89,7 @@ def search(
     if not page.listings:
         click.echo(f"No listing matches on {url}.")
         return
-    from gpumesh.cli._table import Column, escape, print_table
+    from gpumesh.cli._table import escape, print_table
     from gpumesh.units import format_size
 
     rows = []
@@ -97,17 +109,7 @@ def search(
                 escape(listing.contact or "-"),
             ]
         )
-    print_table(
-        [
-            Column("NAME", gives_way=2, least=10),
-            Column("ID"),
-            Column("GPUS (FREE/TOTAL)", gives_way=1, least=16),
-            Column("STATE"),
-            Column("REGION"),
-            Column("CONTACT", below=True, named_below=True),
-        ],
-        rows,
-    )
+    print_table(COLUMNS, rows)
     if page.next:
         click.echo(f"More: gpumesh search ... --cursor {page.next}")
     click.echo(
