@@ -124,6 +124,7 @@ __all__ = [
     "InUseError",
     "KeyMismatchError",
     "LimitError",
+    "NodeUnavailableError",
     "NotFoundError",
     "NotInitializedError",
     "NotPairedError",
@@ -288,6 +289,16 @@ class InUseError(GPUMeshError):
 
     code = "in_use"
     exit_code = ExitCode.IN_USE
+
+
+class NodeUnavailableError(GPUMeshError):
+    """Nothing answers on the home's control socket (none runs, or it just died)."""
+
+    code = "node_unavailable"
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(f"the node process did not answer: {detail}")
+        self.detail = detail
 
 
 class AgentError(GPUMeshError):

@@ -68,3 +68,19 @@ def test_help_shows_the_table() -> None:
     assert shown == [f"{code}  {meaning}" for code, meaning in exit_code_rows()]
     note = " ".join(lines[start + 1 + len(ExitCode) :]).strip()
     assert note == JOB_CODES_NOTE
+
+
+def test_a_node_process_that_stops_answering_is_one_line_not_a_traceback(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from gpumesh.cli._common import run_cli
+    from gpumesh.errors import NodeUnavailableError
+
+    @click.command()
+    def lost() -> None:
+        raise NodeUnavailableError("the answer ended early")
+
+    assert issubclass(NodeUnavailableError, GPUMeshError)
+    assert run_cli(lost, []) == ExitCode.FAILED  # was an internal failure (70)
+    err = capsys.readouterr().err
+    assert err == "error: the node process did not answer: the answer ended early\n"

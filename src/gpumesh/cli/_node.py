@@ -113,7 +113,7 @@ def follow(
                 from gpumesh.errors import AgentError
 
                 raise AgentError(
-                    f"the node process kept failing while following job {job_id} ({exc}): "
+                    f"the node process kept failing while following job {job_id} ({exc.detail}): "
                     f"see {node_home() / 'logs' / 'node.log'}"
                 ) from None
             client = node_client()

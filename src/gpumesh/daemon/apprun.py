@@ -94,7 +94,7 @@ class NodeAppRun:
                 if failures > RESUME_TRIES:
                     raise AgentError(
                         f"the node process kept failing while following job {self.job_id} "
-                        f"({exc}): see its log, logs/node.log in your GPUMesh home"
+                        f"({exc.detail}): see its log, logs/node.log in your GPUMesh home"
                     ) from None
             else:
                 raise AgentError(f"the event stream of job {self.job_id} ended without its end")

@@ -20,7 +20,13 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from gpumesh.errors import AgentError, GPUMeshError, InUseError, error_from_code
+from gpumesh.errors import (
+    AgentError,
+    GPUMeshError,
+    InUseError,
+    NodeUnavailableError,
+    error_from_code,
+)
 from gpumesh.settings import ENV_HOME
 from gpumesh.store.sockets import socket_name
 from gpumesh.version import __version__
@@ -46,10 +52,6 @@ START_TIMEOUT = 60.0
 ceiling: a loaded machine imports slowly)."""
 STOP_TIMEOUT = 20.0
 LOG_NAME = "node.log"
-
-
-class NodeUnavailableError(Exception):
-    """Nothing answers on the home's control socket (none runs, or it just died)."""
 
 
 class _Response:

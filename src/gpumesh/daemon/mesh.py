@@ -293,7 +293,7 @@ class NodeFollow:
                 if failures > RESUME_TRIES:
                     raise AgentError(
                         f"the node process kept failing while following job {self._job_id} "
-                        f"({exc}): see {self._backend.home / 'logs' / 'node.log'}"
+                        f"({exc.detail}): see {self._backend.home / 'logs' / 'node.log'}"
                     ) from None
                 self._backend._connect()
                 continue
