@@ -296,9 +296,14 @@ class NodeUnavailableError(GPUMeshError):
 
     code = "node_unavailable"
 
-    def __init__(self, detail: str) -> None:
-        super().__init__(f"the node process did not answer: {detail}")
-        self.detail = detail
+    def __init__(self, message: str, *, detail: str = "") -> None:
+        super().__init__(message)
+        self.detail = detail or message
+        """What went wrong, without the sentence around it."""
+
+    @classmethod
+    def because(cls, detail: str) -> NodeUnavailableError:
+        return cls(f"the node process did not answer: {detail}", detail=detail)
 
 
 class AgentError(GPUMeshError):

@@ -78,7 +78,7 @@ def test_a_node_process_that_stops_answering_is_one_line_not_a_traceback(
 
     @click.command()
     def lost() -> None:
-        raise NodeUnavailableError("the answer ended early")
+        raise NodeUnavailableError.because("the answer ended early")
 
     assert issubclass(NodeUnavailableError, GPUMeshError)
     assert run_cli(lost, []) == ExitCode.FAILED  # was an internal failure (70)

@@ -194,7 +194,7 @@ class RunReader:
                 self.after = event.id
         from gpumesh.daemon.client import NodeUnavailableError
 
-        raise NodeUnavailableError("the event stream ended before the run's end")
+        raise NodeUnavailableError.because("the event stream ended before the run's end")
 
 
 def _note(text: str) -> None:

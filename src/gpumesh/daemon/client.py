@@ -65,13 +65,13 @@ class _Response:
         status_line = self._file.readline(_LINE_MAX)
         parts = status_line.split(None, 2)
         if len(parts) < 2 or not parts[0].startswith(b"HTTP/") or not parts[1].isdigit():
-            raise NodeUnavailableError(f"not an HTTP answer: {status_line[:80]!r}")
+            raise NodeUnavailableError.because(f"not an HTTP answer: {status_line[:80]!r}")
         self.status = int(parts[1])
         self.headers: dict[str, str] = {}
         while True:
             line = self._file.readline(_LINE_MAX)
             if not line:
-                raise NodeUnavailableError("the answer ended in its headers")
+                raise NodeUnavailableError.because("the answer ended in its headers")
             if line in (b"\r\n", b"\n"):
                 break
             name, _, value = line.decode("latin-1").partition(":")
@@ -103,11 +103,11 @@ class _Response:
         while True:
             size_line = self._file.readline(_LINE_MAX)
             if not size_line:
-                raise NodeUnavailableError("the answer ended before its last chunk")
+                raise NodeUnavailableError.because("the answer ended before its last chunk")
             try:
                 size = int(size_line.split(b";")[0].strip(), 16)
             except ValueError:
-                raise NodeUnavailableError(f"a bad chunk size {size_line[:40]!r}") from None
+                raise NodeUnavailableError.because(f"a bad chunk size {size_line[:40]!r}") from None
             if size == 0:
                 return
             data = self._exactly(size)
@@ -117,7 +117,7 @@ class _Response:
     def _exactly(self, count: int) -> bytes:
         data = self._file.read(count)
         if len(data) < count:
-            raise NodeUnavailableError("the answer ended early")
+            raise NodeUnavailableError.because("the answer ended early")
         return data
 
     def close(self) -> None:
@@ -178,7 +178,7 @@ class NodeClient:
         record = read_record(self.home)
         urls = [a for a in (record.api if record is not None else []) if a.startswith("http://")]
         if not urls:
-            raise NodeUnavailableError("no node process has written its address")
+            raise NodeUnavailableError.because("no node process has written its address")
         address = urls[0].removeprefix("http://")
         host, _, port = address.rpartition(":")
         # Our own request line: the Host of the address, and the token.
@@ -187,7 +187,7 @@ class NodeClient:
         try:
             sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout)
         except (OSError, ValueError) as exc:
-            raise NodeUnavailableError(str(exc)) from None
+            raise NodeUnavailableError.because(str(exc)) from None
         sock.settimeout(timeout)
         return _sent(sock, lambda: None, head.encode("latin-1") + b"\r\n" + payload)
 
@@ -210,7 +210,7 @@ class NodeClient:
         try:
             raw = response.read()
         except OSError as exc:
-            raise NodeUnavailableError(str(exc)) from None
+            raise NodeUnavailableError.because(str(exc)) from None
         finally:
             response.close()
         data = json.loads(raw) if raw else None
@@ -243,9 +243,9 @@ class NodeClient:
                 try:
                     line = next(lines, b"")
                 except OSError as exc:
-                    raise NodeUnavailableError(str(exc)) from None
+                    raise NodeUnavailableError.because(str(exc)) from None
                 if not line:
-                    raise NodeUnavailableError("the event stream ended early")
+                    raise NodeUnavailableError.because("the event stream ended early")
                 text = line.decode("utf-8").rstrip("\r\n")
                 if text == "":
                     if data:
@@ -391,7 +391,7 @@ def _sent(sock: socket.socket, connect: Callable[[], None], data: bytes) -> Call
         sock.sendall(data)
     except OSError as exc:
         sock.close()
-        raise NodeUnavailableError(str(exc)) from None
+        raise NodeUnavailableError.because(str(exc)) from None
     except BaseException:
         sock.close()
         raise
@@ -401,7 +401,7 @@ def _sent(sock: socket.socket, connect: Callable[[], None], data: bytes) -> Call
             return _Response(sock)
         except OSError as exc:
             sock.close()
-            raise NodeUnavailableError(str(exc)) from None
+            raise NodeUnavailableError.because(str(exc)) from None
         except BaseException:
             sock.close()
             raise
