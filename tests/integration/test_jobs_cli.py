@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from gpumesh.errors import ExitCode
+from gpumesh.runtime.base import NO_GPU_RUNTIME_NOTE
 from tests.integration.conftest import gpumesh, shared_pair
 from tests.integration.test_cli import _free_udp_port, _init, _one_line_error
 
@@ -240,16 +241,26 @@ def test_cancelling_a_hosted_job_without_a_running_share_is_one_line(pair) -> No
     assert "its cancel is recorded" in result.stderr
 
 
-def test_a_provider_whose_docker_cannot_give_gpus_is_named(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """alice-pc reports a GPU (simulated) but its Docker has no NVIDIA runtime: the
-    consumer's message names alice-pc, not "this machine" (which reads as its own)."""
+@pytest.fixture
+def gpus_docker_cannot_give(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU (simulated: A100, 80GB) that this machine's Docker cannot give to
+    containers, as on a GPU machine without NVIDIA's container toolkit."""
+    import contextlib
+    import shutil
+
     import docker
 
-    if "nvidia" in (docker.from_env().info().get("Runtimes") or {}):  # pragma: no cover
+    with contextlib.closing(docker.from_env()) as client:
+        runtimes = client.info().get("Runtimes") or {}
+    if "nvidia" in runtimes or shutil.which("nvidia-container-runtime-hook"):  # pragma: no cover
         pytest.skip("this machine's Docker can give GPUs to containers")
     monkeypatch.setenv("GPUMESH_TEST_SIMULATED_GPUS", "A100:80GB")
+
+
+@pytest.mark.usefixtures("gpus_docker_cannot_give")
+def test_a_provider_whose_docker_cannot_give_gpus_is_named(tmp_path: Path) -> None:
+    """alice-pc reports a GPU (simulated) but its Docker has no NVIDIA runtime: the
+    consumer's message names alice-pc, not "this machine" (which reads as its own)."""
     with shared_pair(tmp_path) as (_alice, bob):
         result = gpumesh(bob, "run", "--peer", "alice-pc", "--gpu-memory", "1GB", "--", "true")
     assert result.returncode != 0, result.stderr
@@ -258,17 +269,11 @@ def test_a_provider_whose_docker_cannot_give_gpus_is_named(
     assert "Traceback" not in result.stderr
 
 
-def test_a_cpu_job_runs_on_a_gpu_provider_whose_docker_cannot_give_gpus(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.mark.usefixtures("gpus_docker_cannot_give")
+def test_a_cpu_job_runs_on_a_gpu_provider_whose_docker_cannot_give_gpus(tmp_path: Path) -> None:
     """Every job failed there (exit 125), CPU jobs too: each was given the GPUs."""
-    import docker
-
-    if "nvidia" in (docker.from_env().info().get("Runtimes") or {}):  # pragma: no cover
-        pytest.skip("this machine's Docker can give GPUs to containers")
-    monkeypatch.setenv("GPUMESH_TEST_SIMULATED_GPUS", "A100:80GB")
     with shared_pair(tmp_path) as (_alice, bob):
-        for n in (1, 2):  # the first finds out; the second is made without GPUs at once
+        for n in (1, 2):  # each made without GPUs (the provider found out at its start)
             result = gpumesh(bob, "run", "--peer", "alice-pc", "--", "echo", f"cpu-{n}")
             assert result.returncode == 0, result.stderr
             assert result.stdout == f"cpu-{n}\n"
@@ -276,55 +281,24 @@ def test_a_cpu_job_runs_on_a_gpu_provider_whose_docker_cannot_give_gpus(
         assert [job["state"] for job in jobs] == ["succeeded", "succeeded"]
 
 
-def test_group_placement_skips_a_provider_whose_docker_cannot_give_gpus_for_gpu_jobs(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.usefixtures("gpus_docker_cannot_give")
+def test_a_provider_that_found_its_docker_cannot_give_gpus_says_so_and_is_skipped_for_gpu_jobs(
+    tmp_path: Path,
 ) -> None:
-    import docker
-
-    if "nvidia" in (docker.from_env().info().get("Runtimes") or {}):  # pragma: no cover
-        pytest.skip("this machine's Docker can give GPUs to containers")
-    monkeypatch.setenv("GPUMESH_TEST_SIMULATED_GPUS", "A100:80GB")
-    with shared_pair(tmp_path) as (_alice, bob):
+    # Simulated GPUs stand for a machine whose Docker gives them, so the provider
+    # finds out with the first job's container (a real machine's share finds out
+    # at its start). Then the owner is told, and placement skips it for GPU jobs.
+    with shared_pair(tmp_path) as (alice, bob):
         assert gpumesh(bob, "group", "create", "lab").returncode == 0
         assert gpumesh(bob, "group", "add", "lab", "alice-pc").returncode == 0
-        gpu_job = gpumesh(bob, "run", "--group", "lab", "--gpu-memory", "1GB", "--", "true")
-        assert gpu_job.returncode != 0
-        assert "alice-pc: its Docker cannot give GPUs to containers" in gpu_job.stderr
         cpu_job = gpumesh(bob, "run", "--group", "lab", "--", "echo", "cpu")
         assert cpu_job.returncode == 0, cpu_job.stderr
         assert cpu_job.stdout == "cpu\n"
-
-
-def test_share_warns_when_its_docker_cannot_give_its_gpus(tmp_path: Path) -> None:
-    import docker
-
-    if "nvidia" in (docker.from_env().info().get("Runtimes") or {}):  # pragma: no cover
-        pytest.skip("this machine's Docker can give GPUs to containers")
-    home = tmp_path / "a"
-    _init(home, "alice-pc", _free_udp_port())
-    env = dict(os.environ, GPUMESH_HOME=str(home), GPUMESH_TEST_SIMULATED_GPUS="A100:80GB")
-    env.pop("GPUMESH_LOG", None)
-    share = subprocess.Popen(
-        [sys.executable, "-m", "gpumesh", "share"],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert share.stdout is not None
-    said = []
-    try:
-        while not any("limits:" in line for line in said):  # the warning comes before
-            line = share.stdout.readline()
-            assert line, f"share ended: {said}"
-            said.append(line)
-    finally:
-        share.terminate()
-        _, err = share.communicate(timeout=30)
-    assert "GPU 0: A100" in "".join(said)
-    warning = [line for line in err.splitlines() if "cannot give GPUs to containers" in line]
-    assert len(warning) == 1, err
-    assert "jobs run without GPUs" in warning[0] and "nvidia-container-toolkit" in warning[0]
+        said = (alice / "logs" / "gpumesh.log").read_text()
+        assert f"share:   {NO_GPU_RUNTIME_NOTE}" in said  # a line of the share's output
+        gpu_job = gpumesh(bob, "run", "--group", "lab", "--gpu-memory", "1GB", "--", "true")
+        assert gpu_job.returncode != 0
+        assert "alice-pc: its Docker cannot give GPUs to containers" in gpu_job.stderr
 
 
 def test_a_command_missing_from_the_image_is_said_in_our_words(pair) -> None:

@@ -81,6 +81,7 @@ from gpumesh.runtime.base import (
     LABEL_JOB,
     LABEL_NODE,
     LABEL_PEER,
+    NO_GPU_RUNTIME_NOTE,
     ContainerSpec,
     ContainerState,
     JobRuntime,
@@ -757,8 +758,11 @@ class JobService:
         )
         await self._event(run, JobState.STARTING, None, f"attempt {attempt} starting")
         job = self._record(run.job_id)
+        knew = self.no_gpu_runtime
         try:
             spec = await in_thread(self._create_and_start, run, job, attempt)
+            if self.no_gpu_runtime and not knew:  # this attempt found out: the owner hears
+                self.report(NO_GPU_RUNTIME_NOTE)
             self.store.update_job(JobRole.HOSTED, run.job_id, container_id=run.container_id)
             if job.gpus and not spec.gpu_ids:  # it runs without them (no GPU runtime)
                 self.gpus.hold(_holder(run.job_id), [], 0)

@@ -254,8 +254,11 @@ class Agent:
 
     def _docker_lacks_gpus(self) -> bool:
         """Whether this machine has GPUs its Docker cannot give to containers
-        (blocking; False when Docker does not answer: a job meets that itself)."""
-        if not self.gpus.inventory.gpus():
+        (blocking; False when Docker does not answer: a job meets that itself).
+        Simulated GPUs (tests) stand for a machine whose Docker gives them: a
+        container Docker refuses its GPUs tells all the same (JobService)."""
+        inventory = self.gpus.inventory
+        if inventory.source == "simulated" or not inventory.gpus():
             return False
         try:
             return not self.containers.runtime.gpu_runtime_available()

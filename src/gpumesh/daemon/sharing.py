@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from gpumesh.errors import ConfigError, GPUMeshError, InUseError, RuntimeUnavailableError
-from gpumesh.runtime.base import NO_GPU_RUNTIME
+from gpumesh.runtime.base import NO_GPU_RUNTIME_NOTE
 
 _SAID = {"gpumesh_said": True}
 """On the log record of a line the share says (see cli/_logsetup.LevelFilter)."""
@@ -326,12 +326,7 @@ class Sharing:
         if not gpus:
             self.say("  no NVIDIA GPU here: peers can run CPU-only jobs (without --gpu-memory)")
         elif agent.jobs.no_gpu_runtime:
-            self.say(
-                f"  {NO_GPU_RUNTIME}: jobs run without GPUs, and those that ask for GPU "
-                "memory fail; install nvidia-container-toolkit and restart Docker",
-                err=True,
-                tone="warn",
-            )
+            self.say(f"  {NO_GPU_RUNTIME_NOTE}", err=True, tone="warn")
         await self._report_job_user(agent)
         network = agent.containers.network()
         cap = agent.gpus.max_vram

@@ -20,6 +20,7 @@ from gpumesh.runtime.pull import PullProgress
 __all__ = [
     "MAX_MOUNTS",
     "NO_GPU_RUNTIME",
+    "NO_GPU_RUNTIME_NOTE",
     "ContainerSpec",
     "ContainerState",
     "EngineIsolation",
@@ -35,6 +36,11 @@ NO_GPU_RUNTIME = (
     "this machine's Docker cannot give GPUs to containers (no NVIDIA container toolkit)"
 )
 """What a provider says when its engine has no way to give containers GPUs."""
+NO_GPU_RUNTIME_NOTE = (
+    f"{NO_GPU_RUNTIME}: jobs run without GPUs, and those that ask for GPU memory fail; "
+    "install nvidia-container-toolkit and restart Docker"
+)
+"""The owner's line about it, in the share's output."""
 
 LABEL_PREFIX = "io.gpumesh"
 LABEL_JOB = f"{LABEL_PREFIX}.job"

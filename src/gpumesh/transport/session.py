@@ -662,7 +662,9 @@ async def _open_direct(
     if len(addresses) > 1 and isinstance(best, UnreachableError):
         tried = ", ".join(f"{h}:{p}" for h, p in addresses)
         raise UnreachableError(
-            f"cannot reach {peer_label} at {tried}: {best.message}", refused=best.refused
+            f"cannot reach {peer_label} at {tried}: {best.message}",
+            refused=best.refused,
+            why=f"at {tried}: {best.why}",
         )
     raise best
 
