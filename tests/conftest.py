@@ -7,7 +7,6 @@ import dataclasses
 import os
 import pwd
 import shutil
-import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -30,12 +29,6 @@ settings.register_profile(
 )
 settings.load_profile("gpumesh")
 
-# Ctrl-C must reach the processes tests start and interrupt: a suite run in the
-# background of a shell starts with SIGINT ignored, which its children inherit
-# through exec, so the SIGINT a test sends them would do nothing. Caught here
-# instead, it is back to the default in every child.
-if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
-    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # The suite's CLI tests run their commands in-process, as before the node process;
 # tests of the node process (tests/integration/test_node_*.py) switch it back on.
