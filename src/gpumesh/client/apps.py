@@ -603,7 +603,7 @@ async def _get_folder(node: Node, session: Session, peer: Peer, remote: str, des
         hash_name = taken(info.hash, asked)
         received = None
         if offer is not None:
-            digest = await receive_tar(
+            unpacked = await receive_tar(
                 node,
                 session,
                 peer,
@@ -615,7 +615,7 @@ async def _get_folder(node: Node, session: Session, peer: Peer, remote: str, des
                 _ignore,
                 STALL_TIMEOUT,
             )
-            received = None if digest is None else info.size
+            received = None if unpacked is None else info.size
         try:
             if received is None:
                 received = await _get_folder_quic(stream, peer, remote, temp, info.size, hash_name)

@@ -25,7 +25,7 @@ import shutil
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from gpumesh.blocking import closing_in_thread, in_thread
 from gpumesh.errors import (
@@ -54,6 +54,7 @@ if TYPE_CHECKING:
 __all__ = [
     "BLOCKED_FOR",
     "NoChannel",
+    "Unpacked",
     "answer_after_offer",
     "open_channel",
     "receive_tar",
@@ -64,6 +65,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=Message)
+T = TypeVar("T")
 
 BLOCKED_FOR = 600.0
 """Seconds a peer's data channel is not tried again after one failed to open."""
@@ -200,6 +202,15 @@ async def send_tar(
     return digest
 
 
+class Unpacked(NamedTuple):
+    """A folder received whole."""
+
+    digest: bytes
+    """Its tar's hash, as both ends agreed."""
+    content: int
+    """Bytes of file contents unpacked (without the tar's headers)."""
+
+
 async def receive_tar(
     node: Node,
     session: Session,
@@ -211,11 +222,11 @@ async def receive_tar(
     dest: Path,
     progress: Callable[[int], None],
     stall_timeout: float,
-) -> bytes | None:
+) -> Unpacked | None:
     """Unpack the tar of exactly ``size`` bytes arriving over the offered channel into
     ``dest`` (all or nothing, at most ``size`` bytes of content), and check it
-    against the FileDone that follows on ``stream``; returns its hash. On any
-    failure nothing is left at ``dest``.
+    against the FileDone that follows on ``stream``; returns its hash and the bytes
+    of content unpacked. On any failure nothing is left at ``dest``.
 
     None: the channel did not open, ChannelDeclined is sent, and the provider
     sends the tar as DATA on ``stream``.
@@ -231,7 +242,9 @@ async def receive_tar(
     consume = functools.partial(unpack_pieces, dest=dest, limit=size)
     try:
         try:
-            await _on_thread(channel, receive_stream, size, consume, hasher, _threadsafe(progress))
+            content = await _on_thread(
+                channel, receive_stream, size, consume, hasher, _threadsafe(progress)
+            )
         except ConnectionLostError:
             await _refusal(stream)
             raise
@@ -245,15 +258,16 @@ async def receive_tar(
     except BaseException:
         await in_thread(shutil.rmtree, dest, True)
         raise
-    return done.digest
+    return Unpacked(done.digest, content)
 
 
-async def _on_thread(channel: Channel, pump: Callable[..., None], *args: Any) -> None:
-    """Run a pump on its own thread. Leaving early (cancelled, stopped) aborts the
-    channel so the thread ends too; the channel is closed once it let go."""
+async def _on_thread(channel: Channel, pump: Callable[..., T], *args: Any) -> T:
+    """Run a pump on its own thread; what it returns. Leaving early (cancelled,
+    stopped) aborts the channel so the thread ends too; the channel is closed once
+    it let go."""
     running = in_thread(pump, channel, *args)
     try:
-        await asyncio.shield(running)
+        return await asyncio.shield(running)
     except BaseException:
         channel.abort()
         running.add_done_callback(_retrieved)

@@ -63,6 +63,7 @@ from gpumesh.protocol.messages import (
 from gpumesh.units import format_size
 
 if TYPE_CHECKING:
+    from gpumesh.client.bulk import Unpacked
     from gpumesh.client.node import Node
     from gpumesh.files.channel import Channel
     from gpumesh.files.transfer import Hasher
@@ -1021,10 +1022,10 @@ class _Download(_Copy):
             self.result.offsets.append(0)
             self.done = 0
             self.callbacks.progress(0, size)
-            digest = None
+            unpacked: Unpacked | None = None
             if offer is not None:
                 self.result.channel = "tls"
-                digest = await receive_tar(
+                unpacked = await receive_tar(
                     self.node,
                     session,
                     self.peer,
@@ -1036,19 +1037,20 @@ class _Download(_Copy):
                     lambda count: self.advance(count, size),
                     self.stall_timeout,
                 )
-                if digest is None:
+                if unpacked is None:
                     self.fast = False
                     self.result.no_channel = NoChannel.FAILED
             elif wanted:
                 self.result.no_channel = NoChannel.NOT_OFFERED
             try:
-                if digest is None:
+                if unpacked is None:
                     self.result.channel = "quic"
-                    digest = await self._get_folder_quic(stream, temp, size, hash_name)
-                self.result.folder_content = await in_thread(_place_folder_download, temp, dest)
+                    unpacked = await self._get_folder_quic(stream, temp, size, hash_name)
+                await in_thread(_place_folder_download, temp, dest)
             finally:
                 await in_thread(_remove, temp)
-            self.result.hash, self.result.digest = hash_name, digest.hex()
+            self.result.hash, self.result.digest = hash_name, unpacked.digest.hex()
+            self.result.folder_content = unpacked.content
         finally:
             with contextlib.suppress(GPUMeshError):
                 stream.finish()
@@ -1056,8 +1058,10 @@ class _Download(_Copy):
 
     async def _get_folder_quic(
         self, stream: Stream, temp: Path, size: int, hash_name: str
-    ) -> bytes:
-        """The tar as DATA on the request's stream, unpacked into ``temp``; its hash."""
+    ) -> Unpacked:
+        """The tar as DATA on the request's stream, unpacked into ``temp``; its hash
+        and bytes of content."""
+        from gpumesh.client.bulk import Unpacked
         from gpumesh.files.transfer import unpack_from
 
         hasher = new_hasher(hash_name)
@@ -1067,14 +1071,14 @@ class _Download(_Copy):
                     raise ProtocolError(f"{self.peer.name} sent more than the folder's size")
                 await feed(chunk)
                 self.advance(len(chunk), size)
-            await feed(None)
+            content = await feed(None)
         done = await self.within(RESPONSE_TIMEOUT, stream.expect(FileDone))
         if self.done != size or done.size != size or done.digest != hasher.digest():
             raise ProtocolError(
                 f"the copy of {self.remote_label(self.remote)} did not match its "
                 f"{label(hash_name)} hash and was removed; copy it again"
             )
-        return done.digest
+        return Unpacked(done.digest, content)
 
     def gave_up(self, exc: GPUMeshError) -> GPUMeshError:
         if self.info is not None and self.info.kind == "file" and 0 < self.done < self.info.size:
@@ -1153,18 +1157,10 @@ def _place_part(info: FileInfo, part: Path, dest: Path) -> None:
     os.replace(part, dest)
 
 
-def _place_folder_download(temp: Path, dest: Path) -> int:
-    """Move the unpacked folder into place; its bytes of file contents."""
-    content = 0
-    for folder, _, files in os.walk(temp):
-        for name in files:
-            st = os.lstat(os.path.join(folder, name))
-            if stat.S_ISREG(st.st_mode):
-                content += st.st_size
+def _place_folder_download(temp: Path, dest: Path) -> None:
     if dest.is_dir() and not dest.is_symlink():
         dest.rmdir()  # empty: checked before the transfer
     os.rename(temp, dest)
-    return content
 
 
 def _remove(path: Path) -> None:

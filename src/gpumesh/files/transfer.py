@@ -349,13 +349,14 @@ def unpack_pieces(
 @contextlib.asynccontextmanager
 async def unpack_from(
     dest: Path, limit: int, hasher: Hasher, owner: tuple[int, int] | None = None
-) -> AsyncIterator[Callable[[bytes | None], Awaitable[None]]]:
+) -> AsyncIterator[Callable[[bytes | None], Awaitable[int]]]:
     """Unpack a tar into ``dest`` (all or nothing) on a thread while chunks arrive;
     ``owner`` (uid, gid): given everything unpacked, ``dest`` included.
 
     Yields ``feed``: ``await feed(chunk)`` for each chunk, ``await feed(None)``
-    at the end, which waits for the unpacking to finish and raises what it
-    raised; a refusal (a bad entry, the limit) is raised by the next ``feed``.
+    at the end, which waits for the unpacking to finish, raises what it raised,
+    and returns the bytes of content unpacked (a chunk's feed returns 0); a
+    refusal (a bad entry, the limit) is raised by the next ``feed``.
     Leaving the block any other way aborts and removes what was unpacked.
     """
     loop = asyncio.get_running_loop()
@@ -371,7 +372,7 @@ async def unpack_from(
     unpacking = in_thread(_unpack, next_chunk, dest, limit, hasher, owner)
     finished = False
 
-    async def feed(chunk: bytes | None) -> None:
+    async def feed(chunk: bytes | None) -> int:
         nonlocal finished
         if chunks.full() or unpacking.done():
             putting = asyncio.ensure_future(chunks.put(chunk))
@@ -385,8 +386,10 @@ async def unpack_from(
         else:
             chunks.put_nowait(chunk)
         if chunk is None:
-            await unpacking
+            content = await unpacking
             finished = True
+            return content
+        return 0
 
     try:
         yield feed
