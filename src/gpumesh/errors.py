@@ -215,17 +215,20 @@ class TransportError(GPUMeshError):
     code = "transport"
     exit_code = ExitCode.UNREACHABLE
 
+    def __init__(self, message: str, *, why: str = "") -> None:
+        super().__init__(message)
+        self.why = why or message
+        """What failed, without the advice after it: one part of a message that
+        names every path a dial tried."""
+
 
 class UnreachableError(TransportError):
     code = "unreachable"
 
     def __init__(self, message: str, *, refused: bool = False, why: str = "") -> None:
-        super().__init__(message)
+        super().__init__(message, why=why)
         self.refused = refused
         """The host answered that nothing listens on that port (ICMP port unreachable)."""
-        self.why = why or message
-        """What failed, without the advice after it: one part of a message that
-        names every path a dial tried."""
 
 
 class KeyMismatchError(TransportError):
@@ -240,11 +243,6 @@ class RelayError(TransportError):
     """The relay refused or ended something (its named refusal is in the message)."""
 
     code = "relay"
-
-    def __init__(self, message: str, *, why: str = "") -> None:
-        super().__init__(message)
-        self.why = why or message
-        """The refusal without the advice after it (see UnreachableError.why)."""
 
 
 class ProtocolError(GPUMeshError):

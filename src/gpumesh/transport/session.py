@@ -31,6 +31,7 @@ from gpumesh.errors import (
     KeyMismatchError,
     ProtocolError,
     RelayError,
+    TransportError,
     UnreachableError,
 )
 from gpumesh.identity.keys import Identity
@@ -394,7 +395,7 @@ async def _authenticate(
 
 def _path_failure(error: BaseException) -> str:
     """What failed on one path, without the advice its own message ends with."""
-    return getattr(error, "why", "") or str(error)
+    return error.why if isinstance(error, TransportError) else str(error)
 
 
 def _rank(error: GPUMeshError) -> int:
