@@ -7,6 +7,7 @@ exit code, and no traceback.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import re
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import time
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
@@ -68,6 +70,19 @@ def _start_share(home: Path, *flags: str) -> subprocess.Popen[str]:
             raise AssertionError(f"share did not start: {proc.communicate()}")
         time.sleep(0.05)
     return proc
+
+
+@contextlib.contextmanager
+def running_share(home: Path, *flags: str) -> Iterator[subprocess.Popen[str]]:
+    """`gpumesh share` for ``home`` (started as :func:`_start_share` starts it) while
+    the block runs; then stopped with SIGTERM, its pipes drained and closed."""
+    share = _start_share(home, *flags)
+    try:
+        yield share
+    finally:
+        if share.poll() is None:
+            share.terminate()
+        share.communicate(timeout=30)
 
 
 @pytest.fixture

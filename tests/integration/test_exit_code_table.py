@@ -19,7 +19,7 @@ from gpumesh.errors import ExitCode
 from gpumesh.gpu.inventory import detect_inventory
 from tests.integration.conftest import gpumesh
 from tests.integration.node import cli
-from tests.integration.test_cli import _free_udp_port, _init, _one_line_error, _start_share
+from tests.integration.test_cli import _free_udp_port, _init, _one_line_error, running_share
 
 
 @pytest.fixture
@@ -34,13 +34,8 @@ def alice_and_bob(tmp_path: Path) -> tuple[Path, Path]:
 
 @pytest.fixture
 def alice_shares(alice_and_bob: tuple[Path, Path]) -> Iterator[tuple[Path, Path]]:
-    alice, _ = alice_and_bob
-    share = _start_share(alice)
-    try:
+    with running_share(alice_and_bob[0]):
         yield alice_and_bob
-    finally:
-        share.terminate()
-        share.communicate(timeout=30)
 
 
 def test_bad_input_is_2(tmp_path: Path) -> None:

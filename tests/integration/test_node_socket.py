@@ -9,9 +9,7 @@ import contextlib
 import json
 import os
 import re
-import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +17,7 @@ import pytest
 
 from tests.integration.conftest import gpumesh, shared_pair
 from tests.integration.node import CEILING, cli, status
-from tests.integration.test_cli import _free_udp_port, _init, _start_share
+from tests.integration.test_cli import _free_udp_port, _init, running_share
 from tests.integration.test_relay_node import _start_relay, _stop
 
 pytestmark = pytest.mark.usefixtures("docker_daemon")
@@ -31,19 +29,6 @@ def _setup(home: Path, name: str, **config: str) -> None:
     _init(home, name, _free_udp_port())
     for key, value in {"image": image, **config}.items():
         assert gpumesh(home, "config", "set", key, value).returncode == 0
-
-
-@contextlib.contextmanager
-def _sharing(home: Path) -> Iterator[subprocess.Popen[str]]:
-    share = _start_share(home)
-    try:
-        yield share
-    finally:
-        share.terminate()
-        share.wait(timeout=15)
-        for pipe in (share.stdout, share.stderr):
-            if pipe is not None:
-                pipe.close()
 
 
 def _pair(a: Path, b: Path) -> None:
@@ -81,7 +66,7 @@ def _udp_ports_of(pid: int) -> set[int]:
 
 def test_two_peers_and_a_redial_after_a_drop_leave_from_one_udp_port(tmp_path: Path) -> None:
     _setup(tmp_path / "c", "carol-pc")
-    with shared_pair(tmp_path) as (_alice, bob), _sharing(tmp_path / "c"):
+    with shared_pair(tmp_path) as (_alice, bob), running_share(tmp_path / "c"):
         _pair(tmp_path / "c", bob)
         _echo(bob, "alice-pc", "one")
         node = status(bob)["node"]
@@ -146,7 +131,7 @@ def test_two_relayed_peers_share_one_relay_registration(tmp_path: Path) -> None:
             # listens there), so only the relay reaches them.
             port = str(_free_udp_port())
             assert gpumesh(home, "config", "set", "listen_port", port).returncode == 0
-        with _sharing(alice), _sharing(carol):
+        with running_share(alice), running_share(carol):
             before = len(log.read_text())  # pairing's own checks registered too
             _echo(bob, "alice-pc", "one")
             _echo(bob, "carol-pc", "two")

@@ -4,14 +4,13 @@ the real CLI to real `gpumesh share` processes on loopback."""
 from __future__ import annotations
 
 import json
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.integration.conftest import gpumesh
-from tests.integration.test_cli import _free_udp_port, _init, _start_share
+from tests.integration.test_cli import _free_udp_port, _init, running_share
 
 
 def _ok(home: Path, *args: str) -> str:
@@ -31,21 +30,8 @@ def homes(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
 
 @pytest.fixture
 def alice_sharing(homes: tuple[Path, Path]) -> Iterator[tuple[Path, Path]]:
-    alice, _bob = homes
-    share = _start_share(alice)
-    try:
+    with running_share(homes[0]):
         yield homes
-    finally:
-        _stop(share)
-
-
-def _stop(share: subprocess.Popen[str]) -> None:
-    if share.poll() is None:
-        share.kill()
-    share.wait()
-    for pipe in (share.stdout, share.stderr):
-        if pipe is not None:
-            pipe.close()
 
 
 def test_a_peer_that_paired_us_first_is_ready(alice_sharing: tuple[Path, Path]) -> None:

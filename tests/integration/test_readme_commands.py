@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_cli import _free_udp_port, _init, _start_share
+from tests.integration.test_cli import _free_udp_port, _init, running_share
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 IMAGE = os.environ.get("GPUMESH_TEST_DOCKER_IMAGE", "gpumesh-test/busybox:1")
@@ -262,12 +262,10 @@ def scene(tmp_path: Path) -> Iterator[Scene]:
     (work / "job.yaml").write_text(
         f"peer: alice-pc\nimage: {IMAGE}\ncommand: [echo, from job.yaml]\n"
     )
-    share = _start_share(alice)
     try:
-        yield scene
+        with running_share(alice):
+            yield scene
     finally:
-        share.terminate()
-        share.communicate(timeout=60)
         for home in scene.homes.values():
             scene.run(Step(home=home.name, node=True), ["daemon", "stop"])
 
