@@ -246,13 +246,12 @@ def gpus_docker_cannot_give(monkeypatch: pytest.MonkeyPatch) -> None:
     """A GPU (simulated: A100, 80GB) that this machine's Docker cannot give to
     containers, as on a GPU machine without NVIDIA's container toolkit."""
     import contextlib
-    import shutil
 
-    import docker
+    from gpumesh.runtime.docker import DockerRuntime
 
-    with contextlib.closing(docker.from_env()) as client:
-        runtimes = client.info().get("Runtimes") or {}
-    if "nvidia" in runtimes or shutil.which("nvidia-container-runtime-hook"):  # pragma: no cover
+    with contextlib.closing(DockerRuntime()) as runtime:
+        gives = runtime.gpu_runtime_available()  # the provider's own answer
+    if gives:  # pragma: no cover
         pytest.skip("this machine's Docker can give GPUs to containers")
     monkeypatch.setenv("GPUMESH_TEST_SIMULATED_GPUS", "A100:80GB")
 
