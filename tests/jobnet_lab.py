@@ -13,14 +13,43 @@ import os
 import shutil
 import socket
 import subprocess
+from typing import Any
 
 import docker
 import docker.errors
 import requests.exceptions
 
+from gpumesh.runtime.base import LABEL_KIND
+from gpumesh.runtime.holders import KIND_HOLDER
 from gpumesh.runtime.jobnet import FILTERED_MODES, names_for
 
 SESSION_PREFIX = f"gpumesh-jobs-t{os.getpid()}"
+
+
+def network_host_config(api: Any, container_id: str) -> dict[str, Any]:
+    """The HostConfig of the container whose network namespace ``container_id``
+    lives in: its own, or that of the holder it joined (see
+    :mod:`gpumesh.runtime.holders`), which has the network, the name servers
+    and the IPv6 switch."""
+    host = dict(api.inspect_container(container_id)["HostConfig"])
+    mode = str(host.get("NetworkMode") or "")
+    if mode.startswith("container:"):
+        holder = api.inspect_container(mode.removeprefix("container:"))
+        assert holder["Config"]["Labels"].get(LABEL_KIND) == KIND_HOLDER, holder["Name"]
+        return dict(holder["HostConfig"])
+    return host
+
+
+def container_address(api: Any, container_id: str) -> str:
+    """A running container's address on its network ("" before it has one)."""
+    attrs = api.inspect_container(container_id)
+    mode = str(attrs["HostConfig"].get("NetworkMode") or "")
+    if mode.startswith("container:"):
+        attrs = api.inspect_container(mode.removeprefix("container:"))
+    for settings in (attrs["NetworkSettings"].get("Networks") or {}).values():
+        if settings.get("IPAddress"):
+            return str(settings["IPAddress"])
+    return ""
 
 
 def _engine_answers() -> bool:
@@ -68,8 +97,13 @@ def remove_job_networks(prefix: str) -> None:
             for network in client.networks.list(names=[names.network]):
                 if network.name != names.network:
                     continue
+                network.reload()
                 for container in network.attrs.get("Containers") or {}:
                     with contextlib.suppress(docker.errors.APIError):
-                        network.disconnect(container, force=True)
+                        attrs = client.api.inspect_container(container)
+                        if attrs["Config"]["Labels"].get(LABEL_KIND) == KIND_HOLDER:
+                            client.api.remove_container(container, force=True)
+                        else:
+                            network.disconnect(container, force=True)
                 with contextlib.suppress(docker.errors.APIError):
                     network.remove()

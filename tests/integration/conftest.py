@@ -139,16 +139,22 @@ def job_nodes(make_node: Callable[[str], Node], job_memory: str) -> Iterator[Cal
 
 
 def remove_containers(node_id: str) -> None:
-    """Remove every container a node's agent made (agents keep job containers on stop)."""
+    """Remove every container a node's agent made (agents keep job containers on
+    stop), and the network holders made for it."""
     import docker
     import docker.errors
 
     from gpumesh.runtime.base import LABEL_NODE
+    from gpumesh.runtime.holders import LABEL_HOLDER_OF
 
     client = docker.from_env()
     try:
-        label = f"{LABEL_NODE}={node_id}"
-        for summary in client.api.containers(all=True, filters={"label": label}):
+        found = [
+            summary
+            for label in (LABEL_NODE, LABEL_HOLDER_OF)
+            for summary in client.api.containers(all=True, filters={"label": f"{label}={node_id}"})
+        ]
+        for summary in found:
             try:
                 client.api.remove_container(summary["Id"], force=True)
             except docker.errors.APIError as exc:

@@ -35,7 +35,7 @@ from gpumesh.runtime.base import KIND_EXEC, LABEL_KIND, LABEL_NODE, LABEL_PEER
 from gpumesh.runtime.jobnet import names_for
 from tests.integration.conftest import arun, gpumesh, pair_both
 from tests.integration.test_cli import _free_udp_port, _init, _one_line_error, _start_share
-from tests.jobnet_lab import SESSION_PREFIX
+from tests.jobnet_lab import SESSION_PREFIX, network_host_config
 
 pytestmark = pytest.mark.usefixtures("docker_daemon")
 
@@ -238,8 +238,9 @@ def test_interactive_shell_through_a_real_terminal(nodes: Nodes, engine, termina
     assert host["Memory"] == host["MemorySwap"] == 256 * 1000**2
     assert not host.get("Binds")
     assert not attrs["Mounts"]
-    assert host["NetworkMode"] == names_for("internet", SESSION_PREFIX).network
-    assert host["Sysctls"] == {"net.ipv6.conf.all.disable_ipv6": "1"}
+    network = network_host_config(engine.api, container_id)
+    assert network["NetworkMode"] == names_for("internet", SESSION_PREFIX).network
+    assert network["Sysctls"] == {"net.ipv6.conf.all.disable_ipv6": "1"}
     assert host["LogConfig"]["Type"] == "none"
     assert attrs["Config"]["Tty"] is True
     assert "NVIDIA_VISIBLE_DEVICES=void" in attrs["Config"]["Env"]

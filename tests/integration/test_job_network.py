@@ -46,7 +46,7 @@ from gpumesh.runtime.jobnet import JobNetwork, Mode, rule_set
 from tests.conftest import _in_ci
 from tests.integration.conftest import gpumesh, remove_containers, shared_pair
 from tests.integration.test_cli import _free_udp_port, _init, _one_line_error, _start_share
-from tests.jobnet_lab import remove_job_networks
+from tests.jobnet_lab import container_address, remove_job_networks
 
 IMAGE = os.environ.get("GPUMESH_TEST_DOCKER_IMAGE", "gpumesh-test/busybox:1")
 MiB = 1024 * 1024
@@ -308,10 +308,10 @@ def _job_address(client: Any, job_id: str) -> str:
     for _ in range(300):
         found = client.containers.list(filters={"label": f"{LABEL_JOB}={job_id}"})
         if found:
-            networks = found[0].attrs["NetworkSettings"]["Networks"]
-            for settings in networks.values():
-                if settings.get("IPAddress"):
-                    return str(settings["IPAddress"])
+            with contextlib.suppress(docker.errors.NotFound):
+                address = container_address(client.api, found[0].id)
+                if address:
+                    return address
         subprocess.run(["sleep", "0.1"], check=False)
     raise AssertionError(f"job {job_id} never got a container with an address")
 
@@ -320,9 +320,15 @@ def _job_address(client: Any, job_id: str) -> str:
 
 
 class _Jobs:
-    """Containers on a job network of this test's own (its own prefix)."""
+    """Containers on a job network of this test's own (its own prefix). ``joined``
+    True: each in the namespace of a network holder made ready for it (see
+    gpumesh.runtime.holders); False: each made on the network itself (only the
+    first of a node is sure to be); None: as the runtime finds it."""
 
-    def __init__(self, mode: Mode, resolvers: tuple[str, ...]) -> None:
+    def __init__(
+        self, mode: Mode, resolvers: tuple[str, ...], *, joined: bool | None = None
+    ) -> None:
+        self.joined = joined
         self.prefix = f"gpumesh-jobs-t{secrets.token_hex(4)}"
         self.node = f"jobnet-{uuid.uuid4().hex[:8]}"
         self.client = docker.from_env()
@@ -344,7 +350,12 @@ class _Jobs:
             network=self.network.docker_network,
             dns=self.network.dns,
         )
+        if self.joined:
+            assert self.runtime.prepare(spec.network, spec.dns, self.node, wait=60)
         container_id = self.runtime.create(spec)
+        if self.joined is not None:
+            mode = self.client.api.inspect_container(container_id)["HostConfig"]["NetworkMode"]
+            assert mode.startswith("container:") == self.joined, mode
         self.runtime.start(container_id)
         self.runtime.wait(container_id)
         return b"".join(
@@ -353,25 +364,30 @@ class _Jobs:
 
     def close(self) -> None:
         remove_containers(self.node)
+        self.runtime.close()
         self.client.close()
         remove_job_networks(self.prefix)
 
 
+JOINED = pytest.mark.parametrize("joined", [False, True], ids=["on-the-network", "in-a-holder"])
+
+
 @contextlib.contextmanager
-def _jobs(mode: Mode, resolvers: tuple[str, ...]) -> Iterator[_Jobs]:
-    jobs = _Jobs(mode, resolvers)
+def _jobs(mode: Mode, resolvers: tuple[str, ...], *, joined: bool | None = None) -> Iterator[_Jobs]:
+    jobs = _Jobs(mode, resolvers, joined=joined)
     try:
         yield jobs
     finally:
         jobs.close()
 
 
+@JOINED
 def test_dns_reaches_port_53_of_the_given_resolver_and_nothing_else_of_it(
-    outside: Outside,
+    outside: Outside, joined: bool
 ) -> None:
     """The resolver sits on a private address (as a cloud's or a home router's does):
     names resolve through it, yet its other ports stay closed."""
-    with _jobs("internet", (outside.private,)) as jobs:
+    with _jobs("internet", (outside.private,), joined=joined) as jobs:
         output = jobs.run(
             "busybox nslookup probe.gpumesh.test; "
             + _probe_script({"resolver-web": f"{outside.private}:{outside.port}"})
@@ -380,10 +396,11 @@ def test_dns_reaches_port_53_of_the_given_resolver_and_nothing_else_of_it(
     assert _verdicts(output) == {"resolver-web": "closed"}, output
 
 
+@JOINED
 def test_lan_reaches_private_ranges_but_not_link_local_this_machine_or_containers(
-    outside: Outside, host_listener: int
+    outside: Outside, host_listener: int, joined: bool
 ) -> None:
-    with _jobs("lan", (outside.private,)) as jobs:
+    with _jobs("lan", (outside.private,), joined=joined) as jobs:
         plain = _listener_container(jobs.client, "bridge", jobs.node)
         output = jobs.run(
             _probe_script(
@@ -407,8 +424,9 @@ def test_lan_reaches_private_ranges_but_not_link_local_this_machine_or_container
     }, output
 
 
-def test_jobs_on_the_job_network_cannot_reach_each_other_nor_use_ipv6() -> None:
-    with _jobs("internet", ()) as jobs:
+@JOINED
+def test_jobs_on_the_job_network_cannot_reach_each_other_nor_use_ipv6(joined: bool) -> None:
+    with _jobs("internet", (), joined=joined) as jobs:
         neighbour = _listener_container(jobs.client, jobs.network.docker_network, jobs.node)
         output = jobs.run(
             _probe_script({"neighbour": f"{neighbour}:8080"})

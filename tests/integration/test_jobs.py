@@ -37,7 +37,7 @@ from gpumesh.runtime.base import LABEL_JOB, LABEL_NODE
 from gpumesh.runtime.docker import DockerRuntime
 from gpumesh.runtime.jobnet import names_for
 from tests.integration.conftest import arun, job_nodes, pair_both
-from tests.jobnet_lab import SESSION_PREFIX
+from tests.jobnet_lab import SESSION_PREFIX, network_host_config
 
 pytestmark = pytest.mark.usefixtures("docker_daemon")
 
@@ -295,8 +295,9 @@ def test_lockdown_is_visible_on_a_running_job_container(cluster, engine) -> None
             assert "no-new-privileges" in host["SecurityOpt"]
             assert host["PidsLimit"] == 1024
             assert host["Memory"] == 256_000_000
-            assert host["NetworkMode"] == names_for("internet", SESSION_PREFIX).network
-            assert host["Sysctls"] == {"net.ipv6.conf.all.disable_ipv6": "1"}
+            network = network_host_config(engine.api, container.id)  # type: ignore[attr-defined]
+            assert network["NetworkMode"] == names_for("internet", SESSION_PREFIX).network
+            assert network["Sysctls"] == {"net.ipv6.conf.all.disable_ipv6": "1"}
             assert not host.get("Binds")
             assert labels["io.gpumesh.job"] == started.job_id
             assert labels["io.gpumesh.peer"] == bob.info().node_id

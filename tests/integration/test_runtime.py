@@ -59,6 +59,8 @@ from gpumesh.runtime.docker import (
     _EntryReader,
     _timestamp_key,
 )
+from gpumesh.runtime.holders import LABEL_HOLDER_OF
+from tests.jobnet_lab import network_host_config
 
 IMAGE = os.environ.get("GPUMESH_TEST_DOCKER_IMAGE", "gpumesh-test/busybox:1")
 MiB = 1024 * 1024
@@ -121,12 +123,18 @@ class Jobs:
 
 
 def _remove_labelled(client: Any, node_id: str) -> list[str]:
-    """Remove this test's containers; return the names of any that would not go."""
-    label = f"{LABEL_NODE}={node_id}"
-    for summary in client.api.containers(all=True, filters={"label": label}):
-        with contextlib.suppress(docker.errors.NotFound):
-            client.api.remove_container(summary["Id"], force=True, v=True)
-    return [str(c["Names"]) for c in client.api.containers(all=True, filters={"label": label})]
+    """Remove this test's containers and network holders; return the names of any
+    that would not go."""
+    labels = [f"{LABEL_NODE}={node_id}", f"{LABEL_HOLDER_OF}={node_id}"]
+    for label in labels:
+        for summary in client.api.containers(all=True, filters={"label": label}):
+            with contextlib.suppress(docker.errors.NotFound):
+                client.api.remove_container(summary["Id"], force=True, v=True)
+    return [
+        str(c["Names"])
+        for label in labels
+        for c in client.api.containers(all=True, filters={"label": label})
+    ]
 
 
 @pytest.fixture
@@ -356,7 +364,7 @@ def test_lockdown_is_visible_in_host_config(jobs: Jobs, workdir: Path) -> None:
     default = jobs.create(["true"])
     assert jobs.runtime.host_config(default)["NetworkMode"] == "none"
     bridged = jobs.create(["true"], network="bridge")
-    assert jobs.runtime.host_config(bridged)["NetworkMode"] == "bridge"
+    assert network_host_config(jobs.client.api, bridged)["NetworkMode"] == "bridge"
 
 
 def test_lockdown_is_felt_inside(jobs: Jobs) -> None:

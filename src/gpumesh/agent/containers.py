@@ -211,6 +211,8 @@ class Containers:
             logger.warning("job network not made yet (%s): made before the first job", unreachable)
             return
         network.ensure(self.runtime)
+        if network.docker_network != "none":  # the first job starts as fast as the next
+            self.runtime.prepare(network.docker_network, network.dns, self._provider.node_id)
 
     def ensure_network(self) -> None:
         """Make the job network and install its rules, once (blocking); refuses, in

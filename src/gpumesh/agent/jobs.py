@@ -248,6 +248,8 @@ class JobService:
             if unfinished:
                 logger.warning("cannot recover %d job(s) yet: %s", len(unfinished), exc)
             return
+        with contextlib.suppress(GPUMeshError):
+            await in_thread(self.runtime.sweep_holders, self.provider.node_id)
         by_job = {c.labels.get(LABEL_JOB, ""): c for c in containers}
         known = {job.job_id for job in unfinished}
         for orphan in containers:

@@ -317,11 +317,20 @@ class JobRuntime(Protocol):
     def list_jobs(self, node_id: str) -> list[ContainerState]:
         """Every container labelled with LABEL_NODE == node_id, running or not."""
 
+    def prepare(self, network: str, dns: tuple[str, ...], node_id: str, *, wait: float = 0) -> bool:
+        """Get ready, in the background, what the next container of ``node_id`` on
+        ``network`` (with name servers ``dns``) needs, waiting up to ``wait``
+        seconds for it; whether it is ready."""
+
+    def sweep_holders(self, node_id: str) -> None:
+        """Remove what an earlier run for ``node_id`` left of the engine's ready
+        network namespaces that no container listed by :meth:`list_jobs` uses."""
+
     def pids(self, container_id: str) -> list[int]:
         """Host process ids of the container's processes (empty when it is not running)."""
 
     def close(self) -> None:
-        """Release connections to the engine; containers are not touched."""
+        """Release connections to the engine; no job's container is touched."""
 
     def host_config(self, container_id: str) -> dict[str, object]:
         """The container's inspected HostConfig (for checks and tests)."""

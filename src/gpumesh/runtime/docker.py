@@ -19,8 +19,9 @@ The SDK client is a requests session over a pool of connections; each request
 (including a long ``wait`` or a followed log stream) takes its own connection,
 and this class keeps no per-call state on the client, so concurrent calls do
 not interfere. The only shared mutable state here is the lazily created
-client, guarded by a lock, and the cached answer of :meth:`isolation`, guarded
-by another.
+client, guarded by a lock, the cached answer of :meth:`isolation`, guarded
+by another, and the network holders (:mod:`gpumesh.runtime.holders`), which
+guard their own.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ from gpumesh.runtime.base import (
     Stream,
     mount_target_problem,
 )
+from gpumesh.runtime.holders import Holders, Placement
 from gpumesh.runtime.jobnet import is_job_network
 from gpumesh.runtime.pull import PullProgress, PullTracker
 
@@ -187,9 +189,14 @@ class DockerRuntime:
         on at once, and takes it as stopped without asking. Guarded by ``_lock``."""
         self._isolation: EngineIsolation | None = None
         self._storage_size: bool | None = None
+        self._holders = Holders(self._engine, self._arch)
+        """Spare network namespaces for the next container on a network (see
+        :mod:`gpumesh.runtime.holders`)."""
 
     def close(self) -> None:
-        """Close the client this runtime made itself (an injected one is the caller's)."""
+        """Remove the spare network holders; close the client this runtime made
+        itself (an injected one is the caller's)."""
+        self._holders.close()
         if not self._owns_client:
             return
         with self._lock:
@@ -198,6 +205,10 @@ class DockerRuntime:
             client.close()
 
     # --- engine -------------------------------------------------------------------------
+
+    def _arch(self) -> str:
+        with self._engine("report its architecture") as api:
+            return str(api.version().get("Arch") or "")
 
     def version(self) -> str:
         with self._engine("report its version") as api:
@@ -428,12 +439,16 @@ class DockerRuntime:
         else:
             log_config = docker.types.LogConfig(type="local", config=dict(_LOG_CONFIG))
         kind = "exec" if interactive else "job"
-        sysctls = None
-        if is_job_network(spec.network) and os.path.isdir(_IPV6_SYSCTLS):
-            # The job network's rules are IPv4 rules: the container gets no IPv6
-            # at all (not even a link-local address to reach this machine by).
+        placement, holder = self._placement(spec)
+        network_mode, dns, sysctls = spec.network, list(spec.dns) or None, None
+        if holder is not None:  # its namespace was made as this container's would be
+            network_mode, dns = Holders.network_mode(holder), None
+        elif placement is not None and placement.ipv6_off:
             sysctls = {"net.ipv6.conf.all.disable_ipv6": "1"}
-        with self._engine(f"create container {spec.name!r}") as api:
+        with (
+            self._holders.unless_made(holder),
+            self._engine(f"create container {spec.name!r}") as api,
+        ):
             host_config = api.create_host_config(
                 privileged=False,
                 cap_drop=["ALL"],
@@ -446,8 +461,8 @@ class DockerRuntime:
                 mem_limit=spec.memory,
                 memswap_limit=spec.memory,
                 nano_cpus=round(spec.cpus * 1e9) if spec.cpus > 0 else None,
-                network_mode=spec.network,
-                dns=list(spec.dns) or None,
+                network_mode=network_mode,
+                dns=dns,
                 sysctls=sysctls,
                 binds=binds,
                 mounts=mounts or None,
@@ -481,11 +496,23 @@ class DockerRuntime:
                     ) from exc
                 raise
             container_id = str(created["Id"])
+        if holder is not None:
+            self._holders.joined(container_id, holder)
+        if placement is not None:
+            self._holders.replenish(placement)
         label = spec.labels.get(LABEL_JOB, spec.name)
         for warning in created.get("Warnings") or []:
             logger.warning("[%s %s] Docker: %s", kind, label, warning)
         logger.debug("[%s %s] created container %s", kind, label, container_id)
         return container_id
+
+    def _placement(self, spec: ContainerSpec) -> tuple[Placement | None, str | None]:
+        """Where ``spec``'s container goes (None: no network) and the spare holder
+        it joins there, if one is ready (see :mod:`gpumesh.runtime.holders`)."""
+        if spec.network == "none":
+            return None, None
+        placement = _placement(spec.network, spec.dns, spec.labels[LABEL_NODE])
+        return placement, self._holders.take(placement)
 
     def _inspect_image(self, name: str) -> dict[str, Any]:
         """The image a container is about to be created from: the inspection
@@ -566,16 +593,33 @@ class DockerRuntime:
                 if exc.status_code == 409 and "already in progress" in _explanation(exc):
                     return
                 raise
+        self._holders.removed(container_id)
 
     def list_jobs(self, node_id: str) -> list[ContainerState]:
         with self._engine("list containers") as api:
             found = api.containers(all=True, filters={"label": f"{LABEL_NODE}={node_id}"})
         states = []
         for summary in found:
+            container_id = str(summary["Id"])
             # A container removed between the listing and here is simply gone.
-            with contextlib.suppress(NotFoundError):
-                states.append(self.inspect(str(summary["Id"])))
+            with (
+                contextlib.suppress(NotFoundError),
+                self._engine("inspect container", container_id) as api,
+            ):
+                attrs = api.inspect_container(container_id)
+                states.append(_state(attrs))
+                network_mode = (attrs.get("HostConfig") or {}).get("NetworkMode") or ""
+                self._holders.adopt(container_id, str(network_mode))
         return states
+
+    def sweep_holders(self, node_id: str) -> None:
+        self._holders.sweep(node_id)
+
+    def prepare(self, network: str, dns: tuple[str, ...], node_id: str, *, wait: float = 0) -> bool:
+        """Have a network namespace ready for the next container of ``node_id`` on
+        ``network`` with name servers ``dns`` (made in the background; waited
+        for up to ``wait`` seconds). Whether one is ready."""
+        return self._holders.replenish(_placement(network, dns, node_id), wait=wait)
 
     def host_config(self, container_id: str) -> dict[str, object]:
         with self._engine("inspect container", container_id) as api:
@@ -827,6 +871,13 @@ _TINI_REASONS = {
     b"Permission denied": f"not executable in image {{image}} (exit {ExitCode.NOT_EXECUTABLE:d})",
 }
 _START_FAILURES = (ExitCode.NOT_EXECUTABLE, ExitCode.NOT_FOUND)
+
+
+def _placement(network: str, dns: tuple[str, ...], node_id: str) -> Placement:
+    # The job network's rules are IPv4 rules: a container there gets no IPv6 at
+    # all (not even a link-local address to reach this machine by).
+    ipv6_off = is_job_network(network) and os.path.isdir(_IPV6_SYSCTLS)
+    return Placement(network, dns, ipv6_off, node_id)
 
 
 def _tini_in_our_words(
