@@ -7,6 +7,7 @@ import dataclasses
 import os
 import pwd
 import shutil
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -28,6 +29,16 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile("gpumesh")
+
+# Ctrl-C must reach the processes tests start and interrupt. A suite started in
+# the background of a shell has SIGINT ignored, and an ignored signal stays
+# ignored through exec, so the SIGINT a test sends a child would do nothing: it
+# is put back to the default action here, which every child then starts with.
+# Not Python's KeyboardInterrupt handler: with that one installed, asyncio.run
+# installs its own around every loop the tests run, and the suite's loops would
+# end differently from the way they end in the run that ignored SIGINT.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 # The suite's CLI tests run their commands in-process, as before the node process;

@@ -13,8 +13,7 @@ import os
 import socket
 import subprocess
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ from unittest import mock
 
 import pytest
 
-from tests.integration.conftest import gpumesh, shared_pair
+from tests.integration.conftest import gpumesh, shared_pair, until
 from tests.integration.test_cli import _free_udp_port, _init
 from tests.integration.test_control_api import Api, start_control
 
@@ -65,17 +64,6 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
                 api.stop()
 
 
-def _until(what: Callable[[], Any], ceiling: float = 60.0, message: str = "") -> Any:
-    """Poll ``what`` until it is truthy; a generous ceiling, never a verdict on speed."""
-    deadline = time.monotonic() + ceiling
-    while True:
-        value = what()
-        if value:
-            return value
-        assert time.monotonic() < deadline, message or "condition not met"
-        time.sleep(0.2)
-
-
 @contextlib.contextmanager
 def signed_in(browser: Any, api: Api, base: str = "", **options: Any) -> Iterator[Any]:
     """A page of a fresh browser context, signed in to ``api``'s dashboard through a
@@ -113,7 +101,7 @@ def wait_js(page: Any, expression: str, ceiling: float = 60.0) -> Any:
                 return None  # the page is being replaced: ask the next one
             raise
 
-    return _until(now, ceiling, f"never true: {expression}")
+    return until(now, f"never true: {expression}", within=ceiling, every=0.2)
 
 
 def tab_to(page: Any, selector: str, presses: int = 80) -> None:
@@ -265,7 +253,7 @@ def test_the_charts_draw_the_sampled_history_and_move(browser: Any, mesh: Mesh) 
             now = page.evaluate("window.gpumeshCharts.map((c) => c.plot.data)")
             return now if now[0][0][-1] != first[0][0][-1] else None
 
-        later = _until(moved, message="the charts never received a newer sample")
+        later = until(moved, "the charts never received a newer sample", every=0.2)
         for before, after in zip(first, later, strict=True):
             assert after[0][-1] > before[0][-1]  # a later time
             assert len(after[0]) > len(before[0]) or after[0][0] > before[0][0]
@@ -412,7 +400,7 @@ def test_deny_from_the_owners_view_stops_the_peers_job_and_refuses_the_next(
     def running() -> bool:
         return bool(hosted()["state"] == "running")
 
-    _until(running, message="bob's job never ran")
+    until(running, "bob's job never ran", every=0.2)
     try:
         with signed_in(browser, mesh.alice) as page:
             page.goto(mesh.alice.dashboard + "/owner")
@@ -429,7 +417,7 @@ def test_deny_from_the_owners_view_stops_the_peers_job_and_refuses_the_next(
             job = hosted()
             return job if job["state"] in ("cancelled", "failed") else None
 
-        _until(stopped, message="bob's job kept running after the deny")
+        until(stopped, "bob's job kept running after the deny", every=0.2)
         refused = mesh.bob.call("POST", "/api/v1/jobs", json=body)
         assert refused.status_code == 403 and refused.json()["code"] == "denied", refused.text
     finally:
@@ -444,12 +432,12 @@ def test_the_owner_stops_one_hosted_job_from_the_owners_view(browser: Any, mesh:
         jobs = mesh.alice.ok("GET", "/api/v1/owner")["hosted"]
         return str(next((j["state"] for j in jobs if j["job_id"] == job_id), "unknown"))
 
-    _until(lambda: state() == "running", message="the job never ran")
+    until(lambda: state() == "running", "the job never ran", every=0.2)
     with signed_in(browser, mesh.alice) as page:
         page.goto(mesh.alice.dashboard + "/owner")
         tab_to(page, f'button[aria-label="Stop job {job_id}"]')
         page.keyboard.press("Enter")
-        _until(lambda: state() == "cancelled", message="the job kept running")
+        until(lambda: state() == "cancelled", "the job kept running", every=0.2)
     # Only that job: bob is still allowed and may run again.
     assert {p["name"]: p["allowed"] for p in mesh.alice.ok("GET", "/api/v1/peers")}["bob-laptop"]
 

@@ -21,7 +21,8 @@ import pytest
 
 from gpumesh.cuda import RemoteDevice
 from gpumesh.errors import GPUMeshError
-from tests.browser.test_dashboard import AXE, _until, signed_in, tab_to, wait_js
+from tests.browser.test_dashboard import AXE, signed_in, tab_to, wait_js
+from tests.integration.conftest import until
 from tests.integration.test_owner_sessions import Owner, sharing_sessions
 
 pytestmark = pytest.mark.usefixtures("docker_daemon")
@@ -75,7 +76,9 @@ def test_the_owner_stops_a_desktop_connection_from_the_page_by_keyboard(
     browser: Any, owner: Owner
 ) -> None:
     with _desktop_connection(owner.bob) as (proc, conn):
-        [listed] = _until(lambda: _sessions(owner, "desktops"), CEILING)
+        [listed] = until(
+            lambda: _sessions(owner, "desktops"), "the desktop listed", within=CEILING, every=0.2
+        )
         _no_serious_axe_violation(browser, owner)
         with signed_in(browser, owner.api) as page:
             page.goto(owner.api.dashboard + "/owner")
@@ -123,9 +126,11 @@ def test_deny_and_stop_everything_ends_shells_desktop_and_cuda_sessions(
         assert shell.stdout.readline() == "ready\n"
         dev = RemoteDevice("alice-pc", home=owner.bob, memory=MiB)
         with _desktop_connection(owner.bob) as (desktop, conn):
-            _until(
+            until(
                 lambda: all(_sessions(owner, kind) for kind in ("shells", "desktops", "cuda")),
-                CEILING,
+                "a shell, a desktop and a CUDA session listed",
+                within=CEILING,
+                every=0.2,
             )
             [cuda] = _sessions(owner, "cuda")
             with signed_in(browser, owner.api) as page:

@@ -12,6 +12,7 @@ import contextlib
 import os
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -22,6 +23,44 @@ from gpumesh.agent.server import Agent
 from gpumesh.client.node import Node
 
 T = TypeVar("T")
+
+
+def until(check: Callable[[], T], what: str, *, within: float = 60.0, every: float = 0.05) -> T:
+    """Poll ``check`` until it returns something true, and return that; fail
+    saying ``what`` was awaited after ``within`` seconds. The tests' one polling
+    loop: its ceiling bounds a hang and is never a verdict on speed."""
+    deadline = time.monotonic() + within
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"{what} (waited {within:g} s)")
+        time.sleep(every)
+
+
+async def until_async(
+    check: Callable[[], T], what: str, *, within: float = 60.0, every: float = 0.02
+) -> T:
+    """:func:`until` inside an event loop: the loop runs while it waits."""
+    deadline = time.monotonic() + within
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"{what} (waited {within:g} s)")
+        await asyncio.sleep(every)
+
+
+async def until_hosted(node: Node, job_id: str, *states: str, within: float = 60.0) -> None:
+    """Wait until ``node`` hosts job ``job_id`` in one of ``states``."""
+
+    def reached() -> bool:
+        job = node.home.store.job("hosted", job_id)
+        return job is not None and job.state in states
+
+    await until_async(reached, f"job {job_id} to be {' or '.join(states)}", within=within)
 
 
 def arun(coro: Coroutine[Any, Any, T]) -> T:

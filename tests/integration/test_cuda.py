@@ -17,7 +17,7 @@ from gpumesh.cuda import DevicePointer, RemoteDevice
 from gpumesh.cuda.kernels import VADD_F32, VADD_PTX
 from gpumesh.cuda.owner import open_sessions
 from gpumesh.errors import AccessDeniedError, CudaError, GPUMeshError, LimitError
-from tests.integration.conftest import arun, pair_both, sharing
+from tests.integration.conftest import arun, pair_both, sharing, until_async
 
 MiB = 1024 * 1024
 
@@ -34,15 +34,6 @@ def _offer(alice: Node, bob: Node) -> None:
 
 async def _in_thread(fn: Callable[[], object]) -> object:
     return await asyncio.to_thread(fn)
-
-
-async def _until(check: Callable[[], bool]) -> None:
-    """Wait for what the agent does after the session's last byte (a generous ceiling)."""
-    for _ in range(3000):
-        if check():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("the agent did not get there")
 
 
 def test_the_demo_runs_on_the_fallback_and_every_call_works(make_node) -> None:
@@ -90,7 +81,7 @@ def test_the_demo_runs_on_the_fallback_and_every_call_works(make_node) -> None:
             pair_both(alice, bob)
             _offer(alice, bob)
             await _in_thread(use)
-            await _until(lambda: not agent.cuda.sessions())
+            await until_async(lambda: not agent.cuda.sessions(), "the agent to end the session")
             assert not [r for r in agent.gpus.reservations() if r.holder.kind is HolderKind.CUDA]
 
     arun(scenario())
@@ -132,7 +123,7 @@ def test_session_memory_is_held_in_the_gpu_books_and_capped(make_node) -> None:
                 assert (seen.peer, seen.memory, seen.backend) == ("bob", MiB, "fallback")
             finally:
                 await _in_thread(dev.close)
-            await _until(lambda: not agent.gpus.reservations())
+            await until_async(lambda: not agent.gpus.reservations(), "the agent to free the GPU")
             assert open_sessions(alice.home) == []
 
     arun(scenario())
@@ -157,7 +148,7 @@ def test_revoking_ends_the_session_at_once(make_node, how: str) -> None:
             else:
                 alice.home.store.set_cuda_share(False)
             await agent.revoke_denied()  # what the deny's notification wakes
-            await _until(lambda: not agent.cuda.sessions())
+            await until_async(lambda: not agent.cuda.sessions(), "the agent to end the session")
             assert session.process.returncode is not None
             expected = AccessDeniedError if how != "deny" else Exception
             with pytest.raises(expected, match=r"revoked|stopped sharing CUDA"):
@@ -184,7 +175,7 @@ def test_a_worker_crash_is_one_line_and_the_agent_serves_on(make_node) -> None:
                 "memory are gone: open a new one"
             )
             await _in_thread(dev.close)
-            await _until(lambda: not agent.gpus.reservations())
+            await until_async(lambda: not agent.gpus.reservations(), "the agent to free the GPU")
             again = await _in_thread(lambda: RemoteDevice("alice", home=bob.home.path))
             assert await _in_thread(again.device_count) == 1
             await _in_thread(again.close)
@@ -226,14 +217,14 @@ def test_on_a_gpu_the_session_holds_its_memory_there_and_max_vram_caps_it(make_n
                 assert figures.reserved == 2 << 30
             finally:
                 await _in_thread(dev.close)
-            await _until(lambda: not agent.gpus.reservations())
+            await until_async(lambda: not agent.gpus.reservations(), "the agent to free the GPU")
             agent.cuda.backend = "driver"  # as if the GPU's driver had to be used, and is missing
             with pytest.raises(
                 CudaError,
                 match="the CUDA worker on alice could not open a device: CUDA_ERROR_NO_DEVICE",
             ):
                 await _in_thread(lambda: RemoteDevice("alice", home=bob.home.path))
-            await _until(lambda: not agent.gpus.reservations())
+            await until_async(lambda: not agent.gpus.reservations(), "the agent to free the GPU")
 
     arun(scenario())
 

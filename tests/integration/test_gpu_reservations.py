@@ -9,7 +9,6 @@ far out, the job waits in ``retrying``, still holding its promise.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable, Iterator
 
@@ -21,7 +20,7 @@ from gpumesh.client.node import Node
 from gpumesh.errors import LimitError
 from gpumesh.gpu.inventory import SimulatedInventory
 from gpumesh.protocol.messages import StatusReply, StatusRequest
-from tests.integration.conftest import arun, job_nodes, pair_both
+from tests.integration.conftest import arun, job_nodes, pair_both, until_hosted
 from tests.integration.test_jobs import spec
 
 pytestmark = pytest.mark.usefixtures("docker_daemon")
@@ -54,15 +53,6 @@ async def _gpu_figures(consumer: Node, provider: str) -> tuple[int, int]:
     return gpu.available, gpu.jobs
 
 
-async def _until_state(node: Node, job_id: str, states: tuple[str, ...]) -> None:
-    for _ in range(1200):  # a generous ceiling; the state is what is awaited
-        job = node.home.store.job("hosted", job_id)
-        if job is not None and job.state in states:
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"job {job_id} never reached {states}")
-
-
 def test_a_jobs_gpu_memory_is_promised_until_it_ends_and_across_a_restart(
     cluster, monkeypatch
 ) -> None:
@@ -79,7 +69,7 @@ def test_a_jobs_gpu_memory_is_promised_until_it_ends_and_across_a_restart(
             job = await run_job(
                 bob, spec("alice", "true", gpu_memory=10 * GB, retries=5), detach=True
             )
-            await _until_state(alice, job.job_id, ("retrying",))
+            await until_hosted(alice, job.job_id, "retrying")
             assert await _gpu_figures(bob, "alice") == (14 * GB, 1)
             with pytest.raises(LimitError, match="the most free on alice is 14GB"):
                 await run_job(bob, spec("alice", "true", gpu_memory=20 * GB), detach=True)

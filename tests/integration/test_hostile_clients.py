@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import struct
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -46,7 +46,7 @@ from gpumesh.transport import session as session_module
 from gpumesh.transport.quic import QuicEndpoint, QuicLink
 from gpumesh.transport.session import open_session
 from gpumesh.transport.stream import Stream
-from tests.integration.conftest import arun, pair_both, sharing
+from tests.integration.conftest import arun, pair_both, sharing, until_async
 
 CHALLENGE = (ALPN_CHALLENGE,)
 """What a dialer one version behind offers."""
@@ -189,13 +189,6 @@ def test_unknown_key_with_valid_proof_is_refused_as_not_paired(make_node) -> Non
     arun(scenario())
 
 
-async def _until(check: Callable[[], bool], limit: float = 30.0) -> None:
-    for _ in range(round(limit / 0.05)):
-        if check():
-            return
-        await asyncio.sleep(0.05)
-
-
 def session_proof(identity: Identity, link: QuicLink, server_key: bytes) -> SessionProof:
     """A genuine proof of ``identity``'s key, bound to ``link``'s TLS session."""
     transcript = session_transcript(link.binding, server_key, identity.public_key)
@@ -237,7 +230,7 @@ def test_session_proof_replayed_on_another_connection_is_refused(make_node) -> N
                     await asyncio.wait_for(request.read_message(), 3)
             # Closed links leave the agent once QUIC lets them go: wait (a bound on a
             # hang, not a verdict on speed), then nothing may be left of either.
-            await _until(lambda: not agent._links)
+            await until_async(lambda: not agent._links, "the agent to drop the links", within=30)
             assert not agent._links
 
     arun(scenario())
@@ -321,7 +314,7 @@ def test_claiming_an_allowed_key_in_a_session_proof_is_refused_and_serves_nothin
                         await asyncio.wait_for(request.read_message(), 3)
             # Closed links leave the agent once QUIC lets them go: wait (a bound on a
             # hang, not a verdict on speed), then nothing may be left of either.
-            await _until(lambda: not agent._links)
+            await until_async(lambda: not agent._links, "the agent to drop the links", within=30)
             assert not agent._links
 
     arun(scenario())

@@ -27,7 +27,7 @@ from gpumesh.errors import AccessDeniedError, GPUMeshError
 from gpumesh.protocol.admission import DropReason, RetryTokens, parse_initial
 from gpumesh.transport import quic as quic_module
 from gpumesh.transport.quic import client_configuration
-from tests.integration.conftest import arun, pair_both, sharing
+from tests.integration.conftest import arun, pair_both, sharing, until_async
 
 SOURCES = [f"127.0.0.{i}" for i in range(2, 18)]
 
@@ -149,14 +149,6 @@ def flooding(target: tuple[str, int], **kwargs: Any) -> Iterator[Flooder]:
         flooder.join(10)
 
 
-async def wait_until(check: Any, limit: float = 20.0) -> None:
-    """Poll ``check`` until true: a bound on a hang, not a verdict on speed."""
-    for _ in range(round(limit / 0.02)):
-        if check():
-            return
-        await asyncio.sleep(0.02)
-
-
 def test_a_paired_peer_connects_through_a_flood_of_junk_and_stalled_initials(
     make_node, caplog
 ) -> None:
@@ -172,7 +164,11 @@ def test_a_paired_peer_connects_through_a_flood_of_junk_and_stalled_initials(
             with flooding(agent.address) as flooder:
                 # The flood is well under way: the quiet allowance is spent, stalled
                 # handshakes hold slots.
-                await wait_until(lambda: flooder.sent >= 400 and flooder.echoed >= 16)
+                await until_async(
+                    lambda: flooder.sent >= 400 and flooder.echoed >= 16,
+                    "the flood under way",
+                    within=20,
+                )
                 for _ in range(connects):
                     try:
                         connection = await bob.connect("alice", pings=1, timeout=15.0)
@@ -183,8 +179,14 @@ def test_a_paired_peer_connects_through_a_flood_of_junk_and_stalled_initials(
                     peak = max(peak, agent.limiter.pending)
                     # Spread over the flood (by packets sent, not by time), so later
                     # connects meet stalled handshakes timing out and their penalties.
-                    await wait_until(lambda mark=flooder.sent + 300: flooder.sent >= mark)
-                await wait_until(lambda: refusals.totals[DropReason.PENALIZED] >= 1, 30)
+                    await until_async(
+                        lambda mark=flooder.sent + 300: flooder.sent >= mark,
+                        "300 more packets of the flood",
+                        within=20,
+                    )
+                await until_async(
+                    lambda: refusals.totals[DropReason.PENALIZED] >= 1, "a penalty", within=30
+                )
                 assert (await bob.connect("alice", pings=1, timeout=15.0)).remote.name == "alice"
                 sent = flooder.sent
             assert successes == connects
@@ -195,7 +197,7 @@ def test_a_paired_peer_connects_through_a_flood_of_junk_and_stalled_initials(
             assert refusals.totals[DropReason.UNDECRYPTABLE] >= 1
             assert refusals.totals[DropReason.PENALIZED] >= 1
             assert peak <= agent.limiter.max_unvalidated + len(SOURCES) * 4 + 1
-            await wait_until(lambda: agent.limiter.pending == 0)
+            await until_async(lambda: agent.limiter.pending == 0, "no handshake pending", within=20)
             assert agent.limiter.pending == 0
 
     with caplog.at_level(logging.INFO, logger="gpumesh.agent.server"):
@@ -241,7 +243,11 @@ def test_garbage_that_is_no_client_initial_makes_no_connection(make_node, monkey
                     sock.sendto(bytes([os.urandom(1)[0] & 0xBF]) + garbage[0][1:], agent.address)
                     await asyncio.sleep(0)
             expected = rounds * len(garbage)
-            await wait_until(lambda: sum(agent.refusals.totals.values()) >= expected)
+            await until_async(
+                lambda: sum(agent.refusals.totals.values()) >= expected,
+                "every refusal counted",
+                within=20,
+            )
             assert sum(agent.refusals.totals.values()) == expected
             assert agent.refusals.totals[DropReason.BAD_TOKEN] == rounds
             assert made == []
@@ -325,7 +331,11 @@ def test_forged_expired_and_misaddressed_tokens_are_refused(make_node) -> None:
             _, initials = await retry_token_initials(here, target)
             for data in initials:
                 elsewhere.sendto(data, target)
-            await wait_until(lambda: totals[DropReason.BAD_TOKEN] >= len(initials))
+            await until_async(
+                lambda: totals[DropReason.BAD_TOKEN] >= len(initials),
+                "each bad token counted",
+                within=20,
+            )
             assert totals[DropReason.BAD_TOKEN] == len(initials)
 
             # Forged: one bit of the token flipped.
@@ -336,14 +346,20 @@ def test_forged_expired_and_misaddressed_tokens_are_refused(make_node) -> None:
             forged = bytearray(initials[0])
             forged[at] ^= 0x40
             here.sendto(bytes(forged), target)
-            await wait_until(lambda: totals[DropReason.BAD_TOKEN] >= len(initials) + 1)
+            await until_async(
+                lambda: totals[DropReason.BAD_TOKEN] >= len(initials) + 1,
+                "the last bad token counted",
+                within=20,
+            )
             assert totals[DropReason.BAD_TOKEN] == len(initials) + 1
 
             # Expired: echoed after its lifetime.
             _, initials = await retry_token_initials(here, target)
             clock[0] += endpoint.retry_tokens.lifetime + 1
             here.sendto(initials[0], target)
-            await wait_until(lambda: totals[DropReason.EXPIRED_TOKEN] >= 1)
+            await until_async(
+                lambda: totals[DropReason.EXPIRED_TOKEN] >= 1, "an expired token counted", within=20
+            )
             assert totals[DropReason.EXPIRED_TOKEN] == 1
             assert not endpoint.links
 
@@ -351,7 +367,7 @@ def test_forged_expired_and_misaddressed_tokens_are_refused(make_node) -> None:
             _, initials = await retry_token_initials(here, target)
             for data in initials:
                 here.sendto(data, target)
-            await wait_until(lambda: bool(endpoint.links))
+            await until_async(lambda: bool(endpoint.links), "a link", within=20)
             assert len(endpoint.links) == 1
         finally:
             for sock in sockets:
@@ -387,7 +403,7 @@ def test_a_denied_peer_is_refused_without_boxing_the_address_it_shares(make_node
             alice.deny("bob")
             with pytest.raises(AccessDeniedError, match="alice has denied you access"):
                 await bob.connect("alice", pings=1)
-            await wait_until(lambda: limiter.pending == 0)
+            await until_async(lambda: limiter.pending == 0, "no handshake pending", within=20)
             assert limiter.admit("127.0.0.1", True) is not DropReason.PENALIZED
             assert (await carol.connect("alice", pings=1)).remote.name == "alice"
         finally:

@@ -36,7 +36,7 @@ from gpumesh.protocol.messages import JobQuery
 from gpumesh.runtime.base import LABEL_JOB, LABEL_NODE
 from gpumesh.runtime.docker import DockerRuntime
 from gpumesh.runtime.jobnet import names_for
-from tests.integration.conftest import arun, job_nodes, pair_both
+from tests.integration.conftest import arun, job_nodes, pair_both, until_hosted
 from tests.jobnet_lab import SESSION_PREFIX, network_host_config
 
 pytestmark = pytest.mark.usefixtures("docker_daemon")
@@ -680,18 +680,6 @@ def test_jobs_of_a_peer_never_share_nested_sandbox_folders(cluster, tmp_path: Pa
     arun(scenario())
 
 
-def _until_final(node: Node, job_id: str, within: float = 30.0) -> object:
-    """The hosted job's record once it ended (an event; the ceiling is generous)."""
-    deadline = time.monotonic() + within
-    while True:
-        job = node.home.store.job("hosted", job_id)
-        assert job is not None
-        if job.state in ("succeeded", "failed", "cancelled"):
-            return job
-        assert time.monotonic() < deadline, f"job {job_id} is still {job.state}"
-        time.sleep(0.05)
-
-
 def test_deny_cancels_the_peers_jobs_at_once_and_they_are_never_retried(
     cluster, engine, monkeypatch, tmp_path: Path
 ) -> None:
@@ -709,9 +697,10 @@ def test_deny_cancels_the_peers_jobs_at_once_and_they_are_never_retried(
             long = spec("alice", "sleep", "60", retries=3)
             bobs = await run_job(bob, long, detach=True)
             carols = await run_job(carol, long, detach=True)
-            await _until_running(alice, bobs.job_id)
+            await until_hosted(alice, bobs.job_id, "running")
             owner.deny("bob")
-            job = await asyncio.to_thread(_until_final, alice, bobs.job_id)
+            await until_hosted(alice, bobs.job_id, "succeeded", "failed", "cancelled", within=30)
+            job = alice.home.store.job("hosted", bobs.job_id)
             assert (job.state, job.message, job.attempt) == ("cancelled", "access revoked", 1)  # type: ignore[attr-defined]
             # carol is untouched; bob's container is gone
             assert alice.home.store.job("hosted", carols.job_id).state in ("starting", "running")  # type: ignore[union-attr]
@@ -728,13 +717,6 @@ def test_deny_cancels_the_peers_jobs_at_once_and_they_are_never_retried(
     owner.close()
 
 
-async def _until_running(node: Node, job_id: str) -> None:
-    deadline = time.monotonic() + 30
-    while (job := node.home.store.job("hosted", job_id)) is None or job.state != "running":
-        assert time.monotonic() < deadline, "the job never started"
-        await asyncio.sleep(0.05)
-
-
 def test_the_providers_owner_cancels_a_hosted_job(cluster, engine, monkeypatch) -> None:
     from gpumesh.agent import server
     from gpumesh.client.jobs import cancel_hosted
@@ -747,7 +729,7 @@ def test_the_providers_owner_cancels_a_hosted_job(cluster, engine, monkeypatch) 
         async with providing(alice):
             pair_both(alice, bob)
             submitted = await run_job(bob, spec("alice", "sleep", "60", retries=2), detach=True)
-            await _until_running(alice, submitted.job_id)
+            await until_hosted(alice, submitted.job_id, "running")
             result = await cancel_hosted(owner, submitted.job_id[:6])
             assert (result.state, result.message) == (
                 "cancelled",

@@ -30,7 +30,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -44,7 +43,7 @@ from gpumesh.identity.keys import Identity
 from gpumesh.protocol.listing import GpuListing
 from gpumesh.registry.config import RegistryConfig
 from gpumesh.settings import ENV_TEST_JOB_NETWORK
-from tests.integration.conftest import remove_containers
+from tests.integration.conftest import remove_containers, until
 from tests.integration.public_registry import serve_registry
 from tests.integration.test_cli import _free_udp_port
 from tests.jobnet_lab import SESSION_PREFIX
@@ -175,14 +174,6 @@ def _json(home: Path, *args: str) -> Any:
     return json.loads(_cli(home, *args).stdout)
 
 
-def _until(what: str, check: Callable[[], bool], seconds: float = 60) -> None:
-    """Poll ``check`` (a state, never a verdict on speed) with a generous ceiling."""
-    deadline = time.monotonic() + seconds
-    while not check():
-        assert time.monotonic() < deadline, f"waited {seconds:.0f} s for {what}"
-        time.sleep(0.2)
-
-
 class Recorder:
     """Runs the ``--json`` commands of the scenario and keeps each output's shape."""
 
@@ -230,10 +221,7 @@ def _process(args: list[str], env: dict[str, str], ready: Callable[[], bool]) ->
         args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
     )
     try:
-        _until(
-            f"{' '.join(args)} to start",
-            lambda: ready() or proc.poll() is not None,
-        )
+        until(lambda: ready() or proc.poll() is not None, f"{' '.join(args)} to start", every=0.2)
         assert proc.poll() is None, f"{' '.join(args)} stopped: {proc.communicate()[1]}"
         yield
     finally:
@@ -268,7 +256,7 @@ def _scenario(root: Path, rec: Recorder) -> None:
             stderr=log,
         )
     try:
-        _until("the relay to listen", lambda: "listening on" in relay_log.read_text())
+        until(lambda: "listening on" in relay_log.read_text(), "the relay to listen", every=0.2)
         _nodes(root, rec, alice, bob, carol, relay)
     finally:
         relay_proc.send_signal(signal.SIGINT)
@@ -387,10 +375,11 @@ def _jobs(rec: Recorder, alice: Path, bob: Path) -> None:
             jobs = _json(home, "jobs", "--offline", "--json")
             return [j for j in jobs if j["state"] == "running" and j["started_at"] is not None]
 
-        _until("bob's job to run on alice", lambda: bool(running(bob) and running(alice)))
-        _until(
+        until(lambda: running(bob) and running(alice), "bob's job to run on alice", every=0.2)
+        until(
+            lambda: _json(alice, "status", "--json", "--offline")["connections"],
             "alice to list bob's link",
-            lambda: bool(_json(alice, "status", "--json", "--offline")["connections"]),
+            every=0.2,
         )
         rec.json(
             "status_sharing",
@@ -518,9 +507,10 @@ def _relayed(rec: Recorder, alice: Path, bob: Path, relay: str) -> None:
         _cli(home, "config", "set", "relay", relay)
     _cli(alice, "config", "set", "listen_port", str(_free_udp_port()))
     with _sharing(alice):
-        _until(
-            "alice to register with the relay",
+        until(
             lambda: "registered" in _json(alice, "status", "--json", "--offline")["relay_state"],
+            "alice to register with the relay",
+            every=0.2,
         )
         rec.json(
             "status_sharing_relay",

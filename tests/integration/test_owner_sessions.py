@@ -15,8 +15,7 @@ import socketserver
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ import pytest
 
 from gpumesh.cuda import RemoteDevice
 from gpumesh.errors import AccessDeniedError
-from tests.integration.conftest import gpumesh, shared_pair
+from tests.integration.conftest import gpumesh, shared_pair, until
 from tests.integration.test_control_api import Api, start_control
 from tests.integration.test_exec import _gone, _shells
 
@@ -87,14 +86,6 @@ def owner(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Owner]:
         yield shared
 
 
-def _until(check: Callable[[], Any]) -> Any:
-    deadline = time.monotonic() + CEILING
-    while not (found := check()):
-        assert time.monotonic() < deadline, "not there within the ceiling"
-        time.sleep(0.1)
-    return found
-
-
 def _listed(owner: Owner, kind: str) -> list[dict[str, Any]]:
     """The open sessions of ``kind`` as the API's owner view lists them, and check
     that `status --json` lists the same."""
@@ -125,7 +116,7 @@ def test_an_open_shell_is_listed_and_ended_by_the_owner(owner: Owner, engine) ->
     try:
         assert shell.stdout is not None
         assert shell.stdout.readline() == "ready\n"
-        [listed] = _until(lambda: _listed(owner, "shells"))
+        [listed] = until(lambda: _listed(owner, "shells"), "the shell listed", within=CEILING)
         assert listed["peer"] == "bob-laptop" and listed["id"].startswith("shell-")
         assert listed["image"] == os.environ.get(
             "GPUMESH_TEST_DOCKER_IMAGE", "gpumesh-test/busybox:1"
@@ -168,7 +159,9 @@ def test_a_desktop_connection_is_listed_and_ended_by_the_owner(owner: Owner) -> 
         with socket.create_connection(("127.0.0.1", int(found.group(1))), CEILING) as conn:
             conn.sendall(b"ping")
             assert conn.recv(4) == b"ping"
-            [listed] = _until(lambda: _listed(owner, "desktops"))
+            [listed] = until(
+                lambda: _listed(owner, "desktops"), "the desktop listed", within=CEILING
+            )
             assert (listed["peer"], listed["kind"]) == ("bob-laptop", "tcp")
             assert listed["id"].startswith("desktop-") and listed["port"] > 0
             # A shell's route does not end a desktop connection.
@@ -195,7 +188,7 @@ def test_a_cuda_session_is_listed_and_ended_by_the_owner(owner: Owner) -> None:
     try:
         pointer = dev.alloc(MiB)
         dev.copy_to(pointer, b"x" * 16)
-        [listed] = _until(lambda: _listed(owner, "cuda"))
+        [listed] = until(lambda: _listed(owner, "cuda"), "the CUDA session listed", within=CEILING)
         assert (listed["peer"], listed["memory"], listed["backend"]) == (
             "bob-laptop",
             2 * MiB,
@@ -223,7 +216,7 @@ def test_the_owners_cancel_command_ends_a_session_by_its_id(owner: Owner) -> Non
     _one_line_error(unknown, 2, "no open cuda session cuda-000000000000 on this node")
     dev = RemoteDevice("alice-pc", home=owner.bob, memory=MiB)
     try:
-        [listed] = _until(lambda: _listed(owner, "cuda"))
+        [listed] = until(lambda: _listed(owner, "cuda"), "the CUDA session listed", within=CEILING)
         ended = gpumesh(owner.alice, "cancel", listed["id"])
         assert ended.returncode == 0, ended.stderr
         assert ended.stdout == f"Ended bob-laptop's CUDA session {listed['id']}\n"
@@ -255,7 +248,7 @@ def test_through_the_node_process_the_owner_sees_and_ends_a_session(
                 shown = json.loads(cli(alice, "status", "--json", "--offline").stdout)
                 return list(shown["sessions"]["cuda"])
 
-            [session] = _until(listed)
+            [session] = until(listed, "the session listed", within=CEILING)
             unknown = cli(alice, "cancel", "shell-000000000000")
             _one_line_error(unknown, 2, "no open shell session shell-000000000000")
             ended = cli(alice, "cancel", session["id"])

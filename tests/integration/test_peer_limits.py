@@ -10,11 +10,9 @@ never with RSS (``bench/streams.py`` reports that).
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import os
 import re
-import time
 import weakref
 from collections.abc import Callable, Iterator
 
@@ -39,18 +37,18 @@ from gpumesh.protocol.messages import (
 from gpumesh.transport.quic import Buffered, QuicLink
 from gpumesh.transport.session import Session
 from gpumesh.transport.stream import Stream
-from tests.integration.conftest import arun, job_nodes, pair_both, sharing
+from tests.integration.conftest import (
+    arun,
+    job_nodes,
+    pair_both,
+    sharing,
+    until_async,
+    until_hosted,
+)
 from tests.integration.test_jobs import IMAGE, providing, spec
 
 BIG = 16 * 1024 * 1024
 """A file larger than a flow-control window: its download parks once the window is sent."""
-
-
-async def _until_async(condition: Callable[[], bool], what: str, within: float = 20.0) -> None:
-    deadline = time.monotonic() + within
-    while not condition():
-        assert time.monotonic() < deadline, what
-        await asyncio.sleep(0.02)
 
 
 def _agent_link(agent: Agent) -> QuicLink:
@@ -65,7 +63,7 @@ async def _park_download(session: Session, *, unread: int = 0) -> Stream:
     stream = session.open_stream()
     stream.send_message(FileGet(path="/big.bin", offset=0))
     # Once the whole window is here, the provider has nothing left to send on it.
-    await _until_async(lambda: stream.held >= DEFAULT_WINDOW, "the window never arrived")
+    await until_async(lambda: stream.held >= DEFAULT_WINDOW, "the window never arrived")
     if unread:
         await stream.send_data(b"u" * unread)
     return stream
@@ -105,7 +103,7 @@ async def _let_go(agent: Agent, refs: list[weakref.ref[object]]) -> None:
         gc.collect()
         return all(ref() is None for ref in refs)
 
-    await _until_async(gone, "the agent keeps a closed link or its streams")
+    await until_async(gone, "the agent keeps a closed link or its streams")
     assert not [task for task in agent._tasks if "_serve_stream" in repr(task)]
     assert agent.buffered() == 0
 
@@ -133,7 +131,7 @@ def test_a_connection_has_at_most_max_requests_per_link_open(peers) -> None:
                     assert isinstance(await other.request(Ping(sent=2.0)), Pong)
                 # One parked request ends: the connection may open another.
                 parked[0].abort()
-                await _until_async(
+                await until_async(
                     lambda: len(agent._requests[link]) == 3, "the abandoned download still counts"
                 )
                 assert isinstance(await session.request(Ping(sent=3.0)), Pong)
@@ -160,14 +158,14 @@ def test_a_connection_holds_at_most_link_buffer_and_lets_go_of_it(peers) -> None
             async with bob.session("alice") as session:
                 first, second, third = [await _park_download(session) for _ in range(3)]
                 link = _agent_link(agent)
-                await _until_async(
+                await until_async(
                     lambda: link.buffered() == Buffered(0, 0), "the windows were never sent"
                 )
                 # Each sends a window of bytes the provider's handler never reads (it waits
                 # to send): two fit, the third takes the connection over link_buffer.
                 await first.send_data(b"u" * DEFAULT_WINDOW)
                 await second.send_data(b"u" * DEFAULT_WINDOW)
-                await _until_async(
+                await until_async(
                     lambda: link.buffered() == Buffered(2 * DEFAULT_WINDOW, 0),
                     "the unread bytes never arrived",
                 )
@@ -187,9 +185,9 @@ def test_a_connection_holds_at_most_link_buffer_and_lets_go_of_it(peers) -> None
                 # A reply that would take the connection over it: that request is reset,
                 # and bob is told why. First fill up to 100 kB under the limit.
                 fourth = await _park_download(session)
-                await _until_async(lambda: link.buffered().unsent == 0, "the window was never sent")
+                await until_async(lambda: link.buffered().unsent == 0, "the window was never sent")
                 await fourth.send_data(b"u" * (cap - 2 * DEFAULT_WINDOW - 100_000))
-                await _until_async(
+                await until_async(
                     lambda: link.buffered() == Buffered(cap - 100_000, 0),
                     "the unread bytes never arrived",
                 )
@@ -236,16 +234,6 @@ async def _open_shell(session: Session) -> Stream:
     return stream
 
 
-async def _until_running(node: Node, job_id: str) -> None:
-    await _until_async(
-        lambda: (
-            (job := node.home.store.job("hosted", job_id)) is not None and job.state == "running"
-        ),
-        f"job {job_id} never started",
-        within=30,
-    )
-
-
 @pytest.mark.usefixtures("docker_daemon")
 def test_a_peer_runs_at_most_max_jobs_per_peer_and_others_still_run(cluster, engine) -> None:
     alice, bob, carol = cluster("alice"), cluster("bob"), cluster("carol")
@@ -257,7 +245,7 @@ def test_a_peer_runs_at_most_max_jobs_per_peer_and_others_still_run(cluster, eng
             pair_both(alice, carol)
             first = await run_job(bob, spec("alice", "sleep", "60"), detach=True)
             await run_job(bob, spec("alice", "sleep", "60"), detach=True)
-            await _until_running(alice, first.job_id)
+            await until_hosted(alice, first.job_id, "running")
             before = len(engine.containers.list(all=True))
             with pytest.raises(
                 LimitError,
@@ -298,12 +286,12 @@ def test_a_peer_opens_at_most_max_shells_per_peer_and_others_still_do(cluster) -
                     carols.abort()
                 # A shell closed is a place free again.
                 shells[0].abort()
-                await _until_async(
+                await until_async(
                     lambda: len(agent.jobs.admission.claims()) == 1, "the shell still counts"
                 )
                 (await _open_shell(session)).abort()
                 shells[1].abort()
-            await _until_async(lambda: not agent.jobs.admission.claims(), "shells still count")
+            await until_async(lambda: not agent.jobs.admission.claims(), "shells still count")
 
     arun(scenario())
 
@@ -342,7 +330,7 @@ def test_memory_promised_to_containers_stays_within_share_memory(cluster) -> Non
                     with pytest.raises(LimitError, match="share_memory of 512MB"):
                         await other.request(SHELL)
                     carols.abort()
-                    await _until_async(
+                    await until_async(
                         lambda: len(agent.jobs.admission.claims()) == 7, "the shell still counts"
                     )
                     # Room again: her job runs.
@@ -386,7 +374,7 @@ def test_a_job_whose_upload_breaks_off_ends_and_frees_its_place(cluster) -> None
                 await stream.expect(JobAccepted)
                 await stream.send_data(b"x" * 100)
                 stream.abort()  # the upload breaks off
-                await _until_async(
+                await until_async(
                     lambda: alice.home.store.job("hosted", "0123456789ab").state == "failed",  # type: ignore[union-attr]
                     "the job was left uploading",
                 )
@@ -424,7 +412,7 @@ def test_a_peer_holds_at_most_max_links_per_peer_connections_and_others_still_co
                 async with carol.session("alice") as other:
                     assert isinstance(await other.request(Ping(sent=3.0)), Pong)
             # once bob closed his (and alice saw them go), he connects again
-            await _until_async(lambda: not agent._links, "bob's connections to be gone")
+            await until_async(lambda: not agent._links, "bob's connections to be gone")
             async with bob.session("alice") as again:
                 assert isinstance(await again.request(Ping(sent=4.0)), Pong)
 
