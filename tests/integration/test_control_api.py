@@ -375,7 +375,7 @@ def test_cancel_a_running_job(mesh: Mesh) -> None:
         "The job names no place to run: give `peer` (a paired node) or `group`."
     )
     typo = mesh.api.call("POST", "/api/v1/jobs", json={"peer": "alice-pc", "comand": ["x"]})
-    assert typo.status_code == 400 and "comand" in typo.json()["message"]
+    assert typo.status_code == 422 and "comand" in typo.json()["message"]
 
 
 # --- groups ---------------------------------------------------------------------------------

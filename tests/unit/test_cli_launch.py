@@ -7,10 +7,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import msgspec
 import pytest
 
 from gpumesh.cli import launch
 from gpumesh.cli import run as run_module
+from gpumesh.client.bodies import JobBody, SyncBody
 
 IMAGE = "busybox:1"
 
@@ -53,11 +55,11 @@ LEFT = [
 ]
 
 
-def _click_body(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> dict[str, object]:
+def _click_body(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> JobBody:
     """The request click's ``run`` sends for ``argv`` (its sending replaced)."""
-    sent: list[tuple[dict[str, object], bool, bool]] = []
+    sent: list[tuple[JobBody, bool, bool]] = []
 
-    def through_node(body: dict[str, object], *, detach: bool, quiet: bool, explain: bool) -> None:
+    def through_node(body: JobBody, *, detach: bool, quiet: bool, explain: bool) -> None:
         sent.append((body, detach, quiet or explain))
 
     monkeypatch.setattr(run_module, "_through_node", through_node)
@@ -79,7 +81,9 @@ def test_a_plain_run_sends_what_click_would(
         monkeypatch.setenv("GPUMESH_IMAGE", image_env)
     parsed = launch.plain_run(argv)
     assert parsed is not None
-    assert launch.run_body(*parsed) == _click_body(argv, monkeypatch)
+    # What the head start sends is the one struct's body: it converts into it (no
+    # field of its own) and equals the struct click's command builds.
+    assert msgspec.convert(launch.run_body(*parsed), JobBody) == _click_body(argv, monkeypatch)
 
 
 @pytest.mark.parametrize("argv", LEFT)
@@ -93,14 +97,16 @@ def test_a_request_sent_ahead_is_taken_once_and_only_for_its_own_body(
     body = launch.run_body("alice", IMAGE, ["true"])
     marker = (object(), iter(()))
     monkeypatch.setattr(launch, "_ahead", [(launch.RUN, body, *marker)])
-    assert launch.take(launch.RUN, dict(body)) == marker
-    assert launch.take(launch.RUN, body) is None  # taken: never read twice
+    struct = msgspec.convert(body, JobBody)
+    assert launch.take(launch.RUN, struct) == marker
+    assert launch.take(launch.RUN, struct) is None  # taken: never read twice
     monkeypatch.setattr(launch, "_ahead", [(launch.RUN, body, *marker)])
     with pytest.raises(RuntimeError, match="the run sent ahead was"):
-        launch.take(launch.RUN, {**body, "command": ["false"]})
+        launch.take(launch.RUN, msgspec.convert({**body, "command": ["false"]}, JobBody))
     monkeypatch.setattr(launch, "_ahead", [(launch.RUN, body, *marker)])
     with pytest.raises(RuntimeError, match="the run sent ahead was"):
-        launch.take(launch.APP_SYNC, body)  # another command's request is never read
+        # another command's request is never read
+        launch.take(launch.APP_SYNC, SyncBody(peer="alice", dir="/"))
 
 
 def test_nothing_is_sent_ahead_without_an_initialised_home_or_with_the_node_off(
@@ -139,9 +145,10 @@ def test_a_node_process_that_cannot_be_reached_is_reported_once_not_waited_for_t
     assert not launch.start(["run", "--peer", "alice", "true"])
     assert calls == [home]
     with pytest.raises(AgentError) as raised:
-        launch.take(launch.RUN, launch.run_body("alice", None, ["true"]))
+        launch.take(launch.RUN, msgspec.convert(launch.run_body("alice", None, ["true"]), JobBody))
     assert raised.value is failure
-    assert launch.take(launch.RUN, launch.run_body("alice", None, ["true"])) is None  # said once
+    again = msgspec.convert(launch.run_body("alice", None, ["true"]), JobBody)
+    assert launch.take(launch.RUN, again) is None  # said once
 
 
 # `run --workdir`: "D" is a folder, "F" a file, "M" a path that does not exist (each
@@ -204,7 +211,7 @@ def test_a_run_with_a_workdir_sends_what_click_would(
     assert taken is not None
     form, body = taken
     assert form == launch.RUN
-    assert body == _click_body(argv, monkeypatch)
+    assert msgspec.convert(body, JobBody) == _click_body(argv, monkeypatch)
     assert body["workdir"] in (str(tmp_path / "proj"), str(tmp_path))  # absolute, resolved
 
 
@@ -298,7 +305,7 @@ def _paths(argv: list[str], root) -> list[str]:
     return [one(arg) for arg in argv]
 
 
-def _click_sync(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> dict[str, object]:
+def _click_sync(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> SyncBody:
     """The request click's ``app sync`` sends for ``argv`` (its node client replaced
     by one that records the request and answers an empty sync's view)."""
     from gpumesh.cli import app as app_module
@@ -319,7 +326,7 @@ def _click_sync(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> dict[str, o
     app_module.sync.main(args=argv[2:], prog_name="gpumesh app sync", standalone_mode=False)
     ((method, path, body),) = sent
     assert (method, path) == ("POST", launch.APP_SYNC_PATH)
-    assert isinstance(body, dict)
+    assert isinstance(body, SyncBody)
     return body
 
 
@@ -334,7 +341,7 @@ def test_a_plain_app_sync_sends_what_click_would(
     assert taken is not None
     form, body = taken
     assert form == launch.APP_SYNC
-    assert body == _click_sync(argv, monkeypatch)
+    assert msgspec.convert(body, SyncBody) == _click_sync(argv, monkeypatch)
     assert body["dir"] in (str(tmp_path / "proj"), str(tmp_path))  # absolute, as the node needs
 
 
@@ -350,10 +357,11 @@ def test_a_request_sent_ahead_is_read_by_its_own_command_only(
     marker = (object(), lambda: {"files_sent": 0})
     monkeypatch.setattr(launch, "_ahead", [(launch.APP_SYNC, body, *marker)])
     with pytest.raises(RuntimeError, match="the app sync sent ahead was"):
-        launch.take(launch.RUN, body)
+        launch.take(launch.RUN, JobBody(peer="alice", command=["true"]))
     monkeypatch.setattr(launch, "_ahead", [(launch.APP_SYNC, body, *marker)])
-    assert launch.take(launch.APP_SYNC, dict(body)) == marker
-    assert launch.take(launch.APP_SYNC, body) is None
+    struct = msgspec.convert(body, SyncBody)
+    assert launch.take(launch.APP_SYNC, struct) == marker
+    assert launch.take(launch.APP_SYNC, struct) is None
 
 
 def _sync_by_command(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> None:

@@ -18,9 +18,10 @@ from typing import Any
 import httpx
 import pytest
 
+from gpumesh.client.bodies import ShareOptions
 from gpumesh.client.node import Node
 from gpumesh.control.app import ControlState, create_app
-from gpumesh.daemon.sharing import ShareEnd, ShareOptions, Sharing
+from gpumesh.daemon.sharing import ShareEnd, Sharing
 
 TOKEN = "t" * 32
 

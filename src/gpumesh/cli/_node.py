@@ -33,9 +33,10 @@ def job_options(
     retries: int | None,
     timeout: str | None,
     mounts: tuple[str, ...],
-) -> dict[str, object]:
-    """A job's options in a request to the node process (``run`` and ``app run``),
-    from the flags both commands share; ``env_items`` are all ``KEY=VALUE``."""
+) -> dict[str, Any]:
+    """A job's options, as keyword arguments of the bodies of ``run`` and ``app run``
+    (:class:`~gpumesh.client.bodies.JobBody`, ``AppRunBody``), from the flags both
+    commands share; ``env_items`` are all ``KEY=VALUE``."""
     from gpumesh.settings import ENV_IMAGE, env
 
     return {

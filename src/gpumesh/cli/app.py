@@ -18,6 +18,7 @@ from gpumesh.errors import ExitCode
 
 if TYPE_CHECKING:
     from gpumesh.client.apps import SyncResult
+    from gpumesh.client.bodies import AppRunBody
 
 
 def _dir_option(help: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -76,8 +77,9 @@ def sync(peer: str, folder: str, dry_run: bool, as_json: bool) -> None:
     """Sync the folder DIR into /apps/NAME in your folder on PEER."""
     if node_enabled():
         from gpumesh.cli.launch import APP_SYNC, APP_SYNC_PATH, take
+        from gpumesh.client.bodies import SyncBody
 
-        body = {"peer": peer, "dir": os.path.abspath(folder), "dry_run": dry_run}
+        body = SyncBody(peer=peer, dir=os.path.abspath(folder), dry_run=dry_run)
         ahead = take(APP_SYNC, body)  # the plain form's request, sent before the CLI loaded
         read = ahead[1] if ahead is not None else None
         view = read() if read else node_client().call("POST", APP_SYNC_PATH, body)
@@ -160,13 +162,15 @@ def run(
         if not out_name or out_name.startswith("."):
             fail(f"--out {out}: give a folder name, like ./renders")
     if node_enabled() and all("=" in item for item in env_items):
-        body: dict[str, object] = {
-            "peer": peer,
-            "dir": os.path.abspath(folder),
-            "out": None if out is None else os.path.abspath(out),
-            "command": list(command),
+        from gpumesh.client.bodies import AppRunBody
+
+        body = AppRunBody(
+            peer=peer,
+            dir=os.path.abspath(folder),
+            out=None if out is None else os.path.abspath(out),
+            command=list(command),
             **job_options(image, env_items, gpu_memory, retries, timeout, mounts),
-        }
+        )
         view = _run_through_node(body, quiet=quiet)
         job = view["job"]
         status = exit_status_of(job["state"], job["exit_code"])
@@ -236,7 +240,7 @@ def _pulled(
         click.echo(f"pulled {peer}:{out_remote} -> {out}", err=True)
 
 
-def _run_through_node(body: dict[str, object], *, quiet: bool) -> dict[str, Any]:
+def _run_through_node(body: AppRunBody, *, quiet: bool) -> dict[str, Any]:
     """``app run`` done by the node process, its steps and output printed here as
     ``gpumesh run`` prints them; the app run's view. A node process that dies once
     the job was accepted is replaced and the job's output resumes where it stopped."""
@@ -275,7 +279,9 @@ def _run_through_node(body: dict[str, object], *, quiet: bool) -> dict[str, Any]
 def pull(peer: str, job_id: str, folder: str) -> None:
     """Copy the working folder of a past job (its app folder) into DIR."""
     if node_enabled():
-        body = {"peer": peer, "job": job_id, "dir": os.path.abspath(folder)}
+        from gpumesh.client.bodies import AppPullBody
+
+        body = AppPullBody(peer=peer, job=job_id, dir=os.path.abspath(folder))
         remote = node_client().call("POST", "/api/v1/apps/pull", body)["remote"]
         click.echo(f"pulled {peer}:{remote} -> {folder}")
         return

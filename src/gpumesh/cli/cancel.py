@@ -48,7 +48,9 @@ def cancel(peer: str | None, job_id: str) -> None:
         from gpumesh.cli._node import node_client
 
         path = f"/api/v1/jobs/{quote(job_id, safe='')}/cancel"
-        view: dict[str, Any] = node_client().call("POST", path, {"peer": peer})
+        from gpumesh.client.bodies import CancelBody
+
+        view: dict[str, Any] = node_client().call("POST", path, CancelBody(peer=peer))
     else:
         import msgspec
 

@@ -5,13 +5,16 @@ from __future__ import annotations
 import os
 import sys
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from gpumesh.cli._common import emit_json, get_node, run_async
 from gpumesh.cli._complete import complete_peer_path
 from gpumesh.cli._node import node_enabled
+
+if TYPE_CHECKING:
+    from gpumesh.client.bodies import CopyBody
 
 
 @click.command(
@@ -75,13 +78,15 @@ def cp(
     """
     view = _CopyView(quiet=quiet or as_json)
     if node_enabled():
-        body = {
-            "source": source,
-            "destination": destination,
-            "cwd": os.getcwd(),
-            "retries": retries,
-            "fast_path": not no_fast_path,
-        }
+        from gpumesh.client.bodies import CopyBody
+
+        body = CopyBody(
+            source=source,
+            destination=destination,
+            cwd=os.getcwd(),
+            retries=retries,
+            fast_path=not no_fast_path,
+        )
         try:
             data = _through_node(body, view)
         finally:
@@ -116,7 +121,7 @@ def cp(
         view.summary(result)
 
 
-def _through_node(body: dict[str, object], view: _CopyView) -> dict[str, Any]:
+def _through_node(body: CopyBody, view: _CopyView) -> dict[str, Any]:
     """The copy done by the node process, its progress shown here; the copy's view.
     Ctrl-C (or this process ending) stops the copy where it is, as in-process."""
     from gpumesh.cli._node import node_client

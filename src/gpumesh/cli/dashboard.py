@@ -60,8 +60,10 @@ def login_url(client: NodeClient, listen: str | None = None) -> tuple[str, str]:
     """A one-time sign-in URL from the node process behind ``client``, which is
     asked to serve TCP first (at ``listen``, else its ``$GPUMESH_API_ADDR``); and
     one line saying what serves it, until when."""
-    process = client.call("POST", "/api/v1/node/tcp", {"listen": listen or ""}, timeout=60)
-    answer = client.call("POST", "/api/v1/auth/login-codes", {}, timeout=60)
+    from gpumesh.client.bodies import TcpBody
+
+    process = client.call("POST", "/api/v1/node/tcp", TcpBody(listen=listen or ""), timeout=60)
+    answer = client.call("POST", "/api/v1/auth/login-codes", timeout=60)
     tcp = [address for address in process["api"] if address.startswith("http")]
     where = f" on {tcp[-1].split('://', 1)[1]}" if tcp else ""
     until = " until `gpumesh daemon stop`" if process["detached"] else ""

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from typing import Any
 
     from gpumesh.cli._notes import RunReader
+    from gpumesh.client.bodies import JobBody, SyncBody
     from gpumesh.daemon.client import NodeClient, SseEvent
     from gpumesh.errors import GPUMeshError
 
@@ -288,23 +289,34 @@ def start(argv: list[str]) -> bool:
     return True
 
 
-def take(form: str, body: dict[str, object]) -> tuple[NodeClient, Any] | None:
+def take(form: str, body: JobBody | SyncBody) -> tuple[NodeClient, Any] | None:
     """The client and the answer's reader of the request sent ahead, for the command
     ``form`` with ``body``: the events of a run, the function that reads an app
     sync's JSON answer; None when none was sent. Raises what kept :func:`start`
-    from the node process."""
+    from the node process. What was sent ahead is compared as the struct it
+    converts to: the head start has no rules of its own."""
     if _failed:
         failed_form, failed_body, failure = _failed.pop()
-        if (failed_form, failed_body) == (form, body):
+        if (failed_form, _as(failed_body, body)) == (form, body):
             raise failure
     if not _ahead:
         return None
     sent = _ahead.pop()
-    if (sent[0], sent[1]) != (form, body):
+    if (sent[0], _as(sent[1], body)) != (form, body):
         raise RuntimeError(
             f"the {sent[0]} sent ahead was {sent[1]!r}, the command line means {form} {body!r}"
         )
     return sent[2], sent[3]
+
+
+def _as(sent: dict[str, object], like: JobBody | SyncBody) -> object:
+    """The body sent ahead as the struct of ``like``'s kind (None if it is not one)."""
+    import msgspec
+
+    try:
+        return msgspec.convert(sent, type(like))
+    except msgspec.ValidationError:
+        return None
 
 
 def finish(argv: list[str]) -> int | None:

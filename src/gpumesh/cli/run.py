@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -12,6 +13,9 @@ from gpumesh.cli._complete import complete_group, complete_peer
 from gpumesh.cli._node import job_options, node_enabled
 from gpumesh.errors import ExitCode
 from gpumesh.settings import ENV_IMAGE, env
+
+if TYPE_CHECKING:
+    from gpumesh.client.bodies import JobBody
 
 
 @click.command(
@@ -90,13 +94,15 @@ def run(
     if node_enabled() and simple and (peer or group):
         # Checked by the node process, with the same messages: this process
         # need not load the job file reader (YAML) or the runtime's rules.
-        body: dict[str, object] = {
-            "command": list(command),
-            "peer": peer,
-            "group": group,
+        from gpumesh.client.bodies import JobBody
+
+        body = JobBody(
+            command=list(command),
+            peer=peer,
+            group=group,
+            wait=WAIT_FOREVER if wait else 0.0,
             **job_options(image, env_items, gpu_memory, retries, timeout, mounts),
-            "wait": WAIT_FOREVER if wait else 0.0,
-        }
+        )
         _through_node(body, detach=detach, quiet=quiet, explain=explain)
         return
     from gpumesh.client.jobspec import build_spec
@@ -115,19 +121,21 @@ def run(
         mounts=list(mounts),
     )
     if node_enabled():
-        body = {
-            "command": spec.command,
-            "peer": spec.peer,
-            "group": spec.group,
-            "image": spec.image or env(ENV_IMAGE),
-            "env": spec.env,
-            "gpu_memory": spec.gpu_memory,
-            "retries": spec.retries,
-            "timeout": spec.timeout,
-            "mounts": [f"{m.source}:{m.target}{':rw' if m.rw else ''}" for m in spec.mounts],
-            "workdir": None if spec.workdir is None else str(spec.workdir),
-            "wait": WAIT_FOREVER if wait else 0.0,
-        }
+        from gpumesh.client.bodies import JobBody, mount_texts
+
+        body = JobBody(
+            command=spec.command,
+            peer=spec.peer,
+            group=spec.group,
+            image=spec.image or env(ENV_IMAGE),
+            env=spec.env,
+            gpu_memory=spec.gpu_memory,
+            retries=spec.retries,
+            timeout=spec.timeout,
+            mounts=mount_texts(spec.mounts),
+            workdir=None if spec.workdir is None else str(spec.workdir),
+            wait=WAIT_FOREVER if wait else 0.0,
+        )
         _through_node(body, detach=detach, quiet=quiet, explain=explain)
         return
     from gpumesh.cli._jobview import JobPrinter
@@ -160,9 +168,7 @@ WAIT_FOREVER = 10.0**9
 """``--wait`` through the node process: seconds enough to mean "until a member frees up"."""
 
 
-def _through_node(
-    body: dict[str, object], *, detach: bool, quiet: bool, explain: bool = False
-) -> None:
+def _through_node(body: JobBody, *, detach: bool, quiet: bool, explain: bool = False) -> None:
     """``run`` as a thin client of the node process. Detached, it returns once the
     provider accepted the job (and the workdir is uploaded); else the node process
     streams the run (placement, pull, acceptance, upload, then the job's events),
@@ -218,7 +224,9 @@ def _interrupted_thin(job_id: str, peer: str) -> None:
         return
     try:
         path = f"/api/v1/jobs/{quote(job_id, safe='')}/cancel"
-        result = node_client().call("POST", path, {"peer": None})
+        from gpumesh.client.bodies import CancelBody
+
+        result = node_client().call("POST", path, CancelBody())
     except GPUMeshError as exc:
         print_error(f"could not cancel {job_id}: {exc.message}")
         return

@@ -13,8 +13,8 @@ from gpumesh.cli._common import fail, get_node
 from gpumesh.errors import ExitCode, InUseError
 
 if TYPE_CHECKING:
+    from gpumesh.client.bodies import ShareOptions
     from gpumesh.daemon.client import NodeClient
-    from gpumesh.daemon.sharing import ShareOptions
 
 __all__ = ["echo_line", "options_of", "share", "share_options"]
 
@@ -63,7 +63,7 @@ def share_options(command: F) -> F:
 def options_of(flags: dict[str, Any]) -> tuple[ShareOptions, bool]:
     """The share options the flags give (checked: a bad value is one line), and
     whether any was given at all."""
-    from gpumesh.daemon.sharing import ShareOptions
+    from gpumesh.client.bodies import ShareOptions
 
     given = any(value not in (None, False, "") for value in flags.values())
     options = ShareOptions(
@@ -146,15 +146,9 @@ def share(ctx: click.Context, /, detach: bool, print_unit: bool, **flags: Any) -
     if running["sharing"] and not given:
         view, started = running, False
     else:
-        view = client.call("POST", "/api/v1/share", _body(options))
+        view = client.call("POST", "/api/v1/share", options)
         started = not running["sharing"]
     _follow(client, node.home.path, view, started=started, detach=detach)
-
-
-def _body(options: ShareOptions) -> dict[str, Any]:
-    import msgspec
-
-    return dict(msgspec.to_builtins(options))
 
 
 def echo_line(line: Any) -> None:

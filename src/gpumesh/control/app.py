@@ -35,6 +35,17 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from gpumesh.client.bodies import (
+    AppPullBody,
+    AppRunBody,
+    CancelBody,
+    CopyBody,
+    ExchangeBody,
+    JobBody,
+    PairBody,
+    SyncBody,
+    TcpBody,
+)
 from gpumesh.control import auth
 from gpumesh.control.dashboard import history, pages
 from gpumesh.control.dashboard.pages import qr_svg
@@ -59,9 +70,10 @@ from gpumesh.errors import (
 )
 
 if TYPE_CHECKING:
+    from gpumesh.client.bodies import ShareOptions
     from gpumesh.client.node import Node
     from gpumesh.daemon.process import NodeProcess
-    from gpumesh.daemon.sharing import ShareOptions, Sharing
+    from gpumesh.daemon.sharing import Sharing
     from gpumesh.daemon.shells import Shells
 
 __all__ = ["ENDPOINTS", "Call", "ControlState", "create_app"]
@@ -189,79 +201,6 @@ class Call:
 # --- request bodies: unknown fields are refused (a typo must not pass silently) ----------
 
 
-class PairBody(msgspec.Struct, forbid_unknown_fields=True):
-    code: str
-    rekey: bool = False
-    offline: bool = False
-    """Do not dial the peer to check whether it paired this node."""
-
-
-class JobBody(msgspec.Struct, forbid_unknown_fields=True):
-    command: list[str] = []
-    peer: str | None = None
-    group: str | None = None
-    image: str | None = None
-    env: dict[str, str] = {}
-    gpu_memory: int | str | None = None
-    """Bytes, or text such as ``8GB``."""
-    retries: int | None = None
-    timeout: float | str | None = None
-    mounts: list[str] = []
-    """``/sandbox/folder:/container/path[:rw]``, as ``--mount``."""
-    workdir: str | None = None
-    """A local folder to upload (not from a browser session)."""
-    wait: float = 0.0
-    """With ``group``: seconds to wait for a member to free up."""
-
-
-class CancelBody(msgspec.Struct, forbid_unknown_fields=True):
-    peer: str | None = None
-    """The provider, for a job not in this node's store."""
-
-
-class CopyBody(msgspec.Struct, forbid_unknown_fields=True):
-    source: str
-    destination: str
-    """Exactly one of the two is ``PEER:PATH``, the other a local path."""
-    cwd: str | None = None
-    """The caller's working folder: a relative local path is taken from there (and
-    shown as written)."""
-    retries: int | None = None
-    fast_path: bool = True
-    """False: keep file bytes on QUIC (``cp --no-fast-path``)."""
-
-
-class SyncBody(msgspec.Struct, forbid_unknown_fields=True):
-    peer: str
-    dir: str
-    name: str | None = None
-    dry_run: bool = False
-
-
-class AppRunBody(msgspec.Struct, forbid_unknown_fields=True):
-    peer: str
-    dir: str
-    """The local folder to sync and run in (absolute)."""
-    command: list[str] = []
-    out: str | None = None
-    """A local folder (absolute) to pull the app's folder of its name back into."""
-    image: str | None = None
-    env: dict[str, str] = {}
-    gpu_memory: int | str | None = None
-    retries: int | None = None
-    timeout: float | str | None = None
-    mounts: list[str] = []
-
-
-class AppPullBody(msgspec.Struct, forbid_unknown_fields=True):
-    peer: str
-    job: str
-    dir: str
-    """The local folder (absolute) to pull the job's app folder into."""
-    folder: str = ""
-    """Only this folder of the app's folder (``app run --out``'s name), if given."""
-
-
 class AppPullView(msgspec.Struct):
     """A past ``app run`` job's folder, pulled."""
 
@@ -269,16 +208,6 @@ class AppPullView(msgspec.Struct):
     """The folder on the peer (``/apps/NAME``)."""
     size: int
     """Bytes of the tar that carried it."""
-
-
-class ExchangeBody(msgspec.Struct, forbid_unknown_fields=True):
-    code: str
-
-
-class TcpBody(msgspec.Struct, forbid_unknown_fields=True):
-    listen: str = ""
-    """``host:port`` on loopback; empty: the node process's ``GPUMESH_API_ADDR``
-    (default 127.0.0.1:8080)."""
 
 
 class PublishView(msgspec.Struct):
@@ -793,7 +722,8 @@ async def post_app_pull(call: Call) -> object:
 async def post_shell(call: Call) -> object:
     """A shell on a peer, run by this process: where to connect for its bytes
     (:mod:`gpumesh.daemon.shells`)."""
-    from gpumesh.daemon.shells import ShellRequest, Shells
+    from gpumesh.client.bodies import ShellRequest
+    from gpumesh.daemon.shells import Shells
 
     state = call.state
     body: ShellRequest = call.body
@@ -1008,9 +938,10 @@ async def _share_events(follow: Any) -> AsyncIterator[bytes]:
 
 def _views() -> dict[str, Any]:
     """The response types, imported only when the table is built."""
+    from gpumesh.client.bodies import ShareOptions, ShellRequest
     from gpumesh.client.views import apps, files, groups, joblist, jobs, node, owner, peers
-    from gpumesh.daemon.sharing import ShareLine, ShareOptions, ShareView
-    from gpumesh.daemon.shells import ShellOfferView, ShellRequest
+    from gpumesh.daemon.sharing import ShareLine, ShareView
+    from gpumesh.daemon.shells import ShellOfferView
     from gpumesh.daemon.views import NodeProcessView
 
     return {
@@ -1149,7 +1080,7 @@ ENDPOINTS: tuple[Endpoint, ...] = (
              "Whether this machine is shared, since when, with which options", V["share"]),
     Endpoint("POST", "/api/v1/share", post_share,
              "Share this machine with the `share` options ({}: the defaults)", V["share"],
-             body=V["shareoptions"], invalid_status=422),
+             body=V["shareoptions"]),
     Endpoint("DELETE", "/api/v1/share", delete_share, "Stop sharing this machine",
              V["share"]),
     Endpoint("POST", "/api/v1/share/publish", post_share_publish,
@@ -1268,8 +1199,10 @@ def _endpoint(endpoint: Endpoint, state: ControlState) -> Callable[[Request], Aw
                 try:
                     call.body = msgspec.json.decode(raw or b"{}", type=endpoint.body)
                 except msgspec.ValidationError as exc:
+                    # A body that does not fit (an unknown field, a bad value): 422
+                    # naming the field, as the structs of client/bodies.py refuse it.
                     error = BadRequestError(f"request body: {exc}")
-                    raise Refusal(endpoint.invalid_status, error) from None
+                    raise Refusal(422, error) from None
                 except msgspec.DecodeError:
                     raise BadRequestError("request body: not JSON") from None
             result = await endpoint.handler(call)

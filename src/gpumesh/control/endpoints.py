@@ -53,8 +53,6 @@ class Endpoint:
     query: tuple[Query, ...] = ()
     status: int = 200
     media_type: str = "application/json"
-    invalid_status: int = 400
-    """The status of a body that does not fit ``body`` (an unknown field, a bad value)."""
 
 
 class ErrorView(msgspec.Struct):

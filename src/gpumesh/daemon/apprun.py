@@ -19,10 +19,12 @@ from collections.abc import Callable, Generator, Iterator
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
+from gpumesh.client.bodies import AppPullBody
 from gpumesh.daemon.client import NodeUnavailableError
 from gpumesh.errors import AgentError, NotFoundError, error_from_code
 
 if TYPE_CHECKING:
+    from gpumesh.client.bodies import AppRunBody
     from gpumesh.daemon.client import NodeClient, SseEvent
 
 __all__ = ["RESUME_TRIES", "NodeAppRun"]
@@ -37,7 +39,7 @@ class NodeAppRun:
     is the app run's view (``AppRunView`` as JSON). ``connect`` reaches the home's
     node process, starting one when none runs; ``body`` is the route's."""
 
-    def __init__(self, connect: Callable[[], NodeClient], body: dict[str, Any]) -> None:
+    def __init__(self, connect: Callable[[], NodeClient], body: AppRunBody) -> None:
         self._connect = connect
         self._body = body
         self.view: dict[str, Any] | None = None
@@ -103,12 +105,12 @@ class NodeAppRun:
         """The app run's view once its job ended: with ``out``, its folder pulled back."""
         assert self._sync is not None
         view: dict[str, Any] = {"sync": self._sync, "job": job, "out_remote": "", "pulled": False}
-        out = self._body.get("out")
+        out = self._body.out
         if out is None:
             return view
-        name = os.path.basename(os.path.normpath(str(out)))
+        name = os.path.basename(os.path.normpath(out))
         view["out_remote"] = f"{self._sync['remote']}/{name}"
-        pull = {"peer": self._body["peer"], "job": self.job_id, "dir": out, "folder": name}
+        pull = AppPullBody(peer=self._body.peer, job=self.job_id, dir=out, folder=name)
         for attempt in range(2):
             try:
                 self._connect().call("POST", "/api/v1/apps/pull", pull)
@@ -118,7 +120,7 @@ class NodeAppRun:
                 if attempt:
                     raise AgentError(
                         f"the node process stopped while it pulled {view['out_remote']}: "
-                        f"`gpumesh app pull --peer {self._body['peer']} --job {self.job_id} "
+                        f"`gpumesh app pull --peer {self._body.peer} --job {self.job_id} "
                         f"--dir DIR` pulls the app's folder"
                     ) from None
             else:

@@ -31,8 +31,17 @@ from urllib.parse import quote, urlencode
 import msgspec
 
 from gpumesh.client import mesh as base
+from gpumesh.client.bodies import (
+    AppRunBody,
+    CancelBody,
+    CopyBody,
+    JobBody,
+    PairBody,
+    mount_texts,
+)
 from gpumesh.client.views.jobs import JobResultView
 from gpumesh.errors import AgentError, ConfigError, NotInitializedError, error_from_code
+from gpumesh.settings import ENV_IMAGE, env
 
 if TYPE_CHECKING:
     from gpumesh.client.jobs import JobEvent
@@ -141,31 +150,22 @@ class ThroughNode:
     async def pair(self, code: str, *, rekey: bool, check: bool) -> PairView:
         from gpumesh.client.views.peers import PairView
 
-        body = {"code": code, "rekey": rekey, "offline": not check}
+        body = PairBody(code=code, rekey=rekey, offline=not check)
         return await self._get(PairView, "POST", "/api/v1/peers/pair", body)
 
-    @staticmethod
-    def _options(spec: JobSpec) -> dict[str, object]:
-        """A job's options in a request (``run`` and ``app run`` share them)."""
-        from gpumesh.settings import ENV_IMAGE, env
-
-        return {
-            "image": spec.image or env(ENV_IMAGE),
-            "env": spec.env,
-            "gpu_memory": spec.gpu_memory,
-            "retries": spec.retries,
-            "timeout": spec.timeout,
-            "mounts": [f"{m.source}:{m.target}{':rw' if m.rw else ''}" for m in spec.mounts],
-        }
-
     async def run(self, spec: JobSpec, *, detach: bool) -> JobResultView:
-        body = {
-            "command": spec.command,
-            "peer": spec.peer,
-            "group": spec.group,
-            **self._options(spec),
-            "workdir": None if spec.workdir is None else _local(spec.workdir),
-        }
+        body = JobBody(
+            command=spec.command,
+            peer=spec.peer,
+            group=spec.group,
+            image=spec.image or env(ENV_IMAGE),
+            env=spec.env,
+            gpu_memory=spec.gpu_memory,
+            retries=spec.retries,
+            timeout=spec.timeout,
+            mounts=mount_texts(spec.mounts),
+            workdir=None if spec.workdir is None else _local(spec.workdir),
+        )
         accepted = await self._get(JobResultView, "POST", "/api/v1/jobs", body)
         if detach:
             return accepted
@@ -179,7 +179,8 @@ class ThroughNode:
         return NodeFollow(self, job_id, follow)
 
     async def cancel(self, job_id: str) -> JobResultView:
-        return await self._get(JobResultView, "POST", f"/api/v1/jobs/{_q(job_id)}/cancel", {})
+        path = f"/api/v1/jobs/{_q(job_id)}/cancel"
+        return await self._get(JobResultView, "POST", path, CancelBody())
 
     async def jobs(self, *, limit: int, refresh: bool) -> list[JobListEntry]:
         from gpumesh.client.views.joblist import JobListEntry
@@ -209,7 +210,9 @@ class ThroughNode:
     async def cp(self, source: str, destination: str, *, retries: int) -> CopyView:
         from gpumesh.client.views.files import CopyView
 
-        body = {"source": _absolute(source), "destination": _absolute(destination)}
+        body = CopyBody(
+            source=_absolute(source), destination=_absolute(destination), retries=retries
+        )
         return await self._get(CopyView, "POST", "/api/v1/copies", body)
 
     async def app_run(
@@ -218,13 +221,18 @@ class ThroughNode:
         from gpumesh.client.views.apps import AppRunView
         from gpumesh.daemon.apprun import NodeAppRun
 
-        body = {
-            "peer": peer,
-            "dir": _local(folder),
-            "out": None if out is None else _local(out),
-            "command": spec.command,
-            **self._options(spec),
-        }
+        body = AppRunBody(
+            peer=peer,
+            dir=_local(folder),
+            out=None if out is None else _local(out),
+            command=spec.command,
+            image=spec.image or env(ENV_IMAGE),
+            env=spec.env,
+            gpu_memory=spec.gpu_memory,
+            retries=spec.retries,
+            timeout=spec.timeout,
+            mounts=mount_texts(spec.mounts),
+        )
         run = NodeAppRun(self._connect, body)
 
         def whole() -> object:

@@ -33,9 +33,10 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from gpumesh import platform
+from gpumesh.client.bodies import ShareOptions
 from gpumesh.client.node import Node
 from gpumesh.daemon.record import HomeLock, NodeRecord, holder, last_share_end, new_record
-from gpumesh.daemon.sharing import ShareEnd, ShareLine, ShareOptions, Sharing
+from gpumesh.daemon.sharing import ShareEnd, ShareLine, Sharing
 from gpumesh.daemon.views import (
     NodeProcessView,
     OutgoingView,

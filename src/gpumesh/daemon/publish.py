@@ -22,7 +22,7 @@ SIMULATED_MARK = "(SIMULATED) "
 """Before each GPU's name in the listing of a node whose GPUs are simulated."""
 
 if TYPE_CHECKING:
-    from gpumesh.daemon.sharing import ShareOptions
+    from gpumesh.client.bodies import ShareOptions
 
 __all__ = ["Publishing", "check", "start"]
 

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from gpumesh.client.bodies import ShareOptions
 from gpumesh.errors import ConfigError, GPUMeshError, InUseError, RuntimeUnavailableError
 from gpumesh.runtime.base import NO_GPU_RUNTIME_NOTE
 
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
     from gpumesh.client.node import Node
     from gpumesh.daemon.publish import Publishing
 
-__all__ = ["ShareEnd", "ShareLine", "ShareOptions", "ShareView", "Sharing", "require_linux"]
+__all__ = ["ShareEnd", "ShareLine", "ShareView", "Sharing", "require_linux"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,76 +40,6 @@ KEPT_LINES = 500
 """Lines of output kept for followers (a share's start says about twenty)."""
 RELAY_WAIT = 3.0
 """Seconds the start waits for the relay's first answer before reporting it."""
-
-
-class ShareOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
-    """What ``gpumesh share`` takes (its flags), as ``POST /api/v1/share``'s body."""
-
-    host: str | None = None
-    """Address to listen on (config listen_host)."""
-    port: int | None = None
-    """UDP port (config listen_port); 0: any free one."""
-    max_vram: str | None = None
-    """Most GPU memory one job may ask for, e.g. ``16GB``."""
-    public: bool = False
-    """List this node's GPUs in the registry at rendezvous_url while sharing."""
-    region: str | None = None
-    contact: str = ""
-    show_addresses: bool = False
-
-    def check(self) -> int | None:
-        """Refuse a bad value in one line (:class:`ConfigError`); the GPU memory cap
-        in bytes."""
-        from gpumesh.units import parse_size
-
-        if self.port is not None and not 0 <= self.port <= 65535:
-            raise ConfigError(f"port {self.port}: give a UDP port from 1 to 65535")
-        if not self.public:
-            for flag, given in (
-                ("--show-addresses", self.show_addresses),
-                ("--region", bool(self.region)),
-                ("--contact", bool(self.contact)),
-            ):
-                if given:
-                    raise ConfigError(
-                        f"{flag} is for the public listing: use it with --public (it would "
-                        "change nothing without it)"
-                    )
-        if len(self.contact) > 200:
-            raise ConfigError("contact: at most 200 characters")
-        if self.max_vram is None or self.max_vram == "":
-            return None
-        try:
-            return parse_size(self.max_vram)
-        except ValueError as exc:
-            raise ConfigError(f"max_vram {self.max_vram!r}: {exc}") from None
-
-    def flags(self) -> list[str]:
-        """The command-line flags that give these options (``share``, ``daemon run``)."""
-        argv: list[str] = []
-        for flag, value in (
-            ("--host", self.host),
-            ("--port", self.port),
-            ("--max-vram", self.max_vram),
-        ):
-            if value is not None:
-                argv += [flag, str(value)]
-        if self.public:
-            argv.append("--public")
-        if self.region is not None:
-            argv += ["--region", self.region]
-        if self.contact:
-            argv += ["--contact", self.contact]
-        if self.show_addresses:
-            argv.append("--show-addresses")
-        return argv
-
-    def describe(self) -> str:
-        """How people would type these options (``the defaults`` for none)."""
-        import shlex
-
-        flags = self.flags()
-        return " ".join(shlex.quote(f) for f in flags) if flags else "the defaults"
 
 
 class ShareLine(msgspec.Struct):

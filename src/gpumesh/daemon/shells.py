@@ -35,29 +35,17 @@ from gpumesh.daemon import frames
 from gpumesh.errors import GPUMeshError
 
 if TYPE_CHECKING:
+    from gpumesh.client.bodies import ShellRequest
     from gpumesh.client.exec import ExecSession
     from gpumesh.client.node import Node
     from gpumesh.protocol.messages import ImagePull
 
-__all__ = ["CONNECT_TIMEOUT", "ShellOfferView", "ShellRequest", "Shells"]
+__all__ = ["CONNECT_TIMEOUT", "ShellOfferView", "Shells"]
 
 logger = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT = 30.0
 """Seconds a shell's listener waits for its CLI to connect."""
-
-
-class ShellRequest(msgspec.Struct, forbid_unknown_fields=True):
-    peer: str
-    command: list[str] = []
-    """Empty: ``sh``."""
-    image: str | None = None
-    env: dict[str, str] = {}
-    gpu_memory: int = 0
-    """Bytes of GPU memory to hold for the shell (0: no GPU)."""
-    tty: bool = False
-    rows: int = 0
-    cols: int = 0
 
 
 class ShellOfferView(msgspec.Struct):

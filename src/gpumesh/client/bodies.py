@@ -1,0 +1,206 @@
+"""The local API's request bodies: one typed struct per body, shared by the API
+(which decodes them), the CLI and :class:`gpumesh.Mesh` (which build them).
+
+Unknown fields are refused (``forbid_unknown_fields``): a typo in a script's
+request gets 422 naming the field instead of passing silently. Nothing here
+imports a web framework; the answers are the views of
+:mod:`gpumesh.client.views`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from gpumesh.errors import ConfigError
+
+if TYPE_CHECKING:
+    from gpumesh.client.jobspec import MountSpec
+
+__all__ = [
+    "AppPullBody",
+    "AppRunBody",
+    "CancelBody",
+    "CopyBody",
+    "ExchangeBody",
+    "JobBody",
+    "PairBody",
+    "ShareOptions",
+    "ShellRequest",
+    "SyncBody",
+    "TcpBody",
+    "mount_texts",
+]
+
+
+def mount_texts(mounts: Sequence[MountSpec]) -> list[str]:
+    """A job spec's mounts as bodies carry them: ``SOURCE:TARGET[:rw]``, as ``--mount``."""
+    return [f"{m.source}:{m.target}{':rw' if m.rw else ''}" for m in mounts]
+
+
+class PairBody(msgspec.Struct, forbid_unknown_fields=True):
+    code: str
+    rekey: bool = False
+    offline: bool = False
+    """Do not dial the peer to check whether it paired this node."""
+
+
+class JobBody(msgspec.Struct, forbid_unknown_fields=True):
+    command: list[str] = []
+    peer: str | None = None
+    group: str | None = None
+    image: str | None = None
+    env: dict[str, str] = {}
+    gpu_memory: int | str | None = None
+    """Bytes, or text such as ``8GB``."""
+    retries: int | None = None
+    timeout: float | str | None = None
+    mounts: list[str] = []
+    """``/sandbox/folder:/container/path[:rw]``, as ``--mount``."""
+    workdir: str | None = None
+    """A local folder to upload (not from a browser session)."""
+    wait: float = 0.0
+    """With ``group``: seconds to wait for a member to free up."""
+
+
+class CancelBody(msgspec.Struct, forbid_unknown_fields=True):
+    peer: str | None = None
+    """The provider, for a job not in this node's store."""
+
+
+class CopyBody(msgspec.Struct, forbid_unknown_fields=True):
+    source: str
+    destination: str
+    """Exactly one of the two is ``PEER:PATH``, the other a local path."""
+    cwd: str | None = None
+    """The caller's working folder: a relative local path is taken from there (and
+    shown as written)."""
+    retries: int | None = None
+    fast_path: bool = True
+    """False: keep file bytes on QUIC (``cp --no-fast-path``)."""
+
+
+class SyncBody(msgspec.Struct, forbid_unknown_fields=True):
+    peer: str
+    dir: str
+    name: str | None = None
+    dry_run: bool = False
+
+
+class AppRunBody(msgspec.Struct, forbid_unknown_fields=True):
+    peer: str
+    dir: str
+    """The local folder to sync and run in (absolute)."""
+    command: list[str] = []
+    out: str | None = None
+    """A local folder (absolute) to pull the app's folder of its name back into."""
+    image: str | None = None
+    env: dict[str, str] = {}
+    gpu_memory: int | str | None = None
+    retries: int | None = None
+    timeout: float | str | None = None
+    mounts: list[str] = []
+
+
+class AppPullBody(msgspec.Struct, forbid_unknown_fields=True):
+    peer: str
+    job: str
+    dir: str
+    """The local folder (absolute) to pull the job's app folder into."""
+    folder: str = ""
+    """Only this folder of the app's folder (``app run --out``'s name), if given."""
+
+
+class ExchangeBody(msgspec.Struct, forbid_unknown_fields=True):
+    code: str
+
+
+class TcpBody(msgspec.Struct, forbid_unknown_fields=True):
+    listen: str = ""
+    """``host:port`` on loopback; empty: the node process's ``GPUMESH_API_ADDR``
+    (default 127.0.0.1:8080)."""
+
+
+class ShellRequest(msgspec.Struct, forbid_unknown_fields=True):
+    peer: str
+    command: list[str] = []
+    """Empty: ``sh``."""
+    image: str | None = None
+    env: dict[str, str] = {}
+    gpu_memory: int = 0
+    """Bytes of GPU memory to hold for the shell (0: no GPU)."""
+    tty: bool = False
+    rows: int = 0
+    cols: int = 0
+
+
+class ShareOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """What ``gpumesh share`` takes (its flags), as ``POST /api/v1/share``'s body."""
+
+    host: str | None = None
+    """Address to listen on (config listen_host)."""
+    port: int | None = None
+    """UDP port (config listen_port); 0: any free one."""
+    max_vram: str | None = None
+    """Most GPU memory one job may ask for, e.g. ``16GB``."""
+    public: bool = False
+    """List this node's GPUs in the registry at rendezvous_url while sharing."""
+    region: str | None = None
+    contact: str = ""
+    show_addresses: bool = False
+
+    def check(self) -> int | None:
+        """Refuse a bad value in one line (:class:`ConfigError`); the GPU memory cap
+        in bytes."""
+        from gpumesh.units import parse_size
+
+        if self.port is not None and not 0 <= self.port <= 65535:
+            raise ConfigError(f"port {self.port}: give a UDP port from 1 to 65535")
+        if not self.public:
+            for flag, given in (
+                ("--show-addresses", self.show_addresses),
+                ("--region", bool(self.region)),
+                ("--contact", bool(self.contact)),
+            ):
+                if given:
+                    raise ConfigError(
+                        f"{flag} is for the public listing: use it with --public (it would "
+                        "change nothing without it)"
+                    )
+        if len(self.contact) > 200:
+            raise ConfigError("contact: at most 200 characters")
+        if self.max_vram is None or self.max_vram == "":
+            return None
+        try:
+            return parse_size(self.max_vram)
+        except ValueError as exc:
+            raise ConfigError(f"max_vram {self.max_vram!r}: {exc}") from None
+
+    def flags(self) -> list[str]:
+        """The command-line flags that give these options (``share``, ``daemon run``)."""
+        argv: list[str] = []
+        for flag, value in (
+            ("--host", self.host),
+            ("--port", self.port),
+            ("--max-vram", self.max_vram),
+        ):
+            if value is not None:
+                argv += [flag, str(value)]
+        if self.public:
+            argv.append("--public")
+        if self.region is not None:
+            argv += ["--region", self.region]
+        if self.contact:
+            argv += ["--contact", self.contact]
+        if self.show_addresses:
+            argv.append("--show-addresses")
+        return argv
+
+    def describe(self) -> str:
+        """How people would type these options (``the defaults`` for none)."""
+        import shlex
+
+        flags = self.flags()
+        return " ".join(shlex.quote(f) for f in flags) if flags else "the defaults"
