@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.conftest import until
 from tests.integration.node import CEILING, cli, node_env, status, wait_gone
 
 pytestmark = pytest.mark.usefixtures("docker_daemon")
@@ -63,6 +64,9 @@ def test_detach_logs_and_cancel_through_the_node_process(pair: tuple[Path, Path]
     started = cli(bob, "run", "--peer", "alice-pc", "-d", "--", "sh", "-c", "echo begun; sleep 120")
     assert started.returncode == 0, started.stderr
     job_id = started.stdout.strip()
+    # Cancelled once it ran (a cancel that overtakes its container's start would
+    # leave no output to check).
+    until(lambda: "begun" in cli(bob, "logs", job_id).stdout, "the job to say begun", every=0.2)
     cancelled = cli(bob, "cancel", job_id[:6])
     assert cancelled.returncode == 0, cancelled.stderr
     assert cancelled.stdout.startswith(f"Job {job_id} on alice-pc: cancelled")

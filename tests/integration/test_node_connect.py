@@ -63,6 +63,14 @@ def test_connect_through_the_node_dials_once_then_measures_on_the_warm_session(
             assert list(json.loads(fresh.stdout)) == list(reused)
             assert json.loads(fresh.stdout)["warm"] is False
             assert _uses(bob) == 2  # the in-process command did not touch it
+            # --fresh: the node process dials anew and times it, and keeps the warm
+            # session as it was (neither lent nor replaced: still one, same uses).
+            anew = cli(bob, "connect", "alice-pc", "--json", "--fresh")
+            assert anew.returncode == 0, anew.stderr
+            dialled_anew = json.loads(anew.stdout)
+            assert list(dialled_anew) == list(reused)
+            assert dialled_anew["warm"] is False and dialled_anew["connect_ms"] > 0
+            assert _uses(bob) == 2
 
             human = cli(bob, "connect", "alice-pc")
             assert human.returncode == 0, human.stderr

@@ -17,13 +17,15 @@ Examples:
   gpumesh connect alice-pc
   gpumesh connect k3x9 --json
   gpumesh connect alice-pc --speed 256MB     # also measure upload throughput
-  GPUMESH_NODE=off gpumesh connect alice-pc  # a fresh dial from this command itself
+  gpumesh connect alice-pc --fresh           # time a whole new dial
 \b
 Through this home's node process (the default), a warm session to PEER is
 reused when there is one: the round trips are measured on it, "(warm session)"
 says so (--json: "warm": true) and the connect time shown is that session's
 own dial. Otherwise the node process dials now and keeps the session warm for
-the next command. --speed pushes its bytes on that same session.
+the next command. --fresh dials anew all the same (path, handshake and identity
+proof timed now) and closes that session after; the warm one stays. --speed
+pushes its bytes on the session the node process keeps.
 """
 )
 @click.argument("peer", envvar="GPUMESH_PEER", shell_complete=complete_peer)
@@ -31,8 +33,13 @@ the next command. --speed pushes its bytes on that same session.
     "--timeout", type=float, help="Seconds to wait for an answer (config connect_timeout)."
 )
 @click.option("--speed", metavar="SIZE", help="Also push SIZE bytes (e.g. 256MB) and report MB/s.")
+@click.option(
+    "--fresh", is_flag=True, help="Dial anew even when a warm session exists, and time the dial."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable output.")
-def connect(peer: str, timeout: float | None, speed: str | None, as_json: bool) -> None:
+def connect(
+    peer: str, timeout: float | None, speed: str | None, fresh: bool, as_json: bool
+) -> None:
     """Dial PEER, prove identities both ways, and report path and round-trip time.
 
     PEER is a name or an id prefix; $GPUMESH_PEER is the default.
@@ -43,7 +50,7 @@ def connect(peer: str, timeout: float | None, speed: str | None, as_json: bool) 
     if timeout is not None and not 0 < timeout <= 3600:
         raise click.BadParameter("must be above 0 and at most 3600", param_hint="--timeout")
     if node_enabled():
-        view = _through_node(peer, timeout, size)
+        view = _through_node(peer, timeout, size, fresh)
         if as_json:
             import json
 
@@ -78,7 +85,7 @@ def connect(peer: str, timeout: float | None, speed: str | None, as_json: bool) 
         click.echo(f"upload {rate} ({format_size(size)})")
 
 
-def _through_node(peer: str, timeout: float | None, size: int) -> dict[str, Any]:
+def _through_node(peer: str, timeout: float | None, size: int, fresh: bool) -> dict[str, Any]:
     """The node process's ``connect`` view (its JSON as it is)."""
     from urllib.parse import quote, urlencode
 
@@ -89,6 +96,8 @@ def _through_node(peer: str, timeout: float | None, size: int) -> dict[str, Any]
         query["timeout"] = repr(timeout)
     if size:
         query["speed"] = str(size)
+    if fresh:
+        query["fresh"] = "true"
     path = f"/api/v1/peers/{quote(peer, safe='')}/connect"
     view: dict[str, Any] = node_client().call(
         "POST", path + (f"?{urlencode(query)}" if query else "")

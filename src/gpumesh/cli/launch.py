@@ -289,7 +289,9 @@ def start(argv: list[str]) -> bool:
     return True
 
 
-def take(form: str, body: JobBody | SyncBody) -> tuple[NodeClient, Any] | None:
+def take(
+    form: str, body: dict[str, object] | JobBody | SyncBody
+) -> tuple[NodeClient, Any] | None:
     """The client and the answer's reader of the request sent ahead, for the command
     ``form`` with ``body``: the events of a run, the function that reads an app
     sync's JSON answer; None when none was sent. Raises what kept :func:`start`
@@ -309,8 +311,12 @@ def take(form: str, body: JobBody | SyncBody) -> tuple[NodeClient, Any] | None:
     return sent[2], sent[3]
 
 
-def _as(sent: dict[str, object], like: JobBody | SyncBody) -> object:
-    """The body sent ahead as the struct of ``like``'s kind (None if it is not one)."""
+def _as(sent: dict[str, object], like: dict[str, object] | JobBody | SyncBody) -> object:
+    """The body sent ahead in ``like``'s form: as it is beside a dict (no msgspec
+    loaded for a plain run or sync), else as the struct of ``like``'s kind (None
+    if it is not one)."""
+    if isinstance(like, dict):
+        return sent
     import msgspec
 
     try:

@@ -308,9 +308,12 @@ class Node:
     # --- talking to peers -----------------------------------------------------------------
 
     @contextlib.asynccontextmanager
-    async def session(self, query: str, *, timeout: float | None = None) -> AsyncIterator[Session]:
+    async def session(
+        self, query: str, *, timeout: float | None = None, fresh: bool = False
+    ) -> AsyncIterator[Session]:
         """An authenticated session with a paired peer, closed on exit (or lent
-        from ``pool``, and left open there, when this node keeps warm sessions).
+        from ``pool``, and left open there, when this node keeps warm sessions,
+        unless ``fresh``: then one is dialled now for this alone).
 
         Requests may start at once: the identity proof leaves with the first of
         them, and the peer's Welcome, or its refusal (raised by every request
@@ -320,7 +323,7 @@ class Node:
         relayed session to a direct path when the NATs allow it.
         """
         peer = self.peer(query)
-        if self.pool is not None:
+        if self.pool is not None and not fresh:
             async with self.pool.lend(peer, lambda: self._dial(peer, timeout)) as warm:
                 yield warm
             return
@@ -470,9 +473,11 @@ class Node:
         self.home.store.touch_peer(peer.node_id, address=text, path=session.path)
 
     async def connect(
-        self, query: str, *, pings: int = 5, timeout: float | None = None
+        self, query: str, *, pings: int = 5, timeout: float | None = None, fresh: bool = False
     ) -> ConnectResult:
-        """Dial a peer, prove identities both ways, and measure the round trip."""
+        """Dial a peer, prove identities both ways, and measure the round trip: on
+        the warm session to it when this node keeps one, unless ``fresh`` (a new
+        dial, timed whole, and closed after; the warm one stays as it was)."""
         import asyncio
         import statistics
 
@@ -480,11 +485,16 @@ class Node:
         import gpumesh.transport.session  # noqa: F401 - loading code is not connecting
 
         started = time.perf_counter()
-        async with self.live_session(query, timeout=timeout) as session:
+        opened = (
+            self.session(query, timeout=timeout, fresh=True)
+            if fresh
+            else self.live_session(query, timeout=timeout)
+        )
+        async with opened as session:
             # Lent warm: the pool had it before this command (it lends a session it
             # dials now once, to us). Whether it was welcomed yet says nothing: a
             # dial's Welcome can land before this line runs on a busy machine.
-            kept = self.pool.warm(str(peer.node_id), session) if self.pool else None
+            kept = self.pool.warm(str(peer.node_id), session) if self.pool and not fresh else None
             warm = kept is not None and kept.uses > 1
             # The status request leaves with the identity proof and its reply comes
             # right behind the provider's Welcome: no round trip of its own.

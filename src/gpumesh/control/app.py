@@ -303,7 +303,8 @@ async def post_deny(call: Call) -> object:
 
 async def post_connect(call: Call) -> object:
     """The path to a peer, on the warm session to it when there is one (dialled now
-    when not, and kept warm for the next request); ``speed``: bytes to push too."""
+    when not, and kept warm for the next request); ``fresh``: a new dial all the
+    same, timed whole and closed after; ``speed``: bytes to push too."""
     from gpumesh.client.views.peers import ConnectView
 
     pings = call.number("pings", 5, least=1, most=100)
@@ -318,7 +319,8 @@ async def post_connect(call: Call) -> object:
         if not 0 < seconds <= 3600:
             raise BadRequestError("query parameter timeout must be above 0 and at most 3600")
     peer = call.param("peer")
-    result = await call.node.connect(peer, pings=pings, timeout=seconds)
+    fresh = call.flag("fresh")
+    result = await call.node.connect(peer, pings=pings, timeout=seconds, fresh=fresh)
     throughput = await call.node.throughput(peer, size) if size else None
     return ConnectView.of(result, throughput)
 
@@ -1024,7 +1026,9 @@ ENDPOINTS: tuple[Endpoint, ...] = (
              query=(Query("pings", "integer", "Round trips to measure (5)"),
                     Query("timeout", "number", "Seconds to wait for an answer "
                           "(config connect_timeout)"),
-                    Query("speed", "integer", "Also push this many bytes and report MB/s"))),
+                    Query("speed", "integer", "Also push this many bytes and report MB/s"),
+                    Query("fresh", "boolean", "Dial anew even when a warm session is "
+                          "kept, and time the whole dial"))),
     Endpoint("GET", "/api/v1/jobs", get_jobs, "Jobs submitted and hosted, newest first",
              V["jobs"], query=(Query("limit", "integer", "How many (20)"), _offline)),
     Endpoint("POST", "/api/v1/jobs", post_job, "Submit a job to a peer or a group",
