@@ -21,7 +21,6 @@ from gpumesh.cli._complete import complete_peer
 from gpumesh.cli._node import node_enabled
 
 if TYPE_CHECKING:
-    from gpumesh.client.bodies import ShellRequest
     from gpumesh.client.exec import ExecSession
 
 
@@ -84,16 +83,17 @@ def exec(
     raw = _RawMode(0) if tty else None
     if node_enabled() and all("=" in item for item in env_items):
         from gpumesh import settings
-        from gpumesh.client.bodies import ShellRequest
 
-        request = ShellRequest(
-            peer=peer,
-            command=list(command),
-            image=image or settings.env(settings.ENV_IMAGE),  # ours, not the node's
-            env=dict(item.split("=", 1) for item in env_items),
-            gpu_memory=memory,
-            tty=tty,
-        )
+        # client/bodies.ShellRequest as a plain dict: msgspec (~30 ms to import)
+        # stays off the way of a shell (tests/unit/test_cli_bodies.py converts it).
+        request: dict[str, object] = {
+            "peer": peer,
+            "command": list(command),
+            "image": image or settings.env(settings.ENV_IMAGE),  # ours, not the node's
+            "env": dict(item.split("=", 1) for item in env_items),
+            "gpu_memory": memory,
+            "tty": tty,
+        }
         try:
             code = run_async(_through_node(request, raw))
         finally:
@@ -183,7 +183,7 @@ async def _session(
             step()
 
 
-async def _through_node(request: ShellRequest, raw: _RawMode | None) -> int:
+async def _through_node(request: dict[str, object], raw: _RawMode | None) -> int:
     """The shell run by the node process: this process carries the terminal's bytes,
     its resizes and the exit code over the socket the node process opened for it
     (:mod:`gpumesh.daemon.shells`)."""
@@ -196,7 +196,7 @@ async def _through_node(request: ShellRequest, raw: _RawMode | None) -> int:
 
     client = node_client()
     if raw is not None:
-        request.rows, request.cols = _window_size()
+        request["rows"], request["cols"] = _window_size()
     offer = client.call("POST", "/api/v1/shells", request)
     reader, writer = await _connect_shell(offer)
     writer.write(frames.frame(frames.TOKEN, str(offer["token"]).encode()))

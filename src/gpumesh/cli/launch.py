@@ -289,9 +289,7 @@ def start(argv: list[str]) -> bool:
     return True
 
 
-def take(
-    form: str, body: dict[str, object] | JobBody | SyncBody
-) -> tuple[NodeClient, Any] | None:
+def take(form: str, body: dict[str, object] | JobBody | SyncBody) -> tuple[NodeClient, Any] | None:
     """The client and the answer's reader of the request sent ahead, for the command
     ``form`` with ``body``: the events of a run, the function that reads an app
     sync's JSON answer; None when none was sent. Raises what kept :func:`start`
