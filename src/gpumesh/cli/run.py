@@ -12,7 +12,6 @@ from gpumesh.cli._common import get_node, run_async
 from gpumesh.cli._complete import complete_group, complete_peer
 from gpumesh.cli._node import job_options, node_enabled
 from gpumesh.errors import ExitCode
-from gpumesh.settings import ENV_IMAGE, env
 
 if TYPE_CHECKING:
     from gpumesh.client.bodies import JobBody
@@ -122,20 +121,15 @@ def run(
         mounts=list(mounts),
     )
     if node_enabled():
-        from gpumesh.client.bodies import JobBody, mount_texts
+        from gpumesh.client import bodies
 
-        spec_body = JobBody(
+        spec_body = bodies.JobBody(
             command=spec.command,
             peer=spec.peer,
             group=spec.group,
-            image=spec.image or env(ENV_IMAGE),
-            env=spec.env,
-            gpu_memory=spec.gpu_memory,
-            retries=spec.retries,
-            timeout=spec.timeout,
-            mounts=mount_texts(spec.mounts),
             workdir=None if spec.workdir is None else str(spec.workdir),
             wait=WAIT_FOREVER if wait else 0.0,
+            **bodies.job_options(spec),
         )
         _through_node(spec_body, detach=detach, quiet=quiet, explain=explain)
         return

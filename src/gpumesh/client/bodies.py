@@ -10,14 +10,14 @@ imports a web framework; the answers are the views of
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from gpumesh.errors import ConfigError
 
 if TYPE_CHECKING:
-    from gpumesh.client.jobspec import MountSpec
+    from gpumesh.client.jobspec import JobSpec, MountSpec
 
 __all__ = [
     "AppPullBody",
@@ -31,6 +31,7 @@ __all__ = [
     "ShellRequest",
     "SyncBody",
     "TcpBody",
+    "job_options",
     "mount_texts",
 ]
 
@@ -38,6 +39,23 @@ __all__ = [
 def mount_texts(mounts: Sequence[MountSpec]) -> list[str]:
     """A job spec's mounts as bodies carry them: ``SOURCE:TARGET[:rw]``, as ``--mount``."""
     return [f"{m.source}:{m.target}{':rw' if m.rw else ''}" for m in mounts]
+
+
+def job_options(spec: JobSpec) -> dict[str, Any]:
+    """A job spec's options as keyword arguments of :class:`JobBody` and
+    :class:`AppRunBody` (which share them): its image, the caller's default when it
+    names none (``$GPUMESH_IMAGE``; the node process's own default is not the
+    caller's), env, GPU memory, retries, timeout and mounts."""
+    from gpumesh.settings import ENV_IMAGE, env
+
+    return {
+        "image": spec.image or env(ENV_IMAGE),
+        "env": spec.env,
+        "gpu_memory": spec.gpu_memory,
+        "retries": spec.retries,
+        "timeout": spec.timeout,
+        "mounts": mount_texts(spec.mounts),
+    }
 
 
 class PairBody(msgspec.Struct, forbid_unknown_fields=True):

@@ -37,11 +37,10 @@ from gpumesh.client.bodies import (
     CopyBody,
     JobBody,
     PairBody,
-    mount_texts,
+    job_options,
 )
 from gpumesh.client.views.jobs import JobResultView
 from gpumesh.errors import AgentError, ConfigError, NotInitializedError, error_from_code
-from gpumesh.settings import ENV_IMAGE, env
 
 if TYPE_CHECKING:
     from gpumesh.client.jobs import JobEvent
@@ -158,13 +157,8 @@ class ThroughNode:
             command=spec.command,
             peer=spec.peer,
             group=spec.group,
-            image=spec.image or env(ENV_IMAGE),
-            env=spec.env,
-            gpu_memory=spec.gpu_memory,
-            retries=spec.retries,
-            timeout=spec.timeout,
-            mounts=mount_texts(spec.mounts),
             workdir=None if spec.workdir is None else _local(spec.workdir),
+            **job_options(spec),
         )
         accepted = await self._get(JobResultView, "POST", "/api/v1/jobs", body)
         if detach:
@@ -226,12 +220,7 @@ class ThroughNode:
             dir=_local(folder),
             out=None if out is None else _local(out),
             command=spec.command,
-            image=spec.image or env(ENV_IMAGE),
-            env=spec.env,
-            gpu_memory=spec.gpu_memory,
-            retries=spec.retries,
-            timeout=spec.timeout,
-            mounts=mount_texts(spec.mounts),
+            **job_options(spec),
         )
         run = NodeAppRun(self._connect, body)
 
