@@ -293,8 +293,8 @@ def take(form: str, body: dict[str, object] | JobBody | SyncBody) -> tuple[NodeC
     """The client and the answer's reader of the request sent ahead, for the command
     ``form`` with ``body``: the events of a run, the function that reads an app
     sync's JSON answer; None when none was sent. Raises what kept :func:`start`
-    from the node process. What was sent ahead is compared as the struct it
-    converts to: the head start has no rules of its own."""
+    from the node process. What was sent ahead is compared as a dict beside a
+    dict, else as the struct it converts to (see :func:`_as`)."""
     if _failed:
         failed_form, failed_body, failure = _failed.pop()
         if (failed_form, _as(failed_body, body)) == (form, body):

@@ -32,11 +32,10 @@ __all__ = [
     "SyncBody",
     "TcpBody",
     "job_options",
-    "mount_texts",
 ]
 
 
-def mount_texts(mounts: Sequence[MountSpec]) -> list[str]:
+def _mount_texts(mounts: Sequence[MountSpec]) -> list[str]:
     """A job spec's mounts as bodies carry them: ``SOURCE:TARGET[:rw]``, as ``--mount``."""
     return [f"{m.source}:{m.target}{':rw' if m.rw else ''}" for m in mounts]
 
@@ -54,7 +53,7 @@ def job_options(spec: JobSpec) -> dict[str, Any]:
         "gpu_memory": spec.gpu_memory,
         "retries": spec.retries,
         "timeout": spec.timeout,
-        "mounts": mount_texts(spec.mounts),
+        "mounts": _mount_texts(spec.mounts),
     }
 
 

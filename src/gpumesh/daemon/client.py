@@ -270,8 +270,8 @@ class NodeClient:
 
 def _payload(body: object) -> bytes:
     """A request's JSON body: one of :mod:`gpumesh.client.bodies`'s structs, or the
-    plain dict the head start sends (it must not load msgspec; a unit test checks
-    each such dict converts into its struct)."""
+    plain dict a light command or the head start sends (they must not load
+    msgspec; unit tests convert each such dict into its struct)."""
     if body is None:
         return b""
     if isinstance(body, dict):

@@ -439,12 +439,12 @@ class DockerRuntime:
         else:
             log_config = docker.types.LogConfig(type="local", config=dict(_LOG_CONFIG))
         kind = "exec" if interactive else "job"
-        placement, holder = self._placement(spec)
+        placement, holder = self._take_holder(spec)
         network_mode, dns, sysctls = spec.network, list(spec.dns) or None, None
         if holder is not None:  # its namespace was made as this container's would be
             network_mode, dns = Holders.network_mode(holder), None
-        elif placement is not None and placement.ipv6_off:
-            sysctls = {"net.ipv6.conf.all.disable_ipv6": "1"}
+        elif placement is not None:
+            sysctls = placement.sysctls
         with (
             self._holders.unless_made(holder),
             self._engine(f"create container {spec.name!r}") as api,
@@ -506,7 +506,7 @@ class DockerRuntime:
         logger.debug("[%s %s] created container %s", kind, label, container_id)
         return container_id
 
-    def _placement(self, spec: ContainerSpec) -> tuple[Placement | None, str | None]:
+    def _take_holder(self, spec: ContainerSpec) -> tuple[Placement | None, str | None]:
         """Where ``spec``'s container goes (None: no network) and the spare holder
         it joins there, if one is ready (see :mod:`gpumesh.runtime.holders`)."""
         if spec.network == "none":

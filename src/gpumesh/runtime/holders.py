@@ -141,6 +141,12 @@ class Placement:
     ipv6_off: bool
     node: str
 
+    @property
+    def sysctls(self) -> dict[str, str] | None:
+        """The kernel settings of a namespace made for this placement (the holder's,
+        or the container's own when it joins the network itself)."""
+        return {"net.ipv6.conf.all.disable_ipv6": "1"} if self.ipv6_off else None
+
 
 Engine = Callable[[str], contextlib.AbstractContextManager[Any]]
 """The runtime's engine access: a context manager yielding Docker's low-level
@@ -231,7 +237,10 @@ class Holders:
         with self._lock:
             maker = self._making.get(placement)
             short = len(self._spare.get(placement, ())) < self.SPARES
-            if maker is None and short and not self._closed:
+            # (Not on an engine already found to have no holder program: no thread
+            # for nothing at every container.)
+            wanted = short and not self._closed and self._supported is not False
+            if maker is None and wanted:
                 maker = threading.Thread(
                     target=self._make, args=(placement,), name="gpumesh-holder", daemon=True
                 )
@@ -323,7 +332,7 @@ class Holders:
                 memswap_limit=_MEMORY,
                 network_mode=placement.network,
                 dns=list(placement.dns) or None,
-                sysctls={"net.ipv6.conf.all.disable_ipv6": "1"} if placement.ipv6_off else None,
+                sysctls=placement.sysctls,
                 log_config=docker.types.LogConfig(type="none"),
             )
             try:
