@@ -52,7 +52,6 @@ from _benchlib import (
 )
 from gpumesh.client.node import Node
 from gpumesh.protocol.messages import MAX_THROUGHPUT_TEST
-from gpumesh.store.home import Home
 
 LOOPBACK = "127.0.0.1"
 MIB = 1024 * 1024
@@ -108,10 +107,11 @@ def running_agent(
     """``gpumesh share`` for ``home`` in its own process, until the block ends.
 
     ``wrap`` goes before the command and must exec it (e.g. ``ip netns exec NS``).
-    With ``GPUMESH_NODE=off`` the share runs in that process (as in every version a
-    ``--baseline`` may name), so its agent is the process started here.
+    This version shares from the home's node process, which the command starts
+    (inside ``wrap`` too); a ``--baseline`` of an earlier version may share from the
+    command's own process.
     """
-    env = dict(os.environ, GPUMESH_HOME=str(home), GPUMESH_NODE="off")
+    env = dict(os.environ, GPUMESH_HOME=str(home), GPUMESH_NODE="off")  # for a baseline
     with log.open("wb") as out:
         proc = subprocess.Popen(
             [*wrap, *gpumesh_command(), "share"],
@@ -121,12 +121,10 @@ def running_agent(
             stderr=subprocess.STDOUT,
         )
     try:
-        watcher = Home(home)
+        # Every version says its pairing code once it serves (this one from its node
+        # process, which a SIGTERM to the command stops sharing).
         deadline = time.monotonic() + AGENT_START_TIMEOUT
-        while True:
-            info = watcher.read_agent_info()
-            if info is not None and info.pid == proc.pid:
-                break
+        while b"Pairing code" not in log.read_bytes():
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(
                     f"`gpumesh share` did not start; its output:\n{log.read_text().strip()}"

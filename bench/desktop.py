@@ -49,7 +49,7 @@ from _benchlib import (
     summarize,
 )
 from bulk import gpumesh_command, loopback_sshd, make_nodes, running_agent
-from gpumesh.store.home import Home
+from gpumesh.daemon.client import NodeClient
 
 MIB = 1024 * 1024
 CIPHER = "aes128-gcm@openssh.com"
@@ -243,9 +243,8 @@ def round_trips(port: int, count: int) -> list[float]:
 
 def deny_cut(alice: Path, bob: Path, repeat: int) -> tuple[list[float], list[float], list[float]]:
     """Until an open tunnelled connection reads EOF: after spawning `gpumesh desktop
-    deny` (and that command's own duration), and after the same change made in this
-    process (the store row, then the agent's notification), which leaves out the
-    CLI's start-up."""
+    deny` (and that command's own duration), and after the same change asked of the
+    node process's API from this process, which leaves out the CLI's start-up."""
     cuts, commands, direct = [], [], []
     for index in range(2 * repeat):
         in_process = index % 2 == 1
@@ -256,11 +255,7 @@ def deny_cut(alice: Path, bob: Path, repeat: int) -> tuple[list[float], list[flo
             started = time.perf_counter()
             deny = None
             if in_process:
-                home = Home(alice)
-                peer = home.store.find_peer(CONSUMER)
-                home.store.set_desktop_allowed(peer.node_id, False)
-                home.notify_agent()
-                home.close()
+                NodeClient(alice).call("POST", f"/api/v1/peers/{CONSUMER}/desktop/deny")
             else:
                 deny = subprocess.Popen(
                     [*gpumesh_command(), "desktop", "deny", CONSUMER],

@@ -52,13 +52,10 @@ except DriverUnavailable as exc:
 fi
 
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpumesh-gpu-check.XXXXXX")
-SHARE_PID=""
-cleanup() {  # both homes' node processes outlive `share`: stop them before the homes go
+cleanup() {  # both homes' node processes outlive the commands: stop them before the homes go
   for home in "$WORK/a" "$WORK/b"; do
     [ -d "$home" ] && GPUMESH_HOME=$home "$PY" -m gpumesh daemon stop >/dev/null 2>&1
   done
-  # A background job of a script ignores SIGINT, so the share command gets SIGTERM.
-  [ -n "$SHARE_PID" ] && kill "$SHARE_PID" 2>/dev/null && wait "$SHARE_PID" 2>/dev/null
   rm -rf "$WORK"
 }
 trap cleanup EXIT
@@ -69,9 +66,7 @@ export GPUMESH_HOME=$WORK/a
 gm init --name alice-pc >/dev/null && gm config set listen_host 127.0.0.1 >/dev/null &&
   gm config set listen_port "$PORT" >/dev/null &&
   gm config set job_network none >/dev/null  # no jobs run here, and iptables may be missing
-gm share >"$WORK/share.log" 2>&1 &
-SHARE_PID=$!
-for _ in $(seq 100); do [ -f "$WORK/a/agent.json" ] && break; sleep 0.1; done
+gm share --detach >"$WORK/share.log" 2>&1  # returns once alice shares
 ALICE_CODE=$(gm pair-code)
 GPUMESH_HOME=$WORK/b gm init --name bob-laptop >/dev/null
 GPUMESH_HOME=$WORK/b gm pair "$ALICE_CODE" >/dev/null

@@ -85,3 +85,36 @@ def wait_gone(pid: int, ceiling: float = CEILING) -> bool:
             return False
         time.sleep(0.05)
     return True
+
+
+def share_view(home: Path) -> dict[str, Any] | None:
+    """``GET /api/v1/share`` of ``home``'s node process; None while none answers."""
+    from gpumesh.daemon.client import NodeClient, NodeUnavailableError
+
+    try:
+        view: dict[str, Any] = NodeClient(home).call("GET", "/api/v1/share", timeout=10)
+    except NodeUnavailableError:
+        return None
+    return view
+
+
+def wait_shares(
+    home: Path, process: subprocess.Popen[str] | None = None, ceiling: float = CEILING
+) -> dict[str, Any]:
+    """Until ``home``'s node process shares (a `gpumesh share` was asked); its share
+    view, whose ``agent`` says the pid and port. Fails at once if ``process`` (the
+    command that asked) ended first."""
+    deadline = time.monotonic() + ceiling
+    while (view := share_view(home)) is None or not view["sharing"]:
+        if process is not None and process.poll() is not None:
+            raise AssertionError(f"share did not start: {process.communicate()}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{home} did not share within {ceiling:g} s")
+        time.sleep(0.05)
+    return view
+
+
+def shares(home: Path) -> bool:
+    """Whether ``home`` shares now (a node process runs it)."""
+    view = share_view(home)
+    return view is not None and bool(view["sharing"])

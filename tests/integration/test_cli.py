@@ -17,7 +17,6 @@ import stat
 import struct
 import subprocess
 import sys
-import time
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +28,7 @@ from gpumesh.errors import ExitCode
 from gpumesh.identity.codes import CODE_PREFIX, make_code
 from gpumesh.identity.keys import Identity
 from tests.integration.conftest import gpumesh, remove_containers
+from tests.integration.node import shares, wait_shares
 
 
 def _free_udp_port() -> int:
@@ -63,12 +63,11 @@ def _start_share(home: Path, *flags: str) -> subprocess.Popen[str]:
         stderr=subprocess.PIPE,
         text=True,
     )
-    deadline = time.monotonic() + 15
-    while not (home / "agent.json").exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError(f"share did not start: {proc.communicate()}")
-        time.sleep(0.05)
+    try:
+        wait_shares(home, proc)
+    except AssertionError:
+        proc.kill()
+        raise
     return proc
 
 
@@ -167,7 +166,7 @@ def test_user_flow_pair_connect_deny_and_stop(alice_sharing, tmp_path: Path) -> 
     stopped = gpumesh(alice, "share", "stop")
     assert stopped.returncode == 0, stopped.stderr
     assert share.wait(timeout=10) == 0
-    assert not (alice / "agent.json").exists()
+    assert not shares(alice)
     assert json.loads(gpumesh(alice, "status", "--json").stdout)["sharing"] is False
     _one_line_error(
         gpumesh(bob, "connect", "alice-pc"), ExitCode.UNREACHABLE, "nothing is listening"
@@ -182,12 +181,13 @@ def test_share_stops_cleanly_on_ctrl_c(alice_sharing) -> None:
     assert "Sharing alice-pc" in out
     assert CODE_PREFIX in out  # the banner prints a pairing code
     assert "Traceback" not in err
-    assert not (alice / "agent.json").exists()
+    assert not shares(alice)
 
 
-def test_second_share_on_same_home_is_refused(alice_sharing) -> None:
+def test_second_share_with_other_options_is_refused(alice_sharing) -> None:
     alice, _share = alice_sharing
-    _one_line_error(gpumesh(alice, "share"), ExitCode.IN_USE, "already running")
+    other = gpumesh(alice, "share", "--port", str(_free_udp_port()))
+    _one_line_error(other, ExitCode.IN_USE, "this home already shares with")
 
 
 def test_share_on_a_taken_port_says_so(tmp_path: Path) -> None:

@@ -16,7 +16,6 @@ import signal
 import stat
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -42,8 +41,8 @@ from gpumesh.protocol.messages import (
     FileStat,
     Message,
 )
-from gpumesh.store.home import Home
 from tests.integration.conftest import arun, gpumesh, pair_both, sharing
+from tests.integration.node import wait_shares
 from tests.integration.test_cli import _free_udp_port, _one_line_error
 
 MIB = 1024 * 1024
@@ -685,23 +684,21 @@ def test_a_dropped_link_is_retried_and_resumed_both_ways(pair, tmp_path: Path) -
 
 
 def _start_agent(home: Path) -> subprocess.Popen[bytes]:
-    """`gpumesh share` for ``home`` as its own process, once it serves."""
+    """This home's node process in the foreground (`gpumesh daemon run`), once it
+    shares: killing it kills the agent."""
     env = dict(os.environ, GPUMESH_HOME=str(home))
     env.pop("GPUMESH_LOG", None)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gpumesh", "share"],
+        [sys.executable, "-m", "gpumesh", "daemon", "run", "--host", "127.0.0.1"],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    watcher = Home(home)
-    # A bound on a hang, not a verdict on speed: a loaded CI machine can take long.
-    deadline = time.monotonic() + 60
-    while (info := watcher.read_agent_info()) is None or info.pid != proc.pid:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError("`gpumesh share` did not start")
-        time.sleep(0.05)
+    try:
+        wait_shares(home)
+    except AssertionError:
+        proc.kill()
+        raise
     return proc
 
 

@@ -19,6 +19,7 @@ from gpumesh.cuda.ops import demo
 from gpumesh.errors import AccessDeniedError
 from gpumesh.transport.sockowner import connection_owner, socket_owner
 from tests.integration.conftest import gpumesh
+from tests.integration.node import wait_shares
 from tests.integration.test_cli import _free_udp_port, _init, _one_line_error, _start_share
 from tests.integration.test_least_privilege import (
     Unprivileged,
@@ -176,7 +177,7 @@ def test_an_agent_that_is_not_root_runs_workers_as_itself_and_says_so(
 
         with RemoteDevice("alice-pc", home=bob, memory=1 << 20) as dev:
             assert dev.device_count() == 1  # it found its code as the agent did
-            sessions = json.loads((alice / "cuda-sessions.json").read_text())["sessions"]
+            sessions = wait_shares(alice)["agent"]["cuda"]
             status = (Path("/proc") / str(sessions[0]["pid"]) / "status").read_text()
             fields = dict(line.split(":\t", 1) for line in status.splitlines())
             assert fields["Uid"].split() == [str(user.uid)] * 4

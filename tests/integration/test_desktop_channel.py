@@ -100,7 +100,7 @@ def test_on_a_direct_link_connections_take_a_data_channel(nodes: tuple[Node, Nod
 
 
 def _published_paths(alice: Node) -> list[str]:
-    info = alice.home.read_agent_info()
+    info = alice.home.agent_info()
     return [entry.get("path", "") for entry in info.desktop] if info else []
 
 

@@ -256,7 +256,7 @@ def test_revocation_cuts_an_open_session(nodes: tuple[Node, Node], how: str) -> 
                 writer.write(b"hello\n")
                 assert await asyncio.wait_for(reader.readline(), CEILING) == b"hello\n"
                 # The owner sees who is connected.
-                info = alice.home.read_agent_info()
+                info = alice.home.agent_info()
                 assert info is not None and [d["peer"] for d in info.desktop] == ["bob-laptop"]
                 if how == "desktop deny":
                     deny_desktop(alice, "bob-laptop")

@@ -34,6 +34,7 @@ from gpumesh.protocol.messages import ExecStart, ExecStarted
 from gpumesh.runtime.base import KIND_EXEC, LABEL_KIND, LABEL_NODE, LABEL_PEER
 from gpumesh.runtime.jobnet import names_for
 from tests.integration.conftest import arun, gpumesh, pair_both
+from tests.integration.node import wait_shares
 from tests.integration.test_cli import _free_udp_port, _init, _one_line_error, _start_share
 from tests.jobnet_lab import SESSION_PREFIX, network_host_config
 
@@ -426,10 +427,7 @@ def test_exec_on_a_peer_without_docker_says_so(nodes: Nodes, tmp_path: Path) -> 
         stderr=subprocess.DEVNULL,
     )
     try:
-        deadline = time.monotonic() + 15
-        while not (carol / "agent.json").exists():
-            assert share.poll() is None and time.monotonic() < deadline, "share did not start"
-            time.sleep(0.05)
+        wait_shares(carol, share)
         assert (
             gpumesh(nodes.bob, "pair", gpumesh(carol, "pair-code").stdout.strip()).returncode == 0
         )

@@ -45,6 +45,7 @@ from gpumesh.runtime.docker import DockerRuntime
 from gpumesh.runtime.jobnet import JobNetwork, Mode, rule_set
 from tests.conftest import _in_ci
 from tests.integration.conftest import gpumesh, remove_containers, shared_pair
+from tests.integration.node import shares
 from tests.integration.test_cli import _free_udp_port, _init, _one_line_error, _start_share
 from tests.jobnet_lab import container_address, remove_job_networks
 
@@ -506,7 +507,7 @@ def test_share_and_doctor_refuse_a_filtered_network_that_cannot_be_installed(
         "`gpumesh config set job_network bridge` (jobs can reach this machine's services",
     ):
         assert words in shared.stderr
-    assert not (home / "agent.json").exists()
+    assert not shares(home)
 
     doctor = subprocess.run(
         [sys.executable, "-m", "gpumesh", "doctor"],

@@ -44,6 +44,7 @@ from gpumesh.protocol.listing import GpuListing
 from gpumesh.registry.config import RegistryConfig
 from gpumesh.settings import ENV_TEST_JOB_NETWORK
 from tests.integration.conftest import remove_containers, until
+from tests.integration.node import shares
 from tests.integration.public_registry import serve_registry
 from tests.integration.test_cli import _free_udp_port
 from tests.jobnet_lab import SESSION_PREFIX
@@ -237,9 +238,7 @@ def _process(args: list[str], env: dict[str, str], ready: Callable[[], bool]) ->
 
 
 def _sharing(home: Path) -> Any:
-    agent = home / "agent.json"
-    agent.unlink(missing_ok=True)
-    return _process([*GPUMESH, "share"], _env(home), agent.exists)
+    return _process([*GPUMESH, "share"], _env(home), lambda: shares(home))
 
 
 # --- the scenario ---------------------------------------------------------------------

@@ -23,7 +23,6 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +33,7 @@ import gpumesh
 from gpumesh.errors import ExitCode
 from tests.integration.conftest import gpumesh as run_cli
 from tests.integration.conftest import remove_containers
+from tests.integration.node import wait_shares
 from tests.integration.test_cli import _free_udp_port, _init
 
 IMAGE = os.environ.get("GPUMESH_TEST_DOCKER_IMAGE", "gpumesh-test/busybox:1")
@@ -143,13 +143,11 @@ def _status_ids(pid: int) -> tuple[int, int, list[int]]:
 
 
 def _wait_for_agent(home: Path, proc: subprocess.Popen[str]) -> dict[str, object]:
-    deadline = time.monotonic() + 30
-    while not (home / "agent.json").exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError(f"share did not start: {proc.communicate()}")
-        time.sleep(0.05)
-    info: dict[str, object] = json.loads((home / "agent.json").read_text())
+    try:
+        info: dict[str, object] = wait_shares(home, proc)["agent"]
+    except AssertionError:
+        proc.kill()
+        raise
     return info
 
 

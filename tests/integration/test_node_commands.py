@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.node import node_env, status
+from tests.integration.node import node_env, status, wait_shares
 
 pytestmark = pytest.mark.usefixtures("docker_daemon")
 
@@ -296,7 +296,7 @@ def test_ctrl_c_during_a_cp_through_the_node_process(
     data = os.urandom(2_000_000)
     (work / "big.bin").write_bytes(data)
     assert run_in(bob, work, "cp", "big.bin", "alice-pc:/big.bin").returncode == 0
-    share_pid = json.loads((alice / "agent.json").read_text())["pid"]
+    share_pid = wait_shares(alice)["agent"]["pid"]
     os.kill(share_pid, signal.SIGSTOP)
     try:
         copy = subprocess.Popen(

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.conftest import gpumesh, remove_containers
+from tests.integration.node import shares
 from tests.integration.test_cli import _free_udp_port, _init, _start_share
 from tests.integration.test_exec import Terminal
 
@@ -201,7 +202,7 @@ def test_share_elsewhere_than_linux_is_one_clear_refusal(tmp_path: Path) -> None
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
         assert f"needs Linux (this is {shown})" in lines[0]
-        assert not (home / "agent.json").exists()
+        assert not shares(home)
 
 
 def test_a_terminal_without_termios_runs_the_shell_as_a_pipe(

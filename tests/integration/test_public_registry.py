@@ -435,7 +435,7 @@ def test_publisher_refreshes_on_request_and_withdraws(registry: RunningRegistry)
         task = asyncio.create_task(publisher.run(first_wait=3600))
         assert await publisher.publish_once() == OPEN.ttl  # listing + address record
         assert names(client, idle=True) == ["alice-pc"]
-        publisher.refresh_now()  # what `gpumesh sync` asks for, through SIGUSR1
+        publisher.refresh_now()  # what `gpumesh sync` asks the node process for
         async with asyncio.timeout(30):
             # Polled: the publisher has no event for a test to wait on.
             while publisher.published < 4:  # noqa: ASYNC110

@@ -26,6 +26,7 @@ from gpumesh.identity.keys import Identity
 from gpumesh.protocol.listing import sign_record
 from gpumesh.registry.config import RegistryConfig
 from tests.integration.conftest import gpumesh
+from tests.integration.node import shares
 from tests.integration.public_registry import serve_registry
 from tests.integration.test_cli import _free_udp_port, _init
 from tests.integration.test_public_registry import _ForgingRegistry, _wire
@@ -143,7 +144,7 @@ def test_share_public_without_registry_is_refused_before_sharing(tmp_path: Path)
         "error: no registry is configured: set one with `gpumesh config set rendezvous_url "
         "http://HOST:47080` (a gpumesh-registry)"
     ]
-    assert not (alice / "agent.json").exists()
+    assert not shares(alice)
 
 
 def test_share_public_show_addresses_puts_them_in_the_listing(
@@ -186,7 +187,7 @@ def test_listing_flags_without_public_are_refused_before_sharing(
         f"error: {flags[0]} is for the public listing: use it with --public (it would change "
         "nothing without it)"
     ]
-    assert not (alice / "agent.json").exists()
+    assert not shares(alice)
 
 
 def test_sync_without_registry_says_so_and_dials(tmp_path: Path) -> None:

@@ -36,7 +36,6 @@ def test_sharing_narrows_the_home_again(make_node: Callable[[str], Node]) -> Non
             assert _mode(home.path) == 0o700
             assert _mode(home.config_path) == 0o600
             assert _mode(home.db_path) == 0o600
-            assert _mode(home.agent_path) == 0o600
 
     arun(scenario())
 

@@ -17,6 +17,7 @@ import pytest
 
 from gpumesh.client.service import node_command, systemd_unit
 from tests.integration.conftest import gpumesh
+from tests.integration.node import shares
 
 
 def _verify(unit: Path) -> subprocess.CompletedProcess[str]:
@@ -61,7 +62,7 @@ def test_the_printed_unit_runs_this_share_for_this_home_and_systemd_accepts_it(
     assert verified.returncode == 0, verified.stderr
     assert verified.stderr.strip() == ""  # systemd understood every line
     # Nothing was started: printing a unit is not sharing.
-    assert not (home / "agent.json").exists()
+    assert not shares(home)
 
 
 def test_verify_catches_a_unit_whose_command_is_not_there(tmp_path: Path) -> None:

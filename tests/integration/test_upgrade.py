@@ -24,7 +24,6 @@ import socket
 import sqlite3
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -32,6 +31,7 @@ import pytest
 
 from gpumesh.store.db import SCHEMA_VERSION
 from tests.integration.conftest import gpumesh, remove_containers
+from tests.integration.node import wait_shares
 
 IMAGE = os.environ.get("GPUMESH_TEST_DOCKER_IMAGE", "gpumesh-test/busybox:1")
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -106,12 +106,11 @@ def _start_share(home: Path) -> subprocess.Popen[str]:
         stderr=subprocess.PIPE,
         text=True,
     )
-    deadline = time.monotonic() + 60
-    while not (home / "agent.json").exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError(f"share did not start: {proc.communicate()}")
-        time.sleep(0.05)
+    try:
+        wait_shares(home, proc)
+    except AssertionError:
+        proc.kill()
+        raise
     return proc
 
 

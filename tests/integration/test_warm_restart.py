@@ -7,7 +7,6 @@ Docker running the offline busybox image."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -17,7 +16,7 @@ import pytest
 
 from gpumesh.client.pool import PROBE_AFTER
 from tests.integration.conftest import shared_pair
-from tests.integration.node import CEILING, alive, cli, status
+from tests.integration.node import CEILING, alive, cli, status, wait_shares
 from tests.integration.test_cli import _start_share
 
 pytestmark = pytest.mark.usefixtures("docker_daemon")
@@ -33,13 +32,12 @@ def test_a_command_after_the_provider_was_killed_and_restarted_dials_again(
             done = time.monotonic()
             (warm,) = status(bob)["node"]["warm_sessions"]
             old_uses = warm["uses"]
-            pid = json.loads((alice / "agent.json").read_text())["pid"]
+            pid = wait_shares(alice)["agent"]["pid"]
             os.kill(pid, signal.SIGKILL)  # no close reaches bob
             deadline = time.monotonic() + CEILING
             while alive(pid):
                 assert time.monotonic() < deadline, "the killed agent stayed"
                 time.sleep(0.05)
-            (alice / "agent.json").unlink(missing_ok=True)
             share = _start_share(alice)  # on the same port: it gets bob's packets
             try:
                 # Past the point where a warm session is checked before it is lent

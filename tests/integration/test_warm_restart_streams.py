@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.conftest import shared_pair
-from tests.integration.node import CEILING, cli, wait_gone
+from tests.integration.node import CEILING, cli, wait_gone, wait_shares
 from tests.integration.test_cli import _start_share
 
 pytestmark = pytest.mark.usefixtures("docker_daemon")
@@ -37,10 +37,9 @@ class Alice:
         self.share: subprocess.Popen[str] | None = None
 
     def restart(self) -> None:
-        pid = json.loads((self.home / "agent.json").read_text())["pid"]
+        pid = wait_shares(self.home)["agent"]["pid"]
         os.kill(pid, signal.SIGKILL)  # no close reaches bob
         assert wait_gone(pid), "the killed agent stayed"
-        (self.home / "agent.json").unlink(missing_ok=True)
         self.stop()
         self.share = _start_share(self.home)  # on the same port: it gets bob's packets
 

@@ -72,7 +72,7 @@ def test_shared_says_since_when_where_and_with_which_options_and_offers_stop(
     node: Node,
 ) -> None:
     sharing = Sharing(node)
-    sharing.agent = SimpleNamespace()  # type: ignore[assignment]
+    sharing.agent = SimpleNamespace(info=lambda: None)  # type: ignore[assignment]
     sharing._udp = "127.0.0.1:47001"
     sharing.options = ShareOptions(port=47001, max_vram="8GB")
     sharing.since = time.time() - 5

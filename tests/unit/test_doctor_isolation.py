@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 from gpumesh.client.doctor import (
     FAIL,
@@ -109,7 +110,12 @@ def test_status_ids() -> None:
 def test_agent_user_reads_a_running_agent(tmp_path: Path) -> None:
     home = Home(tmp_path)
     home.key_path.write_text("")  # an initialized home is all this check asks for
-    home.write_agent_info(AgentInfo(pid=os.getpid(), host="127.0.0.1", port=1, started=0.0))
-    check = _agent_user(home)
+    info = AgentInfo(pid=os.getpid(), host="127.0.0.1", port=1, started=0.0)
+    running = SimpleNamespace(info=lambda: info)
+    home.attach_agent(running)  # type: ignore[arg-type]
+    try:
+        check = _agent_user(home)
+    finally:
+        home.detach_agent(running)  # type: ignore[arg-type]
     assert check.detail.startswith(f"`gpumesh share` (pid {os.getpid()}) runs as ")
     assert check.status == (WARN if os.geteuid() == 0 else OK)

@@ -1,8 +1,8 @@
-"""store/home: where a node's files live, initialisation checks and agent.json."""
+"""store/home: where a node's files live, initialisation checks, and the agent
+running in this process as owner actions reach it."""
 
 from __future__ import annotations
 
-import json
 import os
 import stat
 from pathlib import Path
@@ -21,7 +21,6 @@ def test_paths_live_under_the_home(tmp_path: Path) -> None:
     assert home.key_path == tmp_path / "identity.key"
     assert home.config_path == tmp_path / "config.toml"
     assert home.db_path == tmp_path / "gpumesh.db"
-    assert home.agent_path == tmp_path / "agent.json"
 
 
 def test_home_comes_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -50,11 +49,60 @@ def test_initialised_home_loads_identity_and_store(tmp_path: Path, identity: Ide
         home.close()
 
 
-def test_agent_info_round_trips_while_the_process_lives(tmp_path: Path) -> None:
+class _Agent:
+    """A stand-in for the agent's side of Home: what it says, what it was told."""
+
+    def __init__(self, info: AgentInfo) -> None:
+        self.said = info
+        self.told = 0
+        self.ended: list[str] = []
+
+    def info(self) -> AgentInfo:
+        return self.said
+
+    def changed(self) -> None:
+        self.told += 1
+
+    def end_session(self, session_id: str) -> bool:
+        self.ended.append(session_id)
+        return True
+
+
+def test_no_agent_runs_until_one_is_attached(tmp_path: Path) -> None:
     home = Home(tmp_path)
+    assert home.agent is None
+    assert home.agent_info() is None
+    assert home.agent_changed() is False  # nobody told: said so
+
+
+def test_an_attached_agent_is_reached_through_any_home_of_its_folder(tmp_path: Path) -> None:
     info = AgentInfo(pid=os.getpid(), host="0.0.0.0", port=47000, started=12.5)
-    home.write_agent_info(info)
-    assert home.read_agent_info() == info
+    agent = _Agent(info)
+    Home(tmp_path).attach_agent(agent)
+    try:
+        other = Home(tmp_path / "." / "")  # another Home object, the same folder
+        assert other.agent_info() == info
+        assert other.agent_changed() is True
+        assert agent.told == 1
+        assert Home(tmp_path / "elsewhere").agent is None
+    finally:
+        Home(tmp_path).detach_agent(agent)
+    assert Home(tmp_path).agent is None
+    # Nothing of it was written into the home: there is no file to go stale.
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_detaching_an_agent_leaves_a_newer_one_attached(tmp_path: Path) -> None:
+    home = Home(tmp_path)
+    old = _Agent(AgentInfo(pid=1, host="h", port=1, started=0.0))
+    new = _Agent(AgentInfo(pid=2, host="h", port=2, started=1.0))
+    home.attach_agent(old)
+    home.attach_agent(new)
+    home.detach_agent(old)  # the old one stopping late
+    try:
+        assert home.agent is new
+    finally:
+        home.detach_agent(new)
 
 
 @pytest.mark.parametrize(
@@ -67,50 +115,11 @@ def test_agent_info_round_trips_while_the_process_lives(tmp_path: Path) -> None:
         (RelayState.UNAVAILABLE, "no such host", "unavailable: no such host"),
     ],
 )
-def test_agent_info_carries_the_relay_state_as_an_enum(
-    tmp_path: Path, state: RelayState, detail: str, text: str
+def test_agent_info_says_the_relay_state_in_words(
+    state: RelayState, detail: str, text: str
 ) -> None:
-    home = Home(tmp_path)
     info = AgentInfo(os.getpid(), "0.0.0.0", 1, 0.0, "relay:1", state, detail)
-    home.write_agent_info(info)
-    read = home.read_agent_info()
-    assert read == info
-    assert read.relay_state is state
-    assert read.relay_text == text
-
-
-def test_agent_info_with_a_relay_state_of_another_version_still_counts(tmp_path: Path) -> None:
-    home = Home(tmp_path)
-    home.agent_path.write_text(
-        json.dumps(
-            {"pid": os.getpid(), "host": "h", "port": 1, "started": 0.0, "relay_state": "new"}
-        )
-    )
-    info = home.read_agent_info()
-    assert info is not None
-    assert info.relay_state is RelayState.NONE
-
-
-def test_agent_info_of_a_dead_process_counts_as_none(tmp_path: Path) -> None:
-    home = Home(tmp_path)
-    home.write_agent_info(AgentInfo(pid=NO_SUCH_PID, host="0.0.0.0", port=1, started=0.0))
-    assert home.read_agent_info() is None
-
-
-@pytest.mark.parametrize("content", ["", "{", "[]", '{"pid": "x"}', '{"pid": 1}'])
-def test_corrupt_agent_info_counts_as_none(tmp_path: Path, content: str) -> None:
-    home = Home(tmp_path)
-    home.agent_path.write_text(content)
-    assert home.read_agent_info() is None
-
-
-def test_clear_agent_info_only_removes_its_own_or_a_stale_file(tmp_path: Path) -> None:
-    home = Home(tmp_path)
-    home.write_agent_info(AgentInfo(pid=os.getpid(), host="h", port=1, started=0.0))
-    home.clear_agent_info(pid=NO_SUCH_PID)
-    assert home.agent_path.exists()
-    home.clear_agent_info(pid=os.getpid())
-    assert not home.agent_path.exists()
+    assert info.relay_text == text
 
 
 def _mode(path: Path) -> int:
@@ -125,9 +134,8 @@ def test_state_files_are_private_from_their_first_byte(tmp_path: Path, identity:
         home.config.set("relay_token", "s3cret")
         home.config.save()
         home.store.save_peer(b"k" * 32, "alice", [], "")  # a write: the -wal and -shm files
-        home.write_agent_info(AgentInfo(pid=os.getpid(), host="h", port=1, started=0.0))
         wal, shm = (tmp_path / "gpumesh.db-wal", tmp_path / "gpumesh.db-shm")
-        for path in (home.config_path, home.db_path, wal, shm, home.agent_path):
+        for path in (home.config_path, home.db_path, wal, shm):
             assert _mode(path) == 0o600, path
     finally:
         home.close()
@@ -136,7 +144,7 @@ def test_state_files_are_private_from_their_first_byte(tmp_path: Path, identity:
 def test_secure_narrows_the_home_and_every_state_file(tmp_path: Path, identity: Identity) -> None:
     root = tmp_path / "node"
     identity.save(root / "identity.key")
-    files = ["config.toml", "gpumesh.db", "gpumesh.db-wal", "gpumesh.db-shm", "agent.json"]
+    files = ["config.toml", "gpumesh.db", "gpumesh.db-wal", "gpumesh.db-shm"]
     files += ["logs/gpumesh.log", "logs/gpumesh.log.1"]
     (root / "logs").mkdir()
     for name in files:

@@ -19,7 +19,6 @@ from gpumesh.client.files import parse_location
 from gpumesh.errors import ConfigError
 from gpumesh.files.pack import scan
 from gpumesh.store.followers import FollowerSocket
-from gpumesh.store.home import Home
 from gpumesh.transport.udp import UdpSocket, open_udp_socket
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="simulates others from Linux")
@@ -93,8 +92,6 @@ def test_without_unix_sockets_nothing_binds_one_and_followers_poll(
     simulate(GPUMESH_TEST_WITHOUT="unix")
     with pytest.raises(OSError, match="no unix datagram sockets"):
         FollowerSocket(tmp_path)
-    home = Home(tmp_path)
-    assert home.notify_agent() is False
     assert not any(path.suffix == ".sock" for path in tmp_path.rglob("*"))
 
 

@@ -13,17 +13,17 @@ def test_a_socket_deeper_than_a_unix_path_allows_is_reached_through_its_folder(
 ) -> None:
     deep = tmp_path / ("d" * 60) / ("e" * 60)
     deep.mkdir(parents=True)
-    assert len(str(deep / "agent.sock")) > SUN_PATH_MAX
+    assert len(str(deep / "control.sock")) > SUN_PATH_MAX
     server = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     client = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     try:
-        with socket_name(deep, "agent.sock") as name:
+        with socket_name(deep, "control.sock") as name:
             assert name.startswith("/proc/self/fd/")
             server.bind(name)
-        with socket_name(deep, "agent.sock") as name:
+        with socket_name(deep, "control.sock") as name:
             client.sendto(b"changed", name)
         assert server.recv(16) == b"changed"
-        assert (deep / "agent.sock").is_socket()  # the file is where it was asked for
+        assert (deep / "control.sock").is_socket()  # the file is where it was asked for
     finally:
         server.close()
         client.close()

@@ -34,7 +34,7 @@ import secrets
 import signal
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -140,7 +140,6 @@ class CudaService:
         settings: Settings,
         *,
         backend: str = "auto",
-        on_change: Callable[[list[CudaSession]], None] | None = None,
     ) -> None:
         self.provider = provider
         self.access = access
@@ -150,8 +149,6 @@ class CudaService:
         self.settings = settings
         self.backend = backend
         """What workers use: ``auto`` (the driver when libcuda loads), ``fallback``."""
-        self.on_change = on_change
-        """Called with the sessions whenever one opens or ends (the agent publishes them)."""
         self._sessions: dict[str, CudaSession] = {}
 
     def register(self, handlers: Handlers) -> None:
@@ -159,10 +156,6 @@ class CudaService:
 
     def sessions(self) -> list[CudaSession]:
         return list(self._sessions.values())
-
-    def _changed(self) -> None:
-        if self.on_change is not None:
-            self.on_change(self.sessions())
 
     async def revoke(self) -> None:
         """End the sessions the owner no longer allows: CUDA not shared any more, the
@@ -268,8 +261,7 @@ class CudaService:
                 with contextlib.suppress(ProcessLookupError):
                     process.kill()
                 await process.wait()
-            if self._sessions.pop(session_id, None) is not None:
-                self._changed()
+            self._sessions.pop(session_id, None)
 
     async def _serve(
         self,
@@ -309,7 +301,6 @@ class CudaService:
             process=process,
         )
         self._sessions[session_id] = session
-        self._changed()
         ctx.stream.send_message(
             CudaOpened(
                 provider=name,

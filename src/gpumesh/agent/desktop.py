@@ -110,7 +110,6 @@ class DesktopService:
         provider: Provider,
         store: DesktopStore,
         *,
-        on_change: Callable[[], None] = lambda: None,
         clock: Callable[[], float] = time.time,
         channels: ChannelSource | None = None,
     ) -> None:
@@ -119,8 +118,6 @@ class DesktopService:
         """Where data channels come from; None: connections go over QUIC only."""
         self._tls: ssl.SSLContext | None = None
         self.store = store
-        self.on_change = on_change
-        """Called when sessions open or close (the agent republishes who is connected)."""
         self.clock = clock
         self._sessions: dict[str, DesktopSession] = {}
         self.framing = FRAMING_VERSION
@@ -219,7 +216,6 @@ class DesktopService:
             share.kind,
             "a data channel" if channel is not None else "QUIC",
         )
-        self.on_change()
         session.task = asyncio.create_task(
             _over_quic(ctx.stream, server)
             if channel is None
@@ -239,7 +235,6 @@ class DesktopService:
             with contextlib.suppress(asyncio.CancelledError, GPUMeshError):
                 await session.task
             self._sessions.pop(key, None)
-            self.on_change()
         if session.cut is not None:
             logger.info("[%s] desktop connection cut: %s", ctx.peer.name, session.cut)
 

@@ -22,7 +22,6 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -110,8 +109,6 @@ class ExecService:
         containers: Containers,
         admission: Admission,
         gpus: GpuAllocator,
-        *,
-        on_change: Callable[[], None] = lambda: None,
     ) -> None:
         self.provider = provider
         self.containers = containers
@@ -123,8 +120,6 @@ class ExecService:
         self._live: set[str] = set()
         """Containers of open sessions, removed on stop."""
         self._sessions: dict[str, ShellSession] = {}
-        self.on_change = on_change
-        """Called when shells open or close (the agent republishes them)."""
 
     def register(self, handlers: Handlers) -> None:
         handlers.add(ExecStart, self.handle_start)
@@ -206,7 +201,6 @@ class ExecService:
                 f"shell-{secrets.token_hex(6)}", ctx.peer.name, spec.image, spec.name, time.time()
             )
             self._sessions[session.id] = session
-            self.on_change()
             try:
                 exit_code = await self._serve(
                     ctx, container_id, terminal, message.tty, session.ended, spec.image
@@ -217,7 +211,6 @@ class ExecService:
                 return
             finally:
                 self._sessions.pop(session.id, None)
-                self.on_change()
             if exit_code is None:
                 logger.info("[%s] shell in %s ended by the owner", ctx.peer.name, spec.name)
                 raise AccessDeniedError(f"{self.provider.name}'s owner ended your shell")

@@ -15,7 +15,6 @@ import contextlib
 import functools
 import logging
 import os
-import socket
 import time
 from collections.abc import Awaitable
 from typing import Any
@@ -23,7 +22,7 @@ from typing import Any
 from gpumesh.agent.addresses import AddressService
 from gpumesh.agent.apps import AppService
 from gpumesh.agent.containers import Containers
-from gpumesh.agent.cuda import CudaService, CudaSession
+from gpumesh.agent.cuda import CudaService
 from gpumesh.agent.deps import Handlers, Provider, RequestContext
 from gpumesh.agent.desktop import DesktopService
 from gpumesh.agent.exec import ExecService
@@ -33,7 +32,6 @@ from gpumesh.agent.jobs import JobService, uploaded_workdirs
 from gpumesh.agent.limits import ShareLimits, machine_size, return_free_memory
 from gpumesh.agent.ratelimit import ConnectionLimiter, Outcome, RefusalTally, Slot
 from gpumesh.blocking import in_thread
-from gpumesh.cuda.owner import clear_sessions, write_sessions
 from gpumesh.errors import (
     AccessDeniedError,
     AgentError,
@@ -58,7 +56,6 @@ from gpumesh.runtime.base import JobRuntime
 from gpumesh.store.followers import FollowerWakeups
 from gpumesh.store.home import AgentInfo, Home, RelayState
 from gpumesh.store.peerrecords import PeerRecords
-from gpumesh.store.stops import take_stops
 from gpumesh.transport.netinfo import local_addresses
 from gpumesh.transport.quic import QuicEndpoint, QuicLink
 from gpumesh.transport.relayclient import RelayClient
@@ -75,9 +72,6 @@ logger = logging.getLogger(__name__)
 RETURN_MEMORY_AFTER = 3.5
 """Seconds after a link closed before freed memory goes back to the system (the
 endpoint keeps a closed link 3 s to retransmit its close)."""
-CHANGES_FALLBACK = 5.0
-"""Seconds between re-reads of the allowlist and owner cancels when no change is
-announced (`gpumesh deny` and `cancel` announce theirs: see Home.notify_agent)."""
 REQUEST_TIMEOUT = 30.0
 REFUSALS_EVERY = 10.0
 """Seconds between summary lines about refused packets (never a line per packet)."""
@@ -110,7 +104,6 @@ class Agent:
         self.relay: RelayClient | None = None
         self._relay_text = home.config.relay
         self._relay_state = (RelayState.NONE, "")
-        self._published: AgentInfo | None = None
         self._links: dict[QuicLink, bytes] = {}
         self._link_names: dict[QuicLink, str] = {}
         self._requests: dict[QuicLink, set[asyncio.Task[Any]]] = {}
@@ -119,8 +112,7 @@ class Agent:
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopped = asyncio.Event()
         self._changed = asyncio.Event()
-        """Set when this home's state changed outside the agent (a deny, a cancel)."""
-        self._notifications: socket.socket | None = None
+        """Set when the owner changed this home's state (a deny, a cancel: :meth:`changed`)."""
         self.machine = machine_size()
         config = home.config
         jobs_dir = home.jobs_dir
@@ -157,25 +149,20 @@ class Agent:
             followers=FollowerWakeups(home.path),
         )
         self.apps = AppService(provider, self.files, self.jobs, index_root=home.apps_dir)
-        self.shells = ExecService(
-            provider, self.containers, self.jobs.admission, self.gpus, on_change=self._publish
-        )
+        self.shells = ExecService(provider, self.containers, self.jobs.admission, self.gpus)
         self.cuda = CudaService(
             provider,
             self.store,
             self.gpus,
             self.jobs.admission,
             config,
-            on_change=self._publish_cuda,
         )
         self.handlers = Handlers()
         """Request message type -> the handler that serves it."""
         self.handlers.add(Ping, _handle_ping)
         self.handlers.add(StatusRequest, self._handle_status)
         self.handlers.add(ThroughputRequest, _handle_throughput)
-        self.desktop = DesktopService(
-            provider, self.store, on_change=self._publish, channels=self.files
-        )
+        self.desktop = DesktopService(provider, self.store, channels=self.files)
         """The desktop share: the owner's one local port, for its own allowlist."""
         for service in (self.jobs, self.files, self.apps, self.shells, self.desktop, self.cuda):
             service.register(self.handlers)
@@ -188,15 +175,6 @@ class Agent:
         )
         """Where this node and its findable peers are now (``gpumesh sync`` asks)."""
         self.addresses.register(self.handlers)
-
-    def _publish_cuda(self, sessions: list[CudaSession]) -> None:
-        """Let the owner's ``status`` see the open CUDA sessions."""
-        if self._stopped.is_set():
-            return
-        try:
-            write_sessions(self.home.path, [session.describe() for session in sessions])
-        except OSError as exc:
-            logger.warning("could not publish CUDA sessions: %s", exc)
 
     def share_limits(self) -> ShareLimits:
         """The sharing limits in force (config, ``auto`` worked out for this machine)."""
@@ -242,8 +220,7 @@ class Agent:
         host, port = self.address
         if self._relay_text:
             await self._start_relay(self._relay_text)
-        self._publish()
-        self._listen_for_changes()
+        self.home.attach_agent(self)
         self._spawn(self._watch_changes())
         self._spawn(self._summarize_refusals())
         self._spawn(self.jobs.recover())
@@ -288,7 +265,6 @@ class Agent:
             candidates=lambda: local_addresses(self.host, port),
             authorize=self._relay_authorize,
         )
-        client.on_path_event = lambda _path, _kind: self._publish()
         client.on_change = self._relay_changed
         endpoint.relay = client
         self.relay = client
@@ -312,19 +288,17 @@ class Agent:
             self._relay_state = (RelayState.REFUSED, client.error.message)
         else:
             self._relay_state = (RelayState.REGISTERING, "")
-        self._publish()
 
-    def _publish(self) -> None:
-        """Write agent.json: where we listen, the relay state, and each link's path."""
-        if self.endpoint is None or self._stopped.is_set():
-            return
+    def info(self) -> AgentInfo:
+        """Where we listen, the relay state, each link's path and the open sessions
+        (``status``, the owner's view, ``GET /api/v1/share``)."""
         host, port = self.address
         links = [
             {"peer": name, "path": link.describe_path()}
             for link, name in self._link_names.items()
             if not link.is_closed
         ]
-        info = AgentInfo(
+        return AgentInfo(
             os.getpid(),
             host,
             port,
@@ -345,10 +319,8 @@ class Agent:
                 for session in self.desktop.sessions()
             ],
             shells=[session.describe() for session in self.shells.sessions()],
+            cuda=[session.describe() for session in self.cuda.sessions()],
         )
-        if info != self._published:
-            self._published = info
-            self.home.write_agent_info(info)
 
     async def wait_stopped(self) -> None:
         await self._stopped.wait()
@@ -362,20 +334,14 @@ class Agent:
         self.shells.stop()  # before the engine client is closed
         self.desktop.stop()
         self.cuda.stop()
-        clear_sessions(self.home.path)
         self.jobs.stop()
         self.containers.close()
         for task in list(self._tasks):
             task.cancel()
-        if self._notifications is not None:
-            with contextlib.suppress(RuntimeError):
-                asyncio.get_running_loop().remove_reader(self._notifications.fileno())
-            self.home.close_notifications(self._notifications)
-            self._notifications = None
         if self.endpoint is not None:
             self.endpoint.close()
         self._log_refusals(final=True)
-        self.home.clear_agent_info(os.getpid())
+        self.home.detach_agent(self)
 
     async def serve_forever(self) -> None:
         await self.start()
@@ -489,7 +455,6 @@ class Agent:
         self._link_names[link] = peer.name
         self.store.touch_peer(peer.node_id)
         logger.info("[%s] connected from %s (%s)", peer.name, _where(link), link.describe_path())
-        self._publish()
         link.buffer_limit = limits.link_buffer  # no longer the early one
         link.on_stream = lambda stream: self._spawn(self._serve_stream(link, key, stream))
         for stream in accepted.early:  # sent with the proof: served in the order they came
@@ -497,52 +462,33 @@ class Agent:
         closed = await link.wait_closed()
         self._links.pop(link, None)
         self._link_names.pop(link, None)
-        self._publish()
         logger.info("[%s] disconnected: %s", peer.name, closed)
 
-    def _listen_for_changes(self) -> None:
-        """The home's notification socket: `gpumesh deny` and `cancel`, in other
-        processes, say there that they changed the store (it carries no data)."""
-        try:
-            self._notifications = self.home.listen_for_notifications()
-        except OSError as exc:
-            logger.warning("changes are noticed every %.0fs only: %s", CHANGES_FALLBACK, exc)
-            return
-        asyncio.get_running_loop().add_reader(self._notifications.fileno(), self._notified)
-
-    def _notified(self) -> None:
-        sock = self._notifications
-        if sock is None:
-            return
-        with contextlib.suppress(BlockingIOError, InterruptedError):
-            for _ in range(64):  # a burst becomes one wake-up
-                sock.recv(64)
+    def changed(self) -> None:
+        """The owner changed this home's state (a deny, a cancel, the desktop or CUDA
+        share): act on it now. Owner actions reach the agent only this way, from the
+        node process that runs it (its API)."""
         self._changed.set()
 
     async def _watch_changes(self) -> None:
-        # The allowlist and owner cancels live in SQLite, written by other
-        # processes, which announce each change; a slow re-read covers any that
-        # did not (a change made with sqlite3, an older CLI).
-        take_stops(self.home.path)  # an earlier agent's leftovers name none of ours
         while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), CHANGES_FALLBACK)
+            await self._changed.wait()
             self._changed.clear()
             try:
                 await self.revoke_denied()
                 self.desktop.revoke()  # its own allowlist, and the share itself
                 await self.jobs.owner_cancels()
-                self.owner_stops()
             except Exception:
-                logger.exception("re-reading the allowlist and cancels failed")
+                logger.exception("acting on the owner's change failed")
 
-    def owner_stops(self) -> None:
-        """End the sessions the owner asked to end, one by one (see store/stops.py)."""
-        for session_id in take_stops(self.home.path):
-            for service in (self.shells, self.desktop, self.cuda):
-                if service.end(session_id):
-                    logger.info("the owner ended session %s", session_id)
-                    break
+    def end_session(self, session_id: str) -> bool:
+        """End one open session (a shell, a desktop connection, a CUDA session) the
+        owner asked to end; False when none has that id."""
+        for service in (self.shells, self.desktop, self.cuda):
+            if service.end(session_id):
+                logger.info("the owner ended session %s", session_id)
+                return True
+        return False
 
     async def revoke_denied(self) -> None:
         """End everything of peers that are denied (or no longer paired): their open

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import click
@@ -13,6 +13,8 @@ from gpumesh.errors import ExitCode, GPUMeshError
 
 if TYPE_CHECKING:
     from pathlib import Path
+
+    from gpumesh.store.home import AgentInfo, Home
 
 # What only some commands need (logging and its handlers, the settings and their
 # pathlib, the log file's modes) is imported where it is used: `gpumesh --help`
@@ -44,7 +46,60 @@ def get_node(ctx: click.Context | None = None) -> Any:
     node = Node(root.obj)
     setup_logging(node.home.logs_dir if node.home.initialized else None)
     ctx.call_on_close(node.close)
+    if node.home.initialized:
+        ctx.call_on_close(_share_seen_from(node.home))
     return node
+
+
+class _NodeProcessShare:
+    """The share of the node process holding a home, as the commands that run the
+    client layer in this process see it (``status``, ``doctor``, the owner's
+    views): what ``GET /api/v1/share`` says, asked once, when first needed. Owner
+    actions never come here: they go through the node process (:func:`owner_client`)."""
+
+    def __init__(self, home: Path) -> None:
+        self.home = home
+        self._info: list[AgentInfo | None] = []
+
+    def info(self) -> AgentInfo | None:
+        if not self._info:
+            self._info.append(self._ask())
+        return self._info[0]
+
+    def _ask(self) -> AgentInfo | None:
+        import msgspec
+
+        from gpumesh.daemon.client import NodeClient, NodeUnavailableError
+        from gpumesh.store.home import AgentInfo
+
+        try:
+            agent = NodeClient(self.home).call("GET", "/api/v1/share", timeout=30).get("agent")
+        except NodeUnavailableError:
+            return None
+        return None if agent is None else msgspec.convert(agent, AgentInfo)
+
+    def changed(self) -> None:
+        raise RuntimeError("an owner's action on a shared home goes through its node process")
+
+    def end_session(self, session_id: str) -> bool:
+        self.changed()
+        return False
+
+
+def _share_seen_from(home: Home) -> Callable[[], None]:
+    """Let this process's client layer see the share of the node process holding
+    ``home``, if one does (it is the only place a share runs); returns what
+    undoes it, for the command's end."""
+    import os
+
+    from gpumesh.daemon.record import holder
+
+    record = holder(home.path)
+    if record is None or record.pid == os.getpid() or home.agent is not None:
+        return lambda: None
+    seen = _NodeProcessShare(home.path)
+    home.attach_agent(seen)
+    return lambda: home.detach_agent(seen)
 
 
 def run_async(coro: Coroutine[Any, Any, T]) -> T:

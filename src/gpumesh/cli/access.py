@@ -1,19 +1,20 @@
-"""``gpumesh allow`` and ``gpumesh deny``"""
+"""``gpumesh allow`` and ``gpumesh deny``: through the node process, which runs
+this home's share and so applies them at once."""
 
 from __future__ import annotations
 
 import click
 
-from gpumesh.cli._common import get_node
 from gpumesh.cli._complete import complete_peer
+from gpumesh.cli._node import peer_change
 
 
 @click.command(epilog="\b\nExamples:\n  gpumesh allow bob-laptop\n  gpumesh allow k3x9")
 @click.argument("peer", shell_complete=complete_peer)
 def allow(peer: str) -> None:
     """Let a paired PEER (name or id prefix) use this node again."""
-    record = get_node().allow(peer)
-    click.echo(f"{record.name} ({record.node_id.short}) is allowed.")
+    record = peer_change(peer, "allow", lambda node, query: node.allow(query))
+    click.echo(f"{record.name} ({record.node_id[:12]}) is allowed.")
 
 
 @click.command(epilog="\b\nExamples:\n  gpumesh deny bob-laptop")
@@ -24,8 +25,8 @@ def deny(peer: str) -> None:
     Its next request is refused; a running `gpumesh share` closes its open
     connections (shells, copies, follows) and cancels its running jobs now.
     """
-    record = get_node().deny(peer)
+    record = peer_change(peer, "deny", lambda node, query: node.deny(query))
     click.echo(
-        f"{record.name} ({record.node_id.short}) is denied; its open connections are closed "
+        f"{record.name} ({record.node_id[:12]}) is denied; its open connections are closed "
         "and its running jobs cancelled."
     )

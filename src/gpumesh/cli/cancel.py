@@ -9,7 +9,7 @@ import click
 
 from gpumesh.cli._common import get_node, run_async
 from gpumesh.cli._complete import complete_peer, complete_submitted_job
-from gpumesh.cli._node import node_enabled
+from gpumesh.cli._node import owner_client
 
 
 @click.command(
@@ -43,14 +43,15 @@ def cancel(peer: str | None, job_id: str) -> None:
         _end_session(kind, job_id)
         return
 
-    if node_enabled():
+    # Through the node process when one runs this home: a hosted job's cancel is
+    # carried out by its share, which runs there.
+    client = owner_client()
+    if client is not None:
         # The node process's JSON view as it is: no need to load msgspec to read it.
-        from gpumesh.cli._node import node_client
-
         path = f"/api/v1/jobs/{quote(job_id, safe='')}/cancel"
         # client/bodies.CancelBody's one field, as a dict: msgspec (~30 ms to
         # import) stays off the way of a thin command.
-        view: dict[str, Any] = node_client().call("POST", path, {"peer": peer})
+        view: dict[str, Any] = client.call("POST", path, {"peer": peer})
     else:
         import msgspec
 
@@ -78,13 +79,12 @@ def _session_kind(given: str) -> str | None:
 def _end_session(kind: str, session_id: str) -> None:
     from gpumesh.client.views.owner import EndedSessionView
 
-    if node_enabled():
+    client = owner_client()
+    if client is not None:  # the node process runs this home's share, and its sessions
         import msgspec
 
-        from gpumesh.cli._node import node_client
-
         path = f"/api/v1/owner/{_SESSION_ROUTES[kind]}/{quote(session_id, safe='')}/stop"
-        ended = msgspec.convert(node_client().call("POST", path, None), EndedSessionView)
+        ended = msgspec.convert(client.call("POST", path, None), EndedSessionView)
     else:
         from gpumesh.client.owner import SessionKind, end_session
 

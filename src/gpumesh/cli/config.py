@@ -83,7 +83,7 @@ def set_(key: str, value: str) -> None:
         click.echo(f"{key} = {MASK} (hidden)")
     else:
         click.echo(f"{key} = {value_text(stored)}")
-    if key in _READ_WHEN_SHARING_STARTS and home.read_agent_info() is not None:
+    if key in _READ_WHEN_SHARING_STARTS and home.agent_info() is not None:
         click.echo(
             f"The running `gpumesh share` read {key} when it started: restart it "
             "(`gpumesh share stop`, then `gpumesh share ...`) for this to take effect."

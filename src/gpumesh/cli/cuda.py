@@ -84,15 +84,23 @@ def share(action: str | None) -> None:
     Returns at once. Only peers on the CUDA allowlist (`gpumesh cuda allow`) may
     open a session; each one's memory is held like a job's GPU memory.
     """
+    from gpumesh.cli._node import owner_change
+    from gpumesh.client.views.owner import CudaShareView
     from gpumesh.cuda.ops import share as set_share
     from gpumesh.cuda.owner import worker_user
 
     node = get_node()
-    set_share(node, action != "stop")
-    if action == "stop":
+    on = action != "stop"
+
+    def here() -> CudaShareView:
+        set_share(node, on)
+        return CudaShareView(on)
+
+    view = owner_change("POST" if on else "DELETE", "/api/v1/cuda/share", CudaShareView, here)
+    if not on:
         click.echo("CUDA sessions are no longer offered; open ones were ended")
         return
-    if node.home.read_agent_info() is None:
+    if not view.sharing:
         click.echo("CUDA sessions are offered whenever this node shares (`gpumesh share`)")
     else:
         click.echo("CUDA sessions are offered now and whenever this node shares")
@@ -105,9 +113,10 @@ def share(action: str | None) -> None:
 @click.argument("peer", shell_complete=complete_peer)
 def allow(peer: str) -> None:
     """Let a paired PEER open CUDA sessions here."""
+    from gpumesh.cli._node import peer_change
     from gpumesh.cuda.ops import allow as put
 
-    found = put(get_node(), peer)
+    found = peer_change(peer, "cuda/allow", put)
     click.echo(f"{found.name} may open CUDA sessions here")
 
 
@@ -115,9 +124,10 @@ def allow(peer: str) -> None:
 @click.argument("peer", shell_complete=complete_peer)
 def deny(peer: str) -> None:
     """Take PEER off the CUDA allowlist; its open sessions end at once."""
+    from gpumesh.cli._node import peer_change
     from gpumesh.cuda.ops import deny as take
 
-    found = take(get_node(), peer)
+    found = peer_change(peer, "cuda/deny", take)
     click.echo(f"{found.name} may no longer open CUDA sessions here")
 
 

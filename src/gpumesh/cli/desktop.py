@@ -119,20 +119,26 @@ def share(action: str | None, kind: str | None, port: int | None) -> None:
     Warns when the server also listens beyond loopback (then jobs' containers and the
     LAN reach it without GPUMesh).
     """
+    from gpumesh.cli._node import owner_change
     from gpumesh.client.desktop import (
         exposure,
         exposure_warning,
         share_desktop,
         stop_desktop_share,
     )
+    from gpumesh.client.views.owner import DesktopShareView
     from gpumesh.errors import BadRequestError
     from gpumesh.protocol.desktop import DesktopKind, kind_for_port
 
-    node = get_node()
     if action == "stop":
         if kind or port:
             raise BadRequestError("`desktop share stop` takes no --vnc, --rdp or --port")
-        stopped = stop_desktop_share(node)
+        stopped = owner_change(
+            "DELETE",
+            "/api/v1/desktop/share",
+            DesktopShareView,
+            lambda: DesktopShareView(stop_desktop_share(get_node())),
+        ).shared
         click.echo("The desktop is no longer shared." if stopped else "The desktop was not shared.")
         return
     if kind is not None:
@@ -142,16 +148,22 @@ def share(action: str | None, kind: str | None, port: int | None) -> None:
         chosen = kind_for_port(port)
     else:
         chosen, port = DesktopKind.VNC, DesktopKind.VNC.server_port
-    shared = share_desktop(node, chosen, port)
+
+    def here() -> DesktopShareView:
+        shared = share_desktop(get_node(), chosen, port)
+        return DesktopShareView(True, str(shared.kind), shared.port)
+
+    body = {"kind": str(chosen), "port": port}
+    shared = owner_change("POST", "/api/v1/desktop/share", DesktopShareView, here, body)
     click.echo(f"Sharing the desktop: {shared.kind} on 127.0.0.1:{shared.port}.")
+    assert shared.port is not None
     exposed = exposure(shared.port)
     if exposed:
-        warning = exposure_warning(shared.kind, shared.port, exposed)
+        warning = exposure_warning(str(shared.kind), shared.port, exposed)
         click.echo(click.style(f"WARNING: {warning}", fg="yellow"), err=True)
-    allowed = node.home.store.desktop_allowed_ids()
-    if not allowed:
+    if not get_node().home.store.desktop_allowed_ids():
         click.echo("Nobody may use it yet: `gpumesh desktop allow PEER`.")
-    if node.home.read_agent_info() is None:
+    if not shared.sharing:
         click.echo("Offered while this node shares: run `gpumesh share`.")
 
 
@@ -162,10 +174,11 @@ def allow(peer: str) -> None:
 
     The desktop allowlist is separate from the one for jobs and files.
     """
+    from gpumesh.cli._node import peer_change
     from gpumesh.client.desktop import allow_desktop
 
-    record = allow_desktop(get_node(), peer)
-    click.echo(f"{record.name} ({record.node_id.short}) may use the desktop.")
+    record = peer_change(peer, "desktop/allow", allow_desktop)
+    click.echo(f"{record.name} ({record.node_id[:12]}) may use the desktop.")
 
 
 @desktop.command(
@@ -176,11 +189,12 @@ def allow(peer: str) -> None:
 def deny(peer: str) -> None:
     """Take PEER off the desktop allowlist; a running `gpumesh share` cuts its open
     desktop connections at once (its jobs and files are untouched)."""
+    from gpumesh.cli._node import peer_change
     from gpumesh.client.desktop import deny_desktop
 
-    record = deny_desktop(get_node(), peer)
+    record = peer_change(peer, "desktop/deny", deny_desktop)
     click.echo(
-        f"{record.name} ({record.node_id.short}) may no longer use the desktop; its open "
+        f"{record.name} ({record.node_id[:12]}) may no longer use the desktop; its open "
         "desktop connections are closed."
     )
 

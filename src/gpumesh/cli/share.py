@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 
 from gpumesh.cli._common import fail, get_node
-from gpumesh.errors import ExitCode, InUseError
+from gpumesh.errors import ExitCode
 
 if TYPE_CHECKING:
     from gpumesh.client.bodies import ShareOptions
@@ -126,7 +126,6 @@ def share(ctx: click.Context, /, detach: bool, print_unit: bool, **flags: Any) -
     """
     if ctx.invoked_subcommand is not None:
         return
-    from gpumesh.daemon import enabled
     from gpumesh.daemon.sharing import require_linux
 
     require_linux()
@@ -136,19 +135,41 @@ def share(ctx: click.Context, /, detach: bool, print_unit: bool, **flags: Any) -
     if print_unit:
         _print_unit(node.home.path, options)
         return
-    if not enabled():
-        _share_here(node, options)
-        return
+    import signal
+
     from gpumesh.cli._node import node_client
 
+    # A SIGTERM (`kill`, a service manager) ends this command as Ctrl-C does.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     client = node_client()
     running = client.call("GET", "/api/v1/share", timeout=30)
+    started = not running["sharing"]
     if running["sharing"] and not given:
-        view, started = running, False
+        view = running
     else:
-        view = client.call("POST", "/api/v1/share", options)
-        started = not running["sharing"]
+        try:
+            view = client.call("POST", "/api/v1/share", options)
+        except KeyboardInterrupt:
+            if not started:
+                raise
+            # Asked while it starts: the node process stops it once it has.
+            view = _stop(client)
+            if view is None:
+                return
+            _follow(client, node.home.path, view, started=True, detach=False, stopping=True)
+            return
     _follow(client, node.home.path, view, started=started, detach=detach)
+
+
+def _stop(client: NodeClient) -> dict[str, Any] | None:
+    """Stop this home's share; the share as it ended, or None when none ran."""
+    from gpumesh.errors import NotFoundError
+
+    try:
+        view: dict[str, Any] = client.call("DELETE", "/api/v1/share", timeout=60)
+    except NotFoundError:
+        return None
+    return view
 
 
 def echo_line(line: Any) -> None:
@@ -163,15 +184,21 @@ def echo_line(line: Any) -> None:
 
 
 def _follow(
-    client: NodeClient, home: Path, view: dict[str, Any], *, started: bool, detach: bool
+    client: NodeClient,
+    home: Path,
+    view: dict[str, Any],
+    *,
+    started: bool,
+    detach: bool,
+    stopping: bool = False,
 ) -> None:
     """Print the share's output from its first line; until it stops, unless ``detach``.
-    Ctrl-C stops the share this command ``started``, else only stops following."""
+    Ctrl-C stops the share this command ``started``, else only stops following;
+    ``stopping``: it was asked to stop already."""
     from gpumesh.daemon.client import NodeUnavailableError
 
     seen = int(view["first_line"]) - 1
-    pid: int | None = None
-    stopping = False
+    pid: int | None = 0 if stopping else None
     while True:
         try:
             if pid is None:
@@ -208,7 +235,7 @@ def _follow(
                 )
                 return
             stopping = True
-            client.call("DELETE", "/api/v1/share", timeout=60)
+            _stop(client)
             pid = pid or 0  # the rest of the output is followed, not printed again
         except NodeUnavailableError:
             fail(
@@ -216,53 +243,6 @@ def _follow(
                 f"status` says how, and {home / 'logs'} has its log",
                 ExitCode.FAILED,
             )
-
-
-def _share_here(node: Any, options: ShareOptions) -> None:
-    """Share from this process, in the foreground, until Ctrl-C, SIGTERM or `share stop`
-    (``$GPUMESH_NODE=off``: commands work in-process, so does sharing)."""
-    import asyncio
-
-    from gpumesh.cli._common import setup_logging
-
-    running = node.home.read_agent_info()
-    if running is not None:
-        raise InUseError(
-            f"`gpumesh share` is already running for {node.home.path} (pid {running.pid}, "
-            f"udp {running.host}:{running.port}); stop it with `gpumesh share stop`"
-        )
-    setup_logging(node.home.logs_dir, console_level="info")
-    asyncio.run(_share_in_foreground(node, options))
-
-
-async def _share_in_foreground(node: Any, options: ShareOptions) -> None:
-    import asyncio
-    import signal
-
-    from gpumesh.daemon.sharing import Sharing
-
-    sharing = Sharing(node, echo=echo_line)
-    loop = asyncio.get_running_loop()
-    stopping: list[asyncio.Task[bool]] = []
-    asked: list[str] = []
-
-    def on_signal(why: str) -> None:
-        asked.append(why)
-        stopping.append(asyncio.ensure_future(sharing.stop(why)))
-
-    # Before the start: a Ctrl-C while it starts stops it once it has.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, on_signal, f"stopped ({sig.name})")
-    # `gpumesh sync` of an in-process home asks with SIGUSR1 (no node process to call).
-    loop.add_signal_handler(signal.SIGUSR1, sharing.republish)
-    await sharing.start(options)
-    if asked and sharing.active:
-        await sharing.stop(asked[0])
-    else:
-        click.echo("Press Ctrl-C or run `gpumesh share stop` to stop.", err=True)
-    await sharing.wait_ended()
-    for task in stopping:
-        await task
 
 
 def _print_unit(home: Path, options: ShareOptions) -> None:
@@ -280,50 +260,16 @@ def _print_unit(home: Path, options: ShareOptions) -> None:
 @click.option("--timeout", type=float, default=60.0, show_default=True, help="Seconds to wait.")
 def stop(timeout: float) -> None:
     """Stop sharing this machine (the node process goes on serving commands)."""
-    from gpumesh.daemon import enabled
-    from gpumesh.daemon.client import NodeClient
-    from gpumesh.daemon.record import holder
+    from gpumesh.cli._node import node_home, owner_client
     from gpumesh.errors import NotFoundError
 
-    node = get_node()
-    home = node.home.path
-    if enabled():
-        from gpumesh.cli._node import node_client
-
-        client = node_client()
-    elif holder(home) is not None:
-        client = NodeClient(home)
-    else:
-        _signal_stop(node, timeout)
-        return
+    client = owner_client()
     try:
+        if client is None:
+            raise NotFoundError("no node process runs")
         client.call("DELETE", "/api/v1/share", timeout=timeout)
-    except NotFoundError:
-        # An in-process share (`GPUMESH_NODE=off share`) runs beside the node process.
-        _signal_stop(node, timeout)
+    except NotFoundError:  # what was asked for is so: not an error
+        click.echo(f"No `gpumesh share` is running for {node_home()}: nothing to stop.")
         return
     pid = client.call("GET", "/api/v1/node", timeout=30)["pid"]
     click.echo(f"Stopped sharing (node process pid {pid}).")
-
-
-def _signal_stop(node: Any, timeout: float) -> None:
-    """Stop the in-process share of ``$GPUMESH_NODE=off`` with SIGTERM."""
-    import os
-    import signal
-    import time
-
-    running = node.home.read_agent_info()
-    if running is None:  # what was asked for is so: not an error
-        click.echo(f"No `gpumesh share` is running for {node.home.path}: nothing to stop.")
-        return
-    os.kill(running.pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if node.home.read_agent_info() is None:
-            click.echo(f"Stopped `gpumesh share` (pid {running.pid}).")
-            return
-        time.sleep(0.05)
-    fail(
-        f"`gpumesh share` (pid {running.pid}) did not stop within {timeout:.0f}s",
-        ExitCode.FAILED,
-    )

@@ -65,7 +65,7 @@ def status(offline: bool, as_json: bool) -> None:
     from gpumesh.client.owner import open_sessions
     from gpumesh.units import format_size
 
-    sessions = open_sessions(st.home, st.agent)
+    sessions = open_sessions(st.agent)
     for shell in sessions.shells:
         since = _clock(shell["since"])
         click.echo(f"Shell    {shell['peer']} in {shell['image']} since {since} (id {shell['id']})")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import click
 
@@ -123,26 +123,10 @@ def _ask_share_to_republish(node: object) -> int | None:
     from gpumesh.daemon.record import holder
 
     assert isinstance(node, Node)
-    if holder(node.home.path) is None:
-        return _signal_in_process_share(node)
+    if holder(node.home.path) is None:  # a share runs only in the node process
+        return None
     try:
         answer = NodeClient(node.home.path).call("POST", "/api/v1/share/publish", timeout=10)
     except (NodeUnavailableError, GPUMeshError):
         return None
     return int(answer["pid"]) if isinstance(answer, dict) and answer.get("sharing") else None
-
-
-def _signal_in_process_share(node: Any) -> int | None:
-    """The share of a ``$GPUMESH_NODE=off`` home runs in its own foreground process,
-    with no API to call: it is asked with SIGUSR1. Its pid, or None."""
-    import os
-    import signal
-
-    running = node.home.read_agent_info()
-    if running is None:
-        return None
-    try:
-        os.kill(running.pid, signal.SIGUSR1)
-    except (ProcessLookupError, PermissionError):
-        return None
-    return int(running.pid)

@@ -10,7 +10,7 @@ imports a web framework; the answers are the views of
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import msgspec
 
@@ -24,6 +24,7 @@ __all__ = [
     "AppRunBody",
     "CancelBody",
     "CopyBody",
+    "DesktopShareBody",
     "ExchangeBody",
     "JobBody",
     "PairBody",
@@ -138,6 +139,13 @@ class TcpBody(msgspec.Struct, forbid_unknown_fields=True):
     listen: str = ""
     """``host:port`` on loopback; empty: the node process's ``GPUMESH_API_ADDR``
     (default 127.0.0.1:8080)."""
+
+
+class DesktopShareBody(msgspec.Struct, forbid_unknown_fields=True):
+    kind: Literal["vnc", "rdp", "tcp"]
+    """``tcp``: a port that is not a usual VNC or RDP one."""
+    port: Annotated[int, msgspec.Meta(ge=1, le=65535)]
+    """The desktop server's TCP port on 127.0.0.1."""
 
 
 class ShellRequest(msgspec.Struct, forbid_unknown_fields=True):

@@ -382,14 +382,14 @@ def share_desktop(node: Node, kind: DesktopKind, port: int) -> DesktopShare:
     desktop allowlist whenever this node shares (remembered; the agent sees it at the
     next request). A change of port cuts the connections to the old one."""
     share = node.home.store.set_desktop_share(kind, port)
-    node.home.notify_agent()
+    node.home.agent_changed()
     return share
 
 
 def stop_desktop_share(node: Node) -> bool:
     """Stop offering the desktop and cut its open connections; False if not shared."""
     stopped = node.home.store.clear_desktop_share()
-    node.home.notify_agent()
+    node.home.agent_changed()
     return stopped
 
 
@@ -405,7 +405,7 @@ def deny_desktop(node: Node, peer: str) -> Peer:
     connections at once (its jobs and files are untouched)."""
     record = node.peer(peer)
     node.home.store.set_desktop_allowed(record.node_id, False)
-    node.home.notify_agent()
+    node.home.agent_changed()
     return record
 
 
@@ -489,7 +489,7 @@ async def check_desktop(node: Node, extra_ports: Sequence[int] = ()) -> DesktopR
         if server is not None
     ]
     allowed_ids = node.home.store.desktop_allowed_ids()
-    agent = node.home.read_agent_info()
+    agent = node.home.agent_info()
     return DesktopReport(
         servers=servers,
         share=share,

@@ -165,7 +165,7 @@ def _home_modes(home: Home) -> Check:
             "narrowed (owned by another user?)",
             "; ".join(wider),
         )
-    return Check("home", OK, f"{home.path} is 0700; config, database, logs and agent.json 0600")
+    return Check("home", OK, f"{home.path} is 0700; config, database and logs 0600")
 
 
 def _docker(home: Home) -> list[Check]:
@@ -404,7 +404,7 @@ def _job_network(home: Home) -> Check:
 
 
 def _agent_user(home: Home) -> Check:
-    agent = home.read_agent_info() if home.initialized else None
+    agent = home.agent_info() if home.initialized else None
     agent_uid = None
     if agent is not None:
         ids = _process_ids(agent.pid)
@@ -448,7 +448,7 @@ def _cuda_worker(home: Home) -> list[Check]:
 
 def _agent_ids(home: Home) -> tuple[int, int]:
     """The running agent's uid and gid, else this process's."""
-    agent = home.read_agent_info() if home.initialized else None
+    agent = home.agent_info() if home.initialized else None
     ids = _process_ids(agent.pid) if agent is not None else None
     return ids if ids is not None else (os.geteuid(), os.getegid())
 
@@ -494,7 +494,7 @@ def _gpus() -> Check:
 
 
 def _udp_port(home: Home) -> Check:
-    agent = home.read_agent_info() if home.initialized else None
+    agent = home.agent_info() if home.initialized else None
     config = home.config
     if agent is not None:
         return Check(

@@ -829,7 +829,7 @@ async def cancel_hosted(node: Node, job_id: str, *, timeout: float = 60.0) -> Jo
     job = store.find_job(job_id, role=HOSTED)
     if job.state not in FINAL_STATES:
         store.update_job(HOSTED, job.job_id, cancel_requested=1, message=OWNER_CANCELLED)
-        if not node.home.notify_agent():
+        if not node.home.agent_changed():
             raise AgentError(
                 f"no `gpumesh share` runs for {node.home.path}: job {job.job_id} is stopped "
                 "when it starts (its cancel is recorded)"

@@ -195,7 +195,7 @@ class Node:
         info = self.info()
         config = self.home.config
         peers = self.home.store.peers()
-        agent = self.home.read_agent_info()
+        agent = self.home.agent_info()
         listen = (
             f"{agent.host}:{agent.port}" if agent else f"{config.listen_host}:{config.listen_port}"
         )
@@ -230,7 +230,7 @@ class Node:
         from gpumesh.transport.netinfo import local_addresses
 
         config = self.home.config
-        agent = self.home.read_agent_info()
+        agent = self.home.agent_info()
         # A running agent knows where it really listens (`share --host/--port`).
         host, port = (agent.host, agent.port) if agent else (config.listen_host, config.listen_port)
         return local_addresses(host, port)
@@ -302,7 +302,7 @@ class Node:
         connections (its shells, copies and follows) and cancels its jobs."""
         peer = self.peer(query)
         self.home.store.set_allowed(peer.node_id, False)
-        self.home.notify_agent()
+        self.home.agent_changed()
         return self.home.store.peer_by_id(peer.node_id)
 
     # --- talking to peers -----------------------------------------------------------------

@@ -1,25 +1,24 @@
 """The owner's view of a providing node: who is connected and what runs here for peers.
 
-Read from this home's store and the running agent's ``agent.json`` (and its
-``cuda-sessions.json``); no network. The owner ends one open session (a shell, a
-desktop connection, a CUDA session) through the running agent, which owns them:
-:func:`end_session` leaves a request in the home and pokes the agent, as ``deny``
-and ``cancel`` do, then waits until the agent no longer lists the session.
+Read from this home's store and what the running agent says of itself
+(:meth:`Home.agent_info`); no network. The owner ends one open session (a shell,
+a desktop connection, a CUDA session) through the running agent, which owns
+them: :func:`end_session` asks it, in the node process that runs it, and waits
+until it no longer lists the session.
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
+import re
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gpumesh.cuda.owner import OwnerSession, sessions_at
+from gpumesh.cuda.owner import OwnerSession, sessions_of
 from gpumesh.errors import AgentError, NotFoundError
 from gpumesh.protocol.states import FINAL_STATES, JobRole
-from gpumesh.store.stops import request_stop, valid_session_id
 
 if TYPE_CHECKING:
     from gpumesh.client.node import Node
@@ -36,6 +35,8 @@ __all__ = [
     "owner_view",
 ]
 
+_SESSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
+"""What the agent's session ids look like."""
 END_TIMEOUT = 10.0
 """How long ending a session waits for the agent to say it ended."""
 
@@ -53,7 +54,7 @@ class OpenSessions:
     """The running agent's open sessions (none when no agent runs)."""
 
     shells: list[dict[str, str]] = field(default_factory=list)
-    """``{"id", "peer", "image", "container", "since"}``, as agent.json has them."""
+    """``{"id", "peer", "image", "container", "since"}``, as the agent says them."""
     desktops: list[dict[str, str]] = field(default_factory=list)
     """``{"id", "peer", "kind", "port", "since"}``."""
     cuda: list[OwnerSession] = field(default_factory=list)
@@ -66,11 +67,11 @@ class OpenSessions:
         return next((e["peer"] for e in entries if e.get("id") == session_id), None)
 
 
-def open_sessions(home: Path, agent: AgentInfo | None) -> OpenSessions:
-    """What ``agent`` (this home's running agent, or None) publishes of its sessions."""
+def open_sessions(agent: AgentInfo | None) -> OpenSessions:
+    """What ``agent`` (this home's running agent, or None) says of its sessions."""
     if agent is None:
         return OpenSessions()
-    return OpenSessions(list(agent.shells), list(agent.desktop), sessions_at(home, agent.pid))
+    return OpenSessions(list(agent.shells), list(agent.desktop), sessions_of(agent))
 
 
 @dataclass(frozen=True)
@@ -91,12 +92,8 @@ def owner_view(node: Node, *, limit: int = 50) -> OwnerView:
     """Who uses this machine: the agent's connected peers, the jobs it hosts, its
     open sessions."""
     home = node.home
-    agent = home.read_agent_info()
-    return OwnerView(
-        agent,
-        home.store.jobs(limit=limit, role=JobRole.HOSTED),
-        open_sessions(home.path, agent),
-    )
+    agent = home.agent_info()
+    return OwnerView(agent, home.store.jobs(limit=limit, role=JobRole.HOSTED), open_sessions(agent))
 
 
 @dataclass(frozen=True)
@@ -114,19 +111,19 @@ async def end_session(
     what = f"{kind} session {session_id}"
 
     def peer_now() -> str | None:
-        return open_sessions(home.path, home.read_agent_info()).find(kind, session_id)
+        return open_sessions(home.agent_info()).find(kind, session_id)
 
-    peer = peer_now() if valid_session_id(session_id) else None
-    if peer is None:
+    peer = peer_now() if _SESSION_ID.fullmatch(session_id) else None
+    agent = home.agent
+    if peer is None or agent is None:
         raise NotFoundError(f"no open {what} on this node; `gpumesh status` lists the open ones")
-    request_stop(home.path, session_id)
-    home.notify_agent()  # without it the agent still reads the request, just later
+    agent.end_session(session_id)
     deadline = time.monotonic() + timeout
     while peer_now() is not None:
         if time.monotonic() > deadline:
             raise AgentError(
-                f"the sharing agent did not end {what} within {timeout:.0f}s; it will "
-                "when it next reads its requests, or stop sharing to end everything"
+                f"the sharing agent did not end {what} within {timeout:.0f}s; stop "
+                "sharing (`gpumesh share stop`) to end everything"
             )
         await asyncio.sleep(0.05)
     return EndedSession(kind, session_id, peer)

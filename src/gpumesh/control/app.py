@@ -40,6 +40,7 @@ from gpumesh.client.bodies import (
     AppRunBody,
     CancelBody,
     CopyBody,
+    DesktopShareBody,
     ExchangeBody,
     JobBody,
     PairBody,
@@ -299,6 +300,73 @@ async def post_deny(call: Call) -> object:
     from gpumesh.client.views.peers import PeerView
 
     return PeerView.of(call.node.deny(call.param("peer")))
+
+
+async def post_desktop_allow(call: Call) -> object:
+    from gpumesh.client.desktop import allow_desktop
+    from gpumesh.client.views.peers import PeerView
+
+    return PeerView.of(allow_desktop(call.node, call.param("peer")))
+
+
+async def post_desktop_deny(call: Call) -> object:
+    from gpumesh.client.desktop import deny_desktop
+    from gpumesh.client.views.peers import PeerView
+
+    return PeerView.of(deny_desktop(call.node, call.param("peer")))
+
+
+async def post_cuda_allow(call: Call) -> object:
+    from gpumesh.client.views.peers import PeerView
+    from gpumesh.cuda.ops import allow
+
+    return PeerView.of(allow(call.node, call.param("peer")))
+
+
+async def post_cuda_deny(call: Call) -> object:
+    from gpumesh.client.views.peers import PeerView
+    from gpumesh.cuda.ops import deny
+
+    return PeerView.of(deny(call.node, call.param("peer")))
+
+
+async def post_desktop_share(call: Call) -> object:
+    """Offer the desktop server on 127.0.0.1:``port`` (a new port cuts the old one's
+    connections)."""
+    from gpumesh.client.desktop import share_desktop
+    from gpumesh.client.views.owner import DesktopShareView
+    from gpumesh.protocol.desktop import DesktopKind
+
+    body: DesktopShareBody = call.body
+    shared = share_desktop(call.node, DesktopKind(body.kind), body.port)
+    sharing = call.node.home.agent is not None
+    return DesktopShareView(True, str(shared.kind), shared.port, sharing)
+
+
+async def delete_desktop_share(call: Call) -> object:
+    """Stop offering the desktop; its open connections are cut."""
+    from gpumesh.client.desktop import stop_desktop_share
+    from gpumesh.client.views.owner import DesktopShareView
+
+    stopped = stop_desktop_share(call.node)
+    return DesktopShareView(stopped, sharing=call.node.home.agent is not None)
+
+
+async def post_cuda_share(call: Call) -> object:
+    return _set_cuda_share(call, True)
+
+
+async def delete_cuda_share(call: Call) -> object:
+    """Stop offering CUDA sessions; open ones end."""
+    return _set_cuda_share(call, False)
+
+
+def _set_cuda_share(call: Call, on: bool) -> object:
+    from gpumesh.client.views.owner import CudaShareView
+    from gpumesh.cuda.ops import share
+
+    share(call.node, on)
+    return CudaShareView(on, sharing=call.node.home.agent is not None)
 
 
 async def post_connect(call: Call) -> object:
@@ -965,6 +1033,8 @@ def _views() -> dict[str, Any]:
         "apprun": apps.AppRunView,
         "owner": owner.OwnerStatusView,
         "ended": owner.EndedSessionView,
+        "desktopshare": owner.DesktopShareView,
+        "cudashare": owner.CudaShareView,
         "history": history.GpuHistoryView,
         "process": NodeProcessView,
         "shell": ShellOfferView,
@@ -1021,6 +1091,24 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("POST", "/api/v1/peers/{peer}/allow", post_allow, "Allow a peer", V["peer"]),
     Endpoint("POST", "/api/v1/peers/{peer}/deny", post_deny,
              "Deny a peer: revokes everything at once", V["peer"]),
+    Endpoint("POST", "/api/v1/peers/{peer}/desktop/allow", post_desktop_allow,
+             "Put a peer on the desktop allowlist", V["peer"]),
+    Endpoint("POST", "/api/v1/peers/{peer}/desktop/deny", post_desktop_deny,
+             "Take a peer off the desktop allowlist: its desktop connections are cut",
+             V["peer"]),
+    Endpoint("POST", "/api/v1/peers/{peer}/cuda/allow", post_cuda_allow,
+             "Put a peer on the CUDA allowlist", V["peer"]),
+    Endpoint("POST", "/api/v1/peers/{peer}/cuda/deny", post_cuda_deny,
+             "Take a peer off the CUDA allowlist: its CUDA sessions end", V["peer"]),
+    Endpoint("POST", "/api/v1/desktop/share", post_desktop_share,
+             "Offer this machine's desktop server while it shares", V["desktopshare"],
+             body=DesktopShareBody),
+    Endpoint("DELETE", "/api/v1/desktop/share", delete_desktop_share,
+             "Stop offering the desktop: its connections are cut", V["desktopshare"]),
+    Endpoint("POST", "/api/v1/cuda/share", post_cuda_share,
+             "Offer CUDA sessions while this machine shares", V["cudashare"]),
+    Endpoint("DELETE", "/api/v1/cuda/share", delete_cuda_share,
+             "Stop offering CUDA sessions: open ones end", V["cudashare"]),
     Endpoint("POST", "/api/v1/peers/{peer}/connect", post_connect,
              "Dial a peer and measure the path", V["connect"],
              query=(Query("pings", "integer", "Round trips to measure (5)"),

@@ -82,7 +82,7 @@ def share(node: Node, on: bool) -> None:
     """Offer CUDA sessions whenever this node shares (remembered), or stop: open
     sessions end at once."""
     node.home.store.set_cuda_share(on)
-    node.home.notify_agent()
+    node.home.agent_changed()
 
 
 def allow(node: Node, query: str) -> Peer:
@@ -96,7 +96,7 @@ def deny(node: Node, query: str) -> Peer:
     """Take a peer off the CUDA allowlist; its open sessions end at once."""
     peer = node.peer(query)
     node.home.store.cuda_deny(peer.node_id)
-    node.home.notify_agent()
+    node.home.agent_changed()
     return peer
 
 

@@ -3,35 +3,20 @@
 :func:`worker_user` is the line ``cuda share``, ``cuda doctor`` and ``doctor``
 print when the workers cannot run as ``job_user`` (the agent is not root).
 
-The agent writes its open CUDA sessions to ``cuda-sessions.json`` in the home
-(only the agent writes it, and it removes it when it stops); ``status`` and
-``cuda doctor`` read it here, and trust it only while that agent runs.
+The running agent's open CUDA sessions come from what it says of itself
+(:meth:`Home.agent_info`); ``status`` and ``cuda doctor`` read them here.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 from gpumesh.cuda.confine import worker_user_note
-from gpumesh.store.home import Home
-from gpumesh.store.modes import write_private
+from gpumesh.store.home import AgentInfo, Home
 
-__all__ = [
-    "SESSIONS_FILE",
-    "OwnerSession",
-    "clear_sessions",
-    "open_sessions",
-    "sessions_at",
-    "worker_user",
-    "write_sessions",
-]
-
-SESSIONS_FILE = "cuda-sessions.json"
+__all__ = ["OwnerSession", "open_sessions", "sessions_of", "worker_user"]
 
 
 @dataclass(frozen=True)
@@ -50,7 +35,7 @@ class OwnerSession:
 def worker_user(home: Home) -> str | None:
     """The one line saying CUDA workers run as the agent's own user, for the running
     agent (or, when none runs, the one this user would start); None when it is root."""
-    agent = home.read_agent_info() if home.initialized else None
+    agent = home.agent_info() if home.initialized else None
     uid = os.geteuid()
     if agent is not None:
         # Not Linux, or it just ended: this user's.
@@ -59,36 +44,16 @@ def worker_user(home: Home) -> str | None:
     return worker_user_note(uid)
 
 
-def _path(home: Path) -> Path:
-    return home / SESSIONS_FILE
-
-
-def write_sessions(home: Path, sessions: list[dict[str, Any]]) -> None:
-    """The agent's side: its sessions now."""
-    data = {"agent": os.getpid(), "sessions": sessions}
-    write_private(_path(home), json.dumps(data).encode())
-
-
-def clear_sessions(home: Path) -> None:
-    _path(home).unlink(missing_ok=True)
-
-
 def open_sessions(home: Home) -> list[OwnerSession]:
     """The running agent's CUDA sessions (none when it does not run)."""
-    agent = home.read_agent_info()
-    return [] if agent is None else sessions_at(home.path, agent.pid)
+    agent = home.agent_info()
+    return [] if agent is None else sessions_of(agent)
 
 
-def sessions_at(home: Path, agent_pid: int) -> list[OwnerSession]:
-    """The CUDA sessions that the agent ``agent_pid`` published in ``home``."""
-    try:
-        data = json.loads(_path(home).read_text())
-    except (OSError, ValueError):
-        return []
-    if not isinstance(data, dict) or data.get("agent") != agent_pid:
-        return []
+def sessions_of(agent: AgentInfo) -> list[OwnerSession]:
+    """The CUDA sessions ``agent`` says it has open."""
     found = []
-    for item in data.get("sessions", []):
+    for item in agent.cuda:
         try:
             found.append(
                 OwnerSession(

@@ -23,6 +23,7 @@ import msgspec
 from gpumesh.client.bodies import ShareOptions
 from gpumesh.errors import ConfigError, GPUMeshError, InUseError, RuntimeUnavailableError
 from gpumesh.runtime.base import NO_GPU_RUNTIME_NOTE
+from gpumesh.store.home import AgentInfo
 
 _SAID = {"gpumesh_said": True}
 """On the log record of a line the share says (see cli/_logsetup.LevelFilter)."""
@@ -72,6 +73,9 @@ class ShareView(msgspec.Struct):
     """The sequence number of this share's first line of output (``after`` it - 1)."""
     ended: ShareEnd | None = None
     """How the last share ended, while none runs."""
+    agent: AgentInfo | None = None
+    """What the running share's agent says of itself: its links, relay and open
+    sessions (``status`` and the owner's views of commands run elsewhere)."""
 
 
 class Sharing:
@@ -121,6 +125,7 @@ class Sharing:
             udp=self._udp if self.active else None,
             first_line=self.first_line,
             ended=None if self.active else self.ended,
+            agent=None if self.agent is None else self.agent.info(),
         )
 
     # --- output ---------------------------------------------------------------------------
@@ -210,8 +215,10 @@ class Sharing:
         self._end(self._how or "stopped")
 
     async def stop(self, how: str = "stopped with `gpumesh share stop`") -> bool:
-        """Stop sharing; False when this home did not share."""
-        agent = self.agent
+        """Stop sharing; False when this home did not share. A start under way
+        finishes first (a Ctrl-C while it starts stops what it started)."""
+        async with self._starting:
+            agent = self.agent
         if agent is None:
             return False
         self._how = how

@@ -6,8 +6,6 @@
       identity.key     Ed25519 private key, PEM, mode 0600
       config.toml      settings (see gpumesh.store.config), 0600
       gpumesh.db       SQLite (WAL): peers, allowlist, jobs and groups, 0600 (and -wal, -shm)
-      agent.json       present while `gpumesh share` runs: pid and port, 0600
-      agent.sock       present while `gpumesh share` runs: "the store changed", 0600
       logs/            debug logs of CLI commands and the agent, 0700, files 0600
       jobs/            provider: one folder per hosted job (its unpacked workdir)
       files/           provider: each peer's sandbox (cp, mounts, apps), by node id
@@ -26,15 +24,12 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import json
-import os
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
-from gpumesh import platform
-from gpumesh.errors import ConfigError, NotInitializedError
+from gpumesh.errors import NotInitializedError
 from gpumesh.identity.keys import Identity
 from gpumesh.settings import home_dir
 from gpumesh.store.config import Config
@@ -43,16 +38,10 @@ from gpumesh.store.modes import (
     PRIVATE_DIR,
     PRIVATE_FILE,
     narrow,
-    read_private,
-    write_private,
 )
-from gpumesh.store.sockets import socket_name
 from gpumesh.store.trust import check_home
 
-if TYPE_CHECKING:
-    import socket
-
-__all__ = ["AgentInfo", "Home", "RelayState"]
+__all__ = ["AgentInfo", "Home", "LiveAgent", "RelayState"]
 
 LOGS_DIR = "logs"
 JOBS_DIR = "jobs"
@@ -76,12 +65,10 @@ class RelayState(enum.StrEnum):
     """The relay refused the registration (a token, its allowlist); retried slowly."""
 
 
-_DESKTOP_KEYS = ("id", "peer", "kind", "port", "since", "path")
-
-
 @dataclass(frozen=True)
 class AgentInfo:
-    """What a running provider agent publishes about itself in ``agent.json``."""
+    """What a running provider agent says of itself (:meth:`Home.agent_info`, and
+    ``GET /api/v1/share`` from the node process that runs it)."""
 
     pid: int
     host: str
@@ -100,6 +87,8 @@ class AgentInfo:
     shells: list[dict[str, str]] = field(default_factory=list)
     """Open shells: ``{"id": …, "peer": name, "image": …, "container": name, "since": unix
     time}``."""
+    cuda: list[dict[str, Any]] = field(default_factory=list)
+    """Open CUDA sessions (:class:`gpumesh.cuda.owner.OwnerSession`'s fields)."""
 
     @property
     def relay_text(self) -> str:
@@ -112,24 +101,26 @@ class AgentInfo:
             return f"{state}: {self.relay_detail}"
         return str(state)
 
-    @property
-    def alive(self) -> bool:
-        if not platform.has("signals"):
-            # Windows' os.kill(pid, 0) would end the process; no agent runs there.
-            return False
-        try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        # A process that was killed but not yet reaped (its parent gone, and an
-        # init that does not reap, as in some containers) is no agent either.
-        try:
-            with open(f"/proc/{self.pid}/stat", "rb") as stat:
-                return stat.read().rpartition(b")")[2].split()[:1] != [b"Z"]
-        except OSError:
-            return True  # no /proc here: the signal's answer stands
+
+class LiveAgent(Protocol):
+    """A provider agent running in this process, as the owner's actions reach it."""
+
+    def info(self) -> AgentInfo | None:
+        """What it says of itself now."""
+        ...
+
+    def changed(self) -> None:
+        """The store changed (a deny, an owner cancel): act on it now."""
+        ...
+
+    def end_session(self, session_id: str) -> bool:
+        """End one open session (a shell, a desktop connection, a CUDA session);
+        False when it has none of that id."""
+        ...
+
+
+_AGENTS: dict[Path, LiveAgent] = {}
+"""The agents sharing from this process, by home (at most one each)."""
 
 
 class Home:
@@ -152,10 +143,6 @@ class Home:
     @property
     def db_path(self) -> Path:
         return self.path / "gpumesh.db"
-
-    @property
-    def agent_path(self) -> Path:
-        return self.path / "agent.json"
 
     @property
     def logs_dir(self) -> Path:
@@ -196,7 +183,7 @@ class Home:
         # The home may be a link to its user's folder (check_home): that folder is meant.
         paths = [(self.path.resolve(), PRIVATE_DIR), (self.logs_dir, PRIVATE_DIR)]
         paths.append((peer_addresses, PRIVATE_DIR))
-        files = [self.config_path, self.agent_path, self.db_path]
+        files = [self.config_path, self.db_path]
         files += [self.db_path.with_name(self.db_path.name + s) for s in ("-wal", "-shm")]
         for folder in (self.logs_dir, peer_addresses):
             with contextlib.suppress(OSError):
@@ -247,107 +234,38 @@ class Home:
         self.__dict__.pop("config", None)
         return self.config
 
-    # --- agent.json: only the agent writes it ------------------------------------
+    # --- the agent running in this process ----------------------------------------------
 
-    def write_agent_info(self, info: AgentInfo) -> None:
-        write_private(self.agent_path, json.dumps(info.__dict__).encode())
+    def attach_agent(self, agent: LiveAgent) -> None:
+        """``agent`` now shares this home from this process (the node process's
+        share, or a test's): owner actions of the same process reach it directly."""
+        _AGENTS[self.path.resolve()] = agent
 
-    def read_agent_info(self) -> AgentInfo | None:
-        """The running agent, or None (a stale file from a crash counts as none)."""
-        try:
-            data = json.loads(read_private(self.agent_path))
-            info = AgentInfo(
-                pid=int(data["pid"]),
-                host=str(data["host"]),
-                port=int(data["port"]),
-                started=float(data["started"]),
-                relay=str(data.get("relay", "")),
-                relay_state=_relay_state(data.get("relay_state", "")),
-                relay_detail=str(data.get("relay_detail", "")),
-                links=[
-                    {"peer": str(link["peer"]), "path": str(link["path"])}
-                    for link in data.get("links", [])
-                ],
-                desktop=[
-                    {key: str(entry.get(key, "")) for key in _DESKTOP_KEYS}
-                    for entry in data.get("desktop", [])
-                    if {"peer", "kind", "since"} <= entry.keys()
-                ],
-                shells=[
-                    {key: str(entry[key]) for key in ("id", "peer", "image", "container", "since")}
-                    for entry in data.get("shells", [])
-                ],
-            )
-        except (OSError, ValueError, KeyError, TypeError, ConfigError):
-            return None  # ConfigError: a link planted as agent.json, never followed
-        return info if info.alive else None
-
-    def clear_agent_info(self, pid: int) -> None:
-        current = self.read_agent_info()
-        if current is None or current.pid == pid:
-            self.agent_path.unlink(missing_ok=True)
-
-    # --- agent.sock: other processes tell the agent that the store changed -------
+    def detach_agent(self, agent: LiveAgent) -> None:
+        key = self.path.resolve()
+        if _AGENTS.get(key) is agent:
+            del _AGENTS[key]
 
     @property
-    def notify_path(self) -> Path:
-        return self.path / NOTIFY_SOCKET
+    def agent(self) -> LiveAgent | None:
+        """The agent sharing this home from this process, or None."""
+        return _AGENTS.get(self.path.resolve())
 
-    def notify_agent(self) -> bool:
-        """Tell this home's running agent that the store changed (a deny, a cancel),
-        so it acts now; False when no agent listens. The datagram carries nothing:
-        the agent only re-reads the store, so whoever sends it learns nothing."""
-        import socket
+    def agent_info(self) -> AgentInfo | None:
+        """What the running agent says of itself now, or None when none runs."""
+        agent = self.agent
+        return None if agent is None else agent.info()
 
-        if not platform.has("unix"):  # no agent runs where there are no unix sockets
+    def agent_changed(self) -> bool:
+        """Tell the running agent that the store changed (a deny, a cancel), so it
+        acts now; False when none runs."""
+        agent = self.agent
+        if agent is None:
             return False
-        try:
-            with (
-                socket_name(self.path, NOTIFY_SOCKET) as where,
-                socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock,
-            ):
-                sock.sendto(b"changed", where)
-        except OSError:  # no agent (no socket, or nobody reads it), or its buffer is full
-            return False
+        agent.changed()
         return True
-
-    def listen_for_notifications(self) -> socket.socket:
-        """The agent's side of :meth:`notify_agent`: a non-blocking datagram socket,
-        0600 in the 0700 home (a stale one from a crash is replaced)."""
-        import socket
-
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        try:
-            with socket_name(self.path, NOTIFY_SOCKET) as where:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(where)
-                sock.bind(where)
-                os.chmod(where, PRIVATE_FILE)
-            sock.setblocking(False)
-        except BaseException:
-            sock.close()
-            raise
-        return sock
-
-    def close_notifications(self, sock: socket.socket) -> None:
-        """Close the agent's socket and remove its file (one agent per home)."""
-        sock.close()
-        with contextlib.suppress(OSError):
-            self.notify_path.unlink()
 
     def close(self) -> None:
         store = self.__dict__.pop("store", None)
         if store is not None:
             store.close()
-
-
-def _relay_state(value: object) -> RelayState:
-    # An agent of another version may write a state this one does not know:
-    # the agent still runs, so its file still counts.
-    try:
-        return RelayState(str(value))
-    except ValueError:
-        return RelayState.NONE
-
-
-NOTIFY_SOCKET = "agent.sock"

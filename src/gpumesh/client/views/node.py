@@ -98,7 +98,7 @@ class StatusView(msgspec.Struct):
             jobs_hosted_running=status.running_hosted,
             jobs_submitted_running=status.running_submitted,
             jobs_submitted_unknown=submitted_unknown,
-            sessions=SessionsView.of(open_sessions(status.home, agent)),
+            sessions=SessionsView.of(open_sessions(agent)),
         )
 
 

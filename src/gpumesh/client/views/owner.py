@@ -13,7 +13,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CudaSessionView",
+    "CudaShareView",
     "DesktopSessionView",
+    "DesktopShareView",
     "EndedSessionView",
     "OwnerStatusView",
     "SessionsView",
@@ -142,3 +144,22 @@ class EndedSessionView(msgspec.Struct):
     @classmethod
     def of(cls, ended: EndedSession) -> EndedSessionView:
         return cls(str(ended.kind), ended.id, ended.peer)
+
+
+class DesktopShareView(msgspec.Struct):
+    """The desktop this node offers (``/api/v1/desktop/share``)."""
+
+    shared: bool
+    """False: not offered (or, after ``DELETE``, was not)."""
+    kind: str | None = None
+    port: int | None = None
+    sharing: bool = False
+    """Whether this node shares now (the desktop is offered only while it does)."""
+
+
+class CudaShareView(msgspec.Struct):
+    """Whether this node offers CUDA sessions (``/api/v1/cuda/share``)."""
+
+    offered: bool
+    sharing: bool = False
+    """Whether this node shares now (sessions are offered only while it does)."""
