@@ -129,10 +129,7 @@ def test_a_hosted_jobs_follower_is_woken_by_the_agent(cluster, monkeypatch, in_p
     arun(scenario())
 
 
-def test_cancel_takes_a_job_id_for_submitted_and_hosted_jobs(cluster, monkeypatch) -> None:
-    from gpumesh.agent import server
-
-    monkeypatch.setattr(server, "CHANGES_FALLBACK", 3600.0)
+def test_cancel_takes_a_job_id_for_submitted_and_hosted_jobs(cluster) -> None:
     alice, bob = cluster("alice"), cluster("bob")
     owner = Node(alice.home.path)
 

@@ -88,5 +88,5 @@ def test_refused_is_3_and_a_second_share_is_7(alice_shares: tuple[Path, Path]) -
     _one_line_error(
         gpumesh(alice, "share", "--port", str(_free_udp_port())),
         ExitCode.IN_USE,
-        "`gpumesh share` is already running for",
+        "this home already shares with",
     )

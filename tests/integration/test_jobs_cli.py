@@ -293,8 +293,12 @@ def test_a_provider_that_found_its_docker_cannot_give_gpus_says_so_and_is_skippe
         cpu_job = gpumesh(bob, "run", "--group", "lab", "--", "echo", "cpu")
         assert cpu_job.returncode == 0, cpu_job.stderr
         assert cpu_job.stdout == "cpu\n"
-        said = (alice / "logs" / "gpumesh.log").read_text()
-        assert f"share:   {NO_GPU_RUNTIME_NOTE}" in said  # a line of the share's output
+        from gpumesh.daemon.client import NodeClient
+
+        # What the share said, as its followers print it.
+        stream = NodeClient(alice).events("/api/v1/share/output?after=0&follow=false")
+        said = [event.data["text"] for event in stream if event.event == "line"]
+        assert f"  {NO_GPU_RUNTIME_NOTE}" in said
         gpu_job = gpumesh(bob, "run", "--group", "lab", "--gpu-memory", "1GB", "--", "true")
         assert gpu_job.returncode != 0
         assert "alice-pc: its Docker cannot give GPUs to containers" in gpu_job.stderr

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import click
 
 from gpumesh.cli._common import emit_json, get_node
+
+if TYPE_CHECKING:
+    from gpumesh.client.views.node import ConfigChangeView
 
 
 @click.group(
@@ -73,17 +78,9 @@ def get(key: str) -> None:
 @click.argument("value")
 def set_(key: str, value: str) -> None:
     """Set KEY to VALUE (validated; unknown keys are refused; a secret is not echoed)."""
-    from gpumesh.store.config import KEYS, MASK, value_text
-
-    home = get_node().home
-    cfg = home.config
-    stored = cfg.set(key, value)
-    cfg.save()
-    if KEYS[key].secret:
-        click.echo(f"{key} = {MASK} (hidden)")
-    else:
-        click.echo(f"{key} = {value_text(stored)}")
-    if key in _READ_WHEN_SHARING_STARTS and home.agent_info() is not None:
+    view = _change(key, value)
+    click.echo(f"{key} = {view.value}" + (" (hidden)" if view.secret else ""))
+    if key in _READ_WHEN_SHARING_STARTS and view.sharing:
         click.echo(
             f"The running `gpumesh share` read {key} when it started: restart it "
             "(`gpumesh share stop`, then `gpumesh share ...`) for this to take effect."
@@ -98,9 +95,32 @@ _READ_WHEN_SHARING_STARTS = ("announce_addresses", "rendezvous_url", "region")
 @click.argument("key")
 def unset(key: str) -> None:
     """Return KEY to its default."""
-    from gpumesh.store.config import value_text
+    click.echo(f"{key} = {_change(key, None).value} (default)")
 
-    cfg = get_node().home.config
-    cfg.unset(key)
-    cfg.save()
-    click.echo(f"{key} = {value_text(cfg.shown(key))} (default)")
+
+def _change(key: str, value: str | None) -> ConfigChangeView:
+    """Set ``key`` (unset it: ``value`` None): through the node process when one runs
+    this home, so a running share sees it at once; else in the file."""
+    from urllib.parse import quote
+
+    import msgspec
+
+    from gpumesh.client.views.node import ConfigChangeView
+    from gpumesh.daemon.client import NodeClient
+    from gpumesh.daemon.record import holder
+
+    home = get_node().home
+    if holder(home.path) is not None:
+        path = f"/api/v1/config/{quote(key, safe='')}"
+        if value is None:
+            answer = NodeClient(home.path).call("DELETE", path)
+        else:
+            answer = NodeClient(home.path).call("PUT", path, {"value": value})
+        return msgspec.convert(answer, ConfigChangeView)
+    config = home.config
+    if value is None:
+        config.unset(key)
+    else:
+        config.set(key, value)
+    config.save()
+    return ConfigChangeView.of(home, key)

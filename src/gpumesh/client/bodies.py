@@ -23,6 +23,7 @@ __all__ = [
     "AppPullBody",
     "AppRunBody",
     "CancelBody",
+    "ConfigBody",
     "CopyBody",
     "DesktopShareBody",
     "ExchangeBody",
@@ -139,6 +140,11 @@ class TcpBody(msgspec.Struct, forbid_unknown_fields=True):
     listen: str = ""
     """``host:port`` on loopback; empty: the node process's ``GPUMESH_API_ADDR``
     (default 127.0.0.1:8080)."""
+
+
+class ConfigBody(msgspec.Struct, forbid_unknown_fields=True):
+    value: str
+    """As ``gpumesh config set KEY VALUE`` takes it (checked by the key's rules)."""
 
 
 class DesktopShareBody(msgspec.Struct, forbid_unknown_fields=True):

@@ -330,6 +330,13 @@ class Node:
         session = await self._dial(peer, timeout)
         try:
             yield session
+        except ConnectionLostError:
+            # The peer refused under the first request (a limit's close may cross it
+            # on the wire): say why, as the pool does for the sessions it lends.
+            reason = await session.refusal()
+            if reason is not None:
+                raise reason from None
+            raise
         finally:
             if session.through_relay:
                 # What punching found is worth keeping for the next dial.

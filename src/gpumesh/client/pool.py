@@ -48,7 +48,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
-from gpumesh.errors import ConnectionLostError, GPUMeshError, TransportError
+from gpumesh.errors import ConnectionLostError, GPUMeshError
 from gpumesh.protocol.messages import Ping
 
 if TYPE_CHECKING:
@@ -80,8 +80,6 @@ drops the old connection's packets without a word, so a request on it would hang
 until the keep-alive gave up."""
 PROBE_TIMEOUT = 2.0
 """Seconds that ping may take; past them the session is dropped and dialled again."""
-CLOSE_WAIT = 2.0
-"""Seconds a request that lost its warm session waits to learn why it closed."""
 
 
 @dataclass
@@ -199,8 +197,8 @@ class SessionPool:
             # The peer closed the session under this request (a deny's close may
             # cross the request on the wire): say why it closed, as a fresh dial
             # would have been told, rather than that it closed.
-            reason = await self._close_reason(warm.session)
-            if reason is not None and not isinstance(reason, TransportError):
+            reason = await warm.session.refusal()
+            if reason is not None:
                 raise reason from None
             raise
         finally:
@@ -229,8 +227,8 @@ class SessionPool:
             try:
                 result = await self._watched(session, first)
             except ConnectionLostError as exc:
-                reason = await self._close_reason(session) if session.link.is_closed else None
-                if reason is not None and not isinstance(reason, TransportError):
+                reason = await session.refusal() if session.link.is_closed else None
+                if reason is not None:
                     raise reason from None  # refused (denied, unpaired): no second try
                 if self._warm.get(key) is warm:
                     self.drop(key, f"it died under a request ({exc.message})")
@@ -266,14 +264,6 @@ class SessionPool:
             return False
         warm.last_ok = self._clock()
         return True
-
-    async def _close_reason(self, session: Session) -> GPUMeshError | None:
-        """The error the peer closed ``session`` with, waiting out QUIC's draining
-        period (at most :data:`CLOSE_WAIT` seconds); None when it stays open."""
-        try:
-            return await asyncio.wait_for(session.link.wait_closed(), CLOSE_WAIT)
-        except TimeoutError:
-            return None
 
     def drop(self, peer_id: str, reason: str, *, forget_path: bool = False) -> None:
         """Close and forget the warm session to ``peer_id`` (if any); keep its punched

@@ -39,6 +39,7 @@ from gpumesh.client.bodies import (
     AppPullBody,
     AppRunBody,
     CancelBody,
+    ConfigBody,
     CopyBody,
     DesktopShareBody,
     ExchangeBody,
@@ -367,6 +368,27 @@ def _set_cuda_share(call: Call, on: bool) -> object:
 
     share(call.node, on)
     return CudaShareView(on, sharing=call.node.home.agent is not None)
+
+
+async def put_config(call: Call) -> object:
+    """Set one setting (``config set``): a running share sees it at once."""
+    from gpumesh.client.views.node import ConfigChangeView
+
+    body: ConfigBody = call.body
+    key, config = call.param("key"), call.node.home.config
+    config.set(key, body.value)
+    config.save()
+    return ConfigChangeView.of(call.node.home, key)
+
+
+async def delete_config(call: Call) -> object:
+    """Return one setting to its default (``config unset``)."""
+    from gpumesh.client.views.node import ConfigChangeView
+
+    key, config = call.param("key"), call.node.home.config
+    config.unset(key)
+    config.save()
+    return ConfigChangeView.of(call.node.home, key)
 
 
 async def post_connect(call: Call) -> object:
@@ -1034,6 +1056,7 @@ def _views() -> dict[str, Any]:
         "owner": owner.OwnerStatusView,
         "ended": owner.EndedSessionView,
         "desktopshare": owner.DesktopShareView,
+        "configchange": node.ConfigChangeView,
         "cudashare": owner.CudaShareView,
         "history": history.GpuHistoryView,
         "process": NodeProcessView,
@@ -1100,6 +1123,11 @@ ENDPOINTS: tuple[Endpoint, ...] = (
              "Put a peer on the CUDA allowlist", V["peer"]),
     Endpoint("POST", "/api/v1/peers/{peer}/cuda/deny", post_cuda_deny,
              "Take a peer off the CUDA allowlist: its CUDA sessions end", V["peer"]),
+    Endpoint("PUT", "/api/v1/config/{key}", put_config,
+             "Set one setting (checked); a running share sees it at once", V["configchange"],
+             Access.NO_COOKIE, body=ConfigBody),
+    Endpoint("DELETE", "/api/v1/config/{key}", delete_config,
+             "Return one setting to its default", V["configchange"], Access.NO_COOKIE),
     Endpoint("POST", "/api/v1/desktop/share", post_desktop_share,
              "Offer this machine's desktop server while it shares", V["desktopshare"],
              body=DesktopShareBody),

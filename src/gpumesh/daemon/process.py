@@ -111,8 +111,6 @@ class NodeProcess:
     """Requests under way (an event stream counts until it ends)."""
     last_active: float = 0.0
     pool: SessionPool | None = None
-    before: Callable[[], None] | None = None
-    """Called before each request (the config's freshness check)."""
     serve_tcp: Callable[[str], Awaitable[None]] | None = None
     """Start serving the API on TCP at ``host:port`` too (loopback only); nothing
     when it already does."""
@@ -201,8 +199,6 @@ class NodeProcess:
                 return
             self.active += 1
             try:
-                if self.before is not None:
-                    self.before()
                 await app(scope, receive, send)
             finally:
                 self.active -= 1
@@ -370,7 +366,6 @@ async def run_node(
         # One socket and one relay registration per relay for every outgoing link.
         outgoing = OutgoingSocket(lambda: node.home.identity)
         process.pool = node.pool = SessionPool(outgoing=outgoing)
-        process.before = _config_watch(node.home)
         state = ControlState(
             node=node,
             token=auth.api_token(home),
@@ -526,29 +521,6 @@ def _check_remote(tls: tuple[Path, Path] | None) -> None:
             "--allow-remote needs --tls-cert FILE and --tls-key FILE: the API is served beyond "
             "loopback over HTTPS only"
         )
-
-
-def _config_watch(home: Home) -> Callable[[], None]:
-    """A check that reloads ``home``'s config when its file changed (`gpumesh config
-    set` in another process): a request sees the settings of the moment."""
-    path = home.config_path
-
-    def stamp() -> tuple[int, int] | None:
-        try:
-            info = path.stat()
-        except OSError:
-            return None
-        return (info.st_mtime_ns, info.st_size)
-
-    seen = [stamp()]
-
-    def check() -> None:
-        now = stamp()
-        if now != seen[0]:
-            seen[0] = now
-            home.reload_config()
-
-    return check
 
 
 async def _watch(process: NodeProcess) -> None:

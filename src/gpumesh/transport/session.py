@@ -64,6 +64,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+CLOSE_WAIT = 2.0
+"""Seconds a request the connection closed under waits to learn why it closed."""
 AUTH_TIMEOUT = 5.0
 """Seconds a new connection has to prove its identity before it is dropped."""
 EARLY_REQUESTS = 8
@@ -312,6 +314,18 @@ class Session:
         finally:
             self.link.forget_stream(stream.stream_id)
         return reply
+
+    async def refusal(self, within: float = CLOSE_WAIT) -> GPUMeshError | None:
+        """Why the peer closed this session, when it closed it with a reason of its
+        own (a refusal: denied, over a limit), waiting out QUIC's draining period
+        (at most ``within`` seconds); None when it stays open or just went away.
+        A request the close crossed on the wire reads as a lost connection: this
+        says what a request sent a moment earlier would have been told."""
+        try:
+            reason = await asyncio.wait_for(self.link.wait_closed(), within)
+        except TimeoutError:
+            return None
+        return None if isinstance(reason, TransportError) else reason
 
     def close(self) -> None:
         self.link.close()

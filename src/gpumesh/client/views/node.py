@@ -13,9 +13,11 @@ if TYPE_CHECKING:
     from gpumesh.client.node import NodeInfo, NodeStatus
     from gpumesh.gpu.inventory import GpuInfo, GpuInventory
     from gpumesh.store.config import Config, Value
+    from gpumesh.store.home import Home
 
 __all__ = [
     "CheckView",
+    "ConfigChangeView",
     "GpuDetail",
     "GpuUse",
     "GpusView",
@@ -152,6 +154,25 @@ class CheckView(msgspec.Struct):
     @classmethod
     def of(cls, check: Check) -> CheckView:
         return cls(check.name, check.status, check.detail, check.fix)
+
+
+class ConfigChangeView(msgspec.Struct):
+    """``config set`` and ``unset`` (``PUT`` and ``DELETE /api/v1/config/{key}``):
+    the setting as it now is."""
+
+    key: str
+    value: str
+    """As ``config get`` prints it; a secret one masked."""
+    secret: bool
+    sharing: bool
+    """Whether this home shares now (some settings are read when sharing starts)."""
+
+    @classmethod
+    def of(cls, home: Home, key: str) -> ConfigChangeView:
+        from gpumesh.store.config import KEYS, value_text
+
+        shown = value_text(home.config.shown(key))
+        return cls(key, shown, KEYS[key].secret, home.agent_info() is not None)
 
 
 def config_values(config: Config) -> dict[str, Value]:
