@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from collections.abc import Callable, Coroutine
@@ -59,14 +60,12 @@ class _NodeProcessShare:
 
     def __init__(self, home: Path) -> None:
         self.home = home
-        self._info: list[AgentInfo | None] = []
 
     def info(self) -> AgentInfo | None:
-        if not self._info:
-            self._info.append(self._ask())
-        return self._info[0]
+        return self._answer
 
-    def _ask(self) -> AgentInfo | None:
+    @functools.cached_property
+    def _answer(self) -> AgentInfo | None:
         import msgspec
 
         from gpumesh.daemon.client import NodeClient, NodeUnavailableError
