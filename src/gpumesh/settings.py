@@ -13,7 +13,8 @@
 ``GPUMESH_API_HOSTS``       names besides loopback that the control API accepts
                             in ``Host`` (comma-separated), e.g. ``gpu-box.lan``
 ``GPUMESH_NODE``            ``off``: commands work in-process instead of through
-                            the home's node process (the test suite's default)
+                            the home's node process (the test suite's default);
+                            sharing, and what acts on a share, still go there
 ``GPUMESH_NODE_IDLE``       seconds a background node process stays without a
                             request (default 600)
 ``GPUMESH_HTTP_DEADLINE``   seconds an HTTP client has to send a whole request
