@@ -92,7 +92,8 @@ def test_app_run_stream_is_numbered_and_a_reader_that_stops_reading_is_told_what
         assert cli(bob, "jobs").returncode == 0
         events = connect(bob).events("/api/v1/apps/run", "POST", body)
         stack.callback(events.close)
-        assert next(events).event == "syncview"
+        first = next(events)
+        assert first.event == "syncview", first.data
         deadline = time.monotonic() + 180
         while True:
             hosted = json.loads(gpumesh(alice, "jobs", "--json").stdout)
