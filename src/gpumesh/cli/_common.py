@@ -78,11 +78,13 @@ class _NodeProcessShare:
         return None if agent is None else msgspec.convert(agent, AgentInfo)
 
     def changed(self) -> None:
-        raise RuntimeError("an owner's action on a shared home goes through its node process")
+        raise RuntimeError(_OWNER_ACTIONS)
 
     def end_session(self, session_id: str) -> bool:
-        self.changed()
-        return False
+        raise RuntimeError(_OWNER_ACTIONS)
+
+
+_OWNER_ACTIONS = "an owner's action on a shared home goes through its node process"
 
 
 def _share_seen_from(home: Home) -> Callable[[], None]:

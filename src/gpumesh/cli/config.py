@@ -111,11 +111,11 @@ def _change(key: str, value: str | None) -> ConfigChangeView:
 
     home = get_node().home
     if holder(home.path) is not None:
-        path = f"/api/v1/config/{quote(key, safe='')}"
+        path, client = f"/api/v1/config/{quote(key, safe='')}", NodeClient(home.path)
         if value is None:
-            answer = NodeClient(home.path).call("DELETE", path)
+            answer = client.call("DELETE", path)
         else:
-            answer = NodeClient(home.path).call("PUT", path, {"value": value})
+            answer = client.call("PUT", path, {"value": value})
         return msgspec.convert(answer, ConfigChangeView)
     config = home.config
     if value is None:

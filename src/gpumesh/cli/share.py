@@ -161,12 +161,12 @@ def share(ctx: click.Context, /, detach: bool, print_unit: bool, **flags: Any) -
     _follow(client, node.home.path, view, started=started, detach=detach)
 
 
-def _stop(client: NodeClient) -> dict[str, Any] | None:
+def _stop(client: NodeClient, timeout: float = 60.0) -> dict[str, Any] | None:
     """Stop this home's share; the share as it ended, or None when none ran."""
     from gpumesh.errors import NotFoundError
 
     try:
-        view: dict[str, Any] = client.call("DELETE", "/api/v1/share", timeout=60)
+        view: dict[str, Any] = client.call("DELETE", "/api/v1/share", timeout=timeout)
     except NotFoundError:
         return None
     return view
@@ -261,14 +261,9 @@ def _print_unit(home: Path, options: ShareOptions) -> None:
 def stop(timeout: float) -> None:
     """Stop sharing this machine (the node process goes on serving commands)."""
     from gpumesh.cli._node import node_home, owner_client
-    from gpumesh.errors import NotFoundError
 
     client = owner_client()
-    try:
-        if client is None:
-            raise NotFoundError("no node process runs")
-        client.call("DELETE", "/api/v1/share", timeout=timeout)
-    except NotFoundError:  # what was asked for is so: not an error
+    if client is None or _stop(client, timeout) is None:  # what was asked for is so
         click.echo(f"No `gpumesh share` is running for {node_home()}: nothing to stop.")
         return
     pid = client.call("GET", "/api/v1/node", timeout=30)["pid"]
