@@ -15,6 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = [
+    "IN_PROCESS_CONNECT",
+    "IN_PROCESS_CP",
+    "IN_PROCESS_RUN",
     "Summary",
     "ensure_bytecode",
     "exit_cleanly_on_sigterm",
@@ -24,6 +27,61 @@ __all__ = [
     "source_note",
     "summarize",
 ]
+
+
+_LOGGING = (
+    "import os\n"
+    "if os.environ.get('GPUMESH_LOG'):\n"
+    "    from gpumesh.cli._common import setup_logging\n"
+    "    setup_logging(None)\n"
+)
+"""Console logging at ``$GPUMESH_LOG``, as a CLI command sets it up (only when it is set:
+the CLI's helpers then cost no time in the figures)."""
+
+IN_PROCESS_CP = (
+    "import sys\n"
+    "import gpumesh\n"
+    "from gpumesh.client.views import to_json\n"
+    + _LOGGING
+    + "with gpumesh.Mesh(in_process=True) as mesh:\n"
+    "    print(to_json(mesh.cp(sys.argv[1], sys.argv[2])))\n"
+)
+"""``python -c IN_PROCESS_CP SOURCE DESTINATION``: the copy ``gpumesh cp --json SOURCE
+DESTINATION`` makes, with ``gpumesh.Mesh(in_process=True).cp`` in the script's own
+process ($GPUMESH_HOME's home, no node process: it dials for itself); it prints the
+same JSON."""
+
+IN_PROCESS_RUN = (
+    "import json\n"
+    "import sys\n"
+    "import gpumesh\n" + _LOGGING + "peer, options, *command = sys.argv[1:]\n"
+    "with gpumesh.Mesh(in_process=True) as mesh:\n"
+    "    job = mesh.run(peer, command, **json.loads(options))\n"
+    "    for line in job.logs(stderr=False):\n"
+    "        print(line, flush=True)\n"
+    "    result = job.wait()\n"
+    "sys.exit(0 if result.state == 'succeeded' else result.exit_code or 1)\n"
+)
+"""``python -c IN_PROCESS_RUN PEER OPTIONS COMMAND...``: the job ``gpumesh run --peer PEER
+... -- COMMAND...`` runs, with ``gpumesh.Mesh(in_process=True).run`` in the script's own
+process ($GPUMESH_HOME's home, no node process: it dials and uploads for itself).
+OPTIONS: ``Mesh.run``'s keyword arguments as a JSON object (``{"image": "IMG"}``). It
+prints the job's stdout as it comes and exits with the job's exit status."""
+
+IN_PROCESS_CONNECT = (
+    "import asyncio\n"
+    "import json\n"
+    "import sys\n"
+    "import gpumesh\n" + _LOGGING + "node = gpumesh.Node()\n"
+    "try:\n"
+    "    done = asyncio.run(node.connect(sys.argv[1], fresh=True))\n"
+    "finally:\n"
+    "    node.close()\n"
+    "print(json.dumps({'path': done.path, 'connect_ms': done.connect_ms}))\n"
+)
+"""``python -c IN_PROCESS_CONNECT PEER``: one new dial to PEER from the script's own
+process ($GPUMESH_HOME's home, no node process), with ``Node.connect``; it prints the
+session's ``path`` and ``connect_ms`` as JSON."""
 
 
 @dataclass(frozen=True)

@@ -108,10 +108,10 @@ def running_agent(
 
     ``wrap`` goes before the command and must exec it (e.g. ``ip netns exec NS``).
     This version shares from the home's node process, which the command starts
-    (inside ``wrap`` too); a ``--baseline`` of an earlier version may share from the
-    command's own process.
+    (inside ``wrap`` too); a ``--baseline`` of an earlier version shares the way
+    that version's ``gpumesh share`` does by default.
     """
-    env = dict(os.environ, GPUMESH_HOME=str(home), GPUMESH_NODE="off")  # for a baseline
+    env = dict(os.environ, GPUMESH_HOME=str(home))
     with log.open("wb") as out:
         proc = subprocess.Popen(
             [*wrap, *gpumesh_command(), "share"],

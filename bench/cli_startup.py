@@ -2,9 +2,11 @@
 
 What is measured: the wall time, as a user's shell sees it, of running
 ``gpumesh --help``, ``gpumesh status`` and ``gpumesh jobs`` (in a freshly
-initialized temporary home) to completion; ``jobs`` as users get it, through
-the home's node process (started by the warm-ups, then kept), and in-process
-(``GPUMESH_NODE=off``) for comparison, median and p90 of ``--runs`` runs each. The floor is
+initialized temporary home) to completion, through the home's node process
+(started by the warm-ups, then kept), as users get them; for comparison, a
+``python -c`` script that lists the same jobs in its own process with
+``gpumesh.Mesh(in_process=True).jobs()`` (no node process; the Python API's
+start-up, not the CLI's), median and p90 of ``--runs`` runs each. The floor is
 ``python -c pass`` with the interpreter the ``gpumesh`` console script runs
 on: no CLI can start faster than its interpreter. ``python -c "import click"``
 is shown too, as the cost of the CLI framework alone.
@@ -43,6 +45,11 @@ HELP_GOAL_RATIO = 1.2
 JOBS_GOAL_RATIO = 1.5
 CLICK = 'python -c "import click"'
 WARMUPS = 2
+IN_PROCESS_JOBS = "Mesh(in_process=True).jobs"
+IN_PROCESS_JOBS_SCRIPT = (
+    "import gpumesh\nwith gpumesh.Mesh(in_process=True) as mesh:\n    mesh.jobs()\n"
+)
+"""What ``gpumesh jobs`` does, in the script's own process ($GPUMESH_HOME's home)."""
 
 
 def gpumesh_script() -> Path:
@@ -93,7 +100,6 @@ def measure(runs: int, home: Path) -> dict[str, list[float]]:
     python = script_interpreter(script)
     env = dict(os.environ, GPUMESH_HOME=str(home))
     env.pop("GPUMESH_LOG", None)
-    env.pop("GPUMESH_NODE", None)
     init = [str(script), "init", "--name", "bench"]
     subprocess.run(init, env=env, check=True, stdout=subprocess.DEVNULL)
     commands = {
@@ -102,16 +108,15 @@ def measure(runs: int, home: Path) -> dict[str, list[float]]:
         "gpumesh --help": [str(script), "--help"],
         "gpumesh status": [str(script), "status"],
         "gpumesh jobs": [str(script), "jobs"],
-        "gpumesh jobs, in-process": [str(script), "jobs"],
+        IN_PROCESS_JOBS: [python, "-c", IN_PROCESS_JOBS_SCRIPT],
     }
-    envs = {"gpumesh jobs, in-process": dict(env, GPUMESH_NODE="off")}
     samples: dict[str, list[float]] = {name: [] for name in commands}
     for _ in range(WARMUPS):
-        for name, command in commands.items():
-            time_once(command, envs.get(name, env))
+        for command in commands.values():
+            time_once(command, env)
     for _ in range(runs):
         for name, command in commands.items():
-            samples[name].append(time_once(command, envs.get(name, env)))
+            samples[name].append(time_once(command, env))
     subprocess.run([str(script), "daemon", "stop"], env=env, check=False, stdout=subprocess.DEVNULL)
     return samples
 

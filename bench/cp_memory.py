@@ -7,23 +7,28 @@ measures that, on this machine, for every process a copy goes through:
 * the provider: a ``gpumesh share`` process (separate, as a user runs it);
 * the consumer, as users get it: the home's background node process, which
   does the copy, and the short ``gpumesh cp`` CLI process that asks it to;
-* the consumer in-process (``GPUMESH_NODE=off``): the CLI process does it all.
+* the consumer in-process, for comparison: a ``python -c`` script that makes
+  the same copy with ``gpumesh.Mesh(in_process=True).cp`` (no node process:
+  the script's process does it all).
 
 Each is measured uploading (``gpumesh cp FILE alice:/NAME``) and downloading
 (``gpumesh cp alice:/NAME FILE``) over the data channel (TLS on TCP, the
-default) and over QUIC (``--no-fast-path``), for each ``--sizes`` (default
+default) and over QUIC (``--no-fast-path``; the in-process script, which has
+no such option, gets ``data_channel = off`` in bob's config for its QUIC
+copies, restored after each), for each ``--sizes`` (default
 256 MiB and 1 GiB; ``--big`` adds 4 GiB). Files and homes live on tmpfs
 (``/dev/shm``), so no disk speed is in the way; each copy is checked (size,
 ``resumed_from == 0``) and removed before the next.
 
 How peaks are read: every copy gets a new ``share`` process and a new node
-process (after one ``gpumesh connect``, so their start is not in the figure),
+process (after one ``gpumesh connect``, or for the in-process script one
+``Node.connect`` in a process of its own, so their start is not in the figure),
 so a copy's peak is its own and not what an earlier, larger copy left in the
 allocator. For these processes the kernel's high-water mark (``VmHWM`` in ``/proc/PID/status``) is
 reset just before each copy (writing ``5`` to ``/proc/PID/clear_refs``, which
 needs the process's owner or root) and read just after; where that reset is
-refused, the sampled peak instead. A CLI process's peak is its ``ru_maxrss``
-from ``wait4``. Every process that moves the bytes is also sampled (RSS every
+refused, the sampled peak instead. A CLI or script process's peak is its
+``ru_maxrss`` from ``wait4``. Every process that moves the bytes is also sampled (RSS every
 20 ms), and for the largest size the peak of the copy's first half is shown
 beside its second half's: memory that grows with the bytes moved shows there
 as a higher second half, whatever the start-up cost. Reading a file does not map it, so
@@ -51,9 +56,17 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from _benchlib import exit_cleanly_on_sigterm, interrupted, print_rows, source_note
+from _benchlib import (
+    IN_PROCESS_CONNECT,
+    IN_PROCESS_CP,
+    exit_cleanly_on_sigterm,
+    interrupted,
+    print_rows,
+    source_note,
+)
 from bulk import gpumesh_command, make_nodes, parse_size, running_agent, write_source
 from gpumesh.daemon.client import NodeClient, connect, stop
+from gpumesh.store.config import Config
 
 MIB = 1024 * 1024
 GIB = 1024 * MIB
@@ -65,7 +78,7 @@ SAMPLE_EVERY = 0.02
 SHARE = "provider (gpumesh share)"
 NODE = "consumer node process"
 CLI_NODE = "consumer CLI (via node)"
-CLI_ALONE = "consumer CLI (in-process)"
+ALONE = "consumer Mesh(in_process=True).cp"
 
 
 def status_kb(pid: int, name: str) -> int:
@@ -180,8 +193,7 @@ class Figures:
 class Setup:
     tmp: Path
     sandbox: Path
-    env_node: dict[str, str]
-    env_alone: dict[str, str]
+    env: dict[str, str]
 
 
 @contextlib.contextmanager
@@ -207,23 +219,31 @@ def copy_once(
     name = "copy.bin"
     flags = ["--json", "--no-fast-path"] if quic else ["--json"]
     down = s.tmp / "down.bin"
-    if direction == "upload":
-        command = [*gpumesh_command(), "cp", *flags, str(source), f"alice:/{name}"]
+    ends = (
+        (str(source), f"alice:/{name}") if direction == "upload" else (f"alice:/{name}", str(down))
+    )
+    if alone:
+        command = [sys.executable, "-c", IN_PROCESS_CP, *ends]
+        warm_up = [sys.executable, "-c", IN_PROCESS_CONNECT, "alice"]
     else:
-        command = [*gpumesh_command(), "cp", *flags, f"alice:/{name}", str(down)]
-    with fresh_processes(s, alone) as (share_pid, node):
+        command = [*gpumesh_command(), "cp", *flags, *ends]
+        warm_up = [*gpumesh_command(), "connect", "alice"]
+    with (
+        fresh_processes(s, alone) as (share_pid, node),
+        data_channel_off(s.tmp / "b", alone and quic),
+    ):
         # One small request first, so the peak is the copy's and not the start's.
-        run_cli([*gpumesh_command(), "connect", "alice"], s.env_alone if alone else s.env_node)
+        run_cli(warm_up, s.env)
         pids = [share_pid] if node is None else [share_pid, node]
         peaks = Peaks(pids)
         cli: list[int] = []
 
         def started(pid: int) -> None:
             cli.append(pid)
-            if node is None:  # the CLI does the copy itself
+            if node is None:  # the script does the copy itself
                 peaks.watch(pid)
 
-        out, cli_kib = run_cli(command, s.env_alone if alone else s.env_node, started)
+        out, cli_kib = run_cli(command, s.env, started)
         held, halves = peaks.finish()
     figures.reset = figures.reset and peaks.reset
     result = json.loads(out)
@@ -237,8 +257,8 @@ def copy_once(
     figures.add(SHARE, direction, path, size, held[share_pid])
     figures.halves[(SHARE, direction, path, size)] = halves.get(share_pid)
     if node is None:
-        figures.add(CLI_ALONE, direction, path, size, cli_kib)
-        figures.halves[(CLI_ALONE, direction, path, size)] = halves.get(cli[0])
+        figures.add(ALONE, direction, path, size, cli_kib)
+        figures.halves[(ALONE, direction, path, size)] = halves.get(cli[0])
     else:
         figures.add(NODE, direction, path, size, held[node])
         figures.halves[(NODE, direction, path, size)] = halves.get(node)
@@ -256,8 +276,25 @@ def homes(parent: Path | None) -> Iterator[Setup]:
         bob.close()
         env = dict(os.environ, GPUMESH_HOME=str(tmp / "b"))
         env.pop("GPUMESH_LOG", None)
-        env.pop("GPUMESH_NODE", None)
-        yield Setup(tmp=tmp, sandbox=sandbox, env_node=env, env_alone=dict(env, GPUMESH_NODE="off"))
+        yield Setup(tmp=tmp, sandbox=sandbox, env=env)
+
+
+@contextlib.contextmanager
+def data_channel_off(home: Path, off: bool) -> Iterator[None]:
+    """With ``off``, ``data_channel = off`` in ``home``'s config until the block ends
+    (what ``cp --no-fast-path`` asks for one copy), then the file as it was."""
+    if not off:
+        yield
+        return
+    path = home / "config.toml"
+    before = path.read_bytes()
+    config = Config.load(path)
+    config.set("data_channel", "off")
+    config.save()
+    try:
+        yield
+    finally:
+        path.write_bytes(before)
 
 
 def free_udp_port() -> int:
@@ -319,7 +356,7 @@ def report(args: argparse.Namespace, figures: Figures) -> None:
         if figures.reset
         else "RSS sampled (the kernel refused a VmHWM reset)"
     )
-    print(f"\nPeak resident memory per copy, MB ({how}; CLI: ru_maxrss)")
+    print(f"\nPeak resident memory per copy, MB ({how}; CLI and script: ru_maxrss)")
     print_rows(
         ["process, direction, path", *[f"{size / MIB:g} MiB" for size in sizes],
          "growth", "per GiB"],
@@ -351,8 +388,9 @@ def report(args: argparse.Namespace, figures: Figures) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        description="Peak memory of `gpumesh cp` (provider, consumer node process, CLI) "
-        "at growing file sizes, both directions, data channel and QUIC.",
+        description="Peak memory of `gpumesh cp` (provider, consumer node process, CLI; "
+        "Mesh(in_process=True).cp for comparison) at growing file sizes, both directions, "
+        "data channel and QUIC.",
     )
     parser.add_argument(
         "--sizes",

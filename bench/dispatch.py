@@ -10,9 +10,11 @@ command to getting the prompt back, for a container that prints ``hi``:
   asks bob's node process (started by the warm-ups, then kept), which holds a
   warm session to alice, submits the job and streams its output back; the
   provider creates, starts, waits for and removes the container through the
-  Docker Engine API. The same command with ``GPUMESH_NODE=off`` (in-process:
-  it imports everything, dials and proves both identities itself) takes turns
-  in the same loop.
+  Docker Engine API. For comparison, the same job from a ``python -c`` script
+  with ``gpumesh.Mesh(in_process=True).run`` (no node process: the script
+  imports the client layer, dials and proves both identities itself, submits
+  and follows the job's output to its end, printing it) takes turns in the
+  same loop.
 * ``docker run --rm IMAGE echo hi``: the floor, on Docker's default bridge.
 * the same on the provider's job network (``--network gpumesh-jobs-internet``,
   with its firewall rules): what Docker itself costs a container there, to
@@ -38,9 +40,10 @@ status"; together with the spawn and
 exit times seen here they split every ``gpumesh run`` into phases. Two more
 commands take turns in the same loop as reference points: ``gpumesh --help``
 (interpreter and CLI start-up, the floor of any ``gpumesh`` command) and
-``gpumesh connect alice`` with ``GPUMESH_NODE=off`` (in-process: start-up
-plus a fresh dial, identity proof, a status request and five pings, then
-exit; it also reports its own dial time). One
+``gpumesh connect alice --fresh`` (start-up, then bob's node process dials
+anew beside the warm session the runs keep: identity proof, a status request
+and five pings on the new session, which it then closes; the command reports
+that dial's time). One
 more ``gpumesh run`` per round runs with ``PYTHONPROFILEIMPORTTIME=1``; only
 its import total is used (the profiler slows it, so its wall time is not).
 
@@ -59,6 +62,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
+import json
 import os
 import re
 import shlex
@@ -72,6 +76,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from _benchlib import (
+    IN_PROCESS_RUN,
     Summary,
     ensure_bytecode,
     exit_cleanly_on_sigterm,
@@ -98,12 +103,12 @@ EXPECTED = b"hi\n"
 
 # Names of the timed commands, in the order of the table.
 RUN = "gpumesh run"
-IN_PROCESS = "gpumesh run, in-process (GPUMESH_NODE=off)"
+IN_PROCESS = "Mesh(in_process=True).run"
 DOCKER = "docker run --rm"
 DOCKER_JOBNET = "docker run --rm on the job network"
 SSH = "ssh + docker run --rm"
 HELP = "gpumesh --help"
-CONNECT = "gpumesh connect"
+CONNECT = "gpumesh connect --fresh"
 PROFILED = "gpumesh run, import-profiled"
 BASELINE = "gpumesh run at --baseline"
 
@@ -324,7 +329,8 @@ class Results:
     seconds: dict[str, list[float]] = field(default_factory=dict)
     phases: list[list[float]] = field(default_factory=list)
     dial_ms: list[float] = field(default_factory=list)
-    """``gpumesh connect``'s own "connect N ms" (dial and proof, in the process)."""
+    """``gpumesh connect --fresh``'s own "connect N ms" (the node process's new dial
+    and proof)."""
     import_seconds: list[float] = field(default_factory=list)
     """What ``python -X importtime`` says ``gpumesh run``'s imports took."""
     ssh_note: str | None = None
@@ -334,8 +340,6 @@ class Results:
 
 def node_rss_kb(home: Path) -> int | None:
     """VmRSS of the node process serving ``home``, from its record; None if none runs."""
-    import json
-
     try:
         pid = int(json.loads((home / "node.json").read_text())["pid"])
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -387,16 +391,14 @@ def measure(args: argparse.Namespace, tmp: Path) -> Results:
                 remote = shlex.join(commands[DOCKER])
                 commands[SSH] = ["ssh", *options, "bench", remote]
         commands[HELP] = provider.gpumesh("--help")
-        commands[CONNECT] = provider.gpumesh("connect", PEER)
-        commands[PROFILED] = commands[RUN]
-        commands[IN_PROCESS] = commands[RUN]
-        env = dict(provider.env)
-        env.pop("GPUMESH_NODE", None)  # `gpumesh run` as users get it: through the node process
-        profiled_env = dict(env, PYTHONPROFILEIMPORTTIME="1")
-        envs = {PROFILED: profiled_env, IN_PROCESS: dict(env, GPUMESH_NODE="off")}
-        # In-process: a dial of its own every time (through the node process it would
+        # --fresh: a dial of its own every time (without it the node process would
         # measure on the warm session the runs keep).
-        envs[CONNECT] = dict(env, GPUMESH_NODE="off")
+        commands[CONNECT] = provider.gpumesh("connect", PEER, "--fresh")
+        commands[PROFILED] = commands[RUN]
+        kwargs = json.dumps({"image": args.image})
+        commands[IN_PROCESS] = [sys.executable, "-c", IN_PROCESS_RUN, PEER, kwargs, "echo", "hi"]
+        env = dict(provider.env)
+        envs = {PROFILED: dict(env, PYTHONPROFILEIMPORTTIME="1")}
         if args.baseline:
             # Another version, provider and consumer both, on the same engine.
             source = baseline_source(args.baseline, tmp / "baseline-src")
@@ -405,7 +407,6 @@ def measure(args: argparse.Namespace, tmp: Path) -> Results:
                 "run", "--peer", PEER, "--image", args.image, "echo", "hi"
             )
             envs[BASELINE] = dict(other.env)
-            envs[BASELINE].pop("GPUMESH_NODE", None)
 
         def once(name: str) -> Outcome:
             outcome = time_command(name, commands[name], envs.get(name, env))
@@ -502,7 +503,7 @@ def report(args: argparse.Namespace, results: Results) -> None:
         total = sum(summarize(column).p50 for column in columns)
         rows.append(["sum of the phase medians", f"{total * 1e3:.0f}", "", ""])
     rows.append(["reference: gpumesh --help (start-up floor)", *_ms(summaries[HELP])])
-    rows.append(["reference: gpumesh connect (whole process)", *_ms(summaries[CONNECT])])
+    rows.append(["reference: gpumesh connect --fresh (whole process)", *_ms(summaries[CONNECT])])
     if results.dial_ms:
         dial = summarize([ms / 1e3 for ms in results.dial_ms])
         rows.append(["  of which dial + proof, as connect reports it", *_ms(dial)])

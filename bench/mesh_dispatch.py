@@ -53,7 +53,6 @@ def main(argv: list[str] | None = None) -> int:
         local_provider(Path(tmp)) as provider,
     ):
         os.environ["GPUMESH_HOME"] = str(provider.bob_home)
-        os.environ.pop("GPUMESH_NODE", None)
         through = gpumesh.Mesh(provider.bob_home)
         local = gpumesh.Mesh(provider.bob_home, in_process=True)
         try:

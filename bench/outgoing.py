@@ -6,9 +6,10 @@ of the peer), then the session is closed, as a re-dial after a dropped warm
 session does. Two ways, interleaved (alternating which goes first), ``--repeat``
 times each:
 
-* fresh: what every in-process command does (``GPUMESH_NODE=off``): a new UDP
-  socket, a new registration with the relay (Hello, Challenge, Register,
-  Registered), the relay's connect, hole punching, QUIC and the proof;
+* fresh: what every dial from outside the node process does (a script's
+  ``gpumesh.Mesh(in_process=True)``): a new UDP socket, a new registration
+  with the relay (Hello, Challenge, Register, Registered), the relay's
+  connect, hole punching, QUIC and the proof;
 * kept: the node process's one socket (``transport/outgoing.py``), registered
   once before the timing starts: the relay's connect, punching, QUIC and the proof.
 

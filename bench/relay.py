@@ -11,19 +11,23 @@ What is measured, ``--repeat`` times, alternating the two set-ups:
   dials, reaches B through the relay, punches a direct path, and pushes SIZE
   bytes (default 256 MiB) over one QUIC stream. Also reported: how long
   punching took from the moment the relay connected the two nodes to a
-  working direct path (``punch_ms``), and the whole ``connect`` set-up.
+  working direct path (``punch_ms``), and the whole ``connect`` set-up (a
+  ``gpumesh connect PEER --fresh`` before the push: a new dial, timed whole).
 * relayed: the same routers with ``--random-fully`` (symmetric NAT), so
   punching fails and every byte goes through the relay.
 
 Figures are MB/s (10^6 bytes per second) of the whole throughput call,
 medians of the runs, and the ratio relayed/direct. Every ``gpumesh`` command
-runs in-process (``GPUMESH_NODE=off``: no node process, each ``connect`` a
-fresh dial). The lab and every process in it are removed on exit.
+goes through its home's node process, which the first command starts in that
+host's namespace; both homes are new each run, so each run's node processes
+dial afresh, and they are stopped before the lab is torn down. The lab and
+every process in it are removed on exit.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -51,8 +55,6 @@ def _natlab(*args: str) -> None:
 def _in(ns: str, home: Path | None, *args: str, timeout: float = 300) -> str:
     env = dict(os.environ)
     env.pop("GPUMESH_LOG", None)
-    # In-process: each connect dials afresh, and no node process outlives the lab.
-    env["GPUMESH_NODE"] = "off"
     if home is not None:
         env["GPUMESH_HOME"] = str(home)
     result = subprocess.run(
@@ -76,8 +78,8 @@ def _measure(work: Path, mode: list[str], size: str) -> dict[str, object]:
     """Build the lab in ``mode``, run one throughput test, tear it down."""
     _natlab("up", *mode)
     processes: list[subprocess.Popen[bytes]] = []
+    a, b = work / "a", work / "b"
     try:
-        a, b = work / "a", work / "b"
         shutil.rmtree(a, ignore_errors=True)
         shutil.rmtree(b, ignore_errors=True)
         for home, ns, name in ((a, "A", "consumer"), (b, "B", "provider")):
@@ -94,8 +96,8 @@ def _measure(work: Path, mode: list[str], size: str) -> dict[str, object]:
                 ["ip", "netns", "exec", f"{PREFIX}P", *relay], stdout=subprocess.DEVNULL
             )
         )
-        # In-process: the share is the process signalled below (no node process is left).
-        env = dict(os.environ, GPUMESH_HOME=str(b), GPUMESH_NODE="off")
+        # B's node process shares; a SIGINT to this command (below) ends the share.
+        env = dict(os.environ, GPUMESH_HOME=str(b))
         processes.append(
             subprocess.Popen(
                 ["ip", "netns", "exec", f"{PREFIX}B", str(BIN / "gpumesh"), "share"],
@@ -111,7 +113,7 @@ def _measure(work: Path, mode: list[str], size: str) -> dict[str, object]:
             if time.monotonic() > deadline:
                 raise RuntimeError("the provider did not register with the relay")
             time.sleep(0.2)
-        connect = json.loads(_gpumesh("A", a, "connect", "provider", "--json"))
+        connect = json.loads(_gpumesh("A", a, "connect", "provider", "--fresh", "--json"))
         speed = json.loads(_gpumesh("A", a, "connect", "provider", "--json", "--speed", size))
         return {
             "path": speed["path"],
@@ -127,6 +129,10 @@ def _measure(work: Path, mode: list[str], size: str) -> dict[str, object]:
                     process.wait(timeout=10)
                 except subprocess.TimeoutExpired:
                     process.kill()
+        # No node process outlives the lab (nor keeps its namespace alive).
+        for ns, home in (("A", a), ("B", b)):
+            with contextlib.suppress(RuntimeError, subprocess.TimeoutExpired):
+                _in(ns, home, str(BIN / "gpumesh"), "daemon", "stop", timeout=60)
         _natlab("down")
 
 

@@ -27,9 +27,9 @@ and loss, and each path is timed as a whole process, ``--repeat`` runs each
   second consumer (carol) whose ``data_channel`` is ``off``, the way every
   hole-punched or relayed session carries them (the data channel needs a
   direct TCP path);
-* ``gpumesh connect --json`` in-process (``GPUMESH_NODE=off``: a fresh dial
-  each time): the whole process, and the time it reports itself
-  (``connect_ms``: dial and identity proof).
+* ``gpumesh connect --fresh --json`` (bob's node process dials anew each time,
+  beside the session it keeps): the whole process, and the time it reports
+  itself (``connect_ms``: that dial and the identity proof).
 
 A run that takes longer than ``--limit`` seconds is killed and shown as
 timed out (below size/limit MB/s); that path's other runs in that row are
@@ -55,10 +55,12 @@ whole run (``gpumesh daemon status --json`` checks after each copy that the
 session is still on its path). The same warm consumers also run folder ``cp``,
 ``run --workdir`` and ``app sync`` of the tree over their paths (rows ``folder
 cp, hole-punched`` ... ``app sync, relayed``, next to ``scp -r`` and ``rsync
--a``; the path checked after each run alike). The cold row (``..., cold``) is dave's: his
-commands run in-process (``GPUMESH_NODE=off``), so each copy dials afresh
-under the broad rule (CLI start, relay registration and punching included in
-its time; ``gpumesh connect --json`` checks the path once per row). With
+-a``; the path checked after each run alike). The cold row (``..., cold``) is dave's: each
+copy is a new ``python -c`` script that copies with
+``gpumesh.Mesh(in_process=True).cp`` (no node process; the CLI has no
+in-process mode), so each copy dials afresh under the broad rule (the
+script's start, relay registration and punching included in its time; a
+script's one ``Node.connect`` checks the path once per row). With
 ``--trace`` each cold copy prints its dial (which attempts started, failed and
 won, and when) and its link's window and losses when it ended, and each warm
 row what the consumer's node process logged of its links meanwhile (it then
@@ -89,6 +91,8 @@ from pathlib import Path
 from typing import Any
 
 from _benchlib import (
+    IN_PROCESS_CONNECT,
+    IN_PROCESS_CP,
     ensure_bytecode,
     exit_cleanly_on_sigterm,
     interrupted,
@@ -117,7 +121,10 @@ DEFAULT_ROWS = "20/0,50/0.5,100/1"
 CP, QUIC, FOLDER, WORKDIR, APP = "cp", "cp --no-fast-path", "folder cp", "run --workdir", "app sync"
 FOLDER_Q, WORKDIR_Q, APP_Q = "folder cp, QUIC", "run --workdir, QUIC", "app sync, QUIC"
 PUNCHED, RELAYED = "cp, hole-punched", "cp, relayed"
-PUNCHED_COLD, RELAYED_COLD = "cp, hole-punched, cold", "cp, relayed, cold"
+PUNCHED_COLD, RELAYED_COLD = (
+    "Mesh(in_process=True).cp, hole-punched, cold",
+    "Mesh(in_process=True).cp, relayed, cold",
+)
 FOLDER_P, WORKDIR_P, APP_P = (
     "folder cp, hole-punched",
     "run --workdir, hole-punched",
@@ -138,7 +145,8 @@ WARM_OF = {
 }
 """Each warm row and the relay path (and so the warm consumer) it takes."""
 COLD_OF = {PUNCHED_COLD: PUNCHED, RELAYED_COLD: RELAYED}
-"""Each cold row and the path it takes: every copy a new in-process command."""
+"""Each cold row and the path it takes: every copy a new script process that copies
+with ``Mesh(in_process=True)`` (a dial of its own)."""
 SCP, SCP_R, RSYNC = "scp -c aes128-gcm", "scp -r", "rsync -a"
 QUIC_PLAIN = "QUIC, FEC off"
 BASELINE = {
@@ -188,7 +196,8 @@ ONLY = {
     "scp-r": (SCP_R,),
     "rsync": (RSYNC,),
 }
-"""``--only`` keys and the paths they name (``punched``, ``relayed``: cp warm and cold)."""
+"""``--only`` keys and the paths they name (``punched``, ``relayed``: the file's copy warm
+and cold)."""
 RELAY_ADDRESS = "10.77.0.1:4799"
 """gpumesh-relay runs on host A, beside the provider: a relayed session crosses the
 link once, as it would to a relay near the provider."""
@@ -387,7 +396,7 @@ class Setup:
     """carol's CLI environment: the same as bob's, with the data channel off."""
     relay_sandbox: Path
     relay_env: dict[str, str]
-    """dave's: carol's settings, and the relay; in-process (the cold rows)."""
+    """dave's: carol's settings, and the relay; for the cold rows' in-process scripts."""
     warm: dict[str, WarmConsumer]
     """The consumer of each warm relay path (erin: relayed, frank: hole-punched)."""
     ssh: list[str] | None
@@ -541,18 +550,20 @@ def want_path(path: str) -> str:
     return "hole-punched" if path == PUNCHED else "relayed"
 
 
-def copy_checked(setup: Setup, env: dict[str, str], sandbox: Path, what: str) -> float:
-    """Seconds of one whole ``cp`` of the file (QUIC) with ``env``; checked and removed."""
+def copy_checked(
+    setup: Setup, env: dict[str, str], sandbox: Path, what: str, *, in_process: bool = False
+) -> float:
+    """Seconds of one whole ``cp`` of the file (QUIC) with ``env``; checked and removed.
+    ``in_process``: a script's ``Mesh(in_process=True).cp`` instead of ``gpumesh cp``."""
     name = setup.fresh("relay") + ".bin"
     log: list[str] | None = [] if setup.args.trace else None
     if log is not None:  # a warm consumer's own level (its node process's) is kept
         env = dict(env, GPUMESH_LOG=env.get("GPUMESH_LOG", TRACE_LOG))
-    seconds, _ = timed(
-        gm("cp", "--json", str(setup.source), f"alice:/wan/{name}"),
-        setup.args.limit,
-        env,
-        stderr=log,
+    ends = (str(setup.source), f"alice:/wan/{name}")
+    command = (
+        [sys.executable, "-c", IN_PROCESS_CP, *ends] if in_process else gm("cp", "--json", *ends)
     )
+    seconds, _ = timed(command, setup.args.limit, env, stderr=log)
     for line in log or ():
         if any(mark in line for mark in TRACE_MARKS):
             print(f"    {what} ({seconds:.2f} s): {line.strip()}", flush=True)
@@ -573,20 +584,22 @@ TRACE_MARKS = ("session with", "ended:", "parity on", "at once", "direct path")
 
 
 def run_cold(setup: Setup, row: Row, *, cold: str) -> float:
-    """``cp`` of the file by dave (QUIC, in-process: a fresh dial each time) with the
-    firewall making his path (sparing the warm hole-punched consumer's port)."""
+    """The file copied by dave (QUIC) from a new script process with
+    ``Mesh(in_process=True).cp`` (a fresh dial each time), with the firewall making
+    his path (sparing the warm hole-punched consumer's port)."""
     path = COLD_OF[cold]
     punched = setup.warm.get(PUNCHED)
     spare = None if punched is None else punched.port
     with blocked(block_rule(path, spare=spare)):
         if cold not in row.paths_checked:
-            _, out = timed(gm("connect", "--json", "alice"), setup.args.limit, setup.relay_env)
+            dial = [sys.executable, "-c", IN_PROCESS_CONNECT, "alice"]
+            _, out = timed(dial, setup.args.limit, setup.relay_env)
             got = str(json.loads(out)["path"])
             if want_path(path) not in got:
                 raise RuntimeError(f"{cold}: dave's session took the path {got!r}")
             row.paths_checked[cold] = got
-            print(f"  {cold}: connect says the path is {got!r}", flush=True)
-        seconds = copy_checked(setup, setup.relay_env, setup.relay_sandbox, cold)
+            print(f"  {cold}: Node.connect says the path is {got!r}", flush=True)
+        seconds = copy_checked(setup, setup.relay_env, setup.relay_sandbox, cold, in_process=True)
     return setup.size / seconds / 1e6
 
 
@@ -678,9 +691,8 @@ def run_warm(setup: Setup, row: Row, *, name: str) -> float:
 
 
 def run_connect(setup: Setup, row: Row) -> None:
-    # In-process: a fresh dial each time, not the node process's warm session.
-    env = dict(setup.env, GPUMESH_NODE="off")
-    seconds, out = timed(gm("connect", "--json", "alice"), setup.args.limit, env)
+    # --fresh: a new dial each time, not the node process's warm session.
+    seconds, out = timed(gm("connect", "--fresh", "--json", "alice"), setup.args.limit, setup.env)
     row.connect_wall.append(seconds * 1000)
     row.connect_own.append(float(json.loads(out)["connect_ms"]))
 
@@ -916,10 +928,10 @@ def run(args: argparse.Namespace, rows: list[Row]) -> None:
         for name in ("GPUMESH_LOG", "GPUMESH_PEER", "GPUMESH_IMAGE"):
             env.pop(name, None)
         quic_env = dict(env, GPUMESH_HOME=str(tmp / "c"))
-        # In-process (no node process): each run dials afresh under its own rule. A warm
+        # No node process (in-process scripts): each run dials afresh under its own rule. A warm
         # session in dave's node process would outlive the rule it was made under (a
         # punched path black-holed by the relayed rule: measured 0.5-0.9 MB/s).
-        relay_env = {} if relay_note else dict(env, GPUMESH_HOME=str(tmp / "d"), GPUMESH_NODE="off")
+        relay_env = {} if relay_note else dict(env, GPUMESH_HOME=str(tmp / "d"))
         setup = Setup(
             tmp=tmp,
             source=source,
@@ -1089,7 +1101,10 @@ def report(args: argparse.Namespace, rows: list[Row], setup: Setup) -> None:
     if WORKDIR in names:
         print("  run --workdir includes starting and running one container (`true`)")
     print("  app sync: a first sync of the tree as a new app; rsync -a to a new folder")
-    print("  connect: the whole `gpumesh connect` process, and (in brackets) what it reports")
+    print(
+        "  connect: the whole `gpumesh connect --fresh` process (a new dial by the node "
+        "process), and (in brackets) what it reports"
+    )
     print(
         "  warm rows (successive copies through the consumer's node process, its session "
         "and relay registration kept): cp, cp --no-fast-path, QUIC FEC off, folder cp, "
@@ -1097,8 +1112,9 @@ def report(args: argparse.Namespace, rows: list[Row], setup: Setup) -> None:
         "relayed path each: cp, folder cp, run --workdir, app sync"
     )
     print(
-        "  cold rows (each copy a new in-process command, GPUMESH_NODE=off: dial, relay "
-        "registration and punching in its time): cp hole-punched cold, cp relayed cold"
+        "  cold rows (each copy a new python -c script with Mesh(in_process=True).cp, no "
+        "node process: its start, dial, relay registration and punching in its time): "
+        f"{PUNCHED_COLD}, {RELAYED_COLD}"
     )
 
 

@@ -15,10 +15,11 @@ on a folder that first has to reach the provider:
   this machine; the two times are added.
 * For reference, ``gpumesh run --workdir`` with ``data_channel off`` in the
   consumer's config (the folder as DATA on the QUIC stream, as before the
-  workdir took the channel), ``gpumesh run --workdir`` in-process
-  (``GPUMESH_NODE=off``: the CLI dials and uploads itself instead of asking
-  the home's node process, as the other commands here do), and
-  ``gpumesh run -- true`` without a workdir (what dispatching a job costs
+  workdir took the channel), the same job from a ``python -c`` script with
+  ``gpumesh.Mesh(in_process=True).run(..., workdir=DIR)`` (the script's
+  process dials and uploads itself instead of asking the home's node process,
+  as the other commands here do; it prints the job's output as it comes),
+  and ``gpumesh run -- true`` without a workdir (what dispatching a job costs
   beyond the upload).
 
 CHECK adds up the sizes of the folder's files inside the container, and
@@ -41,6 +42,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
+import json
 import shutil
 import statistics
 import subprocess
@@ -48,7 +50,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _benchlib import exit_cleanly_on_sigterm, interrupted, print_rows, source_note
+from _benchlib import (
+    IN_PROCESS_RUN,
+    exit_cleanly_on_sigterm,
+    interrupted,
+    print_rows,
+    source_note,
+)
 from bulk import parse_size, write_source
 from dispatch import (
     DEFAULT_IMAGE,
@@ -68,7 +76,7 @@ RUN = "gpumesh run --workdir"
 CP = "gpumesh cp -r"
 DOCKER = "docker run -v"
 QUIC = "gpumesh run --workdir, data_channel off"
-ALONE = "gpumesh run --workdir, in-process"
+ALONE = "Mesh(in_process=True).run, workdir"
 BASELINE = "gpumesh run --workdir at --baseline"
 BARE = "gpumesh run, no workdir"
 CHECK = "find . -type f | xargs stat -c %s | awk '{n += $1} END {print n}'"
@@ -161,9 +169,10 @@ def measure(
             "sh", "-c", CHECK,
         ]  # fmt: skip
 
-        commands = {RUN: run, QUIC: run, ALONE: run, CP: cp, DOCKER: docker, BARE: bare}
+        options = json.dumps({"image": args.image, "workdir": str(folder)})
+        alone = [sys.executable, "-c", IN_PROCESS_RUN, "alice", options, "sh", "-c", CHECK]
+        commands = {RUN: run, QUIC: run, ALONE: alone, CP: cp, DOCKER: docker, BARE: bare}
         envs = {name: provider.env for name in commands}
-        envs[ALONE] = dict(provider.env, GPUMESH_NODE="off")
         if other is not None:
             commands[BASELINE] = other.gpumesh(*run[len(provider.command) :])
             envs[BASELINE] = other.env
@@ -243,7 +252,10 @@ def report(args: argparse.Namespace, times: dict[str, list[float]]) -> None:
         )
     if times[ALONE]:
         alone = median(ALONE) / statistics.median(baseline)
-        print(f"  ratio run --workdir in-process / (cp + docker run) (medians): {alone:.2f}x")
+        print(
+            f"  ratio Mesh(in_process=True).run, workdir / (cp + docker run) (medians): "
+            f"{alone:.2f}x"
+        )
     if times[BASELINE]:
         before = median(BASELINE) / statistics.median(baseline)
         print(
@@ -273,7 +285,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--no-in-process",
         action="store_true",
-        help="leave out `run --workdir` in-process (GPUMESH_NODE=off)",
+        help="leave out the job run in-process (a script's Mesh(in_process=True).run)",
     )
     parser.add_argument("--quick", action="store_true", help="smoke run: 32M, 1 run of each")
     args = parser.parse_args(argv)

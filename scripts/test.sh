@@ -2,6 +2,13 @@
 # The project's test command: lint, format check, type check, then pytest.
 #
 #   scripts/test.sh [PYTEST ARGS...]     e.g. scripts/test.sh -k identity -x
+#   scripts/test.sh --fast [PYTEST ARGS...]
+#                                        the fast tier, to run while working: the
+#                                        same checks, tests/unit and tests/fuzz,
+#                                        and the tests not marked browser, desktop,
+#                                        postgres, wan or subprocess, plus a smoke
+#                                        slice (tests/tiers.py); no browser,
+#                                        desktop or PostgreSQL setup. CI runs all.
 #
 # Env:
 #   GPUMESH_SKIP_INSTALL=1   do not (re)install the package into .venv
@@ -16,6 +23,16 @@
 #   PYTHON                   interpreter used to create .venv (default python3)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+started=$SECONDS
+
+fast=0
+if [ "${1:-}" = --fast ]; then
+  fast=1
+  shift
+  # What the fast tier leaves out needs no setup; an installed .venv is kept.
+  export GPUMESH_TEST_NO_DESKTOP=1 GPUMESH_TEST_NO_BROWSER=1 GPUMESH_TEST_NO_POSTGRES=1
+  [ -x .venv/bin/gpumesh ] && export GPUMESH_SKIP_INSTALL=${GPUMESH_SKIP_INSTALL:-1}
+fi
 
 stage() { printf '\n==> %s\n' "$*"; }
 is_ci() { case "${CI:-}" in "" | 0 | false | no) return 1 ;; *) return 0 ;; esac; }
@@ -124,11 +141,15 @@ mypy
 
 stage "pytest"
 rc=0
-pytest "$@" || rc=$?
+if [ "$fast" = 1 ]; then
+  pytest --fast "$@" || rc=$?
+else
+  pytest "$@" || rc=$?
+fi
 if [ "$rc" = 5 ]; then
   # pytest's "no tests collected": a typo in -k or a broken layout, not a pass.
   echo "error: pytest collected no tests" >&2
 fi
 [ "$rc" = 0 ] || exit "$rc"
 
-stage "All checks passed"
+stage "All checks passed in $((SECONDS - started)) s"

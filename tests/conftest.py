@@ -9,6 +9,7 @@ import pwd
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +19,9 @@ from hypothesis import HealthCheck, settings
 
 from gpumesh.settings import ENV_TEST_JOB_NETWORK
 from tests.jobnet_lab import SESSION_PREFIX, remove_job_networks
+
+# The markers that come from fixtures, the fast tier and its guard: tests/tiers.py.
+pytest_plugins = ["tests.tiers"]
 
 # No verdict may depend on speed: CI runs on a loaded 2-core machine, where a
 # property test's example can take far longer than hypothesis's 200 ms default
@@ -41,9 +45,9 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-# The suite's CLI tests run their commands in-process, as before the node process;
-# tests of the node process (tests/integration/test_node_*.py) switch it back on.
-os.environ.setdefault("GPUMESH_NODE", "off")
+# Commands go through the node process, as users' do; a GPUMESH_NODE left in the
+# environment would only make each command say that it is gone.
+os.environ.pop("GPUMESH_NODE", None)
 
 
 def _in_ci() -> bool:
@@ -53,6 +57,11 @@ def _in_ci() -> bool:
 @pytest.fixture
 def docker_daemon() -> None:
     """Require a running Docker daemon: skipped on a laptop without one, never in CI."""
+    require_docker()
+
+
+def require_docker() -> None:
+    """:func:`docker_daemon` for fixtures of a wider scope."""
     if _in_ci():
         return
     if os.environ.get("GPUMESH_TEST_NO_DOCKER") == "1":
@@ -66,6 +75,50 @@ def docker_daemon() -> None:
         client.close()
     except DockerException:
         pytest.skip("no Docker daemon reachable")
+
+
+@pytest.fixture
+def network_lab() -> None:
+    """Require what the labs of network namespaces need (root, iproute2, iptables,
+    TUN devices): skipped on a laptop without them, never in CI."""
+    missing = _network_lab_missing()
+    if missing:
+        if _in_ci():
+            pytest.fail(f"CI runs the network lab tests: {missing}")
+        pytest.skip(f"network lab unavailable: {missing}")
+
+
+def _network_lab_missing() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root (network namespaces, iptables, TUN devices)"
+    for tool in ("ip", "iptables", "iptables-restore"):
+        if shutil.which(tool) is None:
+            return f"{tool} is not installed"
+    if not Path("/dev/net/tun").exists():
+        return "/dev/net/tun is missing"
+    return None
+
+
+DESKTOP_PROGRAMS = (
+    "Xvfb",
+    "x11vnc",
+    "xdotool",
+    "xev",
+    "xmessage",
+    "xfreerdp",
+    "freerdp-shadow-cli",
+)
+
+
+@pytest.fixture
+def desktop_programs() -> None:
+    """Require the desktop tunnel's real servers and clients (scripts/ensure-desktop.sh):
+    skipped on a machine without them, never in CI."""
+    missing = [program for program in DESKTOP_PROGRAMS if shutil.which(program) is None]
+    if os.environ.get("GPUMESH_TEST_NO_DESKTOP") == "1" or missing:
+        if _in_ci():
+            pytest.fail(f"desktop programs missing in CI: {missing} (scripts/ensure-desktop.sh)")
+        pytest.skip(f"needs {', '.join(missing) or 'the desktop programs'} (ensure-desktop.sh)")
 
 
 @pytest.fixture
@@ -108,6 +161,19 @@ def _own_job_networks() -> Iterator[None]:
             remove_job_networks(SESSION_PREFIX)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _no_node_process_started_here_left() -> Iterator[None]:
+    """Node processes that commands run in this process started, in homes the tests
+    below did not clean (a folder deeper than :func:`end_node_processes` looks), end
+    with the run."""
+    yield
+    client = sys.modules.get("gpumesh.daemon.client")
+    for child in [] if client is None else client._STARTED:
+        if child.poll() is None:
+            child.kill()
+            child.wait(timeout=10)
+
+
 @pytest.fixture(autouse=True)
 def _no_node_process_left(request: pytest.FixtureRequest) -> Iterator[None]:
     """Whatever node process a test's homes got (a command started one in the
@@ -117,11 +183,14 @@ def _no_node_process_left(request: pytest.FixtureRequest) -> Iterator[None]:
         return
     tmp_path: Path = request.getfixturevalue("tmp_path")
     yield
-    import signal
+    end_node_processes(tmp_path)
 
+
+def end_node_processes(folder: Path) -> None:
+    """Kill the node process of every home in ``folder`` (or one level below)."""
     from gpumesh.daemon.record import holder
 
-    for lock in [*tmp_path.glob("*/node.lock"), *tmp_path.glob("*/*/node.lock")]:
+    for lock in [*folder.glob("*/node.lock"), *folder.glob("*/*/node.lock")]:
         record = holder(lock.parent)
         # One still starting holds the lock before its record says who it is.
         deadline = time.monotonic() + 10
@@ -131,6 +200,20 @@ def _no_node_process_left(request: pytest.FixtureRequest) -> Iterator[None]:
         if record is not None and record.pid:
             with contextlib.suppress(OSError):
                 os.kill(record.pid, signal.SIGKILL)
+            _reap(record.pid)
+
+
+def _reap(pid: int) -> None:
+    """Wait for ``pid`` where a command run in this process started it (its handle
+    is kept, so that it leaves no zombie and no warning)."""
+    client = sys.modules.get("gpumesh.daemon.client")
+    if client is None:
+        return
+    for child in list(client._STARTED):
+        if child.pid == pid:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.wait(timeout=10)
+    client._reap()
 
 
 OTHER_USER = "gpumesh-other"

@@ -18,7 +18,6 @@ def thin_env(home: Path) -> dict[str, str]:
     """The environment of a command run as users run it in ``home``: through the
     node process, without the tests' debug log (and without a default peer)."""
     env = dict(os.environ, GPUMESH_HOME=str(home))
-    env.pop("GPUMESH_NODE", None)
     env.pop("GPUMESH_LOG", None)
     env.pop("GPUMESH_PEER", None)
     return env

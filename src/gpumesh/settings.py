@@ -12,9 +12,9 @@
 ``GPUMESH_API_ADDR``        control API bind address (default 127.0.0.1:8080)
 ``GPUMESH_API_HOSTS``       names besides loopback that the control API accepts
                             in ``Host`` (comma-separated), e.g. ``gpu-box.lan``
-``GPUMESH_NODE``            ``off``: commands work in-process instead of through
-                            the home's node process (the test suite's default);
-                            sharing, and what acts on a share, still go there
+``GPUMESH_NODE``            gone: ``off`` once kept commands in-process; now it
+                            only makes a command say so (every command goes
+                            through the home's node process)
 ``GPUMESH_NODE_IDLE``       seconds a background node process stays without a
                             request (default 600)
 ``GPUMESH_HTTP_DEADLINE``   seconds an HTTP client has to send a whole request

@@ -26,7 +26,7 @@ from tests.integration.conftest import gpumesh, shared_pair, until
 from tests.integration.test_cli import _free_udp_port, _init
 from tests.integration.test_control_api import Api, start_control
 
-pytestmark = pytest.mark.usefixtures("docker_daemon")
+pytestmark = pytest.mark.usefixtures("docker_daemon", "gpumesh_processes")
 
 AXE = Path(__file__).parent / "vendor" / "axe.min.js"
 SIMULATED = {

@@ -19,6 +19,8 @@ from tests.integration.conftest import gpumesh
 from tests.integration.test_cli import _free_udp_port, _init
 from tests.integration.test_control_api import Api, start_control
 
+pytestmark = pytest.mark.usefixtures("gpumesh_processes")
+
 CEILING = 60.0
 START = 'button[aria-label="Start sharing this machine with the default options"]'
 STOP = 'button[aria-label="Stop sharing this machine"]'

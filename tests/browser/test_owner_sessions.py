@@ -25,7 +25,7 @@ from tests.browser.test_dashboard import AXE, signed_in, tab_to, wait_js
 from tests.integration.conftest import until
 from tests.integration.test_owner_sessions import Owner, sharing_sessions
 
-pytestmark = pytest.mark.usefixtures("docker_daemon")
+pytestmark = pytest.mark.usefixtures("docker_daemon", "gpumesh_processes")
 
 CEILING = 60.0
 MiB = 1024 * 1024

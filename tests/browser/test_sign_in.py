@@ -31,6 +31,8 @@ from tests.integration.conftest import gpumesh
 from tests.integration.node import cli
 from tests.integration.test_control_api import Api, start_control
 
+pytestmark = pytest.mark.usefixtures("gpumesh_processes")
+
 CATCHER = r"""
 import http.server, json, sys
 

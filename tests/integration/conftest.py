@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import os
 import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from pathlib import Path
@@ -21,6 +20,7 @@ import pytest
 
 from gpumesh.agent.server import Agent
 from gpumesh.client.node import Node
+from tests.cli import run_cli
 
 T = TypeVar("T")
 
@@ -206,17 +206,10 @@ def remove_containers(node_id: str) -> None:
 
 
 def gpumesh(home: Path, *args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
-    """Run the real CLI in a subprocess for ``home``."""
+    """The real CLI for ``home``, run in this process (:func:`tests.cli.run_cli`)."""
     env = dict(os.environ, GPUMESH_HOME=str(home))
     env.pop("GPUMESH_LOG", None)
-    return subprocess.run(
-        [sys.executable, "-m", "gpumesh", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
+    return run_cli(list(args), env, timeout=timeout)
 
 
 @contextlib.contextmanager
@@ -256,7 +249,7 @@ def shared_pair(tmp_path: Path, **alice_config: str) -> Iterator[tuple[Path, Pat
 
 
 @pytest.fixture
-def pair(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+def pair(tmp_path: Path, gpumesh_processes: None) -> Iterator[tuple[Path, Path]]:
     """:func:`shared_pair` with alice's defaults."""
     with shared_pair(tmp_path) as homes:
         yield homes

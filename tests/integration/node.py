@@ -13,30 +13,25 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from tests.cli import run_cli
+
 CEILING = 60.0
 """Seconds a node process gets to start or go (generous: CI is a loaded 2-core box)."""
 
 
 def node_env(home: Path, **extra: str) -> dict[str, str]:
     env = dict(os.environ, GPUMESH_HOME=str(home))
-    env.pop("GPUMESH_NODE", None)  # the default: through the node process
     env.pop("GPUMESH_LOG", None)
-    env.update(extra)  # a caller's GPUMESH_NODE=off keeps that command in-process
+    env.update(extra)
     return env
 
 
 def cli(
     home: Path, *args: str, timeout: float = 60, **extra: str
 ) -> subprocess.CompletedProcess[str]:
-    """``gpumesh ARGS`` for ``home`` through its node process."""
-    return subprocess.run(
-        [sys.executable, "-m", "gpumesh", *args],
-        env=node_env(home, **extra),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
+    """``gpumesh ARGS`` for ``home`` through its node process, run in this process
+    (:func:`tests.cli.run_cli`)."""
+    return run_cli(list(args), node_env(home, **extra), timeout=timeout)
 
 
 @contextlib.contextmanager

@@ -51,6 +51,10 @@ class RunningRegistry:
     db: str
 
 
+DATABASES = ["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)]
+"""The databases a registry test runs on; the PostgreSQL case is marked ``postgres``."""
+
+
 def postgres_url() -> str:
     """The test PostgreSQL's URL; skips the test where there is none (never in CI)."""
     url = os.environ.get("GPUMESH_TEST_POSTGRES_URL", "")

@@ -18,7 +18,7 @@ from tests.integration.conftest import arun, gpumesh, pair_both, sharing
 from tests.integration.test_cli import _one_line_error
 from tests.probe import probe
 
-pytestmark = pytest.mark.usefixtures("docker_daemon")
+pytestmark = pytest.mark.usefixtures("docker_daemon", "gpumesh_processes")
 
 IMAGE = os.environ.get("GPUMESH_TEST_DOCKER_IMAGE", "gpumesh-test/busybox:1")
 
@@ -282,7 +282,6 @@ def test_app_sync_json_through_the_node_process_loads_no_msgspec(pair, tmp_path:
     _alice, bob = pair
     project = _project(tmp_path)
     env = dict(os.environ, GPUMESH_HOME=str(bob))
-    env.pop("GPUMESH_NODE", None)
     env.pop("GPUMESH_LOG", None)
     check = (
         "import sys\n"

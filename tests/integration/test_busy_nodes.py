@@ -15,6 +15,8 @@ import pytest
 from tests.integration.conftest import gpumesh, remove_containers
 from tests.integration.test_cli import _free_udp_port, _init, _start_share
 
+pytestmark = pytest.mark.usefixtures("gpumesh_processes")
+
 
 def _ok(home: Path, *args: str, timeout: float = 30) -> str:
     result = gpumesh(home, *args, timeout=timeout)

@@ -30,6 +30,8 @@ from gpumesh.identity.keys import Identity
 from tests.integration.conftest import gpumesh, remove_containers
 from tests.integration.node import shares, wait_shares
 
+pytestmark = pytest.mark.usefixtures("gpumesh_processes")
+
 
 def _free_udp_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:

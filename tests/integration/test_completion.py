@@ -23,6 +23,8 @@ from gpumesh.store.db import JobRecord, Store
 from tests.integration.conftest import gpumesh
 from tests.integration.test_cli import _init
 
+pytestmark = pytest.mark.usefixtures("gpumesh_processes")
+
 SUBMITTED_ID = "a1b2c3d4e5f6"
 HOSTED_ID = "0f9e8d7c6b5a"
 

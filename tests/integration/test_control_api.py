@@ -27,7 +27,7 @@ import pytest
 
 from tests.integration.conftest import gpumesh, shared_pair
 
-pytestmark = pytest.mark.usefixtures("docker_daemon")
+pytestmark = pytest.mark.usefixtures("docker_daemon", "gpumesh_processes")
 
 CONTROL = str(Path(sys.executable).parent / "gpumesh-control")
 RECORDED: list[bytes] = []

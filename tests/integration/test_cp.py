@@ -45,6 +45,8 @@ from tests.integration.conftest import arun, gpumesh, pair_both, sharing
 from tests.integration.node import wait_shares
 from tests.integration.test_cli import _free_udp_port, _one_line_error
 
+pytestmark = pytest.mark.usefixtures("gpumesh_processes")
+
 MIB = 1024 * 1024
 
 

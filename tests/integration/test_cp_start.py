@@ -1,25 +1,29 @@
-"""What an in-process ``cp`` loads on its way to the dial.
+"""What the client layer's ``cp`` loads on its way to the dial.
 
-A cold copy (``GPUMESH_NODE=off``, or the first copy before a node process runs)
-pays its imports before the dial starts: a consumer's copy has no use for the
-provider's job runtime (``gpumesh.runtime``, the Docker client), which the
-config's ``job_user`` check used to load with every home.
+A cold copy (``gpumesh.Mesh(in_process=True)``, or the first copy of a node
+process just started) pays its imports before the dial starts: a consumer's copy
+has no use for the provider's job runtime (``gpumesh.runtime``, the Docker
+client), which the config's ``job_user`` check used to load with every home.
 
-A real command in a real home, dialling a real loopback port where nothing
-listens (refused at once): the command ends with its one-line error, after its
-dial, and the probe then lists what it loaded.
+A real copy in a real home, dialling a real loopback port where nothing listens
+(refused at once): it ends with its one error, after its dial, and the probe
+then lists what it loaded.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from gpumesh.client.node import Node
 from tests.integration.test_outgoing_socket import _closed_port
 from tests.probe import probe, thin_env
 
+pytestmark = pytest.mark.usefixtures("gpumesh_processes")
 
-def test_an_in_process_cp_dials_without_loading_the_job_runtime(tmp_path: Path) -> None:
+
+def test_the_client_layers_cp_dials_without_loading_the_job_runtime(tmp_path: Path) -> None:
     alice, bob = Node(tmp_path / "a"), Node(tmp_path / "b")
     try:
         alice.init("alice")
@@ -32,11 +36,18 @@ def test_an_in_process_cp_dials_without_loading_the_job_runtime(tmp_path: Path) 
         bob.close()
     source = tmp_path / "data.bin"
     source.write_bytes(b"x" * 1000)
-    env = dict(thin_env(tmp_path / "b"), GPUMESH_NODE="off")
+    env = thin_env(tmp_path / "b")
     check = (
         "import sys\n"
-        "from gpumesh.cli.main import main\n"
-        f"code = main(['cp', '--retries', '0', {str(source)!r}, 'alice:data.bin'])\n"
+        "import gpumesh\n"
+        "from gpumesh.errors import GPUMeshError\n"
+        "with gpumesh.Mesh(in_process=True) as mesh:\n"
+        "    try:\n"
+        f"        mesh.cp({str(source)!r}, 'alice:data.bin', retries=0)\n"
+        "        code = 0\n"
+        "    except GPUMeshError as exc:\n"
+        "        print(exc.message, file=sys.stderr)\n"
+        "        code = int(exc.exit_code)\n"
         "print(code, 'gpumesh.transport.session' in sys.modules, sorted(m for m in sys.modules\n"
         "      if m.startswith(('gpumesh.runtime', 'gpumesh.agent', 'docker'))))\n"
     )

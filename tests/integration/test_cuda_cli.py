@@ -28,6 +28,8 @@ from tests.integration.test_least_privilege import (
     unprivileged,  # noqa: F401 (a fixture)
 )
 
+pytestmark = pytest.mark.usefixtures("gpumesh_processes")
+
 
 @pytest.fixture
 def homes(tmp_path: Path) -> Iterator[tuple[Path, Path]]:

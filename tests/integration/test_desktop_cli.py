@@ -22,6 +22,8 @@ import pytest
 from tests.integration.conftest import gpumesh
 from tests.integration.test_cli import _free_udp_port, _init, _one_line_error, _start_share
 
+pytestmark = pytest.mark.usefixtures("gpumesh_processes")
+
 CEILING = 20.0
 
 

@@ -19,6 +19,8 @@ from gpumesh.transport.sockowner import owner_check_available
 from tests.integration.conftest import gpumesh
 from tests.integration.test_cli import _init
 
+pytestmark = pytest.mark.usefixtures("gpumesh_processes")
+
 
 @pytest.fixture
 def home(tmp_path: Path) -> Path:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -23,24 +22,14 @@ import pytest
 from tests.integration.conftest import gpumesh
 from tests.integration.test_desktop_cli import _connect, homes  # noqa: F401 (a fixture)
 
+pytestmark = pytest.mark.usefixtures("desktop_programs", "gpumesh_processes")
+
 CEILING = 30.0
 START_CEILING = 120.0
 """A server's start (freerdp-shadow-cli took over 30 s once at load ~10)."""
 X11VNC_FLAGS = ("-localhost", "-nopw", "-forever", "-shared", "-nocursor", "-quiet")
 RDP_FLAGS = ("/u:tester", "/p:secret", "/cert:ignore", "+auth-only")
 INPUT = ("move", "350", "350", "click", "1", "key", "a")
-PROGRAMS = ("Xvfb", "x11vnc", "xdotool", "xev", "xmessage", "xfreerdp", "freerdp-shadow-cli")
-
-
-@pytest.fixture(autouse=True)
-def desktop_programs() -> None:
-    """Require the programs: skipped on a machine without them, never in CI."""
-    missing = [program for program in PROGRAMS if shutil.which(program) is None]
-    in_ci = os.environ.get("CI", "").lower() not in ("", "0", "false", "no")
-    if os.environ.get("GPUMESH_TEST_NO_DESKTOP") == "1" or missing:
-        if in_ci:
-            pytest.fail(f"desktop programs missing in CI: {missing} (scripts/ensure-desktop.sh)")
-        pytest.skip(f"needs {', '.join(missing) or 'the desktop programs'} (ensure-desktop.sh)")
 
 
 def _vncdo() -> str:

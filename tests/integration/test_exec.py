@@ -38,7 +38,7 @@ from tests.integration.node import wait_shares
 from tests.integration.test_cli import _free_udp_port, _init, _one_line_error, _start_share
 from tests.jobnet_lab import SESSION_PREFIX, network_host_config
 
-pytestmark = pytest.mark.usefixtures("docker_daemon")
+pytestmark = pytest.mark.usefixtures("docker_daemon", "gpumesh_processes")
 
 IMAGE = os.environ.get("GPUMESH_TEST_DOCKER_IMAGE", "gpumesh-test/busybox:1")
 
@@ -110,7 +110,7 @@ def _exec(home: Path, *args: str, stdin: str = "") -> subprocess.CompletedProces
     )
 
 
-def _gone(engine: docker.DockerClient, node_id: str, within: float = 10.0) -> bool:
+def _gone(engine: docker.DockerClient, node_id: str, within: float = 60.0) -> bool:
     deadline = time.monotonic() + within
     while _shells(engine, node_id):
         if time.monotonic() > deadline:

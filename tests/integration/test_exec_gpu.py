@@ -22,7 +22,7 @@ from gpumesh.runtime.docker import DockerRuntime
 from tests.integration.conftest import arun, pair_both
 from tests.integration.test_jobs import providing
 
-pytestmark = pytest.mark.usefixtures("docker_daemon")
+pytestmark = pytest.mark.usefixtures("docker_daemon", "gpumesh_processes")
 
 IMAGE = os.environ.get("GPUMESH_TEST_DOCKER_IMAGE", "gpumesh-test/busybox:1")
 GB = 10**9

@@ -21,6 +21,8 @@ from tests.integration.conftest import gpumesh
 from tests.integration.node import cli
 from tests.integration.test_cli import _free_udp_port, _init, _one_line_error, running_share
 
+pytestmark = pytest.mark.usefixtures("gpumesh_processes")
+
 
 @pytest.fixture
 def alice_and_bob(tmp_path: Path) -> tuple[Path, Path]:

@@ -31,6 +31,8 @@ from gpumesh.identity.keys import Identity
 from tests.integration.conftest import gpumesh
 from tests.integration.test_cli import _init, _one_line_error
 
+pytestmark = pytest.mark.usefixtures("gpumesh_processes")
+
 
 def _ok(home: Path, *args: str) -> str:
     result = gpumesh(home, *args)

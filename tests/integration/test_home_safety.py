@@ -20,6 +20,8 @@ from tests.conftest import OtherUser
 from tests.integration.conftest import gpumesh
 from tests.integration.test_cli import _one_line_error
 
+pytestmark = pytest.mark.usefixtures("gpumesh_processes")
+
 CONFIG_EXIT = 2
 """What a refused home (a ConfigError) exits with."""
 IDENTITY_EXIT = 1

@@ -33,6 +33,8 @@ from tests.integration.conftest import gpumesh
 from tests.integration.floodclient import send_body
 from tests.integration.test_control_api import _free_tcp_port, started_lines
 
+pytestmark = pytest.mark.usefixtures("gpumesh_processes")
+
 CONTROL = str(Path(sys.executable).parent / "gpumesh-control")
 FLOOD = str(Path(__file__).with_name("floodclient.py"))
 PYTHON = "/usr/bin/python3"
@@ -407,7 +409,7 @@ def test_a_peers_cp_and_job_succeed_while_another_user_holds_connections(
     # alice shares as her node process (which serves her API) with few descriptors.
     share = subprocess.Popen(
         _few_files(sys.executable, "-m", "gpumesh", "share"),
-        env=_env(alice, GPUMESH_NODE="on"),
+        env=_env(alice),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,

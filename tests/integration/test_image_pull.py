@@ -23,7 +23,7 @@ from tests.integration.conftest import arun, gpumesh, pair_both, remove_containe
 from tests.integration.registry import Registry, local_registry
 from tests.integration.test_jobs import spec
 
-pytestmark = pytest.mark.usefixtures("docker_daemon")
+pytestmark = pytest.mark.usefixtures("docker_daemon", "gpumesh_processes")
 
 IMAGE = os.environ.get("GPUMESH_TEST_DOCKER_IMAGE", "gpumesh-test/busybox:1")
 NEW_LAYER = 3 << 20

@@ -19,7 +19,6 @@ import contextlib
 import os
 import random
 import secrets
-import shutil
 import signal
 import subprocess
 import sys
@@ -43,11 +42,12 @@ from gpumesh.runtime.base import (
 )
 from gpumesh.runtime.docker import DockerRuntime
 from gpumesh.runtime.jobnet import JobNetwork, Mode, rule_set
-from tests.conftest import _in_ci
 from tests.integration.conftest import gpumesh, remove_containers, shared_pair
 from tests.integration.node import shares
 from tests.integration.test_cli import _free_udp_port, _init, _one_line_error, _start_share
 from tests.jobnet_lab import container_address, remove_job_networks
+
+pytestmark = pytest.mark.usefixtures("gpumesh_processes")
 
 IMAGE = os.environ.get("GPUMESH_TEST_DOCKER_IMAGE", "gpumesh-test/busybox:1")
 MiB = 1024 * 1024
@@ -93,22 +93,9 @@ while True:
 """
 
 
-def _lab_missing() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root (network namespaces and iptables)"
-    for tool in ("ip", "iptables", "iptables-restore"):
-        if shutil.which(tool) is None:
-            return f"{tool} is not installed"
-    return None
-
-
 @pytest.fixture(autouse=True)
-def _require_lab(docker_daemon: None) -> None:
-    missing = _lab_missing()
-    if missing:
-        if _in_ci():
-            raise AssertionError(f"CI runs the job network tests: {missing}")
-        pytest.skip(missing)
+def _require_lab(docker_daemon: None, network_lab: None) -> None:
+    """The job network tests need Docker and the network lab's tools."""
 
 
 def _ip(*args: str) -> None:

@@ -36,7 +36,7 @@ from tests.integration.test_cli import _free_udp_port
 from tests.integration.test_cp import _start_agent
 from tests.integration.test_jobs import providing, spec
 
-pytestmark = pytest.mark.usefixtures("docker_daemon")
+pytestmark = pytest.mark.usefixtures("docker_daemon", "gpumesh_processes")
 
 # The same fixtures as the job tests: nodes whose job containers are removed afterwards.
 cluster = test_jobs.cluster

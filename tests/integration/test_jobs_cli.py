@@ -18,7 +18,7 @@ from gpumesh.runtime.base import NO_GPU_RUNTIME_NOTE
 from tests.integration.conftest import gpumesh, shared_pair
 from tests.integration.test_cli import _free_udp_port, _init, _one_line_error
 
-pytestmark = pytest.mark.usefixtures("docker_daemon")
+pytestmark = pytest.mark.usefixtures("docker_daemon", "gpumesh_processes")
 
 IMAGE = os.environ.get("GPUMESH_TEST_DOCKER_IMAGE", "gpumesh-test/busybox:1")
 

@@ -15,7 +15,7 @@ import pytest
 
 from tests.integration.conftest import gpumesh
 
-pytestmark = pytest.mark.usefixtures("docker_daemon")
+pytestmark = pytest.mark.usefixtures("docker_daemon", "gpumesh_processes")
 
 
 def _jobs(home: Path, *args: str) -> list[dict[str, Any]]:

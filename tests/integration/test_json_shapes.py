@@ -49,7 +49,7 @@ from tests.integration.public_registry import serve_registry
 from tests.integration.test_cli import _free_udp_port
 from tests.jobnet_lab import SESSION_PREFIX
 
-pytestmark = pytest.mark.usefixtures("docker_daemon")
+pytestmark = pytest.mark.usefixtures("docker_daemon", "gpumesh_processes")
 
 FIXTURE = Path(__file__).parent / "fixtures" / "json_shapes.json"
 UPDATE = os.environ.get("GPUMESH_UPDATE_SHAPES", "") not in ("", "0")

@@ -39,7 +39,7 @@ from tests.integration.test_cli import _free_udp_port, _init
 IMAGE = os.environ.get("GPUMESH_TEST_DOCKER_IMAGE", "gpumesh-test/busybox:1")
 USER = "gpumesh-agent-test"
 
-pytestmark = pytest.mark.usefixtures("docker_daemon")
+pytestmark = pytest.mark.usefixtures("docker_daemon", "gpumesh_processes")
 
 
 def _in_ci() -> bool:

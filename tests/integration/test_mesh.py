@@ -7,7 +7,8 @@ live status; a sync call inside a running loop refused with the twin's name;
 errors of the project's tree with their stable codes; and every example of
 docs/python-api.md run as a script for the consumer's home. Every test runs in
 both modes: through the home's real node process (``Mesh()`` starts it over
-``control.sock``) and in-process (``$GPUMESH_NODE=off``).
+``control.sock``) and in-process (``Mesh(in_process=True)``: each test's
+``gpumesh.Mesh``, and each example script's, is made to pass it).
 """
 
 from __future__ import annotations
@@ -35,16 +36,38 @@ from gpumesh.errors import (
 from tests.integration.conftest import gpumesh as cli
 from tests.integration.conftest import shared_pair
 
-pytestmark = pytest.mark.usefixtures("docker_daemon")
+pytestmark = pytest.mark.usefixtures("docker_daemon", "gpumesh_processes")
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "python-api.md"
 
 
+class InProcess(gpumesh.Mesh):
+    """``gpumesh.Mesh`` with the client layer in this process, whatever a caller asks."""
+
+    def __init__(self, home: str | Path | None = None, *, in_process: bool | None = None) -> None:
+        super().__init__(home, in_process=True)
+
+
+IN_PROCESS = """\
+import gpumesh
+
+
+class InProcess(gpumesh.Mesh):
+    def __init__(self, home=None, *, in_process=None):
+        super().__init__(home, in_process=True)
+
+
+gpumesh.Mesh = InProcess
+"""
+""":class:`InProcess` for a script: put first, every ``gpumesh.Mesh()`` after it is one."""
+
+
 @pytest.fixture(params=["node", "in-process"])
 def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """How ``gpumesh.Mesh()`` reaches the home: its node process, or in this process."""
-    monkeypatch.setenv("GPUMESH_NODE", "on" if request.param == "node" else "off")
+    if request.param == "in-process":
+        monkeypatch.setattr(gpumesh, "Mesh", InProcess)
     return str(request.param)
 
 
@@ -252,12 +275,12 @@ def test_the_python_api_docs_examples_run(homes, tmp_path: Path, mode: str) -> N
     (folder / "train" / "train.sh").write_text(
         'for i in $(seq "${EPOCHS:-1}"); do echo "epoch $i"; done\n'
     )
-    env = dict(os.environ, GPUMESH_HOME=str(bob), GPUMESH_NODE="on" if mode == "node" else "off")
+    env = dict(os.environ, GPUMESH_HOME=str(bob))
     env.pop("GPUMESH_LOG", None)
     outputs = []
     for number, code in enumerate(examples, 1):
         script = folder / f"example{number}.py"
-        script.write_text(code)
+        script.write_text((IN_PROCESS if mode == "in-process" else "") + code)
         done = subprocess.run(
             [sys.executable, str(script)],
             cwd=folder,
@@ -300,7 +323,6 @@ def test_a_follow_outlives_its_node_process(tmp_path: Path, monkeypatch) -> None
 
     from gpumesh.daemon.record import holder
 
-    monkeypatch.setenv("GPUMESH_NODE", "on")
     with shared_pair(tmp_path) as (_, bob), gpumesh.Mesh(bob) as mesh:
         script = "for i in 1 2 3 4 5 6; do echo line$i; sleep 0.5; done"
         job = mesh.run("alice-pc", ["sh", "-c", script])

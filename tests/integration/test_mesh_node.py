@@ -13,12 +13,13 @@ import gpumesh
 from gpumesh.errors import NotFoundError, NotInitializedError, PairingCodeError
 from tests.integration.node import cli, status, wait_gone
 
+pytestmark = pytest.mark.usefixtures("gpumesh_processes")
+
 
 @pytest.fixture
-def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("GPUMESH_NODE", "on")
+def home(tmp_path: Path) -> Path:
     path = tmp_path / "home"
-    assert cli(path, "init", "--name", "mesh-node", GPUMESH_NODE="off").returncode == 0
+    assert cli(path, "init", "--name", "mesh-node").returncode == 0
     return path
 
 

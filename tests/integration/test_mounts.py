@@ -18,7 +18,7 @@ from gpumesh.store.db import JobRecord
 from tests.integration.conftest import arun, gpumesh, job_nodes, pair_both
 from tests.integration.test_jobs import providing, spec
 
-pytestmark = pytest.mark.usefixtures("docker_daemon")
+pytestmark = pytest.mark.usefixtures("docker_daemon", "gpumesh_processes")
 
 
 def _sandbox(alice: Path, bob: Path) -> Path:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -29,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import _in_ci
+pytestmark = pytest.mark.usefixtures("network_lab", "gpumesh_processes")
 
 ROOT = Path(__file__).resolve().parents[2]
 NATLAB = ROOT / "scripts" / "natlab.sh"
@@ -37,22 +36,6 @@ PREFIX = "gmt"
 RELAY = "203.0.113.1:4799"
 BIN = Path(sys.executable).parent
 IMAGE = os.environ.get("GPUMESH_TEST_DOCKER_IMAGE", "gpumesh-test/busybox:1")
-
-
-def _lab_available() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root (network namespaces)"
-    for tool in ("ip", "iptables"):
-        if shutil.which(tool) is None:
-            return f"{tool} is not installed"
-    return None
-
-
-@pytest.fixture(autouse=True)
-def _require_lab() -> None:
-    missing = _lab_available()
-    if missing and not _in_ci():
-        pytest.skip(f"NAT lab unavailable: {missing}")
 
 
 def _natlab(*args: str) -> subprocess.CompletedProcess[str]:

@@ -16,20 +16,18 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import _in_ci
 from tests.integration import test_nat
 from tests.integration.node import CEILING, node_env
-from tests.integration.test_nat import Lab, _build_lab, _lab_available
+from tests.integration.test_nat import Lab, _build_lab
+
+pytestmark = pytest.mark.usefixtures("gpumesh_processes")
 
 PREFIX = "gmn"
 """Namespaces of their own, apart from test_nat.py's."""
 
 
 @pytest.fixture
-def lab(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Lab]:
-    missing = _lab_available()
-    if missing and not _in_ci():
-        pytest.skip(f"NAT lab unavailable: {missing}")
+def lab(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, network_lab: None) -> Iterator[Lab]:
     monkeypatch.setattr(test_nat, "PREFIX", PREFIX)
     built = _build_lab(tmp_path, "drop")
     lab = next(built)

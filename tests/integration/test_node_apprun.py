@@ -27,7 +27,7 @@ from tests.integration.conftest import gpumesh, shared_pair
 from tests.integration.node import CEILING, cli, node_env, status, wait_gone
 from tests.integration.test_job_output import LINE, _numbered, _numbered_job
 
-pytestmark = pytest.mark.usefixtures("docker_daemon")
+pytestmark = pytest.mark.usefixtures("docker_daemon", "gpumesh_processes")
 
 
 def test_app_run_resumes_after_its_node_process_is_killed(
@@ -76,7 +76,6 @@ def test_app_run_stream_is_numbered_and_a_reader_that_stops_reading_is_told_what
     a `dropped` event saying how many went."""
     from gpumesh.daemon.client import connect
 
-    monkeypatch.setenv("GPUMESH_NODE", "on")
     # More than one QUIC stream's window (16 MiB) and alice's 1MB together: had
     # the job's output been read as fast as it was written (a loaded machine
     # slows the job), the window alone could hold 8MB and nothing would drop.

@@ -19,7 +19,7 @@ import pytest
 from tests.integration.conftest import until
 from tests.integration.node import CEILING, cli, node_env, status, wait_gone
 
-pytestmark = pytest.mark.usefixtures("docker_daemon")
+pytestmark = pytest.mark.usefixtures("docker_daemon", "gpumesh_processes")
 
 HEAVY = ("qh3", "cryptography", "docker", "sqlite3")
 LISTING = (*HEAVY, "rich", "asyncio", "logging", "shutil", "msgspec", "decimal")
@@ -186,7 +186,6 @@ def test_a_sharing_node_process_sees_a_deny_made_elsewhere(
     reaches the agent's next check (two connections in one process lost it)."""
     from tests.integration.conftest import shared_pair
 
-    monkeypatch.delenv("GPUMESH_NODE")
     with shared_pair(tmp_path) as (alice, bob):
         assert status(alice)["node"]["sharing"] is True
         ran = cli(bob, "run", "--peer", "alice-pc", "--", "echo", "hi")
@@ -213,8 +212,8 @@ def test_run_on_a_group_through_the_node_process_says_where_and_why(
     _alice, bob = pair
     carol = tmp_path / "c"  # paired with bob but not sharing: unreachable
     _init(carol, "carol", _free_udp_port())
-    code = cli(carol, "pair-code", GPUMESH_NODE="off").stdout.strip()
-    assert cli(bob, "pair", code, GPUMESH_NODE="off").returncode == 0
+    code = cli(carol, "pair-code").stdout.strip()
+    assert cli(bob, "pair", code).returncode == 0
     assert cli(bob, "group", "create", "research").returncode == 0
     for member in ("alice-pc", "carol"):
         assert cli(bob, "group", "add", "research", member).returncode == 0

@@ -14,7 +14,7 @@ import pytest
 
 from tests.integration.node import node_env, status, wait_shares
 
-pytestmark = pytest.mark.usefixtures("docker_daemon")
+pytestmark = pytest.mark.usefixtures("docker_daemon", "gpumesh_processes")
 
 
 def run_in(
@@ -140,7 +140,6 @@ def test_exec_with_a_terminal_through_the_node_process(
     from tests.integration.test_exec import Terminal
 
     _alice, bob = pair
-    monkeypatch.delenv("GPUMESH_NODE")
     shell = Terminal(bob, "exec", "alice-pc", rows=30, cols=100)
     try:
         shell.expect(b"$ ")

@@ -20,11 +20,11 @@ from tests.integration.conftest import shared_pair
 from tests.integration.node import CEILING, cli, status
 from tests.integration.test_cli import _one_line_error
 
-pytestmark = pytest.mark.usefixtures("docker_daemon")
+pytestmark = pytest.mark.usefixtures("docker_daemon", "gpumesh_processes")
 
 
 def _same(one: subprocess.CompletedProcess[str], other: subprocess.CompletedProcess[str]) -> None:
-    """The same exit code and message (through the node process and in-process)."""
+    """The same exit code and message (the warm session and a fresh dial)."""
     assert (one.returncode, one.stderr) == (other.returncode, other.stderr)
 
 
@@ -57,12 +57,6 @@ def test_connect_through_the_node_dials_once_then_measures_on_the_warm_session(
             assert reused["warm"] is True
             assert reused["peer"] == "alice-pc" and reused["sharing"] is True
             assert reused["connect_ms"] > 0  # that session's own dial
-            # The same keys as in-process (GPUMESH_NODE=off dials a session of its own).
-            fresh = cli(bob, "connect", "alice-pc", "--json", GPUMESH_NODE="off")
-            assert fresh.returncode == 0, fresh.stderr
-            assert list(json.loads(fresh.stdout)) == list(reused)
-            assert json.loads(fresh.stdout)["warm"] is False
-            assert _uses(bob) == 2  # the in-process command did not touch it
             # --fresh: the node process dials anew and times it, and keeps the warm
             # session as it was (neither lent nor replaced: still one, same uses).
             anew = cli(bob, "connect", "alice-pc", "--json", "--fresh")
@@ -96,13 +90,12 @@ def test_connect_through_the_node_dials_once_then_measures_on_the_warm_session(
             cli(bob, "daemon", "stop")
 
 
-def test_connect_refusals_through_the_node_read_as_in_process(tmp_path: Path) -> None:
+def test_connect_refusals_read_the_same_on_a_fresh_dial(tmp_path: Path) -> None:
     with shared_pair(tmp_path) as (alice, bob):
         try:
             unknown = cli(bob, "connect", "nobody")
             _one_line_error(unknown, 2, "no paired peer named 'nobody'")
-            in_process = cli(bob, "connect", "nobody", GPUMESH_NODE="off")
-            _same(unknown, in_process)
+            _same(unknown, cli(bob, "connect", "nobody", "--fresh"))
 
             assert cli(bob, "connect", "alice-pc").returncode == 0  # a warm session now
             assert cli(alice, "deny", "bob-laptop").returncode == 0
@@ -114,15 +107,13 @@ def test_connect_refusals_through_the_node_read_as_in_process(tmp_path: Path) ->
                 time.sleep(0.1)
             denied = cli(bob, "connect", "alice-pc")
             _one_line_error(denied, 3, "alice-pc has denied you access")
-            in_process = cli(bob, "connect", "alice-pc", GPUMESH_NODE="off")
-            _same(denied, in_process)
+            _same(denied, cli(bob, "connect", "alice-pc", "--fresh"))
 
             assert cli(alice, "allow", "bob-laptop").returncode == 0
             assert cli(alice, "share", "stop").returncode == 0
             gone = cli(bob, "connect", "alice-pc", "--timeout", "3")
             _one_line_error(gone, ExitCode.UNREACHABLE, "nothing is listening")
-            in_process = cli(bob, "connect", "alice-pc", "--timeout", "3", GPUMESH_NODE="off")
-            _same(gone, in_process)
+            _same(gone, cli(bob, "connect", "alice-pc", "--timeout", "3", "--fresh"))
 
             bad = cli(bob, "connect", "alice-pc", "--timeout", "0")
             assert bad.returncode == 2 and "--timeout" in bad.stderr

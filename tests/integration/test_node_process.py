@@ -17,13 +17,15 @@ import pytest
 
 from tests.integration.node import CEILING, alive, cli, node_env, spawn, status, wait_gone
 
+pytestmark = pytest.mark.usefixtures("gpumesh_processes")
+
 CONTROL = str(Path(sys.executable).parent / "gpumesh-control")
 
 
 @pytest.fixture
 def home(tmp_path: Path) -> Path:
     path = tmp_path / "home"
-    result = cli(path, "init", "--name", "node-test", GPUMESH_NODE="off")
+    result = cli(path, "init", "--name", "node-test")
     assert result.returncode == 0, result.stderr
     return path
 
@@ -179,7 +181,7 @@ def test_share_asks_the_node_process_and_daemon_stop_ends_sharing(home: Path) ->
         ("job_network", "none"),
     )
     for key, value in settings:
-        assert cli(home, "config", "set", key, value, GPUMESH_NODE="off").returncode == 0
+        assert cli(home, "config", "set", key, value).returncode == 0
     assert cli(home, "jobs").returncode == 0
     background = status(home)["node"]["pid"]
     with spawn(home, "share") as share:

@@ -20,7 +20,7 @@ from tests.integration.node import CEILING, cli, status
 from tests.integration.test_cli import _free_udp_port, _init, running_share
 from tests.integration.test_relay_node import _start_relay, _stop
 
-pytestmark = pytest.mark.usefixtures("docker_daemon")
+pytestmark = pytest.mark.usefixtures("docker_daemon", "gpumesh_processes")
 
 
 def _setup(home: Path, name: str, **config: str) -> None:

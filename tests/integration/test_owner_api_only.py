@@ -12,9 +12,13 @@ import sqlite3
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.integration.conftest import until
 from tests.integration.node import cli, share_view
 from tests.integration.test_cli import _free_udp_port
+
+pytestmark = pytest.mark.usefixtures("gpumesh_processes")
 
 GONE = ("agent.json", "agent.sock", "session-stops", "cuda-sessions.json")
 """What a sharing home held for other processes before the node process owned it."""
@@ -23,9 +27,9 @@ POLL_WAS = 5.0
 
 
 def _home(path: Path, name: str, *settings: tuple[str, str]) -> Path:
-    assert cli(path, "init", "--name", name, GPUMESH_NODE="off").returncode == 0
+    assert cli(path, "init", "--name", name).returncode == 0
     for key, value in settings:
-        assert cli(path, "config", "set", key, value, GPUMESH_NODE="off").returncode == 0
+        assert cli(path, "config", "set", key, value).returncode == 0
     return path
 
 

@@ -28,7 +28,7 @@ from tests.integration.conftest import gpumesh, shared_pair, until
 from tests.integration.test_control_api import Api, start_control
 from tests.integration.test_exec import _gone, _shells
 
-pytestmark = pytest.mark.usefixtures("docker_daemon")
+pytestmark = pytest.mark.usefixtures("docker_daemon", "gpumesh_processes")
 
 CEILING = 30.0
 """Generous bound for anything that should be quick (the CI box is loaded)."""
@@ -235,7 +235,6 @@ def test_through_the_node_process_the_owner_sees_and_ends_a_session(
     from tests.integration.node import cli, status
     from tests.integration.test_cli import _one_line_error
 
-    monkeypatch.delenv("GPUMESH_NODE")
     with shared_pair(tmp_path) as (alice, bob):
         assert status(alice)["node"]["sharing"] is True
         for args in (("cuda", "share"), ("cuda", "allow", "bob-laptop")):

@@ -12,6 +12,8 @@ import pytest
 from tests.integration.conftest import gpumesh
 from tests.integration.test_cli import _free_udp_port, _init, running_share
 
+pytestmark = pytest.mark.usefixtures("gpumesh_processes")
+
 
 def _ok(home: Path, *args: str) -> str:
     result = gpumesh(home, *args)

@@ -33,6 +33,8 @@ from tests.integration.conftest import arun, gpumesh, pair_both, sharing
 from tests.integration.test_cli import _free_udp_port, _init
 from tests.integration.test_registry_share import _share, _stop
 
+pytestmark = pytest.mark.usefixtures("gpumesh_processes")
+
 
 def _three(make_node: Callable[[str], Node]) -> tuple[Node, Node, Node]:
     alice, bob, carol = make_node("alice"), make_node("bob"), make_node("carol")

@@ -26,7 +26,7 @@ from tests.integration.node import shares
 from tests.integration.test_cli import _free_udp_port, _init, _start_share
 from tests.integration.test_exec import Terminal
 
-pytestmark = pytest.mark.usefixtures("docker_daemon")
+pytestmark = pytest.mark.usefixtures("docker_daemon", "gpumesh_processes")
 
 IMAGE = os.environ.get("GPUMESH_TEST_DOCKER_IMAGE", "gpumesh-test/busybox:1")
 

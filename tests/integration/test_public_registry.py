@@ -35,7 +35,12 @@ from gpumesh.protocol.listing import (
     sign_record,
 )
 from gpumesh.registry.config import RegistryConfig
-from tests.integration.public_registry import RunningRegistry, empty_database, serve_registry
+from tests.integration.public_registry import (
+    DATABASES,
+    RunningRegistry,
+    empty_database,
+    serve_registry,
+)
 
 GIB = 1 << 30
 OPEN = RegistryConfig(
@@ -43,7 +48,7 @@ OPEN = RegistryConfig(
 )
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
+@pytest.fixture(params=DATABASES)
 def db(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return empty_database(request.param, tmp_path)
 

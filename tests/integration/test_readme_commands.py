@@ -27,6 +27,8 @@ import pytest
 
 from tests.integration.test_cli import _free_udp_port, _init, running_share
 
+pytestmark = pytest.mark.usefixtures("gpumesh_processes")
+
 README = Path(__file__).resolve().parents[2] / "README.md"
 IMAGE = os.environ.get("GPUMESH_TEST_DOCKER_IMAGE", "gpumesh-test/busybox:1")
 GPU = "needs an NVIDIA GPU"

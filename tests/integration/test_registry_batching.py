@@ -33,7 +33,12 @@ from gpumesh.identity.keys import Identity
 from gpumesh.protocol.listing import GpuListing, Listing, SignedRecord, open_record, sign_record
 from gpumesh.registry.config import RegistryConfig, database_url
 from gpumesh.registry.store import RegistryStore, SearchQuery
-from tests.integration.public_registry import RunningRegistry, empty_database, serve_registry
+from tests.integration.public_registry import (
+    DATABASES,
+    RunningRegistry,
+    empty_database,
+    serve_registry,
+)
 
 GIB = 1 << 30
 OPEN = RegistryConfig(
@@ -42,7 +47,7 @@ OPEN = RegistryConfig(
 TTL = 900.0
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
+@pytest.fixture(params=DATABASES)
 def db(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return empty_database(request.param, tmp_path)
 

@@ -8,12 +8,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from gpumesh.client.registry import RegistryClient, SequenceClock, listing_of
 from gpumesh.identity.keys import Identity
 from gpumesh.protocol.listing import GpuListing
 from gpumesh.registry.config import RegistryConfig
 from tests.integration.conftest import gpumesh
 from tests.integration.public_registry import serve_registry
+
+pytestmark = pytest.mark.usefixtures("gpumesh_processes")
 
 GIB = 1 << 30
 

@@ -15,11 +15,11 @@ from gpumesh.identity.keys import Identity
 from gpumesh.protocol.listing import open_record
 from gpumesh.registry.config import database_url
 from gpumesh.registry.store import SCHEMA_VERSION, RegistryStore, SearchQuery, schema_table
-from tests.integration.public_registry import empty_database
+from tests.integration.public_registry import DATABASES, empty_database
 from tests.integration.test_registry_batching import listed_names, signed_listing
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
+@pytest.fixture(params=DATABASES)
 def db(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return empty_database(request.param, tmp_path)
 

@@ -31,6 +31,8 @@ from tests.integration.public_registry import serve_registry
 from tests.integration.test_cli import _free_udp_port, _init
 from tests.integration.test_public_registry import _ForgingRegistry, _wire
 
+pytestmark = pytest.mark.usefixtures("gpumesh_processes")
+
 SIMULATED = {ENV_SIMULATED: "RTX-4090:24GB:4GB"}
 
 

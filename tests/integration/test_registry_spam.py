@@ -32,12 +32,17 @@ from gpumesh.client.registry import (
 from gpumesh.identity.keys import Identity
 from gpumesh.protocol.listing import GpuListing, Record, sign_record
 from gpumesh.registry.config import RegistryConfig
-from tests.integration.public_registry import RunningRegistry, empty_database, serve_registry
+from tests.integration.public_registry import (
+    DATABASES,
+    RunningRegistry,
+    empty_database,
+    serve_registry,
+)
 
 GIB = 1 << 30
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
+@pytest.fixture(params=DATABASES)
 def db(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return empty_database(request.param, tmp_path)
 

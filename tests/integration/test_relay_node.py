@@ -19,6 +19,8 @@ import pytest
 from tests.integration.conftest import gpumesh
 from tests.integration.test_cli import _free_udp_port, _init, _one_line_error, _start_share
 
+pytestmark = pytest.mark.usefixtures("gpumesh_processes")
+
 
 def _start_relay(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[str], str]:
     port = _free_udp_port()
@@ -126,9 +128,11 @@ def test_a_moved_peer_is_found_through_the_relay_and_its_new_address_kept(
         assert path == f"direct (hole-punched) 127.0.0.1:{new_port}"
         [peer] = json.loads(gpumesh(bob, "peers", "--json").stdout)
         assert peer["last_address"] == f"127.0.0.1:{new_port}"
-        # the learned address is dialled first next time: a plain direct session
-        result = gpumesh(bob, "connect", "alice-pc", "--json")
-        assert json.loads(result.stdout)["path"] == "direct"
+        # A new dial (--fresh, not the warm session bob's node process kept) reaches
+        # her new port again: bob's node process remembers that her last session came
+        # through the relay, so it starts there and punches (docs/architecture.md).
+        result = gpumesh(bob, "connect", "alice-pc", "--json", "--fresh")
+        assert json.loads(result.stdout)["path"] == f"direct (hole-punched) 127.0.0.1:{new_port}"
         status = json.loads(gpumesh(alice, "status", "--json").stdout)
         assert status["relay_state"].startswith("registered as 127.0.0.1:")
     finally:

@@ -19,6 +19,8 @@ from gpumesh.client.service import node_command, systemd_unit
 from tests.integration.conftest import gpumesh
 from tests.integration.node import shares
 
+pytestmark = pytest.mark.usefixtures("gpumesh_processes")
+
 
 def _verify(unit: Path) -> subprocess.CompletedProcess[str]:
     tool = shutil.which("systemd-analyze")

@@ -22,6 +22,8 @@ from gpumesh.errors import ExitCode
 from tests.integration.node import CEILING, alive, cli, spawn, status, wait_gone
 from tests.integration.test_cli import _free_udp_port
 
+pytestmark = pytest.mark.usefixtures("gpumesh_processes")
+
 
 class _UnixConnection(http.client.HTTPConnection):
     def __init__(self, path: Path) -> None:
@@ -50,14 +52,14 @@ def _api(home: Path, method: str, path: str, body: Any = None) -> tuple[int, Any
 @pytest.fixture
 def home(tmp_path: Path) -> Path:
     path = tmp_path / "home"
-    assert cli(path, "init", "--name", "owner-box", GPUMESH_NODE="off").returncode == 0
+    assert cli(path, "init", "--name", "owner-box").returncode == 0
     settings = (
         ("listen_host", "127.0.0.1"),
         ("listen_port", str(_free_udp_port())),
         ("job_network", "none"),
     )
     for key, value in settings:
-        assert cli(path, "config", "set", key, value, GPUMESH_NODE="off").returncode == 0
+        assert cli(path, "config", "set", key, value).returncode == 0
     yield path
     cli(path, "daemon", "stop")
 

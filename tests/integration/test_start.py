@@ -24,6 +24,9 @@ import pytest
 from gpumesh.identity.codes import PairingOffer, decode_code
 from tests.integration.conftest import gpumesh
 from tests.integration.test_cli import _free_udp_port, _init
+from tests.integration.test_control_api import _free_tcp_port
+
+pytestmark = pytest.mark.usefixtures("gpumesh_processes")
 
 GPUMESH = str(Path(sys.executable).parent / "gpumesh")
 UP, DOWN = "\x1b[A", "\x1b[B"
@@ -253,7 +256,8 @@ def test_pair_with_a_code_then_run_offers_the_peer(open_start: Opener, tmp_path:
     _init(alice, "alice-pc", port=_free_udp_port())
     _init(bob, "bob-laptop", port=_free_udp_port())
     bob_code = gpumesh(bob, "pair-code").stdout.strip()
-    term = open_start(alice)
+    port = _free_tcp_port()  # where the dashboard entry's node process serves it
+    term = open_start(alice, GPUMESH_API_ADDR=f"127.0.0.1:{port}")
     _menu(term)
     term.send("5")  # run, before any peer
     term.expect(r"No paired peers yet")
@@ -266,9 +270,8 @@ def test_pair_with_a_code_then_run_offers_the_peer(open_start: Opener, tmp_path:
     _menu(term, selected=4)
     term.send("6")
     term.expect(r"\$ gpumesh dashboard")
-    # The suite keeps commands in-process (GPUMESH_NODE=off), so the dashboard
-    # starts no node process and says in one line how to get one.
-    term.expect(r"no node process runs for .*gpumesh-control")
+    # The node process started for it serves the dashboard, and the URL is printed.
+    term.expect(rf"http://[^/\s]+\.localhost:{port}/#code=")
     _menu(term, selected=6)
     term.send("5")
     term.expect(r"Paired peers: bob-laptop")

@@ -22,6 +22,8 @@ from gpumesh.units import format_duration
 from tests.integration.conftest import gpumesh
 from tests.integration.test_cli import _init
 
+pytestmark = pytest.mark.usefixtures("gpumesh_processes")
+
 IMAGE = os.environ.get("GPUMESH_TEST_DOCKER_IMAGE", "gpumesh-test/busybox:1")
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 

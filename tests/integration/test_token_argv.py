@@ -19,6 +19,8 @@ from tests.conftest import _in_ci
 from tests.integration.conftest import gpumesh
 from tests.integration.test_control_api import CONTROL, start_control
 
+pytestmark = pytest.mark.usefixtures("gpumesh_processes")
+
 ROOT = Path(__file__).resolve().parents[2]
 RECORDER = """#!/bin/sh
 printf '%s\\n' "$@" >> {record}

@@ -33,6 +33,8 @@ from gpumesh.store.db import SCHEMA_VERSION
 from tests.integration.conftest import gpumesh, remove_containers
 from tests.integration.node import wait_shares
 
+pytestmark = pytest.mark.usefixtures("gpumesh_processes")
+
 IMAGE = os.environ.get("GPUMESH_TEST_DOCKER_IMAGE", "gpumesh-test/busybox:1")
 FIXTURES = Path(__file__).parent / "fixtures"
 RELEASES = ["previous-release", "this-release"]

@@ -11,15 +11,12 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-from tests.conftest import _in_ci
 
 ROOT = Path(__file__).resolve().parents[2]
 WANLAB = ROOT / "scripts" / "wanlab.sh"
@@ -51,16 +48,6 @@ sock.close()
 """
 
 
-def _missing() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root (network namespaces, TUN devices)"
-    if shutil.which("ip") is None:
-        return "ip is not installed"
-    if not Path("/dev/net/tun").exists():
-        return "/dev/net/tun is missing"
-    return None
-
-
 def _wanlab(*args: str) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, GPUMESH_WANLAB_PREFIX=PREFIX, PYTHON=sys.executable)
     return subprocess.run(
@@ -74,12 +61,7 @@ def _wanlab(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.fixture
-def lab() -> Iterator[None]:
-    missing = _missing()
-    if missing:
-        if _in_ci():
-            pytest.fail(missing)
-        pytest.skip(f"WAN lab unavailable: {missing}")
+def lab(network_lab: None) -> Iterator[None]:
     yield
     down = _wanlab("down")
     assert down.returncode == 0, down.stderr

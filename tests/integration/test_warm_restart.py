@@ -19,7 +19,7 @@ from tests.integration.conftest import shared_pair
 from tests.integration.node import CEILING, alive, cli, status, wait_shares
 from tests.integration.test_cli import _start_share
 
-pytestmark = pytest.mark.usefixtures("docker_daemon")
+pytestmark = pytest.mark.usefixtures("docker_daemon", "gpumesh_processes")
 
 
 def test_a_command_after_the_provider_was_killed_and_restarted_dials_again(

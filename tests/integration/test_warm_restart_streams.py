@@ -26,7 +26,7 @@ from tests.integration.conftest import shared_pair
 from tests.integration.node import CEILING, cli, wait_gone, wait_shares
 from tests.integration.test_cli import _start_share
 
-pytestmark = pytest.mark.usefixtures("docker_daemon")
+pytestmark = pytest.mark.usefixtures("docker_daemon", "gpumesh_processes")
 
 
 class Alice:

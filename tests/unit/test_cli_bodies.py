@@ -24,7 +24,6 @@ def test_cp_sends_a_copy_body(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -
         return {}
 
     monkeypatch.setattr(cp_module, "_through_node", through_node)
-    monkeypatch.setattr(cp_module, "node_enabled", lambda: True)
     monkeypatch.chdir(tmp_path)
     args = ["data.bin", "alice:/in/", "--retries", "4", "--no-fast-path", "-q"]
     cp_module.cp.main(args=args, prog_name="gpumesh cp", standalone_mode=False)
@@ -42,7 +41,6 @@ def test_exec_sends_a_shell_request(monkeypatch: pytest.MonkeyPatch) -> None:
         return 0
 
     monkeypatch.setattr(exec_module, "_through_node", through_node)
-    monkeypatch.setattr(exec_module, "node_enabled", lambda: True)
     args = ["--image", "img:1", "-e", "A=1", "--gpu-memory", "1GB", "alice", "--", "ls", "-l"]
     with pytest.raises(SystemExit) as ended:
         exec_module.exec.main(args=args, prog_name="gpumesh exec", standalone_mode=False)

@@ -5,6 +5,7 @@ left to click."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import msgspec
@@ -67,7 +68,6 @@ def _click_body(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> JobBody:
         sent.append((body, detach, quiet or explain))
 
     monkeypatch.setattr(run_module, "_through_node", through_node)
-    monkeypatch.setattr(run_module, "node_enabled", lambda: True)
     run_module.run.main(args=argv[1:], prog_name="gpumesh run", standalone_mode=False)
     ((body, detach, other),) = sent
     assert not detach and not other
@@ -113,16 +113,42 @@ def test_a_request_sent_ahead_is_taken_once_and_only_for_its_own_body(
         launch.take(launch.APP_SYNC, SyncBody(peer="alice", dir="/"))
 
 
-def test_nothing_is_sent_ahead_without_an_initialised_home_or_with_the_node_off(
+def test_nothing_is_sent_ahead_without_an_initialised_home(
     tmp_path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("GPUMESH_HOME", str(tmp_path / "none"))
     assert not launch.start(["run", "--peer", "alice", "true"])
     (tmp_path / "none").mkdir()
-    (tmp_path / "none" / "identity.key").write_bytes(b"")
-    monkeypatch.setenv("GPUMESH_NODE", "off")
-    assert not launch.start(["run", "--peer", "alice", "true"])
+    assert not launch.start(["run", "--peer", "alice", "true"])  # no identity in it
     assert not launch._ahead
+
+
+@pytest.mark.parametrize("value", ["off", "OFF", "0", "no"])
+def test_gpumesh_node_off_is_said_to_be_gone_once(
+    value: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from gpumesh.daemon import setting_gone
+
+    monkeypatch.setenv("GPUMESH_NODE", value)
+    setting_gone()
+    setting_gone()  # the CLI's own look after the head start's: nothing more
+    err = capsys.readouterr().err
+    assert err == (
+        f"gpumesh: GPUMESH_NODE={value} is gone and changes nothing: every command goes "
+        "through the node process (in Python, gpumesh.Mesh(in_process=True) runs the "
+        "client layer in your own process)\n"
+    )
+    assert "GPUMESH_NODE" not in os.environ  # nor does a node process started now say it
+
+
+def test_gpumesh_node_set_otherwise_is_left_alone(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from gpumesh.daemon import setting_gone
+
+    monkeypatch.setenv("GPUMESH_NODE", "on")
+    setting_gone()
+    assert capsys.readouterr().err == ""
 
 
 def test_a_node_process_that_cannot_be_reached_is_reported_once_not_waited_for_twice(
@@ -135,7 +161,6 @@ def test_a_node_process_that_cannot_be_reached_is_reported_once_not_waited_for_t
     home.mkdir()
     (home / "identity.key").write_bytes(b"")
     monkeypatch.setenv("GPUMESH_HOME", str(home))
-    monkeypatch.delenv("GPUMESH_NODE", raising=False)
     monkeypatch.delenv("GPUMESH_IMAGE", raising=False)
     calls: list[object] = []
     failure = AgentError("the node process did not answer")
@@ -326,7 +351,6 @@ def _click_sync(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> SyncBody:
             return view
 
     monkeypatch.setattr(app_module, "node_client", Recorder)
-    monkeypatch.setattr(app_module, "node_enabled", lambda: True)
     app_module.sync.main(args=argv[2:], prog_name="gpumesh app sync", standalone_mode=False)
     ((method, path, body),) = sent
     assert (method, path) == ("POST", launch.APP_SYNC_PATH)
@@ -376,7 +400,6 @@ def _sync_by_command(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
         raise AssertionError("the command sent its request again")
 
     monkeypatch.setattr(app_module, "node_client", no_second_request)
-    monkeypatch.setattr(app_module, "node_enabled", lambda: True)
     app_module.sync.main(args=argv[2:], prog_name="gpumesh app sync", standalone_mode=False)
 
 
@@ -495,7 +518,6 @@ def _run_body() -> dict[str, object]:
 
 def _run_by_command(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> int:
     """``run`` as click runs it, reading only what was sent ahead: its exit status."""
-    monkeypatch.setattr(run_module, "node_enabled", lambda: True)
     with pytest.raises(SystemExit) as exited:
         run_module.run.main(args=argv[1:], prog_name="gpumesh run", standalone_mode=False)
     assert isinstance(exited.value.code, int)
@@ -590,7 +612,6 @@ def test_a_refusal_read_ahead_is_raised_once_by_the_command(
     refused = SseEvent("error", None, {"code": "not_found", "message": "no peer named 'x'"})
     monkeypatch.setattr(launch, "_ahead", [(launch.RUN, _run_body(), None, iter([refused]))])
     assert launch.finish_run(RUN_ARGV) is None
-    monkeypatch.setattr(run_module, "node_enabled", lambda: True)
     with pytest.raises(NotFoundError, match="no peer named 'x'"):
         run_module.run.main(args=RUN_ARGV[1:], prog_name="gpumesh run", standalone_mode=False)
     assert capsysbinary.readouterr() == (b"", b"")
@@ -609,7 +630,7 @@ def test_ctrl_c_while_a_run_is_read_ahead_is_the_commands_to_handle(
     monkeypatch.setattr(launch, "_ahead", [(launch.RUN, _run_body(), None, events)])
     assert launch.finish_run(RUN_ARGV) is None
     asked: list[tuple[str, str]] = []
-    monkeypatch.setattr(run_module, "_interrupted_thin", lambda *job: asked.append(job))
+    monkeypatch.setattr(run_module, "_interrupted", lambda *job: asked.append(job))
     assert _run_by_command(RUN_ARGV, monkeypatch) == 130
     if accepted:  # the command asks whether to cancel the job it now knows
         assert asked == [(JOB, "alice")]

@@ -20,6 +20,8 @@ import pytest
 from gpumesh.cli import main as cli_main
 from tests.probe import SCRIPT, node_process, probe, thin_env
 
+pytestmark = pytest.mark.usefixtures("gpumesh_processes")
+
 
 class _InOrder(click.Group):
     """An eager group that lists its commands in the order given, as ours does

@@ -56,7 +56,7 @@ class _NodeProcessShare:
     """The share of the node process holding a home, as the commands that run the
     client layer in this process see it (``status``, ``doctor``, the owner's
     views): what ``GET /api/v1/share`` says, asked once, when first needed. Owner
-    actions never come here: they go through the node process (:func:`owner_client`)."""
+    actions never come here: they go through the node process (:mod:`gpumesh.cli._node`)."""
 
     def __init__(self, home: Path) -> None:
         self.home = home

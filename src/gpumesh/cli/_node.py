@@ -7,7 +7,6 @@ the node process; the commands that use it (``run``, ``logs``, ``jobs``,
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -21,19 +20,11 @@ if TYPE_CHECKING:
 __all__ = [
     "follow",
     "node_client",
-    "node_enabled",
     "node_home",
     "owner_change",
-    "owner_client",
     "peer_change",
+    "running_client",
 ]
-
-
-def node_enabled() -> bool:
-    """Whether commands go through the node process (``$GPUMESH_NODE`` is not ``off``)."""
-    from gpumesh.daemon import enabled
-
-    return enabled()
 
 
 def job_options(
@@ -83,16 +74,12 @@ def node_client() -> NodeClient:
     return connect(node_home())
 
 
-def owner_client() -> NodeClient | None:
-    """Where an owner's action on this home goes (``deny``, an owner's cancel, the
-    desktop and CUDA shares): its node process, which runs its share and so acts on
-    it at once (started when none runs); None when ``$GPUMESH_NODE`` keeps commands
-    in this process and no node process holds the home, so nothing shares."""
+def running_client() -> NodeClient | None:
+    """A client of this home's node process when one runs; None (nothing started)
+    when none does."""
     from gpumesh.daemon.client import NodeClient
     from gpumesh.daemon.record import holder
 
-    if node_enabled():
-        return node_client()
     home = node_home()
     return NodeClient(home) if holder(home) is not None else None
 
@@ -100,31 +87,23 @@ def owner_client() -> NodeClient | None:
 V = TypeVar("V")
 
 
-def owner_change(
-    method: str, path: str, view: type[V], here: Callable[[], V], body: Any = None
-) -> V:
+def owner_change(method: str, path: str, view: type[V], body: Any = None) -> V:
     """An owner's change (an allowlist, the desktop or CUDA share): ``method path``
-    through the node process (:func:`owner_client`), its answer as ``view``; or
-    ``here()`` in this process when no node process runs, so nothing shares."""
-    client = owner_client()
-    if client is None:
-        return here()
+    through the node process, which runs this home's share and so acts on it at
+    once; its answer as ``view``."""
     import msgspec
 
-    return msgspec.convert(client.call(method, path, body), view)
+    return msgspec.convert(node_client().call(method, path, body), view)
 
 
-def peer_change(peer: str, route: str, change: Callable[[Any, str], Any]) -> PeerView:
+def peer_change(peer: str, route: str) -> PeerView:
     """Put ``peer`` on an allowlist or take it off: ``POST
-    /api/v1/peers/{peer}/{route}`` (``deny``, ``desktop/allow``, ``cuda/deny``…)
-    through the node process, or ``change(node, peer)`` here (:func:`owner_change`)."""
+    /api/v1/peers/{peer}/{route}`` (``deny``, ``desktop/allow``, ``cuda/deny``…)."""
     from urllib.parse import quote
 
-    from gpumesh.cli._common import get_node
     from gpumesh.client.views.peers import PeerView
 
-    path = f"/api/v1/peers/{quote(peer, safe='')}/{route}"
-    return owner_change("POST", path, PeerView, lambda: PeerView.of(change(get_node(), peer)))
+    return owner_change("POST", f"/api/v1/peers/{quote(peer, safe='')}/{route}", PeerView)
 
 
 RESUME_TRIES = 5

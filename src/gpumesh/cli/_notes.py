@@ -1,6 +1,5 @@
-"""What a followed job's events print, for both ways a command follows one: in
-this process (:mod:`gpumesh.cli._jobview`, on the client layer's events) and
-through the node process (:class:`ViewPrinter`, on the control API's views).
+"""What a followed job's events print (:class:`ViewPrinter`, on the control API's
+views, as the node process streams them).
 
 Imports nothing heavy: ``logs`` and ``run`` through the node process use it.
 click loads only when a note is printed, so a plain run's head start
@@ -102,8 +101,8 @@ def exit_status_of(state: str, exit_code: int | None) -> int:
 
 
 class ViewPrinter:
-    """A followed job's events as the control API streams them, printed as
-    :class:`gpumesh.cli._jobview.JobPrinter` prints the client layer's."""
+    """A followed job's events as the control API streams them: output to stdout and
+    stderr as `docker run` writes it, attempts, states and steps as short notes."""
 
     def __init__(
         self, job_id: str, *, quiet: bool = False, numbered: bool = False, explain: bool = False

@@ -13,7 +13,7 @@ from gpumesh.cli._node import peer_change
 @click.argument("peer", shell_complete=complete_peer)
 def allow(peer: str) -> None:
     """Let a paired PEER (name or id prefix) use this node again."""
-    record = peer_change(peer, "allow", lambda node, query: node.allow(query))
+    record = peer_change(peer, "allow")
     click.echo(f"{record.name} ({record.node_id[:12]}) is allowed.")
 
 
@@ -25,7 +25,7 @@ def deny(peer: str) -> None:
     Its next request is refused; a running `gpumesh share` closes its open
     connections (shells, copies, follows) and cancels its running jobs now.
     """
-    record = peer_change(peer, "deny", lambda node, query: node.deny(query))
+    record = peer_change(peer, "deny")
     click.echo(
         f"{record.name} ({record.node_id[:12]}) is denied; its open connections are closed "
         "and its running jobs cancelled."

@@ -9,15 +9,14 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from gpumesh.cli._common import emit_json, fail, get_node, run_async
+from gpumesh.cli._common import fail
 from gpumesh.cli._complete import complete_peer, complete_submitted_job
-from gpumesh.cli._node import job_options, node_client, node_enabled
+from gpumesh.cli._node import job_options, node_client
 from gpumesh.cli._notes import exit_status_of
-from gpumesh.cli._syncview import dry_run_lines, sync_line, view_output
+from gpumesh.cli._syncview import sync_line, view_output
 from gpumesh.errors import ExitCode
 
 if TYPE_CHECKING:
-    from gpumesh.client.apps import SyncResult
     from gpumesh.client.bodies import AppRunBody
 
 
@@ -46,15 +45,8 @@ def app() -> None:
     """Keep a project folder on a peer and run jobs in it."""
 
 
-def _sync_summary(result: SyncResult) -> str:
-    return sync_line(
-        result.peer, result.remote, len(result.sent), result.bytes_sent, len(result.deleted),
-        result.unchanged,
-    )  # fmt: skip
-
-
 def _view_summary(view: dict[str, Any]) -> str:
-    """:func:`_sync_summary` of a sync's view (as the node process sends it)."""
+    """The one line that says what a sync did, from its view."""
     return sync_line(
         view["peer"], view["remote"], view["files_sent"], view["bytes_sent"],
         view["files_deleted"], view["files_unchanged"],
@@ -75,40 +67,15 @@ def _view_summary(view: dict[str, Any]) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def sync(peer: str, folder: str, dry_run: bool, as_json: bool) -> None:
     """Sync the folder DIR into /apps/NAME in your folder on PEER."""
-    if node_enabled():
-        from gpumesh.cli.launch import APP_SYNC, APP_SYNC_PATH, app_sync_body, take
+    from gpumesh.cli.launch import APP_SYNC, APP_SYNC_PATH, app_sync_body, take
 
-        # The head start's own body (no msgspec on the way of a sync; a unit test
-        # converts it into client/bodies.SyncBody).
-        body = app_sync_body(peer, folder, dry_run)
-        ahead = take(APP_SYNC, body)  # the plain form's request, sent before the CLI loaded
-        read = ahead[1] if ahead is not None else None
-        view = read() if read else node_client().call("POST", APP_SYNC_PATH, body)
-        for text in view_output(view, as_json=as_json, dry_run=dry_run):
-            click.echo(text)
-        return
-    from gpumesh.client.apps import sync_app
-
-    node = get_node()
-    result = run_async(sync_app(node, peer, Path(folder), dry_run=dry_run))
-    if as_json:
-        import msgspec
-
-        from gpumesh.client.views.apps import SyncView
-
-        emit_json(msgspec.to_builtins(SyncView.of(result)))
-        return
-    if dry_run:
-        skips = [(skipped.path, skipped.reason) for skipped in result.skipped]
-        _dry_run(result.sent, result.deleted, skips, result.unchanged)
-        return
-    click.echo(_sync_summary(result))
-
-
-def _dry_run(
-    sent: list[str], deleted: list[str], skipped: list[tuple[str, str]], unchanged: int
-) -> None:
-    for text in dry_run_lines(sent, deleted, skipped, unchanged):
+    # The head start's own body (no msgspec on the way of a sync; a unit test
+    # converts it into client/bodies.SyncBody).
+    body = app_sync_body(peer, folder, dry_run)
+    ahead = take(APP_SYNC, body)  # the plain form's request, sent before the CLI loaded
+    read = ahead[1] if ahead is not None else None
+    view = read() if read else node_client().call("POST", APP_SYNC_PATH, body)
+    for text in view_output(view, as_json=as_json, dry_run=dry_run):
         click.echo(text)
 
 
@@ -162,59 +129,24 @@ def run(
         out_name = Path(os.path.abspath(out)).name
         if not out_name or out_name.startswith("."):
             fail(f"--out {out}: give a folder name, like ./renders")
-    if node_enabled() and all("=" in item for item in env_items):
-        from gpumesh.client.bodies import AppRunBody
+    if not all("=" in item for item in env_items):
+        from gpumesh.client.jobspec import parse_env
 
-        body = AppRunBody(
-            peer=peer,
-            dir=os.path.abspath(folder),
-            out=None if out is None else os.path.abspath(out),
-            command=list(command),
-            **job_options(image, env_items, gpu_memory, retries, timeout, mounts),
-        )
-        view = _run_through_node(body, quiet=quiet)
-        job = view["job"]
-        status = exit_status_of(job["state"], job["exit_code"])
-        _pulled(view["pulled"], view["sync"]["peer"], view["sync"]["remote"],
-                view["out_remote"], out, out_name, status, quiet)  # fmt: skip
-        raise SystemExit(status)
-    from gpumesh.cli._jobview import JobPrinter
-    from gpumesh.cli.run import exit_status
-    from gpumesh.client.apps import run_app
-    from gpumesh.client.jobspec import build_spec
+        parse_env(env_items)  # raises the error that names the item
+    from gpumesh.client.bodies import AppRunBody
 
-    node = get_node()
-    spec = build_spec(
-        None,
-        image=image,
-        command=list(command) if command else None,
-        env_items=list(env_items),
-        gpu_memory=gpu_memory,
-        retries=retries,
-        timeout=timeout,
+    body = AppRunBody(
         peer=peer,
-        mounts=list(mounts),
+        dir=os.path.abspath(folder),
+        out=None if out is None else os.path.abspath(out),
+        command=list(command),
+        **job_options(image, env_items, gpu_memory, retries, timeout, mounts),
     )
-
-    def synced(result: SyncResult) -> None:
-        if not quiet:
-            click.echo(_sync_summary(result), err=True)
-
-    printer = JobPrinter(quiet=quiet)
-    done = run_async(
-        run_app(
-            node,
-            peer,
-            Path(folder),
-            spec,
-            out=Path(out) if out is not None else None,
-            callbacks=printer.callbacks(),
-            synced=synced,
-        )
-    )
-    status = exit_status(done.job)
-    _pulled(done.pulled, done.sync.peer, done.sync.remote, done.out_remote, out, out_name,
-            status, quiet)  # fmt: skip
+    view = _run_through_node(body, quiet=quiet)
+    job = view["job"]
+    status = exit_status_of(job["state"], job["exit_code"])
+    _pulled(view["pulled"], view["sync"]["peer"], view["sync"]["remote"],
+            view["out_remote"], out, out_name, status, quiet)  # fmt: skip
     raise SystemExit(status)
 
 
@@ -279,14 +211,8 @@ def _run_through_node(body: AppRunBody, *, quiet: bool) -> dict[str, Any]:
 @_dir_option("The local folder the job's app folder is copied into (made if missing).")
 def pull(peer: str, job_id: str, folder: str) -> None:
     """Copy the working folder of a past job (its app folder) into DIR."""
-    if node_enabled():
-        from gpumesh.client.bodies import AppPullBody
+    from gpumesh.client.bodies import AppPullBody
 
-        body = AppPullBody(peer=peer, job=job_id, dir=os.path.abspath(folder))
-        remote = node_client().call("POST", "/api/v1/apps/pull", body)["remote"]
-        click.echo(f"pulled {peer}:{remote} -> {folder}")
-        return
-    from gpumesh.client.apps import pull_job
-
-    remote, _size = run_async(pull_job(get_node(), peer, job_id, Path(folder)))
+    body = AppPullBody(peer=peer, job=job_id, dir=os.path.abspath(folder))
+    remote = node_client().call("POST", "/api/v1/apps/pull", body)["remote"]
     click.echo(f"pulled {peer}:{remote} -> {folder}")

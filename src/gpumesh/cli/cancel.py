@@ -7,9 +7,8 @@ from urllib.parse import quote
 
 import click
 
-from gpumesh.cli._common import get_node, run_async
 from gpumesh.cli._complete import complete_peer, complete_submitted_job
-from gpumesh.cli._node import owner_client
+from gpumesh.cli._node import node_client, owner_change
 
 
 @click.command(
@@ -43,23 +42,11 @@ def cancel(peer: str | None, job_id: str) -> None:
         _end_session(kind, job_id)
         return
 
-    # Through the node process when one runs this home: a hosted job's cancel is
-    # carried out by its share, which runs there.
-    client = owner_client()
-    if client is not None:
-        # The node process's JSON view as it is: no need to load msgspec to read it.
-        path = f"/api/v1/jobs/{quote(job_id, safe='')}/cancel"
-        # client/bodies.CancelBody's one field, as a dict: msgspec (~30 ms to
-        # import) stays off the way of a thin command.
-        view: dict[str, Any] = client.call("POST", path, {"peer": peer})
-    else:
-        import msgspec
-
-        from gpumesh.client.jobs import cancel as cancel_by_id
-        from gpumesh.client.views.jobs import JobResultView
-
-        result = JobResultView.of(run_async(cancel_by_id(get_node(), job_id, peer=peer)))
-        view = msgspec.to_builtins(result)
+    # The node process runs this home's share, which carries out a hosted job's cancel.
+    path = f"/api/v1/jobs/{quote(job_id, safe='')}/cancel"
+    # client/bodies.CancelBody's one field, as a dict: msgspec (~30 ms to
+    # import) stays off the way of a thin command. Its answer is the JSON view.
+    view: dict[str, Any] = node_client().call("POST", path, {"peer": peer})
     if view["role"] == "hosted":
         click.echo(f"Job {view['job_id']} of {view['peer']}: {view['state']} ({view['message']})")
         return
@@ -79,17 +66,8 @@ def _session_kind(given: str) -> str | None:
 def _end_session(kind: str, session_id: str) -> None:
     from gpumesh.client.views.owner import EndedSessionView
 
-    client = owner_client()
-    if client is not None:  # the node process runs this home's share, and its sessions
-        import msgspec
-
-        path = f"/api/v1/owner/{_SESSION_ROUTES[kind]}/{quote(session_id, safe='')}/stop"
-        ended = msgspec.convert(client.call("POST", path, None), EndedSessionView)
-    else:
-        from gpumesh.client.owner import SessionKind, end_session
-
-        ended = EndedSessionView.of(
-            run_async(end_session(get_node(), SessionKind(kind), session_id))
-        )
+    # The node process runs this home's share, and its sessions.
+    path = f"/api/v1/owner/{_SESSION_ROUTES[kind]}/{quote(session_id, safe='')}/stop"
+    ended = owner_change("POST", path, EndedSessionView)
     what = {"shell": "shell", "desktop": "desktop connection", "cuda": "CUDA session"}[kind]
     click.echo(f"Ended {ended.peer}'s {what} {ended.id}")

@@ -6,9 +6,7 @@ from typing import Any
 
 import click
 
-from gpumesh.cli._common import emit_json, get_node, run_async
 from gpumesh.cli._complete import complete_peer
-from gpumesh.cli._node import node_enabled
 
 
 @click.command(
@@ -49,38 +47,15 @@ def connect(
     size = parse_size(speed) if speed else 0
     if timeout is not None and not 0 < timeout <= 3600:
         raise click.BadParameter("must be above 0 and at most 3600", param_hint="--timeout")
-    if node_enabled():
-        view = _through_node(peer, timeout, size, fresh)
-        if as_json:
-            import json
+    view = _through_node(peer, timeout, size, fresh)
+    if as_json:
+        import json
 
-            click.echo(json.dumps(view, indent=2))  # as to_json prints the view
-            return
-        _show(view)
-        mb_per_s = view.get("upload_mb_per_s")
-        rate = "-" if not mb_per_s else format_rate(mb_per_s * 1e6, 1.0)
-    else:
-        node = get_node()
-        result = run_async(node.connect(peer, timeout=timeout))
-        throughput = run_async(node.throughput(peer, size)) if size else None
-        from gpumesh.client.views.peers import ConnectView
-
-        connected = ConnectView.of(result, throughput)
-        if as_json:
-            emit_json(connected)
-            return
-        _show(
-            {
-                "peer": result.peer.name,
-                "path": result.path,
-                "address": result.address,
-                "rtt_ms": result.rtt_ms,
-                "connect_ms": result.connect_ms,
-                "punch_ms": result.punch_ms,
-                "warm": result.warm,
-            }
-        )
-        rate = "-" if throughput is None else format_rate(throughput.bytes, throughput.seconds)
+        click.echo(json.dumps(view, indent=2))  # as to_json prints the view
+        return
+    _show(view)
+    mb_per_s = view.get("upload_mb_per_s")
+    rate = "-" if not mb_per_s else format_rate(mb_per_s * 1e6, 1.0)
     if size:
         click.echo(f"upload {rate} ({format_size(size)})")
 

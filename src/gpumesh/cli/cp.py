@@ -9,9 +9,8 @@ from typing import Any
 
 import click
 
-from gpumesh.cli._common import emit_json, get_node, run_async
+from gpumesh.cli._common import emit_json
 from gpumesh.cli._complete import complete_peer_path
-from gpumesh.cli._node import node_enabled
 
 
 @click.command(
@@ -74,53 +73,29 @@ def cp(
     folder, SOURCE is copied into it under its own name, as cp does.
     """
     view = _CopyView(quiet=quiet or as_json)
-    if node_enabled():
-        # client/bodies.CopyBody as a plain dict: msgspec (~30 ms to import) stays
-        # off the way of a copy (tests/unit/test_cli_bodies.py converts it).
-        body: dict[str, object] = {
-            "source": source,
-            "destination": destination,
-            "cwd": os.getcwd(),
-            "retries": retries,
-            "fast_path": not no_fast_path,
-        }
-        try:
-            data = _through_node(body, view)
-        finally:
-            view.close()
-        if as_json:
-            emit_json(data)
-        elif not quiet:
-            view.summary(SimpleNamespace(**data))
-        return
-    from gpumesh.client.files import CopyCallbacks, copy
-
-    node = get_node()
-    callbacks = CopyCallbacks(started=view.started, progress=view.progress, retrying=view.retrying)
+    # client/bodies.CopyBody as a plain dict: msgspec (~30 ms to import) stays
+    # off the way of a copy (tests/unit/test_cli_bodies.py converts it).
+    body: dict[str, object] = {
+        "source": source,
+        "destination": destination,
+        "cwd": os.getcwd(),
+        "retries": retries,
+        "fast_path": not no_fast_path,
+    }
     try:
-        result = run_async(
-            copy(
-                node,
-                source,
-                destination,
-                retries=retries,
-                callbacks=callbacks,
-                fast_path=not no_fast_path,
-            )
-        )
+        data = _through_node(body, view)
     finally:
         view.close()
     if as_json:
-        from gpumesh.client.views.files import CopyView
-
-        emit_json(CopyView.of(result))
+        emit_json(data)
     elif not quiet:
-        view.summary(result)
+        view.summary(SimpleNamespace(**data))
 
 
 def _through_node(body: dict[str, object], view: _CopyView) -> dict[str, Any]:
     """The copy done by the node process, its progress shown here; the copy's view.
-    Ctrl-C (or this process ending) stops the copy where it is, as in-process."""
+    Ctrl-C (or this process ending) stops the copy where it is; running the same
+    command again resumes it."""
     from gpumesh.cli._node import node_client
     from gpumesh.daemon.client import NodeUnavailableError
     from gpumesh.errors import AgentError, error_from_code

@@ -65,7 +65,7 @@ def doctor() -> None:
     click.echo(f"Shared   {shared}")
     allowed = ", ".join(report.allowed) or "nobody (`gpumesh cuda allow PEER`)"
     click.echo(f"Allowed  {allowed}")
-    note = worker_user(node.home)
+    note = worker_user(get_node().home)
     click.echo(f"Worker   {note or 'runs as job_user, without privileges or groups'}")
     for session in report.sessions:
         click.echo(
@@ -86,17 +86,10 @@ def share(action: str | None) -> None:
     """
     from gpumesh.cli._node import owner_change
     from gpumesh.client.views.owner import CudaShareView
-    from gpumesh.cuda.ops import share as set_share
     from gpumesh.cuda.owner import worker_user
 
-    node = get_node()
     on = action != "stop"
-
-    def here() -> CudaShareView:
-        set_share(node, on)
-        return CudaShareView(on)
-
-    view = owner_change("POST" if on else "DELETE", "/api/v1/cuda/share", CudaShareView, here)
+    view = owner_change("POST" if on else "DELETE", "/api/v1/cuda/share", CudaShareView)
     if not on:
         click.echo("CUDA sessions are no longer offered; open ones were ended")
         return
@@ -104,7 +97,7 @@ def share(action: str | None) -> None:
         click.echo("CUDA sessions are offered whenever this node shares (`gpumesh share`)")
     else:
         click.echo("CUDA sessions are offered now and whenever this node shares")
-    note = worker_user(node.home)
+    note = worker_user(get_node().home)
     if note is not None:
         click.echo(click.style(note, fg="yellow"))
 
@@ -114,9 +107,8 @@ def share(action: str | None) -> None:
 def allow(peer: str) -> None:
     """Let a paired PEER open CUDA sessions here."""
     from gpumesh.cli._node import peer_change
-    from gpumesh.cuda.ops import allow as put
 
-    found = peer_change(peer, "cuda/allow", put)
+    found = peer_change(peer, "cuda/allow")
     click.echo(f"{found.name} may open CUDA sessions here")
 
 
@@ -125,9 +117,8 @@ def allow(peer: str) -> None:
 def deny(peer: str) -> None:
     """Take PEER off the CUDA allowlist; its open sessions end at once."""
     from gpumesh.cli._node import peer_change
-    from gpumesh.cuda.ops import deny as take
 
-    found = peer_change(peer, "cuda/deny", take)
+    found = peer_change(peer, "cuda/deny")
     click.echo(f"{found.name} may no longer open CUDA sessions here")
 
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from gpumesh.cli._node import node_enabled, node_home
+from gpumesh.cli._node import node_home
 from gpumesh.settings import ENV_API_ADDR, ENV_API_TOKEN, env
 
 if TYPE_CHECKING:
@@ -178,22 +178,6 @@ def _open(home: Path, url: str) -> None:
         click.echo("No browser could be opened here: open the URL above yourself.", err=True)
 
 
-def _running(home: Path) -> NodeClient:
-    """The node process that already runs (``$GPUMESH_NODE=off``: none is started)."""
-    from gpumesh.daemon.client import NodeClient, NodeUnavailableError
-    from gpumesh.errors import AgentError
-
-    client = NodeClient(home)
-    try:
-        client.call("GET", "/api/v1/node", timeout=10)
-    except NodeUnavailableError:
-        raise AgentError(
-            f"no node process runs for {home} and GPUMESH_NODE=off keeps this command "
-            "from starting one: start one with `gpumesh-control`, or unset GPUMESH_NODE"
-        ) from None
-    return client
-
-
 @click.command(
     name="dashboard",
     epilog="""\b
@@ -223,14 +207,10 @@ def dashboard(open_browser: bool) -> None:
     cookie counts there alone, so no other server on this machine can use it.
     The code in the URL's fragment is good for one sign-in within 5 minutes.
     """
-    home = node_home()
-    if node_enabled():
-        from gpumesh.cli._node import node_client
+    from gpumesh.cli._node import node_client
 
-        client = node_client()
-    else:
-        client = _running(home)
-    url, served = login_url(client, env(ENV_API_ADDR))
+    home = node_home()
+    url, served = login_url(node_client(), env(ENV_API_ADDR))
     click.echo(url)
     click.echo(served, err=True)
     if open_browser:

@@ -120,12 +120,7 @@ def share(action: str | None, kind: str | None, port: int | None) -> None:
     LAN reach it without GPUMesh).
     """
     from gpumesh.cli._node import owner_change
-    from gpumesh.client.desktop import (
-        exposure,
-        exposure_warning,
-        share_desktop,
-        stop_desktop_share,
-    )
+    from gpumesh.client.desktop import exposure, exposure_warning
     from gpumesh.client.views.owner import DesktopShareView
     from gpumesh.errors import BadRequestError
     from gpumesh.protocol.desktop import DesktopKind, kind_for_port
@@ -133,12 +128,7 @@ def share(action: str | None, kind: str | None, port: int | None) -> None:
     if action == "stop":
         if kind or port:
             raise BadRequestError("`desktop share stop` takes no --vnc, --rdp or --port")
-        stopped = owner_change(
-            "DELETE",
-            "/api/v1/desktop/share",
-            DesktopShareView,
-            lambda: DesktopShareView(stop_desktop_share(get_node())),
-        ).shared
+        stopped = owner_change("DELETE", "/api/v1/desktop/share", DesktopShareView).shared
         click.echo("The desktop is no longer shared." if stopped else "The desktop was not shared.")
         return
     if kind is not None:
@@ -149,12 +139,8 @@ def share(action: str | None, kind: str | None, port: int | None) -> None:
     else:
         chosen, port = DesktopKind.VNC, DesktopKind.VNC.server_port
 
-    def here() -> DesktopShareView:
-        shared = share_desktop(get_node(), chosen, port)
-        return DesktopShareView(True, str(shared.kind), shared.port)
-
     body = {"kind": str(chosen), "port": port}
-    shared = owner_change("POST", "/api/v1/desktop/share", DesktopShareView, here, body)
+    shared = owner_change("POST", "/api/v1/desktop/share", DesktopShareView, body)
     click.echo(f"Sharing the desktop: {shared.kind} on 127.0.0.1:{shared.port}.")
     assert shared.port is not None
     exposed = exposure(shared.port)
@@ -175,9 +161,8 @@ def allow(peer: str) -> None:
     The desktop allowlist is separate from the one for jobs and files.
     """
     from gpumesh.cli._node import peer_change
-    from gpumesh.client.desktop import allow_desktop
 
-    record = peer_change(peer, "desktop/allow", allow_desktop)
+    record = peer_change(peer, "desktop/allow")
     click.echo(f"{record.name} ({record.node_id[:12]}) may use the desktop.")
 
 
@@ -190,9 +175,8 @@ def deny(peer: str) -> None:
     """Take PEER off the desktop allowlist; a running `gpumesh share` cuts its open
     desktop connections at once (its jobs and files are untouched)."""
     from gpumesh.cli._node import peer_change
-    from gpumesh.client.desktop import deny_desktop
 
-    record = peer_change(peer, "desktop/deny", deny_desktop)
+    record = peer_change(peer, "desktop/deny")
     click.echo(
         f"{record.name} ({record.node_id[:12]}) may no longer use the desktop; its open "
         "desktop connections are closed."

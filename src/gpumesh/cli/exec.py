@@ -11,17 +11,13 @@ import os
 import signal
 import threading
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import click
 
 from gpumesh import platform
-from gpumesh.cli._common import get_node, run_async
+from gpumesh.cli._common import run_async
 from gpumesh.cli._complete import complete_peer
-from gpumesh.cli._node import node_enabled
-
-if TYPE_CHECKING:
-    from gpumesh.client.exec import ExecSession
 
 
 @click.command(
@@ -81,106 +77,28 @@ def exec(
     # they are typed: the session runs as with a pipe, line by line.
     tty = os.isatty(0) and os.isatty(1) and platform.has("termios")
     raw = _RawMode(0) if tty else None
-    if node_enabled() and all("=" in item for item in env_items):
-        from gpumesh import settings
+    if not all("=" in item for item in env_items):
+        from gpumesh.client.jobspec import parse_env
 
-        # client/bodies.ShellRequest as a plain dict: msgspec (~30 ms to import)
-        # stays off the way of a shell (tests/unit/test_cli_bodies.py converts it).
-        request: dict[str, object] = {
-            "peer": peer,
-            "command": list(command),
-            "image": image or settings.env(settings.ENV_IMAGE),  # ours, not the node's
-            "env": dict(item.split("=", 1) for item in env_items),
-            "gpu_memory": memory,
-            "tty": tty,
-        }
-        try:
-            code = run_async(_through_node(request, raw))
-        finally:
-            if raw is not None:
-                raw.restore()
-        raise SystemExit(code)
-    from gpumesh.client.jobspec import parse_env
+        parse_env(env_items)  # raises the error that names the item
+    from gpumesh import settings
 
-    node = get_node()
-    env = parse_env(env_items)
+    # client/bodies.ShellRequest as a plain dict: msgspec (~30 ms to import)
+    # stays off the way of a shell (tests/unit/test_cli_bodies.py converts it).
+    request: dict[str, object] = {
+        "peer": peer,
+        "command": list(command),
+        "image": image or settings.env(settings.ENV_IMAGE),  # ours, not the node's
+        "env": dict(item.split("=", 1) for item in env_items),
+        "gpu_memory": memory,
+        "tty": tty,
+    }
     try:
-        code = run_async(_session(node, peer, list(command) or ["sh"], image, env, raw, memory))
+        code = run_async(_through_node(request, raw))
     finally:
         if raw is not None:
             raw.restore()
     raise SystemExit(code)
-
-
-async def _session(
-    node: object,
-    peer: str,
-    command: list[str],
-    image: str | None,
-    env: dict[str, str],
-    raw: _RawMode | None,
-    gpu_memory: int = 0,
-) -> int:
-    from gpumesh.cli._jobview import JobPrinter
-    from gpumesh.client.exec import exec_shell
-    from gpumesh.client.node import Node
-
-    assert isinstance(node, Node)
-    loop = asyncio.get_running_loop()
-    main = asyncio.current_task()
-    assert main is not None
-    received: list[int] = []
-
-    def on_signal(signum: int) -> None:
-        # Ends the session cleanly: closing the link lets the provider remove
-        # the container now instead of when the link times out.
-        received.append(signum)
-        main.cancel()
-
-    undo: list[Callable[[], None]] = []
-    watchers: list[asyncio.Task[None]] = []
-
-    def on_started(shell: ExecSession) -> None:
-        if raw is None:
-            return
-        raw.enter()
-        if platform.has("sigwinch"):
-            resize = functools.partial(_resize, shell)
-            undo.append(platform.add_signal_handler(loop, signal.SIGWINCH, resize))
-        else:
-            watchers.append(asyncio.create_task(_watch_window(shell)))
-
-    # SIGHUP: not on Windows, where a closed console ends the process anyway.
-    for name in ("SIGHUP", "SIGTERM"):
-        if hasattr(signal, name):
-            signum = getattr(signal, name)
-            undo.append(
-                platform.add_signal_handler(loop, signum, functools.partial(on_signal, signum))
-            )
-    try:
-        return await exec_shell(
-            node,
-            peer,
-            command,
-            source=_read_fd(0),
-            sink=_write_stdout,
-            image=image,
-            env=env,
-            tty=raw is not None,
-            size=_window_size() if raw is not None else None,
-            started=on_started,
-            on_pull=JobPrinter().pull,
-            gpu_memory=gpu_memory,
-        )
-    except asyncio.CancelledError:
-        if received:
-            return 128 + received[0]
-        raise
-    finally:
-        for watcher in watchers:
-            watcher.cancel()
-        for step in undo:
-            step()
 
 
 async def _through_node(request: dict[str, object], raw: _RawMode | None) -> int:
@@ -304,22 +222,8 @@ async def _poll_window(resize: Callable[[], None]) -> None:
             resize()
 
 
-def _resize(shell: ExecSession) -> None:
-    shell.resize(*_window_size())
-
-
 _WINDOW_POLL = 0.5
 """Seconds between looks at the window's size where no signal says it changed."""
-
-
-async def _watch_window(shell: ExecSession) -> None:
-    size = _window_size()
-    while True:
-        await asyncio.sleep(_WINDOW_POLL)
-        now = _window_size()
-        if now != size:
-            size = now
-            shell.resize(*now)
 
 
 def _window_size() -> tuple[int, int]:

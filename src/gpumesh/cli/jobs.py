@@ -3,18 +3,13 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import click
 
-from gpumesh.cli._common import emit_json, get_node, run_async
-from gpumesh.cli._node import node_enabled
 from gpumesh.cli._table import Column
 from gpumesh.protocol.states import JobRole, JobState
 from gpumesh.units import format_duration, format_size
-
-if TYPE_CHECKING:
-    from gpumesh.client.views.joblist import JobListEntry
 
 COLUMNS = [
     Column("ID"),
@@ -51,24 +46,14 @@ def jobs(limit: int, offline: bool, as_json: bool) -> None:
     "unknown since HH:MM", the last time its state was confirmed; one its
     provider no longer knows shows "gone".
     """
-    entries: list[dict[str, Any]]
-    if node_enabled():
-        entries = _from_node(limit, offline)
-        if as_json:
-            # The node process's answer is the same view in the same key order:
-            # printed as emit_json prints it, without loading msgspec here.
-            import json
+    entries = _from_node(limit, offline)
+    if as_json:
+        # The node process's answer is the same view in the same key order:
+        # printed as emit_json prints it, without loading msgspec here.
+        import json
 
-            click.echo(json.dumps(entries, indent=2))
-            return
-    else:
-        import msgspec
-
-        listed = _in_process(limit, offline)
-        if as_json:
-            emit_json(listed)
-            return
-        entries = msgspec.to_builtins(listed)
+        click.echo(json.dumps(entries, indent=2))
+        return
     if not entries:
         click.echo("No jobs yet. Start one with `gpumesh run --peer NAME -- COMMAND`.")
         return
@@ -87,19 +72,6 @@ def _from_node(limit: int, offline: bool) -> list[dict[str, Any]]:
 
         raise AgentError("the node process answered the job list with something else")
     return data
-
-
-def _in_process(limit: int, offline: bool) -> list[JobListEntry]:
-    from gpumesh.client.views.joblist import JobListEntry
-
-    node = get_node()
-    unconfirmed: dict[str, str] = {}
-    if not offline and node.home.store.unconfirmed_submitted_jobs(limit):
-        from gpumesh.client.jobs import refresh_jobs
-
-        for answer in run_async(refresh_jobs(node, limit=limit)):
-            unconfirmed.update(dict.fromkeys(answer.job_ids, answer.reason))
-    return [JobListEntry.of(j, unconfirmed) for j in node.home.store.jobs(limit=limit)]
 
 
 def _confirmed(j: dict[str, Any]) -> float:

@@ -22,10 +22,9 @@ to the command, where the reading stopped (:func:`read_ahead`).
 Only exactly those forms are taken here, with options click would read the
 same way (each given once, a value that does not look like an option, for
 ``--dir`` a folder click's check passes, for ``--workdir`` a folder the job
-spec's check passes); any other command line, a home that is not initialised,
-commands kept in-process (``GPUMESH_NODE=off``) or a failure on the way to the
-node process leave the command to the CLI as it always ran: nothing is ever
-sent twice.
+spec's check passes); any other command line, a home that is not initialised
+or a failure on the way to the node process leave the command to the CLI as it
+always ran: nothing is ever sent twice.
 """
 
 from __future__ import annotations
@@ -258,10 +257,6 @@ def start(argv: list[str]) -> bool:
     taken = request(argv)
     if taken is None:
         return False
-    from gpumesh.daemon import enabled
-
-    if not enabled():
-        return False
     from gpumesh.settings import ENV_HOME, home_dir
 
     # As the CLI's --home option reads it (its environment variable, else the default).
@@ -413,6 +408,9 @@ def entry() -> None:
     """Console-script entry: the head start, then :func:`gpumesh.cli.main.entry`
     (not for an app sync that :func:`finish` printed, nor a run :func:`finish_run`
     saw to its end)."""
+    from gpumesh.daemon import setting_gone
+
+    setting_gone()
     try:
         if start(sys.argv[1:]):
             code = finish(sys.argv[1:])

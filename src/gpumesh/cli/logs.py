@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import click
 
-from gpumesh.cli._common import get_node, run_async
 from gpumesh.cli._complete import complete_job
-from gpumesh.cli._node import node_enabled
 
 
 @click.command(
@@ -26,31 +22,12 @@ def logs(job_id: str | None, follow: bool) -> None:
     Works for jobs this node submitted (fetched from the provider) and jobs it
     hosts (read locally). Exits with the job's exit code once it has ended.
     """
-    if node_enabled():
-        _through_node(job_id, follow)
-        return
-    from gpumesh.cli._jobview import JobPrinter
-    from gpumesh.cli.run import exit_status
-    from gpumesh.client.jobs import JobResult
-    from gpumesh.client.jobs import logs as job_logs
-
-    events = job_logs(get_node(), job_id, follow=follow)
-    printer = JobPrinter(numbered=True)
-
-    async def show() -> JobResult:
-        async with contextlib.aclosing(events):
-            async for event in events:
-                printer.show(event)
-        return events.result
-
-    result = run_async(show())
-    if result.final:
-        raise SystemExit(exit_status(result))
+    _through_node(job_id, follow)
 
 
 def _through_node(job_id: str | None, follow: bool) -> None:
-    """``logs`` as a thin client of the node process (which resumes a follow
-    across its own restart)."""
+    """Ask the node process for the job's events (it resumes a follow across its
+    own restart)."""
     from gpumesh.cli._node import follow as follow_job
     from gpumesh.cli._node import node_client
     from gpumesh.cli._notes import ViewPrinter, exit_status_of

@@ -161,9 +161,11 @@ def main(argv: list[str] | None = None) -> int:
     import os
 
     from gpumesh.cli._common import run_cli
+    from gpumesh.daemon import setting_gone
 
     if COMPLETE_VAR in os.environ:  # a shell's Tab press: our PowerShell completer must answer
         import gpumesh.cli._powershell  # noqa: F401
+    setting_gone()
 
     return run_cli(cli, argv)
 

@@ -8,9 +8,8 @@ from typing import TYPE_CHECKING
 
 import click
 
-from gpumesh.cli._common import get_node, run_async
 from gpumesh.cli._complete import complete_group, complete_peer
-from gpumesh.cli._node import job_options, node_enabled
+from gpumesh.cli._node import job_options
 from gpumesh.errors import ExitCode
 
 if TYPE_CHECKING:
@@ -90,7 +89,7 @@ def run(
     the remote job or leave it running.
     """
     simple = not job_file and not workdir and all("=" in item for item in env_items)
-    if node_enabled() and simple and (peer or group):
+    if simple and (peer or group):
         # Checked by the node process, with the same messages: this process
         # need not load the job file reader (YAML) or the runtime's rules.
         # A plain dict, as the head start sends it: msgspec (~30 ms to import) stays
@@ -105,6 +104,7 @@ def run(
         }
         _through_node(body, detach=detach, quiet=quiet, explain=explain)
         return
+    from gpumesh.client import bodies
     from gpumesh.client.jobspec import build_spec
 
     spec = build_spec(
@@ -120,43 +120,15 @@ def run(
         group=group,
         mounts=list(mounts),
     )
-    if node_enabled():
-        from gpumesh.client import bodies
-
-        spec_body = bodies.JobBody(
-            command=spec.command,
-            peer=spec.peer,
-            group=spec.group,
-            workdir=None if spec.workdir is None else str(spec.workdir),
-            wait=WAIT_FOREVER if wait else 0.0,
-            **bodies.job_options(spec),
-        )
-        _through_node(spec_body, detach=detach, quiet=quiet, explain=explain)
-        return
-    from gpumesh.cli._jobview import JobPrinter
-    from gpumesh.client.jobs import new_job_id, run_job
-
-    node = get_node()
-    printer = JobPrinter(quiet=quiet, explain=explain)
-    job_id = new_job_id()
-    try:
-        result = run_async(
-            run_job(
-                node,
-                spec,
-                detach=detach,
-                callbacks=printer.callbacks(),
-                job_id=job_id,
-                wait=float("inf") if wait else 0.0,
-            )
-        )
-    except KeyboardInterrupt:
-        _interrupted(node, job_id)
-        raise SystemExit(ExitCode.INTERRUPTED) from None
-    if detach:
-        click.echo(result.job_id)
-        return
-    raise SystemExit(exit_status(result))
+    spec_body = bodies.JobBody(
+        command=spec.command,
+        peer=spec.peer,
+        group=spec.group,
+        workdir=None if spec.workdir is None else str(spec.workdir),
+        wait=WAIT_FOREVER if wait else 0.0,
+        **bodies.job_options(spec),
+    )
+    _through_node(spec_body, detach=detach, quiet=quiet, explain=explain)
 
 
 WAIT_FOREVER = 10.0**9
@@ -198,13 +170,13 @@ def _through_node(
         if reader.job_id is None or reader.provider is None:
             click.echo("Interrupted before the job started.", err=True)
         else:
-            _interrupted_thin(reader.job_id, reader.provider)
+            _interrupted(reader.job_id, reader.provider)
         raise SystemExit(ExitCode.INTERRUPTED) from None
     raise SystemExit(exit_status_of(result["state"], result["exit_code"]))
 
 
-def _interrupted_thin(job_id: str, peer: str) -> None:
-    """Ctrl-C through the node process: as :func:`_interrupted`."""
+def _interrupted(job_id: str, peer: str) -> None:
+    """Ctrl-C: cancel the remote job, or leave it running when the user says so."""
     from urllib.parse import quote
 
     from gpumesh.cli._common import print_error
@@ -228,40 +200,3 @@ def _interrupted_thin(job_id: str, peer: str) -> None:
         print_error(f"could not cancel {job_id}: {exc.message}")
         return
     click.echo(f"Job {job_id} {result['state']}.", err=True)
-
-
-def exit_status(result: object) -> int:
-    """The CLI's exit status for a finished job, as `docker run` would give it."""
-    from gpumesh.cli._notes import exit_status_of
-    from gpumesh.client.jobs import JobResult
-
-    assert isinstance(result, JobResult)
-    return exit_status_of(result.state, result.exit_code)
-
-
-def _interrupted(node: object, job_id: str) -> None:
-    """Ctrl-C: cancel the remote job, or leave it running when the user says so."""
-    from gpumesh.cli._common import print_error
-    from gpumesh.client.jobs import SUBMITTED, cancel_job
-    from gpumesh.client.node import Node
-    from gpumesh.errors import GPUMeshError
-
-    assert isinstance(node, Node)
-    job = node.home.store.job(SUBMITTED, job_id)
-    if job is None:
-        click.echo("Interrupted before the job started.", err=True)
-        return
-    cancel = True
-    if sys.stdin.isatty():
-        cancel = click.confirm(
-            f"\nCancel job {job_id} on {job.peer_name}? (no: it keeps running)", default=True
-        )
-    if not cancel:
-        click.echo(f"Detached. Follow it with: gpumesh logs -f {job_id}", err=True)
-        return
-    try:
-        result = run_async(cancel_job(node, job.peer_id, job_id))
-    except GPUMeshError as exc:
-        print_error(f"could not cancel {job_id}: {exc.message}")
-        return
-    click.echo(f"Job {job_id} {result.state}.", err=True)

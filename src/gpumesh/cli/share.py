@@ -260,9 +260,9 @@ def _print_unit(home: Path, options: ShareOptions) -> None:
 @click.option("--timeout", type=float, default=60.0, show_default=True, help="Seconds to wait.")
 def stop(timeout: float) -> None:
     """Stop sharing this machine (the node process goes on serving commands)."""
-    from gpumesh.cli._node import node_home, owner_client
+    from gpumesh.cli._node import node_home, running_client
 
-    client = owner_client()
+    client = running_client()
     if client is None or _stop(client, timeout) is None:  # what was asked for is so
         click.echo(f"No `gpumesh share` is running for {node_home()}: nothing to stop.")
         return

@@ -154,6 +154,11 @@ async def exec_shell(
             return receiver.result()
         finally:
             shell.close()
+            if not receiver.done():
+                # The program did not end (hang-up, Ctrl-C, a failure): reset its
+                # stream, so the provider removes the container now, also when the
+                # session stays open after it (a node process's warm one).
+                stream.abort()
             for task in (pump, receiver):
                 task.cancel()
             for task in (pump, receiver):

@@ -8,20 +8,26 @@ they are the thin CLI's whole path. ``process`` is the node process itself.
 
 from __future__ import annotations
 
-__all__ = ["enabled"]
+__all__ = ["setting_gone"]
 
 
-def enabled() -> bool:
-    """Whether commands go through the node process: ``$GPUMESH_NODE`` is not
-    ``off``, and the system can lock a home the way the node process does (an
-    ``flock``, or ``msvcrt.locking`` on Windows: :func:`gpumesh.daemon.record.can_lock`).
-    Without unix sockets the CLI reaches it on loopback TCP with the home's
-    token. Imports nothing a platform may lack."""
-    from importlib.util import find_spec
+def setting_gone() -> None:
+    """Say once, on stderr, that ``$GPUMESH_NODE=off`` is gone (it kept commands
+    in-process); the variable is taken out of this process's environment so that
+    neither a second look nor a node process it starts says it again. Imports
+    nothing heavy: the head start calls it before anything else."""
+    import os
 
-    from gpumesh.settings import ENV_NODE, env
+    if "GPUMESH_NODE" not in os.environ:  # settings.ENV_NODE, without loading settings
+        return
+    import sys
 
-    value = (env(ENV_NODE) or "on").lower()
-    if value in ("off", "0", "false", "no"):
-        return False
-    return find_spec("fcntl") is not None or find_spec("msvcrt") is not None  # as can_lock
+    from gpumesh.settings import ENV_NODE
+
+    value = os.environ.pop(ENV_NODE)
+    if value.lower() in ("off", "0", "false", "no"):
+        sys.stderr.write(
+            f"gpumesh: {ENV_NODE}={value} is gone and changes nothing: every command goes "
+            "through the node process (in Python, gpumesh.Mesh(in_process=True) runs "
+            "the client layer in your own process)\n"
+        )

@@ -1,11 +1,10 @@
 """``gpumesh.Mesh`` through the home's node process: the control API over
 ``control.sock``, with the same methods and the same view structs as in-process.
 
-:class:`Mesh` is the public one: it picks its backend (:class:`ThroughNode` when
-commands use the node process: ``$GPUMESH_NODE`` not ``off`` and the system
-can lock a home for one; :class:`~gpumesh.client.mesh.InProcess` with
-``in_process=True`` or else). It lives on this floor because it talks to the
-node process; everything else is :class:`gpumesh.client.mesh.Mesh`'s.
+:class:`Mesh` is the public one: it picks its backend (:class:`ThroughNode`, as
+the CLI; :class:`~gpumesh.client.mesh.InProcess` with ``in_process=True``). It
+lives on this floor because it talks to the node process; everything else is
+:class:`gpumesh.client.mesh.Mesh`'s.
 
 :class:`ThroughNode` sends each call as one request of the standard-library
 client (:mod:`gpumesh.daemon.client`, in a worker thread so the caller's loop
@@ -40,7 +39,7 @@ from gpumesh.client.bodies import (
     job_options,
 )
 from gpumesh.client.views.jobs import JobResultView
-from gpumesh.errors import AgentError, ConfigError, NotInitializedError, error_from_code
+from gpumesh.errors import AgentError, NotInitializedError, error_from_code
 
 if TYPE_CHECKING:
     from gpumesh.client.jobs import JobEvent
@@ -65,28 +64,17 @@ class Mesh(base.Mesh):
     """One home's node, its peers, jobs, copies, apps and groups.
 
     ``home``: the home folder (default ``$GPUMESH_HOME``, else ``~/.gpumesh``).
-    ``in_process``: None (the default) talks to the home's node process over
+    ``in_process``: not true (the default) talks to the home's node process over
     its ``control.sock``, starting it in the background when none runs, as the
-    CLI does (in this process instead when ``$GPUMESH_NODE`` is ``off`` or the
-    system cannot lock a home for a node process); True runs the client layer in this process;
-    False insists on the node process.
+    CLI does; True runs the client layer in this process instead (the same one
+    implementation the node process runs).
 
     Close it when done (``with Mesh() as mesh:``, or ``async with`` in async code).
     """
 
     @staticmethod
     def _backend_for(home: str | Path | None, in_process: bool | None) -> base.MeshBackend:
-        from gpumesh.daemon import enabled
-        from gpumesh.daemon.record import can_lock
-
-        if in_process is True or (in_process is None and not enabled()):
-            return base.InProcess(home)
-        if not can_lock():
-            raise ConfigError(
-                "Mesh(in_process=False) needs a node process, which cannot lock its home on "
-                "this system (neither flock nor msvcrt): use Mesh() (it runs in this process)"
-            )
-        return ThroughNode(home)
+        return base.InProcess(home) if in_process else ThroughNode(home)
 
 
 class ThroughNode:

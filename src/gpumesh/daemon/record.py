@@ -31,7 +31,6 @@ __all__ = [
     "RECORD_NAME",
     "HomeLock",
     "NodeRecord",
-    "can_lock",
     "holder",
     "last_share_end",
     "read_record",
@@ -102,12 +101,6 @@ def last_share_end(home: Path) -> tuple[float, str] | None:
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)  # Windows' os.open never lets children inherit
 SECOND_LOOK = 0.02
 """Seconds before a byte lock found held is tried once more (someone's look)."""
-
-
-def can_lock() -> bool:
-    """Whether this system can lock a home as the node process does (``flock``, or
-    Windows' ``msvcrt.locking``). Imports nothing a platform may lack."""
-    return find_spec("fcntl") is not None or find_spec("msvcrt") is not None
 
 
 def _flock_here() -> bool:
