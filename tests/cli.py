@@ -8,7 +8,7 @@ output captured, and answers what :func:`subprocess.run` would. Where a process
 of its own is the point (signals, terminals, a process's lifetime or imports),
 tests start one themselves. It falls back to a subprocess where the CLI cannot
 run here: inside a running event loop or off the main thread (a command runs
-its own loop and signal handlers).
+its own loop and signal handlers), and for ``exec`` (:data:`OWN_PROCESS`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def run_cli(
 ) -> subprocess.CompletedProcess[str]:
     """``gpumesh ARGS`` with ``env`` as its whole environment; what it printed and its
     exit code, as :func:`subprocess.run` with ``capture_output`` and ``text`` gives them."""
-    if not _can_run_here():
+    if not _can_run_here() or _command(args) in OWN_PROCESS:
         return subprocess.run(
             [sys.executable, "-m", "gpumesh", *args],
             env=dict(env),
@@ -48,6 +48,23 @@ def run_cli(
     return subprocess.CompletedProcess(
         ["gpumesh", *args], code, out.getvalue().decode(), err.getvalue().decode()
     )
+
+
+OWN_PROCESS = {"exec"}
+"""Commands that read and write file descriptors 0 and 1 themselves (a terminal's
+raw bytes): their output is captured in a process of their own."""
+
+
+def _command(args: list[str]) -> str | None:
+    """The command's name: the first argument that is not an option (``--home H``
+    takes the one after it)."""
+    words = iter(args)
+    for word in words:
+        if word == "--home":
+            next(words, None)
+        elif not word.startswith("-"):
+            return word
+    return None
 
 
 def _can_run_here() -> bool:

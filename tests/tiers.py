@@ -5,6 +5,7 @@ slow to run while working. CI runs everything.
 A test is marked by what it requests, directly or through other fixtures:
 
     docker      ``docker_daemon``: a real Docker engine
+    runtime     ``runtime_engine``: the job runtime's own tests against that engine
     browser     ``browser``: Playwright driving chromium
     desktop     ``desktop_programs``: Xvfb, x11vnc, FreeRDP
     postgres    the registry database fixture's ``postgresql`` case
@@ -30,6 +31,7 @@ import pytest
 
 MARKS_FROM_FIXTURES = {
     "docker": "docker_daemon",
+    "runtime": "runtime_engine",
     "browser": "browser",
     "desktop": "desktop_programs",
     "wan": "network_lab",
@@ -38,6 +40,7 @@ MARKS_FROM_FIXTURES = {
 
 MARKERS = {
     "docker": "needs a running Docker daemon (from the docker_daemon fixture)",
+    "runtime": "the job runtime's tests against the engine (from runtime_engine)",
     "browser": "drives chromium (from the browser fixture)",
     "desktop": "drives real desktop servers and clients (from desktop_programs)",
     "postgres": "needs PostgreSQL (the registry database fixture's postgresql case)",
@@ -47,8 +50,9 @@ MARKERS = {
     "gpu": "needs an NVIDIA GPU whose driver loads (skipped elsewhere)",
 }
 
-NOT_FAST = ("browser", "desktop", "postgres", "wan", "subprocess")
-"""What the fast tier leaves out, unless a test is marked ``smoke``."""
+NOT_FAST = ("browser", "desktop", "postgres", "wan", "subprocess", "docker")
+"""What the fast tier leaves out, unless a test is marked ``smoke`` (and ``docker``
+unless it is marked ``runtime``: the runtime's own tests against the engine stay)."""
 
 ALWAYS_FAST = ("unit", "fuzz")
 """Folders of ``tests/`` the fast tier runs whole."""
@@ -64,7 +68,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--fast",
         action="store_true",
-        help=f"run the fast tier: tests/unit, tests/fuzz and what is not marked {NOT_FAST}",
+        help="run the fast tier: tests/unit, tests/fuzz, the smoke tests and what is not "
+        f"marked {', '.join(NOT_FAST)} (tests/tiers.py)",
     )
 
 
@@ -117,7 +122,10 @@ def _why_not_fast(item: pytest.Item) -> str | None:
         return None
     if Path(str(item.path)).parent.name in ALWAYS_FAST:
         return None
-    return next((m for m in NOT_FAST if item.get_closest_marker(m) is not None), None)
+    kept = ("docker",) if item.get_closest_marker("runtime") is not None else ()
+    return next(
+        (m for m in NOT_FAST if m not in kept and item.get_closest_marker(m) is not None), None
+    )
 
 
 def _audit(event: str, args: tuple[Any, ...]) -> None:

@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.integration.conftest import gpumesh, shared_pair
+from tests.integration.conftest import gpumesh, shared_pair, until
 
 pytestmark = pytest.mark.usefixtures("docker_daemon", "gpumesh_processes")
 
@@ -183,6 +183,13 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
         api = start_control(bob)
         owner = start_control(alice)
         try:
+            # It took alice's share over from her background node process: stopped
+            # there, started again here, not at once.
+            sharing = {"offline": "1"}
+            until(
+                lambda: owner.ok("GET", "/api/v1/status", params=sharing)["sharing"],
+                "alice's share to start again in her control server",
+            )
             yield Mesh(alice, bob, api, owner, tmp)
         finally:
             for each in (api, owner):

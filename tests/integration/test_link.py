@@ -251,7 +251,7 @@ def test_closing_the_agent_ends_open_sessions(make_node) -> None:
             pair_both(alice, bob)
             async with bob.session("alice") as session:
                 agent.stop()
-                error = await asyncio.wait_for(session.link.wait_closed(), 2.0)
+                error = await asyncio.wait_for(session.link.wait_closed(), 30.0)
                 assert isinstance(error, ConnectionLostError)
 
     arun(scenario())

@@ -138,7 +138,8 @@ def _remove_labelled(client: Any, node_id: str) -> list[str]:
 
 
 @pytest.fixture
-def docker_client(docker_daemon: None) -> Iterator[Any]:
+def runtime_engine(docker_daemon: None) -> Iterator[Any]:
+    """The Docker engine these tests drive the job runtime against (its own client)."""
     client = docker.from_env()
     try:
         yield client
@@ -147,14 +148,14 @@ def docker_client(docker_daemon: None) -> Iterator[Any]:
 
 
 @pytest.fixture
-def jobs(docker_client: Any) -> Iterator[Jobs]:
+def jobs(runtime_engine: Any) -> Iterator[Jobs]:
     node_id = f"test-{uuid.uuid4().hex[:12]}"
     runtime = DockerRuntime()
     try:
-        yield Jobs(runtime, docker_client, node_id)
+        yield Jobs(runtime, runtime_engine, node_id)
     finally:
         runtime.close()
-        left = _remove_labelled(docker_client, node_id)
+        left = _remove_labelled(runtime_engine, node_id)
         assert not left, f"containers of {node_id} survived the test: {left}"
 
 
@@ -776,10 +777,10 @@ backend-path = ["."]
 
 
 @pytest.fixture
-def python_image(docker_client: Any) -> str:
+def python_image(runtime_engine: Any) -> str:
     """Python with pip, built offline from this machine's interpreter once per machine."""
     with contextlib.suppress(docker.errors.ImageNotFound):
-        docker_client.api.inspect_image(PYTHON_IMAGE)
+        runtime_engine.api.inspect_image(PYTHON_IMAGE)
         return PYTHON_IMAGE
     built = subprocess.run(
         ["bash", str(_BUILDER), PYTHON_IMAGE],
