@@ -95,9 +95,11 @@ CONTAINER_SCRIPT = """\
 stamp() {{
   set -- $(busybox adjtimex)
   while [ $# -gt 0 ]; do
-    case $1 in time.tv_sec:) s=$2 ;; time.tv_usec:) u=$2 ;; esac
+    case $1 in time.tv_sec:) s=$2 ;; time.tv_usec:) u=$2 ;; status:) st=$2 ;; esac
     shift
   done
+  # A kernel in nanosecond mode (STA_NANO, 0x2000) gives nanoseconds in tv_usec.
+  [ $(( ${{st:-0}} & 8192 )) -eq 0 ] || u=$(( u / 1000 ))
 }}
 s=; stamp
 [ -n "$s" ] || {{ echo "{prefix}: busybox adjtimex gave no time" >&2; exit 3; }}

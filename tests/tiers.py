@@ -21,6 +21,7 @@ A test that starts ``gpumesh`` or a node process without requesting
 from __future__ import annotations
 
 import itertools
+import os
 import sys
 from collections import Counter
 from collections.abc import Sequence
@@ -108,12 +109,18 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     _may_spawn = item.get_closest_marker("subprocess") is not None
 
 
-def pytest_terminal_summary(terminalreporter: Any) -> None:
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The fast tier's last line, after pytest's own summary (``scripts/test.sh``
+    prints it last again, from ``$GPUMESH_TEST_FAST_SUMMARY``)."""
     if not _selected:
         return
     kept, total = _selected
     left = ", ".join(f"{count} {marker}" for marker, count in _left_out.most_common())
-    terminalreporter.write_line(f"fast: {kept} of {total} items; not run: {left or 'nothing'}")
+    line = f"fast: {kept} of {total} items; not run: {left or 'nothing'}"
+    print(line, flush=True)
+    where = os.environ.get("GPUMESH_TEST_FAST_SUMMARY")
+    if where:
+        Path(where).write_text(line + "\n")
 
 
 def _why_not_fast(item: pytest.Item) -> str | None:
