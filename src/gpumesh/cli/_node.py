@@ -1,8 +1,11 @@
 """The thin CLI's way to this home's node process (:mod:`gpumesh.daemon.client`).
 
 Imports only the standard library and the base floor until a command asks for
-the node process; the commands that use it (``run``, ``logs``, ``jobs``,
-``cancel``) import this instead of the client layer.
+the node process. The commands that talk to peers through it (``run``,
+``logs``, ``jobs``, ``cancel``, ``cp``, ``exec``, ``app``, ``connect``,
+``dashboard``) and the owner's actions (``allow``, ``deny``, the desktop and
+CUDA shares and allowlists) import this instead of the client layer, which
+runs in the node process.
 """
 
 from __future__ import annotations
