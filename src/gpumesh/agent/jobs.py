@@ -210,6 +210,9 @@ class JobService:
         self.files = files
         self.jobs_dir = jobs_dir
         self._runs: dict[str, _Run] = {}
+        self._recovering = False
+        self._recovered = asyncio.Event()
+        """Set once :meth:`recover` attached the unfinished jobs (or could not)."""
         self._changed = asyncio.Condition()
         self._followers = followers
         """``gpumesh logs -f`` of hosted jobs in other processes, woken on new events."""
@@ -241,6 +244,13 @@ class JobService:
 
     async def recover(self) -> None:
         """Re-attach to this node's job containers after a (re)start; clean orphans."""
+        self._recovering = True
+        try:
+            await self._recover()
+        finally:
+            self._recovered.set()
+
+    async def _recover(self) -> None:
         unfinished = self.store.unfinished_hosted_jobs()
         try:
             containers = await in_thread(self.runtime.list_jobs, self.provider.node_id)
@@ -455,6 +465,12 @@ class JobService:
     async def cancel(self, job_id: str, reason: str = "cancelled") -> JobRecord:
         """Stop a hosted job for good (never retried), saying why; its record after."""
         job = self._record(job_id)
+        if job.state not in FINAL_STATES and job_id not in self._runs and self._recovering:
+            # A restarted agent attaches its unfinished jobs in the background: a cancel
+            # that comes first waits for that (it found nothing to stop, and the job
+            # went on after its backoff).
+            await self._recovered.wait()
+            job = self._record(job_id)
         run = self._runs.get(job_id)
         if job.state not in FINAL_STATES and run is not None:
             decision = run.machine.cancel(reason)
