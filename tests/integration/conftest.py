@@ -21,6 +21,7 @@ import pytest
 from gpumesh.agent.server import Agent
 from gpumesh.client.node import Node
 from tests.cli import run_cli
+from tests.integration.node import node_env
 
 T = TypeVar("T")
 
@@ -207,9 +208,7 @@ def remove_containers(node_id: str) -> None:
 
 def gpumesh(home: Path, *args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
     """The real CLI for ``home``, run in this process (:func:`tests.cli.run_cli`)."""
-    env = dict(os.environ, GPUMESH_HOME=str(home))
-    env.pop("GPUMESH_LOG", None)
-    return run_cli(list(args), env, timeout=timeout)
+    return run_cli(list(args), node_env(home), timeout=timeout)
 
 
 @contextlib.contextmanager

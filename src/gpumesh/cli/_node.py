@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from gpumesh.daemon.client import NodeClient
 
 __all__ = [
+    "env_of",
     "follow",
     "node_client",
     "node_home",
@@ -40,17 +41,27 @@ def job_options(
 ) -> dict[str, Any]:
     """A job's options, as keyword arguments of the bodies of ``run`` and ``app run``
     (:class:`~gpumesh.client.bodies.JobBody`, ``AppRunBody``), from the flags both
-    commands share; ``env_items`` are all ``KEY=VALUE``."""
+    commands share (``env_items`` as :func:`env_of` reads them)."""
     from gpumesh.settings import ENV_IMAGE, env
 
     return {
         "image": image or env(ENV_IMAGE),
-        "env": dict(item.split("=", 1) for item in env_items),
+        "env": env_of(env_items),
         "gpu_memory": gpu_memory,
         "retries": retries,
         "timeout": timeout,
         "mounts": list(mounts),
     }
+
+
+def env_of(env_items: tuple[str, ...]) -> dict[str, str]:
+    """``--env KEY=VALUE`` items as a mapping (the node process checks keys and
+    values); an item without ``=`` raises the job spec's error that names it."""
+    if not all("=" in item for item in env_items):
+        from gpumesh.client.jobspec import parse_env
+
+        parse_env(env_items)
+    return dict(item.split("=", 1) for item in env_items)
 
 
 def node_home() -> Path:

@@ -129,10 +129,6 @@ def run(
         out_name = Path(os.path.abspath(out)).name
         if not out_name or out_name.startswith("."):
             fail(f"--out {out}: give a folder name, like ./renders")
-    if not all("=" in item for item in env_items):
-        from gpumesh.client.jobspec import parse_env
-
-        parse_env(env_items)  # raises the error that names the item
     from gpumesh.client.bodies import AppRunBody
 
     body = AppRunBody(

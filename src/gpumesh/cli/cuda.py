@@ -65,7 +65,7 @@ def doctor() -> None:
     click.echo(f"Shared   {shared}")
     allowed = ", ".join(report.allowed) or "nobody (`gpumesh cuda allow PEER`)"
     click.echo(f"Allowed  {allowed}")
-    note = worker_user(get_node().home)
+    note = worker_user(node.home)
     click.echo(f"Worker   {note or 'runs as job_user, without privileges or groups'}")
     for session in report.sessions:
         click.echo(

@@ -207,10 +207,10 @@ def dashboard(open_browser: bool) -> None:
     cookie counts there alone, so no other server on this machine can use it.
     The code in the URL's fragment is good for one sign-in within 5 minutes.
     """
-    from gpumesh.cli._node import node_client
+    from gpumesh.daemon.client import connect
 
     home = node_home()
-    url, served = login_url(node_client(), env(ENV_API_ADDR))
+    url, served = login_url(connect(home), env(ENV_API_ADDR))
     click.echo(url)
     click.echo(served, err=True)
     if open_browser:

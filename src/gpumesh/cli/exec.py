@@ -77,11 +77,8 @@ def exec(
     # they are typed: the session runs as with a pipe, line by line.
     tty = os.isatty(0) and os.isatty(1) and platform.has("termios")
     raw = _RawMode(0) if tty else None
-    if not all("=" in item for item in env_items):
-        from gpumesh.client.jobspec import parse_env
-
-        parse_env(env_items)  # raises the error that names the item
     from gpumesh import settings
+    from gpumesh.cli._node import env_of
 
     # client/bodies.ShellRequest as a plain dict: msgspec (~30 ms to import)
     # stays off the way of a shell (tests/unit/test_cli_bodies.py converts it).
@@ -89,7 +86,7 @@ def exec(
         "peer": peer,
         "command": list(command),
         "image": image or settings.env(settings.ENV_IMAGE),  # ours, not the node's
-        "env": dict(item.split("=", 1) for item in env_items),
+        "env": env_of(env_items),
         "gpu_memory": memory,
         "tty": tty,
     }
