@@ -33,8 +33,8 @@ from gpumesh.errors import LimitError
 from gpumesh.protocol.messages import ExecStart, ExecStarted
 from gpumesh.runtime.base import KIND_EXEC, LABEL_KIND, LABEL_NODE, LABEL_PEER
 from gpumesh.runtime.jobnet import names_for
-from tests.integration.conftest import arun, gpumesh, pair_both
-from tests.integration.node import wait_shares
+from tests.integration.conftest import arun, gpumesh, pair_both, until
+from tests.integration.node import status, wait_shares
 from tests.integration.test_cli import _free_udp_port, _init, _one_line_error, _start_share
 from tests.jobnet_lab import SESSION_PREFIX, network_host_config
 
@@ -406,9 +406,18 @@ def test_bad_exec_input_is_one_line_and_starts_nothing(
     assert not _shells(engine, nodes.alice_id)
 
 
+def _warm(home: Path) -> list[object]:
+    """The warm sessions of ``home``'s node process (none when none runs)."""
+    node = status(home)["node"]
+    return [] if node is None else list(node["warm_sessions"])
+
+
 def test_denied_peer_gets_no_shell(nodes: Nodes, engine) -> None:
     assert gpumesh(nodes.alice, "deny", "bob-laptop").returncode == 0
     try:
+        # alice closes bob's warm session at once; his node process drops it when the
+        # close arrives (a shell that crossed it is told the access was revoked).
+        until(lambda: not _warm(nodes.bob), "bob's node process to drop the denied session")
         _one_line_error(_exec(nodes.bob, "alice-pc", "true"), 3, "denied you access")
         assert not _shells(engine, nodes.alice_id)
     finally:
