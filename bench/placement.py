@@ -156,6 +156,10 @@ async def serve_providers(root: Path, count: int, burst: int) -> None:
             node.init(name)
             config = node.home.config
             config.set("listen_host", LOOPBACK)
+            # They run no job: no job network, and no network holders made for
+            # it in Docker (two per agent, which a stop after the 20 s the
+            # consumer waits would leave running).
+            config.set("job_network", "none")
             config.save()
             node.home.reload_config()
             agent = Agent(

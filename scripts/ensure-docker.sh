@@ -76,32 +76,49 @@ fi
 
 # 2. The daemon. Installing docker.io may have started it through systemd;
 # only start our own if nothing answers yet, and never start a second one of ours.
+start_dockerd() {
+  # A daemon killed earlier (e.g. when the previous session ended) leaves its
+  # pid file behind, and dockerd refuses to start while that pid exists, even
+  # as a zombie. Remove pid files whose process is not a running daemon.
+  for stale in /var/run/docker.pid:dockerd /var/run/docker/containerd/containerd.pid:containerd; do
+    file=${stale%%:*}
+    if [ -f "$file" ] && ! pidfile_running "$file" "${stale##*:}"; then
+      rm -f "$file"
+    fi
+  done
+  log "starting dockerd (log: $LOG)"
+  # setsid + nohup + </dev/null: the daemon outlives this script and a Ctrl-C
+  # of the test run, and holds no pipe of the caller open (CI waits on those).
+  # shellcheck disable=SC2086  # DOCKERD_ARGS is a list of flags
+  setsid nohup dockerd ${DOCKERD_ARGS:-} </dev/null >"$LOG" 2>&1 &
+  echo $! >"$PIDFILE"
+}
+wait_dockerd() {
+  for _ in $(seq 480); do   # 480 x 0.25 s = 120 s (a loaded machine is slow to start it)
+    docker_up && return 0
+    ours_running || return 1   # daemon died: stop waiting
+    sleep 0.25
+  done
+  return 1
+}
 if ! docker_up; then
   if ours_running; then
     log "dockerd (pid $(cat "$PIDFILE")) already starting; waiting"
+    wait_dockerd || true
   else
     [ "$(id -u)" = 0 ] || die "docker daemon not reachable and not root, cannot start dockerd"
-    # A daemon killed earlier (e.g. when the previous session ended) leaves its
-    # pid file behind, and dockerd refuses to start while that pid exists, even
-    # as a zombie. Remove pid files whose process is not a running daemon.
-    for stale in /var/run/docker.pid:dockerd /var/run/docker/containerd/containerd.pid:containerd; do
-      file=${stale%%:*}
-      if [ -f "$file" ] && ! pidfile_running "$file" "${stale##*:}"; then
-        rm -f "$file"
-      fi
+    # dockerd gives its containerd 15 s to answer. After a machine stopped with
+    # containers running, containerd first cleans up every dead one's shim
+    # (~30 ms each on a slow machine) and can miss that; each try cleans up
+    # more, so try again while that is why dockerd gave up.
+    for try in 1 2 3 4 5 6 7 8; do
+      start_dockerd
+      wait_dockerd && break
+      grep -q "timeout waiting for containerd to start" "$LOG" 2>/dev/null || break
+      log "containerd was still cleaning up after earlier containers (try $try of 8); starting dockerd again"
+      cp "$LOG" "$LOG.$try"
     done
-    log "starting dockerd (log: $LOG)"
-    # setsid + nohup + </dev/null: the daemon outlives this script and a Ctrl-C
-    # of the test run, and holds no pipe of the caller open (CI waits on those).
-    # shellcheck disable=SC2086  # DOCKERD_ARGS is a list of flags
-    setsid nohup dockerd ${DOCKERD_ARGS:-} </dev/null >"$LOG" 2>&1 &
-    echo $! >"$PIDFILE"
   fi
-  for _ in $(seq 480); do   # 480 x 0.25 s = 120 s (a loaded machine is slow to start it)
-    docker_up && break
-    ours_running || break   # daemon died: stop waiting
-    sleep 0.25
-  done
   if ! docker_up; then
     echo "ensure-docker: dockerd did not come up; last lines of $LOG:" >&2
     tail -n 40 "$LOG" >&2 || true

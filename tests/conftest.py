@@ -201,6 +201,32 @@ def end_node_processes(folder: Path) -> None:
             with contextlib.suppress(OSError):
                 os.kill(record.pid, signal.SIGKILL)
             _reap(record.pid)
+            _remove_network_holders(lock.parent)
+
+
+def _remove_network_holders(home: Path) -> None:
+    """Remove the network holders (:mod:`gpumesh.runtime.holders`) made for the node
+    of ``home``. A node process stopped removes its spares and the next start of
+    that node those of an earlier run, but a test's node is killed and never
+    starts again: a run of the suite would leave hundreds running."""
+    from gpumesh.errors import GPUMeshError
+    from gpumesh.identity import Identity
+    from gpumesh.runtime.holders import LABEL_HOLDER_OF
+
+    try:
+        node_id = Identity.load(home / "identity.key").node_id
+    except GPUMeshError:  # no identity (yet): no node made holders
+        return
+    import docker
+    import requests.exceptions
+
+    with contextlib.suppress(docker.errors.DockerException, requests.exceptions.RequestException):
+        client = docker.from_env(timeout=10)
+        with contextlib.closing(client):
+            label = f"{LABEL_HOLDER_OF}={node_id}"
+            for found in client.api.containers(all=True, filters={"label": label}):
+                with contextlib.suppress(docker.errors.APIError):
+                    client.api.remove_container(found["Id"], force=True)
 
 
 def _reap(pid: int) -> None:
