@@ -137,10 +137,30 @@ def test_app_run_pulls_the_output_folder_back_and_app_pull_fetches_it_later(
     jobs = json.loads(gpumesh(bob, "jobs", "--json").stdout)
     job_id = next(job["job_id"] for job in jobs if job["role"] == "submitted")
     later = tmp_path / "later"
-    pulled = gpumesh(bob, "app", "pull", "--peer", "alice-pc", "--job", job_id, "--dir", str(later))
+    # A prefix, as `logs` and `cancel` take, and no --peer: this node's record says.
+    pulled = gpumesh(bob, "app", "pull", "--job", job_id[:4], "--dir", str(later))
     assert pulled.returncode == 0, pulled.stderr
+    assert pulled.stdout == f"pulled alice-pc:/apps/proj -> {later}\n"
     assert (later / "renders" / "frame.bin").read_bytes() == (out / "frame.bin").read_bytes()
     assert (later / "a.txt").read_text() == "alpha\n"
+    again = gpumesh(
+        bob, "app", "pull", "--peer", "alice-pc", "--job", job_id[:8], "--dir", str(later), "--json"
+    )
+    assert again.returncode == 0, again.stderr
+    view = json.loads(again.stdout)
+    assert (view["peer"], view["job_id"], view["remote"]) == ("alice-pc", job_id, "/apps/proj")
+    assert view["size"] > 70000
+
+
+def test_app_pull_of_a_job_this_node_did_not_start_is_one_clear_error(pair, tmp_path: Path) -> None:
+    _alice, bob = pair
+    out = str(tmp_path / "out")
+    unknown = gpumesh(bob, "app", "pull", "--job", "abcd", "--dir", out)
+    _one_line_error(unknown, 2, "no job 'abcd' was started from here: give its full id and")
+    # With a provider, a prefix is refused here, not sent for the peer to call malformed.
+    short = gpumesh(bob, "app", "pull", "--peer", "alice-pc", "--job", "abcd", "--dir", out)
+    _one_line_error(short, 2, "give the job's full id (a prefix works only for jobs started")
+    assert not Path(out).exists()
 
 
 def test_app_run_out_without_the_folder_is_one_clear_error(pair, tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from gpumesh.cli._common import fail
+from gpumesh.cli._common import emit_json, fail
 from gpumesh.cli._complete import complete_peer, complete_submitted_job
 from gpumesh.cli._node import job_options, node_client
 from gpumesh.cli._notes import exit_status_of
@@ -33,7 +33,7 @@ Examples:
   gpumesh app sync --peer alice-pc --dir ./proj
   gpumesh app sync --peer alice-pc --dir ./proj --dry-run
   gpumesh app run --peer alice-pc --dir ./proj --out ./renders -- python render.py
-  gpumesh app pull --peer alice-pc --job JOB_ID --dir ./job-out
+  gpumesh app pull --job JOB_ID --dir ./job-out
 \b
 An app is a project folder kept in your folder on the peer at /apps/NAME
 (NAME: the local folder's name). Each sync sends only the files that changed
@@ -193,22 +193,26 @@ def _run_through_node(body: AppRunBody, *, quiet: bool) -> dict[str, Any]:
     "--peer",
     envvar="GPUMESH_PEER",
     show_envvar=True,
-    required=True,
+    default="",
     shell_complete=complete_peer,
-    help="Provider.",
+    help="Provider (default: the one this node's record of the job names).",
 )
 @click.option(
     "--job",
     "job_id",
     required=True,
     shell_complete=complete_submitted_job,
-    help="A job started with `gpumesh app run`.",
+    help="A job started with `gpumesh app run`: its id, or a prefix of it (4+ characters).",
 )
 @_dir_option("The local folder the job's app folder is copied into (made if missing).")
-def pull(peer: str, job_id: str, folder: str) -> None:
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def pull(peer: str, job_id: str, folder: str, as_json: bool) -> None:
     """Copy the working folder of a past job (its app folder) into DIR."""
     from gpumesh.client.bodies import AppPullBody
 
-    body = AppPullBody(peer=peer, job=job_id, dir=os.path.abspath(folder))
-    remote = node_client().call("POST", "/api/v1/apps/pull", body)["remote"]
-    click.echo(f"pulled {peer}:{remote} -> {folder}")
+    body = AppPullBody(job=job_id, dir=os.path.abspath(folder), peer=peer)
+    view = node_client().call("POST", "/api/v1/apps/pull", body)
+    if as_json:
+        emit_json(view)
+        return
+    click.echo(f"pulled {view['peer']}:{view['remote']} -> {folder}")

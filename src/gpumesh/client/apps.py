@@ -32,6 +32,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 import shutil
 import threading
 import time
@@ -48,6 +49,7 @@ from gpumesh.files.manifest import Stamp
 from gpumesh.files.manifest import stamp as file_stamp
 from gpumesh.files.transfer import merge_into
 from gpumesh.protocol.messages import (
+    JOB_ID_PATTERN,
     AppJobDir,
     AppJobDirReply,
     AppNeeds,
@@ -533,6 +535,34 @@ async def run_app(
                 return run
             run.pulled = True
     return run
+
+
+def app_job(node: Node, query: str, peer_query: str = "") -> tuple[Peer, str]:
+    """The provider and full id of the job ``query`` names for ``app
+    pull``: a job this node started, by its id or a prefix of it, its provider
+    known from the record; else, with ``peer_query`` given, a full id there (a
+    job started from another machine)."""
+    from gpumesh.protocol.states import JobRole
+
+    try:
+        record = node.home.store.find_job(query, role=JobRole.SUBMITTED)
+    except NotFoundError:
+        if not peer_query:
+            raise NotFoundError(
+                f"no job {query!r} was started from here: give its full id and its "
+                "provider with --peer, or see `gpumesh jobs`"
+            ) from None
+        if not re.match(JOB_ID_PATTERN, query):
+            raise NotFoundError(
+                f"no job {query!r} was started from here: give the job's full id "
+                "(a prefix works only for jobs started from this node)"
+            ) from None
+        return node.peer(peer_query), query
+    if peer_query and node.peer(peer_query).node_id != record.peer_id:
+        raise NotFoundError(
+            f"job {record.job_id} ran on {record.peer_name}, not on {peer_query}: leave out --peer"
+        )
+    return node.home.store.peer_by_id(record.peer_id), record.job_id
 
 
 async def pull_job(

@@ -124,12 +124,14 @@ class AppRunBody(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class AppPullBody(msgspec.Struct, forbid_unknown_fields=True):
-    peer: str
     job: str
+    """The job's id, or a prefix of it (4+ characters) when this node started it."""
     dir: str
     """The local folder (absolute) to pull the job's app folder into."""
     folder: str = ""
     """Only this folder of the app's folder (``app run --out``'s name), if given."""
+    peer: str = ""
+    """The provider; found from this node's record of the job when left out."""
 
 
 class ExchangeBody(msgspec.Struct, forbid_unknown_fields=True):

@@ -210,6 +210,10 @@ class AppPullView(msgspec.Struct):
     """The folder on the peer (``/apps/NAME``)."""
     size: int
     """Bytes of the tar that carried it."""
+    peer: str
+    """The provider's name."""
+    job_id: str
+    """The job's full id."""
 
 
 class PublishView(msgspec.Struct):
@@ -798,17 +802,19 @@ async def _app_run_events(run: Any) -> AsyncIterator[bytes]:
 
 
 async def post_app_pull(call: Call) -> object:
-    from gpumesh.client.apps import job_folder, pull_folder, pull_job
+    from gpumesh.client.apps import app_job, job_folder, pull_folder, pull_job
 
     body: AppPullBody = call.body
     dest = _absolute("dir", body.dir)
+    peer, job = app_job(call.node, body.job, body.peer)
     if not body.folder:
-        remote, size = await pull_job(call.node, body.peer, body.job, dest)
-        return AppPullView(remote, size)
+        remote, size = await pull_job(call.node, peer.node_id, job, dest)
+        return AppPullView(remote, size, peer.name, job)
     if body.folder in (".", "..") or "/" in body.folder or "\\" in body.folder:
         raise BadRequestError(f"folder {body.folder!r} is not a folder name")
-    remote = f"{await job_folder(call.node, body.peer, body.job)}/{body.folder}"
-    return AppPullView(remote, await pull_folder(call.node, body.peer, remote, dest))
+    remote = f"{await job_folder(call.node, peer.node_id, job)}/{body.folder}"
+    size = await pull_folder(call.node, peer.node_id, remote, dest)
+    return AppPullView(remote, size, peer.name, job)
 
 
 async def post_shell(call: Call) -> object:

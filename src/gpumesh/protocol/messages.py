@@ -27,6 +27,7 @@ __all__ = [
     "ALPN",
     "ALPNS",
     "ALPN_CHALLENGE",
+    "JOB_ID_PATTERN",
     "MAX_ADDRESS_QUERY",
     "MAX_DATA_FRAME",
     "MAX_JOB_MOUNTS",
@@ -259,7 +260,8 @@ class ThroughputReply(_Msg, tag="throughput_reply", frozen=True):
 
 # Patterns end in \Z, not $: msgspec matches them with Python's re, where $ also
 # matches before a final newline ("abcdefgh\n" would pass as a job id).
-JobId = Annotated[str, msgspec.Meta(pattern=r"^[a-z0-9]{8,32}\Z")]
+JOB_ID_PATTERN = r"^[a-z0-9]{8,32}\Z"
+JobId = Annotated[str, msgspec.Meta(pattern=JOB_ID_PATTERN)]
 Arg = Annotated[str, msgspec.Meta(max_length=8192)]
 EnvKey = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}\Z")]
 # No NUL: Docker's refusal of one quotes the whole variable, value included, into logs.
