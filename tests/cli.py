@@ -43,7 +43,7 @@ def run_cli(
     from gpumesh.cli.main import main
 
     out, err = io.BytesIO(), io.BytesIO()
-    with _environment(env), _streams(out, err), _own_logging():
+    with _environment(env), _streams(out, err), own_logging():
         code = main(list(args))
     return subprocess.CompletedProcess(
         ["gpumesh", *args], code, out.getvalue().decode(), err.getvalue().decode()
@@ -115,7 +115,7 @@ def _streams(out: io.BytesIO, err: io.BytesIO) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _own_logging() -> Iterator[None]:
+def own_logging() -> Iterator[None]:
     """A command sets up the ``gpumesh`` logger once per process (a console handler on
     its stderr, the home's debug log): undone after each, as its process's end would."""
     root = logging.getLogger("gpumesh")

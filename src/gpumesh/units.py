@@ -11,7 +11,7 @@ import re
 
 from gpumesh.errors import ConfigError
 
-__all__ = ["format_duration", "format_rate", "format_size", "parse_size"]
+__all__ = ["format_duration", "format_rate", "format_size", "parse_duration", "parse_size"]
 
 _UNITS = {
     "": 1,
@@ -43,6 +43,33 @@ def parse_size(text: str) -> int:
     from decimal import Decimal  # only here: not on every command's start
 
     return int(Decimal(match.group(1)) * _UNITS[unit])
+
+
+_NUMBER = r"\d+(?:\.\d+)?"
+_DURATION = re.compile(
+    rf"(?:(?P<d>{_NUMBER})\s*d)?\s*(?:(?P<h>{_NUMBER})\s*h)?\s*"
+    rf"(?:(?P<m>{_NUMBER})\s*m(?!s))?\s*(?:(?P<s>{_NUMBER})\s*s)?\s*"
+    rf"(?:(?P<ms>{_NUMBER})\s*ms)?",
+    re.IGNORECASE,
+)
+_SECONDS_PER = {"d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in ``90`` (a bare number is seconds), ``90s``, ``500ms``, ``30m``,
+    ``2h``, ``1h30m`` or ``1d``: every flag and setting that takes a duration."""
+    cleaned = text.strip()
+    if re.fullmatch(_NUMBER, cleaned):
+        return float(cleaned)
+    match = _DURATION.fullmatch(cleaned)
+    if not cleaned or match is None:
+        raise ConfigError(
+            f"invalid duration {text!r}: use seconds or a number with a unit, "
+            "such as 90s, 30m, 2h or 1h30m"
+        )
+    return sum(
+        float(value) * _SECONDS_PER[unit] for unit, value in match.groupdict().items() if value
+    )
 
 
 def format_size(num_bytes: float) -> str:

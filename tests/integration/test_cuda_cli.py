@@ -19,7 +19,7 @@ from gpumesh.cuda.ops import demo
 from gpumesh.errors import AccessDeniedError
 from gpumesh.transport.sockowner import connection_owner, socket_owner
 from tests.integration.conftest import gpumesh
-from tests.integration.node import wait_shares
+from tests.integration.node import cli, wait_shares
 from tests.integration.test_cli import _free_udp_port, _init, _one_line_error, _start_share
 from tests.integration.test_least_privilege import (
     Unprivileged,
@@ -80,14 +80,26 @@ def test_share_allow_demo_bench_and_deny_from_the_cli(homes: tuple[Path, Path]) 
     doctor = gpumesh(alice, "cuda", "doctor").stdout
     assert "host-memory fallback: " in doctor
     assert "Shared   yes" in doctor and "Allowed  bob-laptop" in doctor
+    report = json.loads(gpumesh(alice, "cuda", "doctor", "--json").stdout)
+    assert (report["backend"], report["sharing"], report["allowed"]) == (
+        "fallback",
+        True,
+        ["bob-laptop"],
+    )
+    assert report["devices"] == [] and report["sessions"] == []
 
-    ran = gpumesh(bob, "cuda", "demo", "--peer", "alice-pc")
+    ran = cli(bob, "cuda", "demo", GPUMESH_PEER="alice-pc")  # the peer, as everywhere
     assert ran.returncode == 0, ran.stderr
     assert ran.stdout.startswith(
         "vector add of 1,048,576 floats on alice-pc: correct, ran on the host-memory fallback "
         "(the provider has no NVIDIA GPU), "
     )
-    measured = gpumesh(bob, "cuda", "bench", "--peer", "alice-pc", "--memory", "20MiB", timeout=120)
+    # --gpu-memory, as run names it; --memory (its first name) stays an alias.
+    zero = gpumesh(bob, "cuda", "demo", "--peer", "alice-pc", "--memory", "0")
+    _one_line_error(zero, 2, "--gpu-memory '0' must be a size above zero, such as 2GB")
+    measured = gpumesh(
+        bob, "cuda", "bench", "--peer", "alice-pc", "--gpu-memory", "20MiB", timeout=120
+    )
     assert measured.returncode == 0, measured.stderr
     lines = measured.stdout.splitlines()
     assert lines[0] == "CUDA on alice-pc (host-memory fallback)"
@@ -95,6 +107,15 @@ def test_share_allow_demo_bench_and_deny_from_the_cli(homes: tuple[Path, Path]) 
     assert [line.split()[0] for line in lines[5:]] == ["1", "4", "16", "64", "256"]
     assert "MB/s" in lines[6] and "skipped" not in lines[7]
     assert "skipped: over the session's memory" in lines[8]
+    small = ("--gpu-memory", "3MiB", "--json")
+    measured = gpumesh(bob, "cuda", "bench", "--peer", "alice-pc", *small, timeout=120)
+    assert measured.returncode == 0, measured.stderr
+    result = json.loads(measured.stdout)
+    mib = 1024 * 1024
+    assert [row["size"] for row in result["rows"]] == [mib]
+    assert result["skipped"] == [4 * mib, 16 * mib, 64 * mib, 256 * mib]
+    assert result["backend"] == "fallback" and result["link_rtt_ms"] > 0
+    assert result["rows"][0]["htod_mb_s"] > 0 and result["link_mb_per_s"] > 0
 
     assert gpumesh(alice, "cuda", "deny", "bob-laptop").returncode == 0
     _one_line_error(gpumesh(bob, "cuda", "demo", "--peer", "alice-pc"), 3, "not allowed you CUDA")

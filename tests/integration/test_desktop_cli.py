@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.conftest import gpumesh
+from tests.integration.node import cli
 from tests.integration.test_cli import _free_udp_port, _init, _one_line_error, _start_share
 
 pytestmark = pytest.mark.usefixtures("gpumesh_processes")
@@ -138,7 +139,8 @@ def test_owner_commands_and_a_session_cut_by_desktop_deny(
     stopped = gpumesh(alice, "desktop", "share", "stop")
     assert stopped.returncode == 0 and "no longer shared" in stopped.stdout
     assert gpumesh(alice, "desktop", "allow", "bob-laptop").returncode == 0
-    unshared = gpumesh(bob, "desktop", "connect", "alice-pc", "--bind", "127.0.0.1:0")
+    # No PEER: $GPUMESH_PEER's, as wherever a peer is taken.
+    unshared = cli(bob, "desktop", "connect", "--bind", "127.0.0.1:0", GPUMESH_PEER="alice-pc")
     _one_line_error(unshared, 2, "alice-pc does not share its desktop")
 
 

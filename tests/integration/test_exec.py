@@ -97,11 +97,11 @@ def _shells(engine: docker.DockerClient, node_id: str) -> list[str]:
     return [str(summary["Id"]) for summary in found]
 
 
-def _exec(home: Path, *args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+def _exec(home: Path, *args: str, stdin: str = "", **env: str) -> subprocess.CompletedProcess[str]:
     """`gpumesh exec ARGS` without a terminal, ``stdin`` piped in."""
     return subprocess.run(
         [sys.executable, "-m", "gpumesh", "exec", *args],
-        env=dict(os.environ, GPUMESH_HOME=str(home)),
+        env=dict(os.environ, GPUMESH_HOME=str(home), **env),
         input=stdin,
         capture_output=True,
         text=True,
@@ -443,7 +443,9 @@ def test_exec_on_a_peer_without_docker_says_so(nodes: Nodes, tmp_path: Path) -> 
         assert (
             gpumesh(carol, "pair", gpumesh(nodes.bob, "pair-code").stdout.strip()).returncode == 0
         )
-        _one_line_error(_exec(nodes.bob, "carol"), 6, "Docker is not reachable on carol")
+        # No PEER: $GPUMESH_PEER's, as wherever a peer is taken.
+        no_docker = _exec(nodes.bob, GPUMESH_PEER="carol")
+        _one_line_error(no_docker, 6, "Docker is not reachable on carol")
     finally:
         share.send_signal(signal.SIGINT)
         share.wait(timeout=15)

@@ -336,6 +336,9 @@ def _pairing(rec: Recorder, alice: Path, bob: Path, carol: Path) -> None:
         "--json",
     )
     rec.json("peers", "alice (seen), carol (never seen)", bob, "peers", "--json")
+    rec.json("pair_code", "", carol, "pair-code", "--json")
+    rec.json("deny", "carol, never seen", bob, "deny", "carol-box", "--json")
+    rec.json("allow", "carol again", bob, "allow", "carol-box", "--json")
 
 
 def _registry(root: Path, rec: Recorder, alice: Path, bob: Path, carol: Path) -> None:
@@ -390,7 +393,14 @@ def _jobs(rec: Recorder, alice: Path, bob: Path) -> None:
         )
         rec.json("jobs_submitted", "one job done, one running", bob, "jobs", "--json")
         rec.json("jobs_hosted", "one job done, one running", alice, "jobs", "--json")
-        _cli(bob, "cancel", running(bob)[0]["job_id"])
+        rec.json(
+            "cancel_submitted",
+            "bob's running job",
+            bob,
+            "cancel",
+            running(bob)[0]["job_id"],
+            "--json",
+        )
         attached.wait(timeout=60)
     finally:
         if attached.poll() is None:
@@ -444,6 +454,11 @@ def _apps(root: Path, rec: Recorder, bob: Path) -> None:
     (project / "main.py").unlink()
     (project / "other.py").write_text("print('other')\n")
     rec.json("app_sync_changes", "one file sent, one deleted", bob, *sync, "--json")
+    _cli(bob, "app", "run", "--peer", "alice-pc", "--dir", str(project), "--", "true")
+    app_job = next(j["job_id"] for j in _json(bob, "jobs", "--json") if j["role"] == "submitted")
+    out = str(root / "app-out")
+    rec.json("app_pull", "by a prefix, the peer from the record", bob, "app", "pull", "--job",
+             app_job[:6], "--dir", out, "--json")  # fmt: skip
 
 
 def _groups(rec: Recorder, alice: Path, bob: Path) -> None:
@@ -471,8 +486,9 @@ def _desktop(rec: Recorder, alice: Path, bob: Path) -> None:
     """``desktop connect --json`` runs until stopped: where it listens, then a line per
     connection (over a data channel: a direct loopback link)."""
     server = socket.create_server(("127.0.0.1", 0))
-    _cli(alice, "desktop", "share", "--port", str(server.getsockname()[1]))
-    _cli(alice, "desktop", "allow", "bob-laptop")
+    served = str(server.getsockname()[1])
+    rec.json("desktop_share", "", alice, "desktop", "share", "--port", served, "--json")
+    rec.json("desktop_allow", "", alice, "desktop", "allow", "bob-laptop", "--json")
     args = ("desktop", "connect", "alice-pc", "--bind", "127.0.0.1:0", "--json")
     proc = subprocess.Popen(
         [*GPUMESH, *args], env=_env(bob), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True

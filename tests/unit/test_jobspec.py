@@ -19,10 +19,10 @@ from gpumesh.client.jobspec import (
     MountSpec,
     build_spec,
     load_job_file,
-    parse_duration,
     parse_env,
 )
 from gpumesh.errors import ConfigError
+from gpumesh.units import parse_duration
 
 FULL = """\
 # a complete job
@@ -488,6 +488,9 @@ def test_parse_env_round_trip(env: dict[str, str]) -> None:
         ("1d2h3m4s", 93784.0),
         (" 45S ", 45.0),
         ("10M", 600.0),
+        ("500ms", 0.5),
+        ("1m30s", 90.0),
+        ("2m 500ms", 120.5),
     ],
 )
 def test_parse_duration(text: str, seconds: float) -> None:
@@ -495,7 +498,24 @@ def test_parse_duration(text: str, seconds: float) -> None:
 
 
 @pytest.mark.parametrize(
-    "text", ["", " ", "soon", "-5", "5x", "m", "30m1h", "1h1h", "1e3", "inf", "nan", "1.h", "h30"]
+    "text",
+    [
+        "",
+        " ",
+        "soon",
+        "-5",
+        "5x",
+        "m",
+        "ms",
+        "30m1h",
+        "1h1h",
+        "5ms1s",
+        "1e3",
+        "inf",
+        "nan",
+        "1.h",
+        "h30",
+    ],
 )
 def test_parse_duration_refusals(text: str) -> None:
     with pytest.raises(ConfigError) as caught:

@@ -52,11 +52,11 @@ from gpumesh.relay import config as relay_config
 from gpumesh.relay.config import (
     RelayConfig,
     load_config_file,
-    parse_duration,
     parse_listen,
     read_allow_file,
 )
 from gpumesh.relay.core import RelayCore, Send, address_text, is_reach_probe
+from gpumesh.units import parse_duration
 
 SECRET = b"s" * 32
 START = 1_000_000.0  # an epoch boundary (30 s buckets)

@@ -22,9 +22,12 @@ if TYPE_CHECKING:
 # and the thin commands through the node process start without it.
 
 __all__ = [
+    "DURATION",
+    "click_error_line",
     "emit_json",
     "fail",
     "get_node",
+    "json_option",
     "print_error",
     "run_async",
     "run_cli",
@@ -32,6 +35,29 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+
+class _Duration(click.ParamType[float]):
+    """Seconds from a duration as every flag takes one: ``5s``, ``2m``, ``1h30m``;
+    a bare number is seconds."""
+
+    name = "duration"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, float | int):
+            return float(value)
+        from gpumesh.units import parse_duration
+
+        try:
+            return parse_duration(str(value))
+        except GPUMeshError as exc:
+            self.fail(exc.message, param, ctx)
+
+
+DURATION = _Duration()
+
+json_option = click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+"""``--json``, as every command that says what it did takes it."""
 
 
 class _LogState:
@@ -194,8 +220,11 @@ def run_cli(command: click.Command, argv: list[str] | None) -> int:
     except click.exceptions.Abort:
         click.echo("Aborted.", err=True)
         return ExitCode.INTERRUPTED
-    except click.ClickException as exc:
+    except click.exceptions.NoArgsIsHelpError as exc:  # a group alone: its help
         exc.show()
+        return exc.exit_code
+    except click.ClickException as exc:
+        print_error(click_error_line(exc))
         return exc.exit_code
     except KeyboardInterrupt:
         click.echo("Interrupted.", err=True)
@@ -213,6 +242,16 @@ def run_cli(command: click.Command, argv: list[str] | None) -> int:
             raise
         return ExitCode.INTERNAL
     return ExitCode.OK
+
+
+def click_error_line(exc: click.ClickException) -> str:
+    """A usage error as one line, like every other error: what was wrong and
+    where the command's help is (click prints its usage, a hint and ``Error:``)."""
+    message = exc.format_message()
+    ctx = exc.ctx if isinstance(exc, click.UsageError) else None
+    if ctx is None:
+        return message
+    return f"{message.rstrip('.')} (see `{ctx.command_path} --help`)"
 
 
 def _debug_log(message: str) -> None:

@@ -7,6 +7,7 @@ from urllib.parse import quote
 
 import click
 
+from gpumesh.cli._common import emit_json, json_option
 from gpumesh.cli._complete import complete_peer, complete_submitted_job
 from gpumesh.cli._node import node_client, owner_change
 
@@ -30,7 +31,8 @@ Examples:
     help="The job's provider.",
 )
 @click.argument("job_id", shell_complete=complete_submitted_job)
-def cancel(peer: str | None, job_id: str) -> None:
+@json_option
+def cancel(peer: str | None, job_id: str, as_json: bool) -> None:
     """Cancel a job: one you submitted (its provider stops it), or one a peer runs
     here (`gpumesh share` stops it). Its container is stopped; it is never retried.
 
@@ -39,7 +41,7 @@ def cancel(peer: str | None, job_id: str) -> None:
     told its owner ended it."""
     kind = _session_kind(job_id)
     if kind is not None:
-        _end_session(kind, job_id)
+        _end_session(kind, job_id, as_json)
         return
 
     # The node process runs this home's share, which carries out a hosted job's cancel.
@@ -47,11 +49,13 @@ def cancel(peer: str | None, job_id: str) -> None:
     # client/bodies.CancelBody's one field, as a dict: msgspec (~30 ms to
     # import) stays off the way of a thin command. Its answer is the JSON view.
     view: dict[str, Any] = node_client().call("POST", path, {"peer": peer})
-    if view["role"] == "hosted":
+    if as_json:
+        emit_json(view)
+    elif view["role"] == "hosted":
         click.echo(f"Job {view['job_id']} of {view['peer']}: {view['state']} ({view['message']})")
-        return
-    code = "" if view["exit_code"] is None else f" (exit {view['exit_code']})"
-    click.echo(f"Job {view['job_id']} on {view['peer']}: {view['state']}{code}")
+    else:
+        code = "" if view["exit_code"] is None else f" (exit {view['exit_code']})"
+        click.echo(f"Job {view['job_id']} on {view['peer']}: {view['state']}{code}")
 
 
 _SESSION_ROUTES = {"shell": "shells", "desktop": "desktop", "cuda": "cuda"}
@@ -63,11 +67,14 @@ def _session_kind(given: str) -> str | None:
     return kind if dash and rest and kind in _SESSION_ROUTES else None
 
 
-def _end_session(kind: str, session_id: str) -> None:
+def _end_session(kind: str, session_id: str, as_json: bool) -> None:
     from gpumesh.client.views.owner import EndedSessionView
 
     # The node process runs this home's share, and its sessions.
     path = f"/api/v1/owner/{_SESSION_ROUTES[kind]}/{quote(session_id, safe='')}/stop"
     ended = owner_change("POST", path, EndedSessionView)
+    if as_json:
+        emit_json(ended)
+        return
     what = {"shell": "shell", "desktop": "desktop connection", "cuda": "CUDA session"}[kind]
     click.echo(f"Ended {ended.peer}'s {what} {ended.id}")

@@ -6,6 +6,7 @@ from typing import Any
 
 import click
 
+from gpumesh.cli._common import DURATION
 from gpumesh.cli._complete import complete_peer
 
 
@@ -28,7 +29,9 @@ pushes its bytes on the session the node process keeps.
 )
 @click.argument("peer", envvar="GPUMESH_PEER", shell_complete=complete_peer)
 @click.option(
-    "--timeout", type=float, help="Seconds to wait for an answer (config connect_timeout)."
+    "--timeout",
+    type=DURATION,
+    help="How long to wait for an answer, e.g. 5s or 2m (config connect_timeout).",
 )
 @click.option("--speed", metavar="SIZE", help="Also push SIZE bytes (e.g. 256MB) and report MB/s.")
 @click.option(

@@ -2,16 +2,45 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import click
 
-from gpumesh.cli._common import fail, get_node, run_async
+from gpumesh.cli._common import emit_json, fail, get_node, json_option, run_async
 from gpumesh.cli._complete import complete_peer
 from gpumesh.units import format_size
 
-_MEMORY_HELP = "Device memory to hold for the session (e.g. 2GB; default 1GiB)."
+
+def _session_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """``--peer`` (default $GPUMESH_PEER) and ``--gpu-memory`` (as ``run`` names it;
+    ``--memory``, its first name, stays as a hidden alias) of a CUDA session."""
+    for option in reversed(
+        (
+            click.option(
+                "--peer",
+                envvar="GPUMESH_PEER",
+                show_envvar=True,
+                required=True,
+                shell_complete=complete_peer,
+                help="The provider.",
+            ),
+            click.option(
+                "--gpu-memory",
+                "memory",
+                metavar="SIZE",
+                help="Device memory to hold for the session (e.g. 2GB; default 1GiB).",
+            ),
+            click.option("--memory", "memory_alias", metavar="SIZE", hidden=True),
+        )
+    ):
+        command = option(command)
+    return command
 
 
-def _memory(text: str | None) -> int | None:
+def _memory(memory: str | None, memory_alias: str | None) -> int | None:
+    """The bytes of ``--gpu-memory`` (or its alias ``--memory``), if given."""
+    text = memory if memory is not None else memory_alias
     if text is None:
         return None
     from gpumesh.errors import ConfigError
@@ -19,7 +48,7 @@ def _memory(text: str | None) -> int | None:
 
     size = parse_size(text)
     if size <= 0:
-        raise ConfigError(f"--memory {text!r} must be a size above zero, such as 2GB")
+        raise ConfigError(f"--gpu-memory {text!r} must be a size above zero, such as 2GB")
     return size
 
 
@@ -43,14 +72,16 @@ def cuda() -> None:
     """Use a peer's GPU from your programs over the LAN (experimental)."""
 
 
-@cuda.command(epilog="\b\nExamples:\n  gpumesh cuda doctor")
-def doctor() -> None:
+@cuda.command(epilog="\b\nExamples:\n  gpumesh cuda doctor\n  gpumesh cuda doctor --json")
+@json_option
+def doctor(as_json: bool) -> None:
     """Say what a CUDA session on this node runs on, and who may open one."""
     from gpumesh.cuda.ops import doctor as check
-    from gpumesh.cuda.owner import worker_user
 
-    node = get_node()
-    report = check(node)
+    report = check(get_node())
+    if as_json:
+        emit_json(report)
+        return
     if report.backend == "driver":
         click.echo(click.style(f"Driver   libcuda loads: {report.detail}", fg="green"))
         for index, info in enumerate(report.devices):
@@ -65,8 +96,7 @@ def doctor() -> None:
     click.echo(f"Shared   {shared}")
     allowed = ", ".join(report.allowed) or "nobody (`gpumesh cuda allow PEER`)"
     click.echo(f"Allowed  {allowed}")
-    note = worker_user(node.home)
-    click.echo(f"Worker   {note or 'runs as job_user, without privileges or groups'}")
+    click.echo(f"Worker   {report.worker or 'runs as job_user, without privileges or groups'}")
     for session in report.sessions:
         click.echo(
             f"Session  {session.peer}: {format_size(session.memory)} on "
@@ -104,34 +134,41 @@ def share(action: str | None) -> None:
 
 @cuda.command(epilog="\b\nExamples:\n  gpumesh cuda allow bob-laptop")
 @click.argument("peer", shell_complete=complete_peer)
-def allow(peer: str) -> None:
+@json_option
+def allow(peer: str, as_json: bool) -> None:
     """Let a paired PEER open CUDA sessions here."""
     from gpumesh.cli._node import peer_change
 
     found = peer_change(peer, "cuda/allow")
+    if as_json:
+        emit_json(found)
+        return
     click.echo(f"{found.name} may open CUDA sessions here")
 
 
 @cuda.command(epilog="\b\nExamples:\n  gpumesh cuda deny bob-laptop")
 @click.argument("peer", shell_complete=complete_peer)
-def deny(peer: str) -> None:
+@json_option
+def deny(peer: str, as_json: bool) -> None:
     """Take PEER off the CUDA allowlist; its open sessions end at once."""
     from gpumesh.cli._node import peer_change
 
     found = peer_change(peer, "cuda/deny")
+    if as_json:
+        emit_json(found)
+        return
     click.echo(f"{found.name} may no longer open CUDA sessions here")
 
 
 @cuda.command(epilog="\b\nExamples:\n  gpumesh cuda demo --peer alice-pc")
-@click.option("--peer", required=True, shell_complete=complete_peer, help="The provider.")
-@click.option("--memory", metavar="SIZE", help=_MEMORY_HELP)
-def demo(peer: str, memory: str | None) -> None:
+@_session_options
+def demo(peer: str, memory: str | None, memory_alias: str | None) -> None:
     """Add two vectors on PEER's device and check the result; say where it ran."""
     from gpumesh.cuda.device import RemoteDevice
     from gpumesh.cuda.ops import demo as run_demo
 
     node = get_node()
-    with RemoteDevice(peer, memory=_memory(memory), home=node.home.path) as device:
+    with RemoteDevice(peer, memory=_memory(memory, memory_alias), home=node.home.path) as device:
         result = run_demo(device)
     where = (
         f"on {result.device} ({result.detail})"
@@ -147,18 +184,23 @@ def demo(peer: str, memory: str | None) -> None:
 
 
 @cuda.command(epilog="\b\nExamples:\n  gpumesh cuda bench --peer alice-pc")
-@click.option("--peer", required=True, shell_complete=complete_peer, help="The provider.")
-@click.option("--memory", metavar="SIZE", help=_MEMORY_HELP)
-def bench(peer: str, memory: str | None) -> None:
+@_session_options
+@json_option
+def bench(peer: str, memory: str | None, memory_alias: str | None, as_json: bool) -> None:
     """Call latency, and copy bandwidth each way 1 MiB ... 256 MiB, next to the link's."""
+    from dataclasses import replace
+
     from gpumesh.cuda.device import RemoteDevice
     from gpumesh.cuda.ops import bench as run_bench
 
     node = get_node()
     link = run_async(node.connect(peer))
     raw = run_async(node.throughput(peer, 64 * 1024 * 1024))
-    with RemoteDevice(peer, memory=_memory(memory), home=node.home.path) as device:
-        result = run_bench(device)
+    with RemoteDevice(peer, memory=_memory(memory, memory_alias), home=node.home.path) as device:
+        result = replace(run_bench(device), link_rtt_ms=link.rtt_ms, link_mb_per_s=raw.mb_per_s)
+    if as_json:
+        emit_json(result)
+        return
     where = result.device if result.backend == "driver" else "host-memory fallback"
     click.echo(f"CUDA on {peer} ({where})")
     click.echo(f"call latency  p50 {result.call_p50_ms:.2f} ms  (link ping {link.rtt_ms:.2f} ms)")
@@ -171,7 +213,7 @@ def bench(peer: str, memory: str | None) -> None:
             f"{row.size // mib:>4} MiB  {row.htod_mb_s:>9,.0f} MB/s {row.dtoh_mb_s:>9,.0f} MB/s"
         )
     for size in result.skipped:
-        click.echo(f"{size // mib:>4} MiB  skipped: over the session's memory (--memory)")
+        click.echo(f"{size // mib:>4} MiB  skipped: over the session's memory (--gpu-memory)")
 
 
 @cuda.command(
@@ -189,20 +231,19 @@ served only when the kernel's socket table proves it is your own process's;
 any other is refused.
 """
 )
-@click.option("--peer", required=True, shell_complete=complete_peer, help="The provider.")
+@_session_options
 @click.option(
     "--bind",
     default="127.0.0.1:17999",
     show_default=True,
     help="Loopback HOST:PORT, or unix:PATH.",
 )
-@click.option("--memory", metavar="SIZE", help=_MEMORY_HELP)
-def bridge(peer: str, bind: str, memory: str | None) -> None:
+def bridge(peer: str, memory: str | None, memory_alias: str | None, bind: str) -> None:
     """Serve a local endpoint through which programs here use PEER's device."""
     from gpumesh.cuda.remote import DEFAULT_MEMORY, Bridge
 
     node = get_node()
-    server = Bridge(node, peer, bind, _memory(memory) or DEFAULT_MEMORY)
+    server = Bridge(node, peer, bind, _memory(memory, memory_alias) or DEFAULT_MEMORY)
 
     async def serve() -> None:
         where = await server.start()

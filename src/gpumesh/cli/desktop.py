@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from gpumesh.cli._common import emit_json, get_node, run_async
+from gpumesh.cli._common import emit_json, get_node, json_option, run_async
 from gpumesh.cli._complete import complete_peer
 
 if TYPE_CHECKING:
@@ -111,7 +111,8 @@ Examples:
     type=click.IntRange(1, 65535),
     help="The server's port on 127.0.0.1 (the kind is guessed from it without --vnc/--rdp).",
 )
-def share(action: str | None, kind: str | None, port: int | None) -> None:
+@json_option
+def share(action: str | None, kind: str | None, port: int | None, as_json: bool) -> None:
     """Offer this machine's desktop server on 127.0.0.1 to the peers on the desktop
     allowlist while this node shares; `share stop` ends it and its connections.
 
@@ -128,8 +129,13 @@ def share(action: str | None, kind: str | None, port: int | None) -> None:
     if action == "stop":
         if kind or port:
             raise BadRequestError("`desktop share stop` takes no --vnc, --rdp or --port")
-        stopped = owner_change("DELETE", "/api/v1/desktop/share", DesktopShareView).shared
-        click.echo("The desktop is no longer shared." if stopped else "The desktop was not shared.")
+        stopped = owner_change("DELETE", "/api/v1/desktop/share", DesktopShareView)
+        if as_json:
+            emit_json(stopped)
+        elif stopped.shared:
+            click.echo("The desktop is no longer shared.")
+        else:
+            click.echo("The desktop was not shared.")
         return
     if kind is not None:
         chosen = DesktopKind(kind)
@@ -141,12 +147,15 @@ def share(action: str | None, kind: str | None, port: int | None) -> None:
 
     body = {"kind": str(chosen), "port": port}
     shared = owner_change("POST", "/api/v1/desktop/share", DesktopShareView, body)
-    click.echo(f"Sharing the desktop: {shared.kind} on 127.0.0.1:{shared.port}.")
     assert shared.port is not None
     exposed = exposure(shared.port)
     if exposed:
         warning = exposure_warning(str(shared.kind), shared.port, exposed)
         click.echo(click.style(f"WARNING: {warning}", fg="yellow"), err=True)
+    if as_json:
+        emit_json(shared)
+        return
+    click.echo(f"Sharing the desktop: {shared.kind} on 127.0.0.1:{shared.port}.")
     if not get_node().home.store.desktop_allowed_ids():
         click.echo("Nobody may use it yet: `gpumesh desktop allow PEER`.")
     if not shared.sharing:
@@ -155,7 +164,8 @@ def share(action: str | None, kind: str | None, port: int | None) -> None:
 
 @desktop.command(epilog="\b\nExamples:\n  gpumesh desktop allow bob-laptop")
 @click.argument("peer", shell_complete=complete_peer)
-def allow(peer: str) -> None:
+@json_option
+def allow(peer: str, as_json: bool) -> None:
     """Let a paired PEER (name or id prefix) use the shared desktop.
 
     The desktop allowlist is separate from the one for jobs and files.
@@ -163,6 +173,9 @@ def allow(peer: str) -> None:
     from gpumesh.cli._node import peer_change
 
     record = peer_change(peer, "desktop/allow")
+    if as_json:
+        emit_json(record)
+        return
     click.echo(f"{record.name} ({record.node_id[:12]}) may use the desktop.")
 
 
@@ -171,12 +184,16 @@ def allow(peer: str) -> None:
     epilog="\b\nExamples:\n  gpumesh desktop deny bob-laptop",
 )
 @click.argument("peer", shell_complete=complete_peer)
-def deny(peer: str) -> None:
+@json_option
+def deny(peer: str, as_json: bool) -> None:
     """Take PEER off the desktop allowlist; a running `gpumesh share` cuts its open
     desktop connections at once (its jobs and files are untouched)."""
     from gpumesh.cli._node import peer_change
 
     record = peer_change(peer, "desktop/deny")
+    if as_json:
+        emit_json(record)
+        return
     click.echo(
         f"{record.name} ({record.node_id[:12]}) may no longer use the desktop; its open "
         "desktop connections are closed."
@@ -195,7 +212,7 @@ Then, while it runs:
   xfreerdp /v:127.0.0.1:13389      (Windows: mstsc /v:127.0.0.1:13389)
 """,
 )
-@click.argument("peer", shell_complete=complete_peer)
+@click.argument("peer", envvar="GPUMESH_PEER", shell_complete=complete_peer)
 @click.option(
     "--bind",
     "bind_text",
@@ -211,7 +228,8 @@ Then, while it runs:
 )
 def connect(peer: str, bind_text: str | None, as_json: bool) -> None:
     """Tunnel PEER's shared desktop to a loopback port until Ctrl-C, and say what
-    to run. Only this user's programs may connect (Linux)."""
+    to run. Only this user's programs may connect (Linux). PEER is a name or an
+    id prefix; $GPUMESH_PEER is the default."""
     from gpumesh.client.desktop import desktop_tunnel, parse_bind
 
     bind = parse_bind(bind_text) if bind_text else ("127.0.0.1", None)

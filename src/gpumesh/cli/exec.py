@@ -47,7 +47,7 @@ Exit status: the program's exit code (129 when the local terminal hung up,
     metavar="SIZE",
     help="Give the shell a GPU with this much free memory (e.g. 8GB), held while it is open.",
 )
-@click.argument("peer", shell_complete=complete_peer)
+@click.argument("peer", envvar="GPUMESH_PEER", shell_complete=complete_peer)
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def exec(
     peer: str,
@@ -61,6 +61,7 @@ def exec(
     With a terminal, every key (Ctrl-C included) goes to the remote program
     and its window follows yours; without one, stdin is piped through and
     stdout and stderr arrive together. gpumesh exits with the program's code.
+    PEER is a name or an id prefix; with no arguments at all, $GPUMESH_PEER.
     """
     from gpumesh.errors import ConfigError
 

@@ -122,7 +122,7 @@ def invite(name: str, expires: str) -> None:
     joins with it still pairs with each member before using them.
     """
     from gpumesh.client.groups import invite_code
-    from gpumesh.client.jobspec import parse_duration
+    from gpumesh.units import parse_duration
 
     lifetime = parse_duration(expires)
     code = invite_code(get_node(), name, lifetime=lifetime)

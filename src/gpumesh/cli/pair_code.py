@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from gpumesh.cli._common import get_node
+from gpumesh.cli._common import emit_json, get_node, json_option
 
 
 @click.command(
@@ -17,7 +17,8 @@ Examples:
   gpumesh pair "$(ssh bob gpumesh pair-code)"
 """,
 )
-def pair_code() -> None:
+@json_option
+def pair_code(as_json: bool) -> None:
     """Print a signed pairing code for this node (valid for one hour).
 
     The code carries this node's name, public key and addresses. The peer
@@ -25,6 +26,12 @@ def pair_code() -> None:
     """
     node = get_node()
     code = node.pairing_code()
+    if as_json:
+        from gpumesh.client.views.peers import PairingCodeView
+        from gpumesh.identity.codes import verify_code
+
+        emit_json(PairingCodeView.of(code, verify_code(code)))
+        return
     click.echo(code)
     if sys.stdout.isatty():
         click.echo(

@@ -26,7 +26,7 @@ Examples:
 def prune(older_than: str, dry_run: bool) -> None:
     """Remove finished jobs with their logs (and, for hosted jobs, their workdirs)."""
     from gpumesh.client.jobs import prune_jobs
-    from gpumesh.client.jobspec import parse_duration
+    from gpumesh.units import parse_duration
 
     node = get_node()
     removed = prune_jobs(node, parse_duration(older_than), dry_run=dry_run)

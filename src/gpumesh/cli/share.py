@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
-from gpumesh.cli._common import fail, get_node
+from gpumesh.cli._common import DURATION, fail, get_node
 from gpumesh.errors import ExitCode
 
 if TYPE_CHECKING:
@@ -257,7 +257,9 @@ def _print_unit(home: Path, options: ShareOptions) -> None:
 
 
 @share.command()
-@click.option("--timeout", type=float, default=60.0, show_default=True, help="Seconds to wait.")
+@click.option(
+    "--timeout", type=DURATION, default="60s", show_default=True, help="How long to wait."
+)
 def stop(timeout: float) -> None:
     """Stop sharing this machine (the node process goes on serving commands)."""
     from gpumesh.cli._node import node_home, running_client

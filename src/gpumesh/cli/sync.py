@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from gpumesh.cli._common import emit_json, get_node, run_async
+from gpumesh.cli._common import DURATION, emit_json, get_node, run_async
 from gpumesh.errors import GPUMeshError
 
 if TYPE_CHECKING:
@@ -27,7 +27,9 @@ that asked them to hand their record on). A record is accepted only when
 signed by the key you paired with, and newer than the last one taken.
 """
 )
-@click.option("--timeout", type=float, default=5.0, show_default=True, help="Seconds per peer.")
+@click.option(
+    "--timeout", type=DURATION, default="5s", show_default=True, help="How long to wait per peer."
+)
 @click.option("--no-dial", "no_dial", is_flag=True, help="Do not dial peers to check them.")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable output.")
 def sync(timeout: float, no_dial: bool, as_json: bool) -> None:

@@ -35,7 +35,7 @@ import yaml
 
 from gpumesh.errors import ConfigError
 from gpumesh.runtime.base import MAX_MOUNTS, mount_target_problem
-from gpumesh.units import parse_size
+from gpumesh.units import parse_duration, parse_size
 
 __all__ = [
     "FIELDS",
@@ -45,7 +45,6 @@ __all__ = [
     "MountSpec",
     "build_spec",
     "load_job_file",
-    "parse_duration",
     "parse_env",
     "parse_mount",
 ]
@@ -67,13 +66,6 @@ FIELDS = (
 
 _ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _RESERVED_ENV_PREFIX = "NVIDIA_"
-_NUMBER = r"\d+(?:\.\d+)?"
-_DURATION = re.compile(
-    rf"(?:(?P<d>{_NUMBER})\s*d)?\s*(?:(?P<h>{_NUMBER})\s*h)?\s*"
-    rf"(?:(?P<m>{_NUMBER})\s*m)?\s*(?:(?P<s>{_NUMBER})\s*s)?",
-    re.IGNORECASE,
-)
-_SECONDS_PER = {"d": 86400, "h": 3600, "m": 60, "s": 1}
 _YAML_NULL = "tag:yaml.org,2002:null"
 _YAML_STR = "tag:yaml.org,2002:str"
 
@@ -172,22 +164,6 @@ def _check_mounts(mounts: Sequence[MountSpec]) -> list[MountSpec]:
             raise ConfigError(f"mount {mount.source}:{mount.target}: the container path {problem}")
         targets.append(mount.target)
     return list(mounts)
-
-
-def parse_duration(text: str) -> float:
-    """Seconds in ``90``, ``90s``, ``30m``, ``2h``, ``1h30m`` or ``1d``."""
-    cleaned = text.strip()
-    if re.fullmatch(_NUMBER, cleaned):
-        return float(cleaned)
-    match = _DURATION.fullmatch(cleaned)
-    if not cleaned or match is None:
-        raise ConfigError(
-            f"invalid duration {text!r}: use seconds or a number with a unit, "
-            "such as 90s, 30m, 2h or 1h30m"
-        )
-    return sum(
-        float(value) * _SECONDS_PER[unit] for unit, value in match.groupdict().items() if value
-    )
 
 
 def _env_key_problem(key: str) -> str | None:

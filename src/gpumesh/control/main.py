@@ -21,7 +21,9 @@ from pathlib import Path
 import click
 
 from gpumesh.errors import GPUMeshError
+from gpumesh.servermain import run_command
 from gpumesh.settings import API_ADDR_DEFAULT, ENV_API_ADDR, ENV_API_HOSTS, ENV_API_TOKEN, ENV_LOG
+from gpumesh.version import __version__
 
 __all__ = ["command", "main"]
 
@@ -32,6 +34,7 @@ def _hosts(text: str | None) -> list[str]:
 
 @click.command(
     name="gpumesh-control",
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
     epilog="""\b
 Examples:
   gpumesh-control                                  # unix socket + 127.0.0.1:8080
@@ -79,6 +82,7 @@ Examples:
     help=f"A name browsers may use in Host besides loopback (also ${ENV_API_HOSTS}).",
 )
 @click.option("--no-tcp", is_flag=True, help="Serve the unix socket only.")
+@click.version_option(__version__, "-V", "--version", prog_name="gpumesh-control")
 def command(
     listen: str,
     allow_remote: bool,
@@ -143,6 +147,7 @@ def setup_logging() -> None:
     root.setLevel(level if level in logging.getLevelNamesMapping() else "WARNING")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point: the exit status, every failure as one line."""
     setup_logging()
-    command.main(prog_name="gpumesh-control")
+    return run_command(command, argv, "gpumesh-control")

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from gpumesh.cuda.backend import CudaFault, DeviceInfo
 from gpumesh.cuda.kernels import VADD_F32, VADD_PTX
-from gpumesh.cuda.owner import OwnerSession, open_sessions
+from gpumesh.cuda.owner import OwnerSession, open_sessions, worker_user
 
 if TYPE_CHECKING:
     from gpumesh.client.node import Node
@@ -55,6 +55,8 @@ class DoctorReport:
     allowed: list[str]
     """Names of the peers on the CUDA allowlist."""
     sessions: list[OwnerSession] = field(default_factory=list)
+    worker: str | None = None
+    """Why sessions' workers run as the agent's own user (not as job_user), if they do."""
 
 
 def doctor(node: Node) -> DoctorReport:
@@ -75,7 +77,9 @@ def doctor(node: Node) -> DoctorReport:
     store = node.home.store
     allowed = store.cuda_allowed()
     names = sorted(peer.name for peer in store.peers() if peer.node_id in allowed)
-    return DoctorReport(kind, detail, devices, store.cuda_share(), names, open_sessions(node.home))
+    sessions = open_sessions(node.home)
+    worker = worker_user(node.home)
+    return DoctorReport(kind, detail, devices, store.cuda_share(), names, sessions, worker)
 
 
 def share(node: Node, on: bool) -> None:
@@ -168,6 +172,10 @@ class BenchResult:
     rows: list[BenchRow]
     skipped: list[int] = field(default_factory=list)
     """Sizes over the session's memory cap."""
+    link_rtt_ms: float | None = None
+    """The link's round trip beside it (a ping), when measured."""
+    link_mb_per_s: float | None = None
+    """The link's own throughput beside it (64 MiB over QUIC), when measured."""
 
 
 def _best(seconds: list[float]) -> float:

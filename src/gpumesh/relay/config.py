@@ -9,19 +9,18 @@ operator needs.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from gpumesh.errors import ConfigError
+from gpumesh.units import parse_duration
 
 __all__ = [
     "PRIVATE_BY_DEFAULT",
     "RelayConfig",
     "check_node_ids",
     "load_config_file",
-    "parse_duration",
     "parse_listen",
     "read_allow_file",
     "read_token_file",
@@ -143,17 +142,6 @@ class RelayConfig:
 
 
 # --- parsers shared by flags and file ---------------------------------------------------------
-
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?")
-_SECONDS_PER = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
-
-
-def parse_duration(text: str) -> float:
-    """Seconds in ``45``, ``45s``, ``2m``, ``24h`` or ``1d``."""
-    match = _DURATION.fullmatch(text.strip())
-    if match is None:
-        raise ConfigError(f"invalid duration {text!r}: use seconds or a unit, e.g. 45s, 2m, 24h")
-    return float(match.group(1)) * _SECONDS_PER[match.group(2)]
 
 
 def parse_listen(text: str) -> tuple[str, int]:

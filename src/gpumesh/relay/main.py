@@ -21,12 +21,12 @@ from gpumesh.relay.config import (
     RelayConfig,
     check_node_ids,
     load_config_file,
-    parse_duration,
     parse_listen,
     read_allow_file,
     read_token_file,
 )
 from gpumesh.servermain import print_error, run_command, stderr_logging
+from gpumesh.units import parse_duration
 from gpumesh.version import __version__
 
 __all__ = ["main", "relay"]
