@@ -1,6 +1,7 @@
 """The consumer's `gpumesh jobs` asks providers where unfinished jobs stand: a
 detached job that ended while nobody followed it shows as ended, a provider that
-does not answer leaves "unknown since HH:MM", and `--offline` asks nobody. Real
+does not answer leaves its last known state and "no answer since HH:MM", and
+`--offline` asks nobody. Real
 `gpumesh share` process, real Docker engine, the CLI as a user types it."""
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def test_jobs_shows_a_detached_job_that_ended_unfollowed(pair) -> None:
     assert (kept["state"], kept["exit_code"]) == ("succeeded", 0)
     table = gpumesh(bob, "jobs")
     assert "succeeded" in table.stdout
-    assert "unknown" not in table.stdout + table.stderr
+    assert "no answer" not in table.stdout + table.stderr
 
 
 def test_jobs_with_the_provider_stopped_says_unknown_since(pair) -> None:
@@ -87,18 +88,18 @@ def test_jobs_with_the_provider_stopped_says_unknown_since(pair) -> None:
     table = gpumesh(bob, "jobs", timeout=30)
     assert table.returncode == 0, table.stderr
     since = time.strftime("%H:%M", time.localtime(running["confirmed_at"]))
-    assert f"unknown since {since}" in table.stdout
-    assert "alice-pc did not say where its jobs stand" in table.stderr
+    assert f"running, no answer since {since}" in table.stdout
+    assert "alice-pc's jobs show the state it last confirmed: " in table.stderr
     assert "Traceback" not in table.stderr
 
     status = gpumesh(bob, "status")
-    assert f"1 submitted running (1 unknown since {since})" in status.stdout
+    assert f"1 submitted running (1 no answer since {since})" in status.stdout
     assert json.loads(gpumesh(bob, "status", "--json").stdout)["jobs_submitted_unknown"] == 1
 
     # Offline: nothing asked, so nothing found unknown.
     offline = gpumesh(bob, "jobs", "--offline")
     assert "running" in offline.stdout
-    assert "unknown" not in offline.stdout + offline.stderr
+    assert "no answer" not in offline.stdout + offline.stderr
 
 
 def test_jobs_says_when_the_provider_no_longer_knows_a_job(pair) -> None:
@@ -133,3 +134,23 @@ def test_jobs_does_not_wait_for_a_provider_that_never_answers(pair) -> None:
     assert job["state"] == "queued"  # as submitted: nobody has said otherwise
     assert job["unknown_since"] == pytest.approx(job["confirmed_at"])
     assert job["unknown_reason"] == "no answer within 3s"
+
+
+def test_jobs_after_the_provider_denied_you_says_so(pair) -> None:
+    alice, bob = pair
+    job_id = _detach(bob, "sleep", "300")
+    _hosted_state(alice, job_id, "running")
+    (running,) = _jobs(bob)
+    assert gpumesh(alice, "deny", "bob-laptop").returncode == 0
+
+    # Refused, not unanswered: said so, and the job keeps its last known state.
+    (refused,) = _jobs(bob)
+    assert refused["state"] == "running"
+    assert refused["unknown_since"] == pytest.approx(running["confirmed_at"])
+    assert refused["unknown_reason"] == "alice-pc has denied you access"
+    table = gpumesh(bob, "jobs")
+    assert table.returncode == 0, table.stderr
+    assert table.stderr == (
+        "gpumesh: alice-pc's jobs show the state it last confirmed: "
+        "alice-pc has denied you access\n"
+    )

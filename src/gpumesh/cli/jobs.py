@@ -42,9 +42,10 @@ def jobs(limit: int, offline: bool, as_json: bool) -> None:
     """List jobs this node submitted (to a peer) and hosted (for a peer).
 
     Unfinished submitted jobs are first refreshed from their providers (all at
-    once, a few seconds at most). A job whose provider does not answer shows
-    "unknown since HH:MM", the last time its state was confirmed; one its
-    provider no longer knows shows "gone".
+    once, a few seconds at most; a provider that did not answer last time is
+    not waited on, but asked again in the background). A job whose provider
+    does not answer shows its last known state and "no answer since HH:MM",
+    when that state was confirmed; one its provider no longer knows shows "gone".
     """
     entries = _from_node(limit, offline)
     if as_json:
@@ -101,7 +102,7 @@ def _print(records: list[dict[str, Any]]) -> None:
         if j["unknown_since"] is not None or j["provider_forgot"]:
             color = "yellow"
             when = time.strftime("%H:%M", time.localtime(_confirmed(j)))
-            state = "gone" if j["provider_forgot"] else f"unknown since {when}"
+            state = "gone" if j["provider_forgot"] else f"{state}, no answer since {when}"
             if j["started_at"] is not None:  # not counting on past what is known
                 duration = max(0.0, _confirmed(j) - j["started_at"])
         command = " ".join(j["command"]) or f"({j['image']})"
@@ -137,8 +138,7 @@ def _explain(records: list[dict[str, Any]]) -> None:
             why = j["unknown_reason"] or "it did not answer"
             click.echo(
                 click.style(
-                    f"gpumesh: {j['peer']} did not say where its jobs stand ({why}); "
-                    "they show their last confirmed state in --json",
+                    f"gpumesh: {j['peer']}'s jobs show the state it last confirmed: {why}",
                     fg="yellow",
                 ),
                 err=True,

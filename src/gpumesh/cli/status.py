@@ -90,7 +90,7 @@ def status(offline: bool, as_json: bool) -> None:
     submitted = f"{st.running_submitted} submitted running"
     if unknown:
         since = time.strftime("%H:%M", time.localtime(min(unknown)))
-        submitted += click.style(f" ({len(unknown)} unknown since {since})", fg="yellow")
+        submitted += click.style(f" ({len(unknown)} no answer since {since})", fg="yellow")
     click.echo(f"Jobs     {state}: {st.running_hosted} running here, {submitted}")
     click.echo(f"Peers    {st.peers} paired, {st.allowed} allowed")
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import secrets
 import time
@@ -765,6 +766,45 @@ class Unconfirmed:
     job_ids: frozenset[str]
 
 
+class SilentProviders:
+    """The providers of unfinished jobs that did not say where their jobs stand
+    the last time they were asked, and why (one per :class:`~gpumesh.client.node.Node`,
+    so in the node process one for its life).
+
+    A listing does not wait on them again: their jobs keep the state last
+    confirmed, with that reason, while they are asked again in the background
+    (one question at a time each); the first answer takes them off the list.
+    So only the first listing after a provider went away waits for it."""
+
+    def __init__(self) -> None:
+        self._reasons: dict[str, str] = {}
+        """Peer id -> why it did not answer."""
+        self._asking: dict[str, asyncio.Task[Unconfirmed | None]] = {}
+
+    def reason(self, peer_id: str) -> str | None:
+        return self._reasons.get(peer_id)
+
+    def heard(self, peer_id: str, answer: Unconfirmed | None) -> None:
+        """What asking ``peer_id`` gave: None (it answered for every job) or not."""
+        if answer is None:
+            self._reasons.pop(peer_id, None)
+        else:
+            self._reasons[peer_id] = answer.reason
+
+    def ask_again(self, peer_id: str, ask: Callable[[], Awaitable[Unconfirmed | None]]) -> None:
+        """Ask ``peer_id`` again in the background, unless that is under way."""
+        running = self._asking.get(peer_id)
+        if running is not None and not running.done():
+            return
+
+        async def again() -> Unconfirmed | None:
+            answer = await ask()
+            self.heard(peer_id, answer)
+            return answer
+
+        self._asking[peer_id] = asyncio.get_running_loop().create_task(again())
+
+
 async def refresh_jobs(
     node: Node, *, limit: int = 1000, timeout: float = REFRESH_TIMEOUT
 ) -> list[Unconfirmed]:
@@ -772,15 +812,27 @@ async def refresh_jobs(
     newest jobs) where they stand and
     record what they say (state, exit code, times), so a job that ended while nobody
     followed it shows as ended. One session per provider, all at once, and never
-    more than ``timeout`` seconds in all. A job its provider no longer knows is
-    marked so (``provider_forgot``) and not asked about again."""
+    more than ``timeout`` seconds in all; a provider that did not answer last time
+    is not waited on (:class:`SilentProviders`). A job its provider no longer knows
+    is marked so (``provider_forgot``) and not asked about again."""
     pending: dict[str, list[JobRecord]] = {}
     for job in node.home.store.unconfirmed_submitted_jobs(limit):
         pending.setdefault(job.peer_id, []).append(job)
-    answers = await asyncio.gather(
-        *(_refresh_peer(node, jobs, timeout) for jobs in pending.values())
-    )
-    return [answer for answer in answers if answer is not None]
+    silent = node.silent_providers
+    asked: dict[str, list[JobRecord]] = {}
+    unconfirmed: list[Unconfirmed] = []
+    for peer_id, jobs in pending.items():
+        reason = silent.reason(peer_id)
+        if reason is None:
+            asked[peer_id] = jobs
+            continue
+        silent.ask_again(peer_id, functools.partial(_refresh_peer, node, jobs, timeout))
+        ids = frozenset(job.job_id for job in jobs)
+        unconfirmed.append(Unconfirmed(jobs[0].peer_name, reason, ids))
+    answers = await asyncio.gather(*(_refresh_peer(node, jobs, timeout) for jobs in asked.values()))
+    for peer_id, answer in zip(asked, answers, strict=True):
+        silent.heard(peer_id, answer)
+    return unconfirmed + [answer for answer in answers if answer is not None]
 
 
 async def _refresh_peer(node: Node, jobs: list[JobRecord], timeout: float) -> Unconfirmed | None:

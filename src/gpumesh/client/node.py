@@ -43,6 +43,7 @@ from gpumesh.store.home import AgentInfo, Home
 from gpumesh.store.trust import check_home
 
 if TYPE_CHECKING:
+    from gpumesh.client.jobs import SilentProviders
     from gpumesh.client.pool import SessionPool
     from gpumesh.gpu.inventory import GpuInfo
     from gpumesh.protocol.addresses import Address
@@ -158,6 +159,14 @@ class Node:
         self.home.secure()  # every start re-asserts the home's modes, not only `init`
         self.pool: SessionPool | None = None
         """Warm sessions to reuse (a long-running process's); None: each dials."""
+
+    @functools.cached_property
+    def silent_providers(self) -> SilentProviders:
+        """The providers that did not say where their jobs stand when last asked
+        (a job listing does not wait on them again)."""
+        from gpumesh.client.jobs import SilentProviders
+
+        return SilentProviders()
 
     def close(self) -> None:
         self.home.close()
@@ -449,6 +458,8 @@ class Node:
             session = await dial(moved)
         logger.info("session with %s: %s (dial: %s)", peer.name, session.path, session.dial_record)
         self._remember(peer, session)
+        if "silent_providers" in self.__dict__:  # it answers again: listings ask it again
+            self.silent_providers.heard(str(peer.node_id), None)
         return session
 
     async def _look_up_moved(self, peer: Peer) -> list[Address] | None:
