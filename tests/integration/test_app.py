@@ -152,6 +152,19 @@ def test_app_run_pulls_the_output_folder_back_and_app_pull_fetches_it_later(
     assert view["size"] > 70000
 
 
+def test_app_run_json_prints_only_the_view_on_stdout(pair, tmp_path: Path) -> None:
+    _alice, bob = pair
+    project = _project(tmp_path)
+    script = "echo to-stdout; echo to-stderr >&2; exit 3"
+    ran = gpumesh(bob, "app", "run", "--peer", "alice-pc", "--dir", str(project), "--json",
+                  "--image", IMAGE, "--", "sh", "-c", script, timeout=60)  # fmt: skip
+    assert ran.returncode == 3, ran.stderr
+    view = json.loads(ran.stdout)  # nothing else on stdout: the job's output is on stderr
+    assert (view["job"]["state"], view["job"]["exit_code"]) == ("failed", 3)
+    assert view["sync"]["remote"] == "/apps/proj" and view["pulled"] is False
+    assert "to-stdout\n" in ran.stderr and "to-stderr\n" in ran.stderr
+
+
 def test_app_pull_of_a_job_this_node_did_not_start_is_one_clear_error(pair, tmp_path: Path) -> None:
     _alice, bob = pair
     out = str(tmp_path / "out")

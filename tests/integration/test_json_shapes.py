@@ -454,7 +454,8 @@ def _apps(root: Path, rec: Recorder, bob: Path) -> None:
     (project / "main.py").unlink()
     (project / "other.py").write_text("print('other')\n")
     rec.json("app_sync_changes", "one file sent, one deleted", bob, *sync, "--json")
-    _cli(bob, "app", "run", "--peer", "alice-pc", "--dir", str(project), "--", "true")
+    run = ("app", "run", "--peer", "alice-pc", "--dir", str(project), "--json", "--", "true")
+    rec.json("app_run", "no --out", bob, *run)
     app_job = next(j["job_id"] for j in _json(bob, "jobs", "--json") if j["role"] == "submitted")
     out = str(root / "app-out")
     rec.json("app_pull", "by a prefix, the peer from the record", bob, "app", "pull", "--job",

@@ -105,10 +105,18 @@ class ViewPrinter:
     stderr as `docker run` writes it, attempts, states and steps as short notes."""
 
     def __init__(
-        self, job_id: str, *, quiet: bool = False, numbered: bool = False, explain: bool = False
+        self,
+        job_id: str,
+        *,
+        quiet: bool = False,
+        numbered: bool = False,
+        explain: bool = False,
+        output_to_stderr: bool = False,
     ) -> None:
         self.job_id = job_id
         self.quiet = quiet
+        self.output_to_stderr = output_to_stderr
+        """The job's stdout goes to stderr too (stdout is a --json's)."""
         self.numbered = numbered
         self.steps = StepNotes(quiet=quiet, explain=explain)
         self.outage = ReconnectNotes()
@@ -122,7 +130,8 @@ class ViewPrinter:
         if kind != "reconnecting":
             self.outage.heard()
         if kind == "output":
-            out = sys.stdout if view["stream"] == "stdout" else sys.stderr
+            to_stdout = view["stream"] == "stdout" and not self.output_to_stderr
+            out = sys.stdout if to_stdout else sys.stderr
             # base64.b64decode is this, after importing struct and more.
             out.buffer.write(binascii.a2b_base64(view["data"]))
             out.buffer.flush()

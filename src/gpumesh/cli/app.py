@@ -104,6 +104,12 @@ def sync(peer: str, folder: str, dry_run: bool, as_json: bool) -> None:
     "with `gpumesh cp`) at PATH; read-only unless :rw. Repeatable.",
 )
 @click.option("-q", "--quiet", is_flag=True, help="Print only the job's own output.")
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print what the run did as JSON at its end (the job's output goes to stderr).",
+)
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def run(
     peer: str,
@@ -116,6 +122,7 @@ def run(
     env_items: tuple[str, ...],
     mounts: tuple[str, ...],
     quiet: bool,
+    as_json: bool,
     command: tuple[str, ...],
 ) -> None:
     """Sync DIR, run COMMAND in it (mounted at /workspace), stream its output.
@@ -138,9 +145,13 @@ def run(
         command=list(command),
         **job_options(image, env_items, gpu_memory, retries, timeout, mounts),
     )
-    view = _run_through_node(body, quiet=quiet)
+    view = _run_through_node(body, quiet=quiet or as_json, json_out=as_json)
     job = view["job"]
     status = exit_status_of(job["state"], job["exit_code"])
+    if as_json:
+        emit_json(view)
+        missing = out is not None and not view["pulled"]
+        raise SystemExit(status or (ExitCode.FAILED if missing else 0))
     _pulled(view["pulled"], view["sync"]["peer"], view["sync"]["remote"],
             view["out_remote"], out, out_name, status, quiet)  # fmt: skip
     raise SystemExit(status)
@@ -169,14 +180,14 @@ def _pulled(
         click.echo(f"pulled {peer}:{out_remote} -> {out}", err=True)
 
 
-def _run_through_node(body: AppRunBody, *, quiet: bool) -> dict[str, Any]:
+def _run_through_node(body: AppRunBody, *, quiet: bool, json_out: bool) -> dict[str, Any]:
     """``app run`` done by the node process, its steps and output printed here as
     ``gpumesh run`` prints them; the app run's view. A node process that dies once
     the job was accepted is replaced and the job's output resumes where it stopped."""
     from gpumesh.cli._notes import ViewPrinter
     from gpumesh.daemon.apprun import NodeAppRun
 
-    printer = ViewPrinter("", quiet=quiet)
+    printer = ViewPrinter("", quiet=quiet, output_to_stderr=json_out)
     run = NodeAppRun(node_client, body)
     for event in run.events():
         if event.event == "syncview":
