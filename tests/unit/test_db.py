@@ -14,7 +14,7 @@ import pytest
 from gpumesh.errors import AmbiguousPeerError, ConfigError, PairingCodeError, UnknownPeerError
 from gpumesh.identity.keys import node_id_for
 from gpumesh.protocol.states import FINAL_STATES, JobRole, JobState
-from gpumesh.store.db import MIGRATIONS, SCHEMA_VERSION, JobRecord, Peer, Store
+from gpumesh.store.db import MIGRATIONS, SCHEMA_VERSION, JobRecord, Peer, Store, sql_statements
 
 
 def key(n: int) -> bytes:
@@ -459,3 +459,46 @@ def test_every_final_state_counts_as_finished_and_no_other(store: Store) -> None
     assert all(j.role == JobRole.SUBMITTED for j in store.unconfirmed_submitted_jobs())
     finished = [(j.role, j.state) for j in store.finished_jobs_before(cutoff=100.0)]
     assert sorted(finished) == sorted((r, s) for s in FINAL_STATES for r in JobRole)
+
+
+# --- migrations are run statement by statement, as SQLite splits them ------------------------
+
+_TRIGGER_STEP = """
+CREATE TABLE audit (what TEXT NOT NULL);
+-- a comment; with a semicolon
+CREATE TRIGGER peers_named AFTER INSERT ON peers BEGIN
+    INSERT INTO audit (what) VALUES ('paired; ' || NEW.name);
+    INSERT INTO audit (what) VALUES ('second;statement');
+END;
+INSERT INTO audit (what) VALUES ('made; by the step')
+"""
+
+
+def test_sql_statements_end_where_sqlite_ends_them() -> None:
+    found = [" ".join(s.split()) for s in sql_statements(_TRIGGER_STEP)]
+    assert found == [
+        "CREATE TABLE audit (what TEXT NOT NULL);",
+        "-- a comment; with a semicolon CREATE TRIGGER peers_named AFTER INSERT ON peers BEGIN "
+        "INSERT INTO audit (what) VALUES ('paired; ' || NEW.name); "
+        "INSERT INTO audit (what) VALUES ('second;statement'); END;",
+        "INSERT INTO audit (what) VALUES ('made; by the step');",
+    ]
+    with pytest.raises(ValueError, match="unfinished SQL statement"):
+        list(sql_statements("CREATE TRIGGER t AFTER INSERT ON peers BEGIN SELECT 1;"))
+
+
+def test_a_migration_step_with_a_trigger_and_semicolons_in_literals_runs_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gpumesh.store import db
+
+    monkeypatch.setattr(db, "MIGRATIONS", [*MIGRATIONS, _TRIGGER_STEP])
+    monkeypatch.setattr(db, "SCHEMA_VERSION", SCHEMA_VERSION + 1)
+    store = Store(tmp_path / "gpumesh.db")
+    try:
+        assert store.schema_version == SCHEMA_VERSION + 1
+        _pair(store, 2, "bob")
+        rows = store._db.execute("SELECT what FROM audit ORDER BY rowid").fetchall()
+        assert [row[0] for row in rows] == ["made; by the step", "paired; bob", "second;statement"]
+    finally:
+        store.close()

@@ -44,6 +44,7 @@ __all__ = [
     "MemberSource",
     "Peer",
     "Store",
+    "sql_statements",
 ]
 
 _FINAL = "(" + ", ".join(sorted(f"'{state}'" for state in FINAL_STATES)) + ")"
@@ -482,6 +483,23 @@ _GROUP_SELECT = """
 """
 
 
+def sql_statements(script: str) -> Iterator[str]:
+    """The statements of ``script``, in order, each ending at the ``;`` that SQLite
+    itself takes for its end (not one inside a literal, a comment or a trigger's
+    body): a migration step runs statement by statement inside the one
+    transaction that also reads and sets the schema version, which
+    ``executescript`` (it commits first) cannot do."""
+    pending = ""
+    for piece in script.rstrip().split(";"):
+        pending += piece + ";"
+        if sqlite3.complete_statement(pending):
+            if pending.strip(" \t\r\n;"):
+                yield pending
+            pending = ""
+    if pending.strip(" \t\r\n;"):
+        raise ValueError(f"unfinished SQL statement: {pending.strip()[:80]!r}")
+
+
 class Store:
     """The node's database. Each method is one short transaction."""
 
@@ -534,9 +552,8 @@ class Store:
                     f"one knows {SCHEMA_VERSION}): upgrade GPUMesh"
                 )
             for index in range(version, SCHEMA_VERSION):
-                for statement in MIGRATIONS[index].split(";"):
-                    if statement.strip():
-                        self._db.execute(statement)
+                for statement in sql_statements(MIGRATIONS[index]):
+                    self._db.execute(statement)
                 self._db.execute(f"PRAGMA user_version = {index + 1}")
 
     def _drop_bad_hints(self) -> None:
