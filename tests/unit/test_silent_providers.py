@@ -17,6 +17,7 @@ import pytest
 from gpumesh.client import jobs
 from gpumesh.client.jobs import Unconfirmed, refresh_jobs
 from gpumesh.client.node import Node
+from gpumesh.errors import ConnectionLostError
 from gpumesh.protocol.states import JobRole, JobState
 from gpumesh.store.db import JobRecord
 
@@ -133,3 +134,35 @@ def test_a_provider_that_answers_again_is_asked_again(
         return {answer.peer: answer.reason for answer in second}
 
     assert asyncio.run(until_heard()) == {}
+
+
+class _QuietSession:
+    """A warm session whose peer went away without a word: requests get no answer."""
+
+    punched_address = None
+    link = type("Link", (), {"is_closed": False})()
+
+    async def request(self, message: object, timeout: float) -> object:
+        raise ConnectionLostError(f"no answer within {timeout:g}s")
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_warm_session_whose_keep_alive_goes_unanswered_marks_its_peer_silent(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gpumesh.client.pool import SessionPool, Warm
+
+    providers = Providers(monkeypatch)
+    providers.behaviour["carol-box"] = "hang"  # were she asked and waited on: no return
+    pool = SessionPool(keepalive=2.0)
+    pool.on_silent = node.silent_providers.went_silent
+    warm = Warm("carol-id", "carol-box", b"k", _QuietSession(), 0.0, 0.0)  # type: ignore[arg-type]
+    pool._warm["carol-id"] = warm
+    asyncio.run(pool._ping(warm))
+    assert pool.warm("carol-id", warm.session) is None  # dropped
+    why = node.silent_providers.reason("carol-id")
+    assert why == "its keep-alive got no answer (no answer within 2s)"
+    # So the first listing since does not wait on carol either.
+    assert _listing(node) == {"carol-box": why}

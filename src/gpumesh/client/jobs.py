@@ -774,7 +774,10 @@ class SilentProviders:
     A listing does not wait on them again: their jobs keep the state last
     confirmed, with that reason, while they are asked again in the background
     (one question at a time each); the first answer takes them off the list.
-    So only the first listing after a provider went away waits for it."""
+    The node process's warm sessions tell it of a provider whose keep-alive
+    went unanswered (:attr:`~gpumesh.client.pool.SessionPool.on_silent`), so a
+    provider that was switched off is not waited on even by the first listing
+    after that was found; otherwise only that first listing waits."""
 
     def __init__(self) -> None:
         self._reasons: dict[str, str] = {}
@@ -783,6 +786,10 @@ class SilentProviders:
 
     def reason(self, peer_id: str) -> str | None:
         return self._reasons.get(peer_id)
+
+    def went_silent(self, peer_id: str, reason: str) -> None:
+        """``peer_id`` stopped answering elsewhere (its warm session's keep-alive)."""
+        self._reasons[peer_id] = reason
 
     def heard(self, peer_id: str, answer: Unconfirmed | None) -> None:
         """What asking ``peer_id`` gave: None (it answered for every job) or not."""

@@ -125,6 +125,10 @@ class SessionPool:
         was last seen open."""
         self._through_relay: set[str] = set()
         """Peer ids whose last session was set up through the relay."""
+        self.on_silent: Callable[[str, str], None] | None = None
+        """Told (peer id, why) of a peer whose warm session stopped answering its
+        keep-alive: a job listing then does not wait on it (see
+        :class:`~gpumesh.client.jobs.SilentProviders`)."""
 
     def relay_first(self, peer_id: str) -> bool:
         """Whether the last session to ``peer_id`` was set up through the relay (its
@@ -336,6 +340,8 @@ class SessionPool:
         except GPUMeshError as exc:
             if self._warm.get(warm.peer_id) is warm:
                 self.drop(warm.peer_id, f"keep-alive failed: {exc.message}")
+                if self.on_silent is not None:
+                    self.on_silent(warm.peer_id, f"its keep-alive got no answer ({exc.message})")
         else:
             warm.last_ok = self._clock()
 

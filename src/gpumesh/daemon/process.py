@@ -366,6 +366,7 @@ async def run_node(
         # One socket and one relay registration per relay for every outgoing link.
         outgoing = OutgoingSocket(lambda: node.home.identity)
         process.pool = node.pool = SessionPool(outgoing=outgoing)
+        node.pool.on_silent = node.silent_providers.went_silent
         state = ControlState(
             node=node,
             token=auth.api_token(home),
