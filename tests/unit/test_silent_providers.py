@@ -9,6 +9,7 @@ listing that waited on it would not return within the generous ceiling."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,27 +21,15 @@ from gpumesh.client.node import Node
 from gpumesh.errors import ConnectionLostError
 from gpumesh.protocol.states import JobRole, JobState
 from gpumesh.store.db import JobRecord
+from tests.unit.test_db import _job as job_record
 
 CEILING = 30.0
 
 
 def _job(job_id: str, peer_id: str, peer_name: str) -> JobRecord:
-    return JobRecord(
-        role=JobRole.SUBMITTED,
-        job_id=job_id,
-        peer_id=peer_id,
-        peer_name=peer_name,
-        image="busybox",
-        command=["sleep", "300"],
-        env={},
-        gpu_memory=0,
-        gpus=[],
-        retries=0,
-        timeout=0.0,
-        workdir="",
-        created_at=1.0,
-        state=JobState.RUNNING,
-    )
+    """A job this node submitted to ``peer_name`` that runs, as far as it knows."""
+    record = job_record(JobRole.SUBMITTED, job_id, JobState.RUNNING, created_at=1.0)
+    return dataclasses.replace(record, peer_id=peer_id, peer_name=peer_name)
 
 
 @pytest.fixture
