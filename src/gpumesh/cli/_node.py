@@ -3,9 +3,9 @@
 Imports only the standard library and the base floor until a command asks for
 the node process. The commands that talk to peers through it (``run``,
 ``logs``, ``jobs``, ``cancel``, ``cp``, ``exec``, ``app``, ``connect``,
-``dashboard``) and the owner's actions (``allow``, ``deny``, the desktop and
-CUDA shares and allowlists) import this instead of the client layer, which
-runs in the node process.
+``dashboard``; ``status`` for its job refresh) and the owner's actions
+(``allow``, ``deny``, the desktop and CUDA shares and allowlists) import this
+instead of the client layer, which runs in the node process.
 """
 
 from __future__ import annotations

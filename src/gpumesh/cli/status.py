@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from gpumesh.cli._common import emit_json, get_node, run_async
+from gpumesh.cli._common import emit_json, get_node
 from gpumesh.protocol.states import JobRole
 
 
@@ -21,20 +21,23 @@ from gpumesh.protocol.states import JobRole
 def status(offline: bool, as_json: bool) -> None:
     """Show this node: identity, whether it is sharing, GPUs, running jobs, peers.
 
-    Unfinished submitted jobs are first refreshed from their providers, as in
-    `gpumesh jobs` (a few seconds at most).
+    Unfinished submitted jobs are first refreshed from their providers by this
+    home's node process, as in `gpumesh jobs` (a few seconds at most, and not
+    waiting again on a provider that did not answer).
     """
     node = get_node()
     unknown: list[float] = []
     if not offline and node.home.initialized and node.home.store.unconfirmed_submitted_jobs():
-        from gpumesh.client.jobs import refresh_jobs
+        # The node process asks the providers, as for `gpumesh jobs`: it keeps the
+        # sessions, and knows which providers went silent (not waited on again).
+        from gpumesh.cli._node import node_client
 
-        unconfirmed: set[str] = set()
-        for answer in run_async(refresh_jobs(node)):
-            unconfirmed |= answer.job_ids
-        for job in node.home.store.jobs(limit=1000, role=JobRole.SUBMITTED):
-            if job.job_id in unconfirmed:
-                unknown.append(job.confirmed_at or job.created_at)
+        listed = node_client().call("GET", "/api/v1/jobs?limit=1000")
+        unknown = [
+            float(entry["unknown_since"])
+            for entry in listed
+            if entry["role"] == JobRole.SUBMITTED and entry["unknown_since"] is not None
+        ]
     st = node.status()
     if as_json:
         from gpumesh.client.views.node import StatusView
