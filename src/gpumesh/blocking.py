@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
-__all__ = ["closing_in_thread", "in_thread"]
+__all__ = ["abandon", "closing_in_thread", "in_thread"]
 
 T = TypeVar("T")
 
@@ -59,6 +59,17 @@ def in_thread(
 
     threading.Thread(target=target, name="gpumesh-job", daemon=True).start()
     return future
+
+
+def abandon(future: asyncio.Future[Any]) -> None:
+    """Let go of an :func:`in_thread` call nobody will await any more: cancelled
+    while it runs (what it returns or raises later is dropped), its error taken
+    as seen when it already failed (else asyncio prints "Future exception was
+    never retrieved", with a traceback, when the future is collected)."""
+    if not future.done():
+        future.cancel()
+    elif not future.cancelled():
+        future.exception()
 
 
 async def closing_in_thread(function: Callable[..., C], *args: Any) -> C:

@@ -29,7 +29,7 @@ from gpumesh.agent.containers import Containers, JobUser
 from gpumesh.agent.deps import Handlers, Provider, RequestContext
 from gpumesh.agent.gpus import GpuAllocator, Holder, HolderKind
 from gpumesh.agent.limits import Admission
-from gpumesh.blocking import in_thread
+from gpumesh.blocking import abandon, in_thread
 from gpumesh.errors import (
     AccessDeniedError,
     ConnectionLostError,
@@ -307,6 +307,7 @@ class ExecService:
             stopping.set()
             for task in (sender, receiver, closed, owner):
                 task.cancel()
+            abandon(waiter)  # the owner ended the session, or the consumer went away
 
     async def _receive_input(
         self, stream: Stream, container_id: str, terminal: Terminal, tty: bool

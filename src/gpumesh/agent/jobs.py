@@ -50,7 +50,7 @@ from gpumesh.agent.gpus import GpuAllocator, Holder, HolderKind
 from gpumesh.agent.jobstate import REVOKED, Decision, JobMachine
 from gpumesh.agent.limits import Admission, Claim, Kind, ShareLimits
 from gpumesh.agent.sandboxfs import shown
-from gpumesh.blocking import in_thread
+from gpumesh.blocking import abandon, in_thread
 from gpumesh.errors import (
     AccessDeniedError,
     AgentError,
@@ -845,6 +845,7 @@ class JobService:
             for task in (sampler, watcher):
                 if task is not None:
                     task.cancel()
+            abandon(waiter)  # a failure (or a cancel) before the wait was awaited
         # Exited and its output stored: removed once its end is told (see _supervise).
         if run.over_quota and not run.machine.cancel_requested:
             await self._event(run, None, None, run.over_quota, kind_state=False)
