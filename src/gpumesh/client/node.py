@@ -527,6 +527,9 @@ class Node:
                 status.cancel()
                 status.add_done_callback(lambda done: done.cancelled() or done.exception())
             await session.wait_for_punching(PUNCH_WAIT)
+            # The path it reports is the one `peers` shows next (a warm session's
+            # punch is otherwise written only when that session ends).
+            self._remember(peer, session)
             if not isinstance(remote, StatusReply):
                 raise UnreachableError(f"{peer.name} answered status with {type(remote).__name__}")
             rtts = []
