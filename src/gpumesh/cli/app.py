@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from gpumesh.cli._common import emit_json, fail
+from gpumesh.cli._common import emit_json, fail, json_option
 from gpumesh.cli._complete import complete_peer, complete_submitted_job
 from gpumesh.cli._node import job_options, node_client
 from gpumesh.cli._notes import exit_status_of
@@ -64,7 +64,7 @@ def _view_summary(view: dict[str, Any]) -> str:
 )
 @_dir_option("The local folder to sync (what its .gpumeshignore names is left out).")
 @click.option("--dry-run", is_flag=True, help="List what would be sent and skipped; send nothing.")
-@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@json_option
 def sync(peer: str, folder: str, dry_run: bool, as_json: bool) -> None:
     """Sync the folder DIR into /apps/NAME in your folder on PEER."""
     from gpumesh.cli.launch import APP_SYNC, APP_SYNC_PATH, app_sync_body, take
@@ -216,7 +216,7 @@ def _run_through_node(body: AppRunBody, *, quiet: bool, json_out: bool) -> dict[
     help="A job started with `gpumesh app run`: its id, or a prefix of it (4+ characters).",
 )
 @_dir_option("The local folder the job's app folder is copied into (made if missing).")
-@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@json_option
 def pull(peer: str, job_id: str, folder: str, as_json: bool) -> None:
     """Copy the working folder of a past job (its app folder) into DIR."""
     from gpumesh.client.bodies import AppPullBody

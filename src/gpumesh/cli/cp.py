@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from gpumesh.cli._common import emit_json
+from gpumesh.cli._common import emit_json, json_option
 from gpumesh.cli._complete import complete_peer_path
 
 
@@ -56,7 +56,7 @@ mount a folder of it, read-only unless :rw (copy once, mount in every job):
     help="Keep file bytes on QUIC: no TLS/TCP data channel (config: data_channel off).",
 )
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar and no summary.")
-@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@json_option
 def cp(
     source: str,
     destination: str,

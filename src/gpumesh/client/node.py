@@ -527,9 +527,11 @@ class Node:
                 status.cancel()
                 status.add_done_callback(lambda done: done.cancelled() or done.exception())
             await session.wait_for_punching(PUNCH_WAIT)
-            # The path it reports is the one `peers` shows next (a warm session's
-            # punch is otherwise written only when that session ends).
-            self._remember(peer, session)
+            if session.punched_after is not None:
+                # The path it reports is the one `peers` shows next (a punch that
+                # came after the dial's record is otherwise written only when the
+                # session ends).
+                self._remember(peer, session)
             if not isinstance(remote, StatusReply):
                 raise UnreachableError(f"{peer.name} answered status with {type(remote).__name__}")
             rtts = []
