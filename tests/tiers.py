@@ -58,7 +58,7 @@ unless it is marked ``runtime``: the runtime's own tests against the engine stay
 ALWAYS_FAST = ("unit", "fuzz")
 """Folders of ``tests/`` the fast tier runs whole."""
 
-_GUARDED_MODULES = ("gpumesh", "gpumesh.__main__", "gpumesh.daemon", "gpumesh.control.main")
+_GUARDED_MODULES = ("gpumesh", "gpumesh.__main__", "gpumesh.daemon", "gpumesh.daemon.main")
 _GUARDED_SCRIPTS = ("gpumesh", "gpumesh-control")
 _may_spawn = True
 _left_out: Counter[str] = Counter()

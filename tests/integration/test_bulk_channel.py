@@ -260,7 +260,6 @@ def test_a_workdir_over_the_channel_is_checked_with_the_hash_its_offer_names(
     from gpumesh.blocking import in_thread
     from gpumesh.client.jobs import new_job_id
     from gpumesh.errors import ProtocolError, error_from_code
-    from gpumesh.files.channel import dial
     from gpumesh.files.pack import scan, tar_size, write_tar
     from gpumesh.protocol.framing import FrameKind
     from gpumesh.protocol.messages import (
@@ -271,6 +270,7 @@ def test_a_workdir_over_the_channel_is_checked_with_the_hash_its_offer_names(
         Refusal,
         decode_message,
     )
+    from gpumesh.transport.channel import dial
 
     alice, bob = job_pair
     work = tmp_path / "work"
@@ -535,8 +535,8 @@ def test_a_channels_buffers_count_in_its_connections_link_buffer(pair) -> None:
     """While one tar holds a channel, its pump's buffers count against link_buffer: a
     second tar on the same connection that would take it over gets no offer (it goes
     on QUIC), and once the first ends its share is given back."""
-    from gpumesh.files.channel import HELD
     from gpumesh.protocol.messages import ChannelOffer, DirPut, FileResume
+    from gpumesh.transport.channel import HELD
 
     alice, bob = pair
     alice.home.config.set("link_buffer", str(HELD + HELD // 2))
@@ -593,8 +593,8 @@ def test_a_hostile_tar_over_the_data_channel_meets_the_same_unpacker(pair, tmp_p
     over QUIC, and nothing lands in the sandbox, its staging folder or above them."""
     from gpumesh.blocking import in_thread
     from gpumesh.errors import GPUMeshError, ProtocolError
-    from gpumesh.files.channel import dial
     from gpumesh.protocol.messages import ChannelOffer, DirPut, FileDone, FileResume
+    from gpumesh.transport.channel import dial
 
     alice, bob = pair
     data = _hostile_tar()

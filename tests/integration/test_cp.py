@@ -265,9 +265,9 @@ def test_the_data_channel_admits_only_its_ticket_once(pair, tmp_path: Path, monk
     import socket as sockets
 
     from gpumesh.blocking import in_thread
-    from gpumesh.files.channel import dial
+    from gpumesh.transport.channel import dial
 
-    monkeypatch.setattr("gpumesh.files.channel.ACCEPT_WAIT", 1.0)
+    monkeypatch.setattr("gpumesh.transport.channel.ACCEPT_WAIT", 1.0)
     alice, bob = pair
     key = alice.home.identity.public_key
     outcomes: dict[str, object] = {}
@@ -321,7 +321,7 @@ def test_strangers_cannot_break_a_copy_over_the_data_channel(
     import socket as sockets
     import ssl
 
-    from gpumesh.files import channel as channels
+    from gpumesh.transport import channel as channels
 
     alice, bob = pair
     source, back = tmp_path / "data.bin", tmp_path / "back.bin"
@@ -384,8 +384,8 @@ def test_a_dual_stack_listener_knows_its_ipv4_peer() -> None:
     """On ``::`` an IPv4 client shows as ``::ffff:a.b.c.d``: still the peer; ``::1`` is not."""
     import socket as sockets
 
-    from gpumesh.files.channel import Listener, dial, server_context
     from gpumesh.identity.keys import Identity
+    from gpumesh.transport.channel import Listener, dial, server_context
 
     identity = Identity.generate()
     try:

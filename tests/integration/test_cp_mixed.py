@@ -27,10 +27,10 @@ from gpumesh.blocking import in_thread
 from gpumesh.client.files import PART_SUFFIX, copy
 from gpumesh.client.node import Node
 from gpumesh.errors import GPUMeshError, ProtocolError
-from gpumesh.files.channel import dial
 from gpumesh.protocol import messages
 from gpumesh.protocol.framing import FrameKind
 from gpumesh.protocol.messages import encode_message
+from gpumesh.transport.channel import dial
 from gpumesh.transport.stream import Stream
 from tests.integration.conftest import arun, pair_both
 from tests.integration.test_cp import (

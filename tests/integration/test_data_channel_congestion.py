@@ -32,7 +32,7 @@ PROC = Path("/proc/sys/net/ipv4")
 _PAIR = """
 import asyncio, json, socket
 from gpumesh.blocking import in_thread
-from gpumesh.files.channel import Listener, dial, server_context
+from gpumesh.transport.channel import Listener, dial, server_context
 from gpumesh.identity.keys import Identity
 
 async def main():

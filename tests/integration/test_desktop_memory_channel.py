@@ -14,7 +14,8 @@ import threading
 import pytest
 
 from gpumesh.errors import AccessDeniedError, KeyMismatchError
-from gpumesh.files.channel import (
+from gpumesh.identity.keys import Identity
+from gpumesh.transport.channel import (
     TICKET_BYTES,
     Listener,
     MemoryChannel,
@@ -22,7 +23,6 @@ from gpumesh.files.channel import (
     dial_memory,
     server_context,
 )
-from gpumesh.identity.keys import Identity
 
 CEILING = 30.0
 

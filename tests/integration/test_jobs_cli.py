@@ -293,11 +293,13 @@ def test_a_provider_that_found_its_docker_cannot_give_gpus_says_so_and_is_skippe
         cpu_job = gpumesh(bob, "run", "--group", "lab", "--", "echo", "cpu")
         assert cpu_job.returncode == 0, cpu_job.stderr
         assert cpu_job.stdout == "cpu\n"
+        from gpumesh.control.shareviews import ShareLine
         from gpumesh.daemon.client import NodeClient
 
         # What the share said, as its followers print it.
-        stream = NodeClient(alice).events("/api/v1/share/output?after=0&follow=false")
-        said = [event.data["text"] for event in stream if event.event == "line"]
+        path = "/api/v1/share/output?after=0&follow=false"
+        stream = NodeClient(alice).events(path, {"line": ShareLine, "end": dict})
+        said = [event.view.text for event in stream if isinstance(event.view, ShareLine)]
         assert f"  {NO_GPU_RUNTIME_NOTE}" in said
         gpu_job = gpumesh(bob, "run", "--group", "lab", "--gpu-memory", "1GB", "--", "true")
         assert gpu_job.returncode != 0

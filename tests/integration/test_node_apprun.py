@@ -22,6 +22,9 @@ from pathlib import Path
 
 import pytest
 
+from gpumesh.client.views.apps import AppRunView
+from gpumesh.client.views.jobs import Dropped, Output
+from gpumesh.daemon.apprun import APP_RUN_EVENTS
 from gpumesh.protocol.states import FINAL_STATES
 from tests.integration.conftest import gpumesh, shared_pair
 from tests.integration.node import CEILING, cli, node_env, status, wait_gone
@@ -89,10 +92,10 @@ def test_app_run_stream_is_numbered_and_a_reader_that_stops_reading_is_told_what
         body = {"peer": "alice-pc", "dir": str(folder), "command": _numbered_job(lines, 0)}
         # Started by a command, so this test process holds no child of its own.
         assert cli(bob, "jobs").returncode == 0
-        events = connect(bob).events("/api/v1/apps/run", "POST", body)
+        events = connect(bob).events("/api/v1/apps/run", APP_RUN_EVENTS, "POST", body)
         stack.callback(events.close)
         first = next(events)
-        assert first.event == "syncview", first.data
+        assert first.event == "syncview", first.view
         deadline = time.monotonic() + 180
         while True:
             hosted = json.loads(gpumesh(alice, "jobs", "--json").stdout)
@@ -106,17 +109,17 @@ def test_app_run_stream_is_numbered_and_a_reader_that_stops_reading_is_told_what
             kinds.append(event.event)
             if event.id is not None:
                 ids.append(event.id)
-            if event.event == "output":
-                data = base64.b64decode(event.data["data"])
+            if isinstance(event.view, Output):
+                data = base64.b64decode(event.view.data)
                 assert data == _numbered(position, len(data)), position
                 position += len(data)
-            elif event.event == "dropped":
-                dropped += event.data["count"]
-                position += event.data["count"]
-            elif event.event == "end":
-                end = event.data
+            elif isinstance(event.view, Dropped):
+                dropped += event.view.count
+                position += event.view.count
+            elif isinstance(event.view, AppRunView):
+                end = event.view
         assert end is not None, kinds
-        assert end["job"]["state"] == "succeeded" and end["job"]["exit_code"] == 0
+        assert end.job.state == "succeeded" and end.job.exit_code == 0
         assert position == lines * LINE
         assert dropped > 0  # not all of it waited in the node process for this reader
         assert ids == sorted(set(ids)) and ids  # numbered, each once, in order

@@ -242,6 +242,9 @@ def test_without_unix_sockets_the_cli_reaches_the_node_over_loopback_tcp(
     from tests.integration.conftest import gpumesh
 
     _alice, bob = pair
+    # Pairing started bob's node process on this system's unix socket: the one
+    # without unix sockets starts afresh.
+    assert gpumesh(bob, "daemon", "stop").returncode == 0
     assert gpumesh(bob, "config", "set", "listen_host", "127.0.0.1").returncode == 0
     report = tmp_path / "platform-report"
     windows = {"GPUMESH_TEST_PLATFORM": "windows", "GPUMESH_TEST_PLATFORM_REPORT": str(report)}

@@ -19,9 +19,15 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from gpumesh.files.channel import TICKET_BYTES, Listener, MemoryChannel, dial_memory, server_context
 from gpumesh.identity.keys import Identity
 from gpumesh.protocol.handshake import BINDING_SIZE
+from gpumesh.transport.channel import (
+    TICKET_BYTES,
+    Listener,
+    MemoryChannel,
+    dial_memory,
+    server_context,
+)
 from gpumesh.transport.sealing import MAX_PLAIN
 from gpumesh.transport.tcpstream import _ChannelError, _Splice
 from tests.integration.test_tcpstream_splice import (

@@ -18,14 +18,14 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from gpumesh.files.channel import (
+from gpumesh.identity.keys import Identity
+from gpumesh.transport.channel import (
     TICKET_BYTES,
     Listener,
     MemoryChannel,
     dial_memory,
     server_context,
 )
-from gpumesh.identity.keys import Identity
 from gpumesh.transport.tcpstream import (
     CHANNEL_CHUNK,
     _ChannelError,

@@ -1,14 +1,12 @@
-"""What the CLI's light commands send the node process converts into the one
-schema's structs (gpumesh.client.bodies), field for field. They send plain dicts
-so that msgspec stays off their way (see test_cli_lazy.py); these tests are what
-keeps those dicts to the schema. (run and app sync: test_cli_launch.py.)"""
+"""What ``cp`` and ``exec`` send the node process: the one schema's structs
+(gpumesh.client.bodies), from their flags. (run and app sync, whose head start
+sends plain dicts that convert into them: test_cli_launch.py.)"""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import pytest
 
 from gpumesh.cli import cp as cp_module
@@ -17,26 +15,24 @@ from gpumesh.client.bodies import CopyBody, ShellRequest
 
 
 def test_cp_sends_a_copy_body(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    sent: list[dict[str, object]] = []
+    sent: list[CopyBody] = []
 
-    def through_node(body: dict[str, object], view: Any) -> dict[str, Any]:
+    def through_node(body: CopyBody, view: Any) -> None:
         sent.append(body)
-        return {}
 
     monkeypatch.setattr(cp_module, "_through_node", through_node)
     monkeypatch.chdir(tmp_path)
     args = ["data.bin", "alice:/in/", "--retries", "4", "--no-fast-path", "-q"]
     cp_module.cp.main(args=args, prog_name="gpumesh cp", standalone_mode=False)
-    (body,) = sent
-    copy = msgspec.convert(body, CopyBody)  # no field of its own, none missing
+    (copy,) = sent
     assert (copy.source, copy.destination, copy.cwd) == ("data.bin", "alice:/in/", str(tmp_path))
     assert (copy.retries, copy.fast_path) == (4, False)
 
 
 def test_exec_sends_a_shell_request(monkeypatch: pytest.MonkeyPatch) -> None:
-    sent: list[dict[str, object]] = []
+    sent: list[ShellRequest] = []
 
-    async def through_node(request: dict[str, object], raw: object) -> int:
+    async def through_node(request: ShellRequest, raw: object) -> int:
         sent.append(request)
         return 0
 
@@ -45,8 +41,7 @@ def test_exec_sends_a_shell_request(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(SystemExit) as ended:
         exec_module.exec.main(args=args, prog_name="gpumesh exec", standalone_mode=False)
     assert ended.value.code == 0
-    (body,) = sent
-    shell = msgspec.convert(body, ShellRequest)
+    (shell,) = sent
     assert (shell.peer, shell.command, shell.image, shell.env) == (
         "alice",
         ["ls", "-l"],

@@ -6,7 +6,8 @@ left to click."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import TypeVar
 
 import msgspec
 import pytest
@@ -14,8 +15,14 @@ import pytest
 from gpumesh.cli import launch
 from gpumesh.cli import run as run_module
 from gpumesh.client.bodies import JobBody, SyncBody
+from gpumesh.client.views.apps import SyncView
+from gpumesh.client.views.jobs import JobResultView, Output, Status
+from gpumesh.client.views.runs import AcceptedView
+from gpumesh.daemon.client import Pending, SseEvent
+from gpumesh.protocol.states import JobRole, JobState
 
 IMAGE = "busybox:1"
+T = TypeVar("T")
 
 TAKEN = [
     ["run", "--peer", "alice", "echo", "hi"],
@@ -99,7 +106,7 @@ def test_a_request_sent_ahead_is_taken_once_and_only_for_its_own_body(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     body = launch.run_body("alice", IMAGE, ["true"])
-    marker = (object(), iter(()))
+    marker = (object(), Scripted())
     monkeypatch.setattr(launch, "_ahead", [(launch.RUN, body, *marker)])
     struct = msgspec.convert(body, JobBody)
     assert launch.take(launch.RUN, struct) == marker
@@ -340,15 +347,16 @@ def _click_sync(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> SyncBody:
     from gpumesh.cli import app as app_module
 
     sent: list[tuple[str, str, object]] = []
-    view = {
-        "peer": "p", "remote": "/apps/proj", "files_sent": 0, "bytes_sent": 0,
-        "files_deleted": 0, "files_unchanged": 0, "sent": [], "deleted": [], "skipped": [],
-    }  # fmt: skip
+    view = SyncView(
+        peer="p", remote="/apps/proj", dry_run=False, bytes_sent=0, manifest_bytes=0,
+        manifest="full", files_sent=0, files_deleted=0, files_unchanged=0, sent=[],
+        deleted=[], skipped=[], channel="", no_channel="",
+    )  # fmt: skip
 
     class Recorder:
-        def call(self, method: str, path: str, body: object) -> object:
+        def send(self, method: str, path: str, body: object) -> Pending:
             sent.append((method, path, body))
-            return view
+            return answered(view)
 
     monkeypatch.setattr(app_module, "node_client", Recorder)
     app_module.sync.main(args=argv[2:], prog_name="gpumesh app sync", standalone_mode=False)
@@ -382,7 +390,7 @@ def test_a_request_sent_ahead_is_read_by_its_own_command_only(
     monkeypatch: pytest.MonkeyPatch, tmp_path
 ) -> None:
     body = launch.app_sync_body("alice", str(tmp_path), False)
-    marker = (object(), lambda: {"files_sent": 0})
+    marker = (object(), Scripted())
     monkeypatch.setattr(launch, "_ahead", [(launch.APP_SYNC, body, *marker)])
     with pytest.raises(RuntimeError, match="the app sync sent ahead was"):
         launch.take(launch.RUN, JobBody(peer="alice", command=["true"]))
@@ -409,27 +417,23 @@ def test_an_app_sync_answer_is_printed_ahead_only_as_click_would_echo_it(
     monkeypatch.delenv("GPUMESH_LOG", raising=False)
     argv = ["app", "sync", "--peer", "alice", "--dir", str(tmp_path)]
     body = launch.app_sync_body("alice", str(tmp_path), False)
-    view: dict[str, object] = {
-        "peer": "alice", "remote": "/apps/x", "files_sent": 1, "bytes_sent": 1500,
-        "files_deleted": 0, "files_unchanged": 2, "sent": ["a"], "deleted": [], "skipped": [],
-    }  # fmt: skip
+    view = SyncView(
+        peer="alice", remote="/apps/x", dry_run=False, bytes_sent=1500, manifest_bytes=0,
+        manifest="full", files_sent=1, files_deleted=0, files_unchanged=2, sent=["a"],
+        deleted=[], skipped=[], channel="tls", no_channel="",
+    )  # fmt: skip
     line = "synced /apps/x on alice: 1 sent (1.5KB), 0 deleted, 2 unchanged\n"
-    monkeypatch.setattr(launch, "_ahead", [(launch.APP_SYNC, body, None, lambda: view)])
+    monkeypatch.setattr(launch, "_ahead", [(launch.APP_SYNC, body, None, answered(view))])
     assert launch.finish(argv) == 0
     assert capsys.readouterr().out == line
     assert not launch._ahead
     # The same view, printed by the command: the same bytes.
-    monkeypatch.setattr(launch, "_ahead", [(launch.APP_SYNC, body, None, lambda: view)])
+    monkeypatch.setattr(launch, "_ahead", [(launch.APP_SYNC, body, None, answered(view))])
     _sync_by_command(argv, monkeypatch)
     assert capsys.readouterr().out == line
 
     # What click.echo might re-encode is the command's to print (the view read once).
-    reads: list[int] = []
-
-    def other() -> object:
-        reads.append(1)
-        return {**view, "remote": "/apps/caf\u00e9"}
-
+    other = Scripted(view=msgspec.structs.replace(view, remote="/apps/caf\u00e9"))
     monkeypatch.setattr(launch, "_ahead", [(launch.APP_SYNC, body, None, other)])
     assert launch.finish(argv) is None
     assert capsys.readouterr().out == ""
@@ -438,7 +442,7 @@ def test_an_app_sync_answer_is_printed_ahead_only_as_click_would_echo_it(
         capsys.readouterr().out
         == "synced /apps/caf\u00e9 on alice: 1 sent (1.5KB), 0 deleted, 2 unchanged\n"
     )
-    assert reads == [1] and not launch._ahead
+    assert other.reads == 1 and not launch._ahead
 
 
 def test_an_app_sync_failure_sent_ahead_is_raised_once_by_the_command(
@@ -450,22 +454,70 @@ def test_an_app_sync_failure_sent_ahead_is_raised_once_by_the_command(
     argv = ["app", "sync", "--peer", "nobody", "--dir", str(tmp_path), "--json"]
     body = launch.app_sync_body("nobody", str(tmp_path), False)
     failure = AgentError("no paired peer named 'nobody'")
-    reads: list[int] = []
-
-    def refused() -> object:
-        reads.append(1)
-        raise failure
-
+    refused = Scripted(failure=failure)
     monkeypatch.setattr(launch, "_ahead", [(launch.APP_SYNC, body, None, refused)])
     assert launch.finish(argv) is None
     assert capsys.readouterr().out == ""
     with pytest.raises(AgentError) as raised:
         _sync_by_command(argv, monkeypatch)
-    assert raised.value is failure and reads == [1] and not launch._ahead
+    assert raised.value is failure and refused.reads == 1 and not launch._ahead
     # Nothing sent ahead (or a run's request): nothing to finish here.
     assert launch.finish(argv) is None
-    monkeypatch.setattr(launch, "_ahead", [(launch.RUN, {}, None, iter(()))])
+    monkeypatch.setattr(launch, "_ahead", [(launch.RUN, {}, None, Scripted())])
     assert launch.finish(argv) is None and len(launch._ahead) == 1
+
+
+class Scripted(Pending):
+    """An answer of the node process given as views: one view, or events, then
+    ``failure`` raised when given (a reader's Ctrl-C); ``reads`` counts its reads."""
+
+    def __init__(
+        self, *events: SseEvent, view: object = None, failure: BaseException | None = None
+    ) -> None:
+        self._events, self._view, self._failure = events, view, failure
+        self.reads = 0
+
+    def answer(self, into: type[T]) -> T:
+        self.reads += 1
+        if self._failure is not None:
+            raise self._failure
+        assert isinstance(self._view, into)
+        return self._view
+
+    def events(self, views: Mapping[str, type]) -> Iterator[SseEvent]:
+        self.reads += 1
+        for event in self._events:
+            assert isinstance(event.view, views[event.event])
+            yield event
+        if self._failure is not None:
+            raise self._failure
+
+
+def canned(body: bytes) -> Pending:
+    """An answer of the node process as its bytes: ``body`` after an HTTP head, through
+    a socket pair (closed after it), read by the client's own reader."""
+    import socket
+
+    from gpumesh.daemon.client import _Response
+
+    ours, theirs = socket.socketpair()
+    ours.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\n" + body)
+    ours.close()
+    return Pending(lambda: _Response(theirs))
+
+
+def streamed(events: list[SseEvent]) -> Pending:
+    """``events`` as the node process streams them (JSON, as it encodes its views)."""
+    chunks = []
+    for event in events:
+        head = f"event: {event.event}\n" + ("" if event.id is None else f"id: {event.id}\n")
+        chunks.append(head.encode() + b"data: " + msgspec.json.encode(event.view) + b"\n\n")
+    return canned(b"".join(chunks))
+
+
+def answered(view: object) -> Pending:
+    """One JSON answer, as the node process sends it."""
+    return canned(msgspec.json.encode(view))
 
 
 # A plain run's events, printed by the head start (finish_run) or by the command.
@@ -473,31 +525,28 @@ JOB = "0123456789ab"
 RUN_ARGV = ["run", "--peer", "alice", "--", "sh", "-c", "echo hi; echo oops >&2; exit 3"]
 
 
-def _status(seq: int, state: str, **more: object) -> object:
-    from gpumesh.daemon.client import SseEvent
-
-    data = {"state": state, "attempt": 1, "exit_code": None, "message": "", "exited": False}
-    return SseEvent("status", seq, {**data, **more})
+def _status(seq: int, state: str, **more: object) -> SseEvent:
+    fields: dict[str, object] = {"attempt": 1, "exit_code": None, "message": "", "exited": False}
+    return SseEvent("status", seq, Status(seq=seq, state=JobState(state), **{**fields, **more}))
 
 
-def _output(seq: int, stream: str, data: bytes) -> object:
+def _output(seq: int, stream: str, data: bytes) -> SseEvent:
     import base64
 
-    from gpumesh.daemon.client import SseEvent
-
-    return SseEvent("output", seq, {"stream": stream, "data": base64.b64encode(data).decode()})
-
-
-def _accepted() -> object:
-    from gpumesh.daemon.client import SseEvent
-
-    return SseEvent("acceptedview", None, {"job_id": JOB, "provider": "alice", "gpus": []})
+    view = Output(seq, stream, base64.b64encode(data).decode(), data.decode())
+    return SseEvent("output", seq, view)
 
 
-def _end(state: str, exit_code: int | None) -> object:
-    from gpumesh.daemon.client import SseEvent
+def _accepted() -> SseEvent:
+    return SseEvent("acceptedview", None, AcceptedView(job_id=JOB, provider="alice", gpus=[]))
 
-    return SseEvent("end", None, {"job_id": JOB, "state": state, "exit_code": exit_code})
+
+def _end(state: str, exit_code: int | None) -> SseEvent:
+    view = JobResultView(
+        job_id=JOB, peer="alice", role=JobRole.SUBMITTED, state=JobState(state), final=True,
+        exit_code=exit_code, attempt=1, message="", gpus=[], output_dropped=0,
+    )  # fmt: skip
+    return SseEvent("end", None, view)
 
 
 RUN_EVENTS = [
@@ -543,7 +592,7 @@ def run_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_runs_events_are_printed_ahead_as_the_command_prints_them(
     monkeypatch: pytest.MonkeyPatch, capsysbinary: pytest.CaptureFixture[bytes]
 ) -> None:
-    ahead = (launch.RUN, _run_body(), None, iter(RUN_EVENTS))
+    ahead = (launch.RUN, _run_body(), None, streamed(RUN_EVENTS))
     monkeypatch.setattr(launch, "_ahead", [ahead])
     assert launch.finish_run(RUN_ARGV) == 3
     printed = capsysbinary.readouterr()
@@ -551,7 +600,7 @@ def test_a_runs_events_are_printed_ahead_as_the_command_prints_them(
     assert printed.err == b"oops\ngpumesh: exited with 3; retrying in 1s\n"
     assert not launch._ahead and not launch._readers
     # The same events read by the command: the same bytes, the same exit status.
-    monkeypatch.setattr(launch, "_ahead", [(launch.RUN, _run_body(), None, iter(RUN_EVENTS))])
+    monkeypatch.setattr(launch, "_ahead", [(launch.RUN, _run_body(), None, streamed(RUN_EVENTS))])
     assert _run_by_command(RUN_ARGV, monkeypatch) == 3
     assert capsysbinary.readouterr() == printed
 
@@ -561,19 +610,14 @@ def test_a_run_is_finished_ahead_only_when_one_was_sent_and_no_log_is_asked_for(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     assert launch.finish_run(RUN_ARGV) is None  # nothing sent ahead
-    sync = (launch.APP_SYNC, {}, None, lambda: {})
+    sync = (launch.APP_SYNC, {}, None, Scripted())
     monkeypatch.setattr(launch, "_ahead", [sync])
     assert launch.finish_run(RUN_ARGV) is None and launch._ahead == [sync]
-    ahead = (launch.RUN, _run_body(), None, iter(RUN_EVENTS))
+    ahead = (launch.RUN, _run_body(), None, Scripted(*RUN_EVENTS))
     monkeypatch.setattr(launch, "_ahead", [ahead])
     assert launch.finish_run(["run", "--peer", "alice", "-q", "true"]) is None
     monkeypatch.setenv("GPUMESH_LOG", "debug")  # the CLI sets its logging up as asked
     assert launch.finish_run(RUN_ARGV) is None and launch._ahead == [ahead]
-
-
-def _events_then(failure: BaseException, *events: object) -> Iterator[object]:
-    yield from events
-    raise failure
 
 
 @pytest.mark.usefixtures("run_ahead")
@@ -581,18 +625,19 @@ def test_a_node_process_lost_mid_run_is_followed_by_the_command_from_the_last_ev
     monkeypatch: pytest.MonkeyPatch, capsysbinary: pytest.CaptureFixture[bytes]
 ) -> None:
     from gpumesh.cli import _node
-    from gpumesh.daemon.client import NodeUnavailableError
 
-    lost = NodeUnavailableError("the event stream ended early")
-    events = _events_then(lost, _accepted(), _status(1, "running"), _output(2, "stdout", b"a\n"))
+    # The stream stops after three events: the node process died.
+    events = streamed([_accepted(), _status(1, "running"), _output(2, "stdout", b"a\n")])
     monkeypatch.setattr(launch, "_ahead", [(launch.RUN, _run_body(), None, events)])
     assert launch.finish_run(RUN_ARGV) is None
     assert capsysbinary.readouterr().out == b"a\n"
     followed: list[tuple[str, object, int]] = []
 
-    def follow(job_id: str, printer: object, *, after: int) -> dict[str, object]:
+    def follow(job_id: str, printer: object, *, after: int) -> JobResultView:
         followed.append((job_id, printer, after))
-        return {"state": "succeeded", "exit_code": 0}
+        view = _end("succeeded", 0).view
+        assert isinstance(view, JobResultView)
+        return view
 
     monkeypatch.setattr(_node, "follow", follow)
     (reader,) = launch._readers
@@ -606,11 +651,10 @@ def test_a_node_process_lost_mid_run_is_followed_by_the_command_from_the_last_ev
 def test_a_refusal_read_ahead_is_raised_once_by_the_command(
     monkeypatch: pytest.MonkeyPatch, capsysbinary: pytest.CaptureFixture[bytes]
 ) -> None:
-    from gpumesh.daemon.client import SseEvent
     from gpumesh.errors import NotFoundError
 
-    refused = SseEvent("error", None, {"code": "not_found", "message": "no peer named 'x'"})
-    monkeypatch.setattr(launch, "_ahead", [(launch.RUN, _run_body(), None, iter([refused]))])
+    refused = b'event: error\ndata: {"code": "not_found", "message": "no peer named \'x\'"}\n\n'
+    monkeypatch.setattr(launch, "_ahead", [(launch.RUN, _run_body(), None, canned(refused))])
     assert launch.finish_run(RUN_ARGV) is None
     with pytest.raises(NotFoundError, match="no peer named 'x'"):
         run_module.run.main(args=RUN_ARGV[1:], prog_name="gpumesh run", standalone_mode=False)
@@ -626,7 +670,7 @@ def test_ctrl_c_while_a_run_is_read_ahead_is_the_commands_to_handle(
     capsysbinary: pytest.CaptureFixture[bytes],
 ) -> None:
     before = [_accepted(), _status(1, "running")] if accepted else []
-    events = _events_then(KeyboardInterrupt(), *before)
+    events = Scripted(*before, failure=KeyboardInterrupt())
     monkeypatch.setattr(launch, "_ahead", [(launch.RUN, _run_body(), None, events)])
     assert launch.finish_run(RUN_ARGV) is None
     asked: list[tuple[str, str]] = []

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from gpumesh.cli._notes import ReconnectNotes, ViewPrinter
+from gpumesh.client.views.jobs import Output, Reconnecting
 
 DOWN = "cannot reach alice-pc directly (nothing is listening on 127.0.0.1:47000)"
 RELAY = "cannot reach alice-pc through the relay r:4799 (unknown-peer)"
@@ -24,10 +25,11 @@ def test_the_same_reason_is_said_once_until_the_job_is_heard_again() -> None:
 
 def test_the_printer_says_a_repeated_failure_once(capsys: pytest.CaptureFixture[str]) -> None:
     viewer = ViewPrinter("job")
+    down = Reconnecting(seq=0, code="transport_error", message=DOWN)
     for _ in range(5):
-        viewer.show("reconnecting", {"message": DOWN})
-    viewer.show("output", {"stream": "stderr", "data": "YmFjawo="})  # "back\n": heard from
-    viewer.show("reconnecting", {"message": DOWN})
+        viewer.show(down)
+    viewer.show(Output(seq=1, stream="stderr", data="YmFjawo=", text="back\n"))  # heard from
+    viewer.show(down)
     err = capsys.readouterr().err
     assert err.count(DOWN) == 2, err  # before and after the output
     assert "link lost" not in err

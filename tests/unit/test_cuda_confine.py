@@ -14,17 +14,14 @@ from collections.abc import Callable
 import pytest
 
 from gpumesh.agent.cuda import worker_argv, worker_environment
-from gpumesh.agent.limits import Admission, Claim, Kind, ShareLimits
+from gpumesh.agent.limits import Admission, Claim, Kind
+from gpumesh.client.owner import worker_user_note
 from gpumesh.cuda.backend import Allocations, CudaFault
-from gpumesh.cuda.confine import (
-    HEADROOM,
-    address_space_ceiling,
-    worker_ids,
-    worker_user_note,
-)
+from gpumesh.cuda.confine import HEADROOM, address_space_ceiling, worker_ids
 from gpumesh.cuda.fallback import FallbackBackend
 from gpumesh.cuda.kernels import VADD_F32, VADD_PTX
 from gpumesh.errors import LimitError
+from gpumesh.store.limits import ShareLimits
 
 MiB = 1024 * 1024
 MB = 1000**2

@@ -21,7 +21,8 @@ import pytest
 from gpumesh.client.bodies import ShareOptions
 from gpumesh.client.node import Node
 from gpumesh.control.app import ControlState, create_app
-from gpumesh.daemon.sharing import ShareEnd, Sharing
+from gpumesh.control.shareviews import ShareEnd
+from gpumesh.daemon.sharing import Sharing
 
 TOKEN = "t" * 32
 

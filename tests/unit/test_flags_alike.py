@@ -14,7 +14,7 @@ import pytest
 
 from gpumesh.cli._common import run_cli
 from gpumesh.cli.main import cli
-from gpumesh.control import main as control
+from gpumesh.daemon import main as control
 from gpumesh.errors import ExitCode
 from tests.cli import own_logging
 

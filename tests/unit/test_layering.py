@@ -1,4 +1,4 @@
-"""The layers of docs/architecture.md, checked on the source: floors and cycles.
+"""The layers of docs/architecture.md, checked on the source: floors, folders, cycles.
 
 Every module under ``src/gpumesh`` is parsed (never imported) and put on a
 floor, from the bottom:
@@ -9,23 +9,43 @@ floor, from the bottom:
 1. ``identity/``;
 2. ``protocol/``;
 3. ``transport/``, ``store/``, ``runtime/``, ``gpu/``, ``files/``;
-4. ``client/``, ``agent/``;
-5. ``cli/``, ``control/`` and the package root (``gpumesh/__init__.py``, the
-   public API, and ``__main__.py``).
+4. ``client/``, ``cuda/``, ``agent/``;
+5. ``cli/``, ``daemon/``, ``control/`` and the package root (``gpumesh/__init__.py``,
+   the public API, and ``__main__.py``).
 
 ``relay/`` is a top of its own (``gpumesh-relay``): it may use floors 0 to 3,
 nothing else imports it, and it never imports ``client/``, ``agent/``, ``cli/``,
 ``control/`` or the package root. ``registry/`` (``gpumesh-registry``) is
 a top in the same way.
 
-Two checks:
+Along a floor the folders are in order too (:data:`FOLDER_ORDER`, lowest first):
+a folder imports at run time only folders before it on its floor, never one
+after it:
+
+3. ``runtime/``, ``store/``, ``gpu/``, ``files/``, ``transport/`` (the data
+   channel hashes a file's head with ``files/``' helper);
+4. ``client/``, ``cuda/``, ``agent/``: ``cuda/`` builds on the client's
+   ``Node`` (``RemoteDevice``, the bridge), and the agent runs the CUDA worker;
+5. ``control/``, ``daemon/``, ``cli/``: the node process (``daemon/``) serves
+   the control API and hands the routes what it owns (its share, its shells)
+   in ``ControlState``, so ``control/`` names those only for type checking;
+   ``gpumesh-control`` is the node process in the foreground
+   (``daemon/main.py``); the CLI talks to the node process.
+
+``relay/`` and ``registry/`` never import each other.
+
+Four checks:
 
 * no module imports from a higher floor, whether at run time or only for type
   checking (under ``if TYPE_CHECKING:``), which may reach along a floor but
   not up;
 * no import cycle at run time: module-level and function-local imports are
   edges, ``TYPE_CHECKING``-only ones are not; every strongly connected group
-  of more than one module is reported with the imports that close it.
+  of more than one module is reported with the imports that close it;
+* no circle between folders at run time: the same edges, each taken from its
+  module's folder to its target's; every strongly connected group of more
+  than one folder is reported with the module imports that close it;
+* no run-time import along a floor against :data:`FOLDER_ORDER`.
 
 Imports by name through ``importlib`` (the CLI's lazy command table, the
 package root's lazy attributes) are not seen; both point down or along.
@@ -35,7 +55,7 @@ A new top-level folder has no floor until it is given one here.
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,6 +86,16 @@ FLOORS = {
     "registry": RELAY,
 }
 """Each folder of the package and its floor; a top-level module is on BASE."""
+
+FOLDER_ORDER = {
+    IDENTITY: ("identity",),
+    PROTOCOL: ("protocol",),
+    SERVICES: ("runtime", "store", "gpu", "files", "transport"),
+    OPERATIONS: ("client", "cuda", "agent"),
+    FACES: ("control", "daemon", "cli"),
+}
+"""The folders of each floor, lowest first: one imports at run time only those before it.
+The relay floor has no order: its tops never import each other."""
 
 FLOOR_NAMES = {
     BASE: "base",
@@ -271,6 +301,69 @@ def describe_cycle(group: list[str], found: list[Edge]) -> str:
     return f"{', '.join(group)}\n      " + "\n      ".join(inside)
 
 
+def folder_of(module: str, folders: Collection[str] = FLOORS) -> str | None:
+    """The top-level folder ``module`` is in; None for the package root and the base."""
+    parts = module.split(".")
+    if len(parts) > 2 or (len(parts) == 2 and parts[1] in folders):
+        return parts[1]
+    return None
+
+
+def _between_folders(found: list[Edge], folders: Collection[str]) -> list[Edge]:
+    """The run-time edges from a module of one folder to a module of another."""
+    crossing = []
+    for edge in found:
+        source, target = folder_of(edge.source, folders), folder_of(edge.target, folders)
+        if not edge.type_only and source and target and source != target:
+            crossing.append(edge)
+    return crossing
+
+
+def folder_cycles(found: list[Edge], folders: Collection[str] = FLOORS) -> list[list[str]]:
+    """The strongly connected groups of more than one folder in the run-time graph."""
+    # one edge per pair of folders, named by the folders alone
+    pairs = {
+        (folder_of(e.source, folders), folder_of(e.target, folders))
+        for e in _between_folders(found, folders)
+    }
+    return cycles([Edge(str(source), str(target), 0, False) for source, target in pairs])
+
+
+def describe_folder_cycle(
+    group: list[str], found: list[Edge], folders: Collection[str] = FLOORS
+) -> str:
+    members = set(group)
+    inside = sorted(
+        {
+            f"{e.source} -> {e.target} (line {e.line})"
+            for e in _between_folders(found, folders)
+            if folder_of(e.source, folders) in members and folder_of(e.target, folders) in members
+        }
+    )
+    return f"{', '.join(group)}\n      " + "\n      ".join(inside)
+
+
+def order_violations(found: list[Edge]) -> list[str]:
+    """One line per run-time import along a floor that goes against :data:`FOLDER_ORDER`."""
+    problems = []
+    for edge in _between_folders(found, FLOORS):
+        source, target = folder_of(edge.source), folder_of(edge.target)
+        if source not in FLOORS or target not in FLOORS:
+            continue  # reported by the test that every folder has a floor
+        floor = FLOORS[source]
+        if FLOORS[target] != floor:
+            continue  # across floors: the floor rule's
+        order = FOLDER_ORDER.get(floor, ())
+        if source in order and target in order and order.index(target) < order.index(source):
+            continue
+        where = f"{edge.source} imports {edge.target} at run time, line {edge.line}"
+        if floor == RELAY:
+            problems.append(f"{where}: {source}/ and {target}/ never import each other")
+        else:
+            problems.append(f"{where}: {target}/ comes after {source}/ in {' < '.join(order)}")
+    return problems
+
+
 # --- the checks on src/gpumesh --------------------------------------------------------
 
 
@@ -303,6 +396,34 @@ def test_no_import_cycle_at_run_time() -> None:
             f"{len(groups)} groups of modules import each other at run time "
             "(a TYPE_CHECKING import is not a cycle; a function-local import is):\n  "
             + "\n  ".join(describe_cycle(group, found) for group in groups),
+            pytrace=False,
+        )
+
+
+def test_every_folder_has_its_place_along_its_floor() -> None:
+    ordered = {folder: floor for floor, order in FOLDER_ORDER.items() for folder in order}
+    placed = {folder: floor for folder, floor in FLOORS.items() if floor != RELAY}
+    assert ordered == placed, "each folder of FLOORS is in FOLDER_ORDER, on its own floor"
+
+
+def test_no_circle_between_folders_at_run_time() -> None:
+    found = _source_edges()
+    groups = folder_cycles(found)
+    if groups:
+        pytest.fail(
+            f"{len(groups)} groups of folders import each other at run time "
+            "(a function-local import counts, a TYPE_CHECKING one does not):\n  "
+            + "\n  ".join(describe_folder_cycle(group, found) for group in groups),
+            pytrace=False,
+        )
+
+
+def test_folders_along_a_floor_import_in_order() -> None:
+    problems = order_violations(_source_edges())
+    if problems:
+        pytest.fail(
+            f"{len(problems)} imports go against the order along a floor "
+            "(FOLDER_ORDER, this module's docstring):\n  " + "\n  ".join(problems),
             pytrace=False,
         )
 
@@ -399,3 +520,39 @@ def test_the_floor_rule_reads_each_direction() -> None:
         "gpumesh.transport.session (transport/store/runtime/gpu/files)",
     ]
     assert "for type checking only, line 1: a higher floor" in problems[1]
+
+
+def test_the_folder_checks_see_a_circle_closed_by_late_imports() -> None:
+    def edge(source: str, target: str, type_only: bool = False) -> Edge:
+        return Edge(source, target, 7, type_only)
+
+    # control <-> daemon, and client -> agent -> cuda -> client, as they once were:
+    # no module cycle, but function-local imports close circles between folders
+    found = [
+        edge("gpumesh.control.app", "gpumesh.daemon.shells"),
+        edge("gpumesh.daemon.process", "gpumesh.control.app", type_only=True),
+        edge("gpumesh.daemon.process", "gpumesh.control.server"),
+        edge("gpumesh.client.doctor", "gpumesh.agent.limits"),
+        edge("gpumesh.agent.cuda", "gpumesh.cuda.protocol"),
+        edge("gpumesh.cuda.device", "gpumesh.client.node"),
+        edge("gpumesh.cli.run", "gpumesh.client.jobs"),
+        edge("gpumesh.client.jobs", "gpumesh.errors"),
+    ]
+    assert cycles(found) == []
+    assert folder_cycles(found) == [["agent", "client", "cuda"], ["control", "daemon"]]
+    assert describe_folder_cycle(["control", "daemon"], found).splitlines() == [
+        "control, daemon",
+        "      gpumesh.control.app -> gpumesh.daemon.shells (line 7)",
+        "      gpumesh.daemon.process -> gpumesh.control.server (line 7)",
+    ]
+    assert [p.split(" at run time")[0] for p in order_violations(found)] == [
+        "gpumesh.control.app imports gpumesh.daemon.shells",
+        "gpumesh.client.doctor imports gpumesh.agent.limits",
+    ]
+    # a type-only import along a floor closes nothing and breaks no order
+    late = [edge("gpumesh.daemon.process", "gpumesh.control.app", type_only=True)]
+    assert folder_cycles(late) == [] and order_violations(late) == []
+    assert order_violations([edge("gpumesh.relay.core", "gpumesh.registry.store")]) == [
+        "gpumesh.relay.core imports gpumesh.registry.store at run time, line 7: "
+        "relay/ and registry/ never import each other"
+    ]

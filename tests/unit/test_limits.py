@@ -1,4 +1,4 @@
-"""agent/limits: defaults worked out from given machine sizes, and the admission rules."""
+"""store/limits: defaults worked out from given machine sizes; agent/limits: the admission rules."""
 
 from __future__ import annotations
 
@@ -6,20 +6,17 @@ from pathlib import Path
 
 import pytest
 
-from gpumesh.agent.limits import (
-    Admission,
-    Claim,
-    Kind,
+from gpumesh.agent.limits import Admission, Claim, Kind, check_admission
+from gpumesh.errors import LimitError
+from gpumesh.store.config import Config
+from gpumesh.store.limits import (
     MachineSize,
     ShareLimits,
-    check_admission,
     default_job_cpus,
     default_job_memory,
     default_share_memory,
     machine_size,
 )
-from gpumesh.errors import LimitError
-from gpumesh.store.config import Config
 
 MB = 1000**2
 GB = 1000**3

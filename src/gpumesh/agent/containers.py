@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, cast
 
 from gpumesh.agent.deps import Provider, Sandboxes, Settings
 from gpumesh.agent.images import ImageKeeper, check_allowed
-from gpumesh.agent.limits import ShareLimits
 from gpumesh.blocking import in_thread
 from gpumesh.errors import ConfigError, GPUMeshError
 from gpumesh.protocol.messages import PULL_PROGRESS_EVERY, ImagePull
@@ -34,6 +33,7 @@ from gpumesh.runtime.pull import PullProgress
 from gpumesh.runtime.users import job_identity
 from gpumesh.settings import ENV_TEST_JOB_NETWORK, env
 from gpumesh.store.db import Store
+from gpumesh.store.limits import ShareLimits
 from gpumesh.units import parse_size
 
 if TYPE_CHECKING:

@@ -50,9 +50,9 @@ from gpumesh.transport.tcpstream import READ_LIMIT, pump, splice
 if TYPE_CHECKING:
     import ssl
 
-    from gpumesh.files.channel import Listener, MemoryChannel
     from gpumesh.identity.keys import Identity
     from gpumesh.store.db import DesktopShare, Peer
+    from gpumesh.transport.channel import Listener, MemoryChannel
     from gpumesh.transport.stream import Stream
 
 __all__ = ["DesktopService", "DesktopSession", "DesktopStore"]
@@ -240,7 +240,7 @@ class DesktopService:
 
     def _listener(self, ctx: RequestContext) -> Listener | None:
         """A one-shot data channel listener for this request; None: QUIC carries it."""
-        from gpumesh.files.channel import Listener, server_context
+        from gpumesh.transport.channel import Listener, server_context
 
         channels = self.channels
         if channels is None or not channels.channel_enabled():

@@ -6,7 +6,7 @@ provider's), the partial uploads kept for resuming in
 ``files/.partial/<peer node id>/``, and the requests ``FileStat``,
 ``FilePut``, ``FileGet``, ``DirPut`` and ``DirGet``, and their data-channel
 variants ``ChannelPut`` and ``ChannelGet`` (file bytes over a one-shot TLS/TCP
-channel, see :mod:`gpumesh.files.channel`; same checks, same partials, same
+channel, see :mod:`gpumesh.transport.channel`; same checks, same partials, same
 hash verdict). A tar (``DirPut``/``DirGet`` here, a job's workdir, an app's
 files) takes a channel when its request asks for one: :meth:`FileService.offer_channel`,
 :meth:`~FileService.receive_tar` and :meth:`~FileService.send_tar` serve the
@@ -115,10 +115,10 @@ if TYPE_CHECKING:
     import ssl
     import threading
 
-    from gpumesh.files.channel import Channel, Listener
     from gpumesh.files.pack import PackPlan
     from gpumesh.identity.keys import Identity
     from gpumesh.store.db import Peer
+    from gpumesh.transport.channel import Channel, Listener
     from gpumesh.transport.quic import QuicLink
     from gpumesh.transport.stream import Stream
 
@@ -568,7 +568,7 @@ class FileService:
     def _listener(self, peer: str) -> Listener:
         """A one-shot TLS listener on the share address, with a fresh ticket, that admits
         only ``peer`` (the IP address the request came from)."""
-        from gpumesh.files.channel import Listener, server_context
+        from gpumesh.transport.channel import Listener, server_context
 
         if not self.channel_enabled():
             raise UnreachableError(
@@ -592,7 +592,7 @@ class FileService:
         while the offer lives); the offer, or None: the tar goes as DATA on QUIC.
         ``hash_name``: the tar's hash, named in the offer where the request carries
         no other answer that names it (a JobSubmit's workdir); empty: none named."""
-        from gpumesh.files.channel import HELD
+        from gpumesh.transport.channel import HELD
 
         offer = None
         if wanted and self.channel_enabled():
@@ -640,8 +640,8 @@ class FileService:
         the FileDone the consumer sends on QUIC after it; on any failure ``dest`` is
         removed. False: the consumer declined the channel, and the tar comes as
         DATA on the stream."""
-        from gpumesh.files.channel import receive_stream
         from gpumesh.files.transfer import unpack_pieces
+        from gpumesh.transport.channel import receive_stream
 
         following = _next_message(ctx.stream, offer.listener)
         consume = functools.partial(unpack_pieces, dest=dest, limit=limit, owner=owner)
@@ -679,8 +679,8 @@ class FileService:
         """Send ``plan`` as a tar of exactly ``size`` bytes over the request's data
         channel, then FileDone on QUIC, and wait for the consumer to end its side.
         False: the consumer declined the channel; nothing was sent."""
-        from gpumesh.files.channel import send_stream
         from gpumesh.files.pack import write_tar
+        from gpumesh.transport.channel import send_stream
 
         stream = ctx.stream
         following = _next_message(stream, offer.listener)
@@ -708,7 +708,7 @@ class FileService:
     @refusing
     async def handle_channel_put(self, ctx: RequestContext, message: ChannelPut) -> None:
         """``FilePut`` with the bytes over a data channel and the hash at the end."""
-        from gpumesh.files.channel import receive_file
+        from gpumesh.transport.channel import receive_file
 
         peer, name, stream = ctx.peer, self.provider.name, ctx.stream
         where = self._where(message.path)
@@ -780,7 +780,7 @@ class FileService:
     @refusing
     async def handle_channel_get(self, ctx: RequestContext, message: ChannelGet) -> None:
         """``FileGet`` with the bytes over a data channel."""
-        from gpumesh.files.channel import send_file
+        from gpumesh.transport.channel import send_file
 
         where = self._where(message.path)
         listener = self._listener(ctx.link.remote_address()[0])

@@ -48,7 +48,7 @@ from gpumesh.agent.deps import (
 )
 from gpumesh.agent.gpus import GpuAllocator, Holder, HolderKind
 from gpumesh.agent.jobstate import REVOKED, Decision, JobMachine
-from gpumesh.agent.limits import Admission, Claim, Kind, ShareLimits
+from gpumesh.agent.limits import Admission, Claim, Kind
 from gpumesh.agent.sandboxfs import shown
 from gpumesh.blocking import abandon, in_thread
 from gpumesh.errors import (
@@ -93,6 +93,7 @@ from gpumesh.runtime.base import (
 from gpumesh.runtime.base import Stream as LogStream
 from gpumesh.store.db import JobRecord, Store
 from gpumesh.store.followers import FollowerWakeups
+from gpumesh.store.limits import ShareLimits
 from gpumesh.units import format_size, parse_size
 
 if TYPE_CHECKING:

@@ -29,7 +29,7 @@ from gpumesh.agent.exec import ExecService
 from gpumesh.agent.files import FileService
 from gpumesh.agent.gpus import GpuAllocator
 from gpumesh.agent.jobs import JobService, uploaded_workdirs
-from gpumesh.agent.limits import ShareLimits, machine_size, return_free_memory
+from gpumesh.agent.limits import return_free_memory
 from gpumesh.agent.ratelimit import ConnectionLimiter, Outcome, RefusalTally, Slot
 from gpumesh.blocking import in_thread
 from gpumesh.errors import (
@@ -55,6 +55,7 @@ from gpumesh.protocol.messages import (
 from gpumesh.runtime.base import JobRuntime
 from gpumesh.store.followers import FollowerWakeups
 from gpumesh.store.home import AgentInfo, Home, RelayState
+from gpumesh.store.limits import ShareLimits, machine_size
 from gpumesh.store.peerrecords import PeerRecords
 from gpumesh.transport.netinfo import local_addresses
 from gpumesh.transport.quic import QuicEndpoint, QuicLink

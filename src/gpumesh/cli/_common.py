@@ -92,16 +92,13 @@ class _NodeProcessShare:
 
     @functools.cached_property
     def _answer(self) -> AgentInfo | None:
-        import msgspec
-
+        from gpumesh.control.shareviews import ShareView
         from gpumesh.daemon.client import NodeClient, NodeUnavailableError
-        from gpumesh.store.home import AgentInfo
 
         try:
-            agent = NodeClient(self.home).call("GET", "/api/v1/share", timeout=30).get("agent")
+            return NodeClient(self.home).call("GET", "/api/v1/share", ShareView, timeout=30).agent
         except NodeUnavailableError:
             return None
-        return None if agent is None else msgspec.convert(agent, AgentInfo)
 
     def changed(self) -> None:
         raise RuntimeError(_OWNER_ACTIONS)

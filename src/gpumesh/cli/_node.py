@@ -3,7 +3,8 @@
 Imports only the standard library and the base floor until a command asks for
 the node process. The commands that talk to peers through it (``run``,
 ``logs``, ``jobs``, ``cancel``, ``cp``, ``exec``, ``app``, ``connect``,
-``dashboard``; ``status`` for its job refresh) and the owner's actions
+``pair``, ``pair-code``, ``peers``, ``dashboard``; ``status`` for its job
+refresh) and the owner's actions
 (``allow``, ``deny``, the desktop and CUDA shares and allowlists) import this
 instead of the client layer, which runs in the node process.
 """
@@ -17,6 +18,7 @@ import click
 
 if TYPE_CHECKING:
     from gpumesh.cli._notes import ViewPrinter
+    from gpumesh.client.views.jobs import JobResultView
     from gpumesh.client.views.peers import PeerView
     from gpumesh.daemon.client import NodeClient
 
@@ -101,13 +103,11 @@ def running_client() -> NodeClient | None:
 V = TypeVar("V")
 
 
-def owner_change(method: str, path: str, view: type[V], body: Any = None) -> V:
+def owner_change(method: str, path: str, view: type[V], body: object = None) -> V:
     """An owner's change (an allowlist, the desktop or CUDA share): ``method path``
     through the node process, which runs this home's share and so acts on it at
     once; its answer as ``view``."""
-    import msgspec
-
-    return msgspec.convert(node_client().call(method, path, body), view)
+    return node_client().call(method, path, view, body)
 
 
 def peer_change(peer: str, route: str) -> PeerView:
@@ -126,7 +126,7 @@ RESUME_TRIES = 5
 
 def follow(
     job_id: str, printer: ViewPrinter, *, live: bool = True, after: int = 0
-) -> dict[str, Any]:
+) -> JobResultView:
     """Print a job's events through the node process until the stream ends; the
     job's result (the ``end`` event's view); ``after``: the sequence number of the
     last event already printed. A node process that dies meanwhile is
@@ -134,8 +134,8 @@ def follow(
     no output is lost or repeated."""
     from urllib.parse import quote
 
+    from gpumesh.client.views.jobs import JOB_EVENTS, JobResultView
     from gpumesh.daemon.client import NodeUnavailableError
-    from gpumesh.errors import error_from_code
 
     client = node_client()
     failures = 0
@@ -145,13 +145,10 @@ def follow(
             f"?follow={'true' if live else 'false'}&after={after}"
         )
         try:
-            for event in client.events(path):
-                if event.event == "end":
-                    result: dict[str, Any] = event.data
-                    return result
-                if event.event == "error":
-                    raise error_from_code(str(event.data["code"]), str(event.data["message"]))
-                printer.show(event.event, event.data)
+            for event in client.events(path, JOB_EVENTS):
+                if isinstance(event.view, JobResultView):
+                    return event.view
+                printer.show(event.view)
                 if event.id is not None:
                     after = event.id
                     failures = 0

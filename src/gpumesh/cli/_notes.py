@@ -13,7 +13,7 @@ import os
 import sys
 from collections.abc import Iterable
 
-from gpumesh.errors import ExitCode, error_from_code
+from gpumesh.errors import ExitCode
 from gpumesh.protocol.states import FINAL_STATES, JobState
 from gpumesh.units import format_size
 
@@ -22,6 +22,8 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
+    from gpumesh.client.views.jobs import JobResultView
+    from gpumesh.client.views.runs import PullingView
     from gpumesh.daemon.client import SseEvent
 
 __all__ = [
@@ -125,53 +127,48 @@ class ViewPrinter:
         if not self.quiet:
             _note(text)
 
-    def show(self, kind: str, view: Any) -> None:
-        """One event (``kind`` as the stream names it, ``view`` its JSON)."""
-        if kind != "reconnecting":
+    def show(self, view: object) -> None:
+        """One event of the stream: its view (:data:`~gpumesh.client.views.runs.RUN_EVENTS`)."""
+        from gpumesh.client.views.jobs import Dropped, Output, Reconnecting, Status
+        from gpumesh.client.views.runs import AcceptedView, PlacedView, PullingView, UploadingView
+
+        if not isinstance(view, Reconnecting):
             self.outage.heard()
-        if kind == "output":
-            to_stdout = view["stream"] == "stdout" and not self.output_to_stderr
+        if isinstance(view, Output):
+            to_stdout = view.stream == "stdout" and not self.output_to_stderr
             out = sys.stdout if to_stdout else sys.stderr
             # base64.b64decode is this, after importing struct and more.
-            out.buffer.write(binascii.a2b_base64(view["data"]))
+            out.buffer.write(binascii.a2b_base64(view.data))
             out.buffer.flush()
-        elif kind == "status":
+        elif isinstance(view, Status):
             note = state_note(
                 numbered=self.numbered,
-                state=view["state"],
-                attempt=view["attempt"],
-                exit_code=view["exit_code"],
-                message=view["message"],
-                exited=view["exited"],
+                state=view.state,
+                attempt=view.attempt,
+                exit_code=view.exit_code,
+                message=view.message,
+                exited=view.exited,
                 job_id=self.job_id,
             )
             if note is not None:
                 self.note(note)
-        elif kind == "dropped":
+        elif isinstance(view, Dropped):
             import click
 
-            click.echo(click.style(dropped_note(view["count"]), fg="yellow"), err=True)
-        elif kind == "reconnecting":
-            if (line := self.outage.note(view["message"])) is not None:
+            click.echo(click.style(dropped_note(view.count), fg="yellow"), err=True)
+        elif isinstance(view, Reconnecting):
+            if (line := self.outage.note(view.message)) is not None:
                 self.note(line)
-        elif kind == "placedview":
-            chosen = view["chosen"]
-            every = [(c["name"], c["eligible"], c["reason"]) for c in view["candidates"]]
-            self.steps.placed(chosen["name"], chosen["reason"], every)
-        elif kind == "pullingview":
-            self.steps.pull(
-                view["image"],
-                view["layers"],
-                view["layers_done"],
-                view["downloaded"],
-                view["total"],
-                view["done"],
-            )
-        elif kind == "acceptedview":
-            self.job_id = view["job_id"]
-            self.steps.accepted(view["job_id"], view["provider"], view["gpus"])
-        elif kind == "uploadingview":
-            self.steps.upload(view["sent"], view["total"])
+        elif isinstance(view, PlacedView):
+            every = [(c.name, c.eligible, c.reason) for c in view.candidates]
+            self.steps.placed(view.chosen.name, view.chosen.reason, every)
+        elif isinstance(view, PullingView):
+            self.steps.pull(view)
+        elif isinstance(view, AcceptedView):
+            self.job_id = view.job_id
+            self.steps.accepted(view.job_id, view.provider, view.gpus)
+        elif isinstance(view, UploadingView):
+            self.steps.upload(view.sent, view.total)
 
 
 class RunReader:
@@ -186,18 +183,20 @@ class RunReader:
         self.provider: str | None = None
         self.after = 0
 
-    def read(self, events: Iterable[SseEvent]) -> Any:
-        """Print ``events`` up to the run's end; the end's view (the job's result). An
-        ``error`` event is raised as its error."""
+    def read(self, events: Iterable[SseEvent]) -> JobResultView:
+        """Print ``events`` (:data:`~gpumesh.client.views.runs.RUN_EVENTS`) up to the
+        run's end; the end's view (the job's result). An ``error`` event is raised
+        as its error (by the stream)."""
+        from gpumesh.client.views.jobs import JobResultView
+        from gpumesh.client.views.runs import AcceptedView
+
         for event in events:
-            if event.event == "end":
-                return event.data
-            if event.event == "error":
-                raise error_from_code(str(event.data["code"]), str(event.data["message"]))
-            if event.event == "acceptedview":
-                self.job_id = str(event.data["job_id"])
-                self.provider = str(event.data["provider"])
-            self.printer.show(event.event, event.data)
+            if isinstance(event.view, JobResultView):
+                return event.view
+            if isinstance(event.view, AcceptedView):
+                self.job_id = event.view.job_id
+                self.provider = event.view.provider
+            self.printer.show(event.view)
             if event.id is not None:
                 self.after = event.id
         from gpumesh.daemon.client import NodeUnavailableError
@@ -262,11 +261,11 @@ class StepNotes:
                 verdict = "also fits" if eligible else "skipped"
                 self.note(f"  {name}: {verdict}: {why}")
 
-    def pull(
-        self, image: str, layers: int, layers_done: int, downloaded: int, total: int, done: bool
-    ) -> None:
+    def pull(self, view: PullingView) -> None:
         if self.quiet:
             return
+        image, downloaded, total, done = view.image, view.downloaded, view.total, view.done
+        layers, layers_done = view.layers, view.layers_done
         text = f"{layers_done}/{layers} layers"
         if not sys.stderr.isatty():
             if not self._pull_noted:

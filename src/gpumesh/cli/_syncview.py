@@ -8,9 +8,9 @@ from __future__ import annotations
 TYPE_CHECKING = False  # as typing's, which the head start must not import
 
 if TYPE_CHECKING:
-    from typing import Any
+    from gpumesh.client.views.apps import SyncView
 
-__all__ = ["dry_run_lines", "sync_line", "view_output"]
+__all__ = ["dry_run_lines", "sync_line", "view_output", "view_summary"]
 
 
 def sync_line(peer: str, remote: str, sent: int, size: int, deleted: int, unchanged: int) -> str:
@@ -34,16 +34,22 @@ def dry_run_lines(
     ]
 
 
-def view_output(view: dict[str, Any], *, as_json: bool, dry_run: bool) -> list[str]:
+def view_output(view: SyncView, *, as_json: bool, dry_run: bool) -> list[str]:
     """The texts ``app sync`` echoes (each followed by a newline) for the node
     process's view of its sync."""
-    if as_json:  # plain JSON data already: printed as emit_json would, without msgspec
-        import json
+    if as_json:
+        from gpumesh.client.views import to_json
 
-        return [json.dumps(view, indent=2)]
+        return [to_json(view)]
     if dry_run:
-        skipped = [(s["path"], s["rule"]) for s in view["skipped"]]
-        return dry_run_lines(view["sent"], view["deleted"], skipped, view["files_unchanged"])
-    peer, remote = view["peer"], view["remote"]
-    sent, size = view["files_sent"], view["bytes_sent"]
-    return [sync_line(peer, remote, sent, size, view["files_deleted"], view["files_unchanged"])]
+        skipped = [(s.path, s.rule) for s in view.skipped]
+        return dry_run_lines(view.sent, view.deleted, skipped, view.files_unchanged)
+    return [view_summary(view)]
+
+
+def view_summary(view: SyncView) -> str:
+    """The one line that says what a sync did."""
+    return sync_line(
+        view.peer, view.remote, view.files_sent, view.bytes_sent,
+        view.files_deleted, view.files_unchanged,
+    )  # fmt: skip

@@ -13,11 +13,12 @@ from gpumesh.cli._common import emit_json, fail, json_option
 from gpumesh.cli._complete import complete_peer, complete_submitted_job
 from gpumesh.cli._node import job_options, node_client
 from gpumesh.cli._notes import exit_status_of
-from gpumesh.cli._syncview import sync_line, view_output
+from gpumesh.cli._syncview import view_output, view_summary
 from gpumesh.errors import ExitCode
 
 if TYPE_CHECKING:
     from gpumesh.client.bodies import AppRunBody
+    from gpumesh.client.views.apps import AppRunView
 
 
 def _dir_option(help: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -45,14 +46,6 @@ def app() -> None:
     """Keep a project folder on a peer and run jobs in it."""
 
 
-def _view_summary(view: dict[str, Any]) -> str:
-    """The one line that says what a sync did, from its view."""
-    return sync_line(
-        view["peer"], view["remote"], view["files_sent"], view["bytes_sent"],
-        view["files_deleted"], view["files_unchanged"],
-    )  # fmt: skip
-
-
 @app.command()
 @click.option(
     "--peer",
@@ -68,13 +61,14 @@ def _view_summary(view: dict[str, Any]) -> str:
 def sync(peer: str, folder: str, dry_run: bool, as_json: bool) -> None:
     """Sync the folder DIR into /apps/NAME in your folder on PEER."""
     from gpumesh.cli.launch import APP_SYNC, APP_SYNC_PATH, app_sync_body, take
+    from gpumesh.client.views.apps import SyncView
 
     # The head start's own body (no msgspec on the way of a sync; a unit test
     # converts it into client/bodies.SyncBody).
     body = app_sync_body(peer, folder, dry_run)
     ahead = take(APP_SYNC, body)  # the plain form's request, sent before the CLI loaded
-    read = ahead[1] if ahead is not None else None
-    view = read() if read else node_client().call("POST", APP_SYNC_PATH, body)
+    answer = ahead[1] if ahead is not None else node_client().send("POST", APP_SYNC_PATH, body)
+    view = answer.answer(SyncView)
     for text in view_output(view, as_json=as_json, dry_run=dry_run):
         click.echo(text)
 
@@ -146,56 +140,47 @@ def run(
         **job_options(image, env_items, gpu_memory, retries, timeout, mounts),
     )
     view = _run_through_node(body, quiet=quiet or as_json, json_out=as_json)
-    job = view["job"]
-    status = exit_status_of(job["state"], job["exit_code"])
+    status = exit_status_of(view.job.state, view.job.exit_code)
     if as_json:
         emit_json(view)
-        missing = out is not None and not view["pulled"]
+        missing = out is not None and not view.pulled
         raise SystemExit(status or (ExitCode.FAILED if missing else 0))
-    _pulled(view["pulled"], view["sync"]["peer"], view["sync"]["remote"],
-            view["out_remote"], out, out_name, status, quiet)  # fmt: skip
+    _pulled(view, out, out_name, status, quiet)
     raise SystemExit(status)
 
 
-def _pulled(
-    pulled: bool,
-    peer: str,
-    remote: str,
-    out_remote: str,
-    out: str | None,
-    out_name: str,
-    status: int,
-    quiet: bool,
-) -> None:
+def _pulled(view: AppRunView, out: str | None, out_name: str, status: int, quiet: bool) -> None:
     """What ``app run --out`` says of the folder it pulled back, or failed to."""
     if out is None:
         return
-    if not pulled:
+    peer = view.sync.peer
+    if not view.pulled:
         fail(
-            f"the job produced no folder {out_name}/ in {remote} on "
+            f"the job produced no folder {out_name}/ in {view.sync.remote} on "
             f"{peer}: nothing to pull into {out}",
             status or ExitCode.FAILED,
         )
     if not quiet:
-        click.echo(f"pulled {peer}:{out_remote} -> {out}", err=True)
+        click.echo(f"pulled {peer}:{view.out_remote} -> {out}", err=True)
 
 
-def _run_through_node(body: AppRunBody, *, quiet: bool, json_out: bool) -> dict[str, Any]:
+def _run_through_node(body: AppRunBody, *, quiet: bool, json_out: bool) -> AppRunView:
     """``app run`` done by the node process, its steps and output printed here as
     ``gpumesh run`` prints them; the app run's view. A node process that dies once
     the job was accepted is replaced and the job's output resumes where it stopped."""
     from gpumesh.cli._notes import ViewPrinter
+    from gpumesh.client.views.apps import SyncView
     from gpumesh.daemon.apprun import NodeAppRun
 
     printer = ViewPrinter("", quiet=quiet, output_to_stderr=json_out)
     run = NodeAppRun(node_client, body)
     for event in run.events():
-        if event.event == "syncview":
+        if isinstance(event.view, SyncView):
             if not quiet:
-                click.echo(_view_summary(event.data), err=True)
+                click.echo(view_summary(event.view), err=True)
         else:
-            printer.show(event.event, event.data)
-    assert run.view is not None
+            printer.show(event.view)
+    assert run.view is not None  # the events ran out: the view is there
     return run.view
 
 
@@ -220,10 +205,11 @@ def _run_through_node(body: AppRunBody, *, quiet: bool, json_out: bool) -> dict[
 def pull(peer: str, job_id: str, folder: str, as_json: bool) -> None:
     """Copy the working folder of a past job (its app folder) into DIR."""
     from gpumesh.client.bodies import AppPullBody
+    from gpumesh.client.views.apps import AppPullView
 
     body = AppPullBody(job=job_id, dir=os.path.abspath(folder), peer=peer)
-    view = node_client().call("POST", "/api/v1/apps/pull", body)
+    view = node_client().call("POST", "/api/v1/apps/pull", AppPullView, body)
     if as_json:
         emit_json(view)
         return
-    click.echo(f"pulled {view['peer']}:{view['remote']} -> {folder}")
+    click.echo(f"pulled {view.peer}:{view.remote} -> {folder}")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
 from urllib.parse import quote
 
 import click
@@ -10,6 +9,7 @@ import click
 from gpumesh.cli._common import emit_json, json_option
 from gpumesh.cli._complete import complete_peer, complete_submitted_job
 from gpumesh.cli._node import node_client, owner_change
+from gpumesh.protocol.states import JobRole
 
 
 @click.command(
@@ -46,16 +46,17 @@ def cancel(peer: str | None, job_id: str, as_json: bool) -> None:
 
     # The node process runs this home's share, which carries out a hosted job's cancel.
     path = f"/api/v1/jobs/{quote(job_id, safe='')}/cancel"
-    # client/bodies.CancelBody's one field, as a dict: msgspec (~30 ms to
-    # import) stays off the way of a thin command. Its answer is the JSON view.
-    view: dict[str, Any] = node_client().call("POST", path, {"peer": peer})
+    from gpumesh.client.bodies import CancelBody
+    from gpumesh.client.views.jobs import JobResultView
+
+    view = node_client().call("POST", path, JobResultView, CancelBody(peer=peer))
     if as_json:
         emit_json(view)
-    elif view["role"] == "hosted":
-        click.echo(f"Job {view['job_id']} of {view['peer']}: {view['state']} ({view['message']})")
+    elif view.role == JobRole.HOSTED:
+        click.echo(f"Job {view.job_id} of {view.peer}: {view.state} ({view.message})")
     else:
-        code = "" if view["exit_code"] is None else f" (exit {view['exit_code']})"
-        click.echo(f"Job {view['job_id']} on {view['peer']}: {view['state']}{code}")
+        code = "" if view.exit_code is None else f" (exit {view.exit_code})"
+        click.echo(f"Job {view.job_id} on {view.peer}: {view.state}{code}")
 
 
 _SESSION_ROUTES = {"shell": "shells", "desktop": "desktop", "cuda": "cuda"}

@@ -103,8 +103,7 @@ def _change(key: str, value: str | None) -> ConfigChangeView:
     this home, so a running share sees it at once; else in the file."""
     from urllib.parse import quote
 
-    import msgspec
-
+    from gpumesh.client.bodies import ConfigBody
     from gpumesh.client.views.node import ConfigChangeView
     from gpumesh.daemon.client import NodeClient
     from gpumesh.daemon.record import holder
@@ -113,10 +112,8 @@ def _change(key: str, value: str | None) -> ConfigChangeView:
     if holder(home.path) is not None:
         path, client = f"/api/v1/config/{quote(key, safe='')}", NodeClient(home.path)
         if value is None:
-            answer = client.call("DELETE", path)
-        else:
-            answer = client.call("PUT", path, {"value": value})
-        return msgspec.convert(answer, ConfigChangeView)
+            return client.call("DELETE", path, ConfigChangeView)
+        return client.call("PUT", path, ConfigChangeView, ConfigBody(value=value))
     config = home.config
     if value is None:
         config.unset(key)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import click
 
-from gpumesh.cli._common import DURATION
+from gpumesh.cli._common import DURATION, emit_json
 from gpumesh.cli._complete import complete_peer
+
+if TYPE_CHECKING:
+    from gpumesh.client.views.peers import ConnectView
 
 
 @click.command(
@@ -52,22 +55,21 @@ def connect(
         raise click.BadParameter("must be above 0 and at most 3600", param_hint="--timeout")
     view = _through_node(peer, timeout, size, fresh)
     if as_json:
-        import json
-
-        click.echo(json.dumps(view, indent=2))  # as to_json prints the view
+        emit_json(view)
         return
     _show(view)
-    mb_per_s = view.get("upload_mb_per_s")
+    mb_per_s = view.upload_mb_per_s
     rate = "-" if not mb_per_s else format_rate(mb_per_s * 1e6, 1.0)
     if size:
         click.echo(f"upload {rate} ({format_size(size)})")
 
 
-def _through_node(peer: str, timeout: float | None, size: int, fresh: bool) -> dict[str, Any]:
-    """The node process's ``connect`` view (its JSON as it is)."""
+def _through_node(peer: str, timeout: float | None, size: int, fresh: bool) -> ConnectView:
+    """The node process's ``connect`` view."""
     from urllib.parse import quote, urlencode
 
     from gpumesh.cli._node import node_client
+    from gpumesh.client.views.peers import ConnectView
 
     query: dict[str, str] = {}
     if timeout is not None:
@@ -77,25 +79,21 @@ def _through_node(peer: str, timeout: float | None, size: int, fresh: bool) -> d
     if fresh:
         query["fresh"] = "true"
     path = f"/api/v1/peers/{quote(peer, safe='')}/connect"
-    view: dict[str, Any] = node_client().call(
-        "POST", path + (f"?{urlencode(query)}" if query else "")
-    )
-    return view
+    return node_client().call("POST", path + (f"?{urlencode(query)}" if query else ""), ConnectView)
 
 
-def _show(view: dict[str, Any]) -> None:
-    """The line about the path (``view``: the ``connect`` view's fields)."""
-    path = str(view["path"])
-    where = "" if " " in path else f" via {view['address']}"
-    if view.get("warm"):
-        how = f"warm session: no dial now, its dial took {view['connect_ms']:.0f} ms"
+def _show(view: ConnectView) -> None:
+    """The line about the path."""
+    where = "" if " " in view.path else f" via {view.address}"
+    if view.warm:
+        how = f"warm session: no dial now, its dial took {view.connect_ms:.0f} ms"
     else:
-        how = f"connect {view['connect_ms']:.0f} ms"
-    punch = view.get("punch_ms")
+        how = f"connect {view.connect_ms:.0f} ms"
+    punch = view.punch_ms
     click.echo(
-        f"{click.style(str(view['peer']), bold=True)} is reachable: path "
-        f"{click.style(path, fg='green')}{where}, "
-        f"rtt {view['rtt_ms']:.2f} ms ({how}"
+        f"{click.style(view.peer, bold=True)} is reachable: path "
+        f"{click.style(view.path, fg='green')}{where}, "
+        f"rtt {view.rtt_ms:.2f} ms ({how}"
         + ("" if punch is None else f", punched in {punch:.0f} ms")
         + ")"
     )

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import os
 import sys
-from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from gpumesh.cli._common import emit_json, json_option
 from gpumesh.cli._complete import complete_peer_path
+
+if TYPE_CHECKING:
+    from gpumesh.client.bodies import CopyBody
+    from gpumesh.client.views.files import CopyView
 
 
 @click.command(
@@ -73,47 +76,51 @@ def cp(
     folder, SOURCE is copied into it under its own name, as cp does.
     """
     view = _CopyView(quiet=quiet or as_json)
-    # client/bodies.CopyBody as a plain dict: msgspec (~30 ms to import) stays
-    # off the way of a copy (tests/unit/test_cli_bodies.py converts it).
-    body: dict[str, object] = {
-        "source": source,
-        "destination": destination,
-        "cwd": os.getcwd(),
-        "retries": retries,
-        "fast_path": not no_fast_path,
-    }
+    from gpumesh.client.bodies import CopyBody
+
+    body = CopyBody(
+        source=source,
+        destination=destination,
+        cwd=os.getcwd(),
+        retries=retries,
+        fast_path=not no_fast_path,
+    )
     try:
-        data = _through_node(body, view)
+        copied = _through_node(body, view)
     finally:
         view.close()
     if as_json:
-        emit_json(data)
+        emit_json(copied)
     elif not quiet:
-        view.summary(SimpleNamespace(**data))
+        view.summary(copied)
 
 
-def _through_node(body: dict[str, object], view: _CopyView) -> dict[str, Any]:
+def _through_node(body: CopyBody, view: _CopyView) -> CopyView:
     """The copy done by the node process, its progress shown here; the copy's view.
     Ctrl-C (or this process ending) stops the copy where it is; running the same
     command again resumes it."""
     from gpumesh.cli._node import node_client
+    from gpumesh.client.views.files import (
+        COPY_EVENTS,
+        CopyProgressView,
+        CopyRetryingView,
+        CopyStartedView,
+        CopyView,
+    )
     from gpumesh.daemon.client import NodeUnavailableError
-    from gpumesh.errors import AgentError, error_from_code
+    from gpumesh.errors import AgentError
 
     try:
-        for event in node_client().events("/api/v1/copies?stream=true", "POST", body):
-            data = event.data
-            if event.event == "end":
-                result: dict[str, Any] = data
-                return result
-            if event.event == "error":
-                raise error_from_code(str(data["code"]), str(data["message"]))
-            if event.event == "copystarted":
-                view.started(str(data["label"]), int(data["total"]))
-            elif event.event == "copyprogress":
-                view.progress(int(data["done"]), int(data["total"]))
-            elif event.event == "copyretrying":
-                view.retrying(data["message"], int(data["attempt"]))
+        for event in node_client().events("/api/v1/copies?stream=true", COPY_EVENTS, "POST", body):
+            done = event.view
+            if isinstance(done, CopyView):
+                return done
+            if isinstance(done, CopyStartedView):
+                view.started(done.label, done.total)
+            elif isinstance(done, CopyProgressView):
+                view.progress(done.done, done.total)
+            elif isinstance(done, CopyRetryingView):
+                view.retrying(done.message, done.attempt)
     except NodeUnavailableError:
         pass
     raise AgentError(
@@ -181,7 +188,7 @@ class _CopyView:
             self._progress.stop()
             self._progress = None
 
-    def summary(self, result: Any) -> None:
+    def summary(self, result: CopyView) -> None:
         from gpumesh.units import format_rate, format_size
 
         what = "folder" if result.kind == "dir" else "file"

@@ -115,8 +115,8 @@ def share(action: str | None) -> None:
     open a session; each one's memory is held like a job's GPU memory.
     """
     from gpumesh.cli._node import owner_change
+    from gpumesh.client.owner import worker_user
     from gpumesh.client.views.owner import CudaShareView
-    from gpumesh.cuda.owner import worker_user
 
     on = action != "stop"
     view = owner_change("POST" if on else "DELETE", "/api/v1/cuda/share", CudaShareView)

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
+from gpumesh.cli._common import emit_json
 from gpumesh.cli.share import share_options
+
+if TYPE_CHECKING:
+    from gpumesh.control.views import ShareEndedView
 
 __all__ = ["daemon"]
 
@@ -46,8 +51,7 @@ def status(as_json: bool) -> None:
     """Whether a node process runs for this home: pid, version, sharing, API addresses,
     the warm sessions it keeps to peers, and the one UDP port and relay registrations
     its outgoing links use."""
-    import json
-
+    from gpumesh.control.views import DaemonStatusView, NodeProcessView
     from gpumesh.daemon.client import NodeClient, NodeUnavailableError
     from gpumesh.daemon.record import holder
 
@@ -55,53 +59,51 @@ def status(as_json: bool) -> None:
     view = None
     if holder(home) is not None:
         try:
-            view = NodeClient(home).call("GET", "/api/v1/node", timeout=10)
+            view = NodeClient(home).call("GET", "/api/v1/node", NodeProcessView, timeout=10)
         except NodeUnavailableError:
             view = None
     if as_json:
-        click.echo(json.dumps({"running": view is not None, "node": view}, indent=2))
+        emit_json(DaemonStatusView(running=view is not None, node=view))
         return
     if view is None:
         click.echo(f"No node process runs for {home}; the next command that needs one starts it.")
+        from gpumesh.control.views import ShareEndedView
         from gpumesh.daemon.record import last_share_end
 
         ended = last_share_end(home)
         if ended is not None:
-            said = _not_sharing({"at": ended[0], "how": ended[1]})
-            click.echo(f"Sharing: {said}")
+            click.echo(f"Sharing: {_not_sharing(ShareEndedView(*ended))}")
         return
-    where = "background" if view["detached"] else "foreground"
-    idle = view["idle_exit"]
+    where = "background" if view.detached else "foreground"
+    idle = view.idle_exit
     click.echo(f"Node process of {home}")
-    click.echo(f"  pid       {view['pid']} ({where}, up {_ago(view['started_at'])})")
-    click.echo(f"  version   {view['version']}")
-    click.echo(f"  sharing   {'yes' if view['sharing'] else _not_sharing(view.get('share_ended'))}")
-    for address in view["api"]:
+    click.echo(f"  pid       {view.pid} ({where}, up {_ago(view.started_at)})")
+    click.echo(f"  version   {view.version}")
+    click.echo(f"  sharing   {'yes' if view.sharing else _not_sharing(view.share_ended)}")
+    for address in view.api:
         click.echo(f"  api       {address}")
     click.echo(f"  idle exit {'never' if idle is None else f'after {idle:g} s without a request'}")
-    warm = view["warm_sessions"]
+    warm = view.warm_sessions
     click.echo(f"  warm      {len(warm)} session{'' if len(warm) == 1 else 's'}")
     for session in warm:
         click.echo(
-            f"    {session['peer']}  {session['path']}, {session['uses']} requests, "
-            f"idle {session['idle']:g} s"
+            f"    {session.peer}  {session.path}, {session.uses} requests, idle {session.idle:g} s"
         )
-    outgoing = view.get("outgoing")
+    outgoing = view.outgoing
     if outgoing is not None:
-        port = outgoing["port"]
-        links = outgoing["links"]
-        where = f"UDP port {port}, {links} link{'' if links == 1 else 's'}"
-        where = "not open yet" if port is None else where
+        links = outgoing.links
+        where = f"UDP port {outgoing.port}, {links} link{'' if links == 1 else 's'}"
+        where = "not open yet" if outgoing.port is None else where
         click.echo(f"  outgoing  {where}")
-        for relay in outgoing["relays"]:
-            click.echo(f"    relay {relay['relay']}  {relay['state']}")
+        for relay in outgoing.relays:
+            click.echo(f"    relay {relay.relay}  {relay.state}")
 
 
-def _not_sharing(ended: dict[str, object] | None) -> str:
+def _not_sharing(ended: ShareEndedView | None) -> str:
     """``no``, and when and how the home's last share ended if it is known."""
-    if not ended:
+    if ended is None:
         return "no"
-    return f"no (the last share ended {_ago(float(str(ended['at'])))} ago: {ended['how']})"
+    return f"no (the last share ended {_ago(ended.at)} ago: {ended.how})"
 
 
 def _ago(started: float) -> str:

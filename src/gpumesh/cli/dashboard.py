@@ -61,15 +61,18 @@ def login_url(client: NodeClient, listen: str | None = None) -> tuple[str, str]:
     asked to serve TCP first (at ``listen``, else its ``$GPUMESH_API_ADDR``); and
     one line saying what serves it, until when."""
     from gpumesh.client.bodies import TcpBody
+    from gpumesh.client.views.node import LoginCodeView
+    from gpumesh.control.views import NodeProcessView
 
-    process = client.call("POST", "/api/v1/node/tcp", TcpBody(listen=listen or ""), timeout=60)
-    answer = client.call("POST", "/api/v1/auth/login-codes", timeout=60)
-    tcp = [address for address in process["api"] if address.startswith("http")]
+    body = TcpBody(listen=listen or "")
+    process = client.call("POST", "/api/v1/node/tcp", NodeProcessView, body, timeout=60)
+    answer = client.call("POST", "/api/v1/auth/login-codes", LoginCodeView, timeout=60)
+    tcp = [address for address in process.api if address.startswith("http")]
     where = f" on {tcp[-1].split('://', 1)[1]}" if tcp else ""
-    until = " until `gpumesh daemon stop`" if process["detached"] else ""
-    how = "" if process["detached"] else ", in the foreground"
-    served = f"The node process (pid {process['pid']}{how}) serves the dashboard{where}{until}."
-    return str(answer["url"]), served
+    until = " until `gpumesh daemon stop`" if process.detached else ""
+    how = "" if process.detached else ", in the foreground"
+    served = f"The node process (pid {process.pid}{how}) serves the dashboard{where}{until}."
+    return answer.url, served
 
 
 def redirect_page(url: str) -> str:

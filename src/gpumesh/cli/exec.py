@@ -11,13 +11,17 @@ import os
 import signal
 import threading
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from gpumesh import platform
 from gpumesh.cli._common import run_async
 from gpumesh.cli._complete import complete_peer
+
+if TYPE_CHECKING:
+    from gpumesh.client.bodies import ShellRequest
+    from gpumesh.control.views import ShellOfferView
 
 
 @click.command(
@@ -80,17 +84,16 @@ def exec(
     raw = _RawMode(0) if tty else None
     from gpumesh import settings
     from gpumesh.cli._node import env_of
+    from gpumesh.client.bodies import ShellRequest
 
-    # client/bodies.ShellRequest as a plain dict: msgspec (~30 ms to import)
-    # stays off the way of a shell (tests/unit/test_cli_bodies.py converts it).
-    request: dict[str, object] = {
-        "peer": peer,
-        "command": list(command),
-        "image": image or settings.env(settings.ENV_IMAGE),  # ours, not the node's
-        "env": env_of(env_items),
-        "gpu_memory": memory,
-        "tty": tty,
-    }
+    request = ShellRequest(
+        peer=peer,
+        command=list(command),
+        image=image or settings.env(settings.ENV_IMAGE),  # ours, not the node's
+        env=env_of(env_items),
+        gpu_memory=memory,
+        tty=tty,
+    )
     try:
         code = run_async(_through_node(request, raw))
     finally:
@@ -99,23 +102,26 @@ def exec(
     raise SystemExit(code)
 
 
-async def _through_node(request: dict[str, object], raw: _RawMode | None) -> int:
+async def _through_node(request: ShellRequest, raw: _RawMode | None) -> int:
     """The shell run by the node process: this process carries the terminal's bytes,
     its resizes and the exit code over the socket the node process opened for it
     (:mod:`gpumesh.daemon.shells`)."""
-    import json
+    import msgspec
 
     from gpumesh.cli._node import node_client
     from gpumesh.cli._notes import StepNotes
+    from gpumesh.client.views import ErrorView
+    from gpumesh.client.views.runs import PullingView
+    from gpumesh.control.views import ShellOfferView
     from gpumesh.daemon import frames
     from gpumesh.errors import AgentError, error_from_code
 
     client = node_client()
     if raw is not None:
-        request["rows"], request["cols"] = _window_size()
-    offer = client.call("POST", "/api/v1/shells", request)
+        request.rows, request.cols = _window_size()
+    offer = client.call("POST", "/api/v1/shells", ShellOfferView, request)
     reader, writer = await _connect_shell(offer)
-    writer.write(frames.frame(frames.TOKEN, str(offer["token"]).encode()))
+    writer.write(frames.frame(frames.TOKEN, offer.token.encode()))
     loop = asyncio.get_running_loop()
     main = asyncio.current_task()
     assert main is not None
@@ -165,12 +171,12 @@ async def _through_node(request: dict[str, object], raw: _RawMode | None) -> int
                 else:
                     tasks.append(asyncio.ensure_future(_poll_window(resize)))
             elif kind == frames.PULL:
-                notes.pull(**json.loads(payload))
+                notes.pull(msgspec.json.decode(payload, type=PullingView))
             elif kind == frames.EXIT:
                 return int.from_bytes(payload, "big", signed=True)
             elif kind == frames.FAILED:
-                error = json.loads(payload)
-                raise error_from_code(str(error["code"]), str(error["message"]))
+                error = msgspec.json.decode(payload, type=ErrorView)
+                raise error_from_code(error.code, error.message)
     except asyncio.CancelledError:
         if received:
             return 128 + received[0]
@@ -184,7 +190,7 @@ async def _through_node(request: dict[str, object], raw: _RawMode | None) -> int
 
 
 async def _connect_shell(
-    offer: dict[str, Any],
+    offer: ShellOfferView,
 ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     """The connection to a shell the node process offered: its unix socket, or
     loopback TCP where the system has none."""
@@ -195,9 +201,9 @@ async def _connect_shell(
     from gpumesh.store.sockets import socket_name
 
     try:
-        if not offer["socket"]:
-            return await asyncio.open_connection("127.0.0.1", int(offer["port"]))
-        path = Path(str(offer["socket"]))
+        if not offer.socket:
+            return await asyncio.open_connection("127.0.0.1", offer.port)
+        path = Path(offer.socket)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             with socket_name(path.parent, path.name) as name:

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 import click
 
+from gpumesh.cli._common import emit_json
 from gpumesh.cli._table import Column
 from gpumesh.protocol.states import JobRole, JobState
 from gpumesh.units import format_duration, format_size
+
+if TYPE_CHECKING:
+    from gpumesh.client.views.joblist import JobListEntry
 
 COLUMNS = [
     Column("ID"),
@@ -49,11 +53,7 @@ def jobs(limit: int, offline: bool, as_json: bool) -> None:
     """
     entries = _from_node(limit, offline)
     if as_json:
-        # The node process's answer is the same view in the same key order:
-        # printed as emit_json prints it, without loading msgspec here.
-        import json
-
-        click.echo(json.dumps(entries, indent=2))
+        emit_json(entries)
         return
     if not entries:
         click.echo("No jobs yet. Start one with `gpumesh run --peer NAME -- COMMAND`.")
@@ -61,29 +61,27 @@ def jobs(limit: int, offline: bool, as_json: bool) -> None:
     _print(entries)
 
 
-def _from_node(limit: int, offline: bool) -> list[dict[str, Any]]:
-    """The list as this home's node process gives it (it asks the providers): the
-    JSON of :class:`~gpumesh.client.views.joblist.JobListEntry` views."""
+def _from_node(limit: int, offline: bool) -> list[JobListEntry]:
+    """The list as this home's node process gives it (it asks the providers)."""
     from gpumesh.cli._node import node_client
 
     query = f"limit={limit}&offline={'true' if offline else 'false'}"
-    data = node_client().call("GET", f"/api/v1/jobs?{query}")
-    if not isinstance(data, list):
-        from gpumesh.errors import AgentError
+    # Sent first: the node process looks while this process loads the decoder.
+    answer = node_client().send("GET", f"/api/v1/jobs?{query}")
+    from gpumesh.client.views.joblist import JobListEntry
 
-        raise AgentError("the node process answered the job list with something else")
-    return data
+    return answer.answer(list[JobListEntry])
 
 
-def _confirmed(j: dict[str, Any]) -> float:
+def _confirmed(j: JobListEntry) -> float:
     """When a job's state was last known for sure (as :func:`last_confirmed`)."""
-    if j["unknown_since"] is not None:
-        return float(j["unknown_since"])
-    return float(j["confirmed_at"] if j["confirmed_at"] is not None else j["created_at"])
+    if j.unknown_since is not None:
+        return j.unknown_since
+    return j.confirmed_at if j.confirmed_at is not None else j.created_at
 
 
-def _print(records: list[dict[str, Any]]) -> None:
-    """The table of ``records``: job list entries as JSON has them."""
+def _print(records: list[JobListEntry]) -> None:
+    """The table of ``records``."""
     from gpumesh.cli._table import escape, print_table
 
     colors: dict[str, str] = {
@@ -95,33 +93,33 @@ def _print(records: list[dict[str, Any]]) -> None:
     now = time.time()
     rows = []
     for j in records:
-        peer = f"→ {j['peer']}" if j["role"] == JobRole.SUBMITTED else f"← {j['peer']}"
-        color = colors.get(j["state"], "white")
-        state = str(j["state"])
-        duration = j["duration"]
-        if j["unknown_since"] is not None or j["provider_forgot"]:
+        peer = f"→ {j.peer}" if j.role == JobRole.SUBMITTED else f"← {j.peer}"
+        color = colors.get(j.state, "white")
+        state = j.state
+        duration = j.duration
+        if j.unknown_since is not None or j.provider_forgot:
             color = "yellow"
             when = time.strftime("%H:%M", time.localtime(_confirmed(j)))
-            state = "gone" if j["provider_forgot"] else f"{state}, no answer since {when}"
-            if j["started_at"] is not None:  # not counting on past what is known
-                duration = max(0.0, _confirmed(j) - j["started_at"])
-        command = " ".join(j["command"]) or f"({j['image']})"
-        gpu = ",".join(j["gpus"]) or "-"
-        if j["gpu_memory"] or j["peak_gpu_memory"]:
+            state = "gone" if j.provider_forgot else f"{state}, no answer since {when}"
+            if j.started_at is not None:  # not counting on past what is known
+                duration = max(0.0, _confirmed(j) - j.started_at)
+        command = " ".join(j.command) or f"({j.image})"
+        gpu = ",".join(j.gpus) or "-"
+        if j.gpu_memory or j.peak_gpu_memory:
             # asked / measured, so users can right-size --gpu-memory
-            asked = format_size(j["gpu_memory"]) if j["gpu_memory"] else "?"
-            peak = format_size(j["peak_gpu_memory"]) if j["peak_gpu_memory"] else "?"
+            asked = format_size(j.gpu_memory) if j.gpu_memory else "?"
+            peak = format_size(j.peak_gpu_memory) if j.peak_gpu_memory else "?"
             gpu += f" {asked}/{peak}"
         rows.append(
             [
-                j["job_id"],
+                j.job_id,
                 escape(peer),
                 f"[{color}]{escape(state)}[/{color}]",
-                "-" if j["exit_code"] is None else str(j["exit_code"]),
-                f"{j['attempt']}/{j['retries'] + 1}",
+                "-" if j.exit_code is None else str(j.exit_code),
+                f"{j.attempt}/{j.retries + 1}",
                 escape(gpu),
                 escape(command),
-                f"{format_duration(now - j['created_at'])} ago",
+                f"{format_duration(now - j.created_at)} ago",
                 format_duration(duration) if duration is not None else "-",
             ]
         )
@@ -129,25 +127,25 @@ def _print(records: list[dict[str, Any]]) -> None:
     _explain(records)
 
 
-def _explain(records: list[dict[str, Any]]) -> None:
+def _explain(records: list[JobListEntry]) -> None:
     """Why some states are not known: on stderr, so piped rows stay rows."""
     told: set[str] = set()
     for j in records:
-        if j["unknown_since"] is not None and j["peer"] not in told:
-            told.add(j["peer"])
-            why = j["unknown_reason"] or "it did not answer"
+        if j.unknown_since is not None and j.peer not in told:
+            told.add(j.peer)
+            why = j.unknown_reason or "it did not answer"
             click.echo(
                 click.style(
-                    f"gpumesh: {j['peer']}'s jobs show the state it last confirmed: {why}",
+                    f"gpumesh: {j.peer}'s jobs show the state it last confirmed: {why}",
                     fg="yellow",
                 ),
                 err=True,
             )
-        elif j["provider_forgot"] and j["role"] == JobRole.SUBMITTED:
+        elif j.provider_forgot and j.role == JobRole.SUBMITTED:
             click.echo(
                 click.style(
-                    f"gpumesh: {j['peer']} no longer knows job {j['job_id']} (pruned there, or "
-                    f"its home was reset); it was last known {j['state']}",
+                    f"gpumesh: {j.peer} no longer knows job {j.job_id} (pruned there, or "
+                    f"its home was reset); it was last known {j.state}",
                     fg="yellow",
                 ),
                 err=True,

@@ -35,12 +35,9 @@ import sys
 TYPE_CHECKING = False  # as typing's, which this module must not import
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
-    from typing import Any
-
     from gpumesh.cli._notes import RunReader
     from gpumesh.client.bodies import JobBody, SyncBody
-    from gpumesh.daemon.client import NodeClient, SseEvent
+    from gpumesh.daemon.client import NodeClient, Pending
     from gpumesh.errors import GPUMeshError
 
 __all__ = [
@@ -77,10 +74,10 @@ says it then)."""
 
 _COMPLETE_VAR = "_GPUMESH_COMPLETE"
 
-_ahead: list[tuple[str, dict[str, object], NodeClient, Any]] = []
-"""The request sent ahead, if any: its form, its body, the client, and what reads
-its answer (not read yet): the run's events, or the function that reads a call's
-JSON answer."""
+_ahead: list[tuple[str, dict[str, object], NodeClient, Pending]] = []
+"""The request sent ahead, if any: its form, its body, the client, and its answer
+(not read yet, or :class:`~gpumesh.daemon.client.Read` when :func:`finish` or
+:func:`finish_run` read it and left it to the command)."""
 _failed: list[tuple[str, dict[str, object], GPUMeshError]] = []
 """Why the node process could not be reached for the request, if so: the command
 says it rather than trying again (a node process that never answers would make it
@@ -274,20 +271,18 @@ def start(argv: list[str]) -> bool:
         _failed.append((form, body, exc))
         return False
     try:
-        if form == RUN:
-            answer: Any = client.send_events(RUN_PATH, "POST", body)
-        else:
-            answer = client.send_call("POST", APP_SYNC_PATH, body)
+        answer = client.send("POST", RUN_PATH if form == RUN else APP_SYNC_PATH, body)
     except Exception:  # no whole request went out: the CLI sends it and says what went wrong
         return False
     _ahead.append((form, body, client, answer))
     return True
 
 
-def take(form: str, body: dict[str, object] | JobBody | SyncBody) -> tuple[NodeClient, Any] | None:
-    """The client and the answer's reader of the request sent ahead, for the command
-    ``form`` with ``body``: the events of a run, the function that reads an app
-    sync's JSON answer; None when none was sent. Raises what kept :func:`start`
+def take(
+    form: str, body: dict[str, object] | JobBody | SyncBody
+) -> tuple[NodeClient, Pending] | None:
+    """The client and the answer of the request sent ahead, for the command ``form``
+    with ``body``; None when none was sent. Raises what kept :func:`start`
     from the node process. What was sent ahead is compared as a dict beside a
     dict, else as the struct it converts to (see :func:`_as`)."""
     if _failed:
@@ -330,23 +325,21 @@ def finish(argv: list[str]) -> int | None:
 
     if os.environ.get(ENV_LOG) or sys.stdout is None:
         return None  # the CLI's logging set up as it asks; no stdout: click's way
-    form, body, client, read = _ahead.pop()
+    from gpumesh.client.views.apps import SyncView
+    from gpumesh.daemon.client import Read
+
+    form, body, client, answer = _ahead.pop()
     try:
-        view = read()
-    except Exception as exc:  # the command's own call raises it, said once as ever
-        failure = exc
-
-        def fail() -> object:
-            raise failure
-
-        _ahead.append((form, body, client, fail))
+        view = answer.answer(SyncView)
+    except Exception as exc:  # the command's own reading raises it, said once as ever
+        _ahead.append((form, body, client, Read(error=exc)))
         return None
     from gpumesh.cli._syncview import view_output
 
     texts = view_output(view, as_json=sync[3], dry_run=sync[2])
     if not all(text.isascii() and "\x1b" not in text for text in texts):
         # click.echo may re-encode or strip escapes: the command prints it.
-        _ahead.append((form, body, client, lambda: view))
+        _ahead.append((form, body, client, Read(view)))
         return None
     try:
         for text in texts:
@@ -373,17 +366,19 @@ def finish_run(argv: list[str]) -> int | None:
     if os.environ.get(ENV_LOG) or sys.stdout is None or sys.stderr is None:
         return None  # the CLI's logging set up as it asks; no stdout: click's way
     from gpumesh.cli._notes import RunReader, ViewPrinter, exit_status_of
+    from gpumesh.client.views.runs import RUN_EVENTS
+    from gpumesh.daemon.client import Read
 
-    form, body, client, events = _ahead.pop()
+    form, body, client, answer = _ahead.pop()
     # The plain form has no --quiet or --explain: the command's printer for it.
     reader = RunReader(ViewPrinter(""))
     try:
-        result = reader.read(events)
+        result = reader.read(answer.events(RUN_EVENTS))
     except BaseException as exc:  # the command's own reading meets it
-        _ahead.append((form, body, client, _raising(exc)))
+        _ahead.append((form, body, client, Read(error=exc)))
         _readers.append(reader)
         return None
-    code = exit_status_of(result["state"], result["exit_code"])
+    code = exit_status_of(result.state, result.exit_code)
     try:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -396,12 +391,6 @@ def read_ahead() -> RunReader | None:
     """The reader :func:`finish_run` left to the command of the run it began to read;
     None when it read nothing (for the run that :func:`take` just gave)."""
     return _readers.pop() if _readers else None
-
-
-def _raising(exc: BaseException) -> Iterator[SseEvent]:
-    """Events that raise ``exc`` at once: what stopped :func:`finish_run`."""
-    yield from ()  # a generator, as the events it stands for: raises at the first next()
-    raise exc
 
 
 def entry() -> None:

@@ -34,10 +34,13 @@ def _through_node(job_id: str | None, follow: bool) -> None:
     from gpumesh.errors import NotFoundError
 
     if job_id is None:
-        recent = node_client().call("GET", "/api/v1/jobs?limit=1&offline=true")
+        from gpumesh.client.views.joblist import JobListEntry
+
+        path = "/api/v1/jobs?limit=1&offline=true"
+        recent = node_client().call("GET", path, list[JobListEntry])
         if not recent:
             raise NotFoundError("no jobs yet: start one with `gpumesh run`")
-        job_id = str(recent[0]["job_id"])
+        job_id = recent[0].job_id
     result = follow_job(job_id, ViewPrinter(job_id, numbered=True), live=follow)
-    if result["final"]:
-        raise SystemExit(exit_status_of(result["state"], result["exit_code"]))
+    if result.final:
+        raise SystemExit(exit_status_of(result.state, result.exit_code))

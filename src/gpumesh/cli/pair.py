@@ -6,10 +6,10 @@ from typing import TYPE_CHECKING
 
 import click
 
-from gpumesh.cli._common import emit_json, get_node, run_async
+from gpumesh.cli._common import emit_json
 
 if TYPE_CHECKING:
-    from gpumesh.client.node import PairCheck
+    from gpumesh.client.views.peers import PairView
 
 
 @click.command(
@@ -35,43 +35,46 @@ def pair(code: str, rekey: bool, offline: bool, as_json: bool) -> None:
     has paired you too, has not yet, or cannot be reached now; --offline, or
     a code without addresses or relay, skips it.
     """
-    node = get_node()
-    peer = node.pair(code, rekey=rekey)
-    check: PairCheck | None = None
-    if not offline and (peer.addresses or peer.relay):
-        check = run_async(node.check_paired_back(peer.name))
+    from gpumesh.cli._node import node_client
+    from gpumesh.client.bodies import PairBody
+    from gpumesh.client.views.peers import PairView
+
+    # The node process pairs (and dials the peer once to check): it keeps the
+    # session it opened warm for what comes next.
+    body = PairBody(code=code.strip(), rekey=rekey, offline=offline)
+    paired = node_client().call("POST", "/api/v1/peers/pair", PairView, body)
     if as_json:
-        from gpumesh.client.views.peers import PairView
-
-        emit_json(PairView.of(peer, check))
+        emit_json(paired)
         return
-    name = click.style(peer.name, bold=True)
-    if not peer.allowed:
+    name = click.style(paired.name, bold=True)
+    addresses = ", ".join(paired.addresses) or "-"
+    if not paired.allowed:
         click.echo(
-            f"Paired with {name} ({peer.node_id.short}), still denied: pairing never lifts a "
-            f"denial; `gpumesh allow {peer.name}` lets them use this node again."
+            f"Paired with {name} ({paired.node_id[:12]}), still denied: pairing never lifts a "
+            f"denial; `gpumesh allow {paired.name}` lets them use this node again."
         )
-        click.echo(f"  addresses  {', '.join(peer.addresses) or '-'}")
+        click.echo(f"  addresses  {addresses}")
         return
-    click.echo(f"Paired with {name} ({peer.node_id.short}), allowed.")
-    click.echo(f"  addresses  {', '.join(peer.addresses) or '-'}")
-    click.echo(_paired_back(peer.name, check))
+    click.echo(f"Paired with {name} ({paired.node_id[:12]}), allowed.")
+    click.echo(f"  addresses  {addresses}")
+    click.echo(_paired_back(paired))
 
 
-def _paired_back(name: str, check: PairCheck | None) -> str:
-    """One line saying whether ``name`` can be used now, and what to do if not."""
-    from gpumesh.client.node import PairState
+def _paired_back(paired: PairView) -> str:
+    """One line saying whether the peer can be used now, and what to do if not."""
+    from gpumesh.client.views.peers import PairState
 
-    if check is None:
+    name = paired.name
+    if paired.paired_back is None:
         return "They must also pair with your code (`gpumesh pair-code`) before you can connect."
-    if check.state is PairState.READY:
+    if paired.paired_back == PairState.READY:
         return click.style(f"{name} has paired you too: ready.", fg="green")
-    if check.state is PairState.NOT_PAIRED:
+    if paired.paired_back == PairState.NOT_PAIRED:
         return (
             f"{name} has not paired you yet: send them your code "
             f"(`gpumesh pair-code` prints it) and they run `gpumesh pair` with it."
         )
-    if check.state is PairState.UNREACHABLE:
+    if paired.paired_back == PairState.UNREACHABLE:
         # A node answers only while it shares: one that only uses others' GPUs
         # never does, and nothing is wrong with that.
         return (
@@ -79,4 +82,4 @@ def _paired_back(name: str, check: PairCheck | None) -> str:
             f"that is expected if {name} only uses GPUs and does not share its own "
             f"(`gpumesh connect {name}` checks once it shares)."
         )
-    return click.style(f"{name} refuses you: {check.detail}", fg="yellow")
+    return click.style(f"{name} refuses you: {paired.paired_back_reason or ''}", fg="yellow")

@@ -6,7 +6,7 @@ import time
 
 import click
 
-from gpumesh.cli._common import emit_json, get_node
+from gpumesh.cli._common import emit_json
 from gpumesh.units import format_duration
 
 
@@ -14,12 +14,14 @@ from gpumesh.units import format_duration
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable output.")
 def peers(as_json: bool) -> None:
     """List paired peers: access, last seen, the path last used, addresses."""
-    node = get_node()
-    rows = node.peers()
-    if as_json:
-        from gpumesh.client.views.peers import PeerView
+    from gpumesh.cli._node import node_client
 
-        emit_json([PeerView.of(p) for p in rows])
+    answer = node_client().send("GET", "/api/v1/peers")
+    from gpumesh.client.views.peers import PeerView
+
+    rows = answer.answer(list[PeerView])
+    if as_json:
+        emit_json(rows)
         return
     if not rows:
         click.echo("No peers yet. Pair with `gpumesh pair '<code>'` (see `gpumesh pair-code`).")
@@ -36,13 +38,15 @@ def peers(as_json: bool) -> None:
             seen = "just now"
         else:
             seen = f"{format_duration(now - p.last_seen)} ago"
-        addresses = ", ".join(p.dial_addresses())
+        # The last address that worked first, then the code's other hints.
+        dial = [p.last_address] if p.last_address else []
+        addresses = ", ".join(dial + [a for a in p.addresses if a != p.last_address])
         if p.relay:
             addresses += f" (relay {p.relay})" if addresses else f"relay {p.relay}"
         rows_shown.append(
             [
                 escape(p.name),
-                p.node_id.short,
+                p.node_id[:12],
                 access,
                 seen,
                 escape(p.last_path or "-"),

@@ -92,9 +92,9 @@ def run(
     if simple and (peer or group):
         # Checked by the node process, with the same messages: this process
         # need not load the job file reader (YAML) or the runtime's rules.
-        # A plain dict, as the head start sends it: msgspec (~30 ms to import) stays
-        # off the way of a plain run. tests/unit/test_cli_launch.py converts what
-        # is sent into client/bodies.JobBody, the one schema.
+        # A plain dict, as the head start sends it (it sends before msgspec, ~30 ms
+        # to import, loads). tests/unit/test_cli_launch.py converts what is sent
+        # into client/bodies.JobBody, the one schema.
         body: dict[str, object] = {
             "command": list(command),
             "peer": peer,
@@ -145,20 +145,22 @@ def _through_node(
     from gpumesh.cli._node import follow, node_client
     from gpumesh.cli._notes import RunReader, ViewPrinter, exit_status_of
     from gpumesh.cli.launch import RUN, RUN_PATH, read_ahead, take
+    from gpumesh.client.views.jobs import JobResultView
+    from gpumesh.client.views.runs import RUN_EVENTS
     from gpumesh.daemon.client import NodeUnavailableError
     from gpumesh.errors import AgentError
 
     ahead = take(RUN, body)  # the plain form's request, sent before the CLI loaded
     client = ahead[0] if ahead is not None else node_client()
     if detach:
-        click.echo(client.call("POST", "/api/v1/jobs", body)["job_id"])
+        click.echo(client.call("POST", "/api/v1/jobs", JobResultView, body).job_id)
         return
     # What the head start already read and printed of the run, if it began to.
     reader = read_ahead() or RunReader(ViewPrinter("", quiet=quiet, explain=explain))
     try:
         try:
-            events = ahead[1] if ahead is not None else client.events(RUN_PATH, "POST", body)
-            result = reader.read(events)
+            answer = ahead[1] if ahead is not None else client.send("POST", RUN_PATH, body)
+            result = reader.read(answer.events(RUN_EVENTS))
         except NodeUnavailableError:
             if reader.job_id is None:
                 raise AgentError(
@@ -172,7 +174,7 @@ def _through_node(
         else:
             _interrupted(reader.job_id, reader.provider)
         raise SystemExit(ExitCode.INTERRUPTED) from None
-    raise SystemExit(exit_status_of(result["state"], result["exit_code"]))
+    raise SystemExit(exit_status_of(result.state, result.exit_code))
 
 
 def _interrupted(job_id: str, peer: str) -> None:
@@ -194,9 +196,10 @@ def _interrupted(job_id: str, peer: str) -> None:
     try:
         path = f"/api/v1/jobs/{quote(job_id, safe='')}/cancel"
         from gpumesh.client.bodies import CancelBody
+        from gpumesh.client.views.jobs import JobResultView
 
-        result = node_client().call("POST", path, CancelBody())
+        result = node_client().call("POST", path, JobResultView, CancelBody())
     except GPUMeshError as exc:
         print_error(f"could not cancel {job_id}: {exc.message}")
         return
-    click.echo(f"Job {job_id} {result['state']}.", err=True)
+    click.echo(f"Job {job_id} {result.state}.", err=True)

@@ -14,6 +14,7 @@ from gpumesh.errors import ExitCode
 
 if TYPE_CHECKING:
     from gpumesh.client.bodies import ShareOptions
+    from gpumesh.control.shareviews import ShareLine, ShareView
     from gpumesh.daemon.client import NodeClient
 
 __all__ = ["echo_line", "options_of", "share", "share_options"]
@@ -141,52 +142,52 @@ def share(ctx: click.Context, /, detach: bool, print_unit: bool, **flags: Any) -
 
     # A SIGTERM (`kill`, a service manager) ends this command as Ctrl-C does.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
+    from gpumesh.control.shareviews import ShareView
+
     client = node_client()
-    running = client.call("GET", "/api/v1/share", timeout=30)
-    started = not running["sharing"]
-    if running["sharing"] and not given:
+    running = client.call("GET", "/api/v1/share", ShareView, timeout=30)
+    started = not running.sharing
+    if running.sharing and not given:
         view = running
     else:
         try:
-            view = client.call("POST", "/api/v1/share", options)
+            view = client.call("POST", "/api/v1/share", ShareView, options)
         except KeyboardInterrupt:
             if not started:
                 raise
             # Asked while it starts: the node process stops it once it has.
-            view = _stop(client)
-            if view is None:
-                return
-            _follow(client, node.home.path, view, started=True, detach=False, stopping=True)
+            stopped = _stop(client)
+            if stopped is not None:
+                _follow(client, node.home.path, stopped, started=True, detach=False, stopping=True)
             return
     _follow(client, node.home.path, view, started=started, detach=detach)
 
 
-def _stop(client: NodeClient, timeout: float = 60.0) -> dict[str, Any] | None:
+def _stop(client: NodeClient, timeout: float = 60.0) -> ShareView | None:
     """Stop this home's share; the share as it ended, or None when none ran."""
+    from gpumesh.control.shareviews import ShareView
     from gpumesh.errors import NotFoundError
 
     try:
-        view: dict[str, Any] = client.call("DELETE", "/api/v1/share", timeout=timeout)
+        return client.call("DELETE", "/api/v1/share", ShareView, timeout=timeout)
     except NotFoundError:
         return None
-    return view
 
 
-def echo_line(line: Any) -> None:
-    """Print one line a share said (a view, or its JSON form), in its tone."""
-    get = line.get if isinstance(line, dict) else lambda key: getattr(line, key)
-    text, tone = str(get("text")), str(get("tone") or "")
-    if tone == "warn":
+def echo_line(line: ShareLine) -> None:
+    """Print one line a share said, in its tone."""
+    text = line.text
+    if line.tone == "warn":
         text = click.style(text, fg="yellow")
-    elif tone == "alarm":
+    elif line.tone == "alarm":
         text = click.style(text, fg="red", bold=True)
-    click.echo(text, err=bool(get("err")))
+    click.echo(text, err=line.err)
 
 
 def _follow(
     client: NodeClient,
     home: Path,
-    view: dict[str, Any],
+    view: ShareView,
     *,
     started: bool,
     detach: bool,
@@ -195,18 +196,22 @@ def _follow(
     """Print the share's output from its first line; until it stops, unless ``detach``.
     Ctrl-C stops the share this command ``started``, else only stops following;
     ``stopping``: it was asked to stop already."""
+    from gpumesh.control.shareviews import ShareLine, ShareView
+    from gpumesh.control.views import NodeProcessView
     from gpumesh.daemon.client import NodeUnavailableError
 
-    seen = int(view["first_line"]) - 1
+    output = {"line": ShareLine, "end": ShareView}
+    seen = view.first_line - 1
     pid: int | None = 0 if stopping else None
     while True:
         try:
             if pid is None:
-                for event in client.events(f"/api/v1/share/output?after={seen}&follow=false"):
-                    if event.event == "line":
-                        echo_line(event.data)
-                        seen = int(event.data["seq"])
-                pid = int(client.call("GET", "/api/v1/node", timeout=30)["pid"])
+                path = f"/api/v1/share/output?after={seen}&follow=false"
+                for event in client.events(path, output):
+                    if isinstance(event.view, ShareLine):
+                        echo_line(event.view)
+                        seen = event.view.seq
+                pid = client.call("GET", "/api/v1/node", NodeProcessView, timeout=30).pid
                 if detach:
                     click.echo(
                         f"Sharing goes on in the node process (pid {pid}); "
@@ -221,11 +226,11 @@ def _follow(
                     "`gpumesh share stop` stops sharing.",
                     err=True,
                 )
-            for event in client.events(f"/api/v1/share/output?after={seen}"):
-                if event.event == "line":
-                    echo_line(event.data)
-                    seen = int(event.data["seq"])
-                elif event.event == "end":
+            for event in client.events(f"/api/v1/share/output?after={seen}", output):
+                if isinstance(event.view, ShareLine):
+                    echo_line(event.view)
+                    seen = event.view.seq
+                elif isinstance(event.view, ShareView):
                     return
         except KeyboardInterrupt:
             if not started or stopping:
@@ -268,5 +273,7 @@ def stop(timeout: float) -> None:
     if client is None or _stop(client, timeout) is None:  # what was asked for is so
         click.echo(f"No `gpumesh share` is running for {node_home()}: nothing to stop.")
         return
-    pid = client.call("GET", "/api/v1/node", timeout=30)["pid"]
+    from gpumesh.control.views import NodeProcessView
+
+    pid = client.call("GET", "/api/v1/node", NodeProcessView, timeout=30).pid
     click.echo(f"Stopped sharing (node process pid {pid}).")

@@ -31,12 +31,13 @@ def status(offline: bool, as_json: bool) -> None:
         # The node process asks the providers, as for `gpumesh jobs`: it keeps the
         # sessions, and knows which providers went silent (not waited on again).
         from gpumesh.cli._node import node_client
+        from gpumesh.client.views.joblist import JobListEntry
 
-        listed = node_client().call("GET", "/api/v1/jobs?limit=1000")
+        listed = node_client().call("GET", "/api/v1/jobs?limit=1000", list[JobListEntry])
         unknown = [
-            float(entry["unknown_since"])
+            entry.unknown_since
             for entry in listed
-            if entry["role"] == JobRole.SUBMITTED and entry["unknown_since"] is not None
+            if entry.role == JobRole.SUBMITTED and entry.unknown_since is not None
         ]
     st = node.status()
     if as_json:

@@ -11,6 +11,7 @@ from gpumesh.errors import GPUMeshError
 
 if TYPE_CHECKING:
     from gpumesh.client.discovery import PeerRefresh
+    from gpumesh.client.node import Node
 
 
 @click.command(
@@ -117,18 +118,18 @@ def _print_results(results: list[PeerRefresh]) -> None:
     )
 
 
-def _ask_share_to_republish(node: object) -> int | None:
+def _ask_share_to_republish(node: Node) -> int | None:
     """Ask this home's node process to re-publish its share now (an API call); its
     pid, or None when no node process runs or it does not share."""
-    from gpumesh.client.node import Node
+    from gpumesh.client.views.node import PublishView
     from gpumesh.daemon.client import NodeClient, NodeUnavailableError
     from gpumesh.daemon.record import holder
 
-    assert isinstance(node, Node)
     if holder(node.home.path) is None:  # a share runs only in the node process
         return None
     try:
-        answer = NodeClient(node.home.path).call("POST", "/api/v1/share/publish", timeout=10)
+        path = "/api/v1/share/publish"
+        answer = NodeClient(node.home.path).call("POST", path, PublishView, timeout=10)
     except (NodeUnavailableError, GPUMeshError):
         return None
-    return int(answer["pid"]) if isinstance(answer, dict) and answer.get("sharing") else None
+    return answer.pid if answer.sharing else None

@@ -1,6 +1,6 @@
 """How the consumer's bulk bytes travel: over the data channel when they can, else QUIC.
 
-Owns the consumer's side of the data channel (see :mod:`gpumesh.files.channel`)
+Owns the consumer's side of the data channel (see :mod:`gpumesh.transport.channel`)
 that every bulk transfer shares: whether to ask a peer for one at all; dialling
 an offered one, and remembering per peer, in the store, that one did not open
 (a firewall that drops the channel's TCP port costs one connect timeout, and
@@ -45,9 +45,9 @@ from gpumesh.protocol.messages import (
 
 if TYPE_CHECKING:
     from gpumesh.client.node import Node
-    from gpumesh.files.channel import Channel
     from gpumesh.files.pack import PackPlan
     from gpumesh.store.db import Peer
+    from gpumesh.transport.channel import Channel
     from gpumesh.transport.session import Session
     from gpumesh.transport.stream import Stream
 
@@ -112,7 +112,7 @@ async def open_channel(
 ) -> Channel | None:
     """Dial an offered channel; None when it cannot be opened (the transfer goes on
     over QUIC), remembered for :data:`BLOCKED_FOR` when nothing answered."""
-    from gpumesh.files.channel import dial
+    from gpumesh.transport.channel import dial
 
     try:
         return await closing_in_thread(
@@ -180,8 +180,8 @@ async def send_tar(
     A provider that refused mid-way (it closes the channel) is raised as its
     refusal, not as the broken channel.
     """
-    from gpumesh.files.channel import send_stream
     from gpumesh.files.pack import write_tar
+    from gpumesh.transport.channel import send_stream
 
     channel = await open_channel(node, session, peer, offer, stall_timeout)
     if channel is None:
@@ -231,8 +231,8 @@ async def receive_tar(
     None: the channel did not open, ChannelDeclined is sent, and the provider
     sends the tar as DATA on ``stream``.
     """
-    from gpumesh.files.channel import receive_stream
     from gpumesh.files.transfer import unpack_pieces
+    from gpumesh.transport.channel import receive_stream
 
     channel = await open_channel(node, session, peer, offer, stall_timeout)
     if channel is None:

@@ -60,8 +60,8 @@ from gpumesh.transport.tcpstream import READ_LIMIT, pump, splice
 
 if TYPE_CHECKING:
     from gpumesh.client.node import Node
-    from gpumesh.files.channel import MemoryChannel
     from gpumesh.store.db import DesktopShare, Peer
+    from gpumesh.transport.channel import MemoryChannel
     from gpumesh.transport.session import Session
 
 __all__ = [
@@ -288,7 +288,7 @@ async def _open_channel(way: _Way, opened: DesktopOpened) -> MemoryChannel | Non
     """Dial the offered data channel; None when it does not open (remembered for the
     peer, as ``cp`` remembers it: later connections go over QUIC without trying)."""
     from gpumesh.client.bulk import BLOCKED_FOR
-    from gpumesh.files.channel import dial_memory
+    from gpumesh.transport.channel import dial_memory
 
     try:
         return await closing_in_thread(

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from gpumesh import platform
-from gpumesh.cuda.owner import worker_user
+from gpumesh.client.owner import worker_user
 from gpumesh.errors import ConfigError, GPUMeshError
 from gpumesh.runtime.base import NO_GPU_RUNTIME, EngineIsolation
 from gpumesh.runtime.jobnet import (
@@ -319,7 +319,7 @@ def _job_storage(home: Home) -> Check:
     try:
         config = home.config
         job_root = config.get("job_root") == "on"
-        from gpumesh.agent.limits import ShareLimits, machine_size
+        from gpumesh.store.limits import ShareLimits, machine_size
 
         memory = ShareLimits.from_config(config, machine_size()).job_memory
         tmp = parse_size(str(config.get("job_tmp")))

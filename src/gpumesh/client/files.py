@@ -6,7 +6,7 @@ progress callbacks, checking every copy end to end against its hash (BLAKE3,
 or SHA-256 with a peer from before that choice: see
 :mod:`gpumesh.files.hashing`), and resuming. File bytes go over a data
 channel (TLS on TCP, opened and authorised by the QUIC request, see
-:mod:`gpumesh.files.channel`) when a direct path exists and neither side
+:mod:`gpumesh.transport.channel`) when a direct path exists and neither side
 turned it off; when one cannot be opened the copy falls back to QUIC at once,
 silently. An upload resumes from the partial file the provider kept (it says
 where in ``FileResume`` or ``ChannelOffer``); a download keeps a local
@@ -65,9 +65,9 @@ from gpumesh.units import format_size
 if TYPE_CHECKING:
     from gpumesh.client.bulk import Unpacked
     from gpumesh.client.node import Node
-    from gpumesh.files.channel import Channel
     from gpumesh.files.transfer import Hasher
     from gpumesh.store.db import Peer
+    from gpumesh.transport.channel import Channel
     from gpumesh.transport.session import Session
     from gpumesh.transport.stream import Stream
 
@@ -518,7 +518,7 @@ class _FileUpload(_Upload):
 
     async def attempt_channel(self, session: Session, target: str) -> bool:
         """Send over a data channel, hashing while sending; False: none could be opened."""
-        from gpumesh.files.channel import send_file
+        from gpumesh.transport.channel import send_file
 
         stream = session.open_stream()
         asked = offered()
@@ -1143,8 +1143,8 @@ def _resume_and_receive(
     progress: Callable[[int], None],
 ) -> None:
     """After the part kept so far (hashed while the first new bytes arrive), the rest."""
-    from gpumesh.files.channel import receive_file
     from gpumesh.files.transfer import truncate_at
+    from gpumesh.transport.channel import receive_file
 
     truncate_at(fd, offset)
     receive_file(channel, fd, count, hasher, progress, offset)

@@ -7,7 +7,6 @@ Remote operations are coroutines; local ones are plain methods.
 from __future__ import annotations
 
 import contextlib
-import enum
 import functools
 import logging
 import time
@@ -16,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
+from gpumesh.client.views.peers import PairState
 from gpumesh.errors import (
     ConfigError,
     ConnectionLostError,
@@ -55,7 +55,6 @@ __all__ = [
     "NodeInfo",
     "NodeStatus",
     "PairCheck",
-    "PairState",
     "ThroughputResult",
     "default_node_name",
 ]
@@ -97,18 +96,6 @@ class NodeStatus:
     running_submitted: int
     """Jobs this node submitted that were not seen finishing (and that their
     providers still know)."""
-
-
-class PairState(enum.StrEnum):
-    """Where a pairing stands, seen from this side."""
-
-    READY = "ready"
-    """It serves us."""
-    NOT_PAIRED = "not_paired"
-    """It refuses us as unknown: it has not paired this node yet."""
-    UNREACHABLE = "unreachable"
-    REFUSED = "refused"
-    """It refuses us for another reason (denied, limits)."""
 
 
 @dataclass(frozen=True)

@@ -5,34 +5,42 @@ Read from this home's store and what the running agent says of itself
 a desktop connection, a CUDA session) through the running agent, which owns
 them: :func:`end_session` asks it, in the node process that runs it, and waits
 until it no longer lists the session.
+
+:func:`worker_user` is the line ``cuda share``, ``cuda doctor`` and ``doctor``
+print when CUDA workers cannot run as ``job_user`` (the agent is not root).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
+import os
 import re
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from gpumesh.cuda.owner import OwnerSession, sessions_of
 from gpumesh.errors import AgentError, NotFoundError
 from gpumesh.protocol.states import FINAL_STATES, JobRole
 
 if TYPE_CHECKING:
     from gpumesh.client.node import Node
     from gpumesh.store.db import JobRecord
-    from gpumesh.store.home import AgentInfo
+    from gpumesh.store.home import AgentInfo, Home
 
 __all__ = [
     "END_TIMEOUT",
     "OpenSessions",
+    "OwnerSession",
     "OwnerView",
     "SessionKind",
     "end_session",
     "open_sessions",
     "owner_view",
+    "sessions_of",
+    "worker_user",
+    "worker_user_note",
 ]
 
 _SESSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
@@ -47,6 +55,21 @@ class SessionKind(enum.StrEnum):
     SHELL = "shell"
     DESKTOP = "desktop"
     CUDA = "cuda"
+
+
+@dataclass(frozen=True)
+class OwnerSession:
+    """One open CUDA session, as the running agent says it."""
+
+    peer: str
+    memory: int
+    backend: str
+    device: str
+    gpus: list[str]
+    started: float
+    pid: int
+    id: str = ""
+    """How the owner names it to end it."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +95,28 @@ def open_sessions(agent: AgentInfo | None) -> OpenSessions:
     if agent is None:
         return OpenSessions()
     return OpenSessions(list(agent.shells), list(agent.desktop), sessions_of(agent))
+
+
+def sessions_of(agent: AgentInfo) -> list[OwnerSession]:
+    """The CUDA sessions ``agent`` says it has open."""
+    found = []
+    for item in agent.cuda:
+        try:
+            found.append(
+                OwnerSession(
+                    peer=str(item["peer"]),
+                    memory=int(item["memory"]),
+                    backend=str(item["backend"]),
+                    device=str(item["device"]),
+                    gpus=[str(g) for g in item.get("gpus", [])],
+                    started=float(item["started"]),
+                    pid=int(item["pid"]),
+                    id=str(item.get("id", "")),
+                )
+            )
+        except (KeyError, TypeError, ValueError):
+            continue
+    return found
 
 
 @dataclass(frozen=True)
@@ -127,3 +172,28 @@ async def end_session(
             )
         await asyncio.sleep(0.05)
     return EndedSession(kind, session_id, peer)
+
+
+# --- who CUDA workers run as ------------------------------------------------------------
+
+
+def worker_user(home: Home) -> str | None:
+    """The one line saying CUDA workers run as the agent's own user, for the running
+    agent (or, when none runs, the one this user would start); None when it is root."""
+    agent = home.agent_info() if home.initialized else None
+    uid = os.geteuid()
+    if agent is not None:
+        # Not Linux, or it just ended: this user's.
+        with contextlib.suppress(OSError):
+            uid = os.stat(f"/proc/{agent.pid}").st_uid  # the process's effective uid
+    return worker_user_note(uid)
+
+
+def worker_user_note(agent_uid: int) -> str | None:
+    """The one line the owner is told when CUDA workers cannot run as another user."""
+    if agent_uid == 0:
+        return None
+    return (
+        f"CUDA workers run as the agent's own user (uid {agent_uid}, with its groups), not "
+        "as job_user: only an agent started as root can switch them to it"
+    )

@@ -48,10 +48,13 @@ from gpumesh.client.bodies import (
     SyncBody,
     TcpBody,
 )
+from gpumesh.client.views import ErrorView
+from gpumesh.client.views.apps import AppPullView
+from gpumesh.client.views.node import LoginCodeView, PublishView
 from gpumesh.control import auth
 from gpumesh.control.dashboard import history, pages
 from gpumesh.control.dashboard.pages import qr_svg
-from gpumesh.control.endpoints import Access, Endpoint, ErrorView, Query
+from gpumesh.control.endpoints import Access, Endpoint, Query
 from gpumesh.control.guesses import TokenGuesses
 from gpumesh.errors import (
     AccessDeniedError,
@@ -70,6 +73,7 @@ from gpumesh.errors import (
     TransportError,
     UnknownPeerError,
 )
+from gpumesh.version import VERSION_HEADER
 
 if TYPE_CHECKING:
     from gpumesh.client.bodies import ShareOptions
@@ -110,7 +114,7 @@ class ControlState:
     process: NodeProcess | None = None
     """The node process serving this API (its status, its stop)."""
     shells: Shells | None = None
-    """``gpumesh exec`` sessions run here, made on the first one."""
+    """``gpumesh exec`` sessions run here (the node process's)."""
     guesses: TokenGuesses = field(default_factory=TokenGuesses.from_env)
     """Wrong bearer tokens per address: 429 after a few in a row."""
 
@@ -201,36 +205,6 @@ class Call:
 
 
 # --- request bodies: unknown fields are refused (a typo must not pass silently) ----------
-
-
-class AppPullView(msgspec.Struct):
-    """A past ``app run`` job's folder, pulled."""
-
-    remote: str
-    """The folder on the peer (``/apps/NAME``)."""
-    size: int
-    """Bytes of the tar that carried it."""
-    peer: str
-    """The provider's name."""
-    job_id: str
-    """The job's full id."""
-
-
-class PublishView(msgspec.Struct):
-    """``POST /api/v1/share/publish``'s answer."""
-
-    sharing: bool
-    published: bool
-    """A refresh was asked of the registry (False: this share publishes nothing)."""
-    pid: int
-    """The node process's."""
-
-
-class LoginCodeView(msgspec.Struct):
-    """A one-time login for a browser: open ``url``; it is good for one exchange."""
-
-    url: str
-    expires_in: float
 
 
 # --- handlers ----------------------------------------------------------------------------
@@ -614,7 +588,12 @@ async def post_copy(call: Call) -> object:
     ``copyprogress``, ``copyretrying``), then ``end`` (the copy's view) or ``error``.
     Leaving the stream stops the copy where it is (the next one resumes there)."""
     from gpumesh.client.files import RETRIES, CopyCallbacks, copy
-    from gpumesh.client.views.files import CopyView
+    from gpumesh.client.views.files import (
+        CopyProgressView,
+        CopyRetryingView,
+        CopyStartedView,
+        CopyView,
+    )
 
     body: CopyBody = call.body
     if body.retries is not None and not 0 <= body.retries <= 20:
@@ -623,13 +602,13 @@ async def post_copy(call: Call) -> object:
 
     async def work(feed: Feed) -> object:
         def started(label: str, total: int) -> None:
-            feed.put("copystarted", {"label": shown(label), "total": total})
+            feed.put("copystarted", CopyStartedView(shown(label), total))
 
         def progress(done: int, total: int) -> None:
-            feed.put("copyprogress", {"done": done, "total": total}, latest=True)
+            feed.put("copyprogress", CopyProgressView(done, total), latest=True)
 
         def retrying(error: GPUMeshError, attempt: int) -> None:
-            feed.put("copyretrying", {"message": str(error), "attempt": attempt})
+            feed.put("copyretrying", CopyRetryingView(str(error), attempt))
 
         result = await copy(
             call.node,
@@ -821,7 +800,6 @@ async def post_shell(call: Call) -> object:
     """A shell on a peer, run by this process: where to connect for its bytes
     (:mod:`gpumesh.daemon.shells`)."""
     from gpumesh.client.bodies import ShellRequest
-    from gpumesh.daemon.shells import Shells
 
     state = call.state
     body: ShellRequest = call.body
@@ -832,14 +810,7 @@ async def post_shell(call: Call) -> object:
     if body.gpu_memory < 0 or body.rows < 0 or body.cols < 0:
         raise BadRequestError("gpu_memory, rows and cols cannot be negative")
     if state.shells is None:
-        process = state.process
-
-        def busy(change: int) -> None:
-            if process is not None:
-                process.active += change
-                process.last_active = process.clock()
-
-        state.shells = Shells(call.node.home.path, busy=busy)
+        raise AgentError("this control API is not served by a node process")
     return await state.shells.offer(call.node, body)
 
 
@@ -935,7 +906,13 @@ def _process(call: Call) -> NodeProcess:
 
 
 async def get_node(call: Call) -> object:
-    return _process(call).view()
+    view = _process(call).view()
+    # The version in a header too: a command's check of it reads no body.
+    return Response(
+        msgspec.json.encode(view),
+        media_type="application/json",
+        headers={VERSION_HEADER: view.version},
+    )
 
 
 async def post_node_stop(call: Call) -> object:
@@ -1019,7 +996,7 @@ async def _lines_then(lines: list[Any], view: Any) -> AsyncIterator[bytes]:
 
 
 async def _share_events(follow: Any) -> AsyncIterator[bytes]:
-    from gpumesh.daemon.sharing import ShareLine
+    from gpumesh.control.shareviews import ShareLine
 
     events = _paced(follow)
     try:
@@ -1038,9 +1015,8 @@ def _views() -> dict[str, Any]:
     """The response types, imported only when the table is built."""
     from gpumesh.client.bodies import ShareOptions, ShellRequest
     from gpumesh.client.views import apps, files, groups, joblist, jobs, node, owner, peers
-    from gpumesh.daemon.sharing import ShareLine, ShareView
-    from gpumesh.daemon.shells import ShellOfferView
-    from gpumesh.daemon.views import NodeProcessView
+    from gpumesh.control.shareviews import ShareLine, ShareView
+    from gpumesh.control.views import NodeProcessView, ShellOfferView
 
     return {
         "status": node.StatusView,

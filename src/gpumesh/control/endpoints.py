@@ -13,7 +13,7 @@ import msgspec
 if TYPE_CHECKING:
     from gpumesh.control.app import Call
 
-__all__ = ["Access", "Endpoint", "ErrorView", "Handler", "Query"]
+__all__ = ["Access", "Endpoint", "Handler", "Query"]
 
 
 class Access(enum.Enum):
@@ -53,10 +53,3 @@ class Endpoint:
     query: tuple[Query, ...] = ()
     status: int = 200
     media_type: str = "application/json"
-
-
-class ErrorView(msgspec.Struct):
-    """Every error's body: the error tree's stable code and a message for people."""
-
-    code: str
-    message: str

@@ -27,7 +27,8 @@ _STATUS_TEXT = {200: "OK", 204: "No Content"}
 
 
 def document(endpoints: Sequence[Endpoint]) -> bytes:
-    from gpumesh.control.endpoints import Access, ErrorView
+    from gpumesh.client.views import ErrorView
+    from gpumesh.control.endpoints import Access
 
     types: list[Any] = [ErrorView]
     for endpoint in endpoints:

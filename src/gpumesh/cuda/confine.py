@@ -41,7 +41,6 @@ __all__ = [
     "confine",
     "mapped_now",
     "worker_ids",
-    "worker_user_note",
 ]
 
 HEADROOM = 64 * 1024 * 1024
@@ -70,16 +69,6 @@ def worker_ids(job_user: str, agent_uid: int) -> tuple[int, int] | None:
     if wanted is None or wanted[0] == 0:
         return DEFAULT_JOB_ID, DEFAULT_JOB_ID
     return wanted
-
-
-def worker_user_note(agent_uid: int) -> str | None:
-    """The one line the owner is told when CUDA workers cannot run as another user."""
-    if agent_uid == 0:
-        return None
-    return (
-        f"CUDA workers run as the agent's own user (uid {agent_uid}, with its groups), not "
-        "as job_user: only an agent started as root can switch them to it"
-    )
 
 
 def address_space_ceiling(mapped: int, memory: int) -> int:

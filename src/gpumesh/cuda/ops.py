@@ -14,9 +14,10 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from gpumesh.client.owner import OwnerSession, worker_user
 from gpumesh.cuda.backend import CudaFault, DeviceInfo
 from gpumesh.cuda.kernels import VADD_F32, VADD_PTX
-from gpumesh.cuda.owner import OwnerSession, open_sessions, worker_user
+from gpumesh.cuda.owner import open_sessions
 
 if TYPE_CHECKING:
     from gpumesh.client.node import Node

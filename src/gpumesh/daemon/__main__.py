@@ -10,7 +10,7 @@ from gpumesh.errors import GPUMeshError
 
 
 def main() -> int:
-    from gpumesh.control.main import setup_logging
+    from gpumesh.daemon.main import setup_logging
     from gpumesh.daemon.process import run_node
 
     setup_logging()

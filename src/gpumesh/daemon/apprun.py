@@ -9,84 +9,88 @@ a new node process (started by :func:`~gpumesh.daemon.client.connect`) goes on
 after the last numbered event read, so no line is lost or repeated, and the
 folder ``out`` names is then pulled back with ``POST /api/v1/apps/pull``. A
 stream that breaks before acceptance cannot tell whether a job started: that
-is an error naming ``gpumesh jobs``. Standard library only (a thin command's path).
+is an error naming ``gpumesh jobs``.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Generator, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 from urllib.parse import quote
 
 from gpumesh.client.bodies import AppPullBody
-from gpumesh.daemon.client import NodeUnavailableError
-from gpumesh.errors import AgentError, NotFoundError, error_from_code
+from gpumesh.client.views.apps import AppRunView, SyncView
+from gpumesh.client.views.jobs import JOB_EVENTS, JobResultView
+from gpumesh.client.views.runs import RUN_EVENTS, AcceptedView
+from gpumesh.daemon.client import NoAnswer, NodeUnavailableError
+from gpumesh.errors import AgentError, NotFoundError
 
 if TYPE_CHECKING:
     from gpumesh.client.bodies import AppRunBody
     from gpumesh.daemon.client import NodeClient, SseEvent
 
-__all__ = ["RESUME_TRIES", "NodeAppRun"]
+__all__ = ["APP_RUN_EVENTS", "RESUME_TRIES", "NodeAppRun"]
 
 RESUME_TRIES = 5
 """Node processes in a row that may die under one app run before it gives up."""
 
+APP_RUN_EVENTS: dict[str, type] = {**RUN_EVENTS, "syncview": SyncView, "end": AppRunView}
+"""``POST /api/v1/apps/run``'s events: the sync, then a run's, then the app run's view."""
+
 
 class NodeAppRun:
     """One app run by the node process: :meth:`events` yields its events (not
-    ``end`` or ``error``: an error is raised) and, once they ran out, :attr:`view`
-    is the app run's view (``AppRunView`` as JSON). ``connect`` reaches the home's
-    node process, starting one when none runs; ``body`` is the route's."""
+    ``end``; an error is raised) and, once they ran out, :attr:`view` is the app
+    run's view. ``connect`` reaches the home's node process, starting one when
+    none runs; ``body`` is the route's."""
 
     def __init__(self, connect: Callable[[], NodeClient], body: AppRunBody) -> None:
         self._connect = connect
         self._body = body
-        self.view: dict[str, Any] | None = None
+        self.view: AppRunView | None = None
         self.job_id = ""
         """The job's id, once the provider accepted it."""
         self.after = 0
         """The number of the job's last event read."""
-        self._sync: dict[str, Any] | None = None
+        self._sync: SyncView | None = None
 
     def events(self) -> Iterator[SseEvent]:
         try:
-            for event in self._connect().events("/api/v1/apps/run", "POST", self._body):
-                if event.event == "end":
-                    self.view = event.data
+            stream = self._connect().events("/api/v1/apps/run", APP_RUN_EVENTS, "POST", self._body)
+            for event in stream:
+                if isinstance(event.view, AppRunView):
+                    self.view = event.view
                     return
-                if event.event == "error":
-                    raise error_from_code(str(event.data["code"]), str(event.data["message"]))
-                if event.event == "syncview":
-                    self._sync = event.data
-                elif event.event == "acceptedview":
-                    self.job_id = str(event.data["job_id"])
+                if isinstance(event.view, SyncView):
+                    self._sync = event.view
+                elif isinstance(event.view, AcceptedView):
+                    self.job_id = event.view.job_id
                 if event.id is not None:
                     self.after = event.id
                 yield event
         except NodeUnavailableError:
-            if not self.job_id or self._sync is None:
+            sync = self._sync
+            if not self.job_id or sync is None:
                 raise AgentError(
                     "the node process stopped before the provider accepted the app's job: "
                     "`gpumesh jobs` shows whether it started; run `gpumesh app run` again "
                     "(the sync sends only what changed)"
                 ) from None
-        job = yield from self._resume()
-        self.view = self._finish(job)
+            # The stream broke after the acceptance: the job goes on where it is.
+            job = yield from self._resume()
+            self.view = self._finish(sync, job)
 
-    def _resume(self) -> Generator[SseEvent, None, dict[str, Any]]:
+    def _resume(self) -> Generator[SseEvent, None, JobResultView]:
         """The job's events after :attr:`after`, through as many node processes as it
         takes (up to :data:`RESUME_TRIES` failing in a row); the job's result."""
         failures = 0
         while True:
             path = f"/api/v1/jobs/{quote(self.job_id, safe='')}/events?after={self.after}"
             try:
-                for event in self._connect().events(path):
-                    if event.event == "end":
-                        result: dict[str, Any] = event.data
-                        return result
-                    if event.event == "error":
-                        raise error_from_code(str(event.data["code"]), str(event.data["message"]))
+                for event in self._connect().events(path, JOB_EVENTS):
+                    if isinstance(event.view, JobResultView):
+                        return event.view
                     if event.id is not None:
                         self.after = event.id
                         failures = 0
@@ -101,29 +105,28 @@ class NodeAppRun:
             else:
                 raise AgentError(f"the event stream of job {self.job_id} ended without its end")
 
-    def _finish(self, job: dict[str, Any]) -> dict[str, Any]:
+    def _finish(self, sync: SyncView, job: JobResultView) -> AppRunView:
         """The app run's view once its job ended: with ``out``, its folder pulled back."""
-        assert self._sync is not None
-        view: dict[str, Any] = {"sync": self._sync, "job": job, "out_remote": "", "pulled": False}
+        view = AppRunView(sync=sync, job=job, out_remote="", pulled=False)
         out = self._body.out
         if out is None:
             return view
         name = os.path.basename(os.path.normpath(out))
-        view["out_remote"] = f"{self._sync['remote']}/{name}"
+        view.out_remote = f"{sync.remote}/{name}"
         pull = AppPullBody(peer=self._body.peer, job=self.job_id, dir=out, folder=name)
         for attempt in range(2):
             try:
-                self._connect().call("POST", "/api/v1/apps/pull", pull)
+                self._connect().call("POST", "/api/v1/apps/pull", NoAnswer, pull)
             except NotFoundError:
                 return view
             except NodeUnavailableError:
                 if attempt:
                     raise AgentError(
-                        f"the node process stopped while it pulled {view['out_remote']}: "
+                        f"the node process stopped while it pulled {view.out_remote}: "
                         f"`gpumesh app pull --peer {self._body.peer} --job {self.job_id} "
                         f"--dir DIR` pulls the app's folder"
                     ) from None
             else:
-                view["pulled"] = True
+                view.pulled = True
                 return view
         return view

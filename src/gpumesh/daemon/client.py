@@ -1,12 +1,13 @@
 """The thin client of a home's node process: HTTP/JSON over ``control.sock``.
 
 A command that talks to peers asks the node process, starting one in the
-background when none runs (:func:`connect`), and reads its answers and event
-streams with the standard library only (a small HTTP/1.1 reader of its own):
-no QUIC, cryptography or Docker SDK is imported on this path, which is what
-makes ``gpumesh jobs`` start fast. Errors come back as the error tree's
-``{code, message}`` and are raised as the same classes, so the CLI's one-line
-messages and exit codes stay what they are.
+background when none runs (:func:`connect`), over a small HTTP/1.1 reader of
+its own (standard library): no QUIC, cryptography or Docker SDK is imported on
+this path, which is what makes ``gpumesh jobs`` start fast. Each answer is read
+into its view struct (:mod:`gpumesh.client.views`) with msgspec, loaded only
+once the request is out, so the node process works on it meanwhile. Errors
+come back as the error tree's ``{code, message}`` and are raised as the same
+classes, so the CLI's one-line messages and exit codes stay what they are.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 from gpumesh.errors import (
@@ -29,7 +30,7 @@ from gpumesh.errors import (
 )
 from gpumesh.settings import ENV_HOME
 from gpumesh.store.sockets import socket_name
-from gpumesh.version import __version__
+from gpumesh.version import VERSION_HEADER, __version__
 
 # As typing's: typing, dataclasses (and their inspect) and the node record's module
 # stay out of a thin command's start-up (gpumesh.cli.launch sends run's request
@@ -37,11 +38,16 @@ from gpumesh.version import __version__
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     import subprocess
-    from typing import Any
+    from typing import TypeVar
+
+    T = TypeVar("T")
 
 __all__ = [
+    "NoAnswer",
     "NodeClient",
     "NodeUnavailableError",
+    "Pending",
+    "Read",
     "SseEvent",
     "connect",
 ]
@@ -129,17 +135,18 @@ _LINE_MAX = 65536
 
 
 class SseEvent:
-    """One Server-Sent Event: its name, its id (a sequence number) and its JSON data."""
+    """One Server-Sent Event: its name, its id (a sequence number) and its data,
+    decoded into the view struct its stream names for it."""
 
-    __slots__ = ("data", "event", "id")
+    __slots__ = ("event", "id", "view")
 
-    def __init__(self, event: str, id: int | None, data: Any) -> None:
+    def __init__(self, event: str, id: int | None, view: object) -> None:
         self.event = event
         self.id = id
-        self.data = data
+        self.view = view
 
     def __repr__(self) -> str:
-        return f"SseEvent({self.event!r}, {self.id!r}, {self.data!r})"
+        return f"SseEvent({self.event!r}, {self.id!r}, {self.view!r})"
 
 
 class NodeClient:
@@ -191,51 +198,73 @@ class NodeClient:
         sock.settimeout(timeout)
         return _sent(sock, lambda: None, head.encode("latin-1") + b"\r\n" + payload)
 
+    def send(
+        self, method: str, path: str, body: object = None, timeout: float | None = None
+    ) -> Pending:
+        """Send one request now; its answer is read later (:class:`Pending`): the node
+        process starts on it while this process does other things (such as loading
+        the decoder)."""
+        return Pending(self._send(method, path, body, timeout))
+
     def call(
-        self, method: str, path: str, body: object = None, timeout: float | None = None
-    ) -> Any:
-        """The JSON answer of one request; an error answer is raised as the tree's."""
-        return self.send_call(method, path, body, timeout)()
+        self,
+        method: str,
+        path: str,
+        into: type[T],
+        body: object = None,
+        timeout: float | None = None,
+    ) -> T:
+        """The answer of one request, decoded into ``into`` (a view struct, a list
+        of them, or :class:`NoAnswer`); an error answer is raised as the tree's."""
+        return self.send(method, path, body, timeout).answer(into)
 
-    def send_call(
-        self, method: str, path: str, body: object = None, timeout: float | None = None
-    ) -> Callable[[], Any]:
-        """:meth:`call` with the request sent now; the function returned reads its
-        answer (once): the node process starts on it while this process does other
-        things."""
-        answer = self._send(method, path, body, timeout)
-        return lambda: self._answer(answer())
-
-    def _answer(self, response: _Response) -> Any:
-        try:
-            raw = response.read()
-        except OSError as exc:
-            raise NodeUnavailableError.because(str(exc)) from None
-        finally:
-            response.close()
-        data = json.loads(raw) if raw else None
-        if response.status >= 400:
-            raise _error(data, response.status)
-        return data
-
-    def events(self, path: str, method: str = "GET", body: object = None) -> Iterator[SseEvent]:
-        """A Server-Sent Events stream, event by event, until it ends; a stream the
-        node process dropped (it died) raises :class:`NodeUnavailableError`."""
-        yield from self._events(self._send(method, path, body, None))
-
-    def send_events(
-        self, path: str, method: str = "GET", body: object = None
+    def events(
+        self,
+        path: str,
+        views: Mapping[str, type],
+        method: str = "GET",
+        body: object = None,
     ) -> Iterator[SseEvent]:
-        """:meth:`events` with the request sent now, before the first event is
-        asked for (its answer is read then): the node process starts on it while
-        this process does other things."""
-        return self._events(self._send(method, path, body, None))
+        """A Server-Sent Events stream (:meth:`Pending.events`), the request sent
+        when the first event is asked for."""
+        yield from self.send(method, path, body).events(views)
 
-    def _events(self, answer: Callable[[], _Response]) -> Iterator[SseEvent]:
-        response = answer()
+
+class Pending:
+    """A request sent to the node process, its answer not read yet: read it once,
+    as one answer or as a stream of events."""
+
+    def __init__(self, response: Callable[[], _Response]) -> None:
+        self._wait = response
+        self._head: _Response | None = None
+
+    def _response(self) -> _Response:
+        if self._head is None:
+            self._head = self._wait()
+        return self._head
+
+    def header(self, name: str) -> str | None:
+        """A header of the answer (waiting for the answer's head)."""
+        return self._response().headers.get(name.lower())
+
+    def close(self) -> None:
+        """Leave the answer unread."""
+        self._response().close()
+
+    def answer(self, into: type[T]) -> T:
+        """The answer, decoded into ``into``; an error answer raised as the tree's."""
+        return _decode(_body_of(self._response()), into)
+
+    def events(self, views: Mapping[str, type]) -> Iterator[SseEvent]:
+        """The answer as Server-Sent Events, event by event, until the stream ends
+        (``end``, the last one yielded). ``views``: the struct of each event name
+        (one not named is skipped: a newer node process may send it); an ``error``
+        event is raised as the tree's error; a stream the node process dropped (it
+        died) raises :class:`NodeUnavailableError`."""
+        response = self._response()
         try:
             if response.status >= 400:
-                raise _error(json.loads(response.read() or b"null"), response.status)
+                raise _error(response.read(), response.status)
             event, event_id = "message", None
             data: list[str] = []
             lines = response.lines()
@@ -248,10 +277,12 @@ class NodeClient:
                     raise NodeUnavailableError.because("the event stream ended early")
                 text = line.decode("utf-8").rstrip("\r\n")
                 if text == "":
-                    if data:
-                        yield SseEvent(event, event_id, json.loads("\n".join(data)))
-                        if event in ("end", "error"):
-                            return
+                    if data and event == "error":
+                        raise _error("\n".join(data).encode(), 200)
+                    if data and event in views:
+                        yield SseEvent(event, event_id, _decode("\n".join(data), views[event]))
+                    if data and event == "end":
+                        return
                     event, event_id, data = "message", None, []
                 elif text.startswith(":"):
                     continue
@@ -268,10 +299,70 @@ class NodeClient:
             response.close()
 
 
+class Read(Pending):
+    """An answer already read, handed on as the :class:`Pending` it came from: its
+    view, or what reading it raised (raised again by whoever reads it now)."""
+
+    def __init__(self, view: object = None, error: BaseException | None = None) -> None:
+        super().__init__(_no_response)
+        self._view = view
+        self._error = error
+
+    def answer(self, into: type[T]) -> T:
+        if self._error is not None:
+            raise self._error
+        if not isinstance(self._view, into):
+            raise TypeError(f"the answer read is {self._view!r}, not {into}")
+        return self._view
+
+    def events(self, views: Mapping[str, type]) -> Iterator[SseEvent]:
+        if self._error is not None:
+            raise self._error
+        yield from ()
+        raise TypeError(f"the answer read is {self._view!r}, not events")
+
+
+def _no_response() -> _Response:
+    raise TypeError("an answer already read has no response")
+
+
+class NoAnswer:
+    """What a request whose answer is of no use decodes into: nothing is read of it."""
+
+
+def _body_of(response: _Response) -> bytes:
+    """An answer's body; an error answer raised as the tree's error."""
+    try:
+        raw = response.read()
+    except OSError as exc:
+        raise NodeUnavailableError.because(str(exc)) from None
+    finally:
+        response.close()
+    if response.status >= 400:
+        raise _error(raw, response.status)
+    return raw
+
+
+def _decode(raw: bytes | str, into: type[T]) -> T:
+    """JSON from the node process as ``into``; anything else is its fault (logged
+    there), said in one line."""
+    if into is NoAnswer:
+        return into()
+    import msgspec
+
+    try:
+        return msgspec.json.decode(raw, type=into)
+    except msgspec.DecodeError as exc:  # ValidationError included
+        raise AgentError(
+            f"the node process answered with something else ({exc}): is it another "
+            "version? `gpumesh daemon stop` ends it"
+        ) from None
+
+
 def _payload(body: object) -> bytes:
     """A request's JSON body: one of :mod:`gpumesh.client.bodies`'s structs, or the
-    plain dict a light command or the head start sends (they must not load
-    msgspec; unit tests convert each such dict into its struct)."""
+    plain dict the head start of ``run`` and ``app sync`` sends before msgspec
+    loads (unit tests convert each such dict into its struct)."""
     if body is None:
         return b""
     if isinstance(body, dict):
@@ -281,10 +372,15 @@ def _payload(body: object) -> bytes:
     return msgspec.json.encode(body)
 
 
-def _error(data: Any, status: int) -> GPUMeshError:
-    if isinstance(data, dict) and "code" in data and "message" in data:
-        return error_from_code(str(data["code"]), str(data["message"]))
-    return AgentError(f"the node process answered HTTP {status}: see its log")
+def _error(raw: bytes, status: int) -> GPUMeshError:
+    """An error answer's body (the error tree's ``{code, message}``) as its error."""
+    from gpumesh.client.views import ErrorView
+
+    try:
+        error = _decode(raw, ErrorView)
+    except AgentError:
+        return AgentError(f"the node process answered HTTP {status}: see its log")
+    return error_from_code(error.code, error.message)
 
 
 def connect(home: Path) -> NodeClient:
@@ -297,17 +393,23 @@ def connect(home: Path) -> NodeClient:
     restarted = False
     while True:
         try:
-            view = client.call("GET", "/api/v1/node", timeout=START_TIMEOUT)
+            probe = client.send("GET", "/api/v1/node", timeout=START_TIMEOUT)
+            if probe.header(VERSION_HEADER) == __version__:
+                probe.close()  # its own version: nothing to decode on a thin command's way
+                return client
+            from gpumesh.control.views import NodeVersionView
+
+            view: NodeVersionView | None = probe.answer(NodeVersionView)
         except NodeUnavailableError:
             view = None
-        if isinstance(view, dict):
-            if view.get("version") == __version__:
+        if view is not None:
+            if view.version == __version__:
                 return client
-            if not view.get("detached") or restarted:
-                what = "`gpumesh share`" if view.get("sharing") else "`gpumesh-control`"
+            if not view.detached or restarted:
+                what = "`gpumesh share`" if view.sharing else "`gpumesh-control`"
                 raise InUseError(
-                    f"the node process of {home} (pid {view.get('pid')}) is version "
-                    f"{view.get('version')} and this gpumesh is {__version__}: restart it "
+                    f"the node process of {home} (pid {view.pid}) is version "
+                    f"{view.version} and this gpumesh is {__version__}: restart it "
                     f"(`gpumesh daemon stop`, then {what} again)"
                 )
             stop(home, client)
@@ -352,7 +454,7 @@ def stop(home: Path, client: NodeClient | None = None) -> int | None:
         return None
     client = client or NodeClient(home)
     try:
-        client.call("POST", "/api/v1/node/stop", timeout=STOP_TIMEOUT)
+        client.call("POST", "/api/v1/node/stop", NoAnswer, timeout=STOP_TIMEOUT)
     except NodeUnavailableError:
         if record.pid:
             import signal

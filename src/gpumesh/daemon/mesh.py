@@ -24,10 +24,8 @@ import base64
 import contextlib
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 from urllib.parse import quote, urlencode
-
-import msgspec
 
 from gpumesh.client import mesh as base
 from gpumesh.client.bodies import (
@@ -38,7 +36,14 @@ from gpumesh.client.bodies import (
     PairBody,
     job_options,
 )
-from gpumesh.client.views.jobs import JobResultView
+from gpumesh.client.views.jobs import (
+    JOB_EVENTS,
+    Dropped,
+    JobResultView,
+    Output,
+    Reconnecting,
+    Status,
+)
 from gpumesh.errors import AgentError, NotInitializedError, error_from_code
 
 if TYPE_CHECKING:
@@ -102,25 +107,22 @@ class ThroughNode:
         self._client = connect(self.home)
         return self._client
 
-    def _call_sync(self, method: str, path: str, body: object) -> Any:
+    def _call_sync(self, kind: type[T], method: str, path: str, body: object) -> T:
         from gpumesh.daemon.client import NodeUnavailableError
 
         if method != "GET":
             # A change is sent once: to a node process just seen answering (one that
             # went idle or died since the last call is replaced first).
-            return self._connect().call(method, path, body)
+            return self._connect().call(method, path, kind, body)
         client = self._client or self._connect()
         try:
-            return client.call(method, path, body)
+            return client.call(method, path, kind, body)
         except NodeUnavailableError:
             # It died or went idle since: the next one is started, once.
-            return self._connect().call(method, path, body)
-
-    async def _call(self, method: str, path: str, body: object = None) -> Any:
-        return await asyncio.to_thread(self._call_sync, method, path, body)
+            return self._connect().call(method, path, kind, body)
 
     async def _get(self, kind: type[T], method: str, path: str, body: object = None) -> T:
-        return msgspec.convert(await self._call(method, path, body), kind)
+        return await asyncio.to_thread(self._call_sync, kind, method, path, body)
 
     # --- the backend --------------------------------------------------------------------
 
@@ -200,7 +202,6 @@ class ThroughNode:
     async def app_run(
         self, peer: str, folder: Path, spec: JobSpec, *, out: Path | None
     ) -> AppRunView:
-        from gpumesh.client.views.apps import AppRunView
         from gpumesh.daemon.apprun import NodeAppRun
 
         body = AppRunBody(
@@ -212,12 +213,13 @@ class ThroughNode:
         )
         run = NodeAppRun(self._connect, body)
 
-        def whole() -> object:
+        def whole() -> AppRunView:
             for _ in run.events():
                 pass
+            assert run.view is not None  # the events ran out: the view is there
             return run.view
 
-        return msgspec.convert(await asyncio.to_thread(whole), AppRunView)
+        return await asyncio.to_thread(whole)
 
     async def groups(self) -> list[GroupListEntry]:
         from gpumesh.client.views.groups import GroupListEntry
@@ -260,7 +262,7 @@ class NodeFollow:
             f"/api/v1/jobs/{_q(self._job_id)}/events"
             f"?follow={'true' if self._follow else 'false'}&after={self._after}"
         )
-        return client.events(path)
+        return client.events(path, JOB_EVENTS)
 
     def _next(self) -> JobEvent | None:
         """The next event (None: the stream ended), resuming under a new node process."""
@@ -287,12 +289,10 @@ class NodeFollow:
                 raise AgentError(f"the event stream of job {self._job_id} ended without its end")
             if item.id is not None:
                 self._after = item.id
-            if item.event == "end":
-                self._end = msgspec.convert(item.data, JobResultView)
+            if isinstance(item.view, JobResultView):
+                self._end = item.view
                 return None
-            if item.event == "error":
-                raise error_from_code(str(item.data["code"]), str(item.data["message"]))
-            converted = _event(self._job_id, item.event, item.data)
+            converted = _event(self._job_id, item.view)
             if converted is not None:
                 return converted
         return None
@@ -311,28 +311,28 @@ class NodeFollow:
         return self._end
 
 
-def _event(job_id: str, kind: str, data: dict[str, Any]) -> JobEvent | None:
+def _event(job_id: str, view: object) -> JobEvent | None:
     """An event stream's event as the client layer's (None: one of no kind known)."""
     from gpumesh.client import jobs
     from gpumesh.protocol.messages import JobStatus
 
-    if kind == "output":
-        return jobs.Output(str(data["stream"]), base64.b64decode(data["data"]))
-    if kind == "status":
+    if isinstance(view, Output):
+        return jobs.Output(view.stream, base64.b64decode(view.data))
+    if isinstance(view, Status):
         status = JobStatus(
             job_id=job_id,
-            seq=int(data["seq"]),
-            state=str(data["state"]),
-            attempt=int(data["attempt"]),
-            exit_code=data["exit_code"],
-            message=str(data["message"]),
-            exited=bool(data["exited"]),
+            seq=view.seq,
+            state=str(view.state),
+            attempt=view.attempt,
+            exit_code=view.exit_code,
+            message=view.message,
+            exited=view.exited,
         )
-        return jobs.StatusChanged(status, bool(data["exited"]))
-    if kind == "dropped":
-        return jobs.OutputDropped(int(data["count"]))
-    if kind == "reconnecting":
-        return jobs.Reconnecting(error_from_code(str(data["code"]), str(data["message"])))
+        return jobs.StatusChanged(status, view.exited)
+    if isinstance(view, Dropped):
+        return jobs.OutputDropped(view.count)
+    if isinstance(view, Reconnecting):
+        return jobs.Reconnecting(error_from_code(view.code, view.message))
     return None
 
 

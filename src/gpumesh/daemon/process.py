@@ -28,22 +28,22 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-import msgspec
+from typing import TYPE_CHECKING
 
 from gpumesh import platform
 from gpumesh.client.bodies import ShareOptions
 from gpumesh.client.node import Node
-from gpumesh.daemon.record import HomeLock, NodeRecord, holder, last_share_end, new_record
-from gpumesh.daemon.sharing import ShareEnd, ShareLine, Sharing
-from gpumesh.daemon.views import (
+from gpumesh.control.shareviews import ShareEnd, ShareLine, ShareView
+from gpumesh.control.views import (
     NodeProcessView,
+    NodeVersionView,
     OutgoingView,
     RelayRegistrationView,
     ShareEndedView,
     WarmSessionView,
 )
+from gpumesh.daemon.record import HomeLock, NodeRecord, holder, last_share_end, new_record
+from gpumesh.daemon.sharing import Sharing
 from gpumesh.errors import ConfigError, GPUMeshError, InUseError
 from gpumesh.httpguard import Guard, raise_descriptor_limit
 from gpumesh.settings import (
@@ -207,7 +207,7 @@ class NodeProcess:
         return counted
 
 
-def _take_home(home: Path, *, detached: bool) -> tuple[HomeLock, dict[str, Any] | None]:
+def _take_home(home: Path, *, detached: bool) -> tuple[HomeLock, ShareOptions | None]:
     """The home's lock, and the options of the share it took over (or None). A
     background node process hands over to a foreground start (a share it runs
     stops there, and the start shares with the same options); any other holder is
@@ -215,28 +215,28 @@ def _take_home(home: Path, *, detached: bool) -> tuple[HomeLock, dict[str, Any] 
     lock = HomeLock(home)
     deadline = time.monotonic() + TAKEOVER_WAIT
     asked = False
-    taken: dict[str, Any] | None = None
+    taken: ShareOptions | None = None
     while not lock.acquire():
         record = holder(home)
         if record is None:
             continue  # it let go between the two looks
         if detached or not asked:
-            from gpumesh.daemon.client import NodeClient, NodeUnavailableError
+            from gpumesh.daemon.client import NoAnswer, NodeClient, NodeUnavailableError
 
-            view = None
+            client = NodeClient(home)
+            view: NodeVersionView | None = None
             with contextlib.suppress(NodeUnavailableError):
-                view = NodeClient(home).call("GET", "/api/v1/node", timeout=5)
-            if detached or not (isinstance(view, dict) and view.get("detached")):
+                view = client.call("GET", "/api/v1/node", NodeVersionView, timeout=5)
+            if detached or view is None or not view.detached:
                 pid = record.pid or "starting"
                 raise InUseError(
                     f"a node process (pid {pid}) already serves {home}: "
                     "`gpumesh daemon status` shows it, `gpumesh daemon stop` stops it"
                 )
             with contextlib.suppress(NodeUnavailableError):
-                if view.get("sharing"):
-                    shared = NodeClient(home).call("GET", "/api/v1/share", timeout=5)
-                    taken = shared.get("options") if isinstance(shared, dict) else None
-                NodeClient(home).call("POST", "/api/v1/node/stop", timeout=5)
+                if view.sharing:
+                    taken = client.call("GET", "/api/v1/share", ShareView, timeout=5).options
+                client.call("POST", "/api/v1/node/stop", NoAnswer, timeout=5)
             asked = True
         if time.monotonic() > deadline:
             raise InUseError(
@@ -280,6 +280,7 @@ async def run_node(
         tls_context,
         unix_listener,
     )
+    from gpumesh.daemon.shells import Shells
 
     # One Node (so one database connection) per process: a second connection made
     # beside the agent's would close a descriptor of the database file, and with it
@@ -314,7 +315,7 @@ async def run_node(
     # In a thread: a background node process may take a moment to hand over.
     lock, taken = await asyncio.to_thread(_take_home, home, detached=detached)
     if share is None and taken is not None:
-        share = msgspec.convert(taken, ShareOptions)
+        share = taken
         announce(f"  it shares, as the node process it took over did ({share.describe()})")
     record: NodeRecord | None = None
     sockets: list[socket.socket] = []
@@ -367,12 +368,18 @@ async def run_node(
         outgoing = OutgoingSocket(lambda: node.home.identity)
         process.pool = node.pool = SessionPool(outgoing=outgoing)
         node.pool.on_silent = node.silent_providers.went_silent
+
+        def shell_busy(change: int) -> None:
+            process.active += change
+            process.last_active = process.clock()
+
         state = ControlState(
             node=node,
             token=auth.api_token(home),
             host_names=frozenset(hosts),
             public_url=public_url,
             process=process,
+            shells=Shells(home, busy=shell_busy),
         )
         write_record()
         app = process.wrap(create_app(state))

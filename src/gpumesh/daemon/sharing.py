@@ -18,12 +18,10 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
-import msgspec
-
 from gpumesh.client.bodies import ShareOptions
+from gpumesh.control.shareviews import ShareEnd, ShareLine, ShareView
 from gpumesh.errors import ConfigError, GPUMeshError, InUseError, RuntimeUnavailableError
 from gpumesh.runtime.base import NO_GPU_RUNTIME_NOTE
-from gpumesh.store.home import AgentInfo
 
 _SAID = {"gpumesh_said": True}
 """On the log record of a line the share says (see cli/_logsetup.LevelFilter)."""
@@ -33,7 +31,7 @@ if TYPE_CHECKING:
     from gpumesh.client.node import Node
     from gpumesh.daemon.publish import Publishing
 
-__all__ = ["ShareEnd", "ShareLine", "ShareView", "Sharing", "require_linux"]
+__all__ = ["Sharing", "require_linux"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,41 +39,6 @@ KEPT_LINES = 500
 """Lines of output kept for followers (a share's start says about twenty)."""
 RELAY_WAIT = 3.0
 """Seconds the start waits for the relay's first answer before reporting it."""
-
-
-class ShareLine(msgspec.Struct):
-    """One line a share printed: numbered from the node process's start."""
-
-    seq: int
-    text: str
-    err: bool = False
-    """Printed on stderr (warnings, how it stopped)."""
-    tone: str = ""
-    """``warn`` (yellow), ``alarm`` (red, bold) or empty."""
-
-
-class ShareEnd(msgspec.Struct):
-    """When and how this home's last share ended."""
-
-    at: float
-    how: str
-
-
-class ShareView(msgspec.Struct):
-    """``GET /api/v1/share``: whether this home shares, since when, with what."""
-
-    sharing: bool
-    since: float | None = None
-    options: ShareOptions | None = None
-    udp: str | None = None
-    """``host:port`` the share listens on."""
-    first_line: int = 0
-    """The sequence number of this share's first line of output (``after`` it - 1)."""
-    ended: ShareEnd | None = None
-    """How the last share ended, while none runs."""
-    agent: AgentInfo | None = None
-    """What the running share's agent says of itself: its links, relay and open
-    sessions (``status`` and the owner's views of commands run elsewhere)."""
 
 
 class Sharing:

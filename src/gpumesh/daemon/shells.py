@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import os
 import secrets
@@ -31,6 +30,9 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from gpumesh import platform
+from gpumesh.client.views import ErrorView
+from gpumesh.client.views.runs import PullingView
+from gpumesh.control.views import ShellOfferView
 from gpumesh.daemon import frames
 from gpumesh.errors import GPUMeshError
 
@@ -46,15 +48,6 @@ logger = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT = 30.0
 """Seconds a shell's listener waits for its CLI to connect."""
-
-
-class ShellOfferView(msgspec.Struct):
-    """Where to connect for the shell's bytes: ``socket`` (a unix socket's path) or,
-    without unix sockets, loopback TCP ``port``; send ``token`` first."""
-
-    socket: str
-    port: int
-    token: str
 
 
 @dataclass
@@ -181,15 +174,10 @@ async def _session(
             session.resize(*pending[0])
 
     def on_pull(pull: ImagePull) -> None:
-        fields = {
-            "image": pull.image,
-            "layers": pull.layers,
-            "layers_done": pull.layers_done,
-            "downloaded": pull.downloaded,
-            "total": pull.total,
-            "done": pull.done,
-        }
-        writer.write(frames.frame(frames.PULL, json.dumps(fields).encode()))
+        view = PullingView(
+            pull.image, pull.layers, pull.layers_done, pull.downloaded, pull.total, pull.done
+        )
+        writer.write(frames.frame(frames.PULL, msgspec.json.encode(view)))
 
     try:
         code = await exec_shell(
@@ -208,8 +196,7 @@ async def _session(
         )
         last = frames.frame(frames.EXIT, code.to_bytes(4, "big", signed=True))
     except GPUMeshError as exc:
-        body = json.dumps({"code": exc.code, "message": exc.message}).encode()
-        last = frames.frame(frames.FAILED, body)
+        last = frames.frame(frames.FAILED, msgspec.json.encode(ErrorView(exc.code, exc.message)))
     except OSError:
         return  # the CLI left
     with contextlib.suppress(OSError):

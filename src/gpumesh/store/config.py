@@ -42,7 +42,7 @@ MASK = "********"
 """What listings show instead of a secret's value (the same for every value)."""
 
 AUTO = "auto"
-"""A value the agent works out from the machine's size (see gpumesh.agent.limits)."""
+"""A value the agent works out from the machine's size (see gpumesh.store.limits)."""
 NO_LIMIT = "none"
 """A size limit that is switched off."""
 MIN_LINK_BUFFER = 2 * DEFAULT_WINDOW

@@ -88,7 +88,7 @@ class AgentInfo:
     """Open shells: ``{"id": …, "peer": name, "image": …, "container": name, "since": unix
     time}``."""
     cuda: list[dict[str, Any]] = field(default_factory=list)
-    """Open CUDA sessions (:class:`gpumesh.cuda.owner.OwnerSession`'s fields)."""
+    """Open CUDA sessions (:class:`gpumesh.client.owner.OwnerSession`'s fields)."""
 
     @property
     def relay_text(self) -> str:

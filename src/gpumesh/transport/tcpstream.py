@@ -50,7 +50,7 @@ from gpumesh.transport.sealing import (
 from gpumesh.transport.stream import DATA_CHUNK
 
 if TYPE_CHECKING:
-    from gpumesh.files.channel import MemoryChannel
+    from gpumesh.transport.channel import MemoryChannel
     from gpumesh.transport.stream import Stream
 
 __all__ = ["CHANNEL_CHUNK", "READ_LIMIT", "pump", "splice"]

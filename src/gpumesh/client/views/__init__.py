@@ -16,7 +16,14 @@ import json
 
 import msgspec
 
-__all__ = ["to_json"]
+__all__ = ["ErrorView", "to_json"]
+
+
+class ErrorView(msgspec.Struct):
+    """Every error's body: the error tree's stable code and a message for people."""
+
+    code: str
+    message: str
 
 
 def to_json(view: object) -> str:

@@ -12,7 +12,7 @@ from gpumesh.client.views.jobs import JobResultView
 if TYPE_CHECKING:
     from gpumesh.client.apps import AppRun, SyncResult
 
-__all__ = ["AppRunView", "SkippedView", "SyncView"]
+__all__ = ["AppPullView", "AppRunView", "SkippedView", "SyncView"]
 
 
 class SkippedView(msgspec.Struct):
@@ -80,3 +80,16 @@ class AppRunView(msgspec.Struct):
             out_remote=run.out_remote,
             pulled=run.pulled,
         )
+
+
+class AppPullView(msgspec.Struct):
+    """A past ``app run`` job's folder, pulled."""
+
+    remote: str
+    """The folder on the peer (``/apps/NAME``)."""
+    size: int
+    """Bytes of the tar that carried it."""
+    peer: str
+    """The provider's name."""
+    job_id: str
+    """The job's full id."""

@@ -9,7 +9,7 @@ import msgspec
 if TYPE_CHECKING:
     from gpumesh.client.files import CopyResult
 
-__all__ = ["CopyView"]
+__all__ = ["COPY_EVENTS", "CopyProgressView", "CopyRetryingView", "CopyStartedView", "CopyView"]
 
 
 class CopyView(msgspec.Struct):
@@ -69,3 +69,32 @@ class CopyView(msgspec.Struct):
             congestion=result.congestion,
             no_channel=result.no_channel,
         )
+
+
+class CopyStartedView(msgspec.Struct):
+    """A copy began: what is copied (``data.bin -> alice-pc:/data.bin``), its bytes."""
+
+    label: str
+    total: int
+
+
+class CopyProgressView(msgspec.Struct):
+    done: int
+    """Bytes in place so far, resumed ones included."""
+    total: int
+
+
+class CopyRetryingView(msgspec.Struct):
+    """The link was lost: why, and the attempt about to start."""
+
+    message: str
+    attempt: int
+
+
+COPY_EVENTS: dict[str, type] = {
+    "copystarted": CopyStartedView,
+    "copyprogress": CopyProgressView,
+    "copyretrying": CopyRetryingView,
+    "end": CopyView,
+}
+"""``POST /api/v1/copies?stream=true``'s events; ``end`` is the copy's view."""

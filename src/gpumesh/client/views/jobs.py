@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from gpumesh.client.jobs import JobEvent, JobResult
 
 __all__ = [
+    "JOB_EVENTS",
     "Dropped",
     "JobEventView",
     "JobResultView",
@@ -98,6 +99,17 @@ class Reconnecting(JobEventView, tag="reconnecting"):
 
     code: str
     message: str
+
+
+JOB_EVENTS: dict[str, type] = {
+    "output": Output,
+    "status": Status,
+    "dropped": Dropped,
+    "reconnecting": Reconnecting,
+    "end": JobResultView,
+}
+"""A followed job's Server-Sent Events (``GET /api/v1/jobs/{id}/events``): each
+name's struct; ``end`` is the job's result."""
 
 
 def event_view(event: JobEvent, seq: int) -> JobEventView:

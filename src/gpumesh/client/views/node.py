@@ -21,7 +21,9 @@ __all__ = [
     "GpuDetail",
     "GpuUse",
     "GpusView",
+    "LoginCodeView",
     "NodeView",
+    "PublishView",
     "StatusView",
     "config_values",
 ]
@@ -180,3 +182,20 @@ def config_values(config: Config) -> dict[str, Value]:
     from gpumesh.store.config import KEYS
 
     return {name: config.shown(name) for name in KEYS}
+
+
+class PublishView(msgspec.Struct):
+    """``POST /api/v1/share/publish``'s answer."""
+
+    sharing: bool
+    published: bool
+    """A refresh was asked of the registry (False: this share publishes nothing)."""
+    pid: int
+    """The node process's."""
+
+
+class LoginCodeView(msgspec.Struct):
+    """A one-time login for a browser: open ``url``; it is good for one exchange."""
+
+    url: str
+    expires_in: float

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -11,7 +12,7 @@ if TYPE_CHECKING:
     from gpumesh.identity.codes import PairingOffer
     from gpumesh.store.db import Peer
 
-__all__ = ["ConnectView", "PairView", "PairingCodeView", "PeerView"]
+__all__ = ["ConnectView", "PairState", "PairView", "PairingCodeView", "PeerView"]
 
 
 class PeerView(msgspec.Struct):
@@ -44,6 +45,18 @@ class PeerView(msgspec.Struct):
         )
 
 
+class PairState(enum.StrEnum):
+    """Where a pairing stands, seen from this side."""
+
+    READY = "ready"
+    """It serves us."""
+    NOT_PAIRED = "not_paired"
+    """It refuses us as unknown: it has not paired this node yet."""
+    UNREACHABLE = "unreachable"
+    REFUSED = "refused"
+    """It refuses us for another reason (denied, limits)."""
+
+
 class PairView(msgspec.Struct):
     """``pair``: the peer just paired with, and whether it has paired this node too."""
 
@@ -51,8 +64,8 @@ class PairView(msgspec.Struct):
     node_id: str
     addresses: list[str]
     allowed: bool
-    paired_back: str | None
-    """``ready``, ``not_paired``, ``unreachable`` or ``refused``; None when not checked."""
+    paired_back: PairState | None
+    """None when not checked."""
     paired_back_reason: str | None
 
     @classmethod

@@ -8,10 +8,13 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from gpumesh.client.views.jobs import JOB_EVENTS
+
 if TYPE_CHECKING:
     from gpumesh.client.runs import RunEvent
 
 __all__ = [
+    "RUN_EVENTS",
     "AcceptedView",
     "CandidateView",
     "PlacedView",
@@ -62,6 +65,13 @@ class UploadingView(msgspec.Struct):
 
 
 StepView = PlacedView | PullingView | AcceptedView | UploadingView
+
+RUN_EVENTS: dict[str, type] = {
+    **JOB_EVENTS,
+    **{cls.__name__.lower(): cls for cls in (PlacedView, PullingView, AcceptedView, UploadingView)},
+}
+"""A run's Server-Sent Events (``POST /api/v1/jobs?stream=true``): its steps, as the
+control API names them (the struct's name), then the job's own; ``end`` is its result."""
 
 
 def step_view(event: RunEvent) -> StepView | None:

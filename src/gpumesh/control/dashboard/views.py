@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from gpumesh.client.views.joblist import JobListEntry
     from gpumesh.client.views.owner import SessionsView
     from gpumesh.client.views.peers import PeerView
-    from gpumesh.daemon.sharing import ShareView
+    from gpumesh.control.shareviews import ShareView
 
 __all__ = [
     "GpuCard",

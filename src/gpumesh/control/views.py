@@ -1,14 +1,24 @@
-"""The node process as the control API and ``gpumesh daemon status --json`` show it."""
+"""What the node process's own routes answer: the process, and a shell's offer.
+
+The node process (:mod:`gpumesh.daemon`) fills these in and serves them through
+the control API; the routes' table and the OpenAPI document name them here, so
+the API needs nothing of the process but what ``ControlState`` hands it. Its
+share's views are :mod:`gpumesh.control.shareviews`. Imports only msgspec: the
+thin CLI reads the process's view.
+"""
 
 from __future__ import annotations
 
 import msgspec
 
 __all__ = [
+    "DaemonStatusView",
     "NodeProcessView",
+    "NodeVersionView",
     "OutgoingView",
     "RelayRegistrationView",
     "ShareEndedView",
+    "ShellOfferView",
     "WarmSessionView",
 ]
 
@@ -75,3 +85,29 @@ class NodeProcessView(msgspec.Struct):
     """The shared dialling socket and its relay registrations."""
     share_ended: ShareEndedView | None = None
     """While it does not share: when and how the home's last share ended."""
+
+
+class ShellOfferView(msgspec.Struct):
+    """Where to connect for the shell's bytes: ``socket`` (a unix socket's path) or,
+    without unix sockets, loopback TCP ``port``; send ``token`` first."""
+
+    socket: str
+    port: int
+    token: str
+
+
+class DaemonStatusView(msgspec.Struct):
+    """``gpumesh daemon status --json``: whether a node process runs, and it."""
+
+    running: bool
+    node: NodeProcessView | None
+
+
+class NodeVersionView(msgspec.Struct):
+    """What a command reads of ``GET /api/v1/node`` from a node process of another
+    version (whose view may have other fields): enough to replace it or say why not."""
+
+    version: str = ""
+    pid: int = 0
+    detached: bool = False
+    sharing: bool = False

@@ -5,8 +5,8 @@ Serves ``$GPUMESH_HOME/control.sock`` (the owner's) and ``GPUMESH_API_ADDR``
 then exits 0. A bind beyond loopback needs ``--allow-remote``, a
 ``$GPUMESH_API_TOKEN`` of at least 32 characters and ``--tls-cert``/``--tls-key``
 (it is served over HTTPS only). It is this home's node process in the
-foreground (:mod:`gpumesh.daemon`): a node process a command started in the
-background hands over to it. While this home's ``gpumesh share`` runs, the API
+foreground (:mod:`gpumesh.daemon.process`): a node process a command started in
+the background hands over to it. While this home's ``gpumesh share`` runs, the API
 works beside it: it reads the same store, and the owner's changes (a deny, a
 cancel) reach the agent through its notification socket.
 """
