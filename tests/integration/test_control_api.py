@@ -214,7 +214,8 @@ def _job(api: Api, command: str, **extra: Any) -> dict[str, Any]:
 
 def test_openapi_document_lists_exactly_the_routes_served(mesh: Mesh) -> None:
     from gpumesh.client.node import Node
-    from gpumesh.control.app import ControlState, create_app
+    from gpumesh.control.app import create_app
+    from gpumesh.control.call import ControlState
 
     doc = mesh.api.ok("GET", "/api/v1/openapi.json")
     documented = {(m.upper(), p) for p, ops in doc["paths"].items() for m in ops}

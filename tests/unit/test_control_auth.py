@@ -112,7 +112,7 @@ def test_the_dashboards_name_is_the_homes_own_and_says_nothing_of_the_token() ->
 
 
 def test_login_urls_name_the_dashboards_host_on_loopback_only() -> None:
-    from gpumesh.control.app import ControlState
+    from gpumesh.control.call import ControlState
 
     state = ControlState(node=None, token="t", public_url="http://127.0.0.1:8080")  # type: ignore[arg-type]
     name = auth.dashboard_host("t")

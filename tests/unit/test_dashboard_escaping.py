@@ -25,7 +25,8 @@ import pytest
 from markupsafe import escape
 
 from gpumesh.client.node import Node
-from gpumesh.control.app import ControlState, create_app
+from gpumesh.control.app import create_app
+from gpumesh.control.call import ControlState
 from gpumesh.control.dashboard.pages import NAV, TEMPLATES
 from gpumesh.control.dashboard.views import (
     GpuCard,

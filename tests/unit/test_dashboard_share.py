@@ -20,7 +20,8 @@ import pytest
 
 from gpumesh.client.bodies import ShareOptions
 from gpumesh.client.node import Node
-from gpumesh.control.app import ControlState, create_app
+from gpumesh.control.app import create_app
+from gpumesh.control.call import ControlState
 from gpumesh.control.shareviews import ShareEnd
 from gpumesh.daemon.sharing import Sharing
 

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from gpumesh.control.app import Feed, feed_events
+from gpumesh.control.streams import Feed, feed_events
 from gpumesh.daemon import frames
 from gpumesh.errors import NotFoundError
 

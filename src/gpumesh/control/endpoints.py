@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 if TYPE_CHECKING:
-    from gpumesh.control.app import Call
+    from gpumesh.control.call import Call
 
 __all__ = ["Access", "Endpoint", "Handler", "Query"]
 

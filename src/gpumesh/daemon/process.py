@@ -271,7 +271,8 @@ async def run_node(
     process in the foreground prints them). ``title``: what its lines call it
     (``gpumesh-control`` in the foreground, by default)."""
     from gpumesh.control import auth
-    from gpumesh.control.app import ControlState, create_app
+    from gpumesh.control.app import create_app
+    from gpumesh.control.call import ControlState
     from gpumesh.control.server import (
         limits,
         parse_listen,

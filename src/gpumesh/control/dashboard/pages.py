@@ -47,7 +47,7 @@ from gpumesh.errors import GPUMeshError, NotFoundError
 from gpumesh.units import format_size
 
 if TYPE_CHECKING:
-    from gpumesh.control.app import Call
+    from gpumesh.control.call import Call
 
 __all__ = [
     "CSP",

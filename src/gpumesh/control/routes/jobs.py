@@ -1,0 +1,149 @@
+"""Routes of jobs: submit (its run streamed), list, one job, cancel, its events."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from gpumesh.client.bodies import CancelBody, JobBody
+from gpumesh.client.views import ErrorView
+from gpumesh.control.call import Call
+from gpumesh.control.streams import KEEP_ALIVE, EventStream, paced, sse
+from gpumesh.errors import BadRequestError, GPUMeshError
+
+__all__ = ["get_job", "get_job_events", "get_jobs", "post_cancel", "post_job", "run_event"]
+
+
+async def get_jobs(call: Call) -> object:
+    from gpumesh.client.jobs import refresh_jobs
+    from gpumesh.client.views.joblist import JobListEntry
+
+    node = call.node
+    limit = call.number("limit", 20, least=1, most=1000)
+    unconfirmed: dict[str, str] = {}
+    if not call.flag("offline") and node.home.store.unconfirmed_submitted_jobs(limit):
+        for answer in await refresh_jobs(node, limit=limit):
+            unconfirmed.update(dict.fromkeys(answer.job_ids, answer.reason))
+    return [JobListEntry.of(j, unconfirmed) for j in node.home.store.jobs(limit=limit)]
+
+
+async def get_job(call: Call) -> object:
+    from gpumesh.client.jobs import find_job
+    from gpumesh.client.views.joblist import JobListEntry
+
+    return JobListEntry.of(find_job(call.node, call.param("job_id")), {})
+
+
+async def post_job(call: Call) -> object:
+    """Submit a job to a peer or to the best member of a group; returns once the
+    provider accepted it (follow it with the events route)."""
+    from gpumesh.client.jobs import run_job
+    from gpumesh.client.jobspec import build_spec
+    from gpumesh.client.views.jobs import JobResultView
+
+    body: JobBody = call.body
+    if body.workdir is not None:
+        call.refuse_cookie("workdir")
+    if not body.peer and not body.group:
+        raise BadRequestError(
+            "The job names no place to run: give `peer` (a paired node) or `group`."
+        )
+    spec = build_spec(
+        image=body.image,
+        command=body.command,
+        env_items=[f"{k}={v}" for k, v in body.env.items()],
+        workdir=body.workdir,
+        gpu_memory=body.gpu_memory,
+        retries=body.retries,
+        timeout=body.timeout,
+        peer=body.peer,
+        group=body.group,
+        mounts=body.mounts,
+    )
+    if call.flag("stream"):
+        from gpumesh.client.runs import watch_run
+
+        return EventStream(_run_events(watch_run(call.node, spec, wait=body.wait)))
+    return JobResultView.of(await run_job(call.node, spec, detach=True, wait=body.wait))
+
+
+async def _run_events(run: Any) -> AsyncIterator[bytes]:
+    """A run as Server-Sent Events: its steps (``placedview``, ``pullingview``,
+    ``acceptedview``, ``uploadingview``), then the job's events as the events route
+    sends them (numbered: resume that route with ``after``), then ``end``. Leaving
+    early cancels a submission still under way (an accepted job keeps running)."""
+    from gpumesh.client.views.jobs import JobResultView
+
+    try:
+        async for event in run:
+            yield run_event(event, run.seq)
+        yield sse("end", JobResultView.of(run.result))
+    except GPUMeshError as exc:
+        yield sse("error", ErrorView(exc.code, exc.message))
+    finally:
+        await run.aclose()
+
+
+async def post_cancel(call: Call) -> object:
+    from gpumesh.client.jobs import cancel
+    from gpumesh.client.views.jobs import JobResultView
+
+    body: CancelBody = call.body
+    return JobResultView.of(await cancel(call.node, call.param("job_id"), peer=body.peer))
+
+
+async def get_job_events(call: Call) -> object:
+    """A job's events as Server-Sent Events. Each output and status event carries
+    its sequence number as the event's id: a client that reconnects with
+    ``Last-Event-ID`` (as a browser's EventSource does) or ``after`` resumes right
+    after it. The stream ends with an ``end`` event (the job's result), or an
+    ``error`` event."""
+    from gpumesh.client.jobs import find_job, logs
+
+    job = find_job(call.node, call.param("job_id"))  # an unknown job is a plain 404
+    after = call.number("after", 0, most=2**62)
+    last = call.request.headers.get("last-event-id")
+    if last is not None:
+        try:
+            after = max(0, int(last))
+        except ValueError:
+            raise BadRequestError(f"Last-Event-ID {last!r} is not a sequence number") from None
+    follow = logs(call.node, job.job_id, follow=call.flag("follow", True), after_seq=after)
+    return EventStream(_job_events(follow))
+
+
+def run_event(event: Any, seq: int) -> bytes:
+    """One event of a run (a step of its submission, or the job's own) as an SSE
+    event; only output and status events carry ``seq`` as their id."""
+    from gpumesh.client import jobs
+    from gpumesh.client.views.jobs import event_view
+    from gpumesh.client.views.runs import step_view
+
+    step = step_view(event)
+    if step is not None:
+        return sse(type(step).__name__.lower(), step)
+    view = event_view(event, seq)
+    numbered = isinstance(event, jobs.Output | jobs.StatusChanged)
+    return sse(type(view).__name__.lower(), view, seq if numbered else None)
+
+
+async def _job_events(follow: Any) -> AsyncIterator[bytes]:
+    from gpumesh.client import jobs
+    from gpumesh.client.views.jobs import JobResultView, event_view
+
+    events = paced(follow)
+    try:
+        async for event in events:
+            if event is KEEP_ALIVE:
+                yield b": keep-alive\n\n"
+                continue
+            view = event_view(event, follow.seq)
+            # Only output and status events are resumable points: a drop notice
+            # shares its output's number and a reconnect has none.
+            numbered = isinstance(event, jobs.Output | jobs.StatusChanged)
+            yield sse(type(view).__name__.lower(), view, follow.seq if numbered else None)
+        yield sse("end", JobResultView.of(follow.result))
+    except GPUMeshError as exc:
+        yield sse("error", ErrorView(exc.code, exc.message))
+    finally:
+        await events.aclose()
