@@ -7,11 +7,12 @@ values) are never cut, and a column that would be too narrow to read can move
 under its row instead. Piped output is never cut: a script or `grep` gets every
 cell whole, one row per line (a newline in a cell shows as ``\\n``).
 
-Rich lays the table out on a terminal. Piped, the same lines are plain text
-that this module writes itself (:func:`_plain_lines`), byte for byte what Rich
-would write, so a listing piped to a script does not import Rich; a cell this
-short cut cannot prove it renders alike (emoji codes, wide characters, unusual
-markup) sends the whole table to Rich.
+Rich lays the table out on a terminal. Piped, the table is plain text of its
+own (:func:`_plain_lines`, no Rich imported): the header, then one line per
+row; each cell's text without its markup (a style tag goes, an escaped ``[``
+stays, an emoji code stays as typed); the columns padded to their widest cell,
+as a terminal counts cells (wide characters two, combining marks none), two
+spaces apart; the last column not padded.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import unicodedata
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -28,7 +30,7 @@ from gpumesh.cli._text import escape_controls
 if TYPE_CHECKING:
     from rich.text import Text
 
-__all__ = ["Column", "escape", "print_table"]
+__all__ = ["Column", "cell_width", "escape", "plain_text", "print_table"]
 
 _GAP = 2
 _INDENT = 4
@@ -70,20 +72,16 @@ def escape(text: str) -> str:
 
 def print_table(columns: Sequence[Column], rows: Sequence[Sequence[str]]) -> None:
     """Print ``rows`` (cells in Rich markup, escaped by the caller) under ``columns``."""
-    lines = _plain_lines(columns, rows) if not _styled_output() else None
-    if lines is not None:
-        sys.stdout.write("".join(f"{line}\n" for line in lines))
-        sys.stdout.flush()
+    if _styled_output():
+        _print_rich(columns, rows)
         return
-    _print_rich(columns, rows)
+    sys.stdout.write("".join(f"{line}\n" for line in _plain_lines(columns, rows)))
+    sys.stdout.flush()
 
 
-# rich.markup's tags and escapes, and what its emoji codes look like.
+# rich.markup's tags, and the escapes before them.
 _TAG = re.compile(r"((\\*)\[([a-z#/@][^[]*?)])")
 _ESCAPE_TAG = re.compile(r"(\\*)(\[[a-z#/@][^[]*?])")
-_EMOJI_LIKE = re.compile(r":\S*?:")
-# One terminal cell each, as Rich counts them: printable ASCII and the arrows of PEER.
-_NARROW = re.compile(r"[\x20-\x7e\u2190\u2192]*")
 
 
 def _styled_output() -> bool:
@@ -105,59 +103,46 @@ def _styled_output() -> bool:
         return False
 
 
-def _plain(markup: str) -> str | None:
-    """The text of one cell's markup as Rich renders it unstyled, or None when
-    this reading is not sure to match Rich's (Rich then prints the table)."""
-    if _EMOJI_LIKE.search(markup):
-        return None
+def plain_text(markup: str) -> str:
+    """A cell's text without its markup: tags go, each run of backslashes before a
+    tag is halved and an odd one keeps the tag as text (:func:`escape` undone)."""
     parts: list[str] = []
-    opened: list[str] = []
     position = 0
     for match in _TAG.finditer(markup):
-        full, escapes, tag = match.groups()
+        full, escapes, _tag = match.groups()
         start, end = match.span()
-        if start > position:
-            parts.append(markup[position:start].replace("\\[", "["))
+        parts.append(markup[position:start])
         position = end
-        if escapes:
-            backslashes, escaped = divmod(len(escapes), 2)
-            parts.append("\\" * backslashes)
-            if escaped:
-                parts.append(full[len(escapes) :])
-                continue
-        name = tag.partition("=")[0]
-        if name.startswith("@"):
-            return None
-        if not name.startswith("/"):
-            opened.append(" ".join(name.split()).lower())
-        elif (closing := " ".join(name[1:].split()).lower()) in opened:
-            del opened[len(opened) - 1 - opened[::-1].index(closing)]
-        elif closing or not opened:
-            return None  # Rich refuses it (or closes what this does not follow)
-        else:
-            opened.pop()
-    if position < len(markup):
-        parts.append(markup[position:].replace("\\[", "["))
-    text = "".join(parts)
-    return text if _NARROW.fullmatch(text) else None
+        backslashes, escaped = divmod(len(escapes), 2)
+        parts.append("\\" * backslashes)
+        if escaped:
+            parts.append(full[len(escapes) :])
+    parts.append(markup[position:])
+    return "".join(parts)
 
 
-def _plain_lines(columns: Sequence[Column], rows: Sequence[Sequence[str]]) -> list[str] | None:
-    """The lines Rich prints for the table on a non-terminal (nothing cut, no
-    style), or None when a cell is beyond :func:`_plain`."""
-    cells: list[list[str]] = []
-    for row in rows:
-        texts = [_plain(escape_controls(cell)) for cell in row]
-        if any(text is None for text in texts):
-            return None
-        cells.append([text for text in texts if text is not None])
-    widths = [
-        max([len(column.header), *(len(row[index]) for row in cells)])
-        for index, column in enumerate(columns)
-    ]
+def cell_width(text: str) -> int:
+    """Terminal cells ``text`` takes: two for a wide character, none for a combining
+    mark, one for any other."""
+    width = 0
+    for char in text:
+        if unicodedata.combining(char):
+            continue
+        width += 2 if unicodedata.east_asian_width(char) in ("W", "F") else 1
+    return width
+
+
+def _plain_lines(columns: Sequence[Column], rows: Sequence[Sequence[str]]) -> list[str]:
+    """The table as plain lines: nothing cut, no style (see the module's docstring)."""
+    cells = [[plain_text(escape_controls(cell)) for cell in row] for row in rows]
+    table = [[column.header for column in columns], *cells]
+    widths = [max(cell_width(row[index]) for row in table) for index in range(len(columns))]
     lines = []
-    for row in [[column.header for column in columns], *cells]:
-        padded = [cell.ljust(width) for cell, width in zip(row[:-1], widths, strict=False)]
+    for row in table:
+        padded = [
+            cell + " " * (width - cell_width(cell))
+            for cell, width in zip(row[:-1], widths, strict=False)
+        ]
         lines.append("  ".join([*padded, row[-1]]) if row else "")
     return lines
 
