@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from gpumesh.store.db import JobRecord, Store
+from gpumesh.store.db import Store
+from gpumesh.store.jobs import JobRecord
 from tests.integration.conftest import gpumesh
 from tests.integration.test_cli import _init
 
@@ -42,6 +43,9 @@ def bob(tmp_path: Path) -> Path:
         assert gpumesh(bob, "pair", code).returncode == 0
     assert gpumesh(bob, "group", "create", "research").returncode == 0
     assert gpumesh(bob, "group", "add", "research", "alice-pc").returncode == 0
+    # Completion reads the store itself: no node process holds it here (one test
+    # locks it against everyone).
+    assert gpumesh(bob, "daemon", "stop").returncode == 0
     store = Store(bob / "gpumesh.db")
     try:
         peers = {p.name: p.node_id for p in store.peers()}
