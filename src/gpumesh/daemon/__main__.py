@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import sys
 
+from gpumesh.daemon.client import start_failure_line
 from gpumesh.errors import GPUMeshError
 
 
@@ -28,6 +29,8 @@ def main() -> int:
         )
     except GPUMeshError as exc:
         print(f"error: {exc.message}", file=sys.stderr, flush=True)
+        if detached:  # for the command that started it, which reads its log
+            print(start_failure_line(exc), file=sys.stderr, flush=True)
         return int(exc.exit_code)
 
 

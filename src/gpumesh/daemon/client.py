@@ -389,6 +389,7 @@ def connect(home: Path) -> NodeClient:
     client = NodeClient(home)
     deadline = time.monotonic() + START_TIMEOUT
     started: subprocess.Popen[bytes] | None = None
+    logged = 0
     _reap()
     restarted = False
     while True:
@@ -419,11 +420,9 @@ def connect(home: Path) -> NodeClient:
 
         if holder(home) is None:
             if started is not None and started.poll() is not None:
-                raise AgentError(
-                    f"the node process for {home} exited at start "
-                    f"(code {started.returncode}): see {home / 'logs' / LOG_NAME}"
-                )
+                raise _start_failure(home, started.returncode, logged)
             if started is None:
+                logged = _log_size(home)
                 started = _spawn(home)
                 _STARTED.append(started)
         if time.monotonic() > deadline:
@@ -432,6 +431,46 @@ def connect(home: Path) -> NodeClient:
                 f"see {home / 'logs' / LOG_NAME}"
             )
         time.sleep(0.02)
+
+
+START_FAILURE = "gpumesh-node-error: "
+"""How a node process started in the background ends its log when it cannot
+start: this, then its error's ``{code, message}``."""
+
+
+def start_failure_line(error: GPUMeshError) -> str:
+    """The log line that tells the command that started a node process why it
+    could not start."""
+    return START_FAILURE + json.dumps({"code": error.code, "message": error.message})
+
+
+def _log_size(home: Path) -> int:
+    """How long the node log of ``home`` is now (0: there is none)."""
+    try:
+        return (home / "logs" / LOG_NAME).stat().st_size
+    except OSError:
+        return 0
+
+
+def _start_failure(home: Path, code: int, since: int) -> GPUMeshError:
+    """Why the node process started for ``home`` exited at once: its own error, as
+    its log says it after ``since`` (:func:`start_failure_line`), else where to look."""
+    log = home / "logs" / LOG_NAME
+    try:
+        fd = os.open(log, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        with os.fdopen(fd, "rb") as file:
+            file.seek(max(since, os.fstat(fd).st_size - 65536))
+            said = file.read().decode("utf-8", errors="replace")
+    except OSError:
+        said = ""
+    lines = [line for line in said.splitlines() if line.startswith(START_FAILURE)]
+    if lines:
+        from gpumesh.client.views import ErrorView
+
+        with contextlib.suppress(AgentError):
+            error = _decode(lines[-1].removeprefix(START_FAILURE), ErrorView)
+            return error_from_code(error.code, error.message)
+    return AgentError(f"the node process for {home} exited at start (code {code}): see {log}")
 
 
 _STARTED: list[subprocess.Popen[bytes]] = []
