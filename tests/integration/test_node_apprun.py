@@ -180,6 +180,9 @@ def test_app_run_through_the_node_process_of_a_simulated_windows(
     """As on Windows (no unix sockets, no flock): the node process locks the home
     with a byte lock and serves loopback TCP, and `app run` goes through it."""
     _alice, bob = pair
+    # Pairing started bob's node process on this system's unix socket: the one
+    # without unix sockets starts afresh.
+    assert gpumesh(bob, "daemon", "stop").returncode == 0
     assert gpumesh(bob, "config", "set", "listen_host", "127.0.0.1").returncode == 0
     report = tmp_path / "platform-report"
     windows = {"GPUMESH_TEST_PLATFORM": "windows", "GPUMESH_TEST_PLATFORM_REPORT": str(report)}
