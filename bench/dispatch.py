@@ -91,8 +91,8 @@ from gpumesh.protocol.states import JobRole
 from gpumesh.runtime.base import LABEL_NODE
 from gpumesh.runtime.jobnet import NETWORK_PREFIX, names_for
 from gpumesh.settings import ENV_TEST_JOB_NETWORK
-from gpumesh.store.db import JobRecord
 from gpumesh.store.home import Home
+from gpumesh.store.jobs import JobRecord
 
 DEFAULT_IMAGE = "gpumesh-test/busybox:1"
 PEER = "alice"

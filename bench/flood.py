@@ -86,7 +86,7 @@ def flood(target: tuple[str, int], rate: float, stalls: float, seconds: float) -
     """Send for ``seconds``; returns what was sent."""
     from qh3 import QuicConnection
 
-    from gpumesh.transport.quic import client_configuration
+    from gpumesh.transport.quicsetup import client_configuration
 
     def first_flight() -> tuple[QuicConnection, list[bytes]]:
         client = QuicConnection(configuration=client_configuration())
@@ -302,7 +302,8 @@ async def fec_transfer(size: int, forged_to: str | None, rate: float) -> tuple[f
     frames go to the provider (``forged_to="provider"``) or to a closed port; returns
     MB/s, frames sent by the forger, and frames the provider dropped as forged."""
     from gpumesh.identity.keys import Identity
-    from gpumesh.transport.quic import QuicEndpoint, QuicLink
+    from gpumesh.transport.endpoint import QuicEndpoint
+    from gpumesh.transport.quic import QuicLink
     from gpumesh.transport.session import accept_session, open_session
     from gpumesh.transport.stream import Stream
 

@@ -81,7 +81,7 @@ from gpumesh.client.node import Node
 from gpumesh.client.placement import PROBE_TIMEOUT, Placement, place, probe
 from gpumesh.errors import GPUMeshError
 from gpumesh.gpu.inventory import SimulatedInventory
-from gpumesh.store.db import Peer
+from gpumesh.store.peers import Peer
 
 LOOPBACK = "127.0.0.1"
 GB = 10**9

@@ -576,7 +576,7 @@ def copy_checked(
 
 
 TRACE_LOG = (
-    "warning,gpumesh.client.node=info,gpumesh.transport.quic=debug,"
+    "warning,gpumesh.client.node=info,gpumesh.transport.quic=debug,gpumesh.transport.endpoint=debug,"
     "gpumesh.transport.relayclient=info"
 )
 """``--trace``: what a cold copy logs (its dial, and its link's recovery at the end)."""

@@ -89,14 +89,14 @@ if TYPE_CHECKING:
     from gpumesh.daemon.mesh import Mesh
     from gpumesh.errors import AccessDeniedError, GPUMeshError, NotFoundError, UnreachableError
     from gpumesh.protocol.states import FINAL_STATES, JobRole, JobState
-    from gpumesh.store.db import Peer
+    from gpumesh.store.peers import Peer
 
 _LAZY = {
     "Mesh": "gpumesh.daemon.mesh",
     "Job": "gpumesh.client.mesh",
     "Node": "gpumesh.client.node",
     "ConnectResult": "gpumesh.client.node",
-    "Peer": "gpumesh.store.db",
+    "Peer": "gpumesh.store.peers",
     "GPUMeshError": "gpumesh.errors",
     "AccessDeniedError": "gpumesh.errors",
     "NotFoundError": "gpumesh.errors",

@@ -20,7 +20,7 @@ from gpumesh.client.node import Node
 from gpumesh.errors import ProtocolError
 from gpumesh.files.sandbox import Tree, WalkStopped
 from gpumesh.protocol.messages import AppPrepare
-from gpumesh.store.db import Peer
+from gpumesh.store.peers import Peer
 from tests.integration.conftest import arun, pair_both, sharing
 
 

@@ -25,7 +25,8 @@ import pytest
 from gpumesh.agent.server import Agent
 from gpumesh.client.apps import sync_app
 from gpumesh.client.bulk import NoChannel
-from gpumesh.client.files import PART_SUFFIX, CopyCallbacks, CopyResult, copy
+from gpumesh.client.cpdownload import PART_SUFFIX
+from gpumesh.client.files import CopyCallbacks, CopyResult, copy
 from gpumesh.client.jobspec import JobSpec
 from gpumesh.client.node import Node
 from tests.conftest import _in_ci

@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 
 from gpumesh.agent.server import Agent
-from gpumesh.client.files import PART_SUFFIX, CopyCallbacks, CopyResult, copy
+from gpumesh.client.cpdownload import PART_SUFFIX
+from gpumesh.client.files import CopyCallbacks, CopyResult, copy
 from gpumesh.client.node import Node
 from gpumesh.errors import (
     AccessDeniedError,

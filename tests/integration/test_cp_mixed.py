@@ -24,7 +24,8 @@ import pytest
 
 from gpumesh.agent.server import Agent
 from gpumesh.blocking import in_thread
-from gpumesh.client.files import PART_SUFFIX, copy
+from gpumesh.client.cpdownload import PART_SUFFIX
+from gpumesh.client.files import copy
 from gpumesh.client.node import Node
 from gpumesh.errors import GPUMeshError, ProtocolError
 from gpumesh.protocol import messages

@@ -104,7 +104,7 @@ def test_a_shell_container_gets_its_gpu_through_device_requests(
         async with providing(alice, inventory=SimulatedInventory("A100:80GB")) as agent:
             who = agent.containers.job_user(IMAGE)
             start = ExecStart(image=IMAGE, command=["sh"], env={}, tty=True, rows=24, cols=80)
-            from gpumesh.store.db import Peer
+            from gpumesh.store.peers import Peer
 
             peer = Peer.__new__(Peer)
             object.__setattr__(peer, "node_id", "p" * 26)

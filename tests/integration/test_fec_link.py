@@ -21,7 +21,9 @@ import pytest
 
 from gpumesh.identity.keys import Identity
 from gpumesh.protocol.fec import DATA, PARITY
-from gpumesh.transport.quic import QuicEndpoint, QuicLink, fec_mode
+from gpumesh.transport.endpoint import QuicEndpoint
+from gpumesh.transport.quic import QuicLink
+from gpumesh.transport.quicsetup import fec_mode
 from gpumesh.transport.session import Session, accept_session, open_session
 from gpumesh.transport.stream import Stream
 from tests.integration.conftest import arun

@@ -29,7 +29,8 @@ import pytest
 
 from gpumesh.identity.keys import Identity
 from gpumesh.protocol.addresses import Address
-from gpumesh.transport.quic import QuicEndpoint, QuicLink, Recovery
+from gpumesh.transport.endpoint import QuicEndpoint
+from gpumesh.transport.quic import QuicLink, Recovery
 from gpumesh.transport.stream import Stream
 from gpumesh.transport.udp import open_udp_socket
 from tests.integration.window import UPLOAD, Receiver, assert_kept_slow_start

@@ -43,7 +43,8 @@ from gpumesh.protocol.messages import (
     encode_message,
 )
 from gpumesh.transport import session as session_module
-from gpumesh.transport.quic import QuicEndpoint, QuicLink
+from gpumesh.transport.endpoint import QuicEndpoint
+from gpumesh.transport.quic import QuicLink
 from gpumesh.transport.session import open_session
 from gpumesh.transport.stream import Stream
 from tests.integration.conftest import arun, pair_both, sharing, until_async

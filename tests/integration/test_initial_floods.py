@@ -25,8 +25,8 @@ from gpumesh.agent.ratelimit import ConnectionLimiter
 from gpumesh.agent.server import Agent
 from gpumesh.errors import AccessDeniedError, GPUMeshError
 from gpumesh.protocol.admission import DropReason, RetryTokens, parse_initial
-from gpumesh.transport import quic as quic_module
-from gpumesh.transport.quic import client_configuration
+from gpumesh.transport import endpoint as quic_module
+from gpumesh.transport.quicsetup import client_configuration
 from tests.integration.conftest import arun, pair_both, sharing, until_async
 
 SOURCES = [f"127.0.0.{i}" for i in range(2, 18)]

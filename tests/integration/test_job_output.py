@@ -29,7 +29,7 @@ from gpumesh.client.node import Node
 from gpumesh.protocol.framing import FrameKind
 from gpumesh.protocol.joboutput import EventSection, OutputPosition
 from gpumesh.protocol.messages import JobLogs, JobOutput, JobStatus, decode_message
-from gpumesh.store.db import JobRecord
+from gpumesh.store.jobs import JobRecord
 from tests.integration import test_jobs
 from tests.integration.conftest import gpumesh, pair_both, shared_pair
 from tests.integration.test_cli import _free_udp_port
@@ -323,7 +323,7 @@ def test_an_older_consumer_is_told_of_dropped_output_in_its_stderr(cluster) -> N
 def test_an_attached_run_neither_loses_nor_repeats_a_line_when_its_provider_is_killed(
     shared, monkeypatch
 ) -> None:
-    from gpumesh.transport import quic
+    from gpumesh.transport import quicsetup as quic
 
     monkeypatch.setattr(quic, "IDLE_TIMEOUT", 1.5)  # bob notices a silent provider soon
     _alice, bob, start = shared

@@ -320,7 +320,7 @@ def test_gpu_jobs_get_their_assigned_gpu_through_device_requests(cluster, engine
             with pytest.raises(LimitError, match=r"the most free on alice is 70GB \(GPU 1 A100"):
                 gpus.choose(found, holder, 75 * 10**9)
             record = alice.home.store  # noqa: F841 - the spec needs a job record
-            from gpumesh.store.db import JobRecord
+            from gpumesh.store.jobs import JobRecord
 
             job = JobRecord(
                 **{  # type: ignore[arg-type]
@@ -592,7 +592,7 @@ def test_peak_gpu_memory_is_measured_and_reported_to_the_submitter(cluster) -> N
 
 
 def test_a_silent_job_keeps_its_link_alive(cluster, monkeypatch) -> None:
-    from gpumesh.transport import quic
+    from gpumesh.transport import quicsetup as quic
 
     monkeypatch.setattr(quic, "IDLE_TIMEOUT", 1.5)  # keepalives every 0.5 s
     alice, bob = cluster("alice"), cluster("bob")
@@ -616,7 +616,7 @@ def test_a_silent_job_keeps_its_link_alive(cluster, monkeypatch) -> None:
 def test_a_job_writing_past_its_peers_file_quota_is_stopped_with_the_reason(
     cluster, engine, monkeypatch, tmp_path: Path, where: str
 ) -> None:
-    from gpumesh.agent import jobs as job_service
+    from gpumesh.agent import jobrun as job_service
 
     monkeypatch.setattr(job_service, "QUOTA_INTERVAL", 0.2)
     alice, bob = cluster("alice"), cluster("bob")

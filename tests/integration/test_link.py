@@ -23,7 +23,8 @@ from gpumesh.errors import (
 )
 from gpumesh.protocol.handshake import AuthForm, ClientAuth
 from gpumesh.protocol.messages import ALPN, ALPN_CHALLENGE, Ping, Pong, StatusReply, StatusRequest
-from gpumesh.transport.quic import QuicEndpoint, QuicLink
+from gpumesh.transport.endpoint import QuicEndpoint
+from gpumesh.transport.quic import QuicLink
 from gpumesh.transport.session import accept_session, open_session
 from gpumesh.transport.stream import Stream
 from gpumesh.version import __version__

@@ -14,7 +14,7 @@ from gpumesh.client.jobs import cancel_job, new_job_id, run_job
 from gpumesh.client.jobspec import MountSpec
 from gpumesh.client.node import Node
 from gpumesh.errors import LimitError, ProtocolError
-from gpumesh.store.db import JobRecord
+from gpumesh.store.jobs import JobRecord
 from tests.integration.conftest import arun, gpumesh, job_nodes, pair_both
 from tests.integration.test_jobs import providing, spec
 

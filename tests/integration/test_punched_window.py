@@ -24,7 +24,8 @@ import os
 from gpumesh.identity.keys import Identity
 from gpumesh.relay.config import RelayConfig
 from gpumesh.relay.server import serve
-from gpumesh.transport.quic import QuicEndpoint, QuicLink, Recovery
+from gpumesh.transport.endpoint import QuicEndpoint
+from gpumesh.transport.quic import QuicLink, Recovery
 from gpumesh.transport.relayclient import RelayClient, dial_relayed
 from tests.integration.window import UPLOAD, Receiver, assert_kept_slow_start
 

@@ -26,7 +26,8 @@ from gpumesh.identity.keys import Identity
 from gpumesh.protocol.punch import PunchConfig
 from gpumesh.relay.config import RelayConfig
 from gpumesh.relay.server import RelayServer, serve
-from gpumesh.transport.quic import QuicEndpoint, QuicLink, Recovery
+from gpumesh.transport.endpoint import QuicEndpoint
+from gpumesh.transport.quic import QuicLink, Recovery
 from gpumesh.transport.relayclient import RelayClient, dial_relayed
 from tests.integration.window import UPLOAD, Receiver, assert_kept_slow_start
 

@@ -53,13 +53,9 @@ from gpumesh.runtime.base import (
     LogLine,
     Stream,
 )
-from gpumesh.runtime.docker import (
-    DockerRuntime,
-    _engine_isolation,
-    _EntryReader,
-    _timestamp_key,
-)
+from gpumesh.runtime.docker import DockerRuntime, _engine_isolation
 from gpumesh.runtime.holders import LABEL_HOLDER_OF
+from gpumesh.runtime.logs import _EntryReader, _timestamp_key
 from tests.jobnet_lab import network_host_config
 
 IMAGE = os.environ.get("GPUMESH_TEST_DOCKER_IMAGE", "gpumesh-test/busybox:1")

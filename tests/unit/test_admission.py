@@ -17,7 +17,7 @@ from gpumesh.protocol.admission import (
     encode_retry,
     parse_initial,
 )
-from gpumesh.transport.quic import client_configuration, server_configuration
+from gpumesh.transport.quicsetup import client_configuration, server_configuration
 
 CLIENT = ("198.51.100.7", 40000)
 SERVER = ("203.0.113.1", 4242)

@@ -41,7 +41,7 @@ from gpumesh.control.dashboard.views import (
     UserRow,
 )
 from gpumesh.protocol.states import JobRole, JobState
-from gpumesh.store.db import JobRecord
+from gpumesh.store.jobs import JobRecord
 
 HOSTILE = ("<script>alert(1)</script>", '"><img src=x onerror=alert(1)>', "{{7*7}}")
 TOKEN = "t" * 32

@@ -14,7 +14,9 @@ import pytest
 from gpumesh.errors import AmbiguousPeerError, ConfigError, PairingCodeError, UnknownPeerError
 from gpumesh.identity.keys import node_id_for
 from gpumesh.protocol.states import FINAL_STATES, JobRole, JobState
-from gpumesh.store.db import MIGRATIONS, SCHEMA_VERSION, JobRecord, Peer, Store, sql_statements
+from gpumesh.store.db import MIGRATIONS, SCHEMA_VERSION, Store, sql_statements
+from gpumesh.store.jobs import JobRecord
+from gpumesh.store.peers import Peer
 
 
 def key(n: int) -> bytes:

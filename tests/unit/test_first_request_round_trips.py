@@ -32,7 +32,11 @@ from gpumesh.protocol.messages import (
     decode_message,
     encode_message,
 )
-from gpumesh.transport.quic import client_configuration, server_configuration, session_binding
+from gpumesh.transport.quicsetup import (
+    client_configuration,
+    server_configuration,
+    session_binding,
+)
 
 CLIENT_ADDRESS = ("192.0.2.1", 50000)
 SERVER_ADDRESS = ("192.0.2.2", 47000)

@@ -23,7 +23,8 @@ from gpumesh.protocol.messages import (
     encode_message,
 )
 from gpumesh.store.config import Config
-from gpumesh.store.db import MIGRATIONS, JobRecord, Store
+from gpumesh.store.db import MIGRATIONS, Store
+from gpumesh.store.jobs import JobRecord
 
 
 def _output(seq: int, data: bytes, offset: int = -1, stream: str = "stdout") -> JobOutput:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from gpumesh.client.placement import Probe, choose, evaluate
 from gpumesh.identity.keys import NodeId
 from gpumesh.protocol.messages import GpuReport, StatusReply
-from gpumesh.store.db import Peer
+from gpumesh.store.peers import Peer
 
 GB = 10**9
 

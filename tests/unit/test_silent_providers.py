@@ -20,7 +20,7 @@ from gpumesh.client.jobs import Unconfirmed, refresh_jobs
 from gpumesh.client.node import Node
 from gpumesh.errors import ConnectionLostError
 from gpumesh.protocol.states import JobRole, JobState
-from gpumesh.store.db import JobRecord
+from gpumesh.store.jobs import JobRecord
 from tests.unit.test_db import _job as job_record
 
 CEILING = 30.0

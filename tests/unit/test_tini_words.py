@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpumesh.runtime.docker import shell_output_in_our_words
+from gpumesh.runtime.states import shell_output_in_our_words
 
 IMAGE = "busybox:1"
 

@@ -18,8 +18,9 @@ from gpumesh.client.views.peers import ConnectView
 from gpumesh.gpu.inventory import GpuInfo
 from gpumesh.identity.keys import NodeId
 from gpumesh.protocol.messages import GpuReport, StatusReply
-from gpumesh.store.db import GroupMember, Peer
+from gpumesh.store.groups import GroupMember
 from gpumesh.store.home import AgentInfo
+from gpumesh.store.peers import Peer
 
 GB = 10**9
 ID = NodeId("k" * 26)

@@ -74,7 +74,7 @@ from gpumesh.protocol.messages import (
 )
 
 if TYPE_CHECKING:
-    from gpumesh.store.db import Peer
+    from gpumesh.store.peers import Peer
     from gpumesh.transport.stream import Stream
 
 __all__ = ["APPS", "AppService", "app_path", "check_app_name"]

@@ -59,7 +59,7 @@ from gpumesh.protocol.messages import CudaOpen, CudaOpened
 from gpumesh.units import format_size
 
 if TYPE_CHECKING:
-    from gpumesh.store.db import Peer
+    from gpumesh.store.peers import Peer
     from gpumesh.transport.stream import Stream
 
 __all__ = ["CudaAccess", "CudaService", "CudaSession", "worker_argv", "worker_environment"]

@@ -24,12 +24,13 @@ from gpumesh.protocol.messages import Message
 if TYPE_CHECKING:
     import threading
 
-    from gpumesh.agent.files import TarOffer
+    from gpumesh.agent.datachannel import TarOffer
     from gpumesh.agent.sandboxfs import Listing, Usage
     from gpumesh.files.pack import PackPlan
     from gpumesh.files.sandbox import Tree
     from gpumesh.files.transfer import Hasher
-    from gpumesh.store.db import JobRecord, Peer
+    from gpumesh.store.jobs import JobRecord
+    from gpumesh.store.peers import Peer
     from gpumesh.transport.quic import QuicLink
     from gpumesh.transport.stream import Stream
 

@@ -51,7 +51,8 @@ if TYPE_CHECKING:
     import ssl
 
     from gpumesh.identity.keys import Identity
-    from gpumesh.store.db import DesktopShare, Peer
+    from gpumesh.store.peers import Peer
+    from gpumesh.store.shares import DesktopShare
     from gpumesh.transport.channel import Listener, MemoryChannel
     from gpumesh.transport.stream import Stream
 

@@ -60,7 +60,7 @@ from gpumesh.runtime.base import (
 )
 
 if TYPE_CHECKING:
-    from gpumesh.store.db import Peer
+    from gpumesh.store.peers import Peer
     from gpumesh.transport.stream import Stream
 
 __all__ = ["ExecService"]
@@ -371,7 +371,7 @@ def _read_output(
 
 
 async def _send_output(stream: Stream, queue: asyncio.Queue[bytes], image: str) -> None:
-    from gpumesh.runtime.docker import shell_output_in_our_words
+    from gpumesh.runtime.states import shell_output_in_our_words
 
     first = True
     while data := await queue.get():

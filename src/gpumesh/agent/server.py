@@ -57,8 +57,9 @@ from gpumesh.store.followers import FollowerWakeups
 from gpumesh.store.home import AgentInfo, Home, RelayState
 from gpumesh.store.limits import ShareLimits, machine_size
 from gpumesh.store.peerrecords import PeerRecords
+from gpumesh.transport.endpoint import QuicEndpoint
 from gpumesh.transport.netinfo import local_addresses
-from gpumesh.transport.quic import QuicEndpoint, QuicLink
+from gpumesh.transport.quic import QuicLink
 from gpumesh.transport.relayclient import RelayClient
 from gpumesh.transport.session import accept_session, resolve_relay
 from gpumesh.transport.stream import Stream

@@ -69,7 +69,7 @@ if TYPE_CHECKING:
     from gpumesh.client.jobspec import JobSpec
     from gpumesh.client.node import Node
     from gpumesh.files.pack import PackEntry, PackPlan, ScanMemo, Skipped
-    from gpumesh.store.db import Peer
+    from gpumesh.store.peers import Peer
     from gpumesh.transport.session import Session
     from gpumesh.transport.stream import Stream
 

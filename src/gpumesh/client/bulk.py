@@ -46,7 +46,7 @@ from gpumesh.protocol.messages import (
 if TYPE_CHECKING:
     from gpumesh.client.node import Node
     from gpumesh.files.pack import PackPlan
-    from gpumesh.store.db import Peer
+    from gpumesh.store.peers import Peer
     from gpumesh.transport.channel import Channel
     from gpumesh.transport.session import Session
     from gpumesh.transport.stream import Stream

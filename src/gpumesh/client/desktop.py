@@ -60,7 +60,8 @@ from gpumesh.transport.tcpstream import READ_LIMIT, pump, splice
 
 if TYPE_CHECKING:
     from gpumesh.client.node import Node
-    from gpumesh.store.db import DesktopShare, Peer
+    from gpumesh.store.peers import Peer
+    from gpumesh.store.shares import DesktopShare
     from gpumesh.transport.channel import MemoryChannel
     from gpumesh.transport.session import Session
 

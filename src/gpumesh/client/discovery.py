@@ -41,7 +41,7 @@ from gpumesh.store.peerrecords import PeerRecords, StoredRecord, findable
 if TYPE_CHECKING:
     from gpumesh.client.node import Node
     from gpumesh.client.registry import RegistryClient
-    from gpumesh.store.db import Peer
+    from gpumesh.store.peers import Peer
 
 __all__ = ["PeerRefresh", "refresh_peer", "refresh_peers"]
 

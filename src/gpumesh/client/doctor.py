@@ -540,8 +540,8 @@ def _relay(home: Home) -> list[Check]:
 
 
 async def _relay_checks(home: Home) -> list[Check]:
+    from gpumesh.transport.endpoint import QuicEndpoint
     from gpumesh.transport.netinfo import local_addresses
-    from gpumesh.transport.quic import QuicEndpoint
     from gpumesh.transport.relayclient import RelayClient, parse_host_port
     from gpumesh.transport.session import resolve_relay
     from gpumesh.transport.udp import UdpSocket, open_udp_socket

@@ -36,7 +36,9 @@ from gpumesh.identity.invites import (
     new_group_id,
     verify_invite,
 )
-from gpumesh.store.db import Group, GroupMember, Peer, Store
+from gpumesh.store.db import Store
+from gpumesh.store.groups import Group, GroupMember
+from gpumesh.store.peers import Peer
 from gpumesh.units import format_duration
 
 if TYPE_CHECKING:

@@ -23,11 +23,18 @@ import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NoReturn, Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 
-from gpumesh.client.placement import Placement, place
+from gpumesh.client.placement import Placement
+from gpumesh.client.submit import (
+    place_in_group,
+    refuse_unmounted,
+    send_workdir,
+    session_with,
+    until_received,
+)
 from gpumesh.errors import (
     AgentError,
     ConnectionLostError,
@@ -60,15 +67,13 @@ from gpumesh.protocol.states import (
     JobState,
     job_state,
 )
-from gpumesh.store.db import JobRecord
+from gpumesh.store.jobs import JobRecord
 
 if TYPE_CHECKING:
     from gpumesh.client.bulk import NoChannel
     from gpumesh.client.jobspec import JobSpec
     from gpumesh.client.node import Node
-    from gpumesh.files.pack import PackPlan
     from gpumesh.protocol.messages import ChannelOffer
-    from gpumesh.store.db import Peer
     from gpumesh.store.followers import FollowerSocket
     from gpumesh.transport.session import Session
     from gpumesh.transport.stream import Stream
@@ -102,8 +107,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 SUBMITTED = JobRole.SUBMITTED
 HOSTED = JobRole.HOSTED
@@ -327,10 +330,10 @@ async def run_job(
         offer, accepted = await answer_after_offer(stream, JobAccepted, None, callbacks.pull)
         return stream, offer, accepted, no_channel
 
-    async with _session_with(node, peer, reuse, submitted) as (session, answered):
+    async with session_with(node, peer, reuse, submitted) as (session, answered):
         stream, offer, accepted, no_channel = answered
         if list(accepted.mounts) != [m.target for m in spec.mounts]:
-            await _refuse_unmounted(session, peer.name, job_id, stream)
+            await refuse_unmounted(session, peer.name, job_id, stream)
         result.gpus = list(accepted.gpus)
         store.add_job(
             JobRecord(
@@ -353,7 +356,7 @@ async def run_job(
         )
         callbacks.accepted(accepted)
         if plan is not None:
-            await _send_workdir(
+            await send_workdir(
                 node,
                 session,
                 peer,
@@ -367,7 +370,7 @@ async def run_job(
         if detach:
             stream.finish()
             if plan is not None:
-                await _until_received(stream)
+                await until_received(stream)
             return result
         reader = _Reader()
         try:
@@ -383,121 +386,11 @@ async def run_job(
     return result
 
 
-async def _until_received(stream: Stream) -> None:
-    """Wait for the provider to end a detached submit: then it holds the whole workdir
-    (closing the session sooner cuts the upload off), or it says why not."""
-    while (frame := await stream.read_frame()) is not None:
-        if frame.kind is FrameKind.MESSAGE:
-            message = decode_message(frame.body)
-            if isinstance(message, Refusal):
-                raise error_from_code(message.code, message.message)
-
-
 async def _deliver_all(events: AsyncGenerator[JobEvent, None], callbacks: JobCallbacks) -> None:
     """The callbacks as an adapter over an iterator of events."""
     async with contextlib.aclosing(events) as each:
         async for event in each:
             _dispatch(callbacks, event)
-
-
-@contextlib.asynccontextmanager
-async def _session_with(
-    node: Node, peer: Peer, session: Session | None, first: Callable[[Session], Awaitable[T]]
-) -> AsyncGenerator[tuple[Session, T], None]:
-    """``session`` (left open) when given, else a new one closed on exit (or a warm
-    one, on which ``first`` is sent again should it die under it), with what
-    ``first``, a request safe to send twice, answered on it."""
-    if session is not None:
-        yield session, await first(session)
-        return
-    async with node.session_for(peer.node_id, first) as lent:
-        yield lent
-
-
-async def _refuse_unmounted(
-    session: Session, peer_name: str, job_id: str, stream: Stream
-) -> NoReturn:
-    """A provider from before mounts accepted a job without them: cancel it, say so."""
-    stream.abort()
-    with contextlib.suppress(GPUMeshError):
-        await session.request(JobCancel(job_id=job_id), timeout=60)
-    raise ProtocolError(
-        f"{peer_name} runs an older GPUMesh that cannot mount folders into jobs "
-        f"(job {job_id} was cancelled there): ask its owner to upgrade, or run without --mount"
-    )
-
-
-async def place_in_group(
-    node: Node, group: str, gpu_memory: int, *, wait: float = 0.0
-) -> Placement:
-    """Probe the group's other members and choose where a job goes."""
-    from gpumesh.client.groups import members
-
-    views = [v for v in members(node, group) if not v.is_self]
-    return await place(
-        node, [(v.name, v.peer if v.usable else None) for v in views], gpu_memory, wait=wait
-    )
-
-
-async def _send_workdir(
-    node: Node,
-    session: Session,
-    peer: Peer,
-    stream: Stream,
-    channel: tuple[ChannelOffer | None, NoChannel | None],
-    plan: PackPlan,
-    size: int,
-    callbacks: JobCallbacks,
-    result: JobResult,
-) -> None:
-    """The workdir's tar: over the offered data channel, else as DATA on the stream."""
-    from gpumesh.client.bulk import NoChannel, send_tar
-    from gpumesh.client.files import STALL_TIMEOUT
-    from gpumesh.files.hashing import offered, taken
-
-    offer, no_channel = channel
-    sent = 0
-
-    def progress(count: int) -> None:
-        nonlocal sent
-        sent += count
-        callbacks.upload(sent, size)
-
-    if offer is not None:
-        # The offer names the hash picked from JobSubmit's list (none: SHA-256).
-        hash_name = taken(offer.hash, offered())
-        args = (node, session, peer, stream, offer, plan, size, hash_name, progress, STALL_TIMEOUT)
-        if await send_tar(*args) is not None:
-            result.workdir_channel = "tls"
-            return
-        no_channel = NoChannel.FAILED
-    elif no_channel is None:
-        no_channel = NoChannel.NOT_OFFERED
-    result.workdir_channel = "quic"
-    result.workdir_no_channel = no_channel
-    await _upload(stream, plan, size, callbacks.upload)
-
-
-async def _upload(
-    stream: Stream, plan: PackPlan, total: int, progress: Callable[[int, int], None]
-) -> None:
-    """Stream the workdir tar with constant memory, packed on a thread.
-
-    ``tar_chunks`` stops its packing thread when this ends early (the link
-    dropped under ``send_data``), so a failed upload raises instead of waiting
-    for a thread blocked on a queue nothing reads any more.
-    """
-    from gpumesh.files.transfer import NoHash, tar_chunks
-
-    sent = 0
-    async with contextlib.aclosing(tar_chunks(plan, NoHash())) as chunks:
-        async for chunk in chunks:
-            await stream.send_data(chunk)
-            sent += len(chunk)
-            progress(sent, total)
-    stream.end_data()
-    if sent != total:
-        raise ProtocolError(f"the workdir changed while it was sent ({sent} of {total} bytes)")
 
 
 async def _consume(

@@ -38,8 +38,8 @@ from gpumesh.protocol.messages import (
 )
 from gpumesh.protocol.states import FINAL_STATES, JobRole
 from gpumesh.settings import ENV_NODE_NAME, env
-from gpumesh.store.db import Peer
 from gpumesh.store.home import AgentInfo, Home
+from gpumesh.store.peers import Peer
 from gpumesh.store.trust import check_home
 
 if TYPE_CHECKING:

@@ -26,8 +26,8 @@ from gpumesh.protocol.states import FINAL_STATES, JobRole
 
 if TYPE_CHECKING:
     from gpumesh.client.node import Node
-    from gpumesh.store.db import JobRecord
     from gpumesh.store.home import AgentInfo, Home
+    from gpumesh.store.jobs import JobRecord
 
 __all__ = [
     "END_TIMEOUT",

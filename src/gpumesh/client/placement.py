@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from gpumesh.errors import GPUMeshError, LimitError, NotPairedError, UnreachableError
 from gpumesh.protocol.messages import GpuReport, StatusReply, StatusRequest
-from gpumesh.store.db import Peer
+from gpumesh.store.peers import Peer
 from gpumesh.transport.reach import unreachable
 from gpumesh.units import format_size
 

@@ -53,7 +53,8 @@ from gpumesh.protocol.messages import Ping
 
 if TYPE_CHECKING:
     from gpumesh.protocol.addresses import Address
-    from gpumesh.store.db import Peer, Store
+    from gpumesh.store.db import Store
+    from gpumesh.store.peers import Peer
     from gpumesh.transport.outgoing import OutgoingSocket
     from gpumesh.transport.session import Session
 

@@ -22,7 +22,7 @@ from gpumesh.cuda.owner import open_sessions
 if TYPE_CHECKING:
     from gpumesh.client.node import Node
     from gpumesh.cuda.device import RemoteDevice
-    from gpumesh.store.db import Peer
+    from gpumesh.store.peers import Peer
 
 __all__ = [
     "BenchResult",

@@ -7,7 +7,7 @@ the connection's ALPN (see :class:`AuthForm`).
 
 Session-bound (``gpumesh/2``): the dialer signs this TLS session's binding, a
 secret both ends derive from the finished handshake (see
-:func:`gpumesh.transport.quic.session_binding`), and sends its first requests
+:func:`gpumesh.transport.quicsetup.session_binding`), and sends its first requests
 on other streams right behind the proof, without waiting::
 
     dialer                                            provider

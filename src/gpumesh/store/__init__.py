@@ -14,12 +14,13 @@ import importlib
 TYPE_CHECKING = False  # as typing's, without importing it (a Tab press pays for it)
 
 if TYPE_CHECKING:
-    from gpumesh.store.db import Peer, Store
+    from gpumesh.store.db import Store
     from gpumesh.store.home import Home
+    from gpumesh.store.peers import Peer
 
 __all__ = ["Home", "Peer", "Store"]
 
-_WHERE = {"Home": "gpumesh.store.home", "Peer": "gpumesh.store.db", "Store": "gpumesh.store.db"}
+_WHERE = {"Home": "gpumesh.store.home", "Peer": "gpumesh.store.peers", "Store": "gpumesh.store.db"}
 
 
 def __getattr__(name: str) -> object:

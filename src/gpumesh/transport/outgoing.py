@@ -30,7 +30,8 @@ from gpumesh.protocol.addresses import Address
 
 if TYPE_CHECKING:
     from gpumesh.identity.keys import Identity
-    from gpumesh.transport.quic import LinkPath, QuicEndpoint, QuicLink
+    from gpumesh.transport.endpoint import QuicEndpoint
+    from gpumesh.transport.quic import LinkPath, QuicLink
     from gpumesh.transport.relayclient import RelayClient, RelayedPath
 
 __all__ = ["OutgoingSocket", "OutgoingState", "RelayState"]
@@ -61,7 +62,7 @@ class OutgoingState:
 
 class _Routes:
     """Every relay client of the shared socket as the endpoint's one
-    :class:`~gpumesh.transport.quic.PacketRoute`: a packet from a relay goes to
+    :class:`~gpumesh.transport.endpoint.PacketRoute`: a packet from a relay goes to
     its client, a punching probe to every client (only the one holding its
     session answers it)."""
 
@@ -122,7 +123,7 @@ class OutgoingSocket:
     def endpoint(self) -> QuicEndpoint:
         """The shared endpoint, opened now if it is not yet."""
         if self._endpoint is None:
-            from gpumesh.transport.quic import QuicEndpoint
+            from gpumesh.transport.endpoint import QuicEndpoint
             from gpumesh.transport.udp import UdpSocket, open_udp_socket
 
             try:

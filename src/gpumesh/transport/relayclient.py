@@ -6,7 +6,7 @@ packet that is not QUIC; it answers the relay, feeds punching probes to the
 session's :class:`~gpumesh.protocol.punch.Puncher`, and gives relayed QUIC
 datagrams back to the endpoint under the session's *virtual address*.
 
-It plugs into the endpoint as its :class:`~gpumesh.transport.quic.PacketRoute`,
+It plugs into the endpoint as its :class:`~gpumesh.transport.endpoint.PacketRoute`,
 and each session is a :class:`~gpumesh.transport.quic.LinkPath` under the QUIC
 link that runs over it: the endpoint calls those, and names nothing here.
 
@@ -34,7 +34,8 @@ from gpumesh.identity.keys import Identity, node_id_for
 from gpumesh.protocol import relay as wire
 from gpumesh.protocol.addresses import Address, format_address, parse_address
 from gpumesh.protocol.punch import PunchConfig, Puncher
-from gpumesh.transport.quic import QuicEndpoint, QuicLink
+from gpumesh.transport.endpoint import QuicEndpoint
+from gpumesh.transport.quic import QuicLink
 from gpumesh.transport.udp import UdpSocket, open_udp_socket
 
 __all__ = [

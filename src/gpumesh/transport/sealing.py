@@ -11,7 +11,7 @@ with one call into the AEAD, straight from and into preallocated buffers.
 * Keys: HKDF-SHA256 over both randoms (the dialler's first), one key per
   direction (the labels differ), so neither end's frames can be reflected back
   to it; the binding of the QUIC session whose request agreed on the switch
-  (:func:`gpumesh.transport.quic.session_binding`, a secret of that session's
+  (:func:`gpumesh.transport.quicsetup.session_binding`, a secret of that session's
   TLS 1.3 key schedule) is mixed in. The randoms crossed the authenticated
   channel TLS, so only the two ends know them, and they are fresh per
   connection: so are the keys. Version 1 mixed in the channel TLS's

@@ -39,7 +39,8 @@ from gpumesh.protocol.addresses import Address, format_address, parse_address
 from gpumesh.protocol.flow import DEFAULT_WINDOW
 from gpumesh.protocol.handshake import AUTH_STREAM, AuthForm, ClientAuth, ServerAuth
 from gpumesh.protocol.messages import MAX_MESSAGE_FRAME, Hello, Message, Proof, SessionProof
-from gpumesh.transport.quic import QuicEndpoint, QuicLink
+from gpumesh.transport.endpoint import QuicEndpoint
+from gpumesh.transport.quic import QuicLink
 from gpumesh.transport.reach import unreachable
 from gpumesh.transport.stream import Stream
 

@@ -180,7 +180,7 @@ async def splice(
     as :func:`pump`.
 
     ``sealed_to``: the binding of the QUIC session whose request agreed on sealed
-    frames (:func:`~gpumesh.transport.quic.session_binding`; None: TLS records
+    frames (:func:`~gpumesh.transport.quicsetup.session_binding`; None: TLS records
     carry the pieces); ``dialler``: this end dialled the channel. Once each end
     has sent :data:`~gpumesh.transport.sealing.RANDOM_BYTES` random bytes through
     the TLS, the pieces move as sealed frames (:mod:`gpumesh.transport.sealing`)

@@ -8,7 +8,7 @@ import msgspec
 
 if TYPE_CHECKING:
     from gpumesh.client.groups import Added, GroupSummary, Joined, MemberStatus, MemberView
-    from gpumesh.store.db import Group
+    from gpumesh.store.groups import Group
 
 __all__ = [
     "AddedView",

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 if TYPE_CHECKING:
-    from gpumesh.store.db import JobRecord
+    from gpumesh.store.jobs import JobRecord
 
 __all__ = ["JobListEntry"]
 

@@ -10,7 +10,7 @@ import msgspec
 if TYPE_CHECKING:
     from gpumesh.client.node import ConnectResult, PairCheck, ThroughputResult
     from gpumesh.identity.codes import PairingOffer
-    from gpumesh.store.db import Peer
+    from gpumesh.store.peers import Peer
 
 __all__ = ["ConnectView", "PairState", "PairView", "PairingCodeView", "PeerView"]
 
