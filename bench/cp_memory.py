@@ -65,6 +65,7 @@ from _benchlib import (
     source_note,
 )
 from bulk import gpumesh_command, make_nodes, parse_size, running_agent, write_source
+from gpumesh.control.views import NodeProcessView
 from gpumesh.daemon.client import NodeClient, connect, stop
 from gpumesh.store.config import Config
 
@@ -305,11 +306,7 @@ def free_udp_port() -> int:
 
 
 def node_pid(client: NodeClient) -> int:
-    view = client.call("GET", "/api/v1/node")
-    inner = view.get("node", view) if isinstance(view, dict) else None
-    if not isinstance(inner, dict):
-        raise RuntimeError(f"unexpected node view: {view!r}")
-    return int(str(inner["pid"]))
+    return client.call("GET", "/api/v1/node", NodeProcessView).pid
 
 
 def measure(args: argparse.Namespace) -> Figures:

@@ -49,7 +49,7 @@ from _benchlib import (
     summarize,
 )
 from bulk import gpumesh_command, loopback_sshd, make_nodes, running_agent
-from gpumesh.daemon.client import NodeClient
+from gpumesh.daemon.client import NoAnswer, NodeClient
 
 MIB = 1024 * 1024
 CIPHER = "aes128-gcm@openssh.com"
@@ -255,7 +255,8 @@ def deny_cut(alice: Path, bob: Path, repeat: int) -> tuple[list[float], list[flo
             started = time.perf_counter()
             deny = None
             if in_process:
-                NodeClient(alice).call("POST", f"/api/v1/peers/{CONSUMER}/desktop/deny")
+                path = f"/api/v1/peers/{CONSUMER}/desktop/deny"
+                NodeClient(alice).call("POST", path, NoAnswer)
             else:
                 deny = subprocess.Popen(
                     [*gpumesh_command(), "desktop", "deny", CONSUMER],

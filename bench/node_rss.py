@@ -40,7 +40,8 @@ from pathlib import Path
 from _benchlib import exit_cleanly_on_sigterm, interrupted, print_rows, source_note
 from gpumesh.client.node import Node
 from gpumesh.client.pool import KEEPALIVE
-from gpumesh.daemon.client import NodeClient, connect, stop
+from gpumesh.control.views import NodeProcessView
+from gpumesh.daemon.client import NoAnswer, NodeClient, connect, stop
 
 LOOPBACK = "127.0.0.1"
 PLACEMENT = Path(__file__).resolve().with_name("placement.py")
@@ -140,7 +141,8 @@ def warm_up(home: Path, names: list[str], workers: int) -> float:
     """Open a warm session to each peer through the node process; seconds it took."""
 
     def one(name: str) -> None:
-        NodeClient(home).call("POST", f"/api/v1/peers/{name}/connect?pings=1", timeout=120)
+        path = f"/api/v1/peers/{name}/connect?pings=1"
+        NodeClient(home).call("POST", path, NoAnswer, timeout=120)
 
     began = time.perf_counter()
     with ThreadPoolExecutor(workers) as pool:
@@ -148,12 +150,8 @@ def warm_up(home: Path, names: list[str], workers: int) -> float:
     return time.perf_counter() - began
 
 
-def node_view(client: NodeClient) -> dict[str, object]:
-    view = client.call("GET", "/api/v1/node")
-    inner = view.get("node", view) if isinstance(view, dict) else None
-    if not isinstance(inner, dict):
-        raise RuntimeError(f"unexpected node view: {view!r}")
-    return inner
+def node_view(client: NodeClient) -> NodeProcessView:
+    return client.call("GET", "/api/v1/node", NodeProcessView)
 
 
 def measure(root: Path, peers: int, workers: int) -> list[tuple[str, int, int, str]]:
@@ -170,14 +168,13 @@ def measure(root: Path, peers: int, workers: int) -> list[tuple[str, int, int, s
     client = None
     try:
         client = connect(home)
-        pid = int(str(node_view(client)["pid"]))
+        pid = node_view(client).pid
         time.sleep(SETTLE)
         rows.append(("node process, idle", *memory_kb(pid), "goal <= 80 MB"))
         if peers:
             names = [provider_name(index) for index in range(peers)]
             took = warm_up(home, names, workers)
-            warm = node_view(client).get("warm_sessions")
-            count = len(warm) if isinstance(warm, list) else 0
+            count = len(node_view(client).warm_sessions)
             note = f"{count} warm, opened in {took:.1f} s"
             rows.append((f"node process, {peers} warm sessions", *memory_kb(pid), note))
             cpu_before, began = cpu_seconds(pid), time.monotonic()
