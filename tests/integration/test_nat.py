@@ -154,6 +154,10 @@ def _build_lab(
         code_a = lab.gpumesh("A", lab.a, "pair-code").stdout.strip()
         assert lab.gpumesh("A", lab.a, "pair", code_b).returncode == 0
         assert lab.gpumesh("B", lab.b, "pair", code_a).returncode == 0
+        # Pairing started each home's node process before the relay runs: the
+        # tests start theirs (and see their registrations) from here.
+        for ns, home in (("A", lab.a), ("B", lab.b)):
+            assert lab.gpumesh(ns, home, "daemon", "stop").returncode == 0
         lab.start_relay()
         lab.start_share()
         yield lab
