@@ -131,8 +131,10 @@ def test_two_relayed_peers_share_one_relay_registration(tmp_path: Path) -> None:
             # listens there), so only the relay reaches them.
             port = str(_free_udp_port())
             assert gpumesh(home, "config", "set", "listen_port", port).returncode == 0
+        # Pairing's checks ran in bob's node process: the one measured starts here.
+        assert gpumesh(bob, "daemon", "stop").returncode == 0
         with running_share(alice), running_share(carol):
-            before = len(log.read_text())  # pairing's own checks opened sessions too
+            before = len(log.read_text())  # pairing's own checks registered too
             _echo(bob, "alice-pc", "one")
             _echo(bob, "carol-pc", "two")
             warm = _warm(bob)
@@ -142,11 +144,9 @@ def test_two_relayed_peers_share_one_relay_registration(tmp_path: Path) -> None:
             assert outgoing["relays"][0]["state"].startswith("registered as 127.0.0.1:")
             assert outgoing["relays"][0]["registrations"] == 1
             bob_id = json.loads(gpumesh(bob, "status", "--json").stdout)["node_id"]
-            # One registration, from the node process's one socket (made when its
-            # pairing checked alice-pc), carried both sessions.
-            whole = log.read_text()
-            assert _registrations(whole, bob_id) == [f"127.0.0.1:{outgoing['port']}"], whole
-            text = whole[before:]
+            # One registration, from the node process's one socket, carried both sessions.
+            text = log.read_text()[before:]
+            assert _registrations(text, bob_id) == [f"127.0.0.1:{outgoing['port']}"], text
             assert len(re.findall(rf"127\.0\.0\.1:{outgoing['port']} ->", text)) == 2, text
     finally:
         _stop(proc)
