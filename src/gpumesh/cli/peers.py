@@ -7,6 +7,7 @@ import time
 import click
 
 from gpumesh.cli._common import emit_json
+from gpumesh.identity.hints import dial_order
 from gpumesh.units import format_duration
 
 
@@ -38,9 +39,7 @@ def peers(as_json: bool) -> None:
             seen = "just now"
         else:
             seen = f"{format_duration(now - p.last_seen)} ago"
-        # The last address that worked first, then the code's other hints.
-        dial = [p.last_address] if p.last_address else []
-        addresses = ", ".join(dial + [a for a in p.addresses if a != p.last_address])
+        addresses = ", ".join(dial_order(p.last_address, p.addresses))
         if p.relay:
             addresses += f" (relay {p.relay})" if addresses else f"relay {p.relay}"
         rows_shown.append(

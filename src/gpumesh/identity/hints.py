@@ -19,13 +19,19 @@ import ipaddress
 import re
 from typing import Final
 
-__all__ = ["MAX_HINT_CHARS", "check_hint", "check_hints", "split_hint"]
+__all__ = ["MAX_HINT_CHARS", "check_hint", "check_hints", "dial_order", "split_hint"]
 
 MAX_HINT_CHARS: Final = 255
 """Longest hint text: a host name's 253 characters and then some for the port."""
 _MAX_NAME_CHARS = 253
 _LABEL = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
 _PORT = re.compile(r"[0-9]{1,5}")
+
+
+def dial_order(last: str | None, hints: list[str]) -> list[str]:
+    """A peer's addresses to try: ``last`` (the one that worked last time, if any)
+    first, then its code's hints."""
+    return ([last] if last else []) + [hint for hint in hints if hint != last]
 
 
 def split_hint(text: str, default_port: int | None = None) -> tuple[str, int]:

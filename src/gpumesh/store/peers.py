@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass
 
 from gpumesh.errors import AmbiguousPeerError, PairingCodeError, UnknownPeerError
+from gpumesh.identity.hints import dial_order
 from gpumesh.identity.keys import NodeId, node_id_for
 from gpumesh.store.tables import Tables
 
@@ -54,9 +55,7 @@ class Peer:
 
     def dial_addresses(self) -> list[str]:
         """Addresses to try, the last one that worked first."""
-        ordered = [self.last_address] if self.last_address else []
-        ordered += [a for a in self.addresses if a != self.last_address]
-        return ordered
+        return dial_order(self.last_address, self.addresses)
 
 
 class PeerTables(Tables):
