@@ -16,9 +16,9 @@ calls the same functions. Imports are lazy so ``gpumesh --help`` stays fast.
 
 from __future__ import annotations
 
-from gpumesh.version import __version__
+from typing import TYPE_CHECKING
 
-TYPE_CHECKING = False  # as typing's: importing typing costs every command milliseconds
+from gpumesh.version import __version__
 
 __all__ = [
     "FINAL_STATES",

@@ -10,10 +10,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any, Protocol, TypeVar
 
-__all__ = ["abandon", "closing_in_thread", "in_thread"]
+from gpumesh import platform
+
+__all__ = ["abandon", "closing_in_thread", "in_thread", "run_async"]
 
 T = TypeVar("T")
 
@@ -93,3 +95,12 @@ def _close_unclaimed(future: asyncio.Future[C]) -> None:
 def _close(thing: C) -> None:
     with contextlib.suppress(OSError):
         thing.close()
+
+
+def run_async(coro: Coroutine[Any, Any, T]) -> T:
+    """``asyncio.run``, on a loop that can watch sockets: Windows' default
+    (Proactor) loop cannot, its selector loop can (though not pipes or a console)."""
+    if platform.has("add_reader"):
+        return asyncio.run(coro)
+    with asyncio.Runner(loop_factory=asyncio.SelectorEventLoop) as runner:
+        return runner.run(coro)

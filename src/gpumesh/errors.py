@@ -46,10 +46,7 @@ is the one table of those codes (with the ones jobs end with), which
 from __future__ import annotations
 
 from enum import IntEnum
-
-TYPE_CHECKING = False  # as typing's: every command imports this module
-if TYPE_CHECKING:
-    from typing import ClassVar
+from typing import ClassVar
 
 
 class ExitCode(IntEnum):

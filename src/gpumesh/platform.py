@@ -57,7 +57,7 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Mapping
 from types import FrameType
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 
@@ -79,7 +79,6 @@ __all__ = [
     "open_flag",
     "pread",
     "preadv",
-    "run",
     "system",
     "system_name",
     "taken",
@@ -319,17 +318,6 @@ def write_all(fd: int, data: memoryview) -> None:
     """Write all of ``data`` at ``fd``'s position, at most :data:`WRITE_SLICE` bytes a call."""
     while data:
         data = data[os.write(fd, data[:WRITE_SLICE]) :]
-
-
-def run(coro: Coroutine[Any, Any, T]) -> T:
-    """``asyncio.run``, on a loop that can watch sockets: Windows' default
-    (Proactor) loop cannot, its selector loop can (though not pipes or a console)."""
-    import asyncio  # not at the top: `gpumesh --help` does not pay for it
-
-    if has("add_reader"):
-        return asyncio.run(coro)
-    with asyncio.Runner(loop_factory=asyncio.SelectorEventLoop) as runner:
-        return runner.run(coro)
 
 
 def add_signal_handler(

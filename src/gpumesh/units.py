@@ -8,6 +8,7 @@ number is bytes.
 from __future__ import annotations
 
 import re
+from decimal import Decimal
 
 from gpumesh.errors import ConfigError
 
@@ -40,7 +41,6 @@ def parse_size(text: str) -> int:
         raise ConfigError(
             f"invalid size {text!r}: use a number with a unit such as 512MB, 8GB or 16GiB"
         )
-    from decimal import Decimal  # only here: not on every command's start
 
     return int(Decimal(match.group(1)) * _UNITS[unit])
 

@@ -2,8 +2,9 @@
 
 A cold copy (``gpumesh.Mesh(in_process=True)``, or the first copy of a node
 process just started) pays its imports before the dial starts: a consumer's copy
-has no use for the provider's job runtime (``gpumesh.runtime``, the Docker
-client), which the config's ``job_user`` check used to load with every home.
+has no use for the provider's job runtime (``gpumesh.runtime.docker``, the
+Docker client) or the agent. (The config's ``job_user`` check loads the
+runtime's small, plain interface modules, which hold that setting's parser.)
 
 A real copy in a real home, dialling a real loopback port where nothing listens
 (refused at once): it ends with its one error, after its dial, and the probe
@@ -49,7 +50,7 @@ def test_the_client_layers_cp_dials_without_loading_the_job_runtime(tmp_path: Pa
         "        print(exc.message, file=sys.stderr)\n"
         "        code = int(exc.exit_code)\n"
         "print(code, 'gpumesh.transport.session' in sys.modules, sorted(m for m in sys.modules\n"
-        "      if m.startswith(('gpumesh.runtime', 'gpumesh.agent', 'docker'))))\n"
+        "      if m.startswith(('gpumesh.runtime.docker', 'gpumesh.agent', 'docker'))))\n"
     )
     result = probe(check, env)
     assert "nothing is listening on 127.0.0.1:" in result.stderr, result.stderr

@@ -117,7 +117,7 @@ def test_jobs_and_run_through_a_node_process_start_light(tmp_path: Path) -> None
         f"avoided = {sorted(THIN_AVOIDS)!r}\n"
         # run's head start: its request is sent before click (or anything heavy) loads
         "ahead = launch.start(['run', '--peer', 'nobody', '--', 'true'])\n"
-        f"early = [*avoided, *{sorted(DECODER)!r}, 'click', 'typing', 'dataclasses', 'inspect']\n"
+        f"early = [*avoided, *{sorted(DECODER)!r}, 'click', 'dataclasses', 'inspect']\n"
         "print(ahead, sorted(m for m in sys.modules if m.split('.')[0] in early))\n"
         "from gpumesh.cli.main import main\n"
         "codes = [int(main(['jobs'])), int(main(['jobs', '--json'])),\n"

@@ -404,7 +404,7 @@ _TWO_DEVICES: list[dict[str, object]] = [
 def test_nvml_inventory_reads_every_device(monkeypatch: pytest.MonkeyPatch) -> None:
     """NVML is faked (a stand-in pynvml module): there is no NVIDIA hardware here."""
     fake = _fake_pynvml(_TWO_DEVICES)
-    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setattr(inv, "pynvml", fake)
     inventory = NvmlInventory()
     assert fake.calls == ["init"]  # type: ignore[attr-defined]
     assert inventory.source == "nvml"
@@ -434,13 +434,13 @@ def test_nvml_inventory_reads_every_device(monkeypatch: pytest.MonkeyPatch) -> N
 
 def test_nvml_inventory_with_no_devices(monkeypatch: pytest.MonkeyPatch) -> None:
     """NVML is faked (a stand-in pynvml module): there is no NVIDIA hardware here."""
-    monkeypatch.setitem(sys.modules, "pynvml", _fake_pynvml([]))
+    monkeypatch.setattr(inv, "pynvml", _fake_pynvml([]))
     assert NvmlInventory().gpus() == []
 
 
 def test_nvml_inventory_init_failure_raises(monkeypatch: pytest.MonkeyPatch) -> None:
     """NVML is faked (a stand-in pynvml module): there is no NVIDIA hardware here."""
-    monkeypatch.setitem(sys.modules, "pynvml", _fake_pynvml(_TWO_DEVICES, init_error=True))
+    monkeypatch.setattr(inv, "pynvml", _fake_pynvml(_TWO_DEVICES, init_error=True))
     with pytest.raises(FakeNVMLError):
         NvmlInventory()
 
@@ -471,7 +471,7 @@ def test_detect_simulated_env_var_wins(
     no_gpu_sources: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Even with working NVML and an nvidia-smi on PATH.
-    monkeypatch.setitem(sys.modules, "pynvml", _fake_pynvml(_TWO_DEVICES))
+    monkeypatch.setattr(inv, "pynvml", _fake_pynvml(_TWO_DEVICES))
     _fake_smi(no_gpu_sources, fixture="nvidia_smi_8_h100.csv")
     monkeypatch.setenv(ENV_SIMULATED, "RTX-4090:24GB,A100:80GB:10GB")
     inventory = detect_inventory()
@@ -490,7 +490,7 @@ def test_detect_bad_simulated_declaration_is_refused(
 
 def test_detect_prefers_nvml(no_gpu_sources: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """NVML is faked (a stand-in pynvml module): there is no NVIDIA hardware here."""
-    monkeypatch.setitem(sys.modules, "pynvml", _fake_pynvml(_TWO_DEVICES))
+    monkeypatch.setattr(inv, "pynvml", _fake_pynvml(_TWO_DEVICES))
     _fake_smi(no_gpu_sources, fixture="nvidia_smi_8_h100.csv")
     monkeypatch.setenv(ENV_SIMULATED, "   ")  # blank counts as unset
     inventory = detect_inventory()
@@ -510,7 +510,7 @@ def test_detect_falls_back_to_nvidia_smi_when_nvml_fails(no_gpu_sources: Path) -
 def test_detect_falls_back_to_nvidia_smi_without_pynvml(
     no_gpu_sources: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml -> ImportError
+    monkeypatch.setattr(inv, "pynvml", None)  # no binding: its first call fails
     _fake_smi(no_gpu_sources, fixture="nvidia_smi_1_rtx4090.csv")
     inventory = detect_inventory()
     assert inventory.source == "nvidia-smi"

@@ -826,23 +826,3 @@ def test_the_defaults_regex_is_what_pathspec_makes_of_the_default_rules() -> Non
     rules._compile()  # what pathspec makes of DEFAULT_IGNORES, joined
     assert rules._any is not None
     assert rules._any.pattern == DEFAULTS_REGEX
-
-
-def test_a_folder_without_ignore_file_or_matches_is_scanned_without_pathspec(
-    tmp_path: Path,
-) -> None:
-    import subprocess
-    import sys
-
-    (tmp_path / "src").mkdir()
-    (tmp_path / "src" / "main.py").write_text("print(1)\n")
-    code = (
-        "import sys; from pathlib import Path; from gpumesh.files.pack import scan; "
-        f"plan = scan(Path({str(tmp_path)!r})); "
-        "print(len(plan.files), 'pathspec' in sys.modules)"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.split()[1] == "False"
-    (tmp_path / "src" / "junk.pyc").write_bytes(b"x")  # a match needs the real rules
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.split()[1] == "True"

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from gpumesh import platform
+from gpumesh.blocking import run_async
 from gpumesh.client.files import parse_location
 from gpumesh.errors import ConfigError
 from gpumesh.files.pack import scan
@@ -156,7 +157,7 @@ def test_signals_without_add_signal_handler_reach_the_loop(simulate) -> None:
         finally:
             undo()
 
-    assert platform.run(main()) == 1
+    assert run_async(main()) == 1
     assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
 
 
@@ -166,7 +167,7 @@ def test_without_add_reader_the_loop_is_a_selector_loop(simulate) -> None:
     async def kind() -> str:
         return type(asyncio.get_running_loop()).__name__
 
-    assert "Selector" in platform.run(kind())
+    assert "Selector" in run_async(kind())
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,7 @@ import msgspec
 
 from gpumesh.client.groups import MemberLive, MemberState, MemberStatus, MemberView
 from gpumesh.client.node import ConnectResult, NodeStatus, ThroughputResult
+from gpumesh.client.owner import OpenSessions
 from gpumesh.client.placement import Probe
 from gpumesh.client.views import to_json
 from gpumesh.client.views.groups import MemberStatusEntry
@@ -190,6 +191,7 @@ def test_status_keeps_its_keys_in_order() -> None:
         gpu_source="nvml",
         running_hosted=1,
         running_submitted=0,
+        sessions=OpenSessions(),
     )
     shown = json.loads(to_json(StatusView.of(status, submitted_unknown=3)))
     assert list(shown) == [

@@ -58,7 +58,8 @@ from gpumesh.agent.sandboxfs import Usage, refusing, sandbox_parts
 from gpumesh.blocking import in_thread
 from gpumesh.errors import AccessDeniedError, ConfigError, ProtocolError
 from gpumesh.files.hashing import SHA256, new_hasher
-from gpumesh.files.manifest import Stamp
+from gpumesh.files.manifest import Stamp, apply_delta
+from gpumesh.files.manifest import digest as digest_of
 from gpumesh.files.manifest import stamp as file_stamp
 from gpumesh.files.sandbox import Tree, WalkStopped
 from gpumesh.files.transfer import NoHash, swallow, unpack_from
@@ -350,8 +351,6 @@ class AppService:
         index_file: Path,
         walk: _Walk,
     ) -> None:
-        from gpumesh.files.manifest import apply_delta, digest
-
         peer, stream = ctx.peer, ctx.stream
         state_file = index_file.with_name(f"{message.name}.manifest")
         raw = await _read_section(stream, message.manifest_bytes, "manifest")
@@ -361,7 +360,7 @@ class AppService:
             if synced is not None and synced.digest == message.base:
                 put, remove = _parse_delta(raw)
                 manifest = apply_delta(synced.manifest, put, remove)
-                if digest(manifest) != message.digest:
+                if digest_of(manifest) != message.digest:
                     manifest = None
             if manifest is None:
                 stream.send_message(
@@ -674,11 +673,10 @@ def _current_index(
 def _save_synced(files: tuple[Path, Path], applied: tuple[Manifest, str], saved: Index) -> _Synced:
     """Write the state (the manifest and its digest, computed when not given) and
     the index :func:`_apply` gave; what was written, for the next sync."""
-    from gpumesh.files.manifest import digest
 
     state_file, index_file = files
     manifest, manifest_digest = applied
-    manifest_digest = manifest_digest or digest(manifest)
+    manifest_digest = manifest_digest or digest_of(manifest)
     index_stamp = _write(index_file, msgspec.json.encode(saved))
     state_stamp = _write(
         state_file, msgspec.json.encode({"digest": manifest_digest, "files": manifest})

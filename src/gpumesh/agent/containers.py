@@ -28,6 +28,7 @@ from gpumesh.blocking import in_thread
 from gpumesh.errors import ConfigError, GPUMeshError
 from gpumesh.protocol.messages import PULL_PROGRESS_EVERY, ImagePull
 from gpumesh.runtime.base import JobRuntime
+from gpumesh.runtime.docker import DockerRuntime
 from gpumesh.runtime.jobnet import NETWORK_PREFIX, JobNetwork, Mode
 from gpumesh.runtime.pull import PullProgress
 from gpumesh.runtime.users import job_identity
@@ -157,8 +158,6 @@ class Containers:
     def runtime(self) -> JobRuntime:
         """The engine (connected on first use)."""
         if self._runtime is None:
-            from gpumesh.runtime.docker import DockerRuntime
-
             pull_timeout = float(self._settings.get("pull_timeout"))
             self._runtime = DockerRuntime(pull_timeout=pull_timeout)
         return self._runtime

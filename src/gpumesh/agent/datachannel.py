@@ -27,8 +27,10 @@ from typing import TYPE_CHECKING, Any
 from gpumesh.agent.deps import Provider, RequestContext, Settings
 from gpumesh.blocking import closing_in_thread, in_thread
 from gpumesh.errors import ConnectionLostError, GPUMeshError, ProtocolError, UnreachableError
-from gpumesh.files.transfer import Hasher, swallow
+from gpumesh.files.pack import write_tar
+from gpumesh.files.transfer import Hasher, swallow, unpack_pieces
 from gpumesh.protocol.messages import ChannelDeclined, ChannelOffer, FileDone, Message
+from gpumesh.transport.channel import HELD, Listener, receive_stream, send_stream, server_context
 
 if TYPE_CHECKING:
     import ssl
@@ -86,7 +88,6 @@ class DataChannels:
     def listen(self, peer: str) -> Listener:
         """A one-shot TLS listener on the share address, with a fresh ticket, that admits
         only ``peer`` (the IP address the request came from)."""
-        from gpumesh.transport.channel import Listener, server_context
 
         if not self.enabled():
             raise UnreachableError(
@@ -110,7 +111,6 @@ class DataChannels:
         while the offer lives); the offer, or None: the tar goes as DATA on QUIC.
         ``hash_name``: the tar's hash, named in the offer where the request carries
         no other answer that names it (a JobSubmit's workdir); empty: none named."""
-        from gpumesh.transport.channel import HELD
 
         offer = None
         if wanted and self.enabled():
@@ -158,8 +158,6 @@ class DataChannels:
         the FileDone the consumer sends on QUIC after it; on any failure ``dest`` is
         removed. False: the consumer declined the channel, and the tar comes as
         DATA on the stream."""
-        from gpumesh.files.transfer import unpack_pieces
-        from gpumesh.transport.channel import receive_stream
 
         following = _next_message(ctx.stream, offer.listener)
         consume = functools.partial(unpack_pieces, dest=dest, limit=limit, owner=owner)
@@ -197,8 +195,6 @@ class DataChannels:
         """Send ``plan`` as a tar of exactly ``size`` bytes over the request's data
         channel, then FileDone on QUIC, and wait for the consumer to end its side.
         False: the consumer declined the channel; nothing was sent."""
-        from gpumesh.files.pack import write_tar
-        from gpumesh.transport.channel import send_stream
 
         stream = ctx.stream
         following = _next_message(stream, offer.listener)

@@ -43,6 +43,7 @@ from gpumesh.errors import (
 from gpumesh.protocol.desktop import DesktopKind
 from gpumesh.protocol.handshake import BINDING_SIZE
 from gpumesh.protocol.messages import ChannelDeclined, DesktopOpen, DesktopOpened
+from gpumesh.transport.channel import Listener, server_context
 from gpumesh.transport.sealing import FRAMING_VERSION
 from gpumesh.transport.sockowner import listening_on_loopback
 from gpumesh.transport.tcpstream import READ_LIMIT, pump, splice
@@ -241,7 +242,6 @@ class DesktopService:
 
     def _listener(self, ctx: RequestContext) -> Listener | None:
         """A one-shot data channel listener for this request; None: QUIC carries it."""
-        from gpumesh.transport.channel import Listener, server_context
 
         channels = self.channels
         if channels is None or not channels.channel_enabled():

@@ -58,6 +58,7 @@ from gpumesh.runtime.base import (
     JobRuntime,
     Terminal,
 )
+from gpumesh.runtime.states import shell_output_in_our_words
 
 if TYPE_CHECKING:
     from gpumesh.store.peers import Peer
@@ -371,8 +372,6 @@ def _read_output(
 
 
 async def _send_output(stream: Stream, queue: asyncio.Queue[bytes], image: str) -> None:
-    from gpumesh.runtime.states import shell_output_in_our_words
-
     first = True
     while data := await queue.get():
         if first:  # tini's line, when it could not start the command, is its first

@@ -53,6 +53,7 @@ from gpumesh.protocol.messages import (
     FilePut,
     FileResume,
 )
+from gpumesh.transport.channel import receive_file
 
 if TYPE_CHECKING:
     from gpumesh.agent.files import FileService
@@ -162,7 +163,6 @@ class FileReceiver:
     @refusing
     async def handle_channel_put(self, ctx: RequestContext, message: ChannelPut) -> None:
         """``FilePut`` with the bytes over a data channel and the hash at the end."""
-        from gpumesh.transport.channel import receive_file
 
         files = self.files
         peer, name, stream = ctx.peer, files.provider.name, ctx.stream

@@ -52,6 +52,7 @@ from gpumesh.agent.sandboxfs import (
 )
 from gpumesh.blocking import in_thread
 from gpumesh.errors import AccessDeniedError, ConfigError, GPUMeshError, NotFoundError
+from gpumesh.files.pack import scan_tree, tar_size
 from gpumesh.files.sandbox import Tree
 from gpumesh.files.transfer import Hasher
 from gpumesh.protocol.messages import (
@@ -200,7 +201,6 @@ class FileService:
 
     def _stat(self, peer: Peer, remote: str) -> FileInfo:
         """What is at ``remote`` (blocking: a folder is scanned for its tar size)."""
-        from gpumesh.files.pack import scan_tree, tar_size
 
         parts = self.parts(remote)
         with self.tree(peer) as tree:

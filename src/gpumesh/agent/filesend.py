@@ -30,9 +30,11 @@ from gpumesh.errors import (
     ProtocolError,
 )
 from gpumesh.files.hashing import choose, new_hasher
+from gpumesh.files.pack import scan_tree, tar_size
 from gpumesh.files.sandbox import Tree
 from gpumesh.files.transfer import file_chunks, hash_file, swallow, tar_chunks, worker
 from gpumesh.protocol.messages import ChannelGet, ChannelOffer, DirGet, FileDone, FileGet, FileInfo
+from gpumesh.transport.channel import send_file
 
 if TYPE_CHECKING:
     from gpumesh.agent.files import FileService
@@ -76,7 +78,6 @@ class FileSender:
     @refusing
     async def handle_channel_get(self, ctx: RequestContext, message: ChannelGet) -> None:
         """``FileGet`` with the bytes over a data channel."""
-        from gpumesh.transport.channel import send_file
 
         where = self.files.where(message.path)
         listener = self.files.channels.listen(ctx.link.remote_address()[0])
@@ -123,8 +124,6 @@ class FileSender:
 
     @refusing
     async def handle_dir_get(self, ctx: RequestContext, message: DirGet) -> None:
-        from gpumesh.files.pack import tar_size
-
         where = self.files.where(message.path)
         folder, plan = await in_thread(self._plan_folder, ctx.peer, message.path)
         via = ""
@@ -165,7 +164,6 @@ class FileSender:
 
     def _plan_folder(self, peer: Peer, remote: str) -> tuple[Tree, PackPlan]:
         """The folder at ``remote``, opened, and what of it to send (blocking)."""
-        from gpumesh.files.pack import scan_tree
 
         files = self.files
         parts = files.parts(remote)

@@ -49,6 +49,7 @@ from gpumesh.errors import (
     ProtocolError,
 )
 from gpumesh.files.hashing import choose, label, new_hasher
+from gpumesh.files.transfer import NoHash, unpack_from
 from gpumesh.protocol.messages import (
     JobAccepted,
     JobCancel,
@@ -435,7 +436,6 @@ class JobService:
         user: over the data channel when one was offered (checked against its
         ``hash_name`` hash before it becomes the job's), else as DATA on the
         request's stream (checked by its size; QUIC protects the bytes)."""
-        from gpumesh.files.transfer import NoHash, unpack_from
 
         try:
             run.machine.uploading()

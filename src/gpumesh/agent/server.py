@@ -42,7 +42,7 @@ from gpumesh.errors import (
     ProtocolError,
     UnreachableError,
 )
-from gpumesh.gpu.inventory import GpuInventory
+from gpumesh.gpu.inventory import GpuInventory, detect_inventory
 from gpumesh.protocol.admission import Admission, DropReason
 from gpumesh.protocol.messages import (
     Ping,
@@ -612,8 +612,6 @@ async def _handle_throughput(ctx: RequestContext, message: ThroughputRequest) ->
 
 
 def _detect_inventory() -> GpuInventory:
-    from gpumesh.gpu.inventory import detect_inventory
-
     return detect_inventory()
 
 

@@ -127,10 +127,10 @@ def _share_seen_from(home: Home) -> Callable[[], None]:
 
 
 def run_async(coro: Coroutine[Any, Any, T]) -> T:
+    """:func:`gpumesh.blocking.run_async`, loaded when a command first runs a loop."""
+    from gpumesh import blocking
 
-    from gpumesh import platform
-
-    return platform.run(coro)
+    return blocking.run_async(coro)
 
 
 def emit_json(view: object) -> None:

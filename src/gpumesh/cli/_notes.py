@@ -13,12 +13,13 @@ import os
 import sys
 from collections.abc import Iterable
 
+# As typing's: typing stays out of a plain run's head start, which prints with this module.
+from typing import TYPE_CHECKING
+
 from gpumesh.errors import ExitCode
 from gpumesh.protocol.states import FINAL_STATES, JobState
 from gpumesh.units import format_size
 
-# As typing's: typing stays out of a plain run's head start, which prints with this module.
-TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 

@@ -5,7 +5,7 @@ nor anything else a thin command's start-up avoids."""
 
 from __future__ import annotations
 
-TYPE_CHECKING = False  # as typing's, which the head start must not import
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from gpumesh.client.views.apps import SyncView

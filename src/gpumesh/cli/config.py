@@ -46,9 +46,7 @@ def show(as_json: bool) -> None:
 
     cfg = get_node().home.config
     if as_json:
-        from gpumesh.client.views.node import config_values
-
-        emit_json(config_values(cfg))
+        emit_json(cfg.shown_all())
         return
     rows = [(name, cfg.shown(name), cfg.source(name), key.help) for name, key in KEYS.items()]
     from gpumesh.cli._table import Column, escape, print_table

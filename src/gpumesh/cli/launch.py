@@ -31,8 +31,7 @@ from __future__ import annotations
 
 import os
 import sys
-
-TYPE_CHECKING = False  # as typing's, which this module must not import
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from gpumesh.cli._notes import RunReader

@@ -44,10 +44,15 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from gpumesh.blocking import in_thread
+from gpumesh.client.bulk import NoChannel, answer_after_offer, receive_tar, send_tar, why_no_channel
+from gpumesh.client.files import STALL_TIMEOUT
+from gpumesh.client.jobs import new_job_id, run_job
 from gpumesh.errors import ConfigError, NotFoundError, ProtocolError
-from gpumesh.files.manifest import Stamp
+from gpumesh.files.hashing import SHA256, label, new_hasher, offered, taken
+from gpumesh.files.manifest import Stamp, delta, digest
 from gpumesh.files.manifest import stamp as file_stamp
-from gpumesh.files.transfer import merge_into
+from gpumesh.files.pack import PackPlan, ScanMemo, scan, tar_size
+from gpumesh.files.transfer import NoHash, merge_into, tar_chunks, unpack_from
 from gpumesh.protocol.messages import (
     JOB_ID_PATTERN,
     AppJobDir,
@@ -63,6 +68,7 @@ from gpumesh.protocol.messages import (
     FileResume,
     FileStat,
 )
+from gpumesh.protocol.states import JobRole
 
 if TYPE_CHECKING:
     from gpumesh.client.jobs import JobCallbacks, JobResult
@@ -204,8 +210,6 @@ def _hold(key: str, held: tuple[Stamp, object]) -> None:
 
 
 def _scan_memo(folder: Path) -> ScanMemo:
-    from gpumesh.files.pack import ScanMemo
-
     key = os.path.abspath(folder)
     with _held_lock:
         memo = _scans.get(key)
@@ -221,7 +225,6 @@ def _manifest(
     node: Node, folder: Path
 ) -> tuple[PackPlan, list[tuple[str, int, int, str]], dict[str, PackEntry]]:
     """Scan ``folder`` and hash its files (through the cache): the plan and the manifest."""
-    from gpumesh.files.pack import scan
 
     plan = scan(folder, exclude_paths=[node.home.path], memo=_scan_memo(folder))
     cache_path = _cache_file(node, plan.root)
@@ -304,7 +307,6 @@ async def sync_app(
     ``incremental=False`` sends the whole manifest even when a delta would do.
     ``reuse``: an open session with the peer to use (else one is opened).
     """
-    from gpumesh.files.manifest import delta, digest
 
     started = time.perf_counter()
     peer = node.peer(peer_query)
@@ -398,10 +400,6 @@ async def _apply_needs(
     folder: Path,
 ) -> None:
     """Read what the provider lacks, and (unless a dry run) send it as one tar."""
-    from gpumesh.client.bulk import NoChannel, answer_after_offer, send_tar, why_no_channel
-    from gpumesh.client.files import STALL_TIMEOUT
-    from gpumesh.files.hashing import SHA256
-    from gpumesh.files.pack import PackPlan
 
     node, session, peer = where
     listing = json.loads(await _read_bytes(stream, needs.list_bytes))
@@ -444,8 +442,6 @@ async def _apply_needs(
 
 
 async def _send_tar_quic(stream: Stream, subset: PackPlan, size: int, folder: Path) -> None:
-    from gpumesh.files.transfer import NoHash, tar_chunks
-
     sent = 0
     async with contextlib.aclosing(tar_chunks(subset, NoHash())) as chunks:
         async for chunk in chunks:
@@ -470,8 +466,6 @@ def _name_of(folder: Path) -> str:
 
 
 def _tar_size(plan: PackPlan) -> int:
-    from gpumesh.files.pack import tar_size
-
     return tar_size(plan)
 
 
@@ -510,7 +504,6 @@ async def run_app(
     named like ``out`` back into ``out``: all on one session with the peer (a
     follow that had to redial goes on on its new link, and so does the pull).
     ``synced`` hears of the sync before the job starts."""
-    from gpumesh.client.jobs import new_job_id, run_job
 
     peer = node.peer(peer_query)
     async with node.live_session(peer.node_id) as session:
@@ -542,7 +535,6 @@ def app_job(node: Node, query: str, peer_query: str = "") -> tuple[Peer, str]:
     pull``: a job this node started, by its id or a prefix of it, its provider
     known from the record; else, with ``peer_query`` given, a full id there (a
     job started from another machine)."""
-    from gpumesh.protocol.states import JobRole
 
     try:
         record = node.home.store.find_job(query, role=JobRole.SUBMITTED)
@@ -617,9 +609,6 @@ async def _stat(session: Session, remote: str) -> FileInfo:
 
 async def _get_folder(node: Node, session: Session, peer: Peer, remote: str, dest: Path) -> int:
     """The folder's tar, over the data channel when one opens, unpacked and placed."""
-    from gpumesh.client.bulk import answer_after_offer, receive_tar, why_no_channel
-    from gpumesh.client.files import STALL_TIMEOUT
-    from gpumesh.files.hashing import offered, taken
 
     temp = dest.with_name(dest.name + ".gpumesh-part")
     await in_thread(_prepare_dest, dest, temp)
@@ -662,9 +651,6 @@ async def _get_folder(node: Node, session: Session, peer: Peer, remote: str, des
 async def _get_folder_quic(
     stream: Stream, peer: Peer, remote: str, temp: Path, size: int, hash_name: str
 ) -> int:
-    from gpumesh.files.hashing import label, new_hasher
-    from gpumesh.files.transfer import unpack_from
-
     hasher = new_hasher(hash_name)
     received = 0
     async with unpack_from(temp, size, hasher) as feed:

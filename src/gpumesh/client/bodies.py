@@ -9,12 +9,15 @@ imports a web framework; the answers are the views of
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import msgspec
 
 from gpumesh.errors import ConfigError
+from gpumesh.settings import ENV_IMAGE, env
+from gpumesh.units import parse_size
 
 if TYPE_CHECKING:
     from gpumesh.client.jobspec import JobSpec, MountSpec
@@ -47,7 +50,6 @@ def job_options(spec: JobSpec) -> dict[str, Any]:
     :class:`AppRunBody` (which share them): its image, the caller's default when it
     names none (``$GPUMESH_IMAGE``; the node process's own default is not the
     caller's), env, GPU memory, retries, timeout and mounts."""
-    from gpumesh.settings import ENV_IMAGE, env
 
     return {
         "image": spec.image or env(ENV_IMAGE),
@@ -187,7 +189,6 @@ class ShareOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_o
     def check(self) -> int | None:
         """Refuse a bad value in one line (:class:`ConfigError`); the GPU memory cap
         in bytes."""
-        from gpumesh.units import parse_size
 
         if self.port is not None and not 0 <= self.port <= 65535:
             raise ConfigError(f"port {self.port}: give a UDP port from 1 to 65535")
@@ -233,7 +234,6 @@ class ShareOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_o
 
     def describe(self) -> str:
         """How people would type these options (``the defaults`` for none)."""
-        import shlex
 
         flags = self.flags()
         return " ".join(shlex.quote(f) for f in flags) if flags else "the defaults"

@@ -35,6 +35,8 @@ from gpumesh.errors import (
     UnreachableError,
 )
 from gpumesh.files.hashing import label, new_hasher
+from gpumesh.files.pack import write_tar
+from gpumesh.files.transfer import unpack_pieces
 from gpumesh.protocol.messages import (
     ChannelDeclined,
     ChannelOffer,
@@ -42,6 +44,7 @@ from gpumesh.protocol.messages import (
     ImagePull,
     Message,
 )
+from gpumesh.transport.channel import dial, receive_stream, send_stream
 
 if TYPE_CHECKING:
     from gpumesh.client.node import Node
@@ -112,7 +115,6 @@ async def open_channel(
 ) -> Channel | None:
     """Dial an offered channel; None when it cannot be opened (the transfer goes on
     over QUIC), remembered for :data:`BLOCKED_FOR` when nothing answered."""
-    from gpumesh.transport.channel import dial
 
     try:
         return await closing_in_thread(
@@ -180,8 +182,6 @@ async def send_tar(
     A provider that refused mid-way (it closes the channel) is raised as its
     refusal, not as the broken channel.
     """
-    from gpumesh.files.pack import write_tar
-    from gpumesh.transport.channel import send_stream
 
     channel = await open_channel(node, session, peer, offer, stall_timeout)
     if channel is None:
@@ -231,8 +231,6 @@ async def receive_tar(
     None: the channel did not open, ChannelDeclined is sent, and the provider
     sends the tar as DATA on ``stream``.
     """
-    from gpumesh.files.transfer import unpack_pieces
-    from gpumesh.transport.channel import receive_stream
 
     channel = await open_channel(node, session, peer, offer, stall_timeout)
     if channel is None:

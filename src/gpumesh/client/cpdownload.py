@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from gpumesh import platform
 from gpumesh.blocking import in_thread
+from gpumesh.client.bulk import NoChannel, Unpacked, answer_after_offer, receive_tar
 from gpumesh.client.cpretry import RESPONSE_TIMEOUT, Copier, run_pump, shown
 from gpumesh.errors import (
     ConfigError,
@@ -29,7 +30,9 @@ from gpumesh.errors import (
     UnreachableError,
 )
 from gpumesh.files.hashing import label, new_hasher, offered, taken
+from gpumesh.files.transfer import FileSink, hash_file, truncate_at, unpack_from, worker
 from gpumesh.protocol.messages import ChannelGet, DirGet, FileDone, FileGet, FileInfo
+from gpumesh.transport.channel import receive_file
 from gpumesh.units import format_size
 
 if TYPE_CHECKING:
@@ -138,8 +141,6 @@ class Download(Copier):
         return True
 
     async def _get_file_quic(self, session: Session, dest: Path) -> bool:
-        from gpumesh.files.transfer import FileSink, worker
-
         part = dest.with_name(dest.name + PART_SUFFIX)
         assert self.info is not None
         offset = self._part_offset(part)
@@ -208,8 +209,6 @@ class Download(Copier):
         )
 
     async def _get_folder(self, session: Session, dest: Path) -> None:
-        from gpumesh.client.bulk import NoChannel, answer_after_offer, receive_tar
-
         temp = dest.with_name(dest.name + PART_SUFFIX)
         await in_thread(_remove, temp)
         wanted = self.use_channel(session)
@@ -266,8 +265,6 @@ class Download(Copier):
     ) -> Unpacked:
         """The tar as DATA on the request's stream, unpacked into ``temp``; its hash
         and bytes of content."""
-        from gpumesh.client.bulk import Unpacked
-        from gpumesh.files.transfer import unpack_from
 
         hasher = new_hasher(hash_name)
         async with unpack_from(temp, size, hasher) as feed:
@@ -314,8 +311,6 @@ def _local_target(local: Path, remote: str, peer_name: str, kind: str) -> Path:
 
 
 def _truncate_and_hash(fd: int, offset: int, hasher: Hasher) -> None:
-    from gpumesh.files.transfer import hash_file, truncate_at
-
     truncate_at(fd, offset)
     hash_file(fd, offset, hasher)
 
@@ -336,8 +331,6 @@ def _resume_and_receive(
     progress: Callable[[int], None],
 ) -> None:
     """After the part kept so far (hashed while the first new bytes arrive), the rest."""
-    from gpumesh.files.transfer import truncate_at
-    from gpumesh.transport.channel import receive_file
 
     truncate_at(fd, offset)
     receive_file(channel, fd, count, hasher, progress, offset)

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from gpumesh.blocking import in_thread
+from gpumesh.client.bulk import NoChannel, open_channel, why_no_channel
 from gpumesh.errors import (
     ConfigError,
     ConnectionLostError,
@@ -82,7 +83,6 @@ class Copier:
 
     def allow_channel(self, fast_path: bool) -> None:
         """Whether the data channel may be tried at all (the user's and the config's word)."""
-        from gpumesh.client.bulk import NoChannel
 
         self.fast = fast_path and str(self.node.home.config.get("data_channel")) == "on"
         if not self.fast:
@@ -149,7 +149,6 @@ class Copier:
 
     def use_channel(self, session: Session) -> bool:
         """Whether to ask for a data channel now (if not, ``result.no_channel`` says why)."""
-        from gpumesh.client.bulk import why_no_channel
 
         if not self.fast:
             return False
@@ -164,7 +163,6 @@ class Copier:
     ) -> None:
         """The data channel could not be opened (``failed``) or was not offered: this
         copy goes on over QUIC."""
-        from gpumesh.client.bulk import NoChannel
 
         logger.debug("copy: no data channel to %s (%s); using QUIC", self.peer.name, why)
         self.fast = False
@@ -183,8 +181,6 @@ class Copier:
             return None
 
     async def open_channel(self, session: Session, offer: ChannelOffer) -> Channel | None:
-        from gpumesh.client.bulk import open_channel
-
         channel = await open_channel(self.node, session, self.peer, offer, self.stall_timeout)
         if channel is not None:
             self.result.congestion = channel.congestion

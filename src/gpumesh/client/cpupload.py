@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from gpumesh import platform
 from gpumesh.blocking import in_thread
+from gpumesh.client.bulk import NoChannel, answer_after_offer, send_tar
 from gpumesh.client.cpretry import RESPONSE_TIMEOUT, Copier, run_pump, shown
 from gpumesh.errors import (
     ConfigError,
@@ -33,7 +34,10 @@ from gpumesh.errors import (
     UnreachableError,
 )
 from gpumesh.files.hashing import SHA256, new_hasher, offered, taken
+from gpumesh.files.pack import scan, tar_size
+from gpumesh.files.transfer import file_chunks, hash_file, swallow, tar_chunks, worker
 from gpumesh.protocol.messages import ChannelPut, DirPut, FileDone, FilePut, FileResume
+from gpumesh.transport.channel import send_file
 from gpumesh.units import format_size
 
 if TYPE_CHECKING:
@@ -104,7 +108,6 @@ class FileUpload(_Upload):
 
     async def attempt_channel(self, session: Session, target: str) -> bool:
         """Send over a data channel, hashing while sending; False: none could be opened."""
-        from gpumesh.transport.channel import send_file
 
         stream = session.open_stream()
         asked = offered()
@@ -156,7 +159,6 @@ class FileUpload(_Upload):
     async def attempt_quic(self, session: Session, target: str) -> bool:
         """Send over QUIC, hashing while sending, the hash after the bytes; False: the
         provider predates that (and wants the SHA-256 up front)."""
-        from gpumesh.files.transfer import file_chunks, hash_file, swallow, worker
 
         self.result.channel = "quic"
         stream = session.open_stream()
@@ -204,7 +206,6 @@ class FileUpload(_Upload):
     async def attempt_quic_legacy(self, session: Session, target: str) -> None:
         """Send over QUIC as to a provider from before the hash negotiation: the
         file's SHA-256 in FilePut, hashed before sending."""
-        from gpumesh.files.transfer import file_chunks, worker
 
         if self.legacy is None:
             self.legacy = await in_thread(_hash_path, self.local, self.st)
@@ -266,8 +267,6 @@ class FileUpload(_Upload):
 
 class FolderUpload(_Upload):
     async def prepare(self) -> None:
-        from gpumesh.files.pack import scan, tar_size
-
         self.plan = await in_thread(scan, self.local, [self.node.home.path])
         self.size = await in_thread(tar_size, self.plan)
         self.result.size = self.size
@@ -275,8 +274,6 @@ class FolderUpload(_Upload):
         self.result.skipped = [f"{s.path}: {s.reason}" for s in self.plan.skipped]
 
     async def attempt(self, session: Session) -> None:
-        from gpumesh.client.bulk import NoChannel, answer_after_offer, send_tar
-
         target = await self.settle_target(session)
         wanted = self.use_channel(session)
         stream = session.open_stream()
@@ -327,7 +324,6 @@ class FolderUpload(_Upload):
 
     async def _send_quic(self, stream: Stream, hash_name: str) -> tuple[bytes, FileDone]:
         """The tar as DATA on the request's stream; its hash and the provider's answer."""
-        from gpumesh.files.transfer import tar_chunks
 
         hasher = new_hasher(hash_name)
         answer = _watch(stream, FileDone)
@@ -392,7 +388,6 @@ def _source_id(path: Path, st: os.stat_result) -> str:
 
 def _hash_path(path: Path, st: os.stat_result) -> bytes:
     """The SHA-256 of a local file, for a provider that wants it before the bytes."""
-    from gpumesh.files.transfer import hash_file
 
     hasher = new_hasher(SHA256)
     fd = os.open(path, os.O_RDONLY | platform.BINARY)

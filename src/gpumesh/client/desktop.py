@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from gpumesh.blocking import closing_in_thread
+from gpumesh.client.bulk import BLOCKED_FOR, why_no_channel
 from gpumesh.errors import (
     AccessDeniedError,
     BadRequestError,
@@ -49,6 +50,7 @@ from gpumesh.errors import (
 from gpumesh.protocol.desktop import DesktopKind, client_commands, kind_for_port
 from gpumesh.protocol.handshake import BINDING_SIZE
 from gpumesh.protocol.messages import ChannelDeclined, DesktopOpen, DesktopOpened
+from gpumesh.transport.channel import dial_memory
 from gpumesh.transport.sealing import FRAMING_VERSION
 from gpumesh.transport.sockowner import (
     listening_beyond_loopback,
@@ -288,8 +290,6 @@ class _Way:
 async def _open_channel(way: _Way, opened: DesktopOpened) -> MemoryChannel | None:
     """Dial the offered data channel; None when it does not open (remembered for the
     peer, as ``cp`` remembers it: later connections go over QUIC without trying)."""
-    from gpumesh.client.bulk import BLOCKED_FOR
-    from gpumesh.transport.channel import dial_memory
 
     try:
         return await closing_in_thread(
@@ -315,7 +315,6 @@ async def _carry(
     """One local connection over its own stream (or a data channel beside it); a
     refusal that ends the whole tunnel (access revoked, share stopped) settles
     ``ended``."""
-    from gpumesh.client.bulk import why_no_channel
 
     session = way.session
     stream = session.open_stream()

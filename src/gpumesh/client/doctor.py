@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import datetime
 import os
+import shutil
 import socket
 import stat
+import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from gpumesh import platform
+from gpumesh.blocking import run_async
 from gpumesh.client.owner import worker_user
 from gpumesh.errors import ConfigError, GPUMeshError
+from gpumesh.gpu.inventory import detect_inventory
 from gpumesh.runtime.base import NO_GPU_RUNTIME, EngineIsolation
+from gpumesh.runtime.docker import DockerRuntime
 from gpumesh.runtime.jobnet import (
     cannot_filter,
     describe_mode,
@@ -22,7 +27,14 @@ from gpumesh.runtime.jobnet import (
 )
 from gpumesh.runtime.users import job_identity
 from gpumesh.settings import env
+from gpumesh.store.config import KEYS
 from gpumesh.store.home import Home
+from gpumesh.store.limits import ShareLimits, machine_size
+from gpumesh.transport.endpoint import QuicEndpoint
+from gpumesh.transport.netinfo import local_addresses
+from gpumesh.transport.relayclient import RelayClient, parse_host_port
+from gpumesh.transport.session import resolve_relay
+from gpumesh.transport.udp import UdpSocket, open_udp_socket
 from gpumesh.units import format_size, parse_size
 
 if TYPE_CHECKING:
@@ -109,8 +121,6 @@ def _identity(home: Home) -> Check:
 
 
 def _config(home: Home) -> Check:
-    from gpumesh.store.config import KEYS
-
     try:
         config = home.config
     except GPUMeshError as exc:
@@ -169,8 +179,6 @@ def _home_modes(home: Home) -> Check:
 
 
 def _docker(home: Home) -> list[Check]:
-    from gpumesh.runtime.docker import DockerRuntime
-
     runtime = DockerRuntime()
     try:
         try:
@@ -192,8 +200,6 @@ _DOCKER_FIX = (
 
 
 def _gpu_runtime(runtime: DockerRuntime) -> Check:
-    from gpumesh.gpu.inventory import detect_inventory
-
     inventory = detect_inventory()
     gpus = inventory.gpus()
     has_runtime = runtime.gpu_runtime_available()
@@ -231,7 +237,6 @@ def _default_image(home: Home, runtime: DockerRuntime) -> Check:
 
 def _isolation() -> EngineIsolation | str:
     """The engine's isolation, or why it cannot be told."""
-    from gpumesh.runtime.docker import DockerRuntime
 
     runtime = DockerRuntime()
     try:
@@ -245,7 +250,6 @@ def _isolation() -> EngineIsolation | str:
 def _storage_size(image: str) -> bool | None:
     """Whether Docker can size-limit container filesystems; None when it cannot
     be told (Docker down, or ``image`` not here to probe with)."""
-    from gpumesh.runtime.docker import DockerRuntime
 
     runtime = DockerRuntime()
     try:
@@ -319,7 +323,6 @@ def _job_storage(home: Home) -> Check:
     try:
         config = home.config
         job_root = config.get("job_root") == "on"
-        from gpumesh.store.limits import ShareLimits, machine_size
 
         memory = ShareLimits.from_config(config, machine_size()).job_memory
         tmp = parse_size(str(config.get("job_tmp")))
@@ -475,8 +478,6 @@ def _status_ids(text: str) -> tuple[int, int] | None:
 
 
 def _gpus() -> Check:
-    from gpumesh.gpu.inventory import detect_inventory
-
     inventory = detect_inventory()
     gpus = inventory.gpus()
     if inventory.source == "simulated":
@@ -536,16 +537,10 @@ def _relay(home: Home) -> list[Check]:
                 "gpumesh config set relay HOST:PORT (a `gpumesh-relay` you or a friend run)",
             )
         ]
-    return platform.run(_relay_checks(home))
+    return run_async(_relay_checks(home))
 
 
 async def _relay_checks(home: Home) -> list[Check]:
-    from gpumesh.transport.endpoint import QuicEndpoint
-    from gpumesh.transport.netinfo import local_addresses
-    from gpumesh.transport.relayclient import RelayClient, parse_host_port
-    from gpumesh.transport.session import resolve_relay
-    from gpumesh.transport.udp import UdpSocket, open_udp_socket
-
     config = home.config
     text = config.relay
     try:
@@ -623,9 +618,6 @@ def _clock() -> Check:
 
 
 def _ntp_synchronized() -> bool | None:
-    import shutil
-    import subprocess
-
     if shutil.which("timedatectl") is None:
         return None
     try:

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from gpumesh.client.placement import evaluate, probe
 from gpumesh.errors import (
     ConfigError,
     NotFoundError,
@@ -230,8 +231,6 @@ class MemberLive:
 
     @classmethod
     def of(cls, probe_result: Probe) -> MemberLive:
-        from gpumesh.client.placement import evaluate
-
         status = probe_result.status
         if status is None:
             reason = probe_result.error or "unreachable"
@@ -301,7 +300,6 @@ async def group_status(node: Node, query: str, *, live: bool = True) -> list[Mem
     They are asked in parallel, each within
     :data:`gpumesh.client.placement.PROBE_TIMEOUT`; with ``live`` false none is.
     """
-    from gpumesh.client.placement import probe
 
     views = members(node, query)
     targets = [v for v in views if live and not v.is_self and v.usable]

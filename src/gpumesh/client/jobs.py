@@ -20,6 +20,7 @@ import dataclasses
 import functools
 import logging
 import secrets
+import shutil
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 
+from gpumesh.client.bulk import answer_after_offer, why_no_channel
 from gpumesh.client.placement import Placement
 from gpumesh.client.submit import (
     place_in_group,
@@ -44,6 +46,8 @@ from gpumesh.errors import (
     UnreachableError,
     error_from_code,
 )
+from gpumesh.files.hashing import offered
+from gpumesh.files.pack import scan, tar_size
 from gpumesh.protocol.framing import FrameKind
 from gpumesh.protocol.joboutput import UNKNOWN, EventSection, OutputPosition
 from gpumesh.protocol.messages import (
@@ -67,6 +71,7 @@ from gpumesh.protocol.states import (
     JobState,
     job_state,
 )
+from gpumesh.store.followers import FollowerSocket
 from gpumesh.store.jobs import JobRecord
 
 if TYPE_CHECKING:
@@ -290,8 +295,6 @@ async def run_job(
     plan = None
     workdir_bytes = 0
     if spec.workdir is not None:
-        from gpumesh.files.pack import scan, tar_size  # only jobs with a workdir pay for it
-
         plan = scan(spec.workdir, exclude_paths=[node.home.path])
         workdir_bytes = tar_size(plan)
     job_id = job_id or new_job_id()
@@ -313,8 +316,6 @@ async def run_job(
     )
     store = node.home.store
     result = JobResult(job_id, peer.name, JobState.QUEUED, None, 0, "")
-    from gpumesh.client.bulk import answer_after_offer, why_no_channel
-    from gpumesh.files.hashing import offered
 
     async def submitted(
         session: Session,
@@ -863,8 +864,6 @@ async def _hosted(
 
 
 def _wake_up_socket(node: Node) -> FollowerSocket | None:
-    from gpumesh.store.followers import FollowerSocket
-
     try:
         return FollowerSocket(node.home.path)
     except OSError as exc:
@@ -887,7 +886,6 @@ def prune_jobs(node: Node, older_than: float, *, dry_run: bool = False) -> list[
     Hosted jobs also lose their logs and workdir on this machine. Running jobs
     are never touched; a submitted job its provider no longer knows counts as finished.
     """
-    import shutil
 
     store = node.home.store
     old = store.finished_jobs_before(time.time() - older_than)

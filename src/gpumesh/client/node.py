@@ -6,15 +6,23 @@ Remote operations are coroutines; local ones are plain methods.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import logging
+import socket
+import statistics
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
+from gpumesh.client.discovery import refresh_peer
+from gpumesh.client.jobs import SilentProviders
+from gpumesh.client.owner import OpenSessions, open_sessions
+from gpumesh.client.pool import PROBE_TIMEOUT
+from gpumesh.client.registry import RegistryClient
 from gpumesh.client.views.peers import PairState
 from gpumesh.errors import (
     ConfigError,
@@ -26,8 +34,10 @@ from gpumesh.errors import (
     RelayError,
     UnreachableError,
 )
+from gpumesh.gpu.inventory import detect_inventory
 from gpumesh.identity.codes import make_code, verify_code
 from gpumesh.identity.keys import Identity, NodeId, check_node_name
+from gpumesh.protocol.addresses import parse_address
 from gpumesh.protocol.messages import (
     Ping,
     Pong,
@@ -41,6 +51,13 @@ from gpumesh.settings import ENV_NODE_NAME, env
 from gpumesh.store.home import AgentInfo, Home
 from gpumesh.store.peers import Peer
 from gpumesh.store.trust import check_home
+from gpumesh.transport.netinfo import local_addresses
+from gpumesh.transport.reach import unreachable
+from gpumesh.transport.session import (
+    RelayHint,
+    open_session,
+    went_through_relay,
+)
 
 if TYPE_CHECKING:
     from gpumesh.client.jobs import SilentProviders
@@ -96,6 +113,8 @@ class NodeStatus:
     running_submitted: int
     """Jobs this node submitted that were not seen finishing (and that their
     providers still know)."""
+    sessions: OpenSessions
+    """The shells, desktops and CUDA sessions the running `gpumesh share` has open."""
 
 
 @dataclass(frozen=True)
@@ -151,7 +170,6 @@ class Node:
     def silent_providers(self) -> SilentProviders:
         """The providers that did not say where their jobs stand when last asked
         (a job listing does not wait on them again)."""
-        from gpumesh.client.jobs import SilentProviders
 
         return SilentProviders()
 
@@ -195,7 +213,6 @@ class Node:
         listen = (
             f"{agent.host}:{agent.port}" if agent else f"{config.listen_host}:{config.listen_port}"
         )
-        from gpumesh.gpu.inventory import detect_inventory
 
         inventory = detect_inventory()
         store = self.home.store
@@ -217,13 +234,13 @@ class Node:
             gpu_source=inventory.source,
             running_hosted=len(store.unfinished_hosted_jobs()),
             running_submitted=len(submitted),
+            sessions=open_sessions(agent),
         )
 
     # --- pairing and the allowlist ------------------------------------------------------
 
     def advertised_addresses(self) -> list[str]:
         """``host:port`` hints peers should dial, best first."""
-        from gpumesh.transport.netinfo import local_addresses
 
         config = self.home.config
         agent = self.home.agent_info()
@@ -397,14 +414,6 @@ class Node:
             return result
 
     async def _dial(self, peer: Peer, timeout: float | None) -> Session:
-        # Imported here: local commands (status, peers) need no QUIC or TLS.
-        from gpumesh.transport.session import (
-            RelayHint,
-            open_session,
-            parse_address,
-            went_through_relay,
-        )
-
         addresses = []
         for text in peer.dial_addresses():
             with contextlib.suppress(ValueError):
@@ -452,9 +461,6 @@ class Node:
     async def _look_up_moved(self, peer: Peer) -> list[Address] | None:
         """New addresses of ``peer`` from the registry (signed by its pinned key), stored;
         None without a registry, a record, or anything new."""
-        from gpumesh.client.discovery import refresh_peer
-        from gpumesh.client.registry import RegistryClient
-        from gpumesh.protocol.addresses import parse_address
 
         url = str(self.home.config.get("rendezvous_url"))
         if not url:
@@ -483,11 +489,8 @@ class Node:
         """Dial a peer, prove identities both ways, and measure the round trip: on
         the warm session to it when this node keeps one, unless ``fresh`` (a new
         dial, timed whole, and closed after; the warm one stays as it was)."""
-        import asyncio
-        import statistics
 
         peer = self.peer(query)
-        import gpumesh.transport.session  # noqa: F401 - loading code is not connecting
 
         started = time.perf_counter()
         opened = (
@@ -546,9 +549,6 @@ class Node:
     ) -> PairCheck:
         """One short dial to a peer: does it know this node yet? Never raises for the
         peer's sake; the whole attempt takes at most ``timeout`` seconds."""
-        import asyncio
-
-        from gpumesh.transport.reach import unreachable
 
         peer = self.peer(query)
         try:
@@ -593,8 +593,6 @@ async def _answers_if_warm(session: Session) -> None:
     """A ping on a session welcomed before this request (lent warm); nothing on one
     dialled for it."""
     if session.welcomed:
-        from gpumesh.client.pool import PROBE_TIMEOUT
-
         await session.request(Ping(sent=time.perf_counter()), timeout=PROBE_TIMEOUT)
 
 
@@ -604,8 +602,6 @@ def default_node_name() -> str:
 
 
 def _default_name() -> str:
-    import socket
-
     host = socket.gethostname().split(".")[0] or "gpumesh-node"
     cleaned = "".join(c if c.isalnum() or c in "._-" else "-" for c in host)[:63]
     return cleaned if cleaned[:1].isalnum() else f"node-{cleaned}"[:63]

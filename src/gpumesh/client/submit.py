@@ -15,8 +15,13 @@ import contextlib
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import TYPE_CHECKING, NoReturn, TypeVar
 
+from gpumesh.client.bulk import NoChannel, send_tar
+from gpumesh.client.files import STALL_TIMEOUT
+from gpumesh.client.groups import members
 from gpumesh.client.placement import Placement, place
 from gpumesh.errors import GPUMeshError, ProtocolError, error_from_code
+from gpumesh.files.hashing import offered, taken
+from gpumesh.files.transfer import NoHash, tar_chunks
 from gpumesh.protocol.framing import FrameKind
 from gpumesh.protocol.messages import JobCancel, Refusal, decode_message
 
@@ -39,7 +44,6 @@ async def place_in_group(
     node: Node, group: str, gpu_memory: int, *, wait: float = 0.0
 ) -> Placement:
     """Probe the group's other members and choose where a job goes."""
-    from gpumesh.client.groups import members
 
     views = [v for v in members(node, group) if not v.is_self]
     return await place(
@@ -86,9 +90,6 @@ async def send_workdir(
     result: JobResult,
 ) -> None:
     """The workdir's tar: over the offered data channel, else as DATA on the stream."""
-    from gpumesh.client.bulk import NoChannel, send_tar
-    from gpumesh.client.files import STALL_TIMEOUT
-    from gpumesh.files.hashing import offered, taken
 
     offer, no_channel = channel
     sent = 0
@@ -122,7 +123,6 @@ async def _upload(
     dropped under ``send_data``), so a failed upload raises instead of waiting
     for a thread blocked on a queue nothing reads any more.
     """
-    from gpumesh.files.transfer import NoHash, tar_chunks
 
     sent = 0
     async with contextlib.aclosing(tar_chunks(plan, NoHash())) as chunks:

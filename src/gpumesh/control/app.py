@@ -41,16 +41,19 @@ from gpumesh.client.bodies import (
     ExchangeBody,
     JobBody,
     PairBody,
+    ShareOptions,
+    ShellRequest,
     SyncBody,
     TcpBody,
 )
-from gpumesh.client.views import ErrorView
+from gpumesh.client.views import ErrorView, apps, files, groups, joblist, jobs, node, owner, peers
 from gpumesh.client.views.apps import AppPullView
 from gpumesh.client.views.node import LoginCodeView, PublishView
 from gpumesh.control import auth
 from gpumesh.control.call import Call, ControlState, Credential, Refusal, cookie_host
 from gpumesh.control.dashboard import history, pages
 from gpumesh.control.endpoints import Access, Endpoint, Query
+from gpumesh.control.openapi import document
 from gpumesh.control.routes.files import post_app_pull, post_app_run, post_app_sync, post_copy
 from gpumesh.control.routes.groups import get_groups, get_members
 from gpumesh.control.routes.jobs import get_job, get_job_events, get_jobs, post_cancel, post_job
@@ -96,6 +99,8 @@ from gpumesh.control.routes.share import (
     post_share,
     post_share_publish,
 )
+from gpumesh.control.shareviews import ShareLine, ShareView
+from gpumesh.control.views import NodeProcessView, ShellOfferView
 from gpumesh.errors import (
     AccessDeniedError,
     AgentError,
@@ -129,8 +134,6 @@ logger = logging.getLogger(__name__)
 
 
 async def get_openapi(call: Call) -> object:
-    from gpumesh.control.openapi import document
-
     return Response(document(ENDPOINTS), media_type="application/json")
 
 
@@ -142,10 +145,6 @@ async def get_openapi(call: Call) -> object:
 
 def _views() -> dict[str, Any]:
     """The response types, imported only when the table is built."""
-    from gpumesh.client.bodies import ShareOptions, ShellRequest
-    from gpumesh.client.views import apps, files, groups, joblist, jobs, node, owner, peers
-    from gpumesh.control.shareviews import ShareLine, ShareView
-    from gpumesh.control.views import NodeProcessView, ShellOfferView
 
     return {
         "status": node.StatusView,

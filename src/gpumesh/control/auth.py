@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from gpumesh import platform
 from gpumesh.settings import ENV_API_TOKEN, env
 from gpumesh.store.modes import read_private
 
@@ -102,7 +103,6 @@ def dashboard_host(token: str) -> str:
 def _nofollow() -> int:
     """``O_NOFOLLOW`` where the system has it (not on Windows, where the client
     reads the token to reach the node process over TCP)."""
-    from gpumesh import platform
 
     return os.O_NOFOLLOW if platform.has("nofollow") else 0
 

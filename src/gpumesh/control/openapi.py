@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from gpumesh.client.views import ErrorView
+from gpumesh.control.endpoints import Access
 from gpumesh.version import __version__
 
 if TYPE_CHECKING:
@@ -27,9 +29,6 @@ _STATUS_TEXT = {200: "OK", 204: "No Content"}
 
 
 def document(endpoints: Sequence[Endpoint]) -> bytes:
-    from gpumesh.client.views import ErrorView
-    from gpumesh.control.endpoints import Access
-
     types: list[Any] = [ErrorView]
     for endpoint in endpoints:
         for kind in (endpoint.response, endpoint.body):

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from gpumesh.client.node import Node
 from gpumesh.cuda.protocol import (
     MAX_CHUNK,
     VERSION,
@@ -48,6 +49,7 @@ from gpumesh.cuda.protocol import (
     decode_result,
     decode_welcome,
 )
+from gpumesh.cuda.remote import DEFAULT_MEMORY, carry_socket
 from gpumesh.errors import ConnectionLostError, CudaError, ProtocolError, error_from_code
 
 __all__ = ["LOCAL_BUFFER", "DevicePointer", "Module", "RemoteDevice", "local_pair", "widen"]
@@ -129,8 +131,6 @@ class RemoteDevice:
     ) -> None:
         """Open a session on ``peer`` (a paired provider that allows you CUDA), with
         ``memory`` bytes of device memory held for it (default 1 GiB)."""
-        from gpumesh.client.node import Node
-        from gpumesh.cuda.remote import DEFAULT_MEMORY
 
         node = Node(home)
         try:
@@ -376,8 +376,6 @@ class RemoteDevice:
 
 
 def _carry_in_thread(node: Any, peer: str, memory: int, sock: socket.socket) -> None:
-    from gpumesh.cuda.remote import carry_socket
-
     async def run() -> None:
         await carry_socket(node, peer, memory, sock)
 

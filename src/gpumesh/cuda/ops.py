@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from gpumesh.client.owner import OwnerSession, worker_user
 from gpumesh.cuda.backend import CudaFault, DeviceInfo
+from gpumesh.cuda.driver import DriverBackend, DriverUnavailable, load_driver
 from gpumesh.cuda.kernels import VADD_F32, VADD_PTX
 from gpumesh.cuda.owner import open_sessions
 
@@ -62,7 +63,6 @@ class DoctorReport:
 
 def doctor(node: Node) -> DoctorReport:
     """What a CUDA session here would run on, and who may open one."""
-    from gpumesh.cuda.driver import DriverBackend, DriverUnavailable, load_driver
 
     devices: list[DeviceInfo] = []
     try:

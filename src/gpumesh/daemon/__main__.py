@@ -7,13 +7,12 @@ import asyncio
 import sys
 
 from gpumesh.daemon.client import start_failure_line
+from gpumesh.daemon.main import setup_logging
+from gpumesh.daemon.process import run_node
 from gpumesh.errors import GPUMeshError
 
 
 def main() -> int:
-    from gpumesh.daemon.main import setup_logging
-    from gpumesh.daemon.process import run_node
-
     setup_logging()
     detached = "--detached" in sys.argv[1:]
     try:

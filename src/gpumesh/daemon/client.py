@@ -21,6 +21,11 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
+# As typing's: typing, dataclasses (and their inspect) and the node record's module
+# stay out of a thin command's start-up (gpumesh.cli.launch sends run's request
+# before anything else loads).
+from typing import TYPE_CHECKING
+
 from gpumesh.errors import (
     AgentError,
     GPUMeshError,
@@ -32,10 +37,6 @@ from gpumesh.settings import ENV_HOME
 from gpumesh.store.sockets import socket_name
 from gpumesh.version import VERSION_HEADER, __version__
 
-# As typing's: typing, dataclasses (and their inspect) and the node record's module
-# stay out of a thin command's start-up (gpumesh.cli.launch sends run's request
-# before anything else loads).
-TYPE_CHECKING = False
 if TYPE_CHECKING:
     import subprocess
     from typing import TypeVar

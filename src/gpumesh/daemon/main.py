@@ -20,9 +20,17 @@ from pathlib import Path
 
 import click
 
+from gpumesh.daemon.process import run_node
 from gpumesh.errors import GPUMeshError
 from gpumesh.servermain import run_command
-from gpumesh.settings import API_ADDR_DEFAULT, ENV_API_ADDR, ENV_API_HOSTS, ENV_API_TOKEN, ENV_LOG
+from gpumesh.settings import (
+    API_ADDR_DEFAULT,
+    ENV_API_ADDR,
+    ENV_API_HOSTS,
+    ENV_API_TOKEN,
+    ENV_LOG,
+    env,
+)
 from gpumesh.version import __version__
 
 __all__ = ["command", "main"]
@@ -99,7 +107,6 @@ def command(
     home's own random token in api.token (0600, made on first use); a browser
     opens the one-time login URL printed here. Stop with Ctrl-C or SIGTERM.
     """
-    from gpumesh.settings import env
 
     if (tls_cert is None) != (tls_key is None):
         click.echo("error: --tls-cert and --tls-key go together: give both", err=True)
@@ -122,8 +129,6 @@ def command(
 async def _run(
     *, listen: str | None, allow_remote: bool, tls: tuple[Path, Path] | None, hosts: list[str]
 ) -> int:
-    from gpumesh.daemon.process import run_node
-
     return await run_node(
         None,
         listen=listen,
@@ -137,7 +142,6 @@ async def _run(
 
 def setup_logging() -> None:
     """Warnings (or ``$GPUMESH_LOG``'s level) to stderr, one line each."""
-    from gpumesh.settings import env
 
     level = (env(ENV_LOG) or "warning").split(",")[0].upper()
     handler = logging.StreamHandler(sys.stderr)

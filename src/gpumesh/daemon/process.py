@@ -33,6 +33,18 @@ from typing import TYPE_CHECKING
 from gpumesh import platform
 from gpumesh.client.bodies import ShareOptions
 from gpumesh.client.node import Node
+from gpumesh.client.pool import SessionPool
+from gpumesh.control import auth
+from gpumesh.control.app import create_app
+from gpumesh.control.call import ControlState
+from gpumesh.control.server import (
+    limits,
+    parse_listen,
+    serve,
+    tcp_listener,
+    tls_context,
+    unix_listener,
+)
 from gpumesh.control.shareviews import ShareEnd, ShareLine, ShareView
 from gpumesh.control.views import (
     NodeProcessView,
@@ -42,10 +54,13 @@ from gpumesh.control.views import (
     ShareEndedView,
     WarmSessionView,
 )
+from gpumesh.daemon.client import NoAnswer, NodeClient, NodeUnavailableError
 from gpumesh.daemon.record import HomeLock, NodeRecord, holder, last_share_end, new_record
 from gpumesh.daemon.sharing import Sharing
+from gpumesh.daemon.shells import Shells
 from gpumesh.errors import ConfigError, GPUMeshError, InUseError
 from gpumesh.httpguard import Guard, raise_descriptor_limit
+from gpumesh.protocol.states import FINAL_STATES, JobRole
 from gpumesh.settings import (
     API_ADDR_DEFAULT,
     ENV_API_ADDR,
@@ -54,6 +69,7 @@ from gpumesh.settings import (
     ENV_TEST_NODE_VERSION,
     env,
 )
+from gpumesh.transport.outgoing import OutgoingSocket
 from gpumesh.version import __version__
 
 if TYPE_CHECKING:
@@ -221,8 +237,6 @@ def _take_home(home: Path, *, detached: bool) -> tuple[HomeLock, ShareOptions | 
         if record is None:
             continue  # it let go between the two looks
         if detached or not asked:
-            from gpumesh.daemon.client import NoAnswer, NodeClient, NodeUnavailableError
-
             client = NodeClient(home)
             view: NodeVersionView | None = None
             with contextlib.suppress(NodeUnavailableError):
@@ -270,18 +284,6 @@ async def run_node(
     ends the process with its error. ``echo`` hears every line a share says (a
     process in the foreground prints them). ``title``: what its lines call it
     (``gpumesh-control`` in the foreground, by default)."""
-    from gpumesh.control import auth
-    from gpumesh.control.app import create_app
-    from gpumesh.control.call import ControlState
-    from gpumesh.control.server import (
-        limits,
-        parse_listen,
-        serve,
-        tcp_listener,
-        tls_context,
-        unix_listener,
-    )
-    from gpumesh.daemon.shells import Shells
 
     # One Node (so one database connection) per process: a second connection made
     # beside the agent's would close a descriptor of the database file, and with it
@@ -362,8 +364,6 @@ async def run_node(
             on_change=write_record,
         )
         process.unfinished = functools.partial(_unfinished, node.home)
-        from gpumesh.client.pool import SessionPool
-        from gpumesh.transport.outgoing import OutgoingSocket
 
         # One socket and one relay registration per relay for every outgoing link.
         outgoing = OutgoingSocket(lambda: node.home.identity)
@@ -494,7 +494,6 @@ async def _share_from_start(
 
 def _unfinished(home: Home) -> bool:
     """Whether ``home`` has jobs it hosts or submitted that have not ended."""
-    from gpumesh.protocol.states import FINAL_STATES, JobRole
 
     store = home.store
     if store.unfinished_hosted_jobs():

@@ -26,6 +26,9 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
+from gpumesh import platform
+from gpumesh.settings import ENV_TEST_PLATFORM, ENV_TEST_WITHOUT, env
+
 __all__ = [
     "LOCK_NAME",
     "RECORD_NAME",
@@ -107,11 +110,9 @@ def _flock_here() -> bool:
     """Whether homes are locked with ``flock``: ``platform.has("fcntl")``, answered
     here when plainly yes (no simulated platform): importing :mod:`gpumesh.platform`
     costs a thin command milliseconds."""
-    from gpumesh.settings import ENV_TEST_PLATFORM, ENV_TEST_WITHOUT, env
 
     if not (env(ENV_TEST_PLATFORM) or env(ENV_TEST_WITHOUT)):
         return find_spec("fcntl") is not None
-    from gpumesh import platform
 
     return platform.has("fcntl")
 
@@ -199,7 +200,6 @@ class HomeLock:
         """Publish ``record`` (atomically: a reader sees the old one or the new one)."""
         path = self.home / RECORD_NAME
         temp = path.with_name(f".{RECORD_NAME}.{os.getpid()}")
-        from gpumesh import platform  # the node process's, not the thin path's
 
         nofollow = platform.open_flag("O_NOFOLLOW")
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | nofollow, 0o600)

@@ -18,10 +18,15 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
+from gpumesh import platform
+from gpumesh.agent.server import Agent
 from gpumesh.client.bodies import ShareOptions
 from gpumesh.control.shareviews import ShareEnd, ShareLine, ShareView
+from gpumesh.daemon import publish
 from gpumesh.errors import ConfigError, GPUMeshError, InUseError, RuntimeUnavailableError
 from gpumesh.runtime.base import NO_GPU_RUNTIME_NOTE
+from gpumesh.runtime.jobnet import describe_mode
+from gpumesh.units import format_size
 
 _SAID = {"gpumesh_said": True}
 """On the log record of a line the share says (see cli/_logsetup.LevelFilter)."""
@@ -138,15 +143,12 @@ class Sharing:
                 return self.view()
             cap = options.check()
             require_linux()
-            from gpumesh.daemon import publish
 
             publish.check(self.node.home.config, options.public)
             await self._start(options, cap)
             return self.view()
 
     async def _start(self, options: ShareOptions, cap: int | None) -> None:
-        from gpumesh.agent.server import Agent
-
         self.node.home.reload_config()  # `config set` in another process: the latest
         agent = Agent(self.node.home, host=options.host, port=options.port, max_vram=cap)
         agent.jobs.report = lambda line: self.say(f"  {line}")
@@ -158,7 +160,6 @@ class Sharing:
         self.on_change()
         try:
             await self._report(agent)
-            from gpumesh.daemon import publish
 
             self._publishing = await publish.start(self.node, agent, options, self.say)
         except BaseException:
@@ -209,9 +210,6 @@ class Sharing:
     # --- the start's report ----------------------------------------------------------------
 
     async def _report(self, agent: Agent) -> None:
-        from gpumesh.runtime.jobnet import describe_mode
-        from gpumesh.units import format_size
-
         info = self.node.info()
         host, port = agent.address[:2]
         self.say(f"Sharing {info.name} ({info.node_id.short}) on udp {host}:{port}")
@@ -289,7 +287,6 @@ class Sharing:
 def require_linux() -> None:
     """The provider runs Docker jobs with NVIDIA's runtime and Linux's sandboxing
     (openat2, /proc, unix sockets): elsewhere, say so before anything starts."""
-    from gpumesh import platform
 
     if platform.system() != "linux":
         raise RuntimeUnavailableError(

@@ -30,11 +30,13 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from gpumesh import platform
+from gpumesh.client.exec import exec_shell
 from gpumesh.client.views import ErrorView
 from gpumesh.client.views.runs import PullingView
 from gpumesh.control.views import ShellOfferView
 from gpumesh.daemon import frames
 from gpumesh.errors import GPUMeshError
+from gpumesh.store.sockets import socket_name
 
 if TYPE_CHECKING:
     from gpumesh.client.bodies import ShellRequest
@@ -112,8 +114,6 @@ def _listener(home: Path, name: str) -> tuple[socket.socket, Path | None]:
     """A listening socket for one shell: a unix socket in ``home`` (its path), or
     loopback TCP where the system has no unix sockets (None)."""
     if platform.has("unix"):
-        from gpumesh.store.sockets import socket_name
-
         path = home / name
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -137,7 +137,6 @@ async def _session(
     node: Node, request: ShellRequest, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
 ) -> None:
     """One shell: frames in, the session's frames out, until it ends."""
-    from gpumesh.client.exec import exec_shell
 
     shell: list[ExecSession] = []
     pending: list[tuple[int, int]] = []

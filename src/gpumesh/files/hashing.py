@@ -22,6 +22,8 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
+from blake3 import blake3
+
 from gpumesh.errors import ProtocolError
 from gpumesh.files.transfer import Hasher
 
@@ -79,8 +81,6 @@ def taken(reply: str, asked: Sequence[str]) -> str:
 def new_hasher(name: str) -> Hasher:
     """A fresh hasher for ``name`` (one of :data:`PREFERENCE`)."""
     if name == BLAKE3:
-        from blake3 import blake3
-
         hasher: Hasher = blake3(max_threads=BLAKE3_THREADS)
         return hasher
     if name == SHA256:

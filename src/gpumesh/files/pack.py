@@ -27,15 +27,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, Literal, NamedTuple, Protocol, cast
 
+import pathspec
+
 from gpumesh import platform
 from gpumesh.errors import ConfigError, LimitError
 from gpumesh.files.sandbox import MAX_DEPTH, Folder, Tree, open_beneath, pause_point
 from gpumesh.files.untar import unpack_tar
+from gpumesh.files.watch import open_watch
 from gpumesh.units import format_size
 
 if TYPE_CHECKING:
-    import pathspec
-
     from gpumesh.files.watch import FolderWatch
 
 __all__ = [
@@ -70,8 +71,8 @@ DEFAULTS_REGEX = (
     r"|(?:^(?:.+/)?\.gpumesh(?:/))|(?:^(?:.+/)?[^/]*\.pyc(?:(?:/)|$))"
 )
 """What pathspec makes of :data:`DEFAULT_IGNORES`, as one regex (a test keeps it
-equal). Importing pathspec costs more than a whole re-sync's scan, so a folder
-without a ``.gpumeshignore`` needs it only when one of its paths matches."""
+equal): a folder without a ``.gpumeshignore`` is matched with it, and pathspec's
+rules are compiled only when one of its paths matches."""
 
 _BLOCK = tarfile.BLOCKSIZE
 _END_OF_ARCHIVE = b"\0" * (2 * _BLOCK)
@@ -160,8 +161,6 @@ class _IgnoreRules:
             self._any = re.compile(DEFAULTS_REGEX)
 
     def _compile(self) -> pathspec.GitIgnoreSpec:
-        import pathspec
-
         patterns = []
         self._why = []
         for where, line in self._sources:
@@ -444,7 +443,6 @@ def _scan(
 def _scan_watched(tree: Tree, rules: _IgnoreRules, excluded: set[str], memo: ScanMemo) -> PackPlan:
     """:func:`_scan` of the user's own folder, listing again only the folders its
     watch saw a change in (all of them when there is no watch, or it says to)."""
-    from gpumesh.files.watch import open_watch
 
     prefix = os.path.join(str(tree.path), "")
     key = (prefix, tuple(sorted(excluded)), True, rules.lines)

@@ -23,6 +23,7 @@ This module knows nothing of peers, requests or quotas.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import os
 import shutil
@@ -98,9 +99,6 @@ def use_openat2(enabled: bool | None) -> None:
 def _probe_openat2() -> bool:
     if not sys.platform.startswith("linux"):
         return False
-    # ctypes only here: most commands never open a sandbox, and it costs ~4 ms to import.
-    import ctypes
-
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         syscall = libc.syscall

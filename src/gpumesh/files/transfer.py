@@ -26,6 +26,8 @@ from gpumesh.errors import (
     ConfigError,
     ProtocolError,
 )
+from gpumesh.files.pack import write_tar
+from gpumesh.files.untar import unpack_stream
 
 if TYPE_CHECKING:
     from gpumesh.files.pack import PackPlan
@@ -270,7 +272,6 @@ class _Stopped(Exception):
 
 async def tar_chunks(plan: PackPlan, hasher: Hasher) -> AsyncGenerator[bytes, None]:
     """``write_tar(plan)`` as chunks of about 1 MiB, packed and hashed on a thread."""
-    from gpumesh.files.pack import write_tar
 
     loop = asyncio.get_running_loop()
     chunks: asyncio.Queue[bytes | BaseException | None] = asyncio.Queue(maxsize=_DEPTH)
@@ -322,8 +323,6 @@ def _unpack(
     hasher: Hasher | None = None,
     owner: tuple[int, int] | None = None,
 ) -> int:
-    from gpumesh.files.untar import unpack_stream
-
     if hasher is None:
         return unpack_stream(next_piece, dest, limit, owner)
     update = hasher.update

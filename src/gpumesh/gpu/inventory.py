@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
+import pynvml
+
 from gpumesh.errors import ConfigError
 from gpumesh.units import parse_size
 
@@ -91,8 +93,6 @@ class NvmlInventory:
     source = "nvml"
 
     def __init__(self) -> None:
-        import pynvml
-
         pynvml.nvmlInit()  # raises when no driver: the caller falls back
         self._nvml = pynvml
 

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import datetime
 
+from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from cryptography.x509.oid import NameOID
 
 from gpumesh.errors import KeyMismatchError
 from gpumesh.identity.keys import Identity
@@ -19,10 +21,6 @@ __all__ = ["public_key_from_spki", "self_signed_certificate_pem"]
 
 def self_signed_certificate_pem(identity: Identity) -> bytes:
     """PEM certificate for ``identity``, valid from yesterday for ten years."""
-    # Only providers make certificates: dialers do not pay for importing x509.
-    from cryptography import x509
-    from cryptography.x509.oid import NameOID
-
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"gpumesh-{identity.node_id}")])
     now = datetime.datetime.now(datetime.UTC)
     cert = (

@@ -12,6 +12,7 @@ address and in total, a deadline for a whole request, the body limit), with
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import logging
 import socket
@@ -19,9 +20,12 @@ import sys
 from typing import Any
 
 import click
+import uvicorn
 
 from gpumesh.errors import ConfigError
+from gpumesh.httpguard import Guard, Limits, http_protocol, raise_descriptor_limit
 from gpumesh.protocol.addresses import format_address
+from gpumesh.registry.app import create_app
 from gpumesh.registry.config import (
     DEFAULT_DB,
     DEFAULT_LISTEN,
@@ -29,6 +33,7 @@ from gpumesh.registry.config import (
     database_url,
     trusted_proxies,
 )
+from gpumesh.registry.store import RegistryStore
 from gpumesh.servermain import print_error, run_command, stderr_logging
 from gpumesh.version import __version__
 
@@ -197,8 +202,6 @@ def _bind(host: str, port: int) -> socket.socket:
 def _serve(
     config: RegistryConfig, url: str, sock: socket.socket, forwarded: str, log_level: str
 ) -> int:
-    import asyncio
-
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         return runner.run(_run(config, url, sock, forwarded, log_level))
 
@@ -215,12 +218,6 @@ def _loop_factory() -> Any:
 async def _run(
     config: RegistryConfig, url: str, sock: socket.socket, forwarded: str, log_level: str
 ) -> int:
-    import uvicorn
-
-    from gpumesh.httpguard import Guard, Limits, http_protocol, raise_descriptor_limit
-    from gpumesh.registry.app import create_app
-    from gpumesh.registry.store import RegistryStore
-
     store = RegistryStore(url)
     where = config.db if "://" not in config.db else config.db.split("@")[-1]
     try:
@@ -259,8 +256,6 @@ async def _run(
 
 
 def _loop_name() -> str:
-    import asyncio
-
     return type(asyncio.get_running_loop()).__module__.split(".")[0]
 
 

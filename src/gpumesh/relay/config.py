@@ -9,12 +9,14 @@ operator needs.
 
 from __future__ import annotations
 
+import tomllib
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from gpumesh.errors import ConfigError
-from gpumesh.units import parse_duration
+from gpumesh.identity.keys import NodeId
+from gpumesh.units import parse_duration, parse_size
 
 __all__ = [
     "PRIVATE_BY_DEFAULT",
@@ -183,7 +185,6 @@ def _lines(path: Path, what: str) -> list[tuple[int, str]]:
 
 def read_allow_file(path: Path) -> frozenset[str]:
     """Node ids, one per line; ``#`` starts a comment. A malformed id names its line."""
-    from gpumesh.identity.keys import NodeId
 
     ids = set()
     for number, line in _lines(path, "allow file"):
@@ -202,8 +203,6 @@ def read_token_file(path: Path) -> tuple[str, ...]:
 
 
 def check_node_ids(ids: list[str] | tuple[str, ...], where: str) -> frozenset[str]:
-    from gpumesh.identity.keys import NodeId
-
     for node_id in ids:
         if not isinstance(node_id, str) or not NodeId.is_well_formed(node_id.strip()):
             raise ConfigError(f"{where}: {node_id!r} is not a node id (26 characters)")
@@ -242,7 +241,6 @@ def load_config_file(path: Path) -> dict[str, Any]:
     to the file). Sizes and durations may be numbers or strings with units.
     Unknown keys are an error, so a typo never silently loosens a limit.
     """
-    import tomllib
 
     try:
         raw = tomllib.loads(path.read_text(encoding="utf-8"))
@@ -292,8 +290,6 @@ def _text(value: object, where: str) -> str:
 
 
 def _size(value: object, where: str) -> int:
-    from gpumesh.units import parse_size
-
     if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
         return value
     if isinstance(value, str):

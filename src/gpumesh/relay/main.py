@@ -9,7 +9,9 @@ only once the settings are known to be good, so ``--help`` stays fast.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,8 +27,9 @@ from gpumesh.relay.config import (
     read_allow_file,
     read_token_file,
 )
+from gpumesh.relay.server import serve
 from gpumesh.servermain import print_error, run_command, stderr_logging
-from gpumesh.units import parse_duration
+from gpumesh.units import parse_duration, parse_size
 from gpumesh.version import __version__
 
 __all__ = ["main", "relay"]
@@ -156,7 +159,6 @@ def relay(**options: Any) -> None:
     """
     config = build_config(options)
     stderr_logging(config.log_level)
-    import asyncio
 
     sys.exit(asyncio.run(_run(config)))
 
@@ -219,8 +221,6 @@ def build_config(options: dict[str, Any]) -> RelayConfig:
 
 
 def _size_flag(text: str, name: str) -> int:
-    from gpumesh.units import parse_size
-
     try:
         return parse_size(text)
     except ConfigError as exc:
@@ -228,11 +228,6 @@ def _size_flag(text: str, name: str) -> int:
 
 
 async def _run(config: RelayConfig) -> int:
-    import asyncio
-    import signal
-
-    from gpumesh.relay.server import serve
-
     try:
         server = await serve(config)
     except OSError as exc:

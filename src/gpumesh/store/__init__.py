@@ -10,8 +10,7 @@ The names below load on first use: shell completion imports
 from __future__ import annotations
 
 import importlib
-
-TYPE_CHECKING = False  # as typing's, without importing it (a Tab press pays for it)
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from gpumesh.store.db import Store

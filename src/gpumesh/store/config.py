@@ -16,10 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import tomli_w
+
 from gpumesh import settings
 from gpumesh.errors import ConfigError, IdentityError
 from gpumesh.identity.keys import check_node_name
 from gpumesh.protocol.flow import DEFAULT_WINDOW
+from gpumesh.runtime.users import parse_job_user
 from gpumesh.store.modes import read_private, write_private
 from gpumesh.units import parse_size
 
@@ -194,9 +197,6 @@ def _link_buffer(text: str) -> str:
 
 
 def _job_user(text: str) -> str:
-    # Imported here: the job runtime is a provider's, and a consumer's command
-    # (an in-process cp, say) would load it before it dials for nothing.
-    from gpumesh.runtime.users import parse_job_user
 
     parse_job_user(text)
     return text.strip()
@@ -460,6 +460,18 @@ class Config:
             return MASK if value else ""
         return value
 
+    def shown_all(self) -> dict[str, Value]:
+        """Every setting's effective value, a secret one masked (``config show``)."""
+        return {name: self.shown(name) for name in KEYS}
+
+    def shown_text(self, name: str) -> str:
+        """``name``'s effective value as ``config get`` prints it, a secret one masked."""
+        return value_text(self.shown(name))
+
+    @staticmethod
+    def is_secret(name: str) -> bool:
+        return KEYS[name].secret
+
     def source(self, name: str) -> str:
         key = lookup_key(name)
         if key.env and settings.env(key.env):
@@ -479,7 +491,6 @@ class Config:
 
     def save(self) -> None:
         """Write the file, mode 0600 from its first byte."""
-        import tomli_w
 
         write_private(self.path, tomli_w.dumps(dict(sorted(self._values.items()))).encode())
 

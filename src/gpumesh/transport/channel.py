@@ -52,6 +52,9 @@ import time
 from collections.abc import Callable, Generator, Iterator
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+
 from gpumesh import platform
 from gpumesh.errors import (
     AccessDeniedError,
@@ -62,6 +65,8 @@ from gpumesh.errors import (
     ProtocolError,
     UnreachableError,
 )
+from gpumesh.files.transfer import hash_file
+from gpumesh.identity.tlscert import public_key_from_spki, self_signed_certificate_pem
 
 if TYPE_CHECKING:
     from gpumesh.files.transfer import Hasher
@@ -143,7 +148,6 @@ def congestion_of(sock: socket.socket) -> str:
 
 def server_context(identity: Identity) -> ssl.SSLContext:
     """TLS 1.3 with the node's self-signed Ed25519 certificate (the one QUIC presents)."""
-    from gpumesh.identity.tlscert import self_signed_certificate_pem
 
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = ssl.TLSVersion.TLSv1_3
@@ -732,7 +736,6 @@ def send_file(
     The part before ``offset`` (already at the far end) is hashed from the
     file first, on the helper thread, while sending starts.
     """
-    from gpumesh.files.transfer import hash_file
 
     relay = _Relay([hasher.update], lambda: hash_file(fd, offset, hasher))
     position = offset
@@ -774,7 +777,6 @@ def receive_file(
     sends stays unread. When the channel breaks, every whole piece received is
     in the file.
     """
-    from gpumesh.files.transfer import hash_file
 
     def write(view: memoryview) -> None:
         platform.write_all(fd, view)
@@ -954,10 +956,6 @@ def receive_stream(
 
 def check_pin(der: bytes | None, expected_key: bytes, where: str) -> None:
     """Raise KeyMismatchError unless the certificate ``der`` holds ``expected_key``."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import serialization
-
-    from gpumesh.identity.tlscert import public_key_from_spki
 
     if not der:
         raise KeyMismatchError("the data channel presented no certificate")

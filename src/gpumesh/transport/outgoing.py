@@ -27,6 +27,9 @@ from typing import TYPE_CHECKING, Any
 
 from gpumesh.errors import UnreachableError
 from gpumesh.protocol.addresses import Address
+from gpumesh.transport.endpoint import QuicEndpoint
+from gpumesh.transport.relayclient import dialling_client
+from gpumesh.transport.udp import UdpSocket, open_udp_socket
 
 if TYPE_CHECKING:
     from gpumesh.identity.keys import Identity
@@ -123,9 +126,6 @@ class OutgoingSocket:
     def endpoint(self) -> QuicEndpoint:
         """The shared endpoint, opened now if it is not yet."""
         if self._endpoint is None:
-            from gpumesh.transport.endpoint import QuicEndpoint
-            from gpumesh.transport.udp import UdpSocket, open_udp_socket
-
             try:
                 udp = UdpSocket(open_udp_socket(self.host, 0))
             except OSError as exc:
@@ -167,8 +167,6 @@ class OutgoingSocket:
         return client
 
     def _new_client(self, relay_address: Address, label: str, token: str) -> RelayClient:
-        from gpumesh.transport.relayclient import dialling_client
-
         client = dialling_client(self.endpoint(), relay_address, label, self._identity(), token)
         self._registrations[relay_address] = 0
 

@@ -35,6 +35,7 @@ from gpumesh.protocol import relay as wire
 from gpumesh.protocol.addresses import Address, format_address, parse_address
 from gpumesh.protocol.punch import PunchConfig, Puncher
 from gpumesh.transport.endpoint import QuicEndpoint
+from gpumesh.transport.netinfo import local_addresses
 from gpumesh.transport.quic import QuicLink
 from gpumesh.transport.udp import UdpSocket, open_udp_socket
 
@@ -598,7 +599,6 @@ def dialling_client(
 ) -> RelayClient:
     """A client of the relay at ``relay_address`` that only dials (it serves nobody),
     offering the local addresses of ``endpoint``'s port for punching."""
-    from gpumesh.transport.netinfo import local_addresses
 
     return RelayClient(
         endpoint,

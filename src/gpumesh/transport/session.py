@@ -39,9 +39,11 @@ from gpumesh.protocol.addresses import Address, format_address, parse_address
 from gpumesh.protocol.flow import DEFAULT_WINDOW
 from gpumesh.protocol.handshake import AUTH_STREAM, AuthForm, ClientAuth, ServerAuth
 from gpumesh.protocol.messages import MAX_MESSAGE_FRAME, Hello, Message, Proof, SessionProof
+from gpumesh.protocol.relay import DEFAULT_RELAY_PORT
 from gpumesh.transport.endpoint import QuicEndpoint
 from gpumesh.transport.quic import QuicLink
 from gpumesh.transport.reach import unreachable
+from gpumesh.transport.relayclient import RelayClient, dial_relayed, dialling_client
 from gpumesh.transport.stream import Stream
 
 if TYPE_CHECKING:
@@ -148,7 +150,6 @@ def _why(exc: OSError | UnicodeError) -> str:
 
 async def resolve_relay(text: str) -> Address:
     """``host[:port]`` of a relay to one IPv4 address (UDP)."""
-    from gpumesh.protocol.relay import DEFAULT_RELAY_PORT
 
     try:
         host, port = parse_address(text, DEFAULT_RELAY_PORT)
@@ -357,9 +358,6 @@ async def _dial_relayed(
     timeout: float,
     via: OutgoingSocket | None = None,
 ) -> Session:
-    # Imported here: most dials never need the relay, and every CLI start pays for imports.
-    from gpumesh.transport.relayclient import RelayClient, dial_relayed, dialling_client
-
     relay_address = await resolve_relay(relay.address)
 
     def make_client(endpoint: QuicEndpoint) -> RelayClient:

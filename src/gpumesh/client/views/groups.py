@@ -87,13 +87,11 @@ class MemberStatusEntry(MemberEntry):
 
     @classmethod
     def of_status(cls, status: MemberStatus) -> MemberStatusEntry:
-        from gpumesh.client.groups import MemberState
-
         fields = _member_fields(status.view)
         live = status.live
         if live is None:
             return cls(*fields, reachable=None)
-        shown = live.state if live.state in (MemberState.BUSY, MemberState.IDLE) else "-"
+        shown = live.state if live.state in ("busy", "idle") else "-"
         return cls(
             *fields,
             reachable=live.answered,

@@ -14,7 +14,7 @@ import msgspec
 from gpumesh.protocol.states import JobRole, JobState
 
 if TYPE_CHECKING:
-    from gpumesh.client.jobs import JobEvent, JobResult
+    from gpumesh.client.jobs import JobResult
 
 __all__ = [
     "JOB_EVENTS",
@@ -24,7 +24,6 @@ __all__ = [
     "Output",
     "Reconnecting",
     "Status",
-    "event_view",
 ]
 
 
@@ -110,22 +109,3 @@ JOB_EVENTS: dict[str, type] = {
 }
 """A followed job's Server-Sent Events (``GET /api/v1/jobs/{id}/events``): each
 name's struct; ``end`` is the job's result."""
-
-
-def event_view(event: JobEvent, seq: int) -> JobEventView:
-    """A followed job's event as its view; ``seq``: the follow's sequence number then."""
-    import base64
-
-    from gpumesh.client import jobs
-
-    if isinstance(event, jobs.Output):
-        text = event.data.decode("utf-8", errors="replace")
-        return Output(seq, event.stream, base64.b64encode(event.data).decode("ascii"), text)
-    if isinstance(event, jobs.StatusChanged):
-        status = event.status
-        return Status(
-            seq, event.state, status.attempt, status.exit_code, status.message, event.exited
-        )
-    if isinstance(event, jobs.OutputDropped):
-        return Dropped(seq, event.count)
-    return Reconnecting(seq, event.error.code, event.error.message)

@@ -12,7 +12,6 @@ if TYPE_CHECKING:
     from gpumesh.client.doctor import Check
     from gpumesh.client.node import NodeInfo, NodeStatus
     from gpumesh.gpu.inventory import GpuInfo, GpuInventory
-    from gpumesh.store.config import Config, Value
     from gpumesh.store.home import Home
 
 __all__ = [
@@ -25,7 +24,6 @@ __all__ = [
     "NodeView",
     "PublishView",
     "StatusView",
-    "config_values",
 ]
 
 
@@ -80,8 +78,6 @@ class StatusView(msgspec.Struct):
 
     @classmethod
     def of(cls, status: NodeStatus, *, submitted_unknown: int) -> StatusView:
-        from gpumesh.client.owner import open_sessions
-
         agent = status.agent
         return cls(
             name=status.name,
@@ -102,7 +98,7 @@ class StatusView(msgspec.Struct):
             jobs_hosted_running=status.running_hosted,
             jobs_submitted_running=status.running_submitted,
             jobs_submitted_unknown=submitted_unknown,
-            sessions=SessionsView.of(open_sessions(agent)),
+            sessions=SessionsView.of(status.sessions),
         )
 
 
@@ -171,17 +167,10 @@ class ConfigChangeView(msgspec.Struct):
 
     @classmethod
     def of(cls, home: Home, key: str) -> ConfigChangeView:
-        from gpumesh.store.config import KEYS, value_text
-
-        shown = value_text(home.config.shown(key))
-        return cls(key, shown, KEYS[key].secret, home.agent_info() is not None)
-
-
-def config_values(config: Config) -> dict[str, Value]:
-    """``config show``: every setting's effective value, a secret one masked."""
-    from gpumesh.store.config import KEYS
-
-    return {name: config.shown(name) for name in KEYS}
+        config = home.config
+        return cls(
+            key, config.shown_text(key), config.is_secret(key), home.agent_info() is not None
+        )
 
 
 class PublishView(msgspec.Struct):

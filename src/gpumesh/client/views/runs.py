@@ -11,7 +11,7 @@ import msgspec
 from gpumesh.client.views.jobs import JOB_EVENTS
 
 if TYPE_CHECKING:
-    from gpumesh.client.runs import RunEvent
+    pass
 
 __all__ = [
     "RUN_EVENTS",
@@ -20,7 +20,6 @@ __all__ = [
     "PlacedView",
     "PullingView",
     "UploadingView",
-    "step_view",
 ]
 
 
@@ -72,26 +71,3 @@ RUN_EVENTS: dict[str, type] = {
 }
 """A run's Server-Sent Events (``POST /api/v1/jobs?stream=true``): its steps, as the
 control API names them (the struct's name), then the job's own; ``end`` is its result."""
-
-
-def step_view(event: RunEvent) -> StepView | None:
-    """A step before the job runs as its view; None for the job's own events."""
-    from gpumesh.client import runs
-
-    if isinstance(event, runs.Placed):
-        placement = event.placement
-        assert placement.chosen is not None
-        candidates = [CandidateView(c.name, c.eligible, c.reason) for c in placement.candidates]
-        chosen = placement.chosen
-        return PlacedView(CandidateView(chosen.name, chosen.eligible, chosen.reason), candidates)
-    if isinstance(event, runs.Pulling):
-        pull = event.pull
-        return PullingView(
-            pull.image, pull.layers, pull.layers_done, pull.downloaded, pull.total, pull.done
-        )
-    if isinstance(event, runs.Accepted):
-        accepted = event.accepted
-        return AcceptedView(accepted.job_id, accepted.provider, list(accepted.gpus))
-    if isinstance(event, runs.Uploading):
-        return UploadingView(event.sent, event.total)
-    return None

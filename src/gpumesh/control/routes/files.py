@@ -8,9 +8,20 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+from gpumesh.client import apprun
+from gpumesh.client.apprun import watch_app_run
+from gpumesh.client.apps import app_job, job_folder, pull_folder, pull_job, sync_app
 from gpumesh.client.bodies import AppPullBody, AppRunBody, CopyBody, SyncBody
+from gpumesh.client.files import RETRIES, CopyCallbacks, copy, parse_location
+from gpumesh.client.jobspec import build_spec
 from gpumesh.client.views import ErrorView
-from gpumesh.client.views.apps import AppPullView
+from gpumesh.client.views.apps import AppPullView, AppRunView, SyncView
+from gpumesh.client.views.files import (
+    CopyProgressView,
+    CopyRetryingView,
+    CopyStartedView,
+    CopyView,
+)
 from gpumesh.control.call import Call
 from gpumesh.control.routes.jobs import run_event
 from gpumesh.control.streams import KEEP_ALIVE, EventStream, Feed, feed_events, paced, sse
@@ -23,13 +34,6 @@ async def post_copy(call: Call) -> object:
     """A copy; with ``stream``, its progress as Server-Sent Events (``copystarted``,
     ``copyprogress``, ``copyretrying``), then ``end`` (the copy's view) or ``error``.
     Leaving the stream stops the copy where it is (the next one resumes there)."""
-    from gpumesh.client.files import RETRIES, CopyCallbacks, copy
-    from gpumesh.client.views.files import (
-        CopyProgressView,
-        CopyRetryingView,
-        CopyStartedView,
-        CopyView,
-    )
 
     body: CopyBody = call.body
     if body.retries is not None and not 0 <= body.retries <= 20:
@@ -67,8 +71,6 @@ def _local_side(body: CopyBody) -> tuple[str, str, Callable[[str], str]]:
     """``body``'s source and destination with a relative local path made absolute
     from ``cwd``, and a function that shows that absolute path as the caller wrote it."""
 
-    from gpumesh.client.files import parse_location
-
     source, destination = body.source, body.destination
     if body.cwd is None:
         return source, destination, lambda text: text
@@ -98,9 +100,6 @@ def _local_side(body: CopyBody) -> tuple[str, str, Callable[[str], str]]:
 
 
 async def post_app_sync(call: Call) -> object:
-    from gpumesh.client.apps import sync_app
-    from gpumesh.client.views.apps import SyncView
-
     body: SyncBody = call.body
     result = await sync_app(
         call.node, body.peer, Path(body.dir), name=body.name, dry_run=body.dry_run
@@ -122,8 +121,6 @@ async def post_app_run(call: Call) -> object:
     last number read), then ``end`` (the app run's view) or ``error``. The job's
     output is paced by the reader (nothing piles up here). Leaving the stream
     stops following (the job keeps running)."""
-    from gpumesh.client.apprun import watch_app_run
-    from gpumesh.client.jobspec import build_spec
 
     body: AppRunBody = call.body
     folder = _absolute("dir", body.dir)
@@ -145,8 +142,6 @@ async def post_app_run(call: Call) -> object:
 async def _app_run_events(run: Any) -> AsyncIterator[bytes]:
     """An app run (:class:`gpumesh.client.apprun.AppRunWatch`) as Server-Sent Events,
     with a keep-alive comment while it is silent (a long sync or a quiet job)."""
-    from gpumesh.client import apprun
-    from gpumesh.client.views.apps import AppRunView, SyncView
 
     events = paced(run)
     try:
@@ -166,8 +161,6 @@ async def _app_run_events(run: Any) -> AsyncIterator[bytes]:
 
 
 async def post_app_pull(call: Call) -> object:
-    from gpumesh.client.apps import app_job, job_folder, pull_folder, pull_job
-
     body: AppPullBody = call.body
     dest = _absolute("dir", body.dir)
     peer, job = app_job(call.node, body.job, body.peer)

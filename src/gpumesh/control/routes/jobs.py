@@ -2,11 +2,33 @@
 
 from __future__ import annotations
 
+import base64
 from collections.abc import AsyncIterator
 from typing import Any
 
+from gpumesh.client import jobs, runs
 from gpumesh.client.bodies import CancelBody, JobBody
+from gpumesh.client.jobs import cancel, find_job, logs, refresh_jobs, run_job
+from gpumesh.client.jobspec import build_spec
+from gpumesh.client.runs import watch_run
 from gpumesh.client.views import ErrorView
+from gpumesh.client.views.joblist import JobListEntry
+from gpumesh.client.views.jobs import (
+    Dropped,
+    JobEventView,
+    JobResultView,
+    Output,
+    Reconnecting,
+    Status,
+)
+from gpumesh.client.views.runs import (
+    AcceptedView,
+    CandidateView,
+    PlacedView,
+    PullingView,
+    StepView,
+    UploadingView,
+)
 from gpumesh.control.call import Call
 from gpumesh.control.streams import KEEP_ALIVE, EventStream, paced, sse
 from gpumesh.errors import BadRequestError, GPUMeshError
@@ -15,9 +37,6 @@ __all__ = ["get_job", "get_job_events", "get_jobs", "post_cancel", "post_job", "
 
 
 async def get_jobs(call: Call) -> object:
-    from gpumesh.client.jobs import refresh_jobs
-    from gpumesh.client.views.joblist import JobListEntry
-
     node = call.node
     limit = call.number("limit", 20, least=1, most=1000)
     unconfirmed: dict[str, str] = {}
@@ -28,18 +47,12 @@ async def get_jobs(call: Call) -> object:
 
 
 async def get_job(call: Call) -> object:
-    from gpumesh.client.jobs import find_job
-    from gpumesh.client.views.joblist import JobListEntry
-
     return JobListEntry.of(find_job(call.node, call.param("job_id")), {})
 
 
 async def post_job(call: Call) -> object:
     """Submit a job to a peer or to the best member of a group; returns once the
     provider accepted it (follow it with the events route)."""
-    from gpumesh.client.jobs import run_job
-    from gpumesh.client.jobspec import build_spec
-    from gpumesh.client.views.jobs import JobResultView
 
     body: JobBody = call.body
     if body.workdir is not None:
@@ -61,8 +74,6 @@ async def post_job(call: Call) -> object:
         mounts=body.mounts,
     )
     if call.flag("stream"):
-        from gpumesh.client.runs import watch_run
-
         return EventStream(_run_events(watch_run(call.node, spec, wait=body.wait)))
     return JobResultView.of(await run_job(call.node, spec, detach=True, wait=body.wait))
 
@@ -72,7 +83,6 @@ async def _run_events(run: Any) -> AsyncIterator[bytes]:
     ``acceptedview``, ``uploadingview``), then the job's events as the events route
     sends them (numbered: resume that route with ``after``), then ``end``. Leaving
     early cancels a submission still under way (an accepted job keeps running)."""
-    from gpumesh.client.views.jobs import JobResultView
 
     try:
         async for event in run:
@@ -85,9 +95,6 @@ async def _run_events(run: Any) -> AsyncIterator[bytes]:
 
 
 async def post_cancel(call: Call) -> object:
-    from gpumesh.client.jobs import cancel
-    from gpumesh.client.views.jobs import JobResultView
-
     body: CancelBody = call.body
     return JobResultView.of(await cancel(call.node, call.param("job_id"), peer=body.peer))
 
@@ -98,7 +105,6 @@ async def get_job_events(call: Call) -> object:
     ``Last-Event-ID`` (as a browser's EventSource does) or ``after`` resumes right
     after it. The stream ends with an ``end`` event (the job's result), or an
     ``error`` event."""
-    from gpumesh.client.jobs import find_job, logs
 
     job = find_job(call.node, call.param("job_id"))  # an unknown job is a plain 404
     after = call.number("after", 0, most=2**62)
@@ -115,29 +121,23 @@ async def get_job_events(call: Call) -> object:
 def run_event(event: Any, seq: int) -> bytes:
     """One event of a run (a step of its submission, or the job's own) as an SSE
     event; only output and status events carry ``seq`` as their id."""
-    from gpumesh.client import jobs
-    from gpumesh.client.views.jobs import event_view
-    from gpumesh.client.views.runs import step_view
 
-    step = step_view(event)
+    step = _step_view(event)
     if step is not None:
         return sse(type(step).__name__.lower(), step)
-    view = event_view(event, seq)
+    view = _event_view(event, seq)
     numbered = isinstance(event, jobs.Output | jobs.StatusChanged)
     return sse(type(view).__name__.lower(), view, seq if numbered else None)
 
 
 async def _job_events(follow: Any) -> AsyncIterator[bytes]:
-    from gpumesh.client import jobs
-    from gpumesh.client.views.jobs import JobResultView, event_view
-
     events = paced(follow)
     try:
         async for event in events:
             if event is KEEP_ALIVE:
                 yield b": keep-alive\n\n"
                 continue
-            view = event_view(event, follow.seq)
+            view = _event_view(event, follow.seq)
             # Only output and status events are resumable points: a drop notice
             # shares its output's number and a reconnect has none.
             numbered = isinstance(event, jobs.Output | jobs.StatusChanged)
@@ -147,3 +147,41 @@ async def _job_events(follow: Any) -> AsyncIterator[bytes]:
         yield sse("error", ErrorView(exc.code, exc.message))
     finally:
         await events.aclose()
+
+
+def _event_view(event: jobs.JobEvent, seq: int) -> JobEventView:
+    """A followed job's event as its view; ``seq``: the follow's sequence number then."""
+
+    if isinstance(event, jobs.Output):
+        text = event.data.decode("utf-8", errors="replace")
+        return Output(seq, event.stream, base64.b64encode(event.data).decode("ascii"), text)
+    if isinstance(event, jobs.StatusChanged):
+        status = event.status
+        return Status(
+            seq, event.state, status.attempt, status.exit_code, status.message, event.exited
+        )
+    if isinstance(event, jobs.OutputDropped):
+        return Dropped(seq, event.count)
+    return Reconnecting(seq, event.error.code, event.error.message)
+
+
+def _step_view(event: runs.RunEvent) -> StepView | None:
+    """A step before the job runs as its view; None for the job's own events."""
+
+    if isinstance(event, runs.Placed):
+        placement = event.placement
+        assert placement.chosen is not None
+        candidates = [CandidateView(c.name, c.eligible, c.reason) for c in placement.candidates]
+        chosen = placement.chosen
+        return PlacedView(CandidateView(chosen.name, chosen.eligible, chosen.reason), candidates)
+    if isinstance(event, runs.Pulling):
+        pull = event.pull
+        return PullingView(
+            pull.image, pull.layers, pull.layers_done, pull.downloaded, pull.total, pull.done
+        )
+    if isinstance(event, runs.Accepted):
+        accepted = event.accepted
+        return AcceptedView(accepted.job_id, accepted.provider, list(accepted.gpus))
+    if isinstance(event, runs.Uploading):
+        return UploadingView(event.sent, event.total)
+    return None

@@ -9,8 +9,12 @@ import msgspec
 from starlette.responses import Response
 
 from gpumesh.client.bodies import ConfigBody, TcpBody
+from gpumesh.client.jobs import refresh_jobs
+from gpumesh.client.views.node import ConfigChangeView, GpusView, StatusView
 from gpumesh.control.call import Call
 from gpumesh.errors import AgentError
+from gpumesh.gpu.inventory import detect_inventory
+from gpumesh.settings import API_ADDR_DEFAULT, ENV_API_ADDR, env
 from gpumesh.version import VERSION_HEADER
 
 if TYPE_CHECKING:
@@ -30,9 +34,6 @@ __all__ = [
 
 
 async def get_status(call: Call) -> object:
-    from gpumesh.client.jobs import refresh_jobs
-    from gpumesh.client.views.node import StatusView
-
     node = call.node
     unknown: set[str] = set()
     if not call.flag("offline") and node.home.store.unconfirmed_submitted_jobs():
@@ -42,16 +43,12 @@ async def get_status(call: Call) -> object:
 
 
 async def get_gpus(call: Call) -> object:
-    from gpumesh.client.views.node import GpusView
-    from gpumesh.gpu.inventory import detect_inventory
-
     inventory = detect_inventory()
     return GpusView.of(inventory, inventory.gpus())
 
 
 async def put_config(call: Call) -> object:
     """Set one setting (``config set``): a running share sees it at once."""
-    from gpumesh.client.views.node import ConfigChangeView
 
     body: ConfigBody = call.body
     key, config = call.param("key"), call.node.home.config
@@ -62,7 +59,6 @@ async def put_config(call: Call) -> object:
 
 async def delete_config(call: Call) -> object:
     """Return one setting to its default (``config unset``)."""
-    from gpumesh.client.views.node import ConfigChangeView
 
     key, config = call.param("key"), call.node.home.config
     config.unset(key)
@@ -104,7 +100,6 @@ async def post_node_stop(call: Call) -> object:
 async def post_node_tcp(call: Call) -> object:
     """Serve this API on TCP too (a dashboard's way in); the node process then stays
     until stopped. Nothing changes when it serves TCP already."""
-    from gpumesh.settings import API_ADDR_DEFAULT, ENV_API_ADDR, env
 
     process = node_process(call)
     if process.serve_tcp is None:

@@ -3,9 +3,20 @@ desktop and CUDA shares, shells opened from here."""
 
 from __future__ import annotations
 
-from gpumesh.client.bodies import DesktopShareBody
+from gpumesh.client.bodies import DesktopShareBody, ShellRequest
+from gpumesh.client.desktop import share_desktop, stop_desktop_share
+from gpumesh.client.jobspec import parse_env
+from gpumesh.client.owner import SessionKind, end_session, owner_view
+from gpumesh.client.views.owner import (
+    CudaShareView,
+    DesktopShareView,
+    EndedSessionView,
+    OwnerStatusView,
+)
 from gpumesh.control.call import Call
+from gpumesh.cuda.ops import share
 from gpumesh.errors import AgentError, BadRequestError
+from gpumesh.protocol.desktop import DesktopKind
 
 __all__ = [
     "delete_cuda_share",
@@ -23,9 +34,6 @@ __all__ = [
 async def post_desktop_share(call: Call) -> object:
     """Offer the desktop server on 127.0.0.1:``port`` (a new port cuts the old one's
     connections)."""
-    from gpumesh.client.desktop import share_desktop
-    from gpumesh.client.views.owner import DesktopShareView
-    from gpumesh.protocol.desktop import DesktopKind
 
     body: DesktopShareBody = call.body
     shared = share_desktop(call.node, DesktopKind(body.kind), body.port)
@@ -35,8 +43,6 @@ async def post_desktop_share(call: Call) -> object:
 
 async def delete_desktop_share(call: Call) -> object:
     """Stop offering the desktop; its open connections are cut."""
-    from gpumesh.client.desktop import stop_desktop_share
-    from gpumesh.client.views.owner import DesktopShareView
 
     stopped = stop_desktop_share(call.node)
     return DesktopShareView(stopped, sharing=call.node.home.agent is not None)
@@ -52,9 +58,6 @@ async def delete_cuda_share(call: Call) -> object:
 
 
 def _set_cuda_share(call: Call, on: bool) -> object:
-    from gpumesh.client.views.owner import CudaShareView
-    from gpumesh.cuda.ops import share
-
     share(call.node, on)
     return CudaShareView(on, sharing=call.node.home.agent is not None)
 
@@ -62,11 +65,9 @@ def _set_cuda_share(call: Call, on: bool) -> object:
 async def post_shell(call: Call) -> object:
     """A shell on a peer, run by this process: where to connect for its bytes
     (:mod:`gpumesh.daemon.shells`)."""
-    from gpumesh.client.bodies import ShellRequest
 
     state = call.state
     body: ShellRequest = call.body
-    from gpumesh.client.jobspec import parse_env
 
     call.node.peer(body.peer)  # an unknown peer is refused now, not on the socket
     parse_env([f"{key}={value}" for key, value in body.env.items()])  # `--env`'s checks
@@ -78,16 +79,10 @@ async def post_shell(call: Call) -> object:
 
 
 async def get_owner(call: Call) -> object:
-    from gpumesh.client.owner import owner_view
-    from gpumesh.client.views.owner import OwnerStatusView
-
     return OwnerStatusView.of(owner_view(call.node, limit=call.number("limit", 50, least=1)))
 
 
 async def _end_session(call: Call, kind: str) -> object:
-    from gpumesh.client.owner import SessionKind, end_session
-    from gpumesh.client.views.owner import EndedSessionView
-
     ended = await end_session(call.node, SessionKind(kind), call.param("session"))
     return EndedSessionView.of(ended)
 

@@ -5,9 +5,13 @@ from __future__ import annotations
 from starlette.responses import Response
 
 from gpumesh.client.bodies import PairBody
+from gpumesh.client.desktop import allow_desktop, deny_desktop
+from gpumesh.client.views.peers import ConnectView, PairingCodeView, PairView, PeerView
 from gpumesh.control.call import Call
 from gpumesh.control.dashboard.pages import qr_svg
+from gpumesh.cuda.ops import allow, deny
 from gpumesh.errors import BadRequestError, PairingCodeError
+from gpumesh.identity.codes import verify_code
 
 __all__ = [
     "get_pairing_code",
@@ -25,14 +29,10 @@ __all__ = [
 
 
 async def get_peers(call: Call) -> object:
-    from gpumesh.client.views.peers import PeerView
-
     return [PeerView.of(p) for p in call.node.peers()]
 
 
 async def post_pair(call: Call) -> object:
-    from gpumesh.client.views.peers import PairView
-
     body: PairBody = call.body
     peer = call.node.pair(body.code.strip(), rekey=body.rekey)
     check = None
@@ -42,16 +42,12 @@ async def post_pair(call: Call) -> object:
 
 
 async def get_pairing_code(call: Call) -> object:
-    from gpumesh.client.views.peers import PairingCodeView
-    from gpumesh.identity.codes import verify_code
-
     code = call.node.pairing_code()
     return PairingCodeView.of(code, verify_code(code))
 
 
 async def get_pairing_qr(call: Call) -> object:
     """The QR code of a pairing code of this node's (``code``), or of a fresh one."""
-    from gpumesh.identity.codes import verify_code
 
     code = call.request.query_params.get("code") or call.node.pairing_code()
     try:
@@ -64,42 +60,26 @@ async def get_pairing_qr(call: Call) -> object:
 
 
 async def post_allow(call: Call) -> object:
-    from gpumesh.client.views.peers import PeerView
-
     return PeerView.of(call.node.allow(call.param("peer")))
 
 
 async def post_deny(call: Call) -> object:
-    from gpumesh.client.views.peers import PeerView
-
     return PeerView.of(call.node.deny(call.param("peer")))
 
 
 async def post_desktop_allow(call: Call) -> object:
-    from gpumesh.client.desktop import allow_desktop
-    from gpumesh.client.views.peers import PeerView
-
     return PeerView.of(allow_desktop(call.node, call.param("peer")))
 
 
 async def post_desktop_deny(call: Call) -> object:
-    from gpumesh.client.desktop import deny_desktop
-    from gpumesh.client.views.peers import PeerView
-
     return PeerView.of(deny_desktop(call.node, call.param("peer")))
 
 
 async def post_cuda_allow(call: Call) -> object:
-    from gpumesh.client.views.peers import PeerView
-    from gpumesh.cuda.ops import allow
-
     return PeerView.of(allow(call.node, call.param("peer")))
 
 
 async def post_cuda_deny(call: Call) -> object:
-    from gpumesh.client.views.peers import PeerView
-    from gpumesh.cuda.ops import deny
-
     return PeerView.of(deny(call.node, call.param("peer")))
 
 
@@ -107,7 +87,6 @@ async def post_connect(call: Call) -> object:
     """The path to a peer, on the warm session to it when there is one (dialled now
     when not, and kept warm for the next request); ``fresh``: a new dial all the
     same, timed whole and closed after; ``speed``: bytes to push too."""
-    from gpumesh.client.views.peers import ConnectView
 
     pings = call.number("pings", 5, least=1, most=100)
     size = call.number("speed", 0, most=2**62)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from gpumesh.client.views.node import PublishView
 from gpumesh.control.call import Call, Credential, Refusal
 from gpumesh.control.routes.node import node_process
+from gpumesh.control.shareviews import ShareLine
 from gpumesh.control.streams import KEEP_ALIVE, EventStream, paced, sse
 from gpumesh.errors import AgentError, ConfigError, NotFoundError
 
@@ -83,8 +84,6 @@ async def _lines_then(lines: list[Any], view: Any) -> AsyncIterator[bytes]:
 
 
 async def _share_events(follow: Any) -> AsyncIterator[bytes]:
-    from gpumesh.control.shareviews import ShareLine
-
     events = paced(follow)
     try:
         async for event in events:
