@@ -49,6 +49,7 @@ import ssl
 import tempfile
 import threading
 import time
+import traceback
 from collections.abc import Callable, Generator, Iterator
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
@@ -90,6 +91,7 @@ __all__ = [
     "send_file",
     "send_stream",
     "server_context",
+    "wrap_tls",
 ]
 
 logger = logging.getLogger(__name__)
@@ -177,6 +179,29 @@ def client_context() -> ssl.SSLContext:
     context.check_hostname = False
     context.verify_mode = ssl.CERT_NONE
     return context
+
+
+def wrap_tls(
+    context: ssl.SSLContext, conn: socket.socket, *, server_side: bool = False
+) -> ssl.SSLSocket:
+    """``context.wrap_socket(conn)``, never leaving a socket open when it fails; a
+    server's handshake is left to the caller (``do_handshake_on_connect`` off).
+
+    The TLS socket takes ``conn``'s descriptor over before it looks at the
+    connection, and a peer that reset it meanwhile (a dial given up) makes it
+    raise with that new socket neither closed nor returned: it is closed here.
+    """
+    try:
+        return context.wrap_socket(
+            conn, server_side=server_side, do_handshake_on_connect=not server_side
+        )
+    except BaseException as exc:
+        for frame, _line in traceback.walk_tb(exc.__traceback__):
+            made = frame.f_locals.get("self")
+            if isinstance(made, ssl.SSLSocket):
+                with contextlib.suppress(OSError):
+                    made.close()
+        raise
 
 
 class Channel:
@@ -368,7 +393,7 @@ class _Candidate:
     """One connection from the peer's address, in its handshake and ticket (non-blocking)."""
 
     def __init__(self, conn: socket.socket, context: ssl.SSLContext, ticket: bytes) -> None:
-        self.sock = context.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+        self.sock = wrap_tls(context, conn, server_side=True)
         self._ticket = ticket
         self._handshaken = False
         self._presented = bytearray()
@@ -556,7 +581,7 @@ def dial(host: str, port: int, expected_key: bytes, ticket: bytes, stall_timeout
         raise UnreachableError(f"cannot open a data channel to {host}:{port}: {exc}") from None
     _prefer_bbr(conn)  # before a byte of TLS: the handshake gets it too
     try:
-        tls = client_context().wrap_socket(conn)
+        tls = wrap_tls(client_context(), conn)
     except (OSError, ssl.SSLError) as exc:
         conn.close()
         raise UnreachableError(f"the data channel's TLS handshake failed: {exc}") from None
