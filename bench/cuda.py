@@ -37,17 +37,17 @@ from typing import Any
 
 from _benchlib import exit_cleanly_on_sigterm, free_port, interrupted, print_rows, source_note
 from bulk import make_nodes, running_agent
+from gpumesh.client.cuda import cuda_sessions
+from gpumesh.client.cudadevice import local_pair
+from gpumesh.client.cudaremote import carry_socket
 from gpumesh.client.node import Node
 from gpumesh.cuda import RemoteDevice
-from gpumesh.cuda.device import local_pair
-from gpumesh.cuda.kernels import VADD_F32, VADD_PTX
-from gpumesh.cuda.owner import open_sessions
-from gpumesh.cuda.remote import carry_socket
+from gpumesh.gpu.cudakernels import VADD_F32, VADD_PTX
 from gpumesh.protocol.messages import Ping, ThroughputReply, ThroughputRequest
 
 MIB = 1024 * 1024
 HEADROOM = 64 * MIB
-"""What the fallback worker may hold beyond its session's memory (gpumesh.cuda.confine)."""
+"""What the fallback worker may hold beyond its session's memory (gpumesh.agent.cudaconfine)."""
 
 
 class Carried:
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 device.synchronize()
                 vadd = time.perf_counter() - sent
-                [session] = open_sessions(alice.home)
+                [session] = cuda_sessions(alice.home)
                 peak = _peak_rss(session.pid)
             finally:
                 carried.close()

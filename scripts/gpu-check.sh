@@ -40,10 +40,10 @@ step "gpumesh gpu (NVML)"
 check "gpumesh gpu" gm gpu
 
 driver=no
-if "$PY" -c 'from gpumesh.cuda.driver import load_driver; load_driver()' 2>/dev/null; then
+if "$PY" -c 'from gpumesh.gpu.cudadriver import load_driver; load_driver()' 2>/dev/null; then
   driver=yes
 else
-  why=$("$PY" -c 'from gpumesh.cuda.driver import load_driver, DriverUnavailable
+  why=$("$PY" -c 'from gpumesh.gpu.cudadriver import load_driver, DriverUnavailable
 try:
     load_driver()
 except DriverUnavailable as exc:

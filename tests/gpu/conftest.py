@@ -14,7 +14,7 @@ from pathlib import Path
 def _gpu_here() -> bool:
     if os.environ.get("GPUMESH_TEST_GPU") == "1":
         return True
-    from gpumesh.cuda.driver import DriverUnavailable, load_driver
+    from gpumesh.gpu.cudadriver import DriverUnavailable, load_driver
 
     try:
         load_driver()

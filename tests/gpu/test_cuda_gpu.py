@@ -8,9 +8,9 @@ import array
 
 import pytest
 
-from gpumesh.cuda.backend import CudaFault
-from gpumesh.cuda.driver import READ_PIECE, DriverBackend, load_driver
-from gpumesh.cuda.kernels import VADD_F32, VADD_PTX
+from gpumesh.gpu.cudabackend import CudaFault
+from gpumesh.gpu.cudadriver import READ_PIECE, DriverBackend, load_driver
+from gpumesh.gpu.cudakernels import VADD_F32, VADD_PTX
 
 pytestmark = pytest.mark.gpu
 

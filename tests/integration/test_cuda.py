@@ -12,11 +12,11 @@ from collections.abc import Callable
 import pytest
 
 from gpumesh.agent.gpus import HolderKind
+from gpumesh.client.cuda import cuda_sessions
 from gpumesh.client.node import Node
 from gpumesh.cuda import DevicePointer, RemoteDevice
-from gpumesh.cuda.kernels import VADD_F32, VADD_PTX
-from gpumesh.cuda.owner import open_sessions
 from gpumesh.errors import AccessDeniedError, CudaError, GPUMeshError, LimitError
+from gpumesh.gpu.cudakernels import VADD_F32, VADD_PTX
 from tests.integration.conftest import arun, pair_both, sharing, until_async
 
 MiB = 1024 * 1024
@@ -119,12 +119,12 @@ def test_session_memory_is_held_in_the_gpu_books_and_capped(make_node) -> None:
             try:
                 [held] = [r for r in agent.gpus.reservations() if r.holder.kind is HolderKind.CUDA]
                 assert held.memory == MiB
-                [seen] = open_sessions(alice.home)
+                [seen] = cuda_sessions(alice.home)
                 assert (seen.peer, seen.memory, seen.backend) == ("bob", MiB, "fallback")
             finally:
                 await _in_thread(dev.close)
             await until_async(lambda: not agent.gpus.reservations(), "the agent to free the GPU")
-            assert open_sessions(alice.home) == []
+            assert cuda_sessions(alice.home) == []
 
     arun(scenario())
 

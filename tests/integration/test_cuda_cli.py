@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from gpumesh.client.cuda import demo
 from gpumesh.cuda import RemoteDevice
-from gpumesh.cuda.ops import demo
 from gpumesh.errors import AccessDeniedError
 from gpumesh.transport.sockowner import connection_owner, socket_owner
 from tests.integration.conftest import gpumesh

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from gpumesh.agent.cudaconfine import HEADROOM
 from gpumesh.client.node import Node
 from gpumesh.cuda import RemoteDevice
-from gpumesh.cuda.confine import HEADROOM
-from gpumesh.cuda.kernels import VADD_F32, VADD_PTX
 from gpumesh.errors import CudaError, LimitError
+from gpumesh.gpu.cudakernels import VADD_F32, VADD_PTX
 from tests.integration.conftest import arun, pair_both, sharing
 
 MiB = 1024 * 1024

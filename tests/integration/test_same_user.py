@@ -24,9 +24,9 @@ from pathlib import Path
 
 import pytest
 
+from gpumesh.client.cudaremote import Bridge
 from gpumesh.client.desktop import allow_desktop, share_desktop
 from gpumesh.client.node import Node
-from gpumesh.cuda.remote import Bridge
 from gpumesh.protocol.desktop import DesktopKind
 from gpumesh.transport.sockowner import connection_owner, owner_check_available
 from tests.conftest import OtherUser
@@ -138,7 +138,7 @@ def test_a_root_cuda_bridge_refuses_another_users_connect_send_close(
     nodes: tuple[Node, Node], other_user: OtherUser, caplog: pytest.LogCaptureFixture
 ) -> None:
     alice, bob = nodes
-    caplog.set_level(logging.WARNING, logger="gpumesh.cuda.remote")
+    caplog.set_level(logging.WARNING, logger="gpumesh.client.cudaremote")
     bridge = Bridge(bob, "alice-pc", "127.0.0.1:0")
 
     def refusals() -> list[str]:
@@ -169,7 +169,7 @@ def test_a_root_cuda_bridge_refuses_every_one_of_30_tries(
     """The race the attack ran (21 sessions in 100): the bridge accepts while the other
     user's connections come and go, so each is seen alive, closing or orphaned."""
     alice, bob = nodes
-    caplog.set_level(logging.WARNING, logger="gpumesh.cuda.remote")
+    caplog.set_level(logging.WARNING, logger="gpumesh.client.cudaremote")
     bridge = Bridge(bob, "alice-pc", "127.0.0.1:0")
     tries = 30
 

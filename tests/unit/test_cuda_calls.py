@@ -7,10 +7,12 @@ import array
 
 import pytest
 
-from gpumesh.cuda.backend import CudaFault, pack_arg
-from gpumesh.cuda.fallback import FallbackBackend, ptx_entries
-from gpumesh.cuda.kernels import VADD_F32, VADD_PTX
-from gpumesh.cuda.protocol import (
+from gpumesh.agent.cudaworker import CallServer, _write_all
+from gpumesh.errors import ProtocolError
+from gpumesh.gpu.cudabackend import CudaFault, pack_arg
+from gpumesh.gpu.cudafallback import FallbackBackend, ptx_entries
+from gpumesh.gpu.cudakernels import VADD_F32, VADD_PTX
+from gpumesh.protocol.cuda import (
     MAX_CHUNK,
     VERSION,
     Arg,
@@ -36,8 +38,6 @@ from gpumesh.cuda.protocol import (
     decode_welcome,
     encode_frame,
 )
-from gpumesh.cuda.worker import CallServer, _write_all
-from gpumesh.errors import ProtocolError
 
 MiB = 1024 * 1024
 

@@ -14,13 +14,13 @@ from collections.abc import Callable
 import pytest
 
 from gpumesh.agent.cuda import worker_argv, worker_environment
+from gpumesh.agent.cudaconfine import HEADROOM, address_space_ceiling, worker_ids
 from gpumesh.agent.limits import Admission, Claim, Kind
 from gpumesh.client.owner import worker_user_note
-from gpumesh.cuda.backend import Allocations, CudaFault
-from gpumesh.cuda.confine import HEADROOM, address_space_ceiling, worker_ids
-from gpumesh.cuda.fallback import FallbackBackend
-from gpumesh.cuda.kernels import VADD_F32, VADD_PTX
 from gpumesh.errors import LimitError
+from gpumesh.gpu.cudabackend import Allocations, CudaFault
+from gpumesh.gpu.cudafallback import FallbackBackend
+from gpumesh.gpu.cudakernels import VADD_F32, VADD_PTX
 from gpumesh.store.limits import ShareLimits
 
 MiB = 1024 * 1024
@@ -144,7 +144,7 @@ def test_the_worker_gets_no_environment_of_the_agents() -> None:
     env = worker_environment(["GPU-1"], {})
     assert (env["CUDA_VISIBLE_DEVICES"], env["CUDA_DEVICE_ORDER"]) == ("GPU-1", "PCI_BUS_ID")
     argv = worker_argv(MiB, "fallback", (47000, 47001))
-    assert argv[1:4] == ["-s", "-m", "gpumesh.cuda.worker"]  # no user site folder
+    assert argv[1:4] == ["-s", "-m", "gpumesh.agent.cudaworker"]  # no user site folder
     assert argv[-4:] == ["--uid", "47000", "--gid", "47001"]
 
 

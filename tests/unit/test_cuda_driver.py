@@ -22,10 +22,11 @@ from typing import Any
 
 import pytest
 
-from gpumesh.cuda.backend import CudaFault
-from gpumesh.cuda.driver import READ_PIECE, DriverBackend, _name
-from gpumesh.cuda.kernels import VADD_F32, VADD_PTX
-from gpumesh.cuda.protocol import (
+from gpumesh.agent.cudaworker import CallServer
+from gpumesh.gpu.cudabackend import CudaFault
+from gpumesh.gpu.cudadriver import READ_PIECE, DriverBackend, _name
+from gpumesh.gpu.cudakernels import VADD_F32, VADD_PTX
+from gpumesh.protocol.cuda import (
     VERSION,
     Arg,
     CopyDtoH,
@@ -41,7 +42,6 @@ from gpumesh.cuda.protocol import (
     decode_result,
     decode_welcome,
 )
-from gpumesh.cuda.worker import CallServer
 
 
 class CUresult(enum.IntEnum):

@@ -9,9 +9,16 @@ floor, from the bottom:
 1. ``identity/``;
 2. ``protocol/``;
 3. ``transport/``, ``store/``, ``runtime/``, ``gpu/``, ``files/``;
-4. ``client/``, ``cuda/``, ``agent/``;
-5. ``cli/``, ``daemon/``, ``control/`` and the package root (``gpumesh/__init__.py``,
-   the public API, and ``__main__.py``).
+4. ``client/``, ``agent/``;
+5. ``cli/``, ``daemon/``, ``control/`` and the package's faces: its root
+   (``gpumesh/__init__.py``, the public API), ``__main__.py`` and ``cuda.py``
+   (``from gpumesh.cuda import RemoteDevice``).
+
+Features are layered, never folders of their own (:data:`LAYERS`): CUDA
+remoting and the desktop tunnel, like jobs and files, have a module on each
+floor they need (``protocol/cuda.py``, ``gpu/cuda*.py``, ``agent/cuda*.py``,
+``client/cuda*.py``, ``cli/cuda.py``; ``protocol/desktop.py``,
+``agent/desktop.py``, ``client/desktop.py``, ``cli/desktop.py``).
 
 ``relay/`` is a top of its own (``gpumesh-relay``): it may use floors 0 to 3,
 nothing else imports it, and it never imports ``client/``, ``agent/``, ``cli/``,
@@ -24,8 +31,7 @@ after it:
 
 3. ``runtime/``, ``store/``, ``gpu/``, ``files/``, ``transport/`` (the data
    channel hashes a file's head with ``files/``' helper);
-4. ``client/``, ``cuda/``, ``agent/``: ``cuda/`` builds on the client's
-   ``Node`` (``RemoteDevice``, the bridge), and the agent runs the CUDA worker;
+4. ``client/``, ``agent/``: the provider never uses the consumer's side;
 5. ``control/``, ``daemon/``, ``cli/``: the node process (``daemon/``) serves
    the control API and hands the routes what it owns (its share, its shells)
    in ``ControlState``, so ``control/`` names those only for type checking;
@@ -78,7 +84,6 @@ FLOORS = {
     "files": SERVICES,
     "client": OPERATIONS,
     "agent": OPERATIONS,
-    "cuda": OPERATIONS,
     "cli": FACES,
     "control": FACES,
     "daemon": FACES,
@@ -87,11 +92,17 @@ FLOORS = {
 }
 """Each folder of the package and its floor; a top-level module is on BASE."""
 
+FACES_AT_THE_TOP = ("__main__", "cuda")
+"""Top-level modules that are faces of the package (floor 5), not base modules."""
+
+LAYERS = frozenset(FLOORS)
+"""The folders of the package: layers and the two tops, never a feature's folder."""
+
 FOLDER_ORDER = {
     IDENTITY: ("identity",),
     PROTOCOL: ("protocol",),
     SERVICES: ("runtime", "store", "gpu", "files", "transport"),
-    OPERATIONS: ("client", "cuda", "agent"),
+    OPERATIONS: ("client", "agent"),
     FACES: ("control", "daemon", "cli"),
 }
 """The folders of each floor, lowest first: one imports at run time only those before it.
@@ -131,7 +142,7 @@ def modules(src: Path = SRC, package: str = PACKAGE) -> dict[str, Path]:
 def floor_of(module: str, package: str = PACKAGE) -> int | None:
     """The floor of ``module``; None for a folder that has none yet."""
     parts = module.split(".")
-    if len(parts) == 1 or parts[1] == "__main__":
+    if len(parts) == 1 or parts[1] in FACES_AT_THE_TOP:
         return FACES
     if len(parts) == 2 and parts[1] not in FLOORS:
         return BASE if not _is_folder(module) else None
@@ -376,6 +387,14 @@ def test_every_folder_of_the_package_has_a_floor() -> None:
         {m.split(".")[1] for m in modules() if m.count(".") >= 1 and floor_of(m) is None}
     )
     assert not missing, f"give these folders a floor in FLOORS: {missing}"
+
+
+def test_features_are_layered_not_folders_of_their_own() -> None:
+    folders = {m.split(".")[1] for m in modules() if m.count(".") >= 1 and _is_folder(m)}
+    assert folders == LAYERS, (
+        f"a feature gets a module in each layer it needs, not a folder: {sorted(folders - LAYERS)}"
+    )
+    assert {"cuda", "desktop"}.isdisjoint(LAYERS)
 
 
 def test_no_module_imports_from_a_higher_floor() -> None:

@@ -4,7 +4,3 @@ Above transport and store; below the CLI. Every request is checked against
 the allowlist when it arrives, and open links of a peer that gets denied are
 closed within a second.
 """
-
-from gpumesh.agent.server import Agent
-
-__all__ = ["Agent"]

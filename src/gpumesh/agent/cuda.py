@@ -9,13 +9,13 @@ GPU allocator before the worker starts (so ``status``, placement and
 without a GPU the session runs on the host-memory fallback with its memory
 held in the same books on no GPU.
 
-Each session runs in its own process (:mod:`gpumesh.cuda.worker`): the agent
+Each session runs in its own process (:mod:`gpumesh.agent.cudaworker`): the agent
 only pumps the call protocol's bytes between the consumer's stream and the
 worker's pipes, so a CUDA fault or a crash there ends that session with one
 line to the consumer, never the agent. Its memory counts against
 ``share_memory`` with the jobs and shells (:class:`~gpumesh.agent.limits.Admission`);
 the worker starts with a clean environment and confines itself
-(:mod:`gpumesh.cuda.confine`): no new privileges, ``job_user``'s ids when the
+(:mod:`gpumesh.agent.cudaconfine`): no new privileges, ``job_user``'s ids when the
 agent is root, and on the fallback an address-space ceiling of its memory.
 The session ends, and its memory is freed and given back, when the consumer
 finishes its stream, when its link goes, when the owner revokes (``cuda
@@ -38,13 +38,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from gpumesh.agent.cudaconfine import worker_ids
 from gpumesh.agent.deps import Handlers, Provider, RequestContext, Settings
 from gpumesh.agent.gpus import GpuAllocator, Holder, HolderKind
 from gpumesh.agent.limits import Admission
 from gpumesh.blocking import in_thread
-from gpumesh.cuda.confine import worker_ids
-from gpumesh.cuda.protocol import FrameDecoder, decode_end
-from gpumesh.cuda.protocol import FrameKind as CudaFrameKind
 from gpumesh.errors import (
     AccessDeniedError,
     AgentError,
@@ -54,6 +52,8 @@ from gpumesh.errors import (
     LimitError,
     ProtocolError,
 )
+from gpumesh.protocol.cuda import FrameDecoder, decode_end
+from gpumesh.protocol.cuda import FrameKind as CudaFrameKind
 from gpumesh.protocol.framing import FrameKind
 from gpumesh.protocol.messages import CudaOpen, CudaOpened
 from gpumesh.units import format_size
@@ -67,7 +67,7 @@ __all__ = ["CudaAccess", "CudaService", "CudaSession", "worker_argv", "worker_en
 logger = logging.getLogger(__name__)
 
 CALL_PROTOCOL = 1
-"""The CUDA call protocol this node's worker speaks (:data:`gpumesh.cuda.protocol.VERSION`)."""
+"""The CUDA call protocol this node's worker speaks (:data:`gpumesh.protocol.cuda.VERSION`)."""
 MAX_SESSIONS_PER_PEER = 4
 FALLBACK_CEILING = 4 * 1024**3
 """Most host memory one host-memory fallback session may hold."""
@@ -360,7 +360,7 @@ class CudaService:
 def worker_argv(memory: int, backend: str, ids: tuple[int, int] | None) -> list[str]:
     """The worker's command line: without the user's site folder (``-s``), its cap,
     backend and user."""
-    argv = [sys.executable, "-s", "-m", "gpumesh.cuda.worker"]
+    argv = [sys.executable, "-s", "-m", "gpumesh.agent.cudaworker"]
     argv += ["--memory-cap", str(memory), "--backend", backend]
     if ids is not None:
         argv += ["--uid", str(ids[0]), "--gid", str(ids[1])]

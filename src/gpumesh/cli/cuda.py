@@ -76,7 +76,7 @@ def cuda() -> None:
 @json_option
 def doctor(as_json: bool) -> None:
     """Say what a CUDA session on this node runs on, and who may open one."""
-    from gpumesh.cuda.ops import doctor as check
+    from gpumesh.client.cuda import doctor as check
 
     report = check(get_node())
     if as_json:
@@ -164,8 +164,8 @@ def deny(peer: str, as_json: bool) -> None:
 @_session_options
 def demo(peer: str, memory: str | None, memory_alias: str | None) -> None:
     """Add two vectors on PEER's device and check the result; say where it ran."""
-    from gpumesh.cuda.device import RemoteDevice
-    from gpumesh.cuda.ops import demo as run_demo
+    from gpumesh.client.cuda import demo as run_demo
+    from gpumesh.client.cudadevice import RemoteDevice
 
     node = get_node()
     with RemoteDevice(peer, memory=_memory(memory, memory_alias), home=node.home.path) as device:
@@ -190,8 +190,8 @@ def bench(peer: str, memory: str | None, memory_alias: str | None, as_json: bool
     """Call latency, and copy bandwidth each way 1 MiB ... 256 MiB, next to the link's."""
     from dataclasses import replace
 
-    from gpumesh.cuda.device import RemoteDevice
-    from gpumesh.cuda.ops import bench as run_bench
+    from gpumesh.client.cuda import bench as run_bench
+    from gpumesh.client.cudadevice import RemoteDevice
 
     node = get_node()
     link = run_async(node.connect(peer))
@@ -240,7 +240,7 @@ any other is refused.
 )
 def bridge(peer: str, memory: str | None, memory_alias: str | None, bind: str) -> None:
     """Serve a local endpoint through which programs here use PEER's device."""
-    from gpumesh.cuda.remote import DEFAULT_MEMORY, Bridge
+    from gpumesh.client.cudaremote import DEFAULT_MEMORY, Bridge
 
     node = get_node()
     server = Bridge(node, peer, bind, _memory(memory, memory_alias) or DEFAULT_MEMORY)

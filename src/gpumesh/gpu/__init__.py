@@ -1,6 +1,4 @@
-"""GPU inventory: what NVIDIA GPUs this machine has, from NVML, ``nvidia-smi``,
-or an explicitly simulated inventory for tests. Below the agent and client."""
-
-from gpumesh.gpu.inventory import GpuInfo, GpuInventory, detect_inventory
-
-__all__ = ["GpuInfo", "GpuInventory", "detect_inventory"]
+"""The machine's GPUs: what NVIDIA GPUs it has (``inventory``: NVML, ``nvidia-smi``,
+or an explicitly simulated inventory for tests) and what runs a CUDA session's
+calls on one (``cudabackend``: the real driver through ``cuda-bindings``, or the
+host-memory fallback). Below the agent and client."""

@@ -719,7 +719,7 @@ class DesktopOpened(_Msg, tag="desktop_opened", frozen=True):
 class CudaOpen(_Msg, tag="cuda_open", frozen=True):
     """Open a CUDA session on the provider with ``memory`` bytes of device memory
     (held for it while it is open). After ``CudaOpened``, DATA frames carry the
-    CUDA call protocol both ways (:mod:`gpumesh.cuda.protocol`); the consumer's
+    CUDA call protocol both ways (:mod:`gpumesh.protocol.cuda`); the consumer's
     FIN ends the session and frees its memory."""
 
     memory: Annotated[int, msgspec.Meta(ge=1)]

@@ -4,6 +4,7 @@ desktop and CUDA shares, shells opened from here."""
 from __future__ import annotations
 
 from gpumesh.client.bodies import DesktopShareBody, ShellRequest
+from gpumesh.client.cuda import share
 from gpumesh.client.desktop import share_desktop, stop_desktop_share
 from gpumesh.client.jobspec import parse_env
 from gpumesh.client.owner import SessionKind, end_session, owner_view
@@ -14,7 +15,6 @@ from gpumesh.client.views.owner import (
     OwnerStatusView,
 )
 from gpumesh.control.call import Call
-from gpumesh.cuda.ops import share
 from gpumesh.errors import AgentError, BadRequestError
 from gpumesh.protocol.desktop import DesktopKind
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 from starlette.responses import Response
 
 from gpumesh.client.bodies import PairBody
+from gpumesh.client.cuda import allow, deny
 from gpumesh.client.desktop import allow_desktop, deny_desktop
 from gpumesh.client.views.peers import ConnectView, PairingCodeView, PairView, PeerView
 from gpumesh.control.call import Call
 from gpumesh.control.dashboard.pages import qr_svg
-from gpumesh.cuda.ops import allow, deny
 from gpumesh.errors import BadRequestError, PairingCodeError
 from gpumesh.identity.codes import verify_code
 

@@ -1,6 +1,6 @@
 """``RemoteDevice``: a provider's GPU (or its host-memory fallback) from Python.
 
-A blocking client of the CUDA call protocol (:mod:`gpumesh.cuda.protocol`) on
+A blocking client of the CUDA call protocol (:mod:`gpumesh.protocol.cuda`) on
 one socket: either a socket pair whose other end a background thread carries
 to the peer over this node's QUIC session (``RemoteDevice("alice-pc")``), or
 a connection to a running ``gpumesh cuda bridge`` (``RemoteDevice.bridge(...)``).
@@ -24,8 +24,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from gpumesh.client.cudaremote import DEFAULT_MEMORY, carry_socket
 from gpumesh.client.node import Node
-from gpumesh.cuda.protocol import (
+from gpumesh.errors import ConnectionLostError, CudaError, ProtocolError, error_from_code
+from gpumesh.protocol.cuda import (
     MAX_CHUNK,
     VERSION,
     Arg,
@@ -49,8 +51,6 @@ from gpumesh.cuda.protocol import (
     decode_result,
     decode_welcome,
 )
-from gpumesh.cuda.remote import DEFAULT_MEMORY, carry_socket
-from gpumesh.errors import ConnectionLostError, CudaError, ProtocolError, error_from_code
 
 __all__ = ["LOCAL_BUFFER", "DevicePointer", "Module", "RemoteDevice", "local_pair", "widen"]
 

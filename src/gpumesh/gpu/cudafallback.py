@@ -5,7 +5,7 @@ the session's cap); copies, memset and frees behave as on a device, with
 CUDA's error names. Beyond the session's memory a call holds at most a
 chunk's worth of host memory: copies are views, and the kernels run in
 chunks. It cannot run PTX: a module is accepted only when every
-entry in it is one of GPUMesh's own kernels (:mod:`gpumesh.cuda.kernels`),
+entry in it is one of GPUMesh's own kernels (:mod:`gpumesh.gpu.cudakernels`),
 which run here by name, so the demo and the benchmark work everywhere; any
 other PTX is refused with a clear error.
 """
@@ -18,8 +18,8 @@ import re
 import sys
 from collections.abc import Iterator, Sequence
 
-from gpumesh.cuda.backend import Allocations, CudaFault, DeviceInfo, LaunchArg
-from gpumesh.cuda.kernels import VADD_F32
+from gpumesh.gpu.cudabackend import Allocations, CudaFault, DeviceInfo, LaunchArg
+from gpumesh.gpu.cudakernels import VADD_F32
 
 __all__ = ["DEVICE_NAME", "KERNELS", "FallbackBackend", "ptx_entries"]
 

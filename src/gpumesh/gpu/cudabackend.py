@@ -1,16 +1,16 @@
 """What runs a CUDA session's calls on the provider: one interface, two backends.
 
-:class:`Backend` is what the worker (:mod:`gpumesh.cuda.worker`) drives. The
-driver backend (:mod:`gpumesh.cuda.driver`) runs the calls on a GPU through
-NVIDIA's ``cuda-bindings``; the fallback (:mod:`gpumesh.cuda.fallback`) keeps
+:class:`Backend` is what the worker (:mod:`gpumesh.agent.cudaworker`) drives. The
+driver backend (:mod:`gpumesh.gpu.cudadriver`) runs the calls on a GPU through
+NVIDIA's ``cuda-bindings``; the fallback (:mod:`gpumesh.gpu.cudafallback`) keeps
 device memory in host memory and runs only GPUMesh's own kernels by name.
-:func:`gpumesh.cuda.worker.open_backend` picks: the driver when libcuda loads,
+:func:`gpumesh.agent.cudaworker.open_backend` picks: the driver when libcuda loads,
 else the fallback, with the reason. A failing call raises :class:`CudaFault` with CUDA's error name.
 
 :class:`Allocations` is the one bookkeeping both backends keep: the session's
 cap, and whether a call's bytes lie inside one of its allocations. Every
 memory call is checked there before anything is allocated or touched, so a
-size a peer makes up (up to :data:`~gpumesh.cuda.protocol.MAX_COPY`) costs
+size a peer makes up (up to :data:`~gpumesh.protocol.cuda.MAX_COPY`) costs
 nothing but its error line.
 """
 
@@ -182,7 +182,7 @@ class Backend(Protocol):
     def read(self, ptr: int, size: int) -> Iterator[bytes | bytearray | memoryview]:
         """Device to host: ``size`` bytes at ``ptr``, in order, in pieces to send as
         they come (views of device memory itself, valid until the next call, or
-        pieces of at most :data:`~gpumesh.cuda.protocol.MAX_CHUNK` copied out one by
+        pieces of at most :data:`~gpumesh.protocol.cuda.MAX_CHUNK` copied out one by
         one, so a copy holds no host buffer of its size). The range is checked, and
         the first piece read, before this returns; a fault in a later piece raises
         while the pieces are taken."""

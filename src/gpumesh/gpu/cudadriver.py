@@ -17,8 +17,8 @@ import ctypes
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from gpumesh.cuda.backend import Allocations, CudaFault, DeviceInfo, LaunchArg, ctype_arg
-from gpumesh.cuda.protocol import MAX_CHUNK
+from gpumesh.gpu.cudabackend import Allocations, CudaFault, DeviceInfo, LaunchArg, ctype_arg
+from gpumesh.protocol.cuda import MAX_CHUNK
 
 __all__ = ["READ_PIECE", "DriverBackend", "DriverUnavailable", "load_driver"]
 

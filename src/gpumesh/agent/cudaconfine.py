@@ -97,9 +97,9 @@ def _prctl() -> ctypes._FuncPointer:
 def confine(confinement: Confinement) -> None:
     """Apply ``confinement`` to this process (OSError when the kernel refuses any part:
     the worker then ends rather than run unconfined)."""
-    # Imported here, not at the top: consumers import this module too (the doctor),
-    # on systems without it; and before the switch of user, who may not be able
-    # to read this Python's files.
+    # Imported here, not at the top: the agent imports this module on systems
+    # without it; and before the switch of user, who may not be able to read
+    # this Python's files.
     import resource
 
     if _prctl()(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:

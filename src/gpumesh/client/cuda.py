@@ -3,7 +3,7 @@
 The owner's side: whether this node shares CUDA, its CUDA allowlist
 (:func:`share`, :func:`allow`, :func:`deny`), and what this machine offers
 (:func:`doctor`). The consumer's side: the demo and the benchmark on an open
-:class:`~gpumesh.cuda.device.RemoteDevice`. Nothing here prints.
+:class:`~gpumesh.client.cudadevice.RemoteDevice`. Nothing here prints.
 """
 
 from __future__ import annotations
@@ -14,15 +14,15 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from gpumesh.client.owner import OwnerSession, worker_user
-from gpumesh.cuda.backend import CudaFault, DeviceInfo
-from gpumesh.cuda.driver import DriverBackend, DriverUnavailable, load_driver
-from gpumesh.cuda.kernels import VADD_F32, VADD_PTX
-from gpumesh.cuda.owner import open_sessions
+from gpumesh.client.owner import OwnerSession, sessions_of, worker_user
+from gpumesh.gpu.cudabackend import CudaFault, DeviceInfo
+from gpumesh.gpu.cudadriver import DriverBackend, DriverUnavailable, load_driver
+from gpumesh.gpu.cudakernels import VADD_F32, VADD_PTX
 
 if TYPE_CHECKING:
+    from gpumesh.client.cudadevice import RemoteDevice
     from gpumesh.client.node import Node
-    from gpumesh.cuda.device import RemoteDevice
+    from gpumesh.store.home import Home
     from gpumesh.store.peers import Peer
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "DoctorReport",
     "allow",
     "bench",
+    "cuda_sessions",
     "demo",
     "deny",
     "doctor",
@@ -78,7 +79,7 @@ def doctor(node: Node) -> DoctorReport:
     store = node.home.store
     allowed = store.cuda_allowed()
     names = sorted(peer.name for peer in store.peers() if peer.node_id in allowed)
-    sessions = open_sessions(node.home)
+    sessions = cuda_sessions(node.home)
     worker = worker_user(node.home)
     return DoctorReport(kind, detail, devices, store.cuda_share(), names, sessions, worker)
 
@@ -232,3 +233,10 @@ def bench(
         rows=rows,
         skipped=skipped,
     )
+
+
+def cuda_sessions(home: Home) -> list[OwnerSession]:
+    """The running agent's CUDA sessions (none when it does not run): what ``status``
+    and ``cuda doctor`` show, from what the agent says of itself."""
+    agent = home.agent_info()
+    return [] if agent is None else sessions_of(agent)

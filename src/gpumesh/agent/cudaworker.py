@@ -1,8 +1,8 @@
 """The provider's CUDA worker: one process per session, running its calls.
 
 :class:`CallServer` is the session without I/O: call-protocol bytes in
-(:mod:`gpumesh.cuda.protocol`), answer bytes out, calls run on a
-:class:`~gpumesh.cuda.backend.Backend`. :func:`main` runs it on the process's
+(:mod:`gpumesh.protocol.cuda`), answer bytes out, calls run on a
+:class:`~gpumesh.gpu.cudabackend.Backend`. :func:`main` runs it on the process's
 stdin and stdout, which the agent connects to the consumer's stream; a fault
 or crash here (a bad kernel, a driver bug) ends this process, never the agent.
 The first line on stderr is a JSON description of the backend, for the
@@ -10,7 +10,7 @@ agent's ``status``; later lines are log lines.
 
 The worker never decides who may use CUDA or how much memory: the agent starts
 it for an allowed peer with the cap it reserved and the user to run as, and
-ends it on ``deny``. It confines itself to those (:mod:`gpumesh.cuda.confine`)
+ends it on ``deny``. It confines itself to those (:mod:`gpumesh.agent.cudaconfine`)
 before it reads the first call.
 """
 
@@ -24,11 +24,12 @@ import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from gpumesh.cuda.backend import Backend, CudaFault
-from gpumesh.cuda.confine import Confinement, address_space_ceiling, confine, mapped_now
-from gpumesh.cuda.driver import DriverBackend, DriverUnavailable, load_driver
-from gpumesh.cuda.fallback import FallbackBackend
-from gpumesh.cuda.protocol import (
+from gpumesh.agent.cudaconfine import Confinement, address_space_ceiling, confine, mapped_now
+from gpumesh.errors import ProtocolError
+from gpumesh.gpu.cudabackend import Backend, CudaFault
+from gpumesh.gpu.cudadriver import DriverBackend, DriverUnavailable, load_driver
+from gpumesh.gpu.cudafallback import FallbackBackend
+from gpumesh.protocol.cuda import (
     SYNC_CALLS,
     VERSION,
     Call,
@@ -53,7 +54,6 @@ from gpumesh.cuda.protocol import (
     end_frame,
     result_frame,
 )
-from gpumesh.errors import ProtocolError
 
 __all__ = ["CallServer", "main", "open_backend"]
 
@@ -271,7 +271,7 @@ def _write_all(fd: int, parts: Iterable[bytes | bytearray | memoryview]) -> None
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gpumesh.cuda.worker")
+    parser = argparse.ArgumentParser(prog="python -m gpumesh.agent.cudaworker")
     parser.add_argument("--memory-cap", type=int, required=True)
     parser.add_argument("--backend", choices=("auto", "driver", "fallback"), default="auto")
     parser.add_argument("--uid", type=int, help="run as this uid (the agent is root)")

@@ -1,9 +1,9 @@
 """The consumer's CUDA link: a local byte stream carried to a provider's CUDA session.
 
 Owns the consumer's side of ``CudaOpen``: one local connection (a socket pair
-inside :class:`~gpumesh.cuda.device.RemoteDevice`, or a program's connection
+inside :class:`~gpumesh.client.cudadevice.RemoteDevice`, or a program's connection
 to ``gpumesh cuda bridge``) is one CUDA session on the peer. The call
-protocol's bytes (:mod:`gpumesh.cuda.protocol`) go through unchanged both ways,
+protocol's bytes (:mod:`gpumesh.protocol.cuda`) go through unchanged both ways,
 so this side parses none of them; what the link itself has to say (the
 provider refused, the session was revoked, the link dropped) reaches the local
 program as the protocol's ``END`` frame, one line with an error code.
@@ -29,7 +29,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gpumesh.cuda.protocol import end_frame
 from gpumesh.errors import (
     AccessDeniedError,
     ConfigError,
@@ -38,6 +37,7 @@ from gpumesh.errors import (
     ProtocolError,
     error_from_code,
 )
+from gpumesh.protocol.cuda import end_frame
 from gpumesh.protocol.framing import FrameKind
 from gpumesh.protocol.messages import CudaOpen, CudaOpened, Refusal, decode_message
 from gpumesh.transport.sockowner import connection_owner, owner_check_available
@@ -138,7 +138,7 @@ async def carry_socket(
     on_session: Callable[[Session], None] | None = None,
 ) -> None:
     """:func:`carry` on a connected socket this loop reads and writes itself (a
-    :class:`~gpumesh.cuda.device.RemoteDevice`'s socket pair): the faster way."""
+    :class:`~gpumesh.client.cudadevice.RemoteDevice`'s socket pair): the faster way."""
     await _carry(node, peer, memory, _SocketLocal(sock), on_open, on_session)
 
 

@@ -3,7 +3,7 @@
 PTX ISA 6.0 for ``sm_50`` is accepted by every driver since CUDA 9, so the demo
 runs on old drivers too (NVRTC from PyPI would emit a newer ISA that they
 refuse). The host-memory fallback runs these by entry name
-(:mod:`gpumesh.cuda.fallback`), so the same demo runs with or without a GPU.
+(:mod:`gpumesh.gpu.cudafallback`), so the same demo runs with or without a GPU.
 """
 
 from __future__ import annotations
