@@ -529,7 +529,10 @@ def test_doctor_without_docker_says_how_to_fix(bob_home: Path) -> None:
 def _run_with_env(
     home: Path, extra: dict[str, str], *args: str
 ) -> subprocess.CompletedProcess[str]:
+    """``gpumesh ARGS`` with ``extra`` in its environment, and in its node process's:
+    the one running is stopped first, so the command starts one that has it."""
     env = dict(os.environ, GPUMESH_HOME=str(home), **extra)
+    _stop_node(env)
     return subprocess.run(
         [sys.executable, "-m", "gpumesh", *args],
         env=env,
@@ -537,6 +540,12 @@ def _run_with_env(
         text=True,
         check=False,
     )
+
+
+def _stop_node(env: dict[str, str]) -> None:
+    stop = [sys.executable, "-m", "gpumesh", "daemon", "stop"]
+    stopped = subprocess.run(stop, env=env, capture_output=True, text=True, check=False)
+    assert stopped.returncode == 0, stopped.stderr
 
 
 def test_gpu_table_and_its_simulated_warning(bob_home: Path) -> None:
@@ -561,6 +570,7 @@ def test_gpu_table_and_its_simulated_warning(bob_home: Path) -> None:
 def test_gpu_without_any_gpu_says_so(bob_home: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "GPUMESH_TEST_SIMULATED_GPUS"}
     env.update(GPUMESH_HOME=str(bob_home), PATH="/nonexistent")
+    _stop_node(env)  # the node process this command starts reads the GPUs
     result = subprocess.run(
         [sys.executable, "-m", "gpumesh", "gpu"],
         env=env,

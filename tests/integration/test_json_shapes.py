@@ -18,8 +18,9 @@ fixture with the change::
 
 The provider's GPUs are part of some shapes (a job's ``gpus``, a member's free
 GPU memory), so the scenario needs a machine where no NVIDIA GPU is visible;
-the commands that show this machine's GPUs (``gpu``, ``status``) see simulated
-ones, so their GPU rows are recorded too.
+the commands that show this machine's GPUs (``gpu``, and ``status`` of a home
+that does not share) see simulated ones, in a node process started with them,
+so their GPU rows are recorded too.
 """
 
 from __future__ import annotations
@@ -157,6 +158,9 @@ def _env(home: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
 def _cli(
     home: Path, *args: str, env: dict[str, str] | None = None, ok: tuple[int, ...] = (0,)
 ) -> subprocess.CompletedProcess[str]:
+    simulated = ENV_SIMULATED in (env or {})
+    if simulated:  # the node process reads the GPUs: one started with them
+        _stop_node(home)
     result = subprocess.run(
         [*GPUMESH, *args],
         env=_env(home, env),
@@ -165,10 +169,18 @@ def _cli(
         timeout=90,
         check=False,
     )
+    if simulated:  # and the next commands get one without them again
+        _stop_node(home)
     assert result.returncode in ok, (
         f"gpumesh {' '.join(args)} exited {result.returncode}:\n{result.stdout}\n{result.stderr}"
     )
     return result
+
+
+def _stop_node(home: Path) -> None:
+    stop = [*GPUMESH, "daemon", "stop"]
+    stopped = subprocess.run(stop, env=_env(home), capture_output=True, text=True, check=False)
+    assert stopped.returncode == 0, stopped.stderr
 
 
 def _json(home: Path, *args: str) -> Any:
@@ -383,14 +395,7 @@ def _jobs(rec: Recorder, alice: Path, bob: Path) -> None:
             "alice to list bob's link",
             every=0.2,
         )
-        rec.json(
-            "status_sharing",
-            "bob's job running, simulated GPUs",
-            alice,
-            "status",
-            "--json",
-            env=SIMULATED_GPUS,
-        )
+        rec.json("status_sharing", "bob's job running", alice, "status", "--json")
         rec.json("jobs_submitted", "one job done, one running", bob, "jobs", "--json")
         rec.json("jobs_hosted", "one job done, one running", alice, "jobs", "--json")
         rec.json(
@@ -529,12 +534,7 @@ def _relayed(rec: Recorder, alice: Path, bob: Path, relay: str) -> None:
             every=0.2,
         )
         rec.json(
-            "status_sharing_relay",
-            "registered with a relay, no link, simulated GPUs",
-            alice,
-            "status",
-            "--json",
-            env=SIMULATED_GPUS,
+            "status_sharing_relay", "registered with a relay, no link", alice, "status", "--json"
         )
         rec.json(
             "connect_hole_punched",

@@ -15,15 +15,16 @@ def gpu(as_json: bool) -> None:
 
     Reads NVML first, then `nvidia-smi`; says so clearly when there is no GPU.
     """
-    from gpumesh.gpu.inventory import detect_inventory
+    from gpumesh.cli._node import node_client
+
+    answer = node_client().send("GET", "/api/v1/gpus")
+    from gpumesh.client.views.node import GpusView
     from gpumesh.units import format_size
 
-    inventory = detect_inventory()
-    gpus = inventory.gpus()
+    inventory = answer.answer(GpusView)
+    gpus = inventory.gpus
     if as_json:
-        from gpumesh.client.views.node import GpusView
-
-        emit_json(GpusView.of(inventory, gpus))
+        emit_json(inventory)
     elif inventory.source == "simulated":
         click.echo(
             click.style("SIMULATED GPUs (test mode, not real hardware)", fg="red", bold=True)

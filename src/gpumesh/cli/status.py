@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
-from gpumesh.cli._common import emit_json, get_node
+from gpumesh.cli._common import emit_json
 from gpumesh.protocol.states import JobRole
+
+if TYPE_CHECKING:
+    from gpumesh.daemon.client import NodeClient
 
 
 @click.command(epilog="\b\nExamples:\n  gpumesh status\n  gpumesh status --json")
@@ -25,60 +29,46 @@ def status(offline: bool, as_json: bool) -> None:
     home's node process, as in `gpumesh jobs` (a few seconds at most, and not
     waiting again on a provider that did not answer).
     """
-    node = get_node()
-    unknown: list[float] = []
-    if not offline and node.home.initialized and node.home.store.unconfirmed_submitted_jobs():
-        # The node process asks the providers, as for `gpumesh jobs`: it keeps the
-        # sessions, and knows which providers went silent (not waited on again).
-        from gpumesh.cli._node import node_client
-        from gpumesh.client.views.joblist import JobListEntry
+    from gpumesh.cli._node import node_client
 
-        listed = node_client().call("GET", "/api/v1/jobs?limit=1000", list[JobListEntry])
-        unknown = [
-            entry.unknown_since
-            for entry in listed
-            if entry.role == JobRole.SUBMITTED and entry.unknown_since is not None
-        ]
-    st = node.status()
+    client = node_client()
+    # Sent first: the node process looks while this process loads the decoder.
+    answer = client.send("GET", f"/api/v1/status?offline={'true' if offline else 'false'}")
+    from gpumesh.client.views.node import StatusView
+
+    st = answer.answer(StatusView)
     if as_json:
-        from gpumesh.client.views.node import StatusView
-
-        emit_json(StatusView.of(st, submitted_unknown=len(unknown)))
+        emit_json(st)
         return
     sharing = (
-        click.style(f"yes, on udp {st.listen} (pid {st.agent.pid})", fg="green")
-        if st.agent
-        else _not_sharing(st.home, st.listen)
+        click.style(f"yes, on udp {st.listen} (pid {st.agent_pid})", fg="green")
+        if st.sharing
+        else _not_sharing(Path(st.home), st.listen)
     )
     click.echo(f"Node     {click.style(st.name, bold=True)}")
     click.echo(f"Id       {st.node_id}")
     click.echo(f"Home     {st.home}")
     click.echo(f"Sharing  {sharing}")
     if st.relay:
-        from gpumesh.store.home import RelayState
-
-        if st.agent is None:
+        if not st.sharing:
             relay_line = f"{st.relay} (used when sharing or when a direct dial fails)"
-        elif st.agent.relay_state is RelayState.REGISTERED:
-            relay_line = click.style(f"{st.relay}, {st.agent.relay_text}", fg="green")
         else:
-            relay_line = click.style(f"{st.relay}, {st.agent.relay_text}", fg="yellow")
+            registered = (st.relay_state or "").startswith("registered as")
+            relay_line = click.style(
+                f"{st.relay}, {st.relay_state}", fg="green" if registered else "yellow"
+            )
         click.echo(f"Relay    {relay_line}")
-    for link in st.agent.links if st.agent else []:
+    for link in st.connections:
         click.echo(f"Peer     {link['peer']} connected, path {link['path']}")
-    from gpumesh.client.owner import open_sessions
     from gpumesh.units import format_size
 
-    sessions = open_sessions(st.agent)
-    for shell in sessions.shells:
-        since = _clock(shell["since"])
-        click.echo(f"Shell    {shell['peer']} in {shell['image']} since {since} (id {shell['id']})")
-    for entry in sessions.desktops:
-        since = _clock(entry["since"])
-        click.echo(
-            f"Desktop  {entry['peer']} connected ({entry['kind']}) since {since} (id {entry['id']})"
-        )
-    for cuda in sessions.cuda:
+    for shell in st.sessions.shells:
+        since = _clock(shell.since)
+        click.echo(f"Shell    {shell.peer} in {shell.image} since {since} (id {shell.id})")
+    for entry in st.sessions.desktops:
+        since = _clock(entry.since)
+        click.echo(f"Desktop  {entry.peer} connected ({entry.kind}) since {since} (id {entry.id})")
+    for cuda in st.sessions.cuda:
         held = format_size(cuda.memory)
         click.echo(f"CUDA     {cuda.peer}: {held} on {cuda.device} (pid {cuda.pid}, id {cuda.id})")
     if st.gpu_source == "simulated":
@@ -89,21 +79,32 @@ def status(offline: bool, as_json: bool) -> None:
             click.echo(f"GPU {gpu.index}    {gpu.name}, {used} used of {total}")
     else:
         click.echo("GPUs     no NVIDIA GPU (CPU-only jobs)")
-    # Busy means GPUMesh jobs here, whether or not they hold a GPU.
-    state = click.style("busy", fg="yellow") if st.running_hosted else "idle"
-    submitted = f"{st.running_submitted} submitted running"
-    if unknown:
-        since = time.strftime("%H:%M", time.localtime(min(unknown)))
-        submitted += click.style(f" ({len(unknown)} no answer since {since})", fg="yellow")
-    click.echo(f"Jobs     {state}: {st.running_hosted} running here, {submitted}")
+    state = click.style("busy", fg="yellow") if st.state == "busy" else "idle"
+    submitted = f"{st.jobs_submitted_running} submitted running"
+    if st.jobs_submitted_unknown:
+        since = time.strftime("%H:%M", time.localtime(min(_unknown_since(client))))
+        count = st.jobs_submitted_unknown
+        submitted += click.style(f" ({count} no answer since {since})", fg="yellow")
+    click.echo(f"Jobs     {state}: {st.jobs_hosted_running} running here, {submitted}")
     click.echo(f"Peers    {st.peers} paired, {st.allowed} allowed")
 
 
-def _clock(unix_time: str) -> str:
-    try:
-        return time.strftime("%H:%M", time.localtime(float(unix_time)))
-    except ValueError:
-        return "?"
+def _unknown_since(client: NodeClient) -> list[float]:
+    """When each submitted job whose provider did not answer was last confirmed, as
+    the node process just recorded it (no provider is asked again)."""
+    from gpumesh.client.views.joblist import JobListEntry
+
+    listed = client.call("GET", "/api/v1/jobs?limit=1000&offline=true", list[JobListEntry])
+    found = [
+        entry.unknown_since
+        for entry in listed
+        if entry.role == JobRole.SUBMITTED and entry.unknown_since is not None
+    ]
+    return found or [time.time()]
+
+
+def _clock(unix_time: float) -> str:
+    return time.strftime("%H:%M", time.localtime(unix_time))
 
 
 def _not_sharing(home: Path, listen: str) -> str:
