@@ -464,15 +464,16 @@ def test_doctor_reports_a_bad_setting_in_the_environment_and_runs_the_rest(
 
 
 def test_a_log_filter_that_is_not_one_is_warned_about_once(bob_home: Path) -> None:
-    # `status` logs in the command's own process (a thin command's node process
-    # has its own log).
-    result = _run_with_env(bob_home, {"GPUMESH_LOG": "bogus==="}, "status")
+    # `config path` logs in the command's own process (a thin command's node
+    # process has its own log).
+    result = _run_with_env(bob_home, {"GPUMESH_LOG": "bogus==="}, "config", "path")
     assert result.returncode == 0, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("warning: GPUMESH_LOG='bogus==='")
     assert "e.g. GPUMESH_LOG=info,gpumesh.transport=debug" in lines[0]
-    fine = _run_with_env(bob_home, {"GPUMESH_LOG": "error,gpumesh.transport=error"}, "status")
+    quiet = {"GPUMESH_LOG": "error,gpumesh.transport=error"}
+    fine = _run_with_env(bob_home, quiet, "config", "path")
     assert (fine.returncode, fine.stderr) == (0, "")
 
 

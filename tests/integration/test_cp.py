@@ -322,6 +322,7 @@ def test_strangers_cannot_break_a_copy_over_the_data_channel(
     import socket as sockets
     import ssl
 
+    from gpumesh.client import bulk
     from gpumesh.transport import channel as channels
 
     alice, bob = pair
@@ -362,7 +363,7 @@ def test_strangers_cannot_break_a_copy_over_the_data_channel(
         silent.close()
         return channel
 
-    monkeypatch.setattr(channels, "dial", racing_dial)
+    monkeypatch.setattr(bulk, "dial", racing_dial)  # where the client dials
 
     async def scenario() -> tuple[CopyResult, CopyResult]:
         async with _serving(alice, bob):

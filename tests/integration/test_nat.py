@@ -28,6 +28,8 @@ from pathlib import Path
 
 import pytest
 
+from gpumesh.identity.keys import Identity
+
 pytestmark = pytest.mark.usefixtures("network_lab", "gpumesh_processes")
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -126,7 +128,9 @@ class Lab:
         raise AssertionError(f"the provider never registered with the relay: {status}")
 
     def node_id(self, home: Path) -> str:
-        return str(json.loads(self.gpumesh("A", home, "status", "--json").stdout)["node_id"])
+        """Read from the home's key: no command, so no node process starts (in the
+        wrong namespace, or before the relay runs)."""
+        return str(Identity.load(home / "identity.key").node_id)
 
     def relay_stats(self) -> dict[str, object]:
         # The relay rewrites its stats file at most once a second.

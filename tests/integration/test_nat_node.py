@@ -108,7 +108,7 @@ def test_a_second_command_behind_nat_reuses_the_punched_path_and_the_registratio
     after = _node_status(lab)["outgoing"]["relays"]
     assert after[0]["registrations"] == 1
     # The relay saw bob's node process register once, and both sessions come from it.
-    bob = json.loads(lab.gpumesh("A", lab.a, "status", "--json").stdout)["node_id"]
+    bob = lab.node_id(lab.a)
     text = log.read_text()[before:]
     sources = re.findall(rf"registered {re.escape(bob)} from (\S+) \(dialing\)", text)
     assert len(sources) == 1, text

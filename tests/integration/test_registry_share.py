@@ -89,7 +89,9 @@ def test_share_public_search_pair_withdraw_and_find_after_moving(
     homes: tuple[Path, Path, str],
 ) -> None:
     alice, bob, url = homes
-    alice_id = json.loads(gpumesh(alice, "status", "--json").stdout)["node_id"]
+    # From her key: a command would start her node process without the simulated GPUs
+    # her share is started with.
+    alice_id = str(Identity.load(alice / "identity.key").node_id)
     share = _share(alice, "--public", "--region", "us-west", "--contact", "alice@example.org")
     try:
         assert f"registry {url}: listed publicly in region us-west" in share.banner  # type: ignore[attr-defined]
