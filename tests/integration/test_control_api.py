@@ -386,6 +386,16 @@ def test_cancel_a_running_job(mesh: Mesh) -> None:
     assert typo.status_code == 422 and "comand" in typo.json()["message"]
 
 
+def test_prune_lists_what_it_would_remove_and_refuses_a_negative_age(mesh: Mesh) -> None:
+    job_id = _job(mesh.api, "true")["job_id"]
+    assert mesh.api.events(job_id)[-1].name == "end"
+    dry = mesh.api.ok("POST", "/api/v1/jobs/prune", json={"older_than": 0, "dry_run": True})
+    assert {"job_id": job_id, "role": "submitted", "state": "succeeded"} in dry
+    assert job_id in [j["job_id"] for j in mesh.api.ok("GET", "/api/v1/jobs?offline=true")]
+    bad = mesh.api.call("POST", "/api/v1/jobs/prune", json={"older_than": -1})
+    assert bad.status_code == 422 and "older_than" in bad.json()["message"]
+
+
 # --- groups ---------------------------------------------------------------------------------
 
 

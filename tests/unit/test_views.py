@@ -143,8 +143,9 @@ def test_a_member_not_asked_has_null_live_keys_and_no_reach() -> None:
     entry = json.loads(
         to_json(MemberStatusEntry.of_status(MemberStatus(_member_view(None, "not paired"), None)))
     )
-    assert list(entry) == [*_MEMBER_KEYS, "reachable", "gpus", "free_gpu_memory", "state"]
-    assert entry["reachable"] is entry["gpus"] is entry["free_gpu_memory"] is entry["state"] is None
+    live_keys = ["reachable", "gpus", "free_gpu_memory", "state", "probe"]
+    assert list(entry) == [*_MEMBER_KEYS, *live_keys]
+    assert all(entry[key] is None for key in live_keys)
     # Not paired: the invite's addresses and relay, and what to do.
     assert entry["addresses"] == ["192.0.2.9:47000"] and entry["relay"] == "relay:1"
     assert entry["paired"] is False and entry["allowed"] is None
@@ -156,7 +157,7 @@ def test_a_member_asked_shows_what_the_probe_found() -> None:
     gpus = [_gpu(0, "L4", 20 * GB), _gpu(1, "L4", 4 * GB), _gpu(2, "A100", 70 * GB)]
     answered = MemberLive.of(Probe("alice-pc", view.peer, _status(gpus=gpus), rtt_ms=12.4))
     entry = json.loads(to_json(MemberStatusEntry.of_status(MemberStatus(view, answered))))
-    live_keys = ["reachable", "reach", "gpus", "free_gpu_memory", "state"]
+    live_keys = ["reachable", "reach", "gpus", "free_gpu_memory", "state", "probe"]
     assert list(entry) == [*_MEMBER_KEYS, *live_keys]
     # A paired peer's own addresses, the one that last worked first.
     assert entry["addresses"] == ["10.0.0.2:47000", "127.0.0.1:47000"]
@@ -164,12 +165,13 @@ def test_a_member_asked_shows_what_the_probe_found() -> None:
     assert entry["reachable"] is True and entry["reach"] == "yes (12 ms)"
     assert entry["gpus"] == "1x A100, 2x L4"
     assert entry["free_gpu_memory"] == 70 * GB
-    assert entry["state"] == "idle"
+    assert entry["state"] == entry["probe"] == "idle"
 
     refused = MemberLive.of(Probe("alice-pc", view.peer, error="has not paired you"))
     entry = json.loads(to_json(MemberStatusEntry.of_status(MemberStatus(view, refused))))
     assert list(entry) == [*_MEMBER_KEYS, *live_keys]
     assert entry["reachable"] is False and entry["reach"] == "has not paired you"
+    assert entry["probe"] == "refused"
     assert (entry["gpus"], entry["free_gpu_memory"], entry["state"]) == ("-", None, "-")
 
     cpu_only = MemberLive.of(Probe("alice-pc", view.peer, _status(gpus=[]), rtt_ms=1.0))

@@ -9,13 +9,14 @@ from typing import TYPE_CHECKING
 
 import click
 
-from gpumesh.cli._common import emit_json, get_node
+from gpumesh.cli._common import emit_json
 from gpumesh.cli._complete import complete_group, complete_peer
 from gpumesh.units import format_duration
 
 if TYPE_CHECKING:
     from gpumesh.cli._table import Column
-    from gpumesh.client.groups import MemberLive, MemberStatus, MemberView
+    from gpumesh.client.views.groups import MemberEntry, MemberStatusEntry
+    from gpumesh.daemon.client import NodeClient
 
 _ACCESS_COLORS = {"self": "cyan", "allowed": "green", "denied": "red"}
 
@@ -43,15 +44,14 @@ def group() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable output.")
 def create(name: str, as_json: bool) -> None:
     """Create a group NAME with this node as its first member."""
-    from gpumesh.client.groups import create_group
+    from gpumesh.client.bodies import GroupBody
+    from gpumesh.client.views.groups import GroupView
 
-    created = create_group(get_node(), name)
+    created = _client().call("POST", "/api/v1/groups", GroupView, GroupBody(name=name))
     if as_json:
-        from gpumesh.client.views.groups import GroupView
-
-        emit_json(GroupView.of(created))
+        emit_json(created)
         return
-    click.echo(f"Created group {click.style(created.name, bold=True)} ({created.short_id}).")
+    click.echo(f"Created group {click.style(created.name, bold=True)} ({created.group_id[:12]}).")
     click.echo(f"Invite others with `gpumesh group invite {created.name}`.")
 
 
@@ -61,13 +61,11 @@ def create(name: str, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable output.")
 def list_groups(as_json: bool) -> None:
     """List the groups this node created or joined."""
-    from gpumesh.client.groups import summaries
+    from gpumesh.client.views.groups import GroupListEntry
 
-    rows = summaries(get_node())
+    rows = _client().call("GET", "/api/v1/groups", list[GroupListEntry])
     if as_json:
-        from gpumesh.client.views.groups import GroupListEntry
-
-        emit_json([GroupListEntry.of_summary(s) for s in rows])
+        emit_json(rows)
         return
     if not rows:
         click.echo(
@@ -80,14 +78,14 @@ def list_groups(as_json: bool) -> None:
     now = time.time()
     shown = []
     for s in rows:
-        origin = f"joined via {_escape(s.inviter)}" if s.inviter else "created here"
+        origin = f"joined via {_escape(s.joined_via)}" if s.joined_via else "created here"
         shown.append(
             [
-                _escape(s.group.name),
-                s.group.short_id,
-                str(s.group.member_count),
+                _escape(s.name),
+                s.group_id[:12],
+                str(s.member_count),
                 f"{s.usable}/{s.others}",
-                f"{format_duration(now - s.group.created_at)} ago, {origin}",
+                f"{format_duration(now - s.created_at)} ago, {origin}",
             ]
         )
     columns = [
@@ -121,11 +119,13 @@ def invite(name: str, expires: str) -> None:
     The invite carries every member's name, key and addresses. Whoever
     joins with it still pairs with each member before using them.
     """
-    from gpumesh.client.groups import invite_code
+    from gpumesh.client.bodies import InviteBody
+    from gpumesh.client.views.groups import InviteView
     from gpumesh.units import parse_duration
 
     lifetime = parse_duration(expires)
-    code = invite_code(get_node(), name, lifetime=lifetime)
+    path = f"/api/v1/groups/{_quoted(name)}/invite"
+    code = _client().call("POST", path, InviteView, InviteBody(expires=lifetime)).code
     click.echo(code)
     if sys.stdout.isatty():
         click.echo(
@@ -146,20 +146,19 @@ Examples:
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable output.")
 def join(code: str, as_json: bool) -> None:
     """Join a group with a member's invite CODE and record its members."""
-    from gpumesh.client.groups import MemberStatus, join_group
+    from gpumesh.client.bodies import JoinBody
+    from gpumesh.client.views.groups import JoinedView
 
-    joined = join_group(get_node(), code)
+    joined = _client().call("POST", "/api/v1/groups/join", JoinedView, JoinBody(code=code))
     if as_json:
-        from gpumesh.client.views.groups import JoinedView
-
-        emit_json(JoinedView.of_joined(joined))
+        emit_json(joined)
         return
     verb = "Refreshed" if joined.already_member else "Joined"
     click.echo(
-        f"{verb} group {click.style(joined.group.name, bold=True)} ({joined.group.short_id}) "
-        f"via {joined.inviter}: {joined.group.member_count} members."
+        f"{verb} group {click.style(joined.name, bold=True)} ({joined.group_id[:12]}) "
+        f"via {joined.inviter}: {joined.member_count} members."
     )
-    _print_members([MemberStatus(v, None) for v in joined.members])
+    _print_members([_unprobed(m) for m in joined.members])
 
 
 @group.command(
@@ -177,20 +176,20 @@ def add(name: str, peer: str, as_json: bool) -> None:
 
     PEER learns about the group from an invite: `gpumesh group invite NAME`.
     """
-    from gpumesh.client.groups import add_member
+    from gpumesh.client.bodies import MemberBody
+    from gpumesh.client.views.groups import AddedView
 
-    added = add_member(get_node(), name, peer)
+    path = f"/api/v1/groups/{_quoted(name)}/members"
+    added = _client().call("POST", path, AddedView, MemberBody(peer=peer))
     if as_json:
-        from gpumesh.client.views.groups import AddedView
-
-        emit_json(AddedView.of_added(added))
+        emit_json(added)
         return
     who = added.member.name
     if added.already_member:
-        click.echo(f"{who} is already a member of {added.group.name}.")
+        click.echo(f"{who} is already a member of {added.name}.")
     else:
-        click.echo(f"Added {who} to {added.group.name} ({added.group.member_count} members).")
-    click.echo(f"To let {who} see the group, send them `gpumesh group invite {added.group.name}`.")
+        click.echo(f"Added {who} to {added.name} ({added.member_count} members).")
+    click.echo(f"To let {who} see the group, send them `gpumesh group invite {added.name}`.")
 
 
 @group.command(
@@ -208,16 +207,26 @@ def members(name: str, offline: bool, as_json: bool) -> None:
 
     Paired members are probed in parallel (about a second at most).
     """
-    from gpumesh.cli._common import run_async
-    from gpumesh.client.groups import group_status
+    from gpumesh.client.views.groups import MemberStatusEntry
 
-    statuses = run_async(group_status(get_node(), name, live=not offline))
+    path = f"/api/v1/groups/{_quoted(name)}/members?offline={'true' if offline else 'false'}"
+    statuses = _client().call("GET", path, list[MemberStatusEntry])
     if as_json:
-        from gpumesh.client.views.groups import MemberStatusEntry
-
-        emit_json([MemberStatusEntry.of_status(s) for s in statuses])
+        emit_json(statuses)
         return
     _print_members(statuses)
+
+
+def _client() -> NodeClient:
+    from gpumesh.cli._node import node_client
+
+    return node_client()
+
+
+def _quoted(name: str) -> str:
+    from urllib.parse import quote
+
+    return quote(name, safe="")
 
 
 # --- rendering ------------------------------------------------------------------------
@@ -225,10 +234,10 @@ def members(name: str, offline: bool, as_json: bool) -> None:
 # One entry per table column: header and cell text (Rich markup allowed). A new
 # column (reachability, GPUs) is one more entry here and one more field in
 # gpumesh.client.views.groups.MemberEntry.
-_MEMBER_COLUMNS: list[tuple[str, Callable[[MemberView], str]]] = [
+_MEMBER_COLUMNS: list[tuple[str, Callable[[MemberStatusEntry], str]]] = [
     ("NAME", lambda v: _escape(v.name)),
-    ("ID", lambda v: v.member.node_id.short),
-    ("ACCESS", lambda v: _colored(v.access, v.label)),
+    ("ID", lambda v: v.node_id[:12]),
+    ("ACCESS", lambda v: _colored(v.access, _label(v.access))),
     ("ADDRESSES", lambda v: _escape(", ".join(v.addresses) or "-")),
 ]
 
@@ -243,12 +252,21 @@ def _member_column(header: str) -> Column:
     return Column(header)
 
 
-def _print_members(statuses: list[MemberStatus]) -> None:
+def _unprobed(member: MemberEntry) -> MemberStatusEntry:
+    """A member as ``group members --offline`` shows it: not asked."""
+    import msgspec
+
+    from gpumesh.client.views.groups import MemberStatusEntry
+
+    return MemberStatusEntry(**msgspec.structs.asdict(member), reachable=None)
+
+
+def _print_members(statuses: list[MemberStatusEntry]) -> None:
     from gpumesh.cli._table import Column, print_table
 
     # Live columns only when some member was asked; the addresses then make way
     # (they stay in --offline and --json).
-    live = any(s.live is not None for s in statuses)
+    live = any(s.probe is not None for s in statuses)
     columns = [c for c in _MEMBER_COLUMNS if not (live and c[0] == "ADDRESSES")]
     headers = [_member_column(header) for header, _ in columns]
     if live:
@@ -260,46 +278,57 @@ def _print_members(statuses: list[MemberStatus]) -> None:
         headers += [Column("FREE"), Column("STATE")]
     rows = []
     for status in statuses:
-        cells = [cell(status.view) for _, cell in columns]
+        cells = [cell(status) for _, cell in columns]
         if live:
-            cells += _live_cells(status.live, this_node=status.view.is_self)
+            cells += _live_cells(status)
         rows.append(cells)
     print_table(headers, rows)
     # Plain lines, not table cells: a narrow terminal must not cut the advice.
-    todo = [s.view for s in statuses if s.view.hint]
-    problems = [(s.view.name, s.live.reason) for s in statuses if s.live and s.live.reason]
+    todo = [s for s in statuses if s.hint]
+    problems = [(s.name, _reason(s)) for s in statuses if _reason(s)]
     if todo or problems:
         click.echo("")
         for view in todo:
             click.echo(f"  {view.name}: {view.hint}")
         for name, problem in problems:
             click.echo(f"  {name}: {problem}")
-        if any(not v.peer for v in todo):
+        if any(not v.paired for v in todo):
             click.echo(
                 "Pairing is mutual: they also run `gpumesh pair` with your `gpumesh pair-code`."
             )
 
 
-def _live_cells(live: MemberLive | None, *, this_node: bool) -> list[str]:
+def _reason(entry: MemberStatusEntry) -> str:
+    """Why a member that was asked did not answer, in full; empty otherwise."""
+    if entry.probe is None or entry.reachable or not isinstance(entry.reach, str):
+        return ""
+    return entry.reach
+
+
+def _live_cells(entry: MemberStatusEntry) -> list[str]:
     """REACHABLE, GPUS, FREE and STATE of one member; dashes when it was not asked
     (this node says so, so that it does not read as one that did not answer)."""
-    from gpumesh.client.groups import MemberState
     from gpumesh.units import format_size
 
-    if live is None:
-        return ["this node" if this_node else "not asked", "-", "-", "-"]
-    if live.answered:
-        reach = f"yes ({live.rtt_ms:.0f} ms)"
+    if entry.probe is None:
+        return ["this node" if entry.is_self else "not asked", "-", "-", "-"]
+    if entry.reachable and isinstance(entry.reach, str):
+        reach = entry.reach
     else:
-        reach = "no" if live.state is MemberState.UNREACHABLE else "refused"
-    free = live.free_gpu_memory
-    state = live.state
+        reach = "no" if entry.probe == "unreachable" else "refused"
+    free = entry.free_gpu_memory
     return [
         _escape(reach),
-        _escape(live.gpu_summary),
+        _escape(entry.gpus or "-"),
         "-" if free is None else format_size(free),
-        str(state),
+        entry.probe,
     ]
+
+
+def _label(access: str) -> str:
+    from gpumesh.client.views.groups import ACCESS_LABELS
+
+    return ACCESS_LABELS.get(access, access)
 
 
 def _colored(access: str, text: str) -> str:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import click
 
-from gpumesh.cli._common import get_node
-
 
 @click.command(
     epilog="""\b
@@ -25,11 +23,13 @@ Examples:
 @click.option("--dry-run", is_flag=True, help="List what would go, remove nothing.")
 def prune(older_than: str, dry_run: bool) -> None:
     """Remove finished jobs with their logs (and, for hosted jobs, their workdirs)."""
-    from gpumesh.client.jobs import prune_jobs
+    from gpumesh.cli._node import node_client
+    from gpumesh.client.bodies import PruneBody
+    from gpumesh.client.views.joblist import PrunedJob
     from gpumesh.units import parse_duration
 
-    node = get_node()
-    removed = prune_jobs(node, parse_duration(older_than), dry_run=dry_run)
+    body = PruneBody(older_than=parse_duration(older_than), dry_run=dry_run)
+    removed = node_client().call("POST", "/api/v1/jobs/prune", list[PrunedJob], body)
     verb = "Would remove" if dry_run else "Removed"
     for job in removed:
         click.echo(f"{verb} {job.job_id} ({job.role}, {job.state})")

@@ -30,8 +30,13 @@ __all__ = [
     "CopyBody",
     "DesktopShareBody",
     "ExchangeBody",
+    "GroupBody",
+    "InviteBody",
     "JobBody",
+    "JoinBody",
+    "MemberBody",
     "PairBody",
+    "PruneBody",
     "ShareOptions",
     "ShellRequest",
     "SyncBody",
@@ -89,6 +94,33 @@ class JobBody(msgspec.Struct, forbid_unknown_fields=True):
 class CancelBody(msgspec.Struct, forbid_unknown_fields=True):
     peer: str | None = None
     """The provider, for a job not in this node's store."""
+
+
+class GroupBody(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    """The new group's name."""
+
+
+class InviteBody(msgspec.Struct, forbid_unknown_fields=True):
+    expires: float = 24 * 3600.0
+    """Seconds the invite stays valid (more than 0, at most 7 days)."""
+
+
+class JoinBody(msgspec.Struct, forbid_unknown_fields=True):
+    code: str
+    """A member's invite."""
+
+
+class MemberBody(msgspec.Struct, forbid_unknown_fields=True):
+    peer: str
+    """A paired peer: its name or a node id prefix."""
+
+
+class PruneBody(msgspec.Struct, forbid_unknown_fields=True):
+    older_than: Annotated[float, msgspec.Meta(ge=0)]
+    """Seconds: only finished jobs created longer ago than this go."""
+    dry_run: bool = False
+    """List what would go, remove nothing."""
 
 
 class CopyBody(msgspec.Struct, forbid_unknown_fields=True):

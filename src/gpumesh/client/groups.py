@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from gpumesh.client.placement import evaluate, probe
+from gpumesh.client.views.groups import ACCESS_LABELS
 from gpumesh.errors import (
     ConfigError,
     NotFoundError,
@@ -79,14 +80,6 @@ ACCESS_NOT_PAIRED = "not paired"
 ACCESS_KEY_DIFFERS = "key differs"
 """Not paired, and a paired peer of the same name has another key (reinstalled, or not them)."""
 
-_LABELS = {
-    ACCESS_SELF: "this node",
-    ACCESS_ALLOWED: "paired, allowed",
-    ACCESS_DENIED: "paired, denied",
-    ACCESS_NOT_PAIRED: "not paired",
-    ACCESS_KEY_DIFFERS: "not paired (key differs)",
-}
-
 
 @dataclass(frozen=True)
 class MemberView:
@@ -120,7 +113,7 @@ class MemberView:
     @property
     def label(self) -> str:
         """The access state in a few words, for tables."""
-        return _LABELS[self.access]
+        return ACCESS_LABELS[self.access]
 
     @property
     def hint(self) -> str:

@@ -39,8 +39,13 @@ from gpumesh.client.bodies import (
     CopyBody,
     DesktopShareBody,
     ExchangeBody,
+    GroupBody,
+    InviteBody,
     JobBody,
+    JoinBody,
+    MemberBody,
     PairBody,
+    PruneBody,
     ShareOptions,
     ShellRequest,
     SyncBody,
@@ -55,8 +60,22 @@ from gpumesh.control.dashboard import history, pages
 from gpumesh.control.endpoints import Access, Endpoint, Query
 from gpumesh.control.openapi import document
 from gpumesh.control.routes.files import post_app_pull, post_app_run, post_app_sync, post_copy
-from gpumesh.control.routes.groups import get_groups, get_members
-from gpumesh.control.routes.jobs import get_job, get_job_events, get_jobs, post_cancel, post_job
+from gpumesh.control.routes.groups import (
+    get_groups,
+    get_members,
+    post_group,
+    post_invite,
+    post_join,
+    post_member,
+)
+from gpumesh.control.routes.jobs import (
+    get_job,
+    get_job_events,
+    get_jobs,
+    post_cancel,
+    post_job,
+    post_prune,
+)
 from gpumesh.control.routes.node import (
     delete_config,
     get_gpu_history,
@@ -156,9 +175,14 @@ def _views() -> dict[str, Any]:
         "connect": peers.ConnectView,
         "jobs": list[joblist.JobListEntry],
         "job": joblist.JobListEntry,
+        "pruned": list[joblist.PrunedJob],
         "result": jobs.JobResultView,
         "event": jobs.Output | jobs.Status | jobs.Dropped | jobs.Reconnecting,
         "groups": list[groups.GroupListEntry],
+        "group": groups.GroupView,
+        "invite": groups.InviteView,
+        "joined": groups.JoinedView,
+        "added": groups.AddedView,
         "members": list[groups.MemberStatusEntry],
         "copy": files.CopyView,
         "sync": apps.SyncView,
@@ -261,6 +285,9 @@ ENDPOINTS: tuple[Endpoint, ...] = (
              V["result"], body=JobBody,
              query=(Query("stream", "boolean", "Answer with the run as Server-Sent Events: "
                           "placement, pull, acceptance, upload, the job's events, end"),)),
+    Endpoint("POST", "/api/v1/jobs/prune", post_prune,
+             "Forget finished jobs older than an age (hosted ones lose logs and workdir)",
+             V["pruned"], body=PruneBody),
     Endpoint("GET", "/api/v1/jobs/{job_id}", get_job, "One job as last known", V["job"]),
     Endpoint("POST", "/api/v1/jobs/{job_id}/cancel", post_cancel, "Cancel a job", V["result"],
              body=CancelBody),
@@ -271,6 +298,15 @@ ENDPOINTS: tuple[Endpoint, ...] = (
                           "(Last-Event-ID wins)"),
                     Query("follow", "boolean", "Until the job ends (true)"))),
     Endpoint("GET", "/api/v1/groups", get_groups, "Groups this node is in", V["groups"]),
+    Endpoint("POST", "/api/v1/groups", post_group, "Create a group with this node in it",
+             V["group"], body=GroupBody),
+    Endpoint("POST", "/api/v1/groups/join", post_join,
+             "Join a group with a member's invite and record its members", V["joined"],
+             body=JoinBody),
+    Endpoint("POST", "/api/v1/groups/{group}/invite", post_invite,
+             "A signed invite to a group, carrying every member", V["invite"], body=InviteBody),
+    Endpoint("POST", "/api/v1/groups/{group}/members", post_member,
+             "Add a paired peer to a group on this node", V["added"], body=MemberBody),
     Endpoint("GET", "/api/v1/groups/{group}/members", get_members,
              "A group's members, probed live", V["members"], query=(_offline,)),
     Endpoint("POST", "/api/v1/copies", post_copy, "Copy a file or folder to or from a peer",

@@ -11,13 +11,25 @@ if TYPE_CHECKING:
     from gpumesh.store.groups import Group
 
 __all__ = [
+    "ACCESS_LABELS",
     "AddedView",
     "GroupListEntry",
     "GroupView",
+    "InviteView",
     "JoinedView",
     "MemberEntry",
     "MemberStatusEntry",
 ]
+
+
+ACCESS_LABELS = {
+    "self": "this node",
+    "allowed": "paired, allowed",
+    "denied": "paired, denied",
+    "not paired": "not paired",
+    "key differs": "not paired (key differs)",
+}
+"""A member's ``access`` in a few words, for tables."""
 
 
 class GroupView(msgspec.Struct):
@@ -84,6 +96,9 @@ class MemberStatusEntry(MemberEntry):
     """Bytes free on its roomiest GPU."""
     state: str | None = None
     """``busy``, ``idle`` or ``-``."""
+    probe: str | None = None
+    """What the probe found: ``idle``, ``busy``, ``not sharing``, ``refused`` or
+    ``unreachable``; None when it was not asked."""
 
     @classmethod
     def of_status(cls, status: MemberStatus) -> MemberStatusEntry:
@@ -99,7 +114,16 @@ class MemberStatusEntry(MemberEntry):
             gpus=live.gpu_summary,
             free_gpu_memory=live.free_gpu_memory,
             state=str(shown),
+            probe=str(live.state),
         )
+
+
+class InviteView(msgspec.Struct):
+    """``group invite``: the signed invite, and how long it stays valid."""
+
+    code: str
+    expires_in: float
+    """Seconds."""
 
 
 class JoinedView(GroupView):

@@ -9,7 +9,7 @@ import msgspec
 if TYPE_CHECKING:
     from gpumesh.store.jobs import JobRecord
 
-__all__ = ["JobListEntry"]
+__all__ = ["JobListEntry", "PrunedJob"]
 
 
 class JobListEntry(msgspec.Struct):
@@ -77,3 +77,15 @@ class JobListEntry(msgspec.Struct):
 def last_confirmed(job: JobRecord) -> float:
     """When a job's state was last known for sure: confirmed, or else created."""
     return job.confirmed_at if job.confirmed_at is not None else job.created_at
+
+
+class PrunedJob(msgspec.Struct):
+    """A finished job ``prune`` removed (or, with ``dry_run``, would remove)."""
+
+    job_id: str
+    role: str
+    state: str
+
+    @classmethod
+    def of(cls, job: JobRecord) -> PrunedJob:
+        return cls(job.job_id, str(job.role), str(job.state))

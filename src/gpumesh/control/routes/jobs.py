@@ -7,12 +7,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from gpumesh.client import jobs, runs
-from gpumesh.client.bodies import CancelBody, JobBody
-from gpumesh.client.jobs import cancel, find_job, logs, refresh_jobs, run_job
+from gpumesh.client.bodies import CancelBody, JobBody, PruneBody
+from gpumesh.client.jobs import cancel, find_job, logs, prune_jobs, refresh_jobs, run_job
 from gpumesh.client.jobspec import build_spec
 from gpumesh.client.runs import watch_run
 from gpumesh.client.views import ErrorView
-from gpumesh.client.views.joblist import JobListEntry
+from gpumesh.client.views.joblist import JobListEntry, PrunedJob
 from gpumesh.client.views.jobs import (
     Dropped,
     JobEventView,
@@ -33,7 +33,15 @@ from gpumesh.control.call import Call
 from gpumesh.control.streams import KEEP_ALIVE, EventStream, paced, sse
 from gpumesh.errors import BadRequestError, GPUMeshError
 
-__all__ = ["get_job", "get_job_events", "get_jobs", "post_cancel", "post_job", "run_event"]
+__all__ = [
+    "get_job",
+    "get_job_events",
+    "get_jobs",
+    "post_cancel",
+    "post_job",
+    "post_prune",
+    "run_event",
+]
 
 
 async def get_jobs(call: Call) -> object:
@@ -97,6 +105,12 @@ async def _run_events(run: Any) -> AsyncIterator[bytes]:
 async def post_cancel(call: Call) -> object:
     body: CancelBody = call.body
     return JobResultView.of(await cancel(call.node, call.param("job_id"), peer=body.peer))
+
+
+async def post_prune(call: Call) -> object:
+    body: PruneBody = call.body
+    removed = prune_jobs(call.node, body.older_than, dry_run=body.dry_run)
+    return [PrunedJob.of(job) for job in removed]
 
 
 async def get_job_events(call: Call) -> object:
