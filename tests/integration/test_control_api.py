@@ -396,6 +396,19 @@ def test_prune_lists_what_it_would_remove_and_refuses_a_negative_age(mesh: Mesh)
     assert bad.status_code == 422 and "older_than" in bad.json()["message"]
 
 
+def test_search_without_a_registry_says_how_to_set_one_and_refuses_a_bad_limit(
+    mesh: Mesh,
+) -> None:
+    none = mesh.api.call("POST", "/api/v1/registry/search", json={"gpu": "4090"})
+    assert none.status_code == 400, none.text
+    assert "gpumesh config set rendezvous_url" in none.json()["message"]
+    bad = mesh.api.call("POST", "/api/v1/registry/search", json={"limit": 1000})
+    assert bad.status_code == 422 and "limit" in bad.json()["message"]
+    synced = mesh.api.ok("POST", "/api/v1/peers/sync", json={"dial": False})
+    assert synced["registry"] == "" and synced["republished_by"] is None
+    assert "alice-pc" in [p["name"] for p in synced["peers"]]
+
+
 # --- groups ---------------------------------------------------------------------------------
 
 

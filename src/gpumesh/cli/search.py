@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from gpumesh.cli._common import emit_json, get_node
+from gpumesh.cli._common import emit_json
 from gpumesh.cli._table import Column
 
 COLUMNS = [
@@ -66,12 +66,12 @@ def search(
     Uses the registry at the `rendezvous_url` setting. Every listing's signature
     is verified by this node before it is shown.
     """
-    from gpumesh.client.registry import RegistryClient, SearchFilters, registry_url
+    from gpumesh.cli._node import node_client
+    from gpumesh.client.bodies import SearchBody
+    from gpumesh.client.views.registry import SearchView
     from gpumesh.units import parse_size
 
-    node = get_node()
-    url = registry_url(str(node.home.config.get("rendezvous_url")))
-    filters = SearchFilters(
+    body = SearchBody(
         gpu=gpu,
         vram=parse_size(vram) if vram else 0,
         vram_total=vram_of == "total",
@@ -80,21 +80,18 @@ def search(
         limit=limit,
         cursor=cursor,
     )
-    page = RegistryClient(url).search(filters)
+    page = node_client().call("POST", "/api/v1/registry/search", SearchView, body)
     if as_json:
-        from gpumesh.client.views.registry import SearchView
-
-        emit_json(SearchView.of(page))
+        emit_json(page)
         return
     if not page.listings:
-        click.echo(f"No listing matches on {url}.")
+        click.echo("No listing matches on the registry (rendezvous_url).")
         return
     from gpumesh.cli._table import escape, print_table
     from gpumesh.units import format_size
 
     rows = []
-    for found in page.listings:
-        listing = found.listing
+    for listing in page.listings:
         gpus = ", ".join(
             f"{g.name} {format_size(g.memory_free)}/{format_size(g.memory_total)}"
             for g in listing.gpus
@@ -102,7 +99,7 @@ def search(
         rows.append(
             [
                 escape(listing.name),
-                listing.node_id.short,
+                listing.node_id[:12],
                 escape(gpus or "no GPU"),
                 "idle" if listing.idle else "busy",
                 escape(listing.region or "-"),

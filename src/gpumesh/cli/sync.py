@@ -6,12 +6,10 @@ from typing import TYPE_CHECKING
 
 import click
 
-from gpumesh.cli._common import DURATION, emit_json, get_node, run_async
-from gpumesh.errors import GPUMeshError
+from gpumesh.cli._common import DURATION, emit_json
 
 if TYPE_CHECKING:
-    from gpumesh.client.discovery import PeerRefresh
-    from gpumesh.client.node import Node
+    from gpumesh.client.views.registry import PeerSyncView
 
 
 @click.command(
@@ -43,20 +41,16 @@ def sync(timeout: float, no_dial: bool, as_json: bool) -> None:
     its current addresses and those of the peers that did not answer; a peer
     found that way is dialled again.
     """
-    from gpumesh.client.discovery import refresh_peers
-    from gpumesh.client.registry import RegistryClient
+    from gpumesh.cli._node import node_client
+    from gpumesh.client.bodies import SyncPeersBody
+    from gpumesh.client.views.registry import SyncView
 
-    node = get_node()
-    node.home.require_initialized()
-    url = str(node.home.config.get("rendezvous_url")).rstrip("/")
-    registry = RegistryClient(url, timeout=timeout) if url else None
-    republished = _ask_share_to_republish(node) if url else None
-    results = run_async(refresh_peers(node, registry, timeout=timeout, dial=not no_dial))
+    body = SyncPeersBody(timeout=timeout, dial=not no_dial)
+    view = node_client().call("POST", "/api/v1/peers/sync", SyncView, body)
     if as_json:
-        from gpumesh.client.views.registry import SyncView
-
-        emit_json(SyncView.of(url, republished, results))
+        emit_json(view)
         return
+    url, republished, results = view.registry, view.republished_by, view.peers
     if not url:
         click.echo(
             "No registry configured (rendezvous_url): refreshed from paired peers only. "
@@ -75,7 +69,7 @@ def sync(timeout: float, no_dial: bool, as_json: bool) -> None:
     _print_results(results)
 
 
-def _print_results(results: list[PeerRefresh]) -> None:
+def _print_results(results: list[PeerSyncView]) -> None:
     from gpumesh.cli._table import Column, escape, print_table
 
     said = {result.registry_note for result in results}
@@ -116,20 +110,3 @@ def _print_results(results: list[PeerRefresh]) -> None:
         ],
         rows,
     )
-
-
-def _ask_share_to_republish(node: Node) -> int | None:
-    """Ask this home's node process to re-publish its share now (an API call); its
-    pid, or None when no node process runs or it does not share."""
-    from gpumesh.client.views.node import PublishView
-    from gpumesh.daemon.client import NodeClient, NodeUnavailableError
-    from gpumesh.daemon.record import holder
-
-    if holder(node.home.path) is None:  # a share runs only in the node process
-        return None
-    try:
-        path = "/api/v1/share/publish"
-        answer = NodeClient(node.home.path).call("POST", path, PublishView, timeout=10)
-    except (NodeUnavailableError, GPUMeshError):
-        return None
-    return answer.pid if answer.sharing else None

@@ -37,9 +37,11 @@ __all__ = [
     "MemberBody",
     "PairBody",
     "PruneBody",
+    "SearchBody",
     "ShareOptions",
     "ShellRequest",
     "SyncBody",
+    "SyncPeersBody",
     "TcpBody",
     "job_options",
 ]
@@ -114,6 +116,28 @@ class JoinBody(msgspec.Struct, forbid_unknown_fields=True):
 class MemberBody(msgspec.Struct, forbid_unknown_fields=True):
     peer: str
     """A paired peer: its name or a node id prefix."""
+
+
+class SearchBody(msgspec.Struct, forbid_unknown_fields=True):
+    """``gpumesh search``'s filters: the registry's, checked there too."""
+
+    gpu: str = ""
+    """Part of a GPU model name."""
+    vram: Annotated[int, msgspec.Meta(ge=0)] = 0
+    """Bytes a GPU has at least (free, or with ``vram_total`` in all)."""
+    vram_total: bool = False
+    idle: bool = False
+    region: str = ""
+    limit: Annotated[int, msgspec.Meta(ge=1, le=100)] = 20
+    cursor: str = ""
+    """Where the previous page ended."""
+
+
+class SyncPeersBody(msgspec.Struct, forbid_unknown_fields=True):
+    timeout: Annotated[float, msgspec.Meta(gt=0)] = 5.0
+    """Seconds to wait per peer."""
+    dial: bool = True
+    """Dial every peer to check the path that works (false: only look addresses up)."""
 
 
 class PruneBody(msgspec.Struct, forbid_unknown_fields=True):

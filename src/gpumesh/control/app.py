@@ -46,12 +46,25 @@ from gpumesh.client.bodies import (
     MemberBody,
     PairBody,
     PruneBody,
+    SearchBody,
     ShareOptions,
     ShellRequest,
     SyncBody,
+    SyncPeersBody,
     TcpBody,
 )
-from gpumesh.client.views import ErrorView, apps, files, groups, joblist, jobs, node, owner, peers
+from gpumesh.client.views import (
+    ErrorView,
+    apps,
+    files,
+    groups,
+    joblist,
+    jobs,
+    node,
+    owner,
+    peers,
+    registry,
+)
 from gpumesh.client.views.apps import AppPullView
 from gpumesh.client.views.node import LoginCodeView, PublishView
 from gpumesh.control import auth
@@ -110,6 +123,7 @@ from gpumesh.control.routes.peers import (
     post_desktop_deny,
     post_pair,
 )
+from gpumesh.control.routes.registry import post_search, post_sync
 from gpumesh.control.routes.sessions import delete_session, post_login_code, post_session
 from gpumesh.control.routes.share import (
     delete_share,
@@ -179,6 +193,8 @@ def _views() -> dict[str, Any]:
         "result": jobs.JobResultView,
         "event": jobs.Output | jobs.Status | jobs.Dropped | jobs.Reconnecting,
         "groups": list[groups.GroupListEntry],
+        "search": registry.SearchView,
+        "peersync": registry.SyncView,
         "group": groups.GroupView,
         "invite": groups.InviteView,
         "joined": groups.JoinedView,
@@ -297,6 +313,12 @@ ENDPOINTS: tuple[Endpoint, ...] = (
              query=(Query("after", "integer", "Start after this sequence number "
                           "(Last-Event-ID wins)"),
                     Query("follow", "boolean", "Until the job ends (true)"))),
+    Endpoint("POST", "/api/v1/peers/sync", post_sync,
+             "Re-publish this node's records and refresh every paired peer's addresses",
+             V["peersync"], body=SyncPeersBody),
+    Endpoint("POST", "/api/v1/registry/search", post_search,
+             "Search the public registry; each listing's signature checked here",
+             V["search"], body=SearchBody),
     Endpoint("GET", "/api/v1/groups", get_groups, "Groups this node is in", V["groups"]),
     Endpoint("POST", "/api/v1/groups", post_group, "Create a group with this node in it",
              V["group"], body=GroupBody),

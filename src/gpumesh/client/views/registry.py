@@ -79,6 +79,9 @@ class PeerSyncView(msgspec.Struct):
     found_via: str = ""
     """The paired peer whose answer gave its new addresses; empty: none did (or the
     registry did, with ``moved``)."""
+    registry_note: str = ""
+    """Why the registry could not be asked for this peer (the start of ``note``);
+    empty when it was, or none is configured."""
 
 
 class SyncView(msgspec.Struct):
@@ -105,6 +108,7 @@ class SyncView(msgspec.Struct):
                     p.path,
                     p.note,
                     p.found_via,
+                    p.registry_note,
                 )
                 for p in peers
             ],
