@@ -9,7 +9,9 @@ lazy attributes of a package (a module-level ``__getattr__``). Anywhere else a
 function-local import is refused, except of an optional extra (``cuda``, the
 registry's database drivers) or a module one platform lacks (``fcntl`` on
 Windows), which may be missing when the function is never called; an import
-guarded by ``except ImportError`` is such an optional one too.
+guarded by ``except ImportError`` is such an optional one too. Two subsystems
+a process may never use load where first used (:data:`ON_FIRST_USE`): FEC's
+numpy and the provider, for the node process's memory.
 
 No module declares its own ``TYPE_CHECKING``: ``typing``'s is the one.
 """
@@ -38,6 +40,17 @@ MAY_BE_MISSING = {
 }  # fmt: skip
 
 
+ON_FIRST_USE = {
+    # parity is made or repaired only on a link that loses packets: numpy's ~16 MB
+    # stay out of a process whose links never do
+    ("protocol/fec.py", "numpy"),
+    # the provider (Docker's client, NVML, the services) loads when a share starts:
+    # a node process that only consumes never holds it
+    ("daemon/sharing.py", "gpumesh.agent.server"),
+}
+"""Subsystems a process may never use, loaded where first used (memory, not start-up)."""
+
+
 def _in_boundary(relative: str) -> bool:
     return relative.split("/", maxsplit=1)[0] in BOUNDARY_FOLDERS or relative in BOUNDARY_MODULES
 
@@ -54,6 +67,12 @@ def _catches_import_error(handler: ast.ExceptHandler) -> bool:
     return any(
         isinstance(n, ast.Name) and n.id in ("ImportError", "ModuleNotFoundError") for n in names
     )
+
+
+def _names(node: ast.Import | ast.ImportFrom) -> set[str]:
+    if isinstance(node, ast.Import):
+        return {alias.name for alias in node.names}
+    return {node.module or ""}
 
 
 def local_imports(tree: ast.Module) -> Iterator[ast.Import | ast.ImportFrom]:
@@ -90,6 +109,7 @@ def test_imports_outside_the_boundary_sit_at_the_top() -> None:
         for relative, tree in _sources()
         if not _in_boundary(relative)
         for node in local_imports(tree)
+        if not any((relative, name) in ON_FIRST_USE for name in _names(node))
     ]
     assert found == [], "imports inside functions outside the thin client:\n" + "\n".join(found)
 

@@ -19,7 +19,6 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 from gpumesh import platform
-from gpumesh.agent.server import Agent
 from gpumesh.client.bodies import ShareOptions
 from gpumesh.control.shareviews import ShareEnd, ShareLine, ShareView
 from gpumesh.daemon import publish
@@ -149,6 +148,10 @@ class Sharing:
             return self.view()
 
     async def _start(self, options: ShareOptions, cap: int | None) -> None:
+        # The provider (Docker's client, NVML, the services) loads when a share first
+        # starts: a node process that only consumes never holds it.
+        from gpumesh.agent.server import Agent
+
         self.node.home.reload_config()  # `config set` in another process: the latest
         agent = Agent(self.node.home, host=options.host, port=options.port, max_vram=cap)
         agent.jobs.report = lambda line: self.say(f"  {line}")

@@ -56,7 +56,6 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import numpy as np
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
@@ -168,6 +167,7 @@ def _inv(a: int) -> int:
 @functools.cache
 def _mul_table() -> npt.NDArray[np.uint8]:
     """``_mul_table()[c][v]`` = c·v in GF(256): one lookup multiplies a whole buffer."""
+    import numpy as np
 
     exp = np.array(_EXP, dtype=np.intp)
     log = np.array(_LOG, dtype=np.intp)
@@ -194,6 +194,8 @@ def _scale(coefficient: int, symbol: npt.NDArray[np.uint8]) -> npt.NDArray[np.ui
 
 
 def _symbol(datagram: bytes) -> npt.NDArray[np.uint8]:
+    import numpy as np
+
     return np.frombuffer(struct.pack("!H", len(datagram)) + datagram, dtype=np.uint8)
 
 
@@ -400,6 +402,8 @@ class Encoder:
         return frames
 
     def _close(self, frames: list[bytes]) -> None:
+        import numpy as np
+
         size, k, group = self._longest, self._count, self._group
         parities = parities_for(k, size - 2)
         if parities:
@@ -650,6 +654,8 @@ class Decoder:
         return hold is not None and gid != hold and (gid - hold) & 0xFFFFFFFF < 1 << 31
 
     def _repair(self, group: _Group, missing: list[int]) -> list[tuple[int, bytes]]:
+        import numpy as np
+
         assert group.k is not None
         size = max(len(p) for p in group.parity.values())
         rows = np.zeros((group.k, size), dtype=np.uint8)  # a missing one's row stays 0
