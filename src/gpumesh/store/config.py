@@ -197,7 +197,6 @@ def _link_buffer(text: str) -> str:
 
 
 def _job_user(text: str) -> str:
-
     parse_job_user(text)
     return text.strip()
 

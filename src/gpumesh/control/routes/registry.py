@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 
+import msgspec
+
 from gpumesh.blocking import in_thread
 from gpumesh.client.bodies import SearchBody, SyncPeersBody
 from gpumesh.client.discovery import refresh_peers
@@ -20,15 +22,7 @@ async def post_search(call: Call) -> object:
     """One page of the registry's listings, each signature checked by this node."""
     body: SearchBody = call.body
     url = registry_url(str(call.node.home.config.get("rendezvous_url")))
-    filters = SearchFilters(
-        gpu=body.gpu,
-        vram=body.vram,
-        vram_total=body.vram_total,
-        idle=body.idle,
-        region=body.region,
-        limit=body.limit,
-        cursor=body.cursor,
-    )
+    filters = SearchFilters(**msgspec.structs.asdict(body))  # the same fields
     page = await in_thread(RegistryClient(url).search, filters)
     return SearchView.of(page)
 
