@@ -396,6 +396,28 @@ def test_prune_lists_what_it_would_remove_and_refuses_a_negative_age(mesh: Mesh)
     assert bad.status_code == 422 and "older_than" in bad.json()["message"]
 
 
+def test_the_routes_that_change_jobs_groups_and_peers_refuse_a_caller_without_a_token(
+    mesh: Mesh,
+) -> None:
+    def jobs() -> list[str]:
+        return [j["job_id"] for j in mesh.api.ok("GET", "/api/v1/jobs?offline=true&limit=1000")]
+
+    def groups() -> list[str]:
+        return [g["name"] for g in mesh.api.ok("GET", "/api/v1/groups")]
+
+    before = (jobs(), groups())
+    for path, body in (
+        ("/api/v1/jobs/prune", {"older_than": 0}),
+        ("/api/v1/groups", {"name": "stolen"}),
+        ("/api/v1/groups/join", {"code": "gpg1_x"}),
+        ("/api/v1/peers/sync", {"dial": False}),
+        ("/api/v1/registry/search", {}),
+    ):
+        refused = mesh.api.tcp("POST", path, bearer=False, json=body)
+        assert refused.status_code == 401 and refused.json()["code"] == "denied", path
+    assert (jobs(), groups()) == before  # nothing pruned, nothing created
+
+
 def test_search_without_a_registry_says_how_to_set_one_and_refuses_a_bad_limit(
     mesh: Mesh,
 ) -> None:
