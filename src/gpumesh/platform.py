@@ -7,8 +7,8 @@ asks here first and takes a portable way when the answer is no:
 * ``gso``, ``gro``: UDP segmentation and receive offload (Linux only): one
   syscall per datagram instead.
 * ``sendmsg``: ``socket.sendmsg``/``recvmsg`` (not on Windows): ``sendto``/``recvfrom``.
-* ``unix``: ``AF_UNIX`` datagram sockets (not on Windows): no wake-ups, the
-  follower of a job polls the store; no agent to notify.
+* ``unix``: ``AF_UNIX`` sockets (not on Windows): the node process's control
+  API on TCP only, shells' bytes over it.
 * ``procfd``: ``/proc/self/fd/N`` paths (Linux only): a unix socket's path
   must then be short, or there is none.
 * ``termios``: raw mode of the local terminal (not on Windows): ``exec`` runs

@@ -19,7 +19,7 @@ from gpumesh.blocking import run_async
 from gpumesh.client.files import parse_location
 from gpumesh.errors import ConfigError
 from gpumesh.files.pack import scan
-from gpumesh.store.followers import FollowerSocket
+from gpumesh.store.sockets import socket_name
 from gpumesh.transport.udp import UdpSocket, open_udp_socket
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="simulates others from Linux")
@@ -87,23 +87,14 @@ def test_udp_without_offloads_or_sendmsg_still_moves_datagrams(simulate) -> None
     assert {"gso", "gro", "sendmsg"} <= platform.taken()
 
 
-def test_without_unix_sockets_nothing_binds_one_and_followers_poll(
-    simulate, tmp_path: Path
-) -> None:
-    simulate(GPUMESH_TEST_WITHOUT="unix")
-    with pytest.raises(OSError, match="no unix datagram sockets"):
-        FollowerSocket(tmp_path)
-    assert not any(path.suffix == ".sock" for path in tmp_path.rglob("*"))
-
-
 def test_a_long_socket_path_without_proc_is_refused_not_reached_through_proc(
     simulate, tmp_path: Path
 ) -> None:
     deep = tmp_path / ("x" * 100)
     deep.mkdir()
     simulate(GPUMESH_TEST_PLATFORM="macos")
-    with pytest.raises(OSError, match="too long for a unix socket"):
-        FollowerSocket(deep)
+    with pytest.raises(OSError, match="too long for a unix socket"), socket_name(deep, "x.sock"):
+        pass
 
 
 def test_a_folder_walked_by_path_packs_what_the_descriptor_walk_packs(

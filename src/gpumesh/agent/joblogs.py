@@ -2,9 +2,9 @@
 
 Owns what goes into a hosted job's event log in the store (its attempts'
 output, its state changes, diagnostics on its stderr), the wake-ups of those
-who follow it (in this process: :meth:`JobLog.wait_changed`; in others:
-:class:`~gpumesh.store.followers.FollowerWakeups`), and the streaming of
-the log to consumers (``JobSubmit`` with attach, ``JobLogs``).
+who follow it (:meth:`JobLog.wait_changed`: the node process's own
+followers; one in another process reads the store on a short timer), and the
+streaming of the log to consumers (``JobSubmit`` with attach, ``JobLogs``).
 
 Durability: output read from the engine is appended to the job's event log
 together with the engine-log cursor, in one transaction, so a restarted agent
@@ -34,7 +34,6 @@ from gpumesh.protocol.states import FINAL_STATES, JobRole
 from gpumesh.runtime.base import JobRuntime, LogCursor, LogLine
 from gpumesh.runtime.base import Stream as LogStream
 from gpumesh.store.db import Store
-from gpumesh.store.followers import FollowerWakeups
 from gpumesh.store.jobs import JobRecord
 from gpumesh.units import format_size, parse_size
 
@@ -68,12 +67,10 @@ _ENGINE_LOST = (
 class JobLog:
     """The event logs of this agent's hosted jobs, and who is woken when they grow."""
 
-    def __init__(self, settings: Settings, store: Store, followers: FollowerWakeups) -> None:
+    def __init__(self, settings: Settings, store: Store) -> None:
         self._settings = settings
         self._store = store
         self._changed = asyncio.Condition()
-        self._followers = followers
-        """``gpumesh logs -f`` of hosted jobs in other processes, woken on new events."""
 
     def limit(self) -> int:
         """Most bytes of a job's output this provider keeps (config job_log_limit)."""
@@ -83,17 +80,12 @@ class JobLog:
         """A hosted job got events: wake everyone following one."""
         async with self._changed:
             self._changed.notify_all()
-        self._followers.wake()
 
     async def wait_changed(self, timeout: float) -> None:
         """Return when a hosted job gets events (or after ``timeout`` seconds)."""
         async with self._changed:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), timeout)
-
-    def close(self) -> None:
-        """The agent stops: followers in other processes are no longer woken."""
-        self._followers.close()
 
     async def state(
         self,

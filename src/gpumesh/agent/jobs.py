@@ -62,7 +62,6 @@ from gpumesh.protocol.messages import (
 from gpumesh.protocol.states import OWNER_CANCELLED, JobRole, JobState
 from gpumesh.runtime.base import ContainerSpec, JobRuntime, mount_target_problem
 from gpumesh.store.db import Store
-from gpumesh.store.followers import FollowerWakeups
 from gpumesh.store.jobs import JobRecord
 from gpumesh.store.limits import ShareLimits
 from gpumesh.units import format_size, parse_size
@@ -104,7 +103,6 @@ class JobService:
         files: SandboxFiles,
         share_limits: Callable[[], ShareLimits],
         jobs_dir: Path,
-        followers: FollowerWakeups,
     ) -> None:
         self.provider = provider
         self.settings = settings
@@ -114,7 +112,7 @@ class JobService:
         """Where each job's GPU memory is promised, from acceptance until it ends."""
         self.files = files
         self.jobs_dir = jobs_dir
-        self.log = JobLog(settings, store, followers)
+        self.log = JobLog(settings, store)
         """The jobs' event logs: output and states stored, followers woken, consumers fed."""
         self.runner = JobRunner(
             provider, store, containers=containers, gpus=gpus, sandboxes=files, log=self.log
@@ -169,7 +167,6 @@ class JobService:
     def stop(self) -> None:
         """Stop supervising; containers keep running and are re-attached on next start."""
         self.runner.stop()
-        self.log.close()
 
     async def wait_changed(self, timeout: float) -> None:
         """Return when a hosted job gets events (or after ``timeout`` seconds): what an

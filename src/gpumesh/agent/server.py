@@ -53,7 +53,6 @@ from gpumesh.protocol.messages import (
     ThroughputRequest,
 )
 from gpumesh.runtime.base import JobRuntime
-from gpumesh.store.followers import FollowerWakeups
 from gpumesh.store.home import AgentInfo, Home, RelayState
 from gpumesh.store.limits import ShareLimits, machine_size
 from gpumesh.store.peerrecords import PeerRecords
@@ -148,7 +147,6 @@ class Agent:
             files=self.files,
             share_limits=self.share_limits,
             jobs_dir=jobs_dir,
-            followers=FollowerWakeups(home.path),
         )
         self.apps = AppService(provider, self.files, self.jobs, index_root=home.apps_dir)
         self.shells = ExecService(provider, self.containers, self.jobs.admission, self.gpus)

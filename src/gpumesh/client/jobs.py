@@ -71,7 +71,6 @@ from gpumesh.protocol.states import (
     JobState,
     job_state,
 )
-from gpumesh.store.followers import FollowerSocket
 from gpumesh.store.jobs import JobRecord
 
 if TYPE_CHECKING:
@@ -79,7 +78,6 @@ if TYPE_CHECKING:
     from gpumesh.client.jobspec import JobSpec
     from gpumesh.client.node import Node
     from gpumesh.protocol.messages import ChannelOffer
-    from gpumesh.store.followers import FollowerSocket
     from gpumesh.transport.session import Session
     from gpumesh.transport.stream import Stream
 
@@ -121,9 +119,11 @@ _RECONNECT_FOR = 60.0
 REFRESH_TIMEOUT = 3.0
 """How long a listing waits, in all, for providers to say where their jobs stand."""
 _REREAD = 5.0
-"""Seconds a follower of a hosted job waits for a wake-up before it re-reads anyway."""
+"""Seconds a follower of a hosted job in the agent's process waits to be told of
+events before it re-reads anyway."""
 _POLL = 0.2
-"""Seconds between reads of a hosted job's events when no wake-up socket could be made."""
+"""Seconds between reads of a hosted job's events by a follower in another process
+(the agent runs in the node process, and tells its own followers)."""
 
 
 def new_job_id() -> str:
@@ -828,47 +828,29 @@ async def _hosted(
     changes: ChangeWaiter | None,
 ) -> AsyncGenerator[JobEvent, None]:
     store = node.home.store
-    waker: FollowerSocket | None = None
-    try:
-        while True:
-            events = store.job_events(job.job_id, reader.seq, 100)
-            for event in events:
-                reader.seq = event.seq
-                message = event.to_message()
-                if isinstance(message, JobStatus):
-                    yield StatusChanged.of(message)
-                    continue
-                dropped = reader.output.on_output(message.offset, len(message.data))
-                if dropped:
-                    yield OutputDropped(dropped)
-                yield Output(message.stream, message.data)
-            current = store.job(HOSTED, job.job_id)
-            assert current is not None
-            _update(result, current)
-            if events:
+    while True:
+        events = store.job_events(job.job_id, reader.seq, 100)
+        for event in events:
+            reader.seq = event.seq
+            message = event.to_message()
+            if isinstance(message, JobStatus):
+                yield StatusChanged.of(message)
                 continue
-            if not follow or (current.state in FINAL_STATES and reader.seq >= current.last_seq):
-                return
-            if changes is not None:
-                await changes.wait_changed(_REREAD)
-            elif waker is None:
-                waker = _wake_up_socket(node)
-                if waker is not None:
-                    continue  # read once more: nothing written before it was bound is missed
-                await asyncio.sleep(_POLL)
-            else:
-                await waker.wait(_REREAD)
-    finally:
-        if waker is not None:
-            waker.close()
-
-
-def _wake_up_socket(node: Node) -> FollowerSocket | None:
-    try:
-        return FollowerSocket(node.home.path)
-    except OSError as exc:
-        logger.info("following by polling: no wake-up socket (%s)", exc)
-        return None
+            dropped = reader.output.on_output(message.offset, len(message.data))
+            if dropped:
+                yield OutputDropped(dropped)
+            yield Output(message.stream, message.data)
+        current = store.job(HOSTED, job.job_id)
+        assert current is not None
+        _update(result, current)
+        if events:
+            continue
+        if not follow or (current.state in FINAL_STATES and reader.seq >= current.last_seq):
+            return
+        if changes is not None:
+            await changes.wait_changed(_REREAD)
+        else:
+            await asyncio.sleep(_POLL)
 
 
 def _update(result: JobResult, job: JobRecord) -> None:

@@ -1,4 +1,4 @@
-"""Names for the unix sockets in a home (the agent's, followers', the control API's).
+"""Names for the unix sockets in a home (the control API's, shells').
 
 A unix socket's path must fit in 108 bytes with its NUL, and a home's path may
 be longer: such a socket is then reached through a descriptor of its folder
