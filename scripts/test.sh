@@ -7,7 +7,10 @@
 #                                        same checks, tests/unit and tests/fuzz,
 #                                        and the tests not marked browser, desktop,
 #                                        postgres, wan or subprocess, plus a smoke
-#                                        slice (tests/tiers.py); no browser,
+#                                        slice (tests/tiers.py), in two test
+#                                        processes (pytest-xdist: most of these
+#                                        tests wait on sockets, engines and
+#                                        timers, not the CPU); no browser,
 #                                        desktop or PostgreSQL setup. CI runs all.
 #
 # Env:
@@ -20,6 +23,7 @@
 #                            PostgreSQL tests (they also run on SQLite)
 #   CI=true                  a broken Docker, desktop, browser or PostgreSQL setup
 #                            fails the run instead of skipping those tests
+#   GPUMESH_TEST_WORKERS=N   the fast tier's test processes (default 2; 0: one)
 #   PYTHON                   interpreter used to create .venv (default python3)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -144,7 +148,7 @@ rc=0
 if [ "$fast" = 1 ]; then
   GPUMESH_TEST_FAST_SUMMARY=$(mktemp)
   export GPUMESH_TEST_FAST_SUMMARY
-  pytest --fast "$@" || rc=$?
+  pytest --fast -n "${GPUMESH_TEST_WORKERS:-2}" "$@" || rc=$?
 else
   pytest "$@" || rc=$?
 fi

@@ -289,10 +289,13 @@ def other_user() -> OtherUser:
     try:
         entry = pwd.getpwnam(OTHER_USER)
     except KeyError:
-        subprocess.run(
+        made = subprocess.run(
             ["useradd", "--create-home", "--user-group", "--shell", "/bin/sh", OTHER_USER],
-            check=True,
+            check=False,
             capture_output=True,
+            text=True,
         )
+        # 9: the name is taken, by another test process that made it meanwhile (-n).
+        assert made.returncode in (0, 9), made.stderr
         entry = pwd.getpwnam(OTHER_USER)
     return OtherUser(entry.pw_name, entry.pw_uid, entry.pw_gid, Path(entry.pw_dir))

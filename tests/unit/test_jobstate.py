@@ -333,8 +333,8 @@ _ILLEGAL = [
     (S.RETRYING, "uploading"),
     (S.RETRYING, "running"),
     (S.RETRYING, "exited"),
-    *[(final, call) for final in FINAL_STATES for call in ("uploading", "start_attempt")],
-    *[(final, call) for final in FINAL_STATES for call in ("running", "exited")],
+    *[(final, call) for final in sorted(FINAL_STATES) for call in ("uploading", "start_attempt")],
+    *[(final, call) for final in sorted(FINAL_STATES) for call in ("running", "exited")],
 ]
 
 
