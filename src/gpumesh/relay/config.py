@@ -10,7 +10,7 @@ operator needs.
 from __future__ import annotations
 
 import tomllib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,10 @@ from gpumesh.identity.keys import NodeId
 from gpumesh.units import parse_duration, parse_size
 
 __all__ = [
+    "DURATION_KEYS",
+    "INT_KEYS",
     "PRIVATE_BY_DEFAULT",
+    "SIZE_KEYS",
     "RelayConfig",
     "check_node_ids",
     "load_config_file",
@@ -85,10 +88,6 @@ class RelayConfig:
     log_level: str = "info"
     """Log level of the stderr log."""
 
-    @property
-    def private(self) -> bool:
-        return not self.open
-
     def access_summary(self) -> str:
         """``open``, or what private access rests on: ``private: 2 allowed nodes, token``."""
         if self.open:
@@ -107,7 +106,7 @@ class RelayConfig:
             raise ConfigError(PRIVATE_BY_DEFAULT)
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"invalid port {self.port}: use 0-65535")
-        for name in _INT_KEYS:
+        for name in INT_KEYS:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1")
         if self.max_sessions_per_pair >= self.max_sessions:
@@ -116,16 +115,7 @@ class RelayConfig:
                 f"max_sessions ({self.max_sessions}), or one node could take all of another "
                 "node's relayed sessions"
             )
-        for name in ("session_bytes", "session_rate"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name} must not be negative")
-        for name in (
-            "keepalive",
-            "registration_timeout",
-            "connect_timeout",
-            "session_seconds",
-            "session_idle",
-        ):
+        for name in (*SIZE_KEYS, *DURATION_KEYS):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must not be negative")
         if self.stats_file is not None and not self.stats_file.parent.is_dir():
@@ -138,9 +128,6 @@ class RelayConfig:
                 f"keepalive ({self.keepalive:g}s), or every node would expire between keep-alives"
             )
         return self
-
-    def with_changes(self, **changes: Any) -> RelayConfig:
-        return replace(self, **changes)
 
 
 # --- parsers shared by flags and file ---------------------------------------------------------
@@ -211,15 +198,15 @@ def check_node_ids(ids: list[str] | tuple[str, ...], where: str) -> frozenset[st
 
 # --- the TOML file ----------------------------------------------------------------------------
 
-_SIZE_KEYS = ("session_bytes", "session_rate")
-_DURATION_KEYS = (
+SIZE_KEYS = ("session_bytes", "session_rate")
+DURATION_KEYS = (
     "keepalive",
     "registration_timeout",
     "connect_timeout",
     "session_seconds",
     "session_idle",
 )
-_INT_KEYS = (
+INT_KEYS = (
     "max_registrations",
     "max_per_ip",
     "max_sessions",
@@ -229,7 +216,7 @@ _INT_KEYS = (
 )
 _PATH_KEYS = ("allow_file", "token_file", "stats_file")
 FILE_KEYS = frozenset(
-    {"listen", "allow", "open", "log_level", *_SIZE_KEYS, *_DURATION_KEYS, *_INT_KEYS, *_PATH_KEYS}
+    {"listen", "allow", "open", "log_level", *SIZE_KEYS, *DURATION_KEYS, *INT_KEYS, *_PATH_KEYS}
 )
 
 
@@ -269,11 +256,11 @@ def load_config_file(path: Path) -> dict[str, Any]:
             out["open"] = value
         elif key == "log_level":
             out["log_level"] = _text(value, where)
-        elif key in _SIZE_KEYS:
+        elif key in SIZE_KEYS:
             out[key] = _size(value, where)
-        elif key in _DURATION_KEYS:
+        elif key in DURATION_KEYS:
             out[key] = _duration(value, where)
-        elif key in _INT_KEYS:
+        elif key in INT_KEYS:
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ConfigError(f"{where} must be a whole number")
             out[key] = value

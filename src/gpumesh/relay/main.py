@@ -20,6 +20,9 @@ import click
 
 from gpumesh.errors import ConfigError
 from gpumesh.relay.config import (
+    DURATION_KEYS,
+    INT_KEYS,
+    SIZE_KEYS,
     RelayConfig,
     check_node_ids,
     load_config_file,
@@ -186,27 +189,13 @@ def build_config(options: dict[str, Any]) -> RelayConfig:
         token_file = options["token_file"]
     if options.get("open_"):
         settings["open"] = True
-    for name in (
-        "max_registrations",
-        "max_per_ip",
-        "max_sessions",
-        "max_sessions_initiated",
-        "max_sessions_per_pair",
-        "queue",
-        "stats_file",
-    ):
+    for name in (*INT_KEYS, "stats_file"):
         if options.get(name) is not None:
             settings[name] = options[name]
-    for name in ("session_bytes", "session_rate"):
+    for name in SIZE_KEYS:
         if options.get(name) is not None:
             settings[name] = _size_flag(options[name], name)
-    for name in (
-        "keepalive",
-        "registration_timeout",
-        "connect_timeout",
-        "session_seconds",
-        "session_idle",
-    ):
+    for name in DURATION_KEYS:
         if options.get(name) is not None:
             settings[name] = parse_duration(options[name])
     if options.get("log_level") is not None:
