@@ -189,7 +189,7 @@ async def _bulk_through_loss(
     tasks: set[asyncio.Future[None]] = set()
 
     async def serve(link: QuicLink) -> None:
-        link.fec_mode = provider_fec  # "off": what a provider one version behind does
+        link.policy.fec_mode = provider_fec  # "off": what a provider one version behind does
         accepted = await accept_session(link, provider, "provider", lambda key: None)
         link.buffer_limit = 0
 
@@ -229,7 +229,7 @@ def test_parity_repairs_random_loss_so_quic_hardly_sees_it() -> None:
     async def scenario() -> None:
         forwarder, session, provider_link = await _bulk_through_loss(provider_fec="auto")
         link = session.link
-        assert link.fec_peer and provider_link.fec_peer  # both ends said they take FEC
+        assert link.policy.fec_peer and provider_link.policy.fec_peer  # both ends take FEC
         assert link.fec_encoder is not None  # the dialer's first loss turned parity on
         decoder = provider_link.fec_decoder
         assert decoder is not None
@@ -247,7 +247,7 @@ def test_parity_repairs_random_loss_so_quic_hardly_sees_it() -> None:
 def test_a_peer_without_fec_still_gets_every_byte_without_frames() -> None:
     async def scenario() -> None:
         forwarder, session, provider_link = await _bulk_through_loss(provider_fec="off")
-        assert not session.link.fec_peer  # the provider did not say it takes FEC
+        assert not session.link.policy.fec_peer  # the provider did not say it takes FEC
         assert session.link.fec_encoder is None
         assert provider_link.fec_decoder is None
         assert forwarder.frames == 0  # nothing but plain QUIC went over the wire
@@ -261,7 +261,7 @@ def test_a_clean_short_link_sends_plain_quic() -> None:
         forwarder, session, _ = await _bulk_through_loss(
             provider_fec="auto", every=10**9, size=512 * 1024
         )
-        assert session.link.fec_peer  # offered and taken...
+        assert session.link.policy.fec_peer  # offered and taken...
         assert session.link.fec_encoder is None  # ...but no loss, no long round trip
         assert forwarder.frames == 0
 
@@ -339,8 +339,8 @@ def test_forged_fec_frames_on_the_default_setting_cost_an_upload_nothing(
         assert isinstance(forwarder, BlindForgingForwarder)
         assert forwarder.injected > 1000
         # _bulk_through_loss checked the hash: every byte arrived, none forged.
-        assert not session.link.fec_peer and not provider_link.fec_peer
+        assert not session.link.policy.fec_peer and not provider_link.policy.fec_peer
         assert session.link.fec_encoder is None and provider_link.fec_decoder is None
-        assert session.link.early_duplicates == 0  # no copies without parity either
+        assert session.link.policy.early_duplicates == 0  # no copies without parity either
 
     arun(scenario())

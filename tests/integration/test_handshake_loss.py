@@ -140,7 +140,7 @@ async def _upload_through_the_link() -> tuple[Recovery, int, int]:
             assert len(receiver.received) == UPLOAD
             recovery = link.recovery()
             assert recovery is not None
-            return recovery, lab.dropped, link.early_duplicates
+            return recovery, lab.dropped, link.policy.early_duplicates
     finally:
         receiver.cancel()
         endpoint.close()
@@ -188,7 +188,7 @@ async def _download_through_the_link() -> tuple[Recovery, int, int]:
             assert len(accepted) == 1
             recovery = accepted[0].recovery()
             assert recovery is not None
-            return recovery, lab.dropped, accepted[0].early_duplicates
+            return recovery, lab.dropped, accepted[0].policy.early_duplicates
     finally:
         for task in writers:
             task.cancel()

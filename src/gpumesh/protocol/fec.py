@@ -154,12 +154,6 @@ def _gf_tables() -> tuple[list[int], list[int]]:
 _EXP, _LOG = _gf_tables()
 
 
-def _mul(a: int, b: int) -> int:
-    if a == 0 or b == 0:
-        return 0
-    return _EXP[_LOG[a] + _LOG[b]]
-
-
 def _inv(a: int) -> int:
     return _EXP[255 - _LOG[a]]
 

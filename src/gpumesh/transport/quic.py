@@ -289,30 +289,6 @@ class QuicLink:
         """Accepting side: the peer is known to receive at :attr:`address`."""
         return self.policy.validated
 
-    @property
-    def fec_mode(self) -> str:
-        """Whether this link offers FEC and when it sends parity (:func:`.fec_mode`)."""
-        return self.policy.fec_mode
-
-    @fec_mode.setter
-    def fec_mode(self, mode: str) -> None:
-        self.policy.fec_mode = mode
-
-    @property
-    def fec_offered(self) -> bool:
-        """Whether to tell the peer that this end takes FEC frames."""
-        return self.policy.fec_offered
-
-    @property
-    def fec_peer(self) -> bool:
-        """Whether the peer said it takes FEC frames (:meth:`peer_takes_fec`)."""
-        return self.policy.fec_peer
-
-    @property
-    def early_duplicates(self) -> int:
-        """Datagrams sent twice so far (:meth:`.LinkPolicy.copies`)."""
-        return self.policy.early_duplicates
-
     def peer_takes_fec(self) -> None:
         """The peer said it takes FEC frames: parity may go to it from now on
         (``auto``: at once on a link with a round trip of :data:`FEC_LONG_RTT` or
@@ -397,7 +373,7 @@ class QuicLink:
         """The QUIC datagrams an FEC frame from the peer gives now."""
         if self.fec_decoder is None:
             # Frames come only after we offered FEC, which is after the handshake.
-            if not self.fec_offered or not self.connected.done():
+            if not self.policy.fec_offered or not self.connected.done():
                 return []
             self.fec_decoder = fec.Decoder(self._fec_keys(sending=False))
         return self.fec_decoder.receive(frame, now)
@@ -496,7 +472,7 @@ class QuicLink:
         self._transmit_scheduled = False
         now = self._loop.time()
         datagrams = self.quic.datagrams_to_send(now)
-        if self.fec_peer and self.fec_encoder is None:
+        if self.policy.fec_peer and self.fec_encoder is None:
             self._maybe_start_parity()
         encoder = self.fec_encoder
         if datagrams and encoder is not None:

@@ -386,7 +386,7 @@ async def _authenticate(
     relayed: RelayedPath | None = None,
 ) -> Session:
     """Send the identity proof; wait for the Welcome only where requests must."""
-    auth = ClientAuth(identity, name, server_key, fec=link.fec_offered)
+    auth = ClientAuth(identity, name, server_key, fec=link.policy.fec_offered)
     try:
         form = AuthForm.of(link.alpn)
         stream = link.open_stream()
@@ -729,7 +729,7 @@ async def accept_session(
             form = AuthForm.of(link.alpn)
             if form is AuthForm.SESSION:
                 auth = ServerAuth.for_session(
-                    identity, name, link.binding, authorize, fec=link.fec_offered
+                    identity, name, link.binding, authorize, fec=link.policy.fec_offered
                 )
                 expected: tuple[type[Message], ...] = (SessionProof,)
             else:
