@@ -20,9 +20,9 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable, Coroutine, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from gpumesh.errors import (
     AccessDeniedError,
@@ -333,79 +333,6 @@ class Session:
         self.link.close()
 
 
-async def _dial_one(
-    identity: Identity,
-    name: str,
-    address: Address,
-    server_key: bytes,
-    timeout: float,
-    via: OutgoingSocket | None = None,
-) -> Session:
-    where = f"{address[0]}:{address[1]}"
-    address = await _resolve_host(address, where)
-    if via is not None and via.takes(address):
-        link = await via.dial(address, where, server_key, timeout)
-    else:
-        link = await QuicEndpoint.dial(address, expected_key=server_key, timeout=timeout)
-    return await _authenticate(link, identity, name, server_key, where)
-
-
-async def _dial_relayed(
-    identity: Identity,
-    name: str,
-    relay: RelayHint,
-    server_key: bytes,
-    timeout: float,
-    via: OutgoingSocket | None = None,
-) -> Session:
-    relay_address = await resolve_relay(relay.address)
-
-    def make_client(endpoint: QuicEndpoint) -> RelayClient:
-        return dialling_client(endpoint, relay_address, relay.address, identity, relay.token)
-
-    if via is not None:
-        link, path = await via.dial_relayed(
-            relay_address, relay.address, relay.token, server_key, timeout
-        )
-    else:
-        link, path = await dial_relayed(make_client, server_key, timeout=timeout)
-    where = f"the relay {relay.address}"
-    # Returned at once, punching or not: the first request starts on the relay and
-    # the link moves to a punched path underneath QUIC whenever punching finds one
-    # (the peer's probes arriving is no promise that ours get through).
-    return await _authenticate(link, identity, name, server_key, where, relayed=path)
-
-
-async def _authenticate(
-    link: QuicLink,
-    identity: Identity,
-    name: str,
-    server_key: bytes,
-    where: str,
-    *,
-    relayed: RelayedPath | None = None,
-) -> Session:
-    """Send the identity proof; wait for the Welcome only where requests must."""
-    auth = ClientAuth(identity, name, server_key, fec=link.policy.fec_offered)
-    try:
-        form = AuthForm.of(link.alpn)
-        stream = link.open_stream()
-        assert stream.stream_id == AUTH_STREAM
-        stream.send_message(auth.start(form, link.binding), end=form is AuthForm.SESSION)
-    except GPUMeshError as exc:
-        link.close(exc if isinstance(exc, ProtocolError) else None)
-        raise
-    session = Session(link, auth, stream, where, relayed=relayed)
-    session.read_welcome()
-    if not auth.may_send_requests:
-        try:
-            await session.established()
-        except asyncio.CancelledError:
-            link.close()  # another address or path won the race
-            raise
-    return session
-
-
 def _path_failure(error: BaseException) -> str:
     """What failed on one path, without the advice its own message ends with."""
     return error.why if isinstance(error, TransportError) else str(error)
@@ -432,6 +359,18 @@ def _settled(task: asyncio.Task[Session]) -> Session | None:
     if not isinstance(exc, GPUMeshError) or _rank(exc) == 0:
         raise exc
     return None
+
+
+def _drop_losers(tasks: Iterable[asyncio.Task[Session] | None], winner: Session | None) -> None:
+    """Cancel the attempts still running and close the sessions of those that
+    finished but did not win."""
+    for task in tasks:
+        if task is None:
+            continue
+        if not task.done():
+            task.cancel()
+        elif not task.cancelled() and task.exception() is None and task.result() is not winner:
+            task.result().close()
 
 
 async def open_session(
@@ -465,222 +404,248 @@ async def open_session(
     the usual dial decides. The session's :attr:`Session.dial_record` says what
     was tried and when.
     """
-    record = DialRecord()
-    session = await _open_session(
-        identity, name, addresses, server_key, timeout, peer_label, relay, via, punched,
-        relay_first, record,
-    )  # fmt: skip
-    session.dial_record = record
+    dial = _Dial(identity, name, server_key, timeout, peer_label, via, DialRecord())
+    session = await dial.open(addresses, relay, punched, relay_first)
+    session.dial_record = dial.record
     return session
 
 
-async def _open_session(
-    identity: Identity,
-    name: str,
-    addresses: Sequence[Address],
-    server_key: bytes,
-    timeout: float,
-    peer_label: str,
-    relay: RelayHint | None,
-    via: OutgoingSocket | None,
-    punched: Address | None,
-    relay_first: bool,
-    record: DialRecord,
-) -> Session:
-    def usual() -> Coroutine[Any, Any, Session]:
-        return _open_with_relay(
-            identity, name, addresses, server_key, timeout, peer_label, relay, via,
-            relay_first, record,
-        )  # fmt: skip
+@dataclass
+class _Dial:
+    """What every attempt of one :func:`open_session` dials with."""
 
-    if punched is None:
-        return await usual()
-    record.note("punched started")
-    first = asyncio.create_task(_dial_one(identity, name, punched, server_key, timeout, via))
-    rest: asyncio.Task[Session] | None = None
-    winner: Session | None = None
-    try:
-        await asyncio.wait({first}, timeout=PUNCHED_FIRST)
-        while True:
-            if first.done() and not first.cancelled():
-                error = first.exception()
-                if error is None:
-                    winner = first.result()
-                    winner.punched_before = punched
-                    record.note("punched won")
-                    return winner
-                if not isinstance(error, GPUMeshError):
-                    raise error  # a bug, not a stale address
-            if rest is None:
-                if via is not None and relay is not None and not first.done():
-                    # The relay may punch to this very address from this very port:
-                    # stop the attempt, as _open_with_relay stops a direct one.
-                    first.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await first
-                    record.note("punched stopped")
-                rest = asyncio.create_task(usual())
-            if rest.done() and (first.done() or rest.exception() is None):
-                winner = rest.result()  # or its error, once the punched address failed too
-                return winner
-            waiting = {task for task in (first, rest) if not task.done()}
-            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        _drop_losers((first, rest), winner)
+    identity: Identity
+    name: str
+    server_key: bytes
+    timeout: float
+    peer_label: str
+    via: OutgoingSocket | None
+    record: DialRecord
 
-
-def _drop_losers(tasks: Iterable[asyncio.Task[Session] | None], winner: Session | None) -> None:
-    """Cancel the attempts still running and close the sessions of those that
-    finished but did not win."""
-    for task in tasks:
-        if task is None:
-            continue
-        if not task.done():
-            task.cancel()
-        elif not task.cancelled() and task.exception() is None and task.result() is not winner:
-            task.result().close()
-
-
-async def _open_with_relay(
-    identity: Identity,
-    name: str,
-    addresses: Sequence[Address],
-    server_key: bytes,
-    timeout: float,
-    peer_label: str,
-    relay: RelayHint | None,
-    via: OutgoingSocket | None,
-    relay_first: bool,
-    record: DialRecord,
-) -> Session:
-    def start_direct() -> asyncio.Task[Session]:
-        record.note("direct started")
-        return asyncio.create_task(
-            _open_direct(identity, name, addresses, server_key, timeout, peer_label, via)
-        )
-
-    def start_relayed(relay: RelayHint) -> asyncio.Task[Session]:
-        record.note("relay started")
-        return asyncio.create_task(_dial_relayed(identity, name, relay, server_key, timeout, via))
-
-    if relay is None:
-        alone = await start_direct()
-        record.note("direct won")
-        return alone
-    direct: asyncio.Task[Session] | None = None
-    relayed: asyncio.Task[Session] | None = None
-    winner: Session | None = None
-    try:
-        if relay_first and addresses:
-            # The relay is the path expected to win: its first step runs before the
-            # direct attempt's (tasks start in order), so the direct attempt's own
-            # set-up (a TLS flight) is not in the relay's way. From a shared socket
-            # there is no direct attempt at all: it would stop as the relay starts
-            # (see below).
-            relayed = start_relayed(relay)
-            if via is None:
-                direct = start_direct()
+    async def one(self, address: Address) -> Session:
+        where = f"{address[0]}:{address[1]}"
+        address = await _resolve_host(address, where)
+        if self.via is not None and self.via.takes(address):
+            link = await self.via.dial(address, where, self.server_key, self.timeout)
         else:
-            direct = start_direct()
-            await asyncio.wait({direct}, timeout=RELAY_DELAY if addresses else 0)
-            if direct.done():
-                if (winner := _settled(direct)) is not None:
-                    record.note("direct won")
-                    return winner
-                record.note("direct failed")
-            if via is not None and not direct.done():
-                # From a shared socket the relayed session leaves from the same port
-                # as the direct attempt. Once punching opens the peer's NAT or
-                # firewall for that port, the direct attempt's retransmitted Initials
-                # get through and the peer takes them for a re-dial that replaces the
-                # relayed session, which then ends under us. Punching finds the
-                # direct path anyway.
-                direct.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await direct
-                record.note("direct stopped")
-            relayed = start_relayed(relay)
-        pending = {task for task in (direct, relayed) if task is not None and not task.done()}
-        while pending:
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for finished in done:
-                what = "relay" if finished is relayed else "direct"
-                if (winner := _settled(finished)) is not None:
-                    record.note(f"{what} won")
-                    return winner
-                record.note(f"{what} failed")
-        assert relayed is not None
-        relay_error = relayed.exception()
-        assert relay_error is not None
-        tried_direct = direct is not None and not direct.cancelled()
-        if isinstance(relay_error, KeyMismatchError) or not addresses:
-            raise relay_error
-        if isinstance(relay_error, RelayError) and not tried_direct:
-            raise relay_error  # the relay's answer is the whole story
-        # One line naming each path and why it failed (the relay's refusal alone
-        # would hide that nothing answered directly either).
-        direct_error = direct.exception() if direct is not None and tried_direct else None
-        direct_why = (
-            _path_failure(direct_error) if direct_error else "no answer before the relay was tried"
-        )
-        advice = ""
-        if isinstance(direct_error, UnreachableError):
-            advice = f": is `gpumesh share` running on {peer_label}?"
-        raise UnreachableError(
-            f"cannot reach {peer_label} directly ({direct_why}) nor through the relay "
-            f"{relay.address} ({_path_failure(relay_error)}){advice}"
-        )
-    finally:
-        _drop_losers((direct, relayed), winner)
+            link = await QuicEndpoint.dial(
+                address, expected_key=self.server_key, timeout=self.timeout
+            )
+        return await self.authenticate(link, where)
 
+    async def relayed(self, relay: RelayHint) -> Session:
+        relay_address = await resolve_relay(relay.address)
 
-async def _open_direct(
-    identity: Identity,
-    name: str,
-    addresses: Sequence[Address],
-    server_key: bytes,
-    timeout: float,
-    peer_label: str,
-    via: OutgoingSocket | None = None,
-) -> Session:
-    if not addresses:
-        raise UnreachableError(f"no known address for {peer_label}: pair again with a fresh code")
-    tasks: list[asyncio.Task[Session]] = []
-    errors: list[GPUMeshError] = []
-    pending: set[asyncio.Task[Session]] = set()
-    winner: Session | None = None
-    try:
-        for index, address in enumerate(addresses):
-            task = asyncio.create_task(_dial_one(identity, name, address, server_key, timeout, via))
-            tasks.append(task)
-            pending.add(task)
-            is_last = index == len(addresses) - 1
-            while pending:
-                done, pending = await asyncio.wait(
-                    pending,
-                    timeout=None if is_last else _DIAL_STAGGER,
-                    return_when=asyncio.FIRST_COMPLETED,
-                )
-                for finished in done:
-                    if (winner := _settled(finished)) is not None:
+        def make_client(endpoint: QuicEndpoint) -> RelayClient:
+            return dialling_client(
+                endpoint, relay_address, relay.address, self.identity, relay.token
+            )
+
+        if self.via is not None:
+            link, path = await self.via.dial_relayed(
+                relay_address, relay.address, relay.token, self.server_key, self.timeout
+            )
+        else:
+            link, path = await dial_relayed(make_client, self.server_key, timeout=self.timeout)
+        where = f"the relay {relay.address}"
+        # Returned at once, punching or not: the first request starts on the relay and
+        # the link moves to a punched path underneath QUIC whenever punching finds one
+        # (the peer's probes arriving is no promise that ours get through).
+        return await self.authenticate(link, where, relayed=path)
+
+    async def authenticate(
+        self, link: QuicLink, where: str, *, relayed: RelayedPath | None = None
+    ) -> Session:
+        """Send the identity proof; wait for the Welcome only where requests must."""
+        auth = ClientAuth(self.identity, self.name, self.server_key, fec=link.policy.fec_offered)
+        try:
+            form = AuthForm.of(link.alpn)
+            stream = link.open_stream()
+            assert stream.stream_id == AUTH_STREAM
+            stream.send_message(auth.start(form, link.binding), end=form is AuthForm.SESSION)
+        except GPUMeshError as exc:
+            link.close(exc if isinstance(exc, ProtocolError) else None)
+            raise
+        session = Session(link, auth, stream, where, relayed=relayed)
+        session.read_welcome()
+        if not auth.may_send_requests:
+            try:
+                await session.established()
+            except asyncio.CancelledError:
+                link.close()  # another address or path won the race
+                raise
+        return session
+
+    async def open(
+        self,
+        addresses: Sequence[Address],
+        relay: RelayHint | None,
+        punched: Address | None,
+        relay_first: bool,
+    ) -> Session:
+        if punched is None:
+            return await self.with_relay(addresses, relay, relay_first)
+        record = self.record
+        record.note("punched started")
+        first = asyncio.create_task(self.one(punched))
+        rest: asyncio.Task[Session] | None = None
+        winner: Session | None = None
+        try:
+            await asyncio.wait({first}, timeout=PUNCHED_FIRST)
+            while True:
+                if first.done() and not first.cancelled():
+                    error = first.exception()
+                    if error is None:
+                        winner = first.result()
+                        winner.punched_before = punched
+                        record.note("punched won")
                         return winner
-                    exc = finished.exception()
-                    assert isinstance(exc, GPUMeshError)
-                    errors.append(exc)
-                if not done or not is_last:
-                    break
-    finally:
-        _drop_losers(tasks, winner)
-    errors.sort(key=_rank)
-    best = errors[0] if errors else UnreachableError(f"cannot reach {peer_label}")
-    if len(addresses) > 1 and isinstance(best, UnreachableError):
-        tried = ", ".join(f"{h}:{p}" for h, p in addresses)
-        raise UnreachableError(
-            f"cannot reach {peer_label} at {tried}: {best.message}",
-            refused=best.refused,
-            why=f"at {tried}: {best.why}",
-        )
-    raise best
+                    if not isinstance(error, GPUMeshError):
+                        raise error  # a bug, not a stale address
+                if rest is None:
+                    if self.via is not None and relay is not None and not first.done():
+                        # The relay may punch to this very address from this very port:
+                        # stop the attempt, as with_relay stops a direct one.
+                        first.cancel()
+                        with contextlib.suppress(asyncio.CancelledError):
+                            await first
+                        record.note("punched stopped")
+                    rest = asyncio.create_task(self.with_relay(addresses, relay, relay_first))
+                if rest.done() and (first.done() or rest.exception() is None):
+                    winner = rest.result()  # or its error, once the punched address failed too
+                    return winner
+                waiting = {task for task in (first, rest) if not task.done()}
+                await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            _drop_losers((first, rest), winner)
+
+    async def with_relay(
+        self, addresses: Sequence[Address], relay: RelayHint | None, relay_first: bool
+    ) -> Session:
+        record, via, peer_label = self.record, self.via, self.peer_label
+
+        def start_direct() -> asyncio.Task[Session]:
+            record.note("direct started")
+            return asyncio.create_task(self.direct(addresses))
+
+        def start_relayed(relay: RelayHint) -> asyncio.Task[Session]:
+            record.note("relay started")
+            return asyncio.create_task(self.relayed(relay))
+
+        if relay is None:
+            alone = await start_direct()
+            record.note("direct won")
+            return alone
+        direct: asyncio.Task[Session] | None = None
+        relayed: asyncio.Task[Session] | None = None
+        winner: Session | None = None
+        try:
+            if relay_first and addresses:
+                # The relay is the path expected to win: its first step runs before the
+                # direct attempt's (tasks start in order), so the direct attempt's own
+                # set-up (a TLS flight) is not in the relay's way. From a shared socket
+                # there is no direct attempt at all: it would stop as the relay starts
+                # (see below).
+                relayed = start_relayed(relay)
+                if via is None:
+                    direct = start_direct()
+            else:
+                direct = start_direct()
+                await asyncio.wait({direct}, timeout=RELAY_DELAY if addresses else 0)
+                if direct.done():
+                    if (winner := _settled(direct)) is not None:
+                        record.note("direct won")
+                        return winner
+                    record.note("direct failed")
+                if via is not None and not direct.done():
+                    # From a shared socket the relayed session leaves from the same port
+                    # as the direct attempt. Once punching opens the peer's NAT or
+                    # firewall for that port, the direct attempt's retransmitted Initials
+                    # get through and the peer takes them for a re-dial that replaces the
+                    # relayed session, which then ends under us. Punching finds the
+                    # direct path anyway.
+                    direct.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await direct
+                    record.note("direct stopped")
+                relayed = start_relayed(relay)
+            pending = {task for task in (direct, relayed) if task is not None and not task.done()}
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for finished in done:
+                    what = "relay" if finished is relayed else "direct"
+                    if (winner := _settled(finished)) is not None:
+                        record.note(f"{what} won")
+                        return winner
+                    record.note(f"{what} failed")
+            assert relayed is not None
+            relay_error = relayed.exception()
+            assert relay_error is not None
+            tried_direct = direct is not None and not direct.cancelled()
+            if isinstance(relay_error, KeyMismatchError) or not addresses:
+                raise relay_error
+            if isinstance(relay_error, RelayError) and not tried_direct:
+                raise relay_error  # the relay's answer is the whole story
+            # One line naming each path and why it failed (the relay's refusal alone
+            # would hide that nothing answered directly either).
+            direct_error = direct.exception() if direct is not None and tried_direct else None
+            direct_why = (
+                _path_failure(direct_error)
+                if direct_error
+                else "no answer before the relay was tried"
+            )
+            advice = ""
+            if isinstance(direct_error, UnreachableError):
+                advice = f": is `gpumesh share` running on {peer_label}?"
+            raise UnreachableError(
+                f"cannot reach {peer_label} directly ({direct_why}) nor through the relay "
+                f"{relay.address} ({_path_failure(relay_error)}){advice}"
+            )
+        finally:
+            _drop_losers((direct, relayed), winner)
+
+    async def direct(self, addresses: Sequence[Address]) -> Session:
+        peer_label = self.peer_label
+        if not addresses:
+            raise UnreachableError(
+                f"no known address for {peer_label}: pair again with a fresh code"
+            )
+        tasks: list[asyncio.Task[Session]] = []
+        errors: list[GPUMeshError] = []
+        pending: set[asyncio.Task[Session]] = set()
+        winner: Session | None = None
+        try:
+            for index, address in enumerate(addresses):
+                task = asyncio.create_task(self.one(address))
+                tasks.append(task)
+                pending.add(task)
+                is_last = index == len(addresses) - 1
+                while pending:
+                    done, pending = await asyncio.wait(
+                        pending,
+                        timeout=None if is_last else _DIAL_STAGGER,
+                        return_when=asyncio.FIRST_COMPLETED,
+                    )
+                    for finished in done:
+                        if (winner := _settled(finished)) is not None:
+                            return winner
+                        exc = finished.exception()
+                        assert isinstance(exc, GPUMeshError)
+                        errors.append(exc)
+                    if not done or not is_last:
+                        break
+        finally:
+            _drop_losers(tasks, winner)
+        errors.sort(key=_rank)
+        best = errors[0] if errors else UnreachableError(f"cannot reach {peer_label}")
+        if len(addresses) > 1 and isinstance(best, UnreachableError):
+            tried = ", ".join(f"{h}:{p}" for h, p in addresses)
+            raise UnreachableError(
+                f"cannot reach {peer_label} at {tried}: {best.message}",
+                refused=best.refused,
+                why=f"at {tried}: {best.why}",
+            )
+        raise best
 
 
 @dataclass
