@@ -51,7 +51,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Generator, Iterator
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
@@ -311,7 +311,7 @@ class Listener:
         (:class:`MemoryChannel`), the socket left blocking without a timeout."""
         return self._accept(wait, _MemoryCandidate).channel()
 
-    def _accept(self, wait: float | None, kind: type[_C]) -> _C:
+    def _accept(self, wait: float | None, kind: _Kind[_C]) -> _C:
         """The peer's connection, its handshake done and its ticket checked (blocking).
 
         Waits up to ``wait`` seconds (default :data:`ACCEPT_WAIT`). Connections
@@ -360,7 +360,7 @@ class Listener:
             for candidate in pending:
                 candidate.close()
 
-    def _take(self, selector: selectors.BaseSelector, pending: list[_C], kind: type[_C]) -> None:
+    def _take(self, selector: selectors.BaseSelector, pending: list[_C], kind: _Kind[_C]) -> None:
         """Accept what is queued: the peer's address gets a handshake, others a close."""
         while True:
             try:
@@ -389,11 +389,12 @@ class Listener:
             selector.register(candidate.sock, candidate.events, candidate)
 
 
-class _Candidate:
-    """One connection from the peer's address, in its handshake and ticket (non-blocking)."""
+class _Pending:
+    """One connection from the peer's address, in its handshake and ticket (non-blocking):
+    what :meth:`Listener._accept` drives."""
 
-    def __init__(self, conn: socket.socket, context: ssl.SSLContext, ticket: bytes) -> None:
-        self.sock = wrap_tls(context, conn, server_side=True)
+    def __init__(self, sock: socket.socket, ticket: bytes) -> None:
+        self.sock = sock
         self._ticket = ticket
         self._handshaken = False
         self._presented = bytearray()
@@ -403,6 +404,29 @@ class _Candidate:
 
     def step(self) -> bool | None:
         """Go as far as it can: True (the ticket matched), False (refused), None (wait)."""
+        raise NotImplementedError
+
+    def _ticket_matches(self) -> bool:
+        if hmac.compare_digest(bytes(self._presented), self._ticket):
+            return True
+        logger.debug("data channel: closed a connection with a wrong ticket")
+        self.wrong_ticket = True
+        return False
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+class _Candidate(_Pending):
+    """A connection whose TLS is Python's TLS socket (a file's pump)."""
+
+    sock: ssl.SSLSocket
+
+    def __init__(self, conn: socket.socket, context: ssl.SSLContext, ticket: bytes) -> None:
+        super().__init__(wrap_tls(context, conn, server_side=True), ticket)
+
+    def step(self) -> bool | None:
         try:
             if not self._handshaken:
                 self.sock.do_handshake()
@@ -423,20 +447,12 @@ class _Candidate:
         except (OSError, ssl.SSLError) as exc:
             logger.debug("data channel: a connection from the peer's address failed: %s", exc)
             return False
-        if not hmac.compare_digest(bytes(self._presented), self._ticket):
-            logger.debug("data channel: closed a connection with a wrong ticket")
-            self.wrong_ticket = True
-            return False
-        return True
+        return self._ticket_matches()
 
     def channel(self, stall_timeout: float) -> Channel:
         self.sock.setblocking(True)
         self.sock.settimeout(stall_timeout)
         return Channel(self.sock)
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.sock.close()
 
 
 class MemoryChannel:
@@ -470,22 +486,16 @@ class MemoryChannel:
             self.sock.close()
 
 
-class _MemoryCandidate:
-    """:class:`_Candidate` with its TLS on memory buffers (a desktop connection)."""
+class _MemoryCandidate(_Pending):
+    """A connection with its TLS on memory buffers (a desktop connection)."""
 
     def __init__(self, conn: socket.socket, context: ssl.SSLContext, ticket: bytes) -> None:
-        self.sock = conn
+        super().__init__(conn, ticket)
         self._incoming, self._outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
         self._tls = context.wrap_bio(self._incoming, self._outgoing, server_side=True)
-        self._ticket = ticket
-        self._handshaken = False
-        self._presented = bytearray()
         self._unsent = b""
-        self.events = selectors.EVENT_READ
-        self.wrong_ticket = False
 
     def step(self) -> bool | None:
-        """Go as far as it can: True (the ticket matched), False (refused), None (wait)."""
         try:
             if self._unsent:  # the handshake's answer, not all taken by the kernel
                 self._unsent = self._unsent[self.sock.send(self._unsent) :]
@@ -515,11 +525,7 @@ class _MemoryCandidate:
         except (OSError, ssl.SSLError) as exc:
             logger.debug("data channel: a connection from the peer's address failed: %s", exc)
             return False
-        if not hmac.compare_digest(bytes(self._presented), self._ticket):
-            logger.debug("data channel: closed a connection with a wrong ticket")
-            self.wrong_ticket = True
-            return False
-        return True
+        return self._ticket_matches()
 
     def _flush(self) -> bool:
         """Send what TLS wrote; whether some is left for the socket's room."""
@@ -535,26 +541,9 @@ class _MemoryCandidate:
         self.sock.setblocking(True)
         return MemoryChannel(self.sock, self._tls, self._incoming, self._outgoing)
 
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.sock.close()
 
-
-class _Accepting(Protocol):
-    """What :meth:`Listener._accept` drives: one connection in its handshake."""
-
-    events: int
-    wrong_ticket: bool
-
-    @property
-    def sock(self) -> socket.socket: ...
-
-    def __init__(self, conn: socket.socket, context: ssl.SSLContext, ticket: bytes) -> None: ...
-    def step(self) -> bool | None: ...
-    def close(self) -> None: ...
-
-
-_C = TypeVar("_C", bound=_Accepting)
+_C = TypeVar("_C", bound=_Pending)
+_Kind = Callable[[socket.socket, ssl.SSLContext, bytes], _C]
 
 
 def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
