@@ -24,7 +24,7 @@ import socket
 import tempfile
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -33,7 +33,15 @@ from gpumesh.protocol.addresses import Address
 from gpumesh.protocol.relay import DATA_HEADER, T_DATA
 from gpumesh.relay.config import RelayConfig
 from gpumesh.relay.core import RelayCore, Send, address_text, is_reach_probe
-from gpumesh.transport.udp import Received, UdpSocket, gso_control, open_udp_socket
+from gpumesh.transport.udp import (
+    GSO_MAX_BYTES,
+    GSO_MAX_SEGMENTS,
+    Received,
+    UdpSocket,
+    gso_control,
+    gso_runs,
+    open_udp_socket,
+)
 
 __all__ = ["RelayServer", "serve"]
 
@@ -42,9 +50,6 @@ logger = logging.getLogger(__name__)
 TICK_INTERVAL = 0.25
 STATS_INTERVAL = 1.0
 _READ_BATCH = 256
-_RUN_PACKETS = 64
-_RUN_BYTES = 65000
-"""A run sent with one write: the kernel's limits for UDP segmentation offload."""
 _DATA_TYPE = bytes([T_DATA])
 _SOL_UDP = 17
 _UDP_GRO = 104
@@ -234,30 +239,20 @@ class RelayServer:
     def _send_all(self, out: list[Send]) -> None:
         """Send ``out`` in order; consecutive packets of one size to one address (the
         last of a run may be shorter) go as one run (:meth:`_send_run`)."""
-        run: list[bytes] = []
-        run_to: Address | None = None
-        size = 0
+        for run, size, address in gso_runs(self._probes_sent(out)):
+            self._send_packets(run, size, address)
+
+    def _probes_sent(self, out: list[Send]) -> Iterator[Send]:
+        """``out`` but its reach probes, each sent from the second port as it comes, once
+        (a lost probe reads as "not reachable")."""
         for data, address in out:
-            if is_reach_probe(data):
-                self._send_probe(data, address)
-                continue
-            if (
-                run
-                and address == run_to
-                and len(data) <= size
-                and len(run) < _RUN_PACKETS
-                and (len(run) + 1) * size <= _RUN_BYTES
-            ):
-                run.append(data)
-                if len(data) < size:  # a shorter packet ends a run
-                    self._send_packets(run, size, run_to)
-                    run = []
-                continue
-            if run and run_to is not None:
-                self._send_packets(run, size, run_to)
-            run, run_to, size = [data], address, len(data)
-        if run and run_to is not None:
-            self._send_packets(run, size, run_to)
+            if not is_reach_probe(data):
+                yield data, address
+            elif self._probe_sock is not None:
+                with contextlib.suppress(
+                    OSError
+                ):  # one-shot: a lost probe reads as "not reachable"
+                    self._probe_sock.sendto(data, address)
 
     def _send_packets(self, run: list[bytes], size: int, address: Address) -> None:
         if len(run) > 1 and self._gso:
@@ -310,12 +305,6 @@ class RelayServer:
                 self._gso = False  # no segmentation offload here: one write per packet
         for offset in range(0, len(data), segment):
             self._send(data[offset : offset + segment], address)
-
-    def _send_probe(self, data: bytes, address: Address) -> None:
-        if self._probe_sock is None:
-            return
-        with contextlib.suppress(OSError):  # one-shot: a lost probe reads as "not reachable"
-            self._probe_sock.sendto(data, address)
 
     def _want_writable(self) -> None:
         if not self._writing and self._sock is not None and self._loop is not None:
@@ -377,8 +366,8 @@ def _joined(batch: list[Received]) -> list[tuple[bytes, int, Address]]:
             and item.address == source
             and len(data) <= size
             and len(data) == item.segment_size
-            and len(run) < _RUN_PACKETS
-            and (len(run) + 1) * size <= _RUN_BYTES
+            and len(run) < GSO_MAX_SEGMENTS
+            and (len(run) + 1) * size <= GSO_MAX_BYTES
             and data.startswith(header)
         ):
             run.append(data)

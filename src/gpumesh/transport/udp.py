@@ -19,7 +19,7 @@ import socket
 import struct
 import sys
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 # Address and its text forms are defined in the protocol layer; re-exported here
@@ -28,11 +28,14 @@ from gpumesh import platform
 from gpumesh.protocol.addresses import Address, format_address, parse_address
 
 __all__ = [
+    "GSO_MAX_BYTES",
+    "GSO_MAX_SEGMENTS",
     "Address",
     "Received",
     "UdpSocket",
     "format_address",
     "gso_control",
+    "gso_runs",
     "open_udp_socket",
     "parse_address",
 ]
@@ -43,8 +46,9 @@ logger = logging.getLogger(__name__)
 _SOL_UDP = 17
 _UDP_SEGMENT = 103
 _UDP_GRO = 104
-_GSO_MAX_SEGMENTS = 64
-_GSO_MAX_BYTES = 65000
+GSO_MAX_SEGMENTS = 64
+GSO_MAX_BYTES = 65000
+"""A run sent with one write: the kernel's limits for UDP segmentation offload."""
 _RECV_BUFFER = 65535
 _SOCKET_BUFFER = 4 * 1024 * 1024
 _RECEIVE_BUFFER = 16 * 1024 * 1024
@@ -65,6 +69,34 @@ _ERR_CMSG_SPACE = socket.CMSG_SPACE(64) if hasattr(socket, "CMSG_SPACE") else 0
 def gso_control(segment: int) -> list[tuple[int, int, bytes]]:
     """The ``sendmsg`` ancillary data that cuts one buffer into ``segment``-byte datagrams."""
     return [(_SOL_UDP, _UDP_SEGMENT, struct.pack("=H", segment))]
+
+
+def gso_runs(
+    datagrams: Iterable[tuple[bytes, Address]],
+) -> Iterator[tuple[list[bytes], int, Address]]:
+    """``(run, size, address)``: consecutive datagrams of one size to one address (the
+    last of a run may be shorter), as many as one GSO write takes; any other alone."""
+    run: list[bytes] = []
+    run_to: Address = ("", 0)
+    size = 0
+    for data, address in datagrams:
+        if (
+            run
+            and address == run_to
+            and len(data) <= size
+            and len(run) < GSO_MAX_SEGMENTS
+            and (len(run) + 1) * size <= GSO_MAX_BYTES
+        ):
+            run.append(data)
+            if len(data) < size:  # a shorter datagram must end a GSO run
+                yield run, size, run_to
+                run = []
+            continue
+        if run:
+            yield run, size, run_to
+        run, run_to, size = [data], address, len(data)
+    if run:
+        yield run, size, run_to
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,27 +243,8 @@ class UdpSocket:
         """
         pending = self._pending
         if self.gso:
-            run: list[bytes] = []
-            run_addr: Address | None = None
-            run_size = 0
-            for data, addr in datagrams:
-                if (
-                    run
-                    and addr == run_addr
-                    and len(data) <= run_size
-                    and len(run) < _GSO_MAX_SEGMENTS
-                    and (len(run) + 1) * run_size <= _GSO_MAX_BYTES
-                ):
-                    run.append(data)
-                    if len(data) < run_size:  # a shorter datagram must end a GSO run
-                        pending.append((b"".join(run), run_size, run_addr))
-                        run = []
-                    continue
-                if run:
-                    pending.append((b"".join(run), run_size, run_addr))
-                run, run_addr, run_size = [data], addr, len(data)
-            if run:
-                pending.append((b"".join(run), run_size, run_addr))
+            for run, size, address in gso_runs(datagrams):
+                pending.append((b"".join(run), size, address))
         else:
             for data, addr in datagrams:
                 pending.append((data, len(data), addr))
