@@ -299,10 +299,8 @@ class RelayCore:
                 return []
             return [(packet, source)]
         if isinstance(message, ReachTest):
-            last = self._reach_at.get(source)
-            if last is not None and now - last < REACH_INTERVAL:
+            if self._throttled(self._reach_at, REACH_INTERVAL, source, now):
                 return []
-            self._remember(self._reach_at, source, now)
             return [(encode_packet(ReachProbe(seq=message.seq)), source)]
         if isinstance(message, Connect):
             if registration is None:
@@ -733,28 +731,29 @@ class RelayCore:
         bytes received: the address has not proven it is real, so it may be spoofed."""
         refused = Refused(code="not-registered", message="", session=session)
         packet = encode_packet(refused)
-        if len(packet) > size:
+        if len(packet) > size or self._throttled(self._refused_at, REFUSAL_INTERVAL, to, now):
             return []
-        last = self._refused_at.get(to)
-        if last is not None and now - last < REFUSAL_INTERVAL:
-            return []
-        self._remember(self._refused_at, to, now)
         self.refusals[refused.code] = self.refusals.get(refused.code, 0) + 1
         self.version += 1
         return [(packet, to)]
 
     def _refuse_throttled(self, code: str, to: Address, now: float, session: int) -> list[Send]:
-        last = self._refused_at.get(to)
-        if last is not None and now - last < REFUSAL_INTERVAL:
+        if self._throttled(self._refused_at, REFUSAL_INTERVAL, to, now):
             return []
-        self._remember(self._refused_at, to, now)
         return [self._refusal(code, to, session)]
 
     @staticmethod
-    def _remember(throttle: dict[Address, float], address: Address, now: float) -> None:
+    def _throttled(
+        throttle: dict[Address, float], interval: float, address: Address, now: float
+    ) -> bool:
+        """Whether ``address`` was answered less than ``interval`` ago; if not, it is now."""
+        last = throttle.get(address)
+        if last is not None and now - last < interval:
+            return True
         if len(throttle) >= _THROTTLE_MAX:  # a flood of spoofed sources: start over
             throttle.clear()
         throttle[address] = now
+        return False
 
 
 def _decrement(counts: dict[Any, int], key: Any) -> None:

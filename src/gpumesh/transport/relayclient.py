@@ -303,16 +303,8 @@ class RelayClient:
         if from_relay:
             self._last_heard = now
         if wire.is_data(packet):
-            if not from_relay:
-                return None
-            try:
-                session, datagram = wire.decode_data(packet)
-            except ProtocolError:
-                return None
-            path = self.paths.get(session)
-            if path is None:
-                return None
-            return path.virtual, datagram
+            path = self._data_path(packet) if from_relay else None
+            return None if path is None else (path.virtual, packet[wire.DATA_HEADER :])
         try:
             message = wire.decode_packet(packet)
         except ProtocolError as exc:
@@ -342,17 +334,21 @@ class RelayClient:
         for offset in range(segment, len(buffer), segment):
             if buffer[offset : offset + wire.DATA_HEADER] != header:
                 return None
-        try:
-            session, _ = wire.decode_data(header)
-        except ProtocolError:
-            return None
-        path = self.paths.get(session)
+        path = self._data_path(header)
         if path is None:
             return None
         self._last_heard = self._loop.time()
         start = wire.DATA_HEADER
         datagrams = [buffer[o + start : o + segment] for o in range(0, len(buffer), segment)]
         return path.virtual, datagrams
+
+    def _data_path(self, packet: bytes) -> RelayedPath | None:
+        """The path of the session a Data packet (or its header) is for, if any."""
+        try:
+            session, _ = wire.decode_data(packet)
+        except ProtocolError:
+            return None
+        return self.paths.get(session)
 
     # --- relay messages -----------------------------------------------------------------
 

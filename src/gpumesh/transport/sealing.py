@@ -137,19 +137,18 @@ def derive_keys(
     return up, down
 
 
-def _next_key(key: bytes) -> bytes:
-    return HKDFExpand(hashes.SHA256(), KEY_BYTES, _NEXT).derive(key)
-
-
 class _Direction:
     """One direction's key and frame counter (the nonce)."""
 
     def __init__(self, key: bytes) -> None:
-        self._key = key
         self.counter = 0
         """The next frame's number: its nonce."""
         self.until = REKEY_FRAMES
         """The counter at which the key moves on (and the wrap is checked)."""
+        self._use(key)
+
+    def _use(self, key: bytes) -> None:
+        self._key = key
         aead = AESGCM(key)
         self.encrypt_into, self.decrypt_into = aead.encrypt_into, aead.decrypt_into
 
@@ -158,9 +157,7 @@ class _Direction:
         the counter would wrap."""
         if self.counter >= _COUNTER_END - REKEY_FRAMES:
             raise SealError("the frame counter would wrap: the connection must end")
-        self._key = _next_key(self._key)
-        aead = AESGCM(self._key)
-        self.encrypt_into, self.decrypt_into = aead.encrypt_into, aead.decrypt_into
+        self._use(HKDFExpand(hashes.SHA256(), KEY_BYTES, _NEXT).derive(self._key))
         self.until = self.counter + REKEY_FRAMES
 
 
