@@ -213,16 +213,6 @@ class Containers:
         if network.docker_network != "none":  # the first job starts as fast as the next
             self.runtime.prepare(network.docker_network, network.dns, self._provider.node_id)
 
-    def ensure_network(self) -> None:
-        """Make the job network and install its rules, once (blocking); refuses, in
-        this provider's name, a filtered mode whose rules cannot be installed."""
-        try:
-            self.network().ensure(self.runtime)
-        except ConfigError as exc:
-            raise ConfigError(
-                f"{self._provider.name} cannot run jobs as configured: {exc.message}"
-            ) from None
-
     def job_user(self, image: str) -> JobUser:
         """Who containers run as, from job_user / job_root and what the engine does
         with users (blocking: asks the engine once). Also tells the sandboxes
@@ -250,9 +240,11 @@ class Containers:
 
     def checked_job_user(self, image: str) -> JobUser:
         """:meth:`job_user`, its refusals in this provider's name (blocking). Every
-        container is made after this, so the job network is made sure of here too."""
-        self.ensure_network()
+        container is made after this, so the job network and its rules are made
+        sure of here too (a filtered mode whose rules cannot be installed is
+        refused)."""
         try:
+            self.network().ensure(self.runtime)
             return self.job_user(image)
         except ConfigError as exc:
             raise ConfigError(
@@ -266,29 +258,14 @@ class Containers:
         message = exc.message.replace("this machine", name)
         return type(exc)(message if name in message else f"{name}: {message}")
 
-    async def check_image(self, image: str, report_to: Stream | None = None) -> None:
+    async def prepare(self, image: str, report_to: Stream | None = None) -> JobUser:
         """Refuse, naming this provider, an image its owner does not allow, or that is
-        neither here nor pullable; then keep the pulled images within image_disk.
+        neither here nor pullable; keep the pulled images within image_disk; then
+        :meth:`who_runs`. All in one trip to a thread (each trip costs a thread
+        and a wake-up of the event loop, milliseconds on a busy machine).
 
         ``report_to``: the request's stream, which hears a pull's progress as
         ``ImagePull`` messages (its requester asked for them)."""
-        settings = self._settings
-        check_allowed(image, str(settings.get("allowed_images")), self._provider.name)
-        reporter = PullReporter(report_to) if report_to is not None else None
-        try:
-            pulled = await in_thread(self.runtime.ensure_image, image, reporter)
-        except GPUMeshError as exc:
-            raise self.in_our_name(exc) from None
-        finally:
-            if reporter is not None:
-                reporter.finish()
-        budget = parse_size(str(settings.get("image_disk")))
-        await in_thread(self.images.used, image, pulled, budget)
-
-    async def prepare(self, image: str, report_to: Stream | None = None) -> JobUser:
-        """:meth:`check_image`, then :meth:`who_runs`, in one trip to a thread (a
-        job's submission makes this one: each trip costs a thread and a wake-up
-        of the event loop, milliseconds on a busy machine)."""
         settings = self._settings
         check_allowed(image, str(settings.get("allowed_images")), self._provider.name)
         reporter = PullReporter(report_to) if report_to is not None else None

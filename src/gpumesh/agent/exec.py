@@ -176,10 +176,9 @@ class ExecService:
                 self.gpus.release(holder)
 
     async def _open(self, ctx: RequestContext, message: ExecStart, gpus: list[str]) -> None:
-        await self.containers.check_image(
+        who = await self.containers.prepare(
             message.image, ctx.stream if message.pull_progress else None
         )
-        who = await self.containers.who_runs(message.image)
         spec = self.container_spec(ctx.peer, message, who, gpus)
         runtime = self.runtime
         try:
