@@ -193,12 +193,12 @@ def test_a_finished_jobs_container_left_behind_is_removed_by_the_next_start(
             assert (result.state, result.exit_code) == ("succeeded", 0)
             assert await _removed(engine, alice)
             # As if the agent had stopped between the end and the removal.
-            job = agent.jobs.container_spec(
+            job = agent.jobs.runner.container_spec(
                 alice.home.store.job("hosted", result.job_id),  # type: ignore[arg-type]
                 1,
                 await agent.jobs.containers.who_runs(IMAGE),
             )
-            await asyncio.to_thread(agent.jobs.runtime.create, job)
+            await asyncio.to_thread(agent.jobs.containers.runtime.create, job)
         assert len(_containers(engine, alice)) == 1
         async with providing(alice):
             assert await _removed(engine, alice)
@@ -352,7 +352,7 @@ def test_gpu_jobs_get_their_assigned_gpu_through_device_requests(cluster, engine
             runtime = DockerRuntime()
             try:
                 who = agent.containers.job_user(IMAGE)
-                container_id = runtime.create(jobs.container_spec(job, 1, who))
+                container_id = runtime.create(jobs.runner.container_spec(job, 1, who))
             finally:
                 runtime.close()
             inspected = engine.api.inspect_container(container_id)
@@ -573,7 +573,9 @@ def test_peak_gpu_memory_is_measured_and_reported_to_the_submitter(cluster) -> N
                 await asyncio.sleep(0.1)
             run = agent.jobs._runs[job.job_id]
             agent.gpus._inventory = _EveryProcessUsesGpuMemory("L4:24GB")
-            sampler = asyncio.create_task(agent.jobs._sample_gpu_memory(run, record.container_id))
+            sampler = asyncio.create_task(
+                agent.jobs.runner.sample_gpu_memory(run, record.container_id)
+            )
             await asyncio.sleep(0.5)
             sampler.cancel()
             runtime = DockerRuntime()

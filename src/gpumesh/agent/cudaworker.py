@@ -78,7 +78,6 @@ class CallServer:
         self._upload: _Upload | None = None
         self._pending: CudaFault | None = None
         """The first failure of a call that is not answered, for the next answer."""
-        self.calls = 0
 
     def feed(self, data: bytes | memoryview) -> Iterator[bytes | bytearray | memoryview]:
         """Bytes from the client; the bytes to send back, as they are made
@@ -119,7 +118,6 @@ class CallServer:
             self._pending = fault
 
     def _call(self, call: Call) -> Iterable[bytes | bytearray | memoryview]:
-        self.calls += 1
         if isinstance(call, Hello):
             return [self._hello(call)]
         if not self._greeted:

@@ -110,9 +110,6 @@ class GpuAllocator:
     def reservations(self) -> list[Reservation]:
         return list(self._held.values())
 
-    def held_by(self, holder: Holder) -> Reservation | None:
-        return self._held.get(holder)
-
     def hold(self, holder: Holder, gpus: Iterable[str], memory: int) -> None:
         """Record a promise already decided (a job's record after a restart), unchecked;
         it replaces what ``holder`` held before."""

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gpumesh.agent.containers import Containers, JobUser
+from gpumesh.agent.containers import Containers
 from gpumesh.agent.deps import (
     Handlers,
     Provider,
@@ -60,7 +60,7 @@ from gpumesh.protocol.messages import (
     JobSubmit,
 )
 from gpumesh.protocol.states import OWNER_CANCELLED, JobRole, JobState
-from gpumesh.runtime.base import ContainerSpec, JobRuntime, mount_target_problem
+from gpumesh.runtime.base import mount_target_problem
 from gpumesh.store.db import Store
 from gpumesh.store.jobs import JobRecord
 from gpumesh.store.limits import ShareLimits
@@ -134,11 +134,6 @@ class JobService:
         handlers.add(JobQuery, self.handle_query)
 
     @property
-    def runtime(self) -> JobRuntime:
-        """The engine (made on first use: an agent without Docker still serves pings)."""
-        return self.containers.runtime
-
-    @property
     def no_gpu_runtime(self) -> bool:
         """This machine has GPUs its Docker cannot give to containers: found at the
         share's start, or when Docker refused a container its GPUs."""
@@ -159,10 +154,6 @@ class JobService:
         self.runner.report = report
 
     # --- lifecycle ------------------------------------------------------------------------
-
-    async def recover(self) -> None:
-        """Re-attach to this node's job containers after a (re)start; clean orphans."""
-        await self.runner.recover()
 
     def stop(self) -> None:
         """Stop supervising; containers keep running and are re-attached on next start."""
@@ -497,14 +488,6 @@ class JobService:
             Claim(job.peer_id, Kind.JOB, limits.job_memory)
             for job in self.store.unfinished_hosted_jobs()
         ]
-
-    def container_spec(self, job: JobRecord, attempt: int, who: JobUser) -> ContainerSpec:
-        """The locked-down container for one attempt of ``job``."""
-        return self.runner.container_spec(job, attempt, who)
-
-    async def _sample_gpu_memory(self, run: Run, container_id: str) -> None:
-        """Sample a running job's GPU memory as its supervision does (tests drive it)."""
-        await self.runner.sample_gpu_memory(run, container_id)
 
 
 def _shown(command: list[str], most: int = 60) -> str:

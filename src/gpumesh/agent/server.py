@@ -122,7 +122,7 @@ class Agent:
             configured_cap = str(config.get("max_vram") or "")
             max_vram = parse_size(configured_cap) if configured_cap else 0
         self.gpus = GpuAllocator(
-            lambda: inventory if inventory is not None else _detect_inventory(),
+            lambda: inventory if inventory is not None else detect_inventory(),
             max_vram=max_vram,
             provider=self.name,
         )
@@ -223,7 +223,7 @@ class Agent:
         self.home.attach_agent(self)
         self._spawn(self._watch_changes())
         self._spawn(self._summarize_refusals())
-        self._spawn(self.jobs.recover())
+        self._spawn(self.jobs.runner.recover())
         logger.info("sharing on udp %s:%d as %s", host, port, self.name)
         logger.info("limits: %s", self.share_limits().describe())
         logger.info("job network: %s", self.containers.network().mode)
@@ -342,13 +342,6 @@ class Agent:
             self.endpoint.close()
         self._log_refusals(final=True)
         self.home.detach_agent(self)
-
-    async def serve_forever(self) -> None:
-        await self.start()
-        try:
-            await self.wait_stopped()
-        finally:
-            self.stop()
 
     # --- connections ------------------------------------------------------------------
 
@@ -607,10 +600,6 @@ async def _handle_throughput(ctx: RequestContext, message: ThroughputRequest) ->
             raise ProtocolError("peer sent more bytes than it announced")
     seconds = time.perf_counter() - started
     ctx.stream.send_message(ThroughputReply(received=received, seconds=seconds), end=True)
-
-
-def _detect_inventory() -> GpuInventory:
-    return detect_inventory()
 
 
 def _where(link: QuicLink) -> str:
