@@ -405,12 +405,12 @@ class AppService:
         received = 0
         limit = max(0, usage.quota - usage.used)
         wanted = send.channel and send.size > 0
-        offer = self.files.offer_channel(ctx, wanted, FileResume(offset=0))
+        offer = self.files.channels.offer(ctx, wanted, FileResume(offset=0))
         self._synced.pop(key, None)  # until the files say what this sync did
         try:
             # Each file is checked against the manifest's hash when it is applied;
             # the tar's own hash is checked only where the data channel carries it.
-            if offer is not None and await self.files.receive_tar(
+            if offer is not None and await self.files.channels.receive_tar(
                 ctx, offer, send.size, temp, limit, new_hasher(SHA256)
             ):
                 received = send.size

@@ -140,9 +140,9 @@ class Sandboxes(Protocol):
 
 
 class TarChannels(Protocol):
-    """Data channels for a request's tar (the file service offers and serves them)."""
+    """Data channels for a request's tar (the file service's channels)."""
 
-    def offer_channel(
+    def offer(
         self, ctx: RequestContext, wanted: bool, answer: Message, hash_name: str = ""
     ) -> TarOffer | None: ...
 
@@ -162,8 +162,12 @@ class TarChannels(Protocol):
     ) -> bool: ...
 
 
-class SandboxFiles(Sandboxes, TarChannels, Protocol):
-    """Both: what the job and app services get of the file service."""
+class SandboxFiles(Sandboxes, Protocol):
+    """What the job and app services get of the file service: the sandboxes, and
+    the data channels for their tars."""
+
+    @property
+    def channels(self) -> TarChannels: ...
 
 
 class OwnedJobs(Protocol):

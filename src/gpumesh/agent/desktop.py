@@ -39,19 +39,16 @@ from gpumesh.errors import (
     GPUMeshError,
     NotFoundError,
     ProtocolError,
+    UnreachableError,
 )
 from gpumesh.protocol.desktop import DesktopKind
 from gpumesh.protocol.handshake import BINDING_SIZE
 from gpumesh.protocol.messages import ChannelDeclined, DesktopOpen, DesktopOpened
-from gpumesh.transport.channel import Listener, server_context
 from gpumesh.transport.sealing import FRAMING_VERSION
 from gpumesh.transport.sockowner import listening_on_loopback
 from gpumesh.transport.tcpstream import READ_LIMIT, pump, splice
 
 if TYPE_CHECKING:
-    import ssl
-
-    from gpumesh.identity.keys import Identity
     from gpumesh.store.peers import Peer
     from gpumesh.store.shares import DesktopShare
     from gpumesh.transport.channel import Listener, MemoryChannel
@@ -67,12 +64,11 @@ _CONNECT_TIMEOUT = 10.0
 
 
 class ChannelSource(Protocol):
-    """Whether and where this node opens data channels (the files service)."""
+    """Whether and where this node opens data channels (the file service's channels)."""
 
-    provider: Provider
-    identity: Identity
+    def enabled(self) -> bool: ...
 
-    def channel_enabled(self) -> bool: ...
+    def listen(self, peer: str) -> Listener: ...
 
 
 class DesktopStore(Protocol):
@@ -118,7 +114,6 @@ class DesktopService:
         self.provider = provider
         self.channels = channels
         """Where data channels come from; None: connections go over QUIC only."""
-        self._tls: ssl.SSLContext | None = None
         self.store = store
         self.clock = clock
         self._sessions: dict[str, DesktopSession] = {}
@@ -244,18 +239,11 @@ class DesktopService:
         """A one-shot data channel listener for this request; None: QUIC carries it."""
 
         channels = self.channels
-        if channels is None or not channels.channel_enabled():
+        if channels is None or not channels.enabled():
             return None
-        if self._tls is None:
-            self._tls = server_context(channels.identity)
         try:
-            return Listener(
-                channels.provider.host,
-                self._tls,
-                secrets.token_bytes(32),
-                peer=ctx.link.remote_address()[0],
-            )
-        except (OSError, ValueError) as exc:
+            return channels.listen(ctx.link.remote_address()[0])
+        except UnreachableError as exc:
             logger.debug("[%s] no data channel for the desktop: %s", ctx.peer.name, exc)
             return None
 

@@ -13,8 +13,7 @@ from :mod:`gpumesh.agent.partials`), downloads by
 :mod:`gpumesh.agent.filesend`, and the channels opened by
 :mod:`gpumesh.agent.datachannel`; a tar (``DirPut``/``DirGet`` here, a job's
 workdir, an app's files) takes a channel when its request asks for one, and
-:meth:`FileService.offer_channel`, :meth:`~FileService.receive_tar` and
-:meth:`~FileService.send_tar` serve the job and app services too.
+:attr:`FileService.channels` serves the job, app and desktop services too.
 
 Paths: a remote path names a place inside the sandbox; a leading ``/`` is the
 sandbox root. :func:`~gpumesh.agent.sandboxfs.sandbox_parts` is the pure check every request goes
@@ -36,7 +35,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gpumesh.agent.datachannel import DataChannels, TarOffer
+from gpumesh.agent.datachannel import DataChannels
 from gpumesh.agent.deps import Handlers, Provider, RequestContext, Settings
 from gpumesh.agent.filereceive import FileReceiver
 from gpumesh.agent.filesend import FileSender
@@ -54,7 +53,6 @@ from gpumesh.blocking import in_thread
 from gpumesh.errors import AccessDeniedError, ConfigError, GPUMeshError, NotFoundError
 from gpumesh.files.pack import scan_tree, tar_size
 from gpumesh.files.sandbox import Tree
-from gpumesh.files.transfer import Hasher
 from gpumesh.protocol.messages import (
     ChannelGet,
     ChannelPut,
@@ -64,14 +62,12 @@ from gpumesh.protocol.messages import (
     FileInfo,
     FilePut,
     FileStat,
-    Message,
 )
 from gpumesh.units import parse_size
 
 if TYPE_CHECKING:
     import threading
 
-    from gpumesh.files.pack import PackPlan
     from gpumesh.identity.keys import Identity
     from gpumesh.store.peers import Peer
 
@@ -257,36 +253,6 @@ class FileService:
                 return tree.open_file(parts)
             except OSError as exc:
                 raise self.refusal(exc, remote) from None
-
-    # --- data channels (the job, app and desktop services' too) ---------------------------
-
-    def channel_enabled(self) -> bool:
-        return self.channels.enabled()
-
-    def offer_channel(
-        self, ctx: RequestContext, wanted: bool, answer: Message, hash_name: str = ""
-    ) -> TarOffer | None:
-        """:meth:`gpumesh.agent.datachannel.DataChannels.offer`."""
-        return self.channels.offer(ctx, wanted, answer, hash_name)
-
-    async def receive_tar(
-        self,
-        ctx: RequestContext,
-        offer: TarOffer,
-        size: int,
-        dest: Path,
-        limit: int,
-        hasher: Hasher,
-        owner: tuple[int, int] | None = None,
-    ) -> bool:
-        """:meth:`gpumesh.agent.datachannel.DataChannels.receive_tar`."""
-        return await self.channels.receive_tar(ctx, offer, size, dest, limit, hasher, owner)
-
-    async def send_tar(
-        self, ctx: RequestContext, offer: TarOffer, plan: PackPlan, size: int, hasher: Hasher
-    ) -> bool:
-        """:meth:`gpumesh.agent.datachannel.DataChannels.send_tar`."""
-        return await self.channels.send_tar(ctx, offer, plan, size, hasher)
 
     # --- quota -----------------------------------------------------------------------------
 

@@ -251,7 +251,7 @@ class JobService:
         # any (a consumer from before the list checks SHA-256, and looks for no name).
         hash_name = choose(message.hashes)
         named = hash_name if message.hashes else ""
-        offer = self.files.offer_channel(ctx, wanted, accepted, named)
+        offer = self.files.channels.offer(ctx, wanted, accepted, named)
         if message.workdir_bytes:
             try:
                 await self._receive_workdir(
@@ -440,7 +440,9 @@ class JobService:
         if offer is not None:
             incoming = job_dir / "incoming"
             hasher = new_hasher(hash_name)
-            if await self.files.receive_tar(ctx, offer, size, incoming, limit, hasher, owner):
+            if await self.files.channels.receive_tar(
+                ctx, offer, size, incoming, limit, hasher, owner
+            ):
                 await in_thread(incoming.rename, work)
                 await in_thread(_hand_over, job_dir)
                 self.store.update_job(JobRole.HOSTED, run.job_id, workdir=str(work))

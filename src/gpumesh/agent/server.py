@@ -162,7 +162,7 @@ class Agent:
         self.handlers.add(Ping, _handle_ping)
         self.handlers.add(StatusRequest, self._handle_status)
         self.handlers.add(ThroughputRequest, _handle_throughput)
-        self.desktop = DesktopService(provider, self.store, channels=self.files)
+        self.desktop = DesktopService(provider, self.store, channels=self.files.channels)
         """The desktop share: the owner's one local port, for its own allowlist."""
         for service in (self.jobs, self.files, self.apps, self.shells, self.desktop, self.cuda):
             service.register(self.handlers)
