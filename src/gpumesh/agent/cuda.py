@@ -230,9 +230,6 @@ class CudaService:
             finally:
                 self.gpus.release(holder)
 
-    def _job_user(self) -> str:
-        return str(self.settings.get("job_user"))
-
     def _check_fallback(self, memory: int) -> None:
         cap = min(FALLBACK_CEILING, self.gpus.max_vram or FALLBACK_CEILING)
         if memory > cap:
@@ -245,7 +242,9 @@ class CudaService:
         self, ctx: RequestContext, session_id: str, memory: int, gpus: list[str], backend: str
     ) -> None:
         process = await asyncio.create_subprocess_exec(
-            *worker_argv(memory, backend, worker_ids(self._job_user(), os.geteuid())),
+            *worker_argv(
+                memory, backend, worker_ids(str(self.settings.get("job_user")), os.geteuid())
+            ),
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,

@@ -224,9 +224,6 @@ class DockerRuntime:
         return self.isolation().rootless
 
     def ensure_network(self, name: str, bridge: str) -> None:
-        """Make the job network ``name`` (bridge interface ``bridge``) unless it is
-        there: containers on it cannot talk to each other (icc off) and get no
-        IPv6 from it."""
         with self._engine(f"make the job network {name!r}") as api:
             if api.networks(names=[name]):
                 return
@@ -529,9 +526,6 @@ class DockerRuntime:
         self._holders.sweep(node_id)
 
     def prepare(self, network: str, dns: tuple[str, ...], node_id: str, *, wait: float = 0) -> bool:
-        """Have a network namespace ready for the next container of ``node_id`` on
-        ``network`` with name servers ``dns`` (made in the background; waited
-        for up to ``wait`` seconds). Whether one is ready."""
         return self._holders.replenish(_placement(network, dns, node_id), wait=wait)
 
     def host_config(self, container_id: str) -> dict[str, object]:
@@ -601,7 +595,8 @@ class DockerRuntime:
 
     # --- plumbing -----------------------------------------------------------------------
 
-    def _docker(self) -> Any:
+    def _api(self) -> Any:
+        """The low-level client of the engine (connected on first use)."""
         with self._lock:
             if self._client is None:
                 try:
@@ -609,10 +604,7 @@ class DockerRuntime:
                 except CONNECTION_ERRORS as exc:
                     where = os.environ.get("DOCKER_HOST") or _DEFAULT_ENDPOINT
                     raise connection_error(exc, where) from exc
-            return self._client
-
-    def _api(self) -> Any:
-        return self._docker().api
+            return self._client.api
 
     @contextlib.contextmanager
     def _engine(self, action: str, container_id: str = "") -> Iterator[Any]:
