@@ -596,24 +596,17 @@ def _load_synced(cached: _Synced | None, state_file: Path, index_file: Path) -> 
     stamps = (file_stamp(state_file), file_stamp(index_file))
     if cached is not None and cached.stamps == stamps and None not in stamps:
         return cached
-    state = _load_state(state_file)
+    state = _load(state_file, _StateFile)
     if state is None:
         return None
-    index = _load_index(index_file)
+    index = _load(index_file, Index)
     return _Synced(state.digest, state.files, index if index is not None else {}, stamps)
 
 
-def _load_state(path: Path) -> _StateFile | None:
-    """The manifest applied last, with its digest."""
+def _load(path: Path, kind: type[T]) -> T | None:
+    """One of our files as ``kind``; None when it is missing or broken."""
     try:
-        return msgspec.json.decode(path.read_bytes(), type=_StateFile)
-    except (OSError, msgspec.MsgspecError):
-        return None
-
-
-def _load_index(path: Path) -> Index | None:
-    try:
-        return msgspec.json.decode(path.read_bytes(), type=Index)
+        return msgspec.json.decode(path.read_bytes(), type=kind)
     except (OSError, msgspec.MsgspecError):
         return None
 
@@ -631,11 +624,6 @@ def _hash(fd: int) -> str:
         while chunk := handle.read(1 << 20):
             digest.update(chunk)
     return digest.hexdigest()
-
-
-def _hash_in(folder: Tree, rel: str) -> str:
-    """The SHA-256 of a regular file in the folder, opened through its descriptor."""
-    return _hash(folder.open_file(rel.split("/")))
 
 
 def _current_index(
@@ -663,7 +651,7 @@ def _current_index(
         sha = digest
         if found[0] != size or found[1] != mtime_ns or not sha:
             try:
-                sha = _hash_in(folder, rel)
+                sha = _hash(folder.open_file(rel.split("/")))  # through its descriptor
             except OSError:
                 continue
         current[rel] = (found[0], found[1], sha)
