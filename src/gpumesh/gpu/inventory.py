@@ -15,8 +15,9 @@ import os
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import pynvml
 
@@ -124,24 +125,8 @@ class NvmlInventory:
         nvml = self._nvml
         handle = nvml.nvmlDeviceGetHandleByIndex(index)
         memory = nvml.nvmlDeviceGetMemoryInfo(handle)
-        try:
-            utilization: int | None = int(nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
-        except nvml.NVMLError:
-            utilization = None
-        try:
-            temperature: int | None = int(
-                nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU)
-            )
-        except nvml.NVMLError:
-            temperature = None
-        try:
-            processes: int | None = len(nvml.nvmlDeviceGetComputeRunningProcesses(handle))
-        except (nvml.NVMLError, AttributeError):  # AttributeError: an older nvidia-ml-py
-            processes = None
-        try:
-            power: int | None = int(nvml.nvmlDeviceGetPowerUsage(handle)) // 1000  # mW
-        except (nvml.NVMLError, AttributeError):
-            power = None
+        failed = nvml.NVMLError
+        newer = (failed, AttributeError)  # AttributeError: an older nvidia-ml-py
         name = nvml.nvmlDeviceGetName(handle)
         uuid = nvml.nvmlDeviceGetUUID(handle)
         return GpuInfo(
@@ -150,11 +135,23 @@ class NvmlInventory:
             name=name.decode() if isinstance(name, bytes) else str(name),
             memory_total=int(memory.total),
             memory_used=int(memory.used),
-            utilization=utilization,
-            temperature=temperature,
-            processes=processes,
-            power=power,
+            utilization=_known(lambda: nvml.nvmlDeviceGetUtilizationRates(handle).gpu, failed),
+            temperature=_known(
+                lambda: nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU), failed
+            ),
+            processes=_known(lambda: len(nvml.nvmlDeviceGetComputeRunningProcesses(handle)), newer),
+            power=_known(lambda: int(nvml.nvmlDeviceGetPowerUsage(handle)) // 1000, newer),  # mW
         )
+
+
+def _known(
+    read: Callable[[], Any], failures: type[Exception] | tuple[type[Exception], ...]
+) -> int | None:
+    """An optional NVML figure as an int; None when reading it raised one of ``failures``."""
+    try:
+        return int(read())
+    except failures:
+        return None
 
 
 _SMI_FIELDS = "index,uuid,name,memory.total,memory.used,utilization.gpu,temperature.gpu"
