@@ -23,7 +23,6 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
 
 import msgspec
 from starlette.applications import Starlette
@@ -152,73 +151,15 @@ from gpumesh.errors import (
     UnknownPeerError,
 )
 
-if TYPE_CHECKING:
-    pass
-
 __all__ = ["ENDPOINTS", "Call", "ControlState", "create_app"]
 
 logger = logging.getLogger(__name__)
-
-
-# --- request bodies: unknown fields are refused (a typo must not pass silently) ----------
-
-
-# --- handlers ----------------------------------------------------------------------------
 
 
 async def get_openapi(call: Call) -> object:
     return Response(document(ENDPOINTS), media_type="application/json")
 
 
-# --- the node process (gpumesh.daemon) ----------------------------------------------------
-
-
-# --- sharing (gpumesh.daemon.sharing) ----------------------------------------------------
-
-
-def _views() -> dict[str, Any]:
-    """The response types, imported only when the table is built."""
-
-    return {
-        "status": node.StatusView,
-        "gpus": node.GpusView,
-        "peers": list[peers.PeerView],
-        "peer": peers.PeerView,
-        "pair": peers.PairView,
-        "code": peers.PairingCodeView,
-        "connect": peers.ConnectView,
-        "jobs": list[joblist.JobListEntry],
-        "job": joblist.JobListEntry,
-        "pruned": list[joblist.PrunedJob],
-        "result": jobs.JobResultView,
-        "event": jobs.Output | jobs.Status | jobs.Dropped | jobs.Reconnecting,
-        "groups": list[groups.GroupListEntry],
-        "search": registry.SearchView,
-        "peersync": registry.SyncView,
-        "group": groups.GroupView,
-        "invite": groups.InviteView,
-        "joined": groups.JoinedView,
-        "added": groups.AddedView,
-        "members": list[groups.MemberStatusEntry],
-        "copy": files.CopyView,
-        "sync": apps.SyncView,
-        "apprun": apps.AppRunView,
-        "owner": owner.OwnerStatusView,
-        "ended": owner.EndedSessionView,
-        "desktopshare": owner.DesktopShareView,
-        "configchange": node.ConfigChangeView,
-        "cudashare": owner.CudaShareView,
-        "history": history.GpuHistoryView,
-        "process": NodeProcessView,
-        "shell": ShellOfferView,
-        "shellbody": ShellRequest,
-        "share": ShareView,
-        "shareoptions": ShareOptions,
-        "shareline": ShareLine,
-    }
-
-
-V = _views()
 _offline = Query("offline", "boolean", "Do not ask peers: local state only.")
 
 ENDPOINTS: tuple[Endpoint, ...] = (
@@ -248,47 +189,47 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("POST", "/api/v1/auth/login-codes", post_login_code,
              "A one-time login URL for a browser", LoginCodeView, Access.NO_COOKIE),
     Endpoint("GET", "/api/v1/status", get_status, "This node: identity, sharing, GPUs, jobs",
-             V["status"], query=(_offline,)),
-    Endpoint("GET", "/api/v1/gpus", get_gpus, "This machine's GPUs, read now", V["gpus"]),
+             node.StatusView, query=(_offline,)),
+    Endpoint("GET", "/api/v1/gpus", get_gpus, "This machine's GPUs, read now", node.GpusView),
     Endpoint("GET", "/api/v1/gpus/history", get_gpu_history,
-             "The last hour of GPU readings, sampled by this process", V["history"]),
-    Endpoint("GET", "/api/v1/peers", get_peers, "Paired peers", V["peers"]),
-    Endpoint("POST", "/api/v1/peers/pair", post_pair, "Pair with a peer's code", V["pair"],
+             "The last hour of GPU readings, sampled by this process", history.GpuHistoryView),
+    Endpoint("GET", "/api/v1/peers", get_peers, "Paired peers", list[peers.PeerView]),
+    Endpoint("POST", "/api/v1/peers/pair", post_pair, "Pair with a peer's code", peers.PairView,
              body=PairBody),
     Endpoint("GET", "/api/v1/pairing-code", get_pairing_code,
-             "A fresh pairing code of this node", V["code"]),
+             "A fresh pairing code of this node", peers.PairingCodeView),
     Endpoint("GET", "/api/v1/pairing-code/qr.svg", get_pairing_qr,
              "A pairing code of this node as a QR code", None,
              query=(Query("code", "string", "A code of this node's; default: a fresh one"),),
              media_type="image/svg+xml"),
-    Endpoint("POST", "/api/v1/peers/{peer}/allow", post_allow, "Allow a peer", V["peer"]),
+    Endpoint("POST", "/api/v1/peers/{peer}/allow", post_allow, "Allow a peer", peers.PeerView),
     Endpoint("POST", "/api/v1/peers/{peer}/deny", post_deny,
-             "Deny a peer: revokes everything at once", V["peer"]),
+             "Deny a peer: revokes everything at once", peers.PeerView),
     Endpoint("POST", "/api/v1/peers/{peer}/desktop/allow", post_desktop_allow,
-             "Put a peer on the desktop allowlist", V["peer"]),
+             "Put a peer on the desktop allowlist", peers.PeerView),
     Endpoint("POST", "/api/v1/peers/{peer}/desktop/deny", post_desktop_deny,
              "Take a peer off the desktop allowlist: its desktop connections are cut",
-             V["peer"]),
+             peers.PeerView),
     Endpoint("POST", "/api/v1/peers/{peer}/cuda/allow", post_cuda_allow,
-             "Put a peer on the CUDA allowlist", V["peer"]),
+             "Put a peer on the CUDA allowlist", peers.PeerView),
     Endpoint("POST", "/api/v1/peers/{peer}/cuda/deny", post_cuda_deny,
-             "Take a peer off the CUDA allowlist: its CUDA sessions end", V["peer"]),
+             "Take a peer off the CUDA allowlist: its CUDA sessions end", peers.PeerView),
     Endpoint("PUT", "/api/v1/config/{key}", put_config,
-             "Set one setting (checked); a running share sees it at once", V["configchange"],
+             "Set one setting (checked); a running share sees it at once", node.ConfigChangeView,
              Access.NO_COOKIE, body=ConfigBody),
     Endpoint("DELETE", "/api/v1/config/{key}", delete_config,
-             "Return one setting to its default", V["configchange"], Access.NO_COOKIE),
+             "Return one setting to its default", node.ConfigChangeView, Access.NO_COOKIE),
     Endpoint("POST", "/api/v1/desktop/share", post_desktop_share,
-             "Offer this machine's desktop server while it shares", V["desktopshare"],
+             "Offer this machine's desktop server while it shares", owner.DesktopShareView,
              body=DesktopShareBody),
     Endpoint("DELETE", "/api/v1/desktop/share", delete_desktop_share,
-             "Stop offering the desktop: its connections are cut", V["desktopshare"]),
+             "Stop offering the desktop: its connections are cut", owner.DesktopShareView),
     Endpoint("POST", "/api/v1/cuda/share", post_cuda_share,
-             "Offer CUDA sessions while this machine shares", V["cudashare"]),
+             "Offer CUDA sessions while this machine shares", owner.CudaShareView),
     Endpoint("DELETE", "/api/v1/cuda/share", delete_cuda_share,
-             "Stop offering CUDA sessions: open ones end", V["cudashare"]),
+             "Stop offering CUDA sessions: open ones end", owner.CudaShareView),
     Endpoint("POST", "/api/v1/peers/{peer}/connect", post_connect,
-             "Dial a peer and measure the path", V["connect"],
+             "Dial a peer and measure the path", peers.ConnectView,
              query=(Query("pings", "integer", "Round trips to measure (5)"),
                     Query("timeout", "number", "Seconds to wait for an answer "
                           "(config connect_timeout)"),
@@ -296,87 +237,93 @@ ENDPOINTS: tuple[Endpoint, ...] = (
                     Query("fresh", "boolean", "Dial anew even when a warm session is "
                           "kept, and time the whole dial"))),
     Endpoint("GET", "/api/v1/jobs", get_jobs, "Jobs submitted and hosted, newest first",
-             V["jobs"], query=(Query("limit", "integer", "How many (20)"), _offline)),
+             list[joblist.JobListEntry],
+             query=(Query("limit", "integer", "How many (20)"), _offline)),
     Endpoint("POST", "/api/v1/jobs", post_job, "Submit a job to a peer or a group",
-             V["result"], body=JobBody,
+             jobs.JobResultView, body=JobBody,
              query=(Query("stream", "boolean", "Answer with the run as Server-Sent Events: "
                           "placement, pull, acceptance, upload, the job's events, end"),)),
     Endpoint("POST", "/api/v1/jobs/prune", post_prune,
              "Forget finished jobs older than an age (hosted ones lose logs and workdir)",
-             V["pruned"], body=PruneBody),
-    Endpoint("GET", "/api/v1/jobs/{job_id}", get_job, "One job as last known", V["job"]),
-    Endpoint("POST", "/api/v1/jobs/{job_id}/cancel", post_cancel, "Cancel a job", V["result"],
-             body=CancelBody),
+             list[joblist.PrunedJob], body=PruneBody),
+    Endpoint("GET", "/api/v1/jobs/{job_id}", get_job, "One job as last known",
+             joblist.JobListEntry),
+    Endpoint("POST", "/api/v1/jobs/{job_id}/cancel", post_cancel, "Cancel a job",
+             jobs.JobResultView, body=CancelBody),
     Endpoint("GET", "/api/v1/jobs/{job_id}/events", get_job_events,
              "A job's events as Server-Sent Events, resumable by sequence number",
-             V["event"], media_type="text/event-stream",
+             jobs.Output | jobs.Status | jobs.Dropped | jobs.Reconnecting,
+             media_type="text/event-stream",
              query=(Query("after", "integer", "Start after this sequence number "
                           "(Last-Event-ID wins)"),
                     Query("follow", "boolean", "Until the job ends (true)"))),
     Endpoint("POST", "/api/v1/peers/sync", post_sync,
              "Re-publish this node's records and refresh every paired peer's addresses",
-             V["peersync"], body=SyncPeersBody),
+             registry.SyncView, body=SyncPeersBody),
     Endpoint("POST", "/api/v1/registry/search", post_search,
              "Search the public registry; each listing's signature checked here",
-             V["search"], body=SearchBody),
-    Endpoint("GET", "/api/v1/groups", get_groups, "Groups this node is in", V["groups"]),
+             registry.SearchView, body=SearchBody),
+    Endpoint("GET", "/api/v1/groups", get_groups, "Groups this node is in",
+             list[groups.GroupListEntry]),
     Endpoint("POST", "/api/v1/groups", post_group, "Create a group with this node in it",
-             V["group"], body=GroupBody),
+             groups.GroupView, body=GroupBody),
     Endpoint("POST", "/api/v1/groups/join", post_join,
-             "Join a group with a member's invite and record its members", V["joined"],
+             "Join a group with a member's invite and record its members", groups.JoinedView,
              body=JoinBody),
     Endpoint("POST", "/api/v1/groups/{group}/invite", post_invite,
-             "A signed invite to a group, carrying every member", V["invite"], body=InviteBody),
+             "A signed invite to a group, carrying every member", groups.InviteView,
+             body=InviteBody),
     Endpoint("POST", "/api/v1/groups/{group}/members", post_member,
-             "Add a paired peer to a group on this node", V["added"], body=MemberBody),
+             "Add a paired peer to a group on this node", groups.AddedView, body=MemberBody),
     Endpoint("GET", "/api/v1/groups/{group}/members", get_members,
-             "A group's members, probed live", V["members"], query=(_offline,)),
+             "A group's members, probed live", list[groups.MemberStatusEntry], query=(_offline,)),
     Endpoint("POST", "/api/v1/copies", post_copy, "Copy a file or folder to or from a peer",
-             V["copy"], Access.NO_COOKIE, body=CopyBody,
+             files.CopyView, Access.NO_COOKIE, body=CopyBody,
              query=(Query("stream", "boolean", "Answer with the copy's progress as "
                           "Server-Sent Events: copystarted, copyprogress, copyretrying, "
                           "end"),)),
     Endpoint("POST", "/api/v1/apps/sync", post_app_sync, "Sync a local folder to a peer",
-             V["sync"], Access.NO_COOKIE, body=SyncBody),
+             apps.SyncView, Access.NO_COOKIE, body=SyncBody),
     Endpoint("POST", "/api/v1/apps/run", post_app_run,
              "Sync a local folder, run a job in it, pull a folder back: Server-Sent Events "
              "(the job's numbered as its events route numbers them)",
-             V["apprun"], Access.NO_COOKIE, body=AppRunBody, media_type="text/event-stream"),
+             apps.AppRunView, Access.NO_COOKIE, body=AppRunBody, media_type="text/event-stream"),
     Endpoint("POST", "/api/v1/apps/pull", post_app_pull,
              "Pull a past app job's folder into a local folder", AppPullView,
              Access.NO_COOKIE, body=AppPullBody),
     Endpoint("POST", "/api/v1/shells", post_shell,
              "Open a shell on a peer: where to connect for its bytes (one connection)",
-             V["shell"], Access.NO_COOKIE, body=V["shellbody"]),
+             ShellOfferView, Access.NO_COOKIE, body=ShellRequest),
     Endpoint("GET", "/api/v1/owner", get_owner,
-             "Who uses this machine: connected peers, hosted jobs, open sessions", V["owner"],
+             "Who uses this machine: connected peers, hosted jobs, open sessions",
+             owner.OwnerStatusView,
              query=(Query("limit", "integer", "How many hosted jobs (50)"),)),
     Endpoint("POST", "/api/v1/owner/shells/{session}/stop", post_end_shell,
-             "End a peer's open shell here (its container goes)", V["ended"]),
+             "End a peer's open shell here (its container goes)", owner.EndedSessionView),
     Endpoint("POST", "/api/v1/owner/desktop/{session}/stop", post_end_desktop,
-             "End a peer's connection to this machine's desktop", V["ended"]),
+             "End a peer's connection to this machine's desktop", owner.EndedSessionView),
     Endpoint("POST", "/api/v1/owner/cuda/{session}/stop", post_end_cuda,
-             "End a peer's CUDA session here (its memory is freed)", V["ended"]),
+             "End a peer's CUDA session here (its memory is freed)", owner.EndedSessionView),
     Endpoint("GET", "/api/v1/node", get_node,
-             "The node process: pid, version, API addresses", V["process"]),
+             "The node process: pid, version, API addresses", NodeProcessView),
     Endpoint("POST", "/api/v1/node/stop", post_node_stop, "Stop the node process",
-             V["process"], Access.NO_COOKIE),
+             NodeProcessView, Access.NO_COOKIE),
     Endpoint("POST", "/api/v1/node/tcp", post_node_tcp,
              "Serve this API on loopback TCP too (then never exit for being idle)",
-             V["process"], Access.NO_COOKIE, body=TcpBody),
+             NodeProcessView, Access.NO_COOKIE, body=TcpBody),
     Endpoint("GET", "/api/v1/share", get_share,
-             "Whether this machine is shared, since when, with which options", V["share"]),
+             "Whether this machine is shared, since when, with which options", ShareView),
     Endpoint("POST", "/api/v1/share", post_share,
-             "Share this machine with the `share` options ({}: the defaults)", V["share"],
-             body=V["shareoptions"]),
+             "Share this machine with the `share` options ({}: the defaults)", ShareView,
+             body=ShareOptions),
     Endpoint("DELETE", "/api/v1/share", delete_share, "Stop sharing this machine",
-             V["share"]),
+             ShareView),
     Endpoint("POST", "/api/v1/share/publish", post_share_publish,
              "Re-publish the share's registry listing or address record now", PublishView),
     Endpoint("GET", "/api/v1/share/output", get_share_output,
              "What the share says, as Server-Sent Events: line events, then end (the share "
              "as it is then, as GET /api/v1/share answers)",
-             V["shareline"], media_type="text/event-stream",
+             ShareLine, media_type="text/event-stream",
              query=(Query("after", "integer", "Start after this line's seq (0)"),
                     Query("follow", "boolean", "Until the share stops (true)"))),
 )  # fmt: skip
