@@ -15,7 +15,6 @@ This module owns the upload format and both of its ends:
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import re
@@ -31,7 +30,14 @@ import pathspec
 
 from gpumesh import platform
 from gpumesh.errors import ConfigError, LimitError
-from gpumesh.files.sandbox import MAX_DEPTH, Folder, Tree, open_beneath, pause_point
+from gpumesh.files.sandbox import (
+    MAX_DEPTH,
+    Folder,
+    Tree,
+    list_entries,
+    open_beneath,
+    pause_point,
+)
 from gpumesh.files.untar import unpack_tar
 from gpumesh.files.watch import open_watch
 from gpumesh.units import format_size
@@ -391,18 +397,10 @@ def _walk_paths(root: str) -> Iterator[Folder]:
     while stack:
         relative = stack.pop()
         path = os.path.join(root, *relative.split("/")) if relative else root
-        entries: list[tuple[str, os.stat_result]] = []
         try:
-            with os.scandir(path) as scanner:
-                for item in scanner:
-                    with contextlib.suppress(FileNotFoundError):  # removed since the listing
-                        entries.append((item.name, item.stat(follow_symlinks=False)))
-        except PermissionError as exc:
-            raise PermissionError(exc.errno, exc.strerror, relative or ".") from None
+            folder = Folder(relative, -1, list_entries(path, relative))
         except (FileNotFoundError, NotADirectoryError):
             continue  # gone or replaced since its parent was listed
-        entries.sort(key=lambda pair: pair[0])
-        folder = Folder(relative, -1, entries)
         yield folder
         for name, st in reversed(folder.entries):
             if stat.S_ISDIR(st.st_mode):
@@ -496,15 +494,10 @@ def _scan_watched(tree: Tree, rules: _IgnoreRules, excluded: set[str], memo: Sca
                     finally:
                         os.close(folder.fd)
                     result = _FolderPlan.of(decided, _descended(folder.entries, decided))
-                    if not reusable:
-                        files.extend(result.files)
-                        skipped.extend(result.skipped)
-                        seen.update(result.regular)
-                        stack.extend(
-                            f"{relative}/{name}" if relative else name for name in result.descend
-                        )
-                        continue
-                now[relative] = result
+                    if reusable:
+                        now[relative] = result
+                else:
+                    now[relative] = result
                 files.extend(result.files)
                 skipped.extend(result.skipped)
                 seen.update(result.regular)
@@ -563,17 +556,8 @@ def _list_watched(
         raise
     try:
         watched = watch is not None and watch.add(fd, relative)
-        entries: list[tuple[str, os.stat_result]] = []
-        try:
-            with os.scandir(fd) as scanner:
-                for item in scanner:
-                    with contextlib.suppress(FileNotFoundError):  # removed since the listing
-                        entries.append((item.name, item.stat(follow_symlinks=False)))
-        except PermissionError as exc:
-            raise PermissionError(exc.errno, exc.strerror, relative or ".") from None
-        entries.sort(key=lambda pair: pair[0])
         # Decided while the folder is open: a symlink's text is read through it.
-        return Folder(relative, fd, entries), watched
+        return Folder(relative, fd, list_entries(fd, relative)), watched
     except BaseException:
         os.close(fd)
         raise

@@ -42,6 +42,7 @@ __all__ = [
     "Folder",
     "Tree",
     "WalkStopped",
+    "list_entries",
     "open_beneath",
     "openat2_available",
     "pause_point",
@@ -254,7 +255,7 @@ def _walk(start_fd: int, prefix: str) -> Iterator[Folder]:
     """
     stack: list[tuple[str, int, Iterator[str]]] = []
     try:
-        folder = Folder(prefix, start_fd, _entries(start_fd, prefix))
+        folder = Folder(prefix, start_fd, list_entries(start_fd, prefix))
         yield folder
         stack.append((prefix, start_fd, _subfolders(folder.entries)))
         while stack:
@@ -273,7 +274,7 @@ def _walk(start_fd: int, prefix: str) -> Iterator[Folder]:
             if child is None:
                 continue
             try:
-                folder = Folder(child_relative, child, _entries(child, child_relative))
+                folder = Folder(child_relative, child, list_entries(child, child_relative))
             except BaseException:
                 os.close(child)
                 raise
@@ -286,10 +287,13 @@ def _walk(start_fd: int, prefix: str) -> Iterator[Folder]:
                 os.close(fd)
 
 
-def _entries(fd: int, relative: str) -> list[tuple[str, os.stat_result]]:
+def list_entries(folder: int | str, relative: str) -> list[tuple[str, os.stat_result]]:
+    """The names in ``folder`` (a descriptor or a path) in sorted order with their
+    ``lstat``; a folder that cannot be read raises ``PermissionError`` naming
+    ``relative``."""
     found = []
     try:
-        with os.scandir(fd) as scanner:
+        with os.scandir(folder) as scanner:
             for item in scanner:
                 try:
                     found.append((item.name, item.stat(follow_symlinks=False)))
@@ -630,7 +634,7 @@ def _merge(source: int, dest: int, depth: int) -> None:
     """Move ``source``'s entries into ``dest``: folders merge, anything else replaces."""
     if depth > MAX_DEPTH:
         raise _too_deep()
-    for name, st in _entries(source, ""):
+    for name, st in list_entries(source, ""):
         pause_point("merge", name)
         try:
             there = os.stat(name, dir_fd=dest, follow_symlinks=False)
