@@ -38,7 +38,7 @@ from gpumesh.files.sandbox import (
     open_beneath,
     pause_point,
 )
-from gpumesh.files.untar import unpack_tar
+from gpumesh.files.untar import inside, unpack_tar
 from gpumesh.files.watch import open_watch
 from gpumesh.units import format_size
 
@@ -256,10 +256,6 @@ def _any_of(patterns: Iterable[pathspec.Pattern]) -> re.Pattern[str] | None:
 # --- scanning ------------------------------------------------------------------------------------
 
 
-def _inside(path: str, root: str) -> bool:
-    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
-
-
 def _utf8(text: str) -> bool:
     try:
         text.encode("utf-8")
@@ -274,7 +270,7 @@ def _link_target(root: str, relative: str, full: str) -> str | None:
     or would point at the provider's own files)."""
     target = os.readlink(full)
     real = os.path.realpath(full)
-    if not _inside(real, root):
+    if not inside(real, root):
         return None
     parent = os.path.dirname(relative)
     if not os.path.isabs(target):
@@ -365,7 +361,7 @@ def scan(root: Path, exclude_paths: Iterable[Path] = (), memo: ScanMemo | None =
     real_root = os.path.realpath(root)
     excluded = {os.path.realpath(path) for path in exclude_paths}
     for path in excluded:
-        if _inside(real_root, path):
+        if inside(real_root, path):
             raise ConfigError(
                 f"refusing to upload {root}: it is inside {path}, GPUMesh's own folder, "
                 "which holds your private key; upload your project folder instead"

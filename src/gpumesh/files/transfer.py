@@ -41,7 +41,6 @@ __all__ = [
     "Worker",
     "file_chunks",
     "hash_file",
-    "inside",
     "merge_into",
     "swallow",
     "tar_chunks",
@@ -151,11 +150,6 @@ def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | Non
         future.set_exception(error)
     else:
         future.set_result(result)
-
-
-def inside(path: str, root: str) -> bool:
-    """Whether the real path ``path`` is ``root`` or below it."""
-    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
 
 def swallow(future: asyncio.Future[Any]) -> None:

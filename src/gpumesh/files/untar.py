@@ -46,7 +46,7 @@ from gpumesh import platform
 from gpumesh.errors import AgentError, GPUMeshError, LimitError, ProtocolError
 from gpumesh.units import format_size
 
-__all__ = ["unpack_stream", "unpack_tar"]
+__all__ = ["inside", "unpack_stream", "unpack_tar"]
 
 _BLOCK = 512
 _ZERO_BLOCK = bytes(_BLOCK)
@@ -665,7 +665,8 @@ def _write_failed(exc: OSError) -> GPUMeshError:
     return AgentError(f"the provider could not write the upload: {exc.strerror or exc}")
 
 
-def _inside(path: str, root: str) -> bool:
+def inside(path: str, root: str) -> bool:
+    """Whether the real path ``path`` is ``root`` or below it."""
     return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
 
@@ -674,5 +675,5 @@ def _check_links(root: Path, symlinks: list[str]) -> None:
     # where an earlier one leads (a -> b/.., then b -> .): check them all again.
     real_root = os.path.realpath(root)
     for link in symlinks:
-        if not _inside(os.path.realpath(root / link), real_root):
+        if not inside(os.path.realpath(root / link), real_root):
             raise ProtocolError(f"refused the upload: symlink {link!r} leads outside the folder")
