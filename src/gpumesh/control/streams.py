@@ -1,6 +1,6 @@
 """Server-Sent Events of the control API: one event's bytes (:func:`sse`), a
 response that stops its source when the client leaves (:class:`EventStream`),
-keep-alives in a quiet stream (:func:`paced`) and a feed a task puts events in
+keep-alives in a quiet stream (:func:`paced`, :func:`paced_events`) and a feed a task puts events in
 (:class:`Feed`, :func:`feed_events`)."""
 
 from __future__ import annotations
@@ -17,7 +17,16 @@ from starlette.types import Receive, Scope, Send
 from gpumesh.client.views import ErrorView
 from gpumesh.errors import GPUMeshError
 
-__all__ = ["KEEPALIVE", "KEEP_ALIVE", "EventStream", "Feed", "feed_events", "paced", "sse"]
+__all__ = [
+    "KEEPALIVE",
+    "KEEP_ALIVE",
+    "EventStream",
+    "Feed",
+    "feed_events",
+    "paced",
+    "paced_events",
+    "sse",
+]
 
 
 KEEPALIVE = 15.0
@@ -57,6 +66,22 @@ async def paced(source: Any) -> AsyncGenerator[Any, None]:
             with contextlib.suppress(BaseException):
                 await pending
         await source.aclose()
+
+
+async def paced_events(
+    source: Any, event: Callable[[Any], bytes], end: Callable[[], bytes]
+) -> AsyncIterator[bytes]:
+    """``source``'s events through :func:`paced`, each as ``event`` makes it, a
+    keep-alive comment in each silence, then ``end()``, or an ``error`` event."""
+    events = paced(source)
+    try:
+        async for item in events:
+            yield b": keep-alive\n\n" if item is KEEP_ALIVE else event(item)
+        yield end()
+    except GPUMeshError as exc:
+        yield sse("error", ErrorView(exc.code, exc.message))
+    finally:
+        await events.aclose()
 
 
 def sse(event: str, data: object, event_id: int | None = None) -> bytes:

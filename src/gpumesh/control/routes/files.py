@@ -14,7 +14,6 @@ from gpumesh.client.apps import app_job, job_folder, pull_folder, pull_job, sync
 from gpumesh.client.bodies import AppPullBody, AppRunBody, CopyBody, SyncBody
 from gpumesh.client.files import RETRIES, CopyCallbacks, copy, parse_location
 from gpumesh.client.jobspec import build_spec
-from gpumesh.client.views import ErrorView
 from gpumesh.client.views.apps import AppPullView, AppRunView, SyncView
 from gpumesh.client.views.files import (
     CopyProgressView,
@@ -24,7 +23,7 @@ from gpumesh.client.views.files import (
 )
 from gpumesh.control.call import Call
 from gpumesh.control.routes.jobs import run_event
-from gpumesh.control.streams import KEEP_ALIVE, EventStream, Feed, feed_events, paced, sse
+from gpumesh.control.streams import EventStream, Feed, feed_events, paced_events, sse
 from gpumesh.errors import BadRequestError, GPUMeshError
 
 __all__ = ["post_app_pull", "post_app_run", "post_app_sync", "post_copy"]
@@ -139,25 +138,16 @@ async def post_app_run(call: Call) -> object:
     return EventStream(_app_run_events(watch_app_run(call.node, body.peer, folder, spec, out=out)))
 
 
-async def _app_run_events(run: Any) -> AsyncIterator[bytes]:
+def _app_run_events(run: Any) -> AsyncIterator[bytes]:
     """An app run (:class:`gpumesh.client.apprun.AppRunWatch`) as Server-Sent Events,
     with a keep-alive comment while it is silent (a long sync or a quiet job)."""
 
-    events = paced(run)
-    try:
-        async for event in events:
-            if event is KEEP_ALIVE:
-                yield b": keep-alive\n\n"
-                continue
-            if isinstance(event, apprun.Synced):
-                yield sse("syncview", SyncView.of(event.sync))
-                continue
-            yield run_event(event, run.seq)
-        yield sse("end", AppRunView.of(run.result))
-    except GPUMeshError as exc:
-        yield sse("error", ErrorView(exc.code, exc.message))
-    finally:
-        await events.aclose()
+    def event(item: Any) -> bytes:
+        if isinstance(item, apprun.Synced):
+            return sse("syncview", SyncView.of(item.sync))
+        return run_event(item, run.seq)
+
+    return paced_events(run, event, lambda: sse("end", AppRunView.of(run.result)))
 
 
 async def post_app_pull(call: Call) -> object:

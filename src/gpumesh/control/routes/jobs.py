@@ -30,7 +30,7 @@ from gpumesh.client.views.runs import (
     UploadingView,
 )
 from gpumesh.control.call import Call
-from gpumesh.control.streams import KEEP_ALIVE, EventStream, paced, sse
+from gpumesh.control.streams import EventStream, paced_events, sse
 from gpumesh.errors import BadRequestError, GPUMeshError
 
 __all__ = [
@@ -140,27 +140,18 @@ def run_event(event: Any, seq: int) -> bytes:
     if step is not None:
         return sse(type(step).__name__.lower(), step)
     view = _event_view(event, seq)
+    # Only output and status events are resumable points: a drop notice shares
+    # its output's number and a reconnect has none.
     numbered = isinstance(event, jobs.Output | jobs.StatusChanged)
     return sse(type(view).__name__.lower(), view, seq if numbered else None)
 
 
-async def _job_events(follow: Any) -> AsyncIterator[bytes]:
-    events = paced(follow)
-    try:
-        async for event in events:
-            if event is KEEP_ALIVE:
-                yield b": keep-alive\n\n"
-                continue
-            view = _event_view(event, follow.seq)
-            # Only output and status events are resumable points: a drop notice
-            # shares its output's number and a reconnect has none.
-            numbered = isinstance(event, jobs.Output | jobs.StatusChanged)
-            yield sse(type(view).__name__.lower(), view, follow.seq if numbered else None)
-        yield sse("end", JobResultView.of(follow.result))
-    except GPUMeshError as exc:
-        yield sse("error", ErrorView(exc.code, exc.message))
-    finally:
-        await events.aclose()
+def _job_events(follow: Any) -> AsyncIterator[bytes]:
+    return paced_events(
+        follow,
+        lambda event: run_event(event, follow.seq),
+        lambda: sse("end", JobResultView.of(follow.result)),
+    )
 
 
 def _event_view(event: jobs.JobEvent, seq: int) -> JobEventView:
