@@ -281,27 +281,22 @@ class RegistryStore:
                 _settle(write.future, [result])
 
     async def _transaction(self, operation: Callable[..., T], *args: Any) -> T:
-        if self._sync is not None:
-            return await asyncio.to_thread(self._sync_transaction, operation, *args)
-        assert self.engine is not None
-        async with self.engine.begin() as conn:
-            return await conn.run_sync(operation, *args)
+        return await self._run(True, operation, *args)
 
     async def _read(self, operation: Callable[..., T], *args: Any) -> T:
+        return await self._run(False, operation, *args)
+
+    async def _run(self, write: bool, operation: Callable[..., T], *args: Any) -> T:
+        """``operation(connection, *args)``, in a transaction that commits when ``write``."""
         if self._sync is not None:
-            return await asyncio.to_thread(self._sync_read, operation, *args)
+            return await asyncio.to_thread(self._sync_run, write, operation, *args)
         assert self.engine is not None
-        async with self.engine.connect() as conn:
+        async with self.engine.begin() if write else self.engine.connect() as conn:
             return await conn.run_sync(operation, *args)
 
-    def _sync_transaction(self, operation: Callable[..., T], *args: Any) -> T:
+    def _sync_run(self, write: bool, operation: Callable[..., T], *args: Any) -> T:
         assert self._sync is not None
-        with self._sync.begin() as conn:
-            return operation(conn, *args)
-
-    def _sync_read(self, operation: Callable[..., T], *args: Any) -> T:
-        assert self._sync is not None
-        with self._sync.connect() as conn:
+        with self._sync.begin() if write else self._sync.connect() as conn:
             return operation(conn, *args)
 
     async def open(self) -> None:
