@@ -242,17 +242,8 @@ class ConnectionTable:
                     f"{self._per_key[key]} connections from {key} are busy and the limit per "
                     f"address is {limits.per_client}: close some, then retry",
                 )
-            evict.append(
-                Eviction(
-                    victim,
-                    Refused(
-                        503,
-                        f"closed to make room: {key} holds {limits.per_client} connections, "
-                        "the limit per address, and this one waited longest for its request",
-                    ),
-                )
-            )
-            self.close(victim)
+            why = f"{key} holds {limits.per_client} connections, the limit per address"
+            evict.append(self._evict(victim, why))
         if len(self._conns) >= limits.connections:
             victim = self._oldest_waiting(self._most_waiting())
             if victim is None:
@@ -261,22 +252,19 @@ class ConnectionTable:
                     f"this server holds {len(self._conns)} busy connections, its limit is "
                     f"{limits.connections}: retry in a moment",
                 )
-            evict.append(
-                Eviction(
-                    victim,
-                    Refused(
-                        503,
-                        f"closed to make room: this server holds {limits.connections} "
-                        "connections, its limit, and this one waited longest for its request",
-                    ),
-                )
-            )
-            self.close(victim)
+            why = f"this server holds {limits.connections} connections, its limit"
+            evict.append(self._evict(victim, why))
         conn = self._next
         self._next += 1
         self._conns[conn] = _Conn(key, self._clock())
         self._per_key[key] += 1
         return Admitted(conn, tuple(evict))
+
+    def _evict(self, victim: int, why: str) -> Eviction:
+        """Close ``victim`` to make room; what it is told."""
+        self.close(victim)
+        message = f"closed to make room: {why}, and this one waited longest for its request"
+        return Eviction(victim, Refused(503, message))
 
     def headed(self, conn: int) -> None:
         """``conn``'s request head is in: it is no longer closed to make room."""
