@@ -274,10 +274,7 @@ def chmod_open(fd: int, path: str | os.PathLike[str], mode: int) -> None:
 
 def utime_open(fd: int, path: str | os.PathLike[str], mtime: float) -> None:
     """Set the times of the file open as ``fd`` (at ``path``) to ``mtime``."""
-    if has("fchmod"):
-        os.utime(fd, (mtime, mtime))
-    else:
-        os.utime(path, (mtime, mtime))
+    os.utime(fd if has("fchmod") else path, (mtime, mtime))
 
 
 _SEEK_LOCK = threading.Lock()
