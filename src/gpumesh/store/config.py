@@ -135,34 +135,24 @@ def _log_limit(text: str) -> str:
     return text.strip()
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1
-    if value <= 0:
-        raise ConfigError(f"invalid number {text!r}: use a positive number such as 5 or 2.5")
-    return value
+def _number(kind: type[int] | type[float], zero: bool, advice: str) -> Callable[[str], Value]:
+    """A number of ``kind`` above 0, or 0 too with ``zero``; ``advice`` says what to give."""
+
+    def check(text: str) -> Value:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = -1
+        if value < 0 or (value == 0 and not zero):
+            raise ConfigError(f"invalid number {text!r}: {advice}")
+        return value
+
+    return check
 
 
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ConfigError(f"invalid number {text!r}: use 0 (no limit) or a positive number")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ConfigError(f"invalid number {text!r}: use 0 (no limit) or a positive whole number")
-    return value
+_positive_float = _number(float, False, "use a positive number such as 5 or 2.5")
+_non_negative_float = _number(float, True, "use 0 (no limit) or a positive number")
+_non_negative_int = _number(int, True, "use 0 (no limit) or a positive whole number")
 
 
 def _auto_or(parse: Callable[[str], Value]) -> Callable[[str], Value]:
