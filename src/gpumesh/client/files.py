@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from gpumesh import platform
 from gpumesh.client.cpdownload import Download
@@ -50,9 +50,7 @@ __all__ = [
     "CopyResult",
     "Location",
     "copy",
-    "download",
     "parse_location",
-    "upload",
 ]
 
 RETRIES = 3
@@ -178,70 +176,35 @@ async def copy(
         raise ConfigError("both sides name a peer: one side must be a local path")
     if src.peer is None and dst.peer is None:
         raise ConfigError("neither side names a peer: write one side as PEER:PATH")
-    options: dict[str, Any] = {
-        "retries": retries,
-        "callbacks": callbacks,
-        "stall_timeout": stall_timeout,
-        "fast_path": fast_path,
-    }
+    started = time.perf_counter()
+    callbacks = callbacks or CopyCallbacks()
+    copier: Copier
     if dst.peer is not None:
-        return await upload(node, dst.peer, Path(src.path), dst.path, **options)
-    assert src.peer is not None
-    return await download(node, src.peer, src.path, Path(dst.path), **options)
-
-
-async def upload(
-    node: Node,
-    peer_query: str,
-    local: Path,
-    remote: str,
-    *,
-    retries: int = RETRIES,
-    callbacks: CopyCallbacks | None = None,
-    stall_timeout: float = STALL_TIMEOUT,
-    fast_path: bool = True,
-) -> CopyResult:
-    """Copy a local file or folder into the peer's sandbox at ``remote``."""
-    started = time.perf_counter()
-    callbacks = callbacks or CopyCallbacks()
-    peer = node.peer(peer_query)
-    try:
-        st = os.stat(local)
-    except FileNotFoundError:
-        raise NotFoundError(f"{local} does not exist") from None
-    except NotADirectoryError:
-        raise NotFoundError(f"{local} does not exist (a folder in its path is a file)") from None
-    except PermissionError:
-        raise ConfigError(f"cannot read {local}: permission denied") from None
-    if stat.S_ISDIR(st.st_mode):
-        result = _result("upload", "dir", peer, local, remote)
-        copier: Copier = FolderUpload(node, peer, local, remote, callbacks, stall_timeout, result)
-    elif stat.S_ISREG(st.st_mode):
-        result = _result("upload", "file", peer, local, remote)
-        copier = FileUpload(node, peer, local, remote, callbacks, stall_timeout, result, st)
+        peer = node.peer(dst.peer)
+        local = Path(src.path)
+        try:
+            st = os.stat(local)
+        except FileNotFoundError:
+            raise NotFoundError(f"{local} does not exist") from None
+        except NotADirectoryError:
+            raise NotFoundError(
+                f"{local} does not exist (a folder in its path is a file)"
+            ) from None
+        except PermissionError:
+            raise ConfigError(f"cannot read {local}: permission denied") from None
+        if stat.S_ISDIR(st.st_mode):
+            result = _result("upload", "dir", peer, local, dst.path)
+            copier = FolderUpload(node, peer, local, dst.path, callbacks, stall_timeout, result)
+        elif stat.S_ISREG(st.st_mode):
+            result = _result("upload", "file", peer, local, dst.path)
+            copier = FileUpload(node, peer, local, dst.path, callbacks, stall_timeout, result, st)
+        else:
+            raise ConfigError(f"{local} is not a regular file (a device, pipe or socket)")
     else:
-        raise ConfigError(f"{local} is not a regular file (a device, pipe or socket)")
-    copier.allow_channel(fast_path)
-    return await copier.run(retries, started)
-
-
-async def download(
-    node: Node,
-    peer_query: str,
-    remote: str,
-    local: Path,
-    *,
-    retries: int = RETRIES,
-    callbacks: CopyCallbacks | None = None,
-    stall_timeout: float = STALL_TIMEOUT,
-    fast_path: bool = True,
-) -> CopyResult:
-    """Copy a file or folder from the peer's sandbox to ``local``."""
-    started = time.perf_counter()
-    callbacks = callbacks or CopyCallbacks()
-    peer = node.peer(peer_query)
-    result = _result("download", "", peer, local, remote)
-    copier = Download(node, peer, local, remote, callbacks, stall_timeout, result)
+        assert src.peer is not None
+        peer = node.peer(src.peer)
+        result = _result("download", "", peer, Path(dst.path), src.path)
+        copier = Download(node, peer, Path(dst.path), src.path, callbacks, stall_timeout, result)
     copier.allow_channel(fast_path)
     return await copier.run(retries, started)
 
