@@ -36,7 +36,6 @@ from gpumesh.transport.channel import receive_file
 from gpumesh.units import format_size
 
 if TYPE_CHECKING:
-    from gpumesh.client.bulk import Unpacked
     from gpumesh.files.transfer import Hasher
     from gpumesh.transport.channel import Channel
     from gpumesh.transport.session import Session
@@ -121,9 +120,7 @@ class Download(Copier):
             size = info.size
             self.result.channel = "tls"
             self.result.size = size
-            self.result.offsets.append(offset)
-            self.done = offset
-            self.callbacks.progress(offset, size)
+            self.begin(offset, size)
             hasher = new_hasher(hash_name)
             fd = os.open(part, os.O_RDWR | os.O_CREAT | platform.BINARY, 0o600)
             report = self.progress_from_thread(size)
@@ -156,9 +153,7 @@ class Download(Copier):
             hash_name = taken(info.hash, asked)
             size = info.size
             self.result.size = size
-            self.result.offsets.append(offset)
-            self.done = offset
-            self.callbacks.progress(offset, size)
+            self.begin(offset, size)
             hasher = new_hasher(hash_name)
             fd = os.open(part, os.O_RDWR | os.O_CREAT | platform.BINARY, 0o600)
             async with worker(cleanup=lambda: os.close(fd)) as runner:
@@ -223,9 +218,7 @@ class Download(Copier):
             hash_name = taken(info.hash, asked)
             size = info.size
             self.result.size = size
-            self.result.offsets.append(0)
-            self.done = 0
-            self.callbacks.progress(0, size)
+            self.begin(0, size)
             unpacked: Unpacked | None = None
             if offer is not None:
                 self.result.channel = "tls"

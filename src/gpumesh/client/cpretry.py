@@ -139,6 +139,12 @@ class Copier:
                 f"{self.peer.name} stopped answering (nothing for {seconds:.0f}s)"
             ) from None
 
+    def begin(self, offset: int, total: int) -> None:
+        """An attempt starts with ``offset`` bytes of ``total`` already in place."""
+        self.result.offsets.append(offset)
+        self.done = offset
+        self.callbacks.progress(offset, total)
+
     def advance(self, count: int, total: int) -> None:
         self.done += count
         self.result.transferred += count

@@ -109,17 +109,7 @@ class FileUpload(_Upload):
     async def attempt_channel(self, session: Session, target: str) -> bool:
         """Send over a data channel, hashing while sending; False: none could be opened."""
 
-        stream = session.open_stream()
-        asked = offered()
-        stream.send_message(
-            ChannelPut(
-                path=target,
-                size=self.size,
-                mode=stat.S_IMODE(self.st.st_mode),
-                source=self.source,
-                hashes=asked,
-            )
-        )
+        stream, asked = self.put(ChannelPut, session, target)
         offer = await self.offer(stream)
         channel = None if offer is None else await self.open_channel(session, offer)
         if offer is None or channel is None:
@@ -161,17 +151,7 @@ class FileUpload(_Upload):
         provider predates that (and wants the SHA-256 up front)."""
 
         self.result.channel = "quic"
-        stream = session.open_stream()
-        asked = offered()
-        stream.send_message(
-            FilePut(
-                path=target,
-                size=self.size,
-                mode=stat.S_IMODE(self.st.st_mode),
-                source=self.source,
-                hashes=asked,
-            )
-        )
+        stream, asked = self.put(FilePut, session, target)
         try:
             resume = await self.within(RESPONSE_TIMEOUT, stream.expect(FileResume))
         except ProtocolError as exc:
@@ -235,12 +215,27 @@ class FileUpload(_Upload):
             session.link.forget_stream(stream.stream_id)
         self.confirmed(done, SHA256, self.legacy)
 
+    def put(
+        self, kind: type[ChannelPut | FilePut], session: Session, target: str
+    ) -> tuple[Stream, list[str]]:
+        """Ask for the file to be put at ``target``, offering the hashes this side knows."""
+        stream = session.open_stream()
+        asked = offered()
+        stream.send_message(
+            kind(
+                path=target,
+                size=self.size,
+                mode=stat.S_IMODE(self.st.st_mode),
+                source=self.source,
+                hashes=asked,
+            )
+        )
+        return stream, asked
+
     def start_at(self, offset: int) -> None:
         if offset > self.size:
             raise ProtocolError(f"{self.peer.name} asked to resume past the end of the file")
-        self.result.offsets.append(offset)
-        self.done = offset
-        self.callbacks.progress(self.done, self.size)
+        self.begin(offset, self.size)
 
     async def send_chunks(self, stream: Stream, chunks: AsyncGenerator[bytes, None]) -> None:
         async with contextlib.aclosing(chunks):
@@ -282,9 +277,7 @@ class FolderUpload(_Upload):
         try:
             offer, resume = await answer_after_offer(stream, FileResume)
             hash_name = taken(resume.hash, asked)
-            self.result.offsets.append(0)
-            self.done = 0
-            self.callbacks.progress(0, self.size)
+            self.begin(0, self.size)
             digest = None
             if offer is not None:
                 self.result.channel = "tls"
