@@ -100,7 +100,6 @@ __all__ = [
     "cancel_hosted",
     "cancel_job",
     "find_job",
-    "follow_hosted",
     "follow_job",
     "logs",
     "new_job_id",
@@ -799,23 +798,6 @@ async def cancel_hosted(node: Node, job_id: str, *, timeout: float = 60.0) -> Jo
             await asyncio.sleep(0.1)
         job = current or job
     return JobResult.of_record(job)
-
-
-async def follow_hosted(
-    node: Node,
-    job_id: str,
-    *,
-    follow: bool = True,
-    callbacks: JobCallbacks | None = None,
-    changes: ChangeWaiter | None = None,
-) -> JobResult:
-    """Read the event log of a job this node hosts, straight from its own store.
-    ``changes``: in the agent's own process, its job service to wait on."""
-    job = node.home.store.find_job(job_id, role=HOSTED)
-    result = JobResult.of_record(job)
-    events = _hosted(node, job, result, _Reader(), follow=follow, changes=changes)
-    await _deliver_all(events, callbacks or JobCallbacks())
-    return result
 
 
 async def _hosted(
