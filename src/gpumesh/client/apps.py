@@ -74,7 +74,7 @@ if TYPE_CHECKING:
     from gpumesh.client.jobs import JobCallbacks, JobResult
     from gpumesh.client.jobspec import JobSpec
     from gpumesh.client.node import Node
-    from gpumesh.files.pack import PackEntry, PackPlan, ScanMemo, Skipped
+    from gpumesh.files.pack import PackEntry, Skipped
     from gpumesh.store.peers import Peer
     from gpumesh.transport.session import Session
     from gpumesh.transport.stream import Stream

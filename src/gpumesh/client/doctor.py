@@ -10,7 +10,6 @@ import stat
 import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from gpumesh import platform
 from gpumesh.blocking import run_async
@@ -36,9 +35,6 @@ from gpumesh.transport.relayclient import RelayClient, parse_host_port
 from gpumesh.transport.session import resolve_relay
 from gpumesh.transport.udp import UdpSocket, open_udp_socket
 from gpumesh.units import format_size, parse_size
-
-if TYPE_CHECKING:
-    from gpumesh.runtime.docker import DockerRuntime
 
 __all__ = ["Check", "run_checks"]
 

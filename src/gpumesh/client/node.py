@@ -60,7 +60,6 @@ from gpumesh.transport.session import (
 )
 
 if TYPE_CHECKING:
-    from gpumesh.client.jobs import SilentProviders
     from gpumesh.client.pool import SessionPool
     from gpumesh.gpu.inventory import GpuInfo
     from gpumesh.protocol.addresses import Address

@@ -26,7 +26,6 @@ from gpumesh.protocol.framing import FrameKind
 from gpumesh.protocol.messages import JobCancel, Refusal, decode_message
 
 if TYPE_CHECKING:
-    from gpumesh.client.bulk import NoChannel
     from gpumesh.client.jobs import JobCallbacks, JobResult
     from gpumesh.client.node import Node
     from gpumesh.files.pack import PackPlan
