@@ -62,6 +62,7 @@ __all__ = [
     "open_channel",
     "receive_tar",
     "send_tar",
+    "threadsafe",
     "why_no_channel",
 ]
 
@@ -96,10 +97,10 @@ class NoChannel(enum.StrEnum):
 
 
 def why_no_channel(
-    node: Node, peer: Peer, session: Session, *, fast_path: bool = True, now: float | None = None
+    node: Node, peer: Peer, session: Session, *, now: float | None = None
 ) -> NoChannel | None:
     """Why this transfer should not ask for a data channel; None: it should."""
-    if not fast_path or str(node.home.config.get("data_channel")) != "on":
+    if str(node.home.config.get("data_channel")) != "on":
         return NoChannel.OFF
     # A session set up through the relay has no direct TCP path to the peer,
     # even once hole punching moved its UDP packets onto a direct one.
@@ -193,7 +194,7 @@ async def send_tar(
         write_tar(plan, out)
 
     try:
-        await _on_thread(channel, send_stream, size, produce, hasher, _threadsafe(progress))
+        await _on_thread(channel, send_stream, size, produce, hasher, threadsafe(progress))
     except ConnectionLostError:
         await _refusal(stream)
         raise
@@ -241,7 +242,7 @@ async def receive_tar(
     try:
         try:
             content = await _on_thread(
-                channel, receive_stream, size, consume, hasher, _threadsafe(progress)
+                channel, receive_stream, size, consume, hasher, threadsafe(progress)
             )
         except ConnectionLostError:
             await _refusal(stream)
@@ -274,7 +275,8 @@ async def _on_thread(channel: Channel, pump: Callable[..., T], *args: Any) -> T:
         channel.close()
 
 
-def _threadsafe(progress: Callable[[int], None]) -> Callable[[int], None]:
+def threadsafe(progress: Callable[[int], None]) -> Callable[[int], None]:
+    """``progress`` for a pump's thread to call: it runs on this event loop."""
     loop = asyncio.get_running_loop()
 
     def report(count: int) -> None:

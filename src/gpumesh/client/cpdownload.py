@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from gpumesh import platform
 from gpumesh.blocking import in_thread
-from gpumesh.client.bulk import NoChannel, Unpacked, answer_after_offer, receive_tar
+from gpumesh.client.bulk import NoChannel, Unpacked, answer_after_offer, receive_tar, threadsafe
 from gpumesh.client.cpretry import RESPONSE_TIMEOUT, Copier, run_pump, shown
 from gpumesh.errors import (
     ConfigError,
@@ -123,7 +123,7 @@ class Download(Copier):
             self.begin(offset, size)
             hasher = new_hasher(hash_name)
             fd = os.open(part, os.O_RDWR | os.O_CREAT | platform.BINARY, 0o600)
-            report = self.progress_from_thread(size)
+            report = threadsafe(lambda count: self.advance(count, size))
             await run_pump(channel, fd, _resume_and_receive, offset, size - offset, hasher, report)
             done = await self.within(RESPONSE_TIMEOUT, stream.expect(FileDone))
             # The pump returned: every byte of the file is in the part.

@@ -192,15 +192,6 @@ class Copier:
             self.result.congestion = channel.congestion
         return channel
 
-    def progress_from_thread(self, total: int) -> Callable[[int], None]:
-        loop = asyncio.get_running_loop()
-
-        def report(count: int) -> None:
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(self.advance, count, total)
-
-        return report
-
 
 def shown(remote: str) -> str:
     """``remote`` from the sandbox root, as results and messages name it."""

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from gpumesh import platform
 from gpumesh.blocking import in_thread
-from gpumesh.client.bulk import NoChannel, answer_after_offer, send_tar
+from gpumesh.client.bulk import NoChannel, answer_after_offer, send_tar, threadsafe
 from gpumesh.client.cpretry import RESPONSE_TIMEOUT, Copier, run_pump, shown
 from gpumesh.errors import (
     ConfigError,
@@ -128,7 +128,7 @@ class FileUpload(_Upload):
         hasher = new_hasher(hash_name)
         try:
             fd = os.open(self.local, os.O_RDONLY | platform.BINARY)
-            report = self.progress_from_thread(self.size)
+            report = threadsafe(lambda count: self.advance(count, self.size))
             try:
                 await run_pump(channel, fd, send_file, offer.offset, self.size, hasher, report)
             except ConnectionLostError:
