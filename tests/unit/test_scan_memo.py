@@ -53,7 +53,7 @@ def test_a_memo_gives_the_plan_a_fresh_scan_gives_after_each_kind_of_change(
 
 def test_held_files_are_read_again_when_another_writer_changed_them(tmp_path: Path) -> None:
     path = tmp_path / "sync-state.json"
-    apps._save_state(path, "a" * 64, {"f.txt": (1, 0o644, "b" * 64)})
+    apps._write_held(path, apps._State("a" * 64, {"f.txt": (1, 0o644, "b" * 64)}))
     assert apps._load_state(path) == ("a" * 64, {"f.txt": (1, 0o644, "b" * 64)})
     # Another process (an in-process command beside the node process) rewrites it.
     other = tmp_path / "other.json"

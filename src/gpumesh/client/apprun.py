@@ -18,16 +18,13 @@ and with the job attached to its submission (the in-process CLI's way).
 
 from __future__ import annotations
 
-import os
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gpumesh.blocking import in_thread
-from gpumesh.client.apps import AppRun, SyncResult, pull_folder, sync_app
+from gpumesh.client.apps import AppRun, SyncResult, pull_out, sync_app
 from gpumesh.client.runs import RunEvent, watch_run
-from gpumesh.errors import NotFoundError
 
 if TYPE_CHECKING:
     from gpumesh.client.jobspec import JobSpec
@@ -82,14 +79,7 @@ class AppRunWatch:
         assert run.result is not None  # iteration ended: the follow reached the end
         done = AppRun(sync, run.result)
         if out is not None:
-            out_name = Path(await in_thread(os.path.abspath, out)).name
-            done.out_remote = f"{sync.remote}/{out_name}"
-            try:
-                await pull_folder(node, peer.node_id, done.out_remote, out)
-            except NotFoundError:
-                pass
-            else:
-                done.pulled = True
+            await pull_out(node, peer.node_id, done, out)
         self.result = done
 
 

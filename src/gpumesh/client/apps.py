@@ -86,6 +86,7 @@ __all__ = [
     "job_folder",
     "pull_folder",
     "pull_job",
+    "pull_out",
     "run_app",
     "sync_app",
 ]
@@ -160,11 +161,12 @@ def app_folder(name: str) -> str:
     return f"/apps/{name}"
 
 
-def _cache_file(node: Node, root: Path) -> Path:
-    key = hashlib.sha256(str(root).encode("utf-8", "surrogateescape")).hexdigest()[:32]
+def _cache_file(node: Node, key: str, prefix: str = "") -> Path:
+    """``$GPUMESH_HOME/appcache/PREFIX<hash of key>.json``."""
+    digest = hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()[:32]
     folder = node.home.appcache_dir
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-    return folder / f"{key}.json"
+    return folder / f"{prefix}{digest}.json"
 
 
 _HELD_MAX = 64
@@ -227,7 +229,7 @@ def _manifest(
     """Scan ``folder`` and hash its files (through the cache): the plan and the manifest."""
 
     plan = scan(folder, exclude_paths=[node.home.path], memo=_scan_memo(folder))
-    cache_path = _cache_file(node, plan.root)
+    cache_path = _cache_file(node, str(plan.root))
     cache: dict[str, tuple[int, int, str]] = {}
     with contextlib.suppress(OSError, msgspec.MsgspecError):
         cache = _read_held(cache_path, dict[str, tuple[int, int, str]])
@@ -255,14 +257,6 @@ def _manifest(
     return plan, entries, by_path
 
 
-def _state_file(node: Node, peer_id: str, name: str) -> Path:
-    """Where the manifest ``peer`` confirmed for app ``name`` is kept."""
-    key = hashlib.sha256(f"{peer_id}\n{name}".encode("utf-8", "surrogateescape")).hexdigest()
-    folder = node.home.appcache_dir
-    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-    return folder / f"sync-{key[:32]}.json"
-
-
 class _State(msgspec.Struct):
     digest: str
     files: dict[str, tuple[int, int, str]]
@@ -274,10 +268,6 @@ def _load_state(path: Path) -> tuple[str, dict[str, tuple[int, int, str]]] | Non
     except (OSError, msgspec.MsgspecError):
         return None
     return state.digest, state.files
-
-
-def _save_state(path: Path, digest: str, files: dict[str, tuple[int, int, str]]) -> None:
-    _write_held(path, _State(digest, files))
 
 
 def _hash(path: Path, size: int) -> str:
@@ -311,7 +301,8 @@ async def sync_app(
     started = time.perf_counter()
     peer = node.peer(peer_query)
     name = name if name is not None else await in_thread(_name_of, folder)
-    state_file = _state_file(node, str(peer.node_id), name)
+    # Where the manifest the peer confirmed for this app is kept.
+    state_file = _cache_file(node, f"{peer.node_id!s}\n{name}", "sync-")
     # The folder is scanned (and the last confirmed manifest read) while we dial.
     scanning = in_thread(_scan_with_state, node, folder, state_file if incremental else None)
     scanning.add_done_callback(_retrieved)
@@ -356,7 +347,7 @@ async def sync_app(
         else:
             raise ProtocolError(f"{peer.name} asked for the whole manifest twice")
     if not dry_run:
-        await in_thread(_save_state, state_file, current, files)
+        await in_thread(_write_held, state_file, _State(current, files))
     result.seconds = time.perf_counter() - started
     return result
 
@@ -413,7 +404,7 @@ async def _apply_needs(
         stream.finish()
         return
     subset = PackPlan(plan.root, tuple(by_path[path] for path in need), ())
-    size = await in_thread(_tar_size, subset) if need else 0
+    size = await in_thread(tar_size, subset) if need else 0
     no_channel = why_no_channel(node, peer, session) if need else None
     if need and no_channel is None and size < SMALL_TAR:
         no_channel = NoChannel.SMALL
@@ -463,10 +454,6 @@ def _name_of(folder: Path) -> str:
     if not name:
         raise ConfigError(f"{folder} has no name to sync it under")
     return name
-
-
-def _tar_size(plan: PackPlan) -> int:
-    return tar_size(plan)
 
 
 async def _send_bytes(stream: Stream, data: bytes) -> None:
@@ -520,14 +507,22 @@ async def run_app(
         )
         run = AppRun(sync, job)
         if out is not None:
-            out_name = Path(await in_thread(os.path.abspath, out)).name
-            run.out_remote = f"{sync.remote}/{out_name}"
-            try:
-                await pull_folder(node, peer.node_id, run.out_remote, out, reuse=session)
-            except NotFoundError:
-                return run
-            run.pulled = True
+            await pull_out(node, peer.node_id, run, out, reuse=session)
     return run
+
+
+async def pull_out(
+    node: Node, peer_query: str, run: AppRun, out: Path, *, reuse: Session | None = None
+) -> None:
+    """Pull the app's folder named like ``out`` into ``out`` once ``run``'s job ended
+    (``run.pulled`` stays False when the job left no such folder)."""
+    out_name = Path(await in_thread(os.path.abspath, out)).name
+    run.out_remote = f"{run.sync.remote}/{out_name}"
+    try:
+        await pull_folder(node, peer_query, run.out_remote, out, reuse=reuse)
+    except NotFoundError:
+        return
+    run.pulled = True
 
 
 def app_job(node: Node, query: str, peer_query: str = "") -> tuple[Peer, str]:
