@@ -12,11 +12,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, Generic, TypeVar
 
-__all__ = ["EventQueue", "stop"]
+__all__ = ["EventQueue", "Watch", "stop"]
 
 E = TypeVar("E")
+
+
+class Watch(Generic[E]):
+    """An operation's events, read with ``async for`` (once). Leaving the loop early:
+    call :meth:`aclose` (or use ``contextlib.aclosing``)."""
+
+    _events: AsyncGenerator[E, None]
+
+    def __aiter__(self) -> AsyncIterator[E]:
+        return self._events
+
+    async def aclose(self) -> None:
+        """Stop reading; what still runs for the reader is cancelled."""
+        await self._events.aclose()
 
 
 class EventQueue(Generic[E]):

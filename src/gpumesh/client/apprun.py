@@ -18,11 +18,12 @@ and with the job attached to its submission (the in-process CLI's way).
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from gpumesh.client._events import Watch
 from gpumesh.client.apps import AppRun, SyncResult, pull_out, sync_app
 from gpumesh.client.runs import RunEvent, watch_run
 
@@ -43,10 +44,11 @@ class Synced:
 AppRunEvent = Synced | RunEvent
 
 
-class AppRunWatch:
+class AppRunWatch(Watch[AppRunEvent]):
     """One app run, started when iterated (once). ``seq``: the number of the job's
     last event read (resume the job's events after it); ``result``: the app run,
-    once iteration ended."""
+    once iteration ended. Leaving early cancels a submission under way; a job already
+    accepted keeps running (cancel it by id)."""
 
     def __init__(
         self, node: Node, peer_query: str, folder: Path, spec: JobSpec, out: Path | None
@@ -54,14 +56,6 @@ class AppRunWatch:
         self.result: AppRun | None = None
         self.seq = 0
         self._events = self._run(node, peer_query, folder, spec, out)
-
-    def __aiter__(self) -> AsyncIterator[AppRunEvent]:
-        return self._events
-
-    async def aclose(self) -> None:
-        """Stop reading; a submission still under way is cancelled (a job already
-        accepted keeps running: cancel it by id)."""
-        await self._events.aclose()
 
     async def _run(
         self, node: Node, peer_query: str, folder: Path, spec: JobSpec, out: Path | None

@@ -9,11 +9,11 @@ the copy sees the newest count, never a backlog.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from gpumesh.client._events import EventQueue, stop
+from gpumesh.client._events import EventQueue, Watch, stop
 from gpumesh.client.files import CopyCallbacks, CopyResult, copy
 
 if TYPE_CHECKING:
@@ -48,20 +48,13 @@ class CopyRetrying:
 CopyEvent = CopyStarted | CopyProgress | CopyRetrying
 
 
-class CopyWatch:
+class CopyWatch(Watch[CopyEvent]):
     """One copy, run while it is iterated (once); ``result`` once iteration ended
     (the copy's error is raised from the loop instead)."""
 
     def __init__(self, node: Node, source: str, destination: str, options: dict[str, Any]) -> None:
         self.result: CopyResult | None = None
         self._events = self._run(node, source, destination, options)
-
-    def __aiter__(self) -> AsyncIterator[CopyEvent]:
-        return self._events
-
-    async def aclose(self) -> None:
-        """Stop reading; a copy still running is cancelled."""
-        await self._events.aclose()
 
     async def _run(
         self, node: Node, source: str, destination: str, options: dict[str, Any]

@@ -22,12 +22,13 @@ import logging
 import secrets
 import shutil
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 
+from gpumesh.client._events import Watch
 from gpumesh.client.bulk import answer_after_offer, why_no_channel
 from gpumesh.client.placement import Placement
 from gpumesh.client.submit import (
@@ -474,10 +475,9 @@ def _record_status(node: Node, job_id: str, status: JobStatus) -> None:
     node.home.store.update_job(SUBMITTED, job_id, **fields)
 
 
-class JobFollow:
+class JobFollow(Watch[JobEvent]):
     """A job's events, to read with ``async for`` (once); ``result`` is where the job
-    stands, updated as events arrive (final once the events of an ended job ran out).
-    Leaving the loop early: call :meth:`aclose` (or use ``contextlib.aclosing``)."""
+    stands, updated as events arrive (final once the events of an ended job ran out)."""
 
     def __init__(
         self,
@@ -496,12 +496,6 @@ class JobFollow:
         """The sequence number of the last event read (0: none yet). A follow started
         with ``after_seq`` set to it resumes right after, with nothing lost or repeated."""
         return self._reader.seq
-
-    def __aiter__(self) -> AsyncIterator[JobEvent]:
-        return self._events
-
-    async def aclose(self) -> None:
-        await self._events.aclose()
 
 
 class ChangeWaiter(Protocol):

@@ -13,11 +13,11 @@ uploaded): a slow reader sees the newest, never a backlog.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from gpumesh.client._events import EventQueue, stop
+from gpumesh.client._events import EventQueue, Watch, stop
 from gpumesh.client.jobs import JobCallbacks, JobEvent, JobResult, logs, run_job
 
 if TYPE_CHECKING:
@@ -59,9 +59,10 @@ class Uploading:
 RunEvent = Placed | Pulling | Accepted | Uploading | JobEvent
 
 
-class RunWatch:
+class RunWatch(Watch[RunEvent]):
     """One job, submitted when iterated (once); ``result`` is where it stands, final
-    once iteration ended (a failure to submit is raised from the loop)."""
+    once iteration ended (a failure to submit is raised from the loop). Leaving early
+    cancels a submission under way; a job already accepted keeps running (cancel it by id)."""
 
     def __init__(
         self, node: Node, spec: JobSpec, follow: bool, wait: float = 0.0, sandbox_dir: str = ""
@@ -72,14 +73,6 @@ class RunWatch:
         self._wait = wait
         self._sandbox_dir = sandbox_dir
         self._events = self._run(node, spec, follow)
-
-    def __aiter__(self) -> AsyncIterator[RunEvent]:
-        return self._events
-
-    async def aclose(self) -> None:
-        """Stop reading; a submission still under way is cancelled (a job already
-        accepted keeps running: cancel it by id)."""
-        await self._events.aclose()
 
     async def _run(self, node: Node, spec: JobSpec, follow: bool) -> AsyncGenerator[RunEvent, None]:
         queue: EventQueue[RunEvent] = EventQueue((Pulling, Uploading))
