@@ -33,7 +33,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -45,6 +44,7 @@ import msgspec
 
 from gpumesh.blocking import in_thread
 from gpumesh.client.bulk import NoChannel, answer_after_offer, receive_tar, send_tar, why_no_channel
+from gpumesh.client.cpdownload import remove_part
 from gpumesh.client.files import STALL_TIMEOUT
 from gpumesh.client.jobs import new_job_id, run_job
 from gpumesh.errors import ConfigError, NotFoundError, ProtocolError
@@ -635,7 +635,7 @@ async def _get_folder(node: Node, session: Session, peer: Peer, remote: str, des
                 received = await _get_folder_quic(stream, peer, remote, temp, info.size, hash_name)
             await in_thread(_place, temp, dest)
         finally:
-            await in_thread(_remove, temp)
+            await in_thread(remove_part, temp)
     finally:
         with contextlib.suppress(Exception):
             stream.finish()
@@ -667,7 +667,7 @@ def _prepare_dest(dest: Path, temp: Path) -> None:
     if dest.is_symlink() or (dest.exists() and not dest.is_dir()):
         raise ConfigError(f"{dest} is not a folder")
     dest.parent.mkdir(parents=True, exist_ok=True)
-    _remove(temp)
+    remove_part(temp)
 
 
 def _place(temp: Path, dest: Path) -> None:
@@ -675,10 +675,3 @@ def _place(temp: Path, dest: Path) -> None:
         os.rename(temp, dest)
         return
     merge_into(temp, dest)
-
-
-def _remove(path: Path) -> None:
-    if path.is_symlink() or path.is_file():
-        path.unlink()
-    elif path.exists():
-        shutil.rmtree(path, ignore_errors=True)

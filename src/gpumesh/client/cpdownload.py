@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from gpumesh.transport.session import Session
     from gpumesh.transport.stream import Stream
 
-__all__ = ["PART_SUFFIX", "Download"]
+__all__ = ["PART_SUFFIX", "Download", "remove_part"]
 
 PART_SUFFIX = ".gpumesh-part"
 """Added to a download's name until it is complete and verified."""
@@ -205,7 +205,7 @@ class Download(Copier):
 
     async def _get_folder(self, session: Session, dest: Path) -> None:
         temp = dest.with_name(dest.name + PART_SUFFIX)
-        await in_thread(_remove, temp)
+        await in_thread(remove_part, temp)
         wanted = self.use_channel(session)
         stream = session.open_stream()
         try:
@@ -245,7 +245,7 @@ class Download(Copier):
                     unpacked = await self._get_folder_quic(stream, temp, size, hash_name)
                 await in_thread(_place_folder_download, temp, dest)
             finally:
-                await in_thread(_remove, temp)
+                await in_thread(remove_part, temp)
             self.result.hash, self.result.digest = hash_name, unpacked.digest.hex()
             self.result.folder_content = unpacked.content
         finally:
@@ -342,7 +342,8 @@ def _place_folder_download(temp: Path, dest: Path) -> None:
     os.rename(temp, dest)
 
 
-def _remove(path: Path) -> None:
+def remove_part(path: Path) -> None:
+    """Remove a partial download, file or folder, if there is one."""
     if path.is_symlink() or path.is_file():
         path.unlink()
     elif path.exists():
