@@ -250,11 +250,9 @@ class RegistryClient:
             message = str(data["error"]["message"])[:300]
         except (ValueError, KeyError, TypeError, OSError):
             pass
-        if not message:
-            error = self._garbled(f"it answered HTTP {exc.code} {exc.reason}")
-        else:
-            error = RegistryError(f"the registry at {self.url} refused: {message}")
-        return error
+        if message:
+            return RegistryError(f"the registry at {self.url} refused: {message}")
+        return self._garbled(f"it answered HTTP {exc.code} {exc.reason}")
 
 
 class _PageReply(msgspec.Struct):
