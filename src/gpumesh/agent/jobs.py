@@ -161,7 +161,7 @@ class JobService:
 
     async def wait_changed(self, timeout: float) -> None:
         """Return when a hosted job gets events (or after ``timeout`` seconds): what an
-        in-process follower waits on (:func:`gpumesh.client.jobs.follow_hosted`)."""
+        in-process follower waits on (:func:`gpumesh.client.jobs.logs`)."""
         await self.log.wait_changed(timeout)
 
     # --- requests ----------------------------------------------------------------------------
