@@ -13,11 +13,6 @@ file rewritten before each pair of runs, the two tools alternating first):
   of the changed files plus the manifest: a delta against the manifest the
   provider confirmed last time (the whole list, about 100 bytes a file, only
   when the provider holds another one).
-* GPUMesh without the head start: the same command as ``gpumesh --home HOME app
-  sync ...``, a form the console script leaves to the CLI, which loads first
-  and then asks the node process (first in each round; the same file is
-  rewritten again after it, so the others see one change too): what the head
-  start saves, measured alongside.
 * rsync: ``rsync -a --delete --stats TREE/ host:DEST/`` over a throwaway
   OpenSSH server on 127.0.0.1 (bench/sshd.sh), whole process; bytes are
   rsync's own "Total bytes sent" (file lists and checksums included).
@@ -69,8 +64,6 @@ class Results:
     gpumesh_files: list[int] = field(default_factory=list)
     gpumesh_manifest: list[int] = field(default_factory=list)
     rsync_seconds: list[float] = field(default_factory=list)
-    late_seconds: list[float] = field(default_factory=list)
-    """The same re-sync without the console script's head start (the ``--home`` form)."""
     rsync_bytes: list[int] = field(default_factory=list)
     rsync_note: str | None = None
     first_seconds: float = 0.0
@@ -91,15 +84,13 @@ def change_one(root: Path, index: int, size: int) -> None:
     path.write_bytes(os.urandom(size))
 
 
-def app_sync(bob_home: Path, tree: Path, *, late: bool = False) -> tuple[float, dict[str, object]]:
-    """One ``app sync --json`` as a new process; ``late``: given as ``--home H app
-    sync ...``, a form the head start leaves to the CLI (it loads first, then asks)."""
+def app_sync(bob_home: Path, tree: Path) -> tuple[float, dict[str, object]]:
+    """One ``app sync --json`` as a new process."""
     env = dict(os.environ, GPUMESH_HOME=str(bob_home))
     env.pop("GPUMESH_LOG", None)
-    home = ["--home", str(bob_home)] if late else []
     started = time.perf_counter()
     result = subprocess.run(
-        [*gpumesh_command(), *home, "app", "sync", "--peer", "alice", "--dir", str(tree), "--json"],
+        [*gpumesh_command(), "app", "sync", "--peer", "alice", "--dir", str(tree), "--json"],
         env=env,
         capture_output=True,
         text=True,
@@ -168,14 +159,8 @@ def run(args: argparse.Namespace) -> Results:
         for index in range(args.repeat):
             change_one(tree, (index * 7919) % args.files, args.file_size)
             order = ("gpumesh", "rsync") if index % 2 == 0 else ("rsync", "gpumesh")
-            for kind in ("late", *order):
-                if kind == "late":
-                    seconds, data = app_sync(tmp / "b", tree, late=True)
-                    results.late_seconds.append(seconds)
-                    print(f"  run {index + 1}: app sync {seconds:6.2f}s without head start")
-                    # The same file rewritten again: the others see one change too.
-                    change_one(tree, (index * 7919) % args.files, args.file_size)
-                elif kind == "gpumesh":
+            for kind in order:
+                if kind == "gpumesh":
                     seconds, data = app_sync(tmp / "b", tree)
                     results.gpumesh_seconds.append(seconds)
                     results.gpumesh_bytes.append(int(str(data["bytes_sent"])))
@@ -214,17 +199,6 @@ def report(args: argparse.Namespace, results: Results) -> None:
             f"{_median(results.gpumesh_manifest)})",
         ]
     )
-    if results.late_seconds:
-        late = summarize(results.late_seconds)
-        rows.append(
-            [
-                "  the same, no head start (--home)",
-                f"{late.p50:.2f}",
-                f"{late.low:.2f}",
-                f"{late.high:.2f}",
-                "",
-            ]
-        )
     if results.rsync_seconds:
         rs = summarize(results.rsync_seconds)
         rows.append(

@@ -5,7 +5,7 @@ real and its code checked with its one line: bad input (2), refused (3),
 unreachable (4), already in use (7), a failure of another kind (1) and success
 where what was asked for is already so (0). Docker's rows (6, 124-127) and
 Ctrl-C (130) are checked where jobs and follows are tested
-(test_cli.py, test_runtime.py, test_run_launch.py)."""
+(test_cli.py, test_runtime.py, test_cli_run.py)."""
 
 from __future__ import annotations
 

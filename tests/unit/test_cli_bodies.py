@@ -1,17 +1,22 @@
-"""What ``cp`` and ``exec`` send the node process: the one schema's structs
-(gpumesh.client.bodies), from their flags. (run and app sync, whose head start
-sends plain dicts that convert into them: test_cli_launch.py.)"""
+"""What ``cp``, ``exec``, ``run`` and ``app sync`` send the node process: the one
+schema's structs (gpumesh.client.bodies), from their flags. A plain run and a
+sync send plain dicts (sent before msgspec loads), which must convert into those
+structs field for field."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
+from gpumesh.cli import app as app_module
 from gpumesh.cli import cp as cp_module
 from gpumesh.cli import exec as exec_module
-from gpumesh.client.bodies import CopyBody, ShellRequest
+from gpumesh.cli import run as run_module
+from gpumesh.client.bodies import CopyBody, JobBody, ShellRequest, SyncBody
+from gpumesh.errors import GPUMeshError
 
 
 def test_cp_sends_a_copy_body(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -49,3 +54,98 @@ def test_exec_sends_a_shell_request(monkeypatch: pytest.MonkeyPatch) -> None:
         {"A": "1"},
     )
     assert shell.gpu_memory == 1_000_000_000
+
+
+def _run_body(args: list[str], monkeypatch: pytest.MonkeyPatch) -> JobBody:
+    """What ``gpumesh run ARGS`` sends (its sending replaced), as the one struct."""
+    sent: list[JobBody | dict[str, object]] = []
+
+    def through_node(body: JobBody | dict[str, object], **flags: bool) -> None:
+        sent.append(body)
+
+    monkeypatch.setattr(run_module, "_through_node", through_node)
+    run_module.run.main(args=args, prog_name="gpumesh run", standalone_mode=False)
+    (body,) = sent
+    return body if isinstance(body, JobBody) else msgspec.convert(body, JobBody)
+
+
+@pytest.mark.parametrize(
+    ("args", "fields"),
+    [
+        (["--peer", "alice", "echo", "hi"], {"command": ["echo", "hi"], "image": None}),
+        (["--peer=alice", "--image=img:1", "--", "sh", "-c", "exit 3"],
+         {"command": ["sh", "-c", "exit 3"], "image": "img:1"}),
+        (["--peer", "alice", "-e", "A=1", "--retries", "2", "--timeout", "90s", "true"],
+         {"env": {"A": "1"}, "retries": 2, "timeout": "90s"}),
+        (["--peer", "alice", "--gpu-memory", "8GB", "--mount", "data:/data", "true"],
+         {"gpu_memory": "8GB", "mounts": ["data:/data"]}),
+        (["--peer", "alice", "--wait", "true"], {"wait": run_module.WAIT_FOREVER}),
+    ],
+)  # fmt: skip
+def test_run_sends_a_job_body(
+    args: list[str], fields: dict[str, object], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("GPUMESH_IMAGE", "GPUMESH_PEER"):
+        monkeypatch.delenv(name, raising=False)
+    body = _run_body(args, monkeypatch)
+    assert (body.peer, body.group, body.workdir) == ("alice", None, None)
+    for name, value in fields.items():
+        assert getattr(body, name) == value, name
+
+
+def test_run_with_a_workdir_sends_it_absolute_and_resolved(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "proj").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "proj")
+    monkeypatch.chdir(tmp_path)
+    for given in ("proj", "./proj/", "proj/../proj//", "link"):
+        body = _run_body(["--peer", "alice", "--workdir", given, "true"], monkeypatch)
+        assert (body.workdir, body.command) == (str(tmp_path / "proj"), ["true"])
+
+
+@pytest.mark.parametrize(
+    ("workdir", "message"),
+    [
+        ("data.bin", "is not a folder: give the folder to upload"),
+        ("missing", "does not exist: give an existing folder to upload"),
+    ],
+)
+def test_run_refuses_a_workdir_that_is_no_folder_before_sending(
+    workdir: str, message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "data.bin").write_bytes(b"x")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(GPUMeshError) as raised:
+        _run_body(["--peer", "alice", "--workdir", workdir, "true"], monkeypatch)
+    assert raised.value.message == f"--workdir {workdir} {message}"
+
+
+@pytest.mark.parametrize("flags", [[], ["--dry-run"], ["--json"]])
+def test_app_sync_sends_a_sync_body(
+    flags: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sent: list[tuple[str, str, object]] = []
+
+    class Recorder:
+        def send(self, method: str, path: str, body: object) -> Any:
+            sent.append((method, path, body))
+            raise _Sent
+
+    class _Sent(Exception):
+        pass
+
+    (tmp_path / "proj").mkdir()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(app_module, "node_client", Recorder)
+    with pytest.raises(_Sent):
+        args = ["--peer", "alice", "--dir", "./proj/", *flags]
+        app_module.sync.main(args=args, prog_name="gpumesh app sync", standalone_mode=False)
+    ((method, path, body),) = sent
+    assert (method, path) == ("POST", "/api/v1/apps/sync")
+    sync = msgspec.convert(body, SyncBody)
+    assert (sync.peer, sync.dir, sync.dry_run) == (
+        "alice",
+        str(tmp_path / "proj"),
+        flags == ["--dry-run"],
+    )

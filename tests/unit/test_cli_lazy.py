@@ -98,38 +98,27 @@ THIN_AVOIDS = {
     "qh3", "cryptography", "docker", "sqlite3", "asyncio", "rich", "logging", "shutil",
     "base64", "signal",
 }  # fmt: skip
-DECODER = {"msgspec", "decimal", "textwrap"}
-"""What reads the node process's answers into their view structs: loaded once the
-request is out (the node process works on it meanwhile), never before."""
 
 
 def test_jobs_and_run_through_a_node_process_start_light(tmp_path: Path) -> None:
     """A real node process in a fresh home, already running (as the commands after
     the first one find it): `jobs` (empty, and as JSON), a `run` the node
     process refuses (no such peer) and a `cancel` it refuses load none of
-    THIN_AVOIDS; `run`'s request goes out before click or the DECODER loads."""
+    THIN_AVOIDS."""
     env = thin_env(tmp_path / "home")
     init = [str(SCRIPT), "init", "--name", "light"]
     subprocess.run(init, env=env, capture_output=True, check=True, timeout=60)
     check = (
         "import sys\n"
-        "from gpumesh.cli import launch\n"
         f"avoided = {sorted(THIN_AVOIDS)!r}\n"
-        # run's head start: its request is sent before click (or anything heavy) loads
-        "ahead = launch.start(['run', '--peer', 'nobody', '--', 'true'])\n"
-        f"early = [*avoided, *{sorted(DECODER)!r}, 'click', 'dataclasses', 'inspect']\n"
-        "print(ahead, sorted(m for m in sys.modules if m.split('.')[0] in early))\n"
         "from gpumesh.cli.main import main\n"
         "codes = [int(main(['jobs'])), int(main(['jobs', '--json'])),\n"
         "         int(main(['run', '--peer', 'nobody', '--', 'true'])),\n"
         "         int(main(['cancel', '--peer', 'nobody', '0123456789ab']))]\n"
-        "left = len(launch._ahead)\n"
-        "print(codes, left, sorted(m for m in sys.modules if m.split('.')[0] in avoided))\n"
+        "print(codes, sorted(m for m in sys.modules if m.split('.')[0] in avoided))\n"
     )
     with node_process(env):
         result = probe(check, env)
-    assert result.stdout.splitlines()[-1] == "[0, 0, 2, 2] 0 []", result.stdout + result.stderr
+    assert result.stdout.splitlines()[-1] == "[0, 0, 2, 2] []", result.stdout + result.stderr
     assert result.stdout.splitlines()[-2] == "[]"  # `jobs --json` of an empty home
-    assert result.stdout.splitlines()[0] == "True []"
-    # The run sent ahead is the one the command read (none is left), and refused.
     assert result.stderr.count("no paired peer named 'nobody'") == 2  # run, then cancel

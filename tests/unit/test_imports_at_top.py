@@ -29,7 +29,7 @@ BOUNDARY_MODULES = {
     "client/mesh.py",  # the Python API's Mesh: each method loads its operation
     "daemon/mesh.py",  # ...and the same Mesh through the node process
     "daemon/client.py",  # the node process's client, loaded by every thin command
-    "daemon/__init__.py",  # the head start's check of $GPUMESH_NODE
+    "daemon/__init__.py",  # the check of $GPUMESH_NODE every command makes first
     "store/sockets.py",  # the node process's socket name, which the thin client looks up
 }
 MAY_BE_MISSING = {

@@ -2,19 +2,16 @@
 views, as the node process streams them).
 
 Imports nothing heavy: ``logs`` and ``run`` through the node process use it.
-click loads only when a note is printed, so a plain run's head start
-(:mod:`gpumesh.cli.launch`) prints a job's output and exits without it.
 """
 
 from __future__ import annotations
 
 import binascii
-import os
 import sys
 from collections.abc import Iterable
-
-# As typing's: typing stays out of a plain run's head start, which prints with this module.
 from typing import TYPE_CHECKING
+
+import click
 
 from gpumesh.errors import ExitCode
 from gpumesh.protocol.states import FINAL_STATES, JobState
@@ -154,8 +151,6 @@ class ViewPrinter:
             if note is not None:
                 self.note(note)
         elif isinstance(view, Dropped):
-            import click
-
             click.echo(click.style(dropped_note(view.count), fg="yellow"), err=True)
         elif isinstance(view, Reconnecting):
             if (line := self.outage.note(view.message)) is not None:
@@ -207,26 +202,7 @@ class RunReader:
 
 def _note(text: str) -> None:
     """A note on stderr, dimmed (on a terminal)."""
-    line = f"gpumesh: {text}"
-    stream = sys.stderr
-    if os.name == "posix" and _utf8_terminal(stream):
-        # What click.echo writes there (the style kept, nothing re-encoded), without
-        # loading click: a run's acceptance is noted while the provider's engine
-        # starts the container (see gpumesh.cli.launch).
-        stream.write(f"\x1b[2m{line}\x1b[0m\n")
-        stream.flush()
-        return
-    import click
-
-    click.echo(click.style(line, dim=True), err=True)
-
-
-def _utf8_terminal(stream: Any) -> bool:
-    try:
-        encoding = str(stream.encoding or "").lower().replace("-", "")
-        return encoding == "utf8" and bool(stream.isatty())
-    except (AttributeError, ValueError, OSError):  # no stream, or a closed one: click's way
-        return False
+    click.echo(click.style(f"gpumesh: {text}", dim=True), err=True)
 
 
 class StepNotes:

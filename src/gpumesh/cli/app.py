@@ -13,12 +13,12 @@ from gpumesh.cli._common import emit_json, fail, json_option
 from gpumesh.cli._complete import complete_peer, complete_submitted_job
 from gpumesh.cli._node import job_options, node_client
 from gpumesh.cli._notes import exit_status_of
-from gpumesh.cli._syncview import view_output, view_summary
 from gpumesh.errors import ExitCode
+from gpumesh.units import format_size
 
 if TYPE_CHECKING:
     from gpumesh.client.bodies import AppRunBody
-    from gpumesh.client.views.apps import AppRunView
+    from gpumesh.client.views.apps import AppRunView, SyncView
 
 
 def _dir_option(help: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -60,17 +60,38 @@ def app() -> None:
 @json_option
 def sync(peer: str, folder: str, dry_run: bool, as_json: bool) -> None:
     """Sync the folder DIR into /apps/NAME in your folder on PEER."""
-    from gpumesh.cli.launch import APP_SYNC, APP_SYNC_PATH, app_sync_body, take
+    # A plain dict, sent before msgspec loads (~30 ms): tests/unit/test_cli_bodies.py
+    # converts it into client/bodies.SyncBody, the one schema.
+    body = {"peer": peer, "dir": os.path.abspath(folder), "dry_run": dry_run}
+    answer = node_client().send("POST", "/api/v1/apps/sync", body)
+    from gpumesh.client.views import to_json
     from gpumesh.client.views.apps import SyncView
 
-    # The head start's own body (no msgspec on the way of a sync; a unit test
-    # converts it into client/bodies.SyncBody).
-    body = app_sync_body(peer, folder, dry_run)
-    ahead = take(APP_SYNC, body)  # the plain form's request, sent before the CLI loaded
-    answer = ahead[1] if ahead is not None else node_client().send("POST", APP_SYNC_PATH, body)
     view = answer.answer(SyncView)
-    for text in view_output(view, as_json=as_json, dry_run=dry_run):
-        click.echo(text)
+    if as_json:
+        click.echo(to_json(view))
+    elif dry_run:
+        for path in view.sent:
+            click.echo(f"send    {path}")
+        for path in view.deleted:
+            click.echo(f"delete  {path}")
+        for skipped in view.skipped:
+            click.echo(f"skip    {skipped.path}  ({skipped.rule})")
+        click.echo(
+            f"dry run: {len(view.sent)} to send, {len(view.deleted)} to delete, "
+            f"{view.files_unchanged} unchanged; nothing sent"
+        )
+    else:
+        click.echo(_summary(view))
+
+
+def _summary(view: SyncView) -> str:
+    """The one line that says what a sync did."""
+    return (
+        f"synced {view.remote} on {view.peer}: {view.files_sent} sent "
+        f"({format_size(view.bytes_sent)}), {view.files_deleted} deleted, "
+        f"{view.files_unchanged} unchanged"
+    )
 
 
 @app.command(context_settings={"allow_interspersed_args": False})
@@ -177,7 +198,7 @@ def _run_through_node(body: AppRunBody, *, quiet: bool, json_out: bool) -> AppRu
     for event in run.events():
         if isinstance(event.view, SyncView):
             if not quiet:
-                click.echo(view_summary(event.view), err=True)
+                click.echo(_summary(event.view), err=True)
         else:
             printer.show(event.view)
     assert run.view is not None  # the events ran out: the view is there

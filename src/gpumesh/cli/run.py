@@ -92,9 +92,9 @@ def run(
     if simple and (peer or group):
         # Checked by the node process, with the same messages: this process
         # need not load the job file reader (YAML) or the runtime's rules.
-        # A plain dict, as the head start sends it (it sends before msgspec, ~30 ms
-        # to import, loads). tests/unit/test_cli_launch.py converts what is sent
-        # into client/bodies.JobBody, the one schema.
+        # A plain dict: msgspec takes ~30 ms to import.
+        # tests/unit/test_cli_bodies.py converts what is sent into
+        # client/bodies.JobBody, the one schema.
         body: dict[str, object] = {
             "command": list(command),
             "peer": peer,
@@ -144,22 +144,19 @@ def _through_node(
     and a stream its node process dropped after acceptance resumes as `logs -f`."""
     from gpumesh.cli._node import follow, node_client
     from gpumesh.cli._notes import RunReader, ViewPrinter, exit_status_of
-    from gpumesh.cli.launch import RUN, RUN_PATH, read_ahead, take
     from gpumesh.client.views.jobs import JobResultView
     from gpumesh.client.views.runs import RUN_EVENTS
     from gpumesh.daemon.client import NodeUnavailableError
     from gpumesh.errors import AgentError
 
-    ahead = take(RUN, body)  # the plain form's request, sent before the CLI loaded
-    client = ahead[0] if ahead is not None else node_client()
+    client = node_client()
     if detach:
         click.echo(client.call("POST", "/api/v1/jobs", JobResultView, body).job_id)
         return
-    # What the head start already read and printed of the run, if it began to.
-    reader = read_ahead() or RunReader(ViewPrinter("", quiet=quiet, explain=explain))
+    reader = RunReader(ViewPrinter("", quiet=quiet, explain=explain))
     try:
         try:
-            answer = ahead[1] if ahead is not None else client.send("POST", RUN_PATH, body)
+            answer = client.send("POST", "/api/v1/jobs?stream=true", body)
             result = reader.read(answer.events(RUN_EVENTS))
         except NodeUnavailableError:
             if reader.job_id is None:

@@ -15,7 +15,7 @@ def setting_gone() -> None:
     """Say once, on stderr, that ``$GPUMESH_NODE=off`` is gone (it kept commands
     in-process); the variable is taken out of this process's environment so that
     neither a second look nor a node process it starts says it again. Imports
-    nothing heavy: the head start calls it before anything else."""
+    nothing heavy: every command calls it before anything else."""
     import os
 
     if "GPUMESH_NODE" not in os.environ:  # settings.ENV_NODE, without loading settings

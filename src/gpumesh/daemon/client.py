@@ -22,8 +22,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 # As typing's: typing, dataclasses (and their inspect) and the node record's module
-# stay out of a thin command's start-up (gpumesh.cli.launch sends run's request
-# before anything else loads).
+# stay out of a thin command's start-up.
 from typing import TYPE_CHECKING
 
 from gpumesh.errors import (
@@ -48,7 +47,6 @@ __all__ = [
     "NodeClient",
     "NodeUnavailableError",
     "Pending",
-    "Read",
     "SseEvent",
     "connect",
 ]
@@ -300,33 +298,6 @@ class Pending:
             response.close()
 
 
-class Read(Pending):
-    """An answer already read, handed on as the :class:`Pending` it came from: its
-    view, or what reading it raised (raised again by whoever reads it now)."""
-
-    def __init__(self, view: object = None, error: BaseException | None = None) -> None:
-        super().__init__(_no_response)
-        self._view = view
-        self._error = error
-
-    def answer(self, into: type[T]) -> T:
-        if self._error is not None:
-            raise self._error
-        if not isinstance(self._view, into):
-            raise TypeError(f"the answer read is {self._view!r}, not {into}")
-        return self._view
-
-    def events(self, views: Mapping[str, type]) -> Iterator[SseEvent]:
-        if self._error is not None:
-            raise self._error
-        yield from ()
-        raise TypeError(f"the answer read is {self._view!r}, not events")
-
-
-def _no_response() -> _Response:
-    raise TypeError("an answer already read has no response")
-
-
 class NoAnswer:
     """What a request whose answer is of no use decodes into: nothing is read of it."""
 
@@ -362,7 +333,7 @@ def _decode(raw: bytes | str, into: type[T]) -> T:
 
 def _payload(body: object) -> bytes:
     """A request's JSON body: one of :mod:`gpumesh.client.bodies`'s structs, or the
-    plain dict the head start of ``run`` and ``app sync`` sends before msgspec
+    plain dict a light command (a plain ``run``, ``app sync``) sends before msgspec
     loads (unit tests convert each such dict into its struct)."""
     if body is None:
         return b""
