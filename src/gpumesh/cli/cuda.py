@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from gpumesh.cli._common import emit_json, fail, get_node, json_option, run_async
+from gpumesh.cli._common import emit_json, fail, get_node, json_option
 from gpumesh.cli._complete import complete_peer
 from gpumesh.units import format_size
 
@@ -164,12 +164,12 @@ def deny(peer: str, as_json: bool) -> None:
 @_session_options
 def demo(peer: str, memory: str | None, memory_alias: str | None) -> None:
     """Add two vectors on PEER's device and check the result; say where it ran."""
-    from gpumesh.client.cuda import demo as run_demo
-    from gpumesh.client.cudadevice import RemoteDevice
+    from gpumesh.cli._node import node_client
+    from gpumesh.client.bodies import CudaBody
+    from gpumesh.client.cuda import DemoResult
 
-    node = get_node()
-    with RemoteDevice(peer, memory=_memory(memory, memory_alias), home=node.home.path) as device:
-        result = run_demo(device)
+    body = CudaBody(peer=peer, memory=_memory(memory, memory_alias))
+    result = node_client().call("POST", "/api/v1/cuda/demo", DemoResult, body)
     where = (
         f"on {result.device} ({result.detail})"
         if result.backend == "driver"
@@ -188,24 +188,22 @@ def demo(peer: str, memory: str | None, memory_alias: str | None) -> None:
 @json_option
 def bench(peer: str, memory: str | None, memory_alias: str | None, as_json: bool) -> None:
     """Call latency, and copy bandwidth each way 1 MiB ... 256 MiB, next to the link's."""
-    from dataclasses import replace
+    from gpumesh.cli._node import node_client
+    from gpumesh.client.bodies import CudaBody
+    from gpumesh.client.cuda import BenchResult
 
-    from gpumesh.client.cuda import bench as run_bench
-    from gpumesh.client.cudadevice import RemoteDevice
-
-    node = get_node()
-    link = run_async(node.connect(peer))
-    raw = run_async(node.throughput(peer, 64 * 1024 * 1024))
-    with RemoteDevice(peer, memory=_memory(memory, memory_alias), home=node.home.path) as device:
-        result = replace(run_bench(device), link_rtt_ms=link.rtt_ms, link_mb_per_s=raw.mb_per_s)
+    body = CudaBody(peer=peer, memory=_memory(memory, memory_alias))
+    result = node_client().call("POST", "/api/v1/cuda/bench", BenchResult, body)
     if as_json:
         emit_json(result)
         return
     where = result.device if result.backend == "driver" else "host-memory fallback"
     click.echo(f"CUDA on {peer} ({where})")
-    click.echo(f"call latency  p50 {result.call_p50_ms:.2f} ms  (link ping {link.rtt_ms:.2f} ms)")
+    click.echo(
+        f"call latency  p50 {result.call_p50_ms:.2f} ms  (link ping {result.link_rtt_ms:.2f} ms)"
+    )
     click.echo(f"small copies  {result.small_copies_per_s:,.0f}/s of 4 KiB")
-    click.echo(f"link raw      {raw.mb_per_s:,.0f} MB/s (64 MiB over QUIC)")
+    click.echo(f"link raw      {result.link_mb_per_s:,.0f} MB/s (64 MiB over QUIC)")
     click.echo("    size   host->device   device->host")
     mib = 1024 * 1024
     for row in result.rows:
@@ -240,17 +238,16 @@ any other is refused.
 )
 def bridge(peer: str, memory: str | None, memory_alias: str | None, bind: str) -> None:
     """Serve a local endpoint through which programs here use PEER's device."""
-    from gpumesh.client.cudaremote import DEFAULT_MEMORY, Bridge
+    import os
 
-    node = get_node()
-    server = Bridge(node, peer, bind, _memory(memory, memory_alias) or DEFAULT_MEMORY)
+    from gpumesh.cli._node import node_client
+    from gpumesh.client.bodies import CudaBody
+    from gpumesh.client.views.desktop import CudaBridgeView
 
-    async def serve() -> None:
-        where = await server.start()
-        click.echo(f"CUDA bridge to {peer} on {where} (Ctrl-C ends it)", err=True)
-        try:
-            await server.serve_forever()
-        finally:
-            server.close()
-
-    run_async(serve())
+    if bind.startswith("unix:"):  # the node process's folder is not this one's
+        bind = "unix:" + os.path.abspath(os.path.expanduser(bind[5:]))
+    body = CudaBody(peer=peer, memory=_memory(memory, memory_alias), bind=bind)
+    bridge = node_client().send("POST", "/api/v1/cuda/bridge", body)
+    for event in bridge.events({"cudabridgeview": CudaBridgeView}):
+        assert isinstance(event.view, CudaBridgeView)
+        click.echo(f"CUDA bridge to {peer} on {event.view.where} (Ctrl-C ends it)", err=True)

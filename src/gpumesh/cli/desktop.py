@@ -7,12 +7,11 @@ from typing import TYPE_CHECKING
 
 import click
 
-from gpumesh.cli._common import emit_json, get_node, json_option, run_async
+from gpumesh.cli._common import emit_json, get_node, json_option
 from gpumesh.cli._complete import complete_peer
 
 if TYPE_CHECKING:
-    from gpumesh.client.desktop import DesktopReport, TunnelReady
-    from gpumesh.errors import GPUMeshError
+    from gpumesh.client.views.desktop import DesktopDoctorView, TunnelView
 
 
 @click.group(
@@ -44,18 +43,17 @@ def doctor(as_json: bool) -> None:
     """Check for a VNC or RDP server on 127.0.0.1 (ports 5900-5909, 3389 and the
     shared one), warn when one also listens beyond loopback (jobs' containers and
     the LAN reach it), and show the share, its allowlist and who is connected."""
-    from gpumesh.client.desktop import check_desktop
+    from gpumesh.cli._node import node_client
+    from gpumesh.client.views.desktop import DesktopDoctorView
 
-    report = run_async(check_desktop(get_node()))
+    report = node_client().call("GET", "/api/v1/desktop/doctor", DesktopDoctorView)
     if as_json:
-        from gpumesh.client.views.desktop import DesktopDoctorView
-
-        emit_json(DesktopDoctorView.of(report))
+        emit_json(report)
         return
     _print_report(report)
 
 
-def _print_report(report: DesktopReport) -> None:
+def _print_report(report: DesktopDoctorView) -> None:
     from gpumesh.client.desktop import INSTALL_HINTS, exposure_warning
     from gpumesh.protocol.desktop import DesktopKind
 
@@ -69,16 +67,17 @@ def _print_report(report: DesktopReport) -> None:
     for kind in (DesktopKind.VNC, DesktopKind.RDP):
         if kind not in kinds:
             click.echo(f"--  no {kind} server on 127.0.0.1; {INSTALL_HINTS[kind]}")
-    share = report.share
-    if share is None:
+    if not report.shared:
         click.echo("--  the desktop is not shared (`gpumesh desktop share --vnc` or --rdp)")
     else:
         state = ok if report.share_answers else warn
         answers = "" if report.share_answers else ", but nothing listens there now"
-        click.echo(f"{state}  shared: {share.kind} on 127.0.0.1:{share.port}{answers}")
+        click.echo(
+            f"{state}  shared: {report.share_kind} on 127.0.0.1:{report.share_port}{answers}"
+        )
         if not report.sharing:
             click.echo(f"{warn}  offered only while this node shares: run `gpumesh share`")
-    names = ", ".join(peer.name for peer in report.allowed)
+    names = ", ".join(report.allowed)
     if names:
         click.echo(f"{ok}  may use it: {names}")
     else:
@@ -230,62 +229,50 @@ def connect(peer: str, bind_text: str | None, as_json: bool) -> None:
     """Tunnel PEER's shared desktop to a loopback port until Ctrl-C, and say what
     to run. Only this user's programs may connect (Linux). PEER is a name or an
     id prefix; $GPUMESH_PEER is the default."""
-    from gpumesh.client.desktop import desktop_tunnel, parse_bind
+    import json
 
-    bind = parse_bind(bind_text) if bind_text else ("127.0.0.1", None)
-    node = get_node()
+    import msgspec
 
-    def ready(tunnel: TunnelReady) -> None:
-        if as_json:
-            from gpumesh.client.views.desktop import TunnelView
+    from gpumesh.cli._node import node_client
+    from gpumesh.client.bodies import TunnelBody
+    from gpumesh.client.views.desktop import (
+        TunnelConnectionView,
+        TunnelRefusedView,
+        TunnelView,
+        TunnelWarningView,
+    )
 
-            emit_json(TunnelView.of(tunnel))
-        else:
-            _print_ready(tunnel)
-
-    opened = 0
-
-    def carried(path: str) -> None:
-        nonlocal opened
-        opened += 1
-        if as_json:  # one compact line each: a script reads them as they come
-            import json
-
-            import msgspec
-
-            from gpumesh.client.views.desktop import TunnelConnectionView
-
-            view = TunnelConnectionView(opened, path)
-            click.echo(json.dumps(msgspec.to_builtins(view)))
-
-    def refused(uid: int | None) -> None:
-        who = f"uid {uid}" if uid is not None else "an unknown user"
-        click.echo(f"Refused a connection from {who}: not this user.", err=True)
-
-    def failed(error: GPUMeshError) -> None:
-        click.echo(f"warning: a desktop connection was refused: {error.message}", err=True)
-
+    views = {
+        "tunnelview": TunnelView,
+        "tunnelconnectionview": TunnelConnectionView,
+        "tunnelrefusedview": TunnelRefusedView,
+        "tunnelwarningview": TunnelWarningView,
+    }
+    tunnel = node_client().send(
+        "POST", "/api/v1/desktop/connect", TunnelBody(peer=peer, bind=bind_text)
+    )
     try:
-        run_async(
-            desktop_tunnel(
-                node,
-                peer,
-                bind=bind,
-                ready=ready,
-                refused_local=refused,
-                connection_refused=failed,
-                carried=carried,
-            )
-        )
+        for event in tunnel.events(views):
+            view = event.view
+            if isinstance(view, TunnelView) and as_json:
+                emit_json(view)
+            elif isinstance(view, TunnelView):
+                _print_ready(view)
+            elif isinstance(view, TunnelConnectionView):
+                if as_json:  # one compact line each: a script reads them as they come
+                    click.echo(json.dumps(msgspec.to_builtins(view)))
+            elif isinstance(view, TunnelRefusedView):
+                who = f"uid {view.uid}" if view.uid is not None else "an unknown user"
+                click.echo(f"Refused a connection from {who}: not this user.", err=True)
+            elif isinstance(view, TunnelWarningView):
+                click.echo(f"warning: a desktop connection was refused: {view.message}", err=True)
     except KeyboardInterrupt:
         click.echo("Tunnel closed.", err=True)
 
 
-def _print_ready(tunnel: TunnelReady) -> None:
-    host = f"[{tunnel.host}]" if ":" in tunnel.host else tunnel.host
-    offer = tunnel.offer
+def _print_ready(tunnel: TunnelView) -> None:
     click.echo(
-        f"{offer.provider}'s desktop ({offer.kind}) is on {host}:{tunnel.port}; "
+        f"{tunnel.provider}'s desktop ({tunnel.kind}) is on {tunnel.listen}; "
         "keep this running and use:"
     )
     for command in tunnel.commands:

@@ -28,6 +28,7 @@ __all__ = [
     "CancelBody",
     "ConfigBody",
     "CopyBody",
+    "CudaBody",
     "DesktopShareBody",
     "ExchangeBody",
     "GroupBody",
@@ -43,6 +44,7 @@ __all__ = [
     "SyncBody",
     "SyncPeersBody",
     "TcpBody",
+    "TunnelBody",
     "job_options",
 ]
 
@@ -212,6 +214,24 @@ class DesktopShareBody(msgspec.Struct, forbid_unknown_fields=True):
     """``tcp``: a port that is not a usual VNC or RDP one."""
     port: Annotated[int, msgspec.Meta(ge=1, le=65535)]
     """The desktop server's TCP port on 127.0.0.1."""
+
+
+class TunnelBody(msgspec.Struct, forbid_unknown_fields=True):
+    """``desktop connect``: a peer's desktop on a loopback port of this machine."""
+
+    peer: str
+    bind: str | None = None
+    """``[HOST:]PORT`` on loopback; None: 127.0.0.1 and the port of the desktop's kind."""
+
+
+class CudaBody(msgspec.Struct, forbid_unknown_fields=True):
+    """A CUDA session on a peer: ``cuda demo``, ``cuda bench``, ``cuda bridge``."""
+
+    peer: str
+    memory: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    """Bytes of device memory held for the session (None: 1 GiB)."""
+    bind: str | None = None
+    """The bridge's ``HOST:PORT`` on loopback, or ``unix:PATH`` (an absolute path)."""
 
 
 class ShellRequest(msgspec.Struct, forbid_unknown_fields=True):

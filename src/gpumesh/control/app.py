@@ -36,6 +36,7 @@ from gpumesh.client.bodies import (
     CancelBody,
     ConfigBody,
     CopyBody,
+    CudaBody,
     DesktopShareBody,
     ExchangeBody,
     GroupBody,
@@ -51,10 +52,13 @@ from gpumesh.client.bodies import (
     SyncBody,
     SyncPeersBody,
     TcpBody,
+    TunnelBody,
 )
+from gpumesh.client.cuda import BenchResult, DemoResult
 from gpumesh.client.views import (
     ErrorView,
     apps,
+    desktop,
     files,
     groups,
     joblist,
@@ -130,6 +134,13 @@ from gpumesh.control.routes.share import (
     get_share_output,
     post_share,
     post_share_publish,
+)
+from gpumesh.control.routes.tunnels import (
+    get_desktop_doctor,
+    post_cuda_bench,
+    post_cuda_bridge,
+    post_cuda_demo,
+    post_desktop_connect,
 )
 from gpumesh.control.shareviews import ShareLine, ShareView
 from gpumesh.control.views import NodeProcessView, ShellOfferView
@@ -228,6 +239,24 @@ ENDPOINTS: tuple[Endpoint, ...] = (
              "Offer CUDA sessions while this machine shares", owner.CudaShareView),
     Endpoint("DELETE", "/api/v1/cuda/share", delete_cuda_share,
              "Stop offering CUDA sessions: open ones end", owner.CudaShareView),
+    Endpoint("GET", "/api/v1/desktop/doctor", get_desktop_doctor,
+             "Desktop servers on 127.0.0.1, the share, who may use it, who is connected",
+             desktop.DesktopDoctorView),
+    Endpoint("POST", "/api/v1/desktop/connect", post_desktop_connect,
+             "Tunnel a peer's desktop to a loopback port here while the stream lasts: "
+             "Server-Sent Events: tunnelview (where it listens), then tunnelconnectionview, "
+             "tunnelrefusedview, tunnelwarningview", desktop.TunnelView,
+             Access.NO_COOKIE, body=TunnelBody, media_type="text/event-stream"),
+    Endpoint("POST", "/api/v1/cuda/bridge", post_cuda_bridge,
+             "Serve this machine's programs CUDA sessions on a peer while the stream "
+             "lasts: Server-Sent Events (where it listens)", desktop.CudaBridgeView,
+             Access.NO_COOKIE, body=CudaBody, media_type="text/event-stream"),
+    Endpoint("POST", "/api/v1/cuda/demo", post_cuda_demo,
+             "Add two vectors on a peer's device and check the result", DemoResult,
+             body=CudaBody),
+    Endpoint("POST", "/api/v1/cuda/bench", post_cuda_bench,
+             "Call latency and copy bandwidth on a peer's device, beside the link's",
+             BenchResult, body=CudaBody),
     Endpoint("POST", "/api/v1/peers/{peer}/connect", post_connect,
              "Dial a peer and measure the path", peers.ConnectView,
              query=(Query("pings", "integer", "Round trips to measure (5)"),

@@ -1,4 +1,5 @@
-"""The shapes of ``gpumesh desktop``: ``doctor`` and ``connect``."""
+"""The shapes of ``gpumesh desktop`` (``doctor`` and ``connect``) and of a CUDA bridge:
+what a loopback listener of the node process says while it serves."""
 
 from __future__ import annotations
 
@@ -9,7 +10,15 @@ import msgspec
 if TYPE_CHECKING:
     from gpumesh.client.desktop import DesktopReport, TunnelReady
 
-__all__ = ["DesktopDoctorView", "LocalServerView", "TunnelConnectionView", "TunnelView"]
+__all__ = [
+    "CudaBridgeView",
+    "DesktopDoctorView",
+    "LocalServerView",
+    "TunnelConnectionView",
+    "TunnelRefusedView",
+    "TunnelView",
+    "TunnelWarningView",
+]
 
 
 class LocalServerView(msgspec.Struct):
@@ -91,3 +100,23 @@ class TunnelConnectionView(msgspec.Struct):
     path: str
     """What carries its bytes: ``channel`` (a data channel of its own, TLS on TCP)
     or ``quic`` (its stream of the session)."""
+
+
+class TunnelRefusedView(msgspec.Struct):
+    """A local connection the tunnel refused: another user's process made it."""
+
+    uid: int | None
+    """That user's id (None: not known)."""
+
+
+class TunnelWarningView(msgspec.Struct):
+    """A connection the provider refused while the tunnel goes on."""
+
+    message: str
+
+
+class CudaBridgeView(msgspec.Struct):
+    """``cuda bridge``: where programs here reach the session (``RemoteDevice.bridge``)."""
+
+    where: str
+    """``HOST:PORT`` or ``unix:PATH``."""
