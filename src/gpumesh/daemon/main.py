@@ -113,31 +113,20 @@ def command(
         raise SystemExit(2)
     try:
         code = asyncio.run(
-            _run(
+            run_node(
+                None,
                 listen=None if no_tcp else listen,
                 allow_remote=allow_remote,
                 tls=None if tls_cert is None or tls_key is None else (tls_cert, tls_key),
                 hosts=[*_hosts(env(ENV_API_HOSTS)), *_hosts(",".join(allowed_hosts))],
+                detached=False,
+                announce=lambda line: print(line, flush=True),
             )
         )
     except GPUMeshError as exc:
         click.echo(f"error: {exc.message}", err=True)
         raise SystemExit(int(exc.exit_code)) from None
     raise SystemExit(code)
-
-
-async def _run(
-    *, listen: str | None, allow_remote: bool, tls: tuple[Path, Path] | None, hosts: list[str]
-) -> int:
-    return await run_node(
-        None,
-        listen=listen,
-        allow_remote=allow_remote,
-        tls=tls,
-        hosts=hosts,
-        detached=False,
-        announce=lambda line: print(line, flush=True),
-    )
 
 
 def setup_logging() -> None:

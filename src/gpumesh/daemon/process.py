@@ -75,7 +75,6 @@ from gpumesh.version import __version__
 if TYPE_CHECKING:
     from starlette.types import ASGIApp, Receive, Scope, Send
 
-    from gpumesh.client.pool import SessionPool
     from gpumesh.store.home import Home
 
 __all__ = ["IDLE_DEFAULT", "NodeProcess", "run_node"]

@@ -228,7 +228,6 @@ def new_record(
     *,
     tcp: bool,
     version: str,
-    sharing_since: float | None = None,
     share_ended: tuple[float, str] | None = None,
 ) -> NodeRecord:
     return NodeRecord(
@@ -237,6 +236,5 @@ def new_record(
         started_at=time.time(),
         api=api,
         tcp=tcp,
-        sharing_since=sharing_since,
         share_ended=share_ended,
     )

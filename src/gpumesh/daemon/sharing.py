@@ -75,8 +75,6 @@ class Sharing:
         self._publishing: Publishing | None = None
         self._how = ""
         """Why the running share is being stopped (said in :attr:`ended`)."""
-        self._idle = asyncio.Event()
-        self._idle.set()
         self._udp = ""
         """``host:port`` the running share listens on."""
 
@@ -159,7 +157,6 @@ class Sharing:
         self._udp = f"{host}:{port}"
         self.agent, self.options, self.since, self.ended = agent, options, time.time(), None
         self.first_line = self._seq + 1
-        self._idle.clear()
         self.on_change()
         try:
             await self._report(agent)
@@ -204,11 +201,6 @@ class Sharing:
         self.ended = ShareEnd(time.time(), how)
         self.on_change()
         self.say("Stopped sharing.", err=True)
-        self._idle.set()
-
-    async def wait_ended(self) -> None:
-        """Until no share runs."""
-        await self._idle.wait()
 
     # --- the start's report ----------------------------------------------------------------
 
