@@ -120,10 +120,6 @@ def peer_change(peer: str, route: str) -> PeerView:
     return owner_change("POST", f"/api/v1/peers/{quote(peer, safe='')}/{route}", PeerView)
 
 
-RESUME_TRIES = 5
-"""Node processes in a row that may die under one follow before it gives up."""
-
-
 def follow(
     job_id: str, printer: ViewPrinter, *, live: bool = True, after: int = 0
 ) -> JobResultView:
@@ -131,34 +127,15 @@ def follow(
     job's result (the ``end`` event's view); ``after``: the sequence number of the
     last event already printed. A node process that dies meanwhile is
     replaced, and the follow resumes after the last numbered event it printed, so
-    no output is lost or repeated."""
-    from urllib.parse import quote
+    no output is lost or repeated (:func:`~gpumesh.daemon.client.job_events`)."""
+    from gpumesh.daemon.client import job_events
 
-    from gpumesh.client.views.jobs import JOB_EVENTS, JobResultView
-    from gpumesh.daemon.client import NodeUnavailableError
-
-    client = node_client()
-    failures = 0
+    log = str(node_home() / "logs" / "node.log")
+    events = job_events(node_client, job_id, log, live=live, after=after)
     while True:
-        path = (
-            f"/api/v1/jobs/{quote(job_id, safe='')}/events"
-            f"?follow={'true' if live else 'false'}&after={after}"
-        )
         try:
-            for event in client.events(path, JOB_EVENTS):
-                if isinstance(event.view, JobResultView):
-                    return event.view
-                printer.show(event.view)
-                if event.id is not None:
-                    after = event.id
-                    failures = 0
-        except NodeUnavailableError as exc:
-            failures += 1
-            if failures > RESUME_TRIES:
-                from gpumesh.errors import AgentError
-
-                raise AgentError(
-                    f"the node process kept failing while following job {job_id} ({exc.detail}): "
-                    f"see {node_home() / 'logs' / 'node.log'}"
-                ) from None
-            client = node_client()
+            event = next(events)
+        except StopIteration as end:
+            result: JobResultView = end.value
+            return result
+        printer.show(event.view)

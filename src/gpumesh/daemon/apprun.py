@@ -15,25 +15,21 @@ is an error naming ``gpumesh jobs``.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
-from urllib.parse import quote
 
 from gpumesh.client.bodies import AppPullBody
 from gpumesh.client.views.apps import AppRunView, SyncView
-from gpumesh.client.views.jobs import JOB_EVENTS, JobResultView
+from gpumesh.client.views.jobs import JobResultView
 from gpumesh.client.views.runs import RUN_EVENTS, AcceptedView
-from gpumesh.daemon.client import NoAnswer, NodeUnavailableError
+from gpumesh.daemon.client import NoAnswer, NodeUnavailableError, job_events
 from gpumesh.errors import AgentError, NotFoundError
 
 if TYPE_CHECKING:
     from gpumesh.client.bodies import AppRunBody
     from gpumesh.daemon.client import NodeClient, SseEvent
 
-__all__ = ["APP_RUN_EVENTS", "RESUME_TRIES", "NodeAppRun"]
-
-RESUME_TRIES = 5
-"""Node processes in a row that may die under one app run before it gives up."""
+__all__ = ["APP_RUN_EVENTS", "NodeAppRun"]
 
 APP_RUN_EVENTS: dict[str, type] = {**RUN_EVENTS, "syncview": SyncView, "end": AppRunView}
 """``POST /api/v1/apps/run``'s events: the sync, then a run's, then the app run's view."""
@@ -51,11 +47,10 @@ class NodeAppRun:
         self.view: AppRunView | None = None
         self.job_id = ""
         """The job's id, once the provider accepted it."""
-        self.after = 0
-        """The number of the job's last event read."""
         self._sync: SyncView | None = None
 
     def events(self) -> Iterator[SseEvent]:
+        after = 0  # the number of the job's last event read
         try:
             stream = self._connect().events("/api/v1/apps/run", APP_RUN_EVENTS, "POST", self._body)
             for event in stream:
@@ -67,7 +62,7 @@ class NodeAppRun:
                 elif isinstance(event.view, AcceptedView):
                     self.job_id = event.view.job_id
                 if event.id is not None:
-                    self.after = event.id
+                    after = event.id
                 yield event
         except NodeUnavailableError:
             sync = self._sync
@@ -78,32 +73,9 @@ class NodeAppRun:
                     "(the sync sends only what changed)"
                 ) from None
             # The stream broke after the acceptance: the job goes on where it is.
-            job = yield from self._resume()
+            log = "its log, logs/node.log in your GPUMesh home"
+            job = yield from job_events(self._connect, self.job_id, log, after=after)
             self.view = self._finish(sync, job)
-
-    def _resume(self) -> Generator[SseEvent, None, JobResultView]:
-        """The job's events after :attr:`after`, through as many node processes as it
-        takes (up to :data:`RESUME_TRIES` failing in a row); the job's result."""
-        failures = 0
-        while True:
-            path = f"/api/v1/jobs/{quote(self.job_id, safe='')}/events?after={self.after}"
-            try:
-                for event in self._connect().events(path, JOB_EVENTS):
-                    if isinstance(event.view, JobResultView):
-                        return event.view
-                    if event.id is not None:
-                        self.after = event.id
-                        failures = 0
-                    yield event
-            except NodeUnavailableError as exc:
-                failures += 1
-                if failures > RESUME_TRIES:
-                    raise AgentError(
-                        f"the node process kept failing while following job {self.job_id} "
-                        f"({exc.detail}): see its log, logs/node.log in your GPUMesh home"
-                    ) from None
-            else:
-                raise AgentError(f"the event stream of job {self.job_id} ended without its end")
 
     def _finish(self, sync: SyncView, job: JobResultView) -> AppRunView:
         """The app run's view once its job ended: with ``out``, its folder pulled back."""

@@ -18,7 +18,7 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterator, Mapping
 from pathlib import Path
 
 # As typing's: typing, dataclasses (and their inspect) and the node record's module
@@ -40,6 +40,8 @@ if TYPE_CHECKING:
     import subprocess
     from typing import TypeVar
 
+    from gpumesh.client.views.jobs import JobResultView
+
     T = TypeVar("T")
 
 __all__ = [
@@ -49,6 +51,7 @@ __all__ = [
     "Pending",
     "SseEvent",
     "connect",
+    "job_events",
 ]
 
 SOCKET_NAME = "control.sock"
@@ -88,8 +91,7 @@ class _Response:
         """The whole body."""
         if self._chunked:
             return b"".join(self._chunks())
-        data = self._file.read() if self._left < 0 else self._exactly(self._left)
-        return data
+        return self._file.read() if self._left < 0 else self._exactly(self._left)
 
     def lines(self) -> Iterator[bytes]:
         """The body line by line (each with its newline), until it ends."""
@@ -296,6 +298,49 @@ class Pending:
                         data.append(value)
         finally:
             response.close()
+
+
+RESUME_TRIES = 5
+"""Node processes in a row that may die under one follow before it gives up."""
+
+
+def job_events(
+    connect: Callable[[], NodeClient], job_id: str, log: str, *, live: bool = True, after: int = 0
+) -> Generator[SseEvent, None, JobResultView]:
+    """A job's events through the node process (not ``end``) until the stream ends;
+    the job's result (the ``end`` event's view). ``connect`` reaches the home's node
+    process, starting one when none runs; ``after``: the sequence number of the last
+    event already read; ``log``: where the error of a follow that gives up points. A
+    node process that dies meanwhile is replaced (up to :data:`RESUME_TRIES` failing
+    in a row) and the follow resumes after the last numbered event read, so no event
+    is lost or repeated."""
+    from urllib.parse import quote
+
+    from gpumesh.client.views.jobs import JOB_EVENTS, JobResultView
+
+    failures = 0
+    while True:
+        path = (
+            f"/api/v1/jobs/{quote(job_id, safe='')}/events"
+            f"?follow={'true' if live else 'false'}&after={after}"
+        )
+        try:
+            for event in connect().events(path, JOB_EVENTS):
+                if isinstance(event.view, JobResultView):
+                    return event.view
+                if event.id is not None:
+                    after = event.id
+                    failures = 0
+                yield event
+        except NodeUnavailableError as exc:
+            failures += 1
+            if failures > RESUME_TRIES:
+                raise AgentError(
+                    f"the node process kept failing while following job {job_id} ({exc.detail}): "
+                    f"see {log}"
+                ) from None
+        else:
+            raise AgentError(f"the event stream of job {job_id} ended without its end")
 
 
 class NoAnswer:
@@ -512,19 +557,10 @@ def _spawn(home: Path) -> subprocess.Popen[bytes]:
 def _sent(sock: socket.socket, connect: Callable[[], None], data: bytes) -> Callable[[], _Response]:
     """Connect ``sock`` (``connect``) and send the request ``data``; the function
     returned waits for its answer's head. The socket is closed on any failure."""
-    try:
-        connect()
-        sock.sendall(data)
-    except OSError as exc:
-        sock.close()
-        raise NodeUnavailableError.because(str(exc)) from None
-    except BaseException:
-        sock.close()
-        raise
 
-    def answer() -> _Response:
+    def closing_on_failure(step: Callable[[], T]) -> T:
         try:
-            return _Response(sock)
+            return step()
         except OSError as exc:
             sock.close()
             raise NodeUnavailableError.because(str(exc)) from None
@@ -532,15 +568,18 @@ def _sent(sock: socket.socket, connect: Callable[[], None], data: bytes) -> Call
             sock.close()
             raise
 
-    return answer
+    def send() -> None:
+        connect()
+        sock.sendall(data)
+
+    closing_on_failure(send)
+    return lambda: closing_on_failure(lambda: _Response(sock))
 
 
 def _has_unix() -> bool:
     """``platform.has("unix")``, answered here when it is a plain yes (a POSIX
     system, no simulated platform): importing :mod:`gpumesh.platform` (logging,
     threading, its probes) costs a thin command milliseconds."""
-    import sys
-
     from gpumesh.settings import ENV_TEST_PLATFORM, ENV_TEST_WITHOUT, env
 
     simulated = env(ENV_TEST_PLATFORM) or env(ENV_TEST_WITHOUT)

@@ -44,6 +44,7 @@ from gpumesh.client.views.jobs import (
     Reconnecting,
     Status,
 )
+from gpumesh.daemon.client import RESUME_TRIES
 from gpumesh.errors import AgentError, NotInitializedError, error_from_code
 
 if TYPE_CHECKING:
@@ -60,9 +61,6 @@ if TYPE_CHECKING:
 __all__ = ["Mesh", "ThroughNode"]
 
 T = TypeVar("T")
-
-RESUME_TRIES = 5
-"""Node processes in a row that may die under one follow before it gives up."""
 
 
 class Mesh(base.Mesh):
