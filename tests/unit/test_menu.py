@@ -93,12 +93,6 @@ def test_quit_and_interrupt_leave_without_a_choice() -> None:
     assert Menu(_items()).press(Key.INTERRUPT) == Choice(None, interrupted=True)
 
 
-def test_a_disabled_entry_is_chosen_so_the_shell_can_say_why() -> None:
-    items = [Item("on", "on"), Item("off", "off", disabled="not available yet")]
-    menu = Menu(items)
-    assert menu.press(Key.DIGIT_2) == Choice(items[1])
-
-
 def test_lines_mark_the_selection_and_number_from_one() -> None:
     items = _items(3)
     menu = Menu(items, selected=1)

@@ -112,8 +112,6 @@ class Item:
     """What the line says."""
     action: str
     """What the shell runs when it is chosen."""
-    disabled: str = ""
-    """Why it cannot be chosen now (empty when it can); shown next to the label."""
 
 
 @dataclass(frozen=True)
@@ -129,8 +127,7 @@ class Choice:
 class Menu:
     """A numbered list with a selection moved by arrows and chosen by Enter or digit.
 
-    :meth:`press` returns None while the menu stays open. Choosing a disabled
-    item also ends the menu, with that item: the shell says why it cannot run.
+    :meth:`press` returns None while the menu stays open.
     """
 
     def __init__(self, items: list[Item], selected: int = 0) -> None:

@@ -20,7 +20,7 @@ from gpumesh.units import format_size
 if TYPE_CHECKING:
     from typing import Any
 
-    from gpumesh.client.views.jobs import JobResultView
+    from gpumesh.client.views.jobs import JobResultView, Status
     from gpumesh.client.views.runs import PullingView
     from gpumesh.daemon.client import SseEvent
 
@@ -29,32 +29,20 @@ __all__ = [
     "RunReader",
     "StepNotes",
     "ViewPrinter",
-    "dropped_note",
     "exit_status_of",
     "state_note",
 ]
 
 
-def state_note(
-    *,
-    numbered: bool,
-    state: str,
-    attempt: int,
-    exit_code: int | None,
-    message: str,
-    exited: bool,
-    job_id: str,
-    peak_gpu_memory: int = 0,
-) -> str | None:
+def state_note(view: Status, *, numbered: bool, job_id: str) -> str | None:
     """The note a job's new state gets on stderr, if any."""
+    state, attempt, message, exited = view.state, view.attempt, view.message, view.exited
     if numbered and state == JobState.STARTING:
         return f"--- attempt {attempt} ---"
     if numbered and state in FINAL_STATES:
-        code = "" if exit_code is None else f", exit {exit_code}"
+        code = "" if view.exit_code is None else f", exit {view.exit_code}"
         plain_exit = exited or state == JobState.SUCCEEDED
         detail = "" if plain_exit or not message else f": {message}"
-        if peak_gpu_memory:
-            detail += f"; GPU memory peak {format_size(peak_gpu_memory)}"
         return f"--- {state}{code}{detail} ---"
     if state == JobState.STARTING and attempt > 1:
         return f"attempt {attempt} starting"
@@ -84,13 +72,6 @@ class ReconnectNotes:
 
     def heard(self) -> None:
         self._last = ""
-
-
-def dropped_note(count: int) -> str:
-    return (
-        f"gpumesh: {format_size(count)} of output dropped here: the provider keeps "
-        "only the newest part of a job's output (its job_log_limit)"
-    )
 
 
 def exit_status_of(state: str, exit_code: int | None) -> int:
@@ -139,19 +120,15 @@ class ViewPrinter:
             out.buffer.write(binascii.a2b_base64(view.data))
             out.buffer.flush()
         elif isinstance(view, Status):
-            note = state_note(
-                numbered=self.numbered,
-                state=view.state,
-                attempt=view.attempt,
-                exit_code=view.exit_code,
-                message=view.message,
-                exited=view.exited,
-                job_id=self.job_id,
-            )
+            note = state_note(view, numbered=self.numbered, job_id=self.job_id)
             if note is not None:
                 self.note(note)
         elif isinstance(view, Dropped):
-            click.echo(click.style(dropped_note(view.count), fg="yellow"), err=True)
+            dropped = (
+                f"gpumesh: {format_size(view.count)} of output dropped here: the provider "
+                "keeps only the newest part of a job's output (its job_log_limit)"
+            )
+            click.echo(click.style(dropped, fg="yellow"), err=True)
         elif isinstance(view, Reconnecting):
             if (line := self.outage.note(view.message)) is not None:
                 self.note(line)

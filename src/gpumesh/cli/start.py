@@ -77,24 +77,18 @@ def start(ctx: click.Context) -> None:
         if choice.item.action == "quit":
             return
         click.echo()
-        if choice.item.disabled:
-            click.echo(f"{choice.item.label}: {choice.item.disabled}.")
-        else:
-            _run_entry(home, choice.item.action)
+        _run_entry(home, choice.item.action)
         click.echo()
 
 
 def _items() -> list[Item]:
-    from gpumesh.cli.main import COMMANDS
-
-    dashboard = "" if "dashboard" in COMMANDS else "not available in this version yet"
     return [
         Item("Check this node (doctor)", "doctor"),
         Item("Share this machine with my peers (share; Ctrl-C stops)", "share"),
         Item("Show my pairing code (pair-code)", "pair-code"),
         Item("Pair with a peer's code (pair)", "pair"),
         Item("Run a command on a peer (run)", "run"),
-        Item("Open the dashboard (dashboard)", "dashboard", disabled=dashboard),
+        Item("Open the dashboard (dashboard)", "dashboard"),
         Item("Quit", "quit"),
     ]
 
@@ -248,9 +242,7 @@ def _draw(menu: Menu, title: str, previous: int) -> int:
     ]
     for selected, number, item in menu.lines():
         text = f"{'>' if selected else ' '} {number}  {item.label}"
-        if item.disabled:
-            text += f" ({item.disabled})"
-        lines.append(click.style(text, reverse=selected, dim=bool(item.disabled) and not selected))
+        lines.append(click.style(text, reverse=selected, dim=False))
     back = f"\x1b[{previous}F\x1b[J" if previous else ""
     # Raw mode leaves "\n" as a bare line feed: each line ends with its own "\r\n".
     _write(back + "".join(line + "\r\n" for line in lines))
