@@ -28,6 +28,17 @@ def _dir_option(help: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]
     )
 
 
+_PEER = click.option(
+    "--peer",
+    envvar="GPUMESH_PEER",
+    show_envvar=True,
+    required=True,
+    shell_complete=complete_peer,
+    help="Provider.",
+)
+"""``--peer``, as ``app sync`` and ``app run`` take it."""
+
+
 @click.group(
     epilog="""\b
 Examples:
@@ -47,14 +58,7 @@ def app() -> None:
 
 
 @app.command()
-@click.option(
-    "--peer",
-    envvar="GPUMESH_PEER",
-    show_envvar=True,
-    required=True,
-    shell_complete=complete_peer,
-    help="Provider.",
-)
+@_PEER
 @_dir_option("The local folder to sync (what its .gpumeshignore names is left out).")
 @click.option("--dry-run", is_flag=True, help="List what would be sent and skipped; send nothing.")
 @json_option
@@ -95,14 +99,7 @@ def _summary(view: SyncView) -> str:
 
 
 @app.command(context_settings={"allow_interspersed_args": False})
-@click.option(
-    "--peer",
-    envvar="GPUMESH_PEER",
-    show_envvar=True,
-    required=True,
-    shell_complete=complete_peer,
-    help="Provider.",
-)
+@_PEER
 @_dir_option("The local folder to sync first; the job runs in its copy on PEER.")
 @click.option("--out", type=click.Path(), help="Pull the app's folder of this name back here.")
 @click.option("--image", help="Container image (default: config `image` / $GPUMESH_IMAGE).")

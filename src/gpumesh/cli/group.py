@@ -6,17 +6,18 @@ import sys
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
+from urllib.parse import quote
 
 import click
 
 from gpumesh.cli._common import emit_json
 from gpumesh.cli._complete import complete_group, complete_peer
+from gpumesh.cli._node import node_client
 from gpumesh.units import format_duration
 
 if TYPE_CHECKING:
     from gpumesh.cli._table import Column
     from gpumesh.client.views.groups import MemberEntry, MemberStatusEntry
-    from gpumesh.daemon.client import NodeClient
 
 _ACCESS_COLORS = {"self": "cyan", "allowed": "green", "denied": "red"}
 
@@ -47,7 +48,7 @@ def create(name: str, as_json: bool) -> None:
     from gpumesh.client.bodies import GroupBody
     from gpumesh.client.views.groups import GroupView
 
-    created = _client().call("POST", "/api/v1/groups", GroupView, GroupBody(name=name))
+    created = node_client().call("POST", "/api/v1/groups", GroupView, GroupBody(name=name))
     if as_json:
         emit_json(created)
         return
@@ -63,7 +64,7 @@ def list_groups(as_json: bool) -> None:
     """List the groups this node created or joined."""
     from gpumesh.client.views.groups import GroupListEntry
 
-    rows = _client().call("GET", "/api/v1/groups", list[GroupListEntry])
+    rows = node_client().call("GET", "/api/v1/groups", list[GroupListEntry])
     if as_json:
         emit_json(rows)
         return
@@ -124,8 +125,8 @@ def invite(name: str, expires: str) -> None:
     from gpumesh.units import parse_duration
 
     lifetime = parse_duration(expires)
-    path = f"/api/v1/groups/{_quoted(name)}/invite"
-    code = _client().call("POST", path, InviteView, InviteBody(expires=lifetime)).code
+    path = f"/api/v1/groups/{quote(name, safe='')}/invite"
+    code = node_client().call("POST", path, InviteView, InviteBody(expires=lifetime)).code
     click.echo(code)
     if sys.stdout.isatty():
         click.echo(
@@ -149,7 +150,7 @@ def join(code: str, as_json: bool) -> None:
     from gpumesh.client.bodies import JoinBody
     from gpumesh.client.views.groups import JoinedView
 
-    joined = _client().call("POST", "/api/v1/groups/join", JoinedView, JoinBody(code=code))
+    joined = node_client().call("POST", "/api/v1/groups/join", JoinedView, JoinBody(code=code))
     if as_json:
         emit_json(joined)
         return
@@ -179,8 +180,8 @@ def add(name: str, peer: str, as_json: bool) -> None:
     from gpumesh.client.bodies import MemberBody
     from gpumesh.client.views.groups import AddedView
 
-    path = f"/api/v1/groups/{_quoted(name)}/members"
-    added = _client().call("POST", path, AddedView, MemberBody(peer=peer))
+    path = f"/api/v1/groups/{quote(name, safe='')}/members"
+    added = node_client().call("POST", path, AddedView, MemberBody(peer=peer))
     if as_json:
         emit_json(added)
         return
@@ -209,24 +210,12 @@ def members(name: str, offline: bool, as_json: bool) -> None:
     """
     from gpumesh.client.views.groups import MemberStatusEntry
 
-    path = f"/api/v1/groups/{_quoted(name)}/members?offline={'true' if offline else 'false'}"
-    statuses = _client().call("GET", path, list[MemberStatusEntry])
+    path = f"/api/v1/groups/{quote(name, safe='')}/members?offline={'true' if offline else 'false'}"
+    statuses = node_client().call("GET", path, list[MemberStatusEntry])
     if as_json:
         emit_json(statuses)
         return
     _print_members(statuses)
-
-
-def _client() -> NodeClient:
-    from gpumesh.cli._node import node_client
-
-    return node_client()
-
-
-def _quoted(name: str) -> str:
-    from urllib.parse import quote
-
-    return quote(name, safe="")
 
 
 # --- rendering ------------------------------------------------------------------------
@@ -237,7 +226,7 @@ def _quoted(name: str) -> str:
 _MEMBER_COLUMNS: list[tuple[str, Callable[[MemberStatusEntry], str]]] = [
     ("NAME", lambda v: _escape(v.name)),
     ("ID", lambda v: v.node_id[:12]),
-    ("ACCESS", lambda v: _colored(v.access, _label(v.access))),
+    ("ACCESS", lambda v: _access(v.access)),
     ("ADDRESSES", lambda v: _escape(", ".join(v.addresses) or "-")),
 ]
 
@@ -325,15 +314,12 @@ def _live_cells(entry: MemberStatusEntry) -> list[str]:
     ]
 
 
-def _label(access: str) -> str:
+def _access(access: str) -> str:
+    """A member's access, labelled and colored."""
     from gpumesh.client.views.groups import ACCESS_LABELS
 
-    return ACCESS_LABELS.get(access, access)
-
-
-def _colored(access: str, text: str) -> str:
     color = _ACCESS_COLORS.get(access, "yellow")
-    return f"[{color}]{_escape(text)}[/{color}]"
+    return f"[{color}]{_escape(ACCESS_LABELS.get(access, access))}[/{color}]"
 
 
 def _escape(text: str) -> str:

@@ -51,18 +51,6 @@ def jobs(limit: int, offline: bool, as_json: bool) -> None:
     does not answer shows its last known state and "no answer since HH:MM",
     when that state was confirmed; one its provider no longer knows shows "gone".
     """
-    entries = _from_node(limit, offline)
-    if as_json:
-        emit_json(entries)
-        return
-    if not entries:
-        click.echo("No jobs yet. Start one with `gpumesh run --peer NAME -- COMMAND`.")
-        return
-    _print(entries)
-
-
-def _from_node(limit: int, offline: bool) -> list[JobListEntry]:
-    """The list as this home's node process gives it (it asks the providers)."""
     from gpumesh.cli._node import node_client
 
     query = f"limit={limit}&offline={'true' if offline else 'false'}"
@@ -70,7 +58,14 @@ def _from_node(limit: int, offline: bool) -> list[JobListEntry]:
     answer = node_client().send("GET", f"/api/v1/jobs?{query}")
     from gpumesh.client.views.joblist import JobListEntry
 
-    return answer.answer(list[JobListEntry])
+    entries = answer.answer(list[JobListEntry])
+    if as_json:
+        emit_json(entries)
+        return
+    if not entries:
+        click.echo("No jobs yet. Start one with `gpumesh run --peer NAME -- COMMAND`.")
+        return
+    _print(entries)
 
 
 def _confirmed(j: JobListEntry) -> float:
@@ -134,19 +129,12 @@ def _explain(records: list[JobListEntry]) -> None:
         if j.unknown_since is not None and j.peer not in told:
             told.add(j.peer)
             why = j.unknown_reason or "it did not answer"
-            click.echo(
-                click.style(
-                    f"gpumesh: {j.peer}'s jobs show the state it last confirmed: {why}",
-                    fg="yellow",
-                ),
-                err=True,
-            )
+            note = f"gpumesh: {j.peer}'s jobs show the state it last confirmed: {why}"
         elif j.provider_forgot and j.role == JobRole.SUBMITTED:
-            click.echo(
-                click.style(
-                    f"gpumesh: {j.peer} no longer knows job {j.job_id} (pruned there, or "
-                    f"its home was reset); it was last known {j.state}",
-                    fg="yellow",
-                ),
-                err=True,
+            note = (
+                f"gpumesh: {j.peer} no longer knows job {j.job_id} (pruned there, or "
+                f"its home was reset); it was last known {j.state}"
             )
+        else:
+            continue
+        click.echo(click.style(note, fg="yellow"), err=True)

@@ -22,12 +22,7 @@ def logs(job_id: str | None, follow: bool) -> None:
     Works for jobs this node submitted (fetched from the provider) and jobs it
     hosts (read locally). Exits with the job's exit code once it has ended.
     """
-    _through_node(job_id, follow)
-
-
-def _through_node(job_id: str | None, follow: bool) -> None:
-    """Ask the node process for the job's events (it resumes a follow across its
-    own restart)."""
+    # The node process gives the job's events; a follow resumes across its restart.
     from gpumesh.cli._node import follow as follow_job
     from gpumesh.cli._node import node_client
     from gpumesh.cli._notes import ViewPrinter, exit_status_of

@@ -158,8 +158,6 @@ def cli(ctx: click.Context, home: str | None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; every GPUMesh error becomes one line and an exit code."""
-    import os
-
     from gpumesh.cli._common import run_cli
     from gpumesh.daemon import setting_gone
 
