@@ -11,10 +11,13 @@ instead of the client layer, which runs in the node process.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
+
+from gpumesh.cli._complete import complete_peer
 
 if TYPE_CHECKING:
     from gpumesh.cli._notes import ViewPrinter
@@ -29,8 +32,22 @@ __all__ = [
     "node_home",
     "owner_change",
     "peer_change",
+    "peer_option",
     "running_client",
 ]
+
+
+def peer_option(help: str, **attrs: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """``--peer``, as the commands that name a provider take it: from $GPUMESH_PEER
+    too, completed with paired peers' names; ``attrs``: ``required``, ``default``."""
+    return click.option(
+        "--peer",
+        envvar="GPUMESH_PEER",
+        show_envvar=True,
+        shell_complete=complete_peer,
+        help=help,
+        **attrs,
+    )
 
 
 def job_options(

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from gpumesh.cli._common import emit_json, fail, json_option
-from gpumesh.cli._complete import complete_peer, complete_submitted_job
-from gpumesh.cli._node import job_options, node_client
+from gpumesh.cli._complete import complete_submitted_job
+from gpumesh.cli._node import job_options, node_client, peer_option
 from gpumesh.cli._notes import exit_status_of
 from gpumesh.errors import ExitCode
 from gpumesh.units import format_size
@@ -26,17 +26,6 @@ def _dir_option(help: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]
     return click.option(
         "--dir", "folder", type=click.Path(file_okay=False), required=True, help=help
     )
-
-
-_PEER = click.option(
-    "--peer",
-    envvar="GPUMESH_PEER",
-    show_envvar=True,
-    required=True,
-    shell_complete=complete_peer,
-    help="Provider.",
-)
-"""``--peer``, as ``app sync`` and ``app run`` take it."""
 
 
 @click.group(
@@ -58,7 +47,7 @@ def app() -> None:
 
 
 @app.command()
-@_PEER
+@peer_option("Provider.", required=True)
 @_dir_option("The local folder to sync (what its .gpumeshignore names is left out).")
 @click.option("--dry-run", is_flag=True, help="List what would be sent and skipped; send nothing.")
 @json_option
@@ -99,7 +88,7 @@ def _summary(view: SyncView) -> str:
 
 
 @app.command(context_settings={"allow_interspersed_args": False})
-@_PEER
+@peer_option("Provider.", required=True)
 @_dir_option("The local folder to sync first; the job runs in its copy on PEER.")
 @click.option("--out", type=click.Path(), help="Pull the app's folder of this name back here.")
 @click.option("--image", help="Container image (default: config `image` / $GPUMESH_IMAGE).")
@@ -203,14 +192,7 @@ def _run_through_node(body: AppRunBody, *, quiet: bool, json_out: bool) -> AppRu
 
 
 @app.command()
-@click.option(
-    "--peer",
-    envvar="GPUMESH_PEER",
-    show_envvar=True,
-    default="",
-    shell_complete=complete_peer,
-    help="Provider (default: the one this node's record of the job names).",
-)
+@peer_option("Provider (default: the one this node's record of the job names).", default="")
 @click.option(
     "--job",
     "job_id",

@@ -7,8 +7,8 @@ from urllib.parse import quote
 import click
 
 from gpumesh.cli._common import emit_json, json_option
-from gpumesh.cli._complete import complete_peer, complete_submitted_job
-from gpumesh.cli._node import node_client, owner_change
+from gpumesh.cli._complete import complete_submitted_job
+from gpumesh.cli._node import node_client, owner_change, peer_option
 from gpumesh.protocol.states import JobRole
 
 
@@ -23,13 +23,7 @@ Examples:
   gpumesh cancel cuda-9b2f6d0c3e1a     #   session with its id)
 """
 )
-@click.option(
-    "--peer",
-    envvar="GPUMESH_PEER",
-    show_envvar=True,
-    shell_complete=complete_peer,
-    help="The job's provider.",
-)
+@peer_option("The job's provider.")
 @click.argument("job_id", shell_complete=complete_submitted_job)
 @json_option
 def cancel(peer: str | None, job_id: str, as_json: bool) -> None:

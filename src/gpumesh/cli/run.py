@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING
 
 import click
 
-from gpumesh.cli._complete import complete_group, complete_peer
-from gpumesh.cli._node import job_options
+from gpumesh.cli._complete import complete_group
+from gpumesh.cli._node import job_options, peer_option
 from gpumesh.errors import ExitCode
 
 if TYPE_CHECKING:
@@ -33,13 +33,7 @@ Examples:
 Exit status: the job's own exit code (125 when it could not run, 130 when cancelled).
 """,
 )
-@click.option(
-    "--peer",
-    envvar="GPUMESH_PEER",
-    show_envvar=True,
-    shell_complete=complete_peer,
-    help="Provider to run on.",
-)
+@peer_option("Provider to run on.")
 @click.option(
     "--group",
     shell_complete=complete_group,
