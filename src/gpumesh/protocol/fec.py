@@ -80,7 +80,6 @@ __all__ = [
     "FecCounters",
     "FecKeys",
     "Sealer",
-    "is_fec",
     "parities_for",
 ]
 
@@ -280,11 +279,6 @@ class Sealer:
         except InvalidTag:
             return False
         return True
-
-
-def is_fec(data: bytes) -> bool:
-    """Whether a packet is an FEC frame (data or parity)."""
-    return bool(data) and data[0] in (DATA, PARITY)
 
 
 @dataclass
