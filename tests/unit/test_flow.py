@@ -95,21 +95,6 @@ def test_one_large_consumption_sends_one_credit_with_the_total() -> None:
     assert window.on_consumed(90) == 90
 
 
-def test_final_credit_reports_the_rest_once() -> None:
-    window = ReceiveWindow(100)
-    window.on_received(30)
-    assert window.on_consumed(10) is None
-    assert window.final_credit() == 10
-    assert window.final_credit() is None
-
-
-def test_final_credit_after_an_exact_credit_is_none() -> None:
-    window = ReceiveWindow(100)
-    window.on_received(25)
-    assert window.on_consumed(25) == 25
-    assert window.final_credit() is None
-
-
 @given(
     window_size=st.integers(min_value=4, max_value=5000),
     total=st.integers(min_value=1, max_value=100_000),
@@ -136,8 +121,6 @@ def test_sender_and_receiver_together_never_overflow(
         take = min(next(reads_iter), unread)
         credit = receiver.on_consumed(take)
         unread -= take
-        if credit is None and unread == 0:
-            credit = receiver.final_credit()
         if credit is not None:
             sender.on_credit(credit)
     assert receiver.received == total

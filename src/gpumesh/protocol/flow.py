@@ -55,9 +55,3 @@ class ReceiveWindow:
             self._credited = self.consumed
             return self.consumed
         return None
-
-    def final_credit(self) -> int | None:
-        if self.consumed != self._credited:
-            self._credited = self.consumed
-            return self.consumed
-        return None
