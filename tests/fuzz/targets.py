@@ -763,7 +763,7 @@ RELAY_TYPES: tuple[type[Any], ...] = get_args(relay.RelayMessage)
 _RELAY_BLOBS = (relay.MAX_PACKET - 8, relay.MAX_PACKET, relay.MAX_PACKET + 1)
 RELAY_SHAPES = {cls: Shape(cls, blob_sizes=_RELAY_BLOBS) for cls in RELAY_TYPES}
 # The type byte of each packet struct is only written down in this mapping.
-_TYPE_BYTES = {cls: relay._TYPES[cls] for cls in RELAY_TYPES}
+_TYPE_BYTES = {cls: cls.TYPE for cls in RELAY_TYPES}
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,7 @@ def test_a_relay_hello_nested_past_the_recursion_limit_is_a_protocol_error() -> 
 
 
 def _nested_hello(depth: int) -> bytes:
-    header = bytes([relay.T_HELLO]) + relay.MAGIC + bytes([relay.WIRE_VERSION])
+    header = bytes([relay.Hello.TYPE]) + relay.MAGIC + bytes([relay.WIRE_VERSION])
     return header + b"\x92\xc4\x00" + b"\x91" * depth + b"\xc0"  # [b"", [[...nil...]]]
 
 

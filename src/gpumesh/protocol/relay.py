@@ -42,7 +42,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
-from typing import Annotated
+from typing import Annotated, ClassVar, get_args
 
 import msgspec
 
@@ -96,24 +96,8 @@ MAX_CANDIDATES = 8
 REGISTER_DOMAIN = b"gpumesh-relay-register-v1\0"
 PROBE_DOMAIN = b"gpumesh-punch-probe-v1\0"
 
-# Type bytes: all below 0x40, so no QUIC v1 packet can look like one.
-T_HELLO = 0x01
-T_CHALLENGE = 0x02
-T_REGISTER = 0x03
-T_REGISTERED = 0x04
-T_REFUSED = 0x05
-T_CONNECT = 0x06
-T_INCOMING = 0x07
-T_ACCEPT = 0x08
-T_DECLINE = 0x09
-T_CONNECTED = 0x0A
+# The type byte of Data (binary, no struct); every other packet's is its class's TYPE.
 T_DATA = 0x0B
-T_CLOSE = 0x0C
-T_KEEPALIVE = 0x0D
-T_KEEPALIVE_ACK = 0x0E
-T_PROBE = 0x0F
-T_REACH_TEST = 0x10
-T_REACH_PROBE = 0x11
 
 _DATA = struct.Struct("!B2sBQ")
 DATA_HEADER = _DATA.size
@@ -162,7 +146,8 @@ NonNegative = Annotated[float, msgspec.Meta(ge=0)]
 
 
 class _Packet(msgspec.Struct, frozen=True, array_like=True):
-    pass
+    TYPE: ClassVar[int]
+    """The packet's first byte: below 0x40, so no QUIC v1 packet can look like one."""
 
 
 HELLO_MIN_SIZE = 96
@@ -172,6 +157,7 @@ HELLO_MIN_SIZE = 96
 class Hello(_Packet, frozen=True):
     """Node -> relay: please send a challenge (the relay keeps no state)."""
 
+    TYPE = 0x01
     padding: Annotated[bytes, msgspec.Meta(max_length=256)] = b""
     """Zeros making the packet at least :data:`HELLO_MIN_SIZE` bytes."""
 
@@ -179,6 +165,7 @@ class Hello(_Packet, frozen=True):
 class Challenge(_Packet, frozen=True):
     """Relay -> node: sign ``nonce``; ``observed`` is the node's address as the relay sees it."""
 
+    TYPE = 0x02
     nonce: Nonce
     observed: AddressText
 
@@ -186,6 +173,7 @@ class Challenge(_Packet, frozen=True):
 class Register(_Packet, frozen=True):
     """Node -> relay: prove the key; ``serving`` nodes receive incoming sessions."""
 
+    TYPE = 0x03
     public_key: Key
     nonce: Nonce
     signature: Signature
@@ -199,6 +187,7 @@ class Register(_Packet, frozen=True):
 class Registered(_Packet, frozen=True):
     """Relay -> node: the registration is accepted."""
 
+    TYPE = 0x04
     observed: AddressText
     keepalive: NonNegative
     """Seconds between the node's keep-alives (the relay drops silent nodes)."""
@@ -211,6 +200,7 @@ class Registered(_Packet, frozen=True):
 class Refused(_Packet, frozen=True):
     """Relay -> node: a named refusal (a key of :data:`REFUSALS`)."""
 
+    TYPE = 0x05
     code: RefusalCode
     message: Text
     """For people; empty when the relay sent the code alone (to an address that has not
@@ -222,6 +212,7 @@ class Refused(_Packet, frozen=True):
 class Connect(_Packet, frozen=True):
     """Node -> relay: I want to talk to ``peer``; here is where I might be reached."""
 
+    TYPE = 0x06
     request: U32
     peer: Key
     candidates: Candidates
@@ -230,6 +221,7 @@ class Connect(_Packet, frozen=True):
 class Incoming(_Packet, frozen=True):
     """Relay -> serving node: ``peer`` wants to talk (answer Accept or Decline)."""
 
+    TYPE = 0x07
     session: U64
     peer: Key
     observed: AddressText
@@ -241,6 +233,7 @@ class Incoming(_Packet, frozen=True):
 class Accept(_Packet, frozen=True):
     """Serving node -> relay: start forwarding."""
 
+    TYPE = 0x08
     session: U64
     candidates: Candidates
 
@@ -248,12 +241,14 @@ class Accept(_Packet, frozen=True):
 class Decline(_Packet, frozen=True):
     """Serving node -> relay: no (an unknown or denied peer)."""
 
+    TYPE = 0x09
     session: U64
 
 
 class Connected(_Packet, frozen=True):
     """Relay -> requesting node: the session is open."""
 
+    TYPE = 0x0A
     request: U32
     session: U64
     observed: AddressText
@@ -265,6 +260,7 @@ class Connected(_Packet, frozen=True):
 class Close(_Packet, frozen=True):
     """Either way: the session is over (``code`` from :data:`REFUSALS`, or ``closed``)."""
 
+    TYPE = 0x0C
     session: U64
     code: RefusalCode
     message: Text
@@ -278,6 +274,7 @@ when its answer is no larger (any KeepAliveAck, its address at most 64 character
 class KeepAlive(_Packet, frozen=True):
     """Node -> relay: still here (also refreshes the NAT mapping)."""
 
+    TYPE = 0x0D
     seq: U32
     padding: Annotated[bytes, msgspec.Meta(max_length=256)] = b""
     """Zeros making the packet :data:`KEEPALIVE_MIN_SIZE` bytes (see :func:`keepalive_packet`)."""
@@ -286,6 +283,7 @@ class KeepAlive(_Packet, frozen=True):
 class KeepAliveAck(_Packet, frozen=True):
     """Relay -> node: ``registered`` False means register again (the relay restarted)."""
 
+    TYPE = 0x0E
     seq: U32
     registered: bool
     observed: AddressText
@@ -294,6 +292,7 @@ class KeepAliveAck(_Packet, frozen=True):
 class Probe(_Packet, frozen=True):
     """Node -> node, straight to a candidate address: a hole-punching probe."""
 
+    TYPE = 0x0F
     session: U64
     tx: U64
     reply: bool
@@ -305,12 +304,14 @@ class Probe(_Packet, frozen=True):
 class ReachTest(_Packet, frozen=True):
     """Node -> relay: send me a ReachProbe from another port (can strangers reach me?)."""
 
+    TYPE = 0x10
     seq: U32
 
 
 class ReachProbe(_Packet, frozen=True):
     """Relay (from a second port) -> node: arrives only if unsolicited traffic gets in."""
 
+    TYPE = 0x11
     seq: U32
 
 
@@ -333,26 +334,8 @@ RelayMessage = (
     | ReachProbe
 )
 
-_TYPES: dict[type[_Packet], int] = {
-    Hello: T_HELLO,
-    Challenge: T_CHALLENGE,
-    Register: T_REGISTER,
-    Registered: T_REGISTERED,
-    Refused: T_REFUSED,
-    Connect: T_CONNECT,
-    Incoming: T_INCOMING,
-    Accept: T_ACCEPT,
-    Decline: T_DECLINE,
-    Connected: T_CONNECTED,
-    Close: T_CLOSE,
-    KeepAlive: T_KEEPALIVE,
-    KeepAliveAck: T_KEEPALIVE_ACK,
-    Probe: T_PROBE,
-    ReachTest: T_REACH_TEST,
-    ReachProbe: T_REACH_PROBE,
-}
 _DECODERS: dict[int, msgspec.msgpack.Decoder[_Packet]] = {
-    code: msgspec.msgpack.Decoder(cls) for cls, code in _TYPES.items()
+    cls.TYPE: msgspec.msgpack.Decoder(cls) for cls in get_args(RelayMessage)
 }
 _ENCODER = msgspec.msgpack.Encoder()
 
@@ -363,7 +346,7 @@ def is_relay_packet(data: bytes | memoryview) -> bool:
 
 
 def encode_packet(message: RelayMessage) -> bytes:
-    header = bytes((_TYPES[type(message)],)) + MAGIC + bytes((WIRE_VERSION,))
+    header = bytes((message.TYPE,)) + MAGIC + bytes((WIRE_VERSION,))
     return header + _ENCODER.encode(message)
 
 

@@ -35,7 +35,6 @@ from gpumesh.protocol.relay import (
     HELLO_MIN_SIZE,
     MAX_PACKET,
     REFUSALS,
-    T_REACH_PROBE,
     Accept,
     Challenge,
     Close,
@@ -94,7 +93,7 @@ def address_text(address: Address) -> str:
 
 def is_reach_probe(packet: bytes) -> bool:
     """Whether ``packet`` must leave from the second port (the answer to a ReachTest)."""
-    return bool(packet) and packet[0] == T_REACH_PROBE
+    return bool(packet) and packet[0] == ReachProbe.TYPE
 
 
 @dataclass(eq=False)
