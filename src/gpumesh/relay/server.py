@@ -26,7 +26,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 from gpumesh.protocol.addresses import Address
@@ -173,19 +172,6 @@ class RelayServer:
 
     async def wait_closed(self) -> None:
         await self._closed.wait()
-
-    async def __aenter__(self) -> RelayServer:
-        if self._address is None:
-            await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     # --- receiving ----------------------------------------------------------------------------
 
