@@ -91,15 +91,24 @@ class GpuListing(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Bytes of it free when the listing was made."""
 
 
-class Listing(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="listing"):
-    """A node's public GPU listing: metadata only, it grants nothing."""
+class _Signed(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What every kind of record starts with."""
 
     public_key: bytes
     """Raw Ed25519 public key that signs it; the node id derives from it."""
     seq: int
-    """Strictly increasing per key, shared with :class:`Withdrawal`."""
+    """Strictly increasing per key (a listing's and its withdrawal's are one sequence)."""
     timestamp: float
     """Unix time the node made it."""
+
+    @property
+    def node_id(self) -> NodeId:
+        return node_id_for(self.public_key)
+
+
+class Listing(_Signed, frozen=True, forbid_unknown_fields=True, tag="listing"):
+    """A node's public GPU listing: metadata only, it grants nothing."""
+
     name: str
     """The node's name."""
     gpus: list[GpuListing]
@@ -113,37 +122,18 @@ class Listing(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="list
     addresses: list[str] = []
     """``host:port`` where the node listens; empty unless the owner asks."""
 
-    @property
-    def node_id(self) -> NodeId:
-        return node_id_for(self.public_key)
 
-
-class Withdrawal(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="withdrawal"):
+class Withdrawal(_Signed, frozen=True, forbid_unknown_fields=True, tag="withdrawal"):
     """The node stopped sharing publicly: remove its listing now."""
 
-    public_key: bytes
-    seq: int
-    timestamp: float
 
-    @property
-    def node_id(self) -> NodeId:
-        return node_id_for(self.public_key)
-
-
-class AddressRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="addresses"):
+class AddressRecord(_Signed, frozen=True, forbid_unknown_fields=True, tag="addresses"):
     """Where a node can be dialled now, for peers that paired with it (discovery)."""
 
-    public_key: bytes
-    seq: int
-    timestamp: float
     addresses: list[str]
     """``host:port`` where the node listens or was seen."""
     relay: str = ""
     """``host:port`` of the relay it registers with, or empty."""
-
-    @property
-    def node_id(self) -> NodeId:
-        return node_id_for(self.public_key)
 
 
 Record = Listing | Withdrawal | AddressRecord
