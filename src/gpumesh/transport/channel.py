@@ -51,6 +51,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Generator, Iterator
+from functools import partial
 from typing import TYPE_CHECKING, TypeVar
 
 from cryptography import x509
@@ -634,7 +635,10 @@ class _Relay:
     Each helper (hashing; writing) runs its ``work`` on every full buffer, in
     order, on its own thread; a buffer is reused once all of them are done
     with it. A failure in a helper is raised in the main thread at its next
-    hand-off.
+    hand-off. Used as a context manager: leaving it waits until every buffer
+    given is done, and raises a helper's failure unless the main thread is
+    already raising (then the helpers finish what they were given: bytes that
+    arrived are kept).
     """
 
     def __init__(
@@ -694,21 +698,16 @@ class _Relay:
         for jobs in self._queues:
             jobs.put((buffer, length))
 
-    def _end(self) -> None:
+    def __enter__(self) -> _Relay:
+        return self
+
+    def __exit__(self, failed: type[BaseException] | None, *_: object) -> None:
         for jobs in self._queues:
             jobs.put(None)
         for thread in self._threads:
             thread.join()
-
-    def finish(self) -> None:
-        """Wait until every buffer given is done; raise a helper's failure."""
-        self._end()
-        if self._error is not None:
+        if failed is None and self._error is not None:
             raise self._error
-
-    def stop(self) -> None:
-        """Let the helpers finish what they were given (bytes that arrived are kept)."""
-        self._end()
 
 
 def _recv_piece(
@@ -751,28 +750,23 @@ def send_file(
     file first, on the helper thread, while sending starts.
     """
 
-    relay = _Relay([hasher.update], lambda: hash_file(fd, offset, hasher))
     position = offset
-    try:
-        with channel.using() as sock:
-            while position < end:
-                buffer = relay.take()
-                wanted = min(PIECE, end - position)
-                view = memoryview(buffer)[:wanted]
-                got = platform.preadv(fd, view, position)
-                if got != wanted:
-                    raise ConfigError("the file shrank while it was being sent; copy it again")
-                try:
-                    sock.sendall(view)
-                except OSError as exc:
-                    raise _lost(channel, exc) from None
-                relay.give(buffer, got)
-                position += got
-                progress(got)
-    except BaseException:
-        relay.stop()
-        raise
-    relay.finish()
+    relay = _Relay([hasher.update], lambda: hash_file(fd, offset, hasher))
+    with relay, channel.using() as sock:
+        while position < end:
+            buffer = relay.take()
+            wanted = min(PIECE, end - position)
+            view = memoryview(buffer)[:wanted]
+            got = platform.preadv(fd, view, position)
+            if got != wanted:
+                raise ConfigError("the file shrank while it was being sent; copy it again")
+            try:
+                sock.sendall(view)
+            except OSError as exc:
+                raise _lost(channel, exc) from None
+            relay.give(buffer, got)
+            position += got
+            progress(got)
 
 
 def receive_file(
@@ -791,25 +785,18 @@ def receive_file(
     sends stays unread. When the channel breaks, every whole piece received is
     in the file.
     """
-
-    def write(view: memoryview) -> None:
-        platform.write_all(fd, view)
-
-    # Writing and hashing on two threads: each costs about as much as the TLS.
-    relay = _Relay([hasher.update, write], lambda: hash_file(fd, kept, hasher))
     remaining = count
-    try:
-        with channel.using() as sock:
-            while remaining:
-                buffer = relay.take()
-                fill = _recv_piece(channel, sock, buffer, min(PIECE, remaining), "file")
-                relay.give(buffer, fill)
-                remaining -= fill
-                progress(fill)
-    except BaseException:
-        relay.stop()
-        raise
-    relay.finish()
+    # Writing and hashing on two threads: each costs about as much as the TLS.
+    relay = _Relay(
+        [hasher.update, partial(platform.write_all, fd)], lambda: hash_file(fd, kept, hasher)
+    )
+    with relay, channel.using() as sock:
+        while remaining:
+            buffer = relay.take()
+            fill = _recv_piece(channel, sock, buffer, min(PIECE, remaining), "file")
+            relay.give(buffer, fill)
+            remaining -= fill
+            progress(fill)
 
 
 # --- pumping a stream of known size (a tar) ---------------------------------------------------
@@ -910,17 +897,12 @@ def send_stream(
     before the end, and keeps nothing.
     """
     relay = _Relay([hasher.update], lambda: None)
-    try:
-        with channel.using() as sock:
-            writer = _PieceWriter(channel, sock, relay, size, progress)
-            produce(writer)
-            writer.close()
-            if writer.sent != size:
-                raise ConfigError("the folder shrank while it was packed; copy it again")
-    except BaseException:
-        relay.stop()
-        raise
-    relay.finish()
+    with relay, channel.using() as sock:
+        writer = _PieceWriter(channel, sock, relay, size, progress)
+        produce(writer)
+        writer.close()
+        if writer.sent != size:
+            raise ConfigError("the folder shrank while it was packed; copy it again")
 
 
 def receive_stream(
@@ -952,7 +934,7 @@ def receive_stream(
                 remaining -= fill
                 progress(fill)
 
-    try:
+    with relay:
         stream = pieces()
         try:
             result = consume(stream)
@@ -961,10 +943,6 @@ def receive_stream(
                 raise ProtocolError("the receiver stopped before the end of the transfer")
         finally:
             stream.close()
-    except BaseException:
-        relay.stop()
-        raise
-    relay.finish()
     return result
 
 
