@@ -380,6 +380,10 @@ class _Splice:
             return False
         return True
 
+    def _socket_error(self, exc: BaseException | None) -> Exception:
+        """The local socket failed (or a stop's shutdown woke it: then :class:`_Stopped`)."""
+        return _Stopped() if self._halted else _SocketError(_reason(exc))
+
     def _channel_error(self, exc: BaseException | None) -> Exception:
         if self._halted:
             return _Stopped()
@@ -408,9 +412,7 @@ class _Splice:
             try:
                 count = local.recv_into(room)
             except OSError as exc:
-                if self._halted:
-                    raise _Stopped() from None
-                raise _SocketError(exc.strerror or str(exc)) from None
+                raise self._socket_error(exc) from None
             if self._halted:  # a stop's shutdown reads as an EOF
                 raise _Stopped()
             _PIECE.pack_into(buffer, 0, count)
@@ -486,28 +488,21 @@ class _Splice:
                     try:
                         local.sendall(buffer[pos:end])
                     except OSError as exc:
-                        if self._halted:
-                            raise _Stopped() from None
-                        raise _SocketError(exc.strerror or str(exc)) from None
+                        raise self._socket_error(exc) from None
                     left -= end - pos
                     pos = end
                     continue
                 if not header and fill - pos >= _PIECE.size:  # the usual case: no copy
                     (left,) = _PIECE.unpack_from(buffer, pos)
                     pos += _PIECE.size
-                    if left > CHANNEL_CHUNK:
-                        raise _ChannelError(f"a piece of {left} bytes, over {CHANNEL_CHUNK}")
-                    if not left:
-                        self._end_down(pos < fill)
-                        return
-                    continue
-                take = min(_PIECE.size - len(header), fill - pos)
-                header += buffer[pos : pos + take]
-                pos += take
-                if len(header) < _PIECE.size:
-                    break
-                (left,) = _PIECE.unpack(header)
-                header.clear()
+                else:
+                    take = min(_PIECE.size - len(header), fill - pos)
+                    header += buffer[pos : pos + take]
+                    pos += take
+                    if len(header) < _PIECE.size:
+                        break
+                    (left,) = _PIECE.unpack(header)
+                    header.clear()
                 if left > CHANNEL_CHUNK:
                     raise _ChannelError(f"a piece of {left} bytes, over {CHANNEL_CHUNK}")
                 if not left:
@@ -567,9 +562,7 @@ class _Splice:
         try:
             sealer.pump(self.local.recv_into, self._sock.sendall)
         except ReadFailed as exc:
-            if self._halted:
-                raise _Stopped() from None
-            raise _SocketError(_reason(exc.__cause__)) from None
+            raise self._socket_error(exc.__cause__) from None
         except SendFailed as exc:
             raise self._channel_error(exc.__cause__) from None
         if self._halted:  # a stop's shutdown reads as an EOF
@@ -589,9 +582,7 @@ class _Splice:
         except ReadFailed as exc:
             raise self._channel_error(exc.__cause__) from None
         except SendFailed as exc:
-            if self._halted:
-                raise _Stopped() from None
-            raise _SocketError(_reason(exc.__cause__)) from None
+            raise self._socket_error(exc.__cause__) from None
         except SealError as exc:
             if self._halted:  # a stop's shutdown reads as a cut
                 raise _Stopped() from None
