@@ -443,13 +443,8 @@ class QuicEndpoint:
             return
         if link.path is not None and address != link.address:
             return
-        link.note_received(sum(len(datagram) for datagram in datagrams))
-        try:
-            link.quic.receive_many_datagrams(datagrams, address, now)
-        except Exception:  # a malformed packet must not take the endpoint down
-            logger.debug("dropping packets from %s", address, exc_info=True)
-            return
-        touched[link] = None
+        if link.receive_datagrams(datagrams, address, now):
+            touched[link] = None
 
     def _deliver_fec(
         self, frame: bytes, address: Address, now: float, touched: dict[QuicLink, None]

@@ -504,13 +504,16 @@ class QuicLink:
         self._sending(datagrams)
         return datagrams
 
-    def receive_datagrams(self, datagrams: list[bytes], address: Address, now: float) -> None:
-        """Feed QUIC datagrams that FEC frames carried, rebuilt or released, in one call."""
+    def receive_datagrams(self, datagrams: list[bytes], address: Address, now: float) -> bool:
+        """Feed QUIC datagrams (a relayed run, or what FEC frames carried) in one call;
+        False when QUIC could not take them."""
         self.note_received(sum(len(data) for data in datagrams))
         try:
             self.quic.receive_many_datagrams(datagrams, address, now)
         except Exception:  # a malformed packet must not take the endpoint down
             logger.debug("dropping packets from %s", address, exc_info=True)
+            return False
+        return True
 
     def receive(self, data: bytes, segment_size: int, address: Address, now: float) -> None:
         self.note_received(len(data))
