@@ -33,7 +33,6 @@ from gpumesh.transport.udp import UdpSocket, open_udp_socket
 
 if TYPE_CHECKING:
     from gpumesh.identity.keys import Identity
-    from gpumesh.transport.endpoint import QuicEndpoint
     from gpumesh.transport.quic import LinkPath, QuicLink
     from gpumesh.transport.relayclient import RelayClient, RelayedPath
 
