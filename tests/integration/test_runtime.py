@@ -105,7 +105,7 @@ class Jobs:
     def lines(
         self, container_id: str, stream: Stream, cursor: LogCursor | None = None
     ) -> list[LogLine]:
-        return list(self.runtime.logs(container_id, stream, cursor or LogCursor(), False))
+        return list(self.runtime.job_logs(container_id, {stream: cursor or LogCursor()}, False))
 
     def output(self, container_id: str, stream: Stream) -> bytes:
         return b"".join(line.data for line in self.lines(container_id, stream))
@@ -900,8 +900,8 @@ def test_missing_command_exits_127(jobs: Jobs, init: bool) -> None:
     assert state.exit_code == 127
     if init:
         # tini's own line ("[FATAL tini (7)] exec nosuchcmd failed: ...") in our words.
-        said = DockerRuntime(jobs.client, init=True).logs(
-            container_id, "stderr", LogCursor(), False
+        said = DockerRuntime(jobs.client, init=True).job_logs(
+            container_id, {"stderr": LogCursor()}, False
         )
         assert b"".join(line.data for line in said) == (
             f"gpumesh: nosuchcmd: not found in image {IMAGE} (exit 127)\n".encode()
@@ -922,7 +922,7 @@ def test_non_executable_command_exits_126(jobs: Jobs, workdir: Path, init: bool)
     state = runtime.wait(container_id)
     assert (state.status, state.exit_code) == ("exited", 126)
     if init:
-        said = runtime.logs(container_id, "stderr", LogCursor(), False)
+        said = runtime.job_logs(container_id, {"stderr": LogCursor()}, False)
         assert b"".join(line.data for line in said) == (
             f"gpumesh: /workspace/job.sh: not executable in image {IMAGE} (exit 126)\n".encode()
         )
@@ -966,7 +966,7 @@ def test_unknown_container_is_not_found(jobs: Jobs) -> None:
         with pytest.raises(NotFoundError, match="no container"):
             call(unknown)
     with pytest.raises(NotFoundError):
-        jobs.runtime.logs(unknown, "stdout", LogCursor(), True)
+        jobs.runtime.job_logs(unknown, {"stdout": LogCursor()}, True)
 
 
 def test_list_jobs_filters_by_node(jobs: Jobs) -> None:
@@ -1002,7 +1002,7 @@ def test_log_resume_after_exit_returns_exactly_the_rest(jobs: Jobs) -> None:
         assert [line.cursor for line in rest] == [line.cursor for line in lines[cut + 1 :]]
     assert jobs.lines(container_id, "stdout", lines[-1].cursor) == []
     # Following an exited container from a cursor ends by itself too.
-    followed = list(jobs.runtime.logs(container_id, "stdout", lines[296].cursor, True))
+    followed = list(jobs.runtime.job_logs(container_id, {"stdout": lines[296].cursor}, True))
     assert [line.data for line in followed] == [b"line298\n", b"line299\n", b"line300\n"]
     errors = jobs.lines(container_id, "stderr")
     assert [line.data for line in errors] == [f"line{i}\n".encode() for i in range(1, 51)]
@@ -1046,7 +1046,7 @@ def test_log_cursor_counts_entries_of_one_timestamp() -> None:
 def test_follow_delivers_a_line_while_the_job_runs(jobs: Jobs) -> None:
     container_id = jobs.started(["sh", "-c", "echo first; sleep 2; echo second"])
     seen: list[tuple[bytes, str]] = []
-    for line in jobs.runtime.logs(container_id, "stdout", LogCursor(), True):
+    for line in jobs.runtime.job_logs(container_id, {"stdout": LogCursor()}, True):
         seen.append((line.data, jobs.runtime.inspect(container_id).status))
     assert seen[0] == (b"first\n", "running")
     assert [data for data, _ in seen] == [b"first\n", b"second\n"]
@@ -1058,7 +1058,7 @@ def test_follow_delivers_a_long_unfinished_line_in_pieces(jobs: Jobs) -> None:
     # runtime passes each piece on as soon as Docker has it.
     script = "head -c 20000 /dev/zero | tr '\\0' y; sleep 2; echo"
     container_id = jobs.started(["sh", "-c", script])
-    lines = iter(jobs.runtime.logs(container_id, "stdout", LogCursor(), True))
+    lines = iter(jobs.runtime.job_logs(container_id, {"stdout": LogCursor()}, True))
     first = next(lines)
     assert first.data == b"y" * 16384
     assert jobs.runtime.inspect(container_id).status == "running"
@@ -1070,7 +1070,7 @@ def test_follow_keeps_the_last_output_without_newline(jobs: Jobs) -> None:
     # Docker's follow stream sometimes ends before such a last entry.
     containers = [jobs.started(["sh", "-c", "echo one; sleep 0.3; printf last"]) for _ in range(6)]
     for container_id in containers:
-        followed = list(jobs.runtime.logs(container_id, "stdout", LogCursor(), True))
+        followed = list(jobs.runtime.job_logs(container_id, {"stdout": LogCursor()}, True))
         assert [line.data for line in followed] == [b"one\n", b"last"]
 
 
@@ -1131,7 +1131,9 @@ def test_jobs_from_many_threads_at_once(jobs: Jobs) -> None:
 
 
 def _collect(jobs: Jobs, container_id: str, stream: Stream, into: list[bytes]) -> None:
-    into.extend(line.data for line in jobs.runtime.logs(container_id, stream, LogCursor(), True))
+    into.extend(
+        line.data for line in jobs.runtime.job_logs(container_id, {stream: LogCursor()}, True)
+    )
 
 
 def _interleaved(jobs: Jobs, container_id: str, cursors: dict[Stream, LogCursor]) -> list[LogLine]:
@@ -1170,7 +1172,7 @@ def test_both_streams_followed_together_until_the_end(jobs: Jobs) -> None:
     # (the stderr entries its followed wait brings are taken by the next read).
     script = "echo first; sleep 1; echo late >&2; sleep 0.5; echo last"
     container_id = jobs.started(["sh", "-c", script])
-    first = next(iter(jobs.runtime.logs(container_id, "stdout", LogCursor(), True)))
+    first = next(iter(jobs.runtime.job_logs(container_id, {"stdout": LogCursor()}, True)))
     assert first.data == b"first\n"
     lines = list(
         jobs.runtime.job_logs(container_id, {"stdout": first.cursor, "stderr": LogCursor()}, True)

@@ -291,11 +291,6 @@ class JobRuntime(Protocol):
 
     def inspect(self, container_id: str) -> ContainerState: ...
 
-    def logs(
-        self, container_id: str, stream: Stream, cursor: LogCursor, follow: bool
-    ) -> Iterator[LogLine]:
-        """Entries of one stream after ``cursor``; with ``follow`` until the container exits."""
-
     def job_logs(
         self,
         container_id: str,

@@ -565,11 +565,6 @@ class DockerRuntime:
 
     # --- logs ---------------------------------------------------------------------------
 
-    def logs(
-        self, container_id: str, stream: Stream, cursor: LogCursor, follow: bool
-    ) -> Iterator[LogLine]:
-        return self.job_logs(container_id, {stream: cursor}, follow)
-
     def job_logs(
         self,
         container_id: str,
