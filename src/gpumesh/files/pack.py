@@ -38,7 +38,7 @@ from gpumesh.files.sandbox import (
     open_beneath,
     pause_point,
 )
-from gpumesh.files.untar import inside, unpack_tar
+from gpumesh.files.untar import inside, text_stays_inside, unpack_tar
 from gpumesh.files.watch import open_watch
 from gpumesh.units import format_size
 
@@ -279,22 +279,6 @@ def _link_target(root: str, relative: str, full: str) -> str | None:
             return target
     # Absolute, or climbing out and back in: rewrite it relative to its folder.
     return os.path.relpath(real, os.path.join(root, parent))
-
-
-def _lexical_target(relative: str, target: str) -> str | None:
-    """A link met in a tree that is never followed: kept when its text alone
-    stays inside the folder (a relative target that never climbs above it)."""
-    if not target or os.path.isabs(target):
-        return None
-    depth = relative.count("/")
-    for part in target.split("/"):
-        if part == "..":
-            depth -= 1
-            if depth < 0:
-                return None
-        elif part not in ("", "."):
-            depth += 1
-    return target
 
 
 def _read_small(path: Path, limit: int) -> bytes | None:
@@ -679,8 +663,8 @@ def _plan_entry(
             return Skipped(shown, "changed while it was listed")
         if resolve_links:
             target = _link_target(prefix.rstrip(os.sep), relative, full)
-        else:
-            target = _lexical_target(relative, text)
+        else:  # never followed: kept when its text alone stays inside
+            target = text if text_stays_inside(relative.count("/"), text) else None
         if target is None:
             return Skipped(shown, f"symlink to {text}, outside the folder")
         if not _utf8(target):

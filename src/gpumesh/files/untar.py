@@ -46,7 +46,7 @@ from gpumesh import platform
 from gpumesh.errors import AgentError, GPUMeshError, LimitError, ProtocolError
 from gpumesh.units import format_size
 
-__all__ = ["inside", "unpack_stream", "unpack_tar"]
+__all__ = ["inside", "text_stays_inside", "unpack_stream", "unpack_tar"]
 
 _BLOCK = 512
 _ZERO_BLOCK = bytes(_BLOCK)
@@ -306,20 +306,19 @@ def _kind(member: _Member) -> str:
     raise _refuse(member, f"has an unsupported type {kind!r}")
 
 
-def _inside_text(member: _Member, parts: list[str]) -> None:
-    """Refuse a symlink whose text leads above the folder (resolved from where it is)."""
-    target = member.linkname
-    outside = _refuse(member, f"is a symlink to {target!r}, outside the folder")
-    if not target or target.startswith("/") or os.path.isabs(target):
-        raise outside
-    depth = len(parts) - 1
+def text_stays_inside(depth: int, target: str) -> bool:
+    """Whether a link's text alone stays inside a folder, read from ``depth``
+    folders below it: a relative target that never climbs above the folder."""
+    if not target or os.path.isabs(target):
+        return False
     for part in target.split("/"):
         if part == "..":
             depth -= 1
             if depth < 0:
-                raise outside
+                return False
         elif part not in ("", "."):
             depth += 1
+    return True
 
 
 def _file_mode(mode: int) -> int:
@@ -547,7 +546,9 @@ def _extract(source: _Source, writer: _FdWriter | _PathWriter, limit: int) -> tu
             writer.folder(path)
             writer.folders[path] = (member.mode, member.mtime)
         elif kind == "symlink":
-            _inside_text(member, parts)
+            target = member.linkname  # its text, resolved from where it is
+            if target.startswith("/") or not text_stays_inside(len(parts) - 1, target):
+                raise _refuse(member, f"is a symlink to {target!r}, outside the folder")
             writer.symlink(path, member.linkname)
             symlinks.append(path)
         else:
