@@ -49,14 +49,15 @@ def _link_error(path: str | Path) -> ConfigError:
     )
 
 
-def refuse_link(path: str | Path) -> None:
-    """Refuse ``path`` when it is a link (an absent path passes)."""
+def refuse_link(path: str | Path) -> os.stat_result | None:
+    """Refuse ``path`` when it is a link; its ``lstat`` (None: absent, which passes)."""
     try:
         found = os.lstat(path)
     except FileNotFoundError:
-        return
+        return None
     if stat.S_ISLNK(found.st_mode):
         raise _link_error(path)
+    return found
 
 
 def _open(path: str | Path, flags: int, mode: int = PRIVATE_FILE) -> int:
@@ -84,12 +85,9 @@ def narrow(path: Path, mode: int) -> None:
     Never adds a permission: a file found 0400 stays 0400. A link is refused, never
     followed: its target may be anybody's file.
     """
-    try:
-        found = os.lstat(path)
-    except FileNotFoundError:
+    found = refuse_link(path)
+    if found is None:
         return
-    if stat.S_ISLNK(found.st_mode):
-        raise _link_error(path)
     current = stat.S_IMODE(found.st_mode)
     if current & ~mode:
         os.chmod(path, current & mode)
