@@ -533,13 +533,6 @@ class RegistryStore:
         """One round trip to the database (what ``/v1/health`` checks)."""
         await self._read(_scalar_int, sa.select(1))
 
-    async def counts(self, now: float) -> dict[str, int]:
-        """Live listings (a full count: for operators and tests, not for each request)."""
-        stmt = sa.select(sa.func.count()).where(
-            listings.c.expires_at > now, listings.c.withdrawn.is_(False)
-        )
-        return {"listings": await self._read(_scalar_int, stmt)}
-
 
 _DELETE_GPUS: Final = sa.delete(listing_gpus).where(
     listing_gpus.c.node_id.in_(sa.bindparam("nodes", expanding=True))
