@@ -11,6 +11,7 @@ tables.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import socket
 import subprocess
@@ -99,7 +100,7 @@ def empty_database(kind: str, tmp_path: Path) -> str:
 def serve_registry(db: str, config: RegistryConfig | None = None) -> Iterator[RunningRegistry]:
     """Serve a registry on 127.0.0.1 (a free port) for the ``with`` block."""
     clock = Clock()
-    config = (config or RegistryConfig()).replace(db=db)
+    config = dataclasses.replace(config or RegistryConfig(), db=db)
     app = create_app(config.check(), RegistryStore(database_url(db)), clock=clock)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

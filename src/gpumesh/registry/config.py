@@ -10,7 +10,6 @@ on live listings counts per /24 (IPv4) or /64 (IPv6), what one spammer holds.
 
 from __future__ import annotations
 
-import dataclasses
 import ipaddress
 from dataclasses import dataclass
 
@@ -67,17 +66,12 @@ class RegistryConfig:
             raise ConfigError("--page-max must be at least 1")
         return self
 
-    def replace(self, **changes: object) -> RegistryConfig:
-        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
-
 
 def database_url(text: str) -> str:
     """The SQLAlchemy URL for ``--db``: a path or sqlite:/// URL, or postgresql:// (asyncpg)."""
     if text.startswith(("postgresql://", "postgres://")):
         return "postgresql+asyncpg://" + text.split("://", 1)[1]
-    if text.startswith("postgresql+asyncpg://"):
-        return text
-    if text.startswith("sqlite:///"):
+    if text.startswith(("postgresql+asyncpg://", "sqlite:///")):
         return text
     if "://" in text:
         raise ConfigError(
