@@ -161,7 +161,9 @@ def registry(**options: Any) -> None:
             "gpumesh-registry needs its database drivers: pip install 'gpumesh[registry]'"
         ) from None
     sock = _bind(host, port)
-    sys.exit(_serve(config, url, sock, forwarded, options["log_level"]))
+    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        status = runner.run(_run(config, url, sock, forwarded, options["log_level"]))
+    sys.exit(status)
 
 
 def _parse_listen(text: str) -> tuple[str, int]:
@@ -197,13 +199,6 @@ def _bind(host: str, port: int) -> socket.socket:
     sock.listen(1024)
     sock.set_inheritable(True)
     return sock
-
-
-def _serve(
-    config: RegistryConfig, url: str, sock: socket.socket, forwarded: str, log_level: str
-) -> int:
-    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-        return runner.run(_run(config, url, sock, forwarded, log_level))
 
 
 def _loop_factory() -> Any:
