@@ -247,12 +247,7 @@ class DockerRuntime:
     # --- images -------------------------------------------------------------------------
 
     def image_present(self, image: str) -> bool:
-        with self._engine(f"look up image {image!r}") as api:
-            try:
-                api.inspect_image(image)
-            except docker.errors.APIError:
-                return False
-        return True
+        return self.image_size(image) is not None
 
     def ensure_image(
         self, image: str, progress: Callable[[PullProgress], None] | None = None
