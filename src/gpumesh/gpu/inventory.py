@@ -195,15 +195,18 @@ class NvidiaSmiInventory:
         self._binary = binary
         self.timeout = timeout
 
+    def _query(self, query: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [self._binary, query, "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=self.timeout,
+            check=False,
+        )
+
     def gpus(self) -> list[GpuInfo]:
         try:
-            result = subprocess.run(
-                [self._binary, f"--query-gpu={_SMI_FIELDS}", "--format=csv,noheader,nounits"],
-                capture_output=True,
-                text=True,
-                timeout=self.timeout,
-                check=False,
-            )
+            result = self._query(f"--query-gpu={_SMI_FIELDS}")
         except (subprocess.TimeoutExpired, OSError) as exc:  # a hung driver: no GPUs to offer
             logger.warning("nvidia-smi did not answer: %s", exc)
             return []
@@ -214,17 +217,7 @@ class NvidiaSmiInventory:
 
     def process_memory(self) -> dict[int, int]:
         try:
-            result = subprocess.run(
-                [
-                    self._binary,
-                    "--query-compute-apps=pid,used_memory",
-                    "--format=csv,noheader,nounits",
-                ],
-                capture_output=True,
-                text=True,
-                timeout=self.timeout,
-                check=False,
-            )
+            result = self._query("--query-compute-apps=pid,used_memory")
         except (subprocess.TimeoutExpired, OSError):
             return {}
         usage: dict[int, int] = {}
