@@ -141,18 +141,13 @@ class CallServer:
 
     def _hello(self, call: Hello) -> bytes:
         backend = self.backend
-        if call.version != VERSION:
-            return result_frame(
-                Welcome(
-                    version=VERSION,
-                    backend=backend.name,
-                    device="",
-                    error="CUDA_ERROR_NOT_SUPPORTED",
-                    detail=f"this provider speaks CUDA call protocol {VERSION}, "
+        try:
+            if call.version != VERSION:
+                raise CudaFault(
+                    "CUDA_ERROR_NOT_SUPPORTED",
+                    f"this provider speaks CUDA call protocol {VERSION}, "
                     f"not {call.version}: upgrade the older side",
                 )
-            )
-        try:
             info = backend.device_info(0)
         except CudaFault as fault:
             return result_frame(
