@@ -21,6 +21,7 @@ event loop.
 from __future__ import annotations
 
 import enum
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -169,15 +170,12 @@ class GpuAllocator:
     def figures(self, gpus: list[GpuInfo]) -> list[GpuFigures]:
         """Each of ``gpus`` with what is promised on it and what is left for a new holder."""
         reserved = self._reserved()
-        holders: dict[str, int] = {}
-        for reservation in self._held.values():
-            for index in reservation.gpus:
-                holders[index] = holders.get(index, 0) + 1
+        holders = Counter(index for held in self._held.values() for index in held.gpus)
         return [
             GpuFigures(
                 gpu=gpu,
                 reserved=reserved.get(str(gpu.index), 0),
-                holders=holders.get(str(gpu.index), 0),
+                holders=holders[str(gpu.index)],
                 available=self._available(gpu, reserved),
             )
             for gpu in gpus
