@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 from urllib.parse import quote, urlencode
@@ -37,14 +37,13 @@ from gpumesh.client.bodies import (
     job_options,
 )
 from gpumesh.client.views.jobs import (
-    JOB_EVENTS,
     Dropped,
     JobResultView,
     Output,
     Reconnecting,
     Status,
 )
-from gpumesh.daemon.client import RESUME_TRIES
+from gpumesh.daemon.client import LOG_NAME, job_events
 from gpumesh.errors import AgentError, NotInitializedError, error_from_code
 
 if TYPE_CHECKING:
@@ -56,7 +55,7 @@ if TYPE_CHECKING:
     from gpumesh.client.views.joblist import JobListEntry
     from gpumesh.client.views.node import StatusView
     from gpumesh.client.views.peers import PairView, PeerView
-    from gpumesh.daemon.client import NodeClient, SseEvent
+    from gpumesh.daemon.client import NodeClient
 
 __all__ = ["Mesh", "ThroughNode"]
 
@@ -232,17 +231,17 @@ class ThroughNode:
 
 
 class NodeFollow:
-    """A job's events through the node process's event stream, as the client layer's
-    events; ``view()`` is where the job stood at the stream's end."""
+    """A job's events through the node process's event stream
+    (:func:`~gpumesh.daemon.client.job_events`), as the client layer's events;
+    ``view()`` is where the job stood at the stream's end."""
 
     def __init__(self, backend: ThroughNode, job_id: str, follow: bool) -> None:
         self._backend = backend
         self._job_id = job_id
-        self._follow = follow
-        self._after = 0
-        self._stream: Iterator[SseEvent] | None = None
+        self._reconnect = False
+        log = str(backend.home / "logs" / LOG_NAME)
+        self._stream = job_events(self._connect, job_id, log, live=follow)
         self._end: JobResultView | None = None
-        self._closed = False
 
     def __aiter__(self) -> AsyncIterator[JobEvent]:
         return self._events()
@@ -254,54 +253,28 @@ class NodeFollow:
                 return
             yield event
 
-    def _open(self) -> Iterator[SseEvent]:
-        client = self._backend._client or self._backend._connect()
-        path = (
-            f"/api/v1/jobs/{_q(self._job_id)}/events"
-            f"?follow={'true' if self._follow else 'false'}&after={self._after}"
-        )
-        return client.events(path, JOB_EVENTS)
+    def _connect(self) -> NodeClient:
+        # The first stream asks the node process just seen answering; one after a
+        # failure, the next one started.
+        client = None if self._reconnect else self._backend._client
+        self._reconnect = True
+        return client or self._backend._connect()
 
     def _next(self) -> JobEvent | None:
-        """The next event (None: the stream ended), resuming under a new node process."""
-        from gpumesh.daemon.client import NodeUnavailableError
-
-        failures = 0
-        while not self._closed and self._end is None:
+        """The next event (None: the stream ended)."""
+        while True:
             try:
-                if self._stream is None:
-                    self._stream = self._open()
-                item = next(self._stream, None)
-            except NodeUnavailableError as exc:
-                self._stream = None
-                failures += 1
-                if failures > RESUME_TRIES:
-                    raise AgentError(
-                        f"the node process kept failing while following job {self._job_id} "
-                        f"({exc.detail}): see {self._backend.home / 'logs' / 'node.log'}"
-                    ) from None
-                self._backend._connect()
-                continue
-            if item is None:
-                self._stream = None
-                raise AgentError(f"the event stream of job {self._job_id} ended without its end")
-            if item.id is not None:
-                self._after = item.id
-            if isinstance(item.view, JobResultView):
-                self._end = item.view
+                item = next(self._stream)
+            except StopIteration as end:
+                self._end = end.value
                 return None
             converted = _event(self._job_id, item.view)
             if converted is not None:
                 return converted
-        return None
 
     async def aclose(self) -> None:
-        self._closed = True
-        stream, self._stream = self._stream, None
-        close: Callable[[], None] | None = getattr(stream, "close", None)
-        if close is not None:
-            with contextlib.suppress(ValueError):  # a step still under way in its thread
-                close()
+        with contextlib.suppress(ValueError):  # a step still under way in its thread
+            self._stream.close()
 
     def view(self) -> JobResultView:
         if self._end is None:
