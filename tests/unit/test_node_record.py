@@ -17,12 +17,13 @@ import pytest
 
 HOLD = textwrap.dedent(
     """
+    import os
     import sys
     from pathlib import Path
-    from gpumesh.daemon.record import HomeLock, new_record
+    from gpumesh.daemon.record import HomeLock, NodeRecord
     lock = HomeLock(Path(sys.argv[1]))
     assert lock.acquire()
-    lock.write(new_record(["http://127.0.0.1:1"], tcp=False, version="9.9"))
+    lock.write(NodeRecord(os.getpid(), "9.9", 0.0, ["http://127.0.0.1:1"]))
     print("held", flush=True)
     sys.stdin.read()
     """

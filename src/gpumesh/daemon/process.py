@@ -55,7 +55,7 @@ from gpumesh.control.views import (
     WarmSessionView,
 )
 from gpumesh.daemon.client import NoAnswer, NodeClient, NodeUnavailableError
-from gpumesh.daemon.record import HomeLock, NodeRecord, holder, last_share_end, new_record
+from gpumesh.daemon.record import HomeLock, NodeRecord, holder, last_share_end
 from gpumesh.daemon.sharing import Sharing
 from gpumesh.daemon.shells import Shells
 from gpumesh.errors import ConfigError, GPUMeshError, InUseError
@@ -339,7 +339,14 @@ async def run_node(
             idle=idle_limit() if detached and (local_tcp or not public_url) else None,
             version=env(ENV_TEST_NODE_VERSION) or __version__,
         )
-        record = new_record(api, tcp=process.tcp, version=process.version, share_ended=previous_end)
+        record = NodeRecord(
+            pid=os.getpid(),
+            version=process.version,
+            started_at=time.time(),
+            api=api,
+            tcp=process.tcp,
+            share_ended=previous_end,
+        )
 
         def write_record() -> None:
             nonlocal record

@@ -221,20 +221,3 @@ class HomeLock:
             _unlock(self._fd)  # Windows asks for it before the close
         os.close(self._fd)  # closing the descriptor drops the lock
         self._fd = None
-
-
-def new_record(
-    api: list[str],
-    *,
-    tcp: bool,
-    version: str,
-    share_ended: tuple[float, str] | None = None,
-) -> NodeRecord:
-    return NodeRecord(
-        pid=os.getpid(),
-        version=version,
-        started_at=time.time(),
-        api=api,
-        tcp=tcp,
-        share_ended=share_ended,
-    )

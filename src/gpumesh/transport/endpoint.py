@@ -131,7 +131,6 @@ class QuicEndpoint:
         on_link: Callable[[QuicLink], None] | None = None,
         accept: Accept | None = None,
         on_drop: OnDrop | None = None,
-        retry_tokens: RetryTokens | None = None,
     ) -> None:
         self._loop = asyncio.get_running_loop()
         self.udp = udp
@@ -139,7 +138,7 @@ class QuicEndpoint:
         self._on_link = on_link
         self._accept = accept
         self._on_drop = on_drop
-        self.retry_tokens = retry_tokens or RetryTokens(os.urandom(32))
+        self.retry_tokens = RetryTokens(os.urandom(32))
         """Keyed with a secret of this endpoint's own: tokens die with it."""
         self.retries_sent = 0
         self._by_cid: dict[bytes, QuicLink] = {}
