@@ -192,16 +192,15 @@ def open_record(signed: SignedRecord) -> Record:
     return record
 
 
-def check_fresh(
-    record: Record, now: float, *, max_age: float = MAX_AGE, skew: float = CLOCK_SKEW
-) -> None:
-    """Refuse a record whose timestamp is older than ``max_age`` or ahead by over ``skew``."""
-    if record.timestamp < now - max_age:
+def check_fresh(record: Record, now: float) -> None:
+    """Refuse a record whose timestamp is older than :data:`MAX_AGE` or ahead by over
+    :data:`CLOCK_SKEW`."""
+    if record.timestamp < now - MAX_AGE:
         raise ProtocolError(
             f"stale record: made {now - record.timestamp:.0f}s ago, the registry accepts "
-            f"records at most {max_age:.0f}s old; publish a fresh one (check the clock)"
+            f"records at most {MAX_AGE:.0f}s old; publish a fresh one (check the clock)"
         )
-    if record.timestamp > now + skew:
+    if record.timestamp > now + CLOCK_SKEW:
         raise ProtocolError(
             f"record from the future: its timestamp is {record.timestamp - now:.0f}s ahead of "
             "the registry's clock; check this machine's clock"
