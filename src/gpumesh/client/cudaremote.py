@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from gpumesh.transport.session import Session
     from gpumesh.transport.stream import Stream
 
-__all__ = ["DEFAULT_MEMORY", "Bridge", "carry", "carry_socket", "parse_bind"]
+__all__ = ["DEFAULT_MEMORY", "Bridge", "carry_socket", "parse_bind"]
 
 logger = logging.getLogger(__name__)
 
@@ -111,35 +111,18 @@ class _SocketLocal(_Local):
         self.sock.close()
 
 
-async def carry(
-    node: Node,
-    peer: str,
-    memory: int,
-    reader: asyncio.StreamReader,
-    writer: asyncio.StreamWriter,
-    on_open: Callable[[CudaOpened], None] | None = None,
-    on_session: Callable[[Session], None] | None = None,
-) -> None:
-    """Carry one local connection's CUDA session to ``peer`` until either side ends.
-
-    Failures reach the local side as an END frame; this returns normally.
-    ``on_session`` gets the QUIC session the CUDA stream runs on (a benchmark
-    times plain requests on it).
-    """
-    await _carry(node, peer, memory, _StreamsLocal(reader, writer), on_open, on_session)
-
-
 async def carry_socket(
     node: Node,
     peer: str,
     memory: int,
     sock: socket.socket,
-    on_open: Callable[[CudaOpened], None] | None = None,
     on_session: Callable[[Session], None] | None = None,
 ) -> None:
-    """:func:`carry` on a connected socket this loop reads and writes itself (a
-    :class:`~gpumesh.client.cudadevice.RemoteDevice`'s socket pair): the faster way."""
-    await _carry(node, peer, memory, _SocketLocal(sock), on_open, on_session)
+    """Carry a connected socket's CUDA session (a
+    :class:`~gpumesh.client.cudadevice.RemoteDevice`'s socket pair) to ``peer``, this
+    loop reading and writing the socket itself: the faster way. ``on_session`` gets
+    the QUIC session the CUDA stream runs on (a benchmark times plain requests on it)."""
+    await _carry(node, peer, memory, _SocketLocal(sock), on_session)
 
 
 async def _carry(
@@ -147,9 +130,12 @@ async def _carry(
     peer: str,
     memory: int,
     local: _Local,
-    on_open: Callable[[CudaOpened], None] | None,
-    on_session: Callable[[Session], None] | None,
+    on_session: Callable[[Session], None] | None = None,
 ) -> None:
+    """Carry one local connection's CUDA session to ``peer`` until either side ends.
+
+    Failures reach the local side as an END frame; this returns normally.
+    """
     try:
         target = node.peer(peer)
         async with node.session(target.node_id) as session:
@@ -158,8 +144,6 @@ async def _carry(
             stream = session.open_stream()
             stream.send_message(CudaOpen(memory=memory))
             opened = await stream.expect(CudaOpened)
-            if on_open is not None:
-                on_open(opened)
             await _pump(stream, local, opened.provider)
     except GPUMeshError as exc:
         with contextlib.suppress(OSError, RuntimeError):
@@ -234,7 +218,6 @@ class Bridge:
         self._server: asyncio.Server | None = None
         self.sessions = 0
         """Local connections carried so far."""
-        self.on_open: Callable[[CudaOpened], None] | None = None
 
     async def start(self) -> str:
         """Listen; returns the address programs use (``RemoteDevice.bridge(...)``)."""
@@ -306,4 +289,4 @@ class Bridge:
             writer.close()
             return
         self.sessions += 1
-        await carry(self.node, self.peer, self.memory, reader, writer, self.on_open)
+        await _carry(self.node, self.peer, self.memory, _StreamsLocal(reader, writer))
