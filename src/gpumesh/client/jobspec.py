@@ -510,24 +510,10 @@ def _read_fields(reader: _FileReader, root: yaml.Node | None) -> JobFile:
         if key in lines:
             reader.fail(key_node, f"{key}: set twice (first on line {lines[key]}); keep one")
         lines[key] = key_node.start_mark.line + 1
-        if key == "command":
-            values[key] = reader.command(value_node)
-        elif key == "env":
-            values[key] = reader.env(value_node)
-        elif key == "image":
-            values[key] = reader.image(value_node)
-        elif key == "workdir":
-            values[key] = reader.workdir(value_node)
-        elif key == "gpu_memory":
-            values[key] = reader.gpu_memory(value_node)
-        elif key == "retries":
-            values[key] = reader.retries(value_node)
-        elif key == "timeout":
-            values[key] = reader.timeout(value_node)
-        elif key == "mounts":
-            values[key] = reader.mounts(value_node)
-        else:
+        if key in ("peer", "group"):
             values[key] = reader.name(value_node, key)
+        else:  # every other field has a reader method of its name
+            values[key] = getattr(reader, key)(value_node)
         if "peer" in lines and "group" in lines:
             reader.fail(
                 key_node,
