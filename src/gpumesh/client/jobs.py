@@ -38,6 +38,7 @@ from gpumesh.client.submit import (
     session_with,
     until_received,
 )
+from gpumesh.client.views.jobs import JobResultView
 from gpumesh.errors import (
     AgentError,
     ConnectionLostError,
@@ -496,6 +497,10 @@ class JobFollow(Watch[JobEvent]):
         """The sequence number of the last event read (0: none yet). A follow started
         with ``after_seq`` set to it resumes right after, with nothing lost or repeated."""
         return self._reader.seq
+
+    def view(self) -> JobResultView:
+        """Where the job stood when last seen, as ``gpumesh.Mesh`` returns it."""
+        return JobResultView.of(self.result)
 
 
 class ChangeWaiter(Protocol):

@@ -46,7 +46,7 @@ from gpumesh.client.views.jobs import JobResultView
 from gpumesh.errors import ConfigError
 
 if TYPE_CHECKING:
-    from gpumesh.client.jobs import JobEvent, JobFollow
+    from gpumesh.client.jobs import JobEvent
     from gpumesh.client.jobspec import JobSpec
     from gpumesh.client.node import Node
     from gpumesh.client.views.apps import AppRunView
@@ -154,7 +154,7 @@ class InProcess:
     def events(self, job_id: str, *, follow: bool) -> Follow:
         from gpumesh.client.jobs import logs
 
-        return _LocalFollow(logs(self.node, job_id, follow=follow))
+        return logs(self.node, job_id, follow=follow)
 
     async def cancel(self, job_id: str) -> JobResultView:
         from gpumesh.client.jobs import cancel
@@ -204,22 +204,6 @@ class InProcess:
 
         statuses = await group_status(self.node, name, live=live)
         return [MemberStatusEntry.of_status(s) for s in statuses]
-
-
-class _LocalFollow:
-    """:class:`~gpumesh.client.jobs.JobFollow` as a :class:`Follow`."""
-
-    def __init__(self, follow: JobFollow) -> None:
-        self._follow = follow
-
-    def __aiter__(self) -> AsyncIterator[JobEvent]:
-        return aiter(self._follow)
-
-    async def aclose(self) -> None:
-        await self._follow.aclose()
-
-    def view(self) -> JobResultView:
-        return JobResultView.of(self._follow.result)
 
 
 class Mesh:
