@@ -474,12 +474,12 @@ async def _probe_port(port: int, timeout: float = 1.0) -> LocalServer | None:
     return LocalServer(DesktopKind.TCP, port, greeting.decode("ascii", "replace").strip())
 
 
-async def check_desktop(node: Node, extra_ports: Sequence[int] = ()) -> DesktopReport:
+async def check_desktop(node: Node) -> DesktopReport:
     """What ``desktop doctor`` reports: servers on 127.0.0.1:5900-5909, 3389 and the
     shared port (from the kernel's socket table on Linux; elsewhere by connecting and
     reading a VNC server's greeting); nothing leaves this machine."""
     share = node.home.store.desktop_share()
-    ports = list(dict.fromkeys([*_CANDIDATE_PORTS, *extra_ports, *([share.port] if share else [])]))
+    ports = list(dict.fromkeys([*_CANDIDATE_PORTS, *([share.port] if share else [])]))
     found = await asyncio.gather(*(_probe_port(port) for port in ports))
     servers = [
         dataclasses.replace(server, kind=share.kind)
