@@ -70,11 +70,11 @@ class RunWatch(Watch[RunEvent]):
         self.result: JobResult | None = None
         self.seq = 0
         """The sequence number of the job's last event read (resume after it)."""
-        self._wait = wait
-        self._sandbox_dir = sandbox_dir
-        self._events = self._run(node, spec, follow)
+        self._events = self._run(node, spec, follow, wait, sandbox_dir)
 
-    async def _run(self, node: Node, spec: JobSpec, follow: bool) -> AsyncGenerator[RunEvent, None]:
+    async def _run(
+        self, node: Node, spec: JobSpec, follow: bool, wait: float, sandbox_dir: str
+    ) -> AsyncGenerator[RunEvent, None]:
         queue: EventQueue[RunEvent] = EventQueue((Pulling, Uploading))
         callbacks = JobCallbacks(
             placed=lambda placement: queue.push(Placed(placement)),
@@ -84,12 +84,7 @@ class RunWatch(Watch[RunEvent]):
         )
         task = asyncio.ensure_future(
             run_job(
-                node,
-                spec,
-                detach=True,
-                callbacks=callbacks,
-                wait=self._wait,
-                sandbox_dir=self._sandbox_dir,
+                node, spec, detach=True, callbacks=callbacks, wait=wait, sandbox_dir=sandbox_dir
             )
         )
         try:
