@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -30,7 +30,6 @@ __all__ = [
     "follow",
     "node_client",
     "node_home",
-    "owner_change",
     "peer_change",
     "peer_option",
     "running_client",
@@ -117,24 +116,19 @@ def running_client() -> NodeClient | None:
     return NodeClient(home) if holder(home) is not None else None
 
 
-V = TypeVar("V")
-
-
-def owner_change(method: str, path: str, view: type[V], body: object = None) -> V:
-    """An owner's change (an allowlist, the desktop or CUDA share): ``method path``
-    through the node process, which runs this home's share and so acts on it at
-    once; its answer as ``view``."""
-    return node_client().call(method, path, view, body)
-
-
-def peer_change(peer: str, route: str) -> PeerView:
+def peer_change(peer: str, route: str, as_json: bool, said: Callable[[PeerView], str]) -> None:
     """Put ``peer`` on an allowlist or take it off: ``POST
-    /api/v1/peers/{peer}/{route}`` (``deny``, ``desktop/allow``, ``cuda/deny``…)."""
+    /api/v1/peers/{peer}/{route}`` (``deny``, ``desktop/allow``, ``cuda/deny``…)
+    through the node process, which runs this home's share and so acts on it at
+    once. Prints the peer's view as JSON, or the line ``said`` makes of it."""
     from urllib.parse import quote
 
+    from gpumesh.client.views import to_json
     from gpumesh.client.views.peers import PeerView
 
-    return owner_change("POST", f"/api/v1/peers/{quote(peer, safe='')}/{route}", PeerView)
+    path = f"/api/v1/peers/{quote(peer, safe='')}/{route}"
+    record = node_client().call("POST", path, PeerView)
+    click.echo(to_json(record) if as_json else said(record))
 
 
 def follow(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import click
 
-from gpumesh.cli._common import emit_json, json_option
+from gpumesh.cli._common import json_option
 from gpumesh.cli._complete import complete_peer
 from gpumesh.cli._node import peer_change
 
@@ -15,11 +15,7 @@ from gpumesh.cli._node import peer_change
 @json_option
 def allow(peer: str, as_json: bool) -> None:
     """Let a paired PEER (name or id prefix) use this node again."""
-    record = peer_change(peer, "allow")
-    if as_json:
-        emit_json(record)
-        return
-    click.echo(f"{record.name} ({record.node_id[:12]}) is allowed.")
+    peer_change(peer, "allow", as_json, lambda r: f"{r.name} ({r.node_id[:12]}) is allowed.")
 
 
 @click.command(epilog="\b\nExamples:\n  gpumesh deny bob-laptop")
@@ -31,11 +27,12 @@ def deny(peer: str, as_json: bool) -> None:
     Its next request is refused; a running `gpumesh share` closes its open
     connections (shells, copies, follows) and cancels its running jobs now.
     """
-    record = peer_change(peer, "deny")
-    if as_json:
-        emit_json(record)
-        return
-    click.echo(
-        f"{record.name} ({record.node_id[:12]}) is denied; its open connections are closed "
-        "and its running jobs cancelled."
+    peer_change(
+        peer,
+        "deny",
+        as_json,
+        lambda r: (
+            f"{r.name} ({r.node_id[:12]}) is denied; its open connections are closed "
+            "and its running jobs cancelled."
+        ),
     )

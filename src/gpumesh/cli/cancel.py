@@ -8,7 +8,7 @@ import click
 
 from gpumesh.cli._common import emit_json, json_option
 from gpumesh.cli._complete import complete_submitted_job
-from gpumesh.cli._node import node_client, owner_change, peer_option
+from gpumesh.cli._node import node_client, peer_option
 from gpumesh.protocol.states import JobRole
 
 
@@ -67,7 +67,7 @@ def _end_session(kind: str, session_id: str, as_json: bool) -> None:
 
     # The node process runs this home's share, and its sessions.
     path = f"/api/v1/owner/{_SESSION_ROUTES[kind]}/{quote(session_id, safe='')}/stop"
-    ended = owner_change("POST", path, EndedSessionView)
+    ended = node_client().call("POST", path, EndedSessionView)
     if as_json:
         emit_json(ended)
         return

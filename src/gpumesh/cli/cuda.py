@@ -9,6 +9,7 @@ import click
 
 from gpumesh.cli._common import emit_json, fail, get_node, json_option
 from gpumesh.cli._complete import complete_peer
+from gpumesh.cli._node import node_client, peer_change
 from gpumesh.units import format_size
 
 
@@ -114,12 +115,11 @@ def share(action: str | None) -> None:
     Returns at once. Only peers on the CUDA allowlist (`gpumesh cuda allow`) may
     open a session; each one's memory is held like a job's GPU memory.
     """
-    from gpumesh.cli._node import owner_change
     from gpumesh.client.owner import worker_user
     from gpumesh.client.views.owner import CudaShareView
 
     on = action != "stop"
-    view = owner_change("POST" if on else "DELETE", "/api/v1/cuda/share", CudaShareView)
+    view = node_client().call("POST" if on else "DELETE", "/api/v1/cuda/share", CudaShareView)
     if not on:
         click.echo("CUDA sessions are no longer offered; open ones were ended")
         return
@@ -137,13 +137,7 @@ def share(action: str | None) -> None:
 @json_option
 def allow(peer: str, as_json: bool) -> None:
     """Let a paired PEER open CUDA sessions here."""
-    from gpumesh.cli._node import peer_change
-
-    found = peer_change(peer, "cuda/allow")
-    if as_json:
-        emit_json(found)
-        return
-    click.echo(f"{found.name} may open CUDA sessions here")
+    peer_change(peer, "cuda/allow", as_json, lambda r: f"{r.name} may open CUDA sessions here")
 
 
 @cuda.command(epilog="\b\nExamples:\n  gpumesh cuda deny bob-laptop")
@@ -151,20 +145,15 @@ def allow(peer: str, as_json: bool) -> None:
 @json_option
 def deny(peer: str, as_json: bool) -> None:
     """Take PEER off the CUDA allowlist; its open sessions end at once."""
-    from gpumesh.cli._node import peer_change
-
-    found = peer_change(peer, "cuda/deny")
-    if as_json:
-        emit_json(found)
-        return
-    click.echo(f"{found.name} may no longer open CUDA sessions here")
+    peer_change(
+        peer, "cuda/deny", as_json, lambda r: f"{r.name} may no longer open CUDA sessions here"
+    )
 
 
 @cuda.command(epilog="\b\nExamples:\n  gpumesh cuda demo --peer alice-pc")
 @_session_options
 def demo(peer: str, memory: str | None, memory_alias: str | None) -> None:
     """Add two vectors on PEER's device and check the result; say where it ran."""
-    from gpumesh.cli._node import node_client
     from gpumesh.client.bodies import CudaBody
     from gpumesh.client.cuda import DemoResult
 
@@ -188,7 +177,6 @@ def demo(peer: str, memory: str | None, memory_alias: str | None) -> None:
 @json_option
 def bench(peer: str, memory: str | None, memory_alias: str | None, as_json: bool) -> None:
     """Call latency, and copy bandwidth each way 1 MiB ... 256 MiB, next to the link's."""
-    from gpumesh.cli._node import node_client
     from gpumesh.client.bodies import CudaBody
     from gpumesh.client.cuda import BenchResult
 
@@ -240,7 +228,6 @@ def bridge(peer: str, memory: str | None, memory_alias: str | None, bind: str) -
     """Serve a local endpoint through which programs here use PEER's device."""
     import os
 
-    from gpumesh.cli._node import node_client
     from gpumesh.client.bodies import CudaBody
     from gpumesh.client.views.desktop import CudaBridgeView
 

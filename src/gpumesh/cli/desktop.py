@@ -9,6 +9,7 @@ import click
 
 from gpumesh.cli._common import emit_json, get_node, json_option
 from gpumesh.cli._complete import complete_peer
+from gpumesh.cli._node import node_client, peer_change
 
 if TYPE_CHECKING:
     from gpumesh.client.views.desktop import DesktopDoctorView, TunnelView
@@ -43,7 +44,6 @@ def doctor(as_json: bool) -> None:
     """Check for a VNC or RDP server on 127.0.0.1 (ports 5900-5909, 3389 and the
     shared one), warn when one also listens beyond loopback (jobs' containers and
     the LAN reach it), and show the share, its allowlist and who is connected."""
-    from gpumesh.cli._node import node_client
     from gpumesh.client.views.desktop import DesktopDoctorView
 
     report = node_client().call("GET", "/api/v1/desktop/doctor", DesktopDoctorView)
@@ -119,7 +119,6 @@ def share(action: str | None, kind: str | None, port: int | None, as_json: bool)
     Warns when the server also listens beyond loopback (then jobs' containers and the
     LAN reach it without GPUMesh).
     """
-    from gpumesh.cli._node import owner_change
     from gpumesh.client.desktop import exposure, exposure_warning
     from gpumesh.client.views.owner import DesktopShareView
     from gpumesh.errors import BadRequestError
@@ -128,7 +127,7 @@ def share(action: str | None, kind: str | None, port: int | None, as_json: bool)
     if action == "stop":
         if kind or port:
             raise BadRequestError("`desktop share stop` takes no --vnc, --rdp or --port")
-        stopped = owner_change("DELETE", "/api/v1/desktop/share", DesktopShareView)
+        stopped = node_client().call("DELETE", "/api/v1/desktop/share", DesktopShareView)
         if as_json:
             emit_json(stopped)
         elif stopped.shared:
@@ -145,7 +144,7 @@ def share(action: str | None, kind: str | None, port: int | None, as_json: bool)
         chosen, port = DesktopKind.VNC, DesktopKind.VNC.server_port
 
     body = {"kind": str(chosen), "port": port}
-    shared = owner_change("POST", "/api/v1/desktop/share", DesktopShareView, body)
+    shared = node_client().call("POST", "/api/v1/desktop/share", DesktopShareView, body)
     assert shared.port is not None
     exposed = exposure(shared.port)
     if exposed:
@@ -169,13 +168,12 @@ def allow(peer: str, as_json: bool) -> None:
 
     The desktop allowlist is separate from the one for jobs and files.
     """
-    from gpumesh.cli._node import peer_change
-
-    record = peer_change(peer, "desktop/allow")
-    if as_json:
-        emit_json(record)
-        return
-    click.echo(f"{record.name} ({record.node_id[:12]}) may use the desktop.")
+    peer_change(
+        peer,
+        "desktop/allow",
+        as_json,
+        lambda r: f"{r.name} ({r.node_id[:12]}) may use the desktop.",
+    )
 
 
 @desktop.command(
@@ -187,15 +185,14 @@ def allow(peer: str, as_json: bool) -> None:
 def deny(peer: str, as_json: bool) -> None:
     """Take PEER off the desktop allowlist; a running `gpumesh share` cuts its open
     desktop connections at once (its jobs and files are untouched)."""
-    from gpumesh.cli._node import peer_change
-
-    record = peer_change(peer, "desktop/deny")
-    if as_json:
-        emit_json(record)
-        return
-    click.echo(
-        f"{record.name} ({record.node_id[:12]}) may no longer use the desktop; its open "
-        "desktop connections are closed."
+    peer_change(
+        peer,
+        "desktop/deny",
+        as_json,
+        lambda r: (
+            f"{r.name} ({r.node_id[:12]}) may no longer use the desktop; its open "
+            "desktop connections are closed."
+        ),
     )
 
 
@@ -233,7 +230,6 @@ def connect(peer: str, bind_text: str | None, as_json: bool) -> None:
 
     import msgspec
 
-    from gpumesh.cli._node import node_client
     from gpumesh.client.bodies import TunnelBody
     from gpumesh.client.views.desktop import (
         TunnelConnectionView,
