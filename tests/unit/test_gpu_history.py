@@ -22,12 +22,11 @@ def test_the_history_keeps_a_fixed_number_of_samples_oldest_out(
 ) -> None:
     monkeypatch.setenv(ENV_SIMULATED_LOAD, "1")
     clock = _Clock()
-    history = GpuHistory(
-        interval=5, capacity=4, clock=clock, inventory=SimulatedInventory("A:10GB,B:20GB:5GB")
-    )
+    inventory = SimulatedInventory("A:10GB,B:20GB:5GB")
+    history = GpuHistory(interval=5, capacity=4, clock=clock, inventory=inventory)
     for step in range(10):
         clock.now = 1000.0 + 5 * step
-        history.sample()
+        history.record(clock.now, inventory.gpus())
     view = history.view()
     assert view.source == "simulated" and view.capacity == 4
     assert [g.name for g in view.gpus] == ["A", "B"]
@@ -52,7 +51,7 @@ def test_simulated_load_moves_only_when_asked(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr("gpumesh.gpu.inventory.time.time", clock)
     for step in range(20):
         clock.now = 1000.0 + 3 * step
-        history.sample()
+        history.record(clock.now, inventory.gpus())
     gpu = history.view().gpus[0]
     assert len(set(gpu.utilization)) > 5 and len(set(gpu.temperature)) > 5
     assert len(set(gpu.memory_used)) > 5 and len(set(gpu.power)) > 5
@@ -60,10 +59,8 @@ def test_simulated_load_moves_only_when_asked(monkeypatch: pytest.MonkeyPatch) -
 
 def test_a_gpu_that_disappears_keeps_its_history_and_one_that_appears_starts_empty() -> None:
     clock = _Clock()
-    history = GpuHistory(
-        interval=1, capacity=10, clock=clock, inventory=SimulatedInventory("A:1GB")
-    )
-    history.sample()
+    history = GpuHistory(interval=1, capacity=10, clock=clock)
+    history.record(clock.now, SimulatedInventory("A:1GB").gpus())
     clock.now += 1
     history.record(clock.now, [GpuInfo(1, "GPU-x", "X", 2 * 10**9, 10**9, 50, 60, None, 70)])
     view = history.view()

@@ -10,7 +10,6 @@ The clock and the inventory are passed in, so tests sample without sleeping.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import deque
@@ -98,10 +97,6 @@ class GpuHistory:
         # The slot count stays an hour's at the normal interval: memory is fixed.
         return cls(interval=interval)
 
-    def sample(self) -> None:
-        """Read every GPU once and append the readings."""
-        self.record(self.clock(), self._source().gpus())
-
     def record(self, now: float, gpus: list[GpuInfo]) -> None:
         """Append one reading of each GPU taken at ``now``."""
         for gpu in gpus:
@@ -132,29 +127,18 @@ class GpuHistory:
         return GpuHistoryView(source, self.interval, self.capacity, series)
 
     def start(self) -> None:
-        """Sample in the running event loop until :meth:`stop` (or the loop ends)."""
+        """Sample in the running event loop until the loop ends."""
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self.run())
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-
-    def _source(self) -> GpuInventory:
-        if self.inventory is None:
-            self.inventory = detect_inventory()
-        return self.inventory
 
     async def run(self) -> None:
         while True:
             try:
                 # nvidia-smi is a subprocess that a hung driver can stall: read in a
                 # thread, record in the loop (where the pages read).
-                source = self._source()
-                gpus = await asyncio.to_thread(source.gpus)
+                if self.inventory is None:
+                    self.inventory = detect_inventory()
+                gpus = await asyncio.to_thread(self.inventory.gpus)
                 self.record(self.clock(), gpus)
             except Exception:
                 logger.warning("reading the GPUs for the dashboard failed", exc_info=True)
