@@ -37,10 +37,7 @@ def run_command(command: click.Command, argv: list[str] | None, prog_name: str) 
     except ConfigError as exc:
         print_error(exc.message)
         return 2
-    except click.UsageError as exc:
-        print_error(exc.format_message())
-        return 2
-    except click.ClickException as exc:
+    except click.ClickException as exc:  # a usage error's exit_code is 2
         print_error(exc.format_message())
         return exc.exit_code
     except (click.Abort, KeyboardInterrupt):
