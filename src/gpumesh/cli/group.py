@@ -13,10 +13,10 @@ import click
 from gpumesh.cli._common import emit_json
 from gpumesh.cli._complete import complete_group, complete_peer
 from gpumesh.cli._node import node_client
+from gpumesh.cli._table import Column, escape, print_table
 from gpumesh.units import format_duration
 
 if TYPE_CHECKING:
-    from gpumesh.cli._table import Column
     from gpumesh.client.views.groups import MemberEntry, MemberStatusEntry
 
 _ACCESS_COLORS = {"self": "cyan", "allowed": "green", "denied": "red"}
@@ -74,15 +74,13 @@ def list_groups(as_json: bool) -> None:
             "`gpumesh group join '<invite>'`."
         )
         return
-    from gpumesh.cli._table import Column, print_table
-
     now = time.time()
     shown = []
     for s in rows:
-        origin = f"joined via {_escape(s.joined_via)}" if s.joined_via else "created here"
+        origin = f"joined via {escape(s.joined_via)}" if s.joined_via else "created here"
         shown.append(
             [
-                _escape(s.name),
+                escape(s.name),
                 s.group_id[:12],
                 str(s.member_count),
                 f"{s.usable}/{s.others}",
@@ -220,25 +218,15 @@ def members(name: str, offline: bool, as_json: bool) -> None:
 
 # --- rendering ------------------------------------------------------------------------
 
-# One entry per table column: header and cell text (Rich markup allowed). A new
-# column (reachability, GPUs) is one more entry here and one more field in
+# One entry per table column: the column and its cell text (Rich markup allowed). A
+# new column (reachability, GPUs) is one more entry here and one more field in
 # gpumesh.client.views.groups.MemberEntry.
-_MEMBER_COLUMNS: list[tuple[str, Callable[[MemberStatusEntry], str]]] = [
-    ("NAME", lambda v: _escape(v.name)),
-    ("ID", lambda v: v.node_id[:12]),
-    ("ACCESS", lambda v: _access(v.access)),
-    ("ADDRESSES", lambda v: _escape(", ".join(v.addresses) or "-")),
+_MEMBER_COLUMNS: list[tuple[Column, Callable[[MemberStatusEntry], str]]] = [
+    (Column("NAME", gives_way=2, least=10), lambda v: escape(v.name)),
+    (Column("ID"), lambda v: v.node_id[:12]),
+    (Column("ACCESS"), lambda v: _access(v.access)),
+    (Column("ADDRESSES", gives_way=3, least=12), lambda v: escape(", ".join(v.addresses) or "-")),
 ]
-
-
-def _member_column(header: str) -> Column:
-    from gpumesh.cli._table import Column
-
-    if header == "ADDRESSES":
-        return Column(header, gives_way=3, least=12)
-    if header == "NAME":
-        return Column(header, gives_way=2, least=10)
-    return Column(header)
 
 
 def _unprobed(member: MemberEntry) -> MemberStatusEntry:
@@ -251,13 +239,11 @@ def _unprobed(member: MemberEntry) -> MemberStatusEntry:
 
 
 def _print_members(statuses: list[MemberStatusEntry]) -> None:
-    from gpumesh.cli._table import Column, print_table
-
     # Live columns only when some member was asked; the addresses then make way
     # (they stay in --offline and --json).
     live = any(s.probe is not None for s in statuses)
-    columns = [c for c in _MEMBER_COLUMNS if not (live and c[0] == "ADDRESSES")]
-    headers = [_member_column(header) for header, _ in columns]
+    columns = [c for c in _MEMBER_COLUMNS if not (live and c[0].header == "ADDRESSES")]
+    headers = [column for column, _ in columns]
     if live:
         # An unreachable member's reason is advice: it moves under the row, never cut.
         headers += [
@@ -307,8 +293,8 @@ def _live_cells(entry: MemberStatusEntry) -> list[str]:
         reach = "no" if entry.probe == "unreachable" else "refused"
     free = entry.free_gpu_memory
     return [
-        _escape(reach),
-        _escape(entry.gpus or "-"),
+        escape(reach),
+        escape(entry.gpus or "-"),
         "-" if free is None else format_size(free),
         entry.probe,
     ]
@@ -319,10 +305,4 @@ def _access(access: str) -> str:
     from gpumesh.client.views.groups import ACCESS_LABELS
 
     color = _ACCESS_COLORS.get(access, "yellow")
-    return f"[{color}]{_escape(ACCESS_LABELS.get(access, access))}[/{color}]"
-
-
-def _escape(text: str) -> str:
-    from gpumesh.cli._table import escape
-
-    return escape(text)
+    return f"[{color}]{escape(ACCESS_LABELS.get(access, access))}[/{color}]"
