@@ -48,18 +48,15 @@ def show(as_json: bool) -> None:
     if as_json:
         emit_json(cfg.shown_all())
         return
-    rows = [(name, cfg.shown(name), cfg.source(name), key.help) for name, key in KEYS.items()]
     from gpumesh.cli._table import Column, escape, print_table
 
+    rows = [
+        [name, escape(value_text(cfg.shown(name))), escape(cfg.source(name)), escape(key.help)]
+        for name, key in KEYS.items()
+    ]
     # Values are never cut; on a narrow terminal the meaning goes under its key.
     columns = [Column("KEY"), Column("VALUE"), Column("FROM"), Column("MEANING", below=True)]
-    print_table(
-        columns,
-        [
-            [name, escape(value_text(value)), escape(source), escape(text)]
-            for name, value, source, text in rows
-        ],
-    )
+    print_table(columns, rows)
 
 
 @config.command()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -58,10 +59,8 @@ def status(as_json: bool) -> None:
     home = _home()
     view = None
     if holder(home) is not None:
-        try:
+        with contextlib.suppress(NodeUnavailableError):
             view = NodeClient(home).call("GET", "/api/v1/node", NodeProcessView, timeout=10)
-        except NodeUnavailableError:
-            view = None
     if as_json:
         emit_json(DaemonStatusView(running=view is not None, node=view))
         return

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import click
 
 from gpumesh.cli._common import emit_json
-from gpumesh.cli._table import Column
+from gpumesh.cli._table import Column, escape, print_table
 from gpumesh.protocol.states import JobRole, JobState
 from gpumesh.units import format_duration, format_size
 
@@ -77,8 +77,6 @@ def _confirmed(j: JobListEntry) -> float:
 
 def _print(records: list[JobListEntry]) -> None:
     """The table of ``records``."""
-    from gpumesh.cli._table import escape, print_table
-
     colors: dict[str, str] = {
         JobState.SUCCEEDED: "green",
         JobState.FAILED: "red",

@@ -63,7 +63,9 @@ def start(ctx: click.Context) -> None:
             ExitCode.USAGE,
         )
     home: str | None = ctx.find_root().obj
-    if not _initialized(home) and not _offer_init(home):
+    from gpumesh.store.home import Home
+
+    if not Home(home).initialized and not _offer_init(home):
         raise SystemExit(ExitCode.INTERRUPTED)
     items = _items()
     selected = 0
@@ -157,12 +159,6 @@ def _invoke(home: str | None, argv: list[str]) -> int:
 
 
 # --- the first run: a home without a node -----------------------------------------
-
-
-def _initialized(home: str | None) -> bool:
-    from gpumesh.store.home import Home
-
-    return Home(home).initialized
 
 
 def _offer_init(home: str | None) -> bool:

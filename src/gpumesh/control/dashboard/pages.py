@@ -96,13 +96,12 @@ TEMPLATES = Jinja2Templates(
 """The pages' templates, every value escaped; a name no view passes is an error."""
 
 
-def _headers() -> dict[str, str]:
-    return {
-        "content-security-policy": CSP,
-        "referrer-policy": "no-referrer",
-        "x-content-type-options": "nosniff",
-        "cache-control": "no-store",
-    }
+_HEADERS = {
+    "content-security-policy": CSP,
+    "referrer-policy": "no-referrer",
+    "x-content-type-options": "nosniff",
+    "cache-control": "no-store",
+}
 
 
 def _render(
@@ -118,7 +117,7 @@ def _render(
         **values,
     }
     return TEMPLATES.TemplateResponse(
-        call.request, template, context, status_code=status_code, headers=_headers()
+        call.request, template, context, status_code=status_code, headers=_HEADERS
     )
 
 
