@@ -73,7 +73,7 @@ from gpumesh.client.views.node import LoginCodeView, PublishView
 from gpumesh.control import auth
 from gpumesh.control.call import Call, ControlState, Credential, Refusal, cookie_host
 from gpumesh.control.dashboard import history, pages
-from gpumesh.control.endpoints import Access, Endpoint, Query
+from gpumesh.control.endpoints import Access, Endpoint, Handler, Query
 from gpumesh.control.openapi import document
 from gpumesh.control.routes.files import post_app_pull, post_app_run, post_app_sync, post_copy
 from gpumesh.control.routes.groups import (
@@ -173,24 +173,22 @@ async def get_openapi(call: Call) -> object:
 
 _offline = Query("offline", "boolean", "Do not ask peers: local state only.")
 
+
+def _page(path: str, handler: Handler, summary: str, media_type: str = "text/html") -> Endpoint:
+    """A page or file of the dashboard: anybody may ask (a page signs in first)."""
+    return Endpoint("GET", path, handler, summary, None, Access.PUBLIC, media_type=media_type)
+
+
 ENDPOINTS: tuple[Endpoint, ...] = (
-    Endpoint("GET", "/", pages.overview_page, "Dashboard: overview (sign-in without a session)",
-             None, Access.PUBLIC, media_type="text/html"),
-    Endpoint("GET", "/peers", pages.peers_page, "Dashboard: peers", None, Access.PUBLIC,
-             media_type="text/html"),
-    Endpoint("GET", "/jobs", pages.jobs_page, "Dashboard: jobs", None, Access.PUBLIC,
-             media_type="text/html"),
-    Endpoint("GET", "/jobs/{job_id}", pages.job_page, "Dashboard: one job and its live log",
-             None, Access.PUBLIC, media_type="text/html"),
-    Endpoint("GET", "/groups", pages.groups_page, "Dashboard: groups", None, Access.PUBLIC,
-             media_type="text/html"),
-    Endpoint("GET", "/owner", pages.owner_page, "Dashboard: the owner's view", None,
-             Access.PUBLIC, media_type="text/html"),
-    Endpoint("GET", "/static/{name}", pages.static_file, "Dashboard: its scripts and styles",
-             None, Access.PUBLIC, media_type="text/plain"),
-    Endpoint("GET", "/static/vendor/{name}", pages.vendor_file,
-             "Dashboard: vendored libraries (VENDORED.md lists them)", None, Access.PUBLIC,
-             media_type="text/plain"),
+    _page("/", pages.overview_page, "Dashboard: overview (sign-in without a session)"),
+    _page("/peers", pages.peers_page, "Dashboard: peers"),
+    _page("/jobs", pages.jobs_page, "Dashboard: jobs"),
+    _page("/jobs/{job_id}", pages.job_page, "Dashboard: one job and its live log"),
+    _page("/groups", pages.groups_page, "Dashboard: groups"),
+    _page("/owner", pages.owner_page, "Dashboard: the owner's view"),
+    _page("/static/{name}", pages.static_file, "Dashboard: its scripts and styles", "text/plain"),
+    _page("/static/vendor/{name}", pages.vendor_file,
+          "Dashboard: vendored libraries (VENDORED.md lists them)", "text/plain"),
     Endpoint("GET", "/api/v1/openapi.json", get_openapi, "This document", None, Access.PUBLIC),
     Endpoint("POST", "/api/v1/auth/session", post_session,
              "Exchange a one-time login code for a session cookie", None, Access.PUBLIC,
