@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from typing import Any
 
     from gpumesh.client.views.jobs import JobResultView, Status
-    from gpumesh.client.views.runs import PullingView
+    from gpumesh.client.views.runs import PlacedView, PullingView
     from gpumesh.daemon.client import SseEvent
 
 __all__ = [
@@ -95,16 +95,11 @@ class ViewPrinter:
         output_to_stderr: bool = False,
     ) -> None:
         self.job_id = job_id
-        self.quiet = quiet
         self.output_to_stderr = output_to_stderr
         """The job's stdout goes to stderr too (stdout is a --json's)."""
         self.numbered = numbered
         self.steps = StepNotes(quiet=quiet, explain=explain)
         self.outage = ReconnectNotes()
-
-    def note(self, text: str) -> None:
-        if not self.quiet:
-            _note(text)
 
     def show(self, view: object) -> None:
         """One event of the stream: its view (:data:`~gpumesh.client.views.runs.RUN_EVENTS`)."""
@@ -122,7 +117,7 @@ class ViewPrinter:
         elif isinstance(view, Status):
             note = state_note(view, numbered=self.numbered, job_id=self.job_id)
             if note is not None:
-                self.note(note)
+                self.steps.note(note)
         elif isinstance(view, Dropped):
             dropped = (
                 f"gpumesh: {format_size(view.count)} of output dropped here: the provider "
@@ -131,10 +126,9 @@ class ViewPrinter:
             click.echo(click.style(dropped, fg="yellow"), err=True)
         elif isinstance(view, Reconnecting):
             if (line := self.outage.note(view.message)) is not None:
-                self.note(line)
+                self.steps.note(line)
         elif isinstance(view, PlacedView):
-            every = [(c.name, c.eligible, c.reason) for c in view.candidates]
-            self.steps.placed(view.chosen.name, view.chosen.reason, every)
+            self.steps.placed(view)
         elif isinstance(view, PullingView):
             self.steps.pull(view)
         elif isinstance(view, AcceptedView):
@@ -205,15 +199,14 @@ class StepNotes:
             where = f"GPU {', '.join(gpus)}" if gpus else "no GPU"
             self.note(f"job {job_id} on {provider} ({where})")
 
-    def placed(self, chosen: str, reason: str, candidates: list[tuple[str, bool, str]]) -> None:
-        """``candidates``: every member as (name, eligible, reason), the chosen one too."""
-        self.note(f"placing on {chosen}: {reason}")
-        for name, eligible, why in candidates:
-            if name == chosen:
-                continue
-            if self.explain or not eligible:
-                verdict = "also fits" if eligible else "skipped"
-                self.note(f"  {name}: {verdict}: {why}")
+    def placed(self, view: PlacedView) -> None:
+        """Where ``--group`` placed the job, and why the other members were not chosen."""
+        chosen = view.chosen.name
+        self.note(f"placing on {chosen}: {view.chosen.reason}")
+        for member in view.candidates:
+            if member.name != chosen and (self.explain or not member.eligible):
+                verdict = "also fits" if member.eligible else "skipped"
+                self.note(f"  {member.name}: {verdict}: {member.reason}")
 
     def pull(self, view: PullingView) -> None:
         if self.quiet:
