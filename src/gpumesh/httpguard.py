@@ -117,16 +117,12 @@ class Limits:
     @classmethod
     def from_env(cls, **given: Any) -> Limits:
         """``given`` over the defaults, and ``$GPUMESH_HTTP_*`` over both."""
-        limits = cls(**given)
-        deadline = _number(ENV_HTTP_DEADLINE, float)
-        connections = _number(ENV_HTTP_CONNECTIONS, int)
-        per_client = _number(ENV_HTTP_PER_CLIENT, int)
-        return replace(
-            limits,
-            deadline=limits.deadline if deadline is None else deadline,
-            connections=limits.connections if connections is None else connections,
-            per_client=limits.per_client if per_client is None else per_client,
-        )
+        found = {
+            "deadline": _number(ENV_HTTP_DEADLINE, float),
+            "connections": _number(ENV_HTTP_CONNECTIONS, int),
+            "per_client": _number(ENV_HTTP_PER_CLIENT, int),
+        }
+        return replace(cls(**given), **{k: v for k, v in found.items() if v is not None})
 
     def body_limit(self, method: str, path: str) -> int:
         return self.bodies.get(f"{method} {path}", self.body)
