@@ -18,6 +18,9 @@ import click
 from gpumesh import platform
 from gpumesh.cli._common import run_async
 from gpumesh.cli._complete import complete_peer
+from gpumesh.cli._node import env_of, node_client
+from gpumesh.errors import AgentError, ConfigError, error_from_code
+from gpumesh.units import parse_size
 
 if TYPE_CHECKING:
     from gpumesh.client.bodies import ShellRequest
@@ -67,14 +70,10 @@ def exec(
     stdout and stderr arrive together. gpumesh exits with the program's code.
     PEER is a name or an id prefix; with no arguments at all, $GPUMESH_PEER.
     """
-    from gpumesh.errors import ConfigError
-
     if command[:1] == ("--",):  # `gpumesh exec PEER -- CMD`: the separator is not the command
         command = command[1:]
     if image is not None and (not image.strip() or any(ch.isspace() for ch in image)):
         raise ConfigError(f"--image {image!r} is not an image name, such as python:3.12-slim")
-    from gpumesh.units import parse_size
-
     memory = parse_size(gpu_memory) if gpu_memory is not None else 0
     if gpu_memory is not None and memory <= 0:
         raise ConfigError(f"--gpu-memory {gpu_memory!r} must be more than 0, e.g. 8GB")
@@ -83,7 +82,6 @@ def exec(
     tty = os.isatty(0) and os.isatty(1) and platform.has("termios")
     raw = _RawMode(0) if tty else None
     from gpumesh import settings
-    from gpumesh.cli._node import env_of
     from gpumesh.client.bodies import ShellRequest
 
     request = ShellRequest(
@@ -108,13 +106,11 @@ async def _through_node(request: ShellRequest, raw: _RawMode | None) -> int:
     (:mod:`gpumesh.daemon.shells`)."""
     import msgspec
 
-    from gpumesh.cli._node import node_client
     from gpumesh.cli._notes import StepNotes
     from gpumesh.client.views import ErrorView
     from gpumesh.client.views.runs import PullingView
     from gpumesh.control.views import ShellOfferView
     from gpumesh.daemon import frames
-    from gpumesh.errors import AgentError, error_from_code
 
     client = node_client()
     if raw is not None:
@@ -197,7 +193,6 @@ async def _connect_shell(
     import socket
     from pathlib import Path
 
-    from gpumesh.errors import AgentError
     from gpumesh.store.sockets import socket_name
 
     try:

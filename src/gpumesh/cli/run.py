@@ -8,9 +8,10 @@ from typing import TYPE_CHECKING
 
 import click
 
+from gpumesh.cli._common import print_error
 from gpumesh.cli._complete import complete_group
 from gpumesh.cli._node import job_options, peer_option
-from gpumesh.errors import ExitCode
+from gpumesh.errors import AgentError, ExitCode, GPUMeshError
 
 if TYPE_CHECKING:
     from gpumesh.client.bodies import JobBody
@@ -141,7 +142,6 @@ def _through_node(
     from gpumesh.client.views.jobs import JobResultView
     from gpumesh.client.views.runs import RUN_EVENTS
     from gpumesh.daemon.client import NodeUnavailableError
-    from gpumesh.errors import AgentError
 
     client = node_client()
     if detach:
@@ -172,9 +172,7 @@ def _interrupted(job_id: str, peer: str) -> None:
     """Ctrl-C: cancel the remote job, or leave it running when the user says so."""
     from urllib.parse import quote
 
-    from gpumesh.cli._common import print_error
     from gpumesh.cli._node import node_client
-    from gpumesh.errors import GPUMeshError
 
     cancel = True
     if sys.stdin.isatty():

@@ -5,7 +5,9 @@ from __future__ import annotations
 import click
 
 from gpumesh.cli._common import emit_json
-from gpumesh.cli._table import Column
+from gpumesh.cli._node import node_client
+from gpumesh.cli._table import Column, escape, print_table
+from gpumesh.units import format_size, parse_size
 
 COLUMNS = [
     # On a narrow terminal names are cut to 20 characters, GPUs to 16; then the
@@ -66,10 +68,8 @@ def search(
     Uses the registry at the `rendezvous_url` setting. Every listing's signature
     is verified by this node before it is shown.
     """
-    from gpumesh.cli._node import node_client
     from gpumesh.client.bodies import SearchBody
     from gpumesh.client.views.registry import SearchView
-    from gpumesh.units import parse_size
 
     body = SearchBody(
         gpu=gpu,
@@ -87,9 +87,6 @@ def search(
     if not page.listings:
         click.echo("No listing matches on the registry (rendezvous_url).")
         return
-    from gpumesh.cli._table import escape, print_table
-    from gpumesh.units import format_size
-
     rows = []
     for listing in page.listings:
         gpus = ", ".join(

@@ -9,7 +9,9 @@ from typing import TYPE_CHECKING
 import click
 
 from gpumesh.cli._common import emit_json
+from gpumesh.cli._node import node_client
 from gpumesh.protocol.states import JobRole
+from gpumesh.units import format_duration, format_size
 
 if TYPE_CHECKING:
     from gpumesh.daemon.client import NodeClient
@@ -29,8 +31,6 @@ def status(offline: bool, as_json: bool) -> None:
     home's node process, as in `gpumesh jobs` (a few seconds at most, and not
     waiting again on a provider that did not answer).
     """
-    from gpumesh.cli._node import node_client
-
     client = node_client()
     # Sent first: the node process looks while this process loads the decoder.
     answer = client.send("GET", f"/api/v1/status?offline={'true' if offline else 'false'}")
@@ -60,8 +60,6 @@ def status(offline: bool, as_json: bool) -> None:
         click.echo(f"Relay    {relay_line}")
     for link in st.connections:
         click.echo(f"Peer     {link['peer']} connected, path {link['path']}")
-    from gpumesh.units import format_size
-
     for shell in st.sessions.shells:
         since = _clock(shell.since)
         click.echo(f"Shell    {shell.peer} in {shell.image} since {since} (id {shell.id})")
@@ -110,7 +108,6 @@ def _clock(unix_time: float) -> str:
 def _not_sharing(home: Path, listen: str) -> str:
     """``no``, how the last share ended when it is known, and how to share."""
     from gpumesh.daemon.record import last_share_end
-    from gpumesh.units import format_duration
 
     hint = f"run `gpumesh share`; would listen on udp {listen}"
     ended = last_share_end(home)
