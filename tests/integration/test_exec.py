@@ -251,9 +251,11 @@ def test_interactive_shell_through_a_real_terminal(nodes: Nodes, engine, termina
     shell.send("grep CapEff /proc/self/status\r")
     shell.expect(b"CapEff:\t0000000000000000")
 
-    # Ctrl-C interrupts the program in the shell, not the shell or gpumesh.
-    shell.send("sleep 30\r")
-    shell.expect(b"sleep 30")
+    # Ctrl-C interrupts the program in the shell, not the shell or gpumesh. It is
+    # sent once the line runs (its first output seen): a ^C that reached the shell
+    # while it still edited the line would only clear the line, not stop the sleep.
+    shell.send("echo go; sleep 30\r")
+    shell.expect(b"\ngo\r\n")
     interrupted = time.monotonic()
     shell.interrupt()
     shell.send("echo still-$((1 + 1))\r")
