@@ -19,7 +19,7 @@ import math
 import os
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, cast
 
 from gpumesh.agent.deps import Provider, Sandboxes, Settings
@@ -53,10 +53,9 @@ class PullReporter:
     the stream is only touched there. A stream that is gone (its requester left)
     silently stops the reports: the pull itself goes on for the job."""
 
-    def __init__(self, stream: Stream, *, every: float = PULL_PROGRESS_EVERY) -> None:
+    def __init__(self, stream: Stream) -> None:
         self._stream = stream
         self._loop = asyncio.get_running_loop()
-        self._every = every
         self._sent_at = -math.inf
         self._pending: PullProgress | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -70,7 +69,7 @@ class PullReporter:
         if self._finished:
             return
         self._pending = progress
-        due = self._sent_at + self._every
+        due = self._sent_at + PULL_PROGRESS_EVERY
         if progress.done or self._loop.time() >= due:
             self._flush()
         elif self._timer is None:
@@ -83,16 +82,7 @@ class PullReporter:
             return
         self._sent_at = self._loop.time()
         with contextlib.suppress(GPUMeshError, ValueError):  # the stream was reset
-            self._stream.send_message(
-                ImagePull(
-                    image=progress.image,
-                    layers=progress.layers,
-                    layers_done=progress.layers_done,
-                    downloaded=progress.downloaded,
-                    total=progress.total,
-                    done=progress.done,
-                )
-            )
+            self._stream.send_message(ImagePull(**asdict(progress)))
 
     def finish(self) -> None:
         """The pull is over: send the last figures now, and nothing after."""
