@@ -46,9 +46,9 @@ logger = logging.getLogger(__name__)
 
 _LOG_STREAMS: tuple[LogStream, ...] = ("stdout", "stderr")
 _LOG_DRAIN_TIMEOUT = 15.0
-"""After a container exits, how long its log readers may go without progress."""
+"""After a container exits, how long its log reader may go without progress."""
 _PIPE_BYTES = 4 * 1024 * 1024
-"""Most engine-log bytes read but not yet stored. Beyond it the readers wait: only
+"""Most engine-log bytes read but not yet stored. Beyond it the reader waits: only
 our reading of the engine's log waits, never the container, whose output the
 engine keeps meanwhile."""
 _LINE_OVERHEAD = 100
@@ -99,8 +99,14 @@ class JobLog:
     ) -> None:
         """Store a state change of the job (with its peak GPU memory so far)."""
         peak = self._record(job_id).peak_gpu_memory
-        data = _state_data(str(state), exit_code, message, peak, exited=exited)
-        self._store.append_job_event(job_id, attempt, "state", data)
+        info = {
+            "state": str(state),
+            "exit_code": exit_code,
+            "message": message,
+            "peak_gpu_memory": peak,
+            "exited": exited,
+        }
+        self._store.append_job_event(job_id, attempt, "state", json.dumps(info).encode())
         await self.notify()
 
     async def diagnostic(self, job_id: str, attempt: int, message: str) -> None:
@@ -171,9 +177,7 @@ class JobLog:
             job = self._record(job_id)
             if not follow or (job.state in FINAL_STATES and after >= job.last_seq):
                 break
-            async with self._changed:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._changed.wait(), 1.0)
+            await self.wait_changed(1.0)
         if credited:
             stream.end_data()
         stream.finish()
@@ -204,26 +208,26 @@ class OutputPump:
         self._job_id = job_id
         self._attempt = attempt
         self._cursor = cursor
-        self._pipe = _LogPipe(asyncio.get_running_loop(), readers=1)
-        self._readers = [in_thread(_read_logs, runtime, self._pipe, container_id, cursor)]
+        self._pipe = _LogPipe(asyncio.get_running_loop())
+        self._reader = in_thread(_read_logs, runtime, self._pipe, container_id, cursor)
         self._writer = asyncio.create_task(self._write_logs())
 
     async def finish(self) -> None:
-        """After the container exited: let the readers reach the end of its log (as long
-        as they make progress) and the writer store it (within a drain timeout)."""
-        await _drain(self._readers, self._pipe)
+        """After the container exited: let the reader reach the end of its log (as long
+        as it makes progress) and the writer store it (within a drain timeout)."""
+        await _drain(self._reader, self._pipe)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.shield(self._writer), _LOG_DRAIN_TIMEOUT)
 
     def stop(self) -> None:
-        """Stop the writer, and the readers waiting on a full pipe. Stopping the agent
+        """Stop the writer, and the reader waiting on a full pipe. Stopping the agent
         must stop the writer too, or it would keep writing beside the next agent's
         (the cursor in the store is the truth)."""
         self._writer.cancel()
         self._pipe.close()
 
     async def _write_logs(self) -> None:
-        """Store what the readers read: a batch of lines per transaction, the cursor
+        """Store what the reader read: a batch of lines per transaction, the cursor
         with it, consecutive lines of a stream joined into pieces of up to 32 KiB."""
         cursor = self._cursor
         while (lines := await self._pipe.take()) is not None:
@@ -266,18 +270,18 @@ def _read_logs(
 
 
 class _LogPipe:
-    """Engine-log lines from the reader threads to the writer task, bounded in bytes.
+    """Engine-log lines from the reader thread to the writer task, bounded in bytes.
 
     The writer takes everything queued at once, so a busy loop is woken once
     for many lines, not once per line.
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, readers: int) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._cond = threading.Condition()
         self._lines: deque[LogLine] = deque()
         self._bytes = 0
-        self._open = readers
+        self._ended = False
         self._closed = False
         self._woken = False
         self._ready = asyncio.Event()
@@ -285,7 +289,7 @@ class _LogPipe:
         """Lines put so far: how the drain tells progress from a stuck reader."""
 
     def put(self, line: LogLine) -> bool:
-        """Queue a line (a reader thread), waiting while the pipe is full; False once
+        """Queue a line (the reader thread), waiting while the pipe is full; False once
         the writer stopped."""
         with self._cond:
             while self._bytes >= _PIPE_BYTES and not self._closed:
@@ -299,9 +303,9 @@ class _LogPipe:
         return True
 
     def end(self) -> None:
-        """A reader is done (a reader thread)."""
+        """The reader is done (its thread)."""
         with self._cond:
-            self._open -= 1
+            self._ended = True
             self._wake()
 
     def _wake(self) -> None:
@@ -311,7 +315,7 @@ class _LogPipe:
                 self._loop.call_soon_threadsafe(self._ready.set)
 
     async def take(self) -> list[LogLine] | None:
-        """Every line queued so far, once there is one; None when all readers ended."""
+        """Every line queued so far, once there is one; None when the reader ended."""
         while True:
             with self._cond:
                 if self._lines:
@@ -320,32 +324,30 @@ class _LogPipe:
                     self._bytes = 0
                     self._cond.notify_all()
                     return lines
-                if self._open <= 0:
+                if self._ended:
                     return None
                 self._woken = False
                 self._ready.clear()
             await self._ready.wait()
 
     def close(self) -> None:
-        """The writer stopped: readers waiting on a full pipe give up."""
+        """The writer stopped: the reader waiting on a full pipe gives up."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
 
 
-async def _drain(readers: list[asyncio.Future[None]], pipe: _LogPipe) -> None:
-    """After the container exited: wait for the readers to reach the end of its log,
-    however long that takes, as long as they make progress."""
-    pending: set[asyncio.Future[None]] = set(readers)
+async def _drain(reader: asyncio.Future[None], pipe: _LogPipe) -> None:
+    """After the container exited: wait for the reader to reach the end of its log,
+    however long that takes, as long as it makes progress."""
     progress = -1
-    while pending and pipe.received != progress:
+    while not reader.done() and pipe.received != progress:
         progress = pipe.received
-        _done, pending = await asyncio.wait(pending, timeout=_LOG_DRAIN_TIMEOUT)
-    for reader in readers:
-        if not reader.done():
-            reader.cancel()  # stuck: given up on (its thread ends with the engine's stream)
-        elif not reader.cancelled() and reader.exception() is not None:
-            logger.info("a log reader failed: %s", reader.exception())
+        await asyncio.wait({reader}, timeout=_LOG_DRAIN_TIMEOUT)
+    if not reader.done():
+        reader.cancel()  # stuck: given up on (its thread ends with the engine's stream)
+    elif not reader.cancelled() and reader.exception() is not None:
+        logger.info("a log reader failed: %s", reader.exception())
 
 
 def _pieces(lines: list[LogLine]) -> list[tuple[str, bytes]]:
@@ -379,16 +381,3 @@ def _dropped_line(before: JobOutput, dropped: int) -> JobOutput:
     return JobOutput(
         seq=before.seq - 1, attempt=before.attempt, stream="stderr", data=text.encode()
     )
-
-
-def _state_data(
-    state: str, exit_code: int | None, message: str, peak: int, *, exited: bool
-) -> bytes:
-    info = {
-        "state": state,
-        "exit_code": exit_code,
-        "message": message,
-        "peak_gpu_memory": peak,
-        "exited": exited,
-    }
-    return json.dumps(info).encode()
