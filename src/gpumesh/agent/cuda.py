@@ -404,10 +404,7 @@ async def _to_worker(stream: Stream, process: asyncio.subprocess.Process) -> Non
     stdin = process.stdin
     assert stdin is not None
     try:
-        while True:
-            frame = await stream.read_frame()
-            if frame is None:
-                break
+        while (frame := await stream.read_frame()) is not None:
             if frame.kind is not FrameKind.DATA:
                 raise ProtocolError("a CUDA session carries only data after CudaOpened")
             if frame.body:
