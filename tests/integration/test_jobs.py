@@ -571,7 +571,7 @@ def test_peak_gpu_memory_is_measured_and_reported_to_the_submitter(cluster) -> N
                 if record is not None and record.state == "running" and record.container_id:
                     break
                 await asyncio.sleep(0.1)
-            run = agent.jobs._runs[job.job_id]
+            run = agent.jobs.runner.runs[job.job_id]
             agent.gpus._inventory = _EveryProcessUsesGpuMemory("L4:24GB")
             sampler = asyncio.create_task(
                 agent.jobs.runner.sample_gpu_memory(run, record.container_id)

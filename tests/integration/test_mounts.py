@@ -201,7 +201,7 @@ def test_a_mounted_folder_is_checked_again_before_every_attempt(
             # Between attempts the folder becomes a link to a host folder.
             (box / "w").rmdir()
             (box / "w").symlink_to(outside)
-            agent.jobs._runs[started.job_id].wake.set()
+            agent.jobs.runner.runs[started.job_id].wake.set()
             ended = await until(started.job_id, ("failed", "succeeded", "cancelled"))
             assert ended.state == "failed"
             assert "its folder /w cannot be used any more" in ended.message

@@ -118,8 +118,6 @@ class JobService:
             provider, store, containers=containers, gpus=gpus, sandboxes=files, log=self.log
         )
         """The jobs' supervision, from an accepted job's first attempt to its end."""
-        self._runs = self.runner.runs
-        """The runner's runs (the same dict), as revokes and resubmissions look them up."""
         self.admission = Admission(share_limits, self._claims, provider.name)
         """Admits jobs and shells (max_jobs_per_peer, max_shells_per_peer, share_memory)."""
         # What unfinished jobs were promised holds again from the start, before any
@@ -154,10 +152,6 @@ class JobService:
         self.runner.report = report
 
     # --- lifecycle ------------------------------------------------------------------------
-
-    def stop(self) -> None:
-        """Stop supervising; containers keep running and are re-attached on next start."""
-        self.runner.stop()
 
     async def wait_changed(self, timeout: float) -> None:
         """Return when a hosted job gets events (or after ``timeout`` seconds): what an
@@ -274,7 +268,7 @@ class JobService:
         )
 
     async def handle_cancel(self, ctx: RequestContext, message: JobCancel) -> None:
-        job = await self.cancel(self.owned(ctx.peer, message.job_id).job_id)
+        job = await self.runner.cancel(self.owned(ctx.peer, message.job_id).job_id)
         ctx.stream.send_message(
             JobStatus(
                 job_id=job.job_id,
@@ -305,18 +299,14 @@ class JobService:
             end=True,
         )
 
-    async def cancel(self, job_id: str, reason: str = "cancelled") -> JobRecord:
-        """Stop a hosted job for good (never retried), saying why; its record after."""
-        return await self.runner.cancel(job_id, reason)
-
     async def revoke(self, allowed: Callable[[str], bool]) -> None:
         """Cancel the unfinished jobs of every peer that may no longer use this node."""
         revoked = [
             job.job_id
             for job in self.store.unfinished_hosted_jobs()
-            if job.job_id in self._runs and not allowed(job.peer_id)
+            if job.job_id in self.runner.runs and not allowed(job.peer_id)
         ]
-        await asyncio.gather(*(self.cancel(job_id, REVOKED) for job_id in revoked))
+        await asyncio.gather(*(self.runner.cancel(job_id, REVOKED) for job_id in revoked))
 
     async def owner_cancels(self) -> None:
         """Carry out cancels this node's owner recorded (``gpumesh cancel`` of a hosted job)."""
@@ -324,11 +314,11 @@ class JobService:
             job
             for job in self.store.unfinished_hosted_jobs()
             if job.cancel_requested
-            and job.job_id in self._runs
-            and not self._runs[job.job_id].machine.cancel_requested
+            and job.job_id in self.runner.runs
+            and not self.runner.runs[job.job_id].machine.cancel_requested
         ]
         await asyncio.gather(
-            *(self.cancel(job.job_id, job.message or OWNER_CANCELLED) for job in asked)
+            *(self.runner.cancel(job.job_id, job.message or OWNER_CANCELLED) for job in asked)
         )
 
     # --- checks -----------------------------------------------------------------------------
@@ -437,36 +427,29 @@ class JobService:
         work = job_dir / "work"
         # Everything is unpacked as the job's user: no second walk to chown it.
         owner = self.files.owner
-        if offer is not None:
-            incoming = job_dir / "incoming"
-            hasher = new_hasher(hash_name)
-            if await self.files.channels.receive_tar(
-                ctx, offer, size, incoming, limit, hasher, owner
-            ):
-                await in_thread(incoming.rename, work)
-                await in_thread(_hand_over, job_dir)
-                self.store.update_job(JobRole.HOSTED, run.job_id, workdir=str(work))
-                logger.info(
-                    "[job %s] workdir received over a data channel (%d bytes of tar, %s)",
-                    run.job_id,
-                    size,
-                    label(hash_name),
-                )
-                return
-        stream = ctx.stream
-        received = 0
-        async with unpack_from(work, limit, NoHash(), owner) as feed:
-            while chunk := await stream.read_data():
-                received += len(chunk)
-                if received > size:
-                    raise ProtocolError("the workdir upload is larger than announced")
-                await feed(chunk)
-            if received != size:
-                raise ProtocolError(f"the workdir upload ended after {received} of {size} bytes")
-            await feed(None)
+        incoming = job_dir / "incoming"
+        if offer is not None and await self.files.channels.receive_tar(
+            ctx, offer, size, incoming, limit, new_hasher(hash_name), owner
+        ):
+            await in_thread(incoming.rename, work)
+            how = f"over a data channel ({size} bytes of tar, {label(hash_name)})"
+        else:
+            received = 0
+            async with unpack_from(work, limit, NoHash(), owner) as feed:
+                while chunk := await ctx.stream.read_data():
+                    received += len(chunk)
+                    if received > size:
+                        raise ProtocolError("the workdir upload is larger than announced")
+                    await feed(chunk)
+                if received != size:
+                    raise ProtocolError(
+                        f"the workdir upload ended after {received} of {size} bytes"
+                    )
+                await feed(None)
+            how = f"({size} bytes of tar)"
         await in_thread(_hand_over, job_dir)
         self.store.update_job(JobRole.HOSTED, run.job_id, workdir=str(work))
-        logger.info("[job %s] workdir received (%d bytes of tar)", run.job_id, size)
+        logger.info("[job %s] workdir received %s", run.job_id, how)
 
     async def _upload_failed(self, run: Run, exc: BaseException) -> None:
         """End a job whose workdir never fully arrived (the link dropped, the agent is
@@ -479,7 +462,7 @@ class JobService:
             await asyncio.shield(self.runner.finish(run, decision))
 
     async def _discard(self, job_id: str) -> None:
-        self._runs.pop(job_id, None)
+        self.runner.runs.pop(job_id, None)
         self.gpus.release(gpu_holder(job_id))
         shutil.rmtree(self.jobs_dir / job_id, ignore_errors=True)
         self.store.delete_job(JobRole.HOSTED, job_id)

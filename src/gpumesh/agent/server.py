@@ -334,7 +334,7 @@ class Agent:
         self.shells.stop()  # before the engine client is closed
         self.desktop.stop()
         self.cuda.stop()
-        self.jobs.stop()
+        self.jobs.runner.stop()
         self.containers.close()
         for task in list(self._tasks):
             task.cancel()
