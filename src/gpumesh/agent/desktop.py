@@ -28,8 +28,10 @@ import secrets
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
+
+import msgspec
 
 from gpumesh.agent.deps import Handlers, Provider, RequestContext
 from gpumesh.blocking import closing_in_thread
@@ -89,7 +91,7 @@ class DesktopSession:
     since: float
     stream: Stream
     task: asyncio.Task[None] | None = None
-    cut: GPUMeshError | None = field(default=None)
+    cut: GPUMeshError | None = None
     """Why the owner's side ended it (revoked, share stopped), once it did."""
     id: str = ""
     """How the owner names it (``status``, the owner's view) to end it."""
@@ -172,13 +174,8 @@ class DesktopService:
             # (``framing``) keeps TLS records.
             framing = self.framing if self.framing and message.sealing >= self.framing else 0
         if listener is not None:
-            reply = DesktopOpened(
-                provider=reply.provider,
-                kind=reply.kind,
-                port=reply.port,
-                channel_port=listener.port,
-                channel_ticket=listener.ticket,
-                sealing=framing,
+            reply = msgspec.structs.replace(
+                reply, channel_port=listener.port, channel_ticket=listener.ticket, sealing=framing
             )
         try:
             ctx.stream.send_message(reply)
@@ -294,29 +291,23 @@ class DesktopService:
 
     # --- the owner's side -------------------------------------------------------------------
 
-    def revoke(self) -> int:
+    def revoke(self) -> None:
         """Cut every connection whose peer may no longer use the desktop, or whose
-        share ended or changed; returns how many were cut."""
+        share ended or changed."""
         if not self._sessions:
-            return 0
+            return
         allowed = self.store.desktop_allowed_ids()
         share = self.store.desktop_share()
         name = self.provider.name
-        cut = 0
         for session in list(self._sessions.values()):
             if session.cut is not None:
                 continue
             if session.peer.node_id not in allowed:
-                error: GPUMeshError = AccessDeniedError(
-                    f"{name} has revoked your access to its desktop"
+                self._cut(
+                    session, AccessDeniedError(f"{name} has revoked your access to its desktop")
                 )
             elif share is None or share.port != session.port:
-                error = NotFoundError(f"{name} stopped sharing its desktop")
-            else:
-                continue
-            self._cut(session, error)
-            cut += 1
-        return cut
+                self._cut(session, NotFoundError(f"{name} stopped sharing its desktop"))
 
     def end(self, session_id: str) -> bool:
         """End one connection because the owner asked; False when it is not open."""
