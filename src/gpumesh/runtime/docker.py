@@ -604,14 +604,12 @@ class DockerRuntime:
             yield api
         except GPUMeshError:
             raise
-        except docker.errors.NotFound as exc:
-            if container_id:
+        except docker.errors.APIError as exc:
+            if container_id and isinstance(exc, docker.errors.NotFound):
                 raise NotFoundError(
                     f"no container {container_id[:12]} on this machine's Docker: "
                     "it was removed, or never created here"
                 ) from exc
-            raise AgentError(f"Docker could not {action}: {explanation(exc)}") from exc
-        except docker.errors.APIError as exc:
             raise AgentError(f"Docker could not {action}: {explanation(exc)}") from exc
         except CONNECTION_ERRORS as exc:
             raise connection_error(exc, endpoint(api)) from exc
