@@ -198,10 +198,7 @@ class DataChannels:
 
         stream = ctx.stream
         following = _next_message(stream, offer.listener)
-
-        def produce(out: Any) -> None:
-            write_tar(plan, out)
-
+        produce = functools.partial(write_tar, plan)
         try:
             try:
                 async with channel_of(offer.listener, following) as channel:
@@ -277,6 +274,5 @@ def _declined(future: asyncio.Future[Message]) -> bool:
 
 
 def _let_go(future: asyncio.Future[Any]) -> None:
-    if not future.done():
-        future.cancel()
+    future.cancel()  # nothing, once it is done
     future.add_done_callback(swallow)

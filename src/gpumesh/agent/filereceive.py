@@ -203,8 +203,7 @@ class FileReceiver:
                         )
                         done = await asyncio.wait_for(asyncio.shield(final), FINISH_WAIT)
                 finally:
-                    if not final.done():
-                        final.cancel()
+                    final.cancel()  # nothing, once it is done
                     final.add_done_callback(swallow)
                 digest = hasher.digest()
                 if done.size != message.size or done.digest != digest:
