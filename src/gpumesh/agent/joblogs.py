@@ -139,8 +139,7 @@ class JobLog:
         try:
             await asyncio.wait({events, failed}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            if not failed.done():
-                failed.cancel()
+            failed.cancel()  # nothing, once it is done
             if not events.done():
                 events.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
