@@ -36,7 +36,7 @@ from __future__ import annotations
 import enum
 import struct
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 import msgspec
 
@@ -94,6 +94,7 @@ Pointer = Annotated[int, msgspec.Meta(ge=0)]
 Dim = Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)]
 Name = Annotated[str, msgspec.Meta(max_length=256)]
 Text = Annotated[str, msgspec.Meta(max_length=2048)]
+T = TypeVar("T")
 
 
 class FrameKind(enum.IntEnum):
@@ -302,9 +303,7 @@ def data_frames(data: bytes | memoryview) -> list[bytes]:
     ]
 
 
-def _decode(
-    decoder: msgspec.msgpack.Decoder[object], body: bytes | memoryview, what: str
-) -> object:
+def _decode(decoder: msgspec.msgpack.Decoder[T], body: bytes | memoryview, what: str) -> T:
     try:
         return decoder.decode(body)
     except msgspec.ValidationError as exc:
@@ -314,26 +313,19 @@ def _decode(
 
 
 def decode_call(body: bytes | memoryview) -> Call:
-    call = _decode(_call_decoder, body, "call")  # type: ignore[arg-type]
-    return call  # type: ignore[return-value]
+    return _decode(_call_decoder, body, "call")
 
 
 def decode_result(body: bytes | memoryview) -> Result:
-    result = _decode(_result_decoder, body, "result")  # type: ignore[arg-type]
-    assert isinstance(result, Result)
-    return result
+    return _decode(_result_decoder, body, "result")
 
 
 def decode_welcome(body: bytes | memoryview) -> Welcome:
-    welcome = _decode(_welcome_decoder, body, "welcome")  # type: ignore[arg-type]
-    assert isinstance(welcome, Welcome)
-    return welcome
+    return _decode(_welcome_decoder, body, "welcome")
 
 
 def decode_end(body: bytes | memoryview) -> End:
-    end = _decode(_end_decoder, body, "session end")  # type: ignore[arg-type]
-    assert isinstance(end, End)
-    return end
+    return _decode(_end_decoder, body, "session end")
 
 
 class FrameDecoder:
