@@ -399,16 +399,13 @@ class Tree:
         except FileExistsError:
             return open_beneath(parent, (name,), _DIR_FLAGS)  # someone else made it: a folder?
         fd = open_beneath(parent, (name,), _DIR_FLAGS)
-        self._own(fd)
+        self.own(fd)
         return fd
-
-    def _own(self, fd: int) -> None:
-        if self.owner is not None:
-            os.fchown(fd, *self.owner)
 
     def own(self, fd: int) -> None:
         """Give an open file or folder to the tree's owner (a file about to be placed)."""
-        self._own(fd)
+        if self.owner is not None:
+            os.fchown(fd, *self.owner)
 
     @contextlib.contextmanager
     def parent(
