@@ -726,14 +726,9 @@ def _tarfile_header(entry: PackEntry) -> bytes:
     # Owner names and ids stay out: they mean nothing on the provider.
     info.uid = info.gid = 0
     info.uname = info.gname = ""
-    if entry.kind == "file":
-        info.type = tarfile.REGTYPE
-        info.size = entry.size
-    elif entry.kind == "dir":
-        info.type = tarfile.DIRTYPE
-    else:
-        info.type = tarfile.SYMTYPE
-        info.linkname = entry.target
+    info.type = _TYPES[entry.kind]
+    info.size = entry.size  # 0 but for files
+    info.linkname = entry.target  # empty but for symlinks
     return info.tobuf(tarfile.PAX_FORMAT, "utf-8", "strict")
 
 
@@ -743,10 +738,8 @@ def _padding(size: int) -> int:
 
 def tar_size(plan: PackPlan) -> int:
     """The exact number of bytes :func:`write_tar` will write for ``plan``."""
-    total = len(_END_OF_ARCHIVE)
-    for entry in plan.files:
-        total += len(_header(entry)) + entry.size + _padding(entry.size)
-    return total
+    sizes = (len(_header(entry)) + entry.size + _padding(entry.size) for entry in plan.files)
+    return len(_END_OF_ARCHIVE) + sum(sizes)
 
 
 class _Output:
@@ -879,12 +872,8 @@ def _tar_order(plan: PackPlan) -> Iterator[PackEntry]:
     (all in one group; tmpfs does not care). rsync makes its folders first too.
     The bytes and their count are the same either way; only the order changes.
     """
-    for entry in plan.files:
-        if entry.kind == "dir":
-            yield entry
-    for entry in plan.files:
-        if entry.kind != "dir":
-            yield entry
+    yield from (entry for entry in plan.files if entry.kind == "dir")
+    yield from (entry for entry in plan.files if entry.kind != "dir")
 
 
 def write_tar(
