@@ -43,12 +43,6 @@ from gpumesh.store.trust import check_home
 
 __all__ = ["AgentInfo", "Home", "LiveAgent", "RelayState"]
 
-LOGS_DIR = "logs"
-JOBS_DIR = "jobs"
-FILES_DIR = "files"
-APPS_DIR = "apps"
-APPCACHE_DIR = "appcache"
-
 
 class RelayState(enum.StrEnum):
     """Where a sharing agent's registration with its relay stands."""
@@ -146,27 +140,27 @@ class Home:
 
     @property
     def logs_dir(self) -> Path:
-        return self.path / LOGS_DIR
+        return self.path / "logs"
 
     @property
     def jobs_dir(self) -> Path:
         """Provider: ``jobs/JOB_ID``, each hosted job's folder."""
-        return self.path / JOBS_DIR
+        return self.path / "jobs"
 
     @property
     def files_dir(self) -> Path:
         """Provider: ``files/NODE_ID``, each peer's sandbox."""
-        return self.path / FILES_DIR
+        return self.path / "files"
 
     @property
     def apps_dir(self) -> Path:
         """Provider: ``apps/NODE_ID``, the index of each peer's synced apps."""
-        return self.path / APPS_DIR
+        return self.path / "apps"
 
     @property
     def appcache_dir(self) -> Path:
         """Consumer: manifests of local app folders and of what each provider holds."""
-        return self.path / APPCACHE_DIR
+        return self.path / "appcache"
 
     @property
     def initialized(self) -> bool:
