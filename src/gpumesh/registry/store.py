@@ -272,13 +272,13 @@ class RegistryStore:
                     continue
                 for write in batch:  # alone, so that only the bad one fails
                     try:
-                        _settle(write.future, await self._transaction(_run_batch, [write]))
+                        _settle(write.future, (await self._transaction(_run_batch, [write]))[0])
                         self.commits += 1
                     except Exception as alone:
                         _settle(write.future, exc=alone)
                 continue
             for write, result in zip(batch, results, strict=True):
-                _settle(write.future, [result])
+                _settle(write.future, result)
 
     async def _transaction(self, operation: Callable[..., T], *args: Any) -> T:
         return await self._run(True, operation, *args)
@@ -603,16 +603,13 @@ def _replace_gpus(conn: sa.Connection, rows: dict[str, list[dict[str, Any]]]) ->
         conn.execute(_INSERT_GPUS, inserted)
 
 
-def _settle(
-    future: asyncio.Future[Any], results: list[Any] | None = None, exc: Exception | None = None
-) -> None:
+def _settle(future: asyncio.Future[Any], result: Any = None, exc: Exception | None = None) -> None:
     if future.done():
         return
     if exc is not None:
         future.set_exception(exc)
     else:
-        assert results is not None
-        future.set_result(results[0])
+        future.set_result(result)
 
 
 def search_statement(query: SearchQuery, now: float) -> sa.Select[Any]:
@@ -652,7 +649,7 @@ def search_statement(query: SearchQuery, now: float) -> sa.Select[Any]:
             )
         )
     columns = listings.c
-    stmt = (
+    return (
         sa.select(
             columns.record,
             columns.signature,
@@ -665,7 +662,6 @@ def search_statement(query: SearchQuery, now: float) -> sa.Select[Any]:
         .order_by(columns.tier, columns.best_free.desc(), columns.node_id)
         .limit(query.limit + 1)
     )
-    return stmt
 
 
 def _listing_row(
