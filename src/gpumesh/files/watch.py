@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
-import errno
 import os
 import struct
 import sys
@@ -170,21 +169,15 @@ class FolderWatch:
         while True:
             try:
                 data = os.read(self._fd, 1 << 16)
-            except BlockingIOError:
+            except BlockingIOError:  # (EINTR is retried by os.read itself: PEP 475)
                 break
-            except OSError as exc:
-                if exc.errno == errno.EINTR:
-                    continue
-                raise
             offset = 0
             while offset < len(data):
                 wd, mask, _cookie, size = _EVENT.unpack_from(data, offset)
                 offset += _EVENT.size + size
-                if mask & _ALL_AGAIN or (mask & _IN_ISDIR and mask & _TREE_CHANGED):
-                    again = True
-                    continue
                 relative = self._paths.get(wd)
-                if relative is None:
+                tree_changed = mask & _IN_ISDIR and mask & _TREE_CHANGED
+                if relative is None or mask & _ALL_AGAIN or tree_changed:
                     again = True
                     continue
                 while relative not in changed:
