@@ -53,6 +53,11 @@ _JOB_COLUMNS = [
 _JSON_COLUMNS = {"command", "env", "gpus", "log_cursor", "mounts"}
 
 
+def _column(name: str, value: object) -> object:
+    """``value`` as the jobs table stores column ``name``."""
+    return json.dumps(value) if name in _JSON_COLUMNS else value
+
+
 @dataclass(frozen=True)
 class JobRecord:
     """A job as this node knows it: ``hosted`` (ran here) or ``submitted`` (sent to a peer)."""
@@ -165,15 +170,9 @@ class JobTables(Tables):
     """The store's methods on jobs and their events."""
 
     def add_job(self, job: JobRecord) -> None:
-        values = [getattr(job, name) for name in _JOB_COLUMNS]
-        values = [
-            json.dumps(v) if name in _JSON_COLUMNS else v
-            for name, v in zip(_JOB_COLUMNS, values, strict=True)
-        ]
+        values = tuple(_column(name, getattr(job, name)) for name in _JOB_COLUMNS)
         marks = ",".join("?" * len(_JOB_COLUMNS))
-        self._execute(
-            f"INSERT INTO jobs ({','.join(_JOB_COLUMNS)}) VALUES ({marks})", tuple(values)
-        )
+        self._execute(f"INSERT INTO jobs ({','.join(_JOB_COLUMNS)}) VALUES ({marks})", values)
 
     def update_job(self, role: JobRole, job_id: str, **fields: object) -> None:
         if not fields:
@@ -182,7 +181,7 @@ class JobTables(Tables):
         if unknown:
             raise ValueError(f"unknown job fields: {sorted(unknown)}")
         sets = ", ".join(f"{name} = ?" for name in fields)
-        values = [json.dumps(v) if k in _JSON_COLUMNS else v for k, v in fields.items()]
+        values = [_column(name, value) for name, value in fields.items()]
         self._execute(
             f"UPDATE jobs SET {sets} WHERE role = ? AND job_id = ?", (*values, role, job_id)
         )
