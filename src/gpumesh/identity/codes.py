@@ -29,7 +29,6 @@ import msgspec
 from gpumesh.errors import ExpiredCodeError, IdentityError, PairingCodeError
 from gpumesh.identity.hints import MAX_HINT_CHARS, check_hints
 from gpumesh.identity.keys import (
-    PUBLIC_KEY_SIZE,
     Identity,
     NodeId,
     check_node_name,
@@ -190,9 +189,7 @@ def decode_code(code: str) -> tuple[PairingOffer, bytes, bytes]:
 def verify_code(code: str, *, clock: Callable[[], float] = time.time) -> PairingOffer:
     """Decode a code and check its signature, fields and expiry."""
     offer, offer_bytes, signature = decode_code(code)
-    if len(offer.public_key) != PUBLIC_KEY_SIZE or not verify_signature(
-        offer.public_key, signature, _DOMAIN + offer_bytes
-    ):
+    if not verify_signature(offer.public_key, signature, _DOMAIN + offer_bytes):
         raise PairingCodeError(
             "that pairing code's signature does not verify: it was altered after it was "
             "made; ask the peer for a fresh `gpumesh pair-code`"
