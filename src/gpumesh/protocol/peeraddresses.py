@@ -73,11 +73,8 @@ def claimed_node(signed: SignedAddresses) -> NodeId | None:
     peer a refused record was about); None when it does not even decode."""
     try:
         record = msgspec.msgpack.decode(signed.record, type=AddressRecord)
-    except (msgspec.DecodeError, ValueError):
-        return None
-    try:
         return node_id_for(record.public_key)
-    except ValueError:
+    except (msgspec.DecodeError, ValueError):
         return None
 
 
