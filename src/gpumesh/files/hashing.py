@@ -60,10 +60,7 @@ def offered() -> list[str]:
 def choose(hashes: Sequence[str]) -> str:
     """The answering side's pick from a request's ``hashes``: the first of ours it
     lists; SHA-256 when it lists none we know (an older peer lists nothing)."""
-    for name in PREFERENCE:
-        if name in hashes:
-            return name
-    return SHA256
+    return next((name for name in PREFERENCE if name in hashes), SHA256)
 
 
 def taken(reply: str, asked: Sequence[str]) -> str:
@@ -81,8 +78,7 @@ def taken(reply: str, asked: Sequence[str]) -> str:
 def new_hasher(name: str) -> Hasher:
     """A fresh hasher for ``name`` (one of :data:`PREFERENCE`)."""
     if name == BLAKE3:
-        hasher: Hasher = blake3(max_threads=BLAKE3_THREADS)
-        return hasher
+        return blake3(max_threads=BLAKE3_THREADS)
     if name == SHA256:
         return hashlib.sha256()
     raise ProtocolError(f"unknown hash {name!r}")
