@@ -15,6 +15,7 @@ no socket and no name resolution.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import re
 from typing import Final
@@ -103,11 +104,8 @@ def _check_host(host: str, *, bracketed: bool) -> None:
             # A zone names an interface of the machine that wrote it, not of this one.
             raise ValueError("an IPv6 zone (%...) means nothing on another machine")
         return
-    try:
+    with contextlib.suppress(ValueError):
         ipaddress.IPv4Address(host)
-    except ValueError:
-        pass
-    else:
         return
     name = host[:-1] if host.endswith(".") else host
     labels = name.split(".")
