@@ -310,33 +310,13 @@ async def tar_chunks(plan: PackPlan, hasher: Hasher) -> AsyncGenerator[bytes, No
             producer.exception()
 
 
-def _unpack(
-    next_piece: Callable[[], bytes | memoryview | None],
-    dest: Path,
-    limit: int,
-    hasher: Hasher | None = None,
-    owner: tuple[int, int] | None = None,
-) -> int:
-    if hasher is None:
-        return unpack_stream(next_piece, dest, limit, owner)
-    update = hasher.update
-
-    def hashed() -> bytes | memoryview | None:
-        piece = next_piece()
-        if piece is not None:
-            update(piece)
-        return piece
-
-    return unpack_stream(hashed, dest, limit, owner)
-
-
 def unpack_pieces(
     pieces: Iterator[memoryview], dest: Path, limit: int, owner: tuple[int, int] | None = None
 ) -> int:
     """Unpack a tar arriving as ``pieces`` into ``dest``, all or nothing, reading every
     piece to the end (blocking; the pieces' producer hashes them). Returns bytes of
     content. The same unpacker, checks, limit and ``owner`` as :func:`unpack_from`."""
-    return _unpack(lambda: next(pieces, None), dest, limit, owner=owner)
+    return unpack_stream(lambda: next(pieces, None), dest, limit, owner)
 
 
 @contextlib.asynccontextmanager
@@ -360,9 +340,11 @@ async def unpack_from(
         chunk = asyncio.run_coroutine_threadsafe(chunks.get(), loop).result()
         if aborted:
             raise OSError(errno.ECONNABORTED, "the transfer stopped")
+        if chunk is not None:
+            hasher.update(chunk)
         return chunk
 
-    unpacking = in_thread(_unpack, next_chunk, dest, limit, hasher, owner)
+    unpacking = in_thread(unpack_stream, next_chunk, dest, limit, owner)
     finished = False
 
     async def feed(chunk: bytes | None) -> int:
