@@ -376,11 +376,8 @@ class Encoder:
 
     def poll(self, now: float) -> list[bytes]:
         """Parity for a group whose time is up (or nothing)."""
-        frames: list[bytes] = []
         due = self.flush_at()
-        if due is not None and now >= due:
-            self._close(frames)
-        return frames
+        return self.flush() if due is not None and now >= due else []
 
     def flush(self) -> list[bytes]:
         """Close the open group now."""
