@@ -463,12 +463,9 @@ class _PathWriter:
         if path in self._made:
             return
         self.folder(path.rpartition("/")[0])
-        try:
+        with contextlib.suppress(FileExistsError):
             os.mkdir(self._full(path))
-        except FileExistsError:
-            pass
-        else:
-            self._own(self._full(path))
+            self._own(self._full(path))  # only a folder made here
         self._made.add(path)
 
     def trim(self) -> None:
