@@ -376,22 +376,20 @@ class FrameDecoder:
                     self._start(header)
                 continue
             take = min(self._want - self._got, size - pos)
-            if self._data_pieces and self._kind is FrameKind.DATA:
-                if take:
-                    frames.append(Frame(FrameKind.DATA, view[pos : pos + take]))
-                    self._got += take
-                    pos += take
-                if self._got == self._want:
-                    self._kind, self._want, self._got = None, 0, 0
-                continue
+            handed_out = self._data_pieces and self._kind is FrameKind.DATA
             if take:
-                self._pieces.append(view[pos : pos + take])
+                piece = view[pos : pos + take]
+                if handed_out:
+                    frames.append(Frame(FrameKind.DATA, piece))
+                else:
+                    self._pieces.append(piece)
                 self._got += take
                 pos += take
             if self._got == self._want:
-                pieces = self._pieces
-                body = bytes(pieces[0]) if len(pieces) == 1 else b"".join(pieces)
-                frames.append(Frame(self._kind, body))
+                if not handed_out:
+                    pieces = self._pieces
+                    body = bytes(pieces[0]) if len(pieces) == 1 else b"".join(pieces)
+                    frames.append(Frame(self._kind, body))
                 self._kind, self._pieces, self._want, self._got = None, [], 0, 0
         # Pieces still waiting point into ``data``: unless it is immutable, keep a copy
         # the caller cannot change.
