@@ -593,8 +593,7 @@ class Decoder:
             group = _Group(created=now)
             self._groups[gid] = group
             while len(self._groups) > self.max_groups:
-                oldest = next(iter(self._groups))
-                self._finish(oldest)
+                self._finish(next(iter(self._groups)))  # the oldest first
         return group
 
     @staticmethod
