@@ -469,9 +469,7 @@ class Config:
 
     def set(self, name: str, text: str) -> Value:
         """Validate and set a value (in memory; call :meth:`save`)."""
-        key = lookup_key(name)
-        value = key.parse(text)
-        self._values[name] = value
+        value = self._values[name] = lookup_key(name).parse(text)
         return value
 
     def unset(self, name: str) -> None:
