@@ -521,9 +521,7 @@ class RegistryStore:
             address_records.c.node_id == node_id, address_records.c.expires_at > now
         )
         rows = await self._read(_all_rows, stmt)
-        if not rows:
-            return None
-        return SignedRecord(bytes(rows[0].record), bytes(rows[0].signature))
+        return SignedRecord(bytes(rows[0].record), bytes(rows[0].signature)) if rows else None
 
     async def purge(self, now: float, window: int) -> int:
         """Delete what expired before any record it could refuse would still be fresh."""
