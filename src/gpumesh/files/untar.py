@@ -61,6 +61,8 @@ _SIGNED = struct.Struct("148b8x356b")
 
 _FILE_TYPES = frozenset({b"0", b"\0", b"7"})
 _META_TYPES = frozenset({b"x", b"g", b"X", b"L", b"K"})
+_OTHER_KINDS = {b"5": "dir", b"2": "symlink", b"1": "hard link"}
+_REFUSED_KINDS = {b"3": "is a device", b"4": "is a device", b"6": "is a named pipe"}
 # getattr: a consumer on Windows imports this module (through pack.py); it has
 # none of these, and unpacks by path (_PathWriter) in a fresh private folder,
 # as does any system missing one of them.
@@ -293,17 +295,9 @@ def _kind(member: _Member) -> str:
         if member.sparse:
             raise _refuse(member, "is a sparse file; gpumesh never sends those")
         return "file"
-    if kind == b"5":
-        return "dir"
-    if kind == b"2":
-        return "symlink"
-    if kind == b"1":
-        return "hard link"
-    if kind in (b"3", b"4"):
-        raise _refuse(member, "is a device")
-    if kind == b"6":
-        raise _refuse(member, "is a named pipe")
-    raise _refuse(member, f"has an unsupported type {kind!r}")
+    if kind in _OTHER_KINDS:
+        return _OTHER_KINDS[kind]
+    raise _refuse(member, _REFUSED_KINDS.get(kind, f"has an unsupported type {kind!r}"))
 
 
 def text_stays_inside(depth: int, target: str) -> bool:
