@@ -595,12 +595,12 @@ def _descended(
     folders: list[tuple[str, os.stat_result]], decided: list[PackEntry | Skipped]
 ) -> list[tuple[str, os.stat_result]]:
     """The subfolders of ``folders`` that were packed (not skipped): walked into."""
-    packed = {entry.path.rpartition("/")[2] for entry in decided if _is_dir(entry)}
+    packed = {
+        entry.path.rpartition("/")[2]
+        for entry in decided
+        if isinstance(entry, PackEntry) and entry.kind == "dir"
+    }
     return [(name, st) for name, st in folders if name in packed]
-
-
-def _is_dir(entry: PackEntry | Skipped) -> bool:
-    return isinstance(entry, PackEntry) and entry.kind == "dir"
 
 
 def _unreadable(exc: PermissionError, root: Path) -> ConfigError:
