@@ -231,9 +231,8 @@ class Store(PeerTables, JobTables, ImageTables, GroupTables, ShareTables):
             path, timeout=10.0, isolation_level=None, check_same_thread=False
         )
         self._db.row_factory = sqlite3.Row
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.execute("PRAGMA foreign_keys=ON")
+        for pragma in ("journal_mode=WAL", "synchronous=NORMAL", "foreign_keys=ON"):
+            self._db.execute(f"PRAGMA {pragma}")
         self._migrate()
         self._drop_bad_hints()
 
