@@ -139,10 +139,8 @@ class GroupTables(Tables):
         :meth:`_upsert_members`).
         """
         with self._transaction():
-            if (
-                self._db.execute("SELECT 1 FROM groups WHERE group_id = ?", (group_id,)).fetchone()
-                is None
-            ):
+            found = self._db.execute("SELECT 1 FROM groups WHERE group_id = ?", (group_id,))
+            if found.fetchone() is None:
                 raise NotFoundError(f"no group with id {group_id} on this node")
             self._upsert_members(group_id, members, now or time.time())
 
@@ -157,11 +155,8 @@ class GroupTables(Tables):
             if paired is not None:
                 # This node's own pairing is the source of truth for a peer it
                 # paired: an invite (anyone's) only fills in members it has not.
-                name, addresses, relay = (
-                    paired["name"],
-                    list(json.loads(paired["addresses"])),
-                    paired["relay"],
-                )
+                name, relay = paired["name"], paired["relay"]
+                addresses = list(json.loads(paired["addresses"]))
             self._db.execute(
                 """
                 INSERT INTO group_members
