@@ -145,12 +145,6 @@ def _probe_openat2() -> bool:
     return True
 
 
-def _openat2(dir_fd: int, path: str, flags: int, mode: int = 0) -> int:
-    call = _Openat2.call
-    assert call is not None
-    return call(dir_fd, path, flags, mode)
-
-
 # --- the seam for tests ----------------------------------------------------------------------
 
 
@@ -188,9 +182,10 @@ def open_beneath(dir_fd: int, parts: Sequence[str], flags: int, mode: int = 0) -
     if not parts:
         return os.open(".", flags & ~os.O_NOFOLLOW, dir_fd=dir_fd)
     if openat2_available():
+        assert _Openat2.call is not None  # set by the probe that enabled it
         # RESOLVE_NO_SYMLINKS covers the last component too, and says ELOOP for it
         # (with O_NOFOLLOW | O_DIRECTORY the kernel would say ENOTDIR instead).
-        return _openat2(dir_fd, "/".join(parts), flags & ~os.O_NOFOLLOW, mode)
+        return _Openat2.call(dir_fd, "/".join(parts), flags & ~os.O_NOFOLLOW, mode)
     return _walk_open(dir_fd, parts, flags, mode)
 
 
