@@ -81,6 +81,10 @@ def test_a_listing_record_is_not_an_address_record() -> None:
     with pytest.raises(ProtocolError, match="not an address record"):
         open_peer_record(wrapped, carol.public_key, NOW)
     assert claimed_node(SignedAddresses(record=b"junk", signature=b"s" * 64)) is None
+    # A record that decodes but names a key of the wrong size claims no node either.
+    short = AddressRecord(public_key=b"short", seq=1, timestamp=NOW, addresses=[])
+    wrapped = SignedAddresses(record=msgspec.msgpack.encode(short), signature=b"s" * 64)
+    assert claimed_node(wrapped) is None
 
 
 def test_stored_records_round_trip_and_bad_files_read_as_none(tmp_path: Path) -> None:

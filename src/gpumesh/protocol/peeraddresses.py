@@ -21,7 +21,7 @@ from typing import Final
 
 import msgspec
 
-from gpumesh.errors import ProtocolError, StaleRecordError
+from gpumesh.errors import IdentityError, ProtocolError, StaleRecordError
 from gpumesh.identity.keys import Identity, NodeId, node_id_for
 from gpumesh.protocol.listing import (
     CLOCK_SKEW,
@@ -74,7 +74,7 @@ def claimed_node(signed: SignedAddresses) -> NodeId | None:
     try:
         record = msgspec.msgpack.decode(signed.record, type=AddressRecord)
         return node_id_for(record.public_key)
-    except (msgspec.DecodeError, ValueError):
+    except (msgspec.DecodeError, ValueError, IdentityError):  # a key of the wrong size too
         return None
 
 
