@@ -1,14 +1,11 @@
 """What ``cp``, ``exec``, ``run`` and ``app sync`` send the node process: the one
-schema's structs (gpumesh.client.bodies), from their flags. A plain run and a
-sync send plain dicts (sent before msgspec loads), which must convert into those
-structs field for field."""
+schema's structs (gpumesh.client.bodies), from their flags."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import pytest
 
 from gpumesh.cli import app as app_module
@@ -58,15 +55,16 @@ def test_exec_sends_a_shell_request(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _run_body(args: list[str], monkeypatch: pytest.MonkeyPatch) -> JobBody:
     """What ``gpumesh run ARGS`` sends (its sending replaced), as the one struct."""
-    sent: list[JobBody | dict[str, object]] = []
+    sent: list[JobBody] = []
 
-    def through_node(body: JobBody | dict[str, object], **flags: bool) -> None:
+    def through_node(body: JobBody, **flags: bool) -> None:
         sent.append(body)
 
     monkeypatch.setattr(run_module, "_through_node", through_node)
     run_module.run.main(args=args, prog_name="gpumesh run", standalone_mode=False)
     (body,) = sent
-    return body if isinstance(body, JobBody) else msgspec.convert(body, JobBody)
+    assert isinstance(body, JobBody)
+    return body
 
 
 @pytest.mark.parametrize(
@@ -143,7 +141,8 @@ def test_app_sync_sends_a_sync_body(
         app_module.sync.main(args=args, prog_name="gpumesh app sync", standalone_mode=False)
     ((method, path, body),) = sent
     assert (method, path) == ("POST", "/api/v1/apps/sync")
-    sync = msgspec.convert(body, SyncBody)
+    assert isinstance(body, SyncBody)
+    sync = body
     assert (sync.peer, sync.dir, sync.dry_run) == (
         "alice",
         str(tmp_path / "proj"),

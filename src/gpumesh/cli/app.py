@@ -53,9 +53,9 @@ def app() -> None:
 @json_option
 def sync(peer: str, folder: str, dry_run: bool, as_json: bool) -> None:
     """Sync the folder DIR into /apps/NAME in your folder on PEER."""
-    # A plain dict, sent before msgspec loads (~30 ms): tests/unit/test_cli_bodies.py
-    # converts it into client/bodies.SyncBody, the one schema.
-    body = {"peer": peer, "dir": os.path.abspath(folder), "dry_run": dry_run}
+    from gpumesh.client.bodies import SyncBody
+
+    body = SyncBody(peer=peer, dir=os.path.abspath(folder), dry_run=dry_run)
     answer = node_client().send("POST", "/api/v1/apps/sync", body)
     from gpumesh.client.views import to_json
     from gpumesh.client.views.apps import SyncView

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, cast
 
 import click
 
@@ -119,6 +119,7 @@ def share(action: str | None, kind: str | None, port: int | None, as_json: bool)
     Warns when the server also listens beyond loopback (then jobs' containers and the
     LAN reach it without GPUMesh).
     """
+    from gpumesh.client.bodies import DesktopShareBody
     from gpumesh.client.desktop import exposure, exposure_warning
     from gpumesh.client.views.owner import DesktopShareView
     from gpumesh.errors import BadRequestError
@@ -143,7 +144,8 @@ def share(action: str | None, kind: str | None, port: int | None, as_json: bool)
     else:
         chosen, port = DesktopKind.VNC, DesktopKind.VNC.server_port
 
-    body = {"kind": str(chosen), "port": port}
+    kind_text = cast("Literal['vnc', 'rdp', 'tcp']", str(chosen))  # a DesktopKind's value
+    body = DesktopShareBody(kind=kind_text, port=port)
     shared = node_client().call("POST", "/api/v1/desktop/share", DesktopShareView, body)
     assert shared.port is not None
     exposed = exposure(shared.port)

@@ -83,23 +83,21 @@ def run(
     so it composes in scripts like `docker run`. Ctrl-C asks whether to cancel
     the remote job or leave it running.
     """
+    from gpumesh.client import bodies
+
     simple = not job_file and not workdir and all("=" in item for item in env_items)
     if simple and (peer or group):
         # Checked by the node process, with the same messages: this process
         # need not load the job file reader (YAML) or the runtime's rules.
-        # A plain dict: msgspec takes ~30 ms to import.
-        # tests/unit/test_cli_bodies.py converts what is sent into
-        # client/bodies.JobBody, the one schema.
-        body: dict[str, object] = {
-            "command": list(command),
-            "peer": peer,
-            "group": group,
+        body = bodies.JobBody(
+            command=list(command),
+            peer=peer,
+            group=group,
             **job_options(image, env_items, gpu_memory, retries, timeout, mounts),
-            "wait": WAIT_FOREVER if wait else 0.0,
-        }
+            wait=WAIT_FOREVER if wait else 0.0,
+        )
         _through_node(body, detach=detach, quiet=quiet, explain=explain)
         return
-    from gpumesh.client import bodies
     from gpumesh.client.jobspec import build_spec
 
     spec = build_spec(
@@ -130,9 +128,7 @@ WAIT_FOREVER = 10.0**9
 """``--wait`` through the node process: seconds enough to mean "until a member frees up"."""
 
 
-def _through_node(
-    body: JobBody | dict[str, object], *, detach: bool, quiet: bool, explain: bool = False
-) -> None:
+def _through_node(body: JobBody, *, detach: bool, quiet: bool, explain: bool = False) -> None:
     """``run`` as a thin client of the node process. Detached, it returns once the
     provider accepted the job (and the workdir is uploaded); else the node process
     streams the run (placement, pull, acceptance, upload, then the job's events),

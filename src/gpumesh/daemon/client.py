@@ -377,13 +377,9 @@ def _decode(raw: bytes | str, into: type[T]) -> T:
 
 
 def _payload(body: object) -> bytes:
-    """A request's JSON body: one of :mod:`gpumesh.client.bodies`'s structs, or the
-    plain dict a light command (a plain ``run``, ``app sync``) sends before msgspec
-    loads (unit tests convert each such dict into its struct)."""
+    """A request's JSON body: one of :mod:`gpumesh.client.bodies`'s structs."""
     if body is None:
         return b""
-    if isinstance(body, dict):
-        return json.dumps(body).encode()
     import msgspec
 
     return msgspec.json.encode(body)
