@@ -181,10 +181,7 @@ def _docker(home: Home) -> list[Check]:
             version = runtime.version()
         except GPUMeshError as exc:
             return [Check("docker", FAIL, exc.message.split(": start it")[0], _DOCKER_FIX)]
-        checks = [Check("docker", OK, version)]
-        checks.append(_gpu_runtime(runtime))
-        checks.append(_default_image(home, runtime))
-        return checks
+        return [Check("docker", OK, version), _gpu_runtime(runtime), _default_image(home, runtime)]
     finally:
         runtime.close()
 
@@ -198,8 +195,7 @@ _DOCKER_FIX = (
 def _gpu_runtime(runtime: DockerRuntime) -> Check:
     inventory = detect_inventory()
     gpus = inventory.gpus()
-    has_runtime = runtime.gpu_runtime_available()
-    if has_runtime:
+    if runtime.gpu_runtime_available():
         return Check("nvidia runtime", OK, "NVIDIA container runtime registered with Docker")
     if gpus and inventory.source != "simulated":
         return Check(
@@ -440,9 +436,7 @@ def _cuda_worker(home: Home) -> list[Check]:
     if not home.initialized or not home.store.cuda_share():
         return []
     note = worker_user(home)
-    if note is None:
-        return [Check("cuda worker", OK, "runs as job_user, without privileges or groups")]
-    return [Check("cuda worker", OK, note)]
+    return [Check("cuda worker", OK, note or "runs as job_user, without privileges or groups")]
 
 
 def _agent_ids(home: Home) -> tuple[int, int]:
@@ -561,7 +555,6 @@ async def _relay_checks(home: Home) -> list[Check]:
             )
             return [Check("relay", FAIL, exc.message, fix)]
         observed = client.observed or ""
-        checks = [Check("relay", OK, f"{text} accepted this node's registration")]
         reachable = await client.reach_test(RELAY_TIMEOUT / 3)
         local_port = endpoint.local_address[1]
         local_hosts = {a.rpartition(":")[0] for a in local_addresses("0.0.0.0", local_port)}
@@ -575,20 +568,16 @@ async def _relay_checks(home: Home) -> list[Check]:
                 f"behind NAT, seen as {observed}; the NAT changed the port (hole punching may "
                 "fail; the relay carries traffic then)"
             )
-        if reachable:
-            checks.append(
-                Check("nat", OK, f"{nat}; unsolicited packets get in: peers can dial directly")
-            )
-        else:
-            checks.append(
-                Check(
-                    "nat",
-                    OK,
-                    f"{nat}; unsolicited packets are filtered: peers reach this node by hole "
-                    "punching or through the relay",
-                )
-            )
-        return checks
+        inbound = (
+            "unsolicited packets get in: peers can dial directly"
+            if reachable
+            else "unsolicited packets are filtered: peers reach this node by hole punching or "
+            "through the relay"
+        )
+        return [
+            Check("relay", OK, f"{text} accepted this node's registration"),
+            Check("nat", OK, f"{nat}; {inbound}"),
+        ]
     finally:
         endpoint.close()
 
@@ -626,5 +615,4 @@ def _ntp_synchronized() -> bool | None:
         )
     except (OSError, subprocess.TimeoutExpired):
         return None
-    value = out.stdout.strip()
-    return {"yes": True, "no": False}.get(value)
+    return {"yes": True, "no": False}.get(out.stdout.strip())
