@@ -14,6 +14,7 @@ only from a known member's.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import time
 from collections.abc import Callable
@@ -376,9 +377,10 @@ def join_group(node: Node, code: str, *, clock: Callable[[], float] = time.time)
         )
     # Our own entry comes from us, not from the inviter's possibly older view of us.
     listed = [m for m in invite.members if m.public_key != me.public_key] + [me]
-    already = _has_group(store, invite.group_id)
-    if already:
+    known = None
+    with contextlib.suppress(NotFoundError):
         known = store.group_by_id(invite.group_id)
+    if known is not None:
         if not any(m.public_key == invite.inviter for m in store.group_members(known.group_id)):
             raise PairingCodeError(
                 f"that invite to group {known.name} ({known.short_id}) is signed by "
@@ -399,7 +401,7 @@ def join_group(node: Node, code: str, *, clock: Callable[[], float] = time.time)
     views = _views(node, group)
     # The name this node knows the inviter by (its pairing's, if paired), not the invite's.
     inviter = next(v.name for v in views if v.member.public_key == invite.inviter)
-    return Joined(group, inviter, already, views)
+    return Joined(group, inviter, known is not None, views)
 
 
 def add_member(
@@ -435,14 +437,6 @@ def _signer(store: Store, member: InviteMember) -> str:
     peer = store.peer_by_key(member.public_key)
     name = peer.name if peer is not None else member.name
     return f"{name} ({member.node_id.short})"
-
-
-def _has_group(store: Store, group_id: str) -> bool:
-    try:
-        store.group_by_id(group_id)
-    except NotFoundError:
-        return False
-    return True
 
 
 def _self_member(node: Node) -> InviteMember:
