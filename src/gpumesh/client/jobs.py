@@ -205,17 +205,6 @@ JobEvent = Output | StatusChanged | OutputDropped | Reconnecting
 """What following a job yields."""
 
 
-def _dispatch(callbacks: JobCallbacks, event: JobEvent) -> None:
-    if isinstance(event, Output):
-        (callbacks.stdout if event.stream == "stdout" else callbacks.stderr)(event.data)
-    elif isinstance(event, StatusChanged):
-        callbacks.status(event.status)
-    elif isinstance(event, OutputDropped):
-        callbacks.dropped(event.count)
-    else:
-        callbacks.reconnecting(event.error)
-
-
 @dataclass
 class JobResult:
     job_id: str
@@ -392,7 +381,14 @@ async def _deliver_all(events: AsyncGenerator[JobEvent, None], callbacks: JobCal
     """The callbacks as an adapter over an iterator of events."""
     async with contextlib.aclosing(events) as each:
         async for event in each:
-            _dispatch(callbacks, event)
+            if isinstance(event, Output):
+                (callbacks.stdout if event.stream == "stdout" else callbacks.stderr)(event.data)
+            elif isinstance(event, StatusChanged):
+                callbacks.status(event.status)
+            elif isinstance(event, OutputDropped):
+                callbacks.dropped(event.count)
+            else:
+                callbacks.reconnecting(event.error)
 
 
 async def _consume(
