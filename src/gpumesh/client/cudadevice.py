@@ -322,11 +322,9 @@ class RemoteDevice:
         """Load PTX text (the same text is loaded once per session)."""
         text = ptx.encode() if isinstance(ptx, str) else bytes(ptx)
         key = hashlib.sha256(text).digest()
-        module = self._modules.get(key)
-        if module is None:
-            module = Module(self._call(ModuleLoad(ptx=text)).value)
-            self._modules[key] = module
-        return module
+        if key not in self._modules:
+            self._modules[key] = Module(self._call(ModuleLoad(ptx=text)).value)
+        return self._modules[key]
 
     def launch(
         self,
@@ -375,12 +373,9 @@ class RemoteDevice:
         self.close()
 
 
-def _carry_in_thread(node: Any, peer: str, memory: int, sock: socket.socket) -> None:
-    async def run() -> None:
-        await carry_socket(node, peer, memory, sock)
-
+def _carry_in_thread(node: Node, peer: str, memory: int, sock: socket.socket) -> None:
     try:
-        asyncio.run(run())
+        asyncio.run(carry_socket(node, peer, memory, sock))
     finally:
         sock.close()
         node.close()
