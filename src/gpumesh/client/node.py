@@ -597,10 +597,8 @@ async def _answers_if_warm(session: Session) -> None:
 
 def default_node_name() -> str:
     """The name ``init`` gives a node when none is asked for: $GPUMESH_NODE_NAME, or the host's."""
-    return env(ENV_NODE_NAME) or _default_name()
-
-
-def _default_name() -> str:
+    if name := env(ENV_NODE_NAME):
+        return name
     host = socket.gethostname().split(".")[0] or "gpumesh-node"
     cleaned = "".join(c if c.isalnum() or c in "._-" else "-" for c in host)[:63]
     return cleaned if cleaned[:1].isalnum() else f"node-{cleaned}"[:63]
