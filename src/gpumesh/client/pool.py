@@ -304,8 +304,7 @@ class SessionPool:
             peer = peers.get(peer_id)
             if peer is None:
                 self.drop(peer_id, "unpaired", forget_path=True)
-                continue
-            if not peer.allowed:
+            elif not peer.allowed:
                 self.drop(peer_id, "denied", forget_path=True)
             elif peer.public_key != warm.public_key:
                 self.drop(peer_id, "its key changed", forget_path=True)
