@@ -18,6 +18,7 @@ verify.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -245,11 +246,9 @@ class RegistryClient:
 
     def _refusal(self, exc: urllib.error.HTTPError) -> RegistryError:
         message = ""
-        try:
+        with contextlib.suppress(ValueError, KeyError, TypeError, OSError):
             data = json.loads(exc.read(65536))
             message = str(data["error"]["message"])[:300]
-        except (ValueError, KeyError, TypeError, OSError):
-            pass
         if message:
             return RegistryError(f"the registry at {self.url} refused: {message}")
         return self._garbled(f"it answered HTTP {exc.code} {exc.reason}")
