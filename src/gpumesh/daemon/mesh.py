@@ -25,7 +25,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
-from urllib.parse import quote, urlencode
+from urllib.parse import quote
 
 from gpumesh.client import mesh as base
 from gpumesh.client.bodies import (
@@ -166,8 +166,8 @@ class ThroughNode:
     async def jobs(self, *, limit: int, refresh: bool) -> list[JobListEntry]:
         from gpumesh.client.views.joblist import JobListEntry
 
-        query = urlencode({"limit": limit, "offline": "false" if refresh else "true"})
-        return await self._get(list[JobListEntry], "GET", f"/api/v1/jobs?{query}")
+        path = f"/api/v1/jobs?limit={limit}&{_offline(refresh)}"
+        return await self._get(list[JobListEntry], "GET", path)
 
     async def job(self, job_id: str) -> JobResultView:
         from gpumesh.client.views.joblist import JobListEntry
@@ -247,10 +247,7 @@ class NodeFollow:
         return self._events()
 
     async def _events(self) -> AsyncIterator[JobEvent]:
-        while True:
-            event = await asyncio.to_thread(self._next)
-            if event is None:
-                return
+        while (event := await asyncio.to_thread(self._next)) is not None:
             yield event
 
     def _connect(self) -> NodeClient:
@@ -319,9 +316,7 @@ def _absolute(location: str) -> str:
     """A copy's side with a local path made absolute (``PEER:PATH`` as it is)."""
     from gpumesh.client.files import parse_location
 
-    if parse_location(location).peer is not None:
-        return location
-    return _local(location)
+    return location if parse_location(location).peer is not None else _local(location)
 
 
 def _local(path: str | Path) -> str:

@@ -158,9 +158,7 @@ class NodeProcess:
         self._ending = ending
 
     def view(self) -> NodeProcessView:
-        ended = None
-        if self.sharing is not None and not self.shares and self.sharing.ended is not None:
-            ended = self.sharing.ended
+        ended = None if self.sharing is None or self.shares else self.sharing.ended
         return NodeProcessView(
             pid=os.getpid(),
             version=self.version,
@@ -500,11 +498,8 @@ async def _share_from_start(
 
 def _unfinished(home: Home) -> bool:
     """Whether ``home`` has jobs it hosts or submitted that have not ended."""
-
     store = home.store
-    if store.unfinished_hosted_jobs():
-        return True
-    return any(
+    return bool(store.unfinished_hosted_jobs()) or any(
         j.state not in FINAL_STATES and not j.provider_forgot
         for j in store.jobs(limit=1000, role=JobRole.SUBMITTED)
     )
