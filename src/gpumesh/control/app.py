@@ -379,10 +379,7 @@ def status_of(error: GPUMeshError) -> int:
         (RuntimeUnavailableError, 503),
         (AgentError, 503),
     ]
-    for cls, status in table:
-        if isinstance(error, cls):
-            return status
-    return 500
+    return next((status for cls, status in table if isinstance(error, cls)), 500)
 
 
 def error_response(status: int, error: GPUMeshError) -> Response:

@@ -134,8 +134,7 @@ async def feed_events(work: Callable[[Feed], Awaitable[object]]) -> AsyncIterato
     except GPUMeshError as exc:
         yield sse("error", ErrorView(exc.code, exc.message))
     finally:
-        if not task.done():
-            task.cancel()
+        task.cancel()  # nothing to a task already done
         with contextlib.suppress(BaseException):
             await task
 
@@ -169,9 +168,8 @@ class EventStream(Response):
         tasks = [asyncio.ensure_future(stream()), asyncio.ensure_future(disconnected())]
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                if task is tasks[0]:
-                    task.result()
+            if tasks[0] in done:
+                tasks[0].result()
         except OSError:
             pass  # the client left while we wrote
         finally:
