@@ -114,8 +114,6 @@ def _share_seen_from(home: Home) -> Callable[[], None]:
     """Let this process's client layer see the share of the node process holding
     ``home``, if one does (it is the only place a share runs); returns what
     undoes it, for the command's end."""
-    import os
-
     from gpumesh.daemon.record import holder
 
     record = holder(home.path)

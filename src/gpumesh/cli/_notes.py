@@ -171,11 +171,6 @@ class RunReader:
         raise NodeUnavailableError.because("the event stream ended before the run's end")
 
 
-def _note(text: str) -> None:
-    """A note on stderr, dimmed (on a terminal)."""
-    click.echo(click.style(f"gpumesh: {text}", dim=True), err=True)
-
-
 class StepNotes:
     """What the steps before a job runs print: where ``--group`` placed it, the
     provider's pull (a bar on a terminal, a line at each end else), acceptance (on
@@ -191,8 +186,9 @@ class StepNotes:
         self._pull_noted = False
 
     def note(self, text: str) -> None:
+        """A note on stderr, dimmed (on a terminal), unless quiet."""
         if not self.quiet:
-            _note(text)
+            click.echo(click.style(f"gpumesh: {text}", dim=True), err=True)
 
     def accepted(self, job_id: str, provider: str, gpus: list[str]) -> None:
         if sys.stderr.isatty():

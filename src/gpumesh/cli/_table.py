@@ -124,12 +124,11 @@ def plain_text(markup: str) -> str:
 def cell_width(text: str) -> int:
     """Terminal cells ``text`` takes: two for a wide character, none for a combining
     mark, one for any other."""
-    width = 0
-    for char in text:
-        if unicodedata.combining(char):
-            continue
-        width += 2 if unicodedata.east_asian_width(char) in ("W", "F") else 1
-    return width
+    return sum(
+        2 if unicodedata.east_asian_width(char) in ("W", "F") else 1
+        for char in text
+        if not unicodedata.combining(char)
+    )
 
 
 def _plain_lines(columns: Sequence[Column], rows: Sequence[Sequence[str]]) -> list[str]:

@@ -104,10 +104,8 @@ def sandboxed_browser(command: str) -> str | None:
         return None
     if not head.startswith(b"#!"):
         return None
-    for mark in _LAUNCHER_MARKS:
-        if mark in head:
-            return "flatpak" if b"flatpak" in mark else "snap"
-    return None
+    marks = (mark for mark in _LAUNCHER_MARKS if mark in head)
+    return next(("flatpak" if b"flatpak" in mark else "snap" for mark in marks), None)
 
 
 def desktop_packaging(desktop_id: str) -> str | None:
@@ -115,9 +113,8 @@ def desktop_packaging(desktop_id: str) -> str | None:
     them ``SNAP_APP.desktop``; flatpak exports them to its own folders."""
     if "/" in desktop_id or not desktop_id.endswith(".desktop"):
         return None
-    for folder in _FLATPAK_APPS:
-        if (Path(folder).expanduser() / desktop_id).exists():
-            return "flatpak"
+    if any((Path(folder).expanduser() / desktop_id).exists() for folder in _FLATPAK_APPS):
+        return "flatpak"
     stem = desktop_id.removesuffix(".desktop")
     return "snap" if "_" in stem and "." not in stem else None
 

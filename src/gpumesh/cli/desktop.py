@@ -240,12 +240,9 @@ def connect(peer: str, bind_text: str | None, as_json: bool) -> None:
         TunnelWarningView,
     )
 
-    views = {
-        "tunnelview": TunnelView,
-        "tunnelconnectionview": TunnelConnectionView,
-        "tunnelrefusedview": TunnelRefusedView,
-        "tunnelwarningview": TunnelWarningView,
-    }
+    # Each event is named as the node process names it: its struct's name.
+    kinds = (TunnelView, TunnelConnectionView, TunnelRefusedView, TunnelWarningView)
+    views = {kind.__name__.lower(): kind for kind in kinds}
     tunnel = node_client().send(
         "POST", "/api/v1/desktop/connect", TunnelBody(peer=peer, bind=bind_text)
     )

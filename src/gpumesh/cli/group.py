@@ -251,12 +251,10 @@ def _print_members(statuses: list[MemberStatusEntry]) -> None:
             Column("GPUS", gives_way=1, least=10),
         ]
         headers += [Column("FREE"), Column("STATE")]
-    rows = []
-    for status in statuses:
-        cells = [cell(status) for _, cell in columns]
-        if live:
-            cells += _live_cells(status)
-        rows.append(cells)
+    rows = [
+        [cell(status) for _, cell in columns] + (_live_cells(status) if live else [])
+        for status in statuses
+    ]
     print_table(headers, rows)
     # Plain lines, not table cells: a narrow terminal must not cut the advice.
     todo = [s for s in statuses if s.hint]

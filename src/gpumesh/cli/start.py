@@ -136,9 +136,7 @@ def _run_args(home: str | None) -> list[str] | None:
     except ValueError as exc:
         click.echo(f"Cannot read that command ({exc}); nothing done.")
         return None
-    if not command:
-        return None
-    return ["run", "--peer", peer.strip(), "--", *command]
+    return ["run", "--peer", peer.strip(), "--", *command] if command else None
 
 
 _ENTRY_ARGS: dict[str, Callable[[str | None], list[str] | None]] = {
