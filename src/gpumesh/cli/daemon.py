@@ -100,9 +100,7 @@ def status(as_json: bool) -> None:
 
 def _not_sharing(ended: ShareEndedView | None) -> str:
     """``no``, and when and how the home's last share ended if it is known."""
-    if ended is None:
-        return "no"
-    return f"no (the last share ended {_ago(ended.at)} ago: {ended.how})"
+    return "no" if ended is None else f"no (the last share ended {_ago(ended.at)} ago: {ended.how})"
 
 
 def _ago(started: float) -> str:

@@ -70,9 +70,7 @@ def jobs(limit: int, offline: bool, as_json: bool) -> None:
 
 def _confirmed(j: JobListEntry) -> float:
     """When a job's state was last known for sure (as :func:`last_confirmed`)."""
-    if j.unknown_since is not None:
-        return j.unknown_since
-    return j.confirmed_at if j.confirmed_at is not None else j.created_at
+    return next(t for t in (j.unknown_since, j.confirmed_at, j.created_at) if t is not None)
 
 
 def _print(records: list[JobListEntry]) -> None:

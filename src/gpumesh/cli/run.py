@@ -170,11 +170,10 @@ def _interrupted(job_id: str, peer: str) -> None:
 
     from gpumesh.cli._node import node_client
 
-    cancel = True
-    if sys.stdin.isatty():
-        cancel = click.confirm(
-            f"\nCancel job {job_id} on {peer}? (no: it keeps running)", default=True
-        )
+    # Without a terminal to ask, the job is cancelled.
+    cancel = not sys.stdin.isatty() or click.confirm(
+        f"\nCancel job {job_id} on {peer}? (no: it keeps running)", default=True
+    )
     if not cancel:
         click.echo(f"Detached. Follow it with: gpumesh logs -f {job_id}", err=True)
         return
