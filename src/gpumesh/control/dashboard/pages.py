@@ -121,13 +121,9 @@ def _render(
     )
 
 
-def _login(call: Call, page: str, title: str) -> Response:
-    return _render(call, "login.html", page, title)
-
-
 async def overview_page(call: Call) -> object:
     if not call.signed_in:
-        return _login(call, "overview", "Overview")
+        return _render(call, "login.html", "overview", "Overview")
     node = call.node
     status = StatusView.of(node.status(), submitted_unknown=0)
     links = ", ".join(f"{c.get('peer', '?')} ({c.get('path', '?')})" for c in status.connections)
@@ -166,7 +162,7 @@ def qr_svg(text: str) -> bytes:
 
 async def peers_page(call: Call) -> object:
     if not call.signed_in:
-        return _login(call, "peers", "Peers")
+        return _render(call, "login.html", "peers", "Peers")
     node = call.node
     code = node.pairing_code()
     svg = qr_svg(code).decode()
@@ -181,7 +177,7 @@ async def peers_page(call: Call) -> object:
 
 async def jobs_page(call: Call) -> object:
     if not call.signed_in:
-        return _login(call, "jobs", "Jobs")
+        return _render(call, "login.html", "jobs", "Jobs")
     node = call.node
     jobs = [JobRow.of(JobListEntry.of(j, {})) for j in node.home.store.jobs(limit=100)]
     peers = [p.name for p in node.peers() if p.allowed]
@@ -191,7 +187,7 @@ async def jobs_page(call: Call) -> object:
 
 async def job_page(call: Call) -> object:
     if not call.signed_in:
-        return _login(call, "jobs", "Job")
+        return _render(call, "login.html", "jobs", "Job")
     try:
         job = JobListEntry.of(find_job(call.node, call.param("job_id")), {})
     except GPUMeshError as exc:
@@ -202,7 +198,7 @@ async def job_page(call: Call) -> object:
 
 async def groups_page(call: Call) -> object:
     if not call.signed_in:
-        return _login(call, "groups", "Groups")
+        return _render(call, "login.html", "groups", "Groups")
     node = call.node
     groups = []
     for summary in summaries(node):
@@ -215,7 +211,7 @@ async def groups_page(call: Call) -> object:
 
 async def owner_page(call: Call) -> object:
     if not call.signed_in:
-        return _login(call, "owner", "Owner")
+        return _render(call, "login.html", "owner", "Owner")
     node = call.node
     view = OwnerStatusView.of(owner_view(node, limit=50))
     allowed = {p.name for p in node.peers() if p.allowed}
