@@ -153,9 +153,9 @@ class NodeProcess:
         if self.sharing is None or not self.sharing.active:
             self.stop.set()
             return
-        ending = asyncio.ensure_future(self.sharing.stop(why))
-        ending.add_done_callback(lambda _task: self.stop.set())
-        self._ending = ending
+        # Kept here: the loop holds a task only weakly.
+        self._ending = asyncio.ensure_future(self.sharing.stop(why))
+        self._ending.add_done_callback(lambda _task: self.stop.set())
 
     def view(self) -> NodeProcessView:
         ended = None if self.sharing is None or self.shares else self.sharing.ended

@@ -72,8 +72,7 @@ def check(config: Any, public: bool) -> None:
 
 async def start(node: Any, agent: Any, options: ShareOptions, say: Say) -> Publishing | None:
     """Publish now and keep refreshing; None when this node publishes nothing."""
-    public, region, contact = options.public, options.region, options.contact
-    show_addresses = options.show_addresses
+    public = options.public
     config = node.home.config
     announce = public or bool(config.get("announce_addresses"))
     if announce and not public and not str(config.get("rendezvous_url")):
@@ -101,11 +100,11 @@ async def start(node: Any, agent: Any, options: ShareOptions, say: Say) -> Publi
         snapshot=snapshot,
         addresses=node.advertised_addresses,
         relay=config.relay,
-        region=region if region is not None else str(config.get("region")),
-        contact=contact,
+        region=options.region if options.region is not None else str(config.get("region")),
+        contact=options.contact,
         listing=public,
         announce=True,
-        show_addresses=show_addresses,
+        show_addresses=options.show_addresses,
     )
     what = "listed publicly" if public else "address record published"
     try:
@@ -116,7 +115,7 @@ async def start(node: Any, agent: Any, options: ShareOptions, say: Say) -> Publi
     else:
         first_wait = max(5.0, ttl / 3)
         where = f" in region {publisher.region}" if public and publisher.region else ""
-        if show_addresses:
+        if options.show_addresses:
             where += f", with its addresses ({', '.join(node.advertised_addresses()) or 'none'})"
         say(f"  registry {url}: {what}{where}, refreshed every {first_wait / 60:.0f} min")
         if public:

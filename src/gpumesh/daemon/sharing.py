@@ -264,10 +264,8 @@ class Sharing:
             )
             return
         inside = "root in a remapped user namespace" if who.user.startswith("0:") else who.user
-        if not who.writable_root:
-            root = "read-only"
-        else:
-            root = "writable, bounded" if who.storage_size else "writable, unbounded"
+        bound = "bounded" if who.storage_size else "unbounded"
+        root = f"writable, {bound}" if who.writable_root else "read-only"
         self.say(f"  jobs run as {inside} (host uid {who.owner[0]}), root filesystem {root}")
 
     def republish(self) -> bool:
