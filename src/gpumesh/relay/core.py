@@ -665,11 +665,7 @@ class RelayCore:
             keys.discard(address)
             if not keys:
                 del self._by_key[registration.public_key]
-        left = self._per_ip.get(address[0], 0) - 1
-        if left > 0:
-            self._per_ip[address[0]] = left
-        else:
-            self._per_ip.pop(address[0], None)
+        _decrement(self._per_ip, address[0])
         self.version += 1
         return out
 
@@ -680,13 +676,12 @@ class RelayCore:
         return int(now // EPOCH_SECONDS)
 
     def _serving_address(self, key: bytes, *, exclude: Address) -> Address | None:
-        best: _Registration | None = None
-        for address in self._by_key.get(key, ()):
-            registration = self._registrations[address]
-            if not registration.serving or address == exclude:
-                continue
-            if best is None or registration.since > best.since:
-                best = registration
+        serving = [
+            registration
+            for address in self._by_key.get(key, ())
+            if (registration := self._registrations[address]).serving and address != exclude
+        ]
+        best = max(serving, key=lambda registration: registration.since, default=None)
         return best.address if best is not None else None
 
     def _new_session_id(self) -> int:
