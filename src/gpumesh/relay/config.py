@@ -162,12 +162,8 @@ def _lines(path: Path, what: str) -> list[tuple[int, str]]:
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise ConfigError(f"cannot read {what} {path}: {reason}") from None
-    found = []
-    for number, raw in enumerate(text.splitlines(), start=1):
-        line = raw.split("#", 1)[0].strip()
-        if line:
-            found.append((number, line))
-    return found
+    lines = enumerate((raw.split("#", 1)[0].strip() for raw in text.splitlines()), start=1)
+    return [(number, line) for number, line in lines if line]
 
 
 def read_allow_file(path: Path) -> frozenset[str]:

@@ -204,7 +204,6 @@ class RelayServer:
                     out += self.core.handle(packet, address, now)
             except Exception:  # a bug must cost one packet, never the relay
                 logger.exception("failed handling a packet from %s", address)
-                continue
         self._send_all(out)
 
     async def _run_timers(self) -> None:
@@ -235,9 +234,7 @@ class RelayServer:
             if not is_reach_probe(data):
                 yield data, address
             elif self._probe_sock is not None:
-                with contextlib.suppress(
-                    OSError
-                ):  # one-shot: a lost probe reads as "not reachable"
+                with contextlib.suppress(OSError):
                     self._probe_sock.sendto(data, address)
 
     def _send_packets(self, run: list[bytes], size: int, address: Address) -> None:
