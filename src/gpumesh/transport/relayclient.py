@@ -429,15 +429,14 @@ class RelayClient:
         if not self.serving:
             self._send(wire.Decline(session=incoming.session))
             return
-        if incoming.session in self.paths:  # a repeated Incoming: answer again
-            self._send(wire.Accept(session=incoming.session, candidates=self._my_candidates()))
-            return
-        allowed = self._authorize(incoming.peer) if self._authorize is not None else False
-        if not allowed:
-            logger.info("declined a relayed connection from %s", node_id_for(incoming.peer).short)
-            self._send(wire.Decline(session=incoming.session))
-            return
-        self._add_path(incoming.session, incoming.peer, incoming.secret, incoming, now)
+        if incoming.session not in self.paths:  # a repeated Incoming is only answered again
+            if self._authorize is None or not self._authorize(incoming.peer):
+                logger.info(
+                    "declined a relayed connection from %s", node_id_for(incoming.peer).short
+                )
+                self._send(wire.Decline(session=incoming.session))
+                return
+            self._add_path(incoming.peer, incoming, now)
         self._send(wire.Accept(session=incoming.session, candidates=self._my_candidates()))
 
     def _on_connected(self, connected: wire.Connected, now: float) -> None:
@@ -446,7 +445,7 @@ class RelayClient:
             return
         path = self.paths.get(connected.session)
         if path is None:
-            path = self._add_path(connected.session, b"", connected.secret, connected, now)
+            path = self._add_path(b"", connected, now)
         future.set_result(path)
 
     def _on_close(self, close: wire.Close) -> None:
@@ -466,18 +465,15 @@ class RelayClient:
             path.link.abort(error)
 
     def _add_path(
-        self,
-        session: int,
-        peer_key: bytes,
-        secret: bytes,
-        offer: wire.Incoming | wire.Connected,
-        now: float,
+        self, peer_key: bytes, offer: wire.Incoming | wire.Connected, now: float
     ) -> RelayedPath:
         listens = [a for text in offer.candidates if (a := parse_host_port(text)) is not None]
         observed = parse_host_port(offer.observed)
         candidates = ([observed] if observed is not None else []) + listens
-        path = RelayedPath(self, session, peer_key, secret, candidates, now, peer_listens=listens)
-        self.paths[session] = path
+        path = RelayedPath(
+            self, offer.session, peer_key, offer.secret, candidates, now, peer_listens=listens
+        )
+        self.paths[offer.session] = path
         self._by_virtual[path.virtual] = path
         self._wake.set()
         return path
