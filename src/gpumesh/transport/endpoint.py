@@ -345,8 +345,7 @@ class QuicEndpoint:
             # Only dialers have connected sockets: ICMP says nothing listens there.
             link = self._dialer_link
             if link is not None and not link.connected.done():
-                host, port = link.address
-                link.abort(unreachable(format_address((host, port)), refused=True))
+                link.abort(unreachable(format_address(link.address), refused=True))
             return
         except OSError as exc:
             logger.debug("udp receive failed: %s", exc)
@@ -382,10 +381,8 @@ class QuicEndpoint:
                             virtual, datagram = unwrapped
                             self._deliver(datagram, len(datagram), virtual, now, touched)
                 continue
-            if relay is not None:
-                punched = relay.from_direct(address, now)
-                if punched is not None:
-                    address = punched  # the path's virtual address
+            if relay is not None:  # a punched path's packet goes by its virtual address
+                address = relay.from_direct(address, now) or address
             self._deliver(data, segment_size, address, now, touched)
         for link, datagrams in self._fec_pending.items():
             link.receive_datagrams(datagrams, link.address, now)

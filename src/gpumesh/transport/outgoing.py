@@ -76,18 +76,12 @@ class _Routes:
         return any(client.has_paths for client in self.clients.values())
 
     def path_for_virtual(self, address: tuple[Any, ...]) -> LinkPath | None:
-        for client in self.clients.values():
-            path = client.path_for_virtual(address)
-            if path is not None:
-                return path
-        return None
+        paths = (client.path_for_virtual(address) for client in self.clients.values())
+        return next((path for path in paths if path is not None), None)
 
     def from_direct(self, source: Address, now: float) -> Address | None:
-        for client in self.clients.values():
-            virtual = client.from_direct(source, now)
-            if virtual is not None:
-                return virtual
-        return None
+        virtuals = (client.from_direct(source, now) for client in self.clients.values())
+        return next((virtual for virtual in virtuals if virtual is not None), None)
 
     def unwrap_run(
         self, buffer: bytes, segment: int, source: Address

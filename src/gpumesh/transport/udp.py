@@ -143,17 +143,13 @@ class UdpSocket:
         self.gro = False
         batched = platform.has("sendmsg")
         if platform.has("gso") and batched:
-            try:
+            with contextlib.suppress(OSError):
                 sock.getsockopt(_SOL_UDP, _UDP_SEGMENT)
                 self.gso = True
-            except OSError:
-                pass
         if platform.has("gro") and batched:
-            try:
+            with contextlib.suppress(OSError):
                 sock.setsockopt(_SOL_UDP, _UDP_GRO, 1)
                 self.gro = True
-            except OSError:
-                pass
         self._pending: deque[tuple[bytes, int, Address | None]] = deque()
         self.peer: Address | None = None
         self.reports_refusals = False
