@@ -389,9 +389,7 @@ class QuicLink:
 
     def remote_address(self) -> Address:
         """Where packets go now: the real address, also for punched sessions."""
-        if self.path is None:
-            return self.address
-        return self.path.remote_address()
+        return self.address if self.path is None else self.path.remote_address()
 
     # --- used by Stream -----------------------------------------------------------
 
@@ -599,13 +597,12 @@ class QuicLink:
         self._endpoint.link_closed(self)
 
     def _schedule_timer(self) -> None:
-        at = self.quic.get_timer()
-        for fec_at in (
+        timers = (
+            self.quic.get_timer(),
             None if self.fec_encoder is None else self.fec_encoder.flush_at(),
             None if self.fec_decoder is None else self.fec_decoder.hold_until(),
-        ):
-            if fec_at is not None and (at is None or fec_at < at):
-                at = fec_at
+        )
+        at = min((when for when in timers if when is not None), default=None)
         if at == self._timer_at:
             return
         if self._timer is not None:

@@ -320,10 +320,8 @@ class Stream:
         """Send bulk bytes, waiting for the peer's credit and our send queue."""
         view = memoryview(data)
         while view:
-            if self._error is not None:
-                raise self._error
-            if self._send_error is not None:
-                raise self._send_error
+            if (error := self._error or self._send_error) is not None:
+                raise error
             available = self._send_window.available()
             if available == 0:
                 self._credit_event.clear()
