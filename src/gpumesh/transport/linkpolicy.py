@@ -9,6 +9,7 @@ and asks a :class:`LinkPolicy`; the policy never reads a clock or touches a sock
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import accumulate
 
 __all__ = ["EARLY_COPIES", "FEC_LONG_RTT", "LOSS_BURST", "LinkPolicy"]
 
@@ -117,15 +118,9 @@ class LinkPolicy:
             self.early_copies = 0
             return 0
         count = min(len(sizes), self.early_copies)
-        if self.unvalidated:
+        if self.unvalidated:  # the first copies whose bytes together fit the allowance
             spare = self.allowance - sum(sizes)
-            fit = 0
-            for size in sizes[:count]:
-                if size > spare:
-                    break
-                spare -= size
-                fit += 1
-            count = fit
+            count = sum(1 for copied in accumulate(sizes[:count]) if copied <= spare)
         self.early_copies -= count
         self.early_duplicates += count
         return count

@@ -326,11 +326,8 @@ class _Splice:
         """What broke first, in either direction (None: nothing, or :meth:`stop` came first)."""
 
     def stop(self) -> None:
-        """Let go (any thread): both directions end, :meth:`run` with :class:`_Stopped`."""
-        self._halt()
-
-    def _halt(self) -> None:
-        """Both directions let go: the flag first, so a wake-up reads as a stop."""
+        """Let go (any thread): both directions end, :meth:`run` with :class:`_Stopped`
+        (the flag first, so a wake-up reads as a stop)."""
         if self._halted:
             return
         self._halted = True
@@ -376,7 +373,7 @@ class _Splice:
         except BaseException as exc:
             if self._failure is None and not self._halted:
                 self._failure = exc
-            self._halt()
+            self.stop()
             return False
         return True
 
