@@ -218,14 +218,15 @@ class Channel:
         self.congestion = congestion_of(sock)
         """The socket's TCP congestion control (``bbr`` where the kernel offers it)."""
         logger.info("data channel: TCP congestion control %s", self.congestion or "unknown")
-        self._aborted = False
+        self.aborted = False
+        """Whether :meth:`abort` (or :meth:`close`) was called."""
         self._lock = threading.Lock()
         self._busy = False
         self._closing = False
 
     def abort(self) -> None:
         """Unblock a thread sending or receiving (a plain close would not)."""
-        self._aborted = True
+        self.aborted = True
         with contextlib.suppress(OSError):
             socket.socket.shutdown(self.sock, socket.SHUT_RDWR)
 
@@ -257,10 +258,6 @@ class Channel:
         with self._lock:
             self._busy = False
             return self._closing
-
-    @property
-    def aborted(self) -> bool:
-        return self._aborted
 
 
 class Listener:
@@ -304,8 +301,7 @@ class Listener:
     def accept(self, stall_timeout: float, wait: float | None = None) -> Channel:
         """The peer's connection, its handshake done and its ticket checked (blocking);
         as :meth:`accept_memory`, with Python's TLS socket (a file's pump)."""
-        candidate = self._accept(wait, _Candidate)
-        return candidate.channel(stall_timeout)
+        return self._accept(wait, _Candidate).channel(stall_timeout)
 
     def accept_memory(self, wait: float | None = None) -> MemoryChannel:
         """:meth:`accept` for a desktop connection: its TLS on memory buffers
@@ -829,8 +825,7 @@ class _PieceWriter:
             raise ConfigError("the folder grew while it was packed; copy it again")
         while view:
             if self._buffer is None:
-                self._buffer = self._relay.take()
-                self._fill = 0
+                self._buffer, self._fill = self._relay.take(), 0
             step = min(len(view), PIECE - self._fill)
             self._buffer[self._fill : self._fill + step] = view[:step]
             self._fill += step
@@ -847,8 +842,7 @@ class _PieceWriter:
         position = 0
         while position < count:
             if self._buffer is None:
-                self._buffer = self._relay.take()
-                self._fill = 0
+                self._buffer, self._fill = self._relay.take(), 0
             step = min(count - position, PIECE - self._fill)
             got = platform.preadv(
                 fd, memoryview(self._buffer)[self._fill : self._fill + step], position
