@@ -194,7 +194,6 @@ class Session:
         earlier session with the peer (its NAT's mapping, still open): that address."""
         self._auth = auth
         self._auth_stream = auth_stream
-        self._where = where
         self._established: asyncio.Future[None] | None = None
 
     @property
@@ -286,7 +285,7 @@ class Session:
                         stream.send_message(reply, end=True)
         except TimeoutError:
             error = UnreachableError(
-                f"{self._where} accepted the connection but did not finish authentication"
+                f"{self.peer_name} accepted the connection but did not finish authentication"
             )
             self.link.close(error)
             raise error from None
