@@ -304,15 +304,12 @@ class ConnectionTable:
         )
 
     def _oldest_waiting(self, key: str | None) -> int | None:
-        best: tuple[float, int] | None = None
-        for conn, found in self._conns.items():
-            if found.waiting_since is None or found.headed:
-                continue
-            if key is not None and found.key != key:
-                continue
-            if best is None or found.waiting_since < best[0]:
-                best = (found.waiting_since, conn)
-        return None if best is None else best[1]
+        since = {
+            conn: found.waiting_since
+            for conn, found in self._conns.items()
+            if found.waiting_since is not None and not found.headed and key in (None, found.key)
+        }
+        return min(since, key=since.__getitem__, default=None)
 
     def _most_waiting(self) -> str | None:
         """The key holding the most waiting connections: room is made at its cost
