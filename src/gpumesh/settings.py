@@ -103,8 +103,7 @@ API_ADDR_DEFAULT = "127.0.0.1:8080"
 
 def env(name: str) -> str | None:
     """An environment variable, with empty treated as unset."""
-    value = os.environ.get(name, "").strip()
-    return value or None
+    return os.environ.get(name, "").strip() or None
 
 
 def home_dir(explicit: str | Path | None = None) -> Path:

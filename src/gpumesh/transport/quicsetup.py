@@ -58,7 +58,7 @@ _CONNECTION_WINDOW = 64 * 1024 * 1024
 
 
 def _base_configuration(is_client: bool, alpns: Sequence[str]) -> QuicConfiguration:
-    config = QuicConfiguration(
+    return QuicConfiguration(
         is_client=is_client,
         alpn_protocols=list(alpns),
         connection_id_length=CID_LENGTH,
@@ -67,7 +67,6 @@ def _base_configuration(is_client: bool, alpns: Sequence[str]) -> QuicConfigurat
         max_stream_data=_STREAM_WINDOW,
         max_data=_CONNECTION_WINDOW,
     )
-    return config
 
 
 def server_configuration(identity: Identity, alpns: Sequence[str] = ALPNS) -> QuicConfiguration:

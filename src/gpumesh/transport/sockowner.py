@@ -146,11 +146,8 @@ def listening_on_loopback(port: int) -> bool | None:
 def exposed_addresses(listeners: set[Endpoint], port: int) -> list[str]:
     """The addresses beyond loopback that listeners on ``port`` are bound to
     (``0.0.0.0`` and ``::`` included: every address of the machine), sorted."""
-    exposed = set()
-    for host, bound in listeners:
-        if bound == port and not ipaddress.ip_address(host).is_loopback:
-            exposed.add(host)
-    return sorted(exposed)
+    hosts = (host for host, bound in listeners if bound == port)  # one port: each host once
+    return sorted(host for host in hosts if not ipaddress.ip_address(host).is_loopback)
 
 
 def listening_beyond_loopback(port: int) -> list[str] | None:
