@@ -347,7 +347,8 @@ class _Jobs:
         self.runtime.start(container_id)
         self.runtime.wait(container_id)
         return b"".join(
-            line.data for line in self.runtime.logs(container_id, "stdout", LogCursor(), False)
+            line.data
+            for line in self.runtime.job_logs(container_id, {"stdout": LogCursor()}, False)
         ).decode()
 
     def close(self) -> None:
