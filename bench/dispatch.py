@@ -511,8 +511,8 @@ def report(args: argparse.Namespace, results: Results) -> None:
     if not results.phases:
         print("  (no phase split: the job records lacked a time)")
     print("  phases: from the provider's and the client's job records (one clock);")
-    print("  the provider removes the container after the end is told; most CLI imports load")
-    print("  after run's request is sent; -X importtime inflates imports a little")
+    print("  the provider removes the container after the end is told; the CLI's imports")
+    print("  load before run's request is sent; -X importtime inflates imports a little")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
