@@ -406,16 +406,36 @@ def test_the_routes_that_change_jobs_groups_and_peers_refuse_a_caller_without_a_
         return [g["name"] for g in mesh.api.ok("GET", "/api/v1/groups")]
 
     before = (jobs(), groups())
+    free, bridge = _free_tcp_port(), mesh.tmp / "bridge.sock"
     for path, body in (
         ("/api/v1/jobs/prune", {"older_than": 0}),
         ("/api/v1/groups", {"name": "stolen"}),
         ("/api/v1/groups/join", {"code": "gpg1_x"}),
         ("/api/v1/peers/sync", {"dial": False}),
         ("/api/v1/registry/search", {}),
+        ("/api/v1/desktop/connect", {"peer": "alice-pc", "bind": f"127.0.0.1:{free}"}),
+        ("/api/v1/cuda/bridge", {"peer": "alice-pc", "bind": f"unix:{bridge}"}),
+        ("/api/v1/cuda/demo", {"peer": "alice-pc"}),
+        ("/api/v1/cuda/bench", {"peer": "alice-pc"}),
     ):
         refused = mesh.api.tcp("POST", path, bearer=False, json=body)
         assert refused.status_code == 401 and refused.json()["code"] == "denied", path
     assert (jobs(), groups()) == before  # nothing pruned, nothing created
+    _nothing_listens(free, bridge)  # no tunnel, no bridge
+
+
+def _free_tcp_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _nothing_listens(port: int, path: Path) -> None:
+    """Nothing listens on loopback ``port`` and no socket file is at ``path``."""
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    assert not path.exists()
 
 
 def test_search_without_a_registry_says_how_to_set_one_and_refuses_a_bad_limit(
@@ -565,6 +585,8 @@ def test_browser_login_cookie_csrf_and_local_paths(mesh: Mesh) -> None:
     )
     assert reused.status_code == 401 and reused.json()["code"] == "denied"
 
+    free, bridge = _free_tcp_port(), mesh.tmp / "bridge.sock"
+
     def browser(method: str, path: str, **kwargs: Any) -> httpx.Response:
         headers = {"cookie": f"gpumesh_session={session}", **at_name, **kwargs.pop("headers", {})}
         return api.tcp(method, path, bearer=False, headers=headers, **kwargs)
@@ -586,9 +608,13 @@ def test_browser_login_cookie_csrf_and_local_paths(mesh: Mesh) -> None:
         ("/api/v1/apps/pull", {"peer": "alice-pc", "job": "x", "dir": "/tmp/x"}),
         ("/api/v1/shells", {"peer": "alice-pc"}),
         ("/api/v1/auth/login-codes", None),
+        # Nor are the routes that open a listener on this machine.
+        ("/api/v1/desktop/connect", {"peer": "alice-pc", "bind": f"127.0.0.1:{free}"}),
+        ("/api/v1/cuda/bridge", {"peer": "alice-pc", "bind": f"unix:{bridge}"}),
     ):
         refused = browser("POST", path, json=body, headers=csrf)
         assert refused.status_code == 403 and refused.json()["code"] == "denied", path
+    _nothing_listens(free, bridge)
     workdir = browser(
         "POST",
         "/api/v1/jobs",

@@ -234,20 +234,18 @@ def connect(peer: str, bind_text: str | None, as_json: bool) -> None:
 
     from gpumesh.client.bodies import TunnelBody
     from gpumesh.client.views.desktop import (
+        TUNNEL_EVENTS,
         TunnelConnectionView,
         TunnelRefusedView,
         TunnelView,
         TunnelWarningView,
     )
 
-    # Each event is named as the node process names it: its struct's name.
-    kinds = (TunnelView, TunnelConnectionView, TunnelRefusedView, TunnelWarningView)
-    views = {kind.__name__.lower(): kind for kind in kinds}
     tunnel = node_client().send(
         "POST", "/api/v1/desktop/connect", TunnelBody(peer=peer, bind=bind_text)
     )
     try:
-        for event in tunnel.events(views):
+        for event in tunnel.events(TUNNEL_EVENTS):
             view = event.view
             if isinstance(view, TunnelView) and as_json:
                 emit_json(view)

@@ -11,6 +11,7 @@ if TYPE_CHECKING:
     from gpumesh.client.desktop import DesktopReport, TunnelReady
 
 __all__ = [
+    "TUNNEL_EVENTS",
     "CudaBridgeView",
     "DesktopDoctorView",
     "LocalServerView",
@@ -120,3 +121,11 @@ class CudaBridgeView(msgspec.Struct):
 
     where: str
     """``HOST:PORT`` or ``unix:PATH``."""
+
+
+TUNNEL_EVENTS: dict[str, type] = {
+    cls.__name__.lower(): cls
+    for cls in (TunnelView, TunnelConnectionView, TunnelRefusedView, TunnelWarningView)
+}
+"""A desktop tunnel's Server-Sent Events (``POST /api/v1/desktop/connect``), named as the
+control API names them: the struct's name."""

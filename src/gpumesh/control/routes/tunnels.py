@@ -60,20 +60,21 @@ async def post_desktop_connect(call: Call) -> object:
     async def work(feed: Feed) -> object:
         opened = 0
 
+        def put(view: object) -> None:  # named as TUNNEL_EVENTS names it
+            feed.put(type(view).__name__.lower(), view)
+
         def carried(path: str) -> None:
             nonlocal opened
             opened += 1
-            feed.put("tunnelconnectionview", TunnelConnectionView(opened, path))
+            put(TunnelConnectionView(opened, path))
 
         await desktop_tunnel(
             call.node,
             body.peer,
             bind=bind,
-            ready=lambda ready: feed.put("tunnelview", TunnelView.of(ready)),
-            refused_local=lambda uid: feed.put("tunnelrefusedview", TunnelRefusedView(uid)),
-            connection_refused=lambda error: feed.put(
-                "tunnelwarningview", TunnelWarningView(error.message)
-            ),
+            ready=lambda ready: put(TunnelView.of(ready)),
+            refused_local=lambda uid: put(TunnelRefusedView(uid)),
+            connection_refused=lambda error: put(TunnelWarningView(error.message)),
             carried=carried,
         )
         return None  # it ends by raising why
