@@ -34,6 +34,18 @@ RECORDED: list[bytes] = []
 """Every response's headers and body, from every test of the module."""
 
 
+def test_a_bridge_without_an_absolute_place_to_listen_is_refused_in_one_line(mesh: Mesh) -> None:
+    for body, said in (
+        ({"peer": "alice-pc"}, "a bridge needs bind: HOST:PORT on loopback, or unix:PATH"),
+        ({"peer": "alice-pc", "bind": "unix:rel.sock"}, "bind unix:PATH needs an absolute path"),
+    ):
+        refused = mesh.api.call("POST", "/api/v1/cuda/bridge", json=body)
+        assert refused.status_code == 400 and refused.json()["message"] == said
+    assert not (mesh.tmp / "rel.sock").exists()
+    unknown = mesh.api.call("POST", "/api/v1/desktop/connect", json={"peer": "x", "port": 1})
+    assert unknown.status_code == 422 and "port" in unknown.json()["message"]
+
+
 def _free_tcp_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
