@@ -66,6 +66,7 @@ class ExitCode(IntEnum):
     NOT_EXECUTABLE = 126
     NOT_FOUND = 127
     INTERRUPTED = 130
+    PREEMPTED = 143
 
 
 EXIT_MEANINGS: dict[ExitCode, str] = {
@@ -87,6 +88,9 @@ EXIT_MEANINGS: dict[ExitCode, str] = {
     ExitCode.NOT_EXECUTABLE: "the job's command is not executable in the image",
     ExitCode.NOT_FOUND: "the job's command is not in the image",
     ExitCode.INTERRUPTED: "cancelled, or interrupted with Ctrl-C",
+    ExitCode.PREEMPTED: (
+        "preempted: the provider's owner took the machine back (paused it or reclaimed its GPU)"
+    ),
 }
 
 JOB_CODES_NOTE = (

@@ -35,6 +35,9 @@ def _at(state: JobState, *, retries: int = 2, attempt: int = 1) -> JobMachine:
     if state is S.CANCELLED:
         assert machine.cancel() == Decision(S.CANCELLED, 0.0, "cancelled")
         return machine
+    if state is S.PREEMPTED:
+        assert machine.preempt("paused") == Decision(S.PREEMPTED, 0.0, "paused")
+        return machine
     for _ in range(attempt - 1):
         machine.start_attempt()
         assert machine.exited(1).state is S.RETRYING
@@ -71,8 +74,8 @@ def test_backoff_doubles_from_one_second_and_is_capped_at_thirty(
     assert isinstance(backoff(attempt), float)
 
 
-def test_final_states_are_exactly_succeeded_failed_cancelled() -> None:
-    assert frozenset({S.SUCCEEDED, S.FAILED, S.CANCELLED}) == FINAL_STATES
+def test_final_states_are_exactly_succeeded_failed_cancelled_preempted() -> None:
+    assert frozenset({S.SUCCEEDED, S.FAILED, S.CANCELLED, S.PREEMPTED}) == FINAL_STATES
 
 
 # --- happy paths -----------------------------------------------------------------------------
@@ -132,6 +135,7 @@ def test_states_are_string_valued_for_storage() -> None:
         "succeeded",
         "failed",
         "cancelled",
+        "preempted",
     ]
 
 
@@ -351,6 +355,45 @@ def test_illegal_transitions_raise_and_change_nothing(state: JobState, call: str
     with pytest.raises(ValueError, match=f"job is {state.value}, expected one of: "):
         _call(machine, call)
     assert (machine.state, machine.attempt, machine.cancel_requested) == before
+
+
+# --- preemption -------------------------------------------------------------------------------
+
+
+def test_a_running_job_preempted_ends_preempted_however_its_program_exits() -> None:
+    for code in (0, 1, 143):
+        machine = _at(S.RUNNING)
+        assert machine.preempt("alice-pc's owner paused sharing") is None  # stop it first
+        assert machine.stopping
+        assert machine.exited(code) == Decision(S.PREEMPTED, 0.0, "alice-pc's owner paused sharing")
+        assert machine.final
+
+
+def test_a_preempted_job_that_fails_to_stop_cleanly_is_still_preempted_never_retried() -> None:
+    machine = _at(S.RUNNING, retries=5)
+    machine.preempt("GPU 0 reclaimed")
+    assert machine.infra_failed("its container disappeared") == Decision(
+        S.PREEMPTED, 0.0, "GPU 0 reclaimed"
+    )
+
+
+@pytest.mark.parametrize("state", [S.QUEUED, S.UPLOADING, S.RETRYING], ids=str)
+def test_a_job_not_running_is_preempted_at_once(state: JobState) -> None:
+    machine = _at(state)
+    assert machine.preempt("paused") == Decision(S.PREEMPTED, 0.0, "paused")
+    assert machine.state is S.PREEMPTED
+
+
+def test_a_cancel_asked_before_a_preemption_wins_and_the_first_reason_stays() -> None:
+    cancelled = _at(S.RUNNING)
+    cancelled.cancel()
+    assert cancelled.preempt("paused") is None
+    assert cancelled.exited(143).state is S.CANCELLED
+    twice = _at(S.RUNNING)
+    twice.preempt("GPU 0 reclaimed")
+    twice.preempt("paused")
+    assert twice.exited(0).message == "GPU 0 reclaimed"
+    assert _at(S.SUCCEEDED).preempt("paused") is None
 
 
 def test_illegal_transition_message_names_the_allowed_states() -> None:

@@ -26,11 +26,13 @@ import threading
 from collections import deque
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from gpumesh.agent.deps import Settings
 from gpumesh.blocking import in_thread
 from gpumesh.protocol.joboutput import UNKNOWN, OutputPosition, encode_events
-from gpumesh.protocol.messages import MAX_OUTPUT_CHUNK, JobOutput
-from gpumesh.protocol.states import FINAL_STATES, JobRole
+from gpumesh.protocol.messages import MAX_OUTPUT_CHUNK, JobOutput, JobStatus
+from gpumesh.protocol.states import FINAL_STATES, LEGACY_STATES, JobRole
 from gpumesh.runtime.base import JobRuntime, LogCursor, LogLine
 from gpumesh.runtime.base import Stream as LogStream
 from gpumesh.store.db import Store
@@ -40,7 +42,7 @@ from gpumesh.units import format_size, parse_size
 if TYPE_CHECKING:
     from gpumesh.transport.stream import Stream
 
-__all__ = ["JobLog", "OutputPump"]
+__all__ = ["JobLog", "OutputPump", "told"]
 
 logger = logging.getLogger(__name__)
 
@@ -127,13 +129,22 @@ class JobLog:
         return OutputPump(self, self._store, runtime, job_id, attempt, container_id, cursor)
 
     async def follow(
-        self, stream: Stream, job_id: str, after: int, follow: bool = True, *, credited: bool
+        self,
+        stream: Stream,
+        job_id: str,
+        after: int,
+        follow: bool = True,
+        *,
+        credited: bool,
+        knows_preempted: bool,
     ) -> None:
         """:meth:`_stream_events` until the stream fails (reset or stopped by the consumer,
         its link closed, over its limits): a follow waiting for output would otherwise
         hold the stream, and the link under it, until the job ends."""
         events = asyncio.ensure_future(
-            self._stream_events(stream, job_id, after, follow, credited=credited)
+            self._stream_events(
+                stream, job_id, after, follow, credited=credited, knows_preempted=knows_preempted
+            )
         )
         failed = asyncio.ensure_future(stream.wait_failed())
         try:
@@ -149,7 +160,14 @@ class JobLog:
         events.result()
 
     async def _stream_events(
-        self, stream: Stream, job_id: str, after: int, follow: bool, *, credited: bool
+        self,
+        stream: Stream,
+        job_id: str,
+        after: int,
+        follow: bool,
+        *,
+        credited: bool,
+        knows_preempted: bool,
     ) -> None:
         """Send a job's events after seq ``after`` from the store, and with ``follow``
         new ones until it ends; ``credited``: inside one DATA section, at the pace of
@@ -161,7 +179,7 @@ class JobLog:
             events = self._store.job_events(job_id, after, _EVENTS_PER_SEND)
             if events:
                 after = events[-1].seq
-                messages = [event.to_message() for event in events]
+                messages = [told(event.to_message(), knows_preempted) for event in events]
                 if credited:
                     await stream.send_data(encode_events(messages))
                     continue
@@ -185,6 +203,15 @@ class JobLog:
         job = self._store.job(JobRole.HOSTED, job_id)
         assert job is not None
         return job
+
+
+def told(message: JobOutput | JobStatus, knows_preempted: bool) -> JobOutput | JobStatus:
+    """``message`` as a requester is told it: one from before ``preempted`` reads the
+    state it knows instead (:data:`~gpumesh.protocol.states.LEGACY_STATES`)."""
+    if knows_preempted or not isinstance(message, JobStatus):
+        return message
+    older = LEGACY_STATES.get(message.state)
+    return msgspec.structs.replace(message, state=older) if older is not None else message
 
 
 class OutputPump:

@@ -51,6 +51,7 @@ from gpumesh.store.jobs import JobRecord
 from gpumesh.units import format_size
 
 __all__ = [
+    "CANCEL_GRACE",
     "GPU_SAMPLE_INTERVAL",
     "QUOTA_INTERVAL",
     "TIMEOUT_EXIT",
@@ -71,6 +72,10 @@ GPU_SAMPLE_INTERVAL = 2.0
 """Seconds between samples of a running GPU job's memory use."""
 QUOTA_INTERVAL = 5.0
 """Seconds between checks of what a running job's peer stores against its file_quota."""
+CANCEL_GRACE = 5.0
+"""Seconds a cancelled job's container has between SIGTERM and SIGKILL."""
+_END_WAIT = 20.0
+"""Seconds a cancel or a preemption waits, past the grace, for the job to be told ended."""
 
 
 def gpu_holder(job_id: str) -> Holder:
@@ -97,6 +102,8 @@ class Run:
         self.wake = asyncio.Event()
         """Set to cut a retry backoff short (cancel)."""
         self.timed_out = False
+        self.grace = CANCEL_GRACE
+        """Seconds its container has between SIGTERM and SIGKILL when it is stopped."""
         self.over_quota = ""
         """Why the job was stopped for what its peer stores (empty: it was not)."""
 
@@ -235,17 +242,41 @@ class JobRunner:
                 JobRole.HOSTED, job_id, cancel_requested=1, message=run.machine.cancel_reason
             )
             run.wake.set()
-            if decision is not None:  # nothing running: ends now
-                if run.task is not None:
-                    run.task.cancel()
-                await self.finish(run, decision)
-            elif run.container_id:
-                logger.info("[job %s] %s: stopping its container", job_id, reason)
-                await in_thread(self.runtime.stop, run.container_id, 5.0)
-            if run.task is not None:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await asyncio.wait_for(asyncio.shield(run.task), 20)
+            await self._end(run, decision, reason)
         return self.record(job_id)
+
+    async def preempt(self, job_id: str, reason: str, grace: float) -> JobRecord:
+        """End a hosted job ``preempted``, saying why: the provider's owner takes the
+        machine back. A running container gets SIGTERM and ``grace`` seconds to exit
+        (checkpoint, write its outputs) before it is killed; a job waiting to start or
+        to retry ends now. Returns its record once it ended (a cancel asked before
+        wins)."""
+        if job_id not in self.runs and self._recovering:
+            await self._recovered.wait()
+        run = self.runs.get(job_id)
+        if run is None or self.record(job_id).state in FINAL_STATES:
+            return self.record(job_id)
+        if not run.machine.stopping:
+            run.grace = grace
+        decision = run.machine.preempt(reason)
+        run.wake.set()
+        await self._end(run, decision, reason)
+        return self.record(job_id)
+
+    async def _end(self, run: Run, decision: Decision | None, reason: str) -> None:
+        """Carry out a cancel or a preemption: the job ends now when ``decision`` says
+        so (nothing was running), else its running container is stopped (SIGTERM, then
+        SIGKILL after its grace); then wait for the end to be recorded."""
+        if decision is not None:
+            if run.task is not None:
+                run.task.cancel()
+            await self.finish(run, decision)
+        elif run.container_id:
+            logger.info("[job %s] %s: stopping its container", run.job_id, reason)
+            await in_thread(self.runtime.stop, run.container_id, run.grace)
+        if run.task is not None:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await asyncio.wait_for(asyncio.shield(run.task), run.grace + _END_WAIT)
 
     # --- attempts --------------------------------------------------------------------------
 
@@ -281,7 +312,7 @@ class JobRunner:
                 if run.machine.state is JobState.RETRYING:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(run.wake.wait(), decision.delay)
-                    if run.machine.cancel_requested:
+                    if run.machine.stopping:
                         await self.finish(run, run.machine.infra_failed("cancelled"))
         except asyncio.CancelledError:
             raise
@@ -432,8 +463,8 @@ class JobRunner:
         )
         waiter = in_thread(self.runtime.wait, container.container_id)
         try:
-            if run.machine.cancel_requested:  # cancelled while the container was being made
-                await in_thread(self.runtime.stop, container.container_id, 5.0)
+            if run.machine.stopping:  # cancelled while the container was being made
+                await in_thread(self.runtime.stop, container.container_id, run.grace)
             if job.timeout:
                 # Per attempt, from when we (re)attached: a restart gives it the full time again.
                 done, _ = await asyncio.wait({waiter}, timeout=job.timeout)
@@ -452,10 +483,10 @@ class JobRunner:
                     task.cancel()
             abandon(waiter)  # a failure (or a cancel) before the wait was awaited
         # Exited and its output stored: removed once its end is told (see _supervise).
-        if run.over_quota and not run.machine.cancel_requested:
+        if run.over_quota and not run.machine.stopping:
             await self.log.diagnostic(run.job_id, run.machine.attempt, run.over_quota)
             return Decision(JobState.FAILED, 0.0, run.over_quota)
-        if run.timed_out and not run.machine.cancel_requested:
+        if run.timed_out and not run.machine.stopping:
             self.store.update_job(JobRole.HOSTED, run.job_id, exit_code=TIMEOUT_EXIT)
             return run.machine.infra_failed(f"timed out after {job.timeout:.0f}s")
         if final.error and final.exit_code in (ExitCode.NOT_EXECUTABLE, ExitCode.NOT_FOUND):
@@ -553,6 +584,8 @@ class JobRunner:
         exit_code = job.exit_code
         if decision.state is JobState.CANCELLED:
             exit_code = exit_code if exit_code is not None else ExitCode.INTERRUPTED
+        elif decision.state is JobState.PREEMPTED:
+            exit_code = exit_code if exit_code is not None else ExitCode.PREEMPTED
         elif decision.state is JobState.FAILED and exit_code in (None, 0):
             # Never ran to completion: like docker run's own failures.
             exit_code = ExitCode.JOB_NOT_RUN

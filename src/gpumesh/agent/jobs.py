@@ -34,7 +34,7 @@ from gpumesh.agent.deps import (
     Settings,
 )
 from gpumesh.agent.gpus import GpuAllocator
-from gpumesh.agent.joblogs import JobLog
+from gpumesh.agent.joblogs import JobLog, told
 from gpumesh.agent.jobrun import JobRunner, Run, gpu_holder
 from gpumesh.agent.jobstate import REVOKED, Decision
 from gpumesh.agent.limits import Admission, Claim, Kind
@@ -177,7 +177,13 @@ class JobService:
                     )
                 )
                 if message.attach:
-                    await self.log.follow(ctx.stream, existing.job_id, 0, credited=message.credited)
+                    await self.log.follow(
+                        ctx.stream,
+                        existing.job_id,
+                        0,
+                        credited=message.credited,
+                        knows_preempted=message.knows_preempted,
+                    )
                 else:
                     ctx.stream.finish()
                 return
@@ -257,26 +263,40 @@ class JobService:
             record = self.runner.record(record.job_id)
         self.runner.start(run, record)
         if message.attach:
-            await self.log.follow(ctx.stream, record.job_id, 0, credited=message.credited)
+            await self.log.follow(
+                ctx.stream,
+                record.job_id,
+                0,
+                credited=message.credited,
+                knows_preempted=message.knows_preempted,
+            )
         else:
             ctx.stream.finish()
 
     async def handle_logs(self, ctx: RequestContext, message: JobLogs) -> None:
         job = self.owned(ctx.peer, message.job_id)
         await self.log.follow(
-            ctx.stream, job.job_id, message.after_seq, message.follow, credited=message.credited
+            ctx.stream,
+            job.job_id,
+            message.after_seq,
+            message.follow,
+            credited=message.credited,
+            knows_preempted=message.knows_preempted,
         )
 
     async def handle_cancel(self, ctx: RequestContext, message: JobCancel) -> None:
         job = await self.runner.cancel(self.owned(ctx.peer, message.job_id).job_id)
         ctx.stream.send_message(
-            JobStatus(
-                job_id=job.job_id,
-                seq=job.last_seq,
-                state=job.state,
-                attempt=job.attempt,
-                exit_code=job.exit_code,
-                message=job.message,
+            told(
+                JobStatus(
+                    job_id=job.job_id,
+                    seq=job.last_seq,
+                    state=job.state,
+                    attempt=job.attempt,
+                    exit_code=job.exit_code,
+                    message=job.message,
+                ),
+                message.knows_preempted,
             ),
             end=True,
         )
@@ -285,16 +305,19 @@ class JobService:
         job = self.owned(ctx.peer, message.job_id)
         entered = job.finished_at or job.started_at or job.created_at
         ctx.stream.send_message(
-            JobStatus(
-                job_id=job.job_id,
-                seq=job.last_seq,
-                state=job.state,
-                attempt=job.attempt,
-                exit_code=job.exit_code,
-                message=job.message,
-                time=entered,
-                peak_gpu_memory=job.peak_gpu_memory,
-                started=job.started_at or 0.0,
+            told(
+                JobStatus(
+                    job_id=job.job_id,
+                    seq=job.last_seq,
+                    state=job.state,
+                    attempt=job.attempt,
+                    exit_code=job.exit_code,
+                    message=job.message,
+                    time=entered,
+                    peak_gpu_memory=job.peak_gpu_memory,
+                    started=job.started_at or 0.0,
+                ),
+                message.knows_preempted,
             ),
             end=True,
         )

@@ -7,6 +7,8 @@
                               |           v
                               +------ retrying              (non-zero exit or infra failure)
     any non-final state --cancel--> cancelled               (never retried)
+    any non-final state --preempt-> preempted               (the owner took the machine
+                                                             back; never retried here)
 
 The job service feeds outcomes in and acts on the decisions that come out;
 time never enters here (backoff delays are returned, not slept).
@@ -60,10 +62,17 @@ class JobMachine:
         self.cancel_requested = cancel_requested
         self.cancel_reason = cancel_reason or "cancelled"
         """Why it was cancelled: ``cancelled`` (its submitter), ``access revoked``..."""
+        self.preempt_reason = ""
+        """Why the provider's owner took the machine back (empty: it did not)."""
 
     @property
     def final(self) -> bool:
         return self.state in FINAL_STATES
+
+    @property
+    def stopping(self) -> bool:
+        """A cancel or a preemption was asked: the running attempt is its last."""
+        return self.cancel_requested or bool(self.preempt_reason)
 
     @property
     def attempts_left(self) -> int:
@@ -89,6 +98,8 @@ class JobMachine:
         self._expect(JobState.STARTING, JobState.RUNNING)
         if self.cancel_requested:
             return self._finish(JobState.CANCELLED, self.cancel_reason)
+        if self.preempt_reason:
+            return self._finish(JobState.PREEMPTED, self.preempt_reason)
         if exit_code == 0:
             return self._finish(JobState.SUCCEEDED, "exited 0", exited=True)
         return self._failed(f"exited {exit_code}", exited=True)
@@ -99,6 +110,8 @@ class JobMachine:
             return Decision(self.state)
         if self.cancel_requested:
             return self._finish(JobState.CANCELLED, self.cancel_reason)
+        if self.preempt_reason:
+            return self._finish(JobState.PREEMPTED, self.preempt_reason)
         return self._failed(message)
 
     def cancel(self, reason: str = "cancelled") -> Decision | None:
@@ -113,6 +126,18 @@ class JobMachine:
         if self.state in (JobState.STARTING, JobState.RUNNING):
             return None
         return self._finish(JobState.CANCELLED, self.cancel_reason)
+
+    def preempt(self, reason: str) -> Decision | None:
+        """The provider's owner takes the machine back, saying why. As :meth:`cancel`:
+        the final decision when nothing is running, None when a running container must
+        be stopped first (its end is then ``preempted`` however it exits). A cancel
+        asked before wins."""
+        if self.final or self.cancel_requested:
+            return None
+        self.preempt_reason = self.preempt_reason or reason
+        if self.state in (JobState.STARTING, JobState.RUNNING):
+            return None
+        return self._finish(JobState.PREEMPTED, self.preempt_reason)
 
     def _failed(self, message: str, *, exited: bool = False) -> Decision:
         if self.attempt == 0:  # nothing ever ran: there is no attempt to retry

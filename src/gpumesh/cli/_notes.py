@@ -50,6 +50,8 @@ def state_note(view: Status, *, numbered: bool, job_id: str) -> str | None:
         return message
     if state == JobState.CANCELLED:
         return f"job {job_id} cancelled"
+    if state == JobState.PREEMPTED:
+        return f"job {job_id} preempted: {message}"
     if state == JobState.FAILED and not exited:
         return f"job failed: {message}"  # it never exited on its own
     return None
@@ -78,6 +80,8 @@ def exit_status_of(state: str, exit_code: int | None) -> int:
     """The CLI's exit status for a finished job, as `docker run` would give it."""
     if state == JobState.CANCELLED:
         return ExitCode.INTERRUPTED
+    if state == JobState.PREEMPTED:
+        return ExitCode.PREEMPTED
     return exit_code if exit_code is not None else ExitCode.JOB_NOT_RUN
 
 

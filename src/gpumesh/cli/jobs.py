@@ -79,6 +79,7 @@ def _print(records: list[JobListEntry]) -> None:
         JobState.SUCCEEDED: "green",
         JobState.FAILED: "red",
         JobState.CANCELLED: "yellow",
+        JobState.PREEMPTED: "magenta",
         JobState.RUNNING: "cyan",
     }
     now = time.time()

@@ -303,6 +303,7 @@ async def run_job(
         credited=True,
         mounts=[JobMount(source=m.source, target=m.target, rw=m.rw) for m in spec.mounts],
         pull_progress=True,
+        knows_preempted=True,
     )
     store = node.home.store
     result = JobResult(job_id, peer.name, JobState.QUEUED, None, 0, "")
@@ -583,7 +584,11 @@ async def _follow(
                 # Our side stays open: it carries the credit back.
                 stream.send_message(
                     JobLogs(
-                        job_id=result.job_id, after_seq=reader.seq, follow=follow, credited=True
+                        job_id=result.job_id,
+                        after_seq=reader.seq,
+                        follow=follow,
+                        credited=True,
+                        knows_preempted=True,
                     )
                 )
                 async with contextlib.aclosing(_consume(stream, node, result, reader)) as events:
@@ -626,7 +631,7 @@ async def cancel_job(node: Node, peer_query: str, job_id: str) -> JobResult:
 
     async def ask(session: Session) -> Message:
         # Safe to send twice: a job cancelled already is answered with its end.
-        return await session.request(JobCancel(job_id=job_id), timeout=60)
+        return await session.request(JobCancel(job_id=job_id, knows_preempted=True), timeout=60)
 
     reply = await node.on_session(peer.node_id, ask)
     if not isinstance(reply, JobStatus):
@@ -736,7 +741,9 @@ async def _refresh_peer(node: Node, jobs: list[JobRecord], timeout: float) -> Un
 
     async def query(session: Session, job_id: str) -> None:
         try:
-            reply = await session.request(JobQuery(job_id=job_id), timeout=timeout)
+            reply = await session.request(
+                JobQuery(job_id=job_id, knows_preempted=True), timeout=timeout
+            )
         except NotFoundError:
             node.home.store.update_job(SUBMITTED, job_id, provider_forgot=1)
         except ConnectionLostError:

@@ -70,7 +70,7 @@ async def refuse_unmounted(
     """A provider from before mounts accepted a job without them: cancel it, say so."""
     stream.abort()
     with contextlib.suppress(GPUMeshError):
-        await session.request(JobCancel(job_id=job_id), timeout=60)
+        await session.request(JobCancel(job_id=job_id, knows_preempted=True), timeout=60)
     raise ProtocolError(
         f"{peer_name} runs an older GPUMesh that cannot mount folders into jobs "
         f"(job {job_id} was cancelled there): ask its owner to upgrade, or run without --mount"

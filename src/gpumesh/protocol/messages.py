@@ -243,6 +243,9 @@ class StatusReply(_Msg, tag="status_reply", frozen=True):
     container_gpus: bool = True
     """False: the provider's Docker cannot give its GPUs to containers (no NVIDIA
     container toolkit), so its jobs run without them (absent from older providers)."""
+    paused: bool = False
+    """The provider's owner paused sharing (``gpumesh pause``): it takes no jobs,
+    shells or CUDA sessions until ``gpumesh resume``."""
 
 
 class ThroughputRequest(_Msg, tag="throughput", frozen=True):
@@ -326,6 +329,9 @@ class JobSubmit(_Msg, tag="job_submit", frozen=True):
     """With ``channel``: the hashes the consumer can check the workdir's tar with
     over a data channel; the provider names its pick in ``ChannelOffer.hash``.
     Empty (a consumer from before this field): SHA-256."""
+    knows_preempted: bool = False
+    """The requester knows the final state ``preempted``; a consumer from before it
+    (False) is told ``failed``, with the same message."""
 
 
 class JobAccepted(_Msg, tag="job_accepted", frozen=True):
@@ -395,10 +401,16 @@ class JobLogs(_Msg, tag="job_logs", frozen=True):
     credited: bool = False
     """As ``JobSubmit.credited``: events inside one DATA section, paced by credit (the
     consumer then keeps its side of the stream open, to send CREDIT)."""
+    knows_preempted: bool = False
+    """The requester knows the final state ``preempted``; a consumer from before it
+    (False) is told ``failed``, with the same message."""
 
 
 class JobCancel(_Msg, tag="job_cancel", frozen=True):
     job_id: JobId
+    knows_preempted: bool = False
+    """The requester knows the final state ``preempted``; a consumer from before it
+    (False) is told ``failed``, with the same message."""
 
 
 class JobQuery(_Msg, tag="job_query", frozen=True):
@@ -406,6 +418,9 @@ class JobQuery(_Msg, tag="job_query", frozen=True):
     or refused ``not_found`` when the provider no longer knows the job."""
 
     job_id: JobId
+    knows_preempted: bool = False
+    """The requester knows the final state ``preempted``; a consumer from before it
+    (False) is told ``failed``, with the same message."""
 
 
 # --- files (paths are relative to the peer's sandbox on the provider) ---------------

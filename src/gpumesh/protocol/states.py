@@ -13,7 +13,7 @@ import enum
 
 from gpumesh.errors import ProtocolError
 
-__all__ = ["FINAL_STATES", "OWNER_CANCELLED", "JobRole", "JobState", "job_state"]
+__all__ = ["FINAL_STATES", "LEGACY_STATES", "OWNER_CANCELLED", "JobRole", "JobState", "job_state"]
 
 
 class JobState(enum.StrEnum):
@@ -25,10 +25,20 @@ class JobState(enum.StrEnum):
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     CANCELLED = "cancelled"
+    PREEMPTED = "preempted"
+    """Stopped because the provider's owner took the machine back (``gpumesh pause``,
+    or a GPU reclaimed for the owner's own process); the message says which."""
 
 
-FINAL_STATES = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
+FINAL_STATES = frozenset(
+    {JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED, JobState.PREEMPTED}
+)
 """States a job never leaves."""
+
+LEGACY_STATES: dict[str, JobState] = {JobState.PREEMPTED: JobState.FAILED}
+"""What a peer that does not know a state is told instead: a consumer from before
+``preempted`` reads ``failed`` (with the same message) rather than a state it would
+refuse (see :func:`job_state`)."""
 
 
 OWNER_CANCELLED = "cancelled by the provider's owner"

@@ -193,6 +193,14 @@ MIGRATIONS: list[str] = [
         changed_at REAL NOT NULL
     );
     """,
+    # 13 -> 14: the owner paused sharing (`gpumesh pause`) until `gpumesh resume`
+    """
+    CREATE TABLE owner_pause (
+        id        INTEGER PRIMARY KEY CHECK (id = 1),
+        since     REAL NOT NULL,
+        grace     REAL NOT NULL
+    );
+    """,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 

@@ -1,5 +1,6 @@
 """What the owner shares besides jobs: the desktop and CUDA remoting, each
-with its own allowlist (empty until the owner adds a peer)."""
+with its own allowlist (empty until the owner adds a peer); and whether the
+owner paused sharing (``gpumesh pause``), which outlives a restart."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 from gpumesh.protocol.desktop import DesktopKind
 from gpumesh.store.tables import Tables
 
-__all__ = ["DesktopShare", "ShareTables"]
+__all__ = ["DesktopShare", "Pause", "ShareTables"]
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,15 @@ class DesktopShare:
     port: int
     """The TCP port on 127.0.0.1 the provider forwards to."""
     shared_at: float
+
+
+@dataclass(frozen=True)
+class Pause:
+    """The owner took the machine back: guests get nothing until ``gpumesh resume``."""
+
+    since: float
+    grace: float
+    """Seconds guest jobs were given between SIGTERM and SIGKILL."""
 
 
 class ShareTables(Tables):
@@ -99,3 +109,24 @@ class ShareTables(Tables):
         """Whether this node offers CUDA sessions (off until `cuda share`)."""
         rows = self._query("SELECT sharing FROM cuda_share WHERE id = 1")
         return bool(rows and rows[0]["sharing"])
+
+    # --- the owner's pause ----------------------------------------------------------------
+
+    def pause(self, grace: float, now: float | None = None) -> Pause:
+        """Remember that the owner paused sharing (kept from the first pause on)."""
+        self._execute(
+            "INSERT OR IGNORE INTO owner_pause (id, since, grace) VALUES (1, ?, ?)",
+            (time.time() if now is None else now, grace),
+        )
+        paused = self.paused()
+        assert paused is not None
+        return paused
+
+    def resume(self) -> bool:
+        """Sharing is the guests' again; False when it was not paused."""
+        return self._execute("DELETE FROM owner_pause WHERE id = 1") > 0
+
+    def paused(self) -> Pause | None:
+        """Since when the owner paused sharing, or None."""
+        rows = self._query("SELECT since, grace FROM owner_pause WHERE id = 1")
+        return Pause(rows[0]["since"], rows[0]["grace"]) if rows else None
