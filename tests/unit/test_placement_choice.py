@@ -17,6 +17,7 @@ def _probe(
     running_jobs: int,
     rtt_ms: float = 1.0,
     container_gpus: bool = True,
+    paused: bool = False,
 ) -> Probe:
     peer = Peer(
         node_id=NodeId("k" * 52),
@@ -38,6 +39,7 @@ def _probe(
         gpus=gpus,
         running_jobs=running_jobs,
         container_gpus=container_gpus,
+        paused=paused,
     )
     return Probe(name, peer, status, rtt_ms=rtt_ms)
 
@@ -107,3 +109,12 @@ def test_a_status_reply_from_an_older_provider_gives_its_gpus_to_containers() ->
     del raw["container_gpus"]  # a provider from before the field
     decoded = decode_message(msgspec.msgpack.encode(raw))
     assert isinstance(decoded, StatusReply) and decoded.container_gpus is True
+
+
+def test_a_member_its_owner_paused_is_skipped_saying_why_and_another_is_chosen() -> None:
+    paused = _probe("alice-pc", [_gpu(20 * GB)], running_jobs=0, paused=True)
+    other = _probe("bob-pc", [_gpu(8 * GB)], running_jobs=1)
+    placement = choose([paused, other], 4 * GB)
+    assert placement.peer_name == "bob-pc"
+    skipped = next(c for c in placement.candidates if c.name == "alice-pc")
+    assert (skipped.eligible, skipped.reason) == (False, "paused by its owner")

@@ -220,6 +220,12 @@ class JobRunner:
         # queued or retrying: nothing ran yet for the next attempt.
         await self._supervise(run, job)
 
+    async def recovered(self) -> None:
+        """Return once a restarted agent attached its unfinished jobs (at once when it
+        is not recovering)."""
+        if self._recovering:
+            await self._recovered.wait()
+
     def stop(self) -> None:
         """Stop supervising; containers keep running and are re-attached on next start."""
         for run in self.runs.values():
@@ -251,8 +257,8 @@ class JobRunner:
         (checkpoint, write its outputs) before it is killed; a job waiting to start or
         to retry ends now. Returns its record once it ended (a cancel asked before
         wins)."""
-        if job_id not in self.runs and self._recovering:
-            await self._recovered.wait()
+        if job_id not in self.runs:
+            await self.recovered()
         run = self.runs.get(job_id)
         if run is None or self.record(job_id).state in FINAL_STATES:
             return self.record(job_id)

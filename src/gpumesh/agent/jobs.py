@@ -118,7 +118,9 @@ class JobService:
             provider, store, containers=containers, gpus=gpus, sandboxes=files, log=self.log
         )
         """The jobs' supervision, from an accepted job's first attempt to its end."""
-        self.admission = Admission(share_limits, self._claims, provider.name)
+        self.admission = Admission(
+            share_limits, self._claims, provider.name, lambda: store.paused() is not None
+        )
         """Admits jobs and shells (max_jobs_per_peer, max_shells_per_peer, share_memory)."""
         # What unfinished jobs were promised holds again from the start, before any
         # request is served: they will run (again).
@@ -330,6 +332,18 @@ class JobService:
             if job.job_id in self.runner.runs and not allowed(job.peer_id)
         ]
         await asyncio.gather(*(self.runner.cancel(job_id, REVOKED) for job_id in revoked))
+
+    async def preempt(self, reason: str, grace: float, gpu: str | None = None) -> list[str]:
+        """Preempt the unfinished hosted jobs (those on GPU ``gpu`` only, when given):
+        SIGTERM, then SIGKILL after ``grace`` seconds; returns their ids once they ended."""
+        await self.runner.recovered()
+        chosen = [
+            job.job_id
+            for job in self.store.unfinished_hosted_jobs()
+            if job.job_id in self.runner.runs and (gpu is None or gpu in job.gpus)
+        ]
+        await asyncio.gather(*(self.runner.preempt(job_id, reason, grace) for job_id in chosen))
+        return chosen
 
     async def owner_cancels(self) -> None:
         """Carry out cancels this node's owner recorded (``gpumesh cancel`` of a hosted job)."""

@@ -139,10 +139,14 @@ class Admission:
         limits: Callable[[], ShareLimits],
         jobs: Callable[[ShareLimits], list[Claim]],
         provider: str,
+        paused: Callable[[], bool] = lambda: False,
     ) -> None:
+        """``paused``: whether the owner took the machine back (`gpumesh pause`): then
+        nothing is admitted."""
         self._limits = limits
         self._jobs = jobs
         self._provider = provider
+        self._paused = paused
         self._held: dict[object, Claim] = {}
         """Open shells and CUDA sessions."""
 
@@ -152,6 +156,7 @@ class Admission:
 
     def admit_job(self, peer_id: str) -> None:
         """Refuse a new job of ``peer_id`` that would go past a limit."""
+        self._check_paused("jobs")
         limits = self._limits()
         held = [*self._jobs(limits), *self._held.values()]
         check_admission(Kind.JOB, peer_id, held, limits, self._provider)
@@ -159,6 +164,7 @@ class Admission:
     @contextlib.contextmanager
     def shell(self, peer_id: str) -> Iterator[None]:
         """Hold a shell of ``peer_id`` for the block (refused past a limit)."""
+        self._check_paused("shells")
         limits = self._limits()
         held = [*self._jobs(limits), *self._held.values()]
         check_admission(Kind.SHELL, peer_id, held, limits, self._provider)
@@ -169,11 +175,19 @@ class Admission:
     def cuda(self, peer_id: str, memory: int) -> Iterator[None]:
         """Hold a CUDA session of ``memory`` bytes for ``peer_id`` for the block (refused
         past ``share_memory``; its count per peer is the CUDA service's)."""
+        self._check_paused("CUDA sessions")
         limits = self._limits()
         held = [*self._jobs(limits), *self._held.values()]
         check_share_memory(Kind.CUDA, memory, held, limits, self._provider)
         with self._holding(Claim(peer_id, Kind.CUDA, memory)):
             yield
+
+    def _check_paused(self, what: str) -> None:
+        if self._paused():
+            raise LimitError(
+                f"{self._provider} is paused by its owner: it takes no {what} until its owner "
+                "resumes sharing; try later, or another peer (`gpumesh run --group`)"
+            )
 
     @contextlib.contextmanager
     def _holding(self, claim: Claim) -> Iterator[None]:

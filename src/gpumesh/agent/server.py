@@ -17,6 +17,7 @@ import logging
 import os
 import time
 from collections.abc import Awaitable
+from dataclasses import dataclass
 from typing import Any
 
 from gpumesh.agent.addresses import AddressService
@@ -56,6 +57,7 @@ from gpumesh.runtime.base import JobRuntime
 from gpumesh.store.home import AgentInfo, Home, RelayState
 from gpumesh.store.limits import ShareLimits, machine_size
 from gpumesh.store.peerrecords import PeerRecords
+from gpumesh.store.shares import Pause
 from gpumesh.transport.endpoint import QuicEndpoint
 from gpumesh.transport.netinfo import local_addresses
 from gpumesh.transport.quic import QuicLink
@@ -66,7 +68,7 @@ from gpumesh.transport.udp import Address, format_address
 from gpumesh.units import parse_size
 from gpumesh.version import __version__
 
-__all__ = ["Agent", "RequestContext"]
+__all__ = ["Agent", "Paused", "RequestContext"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +77,20 @@ RETURN_MEMORY_AFTER = 3.5
 endpoint keeps a closed link 3 s to retransmit its close)."""
 REQUEST_TIMEOUT = 30.0
 REFUSALS_EVERY = 10.0
+PAUSE_SESSIONS_WAIT = 10.0
+"""Seconds a pause waits, past its grace, for guest shells to be gone."""
 """Seconds between summary lines about refused packets (never a line per packet)."""
+
+
+@dataclass(frozen=True)
+class Paused:
+    """What ``gpumesh pause`` did."""
+
+    pause: Pause
+    jobs: list[str]
+    """The guest jobs preempted (their ids)."""
+    sessions: int
+    """Guest shells and CUDA sessions ended."""
 
 
 class Agent:
@@ -224,6 +239,7 @@ class Agent:
         self._spawn(self._watch_changes())
         self._spawn(self._summarize_refusals())
         self._spawn(self.jobs.runner.recover())
+        self._spawn(self._keep_paused())
         logger.info("sharing on udp %s:%d as %s", host, port, self.name)
         logger.info("limits: %s", self.share_limits().describe())
         logger.info("job network: %s", self.containers.network().mode)
@@ -474,6 +490,37 @@ class Agent:
             except Exception:
                 logger.exception("acting on the owner's change failed")
 
+    async def pause(self, grace: float) -> Paused:
+        """The owner takes the machine back (``gpumesh pause``), until :meth:`resume`,
+        through restarts: nothing more is admitted, guest jobs are preempted (SIGTERM,
+        then SIGKILL after ``grace`` seconds), guest shells and CUDA sessions end
+        (desktop connections stay: the owner shares the desktop on purpose). Returns
+        once the guests are stopped."""
+        pause = self.store.pause(grace)
+        reason = f"{self.name}'s owner paused sharing"
+        shells = [s.id for s in self.shells.sessions() if self.shells.end(s.id)]
+        cuda = [s.id for s in self.cuda.sessions() if self.cuda.end(s.id)]
+        jobs = await self.jobs.preempt(reason, grace)
+        # Shells and CUDA sessions end in their own requests' tasks, which drop them
+        # from the lists as they finish (no event tells all of them): wait, bounded.
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(grace + PAUSE_SESSIONS_WAIT):
+                while self.shells.sessions() or self.cuda.sessions():  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)
+        logger.info(
+            "paused by the owner: %d job(s) preempted, %d session(s) ended",
+            len(jobs),
+            len(shells) + len(cuda),
+        )
+        return Paused(pause, jobs, len(shells) + len(cuda))
+
+    async def _keep_paused(self) -> None:
+        """After a restart while paused: jobs found running (their containers outlived
+        the agent) are preempted again, with the grace the pause was given."""
+        pause = self.store.paused()
+        if pause is not None:
+            await self.jobs.preempt(f"{self.name}'s owner paused sharing", pause.grace)
+
     def end_session(self, session_id: str) -> bool:
         """End one open session (a shell, a desktop connection, a CUDA session) the
         owner asked to end; False when none has that id."""
@@ -499,6 +546,7 @@ class Agent:
     async def _handle_status(self, ctx: RequestContext, message: StatusRequest) -> None:
         gpus, source = await self.gpus.report()
         reply = StatusReply(
+            paused=self.store.paused() is not None,
             name=self.name,
             node_id=self.node_id,
             version=__version__,

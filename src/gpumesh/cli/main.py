@@ -35,6 +35,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "deny": ("gpumesh.cli.access", "deny", "Revoke a peer's access at once."),
     "connect": ("gpumesh.cli.connect", "connect", "Dial a peer and report path and RTT."),
     "share": ("gpumesh.cli.share", "share", "Share this machine with paired peers."),
+    "pause": ("gpumesh.cli.pause", "pause", "Take this machine back from peers until resume."),
+    "resume": ("gpumesh.cli.pause", "resume", "Offer this machine to peers again."),
     "run": ("gpumesh.cli.run", "run", "Run a command in a container on a peer."),
     "jobs": ("gpumesh.cli.jobs", "jobs", "List jobs submitted and hosted."),
     "logs": ("gpumesh.cli.logs", "logs", "Print or follow a job's output."),

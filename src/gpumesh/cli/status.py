@@ -77,7 +77,15 @@ def status(offline: bool, as_json: bool) -> None:
             click.echo(f"GPU {gpu.index}    {gpu.name}, {used} used of {total}")
     else:
         click.echo("GPUs     no NVIDIA GPU (CPU-only jobs)")
-    state = click.style("busy", fg="yellow") if st.state == "busy" else "idle"
+    if st.paused_since is not None:
+        since = _clock(st.paused_since)
+        click.echo(
+            click.style(
+                f"Paused   since {since}: the machine is yours; peers get nothing", fg="yellow"
+            )
+            + " (`gpumesh resume` offers it again)"
+        )
+    state = click.style(st.state, fg="yellow") if st.state != "idle" else "idle"
     submitted = f"{st.jobs_submitted_running} submitted running"
     if st.jobs_submitted_unknown:
         since = time.strftime("%H:%M", time.localtime(min(_unknown_since(client))))

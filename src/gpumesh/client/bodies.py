@@ -37,6 +37,7 @@ __all__ = [
     "JoinBody",
     "MemberBody",
     "PairBody",
+    "PauseBody",
     "PruneBody",
     "SearchBody",
     "ShareOptions",
@@ -245,6 +246,11 @@ class ShellRequest(msgspec.Struct, forbid_unknown_fields=True):
     tty: bool = False
     rows: int = 0
     cols: int = 0
+
+
+class PauseBody(msgspec.Struct, forbid_unknown_fields=True):
+    grace: float = 30.0
+    """Seconds guest jobs get between SIGTERM and SIGKILL (0 to 1 day)."""
 
 
 class ShareOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):

@@ -50,6 +50,7 @@ from gpumesh.protocol.states import FINAL_STATES, JobRole
 from gpumesh.settings import ENV_NODE_NAME, env
 from gpumesh.store.home import AgentInfo, Home
 from gpumesh.store.peers import Peer
+from gpumesh.store.shares import Pause
 from gpumesh.store.trust import check_home
 from gpumesh.transport.netinfo import local_addresses
 from gpumesh.transport.reach import unreachable
@@ -114,6 +115,8 @@ class NodeStatus:
     providers still know)."""
     sessions: OpenSessions
     """The shells, desktops and CUDA sessions the running `gpumesh share` has open."""
+    paused: Pause | None = None
+    """The owner paused sharing (`gpumesh pause`), until `gpumesh resume`."""
 
 
 @dataclass(frozen=True)
@@ -234,6 +237,7 @@ class Node:
             running_hosted=len(store.unfinished_hosted_jobs()),
             running_submitted=len(submitted),
             sessions=open_sessions(agent),
+            paused=store.paused(),
         )
 
     # --- pairing and the allowlist ------------------------------------------------------

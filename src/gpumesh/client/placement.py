@@ -100,6 +100,8 @@ def evaluate(probe_result: Probe, gpu_memory: int) -> Candidate:
     status = probe_result.status
     if not status.sharing:
         return Candidate(name, False, "not sharing")
+    if status.paused:
+        return Candidate(name, False, "paused by its owner")
     gpus = status.gpus
     rtt_ms, jobs = probe_result.rtt_ms, status.running_jobs
     if not gpus or not status.container_gpus:

@@ -45,6 +45,7 @@ from gpumesh.client.bodies import (
     JoinBody,
     MemberBody,
     PairBody,
+    PauseBody,
     PruneBody,
     SearchBody,
     ShareOptions,
@@ -132,6 +133,8 @@ from gpumesh.control.routes.share import (
     delete_share,
     get_share,
     get_share_output,
+    post_pause,
+    post_resume,
     post_share,
     post_share_publish,
 )
@@ -142,7 +145,7 @@ from gpumesh.control.routes.tunnels import (
     post_cuda_demo,
     post_desktop_connect,
 )
-from gpumesh.control.shareviews import ShareLine, ShareView
+from gpumesh.control.shareviews import PauseView, ShareLine, ShareView
 from gpumesh.control.views import NodeProcessView, ShellOfferView
 from gpumesh.errors import (
     AccessDeniedError,
@@ -345,6 +348,13 @@ ENDPOINTS: tuple[Endpoint, ...] = (
              body=ShareOptions),
     Endpoint("DELETE", "/api/v1/share", delete_share, "Stop sharing this machine",
              ShareView),
+    Endpoint("POST", "/api/v1/share/pause", post_pause,
+             "The owner takes the machine back: guest jobs preempted (SIGTERM, then "
+             "stopped after the grace), guest shells and CUDA sessions ended, nothing more "
+             "admitted until resume, through restarts; answers once the guests are stopped",
+             PauseView, body=PauseBody),
+    Endpoint("POST", "/api/v1/share/resume", post_resume,
+             "Offer the machine to peers again after a pause", PauseView),
     Endpoint("POST", "/api/v1/share/publish", post_share_publish,
              "Re-publish the share's registry listing or address record now", PublishView),
     Endpoint("GET", "/api/v1/share/output", get_share_output,

@@ -13,7 +13,7 @@ import msgspec
 from gpumesh.client.bodies import ShareOptions
 from gpumesh.store.home import AgentInfo
 
-__all__ = ["ShareEnd", "ShareLine", "ShareView"]
+__all__ = ["PauseView", "ShareEnd", "ShareLine", "ShareView"]
 
 
 class ShareLine(msgspec.Struct):
@@ -25,6 +25,23 @@ class ShareLine(msgspec.Struct):
     """Printed on stderr (warnings, how it stopped)."""
     tone: str = ""
     """``warn`` (yellow), ``alarm`` (red, bold) or empty."""
+
+
+class PauseView(msgspec.Struct):
+    """``POST /api/v1/share/pause`` and ``/resume``: whether the owner has the machine."""
+
+    paused: bool
+    """Now: peers get nothing until ``gpumesh resume``."""
+    changed: bool
+    """The request changed it (False: it was paused, or not paused, already)."""
+    since: float | None = None
+    """When the pause began (None: not paused)."""
+    grace: float = 0.0
+    """Seconds guest jobs had between SIGTERM and SIGKILL."""
+    jobs: list[str] = []
+    """Guest jobs this pause preempted."""
+    sessions: int = 0
+    """Guest shells and CUDA sessions it ended."""
 
 
 class ShareEnd(msgspec.Struct):

@@ -20,9 +20,15 @@ from typing import TYPE_CHECKING
 
 from gpumesh import platform
 from gpumesh.client.bodies import ShareOptions
-from gpumesh.control.shareviews import ShareEnd, ShareLine, ShareView
+from gpumesh.control.shareviews import PauseView, ShareEnd, ShareLine, ShareView
 from gpumesh.daemon import publish
-from gpumesh.errors import ConfigError, GPUMeshError, InUseError, RuntimeUnavailableError
+from gpumesh.errors import (
+    ConfigError,
+    GPUMeshError,
+    InUseError,
+    NotFoundError,
+    RuntimeUnavailableError,
+)
 from gpumesh.runtime.base import NO_GPU_RUNTIME_NOTE
 from gpumesh.runtime.jobnet import describe_mode
 from gpumesh.units import format_size
@@ -43,6 +49,8 @@ KEPT_LINES = 500
 """Lines of output kept for followers (a share's start says about twenty)."""
 RELAY_WAIT = 3.0
 """Seconds the start waits for the relay's first answer before reporting it."""
+MAX_GRACE = 24 * 3600.0
+"""The longest grace a pause gives guest jobs."""
 
 
 class Sharing:
@@ -165,6 +173,14 @@ class Sharing:
         except BaseException:
             self._end("it failed to start")
             raise
+        pause = self.node.home.store.paused()
+        if pause is not None:
+            since = time.strftime("%Y-%m-%d %H:%M", time.localtime(pause.since))
+            self.say(
+                f"Paused by the owner since {since}: peers get nothing until `gpumesh resume`",
+                err=True,
+                tone="warn",
+            )
         self.say(
             "Only paired, allowed peers are served. Pairing code for a new peer (valid 1 hour):"
         )
@@ -267,6 +283,42 @@ class Sharing:
         bound = "bounded" if who.storage_size else "unbounded"
         root = f"writable, {bound}" if who.writable_root else "read-only"
         self.say(f"  jobs run as {inside} (host uid {who.owner[0]}), root filesystem {root}")
+
+    # --- the owner takes the machine back ---------------------------------------------------
+
+    async def pause(self, grace: float) -> PauseView:
+        """The owner takes the machine back until :meth:`resume` (``gpumesh pause``):
+        returns once the guests' jobs are stopped (see :meth:`Agent.pause`)."""
+        if not 0 <= grace <= MAX_GRACE:
+            raise ConfigError(
+                f"invalid grace {grace:g}s: give a duration from 0s to {MAX_GRACE // 3600:.0f}h"
+            )
+        agent = self.agent
+        if agent is None:
+            raise NotFoundError(
+                "this node does not share, so no peer uses it: there is nothing to pause "
+                "(`gpumesh share` starts sharing)"
+            )
+        was = self.node.home.store.paused()
+        done = await agent.pause(grace)
+        pause = done.pause
+        if was is None or done.jobs or done.sessions:
+            jobs = f"{len(done.jobs)} guest job{'s' if len(done.jobs) != 1 else ''} preempted"
+            self.say(
+                f"Paused by the owner: {jobs}, {done.sessions} session(s) ended; peers get "
+                "nothing until `gpumesh resume`",
+                err=True,
+                tone="warn",
+            )
+        return PauseView(True, was is None, pause.since, pause.grace, done.jobs, done.sessions)
+
+    def resume(self) -> PauseView:
+        """Offer the machine to peers again (``gpumesh resume``); a pause outlives the
+        share and the process, so this needs no share running."""
+        resumed = self.node.home.store.resume()
+        if resumed and self.active:
+            self.say("Resumed by the owner: peers may use this machine again")
+        return PauseView(False, resumed)
 
     def republish(self) -> bool:
         """Refresh the registry listing or address record now; False when nothing is

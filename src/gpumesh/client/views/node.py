@@ -68,13 +68,16 @@ class StatusView(msgspec.Struct):
     gpu_source: str
     gpus: list[GpuUse]
     state: str
-    """``busy`` while this node runs GPUMesh jobs for peers, else ``idle``."""
+    """``paused`` while its owner has taken the machine back (`gpumesh pause`), else
+    ``busy`` while this node runs GPUMesh jobs for peers, else ``idle``."""
     jobs_hosted_running: int
     jobs_submitted_running: int
     jobs_submitted_unknown: int
     """Unfinished submitted jobs whose providers did not say where they stand."""
     sessions: SessionsView
     """The sharing agent's open shells, desktop connections and CUDA sessions."""
+    paused_since: float | None = None
+    """When the owner paused sharing (`gpumesh pause`); None: not paused."""
 
     @classmethod
     def of(cls, status: NodeStatus, *, submitted_unknown: int) -> StatusView:
@@ -94,11 +97,12 @@ class StatusView(msgspec.Struct):
             gpu_source=status.gpu_source,
             gpus=[GpuUse(g.index, g.name, g.memory_total, g.memory_used) for g in status.gpus],
             # Busy means GPUMesh jobs here, whether or not they hold a GPU.
-            state="busy" if status.running_hosted else "idle",
+            state="paused" if status.paused else "busy" if status.running_hosted else "idle",
             jobs_hosted_running=status.running_hosted,
             jobs_submitted_running=status.running_submitted,
             jobs_submitted_unknown=submitted_unknown,
             sessions=SessionsView.of(status.sessions),
+            paused_since=status.paused.since if status.paused else None,
         )
 
 

@@ -15,13 +15,15 @@ from gpumesh.control.streams import KEEP_ALIVE, EventStream, paced, sse
 from gpumesh.errors import AgentError, ConfigError, NotFoundError
 
 if TYPE_CHECKING:
-    from gpumesh.client.bodies import ShareOptions
+    from gpumesh.client.bodies import PauseBody, ShareOptions
     from gpumesh.daemon.sharing import Sharing
 
 __all__ = [
     "delete_share",
     "get_share",
     "get_share_output",
+    "post_pause",
+    "post_resume",
     "post_share",
     "post_share_publish",
     "sharing_of",
@@ -58,6 +60,21 @@ async def delete_share(call: Call) -> object:
     if not await (sharing.stop(how) if how else sharing.stop()):
         raise NotFoundError(f"{call.node.home.path} does not share: start with `gpumesh share`")
     return sharing.view()
+
+
+async def post_pause(call: Call) -> object:
+    """The owner takes the machine back (``gpumesh pause``): answers once the guests
+    are stopped."""
+    body: PauseBody = call.body
+    try:
+        return await sharing_of(call).pause(body.grace)
+    except ConfigError as exc:
+        raise Refusal(422, exc) from None
+
+
+async def post_resume(call: Call) -> object:
+    """Offer the machine to peers again (``gpumesh resume``)."""
+    return sharing_of(call).resume()
 
 
 async def post_share_publish(call: Call) -> object:
