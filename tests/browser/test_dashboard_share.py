@@ -24,6 +24,8 @@ pytestmark = pytest.mark.usefixtures("gpumesh_processes")
 CEILING = 60.0
 START = 'button[aria-label="Start sharing this machine with the default options"]'
 STOP = 'button[aria-label="Stop sharing this machine"]'
+PAUSE = 'button[aria-label="Pause: take the machine back from peers"]'
+RESUME = 'button[aria-label="Resume sharing: offer this machine to peers again"]'
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +83,31 @@ def test_the_owner_starts_and_stops_sharing_from_the_page(
         assert state.startswith("Not shared. The last share ended "), state
         assert share["ended"]["how"] in state
         page.locator(START).wait_for()
+
+
+def test_the_owner_pauses_and_resumes_from_the_page(browser: Any, owner: tuple[Api, int]) -> None:
+    api, _ = owner
+    api.ok("POST", "/api/v1/share", json={})
+    try:
+        with signed_in(browser, api) as page:
+            page.goto(api.dashboard + "/owner")
+            assert page.locator(RESUME).count() == 0
+            page.once("dialog", lambda dialog: dialog.accept())
+            page.locator(PAUSE).click()
+            page.locator("#share-paused").wait_for(timeout=CEILING * 1000)
+            assert page.text_content("#share-paused").startswith("Paused by you since ")
+            assert page.locator(PAUSE).count() == 0
+            assert api.ok("GET", "/api/v1/share")["paused_since"] is not None
+            status = api.ok("GET", "/api/v1/status", params={"offline": "1"})
+            assert status["state"] == "paused"
+
+            page.locator(RESUME).click()
+            page.locator("#share-paused").wait_for(state="detached", timeout=CEILING * 1000)
+            assert api.ok("GET", "/api/v1/share")["paused_since"] is None
+            page.locator(PAUSE).wait_for()
+    finally:
+        api.call("POST", "/api/v1/share/resume")
+        api.ok("DELETE", "/api/v1/share")
 
 
 def test_the_sharing_section_passes_axe_in_both_themes_while_shared(

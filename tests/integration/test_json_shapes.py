@@ -406,6 +406,8 @@ def _jobs(rec: Recorder, alice: Path, bob: Path) -> None:
             running(bob)[0]["job_id"],
             "--json",
         )
+        rec.json("pause", "no guest job left", alice, "pause", "--grace", "1s", "--json")
+        rec.json("resume", "", alice, "resume", "--json")
         attached.wait(timeout=60)
     finally:
         if attached.poll() is None:

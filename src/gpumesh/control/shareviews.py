@@ -66,3 +66,6 @@ class ShareView(msgspec.Struct):
     agent: AgentInfo | None = None
     """What the running share's agent says of itself: its links, relay and open
     sessions (``status`` and the owner's views of commands run elsewhere)."""
+    paused_since: float | None = None
+    """When the owner paused sharing (``gpumesh pause``), shared or not; None: not
+    paused."""

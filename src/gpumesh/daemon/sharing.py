@@ -99,6 +99,7 @@ class Sharing:
             first_line=self.first_line,
             ended=None if self.active else self.ended,
             agent=None if self.agent is None else self.agent.info(),
+            paused_since=pause.since if (pause := self.node.home.store.paused()) else None,
         )
 
     # --- output ---------------------------------------------------------------------------

@@ -272,9 +272,12 @@ class ShareCard:
     options: str = "the defaults"
     ended: Moment | None = None
     how: str = ""
+    paused: Moment | None = None
+    """Since when the owner has the machine back (``gpumesh pause``); None: not paused."""
 
     @classmethod
     def of(cls, share: ShareView) -> ShareCard:
+        paused = Moment.of(share.paused_since) if share.paused_since is not None else None
         if share.sharing:
             return cls(
                 control="here",
@@ -282,6 +285,7 @@ class ShareCard:
                 since=Moment.of(share.since) if share.since else None,
                 udp=share.udp or "",
                 options=share.options.describe() if share.options is not None else "the defaults",
+                paused=paused,
             )
         ended = share.ended
         return cls(
@@ -289,4 +293,5 @@ class ShareCard:
             sharing=False,
             ended=Moment.of(ended.at) if ended is not None else None,
             how=ended.how if ended is not None else "",
+            paused=paused,
         )
