@@ -84,7 +84,9 @@ def test_shared_says_since_when_where_and_with_which_options_and_offers_stop(
     assert "on UDP <code>127.0.0.1:47001</code>, with --port 47001 --max-vram 8GB." in section
     assert 'data-api="DELETE /api/v1/share"' in section and 'class="danger"' in section
     assert 'aria-label="Stop sharing this machine"' in section and "data-confirm=" in section
-    assert "POST /api/v1/share" not in section
+    assert 'data-api="POST /api/v1/share"' not in section
+    assert 'data-api="POST /api/v1/share/pause"' in section  # the owner may take it back
+    assert "share-resume" not in section
 
 
 def test_without_a_node_process_it_says_where_sharing_is_changed(node: Node) -> None:

@@ -3,6 +3,7 @@ status says where a member stands as a typed state, from probe results alone."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from gpumesh.protocol.messages import GpuReport, StatusReply
 from gpumesh.store.groups import GroupMember
 from gpumesh.store.home import AgentInfo
 from gpumesh.store.peers import Peer
+from gpumesh.store.shares import Pause
 
 GB = 10**9
 ID = NodeId("k" * 26)
@@ -215,12 +217,20 @@ def test_status_keeps_its_keys_in_order() -> None:
         "jobs_submitted_running",
         "jobs_submitted_unknown",
         "sessions",
+        "paused_since",
     ]
     assert shown["sessions"] == {"shells": [], "desktops": [], "cuda": []}
     assert shown["node_id"] == ID and shown["home"] == "/home/a/.gpumesh"
     assert shown["gpus"] == [{"index": 0, "name": "L4", "memory_total": 24 * GB, "memory_used": GB}]
     assert (shown["sharing"], shown["agent_pid"], shown["relay_state"]) == (True, 42, "")
     assert (shown["state"], shown["jobs_submitted_unknown"]) == ("busy", 3)
+    assert shown["paused_since"] is None
+    paused = json.loads(
+        to_json(
+            StatusView.of(dataclasses.replace(status, paused=Pause(7.0, 30.0)), submitted_unknown=0)
+        )
+    )
+    assert (paused["state"], paused["paused_since"]) == ("paused", 7.0)  # over busy
 
 
 def test_connect_has_upload_speed_only_when_measured() -> None:
