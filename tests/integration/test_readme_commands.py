@@ -78,6 +78,8 @@ STEPS: dict[str, Step] = {
     "gpumesh jobs --offline": Step(),
     "gpumesh logs -f 3f9a": Step(args=("logs", "-f", "{done_prefix}")),
     "gpumesh cancel 3f9a": Step(args=("cancel", "{detached_prefix}")),
+    "gpumesh pause --grace 10s": Step(home="a", says="Paused: "),
+    "gpumesh resume": Step(home="a", says="Resumed: peers may use this machine again."),
     "gpumesh cp ./datasets alice-pc:/": Step(),
     "gpumesh run --peer alice-pc --mount /datasets:/data -- python train.py --data /data": Step(
         skip=PYTHON
