@@ -4,6 +4,9 @@ process and the real Docker engine, the submitter a real node on loopback."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -41,13 +44,27 @@ def test_pause_preempts_a_job_within_its_grace_refuses_work_until_resume_and_out
     assert started.returncode == 0, started.stderr
     job_id = started.stdout.strip().split()[-1]
     _wait_for(bob, job_id, "up")
-
-    paused = gpumesh(alice, "pause", "--grace", "5s", timeout=90)
+    shell = subprocess.Popen(
+        [sys.executable, "-m", "gpumesh", "exec", "alice-pc", "sh", "-c", "echo in; sleep 60"],
+        env=dict(os.environ, GPUMESH_HOME=str(bob)),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert shell.stdout is not None and shell.stdout.readline() == "in\n"
+        paused = gpumesh(alice, "pause", "--grace", "5s", timeout=90)
+        _, shell_err = shell.communicate(timeout=_CEILING)
+    finally:
+        shell.kill()
     assert paused.returncode == 0, paused.stderr
     assert paused.stdout.strip() == (
-        "Paused: 1 guest job preempted, 0 session(s) ended. "
+        "Paused: 1 guest job preempted, 1 session(s) ended. "
         "Peers get nothing until `gpumesh resume`."
     )
+    assert shell.returncode == ExitCode.DENIED
+    assert "alice-pc's owner ended your shell" in shell_err
     # Returned once the guest was stopped: ended on the provider, told the submitter.
     hosted = _job(alice, job_id)
     assert (hosted["state"], hosted["message"]) == ("preempted", "alice-pc's owner paused sharing")
@@ -62,6 +79,7 @@ def test_pause_preempts_a_job_within_its_grace_refuses_work_until_resume_and_out
 
     refused = gpumesh(bob, "run", "--peer", "alice-pc", "--", "true")
     _one_line_error(refused, ExitCode.USAGE, "alice-pc is paused by its owner")
+    _one_line_error(gpumesh(bob, "exec", "alice-pc", "true"), ExitCode.USAGE, "takes no shells")
     status = json.loads(gpumesh(alice, "status", "--json").stdout)
     assert status["state"] == "paused" and status["paused_since"] is not None
     assert "Paused   since" in gpumesh(alice, "status").stdout
