@@ -38,6 +38,12 @@
 ``GPUMESH_TEST_NODE_VERSION``  tests only: the version a node process claims
 ``GPUMESH_TEST_JOB_NETWORK``  tests only: the name prefix of the job networks
                             made (default ``gpumesh-jobs``), so tests own theirs
+``GPUMESH_TEST_SIMULATED_GPU_PROCESSES``  tests only: a file listing processes on
+                            the simulated GPUs (``GPUMESH_TEST_SIMULATED_GPUS``,
+                            declared in :mod:`gpumesh.gpu.inventory`), one a line:
+                            ``INDEX PID NAME [compute|graphics]``; re-read on
+                            each look, so a test adds and removes the owner's
+                            processes while an agent runs
 ==========================  =================================================
 """
 
@@ -69,6 +75,7 @@ __all__ = [
     "ENV_TEST_NODE_VERSION",
     "ENV_TEST_PLATFORM",
     "ENV_TEST_PLATFORM_REPORT",
+    "ENV_TEST_SIMULATED_GPU_PROCESSES",
     "ENV_TEST_WITHOUT",
     "env",
     "home_dir",
@@ -97,6 +104,7 @@ ENV_TEST_NODE_VERSION = "GPUMESH_TEST_NODE_VERSION"
 ENV_TEST_JOB_NETWORK = "GPUMESH_TEST_JOB_NETWORK"
 ENV_TEST_WITHOUT = "GPUMESH_TEST_WITHOUT"
 ENV_TEST_PLATFORM_REPORT = "GPUMESH_TEST_PLATFORM_REPORT"
+ENV_TEST_SIMULATED_GPU_PROCESSES = "GPUMESH_TEST_SIMULATED_GPU_PROCESSES"
 
 API_ADDR_DEFAULT = "127.0.0.1:8080"
 

@@ -12,6 +12,9 @@ inventory reports it) minus what is promised there, capped by ``max_vram``.
 Choosing a GPU and recording the promise happen with nothing awaited in
 between, so two requests never both take the last room on a GPU.
 
+A GPU the owner took back (``reclaim_on_gpu_use``: :mod:`gpumesh.agent.reclaimer`)
+is withheld: no new holder lands on it, and peers are told whose it is now.
+
 It never decides who may hold GPU memory (the services' admission does) and
 never starts anything: it only keeps the books. The inventory is read on a
 worker thread (``nvidia-smi`` may take a while); the books are kept on the
@@ -78,7 +81,9 @@ class GpuFigures:
     holders: int
     """How many hold it."""
     available: int
-    """Bytes a new holder may still ask for on it."""
+    """Bytes a new holder may still ask for on it (0 while it is the owner's)."""
+    owner: str = ""
+    """The owner's processes using it, while it is the owner's (reclaimed)."""
 
 
 class GpuAllocator:
@@ -98,6 +103,8 @@ class GpuAllocator:
         """Most bytes one holder may have on a GPU (``--max-vram``); 0: no cap."""
         self._provider = provider
         self._held: dict[Holder, Reservation] = {}
+        self._withheld: dict[str, str] = {}
+        """GPU index -> the owner's processes using it (it is the owner's until offered)."""
 
     @property
     def inventory(self) -> GpuInventory:
@@ -105,6 +112,27 @@ class GpuAllocator:
         if self._inventory is None:
             self._inventory = self._make_inventory()
         return self._inventory
+
+    # --- the owner's GPUs -------------------------------------------------------------------
+
+    def withhold(self, index: str, owner: str) -> None:
+        """GPU ``index`` is the owner's now (``owner`` names the processes using it):
+        no new holder is given it until :meth:`offer`."""
+        self._withheld[index] = owner
+
+    def offer(self, index: str) -> None:
+        """GPU ``index`` is offered to holders again."""
+        self._withheld.pop(index, None)
+
+    def withheld(self) -> dict[str, str]:
+        """The GPUs the owner holds now -> the owner's processes on each."""
+        return dict(self._withheld)
+
+    def _owners_say(self, indexes: list[str]) -> str:
+        """Why ``indexes`` (withheld GPUs) cannot be had, in one line."""
+        owned = " and ".join(f"GPU {i} ({self._withheld[i]})" for i in indexes)
+        verb = "is" if len(indexes) == 1 else "are"
+        return f"{owned} of {self._provider} {verb} in use by its owner"
 
     # --- the books --------------------------------------------------------------------------
 
@@ -148,20 +176,31 @@ class GpuAllocator:
                 raise LimitError(f"{name} has no NVIDIA GPU{advice}")
             return []
         reserved = self._reserved(exclude=holder)
+        owned = [str(g.index) for g in gpus if str(g.index) in self._withheld]
+        later = "; try again later or another peer"
         if preferred:
             matching = [g for g in gpus if str(g.index) == preferred]
             if not matching:
                 raise LimitError(f"{name} has no GPU {preferred}")
+            if preferred in self._withheld:
+                raise LimitError(self._owners_say([preferred]) + later)
             best = matching[0]
         else:
-            best = max(gpus, key=lambda gpu: self._available(gpu, reserved))
+            offered = [g for g in gpus if str(g.index) not in self._withheld]
+            if not offered:
+                if not memory:
+                    return []  # asks for no GPU memory: it runs on the CPUs meanwhile
+                raise LimitError(self._owners_say(owned) + later)
+            best = max(offered, key=lambda gpu: self._available(gpu, reserved))
         available = self._available(best, reserved)
         if available < memory:
             where = "on" if not preferred else f"on GPU {preferred} of"
+            also = f"; {self._owners_say(owned)}" if owned and not preferred else ""
             raise LimitError(
                 f"{noun} asks for {format_size(memory)} of GPU memory; the most free {where} "
                 f"{name} is {format_size(available)} (GPU {best.index} {best.name}, "
                 f"{format_size(best.memory_used)} used of {format_size(best.memory_total)})"
+                f"{also}"
             )
         return [str(best.index)]
 
@@ -176,7 +215,8 @@ class GpuAllocator:
                 gpu=gpu,
                 reserved=reserved.get(str(gpu.index), 0),
                 holders=holders[str(gpu.index)],
-                available=self._available(gpu, reserved),
+                available=0 if str(gpu.index) in self._withheld else self._available(gpu, reserved),
+                owner=self._withheld.get(str(gpu.index), ""),
             )
             for gpu in gpus
         ]
@@ -193,6 +233,7 @@ class GpuAllocator:
                 available=figures.available,
                 utilization=figures.gpu.utilization,
                 jobs=figures.holders,
+                owner=figures.owner[:255],
             )
             for figures in self.figures(gpus)
         ]

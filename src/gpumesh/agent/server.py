@@ -32,6 +32,7 @@ from gpumesh.agent.gpus import GpuAllocator
 from gpumesh.agent.jobs import JobService, uploaded_workdirs
 from gpumesh.agent.limits import return_free_memory
 from gpumesh.agent.ratelimit import ConnectionLimiter, Outcome, RefusalTally, Slot
+from gpumesh.agent.reclaimer import GpuReclaimer
 from gpumesh.blocking import in_thread
 from gpumesh.errors import (
     AccessDeniedError,
@@ -190,6 +191,16 @@ class Agent:
         )
         """Where this node and its findable peers are now (``gpumesh sync`` asks)."""
         self.addresses.register(self.handlers)
+        self.reclaimer = GpuReclaimer(
+            provider,
+            config,
+            self.gpus,
+            self.containers,
+            self.jobs.runner,
+            workers=lambda: [session.process.pid for session in self.cuda.sessions()],
+            jobs=self.store.unfinished_hosted_jobs,
+        )
+        """Takes a GPU back while its owner uses it (``reclaim_on_gpu_use``)."""
 
     def share_limits(self) -> ShareLimits:
         """The sharing limits in force (config, ``auto`` worked out for this machine)."""
@@ -240,6 +251,8 @@ class Agent:
         self._spawn(self._summarize_refusals())
         self._spawn(self.jobs.runner.recover())
         self._spawn(self._keep_paused())
+        if await in_thread(lambda: bool(self.gpus.inventory.gpus())):
+            self._spawn(self.reclaimer.run())
         logger.info("sharing on udp %s:%d as %s", host, port, self.name)
         logger.info("limits: %s", self.share_limits().describe())
         logger.info("job network: %s", self.containers.network().mode)
@@ -350,6 +363,7 @@ class Agent:
         self.shells.stop()  # before the engine client is closed
         self.desktop.stop()
         self.cuda.stop()
+        self.reclaimer.stop()
         self.jobs.runner.stop()
         self.containers.close()
         for task in list(self._tasks):

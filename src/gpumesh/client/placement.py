@@ -114,13 +114,11 @@ def evaluate(probe_result: Probe, gpu_memory: int) -> Candidate:
             return Candidate(name, False, f"busy ({_jobs(jobs)})", rtt_ms=rtt_ms, jobs=jobs)
         reason = "CPU only" if not gpus else f"CPU only ({lacks})"
         return Candidate(name, True, reason, rtt_ms=rtt_ms)
-    idle = [g for g in gpus if g.jobs == 0 and (g.utilization or 0) <= BUSY_UTILIZATION]
+    idle = [
+        g for g in gpus if not g.owner and g.jobs == 0 and (g.utilization or 0) <= BUSY_UTILIZATION
+    ]
     if not idle:
-        busiest = ", ".join(
-            f"GPU {g.index} at {g.utilization if g.utilization is not None else '?'}%"
-            + (f" with {g.jobs} job(s)" if g.jobs else "")
-            for g in gpus
-        )
+        busiest = ", ".join(_busy(g) for g in gpus)
         return Candidate(name, False, f"busy ({busiest})", rtt_ms=rtt_ms, jobs=jobs, gpus_busy=True)
     best = max(idle, key=lambda g: g.available)
     if best.available < gpu_memory:
@@ -141,6 +139,15 @@ def evaluate(probe_result: Probe, gpu_memory: int) -> Candidate:
         headroom=best.available - gpu_memory,
         rtt_ms=rtt_ms,
         jobs=jobs,
+    )
+
+
+def _busy(gpu: GpuReport) -> str:
+    """Why ``gpu`` takes no job now, for people."""
+    if gpu.owner:
+        return f"GPU {gpu.index} in use by its owner ({gpu.owner})"
+    return f"GPU {gpu.index} at {gpu.utilization if gpu.utilization is not None else '?'}%" + (
+        f" with {gpu.jobs} job(s)" if gpu.jobs else ""
     )
 
 

@@ -22,19 +22,28 @@ from typing import Any, Protocol
 import pynvml
 
 from gpumesh.errors import ConfigError
+from gpumesh.settings import ENV_TEST_SIMULATED_GPU_PROCESSES
 from gpumesh.units import parse_size
 
 __all__ = [
+    "COMPUTE",
     "ENV_SIMULATED",
     "ENV_SIMULATED_LOAD",
+    "ENV_SIMULATED_PROCESSES",
+    "GRAPHICS",
     "GpuInfo",
     "GpuInventory",
+    "GpuProcess",
     "NoGpus",
     "NvidiaSmiInventory",
     "NvmlInventory",
     "SimulatedInventory",
     "detect_inventory",
+    "memory_by_pid",
+    "parse_compute_apps",
     "parse_nvidia_smi_csv",
+    "parse_simulated_processes",
+    "process_name",
 ]
 
 logger = logging.getLogger(__name__)
@@ -44,6 +53,12 @@ ENV_SIMULATED = "GPUMESH_TEST_SIMULATED_GPUS"
 ENV_SIMULATED_LOAD = "GPUMESH_TEST_SIMULATED_GPU_LOAD"
 """Test-only: ``1`` makes the simulated GPUs' utilisation, memory, temperature and
 power change with time (for charts); unset, they stay as declared."""
+ENV_SIMULATED_PROCESSES = ENV_TEST_SIMULATED_GPU_PROCESSES
+"""Test-only: a file of processes on the simulated GPUs, re-read on each call
+(:func:`parse_simulated_processes`); a missing file: none."""
+
+COMPUTE = "compute"
+GRAPHICS = "graphics"
 
 
 @dataclass(frozen=True)
@@ -69,11 +84,41 @@ class GpuInfo:
         return max(0, self.memory_total - self.memory_used)
 
 
+@dataclass(frozen=True)
+class GpuProcess:
+    """A host process using a GPU, as the driver lists it."""
+
+    gpu: int
+    """The GPU's index."""
+    pid: int
+    """Its process id on this host."""
+    name: str
+    """Its command name as ``/proc/PID/comm`` gives it (``""`` when unknown)."""
+    kind: str
+    """``compute`` (CUDA, OpenCL...) or ``graphics`` (a game, a desktop)."""
+    memory: int = 0
+    """Bytes of GPU memory it uses there (0 when the driver does not say)."""
+
+
+def memory_by_pid(processes: list[GpuProcess]) -> dict[int, int]:
+    """GPU memory in bytes per process id, over all GPUs, compute processes only
+    (graphics ones do not run GPUMesh work)."""
+    usage: dict[int, int] = {}
+    for process in processes:
+        if process.kind == COMPUTE:
+            usage[process.pid] = usage.get(process.pid, 0) + process.memory
+    return usage
+
+
 class GpuInventory(Protocol):
     source: str
     """``nvml``, ``nvidia-smi``, ``simulated`` or ``none``."""
 
     def gpus(self) -> list[GpuInfo]: ...
+
+    def processes(self) -> list[GpuProcess]:
+        """The processes using each GPU now (blocking)."""
+        ...
 
     def process_memory(self) -> dict[int, int]:
         """GPU memory in bytes used by each host process id, on all GPUs."""
@@ -84,6 +129,9 @@ class NoGpus:
     source = "none"
 
     def gpus(self) -> list[GpuInfo]:
+        return []
+
+    def processes(self) -> list[GpuProcess]:
         return []
 
     def process_memory(self) -> dict[int, int]:
@@ -107,19 +155,47 @@ class NvmlInventory:
                 logger.warning("GPU %d is not answering NVML: %s", index, exc)
         return found
 
-    def process_memory(self) -> dict[int, int]:
+    def processes(self) -> list[GpuProcess]:
+        """NVML's compute and graphics processes of each GPU; a list NVML cannot give
+        (an older driver or nvidia-ml-py, a GPU that stopped answering) is skipped."""
         nvml = self._nvml
-        usage: dict[int, int] = {}
+        found: list[GpuProcess] = []
+        names: dict[int, str] = {}
         for index in range(nvml.nvmlDeviceGetCount()):
             try:
                 handle = nvml.nvmlDeviceGetHandleByIndex(index)
-                processes = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
-            except (nvml.NVMLError, AttributeError):
+            except nvml.NVMLError:
                 continue
-            for process in processes:
-                used = getattr(process, "usedGpuMemory", None) or 0
-                usage[int(process.pid)] = usage.get(int(process.pid), 0) + int(used)
-        return usage
+            for kind, lister in (
+                (COMPUTE, "nvmlDeviceGetComputeRunningProcesses"),
+                (GRAPHICS, "nvmlDeviceGetGraphicsRunningProcesses"),
+            ):
+                try:
+                    listed = getattr(nvml, lister)(handle)
+                except (nvml.NVMLError, AttributeError):
+                    continue
+                for process in listed:
+                    pid = int(process.pid)
+                    if pid not in names:
+                        names[pid] = self._name(pid)
+                    used = getattr(process, "usedGpuMemory", None) or 0
+                    found.append(GpuProcess(index, pid, names[pid], kind, int(used)))
+        return found
+
+    def _name(self, pid: int) -> str:
+        """A process's command name: ``/proc/PID/comm``, else NVML's, else ``""``."""
+        name = process_name(pid)
+        if name:
+            return name
+        try:
+            raw = self._nvml.nvmlSystemGetProcessName(pid)
+        except (self._nvml.NVMLError, AttributeError):
+            return ""
+        text = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
+        return os.path.basename(text)[:15]  # comm's length: names compare alike
+
+    def process_memory(self) -> dict[int, int]:
+        return memory_by_pid(self.processes())
 
     def _gpu(self, index: int) -> GpuInfo:
         nvml = self._nvml
@@ -142,6 +218,16 @@ class NvmlInventory:
             processes=_known(lambda: len(nvml.nvmlDeviceGetComputeRunningProcesses(handle)), newer),
             power=_known(lambda: int(nvml.nvmlDeviceGetPowerUsage(handle)) // 1000, newer),  # mW
         )
+
+
+def process_name(pid: int) -> str:
+    """``/proc/PID/comm`` without its newline; ``""`` when the process is gone or
+    there is no ``/proc``."""
+    try:
+        with open(f"/proc/{pid}/comm", "rb") as comm:
+            return comm.read().decode(errors="replace").rstrip("\n")
+    except OSError:
+        return ""
 
 
 def _known(
@@ -215,18 +301,39 @@ class NvidiaSmiInventory:
             return []
         return parse_nvidia_smi_csv(result.stdout)
 
-    def process_memory(self) -> dict[int, int]:
+    def processes(self) -> list[GpuProcess]:
+        """The compute processes only: ``nvidia-smi`` has no query for graphics ones
+        (a game goes unseen on a machine without NVML)."""
         try:
-            result = self._query("--query-compute-apps=pid,used_memory")
+            apps = self._query("--query-compute-apps=gpu_uuid,pid,process_name,used_memory")
         except (subprocess.TimeoutExpired, OSError):
-            return {}
-        usage: dict[int, int] = {}
-        for line in result.stdout.strip().splitlines() if result.returncode == 0 else []:
-            pid_text, _, used_text = line.partition(",")
-            pid, used = _int_or_none(pid_text), _int_or_none(used_text)
-            if pid is not None and used is not None:
-                usage[pid] = usage.get(pid, 0) + used * 1024 * 1024
-        return usage
+            return []
+        if apps.returncode != 0:
+            return []
+        indexes = {gpu.uuid: gpu.index for gpu in self.gpus()} if apps.stdout.strip() else {}
+        return parse_compute_apps(apps.stdout, indexes)
+
+    def process_memory(self) -> dict[int, int]:
+        return memory_by_pid(self.processes())
+
+
+def parse_compute_apps(text: str, indexes: dict[str, int]) -> list[GpuProcess]:
+    """Parse ``nvidia-smi --query-compute-apps=gpu_uuid,pid,process_name,used_memory
+    --format=csv,noheader,nounits``; ``indexes`` maps each GPU's UUID to its index
+    (a process on a GPU not in it is left out)."""
+    found = []
+    for line in text.strip().splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) < 4:
+            continue
+        uuid, pid_text, used_text = parts[0], parts[1], parts[-1]
+        path = ",".join(parts[2:-1])  # a process name may hold commas
+        pid, used = _int_or_none(pid_text), _int_or_none(used_text)
+        if pid is None or uuid not in indexes:
+            continue
+        name = process_name(pid) or os.path.basename(path)[:15]
+        found.append(GpuProcess(indexes[uuid], pid, name, COMPUTE, (used or 0) * 1024 * 1024))
+    return found
 
 
 class SimulatedInventory:
@@ -260,8 +367,47 @@ class SimulatedInventory:
             return list(self._gpus)
         return [_simulated_load(gpu, time.time()) for gpu in self._gpus]
 
+    def processes(self) -> list[GpuProcess]:
+        """What the test wrote in :data:`ENV_SIMULATED_PROCESSES`'s file now."""
+        path = os.environ.get(ENV_SIMULATED_PROCESSES, "").strip()
+        if not path:
+            return []
+        try:
+            with open(path, encoding="utf-8") as listing:
+                text = listing.read()
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            raise ConfigError(f"{ENV_SIMULATED_PROCESSES}: cannot read {path}: {exc}") from None
+        return parse_simulated_processes(text, len(self._gpus))
+
     def process_memory(self) -> dict[int, int]:
-        return {}  # simulated GPUs run nothing
+        return memory_by_pid(self.processes())
+
+
+def parse_simulated_processes(text: str, gpus: int) -> list[GpuProcess]:
+    """The processes on simulated GPUs: one a line, ``INDEX PID NAME [compute|graphics]``
+    (compute when left out); blank lines and ``#`` comments are skipped. ``gpus``: how
+    many GPUs are simulated. A malformed line is a ConfigError naming the variable."""
+    found = []
+    for number, line in enumerate(text.splitlines(), 1):
+        words = line.split("#", 1)[0].split()
+        if not words:
+            continue
+        kind = words[3] if len(words) == 4 else COMPUTE
+        if (
+            len(words) not in (3, 4)
+            or not words[0].isdigit()
+            or not words[1].isdigit()
+            or kind not in (COMPUTE, GRAPHICS)
+            or int(words[0]) >= gpus
+        ):
+            raise ConfigError(
+                f"{ENV_SIMULATED_PROCESSES}: line {number} {line.strip()!r} must be "
+                f"INDEX PID NAME [compute|graphics], INDEX below {gpus}"
+            )
+        found.append(GpuProcess(int(words[0]), int(words[1]), words[2], kind))
+    return found
 
 
 def _simulated_load(gpu: GpuInfo, now: float) -> GpuInfo:

@@ -221,6 +221,10 @@ class GpuReport(msgspec.Struct, frozen=True):
     """Percent, when the provider can tell."""
     jobs: Count
     """GPUMesh jobs running on this GPU."""
+    owner: Annotated[str, msgspec.Meta(max_length=255)] = ""
+    """The provider's owner is using this GPU (``reclaim_on_gpu_use``): the names of
+    the owner's processes on it; it takes no guest work (``available`` is 0) until
+    offered again. Empty: it is offered (absent from older providers)."""
 
 
 class StatusReply(_Msg, tag="status_reply", frozen=True):

@@ -24,7 +24,7 @@ from gpumesh.identity.keys import check_node_name
 from gpumesh.protocol.flow import DEFAULT_WINDOW
 from gpumesh.runtime.users import parse_job_user
 from gpumesh.store.modes import read_private, write_private
-from gpumesh.units import parse_size
+from gpumesh.units import parse_duration, parse_size
 
 __all__ = [
     "AUTO",
@@ -34,6 +34,7 @@ __all__ = [
     "MASK",
     "MIN_LINK_BUFFER",
     "NO_LIMIT",
+    "RECLAIM_IGNORE",
     "Config",
     "ConfigKey",
     "value_text",
@@ -199,6 +200,49 @@ def _image_patterns(text: str) -> str:
         if len(pattern) > 255 or not pattern.isprintable():
             raise ConfigError(f"invalid image pattern {pattern!r}")
     return " ".join(patterns)
+
+
+def _reclaim_grace(text: str) -> str:
+    """A duration of 0 or more (SIGTERM to SIGKILL, and the quiet before a GPU is
+    offered again)."""
+    cleaned = text.strip()
+    if cleaned.startswith("-"):
+        raise ConfigError(
+            f"invalid reclaim_grace {text!r}: it cannot be negative; use 0 (stop at once) "
+            "or a duration such as 30s"
+        )
+    try:
+        parse_duration(cleaned)
+    except ConfigError:
+        raise ConfigError(
+            f"invalid reclaim_grace {text!r}: use a duration such as 30s, 2m or 0 (stop at once)"
+        ) from None
+    return cleaned
+
+
+RECLAIM_IGNORE = "Xorg,Xwayland,gnome-shell,kwin_wayland,plasmashell"
+"""The display servers and desktop shells: always on the GPU, never the owner's use."""
+_COMM_LENGTH = 15
+"""The longest process name the kernel keeps (``/proc/PID/comm``)."""
+
+
+def _process_names(text: str) -> str:
+    """Process names separated by commas, as ``/proc/PID/comm`` gives them."""
+    names = [name.strip() for name in text.split(",")]
+    if names == [""]:
+        return ""  # ignore none
+    for name in names:
+        if not name or not name.isprintable() or any(c.isspace() or c == "/" for c in name):
+            raise ConfigError(
+                f"invalid reclaim_ignore {text!r}: give process names separated by commas, "
+                "as `ps -o comm` shows them (e.g. Xorg,gnome-shell), without spaces or paths"
+            )
+        if len(name) > _COMM_LENGTH:
+            raise ConfigError(
+                f"invalid reclaim_ignore name {name!r}: the kernel keeps the first "
+                f"{_COMM_LENGTH} characters of a process name; use {name[:_COMM_LENGTH]!r}"
+            )
+    return ",".join(names)
 
 
 _TRUE = ("true", "on", "yes", "1")
@@ -390,6 +434,28 @@ KEYS: dict[str, ConfigKey] = {
             "64MB",
             "most output of each job kept here (the oldest is dropped beyond it, and its "
             "readers are told)",
+        ),
+        ConfigKey(
+            "reclaim_on_gpu_use",
+            _boolean,
+            True,
+            "take a GPU back while a process that is not a GPUMesh job uses it (a game, "
+            "your own CUDA work): its guest jobs are preempted, and it is offered again "
+            "once no such process used it for reclaim_grace",
+        ),
+        ConfigKey(
+            "reclaim_grace",
+            _reclaim_grace,
+            "30s",
+            "a reclaimed GPU's guest jobs get SIGTERM and this long before they are "
+            "stopped; and it is offered again after this long without the owner's processes",
+        ),
+        ConfigKey(
+            "reclaim_ignore",
+            _process_names,
+            RECLAIM_IGNORE,
+            "process names (comma-separated, as `ps -o comm` shows them) that never "
+            "reclaim a GPU: the display server and desktop shell",
         ),
         ConfigKey(
             "data_channel",
