@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Check GPUMesh against this machine's real NVIDIA GPU: NVML, the CUDA driver path
-# of `gpumesh cuda`, and the GPU tests. Says what it ran and what it skipped.
+# of `gpumesh cuda`, the processes the inventory lists on each GPU (what
+# reclaim_on_gpu_use sees), and the GPU tests. Says what it ran and what it skipped.
 #
 #   scripts/gpu-check.sh [--wheels DIR]
 #
@@ -90,6 +91,60 @@ if [ "$driver" = yes ] && "$PY" -c 'import pytest' 2>/dev/null && [ -d tests/gpu
   check "GPU tests" env GPUMESH_TEST_GPU=1 "$PY" -m pytest -q -p no:cacheprovider tests/gpu
 else
   skipped+=("the GPU tests (need the driver path and pytest)")
+fi
+
+step "Processes on the GPUs (reclaim_on_gpu_use)"
+# A compute process of our own (a CUDA context through cuda-bindings, 16 MB on GPU 0)
+# must be listed by the inventory as compute on GPU 0; it ends when its stdin closes
+# (or after 60 s), so nothing outlives the script.
+if [ "$driver" = yes ]; then
+  coproc HOLDER { "$PY" -c '
+import sys, select
+from gpumesh.gpu.cudadriver import DriverBackend, load_driver
+backend = DriverBackend(load_driver(), 64 * 2**20, 0)
+backend.alloc(16 * 2**20)
+print("ready", flush=True)
+select.select([sys.stdin], [], [], 60)
+backend.close()
+'; }
+  holder_pid=$HOLDER_PID holder_out=${HOLDER[0]} holder_in=${HOLDER[1]}
+  if read -r -t 30 line <&"$holder_out" && [ "$line" = ready ]; then
+    check "a compute process listed on GPU 0" "$PY" -c '
+import sys, time
+from gpumesh.gpu.inventory import detect_inventory
+pid, inventory = int(sys.argv[1]), detect_inventory()
+for _ in range(50):
+    found = [p for p in inventory.processes() if p.pid == pid]
+    if found:
+        break
+    time.sleep(0.1)
+print(f"{inventory.source}: {found}")
+sys.exit(0 if any(p.gpu == 0 and p.kind == "compute" for p in found) else 1)
+' "$holder_pid"
+  else
+    failed+=("a compute process listed on GPU 0: the CUDA process did not start")
+  fi
+  eval "exec ${holder_in}>&-"  # its stdin closes: it frees its memory and exits
+  wait "$holder_pid" 2>/dev/null
+else
+  skipped+=("a compute process on the GPU: no CUDA driver path (see above)")
+fi
+# A graphics process needs a display server on the GPU; a headless machine has none.
+if [ -n "${DISPLAY:-}" ] && command -v glxgears >/dev/null; then
+  timeout 20 glxgears >/dev/null 2>&1 &
+  gears=$!
+  sleep 2
+  check "a graphics process listed (glxgears)" "$PY" -c '
+import sys
+from gpumesh.gpu.inventory import detect_inventory
+found = [p for p in detect_inventory().processes() if p.pid == int(sys.argv[1])]
+print(found)
+sys.exit(0 if any(p.kind == "graphics" for p in found) else 1)
+' "$gears"
+  kill "$gears" 2>/dev/null
+  wait "$gears" 2>/dev/null
+else
+  skipped+=("a graphics process on the GPU: no display here (DISPLAY unset or no glxgears)")
 fi
 
 step "Docker with the NVIDIA runtime"
