@@ -25,8 +25,9 @@ from gpumesh.agent.server import Agent
 from gpumesh.client.jobs import refresh_jobs, run_job
 from gpumesh.client.node import Node
 from gpumesh.client.views.joblist import JobListEntry
+from gpumesh.client.views.node import StatusView
 from gpumesh.errors import LimitError
-from gpumesh.gpu.inventory import ENV_SIMULATED_PROCESSES, SimulatedInventory
+from gpumesh.gpu.inventory import ENV_SIMULATED, ENV_SIMULATED_PROCESSES, SimulatedInventory
 from gpumesh.runtime.base import ContainerSpec
 from gpumesh.runtime.docker import DockerRuntime
 from tests.integration.conftest import arun, job_nodes, pair_both, until_async, until_hosted
@@ -35,6 +36,7 @@ from tests.integration.test_jobs import spec
 pytestmark = pytest.mark.usefixtures("docker_daemon")
 
 GB = 1000**3
+GPUS = "A:24GB,B:24GB"
 
 
 class _NoDeviceRequests(DockerRuntime):
@@ -58,7 +60,7 @@ async def providing(node: Node) -> AsyncIterator[Agent]:
         host="127.0.0.1",
         port=0,
         runtime=runtime,
-        inventory=SimulatedInventory("A:24GB,B:24GB"),
+        inventory=SimulatedInventory(GPUS),
     )
     await agent.start()
     try:
@@ -83,6 +85,7 @@ def test_an_owner_process_reclaims_only_its_gpu_and_it_is_offered_again(
 ) -> None:
     listing = tmp_path / "gpu-processes"
     monkeypatch.setenv(ENV_SIMULATED_PROCESSES, str(listing))
+    monkeypatch.setenv(ENV_SIMULATED, GPUS)  # what `status` reads of this machine
     alice, bob = cluster("alice"), cluster("bob")
     alice.home.config.set("reclaim_grace", "2s")
     alice.home.config.save()
@@ -125,6 +128,8 @@ def test_an_owner_process_reclaims_only_its_gpu_and_it_is_offered_again(
             with pytest.raises(LimitError) as refused:  # GPU 0 has 14GB left, GPU 1 is the game's
                 await run_job(bob, spec("alice", "true", gpu_memory=20 * GB), detach=True)
             assert "GPU 1 (game) of alice is in use by its owner" in refused.value.message
+            status = StatusView.of(alice.status(), submitted_unknown=0)  # `status --json`
+            assert [gpu.owner for gpu in status.gpus] == ["", "game"]
 
             # The game ends: GPU 1 is offered again after the grace.
             listing.write_text("")

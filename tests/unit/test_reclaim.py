@@ -142,6 +142,8 @@ def test_the_owners_processes_are_all_but_gpumeshs_and_the_ignored() -> None:
 def test_ignored_names_split_on_commas() -> None:
     assert ignored_names("Xorg, gnome-shell,,") == {"Xorg", "gnome-shell"}
     assert ignored_names("") == frozenset()
+    assert ignored_names("@desktop,steam") >= {"steam", "Xorg", "plasmashell"}
+    assert "@desktop" not in ignored_names("@desktop")
 
 
 # --- the inventory's processes ------------------------------------------------------------------
@@ -239,7 +241,14 @@ def config(tmp_path: Path) -> Config:
 def test_reclaim_settings_have_their_defaults(config: Config) -> None:
     assert config.get("reclaim_on_gpu_use") is True
     assert config.get("reclaim_grace") == "30s"
-    assert config.get("reclaim_ignore") == "Xorg,Xwayland,gnome-shell,kwin_wayland,plasmashell"
+    assert config.get("reclaim_ignore") == "@desktop"
+    assert ignored_names(config.get("reclaim_ignore")) == {
+        "Xorg",
+        "Xwayland",
+        "gnome-shell",
+        "kwin_wayland",
+        "plasmashell",
+    }
 
 
 @pytest.mark.parametrize(
@@ -251,6 +260,7 @@ def test_reclaim_settings_have_their_defaults(config: Config) -> None:
         ("reclaim_on_gpu_use", "off", False),
         ("reclaim_ignore", "Xorg, steam ,obs", "Xorg,steam,obs"),
         ("reclaim_ignore", "", ""),
+        ("reclaim_ignore", "@desktop,steam", "@desktop,steam"),
     ],
 )
 def test_good_reclaim_settings_are_kept(config: Config, key: str, value: str, stored: Any) -> None:
@@ -284,6 +294,12 @@ def test_good_reclaim_settings_are_kept(config: Config, key: str, value: str, st
             "kwin_wayland_wrapper",
             "invalid reclaim_ignore name 'kwin_wayland_wrapper': the kernel keeps the first 15 "
             "characters of a process name; use 'kwin_wayland_wr'",
+        ),
+        (
+            "reclaim_ignore",
+            "@games",
+            "invalid reclaim_ignore name '@games': the one group is @desktop (Xorg, Xwayland, "
+            "gnome-shell, kwin_wayland, plasmashell); give other processes by name",
         ),
         ("reclaim_on_gpu_use", "maybe", "use true or false"),
     ],

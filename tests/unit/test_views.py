@@ -221,7 +221,9 @@ def test_status_keeps_its_keys_in_order() -> None:
     ]
     assert shown["sessions"] == {"shells": [], "desktops": [], "cuda": []}
     assert shown["node_id"] == ID and shown["home"] == "/home/a/.gpumesh"
-    assert shown["gpus"] == [{"index": 0, "name": "L4", "memory_total": 24 * GB, "memory_used": GB}]
+    assert shown["gpus"] == [
+        {"index": 0, "name": "L4", "memory_total": 24 * GB, "memory_used": GB, "owner": ""}
+    ]
     assert (shown["sharing"], shown["agent_pid"], shown["relay_state"]) == (True, 42, "")
     assert (shown["state"], shown["jobs_submitted_unknown"]) == ("busy", 3)
     assert shown["paused_since"] is None

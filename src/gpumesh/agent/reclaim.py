@@ -20,6 +20,7 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
 from gpumesh.gpu.inventory import GpuProcess
+from gpumesh.store.config import DESKTOP, DESKTOP_PROCESSES
 
 __all__ = [
     "ReclaimChanges",
@@ -46,8 +47,12 @@ def container_ids(cgroup: str) -> set[str]:
 
 
 def ignored_names(text: str) -> frozenset[str]:
-    """The process names in ``reclaim_ignore`` (comma-separated, as config keeps it)."""
-    return frozenset(name.strip() for name in text.split(",") if name.strip())
+    """The process names in ``reclaim_ignore`` (comma-separated, as config keeps it),
+    ``@desktop`` spelled out."""
+    names = {name.strip() for name in text.split(",") if name.strip()}
+    if DESKTOP in names:
+        names = (names - {DESKTOP}) | set(DESKTOP_PROCESSES)
+    return frozenset(names)
 
 
 def owner_processes(

@@ -349,6 +349,7 @@ class Agent:
             ],
             shells=[session.describe() for session in self.shells.sessions()],
             cuda=[session.describe() for session in self.cuda.sessions()],
+            reclaimed=self.gpus.withheld(),
         )
 
     async def wait_stopped(self) -> None:

@@ -52,5 +52,9 @@ def gpu(as_json: bool) -> None:
     ]
     columns = [Column("GPU"), Column("NAME", gives_way=1, least=12), Column("MEMORY")]
     columns += [Column("UTIL"), Column("TEMP"), Column("PROCS")]
+    if any(g.owner for g in gpus):  # the share took them back (reclaim_on_gpu_use)
+        columns.append(Column("OWNER USES", gives_way=2))
+        for row, g in zip(rows, gpus, strict=True):
+            row.append(escape(g.owner) if g.owner else "-")
     print_table(columns, rows)
     click.echo(f"source: {inventory.source}", err=True)

@@ -74,7 +74,8 @@ def status(offline: bool, as_json: bool) -> None:
     if st.gpus:
         for gpu in st.gpus:
             used, total = format_size(gpu.memory_used), format_size(gpu.memory_total)
-            click.echo(f"GPU {gpu.index}    {gpu.name}, {used} used of {total}")
+            owner = f"; in use by its owner ({gpu.owner}): guests wait" if gpu.owner else ""
+            click.echo(f"GPU {gpu.index}    {gpu.name}, {used} used of {total}{owner}")
     else:
         click.echo("GPUs     no NVIDIA GPU (CPU-only jobs)")
     if st.paused_since is not None:

@@ -30,6 +30,8 @@ __all__ = [
     "AUTO",
     "DEFAULT_IMAGE",
     "DEFAULT_PORT",
+    "DESKTOP",
+    "DESKTOP_PROCESSES",
     "KEYS",
     "MASK",
     "MIN_LINK_BUFFER",
@@ -220,8 +222,12 @@ def _reclaim_grace(text: str) -> str:
     return cleaned
 
 
-RECLAIM_IGNORE = "Xorg,Xwayland,gnome-shell,kwin_wayland,plasmashell"
-"""The display servers and desktop shells: always on the GPU, never the owner's use."""
+DESKTOP = "@desktop"
+"""In ``reclaim_ignore``: the display servers and desktop shells, always on a GPU
+and never the owner's use (:data:`DESKTOP_PROCESSES`). A name of its own keeps
+``config show`` within 80 columns: the list spelled out is 50 characters."""
+DESKTOP_PROCESSES = ("Xorg", "Xwayland", "gnome-shell", "kwin_wayland", "plasmashell")
+RECLAIM_IGNORE = DESKTOP
 _COMM_LENGTH = 15
 """The longest process name the kernel keeps (``/proc/PID/comm``)."""
 
@@ -232,6 +238,11 @@ def _process_names(text: str) -> str:
     if names == [""]:
         return ""  # ignore none
     for name in names:
+        if name.startswith("@") and name != DESKTOP:
+            raise ConfigError(
+                f"invalid reclaim_ignore name {name!r}: the one group is {DESKTOP} "
+                f"({', '.join(DESKTOP_PROCESSES)}); give other processes by name"
+            )
         if not name or not name.isprintable() or any(c.isspace() or c == "/" for c in name):
             raise ConfigError(
                 f"invalid reclaim_ignore {text!r}: give process names separated by commas, "
@@ -455,7 +466,7 @@ KEYS: dict[str, ConfigKey] = {
             _process_names,
             RECLAIM_IGNORE,
             "process names (comma-separated, as `ps -o comm` shows them) that never "
-            "reclaim a GPU: the display server and desktop shell",
+            "reclaim a GPU; @desktop: Xorg, Xwayland, gnome-shell, kwin_wayland, plasmashell",
         ),
         ConfigKey(
             "data_channel",

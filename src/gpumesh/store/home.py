@@ -83,6 +83,9 @@ class AgentInfo:
     time}``."""
     cuda: list[dict[str, Any]] = field(default_factory=list)
     """Open CUDA sessions (:class:`gpumesh.client.owner.OwnerSession`'s fields)."""
+    reclaimed: dict[str, str] = field(default_factory=dict)
+    """GPU index -> the owner's processes using it: GPUs taken back from guests
+    (``reclaim_on_gpu_use``) until offered again."""
 
     @property
     def relay_text(self) -> str:

@@ -46,6 +46,9 @@ class GpuUse(msgspec.Struct):
     name: str
     memory_total: int
     memory_used: int
+    owner: str = ""
+    """The owner's processes using it while it is taken back from guests
+    (``reclaim_on_gpu_use``); empty: offered (or not sharing)."""
 
 
 class StatusView(msgspec.Struct):
@@ -95,7 +98,16 @@ class StatusView(msgspec.Struct):
             peers=status.peers,
             allowed=status.allowed,
             gpu_source=status.gpu_source,
-            gpus=[GpuUse(g.index, g.name, g.memory_total, g.memory_used) for g in status.gpus],
+            gpus=[
+                GpuUse(
+                    g.index,
+                    g.name,
+                    g.memory_total,
+                    g.memory_used,
+                    agent.reclaimed.get(str(g.index), "") if agent else "",
+                )
+                for g in status.gpus
+            ],
             # Busy means GPUMesh jobs here, whether or not they hold a GPU.
             state="paused" if status.paused else "busy" if status.running_hosted else "idle",
             jobs_hosted_running=status.running_hosted,
@@ -117,9 +129,12 @@ class GpuDetail(msgspec.Struct):
     utilization: int | None
     temperature: int | None
     processes: int | None
+    owner: str = ""
+    """The owner's processes using it while the share took it back from guests
+    (``reclaim_on_gpu_use``); empty: offered (or not sharing)."""
 
     @classmethod
-    def of(cls, gpu: GpuInfo) -> GpuDetail:
+    def of(cls, gpu: GpuInfo, owner: str = "") -> GpuDetail:
         return cls(
             gpu.index,
             gpu.uuid,
@@ -129,6 +144,7 @@ class GpuDetail(msgspec.Struct):
             gpu.utilization,
             gpu.temperature,
             gpu.processes,
+            owner,
         )
 
 
@@ -140,8 +156,12 @@ class GpusView(msgspec.Struct):
     gpus: list[GpuDetail]
 
     @classmethod
-    def of(cls, inventory: GpuInventory, gpus: list[GpuInfo]) -> GpusView:
-        return cls(inventory.source, [GpuDetail.of(g) for g in gpus])
+    def of(
+        cls, inventory: GpuInventory, gpus: list[GpuInfo], reclaimed: dict[str, str] | None = None
+    ) -> GpusView:
+        """``reclaimed``: the share's GPUs taken back by their owner (index -> processes)."""
+        owners = reclaimed or {}
+        return cls(inventory.source, [GpuDetail.of(g, owners.get(str(g.index), "")) for g in gpus])
 
 
 class CheckView(msgspec.Struct):

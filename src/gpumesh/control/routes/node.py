@@ -44,7 +44,8 @@ async def get_status(call: Call) -> object:
 
 async def get_gpus(call: Call) -> object:
     inventory = detect_inventory()
-    return GpusView.of(inventory, inventory.gpus())
+    agent = call.node.home.agent_info()
+    return GpusView.of(inventory, inventory.gpus(), agent.reclaimed if agent else None)
 
 
 async def put_config(call: Call) -> object:
