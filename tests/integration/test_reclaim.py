@@ -141,3 +141,23 @@ def test_an_owner_process_reclaims_only_its_gpu_and_it_is_offered_again(
             assert _hosted(alice, on_0.job_id).state == "running"
 
     arun(scenario())
+
+
+def test_config_set_refuses_a_bad_reclaim_grace_or_ignore_in_one_line(
+    tmp_path: Path, gpumesh_processes: None
+) -> None:
+    from tests.integration.conftest import gpumesh
+    from tests.integration.test_cli import _init, _one_line_error
+
+    home = tmp_path / "a"
+    _init(home, "alice-pc")
+    for key, value, message in [
+        ("reclaim_grace", "soon", "invalid reclaim_grace 'soon': use a duration such as 30s"),
+        ("reclaim_grace", "-5s", "invalid reclaim_grace '-5s': it cannot be negative"),
+        ("reclaim_ignore", "my game", "invalid reclaim_ignore 'my game': give process names"),
+        ("reclaim_ignore", "kwin_wayland_wrapper", "use 'kwin_wayland_wr'"),
+    ]:
+        # `--`: else click reads -5s as an option
+        _one_line_error(gpumesh(home, "config", "set", key, "--", value), 2, message)
+    assert gpumesh(home, "config", "set", "reclaim_grace", "2s").returncode == 0
+    assert gpumesh(home, "config", "get", "reclaim_grace").stdout.strip() == "2s"
