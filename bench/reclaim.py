@@ -18,8 +18,8 @@ so the job runs and is stopped as a GPU job would be. The look at the GPUs, the
 tracker, the allocator and the preemption are the product's own.
 
 ``--trigger pause`` times the owner's ``gpumesh pause --grace`` the same way,
-through :func:`start_pause` (the hook to fill in once the agent has a pause;
-until then it says it is not there and the run stops).
+through :func:`start_pause` (``--trigger pause``: what ``gpumesh pause --grace``
+runs, timed from the owner's command).
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ from gpumesh.agent.server import Agent
 from gpumesh.client.jobs import run_job
 from gpumesh.client.jobspec import JobSpec
 from gpumesh.client.node import Node
+from gpumesh.errors import NotFoundError
 from gpumesh.gpu.inventory import ENV_SIMULATED_PROCESSES, SimulatedInventory
 from gpumesh.runtime.base import LABEL_NODE, ContainerSpec
 from gpumesh.runtime.docker import DockerRuntime
@@ -75,7 +76,12 @@ def _p95(samples: list[float]) -> float:
 
 
 def _running(runtime: DockerRuntime, container_id: str) -> bool:
-    state = runtime.inspect(container_id)
+    """Whether the container still runs (one removed already does not: a pause
+    returns after the job's end, by when its container may be gone)."""
+    try:
+        state = runtime.inspect(container_id)
+    except NotFoundError:
+        return False
     return state.status == "running"
 
 
@@ -101,18 +107,16 @@ async def end_reclaim(agent: Agent, processes: Path) -> None:
 
 
 async def start_pause(agent: Agent, processes: Path, grace: float) -> None:
-    """The hook for ``gpumesh pause --grace``: the agent's pause, once there is one."""
+    """The owner types ``gpumesh pause --grace``: what its route runs (returns once
+    the guests are stopped)."""
     del processes
-    pause = getattr(agent, "pause", None)
-    if pause is None:
-        raise SystemExit("this checkout's agent has no pause (`gpumesh pause`): nothing to time")
-    await pause(grace)  # adjust to the pause's real signature when it lands
+    await agent.pause(grace)
 
 
 async def end_pause(agent: Agent, processes: Path) -> None:
-    """The hook for ``gpumesh resume``."""
+    """``gpumesh resume``: the pause is the store's."""
     del processes
-    await agent.resume()  # type: ignore[attr-defined]
+    agent.store.resume()
 
 
 TRIGGERS = {"reclaim": (start_reclaim, end_reclaim), "pause": (start_pause, end_pause)}
@@ -237,8 +241,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return interrupted()
     grace = parse_duration(args.grace)
-    what = "the owner's process appearing" if args.trigger == "reclaim" else "`gpumesh pause`"
-    print(f"\nfrom {what} on the GPU, {len(rows)} trials, grace {grace:g} s, job: {args.job}")
+    what = (
+        "the owner's process appearing on the GPU"
+        if args.trigger == "reclaim"
+        else "the owner's `gpumesh pause`"
+    )
+    print(f"\nfrom {what}, {len(rows)} trials, grace {grace:g} s, job: {args.job}")
     table = []
     for name, index in (("guests' containers gone", 0), ("job preempted (record)", 1)):
         samples = [row[index] for row in rows]
