@@ -31,6 +31,7 @@ from gpumesh.agent.containers import Containers, JobUser
 from gpumesh.agent.deps import Provider, Sandboxes
 from gpumesh.agent.gpus import GpuAllocator, Holder, HolderKind
 from gpumesh.agent.joblogs import JobLog
+from gpumesh.agent.joboutputs import OUTPUTS_ENV, JobOutputs
 from gpumesh.agent.jobstate import Decision, JobMachine
 from gpumesh.blocking import abandon, in_thread
 from gpumesh.errors import AgentError, ExitCode, GPUMeshError, RuntimeUnavailableError
@@ -127,6 +128,8 @@ class JobRunner:
         self.gpus = gpus
         self.sandboxes = sandboxes
         self.log = log
+        self.outputs = JobOutputs(store, sandboxes)
+        """The jobs' outputs folders (``run --outputs``): watched while they run."""
         self.runs: dict[str, Run] = {}
         """The jobs taken in or recovered since this agent started, by id (ended ones
         stay)."""
@@ -418,7 +421,7 @@ class JobRunner:
         return ContainerSpec(
             image=job.image,
             command=list(job.command),
-            env=dict(job.env),
+            env=dict(job.env) | ({OUTPUTS_ENV: job.outputs} if job.outputs else {}),
             labels={
                 LABEL_JOB: job.job_id,
                 LABEL_PEER: job.peer_id,
@@ -467,6 +470,7 @@ class JobRunner:
             if job.workdir or any(m["rw"] for m in job.mounts)
             else None
         )
+        outputs = asyncio.create_task(self.outputs.watch(job)) if job.outputs else None
         waiter = in_thread(self.runtime.wait, container.container_id)
         try:
             if run.machine.stopping:  # cancelled while the container was being made
@@ -484,10 +488,12 @@ class JobRunner:
             return run.machine.infra_failed(exc.message)
         finally:
             pump.stop()  # stopping the agent cancels us: the pump stops with us
-            for task in (sampler, watcher):
+            for task in (sampler, watcher, outputs):
                 if task is not None:
                     task.cancel()
             abandon(waiter)  # a failure (or a cancel) before the wait was awaited
+        if job.outputs:  # what the attempt left, whether or not the watch saw it
+            await self.outputs.scan(job)
         # Exited and its output stored: removed once its end is told (see _supervise).
         if run.over_quota and not run.machine.stopping:
             await self.log.diagnostic(run.job_id, run.machine.attempt, run.over_quota)
@@ -597,6 +603,8 @@ class JobRunner:
             exit_code = ExitCode.JOB_NOT_RUN
         if job.state in FINAL_STATES:
             return
+        if job.outputs:  # the last scan, before the job is final: then outputs are too
+            await self.outputs.scan(job)
         self.store.update_job(
             JobRole.HOSTED,
             run.job_id,
@@ -605,6 +613,7 @@ class JobRunner:
             message=decision.message,
             finished_at=time.time(),
         )
+        self.outputs.tell(run.job_id)
         await self.log.state(
             run.job_id,
             run.machine.attempt,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import shlex
@@ -35,10 +36,11 @@ from gpumesh.agent.deps import (
 )
 from gpumesh.agent.gpus import GpuAllocator
 from gpumesh.agent.joblogs import JobLog, told
+from gpumesh.agent.joboutputs import outputs_remote
 from gpumesh.agent.jobrun import JobRunner, Run, gpu_holder
 from gpumesh.agent.jobstate import REVOKED, Decision
 from gpumesh.agent.limits import Admission, Claim, Kind
-from gpumesh.agent.sandboxfs import shown
+from gpumesh.agent.sandboxfs import os_refusal, shown
 from gpumesh.blocking import in_thread
 from gpumesh.errors import (
     AccessDeniedError,
@@ -175,7 +177,8 @@ class JobService:
                         job_id=existing.job_id,
                         gpus=existing.gpus,
                         provider=self.provider.name,
-                        mounts=[m["target"] for m in existing.mounts],
+                        mounts=[m["target"] for m in existing.mounts if not m.get("outputs")],
+                        outputs=existing.outputs,
                     )
                 )
                 if message.attach:
@@ -207,6 +210,9 @@ class JobService:
             workdir = str(self.files.sandbox(peer).joinpath(*parts))
             self._check_nesting(peer.node_id, workdir, message.sandbox_dir)
         mounts = await self._resolve_mounts(peer, message.mounts, workdir)
+        asked = [m["target"] for m in mounts]
+        if message.outputs:
+            mounts.append(await self._outputs_folder(peer, message, mounts, workdir))
         holder = gpu_holder(message.job_id)
         gpus = await self.gpus.reserve(holder, message.gpu_memory, message.gpu)
         try:
@@ -228,6 +234,7 @@ class JobService:
                 workdir=workdir,
                 created_at=time.time(),
                 mounts=mounts,
+                outputs=message.outputs,
             )
             # Again, with nothing awaited before the record claims it: a submit that
             # raced this one through the checks above may have taken the last place.
@@ -246,7 +253,8 @@ class JobService:
             job_id=record.job_id,
             gpus=gpus,
             provider=self.provider.name,
-            mounts=[m["target"] for m in mounts],
+            mounts=asked,
+            outputs=message.outputs,
         )
         wanted = message.channel and message.workdir_bytes > 0
         # The tar's hash over a channel: named in the offer when the consumer listed
@@ -409,6 +417,45 @@ class JobService:
                 {"remote": remote, "source": source, "target": mount.target, "rw": mount.rw}
             )
         return mounts
+
+    async def _outputs_folder(
+        self, peer: Peer, message: JobSubmit, mounts: list[dict[str, Any]], workdir: str
+    ) -> dict[str, Any]:
+        """The job's outputs folder (``/gpumesh-outputs/JOB_ID`` of the peer's sandbox,
+        made here, handed to the job's user), as a read-write mount at
+        ``message.outputs``; as :attr:`JobRecord.mounts` stores it, marked ``outputs``."""
+        target = message.outputs
+        problem = mount_target_problem(target, [m["target"] for m in mounts])
+        if problem is not None:
+            shown_target = target if target.isprintable() else repr(target)
+            raise ConfigError(
+                f"{self.provider.name} refused --outputs {shown_target}: the container path "
+                f"{problem}"
+            )
+        remote = outputs_remote(message.job_id)
+        parts = await in_thread(self._make_outputs_folder, peer, remote)
+        source = str(self.files.sandbox(peer).joinpath(*parts))
+        self._check_nesting(peer.node_id, source, remote)
+        for folder in [workdir, *(str(m["source"]) for m in mounts)]:
+            if folder and _nested(folder, source):
+                raise LimitError(
+                    f"{self.provider.name} refused --outputs: the job mounts a folder above "
+                    f"{remote}, where its outputs go; mount a folder beside it"
+                )
+        return {"remote": remote, "source": source, "target": target, "rw": True, "outputs": True}
+
+    def _make_outputs_folder(self, peer: Peer, remote: str) -> tuple[str, ...]:
+        """Make the outputs folder in the peer's sandbox through descriptors (a link
+        on the way is refused), then check and hand it over as a mounted folder is."""
+        parts = self.files.parts(remote)
+        with self.files.tree(peer) as tree:
+            try:
+                os.close(tree.open_dir(parts, create=True))
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    raise self.files.link_refused(remote) from None
+                raise os_refusal(exc) from None
+        return self.files.resolve_sandbox_dir(peer, remote)
 
     def _check_nesting(self, peer_id: str, workdir: str, remote: str) -> None:
         """Refuse a sandbox folder above or below one an unfinished job of the peer uses.

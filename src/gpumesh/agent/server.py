@@ -31,6 +31,7 @@ from gpumesh.agent.files import FileService
 from gpumesh.agent.gpus import GpuAllocator
 from gpumesh.agent.jobs import JobService, uploaded_workdirs
 from gpumesh.agent.limits import return_free_memory
+from gpumesh.agent.outputs import OutputsService
 from gpumesh.agent.ratelimit import ConnectionLimiter, Outcome, RefusalTally, Slot
 from gpumesh.agent.reclaimer import GpuReclaimer
 from gpumesh.blocking import in_thread
@@ -165,6 +166,7 @@ class Agent:
             jobs_dir=jobs_dir,
         )
         self.apps = AppService(provider, self.files, self.jobs, index_root=home.apps_dir)
+        self.outputs = OutputsService(provider, self.store, self.jobs, self.jobs.runner.outputs)
         self.shells = ExecService(provider, self.containers, self.jobs.admission, self.gpus)
         self.cuda = CudaService(
             provider,
@@ -180,7 +182,8 @@ class Agent:
         self.handlers.add(ThroughputRequest, _handle_throughput)
         self.desktop = DesktopService(provider, self.store, channels=self.files.channels)
         """The desktop share: the owner's one local port, for its own allowlist."""
-        for service in (self.jobs, self.files, self.apps, self.shells, self.desktop, self.cuda):
+        services = (self.jobs, self.files, self.apps, self.outputs, self.shells, self.desktop)
+        for service in (*services, self.cuda):
             service.register(self.handlers)
         self.addresses = AddressService(
             self.identity,

@@ -29,16 +29,34 @@ folder after its own folder was listed and then written through that name.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import ctypes.util
 import os
 import struct
-import sys
-import threading
 import weakref
 
-__all__ = ["LOCAL_FILE_SYSTEMS", "MAX_FOLDERS", "FolderWatch", "open_watch"]
+from gpumesh.files.inotify import (
+    IN_ATTRIB,
+    IN_CLOEXEC,
+    IN_CLOSE_WRITE,
+    IN_CREATE,
+    IN_DELETE,
+    IN_DELETE_SELF,
+    IN_IGNORED,
+    IN_ISDIR,
+    IN_MODIFY,
+    IN_MOVE_SELF,
+    IN_MOVED_FROM,
+    IN_MOVED_TO,
+    IN_NONBLOCK,
+    IN_ONLYDIR,
+    IN_Q_OVERFLOW,
+    IN_UNMOUNT,
+    add_watch,
+    events,
+)
+from gpumesh.files.inotify import libc as _libc
+
+__all__ = ["LOCAL_FILE_SYSTEMS", "MAX_FOLDERS", "FolderWatch", "file_system", "open_watch"]
 
 MAX_FOLDERS = 4096
 """Folders watched in one tree at most (each takes one of the user's inotify watches)."""
@@ -54,68 +72,25 @@ LOCAL_FILE_SYSTEMS = frozenset(
 )
 """``statfs`` magic numbers of the file systems whose every change inotify sees."""
 
-_IN_MODIFY = 0x2
-_IN_ATTRIB = 0x4
-_IN_CLOSE_WRITE = 0x8
-_IN_MOVED_FROM = 0x40
-_IN_MOVED_TO = 0x80
-_IN_CREATE = 0x100
-_IN_DELETE = 0x200
-_IN_DELETE_SELF = 0x400
-_IN_MOVE_SELF = 0x800
-_IN_UNMOUNT = 0x2000
-_IN_Q_OVERFLOW = 0x4000
-_IN_IGNORED = 0x8000
-_IN_ONLYDIR = 0x1000000
-_IN_ISDIR = 0x40000000
-_IN_NONBLOCK = getattr(os, "O_NONBLOCK", 0o4000)  # inotify is Linux-only; Windows lacks it
-_IN_CLOEXEC = 0o2000000
-
 _MASK = (
-    _IN_MODIFY
-    | _IN_ATTRIB
-    | _IN_CLOSE_WRITE
-    | _IN_MOVED_FROM
-    | _IN_MOVED_TO
-    | _IN_CREATE
-    | _IN_DELETE
-    | _IN_DELETE_SELF
-    | _IN_MOVE_SELF
-    | _IN_ONLYDIR
+    IN_MODIFY
+    | IN_ATTRIB
+    | IN_CLOSE_WRITE
+    | IN_MOVED_FROM
+    | IN_MOVED_TO
+    | IN_CREATE
+    | IN_DELETE
+    | IN_DELETE_SELF
+    | IN_MOVE_SELF
+    | IN_ONLYDIR
 )
-_ALL_AGAIN = _IN_Q_OVERFLOW | _IN_IGNORED | _IN_DELETE_SELF | _IN_MOVE_SELF | _IN_UNMOUNT
+_ALL_AGAIN = IN_Q_OVERFLOW | IN_IGNORED | IN_DELETE_SELF | IN_MOVE_SELF | IN_UNMOUNT
 """Events after which the folders' paths or the queue can no longer be trusted."""
-_TREE_CHANGED = _IN_CREATE | _IN_DELETE | _IN_MOVED_FROM | _IN_MOVED_TO
+_TREE_CHANGED = IN_CREATE | IN_DELETE | IN_MOVED_FROM | IN_MOVED_TO
 """With ``IN_ISDIR``: a folder came or went (the paths of watched folders may differ)."""
-_EVENT = struct.Struct("iIII")
 
 
-class _Libc:
-    """inotify and statfs from the C library, loaded once (None where missing)."""
-
-    lock = threading.Lock()
-    loaded = False
-    lib: ctypes.CDLL | None = None
-
-
-def _libc() -> ctypes.CDLL | None:
-    with _Libc.lock:
-        if not _Libc.loaded:
-            _Libc.loaded = True
-            if sys.platform.startswith("linux"):
-                with contextlib.suppress(OSError, AttributeError):
-                    lib = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-                    for name in ("inotify_init1", "inotify_add_watch", "statfs"):
-                        getattr(lib, name)
-                    lib.inotify_init1.argtypes = [ctypes.c_int]
-                    add_watch = lib.inotify_add_watch
-                    add_watch.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32]
-                    lib.statfs.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
-                    _Libc.lib = lib
-        return _Libc.lib
-
-
-def _file_system(fd: int) -> int | None:
+def file_system(fd: int) -> int | None:
     """The ``statfs`` magic number of the file system ``fd`` lies on."""
     lib = _libc()
     if lib is None:
@@ -131,9 +106,9 @@ def open_watch(root_fd: int) -> FolderWatch | None:
     """A watch for the tree whose root folder ``root_fd`` is, or None where the
     kernel cannot tell of every change in it (see the module's notes)."""
     lib = _libc()
-    if lib is None or _file_system(root_fd) not in LOCAL_FILE_SYSTEMS:
+    if lib is None or file_system(root_fd) not in LOCAL_FILE_SYSTEMS:
         return None
-    fd = lib.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC)
+    fd = lib.inotify_init1(IN_NONBLOCK | IN_CLOEXEC)
     if fd < 0:
         return None
     return FolderWatch(lib, fd, os.fstat(root_fd).st_dev)
@@ -155,7 +130,7 @@ class FolderWatch:
         False when it cannot be watched (then the watch must not be trusted)."""
         if len(self._paths) >= MAX_FOLDERS or os.fstat(folder_fd).st_dev != self._device:
             return False
-        wd = self._lib.inotify_add_watch(self._fd, f"/proc/self/fd/{folder_fd}".encode(), _MASK)
+        wd = add_watch(self._lib, self._fd, folder_fd, _MASK)
         if wd < 0:
             return False
         known = self._paths.setdefault(wd, relative)
@@ -171,12 +146,9 @@ class FolderWatch:
                 data = os.read(self._fd, 1 << 16)
             except BlockingIOError:  # (EINTR is retried by os.read itself: PEP 475)
                 break
-            offset = 0
-            while offset < len(data):
-                wd, mask, _cookie, size = _EVENT.unpack_from(data, offset)
-                offset += _EVENT.size + size
+            for wd, mask, _name in events(data):
                 relative = self._paths.get(wd)
-                tree_changed = mask & _IN_ISDIR and mask & _TREE_CHANGED
+                tree_changed = mask & IN_ISDIR and mask & _TREE_CHANGED
                 if relative is None or mask & _ALL_AGAIN or tree_changed:
                     again = True
                     continue

@@ -32,6 +32,8 @@ __all__ = [
     "MAX_DATA_FRAME",
     "MAX_JOB_MOUNTS",
     "MAX_MESSAGE_FRAME",
+    "MAX_OUTPUTS_WAIT",
+    "MAX_OUTPUT_FILES",
     "PROTOCOL_VERSION",
     "PULL_PROGRESS_EVERY",
     "AddressAnswer",
@@ -75,6 +77,9 @@ __all__ = [
     "JobStatus",
     "JobSubmit",
     "Message",
+    "OutputFile",
+    "OutputsQuery",
+    "OutputsReady",
     "Ping",
     "Pong",
     "Proof",
@@ -336,6 +341,11 @@ class JobSubmit(_Msg, tag="job_submit", frozen=True):
     knows_preempted: bool = False
     """The requester knows the final state ``preempted``; a consumer from before it
     (False) is told ``failed``, with the same message."""
+    outputs: Annotated[str, msgspec.Meta(max_length=4096)] = ""
+    """A container path (``/workspace/out``) where the provider mounts a folder of
+    the submitter's sandbox (``/gpumesh-outputs/JOB_ID``) whose finished files the
+    consumer fetches as the job runs (:class:`OutputsQuery`); empty: none. A
+    provider from before this field ignores it: ``JobAccepted.outputs`` tells."""
 
 
 class JobAccepted(_Msg, tag="job_accepted", frozen=True):
@@ -346,6 +356,9 @@ class JobAccepted(_Msg, tag="job_accepted", frozen=True):
     mounts: Annotated[list[str], msgspec.Meta(max_length=MAX_JOB_MOUNTS)] = []
     """The container paths of the ``JobSubmit.mounts`` this provider will mount,
     in order; empty from a provider that does not know mounts."""
+    outputs: Annotated[str, msgspec.Meta(max_length=4096)] = ""
+    """``JobSubmit.outputs`` echoed by a provider that mounts it; empty from one
+    that does not know outputs."""
 
 
 class ImagePull(_Msg, tag="image_pull", frozen=True):
@@ -425,6 +438,52 @@ class JobQuery(_Msg, tag="job_query", frozen=True):
     knows_preempted: bool = False
     """The requester knows the final state ``preempted``; a consumer from before it
     (False) is told ``failed``, with the same message."""
+
+
+MAX_OUTPUT_FILES = 1000
+"""Most files one ``OutputsReady`` lists (the next query gets the rest)."""
+MAX_OUTPUTS_WAIT = 60.0
+"""Longest an ``OutputsQuery`` may wait for something new."""
+
+
+class OutputsQuery(_Msg, tag="outputs_query", frozen=True):
+    """Consumer -> provider: the job's finished output files after ``after`` (a
+    sequence number of ``OutputFile.seq``), waiting up to ``wait`` seconds for one
+    when there is none yet. Only the job's submitter may ask. Answered by one
+    ``OutputsReady``."""
+
+    job_id: JobId
+    after: Count = 0
+    wait: Annotated[float, msgspec.Meta(ge=0, le=MAX_OUTPUTS_WAIT)] = 0.0
+    release: bool = False
+    """Everything the job wrote has been fetched (after ``OutputsReady.final``): the
+    provider may delete the outputs folder, freeing the peer's file_quota."""
+
+
+class OutputFile(msgspec.Struct, frozen=True):
+    """One file of a job's outputs, finished (closed after writing, or renamed into
+    place) when the provider recorded it."""
+
+    seq: Count
+    """Its place in the job's outputs; a file written again gets a new one."""
+    path: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
+    """Relative to the outputs folder, ``/``-separated."""
+    size: Count
+    mtime: float
+    """As ``FileInfo.mtime`` says it: the file changed since when they differ."""
+
+
+class OutputsReady(_Msg, tag="outputs_ready", frozen=True):
+    files: Annotated[list[OutputFile], msgspec.Meta(max_length=MAX_OUTPUT_FILES)]
+    """In ``seq`` order, after the query's ``after``; bounded (ask again for more)."""
+    final: bool
+    """The job ended and its outputs' last scan is done: with ``files`` nothing more
+    comes (more of them may wait for the next query when the list was full)."""
+    folder: Annotated[str, msgspec.Meta(max_length=4096)]
+    """The outputs folder in the submitter's sandbox (``/gpumesh-outputs/JOB_ID``):
+    where ``FileGet`` finds ``folder/path``."""
+    more: bool = False
+    """``files`` was cut at the reply's bound: ask again at once."""
 
 
 # --- files (paths are relative to the peer's sandbox on the provider) ---------------
@@ -829,6 +888,8 @@ Message = (
     | JobLogs
     | JobCancel
     | JobQuery
+    | OutputsQuery
+    | OutputsReady
     | FileStat
     | FileInfo
     | FilePut

@@ -440,6 +440,13 @@ KEYS: dict[str, ConfigKey] = {
             "file_quota", _size, "50GB", "most bytes each peer may keep here with `gpumesh cp`"
         ),
         ConfigKey(
+            "outputs_limit",
+            _size,
+            "10GB",
+            "most bytes of a job's outputs (`run --outputs`) this node receives; the "
+            "stream stops beyond it",
+        ),
+        ConfigKey(
             "job_log_limit",
             _log_limit,
             "64MB",

@@ -201,6 +201,28 @@ MIGRATIONS: list[str] = [
         grace     REAL NOT NULL
     );
     """,
+    # 14 -> 15: job outputs: the container path a job's finished files are fetched
+    # from; on the submitter, where they go and how far they came; on the provider,
+    # the files found ready (a path written again gets a new seq)
+    """
+    ALTER TABLE jobs ADD COLUMN outputs TEXT NOT NULL DEFAULT '';
+    ALTER TABLE jobs ADD COLUMN outputs_to TEXT NOT NULL DEFAULT '';
+    ALTER TABLE jobs ADD COLUMN outputs_state TEXT NOT NULL DEFAULT '';
+    ALTER TABLE jobs ADD COLUMN outputs_seq INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE jobs ADD COLUMN outputs_files INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE jobs ADD COLUMN outputs_bytes INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE jobs ADD COLUMN outputs_note TEXT NOT NULL DEFAULT '';
+    CREATE TABLE job_outputs (
+        job_id   TEXT NOT NULL,
+        path     TEXT NOT NULL,
+        seq      INTEGER NOT NULL,
+        size     INTEGER NOT NULL,
+        mtime_ns INTEGER NOT NULL,
+        mtime    REAL NOT NULL,
+        PRIMARY KEY (job_id, path)
+    );
+    CREATE INDEX job_outputs_seq ON job_outputs(job_id, seq);
+    """,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 

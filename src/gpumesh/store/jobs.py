@@ -14,7 +14,7 @@ from gpumesh.protocol.messages import JobOutput, JobStatus
 from gpumesh.protocol.states import FINAL_STATES, JobRole, JobState
 from gpumesh.store.tables import Tables
 
-__all__ = ["JobEvent", "JobRecord", "JobTables"]
+__all__ = ["JobEvent", "JobRecord", "JobTables", "OutputEntry"]
 
 _FINAL = "(" + ", ".join(sorted(f"'{state}'" for state in FINAL_STATES)) + ")"
 """``('cancelled', 'failed', 'succeeded')``: the final job states as an SQL list."""
@@ -49,6 +49,13 @@ _JOB_COLUMNS = [
     "confirmed_at",
     "provider_forgot",
     "mounts",
+    "outputs",
+    "outputs_to",
+    "outputs_state",
+    "outputs_seq",
+    "outputs_files",
+    "outputs_bytes",
+    "outputs_note",
 ]
 _JSON_COLUMNS = {"command", "env", "gpus", "log_cursor", "mounts"}
 
@@ -109,6 +116,22 @@ class JobRecord:
     """Sandbox folders mounted into the job. Hosted: each ``{"remote": "/datasets",
     "source": its host path, "target": "/data", "rw": bool}``; submitted: each
     ``{"source": "/datasets", "target": "/data", "rw": bool}``."""
+    outputs: str = ""
+    """The container path whose finished files come home (``run --outputs``); empty:
+    none. Hosted: mounted from ``/gpumesh-outputs/JOB_ID`` of the submitter's sandbox."""
+    outputs_to: str = ""
+    """Submitted: the local folder the outputs go to (absolute)."""
+    outputs_state: str = ""
+    """Submitted: ``receiving``, ``complete`` (all fetched, the provider's copy
+    released), ``stopped`` (``outputs_note`` says why); empty: no outputs."""
+    outputs_seq: int = 0
+    """Submitted: the last ``OutputFile.seq`` dealt with (fetched, skipped or refused)."""
+    outputs_files: int = 0
+    """Submitted: files fetched so far."""
+    outputs_bytes: int = 0
+    """Submitted: bytes of the files fetched so far."""
+    outputs_note: str = ""
+    """Submitted: the last entry refused, or why the stream stopped (one line)."""
 
     @classmethod
     def from_row(cls, row: sqlite3.Row) -> JobRecord:
@@ -166,6 +189,17 @@ class JobEvent:
         )
 
 
+@dataclass(frozen=True)
+class OutputEntry:
+    """A hosted job's output file found finished (closed or renamed into place)."""
+
+    seq: int
+    path: str
+    size: int
+    mtime_ns: int
+    mtime: float
+
+
 class JobTables(Tables):
     """The store's methods on jobs and their events."""
 
@@ -191,6 +225,67 @@ class JobTables(Tables):
             self._db.execute("DELETE FROM jobs WHERE role = ? AND job_id = ?", (role, job_id))
             if role == JobRole.HOSTED:
                 self._db.execute("DELETE FROM job_events WHERE job_id = ?", (job_id,))
+                self._db.execute("DELETE FROM job_outputs WHERE job_id = ?", (job_id,))
+
+    # --- outputs ---------------------------------------------------------------------------
+
+    def record_outputs(
+        self, job_id: str, found: Sequence[tuple[str, int, int, float]], *, whole: bool = False
+    ) -> int:
+        """Record files of a hosted job's outputs as ready: ``(path, size, mtime_ns,
+        mtime)`` each; one whose size and mtime differ from what was last recorded
+        (or new) gets the next seq. ``whole``: ``found`` is every file there is (a
+        scan), so entries it lacks are forgotten. Returns how many got a seq."""
+        added = 0
+        with self._transaction():
+            known = {
+                str(row[0]): (int(row[1]), int(row[2]))
+                for row in self._db.execute(
+                    "SELECT path, size, mtime_ns FROM job_outputs WHERE job_id = ?", (job_id,)
+                )
+            }
+            row = self._db.execute(
+                "SELECT coalesce(max(seq), 0) FROM job_outputs WHERE job_id = ?", (job_id,)
+            ).fetchone()
+            seq = int(row[0])
+            for path, size, mtime_ns, mtime in found:
+                if known.get(path) == (size, mtime_ns):
+                    continue
+                seq += 1
+                added += 1
+                known[path] = (size, mtime_ns)
+                self._db.execute(
+                    "INSERT OR REPLACE INTO job_outputs (job_id, path, seq, size, mtime_ns, mtime) "
+                    "VALUES (?, ?, ?, ?, ?, ?)",
+                    (job_id, path, seq, size, mtime_ns, mtime),
+                )
+            if whole:
+                gone = set(known) - {path for path, *_ in found}
+                for path in gone:
+                    self._db.execute(
+                        "DELETE FROM job_outputs WHERE job_id = ? AND path = ?", (job_id, path)
+                    )
+        return added
+
+    def job_outputs(self, job_id: str, after: int, limit: int) -> list[OutputEntry]:
+        """A hosted job's ready outputs after seq ``after``, in seq order."""
+        rows = self._query(
+            "SELECT seq, path, size, mtime_ns, mtime FROM job_outputs "
+            "WHERE job_id = ? AND seq > ? ORDER BY seq LIMIT ?",
+            (job_id, after, limit),
+        )
+        return [OutputEntry(int(r[0]), str(r[1]), int(r[2]), int(r[3]), float(r[4])) for r in rows]
+
+    def forget_outputs(self, job_id: str) -> None:
+        self._execute("DELETE FROM job_outputs WHERE job_id = ?", (job_id,))
+
+    def receiving_outputs(self) -> list[JobRecord]:
+        """Submitted jobs whose outputs are still to come home."""
+        rows = self._query(
+            "SELECT * FROM jobs WHERE role = ? AND outputs_state = 'receiving' ORDER BY created_at",
+            (JobRole.SUBMITTED,),
+        )
+        return [JobRecord.from_row(r) for r in rows]
 
     def job(self, role: JobRole, job_id: str) -> JobRecord | None:
         rows = self._query("SELECT * FROM jobs WHERE role = ? AND job_id = ?", (role, job_id))
