@@ -281,12 +281,13 @@ REFUSALS = [
     (
         "gpu_mem: 8GB",
         "job.yaml:2: unknown field 'gpu_mem' (did you mean gpu_memory?); valid fields: image, "
-        "command, env, workdir, gpu_memory, retries, timeout, peer, group, mounts",
+        "command, env, workdir, gpu_memory, retries, timeout, peer, group, mounts, outputs, "
+        "outputs_to",
     ),
     (
         "image: x\ndetach: true",
         "job.yaml:3: unknown field 'detach'; valid fields: image, command, env, workdir, "
-        "gpu_memory, retries, timeout, peer, group, mounts",
+        "gpu_memory, retries, timeout, peer, group, mounts, outputs, outputs_to",
     ),
     ("image: a\nimage: b", "job.yaml:3: image: set twice (first on line 2); keep one"),
     (
@@ -730,7 +731,8 @@ def test_file_errors_surface_through_build_spec(tmp_path: Path) -> None:
 
 
 def test_fields_constant_matches_jobspec() -> None:
-    assert set(FIELDS) == set(JobSpec.__dataclass_fields__)
+    # outputs_under is the caller's working folder, never a job file's.
+    assert set(FIELDS) == set(JobSpec.__dataclass_fields__) - {"outputs_under"}
 
 
 # --- mounts -----------------------------------------------------------------------------------

@@ -55,6 +55,9 @@ from gpumesh.protocol.messages import (
     JobStatus,
     JobSubmit,
     Message,
+    OutputFile,
+    OutputsQuery,
+    OutputsReady,
     Ping,
     Pong,
     Proof,
@@ -227,6 +230,29 @@ MESSAGES: st.SearchStrategy[Message] = st.one_of(
         hash=hash_names,
     ),
     st.builds(AppJobDir, job_id=job_ids),
+    st.builds(
+        OutputsQuery,
+        job_id=job_ids,
+        after=st.integers(0, 2**50),
+        wait=st.floats(0, 60),
+        release=st.booleans(),
+    ),
+    st.builds(
+        OutputsReady,
+        files=st.lists(
+            st.builds(
+                OutputFile,
+                seq=st.integers(0, 2**50),
+                path=st.text(min_size=1, max_size=100),
+                size=st.integers(0, 2**50),
+                mtime=st.floats(0, 2**40),
+            ),
+            max_size=5,
+        ),
+        final=st.booleans(),
+        folder=st.text(max_size=100),
+        more=st.booleans(),
+    ),
     st.builds(AppJobDirReply, path=st.text(max_size=200)),
     st.builds(
         ExecStart,
@@ -297,6 +323,8 @@ def test_every_message_type_is_covered_by_the_round_trip() -> None:
         JobLogs,
         JobCancel,
         JobQuery,
+        OutputsQuery,
+        OutputsReady,
     }
     covered |= {FileStat, FileInfo, FilePut, FileResume, FileGet, FileDone, DirPut, DirGet}
     covered |= {ExecStart, ExecStarted, ExecResize, ExecExit}

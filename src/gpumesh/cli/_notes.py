@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from typing import Any
 
     from gpumesh.client.views.jobs import JobResultView, Status
+    from gpumesh.client.views.outputs import OutputsView
     from gpumesh.client.views.runs import PlacedView, PullingView
     from gpumesh.daemon.client import SseEvent
 
@@ -108,6 +109,7 @@ class ViewPrinter:
     def show(self, view: object) -> None:
         """One event of the stream: its view (:data:`~gpumesh.client.views.runs.RUN_EVENTS`)."""
         from gpumesh.client.views.jobs import Dropped, Output, Reconnecting, Status
+        from gpumesh.client.views.outputs import OutputsView
         from gpumesh.client.views.runs import AcceptedView, PlacedView, PullingView, UploadingView
 
         if not isinstance(view, Reconnecting):
@@ -140,6 +142,24 @@ class ViewPrinter:
             self.steps.accepted(view.job_id, view.provider, view.gpus)
         elif isinstance(view, UploadingView):
             self.steps.upload(view.sent, view.total)
+        elif isinstance(view, OutputsView):
+            self.outputs(view)
+
+    def outputs(self, view: OutputsView) -> None:
+        """Where a job's outputs came, once they did (or why they stopped: always said)."""
+        count = f"{view.files} file{'' if view.files == 1 else 's'} ({format_size(view.bytes)})"
+        if view.state == "stopped":
+            click.echo(click.style(f"gpumesh: {view.note}", fg="yellow"), err=True)
+            self.steps.note(f"outputs: {count} in {view.dir}")
+        elif view.state == "receiving":
+            self.steps.note(
+                f"outputs: {count} in {view.dir} so far, more still coming: "
+                f"`gpumesh jobs {view.job_id}` says when they are all there"
+            )
+        else:
+            self.steps.note(f"outputs: {count} in {view.dir}")
+            if view.note:
+                self.steps.note(f"outputs: {view.note}")
 
 
 class RunReader:

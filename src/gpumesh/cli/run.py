@@ -30,6 +30,9 @@ Examples:
   gpumesh cp ./dataset alice-pc:/datasets   # once; then in every job:
   gpumesh run --peer alice-pc --mount /datasets:/data -- ls /data
   gpumesh run --peer alice-pc --mount /out:/out:rw -- sh -c 'date > /out/t'
+  gpumesh run --peer alice-pc --outputs /workspace/out -- python train.py
+                            # its finished files arrive in ./gpumesh-outputs/JOB_ID/
+  gpumesh run --group lab --outputs /out --outputs-to ./results -- ./sweep.sh
 \b
 Exit status: the job's own exit code (125 when it could not run, 130 when cancelled).
 """,
@@ -53,6 +56,17 @@ Exit status: the job's own exit code (125 when it could not run, 130 when cancel
     help="Mount FOLDER of your sandbox on the peer (what you copied there with "
     "`gpumesh cp`) at PATH in the job; read-only unless :rw. Repeatable.",
 )
+@click.option(
+    "--outputs",
+    metavar="PATH",
+    help="A folder in the job (e.g. /workspace/out) whose finished files come home as "
+    "the job runs; the job finds it in $GPUMESH_OUTPUTS (write, then rename).",
+)
+@click.option(
+    "--outputs-to",
+    metavar="DIR",
+    help="Where --outputs go here (default ./gpumesh-outputs/JOB_ID).",
+)
 @click.option("-f", "--file", "job_file", type=click.Path(), help="job.yaml with the same fields.")
 @click.option("--retries", type=int, help="Re-run a failed attempt up to N times (backoff).")
 @click.option("--timeout", metavar="DURATION", help="Stop an attempt after e.g. 30m or 2h.")
@@ -73,6 +87,8 @@ def run(
     timeout: str | None,
     env_items: tuple[str, ...],
     mounts: tuple[str, ...],
+    outputs: str | None,
+    outputs_to: str | None,
     detach: bool,
     quiet: bool,
     command: tuple[str, ...],
@@ -85,6 +101,9 @@ def run(
     """
     from gpumesh.client import bodies
 
+    # Local folders are this process's: the node process works elsewhere.
+    absolute_to = _absolute(outputs_to) if outputs_to else None
+    under = _absolute("gpumesh-outputs") if not outputs_to else None
     simple = not job_file and not workdir and all("=" in item for item in env_items)
     if simple and (peer or group):
         # Checked by the node process, with the same messages: this process
@@ -95,6 +114,9 @@ def run(
             group=group,
             **job_options(image, env_items, gpu_memory, retries, timeout, mounts),
             wait=WAIT_FOREVER if wait else 0.0,
+            outputs=outputs or "",
+            outputs_to=absolute_to,
+            outputs_under=under,
         )
         _through_node(body, detach=detach, quiet=quiet, explain=explain)
         return
@@ -112,6 +134,9 @@ def run(
         peer=peer,
         group=group,
         mounts=list(mounts),
+        outputs=outputs,
+        outputs_to=absolute_to,
+        outputs_under=under,
     )
     spec_body = bodies.JobBody(
         command=spec.command,
@@ -120,8 +145,18 @@ def run(
         workdir=None if spec.workdir is None else str(spec.workdir),
         wait=WAIT_FOREVER if wait else 0.0,
         **bodies.job_options(spec),
+        outputs=spec.outputs,
+        outputs_to=None if spec.outputs_to is None else str(spec.outputs_to),
+        outputs_under=None if spec.outputs_under is None else str(spec.outputs_under),
     )
     _through_node(spec_body, detach=detach, quiet=quiet, explain=explain)
+
+
+def _absolute(path: str) -> str:
+    """``path`` from this process's working folder, ``~`` expanded."""
+    import os
+
+    return os.path.abspath(os.path.expanduser(path))
 
 
 WAIT_FOREVER = 10.0**9

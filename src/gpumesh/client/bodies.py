@@ -94,6 +94,13 @@ class JobBody(msgspec.Struct, forbid_unknown_fields=True):
     """A local folder to upload (not from a browser session)."""
     wait: float = 0.0
     """With ``group``: seconds to wait for a member to free up."""
+    outputs: str = ""
+    """A container path whose finished files come home as the job runs (``--outputs``)."""
+    outputs_to: str | None = None
+    """With ``outputs``: the absolute local folder they go to."""
+    outputs_under: str | None = None
+    """With ``outputs`` and no ``outputs_to``: the absolute folder whose ``JOB_ID``
+    subfolder they go to (``run`` sends its ``./gpumesh-outputs``)."""
 
 
 class CancelBody(msgspec.Struct, forbid_unknown_fields=True):

@@ -24,12 +24,14 @@ import shutil
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 
 from gpumesh.client._events import Watch
 from gpumesh.client.bulk import answer_after_offer, why_no_channel
+from gpumesh.client.outputs import RECEIVING
 from gpumesh.client.placement import Placement
 from gpumesh.client.submit import (
     place_in_group,
@@ -304,6 +306,7 @@ async def run_job(
         mounts=[JobMount(source=m.source, target=m.target, rw=m.rw) for m in spec.mounts],
         pull_progress=True,
         knows_preempted=True,
+        outputs=spec.outputs,
     )
     store = node.home.store
     result = JobResult(job_id, peer.name, JobState.QUEUED, None, 0, "")
@@ -326,6 +329,8 @@ async def run_job(
         stream, offer, accepted, no_channel = answered
         if list(accepted.mounts) != [m.target for m in spec.mounts]:
             await refuse_unmounted(session, peer.name, job_id, stream)
+        if accepted.outputs != spec.outputs:
+            await refuse_unmounted(session, peer.name, job_id, stream, "outputs")
         result.gpus = list(accepted.gpus)
         store.add_job(
             JobRecord(
@@ -344,8 +349,13 @@ async def run_job(
                 created_at=(now := time.time()),
                 confirmed_at=now,
                 mounts=[dataclasses.asdict(m) for m in spec.mounts],
+                outputs=spec.outputs,
+                outputs_to=str(outputs_destination(spec, job_id)) if spec.outputs else "",
+                outputs_state=RECEIVING if spec.outputs else "",
             )
         )
+        if spec.outputs and node.outputs is not None:
+            node.outputs.start(job_id)
         callbacks.accepted(accepted)
         if plan is not None:
             await send_workdir(
@@ -376,6 +386,15 @@ async def run_job(
     # Go on from the last event this stream delivered: not from the start again.
     await _deliver_all(_follow(node, peer.node_id, result, reader, follow=True), callbacks)
     return result
+
+
+def outputs_destination(spec: JobSpec, job_id: str) -> Path:
+    """Where a job's outputs go: ``outputs_to``, else ``JOB_ID`` under ``outputs_under``
+    (``./gpumesh-outputs`` of this process when neither is given)."""
+    if spec.outputs_to is not None:
+        return spec.outputs_to
+    under = spec.outputs_under or Path.cwd() / "gpumesh-outputs"
+    return under / job_id
 
 
 async def _deliver_all(events: AsyncGenerator[JobEvent, None], callbacks: JobCallbacks) -> None:

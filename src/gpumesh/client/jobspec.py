@@ -18,12 +18,15 @@ A job file::
     peer: alice-pc                           # or group: lab (not both)
     mounts:                                  # folders copied there with gpumesh cp
       - /datasets:/data                      # read-only; /out:/results:rw to write
+    outputs: /workspace/out                  # its finished files come home as it runs
+    outputs_to: ./results                    # default ./gpumesh-outputs/JOB_ID
 """
 
 from __future__ import annotations
 
 import difflib
 import math
+import os
 import re
 import shlex
 from collections.abc import Sequence
@@ -61,6 +64,8 @@ FIELDS = (
     "peer",
     "group",
     "mounts",
+    "outputs",
+    "outputs_to",
 )
 """Every field a job file may set, in the order the docs list them."""
 
@@ -107,6 +112,14 @@ class JobSpec:
     """Group of providers to pick one from; exclusive with ``peer``."""
     mounts: list[MountSpec] = field(default_factory=list)
     """Folders of the peer's sandbox to mount (``--mount``, ``mounts:``)."""
+    outputs: str = ""
+    """A container path whose finished files come home (``--outputs``); empty: none."""
+    outputs_to: Path | None = None
+    """With ``outputs``: the absolute local folder they go to; None: ``JOB_ID`` under
+    ``outputs_under``."""
+    outputs_under: Path | None = None
+    """With ``outputs`` and no ``outputs_to``: the absolute folder whose ``JOB_ID``
+    subfolder they go to (the caller's ``./gpumesh-outputs``)."""
 
 
 @dataclass(frozen=True)
@@ -127,6 +140,9 @@ class JobFile:
     peer: str | None = None
     group: str | None = None
     mounts: list[MountSpec] | None = None
+    outputs: str | None = None
+    outputs_to: Path | None = None
+    """Absolute: a relative path is taken from the job file's folder."""
     lines: dict[str, int] = field(default_factory=dict)
     """Line of each field the file sets, for messages about checks made later."""
 
@@ -152,6 +168,29 @@ def parse_mount(text: str) -> MountSpec:
     if problem is not None:
         raise ConfigError(f"mount {text!r}: the container path {problem}")
     return MountSpec(source=source, target=target, rw=rw)
+
+
+def outputs_problem(path: str, targets: Sequence[str] = ()) -> str | None:
+    """Why a job's outputs may not be at container path ``path`` (None: they may)."""
+    problem = mount_target_problem(path, targets)
+    return None if problem is None else f"the container path {path!r} {problem}"
+
+
+def _check_destination(path: Path, shown_as: str) -> Path:
+    """Where outputs go: an absolute folder (made when missing) this user may write."""
+    if not path.is_absolute():
+        raise ConfigError(f"{shown_as} is not an absolute path: give the folder's full path")
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{shown_as} is a file: name a folder (it is made when missing)")
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"{shown_as} cannot be written here ({existing} is not a folder you may write "
+            "in): choose another folder"
+        )
+    return path
 
 
 def _check_mounts(mounts: Sequence[MountSpec]) -> list[MountSpec]:
@@ -371,6 +410,21 @@ class _FileReader:
         # Relative to the job file, so `gpumesh run -f exp/job.yaml` works from anywhere.
         return (self.path.parent / value).absolute()
 
+    def outputs(self, node: yaml.Node) -> str:
+        text = self.text(node, "outputs", "a container path such as /workspace/out")
+        problem = outputs_problem(text)
+        if problem is not None:
+            self.fail(node, f"outputs: {problem}")
+        return text
+
+    def outputs_to(self, node: yaml.Node) -> Path:
+        text = self.text(node, "outputs_to", "a local folder")
+        try:
+            value = _expanded(text)
+        except ConfigError as exc:
+            self.fail(node, f"outputs_to: {exc.message}")
+        return (self.path.parent / value).absolute()
+
     def gpu_memory(self, node: yaml.Node) -> int:
         value = self.text(node, "gpu_memory", "a size such as 8GB")
         problem = _gpu_memory_problem(value)
@@ -559,6 +613,9 @@ def build_spec(
     peer: str | None = None,
     group: str | None = None,
     mounts: Sequence[str] | None = None,
+    outputs: str | None = None,
+    outputs_to: Path | str | None = None,
+    outputs_under: Path | str | None = None,
 ) -> JobSpec:
     """Merge a job file (if any) with flags into a checked :class:`JobSpec`.
 
@@ -567,7 +624,8 @@ def build_spec(
     are merged over the file's env. ``--peer`` or ``--group`` replaces the
     file's choice of where to run, whichever of the two the file used.
     ``gpu_memory`` is bytes when an int, or text such as ``8GB``. ``mounts``
-    (``--mount``) are added to the file's.
+    (``--mount``) are added to the file's. ``outputs_to`` and ``outputs_under``
+    are absolute (the caller's working folder is not this process's).
     """
     job = load_job_file(file) if file is not None else JobFile(path=Path())
     shown = str(job.path)
@@ -637,6 +695,28 @@ def build_spec(
         list(job.mounts or []) + [parse_mount(text) for text in mounts or []]
     )
 
+    final_outputs = outputs if outputs else job.outputs or ""
+    final_outputs_to: Path | None = None
+    final_outputs_under: Path | None = None
+    if final_outputs:
+        where = "--outputs:" if outputs else at("outputs")
+        problem = outputs_problem(final_outputs, [m.target for m in final_mounts])
+        if problem is not None:
+            raise ConfigError(f"{where} {problem}")
+        if outputs_to:
+            final_outputs_to = _check_destination(
+                _expanded(str(outputs_to)), f"--outputs-to {outputs_to}"
+            )
+        elif job.outputs_to is not None:
+            shown_to = f"{at('outputs_to')} folder {job.outputs_to}"
+            final_outputs_to = _check_destination(job.outputs_to, shown_to)
+        elif outputs_under:
+            final_outputs_under = _check_destination(
+                _expanded(str(outputs_under)), f"the outputs folder {outputs_under}"
+            )
+    elif outputs_to:
+        raise ConfigError("--outputs-to needs --outputs PATH: the folder in the job to bring home")
+
     return JobSpec(
         image=final_image,
         command=final_command,
@@ -648,4 +728,7 @@ def build_spec(
         peer=final_peer,
         group=final_group,
         mounts=final_mounts,
+        outputs=final_outputs,
+        outputs_to=final_outputs_to,
+        outputs_under=final_outputs_under,
     )

@@ -61,6 +61,7 @@ from gpumesh.transport.session import (
 )
 
 if TYPE_CHECKING:
+    from gpumesh.client.outputs import OutputsReceivers
     from gpumesh.client.pool import SessionPool
     from gpumesh.gpu.inventory import GpuInfo
     from gpumesh.protocol.addresses import Address
@@ -167,6 +168,9 @@ class Node:
         self.home.secure()  # every start re-asserts the home's modes, not only `init`
         self.pool: SessionPool | None = None
         """Warm sessions to reuse (a long-running process's); None: each dials."""
+        self.outputs: OutputsReceivers | None = None
+        """Receives submitted jobs' outputs (a long-running process's, which resumes
+        them when it starts again); None: they wait for one."""
 
     @functools.cached_property
     def silent_providers(self) -> SilentProviders:

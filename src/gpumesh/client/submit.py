@@ -65,15 +65,21 @@ async def session_with(
 
 
 async def refuse_unmounted(
-    session: Session, peer_name: str, job_id: str, stream: Stream
+    session: Session, peer_name: str, job_id: str, stream: Stream, what: str = "mount"
 ) -> NoReturn:
-    """A provider from before mounts accepted a job without them: cancel it, say so."""
+    """A provider from before mounts (or outputs: ``what``) accepted a job without
+    them: cancel it, say so."""
     stream.abort()
     with contextlib.suppress(GPUMeshError):
         await session.request(JobCancel(job_id=job_id, knows_preempted=True), timeout=60)
+    doing, flag = (
+        ("mount folders into jobs", "--mount")
+        if what == "mount"
+        else ("bring a job's outputs home", "--outputs")
+    )
     raise ProtocolError(
-        f"{peer_name} runs an older GPUMesh that cannot mount folders into jobs "
-        f"(job {job_id} was cancelled there): ask its owner to upgrade, or run without --mount"
+        f"{peer_name} runs an older GPUMesh that cannot {doing} "
+        f"(job {job_id} was cancelled there): ask its owner to upgrade, or run without {flag}"
     )
 
 

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 from gpumesh import platform
 from gpumesh.client.bodies import ShareOptions
 from gpumesh.client.node import Node
+from gpumesh.client.outputs import OutputsReceivers
 from gpumesh.client.pool import SessionPool
 from gpumesh.control import auth
 from gpumesh.control.app import create_app
@@ -373,6 +374,9 @@ async def run_node(
         outgoing = OutgoingSocket(lambda: node.home.identity)
         process.pool = node.pool = SessionPool(outgoing=outgoing)
         node.pool.on_silent = node.silent_providers.went_silent
+        # Submitted jobs' outputs come home here, those still coming from the start.
+        receivers = node.outputs = OutputsReceivers(node)
+        receivers.resume()
 
         def shell_busy(change: int) -> None:
             process.active += change
@@ -461,6 +465,8 @@ async def run_node(
                     await sharer
             if process.sharing.active:
                 await process.sharing.stop(process.stopping or "the node process stopped")
+            await receivers.stop()
+            node.outputs = None
             for task in (watcher, keeper, *late):
                 task.cancel()
             for task in (keeper, *late):
@@ -497,8 +503,11 @@ async def _share_from_start(
 
 
 def _unfinished(home: Home) -> bool:
-    """Whether ``home`` has jobs it hosts or submitted that have not ended."""
+    """Whether ``home`` has jobs it hosts or submitted that have not ended, or whose
+    outputs are still to come home."""
     store = home.store
+    if store.receiving_outputs():
+        return True
     return bool(store.unfinished_hosted_jobs()) or any(
         j.state not in FINAL_STATES and not j.provider_forgot
         for j in store.jobs(limit=1000, role=JobRole.SUBMITTED)

@@ -6,6 +6,8 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from gpumesh.client.views.outputs import OutputsView
+
 if TYPE_CHECKING:
     from gpumesh.store.jobs import JobRecord
 
@@ -43,6 +45,8 @@ class JobListEntry(msgspec.Struct):
     unknown_reason: str | None
     """Why the provider did not say where it stands (it may be empty)."""
     provider_forgot: bool
+    outputs: OutputsView | None = None
+    """Submitted with ``--outputs``: where they come home, and how far they came."""
 
     @classmethod
     def of(cls, job: JobRecord, unconfirmed: dict[str, str]) -> JobListEntry:
@@ -71,6 +75,7 @@ class JobListEntry(msgspec.Struct):
             unknown_since=last_confirmed(job) if unknown else None,
             unknown_reason=unconfirmed.get(job.job_id),
             provider_forgot=job.provider_forgot,
+            outputs=OutputsView.of(job),
         )
 
 

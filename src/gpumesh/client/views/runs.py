@@ -1,6 +1,7 @@
 """View structs of a job's steps before it runs (``POST /api/v1/jobs?stream=true``):
 where ``--group`` placed it, the provider's image pull, its acceptance, the
-workdir upload. The job's own events follow as :mod:`gpumesh.client.views.jobs`'s."""
+workdir upload. The job's own events follow as :mod:`gpumesh.client.views.jobs`'s,
+and, for a job with ``--outputs``, where they came (:class:`OutputsView`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from gpumesh.client.views.jobs import JOB_EVENTS
+from gpumesh.client.views.outputs import OutputsView
 
 if TYPE_CHECKING:
     pass
@@ -68,6 +70,7 @@ StepView = PlacedView | PullingView | AcceptedView | UploadingView
 RUN_EVENTS: dict[str, type] = {
     **JOB_EVENTS,
     **{cls.__name__.lower(): cls for cls in (PlacedView, PullingView, AcceptedView, UploadingView)},
+    "outputsview": OutputsView,
 }
 """A run's Server-Sent Events (``POST /api/v1/jobs?stream=true``): its steps, as the
 control API names them (the struct's name), then the job's own; ``end`` is its result."""

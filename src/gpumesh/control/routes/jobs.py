@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import base64
+import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpumesh.client import jobs, runs
 from gpumesh.client.bodies import CancelBody, JobBody, PruneBody
 from gpumesh.client.jobs import cancel, find_job, logs, prune_jobs, refresh_jobs, run_job
 from gpumesh.client.jobspec import build_spec
+from gpumesh.client.outputs import RECEIVING
 from gpumesh.client.runs import watch_run
 from gpumesh.client.views import ErrorView
 from gpumesh.client.views.joblist import JobListEntry, PrunedJob
@@ -21,6 +23,7 @@ from gpumesh.client.views.jobs import (
     Reconnecting,
     Status,
 )
+from gpumesh.client.views.outputs import OutputsView
 from gpumesh.client.views.runs import (
     AcceptedView,
     CandidateView,
@@ -30,8 +33,11 @@ from gpumesh.client.views.runs import (
     UploadingView,
 )
 from gpumesh.control.call import Call
-from gpumesh.control.streams import EventStream, paced_events, sse
+from gpumesh.control.streams import KEEPALIVE, EventStream, paced_events, sse
 from gpumesh.errors import BadRequestError, GPUMeshError
+
+if TYPE_CHECKING:
+    from gpumesh.client.node import Node
 
 __all__ = [
     "get_job",
@@ -42,6 +48,10 @@ __all__ = [
     "post_prune",
     "run_event",
 ]
+
+
+OUTPUTS_WAIT = 600.0
+"""Longest an attached run waits, after its job ended, for its outputs to come."""
 
 
 async def get_jobs(call: Call) -> object:
@@ -65,6 +75,8 @@ async def post_job(call: Call) -> object:
     body: JobBody = call.body
     if body.workdir is not None:
         call.refuse_cookie("workdir")
+    if body.outputs:
+        call.refuse_cookie("outputs")
     if not body.peer and not body.group:
         raise BadRequestError(
             "The job names no place to run: give `peer` (a paired node) or `group`."
@@ -80,21 +92,40 @@ async def post_job(call: Call) -> object:
         peer=body.peer,
         group=body.group,
         mounts=body.mounts,
+        outputs=body.outputs,
+        outputs_to=body.outputs_to,
+        outputs_under=body.outputs_under,
     )
     if call.flag("stream"):
-        return EventStream(_run_events(watch_run(call.node, spec, wait=body.wait)))
+        run = watch_run(call.node, spec, wait=body.wait)
+        return EventStream(_run_events(run, call.node if spec.outputs else None))
     return JobResultView.of(await run_job(call.node, spec, detach=True, wait=body.wait))
 
 
-async def _run_events(run: Any) -> AsyncIterator[bytes]:
+async def _run_events(run: Any, outputs: Node | None = None) -> AsyncIterator[bytes]:
     """A run as Server-Sent Events: its steps (``placedview``, ``pullingview``,
     ``acceptedview``, ``uploadingview``), then the job's events as the events route
-    sends them (numbered: resume that route with ``after``), then ``end``. Leaving
-    early cancels a submission still under way (an accepted job keeps running)."""
+    sends them (numbered: resume that route with ``after``), then (``outputs``: the
+    node whose receiver brings them home) an ``outputsview`` once its outputs came
+    (or after :data:`OUTPUTS_WAIT`), then ``end``. Leaving early cancels a
+    submission still under way (an accepted job keeps running)."""
 
     try:
         async for event in run:
             yield run_event(event, run.seq)
+        if outputs is not None and outputs.outputs is not None and run.result is not None:
+            deadline = time.monotonic() + OUTPUTS_WAIT
+            record = None
+            while time.monotonic() < deadline:
+                wait = min(KEEPALIVE, deadline - time.monotonic())
+                record = await outputs.outputs.settled(run.result.job_id, wait)
+                receiving = record is not None and record.outputs_state == RECEIVING
+                if not receiving or not outputs.outputs.running(run.result.job_id):
+                    break
+                yield b": keep-alive\n\n"
+            view = None if record is None else OutputsView.of(record)
+            if view is not None:
+                yield sse("outputsview", view)
         yield sse("end", JobResultView.of(run.result))
     except GPUMeshError as exc:
         yield sse("error", ErrorView(exc.code, exc.message))
