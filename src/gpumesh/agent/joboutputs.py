@@ -53,9 +53,9 @@ OUTPUTS_FOLDER = "gpumesh-outputs"
 """The folder of the submitter's sandbox that holds its jobs' outputs folders."""
 OUTPUTS_ENV = "GPUMESH_OUTPUTS"
 """The variable that names the outputs folder inside the job."""
-_BATCH = 0.2
+_BATCH = 0.05
 """Seconds a watch lets news gather before it reads them (a burst of closes is one
-trip to a thread and one transaction)."""
+trip to a thread and one transaction; a new folder waits this long for its watch)."""
 _SETTLE = 2.0
 """A scan while the job runs takes files unchanged for this many seconds only: one
 changed more recently may be open still, and its close is told by the watch."""
@@ -153,9 +153,23 @@ class JobOutputs:
             found = [entry for entry in found if entry[3] < recent]
         self._record(job.job_id, found)
 
-    async def watch(self, job: JobRecord) -> None:
+    async def started(self, job: JobRecord) -> asyncio.Task[None]:
+        """:meth:`watch` for an attempt about to start: returned once the folder is
+        watched, so nothing the attempt finishes goes unseen."""
+        ready = asyncio.Event()
+        task = asyncio.create_task(self.watch(job, ready))
+        waiter = asyncio.ensure_future(ready.wait())
+        try:
+            await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+        return task
+
+    async def watch(self, job: JobRecord, ready: asyncio.Event | None = None) -> None:
         """While an attempt runs (until cancelled): record each file as the job
-        finishes it; first, what a restarted provider may have missed."""
+        finishes it. ``ready`` (an attempt not started yet) is set once the folder
+        is watched; without it (a restarted provider follows a running attempt),
+        what the job finished meanwhile is scanned for first."""
         peer = self._peer(job)
         if peer is None:
             return
@@ -165,8 +179,11 @@ class JobOutputs:
             return
         with tree:
             watch = await _finished(open_outputs_watch, tree)
+            if ready is not None:
+                ready.set()
             try:
-                await self.scan(job, settled=True)
+                if ready is None:
+                    await self.scan(job, settled=True)
                 if watch is None:
                     while True:
                         await asyncio.sleep(_POLL)

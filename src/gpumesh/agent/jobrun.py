@@ -107,6 +107,8 @@ class Run:
         """Seconds its container has between SIGTERM and SIGKILL when it is stopped."""
         self.over_quota = ""
         """Why the job was stopped for what its peer stores (empty: it was not)."""
+        self.outputs: asyncio.Task[None] | None = None
+        """The watch of the attempt's outputs folder (``run --outputs``), if any."""
 
 
 class JobRunner:
@@ -347,6 +349,8 @@ class JobRunner:
         )
         job = self.record(run.job_id)
         knew = self.no_gpu_runtime
+        if job.outputs:  # watched before the job can write there
+            run.outputs = await self.outputs.started(job)
         try:
             spec = await in_thread(self._create_and_start, run, job, attempt)
             if self.no_gpu_runtime and not knew:  # this attempt found out: the owner hears
@@ -356,6 +360,8 @@ class JobRunner:
                 self.gpus.hold(gpu_holder(run.job_id), [], 0)
                 self.store.update_job(JobRole.HOSTED, run.job_id, gpus=[])
         except GPUMeshError as exc:
+            if run.outputs is not None:
+                run.outputs.cancel()
             await self._remove_container(run)
             return run.machine.infra_failed(self.containers.in_our_name(exc).message)
         # Just started: no need to ask the engine (an inspect here would only wait
@@ -470,7 +476,9 @@ class JobRunner:
             if job.workdir or any(m["rw"] for m in job.mounts)
             else None
         )
-        outputs = asyncio.create_task(self.outputs.watch(job)) if job.outputs else None
+        if job.outputs and run.outputs is None:  # a restarted agent follows it again
+            run.outputs = asyncio.create_task(self.outputs.watch(job))
+        outputs, run.outputs = run.outputs, None
         waiter = in_thread(self.runtime.wait, container.container_id)
         try:
             if run.machine.stopping:  # cancelled while the container was being made

@@ -15,7 +15,9 @@ through a descriptor opened without following links (``/proc/self/fd/N``,
 a file closed after writing (``IN_CLOSE_WRITE``) or renamed into place
 (``IN_MOVED_TO``) is ready, never one still being written; a new folder gets
 its own watch (at most :data:`MAX_WATCHED` in all: the files of folders past
-that come with the scan at the job's end); a folder renamed into place is
+that come with the scan at the job's end; so does a file finished in a new
+folder before its watch was added, a moment after the folder was made: it
+cannot be told from one still open); a folder renamed into place is
 listed (its files were finished elsewhere); an overflowing queue or a watched
 folder moved makes the caller scan again. Not asyncio: the caller waits on
 :attr:`OutputsWatch.fd` becoming readable.
