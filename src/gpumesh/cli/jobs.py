@@ -135,3 +135,14 @@ def _explain(records: list[JobListEntry]) -> None:
         else:
             continue
         click.echo(click.style(note, fg="yellow"), err=True)
+    for j in records:
+        out = j.outputs
+        if out is not None and out.state != "complete":
+            line = (
+                f"gpumesh: job {j.job_id}'s outputs: {out.files} file"
+                f"{'' if out.files == 1 else 's'} ({format_size(out.bytes)}) in {out.dir}, "
+                f"{out.state}"
+            )
+            click.echo(
+                click.style(line + (f"; {out.note}" if out.note else ""), dim=True), err=True
+            )

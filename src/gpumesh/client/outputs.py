@@ -71,6 +71,11 @@ COMPLETE = "complete"
 STOPPED = "stopped"
 _WAIT = 30.0
 """Seconds one query waits on the provider for a file to be finished."""
+_PACE = 3.0
+"""While the job runs, each fetch is followed by a pause this many times as long:
+the stream takes at most a quarter of the time, and the job keeps the rest of its
+provider's disk, network and processors (and this machine's). Once the job ended,
+what is left comes at full speed."""
 _BACKOFF = (1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 """Seconds before asking an unreachable provider again (the last one repeats)."""
 
@@ -181,9 +186,12 @@ async def _receive(node: Node, peer: Peer, job_id: str) -> bool:
             for entry in ready.files:
                 if entry.seq <= job.outputs_seq:
                     continue
+                began = time.monotonic()
                 if not await _take(node, peer, job, ready.folder, entry):
                     return True
                 job = store.job(JobRole.SUBMITTED, job_id) or job
+                if not ready.final:
+                    await asyncio.sleep((time.monotonic() - began) * _PACE)
             if ready.final and not ready.more:
                 await session.request(OutputsQuery(job_id=job_id, release=True), timeout=60)
                 store.update_job(JobRole.SUBMITTED, job_id, outputs_state=COMPLETE)
