@@ -24,7 +24,11 @@ should and, with outputs, that every file came home whole (sizes). Figures
 are medians with their spread (min..max); the goal (streaming costs at most 5%
 of the job's throughput) is reported, never turned into an exit status. The
 homes and the destination live under ``--dir`` (default ``bench/out``, a
-disk; tmpfs would hide the I/O the job and the stream share).
+disk; tmpfs would hide the I/O the job and the stream share). The consumer's
+destination (``--dest``) is /dev/shm by default: in a mesh it is another
+machine's disk, and here its writes would otherwise share the job's disk, and
+slow the job's fsyncs, which no real submitter does; ``--dest bench/out``
+shows that case.
 """
 
 from __future__ import annotations
@@ -69,7 +73,7 @@ def measure(args: argparse.Namespace, tmp: Path) -> dict[str, list[float]]:
     mib = max(1, args.file_size // MIB)
     total = args.files * mib * MIB
     script = SCRIPT.format(files=args.files, mib=mib, source=args.source)
-    dest = tmp / "dest"
+    dest = Path(tempfile.mkdtemp(prefix="gpumesh-outputs-", dir=args.dest)) / "dest"
     times: dict[str, list[float]] = {WITH: [], WITHOUT: []}
     with local_provider(tmp / "homes") as provider:
         empty = tmp / "bench"
@@ -143,6 +147,13 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=5, help="alternated runs of each (5)")
     parser.add_argument("--image", default=DEFAULT_IMAGE, help="an image with busybox")
     parser.add_argument("--dir", default="bench/out", help="where homes and outputs live")
+    parser.add_argument(
+        "--dest",
+        default="/dev/shm" if Path("/dev/shm").is_dir() else None,
+        help="where outputs land: the consumer's disk (default /dev/shm: another machine's "
+        "disk in a real mesh, so kept off the provider's; a folder on the same disk shows "
+        "both ends sharing it)",
+    )
     parser.add_argument("--quick", action="store_true", help="a smoke run of a few seconds")
     args = parser.parse_args()
     if args.quick:

@@ -51,6 +51,7 @@ and :mod:`gpumesh.errors`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -73,6 +74,7 @@ __all__ = [
     "LACKS",
     "System",
     "add_signal_handler",
+    "at_idle_priority",
     "chmod_open",
     "configure",
     "has",
@@ -315,6 +317,23 @@ def write_all(fd: int, data: memoryview) -> None:
     """Write all of ``data`` at ``fd``'s position, at most :data:`WRITE_SLICE` bytes a call."""
     while data:
         data = data[os.write(fd, data[:WRITE_SLICE]) :]
+
+
+def at_idle_priority(function: Callable[..., T]) -> Callable[..., T]:
+    """``function`` for a thread of its own (:func:`gpumesh.blocking.in_thread`'s),
+    which first drops to the lowest CPU priority (Linux ``SCHED_IDLE``: it runs only
+    when nothing else wants the core). For background work that must leave the CPU
+    to the work it serves: a job's outputs on their way home while the job runs.
+    Elsewhere, or where the OS refuses, it runs as it is."""
+
+    def idle(*args: Any) -> T:
+        policy = getattr(os, "SCHED_IDLE", None)
+        if policy is not None:
+            with contextlib.suppress(OSError):
+                os.sched_setscheduler(0, policy, os.sched_param(0))  # this thread only
+        return function(*args)
+
+    return idle
 
 
 def add_signal_handler(

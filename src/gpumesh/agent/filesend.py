@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from gpumesh.agent.datachannel import FINISH_WAIT, channel_of, no_progress
 from gpumesh.agent.deps import RequestContext
+from gpumesh.agent.joboutputs import OUTPUTS_FOLDER
 from gpumesh.agent.sandboxfs import refusing
 from gpumesh.blocking import in_thread
 from gpumesh.errors import (
@@ -33,6 +34,7 @@ from gpumesh.files.hashing import choose, new_hasher
 from gpumesh.files.pack import scan_tree, tar_size
 from gpumesh.files.sandbox import Tree
 from gpumesh.files.transfer import file_chunks, hash_file, swallow, tar_chunks, worker
+from gpumesh.platform import at_idle_priority
 from gpumesh.protocol.messages import ChannelGet, ChannelOffer, DirGet, FileDone, FileGet, FileInfo
 from gpumesh.transport.channel import send_file
 
@@ -101,8 +103,10 @@ class FileSender:
             hasher = new_hasher(hash_name)
             try:
                 async with channel_of(listener, ended) as channel:
+                    # A job's outputs go home while it runs: the job comes first.
+                    send = at_idle_priority(send_file) if _is_outputs(message.path) else send_file
                     await in_thread(
-                        send_file, channel, fd, message.offset, st.st_size, hasher, no_progress
+                        send, channel, fd, message.offset, st.st_size, hasher, no_progress
                     )
                     answered.set()
                     stream.send_message(FileDone(size=st.st_size, digest=hasher.digest()), end=True)
@@ -179,6 +183,11 @@ class FileSender:
         except BaseException:
             folder.close()
             raise
+
+
+def _is_outputs(path: str) -> bool:
+    """Whether a sandbox path lies in a job's outputs folder (``/gpumesh-outputs/...``)."""
+    return path.lstrip("/").startswith(OUTPUTS_FOLDER + "/")
 
 
 def _announce_file(

@@ -31,6 +31,7 @@ from gpumesh.errors import (
 )
 from gpumesh.files.hashing import label, new_hasher, offered, taken
 from gpumesh.files.transfer import FileSink, hash_file, truncate_at, unpack_from, worker
+from gpumesh.platform import at_idle_priority
 from gpumesh.protocol.messages import ChannelGet, DirGet, FileDone, FileGet, FileInfo
 from gpumesh.transport.channel import receive_file
 from gpumesh.units import format_size
@@ -124,7 +125,8 @@ class Download(Copier):
             hasher = new_hasher(hash_name)
             fd = os.open(part, os.O_RDWR | os.O_CREAT | platform.BINARY, 0o600)
             report = threadsafe(lambda count: self.advance(count, size))
-            await run_pump(channel, fd, _resume_and_receive, offset, size - offset, hasher, report)
+            pump = at_idle_priority(_resume_and_receive) if self.background else _resume_and_receive
+            await run_pump(channel, fd, pump, offset, size - offset, hasher, report)
             done = await self.within(RESPONSE_TIMEOUT, stream.expect(FileDone))
             # The pump returned: every byte of the file is in the part.
             if not await self.matches(done, size, size, (hash_name, hasher), part, offset):

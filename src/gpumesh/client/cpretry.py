@@ -80,6 +80,9 @@ class Copier:
         """Bytes in place at the far end (or here) so far."""
         self.fast = False
         """Try the data channel (cleared for good once one could not be opened)."""
+        self.background = False
+        """Background work (a job's outputs): its channel's bytes move at the lowest CPU
+        priority (:func:`gpumesh.platform.at_idle_priority`)."""
 
     def allow_channel(self, fast_path: bool) -> None:
         """Whether the data channel may be tried at all (the user's and the config's word)."""
