@@ -115,8 +115,10 @@ def env(name: str) -> str | None:
 
 
 def home_dir(explicit: str | Path | None = None) -> Path:
-    """The node's home: an explicit path, else ``$GPUMESH_HOME``, else ``~/.gpumesh``."""
+    """The node's home: an explicit path, else ``$GPUMESH_HOME``, else ``~/.gpumesh``;
+    always absolute (a relative one is taken from the working folder now), so that
+    whatever names a folder in it (a job's mounts, given to Docker) is absolute too."""
     if explicit is not None:
-        return Path(explicit).expanduser()
+        return Path(explicit).expanduser().absolute()
     value = env(ENV_HOME)
-    return Path(value).expanduser() if value else Path.home() / ".gpumesh"
+    return Path(value).expanduser().absolute() if value else Path.home() / ".gpumesh"

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from gpumesh.errors import ExitCode
-from tests.integration.conftest import gpumesh
+from tests.integration.conftest import gpumesh, until
 from tests.integration.test_cli import _one_line_error
 
 pytestmark = pytest.mark.usefixtures("docker_daemon", "gpumesh_processes")
@@ -37,10 +37,25 @@ def _job(home: Path, job_id: str) -> dict[str, object]:
 
 
 def test_pause_preempts_a_job_within_its_grace_refuses_work_until_resume_and_outlives_a_restart(
-    pair: tuple[Path, Path],
+    pair: tuple[Path, Path], tmp_path: Path
 ) -> None:
     alice, bob = pair
-    started = gpumesh(bob, "run", "--peer", "alice-pc", "--detach", "--", "sh", "-c", _TRAPS_TERM)
+    home_dir = tmp_path / "outputs"
+    started = gpumesh(
+        bob,
+        "run",
+        "--peer",
+        "alice-pc",
+        "--detach",
+        "--outputs",
+        "/workspace/out",
+        "--outputs-to",
+        str(home_dir),
+        "--",
+        "sh",
+        "-c",
+        _TRAPS_TERM,
+    )
     assert started.returncode == 0, started.stderr
     job_id = started.stdout.strip().split()[-1]
     _wait_for(bob, job_id, "up")
@@ -71,8 +86,11 @@ def test_pause_preempts_a_job_within_its_grace_refuses_work_until_resume_and_out
     submitted = _job(bob, job_id)
     assert submitted["state"] == "preempted"
     assert submitted["message"] == "alice-pc's owner paused sharing"
-    # It had its grace: the trap ran and said so before the container went.
+    # It had its grace: the trap ran and said so before the container went, and the
+    # checkpoint it saved came home.
     assert "saved-at-term" in gpumesh(bob, "logs", job_id).stdout
+    until((home_dir / "ckpt").is_file, "the checkpoint to come home", within=_CEILING)
+    assert (home_dir / "ckpt").read_text() == "step-7\n"
     follow = gpumesh(bob, "logs", "-f", job_id)
     assert follow.returncode == ExitCode.PREEMPTED
     assert "--- preempted, exit 0: alice-pc's owner paused sharing ---" in follow.stderr
