@@ -78,6 +78,9 @@ priority on both ends), and the job keeps the rest of its provider's disk, netwo
 and processors (and this machine's). Once the job ended, what is left comes at full
 speed. Measured: bench/outputs.py (a quarter cost a job writing flat out 6-8% of
 its throughput on a 2-core machine; an eighth, about 1.5%)."""
+_ASK_AGAIN = 2.0
+"""Seconds of paced fetches after which the provider is asked again (cheap: the rest
+of the list comes back at once), so that a job's end lifts the pacing soon."""
 _BACKOFF = (1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 """Seconds before asking an unreachable provider again (the last one repeats)."""
 
@@ -186,6 +189,7 @@ async def _receive(node: Node, peer: Peer, job_id: str) -> bool:
             ready = await session.request(query, timeout=_WAIT + 30)
             if not isinstance(ready, OutputsReady):
                 raise ProtocolError(f"{peer.name} answered an outputs query with {ready}")
+            answered = time.monotonic()
             for entry in ready.files:
                 if entry.seq <= job.outputs_seq:
                     continue
@@ -195,6 +199,8 @@ async def _receive(node: Node, peer: Peer, job_id: str) -> bool:
                 job = store.job(JobRole.SUBMITTED, job_id) or job
                 if not ready.final:
                     await asyncio.sleep((time.monotonic() - began) * _PACE)
+                    if time.monotonic() - answered > _ASK_AGAIN:
+                        break  # the job may have ended since: ask, and go on at its pace
             if ready.final and not ready.more:
                 await session.request(OutputsQuery(job_id=job_id, release=True), timeout=60)
                 store.update_job(JobRole.SUBMITTED, job_id, outputs_state=COMPLETE)
