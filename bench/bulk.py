@@ -84,8 +84,11 @@ def gpumesh_command() -> list[str]:
     return [sys.executable, "-c", "import sys; from gpumesh.cli.main import main; sys.exit(main())"]
 
 
-def make_nodes(tmp: Path, port: int, host: str = LOOPBACK) -> tuple[Node, Node]:
-    """alice (provider, listening on host:port) and bob, paired both ways."""
+def make_nodes(
+    tmp: Path, port: int, host: str = LOOPBACK, consumer: Path | None = None
+) -> tuple[Node, Node]:
+    """alice (provider, listening on host:port) and bob (his home ``consumer``, by
+    default beside hers), paired both ways."""
     alice = Node(tmp / "a")
     alice.init("alice")
     config = alice.home.config
@@ -93,7 +96,7 @@ def make_nodes(tmp: Path, port: int, host: str = LOOPBACK) -> tuple[Node, Node]:
     config.set("listen_port", str(port))
     config.save()
     alice.home.reload_config()
-    bob = Node(tmp / "b")
+    bob = Node(consumer or tmp / "b")
     bob.init("bob")
     bob.pair(alice.pairing_code())
     alice.pair(bob.pairing_code())

@@ -177,8 +177,11 @@ def remove_containers(label: str) -> None:
 
 
 @contextlib.contextmanager
-def local_provider(tmp: Path, source: Path | None = None) -> Iterator[Provider]:
-    """A ``gpumesh share`` provider on 127.0.0.1 and a paired consumer, until the block ends.
+def local_provider(
+    tmp: Path, source: Path | None = None, consumer: Path | None = None
+) -> Iterator[Provider]:
+    """A ``gpumesh share`` provider on 127.0.0.1 and a paired consumer (his home
+    ``consumer``, by default beside hers), until the block ends.
 
     ``source``: a folder holding another version's ``gpumesh`` package, which the
     provider and bob's commands (and so his node process) then run instead of
@@ -187,12 +190,13 @@ def local_provider(tmp: Path, source: Path | None = None) -> Iterator[Provider]:
     The provider stops on exit; job containers it leaves behind (an interrupted
     run outlives the agent, by design) are removed too.
     """
-    alice, bob = make_nodes(tmp, free_port(kind=socket.SOCK_DGRAM))
+    bob_home = consumer or tmp / "b"
+    alice, bob = make_nodes(tmp, free_port(kind=socket.SOCK_DGRAM), consumer=bob_home)
     alice_id = str(alice.info().node_id)
     # From here on the agent process and the CLI processes own the homes.
     alice.close()
     bob.close()
-    env = dict(os.environ, GPUMESH_HOME=str(tmp / "b"))
+    env = dict(os.environ, GPUMESH_HOME=str(bob_home))
     for name in ("GPUMESH_LOG", "GPUMESH_PEER", "GPUMESH_IMAGE"):
         env.pop(name, None)
     wrap: tuple[str, ...] = ()
@@ -202,7 +206,7 @@ def local_provider(tmp: Path, source: Path | None = None) -> Iterator[Provider]:
         wrap = ("env", f"PYTHONPATH={source}")
     try:
         with running_agent(tmp / "a", tmp / "agent.log", wrap):
-            yield Provider(tmp / "a", tmp / "b", alice_id, gpumesh_command(), env)
+            yield Provider(tmp / "a", bob_home, alice_id, gpumesh_command(), env)
     finally:
         remove_containers(f"{LABEL_NODE}={alice_id}")
 

@@ -25,10 +25,10 @@ are medians with their spread (min..max); the goal (streaming costs at most 5%
 of the job's throughput) is reported, never turned into an exit status. The
 homes and the destination live under ``--dir`` (default ``bench/out``, a
 disk; tmpfs would hide the I/O the job and the stream share). The consumer's
-destination (``--dest``) is /dev/shm by default: in a mesh it is another
-machine's disk, and here its writes would otherwise share the job's disk, and
-slow the job's fsyncs, which no real submitter does; ``--dest bench/out``
-shows that case.
+home and destination (``--dest``) are on /dev/shm by default: in a mesh they are
+another machine's disk, and here their writes (the files, the store's records of
+them) would otherwise share the job's disk and slow the job's fsyncs, which no
+real submitter does; ``--dest bench/out`` shows that case.
 """
 
 from __future__ import annotations
@@ -73,43 +73,49 @@ def measure(args: argparse.Namespace, tmp: Path) -> dict[str, list[float]]:
     mib = max(1, args.file_size // MIB)
     total = args.files * mib * MIB
     script = SCRIPT.format(files=args.files, mib=mib, source=args.source)
-    dest = Path(tempfile.mkdtemp(prefix="gpumesh-outputs-", dir=args.dest)) / "dest"
+    consumer = Path(tempfile.mkdtemp(prefix="gpumesh-outputs-", dir=args.dest))
+    dest = consumer / "dest"
     times: dict[str, list[float]] = {WITH: [], WITHOUT: []}
-    with local_provider(tmp / "homes") as provider:
-        empty = tmp / "bench"
-        empty.mkdir()
-        _cli(provider, "cp", "-r", str(empty), "alice:/")
-        mounted = provider.alice_home / "files"
-        base = ["run", "--peer", "alice", "--image", args.image]
-        commands = {
-            WITH: provider.gpumesh(
-                *base, "--outputs", "/out", "--outputs-to", str(dest), "--", "sh", "-c", script
-            ),
-            WITHOUT: provider.gpumesh(*base, "--mount", "/bench:/out:rw", "--", "sh", "-c", script),
-        }
+    try:
+        with local_provider(tmp / "homes", consumer=consumer / "b") as provider:
+            empty = tmp / "bench"
+            empty.mkdir()
+            _cli(provider, "cp", "-r", str(empty), "alice:/")
+            mounted = provider.alice_home / "files"
+            base = ["run", "--peer", "alice", "--image", args.image]
+            commands = {
+                WITH: provider.gpumesh(
+                    *base, "--outputs", "/out", "--outputs-to", str(dest), "--", "sh", "-c", script
+                ),
+                WITHOUT: provider.gpumesh(
+                    *base, "--mount", "/bench:/out:rw", "--", "sh", "-c", script
+                ),
+            }
 
-        def one(name: str) -> float:
-            outcome = time_command(name, commands[name], provider.env)
-            speed = throughput(outcome.stdout, total, name)
-            if name == WITH:
-                sizes = sorted(p.stat().st_size for p in dest.iterdir())
-                if sizes != [mib * MIB] * args.files:
-                    raise SystemExit(f"{name}: {len(sizes)} files came home, not {args.files}")
-                shutil.rmtree(dest)
-            for folder in mounted.glob("*/bench"):
-                shutil.rmtree(folder, ignore_errors=True)
-                folder.mkdir()
-            return speed
+            def one(name: str) -> float:
+                outcome = time_command(name, commands[name], provider.env)
+                speed = throughput(outcome.stdout, total, name)
+                if name == WITH:
+                    sizes = sorted(p.stat().st_size for p in dest.iterdir())
+                    if sizes != [mib * MIB] * args.files:
+                        raise SystemExit(f"{name}: {len(sizes)} files came home, not {args.files}")
+                    shutil.rmtree(dest)
+                for folder in mounted.glob("*/bench"):
+                    shutil.rmtree(folder, ignore_errors=True)
+                    folder.mkdir()
+                return speed
 
-        names = [WITH, WITHOUT]
-        for name in names:  # untimed warm-up of each
-            one(name)
-        for index in range(args.repeat):
-            order = names if index % 2 == 0 else names[::-1]
-            for name in order:
-                speed = one(name)
-                times[name].append(speed)
-                print(f"  run {index + 1}: {name:<34} {speed:8.1f} MB/s", flush=True)
+            names = [WITH, WITHOUT]
+            for name in names:  # untimed warm-up of each
+                one(name)
+            for index in range(args.repeat):
+                order = names if index % 2 == 0 else names[::-1]
+                for name in order:
+                    speed = one(name)
+                    times[name].append(speed)
+                    print(f"  run {index + 1}: {name:<34} {speed:8.1f} MB/s", flush=True)
+    finally:
+        shutil.rmtree(consumer, ignore_errors=True)
     return times
 
 
