@@ -76,8 +76,7 @@ _PACE = 7.0
 the stream takes at most an eighth of the time (its bytes moving at the lowest CPU
 priority on both ends), and the job keeps the rest of its provider's disk, network
 and processors (and this machine's). Once the job ended, what is left comes at full
-speed. Measured: bench/outputs.py (a quarter cost a job writing flat out 6-8% of
-its throughput on a 2-core machine; an eighth, about 1.5%)."""
+speed (bench/outputs.py measures what the stream costs a job)."""
 _ASK_AGAIN = 2.0
 """Seconds of paced fetches after which the provider is asked again (cheap: the rest
 of the list comes back at once), so that a job's end lifts the pacing soon."""
