@@ -24,7 +24,7 @@ import json
 import logging
 import threading
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, overload
 
 import msgspec
 
@@ -205,6 +205,10 @@ class JobLog:
         return job
 
 
+@overload
+def told(message: JobStatus, knows_preempted: bool) -> JobStatus: ...
+@overload
+def told(message: JobOutput | JobStatus, knows_preempted: bool) -> JobOutput | JobStatus: ...
 def told(message: JobOutput | JobStatus, knows_preempted: bool) -> JobOutput | JobStatus:
     """``message`` as a requester is told it: one from before ``preempted`` reads the
     state it knows instead (:data:`~gpumesh.protocol.states.LEGACY_STATES`)."""

@@ -296,41 +296,11 @@ class JobService:
 
     async def handle_cancel(self, ctx: RequestContext, message: JobCancel) -> None:
         job = await self.runner.cancel(self.owned(ctx.peer, message.job_id).job_id)
-        ctx.stream.send_message(
-            told(
-                JobStatus(
-                    job_id=job.job_id,
-                    seq=job.last_seq,
-                    state=job.state,
-                    attempt=job.attempt,
-                    exit_code=job.exit_code,
-                    message=job.message,
-                ),
-                message.knows_preempted,
-            ),
-            end=True,
-        )
+        ctx.stream.send_message(_status_of(job, message.knows_preempted), end=True)
 
     async def handle_query(self, ctx: RequestContext, message: JobQuery) -> None:
         job = self.owned(ctx.peer, message.job_id)
-        entered = job.finished_at or job.started_at or job.created_at
-        ctx.stream.send_message(
-            told(
-                JobStatus(
-                    job_id=job.job_id,
-                    seq=job.last_seq,
-                    state=job.state,
-                    attempt=job.attempt,
-                    exit_code=job.exit_code,
-                    message=job.message,
-                    time=entered,
-                    peak_gpu_memory=job.peak_gpu_memory,
-                    started=job.started_at or 0.0,
-                ),
-                message.knows_preempted,
-            ),
-            end=True,
-        )
+        ctx.stream.send_message(_status_of(job, message.knows_preempted), end=True)
 
     async def revoke(self, allowed: Callable[[str], bool]) -> None:
         """Cancel the unfinished jobs of every peer that may no longer use this node."""
@@ -557,6 +527,23 @@ class JobService:
             Claim(job.peer_id, Kind.JOB, limits.job_memory)
             for job in self.store.unfinished_hosted_jobs()
         ]
+
+
+def _status_of(job: JobRecord, knows_preempted: bool) -> JobStatus:
+    """Where a hosted job stands now (``seq``: its last event), as its submitter is
+    told it (:func:`~gpumesh.agent.joblogs.told`)."""
+    status = JobStatus(
+        job_id=job.job_id,
+        seq=job.last_seq,
+        state=job.state,
+        attempt=job.attempt,
+        exit_code=job.exit_code,
+        message=job.message,
+        time=job.finished_at or job.started_at or job.created_at,
+        peak_gpu_memory=job.peak_gpu_memory,
+        started=job.started_at or 0.0,
+    )
+    return told(status, knows_preempted)
 
 
 def _shown(command: list[str], most: int = 60) -> str:
