@@ -20,8 +20,13 @@ pytestmark = pytest.mark.usefixtures("docker_daemon", "gpumesh_processes")
 
 _CEILING = 60.0
 
-# Saves its work on SIGTERM (a line, then exit 0), as a checkpointing job would.
-_TRAPS_TERM = "trap 'echo saved-at-term; exit 0' TERM; echo up; while true; do sleep 0.2; done"
+# Saves its work on SIGTERM (a checkpoint written, then renamed into its outputs; a
+# line; exit 0), as a checkpointing job would.
+_TRAPS_TERM = (
+    "trap 'echo step-7 > $GPUMESH_OUTPUTS/ckpt.tmp && mv $GPUMESH_OUTPUTS/ckpt.tmp "
+    "$GPUMESH_OUTPUTS/ckpt; echo saved-at-term; exit 0' TERM; echo up; "
+    "while true; do sleep 0.2; done"
+)
 
 
 def _wait_for(home: Path, job_id: str, text: str) -> None:
@@ -48,7 +53,7 @@ def test_pause_preempts_a_job_within_its_grace_refuses_work_until_resume_and_out
         "alice-pc",
         "--detach",
         "--outputs",
-        "/workspace/out",
+        "/out",
         "--outputs-to",
         str(home_dir),
         "--",

@@ -146,7 +146,7 @@ def test_job_queries_whose_warm_session_closed_under_them_are_asked_again(
                 await asyncio.sleep(0.05)
             closed = _close_on_first(agent, JobQuery)
             unconfirmed = await refresh_jobs(bob, timeout=30)
-            assert closed == [JobQuery(job_id=done.job_id)]
+            assert closed == [JobQuery(job_id=done.job_id, knows_preempted=True)]
             assert unconfirmed == []
             record = bob.home.store.job(JobRole.SUBMITTED, done.job_id)
             assert record is not None and record.state == JobState.SUCCEEDED
@@ -210,7 +210,7 @@ def test_a_cancel_whose_warm_session_closed_under_it_is_sent_again(
             job = await run_job(bob, spec("alice", "sleep", "60"), detach=True)
             closed = _close_on_first(agent, JobCancel)
             result = await cancel_job(bob, "alice", job.job_id)
-            assert closed == [JobCancel(job_id=job.job_id)]
+            assert closed == [JobCancel(job_id=job.job_id, knows_preempted=True)]
             assert result.state == "cancelled"
             hosted = alice.home.store.job(JobRole.HOSTED, job.job_id)
             assert hosted is not None and hosted.state == JobState.CANCELLED
