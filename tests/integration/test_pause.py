@@ -24,7 +24,7 @@ _CEILING = 60.0
 # line; exit 0), as a checkpointing job would.
 _TRAPS_TERM = (
     "trap 'echo step-7 > $GPUMESH_OUTPUTS/ckpt.tmp && mv $GPUMESH_OUTPUTS/ckpt.tmp "
-    "$GPUMESH_OUTPUTS/ckpt; echo saved-at-term; exit 0' TERM; echo up; "
+    "$GPUMESH_OUTPUTS/ckpt; echo saved-at-term; exit 0' TERM; sh train.sh; "
     "while true; do sleep 0.2; done"
 )
 
@@ -46,14 +46,19 @@ def test_pause_preempts_a_job_within_its_grace_refuses_work_until_resume_and_out
 ) -> None:
     alice, bob = pair
     home_dir = tmp_path / "outputs"
+    workdir = tmp_path / "train"
+    workdir.mkdir()
+    (workdir / "train.sh").write_text("echo up\n")
     started = gpumesh(
         bob,
         "run",
         "--peer",
         "alice-pc",
         "--detach",
+        "--workdir",  # its outputs inside it, at /workspace/out, as most jobs have them
+        str(workdir),
         "--outputs",
-        "/out",
+        "/workspace/out",
         "--outputs-to",
         str(home_dir),
         "--",

@@ -782,3 +782,17 @@ def test_mounts_over_each_other_or_too_many_are_refused(tmp_path: Path) -> None:
     assert message.startswith("job.yaml:1: mounts: must be a list")
     message = refusal(tmp_path, "mounts:\n  - /a:/proc/x\n")
     assert message.startswith("job.yaml:2: mounts: mount '/a:/proc/x'")
+
+
+def test_outputs_may_lie_inside_the_workdir_but_mounts_may_not() -> None:
+    from gpumesh.client.jobspec import outputs_problem
+    from gpumesh.runtime.base import mount_target_problem
+
+    assert outputs_problem("/workspace/out") is None
+    assert outputs_problem("/workspace/a/b") is None
+    for path in ("/workspace", "/workspace/", "/workspace/../etc", "/tmp/out"):
+        assert outputs_problem(path) is not None, path
+    assert "overlaps /workspace" in (mount_target_problem("/workspace/out") or "")
+    assert "another of the job's mounts" in (
+        outputs_problem("/workspace/out", ["/workspace"]) or ""
+    )

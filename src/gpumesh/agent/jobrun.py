@@ -441,7 +441,12 @@ class JobRunner:
             storage_size=who.storage_size,
             workdir=job.workdir or None,
             mounts=[
-                Mount(source=str(m["source"]), target=str(m["target"]), rw=bool(m["rw"]))
+                Mount(
+                    source=str(m["source"]),
+                    target=str(m["target"]),
+                    rw=bool(m["rw"]),
+                    below_workdir=bool(m.get("outputs")),
+                )
                 for m in job.mounts
             ],
             # Without the NVIDIA container runtime no container may have a GPU: a job

@@ -395,7 +395,7 @@ class JobService:
         made here, handed to the job's user), as a read-write mount at
         ``message.outputs``; as :attr:`JobRecord.mounts` stores it, marked ``outputs``."""
         target = message.outputs
-        problem = mount_target_problem(target, [m["target"] for m in mounts])
+        problem = mount_target_problem(target, [m["target"] for m in mounts], below_workdir=True)
         if problem is not None:
             shown_target = target if target.isprintable() else repr(target)
             raise ConfigError(

@@ -172,7 +172,7 @@ def parse_mount(text: str) -> MountSpec:
 
 def outputs_problem(path: str, targets: Sequence[str] = ()) -> str | None:
     """Why a job's outputs may not be at container path ``path`` (None: they may)."""
-    problem = mount_target_problem(path, targets)
+    problem = mount_target_problem(path, targets, below_workdir=True)
     return None if problem is None else f"the container path {path!r} {problem}"
 
 

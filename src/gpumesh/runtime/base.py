@@ -80,6 +80,8 @@ class Mount:
     """Where it appears in the container (see :func:`mount_target_problem`)."""
     rw: bool = False
     """False: mounted read-only."""
+    below_workdir: bool = False
+    """It may lie inside the workdir (a job's outputs at ``/workspace/out``)."""
 
 
 def _overlaps(a: str, b: str) -> bool:
@@ -87,12 +89,16 @@ def _overlaps(a: str, b: str) -> bool:
     return a == b or a.startswith(b.rstrip("/") + "/") or b.startswith(a.rstrip("/") + "/")
 
 
-def mount_target_problem(target: str, others: Sequence[str] = ()) -> str | None:
+def mount_target_problem(
+    target: str, others: Sequence[str] = (), *, below_workdir: bool = False
+) -> str | None:
     """Why a job may not mount a folder at ``target`` (None: it may).
 
     A plain absolute path (no ``..``, ``.`` or doubled ``/``), not the root nor
     at, above or below a path the container already has (/proc, /sys, /dev, the
     workdir, /tmp, the home) nor any of ``others`` (the job's other mounts).
+    ``below_workdir``: a folder inside the workdir may be (a job's outputs at
+    ``/workspace/out``: the engine mounts it over the workdir's, deepest last).
     """
     if not target.startswith("/") or posixpath.normpath(target) != target or "//" in target:
         return "must be a plain absolute path such as /data (no .., no trailing /)"
@@ -101,7 +107,8 @@ def mount_target_problem(target: str, others: Sequence[str] = ()) -> str | None:
     for path in SYSTEM_PATHS:
         if _overlaps(target, path):
             return f"overlaps {path}, which the container's system needs"
-    for path in (WORKDIR_MOUNT, "/tmp", DEFAULT_HOME):
+    inside = below_workdir and target.startswith(WORKDIR_MOUNT + "/")
+    for path in ("/tmp", DEFAULT_HOME) if inside else (WORKDIR_MOUNT, "/tmp", DEFAULT_HOME):
         if _overlaps(target, path):
             return f"overlaps {path}, which the job already has"
     for path in others:

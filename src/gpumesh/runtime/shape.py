@@ -115,7 +115,7 @@ def check_spec(spec: ContainerSpec, *, interactive: bool) -> None:
     for mount in spec.mounts:
         if not os.path.isabs(mount.source) or not os.path.isdir(mount.source):
             raise ConfigError(f"mount {mount.source!r} is not an existing absolute directory")
-        problem = mount_target_problem(mount.target, targets)
+        problem = mount_target_problem(mount.target, targets, below_workdir=mount.below_workdir)
         if problem is not None:
             raise ConfigError(f"mount target {mount.target!r} {problem}")
         targets.append(mount.target)
