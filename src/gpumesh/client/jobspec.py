@@ -402,13 +402,7 @@ class _FileReader:
         )
 
     def workdir(self, node: yaml.Node) -> Path:
-        text = self.text(node, "workdir", "a folder path")
-        try:
-            value = _expanded(text)
-        except ConfigError as exc:
-            self.fail(node, f"workdir: {exc.message}")
-        # Relative to the job file, so `gpumesh run -f exp/job.yaml` works from anywhere.
-        return (self.path.parent / value).absolute()
+        return self._folder(node, "workdir", "a folder path")
 
     def outputs(self, node: yaml.Node) -> str:
         text = self.text(node, "outputs", "a container path such as /workspace/out")
@@ -418,11 +412,16 @@ class _FileReader:
         return text
 
     def outputs_to(self, node: yaml.Node) -> Path:
-        text = self.text(node, "outputs_to", "a local folder")
+        return self._folder(node, "outputs_to", "a local folder")
+
+    def _folder(self, node: yaml.Node, field: str, expected: str) -> Path:
+        """A local folder the file names (``~`` and variables expanded)."""
+        text = self.text(node, field, expected)
         try:
             value = _expanded(text)
         except ConfigError as exc:
-            self.fail(node, f"outputs_to: {exc.message}")
+            self.fail(node, f"{field}: {exc.message}")
+        # Relative to the job file, so `gpumesh run -f exp/job.yaml` works from anywhere.
         return (self.path.parent / value).absolute()
 
     def gpu_memory(self, node: yaml.Node) -> int:
