@@ -141,7 +141,6 @@ class GpuReclaimer:
         owners = await in_thread(self.owners, ignore)
         changes = self.tracker.observe(self._clock(), owners)
         for gpu, names in changes.reclaimed.items():
-            self.gpus.withhold(str(gpu), ", ".join(names))
             line = f"GPU {gpu} is in use by its owner ({', '.join(names)}): reclaimed"
             logger.info("%s", line)
             self._guests.report(line)
