@@ -509,16 +509,15 @@ class Agent:
                 logger.exception("acting on the owner's change failed")
 
     async def pause(self, grace: float) -> Paused:
-        """The owner takes the machine back (``gpumesh pause``), until :meth:`resume`,
-        through restarts: nothing more is admitted, guest jobs are preempted (SIGTERM,
-        then SIGKILL after ``grace`` seconds), guest shells and CUDA sessions end
-        (desktop connections stay: the owner shares the desktop on purpose). Returns
-        once the guests are stopped."""
+        """The owner takes the machine back (``gpumesh pause``) until ``gpumesh resume``
+        clears it from the store, through restarts: nothing more is admitted, guest
+        jobs are preempted (SIGTERM, then SIGKILL after ``grace`` seconds), guest
+        shells and CUDA sessions end (desktop connections stay: the owner shares the
+        desktop on purpose). Returns once the guests are stopped."""
         pause = self.store.pause(grace)
-        reason = f"{self.name}'s owner paused sharing"
         shells = [s.id for s in self.shells.sessions() if self.shells.end(s.id)]
         cuda = [s.id for s in self.cuda.sessions() if self.cuda.end(s.id)]
-        jobs = await self.jobs.preempt(reason, grace)
+        jobs = await self.jobs.preempt(self._paused_reason, grace)
         # Shells and CUDA sessions end in their own requests' tasks, which drop them
         # from the lists as they finish (no event tells all of them): wait, bounded.
         with contextlib.suppress(TimeoutError):
@@ -537,7 +536,12 @@ class Agent:
         the agent) are preempted again, with the grace the pause was given."""
         pause = self.store.paused()
         if pause is not None:
-            await self.jobs.preempt(f"{self.name}'s owner paused sharing", pause.grace)
+            await self.jobs.preempt(self._paused_reason, pause.grace)
+
+    @property
+    def _paused_reason(self) -> str:
+        """Why a pause preempted a guest's job, as both sides show it."""
+        return f"{self.name}'s owner paused sharing"
 
     def end_session(self, session_id: str) -> bool:
         """End one open session (a shell, a desktop connection, a CUDA session) the
