@@ -60,11 +60,7 @@ class Download(Copier):
         if self.info is None:
             info = await self.stat_remote(session, self.remote)
             where = self.remote_label(self.remote)
-            if not info.exists:
-                raise NotFoundError(f"{where} does not exist")
-            if info.kind not in ("file", "dir"):
-                raise ConfigError(f"{where} is not a regular file (a device, pipe or socket)")
-            self.dest = _local_target(self.local, self.remote, self.peer.name, info.kind)
+            self.dest = self.destination(info, where)
             self.info = info
             self.result.kind = info.kind
             self.result.local = self.dest
@@ -75,6 +71,14 @@ class Download(Copier):
             await self._get_folder(session, self.dest)
         elif not await self._get_file(session, self.dest):
             await self._get_file(session, self.dest)  # the kept part was stale: once more
+
+    def destination(self, info: FileInfo, where: str) -> Path:
+        """Where the remote ``info`` (at ``where``) goes here, once it is checked."""
+        if not info.exists:
+            raise NotFoundError(f"{where} does not exist")
+        if info.kind not in ("file", "dir"):
+            raise ConfigError(f"{where} is not a regular file (a device, pipe or socket)")
+        return _local_target(self.local, self.remote, self.peer.name, info.kind)
 
     def _part_offset(self, part: Path) -> int:
         assert self.info is not None

@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING, Any
 
 from gpumesh.blocking import in_thread
 from gpumesh.client.cpdownload import PART_SUFFIX, Download
-from gpumesh.client.cpretry import shown
 from gpumesh.client.files import RETRIES, STALL_TIMEOUT, CopyCallbacks, CopyResult
 from gpumesh.errors import (
     ConfigError,
@@ -45,7 +44,7 @@ from gpumesh.errors import (
     UnreachableError,
 )
 from gpumesh.files.outputs import usable_name
-from gpumesh.protocol.messages import OutputFile, OutputsQuery, OutputsReady
+from gpumesh.protocol.messages import FileInfo, OutputFile, OutputsQuery, OutputsReady
 from gpumesh.protocol.states import JobRole
 from gpumesh.store.jobs import JobRecord
 from gpumesh.units import format_size, parse_size
@@ -53,7 +52,6 @@ from gpumesh.units import format_size, parse_size
 if TYPE_CHECKING:
     from gpumesh.client.node import Node
     from gpumesh.store.peers import Peer
-    from gpumesh.transport.session import Session
 
 __all__ = [
     "COMPLETE",
@@ -128,22 +126,14 @@ class _OutputDownload(Download):
         self.entry = entry
         self.background = True  # the job on the provider, and this machine's own work, first
 
-    async def attempt(self, session: Session) -> None:
-        if self.info is None:
-            info = await self.stat_remote(session, self.remote)
-            where = self.remote_label(self.remote)
-            if not info.exists:
-                raise _Changed
-            if info.kind != "file":
-                raise ConfigError(f"{where} is not a regular file")
-            if info.size != self.entry.size or info.mtime != self.entry.mtime:
-                raise _Changed
-            self.info, self.dest = info, self.local
-            self.result.kind, self.result.local = "file", self.local
-            self.result.remote = shown(self.remote)
-        assert self.dest is not None
-        if not await self._get_file(session, self.dest):
-            await self._get_file(session, self.dest)
+    def destination(self, info: FileInfo, where: str) -> Path:
+        if not info.exists:
+            raise _Changed
+        if info.kind != "file":
+            raise ConfigError(f"{where} is not a regular file")
+        if info.size != self.entry.size or info.mtime != self.entry.mtime:
+            raise _Changed
+        return self.local
 
 
 async def receive_outputs(node: Node, job_id: str) -> None:
