@@ -32,7 +32,7 @@ from gpumesh.errors import (
     RuntimeUnavailableError,
 )
 from gpumesh.gpu.inventory import SimulatedInventory
-from gpumesh.protocol.messages import JobQuery
+from gpumesh.protocol.messages import JobQuery, OutputsQuery
 from gpumesh.runtime.base import LABEL_JOB, LABEL_NODE
 from gpumesh.runtime.docker import DockerRuntime
 from gpumesh.runtime.jobnet import names_for
@@ -462,6 +462,37 @@ def test_another_peers_job_cannot_be_cancelled_or_read(cluster) -> None:
                 with pytest.raises(AccessDeniedError, match="submitted by another peer"):
                     await session.request(JobQuery(job_id=job.job_id))
             await cancel_job(bob, "alice", job.job_id)
+
+    arun(scenario())
+
+
+def test_another_peers_outputs_cannot_be_listed_or_released(cluster, tmp_path: Path) -> None:
+    alice, bob, carol = cluster("alice"), cluster("bob"), cluster("carol")
+    script = "echo kept > $GPUMESH_OUTPUTS/.t && mv $GPUMESH_OUTPUTS/.t $GPUMESH_OUTPUTS/kept"
+
+    async def scenario() -> None:
+        async with providing(alice):
+            pair_both(alice, bob)
+            pair_both(alice, carol)
+            job = await run_job(
+                bob,
+                spec("alice", "sh", "-c", script, outputs="/out", outputs_to=tmp_path / "o"),
+            )
+            assert job.state == "succeeded"
+            bob_id = str(bob.info().node_id)
+            folder = alice.home.files_dir / bob_id / "gpumesh-outputs" / job.job_id
+            assert (folder / "kept").read_text() == "kept\n"
+            async with carol.session("alice") as session:
+                for query in (
+                    OutputsQuery(job_id=job.job_id),
+                    OutputsQuery(job_id=job.job_id, release=True),
+                ):
+                    with pytest.raises(AccessDeniedError, match="submitted by another peer"):
+                        await session.request(query)
+            assert (folder / "kept").read_text() == "kept\n"  # nothing was released
+            async with bob.session("alice") as session:
+                ready = await session.request(OutputsQuery(job_id=job.job_id))
+                assert [f.path for f in ready.files] == ["kept"] and ready.final
 
     arun(scenario())
 
