@@ -346,6 +346,15 @@ class JobSubmit(_Msg, tag="job_submit", frozen=True):
     the submitter's sandbox (``/gpumesh-outputs/JOB_ID``) whose finished files the
     consumer fetches as the job runs (:class:`OutputsQuery`); empty: none. A
     provider from before this field ignores it: ``JobAccepted.outputs`` tells."""
+    epoch: Count = 0
+    """The hop's fencing epoch: raised by the submitter each time it moves the job to
+    another provider (1 for the first; 0: a submitter that does not move jobs). A
+    provider that holds the job id under another epoch refuses it."""
+    attempts_before: Annotated[int, msgspec.Meta(ge=0, le=1000)] = 0
+    """Starts the job made on providers before this one: the job's attempt N here is
+    its start ``attempts_before + N`` (``GPUMESH_ATTEMPT``); above 0, the outputs
+    folder holds what came home from them (``GPUMESH_RESUMED=1``), which the
+    provider takes as already sent."""
 
 
 class JobAccepted(_Msg, tag="job_accepted", frozen=True):
@@ -407,6 +416,9 @@ class JobStatus(_Msg, tag="job_status", frozen=True):
     its exit code) rather than the job ending for a reason ``message`` gives (a
     timeout, a cancel, an error); None: not said (a provider before this field, an
     event stored before it, or a reply that is not a state change)."""
+    epoch: Count = 0
+    """The epoch of the copy this provider runs (``JobSubmit.epoch``; 0: a provider
+    before fencing). The submitter applies a status only from the job's newest hop."""
 
 
 class JobLogs(_Msg, tag="job_logs", frozen=True):
@@ -428,6 +440,9 @@ class JobCancel(_Msg, tag="job_cancel", frozen=True):
     knows_preempted: bool = False
     """The requester knows the final state ``preempted``; a consumer from before it
     (False) is told ``failed``, with the same message."""
+    moved: bool = False
+    """The submitter moved the job to another provider: stop this copy (it ends
+    ``cancelled``, saying so) and drop its outputs not yet sent."""
 
 
 class JobQuery(_Msg, tag="job_query", frozen=True):
@@ -484,6 +499,9 @@ class OutputsReady(_Msg, tag="outputs_ready", frozen=True):
     where ``FileGet`` finds ``folder/path``."""
     more: bool = False
     """``files`` was cut at the reply's bound: ask again at once."""
+    epoch: Count = 0
+    """The epoch of the copy whose outputs these are (``JobSubmit.epoch``; 0: a
+    provider before fencing): the submitter takes files only from the newest hop."""
 
 
 # --- files (paths are relative to the peer's sandbox on the provider) ---------------

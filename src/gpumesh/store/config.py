@@ -204,22 +204,27 @@ def _image_patterns(text: str) -> str:
     return " ".join(patterns)
 
 
-def _reclaim_grace(text: str) -> str:
-    """A duration of 0 or more (SIGTERM to SIGKILL, and the quiet before a GPU is
-    offered again)."""
-    cleaned = text.strip()
-    if cleaned.startswith("-"):
-        raise ConfigError(
-            f"invalid reclaim_grace {text!r}: it cannot be negative; use 0 (stop at once) "
-            "or a duration such as 30s"
-        )
-    try:
-        parse_duration(cleaned)
-    except ConfigError:
-        raise ConfigError(
-            f"invalid reclaim_grace {text!r}: use a duration such as 30s, 2m or 0 (stop at once)"
-        ) from None
-    return cleaned
+def _duration(name: str, *, zero: str = "") -> Callable[[str], str]:
+    """A duration setting; ``zero``: what 0 means (empty: 0 is refused)."""
+    example = "use a duration such as 30s, 2m" + (f" or 0 ({zero})" if zero else " or 1h")
+
+    def check(text: str) -> str:
+        cleaned = text.strip()
+        try:
+            seconds = parse_duration(cleaned) if not cleaned.startswith("-") else -1.0
+        except ConfigError:
+            raise ConfigError(f"invalid {name} {text!r}: {example}") from None
+        if seconds < 0 or (seconds == 0 and not zero):
+            must = "cannot be negative" if zero else "must be longer than 0"
+            raise ConfigError(f"invalid {name} {text!r}: it {must}; {example}")
+        return cleaned
+
+    return check
+
+
+_reclaim_grace = _duration("reclaim_grace", zero="stop at once")
+"""A duration of 0 or more (SIGTERM to SIGKILL, and the quiet before a GPU is
+offered again)."""
 
 
 DESKTOP = "@desktop"
@@ -467,6 +472,13 @@ KEYS: dict[str, ConfigKey] = {
             "30s",
             "a reclaimed GPU's guest jobs get SIGTERM and this long before they are "
             "stopped; and it is offered again after this long without the owner's processes",
+        ),
+        ConfigKey(
+            "job_lease",
+            _duration("job_lease"),
+            "60s",
+            "a job run with --group whose provider does not answer for this long is "
+            "placed again on another member",
         ),
         ConfigKey(
             "reclaim_ignore",

@@ -223,6 +223,17 @@ MIGRATIONS: list[str] = [
     );
     CREATE INDEX job_outputs_seq ON job_outputs(job_id, seq);
     """,
+    # 15 -> 16: jobs that move. Submitted: the group it may move within, its moves
+    # allowed, when its wait in the queue ends, and its hops so far; both roles:
+    # the hop's fencing epoch and the starts made before it
+    """
+    ALTER TABLE jobs ADD COLUMN job_group TEXT NOT NULL DEFAULT '';
+    ALTER TABLE jobs ADD COLUMN max_moves INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE jobs ADD COLUMN wait_until REAL NOT NULL DEFAULT 0;
+    ALTER TABLE jobs ADD COLUMN epoch INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE jobs ADD COLUMN attempts_before INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE jobs ADD COLUMN hops TEXT NOT NULL DEFAULT '[]';
+    """,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 

@@ -56,8 +56,14 @@ _JOB_COLUMNS = [
     "outputs_files",
     "outputs_bytes",
     "outputs_note",
+    "job_group",
+    "max_moves",
+    "wait_until",
+    "epoch",
+    "attempts_before",
+    "hops",
 ]
-_JSON_COLUMNS = {"command", "env", "gpus", "log_cursor", "mounts"}
+_JSON_COLUMNS = {"command", "env", "gpus", "log_cursor", "mounts", "hops"}
 
 
 def _column(name: str, value: object) -> object:
@@ -132,6 +138,23 @@ class JobRecord:
     """Submitted: bytes of the files fetched so far."""
     outputs_note: str = ""
     """Submitted: the last entry refused, or why the stream stopped (one line)."""
+    job_group: str = ""
+    """Submitted: the group the job was placed in (``run --group``), within which it
+    moves; empty: a ``--peer`` job, which never moves."""
+    max_moves: int = 0
+    """Submitted: moves allowed (``run --max-moves``)."""
+    wait_until: float = 0.0
+    """Submitted: until when (wall clock) the job may wait in the queue for a provider
+    (``run --wait``); 0: not at all."""
+    epoch: int = 0
+    """The hop's fencing epoch (1 for the first; submitted: the newest hop's, raised
+    at each move; hosted: the copy running here; 0: from before fencing)."""
+    attempts_before: int = 0
+    """Starts the job made on earlier hops (its attempt N here is start
+    ``attempts_before + N``)."""
+    hops: list[dict[str, Any]] = field(default_factory=list)
+    """Submitted: each hop the job left, oldest first: ``{"peer", "peer_id",
+    "attempt", "state", "reason", "last_seq"}``."""
 
     @classmethod
     def from_row(cls, row: sqlite3.Row) -> JobRecord:
