@@ -278,8 +278,8 @@ def test_good_reclaim_settings_are_kept(config: Config, key: str, value: str, st
         (
             "reclaim_grace",
             "-5s",
-            "invalid reclaim_grace '-5s': it cannot be negative; use 0 (stop at once) or a "
-            "duration such as 30s",
+            "invalid reclaim_grace '-5s': it cannot be negative; use a duration such as 30s, 2m "
+            "or 0 (stop at once)",
         ),
         (
             "reclaim_ignore",
