@@ -17,7 +17,8 @@ import pytest
 from gpumesh.agent.deps import RequestContext
 from gpumesh.agent.server import Agent
 from gpumesh.client import pool
-from gpumesh.client.jobs import cancel_job, refresh_jobs, run_job
+from gpumesh.client.jobrefresh import refresh_jobs
+from gpumesh.client.jobs import cancel_job, run_job
 from gpumesh.client.node import Node
 from gpumesh.client.pool import SessionPool
 from gpumesh.errors import GPUMeshError

@@ -77,7 +77,7 @@ def _run_body(args: list[str], monkeypatch: pytest.MonkeyPatch) -> JobBody:
          {"env": {"A": "1"}, "retries": 2, "timeout": "90s"}),
         (["--peer", "alice", "--gpu-memory", "8GB", "--mount", "data:/data", "true"],
          {"gpu_memory": "8GB", "mounts": ["data:/data"]}),
-        (["--peer", "alice", "--wait", "true"], {"wait": run_module.WAIT_FOREVER}),
+        (["--peer", "alice", "--wait", "10m", "true"], {"wait": "10m", "max_moves": None}),
     ],
 )  # fmt: skip
 def test_run_sends_a_job_body(

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from gpumesh.client import jobs
-from gpumesh.client.jobs import Unconfirmed, refresh_jobs
+from gpumesh.client import jobrefresh
+from gpumesh.client.jobrefresh import Unconfirmed, refresh_jobs
 from gpumesh.client.node import Node
 from gpumesh.errors import ConnectionLostError
 from gpumesh.protocol.states import JobRole, JobState
@@ -50,7 +50,7 @@ class Providers:
         self.behaviour = {"alice-pc": "answer", "carol-box": "answer"}
         self.asked: list[str] = []
         self.hanging = asyncio.Event()
-        monkeypatch.setattr(jobs, "_refresh_peer", self._refresh_peer)
+        monkeypatch.setattr(jobrefresh, "_refresh_peer", self._refresh_peer)
 
     async def _refresh_peer(
         self, node: Node, records: list[JobRecord], timeout: float

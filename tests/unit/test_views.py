@@ -218,6 +218,7 @@ def test_status_keeps_its_keys_in_order() -> None:
         "jobs_submitted_unknown",
         "sessions",
         "paused_since",
+        "queue",
     ]
     assert shown["sessions"] == {"shells": [], "desktops": [], "cuda": []}
     assert shown["node_id"] == ID and shown["home"] == "/home/a/.gpumesh"

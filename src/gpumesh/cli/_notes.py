@@ -20,7 +20,7 @@ from gpumesh.units import format_size
 if TYPE_CHECKING:
     from typing import Any
 
-    from gpumesh.client.views.jobs import JobResultView, Status
+    from gpumesh.client.views.jobs import JobResultView, Moved, Status
     from gpumesh.client.views.outputs import OutputsView
     from gpumesh.client.views.runs import PlacedView, PullingView
     from gpumesh.daemon.client import SseEvent
@@ -31,6 +31,7 @@ __all__ = [
     "StepNotes",
     "ViewPrinter",
     "exit_status_of",
+    "moved_line",
     "state_note",
 ]
 
@@ -53,9 +54,20 @@ def state_note(view: Status, *, numbered: bool, job_id: str) -> str | None:
         return f"job {job_id} cancelled"
     if state == JobState.PREEMPTED:
         return f"job {job_id} preempted: {message}"
+    if state == JobState.QUEUED and message:
+        return f"job {job_id} {message}"  # waiting in this node's queue
     if state == JobState.FAILED and not exited:
         return f"job failed: {message}"  # it never exited on its own
     return None
+
+
+def moved_line(view: Moved) -> str:
+    """The marker line between two hops of a moved job."""
+    unread = f"; its output there could not all be read: {view.unread}" if view.unread else ""
+    return (
+        f"--- moved from {view.left} ({view.reason}) to {view.to}, "
+        f"attempt {view.attempt}{unread} ---"
+    )
 
 
 class ReconnectNotes:
@@ -108,7 +120,7 @@ class ViewPrinter:
 
     def show(self, view: object) -> None:
         """One event of the stream: its view (:data:`~gpumesh.client.views.runs.RUN_EVENTS`)."""
-        from gpumesh.client.views.jobs import Dropped, Output, Reconnecting, Status
+        from gpumesh.client.views.jobs import Dropped, Moved, Output, Reconnecting, Status
         from gpumesh.client.views.outputs import OutputsView
         from gpumesh.client.views.runs import AcceptedView, PlacedView, PullingView, UploadingView
 
@@ -133,6 +145,8 @@ class ViewPrinter:
         elif isinstance(view, Reconnecting):
             if (line := self.outage.note(view.message)) is not None:
                 self.steps.note(line)
+        elif isinstance(view, Moved):
+            click.echo(click.style(moved_line(view), fg="yellow"), err=True)
         elif isinstance(view, PlacedView):
             self.steps.placed(view)
         elif isinstance(view, PullingView):

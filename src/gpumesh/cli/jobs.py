@@ -86,6 +86,10 @@ def _print(records: list[JobListEntry]) -> None:
     rows = []
     for j in records:
         peer = f"→ {j.peer}" if j.role == JobRole.SUBMITTED else f"← {j.peer}"
+        if j.role == JobRole.SUBMITTED and len(j.hops) > 1:
+            peer += f" (moved {len(j.hops) - 1}×)"
+        elif j.role == JobRole.SUBMITTED and not j.hops:
+            peer = f"→ (queued{': ' + j.group if j.group else ''})"
         color = colors.get(j.state, "white")
         state = j.state
         duration = j.duration

@@ -33,6 +33,9 @@ Examples:
   gpumesh run --peer alice-pc --outputs /workspace/out -- python train.py
                             # its finished files arrive in ./gpumesh-outputs/JOB_ID/
   gpumesh run --group lab --outputs /out --outputs-to ./results -- ./sweep.sh
+  gpumesh run --group lab --outputs /out --wait 30m --max-moves 5 -- ./train.sh
+                            # moves when a provider is paused or lost, resuming
+                            # from the outputs already home
 \b
 Exit status: the job's own exit code (125 when it could not run, 130 when cancelled).
 """,
@@ -44,7 +47,20 @@ Exit status: the job's own exit code (125 when it could not run, 130 when cancel
     help="Run on the best member of this group (idle GPU, most memory).",
 )
 @click.option("--explain", is_flag=True, help="With --group: show every member's verdict.")
-@click.option("--wait", is_flag=True, help="With --group: wait until a member can take it.")
+@click.option(
+    "--wait",
+    metavar="DURATION",
+    help="When no provider can take the job now (busy, paused, unreachable), wait up to "
+    "this long in the queue, e.g. 10m (default 0: refuse at once); a group's job that "
+    "must move waits as long.",
+)
+@click.option(
+    "--max-moves",
+    type=int,
+    metavar="N",
+    help="With --group: move the job to another member at most N times when its "
+    "provider preempts it, denies you or goes silent (default 3, at most 10).",
+)
 @click.option("--image", help="Container image (default: config `image` / $GPUMESH_IMAGE).")
 @click.option("--gpu-memory", metavar="SIZE", help="GPU memory the job needs, e.g. 8GB.")
 @click.option("--workdir", type=click.Path(), help="Local folder to upload as the working dir.")
@@ -78,7 +94,8 @@ def run(
     peer: str | None,
     group: str | None,
     explain: bool,
-    wait: bool,
+    wait: str | None,
+    max_moves: int | None,
     image: str | None,
     gpu_memory: str | None,
     workdir: str | None,
@@ -113,7 +130,8 @@ def run(
             peer=peer,
             group=group,
             **job_options(image, env_items, gpu_memory, retries, timeout, mounts),
-            wait=WAIT_FOREVER if wait else 0.0,
+            wait=wait or 0.0,
+            max_moves=max_moves,
             outputs=outputs or "",
             outputs_to=absolute_to,
             outputs_under=under,
@@ -137,13 +155,15 @@ def run(
         outputs=outputs,
         outputs_to=absolute_to,
         outputs_under=under,
+        max_moves=max_moves,
     )
     spec_body = bodies.JobBody(
         command=spec.command,
         peer=spec.peer,
         group=spec.group,
         workdir=None if spec.workdir is None else str(spec.workdir),
-        wait=WAIT_FOREVER if wait else 0.0,
+        wait=wait or 0.0,
+        max_moves=max_moves,
         **bodies.job_options(spec),
         outputs=spec.outputs,
         outputs_to=None if spec.outputs_to is None else str(spec.outputs_to),
@@ -159,10 +179,6 @@ def _absolute(path: str) -> str:
     return os.path.abspath(os.path.expanduser(path))
 
 
-WAIT_FOREVER = 10.0**9
-"""``--wait`` through the node process: seconds enough to mean "until a member frees up"."""
-
-
 def _through_node(body: JobBody, *, detach: bool, quiet: bool, explain: bool = False) -> None:
     """``run`` as a thin client of the node process. Detached, it returns once the
     provider accepted the job (and the workdir is uploaded); else the node process
@@ -175,6 +191,12 @@ def _through_node(body: JobBody, *, detach: bool, quiet: bool, explain: bool = F
     from gpumesh.daemon.client import NodeUnavailableError
 
     client = node_client()
+    if body.group and not body.outputs and body.max_moves != 0 and not quiet:
+        click.echo(
+            "gpumesh: no outputs: a move restarts this job from the beginning (bring its "
+            "checkpoints home with --outputs PATH to resume them)",
+            err=True,
+        )
     if detach:
         click.echo(client.call("POST", "/api/v1/jobs", JobResultView, body).job_id)
         return

@@ -93,6 +93,10 @@ def status(offline: bool, as_json: bool) -> None:
         count = st.jobs_submitted_unknown
         submitted += click.style(f" ({count} no answer since {since})", fg="yellow")
     click.echo(f"Jobs     {state}: {st.jobs_hosted_running} running here, {submitted}")
+    for waiting in st.queue:
+        until = f" until {_clock(waiting.wait_until)}" if waiting.wait_until else ""
+        what = "moving" if waiting.moving else "queued"
+        click.echo(f"Queue    {waiting.job_id} {what}{until}: {waiting.message}")
     click.echo(f"Peers    {st.peers} paired, {st.allowed} allowed")
 
 

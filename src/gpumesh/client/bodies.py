@@ -92,8 +92,13 @@ class JobBody(msgspec.Struct, forbid_unknown_fields=True):
     """``/sandbox/folder:/container/path[:rw]``, as ``--mount``."""
     workdir: str | None = None
     """A local folder to upload (not from a browser session)."""
-    wait: float = 0.0
-    """With ``group``: seconds to wait for a member to free up."""
+    wait: float | str = 0.0
+    """Seconds (or a duration such as ``10m``) the job may wait in the node process's
+    queue when no provider can take it now, or none can when it must move; 0: refused
+    at once."""
+    max_moves: int | None = None
+    """With ``group``: how many times the job may move to another member (default 3,
+    at most 10)."""
     outputs: str = ""
     """A container path whose finished files come home as the job runs (``--outputs``)."""
     outputs_to: str | None = None

@@ -17,21 +17,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
 import logging
 import secrets
 import shutil
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
 from gpumesh.client._events import Watch
 from gpumesh.client.bulk import answer_after_offer, why_no_channel
-from gpumesh.client.outputs import RECEIVING
+from gpumesh.client.hops import HOP_SPAN, NextHop, status_of, status_problem
+from gpumesh.client.outputs import RECEIVING, restore_outputs
 from gpumesh.client.placement import Placement
 from gpumesh.client.submit import (
     place_in_group,
@@ -45,6 +45,7 @@ from gpumesh.errors import (
     AgentError,
     ConnectionLostError,
     GPUMeshError,
+    LimitError,
     NotFoundError,
     ProtocolError,
     UnreachableError,
@@ -61,7 +62,6 @@ from gpumesh.protocol.messages import (
     JobLogs,
     JobMount,
     JobOutput,
-    JobQuery,
     JobStatus,
     JobSubmit,
     Message,
@@ -82,24 +82,24 @@ if TYPE_CHECKING:
     from gpumesh.client.jobspec import JobSpec
     from gpumesh.client.node import Node
     from gpumesh.protocol.messages import ChannelOffer
+    from gpumesh.store.peers import Peer
     from gpumesh.transport.session import Session
     from gpumesh.transport.stream import Stream
 
 __all__ = [
     "FINAL",
     "HOSTED",
-    "REFRESH_TIMEOUT",
     "SUBMITTED",
     "ChangeWaiter",
     "JobCallbacks",
     "JobEvent",
     "JobFollow",
     "JobResult",
+    "Moved",
     "Output",
     "OutputDropped",
     "Reconnecting",
     "StatusChanged",
-    "Unconfirmed",
     "cancel",
     "cancel_hosted",
     "cancel_job",
@@ -108,7 +108,6 @@ __all__ = [
     "logs",
     "new_job_id",
     "prune_jobs",
-    "refresh_jobs",
     "run_job",
 ]
 
@@ -119,8 +118,6 @@ HOSTED = JobRole.HOSTED
 FINAL = FINAL_STATES
 _RECONNECT_FOR = 60.0
 """How long a follower keeps redialling a provider that dropped."""
-REFRESH_TIMEOUT = 3.0
-"""How long a listing waits, in all, for providers to say where their jobs stand."""
 _REREAD = 5.0
 """Seconds a follower of a hosted job in the agent's process waits to be told of
 events before it re-reads anyway."""
@@ -203,7 +200,23 @@ class Reconnecting:
     error: GPUMeshError
 
 
-JobEvent = Output | StatusChanged | OutputDropped | Reconnecting
+@dataclass(frozen=True)
+class Moved:
+    """The job left a provider and runs on another now (the marker between two hops)."""
+
+    left: str
+    """The provider it left."""
+    to: str
+    """The provider it runs on now."""
+    attempt: int
+    """Its first start there (counting every start of the job)."""
+    reason: str
+    """How the hop ended and why (``preempted: ...``, ``unreachable: ...``)."""
+    unread: str = ""
+    """Why the left hop's output could not all be read now (empty: it was)."""
+
+
+JobEvent = Output | StatusChanged | OutputDropped | Reconnecting | Moved
 """What following a job yields."""
 
 
@@ -251,8 +264,19 @@ class _Reader:
     nor repeats anything."""
 
     seq: int = 0
-    """The last event received."""
+    """The last event received (of the hop read now)."""
     output: OutputPosition = field(default_factory=OutputPosition)
+    peer_id: str = ""
+    """The provider of the hop read now."""
+    hop: int = 0
+    """Which of the job's hops is read now (0: its first provider)."""
+    past: bool = False
+    """The hop is one the job left: its events are shown, and nothing is recorded."""
+
+    @property
+    def cursor(self) -> int:
+        """Where the reader is, across hops (see :data:`~gpumesh.client.hops.HOP_SPAN`)."""
+        return self.hop * HOP_SPAN + self.seq
 
 
 async def run_job(
@@ -265,16 +289,28 @@ async def run_job(
     wait: float = 0.0,
     sandbox_dir: str = "",
     reuse: Session | None = None,
+    hop: NextHop | None = None,
 ) -> JobResult:
     """Submit ``spec`` to its peer (or the best member of its group); unless
-    ``detach``, follow it to the end. ``wait``: seconds a group placement may
-    wait for a member to free up. ``sandbox_dir``: a folder in the peer's
+    ``detach``, follow it to the end. ``wait``: seconds the job may wait in the
+    node process's queue when no provider can take it now (``run --wait``; it
+    then returns the job ``queued``). ``sandbox_dir``: a folder in the peer's
     sandbox to run in (``gpumesh app run``) instead of an uploaded workdir.
-    ``reuse``: an open session with ``spec.peer`` to submit on (left open)."""
+    ``reuse``: an open session with ``spec.peer`` to submit on (left open).
+    ``hop``: the next copy of a job recorded already (the keeper's move, or its
+    placement of a job from the queue)."""
     callbacks = callbacks or JobCallbacks()
     preferred_gpu = ""
+    job_id = job_id or new_job_id()
+    group = spec.group
     if spec.group is not None:
-        placement = await place_in_group(node, spec.group, spec.gpu_memory, wait=wait)
+        left = hop.left if hop is not None else frozenset()
+        try:
+            placement = await place_in_group(node, spec.group, spec.gpu_memory, leaving=left)
+        except LimitError as exc:
+            if hop is None and wait > 0 and node.keeper is not None:
+                return _enqueue(node, spec, job_id, wait, exc)
+            raise
         callbacks.placed(placement)
         assert placement.chosen is not None
         spec = dataclasses.replace(spec, peer=placement.chosen.name, group=None)
@@ -289,7 +325,8 @@ async def run_job(
     if spec.workdir is not None:
         plan = scan(spec.workdir, exclude_paths=[node.home.path])
         workdir_bytes = tar_size(plan)
-    job_id = job_id or new_job_id()
+    if spec.outputs and hop is not None and hop.epoch > 1:
+        await restore_outputs(node, peer, job_id, outputs_destination(spec, job_id))
     submit = JobSubmit(
         job_id=job_id,
         image=image,
@@ -307,6 +344,8 @@ async def run_job(
         pull_progress=True,
         knows_preempted=True,
         outputs=spec.outputs,
+        epoch=hop.epoch if hop is not None else 1,
+        attempts_before=hop.attempts_before if hop is not None else 0,
     )
     store = node.home.store
     result = JobResult(job_id, peer.name, JobState.QUEUED, None, 0, "")
@@ -325,67 +364,127 @@ async def run_job(
         offer, accepted = await answer_after_offer(stream, JobAccepted, None, callbacks.pull)
         return stream, offer, accepted, no_channel
 
-    async with session_with(node, peer, reuse, submitted) as (session, answered):
-        stream, offer, accepted, no_channel = answered
-        if list(accepted.mounts) != [m.target for m in spec.mounts]:
-            await refuse_unmounted(session, peer.name, job_id, stream)
-        if accepted.outputs != spec.outputs:
-            await refuse_unmounted(session, peer.name, job_id, stream, "outputs")
-        result.gpus = list(accepted.gpus)
-        store.add_job(
-            JobRecord(
-                role=SUBMITTED,
-                job_id=job_id,
-                peer_id=peer.node_id,
-                peer_name=peer.name,
-                image=image,
-                command=list(spec.command),
-                env=dict(spec.env),
-                gpu_memory=spec.gpu_memory,
-                gpus=list(accepted.gpus),
-                retries=spec.retries,
-                timeout=spec.timeout,
-                workdir=str(spec.workdir or ""),
-                created_at=(now := time.time()),
-                confirmed_at=now,
-                mounts=[dataclasses.asdict(m) for m in spec.mounts],
-                outputs=spec.outputs,
-                outputs_to=str(outputs_destination(spec, job_id)) if spec.outputs else "",
-                outputs_state=RECEIVING if spec.outputs else "",
-            )
-        )
-        if spec.outputs and node.outputs is not None:
-            node.outputs.start(job_id)
-        callbacks.accepted(accepted)
-        if plan is not None:
-            await send_workdir(
-                node,
-                session,
-                peer,
-                stream,
-                (offer, no_channel),
-                plan,
-                workdir_bytes,
-                callbacks,
-                result,
-            )
-        if detach:
-            stream.finish()
+    try:
+        async with session_with(node, peer, reuse, submitted) as (session, answered):
+            stream, offer, accepted, no_channel = answered
+            if list(accepted.mounts) != [m.target for m in spec.mounts]:
+                await refuse_unmounted(session, peer.name, job_id, stream)
+            if accepted.outputs != spec.outputs:
+                await refuse_unmounted(session, peer.name, job_id, stream, "outputs")
+            result.gpus = list(accepted.gpus)
+            _record_accepted(node, spec, job_id, (peer, accepted), hop, (group, wait))
+            if spec.outputs and node.outputs is not None:
+                node.outputs.start(job_id)
+            callbacks.accepted(accepted)
             if plan is not None:
-                await until_received(stream)
-            return result
-        reader = _Reader()
-        try:
-            await _deliver_all(_consume(stream, node, result, reader), callbacks)
-        except (ConnectionLostError, UnreachableError) as exc:
-            if result.final:
+                await send_workdir(
+                    node,
+                    session,
+                    peer,
+                    stream,
+                    (offer, no_channel),
+                    plan,
+                    workdir_bytes,
+                    callbacks,
+                    result,
+                )
+            if detach:
+                stream.finish()
+                if plan is not None:
+                    await until_received(stream)
                 return result
-            callbacks.reconnecting(exc)
-        else:
-            return result
+            reader = _Reader(peer_id=peer.node_id)
+            try:
+                await _deliver_all(_consume(stream, node, result, reader), callbacks)
+            except (ConnectionLostError, UnreachableError) as exc:
+                if result.final:
+                    return result
+                callbacks.reconnecting(exc)
+            else:
+                return result
+    except (LimitError, UnreachableError) as exc:
+        queue = hop is None and wait > 0 and node.keeper is not None and not sandbox_dir
+        if queue and store.job(SUBMITTED, job_id) is None:
+            return _enqueue(node, spec, job_id, wait, exc)
+        raise
+
     # Go on from the last event this stream delivered: not from the start again.
     await _deliver_all(_follow(node, peer.node_id, result, reader, follow=True), callbacks)
     return result
+
+
+def _new_record(
+    node: Node, spec: JobSpec, job_id: str, group: str | None, wait: float
+) -> JobRecord:
+    """A submitted job as this node records it before any provider holds it."""
+    outputs_to = str(outputs_destination(spec, job_id)) if spec.outputs else ""
+    return JobRecord(
+        role=SUBMITTED,
+        job_id=job_id,
+        peer_id="",
+        peer_name=spec.peer or "",
+        image=spec.image or str(node.home.config.get("image")),
+        command=list(spec.command),
+        env=dict(spec.env),
+        gpu_memory=spec.gpu_memory,
+        gpus=[],
+        retries=spec.retries,
+        timeout=spec.timeout,
+        workdir=str(spec.workdir or ""),
+        created_at=time.time(),
+        mounts=[dataclasses.asdict(m) for m in spec.mounts],
+        outputs=spec.outputs,
+        outputs_to=outputs_to,
+        outputs_state=RECEIVING if spec.outputs else "",
+        job_group=group or "",
+        max_moves=spec.max_moves if group else 0,
+        queue_wait=wait,
+    )
+
+
+def _record_accepted(
+    node: Node,
+    spec: JobSpec,
+    job_id: str,
+    taken: tuple[Peer, JobAccepted],
+    hop: NextHop | None,
+    asked: tuple[str | None, float],
+) -> None:
+    """Record the provider that accepted the job: a new record, or the next hop of a
+    job recorded already (moved, or placed from the queue)."""
+    peer, accepted = taken
+    fields: dict[str, Any] = {
+        "peer_id": peer.node_id,
+        "peer_name": peer.name,
+        "gpus": list(accepted.gpus),
+        "confirmed_at": time.time(),
+        "epoch": hop.epoch if hop is not None else 1,
+        "attempts_before": hop.attempts_before if hop is not None else 0,
+    }
+    store = node.home.store
+    if hop is None:
+        group, wait = asked
+        store.add_job(dataclasses.replace(_new_record(node, spec, job_id, group, wait), **fields))
+        return
+    fields.update(state=JobState.QUEUED, message="", wait_until=0.0, last_seq=0, attempt=0)
+    fields.update(provider_forgot=0, exit_code=None)
+    if spec.outputs:
+        fields.update(outputs_state=RECEIVING, outputs_seq=0)
+    store.update_job(SUBMITTED, job_id, **fields)
+
+
+def _enqueue(node: Node, spec: JobSpec, job_id: str, wait: float, why: GPUMeshError) -> JobResult:
+    """No provider can take the job now: it waits in the node process's queue, which
+    places it as soon as one can (:class:`gpumesh.client.moves.JobKeeper`)."""
+    record = dataclasses.replace(
+        _new_record(node, spec, job_id, spec.group, wait),
+        message=f"waiting for a provider: {why.message}",
+        wait_until=time.time() + wait,
+    )
+    node.home.store.add_job(record)
+    assert node.keeper is not None
+    node.keeper.start(job_id)
+    return JobResult.of_record(record)
 
 
 def outputs_destination(spec: JobSpec, job_id: str) -> Path:
@@ -407,7 +506,7 @@ async def _deliver_all(events: AsyncGenerator[JobEvent, None], callbacks: JobCal
                 callbacks.status(event.status)
             elif isinstance(event, OutputDropped):
                 callbacks.dropped(event.count)
-            else:
+            elif isinstance(event, Reconnecting):
                 callbacks.reconnecting(event.error)
 
 
@@ -437,9 +536,10 @@ async def _consume(
         for message in messages:
             for event in _deliver(node, message, result, reader):
                 yield event
-        store.update_job(
-            SUBMITTED, result.job_id, last_seq=reader.seq, output_dropped=result.output_dropped
-        )
+        if not reader.past:
+            store.update_job(
+                SUBMITTED, result.job_id, last_seq=reader.seq, output_dropped=result.output_dropped
+            )
 
 
 def _deliver(node: Node, message: Message, result: JobResult, reader: _Reader) -> list[JobEvent]:
@@ -460,36 +560,61 @@ def _deliver(node: Node, message: Message, result: JobResult, reader: _Reader) -
         if message.seq and message.seq <= reader.seq:
             return []
         reader.seq = max(reader.seq, message.seq)
-        result.state = job_state(message.state)
+        state = job_state(message.state)
+        if reader.past:
+            # A hop the job left: how it went on there, but not its end (the marker
+            # between hops says why it was left).
+            return [] if state in FINAL_STATES else [StatusChanged.of(message)]
+        if not record_status(node, result.job_id, reader.peer_id, message):
+            return []  # refused (an older hop's), or the keeper's to move
+        result.state = state
         result.attempt = message.attempt
         result.exit_code = message.exit_code
         result.message = message.message
-        _record_status(node, result.job_id, message)
         return [StatusChanged.of(message)]
     raise ProtocolError(f"unexpected {type(message).__name__} in a job's event stream")
 
 
-def _record_status(node: Node, job_id: str, status: JobStatus) -> None:
+def record_status(
+    node: Node, job_id: str, peer_id: str, status: JobStatus, *, keeper: bool = False
+) -> bool:
+    """Apply a provider's status of a job this node submitted; False when it was not
+    applied: it is not from the job's newest hop (refused and logged), or it preempts
+    a group's job, which the node process's keeper then moves (or ends; ``keeper``:
+    the keeper itself asks, and decides)."""
+    store = node.home.store
+    job = store.job(SUBMITTED, job_id)
+    if job is None:
+        return False
+    problem = status_problem(job, peer_id, status)
+    if problem is not None:
+        logger.warning("[job %s] a status (%s) refused: %s", job_id, status.state, problem)
+        return False
     fields: dict[str, object] = {
         "state": job_state(status.state),
         "attempt": status.attempt,
         "message": status.message,
         "confirmed_at": time.time(),
     }
+    if status.state == JobState.PREEMPTED and job.job_group and node.keeper is not None:
+        # The hop ended, not the job: its keeper moves it, or ends it when it may not.
+        store.update_job(SUBMITTED, job_id, attempt=status.attempt, message=status.message)
+        if not keeper:
+            node.keeper.poke(job_id)
+        return False
     if status.exit_code is not None:
         fields["exit_code"] = status.exit_code
     if status.peak_gpu_memory:
         fields["peak_gpu_memory"] = status.peak_gpu_memory
-    job = node.home.store.job(SUBMITTED, job_id)
     when = status.time or time.time()
-    if job is not None:
-        if status.started:
-            fields["started_at"] = status.started
-        elif status.state == JobState.RUNNING and job.started_at is None:
-            fields["started_at"] = when
-        if status.state in FINAL_STATES:
-            fields["finished_at"] = when
-    node.home.store.update_job(SUBMITTED, job_id, **fields)
+    if status.started:
+        fields["started_at"] = status.started
+    elif status.state == JobState.RUNNING and job.started_at is None:
+        fields["started_at"] = when
+    if status.state in FINAL_STATES:
+        fields["finished_at"] = when
+    store.update_job(SUBMITTED, job_id, **fields)
+    return True
 
 
 class JobFollow(Watch[JobEvent]):
@@ -510,9 +635,10 @@ class JobFollow(Watch[JobEvent]):
 
     @property
     def seq(self) -> int:
-        """The sequence number of the last event read (0: none yet). A follow started
-        with ``after_seq`` set to it resumes right after, with nothing lost or repeated."""
-        return self._reader.seq
+        """The sequence number of the last event read (0: none yet; across a moved
+        job's hops, see :data:`~gpumesh.client.hops.HOP_SPAN`). A follow started with
+        ``after_seq`` set to it resumes right after, with nothing lost or repeated."""
+        return self._reader.cursor
 
     def view(self) -> JobResultView:
         """Where the job stood when last seen, as ``gpumesh.Mesh`` returns it."""
@@ -572,8 +698,95 @@ def _submitted_follow(node: Node, job: JobRecord, *, follow: bool, after_seq: in
     )
     # From the start, a gap before the first output is output dropped; from
     # further on, where the output stood is not known here.
-    reader = _Reader(after_seq, OutputPosition(0 if after_seq == 0 else UNKNOWN))
-    return JobFollow(job, result, _follow(node, job.peer_id, result, reader, follow=follow), reader)
+    hop, seq = divmod(after_seq, HOP_SPAN)
+    reader = _Reader(seq, OutputPosition(0 if seq == 0 else UNKNOWN), hop=hop)
+    events = _follow_hops(node, job.job_id, result, reader, follow=follow)
+    return JobFollow(job, result, events, reader)
+
+
+async def _follow_hops(
+    node: Node, job_id: str, result: JobResult, reader: _Reader, *, follow: bool
+) -> AsyncGenerator[JobEvent, None]:
+    """A submitted job's events across its hops: each hop's from its provider, a
+    :class:`Moved` marker between two; with ``follow``, until the job ends wherever
+    it moved. A hop the job left is read as far as its provider answers now."""
+    store = node.home.store
+    said = ""
+    """The queue's last word shown."""
+    while (job := store.job(SUBMITTED, job_id)) is not None:
+        if reader.hop < len(job.hops):
+            hop = job.hops[reader.hop]
+            reader.peer_id, reader.past = str(hop["peer_id"]), True
+            unread = ""
+            try:
+                async for event in _follow(node, reader.peer_id, result, reader, patience=5.0):
+                    yield event
+            except (ConnectionLostError, UnreachableError, NotFoundError) as exc:
+                unread = exc.message
+            job = await _next_hop(node, job_id, reader.hop + 1, follow=follow)
+            if job is None or (len(job.hops) <= reader.hop + 1 and not job.peer_id):
+                break  # ended before a next hop, or not followed
+            to = job.hops[reader.hop + 1]["peer"] if len(job.hops) > reader.hop + 1 else None
+            yield Moved(
+                str(hop["peer"]),
+                str(to or job.peer_name),
+                int(hop["attempt"]) + 1,
+                f"{hop['ended']}: {hop['reason']}",
+                unread,
+            )
+            reader.hop, reader.seq, reader.output = reader.hop + 1, 0, OutputPosition()
+            continue
+        if not job.peer_id:
+            if job.state in FINAL_STATES or not follow:
+                break
+            if job.message != said:
+                said = job.message
+                yield StatusChanged(status_of(job), exited=False)
+            await asyncio.sleep(_POLL)
+            continue
+        reader.peer_id, reader.past = job.peer_id, False
+        try:
+            async for event in _follow(node, job.peer_id, result, reader, follow=follow):
+                yield event
+                if isinstance(event, Reconnecting) and _moved_from(node, job_id, reader.hop):
+                    break
+        except (ConnectionLostError, UnreachableError):
+            if not _may_move(node, job_id):
+                raise
+        if not follow:
+            break
+        job = store.job(SUBMITTED, job_id)
+        if job is None or (job.state in FINAL_STATES and len(job.hops) <= reader.hop):
+            break
+        if len(job.hops) <= reader.hop:
+            await asyncio.sleep(_POLL)  # the hop ended: its keeper moves the job, or ends it
+    job = store.job(SUBMITTED, job_id)
+    if job is not None and job.state in FINAL_STATES and not result.final:
+        # It ended in this node (moves used up, or no provider in time): say how.
+        _update(result, job)
+        yield StatusChanged(status_of(job), exited=False)
+
+
+async def _next_hop(node: Node, job_id: str, index: int, *, follow: bool) -> JobRecord | None:
+    """The job once hop ``index`` has its provider or the job ended (at once
+    without ``follow``)."""
+    while (job := node.home.store.job(SUBMITTED, job_id)) is not None:
+        if not follow or len(job.hops) > index or job.peer_id or job.state in FINAL_STATES:
+            return job
+        await asyncio.sleep(_POLL)
+    return None
+
+
+def _moved_from(node: Node, job_id: str, hop: int) -> bool:
+    """Whether the job left hop ``hop``."""
+    job = node.home.store.job(SUBMITTED, job_id)
+    return job is not None and len(job.hops) > hop
+
+
+def _may_move(node: Node, job_id: str) -> bool:
+    """Whether the node process keeps the job, moving it should its provider stay silent."""
+    job = node.home.store.job(SUBMITTED, job_id)
+    return node.keeper is not None and job is not None and bool(job.job_group)
 
 
 async def follow_job(
@@ -592,13 +805,22 @@ async def follow_job(
 
 
 async def _follow(
-    node: Node, peer_id: str, result: JobResult, reader: _Reader, *, follow: bool
+    node: Node,
+    peer_id: str,
+    result: JobResult,
+    reader: _Reader,
+    *,
+    follow: bool = False,
+    patience: float = _RECONNECT_FOR,
 ) -> AsyncGenerator[JobEvent, None]:
-    deadline = time.monotonic() + _RECONNECT_FOR
+    """One provider's events of the job, after ``reader``'s; a dropped link is
+    redialled for ``patience`` seconds."""
+    deadline = time.monotonic() + patience
+    reader.peer_id = peer_id
     while True:
         try:
             async with node.live_session(peer_id) as session:
-                deadline = time.monotonic() + _RECONNECT_FOR  # from the last working link
+                deadline = time.monotonic() + patience  # from the last working link
                 stream = session.open_stream()
                 # Our side stays open: it carries the credit back.
                 stream.send_message(
@@ -639,6 +861,20 @@ async def cancel(node: Node, job_id: str, *, peer: str | None = None) -> JobResu
                 "jobs`, or give the provider of a job you submitted with --peer"
             ) from None
         return await cancel_hosted(node, hosted.job_id)
+    if not job.peer_id and job.state not in FINAL_STATES:
+        # Waiting in the queue (or between two hops): no provider holds it.
+        node.home.store.update_job(
+            SUBMITTED,
+            job.job_id,
+            state=JobState.CANCELLED,
+            cancel_requested=1,
+            message="cancelled while it waited for a provider",
+            finished_at=time.time(),
+        )
+        if node.keeper is not None:
+            node.keeper.poke(job.job_id)
+        return JobResult.of_record(node.home.store.find_job(job.job_id, role=SUBMITTED))
+    node.home.store.update_job(SUBMITTED, job.job_id, cancel_requested=1)
     return await cancel_job(node, job.peer_id, job.job_id)
 
 
@@ -663,135 +899,8 @@ async def cancel_job(node: Node, peer_query: str, job_id: str) -> JobResult:
         reply.attempt,
         reply.message,
     )
-    if node.home.store.job(SUBMITTED, reply.job_id) is not None:
-        _record_status(node, reply.job_id, reply)
+    record_status(node, reply.job_id, peer.node_id, reply)
     return result
-
-
-@dataclass(frozen=True)
-class Unconfirmed:
-    """A provider that did not say where some of its jobs stand this time: they keep
-    the state it last confirmed (``JobRecord.confirmed_at``)."""
-
-    peer: str
-    reason: str
-    job_ids: frozenset[str]
-
-
-class SilentProviders:
-    """The providers of unfinished jobs that did not say where their jobs stand
-    the last time they were asked, and why (one per :class:`~gpumesh.client.node.Node`,
-    so in the node process one for its life).
-
-    A listing does not wait on them again: their jobs keep the state last
-    confirmed, with that reason, while they are asked again in the background
-    (one question at a time each); the first answer takes them off the list.
-    The node process's warm sessions tell it of a provider whose keep-alive
-    went unanswered (:attr:`~gpumesh.client.pool.SessionPool.on_silent`), so a
-    provider that was switched off is not waited on even by the first listing
-    after that was found; otherwise only that first listing waits."""
-
-    def __init__(self) -> None:
-        self._reasons: dict[str, str] = {}
-        """Peer id -> why it did not answer."""
-        self._asking: dict[str, asyncio.Task[Unconfirmed | None]] = {}
-
-    def reason(self, peer_id: str) -> str | None:
-        return self._reasons.get(peer_id)
-
-    def went_silent(self, peer_id: str, reason: str) -> None:
-        """``peer_id`` stopped answering elsewhere (its warm session's keep-alive)."""
-        self._reasons[peer_id] = reason
-
-    def heard(self, peer_id: str, answer: Unconfirmed | None) -> None:
-        """What asking ``peer_id`` gave: None (it answered for every job) or not."""
-        if answer is None:
-            self._reasons.pop(peer_id, None)
-        else:
-            self._reasons[peer_id] = answer.reason
-
-    def ask_again(self, peer_id: str, ask: Callable[[], Awaitable[Unconfirmed | None]]) -> None:
-        """Ask ``peer_id`` again in the background, unless that is under way."""
-        running = self._asking.get(peer_id)
-        if running is not None and not running.done():
-            return
-
-        async def again() -> Unconfirmed | None:
-            answer = await ask()
-            self.heard(peer_id, answer)
-            return answer
-
-        self._asking[peer_id] = asyncio.get_running_loop().create_task(again())
-
-
-async def refresh_jobs(
-    node: Node, *, limit: int = 1000, timeout: float = REFRESH_TIMEOUT
-) -> list[Unconfirmed]:
-    """Ask the providers of this node's unfinished submitted jobs (of its ``limit``
-    newest jobs) where they stand and
-    record what they say (state, exit code, times), so a job that ended while nobody
-    followed it shows as ended. One session per provider, all at once, and never
-    more than ``timeout`` seconds in all; a provider that did not answer last time
-    is not waited on (:class:`SilentProviders`). A job its provider no longer knows
-    is marked so (``provider_forgot``) and not asked about again."""
-    pending: dict[str, list[JobRecord]] = {}
-    for job in node.home.store.unconfirmed_submitted_jobs(limit):
-        pending.setdefault(job.peer_id, []).append(job)
-    silent = node.silent_providers
-    asked: dict[str, list[JobRecord]] = {}
-    unconfirmed: list[Unconfirmed] = []
-    for peer_id, jobs in pending.items():
-        reason = silent.reason(peer_id)
-        if reason is None:
-            asked[peer_id] = jobs
-            continue
-        silent.ask_again(peer_id, functools.partial(_refresh_peer, node, jobs, timeout))
-        ids = frozenset(job.job_id for job in jobs)
-        unconfirmed.append(Unconfirmed(jobs[0].peer_name, reason, ids))
-    answers = await asyncio.gather(*(_refresh_peer(node, jobs, timeout) for jobs in asked.values()))
-    for peer_id, answer in zip(asked, answers, strict=True):
-        silent.heard(peer_id, answer)
-    return unconfirmed + [answer for answer in answers if answer is not None]
-
-
-async def _refresh_peer(node: Node, jobs: list[JobRecord], timeout: float) -> Unconfirmed | None:
-    unanswered = {job.job_id for job in jobs}
-    reasons: list[str] = []
-
-    async def query(session: Session, job_id: str) -> None:
-        try:
-            reply = await session.request(
-                JobQuery(job_id=job_id, knows_preempted=True), timeout=timeout
-            )
-        except NotFoundError:
-            node.home.store.update_job(SUBMITTED, job_id, provider_forgot=1)
-        except ConnectionLostError:
-            raise  # the whole session's: asked again on a new one (or the reason)
-        except GPUMeshError as exc:
-            reasons.append(exc.message)
-            return
-        else:
-            if not isinstance(reply, JobStatus) or reply.job_id != job_id:
-                reasons.append(f"answered a job query with {type(reply).__name__}")
-                return
-            _record_status(node, job_id, reply)
-        unanswered.discard(job_id)
-
-    async def ask(session: Session) -> None:
-        # Queries only: safe to send again should a warm session die under them.
-        await asyncio.gather(*(query(session, job_id) for job_id in sorted(unanswered)))
-
-    try:
-        async with asyncio.timeout(timeout):
-            await node.on_session(jobs[0].peer_id, ask, timeout=timeout)
-    except TimeoutError:
-        reasons.append(f"no answer within {timeout:g}s")
-    except GPUMeshError as exc:
-        reasons.append(exc.message)
-    if not unanswered:
-        return None
-    logger.info("jobs on %s not confirmed: %s", jobs[0].peer_name, reasons)
-    return Unconfirmed(jobs[0].peer_name, reasons[0] if reasons else "", frozenset(unanswered))
 
 
 async def cancel_hosted(node: Node, job_id: str, *, timeout: float = 60.0) -> JobResult:

@@ -20,6 +20,7 @@ A job file::
       - /datasets:/data                      # read-only; /out:/results:rw to write
     outputs: /workspace/out                  # its finished files come home as it runs
     outputs_to: ./results                    # default ./gpumesh-outputs/JOB_ID
+    max_moves: 5                             # with group: moves to another member
 """
 
 from __future__ import annotations
@@ -50,7 +51,14 @@ __all__ = [
     "load_job_file",
     "parse_env",
     "parse_mount",
+    "queue_wait",
 ]
+
+DEFAULT_MAX_MOVES = 3
+"""Moves a group's job may make unless ``--max-moves`` says otherwise."""
+MAX_MOVES = 10
+"""The most ``--max-moves`` may allow."""
+
 
 MAX_RETRIES = 20
 FIELDS = (
@@ -66,6 +74,7 @@ FIELDS = (
     "mounts",
     "outputs",
     "outputs_to",
+    "max_moves",
 )
 """Every field a job file may set, in the order the docs list them."""
 
@@ -120,6 +129,8 @@ class JobSpec:
     outputs_under: Path | None = None
     """With ``outputs`` and no ``outputs_to``: the absolute folder whose ``JOB_ID``
     subfolder they go to (the caller's ``./gpumesh-outputs``)."""
+    max_moves: int = 0
+    """With ``group``: how many times the job may move to another member (0 to 10)."""
 
 
 @dataclass(frozen=True)
@@ -143,6 +154,7 @@ class JobFile:
     outputs: str | None = None
     outputs_to: Path | None = None
     """Absolute: a relative path is taken from the job file's folder."""
+    max_moves: int | None = None
     lines: dict[str, int] = field(default_factory=dict)
     """Line of each field the file sets, for messages about checks made later."""
 
@@ -254,6 +266,24 @@ def parse_env(items: Sequence[str]) -> dict[str, str]:
             raise ConfigError(f"--env {_env_item_name(item)}: {parsed}")
         env[parsed[0]] = parsed[1]
     return env
+
+
+def queue_wait(value: float | str) -> float:
+    """``--wait``: seconds a job may wait in the queue, from seconds or a duration
+    such as ``10m`` (0: it does not wait)."""
+    if isinstance(value, str):
+        try:
+            seconds = parse_duration(value.strip()) if not value.strip().startswith("-") else -1.0
+        except ConfigError:
+            raise ConfigError(
+                f"--wait {value!r} is not a duration: use one such as 30s, 10m or 2h "
+                "(0: refuse at once)"
+            ) from None
+    else:
+        seconds = float(value)
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ConfigError(f"--wait {value!r} cannot be negative: use 0 (refuse at once) or more")
+    return seconds
 
 
 def _gpu_memory_problem(text: str) -> str | None:
@@ -448,6 +478,16 @@ class _FileReader:
             f"got {self.shown_value(node)}",
         )
 
+    def max_moves(self, node: yaml.Node) -> int:
+        value = None if node.tag == _YAML_NULL else self.construct(node)
+        if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_MOVES:
+            return value
+        self.fail(
+            node,
+            f"max_moves: must be a whole number from 0 to {MAX_MOVES}, "
+            f"got {self.shown_value(node)}",
+        )
+
     def timeout(self, node: yaml.Node) -> float:
         value = None if node.tag == _YAML_NULL else self.construct(node)
         seconds: float | None = None
@@ -615,6 +655,7 @@ def build_spec(
     outputs: str | None = None,
     outputs_to: Path | str | None = None,
     outputs_under: Path | str | None = None,
+    max_moves: int | None = None,
 ) -> JobSpec:
     """Merge a job file (if any) with flags into a checked :class:`JobSpec`.
 
@@ -625,6 +666,7 @@ def build_spec(
     ``gpu_memory`` is bytes when an int, or text such as ``8GB``. ``mounts``
     (``--mount``) are added to the file's. ``outputs_to`` and ``outputs_under``
     are absolute (the caller's working folder is not this process's).
+    ``max_moves`` (``--max-moves``) is for a group's job only.
     """
     job = load_job_file(file) if file is not None else JobFile(path=Path())
     shown = str(job.path)
@@ -690,6 +732,8 @@ def build_spec(
     if peer is not None or group is not None:
         final_peer, final_group = peer, group
 
+    final_max_moves = _max_moves(max_moves if max_moves is not None else job.max_moves, final_group)
+
     final_mounts = _check_mounts(
         list(job.mounts or []) + [parse_mount(text) for text in mounts or []]
     )
@@ -730,4 +774,19 @@ def build_spec(
         outputs=final_outputs,
         outputs_to=final_outputs_to,
         outputs_under=final_outputs_under,
+        max_moves=final_max_moves,
     )
+
+
+def _max_moves(given: int | None, group: str | None) -> int:
+    """The moves a job may make: ``--max-moves`` (default 3, at most 10) for a group's job."""
+    if given is None:
+        return DEFAULT_MAX_MOVES if group is not None else 0
+    if group is None:
+        raise ConfigError(
+            "--max-moves (max_moves:) needs --group: a job run with --peer stays on that "
+            "peer; give a group to let it move"
+        )
+    if not 0 <= given <= MAX_MOVES:
+        raise ConfigError(f"--max-moves must be 0 to {MAX_MOVES}, got {given}")
+    return given

@@ -126,7 +126,7 @@ class InProcess:
         node = self.node
         unknown = 0
         if refresh and node.home.store.unconfirmed_submitted_jobs():
-            from gpumesh.client.jobs import refresh_jobs
+            from gpumesh.client.jobrefresh import refresh_jobs
 
             unconfirmed: set[str] = set()
             for answer in await refresh_jobs(node):
@@ -167,7 +167,7 @@ class InProcess:
         store = self.node.home.store
         unconfirmed: dict[str, str] = {}
         if refresh and store.unconfirmed_submitted_jobs(limit):
-            from gpumesh.client.jobs import refresh_jobs
+            from gpumesh.client.jobrefresh import refresh_jobs
 
             for answer in await refresh_jobs(self.node, limit=limit):
                 unconfirmed.update(dict.fromkeys(answer.job_ids, answer.reason))

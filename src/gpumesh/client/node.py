@@ -14,12 +14,12 @@ import socket
 import statistics
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from gpumesh.client.discovery import refresh_peer
-from gpumesh.client.jobs import SilentProviders
+from gpumesh.client.jobrefresh import SilentProviders
 from gpumesh.client.owner import OpenSessions, open_sessions
 from gpumesh.client.pool import PROBE_TIMEOUT
 from gpumesh.client.registry import RegistryClient
@@ -61,10 +61,12 @@ from gpumesh.transport.session import (
 )
 
 if TYPE_CHECKING:
+    from gpumesh.client.moves import JobKeeper
     from gpumesh.client.outputs import OutputsReceivers
     from gpumesh.client.pool import SessionPool
     from gpumesh.gpu.inventory import GpuInfo
     from gpumesh.protocol.addresses import Address
+    from gpumesh.store.jobs import JobRecord
     from gpumesh.transport.session import Session
 
 __all__ = [
@@ -118,6 +120,8 @@ class NodeStatus:
     """The shells, desktops and CUDA sessions the running `gpumesh share` has open."""
     paused: Pause | None = None
     """The owner paused sharing (`gpumesh pause`), until `gpumesh resume`."""
+    waiting: list[JobRecord] = field(default_factory=list)
+    """Submitted jobs no provider holds now: waiting in the queue, or moving."""
 
 
 @dataclass(frozen=True)
@@ -171,6 +175,9 @@ class Node:
         self.outputs: OutputsReceivers | None = None
         """Receives submitted jobs' outputs (a long-running process's, which resumes
         them when it starts again); None: they wait for one."""
+        self.keeper: JobKeeper | None = None
+        """Keeps the jobs that may move or wait in the queue (a long-running
+        process's, which takes them up again when it starts); None: they wait for one."""
 
     @functools.cached_property
     def silent_providers(self) -> SilentProviders:
@@ -239,9 +246,10 @@ class Node:
             gpus=inventory.gpus(),
             gpu_source=inventory.source,
             running_hosted=len(store.unfinished_hosted_jobs()),
-            running_submitted=len(submitted),
+            running_submitted=sum(1 for j in submitted if j.peer_id),
             sessions=open_sessions(agent),
             paused=store.paused(),
+            waiting=[j for j in submitted if not j.peer_id],
         )
 
     # --- pairing and the allowlist ------------------------------------------------------

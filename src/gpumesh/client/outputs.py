@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from gpumesh.blocking import in_thread
 from gpumesh.client.cpdownload import PART_SUFFIX, Download
+from gpumesh.client.cpupload import FolderUpload
 from gpumesh.client.files import RETRIES, STALL_TIMEOUT, CopyCallbacks, CopyResult
 from gpumesh.errors import (
     ConfigError,
@@ -44,7 +45,13 @@ from gpumesh.errors import (
     UnreachableError,
 )
 from gpumesh.files.outputs import usable_name
-from gpumesh.protocol.messages import FileInfo, OutputFile, OutputsQuery, OutputsReady
+from gpumesh.protocol.messages import (
+    OUTPUTS_FOLDER,
+    FileInfo,
+    OutputFile,
+    OutputsQuery,
+    OutputsReady,
+)
 from gpumesh.protocol.states import JobRole
 from gpumesh.store.jobs import JobRecord
 from gpumesh.units import format_size, parse_size
@@ -60,6 +67,7 @@ __all__ = [
     "OutputsReceivers",
     "entry_problem",
     "receive_outputs",
+    "restore_outputs",
 ]
 
 logger = logging.getLogger(__name__)
@@ -249,6 +257,28 @@ async def _fetch(
     return result.size, int(new)
 
 
+async def restore_outputs(node: Node, peer: Peer, job_id: str, local: Path) -> None:
+    """Put the outputs a moved job already brought home into its outputs folder on
+    ``peer`` (``/gpumesh-outputs/JOB_ID`` of this node's sandbox there), before the
+    job is submitted there: its next copy resumes from them. Nothing home: nothing sent."""
+    if not await in_thread(_has_files, local):
+        return
+    remote = f"/{OUTPUTS_FOLDER}/{job_id}"
+    result = CopyResult("upload", "dir", peer.name, local, remote, 0, "", 0.0)
+    copier = FolderUpload(node, peer, local, remote, CopyCallbacks(), STALL_TIMEOUT, result)
+    copier.target = remote  # exactly there, not into it
+    copier.allow_channel(True)
+    await copier.run(RETRIES, time.perf_counter())
+    logger.info(
+        "[job %s] %s of outputs restored on %s", job_id, format_size(result.size), peer.name
+    )
+
+
+def _has_files(folder: Path) -> bool:
+    """Whether ``folder`` holds a file, at any depth (blocking)."""
+    return folder.is_dir() and any(path.is_file() for path in folder.rglob("*"))
+
+
 class OutputsReceivers:
     """The receivers of one node process, one task a submitted job."""
 
@@ -274,6 +304,14 @@ class OutputsReceivers:
         """Start the receivers of every job whose outputs are still coming."""
         for job in self.node.home.store.receiving_outputs():
             self.start(job.job_id)
+
+    async def halt(self, job_id: str) -> None:
+        """Stop the job's receiver (its job moves: the next hop gets a new one)."""
+        task = self._tasks.pop(job_id, None)
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
     def running(self, job_id: str) -> bool:
         task = self._tasks.get(job_id)

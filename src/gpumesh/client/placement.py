@@ -239,23 +239,18 @@ async def place(
     members: list[tuple[str, Peer | None]],
     gpu_memory: int,
     *,
-    wait: float = 0.0,
-    poll: float = 5.0,
     timeout: float = PROBE_TIMEOUT,
 ) -> Placement:
-    """Probe and choose; with ``wait`` > 0, keep trying that many seconds until one fits.
+    """Probe and choose.
 
-    Raises :class:`LimitError` carrying the table of reasons when nothing fits.
+    Raises :class:`LimitError` carrying the table of reasons when nothing fits (a
+    job that may wait then waits in the node process's queue, which asks again).
     """
     if not members:
         raise LimitError("the group has no other members to run on: add peers to it first")
-    deadline = time.monotonic() + wait
-    while True:
-        placement = choose(await probe(node, members, timeout), gpu_memory)
-        if placement.chosen is not None:
-            return placement
-        if time.monotonic() + poll > deadline:
-            table = "; ".join(f"{c.name}: {c.reason}" for c in placement.candidates)
-            need = f" with {format_size(gpu_memory)} of GPU memory" if gpu_memory else ""
-            raise LimitError(f"no member can take the job{need}: {table}")
-        await asyncio.sleep(poll)
+    placement = choose(await probe(node, members, timeout), gpu_memory)
+    if placement.chosen is not None:
+        return placement
+    table = "; ".join(f"{c.name}: {c.reason}" for c in placement.candidates)
+    need = f" with {format_size(gpu_memory)} of GPU memory" if gpu_memory else ""
+    raise LimitError(f"no member can take the job{need}: {table}")

@@ -129,7 +129,7 @@ class SessionPool:
         self.on_silent: Callable[[str, str], None] | None = None
         """Told (peer id, why) of a peer whose warm session stopped answering its
         keep-alive: a job listing then does not wait on it (see
-        :class:`~gpumesh.client.jobs.SilentProviders`)."""
+        :class:`~gpumesh.client.jobrefresh.SilentProviders`)."""
 
     def relay_first(self, peer_id: str) -> bool:
         """Whether the last session to ``peer_id`` was set up through the relay (its

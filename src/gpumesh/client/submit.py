@@ -19,7 +19,7 @@ from gpumesh.client.bulk import NoChannel, send_tar
 from gpumesh.client.files import STALL_TIMEOUT
 from gpumesh.client.groups import members
 from gpumesh.client.placement import Placement, place
-from gpumesh.errors import GPUMeshError, ProtocolError, error_from_code
+from gpumesh.errors import GPUMeshError, LimitError, ProtocolError, error_from_code
 from gpumesh.files.hashing import offered, taken
 from gpumesh.files.transfer import NoHash, tar_chunks
 from gpumesh.protocol.framing import FrameKind
@@ -40,14 +40,16 @@ T = TypeVar("T")
 
 
 async def place_in_group(
-    node: Node, group: str, gpu_memory: int, *, wait: float = 0.0
+    node: Node, group: str, gpu_memory: int, *, leaving: frozenset[str] = frozenset()
 ) -> Placement:
-    """Probe the group's other members and choose where a job goes."""
+    """Probe the group's other members and choose where a job goes; never on a
+    member in ``leaving`` (node ids: the providers a moved job left)."""
 
     views = [v for v in members(node, group) if not v.is_self]
-    return await place(
-        node, [(v.name, v.peer if v.usable else None) for v in views], gpu_memory, wait=wait
-    )
+    views = [v for v in views if v.peer is None or v.peer.node_id not in leaving]
+    if leaving and not views:
+        raise LimitError("every other member of the group already had the job")
+    return await place(node, [(v.name, v.peer if v.usable else None) for v in views], gpu_memory)
 
 
 @contextlib.asynccontextmanager

@@ -282,7 +282,7 @@ ENDPOINTS: tuple[Endpoint, ...] = (
              jobs.JobResultView, body=CancelBody),
     Endpoint("GET", "/api/v1/jobs/{job_id}/events", get_job_events,
              "A job's events as Server-Sent Events, resumable by sequence number",
-             jobs.Output | jobs.Status | jobs.Dropped | jobs.Reconnecting,
+             jobs.Output | jobs.Status | jobs.Dropped | jobs.Reconnecting | jobs.Moved,
              media_type="text/event-stream",
              query=(Query("after", "integer", "Start after this sequence number "
                           "(Last-Event-ID wins)"),

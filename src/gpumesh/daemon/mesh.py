@@ -39,6 +39,7 @@ from gpumesh.client.bodies import (
 from gpumesh.client.views.jobs import (
     Dropped,
     JobResultView,
+    Moved,
     Output,
     Reconnecting,
     Status,
@@ -301,6 +302,8 @@ def _event(job_id: str, view: object) -> JobEvent | None:
         return jobs.OutputDropped(view.count)
     if isinstance(view, Reconnecting):
         return jobs.Reconnecting(error_from_code(view.code, view.message))
+    if isinstance(view, Moved):
+        return jobs.Moved(view.left, view.to, view.attempt, view.reason, view.unread)
     return None
 
 

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 from gpumesh import platform
 from gpumesh.client.bodies import ShareOptions
+from gpumesh.client.moves import JobKeeper
 from gpumesh.client.node import Node
 from gpumesh.client.outputs import OutputsReceivers
 from gpumesh.client.pool import SessionPool
@@ -377,6 +378,9 @@ async def run_node(
         # Submitted jobs' outputs come home here, those still coming from the start.
         receivers = node.outputs = OutputsReceivers(node)
         receivers.resume()
+        # Jobs that may move, or wait in the queue, are kept here.
+        jobs_keeper = node.keeper = JobKeeper(node)
+        jobs_keeper.resume()
 
         def shell_busy(change: int) -> None:
             process.active += change
@@ -465,6 +469,8 @@ async def run_node(
                     await sharer
             if process.sharing.active:
                 await process.sharing.stop(process.stopping or "the node process stopped")
+            await jobs_keeper.stop()
+            node.keeper = None
             await receivers.stop()
             node.outputs = None
             for task in (watcher, keeper, *late):

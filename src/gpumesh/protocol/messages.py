@@ -34,6 +34,7 @@ __all__ = [
     "MAX_MESSAGE_FRAME",
     "MAX_OUTPUTS_WAIT",
     "MAX_OUTPUT_FILES",
+    "OUTPUTS_FOLDER",
     "PROTOCOL_VERSION",
     "PULL_PROGRESS_EVERY",
     "AddressAnswer",
@@ -459,6 +460,9 @@ MAX_OUTPUT_FILES = 1000
 """Most files one ``OutputsReady`` lists (the next query gets the rest)."""
 MAX_OUTPUTS_WAIT = 60.0
 """Longest an ``OutputsQuery`` may wait for something new."""
+OUTPUTS_FOLDER = "gpumesh-outputs"
+"""The folder of a submitter's sandbox on its provider that holds its jobs' outputs
+folders (``/gpumesh-outputs/JOB_ID``): where a moved job's outputs are restored."""
 
 
 class OutputsQuery(_Msg, tag="outputs_query", frozen=True):

@@ -58,6 +58,7 @@ _JOB_COLUMNS = [
     "outputs_note",
     "job_group",
     "max_moves",
+    "queue_wait",
     "wait_until",
     "epoch",
     "attempts_before",
@@ -143,9 +144,11 @@ class JobRecord:
     moves; empty: a ``--peer`` job, which never moves."""
     max_moves: int = 0
     """Submitted: moves allowed (``run --max-moves``)."""
+    queue_wait: float = 0.0
+    """Submitted: seconds the job may wait in the queue for a provider each time it
+    needs one (``run --wait``); 0: it does not wait."""
     wait_until: float = 0.0
-    """Submitted: until when (wall clock) the job may wait in the queue for a provider
-    (``run --wait``); 0: not at all."""
+    """Submitted: while the job waits in the queue, until when (wall clock); else 0."""
     epoch: int = 0
     """The hop's fencing epoch (1 for the first; submitted: the newest hop's, raised
     at each move; hosted: the copy running here; 0: from before fencing)."""
@@ -344,12 +347,23 @@ class JobTables(Tables):
             )
         return [JobRecord.from_row(r) for r in rows]
 
+    def kept_jobs(self) -> list[JobRecord]:
+        """Submitted jobs the node process keeps: unfinished ones that may move (run
+        with ``--group``) or wait in its queue, and ended ones with a hop to stop."""
+        rows = self._query(
+            "SELECT * FROM jobs WHERE role = ? AND ((state NOT IN "
+            f"{_FINAL} AND (job_group != '' OR peer_id = '')) OR hops LIKE '%\"stopped\": false%') "
+            "ORDER BY created_at",
+            (JobRole.SUBMITTED,),
+        )
+        return [JobRecord.from_row(r) for r in rows]
+
     def unconfirmed_submitted_jobs(self, limit: int = 1000) -> list[JobRecord]:
         """Of the ``limit`` newest jobs, the submitted ones not known to have ended
         (and that their providers have not forgotten): those worth asking about."""
         rows = self._query(
             "SELECT * FROM (SELECT * FROM jobs ORDER BY created_at DESC LIMIT ?) "
-            f"WHERE role = ? AND provider_forgot = 0 AND state NOT IN {_FINAL} "
+            f"WHERE role = ? AND provider_forgot = 0 AND peer_id != '' AND state NOT IN {_FINAL} "
             "ORDER BY created_at DESC",
             (limit, JobRole.SUBMITTED),
         )

@@ -11,7 +11,38 @@ from gpumesh.client.views.outputs import OutputsView
 if TYPE_CHECKING:
     from gpumesh.store.jobs import JobRecord
 
-__all__ = ["JobListEntry", "PrunedJob"]
+__all__ = ["HopView", "JobListEntry", "PrunedJob"]
+
+
+class HopView(msgspec.Struct):
+    """One provider a job ran on (a hop), oldest first; the last is where it is now."""
+
+    peer: str
+    attempt: int
+    """The job's last start there, counting every start of the job (0: none yet)."""
+    ended: str
+    """How the job left it (``preempted``, ``denied``, ``forgot``, ``unreachable``), or
+    for the last hop the job's state there."""
+    reason: str
+    epoch: int
+    """The hop's fencing epoch: outputs and states count only from the newest."""
+
+    @classmethod
+    def all_of(cls, job: JobRecord) -> list[HopView]:
+        left = [
+            cls(
+                str(h["peer"]),
+                int(h["attempt"]),
+                str(h["ended"]),
+                str(h["reason"]),
+                int(h["epoch"]),
+            )
+            for h in job.hops
+        ]
+        if job.peer_id:
+            attempt = job.attempts_before + job.attempt
+            left.append(cls(job.peer_name, attempt, str(job.state), job.message, job.epoch))
+        return left
 
 
 class JobListEntry(msgspec.Struct):
@@ -47,6 +78,11 @@ class JobListEntry(msgspec.Struct):
     provider_forgot: bool
     outputs: OutputsView | None = None
     """Submitted with ``--outputs``: where they come home, and how far they came."""
+    group: str = ""
+    """Submitted with ``--group``: the group it runs (and moves) in."""
+    hops: list[HopView] = msgspec.field(default_factory=list)
+    """Submitted: every provider it ran on, oldest first (the last: where it runs now;
+    none while it waits in the queue for its first)."""
 
     @classmethod
     def of(cls, job: JobRecord, unconfirmed: dict[str, str]) -> JobListEntry:
@@ -76,6 +112,8 @@ class JobListEntry(msgspec.Struct):
             unknown_reason=unconfirmed.get(job.job_id),
             provider_forgot=job.provider_forgot,
             outputs=OutputsView.of(job),
+            group=job.job_group,
+            hops=HopView.all_of(job) if job.role == "submitted" else [],
         )
 
 

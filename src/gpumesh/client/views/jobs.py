@@ -21,6 +21,7 @@ __all__ = [
     "Dropped",
     "JobEventView",
     "JobResultView",
+    "Moved",
     "Output",
     "Reconnecting",
     "Status",
@@ -100,11 +101,25 @@ class Reconnecting(JobEventView, tag="reconnecting"):
     message: str
 
 
+class Moved(JobEventView, tag="moved"):
+    """The job left a provider and runs on another now (between two hops)."""
+
+    left: str
+    to: str
+    attempt: int
+    """Its first start on ``to``, counting every start of the job."""
+    reason: str
+    """How the hop ended and why."""
+    unread: str
+    """Why the left hop's output could not all be read (empty: it was)."""
+
+
 JOB_EVENTS: dict[str, type] = {
     "output": Output,
     "status": Status,
     "dropped": Dropped,
     "reconnecting": Reconnecting,
+    "moved": Moved,
     "end": JobResultView,
 }
 """A followed job's Server-Sent Events (``GET /api/v1/jobs/{id}/events``): each

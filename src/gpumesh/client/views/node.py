@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from gpumesh.client.node import NodeInfo, NodeStatus
     from gpumesh.gpu.inventory import GpuInfo, GpuInventory
     from gpumesh.store.home import Home
+    from gpumesh.store.jobs import JobRecord
 
 __all__ = [
     "CheckView",
@@ -24,6 +25,7 @@ __all__ = [
     "NodeView",
     "PublishView",
     "StatusView",
+    "WaitingJob",
 ]
 
 
@@ -81,6 +83,9 @@ class StatusView(msgspec.Struct):
     """The sharing agent's open shells, desktop connections and CUDA sessions."""
     paused_since: float | None = None
     """When the owner paused sharing (`gpumesh pause`); None: not paused."""
+    queue: list[WaitingJob] = msgspec.field(default_factory=list)
+    """Jobs this node submitted that no provider holds now: waiting in its queue
+    (``run --wait``), or moving to another member of their group."""
 
     @classmethod
     def of(cls, status: NodeStatus, *, submitted_unknown: int) -> StatusView:
@@ -115,7 +120,24 @@ class StatusView(msgspec.Struct):
             jobs_submitted_unknown=submitted_unknown,
             sessions=SessionsView.of(status.sessions),
             paused_since=status.paused.since if status.paused else None,
+            queue=[WaitingJob.of(job) for job in status.waiting],
         )
+
+
+class WaitingJob(msgspec.Struct):
+    """A submitted job no provider holds now."""
+
+    job_id: str
+    moving: bool
+    """It left a provider (see ``jobs --json``'s hops); else it was never placed."""
+    message: str
+    """Why it waits (every member's reason), or why it moves."""
+    wait_until: float | None
+    """When its wait ends (then it ends, saying why); None: it does not wait."""
+
+    @classmethod
+    def of(cls, job: JobRecord) -> WaitingJob:
+        return cls(job.job_id, bool(job.hops), job.message, job.wait_until or None)
 
 
 class GpuDetail(msgspec.Struct):

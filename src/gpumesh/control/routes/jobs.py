@@ -9,8 +9,9 @@ from typing import TYPE_CHECKING, Any
 
 from gpumesh.client import jobs, runs
 from gpumesh.client.bodies import CancelBody, JobBody, PruneBody
-from gpumesh.client.jobs import cancel, find_job, logs, prune_jobs, refresh_jobs, run_job
-from gpumesh.client.jobspec import build_spec
+from gpumesh.client.jobrefresh import refresh_jobs
+from gpumesh.client.jobs import cancel, find_job, logs, prune_jobs, run_job
+from gpumesh.client.jobspec import build_spec, queue_wait
 from gpumesh.client.outputs import RECEIVING
 from gpumesh.client.runs import watch_run
 from gpumesh.client.views import ErrorView
@@ -19,6 +20,7 @@ from gpumesh.client.views.jobs import (
     Dropped,
     JobEventView,
     JobResultView,
+    Moved,
     Output,
     Reconnecting,
     Status,
@@ -95,11 +97,13 @@ async def post_job(call: Call) -> object:
         outputs=body.outputs,
         outputs_to=body.outputs_to,
         outputs_under=body.outputs_under,
+        max_moves=body.max_moves,
     )
+    wait = queue_wait(body.wait)
     if call.flag("stream"):
-        run = watch_run(call.node, spec, wait=body.wait)
+        run = watch_run(call.node, spec, wait=wait)
         return EventStream(_run_events(run, call.node if spec.outputs else None))
-    return JobResultView.of(await run_job(call.node, spec, detach=True, wait=body.wait))
+    return JobResultView.of(await run_job(call.node, spec, detach=True, wait=wait))
 
 
 async def _run_events(run: Any, outputs: Node | None = None) -> AsyncIterator[bytes]:
@@ -198,6 +202,8 @@ def _event_view(event: jobs.JobEvent, seq: int) -> JobEventView:
         )
     if isinstance(event, jobs.OutputDropped):
         return Dropped(seq, event.count)
+    if isinstance(event, jobs.Moved):
+        return Moved(seq, event.left, event.to, event.attempt, event.reason, event.unread)
     return Reconnecting(seq, event.error.code, event.error.message)
 
 

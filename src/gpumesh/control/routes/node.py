@@ -9,7 +9,7 @@ import msgspec
 from starlette.responses import Response
 
 from gpumesh.client.bodies import ConfigBody, TcpBody
-from gpumesh.client.jobs import refresh_jobs
+from gpumesh.client.jobrefresh import refresh_jobs
 from gpumesh.client.views.node import ConfigChangeView, GpusView, StatusView
 from gpumesh.control.call import Call
 from gpumesh.errors import AgentError
