@@ -252,3 +252,50 @@ def pair(tmp_path: Path, gpumesh_processes: None) -> Iterator[tuple[Path, Path]]
     """:func:`shared_pair` with alice's defaults."""
     with shared_pair(tmp_path) as homes:
         yield homes
+
+
+def ok(home: Path, *args: str, timeout: float = 30) -> str:
+    """The real CLI for ``home``, which must succeed without a traceback: its output."""
+    result = gpumesh(home, *args, timeout=timeout)
+    assert result.returncode == 0, (args, result.stdout, result.stderr)
+    assert "Traceback" not in result.stderr
+    return result.stdout + result.stderr
+
+
+@pytest.fixture
+def trio(tmp_path: Path, gpumesh_processes: None) -> Iterator[tuple[Path, Path, Path]]:
+    """alice-pc and carol share (no GPUs, simulated or real); bob is paired with both
+    and has them in his group `research`."""
+    import json
+    import signal
+
+    from tests.integration.test_cli import _free_udp_port, _init, _start_share
+
+    image = os.environ.get("GPUMESH_TEST_DOCKER_IMAGE", "gpumesh-test/busybox:1")
+    alice, carol, bob = tmp_path / "a", tmp_path / "c", tmp_path / "b"
+    _init(alice, "alice-pc", _free_udp_port())
+    _init(carol, "carol", _free_udp_port())
+    _init(bob, "bob-laptop")
+    for home in (alice, carol, bob):
+        ok(home, "config", "set", "image", image)
+    shares: list[subprocess.Popen[str]] = []
+    try:
+        for provider in (alice, carol):
+            shares.append(_start_share(provider))
+            ok(bob, "pair", ok(provider, "pair-code").strip(), "--offline")
+            ok(provider, "pair", ok(bob, "pair-code").strip(), "--offline")
+        ok(bob, "group", "create", "research")
+        ok(bob, "group", "add", "research", "alice-pc")
+        ok(bob, "group", "add", "research", "carol")
+        yield alice, carol, bob
+    finally:
+        for share in shares:
+            if share.poll() is None:
+                share.send_signal(signal.SIGINT)
+                share.wait(timeout=15)
+            for pipe in (share.stdout, share.stderr):
+                if pipe is not None:
+                    pipe.close()
+        for provider in (alice, carol):
+            with contextlib.suppress(AssertionError):
+                remove_containers(json.loads(ok(provider, "status", "--json"))["node_id"])

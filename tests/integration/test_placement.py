@@ -7,7 +7,6 @@ memory accounting.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import socket
 import time
@@ -179,35 +178,5 @@ def test_the_chosen_gpu_is_the_one_the_job_gets(make_node) -> None:
             assert gpus.choose(gpus.inventory.gpus(), job, 20 * 10**9, "2") == ["2"]
             with pytest.raises(LimitError, match="on GPU 1 of multi is 10GB"):
                 gpus.choose(gpus.inventory.gpus(), job, 20 * 10**9, "1")
-
-    arun(scenario())
-
-
-def test_wait_keeps_probing_until_a_member_frees_up(make_node) -> None:
-    me, late = make_node("me"), make_node("late")
-
-    async def scenario() -> None:
-        async with providers({late: "L4:24GB"}) as agents:
-            pair_both(late, me)
-            port = agents["late"].address[1]
-        # Nobody can take the job now; a provider comes back a little later.
-        members = _members(me, ["late"])
-        with pytest.raises(LimitError):
-            await place(me, members, 10**9, wait=0)  # type: ignore[arg-type]
-
-        async def comes_back() -> Agent:
-            await asyncio.sleep(1.0)
-            agent = Agent(
-                late.home, host="127.0.0.1", port=port, inventory=SimulatedInventory("L4:24GB")
-            )
-            await agent.start()
-            return agent
-
-        returning = asyncio.create_task(comes_back())
-        try:
-            placement = await place(me, members, 10**9, wait=20, poll=0.3)  # type: ignore[arg-type]
-            assert placement.peer_name == "late"
-        finally:
-            (await returning).stop()
 
     arun(scenario())

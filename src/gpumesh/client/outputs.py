@@ -151,8 +151,8 @@ async def receive_outputs(node: Node, job_id: str) -> None:
     failures = 0
     while True:
         job = store.job(JobRole.SUBMITTED, job_id)
-        if job is None or job.outputs_state != RECEIVING:
-            return
+        if job is None or job.outputs_state != RECEIVING or not job.peer_id:
+            return  # done, or moving (the next hop's receiver takes over)
         try:
             peer = node.peer(job.peer_id)
             if await _receive(node, peer, job_id):
@@ -180,12 +180,17 @@ async def _receive(node: Node, peer: Peer, job_id: str) -> bool:
     async with node.live_session(peer.node_id) as session:
         while True:
             job = store.job(JobRole.SUBMITTED, job_id)
-            if job is None or job.outputs_state != RECEIVING:
-                return True
+            if job is None or job.outputs_state != RECEIVING or job.peer_id != peer.node_id:
+                return True  # done, or the job moved (its next hop gets a receiver)
             query = OutputsQuery(job_id=job_id, after=job.outputs_seq, wait=_WAIT)
             ready = await session.request(query, timeout=_WAIT + 30)
             if not isinstance(ready, OutputsReady):
                 raise ProtocolError(f"{peer.name} answered an outputs query with {ready}")
+            if ready.epoch and ready.epoch != job.epoch:
+                raise ProtocolError(
+                    f"{peer.name} listed outputs of epoch {ready.epoch} for job {job_id}, "
+                    f"whose newest hop is epoch {job.epoch}: refused"
+                )
             answered = time.monotonic()
             for entry in ready.files:
                 if entry.seq <= job.outputs_seq:
