@@ -375,6 +375,8 @@ async def run_job(
             _record_accepted(node, spec, job_id, (peer, accepted), hop, (group, wait))
             if spec.outputs and node.outputs is not None:
                 node.outputs.start(job_id)
+            if group is not None and node.keeper is not None:
+                node.keeper.start(job_id)  # it may move
             callbacks.accepted(accepted)
             if plan is not None:
                 await send_workdir(

@@ -1,0 +1,290 @@
+"""Jobs move: a group's job leaves a provider that is paused, killed or cut off, and
+resumes on another member from the checkpoint it brought home; only its newest copy
+delivers. Real `gpumesh share` processes, the real Docker engine, the real CLI (bob's
+node process keeps the job), real iptables for a cut link.
+
+The job is a counter that checkpoints every second into its outputs and resumes
+from the checkpoint it finds there. Every wait is bounded by a generous ceiling;
+``job_lease`` and the pause's grace are a few seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpumesh.errors import ExitCode
+from tests.conftest import _in_ci
+from tests.integration.conftest import gpumesh, ok, until
+from tests.integration.node import wait_gone
+from tests.integration.test_cli import _one_line_error
+
+pytestmark = pytest.mark.usefixtures("docker_daemon", "gpumesh_processes")
+
+_CEILING = 90.0
+_COUNT_TO = 12
+# Resumes from its checkpoint, then counts on, writing the checkpoint each second
+# (count, then the start it was written by) and saying each count.
+_COUNTER = (
+    'f="$GPUMESH_OUTPUTS/count"; n=0; [ -f "$f" ] && n=$(cut -d" " -f1 "$f"); '
+    'echo "start $n attempt $GPUMESH_ATTEMPT resumed $GPUMESH_RESUMED"; '
+    f"while [ $n -lt {_COUNT_TO} ]; do n=$((n+1)); "
+    'echo "$n $GPUMESH_ATTEMPT" > "$f.tmp"; mv "$f.tmp" "$f"; echo "count $n"; sleep 1; done'
+)
+
+
+def _start(bob: Path, home: Path, *flags: str) -> str:
+    out = ok(
+        bob,
+        "run",
+        "--group",
+        "research",
+        "--detach",
+        "--outputs",
+        "/out",
+        "--outputs-to",
+        str(home),
+        *flags,
+        "--",
+        "sh",
+        "-c",
+        _COUNTER,
+        timeout=60,
+    )
+    return out.strip().split()[-1]
+
+
+def _listed(home: Path, job_id: str) -> dict[str, Any]:
+    result = gpumesh(home, "jobs", "--json", timeout=60)
+    assert result.returncode == 0, result.stderr
+    return next(j for j in json.loads(result.stdout) if j["job_id"] == job_id)
+
+
+def _count(home: Path) -> int:
+    """The checkpoint's count that came home (0: none yet)."""
+    try:
+        return int((home / "count").read_text().split()[0])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def _ended(bob: Path, job_id: str) -> dict[str, Any]:
+    return until(
+        lambda: (j := _listed(bob, job_id))["state"] in ("succeeded", "failed", "preempted") and j,
+        f"job {job_id} to end",
+        within=_CEILING,
+        every=0.5,
+    )
+
+
+def _starts(logs: str) -> list[tuple[int, int]]:
+    """(count it started from, its attempt) of every start the logs show."""
+    found = re.findall(r"^start (\d+) attempt (\d+) resumed", logs, re.MULTILINE)
+    return [(int(n), int(attempt)) for n, attempt in found]
+
+
+def _check_counted(bob: Path, job_id: str, outputs: Path, checkpoint: int) -> str:
+    """The job counted to the end on its second provider, resumed from a checkpoint
+    at least ``checkpoint`` (never from 0), and its outputs are the newest hop's."""
+    logs = gpumesh(bob, "logs", job_id, timeout=60)
+    text = logs.stdout
+    starts = _starts(text)
+    assert starts[0] == (0, 1), text
+    assert len(starts) == 2, text
+    resumed_from, attempt = starts[1]
+    assert attempt == 2
+    assert resumed_from >= max(checkpoint, 1), (resumed_from, checkpoint)
+    later = [int(n) for n in re.findall(r"^count (\d+)$", text.split("start", 2)[2], re.M)]
+    assert later == list(range(resumed_from + 1, _COUNT_TO + 1))
+    assert (outputs / "count").read_text() == f"{_COUNT_TO} 2\n"
+    return logs.stderr
+
+
+def _homes(trio: tuple[Path, Path, Path]) -> dict[str, Path]:
+    alice, carol, _bob = trio
+    return {"alice-pc": alice, "carol": carol}
+
+
+def _running_on(bob: Path, job_id: str, outputs: Path, past: int) -> str:
+    """The provider the job runs on once its checkpoint passed ``past``."""
+    until(lambda: _count(outputs) > past, f"the checkpoint past {past}", within=_CEILING)
+    return str(_listed(bob, job_id)["hops"][-1]["peer"])
+
+
+def test_a_paused_provider_moves_the_job_which_resumes_from_its_checkpoint(
+    trio: tuple[Path, Path, Path], tmp_path: Path
+) -> None:
+    _alice, _carol, bob = trio
+    ok(bob, "config", "set", "job_lease", "3s")
+    outputs = tmp_path / "out"
+    job_id = _start(bob, outputs)
+    first = _running_on(bob, job_id, outputs, 2)
+    paused = ok(_homes(trio)[first], "pause", "--grace", "2s", timeout=90)
+    assert "1 guest job preempted" in paused
+    checkpoint = _count(outputs)
+    job = _ended(bob, job_id)
+    assert (job["state"], job["exit_code"]) == ("succeeded", 0), job
+    hops = job["hops"]
+    assert [h["peer"] for h in hops] == [first, "carol" if first == "alice-pc" else "alice-pc"]
+    assert (hops[0]["ended"], hops[0]["epoch"], hops[1]["epoch"]) == ("preempted", 1, 2)
+    assert hops[0]["reason"] == f"{first}'s owner paused sharing"
+    stderr = _check_counted(bob, job_id, outputs, checkpoint)
+    assert f"--- moved from {first} (preempted: {first}'s owner paused sharing) to " in stderr
+
+
+def test_a_killed_provider_loses_the_job_after_job_lease_and_its_copy_stops_when_it_returns(
+    trio: tuple[Path, Path, Path], tmp_path: Path
+) -> None:
+    _alice, _carol, bob = trio
+    ok(bob, "config", "set", "job_lease", "3s")
+    outputs = tmp_path / "out"
+    job_id = _start(bob, outputs)
+    first = _running_on(bob, job_id, outputs, 2)
+    home = _homes(trio)[first]
+    pid = json.loads(ok(home, "status", "--json"))["agent_pid"]
+    os.kill(pid, signal.SIGKILL)  # no goodbye; its container runs on
+    assert wait_gone(pid)
+    checkpoint = _count(outputs)
+    job = _ended(bob, job_id)
+    assert job["state"] == "succeeded", job
+    assert job["hops"][0]["ended"] == "unreachable"
+    assert "did not answer for 3s (job_lease)" in job["hops"][0]["reason"]
+    _check_counted(bob, job_id, outputs, checkpoint)
+    # It comes back: it hears that the job moved, stops its copy, and nothing of it
+    # reaches bob's outputs.
+    ok(home, "share", "--detach", timeout=90)
+    hosted = until(
+        lambda: (j := _listed(home, job_id))["state"] != "running" and j,
+        "the returned provider to stop its copy",
+        within=_CEILING,
+        every=0.5,
+    )
+    assert (hosted["state"], hosted["message"]) == (
+        "cancelled",
+        "moved to another provider by its submitter",
+    )
+    assert (outputs / "count").read_text() == f"{_COUNT_TO} 2\n"
+
+
+@contextlib.contextmanager
+def _cut_off(home: Path) -> Iterator[None]:
+    """Drop every UDP packet to ``home``'s node (its own port, on loopback) while the
+    block runs."""
+    if os.geteuid() != 0 or shutil.which("iptables") is None:
+        if _in_ci():
+            pytest.fail("needs root and iptables, which CI must have")
+        pytest.skip("needs root and iptables")
+    port = str(json.loads(ok(home, "status", "--json"))["listen"]).rsplit(":", 1)[1]
+    rule = ["INPUT", "-p", "udp", "--dport", port, "-j", "DROP"]
+    subprocess.run(["iptables", "-w", "-I", *rule], check=True)
+    try:
+        yield
+    finally:
+        subprocess.run(["iptables", "-w", "-D", *rule], check=False)
+
+
+def test_a_provider_cut_off_loses_the_job_and_its_late_copy_delivers_nothing(
+    trio: tuple[Path, Path, Path], tmp_path: Path
+) -> None:
+    _alice, _carol, bob = trio
+    ok(bob, "config", "set", "job_lease", "3s")
+    outputs = tmp_path / "out"
+    job_id = _start(bob, outputs)
+    first = _running_on(bob, job_id, outputs, 2)
+    home = _homes(trio)[first]
+    with _cut_off(home):
+        checkpoint = _count(outputs)
+        job = _ended(bob, job_id)
+        assert job["state"] == "succeeded", job
+        assert job["hops"][0]["ended"] == "unreachable"
+        _check_counted(bob, job_id, outputs, checkpoint)
+        # The cut-off copy ran on, and wrote its own count meanwhile.
+        assert _listed(home, job_id)["state"] in ("running", "succeeded")
+    hosted = until(
+        lambda: (j := _listed(home, job_id))["message"] and j,
+        "the provider to hear that the job moved",
+        within=_CEILING,
+        every=0.5,
+    )
+    assert hosted["state"] in ("cancelled", "succeeded")
+    time.sleep(2)  # what the old copy still had: never fetched
+    assert (outputs / "count").read_text() == f"{_COUNT_TO} 2\n"
+    assert _listed(bob, job_id)["state"] == "succeeded"
+
+
+def test_max_moves_ends_a_preempted_job_and_wait_places_one_when_a_member_resumes(
+    trio: tuple[Path, Path, Path], tmp_path: Path
+) -> None:
+    alice, carol, bob = trio
+    job_id = _start(bob, tmp_path / "out", "--max-moves", "0")
+    first = _running_on(bob, job_id, tmp_path / "out", 0)
+    ok(_homes(trio)[first], "pause", "--grace", "1s", timeout=90)
+    job = _ended(bob, job_id)
+    assert job["state"] == "preempted"
+    assert job["message"] == (
+        f"moved 0 times (--max-moves 0); {first}: {first}'s owner paused sharing"
+    )
+    ok(_homes(trio)["carol" if first == "alice-pc" else "alice-pc"], "pause", timeout=90)
+
+    refused = gpumesh(bob, "run", "--group", "research", "--", "true", timeout=60)
+    _one_line_error(refused, ExitCode.USAGE, "paused by its owner")
+    waiting = ok(bob, "run", "--group", "research", "--wait", "5m", "--detach", "--", "echo", "hi")
+    queued = waiting.strip().split()[-1]
+    listed = _listed(bob, queued)
+    assert (listed["state"], listed["hops"]) == ("queued", [])
+    status = json.loads(ok(bob, "status", "--json"))
+    (entry,) = status["queue"]
+    assert (entry["job_id"], entry["moving"]) == (queued, False)
+    assert "paused by its owner" in entry["message"]
+    ok(carol, "resume")
+    done = _ended(bob, queued)
+    assert (done["state"], [h["peer"] for h in done["hops"]]) == ("succeeded", ["carol"])
+    assert gpumesh(bob, "logs", queued).stdout == "hi\n"
+    assert json.loads(ok(bob, "status", "--json"))["queue"] == []
+    del alice
+
+
+def test_the_submitter_asleep_catches_up_without_moving_the_job(
+    trio: tuple[Path, Path, Path], tmp_path: Path
+) -> None:
+    _alice, _carol, bob = trio
+    ok(bob, "config", "set", "job_lease", "3s")
+    outputs = tmp_path / "out"
+    job_id = _start(bob, outputs)
+    first = _running_on(bob, job_id, outputs, 1)
+    ok(bob, "daemon", "stop")
+    time.sleep(4)  # longer than job_lease: the job runs on where it is meanwhile
+    job = _ended(bob, job_id)  # the listing starts bob's node process again
+    assert job["state"] == "succeeded"
+    assert [h["peer"] for h in job["hops"]] == [first]
+    until(lambda: _count(outputs) == _COUNT_TO, "every checkpoint home", within=_CEILING)
+    assert _starts(gpumesh(bob, "logs", job_id).stdout) == [(0, 1)]
+
+
+def test_bad_moves_and_waits_are_refused_in_one_line(trio: tuple[Path, Path, Path]) -> None:
+    _alice, _carol, bob = trio
+    for args, message in [
+        (["--group", "research", "--max-moves", "11"], "--max-moves must be 0 to 10, got 11"),
+        (["--peer", "carol", "--max-moves", "2"], "--max-moves (max_moves:) needs --group"),
+        (["--group", "research", "--wait", "soon"], "--wait 'soon' is not a duration"),
+    ]:
+        _one_line_error(gpumesh(bob, "run", *args, "--", "true"), ExitCode.USAGE, message)
+    _one_line_error(
+        gpumesh(bob, "config", "set", "job_lease", "0"),
+        ExitCode.USAGE,
+        "invalid job_lease '0': it must be longer than 0",
+    )
+    note = gpumesh(bob, "run", "--group", "research", "--", "true", timeout=60)
+    assert note.returncode == 0, note.stderr
+    assert "no outputs: a move restarts this job from the beginning" in note.stderr
