@@ -13,8 +13,11 @@ closed after writing, or renamed into place) while an attempt runs, and a
 scan's at each attempt's end (every regular file whose size or mtime changed);
 each is recorded in ``job_outputs`` with a new sequence number
 (:meth:`~gpumesh.store.jobs.JobTables.record_outputs`), which the outputs
-service (:mod:`gpumesh.agent.outputs`) answers ``OutputsQuery`` from. Never
-reads a file's bytes, and never follows a link.
+service (:mod:`gpumesh.agent.outputs`) answers ``OutputsQuery`` from. A job
+that moved here from other providers finds, in its folder, what came home from
+them (its submitter restored it before the submit): recorded once, before its
+first attempt, as home already (:meth:`JobOutputs.baseline`). Never reads a
+file's bytes, and never follows a link.
 """
 
 from __future__ import annotations
@@ -137,21 +140,38 @@ class JobOutputs:
         if self.store.record_outputs(job_id, found):
             self.tell(job_id)
 
+    async def _found(self, job: JobRecord) -> list[Found]:
+        """Every regular file in the job's outputs folder now (none when it is gone)."""
+        peer = self._peer(job)
+        if peer is None:
+            return []
+        tree = await in_thread(self._open, peer, job.job_id)
+        if tree is None:
+            return []
+        with tree:
+            return await _finished(scan_outputs, tree)
+
     async def scan(self, job: JobRecord, *, settled: bool = False) -> None:
         """Record every file whose size or mtime changed since it was last recorded
         (``settled``: only those unchanged for a while; the job may be writing)."""
-        peer = self._peer(job)
-        if peer is None:
-            return
-        tree = await in_thread(self._open, peer, job.job_id)
-        if tree is None:
-            return
-        with tree:
-            found = await _finished(scan_outputs, tree)
+        found = await self._found(job)
         if settled:
             recent = time.time() - _SETTLE
             found = [entry for entry in found if entry[3] < recent]
         self._record(job.job_id, found)
+
+    async def baseline(self, job: JobRecord) -> None:
+        """Before a moved job's first attempt here: take what its outputs folder holds
+        as home already. Its submitter restored there, with ``cp``, what the
+        providers before this one had sent home, which need not travel back.
+        Recorded with seq 0, so only a file the job changes from now on is listed."""
+        found = await self._found(job)
+        self.store.record_outputs(job.job_id, found, baseline=True)
+        logger.info(
+            "[job %s] %d file(s) restored in its outputs folder: home already",
+            job.job_id,
+            len(found),
+        )
 
     async def started(self, job: JobRecord) -> asyncio.Task[None]:
         """:meth:`watch` for an attempt about to start: returned once the folder is

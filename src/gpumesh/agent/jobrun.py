@@ -333,6 +333,8 @@ class JobRunner:
             await self.finish(run, decision, no_retry=True)
 
     async def _start_attempt(self, run: Run, job: JobRecord) -> Decision | None:
+        if run.machine.attempt == 0 and job.outputs and job.attempts_before:
+            await self.outputs.baseline(job)  # before anything of this copy can write
         attempt = run.machine.start_attempt()
         run.cursor = {}
         run.timed_out = False

@@ -256,12 +256,20 @@ class JobTables(Tables):
     # --- outputs ---------------------------------------------------------------------------
 
     def record_outputs(
-        self, job_id: str, found: Sequence[tuple[str, int, int, float]], *, whole: bool = False
+        self,
+        job_id: str,
+        found: Sequence[tuple[str, int, int, float]],
+        *,
+        whole: bool = False,
+        baseline: bool = False,
     ) -> int:
         """Record files of a hosted job's outputs as ready: ``(path, size, mtime_ns,
         mtime)`` each; one whose size and mtime differ from what was last recorded
         (or new) gets the next seq. ``whole``: ``found`` is every file there is (a
-        scan), so entries it lacks are forgotten. Returns how many got a seq."""
+        scan), so entries it lacks are forgotten. ``baseline``: ``found`` is what the
+        submitter restored before the job started (home already), recorded with seq
+        0, which no ``OutputsQuery`` lists (they ask for seq > after >= 0), so only
+        a file the job changes since travels. Returns how many got a seq."""
         added = 0
         with self._transaction():
             known = {
@@ -277,13 +285,14 @@ class JobTables(Tables):
             for path, size, mtime_ns, mtime in found:
                 if known.get(path) == (size, mtime_ns):
                     continue
-                seq += 1
-                added += 1
                 known[path] = (size, mtime_ns)
+                if not baseline:
+                    seq += 1
+                    added += 1
                 self._db.execute(
                     "INSERT OR REPLACE INTO job_outputs (job_id, path, seq, size, mtime_ns, mtime) "
                     "VALUES (?, ?, ?, ?, ?, ?)",
-                    (job_id, path, seq, size, mtime_ns, mtime),
+                    (job_id, path, 0 if baseline else seq, size, mtime_ns, mtime),
                 )
             if whole:
                 gone = set(known) - {path for path, *_ in found}
