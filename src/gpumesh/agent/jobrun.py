@@ -52,12 +52,15 @@ from gpumesh.store.jobs import JobRecord
 from gpumesh.units import format_size
 
 __all__ = [
+    "ATTEMPT_ENV",
     "CANCEL_GRACE",
     "GPU_SAMPLE_INTERVAL",
     "QUOTA_INTERVAL",
+    "RESUMED_ENV",
     "TIMEOUT_EXIT",
     "JobRunner",
     "Run",
+    "attempt_env",
     "gpu_holder",
 ]
 
@@ -77,6 +80,20 @@ CANCEL_GRACE = 5.0
 """Seconds a cancelled job's container has between SIGTERM and SIGKILL."""
 _END_WAIT = 20.0
 """Seconds a cancel or a preemption waits, past the grace, for the job to be told ended."""
+ATTEMPT_ENV = "GPUMESH_ATTEMPT"
+"""The variable that says which start of the job an attempt is (:func:`attempt_env`)."""
+RESUMED_ENV = "GPUMESH_RESUMED"
+"""The variable that says ``1`` when the job started before (:func:`attempt_env`)."""
+
+
+def attempt_env(attempts_before: int, attempt: int) -> dict[str, str]:
+    """What the provider tells an attempt of a job (over what the job's env says):
+    which start of the job it is, counting every start on every provider it ran
+    on, retries and moves together, from 1 (:data:`ATTEMPT_ENV`), and whether an
+    earlier start may have left work to resume from (:data:`RESUMED_ENV`): a
+    checkpoint in its outputs folder, restored there after a move."""
+    start = attempts_before + attempt
+    return {ATTEMPT_ENV: str(start), RESUMED_ENV: "1" if start > 1 else "0"}
 
 
 def gpu_holder(job_id: str) -> Holder:
@@ -429,7 +446,9 @@ class JobRunner:
         return ContainerSpec(
             image=job.image,
             command=list(job.command),
-            env=dict(job.env) | ({OUTPUTS_ENV: job.outputs} if job.outputs else {}),
+            env=dict(job.env)
+            | ({OUTPUTS_ENV: job.outputs} if job.outputs else {})
+            | attempt_env(job.attempts_before, attempt),
             labels={
                 LABEL_JOB: job.job_id,
                 LABEL_PEER: job.peer_id,
