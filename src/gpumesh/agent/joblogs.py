@@ -175,11 +175,12 @@ class JobLog:
         # What an older consumer was not sent is told in a line on its stderr; a
         # credited consumer tells that itself, from the offsets.
         position = OutputPosition(0 if after == 0 else UNKNOWN)
+        epoch = self._record(job_id).epoch
         while True:
             events = self._store.job_events(job_id, after, _EVENTS_PER_SEND)
             if events:
                 after = events[-1].seq
-                messages = [told(event.to_message(), knows_preempted) for event in events]
+                messages = [told(event.to_message(), knows_preempted, epoch) for event in events]
                 if credited:
                     await stream.send_data(encode_events(messages))
                     continue
@@ -206,16 +207,28 @@ class JobLog:
 
 
 @overload
-def told(message: JobStatus, knows_preempted: bool) -> JobStatus: ...
+def told(message: JobStatus, knows_preempted: bool, epoch: int) -> JobStatus: ...
 @overload
-def told(message: JobOutput | JobStatus, knows_preempted: bool) -> JobOutput | JobStatus: ...
-def told(message: JobOutput | JobStatus, knows_preempted: bool) -> JobOutput | JobStatus:
-    """``message`` as a requester is told it: one from before ``preempted`` reads the
-    state it knows instead (:data:`~gpumesh.protocol.states.LEGACY_STATES`)."""
-    if knows_preempted or not isinstance(message, JobStatus):
+def told(
+    message: JobOutput | JobStatus, knows_preempted: bool, epoch: int
+) -> JobOutput | JobStatus: ...
+def told(
+    message: JobOutput | JobStatus, knows_preempted: bool, epoch: int
+) -> JobOutput | JobStatus:
+    """``message`` as a requester is told it, the one way a hosted job's status leaves
+    this provider: stamped with the ``epoch`` of the copy that runs here (events
+    are stored without it: a job id has one epoch here for good), and for one from
+    before ``preempted``, the state it knows instead
+    (:data:`~gpumesh.protocol.states.LEGACY_STATES`)."""
+    if not isinstance(message, JobStatus):
         return message
-    older = LEGACY_STATES.get(message.state)
-    return msgspec.structs.replace(message, state=older) if older is not None else message
+    changes: dict[str, object] = {}
+    if message.epoch != epoch:
+        changes["epoch"] = epoch
+    older = None if knows_preempted else LEGACY_STATES.get(message.state)
+    if older is not None:
+        changes["state"] = older
+    return msgspec.structs.replace(message, **changes) if changes else message
 
 
 class OutputPump:

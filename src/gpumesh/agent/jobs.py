@@ -235,6 +235,8 @@ class JobService:
                 created_at=time.time(),
                 mounts=mounts,
                 outputs=message.outputs,
+                epoch=message.epoch,
+                attempts_before=message.attempts_before,
             )
             # Again, with nothing awaited before the record claims it: a submit that
             # raced this one through the checks above may have taken the last place.
@@ -543,7 +545,7 @@ def _status_of(job: JobRecord, knows_preempted: bool) -> JobStatus:
         peak_gpu_memory=job.peak_gpu_memory,
         started=job.started_at or 0.0,
     )
-    return told(status, knows_preempted)
+    return told(status, knows_preempted, job.epoch)
 
 
 def _shown(command: list[str], most: int = 60) -> str:

@@ -64,7 +64,8 @@ class OutputsService:
                     "are released once it ended"
                 )
             await in_thread(self.outputs.remove, ctx.peer, job.job_id)
-            ctx.stream.send_message(OutputsReady(files=[], final=True, folder=folder), end=True)
+            released = OutputsReady(files=[], final=True, folder=folder, epoch=job.epoch)
+            ctx.stream.send_message(released, end=True)
             return
         deadline = time.monotonic() + message.wait
         while True:
@@ -87,5 +88,7 @@ class OutputsService:
                 OutputFile(seq=entry.seq, path=entry.path, size=entry.size, mtime=entry.mtime)
             )
         more = len(files) < len(entries) or len(entries) == MAX_OUTPUT_FILES
-        reply = OutputsReady(files=files, final=final and not more, folder=folder, more=more)
+        reply = OutputsReady(
+            files=files, final=final and not more, folder=folder, more=more, epoch=job.epoch
+        )
         ctx.stream.send_message(reply, end=True)
