@@ -284,7 +284,8 @@ class NotFoundError(GPUMeshError):
 
 class InUseError(GPUMeshError):
     """Something this node needs is taken: its home by a running ``gpumesh share``,
-    or the UDP port it would listen on."""
+    or the UDP port it would listen on; or, refused by a provider, a job id it
+    holds under another fencing epoch (a copy of the job ran there before)."""
 
     code = "in_use"
     exit_code = ExitCode.IN_USE

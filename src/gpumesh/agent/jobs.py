@@ -46,6 +46,7 @@ from gpumesh.errors import (
     AccessDeniedError,
     ConfigError,
     GPUMeshError,
+    InUseError,
     LimitError,
     NotFoundError,
     ProtocolError,
@@ -72,7 +73,7 @@ if TYPE_CHECKING:
     from gpumesh.agent.datachannel import TarOffer
     from gpumesh.store.peers import Peer
 
-__all__ = ["JobService", "uploaded_workdirs"]
+__all__ = ["JobService", "fenced", "uploaded_workdirs"]
 
 logger = logging.getLogger(__name__)
 
@@ -170,6 +171,10 @@ class JobService:
         if existing is not None:
             if existing.peer_id != peer.node_id:
                 raise AccessDeniedError(f"job id {message.job_id} is taken; submit again")
+            if existing.epoch != message.epoch:
+                refusal = fenced(existing, message.epoch)
+                logger.info("[job %s] refused from %s: %s", existing.job_id, peer.name, refusal)
+                raise refusal
             if existing.state != JobState.UPLOADING:
                 # A resubmission after a dropped link: never a second copy.
                 ctx.stream.send_message(
@@ -529,6 +534,22 @@ class JobService:
             Claim(job.peer_id, Kind.JOB, limits.job_memory)
             for job in self.store.unfinished_hosted_jobs()
         ]
+
+
+def fenced(existing: JobRecord, epoch: int) -> InUseError:
+    """The refusal of a job id this provider holds under another fencing epoch: one
+    copy of a job may ever run here, so a copy moved away never comes back, and a
+    stale submit of an older copy never replaces a newer one."""
+    job = existing.job_id
+    if existing.epoch < epoch:
+        return InUseError(
+            f"job {job} ran here before as an older copy (epoch {existing.epoch}): "
+            f"it cannot come back under epoch {epoch}; place it on another provider"
+        )
+    return InUseError(
+        f"job {job} came here as a newer copy (epoch {existing.epoch}): an older one "
+        f"(epoch {epoch}) cannot take its place"
+    )
 
 
 def _status_of(job: JobRecord, knows_preempted: bool) -> JobStatus:
