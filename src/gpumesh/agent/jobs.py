@@ -10,6 +10,11 @@ workdir. Each accepted job is then run by the supervision
 (:class:`~gpumesh.agent.jobrun.JobRunner`: attempts, retries, timeouts, cancels,
 recovery after a restart), and its output and states are kept in its event
 log and streamed to consumers (:class:`~gpumesh.agent.joblogs.JobLog`).
+
+Jobs that move: a job id is held here under one fencing epoch for good (the
+``JobSubmit.epoch`` of the copy accepted); a submit under another is refused
+(:func:`fenced`), and a cancel that says the job ``moved`` stops this copy and
+deletes its outputs, so only the submitter's newest copy is ever served.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from gpumesh.agent.gpus import GpuAllocator
 from gpumesh.agent.joblogs import JobLog, told
 from gpumesh.agent.joboutputs import outputs_remote
 from gpumesh.agent.jobrun import JobRunner, Run, gpu_holder
-from gpumesh.agent.jobstate import REVOKED, Decision
+from gpumesh.agent.jobstate import MOVED, REVOKED, Decision
 from gpumesh.agent.limits import Admission, Claim, Kind
 from gpumesh.agent.sandboxfs import os_refusal, shown
 from gpumesh.blocking import in_thread
@@ -302,8 +307,23 @@ class JobService:
         )
 
     async def handle_cancel(self, ctx: RequestContext, message: JobCancel) -> None:
-        job = await self.runner.cancel(self.owned(ctx.peer, message.job_id).job_id)
+        job_id = self.owned(ctx.peer, message.job_id).job_id
+        if message.moved:
+            job = await self._moved(ctx.peer, job_id)
+        else:
+            job = await self.runner.cancel(job_id)
         ctx.stream.send_message(_status_of(job, message.knows_preempted), end=True)
+
+    async def _moved(self, peer: Peer, job_id: str) -> JobRecord:
+        """Its submitter moved the job elsewhere: this copy is stopped as a cancel
+        stops it (an ended one keeps its state), then its outputs folder and entries
+        go, so nothing of it is served or counts in the peer's quota any more: the
+        newest copy is the one whose outputs come home. Its record after."""
+        job = await self.runner.cancel(job_id, MOVED)
+        if job.outputs:
+            await in_thread(self.runner.outputs.remove, peer, job_id)
+        logger.info("[job %s] moved by %s: this copy stopped (%s)", job_id, peer.name, job.state)
+        return job
 
     async def handle_query(self, ctx: RequestContext, message: JobQuery) -> None:
         job = self.owned(ctx.peer, message.job_id)

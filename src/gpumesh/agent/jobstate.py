@@ -20,11 +20,14 @@ from dataclasses import dataclass
 
 from gpumesh.protocol.states import FINAL_STATES, JobState
 
-__all__ = ["FINAL_STATES", "Decision", "JobMachine", "JobState", "backoff"]
+__all__ = ["FINAL_STATES", "MOVED", "REVOKED", "Decision", "JobMachine", "JobState", "backoff"]
 
 
 REVOKED = "access revoked"
 """Why the jobs of a peer that was denied (or unpaired) were cancelled."""
+MOVED = "moved to another provider by its submitter"
+"""Why a job was cancelled by a ``JobCancel`` with ``moved``: its submitter runs a
+newer copy elsewhere."""
 
 
 def backoff(attempt: int) -> float:

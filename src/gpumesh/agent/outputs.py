@@ -7,7 +7,10 @@ seconds when there is nothing new yet; and the release of a finished job's
 outputs folder once its submitter has everything. The files themselves are
 fetched with the sandbox's downloads (``FileStat``, ``FileGet``), which check
 every path again through descriptors: nothing here reads them. Only the job's
-own submitter is answered.
+own submitter is answered, and every answer names the epoch of the copy that
+runs here. A copy its submitter moved away had its folder and entries deleted
+(:meth:`~gpumesh.agent.jobs.JobService.handle_cancel`), so it is answered as a
+released job is: final, with no files.
 """
 
 from __future__ import annotations
