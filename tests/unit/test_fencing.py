@@ -48,7 +48,7 @@ def test_a_newer_copy_is_refused_in_one_line_that_survives_the_wire() -> None:
     assert type(again) is InUseError and again.message == refusal.message
 
 
-def test_an_older_copy_is_refused_saying_a_newer_one_runs_here() -> None:
+def test_an_older_copy_is_refused_saying_a_newer_one_came_here() -> None:
     refusal = fenced(_hosted(3), 2)
     assert isinstance(refusal, InUseError)
     assert "came here as a newer copy (epoch 3)" in refusal.message
