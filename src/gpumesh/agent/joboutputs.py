@@ -42,6 +42,7 @@ from gpumesh.files.outputs import (
     stat_outputs,
 )
 from gpumesh.files.sandbox import Tree
+from gpumesh.protocol.messages import OUTPUTS_FOLDER
 from gpumesh.store.db import Store
 from gpumesh.store.jobs import JobRecord
 from gpumesh.store.peers import Peer
@@ -52,8 +53,6 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-OUTPUTS_FOLDER = "gpumesh-outputs"
-"""The folder of the submitter's sandbox that holds its jobs' outputs folders."""
 OUTPUTS_ENV = "GPUMESH_OUTPUTS"
 """The variable that names the outputs folder inside the job."""
 _BATCH = 0.05

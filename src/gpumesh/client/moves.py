@@ -236,6 +236,7 @@ class JobKeeper:
         """The hop ended: record it, tell its provider (in the background), and queue
         the job for its next hop, or end it when it may not move again. A preempted
         copy's last outputs (its checkpoint at SIGTERM) come home first."""
+        job = self._job(job.job_id) or job  # as its provider last told it
         hop = {
             "peer": job.peer_name,
             "peer_id": job.peer_id,
