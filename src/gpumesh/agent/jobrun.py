@@ -455,7 +455,9 @@ class JobRunner:
                 LABEL_NODE: self.provider.node_id,
                 LABEL_ATTEMPT: str(attempt),
             },
-            name=f"gpumesh-{job.job_id}-{attempt}",
+            # Named by the job's start (every provider it moved between counted), so
+            # two hops never clash where one Docker engine serves both.
+            name=f"gpumesh-{job.job_id}-{job.attempts_before + attempt}",
             **asdict(self.containers.limits()),
             user=who.user,
             writable_root=who.writable_root,
