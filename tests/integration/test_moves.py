@@ -17,6 +17,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -130,9 +131,25 @@ def test_a_paused_provider_moves_the_job_which_resumes_from_its_checkpoint(
     outputs = tmp_path / "out"
     job_id = _start(bob, outputs)
     first = _running_on(bob, job_id, outputs, 2)
-    paused = ok(_homes(trio)[first], "pause", "--grace", "2s", timeout=90)
-    assert "1 guest job preempted" in paused
-    checkpoint = _count(outputs)
+    follower = subprocess.Popen(
+        [sys.executable, "-m", "gpumesh", "logs", "-f", job_id],
+        env=dict(os.environ, GPUMESH_HOME=str(bob)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        paused = ok(_homes(trio)[first], "pause", "--grace", "2s", timeout=90)
+        assert "1 guest job preempted" in paused
+        checkpoint = _count(outputs)
+        followed, followed_err = follower.communicate(timeout=_CEILING)
+    finally:
+        follower.kill()
+    # One `logs -f` saw the whole job, across the move, nothing lost or repeated.
+    assert follower.returncode == 0, followed_err
+    assert _starts(followed)[0] == (0, 1)
+    assert followed == gpumesh(bob, "logs", job_id).stdout
+    assert f"--- moved from {first} (preempted: " in followed_err
     job = _ended(bob, job_id)
     assert (job["state"], job["exit_code"]) == ("succeeded", 0), job
     hops = job["hops"]
@@ -247,8 +264,10 @@ def test_max_moves_ends_a_preempted_job_and_wait_places_one_when_a_member_resume
 
     refused = gpumesh(bob, "run", "--group", "research", "--", "true", timeout=60)
     _one_line_error(refused, ExitCode.USAGE, "paused by its owner")
-    waiting = ok(bob, "run", "--group", "research", "--wait", "5m", "--detach", "--", "echo", "hi")
-    queued = waiting.strip().split()[-1]
+    waiting = gpumesh(bob, "run", "--group", "research", "--wait", "5m", "-d", "--", "echo", "hi")
+    assert waiting.returncode == 0, waiting.stderr
+    assert "no outputs: a move restarts this job from the beginning" in waiting.stderr
+    queued = waiting.stdout.strip()
     listed = _listed(bob, queued)
     assert (listed["state"], listed["hops"]) == ("queued", [])
     status = json.loads(ok(bob, "status", "--json"))

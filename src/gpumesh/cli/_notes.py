@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from gpumesh.daemon.client import SseEvent
 
 __all__ = [
+    "RESTARTS_ON_MOVE",
     "ReconnectNotes",
     "RunReader",
     "StepNotes",
@@ -209,6 +210,12 @@ class RunReader:
         raise NodeUnavailableError.because("the event stream ended before the run's end")
 
 
+RESTARTS_ON_MOVE = (
+    "no outputs: a move restarts this job from the beginning (bring its checkpoints "
+    "home with --outputs PATH to resume them)"
+)
+
+
 class StepNotes:
     """What the steps before a job runs print: where ``--group`` placed it, the
     provider's pull (a bar on a terminal, a line at each end else), acceptance (on
@@ -222,6 +229,8 @@ class StepNotes:
         self._pull_bar: Any = None
         self._pull_task: Any = None
         self._pull_noted = False
+        self.restarts_on_move = False
+        """The job may move and brings no outputs home: said once it is placed."""
 
     def note(self, text: str) -> None:
         """A note on stderr, dimmed (on a terminal), unless quiet."""
@@ -237,6 +246,8 @@ class StepNotes:
         """Where ``--group`` placed the job, and why the other members were not chosen."""
         chosen = view.chosen.name
         self.note(f"placing on {chosen}: {view.chosen.reason}")
+        if self.restarts_on_move:
+            self.note(RESTARTS_ON_MOVE)
         for member in view.candidates:
             if member.name != chosen and (self.explain or not member.eligible):
                 verdict = "also fits" if member.eligible else "skipped"

@@ -185,22 +185,21 @@ def _through_node(body: JobBody, *, detach: bool, quiet: bool, explain: bool = F
     streams the run (placement, pull, acceptance, upload, then the job's events),
     and a stream its node process dropped after acceptance resumes as `logs -f`."""
     from gpumesh.cli._node import follow, node_client
-    from gpumesh.cli._notes import RunReader, ViewPrinter, exit_status_of
+    from gpumesh.cli._notes import RESTARTS_ON_MOVE, RunReader, ViewPrinter, exit_status_of
     from gpumesh.client.views.jobs import JobResultView
     from gpumesh.client.views.runs import RUN_EVENTS
     from gpumesh.daemon.client import NodeUnavailableError
 
     client = node_client()
-    if body.group and not body.outputs and body.max_moves != 0 and not quiet:
-        click.echo(
-            "gpumesh: no outputs: a move restarts this job from the beginning (bring its "
-            "checkpoints home with --outputs PATH to resume them)",
-            err=True,
-        )
+    restarts = bool(body.group) and not body.outputs and body.max_moves != 0
     if detach:
-        click.echo(client.call("POST", "/api/v1/jobs", JobResultView, body).job_id)
+        job_id = client.call("POST", "/api/v1/jobs", JobResultView, body).job_id
+        if restarts and not quiet:
+            click.echo(f"gpumesh: {RESTARTS_ON_MOVE}", err=True)
+        click.echo(job_id)
         return
     reader = RunReader(ViewPrinter("", quiet=quiet, explain=explain))
+    reader.printer.steps.restarts_on_move = restarts
     try:
         try:
             answer = client.send("POST", "/api/v1/jobs?stream=true", body)
