@@ -123,7 +123,13 @@ class ViewPrinter:
         """One event of the stream: its view (:data:`~gpumesh.client.views.runs.RUN_EVENTS`)."""
         from gpumesh.client.views.jobs import Dropped, Moved, Output, Reconnecting, Status
         from gpumesh.client.views.outputs import OutputsView
-        from gpumesh.client.views.runs import AcceptedView, PlacedView, PullingView, UploadingView
+        from gpumesh.client.views.runs import (
+            AcceptedView,
+            PlacedView,
+            PullingView,
+            QueuedView,
+            UploadingView,
+        )
 
         if not isinstance(view, Reconnecting):
             self.outage.heard()
@@ -157,6 +163,9 @@ class ViewPrinter:
             self.steps.accepted(view.job_id, view.provider, view.gpus)
         elif isinstance(view, UploadingView):
             self.steps.upload(view.sent, view.total)
+        elif isinstance(view, QueuedView):
+            self.job_id = view.job_id
+            self.steps.note(f"job {view.job_id} {view.message} (queued: Ctrl-C cancels it)")
         elif isinstance(view, OutputsView):
             self.outputs(view)
 
@@ -194,7 +203,7 @@ class RunReader:
         run's end; the end's view (the job's result). An ``error`` event is raised
         as its error (by the stream)."""
         from gpumesh.client.views.jobs import JobResultView
-        from gpumesh.client.views.runs import AcceptedView
+        from gpumesh.client.views.runs import AcceptedView, QueuedView
 
         for event in events:
             if isinstance(event.view, JobResultView):
@@ -202,6 +211,8 @@ class RunReader:
             if isinstance(event.view, AcceptedView):
                 self.job_id = event.view.job_id
                 self.provider = event.view.provider
+            elif isinstance(event.view, QueuedView):
+                self.job_id, self.provider = event.view.job_id, ""  # no provider yet
             self.printer.show(event.view)
             if event.id is not None:
                 self.after = event.id

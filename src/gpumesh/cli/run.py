@@ -228,7 +228,9 @@ def _interrupted(job_id: str, peer: str) -> None:
 
     # Without a terminal to ask, the job is cancelled.
     cancel = not sys.stdin.isatty() or click.confirm(
-        f"\nCancel job {job_id} on {peer}? (no: it keeps running)", default=True
+        f"\nCancel job {job_id} {f'on {peer}' if peer else 'waiting in the queue'}? "
+        "(no: it keeps running)",
+        default=True,
     )
     if not cancel:
         click.echo(f"Detached. Follow it with: gpumesh logs -f {job_id}", err=True)

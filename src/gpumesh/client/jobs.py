@@ -237,6 +237,8 @@ class JobResult:
     """With ``quic``: why not the data channel (see :class:`gpumesh.client.bulk.NoChannel`)."""
     role: JobRole = JobRole.SUBMITTED
     """Whether this node submitted the job or hosts it."""
+    waiting: bool = False
+    """No provider holds it: it waits in the node process's queue (``run --wait``)."""
 
     @classmethod
     def of_record(cls, job: JobRecord) -> JobResult:
@@ -486,7 +488,7 @@ def _enqueue(node: Node, spec: JobSpec, job_id: str, wait: float, why: GPUMeshEr
     node.home.store.add_job(record)
     assert node.keeper is not None
     node.keeper.start(job_id)
-    return JobResult.of_record(record)
+    return dataclasses.replace(JobResult.of_record(record), waiting=True)
 
 
 def outputs_destination(spec: JobSpec, job_id: str) -> Path:

@@ -26,7 +26,16 @@ if TYPE_CHECKING:
     from gpumesh.client.placement import Placement
     from gpumesh.protocol.messages import ImagePull, JobAccepted
 
-__all__ = ["Accepted", "Placed", "Pulling", "RunEvent", "RunWatch", "Uploading", "watch_run"]
+__all__ = [
+    "Accepted",
+    "Placed",
+    "Pulling",
+    "Queued",
+    "RunEvent",
+    "RunWatch",
+    "Uploading",
+    "watch_run",
+]
 
 
 @dataclass(frozen=True)
@@ -56,7 +65,15 @@ class Uploading:
     total: int
 
 
-RunEvent = Placed | Pulling | Accepted | Uploading | JobEvent
+@dataclass(frozen=True)
+class Queued:
+    """No provider can take the job now: it waits in the node process's queue."""
+
+    job_id: str
+    message: str
+
+
+RunEvent = Placed | Pulling | Accepted | Uploading | Queued | JobEvent
 
 
 class RunWatch(Watch[RunEvent]):
@@ -93,6 +110,8 @@ class RunWatch(Watch[RunEvent]):
             self.result = task.result()
         finally:
             await stop(task)
+        if self.result.waiting:
+            yield Queued(self.result.job_id, self.result.message)
         if not follow:
             return
         events = logs(node, self.result.job_id, follow=True)

@@ -21,6 +21,7 @@ __all__ = [
     "CandidateView",
     "PlacedView",
     "PullingView",
+    "QueuedView",
     "UploadingView",
 ]
 
@@ -65,11 +66,23 @@ class UploadingView(msgspec.Struct):
     total: int
 
 
-StepView = PlacedView | PullingView | AcceptedView | UploadingView
+class QueuedView(msgspec.Struct):
+    """No provider can take the job now: it waits in the node process's queue
+    (``run --wait``); its events follow once one does."""
+
+    job_id: str
+    message: str
+    """Why it waits: every member's reason."""
+
+
+StepView = PlacedView | PullingView | AcceptedView | UploadingView | QueuedView
 
 RUN_EVENTS: dict[str, type] = {
     **JOB_EVENTS,
-    **{cls.__name__.lower(): cls for cls in (PlacedView, PullingView, AcceptedView, UploadingView)},
+    **{
+        cls.__name__.lower(): cls
+        for cls in (PlacedView, PullingView, AcceptedView, UploadingView, QueuedView)
+    },
     "outputsview": OutputsView,
 }
 """A run's Server-Sent Events (``POST /api/v1/jobs?stream=true``): its steps, as the

@@ -31,6 +31,7 @@ from gpumesh.client.views.runs import (
     CandidateView,
     PlacedView,
     PullingView,
+    QueuedView,
     StepView,
     UploadingView,
 )
@@ -226,4 +227,6 @@ def _step_view(event: runs.RunEvent) -> StepView | None:
         return AcceptedView(accepted.job_id, accepted.provider, list(accepted.gpus))
     if isinstance(event, runs.Uploading):
         return UploadingView(event.sent, event.total)
+    if isinstance(event, runs.Queued):
+        return QueuedView(event.job_id, event.message)
     return None
