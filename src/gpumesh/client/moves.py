@@ -136,16 +136,6 @@ class JobKeeper:
         if event is not None:
             event.set()
 
-    @property
-    def busy(self) -> bool:
-        tasks = [*self._tasks.values(), *self._stoppers.values()]
-        return any(not task.done() for task in tasks)
-
-    def queued(self) -> list[JobRecord]:
-        """The jobs waiting in the queue, or between two hops."""
-        store = self.node.home.store
-        return [j for j in store.kept_jobs() if not j.peer_id and j.state not in FINAL_STATES]
-
     async def stop(self) -> None:
         tasks = [*self._tasks.values(), *self._stoppers.values()]
         for task in tasks:
@@ -171,8 +161,9 @@ class JobKeeper:
         while (job := self._job(job_id)) is not None and job.state not in FINAL_STATES:
             if job.cancel_requested:
                 if job.peer_id:  # placed just as it was cancelled
-                    await cancel_job(self.node, job.peer_id, job.job_id)
-                return
+                    with contextlib.suppress(GPUMeshError):
+                        await cancel_job(self.node, job.peer_id, job.job_id)
+                return  # a cancelled job never moves
             if not job.peer_id:
                 await self._place(job)
                 continue
@@ -192,8 +183,10 @@ class JobKeeper:
             current = self._job(job.job_id)
             if current is None or current.state in FINAL_STATES:
                 return None
-            if current.peer_id != job.peer_id or not current.job_group:
+            if current.peer_id != job.peer_id or current.cancel_requested:
                 return None
+            if not current.job_group:
+                return None  # a --peer job stays where it was placed
             news.clear()
             try:
                 status = await self._query(current, every)
