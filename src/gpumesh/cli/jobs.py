@@ -86,10 +86,10 @@ def _print(records: list[JobListEntry]) -> None:
     rows = []
     for j in records:
         peer = f"→ {j.peer}" if j.role == JobRole.SUBMITTED else f"← {j.peer}"
-        if j.role == JobRole.SUBMITTED and len(j.hops) > 1:
+        if j.role == JobRole.SUBMITTED and not j.peer:  # no provider holds it now
+            peer = f"→ ({'moving' if j.hops else 'queued'}{': ' + j.group if j.group else ''})"
+        elif j.role == JobRole.SUBMITTED and len(j.hops) > 1:
             peer += f" (moved {len(j.hops) - 1}×)"
-        elif j.role == JobRole.SUBMITTED and not j.hops:
-            peer = f"→ (queued{': ' + j.group if j.group else ''})"
         color = colors.get(j.state, "white")
         state = j.state
         duration = j.duration

@@ -52,6 +52,8 @@ class JobListEntry(msgspec.Struct):
     role: str
     """``submitted`` (sent to a peer) or ``hosted`` (run here for a peer)."""
     peer: str
+    """The provider (submitted; empty while none holds the job: queued, or moving)
+    or the submitter (hosted)."""
     state: str
     exit_code: int | None
     attempt: int
@@ -91,7 +93,7 @@ class JobListEntry(msgspec.Struct):
         return cls(
             job_id=job.job_id,
             role=job.role,
-            peer=job.peer_name,
+            peer=job.peer_name if job.peer_id or job.role == "hosted" else "",
             state=job.state,
             exit_code=job.exit_code,
             attempt=job.attempt,
