@@ -12,7 +12,7 @@ import contextlib
 import os
 import subprocess
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -266,6 +266,18 @@ def ok(home: Path, *args: str, timeout: float = 30) -> str:
 def trio(tmp_path: Path, gpumesh_processes: None) -> Iterator[tuple[Path, Path, Path]]:
     """alice-pc and carol share (no GPUs, simulated or real); bob is paired with both
     and has them in his group `research`."""
+    with sharing_trio(tmp_path) as homes:
+        yield homes
+
+
+@contextlib.contextmanager
+def sharing_trio(
+    tmp_path: Path, *, carol_inside: Sequence[str] = (), **carol_config: str
+) -> Iterator[tuple[Path, Path, Path]]:
+    """:func:`trio`'s three homes, sharing while the block runs. ``carol_config`` is
+    set in carol's config first; with ``carol_inside`` (a command prefix such as
+    ``ip netns exec NS``) her node process is started through it, so that it and
+    the processes it starts run there."""
     import json
     import signal
 
@@ -278,10 +290,16 @@ def trio(tmp_path: Path, gpumesh_processes: None) -> Iterator[tuple[Path, Path, 
     _init(bob, "bob-laptop")
     for home in (alice, carol, bob):
         ok(home, "config", "set", "image", image)
+    for key, value in carol_config.items():
+        ok(carol, "config", "set", key, value)
+    if carol_inside:
+        # The commands above ran through a node process started here: the share
+        # must start hers where she runs.
+        ok(carol, "daemon", "stop")
     shares: list[subprocess.Popen[str]] = []
     try:
-        for provider in (alice, carol):
-            shares.append(_start_share(provider))
+        for provider, inside in ((alice, ()), (carol, carol_inside)):
+            shares.append(_start_share(provider, inside=inside))
             ok(bob, "pair", ok(provider, "pair-code").strip(), "--offline")
             ok(provider, "pair", ok(bob, "pair-code").strip(), "--offline")
         ok(bob, "group", "create", "research")

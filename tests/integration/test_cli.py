@@ -18,7 +18,7 @@ import struct
 import subprocess
 import sys
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import msgspec
@@ -56,10 +56,12 @@ def _one_line_error(result: subprocess.CompletedProcess[str], code: int, text: s
     assert "Traceback" not in result.stderr
 
 
-def _start_share(home: Path, *flags: str) -> subprocess.Popen[str]:
+def _start_share(home: Path, *flags: str, inside: Sequence[str] = ()) -> subprocess.Popen[str]:
+    """`gpumesh share` for ``home``, run through the command prefix ``inside`` if any
+    (``ip netns exec NS``), once its node process shares."""
     env = dict(os.environ, GPUMESH_HOME=str(home))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gpumesh", "share", *flags],
+        [*inside, sys.executable, "-m", "gpumesh", "share", *flags],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

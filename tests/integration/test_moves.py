@@ -1,7 +1,9 @@
 """Jobs move: a group's job leaves a provider that is paused, killed or cut off, and
 resumes on another member from the checkpoint it brought home; only its newest copy
 delivers. Real `gpumesh share` processes, the real Docker engine, the real CLI (bob's
-node process keeps the job), real iptables for a cut link.
+node process keeps the job); a cut link is real iptables in a network namespace of
+the test's own, where the cut-off provider runs (this machine's firewall is left
+alone).
 
 The job is a counter that checkpoints every second into its outputs and resumes
 from the checkpoint it finds there. Every wait is bounded by a generous ceiling;
@@ -13,21 +15,22 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import re
-import shutil
+import secrets
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from gpumesh.errors import ExitCode
-from tests.conftest import _in_ci
-from tests.integration.conftest import gpumesh, ok, until
+from tests.integration.conftest import gpumesh, ok, sharing_trio, until
 from tests.integration.node import wait_gone
 from tests.integration.test_cli import _one_line_error
 
@@ -208,43 +211,129 @@ def test_a_killed_provider_loses_the_job_after_job_lease_and_its_copy_stops_when
     _check_counted(bob, job_id, outputs, checkpoint)
 
 
+@dataclass(frozen=True)
+class Apart:
+    """A network namespace of a test's own, joined to this machine's by a veth pair
+    on a /30 of its own."""
+
+    name: str
+    address: str
+    """Its end of the pair, where this machine reaches what listens inside."""
+
+    def inside(self, *argv: str) -> list[str]:
+        """``argv`` run inside the namespace."""
+        return ["ip", "netns", "exec", self.name, *argv]
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+
+
+@pytest.fixture
+def apart(network_lab: None) -> Iterator[Apart]:
+    """:class:`Apart`, removed with whatever still runs in it, whatever the test did.
+    Its name and /30 are random, so that test processes side by side never share
+    one (10.220-249.x.y: no other test's range)."""
+    tag = secrets.token_hex(3)
+    name, here, there = f"gmv{tag}", f"gmv{tag}h", f"gmv{tag}n"
+    net = f"10.{random.randrange(220, 250)}.{random.randrange(256)}"
+    first = 4 * random.randrange(64)
+    ns = Apart(name=name, address=f"{net}.{first + 2}")
+    _ip("netns", "add", name)
+    try:
+        _ip("link", "add", here, "type", "veth", "peer", "name", there, "netns", name)
+        _ip("addr", "add", f"{net}.{first + 1}/30", "dev", here)
+        _ip("link", "set", here, "up")
+        _ip("-n", name, "addr", "add", f"{ns.address}/30", "dev", there)
+        _ip("-n", name, "link", "set", there, "up")
+        _ip("-n", name, "link", "set", "lo", "up")
+        yield ns
+    finally:
+        try:
+            _empty(name)
+        finally:
+            with contextlib.suppress(subprocess.CalledProcessError):
+                _ip("link", "del", here)  # both ends, and its route
+            _ip("netns", "del", name)
+
+
+def _pids(namespace: str) -> list[int]:
+    found = subprocess.run(
+        ["ip", "netns", "pids", namespace], check=False, capture_output=True, text=True, timeout=30
+    )
+    return [int(pid) for pid in found.stdout.split()]
+
+
+def _empty(namespace: str) -> None:
+    """Kill what still runs in ``namespace`` (a node process started there), and
+    wait until it is gone."""
+    for pid in _pids(namespace):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    until(lambda: not _pids(namespace), f"the processes in {namespace} to end", within=30)
+
+
+@pytest.fixture
+def carol_apart(
+    tmp_path: Path, gpumesh_processes: None, apart: Apart
+) -> Iterator[tuple[Path, Path, Path]]:
+    """:func:`trio` where carol's node process runs in :func:`apart`'s namespace,
+    listening at its end of the veth pair (her pairing code's one address). The
+    engine and its containers stay in this machine's namespace, so job network
+    rules made in hers would filter nothing: her jobs get Docker's bridge."""
+    homes = sharing_trio(
+        tmp_path,
+        carol_inside=apart.inside(),
+        listen_host=apart.address,
+        job_network="bridge",
+    )
+    with homes as (alice, carol, bob):
+        agent = json.loads(ok(carol, "status", "--json"))
+        assert agent["agent_pid"] in _pids(apart.name), (agent, _pids(apart.name))
+        assert agent["listen"].startswith(f"{apart.address}:"), agent
+        # Her pairing code gave bob that one address to dial.
+        peers = {p["name"]: p for p in json.loads(ok(bob, "peers", "--json"))}
+        assert peers["carol"]["addresses"] == [agent["listen"]], peers["carol"]
+        yield alice, carol, bob
+
+
 @contextlib.contextmanager
-def _cut_off(home: Path) -> Iterator[None]:
-    """Drop every UDP packet to ``home``'s node (its own port, on loopback) while the
-    block runs."""
-    if os.geteuid() != 0 or shutil.which("iptables") is None:
-        if _in_ci():
-            pytest.fail("needs root and iptables, which CI must have")
-        pytest.skip("needs root and iptables")
+def _cut_off(apart: Apart, home: Path) -> Iterator[None]:
+    """Drop every UDP packet to ``home``'s node, which runs in ``apart``, at its port,
+    with a rule in that namespace while the block runs."""
     port = str(json.loads(ok(home, "status", "--json"))["listen"]).rsplit(":", 1)[1]
     rule = ["INPUT", "-p", "udp", "--dport", port, "-j", "DROP"]
-    subprocess.run(["iptables", "-w", "-I", *rule], check=True)
+    subprocess.run(apart.inside("iptables", "-w", "-I", *rule), check=True, timeout=30)
     try:
         yield
     finally:
-        subprocess.run(["iptables", "-w", "-D", *rule], check=False)
+        subprocess.run(apart.inside("iptables", "-w", "-D", *rule), check=False, timeout=30)
 
 
 def test_a_provider_cut_off_loses_the_job_and_its_late_copy_delivers_nothing(
-    trio: tuple[Path, Path, Path], tmp_path: Path
+    carol_apart: tuple[Path, Path, Path], apart: Apart, tmp_path: Path
 ) -> None:
-    _alice, _carol, bob = trio
+    alice, carol, bob = carol_apart
     ok(bob, "config", "set", "job_lease", "3s")
     outputs = tmp_path / "out"
+    # The job starts on carol, whose link can be cut: alice is paused until it runs
+    # there, then resumes, so that the move has somewhere to go.
+    ok(alice, "pause", timeout=90)
     job_id = _start(bob, outputs)
-    first = _running_on(bob, job_id, outputs, 2)
-    home = _homes(trio)[first]
-    with _cut_off(home):
+    assert _running_on(bob, job_id, outputs, 2) == "carol"
+    ok(alice, "resume")
+    with _cut_off(apart, carol):
         checkpoint = _count(outputs)
         hop = _moved(bob, job_id)["hops"][0]
         assert hop["ended"] == "unreachable"
         # The cut-off copy runs on: its provider cannot tell a cut link from a
         # submitter asleep.
-        assert _listed(home, job_id)["state"] == "running"
+        assert _listed(carol, job_id)["state"] == "running"
     # The link heals: the copy stops, and what it wrote meanwhile never comes.
-    _stopped_copy(home, job_id)
+    _stopped_copy(carol, job_id)
     job = _ended(bob, job_id)
     assert job["state"] == "succeeded", job
+    assert [h["peer"] for h in job["hops"]] == ["carol", "alice-pc"]
     _check_counted(bob, job_id, outputs, checkpoint)
 
 
