@@ -371,6 +371,40 @@ def test_max_moves_ends_a_preempted_job_and_wait_places_one_when_a_member_resume
     del alice
 
 
+def test_a_provider_that_denies_you_loses_the_job_which_waits_for_a_member_to_resume(
+    trio: tuple[Path, Path, Path], tmp_path: Path
+) -> None:
+    alice, carol, bob = trio
+    ok(bob, "config", "set", "job_lease", "3s")
+    ok(carol, "pause", timeout=90)  # the job starts on alice-pc
+    outputs = tmp_path / "out"
+    job_id = _start(bob, outputs, "--wait", "5m")
+    assert _running_on(bob, job_id, outputs, 2) == "alice-pc"
+    ok(alice, "deny", "bob-laptop")
+    checkpoint = _count(outputs)
+    # Its only other member is paused: the job waits for it, moving.
+    entry = until(
+        lambda: next(iter(json.loads(ok(bob, "status", "--json"))["queue"]), None),
+        "the job to wait in the queue",
+        within=_CEILING,
+    )
+    assert (entry["job_id"], entry["moving"]) == (job_id, True)
+    assert entry["wait_until"] is not None
+    hop = _listed(bob, job_id)["hops"][0]
+    assert (hop["peer"], hop["ended"]) == ("alice-pc", "denied")
+    assert hop["reason"] == "alice-pc denied you: alice-pc has denied you access"
+    assert "→ (moving: research)" in ok(bob, "jobs")
+    ok(carol, "resume")
+    job = _ended(bob, job_id)
+    assert (job["state"], [h["peer"] for h in job["hops"]]) == ("succeeded", ["alice-pc", "carol"])
+    logs = gpumesh(bob, "logs", job_id, timeout=60)
+    # alice-pc no longer answers bob: its part of the output is not readable now.
+    assert "its output there could not all be read" in logs.stderr
+    resumed_from, attempt = _starts(logs.stdout)[-1]
+    assert attempt == 2 and resumed_from >= max(checkpoint, 1)
+    assert (outputs / "count").read_text() == f"{_COUNT_TO} 2\n"
+
+
 def test_the_submitter_asleep_catches_up_without_moving_the_job(
     trio: tuple[Path, Path, Path], tmp_path: Path
 ) -> None:

@@ -725,7 +725,7 @@ async def _follow_hops(
             try:
                 async for event in _follow(node, reader.peer_id, result, reader, patience=5.0):
                     yield event
-            except (ConnectionLostError, UnreachableError, NotFoundError) as exc:
+            except GPUMeshError as exc:  # gone, silent, or it denied us since
                 unread = exc.message
             job = await _next_hop(node, job_id, reader.hop + 1, follow=follow)
             if job is None or (len(job.hops) <= reader.hop + 1 and not job.peer_id):
