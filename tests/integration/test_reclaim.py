@@ -22,7 +22,8 @@ from typing import Any
 import pytest
 
 from gpumesh.agent.server import Agent
-from gpumesh.client.jobrefresh import refresh_jobs, run_job
+from gpumesh.client.jobrefresh import refresh_jobs
+from gpumesh.client.jobs import run_job
 from gpumesh.client.node import Node
 from gpumesh.client.views.joblist import JobListEntry
 from gpumesh.client.views.node import StatusView
