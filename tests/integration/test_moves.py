@@ -368,6 +368,22 @@ def test_max_moves_ends_a_preempted_job_and_wait_places_one_when_a_member_resume
     assert (done["state"], [h["peer"] for h in done["hops"]]) == ("succeeded", ["carol"])
     assert gpumesh(bob, "logs", queued).stdout == "hi\n"
     assert json.loads(ok(bob, "status", "--json"))["queue"] == []
+
+    # A --peer job waits for its provider the same way, and a queued job cancels.
+    ok(carol, "pause", timeout=90)
+    ids = [
+        gpumesh(bob, "run", "--peer", "carol", "--wait", "5m", "-d", "--", "echo", word).stdout
+        for word in ("never", "later")
+    ]
+    never, later = (text.strip() for text in ids)
+    assert _listed(bob, later)["state"] == "queued"
+    cancelled = gpumesh(bob, "cancel", never)
+    assert cancelled.returncode == 0, cancelled.stderr
+    assert _listed(bob, never)["state"] == "cancelled"
+    ok(carol, "resume")
+    assert _ended(bob, later)["state"] == "succeeded"
+    assert gpumesh(bob, "logs", later).stdout == "later\n"
+    assert _listed(bob, never)["state"] == "cancelled"  # never placed after its cancel
     del alice
 
 
