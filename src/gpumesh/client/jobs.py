@@ -727,7 +727,10 @@ async def _follow_hops(
                     yield event
             except GPUMeshError as exc:  # gone, silent, or it denied us since
                 unread = exc.message
-            job = await _next_hop(node, job_id, reader.hop + 1, follow=follow)
+            if follow:
+                job = await _until(node, job_id, reader.hop + 1, placed=True)
+            else:
+                job = store.job(SUBMITTED, job_id)
             if job is None or (len(job.hops) <= reader.hop + 1 and not job.peer_id):
                 break  # ended before a next hop, or not followed
             to = job.hops[reader.hop + 1]["peer"] if len(job.hops) > reader.hop + 1 else None
@@ -757,13 +760,13 @@ async def _follow_hops(
         except (ConnectionLostError, UnreachableError):
             if not _may_move(node, job_id):
                 raise
+            continue  # silent for long: followed again, unless its keeper moved it
         if not follow:
             break
-        job = store.job(SUBMITTED, job_id)
-        if job is None or (job.state in FINAL_STATES and len(job.hops) <= reader.hop):
+        # The provider ended it there: the job ended, or its keeper moves it on.
+        job = await _until(node, job_id, reader.hop)
+        if job is None or len(job.hops) <= reader.hop:
             break
-        if len(job.hops) <= reader.hop:
-            await asyncio.sleep(_POLL)  # the hop ended: its keeper moves the job, or ends it
     job = store.job(SUBMITTED, job_id)
     if job is not None and job.state in FINAL_STATES and not result.final:
         # It ended in this node (moves used up, or no provider in time): say how.
@@ -771,14 +774,14 @@ async def _follow_hops(
         yield StatusChanged(status_of(job), exited=False)
 
 
-async def _next_hop(node: Node, job_id: str, index: int, *, follow: bool) -> JobRecord | None:
-    """The job once hop ``index`` has its provider or the job ended (at once
-    without ``follow``)."""
-    while (job := node.home.store.job(SUBMITTED, job_id)) is not None:
-        if not follow or len(job.hops) > index or job.peer_id or job.state in FINAL_STATES:
+async def _until(node: Node, job_id: str, hop: int, *, placed: bool = False) -> JobRecord | None:
+    """The job's record once it ended or left hop ``hop`` (``placed``: or has a
+    provider again); None: the job was forgotten. Its keeper writes the store."""
+    while True:
+        job = node.home.store.job(SUBMITTED, job_id)
+        if job is None or job.state in FINAL or len(job.hops) > hop or (placed and job.peer_id):
             return job
         await asyncio.sleep(_POLL)
-    return None
 
 
 def _moved_from(node: Node, job_id: str, hop: int) -> bool:
