@@ -32,7 +32,6 @@ LEFT = {
     "attempt": 2,
     "ended": "preempted",
     "reason": "alice-pc's owner paused sharing",
-    "last_seq": 9,
     "stopped": True,
 }
 

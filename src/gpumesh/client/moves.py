@@ -237,7 +237,6 @@ class JobKeeper:
             "attempt": job.attempt + job.attempts_before,
             "ended": left.ended,
             "reason": left.reason,
-            "last_seq": job.last_seq,
             "stopped": False,
         }
         hops = [*job.hops, hop]

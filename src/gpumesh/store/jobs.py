@@ -156,8 +156,9 @@ class JobRecord:
     """Starts the job made on earlier hops (its attempt N here is start
     ``attempts_before + N``)."""
     hops: list[dict[str, Any]] = field(default_factory=list)
-    """Submitted: each hop the job left, oldest first: ``{"peer", "peer_id",
-    "attempt", "state", "reason", "last_seq"}``."""
+    """Submitted: each hop the job left, oldest first: ``{"peer", "peer_id", "epoch",
+    "attempt", "ended", "reason", "stopped"}`` (``attempt``: the job's starts until
+    then; ``stopped``: its provider heard that the job moved)."""
 
     @classmethod
     def from_row(cls, row: sqlite3.Row) -> JobRecord:
