@@ -53,6 +53,16 @@ baseline uses Docker's defaults, exactly as a user would type it. (Adding
 those flags to ``docker run`` changed its time by no more than the noise when
 this was written.)
 
+``--group G`` submits the timed ``gpumesh run`` with ``--group G`` instead of
+``--peer alice`` (bob makes the group, alice its one member: the command probes
+its members and submits, and bob's node process keeps the job as one that may
+move), and ``--outputs PATH`` adds ``--outputs PATH`` (the job's outputs folder
+is watched, and its files come home into a temporary folder); with either, the
+plain ``gpumesh run --peer alice`` takes turns in the same loop as a row of its
+own, so the table shows what the options cost. ``--baseline`` then runs with the
+same options; the in-process row stays the plain job. Without them the script
+measures exactly what it always did.
+
 This module also provides :func:`local_provider`, the two-node set-up that
 bench/log_latency.py reuses.
 """
@@ -111,6 +121,8 @@ HELP = "gpumesh --help"
 CONNECT = "gpumesh connect --fresh"
 PROFILED = "gpumesh run, import-profiled"
 BASELINE = "gpumesh run at --baseline"
+PLAIN = "gpumesh run --peer (plain)"
+"""With ``--group`` or ``--outputs``: the plain run beside the timed one."""
 
 
 # --- the local provider (shared with log_latency.py) --------------------------------------
@@ -256,14 +268,18 @@ class Outcome:
     stderr: bytes
 
 
-def time_command(name: str, command: Sequence[str], env: dict[str, str]) -> Outcome:
-    """Run ``command`` to completion; any exit status but 0 stops the benchmark."""
+def time_command(
+    name: str, command: Sequence[str], env: dict[str, str], cwd: Path | None = None
+) -> Outcome:
+    """Run ``command`` (in ``cwd``, default this process's) to completion; any exit
+    status but 0 stops the benchmark."""
     spawned = time.time()
     started = time.perf_counter()
     try:
         result = subprocess.run(
             list(command),
             env=env,
+            cwd=cwd,
             stdin=subprocess.DEVNULL,
             capture_output=True,
             timeout=COMMAND_TIMEOUT,
@@ -369,15 +385,43 @@ def import_seconds(stderr: bytes) -> float:
     return total / 1e6
 
 
+def run_options(args: argparse.Namespace) -> list[str]:
+    """Where and how the timed ``gpumesh run`` submits: ``--peer alice`` by default."""
+    where = ["--group", args.group] if args.group else ["--peer", PEER]
+    return [*where, *(["--outputs", args.outputs] if args.outputs else [])]
+
+
+def run_label(args: argparse.Namespace) -> str:
+    """The timed ``gpumesh run``'s row, with its options when they are not the default."""
+    if not (args.group or args.outputs):
+        return RUN
+    return " ".join([RUN, *run_options(args)])
+
+
+def make_group(provider: Provider, name: str) -> None:
+    """bob's group ``name`` with alice as its one member."""
+    for args in (("group", "create", name), ("group", "add", name, PEER)):
+        result = subprocess.run(
+            provider.gpumesh(*args), env=provider.env, capture_output=True, timeout=60, check=False
+        )
+        if result.returncode != 0:
+            raise SystemExit(_failure("group set-up", provider.gpumesh(*args), "", result))
+
+
 def measure(args: argparse.Namespace, tmp: Path) -> Results:
     docker_ready(args.image)
     results = Results()
     with contextlib.ExitStack() as stack:
         provider = stack.enter_context(local_provider(tmp))
+        job = ["--image", args.image, "echo", "hi"]
         commands: dict[str, list[str]] = {
-            RUN: provider.gpumesh("run", "--peer", PEER, "--image", args.image, "echo", "hi"),
+            RUN: provider.gpumesh("run", *run_options(args), *job),
             DOCKER: ["docker", "run", "--rm", args.image, "echo", "hi"],
         }
+        if args.group:
+            make_group(provider, args.group)
+        if args.group or args.outputs:
+            commands[PLAIN] = provider.gpumesh("run", "--peer", PEER, *job)
         # The provider's jobs run on a Docker network of their own (job_network
         # internet, the default), made by its first job (a warm-up, before this
         # row's first run); Docker starts a container on such a network slower than
@@ -407,14 +451,18 @@ def measure(args: argparse.Namespace, tmp: Path) -> Results:
             # Another version, provider and consumer both, on the same engine.
             source = baseline_source(args.baseline, tmp / "baseline-src")
             other = stack.enter_context(local_provider(tmp / "baseline", source))
-            commands[BASELINE] = other.gpumesh(
-                "run", "--peer", PEER, "--image", args.image, "echo", "hi"
-            )
+            if args.group:
+                make_group(other, args.group)
+            commands[BASELINE] = other.gpumesh("run", *run_options(args), *job)
             envs[BASELINE] = dict(other.env)
+        # `--outputs` without `--outputs-to` brings them home into the working folder.
+        cwd = tmp / "outputs" if args.outputs else None
+        if cwd is not None:
+            cwd.mkdir()
 
         def once(name: str) -> Outcome:
-            outcome = time_command(name, commands[name], envs.get(name, env))
-            if name in (RUN, IN_PROCESS, DOCKER, DOCKER_JOBNET, SSH, PROFILED, BASELINE):
+            outcome = time_command(name, commands[name], envs.get(name, env), cwd)
+            if name in (RUN, IN_PROCESS, DOCKER, DOCKER_JOBNET, SSH, PROFILED, BASELINE, PLAIN):
                 expect_hi(name, commands[name], outcome)
             if name == PROFILED:
                 results.import_seconds.append(import_seconds(outcome.stderr))
@@ -464,19 +512,28 @@ def report(args: argparse.Namespace, results: Results) -> None:
     print(f"\nDispatch of `echo hi` in {args.image}, {args.runs} runs each, round-robin;")
     print("wall time of a new process, from spawn to exit, as a shell sees it")
     rows = []
-    for name in (RUN, BASELINE, IN_PROCESS, SSH, DOCKER_JOBNET, DOCKER):
+    label = run_label(args)
+    for name in (RUN, PLAIN, BASELINE, IN_PROCESS, SSH, DOCKER_JOBNET, DOCKER):
         if name in summaries:
             summary = summaries[name]
-            rows.append([name, *_ms(summary), f"{summary.p50 / floor.p50:.2f}x"])
+            shown = label if name == RUN else name
+            rows.append([shown, *_ms(summary), f"{summary.p50 / floor.p50:.2f}x"])
     print_rows(["", "p50 ms", "p90 ms", "min ms", "vs docker run"], rows)
     if SSH not in summaries:
         print(f"  ssh: {results.ssh_note}")
     ratio = summaries[RUN].p50 / floor.p50
     verdict = "met" if ratio <= GOAL_RATIO else "missed"
     print(
-        f"  goal: gpumesh run median <= {GOAL_RATIO:.1f}x docker run: {ratio:.2f}x, {verdict} "
+        f"  goal: {label} median <= {GOAL_RATIO:.1f}x docker run: {ratio:.2f}x, {verdict} "
         f"({(summaries[RUN].p50 - floor.p50) * 1e3:+.0f} ms)"
     )
+    if PLAIN in summaries:
+        plain = summaries[PLAIN].p50
+        print(
+            f"  the plain `gpumesh run --peer {PEER}` in the same loop: {plain / floor.p50:.2f}x "
+            f"docker run; the options cost {(summaries[RUN].p50 - plain) * 1e3:+.0f} ms "
+            f"({summaries[RUN].p50 / plain:.2f}x)"
+        )
     if DOCKER_JOBNET in summaries:
         same = summaries[DOCKER_JOBNET].p50
         print(
@@ -493,7 +550,7 @@ def report(args: argparse.Namespace, results: Results) -> None:
     if results.node_rss_kb is not None:
         print(f"  bob's node process after the runs: {results.node_rss_kb / 1024:.1f} MB resident")
 
-    print("\nWhere `gpumesh run` spends its time (phases of the same runs)")
+    print(f"\nWhere `{label}` spends its time (phases of the same runs)")
     rows = []
     if results.phases:
         columns = list(zip(*results.phases, strict=True))
@@ -531,6 +588,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--image", default=DEFAULT_IMAGE, help=f"image to run (default {DEFAULT_IMAGE})"
     )
     parser.add_argument("--no-ssh", action="store_true", help="skip the ssh baseline")
+    parser.add_argument(
+        "--group",
+        metavar="NAME",
+        help="submit the timed `gpumesh run` with --group NAME (bob's group, alice its one "
+        "member) instead of --peer alice; the plain run then takes turns as a row of its own",
+    )
+    parser.add_argument(
+        "--outputs",
+        metavar="PATH",
+        help="add --outputs PATH to the timed `gpumesh run` (its files come home into a "
+        "temporary folder); the plain run then takes turns as a row of its own",
+    )
     parser.add_argument(
         "--baseline",
         metavar="REV",
