@@ -160,7 +160,7 @@ class Trio:
         if check and done.returncode != 0:
             raise SystemExit(
                 f"{who.name}: `gpumesh {' '.join(args)}` failed (exit {done.returncode}): "
-                f"{(done.stderr or done.stdout).strip()}"
+                f"{one_line(done.stderr or done.stdout)}"
             )
         return done
 
@@ -210,6 +210,12 @@ class Trio:
             if member.node_id:
                 remove_containers(f"{LABEL_NODE}={member.node_id}")
                 remove_containers(f"{LABEL_HOLDER_OF}={member.node_id}")
+
+
+def one_line(text: str) -> str:
+    """A command's output as one line (its last non-empty one), for a failure message."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else "(nothing)"
 
 
 def member_env(home: Path) -> dict[str, str]:
@@ -373,7 +379,7 @@ def outputs_folder(container_id: str) -> Path:
         check=False,
     )
     if found.returncode != 0:
-        raise SystemExit(f"docker inspect {container_id}: {found.stderr.strip()}")
+        raise SystemExit(f"docker inspect {container_id}: {one_line(found.stderr)}")
     for mount in json.loads(found.stdout):
         if mount.get("Destination") == "/out":
             return Path(mount["Source"])
@@ -425,7 +431,9 @@ def one_trial(
         check=False,
     )
     if done.returncode != 0:
-        raise SystemExit(f"`gpumesh run --group` failed (exit {done.returncode}): {done.stderr}")
+        raise SystemExit(
+            f"`gpumesh run --group` failed (exit {done.returncode}): {one_line(done.stderr)}"
+        )
     job_id = done.stdout.split()[-1]
     first_start = starts.wait(job_id, f"job {job_id}")
     first = trio.by_id(first_start.node_id)
@@ -490,7 +498,7 @@ def one_trial(
             if pause_seconds is None:
                 pause_seconds = time.time() - lost_at
             if pause.returncode != 0:
-                raise SystemExit(f"`gpumesh pause --grace 0s` failed: {(err or out).strip()}")
+                raise SystemExit(f"`gpumesh pause --grace 0s` failed: {one_line(err or out)}")
         # The provider comes back (its copy then hears that the job moved, and bob can
         # read the first copy's logs again), or takes guests again.
         if silent is not None:
@@ -577,7 +585,10 @@ def finished(
     logs = trio.cli(trio.bob, "logs", job_id).stdout
     found = [(int(n), int(attempt)) for n, attempt in STARTS.findall(logs)]
     if len(found) != 2 or found[0] != (0, 1) or found[1][1] != 2:
-        raise SystemExit(f"job {job_id}: unexpected starts {found} in its logs:\n{logs}")
+        raise SystemExit(
+            f"job {job_id}: its logs show starts (count, attempt) {found}, not (0, 1) then a "
+            "resume at attempt 2"
+        )
     resumed = found[1][0]
     later = [int(n) for n in COUNTS.findall(logs.split("start", 2)[2])]
     if later != list(range(resumed + 1, COUNT_TO + 1)):
@@ -700,8 +711,8 @@ def report(args: argparse.Namespace, results: Results) -> None:
     every = min(5.0, max(0.5, lease / 6))
     print(
         f"  bob's node process asks the job's provider every {every:g} s (job_lease / 6, "
-        "0.5 to 5 s), each ask waiting up to 3 s; the hop ends once it has been silent "
-        "for job_lease"
+        "0.5 to 5 s),\n  each ask waiting up to 3 s; the hop ends once asks have failed for "
+        "job_lease,\n  counted from the end of the first failed ask"
     )
 
     print("\nLost work (counts; the job checkpoints every second; goal <= 1)")
