@@ -711,8 +711,8 @@ def report(args: argparse.Namespace, results: Results) -> None:
     every = min(5.0, max(0.5, lease / 6))
     print(
         f"  bob's node process asks the job's provider every {every:g} s (job_lease / 6, "
-        "0.5 to 5 s),\n  each ask waiting up to 3 s; the hop ends once asks have failed for "
-        "job_lease,\n  counted from the end of the first failed ask"
+        "0.5 to 5 s),\n  no ask outlasting the lease; the hop ends job_lease after the "
+        "provider's last answer"
     )
 
     print("\nLost work (counts; the job checkpoints every second; goal <= 1)")

@@ -177,7 +177,8 @@ class JobKeeper:
         move: a ``--peer`` job's keeper only ever waited for it to be placed)."""
         lease = job_lease(self.node)
         every = min(5.0, max(0.5, lease / 6))
-        silent_since: float | None = None
+        heard = time.monotonic()
+        """The provider's last answer (or the watch's start): the lease runs from it."""
         news = self._news.setdefault(job.job_id, asyncio.Event())
         while True:
             current = self._job(job.job_id)
@@ -188,26 +189,28 @@ class JobKeeper:
             if not current.job_group:
                 return None  # a --peer job stays where it was placed
             news.clear()
+            left = lease - (time.monotonic() - heard)
             try:
-                status = await self._query(current, every)
+                # An ask never outlasts the lease: a silent provider is left on time.
+                status = await self._query(current, min(3.0, max(0.25, left)))
             except NotFoundError:
                 return _Left("forgot", f"{job.peer_name} no longer knows the job", current.state)
             except AccessDeniedError as exc:
                 return _Left("denied", f"{job.peer_name} denied you: {exc.message}", current.state)
             except (GPUMeshError, TimeoutError) as exc:
-                silent_since = silent_since or time.monotonic()
-                if time.monotonic() - silent_since >= lease:
+                if time.monotonic() - heard >= lease:
                     why = f"{job.peer_name} did not answer for {lease:g}s (job_lease)"
                     logger.info("[job %s] %s: %s", job.job_id, why, exc)
                     return _Left("unreachable", why, current.state)
             else:
-                silent_since = None
+                heard = time.monotonic()
                 if status.state == JobState.PREEMPTED:
                     return _Left("preempted", status.message, JobState.PREEMPTED)
                 if status.state in FINAL_STATES:
                     return None
+            pause = min(every, max(0.0, heard + lease - time.monotonic()))
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(news.wait(), every)
+                await asyncio.wait_for(news.wait(), pause)
 
     async def _query(self, job: JobRecord, within: float) -> JobStatus:
         """Ask the job's provider where it stands; apply the answer (the newest hop's)."""
@@ -220,8 +223,8 @@ class JobKeeper:
                 raise LimitError(f"{job.peer_name} answered a job query with something else")
             return reply
 
-        async with asyncio.timeout(max(within, 3.0)):
-            status = await self.node.on_session(job.peer_id, ask, timeout=max(within, 3.0))
+        async with asyncio.timeout(within):
+            status = await self.node.on_session(job.peer_id, ask, timeout=within)
         record_status(self.node, job.job_id, job.peer_id, status, keeper=True)
         return status
 

@@ -191,6 +191,8 @@ async def _receive(node: Node, peer: Peer, job_id: str) -> bool:
                     f"{peer.name} listed outputs of epoch {ready.epoch} for job {job_id}, "
                     f"whose newest hop is epoch {job.epoch}: refused"
                 )
+            if ready.final and node.keeper is not None:
+                node.keeper.poke(job_id)  # it ended there: preempted, maybe, and to move
             answered = time.monotonic()
             for entry in ready.files:
                 if entry.seq <= job.outputs_seq:
