@@ -88,6 +88,10 @@ STEPS: dict[str, Step] = {
     "gpumesh run --peer alice-pc --mount /out:/out:rw -- sh -c 'date > /out/t'": Step(),
     "gpumesh cp alice-pc:/out/t ./t": Step(),
     "gpumesh run --peer alice-pc --outputs /workspace/out -- python train.py": Step(skip=PYTHON),
+    (
+        "gpumesh run --group lab --outputs /out --wait 30m -- sh -c 'python train.py "
+        '--ckpt-dir "$GPUMESH_OUTPUTS"\''
+    ): Step(skip=PYTHON),
     "gpumesh exec alice-pc": Step(stdin="echo hello from the shell\nexit\n", says="hello from"),
     "gpumesh exec --image python:3.12-slim -e DEBUG=1 alice-pc python": Step(skip=HUB),
     "gpumesh exec --gpu-memory 8GB alice-pc nvidia-smi": Step(skip=GPU),

@@ -58,3 +58,44 @@ def test_the_x86_64_program_waits_until_a_signal_ends_it(tmp_path: Path) -> None
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_spare_whose_start_failed_once_is_made_on_a_second_try(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The engine's runtime fails a start now and then ("cannot start a stopped
+    process"): the maker tries that spare again, and gives up (saying so) only when
+    a spare fails twice in a row. The engine here is a stand-in: only the maker's
+    loop is under test (tests/integration/test_holders.py makes real ones)."""
+    from gpumesh.errors import AgentError
+    from gpumesh.runtime.holders import Holders, Placement
+
+    outcomes = iter(["fail", "holder-1", "fail", "holder-2"])
+
+    def start(_self: Holders, _placement: Placement) -> str:
+        outcome = next(outcomes)
+        if outcome == "fail":
+            raise AgentError("Docker could not start a network holder: cannot start a stopped")
+        return outcome
+
+    monkeypatch.setattr(Holders, "_start", start)
+    holders = Holders(engine=lambda _what: pytest.fail("no engine here"), arch=lambda: "amd64")
+    placement = Placement("net", (), True, "node")
+    assert holders.replenish(placement, wait=30)
+    assert holders.spares() == ["holder-1", "holder-2"]
+
+    failing = iter(["holder-3", "fail", "fail"])
+    monkeypatch.setattr(Holders, "_start", lambda _s, _p: _fail_or(next(failing)))
+    with caplog.at_level("WARNING"):
+        again = Holders(engine=lambda _what: pytest.fail("no engine here"), arch=lambda: "amd64")
+        assert again.replenish(placement, wait=30)
+    assert again.spares() == ["holder-3"]
+    assert "no network holder made for net" in caplog.text
+
+
+def _fail_or(outcome: str) -> str:
+    from gpumesh.errors import AgentError
+
+    if outcome == "fail":
+        raise AgentError("cannot start a stopped process")
+    return outcome

@@ -131,6 +131,10 @@ def pause_program(arch: str) -> bytes | None:
     return elf + load + code
 
 
+_TRIES = 2
+"""Starts of one spare holder before its maker gives up (and says so)."""
+
+
 @dataclass(frozen=True)
 class Placement:
     """What a holder is made for: a container on ``network`` with name servers
@@ -280,14 +284,23 @@ class Holders:
 
     def _make(self, placement: Placement) -> None:
         """The maker of ``placement``'s spares: one after another, until there are
-        ``SPARES`` or making one failed."""
+        ``SPARES`` or making one failed twice in a row (the engine's runtime fails a
+        start now and then, "cannot start a stopped process": a second try makes it)."""
+        failed = 0
         try:
             while self._supports():
                 with self._lock:
                     spares = self._spare.setdefault(placement, [])
                     if self._closed or len(spares) >= self.SPARES:
                         return
-                holder = self._start(placement)
+                try:
+                    holder = self._start(placement)
+                except GPUMeshError:
+                    failed += 1
+                    if failed >= _TRIES:
+                        raise
+                    continue
+                failed = 0
                 if not self._keep(spares, holder):  # closed while it was made
                     self._remove(holder)
                     return
