@@ -94,3 +94,31 @@ def test_a_pair_without_the_check_is_offline(
 def test_a_body_with_a_field_of_no_struct_is_refused_naming_it() -> None:
     with pytest.raises(msgspec.ValidationError, match="comand"):
         msgspec.json.decode(b'{"peer": "alice", "comand": ["x"]}', type=bodies.JobBody)
+
+
+def test_a_group_run_sends_its_wait_max_moves_and_outputs(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from gpumesh import Mesh
+
+    monkeypatch.chdir(tmp_path)
+    mesh = Mesh(tmp_path / "home")
+    sent: list[tuple[Any, float]] = []
+
+    async def run(spec: Any, *, detach: bool, wait: float = 0) -> Any:
+        sent.append((spec, wait))
+        raise Stop
+
+    monkeypatch.setattr(mesh._backend, "run", run)
+    with pytest.raises(Stop):
+        asyncio.run(
+            mesh.arun(None, "./train.sh", group="lab", outputs="/out", wait="30m", max_moves=5)
+        )
+    ((spec, wait),) = sent
+    assert (spec.group, spec.max_moves, spec.outputs, wait) == ("lab", 5, "/out", 1800.0)
+    assert spec.outputs_under == tmp_path / "gpumesh-outputs"  # this process's folder
+    path, body = _sent(monkeypatch, tmp_path, lambda b: b.run(spec, detach=True, wait=wait))
+    assert path == "/api/v1/jobs"
+    job = _decoded(body, bodies.JobBody)
+    assert (job.group, job.max_moves, job.wait, job.outputs) == ("lab", 5, 1800.0, "/out")
+    assert job.outputs_under == str(tmp_path / "gpumesh-outputs")

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import shlex
 import weakref
 from collections.abc import (
@@ -82,7 +83,7 @@ class MeshBackend(Protocol):
 
     async def pair(self, code: str, *, rekey: bool, check: bool) -> PairView: ...
 
-    async def run(self, spec: JobSpec, *, detach: bool) -> JobResultView: ...
+    async def run(self, spec: JobSpec, *, detach: bool, wait: float = 0) -> JobResultView: ...
 
     def events(self, job_id: str, *, follow: bool) -> Follow:
         """A job's events from its start (``follow``: until it ends)."""
@@ -146,10 +147,11 @@ class InProcess:
         checked = await self.node.check_paired_back(peer.name) if check else None
         return PairView.of(peer, checked)
 
-    async def run(self, spec: JobSpec, *, detach: bool) -> JobResultView:
+    async def run(self, spec: JobSpec, *, detach: bool, wait: float = 0) -> JobResultView:
         from gpumesh.client.jobs import run_job
 
-        return JobResultView.of(await run_job(self.node, spec, detach=detach))
+        # In this process no keeper runs: a job no provider takes now is refused.
+        return JobResultView.of(await run_job(self.node, spec, detach=detach, wait=wait))
 
     def events(self, job_id: str, *, follow: bool) -> Follow:
         from gpumesh.client.jobs import logs
@@ -329,6 +331,10 @@ class Mesh:
         retries: int = 0,
         timeout: str | float | None = None,
         detach: bool = True,
+        outputs: str = "",
+        outputs_to: str | Path | None = None,
+        wait: str | float = 0,
+        max_moves: int | None = None,
     ) -> Job:
         """Run ``command`` on ``peer`` (or, with ``peer=None`` and ``group``, on the best
         member of a group), as ``gpumesh run`` does, and return its :class:`Job`.
@@ -337,9 +343,13 @@ class Mesh:
         runs it). ``gpu_memory``: ``"8GB"`` or bytes. ``mounts``: ``"NAME:/target"``
         or ``"NAME:/target:rw"``, as ``--mount``. ``timeout``: seconds or ``"30m"``.
         ``detach`` (the default): return once the provider accepted the job;
-        otherwise once it ended.
+        otherwise once it ended. ``outputs``: a container path whose finished files
+        come home (``--outputs``), into ``outputs_to`` (default
+        ``./gpumesh-outputs/JOB_ID``). ``wait``: seconds or ``"30m"`` the job may wait
+        in the node process's queue when no provider can take it now (``--wait``).
+        ``max_moves``: with ``group``, moves allowed (``--max-moves``, default 3).
         """
-        from gpumesh.client.jobspec import build_spec
+        from gpumesh.client.jobspec import build_spec, queue_wait
 
         spec = build_spec(
             None,
@@ -353,8 +363,10 @@ class Mesh:
             peer=peer,
             group=group,
             mounts=mounts,
+            **_outputs_here(outputs, outputs_to),
+            max_moves=max_moves,
         )
-        return Job(self, await self._backend.run(spec, detach=detach))
+        return Job(self, await self._backend.run(spec, detach=detach, wait=queue_wait(wait)))
 
     def run(
         self,
@@ -370,6 +382,10 @@ class Mesh:
         retries: int = 0,
         timeout: str | float | None = None,
         detach: bool = True,
+        outputs: str = "",
+        outputs_to: str | Path | None = None,
+        wait: str | float = 0,
+        max_moves: int | None = None,
     ) -> Job:
         call = self.arun(
             peer,
@@ -383,6 +399,10 @@ class Mesh:
             retries=retries,
             timeout=timeout,
             detach=detach,
+            outputs=outputs,
+            outputs_to=outputs_to,
+            wait=wait,
+            max_moves=max_moves,
         )
         return self._sync("run", "arun", call)
 
@@ -620,3 +640,13 @@ def _close_runner(runner: asyncio.Runner) -> None:
     loop = runner.get_loop()
     if not loop.is_running() and not loop.is_closed():
         loop.close()
+
+
+def _outputs_here(outputs: str, outputs_to: str | Path | None) -> dict[str, Any]:
+    """``outputs`` with where they go, as absolute folders of this process (the node
+    process works elsewhere): ``outputs_to``, else ``./gpumesh-outputs/JOB_ID``."""
+    if not outputs:
+        return {"outputs": ""}
+    if outputs_to:
+        return {"outputs": outputs, "outputs_to": os.path.abspath(outputs_to)}
+    return {"outputs": outputs, "outputs_under": os.path.abspath("gpumesh-outputs")}
