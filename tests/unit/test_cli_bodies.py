@@ -148,3 +148,12 @@ def test_app_sync_sends_a_sync_body(
         str(tmp_path / "proj"),
         flags == ["--dry-run"],
     )
+
+
+def test_run_sends_a_job_files_max_moves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    job = tmp_path / "job.yaml"
+    job.write_text("command: [true]\ngroup: lab\nmax_moves: 5\noutputs: /out\n")
+    monkeypatch.chdir(tmp_path)
+    body = _run_body(["-f", str(job), "--wait", "10m"], monkeypatch)
+    assert (body.group, body.max_moves, body.wait, body.outputs) == ("lab", 5, "10m", "/out")
+    assert body.outputs_under == str(tmp_path / "gpumesh-outputs")

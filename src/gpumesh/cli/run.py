@@ -157,18 +157,7 @@ def run(
         outputs_under=under,
         max_moves=max_moves,
     )
-    spec_body = bodies.JobBody(
-        command=spec.command,
-        peer=spec.peer,
-        group=spec.group,
-        workdir=None if spec.workdir is None else str(spec.workdir),
-        wait=wait or 0.0,
-        max_moves=max_moves,
-        **bodies.job_options(spec),
-        outputs=spec.outputs,
-        outputs_to=None if spec.outputs_to is None else str(spec.outputs_to),
-        outputs_under=None if spec.outputs_under is None else str(spec.outputs_under),
-    )
+    spec_body = bodies.job_body(spec, wait=wait or 0.0)
     _through_node(spec_body, detach=detach, quiet=quiet, explain=explain)
 
 

@@ -46,6 +46,7 @@ __all__ = [
     "SyncPeersBody",
     "TcpBody",
     "TunnelBody",
+    "job_body",
     "job_options",
 ]
 
@@ -69,6 +70,24 @@ def job_options(spec: JobSpec) -> dict[str, Any]:
         "timeout": spec.timeout,
         "mounts": _mount_texts(spec.mounts),
     }
+
+
+def job_body(spec: JobSpec, *, wait: float | str = 0.0) -> JobBody:
+    """What ``run`` (and ``gpumesh.Mesh``) sends the node process for ``spec``, whose
+    folders are absolute already (the node process works elsewhere); ``wait``: as
+    ``--wait``."""
+    return JobBody(
+        command=spec.command,
+        peer=spec.peer,
+        group=spec.group,
+        workdir=None if spec.workdir is None else str(spec.workdir),
+        **job_options(spec),
+        wait=wait,
+        max_moves=spec.max_moves if spec.group else None,
+        outputs=spec.outputs,
+        outputs_to=None if spec.outputs_to is None else str(spec.outputs_to),
+        outputs_under=None if spec.outputs_under is None else str(spec.outputs_under),
+    )
 
 
 class PairBody(msgspec.Struct, forbid_unknown_fields=True):

@@ -32,8 +32,8 @@ from gpumesh.client.bodies import (
     AppRunBody,
     CancelBody,
     CopyBody,
-    JobBody,
     PairBody,
+    job_body,
     job_options,
 )
 from gpumesh.client.views.jobs import (
@@ -141,18 +141,7 @@ class ThroughNode:
         return await self._get(PairView, "POST", "/api/v1/peers/pair", body)
 
     async def run(self, spec: JobSpec, *, detach: bool, wait: float = 0) -> JobResultView:
-        body = JobBody(
-            command=spec.command,
-            peer=spec.peer,
-            group=spec.group,
-            workdir=None if spec.workdir is None else _local(spec.workdir),
-            **job_options(spec),
-            outputs=spec.outputs,
-            outputs_to=None if spec.outputs_to is None else str(spec.outputs_to),
-            outputs_under=None if spec.outputs_under is None else str(spec.outputs_under),
-            wait=wait,
-            max_moves=spec.max_moves if spec.group else None,
-        )
+        body = job_body(spec, wait=wait)
         accepted = await self._get(JobResultView, "POST", "/api/v1/jobs", body)
         if detach:
             return accepted
