@@ -305,12 +305,14 @@ async def run_job(
     preferred_gpu = ""
     job_id = job_id or new_job_id()
     group = spec.group
+    # A new job no provider can take now may wait in the node process's queue.
+    queueable = hop is None and wait > 0 and node.keeper is not None and not sandbox_dir
     if spec.group is not None:
         left = hop.left if hop is not None else frozenset()
         try:
             placement = await place_in_group(node, spec.group, spec.gpu_memory, leaving=left)
         except LimitError as exc:
-            if hop is None and wait > 0 and node.keeper is not None:
+            if queueable:
                 return _enqueue(node, spec, job_id, wait, exc)
             raise
         callbacks.placed(placement)
@@ -407,8 +409,7 @@ async def run_job(
             else:
                 return result
     except (LimitError, UnreachableError) as exc:
-        queue = hop is None and wait > 0 and node.keeper is not None and not sandbox_dir
-        if queue and store.job(SUBMITTED, job_id) is None:
+        if queueable and store.job(SUBMITTED, job_id) is None:  # refused before accepting
             return _enqueue(node, spec, job_id, wait, exc)
         raise
 
@@ -594,18 +595,18 @@ def record_status(
     if problem is not None:
         logger.warning("[job %s] a status (%s) refused: %s", job_id, status.state, problem)
         return False
-    fields: dict[str, object] = {
-        "state": job_state(status.state),
-        "attempt": status.attempt,
-        "message": status.message,
-        "confirmed_at": time.time(),
-    }
     if status.state == JobState.PREEMPTED and job.job_group and node.keeper is not None:
         # The hop ended, not the job: its keeper moves it, or ends it when it may not.
         store.update_job(SUBMITTED, job_id, attempt=status.attempt, message=status.message)
         if not keeper:
             node.keeper.poke(job_id)
         return False
+    fields: dict[str, object] = {
+        "state": job_state(status.state),
+        "attempt": status.attempt,
+        "message": status.message,
+        "confirmed_at": time.time(),
+    }
     if status.exit_code is not None:
         fields["exit_code"] = status.exit_code
     if status.peak_gpu_memory:

@@ -40,7 +40,6 @@ from typing import TYPE_CHECKING, Any
 from gpumesh.client.hops import NextHop
 from gpumesh.client.jobs import cancel_job, record_status, run_job
 from gpumesh.client.jobspec import JobSpec, MountSpec
-from gpumesh.client.outputs import RECEIVING
 from gpumesh.errors import (
     AccessDeniedError,
     GPUMeshError,
@@ -102,7 +101,6 @@ class _Left:
     ended: str
     """``preempted``, ``denied``, ``forgot`` or ``unreachable``."""
     reason: str
-    state: JobState
 
 
 class JobKeeper:
@@ -194,18 +192,18 @@ class JobKeeper:
                 # An ask never outlasts the lease: a silent provider is left on time.
                 status = await self._query(current, min(3.0, max(0.25, left)))
             except NotFoundError:
-                return _Left("forgot", f"{job.peer_name} no longer knows the job", current.state)
+                return _Left("forgot", f"{job.peer_name} no longer knows the job")
             except AccessDeniedError as exc:
-                return _Left("denied", f"{job.peer_name} denied you: {exc.message}", current.state)
+                return _Left("denied", f"{job.peer_name} denied you: {exc.message}")
             except (GPUMeshError, TimeoutError) as exc:
                 if time.monotonic() - heard >= lease:
                     why = f"{job.peer_name} did not answer for {lease:g}s (job_lease)"
                     logger.info("[job %s] %s: %s", job.job_id, why, exc)
-                    return _Left("unreachable", why, current.state)
+                    return _Left("unreachable", why)
             else:
                 heard = time.monotonic()
                 if status.state == JobState.PREEMPTED:
-                    return _Left("preempted", status.message, JobState.PREEMPTED)
+                    return _Left("preempted", status.message)
                 if status.state in FINAL_STATES:
                     return None
             pause = min(every, max(0.0, heard + lease - time.monotonic()))
@@ -248,11 +246,10 @@ class JobKeeper:
             if left.ended == "preempted":
                 await self.node.outputs.settled(job.job_id, _SETTLE)
             await self.node.outputs.halt(job.job_id)
-        fields: dict[str, Any] = {"hops": hops, "last_seq": 0}
+        fields: dict[str, Any] = {"hops": hops}
         if len(job.hops) >= job.max_moves:
             why = f"{_moves(len(job.hops))} (--max-moves {job.max_moves}); " + _reasons(hops)
-            final = left.state if left.state in FINAL_STATES else JobState.FAILED
-            fields.update(state=final, message=why, finished_at=time.time())
+            fields.update(state=_ended_as(hops), message=why, finished_at=time.time())
         else:
             fields.update(
                 peer_id="",
@@ -263,8 +260,6 @@ class JobKeeper:
                 attempt=0,
                 gpus=[],
             )
-        if job.outputs and job.outputs_state == RECEIVING:
-            fields.update(outputs_seq=0)
         self.node.home.store.update_job(SUBMITTED, job.job_id, **fields)
         self._stop_left(self._job(job.job_id) or job)
 
@@ -279,8 +274,9 @@ class JobKeeper:
         )
 
     async def _place(self, job: JobRecord) -> None:
-        """One try to place a queued job; on no room, wait and let the loop try again
-        (or end the job once its wait is over)."""
+        """One try to place a queued job (``run_job`` records its provider and starts
+        its outputs receiver); on no room, wait and let the loop try again, or end the
+        job once its wait is over."""
         hop = NextHop(
             epoch=job.epoch + 1,
             attempts_before=job.attempts_before,
@@ -290,10 +286,9 @@ class JobKeeper:
             await run_job(self.node, spec_of(job), detach=True, job_id=job.job_id, hop=hop)
         except (LimitError, UnreachableError) as exc:
             if time.time() >= job.wait_until:
-                ended = _queue_end(job)
                 waited = f"waited {job.queue_wait:g}s (--wait)" if job.queue_wait else "no --wait"
-                self._end(job, ended, f"no provider could take it ({waited}): {exc.message}")
-                self._stop_left(job)
+                why = f"no provider could take it ({waited}): {exc.message}"
+                self._end(job, _ended_as(job.hops), why)
                 return
             self.node.home.store.update_job(
                 SUBMITTED, job.job_id, message=f"waiting for a provider: {exc.message}"
@@ -304,10 +299,6 @@ class JobKeeper:
                 await asyncio.wait_for(news.wait(), _PLACE_EVERY)
         except GPUMeshError as exc:
             self._end(job, JobState.FAILED, f"could not start it again: {exc.message}")
-            self._stop_left(job)
-        else:
-            if self.node.outputs is not None and job.outputs:
-                self.node.outputs.start(job.job_id)
 
     # --- telling providers the job moved ---------------------------------------------------
 
@@ -356,10 +347,10 @@ class JobKeeper:
         self.node.home.store.update_job(SUBMITTED, job_id, hops=hops)
 
 
-def _queue_end(job: JobRecord) -> JobState:
-    """How a job that found no provider in time ends: as its last hop did when it was
-    preempted there, else failed."""
-    if job.hops and job.hops[-1]["ended"] == "preempted":
+def _ended_as(hops: list[dict[str, Any]]) -> JobState:
+    """How a job that cannot go on elsewhere ends (its moves used up, or no provider
+    in time): as its last hop did when it was preempted there, else failed."""
+    if hops and hops[-1]["ended"] == "preempted":
         return JobState.PREEMPTED
     return JobState.FAILED
 
