@@ -126,14 +126,20 @@ def _running_on(bob: Path, job_id: str, outputs: Path, past: int) -> str:
     return str(_listed(bob, job_id)["hops"][-1]["peer"])
 
 
+def _counting(bob: Path, tmp_path: Path, past: int) -> tuple[Path, str, str]:
+    """The counter started on the group with bob's job_lease 3s: its outputs folder,
+    its id, and the provider it runs on once its checkpoint passed ``past``."""
+    ok(bob, "config", "set", "job_lease", "3s")
+    outputs = tmp_path / "out"
+    job_id = _start(bob, outputs)
+    return outputs, job_id, _running_on(bob, job_id, outputs, past)
+
+
 def test_a_paused_provider_moves_the_job_which_resumes_from_its_checkpoint(
     trio: tuple[Path, Path, Path], tmp_path: Path
 ) -> None:
     _alice, _carol, bob = trio
-    ok(bob, "config", "set", "job_lease", "3s")
-    outputs = tmp_path / "out"
-    job_id = _start(bob, outputs)
-    first = _running_on(bob, job_id, outputs, 2)
+    outputs, job_id, first = _counting(bob, tmp_path, 2)
     follower = subprocess.Popen(
         [sys.executable, "-m", "gpumesh", "logs", "-f", job_id],
         env=dict(os.environ, GPUMESH_HOME=str(bob)),
@@ -190,10 +196,7 @@ def test_a_killed_provider_loses_the_job_after_job_lease_and_its_copy_stops_when
     trio: tuple[Path, Path, Path], tmp_path: Path
 ) -> None:
     _alice, _carol, bob = trio
-    ok(bob, "config", "set", "job_lease", "3s")
-    outputs = tmp_path / "out"
-    job_id = _start(bob, outputs)
-    first = _running_on(bob, job_id, outputs, 2)
+    outputs, job_id, first = _counting(bob, tmp_path, 2)
     home = _homes(trio)[first]
     pid = json.loads(ok(home, "status", "--json"))["agent_pid"]
     os.kill(pid, signal.SIGKILL)  # no goodbye; its container runs on
@@ -425,10 +428,7 @@ def test_the_submitter_asleep_catches_up_without_moving_the_job(
     trio: tuple[Path, Path, Path], tmp_path: Path
 ) -> None:
     _alice, _carol, bob = trio
-    ok(bob, "config", "set", "job_lease", "3s")
-    outputs = tmp_path / "out"
-    job_id = _start(bob, outputs)
-    first = _running_on(bob, job_id, outputs, 1)
+    outputs, job_id, first = _counting(bob, tmp_path, 1)
     ok(bob, "daemon", "stop")
     time.sleep(4)  # longer than job_lease: the job runs on where it is meanwhile
     job = _ended(bob, job_id)  # the listing starts bob's node process again
