@@ -64,6 +64,7 @@ from gpumesh.transport.endpoint import QuicEndpoint
 from gpumesh.transport.netinfo import local_addresses
 from gpumesh.transport.quic import QuicLink
 from gpumesh.transport.relayclient import RelayClient
+from gpumesh.transport.relaytcp import proxy_from_environment, tcp_route
 from gpumesh.transport.session import accept_session, resolve_relay
 from gpumesh.transport.stream import Stream
 from gpumesh.transport.udp import Address, format_address
@@ -287,15 +288,22 @@ class Agent:
             self._relay_state = (RelayState.UNAVAILABLE, str(exc))
             return
         port = self.address[1]
+        config = self.home.config
         client = RelayClient(
             endpoint,
             address,
             text,
             self.identity,
-            token=self.home.config.relay_token,
+            token=config.relay_token,
             serving=True,
             candidates=lambda: local_addresses(self.host, port),
             authorize=self._relay_authorize,
+            tcp=tcp_route(
+                text,
+                config.relay_tcp,
+                udp_retry=config.relay_udp_retry,
+                proxy=proxy_from_environment(),
+            ),
         )
         client.on_change = self._relay_changed
         endpoint.relay = client
@@ -315,7 +323,7 @@ class Agent:
         client = self.relay
         assert client is not None
         if client.registered.is_set():
-            self._relay_state = (RelayState.REGISTERED, str(client.observed))
+            self._relay_state = (RelayState.REGISTERED, client.registered_as)
         elif client.error is not None:
             self._relay_state = (RelayState.REFUSED, client.error.message)
         else:

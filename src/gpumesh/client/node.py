@@ -54,6 +54,7 @@ from gpumesh.store.shares import Pause
 from gpumesh.store.trust import check_home
 from gpumesh.transport.netinfo import local_addresses
 from gpumesh.transport.reach import unreachable
+from gpumesh.transport.relaytcp import proxy_from_environment, tcp_route
 from gpumesh.transport.session import (
     RelayHint,
     open_session,
@@ -435,7 +436,16 @@ class Node:
                 addresses.append(parse_address(text))
         config = self.home.config
         relay_text = config.relay or peer.relay
-        relay = RelayHint(relay_text, config.relay_token) if relay_text else None
+        relay = None
+        if relay_text:
+            setting = config.relay_tcp if relay_text == config.relay else ""
+            tcp = tcp_route(
+                relay_text,
+                setting,
+                udp_retry=config.relay_udp_retry,
+                proxy=proxy_from_environment(),
+            )
+            relay = RelayHint(relay_text, config.relay_token, tcp)
         via = None if self.pool is None else self.pool.outgoing
         # Dialled first: where punching got through last time, from the same socket.
         punched = None if via is None or self.pool is None else self.pool.punched(str(peer.node_id))

@@ -107,6 +107,20 @@ def _relay_address(text: str) -> str:
     return text
 
 
+def _relay_tcp(text: str) -> str:
+    """``host:port`` of a relay's TCP listener; empty: the relay host's 443; ``off``: none."""
+    text = text.strip()
+    if text.lower() == "off":
+        return "off"
+    try:
+        return _relay_address(text)
+    except ConfigError:
+        raise ConfigError(
+            f"invalid relay_tcp {text!r}: use host:port, e.g. relay.example.org:443 (empty: the "
+            "relay host's port 443; off: UDP only)"
+        ) from None
+
+
 def _url(text: str) -> str:
     if text and not text.startswith(("http://", "https://")):
         raise ConfigError(f"invalid URL {text!r}: it must start with http:// or https://")
@@ -321,6 +335,20 @@ KEYS: dict[str, ConfigKey] = {
             "shared token of a private relay (keep it secret)",
             settings.ENV_RELAY_TOKEN,
             secret=True,
+        ),
+        ConfigKey(
+            "relay_tcp",
+            _relay_tcp,
+            "",
+            "relay host:port over TCP/TLS, used where UDP is blocked (empty: the relay "
+            "host's 443; off: UDP only)",
+            settings.ENV_RELAY_TCP,
+        ),
+        ConfigKey(
+            "relay_udp_retry",
+            _duration("relay_udp_retry"),
+            "30s",
+            "while the relay is reached over TCP, how often UDP is tried again",
         ),
         ConfigKey(
             "rendezvous_url",
@@ -597,6 +625,14 @@ class Config:
     @property
     def relay_token(self) -> str:
         return str(self.get("relay_token"))
+
+    @property
+    def relay_tcp(self) -> str:
+        return str(self.get("relay_tcp"))
+
+    @property
+    def relay_udp_retry(self) -> float:
+        return parse_duration(str(self.get("relay_udp_retry")))
 
     @property
     def connect_timeout(self) -> float:

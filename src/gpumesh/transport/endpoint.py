@@ -384,6 +384,21 @@ class QuicEndpoint:
             if relay is not None:  # a punched path's packet goes by its virtual address
                 address = relay.from_direct(address, now) or address
             self._deliver(data, segment_size, address, now, touched)
+        self._settle(touched, now)
+
+    def receive_routed(self, virtual: Address, datagrams: list[bytes]) -> None:
+        """QUIC datagrams a route read from elsewhere than this socket (the relay over
+        TCP), under the virtual address of their path, as if this socket had read them."""
+        if not datagrams or self._socket_closed:
+            return
+        now = self._loop.time()
+        touched: dict[QuicLink, None] = {}
+        self._deliver_many(datagrams, virtual, now, touched)
+        self._settle(touched, now)
+
+    def _settle(self, touched: dict[QuicLink, None], now: float) -> None:
+        """After a wake-up's packets: parity-rebuilt datagrams to QUIC, then each link
+        touched processes its events and sends once."""
         for link, datagrams in self._fec_pending.items():
             link.receive_datagrams(datagrams, link.address, now)
         self._fec_pending.clear()

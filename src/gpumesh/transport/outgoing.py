@@ -29,6 +29,7 @@ from gpumesh.errors import UnreachableError
 from gpumesh.protocol.addresses import Address
 from gpumesh.transport.endpoint import QuicEndpoint
 from gpumesh.transport.relayclient import dialling_client
+from gpumesh.transport.relaytcp import RelayTcp
 from gpumesh.transport.udp import UdpSocket, open_udp_socket
 
 if TYPE_CHECKING:
@@ -48,7 +49,7 @@ class RelayState:
     relay: str
     """The relay as configured (``host:port``)."""
     state: str
-    """``registered as ADDR``, ``registering`` or ``refused: ...``."""
+    """``registered as ADDR`` (``... (over tcp)``), ``registering`` or ``refused: ...``."""
     registrations: int
     """Times the relay accepted this socket (1 while it never lost it)."""
 
@@ -143,24 +144,33 @@ class OutgoingSocket:
     # --- relays ------------------------------------------------------------------------
 
     async def relay_client(
-        self, relay_address: Address, label: str, token: str, timeout: float
+        self,
+        relay_address: Address,
+        label: str,
+        token: str,
+        timeout: float,
+        tcp: RelayTcp | None = None,
     ) -> RelayClient:
         """This socket's registration with a relay: made at the first use, then kept
         (the relay client registers again by itself when the relay forgets it)."""
         async with self._lock:
             client = self._routes.clients.get(relay_address)
-            if client is not None and client.token != token:
-                # The configured token changed: register again with the new one.
+            if client is not None and (client.token != token or client.tcp != tcp):
+                # The configured token (or TCP route) changed: register again with it.
                 client.close()
                 del self._routes.clients[relay_address]
                 client = None
             if client is None:
-                client = self._new_client(relay_address, label, token)
+                client = self._new_client(relay_address, label, token, tcp)
         await client.wait_registered(timeout)
         return client
 
-    def _new_client(self, relay_address: Address, label: str, token: str) -> RelayClient:
-        client = dialling_client(self.endpoint(), relay_address, label, self._identity(), token)
+    def _new_client(
+        self, relay_address: Address, label: str, token: str, tcp: RelayTcp | None
+    ) -> RelayClient:
+        client = dialling_client(
+            self.endpoint(), relay_address, label, self._identity(), token, tcp
+        )
         self._registrations[relay_address] = 0
 
         was_registered = False
@@ -184,11 +194,12 @@ class OutgoingSocket:
         token: str,
         peer_key: bytes,
         timeout: float,
+        tcp: RelayTcp | None = None,
     ) -> tuple[QuicLink, RelayedPath]:
         """A link to ``peer_key`` through a relay, over this socket's registration."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        client = await self.relay_client(relay_address, label, token, timeout)
+        client = await self.relay_client(relay_address, label, token, timeout, tcp)
         path = await client.open_path(peer_key, max(0.5, deadline - loop.time()))
         try:
             link = await self.endpoint().dial_link(
@@ -211,7 +222,7 @@ class OutgoingSocket:
         relays = []
         for address, client in self._routes.clients.items():
             if client.registered.is_set():
-                state = f"registered as {client.observed}"
+                state = f"registered as {client.registered_as}"
             elif client.error is not None:
                 state = f"refused: {client.error.message}"
             else:

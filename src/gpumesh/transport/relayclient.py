@@ -37,6 +37,7 @@ from gpumesh.protocol.punch import PunchConfig, Puncher
 from gpumesh.transport.endpoint import QuicEndpoint
 from gpumesh.transport.netinfo import local_addresses
 from gpumesh.transport.quic import QuicLink
+from gpumesh.transport.relaytcp import RelayStream, RelayTcp, open_relay_stream
 from gpumesh.transport.udp import UdpSocket, open_udp_socket
 
 __all__ = [
@@ -53,6 +54,7 @@ logger = logging.getLogger(__name__)
 _HELLO_RETRY = 0.5
 _REREGISTER_MAX = 5.0
 _MISSED_KEEPALIVES = 3
+_TCP_TIMEOUT = 5.0
 
 
 def virtual_address(session: int) -> Address:
@@ -108,6 +110,8 @@ class RelayedPath:
             config=client.punch_config,
         )
         self.relay_open = True
+        self.over_tcp = client.over_tcp
+        """Whether the relay carries it over TCP (the registration rode TCP when it opened)."""
         self.settled = asyncio.Event()
         """Set once punching has found a direct path or given up."""
         self.ended: RelayError | None = None
@@ -124,6 +128,9 @@ class RelayedPath:
         if direct is not None:
             return [(datagram, direct) for datagram in datagrams]
         header, relay = self._header, self.client.relay_address
+        if self.over_tcp:
+            self.client.send_over_tcp([header + datagram for datagram in datagrams])
+            return []
         return [(header + datagram, relay) for datagram in datagrams]
 
     def remote_address(self) -> Address:
@@ -133,7 +140,7 @@ class RelayedPath:
         direct = self.puncher.direct
         if direct is not None:
             return f"direct (hole-punched) {format_address(direct)}"
-        return f"relayed via {self.client.label}"
+        return f"relayed {'(tcp) ' if self.over_tcp else ''}via {self.client.label}"
 
     def attach(self, link: QuicLink) -> None:
         self.link = link
@@ -162,6 +169,7 @@ class RelayClient:
         candidates: Callable[[], list[str]] = list,
         authorize: Callable[[bytes], bool] | None = None,
         punch_config: PunchConfig | None = None,
+        tcp: RelayTcp | None = None,
     ) -> None:
         self._loop = asyncio.get_running_loop()
         self.endpoint = endpoint
@@ -195,6 +203,18 @@ class RelayClient:
         self.on_path_event: Callable[[RelayedPath, str], None] | None = None
         self.on_change: Callable[[], None] | None = None
         """Called when the registration is accepted, refused or lost."""
+        self.tcp = tcp
+        """The relay's TCP listener, raced against UDP (None: UDP only)."""
+        self._carrier: str | None = None
+        """``udp`` or ``tcp``: what the registration under way rides (None while both race)."""
+        self.over_tcp = False
+        """Whether the registration rides TCP (UDP to the relay got no answer)."""
+        self.tcp_error = ""
+        """Why the last try of TCP failed, for the one line that says why nothing worked."""
+        self._stream: RelayStream | None = None
+        self._opening: asyncio.Task[None] | None = None
+        self._next_tcp = 0.0
+        self._next_udp_try = 0.0
 
     # --- life cycle ------------------------------------------------------------------
 
@@ -210,10 +230,16 @@ class RelayClient:
                 self._send(wire.Close(session=path.session, code="closed", message=""))
         if self._task is not None:
             self._task.cancel()
+        self._drop_stream()
         for future in self._requests.values():
             if not future.done():
                 future.set_exception(RelayError(f"relay {self.label}: the node is closing"))
                 future.exception()
+
+    @property
+    def registered_as(self) -> str:
+        """The address the relay sees, and ``(over tcp)`` when the registration rides TCP."""
+        return f"{self.observed}{' (over tcp)' if self.over_tcp else ''}"
 
     async def wait_registered(self, timeout: float) -> None:
         """Wait for the relay to accept us; raise its refusal or a timeout error."""
@@ -229,9 +255,15 @@ class RelayClient:
                     finally:
                         waiter.cancel()
         except TimeoutError:
+            if self.tcp is None:
+                raise UnreachableError(
+                    f"no answer from the relay {self.label} within {timeout:.0f}s: is "
+                    "gpumesh-relay running there and its UDP port reachable?"
+                ) from None
+            tcp = self.tcp_error or f"TCP to {self.tcp.label}: no answer"
             raise UnreachableError(
-                f"no answer from the relay {self.label} within {timeout:.0f}s: is gpumesh-relay "
-                "running there and its UDP port reachable?"
+                f"no answer from the relay {self.label} within {timeout:.0f}s over UDP; {tcp}"
+                ": is gpumesh-relay running there, and UDP or its TCP port reachable?"
             ) from None
 
     async def open_path(self, peer_key: bytes, timeout: float) -> RelayedPath:
@@ -258,7 +290,7 @@ class RelayClient:
     async def reach_test(self, timeout: float = 1.0) -> bool:
         """Whether a packet from a port we never sent to gets in (no NAT filtering)."""
         self._reach = self._loop.create_future()
-        self._send(wire.ReachTest(seq=1))
+        self._send_udp(wire.encode_packet(wire.ReachTest(seq=1)))
         try:
             await asyncio.wait_for(asyncio.shield(self._reach), timeout)
         except TimeoutError:
@@ -300,7 +332,7 @@ class RelayClient:
     def handle(self, packet: bytes, source: Address, now: float) -> tuple[Address, bytes] | None:
         """One non-QUIC packet; returns ``(virtual address, QUIC datagram)`` to deliver."""
         from_relay = source == self.relay_address
-        if from_relay:
+        if from_relay and self._carrier != "tcp":
             self._last_heard = now
         if wire.is_data(packet):
             path = self._data_path(packet) if from_relay else None
@@ -315,9 +347,30 @@ class RelayClient:
         elif isinstance(message, wire.ReachProbe):
             if self._reach is not None and not self._reach.done():
                 self._reach.set_result(None)
-        elif from_relay:
-            self._on_relay_message(message, now)
+        elif from_relay and (self._carrier != "tcp" or isinstance(message, wire.Challenge)):
+            # Riding TCP, only a challenge counts over UDP: UDP answers again.
+            self._on_relay_message(message, now, via_tcp=False)
         return None
+
+    def _from_stream(self, packets: list[bytes]) -> None:
+        """Packets the relay sent over TCP: its own, and relayed datagrams for QUIC."""
+        now = self._loop.time()
+        self._last_heard = now
+        relayed: dict[RelayedPath, list[bytes]] = {}
+        for packet in packets:
+            if wire.is_data(packet):
+                path = self._data_path(packet)
+                if path is not None:
+                    relayed.setdefault(path, []).append(packet[wire.DATA_HEADER :])
+                continue
+            try:
+                message = wire.decode_packet(packet)
+            except ProtocolError as exc:
+                logger.debug("relay packet over TCP dropped: %s", exc)
+                continue
+            self._on_relay_message(message, now, via_tcp=True)
+        for path, datagrams in relayed.items():
+            self.endpoint.receive_routed(path.virtual, datagrams)
 
     def unwrap_run(
         self, buffer: bytes, segment: int, source: Address
@@ -352,12 +405,13 @@ class RelayClient:
 
     # --- relay messages -----------------------------------------------------------------
 
-    def _on_relay_message(self, message: wire.RelayMessage, now: float) -> None:
+    def _on_relay_message(self, message: wire.RelayMessage, now: float, *, via_tcp: bool) -> None:
         if isinstance(message, wire.Challenge):
-            self._on_challenge(message)
+            self._on_challenge(message, via_tcp=via_tcp)
         elif isinstance(message, wire.Registered):
             first = not self.registered.is_set()
             moved = message.observed != self.observed
+            self._registered_over(via_tcp, now)
             self.registered.set()
             self.error = None
             self.observed = message.observed
@@ -366,7 +420,8 @@ class RelayClient:
             self._keepalive_every = max(1.0, message.keepalive or 10.0)
             self._keepalive_at = now + self._keepalive_every
             if first:
-                logger.info("registered with relay %s as %s", self.label, message.observed)
+                over = " over TCP" if self.over_tcp else ""
+                logger.info("registered with relay %s%s as %s", self.label, over, message.observed)
             if first or moved:
                 self._changed()
         elif isinstance(message, wire.Refused):
@@ -384,7 +439,17 @@ class RelayClient:
                 self.observed = message.observed  # our NAT gave us another mapping
                 self._changed()
 
-    def _on_challenge(self, challenge: wire.Challenge) -> None:
+    def _on_challenge(self, challenge: wire.Challenge, *, via_tcp: bool) -> None:
+        carrier = "tcp" if via_tcp else "udp"
+        if self.registered.is_set():
+            if self.over_tcp and not via_tcp and not self.paths:
+                self._back_to_udp()  # UDP answers again and no session rides TCP
+            else:
+                return
+        if self._carrier is None:
+            self._carrier = carrier  # the race's winner: the registration rides it
+        elif self._carrier != carrier:
+            return
         identity = self.identity
         signature = identity.sign(
             wire.register_payload(challenge.nonce, identity.public_key, self.serving)
@@ -415,6 +480,7 @@ class RelayClient:
             return
         if refused.code in ("bad-nonce",):
             self._pending_register = None  # a stale challenge: start over
+            self._carrier = None
             self._next_hello = 0.0
             return
         # A refused registration: wait for the caller to read it; retry slowly.
@@ -529,7 +595,7 @@ class RelayClient:
         wake_at = now + self._keepalive_every
         if not self.registered.is_set():
             if now >= self._next_hello:
-                self._send_raw(self._pending_register or wire.hello_packet())
+                self._hello(now)
                 self._next_hello = now + self._hello_backoff
                 self._hello_backoff = min(self._hello_backoff * 1.5, _REREGISTER_MAX)
             wake_at = min(wake_at, self._next_hello)
@@ -542,6 +608,11 @@ class RelayClient:
                 self._send_raw(wire.keepalive_packet(self._keepalive_seq))
                 self._keepalive_at = now + self._keepalive_every
             wake_at = min(wake_at, self._keepalive_at)
+            if self.over_tcp and self.tcp is not None:
+                if now >= self._next_udp_try:  # does UDP answer again?
+                    self._send_udp(wire.hello_packet())
+                    self._next_udp_try = now + self.tcp.udp_retry
+                wake_at = min(wake_at, self._next_udp_try)
         for path in list(self.paths.values()):
             self._send_many(path.puncher.poll(now))
             self._after_punch(path)
@@ -558,6 +629,9 @@ class RelayClient:
         self._pending_register = None
         self._next_hello = 0.0
         self._hello_backoff = _HELLO_RETRY
+        self._carrier = None
+        self.over_tcp = False
+        self._drop_stream()
         for path in list(self.paths.values()):
             if path.relay_open:
                 lost = RelayError(f"the relay {self.label} lost the session ({why})")
@@ -579,7 +653,90 @@ class RelayClient:
         self._send_raw(wire.encode_packet(message))
 
     def _send_raw(self, packet: bytes) -> None:
+        """To the relay, over what the registration rides."""
+        if self._carrier == "tcp":
+            self.send_over_tcp([packet])
+        else:
+            self._send_udp(packet)
+
+    def _send_udp(self, packet: bytes) -> None:
         self.endpoint.send_raw([(packet, self.relay_address)])
+
+    def send_over_tcp(self, packets: list[bytes]) -> None:
+        """Relay packets over the TCP stream (dropped when there is none: the session
+        ends with the registration)."""
+        stream = self._stream
+        if stream is not None:
+            stream.send(packets)
+
+    # --- the TCP fallback -----------------------------------------------------------------
+
+    def _hello(self, now: float) -> None:
+        """Ask the relay for a challenge: over UDP and, raced beside it, over TCP."""
+        if self._pending_register is not None:
+            self._send_raw(self._pending_register)
+            return
+        hello = wire.hello_packet()
+        if self._carrier != "tcp":
+            self._send_udp(hello)
+        if self.tcp is None or self._carrier == "udp":
+            return
+        if self._stream is not None:
+            self._stream.send([hello])
+        elif self._opening is None and now >= self._next_tcp:
+            self._next_tcp = now + _REREGISTER_MAX
+            self._opening = asyncio.create_task(self._open_stream(), name=f"relay tcp {self.label}")
+
+    async def _open_stream(self) -> None:
+        tcp = self.tcp
+        assert tcp is not None
+        try:
+            stream = await open_relay_stream(tcp, self._from_stream, timeout=_TCP_TIMEOUT)
+        except UnreachableError as exc:
+            self.tcp_error = exc.message
+            logger.debug("relay %s: %s", self.label, exc.message)
+            return
+        finally:
+            self._opening = None
+        if self._closed or self._carrier == "udp" or self.registered.is_set():
+            stream.close()  # UDP won the race meanwhile
+            return
+        self.tcp_error = ""
+        self._stream = stream
+        stream.send([self._pending_register or wire.hello_packet()])
+        await stream.closed.wait()
+        if self._stream is stream:
+            self._stream = None
+            if self._carrier == "tcp" and not self._closed:
+                self.tcp_error = f"TCP to {tcp.label}: {stream.why}"
+                self._lost_registration(f"the TCP connection ended ({stream.why})")
+
+    def _registered_over(self, via_tcp: bool, now: float) -> None:
+        """The registration is accepted over ``via_tcp``'s carrier: the loser of the race
+        is dropped; on TCP, UDP is tried again every ``udp_retry``."""
+        self.over_tcp = via_tcp
+        if via_tcp:
+            retry = self.tcp.udp_retry if self.tcp is not None else _REREGISTER_MAX
+            if not self.registered.is_set():
+                self._next_udp_try = now + retry
+        else:
+            self._drop_stream()
+
+    def _back_to_udp(self) -> None:
+        logger.info("relay %s: UDP answers again; leaving TCP", self.label)
+        self.registered.clear()
+        self.over_tcp = False
+        self._carrier = None  # this challenge, over UDP, makes UDP the carrier
+        self._pending_register = None
+        self._drop_stream()
+
+    def _drop_stream(self) -> None:
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            stream.close()
+        opening, self._opening = self._opening, None
+        if opening is not None:
+            opening.cancel()
 
     def _send_many(self, packets: list[tuple[bytes, Address]]) -> None:
         if packets:
@@ -587,7 +744,12 @@ class RelayClient:
 
 
 def dialling_client(
-    endpoint: QuicEndpoint, relay_address: Address, label: str, identity: Identity, token: str
+    endpoint: QuicEndpoint,
+    relay_address: Address,
+    label: str,
+    identity: Identity,
+    token: str,
+    tcp: RelayTcp | None = None,
 ) -> RelayClient:
     """A client of the relay at ``relay_address`` that only dials (it serves nobody),
     offering the local addresses of ``endpoint``'s port for punching."""
@@ -600,6 +762,7 @@ def dialling_client(
         token=token,
         serving=False,
         candidates=lambda: local_addresses("0.0.0.0", endpoint.local_address[1]),
+        tcp=tcp,
     )
 
 

@@ -44,6 +44,7 @@ from gpumesh.transport.endpoint import QuicEndpoint
 from gpumesh.transport.quic import QuicLink
 from gpumesh.transport.reach import unreachable
 from gpumesh.transport.relayclient import RelayClient, dial_relayed, dialling_client
+from gpumesh.transport.relaytcp import RelayTcp
 from gpumesh.transport.stream import Stream
 
 if TYPE_CHECKING:
@@ -116,6 +117,8 @@ class RelayHint:
     address: str
     """``host:port`` as the user wrote it (the port defaults to 4799)."""
     token: str = ""
+    tcp: RelayTcp | None = None
+    """Its TCP listener, raced against UDP (None: UDP only)."""
 
 
 def went_through_relay(path: str) -> bool:
@@ -437,12 +440,12 @@ class _Dial:
 
         def make_client(endpoint: QuicEndpoint) -> RelayClient:
             return dialling_client(
-                endpoint, relay_address, relay.address, self.identity, relay.token
+                endpoint, relay_address, relay.address, self.identity, relay.token, relay.tcp
             )
 
         if self.via is not None:
             link, path = await self.via.dial_relayed(
-                relay_address, relay.address, relay.token, self.server_key, self.timeout
+                relay_address, relay.address, relay.token, self.server_key, self.timeout, relay.tcp
             )
         else:
             link, path = await dial_relayed(make_client, self.server_key, timeout=self.timeout)
