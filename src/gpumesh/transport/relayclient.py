@@ -261,9 +261,11 @@ class RelayClient:
                     "gpumesh-relay running there and its UDP port reachable?"
                 ) from None
             tcp = self.tcp_error or f"TCP to {self.tcp.label}: no answer"
+            why = f"no answer over UDP within {timeout:.0f}s; {tcp}"
             raise UnreachableError(
-                f"no answer from the relay {self.label} within {timeout:.0f}s over UDP; {tcp}"
-                ": is gpumesh-relay running there, and UDP or its TCP port reachable?"
+                f"the relay {self.label}: {why}: is gpumesh-relay running there, and UDP or "
+                "its TCP port reachable?",
+                why=why,
             ) from None
 
     async def open_path(self, peer_key: bytes, timeout: float) -> RelayedPath:
