@@ -31,8 +31,8 @@ from tests.integration.test_cli import _free_udp_port, _one_line_error, _start_s
 
 pytestmark = pytest.mark.usefixtures("network_lab", "gpumesh_processes")
 
-NS = "gmwb"
-HOST_IP, BOB_IP = "10.77.0.1", "10.77.0.2"
+NS = "gmtcp"
+HOST_IP, BOB_IP = "10.79.0.1", "10.79.0.2"
 
 
 def _ip(*args: str) -> None:
