@@ -7,6 +7,12 @@ for expiry; both return the datagrams to send as ``(bytes, address)``. It
 never opens a socket or reads a clock, so every rule is tested with a fake
 clock and no network (``tests/unit/test_relay_core.py``).
 
+Nodes reach it over UDP or over a TCP connection (:mod:`gpumesh.relay.tcp`).
+A connection is an address too: ``(peer host, TCP_PORT_BASE + peer port)``, a
+port no UDP source can have, so per-IP limits see the real host and the same
+rules hold on both; when a connection closes, :meth:`RelayCore.disconnect`
+drops what it held at once.
+
 What it owns: the stateless challenge (no per-client state before a valid
 Register, so spoofed Hellos cost nothing), registrations keyed by source
 address, sessions between a requester and a serving node, and the limits and
@@ -63,10 +69,13 @@ from gpumesh.relay.config import RelayConfig
 
 __all__ = [
     "EPOCH_SECONDS",
+    "TCP_PORT_BASE",
     "RelayCore",
     "Send",
     "address_text",
     "is_reach_probe",
+    "is_tcp_address",
+    "tcp_address",
 ]
 
 logger = logging.getLogger(__name__)
@@ -82,13 +91,37 @@ REACH_INTERVAL = 0.2
 _THROTTLE_MAX = 100_000
 _SESSION_ID_MASK = 2**63 - 1
 
+TCP_PORT_BASE = 65536
+"""Added to a TCP peer's port to make its connection's address: above any UDP port,
+so the two never collide, while the host stays the peer's real one."""
+
+
+def tcp_address(host: str, port: int) -> Address:
+    """The address the core knows the TCP connection from ``host``:``port`` by."""
+    return host, TCP_PORT_BASE + port
+
+
+def is_tcp_address(address: Address) -> bool:
+    """Whether ``address`` is a TCP connection's (:func:`tcp_address`), not a UDP source."""
+    return address[1] >= TCP_PORT_BASE
+
 
 def address_text(address: Address) -> str:
-    """``ip:port`` (``[ip]:port`` for IPv6), the way the relay reports an address."""
+    """``ip:port`` (``[ip]:port`` for IPv6), the way the relay reports an address; a TCP
+    connection's shows its real port."""
     host, port = address[0], address[1]
     if host.startswith("::ffff:") and "." in host:
         host = host[7:]  # an IPv4 peer seen through a dual-stack socket
+    if port >= TCP_PORT_BASE:
+        port -= TCP_PORT_BASE
     return format_address((host, port))
+
+
+def _challenge_subject(address: Address) -> str:
+    """What a challenge is bound to: the address, and whether it came over TCP, so a
+    nonce fetched over one cannot register the other."""
+    text = address_text(address)
+    return f"tcp {text}" if is_tcp_address(address) else text
 
 
 def is_reach_probe(packet: bytes) -> bool:
@@ -224,6 +257,18 @@ class RelayCore:
                 del throttle[address]
         return out
 
+    def disconnect(self, address: Address, now: float) -> list[Send]:
+        """``address`` is gone for good (its TCP connection closed): drop its
+        registration now rather than at ``registration_timeout``; its sessions end,
+        and their other ends are told ``closed``."""
+        self._refused_at.pop(address, None)
+        self._reach_at.pop(address, None)
+        registration = self._registrations.get(address)
+        if registration is None:
+            return []
+        logger.info("%s disconnected from %s", registration.node_id[:12], address_text(address))
+        return self._unregister(registration, "closed", now)
+
     def shutdown(self, now: float) -> list[Send]:
         """Close every session at both ends (the relay is stopping)."""
         out: list[Send] = []
@@ -281,9 +326,10 @@ class RelayCore:
             if size < HELLO_MIN_SIZE:  # an unpadded Hello could amplify a spoofed source
                 logger.debug("dropped short Hello (%d bytes) from %s", size, source)
                 return []
-            text = address_text(source)
-            nonce = challenge_nonce(self._secret, text, self._epoch(now))
-            return [(encode_packet(Challenge(nonce=nonce, observed=text)), source)]
+            subject = _challenge_subject(source)
+            nonce = challenge_nonce(self._secret, subject, self._epoch(now))
+            observed = address_text(source)
+            return [(encode_packet(Challenge(nonce=nonce, observed=observed)), source)]
         if isinstance(message, Register):
             return self._register(message, source, now)
         if isinstance(message, KeepAlive):
@@ -312,9 +358,10 @@ class RelayCore:
 
     def _register(self, message: Register, source: Address, now: float) -> list[Send]:
         text = address_text(source)
+        subject = _challenge_subject(source)
         epoch = self._epoch(now)
         if not any(
-            hmac.compare_digest(message.nonce, challenge_nonce(self._secret, text, e))
+            hmac.compare_digest(message.nonce, challenge_nonce(self._secret, subject, e))
             for e in (epoch, epoch - 1)
         ):
             return [self._refusal("bad-nonce", source)]
@@ -348,9 +395,10 @@ class RelayCore:
             self._by_key.setdefault(message.public_key, set()).add(source)
             self._per_ip[source[0]] = self._per_ip.get(source[0], 0) + 1
             logger.info(
-                "registered %s from %s (%s)",
+                "registered %s from %s%s (%s)",
                 node_id,
                 text,
+                " over tcp" if is_tcp_address(source) else "",
                 "serving" if message.serving else "dialing",
             )
         else:
@@ -643,10 +691,13 @@ class RelayCore:
         else:
             logger.debug("session %x never opened: %s", session.id, reason)
 
-    def _unregister(self, registration: _Registration, reason: str) -> list[Send]:
+    def _unregister(
+        self, registration: _Registration, reason: str, now: float | None = None
+    ) -> list[Send]:
         """Drop a registration; its sessions end, and only their other ends are told."""
         out: list[Send] = []
         address = registration.address
+        ended = registration.last_seen if now is None else now
         for session_id in list(registration.sessions):
             session = self._sessions.get(session_id)
             if session is None:
@@ -655,10 +706,10 @@ class RelayCore:
                 if address == session.server:
                     out += self._end_pending(session, "unknown-peer", "the peer went away")
                 else:
-                    self._forget(session, reason, registration.last_seen)
+                    self._forget(session, reason, ended)
                     out.append(self._close_packet(session.id, reason, session.server))
             else:
-                out += self._close_session(session, reason, registration.last_seen, by=address)
+                out += self._close_session(session, reason, ended, by=address)
         del self._registrations[address]
         keys = self._by_key.get(registration.public_key)
         if keys is not None:

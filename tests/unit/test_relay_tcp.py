@@ -1,0 +1,194 @@
+"""The relay over TCP, without sockets: a connection's address to the core, and what
+the core does when a connection closes."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from gpumesh.identity.keys import Identity
+from gpumesh.protocol.addresses import Address
+from gpumesh.protocol.relay import (
+    Accept,
+    Challenge,
+    Close,
+    Connect,
+    Connected,
+    Incoming,
+    Refused,
+    Register,
+    Registered,
+    RelayMessage,
+    decode_data,
+    decode_packet,
+    encode_data,
+    encode_packet,
+    hello_packet,
+    is_data,
+    register_payload,
+    token_proof,
+)
+from gpumesh.relay.config import RelayConfig
+from gpumesh.relay.core import (
+    TCP_PORT_BASE,
+    RelayCore,
+    Send,
+    address_text,
+    is_tcp_address,
+    tcp_address,
+)
+
+START = 1_000_000.0
+UDP = ("198.51.100.7", 47000)
+TCP = tcp_address("198.51.100.7", 47000)  # the same host and port number, over TCP
+
+
+class Relay:
+    """A core with a fake clock; nodes speak for themselves through :meth:`say`."""
+
+    def __init__(self, **settings: Any) -> None:
+        settings.setdefault("open", True)
+        counter = itertools.count(1)
+        self.core = RelayCore(
+            RelayConfig(**settings),
+            secret=b"s" * 32,
+            random_bytes=lambda n: next(counter).to_bytes(n, "big"),
+        )
+        self.now = START
+
+    def say(self, message: RelayMessage | bytes, source: Address) -> list[tuple[Any, Address]]:
+        packet = message if isinstance(message, bytes) else encode_packet(message)
+        return decoded(self.core.handle(packet, source, self.now))
+
+    def challenge(self, source: Address) -> Challenge:
+        [(challenge, to)] = self.say(hello_packet(), source)
+        assert isinstance(challenge, Challenge) and to == source
+        return challenge
+
+    def register(
+        self, identity: Identity, source: Address, *, serving: bool = True, nonce: bytes = b""
+    ) -> Any:
+        nonce = nonce or self.challenge(source).nonce
+        signature = identity.sign(register_payload(nonce, identity.public_key, serving))
+        register = Register(
+            public_key=identity.public_key,
+            nonce=nonce,
+            signature=signature,
+            token_proof=token_proof("", nonce),
+            serving=serving,
+        )
+        [(reply, to)] = self.say(register, source)
+        assert to == source
+        return reply
+
+
+def decoded(out: list[Send]) -> list[tuple[Any, Address]]:
+    return [
+        (decode_data(packet) if is_data(packet) else decode_packet(packet), address)
+        for packet, address in out
+    ]
+
+
+# --- a connection's address -------------------------------------------------------------------
+
+
+def test_a_tcp_address_keeps_the_host_and_shows_the_real_port() -> None:
+    assert TCP == ("198.51.100.7", TCP_PORT_BASE + 47000)
+    assert is_tcp_address(TCP) and not is_tcp_address(UDP)
+    assert not is_tcp_address(("198.51.100.7", 65535))  # the highest UDP port
+    assert address_text(TCP) == address_text(UDP) == "198.51.100.7:47000"
+    assert address_text(tcp_address("::ffff:192.0.2.1", 443)) == "192.0.2.1:443"
+    assert address_text(tcp_address("2001:db8::1", 443)) == "[2001:db8::1]:443"
+
+
+def test_a_node_registers_over_tcp_and_is_told_its_tcp_address() -> None:
+    relay = Relay()
+    challenge = relay.challenge(TCP)
+    assert challenge.observed == "198.51.100.7:47000"
+    registered = relay.register(Identity.generate(), TCP, nonce=challenge.nonce)
+    assert isinstance(registered, Registered)
+    assert registered.observed == "198.51.100.7:47000"
+    assert relay.core.is_registered(TCP) and not relay.core.is_registered(UDP)
+
+
+def test_a_challenge_fetched_over_one_transport_cannot_register_the_other() -> None:
+    relay = Relay()
+    node = Identity.generate()
+    over_tcp, over_udp = relay.challenge(TCP).nonce, relay.challenge(UDP).nonce
+    assert over_tcp != over_udp
+    assert relay.register(node, UDP, nonce=over_tcp).code == "bad-nonce"
+    assert relay.register(node, TCP, nonce=over_udp).code == "bad-nonce"
+    assert relay.core.registration_count == 0
+
+
+def test_the_per_ip_limit_counts_udp_and_tcp_of_one_host_together() -> None:
+    relay = Relay(max_per_ip=2)
+    assert isinstance(relay.register(Identity.generate(), UDP), Registered)
+    assert isinstance(relay.register(Identity.generate(), TCP), Registered)
+    third = relay.register(Identity.generate(), tcp_address(UDP[0], 47001))
+    assert third.code == "too-many-per-ip"
+
+
+def _session(relay: Relay, requester: Address, server: Address) -> int:
+    serving, dialing = Identity.generate(), Identity.generate()
+    assert isinstance(relay.register(serving, server), Registered)
+    assert isinstance(relay.register(dialing, requester, serving=False), Registered)
+    connect = Connect(request=3, peer=serving.public_key, candidates=[])
+    [(incoming, to)] = relay.say(connect, requester)
+    assert isinstance(incoming, Incoming) and to == server
+    assert incoming.observed == address_text(requester)
+    [(connected, to)] = relay.say(Accept(session=incoming.session, candidates=[]), server)
+    assert isinstance(connected, Connected) and to == requester
+    session: int = incoming.session
+    return session
+
+
+def test_data_crosses_between_a_tcp_and_a_udp_node_byte_for_byte() -> None:
+    relay = Relay()
+    session = _session(relay, TCP, ("203.0.113.9", 5000))
+    packet = encode_data(session, b"\xc0" + bytes(range(256)) * 4)
+    assert relay.core.handle(packet, TCP, relay.now) == [(packet, ("203.0.113.9", 5000))]
+    back = encode_data(session, b"\x40back")
+    assert relay.core.handle(back, ("203.0.113.9", 5000), relay.now) == [(back, TCP)]
+
+
+# --- a connection that closes -----------------------------------------------------------------
+
+
+def test_a_closed_connection_ends_its_sessions_at_the_other_end_at_once() -> None:
+    relay = Relay(max_per_ip=1)
+    other = ("203.0.113.9", 5000)
+    session = _session(relay, TCP, other)
+    relay.now += 1.0
+    [(close, to)] = decoded(relay.core.disconnect(TCP, relay.now))
+    assert to == other
+    assert (close.session, close.code) == (session, "closed")
+    assert not relay.core.is_registered(TCP) and relay.core.is_registered(other)
+    assert relay.core.session_count == 0
+    assert relay.core.stats(relay.now)["closes"] == {"closed": 1}
+    # Its slot on the host is free again, and nothing is left to tell.
+    assert isinstance(relay.register(Identity.generate(), TCP), Registered)
+    assert relay.core.disconnect(tcp_address("192.0.2.1", 1), relay.now) == []
+
+
+def test_a_closed_connection_ends_sessions_not_yet_accepted() -> None:
+    relay = Relay()
+    serving, dialing = Identity.generate(), Identity.generate()
+    dialer = ("203.0.113.9", 5000)
+    assert isinstance(relay.register(serving, TCP), Registered)
+    assert isinstance(relay.register(dialing, dialer, serving=False), Registered)
+    [(incoming, _)] = relay.say(Connect(request=4, peer=serving.public_key, candidates=[]), dialer)
+    # The serving end went away before it answered: the requester is refused.
+    [(refused, to)] = decoded(relay.core.disconnect(TCP, relay.now))
+    assert isinstance(refused, Refused) and to == dialer
+    assert (refused.code, refused.session) == ("unknown-peer", 4)
+    assert "went away" in refused.message
+    # The requesting end went away: the serving end is told, with the session's id.
+    server = ("203.0.113.10", 6000)
+    assert isinstance(relay.register(serving, server), Registered)
+    assert isinstance(relay.register(dialing, TCP, serving=False), Registered)
+    [(incoming, _)] = relay.say(Connect(request=5, peer=serving.public_key, candidates=[]), TCP)
+    [(close, to)] = decoded(relay.core.disconnect(TCP, relay.now))
+    assert isinstance(close, Close) and to == server
+    assert (close.session, close.code) == (incoming.session, "closed")
+    assert relay.core.session_count == 0
