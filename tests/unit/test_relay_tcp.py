@@ -1,11 +1,15 @@
-"""The relay over TCP, without sockets: a connection's address to the core, and what
-the core does when a connection closes."""
+"""The relay over TCP, without sockets: a connection's address to the core, what the
+core does when a connection closes, and the settings of the TCP listener."""
 
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 from typing import Any
 
+import pytest
+
+from gpumesh.errors import ConfigError
 from gpumesh.identity.keys import Identity
 from gpumesh.protocol.addresses import Address
 from gpumesh.protocol.relay import (
@@ -28,7 +32,7 @@ from gpumesh.protocol.relay import (
     register_payload,
     token_proof,
 )
-from gpumesh.relay.config import RelayConfig
+from gpumesh.relay.config import RelayConfig, load_config_file, parse_tcp
 from gpumesh.relay.core import (
     TCP_PORT_BASE,
     RelayCore,
@@ -192,3 +196,41 @@ def test_a_closed_connection_ends_sessions_not_yet_accepted() -> None:
     assert isinstance(close, Close) and to == server
     assert (close.session, close.code) == (incoming.session, "closed")
     assert relay.core.session_count == 0
+
+
+# --- settings ---------------------------------------------------------------------------------
+
+
+def test_the_tcp_address_defaults_to_port_443_and_a_bad_one_names_the_flag() -> None:
+    assert parse_tcp("0.0.0.0") == ("0.0.0.0", 443)
+    assert parse_tcp("127.0.0.1:0") == ("127.0.0.1", 0)
+    assert parse_tcp("[::]:8443") == ("::", 8443)
+    for bad in ("127.0.0.1:https", "[::1", "1.2.3.4:70000"):
+        with pytest.raises(ConfigError, match=r"^--tcp: invalid listen address"):
+            parse_tcp(bad)
+
+
+def test_a_certificate_needs_its_key_and_the_tcp_listener() -> None:
+    with pytest.raises(ConfigError, match="both the TLS certificate and its key"):
+        RelayConfig(open=True, tcp_port=443, tls_cert=Path("cert.pem")).check()
+    with pytest.raises(ConfigError, match="both the TLS certificate and its key"):
+        RelayConfig(open=True, tcp_port=443, tls_key=Path("key.pem")).check()
+    with pytest.raises(ConfigError, match="give --tcp too"):
+        RelayConfig(open=True, tls_cert=Path("c"), tls_key=Path("k")).check()
+    with pytest.raises(ConfigError, match="invalid tcp port"):
+        RelayConfig(open=True, tcp_port=65536).check()
+
+
+def test_the_config_file_takes_tcp_and_certificate_paths_relative_to_it(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "etc").mkdir()
+    file = tmp_path / "etc" / "relay.toml"
+    file.write_text('tcp = "[::]:443"\ntls_cert = "cert.pem"\ntls_key = "/keys/key.pem"\n')
+    settings = load_config_file(file)
+    assert (settings["tcp_host"], settings["tcp_port"]) == ("::", 443)
+    assert settings["tls_cert"] == tmp_path / "etc" / "cert.pem"
+    assert settings["tls_key"] == Path("/keys/key.pem")
+    file.write_text('tcp = "host:port"\n')
+    with pytest.raises(ConfigError, match=r"relay.toml: tcp: invalid listen address"):
+        load_config_file(file)

@@ -27,6 +27,7 @@ __all__ = [
     "check_node_ids",
     "load_config_file",
     "parse_listen",
+    "parse_tcp",
     "read_allow_file",
     "read_token_file",
 ]
@@ -34,6 +35,9 @@ __all__ = [
 DEFAULT_RELAY_PORT = 4799
 """Same as :data:`gpumesh.protocol.relay.DEFAULT_RELAY_PORT` (a test holds them equal);
 not imported from there so ``gpumesh-relay --help`` does not load the codec."""
+DEFAULT_TCP_PORT = 443
+"""The relay's TCP port when ``--tcp`` names a host alone: HTTPS's, which networks that
+block UDP still let out."""
 
 PRIVATE_BY_DEFAULT = (
     "the relay is private by default: give --allow NODE_ID, --allow-file FILE or "
@@ -82,7 +86,18 @@ class RelayConfig:
     session_rate: int = 0
     """Bytes per second per session (excess dropped); 0: unlimited."""
     queue: int = 256
-    """Packets queued per destination while the socket would block; more are dropped."""
+    """Packets queued per destination while the socket would block; more are dropped.
+    A TCP connection holds about as many bytes (``queue`` full-size packets) unsent."""
+    tcp_host: str = "0.0.0.0"
+    """Address the TCP (TLS) listener binds to, when ``tcp_port`` is set."""
+    tcp_port: int | None = None
+    """TCP port to serve relayed sessions on over TLS as well; None: UDP only; 0 picks a
+    free one (tests)."""
+    tls_cert: Path | None = None
+    """PEM certificate (chain) the TCP listener presents; None: a self-signed one made at
+    start. Nodes do not check it (what they say is authenticated inside)."""
+    tls_key: Path | None = None
+    """PEM private key of ``tls_cert``; given with it or not at all."""
     stats_file: Path | None = None
     """JSON file rewritten (atomically) with counters, at most once a second."""
     log_level: str = "info"
@@ -106,6 +121,15 @@ class RelayConfig:
             raise ConfigError(PRIVATE_BY_DEFAULT)
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"invalid port {self.port}: use 0-65535")
+        if self.tcp_port is not None and not 0 <= self.tcp_port <= 65535:
+            raise ConfigError(f"invalid tcp port {self.tcp_port}: use 0-65535")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError(
+                "give both the TLS certificate and its key (--tls-cert and --tls-key), "
+                "or neither for a self-signed certificate made at start"
+            )
+        if self.tls_cert is not None and self.tcp_port is None:
+            raise ConfigError("--tls-cert and --tls-key are for the TCP listener: give --tcp too")
         for name in INT_KEYS:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1")
@@ -133,8 +157,8 @@ class RelayConfig:
 # --- parsers shared by flags and file ---------------------------------------------------------
 
 
-def parse_listen(text: str) -> tuple[str, int]:
-    """``host:port``, ``[v6]:port``, ``:port`` or ``host`` (the default port)."""
+def parse_listen(text: str, default_port: int = DEFAULT_RELAY_PORT) -> tuple[str, int]:
+    """``host:port``, ``[v6]:port``, ``:port`` or ``host`` (``default_port``)."""
     cleaned = text.strip()
     host, port_text = cleaned, ""
     if cleaned.startswith("["):
@@ -148,12 +172,20 @@ def parse_listen(text: str) -> tuple[str, int]:
     elif cleaned.count(":") == 1:
         host, port_text = cleaned.split(":")
     if not port_text:
-        port = DEFAULT_RELAY_PORT
+        port = default_port
     elif port_text.isdigit() and int(port_text) <= 65535:
         port = int(port_text)
     else:
         raise ConfigError(f"invalid listen address {text!r}: the port must be 0-65535")
     return host or "0.0.0.0", port
+
+
+def parse_tcp(text: str) -> tuple[str, int]:
+    """``--tcp``'s address: as :func:`parse_listen`, port 443 when none is given."""
+    try:
+        return parse_listen(text, DEFAULT_TCP_PORT)
+    except ConfigError as exc:
+        raise ConfigError(f"--tcp: {exc.message}") from None
 
 
 def _lines(path: Path, what: str) -> list[tuple[int, str]]:
@@ -210,18 +242,29 @@ INT_KEYS = (
     "max_sessions_per_pair",
     "queue",
 )
-_PATH_KEYS = ("allow_file", "token_file", "stats_file")
+_PATH_KEYS = ("allow_file", "token_file", "stats_file", "tls_cert", "tls_key")
 FILE_KEYS = frozenset(
-    {"listen", "allow", "open", "log_level", *SIZE_KEYS, *DURATION_KEYS, *INT_KEYS, *_PATH_KEYS}
+    {
+        "listen",
+        "tcp",
+        "allow",
+        "open",
+        "log_level",
+        *SIZE_KEYS,
+        *DURATION_KEYS,
+        *INT_KEYS,
+        *_PATH_KEYS,
+    }
 )
 
 
 def load_config_file(path: Path) -> dict[str, Any]:
     """The settings in a TOML file, typed and checked, keyed like :class:`RelayConfig`.
 
-    Besides RelayConfig's own keys the file may hold ``listen`` ("host:port"),
-    ``allow_file`` and ``token_file`` (read here; relative paths are relative
-    to the file). Sizes and durations may be numbers or strings with units.
+    Besides RelayConfig's own keys the file may hold ``listen`` and ``tcp``
+    ("host:port"), ``allow_file`` and ``token_file`` (read here); relative paths
+    (those and ``stats_file``, ``tls_cert``, ``tls_key``) are relative to the
+    file. Sizes and durations may be numbers or strings with units.
     Unknown keys are an error, so a typo never silently loosens a limit.
     """
 
@@ -242,6 +285,13 @@ def load_config_file(path: Path) -> dict[str, Any]:
         where = f"config file {path}: {key}"
         if key == "listen":
             out["host"], out["port"] = parse_listen(_text(value, where))
+        elif key == "tcp":
+            try:
+                out["tcp_host"], out["tcp_port"] = parse_listen(
+                    _text(value, where), DEFAULT_TCP_PORT
+                )
+            except ConfigError as exc:
+                raise ConfigError(f"{where}: {exc.message}") from None
         elif key == "allow":
             if not isinstance(value, list):
                 raise ConfigError(f"{where} must be a list of node ids")
