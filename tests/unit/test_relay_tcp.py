@@ -1,13 +1,19 @@
 """The relay over TCP, without sockets: a connection's address to the core, what the
-core does when a connection closes, and the settings of the TCP listener."""
+core does when a connection closes, and the settings and certificates of the TCP
+listener. (Over real connections: tests/integration/test_relay_tcp.py.)"""
 
 from __future__ import annotations
 
+import datetime
 import itertools
+import ssl
 from pathlib import Path
 from typing import Any
 
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
 
 from gpumesh.errors import ConfigError
 from gpumesh.identity.keys import Identity
@@ -41,6 +47,8 @@ from gpumesh.relay.core import (
     is_tcp_address,
     tcp_address,
 )
+from gpumesh.relay.main import build_config
+from gpumesh.relay.tcp import self_signed_certificate, tls_context
 
 START = 1_000_000.0
 UDP = ("198.51.100.7", 47000)
@@ -210,6 +218,16 @@ def test_the_tcp_address_defaults_to_port_443_and_a_bad_one_names_the_flag() -> 
             parse_tcp(bad)
 
 
+def test_flags_set_the_tcp_listener_and_its_certificate(tmp_path: Path) -> None:
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    config = build_config(
+        {"open_": True, "tcp": "127.0.0.1:8443", "tls_cert": cert, "tls_key": key}
+    )
+    assert (config.tcp_host, config.tcp_port) == ("127.0.0.1", 8443)
+    assert (config.tls_cert, config.tls_key) == (cert, key)
+    assert build_config({"open_": True}).tcp_port is None
+
+
 def test_a_certificate_needs_its_key_and_the_tcp_listener() -> None:
     with pytest.raises(ConfigError, match="both the TLS certificate and its key"):
         RelayConfig(open=True, tcp_port=443, tls_cert=Path("cert.pem")).check()
@@ -234,3 +252,58 @@ def test_the_config_file_takes_tcp_and_certificate_paths_relative_to_it(
     file.write_text('tcp = "host:port"\n')
     with pytest.raises(ConfigError, match=r"relay.toml: tcp: invalid listen address"):
         load_config_file(file)
+
+
+# --- certificates -----------------------------------------------------------------------------
+
+
+def _pair(folder: Path, name: str) -> tuple[Path, Path]:
+    cert_pem, key_pem = self_signed_certificate()
+    cert, key = folder / f"{name}.crt", folder / f"{name}.key"
+    cert.write_bytes(cert_pem)
+    key.write_bytes(key_pem)
+    return cert, key
+
+
+def test_the_made_certificate_is_fresh_and_self_signed() -> None:
+    now = datetime.datetime(2030, 1, 1, tzinfo=datetime.UTC)
+    first, key_pem = self_signed_certificate(now)
+    cert = x509.load_pem_x509_certificate(first)
+    assert cert.issuer == cert.subject
+    assert cert.not_valid_before_utc < now < cert.not_valid_after_utc
+    key = serialization.load_pem_private_key(key_pem, password=None)
+    assert isinstance(key, ec.EllipticCurvePrivateKey)
+    assert self_signed_certificate(now)[0] != first  # a new key each start
+    context, presented = tls_context(RelayConfig(open=True, tcp_port=0))
+    assert isinstance(context, ssl.SSLContext) and "self-signed" in presented
+
+
+def test_a_given_certificate_is_loaded_and_a_bad_one_is_one_clear_error(tmp_path: Path) -> None:
+    cert, key = _pair(tmp_path, "good")
+    _, other_key = _pair(tmp_path, "other")
+    config = RelayConfig(open=True, tcp_port=0, tls_cert=cert, tls_key=key)
+    assert str(cert) in tls_context(config)[1]
+    encrypted = tmp_path / "encrypted.key"
+    loaded = serialization.load_pem_private_key(key.read_bytes(), password=None)
+    encrypted.write_bytes(
+        loaded.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.BestAvailableEncryption(b"secret"),
+        )
+    )
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not a certificate\n")
+    cases = [
+        (tmp_path / "missing.crt", key, "cannot read the TLS certificate"),
+        (cert, tmp_path / "missing.key", "cannot read the TLS key"),
+        (junk, key, "holds no PEM certificate"),
+        (key, key, "holds no PEM certificate"),
+        (cert, junk, "holds no PEM private key"),
+        (cert, other_key, "is not the key of the certificate"),
+        (cert, encrypted, "is encrypted"),
+    ]
+    for cert_path, key_path, needle in cases:
+        bad = RelayConfig(open=True, tcp_port=0, tls_cert=cert_path, tls_key=key_path)
+        with pytest.raises(ConfigError, match=needle):
+            tls_context(bad)

@@ -3,8 +3,9 @@ nodes that cannot reach each other directly, and tells each the address the
 other is seen from, so they can punch through NAT and stop needing it.
 
 The rules are in :mod:`gpumesh.relay.core` (no I/O), the sockets in
-:mod:`gpumesh.relay.server`, the settings in :mod:`gpumesh.relay.config`, the
-``gpumesh-relay`` command in :mod:`gpumesh.relay.main`. Start one in-process
+:mod:`gpumesh.relay.server`, the TCP listener (TLS, for networks that block
+UDP) in :mod:`gpumesh.relay.tcp`, the settings in :mod:`gpumesh.relay.config`,
+the ``gpumesh-relay`` command in :mod:`gpumesh.relay.main`. Start one in-process
 with ``await serve(RelayConfig(host="127.0.0.1", port=0, open=True))``.
 Imports are lazy so ``gpumesh-relay --help`` does not load the crypto.
 """

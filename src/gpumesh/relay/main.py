@@ -27,10 +27,12 @@ from gpumesh.relay.config import (
     check_node_ids,
     load_config_file,
     parse_listen,
+    parse_tcp,
     read_allow_file,
     read_token_file,
 )
 from gpumesh.relay.server import serve
+from gpumesh.relay.tcp import TcpListenError
 from gpumesh.servermain import print_error, run_command, stderr_logging
 from gpumesh.units import parse_duration, parse_size
 from gpumesh.version import __version__
@@ -46,6 +48,7 @@ Examples:
   gpumesh-relay --open --listen 0.0.0.0:4799        # a public relay, anyone may register
   gpumesh-relay --config relay.toml --stats-file /run/gpumesh-relay.json
   gpumesh-relay --allow NODE_ID --session-bytes 50GB --session-rate 20MB
+  gpumesh-relay --allow-file nodes.txt --tcp 0.0.0.0:443   # also over TLS, for UDP-less networks
 \b
 Sizes take units (10GB, 512MiB), durations seconds or units (45s, 2m, 24h).
 Nodes use it with `gpumesh config set relay HOST:4799`. See docs/relay.md.
@@ -63,6 +66,18 @@ _FILE = click.Path(dir_okay=False, path_type=Path)
     metavar="HOST:PORT",
     help="UDP address to serve on (default 0.0.0.0:4799; port 0 picks a free one).",
 )
+@click.option(
+    "--tcp",
+    metavar="HOST:PORT",
+    help="Also serve over TCP with TLS here, for nodes whose network blocks UDP "
+    "(port 443 if none is given).",
+)
+@click.option(
+    "--tls-cert",
+    type=_FILE,
+    help="PEM certificate for --tcp (default: a self-signed one made at start).",
+)
+@click.option("--tls-key", type=_FILE, help="PEM private key of --tls-cert.")
 @click.option(
     "--allow",
     "allow",
@@ -181,6 +196,8 @@ def build_config(options: dict[str, Any]) -> RelayConfig:
         settings.update(from_file)
     if options.get("listen") is not None:
         settings["host"], settings["port"] = parse_listen(options["listen"])
+    if options.get("tcp") is not None:
+        settings["tcp_host"], settings["tcp_port"] = parse_tcp(options["tcp"])
     if options.get("allow"):
         allow |= check_node_ids(options["allow"], "--allow")
     if options.get("allow_file") is not None:
@@ -189,7 +206,7 @@ def build_config(options: dict[str, Any]) -> RelayConfig:
         token_file = options["token_file"]
     if options.get("open_"):
         settings["open"] = True
-    for name in (*INT_KEYS, "stats_file"):
+    for name in (*INT_KEYS, "stats_file", "tls_cert", "tls_key"):
         if options.get(name) is not None:
             settings[name] = options[name]
     for name in SIZE_KEYS:
@@ -219,6 +236,9 @@ def _size_flag(text: str, name: str) -> int:
 async def _run(config: RelayConfig) -> int:
     try:
         server = await serve(config)
+    except TcpListenError as exc:
+        print_error(f"cannot listen on tcp {exc}")
+        return 1
     except OSError as exc:
         where = f"{config.host}:{config.port}"
         print_error(f"cannot listen on udp {where}: {exc.strerror or exc}")
@@ -227,14 +247,16 @@ async def _run(config: RelayConfig) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    print(
-        f"gpumesh-relay listening on {server.address_text} ({config.access_summary()})", flush=True
-    )
+    where = server.address_text
+    if server.tcp_address_text:
+        where += f" and tcp {server.tcp_address_text}"
+    print(f"gpumesh-relay listening on {where} ({config.access_summary()})", flush=True)
     try:
         await stop.wait()
     finally:
         logger.info("shutting down: closing %d session(s)", server.core.session_count)
         server.close()
+        await server.wait_closed()
     return 0
 
 

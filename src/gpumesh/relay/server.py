@@ -2,8 +2,10 @@
 
 What it owns: the UDP socket every node talks to, a second socket used only
 to send ``ReachProbe`` from another port, the clock, the periodic tick, the
-bounded per-destination output queues and the stats file. The rules live in
-the core; nothing here decides who may send what.
+bounded per-destination output queues and the stats file; with ``tcp_port``
+set, the TCP listener too (:mod:`gpumesh.relay.tcp`): its connections' packets
+meet the same core, and what the core sends to a TCP address goes to its
+connection. The rules live in the core; nothing here decides who may send what.
 
 Why raw non-blocking sockets rather than a ``DatagramTransport``: asyncio's
 transport buffers without bound when the socket would block, so one slow or
@@ -31,7 +33,8 @@ from typing import Any
 from gpumesh.protocol.addresses import Address
 from gpumesh.protocol.relay import DATA_HEADER, T_DATA
 from gpumesh.relay.config import RelayConfig
-from gpumesh.relay.core import RelayCore, Send, address_text, is_reach_probe
+from gpumesh.relay.core import TCP_PORT_BASE, RelayCore, Send, address_text, is_reach_probe
+from gpumesh.relay.tcp import HEAD_TIMEOUT, TcpListener, tls_context
 from gpumesh.transport.udp import (
     GSO_MAX_BYTES,
     GSO_MAX_SEGMENTS,
@@ -59,12 +62,16 @@ async def serve(
     *,
     clock: Callable[[], float] = time.monotonic,
     receive_offload: bool = True,
+    head_timeout: float = HEAD_TIMEOUT,
 ) -> RelayServer:
     """Start a relay for ``config`` (checked) and return it running; ``close()`` stops it.
 
     ``receive_offload=False`` reads every datagram on its own even where the kernel
-    could coalesce them (GRO), as packets from a link without it arrive (tests)."""
-    server = RelayServer(config.check(), clock=clock, receive_offload=receive_offload)
+    could coalesce them (GRO), as packets from a link without it arrive (tests).
+    ``head_timeout``: seconds a TCP connection has to finish TLS and ask for the upgrade."""
+    server = RelayServer(
+        config.check(), clock=clock, receive_offload=receive_offload, head_timeout=head_timeout
+    )
     await server.start()
     return server
 
@@ -78,8 +85,10 @@ class RelayServer:
         *,
         clock: Callable[[], float] = time.monotonic,
         receive_offload: bool = True,
+        head_timeout: float = HEAD_TIMEOUT,
     ) -> None:
         self.config = config
+        self._head_timeout = head_timeout
         self._receive_offload = receive_offload
         self.core = RelayCore(config)
         self._clock = clock
@@ -97,8 +106,10 @@ class RelayServer:
         self._stats_written = -1
         self._address: Address | None = None
         self._gso = False
+        self._tcp: TcpListener | None = None
         self.dropped = 0
-        """Packets dropped because a destination's queue was full."""
+        """Packets dropped because a destination's queue (or a TCP connection's write
+        buffer) was full."""
         self.packets_sent = 0
         """Packets sent (forwarded or answered), however many writes they took."""
         self.writes = 0
@@ -115,9 +126,22 @@ class RelayServer:
     def address_text(self) -> str:
         return address_text(self.address)
 
+    @property
+    def tcp_address(self) -> Address | None:
+        """``(host, port)`` of the TCP listener (the real port when 0 was asked), if any."""
+        return self._tcp.address if self._tcp is not None else None
+
+    @property
+    def tcp_address_text(self) -> str:
+        """The TCP listener's address as text; empty without one."""
+        return address_text(self._tcp.address) if self._tcp is not None else ""
+
     async def start(self) -> Address:
-        """Bind both sockets and start serving; raises OSError if the address is taken."""
+        """Bind both sockets (and the TCP listener) and start serving; raises OSError if an
+        address is taken (TcpListenError for the TCP one), ConfigError for a bad certificate."""
         self._loop = asyncio.get_running_loop()
+        # The certificate first: a bad one stops the relay before anything is bound.
+        tls = tls_context(self.config) if self.config.tcp_port is not None else None
         host, port = self.config.host, self.config.port
         self._sock = open_udp_socket(host, port, dual_stack=True)
         try:
@@ -125,6 +149,23 @@ class RelayServer:
         except OSError:
             self._sock.close()
             raise
+        if tls is not None:
+            context, presented = tls
+            tcp = TcpListener(
+                self.config,
+                self.core,
+                send=self._send_all,
+                clock=self._clock,
+                head_timeout=self._head_timeout,
+            )
+            try:
+                await tcp.start(context)
+            except BaseException:
+                self._sock.close()
+                self._probe_sock.close()
+                raise
+            self._tcp = tcp
+            logger.info("tcp %s presents %s", address_text(tcp.address), presented)
         bound = self._sock.getsockname()
         self._address = (host or "0.0.0.0", bound[1])
         self._udp = UdpSocket(self._sock)
@@ -143,6 +184,8 @@ class RelayServer:
         """What the stats file holds, now."""
         stats = self.core.stats(self._clock())
         stats["listen"] = self.address_text if self._address else ""
+        stats["listen_tcp"] = self.tcp_address_text
+        stats["tcp_connections"] = self._tcp.connection_count if self._tcp is not None else 0
         stats["packets_sent"] = self.packets_sent
         stats["dropped_queue_full"] = self.dropped
         return stats
@@ -162,8 +205,13 @@ class RelayServer:
             goodbyes = self.core.shutdown(self._clock())
             self._flush_queues()
             for data, address in goodbyes:
+                if address[1] >= TCP_PORT_BASE:
+                    self._send_tcp([data], address)
+                    continue
                 with contextlib.suppress(OSError):
                     self._sock.sendto(data, address)
+        if self._tcp is not None:
+            self._tcp.close()  # after the goodbyes written to its connections
         self._write_stats(force=True)
         for sock in (self._sock, self._probe_sock):
             if sock is not None:
@@ -171,7 +219,12 @@ class RelayServer:
         self._queues.clear()
 
     async def wait_closed(self) -> None:
+        """Until :meth:`close` has run and TCP connections are closed (or cut, after a
+        grace); then the stats file is written once more."""
         await self._closed.wait()
+        if self._tcp is not None:
+            await self._tcp.wait_closed()
+            self._write_stats(force=True)
 
     # --- receiving ----------------------------------------------------------------------------
 
@@ -233,11 +286,14 @@ class RelayServer:
         for data, address in out:
             if not is_reach_probe(data):
                 yield data, address
-            elif self._probe_sock is not None:
+            elif self._probe_sock is not None and address[1] < TCP_PORT_BASE:
                 with contextlib.suppress(OSError):
                     self._probe_sock.sendto(data, address)
 
     def _send_packets(self, run: list[bytes], size: int, address: Address) -> None:
+        if address[1] >= TCP_PORT_BASE:  # a TCP connection's address (core.tcp_address)
+            self._send_tcp(run, address)
+            return
         if len(run) > 1 and self._gso:
             self._send_run(b"".join(run), size, address, len(run))
             return
@@ -269,6 +325,9 @@ class RelayServer:
     def _send_run(self, data: bytes, segment: int, address: Address, count: int) -> None:
         """Send a run of ``count`` packets of ``segment`` bytes (the last may be shorter)
         with one write where the kernel allows (GSO)."""
+        if address[1] >= TCP_PORT_BASE:
+            self._send_tcp([data[o : o + segment] for o in range(0, len(data), segment)], address)
+            return
         sock = self._sock
         if sock is None:
             return
@@ -288,6 +347,17 @@ class RelayServer:
                 self._gso = False  # no segmentation offload here: one write per packet
         for offset in range(0, len(data), segment):
             self._send(data[offset : offset + segment], address)
+
+    def _send_tcp(self, packets: list[bytes], address: Address) -> None:
+        """Write to a TCP connection, with one write; a full one drops them, as a full
+        queue does."""
+        if self._tcp is None:
+            return
+        sent, dropped = self._tcp.send(packets, address)
+        if sent:
+            self.writes += 1
+            self.packets_sent += sent
+        self.dropped += dropped
 
     def _want_writable(self) -> None:
         if not self._writing and self._sock is not None and self._loop is not None:
