@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import select
 import socket
@@ -364,6 +365,23 @@ def test_stopping_the_relay_says_goodbye_over_tcp_then_closes(nodes: list[Any]) 
             close = end.expect(Close)
             assert (close.session, close.code) == (session, "shutting-down")
         assert server.closed_by_relay() == b""
+
+
+def test_the_stats_file_counts_tcp_connections(tmp_path: Path, nodes: list[Any]) -> None:
+    stats_file = tmp_path / "stats.json"
+
+    def written() -> dict[str, Any]:
+        with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
+            stats: dict[str, Any] = json.loads(stats_file.read_text())
+            return stats
+        return {}
+
+    with running_relay(nodes, stats_file=stats_file) as relay:
+        eventually(lambda: written().get("listen_tcp") == f"127.0.0.1:{relay.tcp[1]}", "listed")
+        _tcp(relay, nodes, upgrade=False)  # open, not registered: the core never hears of it
+        eventually(lambda: written().get("tcp_connections") == 1, "the connection counted")
+        nodes.pop().close()
+        eventually(lambda: written().get("tcp_connections") == 0, "and let go")
 
 
 def test_packets_for_a_connection_that_does_not_read_are_dropped_and_counted(

@@ -103,7 +103,7 @@ class RelayServer:
         self._writing = False
         self._timer: asyncio.Task[None] | None = None
         self._closed = asyncio.Event()
-        self._stats_written = -1
+        self._stats_written: tuple[int, int] | None = None
         self._address: Address | None = None
         self._gso = False
         self._tcp: TcpListener | None = None
@@ -392,9 +392,12 @@ class RelayServer:
 
     def _write_stats(self, *, force: bool = False) -> None:
         path = self.config.stats_file
-        if path is None or (not force and self.core.version == self._stats_written):
+        # What changes the file: the core's state, and TCP connections that come and go
+        # without a registration.
+        version = (self.core.version, self._tcp.connection_count if self._tcp is not None else 0)
+        if path is None or (not force and version == self._stats_written):
             return
-        self._stats_written = self.core.version
+        self._stats_written = version
         try:
             write_atomically(path, json.dumps(self.stats(), indent=2) + "\n")
         except OSError as exc:
