@@ -81,14 +81,22 @@ down() {
     ip netns del "$P$n" 2>/dev/null || true
   done
   # veths die with their namespaces; a half-built lab may leave one in the root namespace
-  for link in $(ip -o link show 2>/dev/null | awk -F': ' '{print $2}' | cut -d@ -f1 | grep "^$P" || true); do
+  for link in $(root_links); do
     ip link del "$link" 2>/dev/null || true
   done
 }
 
+# This lab's names, exactly: another lab whose prefix begins with this one's is not ours.
+# shellcheck disable=SC2086
+NAMESPACES_RE=$(echo $NAMESPACES | tr ' ' '|')
+LINKS_RE="p?wR[AB]|lr?[AB]|[vV][0-9]+" # what up and matrix name veths before moving them
+lab_namespaces() { ip netns list 2>/dev/null | awk '{print $1}' | grep -Ex "$P($NAMESPACES_RE)" || true; }
+root_links() {
+  ip -o link show 2>/dev/null | awk -F': ' '{print $2}' | cut -d@ -f1 | grep -Ex "$P($LINKS_RE)" || true
+}
+
 check() {
-  left=$( (ip netns list 2>/dev/null | awk '{print $1}' | grep "^$P" || true; \
-           ip -o link show 2>/dev/null | awk -F': ' '{print $2}' | cut -d@ -f1 | grep "^$P" || true) )
+  left=$(lab_namespaces; root_links)
   if [ -n "$left" ]; then
     echo "natlab leftovers: $left" >&2
     exit 1
