@@ -85,10 +85,19 @@ class Middleboxes:
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
         self._servers: list[asyncio.Server] = []
+        self._writers: set[asyncio.StreamWriter] = set()
 
     def _serve(self, handler: Handler, ssl_context: ssl.SSLContext | None = None) -> int:
+        async def tracked(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            self._writers.add(writer)
+            try:
+                await handler(reader, writer)
+            finally:
+                with contextlib.suppress(Exception):
+                    writer.close()
+
         async def start() -> int:
-            server = await asyncio.start_server(handler, self.host, 0, ssl=ssl_context)
+            server = await asyncio.start_server(tracked, self.host, 0, ssl=ssl_context)
             self._servers.append(server)
             port: int = server.sockets[0].getsockname()[1]
             return port
@@ -117,6 +126,7 @@ class Middleboxes:
                 writer.write(b"HTTP/1.1 502 Bad Gateway\r\nContent-Length: 0\r\n\r\n")
                 writer.close()
                 return
+            self._writers.add(upstream[1])
             writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
             await _splice((reader, writer), upstream)
 
@@ -142,6 +152,7 @@ class Middleboxes:
             except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, OSError):
                 writer.close()
                 return
+            self._writers.add(upstream[1])
             upstream[1].write(head)
             await _splice((reader, writer), upstream)
 
@@ -163,10 +174,19 @@ class Middleboxes:
         async def stop() -> None:
             for server in self._servers:
                 server.close()
+            for writer in self._writers:
+                writer.transport.abort()
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for server in self._servers:
+                await server.wait_closed()
 
         asyncio.run_coroutine_threadsafe(stop(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
+        self._loop.close()
 
 
 @contextlib.contextmanager

@@ -31,7 +31,7 @@ from tests.integration.test_cli import _free_udp_port, _one_line_error, _start_s
 
 pytestmark = pytest.mark.usefixtures("network_lab", "gpumesh_processes")
 
-NS = "gmtcp"
+NS = "rlytcp"
 HOST_IP, BOB_IP = "10.79.0.1", "10.79.0.2"
 
 
@@ -77,9 +77,13 @@ class Walled:
         )
 
     def block(self, *rules: list[str]) -> None:
-        """bob's firewall: loopback and answers pass, then ``rules``, then nothing."""
-        _ns("iptables", "-F", "OUTPUT")
+        """bob's firewall: no UDP in or out; loopback and answers pass, then ``rules``,
+        then nothing."""
+        for chain in ("INPUT", "OUTPUT"):
+            _ns("iptables", "-F", chain)
+        _ns("iptables", "-A", "INPUT", "-p", "udp", "-j", "DROP")
         _ns("iptables", "-A", "OUTPUT", "-o", "lo", "-j", "ACCEPT")
+        _ns("iptables", "-A", "OUTPUT", "-p", "udp", "-j", "DROP")
         _ns("iptables", "-A", "OUTPUT", "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED",
             "-j", "ACCEPT")  # fmt: skip
         for rule in rules:
@@ -181,7 +185,7 @@ def _connect(lab: Walled, *flags: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_without_udp_the_relay_is_reached_over_tcp(walled: Walled) -> None:
-    walled.block(["-p", "tcp", "-j", "ACCEPT"])  # no UDP at all: not even to the relay
+    walled.block(["-p", "tcp", "-j", "ACCEPT"])  # TCP anywhere, no UDP: not even to the relay
     result = _connect(walled, "--json")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["path"] == f"relayed (tcp) via {walled.relay_udp}"
