@@ -211,6 +211,38 @@ def test_server_with_another_key_is_refused_as_key_mismatch(make_node, tmp_path)
     arun(scenario())
 
 
+def test_another_node_at_one_address_does_not_stop_the_dial_at_the_next(
+    make_node, tmp_path
+) -> None:
+    # A pairing code lists 127.0.0.1 beside the LAN address: a dialer that shares on
+    # the same port reaches its own node there first. That wrong key must not end
+    # the dial while another address may be the peer's.
+    alice, bob = make_node("alice"), make_node("bob")
+    impostor = Node(tmp_path / "impostor")
+    impostor.init("carol")
+
+    async def scenario() -> None:
+        from gpumesh.agent.server import Agent
+
+        fake = Agent(impostor.home, host="127.0.0.1", port=0)
+        await fake.start()
+        try:
+            async with sharing(alice) as agent:
+                pair_both(alice, bob)
+                peer = bob.home.store.find_peer("alice")
+                wrong, right = (f"127.0.0.1:{a.address[1]}" for a in (fake, agent))
+                bob.home.store.save_peer(peer.public_key, "alice", [wrong, right], "")
+                assert bob.home.store.find_peer("alice").dial_addresses()[0] == wrong
+                result = await bob.connect("alice", timeout=10)
+                assert (result.path, result.address) == ("direct", right)
+                assert result.peer.name == "alice"
+        finally:
+            fake.stop()
+            impostor.close()
+
+    arun(scenario())
+
+
 def test_three_nodes_each_pair_has_its_own_access(make_node) -> None:
     alice, bob, carol = make_node("alice"), make_node("bob"), make_node("carol")
 

@@ -352,12 +352,17 @@ def _rank(error: GPUMeshError) -> int:
 def _settled(task: asyncio.Task[Session]) -> Session | None:
     """A finished dial's session, or None when another address or path may still work.
 
-    Raises what no other path or address could change: a refusal, a wrong
-    key, a protocol error, or a bug.
+    Raises what no other path or address could change: a refusal, a protocol
+    error, or a bug. A wrong key is not among them: it says who answered at that
+    address (another node, e.g. this machine's own on a loopback address from
+    the peer's pairing code), not who the peer is, so other addresses and the
+    relay are still tried; it is reported when none answers as the peer.
     """
     exc = task.exception()
     if exc is None:
         return task.result()
+    if isinstance(exc, KeyMismatchError):
+        return None
     if not isinstance(exc, GPUMeshError) or _rank(exc) == 0:
         raise exc
     return None
