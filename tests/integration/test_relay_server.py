@@ -423,6 +423,34 @@ def test_reach_probe_comes_from_another_port(tmp_path: Path, clients: list[Clien
         assert source[1] != running.address[1]
 
 
+def test_the_probe_port_answers_a_padded_hello_from_itself_and_nothing_else(
+    tmp_path: Path, clients: list[Client]
+) -> None:
+    with relay(tmp_path, "--open") as running:
+        client = Client(running.address)
+        clients.append(client)
+        client.send_raw(hello_packet())
+        challenge = client.expect(Challenge)
+        probe_port = challenge.probe_port
+        assert probe_port not in (0, running.address[1])
+        second = (running.address[0], probe_port)
+        client.sock.sendto(hello_packet(), second)
+        answer, source = client.receive()
+        assert source == second and isinstance(answer, Challenge)
+        assert (answer.observed, answer.probe_port) == (challenge.observed, probe_port)
+        for packet in (
+            encode_packet(Hello()),  # unpadded
+            encode_packet(ReachTest(seq=1)),
+            keepalive_packet(1),
+            encode_data(1, bytes(200)),
+        ):
+            client.sock.sendto(packet, second)
+        client.nothing()
+        # The main port still answers, from itself.
+        client.send_raw(hello_packet())
+        assert client.expect(Challenge).probe_port == probe_port
+
+
 def test_shutdown_closes_sessions_and_a_restarted_relay_asks_to_register(
     tmp_path: Path, clients: list[Client]
 ) -> None:

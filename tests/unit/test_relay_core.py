@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -20,6 +21,7 @@ from gpumesh.protocol import relay as wire
 from gpumesh.protocol.addresses import Address
 from gpumesh.protocol.relay import (
     HELLO_MIN_SIZE,
+    MAX_PACKET,
     REFUSALS,
     Accept,
     Challenge,
@@ -335,6 +337,54 @@ def test_reach_test_is_answered_from_the_probe_port() -> None:
     relay.now += 1
     assert len(relay.send(encode_packet(ReachTest(seq=5)), address)) == 1
     assert not is_reach_probe(hello_packet())
+
+
+def test_the_probe_port_answers_a_padded_hello_and_nothing_else() -> None:
+    """The second port: a Challenge naming the address seen from there (a NAT that
+    maps by destination shows another one), and every Challenge names that port."""
+    relay = Relay()
+    relay.core.probe_port = 4800
+    address = ("192.0.2.9", 9)
+    [(main, _)] = decoded(relay.send(hello_packet(), address))
+    [(packet, to)] = relay.core.handle_probe_port(hello_packet(), address, relay.now)
+    second = decode_packet(packet)
+    assert to == address and isinstance(second, Challenge)
+    assert (
+        main
+        == second
+        == Challenge(
+            nonce=challenge_nonce(SECRET, "192.0.2.9:9", int(START // 30)),
+            observed="192.0.2.9:9",
+            probe_port=4800,
+        )
+    )
+    big = encode_packet(Hello(padding=bytes(1400)))  # a path MTU probe
+    assert len(relay.core.handle_probe_port(big, address, relay.now)) == 1
+    assert len(relay.send(big, address)) == 1
+    node = relay.node()
+    nonce = relay.challenge(node.address)
+    ignored = [
+        encode_packet(Hello()),
+        encode_packet(Hello(padding=bytes(MAX_PACKET))),  # past MAX_PACKET with its header
+        encode_packet(ReachTest(seq=1)),
+        keepalive_packet(1),
+        encode_packet(registration(node, nonce)),
+        encode_packet(Connect(request=1, peer=node.key, candidates=[])),
+        encode_data(1, bytes(200)),
+        bytes((Hello.TYPE,)) + b"GM\x01" + bytes(200),
+        bytes(200),
+    ]
+    for packet in ignored:
+        assert relay.core.handle_probe_port(packet, node.address, relay.now) == [], packet[:8]
+    assert not relay.core.is_registered(node.address)
+    assert relay.core.registration_count == 0
+
+
+def test_an_older_relays_challenge_decodes_without_a_probe_port() -> None:
+    """``probe_port`` is a trailing field: a Challenge without it decodes with 0."""
+    old = b"\x02GM\x01" + msgspec.msgpack.encode([bytes(32), "192.0.2.1:5"])
+    assert decode_packet(old) == Challenge(nonce=bytes(32), observed="192.0.2.1:5")
+    assert decode_packet(old).probe_port == 0
 
 
 # --- sessions ---------------------------------------------------------------------------------
@@ -744,8 +794,12 @@ def test_no_answer_to_an_unregistered_address_is_larger_than_its_packet() -> Non
             assert len(reply) <= len(packet), (packet[:8], reply[:8])
         return out
 
+    relay.core.probe_port = 2**16 - 1
     for packet in _every_kind_of_packet(session, pending.session, server.key):
         answers(packet)
+        source = ("203.0.113.9", next(ports))
+        for reply, to in relay.core.handle_probe_port(packet, source, relay.now):
+            assert to == source and len(reply) <= len(packet), (packet[:8], reply[:8])
     # Registrations, good and bad, on an open and a private relay.
     private = Relay(open=False, tokens=("t",))
     for core in (relay.core, private.core):
@@ -766,6 +820,19 @@ def test_no_answer_to_an_unregistered_address_is_larger_than_its_packet() -> Non
                 assert len(out) == 1 and len(out[0][0]) <= len(encode_packet(message))
     # What real nodes send is still answered, within its size.
     assert isinstance(only(decoded(answers(hello_packet()))), Challenge)
+    for size in (len(hello_packet()), 1200, wire.MAX_PACKET):  # path MTU probes too
+        hello = encode_packet(Hello(padding=bytes(size - len(encode_packet(Hello())) - 1)))
+        assert isinstance(only(decoded(answers(hello))), Challenge)
+        source = ("203.0.113.9", next(ports))
+        assert len(relay.core.handle_probe_port(hello, source, relay.now)) == 1
+    # The longest address a relay reports, with the highest second port, still fits
+    # in the smallest Hello it answers.
+    longest = Challenge(
+        nonce=bytes(32),
+        observed="[ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff]:65535",
+        probe_port=65535,
+    )
+    assert len(encode_packet(longest)) <= HELLO_MIN_SIZE
     ack = only(decoded(answers(keepalive_packet(3))))
     assert (ack.seq, ack.registered) == (3, False)
     connect = encode_packet(Connect(request=4, peer=server.key, candidates=[]))

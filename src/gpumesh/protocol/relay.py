@@ -10,7 +10,8 @@ version. Anything else is not ours and is dropped.
 
     node                         relay                          peer (serving)
     Hello ---------------------->                                   (no state kept)
-          <---------------------- Challenge(nonce = HMAC(secret, addr, minute), observed)
+          <---------------------- Challenge(nonce = HMAC(secret, addr, minute), observed,
+                                            probe_port: a second port that answers a Hello too)
     Register(key, nonce, sig, token proof, serving) -->
           <---------------------- Registered(observed, limits) | Refused(code)
     Connect(peer key, request) -->
@@ -140,6 +141,7 @@ AddressText = Annotated[str, msgspec.Meta(max_length=64)]
 Candidates = Annotated[list[AddressText], msgspec.Meta(max_length=MAX_CANDIDATES)]
 RefusalCode = Annotated[str, msgspec.Meta(max_length=32)]
 Text = Annotated[str, msgspec.Meta(max_length=256)]
+U16 = Annotated[int, msgspec.Meta(ge=0, lt=2**16)]
 U32 = Annotated[int, msgspec.Meta(ge=0, lt=2**32)]
 U64 = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 NonNegative = Annotated[float, msgspec.Meta(ge=0)]
@@ -158,8 +160,9 @@ class Hello(_Packet, frozen=True):
     """Node -> relay: please send a challenge (the relay keeps no state)."""
 
     TYPE = 0x01
-    padding: Annotated[bytes, msgspec.Meta(max_length=256)] = b""
-    """Zeros making the packet at least :data:`HELLO_MIN_SIZE` bytes."""
+    padding: Annotated[bytes, msgspec.Meta(max_length=MAX_PACKET)] = b""
+    """Zeros making the packet at least :data:`HELLO_MIN_SIZE` bytes (up to
+    :data:`MAX_PACKET`: ``gpumesh netcheck`` finds the path MTU with larger ones)."""
 
 
 class Challenge(_Packet, frozen=True):
@@ -168,6 +171,10 @@ class Challenge(_Packet, frozen=True):
     TYPE = 0x02
     nonce: Nonce
     observed: AddressText
+    probe_port: U16 = 0
+    """The relay's second UDP port, which answers a padded Hello too: a node that
+    is seen from another address there is behind a NAT that maps by destination.
+    0 from a relay without it."""
 
 
 class Register(_Packet, frozen=True):

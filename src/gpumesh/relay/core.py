@@ -3,7 +3,8 @@ what crosses.
 
 :class:`RelayCore` is driven by two calls, both given the time:
 :meth:`~RelayCore.handle` for each datagram received and :meth:`~RelayCore.tick`
-for expiry; both return the datagrams to send as ``(bytes, address)``. It
+for expiry; both return the datagrams to send as ``(bytes, address)``
+(:meth:`~RelayCore.handle_probe_port` answers what reaches the second port). It
 never opens a socket or reads a clock, so every rule is tested with a fake
 clock and no network (``tests/unit/test_relay_core.py``).
 
@@ -195,6 +196,9 @@ class RelayCore:
         self.closes: dict[str, int] = {}
         self.version = 0
         """Bumped on every change worth writing to the stats file."""
+        self.probe_port = 0
+        """The relay's second UDP port, told to nodes in every Challenge (0: none); the
+        server sets it once that socket is bound."""
 
     # --- the two entry points -----------------------------------------------------------------
 
@@ -216,6 +220,24 @@ class RelayCore:
         if not known:
             out = self._no_larger(out, len(packet), source)
         return out
+
+    def handle_probe_port(self, packet: bytes, source: Address, now: float) -> list[Send]:
+        """What to send from the second port in answer to ``packet`` that arrived there:
+        a Challenge to a padded Hello, nothing to anything else.
+
+        A node compares the address each of the relay's ports sees it from: a NAT that
+        maps by destination shows it from two (``gpumesh netcheck``). Stateless, and no
+        larger than the Hello, as on the main port."""
+        if not HELLO_MIN_SIZE <= len(packet) <= MAX_PACKET or packet[0] != Hello.TYPE:
+            return []
+        try:
+            message = decode_packet(packet)
+        except ProtocolError as exc:
+            logger.debug("dropped packet from %s on the probe port: %s", source, exc)
+            return []
+        if not isinstance(message, Hello):
+            return []
+        return self._no_larger([self._challenge(source, now)], len(packet), source)
 
     @staticmethod
     def _no_larger(out: list[Send], size: int, source: Address) -> list[Send]:
@@ -326,10 +348,7 @@ class RelayCore:
             if size < HELLO_MIN_SIZE:  # an unpadded Hello could amplify a spoofed source
                 logger.debug("dropped short Hello (%d bytes) from %s", size, source)
                 return []
-            subject = _challenge_subject(source)
-            nonce = challenge_nonce(self._secret, subject, self._epoch(now))
-            observed = address_text(source)
-            return [(encode_packet(Challenge(nonce=nonce, observed=observed)), source)]
+            return [self._challenge(source, now)]
         if isinstance(message, Register):
             return self._register(message, source, now)
         if isinstance(message, KeepAlive):
@@ -740,6 +759,12 @@ class RelayCore:
             session_id = int.from_bytes(self._random(8), "big") & _SESSION_ID_MASK
             if session_id and session_id not in self._sessions:
                 return session_id
+
+    def _challenge(self, source: Address, now: float) -> Send:
+        nonce = challenge_nonce(self._secret, _challenge_subject(source), self._epoch(now))
+        observed = address_text(source)
+        challenge = Challenge(nonce=nonce, observed=observed, probe_port=self.probe_port)
+        return encode_packet(challenge), source
 
     def _incoming_packet(self, session: _Session) -> Send:
         incoming = Incoming(

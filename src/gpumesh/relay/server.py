@@ -1,11 +1,13 @@
 """The relay on real sockets: an asyncio adapter around :class:`RelayCore`.
 
-What it owns: the UDP socket every node talks to, a second socket used only
-to send ``ReachProbe`` from another port, the clock, the periodic tick, the
-bounded per-destination output queues and the stats file; with ``tcp_port``
-set, the TCP listener too (:mod:`gpumesh.relay.tcp`): its connections' packets
-meet the same core, and what the core sends to a TCP address goes to its
-connection. The rules live in the core; nothing here decides who may send what.
+What it owns: the UDP socket every node talks to, a second socket that sends
+``ReachProbe`` from another port and answers a padded ``Hello`` there (so a
+node can tell whether its NAT maps by destination), the clock, the periodic
+tick, the bounded per-destination output queues and the stats file; with
+``tcp_port`` set, the TCP listener too (:mod:`gpumesh.relay.tcp`): its
+connections' packets meet the same core, and what the core sends to a TCP
+address goes to its connection. The rules live in the core; nothing here
+decides who may send what.
 
 Why raw non-blocking sockets rather than a ``DatagramTransport``: asyncio's
 transport buffers without bound when the socket would block, so one slow or
@@ -31,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from gpumesh.protocol.addresses import Address
-from gpumesh.protocol.relay import DATA_HEADER, T_DATA
+from gpumesh.protocol.relay import DATA_HEADER, MAX_PACKET, T_DATA
 from gpumesh.relay.config import RelayConfig
 from gpumesh.relay.core import TCP_PORT_BASE, RelayCore, Send, address_text, is_reach_probe
 from gpumesh.relay.tcp import HEAD_TIMEOUT, TcpListener, tls_context
@@ -168,12 +170,14 @@ class RelayServer:
             logger.info("tcp %s presents %s", address_text(tcp.address), presented)
         bound = self._sock.getsockname()
         self._address = (host or "0.0.0.0", bound[1])
+        self.core.probe_port = self._probe_sock.getsockname()[1]
         self._udp = UdpSocket(self._sock)
         if not self._receive_offload and self._udp.gro:
             self._sock.setsockopt(_SOL_UDP, _UDP_GRO, 0)
             self._udp.gro = False
         self._gso = self._udp.gso
         self._loop.add_reader(self._sock.fileno(), self._on_readable)
+        self._loop.add_reader(self._probe_sock.fileno(), self._on_probe_readable)
         self._timer = asyncio.create_task(self._run_timers(), name="gpumesh-relay-timers")
         logger.debug(
             "relay bound %s, probes from port %d", bound, self._probe_sock.getsockname()[1]
@@ -197,6 +201,8 @@ class RelayServer:
         self._closed.set()
         if self._timer is not None:
             self._timer.cancel()
+        if self._probe_sock is not None and self._loop is not None:
+            self._loop.remove_reader(self._probe_sock.fileno())
         if self._sock is not None and self._loop is not None:
             self._loop.remove_reader(self._sock.fileno())
             if self._writing:
@@ -258,6 +264,31 @@ class RelayServer:
             except Exception:  # a bug must cost one packet, never the relay
                 logger.exception("failed handling a packet from %s", address)
         self._send_all(out)
+
+    def _on_probe_readable(self) -> None:
+        """The second port: a padded Hello gets its Challenge from here; nothing else
+        is answered (the core decides)."""
+        sock = self._probe_sock
+        if sock is None:
+            return
+        for _ in range(_READ_BATCH):
+            try:
+                data, source = sock.recvfrom(MAX_PACKET + 1)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                logger.debug("receive error on the probe port: %s", exc)
+                return
+            address = (source[0], source[1])
+            try:
+                out = self.core.handle_probe_port(data, address, self._clock())
+            except Exception:  # a bug must cost one packet, never the relay
+                logger.exception("failed handling a packet from %s on the probe port", address)
+                continue
+            for packet, to in out:
+                with contextlib.suppress(OSError):
+                    sock.sendto(packet, to)
+                    self.packets_sent += 1
 
     async def _run_timers(self) -> None:
         next_stats = 0.0
