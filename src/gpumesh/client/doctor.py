@@ -9,10 +9,10 @@ import socket
 import stat
 import subprocess
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from gpumesh import platform
 from gpumesh.blocking import run_async
+from gpumesh.client.checks import FAIL, OK, WARN, Check
 from gpumesh.client.owner import worker_user
 from gpumesh.errors import ConfigError, GPUMeshError
 from gpumesh.gpu.inventory import detect_inventory
@@ -37,19 +37,6 @@ from gpumesh.transport.udp import UdpSocket, open_udp_socket
 from gpumesh.units import format_size, parse_size
 
 __all__ = ["Check", "run_checks"]
-
-OK = "ok"
-WARN = "warn"
-FAIL = "fail"
-
-
-@dataclass(frozen=True)
-class Check:
-    name: str
-    status: str
-    """``ok``, ``warn`` or ``fail``."""
-    detail: str
-    fix: str = ""
 
 
 def run_checks(home: Home) -> list[Check]:
