@@ -1,4 +1,5 @@
-"""The shapes of the commands about this node: init, status, gpu, doctor, config show."""
+"""The shapes of the commands about this node: init, status, gpu, doctor, netcheck,
+config show."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import msgspec
 from gpumesh.client.views.owner import SessionsView
 
 if TYPE_CHECKING:
-    from gpumesh.client.doctor import Check
+    from gpumesh.client.checks import Check
+    from gpumesh.client.netcheck import Netcheck
     from gpumesh.client.node import NodeInfo, NodeStatus
     from gpumesh.gpu.inventory import GpuInfo, GpuInventory
     from gpumesh.store.home import Home
@@ -22,6 +24,7 @@ __all__ = [
     "GpuUse",
     "GpusView",
     "LoginCodeView",
+    "NetcheckView",
     "NodeView",
     "PublishView",
     "StatusView",
@@ -198,6 +201,63 @@ class CheckView(msgspec.Struct):
     @classmethod
     def of(cls, check: Check) -> CheckView:
         return cls(check.name, check.status, check.detail, check.fix)
+
+
+class NetcheckView(msgspec.Struct):
+    """``netcheck``: the network between this machine and its relay. A measure that
+    could not be made is null; ``checks`` says why, one line each."""
+
+    relay: str
+    """The relay checked (the ``relay`` setting, or ``--relay``); empty: none."""
+    relay_address: str | None
+    """Its IPv4 address and UDP port."""
+    reachable: bool
+    """The relay answered over UDP or TCP."""
+    udp_ms: float | None
+    """Round trip over UDP: the median of a few."""
+    public_address: str | None
+    """This machine's address as the relay's port sees it."""
+    mapping: str | None
+    """``none`` (no NAT), ``independent`` (seen from the same address by both of the
+    relay's ports: hole punching can work) or ``by-destination`` (symmetric: peers
+    need the relay); null: not known."""
+    inbound: bool | None
+    """Unsolicited packets (from the relay's second port) got in."""
+    mtu: int | None
+    """The largest UDP payload that reached the relay unfragmented."""
+    mtu_capped: bool
+    """``mtu`` is the most the relay answers (1500): the path may carry more."""
+    tcp_address: str | None
+    """Where the relay over TCP was tried (``relay_tcp``, else the relay host's 443)."""
+    tcp_ms: float | None
+    """Round trip over TCP."""
+    proxy: str | None
+    """The HTTPS proxy used for TCP (``host:port``, never its credentials)."""
+    node_relay: str | None
+    """What this home's running node process says of its relay (``registered as
+    ADDR``...); null when none runs or it has no relay."""
+    checks: list[CheckView]
+
+    @classmethod
+    def of(cls, result: Netcheck) -> NetcheckView:
+        udp, mtu, tcp = result.udp, result.mtu, result.tcp
+        address = result.relay_address
+        return cls(
+            relay=result.relay,
+            relay_address=f"{address[0]}:{address[1]}" if address else None,
+            reachable=result.reachable,
+            udp_ms=round(udp.rtt * 1000, 3) if udp else None,
+            public_address=udp.observed if udp else None,
+            mapping=udp.mapping if udp else None,
+            inbound=udp.inbound if udp else None,
+            mtu=mtu.payload,
+            mtu_capped=mtu.capped,
+            tcp_address=tcp.target,
+            tcp_ms=round(tcp.rtt * 1000, 3) if tcp.rtt is not None else None,
+            proxy=tcp.proxy,
+            node_relay=result.node_relay,
+            checks=[CheckView.of(check) for check in result.checks],
+        )
 
 
 class ConfigChangeView(msgspec.Struct):
