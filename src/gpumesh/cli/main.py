@@ -27,6 +27,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "status": ("gpumesh.cli.status", "status", "Show this node: sharing, GPUs, jobs, peers."),
     "gpu": ("gpumesh.cli.gpu", "gpu", "Show this machine's NVIDIA GPUs."),
     "doctor": ("gpumesh.cli.doctor", "doctor", "Check what this node needs and how to fix it."),
+    "netcheck": (
+        "gpumesh.cli.netcheck",
+        "netcheck",
+        "Check UDP, the NAT, the path MTU and TCP to the relay.",
+    ),
     "config": ("gpumesh.cli.config", "config", "Show or change settings."),
     "pair-code": ("gpumesh.cli.pair_code", "pair_code", "Print this node's pairing code."),
     "pair": ("gpumesh.cli.pair", "pair", "Pair with a peer using its code."),
