@@ -13,9 +13,11 @@ from collections.abc import Callable
 from gpumesh import platform
 from gpumesh.blocking import run_async
 from gpumesh.client.checks import FAIL, OK, WARN, Check
+from gpumesh.client.netcheck import describe_inbound, describe_nat, probe_udp
 from gpumesh.client.owner import worker_user
 from gpumesh.errors import ConfigError, GPUMeshError
 from gpumesh.gpu.inventory import detect_inventory
+from gpumesh.protocol.addresses import Address
 from gpumesh.runtime.base import NO_GPU_RUNTIME, EngineIsolation
 from gpumesh.runtime.docker import DockerRuntime
 from gpumesh.runtime.jobnet import (
@@ -30,8 +32,7 @@ from gpumesh.store.config import KEYS
 from gpumesh.store.home import Home
 from gpumesh.store.limits import ShareLimits, machine_size
 from gpumesh.transport.endpoint import QuicEndpoint
-from gpumesh.transport.netinfo import local_addresses
-from gpumesh.transport.relayclient import RelayClient, parse_host_port
+from gpumesh.transport.relayclient import RelayClient
 from gpumesh.transport.session import resolve_relay
 from gpumesh.transport.udp import UdpSocket, open_udp_socket
 from gpumesh.units import format_size, parse_size
@@ -541,32 +542,20 @@ async def _relay_checks(home: Home) -> list[Check]:
                 else f"check that gpumesh-relay runs at {text} and UDP to it is not blocked"
             )
             return [Check("relay", FAIL, exc.message, fix)]
-        observed = client.observed or ""
-        reachable = await client.reach_test(RELAY_TIMEOUT / 3)
-        local_port = endpoint.local_address[1]
-        local_hosts = {a.rpartition(":")[0] for a in local_addresses("0.0.0.0", local_port)}
-        seen = parse_host_port(observed)
-        if seen is not None and seen[0] in local_hosts:
-            nat = f"no NAT: the relay sees this node's own address {observed}"
-        elif seen is not None and seen[1] == local_port:
-            nat = f"behind NAT, seen as {observed}; the NAT keeps ports (hole punching works)"
-        else:
-            nat = (
-                f"behind NAT, seen as {observed}; the NAT changed the port (hole punching may "
-                "fail; the relay carries traffic then)"
-            )
-        inbound = (
-            "unsolicited packets get in: peers can dial directly"
-            if reachable
-            else "unsolicited packets are filtered: peers reach this node by hole punching or "
-            "through the relay"
-        )
-        return [
-            Check("relay", OK, f"{text} accepted this node's registration"),
-            Check("nat", OK, f"{nat}; {inbound}"),
-        ]
     finally:
         endpoint.close()
+    return [Check("relay", OK, f"{text} accepted this node's registration"), await _nat(address)]
+
+
+async def _nat(relay: Address) -> Check:
+    """What the NAT does, as ``gpumesh netcheck`` finds it: this node's public address,
+    whether the NAT maps by destination, whether unsolicited packets get in."""
+    try:
+        udp = await probe_udp(relay, timeout=RELAY_TIMEOUT)
+    except GPUMeshError as exc:
+        return Check("nat", WARN, f"could not check: {exc.message}")
+    status, nat, fix = describe_nat(udp)
+    return Check("nat", status, f"{nat}; {describe_inbound(udp)}", fix)
 
 
 def _clock() -> Check:
