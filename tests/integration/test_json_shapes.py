@@ -539,6 +539,14 @@ def _relayed(rec: Recorder, alice: Path, bob: Path, relay: str) -> None:
             "status_sharing_relay", "registered with a relay, no link", alice, "status", "--json"
         )
         rec.json(
+            "netcheck",
+            "alice's node process registered; on loopback: no NAT; no relay over TCP",
+            alice,
+            "netcheck",
+            "--json",
+            env={"HTTPS_PROXY": "", "https_proxy": ""},
+        )
+        rec.json(
             "connect_hole_punched",
             "alice's address is stale: through the relay, then punched",
             bob,
