@@ -82,11 +82,10 @@ def _node_relay() -> str | None:
 def _print(checks: list[Check]) -> None:
     from gpumesh.cli._table import Column, escape, print_table
 
-    rows = [[c.name, _STATE[c.status], escape(c.detail), escape(c.fix)] for c in checks]
-    columns = [
-        Column("CHECK"),
-        Column("STATE"),
-        Column("DETAIL", below=True),
-        Column("FIX", below=True, named_below=True),
-    ]
+    columns = [Column("CHECK"), Column("STATE"), Column("DETAIL", below=True)]
+    rows = [[c.name, _STATE[c.status], escape(c.detail)] for c in checks]
+    if any(c.fix for c in checks):  # a column of fixes only when there is one
+        columns.append(Column("FIX", below=True, named_below=True))
+        for row, check in zip(rows, checks, strict=True):
+            row.append(escape(check.fix))
     print_table(columns, rows)
