@@ -114,6 +114,14 @@ def test_a_relay_that_stays_silent_times_out_with_one_line() -> None:
     assert _rows(result)["udp"] == ("fail", f"127.0.0.1:{port}: no answer over UDP in 0.6 s")
 
 
+def test_a_relay_address_this_machine_cannot_send_to() -> None:
+    result = _run("255.255.255.255:4799", relay_tcp="off")  # broadcast: refused locally
+    assert _rows(result)["udp"] == (
+        "fail",
+        "255.255.255.255:4799: cannot send over UDP: Permission denied",
+    )
+
+
 def test_relay_settings_that_are_not_addresses() -> None:
     for text in ("a b", "relay.example.org:99999", "[::1"):
         result = _run(text, tcp_round_trip=lambda *a, **k: 1.0)

@@ -54,6 +54,11 @@ __all__ = [
     "BY_DESTINATION",
     "INDEPENDENT",
     "NO_NAT",
+    "TCP_FAILED",
+    "TCP_NOT_TRIED",
+    "TCP_OFF",
+    "TCP_OK",
+    "TCP_UNAVAILABLE",
     "Mtu",
     "Netcheck",
     "TcpResult",
@@ -120,6 +125,7 @@ class UdpResult:
 
     @property
     def mapping(self) -> str | None:
+        """:data:`NO_NAT`, :data:`INDEPENDENT`, :data:`BY_DESTINATION`; None: not known."""
         return classify_mapping(self.local, self.observed, self.observed_second)
 
 
@@ -279,56 +285,64 @@ async def probe_udp(
     not answer."""
     label = label or format_address(address)
     loop = asyncio.get_running_loop()
-    hello = wire.hello_packet()
-    with _udp_socket(connect=address) as main, _udp_socket() as free:
-        rtts = await _round_trips(loop, main, hello, label, timeout)
-        rtt = statistics.median(rtts)
-        local = format_address((main.getsockname()[0], free.getsockname()[1]))
-        wait = min(timeout, max(1.0, 4 * rtt))
-
-        def challenge_from(source: Address) -> Callable[[wire.RelayMessage, Address], bool]:
-            return lambda message, at: isinstance(message, wire.Challenge) and at == source
-
-        seq = int.from_bytes(os.urandom(4), "big")
-        reach = wire.encode_packet(wire.ReachTest(seq=seq))
-
-        def reach_probe(message: wire.RelayMessage, at: Address) -> bool:
-            return isinstance(message, wire.ReachProbe) and message.seq == seq
-
-        first: wire.RelayMessage | None = None
-        reached: wire.RelayMessage | None = None
-        second: wire.RelayMessage | None = None
-        with contextlib.suppress(OSError):  # a send refused here: what was seen so far
-            # Only this socket's first packets (before any to the second port) show
-            # whether unsolicited packets get in: the main port first, then the test.
-            first = await _ask(
-                loop, free, hello, address, challenge_from(address), wait, HELLO_RETRY
-            )
-            if isinstance(first, wire.Challenge):
-                reached = await _ask(loop, free, reach, address, reach_probe, wait, max(0.35, rtt))
-            if isinstance(first, wire.Challenge) and first.probe_port:
-                other = (address[0], first.probe_port)
-                second = await _ask(
-                    loop, free, hello, other, challenge_from(other), wait, HELLO_RETRY
-                )
-    if not isinstance(first, wire.Challenge):
+    try:
+        with _udp_socket(connect=address) as main, _udp_socket() as free:
+            rtts = await _round_trips(loop, main, label, timeout)
+            rtt = statistics.median(rtts)
+            local = format_address((main.getsockname()[0], free.getsockname()[1]))
+            wait = min(timeout, max(1.0, 4 * rtt))
+            first, inbound, second = await _nat(loop, free, address, rtt, wait)
+    except OSError as exc:  # no route there, a broadcast address...
+        raise UnreachableError(f"{label}: cannot send over UDP: {_why(exc)}") from None
+    if first is None:
         return UdpResult(rtt, len(rtts), local, None, 0, None, None)
-    return UdpResult(
-        rtt,
-        len(rtts),
-        local,
-        first.observed,
-        first.probe_port,
-        second.observed if isinstance(second, wire.Challenge) else None,
-        reached is not None,
-    )
+    return UdpResult(rtt, len(rtts), local, first.observed, first.probe_port, second, inbound)
+
+
+async def _nat(
+    loop: asyncio.AbstractEventLoop, sock: socket.socket, relay: Address, rtt: float, wait: float
+) -> tuple[wire.Challenge | None, bool | None, str | None]:
+    """From ``sock`` (never used before): the relay port's Challenge, whether the second
+    port's ReachProbe got in, and the address the second port sees (None: not known)."""
+    seq = int.from_bytes(os.urandom(4), "big")
+
+    def challenge_from(source: Address) -> Callable[[wire.RelayMessage, Address], bool]:
+        return lambda message, at: isinstance(message, wire.Challenge) and at == source
+
+    def reach_probe(message: wire.RelayMessage, at: Address) -> bool:
+        return isinstance(message, wire.ReachProbe) and message.seq == seq
+
+    hello = wire.hello_packet()
+    try:
+        first = await _ask(loop, sock, hello, relay, challenge_from(relay), wait, HELLO_RETRY)
+    except OSError:
+        return None, None, None
+    if not isinstance(first, wire.Challenge):
+        return None, None, None
+    # Only this socket's packets before any to the second port show whether
+    # unsolicited packets get in: the test comes first.
+    reach = wire.encode_packet(wire.ReachTest(seq=seq))
+    try:
+        reached = await _ask(loop, sock, reach, relay, reach_probe, wait, max(0.35, rtt))
+    except OSError:
+        return first, None, None
+    if not first.probe_port:
+        return first, reached is not None, None
+    other = (relay[0], first.probe_port)
+    try:
+        second = await _ask(loop, sock, hello, other, challenge_from(other), wait, HELLO_RETRY)
+    except OSError:
+        second = None
+    observed = second.observed if isinstance(second, wire.Challenge) else None
+    return first, reached is not None, observed
 
 
 async def _round_trips(
-    loop: asyncio.AbstractEventLoop, sock: socket.socket, hello: bytes, label: str, timeout: float
+    loop: asyncio.AbstractEventLoop, sock: socket.socket, label: str, timeout: float
 ) -> list[float]:
     """Seconds per Hello answered on ``sock`` (connected to the relay): at least one, or
     UnreachableError."""
+    hello = wire.hello_packet()
     rtts: list[float] = []
     try:
         started = loop.time()
@@ -381,14 +395,14 @@ async def _answered(address: Address, size: int, wait: float) -> bool:
     is answered: from a socket of its own, so no other size's late answer counts."""
     loop = asyncio.get_running_loop()
     hello = sized_hello(size)
-    with _udp_socket(connect=address) as sock:
-        try:
+    try:
+        with _udp_socket(connect=address) as sock:
             sock.setsockopt(socket.IPPROTO_IP, _IP_MTU_DISCOVER, _IP_PMTUDISC_DO)
             for _ in range(2):
                 if await _ask(loop, sock, hello, None, _any_challenge, wait, wait) is not None:
                     return True
-        except OSError:  # EMSGSIZE: larger than this interface, or a router, carries
-            return False
+    except OSError:  # EMSGSIZE: larger than this interface, or a router, carries
+        return False
     return False
 
 
