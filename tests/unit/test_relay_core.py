@@ -380,11 +380,20 @@ def test_the_probe_port_answers_a_padded_hello_and_nothing_else() -> None:
     assert relay.core.registration_count == 0
 
 
-def test_an_older_relays_challenge_decodes_without_a_probe_port() -> None:
-    """``probe_port`` is a trailing field: a Challenge without it decodes with 0."""
+def test_probe_port_is_a_trailing_field_both_sides_of_an_upgrade_read() -> None:
+    """An older relay's Challenge (without it) decodes with 0; an older node's decoder
+    (without the field) reads a new relay's Challenge, its extra item ignored."""
     old = b"\x02GM\x01" + msgspec.msgpack.encode([bytes(32), "192.0.2.1:5"])
     assert decode_packet(old) == Challenge(nonce=bytes(32), observed="192.0.2.1:5")
     assert decode_packet(old).probe_port == 0
+
+    class OlderChallenge(msgspec.Struct, frozen=True, array_like=True):
+        nonce: bytes
+        observed: str
+
+    new = encode_packet(Challenge(nonce=bytes(32), observed="192.0.2.1:5", probe_port=4800))
+    older = msgspec.msgpack.Decoder(OlderChallenge).decode(new[4:])
+    assert older == OlderChallenge(nonce=bytes(32), observed="192.0.2.1:5")
 
 
 # --- sessions ---------------------------------------------------------------------------------
