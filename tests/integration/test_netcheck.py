@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
@@ -24,6 +27,7 @@ from gpumesh.protocol import relay as wire
 from gpumesh.protocol.addresses import Address
 from gpumesh.relay import RelayConfig, serve
 from tests.integration.node import cli
+from tests.integration.tcpmiddleboxes import middleboxes
 from tests.integration.test_cli import _free_udp_port, _init, running_share
 from tests.integration.test_relay_node import _start_relay, _stop
 
@@ -64,17 +68,18 @@ def test_against_a_real_relay_on_loopback() -> None:
     assert result.reachable and not result.setting_error
 
 
-def test_the_tcp_row_says_what_the_relay_over_tcp_said() -> None:
-    """The TCP client is handed the relay's host, port 443 (or ``relay_tcp``), the proxy
-    and a timeout; its answer or its one-line error is the row."""
+def test_the_tcp_row_asks_where_the_node_would_go() -> None:
+    """The TCP client is handed the relay's host and port 443 (or ``relay_tcp``), the
+    proxy and a timeout; its one-line error is the row, the proxy shown without its
+    credentials."""
     calls: list[tuple[str, int, str | None]] = []
 
-    def answers(host: str, port: int, *, proxy: str | None, timeout: float) -> float:
+    async def answers(host: str, port: int, *, proxy: str | None, timeout: float) -> float:
         calls.append((host, port, proxy))
         return 0.0125
 
-    def refuses(host: str, port: int, *, proxy: str | None, timeout: float) -> float:
-        raise RelayError("proxy proxy.example.org:3128 refused CONNECT: 403 Forbidden")
+    async def refuses(host: str, port: int, *, proxy: str | None, timeout: float) -> float:
+        raise RelayError("the proxy proxy.example.org:3128 refused CONNECT: 403 Forbidden")
 
     dead = f"127.0.0.1:{_free_udp_port()}"
     result = _run(dead, tcp_round_trip=answers)
@@ -88,12 +93,59 @@ def test_the_tcp_row_says_what_the_relay_over_tcp_said() -> None:
     result = _run(dead, proxy=proxy, tcp_round_trip=refuses)
     assert _rows(result)["tcp"] == (
         "fail",
-        "proxy proxy.example.org:3128 refused CONNECT: 403 Forbidden",
+        "the proxy proxy.example.org:3128 refused CONNECT: 403 Forbidden",
     )
     assert not result.reachable
     assert "secret" not in repr(result)
     result = _run(dead, relay_tcp="not an address", tcp_round_trip=answers)
-    assert _rows(result)["tcp"][1].startswith("not tried: invalid relay_tcp address")
+    assert _rows(result)["tcp"] == (
+        "fail",
+        "not tried: invalid relay_tcp address 'not an address'",
+    )
+
+
+def test_the_tcp_row_against_a_relay_over_tcp_and_what_stands_between(tmp_path: Path) -> None:
+    """A real `gpumesh-relay --tcp`: straight, through a CONNECT proxy, a proxy that
+    refuses CONNECT, a middlebox that breaks TLS, a port where nothing listens."""
+    proc, udp, tcp = _start_tcp_relay(tmp_path)
+    try:
+        result = _run(udp, relay_tcp=tcp)
+        assert all(check.status == "ok" for check in result.checks), result.checks
+        status, detail = _rows(result)["tcp"]
+        assert detail.startswith(f"{tcp} answers over TCP in ") and detail.endswith(" ms")
+        assert result.tcp.rtt is not None and 0 < result.tcp.rtt < 2
+        with middleboxes("127.0.0.1", tmp_path) as boxes:
+            proxy = f"http://127.0.0.1:{boxes.start_connect_proxy()}"
+            result = _run(udp, relay_tcp=tcp, proxy=proxy)
+            assert _rows(result)["tcp"][0] == "ok" and boxes.connects == [tcp]
+            assert f"through the proxy {proxy[7:]}" in _rows(result)["tcp"][1]
+            refusing = boxes.start_connect_proxy(refuse=True)
+            result = _run(udp, relay_tcp=tcp, proxy=f"http://127.0.0.1:{refusing}")
+            status, detail = _rows(result)["tcp"]
+            assert status == "fail" and "\n" not in detail
+            assert f"the proxy 127.0.0.1:{refusing} refused CONNECT" in detail
+            assert "403 Forbidden" in detail
+            assert result.reachable  # UDP still works
+            breaker = boxes.start_tls_breaker()
+            result = _run(udp, relay_tcp=f"127.0.0.1:{breaker}")
+            status, detail = _rows(result)["tcp"]
+            assert status == "fail" and f"TLS to 127.0.0.1:{breaker} failed" in detail
+        closed = f"127.0.0.1:{_free_tcp_port()}"
+        status, detail = _rows(_run(udp, relay_tcp=closed))["tcp"]
+        assert status == "fail" and "refused" in detail and closed in detail
+        # UDP gets nowhere, TCP does: the command says so and exits 0.
+        home, dead = tmp_path / "home", f"127.0.0.1:{_free_udp_port()}"
+        result = cli(home, "netcheck", "--relay", dead, "--json", GPUMESH_RELAY_TCP=tcp)
+        assert result.returncode == 0, result.stdout
+        data = json.loads(result.stdout)
+        assert (data["udp_ms"], data["tcp_address"], data["reachable"]) == (None, tcp, True)
+        assert isinstance(data["tcp_ms"], float)
+        assert [(c["name"], c["status"]) for c in data["checks"]] == [
+            ("udp", "fail"),
+            ("tcp", "ok"),
+        ]
+    finally:
+        _stop(proc)
 
 
 def test_a_relay_that_is_not_running_is_one_line_at_once() -> None:
@@ -124,7 +176,7 @@ def test_a_relay_address_this_machine_cannot_send_to() -> None:
 
 def test_relay_settings_that_are_not_addresses() -> None:
     for text in ("a b", "relay.example.org:99999", "[::1"):
-        result = _run(text, tcp_round_trip=lambda *a, **k: 1.0)
+        result = _run(text)
         status, detail = _rows(result)["udp"]
         assert status == "fail" and detail.startswith(f"invalid relay address {text!r}"), detail
         assert _rows(result)["tcp"][0] == "fail"  # its host is the relay's: not tried
@@ -228,6 +280,31 @@ def _status(home: Path) -> dict[str, object]:
 
 
 # --- helpers ---------------------------------------------------------------------------------
+
+
+def _start_tcp_relay(tmp_path: Path) -> tuple[subprocess.Popen[str], str, str]:
+    """A `gpumesh-relay --open` on loopback, over UDP and TCP (self-signed):
+    ``(process, udp address, tcp address)``."""
+    udp = f"127.0.0.1:{_free_udp_port()}"
+    log = tmp_path / "tcp-relay.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gpumesh.relay.main", "--open", "--listen", udp,
+             "--tcp", "127.0.0.1:0"],
+            stdout=out, stderr=out, text=True,
+        )  # fmt: skip
+    deadline = time.monotonic() + 15
+    while (found := re.search(r"and tcp (\S+)", log.read_text())) is None:
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.05)
+    return proc, udp, found.group(1)
+
+
+def _free_tcp_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
 
 
 @contextmanager

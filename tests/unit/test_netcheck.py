@@ -17,7 +17,6 @@ from gpumesh.client.netcheck import (
     TCP_NOT_TRIED,
     TCP_OFF,
     TCP_OK,
-    TCP_UNAVAILABLE,
     Mtu,
     Netcheck,
     TcpResult,
@@ -31,7 +30,6 @@ from gpumesh.client.netcheck import (
     relay_settings,
     sized_hello,
     tcp_check,
-    tcp_target,
     with_node,
 )
 from gpumesh.client.views import to_json
@@ -122,17 +120,6 @@ def test_sized_hellos_are_the_size_asked_and_decode() -> None:
     assert [s for s in range(98, 1501) if len(sized_hello(s)) != s] == [263]
 
 
-def test_where_tcp_is_tried() -> None:
-    assert tcp_target("relay.example.org:4799", "") == ("relay.example.org", 443)
-    assert tcp_target("relay.example.org", "") == ("relay.example.org", 443)
-    assert tcp_target("relay.example.org", "tcp.example.org:8443") == ("tcp.example.org", 8443)
-    assert tcp_target("[2001:db8::1]:4799", "") == ("2001:db8::1", 443)
-    with pytest.raises(ValueError, match="invalid relay_tcp address 'a b'"):
-        tcp_target("relay.example.org", "a b")
-    with pytest.raises(ValueError, match="the relay address 'a b' is invalid"):
-        tcp_target("a b", "")
-
-
 def test_a_proxy_is_shown_without_its_credentials() -> None:
     assert _proxy_shown(None) is None
     assert _proxy_shown("http://user:secret@proxy.example.org:3128") == "proxy.example.org:3128"
@@ -149,8 +136,6 @@ def test_the_tcp_row() -> None:
     assert tcp_check(TcpResult(TCP_OFF), udp_works=True).status == OK
     off = tcp_check(TcpResult(TCP_OFF), udp_works=False)
     assert off.status == WARN and "UDP fails" in off.detail and off.fix
-    missing = tcp_check(TcpResult(TCP_UNAVAILABLE, "r:443", error="x"), udp_works=True)
-    assert missing.status == WARN
     bad = TcpResult(TCP_NOT_TRIED, error="invalid relay_tcp address 'a b': no")
     row = tcp_check(bad, udp_works=True)
     assert row.status == FAIL and row.detail.startswith("not tried: invalid relay_tcp")
@@ -171,13 +156,16 @@ def test_settings_that_do_not_parse_come_as_their_text(
     assert relay_settings(config)[0] == "relay.example.org:4799"
     monkeypatch.setenv("GPUMESH_RELAY", "a b:c:d")
     assert relay_settings(config)[0] == "a b:c:d"
+    monkeypatch.setenv("GPUMESH_RELAY_TCP", "relay.example.org:99999")
+    assert relay_settings(config) == ("a b:c:d", "relay.example.org:99999")
     monkeypatch.delenv("GPUMESH_RELAY")
-    assert relay_settings(config)[0] == ""
+    monkeypatch.delenv("GPUMESH_RELAY_TCP")
+    assert relay_settings(config) == ("", "")
 
 
 def test_the_json_view_and_the_node_row() -> None:
     udp = _udp(inbound=True)
-    tcp = TcpResult(TCP_UNAVAILABLE, "relay.example.org:443", error="none here")
+    tcp = TcpResult(TCP_FAILED, "relay.example.org:443", error="TCP to relay: refused")
     result = Netcheck(
         "relay.example.org",
         ("203.0.113.1", 4799),

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 import click
@@ -47,10 +46,11 @@ def netcheck(relay: str | None, as_json: bool) -> None:
     from gpumesh.client.netcheck import netcheck as check
     from gpumesh.client.netcheck import relay_settings, with_node
     from gpumesh.client.views.node import NetcheckView
+    from gpumesh.transport.relaytcp import proxy_from_environment
 
     node = get_node()
     relay_set, relay_tcp = relay_settings(node.home.config)
-    proxy = os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy")
+    proxy = proxy_from_environment()
     result = run_async(
         check(relay if relay is not None else relay_set, relay_tcp=relay_tcp, proxy=proxy)
     )

@@ -31,11 +31,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import importlib
 import os
 import socket
 import statistics
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Protocol
 from urllib.parse import urlsplit
@@ -48,6 +47,7 @@ from gpumesh.protocol.addresses import Address, format_address, parse_address
 from gpumesh.settings import env
 from gpumesh.store.config import KEYS, Config
 from gpumesh.transport.quicsetup import MAX_DATAGRAM
+from gpumesh.transport.relaytcp import relay_tcp_round_trip, tcp_route
 from gpumesh.transport.session import resolve_relay
 
 __all__ = [
@@ -58,7 +58,6 @@ __all__ = [
     "TCP_NOT_TRIED",
     "TCP_OFF",
     "TCP_OK",
-    "TCP_UNAVAILABLE",
     "Mtu",
     "Netcheck",
     "TcpResult",
@@ -71,7 +70,6 @@ __all__ = [
     "probe_udp",
     "relay_settings",
     "sized_hello",
-    "tcp_target",
     "with_node",
 ]
 
@@ -83,8 +81,6 @@ SAMPLES = 5
 """Round trips measured over UDP (their median is reported)."""
 HELLO_RETRY = 0.5
 """A Hello not answered this long is sent again (UDP loses packets)."""
-DEFAULT_TCP_PORT = 443
-"""Where the relay listens for TCP when ``relay_tcp`` names no address."""
 RELAYED_PACKET = MAX_DATAGRAM + wire.DATA_HEADER
 """The largest packet a relayed QUIC session sends to the relay."""
 
@@ -102,7 +98,9 @@ class TcpRoundTrip(Protocol):
     """One round trip with the relay over TCP, in seconds; raises a GPUMeshError whose
     message names the step that failed (connect, proxy CONNECT, TLS, upgrade...)."""
 
-    def __call__(self, host: str, port: int, *, proxy: str | None, timeout: float) -> float: ...
+    def __call__(
+        self, host: str, port: int, *, proxy: str | None, timeout: float
+    ) -> Awaitable[float]: ...
 
 
 @dataclass(frozen=True)
@@ -142,7 +140,6 @@ class Mtu:
 TCP_OK = "ok"
 TCP_OFF = "off"
 TCP_NOT_TRIED = "not-tried"
-TCP_UNAVAILABLE = "unavailable"
 TCP_FAILED = "failed"
 
 
@@ -150,8 +147,7 @@ TCP_FAILED = "failed"
 class TcpResult:
     outcome: str
     """:data:`TCP_OK`, :data:`TCP_OFF` (``relay_tcp off``), :data:`TCP_NOT_TRIED` (a
-    setting is missing or invalid), :data:`TCP_UNAVAILABLE` (no TCP client in this
-    build) or :data:`TCP_FAILED`."""
+    setting is missing or invalid) or :data:`TCP_FAILED`."""
     target: str | None = None
     """``host:port`` tried; None when none was."""
     rtt: float | None = None
@@ -193,16 +189,14 @@ async def netcheck(
     proxy: str | None = None,
     timeout: float = UDP_TIMEOUT,
     tcp_timeout: float = TCP_TIMEOUT,
-    tcp_round_trip: TcpRoundTrip | None = None,
+    tcp_round_trip: TcpRoundTrip = relay_tcp_round_trip,
 ) -> Netcheck:
     """Check every path to ``relay`` (``host[:port]``); ``relay_tcp``: ``HOST:PORT``,
     empty for the relay host's port 443, or ``off``; ``proxy``: an HTTPS proxy's URL;
-    ``tcp_round_trip``: the TCP client (default: the relay-over-TCP transport's, where
-    this build has one). Never raises for what the network or a setting does."""
+    ``tcp_round_trip``: the TCP client (the relay-over-TCP transport's). Never raises
+    for what the network or a setting does."""
     relay = relay.strip()
-    tcp_task = asyncio.create_task(
-        _tcp(relay, relay_tcp, proxy, tcp_timeout, tcp_round_trip or _default_tcp_round_trip())
-    )
+    tcp_task = asyncio.create_task(_tcp(relay, relay_tcp, proxy, tcp_timeout, tcp_round_trip))
     try:
         paths = await _udp_paths(relay, timeout)
         tcp = await tcp_task
@@ -258,18 +252,15 @@ def _label(relay: str, address: Address) -> str:
 
 
 def relay_settings(config: Config) -> tuple[str, str]:
-    """``(relay, relay_tcp)`` as set: a setting the environment sets to something
-    invalid comes as that text, for :func:`netcheck` to say what is wrong with it,
-    and one this build does not know is empty."""
+    """``(relay, relay_tcp)`` as set; one the environment sets to something invalid
+    comes as that text, for :func:`netcheck` to say what is wrong with it."""
 
     def text(name: str) -> str:
-        key = KEYS.get(name)
-        if key is None:
-            return ""
         try:
             return str(config.get(name))
         except GPUMeshError:
-            return (env(key.env) if key.env else None) or ""
+            variable = KEYS[name].env
+            return (env(variable) if variable else None) or ""
 
     return text("relay"), text("relay_tcp")
 
@@ -424,54 +415,29 @@ def sized_hello(size: int) -> bytes:
 # --- TCP -------------------------------------------------------------------------------------
 
 
-def _default_tcp_round_trip() -> TcpRoundTrip | None:
-    """The relay-over-TCP client's round trip, where this build has it."""
-    try:
-        module = importlib.import_module("gpumesh.transport.relaytcp")
-    except ImportError:
-        return None
-    found: TcpRoundTrip | None = getattr(module, "relay_tcp_round_trip", None)
-    return found
-
-
-def tcp_target(relay: str, relay_tcp: str) -> Address:
-    """Where the relay listens for TCP: ``relay_tcp``, or the relay host's port 443.
-    Raises ValueError naming the setting that is not an address."""
-    text = relay_tcp.strip()
-    if text:
-        try:
-            return parse_address(text, DEFAULT_TCP_PORT)
-        except ValueError as exc:
-            raise ValueError(f"invalid relay_tcp address {text!r}: {exc}") from None
-    try:
-        host, _ = parse_address(relay, wire.DEFAULT_RELAY_PORT)
-    except ValueError as exc:
-        raise ValueError(f"the relay address {relay!r} is invalid: {exc}") from None
-    return host, DEFAULT_TCP_PORT
-
-
 async def _tcp(
-    relay: str, relay_tcp: str, proxy: str | None, timeout: float, round_trip: TcpRoundTrip | None
+    relay: str, relay_tcp: str, proxy: str | None, timeout: float, round_trip: TcpRoundTrip
 ) -> TcpResult:
-    if relay_tcp.strip() == "off":
+    setting = relay_tcp.strip()
+    if setting == "off":
         return TcpResult(TCP_OFF, error="relay_tcp is off")
-    if not relay and not relay_tcp.strip():
+    if not relay and not setting:
         return TcpResult(TCP_NOT_TRIED, error="no relay configured")
+    # Where the node's relay client would go: relay_tcp, else the relay host's 443.
+    route = tcp_route(relay, setting, udp_retry=0.0, proxy=proxy or "")
+    if route is None:
+        why = f"invalid relay_tcp address {setting!r}" if setting else f"invalid relay {relay!r}"
+        return TcpResult(TCP_NOT_TRIED, error=why)
+    target, shown = route.label, _proxy_shown(proxy)
     try:
-        host, port = tcp_target(relay, relay_tcp)
-    except ValueError as exc:
-        return TcpResult(TCP_NOT_TRIED, error=str(exc))
-    target, shown = format_address((host, port)), _proxy_shown(proxy)
-    if round_trip is None:
-        return TcpResult(
-            TCP_UNAVAILABLE, target, proxy=shown, error="this gpumesh has no relay over TCP"
-        )
-    try:
-        rtt = await asyncio.to_thread(round_trip, host, port, proxy=proxy or None, timeout=timeout)
+        rtt = await round_trip(route.host, route.port, proxy=proxy or None, timeout=timeout)
     except GPUMeshError as exc:
         return TcpResult(TCP_FAILED, target, proxy=shown, error=exc.message)
+    except TimeoutError:
+        error = f"TCP to {target}: no answer in {timeout:g} s"
+        return TcpResult(TCP_FAILED, target, proxy=shown, error=error)
     except OSError as exc:
-        return TcpResult(TCP_FAILED, target, proxy=shown, error=f"{target}: {_why(exc)}")
+        return TcpResult(TCP_FAILED, target, proxy=shown, error=f"TCP to {target}: {_why(exc)}")
     return TcpResult(TCP_OK, target, rtt=rtt, proxy=shown)
 
 
@@ -595,15 +561,13 @@ def tcp_check(tcp: TcpResult, *, udp_works: bool) -> Check:
             return Check("tcp", OK, "not tried: relay_tcp is off")
         fix = "gpumesh config set relay_tcp HOST:PORT (the relay's TCP listener)"
         return Check("tcp", WARN, "not tried: relay_tcp is off, and UDP fails", fix)
-    if tcp.outcome == TCP_UNAVAILABLE:
-        return Check("tcp", WARN, f"not measured: {tcp.error}")
     if tcp.outcome == TCP_NOT_TRIED:
         fix = "gpumesh config set relay_tcp HOST:PORT (or off)" if "relay_tcp" in tcp.error else ""
         return Check("tcp", FAIL, f"not tried: {tcp.error}", fix)
     fix = (
         f"check HTTPS_PROXY ({tcp.proxy}) and relay_tcp"
         if tcp.proxy
-        else f"check that gpumesh-relay listens for TCP at {tcp.target} and that TCP to it "
+        else f"check that gpumesh-relay serves TCP at {tcp.target} (--tcp) and that TCP to it "
         "is not blocked (behind a proxy: set HTTPS_PROXY)"
     )
     return Check("tcp", FAIL, tcp.error, fix)
