@@ -196,7 +196,6 @@ class RelayClient:
         self._next_hello = 0.0
         self._hello_backoff = _HELLO_RETRY
         self._pending_register: bytes | None = None
-        self._reach: asyncio.Future[None] | None = None
         self._wake = asyncio.Event()
         self._closed = False
         self._task: asyncio.Task[None] | None = None
@@ -289,18 +288,6 @@ class RelayClient:
         finally:
             self._requests.pop(request, None)
 
-    async def reach_test(self, timeout: float = 1.0) -> bool:
-        """Whether a packet from a port we never sent to gets in (no NAT filtering)."""
-        self._reach = self._loop.create_future()
-        self._send_udp(wire.encode_packet(wire.ReachTest(seq=1)))
-        try:
-            await asyncio.wait_for(asyncio.shield(self._reach), timeout)
-        except TimeoutError:
-            return False
-        finally:
-            self._reach = None
-        return True
-
     # --- used by the endpoint (its PacketRoute) ----------------------------------------
 
     @property
@@ -346,9 +333,6 @@ class RelayClient:
             return None
         if isinstance(message, wire.Probe):
             self._on_probe(message, source, now)
-        elif isinstance(message, wire.ReachProbe):
-            if self._reach is not None and not self._reach.done():
-                self._reach.set_result(None)
         elif from_relay and (self._carrier != "tcp" or isinstance(message, wire.Challenge)):
             # Riding TCP, only a challenge counts over UDP: UDP answers again.
             self._on_relay_message(message, now, via_tcp=False)
