@@ -570,7 +570,8 @@ def tcp_check(tcp: TcpResult, *, udp_works: bool) -> Check:
         else f"check that gpumesh-relay serves TCP at {tcp.target} (--tcp) and that TCP to it "
         "is not blocked (behind a proxy: set HTTPS_PROXY)"
     )
-    return Check("tcp", FAIL, tcp.error, fix)
+    # With UDP working, a TCP that fails only leaves this node without the fallback.
+    return Check("tcp", WARN if udp_works else FAIL, tcp.error, fix)
 
 
 def with_node(result: Netcheck, relay_state: str | None) -> Netcheck:
