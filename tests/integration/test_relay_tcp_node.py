@@ -194,6 +194,12 @@ def test_without_udp_the_relay_is_reached_over_tcp(walled: Walled) -> None:
     _copy_round_trip(walled)
     daemon = walled.bob_cli("daemon", "status").stdout
     assert re.search(rf"relay {walled.relay_udp}\s+registered as .* \(over tcp\)", daemon), daemon
+    checks = {c["name"]: c for c in json.loads(walled.bob_cli("doctor", "--json").stdout)}
+    assert checks["relay"]["status"] == "warn", checks["relay"]
+    assert "registration over TCP" in checks["relay"]["detail"]
+    netcheck = json.loads(walled.bob_cli("netcheck", "--json").stdout)
+    rows = {c["name"]: c["status"] for c in netcheck["checks"]}
+    assert (rows["udp"], rows["tcp"], netcheck["reachable"]) == ("fail", "ok", True), netcheck
 
 
 def test_through_a_connect_proxy_with_direct_tcp_blocked(walled: Walled) -> None:

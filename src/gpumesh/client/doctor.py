@@ -33,6 +33,7 @@ from gpumesh.store.home import Home
 from gpumesh.store.limits import ShareLimits, machine_size
 from gpumesh.transport.endpoint import QuicEndpoint
 from gpumesh.transport.relayclient import RelayClient
+from gpumesh.transport.relaytcp import proxy_from_environment, tcp_route
 from gpumesh.transport.session import resolve_relay
 from gpumesh.transport.udp import UdpSocket, open_udp_socket
 from gpumesh.units import format_size, parse_size
@@ -526,8 +527,11 @@ async def _relay_checks(home: Home) -> list[Check]:
     except GPUMeshError as exc:
         return [Check("relay", FAIL, exc.message, "check `gpumesh config get relay`")]
     endpoint = QuicEndpoint(UdpSocket(open_udp_socket("0.0.0.0", 0)))
+    tcp = tcp_route(
+        text, config.relay_tcp, udp_retry=config.relay_udp_retry, proxy=proxy_from_environment()
+    )
     client = RelayClient(
-        endpoint, address, text, home.identity, token=config.relay_token, serving=False
+        endpoint, address, text, home.identity, token=config.relay_token, serving=False, tcp=tcp
     )
     endpoint.relay = client
     client.start()
@@ -539,11 +543,24 @@ async def _relay_checks(home: Home) -> list[Check]:
                 f"ask the relay's operator to allow node id {home.identity.node_id}, or set "
                 "its shared token: gpumesh config set relay_token TOKEN"
                 if "not-allowed" in exc.message
-                else f"check that gpumesh-relay runs at {text} and UDP to it is not blocked"
+                else f"check that gpumesh-relay runs at {text} and UDP (or TCP, relay_tcp) to "
+                "it is not blocked; `gpumesh netcheck` says which path fails"
             )
             return [Check("relay", FAIL, exc.message, fix)]
+        over_tcp = client.over_tcp
     finally:
         endpoint.close()
+    if over_tcp:
+        assert tcp is not None
+        return [
+            Check(
+                "relay",
+                WARN,
+                f"{text} accepted this node's registration over TCP ({tcp.label}): UDP to it "
+                "gets no answer, so peers reach this node only through the relay",
+                "if UDP should work here, `gpumesh netcheck` says what it finds",
+            )
+        ]
     return [Check("relay", OK, f"{text} accepted this node's registration"), await _nat(address)]
 
 
