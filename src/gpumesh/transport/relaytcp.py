@@ -146,14 +146,13 @@ async def _open(route: RelayTcp) -> tuple[asyncio.StreamReader, asyncio.StreamWr
             raise UnreachableError(f"cannot reach the proxy {proxy}: {_why(exc)}") from None
         writer.write(stream.connect_request(target, auth))
         head = await _read_head(reader, f"the proxy {proxy}")
-        try:
-            code, status = stream.head_status(head)
-        except ProtocolError as exc:
-            writer.close()
-            raise UnreachableError(f"the proxy {proxy} answered CONNECT oddly: {exc}") from None
-        if code != 200:
-            writer.close()
-            raise UnreachableError(f"the proxy {proxy} refused CONNECT to {target}: {status}")
+        _expect(
+            writer,
+            head,
+            200,
+            odd=f"the proxy {proxy} answered CONNECT oddly",
+            other=f"the proxy {proxy} refused CONNECT to {target}",
+        )
         try:
             await writer.start_tls(context, server_hostname=route.host)
         except (ssl.SSLError, OSError) as exc:
@@ -174,15 +173,24 @@ async def _open(route: RelayTcp) -> tuple[asyncio.StreamReader, asyncio.StreamWr
             raise UnreachableError(f"TCP to {target}: {_why(exc)}") from None
     writer.write(stream.upgrade_request(target))
     head = await _read_head(reader, target)
+    not_relay = f"{target} is not a gpumesh relay over TCP"
+    _expect(writer, head, 101, odd=not_relay, other=f"{not_relay}, it answered")
+    return reader, writer
+
+
+def _expect(
+    writer: asyncio.StreamWriter, head: bytes, wanted: int, *, odd: str, other: str
+) -> None:
+    """An HTTP answer with the status ``wanted``; else the connection is closed and the
+    error is ``odd`` (not HTTP) or ``other`` (another status), with what came."""
     try:
         code, status = stream.head_status(head)
     except ProtocolError as exc:
         writer.close()
-        raise UnreachableError(f"{target} is not a gpumesh relay over TCP: {exc}") from None
-    if code != 101:
+        raise UnreachableError(f"{odd}: {exc}") from None
+    if code != wanted:
         writer.close()
-        raise UnreachableError(f"{target} is not a gpumesh relay over TCP (it answered {status})")
-    return reader, writer
+        raise UnreachableError(f"{other}: {status}")
 
 
 async def open_relay_stream(
