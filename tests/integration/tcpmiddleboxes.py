@@ -136,6 +136,20 @@ class Middleboxes:
 
         return self._serve(handle, server_side)
 
+    def start_web_server(self) -> int:
+        """An HTTPS server that is no relay: 404 to whatever it is asked."""
+        cert, key = self_signed(self.folder, "web")
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(cert, key)
+
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(OSError, asyncio.IncompleteReadError, ssl.SSLError):
+                await reader.readuntil(b"\r\n\r\n")
+                writer.write(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
+                await writer.drain()
+
+        return self._serve(handle, context)
+
     def start_tls_breaker(self) -> int:
         """A middlebox that answers a TLS hello with something that is not TLS."""
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import pytest
 
@@ -22,8 +23,9 @@ from gpumesh.relay.config import RelayConfig
 from gpumesh.relay.server import RelayServer, serve
 from gpumesh.transport.endpoint import QuicEndpoint
 from gpumesh.transport.relayclient import RelayClient
-from gpumesh.transport.relaytcp import RelayTcp
+from gpumesh.transport.relaytcp import RelayTcp, relay_tcp_round_trip
 from gpumesh.transport.udp import UdpSocket, open_udp_socket
+from tests.integration.tcpmiddleboxes import middleboxes
 
 CEILING = 20.0
 """Generous: nothing here is timed, only waited for."""
@@ -214,3 +216,16 @@ def test_when_neither_path_answers_the_one_line_names_both() -> None:
         assert "\n" not in message
 
     _run(scenario)
+
+
+def test_a_web_server_that_is_no_relay_is_named_as_such(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        with middleboxes("127.0.0.1", tmp_path) as boxes:
+            port = boxes.start_web_server()
+            with pytest.raises(UnreachableError) as caught:
+                await relay_tcp_round_trip("127.0.0.1", port, timeout=CEILING)
+        assert caught.value.message == (
+            f"127.0.0.1:{port} is not a gpumesh relay over TCP, it answered: 404 Not Found"
+        )
+
+    asyncio.run(scenario())
