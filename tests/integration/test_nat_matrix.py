@@ -349,6 +349,8 @@ class Matrix:
     relay: subprocess.Popen[str] | None = None
     unregistered: dict[str, str] = field(default_factory=dict)
     """Providers that did not register with the relay, and their relay state."""
+    registrations: dict[str, str] = field(default_factory=dict)
+    """Each provider's relay state as `status` says it, once registered."""
 
     def home(self, host: Host) -> Path:
         return self.folder / host.name
@@ -461,7 +463,8 @@ def matrix(
                 )
             )
             # One that never registers fails its pairs, which the table shows.
-            states = pool.map(lambda host: _registration(made, host), sharing)
+            states = list(pool.map(lambda host: _registration(made, host), sharing))
+            made.registrations = {h.name: state for h, state in zip(sharing, states, strict=True)}
             made.unregistered = {
                 host.name: state
                 for host, state in zip(sharing, states, strict=True)
@@ -601,3 +604,9 @@ def test_every_pair_of_presets_connects_on_the_path_the_table_holds(matrix: Matr
         if o.failed or o.kind != EXPECTED[a, b].path
     ]
     assert not wrong, "\n".join(wrong)
+    # The providers' own status names the path to the relay: over TCP exactly where
+    # UDP is blocked.
+    over_tcp = {name for name, state in matrix.registrations.items() if "(over tcp)" in state}
+    assert over_tcp == {
+        name for name in matrix.registrations if name.rsplit("-", 1)[0] in TCP_ONLY
+    }, matrix.registrations
