@@ -439,15 +439,16 @@ def run_one(setup: CpSetup, name: str) -> float:
 def report_cp(setup: CpSetup, args: argparse.Namespace) -> None:
     print(
         f"\n`gpumesh cp` of {args.size / MIB:g} MiB through the relay's TCP vs scp -J, over "
-        f"{args.rate:g} Mbit/s and {args.rtt:g} ms RTT; MB/s, median of {args.rounds} rounds:"
+        f"{f'{args.rate:g} Mbit/s' if args.rate else 'an unlimited rate'} and {args.rtt:g} ms "
+        f"RTT; MB/s, median of {args.rounds} rounds:"
     )
     rows = []
     for name in RUNNERS:
         s = summarize(setup.runs[name])
         rows.append([name, f"{s.p50:.2f}", f"{s.low:.2f}", f"{s.high:.2f}"])
     print_rows(["path", "MB/s p50", "low", "high"], rows)
-    line = f"{args.rate * 1e6 / 8 / 1e6:.2f}"
-    print(f"  (the link's rate: {line} MB/s)")
+    if args.rate:
+        print(f"  (the link's rate: {args.rate / 8:.2f} MB/s)")
     for gm, scp, way in ((GM_UP, SCP_UP, "upload"), (GM_DOWN, SCP_DOWN, "download")):
         ratio = summarize(setup.runs[gm]).p50 / summarize(setup.runs[scp]).p50
         verdict = "met" if ratio >= 0.9 else "missed"
@@ -727,7 +728,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--size", type=parse_size, default=64 * MIB, help="file size (default 64MiB)"
     )
-    parser.add_argument("--rate", type=float, default=100.0, help="link rate, Mbit/s (default 100)")
+    parser.add_argument(
+        "--rate", type=float, default=100.0, help="link rate, Mbit/s (default 100; 0: none)"
+    )
     parser.add_argument("--rtt", type=float, default=20.0, help="link round trip, ms (default 20)")
     parser.add_argument(
         "--limit", type=float, default=180.0, help="seconds one command may take (default 180)"
