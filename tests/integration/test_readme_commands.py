@@ -151,6 +151,8 @@ STEPS: dict[str, Step] = {
         to_file="gpumesh-share.service",
     ),
     "gpumesh doctor": Step(codes=(0, 1)),  # 1: a check fails (no NVIDIA runtime, say)
+    # No relay here (its own tests run one): the command says what to set, exit 2.
+    "gpumesh netcheck": Step(codes=(2,), says="gpumesh config set relay HOST:PORT"),
     "gpumesh completion bash > ~/.local/share/bash-completion/completions/gpumesh": Step(
         args=("completion", "bash"), to_file="gpumesh.bash"
     ),
