@@ -64,7 +64,7 @@ from gpumesh.transport.endpoint import QuicEndpoint
 from gpumesh.transport.netinfo import local_addresses
 from gpumesh.transport.quic import QuicLink
 from gpumesh.transport.relayclient import RelayClient
-from gpumesh.transport.relaytcp import proxy_from_environment, tcp_route
+from gpumesh.transport.relaytcp import tcp_route
 from gpumesh.transport.session import accept_session, resolve_relay
 from gpumesh.transport.stream import Stream
 from gpumesh.transport.udp import Address, format_address
@@ -298,12 +298,7 @@ class Agent:
             serving=True,
             candidates=lambda: local_addresses(self.host, port),
             authorize=self._relay_authorize,
-            tcp=tcp_route(
-                text,
-                config.relay_tcp,
-                udp_retry=config.relay_udp_retry,
-                proxy=proxy_from_environment(),
-            ),
+            tcp=tcp_route(text, config.relay_tcp, udp_retry=config.relay_udp_retry),
         )
         client.on_change = self._relay_changed
         endpoint.relay = client

@@ -33,7 +33,7 @@ from gpumesh.store.home import Home
 from gpumesh.store.limits import ShareLimits, machine_size
 from gpumesh.transport.endpoint import QuicEndpoint
 from gpumesh.transport.relayclient import RelayClient
-from gpumesh.transport.relaytcp import proxy_from_environment, tcp_route
+from gpumesh.transport.relaytcp import tcp_route
 from gpumesh.transport.session import resolve_relay
 from gpumesh.transport.udp import UdpSocket, open_udp_socket
 from gpumesh.units import format_size, parse_size
@@ -527,9 +527,7 @@ async def _relay_checks(home: Home) -> list[Check]:
     except GPUMeshError as exc:
         return [Check("relay", FAIL, exc.message, "check `gpumesh config get relay`")]
     endpoint = QuicEndpoint(UdpSocket(open_udp_socket("0.0.0.0", 0)))
-    tcp = tcp_route(
-        text, config.relay_tcp, udp_retry=config.relay_udp_retry, proxy=proxy_from_environment()
-    )
+    tcp = tcp_route(text, config.relay_tcp, udp_retry=config.relay_udp_retry)
     client = RelayClient(
         endpoint, address, text, home.identity, token=config.relay_token, serving=False, tcp=tcp
     )

@@ -54,7 +54,7 @@ from gpumesh.store.shares import Pause
 from gpumesh.store.trust import check_home
 from gpumesh.transport.netinfo import local_addresses
 from gpumesh.transport.reach import unreachable
-from gpumesh.transport.relaytcp import proxy_from_environment, tcp_route
+from gpumesh.transport.relaytcp import tcp_route
 from gpumesh.transport.session import (
     RelayHint,
     open_session,
@@ -439,12 +439,7 @@ class Node:
         relay = None
         if relay_text:
             setting = config.relay_tcp if relay_text == config.relay else ""
-            tcp = tcp_route(
-                relay_text,
-                setting,
-                udp_retry=config.relay_udp_retry,
-                proxy=proxy_from_environment(),
-            )
+            tcp = tcp_route(relay_text, setting, udp_retry=config.relay_udp_retry)
             relay = RelayHint(relay_text, config.relay_token, tcp)
         via = None if self.pool is None else self.pool.outgoing
         # Dialled first: where punching got through last time, from the same socket.

@@ -75,9 +75,14 @@ def proxy_from_environment() -> str:
     return os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy") or ""
 
 
-def tcp_route(relay: str, setting: str, *, udp_retry: float, proxy: str) -> RelayTcp | None:
+def tcp_route(
+    relay: str, setting: str, *, udp_retry: float, proxy: str | None = None
+) -> RelayTcp | None:
     """The TCP route to the relay ``relay`` (``host[:port]``): ``setting`` is the node's
-    ``relay_tcp`` (``HOST:PORT``; empty for the relay host's port 443; ``off``: none)."""
+    ``relay_tcp`` (``HOST:PORT``; empty for the relay host's port 443; ``off``: none);
+    ``proxy`` defaults to this process's ``HTTPS_PROXY``."""
+    if proxy is None:
+        proxy = proxy_from_environment()
     if setting == "off":
         return None
     try:
