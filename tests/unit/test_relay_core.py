@@ -1,4 +1,4 @@
-"""relay/core: registration, sessions, forwarding rules and limits, with no
+"""protocol/relaycore: registration, sessions, forwarding rules and limits, with no
 sockets and a fake clock. Each test drives :class:`RelayCore` with the same
 packets a node would send and checks what comes out, and to whom."""
 
@@ -50,6 +50,7 @@ from gpumesh.protocol.relay import (
     register_payload,
     token_proof,
 )
+from gpumesh.protocol.relaycore import RelayCore, Send, address_text, is_reach_probe
 from gpumesh.relay import config as relay_config
 from gpumesh.relay.config import (
     RelayConfig,
@@ -57,7 +58,6 @@ from gpumesh.relay.config import (
     parse_listen,
     read_allow_file,
 )
-from gpumesh.relay.core import RelayCore, Send, address_text, is_reach_probe
 from gpumesh.units import parse_duration
 
 SECRET = b"s" * 32

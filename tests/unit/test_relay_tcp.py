@@ -38,8 +38,7 @@ from gpumesh.protocol.relay import (
     register_payload,
     token_proof,
 )
-from gpumesh.relay.config import RelayConfig, load_config_file, parse_tcp
-from gpumesh.relay.core import (
+from gpumesh.protocol.relaycore import (
     TCP_PORT_BASE,
     RelayCore,
     Send,
@@ -47,6 +46,7 @@ from gpumesh.relay.core import (
     is_tcp_address,
     tcp_address,
 )
+from gpumesh.relay.config import RelayConfig, load_config_file, parse_tcp
 from gpumesh.relay.main import build_config
 from gpumesh.relay.tcp import self_signed_certificate, tls_context
 

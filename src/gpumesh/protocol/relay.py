@@ -125,10 +125,14 @@ REFUSALS: dict[str, str] = {
     "idle": "the relayed session was idle too long",
     "closed": "the other end closed the relayed session",
     "shutting-down": "the relay is shutting down",
+    "relay-full": "the relay has as many relayed sessions open as it allows; try again later",
+    "pair-not-allowed": "the relaying peer relays only between peers it has paired and allowed",
 }
 """Every refusal code the relay may send, with its meaning for people."""
 REFUSAL_ADVICE: dict[str, str] = {
     "unknown-peer": "is `gpumesh share` running there?",
+    "pair-not-allowed": "its owner may `gpumesh allow` both ends there",
+    "relay-full": "its owner may raise relay_for_peers_sessions",
 }
 """What to do about a refusal, where the meaning alone does not say it."""
 

@@ -2,7 +2,8 @@
 nodes that cannot reach each other directly, and tells each the address the
 other is seen from, so they can punch through NAT and stop needing it.
 
-The rules are in :mod:`gpumesh.relay.core` (no I/O), the sockets in
+The rules are in :mod:`gpumesh.protocol.relaycore` (no I/O, shared with nodes
+that relay for their peers), the sockets in
 :mod:`gpumesh.relay.server`, the TCP listener (TLS, for networks that block
 UDP) in :mod:`gpumesh.relay.tcp`, the settings in :mod:`gpumesh.relay.config`,
 the ``gpumesh-relay`` command in :mod:`gpumesh.relay.main`. Start one in-process
@@ -17,13 +18,13 @@ from typing import TYPE_CHECKING, Any
 __all__ = ["RelayConfig", "RelayCore", "RelayServer", "serve"]
 
 if TYPE_CHECKING:
+    from gpumesh.protocol.relaycore import RelayCore
     from gpumesh.relay.config import RelayConfig
-    from gpumesh.relay.core import RelayCore
     from gpumesh.relay.server import RelayServer, serve
 
 _LAZY = {
     "RelayConfig": "gpumesh.relay.config",
-    "RelayCore": "gpumesh.relay.core",
+    "RelayCore": "gpumesh.protocol.relaycore",
     "RelayServer": "gpumesh.relay.server",
     "serve": "gpumesh.relay.server",
 }

@@ -16,6 +16,7 @@ from typing import Any
 
 from gpumesh.errors import ConfigError
 from gpumesh.identity.keys import NodeId
+from gpumesh.protocol.relaycore import RelayRules
 from gpumesh.units import parse_duration, parse_size
 
 __all__ = [
@@ -46,45 +47,14 @@ PRIVATE_BY_DEFAULT = (
 
 
 @dataclass(frozen=True)
-class RelayConfig:
-    """What one relay process serves, to whom, and within which limits."""
+class RelayConfig(RelayRules):
+    """What one relay process serves, to whom, and within which limits: the rules
+    (:class:`~gpumesh.protocol.relaycore.RelayRules`) and where it listens."""
 
     host: str = "0.0.0.0"
     """Address the UDP socket binds to."""
     port: int = DEFAULT_RELAY_PORT
     """UDP port; 0 picks a free one (tests)."""
-    allow: frozenset[str] = frozenset()
-    """Node ids that may register."""
-    tokens: tuple[str, ...] = ()
-    """Shared tokens; a node proving any of them may register."""
-    open: bool = False
-    """Serve any node (a public relay)."""
-    max_registrations: int = 10_000
-    """Registered addresses in all (refusal ``too-many-registrations``)."""
-    max_per_ip: int = 32
-    """Registered addresses per source IP (``too-many-per-ip``); nodes behind one NAT share one."""
-    max_sessions: int = 64
-    """Sessions per node key, as either end (``too-many-sessions`` for the requester,
-    ``peer-too-many-sessions`` for the peer it asks for)."""
-    max_sessions_initiated: int = 32
-    """Sessions a node key may have open that it asked for (``too-many-initiated``)."""
-    max_sessions_per_pair: int = 8
-    """Sessions one node key may have open to one other (``too-many-to-peer``); below
-    ``max_sessions``, so that no node can take all of another's."""
-    keepalive: float = 10.0
-    """Seconds between keep-alives the relay asks of nodes."""
-    registration_timeout: float = 45.0
-    """A registration silent this long is dropped, its sessions closed (``idle``)."""
-    connect_timeout: float = 5.0
-    """Seconds a serving node has to answer Incoming before the requester is refused."""
-    session_bytes: int = 10 * 1000**3
-    """Bytes relayed per session, both directions (``byte-cap``); 0: no cap."""
-    session_seconds: float = 86_400.0
-    """Lifetime of a session (``time-cap``); 0: no cap."""
-    session_idle: float = 120.0
-    """A session with no Data this long is closed (``idle``); 0: never."""
-    session_rate: int = 0
-    """Bytes per second per session (excess dropped); 0: unlimited."""
     queue: int = 256
     """Packets queued per destination while the socket would block; more are dropped.
     A TCP connection holds about as many bytes (``queue`` full-size packets) unsent."""

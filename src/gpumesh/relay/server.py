@@ -34,8 +34,8 @@ from typing import Any
 
 from gpumesh.protocol.addresses import Address
 from gpumesh.protocol.relay import DATA_HEADER, MAX_PACKET, T_DATA
+from gpumesh.protocol.relaycore import TCP_PORT_BASE, RelayCore, Send, address_text, is_reach_probe
 from gpumesh.relay.config import RelayConfig
-from gpumesh.relay.core import TCP_PORT_BASE, RelayCore, Send, address_text, is_reach_probe
 from gpumesh.relay.tcp import HEAD_TIMEOUT, TcpListener, tls_context
 from gpumesh.transport.udp import (
     GSO_MAX_BYTES,

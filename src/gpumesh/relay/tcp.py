@@ -3,8 +3,8 @@
 Where UDP is blocked, a node reaches the relay over TLS on TCP (443 by default)
 and asks for an upgrade inside (:mod:`gpumesh.protocol.relaystream`); after
 ``101`` both ways carry the relay's own packets, framed. Each upgraded
-connection is one address to the :class:`~gpumesh.relay.core.RelayCore`
-(:func:`~gpumesh.relay.core.tcp_address`), so registration, access, limits and
+connection is one address to the :class:`~gpumesh.protocol.relaycore.RelayCore`
+(:func:`~gpumesh.protocol.relaycore.tcp_address`), so registration, access, limits and
 refusals are the core's, as over UDP; this module moves packets between a
 connection and the core and decides nothing about who may send what.
 
@@ -46,6 +46,7 @@ from cryptography.x509.oid import NameOID
 from gpumesh.errors import ConfigError, ProtocolError
 from gpumesh.protocol.addresses import Address
 from gpumesh.protocol.relay import MAX_PACKET
+from gpumesh.protocol.relaycore import RelayCore, Send, address_text, tcp_address
 from gpumesh.protocol.relaystream import (
     FRAME_HEADER,
     HEAD_END,
@@ -57,7 +58,6 @@ from gpumesh.protocol.relaystream import (
     is_upgrade_request,
 )
 from gpumesh.relay.config import RelayConfig
-from gpumesh.relay.core import RelayCore, Send, address_text, tcp_address
 
 __all__ = [
     "CLOSE_GRACE",

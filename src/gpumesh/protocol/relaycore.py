@@ -66,12 +66,12 @@ from gpumesh.protocol.relay import (
     register_payload,
     token_proof,
 )
-from gpumesh.relay.config import RelayConfig
 
 __all__ = [
     "EPOCH_SECONDS",
     "TCP_PORT_BASE",
     "RelayCore",
+    "RelayRules",
     "Send",
     "address_text",
     "is_reach_probe",
@@ -130,6 +130,51 @@ def is_reach_probe(packet: bytes) -> bool:
     return bool(packet) and packet[0] == ReachProbe.TYPE
 
 
+@dataclass(frozen=True)
+class RelayRules:
+    """Who may register and the limits on what crosses: all the core decides with.
+    ``gpumesh-relay`` reads them from its flags and file
+    (:class:`~gpumesh.relay.config.RelayConfig`); a node that relays for its peers
+    makes them from its settings."""
+
+    allow: frozenset[str] = frozenset()
+    """Node ids that may register."""
+    tokens: tuple[str, ...] = ()
+    """Shared tokens; a node proving any of them may register."""
+    open: bool = False
+    """Serve any node (a public relay)."""
+    max_registrations: int = 10_000
+    """Registered addresses in all (refusal ``too-many-registrations``)."""
+    max_per_ip: int = 32
+    """Registered addresses per source IP (``too-many-per-ip``); nodes behind one NAT share one."""
+    max_sessions: int = 64
+    """Sessions per node key, as either end (``too-many-sessions`` for the requester,
+    ``peer-too-many-sessions`` for the peer it asks for)."""
+    max_sessions_initiated: int = 32
+    """Sessions a node key may have open that it asked for (``too-many-initiated``)."""
+    max_sessions_per_pair: int = 8
+    """Sessions one node key may have open to one other (``too-many-to-peer``); below
+    ``max_sessions``, so that no node can take all of another's."""
+    max_sessions_total: int = 0
+    """Sessions open at once in all (``relay-full``); 0: no limit but the others."""
+    keepalive: float = 10.0
+    """Seconds between keep-alives the relay asks of nodes."""
+    registration_timeout: float = 45.0
+    """A registration silent this long is dropped, its sessions closed (``idle``)."""
+    connect_timeout: float = 5.0
+    """Seconds a serving node has to answer Incoming before the requester is refused."""
+    session_bytes: int = 10 * 1000**3
+    """Bytes relayed per session, both directions (``byte-cap``); 0: no cap."""
+    session_seconds: float = 86_400.0
+    """Lifetime of a session (``time-cap``); 0: no cap."""
+    session_idle: float = 120.0
+    """A session with no Data this long is closed (``idle``); 0: never."""
+    session_rate: int = 0
+    """Bytes per second per session (excess dropped); 0: unlimited."""
+    total_rate: int = 0
+    """Bytes per second for all sessions together (excess dropped); 0: unlimited."""
+
+
 @dataclass(eq=False)
 class _Registration:
     address: Address
@@ -171,15 +216,23 @@ class RelayCore:
 
     def __init__(
         self,
-        config: RelayConfig,
+        rules: RelayRules,
         *,
         secret: bytes | None = None,
         random_bytes: Callable[[int], bytes] = os.urandom,
+        admit: Callable[[bytes], bool] | None = None,
+        may_pair: Callable[[bytes, bytes], bool] | None = None,
     ) -> None:
-        self.config = config
+        """``admit``: whether a node key may register, beside ``rules``' allowlist and
+        tokens (a node relaying for its peers: paired and allowed). ``may_pair``:
+        whether a session may join the requester's key to the server's (both paired
+        and allowed there); refused ``pair-not-allowed`` when not."""
+        self._admit = admit
+        self._may_pair = may_pair
+        self.rules = rules
         self._random = random_bytes
         self._secret = secret if secret is not None else random_bytes(32)
-        self._tokens = tuple(token for token in config.tokens if token)
+        self._tokens = tuple(token for token in rules.tokens if token)
         self._registrations: dict[Address, _Registration] = {}
         self._by_key: dict[bytes, set[Address]] = {}
         self._per_ip: dict[str, int] = {}
@@ -190,6 +243,8 @@ class RelayCore:
         self._per_pair: dict[tuple[bytes, bytes], int] = {}
         self._refused_at: dict[Address, float] = {}
         self._reach_at: dict[Address, float] = {}
+        self._total_tokens = float(max(rules.total_rate, 16 * MAX_PACKET))
+        self._total_at = 0.0
         self.sessions_opened = 0
         self.bytes_relayed = 0
         self.refusals: dict[str, int] = {}
@@ -256,7 +311,7 @@ class RelayCore:
         the caller's tick interval.
         """
         out: list[Send] = []
-        timeout = self.config.registration_timeout
+        timeout = self.rules.registration_timeout
         for registration in list(self._registrations.values()):
             if now - registration.last_seen >= timeout:
                 logger.info(
@@ -268,7 +323,7 @@ class RelayCore:
                 out += self._unregister(registration, "idle")
         for session in list(self._sessions.values()):
             if session.state == "pending":
-                if now - session.created >= self.config.connect_timeout:
+                if now - session.created >= self.rules.connect_timeout:
                     out += self._end_pending(session, "unknown-peer", "the peer did not answer")
                 continue
             reason = self._cap_reached(session, now)
@@ -295,12 +350,39 @@ class RelayCore:
         """Close every session at both ends (the relay is stopping)."""
         out: list[Send] = []
         for session in list(self._sessions.values()):
-            if session.state == "pending":
-                out += self._end_pending(session, "shutting-down")
-                out.append(self._close_packet(session.id, "shutting-down", session.server))
-            else:
-                out += self._close_session(session, "shutting-down", now)
+            out += self._end_both(session, "shutting-down", now)
         return out
+
+    def drop_key(self, key: bytes, now: float) -> list[Send]:
+        """``key`` may no longer use this relay (a node relaying for its peers denied
+        it): its sessions end at both ends now, its registrations go, and it is told
+        ``not-allowed``."""
+        out: list[Send] = []
+        for address in list(self._by_key.get(key, ())):
+            registration = self._registrations[address]
+            for session_id in list(registration.sessions):
+                session = self._sessions.get(session_id)
+                if session is not None:
+                    out += self._end_both(session, "not-allowed", now)
+            out += self._unregister(registration, "not-allowed", now)
+            out.append(self._refusal("not-allowed", address))
+        return out
+
+    def end_pairs(self, may_pair: Callable[[bytes, bytes], bool], now: float) -> list[Send]:
+        """End, at both ends, every session whose two keys ``may_pair`` no longer joins."""
+        out: list[Send] = []
+        for session in list(self._sessions.values()):
+            if not may_pair(session.requester_key, session.server_key):
+                out += self._end_both(session, "pair-not-allowed", now)
+        return out
+
+    def _end_both(self, session: _Session, code: str, now: float) -> list[Send]:
+        if session.state == "pending":
+            return [
+                *self._end_pending(session, code),
+                self._close_packet(session.id, code, session.server),
+            ]
+        return self._close_session(session, code, now)
 
     # --- what an operator and the stats file see ----------------------------------------------
 
@@ -398,9 +480,9 @@ class RelayCore:
             out += self._unregister(existing, "closed")
             existing = None
         if existing is None:
-            if len(self._registrations) >= self.config.max_registrations:
+            if len(self._registrations) >= self.rules.max_registrations:
                 return [self._refusal("too-many-registrations", source)]
-            if self._per_ip.get(source[0], 0) >= self.config.max_per_ip:
+            if self._per_ip.get(source[0], 0) >= self.rules.max_per_ip:
                 return [self._refusal("too-many-per-ip", source)]
             registration = _Registration(
                 address=source,
@@ -427,15 +509,17 @@ class RelayCore:
         self.version += 1
         registered = Registered(
             observed=text,
-            keepalive=self.config.keepalive,
-            session_bytes=self.config.session_bytes,
-            session_seconds=self.config.session_seconds,
+            keepalive=self.rules.keepalive,
+            session_bytes=self.rules.session_bytes,
+            session_seconds=self.rules.session_seconds,
         )
         out.append((encode_packet(registered), source))
         return out
 
     def _allowed(self, node_id: str, message: Register) -> bool:
-        if self.config.open or node_id in self.config.allow:
+        if self.rules.open or node_id in self.rules.allow:
+            return True
+        if self._admit is not None and self._admit(message.public_key):
             return True
         proof = message.token_proof
         return any(
@@ -506,20 +590,23 @@ class RelayCore:
         below ``max_sessions`` (the config checks it): however many sessions one
         node opens, another node's slots are never all its.
         """
-        config = self.config
+        rules = self.rules
+        if self._may_pair is not None and not self._may_pair(requester, server):
+            return "pair-not-allowed", ""
         checks = (
             (
                 "too-many-to-peer",
                 self._per_pair.get((requester, server), 0),
-                config.max_sessions_per_pair,
+                rules.max_sessions_per_pair,
             ),
             (
                 "too-many-initiated",
                 self._initiated.get(requester, 0),
-                config.max_sessions_initiated,
+                rules.max_sessions_initiated,
             ),
-            ("too-many-sessions", self._sessions_per_key.get(requester, 0), config.max_sessions),
-            ("peer-too-many-sessions", self._sessions_per_key.get(server, 0), config.max_sessions),
+            ("too-many-sessions", self._sessions_per_key.get(requester, 0), rules.max_sessions),
+            ("peer-too-many-sessions", self._sessions_per_key.get(server, 0), rules.max_sessions),
+            ("relay-full", len(self._sessions), rules.max_sessions_total or 2**63),
         )
         for code, count, limit in checks:
             if count >= limit:
@@ -585,13 +672,13 @@ class RelayCore:
             return []  # the serving end raced its own Accept; QUIC will resend
         reason = self._cap_reached(session, now)
         size = len(packet) - DATA_HEADER
-        cap = self.config.session_bytes
+        cap = self.rules.session_bytes
         if reason is None and cap and session.bytes + size > cap:
             reason = "byte-cap"
         if reason is not None:
             return self._close_session(session, reason, now)
-        if self.config.session_rate:
-            rate = self.config.session_rate
+        if self.rules.session_rate:
+            rate = self.rules.session_rate
             session.tokens = min(
                 float(self._burst()), session.tokens + (now - session.tokens_at) * rate
             )
@@ -599,6 +686,8 @@ class RelayCore:
             if session.tokens < size:
                 return []  # over the rate: drop; QUIC's congestion control backs off
             session.tokens -= size
+        if not self._take_total(size, now):
+            return []
         session.bytes += size
         session.last_data = now
         self.bytes_relayed += size
@@ -637,15 +726,17 @@ class RelayCore:
             return None
         count = -(-len(buffer) // segment)
         size = len(buffer) - count * DATA_HEADER
-        cap = self.config.session_bytes
+        cap = self.rules.session_bytes
         if cap and session.bytes + size > cap:
             return None
-        if self.config.session_rate:
-            rate = self.config.session_rate
+        if self.rules.session_rate:
+            rate = self.rules.session_rate
             tokens = min(float(self._burst()), session.tokens + (now - session.tokens_at) * rate)
             if tokens < size:
                 return None
             session.tokens, session.tokens_at = tokens - size, now
+        if not self._take_total(size, now):
+            return None
         registration.last_seen = now
         session.bytes += size
         session.last_data = now
@@ -654,10 +745,24 @@ class RelayCore:
         return session.other(source)
 
     def _burst(self) -> int:
-        return max(self.config.session_rate, 16 * MAX_PACKET)
+        return max(self.rules.session_rate, 16 * MAX_PACKET)
+
+    def _take_total(self, size: int, now: float) -> bool:
+        """Whether ``size`` more bytes fit ``total_rate`` now (taken if so): one bucket
+        for every session, holding up to a second's worth."""
+        rate = self.rules.total_rate
+        if not rate:
+            return True
+        burst = float(max(rate, 16 * MAX_PACKET))
+        self._total_tokens = min(burst, self._total_tokens + (now - self._total_at) * rate)
+        self._total_at = now
+        if self._total_tokens < size:
+            return False
+        self._total_tokens -= size
+        return True
 
     def _cap_reached(self, session: _Session, now: float) -> str | None:
-        seconds, idle = self.config.session_seconds, self.config.session_idle
+        seconds, idle = self.rules.session_seconds, self.rules.session_idle
         if seconds and now - session.created >= seconds:
             return "time-cap"
         if idle and now - session.last_data >= idle:
