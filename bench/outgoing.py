@@ -77,7 +77,7 @@ async def _run(work: Path, relay: str, repeat: int) -> dict[str, list[float]]:
         async def dial(via: OutgoingSocket | None) -> float:
             started = time.perf_counter()
             session = await open_session(
-                bob.home.identity, "bob", [], key, relay=hint, via=via, peer_label="alice"
+                bob.home.identity, "bob", [], key, relays=[hint], via=via, peer_label="alice"
             )
             try:
                 reply = await session.request(Ping(sent=started))

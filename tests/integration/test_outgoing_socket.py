@@ -116,7 +116,7 @@ def test_relayed_redials_in_a_row_over_one_registration(
             try:
                 for _ in range(12):
                     session = await open_session(
-                        bob.home.identity, "bob", [], key, relay=RelayHint(relay), via=outgoing
+                        bob.home.identity, "bob", [], key, relays=[RelayHint(relay)], via=outgoing
                     )
                     try:
                         assert session.through_relay

@@ -136,7 +136,7 @@ def test_a_redial_after_a_silent_drop_takes_over_the_providers_punched_path(
             hint = RelayHint(relay)
             try:
                 first = await open_session(
-                    bob.home.identity, "bob", [], key, relay=hint, via=outgoing
+                    bob.home.identity, "bob", [], key, relays=[hint], via=outgoing
                 )
                 assert isinstance(await first.request(Ping(sent=0.0)), Pong)
                 await first.wait_for_punching(CEILING)
@@ -144,7 +144,7 @@ def test_a_redial_after_a_silent_drop_takes_over_the_providers_punched_path(
                 assert punched is not None, first.path
                 first.link.abort(ConnectionLostError("a blip"))  # alice is not told
                 again = await open_session(
-                    bob.home.identity, "bob", [], key, relay=hint, via=outgoing, punched=punched
+                    bob.home.identity, "bob", [], key, relays=[hint], via=outgoing, punched=punched
                 )
                 assert again.punched_before == punched and not again.through_relay
                 assert isinstance(await again.request(Ping(sent=0.0)), Pong)

@@ -63,7 +63,7 @@ def test_relay_first_starts_the_relay_beside_a_silent_direct_address(
                     async with asyncio.timeout(CEILING):
                         session = await open_session(
                             bob.home.identity, "bob", [black_hole], key,
-                            timeout=DIAL_TIMEOUT, relay=RelayHint(relay), via=via,
+                            timeout=DIAL_TIMEOUT, relays=[RelayHint(relay)], via=via,
                             relay_first=True,
                         )  # fmt: skip
                     try:
@@ -144,7 +144,7 @@ def test_a_direct_attempt_that_failed_outright_hands_over_to_the_relay_at_once(
                 session = await open_session(
                     bob.home.identity, "bob", [("127.0.0.1", _closed_port())],
                     alice.home.identity.public_key, timeout=DIAL_TIMEOUT,
-                    relay=RelayHint(relay),
+                    relays=[RelayHint(relay)],
                 )  # fmt: skip
             try:
                 assert session.through_relay
@@ -178,7 +178,7 @@ def test_the_pool_remembers_a_relayed_peer_until_a_direct_session_or_a_deny(
                     return await open_session(
                         bob.home.identity, "bob", [] if relayed else [at_alice],
                         peer.public_key, timeout=CEILING,
-                        relay=RelayHint(relay) if relayed else None, via=outgoing,
+                        relays=[RelayHint(relay)] if relayed else None, via=outgoing,
                     )  # fmt: skip
 
                 async with pool.lend(peer, dial) as session:
@@ -224,7 +224,7 @@ def test_a_silent_punched_address_stops_when_the_relay_is_tried_from_the_shared_
                 async with asyncio.timeout(CEILING):
                     session = await open_session(
                         bob.home.identity, "bob", [], alice.home.identity.public_key,
-                        timeout=DIAL_TIMEOUT, relay=RelayHint(relay), via=outgoing,
+                        timeout=DIAL_TIMEOUT, relays=[RelayHint(relay)], via=outgoing,
                         punched=black_hole,
                     )  # fmt: skip
                 try:

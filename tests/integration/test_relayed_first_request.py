@@ -92,7 +92,7 @@ def test_a_relayed_dial_returns_while_punching_is_still_under_way(
             async with asyncio.timeout(CEILING):
                 session = await open_session(
                     bob.home.identity, "bob", [], alice.home.identity.public_key,
-                    timeout=CEILING, relay=RelayHint(relay),
+                    timeout=CEILING, relays=[RelayHint(relay)],
                 )  # fmt: skip
             try:
                 path = session.relayed

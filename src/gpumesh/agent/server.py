@@ -32,6 +32,7 @@ from gpumesh.agent.gpus import GpuAllocator
 from gpumesh.agent.jobs import JobService, uploaded_workdirs
 from gpumesh.agent.limits import return_free_memory
 from gpumesh.agent.outputs import OutputsService
+from gpumesh.agent.peerrelay import FriendRegistrations, PeerRelay, peer_rules
 from gpumesh.agent.ratelimit import ConnectionLimiter, Outcome, RefusalTally, Slot
 from gpumesh.agent.reclaimer import GpuReclaimer
 from gpumesh.blocking import in_thread
@@ -65,10 +66,11 @@ from gpumesh.transport.netinfo import local_addresses
 from gpumesh.transport.quic import QuicLink
 from gpumesh.transport.relayclient import RelayClient
 from gpumesh.transport.relaytcp import tcp_route
+from gpumesh.transport.routes import Routes
 from gpumesh.transport.session import accept_session, resolve_relay
 from gpumesh.transport.stream import Stream
 from gpumesh.transport.udp import Address, format_address
-from gpumesh.units import parse_size
+from gpumesh.units import format_size, parse_size
 from gpumesh.version import __version__
 
 __all__ = ["Agent", "Paused", "RequestContext"]
@@ -80,9 +82,11 @@ RETURN_MEMORY_AFTER = 3.5
 endpoint keeps a closed link 3 s to retransmit its close)."""
 REQUEST_TIMEOUT = 30.0
 REFUSALS_EVERY = 10.0
+"""Seconds between summary lines about refused packets (never a line per packet)."""
+RELAYING_EVERY = 5.0
+"""Seconds between looks at which peers relay for this node (and at the bounds)."""
 PAUSE_SESSIONS_WAIT = 10.0
 """Seconds a pause waits, past its grace, for guest shells to be gone."""
-"""Seconds between summary lines about refused packets (never a line per packet)."""
 
 
 @dataclass(frozen=True)
@@ -121,6 +125,12 @@ class Agent:
         self.started = time.time()
         self.endpoint: QuicEndpoint | None = None
         self.relay: RelayClient | None = None
+        """The registration with the configured relay, if any."""
+        self.routes = Routes()
+        """The share socket's relay clients (the configured relay, the peers that relay
+        for this node) and the relay it serves its peers (``relay_for_peers``)."""
+        self.peer_relay: PeerRelay | None = None
+        self._friends: FriendRegistrations | None = None
         self._relay_text = home.config.relay
         self._relay_state = (RelayState.NONE, "")
         self._links: dict[QuicLink, bytes] = {}
@@ -248,8 +258,18 @@ class Agent:
                 "`gpumesh config set listen_port PORT`"
             ) from exc
         host, port = self.address
+        self.endpoint.relay = self.routes
+        self._friends = FriendRegistrations(
+            self.endpoint,
+            self.routes,
+            self.identity,
+            lambda: local_addresses(self.host, port),
+            self._relay_authorize,
+        )
         if self._relay_text:
             await self._start_relay(self._relay_text)
+        self._sync_relaying()
+        self._spawn(self._keep_relaying())
         self.home.attach_agent(self)
         self._spawn(self._watch_changes())
         self._spawn(self._summarize_refusals())
@@ -301,7 +321,7 @@ class Agent:
             tcp=tcp_route(text, config.relay_tcp, udp_retry=config.relay_udp_retry),
         )
         client.on_change = self._relay_changed
-        endpoint.relay = client
+        self.routes.clients[address] = client
         self.relay = client
         self._relay_state = (RelayState.REGISTERING, "")
         client.start()
@@ -313,6 +333,46 @@ class Agent:
         except AccessDeniedError:
             return False
         return True
+
+    def _sync_relaying(self) -> None:
+        """Relay for peers or not, as ``relay_for_peers`` says, within its bounds now;
+        register with the peers that relay for this node. At start, at each of the
+        owner's changes, and every few seconds (a peer's Welcome may have said that
+        it relays since)."""
+        endpoint = self.endpoint
+        if endpoint is None:
+            return
+        config = self.home.config
+        if config.relay_for_peers:
+            rules = peer_rules(config)
+            if self.peer_relay is None:
+                self.peer_relay = PeerRelay(endpoint, rules, self._relay_authorize, self._name_of)
+                self.routes.server = self.peer_relay
+                logger.info(
+                    "relaying for peers: at most %d sessions, %s/s in all",
+                    rules.max_sessions_total,
+                    format_size(rules.total_rate),
+                )
+            else:
+                self.peer_relay.update(rules)
+        elif self.peer_relay is not None:
+            self.peer_relay.close()
+            self.peer_relay = self.routes.server = None
+            logger.info("no longer relaying for peers")
+        if self._friends is not None:
+            self._friends.refresh(self.store.peers())
+
+    async def _keep_relaying(self) -> None:
+        while True:
+            await asyncio.sleep(RELAYING_EVERY)
+            try:
+                self._sync_relaying()
+            except Exception:
+                logger.exception("updating the relaying for peers failed")
+
+    def _name_of(self, node_id: str) -> str:
+        peer = next((p for p in self.store.peers() if str(p.node_id) == node_id), None)
+        return node_id[:12] if peer is None else peer.name
 
     def _relay_changed(self) -> None:
         client = self.relay
@@ -356,6 +416,7 @@ class Agent:
             shells=[session.describe() for session in self.shells.sessions()],
             cuda=[session.describe() for session in self.cuda.sessions()],
             reclaimed=self.gpus.withheld(),
+            relaying=None if self.peer_relay is None else self.peer_relay.state(),
         )
 
     async def wait_stopped(self) -> None:
@@ -443,7 +504,9 @@ class Agent:
                 raise
 
         try:
-            accepted = await accept_session(link, self.identity, self.name, authorize)
+            accepted = await accept_session(
+                link, self.identity, self.name, authorize, relays=self.peer_relay is not None
+            )
             outcome = Outcome.PROVEN
         except GPUMeshError as exc:
             if denied:
@@ -505,6 +568,7 @@ class Agent:
             await self._changed.wait()
             self._changed.clear()
             try:
+                self._sync_relaying()
                 await self.revoke_denied()
                 self.desktop.revoke()  # its own allowlist, and the share itself
                 await self.jobs.owner_cancels()

@@ -436,11 +436,12 @@ class Node:
                 addresses.append(parse_address(text))
         config = self.home.config
         relay_text = config.relay or peer.relay
-        relay = None
+        relays = []
         if relay_text:
             setting = config.relay_tcp if relay_text == config.relay else ""
             tcp = tcp_route(relay_text, setting, udp_retry=config.relay_udp_retry)
-            relay = RelayHint(relay_text, config.relay_token, tcp)
+            relays.append(RelayHint(relay_text, config.relay_token, tcp))
+        relays += self._peers_that_relay(peer)
         via = None if self.pool is None else self.pool.outgoing
         # Dialled first: where punching got through last time, from the same socket.
         punched = None if via is None or self.pool is None else self.pool.punched(str(peer.node_id))
@@ -459,7 +460,7 @@ class Node:
             server_key=peer.public_key,
             timeout=timeout or config.connect_timeout,
             peer_label=peer.name,
-            relay=relay,
+            relays=relays,
             via=via,
             punched=punched,
             relay_first=relay_first,
@@ -477,6 +478,18 @@ class Node:
         if "silent_providers" in self.__dict__:  # it answers again: listings ask it again
             self.silent_providers.heard(str(peer.node_id), None)
         return session
+
+    def _peers_that_relay(self, peer: Peer) -> list[RelayHint]:
+        """The paired, allowed peers (but ``peer``) whose Welcome said they relay for
+        their peers, at the address each was last reached: relays to race beside the
+        configured one (``relay_for_peers`` on their side)."""
+        hints = []
+        for other in self.home.store.peers():
+            if other.relays and other.allowed and other.node_id != peer.node_id:
+                addresses = other.dial_addresses()
+                if addresses:
+                    hints.append(RelayHint(addresses[0], peer=other.name))
+        return hints
 
     async def _look_up_moved(self, peer: Peer) -> list[Address] | None:
         """New addresses of ``peer`` from the registry (signed by its pinned key), stored;
@@ -501,7 +514,9 @@ class Node:
         """Record the path that worked (and a punched address to dial first next time)."""
         address = session.dialable_address()
         text = None if address is None else f"{address[0]}:{address[1]}"
-        self.home.store.touch_peer(peer.node_id, address=text, path=session.path)
+        self.home.store.touch_peer(
+            peer.node_id, address=text, path=session.path, relays=session.peer_relays
+        )
 
     async def connect(
         self, query: str, *, pings: int = 5, timeout: float | None = None, fresh: bool = False

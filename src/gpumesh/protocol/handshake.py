@@ -141,6 +141,8 @@ class ClientAuth:
         self.server_name: str | None = None
         self.server_fec = False
         """The provider's Welcome said it takes FEC frames (and we offered them)."""
+        self.server_relays = False
+        """The provider's Welcome said it relays for its peers."""
 
     @property
     def done(self) -> bool:
@@ -191,6 +193,7 @@ class ClientAuth:
             self._state = _State.DONE
             self.server_name = message.name
             self.server_fec = self._fec and message.fec_mac
+            self.server_relays = message.relays
             return None
         self._state = _State.FAILED
         raise ProtocolError(f"unexpected {type(message).__name__} during authentication")
@@ -213,9 +216,11 @@ class ServerAuth:
         form: AuthForm,
         secret: bytes,
         fec: bool = False,
+        relays: bool = False,
     ) -> None:
         self._identity = identity
         self._fec = fec
+        self._relays = relays
         self.client_fec = False
         """The dialer's proof said it takes FEC frames (and so do we)."""
         self._name = name
@@ -237,9 +242,19 @@ class ServerAuth:
         authorize: Callable[[bytes], None],
         *,
         fec: bool = False,
+        relays: bool = False,
     ) -> ServerAuth:
-        """``fec``: this end takes FEC frames (said in the Welcome)."""
-        return cls(identity, name, authorize, form=AuthForm.SESSION, secret=binding, fec=fec)
+        """``fec``: this end takes FEC frames; ``relays``: it relays for its peers (both
+        said in the Welcome)."""
+        return cls(
+            identity,
+            name,
+            authorize,
+            form=AuthForm.SESSION,
+            secret=binding,
+            fec=fec,
+            relays=relays,
+        )
 
     @classmethod
     def for_challenge(
@@ -302,4 +317,4 @@ class ServerAuth:
         self._authorize(self.client_key)
         self._state = _State.DONE
         # Said only to a dialer that offered it: an older one gets the Welcome it knows.
-        return Welcome(name=self._name, fec_mac=self.client_fec)
+        return Welcome(name=self._name, fec_mac=self.client_fec, relays=self._relays)

@@ -182,6 +182,9 @@ class Welcome(_Msg, tag="welcome", frozen=True):
     """The provider takes parity-protected datagrams in authenticated frames
     (:mod:`gpumesh.protocol.fec`), said only to a dialer that offered them; absent
     from older providers (whose ``fec`` named the untagged frames: no FEC with them)."""
+    relays: bool = False
+    """The provider relays sessions between peers it has paired and allowed
+    (``relay_for_peers``): the dialer may register with it as with a relay."""
 
 
 class Refusal(_Msg, tag="refusal", frozen=True):

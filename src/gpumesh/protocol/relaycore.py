@@ -397,6 +397,10 @@ class RelayCore:
     def is_registered(self, address: Address) -> bool:
         return address in self._registrations
 
+    def registered_keys(self) -> list[bytes]:
+        """The node keys registered now."""
+        return list(self._by_key)
+
     def stats(self, now: float) -> dict[str, Any]:
         """Counters for the stats file (never a secret, never a payload)."""
         return {

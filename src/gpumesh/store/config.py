@@ -146,6 +146,28 @@ def _size(text: str) -> str:
     return text.strip()
 
 
+def parse_rate(text: str) -> int:
+    """Bytes a second in ``10MB/s`` (``/s`` may be left out); ConfigError if not above 0."""
+    body = text.strip()
+    if body.lower().endswith("/s"):
+        body = body[:-2].strip()
+    try:
+        value = parse_size(body)
+    except ConfigError:
+        value = 0
+    if value <= 0:
+        raise ConfigError(
+            f"invalid rate {text!r}: give bytes a second, such as 10MB/s, 500KB/s or 1GB/s"
+        )
+    return value
+
+
+def _rate(text: str) -> str:
+    parse_rate(text)
+    body = text.strip()
+    return body if body.lower().endswith("/s") else f"{body}/s"
+
+
 def _log_limit(text: str) -> str:
     if parse_size(text) < 1000**2:
         raise ConfigError(f"invalid job_log_limit {text!r}: keep at least 1MB of a job's output")
@@ -349,6 +371,26 @@ KEYS: dict[str, ConfigKey] = {
             _duration("relay_udp_retry"),
             "30s",
             "while the relay is reached over TCP, how often UDP is tried again",
+        ),
+        ConfigKey(
+            "relay_for_peers",
+            _boolean,
+            False,
+            "while sharing, relay sessions between two peers that this node has paired and "
+            "allowed (and that both pair and allow it): they only see each other's "
+            "ciphertext through it",
+        ),
+        ConfigKey(
+            "relay_for_peers_sessions",
+            _number(int, False, "use a positive whole number such as 8"),
+            8,
+            "most sessions relayed for peers at once (more are refused: relay-full)",
+        ),
+        ConfigKey(
+            "relay_for_peers_rate",
+            _rate,
+            "10MB/s",
+            "bytes a second relayed for peers, all sessions together",
         ),
         ConfigKey(
             "rendezvous_url",
@@ -633,6 +675,18 @@ class Config:
     @property
     def relay_udp_retry(self) -> float:
         return parse_duration(str(self.get("relay_udp_retry")))
+
+    @property
+    def relay_for_peers(self) -> bool:
+        return bool(self.get("relay_for_peers"))
+
+    @property
+    def relay_for_peers_sessions(self) -> int:
+        return int(self.get("relay_for_peers_sessions"))
+
+    @property
+    def relay_for_peers_rate(self) -> int:
+        return parse_rate(str(self.get("relay_for_peers_rate")))
 
     @property
     def connect_timeout(self) -> float:

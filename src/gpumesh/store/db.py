@@ -235,6 +235,11 @@ MIGRATIONS: list[str] = [
     ALTER TABLE jobs ADD COLUMN attempts_before INTEGER NOT NULL DEFAULT 0;
     ALTER TABLE jobs ADD COLUMN hops TEXT NOT NULL DEFAULT '[]';
     """,
+    # 16 -> 17: whether a peer relays between the peers it has paired and allowed
+    # (its Welcome says so), so this node may go through it
+    """
+    ALTER TABLE peers ADD COLUMN relays INTEGER NOT NULL DEFAULT 0;
+    """,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 

@@ -86,6 +86,8 @@ class AgentInfo:
     reclaimed: dict[str, str] = field(default_factory=dict)
     """GPU index -> the owner's processes using it: GPUs taken back from guests
     (``reclaim_on_gpu_use``) until offered again."""
+    relaying: Relaying | None = None
+    """What it relays for its peers; None unless ``relay_for_peers`` is on."""
 
     @property
     def relay_text(self) -> str:
@@ -97,6 +99,37 @@ class AgentInfo:
         if state in (RelayState.REFUSED, RelayState.UNAVAILABLE):
             return f"{state}: {self.relay_detail}"
         return str(state)
+
+
+@dataclass(frozen=True)
+class RelayedSession:
+    """A session this node relays between two of its peers."""
+
+    a: str
+    """The peer that asked for it (its name)."""
+    b: str
+    """The peer it reaches."""
+    bytes: int
+    """Bytes relayed both ways so far."""
+    age: float
+    """Seconds since it was asked for."""
+    state: str
+    """``pending`` (asked, not yet accepted) or ``active``."""
+
+
+@dataclass(frozen=True)
+class Relaying:
+    """This node relaying for its peers (``relay_for_peers``)."""
+
+    sessions: list[RelayedSession]
+    max_sessions: int
+    """``relay_for_peers_sessions``."""
+    rate: int
+    """``relay_for_peers_rate``, in bytes a second."""
+    bytes_relayed: int
+    """Bytes relayed since sharing started."""
+    refusals: dict[str, int]
+    """Refusal code -> how many (``relay-full``, ``pair-not-allowed``...)."""
 
 
 class LiveAgent(Protocol):

@@ -36,6 +36,8 @@ class Peer:
     """How the last session went: ``direct``, ``direct (hole-punched) ...``, ``relayed via ...``."""
     channel_blocked_until: float = 0.0
     """Unix time until which its data channel is not tried (one failed to open)."""
+    relays: bool = False
+    """Its last Welcome said it relays between peers it has paired and allowed."""
 
     @classmethod
     def from_row(cls, row: sqlite3.Row) -> Peer:
@@ -51,6 +53,7 @@ class Peer:
             last_address=row["last_address"],
             last_path=row["last_path"],
             channel_blocked_until=row["channel_blocked_until"],
+            relays=bool(row["relays"]),
         )
 
     def dial_addresses(self) -> list[str]:
@@ -233,11 +236,15 @@ class PeerTables(Tables):
         *,
         address: str | None = None,
         path: str | None = None,
+        relays: bool | None = None,
         now: float | None = None,
     ) -> None:
-        """Record an authenticated exchange (and the address and path that worked)."""
+        """Record an authenticated exchange (and the address and path that worked, and
+        whether the peer relays for its peers)."""
         if path is not None:
             self._execute("UPDATE peers SET last_path = ? WHERE node_id = ?", (path, node_id))
+        if relays is not None:
+            self._execute("UPDATE peers SET relays = ? WHERE node_id = ?", (relays, node_id))
         if address:
             self._execute(
                 "UPDATE peers SET last_seen = ?, last_address = ? WHERE node_id = ?",

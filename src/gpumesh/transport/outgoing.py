@@ -23,18 +23,19 @@ import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from gpumesh.errors import UnreachableError
 from gpumesh.protocol.addresses import Address
 from gpumesh.transport.endpoint import QuicEndpoint
 from gpumesh.transport.relayclient import dialling_client
 from gpumesh.transport.relaytcp import RelayTcp
+from gpumesh.transport.routes import Routes
 from gpumesh.transport.udp import UdpSocket, open_udp_socket
 
 if TYPE_CHECKING:
     from gpumesh.identity.keys import Identity
-    from gpumesh.transport.quic import LinkPath, QuicLink
+    from gpumesh.transport.quic import QuicLink
     from gpumesh.transport.relayclient import RelayClient, RelayedPath
 
 __all__ = ["OutgoingSocket", "OutgoingState", "RelayState"]
@@ -63,46 +64,6 @@ class OutgoingState:
     relays: list[RelayState]
 
 
-class _Routes:
-    """Every relay client of the shared socket as the endpoint's one
-    :class:`~gpumesh.transport.endpoint.PacketRoute`: a packet from a relay goes to
-    its client, a punching probe to every client (only the one holding its
-    session answers it)."""
-
-    def __init__(self) -> None:
-        self.clients: dict[Address, RelayClient] = {}
-
-    @property
-    def has_paths(self) -> bool:
-        return any(client.has_paths for client in self.clients.values())
-
-    def path_for_virtual(self, address: tuple[Any, ...]) -> LinkPath | None:
-        paths = (client.path_for_virtual(address) for client in self.clients.values())
-        return next((path for path in paths if path is not None), None)
-
-    def from_direct(self, source: Address, now: float) -> Address | None:
-        virtuals = (client.from_direct(source, now) for client in self.clients.values())
-        return next((virtual for virtual in virtuals if virtual is not None), None)
-
-    def unwrap_run(
-        self, buffer: bytes, segment: int, source: Address
-    ) -> tuple[Address, list[bytes]] | None:
-        client = self.clients.get(source)
-        return None if client is None else client.unwrap_run(buffer, segment, source)
-
-    def handle(self, packet: bytes, source: Address, now: float) -> tuple[Address, bytes] | None:
-        client = self.clients.get(source)
-        if client is not None:
-            return client.handle(packet, source, now)
-        for client in self.clients.values():
-            client.handle(packet, source, now)  # a probe: its session's client takes it
-        return None
-
-    def close(self) -> None:
-        for client in self.clients.values():
-            client.close()
-
-
 class OutgoingSocket:
     """The shared dialling socket of a node process (opened at its first dial)."""
 
@@ -111,7 +72,7 @@ class OutgoingSocket:
         """This node's identity, read at the first relay registration."""
         self.host = host
         self._endpoint: QuicEndpoint | None = None
-        self._routes = _Routes()
+        self._routes = Routes()
         self._registrations: dict[Address, int] = {}
         self._lock = asyncio.Lock()
 
@@ -150,26 +111,30 @@ class OutgoingSocket:
         token: str,
         timeout: float,
         tcp: RelayTcp | None = None,
+        peer: str = "",
     ) -> RelayClient:
         """This socket's registration with a relay: made at the first use, then kept
-        (the relay client registers again by itself when the relay forgets it)."""
+        (the relay client registers again by itself when the relay forgets it).
+        ``peer``: the name of the paired peer that is the relay, if one is."""
         async with self._lock:
             client = self._routes.clients.get(relay_address)
-            if client is not None and (client.token != token or client.tcp != tcp):
+            if client is not None and (
+                client.token != token or client.tcp != tcp or client.peer != peer
+            ):
                 # The configured token (or TCP route) changed: register again with it.
                 client.close()
                 del self._routes.clients[relay_address]
                 client = None
             if client is None:
-                client = self._new_client(relay_address, label, token, tcp)
+                client = self._new_client(relay_address, label, token, tcp, peer)
         await client.wait_registered(timeout)
         return client
 
     def _new_client(
-        self, relay_address: Address, label: str, token: str, tcp: RelayTcp | None
+        self, relay_address: Address, label: str, token: str, tcp: RelayTcp | None, peer: str
     ) -> RelayClient:
         client = dialling_client(
-            self.endpoint(), relay_address, label, self._identity(), token, tcp
+            self.endpoint(), relay_address, label, self._identity(), token, tcp, peer=peer
         )
         self._registrations[relay_address] = 0
 
@@ -195,11 +160,13 @@ class OutgoingSocket:
         peer_key: bytes,
         timeout: float,
         tcp: RelayTcp | None = None,
+        *,
+        peer: str = "",
     ) -> tuple[QuicLink, RelayedPath]:
         """A link to ``peer_key`` through a relay, over this socket's registration."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        client = await self.relay_client(relay_address, label, token, timeout, tcp)
+        client = await self.relay_client(relay_address, label, token, timeout, tcp, peer)
         path = await client.open_path(peer_key, max(0.5, deadline - loop.time()))
         try:
             link = await self.endpoint().dial_link(
@@ -239,4 +206,4 @@ class OutgoingSocket:
         if endpoint is not None:
             with contextlib.suppress(Exception):
                 endpoint.close()  # closes the relay clients too (its route)
-        self._routes = _Routes()
+        self._routes = Routes()

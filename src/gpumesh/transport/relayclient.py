@@ -140,6 +140,8 @@ class RelayedPath:
         direct = self.puncher.direct
         if direct is not None:
             return f"direct (hole-punched) {format_address(direct)}"
+        if self.client.peer:
+            return f"relayed (peer {self.client.peer})"
         return f"relayed {'(tcp) ' if self.over_tcp else ''}via {self.client.label}"
 
     def attach(self, link: QuicLink) -> None:
@@ -170,8 +172,12 @@ class RelayClient:
         authorize: Callable[[bytes], bool] | None = None,
         punch_config: PunchConfig | None = None,
         tcp: RelayTcp | None = None,
+        peer: str = "",
     ) -> None:
         self._loop = asyncio.get_running_loop()
+        self.peer = peer
+        """The name of the paired peer that is this relay (it relays for its peers);
+        empty for a ``gpumesh-relay``."""
         self.endpoint = endpoint
         self.relay_address = relay_address
         self.label = label
@@ -380,6 +386,10 @@ class RelayClient:
         start = wire.DATA_HEADER
         datagrams = [buffer[o + start : o + segment] for o in range(0, len(buffer), segment)]
         return path.virtual, datagrams
+
+    def holds(self, packet: bytes) -> bool:
+        """Whether a Data packet is for one of this client's sessions."""
+        return self._data_path(packet) is not None
 
     def _data_path(self, packet: bytes) -> RelayedPath | None:
         """The path of the session a Data packet (or its header) is for, if any."""
@@ -736,9 +746,11 @@ def dialling_client(
     identity: Identity,
     token: str,
     tcp: RelayTcp | None = None,
+    peer: str = "",
 ) -> RelayClient:
     """A client of the relay at ``relay_address`` that only dials (it serves nobody),
-    offering the local addresses of ``endpoint``'s port for punching."""
+    offering the local addresses of ``endpoint``'s port for punching; ``peer``: the
+    name of the paired peer that is the relay, if one is."""
 
     return RelayClient(
         endpoint,
@@ -749,6 +761,7 @@ def dialling_client(
         serving=False,
         candidates=lambda: local_addresses("0.0.0.0", endpoint.local_address[1]),
         tcp=tcp,
+        peer=peer,
     )
 
 

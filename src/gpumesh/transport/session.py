@@ -119,6 +119,12 @@ class RelayHint:
     token: str = ""
     tcp: RelayTcp | None = None
     """Its TCP listener, raced against UDP (None: UDP only)."""
+    peer: str = ""
+    """The name of the paired peer that relays for its peers, when the relay is one (its
+    share socket is ``address``); empty: a ``gpumesh-relay``."""
+
+    def __str__(self) -> str:
+        return f"peer {self.peer}" if self.peer else f"the relay {self.address}"
 
 
 def went_through_relay(path: str) -> bool:
@@ -241,6 +247,11 @@ class Session:
         if self.punched_before is not None:
             return f"direct (hole-punched) {format_address(self.punched_before)}"
         return self.link.describe_path()
+
+    @property
+    def peer_relays(self) -> bool:
+        """The provider's Welcome said it relays for its peers (``relay_for_peers``)."""
+        return self._auth.server_relays
 
     async def wait_for_punching(self, timeout: float) -> None:
         """Give hole punching up to ``timeout`` seconds to find a direct path."""
@@ -388,31 +399,31 @@ async def open_session(
     *,
     timeout: float = 5.0,
     peer_label: str = "the peer",
-    relay: RelayHint | None = None,
+    relays: Sequence[RelayHint] = (),
     via: OutgoingSocket | None = None,
     punched: Address | None = None,
     relay_first: bool = False,
 ) -> Session:
     """Dial ``addresses`` (staggered, first success wins) and authenticate.
 
-    With a ``relay``, the relay is tried too: after :data:`RELAY_DELAY`, or
-    at once when every direct dial has failed or with ``relay_first`` (the
-    last session with this peer went through the relay: its direct addresses
-    did not answer then, so waiting for them first would only add the delay);
-    whichever finishes first wins. A refusal (denied, not paired) or a key
-    mismatch ends the attempt at once: other paths reach the same node and would
-    only repeat it. ``via``: a long-running process's shared socket and relay
-    registrations (else each dial opens its own). ``punched``: the address
-    punching found for the last session with this peer from ``via``'s socket,
-    dialled first and alone for :data:`PUNCHED_FIRST` seconds: the NATs on both
-    sides still let that flow through for a while after its session ended, so
-    the peer is a round trip away without the relay. Then the usual dial runs
-    beside it; its failure (a stale mapping, another host there now) only means
-    the usual dial decides. The session's :attr:`Session.dial_record` says what
+    With ``relays``, they are tried too, all at once: after :data:`RELAY_DELAY`, or at
+    once when every direct dial has failed or with ``relay_first`` (the last session
+    with this peer went through a relay: its direct addresses did not answer then, so
+    waiting for them first would only add the delay); whichever finishes first wins, so
+    of the relays (a ``gpumesh-relay``, peers that relay for their peers) the one with
+    the shortest round trip. A refusal (denied, not paired) or a key mismatch ends the
+    attempt at once: other paths reach the same node and would only repeat it. ``via``:
+    a long-running process's shared socket and relay registrations (else each dial opens
+    its own). ``punched``: the address punching found for the last session with this
+    peer from ``via``'s socket, dialled first and alone for :data:`PUNCHED_FIRST`
+    seconds: the NATs on both sides still let that flow through for a while after its
+    session ended, so the peer is a round trip away without the relay. Then the usual
+    dial runs beside it; its failure (a stale mapping, another host there now) only
+    means the usual dial decides. The session's :attr:`Session.dial_record` says what
     was tried and when.
     """
     dial = _Dial(identity, name, server_key, timeout, peer_label, via, DialRecord())
-    session = await dial.open(addresses, relay, punched, relay_first)
+    session = await dial.open(addresses, tuple(relays), punched, relay_first)
     session.dial_record = dial.record
     return session
 
@@ -445,16 +456,28 @@ class _Dial:
 
         def make_client(endpoint: QuicEndpoint) -> RelayClient:
             return dialling_client(
-                endpoint, relay_address, relay.address, self.identity, relay.token, relay.tcp
+                endpoint,
+                relay_address,
+                relay.address,
+                self.identity,
+                relay.token,
+                relay.tcp,
+                peer=relay.peer,
             )
 
         if self.via is not None:
             link, path = await self.via.dial_relayed(
-                relay_address, relay.address, relay.token, self.server_key, self.timeout, relay.tcp
+                relay_address,
+                relay.address,
+                relay.token,
+                self.server_key,
+                self.timeout,
+                relay.tcp,
+                peer=relay.peer,
             )
         else:
             link, path = await dial_relayed(make_client, self.server_key, timeout=self.timeout)
-        where = f"the relay {relay.address}"
+        where = str(relay)
         # Returned at once, punching or not: the first request starts on the relay and
         # the link moves to a punched path underneath QUIC whenever punching finds one
         # (the peer's probes arriving is no promise that ours get through).
@@ -486,12 +509,12 @@ class _Dial:
     async def open(
         self,
         addresses: Sequence[Address],
-        relay: RelayHint | None,
+        relays: tuple[RelayHint, ...],
         punched: Address | None,
         relay_first: bool,
     ) -> Session:
         if punched is None:
-            return await self.with_relay(addresses, relay, relay_first)
+            return await self.with_relay(addresses, relays, relay_first)
         record = self.record
         record.note("punched started")
         first = asyncio.create_task(self.one(punched))
@@ -510,14 +533,14 @@ class _Dial:
                     if not isinstance(error, GPUMeshError):
                         raise error  # a bug, not a stale address
                 if rest is None:
-                    if self.via is not None and relay is not None and not first.done():
+                    if self.via is not None and relays and not first.done():
                         # The relay may punch to this very address from this very port:
                         # stop the attempt, as with_relay stops a direct one.
                         first.cancel()
                         with contextlib.suppress(asyncio.CancelledError):
                             await first
                         record.note("punched stopped")
-                    rest = asyncio.create_task(self.with_relay(addresses, relay, relay_first))
+                    rest = asyncio.create_task(self.with_relay(addresses, relays, relay_first))
                 if rest.done() and (first.done() or rest.exception() is None):
                     winner = rest.result()  # or its error, once the punched address failed too
                     return winner
@@ -527,33 +550,33 @@ class _Dial:
             _drop_losers((first, rest), winner)
 
     async def with_relay(
-        self, addresses: Sequence[Address], relay: RelayHint | None, relay_first: bool
+        self, addresses: Sequence[Address], relays: tuple[RelayHint, ...], relay_first: bool
     ) -> Session:
-        record, via, peer_label = self.record, self.via, self.peer_label
+        record, via = self.record, self.via
 
         def start_direct() -> asyncio.Task[Session]:
             record.note("direct started")
             return asyncio.create_task(self.direct(addresses))
 
-        def start_relayed(relay: RelayHint) -> asyncio.Task[Session]:
+        def start_relayed() -> list[asyncio.Task[Session]]:
             record.note("relay started")
-            return asyncio.create_task(self.relayed(relay))
+            return [asyncio.create_task(self.relayed(relay)) for relay in relays]
 
-        if relay is None:
+        if not relays:
             alone = await start_direct()
             record.note("direct won")
             return alone
         direct: asyncio.Task[Session] | None = None
-        relayed: asyncio.Task[Session] | None = None
+        relayed: list[asyncio.Task[Session]] = []
         winner: Session | None = None
         try:
             if relay_first and addresses:
-                # The relay is the path expected to win: its first step runs before the
+                # A relay is the path expected to win: its first step runs before the
                 # direct attempt's (tasks start in order), so the direct attempt's own
                 # set-up (a TLS flight) is not in the relay's way. From a shared socket
                 # there is no direct attempt at all: it would stop as the relay starts
                 # (see below).
-                relayed = start_relayed(relay)
+                relayed = start_relayed()
                 if via is None:
                     direct = start_direct()
             else:
@@ -575,41 +598,58 @@ class _Dial:
                     with contextlib.suppress(asyncio.CancelledError):
                         await direct
                     record.note("direct stopped")
-                relayed = start_relayed(relay)
-            pending = {task for task in (direct, relayed) if task is not None and not task.done()}
+                relayed = start_relayed()
+            pending = {task for task in (direct, *relayed) if task is not None and not task.done()}
             while pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for finished in done:
-                    what = "relay" if finished is relayed else "direct"
+                    what = "direct" if finished is direct else "relay"
                     if (winner := _settled(finished)) is not None:
                         record.note(f"{what} won")
                         return winner
                     record.note(f"{what} failed")
-            assert relayed is not None
-            relay_error = relayed.exception()
-            assert relay_error is not None
-            tried_direct = direct is not None and not direct.cancelled()
-            if isinstance(relay_error, KeyMismatchError) or not addresses:
-                raise relay_error
-            if isinstance(relay_error, RelayError) and not tried_direct:
-                raise relay_error  # the relay's answer is the whole story
-            # One line naming each path and why it failed (the relay's refusal alone
-            # would hide that nothing answered directly either).
-            direct_error = direct.exception() if direct is not None and tried_direct else None
-            direct_why = (
-                _path_failure(direct_error)
-                if direct_error
-                else "no answer before the relay was tried"
-            )
-            advice = ""
-            if isinstance(direct_error, UnreachableError):
-                advice = f": is `gpumesh share` running on {peer_label}?"
-            raise UnreachableError(
-                f"cannot reach {peer_label} directly ({direct_why}) nor through the relay "
-                f"{relay.address} ({_path_failure(relay_error)}){advice}"
-            )
+            raise self._no_path(addresses, relays, direct, relayed)
         finally:
-            _drop_losers((direct, relayed), winner)
+            _drop_losers((direct, *relayed), winner)
+
+    def _no_path(
+        self,
+        addresses: Sequence[Address],
+        relays: tuple[RelayHint, ...],
+        direct: asyncio.Task[Session] | None,
+        relayed: list[asyncio.Task[Session]],
+    ) -> BaseException:
+        """Why neither the addresses nor any relay reached the peer, in one line."""
+        errors = [task.exception() for task in relayed]
+        assert all(error is not None for error in errors)
+        mismatch = next((e for e in errors if isinstance(e, KeyMismatchError)), None)
+        tried_direct = direct is not None and not direct.cancelled()
+        if mismatch is not None:
+            return mismatch
+        only = errors[0] if len(errors) == 1 else None
+        if only is not None and (
+            not addresses or (isinstance(only, RelayError) and not tried_direct)
+        ):
+            return only  # the relay's answer is the whole story
+        # One line naming each path and why it failed (a relay's refusal alone would
+        # hide that nothing answered directly either).
+        through = " nor ".join(
+            f"through {relay} ({_path_failure(error)})"
+            for relay, error in zip(relays, errors, strict=True)
+            if error is not None
+        )
+        if not addresses:
+            return UnreachableError(f"cannot reach {self.peer_label} {through}")
+        direct_error = direct.exception() if direct is not None and tried_direct else None
+        direct_why = (
+            _path_failure(direct_error) if direct_error else "no answer before the relay was tried"
+        )
+        advice = ""
+        if isinstance(direct_error, UnreachableError):
+            advice = f": is `gpumesh share` running on {self.peer_label}?"
+        return UnreachableError(
+            f"cannot reach {self.peer_label} directly ({direct_why}) nor {through}{advice}"
+        )
 
     async def direct(self, addresses: Sequence[Address]) -> Session:
         peer_label = self.peer_label
@@ -671,6 +711,8 @@ async def accept_session(
     identity: Identity,
     name: str,
     authorize: Callable[[bytes], None],
+    *,
+    relays: bool = False,
 ) -> Accepted:
     """Run the identity proof on ``link``'s stream 0, in the form its ALPN names.
 
@@ -701,7 +743,12 @@ async def accept_session(
             form = AuthForm.of(link.alpn)
             if form is AuthForm.SESSION:
                 auth = ServerAuth.for_session(
-                    identity, name, link.binding, authorize, fec=link.policy.fec_offered
+                    identity,
+                    name,
+                    link.binding,
+                    authorize,
+                    fec=link.policy.fec_offered,
+                    relays=relays,
                 )
                 expected: tuple[type[Message], ...] = (SessionProof,)
             else:

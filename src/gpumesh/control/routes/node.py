@@ -55,6 +55,7 @@ async def put_config(call: Call) -> object:
     key, config = call.param("key"), call.node.home.config
     config.set(key, body.value)
     config.save()
+    call.node.home.agent_changed()
     return ConfigChangeView.of(call.node.home, key)
 
 
@@ -64,6 +65,7 @@ async def delete_config(call: Call) -> object:
     key, config = call.param("key"), call.node.home.config
     config.unset(key)
     config.save()
+    call.node.home.agent_changed()
     return ConfigChangeView.of(call.node.home, key)
 
 
