@@ -112,6 +112,7 @@ class PeerRelay:
                 )
                 for entry in stats["sessions"]
             ],
+            registered=sorted(self._name_of(node_id_for(k)) for k in self.core.registered_keys()),
             max_sessions=rules.max_sessions_total,
             rate=rules.total_rate,
             bytes_relayed=stats["bytes_relayed"],

@@ -14,6 +14,7 @@ from gpumesh.protocol.states import JobRole
 from gpumesh.units import format_duration, format_size
 
 if TYPE_CHECKING:
+    from gpumesh.client.views.owner import RelayingView
     from gpumesh.daemon.client import NodeClient
 
 
@@ -60,6 +61,8 @@ def status(offline: bool, as_json: bool) -> None:
         click.echo(f"Relay    {relay_line}")
     for link in st.connections:
         click.echo(f"Peer     {link['peer']} connected, path {link['path']}")
+    if st.relaying is not None:
+        _relaying_lines(st.relaying)
     for shell in st.sessions.shells:
         since = _clock(shell.since)
         click.echo(f"Shell    {shell.peer} in {shell.image} since {since} (id {shell.id})")
@@ -98,6 +101,26 @@ def status(offline: bool, as_json: bool) -> None:
         what = "moving" if waiting.moving else "queued"
         click.echo(f"Queue    {waiting.job_id} {what}{until}: {waiting.message}")
     click.echo(f"Peers    {st.peers} paired, {st.allowed} allowed")
+
+
+def _relaying_lines(relaying: RelayingView) -> None:
+    """``Relaying`` lines: the bounds, who can be reached through this node, and each
+    session with its bytes."""
+    sessions = relaying.sessions
+    click.echo(
+        f"Relaying for peers: {len(sessions)} of {relaying.max_sessions} sessions, "
+        f"{format_size(relaying.rate)}/s in all, {format_size(relaying.bytes_relayed)} so far"
+    )
+    if relaying.registered:
+        click.echo(f"Relaying reachable through this node: {', '.join(relaying.registered)}")
+    for session in sessions:
+        click.echo(
+            f"Relaying {session.a} -> {session.b}: {format_size(session.bytes)} "
+            f"({session.state}, {format_duration(session.age)})"
+        )
+    refused = ", ".join(f"{code} {count}" for code, count in sorted(relaying.refusals.items()))
+    if refused:
+        click.echo(f"Relaying refused: {refused}")
 
 
 def _unknown_since(client: NodeClient) -> list[float]:

@@ -122,6 +122,8 @@ class Relaying:
     """This node relaying for its peers (``relay_for_peers``)."""
 
     sessions: list[RelayedSession]
+    registered: list[str]
+    """The peers registered with it now (its other peers reach them through it)."""
     max_sessions: int
     """``relay_for_peers_sessions``."""
     rate: int

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from gpumesh.client.views.owner import SessionsView
+from gpumesh.client.views.owner import RelayingView, SessionsView
 
 if TYPE_CHECKING:
     from gpumesh.client.checks import Check
@@ -89,6 +89,9 @@ class StatusView(msgspec.Struct):
     queue: list[WaitingJob] = msgspec.field(default_factory=list)
     """Jobs this node submitted that no provider holds now: waiting in its queue
     (``run --wait``), or moving to another member of their group."""
+    relaying: RelayingView | None = None
+    """What this node relays for its peers; null unless it shares with
+    ``relay_for_peers`` on."""
 
     @classmethod
     def of(cls, status: NodeStatus, *, submitted_unknown: int) -> StatusView:
@@ -124,6 +127,7 @@ class StatusView(msgspec.Struct):
             sessions=SessionsView.of(status.sessions),
             paused_since=status.paused.since if status.paused else None,
             queue=[WaitingJob.of(job) for job in status.waiting],
+            relaying=RelayingView.of(agent.relaying if agent else None),
         )
 
 

@@ -10,6 +10,7 @@ from gpumesh.client.views.joblist import JobListEntry
 
 if TYPE_CHECKING:
     from gpumesh.client.owner import EndedSession, OpenSessions, OwnerView
+    from gpumesh.store.home import Relaying
 
 __all__ = [
     "CudaSessionView",
@@ -18,6 +19,8 @@ __all__ = [
     "DesktopShareView",
     "EndedSessionView",
     "OwnerStatusView",
+    "RelayedSessionView",
+    "RelayingView",
     "SessionsView",
     "ShellSessionView",
 ]
@@ -106,6 +109,52 @@ class SessionsView(msgspec.Struct):
         )
 
 
+class RelayedSessionView(msgspec.Struct):
+    """A session this node relays between two of its peers."""
+
+    a: str
+    """The peer that asked for it."""
+    b: str
+    """The peer it reaches."""
+    bytes: int
+    """Bytes relayed both ways so far."""
+    age: float
+    """Seconds since it was asked for."""
+    state: str
+    """``pending`` or ``active``."""
+
+
+class RelayingView(msgspec.Struct):
+    """This node relaying for its peers (``relay_for_peers``): who, and how much."""
+
+    sessions: list[RelayedSessionView]
+    registered: list[str]
+    """Peers registered with it now: its other peers reach them through it."""
+    max_sessions: int
+    """``relay_for_peers_sessions``."""
+    rate: int
+    """``relay_for_peers_rate`` in bytes a second, for all sessions together."""
+    bytes_relayed: int
+    """Since sharing started."""
+    refusals: dict[str, int]
+    """Refusal code -> count (``relay-full``, ``pair-not-allowed``, ``not-allowed``...)."""
+
+    @classmethod
+    def of(cls, relaying: Relaying | None) -> RelayingView | None:
+        if relaying is None:
+            return None
+        return cls(
+            sessions=[
+                RelayedSessionView(s.a, s.b, s.bytes, s.age, s.state) for s in relaying.sessions
+            ],
+            registered=list(relaying.registered),
+            max_sessions=relaying.max_sessions,
+            rate=relaying.rate,
+            bytes_relayed=relaying.bytes_relayed,
+            refusals=dict(relaying.refusals),
+        )
+
+
 class OwnerStatusView(msgspec.Struct):
     """Who uses this machine now."""
 
@@ -119,6 +168,8 @@ class OwnerStatusView(msgspec.Struct):
     """The newest jobs run here for peers, newest first."""
     sessions: SessionsView
     """Open shells, desktop connections and CUDA sessions."""
+    relaying: RelayingView | None = None
+    """What this node relays for its peers; null unless ``relay_for_peers`` is on."""
 
     @classmethod
     def of(cls, view: OwnerView) -> OwnerStatusView:
@@ -130,6 +181,7 @@ class OwnerStatusView(msgspec.Struct):
             running=len(view.running),
             hosted=[JobListEntry.of(j, {}) for j in view.hosted],
             sessions=SessionsView.of(view.sessions),
+            relaying=RelayingView.of(agent.relaying if agent else None),
         )
 
 
