@@ -514,9 +514,15 @@ class Node:
         """Record the path that worked (and a punched address to dial first next time)."""
         address = session.dialable_address()
         text = None if address is None else f"{address[0]}:{address[1]}"
-        self.home.store.touch_peer(
-            peer.node_id, address=text, path=session.path, relays=session.peer_relays
-        )
+        self.home.store.touch_peer(peer.node_id, address=text, path=session.path)
+
+        def heard_welcome(welcome: asyncio.Future[None]) -> None:
+            # Whether it relays for its peers: said in its Welcome, which a request
+            # need not wait for.
+            if not welcome.cancelled() and welcome.exception() is None:
+                self.home.store.touch_peer(peer.node_id, relays=session.peer_relays)
+
+        session.read_welcome().add_done_callback(heard_welcome)
 
     async def connect(
         self, query: str, *, pings: int = 5, timeout: float | None = None, fresh: bool = False

@@ -171,7 +171,7 @@ class OutgoingSocket:
         try:
             link = await self.endpoint().dial_link(
                 path.virtual,
-                f"the peer through the relay {client.label}",
+                f"the peer through {client.named}",
                 peer_key,
                 max(0.5, deadline - loop.time()),
                 path=path,

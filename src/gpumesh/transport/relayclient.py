@@ -74,7 +74,10 @@ def parse_host_port(text: str) -> Address | None:
 def _relay_error(what: str, code: str, message: str) -> RelayError:
     """``WHAT: code: meaning (detail)`` for a refusal code from :data:`~wire.REFUSALS`."""
     meaning = wire.REFUSALS.get(code, code)
-    detail = f" ({message})" if message and message != meaning else ""
+    message = message.removeprefix(meaning).strip()
+    if message.startswith("(") and message.endswith(")"):
+        message = message[1:-1]  # the relay's own detail, after the meaning
+    detail = f" ({message})" if message else ""
     why = f"{code}: {meaning}{detail}"
     advice = wire.REFUSAL_ADVICE.get(code)
     return RelayError(f"{what}: {why}" + (f" ({advice})" if advice else ""), why=why)
@@ -178,6 +181,8 @@ class RelayClient:
         self.peer = peer
         """The name of the paired peer that is this relay (it relays for its peers);
         empty for a ``gpumesh-relay``."""
+        self.named = f"peer {peer}" if peer else f"the relay {label}"
+        """How messages name it."""
         self.endpoint = endpoint
         self.relay_address = relay_address
         self.label = label
@@ -238,7 +243,7 @@ class RelayClient:
         self._drop_stream()
         for future in self._requests.values():
             if not future.done():
-                future.set_exception(RelayError(f"relay {self.label}: the node is closing"))
+                future.set_exception(RelayError(f"{self.named}: the node is closing"))
                 future.exception()
 
     @property
@@ -260,6 +265,11 @@ class RelayClient:
                     finally:
                         waiter.cancel()
         except TimeoutError:
+            if self.peer:
+                raise UnreachableError(
+                    f"no answer from {self.named} as a relay within {timeout:.0f}s: is "
+                    "`gpumesh share` running there, with relay_for_peers on?"
+                ) from None
             if self.tcp is None:
                 raise UnreachableError(
                     f"no answer from the relay {self.label} within {timeout:.0f}s: is "
@@ -289,7 +299,7 @@ class RelayClient:
                         return future.result()
         except TimeoutError:
             raise UnreachableError(
-                f"the relay {self.label} did not connect us to the peer within {timeout:.0f}s"
+                f"{self.named} did not connect us to the peer within {timeout:.0f}s"
             ) from None
         finally:
             self._requests.pop(request, None)
@@ -461,7 +471,7 @@ class RelayClient:
         self._send_raw(self._pending_register)
 
     def _on_refused(self, refused: wire.Refused) -> None:
-        error = _relay_error(f"relay {self.label} refused", refused.code, refused.message)
+        error = _relay_error(f"{self.named} refused", refused.code, refused.message)
         future = self._requests.get(refused.session) if refused.session else None
         if future is not None and not future.done():
             future.set_exception(error)
@@ -514,7 +524,7 @@ class RelayClient:
         path = self.paths.get(close.session)
         if path is None:
             return
-        ended = f"the relay {self.label} ended the session"
+        ended = f"{self.named} ended the session"
         self._end_relay(path, _relay_error(ended, close.code, close.message))
 
     def _end_relay(self, path: RelayedPath, error: RelayError) -> None:
@@ -630,7 +640,7 @@ class RelayClient:
         self._drop_stream()
         for path in list(self.paths.values()):
             if path.relay_open:
-                lost = RelayError(f"the relay {self.label} lost the session ({why})")
+                lost = RelayError(f"{self.named} lost the session ({why})")
                 self._end_relay(path, lost)
         self._wake.set()
         if was_registered:
@@ -793,7 +803,7 @@ async def dial_relayed(
         path = await client.open_path(peer_key, max(0.5, deadline - loop.time()))
         link = await endpoint.dial_link(
             path.virtual,
-            f"the peer through the relay {client.label}",
+            f"the peer through {client.named}",
             peer_key,
             max(0.5, deadline - loop.time()),
             path=path,
