@@ -219,8 +219,10 @@ def test_status_keeps_its_keys_in_order() -> None:
         "sessions",
         "paused_since",
         "queue",
+        "relaying",
     ]
     assert shown["sessions"] == {"shells": [], "desktops": [], "cuda": []}
+    assert shown["relaying"] is None  # relay_for_peers is off
     assert shown["node_id"] == ID and shown["home"] == "/home/a/.gpumesh"
     assert shown["gpus"] == [
         {"index": 0, "name": "L4", "memory_total": 24 * GB, "memory_used": GB, "owner": ""}

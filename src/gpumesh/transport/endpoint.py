@@ -94,7 +94,8 @@ class PacketRoute(Protocol):
         self, buffer: bytes, segment: int, source: Address
     ) -> tuple[Address, list[bytes]] | None:
         """A GRO run of ``segment``-byte packets of one path: its virtual address and
-        the QUIC datagrams; None when the run is anything else."""
+        the QUIC datagrams; None when the run is anything else; no datagrams when the
+        route took the run itself (a relay it serves forwarded it whole)."""
         ...
 
     def handle(self, packet: bytes, source: Address, now: float) -> tuple[Address, bytes] | None:
@@ -372,7 +373,8 @@ class QuicEndpoint:
                     continue
                 run = relay.unwrap_run(data, segment_size, address)
                 if run is not None:
-                    self._deliver_many(run[1], run[0], now, touched)
+                    if run[1]:
+                        self._deliver_many(run[1], run[0], now, touched)
                 else:
                     for offset in range(0, len(data), segment_size):
                         packet = data[offset : offset + segment_size]

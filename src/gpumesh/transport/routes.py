@@ -48,6 +48,11 @@ class PacketServer(Protocol):
         """One relay packet for the relay (it answers through the endpoint)."""
         ...
 
+    def forward_run(self, buffer: bytes, segment: int, source: Address) -> bool:
+        """A GRO run of ``segment``-byte packets from ``source``: whether the relay
+        forwarded it whole (else each packet comes to :meth:`handle`)."""
+        ...
+
     def close(self) -> None:
         """The endpoint is closing."""
         ...
@@ -76,7 +81,13 @@ class Routes:
         self, buffer: bytes, segment: int, source: Address
     ) -> tuple[Address, list[bytes]] | None:
         client = self.clients.get(source)
-        return None if client is None else client.unwrap_run(buffer, segment, source)
+        if client is not None:
+            run = client.unwrap_run(buffer, segment, source)
+            if run is not None:
+                return run
+        if self.server is not None and self.server.forward_run(buffer, segment, source):
+            return source, []
+        return None
 
     def handle(self, packet: bytes, source: Address, now: float) -> tuple[Address, bytes] | None:
         kind = packet[0] if packet else -1
