@@ -245,6 +245,7 @@ async def owner_page(call: Call) -> object:
         users=users,
         hosted=[JobRow.of(j) for j in view.hosted],
         sessions=SessionRow.of(open_now),
+        relaying=view.relaying,
     )
 
 
