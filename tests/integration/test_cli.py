@@ -358,6 +358,11 @@ def test_config_refuses_unknown_keys_and_bad_values(bob_home: Path) -> None:
     _one_line_error(gpumesh(bob_home, "config", "set", "colour", "blue"), 2, "valid keys:")
     _one_line_error(gpumesh(bob_home, "config", "set", "listen_port", "70000"), 2, "1 to 65535")
     _one_line_error(gpumesh(bob_home, "config", "set", "max_vram", "lots"), 2, "invalid size")
+    _one_line_error(
+        gpumesh(bob_home, "config", "set", "relay_for_peers_rate", "fast"),
+        2,
+        "invalid rate 'fast': give bytes a second, such as 10MB/s",
+    )
     assert gpumesh(bob_home, "config", "set", "listen_port", "47001").returncode == 0
     assert gpumesh(bob_home, "config", "get", "listen_port").stdout.strip() == "47001"
     assert "listen_port = 47001" in (bob_home / "config.toml").read_text()

@@ -132,6 +132,11 @@ def test_unknown_key_lists_the_valid_keys(config: Config, operation: str) -> Non
         ("rendezvous_url", "ftp://x"),
         ("node_name", "bad name"),
         ("region", "r" * 256),
+        ("relay_for_peers", "maybe"),
+        ("relay_for_peers_sessions", "0"),
+        ("relay_for_peers_sessions", "many"),
+        ("relay_for_peers_rate", "fast"),
+        ("relay_for_peers_rate", "0MB/s"),
     ],
 )
 def test_bad_values_are_refused(config: Config, key: str, value: str) -> None:
