@@ -84,6 +84,9 @@ PUNCH_WAIT = 3.0
 """Seconds `connect` lets hole punching finish before it reports the path."""
 PAIR_CHECK_TIMEOUT = 3.0
 """Seconds ``pair`` spends finding out whether the new peer paired back."""
+PEER_RELAYS_RACED = 4
+"""Peers that relay for their peers a dial races at most (each one raced is one
+registration the node process keeps)."""
 
 logger = logging.getLogger(__name__)
 
@@ -482,14 +485,21 @@ class Node:
     def _peers_that_relay(self, peer: Peer) -> list[RelayHint]:
         """The paired, allowed peers (but ``peer``) whose Welcome said they relay for
         their peers, at the address each was last reached: relays to race beside the
-        configured one (``relay_for_peers`` on their side)."""
-        hints = []
-        for other in self.home.store.peers():
-            if other.relays and other.allowed and other.node_id != peer.node_id:
-                addresses = other.dial_addresses()
-                if addresses:
-                    hints.append(RelayHint(addresses[0], peer=other.name))
-        return hints
+        configured one (``relay_for_peers`` on their side), the
+        :data:`PEER_RELAYS_RACED` seen most recently."""
+        relaying = [
+            other
+            for other in self.home.store.peers()
+            if other.relays
+            and other.allowed
+            and other.node_id != peer.node_id
+            and other.dial_addresses()
+        ]
+        relaying.sort(key=lambda other: other.last_seen or 0.0, reverse=True)
+        return [
+            RelayHint(other.dial_addresses()[0], peer=other.name)
+            for other in relaying[:PEER_RELAYS_RACED]
+        ]
 
     async def _look_up_moved(self, peer: Peer) -> list[Address] | None:
         """New addresses of ``peer`` from the registry (signed by its pinned key), stored;
