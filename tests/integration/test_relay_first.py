@@ -178,7 +178,7 @@ def test_the_pool_remembers_a_relayed_peer_until_a_direct_session_or_a_deny(
                     return await open_session(
                         bob.home.identity, "bob", [] if relayed else [at_alice],
                         peer.public_key, timeout=CEILING,
-                        relays=[RelayHint(relay)] if relayed else None, via=outgoing,
+                        relays=[RelayHint(relay)] if relayed else (), via=outgoing,
                     )  # fmt: skip
 
                 async with pool.lend(peer, dial) as session:
