@@ -437,6 +437,10 @@ class Node:
         for text in peer.dial_addresses():
             with contextlib.suppress(ValueError):
                 addresses.append(parse_address(text))
+        # Heard on the LAN lately: that address first (the stored ones may be stale).
+        lan = None if self.pool is None else self.pool.lan_address(str(peer.node_id))
+        if lan is not None:
+            addresses = [lan, *(a for a in addresses if a != lan)]
         config = self.home.config
         relay_text = config.relay or peer.relay
         relays = []
@@ -476,6 +480,8 @@ class Node:
             if moved is None:
                 raise
             session = await dial(moved)
+        if lan is not None and session.relayed is None and session.address == lan:
+            session.lan = True
         logger.info("session with %s: %s (dial: %s)", peer.name, session.path, session.dial_record)
         self._remember(peer, session)
         if "silent_providers" in self.__dict__:  # it answers again: listings ask it again

@@ -33,6 +33,12 @@ resubmission without starting a second copy), and sends it once more on a
 session dialled afresh when a session lent again closed under it or went
 :data:`PROBE_TIMEOUT` seconds without an answer while a ping went unanswered too.
 
+Peers heard on the LAN (:mod:`gpumesh.client.lan`) leave their announced address
+here (:meth:`SessionPool.note_lan`): the next dial tries it first, and a direct
+session to it has the path ``lan``. A session that LAN discovery dialled replaces
+the warm one to that peer (:meth:`SessionPool.adopt`): a relayed one closes as soon
+as no request uses it.
+
 Every dial of a pool goes out from one shared socket (``outgoing``): one UDP port
 and one relay registration per relay for all its links (see
 :mod:`gpumesh.transport.outgoing`).
@@ -81,6 +87,8 @@ drops the old connection's packets without a word, so a request on it would hang
 until the keep-alive gave up."""
 PROBE_TIMEOUT = 2.0
 """Seconds that ping may take; past them the session is dropped and dialled again."""
+LAN_KEEP = 300.0
+"""Seconds an address a peer announced on the LAN is dialled first."""
 
 
 @dataclass
@@ -126,6 +134,10 @@ class SessionPool:
         was last seen open."""
         self._through_relay: set[str] = set()
         """Peer ids whose last session was set up through the relay."""
+        self._lan: dict[str, tuple[Address, float]] = {}
+        """By peer id: the address it last announced on the LAN, and when."""
+        self._retired: list[Warm] = []
+        """Sessions a LAN session replaced, closed once no request uses them."""
         self.on_silent: Callable[[str, str], None] | None = None
         """Told (peer id, why) of a peer whose warm session stopped answering its
         keep-alive: a job listing then does not wait on it (see
@@ -151,6 +163,44 @@ class SessionPool:
         address = warm.session.punched_address
         if address is not None and not warm.session.link.is_closed:
             self._punched[warm.peer_id] = (address, self._clock())
+
+    def note_lan(self, peer_id: str, address: Address) -> None:
+        """``peer_id`` announced ``address`` on the LAN (authenticated by a dial only)."""
+        self._lan[peer_id] = (address, self._clock())
+
+    def lan_address(self, peer_id: str) -> Address | None:
+        """The address ``peer_id`` announced on the LAN in the last :data:`LAN_KEEP`
+        seconds, if any."""
+        found = self._lan.get(peer_id)
+        if found is None or self._clock() - found[1] > LAN_KEEP:
+            return None
+        return found[0]
+
+    def current(self, peer_id: str) -> Warm | None:
+        """The open warm session to ``peer_id``, if any."""
+        warm = self._warm.get(peer_id)
+        return None if warm is None or warm.session.link.is_closed else warm
+
+    async def adopt(self, peer: Peer, session: Session) -> None:
+        """Make ``session`` (authenticated, dialled by LAN discovery) the warm session
+        to ``peer``; the one it replaces closes once no request uses it."""
+        key = str(peer.node_id)
+        async with self._dialling.setdefault(key, asyncio.Lock()):
+            now = self._clock()
+            old = self._warm.get(key)
+            self._warm[key] = Warm(key, peer.name, peer.public_key, session, now, now, now)
+            self._punched.pop(key, None)
+            self._through_relay.discard(key)
+            if old is not None:
+                logger.info("warm session to %s replaced by one on the LAN", peer.name)
+                self._retired.append(old)
+                self._close_retired()
+
+    def _close_retired(self) -> None:
+        for warm in list(self._retired):
+            if warm.users == 0 or warm.session.link.is_closed:
+                self._retired.remove(warm)
+                warm.session.close()
 
     def sessions(self) -> list[Warm]:
         return [w for w in self._warm.values() if not w.session.link.is_closed]
@@ -278,6 +328,7 @@ class SessionPool:
         if forget_path:
             self._punched.pop(peer_id, None)
             self._through_relay.discard(peer_id)
+            self._lan.pop(peer_id, None)
         elif warm is not None:
             self._note_punched(warm)  # while its link is still open
         if warm is not None:
@@ -287,6 +338,9 @@ class SessionPool:
     def close(self) -> None:
         for peer_id in list(self._warm):
             self.drop(peer_id, "shutting down")
+        for warm in self._retired:
+            warm.session.close()
+        self._retired.clear()
         if self.outgoing is not None:
             self.outgoing.close()
 
@@ -295,6 +349,7 @@ class SessionPool:
         sessions due a keep-alive ping."""
         now = self._clock()
         due: list[Warm] = []
+        self._close_retired()
         if not self._warm:
             return due
         # One read of the peers per look, not one per session: a node holding

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 from gpumesh import platform
 from gpumesh.client.bodies import ShareOptions
+from gpumesh.client.lan import LanPeers
 from gpumesh.client.moves import JobKeeper
 from gpumesh.client.node import Node
 from gpumesh.client.outputs import OutputsReceivers
@@ -71,6 +72,7 @@ from gpumesh.settings import (
     ENV_TEST_NODE_VERSION,
     env,
 )
+from gpumesh.transport.lan import LanDiscovery, LanSettings
 from gpumesh.transport.outgoing import OutgoingSocket
 from gpumesh.version import __version__
 
@@ -363,11 +365,18 @@ async def run_node(
             )
             lock.write(record)
 
+        lan: LanDiscovery | None = None
+
+        def share_changed() -> None:
+            write_record()
+            if lan is not None:
+                lan.wake()  # announce the new port at once
+
         process.sharing = Sharing(
             node,
             None if previous_end is None else ShareEnd(*previous_end),
             echo=echo,
-            on_change=write_record,
+            on_change=share_changed,
         )
         process.unfinished = functools.partial(_unfinished, node.home)
 
@@ -447,6 +456,11 @@ async def run_node(
         announce("  OpenAPI      /api/v1/openapi.json; stop with Ctrl-C")
         watcher = asyncio.ensure_future(_watch(process))
         keeper = asyncio.ensure_future(process.pool.maintain(node.home.store))
+        # Paired peers on the same network, found with no server (the share's port
+        # is announced while it runs).
+        lan_peers = LanPeers(node)
+        lan = _lan_discovery(node, lan_peers, process.sharing)
+        discovery = None if lan is None else asyncio.ensure_future(lan.run())
         failed: list[GPUMeshError] = []
         sharer = None
         if share is not None:
@@ -469,6 +483,11 @@ async def run_node(
                     await sharer
             if process.sharing.active:
                 await process.sharing.stop(process.stopping or "the node process stopped")
+            if discovery is not None:
+                discovery.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await discovery
+            await lan_peers.stop()
             await jobs_keeper.stop()
             node.keeper = None
             await receivers.stop()
@@ -506,6 +525,17 @@ async def _share_from_start(
     except GPUMeshError as exc:
         failed.append(exc)
         process.end("its share did not start")
+
+
+def _lan_discovery(node: Node, peers: LanPeers, sharing: Sharing) -> LanDiscovery | None:
+    """LAN discovery as the home's settings say (None: ``lan_discovery`` is off)."""
+    config = node.home.config
+    if not config.lan_discovery:
+        return None
+    settings = LanSettings(config.lan_port, config.lan_interval, config.lan_reprobe)
+    return LanDiscovery(
+        settings, peers=peers.peers, serving_port=lambda: sharing.port, heard=peers.heard
+    )
 
 
 def _unfinished(home: Home) -> bool:

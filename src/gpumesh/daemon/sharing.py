@@ -90,6 +90,11 @@ class Sharing:
     def active(self) -> bool:
         return self.agent is not None
 
+    @property
+    def port(self) -> int:
+        """The UDP port the running share listens on; 0 when none runs."""
+        return 0 if self.agent is None else self.agent.address[1]
+
     def view(self) -> ShareView:
         return ShareView(
             sharing=self.active,

@@ -21,6 +21,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
     Ed25519PrivateKey,
     Ed25519PublicKey,
 )
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 
 from gpumesh import platform
 from gpumesh.errors import BadNameError, IdentityError
@@ -32,6 +33,7 @@ __all__ = [
     "check_node_name",
     "node_id_for",
     "verify_signature",
+    "x25519_public_of",
 ]
 
 PUBLIC_KEY_SIZE = 32
@@ -103,6 +105,22 @@ def verify_signature(public_key: bytes, signature: bytes, message: bytes) -> boo
     return True
 
 
+_P = 2**255 - 19
+"""The prime of Curve25519's field, which Ed25519 and X25519 share."""
+
+
+def x25519_public_of(public_key: bytes) -> bytes:
+    """The X25519 public key of an Ed25519 one: the Montgomery u = (1 + y) / (1 - y)
+    of its Edwards y (RFC 7748's birational map). An invalid key is IdentityError."""
+    if len(public_key) != PUBLIC_KEY_SIZE:
+        raise IdentityError(f"an Ed25519 public key has 32 bytes, got {len(public_key)}")
+    y = int.from_bytes(public_key, "little") & ((1 << 255) - 1)
+    if y >= _P or y == 1:
+        raise IdentityError("not a usable Ed25519 public key")
+    u = (1 + y) * pow(1 - y, _P - 2, _P) % _P
+    return u.to_bytes(32, "little")
+
+
 @dataclass(frozen=True)
 class Identity:
     """This node's signing key and what derives from it."""
@@ -126,6 +144,24 @@ class Identity:
 
     def sign(self, message: bytes) -> bytes:
         return self.private_key.sign(message)
+
+    def shared_secret(self, peer_public_key: bytes) -> bytes:
+        """32 bytes only this node and the holder of ``peer_public_key`` can compute:
+        X25519 of the two Ed25519 keys converted to X25519 (this side's scalar is the
+        first half of SHA-512 of the seed, as Ed25519 derives it). Every pair that
+        paired already has it, with nothing more exchanged. A key of small order
+        (no secret) is IdentityError."""
+        seed = self.private_key.private_bytes(
+            serialization.Encoding.Raw,
+            serialization.PrivateFormat.Raw,
+            serialization.NoEncryption(),
+        )
+        scalar = hashlib.sha512(seed).digest()[:32]
+        peer = X25519PublicKey.from_public_bytes(x25519_public_of(peer_public_key))
+        try:
+            return X25519PrivateKey.from_private_bytes(scalar).exchange(peer)
+        except ValueError:
+            raise IdentityError("that public key gives no shared secret") from None
 
     def private_pem(self) -> bytes:
         return self.private_key.private_bytes(

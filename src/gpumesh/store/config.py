@@ -29,6 +29,7 @@ from gpumesh.units import parse_duration, parse_size
 __all__ = [
     "AUTO",
     "DEFAULT_IMAGE",
+    "DEFAULT_LAN_PORT",
     "DEFAULT_PORT",
     "DESKTOP",
     "DESKTOP_PROCESSES",
@@ -43,6 +44,8 @@ __all__ = [
 ]
 
 DEFAULT_PORT = 47000
+DEFAULT_LAN_PORT = 47099
+"""The UDP port LAN announcements go to and are heard at."""
 DEFAULT_IMAGE = "nvidia/cuda:12.8.0-runtime-ubuntu22.04"
 MASK = "********"
 """What listings show instead of a secret's value (the same for every value)."""
@@ -119,6 +122,39 @@ def _relay_tcp(text: str) -> str:
             f"invalid relay_tcp {text!r}: use host:port, e.g. relay.example.org:443 (empty: the "
             "relay host's port 443; off: UDP only)"
         ) from None
+
+
+def _on_off(name: str) -> Callable[[str], str]:
+    def check(text: str) -> str:
+        cleaned = text.strip().lower()
+        if cleaned not in ("on", "off"):
+            raise ConfigError(f"invalid {name} {text!r}: use on or off")
+        return cleaned
+
+    return check
+
+
+def _lan_port(text: str) -> int:
+    try:
+        return _port(text)
+    except ConfigError:
+        raise ConfigError(
+            f"invalid lan_port {text!r}: use a UDP port from 1 to 65535 (the same on every "
+            f"node of the network; default {DEFAULT_LAN_PORT})"
+        ) from None
+
+
+def _lan_duration(name: str) -> Callable[[str], str]:
+    """A LAN discovery period: a duration of at least a second."""
+    duration = _duration(name)
+
+    def check(text: str) -> str:
+        cleaned = duration(text)
+        if parse_duration(cleaned) < 1:
+            raise ConfigError(f"invalid {name} {text!r}: at least 1s; use a duration such as 30s")
+        return cleaned
+
+    return check
 
 
 def _url(text: str) -> str:
@@ -391,6 +427,27 @@ KEYS: dict[str, ConfigKey] = {
             _rate,
             "10MB/s",
             "bytes a second relayed for peers, all sessions together",
+        ),
+        ConfigKey(
+            "lan_discovery",
+            _on_off("lan_discovery"),
+            "on",
+            "find paired peers on the same network with no server: announce this node "
+            "(tags only paired peers recognise) and listen for theirs",
+        ),
+        ConfigKey("lan_port", _lan_port, DEFAULT_LAN_PORT, "UDP port of LAN announcements"),
+        ConfigKey(
+            "lan_interval",
+            _lan_duration("lan_interval"),
+            "30s",
+            "how often this node announces itself to the LAN's multicast group",
+        ),
+        ConfigKey(
+            "lan_reprobe",
+            _lan_duration("lan_reprobe"),
+            "60s",
+            "how often the announcement goes by unicast to paired peers' last-known "
+            "addresses (where multicast is filtered)",
         ),
         ConfigKey(
             "rendezvous_url",
@@ -691,3 +748,19 @@ class Config:
     @property
     def connect_timeout(self) -> float:
         return float(self.get("connect_timeout"))
+
+    @property
+    def lan_discovery(self) -> bool:
+        return str(self.get("lan_discovery")) == "on"
+
+    @property
+    def lan_port(self) -> int:
+        return int(self.get("lan_port"))
+
+    @property
+    def lan_interval(self) -> float:
+        return parse_duration(str(self.get("lan_interval")))
+
+    @property
+    def lan_reprobe(self) -> float:
+        return parse_duration(str(self.get("lan_reprobe")))

@@ -8,7 +8,7 @@ import struct
 
 from gpumesh import platform
 
-__all__ = ["local_addresses"]
+__all__ = ["local_addresses", "multicast_interfaces"]
 
 _SIOCGIFADDR = 0x8915
 _SKIP_PREFIXES = ("docker", "veth", "br-", "virbr", "cni", "flannel")
@@ -30,6 +30,16 @@ def _interface_ipv4s() -> list[str]:
                 result = fcntl.ioctl(sock.fileno(), _SIOCGIFADDR, packed)
                 found.append(socket.inet_ntoa(result[20:24]))
     return found
+
+
+def multicast_interfaces() -> list[int]:
+    """Indexes of the interfaces LAN announcements go out on: all but loopback and
+    those of containers and virtual machines (empty where the system cannot list them)."""
+    try:
+        names = socket.if_nameindex()
+    except OSError:
+        return []
+    return [index for index, name in names if name != "lo" and not name.startswith(_SKIP_PREFIXES)]
 
 
 def _primary_ipv4() -> str | None:

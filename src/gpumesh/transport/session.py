@@ -201,6 +201,9 @@ class Session:
         self.punched_before: Address | None = None
         """Set on a direct session dialled to the address hole punching found for an
         earlier session with the peer (its NAT's mapping, still open): that address."""
+        self.lan = False
+        """Set on a direct session to the address the peer announced on this LAN
+        (:mod:`gpumesh.transport.lan`): its path is ``lan``."""
         self._auth = auth
         self._auth_stream = auth_stream
         self._established: asyncio.Future[None] | None = None
@@ -243,7 +246,9 @@ class Session:
 
     @property
     def path(self) -> str:
-        """``direct``, ``direct (hole-punched) ADDR`` or ``relayed via RELAY``."""
+        """``lan``, ``direct``, ``direct (hole-punched) ADDR`` or ``relayed via RELAY``."""
+        if self.lan and self.relayed is None:
+            return "lan"
         if self.punched_before is not None:
             return f"direct (hole-punched) {format_address(self.punched_before)}"
         return self.link.describe_path()
