@@ -44,7 +44,7 @@ from gpumesh.errors import (
 from gpumesh.identity import codes, invites
 from gpumesh.identity.hints import check_hints
 from gpumesh.identity.keys import Identity, verify_signature
-from gpumesh.protocol import relay
+from gpumesh.protocol import lan, relay
 from gpumesh.protocol.framing import HEADER_SIZE, Frame, FrameDecoder, FrameKind
 from gpumesh.protocol.handshake import (
     AuthForm,
@@ -1152,6 +1152,65 @@ def check_token(case: TokenCase, meter: Meter) -> None:
 
 # --- the list ----------------------------------------------------------------------------
 
+# --- LAN announcements --------------------------------------------------------------------
+
+LAN_CEILING = 64 * 1024
+"""A datagram is at most 335 bytes; matching it against a few peers allocates little."""
+LAN_NOW = 1_700_000_000.0
+_LAN_KEYS = {f"peer{i}": bytes([i]) * 32 for i in range(3)}
+
+
+@dataclass(frozen=True)
+class LanCase:
+    datagram: bytes
+    matches: tuple[str, ...]
+    """The peers whose tag it carries when it was left whole; empty once mutated."""
+    offset: float
+    """Seconds between its sending and its hearing."""
+
+
+@st.composite
+def _lan_case(draw: st.DrawFn) -> LanCase:
+    peers = draw(st.lists(st.sampled_from(sorted(_LAN_KEYS)), max_size=3, unique=True))
+    port = draw(st.sampled_from([0, 1, 47000, 65535]))
+    answer = draw(st.booleans())
+    randoms = iter(draw(st.lists(st.binary(min_size=10, max_size=10), min_size=40, max_size=40)))
+    offset = draw(st.sampled_from([0.0, 30.0, -30.0, 200.0]))
+    packets = lan.announcements(
+        [_LAN_KEYS[p] for p in peers],
+        port=port,
+        answer=answer,
+        now=LAN_NOW - offset,
+        random=lambda n: next(randoms)[:n],
+    )
+    datagram = packets[0] if packets else draw(st.binary(max_size=400))
+    matches = tuple(peers) if packets and abs(offset) < lan.WINDOW else ()
+    if draw(one_in(2)):
+        datagram, _ = draw(mutate_bytes(datagram))
+        matches = ()
+    return LanCase(datagram, matches, offset)
+
+
+def check_lan(case: LanCase, meter: Meter) -> None:
+    decoded, error = meter.run(LAN_CEILING, "decode", lambda: lan.decode(case.datagram))
+    ours(error, ProtocolError)
+    listener = lan.Listener()
+    listener.set_peers(_LAN_KEYS)
+    heard, error = meter.run(
+        LAN_CEILING, "receive", lambda: listener.receive(case.datagram, "192.0.2.1", LAN_NOW)
+    )
+    assert error is None, f"Listener.receive raised {error!r}"
+    assert isinstance(heard, lan.Heard)
+    if case.matches:
+        assert set(heard.peers) == set(case.matches), heard
+        again = listener.receive(case.datagram, "192.0.2.2", LAN_NOW)
+        assert again.dropped == "replayed", again
+    elif heard.peers:
+        # A mutation that kept a peer's tag and what it covers intact is still that peer's.
+        assert decoded is not None and error is None
+    assert listener.remembered <= lan.MAX_SEEN and listener.sources <= lan.MAX_SOURCES
+
+
 TARGETS: tuple[Target, ...] = (
     Target(
         "framing",
@@ -1201,5 +1260,12 @@ TARGETS: tuple[Target, ...] = (
         _token_case("invite"),
         check_token,
         "16 x the longest token per call",
+    ),
+    Target(
+        "lan-announcements",
+        ("gpumesh.protocol.lan",),
+        _lan_case(),
+        check_lan,
+        "64 KiB per datagram",
     ),
 )

@@ -60,6 +60,7 @@ def test_every_message_type_and_relay_packet_is_fuzzed() -> None:
         "relay",
         "pairing-codes",
         "group-invites",
+        "lan-announcements",
     ]
 
 
