@@ -298,14 +298,16 @@ class _Receiver(asyncio.DatagramProtocol):
 
 
 def is_lan_host(text: str) -> bool:
-    """Whether ``text`` is an IPv4 address worth re-probing: not loopback, any or
-    multicast (another home on this machine is not re-probed)."""
+    """Whether ``text`` is an IPv4 address worth re-probing: a private or link-local
+    one (a LAN's), not loopback (another home on this machine is not re-probed), and
+    never a public one (a peer across the internet is no LAN peer)."""
     try:
         address = ipaddress.ip_address(text)
     except ValueError:
         return False
     return (
         address.version == 4
+        and (address.is_private or address.is_link_local)
         and not address.is_loopback
         and not address.is_unspecified
         and not address.is_multicast
