@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from gpumesh.store.config import DEFAULT_LAN_PORT
 from tests.integration.conftest import gpumesh, shared_pair
 from tests.integration.node import CEILING, cli, status
 from tests.integration.test_cli import _free_udp_port, _init, running_share
@@ -78,8 +79,9 @@ def test_two_peers_and_a_redial_after_a_drop_leave_from_one_udp_port(tmp_path: P
         assert sorted(warm) == ["alice-pc", "carol-pc"]
         assert {w["local_port"] for w in warm.values()} == {port}
         assert status(bob)["node"]["outgoing"]["links"] == 2
-        # The kernel agrees: the node process holds one UDP socket, on that port.
-        assert _udp_ports_of(node["pid"]) == {port}
+        # The kernel agrees: the node process holds one UDP socket for its links, on
+        # that port (beside LAN discovery's, which dials nothing).
+        assert _udp_ports_of(node["pid"]) == {port, DEFAULT_LAN_PORT}
 
         # Drop alice's session (a deny closes it at once), allow her again, re-dial.
         assert cli(bob, "deny", "alice-pc").returncode == 0
@@ -93,7 +95,7 @@ def test_two_peers_and_a_redial_after_a_drop_leave_from_one_udp_port(tmp_path: P
         assert warm["alice-pc"]["local_port"] == port and warm["carol-pc"]["local_port"] == port
         after = status(bob)["node"]
         assert after["pid"] == node["pid"] and after["outgoing"]["port"] == port
-        assert _udp_ports_of(node["pid"]) == {port}
+        assert _udp_ports_of(node["pid"]) == {port, DEFAULT_LAN_PORT}
 
 
 def test_a_dial_to_a_port_where_nothing_listens_is_refused_at_once(tmp_path: Path) -> None:

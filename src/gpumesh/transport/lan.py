@@ -11,7 +11,8 @@ the datagram's source address and the port it announced); a node that serves
 answers one that was not itself an answer, by unicast to its source, at most once
 per :data:`ANSWER_GAP` per peer, so a node that starts late hears of the others
 at once. Multicast is sent with a TTL of 1 and without loopback: routers never
-forward it, and the other homes on this machine do not hear it.
+forward it, and the other homes on this machine do not hear it; nor are they
+re-probed, or heard from, at this machine's own addresses.
 
 It never dials: a hint is only a hint (:mod:`gpumesh.client.lan` dials it through
 the authenticated dial). It never raises out of the datagram handler: malformed,
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 
 from gpumesh import platform
 from gpumesh.protocol.lan import Gate, Listener, announcements
-from gpumesh.transport.netinfo import multicast_interfaces
+from gpumesh.transport.netinfo import multicast_interfaces, own_ipv4s
 
 __all__ = ["ANSWER_GAP", "GROUP", "LanDiscovery", "LanPeer", "LanSettings", "is_lan_host"]
 
@@ -106,6 +107,8 @@ class LanDiscovery:
         self._answers = Gate(ANSWER_GAP)
         self._peers: dict[str, LanPeer] = {}
         self._peers_at = -PEERS_REFRESH
+        self._own: set[str] = set()
+        """This machine's addresses: other homes here are not LAN peers."""
         self._sock: socket.socket | None = None
         self._woken = asyncio.Event()
         self.sent = 0
@@ -147,6 +150,7 @@ class LanDiscovery:
                 self._woken.clear()
                 self._refresh(force=woken)
                 if woken or now >= next_announce:
+                    self._own = own_ipv4s()
                     self._join()
                     self._multicast()
                     next_announce = now + self.settings.interval
@@ -251,13 +255,15 @@ class LanDiscovery:
         for peer in self._peers.values():
             if peer.hosts:
                 packets = self._packets([peer.send_key])
-                for host in peer.hosts[:MAX_HOSTS]:
+                for host in [h for h in peer.hosts if h not in self._own][:MAX_HOSTS]:
                     self._send(packets, (host, self.settings.port))
 
     # --- hearing ---------------------------------------------------------------------
 
     def received(self, data: bytes, source: tuple[str, int]) -> None:
         """One datagram from ``source``: hand up the peers it names, answer it."""
+        if source[0] in self._own:
+            return  # another home on this machine (its multicast never loops back)
         self._refresh()
         heard = self._listener.receive(data, source[0], self._clock())
         if heard.dropped:

@@ -8,13 +8,14 @@ import struct
 
 from gpumesh import platform
 
-__all__ = ["local_addresses", "multicast_interfaces"]
+__all__ = ["local_addresses", "multicast_interfaces", "own_ipv4s"]
 
 _SIOCGIFADDR = 0x8915
 _SKIP_PREFIXES = ("docker", "veth", "br-", "virbr", "cni", "flannel")
 
 
-def _interface_ipv4s() -> list[str]:
+def _interface_ipv4s(*, every: bool = False) -> list[str]:
+    """The IPv4 address of each interface (``every``: those of containers too)."""
     # SIOCGIFADDR is Linux's number; elsewhere the primary address is the hint.
     if platform.system() != "linux" or not platform.has("fcntl"):
         return []
@@ -23,12 +24,22 @@ def _interface_ipv4s() -> list[str]:
     found: list[str] = []
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         for _index, name in socket.if_nameindex():
-            if name.startswith(_SKIP_PREFIXES):
+            if name.startswith(_SKIP_PREFIXES) and not every:
                 continue
             with contextlib.suppress(OSError):
                 packed = struct.pack("256s", name[:15].encode())
                 result = fcntl.ioctl(sock.fileno(), _SIOCGIFADDR, packed)
                 found.append(socket.inet_ntoa(result[20:24]))
+    return found
+
+
+def own_ipv4s() -> set[str]:
+    """This machine's IPv4 addresses (in this network namespace): a LAN announcement
+    from one of them comes from another home here, never from a LAN peer."""
+    found = set(_interface_ipv4s(every=True))
+    primary = _primary_ipv4()
+    if primary:
+        found.add(primary)
     return found
 
 
