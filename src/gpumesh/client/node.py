@@ -143,7 +143,7 @@ class ConnectResult:
     address: str
     """The ``host:port`` that answered."""
     path: str
-    """``direct``, ``direct (hole-punched) ADDR`` or ``relayed via RELAY``."""
+    """``lan``, ``direct``, ``direct (hole-punched) ADDR`` or ``relayed via RELAY``."""
     rtt_ms: float
     """Median of several authenticated pings, in milliseconds."""
     punch_ms: float | None

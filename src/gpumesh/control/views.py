@@ -35,7 +35,7 @@ class WarmSessionView(msgspec.Struct):
 
     peer: str
     path: str
-    """``direct``, ``direct (hole-punched) ADDR`` or ``relayed via RELAY``."""
+    """``lan``, ``direct``, ``direct (hole-punched) ADDR`` or ``relayed via RELAY``."""
     idle: float
     """Seconds since it was last used."""
     uses: int

@@ -33,7 +33,8 @@ class Peer:
     last_address: str
     """The ``host:port`` that last worked, tried first."""
     last_path: str = ""
-    """How the last session went: ``direct``, ``direct (hole-punched) ...``, ``relayed via ...``."""
+    """How the last session went: ``lan``, ``direct``, ``direct (hole-punched) ...``,
+    ``relayed via ...``."""
     channel_blocked_until: float = 0.0
     """Unix time until which its data channel is not tried (one failed to open)."""
     relays: bool = False

@@ -87,7 +87,7 @@ class ConnectView(msgspec.Struct):
     node_id: str
     reachable: bool
     path: str
-    """``direct``, ``direct (hole-punched) ADDR`` or ``relayed via RELAY``."""
+    """``lan``, ``direct``, ``direct (hole-punched) ADDR`` or ``relayed via RELAY``."""
     address: str
     rtt_ms: float
     connect_ms: float
