@@ -25,6 +25,7 @@ import pytest
 from markupsafe import escape
 
 from gpumesh.client.node import Node
+from gpumesh.client.views.owner import RelayedSessionView, RelayingView
 from gpumesh.control.app import create_app
 from gpumesh.control.call import ControlState
 from gpumesh.control.dashboard.pages import NAV, TEMPLATES
@@ -123,6 +124,9 @@ def _owner(share: ShareCard) -> Callable[[str], dict[str, object]]:
             "users": [UserRow(evil, evil, 1, True), UserRow(evil, "not connected", 0, False)],
             "hosted": [_job(evil, "succeeded")],
             "sessions": [SessionRow("Shell", "shells", evil, evil, evil, "now")],
+            "relaying": RelayingView(
+                [RelayedSessionView(evil, evil, 1000, 1.0, "active")], [evil], 8, 10**7, 0, {}
+            ),
         }
 
     return context
