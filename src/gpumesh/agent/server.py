@@ -258,7 +258,6 @@ class Agent:
                 "`gpumesh config set listen_port PORT`"
             ) from exc
         host, port = self.address
-        self.endpoint.relay = self.routes
         self._friends = FriendRegistrations(
             self.endpoint,
             self.routes,
@@ -322,6 +321,7 @@ class Agent:
         )
         client.on_change = self._relay_changed
         self.routes.clients[address] = client
+        endpoint.relay = self.routes
         self.relay = client
         self._relay_state = (RelayState.REGISTERING, "")
         client.start()
@@ -361,6 +361,8 @@ class Agent:
             logger.info("no longer relaying for peers")
         if self._friends is not None:
             self._friends.refresh(self.store.peers())
+        # Without a relay client or server, what is not QUIC is dropped (and counted).
+        endpoint.relay = self.routes if self.routes.clients or self.routes.server else None
 
     async def _keep_relaying(self) -> None:
         while True:
