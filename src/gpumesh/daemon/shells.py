@@ -33,7 +33,7 @@ from gpumesh import platform
 from gpumesh.client.exec import exec_shell
 from gpumesh.client.views import ErrorView
 from gpumesh.client.views.runs import PullingView
-from gpumesh.control.views import ShellOfferView
+from gpumesh.control.views import ShellOfferView, TwinView
 from gpumesh.daemon import frames
 from gpumesh.errors import GPUMeshError
 from gpumesh.store.sockets import socket_name
@@ -168,7 +168,12 @@ async def _session(
 
     def started(session: ExecSession) -> None:
         shell.append(session)
-        writer.write(frames.frame(frames.STARTED))
+        twin = (
+            b""
+            if session.twin is None
+            else msgspec.json.encode(TwinView.of(session.twin, session.provider))
+        )
+        writer.write(frames.frame(frames.STARTED, twin))
         if pending:
             session.resize(*pending[0])
 
@@ -192,6 +197,8 @@ async def _session(
             started=started,
             on_pull=on_pull,
             gpu_memory=request.gpu_memory,
+            job=request.job,
+            twin=request.twin,
         )
         last = frames.frame(frames.EXIT, code.to_bytes(4, "big", signed=True))
     except GPUMeshError as exc:
