@@ -46,6 +46,7 @@ from gpumesh.client.bodies import (
     MemberBody,
     PairBody,
     PauseBody,
+    PortsBody,
     PruneBody,
     SearchBody,
     ShareOptions,
@@ -67,6 +68,7 @@ from gpumesh.client.views import (
     node,
     owner,
     peers,
+    ports,
     registry,
 )
 from gpumesh.client.views.apps import AppPullView
@@ -91,6 +93,7 @@ from gpumesh.control.routes.jobs import (
     get_jobs,
     post_cancel,
     post_job,
+    post_job_ports,
     post_prune,
 )
 from gpumesh.control.routes.node import (
@@ -280,6 +283,11 @@ ENDPOINTS: tuple[Endpoint, ...] = (
              joblist.JobListEntry),
     Endpoint("POST", "/api/v1/jobs/{job_id}/cancel", post_cancel, "Cancel a job",
              jobs.JobResultView, body=CancelBody),
+    Endpoint("POST", "/api/v1/jobs/{job_id}/ports", post_job_ports,
+             "Forward ports of a job submitted here to loopback ports while the stream "
+             "lasts: Server-Sent Events: portsview (where they listen), then "
+             "portanswersview, portrefusedview, portwarningview", ports.PortsView,
+             Access.NO_COOKIE, body=PortsBody, media_type="text/event-stream"),
     Endpoint("GET", "/api/v1/jobs/{job_id}/events", get_job_events,
              "A job's events as Server-Sent Events, resumable by sequence number",
              jobs.Output | jobs.Status | jobs.Dropped | jobs.Reconnecting | jobs.Moved,
