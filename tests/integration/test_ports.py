@@ -219,26 +219,6 @@ def test_only_the_submitter_may_forward_and_a_taken_port_is_named(
     arun(scenario())
 
 
-def test_an_agent_that_cannot_enter_containers_refuses_in_one_line(
-    cluster: Callable[[str], Node],
-) -> None:
-    alice, bob = cluster("alice"), cluster("bob")
-
-    async def scenario() -> None:
-        async with sharing(alice) as agent:
-            agent.ports.enter = lambda: False  # as an agent that does not run as root
-            pair_both(alice, bob)
-            job_id = await started(bob, "sleep 300")
-            await until_hosted(alice, job_id, "running")
-            with pytest.raises(AgentError) as refused:
-                await forward_ports(bob, job_id, [PortSpec(free_port(), 80)])
-            assert "does not run as root" in refused.value.message
-            assert "\n" not in refused.value.message
-            await cancel_job(bob, "alice", job_id)
-
-    arun(scenario())
-
-
 def test_job_network_none_is_reached_inside_the_container(
     cluster: Callable[[str], Node],
 ) -> None:

@@ -36,10 +36,9 @@ Nothing of the provider's host or its other containers is reachable.
     "answers in the container.",
 )
 def port(job_id: str, ports: tuple[str, ...], as_json: bool) -> None:
-    """Forward ports of the running job JOB (an id or a unique prefix) to 127.0.0.1
+    """Forward PORTS of the running job JOB (an id or a unique prefix) to 127.0.0.1
     here until Ctrl-C or the job ends: 127.0.0.1:LOCAL reaches CONTAINER inside the
-    job's container (one number: the same on both sides). HTTP, WebSocket and any
-    other TCP protocol pass."""
+    job's container. HTTP, WebSocket and any other TCP protocol pass."""
     from urllib.parse import quote
 
     from gpumesh.cli._node import node_client
