@@ -102,12 +102,7 @@ def _jobs(evil: str) -> dict[str, object]:
 
 def _job_page(evil: str) -> dict[str, object]:
     card = JobCard(
-        evil,
-        "running",
-        "-",
-        [("Peer", evil), ("Command", evil)],
-        f'{{"peer": "{evil}"}}',
-        ports=[("http://127.0.0.1:8888", 8888)],  # the forwarded ports' links too
+        evil, "running", "-", [("Peer", evil), ("Command", evil)], f'{{"peer": "{evil}"}}'
     )
     return {"title": f"Job {evil}", "error": "", "job": card}
 

@@ -26,7 +26,6 @@ from starlette.templating import Jinja2Templates
 from gpumesh.client.groups import group_status, summaries
 from gpumesh.client.jobs import find_job
 from gpumesh.client.owner import owner_view
-from gpumesh.client.ports import FORWARDS
 from gpumesh.client.views.groups import MemberStatusEntry
 from gpumesh.client.views.joblist import JobListEntry
 from gpumesh.client.views.node import StatusView
@@ -193,7 +192,7 @@ async def job_page(call: Call) -> object:
         job = JobListEntry.of(find_job(call.node, call.param("job_id")), {})
     except GPUMeshError as exc:
         return _render(call, "job.html", "jobs", "Job", status_code=404, error=exc.message)
-    card = JobCard.of(job, FORWARDS.jobs.get(job.job_id))
+    card = JobCard.of(job)
     return _render(call, "job.html", "jobs", f"Job {job.job_id}", error="", job=card)
 
 

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from gpumesh.client.views.ports import local_url
 from gpumesh.protocol.states import FINAL_STATES, JobState
 from gpumesh.units import format_size
 
@@ -23,7 +22,6 @@ if TYPE_CHECKING:
     from gpumesh.client.views.owner import SessionsView
     from gpumesh.client.views.peers import PeerView
     from gpumesh.control.shareviews import ShareView
-    from gpumesh.protocol.ports import PortSpec
 
 __all__ = [
     "GpuCard",
@@ -127,11 +125,9 @@ class JobCard:
     facts: list[tuple[str, str]]
     cancel_body: str
     """The JSON body of the cancel call (which peer runs it)."""
-    ports: list[tuple[str, int]] = field(default_factory=list)
-    """Its forwarded ports now (``run --port``, ``gpumesh port``): local URL, container port."""
 
     @classmethod
-    def of(cls, job: JobListEntry, ports: list[PortSpec] | None = None) -> JobCard:
+    def of(cls, job: JobListEntry) -> JobCard:
         row = JobRow.of(job)
         return cls(
             job_id=job.job_id,
@@ -147,7 +143,6 @@ class JobCard:
                 ("GPU memory peak", row.peak),
             ],
             cancel_body=json.dumps({"peer": job.peer}),
-            ports=[(local_url(spec.local), spec.container) for spec in ports or []],
         )
 
 
