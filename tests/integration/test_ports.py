@@ -109,19 +109,12 @@ async def started(bob: Node, command: str = SERVERS) -> str:
     return result.job_id
 
 
-@pytest.mark.parametrize("data_channel", ["on", "off"])
 def test_http_and_a_websocket_like_echo_reach_the_jobs_container(
-    cluster: Callable[[str], Node], data_channel: str
+    cluster: Callable[[str], Node],
 ) -> None:
-    """On a direct path each connection gets a data channel; with data channels off
-    (as on a relayed path) QUIC streams carry them."""
     alice, bob = cluster("alice"), cluster("bob")
-    if data_channel == "off":
-        alice.home.config.set("data_channel", "off")
-        alice.home.config.save()
     web, echo = free_port(), free_port()
     answered: list[PortSpec] = []
-    paths: list[str] = []
 
     async def scenario() -> None:
         async with sharing(alice):
@@ -129,9 +122,7 @@ def test_http_and_a_websocket_like_echo_reach_the_jobs_container(
             job_id = await started(bob)
             await until_hosted(alice, job_id, "running")
             specs = [PortSpec(web, 8000), PortSpec(echo, 9000)]
-            async with forwarding(
-                bob, job_id, specs, answers=answered.append, carried=paths.append
-            ) as (ready, task):
+            async with forwarding(bob, job_id, specs, answers=answered.append) as (ready, task):
                 assert ready.provider == "alice"
                 await until_async(lambda: len(answered) == 2, "both ports answer")
                 page = await http_get(web)
@@ -149,7 +140,6 @@ def test_http_and_a_websocket_like_echo_reach_the_jobs_container(
 
     arun(scenario())
     assert sorted(s.container for s in answered) == [8000, 9000]
-    assert paths == (["channel"] * 2 if data_channel == "on" else ["quic"] * 2)
 
 
 def test_a_port_nothing_listens_on_is_refused_per_connection(

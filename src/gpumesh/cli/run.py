@@ -254,11 +254,9 @@ def _forward(job_id: str, ports: list[str]) -> None:
     from gpumesh.client.bodies import PortsBody
     from gpumesh.errors import NotFoundError
 
-    client = node_client()  # here: it reads this command's context, which a thread lacks
-
     def forward() -> None:
         try:
-            answer = client.send(
+            answer = node_client().send(
                 "POST", f"/api/v1/jobs/{quote(job_id, safe='')}/ports", PortsBody(ports=ports)
             )
             print_forward_events(answer, quiet=True)
