@@ -282,12 +282,12 @@ REFUSALS = [
         "gpu_mem: 8GB",
         "job.yaml:2: unknown field 'gpu_mem' (did you mean gpu_memory?); valid fields: image, "
         "command, env, workdir, gpu_memory, retries, timeout, peer, group, mounts, outputs, "
-        "outputs_to, max_moves, ports",
+        "outputs_to, max_moves",
     ),
     (
         "image: x\ndetach: true",
         "job.yaml:3: unknown field 'detach'; valid fields: image, command, env, workdir, "
-        "gpu_memory, retries, timeout, peer, group, mounts, outputs, outputs_to, max_moves, ports",
+        "gpu_memory, retries, timeout, peer, group, mounts, outputs, outputs_to, max_moves",
     ),
     ("image: a\nimage: b", "job.yaml:3: image: set twice (first on line 2); keep one"),
     (

@@ -60,8 +60,6 @@ from gpumesh.protocol.messages import (
     OutputsReady,
     Ping,
     Pong,
-    PortOpen,
-    PortOpened,
     Proof,
     Refusal,
     SessionProof,
@@ -275,14 +273,6 @@ MESSAGES: st.SearchStrategy[Message] = st.one_of(
         kind=st.sampled_from(["vnc", "rdp", "tcp"]),
         port=st.integers(1, 65535),
     ),
-    st.builds(
-        PortOpen,
-        job_id=st.from_regex(r"\A[a-z0-9]{8,32}\Z"),
-        port=st.integers(1, 65535),
-        watch=st.booleans(),
-        channel=st.booleans(),
-    ),
-    st.builds(PortOpened, provider=names, listening=st.booleans()),
     st.builds(CudaOpen, memory=st.integers(1, 2**40), version=st.integers(0, 9)),
     st.builds(
         CudaOpened,
@@ -341,7 +331,7 @@ def test_every_message_type_is_covered_by_the_round_trip() -> None:
     covered |= {CudaOpen, CudaOpened}
     covered |= {AppSync, AppNeeds, AppSend, AppSynced, AppJobDir, AppJobDirReply, AppPrepare}
     covered |= {ChannelPut, ChannelGet, ChannelOffer, ChannelDeclined}
-    covered |= {DesktopOpen, DesktopOpened, PortOpen, PortOpened}
+    covered |= {DesktopOpen, DesktopOpened}
     covered |= {AddressQuery, AddressAnswer}
     assert set(get_args(Message)) == covered
 

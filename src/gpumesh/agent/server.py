@@ -34,7 +34,6 @@ from gpumesh.agent.jobshell import JobShells
 from gpumesh.agent.limits import return_free_memory
 from gpumesh.agent.outputs import OutputsService
 from gpumesh.agent.peerrelay import FriendRegistrations, PeerRelay, peer_rules
-from gpumesh.agent.ports import PortService
 from gpumesh.agent.ratelimit import ConnectionLimiter, Outcome, RefusalTally, Slot
 from gpumesh.agent.reclaimer import GpuReclaimer
 from gpumesh.blocking import in_thread
@@ -204,16 +203,8 @@ class Agent:
         self.handlers.add(ThroughputRequest, _handle_throughput)
         self.desktop = DesktopService(provider, self.store, channels=self.files.channels)
         """The desktop share: the owner's one local port, for its own allowlist."""
-        self.ports = PortService(
-            provider,
-            self.jobs,
-            # The engine is made on first use: looked up at each call, not now.
-            lambda container_id: self.containers.runtime.pids(container_id),  # noqa: PLW0108
-            channels=self.files.channels,
-        )
-        """A job's forwarded ports: its submitter's connections into its container."""
         services = (self.jobs, self.files, self.apps, self.outputs, self.shells, self.desktop)
-        for service in (*services, self.ports, self.cuda):
+        for service in (*services, self.cuda):
             service.register(self.handlers)
         self.addresses = AddressService(
             self.identity,

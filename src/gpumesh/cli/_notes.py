@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import binascii
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import click
@@ -197,8 +197,6 @@ class RunReader:
         self.job_id: str | None = None
         self.provider: str | None = None
         self.after = 0
-        self.accepted: Callable[[str], None] | None = None
-        """Told the job's id once a provider accepted it (``run --port`` forwards then)."""
 
     def read(self, events: Iterable[SseEvent]) -> JobResultView:
         """Print ``events`` (:data:`~gpumesh.client.views.runs.RUN_EVENTS`) up to the
@@ -213,8 +211,6 @@ class RunReader:
             if isinstance(event.view, AcceptedView):
                 self.job_id = event.view.job_id
                 self.provider = event.view.provider
-                if self.accepted is not None:
-                    self.accepted(self.job_id)
             elif isinstance(event.view, QueuedView):
                 self.job_id, self.provider = event.view.job_id, ""  # no provider yet
             self.printer.show(event.view)

@@ -50,7 +50,6 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "cancel",
         "Cancel a job (yours or hosted), or a session.",
     ),
-    "port": ("gpumesh.cli.port", "port", "Reach a running job's ports on 127.0.0.1."),
     "cp": ("gpumesh.cli.cp", "cp", "Copy files to or from a peer's sandbox."),
     "app": ("gpumesh.cli.app", "app", "Sync a project folder to a peer and run jobs in it."),
     "exec": ("gpumesh.cli.exec", "exec", "Open a shell in a fresh container on a peer."),

@@ -33,9 +33,6 @@ Examples:
   gpumesh run --peer alice-pc --outputs /workspace/out -- python train.py
                             # its finished files arrive in ./gpumesh-outputs/JOB_ID/
   gpumesh run --group lab --outputs /out --outputs-to ./results -- ./sweep.sh
-  gpumesh run --peer alice-pc --port 8888 -- jupyter lab --ip 0.0.0.0
-                            # http://127.0.0.1:8888 here reaches the job's 8888
-  gpumesh run --peer alice-pc --port 8080:80 --port 6006 -- ./serve.sh
   gpumesh run --group lab --outputs /out --wait 30m --max-moves 5 -- ./train.sh
                             # moves when a provider is paused or lost, resuming
                             # from the outputs already home
@@ -86,15 +83,6 @@ Exit status: the job's own exit code (125 when it could not run, 130 when cancel
     metavar="DIR",
     help="Where --outputs go here (default ./gpumesh-outputs/JOB_ID).",
 )
-@click.option(
-    "-p",
-    "--port",
-    "ports",
-    multiple=True,
-    metavar="[LOCAL:]CONTAINER",
-    help="While the job runs, 127.0.0.1:LOCAL here reaches port CONTAINER in its "
-    "container (this user's programs only; HTTP, WebSocket, any TCP). Repeatable.",
-)
 @click.option("-f", "--file", "job_file", type=click.Path(), help="job.yaml with the same fields.")
 @click.option("--retries", type=int, help="Re-run a failed attempt up to N times (backoff).")
 @click.option("--timeout", metavar="DURATION", help="Stop an attempt after e.g. 30m or 2h.")
@@ -118,7 +106,6 @@ def run(
     mounts: tuple[str, ...],
     outputs: str | None,
     outputs_to: str | None,
-    ports: tuple[str, ...],
     detach: bool,
     quiet: bool,
     command: tuple[str, ...],
@@ -130,9 +117,7 @@ def run(
     the remote job or leave it running.
     """
     from gpumesh.client import bodies
-    from gpumesh.protocol.ports import parse_ports
 
-    parse_ports(list(ports))  # a usage error before anything else
     # Local folders are this process's: the node process works elsewhere.
     absolute_to = _absolute(outputs_to) if outputs_to else None
     under = _absolute("gpumesh-outputs") if not outputs_to else None
@@ -151,7 +136,7 @@ def run(
             outputs_to=absolute_to,
             outputs_under=under,
         )
-        _through_node(body, detach=detach, quiet=quiet, explain=explain, ports=list(ports))
+        _through_node(body, detach=detach, quiet=quiet, explain=explain)
         return
     from gpumesh.client.jobspec import build_spec
 
@@ -171,11 +156,9 @@ def run(
         outputs_to=absolute_to,
         outputs_under=under,
         max_moves=max_moves,
-        ports=list(ports),
     )
     spec_body = bodies.job_body(spec, wait=wait or 0.0)
-    forwarded = [str(port) for port in spec.ports]
-    _through_node(spec_body, detach=detach, quiet=quiet, explain=explain, ports=forwarded)
+    _through_node(spec_body, detach=detach, quiet=quiet, explain=explain)
 
 
 def _absolute(path: str) -> str:
@@ -185,14 +168,11 @@ def _absolute(path: str) -> str:
     return os.path.abspath(os.path.expanduser(path))
 
 
-def _through_node(
-    body: JobBody, *, detach: bool, quiet: bool, explain: bool = False, ports: list[str]
-) -> None:
+def _through_node(body: JobBody, *, detach: bool, quiet: bool, explain: bool = False) -> None:
     """``run`` as a thin client of the node process. Detached, it returns once the
     provider accepted the job (and the workdir is uploaded); else the node process
     streams the run (placement, pull, acceptance, upload, then the job's events),
-    and a stream its node process dropped after acceptance resumes as `logs -f`.
-    ``ports`` are forwarded from acceptance on, on a stream of their own."""
+    and a stream its node process dropped after acceptance resumes as `logs -f`."""
     from gpumesh.cli._node import follow, node_client
     from gpumesh.cli._notes import RESTARTS_ON_MOVE, RunReader, ViewPrinter, exit_status_of
     from gpumesh.client.views.jobs import JobResultView
@@ -200,17 +180,6 @@ def _through_node(
     from gpumesh.daemon.client import NodeUnavailableError
 
     client = node_client()
-    if ports:
-        from gpumesh.client.ports import local_ports_free
-        from gpumesh.errors import BadRequestError
-        from gpumesh.protocol.ports import parse_ports
-
-        if detach:
-            raise BadRequestError(
-                "--port needs `run` to follow the job: without --detach, or forward "
-                "later with `gpumesh port JOB PORT`"
-            )
-        local_ports_free(parse_ports(ports))
     restarts = bool(body.group) and not body.outputs and body.max_moves != 0
     if detach:
         job_id = client.call("POST", "/api/v1/jobs", JobResultView, body).job_id
@@ -219,8 +188,6 @@ def _through_node(
         click.echo(job_id)
         return
     reader = RunReader(ViewPrinter("", quiet=quiet, explain=explain))
-    if ports:
-        reader.accepted = lambda job_id: _forward(job_id, ports)
     reader.printer.steps.restarts_on_move = restarts
     try:
         try:
@@ -240,32 +207,6 @@ def _through_node(
             _interrupted(reader.job_id, reader.provider)
         raise SystemExit(ExitCode.INTERRUPTED) from None
     raise SystemExit(exit_status_of(result.state, result.exit_code))
-
-
-def _forward(job_id: str, ports: list[str]) -> None:
-    """Forward ``ports`` of the job just accepted, on a thread, while ``run`` follows
-    it: a line once each answers; one saying why, should they not be forwarded. The
-    forward ends with the job (the node process ends it), or with this process."""
-    import threading
-    from urllib.parse import quote
-
-    from gpumesh.cli._node import node_client
-    from gpumesh.cli.port import print_forward_events
-    from gpumesh.client.bodies import PortsBody
-    from gpumesh.errors import NotFoundError
-
-    def forward() -> None:
-        try:
-            answer = node_client().send(
-                "POST", f"/api/v1/jobs/{quote(job_id, safe='')}/ports", PortsBody(ports=ports)
-            )
-            print_forward_events(answer, quiet=True)
-        except NotFoundError:
-            pass  # the job ended: `run` says how
-        except GPUMeshError as exc:
-            print_error(f"ports not forwarded: {exc.message}")
-
-    threading.Thread(target=forward, name="gpumesh-ports", daemon=True).start()
 
 
 def _interrupted(job_id: str, peer: str) -> None:

@@ -38,7 +38,6 @@ __all__ = [
     "MemberBody",
     "PairBody",
     "PauseBody",
-    "PortsBody",
     "PruneBody",
     "SearchBody",
     "ShareOptions",
@@ -247,13 +246,6 @@ class DesktopShareBody(msgspec.Struct, forbid_unknown_fields=True):
     """``tcp``: a port that is not a usual VNC or RDP one."""
     port: Annotated[int, msgspec.Meta(ge=1, le=65535)]
     """The desktop server's TCP port on 127.0.0.1."""
-
-
-class PortsBody(msgspec.Struct, forbid_unknown_fields=True):
-    """``gpumesh port``: a job's ports on loopback ports of this machine."""
-
-    ports: list[str]
-    """``LOCAL:CONTAINER`` or ``PORT`` (the same number on both sides) each."""
 
 
 class TunnelBody(msgspec.Struct, forbid_unknown_fields=True):

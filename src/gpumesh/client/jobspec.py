@@ -21,7 +21,6 @@ A job file::
     outputs: /workspace/out                  # its finished files come home as it runs
     outputs_to: ./results                    # default ./gpumesh-outputs/JOB_ID
     max_moves: 5                             # with group: moves to another member
-    ports: [8888, "8080:80"]                 # 127.0.0.1:LOCAL here while `run` follows it
 """
 
 from __future__ import annotations
@@ -38,8 +37,7 @@ from typing import Any, NoReturn
 
 import yaml
 
-from gpumesh.errors import BadRequestError, ConfigError
-from gpumesh.protocol.ports import PortSpec, parse_ports
+from gpumesh.errors import ConfigError
 from gpumesh.runtime.base import MAX_MOUNTS, mount_target_problem
 from gpumesh.units import parse_duration, parse_size
 
@@ -77,7 +75,6 @@ FIELDS = (
     "outputs",
     "outputs_to",
     "max_moves",
-    "ports",
 )
 """Every field a job file may set, in the order the docs list them."""
 
@@ -134,8 +131,6 @@ class JobSpec:
     subfolder they go to (the caller's ``./gpumesh-outputs``)."""
     max_moves: int = 0
     """With ``group``: how many times the job may move to another member (0 to 10)."""
-    ports: list[PortSpec] = field(default_factory=list)
-    """Its ports on this machine's loopback while ``run`` follows it (``--port``)."""
 
 
 @dataclass(frozen=True)
@@ -160,7 +155,6 @@ class JobFile:
     outputs_to: Path | None = None
     """Absolute: a relative path is taken from the job file's folder."""
     max_moves: int | None = None
-    ports: list[PortSpec] | None = None
     lines: dict[str, int] = field(default_factory=dict)
     """Line of each field the file sets, for messages about checks made later."""
 
@@ -528,15 +522,6 @@ class _FileReader:
         except ConfigError as exc:
             self.fail(node, f"mounts: {exc.message}")
 
-    def ports(self, node: yaml.Node) -> list[PortSpec]:
-        example = 'a list of [LOCAL:]CONTAINER such as [8888, "8080:80"]'
-        if not isinstance(node, yaml.SequenceNode):
-            self.fail(node, f"ports: must be {example}, got {_kind(node)}")
-        try:
-            return parse_ports([self.text(item, "ports", example) for item in node.value])
-        except BadRequestError as exc:
-            self.fail(node, f"ports: {exc.message.removeprefix('--port ')}")
-
     def name(self, node: yaml.Node, name: str) -> str:
         return self.text(node, name, f"a {name} name")
 
@@ -671,7 +656,6 @@ def build_spec(
     outputs_to: Path | str | None = None,
     outputs_under: Path | str | None = None,
     max_moves: int | None = None,
-    ports: Sequence[str] | None = None,
 ) -> JobSpec:
     """Merge a job file (if any) with flags into a checked :class:`JobSpec`.
 
@@ -682,8 +666,7 @@ def build_spec(
     ``gpu_memory`` is bytes when an int, or text such as ``8GB``. ``mounts``
     (``--mount``) are added to the file's. ``outputs_to`` and ``outputs_under``
     are absolute (the caller's working folder is not this process's).
-    ``max_moves`` (``--max-moves``) is for a group's job only. ``ports``
-    (``--port``) are added to the file's.
+    ``max_moves`` (``--max-moves``) is for a group's job only.
     """
     job = load_job_file(file) if file is not None else JobFile(path=Path())
     shown = str(job.path)
@@ -792,7 +775,6 @@ def build_spec(
         outputs_to=final_outputs_to,
         outputs_under=final_outputs_under,
         max_moves=final_max_moves,
-        ports=parse_ports([*(str(p) for p in job.ports or []), *(ports or [])]),
     )
 
 

@@ -46,7 +46,6 @@ from gpumesh.client.bodies import (
     MemberBody,
     PairBody,
     PauseBody,
-    PortsBody,
     PruneBody,
     SearchBody,
     ShareOptions,
@@ -68,7 +67,6 @@ from gpumesh.client.views import (
     node,
     owner,
     peers,
-    ports,
     registry,
 )
 from gpumesh.client.views.apps import AppPullView
@@ -93,7 +91,6 @@ from gpumesh.control.routes.jobs import (
     get_jobs,
     post_cancel,
     post_job,
-    post_job_ports,
     post_prune,
 )
 from gpumesh.control.routes.node import (
@@ -283,11 +280,6 @@ ENDPOINTS: tuple[Endpoint, ...] = (
              joblist.JobListEntry),
     Endpoint("POST", "/api/v1/jobs/{job_id}/cancel", post_cancel, "Cancel a job",
              jobs.JobResultView, body=CancelBody),
-    Endpoint("POST", "/api/v1/jobs/{job_id}/ports", post_job_ports,
-             "Forward ports of a job submitted here to loopback ports while the stream "
-             "lasts: Server-Sent Events: portsview (where they listen), then "
-             "portanswersview, portrefusedview, portwarningview", ports.PortsView,
-             Access.NO_COOKIE, body=PortsBody, media_type="text/event-stream"),
     Endpoint("GET", "/api/v1/jobs/{job_id}/events", get_job_events,
              "A job's events as Server-Sent Events, resumable by sequence number",
              jobs.Output | jobs.Status | jobs.Dropped | jobs.Reconnecting | jobs.Moved,

@@ -8,12 +8,11 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from gpumesh.client import jobs, runs
-from gpumesh.client.bodies import CancelBody, JobBody, PortsBody, PruneBody
+from gpumesh.client.bodies import CancelBody, JobBody, PruneBody
 from gpumesh.client.jobrefresh import refresh_jobs
 from gpumesh.client.jobs import cancel, find_job, logs, prune_jobs, run_job
 from gpumesh.client.jobspec import build_spec, queue_wait
 from gpumesh.client.outputs import RECEIVING
-from gpumesh.client.ports import forward_ports
 from gpumesh.client.runs import watch_run
 from gpumesh.client.views import ErrorView
 from gpumesh.client.views.joblist import JobListEntry, PrunedJob
@@ -27,7 +26,6 @@ from gpumesh.client.views.jobs import (
     Status,
 )
 from gpumesh.client.views.outputs import OutputsView
-from gpumesh.client.views.ports import PortAnswersView, PortRefusedView, PortsView, PortWarningView
 from gpumesh.client.views.runs import (
     AcceptedView,
     CandidateView,
@@ -38,9 +36,8 @@ from gpumesh.client.views.runs import (
     UploadingView,
 )
 from gpumesh.control.call import Call
-from gpumesh.control.streams import KEEPALIVE, EventStream, Feed, feed_events, paced_events, sse
+from gpumesh.control.streams import KEEPALIVE, EventStream, paced_events, sse
 from gpumesh.errors import BadRequestError, GPUMeshError
-from gpumesh.protocol.ports import parse_ports
 
 if TYPE_CHECKING:
     from gpumesh.client.node import Node
@@ -51,7 +48,6 @@ __all__ = [
     "get_jobs",
     "post_cancel",
     "post_job",
-    "post_job_ports",
     "post_prune",
     "run_event",
 ]
@@ -234,31 +230,3 @@ def _step_view(event: runs.RunEvent) -> StepView | None:
     if isinstance(event, runs.Queued):
         return QueuedView(event.job_id, event.message)
     return None
-
-
-async def post_job_ports(call: Call) -> object:
-    """Forward ports of a job this node submitted to loopback ports here, as Server-Sent
-    Events: ``portsview`` once they listen, ``portanswersview`` as each container port
-    first listens (``portrefusedview``: another user's process, refused;
-    ``portwarningview``: a connection the provider refused), until the stream is left
-    (the forwards close) or an ``error`` says why they ended (the job's end)."""
-    body: PortsBody = call.body
-    specs = parse_ports(list(body.ports))
-    job_id = call.param("job_id")
-
-    async def work(feed: Feed) -> object:
-        def put(view: object) -> None:  # named as PORT_EVENTS names it
-            feed.put(type(view).__name__.lower(), view)
-
-        await forward_ports(
-            call.node,
-            job_id,
-            specs,
-            ready=lambda ready: put(PortsView.of(ready)),
-            answers=lambda spec: put(PortAnswersView.of(spec)),
-            refused_local=lambda uid: put(PortRefusedView(uid)),
-            connection_refused=lambda error: put(PortWarningView(error.message)),
-        )
-        return None  # it ends by raising why
-
-    return EventStream(feed_events(work))
