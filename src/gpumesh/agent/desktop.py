@@ -4,8 +4,13 @@ Owns desktop sessions. A request is served only for a peer on the desktop
 allowlist (its own, empty until the owner adds someone; a denied peer is off it
 too), only while the owner shares the desktop, and only ever to 127.0.0.1 on
 the port the owner shared: the consumer names no address. Each request carries
-one TCP connection, carried as :mod:`gpumesh.agent.tcpserve` carries one (DATA
-frames, or a data channel of its own on a direct path); RDP clients open several.
+one TCP connection (:func:`gpumesh.transport.tcpstream.pump`); RDP clients open
+several. When the consumer asks for it (a direct path) and this node opens data
+channels, the connection's bytes go over a data channel of its own instead
+(TLS on TCP as ``cp``'s: a one-shot listener for the request's address, a
+fresh ticket, this node's key; :func:`gpumesh.transport.tcpstream.splice`), and
+the request's stream stays open beside it for refusals; a consumer that cannot
+reach the channel declines it and DATA frames carry the connection after all.
 
 :meth:`DesktopService.revoke` cuts at once every session whose peer left the
 desktop allowlist or whose share ended; the agent calls it whenever the home
@@ -29,16 +34,26 @@ from typing import TYPE_CHECKING, Protocol
 import msgspec
 
 from gpumesh.agent.deps import Handlers, Provider, RequestContext
-from gpumesh.agent.tcpserve import ChannelSource, carry, channel_listener, sealing_for, take_channel
-from gpumesh.errors import AccessDeniedError, AgentError, GPUMeshError, NotFoundError
+from gpumesh.blocking import closing_in_thread
+from gpumesh.errors import (
+    AccessDeniedError,
+    AgentError,
+    GPUMeshError,
+    NotFoundError,
+    ProtocolError,
+    UnreachableError,
+)
 from gpumesh.protocol.desktop import DesktopKind
-from gpumesh.protocol.messages import DesktopOpen, DesktopOpened
+from gpumesh.protocol.handshake import BINDING_SIZE
+from gpumesh.protocol.messages import ChannelDeclined, DesktopOpen, DesktopOpened
 from gpumesh.transport.sealing import FRAMING_VERSION
 from gpumesh.transport.sockowner import listening_on_loopback
+from gpumesh.transport.tcpstream import READ_LIMIT, pump, splice
 
 if TYPE_CHECKING:
     from gpumesh.store.peers import Peer
     from gpumesh.store.shares import DesktopShare
+    from gpumesh.transport.channel import Listener, MemoryChannel
     from gpumesh.transport.stream import Stream
 
 __all__ = ["DesktopService", "DesktopSession", "DesktopStore"]
@@ -48,6 +63,14 @@ logger = logging.getLogger(__name__)
 SERVER_HOST = "127.0.0.1"
 """Where the shared desktop server is reached: this host's loopback, nowhere else."""
 _CONNECT_TIMEOUT = 10.0
+
+
+class ChannelSource(Protocol):
+    """Whether and where this node opens data channels (the file service's channels)."""
+
+    def enabled(self) -> bool: ...
+
+    def listen(self, peer: str) -> Listener: ...
 
 
 class DesktopStore(Protocol):
@@ -144,10 +167,12 @@ class DesktopService:
             server.close()
             ctx.stream.send_message(reply, end=True)
             return
-        listener = channel_listener(self.channels, ctx) if message.channel else None
-        # Only the field of version 2 on: a consumer that offers only version 1
-        # (``framing``) keeps TLS records.
-        framing = sealing_for(listener, ctx, self.framing, message.sealing)
+        listener = self._listener(ctx) if message.channel else None
+        framing = 0
+        if listener is not None and len(ctx.link.binding) == BINDING_SIZE:
+            # Only the field of version 2 on: a consumer that offers only version 1
+            # (``framing``) keeps TLS records.
+            framing = self.framing if self.framing and message.sealing >= self.framing else 0
         if listener is not None:
             reply = msgspec.structs.replace(
                 reply, channel_port=listener.port, channel_ticket=listener.ticket, sealing=framing
@@ -166,11 +191,7 @@ class DesktopService:
         session.framing = framing
         self._sessions[key] = session
         try:
-            channel = (
-                await take_channel(ctx, listener, "desktop connection")
-                if listener is not None
-                else None
-            )
+            channel = await self._channel(ctx, listener) if listener is not None else None
         except BaseException:
             self._sessions.pop(key, None)
             server.close()
@@ -189,8 +210,13 @@ class DesktopService:
             share.kind,
             "a data channel" if channel is not None else "QUIC",
         )
-        sealed_to = ctx.link.binding if channel is not None and framing else None
-        session.task = asyncio.create_task(carry(ctx.stream, server, channel, sealed_to))
+        session.task = asyncio.create_task(
+            _over_quic(ctx.stream, server)
+            if channel is None
+            else splice(
+                ctx.stream, server, channel, sealed_to=ctx.link.binding if framing else None
+            )
+        )
         try:
             await session.task
         except asyncio.CancelledError:
@@ -205,6 +231,56 @@ class DesktopService:
             self._sessions.pop(key, None)
         if session.cut is not None:
             logger.info("[%s] desktop connection cut: %s", ctx.peer.name, session.cut)
+
+    def _listener(self, ctx: RequestContext) -> Listener | None:
+        """A one-shot data channel listener for this request; None: QUIC carries it."""
+
+        channels = self.channels
+        if channels is None or not channels.enabled():
+            return None
+        try:
+            return channels.listen(ctx.link.remote_address()[0])
+        except UnreachableError as exc:
+            logger.debug("[%s] no data channel for the desktop: %s", ctx.peer.name, exc)
+            return None
+
+    async def _channel(self, ctx: RequestContext, listener: Listener) -> MemoryChannel | None:
+        """The consumer's data channel, or None when it declined it (QUIC carries the
+        connection). A channel neither opened nor declined ends the request."""
+        accepting = asyncio.ensure_future(closing_in_thread(listener.accept_memory))
+        declining = asyncio.ensure_future(ctx.stream.read_message())
+        taken = False
+        try:
+            done, _ = await asyncio.wait(
+                {accepting, declining}, return_when=asyncio.FIRST_COMPLETED
+            )
+            if accepting in done and accepting.exception() is None:
+                taken = True
+                return accepting.result()
+            # The channel did not open: the consumer says so on the stream (or it
+            # saw a channel we did not: nothing would carry the connection).
+            async with asyncio.timeout(_CONNECT_TIMEOUT):
+                message = await declining
+            if not isinstance(message, ChannelDeclined):
+                raise ProtocolError(
+                    f"peer sent {type(message).__name__} where a desktop connection's "
+                    "data channel or ChannelDeclined was expected"
+                )
+            logger.info("[%s] desktop data channel declined: %s", ctx.peer.name, message.reason)
+            return None
+        except TimeoutError:
+            raise ProtocolError(
+                "the desktop connection's data channel neither opened nor was declined"
+            ) from None
+        finally:
+            listener.stop()  # accept() returns within a fraction of a second
+            declining.cancel()
+            if not accepting.done():
+                accepting.cancel()  # a channel it still returns is closed, unclaimed
+            elif not taken and not accepting.cancelled() and accepting.exception() is None:
+                accepting.result().close()  # opened, yet the consumer declined it
+            with contextlib.suppress(asyncio.CancelledError, GPUMeshError):
+                await declining
 
     def _no_server(self, share: DesktopShare) -> AgentError:
         return AgentError(
@@ -272,3 +348,13 @@ async def _connect(port: int) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+async def _over_quic(stream: Stream, server: socket.socket) -> None:
+    """The connection's bytes as DATA frames on its stream (no data channel)."""
+    try:
+        reader, writer = await asyncio.open_connection(sock=server, limit=READ_LIMIT)
+    except BaseException:
+        server.close()
+        raise
+    await pump(stream, reader, writer)

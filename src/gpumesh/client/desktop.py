@@ -5,8 +5,12 @@ desktop may be used (``DesktopOpen`` with ``probe``: the allowlist, the share,
 its server answering; a refusal is raised as one error), then listens on a
 loopback port (15900 for VNC, 13389 for RDP) and carries each TCP connection
 a local client opens on its own stream of one session
-as :mod:`gpumesh.client.localport` carries one (DATA frames, or a data channel
-of its own on a direct path). RDP clients open several.
+(:func:`gpumesh.transport.tcpstream.pump`). RDP clients open several. On a
+direct path each connection asks for a data channel of its own (TLS on TCP
+with the provider's key pinned, as ``cp``'s: :mod:`gpumesh.client.bulk`
+decides when) and its bytes go there, the stream staying open for refusals;
+a channel that does not open is declined, remembered for the peer as ``cp``
+remembers it, and DATA frames on the stream carry the connection.
 
 Only loopback addresses are ever bound. On Linux a connection is taken only
 from a process of this user (the kernel's socket table says whose it is), so
@@ -24,20 +28,15 @@ import contextlib
 import dataclasses
 import ipaddress
 import logging
+import os
 import socket
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from gpumesh.client.localport import (
-    OwnerLookup,
-    Way,
-    accept_loop,
-    carry_connection,
-    family_of,
-    owner_lookup,
-    same_user,
-)
+from gpumesh.blocking import closing_in_thread
+from gpumesh.client.bulk import BLOCKED_FOR, why_no_channel
 from gpumesh.errors import (
     AccessDeniedError,
     BadRequestError,
@@ -46,20 +45,26 @@ from gpumesh.errors import (
     NotFoundError,
     ProtocolError,
     TransportError,
+    UnreachableError,
 )
 from gpumesh.protocol.desktop import DesktopKind, client_commands, kind_for_port
-from gpumesh.protocol.messages import DesktopOpen, DesktopOpened
+from gpumesh.protocol.handshake import BINDING_SIZE
+from gpumesh.protocol.messages import ChannelDeclined, DesktopOpen, DesktopOpened
+from gpumesh.transport.channel import dial_memory
 from gpumesh.transport.sealing import FRAMING_VERSION
 from gpumesh.transport.sockowner import (
     listening_beyond_loopback,
     listening_on_loopback,
     owner_check_available,
+    socket_owner,
 )
+from gpumesh.transport.tcpstream import READ_LIMIT, pump, splice
 
 if TYPE_CHECKING:
     from gpumesh.client.node import Node
     from gpumesh.store.peers import Peer
     from gpumesh.store.shares import DesktopShare
+    from gpumesh.transport.channel import MemoryChannel
     from gpumesh.transport.session import Session
 
 __all__ = [
@@ -83,6 +88,8 @@ logger = logging.getLogger(__name__)
 FRAMING = FRAMING_VERSION
 """The sealed-frame version a connection offers for its data channel (0: TLS
 records only, as a consumer before sealed frames)."""
+
+OwnerLookup = Callable[[tuple[str, int], tuple[str, int]], "int | None"]
 
 
 @dataclass(frozen=True)
@@ -175,11 +182,11 @@ async def desktop_tunnel(
     stopped, link lost).
     """
     host, port = bind
-    lookup = owner_lookup(owner)
+    lookup = owner if owner is not None else (socket_owner if owner_check_available() else None)
     target = node.peer(peer)
     async with node.session(target.node_id) as session:
         offer = await probe_desktop(session)
-        way = Way(node, target, session, carried)
+        way = _Way(node, target, session, carried)
         ended: asyncio.Future[GPUMeshError] = asyncio.get_running_loop().create_future()
         connections: set[asyncio.Task[None]] = set()
 
@@ -188,7 +195,7 @@ async def desktop_tunnel(
             assert task is not None
             connections.add(task)
             try:
-                if lookup is not None and not same_user(conn, lookup, refused_local):
+                if lookup is not None and not _same_user(conn, lookup, refused_local):
                     conn.close()
                     return
                 await _carry(way, conn, ended, connection_refused)
@@ -197,14 +204,14 @@ async def desktop_tunnel(
 
         listen_port = port if port is not None else offer.kind.local_port
         try:
-            listener = socket.create_server((host, listen_port), family=family_of(host))
+            listener = socket.create_server((host, listen_port), family=_family(host))
         except OSError as exc:
             raise InUseError(
                 f"cannot listen on {host}:{listen_port}: {exc.strerror or exc}; is another "
                 "tunnel running? pick another port with --bind 127.0.0.1:PORT"
             ) from None
         listener.setblocking(False)
-        accepting = asyncio.create_task(accept_loop(listener, serve, connections, "tunnel"))
+        accepting = asyncio.create_task(_accept(listener, serve, connections))
         closed = asyncio.ensure_future(session.link.wait_closed())
         try:
             bound = listener.getsockname()
@@ -227,8 +234,80 @@ async def desktop_tunnel(
                     await task
 
 
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+async def _accept(
+    listener: socket.socket,
+    serve: Callable[[socket.socket], Coroutine[Any, Any, None]],
+    connections: set[asyncio.Task[None]],
+) -> None:
+    """Take each connection to ``listener`` as a plain socket (a data channel moves
+    its bytes on a thread of its own; QUIC wraps it in asyncio streams)."""
+    loop = asyncio.get_running_loop()
+    while True:
+        try:
+            conn, _address = await loop.sock_accept(listener)
+        except (ConnectionAbortedError, InterruptedError):
+            continue  # gone while it was queued
+        except OSError as exc:  # e.g. out of file descriptors
+            raise TransportError(
+                f"the tunnel's listener failed: {exc.strerror or exc}; "
+                "start `desktop connect` again"
+            ) from None
+        conn.setblocking(False)
+        task = asyncio.create_task(serve(conn))
+        connections.add(task)  # before it first runs: a close now cancels it too
+
+
+def _same_user(
+    conn: socket.socket, lookup: OwnerLookup, refused: Callable[[int | None], None]
+) -> bool:
+    """Whether the connecting socket is this user's (its row in the kernel's table)."""
+    try:
+        theirs, ours = conn.getpeername(), conn.getsockname()
+    except OSError:
+        return False  # already gone
+    uid = lookup((str(theirs[0]), int(theirs[1])), (str(ours[0]), int(ours[1])))
+    if uid == os.getuid():
+        return True
+    logger.warning("refused a desktop connection from uid %s (not this user)", uid)
+    refused(uid)
+    return False
+
+
+@dataclass(frozen=True)
+class _Way:
+    """What each connection of one tunnel needs to pick its path."""
+
+    node: Node
+    peer: Peer
+    session: Session
+    carried: Callable[[str], None]
+
+
+async def _open_channel(way: _Way, opened: DesktopOpened) -> MemoryChannel | None:
+    """Dial the offered data channel; None when it does not open (remembered for the
+    peer, as ``cp`` remembers it: later connections go over QUIC without trying)."""
+
+    try:
+        return await closing_in_thread(
+            dial_memory,
+            way.session.address[0],
+            opened.channel_port,
+            way.peer.public_key,
+            opened.channel_ticket,
+        )
+    except GPUMeshError as exc:
+        if isinstance(exc, UnreachableError):
+            way.node.home.store.block_channel(str(way.peer.node_id), time.time() + BLOCKED_FOR)
+        logger.info("no desktop data channel to %s (%s); QUIC instead", way.peer.name, exc)
+        return None
+
+
 async def _carry(
-    way: Way,
+    way: _Way,
     conn: socket.socket,
     ended: asyncio.Future[GPUMeshError],
     refused: Callable[[GPUMeshError], None],
@@ -237,21 +316,46 @@ async def _carry(
     refusal that ends the whole tunnel (access revoked, share stopped) settles
     ``ended``."""
 
+    session = way.session
+    stream = session.open_stream()
     try:
-        await carry_connection(
-            way,
-            conn,
-            lambda channel, sealing: DesktopOpen(channel=channel, sealing=sealing),
-            DesktopOpened,
-            FRAMING,
-        )
+        wanted = why_no_channel(way.node, way.node.peer(way.peer.name), session) is None
+        binding = session.link.binding
+        offer = FRAMING if wanted and len(binding) == BINDING_SIZE else 0
+        # Offered in ``sealing`` only: a provider of version 1 reads ``framing`` and,
+        # finding 0 there, keeps TLS records rather than bind keys to ``tls-unique``.
+        stream.send_message(DesktopOpen(channel=wanted, sealing=offer))
+        opened = await stream.expect(DesktopOpened)
+        if opened.framing or (opened.sealing not in (0, offer)):
+            raise ProtocolError(
+                f"{way.peer.name} answered with sealed frames of version "
+                f"{opened.sealing or opened.framing}, which were not offered"
+            )
+        channel = None
+        if opened.channel_port:
+            channel = await _open_channel(way, opened)
+            if channel is None:
+                stream.send_message(ChannelDeclined(reason="the data channel did not open"))
+        way.carried("quic" if channel is None else "channel")
+        if channel is None:
+            reader, writer = await asyncio.open_connection(sock=conn, limit=READ_LIMIT)
+            await pump(stream, reader, writer)
+        else:
+            sealed_to = binding if opened.sealing else None
+            await splice(stream, conn, channel, sealed_to=sealed_to, dialler=True)
     except GPUMeshError as exc:
+        conn.close()
         if isinstance(exc, AccessDeniedError | NotFoundError) and not ended.done():
             ended.set_result(exc)
         else:
             logger.info("a desktop connection ended: %s", exc)
             if not isinstance(exc, TransportError):  # a reset or a lost link is no refusal
                 refused(exc)
+    except BaseException:
+        conn.close()
+        raise
+    finally:
+        session.link.forget_stream(stream.stream_id)
 
 
 # --- the owner's side: the share and its allowlist ------------------------------------

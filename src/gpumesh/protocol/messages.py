@@ -83,8 +83,6 @@ __all__ = [
     "OutputsReady",
     "Ping",
     "Pong",
-    "PortOpen",
-    "PortOpened",
     "Proof",
     "Refusal",
     "SessionProof",
@@ -836,28 +834,6 @@ class DesktopOpened(_Msg, tag="desktop_opened", frozen=True):
     32 random bytes through its TLS (0: TLS records carry it)."""
 
 
-class PortOpen(_Msg, tag="port_open", frozen=True):
-    """Consumer -> provider: connect to 127.0.0.1:``port`` in the network namespace of
-    its own job's container, then as ``DesktopOpen``. ``watch``: connect nothing, answer
-    ``PortOpened`` now and again once the port listens; the refusal ends with the job."""
-
-    job_id: JobId
-    port: Annotated[int, msgspec.Meta(ge=1, le=65535)]
-    watch: bool = False
-    channel: bool = False
-    sealing: int = 0
-
-
-class PortOpened(_Msg, tag="port_opened", frozen=True):
-    """As ``DesktopOpened``; ``listening``: the port listens in the container now."""
-
-    provider: Name
-    listening: bool = True
-    channel_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
-    channel_ticket: Annotated[bytes, msgspec.Meta(max_length=64)] = b""
-    sealing: int = 0
-
-
 # --- CUDA remoting: one session per stream ------------------------------------------
 
 
@@ -982,8 +958,6 @@ Message = (
     | ExecExit
     | DesktopOpen
     | DesktopOpened
-    | PortOpen
-    | PortOpened
     | CudaOpen
     | CudaOpened
     | AddressQuery
