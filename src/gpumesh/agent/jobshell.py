@@ -114,7 +114,7 @@ class JobShells:
         await in_thread(self.runner.recheck_folders, job)
         throwaway = ""
         image = job.image_id or job.image
-        if await self._kept_writable(job):  # start from what it left in its root
+        if job.container_id:  # its root was writable: start from what it left there
             throwaway = await in_thread(self.runner.runtime.commit, job.container_id)
             image = throwaway
         base = self.runner.container_spec(job, job.attempt, who)
@@ -141,18 +141,6 @@ class JobShells:
             kept_until=job.kept_until,
         )
         return Twin(spec, started, throwaway)
-
-    async def _kept_writable(self, job: JobRecord) -> bool:
-        """Whether the job's stopped container is kept with a writable root. Its id
-        stays in the store a moment after the end also when it is not kept (its
-        removal comes just after the end is told): the engine has the last word."""
-        if not job.container_id:
-            return False
-        try:
-            config = await in_thread(self.runner.runtime.host_config, job.container_id)
-        except GPUMeshError:
-            return False  # removed: the attempt's root was read-only
-        return not config.get("ReadonlyRootfs")
 
     async def discard(self, twin: Twin) -> None:
         """Remove the twin's throwaway image (its container is gone)."""
