@@ -50,7 +50,7 @@ def run_cli(
     )
 
 
-OWN_PROCESS = {"exec", "debug"}
+OWN_PROCESS = {"exec"}
 """Commands that read and write file descriptors 0 and 1 themselves (a terminal's
 raw bytes): their output is captured in a process of their own."""
 

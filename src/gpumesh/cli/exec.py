@@ -11,20 +11,20 @@ import os
 import signal
 import threading
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from gpumesh import platform
 from gpumesh.cli._common import run_async
-from gpumesh.cli._complete import complete_peer, complete_submitted_job
+from gpumesh.cli._complete import complete_peer
 from gpumesh.cli._node import env_of, node_client
 from gpumesh.errors import AgentError, ConfigError, error_from_code
 from gpumesh.units import parse_size
 
 if TYPE_CHECKING:
     from gpumesh.client.bodies import ShellRequest
-    from gpumesh.control.views import ShellOfferView, TwinView
+    from gpumesh.control.views import ShellOfferView
 
 
 @click.command(
@@ -37,16 +37,11 @@ Examples:
   gpumesh exec -e DEBUG=1 alice-pc -- sh -l
   echo 'nproc; exit 3' | gpumesh exec alice-pc sh    # no terminal: stdin is piped
   gpumesh exec --gpu-memory 8GB alice-pc nvidia-smi  # a shell with a GPU
-  gpumesh exec --job 3f9a                            # a shell in your running job
-  gpumesh exec --job 3f9a -- ps                      #   (no PEER: the job's provider)
 \b
 Each session gets a new container with the same lockdown as a job (no
 privileges, no capabilities, no host folders, no GPU unless --gpu-memory asks
 for one: its memory is then held for the shell, as for a job, until it ends)
 that is removed when the session ends. Options go before PEER; everything after it is the command.
-With --job, the command runs in the job's own container, as the job's user,
-while the job runs; only the job's submitter may enter it. To look into a job
-that ended, see `gpumesh debug`.
 \b
 Exit status: the program's exit code (129 when the local terminal hung up,
 143 on SIGTERM, 130 on Ctrl-C without a terminal).
@@ -59,23 +54,13 @@ Exit status: the program's exit code (129 when the local terminal hung up,
     metavar="SIZE",
     help="Give the shell a GPU with this much free memory (e.g. 8GB), held while it is open.",
 )
-@click.option(
-    "--job",
-    "job_id",
-    metavar="JOB",
-    shell_complete=complete_submitted_job,
-    help="Run in this running job's own container (a job you submitted; no PEER).",
-)
-@click.argument("peer", envvar="GPUMESH_PEER", required=False, shell_complete=complete_peer)
+@click.argument("peer", envvar="GPUMESH_PEER", shell_complete=complete_peer)
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
-@click.pass_context
 def exec(
-    ctx: click.Context,
-    peer: str | None,
+    peer: str,
     image: str | None,
     env_items: tuple[str, ...],
     gpu_memory: str | None,
-    job_id: str | None,
     command: tuple[str, ...],
 ) -> None:
     """Open a shell (or COMMAND, default sh) in a fresh container on PEER.
@@ -85,50 +70,28 @@ def exec(
     stdout and stderr arrive together. gpumesh exits with the program's code.
     PEER is a name or an id prefix; with no arguments at all, $GPUMESH_PEER.
     """
-    if job_id is not None:
-        # No PEER: what stands there is the command (never $GPUMESH_PEER).
-        typed = ctx.get_parameter_source("peer") is click.core.ParameterSource.COMMANDLINE
-        command = ((peer,) if typed and peer is not None else ()) + command
-        peer = None
-        for given, option in ((image, "--image"), (gpu_memory, "--gpu-memory")):
-            if given is not None:
-                raise ConfigError(f"{option} does not go with --job: the job's container is used")
-    elif peer is None:
-        raise click.UsageError("Missing argument 'PEER' (or $GPUMESH_PEER, or --job JOB).")
     if command[:1] == ("--",):  # `gpumesh exec PEER -- CMD`: the separator is not the command
         command = command[1:]
     if image is not None and (not image.strip() or any(ch.isspace() for ch in image)):
         raise ConfigError(f"--image {image!r} is not an image name, such as python:3.12-slim")
-    from gpumesh import settings
-    from gpumesh.client.bodies import ShellRequest
-
-    request = ShellRequest(
-        peer=peer or "",
-        command=list(command),
-        image=image or settings.env(settings.ENV_IMAGE),  # ours, not the node's
-        env=env_of(env_items),
-        gpu_memory=gpu_memory_of(gpu_memory),
-        job=job_id or "",
-    )
-    open_shell(request)
-
-
-def gpu_memory_of(text: str | None) -> int:
-    """``--gpu-memory``'s bytes (0: not given)."""
-    memory = parse_size(text) if text is not None else 0
-    if text is not None and memory <= 0:
-        raise ConfigError(f"--gpu-memory {text!r} must be more than 0, e.g. 8GB")
-    return memory
-
-
-def open_shell(request: ShellRequest) -> NoReturn:
-    """Run the shell ``request`` asks for through the node process, this terminal
-    in raw mode meanwhile (when there is one); exit with the program's code."""
+    memory = parse_size(gpu_memory) if gpu_memory is not None else 0
+    if gpu_memory is not None and memory <= 0:
+        raise ConfigError(f"--gpu-memory {gpu_memory!r} must be more than 0, e.g. 8GB")
     # Without termios (Windows) there is no raw mode to give keys through as
     # they are typed: the session runs as with a pipe, line by line.
     tty = os.isatty(0) and os.isatty(1) and platform.has("termios")
     raw = _RawMode(0) if tty else None
-    request.tty = tty
+    from gpumesh import settings
+    from gpumesh.client.bodies import ShellRequest
+
+    request = ShellRequest(
+        peer=peer,
+        command=list(command),
+        image=image or settings.env(settings.ENV_IMAGE),  # ours, not the node's
+        env=env_of(env_items),
+        gpu_memory=memory,
+        tty=tty,
+    )
     try:
         code = run_async(_through_node(request, raw))
     finally:
@@ -146,7 +109,7 @@ async def _through_node(request: ShellRequest, raw: _RawMode | None) -> int:
     from gpumesh.cli._notes import StepNotes
     from gpumesh.client.views import ErrorView
     from gpumesh.client.views.runs import PullingView
-    from gpumesh.control.views import ShellOfferView, TwinView
+    from gpumesh.control.views import ShellOfferView
     from gpumesh.daemon import frames
 
     client = node_client()
@@ -197,16 +160,12 @@ async def _through_node(request: ShellRequest, raw: _RawMode | None) -> int:
             kind, payload = item
             if kind == frames.DATA:
                 await _write_stdout(payload)
-            elif kind == frames.STARTED:
-                if payload:  # a twin (`debug`): which attempt, before the prompt
-                    twin = msgspec.json.decode(payload, type=TwinView)
-                    click.echo(f"gpumesh: {twin_line(twin)}", err=True)
-                if raw is not None:
-                    raw.enter()
-                    if platform.has("sigwinch"):
-                        undo.append(platform.add_signal_handler(loop, signal.SIGWINCH, resize))
-                    else:
-                        tasks.append(asyncio.ensure_future(_poll_window(resize)))
+            elif kind == frames.STARTED and raw is not None:
+                raw.enter()
+                if platform.has("sigwinch"):
+                    undo.append(platform.add_signal_handler(loop, signal.SIGWINCH, resize))
+                else:
+                    tasks.append(asyncio.ensure_future(_poll_window(resize)))
             elif kind == frames.PULL:
                 notes.pull(msgspec.json.decode(payload, type=PullingView))
             elif kind == frames.EXIT:
@@ -224,21 +183,6 @@ async def _through_node(request: ShellRequest, raw: _RawMode | None) -> int:
         for step in undo:
             step()
         writer.close()
-
-
-def twin_line(twin: TwinView) -> str:
-    """What ``debug`` says before the prompt: the attempt, how and when it ended."""
-    import time
-
-    def clock(at: float) -> str:
-        return time.strftime("%H:%M:%S", time.localtime(at)) if at else "?"
-
-    how = "never ran to an exit" if twin.exit_code is None else f"exited {twin.exit_code}"
-    return (
-        f"a twin of job {twin.job_id[:12]}, attempt {twin.attempt}, on {twin.provider}: "
-        f"it {how} at {clock(twin.ended_at)}; what it left is kept until "
-        f"{clock(twin.kept_until)} (the twin goes when this shell ends)"
-    )
 
 
 async def _connect_shell(

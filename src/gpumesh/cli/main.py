@@ -53,7 +53,6 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "cp": ("gpumesh.cli.cp", "cp", "Copy files to or from a peer's sandbox."),
     "app": ("gpumesh.cli.app", "app", "Sync a project folder to a peer and run jobs in it."),
     "exec": ("gpumesh.cli.exec", "exec", "Open a shell in a fresh container on a peer."),
-    "debug": ("gpumesh.cli.debug", "debug", "Open a shell in a twin of a job that ended."),
     "prune": ("gpumesh.cli.prune", "prune", "Remove old finished jobs and their logs."),
     "group": ("gpumesh.cli.group", "group", "Create, share and join groups of nodes."),
     "desktop": ("gpumesh.cli.desktop", "desktop", "Share your VNC/RDP desktop, or use a peer's."),

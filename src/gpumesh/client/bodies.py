@@ -267,8 +267,7 @@ class CudaBody(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class ShellRequest(msgspec.Struct, forbid_unknown_fields=True):
-    peer: str = ""
-    """The peer (a name or an id prefix); with ``job``, found from the job."""
+    peer: str
     command: list[str] = []
     """Empty: ``sh``."""
     image: str | None = None
@@ -278,11 +277,6 @@ class ShellRequest(msgspec.Struct, forbid_unknown_fields=True):
     tty: bool = False
     rows: int = 0
     cols: int = 0
-    job: str = ""
-    """A job submitted from here (an id or a unique prefix): with ``twin``, a shell
-    in a twin of its last attempt (``gpumesh debug``); without, in its running
-    container (``gpumesh exec --job``)."""
-    twin: bool = False
 
 
 class PauseBody(msgspec.Struct, forbid_unknown_fields=True):

@@ -16,15 +16,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterable, Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from gpumesh.errors import (
-    AccessDeniedError,
     AgentError,
     ConnectionLostError,
     GPUMeshError,
-    NotFoundError,
     ProtocolError,
     error_from_code,
 )
@@ -38,14 +35,12 @@ from gpumesh.protocol.messages import (
     Refusal,
     decode_message,
 )
-from gpumesh.protocol.states import JobRole
 
 if TYPE_CHECKING:
     from gpumesh.client.node import Node
-    from gpumesh.store.jobs import JobRecord
     from gpumesh.transport.stream import Stream
 
-__all__ = ["HANGUP_EXIT", "ByteSink", "ExecSession", "TwinOf", "exec_shell", "submitted_job"]
+__all__ = ["HANGUP_EXIT", "ByteSink", "ExecSession", "exec_shell"]
 
 HANGUP_EXIT = 129
 """Exit code when the local terminal goes away mid-session (128 + SIGHUP)."""
@@ -65,8 +60,6 @@ class ExecSession:
     def __init__(self, stream: Stream, tty: bool, provider: str) -> None:
         self.provider = provider
         self.tty = tty
-        self.twin: TwinOf | None = None
-        """A twin of a job (``debug``): the attempt it copies."""
         self._stream = stream
         self._open = True
 
@@ -80,49 +73,6 @@ class ExecSession:
 
     def close(self) -> None:
         self._open = False
-
-
-@dataclass(frozen=True)
-class TwinOf:
-    """The ended job's attempt a twin (``gpumesh debug``) copies, as its provider says."""
-
-    job_id: str
-    attempt: int
-    """The job's start it copies (every provider it ran on counted)."""
-    exit_code: int | None
-    """How that attempt exited (None: it never ran to an exit)."""
-    ended_at: float
-    """When the job ended (wall clock, the provider's)."""
-    kept_until: float
-    """Until when the provider keeps what the attempt left."""
-
-
-def submitted_job(node: Node, query: str, verb: str) -> JobRecord:
-    """The job ``query`` names (an id or a unique prefix) among those this node
-    submitted, placed on a provider; ``verb`` (``debug``, ``exec --job``) for the
-    refusals, which say what to do."""
-    try:
-        return _placed(node.home.store.find_job(query, role=JobRole.SUBMITTED), verb)
-    except NotFoundError:
-        pass
-    try:
-        hosted = node.home.store.find_job(query, role=JobRole.HOSTED)
-    except NotFoundError:
-        raise NotFoundError(
-            f"no job {query!r} submitted from here: `gpumesh jobs` lists yours"
-        ) from None
-    raise AccessDeniedError(
-        f"job {hosted.job_id} is {hosted.peer_name}'s, run here: only its submitter may {verb} it"
-    )
-
-
-def _placed(job: JobRecord, verb: str) -> JobRecord:
-    if not job.peer_id:
-        raise NotFoundError(
-            f"job {job.job_id} is {job.state} with no provider: nothing to {verb} "
-            "(`gpumesh jobs` shows it)"
-        )
-    return job
 
 
 def _ignore(_session: ExecSession) -> None:
@@ -143,8 +93,6 @@ async def exec_shell(
     started: Callable[[ExecSession], None] = _ignore,
     on_pull: Callable[[ImagePull], None] | None = None,
     gpu_memory: int = 0,
-    job: str = "",
-    twin: bool = False,
 ) -> int:
     """Run ``command`` (empty: the image's default) in a fresh container on ``peer``.
 
@@ -155,11 +103,7 @@ async def exec_shell(
     merged). ``started`` is called once the container runs; ``on_pull`` hears how
     the provider's pull of the image goes before that. ``gpu_memory``: give the
     shell a GPU with that many free bytes (held for it while it is open; refused
-    like a job's request when none has the room). ``job``: a job this node
-    submitted to ``peer``; with ``twin``, the shell runs in a twin of its last
-    attempt (``gpumesh debug``: ``image`` is not used; ``ExecSession.twin`` says
-    which attempt), without, ``command`` runs in its running container
-    (``gpumesh exec --job``). Returns the
+    like a job's request when none has the room). Returns the
     program's exit code, or HANGUP_EXIT when a TTY's ``source`` ended.
     """
     rows, cols = size if tty and size is not None else (0, 0)
@@ -172,8 +116,6 @@ async def exec_shell(
         cols=max(0, min(cols, _MAX_SIZE)),
         pull_progress=on_pull is not None,
         gpu_memory=gpu_memory,
-        job=job,
-        twin=twin,
     )
     target = node.peer(peer)
     async with node.session(target.node_id) as session:
@@ -192,17 +134,7 @@ async def exec_shell(
                 f"{reply.provider} opened the shell without a GPU: its gpumesh is too old "
                 "for `exec --gpu-memory`; ask its owner to upgrade (jobs get GPUs meanwhile)"
             )
-        if job and reply.job != job:
-            stream.abort()  # a plain shell opened instead: not what was asked for
-            what = "debug" if twin else "exec --job"
-            raise AgentError(
-                f"{reply.provider}'s gpumesh is too old for `{what}`: ask its owner to upgrade"
-            )
         shell = ExecSession(stream, tty, reply.provider)
-        if twin:
-            shell.twin = TwinOf(
-                job, reply.attempt, reply.exit_code, reply.ended_at, reply.kept_until
-            )
         started(shell)
         pump = asyncio.create_task(_pump_input(stream, source, tty))
         receiver = asyncio.create_task(_receive(stream, sink, reply.provider))

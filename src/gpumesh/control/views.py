@@ -9,12 +9,7 @@ thin CLI reads the process's view.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import msgspec
-
-if TYPE_CHECKING:
-    from gpumesh.client.exec import TwinOf
 
 __all__ = [
     "DaemonStatusView",
@@ -24,7 +19,6 @@ __all__ = [
     "RelayRegistrationView",
     "ShareEndedView",
     "ShellOfferView",
-    "TwinView",
     "WarmSessionView",
 ]
 
@@ -100,24 +94,6 @@ class ShellOfferView(msgspec.Struct):
     socket: str
     port: int
     token: str
-
-
-class TwinView(msgspec.Struct):
-    """A twin's start (``gpumesh debug``): the job's attempt it copies, as the
-    STARTED frame of its shell socket carries it."""
-
-    job_id: str
-    provider: str
-    attempt: int
-    exit_code: int | None
-    ended_at: float
-    kept_until: float
-
-    @classmethod
-    def of(cls, twin: TwinOf, provider: str) -> TwinView:
-        return cls(
-            twin.job_id, provider, twin.attempt, twin.exit_code, twin.ended_at, twin.kept_until
-        )
 
 
 class DaemonStatusView(msgspec.Struct):

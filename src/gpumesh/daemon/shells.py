@@ -33,7 +33,7 @@ from gpumesh import platform
 from gpumesh.client.exec import exec_shell
 from gpumesh.client.views import ErrorView
 from gpumesh.client.views.runs import PullingView
-from gpumesh.control.views import ShellOfferView, TwinView
+from gpumesh.control.views import ShellOfferView
 from gpumesh.daemon import frames
 from gpumesh.errors import GPUMeshError
 from gpumesh.store.sockets import socket_name
@@ -168,12 +168,7 @@ async def _session(
 
     def started(session: ExecSession) -> None:
         shell.append(session)
-        twin = (
-            b""
-            if session.twin is None
-            else msgspec.json.encode(TwinView.of(session.twin, session.provider))
-        )
-        writer.write(frames.frame(frames.STARTED, twin))
+        writer.write(frames.frame(frames.STARTED))
         if pending:
             session.resize(*pending[0])
 
@@ -197,8 +192,6 @@ async def _session(
             started=started,
             on_pull=on_pull,
             gpu_memory=request.gpu_memory,
-            job=request.job,
-            twin=request.twin,
         )
         last = frames.frame(frames.EXIT, code.to_bytes(4, "big", signed=True))
     except GPUMeshError as exc:

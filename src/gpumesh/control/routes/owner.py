@@ -3,12 +3,9 @@ desktop and CUDA shares, shells opened from here."""
 
 from __future__ import annotations
 
-import msgspec
-
 from gpumesh.client.bodies import DesktopShareBody, ShellRequest
 from gpumesh.client.cuda import share
 from gpumesh.client.desktop import share_desktop, stop_desktop_share
-from gpumesh.client.exec import submitted_job
 from gpumesh.client.jobspec import parse_env
 from gpumesh.client.owner import SessionKind, end_session, owner_view
 from gpumesh.client.views.owner import (
@@ -72,14 +69,6 @@ async def post_shell(call: Call) -> object:
     state = call.state
     body: ShellRequest = call.body
 
-    if body.job:  # the job's provider; a job not submitted from here is refused now
-        verb = "debug" if body.twin else "exec --job"
-        job = submitted_job(call.node, body.job, verb)
-        body = msgspec.structs.replace(body, peer=job.peer_id, job=job.job_id)
-    elif body.twin:
-        raise BadRequestError("twin needs a job")
-    elif not body.peer:
-        raise BadRequestError("peer is missing: name the peer to open a shell on")
     call.node.peer(body.peer)  # an unknown peer is refused now, not on the socket
     parse_env([f"{key}={value}" for key, value in body.env.items()])  # `--env`'s checks
     if body.gpu_memory < 0 or body.rows < 0 or body.cols < 0:
