@@ -18,29 +18,24 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import functools
 import logging
 import secrets
 import threading
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from gpumesh.agent.containers import Containers, JobUser
 from gpumesh.agent.deps import Handlers, Provider, RequestContext
 from gpumesh.agent.gpus import GpuAllocator, Holder, HolderKind
-from gpumesh.agent.jobshell import JobShells, Twin
 from gpumesh.agent.limits import Admission
 from gpumesh.blocking import abandon, in_thread
 from gpumesh.errors import (
     AccessDeniedError,
-    ConfigError,
     ConnectionLostError,
     ExitCode,
     GPUMeshError,
     LimitError,
-    NotFoundError,
     ProtocolError,
     error_from_code,
 )
@@ -60,7 +55,6 @@ from gpumesh.runtime.base import (
     LABEL_NODE,
     LABEL_PEER,
     ContainerSpec,
-    ContainerState,
     JobRuntime,
     Terminal,
 )
@@ -116,11 +110,8 @@ class ExecService:
         containers: Containers,
         admission: Admission,
         gpus: GpuAllocator,
-        jobs: JobShells | None = None,
     ) -> None:
         self.provider = provider
-        self.jobs = jobs
-        """Twins of ended jobs and execs into running ones (None: no jobs here)."""
         self.containers = containers
         """The engine, images, user and limits: the same as jobs get."""
         self.gpus = gpus
@@ -130,9 +121,6 @@ class ExecService:
         self._live: set[str] = set()
         """Containers of open sessions, removed on stop."""
         self._sessions: dict[str, ShellSession] = {}
-        self._execs: dict[str, str] = {}
-        """Programs of open ``exec --job`` sessions (exec id -> the job's container),
-        ended on stop (the job's container stays)."""
 
     def register(self, handlers: Handlers) -> None:
         handlers.add(ExecStart, self.handle_start)
@@ -155,12 +143,7 @@ class ExecService:
         return True
 
     def stop(self) -> None:
-        """Remove the containers of open sessions, end the programs of open execs into
-        jobs (blocking, bounded)."""
-        execs, self._execs = dict(self._execs), {}
-        for exec_id, container_id in execs.items():
-            with contextlib.suppress(GPUMeshError):
-                self.runtime.exec_kill(container_id, exec_id)
+        """Remove the containers of open sessions (blocking, bounded)."""
         live, self._live = list(self._live), set()
         threads = [
             threading.Thread(target=self._remove_quietly, args=(cid,), daemon=True) for cid in live
@@ -182,16 +165,9 @@ class ExecService:
         for key in message.env:
             if key.upper().startswith("NVIDIA_"):
                 raise LimitError(f"{key} may not be set: the provider decides GPU access")
-        if message.job and self.jobs is None:
-            raise NotFoundError(f"{self.provider.name} runs no jobs")
-        if message.job and not message.twin and message.gpu_memory:
-            raise ConfigError("a job's container has the job's GPUs: --gpu-memory is for debug")
         # Held from before the image check (no pull for a peer at its limit) until the
         # container is gone: max_shells_per_peer, and its memory within share_memory.
         with self.admission.shell(ctx.peer.node_id):
-            if message.job and not message.twin:
-                await self._enter(ctx, message)
-                return
             holder = Holder(HolderKind.SHELL, secrets.token_hex(6))
             gpus = await self.gpus.reserve(holder, message.gpu_memory) if message.gpu_memory else []
             try:
@@ -200,39 +176,13 @@ class ExecService:
                 self.gpus.release(holder)
 
     async def _open(self, ctx: RequestContext, message: ExecStart, gpus: list[str]) -> None:
-        twin: Twin | None = None
-        if message.job and self.jobs is not None:
-            twin = await self.jobs.twin(ctx.peer, message, gpus)
-            spec, started = twin.spec, twin.started
-        else:
-            who = await self.containers.prepare(
-                message.image, ctx.stream if message.pull_progress else None
-            )
-            spec = self.container_spec(ctx.peer, message, who, gpus)
-            started = ExecStarted(provider=self.provider.name, gpus=gpus)
-        try:
-            await self._run(ctx, message, spec, started, folders=twin is not None)
-        finally:
-            if twin is not None and self.jobs is not None:
-                await self.jobs.discard(twin)
-
-    async def _run(
-        self,
-        ctx: RequestContext,
-        message: ExecStart,
-        spec: ContainerSpec,
-        started: ExecStarted,
-        *,
-        folders: bool,
-    ) -> None:
-        """One shell's container: made, attached, started, served, removed."""
+        who = await self.containers.prepare(
+            message.image, ctx.stream if message.pull_progress else None
+        )
+        spec = self.container_spec(ctx.peer, message, who, gpus)
         runtime = self.runtime
         try:
-            container_id = await in_thread(
-                functools.partial(runtime.create_interactive, folders=folders),
-                spec,
-                message.tty,
-            )
+            container_id = await in_thread(runtime.create_interactive, spec, message.tty)
         except GPUMeshError as exc:
             raise self.containers.in_our_name(exc) from None
         self._live.add(container_id)
@@ -245,17 +195,27 @@ class ExecService:
                 raise self.containers.in_our_name(exc) from None
             if message.tty and message.rows and message.cols:
                 await self._resize(container_id, message.rows, message.cols)
-            ctx.stream.send_message(started)
+            ctx.stream.send_message(ExecStarted(provider=self.provider.name, gpus=gpus))
             logger.info("[%s] opened a shell in %s (%s)", ctx.peer.name, spec.name, spec.image)
-            await self._session(
-                ctx,
-                spec.name,
-                spec.image,
-                terminal,
-                message.tty,
-                functools.partial(runtime.wait, container_id),
-                functools.partial(self._resize, container_id),
+            session = ShellSession(
+                f"shell-{secrets.token_hex(6)}", ctx.peer.name, spec.image, spec.name, time.time()
             )
+            self._sessions[session.id] = session
+            try:
+                exit_code = await self._serve(
+                    ctx, container_id, terminal, message.tty, session.ended, spec.image
+                )
+            except ConnectionLostError as exc:
+                # The consumer went away: nobody to answer; the container goes below.
+                logger.info("[%s] left the shell in %s: %s", ctx.peer.name, spec.name, exc)
+                return
+            finally:
+                self._sessions.pop(session.id, None)
+            if exit_code is None:
+                logger.info("[%s] shell in %s ended by the owner", ctx.peer.name, spec.name)
+                raise AccessDeniedError(f"{self.provider.name}'s owner ended your shell")
+            ctx.stream.send_message(ExecExit(exit_code=exit_code), end=True)
+            logger.info("[%s] shell in %s exited %d", ctx.peer.name, spec.name, exit_code)
         finally:
             if terminal is not None:
                 terminal.close()
@@ -264,77 +224,6 @@ class ExecService:
                     await in_thread(runtime.remove, container_id)
             finally:
                 self._live.discard(container_id)
-
-    async def _enter(self, ctx: RequestContext, message: ExecStart) -> None:
-        """``exec --job``: the command in the job's own running container, as the
-        job's user (``docker exec``); the job's container stays when it ends."""
-        assert self.jobs is not None
-        job = self.jobs.running(ctx.peer, message.job)
-        who = await self.containers.who_runs(job.image)
-        runtime = self.runtime
-        command = list(message.command) or ["sh"]
-        try:
-            program = await in_thread(
-                runtime.exec_in, job.container_id, command, who.user, message.tty
-            )
-        except NotFoundError:
-            raise ConfigError(
-                f"job {job.job_id} on {self.provider.name} is not running any more: "
-                f"look into what it left with `gpumesh debug {job.job_id[:12]}`"
-            ) from None
-        except GPUMeshError as exc:
-            raise self.containers.in_our_name(exc) from None
-        container_id, exec_id = job.container_id, program.exec_id
-        self._execs[exec_id] = container_id
-
-        def wait() -> ContainerState:
-            return ContainerState(container_id, {}, "exited", runtime.exec_wait(exec_id))
-
-        async def resize(rows: int, cols: int) -> None:
-            with contextlib.suppress(GPUMeshError):  # it may have just exited
-                await in_thread(runtime.exec_resize, exec_id, rows, cols)
-
-        name = f"gpumesh-{job.job_id}"
-        try:
-            if message.tty and message.rows and message.cols:
-                await resize(message.rows, message.cols)
-            ctx.stream.send_message(ExecStarted(provider=self.provider.name, job=job.job_id))
-            logger.info("[%s] entered job %s's container", ctx.peer.name, job.job_id)
-            await self._session(ctx, name, job.image, program.terminal, message.tty, wait, resize)
-        finally:
-            program.terminal.close()
-            self._execs.pop(exec_id, None)
-            await in_thread(runtime.exec_kill, container_id, exec_id)
-
-    async def _session(
-        self,
-        ctx: RequestContext,
-        name: str,
-        image: str,
-        terminal: Terminal,
-        tty: bool,
-        wait: Callable[[], ContainerState],
-        resize: Callable[[int, int], Awaitable[None]],
-    ) -> None:
-        """Serve an open shell until it ends, listed for the owner meanwhile; its
-        exit code to the consumer."""
-        session = ShellSession(
-            f"shell-{secrets.token_hex(6)}", ctx.peer.name, image, name, time.time()
-        )
-        self._sessions[session.id] = session
-        try:
-            exit_code = await self._serve(ctx, terminal, tty, session.ended, image, wait, resize)
-        except ConnectionLostError as exc:
-            # The consumer went away: nobody to answer; the container goes after.
-            logger.info("[%s] left the shell in %s: %s", ctx.peer.name, name, exc)
-            return
-        finally:
-            self._sessions.pop(session.id, None)
-        if exit_code is None:
-            logger.info("[%s] shell in %s ended by the owner", ctx.peer.name, name)
-            raise AccessDeniedError(f"{self.provider.name}'s owner ended your shell")
-        ctx.stream.send_message(ExecExit(exit_code=exit_code), end=True)
-        logger.info("[%s] shell in %s exited %d", ctx.peer.name, name, exit_code)
 
     def container_spec(
         self, peer: Peer, message: ExecStart, who: JobUser, gpus: list[str] | None = None
@@ -369,12 +258,11 @@ class ExecService:
     async def _serve(
         self,
         ctx: RequestContext,
+        container_id: str,
         terminal: Terminal,
         tty: bool,
         ended: asyncio.Event,
         image: str,
-        wait: Callable[[], ContainerState],
-        resize: Callable[[int, int], Awaitable[None]],
     ) -> int | None:
         """Pump bytes both ways until the program exits; return its exit code, or None
         when the owner ended the shell first.
@@ -391,10 +279,10 @@ class ExecService:
             daemon=True,
         ).start()
         sender = asyncio.create_task(_send_output(ctx.stream, queue, image))
-        receiver = asyncio.create_task(self._receive_input(ctx.stream, terminal, tty, resize))
+        receiver = asyncio.create_task(self._receive_input(ctx.stream, container_id, terminal, tty))
         closed = asyncio.create_task(ctx.link.wait_closed())
         owner = asyncio.create_task(ended.wait())
-        waiter = in_thread(wait)
+        waiter = in_thread(self.runtime.wait, container_id)
         pending: set[asyncio.Future[Any]] = {sender, receiver, closed, owner, waiter}
         try:
             while waiter in pending:
@@ -413,7 +301,7 @@ class ExecService:
                 newline = b"\r\n" if tty else b"\n"
                 await ctx.stream.send_data(f"gpumesh: {state.error}".encode() + newline)
             if state.oom_killed:
-                logger.info("shell container %s ran out of memory", state.container_id[:12])
+                logger.info("shell container %s ran out of memory", container_id[:12])
             return state.exit_code if state.exit_code is not None else ExitCode.JOB_NOT_RUN
         finally:
             stopping.set()
@@ -422,11 +310,7 @@ class ExecService:
             abandon(waiter)  # the owner ended the session, or the consumer went away
 
     async def _receive_input(
-        self,
-        stream: Stream,
-        terminal: Terminal,
-        tty: bool,
-        resize: Callable[[int, int], Awaitable[None]],
+        self, stream: Stream, container_id: str, terminal: Terminal, tty: bool
     ) -> None:
         """Consumer -> container: DATA to stdin, ExecResize to the TTY."""
         input_open = True
@@ -445,7 +329,7 @@ class ExecService:
                 message = decode_message(frame.body)
                 if isinstance(message, ExecResize):
                     if tty:
-                        await resize(message.rows, message.cols)
+                        await self._resize(container_id, message.rows, message.cols)
                     continue
                 _unexpected(message)
             if input_open:

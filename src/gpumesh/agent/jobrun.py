@@ -26,15 +26,13 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict
-from pathlib import Path
 
 from gpumesh.agent.containers import Containers, JobUser
-from gpumesh.agent.deps import Provider, Sandboxes, Settings
+from gpumesh.agent.deps import Provider, Sandboxes
 from gpumesh.agent.gpus import GpuAllocator, Holder, HolderKind
 from gpumesh.agent.joblogs import JobLog
 from gpumesh.agent.joboutputs import OUTPUTS_ENV, JobOutputs
 from gpumesh.agent.jobstate import Decision, JobMachine
-from gpumesh.agent.leftovers import Leftovers
 from gpumesh.blocking import abandon, in_thread
 from gpumesh.errors import AgentError, ExitCode, GPUMeshError, RuntimeUnavailableError
 from gpumesh.protocol.states import FINAL_STATES, JobRole, JobState
@@ -128,9 +126,6 @@ class Run:
         """Why the job was stopped for what its peer stores (empty: it was not)."""
         self.outputs: asyncio.Task[None] | None = None
         """The watch of the attempt's outputs folder (``run --outputs``), if any."""
-        self.writable_root: bool | None = None
-        """Whether the attempt's root file system is writable (None: not known, a
-        container a restarted agent found)."""
 
 
 class JobRunner:
@@ -145,8 +140,6 @@ class JobRunner:
         gpus: GpuAllocator,
         sandboxes: Sandboxes,
         log: JobLog,
-        settings: Settings,
-        jobs_dir: Path,
     ) -> None:
         self.provider = provider
         self.store = store
@@ -168,8 +161,6 @@ class JobRunner:
         self.report: Callable[[str], None] = lambda line: None
         """Where the owner is told, a line each, how each job ended (and when Docker
         turned out unable to give GPUs to containers)."""
-        self.leftovers = Leftovers(settings, store, containers, self.outputs, jobs_dir)
-        """What ended jobs left, kept for ``gpumesh debug`` until ``debug_ttl``."""
 
     @property
     def runtime(self) -> JobRuntime:
@@ -214,10 +205,8 @@ class JobRunner:
             await in_thread(self.runtime.sweep_holders, self.provider.node_id)
         by_job = {c.labels.get(LABEL_JOB, ""): c for c in containers}
         known = {job.job_id for job in unfinished}
-        # A stopped container kept for `debug` goes at its debug_ttl, not now.
-        kept = {job.container_id for job in self.store.kept_hosted_jobs() if job.container_id}
         for orphan in containers:
-            if orphan.labels.get(LABEL_JOB, "") not in known and orphan.container_id not in kept:
+            if orphan.labels.get(LABEL_JOB, "") not in known:
                 logger.info("removing orphaned container %s", orphan.container_id[:12])
                 await in_thread(self.runtime.remove, orphan.container_id)
         for job in unfinished:
@@ -341,8 +330,6 @@ class JobRunner:
                 # recover).
                 if run.container_id and decision.state is not JobState.RETRYING:
                     try:
-                        if await self._keep_container(run):
-                            continue  # final: the loop ends; the sweep removes it later
                         await asyncio.sleep(_REMOVAL_DELAY)
                     except asyncio.CancelledError:
                         # The agent is stopping: removed all the same, in a thread.
@@ -411,8 +398,7 @@ class JobRunner:
         created (``run.container_id`` set at once, for a cancel and for removal
         should the start fail), started. Blocking."""
         who = self.containers.checked_job_user(job.image)
-        run.writable_root = who.writable_root
-        self.recheck_folders(job)
+        self._recheck_folder(job)
         spec = self.container_spec(job, attempt, who)
         run.container_id = self.runtime.create(spec)
         try:
@@ -435,7 +421,7 @@ class JobRunner:
             self.runtime.start(run.container_id)
         return spec
 
-    def recheck_folders(self, job: JobRecord) -> None:
+    def _recheck_folder(self, job: JobRecord) -> None:
         """Before each attempt: the job's sandbox folders (the one it runs in,
         those it mounts) are still folders there, with no link on the way, and
         its user owns what is in them (blocking)."""
@@ -559,9 +545,7 @@ class JobRunner:
             decision = Decision(
                 decision.state, decision.delay, decision.message + " (out of memory)"
             )
-        self.store.update_job(
-            JobRole.HOSTED, run.job_id, exit_code=exit_code, image_id=final.image_id
-        )
+        self.store.update_job(JobRole.HOSTED, run.job_id, exit_code=exit_code)
         return decision
 
     async def sample_gpu_memory(self, run: Run, container_id: str) -> None:
@@ -608,24 +592,6 @@ class JobRunner:
             logger.info("[job %s] %s", run.job_id, reason)
             await in_thread(self.runtime.stop, container_id, 5.0)
             return
-
-    async def _keep_container(self, run: Run) -> bool:
-        """Whether the ended job's stopped container stays for ``debug`` (its root
-        was writable: what the attempt changed there is in it); its id stays in the
-        store, and the sweep removes it at ``kept_until``."""
-        writable = run.writable_root
-        if writable is None:
-            try:
-                config = await in_thread(self.runtime.host_config, run.container_id)
-            except GPUMeshError:
-                return False
-            writable = not config.get("ReadonlyRootfs")
-        if not self.leftovers.keeps_container(writable):
-            return False
-        if self.record(run.job_id).kept_until <= 0:
-            return False  # ended without a finish that kept it: nothing to debug
-        logger.info("[job %s] its stopped container is kept for debug", run.job_id)
-        return True
 
     async def _remove_container(self, run: Run) -> None:
         """Remove the attempt's container."""
@@ -675,17 +641,14 @@ class JobRunner:
             return
         if job.outputs:  # the last scan, before the job is final: then outputs are too
             await self.outputs.scan(job)
-        ended = time.time()
         self.store.update_job(
             JobRole.HOSTED,
             run.job_id,
             state=decision.state,
             exit_code=exit_code,
             message=decision.message,
-            finished_at=ended,
-            kept_until=self.leftovers.kept_until(ended),
+            finished_at=time.time(),
         )
-        self.leftovers.poke()
         self.outputs.tell(run.job_id)
         await self.log.state(
             run.job_id,

@@ -123,14 +123,7 @@ class JobService:
         self.log = JobLog(settings, store)
         """The jobs' event logs: output and states stored, followers woken, consumers fed."""
         self.runner = JobRunner(
-            provider,
-            store,
-            containers=containers,
-            gpus=gpus,
-            sandboxes=files,
-            log=self.log,
-            settings=settings,
-            jobs_dir=jobs_dir,
+            provider, store, containers=containers, gpus=gpus, sandboxes=files, log=self.log
         )
         """The jobs' supervision, from an accepted job's first attempt to its end."""
         self.admission = Admission(

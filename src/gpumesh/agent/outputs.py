@@ -21,7 +21,6 @@ import time
 
 from gpumesh.agent.deps import Handlers, OwnedJobs, Provider, RequestContext
 from gpumesh.agent.joboutputs import JobOutputs, outputs_remote
-from gpumesh.agent.leftovers import Leftovers
 from gpumesh.blocking import in_thread
 from gpumesh.errors import ConfigError, NotFoundError
 from gpumesh.protocol.messages import (
@@ -46,19 +45,12 @@ class OutputsService:
     """Answers the submitters of jobs with ``--outputs``."""
 
     def __init__(
-        self,
-        provider: Provider,
-        store: Store,
-        jobs: OwnedJobs,
-        outputs: JobOutputs,
-        leftovers: Leftovers | None = None,
+        self, provider: Provider, store: Store, jobs: OwnedJobs, outputs: JobOutputs
     ) -> None:
         self.provider = provider
         self.store = store
         self.jobs = jobs
         self.outputs = outputs
-        self.leftovers = leftovers
-        """Where an ended job's outputs wait for ``debug`` after their release."""
 
     def register(self, handlers: Handlers) -> None:
         handlers.add(OutputsQuery, self.handle_query)
@@ -74,8 +66,7 @@ class OutputsService:
                     f"job {job.job_id} on {self.provider.name} still runs: its outputs "
                     "are released once it ended"
                 )
-            if self.leftovers is None or self.leftovers.released(job):
-                await in_thread(self.outputs.remove, ctx.peer, job.job_id)
+            await in_thread(self.outputs.remove, ctx.peer, job.job_id)
             released = OutputsReady(files=[], final=True, folder=folder, epoch=job.epoch)
             ctx.stream.send_message(released, end=True)
             return

@@ -30,7 +30,6 @@ from gpumesh.agent.exec import ExecService
 from gpumesh.agent.files import FileService
 from gpumesh.agent.gpus import GpuAllocator
 from gpumesh.agent.jobs import JobService, uploaded_workdirs
-from gpumesh.agent.jobshell import JobShells
 from gpumesh.agent.limits import return_free_memory
 from gpumesh.agent.outputs import OutputsService
 from gpumesh.agent.peerrelay import FriendRegistrations, PeerRelay, peer_rules
@@ -178,17 +177,8 @@ class Agent:
             jobs_dir=jobs_dir,
         )
         self.apps = AppService(provider, self.files, self.jobs, index_root=home.apps_dir)
-        runner = self.jobs.runner
-        self.outputs = OutputsService(
-            provider, self.store, self.jobs, runner.outputs, runner.leftovers
-        )
-        self.shells = ExecService(
-            provider,
-            self.containers,
-            self.jobs.admission,
-            self.gpus,
-            JobShells(provider, self.jobs, self.jobs.runner, self.containers),
-        )
+        self.outputs = OutputsService(provider, self.store, self.jobs, self.jobs.runner.outputs)
+        self.shells = ExecService(provider, self.containers, self.jobs.admission, self.gpus)
         self.cuda = CudaService(
             provider,
             self.store,
@@ -283,7 +273,6 @@ class Agent:
         self._spawn(self._watch_changes())
         self._spawn(self._summarize_refusals())
         self._spawn(self.jobs.runner.recover())
-        self._spawn(self.jobs.runner.leftovers.sweep())
         self._spawn(self._keep_paused())
         if await in_thread(lambda: bool(self.gpus.inventory.gpus())):
             self._spawn(self.reclaimer.run())

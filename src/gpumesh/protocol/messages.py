@@ -749,30 +749,12 @@ class ExecStart(_Msg, tag="exec_start", frozen=True):
     """GPU memory the shell needs, in bytes, held for it while it is open; 0: no GPU.
     A provider from before this field opens the shell without one: the consumer
     finds that out from ``ExecStarted.gpus``."""
-    job: Annotated[str, msgspec.Meta(max_length=64)] = ""
-    """A job the consumer submitted to this provider (empty: a fresh container of
-    ``image``): with ``twin``, the shell runs in a twin of its last attempt
-    (``gpumesh debug``: ``image`` is ignored); without, ``command`` runs in the
-    job's own running container (``gpumesh exec --job``). A provider from before
-    this field opens a plain shell: the consumer finds that out from
-    ``ExecStarted.job``."""
-    twin: bool = False
 
 
 class ExecStarted(_Msg, tag="exec_started", frozen=True):
     provider: Name
     gpus: Annotated[list[Name], msgspec.Meta(max_length=64)] = []
     """GPUs given to the shell (indexes); empty: none."""
-    job: Annotated[str, msgspec.Meta(max_length=64)] = ""
-    """``ExecStart.job``, as the provider understood it."""
-    attempt: Count = 0
-    """A twin: the job's attempt it copies."""
-    exit_code: int | None = None
-    """A twin: how that attempt exited (None: it never ran to an exit)."""
-    ended_at: float = 0.0
-    """A twin: when the job ended (wall clock, the provider's)."""
-    kept_until: float = 0.0
-    """A twin: until when the provider keeps what the attempt left."""
 
 
 class ExecResize(_Msg, tag="exec_resize", frozen=True):

@@ -24,7 +24,6 @@ __all__ = [
     "ContainerSpec",
     "ContainerState",
     "EngineIsolation",
-    "Exec",
     "JobRuntime",
     "LogCursor",
     "LogLine",
@@ -209,16 +208,6 @@ class ContainerState:
     """Docker's State.Error (e.g. why start failed)."""
     image: str = ""
     """The image as the container was created from it (``busybox:1``)."""
-    image_id: str = ""
-    """The image it was created from, by id (``sha256:...``)."""
-
-
-@dataclass(frozen=True)
-class Exec:
-    """A program started in a running container (``docker exec``)."""
-
-    exec_id: str
-    terminal: Terminal
 
 
 @dataclass(frozen=True)
@@ -365,28 +354,10 @@ class JobRuntime(Protocol):
 
     # --- interactive containers (``gpumesh exec``) ----------------------------------------
 
-    def create_interactive(self, spec: ContainerSpec, tty: bool, *, folders: bool = False) -> str:
+    def create_interactive(self, spec: ContainerSpec, tty: bool) -> str:
         """Create (not start) a container whose stdin stays open, with a TTY when
         ``tty``; same lockdown as a job's. ``spec.labels`` must include
-        LABEL_PEER, LABEL_NODE and LABEL_KIND; it may not have a workdir or
-        mounts unless ``folders`` (a twin of a job, given the job's folders)."""
-
-    def commit(self, container_id: str) -> str:
-        """An image of a stopped container's file system as it left it, untagged (its
-        id): what a twin of a job with a writable root starts from."""
-
-    def exec_in(self, container_id: str, command: list[str], user: str, tty: bool) -> Exec:
-        """Start ``command`` as ``user`` in a running container (``docker exec``),
-        attached: its id and terminal."""
-
-    def exec_resize(self, exec_id: str, rows: int, cols: int) -> None:
-        """Set the TTY size of a program started with :meth:`exec_in`."""
-
-    def exec_wait(self, exec_id: str) -> int | None:
-        """Wait for a program started with :meth:`exec_in` to exit; its exit code."""
-
-    def exec_kill(self, container_id: str, exec_id: str) -> None:
-        """End a program started with :meth:`exec_in` that still runs (best effort)."""
+        LABEL_PEER, LABEL_NODE and LABEL_KIND; it may not have a workdir."""
 
     def attach(self, container_id: str, tty: bool) -> Terminal:
         """Attach to a created container's stdin and output; attach before

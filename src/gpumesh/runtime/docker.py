@@ -40,7 +40,6 @@ import os
 import re
 import secrets
 import shutil
-import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -68,7 +67,6 @@ from gpumesh.runtime.base import (
     ContainerSpec,
     ContainerState,
     EngineIsolation,
-    Exec,
     LogCursor,
     LogLine,
     Stream,
@@ -105,8 +103,6 @@ _INSPECTION_REUSE = 2.0
 _NVIDIA_HOOK = "nvidia-container-runtime-hook"
 """NVIDIA's OCI hook, which Docker runs for a container given GPUs."""
 _PROBE_SIZE = "1G"
-_EXEC_POLL = 0.05
-"""Seconds between looks at whether a program started in a container still runs."""
 _IPV6_SYSCTLS = "/proc/sys/net/ipv6"
 """Missing where the kernel has no IPv6 (then there is none to switch off)."""
 # Under userns-remap Docker keeps its data in <data root>/<uid>.<gid>.
@@ -548,65 +544,9 @@ class DockerRuntime:
 
     # --- interactive containers ---------------------------------------------------------
 
-    def create_interactive(self, spec: ContainerSpec, tty: bool, *, folders: bool = False) -> str:
-        check_spec(spec, interactive=True, folders=folders)
+    def create_interactive(self, spec: ContainerSpec, tty: bool) -> str:
+        check_spec(spec, interactive=True)
         return self._create(spec, interactive=True, tty=tty)
-
-    def commit(self, container_id: str) -> str:
-        with self._engine("save the container's files as an image", container_id) as api:
-            # Untagged: nothing else can name it, and removing it by id leaves no tag.
-            made = api.commit(container_id, pause=False)
-        return str(made["Id"])
-
-    def exec_in(self, container_id: str, command: list[str], user: str, tty: bool) -> Exec:
-        with self._engine("start a program in container", container_id) as api:
-            try:
-                made = api.exec_create(
-                    container_id,
-                    command,
-                    stdout=True,
-                    stderr=True,
-                    stdin=True,
-                    tty=tty,
-                    user=user,
-                    privileged=False,
-                )
-            except docker.errors.APIError as exc:
-                if exc.status_code == 409:  # not running (any more)
-                    raise NotFoundError(f"container {container_id[:12]} is not running") from exc
-                raise
-            exec_id = str(made["Id"])
-            sock = api.exec_start(exec_id, detach=False, tty=tty, socket=True)
-        return Exec(exec_id, AttachedTerminal(sock, tty))
-
-    def exec_resize(self, exec_id: str, rows: int, cols: int) -> None:
-        with self._engine("resize the terminal of a program") as api:
-            api.exec_resize(exec_id, height=rows, width=cols)
-
-    def exec_wait(self, exec_id: str) -> int | None:
-        # The engine has no wait for an exec: its inspection says when it ended.
-        while True:
-            with self._engine("follow a program") as api:
-                info = api.exec_inspect(exec_id)
-            if not info.get("Running"):
-                code = info.get("ExitCode")
-                return int(code) if code is not None else None
-            time.sleep(_EXEC_POLL)
-
-    def exec_kill(self, container_id: str, exec_id: str) -> None:
-        info: dict[str, Any] = {}
-        with contextlib.suppress(GPUMeshError), self._engine("follow a program") as api:
-            info = api.exec_inspect(exec_id)
-        pid = int(info.get("Pid") or 0) if info.get("Running") else 0
-        if pid <= 1:
-            return
-        # The engine cannot end an exec; its process, seen from here, can be, once
-        # the kernel says it is in that container's cgroup (never another's).
-        with contextlib.suppress(OSError):
-            with open(f"/proc/{pid}/cgroup", encoding="utf-8") as groups:
-                if container_id not in groups.read():
-                    return
-            os.kill(pid, signal.SIGKILL)
 
     def attach(self, container_id: str, tty: bool) -> AttachedTerminal:
         params = {"stdin": 1, "stdout": 1, "stderr": 1, "stream": 1}

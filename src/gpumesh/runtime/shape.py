@@ -54,10 +54,9 @@ _DRIVER_CAPABILITIES = "compute,utility"
 _USER_IDS = re.compile(r"(\d+):(\d+)")
 
 
-def check_spec(spec: ContainerSpec, *, interactive: bool, folders: bool = False) -> None:
+def check_spec(spec: ContainerSpec, *, interactive: bool) -> None:
     """Refuse ``spec`` (ConfigError, saying what is wrong) unless it fits the
-    lockdown; ``interactive``: a shell's container, which gets no host folder
-    unless ``folders`` (a twin of a job gets the job's)."""
+    lockdown; ``interactive``: a shell's container, which gets no host folder."""
     if spec.network not in ("bridge", "none") and not is_job_network(spec.network):
         raise ConfigError(
             f"network {spec.network!r} is not allowed: use bridge, none or a job network"
@@ -97,7 +96,7 @@ def check_spec(spec: ContainerSpec, *, interactive: bool, folders: bool = False)
     for key in spec.env:
         if not key or "=" in key or "\0" in key:
             raise ConfigError(f"environment variable name {key!r} is not valid")
-    if interactive and not folders and (spec.workdir is not None or spec.mounts):
+    if interactive and (spec.workdir is not None or spec.mounts):
         raise ConfigError("an interactive container gets no host folder")
     if spec.workdir is not None:
         workdir = spec.workdir
@@ -108,7 +107,7 @@ def check_spec(spec: ContainerSpec, *, interactive: bool, folders: bool = False)
         if ":" in workdir or "," in workdir:
             # Docker's bind syntax splits on these.
             raise ConfigError(f"job workdir {workdir!r} must not contain ':' or ','")
-    if interactive and not folders and spec.mounts:
+    if interactive and spec.mounts:
         raise ConfigError("an interactive container gets no host folder")
     if len(spec.mounts) > MAX_MOUNTS:
         raise ConfigError(f"a job may mount at most {MAX_MOUNTS} folders")

@@ -64,7 +64,6 @@ def container_state(attrs: dict[str, Any]) -> ContainerState:
         error=error,
         # The name the job gave (the engine only knows the id it was created from).
         image=str(labels.get(LABEL_IMAGE) or config.get("Image") or ""),
-        image_id=str(attrs.get("Image") or ""),
     )
 
 

@@ -608,13 +608,6 @@ KEYS: dict[str, ConfigKey] = {
             "placed again on another member",
         ),
         ConfigKey(
-            "debug_ttl",
-            _duration("debug_ttl", zero="keep nothing"),
-            "30m",
-            "how long after a job ends its workdir, outputs and (job_root on) stopped "
-            "container stay here for its submitter's `gpumesh debug`",
-        ),
-        ConfigKey(
             "reclaim_ignore",
             _process_names,
             RECLAIM_IGNORE,

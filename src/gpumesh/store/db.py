@@ -240,14 +240,6 @@ MIGRATIONS: list[str] = [
     """
     ALTER TABLE peers ADD COLUMN relays INTEGER NOT NULL DEFAULT 0;
     """,
-    # 17 -> 18: what a hosted job's last attempt left, kept for `gpumesh debug`: the
-    # image it ran (by id), until when its workdir, outputs and stopped container are
-    # kept (0: nothing kept), and whether its submitter released the outputs meanwhile
-    """
-    ALTER TABLE jobs ADD COLUMN image_id TEXT NOT NULL DEFAULT '';
-    ALTER TABLE jobs ADD COLUMN kept_until REAL NOT NULL DEFAULT 0;
-    ALTER TABLE jobs ADD COLUMN outputs_released INTEGER NOT NULL DEFAULT 0;
-    """,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 

@@ -63,9 +63,6 @@ _JOB_COLUMNS = [
     "epoch",
     "attempts_before",
     "hops",
-    "image_id",
-    "kept_until",
-    "outputs_released",
 ]
 _JSON_COLUMNS = {"command", "env", "gpus", "log_cursor", "mounts", "hops"}
 
@@ -162,15 +159,6 @@ class JobRecord:
     """Submitted: each hop the job left, oldest first: ``{"peer", "peer_id", "epoch",
     "attempt", "ended", "reason", "stopped"}`` (``attempt``: the job's starts until
     then; ``stopped``: its provider heard that the job moved)."""
-    image_id: str = ""
-    """Hosted: the image the last attempt ran, by id (``sha256:...``), for its twin."""
-    kept_until: float = 0.0
-    """Hosted: until when (wall clock) what the ended job's last attempt left (its
-    workdir, outputs and, with a writable root, its stopped container) is kept for
-    ``gpumesh debug``; 0: nothing is kept (gone, or the job has not ended)."""
-    outputs_released: bool = False
-    """Hosted: its submitter has all its outputs; the folder goes with the rest of
-    what is kept, at ``kept_until``."""
 
     @classmethod
     def from_row(cls, row: sqlite3.Row) -> JobRecord:
@@ -179,7 +167,6 @@ class JobRecord:
             values[name] = json.loads(values[name])
         values["cancel_requested"] = bool(values["cancel_requested"])
         values["provider_forgot"] = bool(values["provider_forgot"])
-        values["outputs_released"] = bool(values["outputs_released"])
         values["role"] = JobRole(values["role"])
         values["state"] = JobState(values["state"])
         return cls(**values)
@@ -411,15 +398,6 @@ class JobTables(Tables):
     def unfinished_hosted_jobs(self) -> list[JobRecord]:
         rows = self._query(
             f"SELECT * FROM jobs WHERE role = ? AND state NOT IN {_FINAL} ORDER BY created_at",
-            (JobRole.HOSTED,),
-        )
-        return [JobRecord.from_row(r) for r in rows]
-
-    def kept_hosted_jobs(self) -> list[JobRecord]:
-        """Ended hosted jobs whose last attempt's leftovers are kept for ``debug``,
-        the soonest to go first."""
-        rows = self._query(
-            "SELECT * FROM jobs WHERE role = ? AND kept_until > 0 ORDER BY kept_until",
             (JobRole.HOSTED,),
         )
         return [JobRecord.from_row(r) for r in rows]
