@@ -494,18 +494,15 @@ class Node:
         configured one (``relay_for_peers`` on their side), the
         :data:`PEER_RELAYS_RACED` seen most recently."""
         relaying = [
-            other
+            (other.last_seen or 0.0, addresses[0], other.name)
             for other in self.home.store.peers()
             if other.relays
             and other.allowed
             and other.node_id != peer.node_id
-            and other.dial_addresses()
+            and (addresses := other.dial_addresses())
         ]
-        relaying.sort(key=lambda other: other.last_seen or 0.0, reverse=True)
-        return [
-            RelayHint(other.dial_addresses()[0], peer=other.name)
-            for other in relaying[:PEER_RELAYS_RACED]
-        ]
+        relaying.sort(key=lambda found: found[0], reverse=True)
+        return [RelayHint(address, peer=name) for _, address, name in relaying[:PEER_RELAYS_RACED]]
 
     async def _look_up_moved(self, peer: Peer) -> list[Address] | None:
         """New addresses of ``peer`` from the registry (signed by its pinned key), stored;
